@@ -1,0 +1,77 @@
+"""kvplug: keep the attention KV cache an LLM engine computed, and load it back.
+
+The public API. Importing ``kvplug`` does not import torch; the torch-facing names
+(``CacheEngine``, ``KVLayout``, ``Serializer``, ``KVConnector``) load on first use.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+from kvplug.core.components import ComponentConfig, EmptyConfig, EngineAdapter
+from kvplug.core.events import KVEvent
+from kvplug.core.keys import ChunkKey, ExtraKey, Fingerprint, KeyBuilder
+from kvplug.core.tier import StorageTier, TierConfig, TierContext, TierStats
+from kvplug.hookspecs import hookimpl
+
+try:
+    __version__ = version("kvplug")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+_LAZY = {
+    "CacheEngine": "kvplug.core.engine",
+    "RequestInfo": "kvplug.core.engine",
+    "KVLayout": "kvplug.core.layouts",
+    "slots_from_block_ids": "kvplug.core.layouts",
+    "Serializer": "kvplug.core.serializer",
+    "KVConnector": "kvplug.core.connector",
+    "KVPlugConfig": "kvplug.core.config",
+    "load_config": "kvplug.core.config_loader",
+    "get_registry": "kvplug.core.plugins",
+}
+
+if TYPE_CHECKING:
+    from kvplug.core.config import KVPlugConfig
+    from kvplug.core.config_loader import load_config
+    from kvplug.core.connector import KVConnector
+    from kvplug.core.engine import CacheEngine, RequestInfo
+    from kvplug.core.layouts import KVLayout, slots_from_block_ids
+    from kvplug.core.plugins import get_registry
+    from kvplug.core.serializer import Serializer
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvplug' has no attribute {name!r}")
+    return getattr(import_module(module), name)
+
+
+__all__ = [
+    "CacheEngine",
+    "ChunkKey",
+    "ComponentConfig",
+    "EmptyConfig",
+    "EngineAdapter",
+    "ExtraKey",
+    "Fingerprint",
+    "KVConnector",
+    "KVEvent",
+    "KVLayout",
+    "KVPlugConfig",
+    "KeyBuilder",
+    "RequestInfo",
+    "Serializer",
+    "StorageTier",
+    "TierConfig",
+    "TierContext",
+    "TierStats",
+    "__version__",
+    "get_registry",
+    "hookimpl",
+    "load_config",
+    "slots_from_block_ids",
+]

@@ -1,0 +1,66 @@
+"""Serializer ``raw``: the tensor's bytes behind a checksummed ``KVPL`` header."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from kvplug.core import chunk_format
+from kvplug.core.serializer import Serializer, dtype_name
+from kvplug.core.tier import Buffer
+from kvplug.errors import IncompatibleChunkError
+from kvplug.hookspecs import hookimpl
+
+
+class RawSerializer(Serializer):
+    """Zero-copy on both sides: the connector gathers into the frame, and
+    ``loads`` returns a tensor over the stored bytes after checking them."""
+
+    name = "raw"
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytearray, torch.Tensor]:
+        header = chunk_format.pack_header(dtype_name(dtype), shape)
+        length = chunk_format.payload_length(dtype_name(dtype), shape)
+        frame = bytearray(chunk_format.HEADER_SIZE + length)
+        frame[: chunk_format.HEADER_SIZE] = header
+        return frame, _tensor_over(frame, dtype, shape, length)
+
+    def seal(self, frame: bytearray) -> Buffer:
+        chunk_format.seal_frame(frame)
+        return memoryview(frame).toreadonly()
+
+    def loads(
+        self,
+        data: Buffer,
+        *,
+        expected_shape: tuple[int, ...] | None = None,
+        expected_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        header = chunk_format.verify_frame(data)
+        if expected_dtype is not None and header.dtype != dtype_name(expected_dtype):
+            raise IncompatibleChunkError(
+                f"chunk dtype {header.dtype}, expected {dtype_name(expected_dtype)}"
+            )
+        if expected_shape is not None and header.shape != tuple(expected_shape):
+            raise IncompatibleChunkError(
+                f"chunk shape {header.shape}, expected {tuple(expected_shape)}"
+            )
+        return _tensor_over(data, getattr(torch, header.dtype), header.shape, header.payload_length)
+
+
+def _tensor_over(buffer: Buffer, dtype: torch.dtype, shape: tuple[int, ...], length: int) -> torch.Tensor:
+    if length == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        # frombuffer warns on read-only buffers; readers never write through it.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(
+            buffer, dtype=torch.uint8, count=length, offset=chunk_format.HEADER_SIZE
+        )
+    return flat.view(dtype).view(shape)
+
+
+@hookimpl
+def kvplug_serializers() -> list[type]:
+    return [RawSerializer]

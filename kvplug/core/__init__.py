@@ -1,0 +1,1 @@
+"""Core machinery: config, plugin manager, keys, cache engine, tier chain."""

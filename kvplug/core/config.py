@@ -1,0 +1,179 @@
+"""``KVPlugConfig``: the one validated config that assembles a cache engine.
+
+Validation has two steps. ``KVPlugConfig.model_validate`` checks the structure;
+:meth:`KVPlugConfig.resolve` then validates each ``{type: name, ...}`` entry with the
+``Config`` model of the component that provides ``name``. :func:`kvplug.load_config`
+does both, after merging the layers (see :mod:`kvplug.core.config_loader`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, PrivateAttr, ValidationError
+
+from kvplug.core.plugins import KNOWN_COMPONENTS, PluginRegistry, get_registry
+from kvplug.errors import ConfigError, ConfigProblem
+
+#: concern of each component field, for messages and lookups.
+_FIELD_CONCERNS = {"serializer": "serializer", "connector": "kv_connector", "tiers": "storage_tier"}
+_CONCERN_WORDS = {"serializer": "serializer", "kv_connector": "connector", "storage_tier": "tier"}
+
+
+class ComponentSpec(BaseModel):
+    """``{type: <name>, ...options}``; options are checked by that component's Config."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: str = Field(min_length=1)
+    _options: BaseModel | None = PrivateAttr(default=None)
+
+    @property
+    def raw_options(self) -> dict[str, Any]:
+        return dict(self.__pydantic_extra__ or {})
+
+    @property
+    def options(self) -> BaseModel:
+        """The validated options; only after :meth:`KVPlugConfig.resolve`."""
+        if self._options is None:
+            raise RuntimeError(f"component {self.type!r} is not resolved; call KVPlugConfig.resolve()")
+        return self._options
+
+
+class StoreSettings(BaseModel):
+    """How ``CacheEngine.store`` hands chunks to the tiers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["async", "sync"] = Field(
+        default="async", description="async: a worker thread writes; sync: the caller does."
+    )
+    queue_max_batches: PositiveInt = Field(default=64, description="Bound of the store queue.")
+    on_full: Literal["block", "drop"] = Field(
+        default="block", description="When the queue is full: wait (up to block_timeout_s) or drop."
+    )
+    block_timeout_s: PositiveFloat = Field(
+        default=30.0, description="A blocked store waits at most this long, then is dropped."
+    )
+
+
+class KVPlugConfig(BaseModel):
+    """The whole kvplug config. Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    chunk_size: PositiveInt = Field(default=256, description="Tokens per chunk.")
+    hash: Literal["sha256", "xxh3_128", "blake3"] = Field(
+        default="sha256", description="Hash of the chunk key chain."
+    )
+    save_unfull_chunk: bool = Field(
+        default=False,
+        description="Also store the last, partial chunk of a prompt.",
+        json_schema_extra={"per_request": True},
+    )
+    skip_save: bool = Field(
+        default=False, description="Store nothing (lookups still hit).", json_schema_extra={"per_request": True}
+    )
+    serializer: ComponentSpec = Field(default_factory=lambda: ComponentSpec(type="raw"))
+    connector: ComponentSpec = Field(
+        default_factory=lambda: ComponentSpec(type="auto"),
+        description="KV connector; 'auto' picks the fastest available one.",
+    )
+    tiers: list[ComponentSpec] = Field(
+        default_factory=lambda: [ComponentSpec(type="cpu")],
+        min_length=1,
+        description="Storage tiers, fastest first.",
+    )
+    store: StoreSettings = Field(default_factory=StoreSettings)
+
+    _resolved: bool = PrivateAttr(default=False)
+
+    @classmethod
+    def per_request_fields(cls) -> set[str]:
+        return {
+            name
+            for name, info in cls.model_fields.items()
+            if isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get("per_request")
+        }
+
+    def resolve(self, registry: PluginRegistry | None = None) -> KVPlugConfig:
+        """Validate every component entry with its component's Config (in place)."""
+        if self._resolved:
+            return self
+        registry = registry or get_registry()
+        problems: list[ConfigProblem] = []
+        entries: list[tuple[str, str, ComponentSpec]] = [
+            ("serializer", "serializer", self.serializer),
+            ("connector", "kv_connector", self.connector),
+        ]
+        entries += [(f"tiers[{i}]", "storage_tier", spec) for i, spec in enumerate(self.tiers)]
+        for path, concern, spec in entries:
+            if concern == "kv_connector" and spec.type == "auto":
+                spec._options = _validate_options(spec, _AutoConnectorOptions, path, problems)
+                continue
+            available = registry.components(concern)
+            component = available.get(spec.type)
+            if component is None:
+                problems.append(ConfigProblem(f"{path}.type", spec.type, _unknown_type_message(concern, spec.type, available, registry)))
+                continue
+            spec._options = _validate_options(spec, component.Config, path, problems)
+        if problems:
+            raise ConfigError(problems)
+        self._resolved = True
+        return self
+
+    def with_overrides(self, overrides: Mapping[str, Any], *, source: str = "request") -> KVPlugConfig:
+        """A copy with per-request settings changed; other keys are errors."""
+        allowed = self.per_request_fields()
+        problems = [
+            ConfigProblem(key, value, f"cannot be set per request; per-request settings: {', '.join(sorted(allowed))}")
+            for key, value in overrides.items()
+            if key not in allowed
+        ]
+        if problems:
+            raise ConfigError(problems, source)
+        if not overrides:
+            return self
+        data = self.model_dump(mode="python", round_trip=True)
+        data.update(overrides)
+        try:
+            updated = type(self).model_validate(data)
+        except ValidationError as exc:
+            from kvplug.core.config_loader import problems_from_validation_error
+
+            raise ConfigError(problems_from_validation_error(exc, data), source) from None
+        for mine, theirs in zip([self.serializer, self.connector, *self.tiers], [updated.serializer, updated.connector, *updated.tiers]):
+            theirs._options = mine._options
+        updated._resolved = self._resolved
+        return updated
+
+
+class _AutoConnectorOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _validate_options(spec: ComponentSpec, model: type[BaseModel], path: str, problems: list[ConfigProblem]) -> BaseModel | None:
+    from kvplug.core.config_loader import problems_from_validation_error
+
+    options = spec.raw_options
+    try:
+        return model.model_validate(options)
+    except ValidationError as exc:
+        problems.extend(problems_from_validation_error(exc, options, prefix=path, model=model))
+        return None
+
+
+def _unknown_type_message(concern: str, name: str, available: Mapping[str, type], registry: PluginRegistry) -> str:
+    word = _CONCERN_WORDS[concern]
+    package = KNOWN_COMPONENTS.get((concern, name))
+    if package:
+        message = f"{word} type {name!r} needs the {package} package: pip install {package}"
+    else:
+        installed = ", ".join(sorted(available)) or "none"
+        message = f"unknown {word} type {name!r}; installed: {installed}"
+        if concern == "kv_connector":
+            message += ", auto"
+    if registry.load_errors:
+        message += "; plugins that failed to load: " + ", ".join(e.plugin for e in registry.load_errors)
+    return message

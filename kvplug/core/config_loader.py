@@ -1,0 +1,211 @@
+"""Assembling ``KVPlugConfig`` from its layers, remembering where each value came from.
+
+Later layers win: defaults < YAML file (``KVPLUG_CONFIG`` or ``config_file=``) <
+``KVPLUG_*`` environment < the engine's extra config (``kvplug.``-prefixed keys or
+a nested ``kvplug`` mapping) < per-request overrides.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+from pydantic_settings import EnvSettingsSource
+
+from kvplug.core.config import KVPlugConfig
+from kvplug.core.plugins import PluginRegistry
+from kvplug.errors import ConfigError, ConfigProblem
+
+ENV_PREFIX = "KVPLUG_"
+#: ``KVPLUG_*`` variables that are not config fields.
+RESERVED_ENV = {"KVPLUG_CONFIG", "KVPLUG_PLUGINS", "KVPLUG_TRACE_PLUGINS", "KVPLUG_LOG_LEVEL"}
+RESERVED_ENV_PREFIXES = ("KVPLUG_TEST_", "KVPLUG_BENCH_")
+ENGINE_KEY_PREFIX = "kvplug."
+
+
+@dataclass
+class LoadedConfig:
+    """A resolved config and, per top-level key, the layer that set it."""
+
+    config: KVPlugConfig
+    sources: dict[str, str] = field(default_factory=dict)
+    layers: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+
+def load_config(
+    *,
+    config_file: str | os.PathLike[str] | None = None,
+    engine_extra: Mapping[str, Any] | None = None,
+    request: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    registry: PluginRegistry | None = None,
+) -> LoadedConfig:
+    """Merge the layers, validate, and resolve every component entry."""
+    env = os.environ if env is None else env
+    engine_layer, engine_file = engine_config_layer(engine_extra or {})
+    layers: list[tuple[str, dict[str, Any]]] = []
+    path = engine_file or config_file or env.get("KVPLUG_CONFIG")
+    if path:
+        layers.append((f"file {path}", read_yaml_layer(path)))
+    layers.append(("env", env_layer(env)))
+    layers.append(("engine", engine_layer))
+    data: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, layer in layers:
+        _merge(data, layer, sources, name)
+    try:
+        config = KVPlugConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(problems_from_validation_error(exc, data, model=KVPlugConfig)) from None
+    config.resolve(registry)
+    if request:
+        config = config.with_overrides(request)
+        for key in request:
+            sources[key] = "request"
+        layers.append(("request", dict(request)))
+    return LoadedConfig(config, sources, layers)
+
+
+def read_yaml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError([ConfigProblem("", source, f"cannot read config file: {exc.strerror}")], source) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([ConfigProblem("", source, f"not valid YAML: {exc}")], source) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([ConfigProblem("", data, "the top level must be a mapping")], source)
+    return data
+
+
+def env_layer(env: Mapping[str, str]) -> dict[str, Any]:
+    """``KVPLUG_CHUNK_SIZE=128``, ``KVPLUG_STORE__MODE=sync``, ``KVPLUG_TIERS='[...]'``."""
+    fields = {name.upper() for name in KVPlugConfig.model_fields}
+    unknown = [
+        name
+        for name in env
+        if name.upper().startswith(ENV_PREFIX)
+        and name.upper() not in RESERVED_ENV
+        and not name.upper().startswith(RESERVED_ENV_PREFIXES)
+        and name.upper()[len(ENV_PREFIX) :].split("__")[0] not in fields
+    ]
+    if unknown:
+        allowed = ", ".join(sorted(ENV_PREFIX + f for f in fields))
+        raise ConfigError(
+            [ConfigProblem(f"env {name}", env[name], f"unknown setting; allowed: {allowed}") for name in unknown],
+            "environment",
+        )
+    source = EnvSettingsSource(
+        KVPlugConfig,  # type: ignore[arg-type]  # plain models work as a field list
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        case_sensitive=False,
+    )
+    source.env_vars = {k.lower(): v for k, v in env.items()}
+    try:
+        return dict(source())
+    except Exception as exc:  # pydantic-settings raises SettingsError on bad JSON
+        raise ConfigError([ConfigProblem("env", "", str(exc))], "environment") from None
+
+
+def engine_config_layer(extra: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """kvplug's part of an engine's extra config, and the config file it names.
+
+    Accepts ``{"kvplug": {...}}`` and ``{"kvplug.chunk_size": 128,
+    "kvplug.store.mode": "sync", "kvplug.config": "kvplug.yaml"}``; other keys
+    belong to other connectors and are ignored.
+    """
+    layer: dict[str, Any] = {}
+    nested = extra.get("kvplug")
+    if nested is not None:
+        if not isinstance(nested, Mapping):
+            raise ConfigError([ConfigProblem("kvplug", nested, "must be a mapping")], "engine extra config")
+        layer = _deep_copy(nested)
+    for key, value in extra.items():
+        if key.startswith(ENGINE_KEY_PREFIX):
+            target = layer
+            *parents, leaf = key[len(ENGINE_KEY_PREFIX) :].split(".")
+            for part in parents:
+                target = target.setdefault(part, {})
+            target[leaf] = value
+    config_file = layer.pop("config", None)
+    return layer, config_file
+
+
+def _merge(into: dict[str, Any], layer: Mapping[str, Any], sources: dict[str, str], name: str, prefix: str = "") -> None:
+    for key, value in layer.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict) and key != "serializer" and key != "connector":
+            _merge(into[key], value, sources, name, path + ".")
+        else:
+            into[key] = _deep_copy(value)
+            sources[path] = name
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+# --- error messages --------------------------------------------------------------------
+
+
+def problems_from_validation_error(
+    exc: ValidationError,
+    data: Any,
+    *,
+    prefix: str = "",
+    model: type[BaseModel] | None = None,
+) -> list[ConfigProblem]:
+    """One :class:`ConfigProblem` per pydantic error, with a ``tiers[0].max_bytes`` path."""
+    problems = []
+    for error in exc.errors(include_url=False):
+        loc = tuple(part for part in error["loc"] if not (isinstance(part, str) and part.startswith("function-")))
+        path = _format_path(prefix, loc)
+        message = error["msg"]
+        if error["type"] == "extra_forbidden" and model is not None:
+            allowed = _allowed_keys(model, loc[:-1])
+            if allowed:
+                message = f"unknown key; allowed: {', '.join(allowed)}"
+        problems.append(ConfigProblem(path, error.get("input"), message))
+    return problems
+
+
+def _format_path(prefix: str, loc: tuple[Any, ...]) -> str:
+    path = prefix
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field_info = getattr(current, "model_fields", {}).get(part)
+        if field_info is None:
+            return []
+        annotation = field_info.annotation
+        args = getattr(annotation, "__args__", ())
+        candidates = [annotation, *args]
+        current = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if current is None:
+            return []
+    return sorted(getattr(current, "model_fields", {}))

@@ -1,0 +1,57 @@
+"""The KV connector contract: paged engine cache <-> contiguous chunk tensors."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel
+
+from kvplug.core.components import EmptyConfig
+from kvplug.core.layouts import KVLayout
+
+#: One layer's cache as the engine holds it: a tensor, or SGLang's (k, v) pair.
+LayerCache = Any
+
+
+class KVConnector(ABC):
+    """Copies KV between an engine's paged cache and chunk tensors.
+
+    Chunk tensors are ``[num_kv, num_tokens, token_width]`` per layer and
+    ``[num_layers, num_kv, num_tokens, token_width]`` per chunk, on the CPU.
+    ``slots`` is a ``torch.long`` tensor on the cache's device.
+    """
+
+    name: ClassVar[str]
+    Config: ClassVar[type[BaseModel]] = EmptyConfig
+
+    def __init__(self, config: BaseModel, layout: KVLayout) -> None:
+        self.config = config
+        self.layout = layout
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether this connector can run in this process."""
+        return True
+
+    @abstractmethod
+    def gather_layer(self, layer_cache: LayerCache, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the KV of ``slots`` of one layer into ``out`` ``[num_kv, n, width]``."""
+
+    @abstractmethod
+    def scatter_layer(self, layer_cache: LayerCache, slots: torch.Tensor, src: torch.Tensor) -> None:
+        """Write ``src`` ``[num_kv, n, width]`` into ``slots`` of one layer."""
+
+    def gather(self, kv_caches: Sequence[LayerCache], slots: torch.Tensor, out: torch.Tensor) -> None:
+        """All layers: ``out`` is ``[num_layers, num_kv, n, width]``."""
+        for layer, cache in enumerate(kv_caches):
+            self.gather_layer(cache, slots, out[layer])
+
+    def scatter(self, kv_caches: Sequence[LayerCache], slots: torch.Tensor, src: torch.Tensor) -> None:
+        for layer, cache in enumerate(kv_caches):
+            self.scatter_layer(cache, slots, src[layer])
+
+    def synchronize(self) -> None:
+        """Wait for copies issued so far (device connectors override)."""

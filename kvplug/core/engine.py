@@ -1,0 +1,370 @@
+"""``CacheEngine``: the one object an engine adapter talks to.
+
+It turns token ids into chunk keys, gathers chunks out of the engine's paged KV
+cache into serializer frames and hands them to the tier chain (``store``), answers
+how much of a prompt is cached (``lookup``), and scatters cached chunks back into
+the paged cache (``retrieve``), whole or layer by layer.
+
+Storage and chunk failures never escape ``lookup``/``store``/``retrieve``: they
+shorten the hit and are counted. Wrong arguments (a slot mapping of the wrong
+length, caches that do not match the layout) raise at once, before any work.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from kvplug.core.background import BackgroundWorker
+from kvplug.core.config import KVPlugConfig
+from kvplug.core.connector import KVConnector, LayerCache
+from kvplug.core.events import KVEvent
+from kvplug.core.keys import ChunkKey, ExtraKey, Fingerprint, KeyBuilder
+from kvplug.core.layouts import KVLayout
+from kvplug.core.metrics import EngineMetrics
+from kvplug.core.plugins import PluginRegistry, get_registry
+from kvplug.core.serializer import Serializer, dtype_name
+from kvplug.core.tier import Buffer, StorageTier, TierContext
+from kvplug.core.tier_chain import TierChain
+from kvplug.errors import ChunkError, EngineClosedError, LayoutError
+
+logger = logging.getLogger("kvplug.engine")
+
+#: (key, frame, tokens) batches the store worker writes.
+StoreBatch = list[tuple[str, Buffer, int]]
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What one request adds to the shared config: isolation, extra keys, overrides."""
+
+    cache_salt: str | None = None
+    lora_id: str | None = None
+    extra_keys: tuple[ExtraKey, ...] = ()
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+
+_NO_REQUEST = RequestInfo()
+
+
+class CacheEngine:
+    """Store, look up and retrieve KV chunks of one model's paged cache."""
+
+    def __init__(
+        self,
+        config: KVPlugConfig,
+        layout: KVLayout,
+        fingerprint: Fingerprint,
+        *,
+        registry: PluginRegistry | None = None,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        self.registry = registry or get_registry()
+        self.config = config.resolve(self.registry)
+        self.layout = layout
+        self.metrics = metrics or EngineMetrics()
+        self.serializer: Serializer = self.registry.serializers()[config.serializer.type](config.serializer.options)
+        self.fingerprint = replace(
+            fingerprint, serializer=self.serializer.name, kv_layout=layout.describe(), dtype=dtype_name(layout.dtype)
+        )
+        self.connector: KVConnector = self._make_connector()
+        self.key_builder = KeyBuilder(config.chunk_size, config.hash)
+        tiers: list[StorageTier] = []
+        try:
+            for index, spec in enumerate(config.tiers):
+                context = TierContext(
+                    tier_index=index,
+                    fingerprint=self.fingerprint.hexdigest(),
+                    logger=logging.getLogger(f"kvplug.tier.{spec.type}"),
+                    emit=self.registry.emit,
+                )
+                tiers.append(self.registry.storage_tiers()[spec.type](spec.options, context))
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+        self.chain = TierChain(tiers, self.metrics)
+        self._store_worker: BackgroundWorker[StoreBatch] | None = None
+        if config.store.mode == "async":
+            self._store_worker = BackgroundWorker(
+                "kvplug-store",
+                self._write_batch,
+                max_items=config.store.queue_max_batches,
+                on_full=config.store.on_full,
+                block_timeout_s=config.store.block_timeout_s,
+                on_drop=lambda batch: self.metrics.store_dropped.labels("engine").inc(),
+            )
+        self._closed = False
+
+    @property
+    def chunk_size(self) -> int:
+        return self.config.chunk_size
+
+    # --- keys -----------------------------------------------------------------------
+
+    def chunk_keys(self, tokens: Sequence[int] | torch.Tensor, request: RequestInfo | None = None, *, include_partial: bool = True) -> list[ChunkKey]:
+        request = request or _NO_REQUEST
+        fingerprint = self.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id)
+        return self.key_builder.keys(tokens, fingerprint, extra_keys=request.extra_keys, include_partial=include_partial)
+
+    # --- lookup ---------------------------------------------------------------------
+
+    def lookup(self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None) -> int:
+        """Length of the cached prefix in tokens: whole chunks, or the full prompt."""
+        self._check_open()
+        keys = self.chunk_keys(tokens, request)
+        hit = self.chain.contains_prefix([k.key for k in keys]) if keys else 0
+        tokens_hit = keys[hit - 1].end if hit else 0
+        self.metrics.lookups.inc()
+        self.metrics.lookup_tokens.inc(len(tokens))
+        self.metrics.hit_tokens.inc(tokens_hit)
+        return tokens_hit
+
+    # --- store ----------------------------------------------------------------------
+
+    def store(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        kv_caches: Sequence[LayerCache],
+        slots: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        request: RequestInfo | None = None,
+    ) -> int:
+        """Store the chunks of ``tokens`` whose KV sits at ``slots``; returns tokens queued.
+
+        ``mask`` (bool per token) marks the tokens this call is for; its ``False``
+        entries must form a prefix (tokens stored earlier). The copy out of
+        ``kv_caches`` is done before returning; writing to tiers may not be.
+        """
+        layers = self.store_layerwise(tokens, kv_caches, slots, mask, request=request)
+        while True:
+            try:
+                next(layers)
+            except StopIteration as done:
+                return int(done.value or 0)
+
+    def store_layerwise(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        kv_caches: Sequence[LayerCache],
+        slots: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        request: RequestInfo | None = None,
+    ) -> Generator[int, None, int]:
+        """Generator form of :meth:`store`: each ``next()`` copies one more layer.
+
+        Call ``next()`` once a layer's KV is final; it yields that layer's index.
+        After the last layer the chunks are sealed and handed to the tiers; the
+        generator returns the number of tokens queued. Arguments are checked now.
+        """
+        self._check_open()
+        first = self._check_call(tokens, kv_caches, slots, mask)
+        config = self._request_config(request)
+        todo: list[tuple[ChunkKey, bytearray, torch.Tensor]] = []
+        if not config.skip_save:
+            try:
+                keys = [k for k in self.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk) if k.end > first]
+                stored = self.chain.contains_prefix([k.key for k in keys]) if keys else 0
+                for chunk in keys[stored:]:
+                    frame, payload = self.serializer.allocate(self.layout.chunk_shape(chunk.num_tokens), self.layout.dtype)
+                    todo.append((chunk, frame, payload))
+            except Exception:
+                logger.exception("store: preparing chunks failed; nothing stored")
+                todo = []
+        return self._store_layers(kv_caches, slots.to(torch.long), todo)
+
+    def _store_layers(
+        self, kv_caches: Sequence[LayerCache], slots: torch.Tensor, todo: list[tuple[ChunkKey, bytearray, torch.Tensor]]
+    ) -> Generator[int, None, int]:
+        started = time.perf_counter()
+        for layer in range(self.layout.num_layers):
+            for chunk, _, payload in todo:
+                self.connector.gather_layer(kv_caches[layer], slots[chunk.start : chunk.end], payload[layer])
+            yield layer
+        if not todo:
+            return 0
+        self.connector.synchronize()
+        batch = [(chunk.key, self.serializer.seal(frame), chunk.num_tokens) for chunk, frame, _ in todo]
+        if self._store_worker is not None:
+            self._store_worker.submit(batch)
+        else:
+            self._write_batch(batch)
+        self.metrics.store_seconds.observe(time.perf_counter() - started)
+        return sum(n for _, _, n in batch)
+
+    def _write_batch(self, batch: StoreBatch) -> None:
+        self.chain.put([(key, frame) for key, frame, _ in batch])
+        self.metrics.stored_tokens.inc(sum(n for _, _, n in batch))
+        self.metrics.stored_bytes.inc(sum(memoryview(frame).nbytes for _, frame, _ in batch))
+        self.registry.emit(KVEvent("stored", tuple(k for k, _, _ in batch), token_counts=tuple(n for _, _, n in batch)))
+
+    # --- retrieve -------------------------------------------------------------------
+
+    def retrieve(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        kv_caches: Sequence[LayerCache],
+        slots: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        request: RequestInfo | None = None,
+    ) -> torch.Tensor:
+        """Load the cached prefix of ``tokens`` into ``slots``; returns a bool mask of
+        the tokens written. ``mask`` ``False`` entries (a prefix) are already in the
+        engine and are not written."""
+        loading = self.retrieve_layerwise(tokens, kv_caches, slots, mask, request=request)
+        for _ in loading:
+            pass
+        return loading.loaded_mask
+
+    def retrieve_layerwise(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        kv_caches: Sequence[LayerCache],
+        slots: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        request: RequestInfo | None = None,
+    ) -> LayerwiseRetrieve:
+        """Fetch and verify the cached chunks now; iterate to write them layer by layer."""
+        self._check_open()
+        first = self._check_call(tokens, kv_caches, slots, mask)
+        started = time.perf_counter()
+        chunks: list[tuple[ChunkKey, torch.Tensor]] = []
+        try:
+            keys = [k for k in self.chunk_keys(tokens, request) if k.end > first]
+            buffers = self.chain.get_prefix([k.key for k in keys]) if keys else []
+            for chunk, buffer in zip(keys, buffers):
+                try:
+                    tensor = self.serializer.loads(
+                        buffer, expected_shape=self.layout.chunk_shape(chunk.num_tokens), expected_dtype=self.layout.dtype
+                    )
+                except ChunkError as exc:
+                    self.metrics.load_errors.labels(type(exc).__name__).inc()
+                    logger.warning("chunk %s unusable (%s); prefix ends there", chunk.key, exc)
+                    self.chain.discard([chunk.key])
+                    break
+                self.metrics.loaded_bytes.inc(memoryview(buffer).nbytes)
+                chunks.append((chunk, tensor))
+        except Exception:
+            logger.exception("retrieve: fetching chunks failed; loading what was fetched")
+        return LayerwiseRetrieve(self, len(tokens), first, kv_caches, slots.to(torch.long), chunks, started)
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait until every store so far is visible in every tier."""
+        if self._store_worker is not None:
+            self._store_worker.flush()
+        self.chain.flush()
+
+    def close(self, *, drain: bool = True) -> None:
+        """Stop the store worker (writing what is queued when ``drain``) and close tiers."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._store_worker is not None:
+            self._store_worker.close(drain=drain)
+        self.chain.close(drain=drain)
+
+    def __enter__(self) -> CacheEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- helpers --------------------------------------------------------------------
+
+    def _make_connector(self) -> KVConnector:
+        spec = self.config.connector
+        connectors = self.registry.kv_connectors()
+        if spec.type != "auto":
+            return connectors[spec.type](spec.options, self.layout)
+        usable = [cls for cls in connectors.values() if cls.is_available()]
+        chosen = max(usable, key=lambda cls: getattr(cls, "priority", 0))
+        logger.info("connector auto: chose %r of %s", chosen.name, sorted(c.name for c in usable))
+        return chosen(chosen.Config(), self.layout)
+
+    def _request_config(self, request: RequestInfo | None) -> KVPlugConfig:
+        if request is None or not request.overrides:
+            return self.config
+        return self.config.with_overrides(request.overrides)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the cache engine is closed")
+
+    def _check_call(self, tokens: Sequence[int] | torch.Tensor, kv_caches: Sequence[LayerCache], slots: torch.Tensor, mask: torch.Tensor | None) -> int:
+        """Validate arguments; return the index of the first token ``mask`` selects."""
+        self.layout.check_caches(kv_caches)
+        if slots.dim() != 1 or slots.numel() != len(tokens):
+            raise LayoutError(f"slots must be 1-D with one entry per token ({len(tokens)}), got shape {tuple(slots.shape)}")
+        if mask is None:
+            return 0
+        if mask.dim() != 1 or mask.numel() != len(tokens) or mask.dtype != torch.bool:
+            raise LayoutError(f"mask must be a 1-D bool tensor of {len(tokens)} entries, got {mask.dtype} {tuple(mask.shape)}")
+        first = int(torch.count_nonzero(~mask))
+        if not bool(mask[first:].all()):
+            raise LayoutError("mask must be False for a prefix of the tokens and True after it")
+        return first
+
+
+class LayerwiseRetrieve(Iterator[int]):
+    """Chunks fetched and verified; each ``next()`` writes one layer, yielding its index.
+
+    ``loaded_mask`` and ``num_loaded_tokens`` are known before the first layer is
+    written, so an engine can plan its compute while layers stream in.
+    """
+
+    def __init__(
+        self,
+        engine: CacheEngine,
+        num_tokens: int,
+        first: int,
+        kv_caches: Sequence[LayerCache],
+        slots: torch.Tensor,
+        chunks: list[tuple[ChunkKey, torch.Tensor]],
+        started: float,
+    ) -> None:
+        self._engine = engine
+        self._kv_caches = kv_caches
+        self._slots = slots
+        self._chunks = chunks
+        self._started = started
+        self._next_layer = 0
+        self.loaded_mask = torch.zeros(num_tokens, dtype=torch.bool)
+        self._spans = [(max(chunk.start, first), chunk.end, chunk.start) for chunk, _ in chunks]
+        for start, end, _ in self._spans:
+            self.loaded_mask[start:end] = True
+        self.num_loaded_tokens = int(self.loaded_mask.sum())
+
+    def __next__(self) -> int:
+        layer = self._next_layer
+        if layer >= self._engine.layout.num_layers:
+            raise StopIteration
+        connector = self._engine.connector
+        for (start, end, chunk_start), (_, tensor) in zip(self._spans, self._chunks):
+            connector.scatter_layer(
+                self._kv_caches[layer], self._slots[start:end], tensor[layer, :, start - chunk_start :]
+            )
+        self._next_layer += 1
+        if self._next_layer == self._engine.layout.num_layers:
+            self._finish()
+        return layer
+
+    def _finish(self) -> None:
+        engine = self._engine
+        engine.connector.synchronize()
+        engine.metrics.loaded_tokens.inc(self.num_loaded_tokens)
+        engine.metrics.retrieve_seconds.observe(time.perf_counter() - self._started)
+        if self._chunks:
+            engine.registry.emit(
+                KVEvent("loaded", tuple(c.key for c, _ in self._chunks), token_counts=tuple(c.num_tokens for c, _ in self._chunks))
+            )

@@ -1,0 +1,167 @@
+"""Chunk keys: chained, stable hashes of token ids under a compatibility fingerprint.
+
+``hash_i = H(hash_{i-1} || token ids of chunk i || extra keys of chunk i)``, so a
+chunk's key names its whole prefix. ``H`` is sha256 (default), xxh3_128 or blake3;
+never Python's ``hash()``, so every process and machine computes the same keys.
+
+A key is ``<format version>/<fingerprint hex>/<chunk hash hex>``: hex only, safe as a
+file or object name whatever the user sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal, Protocol
+
+import blake3
+import xxhash
+
+#: Bump when the meaning of stored bytes changes; old chunks then never match.
+KV_FORMAT_VERSION = "v1"
+
+HashName = Literal["sha256", "xxh3_128", "blake3"]
+
+
+class _Digest(Protocol):
+    def update(self, data: bytes | memoryview, /) -> object: ...
+    def digest(self) -> bytes: ...
+
+
+HASHES: dict[str, Callable[[], _Digest]] = {
+    "sha256": hashlib.sha256,
+    "xxh3_128": xxhash.xxh3_128,
+    "blake3": blake3.blake3,
+}
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Everything that makes stored KV bytes incompatible with, or private from, others.
+
+    Two requests share chunks only when every field is equal. ``cache_salt`` and
+    ``lora_id`` are per request: use :meth:`for_request`.
+    """
+
+    model_id: str
+    kv_layout: str
+    dtype: str
+    block_size: int
+    model_revision: str = ""
+    format_version: str = KV_FORMAT_VERSION
+    serializer: str = "raw"
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    lora_id: str | None = None
+    cache_salt: str | None = None
+
+    def for_request(self, *, cache_salt: str | None = None, lora_id: str | None = None) -> Fingerprint:
+        return replace(self, cache_salt=cache_salt, lora_id=lora_id)
+
+    def hexdigest(self) -> str:
+        """32 hex chars of sha256 over the fields as canonical JSON."""
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class ExtraKey:
+    """A key mixed into every chunk that overlaps tokens ``[start, end)``.
+
+    Multimodal inputs use the hash of the image/audio at its placeholder tokens;
+    anything else that changes the KV of specific tokens can too.
+    """
+
+    start: int
+    end: int
+    value: str
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """The key of tokens ``[start, end)``, the ``index``-th chunk of a prompt."""
+
+    index: int
+    start: int
+    end: int
+    key: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class KeyBuilder:
+    """Cuts token ids into chunks and names each one by its chained hash."""
+
+    chunk_size: int = 256
+    hash_name: HashName = "sha256"
+    _new_digest: Callable[[], _Digest] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+        try:
+            object.__setattr__(self, "_new_digest", HASHES[self.hash_name])
+        except KeyError:
+            raise ValueError(
+                f"hash {self.hash_name!r} is not one of {', '.join(HASHES)}"
+            ) from None
+
+    def chunk_bounds(self, num_tokens: int, *, include_partial: bool) -> list[tuple[int, int]]:
+        full = num_tokens // self.chunk_size
+        bounds = [(i * self.chunk_size, (i + 1) * self.chunk_size) for i in range(full)]
+        if include_partial and num_tokens % self.chunk_size:
+            bounds.append((full * self.chunk_size, num_tokens))
+        return bounds
+
+    def keys(
+        self,
+        tokens: Sequence[int] | Any,
+        fingerprint: Fingerprint,
+        *,
+        extra_keys: Sequence[ExtraKey] = (),
+        include_partial: bool = False,
+    ) -> list[ChunkKey]:
+        """Keys of the prompt's chunks; the partial last chunk only if asked."""
+        token_bytes = _token_bytes(tokens)
+        prefix = f"{fingerprint.format_version}/{fingerprint.hexdigest()}/"
+        previous = self.chain_seed()
+        keys: list[ChunkKey] = []
+        for index, (start, end) in enumerate(
+            self.chunk_bounds(len(token_bytes) // 8, include_partial=include_partial)
+        ):
+            digest = self._new_digest()
+            digest.update(previous)
+            digest.update(struct.pack("<I", end - start))
+            digest.update(token_bytes[start * 8 : end * 8])
+            for extra in extra_keys:
+                if extra.start < end and extra.end > start:
+                    encoded = extra.value.encode()
+                    digest.update(struct.pack("<qqI", extra.start, extra.end, len(encoded)))
+                    digest.update(encoded)
+            previous = digest.digest()
+            keys.append(ChunkKey(index, start, end, prefix + previous.hex()))
+        return keys
+
+    def chain_seed(self) -> bytes:
+        return f"kvplug-chain/{self.hash_name}".encode()
+
+
+def _token_bytes(tokens: Sequence[int] | Any) -> memoryview:
+    """Token ids as little-endian int64 bytes, whatever container they came in."""
+    if hasattr(tokens, "tolist"):  # torch tensors and numpy arrays
+        tokens = tokens.tolist()
+    packed = array("q", tokens)
+    if packed.itemsize != 8:  # pragma: no cover - every supported platform has 8-byte q
+        raise RuntimeError("array('q') is not 64-bit on this platform")
+    if struct.pack("=q", 1) != struct.pack("<q", 1):  # pragma: no cover - big-endian hosts
+        packed.byteswap()
+    return memoryview(packed).cast("B")

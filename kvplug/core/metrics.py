@@ -1,0 +1,50 @@
+"""Prometheus metrics of one cache engine, in a registry of its own.
+
+Each engine owns a ``CollectorRegistry`` (several engines may live in one test
+process); an adapter exposes ``metrics.registry`` through its engine's server, or
+``prometheus_client.start_http_server(port, registry=metrics.registry)``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+
+class EngineMetrics:
+    """Counters the cache engine and tier chain update."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.lookups = Counter("kvplug_lookups", "Lookup calls", registry=r)
+        self.lookup_tokens = Counter("kvplug_lookup_tokens", "Tokens asked about in lookups", registry=r)
+        self.hit_tokens = Counter("kvplug_hit_tokens", "Tokens found cached by lookups", registry=r)
+        self.stored_tokens = Counter("kvplug_stored_tokens", "Tokens handed to the tiers", registry=r)
+        self.stored_bytes = Counter("kvplug_stored_bytes", "Serialized bytes handed to the tiers", registry=r)
+        self.loaded_tokens = Counter("kvplug_loaded_tokens", "Tokens written into the engine cache", registry=r)
+        self.loaded_bytes = Counter("kvplug_loaded_bytes", "Serialized bytes read back", registry=r)
+        self.load_errors = Counter(
+            "kvplug_load_errors", "Chunks that failed to load", ["reason"], registry=r
+        )
+        self.store_dropped = Counter(
+            "kvplug_store_dropped", "Chunk batches dropped by a full or closed queue", ["queue"], registry=r
+        )
+        self.tier_errors = Counter("kvplug_tier_errors", "Tier calls that raised", ["tier", "op"], registry=r)
+        self.promotions = Counter("kvplug_promotions", "Chunks copied to a faster tier", ["tier"], registry=r)
+        self.retrieve_seconds = Histogram("kvplug_retrieve_seconds", "Time of retrieve calls", registry=r)
+        self.store_seconds = Histogram("kvplug_store_seconds", "Time of store calls (caller side)", registry=r)
+
+    def snapshot(self) -> dict[str, float]:
+        """Flat ``name{labels} -> value`` of every counter, for CLIs and tests."""
+        values: dict[str, float] = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return values
+
+    def value(self, name: str, **labels: str) -> float:
+        key = name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
+        return self.snapshot().get(key, 0.0)

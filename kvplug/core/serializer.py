@@ -1,0 +1,66 @@
+"""The serializer contract: one KV chunk tensor <-> one bytes-like frame."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel
+
+from kvplug.core.components import EmptyConfig
+from kvplug.core.tier import Buffer
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r}")
+    return dtype
+
+
+class Serializer(ABC):
+    """Turns chunk tensors into frames with a versioned header and a checksum.
+
+    The fast path is ``allocate`` + ``seal``: the engine asks for a frame, lets the
+    connector gather the paged KV straight into ``tensor`` (no extra copy), then
+    seals it. ``dumps`` is the convenience form for a tensor already in hand.
+    """
+
+    name: ClassVar[str]
+    Config: ClassVar[type[BaseModel]] = EmptyConfig
+
+    def __init__(self, config: BaseModel) -> None:
+        self.config = config
+
+    @abstractmethod
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytearray, torch.Tensor]:
+        """A new frame and a writable CPU tensor view of its payload."""
+
+    @abstractmethod
+    def seal(self, frame: bytearray) -> Buffer:
+        """Finish a frame whose payload is written; returns what tiers store."""
+
+    @abstractmethod
+    def loads(
+        self,
+        data: Buffer,
+        *,
+        expected_shape: tuple[int, ...] | None = None,
+        expected_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """Decode and verify a frame.
+
+        Raises ``CorruptChunkError`` (bad checksum, truncated, malformed) or
+        ``IncompatibleChunkError`` (another format version, dtype or shape).
+        """
+
+    def dumps(self, tensor: torch.Tensor) -> Buffer:
+        frame, payload = self.allocate(tuple(tensor.shape), tensor.dtype)
+        payload.copy_(tensor)
+        return self.seal(frame)

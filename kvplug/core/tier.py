@@ -1,0 +1,111 @@
+"""The storage tier contract: opaque bytes under string keys. No torch here."""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, Union
+
+from pydantic import BaseModel, ByteSize, Field, PositiveInt
+
+from kvplug.core.components import ComponentConfig
+from kvplug.core.events import KVEvent
+
+#: What ``get`` returns for a key: the whole value, or ``None`` for a miss.
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class TierConfig(ComponentConfig):
+    """Options every tier understands. Tier ``Config`` classes subclass it."""
+
+    max_bytes: ByteSize | None = Field(
+        default=None, description="Byte budget of stored values; None means unbounded."
+    )
+    write_mode: Literal["sync", "async"] = Field(
+        default="sync",
+        description="sync: the store worker writes this tier directly; async: a "
+        "bounded background writer of its own does, so a slow tier never delays faster ones.",
+    )
+    write_queue_items: PositiveInt = Field(
+        default=1024, description="Bound of the async writer's queue, in batches."
+    )
+    on_queue_full: Literal["block", "drop"] = Field(
+        default="drop", description="What an async writer does when its queue is full."
+    )
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier. ``bytes_used`` counts value bytes exactly."""
+
+    bytes_used: int = 0
+    items: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    evictions: int = 0
+    errors: int = 0
+    extra: dict[str, int | float | str] = field(default_factory=dict)
+
+
+@dataclass
+class TierContext:
+    """What a tier gets from the engine besides its own config."""
+
+    tier_index: int = 0
+    fingerprint: str | None = None
+    logger: logging.Logger = field(default_factory=lambda: logging.getLogger("kvplug.tier"))
+    #: Report events (``evicted``, ``removed``) to ``kvplug_on_event`` observers.
+    emit: Callable[[KVEvent], None] = lambda event: None
+
+
+class StorageTier(ABC):
+    """A store of byte buffers under string keys (``<version>/<fingerprint>/<hash>``).
+
+    Methods are batched and thread-safe. ``put`` is atomic per key: a reader sees
+    the whole value or nothing, even if the process dies mid-write. ``put`` may
+    keep a reference to the buffers it is given: the caller hands them over and
+    must not modify them afterwards. ``get`` returns read-only data.
+    """
+
+    name: ClassVar[str]
+    Config: ClassVar[type[BaseModel]] = TierConfig
+
+    def __init__(self, config: BaseModel, context: TierContext) -> None:
+        self.config = config
+        self.context = context
+
+    @abstractmethod
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """The value of each key, or ``None`` where it is missing."""
+
+    @abstractmethod
+    def put(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        """Store each value under its key, replacing any older value."""
+
+    @abstractmethod
+    def remove(self, keys: Sequence[str]) -> None:
+        """Remove the keys; missing keys are ignored."""
+
+    @abstractmethod
+    def stats(self) -> TierStats:
+        """A snapshot of the tier's counters."""
+
+    def flush(self) -> None:
+        """Wait until every ``put`` accepted so far is visible to ``get``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release resources. Idempotent; later calls raise ``TierClosedError``."""
+
+    def __enter__(self) -> StorageTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

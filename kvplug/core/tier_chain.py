@@ -1,0 +1,170 @@
+"""An ordered list of storage tiers, fastest first, used as one store.
+
+- ``put`` writes through to every tier that lacks the key: ``sync`` tiers from
+  the calling (store worker) thread, ``async`` tiers through a bounded writer of
+  their own, so a slow S3 never delays what the CPU tier can serve.
+- ``get_prefix`` reads through: the first tier holding a chunk serves it, and a
+  hit in a slower tier is promoted to the faster ones.
+- ``contains_prefix`` answers how many leading keys some tier holds.
+- A tier that raises is a miss for that call (logged and counted), never an error
+  for the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvplug.core.background import BackgroundWorker
+from kvplug.core.metrics import EngineMetrics
+from kvplug.core.tier import Buffer, StorageTier, TierStats
+
+logger = logging.getLogger("kvplug.tiers")
+
+Items = list[tuple[str, Buffer]]
+
+
+@dataclass
+class _Slot:
+    """A tier and how it is written."""
+
+    tier: StorageTier
+    label: str
+    writer: BackgroundWorker[Items] | None
+
+
+class TierChain:
+    """Tiers fastest first; see the module docstring for the semantics."""
+
+    def __init__(self, tiers: Sequence[StorageTier], metrics: EngineMetrics | None = None) -> None:
+        if not tiers:
+            raise ValueError("a tier chain needs at least one tier")
+        self.metrics = metrics or EngineMetrics()
+        self._slots: list[_Slot] = []
+        for index, tier in enumerate(tiers):
+            label = f"{index}:{tier.name}"
+            writer = None
+            if getattr(tier.config, "write_mode", "sync") == "async":
+                writer = BackgroundWorker(
+                    f"kvplug-writer-{label}",
+                    functools.partial(self._put_missing_at, index),
+                    max_items=getattr(tier.config, "write_queue_items", 1024),
+                    on_full=getattr(tier.config, "on_queue_full", "drop"),
+                    on_drop=lambda items, label=label: self.metrics.store_dropped.labels(label).inc(),
+                )
+            self._slots.append(_Slot(tier, label, writer))
+
+    @property
+    def tiers(self) -> list[StorageTier]:
+        return [slot.tier for slot in self._slots]
+
+    # --- reads ----------------------------------------------------------------------
+
+    def contains_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading keys are held by at least one tier."""
+        present = [False] * len(keys)
+        limit = len(keys)
+        for slot in self._slots:
+            ask = [i for i in range(limit) if not present[i]]
+            if not ask:
+                break
+            answers = self._call(slot, "contains", [keys[i] for i in ask]) or [False] * len(ask)
+            for i, found in zip(ask, answers):
+                present[i] = present[i] or bool(found)
+            limit = next((i for i in range(limit) if not present[i]), limit)
+        return next((i for i, found in enumerate(present) if not found), len(keys))
+
+    def get_prefix(self, keys: Sequence[str]) -> list[Buffer]:
+        """Values of the leading keys that some tier holds; stops at the first miss.
+
+        Hits in slower tiers are written to the faster ones (promotion).
+        """
+        values: list[Buffer | None] = [None] * len(keys)
+        found_in: list[int] = [-1] * len(keys)
+        limit = len(keys)
+        for index, slot in enumerate(self._slots):
+            ask = [i for i in range(limit) if values[i] is None]
+            if not ask:
+                break
+            answers = self._call(slot, "get", [keys[i] for i in ask]) or [None] * len(ask)
+            for i, value in zip(ask, answers):
+                if value is not None:
+                    values[i], found_in[i] = value, index
+            limit = next((i for i in range(limit) if values[i] is None), limit)
+        prefix = values[:limit]
+        self._promote(keys[:limit], prefix, found_in[:limit])  # type: ignore[arg-type]
+        return prefix  # type: ignore[return-value]
+
+    def discard(self, keys: Sequence[str]) -> None:
+        """Remove keys from every tier (a chunk found corrupt, ``store gc``)."""
+        for slot in self._slots:
+            self._call(slot, "remove", list(keys))
+
+    # --- writes ---------------------------------------------------------------------
+
+    def put(self, items: Items) -> None:
+        """Write each item to every tier that does not hold its key yet."""
+        if not items:
+            return
+        for slot in self._slots:
+            if slot.writer is not None:  # a slow tier checks what it lacks on its own thread
+                slot.writer.submit(items)
+            else:
+                self._put_missing(slot, items)
+
+    def _put_missing(self, slot: _Slot, items: Items) -> None:
+        answers = self._call(slot, "contains", [key for key, _ in items])
+        missing = items if answers is None else [item for item, has in zip(items, answers) if not has]
+        if missing:
+            self._call(slot, "put", missing)
+
+    def _write(self, slot: _Slot, items: Items) -> None:
+        if slot.writer is not None:
+            slot.writer.submit(items)
+        else:
+            self._call(slot, "put", items)
+
+    def _put_missing_at(self, index: int, items: Items) -> None:
+        self._put_missing(self._slots[index], items)
+
+    def _promote(self, keys: Sequence[str], values: Sequence[Buffer], found_in: Sequence[int]) -> None:
+        for index, slot in enumerate(self._slots):
+            items = [(k, v) for k, v, where in zip(keys, values, found_in) if where > index]
+            if items:
+                self.metrics.promotions.labels(slot.label).inc(len(items))
+                self._write(slot, items)
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait until every accepted write is visible in its tier."""
+        for slot in self._slots:
+            if slot.writer is not None:
+                slot.writer.flush()
+            self._call(slot, "flush")
+
+    def stats(self) -> list[tuple[str, TierStats]]:
+        result = []
+        for slot in self._slots:
+            stats = self._call(slot, "stats") or TierStats(errors=-1)
+            if slot.writer is not None:
+                stats.extra["writer_dropped"] = slot.writer.dropped
+                stats.extra["writer_pending"] = slot.writer.pending()
+            result.append((slot.label, stats))
+        return result
+
+    def close(self, *, drain: bool = True) -> None:
+        for slot in self._slots:
+            if slot.writer is not None:
+                slot.writer.close(drain=drain)
+            self._call(slot, "close")
+
+    def _call(self, slot: _Slot, op: str, *args: object):  # noqa: ANN202 - op's own result
+        try:
+            return getattr(slot.tier, op)(*args)
+        except Exception as exc:
+            self.metrics.tier_errors.labels(slot.label, op).inc()
+            logger.warning("tier %s: %s failed: %s", slot.label, op, exc)
+            return None

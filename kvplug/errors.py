@@ -1,0 +1,124 @@
+"""Every exception kvplug raises on purpose.
+
+Callers catch the narrowest class they can handle. The engine-facing paths
+(:meth:`kvplug.CacheEngine.lookup`, ``retrieve``, ``store``) never let a
+:class:`ChunkError` or :class:`TierError` escape: those become cache misses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class KVPlugError(Exception):
+    """Base class of every kvplug error."""
+
+
+# --- plugins -------------------------------------------------------------------------
+
+
+class PluginError(KVPlugError):
+    """A plugin could not be loaded or registered."""
+
+
+class PluginLoadError(PluginError):
+    """An entry point of the ``kvplug`` group failed to import."""
+
+    def __init__(self, plugin: str, distribution: str, cause: BaseException) -> None:
+        self.plugin = plugin
+        self.distribution = distribution
+        self.cause = cause
+        super().__init__(
+            f"plugin {plugin!r} (distribution {distribution}) failed to import: "
+            f"{type(cause).__name__}: {cause}"
+        )
+
+
+class DuplicateComponentError(PluginError):
+    """Two plugins provide a component of the same concern under the same name."""
+
+    def __init__(self, concern: str, name: str, first: str, second: str) -> None:
+        self.concern, self.name, self.first, self.second = concern, name, first, second
+        super().__init__(
+            f"two {concern} components are named {name!r}: one from {first}, "
+            f"one from {second}; uninstall one or limit plugins with KVPLUG_PLUGINS"
+        )
+
+
+class InvalidComponentError(PluginError):
+    """A hook returned something that is not a usable component class."""
+
+
+# --- config --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One thing wrong with a config: where (dotted path), what value, why."""
+
+    path: str
+    value: object
+    message: str
+
+    def __str__(self) -> str:
+        shown = repr(self.value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        return f"{self.path or '<root>'}: {self.message} (got {shown})"
+
+
+class ConfigError(KVPlugError, ValueError):
+    """A config is invalid. ``problems`` lists each one with its field path."""
+
+    def __init__(self, problems: Sequence[ConfigProblem], source: str | None = None) -> None:
+        self.problems = list(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid kvplug config{where}:\n{lines}")
+
+
+# --- chunks --------------------------------------------------------------------------
+
+
+class ChunkError(KVPlugError):
+    """A stored chunk cannot be used. The engine treats it as a miss."""
+
+
+class CorruptChunkError(ChunkError):
+    """The bytes of a chunk fail their checksum, or the header is malformed."""
+
+
+class IncompatibleChunkError(ChunkError):
+    """A well-formed chunk of another format version, dtype or shape."""
+
+
+# --- storage -------------------------------------------------------------------------
+
+
+class TierError(KVPlugError):
+    """A storage tier failed an operation."""
+
+
+class TierUnavailableError(TierError):
+    """The tier's backing store is down or its circuit breaker is open."""
+
+
+class TierClosedError(TierError):
+    """An operation on a tier after :meth:`close`."""
+
+
+class ValueTooLargeError(TierError):
+    """A value larger than the tier's whole byte budget."""
+
+
+# --- engine --------------------------------------------------------------------------
+
+
+class LayoutError(KVPlugError, ValueError):
+    """KV cache tensors do not match the layout they were declared with."""
+
+
+class EngineClosedError(KVPlugError):
+    """The cache engine was used after :meth:`kvplug.CacheEngine.close`."""

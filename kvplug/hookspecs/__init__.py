@@ -1,0 +1,21 @@
+"""Hook specifications of kvplug, one module per plugin concern.
+
+A plugin is a module (or object) with ``@kvplug.hookimpl`` functions named like
+the specs below. Each spec's docstring is its API reference; ``docs/hooks.md``
+repeats them for readers who do not read code.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT_NAME = "kvplug"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+from kvplug.hookspecs import connectors, engines, events, serializers, storage  # noqa: E402
+
+SPEC_MODULES = (serializers, storage, connectors, engines, events)
+
+__all__ = ["PROJECT_NAME", "SPEC_MODULES", "hookimpl", "hookspec"]

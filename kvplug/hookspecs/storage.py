@@ -1,0 +1,22 @@
+"""Storage tier hook: opaque bytes under hex string keys."""
+
+from __future__ import annotations
+
+from kvplug.hookspecs import hookspec
+
+
+@hookspec
+def kvplug_storage_tiers() -> list[type]:
+    """Return the storage tier classes this plugin provides.
+
+    Each class subclasses :class:`kvplug.StorageTier`, carries a unique
+    ``name: ClassVar[str]`` (the ``tiers: [{type: <name>}]`` of a config) and a
+    pydantic ``Config`` model (subclass :class:`kvplug.TierConfig` to get the
+    shared ``max_bytes`` and write options), and is built as
+    ``cls(config, context)`` with a :class:`kvplug.TierContext`.
+
+    A tier sees bytes only (it must not import torch). Its methods are batched:
+    ``contains(keys)``, ``get(keys)``, ``put(items)``, ``remove(keys)``,
+    ``stats()``, ``close()``. A ``put`` is atomic per key: a reader sees the whole
+    value or nothing. Run :class:`kvplug.testing.StorageTierContract` against it.
+    """

@@ -1,0 +1,152 @@
+"""Tier ``cpu``: values in host memory, least recently used evicted first.
+
+``bytes_used`` is the exact sum of stored value lengths. Values are kept as given
+(the caller hands them over, see :class:`kvplug.StorageTier`), or copied into
+page-locked memory when ``pin_memory`` applies, so a CUDA engine can copy them to
+the GPU asynchronously.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import ByteSize, Field
+
+from kvplug import KVEvent, StorageTier, TierConfig, TierContext, TierStats
+from kvplug.errors import TierClosedError, ValueTooLargeError
+from kvplug.core.tier import Buffer
+
+
+class CPUTierConfig(TierConfig):
+    """Options of tier ``cpu``."""
+
+    max_bytes: ByteSize = Field(default=ByteSize(4 * 1024**3), description="Byte budget of stored values.")
+    pin_memory: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="auto: pin when torch is already loaded and CUDA is present "
+        "(this tier never imports torch itself); always: require it.",
+    )
+
+
+class CPUTier(StorageTier):
+    """A thread-safe, byte-bounded LRU of byte buffers."""
+
+    name = "cpu"
+    Config = CPUTierConfig
+
+    def __init__(self, config: CPUTierConfig, context: TierContext) -> None:
+        super().__init__(config, context)
+        self.config: CPUTierConfig = config
+        self._entries: OrderedDict[str, Buffer] = OrderedDict()
+        self._lock = threading.Lock()
+        self._stats = TierStats()
+        self._closed = False
+        self._pin = _pinning_copier(config.pin_memory)
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            self._check_open()
+            return [key in self._entries for key in keys]
+
+    def get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        found: list[Buffer | None] = []
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                value = self._entries.get(key)
+                if value is None:
+                    self._stats.misses += 1
+                else:
+                    self._entries.move_to_end(key)
+                    self._stats.hits += 1
+                found.append(value)
+        return found
+
+    def put(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        budget = int(self.config.max_bytes)
+        prepared = []
+        for key, value in items:
+            view = memoryview(value)
+            if view.nbytes > budget:
+                raise ValueTooLargeError(f"value of {view.nbytes} bytes for {key} exceeds max_bytes {budget}")
+            prepared.append((key, self._own(value, view)))
+        evicted: list[str] = []
+        with self._lock:
+            self._check_open()
+            for key, value in prepared:
+                old = self._entries.pop(key, None)
+                if old is not None:
+                    self._account(old, -1)
+                self._entries[key] = value
+                self._account(value, +1)
+                self._stats.puts += 1
+                while self._stats.bytes_used > budget:
+                    victim, dropped = self._entries.popitem(last=False)
+                    self._account(dropped, -1)
+                    self._stats.evictions += 1
+                    evicted.append(victim)
+        if evicted:
+            self.context.emit(KVEvent("evicted", tuple(evicted), tier=self.name))
+
+    def remove(self, keys: Sequence[str]) -> None:
+        removed = []
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                value = self._entries.pop(key, None)
+                if value is not None:
+                    self._account(value, -1)
+                    removed.append(key)
+        if removed:
+            self.context.emit(KVEvent("removed", tuple(removed), tier=self.name))
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            snapshot = TierStats(**{k: v for k, v in vars(self._stats).items() if k != "extra"})
+            snapshot.extra = {"max_bytes": int(self.config.max_bytes), "pinned": self._pin is not None}
+            return snapshot
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._entries.clear()
+            self._stats.bytes_used = self._stats.items = 0
+
+    def _account(self, value: Buffer, sign: int) -> None:
+        self._stats.bytes_used += sign * memoryview(value).nbytes
+        self._stats.items += sign
+
+    def _own(self, value: Buffer, view: memoryview) -> Buffer:
+        if self._pin is not None:
+            return self._pin(view)
+        if isinstance(value, bytes):
+            return value
+        return view.toreadonly()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierClosedError("tier 'cpu' is closed")
+
+
+def _pinning_copier(mode: str):  # noqa: ANN202 - returns a copier or None
+    """A function copying a buffer into pinned memory, or None when not pinning."""
+    if mode == "never":
+        return None
+    torch = sys.modules.get("torch")
+    cuda_ok = torch is not None and torch.cuda.is_available()
+    if not cuda_ok:
+        if mode == "always":
+            raise RuntimeError("pin_memory: always needs torch with CUDA loaded in this process")
+        return None
+
+    def copy_pinned(view: memoryview) -> memoryview:
+        pinned = torch.empty(view.nbytes, dtype=torch.uint8, pin_memory=True)
+        if view.nbytes:
+            pinned.numpy()[:] = memoryview(view).cast("B")
+        return memoryview(pinned.numpy()).toreadonly()
+
+    return copy_pinned

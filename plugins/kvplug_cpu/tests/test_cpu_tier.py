@@ -1,0 +1,58 @@
+"""Tier ``cpu`` against the storage contract, plus what is specific to it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvplug.testing import StorageTierContract, key_for, tier_context, value_for
+from kvplug_cpu import CPUTier
+
+
+def make_cpu_tier(max_bytes: int | None = None, **events: object) -> CPUTier:
+    options = {} if max_bytes is None else {"max_bytes": max_bytes}
+    return CPUTier(CPUTier.Config(**options), tier_context(**events))
+
+
+class TestCPUTierContract(StorageTierContract):
+    @pytest.fixture
+    def make_tier(self):
+        return make_cpu_tier
+
+
+def test_accounting_is_exact_through_overwrite_remove_and_eviction() -> None:
+    tier = make_cpu_tier(3_000)
+    tier.put([(key_for("a"), b"a" * 1000), (key_for("b"), b"b" * 700)])
+    assert tier.stats().bytes_used == 1700
+    tier.put([(key_for("a"), b"A" * 300)])
+    assert tier.stats().bytes_used == 1000
+    tier.remove([key_for("b")])
+    assert (tier.stats().bytes_used, tier.stats().items) == (300, 1)
+    tier.put([(key_for(f"x{i}"), b"x" * 1000) for i in range(3)])
+    stats = tier.stats()
+    assert stats.bytes_used == 3000 and stats.items == 3 and stats.evictions == 1
+
+
+def test_evictions_are_reported_as_events() -> None:
+    events = []
+    tier = make_cpu_tier(2_000, emit=events.append)
+    tier.put([(key_for(f"e{i}"), value_for(f"e{i}", 1000)) for i in range(3)])
+    assert [e.kind for e in events] == ["evicted"]
+    assert events[0].keys == (key_for("e0"),)
+
+
+def test_the_tier_does_not_import_torch() -> None:
+    code = "import sys, kvplug_cpu; kvplug_cpu.CPUTier; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pinning_is_off_without_cuda() -> None:
+    assert make_cpu_tier().stats().extra["pinned"] is False
+    with pytest.raises(RuntimeError, match="CUDA"):
+        import torch  # noqa: F401 - loaded so the tier may look at CUDA
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+        CPUTier(CPUTier.Config(pin_memory="always"), tier_context())
