@@ -36,22 +36,32 @@ class KVConnector(ABC):
         """Whether this connector can run in this process."""
         return True
 
-    @abstractmethod
-    def gather_layer(self, layer_cache: LayerCache, slots: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the KV of ``slots`` of one layer into ``out`` ``[num_kv, n, width]``."""
+    def plan(self, slots: torch.Tensor) -> Any:
+        """Precompute the addressing of ``slots`` once for all layers of a chunk.
+
+        The engine passes the result to ``gather_layer``/``scatter_layer``. The
+        default is the slot tensor itself.
+        """
+        return slots
 
     @abstractmethod
-    def scatter_layer(self, layer_cache: LayerCache, slots: torch.Tensor, src: torch.Tensor) -> None:
-        """Write ``src`` ``[num_kv, n, width]`` into ``slots`` of one layer."""
+    def gather_layer(self, layer_cache: LayerCache, plan: Any, out: torch.Tensor) -> None:
+        """Copy the KV of the planned slots of one layer into ``out`` ``[num_kv, n, width]``."""
+
+    @abstractmethod
+    def scatter_layer(self, layer_cache: LayerCache, plan: Any, src: torch.Tensor) -> None:
+        """Write ``src`` ``[num_kv, n, width]`` into the planned slots of one layer."""
 
     def gather(self, kv_caches: Sequence[LayerCache], slots: torch.Tensor, out: torch.Tensor) -> None:
         """All layers: ``out`` is ``[num_layers, num_kv, n, width]``."""
+        plan = self.plan(slots)
         for layer, cache in enumerate(kv_caches):
-            self.gather_layer(cache, slots, out[layer])
+            self.gather_layer(cache, plan, out[layer])
 
     def scatter(self, kv_caches: Sequence[LayerCache], slots: torch.Tensor, src: torch.Tensor) -> None:
+        plan = self.plan(slots)
         for layer, cache in enumerate(kv_caches):
-            self.scatter_layer(cache, slots, src[layer])
+            self.scatter_layer(cache, plan, src[layer])
 
     def synchronize(self) -> None:
         """Wait for copies issued so far (device connectors override)."""

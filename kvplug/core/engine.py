@@ -184,9 +184,10 @@ class CacheEngine:
         self, kv_caches: Sequence[LayerCache], slots: torch.Tensor, todo: list[tuple[ChunkKey, bytearray, torch.Tensor]]
     ) -> Generator[int, None, int]:
         started = time.perf_counter()
+        plans = [self.connector.plan(slots[chunk.start : chunk.end]) for chunk, _, _ in todo]
         for layer in range(self.layout.num_layers):
-            for chunk, _, payload in todo:
-                self.connector.gather_layer(kv_caches[layer], slots[chunk.start : chunk.end], payload[layer])
+            for plan, (_, _, payload) in zip(plans, todo):
+                self.connector.gather_layer(kv_caches[layer], plan, payload[layer])
             yield layer
         if not todo:
             return 0
@@ -341,6 +342,7 @@ class LayerwiseRetrieve(Iterator[int]):
         self._next_layer = 0
         self.loaded_mask = torch.zeros(num_tokens, dtype=torch.bool)
         self._spans = [(max(chunk.start, first), chunk.end, chunk.start) for chunk, _ in chunks]
+        self._plans = [engine.connector.plan(slots[start:end]) for start, end, _ in self._spans]
         for start, end, _ in self._spans:
             self.loaded_mask[start:end] = True
         self.num_loaded_tokens = int(self.loaded_mask.sum())
@@ -350,10 +352,8 @@ class LayerwiseRetrieve(Iterator[int]):
         if layer >= self._engine.layout.num_layers:
             raise StopIteration
         connector = self._engine.connector
-        for (start, end, chunk_start), (_, tensor) in zip(self._spans, self._chunks):
-            connector.scatter_layer(
-                self._kv_caches[layer], self._slots[start:end], tensor[layer, :, start - chunk_start :]
-            )
+        for plan, (start, _, chunk_start), (_, tensor) in zip(self._plans, self._spans, self._chunks):
+            connector.scatter_layer(self._kv_caches[layer], plan, tensor[layer, :, start - chunk_start :])
         self._next_layer += 1
         if self._next_layer == self._engine.layout.num_layers:
             self._finish()

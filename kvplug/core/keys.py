@@ -61,6 +61,17 @@ class Fingerprint:
     lora_id: str | None = None
     cache_salt: str | None = None
 
+    @classmethod
+    def for_layout(cls, layout: Any, *, model_id: str, **fields: Any) -> Fingerprint:
+        """A fingerprint for a :class:`kvplug.KVLayout` (layout, dtype, block size)."""
+        return cls(
+            model_id=model_id,
+            kv_layout=layout.describe(),
+            dtype=str(layout.dtype).removeprefix("torch."),
+            block_size=layout.block_size,
+            **fields,
+        )
+
     def for_request(self, *, cache_salt: str | None = None, lora_id: str | None = None) -> Fingerprint:
         return replace(self, cache_salt=cache_salt, lora_id=lora_id)
 

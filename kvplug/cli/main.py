@@ -1,0 +1,106 @@
+"""``kvplug``: list plugins, show and check configs, run the demo, inspect stores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from kvplug.errors import ConfigError, PluginError
+
+app = typer.Typer(help="kvplug: a KV cache layer for LLM serving engines.", no_args_is_help=True, add_completion=False)
+config_app = typer.Typer(help="Show and check kvplug configs.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+console = Console()
+err_console = Console(stderr=True)
+
+
+@app.command()
+def plugins() -> None:
+    """List every loaded plugin, its distribution and version, and its components."""
+    from kvplug.core.plugins import get_registry
+
+    try:
+        registry = get_registry()
+        infos = registry.plugins()
+    except PluginError as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    table = Table(title="kvplug plugins")
+    for column in ("plugin", "distribution", "version", "components"):
+        table.add_column(column)
+    for info in infos:
+        components = "; ".join(f"{concern}: {', '.join(names)}" for concern, names in info.components.items())
+        if info.error:
+            components = f"[red]failed to load: {info.error}[/red]"
+        name = f"{info.name} (builtin)" if info.builtin else info.name
+        table.add_row(name, info.distribution, info.version, components or "-")
+    console.print(table)
+    if registry.load_errors:
+        raise typer.Exit(1)
+
+
+@config_app.command("show")
+def config_show(
+    file: Optional[Path] = typer.Option(None, "--file", "-f", help="YAML config (default: $KVPLUG_CONFIG)."),
+) -> None:
+    """The effective config, and where each value came from."""
+    from kvplug.core.config_loader import load_config
+
+    loaded = _load_or_exit(lambda: load_config(config_file=file))
+    data = loaded.config.model_dump(mode="json")
+    table = Table(title="effective kvplug config")
+    table.add_column("setting")
+    table.add_column("value")
+    table.add_column("source")
+    for key, value in data.items():
+        if isinstance(value, dict) and key not in ("serializer", "connector"):
+            for sub, subvalue in value.items():
+                path = f"{key}.{sub}"
+                table.add_row(path, _show(subvalue), loaded.sources.get(path, loaded.sources.get(key, "default")))
+        else:
+            table.add_row(key, _show(value), loaded.sources.get(key, "default"))
+    console.print(table)
+
+
+@config_app.command("validate")
+def config_validate(file: Path = typer.Argument(..., help="YAML config file to check.")) -> None:
+    """Check a config file; on error, name each bad field, its value and what is allowed."""
+    from kvplug.core.config_loader import load_config
+
+    loaded = _load_or_exit(lambda: load_config(config_file=file, env={}))
+    tiers = " -> ".join(spec.type for spec in loaded.config.tiers)
+    console.print(f"[green]ok[/green]: {file} (tiers: {tiers})")
+
+
+@app.command()
+def demo(
+    tokens: int = typer.Option(4096, help="Prompt length in tokens."),
+    engine: str = typer.Option("auto", help="auto: the real engine when its plugin is installed; synthetic: no engine."),
+) -> None:
+    """Store a prompt's KV in the CPU tier and load it back, with hit tokens and GB/s."""
+    from kvplug.cli.demo import run_demo
+
+    _load_or_exit(lambda: run_demo(console, tokens=tokens, engine=engine))
+
+
+def _load_or_exit(action: Any) -> Any:
+    try:
+        return action()
+    except (ConfigError, PluginError) as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return yaml.safe_dump(value, default_flow_style=True, sort_keys=False).strip()
+    return str(value)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()
