@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvplug.core.connector import KVConnector, LayerCache
+from kvplug.errors import LayoutError
 from kvplug.hookspecs import hookimpl
 
 
@@ -63,16 +64,10 @@ class TorchConnector(KVConnector):
             else:
                 blocks, offsets = plan.block_offsets
                 out.copy_(layer_cache[:, blocks, offsets].flatten(2))  # [2, n, H*D]
-        else:  # vllm_cpu: memory order [blocks, heads, K|V, block_size, head_dim]
+        else:  # vllm_cpu: whole opaque blocks, memory order [blocks, heads, K|V, block_size * head_dim]
             heads, dim = self.layout.num_kv_heads, self.layout.head_dim
-            view = self._cpu_view(layer_cache)
-            if plan.blocks is not None:
-                picked = view[plan.blocks]  # [nb, H, 2, BS, D]
-                out.view(2, plan.blocks.numel(), self.layout.block_size, heads, dim).copy_(picked.permute(2, 0, 3, 1, 4))
-            else:
-                blocks, offsets = plan.block_offsets
-                picked = view[blocks, :, :, offsets]  # [n, H, 2, D]
-                out.view(2, -1, heads, dim).copy_(picked.permute(2, 0, 1, 3))
+            picked = self._cpu_view(layer_cache)[self._whole_blocks(plan)]  # [nb, H, 2, BS, D]
+            out.view(2, -1, self.layout.block_size, heads, dim).copy_(picked.permute(2, 0, 3, 1, 4))
 
     def scatter_layer(self, layer_cache: LayerCache, plan: SlotPlan, src: torch.Tensor) -> None:
         kind = self.layout.kind
@@ -100,13 +95,19 @@ class TorchConnector(KVConnector):
                 layer_cache[:, blocks, offsets] = src.view(2, -1, self.layout.num_kv_heads, self.layout.head_dim)
         else:
             heads, dim = self.layout.num_kv_heads, self.layout.head_dim
-            view = self._cpu_view(layer_cache)
-            if plan.blocks is not None:
-                blocks = plan.blocks.to(device)
-                view[blocks] = src.reshape(2, blocks.numel(), self.layout.block_size, heads, dim).permute(1, 3, 0, 2, 4)
-            else:
-                blocks, offsets = (t.to(device) for t in plan.block_offsets)
-                view[blocks, :, :, offsets] = src.reshape(2, -1, heads, dim).permute(1, 2, 0, 3)
+            blocks = self._whole_blocks(plan).to(device)
+            self._cpu_view(layer_cache)[blocks] = src.reshape(2, blocks.numel(), self.layout.block_size, heads, dim).permute(
+                1, 3, 0, 2, 4
+            )
+
+    def _whole_blocks(self, plan: SlotPlan) -> torch.Tensor:
+        if plan.blocks is None:
+            raise LayoutError(
+                "layout vllm_cpu packs tokens inside a block per CPU ISA, so only whole "
+                f"blocks of {self.layout.block_size} tokens can be copied; got "
+                f"{plan.slots.numel()} slots that do not fill whole blocks in order"
+            )
+        return plan.blocks
 
     def _cpu_view(self, layer_cache: torch.Tensor) -> torch.Tensor:
         layout = self.layout

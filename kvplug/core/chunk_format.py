@@ -12,7 +12,7 @@ Layout, little-endian, 96 bytes of header then the payload::
     52  4x  padding
     56  Q   payload length in bytes
     64  16s reserved, zero
-    80  Q   xxh3_64 over header bytes [0, 80) and then the payload
+    80  Q   xxh3_64 of the whole frame except these 8 bytes
     88  8x  reserved, zero
 
 The checksum covers the header as well as the payload, so a flipped bit in the
@@ -105,10 +105,10 @@ def pack_header(dtype: str, shape: tuple[int, ...]) -> bytearray:
 
 
 def frame_checksum(frame: memoryview) -> int:
-    """xxh3_64 over the header (up to the checksum field) and the payload."""
+    """xxh3_64 over every byte of the frame but the checksum field itself."""
     digest = xxhash.xxh3_64()
     digest.update(frame[:_CHECKSUM_OFFSET])
-    digest.update(frame[HEADER_SIZE:])
+    digest.update(frame[_CHECKSUM_OFFSET + 8 :])
     return digest.intdigest()
 
 

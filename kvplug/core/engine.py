@@ -170,9 +170,15 @@ class CacheEngine:
         todo: list[tuple[ChunkKey, bytearray, torch.Tensor]] = []
         if not config.skip_save:
             try:
-                keys = [k for k in self.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk) if k.end > first]
-                stored = self.chain.contains_prefix([k.key for k in keys]) if keys else 0
-                for chunk in keys[stored:]:
+                keys = [
+                    k
+                    for k in self.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk)
+                    if k.end > first and self._copyable(k.start, k.end)
+                ]
+                stored = self.chain.contains_any([k.key for k in keys]) if keys else []
+                for chunk, present in zip(keys, stored):
+                    if present:
+                        continue
                     frame, payload = self.serializer.allocate(self.layout.chunk_shape(chunk.num_tokens), self.layout.dtype)
                     todo.append((chunk, frame, payload))
             except Exception:
@@ -240,7 +246,9 @@ class CacheEngine:
         started = time.perf_counter()
         chunks: list[tuple[ChunkKey, torch.Tensor]] = []
         try:
-            keys = [k for k in self.chunk_keys(tokens, request) if k.end > first]
+            if self.layout.whole_blocks_only:  # a block is loaded whole or not at all
+                first = -(-first // self.layout.block_size) * self.layout.block_size
+            keys = [k for k in self.chunk_keys(tokens, request) if k.end > first and self._copyable(max(k.start, first), k.end)]
             buffers = self.chain.get_prefix([k.key for k in keys]) if keys else []
             for chunk, buffer in zip(keys, buffers):
                 try:
@@ -292,6 +300,11 @@ class CacheEngine:
         chosen = max(usable, key=lambda cls: getattr(cls, "priority", 0))
         logger.info("connector auto: chose %r of %s", chosen.name, sorted(c.name for c in usable))
         return chosen(chosen.Config(), self.layout)
+
+    def _copyable(self, start: int, end: int) -> bool:
+        """Whether tokens ``[start, end)`` can be copied in this layout."""
+        size = self.layout.block_size
+        return not self.layout.whole_blocks_only or (start % size == 0 and end % size == 0)
 
     def _request_config(self, request: RequestInfo | None) -> KVPlugConfig:
         if request is None or not request.overrides:

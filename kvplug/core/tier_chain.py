@@ -64,26 +64,30 @@ class TierChain:
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys are held by at least one tier."""
+        return next((i for i, found in enumerate(self.contains_any(keys)) if not found), len(keys))
+
+    def contains_any(self, keys: Sequence[str]) -> list[bool]:
+        """Whether some tier holds each key."""
         present = [False] * len(keys)
-        limit = len(keys)
         for slot in self._slots:
-            ask = [i for i in range(limit) if not present[i]]
+            ask = [i for i, found in enumerate(present) if not found]
             if not ask:
                 break
             answers = self._call(slot, "contains", [keys[i] for i in ask]) or [False] * len(ask)
             for i, found in zip(ask, answers):
-                present[i] = present[i] or bool(found)
-            limit = next((i for i in range(limit) if not present[i]), limit)
-        return next((i for i, found in enumerate(present) if not found), len(keys))
+                present[i] = bool(found)
+        return present
 
     def get_prefix(self, keys: Sequence[str]) -> list[Buffer]:
         """Values of the leading keys that some tier holds; stops at the first miss.
 
+        Asks ``contains`` first so no value past the prefix is fetched; a key that
+        vanishes between the two calls (evicted by another process) ends the prefix.
         Hits in slower tiers are written to the faster ones (promotion).
         """
-        values: list[Buffer | None] = [None] * len(keys)
-        found_in: list[int] = [-1] * len(keys)
-        limit = len(keys)
+        limit = self.contains_prefix(keys)
+        values: list[Buffer | None] = [None] * limit
+        found_in: list[int] = [-1] * limit
         for index, slot in enumerate(self._slots):
             ask = [i for i in range(limit) if values[i] is None]
             if not ask:
@@ -92,7 +96,7 @@ class TierChain:
             for i, value in zip(ask, answers):
                 if value is not None:
                     values[i], found_in[i] = value, index
-            limit = next((i for i in range(limit) if values[i] is None), limit)
+        limit = next((i for i, value in enumerate(values) if value is None), limit)
         prefix = values[:limit]
         self._promote(keys[:limit], prefix, found_in[:limit])  # type: ignore[arg-type]
         return prefix  # type: ignore[return-value]

@@ -1,0 +1,267 @@
+"""CacheEngine with the cpu tier: exact round trips, prefixes, failures as misses."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvplug import CacheEngine, Fingerprint, RequestInfo, StorageTier, TierStats, load_config
+from kvplug.core.plugins import PluginRegistry
+from kvplug.errors import EngineClosedError, LayoutError
+
+from conftest import LAYOUTS, caches_equal, random_caches
+
+NUM_BLOCKS = 80
+
+
+def block_slots(layout, blocks: list[int], num_tokens: int) -> torch.Tensor:
+    from kvplug import slots_from_block_ids
+
+    return slots_from_block_ids(blocks, layout.block_size, num_tokens)
+
+
+def prompt(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+def read_back(engine: CacheEngine, caches, slots: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(engine.layout.chunk_shape(slots.numel()), dtype=engine.layout.dtype)
+    engine.connector.gather(caches, slots, out)
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_store_then_retrieve_restores_the_exact_bytes(kind: str, make_engine) -> None:
+    layout = LAYOUTS[kind]
+    engine = make_engine(layout)
+    tokens = prompt(32)
+    src_blocks = list(range(0, NUM_BLOCKS // 2))
+    dst_blocks = list(range(NUM_BLOCKS // 2, NUM_BLOCKS))[::-1]
+    source = random_caches(layout, NUM_BLOCKS, seed=1)
+    src_slots = block_slots(layout, src_blocks, 32)
+    dst_slots = block_slots(layout, dst_blocks, 32)
+
+    assert engine.lookup(tokens) == 0
+    assert engine.store(tokens, source, src_slots) == 32
+    assert engine.lookup(tokens) == 32
+    target = random_caches(layout, NUM_BLOCKS, seed=2)
+    loaded = engine.retrieve(tokens, target, dst_slots)
+    assert loaded.all()
+    assert torch.equal(read_back(engine, source, src_slots).view(torch.uint8), read_back(engine, target, dst_slots).view(torch.uint8))
+
+
+def test_lookup_is_chunk_aligned_and_prefix_shared(make_engine) -> None:
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout)
+    caches = random_caches(layout, NUM_BLOCKS)
+    tokens = prompt(30)
+    engine.store(tokens, caches, torch.arange(30))
+    assert engine.lookup(tokens) == 24  # three whole chunks of 8; the last 6 tokens are not stored
+    assert engine.lookup(tokens[:20] + [7, 7, 7, 7]) == 16
+    assert engine.lookup([1] + tokens[1:]) == 0
+
+
+def test_save_unfull_chunk_makes_the_full_prompt_hit(make_engine) -> None:
+    layout = LAYOUTS["sglang_mha"]
+    engine = make_engine(layout, save_unfull_chunk=True)
+    caches = random_caches(layout, NUM_BLOCKS)
+    tokens = prompt(30)
+    assert engine.store(tokens, caches, torch.arange(30)) == 30
+    assert engine.lookup(tokens) == 30
+    assert engine.lookup(tokens + [1, 2, 3]) == 24  # a longer prompt only shares whole chunks
+
+
+def test_flipped_byte_shortens_the_hit_and_never_loads_wrong_data(make_engine) -> None:
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout)
+    source = random_caches(layout, NUM_BLOCKS, seed=3)
+    tokens = prompt(32)
+    engine.store(tokens, source, torch.arange(32))
+    keys = [k.key for k in engine.chunk_keys(tokens)]
+    cpu = engine.chain.tiers[0]
+    damaged = bytearray(cpu.get([keys[2]])[0])
+    damaged[-3] ^= 0x10
+    cpu.put([(keys[2], bytes(damaged))])
+
+    target = random_caches(layout, NUM_BLOCKS, seed=4)
+    before = [c.clone() for c in target]
+    slots = torch.arange(32) + 64
+    loaded = engine.retrieve(tokens, target, slots)
+    assert loaded.tolist() == [True] * 16 + [False] * 16
+    assert torch.equal(read_back(engine, source, torch.arange(16)), read_back(engine, target, slots[:16]))
+    assert torch.equal(read_back(engine, before, slots[16:]), read_back(engine, target, slots[16:]))
+    assert engine.metrics.value("kvplug_load_errors_total", reason="CorruptChunkError") == 1
+    assert engine.lookup(tokens) == 16  # the corrupt chunk was dropped from the tiers
+
+
+def test_mask_skips_tokens_the_engine_already_has(make_engine) -> None:
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout)
+    source = random_caches(layout, NUM_BLOCKS, seed=5)
+    tokens = prompt(24)
+    engine.store(tokens, source, torch.arange(24))
+    target = random_caches(layout, NUM_BLOCKS, seed=6)
+    before = [c.clone() for c in target]
+    mask = torch.tensor([False] * 10 + [True] * 14)
+    loaded = engine.retrieve(tokens, target, torch.arange(24), mask)
+    assert loaded.tolist() == [False] * 10 + [True] * 14
+    assert torch.equal(read_back(engine, before, torch.arange(10)), read_back(engine, target, torch.arange(10)))
+    assert torch.equal(read_back(engine, source, torch.arange(10, 24)), read_back(engine, target, torch.arange(10, 24)))
+
+
+def test_store_with_a_mask_only_stores_new_chunks(make_engine) -> None:
+    layout = LAYOUTS["sglang_mha"]
+    engine = make_engine(layout)
+    caches = random_caches(layout, NUM_BLOCKS)
+    tokens = prompt(24)
+    mask = torch.tensor([False] * 16 + [True] * 8)
+    assert engine.store(tokens, caches, torch.arange(24), mask) == 8
+    assert engine.lookup(tokens) == 0  # chunks 0 and 1 were never stored, so nothing is a prefix
+    assert engine.store(tokens, caches, torch.arange(24)) == 16  # the stored third chunk is not stored again
+    assert engine.lookup(tokens) == 24
+
+
+def test_layerwise_forms_round_trip_one_layer_at_a_time(make_engine) -> None:
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout)
+    source = random_caches(layout, NUM_BLOCKS, seed=7)
+    tokens = prompt(16)
+    storing = engine.store_layerwise(tokens, source, torch.arange(16))
+    assert [next(storing) for _ in range(layout.num_layers)] == [0, 1, 2]
+    assert engine.lookup(tokens) == 0  # nothing is visible before the last layer is sealed
+    with pytest.raises(StopIteration) as done:
+        next(storing)
+    assert done.value.value == 16 and engine.lookup(tokens) == 16
+
+    target = random_caches(layout, NUM_BLOCKS, seed=8)
+    loading = engine.retrieve_layerwise(tokens, target, torch.arange(16) + 80)
+    assert loading.num_loaded_tokens == 16
+    for layer in loading:
+        # Layer l is complete, layers after it are untouched so far.
+        assert torch.equal(source[layer].flatten(1, 2)[:, :16], target[layer].flatten(1, 2)[:, 80:96])
+        for later in range(layer + 1, layout.num_layers):
+            assert not torch.equal(source[later].flatten(1, 2)[:, :16], target[later].flatten(1, 2)[:, 80:96])
+    assert loading.loaded_mask.all()
+
+
+def test_cache_salt_isolates_requests(make_engine) -> None:
+    layout = LAYOUTS["vllm_mla"]
+    engine = make_engine(layout)
+    caches = random_caches(layout, NUM_BLOCKS)
+    tokens = prompt(16)
+    engine.store(tokens, caches, torch.arange(16), request=RequestInfo(cache_salt="tenant-a"))
+    assert engine.lookup(tokens, request=RequestInfo(cache_salt="tenant-a")) == 16
+    assert engine.lookup(tokens, request=RequestInfo(cache_salt="tenant-b")) == 0
+    assert engine.lookup(tokens) == 0
+
+
+def test_per_request_skip_save(make_engine) -> None:
+    layout = LAYOUTS["vllm_mla"]
+    engine = make_engine(layout)
+    caches = random_caches(layout, NUM_BLOCKS)
+    tokens = prompt(16)
+    assert engine.store(tokens, caches, torch.arange(16), request=RequestInfo(overrides={"skip_save": True})) == 0
+    assert engine.lookup(tokens) == 0
+
+
+def test_vllm_cpu_layout_loads_whole_blocks_only(make_engine) -> None:
+    layout = LAYOUTS["vllm_cpu"]
+    engine = make_engine(layout, save_unfull_chunk=True)
+    caches = random_caches(layout, NUM_BLOCKS)
+    tokens = prompt(22)  # chunks of 8: two whole chunks and a 6-token tail that is not whole blocks
+    assert engine.store(tokens, caches, block_slots(layout, list(range(6)), 22)) == 16
+    mask = torch.tensor([False] * 5 + [True] * 17)
+    loaded = engine.retrieve(tokens, random_caches(layout, NUM_BLOCKS), block_slots(layout, list(range(10, 16)), 22), mask)
+    assert loaded.tolist() == [False] * 8 + [True] * 8 + [False] * 6  # starts at the next whole block
+
+
+def test_bad_arguments_raise_at_once(make_engine) -> None:
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout)
+    caches = random_caches(layout, NUM_BLOCKS)
+    with pytest.raises(LayoutError, match="one entry per token"):
+        engine.store(prompt(8), caches, torch.arange(7))
+    with pytest.raises(LayoutError, match="prefix"):
+        engine.retrieve(prompt(8), caches, torch.arange(8), torch.tensor([True, False] * 4))
+    with pytest.raises(LayoutError, match="layer 0"):
+        engine.store(prompt(8), [c.float() for c in caches], torch.arange(8))
+    with pytest.raises(LayoutError, match="expected 3 layer caches"):
+        engine.store_layerwise(prompt(8), caches[:2], torch.arange(8))
+
+
+class _BrokenTier(StorageTier):
+    """A tier whose backing store is down: every call raises."""
+
+    name = "broken"
+
+    def contains(self, keys):
+        raise ConnectionError("store is down")
+
+    get = put = remove = contains
+
+    def stats(self) -> TierStats:
+        return TierStats()
+
+    def close(self) -> None:
+        pass
+
+
+class _BrokenPlugin:
+    from kvplug import hookimpl
+
+    @staticmethod
+    @hookimpl
+    def kvplug_storage_tiers():
+        return [_BrokenTier]
+
+
+def test_a_failing_tier_is_a_miss_not_an_error() -> None:
+    registry = PluginRegistry(plugin_filter="cpu")
+    registry.register(_BrokenPlugin, "broken-test")
+    config = load_config(engine_extra={"kvplug": {"chunk_size": 8, "store": {"mode": "sync"}, "tiers": [{"type": "broken"}, {"type": "cpu"}]}}, env={}, registry=registry).config
+    layout = LAYOUTS["sglang_mha"]
+    with CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry) as engine:
+        caches = random_caches(layout, NUM_BLOCKS)
+        tokens = prompt(16)
+        engine.store(tokens, caches, torch.arange(16))
+        assert engine.lookup(tokens) == 16  # served by the cpu tier behind the broken one
+        assert engine.retrieve(tokens, random_caches(layout, NUM_BLOCKS), torch.arange(16)).all()
+        assert engine.metrics.value("kvplug_tier_errors_total", op="contains", tier="0:broken") >= 1
+
+
+def test_async_store_queue_drops_when_full_and_counts(registry) -> None:
+    layout = LAYOUTS["sglang_mha"]
+    config = load_config(
+        engine_extra={"kvplug.chunk_size": 8, "kvplug.store": {"mode": "async", "queue_max_batches": 1, "on_full": "drop"}},
+        env={},
+        registry=registry,
+    ).config
+    engine = CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry)
+    gate = threading.Event()
+    original = engine.chain.put
+    engine.chain.put = lambda items: (gate.wait(10), original(items))  # a slow tier, held by the test
+    caches = random_caches(layout, NUM_BLOCKS)
+    for i in range(4):
+        engine.store(prompt(8, start=1000 * i), caches, torch.arange(8))
+    gate.set()
+    engine.flush()
+    assert engine.metrics.value("kvplug_store_dropped_total", queue="engine") >= 1
+    engine.close()
+
+
+def test_close_leaves_no_thread_behind(registry) -> None:
+    before = {t.name for t in threading.enumerate()}
+    layout = LAYOUTS["sglang_mha"]
+    config = load_config(engine_extra={"kvplug.chunk_size": 8}, env={}, registry=registry).config
+    engine = CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry)
+    engine.store(prompt(16), random_caches(layout, NUM_BLOCKS), torch.arange(16))
+    engine.flush()
+    assert engine.lookup(prompt(16)) == 16
+    engine.close()
+    time.sleep(0.05)
+    assert {t.name for t in threading.enumerate()} <= before
+    with pytest.raises(EngineClosedError):
+        engine.lookup(prompt(16))
