@@ -113,6 +113,21 @@ class ValueTooLargeError(TierError):
     """A value larger than the tier's whole byte budget."""
 
 
+# --- connectors ----------------------------------------------------------------------
+
+
+class ConnectorError(KVPlugError):
+    """A KV connector cannot run here, or failed to move a chunk."""
+
+
+class PinnedPoolExhaustedError(ConnectorError):
+    """No pinned staging buffer became free before the deadline (a counted miss)."""
+
+
+class TransferTimeoutError(ConnectorError):
+    """A device copy did not complete before its deadline."""
+
+
 # --- engine --------------------------------------------------------------------------
 
 

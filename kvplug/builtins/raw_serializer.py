@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -19,16 +21,19 @@ class RawSerializer(Serializer):
 
     name = "raw"
 
-    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytearray, torch.Tensor]:
+    def allocate(
+        self, shape: tuple[int, ...], dtype: torch.dtype, new_buffer: Callable[[int], Any] = bytearray
+    ) -> tuple[Any, torch.Tensor]:
         header = chunk_format.pack_header(dtype_name(dtype), shape)
         length = chunk_format.payload_length(dtype_name(dtype), shape)
-        frame = bytearray(chunk_format.HEADER_SIZE + length)
-        frame[: chunk_format.HEADER_SIZE] = header
+        frame = new_buffer(chunk_format.HEADER_SIZE + length)
+        memoryview(frame).cast("B")[: chunk_format.HEADER_SIZE] = header
         return frame, _tensor_over(frame, dtype, shape, length)
 
-    def seal(self, frame: bytearray) -> Buffer:
-        chunk_format.seal_frame(frame)
-        return memoryview(frame).toreadonly()
+    def seal(self, frame: Any) -> Buffer:
+        view = memoryview(frame).cast("B")
+        chunk_format.seal_frame(view)
+        return view.toreadonly()
 
     def loads(
         self,

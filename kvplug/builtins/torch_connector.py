@@ -133,6 +133,9 @@ def _scatter_rows(rows: torch.Tensor, index: torch.Tensor, src: torch.Tensor) ->
     if rows.device.type == "cpu" and rows.is_contiguous() and (rows.shape[1] * rows.element_size()) % 4 == 0:
         # index_copy_ on CPU is fastest on 4-byte elements (measured: int32 ~3x bf16, ~20x uint8).
         rows, src = rows.view(torch.int32), src.contiguous().view(torch.int32)
+    elif rows.element_size() == 1:
+        # index_copy_ has no float8 kernel: rows narrower than 4 bytes failed for fp8
+        rows, src = rows.view(torch.uint8), src.view(torch.uint8)
     rows.index_copy_(0, index, src)
 
 

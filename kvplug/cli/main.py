@@ -52,7 +52,7 @@ def config_show(
     from kvplug.core.config_loader import load_config
 
     loaded = _load_or_exit(lambda: load_config(config_file=file))
-    data = loaded.config.model_dump(mode="json")
+    data = loaded.config.effective()
     table = Table(title="effective kvplug config")
     table.add_column("setting")
     table.add_column("value")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, PrivateAttr, ValidationError
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt, PrivateAttr, ValidationError
 
 from kvplug.core.plugins import KNOWN_COMPONENTS, PluginRegistry, get_registry
 from kvplug.errors import ConfigError, ConfigProblem
@@ -55,6 +55,11 @@ class StoreSettings(BaseModel):
     )
     block_timeout_s: PositiveFloat = Field(
         default=30.0, description="A blocked store waits at most this long, then is dropped."
+    )
+    frame_pool_bytes: ByteSize | None = Field(
+        default=None,
+        description="Host memory recycled for chunk frames; None: the max_bytes of in-memory "
+        "tiers plus 256MiB; 0: no pool (every frame is fresh memory).",
     )
 
 
@@ -123,6 +128,14 @@ class KVPlugConfig(BaseModel):
         self._resolved = True
         return self
 
+    def effective(self) -> dict[str, Any]:
+        """The config as plain data, with every component's options validated and defaulted."""
+        data = self.model_dump(mode="json")
+        for name in ("serializer", "connector"):
+            data[name] = _effective_component(getattr(self, name))
+        data["tiers"] = [_effective_component(spec) for spec in self.tiers]
+        return data
+
     def with_overrides(self, overrides: Mapping[str, Any], *, source: str = "request") -> KVPlugConfig:
         """A copy with per-request settings changed; other keys are errors."""
         allowed = self.per_request_fields()
@@ -147,6 +160,11 @@ class KVPlugConfig(BaseModel):
             theirs._options = mine._options
         updated._resolved = self._resolved
         return updated
+
+
+def _effective_component(spec: ComponentSpec) -> dict[str, Any]:
+    options = spec.raw_options if spec._options is None else spec._options.model_dump(mode="json")
+    return {"type": spec.type, **options}
 
 
 class _AutoConnectorOptions(BaseModel):

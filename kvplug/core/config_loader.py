@@ -145,7 +145,11 @@ def engine_config_layer(extra: Mapping[str, Any]) -> tuple[dict[str, Any], str |
 def _merge(into: dict[str, Any], layer: Mapping[str, Any], sources: dict[str, str], name: str, prefix: str = "") -> None:
     for key, value in layer.items():
         path = f"{prefix}{key}"
-        if isinstance(value, Mapping) and isinstance(into.get(key), dict) and key != "serializer" and key != "connector":
+        # Sections merge key by key; a component spec ({type: ...}) is replaced whole,
+        # since options of one type mean nothing to another.
+        if isinstance(value, Mapping) and not (prefix == "" and key in ("serializer", "connector")):
+            if not isinstance(into.get(key), dict):
+                into[key] = {}
             _merge(into[key], value, sources, name, path + ".")
         else:
             into[key] = _deep_copy(value)

@@ -24,6 +24,7 @@ from kvplug.core.background import BackgroundWorker
 from kvplug.core.config import KVPlugConfig
 from kvplug.core.connector import KVConnector, LayerCache
 from kvplug.core.events import KVEvent
+from kvplug.core.frame_pool import FramePool
 from kvplug.core.keys import ChunkKey, ExtraKey, Fingerprint, KeyBuilder
 from kvplug.core.layouts import KVLayout
 from kvplug.core.metrics import EngineMetrics
@@ -89,6 +90,7 @@ class CacheEngine:
                 tier.close()
             raise
         self.chain = TierChain(tiers, self.metrics)
+        self.frame_pool = FramePool(self._frame_pool_bytes(tiers))
         self._store_worker: BackgroundWorker[StoreBatch] | None = None
         if config.store.mode == "async":
             self._store_worker = BackgroundWorker(
@@ -167,7 +169,7 @@ class CacheEngine:
         self._check_open()
         first = self._check_call(tokens, kv_caches, slots, mask)
         config = self._request_config(request)
-        todo: list[tuple[ChunkKey, bytearray, torch.Tensor]] = []
+        todo: list[tuple[ChunkKey, Any, torch.Tensor]] = []
         if not config.skip_save:
             try:
                 keys = [
@@ -179,7 +181,9 @@ class CacheEngine:
                 for chunk, present in zip(keys, stored):
                     if present:
                         continue
-                    frame, payload = self.serializer.allocate(self.layout.chunk_shape(chunk.num_tokens), self.layout.dtype)
+                    frame, payload = self.serializer.allocate(
+                        self.layout.chunk_shape(chunk.num_tokens), self.layout.dtype, self.frame_pool.new_buffer
+                    )
                     todo.append((chunk, frame, payload))
             except Exception:
                 logger.exception("store: preparing chunks failed; nothing stored")
@@ -187,7 +191,7 @@ class CacheEngine:
         return self._store_layers(kv_caches, slots.to(torch.long), todo)
 
     def _store_layers(
-        self, kv_caches: Sequence[LayerCache], slots: torch.Tensor, todo: list[tuple[ChunkKey, bytearray, torch.Tensor]]
+        self, kv_caches: Sequence[LayerCache], slots: torch.Tensor, todo: list[tuple[ChunkKey, Any, torch.Tensor]]
     ) -> Generator[int, None, int]:
         started = time.perf_counter()
         plans = [self.connector.plan(slots[chunk.start : chunk.end]) for chunk, _, _ in todo]
@@ -300,6 +304,13 @@ class CacheEngine:
         chosen = max(usable, key=lambda cls: getattr(cls, "priority", 0))
         logger.info("connector auto: chose %r of %s", chosen.name, sorted(c.name for c in usable))
         return chosen(chosen.Config(), self.layout)
+
+    def _frame_pool_bytes(self, tiers: Sequence[StorageTier]) -> int:
+        configured = self.config.store.frame_pool_bytes
+        if configured is not None:
+            return int(configured)
+        held = sum(int(getattr(t.config, "max_bytes", 0) or 0) for t in tiers if t.keeps_buffers)
+        return held + 256 * 2**20
 
     def _copyable(self, start: int, end: int) -> bool:
         """Whether tokens ``[start, end)`` can be copied in this layout."""

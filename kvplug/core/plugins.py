@@ -11,7 +11,6 @@ import functools
 import importlib
 import logging
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -67,8 +66,8 @@ class PluginRegistry:
             self.pm.add_hookspecs(module)
         self._infos: dict[str, PluginInfo] = {}
         self.load_errors: list[PluginLoadError] = []
-        if os.environ.get("KVPLUG_TRACE_PLUGINS", "") not in ("", "0"):
-            self._enable_tracing()
+        tracing = os.environ.get("KVPLUG_TRACE_PLUGINS", "") not in ("", "0")
+        self._trace = logging.getLogger("kvplug.trace") if tracing else None
         self._register_builtins()
         if load_entry_points:
             if plugin_filter is None:
@@ -113,16 +112,18 @@ class PluginRegistry:
             self.pm.register(plugin, name=entry_point.name)
             self._infos[entry_point.name] = PluginInfo(entry_point.name, distribution, version, builtin=False)
 
-    def _enable_tracing(self) -> None:
-        trace_logger = logging.getLogger("kvplug.trace")
+    def _call(self, hook_name: str, impl: Any, **kwargs: Any) -> Any:
+        """Call one plugin's implementation; with KVPLUG_TRACE_PLUGINS=1, log call and result.
 
-        def before(hook_name: str, hook_impls: list[Any], kwargs: Mapping[str, Any]) -> None:
-            trace_logger.info("call %s(%s) on %s", hook_name, dict(kwargs), [i.plugin_name for i in hook_impls])
-
-        def after(outcome: Any, hook_name: str, hook_impls: list[Any], kwargs: Mapping[str, Any]) -> None:
-            trace_logger.info("  %s -> %r", hook_name, outcome.get_result() if outcome.exception is None else outcome.exception)
-
-        self.pm.add_hookcall_monitoring(before, after)
+        Implementations are called one by one (not through ``pm.hook``) so every
+        component and every failure is attributed to the plugin that caused it.
+        """
+        if self._trace is None:
+            return impl.function(**kwargs)
+        self._trace.info("call %s(%s) on plugin %s", hook_name, kwargs or "", impl.plugin_name)
+        result = impl.function(**kwargs)
+        self._trace.info("  %s of %s -> %r", hook_name, impl.plugin_name, result)
+        return result
 
     # --- typed facade ---------------------------------------------------------------
 
@@ -154,7 +155,7 @@ class PluginRegistry:
         """Deliver an event to ``kvplug_on_event`` observers; their errors are logged."""
         for impl in self.pm.hook.kvplug_on_event.get_hookimpls():
             try:
-                impl.function(event=event)
+                self._call("kvplug_on_event", impl, event=event)
             except Exception:
                 logger.exception("kvplug_on_event of plugin %s failed", impl.plugin_name)
 
@@ -168,7 +169,7 @@ class PluginRegistry:
             for impl in reversed(getattr(self.pm.hook, hook_name).get_hookimpls()):
                 info = self._infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "?", "", False)
                 provider = f"{info.distribution} {info.version}".strip()
-                for component in impl.function() or []:
+                for component in self._call(hook_name, impl) or []:
                     name = _component_name(component, impl.plugin_name, hook_name)
                     if name in found[concern]:
                         raise DuplicateComponentError(concern, name, self._origins[(concern, name)], provider)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel
@@ -39,11 +40,17 @@ class Serializer(ABC):
         self.config = config
 
     @abstractmethod
-    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytearray, torch.Tensor]:
-        """A new frame and a writable CPU tensor view of its payload."""
+    def allocate(
+        self, shape: tuple[int, ...], dtype: torch.dtype, new_buffer: Callable[[int], Any] = bytearray
+    ) -> tuple[Any, torch.Tensor]:
+        """A new frame and a writable CPU tensor view of its payload.
+
+        ``new_buffer(nbytes)`` supplies the memory (the engine passes its
+        :class:`kvplug.core.frame_pool.FramePool`); the frame is that buffer.
+        """
 
     @abstractmethod
-    def seal(self, frame: bytearray) -> Buffer:
+    def seal(self, frame: Any) -> Buffer:
         """Finish a frame whose payload is written; returns what tiers store."""
 
     @abstractmethod

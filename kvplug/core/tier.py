@@ -72,6 +72,9 @@ class StorageTier(ABC):
 
     name: ClassVar[str]
     Config: ClassVar[type[BaseModel]] = TierConfig
+    #: True for tiers that keep the very buffers ``put`` hands them (in-memory
+    #: tiers): the engine sizes its frame pool to cover their ``max_bytes``.
+    keeps_buffers: ClassVar[bool] = False
 
     def __init__(self, config: BaseModel, context: TierContext) -> None:
         self.config = config

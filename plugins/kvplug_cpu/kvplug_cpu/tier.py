@@ -37,6 +37,7 @@ class CPUTier(StorageTier):
 
     name = "cpu"
     Config = CPUTierConfig
+    keeps_buffers = True
 
     def __init__(self, config: CPUTierConfig, context: TierContext) -> None:
         super().__init__(config, context)

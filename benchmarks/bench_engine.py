@@ -1,0 +1,130 @@
+"""CacheEngine + cpu tier throughput next to a plain memcpy of the same bytes.
+
+256-token chunks of an 8-layer model (8 KV heads of 128, bf16, vLLM flash layout,
+block size 16): 32 KiB of KV per token, 8 MiB per chunk. Every figure comes from
+this run; ratios are against ``copy_`` between two preallocated tensors of the
+same size (the best a copy can do) and into a freshly allocated tensor (what a
+store that keeps its copy must also pay: page faults of new memory).
+
+    python benchmarks/bench_engine.py [--tokens 4096] [--rounds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvplug import CacheEngine, Fingerprint, KVLayout, load_config, slots_from_block_ids
+
+
+def timed(fn, repeat: int) -> float:
+    """Median seconds of ``repeat`` calls (after one warm-up call)."""
+    fn()
+    samples = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per prompt (a multiple of 256)")
+    parser.add_argument("--rounds", type=int, default=8)
+    args = parser.parse_args()
+
+    layout = KVLayout("vllm_flash", num_layers=8, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    tokens = args.tokens
+    blocks = tokens // layout.block_size
+    nbytes = tokens * layout.bytes_per_token()
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = 2 * blocks + 4
+    caches = [
+        torch.randn(2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim, generator=gen).to(layout.dtype)
+        for _ in range(layout.num_layers)
+    ]
+    order = torch.randperm(num_blocks, generator=gen)
+    src_slots = slots_from_block_ids(order[:blocks], layout.block_size, tokens)
+    dst_slots = slots_from_block_ids(order[blocks : 2 * blocks], layout.block_size, tokens)
+
+    # Baselines over exactly nbytes.
+    a = torch.empty(nbytes, dtype=torch.uint8).random_(generator=gen)
+    b = torch.empty_like(a).fill_(1)
+    memcpy_s = timed(lambda: b.copy_(a), args.rounds)
+    fresh_s = timed(lambda: torch.empty_like(a).copy_(a), args.rounds)
+
+    budget = f"{max(4 * nbytes, 256 * 2**20)}"  # several prompts fit; older ones get evicted
+    config = load_config(
+        engine_extra={"kvplug": {"chunk_size": 256, "store": {"mode": "sync"}, "connector": {"type": "torch"},
+                                 "tiers": [{"type": "cpu", "max_bytes": budget}]}},
+        env={},
+    ).config
+    engine = CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="bench/llama-8l"))
+    prompt_id = iter(range(10**6))
+
+    def store_new_prompt() -> None:
+        start = next(prompt_id) * tokens
+        assert engine.store(list(range(start, start + tokens)), caches, src_slots) == tokens
+
+    store_s = timed(store_new_prompt, args.rounds)
+    stored_prompt = list(range(0, tokens))
+    engine.store(stored_prompt, caches, src_slots)
+
+    def retrieve() -> None:
+        assert bool(engine.retrieve(stored_prompt, caches, dst_slots).all())
+
+    retrieve_s = timed(retrieve, args.rounds)
+
+    # Where the store time goes: gather into frames, seal (checksum), tier put.
+    frames = []
+
+    def allocate() -> None:
+        frames.clear()
+        frames.extend(engine.serializer.allocate(layout.chunk_shape(256), layout.dtype) for _ in range(tokens // 256))
+
+    alloc_s = timed(allocate, args.rounds)
+
+    def gather() -> None:
+        for i, (_, payload) in enumerate(frames):
+            engine.connector.gather(caches, src_slots[i * 256 : (i + 1) * 256], payload)
+
+    gather_s = timed(gather, args.rounds)
+    seal_s = timed(lambda: [engine.serializer.seal(frame) for frame, _ in frames], args.rounds)
+    sealed = [engine.serializer.seal(frame) for frame, _ in frames]
+    loads_s = timed(lambda: [engine.serializer.loads(s) for s in sealed], args.rounds)
+    chunks = [engine.serializer.loads(s) for s in sealed]
+
+    def scatter() -> None:
+        for i, chunk in enumerate(chunks):
+            engine.connector.scatter(caches, dst_slots[i * 256 : (i + 1) * 256], chunk)
+
+    scatter_s = timed(scatter, args.rounds)
+    tier_stats = engine.chain.stats()
+    engine.close()
+
+    gbps = lambda seconds: nbytes / seconds / 1e9  # noqa: E731
+    print(f"kvplug bench_engine: {tokens} tokens x {layout.bytes_per_token()} B = {nbytes / 2**20:.0f} MiB per prompt, "
+          f"{tokens // 256} chunks of 256 tokens, torch threads {torch.get_num_threads()}")
+    print(f"{'path':<34}{'GB/s':>8}{'vs memcpy':>11}{'vs fresh memcpy':>17}")
+    rows = [
+        ("memcpy (preallocated dst)", memcpy_s),
+        ("memcpy into fresh memory", fresh_s),
+        ("store  (gather+seal+cpu put)", store_s),
+        ("retrieve (get+verify+scatter)", retrieve_s),
+        ("  store: allocate frames", alloc_s),
+        ("  store: gather paged -> frames", gather_s),
+        ("  store: seal (xxh3 checksum)", seal_s),
+        ("  retrieve: loads (verify)", loads_s),
+        ("  retrieve: scatter -> paged", scatter_s),
+    ]
+    for name, seconds in rows:
+        print(f"{name:<34}{gbps(seconds):>8.2f}{memcpy_s / seconds:>10.0%}{fresh_s / seconds:>16.0%}")
+    print(f"cpu tier after the run: {tier_stats[0][1]}")
+
+
+if __name__ == "__main__":
+    main()

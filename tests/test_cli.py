@@ -1,0 +1,52 @@
+"""The ``kvplug`` command line, run as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def kvplug(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = dict(os.environ, COLUMNS="200", **(env or {}))
+    full_env.pop("KVPLUG_PLUGINS", None)
+    return subprocess.run([sys.executable, "-m", "kvplug.cli.main", *args], env=full_env, capture_output=True, text=True, timeout=300)
+
+
+def test_config_show_names_where_each_value_came_from(tmp_path: Path) -> None:
+    config = tmp_path / "kvplug.yaml"
+    config.write_text("chunk_size: 128\ntiers: [{type: cpu, max_bytes: 1GiB}]\n")
+    result = kvplug("config", "show", env={"KVPLUG_CONFIG": str(config), "KVPLUG_HASH": "blake3"})
+    assert result.returncode == 0, result.stderr
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:4]] for line in result.stdout.splitlines() if line.count("│") >= 4}
+    assert rows["chunk_size"] == ["128", f"file {config}"]
+    assert rows["hash"] == ["blake3", "env"]
+    assert rows["store.mode"] == ["async", "default"]
+    assert rows["tiers"][1] == f"file {config}" and "1073741824" in rows["tiers"][0]
+
+
+def test_config_validate_accepts_a_good_file_and_names_bad_fields(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text("chunk_size: 64\nserializer: {type: raw}\nconnector: {type: torch}\ntiers: [{type: cpu, max_bytes: 512MB}]\n")
+    result = kvplug("config", "validate", str(good))
+    assert result.returncode == 0 and "ok" in result.stdout and "tiers: cpu" in result.stdout
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("chunk_size: -1\nstore: {on_full: explode}\n")
+    result = kvplug("config", "validate", str(bad))
+    message = " ".join(result.stderr.split())
+    assert result.returncode == 2
+    assert "chunk_size: Input should be greater than 0 (got -1)" in message
+    assert "store.on_full:" in message and "'explode'" in message
+
+
+def test_demo_runs_the_synthetic_job_and_checks_every_byte() -> None:
+    result = kvplug("demo", "--tokens", "1024", "--engine", "synthetic")
+    assert result.returncode == 0, result.stderr
+    out = " ".join(result.stdout.split())
+    assert "lookup before store │ 0 hit tokens" in out
+    assert "lookup after store │ 1024 hit tokens" in out
+    assert "prompt sharing half the prefix │ 512 hit tokens" in out
+    assert "KV identical after reload │ yes" in out
+    assert "GB/s" in out

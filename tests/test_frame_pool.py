@@ -1,0 +1,52 @@
+"""The frame pool recycles memory only once nothing refers to a frame any more."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from kvplug.builtins.raw_serializer import RawSerializer
+from kvplug.core.components import EmptyConfig
+from kvplug.core.frame_pool import GRANULARITY, FramePool
+
+
+def test_frames_are_recycled_after_their_last_reference_dies() -> None:
+    pool = FramePool(8 * GRANULARITY)
+    frames = [pool.new_buffer(3000) for _ in range(4)]
+    assert pool.stats().in_use == 4 * GRANULARITY
+    views = [memoryview(f).toreadonly() for f in frames]
+    del frames
+    gc.collect()
+    assert pool.stats().in_use == 4 * GRANULARITY  # the read-only views still hold them
+    del views
+    gc.collect()
+    assert pool.stats().in_use == 0
+    again = [pool.new_buffer(3000) for _ in range(4)]
+    assert pool.stats().recycled == 4 and pool.stats().carved == 4 * GRANULARITY
+    assert all(memoryview(f).nbytes == 3000 for f in again)
+
+
+def test_a_full_pool_falls_back_to_fresh_memory() -> None:
+    pool = FramePool(2 * GRANULARITY)
+    frames = [pool.new_buffer(GRANULARITY) for _ in range(3)]
+    assert isinstance(frames[2], bytearray) and pool.stats().fallbacks == 1
+    assert FramePool(0).new_buffer(10) == bytearray(10)
+
+
+def test_live_frames_never_share_memory_and_keep_their_bytes() -> None:
+    pool = FramePool(64 * GRANULARITY)
+    serializer = RawSerializer(EmptyConfig())
+    sealed = []
+    for value in range(20):
+        frame, payload = serializer.allocate((100,), torch.float32, pool.new_buffer)
+        payload.fill_(value)
+        sealed.append(serializer.seal(frame))
+        if value % 3 == 0:
+            sealed.pop(0)  # drop one: its memory returns to the pool and is reused
+            gc.collect()
+    for data in sealed:
+        tensor = serializer.loads(data)
+        assert torch.equal(tensor, torch.full((100,), tensor[0].item()))
+    assert pool.stats().recycled > 0
+    assert len({int(serializer.loads(d)[0].item()) for d in sealed}) == len(sealed)

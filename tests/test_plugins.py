@@ -1,0 +1,154 @@
+"""Plugin discovery: builtins like plugins, KVPLUG_PLUGINS, duplicates and broken plugins."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvplug import hookimpl
+from kvplug.core.plugins import PluginRegistry
+from kvplug.errors import DuplicateComponentError, InvalidComponentError
+from kvplug_cpu import CPUTier
+
+
+def make_distribution(site: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str]) -> None:
+    """A real installed distribution on ``site``: a dist-info with entry points, and modules."""
+    info = site / f"{dist.replace('-', '_')}-1.2.3.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2.3\n")
+    (info / "entry_points.txt").write_text("[kvplug]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points.items()))
+    for name, code in modules.items():
+        (site / f"{name}.py").write_text(code)
+
+
+def run_kvplug(site: Path, *args: str, plugins: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]), COLUMNS="200")
+    env.pop("KVPLUG_PLUGINS", None)
+    if plugins is not None:
+        env["KVPLUG_PLUGINS"] = plugins
+    return subprocess.run([sys.executable, "-m", "kvplug.cli.main", *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+TIER_MODULE = """
+import kvplug
+from kvplug_cpu import CPUTier
+
+class {cls}(CPUTier):
+    name = {name!r}
+
+@kvplug.hookimpl
+def kvplug_storage_tiers():
+    return [{cls}]
+"""
+
+
+def test_builtins_are_registered_like_plugins() -> None:
+    registry = PluginRegistry(plugin_filter="")
+    assert set(registry.serializers()) == {"raw"} and set(registry.kv_connectors()) == {"torch"}
+    assert registry.storage_tiers() == {}
+    assert {p.distribution for p in registry.plugins()} == {"kvplug"}
+    assert all(p.builtin for p in registry.plugins())
+
+
+def test_kvplug_plugins_filters_entry_points() -> None:
+    assert "cpu" in PluginRegistry(plugin_filter="cpu").storage_tiers()
+    assert "cpu" not in PluginRegistry(plugin_filter="something-else").storage_tiers()
+
+
+def test_cli_lists_plugins_and_respects_an_empty_filter(tmp_path: Path) -> None:
+    listing = run_kvplug(tmp_path, "plugins")
+    assert listing.returncode == 0, listing.stderr
+    assert "kvplug-cpu" in listing.stdout and "storage_tier: cpu" in listing.stdout and "serializer: raw" in listing.stdout
+    only_builtins = run_kvplug(tmp_path, "plugins", plugins="")
+    assert "kvplug-cpu" not in only_builtins.stdout and "kv_connector: torch" in only_builtins.stdout
+
+
+def test_two_components_with_one_name_name_both_distributions(tmp_path: Path) -> None:
+    make_distribution(tmp_path, "kvplug-alpha", {"alpha": "alpha_tier"}, {"alpha_tier": TIER_MODULE.format(cls="A", name="shared")})
+    make_distribution(tmp_path, "kvplug-beta", {"beta": "beta_tier"}, {"beta_tier": TIER_MODULE.format(cls="B", name="shared")})
+    result = run_kvplug(tmp_path, "plugins")
+    assert result.returncode == 1
+    message = " ".join(result.stderr.split())
+    assert "two storage_tier components are named 'shared'" in message
+    assert "kvplug-alpha 1.2.3" in message and "kvplug-beta 1.2.3" in message
+    # Limiting plugins resolves it.
+    assert run_kvplug(tmp_path, "plugins", plugins="alpha,cpu").returncode == 0
+
+
+def test_a_plugin_that_fails_to_import_is_reported_by_name(tmp_path: Path) -> None:
+    make_distribution(tmp_path, "kvplug-broken", {"broken": "broken_tier"}, {"broken_tier": "import not_a_real_module\n"})
+    result = run_kvplug(tmp_path, "plugins")
+    assert result.returncode == 1
+    output = " ".join(result.stdout.split()) + " ".join(result.stderr.split())
+    assert "plugin 'broken' (distribution kvplug-broken) failed to import" in output
+    assert "No module named 'not_a_real_module'" in output
+    assert "storage_tier: cpu" in result.stdout  # the other plugins still load
+
+
+def test_unknown_type_mentions_plugins_that_failed(tmp_path: Path) -> None:
+    make_distribution(tmp_path, "kvplug-broken", {"broken": "broken_tier"}, {"broken_tier": "raise RuntimeError('boom')\n"})
+    config = tmp_path / "c.yaml"
+    config.write_text("tiers: [{type: fancy}]\n")
+    result = run_kvplug(tmp_path, "config", "validate", str(config))
+    message = " ".join(result.stderr.split())
+    assert result.returncode == 2
+    assert "tiers[0].type: unknown tier type 'fancy'" in message and "plugins that failed to load: broken" in message
+
+
+def test_in_process_duplicate_and_invalid_components() -> None:
+    class Twin:
+        @staticmethod
+        @hookimpl
+        def kvplug_storage_tiers():
+            return [CPUTier]
+
+    registry = PluginRegistry(plugin_filter="cpu")
+    registry.register(Twin, "twin", distribution="kvplug-twin", version="9")
+    with pytest.raises(DuplicateComponentError, match="kvplug-twin 9"):
+        registry.storage_tiers()
+
+    class Nameless:
+        @staticmethod
+        @hookimpl
+        def kvplug_serializers():
+            return [object]
+
+    registry = PluginRegistry(plugin_filter="")
+    registry.register(Nameless, "nameless")
+    with pytest.raises(InvalidComponentError, match="nameless"):
+        registry.serializers()
+
+
+def test_trace_logs_hook_calls(tmp_path: Path) -> None:
+    code = "import logging; logging.basicConfig(level=logging.INFO); from kvplug.core.plugins import PluginRegistry; PluginRegistry().storage_tiers()"
+    env = dict(os.environ, KVPLUG_TRACE_PLUGINS="1")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "call kvplug_storage_tiers" in result.stderr and "CPUTier" in result.stderr
+
+
+def test_events_reach_observers_and_their_errors_are_contained() -> None:
+    seen = []
+
+    class Observer:
+        @staticmethod
+        @hookimpl
+        def kvplug_on_event(event):
+            seen.append(event.kind)
+
+    class Faulty:
+        @staticmethod
+        @hookimpl
+        def kvplug_on_event(event):
+            raise RuntimeError("observer bug")
+
+    from kvplug import KVEvent
+
+    registry = PluginRegistry(plugin_filter="")
+    registry.register(Observer, "observer")
+    registry.register(Faulty, "faulty")
+    registry.emit(KVEvent("stored", ("k",)))
+    assert seen == ["stored"]
