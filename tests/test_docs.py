@@ -89,3 +89,20 @@ print("sqlite tier used by name: ok")
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def test_every_setting_is_in_the_config_reference() -> None:
+    from kvplug.core.config import KVPlugConfig, StoreSettings
+
+    text = (ROOT / "docs" / "config.md").read_text()
+    for name in KVPlugConfig.model_fields:
+        assert f"| `{name}` |" in text, name
+    for name in StoreSettings.model_fields:
+        assert f"| `store.{name}` |" in text, name
+
+
+def test_config_reference_is_up_to_date() -> None:
+    import runpy
+
+    render = runpy.run_path(str(ROOT / "docs" / "gen_config_reference.py"))["render"]
+    assert (ROOT / "docs" / "config.md").read_text() == render(), "run: python docs/gen_config_reference.py > docs/config.md"

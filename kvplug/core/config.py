@@ -80,7 +80,9 @@ class KVPlugConfig(BaseModel):
     skip_save: bool = Field(
         default=False, description="Store nothing (lookups still hit).", json_schema_extra={"per_request": True}
     )
-    serializer: ComponentSpec = Field(default_factory=lambda: ComponentSpec(type="raw"))
+    serializer: ComponentSpec = Field(
+        default_factory=lambda: ComponentSpec(type="raw"), description="Serializer of chunk frames."
+    )
     connector: ComponentSpec = Field(
         default_factory=lambda: ComponentSpec(type="auto"),
         description="KV connector; 'auto' picks the fastest available one.",
@@ -90,7 +92,7 @@ class KVPlugConfig(BaseModel):
         min_length=1,
         description="Storage tiers, fastest first.",
     )
-    store: StoreSettings = Field(default_factory=StoreSettings)
+    store: StoreSettings = Field(default_factory=StoreSettings, description="How stores reach the tiers.")
 
     _resolved: bool = PrivateAttr(default=False)
 

