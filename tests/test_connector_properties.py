@@ -123,3 +123,23 @@ def test_caches_equal_helper_sees_differences() -> None:
     assert caches_equal(a, b)
     b[0][1][0, 0, 0] += 1
     assert not caches_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["vllm_flash", "vllm_mla", "sglang_mha"])
+def test_large_rows_round_trip(kind: str) -> None:
+    """Rows of 8 KiB and more are scattered block by block: same bytes as the index path."""
+    from kvplug import KVLayout
+
+    heads = 1 if kind == "vllm_mla" else 8
+    block = 1 if kind == "sglang_mha" else 16
+    layout = KVLayout(kind, num_layers=2, block_size=block, num_kv_heads=heads, head_dim=512, dtype=torch.bfloat16)
+    connector = TorchConnector(EmptyConfig(), layout)
+    source = random_caches(layout, 8, seed=3)
+    target = random_caches(layout, 8, seed=4)
+    slots = (torch.tensor([5, 2, 7])[:, None] * block + torch.arange(block)).reshape(-1)
+    chunk = torch.empty(layout.chunk_shape(slots.numel()), dtype=layout.dtype)
+    connector.gather(source, slots, chunk)
+    connector.scatter(target, slots.flip(0), chunk.flip(2))
+    for src_cache, dst_cache in zip(source, target):
+        for wanted, got in zip(token_rows(layout, src_cache, slots), token_rows(layout, dst_cache, slots)):
+            assert torch.equal(wanted, got)
