@@ -15,7 +15,7 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
-nox.options.sessions = ["core"]
+nox.options.sessions = ["core", "cuda"]
 
 CORE = ["-e", ".[test]", "-e", "plugins/kvplug_cpu"]
 
@@ -32,3 +32,11 @@ def demo(session: nox.Session) -> None:
     """Install and run `kvplug demo` (no services needed)."""
     session.install("-c", "constraints/core.txt", "-e", ".", "-e", "plugins/kvplug_cpu")
     session.run("kvplug", "demo", *session.posargs)
+
+
+@nox.session
+def cuda(session: nox.Session) -> None:
+    """kvplug-cuda: Triton kernels checked in Triton's interpreter here; GPU tests skip without CUDA."""
+    session.install("-r", "plugins/kvplug_cuda/requirements-test.txt")
+    session.install("-e", ".", "-e", "plugins/kvplug_cpu", "-e", "plugins/kvplug_cuda")
+    session.run("pytest", "-p", "no:cacheprovider", "-rs", "plugins/kvplug_cuda/tests", *session.posargs)

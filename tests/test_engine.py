@@ -265,3 +265,29 @@ def test_close_leaves_no_thread_behind(registry) -> None:
     assert {t.name for t in threading.enumerate()} <= before
     with pytest.raises(EngineClosedError):
         engine.lookup(prompt(16))
+
+
+def test_connector_failures_are_misses_not_errors(make_engine) -> None:
+    from kvplug.errors import PinnedPoolExhaustedError
+
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout)
+    caches = random_caches(layout, NUM_BLOCKS)
+    tokens = prompt(16)
+    real_scatter, real_gather = engine.connector.scatter_layer, engine.connector.gather_layer
+    calls = {"n": 0}
+
+    def fail_on_second_layer(cache, plan, src):
+        calls["n"] += 1
+        if calls["n"] == 3:  # layer 1 of two chunks: a fault a real pool can hit under load
+            raise PinnedPoolExhaustedError("no staging buffer within 1 s")
+        real_scatter(cache, plan, src)
+
+    engine.connector.gather_layer = lambda *a: (_ for _ in ()).throw(PinnedPoolExhaustedError("busy"))
+    assert engine.store(tokens, caches, torch.arange(16)) == 0 and engine.lookup(tokens) == 0
+    engine.connector.gather_layer = real_gather
+    assert engine.store(tokens, caches, torch.arange(16)) == 16
+    engine.connector.scatter_layer = fail_on_second_layer
+    loaded = engine.retrieve(tokens, random_caches(layout, NUM_BLOCKS), torch.arange(16) + 32)
+    assert not loaded.any()
+    assert engine.metrics.value("kvplug_load_errors_total", reason="PinnedPoolExhaustedError") == 2

@@ -144,6 +144,9 @@ def _scatter_rows(rows: torch.Tensor, index: torch.Tensor, src: torch.Tensor) ->
             return
         if row_bytes % 4 == 0:  # small rows: index_copy_ is fastest on 4-byte elements
             rows, src = rows.view(torch.int32), src.contiguous().view(torch.int32)
+    if rows.element_size() == 1:
+        # index_copy_ has no float8 kernel: fp8 rows not a multiple of 4 bytes raised
+        rows, src = rows.view(torch.uint8), src.view(torch.uint8)
     rows.index_copy_(0, index, src)
 
 

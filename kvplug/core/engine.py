@@ -32,7 +32,7 @@ from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.serializer import Serializer, dtype_name
 from kvplug.core.tier import Buffer, StorageTier, TierContext
 from kvplug.core.tier_chain import TierChain
-from kvplug.errors import ChunkError, EngineClosedError, LayoutError
+from kvplug.errors import ChunkError, ConnectorError, EngineClosedError, LayoutError
 
 logger = logging.getLogger("kvplug.engine")
 
@@ -196,12 +196,20 @@ class CacheEngine:
         started = time.perf_counter()
         plans = [self.connector.plan(slots[chunk.start : chunk.end]) for chunk, _, _ in todo]
         for layer in range(self.layout.num_layers):
-            for plan, (_, _, payload) in zip(plans, todo):
-                self.connector.gather_layer(kv_caches[layer], plan, payload[layer])
+            try:
+                for plan, (_, _, payload) in zip(plans, todo):
+                    self.connector.gather_layer(kv_caches[layer], plan, payload[layer])
+            except ConnectorError as exc:  # e.g. no staging buffer in time: this store is dropped
+                self._count_connector_error("store", exc)
+                todo = plans = []
             yield layer
         if not todo:
             return 0
-        self.connector.synchronize()
+        try:
+            self.connector.synchronize()
+        except ConnectorError as exc:
+            self._count_connector_error("store", exc)
+            return 0
         batch = [(chunk.key, self.serializer.seal(frame), chunk.num_tokens) for chunk, frame, _ in todo]
         if self._store_worker is not None:
             self._store_worker.submit(batch)
@@ -305,6 +313,10 @@ class CacheEngine:
         logger.info("connector auto: chose %r of %s", chosen.name, sorted(c.name for c in usable))
         return chosen(chosen.Config(), self.layout)
 
+    def _count_connector_error(self, operation: str, exc: ConnectorError) -> None:
+        self.metrics.load_errors.labels(type(exc).__name__).inc()
+        logger.warning("%s: connector %s failed (%s); treated as a miss", operation, self.connector.name, exc)
+
     def _frame_pool_bytes(self, tiers: Sequence[StorageTier]) -> int:
         configured = self.config.store.frame_pool_bytes
         if configured is not None:
@@ -376,8 +388,16 @@ class LayerwiseRetrieve(Iterator[int]):
         if layer >= self._engine.layout.num_layers:
             raise StopIteration
         connector = self._engine.connector
-        for plan, (start, _, chunk_start), (_, tensor) in zip(self._plans, self._spans, self._chunks):
-            connector.scatter_layer(self._kv_caches[layer], plan, tensor[layer, :, start - chunk_start :])
+        try:
+            for plan, (start, _, chunk_start), (_, tensor) in zip(self._plans, self._spans, self._chunks):
+                connector.scatter_layer(self._kv_caches[layer], plan, tensor[layer, :, start - chunk_start :])
+        except ConnectorError as exc:
+            # Some layers are written and this one maybe in part: report nothing as
+            # loaded, so the engine recomputes (and overwrites) all of it.
+            self._engine._count_connector_error("retrieve", exc)
+            self._plans, self._spans, self._chunks = [], [], []
+            self.loaded_mask.zero_()
+            self.num_loaded_tokens = 0
         self._next_layer += 1
         if self._next_layer == self._engine.layout.num_layers:
             self._finish()
@@ -385,7 +405,13 @@ class LayerwiseRetrieve(Iterator[int]):
 
     def _finish(self) -> None:
         engine = self._engine
-        engine.connector.synchronize()
+        try:
+            engine.connector.synchronize()
+        except ConnectorError as exc:
+            engine._count_connector_error("retrieve", exc)
+            self.loaded_mask.zero_()
+            self.num_loaded_tokens = 0
+            self._chunks = []
         engine.metrics.loaded_tokens.inc(self.num_loaded_tokens)
         engine.metrics.retrieve_seconds.observe(time.perf_counter() - self._started)
         if self._chunks:
