@@ -17,14 +17,15 @@ nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
 nox.options.sessions = ["core", "cuda"]
 
-CORE = ["-e", ".[test]", "-e", "plugins/kvplug_cpu"]
+CORE = ["-e", ".[test]", "-e", "plugins/kvplug_cpu", "-e", "plugins/kvplug_disk[test]"]
+CORE_TESTS = ["tests", "plugins/kvplug_cpu/tests", "plugins/kvplug_disk/tests"]
 
 
 @nox.session
 def core(session: nox.Session) -> None:
     """kvplug, its builtins and the storage plugins, with the core's pins."""
     session.install("-c", "constraints/core.txt", *CORE)
-    session.run("pytest", "-p", "no:cacheprovider", "tests", "plugins/kvplug_cpu/tests", *session.posargs)
+    session.run("pytest", "-p", "no:cacheprovider", *CORE_TESTS, *session.posargs)
 
 
 @nox.session

@@ -108,59 +108,7 @@ def _drop_pages(folder: Path) -> None:
 
 
 def run_disk(args: argparse.Namespace) -> None:
-    from kvplug.testing import key_for, tier_context
-    from kvplug_disk import DiskTier
-
-    rows = []
-    for size in args.sizes:
-        count = max(4, args.total // size)
-        distinct = [os.urandom(size) for _ in range(min(count, 4))]
-        values = [distinct[i % len(distinct)] for i in range(count)]
-        keys = [key_for(f"bench-{size}-{i}") for i in range(count)]
-        gb = count * size / 1e9
-        raw_dir = args.dir / f"raw-{size}"
-        tier_dir = args.dir / f"tier-{size}"
-
-        def tier_write() -> float:
-            shutil.rmtree(tier_dir, ignore_errors=True)
-            tier = DiskTier(DiskTier.Config(path=tier_dir, max_bytes=2 * count * size, on_queue_full="block"), tier_context())
-            started = time.perf_counter()
-            for at in range(0, count, args.batch):  # an engine stores a request's chunks as one batch
-                tier.put(list(zip(keys[at : at + args.batch], values[at : at + args.batch])))
-            tier.flush()
-            elapsed = time.perf_counter() - started
-            tier.close()
-            return elapsed
-
-        def tier_read() -> float:
-            tier = DiskTier(DiskTier.Config(path=tier_dir, max_bytes=2 * count * size), tier_context())
-            started = time.perf_counter()
-            for at in range(0, count, args.batch):
-                got = tier.get(keys[at : at + args.batch])
-                assert all(v is not None for v in got), "tier lost values"
-            elapsed = time.perf_counter() - started
-            tier.close()
-            return elapsed
-
-        # Interleaved so that drifting disk speed hits both sides alike.
-        raw_w = tier_w = float("inf")
-        for _ in range(args.repeats):
-            raw_w = min(raw_w, _raw_write(raw_dir, values))
-            tier_w = min(tier_w, tier_write())
-        raw_hot = best_of(args.repeats, lambda: _raw_read(raw_dir, count, args.batch))
-        tier_hot = best_of(args.repeats, tier_read)
-        raw_cold = tier_cold = float("inf")
-        for _ in range(args.repeats):
-            _drop_pages(raw_dir)
-            raw_cold = min(raw_cold, _raw_read(raw_dir, count, args.batch))
-            _drop_pages(tier_dir)
-            tier_cold = min(tier_cold, tier_read())
-        label = f"{size / 2**20:g} MiB x {count}"
-        rows.append((label, "write", gb / raw_w, gb / tier_w, f"{raw_w / tier_w:.0%}"))
-        rows.append((label, "read (page cache)", gb / raw_hot, gb / tier_hot, f"{raw_hot / tier_hot:.0%}"))
-        rows.append((label, "read (cold)", gb / raw_cold, gb / tier_cold, f"{raw_cold / tier_cold:.0%}"))
-        shutil.rmtree(raw_dir)
-        shutil.rmtree(tier_dir)
+    rows = [row for size in args.sizes for row in _measure_disk(args, size)]
     print_table(
         f"disk tier vs raw files in {args.dir} (best of {args.repeats}; write = write+fdatasync+rename; "
         f"tier batches {args.batch} values per put, background writer, flush included)",
@@ -169,12 +117,71 @@ def run_disk(args: argparse.Namespace) -> None:
     )
 
 
+def _measure_disk(args: argparse.Namespace, size: int) -> list[tuple[object, ...]]:
+    from kvplug_disk import DiskTier
+
+    from kvplug.testing import key_for, tier_context
+
+    count = max(4, args.total // size)
+    distinct = [os.urandom(size) for _ in range(min(count, 4))]
+    values = [distinct[i % len(distinct)] for i in range(count)]
+    keys = [key_for(f"bench-{size}-{i}") for i in range(count)]
+    gb = count * size / 1e9
+    raw_dir = args.dir / f"raw-{size}"
+    tier_dir = args.dir / f"tier-{size}"
+
+    def tier_write() -> float:
+        shutil.rmtree(tier_dir, ignore_errors=True)
+        tier = DiskTier(DiskTier.Config(path=tier_dir, max_bytes=2 * count * size, on_queue_full="block"), tier_context())
+        started = time.perf_counter()
+        for at in range(0, count, args.batch):  # an engine stores a request's chunks as one batch
+            tier.put(list(zip(keys[at : at + args.batch], values[at : at + args.batch])))
+        tier.flush()
+        elapsed = time.perf_counter() - started
+        tier.close()
+        return elapsed
+
+    def tier_read() -> float:
+        tier = DiskTier(DiskTier.Config(path=tier_dir, max_bytes=2 * count * size), tier_context())
+        started = time.perf_counter()
+        for at in range(0, count, args.batch):
+            got = tier.get(keys[at : at + args.batch])
+            assert all(v is not None for v in got), "tier lost values"
+        elapsed = time.perf_counter() - started
+        tier.close()
+        return elapsed
+
+    # Interleaved so that drifting disk speed hits both sides alike.
+    raw_w = tier_w = float("inf")
+    for _ in range(args.repeats):
+        raw_w = min(raw_w, _raw_write(raw_dir, values))
+        tier_w = min(tier_w, tier_write())
+    raw_hot = tier_hot = raw_cold = tier_cold = float("inf")
+    for _ in range(args.repeats):
+        raw_hot = min(raw_hot, _raw_read(raw_dir, count, args.batch))
+        tier_hot = min(tier_hot, tier_read())
+    for _ in range(args.repeats):
+        _drop_pages(raw_dir)
+        raw_cold = min(raw_cold, _raw_read(raw_dir, count, args.batch))
+        _drop_pages(tier_dir)
+        tier_cold = min(tier_cold, tier_read())
+    shutil.rmtree(raw_dir)
+    shutil.rmtree(tier_dir)
+    label = f"{size / 2**20:g} MiB x {count}"
+    return [
+        (label, "write", gb / raw_w, gb / tier_w, f"{raw_w / tier_w:.0%}"),
+        (label, "read (page cache)", gb / raw_hot, gb / tier_hot, f"{raw_hot / tier_hot:.0%}"),
+        (label, "read (cold)", gb / raw_cold, gb / tier_cold, f"{raw_cold / tier_cold:.0%}"),
+    ]
+
+
 # --- startup -------------------------------------------------------------------------
 
 
 def run_startup(args: argparse.Namespace) -> None:
-    from kvplug.testing import key_for, tier_context
     from kvplug_disk import DiskTier
+
+    from kvplug.testing import key_for, tier_context
 
     folder = args.dir / "index"
     filler = DiskTier(DiskTier.Config(path=folder, writer="inline", fsync=False), tier_context())

@@ -1,0 +1,327 @@
+"""Tier ``disk``: one crash-safe record file per key in a folder, LRU within a byte budget.
+
+- Writes are atomic per key (temp file, fdatasync, rename, folder fsync; see
+  :mod:`kvplug_disk.files`), by default on the tier's own bounded writer thread
+  (see :mod:`kvplug_disk.config` for why it owns one). Values still queued are
+  served from memory, so a ``put`` is readable at once. The writer fsyncs the
+  folders it renamed into as a group: when its queue runs empty, at least every
+  ``FOLDER_SYNC_INTERVAL_S``, and on ``flush``/``close``. A rename not yet synced
+  can only be lost by a power failure, and then the key is simply absent: the
+  file's data was synced before the rename, so a name never points at torn bytes.
+- Every read verifies the record frame (magic, version, length, key digest,
+  checksums). A bad file is a miss, counted as ``extra["corrupt"]``, and removed.
+- The index (digest -> size, LRU order) is rebuilt from the folder at start, so
+  a new process finds what the last one stored.
+- Several processes may share the folder. ``contains`` and ``get`` ask the file
+  system, not only the index, so they see files another process wrote, and a file
+  another process evicted is a miss, never an error. Each process enforces the
+  budget over the files it knows of (those found at start, written or seen since).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from kvplug import KVEvent, StorageTier, TierContext, TierStats
+from kvplug.core.background import BackgroundWorker
+from kvplug.core.record import RECORD_HEADER_SIZE, unpack_record
+from kvplug.core.tier import Buffer
+from kvplug.errors import CorruptChunkError, IncompatibleChunkError, TierClosedError, ValueTooLargeError
+from kvplug_disk.config import DiskTierConfig
+from kvplug_disk.files import RecordFolder, digest_of, value_size_of
+from kvplug_disk.index import IndexEntry, LRUIndex
+
+#: Longest a renamed record waits for its folder's fsync while the writer is busy.
+FOLDER_SYNC_INTERVAL_S = 1.0
+
+
+@dataclass(eq=False)
+class _Write:
+    """One queued value; identity tells whether a later put or remove superseded it."""
+
+    key: str
+    digest: str
+    value: Buffer
+
+
+class DiskTier(StorageTier):
+    """Byte buffers as verified record files in a folder shared by any number of processes."""
+
+    name = "disk"
+    Config = DiskTierConfig
+
+    def __init__(self, config: DiskTierConfig, context: TierContext) -> None:
+        super().__init__(config, context)
+        self.config: DiskTierConfig = config
+        self._budget = int(config.max_bytes)
+        self._lock = threading.Lock()
+        self._index = LRUIndex()
+        self._pending: dict[str, _Write] = {}
+        self._stats = TierStats()
+        self._counts = {"corrupt": 0, "incompatible": 0, "discovered": 0, "vanished": 0}
+        self._closed = False
+        self._dirty_folders: set[str] = set()
+        self._folder_lock = threading.Lock()  # one folder sync at a time; taken before _lock, never inside it
+        self._folders_synced_at = time.monotonic()
+        started = time.perf_counter()
+        self._folder = RecordFolder(config.path, fsync=config.fsync)
+        scan = self._folder.scan(clean_temps_older_than=config.stale_temp_s)
+        scan.records.sort(key=lambda record: record[2])  # oldest first: LRU order by mtime
+        for digest, file_size, _ in scan.records:
+            self._index.add_new(digest, IndexEntry(value_size_of(file_size), file_size))
+        self._startup = {
+            "startup_s": round(time.perf_counter() - started, 4),
+            "temps_removed": scan.temps_removed,
+            "temps_kept": scan.temps_kept,
+        }
+        if self._index.value_bytes > self._budget:  # the budget shrank since the last run
+            with self._lock:
+                self._evict_for(0)
+        self._writer: BackgroundWorker[list[_Write]] | None = None
+        if config.writer == "background":
+            self._writer = BackgroundWorker(
+                f"kvplug-disk-writer:{config.path}",
+                self._write_batch,
+                max_items=config.queue_items,
+                on_full=config.on_queue_full,
+                block_timeout_s=config.block_timeout_s,
+                on_drop=self._forget_pending,
+            )
+
+    # --- reads ----------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
+        found = []
+        for key in keys:
+            digest = digest_of(key)
+            with self._lock:
+                if digest in self._pending:
+                    found.append(True)
+                    continue
+            # A stat per key: cheap, and the truth when other processes share the folder.
+            stat = self._folder.stat(digest)
+            with self._lock:
+                self._reconcile(digest, key, stat)
+            found.append(stat is not None)
+        return found
+
+    def get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        self._check_open()
+        return [self._get_one(key) for key in keys]
+
+    def _get_one(self, key: str) -> Buffer | None:
+        digest = digest_of(key)
+        with self._lock:
+            queued = self._pending.get(digest)
+            if queued is not None:
+                self._stats.hits += 1
+                return memoryview(queued.value).toreadonly()
+        try:
+            found = self._folder.read(digest)
+        except OSError as exc:
+            self._count_error("read", digest, exc)
+            return None
+        if found is None:
+            with self._lock:
+                self._reconcile(digest, key, None)
+                self._stats.misses += 1
+            return None
+        data, stat = found
+        try:
+            value = unpack_record(data, key)
+        except CorruptChunkError as exc:
+            self.context.logger.warning("disk tier: %s is corrupt (%s); removed", self._folder.path_of(digest), exc)
+            self._folder.unlink_if_same(digest, stat)
+            with self._lock:
+                self._counts["corrupt"] += 1
+                self._stats.misses += 1
+                self._index.pop(digest)
+            return None
+        except IncompatibleChunkError:
+            # Another kvplug version's record: a miss here, but its own readers may want it.
+            with self._lock:
+                self._counts["incompatible"] += 1
+                self._stats.misses += 1
+            return None
+        with self._lock:
+            self._reconcile(digest, key, stat)
+            self._index.touch(digest, key)
+            self._stats.hits += 1
+        self._folder.touch(digest)
+        return value
+
+    def scan(self) -> Iterator[tuple[str, int]]:
+        """``(key, value bytes)`` of every record file; the digest where the key is unknown
+        to this process (files store only the key's digest)."""
+        self._check_open()
+        for digest, file_size, _ in self._folder.scan().records:
+            with self._lock:
+                entry = self._index.get(digest)
+                name = entry.key if entry is not None and entry.key is not None else digest
+            yield name, value_size_of(file_size)
+
+    # --- writes ---------------------------------------------------------------------
+
+    def put(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        self._check_open()
+        writes = []
+        for key, value in items:
+            view = memoryview(value)
+            if not view.c_contiguous:  # caught here: the writer thread could only log it
+                raise TypeError(f"value for {key} is not a C-contiguous buffer")
+            size = view.nbytes
+            if size > self._budget:
+                raise ValueTooLargeError(f"value of {size} bytes for {key} exceeds max_bytes {self._budget} of tier disk")
+            writes.append(_Write(key, digest_of(key), value))
+        if not writes:
+            return
+        if self._writer is None:
+            self._write_batch(writes)
+            return
+        with self._lock:
+            for write in writes:
+                self._pending[write.digest] = write
+        self._writer.submit(writes)  # a dropped batch comes back through _forget_pending
+
+    def _write_batch(self, writes: list[_Write]) -> None:
+        for write in writes:
+            if self._writer is not None and not self._is_pending(write):
+                continue  # superseded by a later put, or removed
+            try:
+                temp = self._folder.write_temp(write.key, write.digest, write.value)
+            except OSError as exc:
+                self._count_error("write", write.digest, exc)
+                self._forget_pending([write])
+                continue
+            evicted: list[str] = []
+            with self._lock:
+                if self._writer is not None and self._pending.get(write.digest) is not write:
+                    self._folder.discard_temp(temp)
+                    continue
+                self._pending.pop(write.digest, None)
+                self._index.pop(write.digest)  # replaced below; must not count against its own room
+                value_size = memoryview(write.value).nbytes
+                evicted = self._evict_for(value_size)
+                try:
+                    self._folder.publish(temp, write.digest)
+                except OSError as exc:
+                    self._folder.discard_temp(temp)
+                    self._stats.errors += 1
+                    self.context.logger.warning("disk tier: publishing %s failed: %s", write.digest, exc)
+                else:
+                    self._index.add(write.digest, IndexEntry(value_size, value_size + RECORD_HEADER_SIZE, write.key))
+                    self._stats.puts += 1
+            with self._folder_lock:
+                self._dirty_folders.add(self._folder.shard_of(write.digest))
+            if evicted:
+                self.context.emit(KVEvent("evicted", tuple(evicted), tier=self.name))
+        idle = self._writer is None or self._writer.pending() <= 1  # 1: the batch being handled
+        if idle or time.monotonic() - self._folders_synced_at >= FOLDER_SYNC_INTERVAL_S:
+            self._sync_folders()
+
+    def _sync_folders(self) -> None:
+        with self._folder_lock:
+            folders, self._dirty_folders = self._dirty_folders, set()
+            self._folders_synced_at = time.monotonic()
+            try:
+                self._folder.sync_dirs(folders)
+            except OSError as exc:
+                self._count_error("fsync", "folders", exc)
+
+    def _evict_for(self, incoming: int) -> list[str]:
+        """Unlink least recently used files until ``incoming`` bytes fit; the keys known.
+        Called with the lock held, so no write of the same digest can slip in between."""
+        keys = []
+        for digest, entry in self._index.pop_victims(incoming, self._budget):
+            self._folder.unlink(digest)
+            self._stats.evictions += 1
+            if entry.key is not None:
+                keys.append(entry.key)
+        return keys
+
+    def remove(self, keys: Sequence[str]) -> None:
+        self._check_open()
+        removed = []
+        with self._lock:
+            for key in keys:
+                digest = digest_of(key)
+                queued = self._pending.pop(digest, None) is not None
+                known = self._index.pop(digest) is not None
+                if self._folder.unlink(digest) or queued or known:
+                    removed.append(key)
+        if removed:
+            self.context.emit(KVEvent("removed", tuple(removed), tier=self.name))
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def flush(self) -> None:
+        self._check_open()
+        if self._writer is not None:
+            self._writer.flush()
+        self._sync_folders()
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            snapshot = TierStats(**{k: v for k, v in vars(self._stats).items() if k != "extra"})
+            snapshot.bytes_used = self._index.value_bytes
+            snapshot.items = len(self._index)
+            snapshot.extra = {
+                **self._counts,
+                **self._startup,
+                "file_bytes": self._index.file_bytes,
+                "max_bytes": self._budget,
+                "pending": len(self._pending),
+                "dropped": self._writer.dropped if self._writer is not None else 0,
+                "path": str(self.config.path),
+            }
+            return snapshot
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._writer is not None:
+            self._writer.close(drain=self.config.on_close == "flush")
+        self._sync_folders()
+
+    # --- helpers --------------------------------------------------------------------
+
+    def _reconcile(self, digest: str, key: str, stat: os.stat_result | None) -> None:
+        """Make the index agree with what the file system just said (lock held)."""
+        entry = self._index.get(digest)
+        if stat is None:
+            if entry is not None:
+                self._index.pop(digest)
+                self._counts["vanished"] += 1
+        elif entry is None or entry.file_size != stat.st_size:
+            value_size = value_size_of(stat.st_size)
+            if entry is None:
+                self._counts["discovered"] += 1
+            self._index.add(digest, IndexEntry(value_size, stat.st_size, key))
+        elif entry.key is None:
+            entry.key = key
+
+    def _is_pending(self, write: _Write) -> bool:
+        with self._lock:
+            return self._pending.get(write.digest) is write
+
+    def _forget_pending(self, writes: list[_Write]) -> None:
+        with self._lock:
+            for write in writes:
+                if self._pending.get(write.digest) is write:
+                    del self._pending[write.digest]
+
+    def _count_error(self, op: str, what: str, exc: OSError) -> None:
+        with self._lock:
+            self._stats.errors += 1
+        self.context.logger.warning("disk tier: %s of %s failed: %s", op, what, exc)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierClosedError("tier 'disk' is closed")

@@ -1,0 +1,99 @@
+"""A separate process using a disk tier, for the crash, restart and sharing tests.
+
+    python disk_worker.py write-forever PATH SEED WRITER BUDGET   # prints "ready", writes until killed
+    python disk_worker.py store PATH COUNT                         # stores COUNT keys, closes, exits
+    python disk_worker.py fork-server PATH                         # see serve_forks
+
+The fork server imports everything once and forks one writer per stdin line, so
+a crash test can kill many real writer processes without paying Python's start-up
+for each.
+
+Values are deterministic from (key index, version), so a reader can check every
+byte: :func:`versions_of` gives each key's possible values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import sys
+from pathlib import Path
+
+from kvplug_disk import DiskTier
+
+from kvplug.testing import key_for, tier_context, value_for
+
+KEYSPACE = 40
+VERSIONS = 3
+
+
+def key_of(index: int) -> str:
+    return key_for(f"k{index}")
+
+
+def value_of(index: int, version: int) -> bytes:
+    name = f"k{index}/v{version}"
+    size = 1_000 + int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little") % 120_000
+    return value_for(name, size)
+
+
+def versions_of(index: int) -> set[bytes]:
+    return {value_of(index, version) for version in range(VERSIONS)}
+
+
+def open_tier(path: str, *, writer: str = "inline", budget: int | None = None, **options: object) -> DiskTier:
+    options.update(path=path, writer=writer)
+    if budget is not None:
+        options["max_bytes"] = budget
+    return DiskTier(DiskTier.Config(**options), tier_context())
+
+
+def write_forever(path: str, seed: int, writer: str, budget: int) -> None:
+    # block: a producer faster than the disk waits, rather than dropping puts while removes run
+    tier = open_tier(path, writer=writer, budget=budget, on_queue_full="block", queue_items=4)
+    rng = random.Random(seed)
+    print(f"ready {os.getpid()}", flush=True)
+    while True:
+        batch = [(key_of(i), value_of(i, rng.randrange(VERSIONS))) for i in rng.sample(range(KEYSPACE), rng.randint(1, 4))]
+        tier.put(batch)
+        if rng.random() < 0.1:
+            tier.remove([key_of(rng.randrange(KEYSPACE))])
+
+
+def store(path: str, count: int) -> None:
+    tier = open_tier(path, writer="background", on_queue_full="block")
+    for index in range(count):
+        tier.put([(key_of(index), value_of(index, 0))])
+    tier.close()  # on_close: flush writes what is still queued
+
+
+def serve_forks(path: str) -> None:
+    """For each stdin line ``SEED WRITER BUDGET``: fork a writer (it prints ``ready PID``
+    and writes until killed), wait for it to die, print ``dead SIGNAL``."""
+    for line in sys.stdin:
+        seed, writer, budget = line.split()
+        pid = os.fork()  # this process runs no threads, so forking is safe
+        if pid == 0:
+            try:
+                write_forever(path, int(seed), writer, int(budget))
+            finally:
+                os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        print(f"dead {os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1}", flush=True)
+
+
+def main(argv: list[str]) -> None:
+    command, path = argv[0], str(Path(argv[1]))
+    if command == "write-forever":
+        write_forever(path, int(argv[2]), argv[3], int(argv[4]))
+    elif command == "fork-server":
+        serve_forks(path)
+    elif command == "store":
+        store(path, int(argv[2]))
+    else:
+        raise SystemExit(f"unknown command {command!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,124 @@
+"""Tier ``disk`` across real processes: SIGKILL mid-write, restart, a shared folder."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from disk_worker import KEYSPACE, key_of, open_tier, value_of, versions_of
+from kvplug_disk import verify_folder
+
+WORKER = str(Path(__file__).with_name("disk_worker.py"))
+CRASH_ITERATIONS = int(os.environ.get("KVPLUG_TEST_CRASH_ITERATIONS", "50"))
+
+
+def start_writer(path: Path, seed: int, writer: str, budget: int) -> subprocess.Popen[str]:
+    """A writer process that has opened its tier and is writing in a loop."""
+    process = subprocess.Popen(
+        [sys.executable, WORKER, "write-forever", str(path), str(seed), writer, str(budget)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = process.stdout.readline()  # type: ignore[union-attr]
+    if not line.startswith("ready"):
+        process.kill()
+        raise AssertionError(f"writer did not start: {line!r} {process.communicate()[1]}")
+    return process
+
+
+def check_every_key(tier) -> int:
+    """Every key reads back as nothing or as exactly one value written under it; hits."""
+    keys = [key_of(i) for i in range(KEYSPACE)]
+    hits = 0
+    for index, value in enumerate(tier.get(keys)):
+        if value is not None:
+            assert bytes(value) in versions_of(index), f"wrong bytes under key {index} ({len(value)} bytes)"
+            hits += 1
+    return hits
+
+
+def temp_files(path: Path) -> list[Path]:
+    return list(path.glob("*/*.tmp"))
+
+
+def test_sigkill_at_random_moments_never_leaves_a_torn_record(tmp_path: Path) -> None:
+    rng = random.Random(1234)
+    budget = 1_500_000  # below the keyspace's size, so writers also evict while killed
+    killed_mid_write = temps_seen = 0
+    server = subprocess.Popen(
+        [sys.executable, WORKER, "fork-server", str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for iteration in range(CRASH_ITERATIONS):
+            writer = "inline" if iteration % 2 == 0 else "background"
+            server.stdin.write(f"{iteration} {writer} {budget}\n")  # type: ignore[union-attr]
+            server.stdin.flush()  # type: ignore[union-attr]
+            ready = server.stdout.readline().split()  # type: ignore[union-attr]
+            assert ready[:1] == ["ready"], f"writer did not start: {ready}"
+            time.sleep(rng.uniform(0.0, 0.15))
+            os.kill(int(ready[1]), signal.SIGKILL)
+            assert server.stdout.readline().split() == ["dead", str(int(signal.SIGKILL))]  # type: ignore[union-attr]
+            left = temp_files(tmp_path)
+            temps_seen += len(left)
+            killed_mid_write += bool(left)
+            report = verify_folder(tmp_path)
+            assert report.corrupt == 0, f"iteration {iteration}: torn or corrupt record files {report.corrupt_digests}"
+            tier = open_tier(str(tmp_path), budget=budget)
+            stats = tier.stats()
+            assert stats.extra["temps_removed"] == len(left) and not temp_files(tmp_path)
+            assert stats.items == report.ok
+            check_every_key(tier)
+            assert tier.stats().extra["corrupt"] == 0
+            tier.close()
+    finally:
+        server.kill()
+        server.communicate()
+    # The kills must have landed inside writes, or this test proved nothing.
+    assert killed_mid_write >= 1, "no kill interrupted a write"
+    tier = open_tier(str(tmp_path), budget=budget)
+    assert check_every_key(tier) >= 1
+    tier.close()
+    print(f"\n{CRASH_ITERATIONS} kills, {killed_mid_write} mid-write, {temps_seen} temp files cleaned")
+
+
+def test_a_new_process_reads_what_another_process_stored(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, WORKER, "store", str(tmp_path), "30"], check=True)
+    tier = open_tier(str(tmp_path))
+    stats = tier.stats()
+    assert stats.items == 30
+    assert stats.bytes_used == sum(len(value_of(i, 0)) for i in range(30))
+    assert [bytes(v) for v in tier.get([key_of(i) for i in range(30)])] == [value_of(i, 0) for i in range(30)]
+    assert tier.contains([key_of(30)]) == [False]
+    tier.close()
+
+
+def test_two_processes_share_a_folder_while_one_writes_and_evicts(tmp_path: Path) -> None:
+    reader = open_tier(str(tmp_path), budget=10**9)  # opened while the folder is empty
+    assert reader.stats().items == 0
+    writer = start_writer(tmp_path, seed=7, writer="inline", budget=600_000)
+    hits = misses = 0
+    try:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            seen = check_every_key(reader)
+            hits += seen
+            misses += KEYSPACE - seen
+            present = reader.contains([key_of(i) for i in range(KEYSPACE)])
+            assert sum(present) < KEYSPACE  # the writer's budget holds a fraction of the keys
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.communicate()
+    stats = reader.stats()
+    assert hits > 0 and misses > 0
+    assert stats.errors == 0 and stats.extra["corrupt"] == 0
+    assert stats.extra["discovered"] > 0 and stats.extra["vanished"] > 0
+    reader.close()

@@ -1,0 +1,318 @@
+"""Tier ``disk`` against the storage contract, plus what is specific to it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from kvplug_disk import DiskTier, verify_folder
+from kvplug_disk.files import HOST_TAG
+from pydantic import ValidationError
+
+from kvplug.testing import StorageTierContract, key_for, tier_context, value_for
+
+
+def make_disk_tier(path: Path, max_bytes: int | None = None, **options: object) -> DiskTier:
+    if max_bytes is not None:
+        options["max_bytes"] = max_bytes
+    events = {"emit": options.pop("emit")} if "emit" in options else {}
+    return DiskTier(DiskTier.Config(path=path, **options), tier_context(**events))
+
+
+def record_path(root: Path, key: str) -> Path:
+    """Where the documented layout puts ``key``'s record: ``<ab>/<sha256 hex>.kvr``."""
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    return root / digest[:2] / f"{digest}.kvr"
+
+
+class TestDiskTierContract(StorageTierContract):
+    large_value_bytes = 32 * 1024 * 1024
+
+    @pytest.fixture
+    def make_tier(self, tmp_path: Path):
+        return lambda max_bytes=None: make_disk_tier(tmp_path / "cache", max_bytes)
+
+
+class TestInlineDiskTierContract(StorageTierContract):
+    large_value_bytes = 8 * 1024 * 1024
+    concurrency_seconds = 1.0
+
+    @pytest.fixture
+    def make_tier(self, tmp_path: Path):
+        return lambda max_bytes=None: make_disk_tier(tmp_path / "cache", max_bytes, writer="inline")
+
+
+# --- files and accounting ---------------------------------------------------------------
+
+
+def test_one_record_file_per_key_named_by_digest_and_nothing_else(tmp_path: Path) -> None:
+    tier = make_disk_tier(tmp_path, writer="inline")
+    key = key_for("file")
+    tier.put([(key, value_for("file", 5000))])
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert files == [record_path(tmp_path, key)]
+    assert files[0].stat().st_size == 5000 + 64
+    stats = tier.stats()
+    assert (stats.bytes_used, stats.items, stats.extra["file_bytes"]) == (5000, 1, 5064)
+    tier.close()
+
+
+def test_accounting_is_exact_through_overwrite_remove_and_eviction(tmp_path: Path) -> None:
+    tier = make_disk_tier(tmp_path, 3_000, writer="inline")
+    tier.put([(key_for("a"), b"a" * 1000), (key_for("b"), b"b" * 700)])
+    assert tier.stats().bytes_used == 1700
+    tier.put([(key_for("a"), b"A" * 300)])
+    assert tier.stats().bytes_used == 1000
+    tier.remove([key_for("b")])
+    assert (tier.stats().bytes_used, tier.stats().items) == (300, 1)
+    tier.put([(key_for(f"x{i}"), b"x" * 1000) for i in range(3)])
+    stats = tier.stats()
+    assert stats.bytes_used == 3000 and stats.items == 3 and stats.evictions == 1
+    assert not record_path(tmp_path, key_for("a")).exists()
+    tier.close()
+
+
+def test_evictions_and_removals_are_reported_as_events(tmp_path: Path) -> None:
+    events: list = []
+    tier = make_disk_tier(tmp_path, 2_000, writer="inline", emit=events.append)
+    tier.put([(key_for(f"e{i}"), value_for(f"e{i}", 1000)) for i in range(3)])
+    tier.remove([key_for("e2"), key_for("never")])
+    assert [(e.kind, e.keys, e.tier) for e in events] == [
+        ("evicted", (key_for("e0"),), "disk"),
+        ("removed", (key_for("e2"),), "disk"),
+    ]
+    tier.close()
+
+
+# --- restart and LRU order ---------------------------------------------------------------
+
+
+def test_a_new_tier_finds_what_the_last_one_stored_and_keeps_its_lru_order(tmp_path: Path) -> None:
+    first = make_disk_tier(tmp_path, 5_000)
+    for i in range(5):
+        first.put([(key_for(f"r{i}"), value_for(f"r{i}", 1000))])
+    first.flush()
+    assert first.get([key_for("r0")])[0] is not None  # r0 becomes the most recently used
+    first.close()
+    second = make_disk_tier(tmp_path, 5_000)
+    assert (second.stats().items, second.stats().bytes_used) == (5, 5000)
+    second.put([(key_for("r5"), value_for("r5", 1000))])
+    second.flush()
+    assert second.contains([key_for(f"r{i}") for i in range(6)]) == [True, False, True, True, True, True]
+    assert bytes(second.get([key_for("r3")])[0]) == value_for("r3", 1000)
+    second.close()
+
+
+def test_a_smaller_budget_at_start_evicts_the_oldest(tmp_path: Path) -> None:
+    first = make_disk_tier(tmp_path, writer="inline")
+    for i in range(4):
+        first.put([(key_for(f"s{i}"), value_for(f"s{i}", 1000))])
+    first.close()
+    second = make_disk_tier(tmp_path, 2_500, writer="inline")
+    assert second.contains([key_for(f"s{i}") for i in range(4)]) == [False, False, True, True]
+    assert second.stats().bytes_used == 2000
+    second.close()
+
+
+def test_stale_temp_files_are_removed_at_start_and_live_ones_kept(tmp_path: Path) -> None:
+    make_disk_tier(tmp_path).close()
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead_pid = int(finished.stdout)
+    shard = tmp_path / "ab"
+    digest = "ab" + "0" * 62
+    dead = shard / f"{digest}.{HOST_TAG}.{dead_pid}.1.00000000.tmp"
+    live = shard / f"{digest}.{HOST_TAG}.{os.getpid()}.1.00000001.tmp"
+    foreign = shard / f"{digest}.0badc0de.{dead_pid}.1.00000002.tmp"
+    old = shard / f"{digest}.0badc0de.{os.getpid()}.1.00000003.tmp"
+    for path in (dead, live, foreign, old):
+        path.write_bytes(b"partial")
+    two_hours_ago = time.time() - 7200
+    os.utime(old, (two_hours_ago, two_hours_ago))
+    tier = make_disk_tier(tmp_path)
+    assert (dead.exists(), live.exists(), foreign.exists(), old.exists()) == (False, True, True, False)
+    assert (tier.stats().extra["temps_removed"], tier.stats().extra["temps_kept"]) == (2, 2)
+    assert tier.stats().items == 0
+    tier.close()
+
+
+# --- corruption -------------------------------------------------------------------------
+
+
+def _flip_value_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[64 + 100] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _flip_header_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0x80  # inside the key digest
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size - 1)
+
+
+def _truncate_into_header(path: Path) -> None:
+    os.truncate(path, 30)
+
+
+def _append(path: Path) -> None:
+    with open(path, "ab") as file:
+        file.write(b"\0")
+
+
+@pytest.mark.parametrize("damage", [_flip_value_byte, _flip_header_byte, _truncate, _truncate_into_header, _append])
+def test_a_damaged_file_is_a_counted_miss_and_is_removed(tmp_path: Path, damage) -> None:
+    tier = make_disk_tier(tmp_path, writer="inline")
+    keys = [key_for(f"d{i}") for i in range(3)]
+    tier.put([(key, value_for(key, 4096)) for key in keys])
+    damage(record_path(tmp_path, keys[1]))
+    assert [None if v is None else bytes(v) for v in tier.get(keys)] == [value_for(keys[0], 4096), None, value_for(keys[2], 4096)]
+    stats = tier.stats()
+    assert stats.extra["corrupt"] == 1 and stats.items == 2 and stats.bytes_used == 2 * 4096
+    assert not record_path(tmp_path, keys[1]).exists()
+    assert tier.contains(keys) == [True, False, True]
+    tier.close()
+
+
+def test_a_file_renamed_onto_another_keys_name_is_a_miss_not_the_wrong_value(tmp_path: Path) -> None:
+    tier = make_disk_tier(tmp_path, writer="inline")
+    a, b = key_for("swap-a"), key_for("swap-b")
+    tier.put([(a, value_for("a", 3000)), (b, value_for("b", 3000))])
+    os.replace(record_path(tmp_path, a), record_path(tmp_path, b))  # b's name now holds a's record
+    assert tier.get([b, a]) == [None, None]
+    assert tier.stats().extra["corrupt"] == 1
+    assert not record_path(tmp_path, b).exists()
+    tier.close()
+
+
+def test_verify_counts_and_removes_corrupt_files(tmp_path: Path) -> None:
+    tier = make_disk_tier(tmp_path, writer="inline")
+    keys = [key_for(f"v{i}") for i in range(6)]
+    tier.put([(key, value_for(key, 2000)) for key in keys])
+    tier.close()
+    _flip_value_byte(record_path(tmp_path, keys[0]))
+    _truncate(record_path(tmp_path, keys[1]))
+    os.replace(record_path(tmp_path, keys[2]), record_path(tmp_path, keys[3]))
+    report = verify_folder(tmp_path)
+    assert (report.ok, report.corrupt, report.removed, report.ok_bytes) == (2, 3, 0, 4000)
+    report = verify_folder(tmp_path, remove_corrupt=True)
+    assert (report.corrupt, report.removed) == (3, 3)
+    assert verify_folder(tmp_path).corrupt == 0
+    assert [record_path(tmp_path, k).exists() for k in keys] == [False, False, False, False, True, True]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        verify_folder(tmp_path / "nowhere")
+
+
+# --- the background writer --------------------------------------------------------------
+
+
+def test_queued_values_are_readable_at_once_and_remove_cancels_them(tmp_path: Path) -> None:
+    tier = make_disk_tier(tmp_path)
+    values = {key_for(f"q{i}"): value_for(f"q{i}", 256 * 1024) for i in range(16)}
+    for key, value in values.items():
+        tier.put([(key, value)])
+    removed = list(values)[::2]
+    tier.remove(removed)
+    kept = [k for k in values if k not in removed]
+    assert [bytes(v) for v in tier.get(kept)] == [values[k] for k in kept]
+    tier.flush()
+    assert tier.contains(list(values)) == [k not in removed for k in values]
+    assert not any(record_path(tmp_path, k).exists() for k in removed)
+    assert tier.stats().extra["pending"] == 0
+    tier.close()
+
+
+def test_close_writes_what_is_queued_by_default(tmp_path: Path) -> None:
+    tier = make_disk_tier(tmp_path, on_queue_full="block")
+    values = {key_for(f"w{i}"): value_for(f"w{i}", 64 * 1024) for i in range(40)}
+    for key, value in values.items():
+        tier.put([(key, value)])
+    tier.close()
+    reopened = make_disk_tier(tmp_path)
+    assert [bytes(v) for v in reopened.get(list(values))] == list(values.values())
+    reopened.close()
+
+
+def test_close_with_on_close_drop_loses_only_whole_values(tmp_path: Path) -> None:
+    tier = make_disk_tier(tmp_path, on_close="drop", on_queue_full="block", queue_items=100)
+    values = {key_for(f"x{i}"): value_for(f"x{i}", 256 * 1024) for i in range(60)}
+    for key, value in values.items():
+        tier.put([(key, value)])
+    tier.close()
+    stats = tier.stats()
+    assert stats.extra["pending"] == 0
+    reopened = make_disk_tier(tmp_path)
+    got = reopened.get(list(values))
+    assert all(v is None or bytes(v) == values[k] for k, v in zip(values, got))
+    assert sum(v is not None for v in got) + stats.extra["dropped"] == len(values)
+    reopened.close()
+
+
+def test_a_full_queue_drops_and_counts(tmp_path: Path) -> None:
+    tier = make_disk_tier(tmp_path, queue_items=1, on_queue_full="drop")
+    values = {key_for(f"f{i}"): value_for(f"f{i}", 1024 * 1024) for i in range(30)}
+    for key, value in values.items():
+        tier.put([(key, value)])
+    tier.flush()
+    stats = tier.stats()
+    assert stats.extra["dropped"] >= 1
+    assert stats.extra["dropped"] + stats.puts == len(values)
+    assert sum(tier.contains(list(values))) == stats.puts
+    tier.close()
+
+
+# --- config -----------------------------------------------------------------------------
+
+
+def test_config_needs_a_path_and_refuses_a_second_queue(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="path"):
+        DiskTier.Config()
+    with pytest.raises(ValidationError, match="queue every write twice"):
+        DiskTier.Config(path=tmp_path, write_mode="async")
+    assert DiskTier.Config(path=tmp_path, write_mode="async", writer="inline").writer == "inline"
+    relative = DiskTier.Config(path="cache")
+    assert relative.path.is_absolute() and relative.path.name == "cache"
+    assert int(DiskTier.Config(path=tmp_path, max_bytes="2GiB").max_bytes) == 2 * 1024**3
+
+
+def test_scan_names_known_keys_and_digests_of_others(tmp_path: Path) -> None:
+    first = make_disk_tier(tmp_path, writer="inline")
+    first.put([(key_for("old"), b"o" * 10)])
+    first.close()
+    tier = make_disk_tier(tmp_path, writer="inline")
+    tier.put([(key_for("new"), b"n" * 20)])
+    old_digest = hashlib.sha256(key_for("old").encode()).hexdigest()
+    assert sorted(tier.scan()) == sorted([(key_for("new"), 20), (old_digest, 10)])
+    tier.close()
+
+
+def test_the_tier_does_not_import_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys, kvplug_disk, kvplug.testing as t\n"
+        f"tier = kvplug_disk.DiskTier(kvplug_disk.DiskTier.Config(path={str(tmp_path)!r}), t.tier_context())\n"
+        "tier.put([('k', b'v')]); tier.flush(); assert bytes(tier.get(['k'])[0]) == b'v'; tier.close()\n"
+        "kvplug_disk.verify_folder(" + repr(str(tmp_path)) + ")\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bad_items_are_refused_before_anything_is_queued(tmp_path: Path) -> None:
+    tier = make_disk_tier(tmp_path)
+    strided = memoryview(bytearray(100))[::2]
+    with pytest.raises(TypeError, match="contiguous"):
+        tier.put([(key_for("ok"), b"fine"), (key_for("strided"), strided)])
+    with pytest.raises(TypeError, match="keys are str"):
+        tier.put([(b"bytes-key", b"v")])  # type: ignore[list-item]
+    tier.flush()
+    assert tier.contains([key_for("ok"), key_for("strided")]) == [False, False]
+    assert tier.stats().extra["pending"] == 0
+    tier.close()
