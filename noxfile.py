@@ -15,7 +15,7 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
-nox.options.sessions = ["core", "cuda"]
+nox.options.sessions = ["core", "sglang", "cuda"]
 
 CORE = ["-e", ".[test]", "-e", "plugins/kvplug_cpu", "-e", "plugins/kvplug_disk[test]"]
 CORE_TESTS = ["tests", "plugins/kvplug_cpu/tests", "plugins/kvplug_disk/tests"]
@@ -41,3 +41,16 @@ def cuda(session: nox.Session) -> None:
     session.install("-r", "plugins/kvplug_cuda/requirements-test.txt")
     session.install("-e", ".", "-e", "plugins/kvplug_cpu", "-e", "plugins/kvplug_cuda")
     session.run("pytest", "-p", "no:cacheprovider", "-rs", "plugins/kvplug_cuda/tests", *session.posargs)
+
+
+@nox.session
+def sglang(session: nox.Session) -> None:
+    """kvplug-sglang on real SGLang 0.5.23 classes (CPU; torch 2.14.1). GPU server tests skip without CUDA."""
+    session.install("-r", "plugins/kvplug_sglang/requirements-test.txt")
+    # sglang's declared dependencies pull CUDA-only wheels: it goes in alone, its CPU-side
+    # imports are listed (pinned) in requirements-test.txt.
+    session.install("--no-deps", "-r", "plugins/kvplug_sglang/requirements-sglang.txt")
+    session.install(
+        "-e", ".", "-e", "plugins/kvplug_cpu", "-e", "plugins/kvplug_disk", "-e", "plugins/kvplug_s3", "-e", "plugins/kvplug_sglang"
+    )
+    session.run("pytest", "-p", "no:cacheprovider", "-rs", "plugins/kvplug_sglang/tests", *session.posargs)

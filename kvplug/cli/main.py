@@ -10,11 +10,13 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from kvplug.cli.store import store_app
 from kvplug.errors import ConfigError, PluginError
 
 app = typer.Typer(help="kvplug: a KV cache layer for LLM serving engines.", no_args_is_help=True, add_completion=False)
 config_app = typer.Typer(help="Show and check kvplug configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+app.add_typer(store_app, name="store")
 console = Console()
 err_console = Console(stderr=True)
 

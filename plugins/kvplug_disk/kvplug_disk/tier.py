@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from kvplug import KVEvent, StorageTier, TierContext, TierStats
 from kvplug.core.background import BackgroundWorker
 from kvplug.core.record import RECORD_HEADER_SIZE, unpack_record
+from kvplug.core.record_store import StoredRecord
 from kvplug.core.tier import Buffer
 from kvplug.errors import CorruptChunkError, IncompatibleChunkError, TierClosedError, ValueTooLargeError
 from kvplug_disk.config import DiskTierConfig
@@ -164,6 +165,26 @@ class DiskTier(StorageTier):
                 entry = self._index.get(digest)
                 name = entry.key if entry is not None and entry.key is not None else digest
             yield name, value_size_of(file_size)
+
+    # --- maintenance (kvplug.core.record_store.RecordStore) ------------------------------
+
+    def records(self) -> Iterator[StoredRecord]:
+        """Every record file: its key digest, file size and modification time."""
+        self._check_open()
+        for digest, file_size, mtime_ns in self._folder.scan().records:
+            yield StoredRecord(digest, file_size, mtime_ns / 1e9)
+
+    def read_record(self, digest: str) -> bytes | None:
+        """The whole record file (header and value), unverified."""
+        self._check_open()
+        found = self._folder.read(digest)
+        return None if found is None else found[0]
+
+    def delete_record(self, digest: str) -> bool:
+        self._check_open()
+        with self._lock:
+            self._index.pop(digest)
+        return self._folder.unlink(digest)
 
     # --- writes ---------------------------------------------------------------------
 
