@@ -30,7 +30,7 @@ from kvplug.core.layouts import KVLayout
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.serializer import Serializer, dtype_name
-from kvplug.core.tier import Buffer, StorageTier, TierContext
+from kvplug.core.tier import Buffer, StorageTier
 from kvplug.core.tier_chain import TierChain
 from kvplug.errors import ChunkError, ConnectorError, EngineClosedError, LayoutError
 
@@ -75,22 +75,8 @@ class CacheEngine:
         )
         self.connector: KVConnector = self._make_connector()
         self.key_builder = KeyBuilder(config.chunk_size, config.hash)
-        tiers: list[StorageTier] = []
-        try:
-            for index, spec in enumerate(config.tiers):
-                context = TierContext(
-                    tier_index=index,
-                    fingerprint=self.fingerprint.hexdigest(),
-                    logger=logging.getLogger(f"kvplug.tier.{spec.type}"),
-                    emit=self.registry.emit,
-                )
-                tiers.append(self.registry.storage_tiers()[spec.type](spec.options, context))
-        except BaseException:
-            for tier in tiers:
-                tier.close()
-            raise
-        self.chain = TierChain(tiers, self.metrics)
-        self.frame_pool = FramePool(self._frame_pool_bytes(tiers))
+        self.chain = TierChain.open(config.tiers, self.registry, fingerprint=self.fingerprint.hexdigest(), metrics=self.metrics)
+        self.frame_pool = FramePool(self._frame_pool_bytes(self.chain.tiers))
         self._store_worker: BackgroundWorker[StoreBatch] | None = None
         if config.store.mode == "async":
             self._store_worker = BackgroundWorker(

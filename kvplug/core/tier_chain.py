@@ -16,10 +16,12 @@ import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvplug.core.background import BackgroundWorker
 from kvplug.core.metrics import EngineMetrics
-from kvplug.core.tier import Buffer, StorageTier, TierStats
+from kvplug.core.plugins import PluginRegistry
+from kvplug.core.tier import Buffer, StorageTier, TierContext, TierStats
 
 logger = logging.getLogger("kvplug.tiers")
 
@@ -55,6 +57,30 @@ class TierChain:
                     on_drop=lambda items, label=label: self.metrics.store_dropped.labels(label).inc(),
                 )
             self._slots.append(_Slot(tier, label, writer))
+
+    @classmethod
+    def open(
+        cls, specs: Sequence[Any], registry: PluginRegistry, *, fingerprint: str | None = None, metrics: EngineMetrics | None = None
+    ) -> TierChain:
+        """Build each configured tier (``config.tiers`` entries, resolved) and chain them.
+
+        If one tier fails to open, the ones already opened are closed again.
+        """
+        tiers: list[StorageTier] = []
+        try:
+            for index, spec in enumerate(specs):
+                context = TierContext(
+                    tier_index=index,
+                    fingerprint=fingerprint,
+                    logger=logging.getLogger(f"kvplug.tier.{spec.type}"),
+                    emit=registry.emit,
+                )
+                tiers.append(registry.storage_tiers()[spec.type](spec.options, context))
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+        return cls(tiers, metrics)
 
     @property
     def tiers(self) -> list[StorageTier]:
