@@ -17,13 +17,13 @@ nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
 nox.options.sessions = ["core", "sglang", "cuda"]
 
-CORE = ["-e", ".[test]", "-e", "plugins/kvplug_cpu", "-e", "plugins/kvplug_disk[test]"]
-CORE_TESTS = ["tests", "plugins/kvplug_cpu/tests", "plugins/kvplug_disk/tests"]
+CORE = ["-e", ".[test]", "-e", "plugins/kvplug_cpu", "-e", "plugins/kvplug_disk[test]", "-e", "plugins/kvplug_s3[test]"]
+CORE_TESTS = ["tests", "plugins/kvplug_cpu/tests", "plugins/kvplug_disk/tests", "plugins/kvplug_s3/tests"]
 
 
 @nox.session
 def core(session: nox.Session) -> None:
-    """kvplug, its builtins and the storage plugins, with the core's pins."""
+    """kvplug, its builtins and the storage plugins (S3 against a real moto server), with the core's pins."""
     session.install("-c", "constraints/core.txt", *CORE)
     session.run("pytest", "-p", "no:cacheprovider", *CORE_TESTS, *session.posargs)
 

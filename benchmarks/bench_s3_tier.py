@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -98,7 +98,7 @@ def _timed(action: Callable[[], object]) -> float:
 
 
 def measure_size(endpoint: str, bucket: str, size: int, total_bytes: int, batch: int, repeats: int) -> dict[str, Any]:
-    """Median put/get seconds of tier and raw s3fs for ``total_bytes`` in values of ``size``."""
+    """Put/get GB/s of tier and raw s3fs for ``total_bytes`` in values of ``size``."""
     from kvplug.testing import key_for
 
     count = max(1, total_bytes // size)
@@ -107,38 +107,41 @@ def measure_size(endpoint: str, bucket: str, size: int, total_bytes: int, batch:
     batches = [list(range(start, min(start + batch, count))) for start in range(0, count, batch)]
     raw = _raw_fs(endpoint)
     times: dict[str, list[float]] = {"put": [], "get": [], "raw_put": [], "raw_get": []}
-    for _ in range(repeats):
+    for repeat in range(repeats):
         prefix = f"bench-{uuid.uuid4().hex[:8]}"
         tier = _tier(endpoint, bucket, f"{prefix}/tier")
         paths = [f"{bucket}/{prefix}/raw/{i}" for i in range(count)]
 
-        def raw_put() -> None:
-            for part in batches:
-                raw.pipe({paths[i]: values[i % len(values)] for i in part})
+        def raw_put(part: list[int]) -> None:
+            raw.pipe({paths[i]: values[i % len(values)] for i in part})
 
-        def raw_get() -> None:
-            for part in batches:
-                got = raw.cat([paths[i] for i in part])
-                assert all(len(v) == size for v in got.values())
+        def raw_get(part: list[int]) -> None:
+            got = raw.cat([paths[i] for i in part])
+            assert all(len(v) == size for v in got.values())
 
-        def tier_put() -> None:
-            for part in batches:
-                tier.put([(keys[i], values[i % len(values)]) for i in part])
+        def tier_put(part: list[int]) -> None:
+            tier.put([(keys[i], values[i % len(values)]) for i in part])
 
-        def tier_get() -> None:
-            for part in batches:
-                got = tier.get([keys[i] for i in part])
-                assert all(v is not None and len(v) == size for v in got)
+        def tier_get(part: list[int]) -> None:
+            got = tier.get([keys[i] for i in part])
+            assert all(v is not None and len(v) == size for v in got)
 
-        times["raw_put"].append(_timed(raw_put))
-        times["put"].append(_timed(tier_put))
-        times["get"].append(_timed(tier_get))
-        times["raw_get"].append(_timed(raw_get))
+        # moto's speed drifts (with load, with how many objects it holds): the two
+        # sides take turns batch by batch, who goes first alternating, so drift hits both.
+        for phase, pair in (("put", (raw_put, tier_put)), ("get", (raw_get, tier_get))):
+            spent = {"raw": 0.0, "tier": 0.0}
+            for number, part in enumerate(batches):
+                order = [("raw", pair[0]), ("tier", pair[1])]
+                for side, action in order if (number + repeat) % 2 == 0 else order[::-1]:
+                    spent[side] += _timed(functools.partial(action, part))
+            times[f"raw_{phase}"].append(spent["raw"])
+            times[phase].append(spent["tier"])
+        raw.rm(f"{bucket}/{prefix}", recursive=True)
         assert tier.stats().extra["dropped_puts"] == 0
         tier.close()
-        raw.rm(f"{bucket}/{prefix}", recursive=True)
-    moved = count * size / 1e9
-    rate = {name: moved / statistics.median(seconds) for name, seconds in times.items()}
+    # Totals over every repeat: steadier than a median of few samples on a busy machine.
+    moved = repeats * count * size / 1e9
+    rate = {name: moved / sum(seconds) for name, seconds in times.items()}
     return {
         "tier": "s3",
         "size": size,
@@ -158,7 +161,7 @@ def run(
     total_bytes: int | None = None,
     *,
     batch: int = 8,
-    repeats: int = 3,
+    repeats: int = 4,
     endpoint: str | None = None,
     bucket: str = "kvplug-bench",
 ) -> list[dict[str, Any]]:
@@ -184,7 +187,7 @@ def run(
 
 
 def print_rows(rows: list[dict[str, Any]], where: str) -> None:
-    print(f"\ns3 tier vs raw s3fs ({where}, batch of {rows[0]['batch'] if rows else '?'}, median GB/s)")
+    print(f"\ns3 tier vs raw s3fs ({where}, batch of {rows[0]['batch'] if rows else '?'}, GB/s over all repeats)")
     header = ("size", "n", "tier put", "s3fs pipe", "ratio", "tier get", "s3fs cat", "ratio")
     lines = [header] + [
         (
@@ -210,9 +213,9 @@ def _size(text: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="256KiB,1MiB,4MiB,16MiB", help="value sizes, comma-separated")
-    parser.add_argument("--total", default="128MiB", help="bytes written per size")
+    parser.add_argument("--total", default="256MiB", help="bytes written per size and repeat")
     parser.add_argument("--batch", type=int, default=8, help="values per put/get call (and per pipe/cat call)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--endpoint", default=None, help="an S3 endpoint to use instead of starting moto")
     parser.add_argument("--bucket", default="kvplug-bench")
     args = parser.parse_args()

@@ -1,0 +1,210 @@
+"""Object I/O on an fsspec filesystem, as coroutines on the tier's loop.
+
+Object names come from the key's sha256 hex digest, never from key text:
+``<root>/<digest[:2]>/<digest>``. The two-character shard keeps directory-like
+stores (``file://``) at 256 entries per level and spreads S3 key prefixes.
+
+Two implementations of one interface:
+
+- :class:`AsyncObjectStore` calls an async filesystem's coroutines
+  (s3fs's ``_cat_file``, ``_pipe_file``, ``_info``, ``_rm_file``, ``_find``).
+- :class:`ThreadedObjectStore` runs a sync filesystem (``memory://``, ``file://``)
+  on a bounded thread pool; on stores whose writes are not atomic (files) it
+  writes a temporary object and renames it into place, so a reader or a crash
+  never leaves a partial object under the final name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import re
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from kvplug_s3.config import S3TierConfig
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+#: Stores where writing one object is atomic by themselves (a PUT replaces the
+#: object whole); others get temp-and-rename.
+ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gcs", "gs", "az", "abfs", "abfss", "oci", "oss", "memory"})
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """One object found by listing: its key digest, object size and age."""
+
+    digest: str
+    size: int
+    modified: float
+    path: str
+
+
+class ObjectStore:
+    """Reads and writes whole objects under ``root``; every method is a coroutine
+    to run on the tier's loop. Missing objects raise ``FileNotFoundError``."""
+
+    def __init__(self, fs: Any, root: str) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+
+    def path_for(self, digest: str) -> str:
+        return f"{self.root}/{digest[:2]}/{digest}"
+
+    async def read(self, path: str) -> bytes:
+        raise NotImplementedError
+
+    async def write(self, path: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    async def size(self, path: str) -> int:
+        raise NotImplementedError
+
+    async def delete(self, path: str) -> None:
+        raise NotImplementedError
+
+    async def listing(self) -> list[StoredObject]:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Release connections."""
+
+    def _objects(self, found: dict[str, dict[str, Any]]) -> list[StoredObject]:
+        objects = []
+        for path, info in found.items():
+            parts = path.rstrip("/").rsplit("/", 2)
+            if len(parts) == 3 and _DIGEST.fullmatch(parts[2]) and parts[1] == parts[2][:2]:
+                objects.append(StoredObject(parts[2], int(info.get("size") or 0), _modified(info), path))
+        return objects
+
+
+class AsyncObjectStore(ObjectStore):
+    """An fsspec ``AsyncFileSystem`` (s3fs, gcsfs, ...) driven by its coroutines."""
+
+    async def read(self, path: str) -> bytes:
+        if hasattr(self.fs, "_s3"):
+            # s3fs would HEAD first to decide on ranged reads; one GET is one round trip.
+            return await self.fs._cat_file(path, max_concurrency=1)
+        return await self.fs._cat_file(path)
+
+    async def write(self, path: str, data: bytes) -> None:
+        await self.fs._pipe_file(path, data)
+
+    async def size(self, path: str) -> int:
+        info = await self.fs._info(path)
+        if info.get("type") == "directory":
+            raise FileNotFoundError(path)
+        return int(info.get("size") or 0)
+
+    async def delete(self, path: str) -> None:
+        await self.fs._rm_file(path)
+
+    async def listing(self) -> list[StoredObject]:
+        try:
+            found = await self.fs._find(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        return self._objects(found)
+
+    async def close(self) -> None:
+        creator = getattr(self.fs, "_s3creator", None)
+        if creator is not None and getattr(self.fs, "_s3", None) is not None:
+            await creator.__aexit__(None, None, None)
+            self.fs._s3 = None
+            return
+        session = getattr(self.fs, "session", None)
+        if session is not None and hasattr(session, "close") and asyncio.iscoroutinefunction(session.close):
+            await session.close()
+
+
+class ThreadedObjectStore(ObjectStore):
+    """A sync fsspec filesystem on a bounded thread pool owned by the tier."""
+
+    def __init__(self, fs: Any, root: str, *, threads: int, atomic_put: bool) -> None:
+        super().__init__(fs, root)
+        self.atomic_put = atomic_put
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvplug-s3-io")
+
+    async def _call(self, function: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
+
+    async def read(self, path: str) -> bytes:
+        return await self._call(self.fs.cat_file, path)
+
+    async def write(self, path: str, data: bytes) -> None:
+        await self._call(self._write_sync, path, data)
+
+    def _write_sync(self, path: str, data: bytes) -> None:
+        if self.atomic_put:
+            self.fs.pipe_file(path, data)
+            return
+        parent, name = path.rsplit("/", 1)
+        # A leading dot and a suffix keep temporaries out of listings (not a digest name).
+        temporary = f"{parent}/.{name}.tmp-{uuid.uuid4().hex}"
+        self.fs.makedirs(parent, exist_ok=True)
+        try:
+            self.fs.pipe_file(temporary, data)
+            self.fs.mv(temporary, path)
+        except BaseException:
+            try:
+                self.fs.rm_file(temporary)
+            except OSError:
+                pass
+            raise
+
+    async def size(self, path: str) -> int:
+        def info() -> int:
+            details = self.fs.info(path)
+            if details.get("type") == "directory":
+                raise FileNotFoundError(path)
+            return int(details.get("size") or 0)
+
+        return await self._call(info)
+
+    async def delete(self, path: str) -> None:
+        await self._call(self.fs.rm_file, path)
+
+    async def listing(self) -> list[StoredObject]:
+        def find() -> dict[str, dict[str, Any]]:
+            try:
+                return self.fs.find(self.root, detail=True)
+            except FileNotFoundError:
+                return {}
+
+        return self._objects(await self._call(find))
+
+    async def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def open_object_store(config: S3TierConfig, loop: asyncio.AbstractEventLoop) -> ObjectStore:
+    """The store for ``config.url``, bound to ``loop`` when the filesystem is async."""
+    import fsspec
+    from fsspec.asyn import AsyncFileSystem
+
+    protocol = config.protocol
+    cls = fsspec.get_filesystem_class(protocol)
+    options = config.filesystem_options()
+    root = cls._strip_protocol(config.url)
+    if issubclass(cls, AsyncFileSystem) and getattr(cls, "async_impl", False):
+        # skip_instance_cache: fsspec caches instances per options; a tier owns its
+        # filesystem, sessions and loop, and closes them.
+        fs = cls(asynchronous=True, loop=loop, skip_instance_cache=True, **options)
+        if hasattr(fs, "retries"):
+            fs.retries = 1  # s3fs's own retry loop would multiply the tier's bounded retries
+        return AsyncObjectStore(fs, root)
+    fs = cls(skip_instance_cache=True, **options)
+    threads = min(config.max_concurrency, 16)
+    return ThreadedObjectStore(fs, root, threads=threads, atomic_put=protocol in ATOMIC_PUT_PROTOCOLS)
+
+
+def _modified(info: dict[str, Any]) -> float:
+    for name in ("LastModified", "mtime", "created", "updated"):
+        value = info.get(name)
+        if isinstance(value, datetime.datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)):
+            return float(value)
+    return 0.0

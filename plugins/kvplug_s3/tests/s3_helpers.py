@@ -1,0 +1,216 @@
+"""A real S3 server (moto's ThreadedMotoServer) and a TCP proxy that injects
+network faults between the tier and it: delays, cut connections, refused
+connections and HTTP 503 answers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import boto3
+from moto.server import ThreadedMotoServer
+
+from kvplug.testing import tier_context
+from kvplug_s3 import S3Tier
+
+ACCESS_KEY = "kvplug-test-key"
+SECRET_KEY = "kvplug-test-secret"
+BUCKET = "kvplug-test"
+
+
+def _wait_until_bindable(port: int, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+        time.sleep(0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class MotoS3:
+    """moto's S3 server on 127.0.0.1; stoppable and restartable on its port.
+    moto keeps its state in process, so buckets and objects survive a restart."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.server: ThreadedMotoServer | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        _wait_until_bindable(self.port)  # ThreadedMotoServer.start() would wait forever on a busy port
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+    def stop(self) -> None:
+        """Stop serving and close the listening socket (ThreadedMotoServer.stop()
+        leaves it open, so connections would queue unanswered instead of failing)."""
+        if self.server is not None:
+            self.server.stop()
+            listener = getattr(self.server, "_server", None)
+            if listener is not None:
+                listener.server_close()
+            self.server = None
+
+    def client(self, endpoint: str | None = None) -> Any:
+        return boto3.client(
+            "s3",
+            endpoint_url=endpoint or self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+        )
+
+
+def s3_options(endpoint: str, prefix: str | None = None, **options: Any) -> dict[str, Any]:
+    """Config options of an s3 tier on a fresh prefix of the test bucket."""
+    prefix = prefix or f"t-{uuid.uuid4().hex[:12]}"
+    return {
+        "url": f"s3://{BUCKET}/{prefix}",
+        "endpoint_url": endpoint,
+        "region": "us-east-1",
+        "access_key_id": ACCESS_KEY,
+        "secret_access_key": SECRET_KEY,
+        **options,
+    }
+
+
+def make_s3_tier(endpoint: str, prefix: str | None = None, *, events: list | None = None, **options: Any) -> S3Tier:
+    context = tier_context(emit=events.append) if events is not None else tier_context()
+    return S3Tier(S3Tier.Config(**s3_options(endpoint, prefix, **options)), context)
+
+
+#: Settings that make faults show within a second, for the fault tests.
+FAST_FAILING = {
+    "connect_timeout_s": 0.5,
+    "read_timeout_s": 0.5,
+    "request_timeout_s": 1.0,
+    "retries": 1,
+    "backoff_base_s": 0.01,
+    "backoff_max_s": 0.05,
+    "breaker_failures": 3,
+}
+
+
+class FaultProxy:
+    """A TCP proxy on 127.0.0.1 to ``target_port`` whose behaviour can be switched:
+
+    - ``pass``: forward bytes both ways;
+    - ``delay``: hold every chunk ``delay_s`` seconds before forwarding it;
+    - ``cut``: reset every connection (new and open ones);
+    - ``refuse``: stop listening, so connecting fails with ECONNREFUSED;
+    - ``http503``: answer every request ``HTTP/1.1 503`` itself.
+    """
+
+    def __init__(self, target_port: int, *, delay_s: float = 5.0) -> None:
+        self.target_port = target_port
+        self.delay_s = delay_s
+        self.mode = "pass"
+        self.port = free_port()
+        self.connections = 0
+        self.forwarded_bytes = 0
+        self._open: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.base_events.Server | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
+        self._thread.start()
+        self._call(self._listen())
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def set_mode(self, mode: str) -> None:
+        assert mode in ("pass", "delay", "cut", "refuse", "http503"), mode
+        self._call(self._switch(mode))
+
+    def close(self) -> None:
+        self._call(self._switch("refuse"))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
+
+    async def _switch(self, mode: str) -> None:
+        self.mode = mode
+        if mode in ("cut", "refuse", "http503"):
+            for writer in list(self._open):  # open keep-alive connections must see the fault too
+                writer.transport.abort()
+            self._open.clear()
+        if mode == "refuse" and self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        elif mode != "refuse" and self._server is None:
+            await self._listen()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        if self.mode == "cut":
+            writer.transport.abort()
+            return
+        if self.mode == "http503":
+            await self._answer_503(reader, writer)
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._open.update((writer, up_writer))
+        await asyncio.gather(self._pipe(reader, up_writer, count=True), self._pipe(up_reader, writer), return_exceptions=True)
+        for w in (writer, up_writer):
+            self._open.discard(w)
+            w.transport.abort()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, count: bool = False) -> None:
+        while True:
+            data = await reader.read(1 << 16)
+            if not data:
+                break
+            if self.mode == "delay":
+                await asyncio.sleep(self.delay_s)
+            if self.mode != "pass" and self.mode != "delay":
+                break
+            if count:
+                self.forwarded_bytes += len(data)
+            writer.write(data)
+            await writer.drain()
+        writer.transport.abort()
+
+    @staticmethod
+    async def _answer_503(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError):
+            pass
+        body = b"<?xml version='1.0'?><Error><Code>ServiceUnavailable</Code><Message>injected</Message></Error>"
+        writer.write(
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+        )
+        try:
+            await writer.drain()
+        finally:
+            writer.close()

@@ -1,0 +1,151 @@
+"""What lands in the bucket: digest names, record frames; tampered objects are
+misses (counted and deleted), never wrong bytes; budget, events and scan."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import pytest
+
+from kvplug.testing import key_for, value_for
+
+from s3_helpers import BUCKET, make_s3_tier
+
+
+def object_key(prefix: str, key: str) -> str:
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    return f"{prefix}/{digest[:2]}/{digest}"
+
+
+def stored_names(client, prefix: str) -> list[str]:
+    listing = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/")
+    return sorted(item["Key"] for item in listing.get("Contents", []))
+
+
+def test_objects_are_named_by_digest_and_framed(moto_s3, s3_client) -> None:
+    tier = make_s3_tier(moto_s3.endpoint, prefix="naming")
+    keys = [key_for(f"n{i}") for i in range(5)]
+    tier.put([(k, value_for(k, 300)) for k in keys])
+    names = stored_names(s3_client, "naming")
+    assert names == sorted(object_key("naming", k) for k in keys)
+    for key, name in zip(keys, names):
+        assert re.fullmatch(r"naming/[0-9a-f]{2}/[0-9a-f]{64}", name)
+        assert not any(part in name for part in key.split("/"))  # no key text in any name
+    body = s3_client.get_object(Bucket=BUCKET, Key=object_key("naming", keys[0]))["Body"].read()
+    assert body[:4] == b"KVPR" and len(body) == 64 + 300 and body[64:] == value_for(keys[0], 300)
+    tier.close()
+
+
+def flip(data: bytes, offset: int) -> bytes:
+    return data[:offset] + bytes([data[offset] ^ 0x01]) + data[offset + 1 :]
+
+
+TAMPERING = {
+    "flipped value byte": lambda own, other: flip(own, len(own) - 7),
+    "flipped header byte": lambda own, other: flip(own, 20),
+    "truncated": lambda own, other: own[:-100],
+    "header only": lambda own, other: own[:64],
+    "shorter than a header": lambda own, other: own[:10],
+    "empty": lambda own, other: b"",
+    "another key's object": lambda own, other: other,
+    "raw value without frame": lambda own, other: own[64:],
+}
+
+
+@pytest.mark.parametrize("how", sorted(TAMPERING))
+def test_tampered_objects_are_misses_counted_and_removed(how: str, moto_s3, s3_client) -> None:
+    tier = make_s3_tier(moto_s3.endpoint)
+    prefix = tier.config.url.split(f"{BUCKET}/", 1)[1]
+    victim, other = key_for("victim"), key_for("other")
+    tier.put([(victim, value_for("victim", 5000)), (other, value_for("other", 5000))])
+    own = s3_client.get_object(Bucket=BUCKET, Key=object_key(prefix, victim))["Body"].read()
+    others = s3_client.get_object(Bucket=BUCKET, Key=object_key(prefix, other))["Body"].read()
+    s3_client.put_object(Bucket=BUCKET, Key=object_key(prefix, victim), Body=TAMPERING[how](own, others))
+
+    got = tier.get([victim, other])
+    assert got[0] is None
+    assert bytes(got[1]) == value_for("other", 5000)
+    stats = tier.stats()
+    assert stats.extra["corrupt"] == 1 and stats.misses == 1 and stats.hits == 1
+    assert object_key(prefix, victim) not in stored_names(s3_client, prefix)
+    assert tier.contains([victim, other]) == [False, True]
+    tier.close()
+
+
+def test_budget_evicts_least_recently_used_objects_and_reports_them(moto_s3, s3_client) -> None:
+    events: list = []
+    tier = make_s3_tier(moto_s3.endpoint, prefix="budget", events=events, max_bytes=3000)
+    keys = [key_for(f"b{i}") for i in range(4)]
+    tier.put([(keys[0], b"0" * 1000), (keys[1], b"1" * 1000), (keys[2], b"2" * 1000)])
+    tier.get([keys[0]])
+    tier.put([(keys[3], b"3" * 1000)])
+    assert [e.kind for e in events] == ["evicted"] and events[0].keys == (keys[1],)
+    assert stored_names(s3_client, "budget") == sorted(object_key("budget", k) for k in (keys[0], keys[2], keys[3]))
+    tier.remove([keys[2], key_for("never")])
+    assert events[-1].kind == "removed" and events[-1].keys == (keys[2],)
+    stats = tier.stats()
+    assert (stats.items, stats.bytes_used, stats.evictions) == (2, 2000, 1)
+    tier.close()
+
+
+def test_a_new_tier_indexes_what_is_stored_and_applies_its_budget(moto_s3, s3_client) -> None:
+    first = make_s3_tier(moto_s3.endpoint, prefix="reindex")
+    keys = [key_for(f"r{i}") for i in range(6)]
+    for key in keys:  # one at a time, so modification times follow the order
+        first.put([(key, value_for(key, 1000))])
+    first.close()
+
+    second = make_s3_tier(moto_s3.endpoint, prefix="reindex")
+    second.flush()
+    assert (second.stats().items, second.stats().bytes_used) == (6, 6000)
+    scanned = list(second.scan())
+    assert sorted(o.digest for o in scanned) == sorted(hashlib.sha256(k.encode()).hexdigest() for k in keys)
+    assert all(o.size == 1064 for o in scanned)
+    second.close()
+
+    smaller = make_s3_tier(moto_s3.endpoint, prefix="reindex", max_bytes=4000)
+    smaller.flush()
+    assert smaller.stats().bytes_used <= 4000 and smaller.stats().evictions == 2
+    assert len(stored_names(s3_client, "reindex")) == 4
+    smaller.close()
+
+
+def test_temporary_files_of_file_urls_are_not_objects(tmp_path) -> None:
+    from kvplug.testing import tier_context
+    from kvplug_s3 import S3Tier
+
+    tier = S3Tier(S3Tier.Config(url=f"file://{tmp_path}"), tier_context())
+    tier.put([(key_for("f"), b"x" * 10)])
+    digest = hashlib.sha256(key_for("f").encode()).hexdigest()
+    (tmp_path / digest[:2] / f".{digest}.tmp-deadbeef").write_bytes(b"partial")
+    assert [o.digest for o in tier.scan()] == [digest]
+    assert sorted(p.name for p in (tmp_path / digest[:2]).iterdir()) == sorted([digest, f".{digest}.tmp-deadbeef"])
+    tier.close()
+
+
+def test_reused_upload_buffers_never_mix_values(moto_s3) -> None:
+    """Values of one size reuse upload buffers: every object still holds its own value."""
+    tier = make_s3_tier(moto_s3.endpoint, frame_buffer_bytes=64 * 1024)
+    keys = [key_for(f"reuse{i}") for i in range(24)]
+    for start in range(0, 24, 4):
+        tier.put([(k, value_for(k, 8000)) for k in keys[start : start + 4]])
+    assert [bytes(v) for v in tier.get(keys)] == [value_for(k, 8000) for k in keys]
+    tier.close()
+
+
+def test_frame_buffers_are_whole_records_reused_within_their_bound() -> None:
+    from kvplug.core.record import unpack_record
+    from kvplug_s3.frames import FrameBuffers
+
+    pool = FrameBuffers(max_bytes=2 * (64 + 100))
+    first = pool.frame("a", b"x" * 100)
+    assert bytes(unpack_record(first, "a")) == b"x" * 100
+    pool.release(first)
+    second = pool.frame("b", memoryview(b"y" * 100))
+    assert second is first and bytes(unpack_record(second, "b")) == b"y" * 100
+    held = [pool.frame(str(i), b"z" * 100) for i in range(3)]
+    for buffer in held:
+        pool.release(buffer)
+    reused = [pool.frame("c", b"c" * 100) for _ in range(3)]
+    assert [any(buffer is h for h in held) for buffer in reused] == [True, True, False]  # only two fit the bound
