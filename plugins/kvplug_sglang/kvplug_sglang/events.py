@@ -1,0 +1,129 @@
+"""kvplug events as SGLang KV events (``BlockStored`` / ``BlockRemoved``).
+
+kvplug reports what its tiers did through the ``kvplug_on_event`` hook, on the
+thread that did it. A :class:`KVEventBridge` remembers the token ids of the chunks
+its connector queued, turns the matching ``stored`` events into SGLang's
+``BlockStored`` (one block per chunk, chained by ``parent_block_hash``) and
+``evicted``/``removed`` events into ``BlockRemoved``, and hands them out from
+``take()``: the shape SGLang's ``KVEventPublisher`` sends to routers.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvplug import KVEvent
+
+#: tier name -> SGLang ``StorageMedium`` value.
+_MEDIA = {"cpu": "CPU_PINNED", "disk": "DISK"}
+_LIVE: weakref.WeakSet[KVEventBridge] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+def dispatch(event: KVEvent) -> None:
+    """Hand an event to every live bridge (called from the ``kvplug_on_event`` hook)."""
+    with _LIVE_LOCK:
+        bridges = list(_LIVE)
+    for bridge in bridges:
+        bridge.observe(event)
+
+
+def block_hash(chunk_key: str) -> int:
+    """The signed 64-bit block hash SGLang events carry, from a chunk key's hash part."""
+    value = int(chunk_key.rsplit("/", 1)[-1][:16], 16)
+    return value - 2**64 if value >= 2**63 else value
+
+
+@dataclass(frozen=True)
+class _Pending:
+    token_ids: tuple[int, ...]
+    parent: int | None
+    cache_salt: str | None
+
+
+class KVEventBridge:
+    """Collects SGLang KV events for the chunks one connector stored.
+
+    Memory is bounded: at most ``max_tracked`` queued-but-unconfirmed chunks and
+    ``max_events`` untaken events are kept; older ones are dropped and counted.
+    """
+
+    def __init__(self, first_tier: str, *, max_tracked: int = 65536, max_events: int = 65536) -> None:
+        self._medium = _MEDIA.get(first_tier, "EXTERNAL")
+        self._pending: dict[str, _Pending] = {}
+        self._stored: dict[str, None] = {}  # insertion-ordered set of confirmed keys
+        self._events: list[Any] = []
+        self._lock = threading.Lock()
+        self._max_tracked = max_tracked
+        self._max_events = max_events
+        self.dropped = 0
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+
+    def expect(self, keys: Sequence[str], bounds: Sequence[tuple[int, int]], tokens: Sequence[int], cache_salt: str | None) -> None:
+        """Remember the token ids of chunks about to be stored under ``keys``."""
+        with self._lock:
+            parent: int | None = None
+            for key, (start, end) in zip(keys, bounds):
+                if key not in self._stored:
+                    self._pending[key] = _Pending(tuple(tokens[start:end]), parent, cache_salt)
+                parent = block_hash(key)
+            while len(self._pending) > self._max_tracked:
+                self._pending.pop(next(iter(self._pending)))
+                self.dropped += 1
+
+    def observe(self, event: KVEvent) -> None:
+        from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
+
+        new: list[Any] = []
+        with self._lock:
+            if event.kind == "stored":
+                for key in event.keys:
+                    info = self._pending.pop(key, None)
+                    if info is None:
+                        continue
+                    self._stored[key] = None
+                    new.append(
+                        BlockStored(
+                            block_hashes=[block_hash(key)],
+                            parent_block_hash=info.parent,
+                            token_ids=list(info.token_ids),
+                            block_size=len(info.token_ids),
+                            lora_id=None,
+                            medium=self._medium,
+                            cache_salt=info.cache_salt,
+                        )
+                    )
+                while len(self._stored) > self._max_tracked:
+                    self._stored.pop(next(iter(self._stored)))
+            elif event.kind in ("evicted", "removed"):
+                gone = [key for key in event.keys if key in self._stored]
+                if gone:
+                    medium = _MEDIA.get(event.tier or "", "EXTERNAL")
+                    new.append(BlockRemoved(block_hashes=[block_hash(k) for k in gone], medium=medium))
+                    if event.kind == "removed":
+                        for key in gone:
+                            self._stored.pop(key, None)
+            self._events.extend(new)
+            overflow = len(self._events) - self._max_events
+            if overflow > 0:
+                del self._events[:overflow]
+                self.dropped += overflow
+
+    def take(self) -> list[Any]:
+        """Events since the last call, oldest first."""
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def stored_keys(self) -> list[str]:
+        with self._lock:
+            return list(self._stored)
+
+    def close(self) -> None:
+        with _LIVE_LOCK:
+            _LIVE.discard(self)

@@ -1,0 +1,268 @@
+"""HiCache storage backend ``KVPlugStorage``: SGLang's L3 cache on kvplug tiers.
+
+Turn it on with::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvplug",
+        "module_path": "kvplug_sglang.hicache", "class_name": "KVPlugStorage",
+        "interface_v1": 1, "kvplug": {"tiers": [{"type": "cpu", "max_bytes": "8GiB"}]}}'
+
+kvplug's config is the ``kvplug`` mapping (or ``kvplug.``-prefixed keys, or
+``"kvplug.config": "<yaml file>"``) of that JSON, over ``KVPLUG_CONFIG`` and
+``KVPLUG_*``. Only the tiers and the serializer matter here: SGLang cuts pages
+and names them itself (``page_i = sha256(page_{i-1} || tokens_i)``, seeded with
+the request's ``extra_key``/``cache_salt``).
+
+A page is stored under ``<kv format version>/<fingerprint hex>/<sha256 of SGLang's
+key>`` as a serializer frame (checksummed) of the page in canonical order
+(:mod:`kvplug_sglang.host_pages`); persistent tiers add their record checksums.
+A page that fails a check is a miss, and is removed.
+
+Supported: MHA host pools in every plain layout (``layer_first``, ``page_first``,
+``page_first_direct``, ``page_head``) and MLA host pools, through the generic
+(``get``/``set``/``batch_*``) and zero-copy v1 (``batch_*_v1``) interfaces. The v2
+pool-transfer calls work for the ``kv`` pool; other pools (Mamba, SWA, DSA
+indexer, ...) are refused at registration and report no hits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+import kvplug
+from kvplug.core.keys import KV_FORMAT_VERSION
+from kvplug.core.tier_chain import TierChain
+from kvplug.errors import ChunkError, LayoutError
+
+from kvplug_sglang.host_pages import HostPageFormat
+
+logger = logging.getLogger("kvplug.sglang.hicache")
+
+#: extra_config keys that belong to SGLang's dynamic-backend loader, not to kvplug.
+_LOADER_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"}
+
+
+class KVPlugStorage(HiCacheStorage):
+    """HiCache L3 storage on a kvplug :class:`~kvplug.core.tier_chain.TierChain`."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        self.storage_config = storage_config
+        extra = dict(storage_config.extra_config or {})
+        engine_extra = {k: v for k, v in extra.items() if k == "kvplug" or k.startswith("kvplug.")}
+        self.config = kvplug.load_config(engine_extra=engine_extra).config
+        self.model_id = str(extra.get("model_id") or storage_config.model_name or "")
+        if not self.model_id:
+            raise ValueError(
+                "KVPlugStorage needs the model's identity for its keys: SGLang passes model_name; "
+                'or set "model_id" in --hicache-storage-backend-extra-config'
+            )
+        self.registry = kvplug.get_registry()
+        serializer_spec = self.config.serializer
+        self.serializer = self.registry.serializers()[serializer_spec.type](serializer_spec.options)
+        self.mem_pool_host: Any = None
+        self.page_format: HostPageFormat | None = None
+        self.fingerprint: kvplug.Fingerprint | None = None
+        self.chain: TierChain | None = None
+        self._prefix = ""
+        self._written: set[str] = set()
+        self._unsupported_pools: set[str] = set()
+
+    # --- registration -----------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Learn the page format and open the tiers (keys depend on the format)."""
+        page_format = HostPageFormat.of(mem_pool_host)
+        if self.chain is not None:
+            if page_format != self.page_format:
+                raise LayoutError("KVPlugStorage: a second host pool with another page format was registered")
+            self.mem_pool_host = mem_pool_host
+            return
+        cfg = self.storage_config
+        replicated = page_format.is_mla  # MLA KV is the same on every TP rank
+        self.fingerprint = kvplug.Fingerprint(
+            model_id=self.model_id,
+            kv_layout=page_format.describe() + (":split" if cfg.should_split_heads else ""),
+            dtype=str(page_format.dtype).removeprefix("torch."),
+            block_size=page_format.page_size,
+            serializer=self.serializer.name,
+            tp_rank=0 if replicated else cfg.tp_rank,
+            tp_size=1 if replicated else cfg.tp_size,
+            pp_rank=cfg.pp_rank,
+            pp_size=cfg.pp_size,
+        )
+        self._prefix = f"{KV_FORMAT_VERSION}/{self.fingerprint.hexdigest()}/"
+        self.chain = TierChain.open(self.config.tiers, self.registry, fingerprint=self.fingerprint.hexdigest())
+        self.mem_pool_host = mem_pool_host
+        self.page_format = page_format
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if str(host_pool_name) == PoolName.KV.value:
+            self.register_mem_pool_host(host_pool)
+        else:
+            self._unsupported_pools.add(str(host_pool_name))
+            logger.warning("KVPlugStorage stores only the kv pool; pool %r will always miss", str(host_pool_name))
+
+    # --- keys and pages ---------------------------------------------------------------
+
+    def storage_key(self, key: str) -> str:
+        """kvplug's key of an SGLang page key: hex only, whatever SGLang sent."""
+        self._check_ready()
+        return self._prefix + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+    def _encode(self, page: torch.Tensor) -> Any:
+        assert self.page_format is not None
+        return self.serializer.dumps(self.page_format.canonical(page).contiguous())
+
+    def _fetch(self, keys: list[str]) -> list[torch.Tensor | None]:
+        """Verified canonical pages of the leading keys some tier holds; ``None`` after a miss."""
+        assert self.chain is not None and self.page_format is not None
+        found: list[torch.Tensor | None] = [None] * len(keys)
+        storage_keys = [self.storage_key(k) for k in keys]
+        for index, buffer in enumerate(self.chain.get_prefix(storage_keys)):
+            try:
+                found[index] = self.serializer.loads(
+                    buffer, expected_shape=self.page_format.canonical_shape, expected_dtype=self.page_format.dtype
+                )
+            except ChunkError as exc:
+                logger.warning("page %s unusable (%s); treating it and what follows as a miss", keys[index], exc)
+                self.chain.discard([storage_keys[index]])
+                break
+        return found
+
+    def _put(self, keys: list[str], pages: list[torch.Tensor]) -> bool:
+        assert self.chain is not None
+        if not self.storage_config.is_storage_writer:
+            return True  # another rank writes the replicated (MLA) pages
+        items = [(self.storage_key(k), self._encode(p)) for k, p in zip(keys, pages)]
+        self.chain.put(items)
+        self._written.update(k for k, _ in items)
+        return True
+
+    def _host_page(self, host_indices: torch.Tensor, i: int) -> torch.Tensor:
+        assert self.page_format is not None
+        return self.mem_pool_host.get_data_page(int(host_indices[i * self.page_format.page_size]), flat=False)
+
+    # --- generic interface ------------------------------------------------------------
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:
+        """Pages in the host pool's own flat order (what ``set_from_flat_data_page`` takes)."""
+        self._check_ready()
+        assert self.page_format is not None
+        out: list[torch.Tensor | None] = []
+        for index, page in enumerate(self._fetch(list(keys))):
+            if page is None:
+                out.append(None)
+                continue
+            target = target_locations[index] if target_locations is not None else None
+            if target is None:
+                target = torch.empty(self.page_format.page_shape, dtype=self.page_format.dtype)
+            self.page_format.canonical(target).copy_(page)
+            out.append(target.reshape(-1))
+        return out
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        self._check_ready()
+        if values is None or len(values) != len(keys):
+            raise ValueError(f"batch_set needs one page per key: {len(keys)} keys, {0 if values is None else len(values)} values")
+        return self._put(list(keys), list(values))
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many leading pages are stored (stops at the first missing one)."""
+        self._check_ready()
+        assert self.chain is not None
+        return self.chain.contains_prefix([self.storage_key(k) for k in keys])
+
+    # --- zero-copy v1 (host indices) --------------------------------------------------
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Load pages straight into the host pool at ``host_indices`` (``page_size`` per key)."""
+        self._check_ready()
+        self._check_indices(keys, host_indices)
+        assert self.page_format is not None
+        results = []
+        for index, page in enumerate(self._fetch(list(keys))):
+            if page is not None:
+                self.page_format.canonical(self._host_page(host_indices, index)).copy_(page)
+            results.append(page is not None)
+        return results
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        self._check_ready()
+        self._check_indices(keys, host_indices)
+        ok = self._put(list(keys), [self._host_page(host_indices, i) for i in range(len(keys))])
+        return [ok] * len(keys)
+
+    # --- v2 pool transfers ------------------------------------------------------------
+
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> PoolTransferResult:
+        """KV hits as in :meth:`batch_exists`; every other pool reports no pages."""
+        hits = self.batch_exists(keys, extra_info)
+        extra = {str(t.name): 0 for t in pool_transfers or [] if str(t.name) != PoolName.KV.value}
+        return PoolTransferResult(kv_hit_pages=hits, extra_pool_hit_pages=extra)
+
+    def batch_get_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return {str(t.name): self._transfer(t, load=True, extra_info=extra_info) for t in transfers}
+
+    def batch_set_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return {str(t.name): self._transfer(t, load=False, extra_info=extra_info) for t in transfers}
+
+    def _transfer(self, transfer: PoolTransfer, *, load: bool, extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
+        keys = list(transfer.keys or [])
+        if str(transfer.name) != PoolName.KV.value:
+            return [False] * len(keys)  # unsupported pool: a miss / a failed write, never wrong data
+        if transfer.host_indices is None:
+            raise ValueError("KVPlugStorage: a kv PoolTransfer needs host_indices")
+        if load:
+            return self.batch_get_v1(keys, transfer.host_indices, extra_info)
+        return self.batch_set_v1(keys, transfer.host_indices, extra_info)
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Remove the pages this backend stored (in this process) from every tier."""
+        if self.chain is not None:
+            self.chain.flush()
+            self.chain.discard(sorted(self._written))
+        self._written.clear()
+
+    def flush(self) -> None:
+        if self.chain is not None:
+            self.chain.flush()
+
+    def close(self) -> None:
+        if self.chain is not None:
+            self.chain.close()
+
+    def _check_ready(self) -> None:
+        if self.chain is None:
+            raise RuntimeError("KVPlugStorage: register_mem_pool_host() must be called before storage operations")
+
+    def _check_indices(self, keys: list[str], host_indices: torch.Tensor) -> None:
+        assert self.page_format is not None
+        need = len(keys) * self.page_format.page_size
+        if host_indices.numel() < need:
+            raise ValueError(f"{len(keys)} pages need {need} host indices, got {host_indices.numel()}")

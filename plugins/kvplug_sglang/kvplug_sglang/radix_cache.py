@@ -1,0 +1,278 @@
+"""Radix-cache backend ``kvplug``: SGLang's ``RadixCache`` with kvplug under it.
+
+Selected with ``--radix-cache-backend kvplug`` (the ``sglang.srt.plugins`` entry
+point registers it in every SGLang process). It is SGLang's plain ``RadixCache``
+— the class SGLang's own external-store backend (FlexKV, registered the same
+way) extends — plus three things:
+
+- **load**: when ``match_prefix`` for a request finds less on device than kvplug
+  holds, it reports the difference as ``host_hit_length``; the scheduler then
+  calls ``init_load_back``, which allocates slots from the
+  ``token_to_kv_pool_allocator``, scatters the chunks into them with
+  ``CacheEngine.retrieve`` and inserts them into the tree. All or nothing, as
+  the scheduler requires: a chunk that turns out corrupt frees every slot and
+  the request recomputes.
+- **store**: a finished request's KV (``checkpoint`` of a finished request) is
+  copied out of the pool right away and written to the tiers by kvplug's store
+  worker; nothing stays locked.
+- **evict**: a node evicted from device is stored first (its slots are freed
+  but not yet reused when ``_delete_leaf`` runs), so kvplug keeps the data.
+
+With tensor parallelism every rank runs this tree; hit lengths and load results
+are agreed with an all_reduce MIN over the TP group's CPU (gloo) group so the
+trees stay identical.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from sglang.srt.mem_cache.base_prefix_cache import (
+    CacheRequestHandle,
+    EvictParams,
+    InitLoadBackParams,
+    InsertParams,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+import kvplug
+
+from kvplug_sglang.setup_engine import build_cache_engine
+
+logger = logging.getLogger("kvplug.sglang.radix")
+
+BACKEND_NAME = "kvplug"
+
+
+@dataclass(frozen=True)
+class _LoadPlan:
+    """A hit found by ``match_prefix`` and waiting for ``init_load_back``."""
+
+    key: RadixKey  # page-aligned, detached from the request's growing token list
+    device_len: int
+    hit_len: int
+
+
+class KVPlugRadixCache(RadixCache):
+    """``RadixCache`` that loads prefix misses from kvplug and stores into it."""
+
+    def __init__(
+        self,
+        params: CacheInitParams,
+        *,
+        model_config: Any,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: dist.ProcessGroup | None = None,
+        config: kvplug.KVPlugConfig | None = None,
+    ) -> None:
+        self._plans: dict[CacheRequestHandle, _LoadPlan] = {}
+        super().__init__(params)
+        kvcache = self.token_to_kv_pool_allocator.get_kvcache()
+        self.kv_caches = list(zip(kvcache.k_buffer, kvcache.v_buffer))
+        self.engine = build_cache_engine(
+            model_config=model_config,
+            k_pool=kvcache.k_buffer,
+            v_pool=kvcache.v_buffer,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            page_size=self.page_size,
+            config=config,
+        )
+        self.tp_size = tp_size
+        self.tp_group = tp_group
+        self.loaded_tokens = 0
+        self.load_failures = 0
+        _close_at_exit(self)
+
+    # --- load -----------------------------------------------------------------------
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        base = super().match_prefix(params)
+        req = params.req
+        if self.disable or req is None or self.is_eagle:
+            return base
+        key = params.key.page_aligned(self.page_size)
+        device_len = base.device_prefix_len
+        hit = 0
+        if len(key) > device_len:
+            try:
+                hit = self.engine.lookup(key.raw_token_ids(), request=_request_of(key))
+            except Exception:
+                logger.exception("kvplug lookup failed; treating as a miss")
+            hit = min(hit, len(key)) // self.page_size * self.page_size
+        hit = self._agree(hit)
+        handle = req.cache_request_handle
+        if hit <= device_len:
+            self._plans.pop(handle, None)
+            return base
+        snapshot = RadixKey(array("q", key.raw_token_ids()[:hit]), key.extra_key, cache_salt=key.cache_salt)
+        self._plans[handle] = _LoadPlan(snapshot, device_len, hit)
+        return base._replace(host_hit_length=hit - device_len)
+
+    def init_load_back(self, params: InitLoadBackParams) -> tuple[int, TreeNode]:
+        """Load the hit ``match_prefix`` promised into new slots; all of it or nothing."""
+        last_node = params.best_match_node
+        plan = self._plans.pop(params.req.cache_request_handle, None) if params.req is not None else None
+        if plan is None or params.host_hit_length <= 0:
+            return 0, last_node
+        prefix = self.path_device_indices(last_node)
+        need = plan.hit_len - plan.device_len
+        ok = len(prefix) == plan.device_len and params.host_hit_length == need
+        slots = None
+        if ok:
+            if self.token_to_kv_pool_allocator.available_size() < need:
+                self.evict(EvictParams(num_tokens=need))
+            slots = self.token_to_kv_pool_allocator.alloc(need)
+            ok = slots is not None and self._retrieve(plan, prefix, slots) == need
+        if self._agree(int(ok)) == 0:
+            if slots is not None:
+                self.token_to_kv_pool_allocator.free(slots)
+            self.load_failures += 1
+            return 0, last_node
+        values = torch.cat([prefix.to(torch.int64), slots.to(torch.int64)])
+        result = self.insert(InsertParams(key=plan.key, value=values, priority=last_node.priority))
+        if result.prefix_len > plan.device_len:
+            # The tree grew under us (another insert of the same prefix): those
+            # tokens are served by the tree's slots, ours are duplicates.
+            self.token_to_kv_pool_allocator.free(slots[: result.prefix_len - plan.device_len])
+        self.loaded_tokens += need
+        return need, result.last_device_node
+
+    def _retrieve(self, plan: _LoadPlan, prefix: torch.Tensor, slots: torch.Tensor) -> int:
+        mask = torch.ones(plan.hit_len, dtype=torch.bool)
+        mask[: plan.device_len] = False
+        all_slots = torch.cat([prefix.to(torch.int64).cpu(), slots.to(torch.int64).cpu()])
+        try:
+            loaded = self.engine.retrieve(plan.key.raw_token_ids(), self.kv_caches, all_slots, mask, request=_request_of(plan.key))
+        except Exception:
+            logger.exception("kvplug retrieve failed; recomputing")
+            return 0
+        return int(loaded.sum())
+
+    def load_back_is_cache_owned(self) -> bool:
+        return True
+
+    # --- store ----------------------------------------------------------------------
+
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        super().checkpoint(req, up_to=up_to)
+        if not self.disable and req.finished() and req.last_node is not None:
+            self._store_path(req.last_node)
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        # Called by RadixCache.evict right after it returned node.value to the
+        # allocator: the slots are free but nothing has been written to them yet
+        # (allocation happens after eviction), so their KV is still intact.
+        self._store_path(node)
+        super()._delete_leaf(node)
+
+    def _store_path(self, node: TreeNode) -> None:
+        """Store the KV of the whole path root -> ``node`` (kvplug skips chunks it has)."""
+        if getattr(node, "_kvplug_stored", False) or self.is_eagle or node is self.root_node:
+            return
+        keys: list[RadixKey] = []
+        walk = node
+        while walk is not self.root_node and walk is not None:
+            keys.append(walk.key)
+            walk = walk.parent
+        tokens = array("q")
+        for key in reversed(keys):
+            tokens.extend(key.raw_token_ids())
+        slots = self.path_device_indices(node).to(torch.int64)
+        try:
+            self.engine.store(tokens, self.kv_caches, slots, request=_request_of(node.key))
+        except Exception:
+            logger.exception("kvplug store failed; the KV stays on device only")
+            return
+        node._kvplug_stored = True
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        self._plans.pop(req.cache_request_handle, None)
+
+    def release_aborted_request(self, handle: CacheRequestHandle) -> None:
+        self._plans.pop(handle, None)
+
+    def flush_pending_backups(self) -> None:
+        self.engine.flush()
+
+    def reset(self) -> None:
+        super().reset()
+        self._plans.clear()
+
+    def shutdown(self) -> None:
+        """Write what is queued to the tiers and close them."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+
+    def _agree(self, local: int) -> int:
+        """The minimum of ``local`` over the TP ranks (identity without TP)."""
+        if self.tp_size == 1 or self.tp_group is None:
+            return local
+        tensor = torch.tensor([local], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.tp_group)
+        return int(tensor.item())
+
+
+def kvplug_radix_cache_factory(ctx: Any) -> KVPlugRadixCache:
+    """``RadixCacheFactory`` for SGLang's registry (``TreeCacheBuildContext`` in, cache out)."""
+    unsupported = [
+        name
+        for name, on in (
+            ("hybrid SWA models", ctx.is_hybrid_swa),
+            ("hybrid SSM (mamba) models", ctx.is_hybrid_ssm),
+            ("DSA models", getattr(ctx, "is_dsa", False)),
+            ("--enable-hierarchical-cache (use the HiCache storage backend kvplug_sglang.hicache.KVPlugStorage)", ctx.enable_hierarchical_cache),
+        )
+        if on
+    ]
+    if unsupported:
+        raise ValueError(f"--radix-cache-backend {BACKEND_NAME} does not support {', '.join(unsupported)}")
+    tp_group = getattr(ctx.tp_group, "cpu_group", ctx.tp_group)
+    return KVPlugRadixCache(
+        ctx.params,
+        model_config=ctx.model_config,
+        tp_rank=ctx.tp_rank,
+        tp_size=ctx.tp_size,
+        tp_group=tp_group,
+    )
+
+
+def _request_of(key: RadixKey) -> kvplug.RequestInfo | None:
+    if key.cache_salt is None and key.extra_key is None:
+        return None
+    return kvplug.RequestInfo(cache_salt=key.cache_salt, lora_id=key.extra_key)
+
+
+_OPEN: weakref.WeakSet[KVPlugRadixCache] = weakref.WeakSet()
+_AT_EXIT: list[bool] = []
+
+
+def _close_at_exit(cache: KVPlugRadixCache) -> None:
+    # kvplug's store worker is a daemon thread: without this, stores still queued
+    # when the scheduler process exits would be lost.
+    if not _AT_EXIT:
+        atexit.register(_close_all)
+        _AT_EXIT.append(True)
+    _OPEN.add(cache)
+
+
+def _close_all() -> None:
+    for cache in list(_OPEN):
+        try:
+            cache.shutdown()
+        except Exception:
+            logger.exception("kvplug: closing the cache engine at exit failed")

@@ -1,0 +1,115 @@
+"""Building a :class:`kvplug.CacheEngine` for one SGLang device KV pool.
+
+Everything SGLang-facing in this package (connector, radix-cache backend) goes
+through :func:`build_cache_engine`, so chunk keys carry the same fingerprint
+whichever way kvplug was turned on: model path and revision, dtype, the
+``sglang_mha`` layout with its page size, and the tensor-parallel rank and size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+import kvplug
+from kvplug.errors import LayoutError
+
+def model_id_of(model_config: Any) -> str:
+    """The model identity that goes into the fingerprint.
+
+    SGLang's ``ModelConfig`` has ``model_path`` (a hub id or local directory) and
+    ``revision``; anything with those attributes works (duck-typed).
+    """
+    model_id = getattr(model_config, "model_path", None) or getattr(model_config, "model_name", None)
+    if not model_id:
+        raise LayoutError("model_config has no model_path: cannot fingerprint the cached KV")
+    return str(model_id)
+
+
+def sglang_layout(k_pool: Sequence[torch.Tensor], v_pool: Sequence[torch.Tensor], page_size: int = 1) -> kvplug.KVLayout:
+    """The ``sglang_mha`` layout of an ``MHATokenToKVPool``'s ``k_buffer``/``v_buffer`` lists."""
+    if not k_pool or len(k_pool) != len(v_pool):
+        raise LayoutError(
+            f"k_pool and v_pool must be non-empty lists of the same length (one tensor per layer), "
+            f"got {len(k_pool)} and {len(v_pool)}"
+        )
+    first = k_pool[0]
+    if first.dim() != 3:
+        raise LayoutError(
+            f"SGLang MHA buffers must be [num_slots, num_kv_heads, head_dim], got shape {tuple(first.shape)}; "
+            "HND layouts (SGLANG_USE_HND_KVCACHE) and MLA pools are not supported"
+        )
+    for k, v in zip(k_pool, v_pool):
+        if k.shape != first.shape or v.shape != first.shape or k.dtype != first.dtype or v.dtype != first.dtype:
+            raise LayoutError(
+                "every layer's k and v buffers must share shape and dtype "
+                f"(layer 0: {tuple(first.shape)} {first.dtype}, got {tuple(k.shape)} {k.dtype} / {tuple(v.shape)} {v.dtype})"
+            )
+    return kvplug.KVLayout(
+        kind="sglang_mha",
+        num_layers=len(k_pool),
+        block_size=page_size,
+        num_kv_heads=first.shape[1],
+        head_dim=first.shape[2],
+        dtype=first.dtype,
+    )
+
+
+def load_kvplug_config(engine_extra: Mapping[str, Any] | None = None) -> kvplug.KVPlugConfig:
+    """kvplug's config: defaults < ``KVPLUG_CONFIG`` YAML < ``KVPLUG_*`` env < ``engine_extra``.
+
+    The radix-cache backend has no engine-side extra config (SGLang has no
+    generic field for it), so there it is the file and the environment, e.g.
+    ``KVPLUG_CONFIG=/etc/kvplug.yaml`` or ``KVPLUG_TIERS='[{"type": "cpu"}]'``.
+    """
+    return kvplug.load_config(engine_extra=engine_extra or {}).config
+
+
+def build_cache_engine(
+    *,
+    model_config: Any,
+    k_pool: Sequence[torch.Tensor],
+    v_pool: Sequence[torch.Tensor],
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    page_size: int = 1,
+    config: kvplug.KVPlugConfig | None = None,
+    engine_extra: Mapping[str, Any] | None = None,
+) -> kvplug.CacheEngine:
+    """A cache engine over SGLang's per-layer ``k_pool``/``v_pool`` tensors."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
+    layout = sglang_layout(k_pool, v_pool, page_size)
+    _check_against_model(model_config, layout, tp_size)
+    config = config if config is not None else load_kvplug_config(engine_extra)
+    if config.chunk_size % page_size:
+        raise ValueError(
+            f"kvplug chunk_size ({config.chunk_size}) must be a multiple of SGLang's page size ({page_size})"
+        )
+    fingerprint = kvplug.Fingerprint.for_layout(
+        layout,
+        model_id=model_id_of(model_config),
+        model_revision=str(getattr(model_config, "revision", None) or ""),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
+    return kvplug.CacheEngine(config, layout, fingerprint)
+
+
+def _check_against_model(model_config: Any, layout: kvplug.KVLayout, tp_size: int) -> None:
+    """Catch a pool that belongs to another model (or another TP split) early."""
+    layers = getattr(model_config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers != layout.num_layers:
+        # Pipeline parallelism gives a rank a slice of the layers; the pool is the truth.
+        if not (0 < layout.num_layers < layers):
+            raise LayoutError(f"the KV pool has {layout.num_layers} layers, the model {layers}")
+    get_heads = getattr(model_config, "get_num_kv_heads", None)
+    if callable(get_heads):
+        heads = get_heads(tp_size)
+        if isinstance(heads, int) and heads != layout.num_kv_heads:
+            raise LayoutError(
+                f"the KV pool has {layout.num_kv_heads} KV heads per rank, "
+                f"the model {heads} at tp_size={tp_size}"
+            )

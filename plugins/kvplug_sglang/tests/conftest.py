@@ -1,0 +1,28 @@
+"""Fixtures: real SGLang pools on CPU and a ModelConfig from a local config-only model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sglang_pools import make_pool, write_model_dir
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def model_config(model_dir: Path) -> Any:
+    """SGLang's real ModelConfig, built from a config.json without weights."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return ModelConfig(str(model_dir))
+
+
+@pytest.fixture
+def pool_factory() -> Callable[..., Any]:
+    return make_pool

@@ -1,0 +1,152 @@
+"""KVPlugConnector on a real MHATokenToKVPool: store, clear, load into other slots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from sglang_pools import NUM_LAYERS, clear_pool, fill_random, kvplug_extra, snapshot
+from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
+
+from kvplug.errors import LayoutError
+from kvplug_sglang.connector import KVPlugConnector, LoadMetadata, StoreMetadata
+
+
+def _connector(model_config, pool, extra) -> KVPlugConnector:
+    return KVPlugConnector(model_config, 1, 0, pool.k_buffer, pool.v_buffer, engine_extra=extra)
+
+
+def _assert_same(pool, slots: torch.Tensor, expected) -> None:
+    for layer, (k, v) in enumerate(expected):
+        assert torch.equal(pool.get_key_buffer(layer)[slots], k), f"K of layer {layer} differs"
+        assert torch.equal(pool.get_value_buffer(layer)[slots], v), f"V of layer {layer} differs"
+
+
+def test_store_clear_load_bit_exact_into_other_slots(model_config, pool_factory) -> None:
+    pool = pool_factory()
+    connector = _connector(model_config, pool, kvplug_extra())
+    tokens = list(range(300, 364))  # 4 chunks of 16
+    src = torch.randperm(200)[:64] + 1
+    fill_random(pool, src)
+    expected = snapshot(pool, src)
+    connector.store_kv(StoreMetadata(last_node=None, token_ids=tokens, kv_indices=src, offset=0))
+    clear_pool(pool)
+    dst = torch.arange(300, 364)
+    assert connector.load_kv(LoadMetadata(token_ids=tokens, slot_mapping=dst, offset=0)) == 64
+    _assert_same(pool, dst, expected)
+    # offset: the first 16 tokens are on device, only the rest is loaded and counted
+    clear_pool(pool)
+    loaded = connector.load_kv(LoadMetadata(token_ids=tokens, slot_mapping=dst[16:], offset=16))
+    assert loaded == 48
+    _assert_same(pool, dst[16:], [(k[16:], v[16:]) for k, v in expected])
+    assert not pool.get_key_buffer(0)[dst[:16]].any(), "tokens before offset must not be written"
+    connector.close()
+
+
+def test_shared_prefix_loads_chunk_aligned_prefix(model_config, pool_factory) -> None:
+    pool = pool_factory()
+    connector = _connector(model_config, pool, kvplug_extra())
+    tokens = list(range(1000, 1040))  # 2 full chunks + 8 (the partial chunk is not stored)
+    src = torch.arange(1, 41)
+    fill_random(pool, src, seed=1)
+    expected = snapshot(pool, src)
+    connector.store_kv(StoreMetadata(None, tokens, src, 0))
+    other = tokens[:20] + [7] * 30  # shares 20 tokens: one whole chunk
+    assert connector.lookup(other) == 16
+    clear_pool(pool)
+    dst = torch.arange(100, 150)
+    assert connector.load_kv(LoadMetadata(other, dst, 0)) == 16
+    _assert_same(pool, dst[:16], [(k[:16], v[:16]) for k, v in expected])
+    assert not pool.get_key_buffer(0)[dst[16:]].any()
+    # a different salt shares nothing
+    assert connector.load_kv(LoadMetadata(tokens, torch.arange(100, 140), 0, cache_salt="tenant-b")) == 0
+    connector.close()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_corrupt_chunk_gives_shorter_load_never_wrong_data(model_config, pool_factory, tmp_path: Path, tier: str) -> None:
+    pool = pool_factory()
+    if tier == "cpu":
+        tiers = [{"type": "cpu"}]
+    else:
+        pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+        tiers = [{"type": "disk", "path": str(tmp_path / "kv"), "writer": "inline"}]
+    connector = _connector(model_config, pool, kvplug_extra(tiers))
+    tokens = list(range(500, 548))  # 3 chunks
+    src = torch.arange(1, 49)
+    fill_random(pool, src, seed=2)
+    expected = snapshot(pool, src)
+    connector.store_kv(StoreMetadata(None, tokens, src, 0))
+    connector.flush()
+    third = connector.engine.chunk_keys(tokens)[1].key
+    if tier == "cpu":
+        cpu = connector.engine.chain.tiers[0]
+        frame = bytearray(cpu.get([third])[0])
+        frame[-5] ^= 0xFF  # one flipped bit in the payload of the 2nd chunk
+        cpu.put([(third, bytes(frame))])
+    else:
+        files = sorted(p for p in (tmp_path / "kv").rglob("*") if p.is_file() and p.stat().st_size > 1000)
+        assert len(files) == 3, files
+        victim = next(f for f in files if _holds_key(connector, f, third))
+        data = bytearray(victim.read_bytes())
+        data[-7] ^= 0x01
+        victim.write_bytes(bytes(data))
+    clear_pool(pool)
+    dst = torch.arange(200, 248)
+    assert connector.load_kv(LoadMetadata(tokens, dst, 0)) == 16
+    _assert_same(pool, dst[:16], [(k[:16], v[:16]) for k, v in expected])
+    assert not pool.get_key_buffer(0)[dst[16:]].any(), "nothing of a corrupt chunk may be written"
+    connector.close()
+
+
+def _holds_key(connector: KVPlugConnector, path: Path, key: str) -> bool:
+    import hashlib
+
+    return hashlib.sha256(key.encode()).digest() == path.read_bytes()[16:48]
+
+
+def test_kv_events_in_sglang_shape(model_config, pool_factory) -> None:
+    pool = pool_factory()
+    connector = _connector(model_config, pool, kvplug_extra([{"type": "cpu", "max_bytes": 70_000}]))
+    tokens = list(range(40, 72))
+    fill_random(pool, torch.arange(1, 33))
+    connector.store_kv(StoreMetadata(None, tokens, torch.arange(1, 33), 0))
+    stored = connector.get_kv_events()
+    assert [type(e) for e in stored] == [BlockStored, BlockStored]
+    assert stored[0].token_ids == tokens[:16] and stored[1].token_ids == tokens[16:]
+    assert stored[1].parent_block_hash == stored[0].block_hashes[0] and stored[0].parent_block_hash is None
+    assert connector.get_kv_events() == []
+    # a chunk is 4 layers * 2 * 16 tokens * 32 * 2 bytes = 8 KiB + header; 70 kB holds 8: overflow evicts
+    for start in range(2000, 2000 + 16 * 8, 16):
+        connector.store_kv(StoreMetadata(None, list(range(start, start + 16)), torch.arange(1, 17), 0))
+    removed = [e for e in connector.get_kv_events() if isinstance(e, BlockRemoved)]
+    assert removed and stored[0].block_hashes[0] in [h for e in removed for h in e.block_hashes]
+    connector.close()
+
+
+def test_fingerprint_separates_tp_rank_and_page_size(model_config, pool_factory) -> None:
+    pool = pool_factory(heads=1)  # the model's 2 KV heads split over 2 ranks
+    a = KVPlugConnector(model_config, 2, 0, pool.k_buffer, pool.v_buffer, engine_extra=kvplug_extra())
+    b = KVPlugConnector(model_config, 2, 1, pool.k_buffer, pool.v_buffer, engine_extra=kvplug_extra())
+    c = KVPlugConnector(model_config, 2, 0, pool.k_buffer, pool.v_buffer, page_size=4, engine_extra=kvplug_extra())
+    prints = {x.engine.chunk_keys(list(range(16)))[0].key.split("/")[1] for x in (a, b, c)}
+    assert len(prints) == 3
+    for x in (a, b, c):
+        x.close()
+
+
+def test_bad_arguments_are_named(model_config, pool_factory) -> None:
+    pool = pool_factory()
+    connector = _connector(model_config, pool, kvplug_extra())
+    with pytest.raises(LayoutError, match="slot_mapping has 3 slots"):
+        connector.load_kv(LoadMetadata(list(range(10)), torch.arange(3), 2))
+    with pytest.raises(LayoutError, match="kv_indices has 4 slots for 5 token ids"):
+        connector.store_kv(StoreMetadata(None, list(range(5)), torch.arange(4), 0))
+    with pytest.raises(LayoutError, match="offset must be in"):
+        connector.load_kv(LoadMetadata(list(range(4)), torch.arange(0), 9))
+    with pytest.raises(LayoutError, match=f"the model {NUM_LAYERS}"):
+        KVPlugConnector(model_config, 1, 0, pool.k_buffer[:2] + pool.k_buffer, pool.v_buffer[:2] + pool.v_buffer)
+    with pytest.raises(ValueError, match="multiple of SGLang's page size"):
+        KVPlugConnector(model_config, 1, 0, pool.k_buffer, pool.v_buffer, page_size=5, engine_extra=kvplug_extra())
+    connector.close()

@@ -1,0 +1,137 @@
+"""Radix-cache backend ``kvplug`` built by SGLang's registry, driven like the scheduler."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+from sglang_flow import build_stack, published_server_args, serve_request
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.registry import get_radix_cache_factory, registered_radix_cache_backends
+
+from kvplug_sglang.radix_cache import KVPlugRadixCache
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered() -> None:
+    """Load the plugin the way SGLang does: through its entry point, twice."""
+    (ep,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "kvplug"]
+    register = ep.load()
+    register()
+    register()  # SGLang calls plugins in every process, maybe more than once
+    assert registered_radix_cache_backends().count("kvplug") == 1
+
+
+@pytest.fixture
+def kvplug_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPLUG_CHUNK_SIZE", "16")
+    monkeypatch.setenv("KVPLUG_STORE__MODE", "sync")
+
+
+def test_unknown_backend_is_refused_and_ours_is_known(model_config) -> None:
+    assert get_radix_cache_factory("kvplug") is not None
+    with published_server_args(radix_cache_backend="kvplug-typo") as args:
+        with pytest.raises(ValueError, match="is not registered"):
+            build_stack(args, model_config)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_evicted_prefix_comes_back_from_kvplug(model_config, kvplug_env, page_size: int) -> None:
+    with published_server_args(radix_cache_backend="kvplug") as args:
+        stack = build_stack(args, model_config, page_size=page_size)
+        assert isinstance(stack.tree, KVPlugRadixCache)
+        start = stack.allocator.available_size()
+        tokens = list(range(100, 149))  # 49 tokens: 3 chunks fit under the 48-token match limit
+        first = serve_request(stack, "a", tokens, seed=1)
+        assert (first.device_hit, first.promised) == (0, 0)
+        assert stack.tree.evict(EvictParams(num_tokens=10_000)).num_tokens_evicted > 0
+        assert stack.allocator.available_size() == start, "eviction must return every slot"
+        second = serve_request(stack, "b", tokens, seed=2)
+        assert (second.device_hit, second.promised, second.loaded) == (0, 48, 48)
+        for (k1, v1), (k2, v2) in zip(first.kv, second.kv):
+            assert torch.equal(k1[:48], k2[:48]) and torch.equal(v1[:48], v2[:48]), "loaded KV must be bit-exact"
+        # a third request now hits on device: nothing more to load
+        third = serve_request(stack, "c", tokens, seed=3)
+        assert (third.device_hit, third.promised) == (48, 0)
+        stack.tree.evict(EvictParams(num_tokens=10_000))
+        assert stack.allocator.available_size() == start, "no slot leaked or freed twice"
+        stack.tree.shutdown()
+
+
+def test_corrupt_chunk_between_match_and_load_loads_nothing(model_config, kvplug_env) -> None:
+    with published_server_args(radix_cache_backend="kvplug") as args:
+        stack = build_stack(args, model_config)
+        start = stack.allocator.available_size()
+        tokens = list(range(7, 56))
+        serve_request(stack, "a", tokens, seed=4)
+        stack.tree.evict(EvictParams(num_tokens=10_000))
+        engine = stack.tree.engine
+        victim = engine.chunk_keys(tokens)[1].key
+
+        def corrupt() -> None:
+            tier = engine.chain.tiers[0]
+            frame = bytearray(tier.get([victim])[0])
+            frame[200] ^= 0x10
+            tier.put([(victim, bytes(frame))])
+
+        served = serve_request(stack, "b", tokens, seed=5, before_load=corrupt)
+        assert served.promised == 48 and served.loaded == 0, "all or nothing: the scheduler recomputes"
+        assert stack.tree.load_failures == 1
+        stack.tree.evict(EvictParams(num_tokens=10_000))
+        assert stack.allocator.available_size() == start
+        stack.tree.shutdown()
+
+
+def test_salt_isolates_requests(model_config, kvplug_env) -> None:
+    with published_server_args(radix_cache_backend="kvplug") as args:
+        stack = build_stack(args, model_config)
+        tokens = list(range(300, 349))
+        serve_request(stack, "a", tokens, seed=6)
+        stack.tree.evict(EvictParams(num_tokens=10_000))
+        lookup = stack.tree.engine.lookup
+        from kvplug import RequestInfo
+
+        assert lookup(tokens) == 48
+        assert lookup(tokens, request=RequestInfo(cache_salt="other-tenant")) == 0
+        stack.tree.shutdown()
+
+
+def test_new_process_gets_the_hit_from_disk(model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    env = {
+        **os.environ,
+        "KVPLUG_CHUNK_SIZE": "16",
+        "KVPLUG_TIERS": json.dumps([{"type": "cpu"}, {"type": "disk", "path": str(tmp_path / "kv")}]),
+    }
+    script = str(HERE / "sglang_radix_process.py")
+    stored = _run(script, "store", model_dir, env)
+    assert stored["promised"] == 0
+    loaded = _run(script, "load", model_dir, env)
+    assert (loaded["device_hit"], loaded["promised"], loaded["loaded"]) == (0, 48, 48)
+    assert loaded["kv_sha256"] == stored["kv_sha256"], "KV loaded in the new process differs"
+    assert loaded["available_after"] == loaded["available_before"]
+
+
+def _run(script: str, mode: str, model_dir: Path, env: dict[str, str]) -> dict:
+    proc = subprocess.run(
+        [sys.executable, script, mode, str(model_dir)], env=env, cwd=HERE, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def kv_digest(kv: list[tuple[torch.Tensor, torch.Tensor]], num_tokens: int) -> str:
+    digest = hashlib.sha256()
+    for k, v in kv:
+        digest.update(k[:num_tokens].contiguous().view(torch.int16).numpy().tobytes())
+        digest.update(v[:num_tokens].contiguous().view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
