@@ -11,7 +11,7 @@ from kvplug.builtins.torch_connector import TorchConnector
 from kvplug.core.components import EmptyConfig
 from kvplug.errors import LayoutError
 
-from conftest import LAYOUTS, caches_equal, clone_caches, random_caches
+from core_helpers import LAYOUTS, caches_equal, clone_caches, random_caches
 
 NUM_BLOCKS = 12
 

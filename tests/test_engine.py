@@ -12,7 +12,7 @@ from kvplug import CacheEngine, Fingerprint, RequestInfo, StorageTier, TierStats
 from kvplug.core.plugins import PluginRegistry
 from kvplug.errors import EngineClosedError, LayoutError
 
-from conftest import LAYOUTS, caches_equal, random_caches
+from core_helpers import LAYOUTS, caches_equal, random_caches
 
 NUM_BLOCKS = 80
 

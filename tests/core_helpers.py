@@ -1,0 +1,47 @@
+"""Layouts and cache builders shared by the core tests (imported by name: a conftest
+is not importable once several test folders run in one pytest session)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvplug import KVLayout
+
+#: One small layout per supported kind, and how to make its per-layer caches.
+LAYOUTS = {
+    "vllm_flash": KVLayout("vllm_flash", num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float16),
+    "vllm_mla": KVLayout("vllm_mla", num_layers=2, block_size=4, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16),
+    "vllm_cpu": KVLayout("vllm_cpu", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16),
+    "sglang_mha": KVLayout("sglang_mha", num_layers=2, block_size=1, num_kv_heads=2, head_dim=8, dtype=torch.float32),
+}
+
+
+def random_caches(layout: KVLayout, num_blocks: int, *, seed: int = 0) -> list:
+    """Per-layer caches of ``layout`` filled with random values (any dtype)."""
+    generator = torch.Generator().manual_seed(seed)
+    b, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
+
+    def fill(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(layout.dtype)
+
+    caches = []
+    for _ in range(layout.num_layers):
+        if layout.kind == "vllm_flash":
+            caches.append(fill(2, num_blocks, b, h, d))
+        elif layout.kind == "vllm_mla":
+            caches.append(fill(num_blocks, b, d))
+        elif layout.kind == "vllm_cpu":
+            caches.append(fill(num_blocks, h, b, 2 * d))
+        else:
+            caches.append((fill(num_blocks * b, h, d), fill(num_blocks * b, h, d)))
+    return caches
+
+
+def clone_caches(caches: list) -> list:
+    return [tuple(t.clone() for t in c) if isinstance(c, tuple) else c.clone() for c in caches]
+
+
+def caches_equal(a: list, b: list) -> bool:
+    flat_a = [t for c in a for t in (c if isinstance(c, tuple) else (c,))]
+    flat_b = [t for c in b for t in (c if isinstance(c, tuple) else (c,))]
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(flat_a, flat_b))
