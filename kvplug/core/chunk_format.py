@@ -124,7 +124,7 @@ def parse_header(data: bytes | bytearray | memoryview) -> ChunkHeader:
     if view.nbytes < HEADER_SIZE:
         raise CorruptChunkError(f"chunk is {view.nbytes} bytes, shorter than its header")
     magic, version, header_size, dtype_raw, ndim, *rest = _STRUCT.unpack_from(view, 0)
-    dims, (length, _reserved, checksum) = rest[:MAX_NDIM], rest[MAX_NDIM:]
+    dims, (length, _, checksum) = rest[:MAX_NDIM], rest[MAX_NDIM:]
     if magic != MAGIC:
         raise CorruptChunkError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != FRAME_VERSION or header_size != HEADER_SIZE:
