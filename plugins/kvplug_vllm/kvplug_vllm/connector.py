@@ -1,0 +1,161 @@
+"""``KVPlugConnector``: a vLLM v1 KV connector backed by kvplug's ``CacheEngine``.
+
+vLLM creates one instance per role: the scheduler's (lookups, per-step
+metadata) and each worker's (owns the cache engine, copies blocks). This class
+only dispatches to :class:`~kvplug_vllm.scheduler.SchedulerSide` and
+:class:`~kvplug_vllm.worker.WorkerSide`.
+
+Enable it with ``--kv-transfer-config '{"kv_connector": "KVPlugConnector",
+"kv_role": "kv_both", "kv_connector_extra_config": {"kvplug.config": "kvplug.yaml"}}'``
+(the ``vllm.general_plugins`` entry point registers the name), or name this
+module in ``kv_connector_module_path``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvplug import load_config
+
+from kvplug_vllm.scheduler import SchedulerSide
+from kvplug_vllm.settings import split_extra_config
+from kvplug_vllm.stats import KVPlugConnectorStats
+from kvplug_vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvplug.vllm")
+
+
+class KVPlugConnector(KVConnectorBase_V1):
+    """Stores prompt KV in kvplug's tiers and loads cached prefixes back (LMCache semantics)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _route_logs_to_vllm()
+        settings, engine_extra = split_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        self.settings = settings
+        parallel = vllm_config.parallel_config
+        tp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_rank = get_tensor_model_parallel_rank()
+        engine_key = (str(self._kv_transfer_config.engine_id), parallel.data_parallel_rank, tp_rank)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            config = load_config(engine_extra=engine_extra).config
+            self._scheduler = SchedulerSide(vllm_config, settings, config, engine_key)
+        else:
+            self._worker = WorkerSide(self, vllm_config, settings, engine_extra, engine_key)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache is best effort: a finished request never waits for its KV to be stored.
+        return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        settings, _ = split_extra_config(extra_config)
+        return settings.layerwise
+
+    # --- worker side ----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side().register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.begin_step()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker_side().start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker_side().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self._worker_side().save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._worker_side().wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None  # loads and stores are synchronous with the step
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().get_block_ids_with_load_errors()
+
+    # --- scheduler side -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler_side().update_state_after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler_side().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler_side().update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request, block_ids)
+
+    # --- both -----------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._scheduler if self._scheduler is not None else self._worker
+        return side.get_kv_connector_stats() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVPlugConnectorStats(data=dict(data)) if data is not None else KVPlugConnectorStats()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("a worker-side connector method was called on the scheduler-side KVPlugConnector")
+        return self._worker
+
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side connector method was called on the worker-side KVPlugConnector")
+        return self._scheduler
+
+
+def _route_logs_to_vllm() -> None:
+    """Show kvplug's log lines (hits, load errors) where vLLM's own go, in its format."""
+    kvplug_logger = logging.getLogger("kvplug")
+    vllm_logger = logging.getLogger("vllm")
+    if kvplug_logger.handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        kvplug_logger.addHandler(handler)
+    if kvplug_logger.level == logging.NOTSET:
+        kvplug_logger.setLevel(vllm_logger.getEffectiveLevel())
+    kvplug_logger.propagate = False

@@ -1,0 +1,143 @@
+"""``kvplug demo`` on a real vLLM engine, and the runner the vLLM benchmark shares.
+
+The engine runs in a child process (``python -m kvplug_vllm.demo < spec.json``):
+vLLM reads its environment at import (in-process engine, KV cache size) and keeps
+global state, so the caller's process stays clean and can run several engines.
+The child prints one ``RESULT {json}`` line: per request, the time to first token
+(vLLM's own ``first_token_latency``: arrival to first token), the output token
+ids and the connector's per-request report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvplug_vllm.tiny_model import TinyLlamaSpec, write_random_llama
+
+RESULT_PREFIX = "RESULT "
+
+
+def run_requests(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one engine over ``spec["requests"]`` one at a time, in this process."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = spec.get("model")
+    if model is None:  # build the model here: transformers is imported by vLLM anyway
+        model = str(write_random_llama(Path(spec["workdir"]) / "model", TinyLlamaSpec(**spec.get("model_spec", {}))))
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    options: dict[str, Any] = dict(
+        model=model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        block_size=spec.get("block_size", 32),
+        dtype=spec.get("dtype", "bfloat16"),
+        max_model_len=spec["max_model_len"],
+        enable_prefix_caching=spec.get("prefix_caching", False),
+        distributed_executor_backend="uni",
+        disable_log_stats=False,  # RequestOutput.metrics carries the time to first token
+        seed=0,
+    )
+    if spec.get("kv") is not None:
+        options["kv_transfer_config"] = spec["kv"]
+    llm = LLM(**options)
+    init_s = time.perf_counter() - started
+    extra = {"kv_transfer_params": {"kvplug.report": True}} if spec.get("kv") is not None else None
+
+    def run(request: dict[str, Any]) -> dict[str, Any]:
+        params = SamplingParams(
+            temperature=0.0, max_tokens=request.get("max_tokens", 1), ignore_eos=True, detokenize=False, extra_args=extra
+        )
+        (out,) = llm.generate([{"prompt_token_ids": request["tokens"]}], params, use_tqdm=False)
+        return {
+            "ttft_s": out.metrics.first_token_latency,
+            "tokens": list(out.outputs[0].token_ids),
+            "kvplug": (out.kv_transfer_params or {}).get("kvplug"),
+        }
+
+    # the first forward passes of an engine pay one-off costs
+    warmups = [run({"tokens": tokens, "max_tokens": 2}) for tokens in spec.get("warmup", [])]
+    results = [run(request) for request in spec["requests"]]
+    llm.llm_engine.engine_core.shutdown()
+    return {"init_s": init_s, "warmup": warmups, "requests": results}
+
+
+def run_in_subprocess(spec: dict[str, Any], *, timeout_s: float = 900) -> dict[str, Any]:
+    """:func:`run_requests` in a fresh Python process; raises with its log on failure."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvplug_vllm.demo"], input=json.dumps(spec), capture_output=True, text=True, timeout=timeout_s
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM engine run failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-5000:]}")
+    return json.loads(lines[-1][len(RESULT_PREFIX) :])
+
+
+def run_engine_demo(console: Any, *, tokens: int = 4096) -> dict[str, Any]:
+    """One prompt cold, then the same prompt warm, on a random Llama; prints a table."""
+    from rich.table import Table
+
+    tokens = max(64, min(tokens, 16384))
+    prompt = [random.Random(0).randrange(3, 1000) for _ in range(tokens)]
+    console.print(f"kvplug demo: vLLM {_vllm_version()} on a random 2-layer Llama, {tokens}-token prompt (about 30 s)...")
+    with tempfile.TemporaryDirectory(prefix="kvplug-demo-") as workdir:
+        spec = {
+            "workdir": workdir,
+            "model_spec": {"max_position_embeddings": tokens + 64},
+            "max_model_len": tokens + 64,
+            "kv": {
+                "kv_connector": "KVPlugConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"kvplug.tiers": [{"type": "cpu", "max_bytes": "1GiB"}]},
+            },
+            "requests": [{"tokens": prompt, "max_tokens": 16}, {"tokens": prompt, "max_tokens": 16}],
+        }
+        started = time.perf_counter()
+        run = run_in_subprocess(spec)
+        wall_s = time.perf_counter() - started
+    cold, warm = run["requests"]
+    identical = cold["tokens"] == warm["tokens"]
+    result = {
+        "prompt_tokens": tokens,
+        "ttft_cold_s": cold["ttft_s"],
+        "ttft_warm_s": warm["ttft_s"],
+        "speedup": cold["ttft_s"] / warm["ttft_s"] if warm["ttft_s"] else float("inf"),
+        "cold_hit_tokens": cold["kvplug"]["hit_tokens"],
+        "warm_hit_tokens": warm["kvplug"]["hit_tokens"],
+        "loaded_tokens": warm["kvplug"]["external_tokens"],
+        "identical": identical,
+        "wall_s": wall_s,
+    }
+    table = Table(title="kvplug demo: real vLLM engine, KVPlugConnector, CPU tier")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("prompt", f"{tokens} tokens (random 2-layer Llama, bf16)")
+    table.add_row("TTFT cold (computed, then stored)", f"{cold['ttft_s'] * 1000:.1f} ms")
+    table.add_row("TTFT warm (same prompt, loaded)", f"{warm['ttft_s'] * 1000:.1f} ms")
+    table.add_row("speedup", f"{result['speedup']:.1f}x")
+    table.add_row("hit tokens cold / warm", f"{result['cold_hit_tokens']} / {result['warm_hit_tokens']}")
+    table.add_row("tokens loaded (the last one is recomputed)", str(result["loaded_tokens"]))
+    table.add_row("16 greedy tokens", "outputs identical" if identical else "[red]OUTPUTS DIFFER[/red]")
+    console.print(table)
+    if not identical:
+        raise SystemExit("the warm output differs from the cold one")
+    return result
+
+
+def _vllm_version() -> str:
+    from kvplug_vllm.adapter import VLLMEngineAdapter
+
+    return VLLMEngineAdapter.engine_version() or "?"
+
+
+if __name__ == "__main__":
+    print(RESULT_PREFIX + json.dumps(run_requests(json.loads(sys.stdin.read()))), flush=True)

@@ -1,0 +1,87 @@
+"""The vLLM worker's KV cache as a :class:`kvplug.KVLayout`, and its fingerprint.
+
+The layout is read off the tensors vLLM registers, checked against the model
+config, so a backend that allocates something else fails with a clear error
+instead of copying the wrong bytes.
+
+vLLM's CPU backend (``vllm_cpu``) packs the K half of every (block, head) page
+per CPU instruction set: on ``vec`` (AVX-512/AVX2) K is stored transposed
+(``[head_dim, block_size]``), ``amx`` tiles it for AMX, ``neon``/``vec16`` have
+their own packing. The bytes of a block are only meaningful to a kernel of the
+same ISA, so the ISA (and, for ``vec``, the vector width) goes into the key
+fingerprint: a cache written on an AMX box is a miss, not garbage, on an AVX-512 one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from kvplug import Fingerprint, KVLayout
+from kvplug.errors import LayoutError
+
+logger = logging.getLogger("kvplug.vllm")
+
+
+def detect_layout(kv_caches: Mapping[str, torch.Tensor], vllm_config: object) -> KVLayout:
+    """The layout of the registered caches (all layers must agree)."""
+    if not kv_caches:
+        raise LayoutError("vLLM registered no KV cache tensors")
+    model_config = vllm_config.model_config  # type: ignore[attr-defined]
+    parallel_config = vllm_config.parallel_config  # type: ignore[attr-defined]
+    heads = model_config.get_num_kv_heads(parallel_config)
+    head_dim = model_config.get_head_size()
+    first_name, first = next(iter(kv_caches.items()))
+    shape = tuple(first.shape)
+    if first.dim() == 4 and shape[1] == heads and shape[3] == 2 * head_dim:
+        kind, block_size = "vllm_cpu", shape[2]
+    elif first.dim() == 5 and shape[0] == 2 and shape[3:] == (heads, head_dim):
+        kind, block_size = "vllm_flash", shape[2]
+    elif first.dim() == 3 and getattr(model_config, "use_mla", False):
+        kind, block_size, heads, head_dim = "vllm_mla", shape[1], 1, shape[2]
+    else:
+        raise LayoutError(
+            f"KV cache of layer {first_name!r} has shape {shape} (dtype {first.dtype}); kvplug reads "
+            f"vLLM's CPU layout [num_blocks, {heads}, block_size, {2 * head_dim}], the flash layout "
+            f"[2, num_blocks, block_size, {heads}, {head_dim}] and MLA [num_blocks, block_size, dim]"
+        )
+    layout = KVLayout(
+        kind=kind, num_layers=len(kv_caches), block_size=block_size, num_kv_heads=heads, head_dim=head_dim, dtype=first.dtype
+    )
+    layout.check_caches(list(kv_caches.values()))
+    return layout
+
+
+def cpu_attention_isa(layout: KVLayout, vllm_config: object) -> str:
+    """The CPU attention kernel family that packs this cache's blocks, e.g. ``vec/avx512``."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:  # a vLLM without the CPU attention backend
+        return "unknown"
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", None)  # type: ignore[attr-defined]
+    isa = _get_attn_isa(layout.dtype, layout.block_size, layout.head_dim, cache_dtype)
+    if isa == "vec":
+        isa += "/avx512" if torch.cpu._is_avx512_supported() else "/avx2"
+    return isa
+
+
+def fingerprint_for(layout: KVLayout, vllm_config: object, *, tp_rank: int, pp_rank: int) -> Fingerprint:
+    """What makes this worker's KV bytes (in)compatible with another engine's."""
+    model_config = vllm_config.model_config  # type: ignore[attr-defined]
+    parallel_config = vllm_config.parallel_config  # type: ignore[attr-defined]
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")  # type: ignore[attr-defined]
+    parts = [f"kv_cache_dtype={cache_dtype}"]
+    if layout.kind == "vllm_cpu":
+        parts.append(f"cpu_attn={cpu_attention_isa(layout, vllm_config)}")
+    revision = f"{model_config.revision or ''}+{'+'.join(parts)}"
+    return Fingerprint.for_layout(
+        layout,
+        model_id=str(model_config.model),
+        model_revision=revision,
+        tp_rank=tp_rank,
+        tp_size=parallel_config.tensor_parallel_size,
+        pp_rank=pp_rank,
+        pp_size=parallel_config.pipeline_parallel_size,
+    )

@@ -1,0 +1,56 @@
+"""What the scheduler-side connector tells the worker-side one each step.
+
+In vLLM's multiprocess engine this object crosses a process boundary inside the
+``SchedulerOutput`` (vLLM serializes it), so it holds plain data only: lists of
+ints and strings, no tensors and no references to scheduler objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvplug import ExtraKey, RequestInfo
+
+
+@dataclass
+class LoadSpec:
+    """Load ``[num_computed, num_computed + num_external)`` out of the cached ``[0, num_hit)``."""
+
+    num_computed: int
+    num_hit: int
+    num_external: int
+
+
+@dataclass
+class RequestMeta:
+    """One request's load and/or store in this step."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    cache_salt: str | None = None
+    lora_id: str | None = None
+    extra_keys: list[tuple[int, int, str]] = field(default_factory=list)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    load: LoadSpec | None = None
+    #: Store the chunks of ``token_ids[:save_end]``; the first ``save_start`` are stored already.
+    save_start: int = 0
+    save_end: int = 0
+
+    def request_info(self) -> RequestInfo:
+        return RequestInfo(
+            cache_salt=self.cache_salt,
+            lora_id=self.lora_id,
+            extra_keys=tuple(ExtraKey(start, end, value) for start, end, value in self.extra_keys),
+            overrides=dict(self.overrides),
+        )
+
+
+@dataclass
+class KVPlugConnectorMetadata(KVConnectorMetadata):
+    """The step's requests that load or store anything."""
+
+    requests: list[RequestMeta] = field(default_factory=list)

@@ -1,0 +1,276 @@
+"""Scheduler side of the connector: lookups, and what each step loads and stores.
+
+Semantics follow LMCache's vLLM v1 adapter:
+
+- ``get_num_new_matched_tokens`` asks the worker's cache engine for the cached
+  prefix (whole chunks, or the full prompt). vLLM must compute at least one token
+  to sample from, so a full-prompt hit still leaves the last token to recompute.
+- Each step a request is scheduled, the tokens whose KV will exist after the step
+  are known; their whole chunks not stored yet are stored (the last, partial
+  chunk of the prompt too with ``save_unfull_chunk``; chunks completed by decode
+  tokens only with ``save_decode_cache``). Loads are synchronous: the worker writes
+  the cached blocks before the forward pass (or layer by layer inside it).
+- If a load fails, vLLM rolls the request back to the first bad block and
+  recomputes; a request whose computed count went backwards re-stores from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvplug import ExtraKey, KVPlugConfig, RequestInfo
+from kvplug.errors import ConfigError, KVPlugError
+
+from kvplug_vllm.lookup import DirectLookup, SocketLookup, local_engine, socket_path
+from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
+from kvplug_vllm.settings import ConnectorSettings, request_overrides, wants_report
+from kvplug_vllm.stats import KVPlugConnectorStats
+
+logger = logging.getLogger("kvplug.vllm")
+
+
+@dataclass
+class _Lookup:
+    num_computed: int
+    num_hit: int
+    num_external: int = 0
+
+
+@dataclass
+class _Tracker:
+    """What the scheduler side remembers of a running request."""
+
+    request: Any
+    info: RequestInfo
+    block_ids: list[int]
+    prompt_len: int
+    num_saved: int = 0
+    num_computed: int = 0
+    hit_tokens: int = 0
+    external_tokens: int = 0
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def request_info(request: Any, config: KVPlugConfig, *, with_overrides: bool = True) -> RequestInfo:
+    """Isolation and extra keys of a vLLM request: cache_salt, LoRA, multimodal inputs.
+
+    Each multimodal item becomes an :class:`kvplug.ExtraKey` over its placeholder
+    tokens, so two prompts with equal placeholder ids but different images never
+    share those chunks. Raises ``ConfigError`` for bad kvplug ``kv_transfer_params``.
+    """
+    extra_keys = []
+    for feature in getattr(request, "mm_features", None) or ():
+        position = feature.mm_position
+        value = feature.mm_hash or feature.identifier
+        extra_keys.append(ExtraKey(position.offset, position.offset + position.length, f"{feature.modality}:{value}"))
+    lora = getattr(request, "lora_request", None)
+    overrides = request_overrides(request.kv_transfer_params, config) if with_overrides else {}
+    return RequestInfo(
+        cache_salt=getattr(request, "cache_salt", None),
+        lora_id=lora.lora_name if lora is not None else None,
+        extra_keys=tuple(extra_keys),
+        overrides=overrides,
+    )
+
+
+class SchedulerSide:
+    """The scheduler-role half of :class:`kvplug_vllm.KVPlugConnector`."""
+
+    def __init__(self, vllm_config: Any, settings: ConnectorSettings, config: KVPlugConfig, engine_key: tuple[str, int, int]) -> None:
+        kv_transfer = vllm_config.kv_transfer_config
+        self.settings = settings
+        self.config = config
+        self.chunk_size = config.chunk_size
+        self.block_size = vllm_config.cache_config.block_size
+        self.can_load = kv_transfer.is_kv_consumer
+        self.can_save = kv_transfer.is_kv_producer
+        self.engine_key = engine_key
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._channel: DirectLookup | SocketLookup | None = None
+        self._lookups: dict[str, _Lookup] = {}
+        self._requests: dict[str, Any] = {}
+        self._trackers: dict[str, _Tracker] = {}
+        self._stats = KVPlugConnectorStats()
+        #: Worker and scheduler counters since start, for per-request reports.
+        self.totals = KVPlugConnectorStats()
+
+    # --- lookups ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self._lookups.pop(request.request_id, None)
+        tokens = request.prompt_token_ids
+        if not self.can_load or tokens is None:
+            return 0, False
+        try:
+            info = self.request_info(request)
+        except ConfigError as exc:
+            logger.warning("request %s: ignoring kvplug settings in kv_transfer_params: %s", request.request_id, exc)
+            info = self.request_info(request, with_overrides=False)
+        if self.settings.skip_last_n_tokens:
+            tokens = tokens[: max(0, len(tokens) - self.settings.skip_last_n_tokens)]
+        started = time.perf_counter()
+        try:
+            hit = self._lookup_channel().lookup(tokens, info)
+        except KVPlugError as exc:
+            logger.warning("request %s: lookup failed, treated as a miss: %s", request.request_id, exc)
+            hit = 0
+        counts = dict(
+            lookups=1, lookup_tokens=len(request.prompt_token_ids), hit_tokens=hit, lookup_us=int((time.perf_counter() - started) * 1e6)
+        )
+        self._stats.add(**counts)
+        self.totals.add(**counts)
+        need = hit - num_computed_tokens
+        if hit == request.num_tokens:
+            need -= 1  # the engine must compute the last token to sample the next
+        self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit)
+        logger.info(
+            "request %s: %d prompt tokens, %d cached by kvplug, %d computed by vLLM, loading %d",
+            request.request_id, len(request.prompt_token_ids), hit, num_computed_tokens, max(need, 0),
+        )  # fmt: skip
+        return max(need, 0), False
+
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        self._requests[request.request_id] = request
+        lookup = self._lookups.get(request.request_id)
+        if lookup is not None:
+            lookup.num_external = num_external_tokens
+
+    def request_info(self, request: Any, *, with_overrides: bool = True) -> RequestInfo:
+        return request_info(request, self.config, with_overrides=with_overrides)
+
+    # --- per step -----------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVPlugConnectorMetadata:
+        meta = KVPlugConnectorMetadata()
+        for req_id in scheduler_output.finished_req_ids:
+            self._forget(req_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            request = self._requests.get(new.req_id)
+            if request is None or new.prompt_token_ids is None:
+                continue
+            try:
+                info = self.request_info(request)
+            except ConfigError:
+                info = self.request_info(request, with_overrides=False)
+            tracker = _Tracker(request, info, list(new.block_ids[0]), len(new.prompt_token_ids), overrides=dict(info.overrides))
+            self._trackers[new.req_id] = tracker
+            end = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
+            self._add(meta, new.req_id, tracker, end, self._take_load(new.req_id, tracker))
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            tracker = self._trackers.get(req_id)
+            if tracker is None:
+                continue
+            new_blocks = cached.new_block_ids[index]
+            if req_id in cached.resumed_req_ids:
+                tracker.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                tracker.block_ids.extend(new_blocks[0])
+            computed = cached.num_computed_tokens[index]
+            if computed < tracker.num_computed:  # preempted, or rolled back after a failed load
+                tracker.num_saved = min(tracker.num_saved, computed // self.chunk_size * self.chunk_size)
+            end = computed + scheduler_output.num_scheduled_tokens[req_id]
+            self._add(meta, req_id, tracker, end, self._take_load(req_id, tracker))
+        return meta
+
+    def _take_load(self, req_id: str, tracker: _Tracker) -> LoadSpec | None:
+        lookup = self._lookups.pop(req_id, None)
+        if lookup is None:
+            return None
+        tracker.hit_tokens = lookup.num_hit
+        tracker.num_saved = max(tracker.num_saved, lookup.num_hit)
+        if lookup.num_external <= 0:
+            return None
+        tracker.external_tokens += lookup.num_external
+        return LoadSpec(lookup.num_computed, lookup.num_hit, lookup.num_external)
+
+    def _add(self, meta: KVPlugConnectorMetadata, req_id: str, tracker: _Tracker, end: int, load: LoadSpec | None) -> None:
+        """Add the request to the step's metadata if it loads or stores anything."""
+        tracker.num_computed = end
+        save_start, save_end = tracker.num_saved, self._save_end(tracker, end)
+        saving = save_end > save_start
+        if saving:
+            tracker.num_saved = save_end
+        if not saving and load is None:
+            return
+        tokens = tracker.request.all_token_ids[: max(save_end if saving else 0, load.num_hit if load else 0)]
+        meta.requests.append(
+            RequestMeta(
+                req_id=req_id,
+                token_ids=list(tokens),
+                block_ids=list(tracker.block_ids),
+                cache_salt=tracker.info.cache_salt,
+                lora_id=tracker.info.lora_id,
+                extra_keys=[(k.start, k.end, k.value) for k in tracker.info.extra_keys],
+                overrides=dict(tracker.overrides),
+                load=load,
+                save_start=save_start // self.chunk_size * self.chunk_size if saving else 0,
+                save_end=save_end if saving else 0,
+            )
+        )
+
+    def _save_end(self, tracker: _Tracker, end: int) -> int:
+        """How many leading tokens should be stored once this step's KV exists."""
+        config = self.config.with_overrides(tracker.overrides) if tracker.overrides else self.config
+        if not self.can_save or config.skip_save:
+            return 0
+        if end > tracker.prompt_len and not self.settings.save_decode_cache:
+            end = tracker.prompt_len  # decode tokens are not stored
+        if end == tracker.prompt_len and config.save_unfull_chunk:
+            return end
+        return end // self.chunk_size * self.chunk_size
+
+    # --- outputs ------------------------------------------------------------------------
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        stats = connector_output.kv_connector_stats
+        if stats is not None:
+            self.totals.aggregate(stats)
+
+    def get_kv_connector_stats(self) -> KVPlugConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KVPlugConnectorStats()
+        return stats
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        tracker = self._trackers.get(request.request_id)
+        report = None
+        if wants_report(request.kv_transfer_params):
+            report = {
+                "kvplug": {
+                    "hit_tokens": tracker.hit_tokens if tracker else 0,
+                    "external_tokens": tracker.external_tokens if tracker else 0,
+                    "totals": self.totals.reduce(),
+                }
+            }
+        self._forget(request.request_id)
+        return False, report
+
+    def shutdown(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def _forget(self, req_id: str) -> None:
+        self._trackers.pop(req_id, None)
+        self._requests.pop(req_id, None)
+        self._lookups.pop(req_id, None)
+
+    def _lookup_channel(self) -> DirectLookup | SocketLookup:
+        if self._channel is None:
+            engine_id, dp_rank, _ = self.engine_key
+            keys = [(engine_id, dp_rank, rank) for rank in range(self.tp_size)]
+            engines = [local_engine(key) for key in keys]
+            mode = self.settings.lookup
+            if mode == "direct" or (mode == "auto" and all(e is not None for e in engines)):
+                if any(e is None for e in engines):
+                    raise KVPlugError("lookup: direct, but the worker's cache engine is not in this process")
+                self._channel = DirectLookup([e for e in engines if e is not None])
+            else:
+                self._channel = SocketLookup([socket_path(*key) for key in keys], self.settings.lookup_timeout_s)
+            logger.info("kvplug lookups go %s", "directly to the worker's engine" if isinstance(self._channel, DirectLookup) else "over the worker's lookup socket")
+        return self._channel

@@ -1,0 +1,113 @@
+"""The connector's own settings, and kvplug's per-request settings from vLLM.
+
+vLLM hands a connector one free-form dict, ``kv_connector_extra_config``. kvplug's
+core config takes its ``kvplug.``-prefixed keys (or a nested ``kvplug`` mapping);
+the keys below are the vLLM connector's own and are split off first, so that they
+can sit in the same namespace (``"kvplug.layerwise": true``) without the core
+rejecting them as unknown.
+
+Per request, ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` (or
+``kv_transfer_params`` in an OpenAI request body) may set kvplug's per-request
+fields: ``{"kvplug.skip_save": true}``, ``{"kvplug.save_unfull_chunk": true}``, and
+``{"kvplug.report": true}`` to get the request's hit counts back in the output's
+``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, ValidationError
+
+from kvplug import KVPlugConfig
+from kvplug.errors import ConfigError, ConfigProblem
+
+PREFIX = "kvplug."
+#: kv_transfer_params key asking for the request's cache report in its output.
+REPORT_KEY = "kvplug.report"
+
+
+class ConnectorSettings(BaseModel):
+    """Options of the vLLM connector itself (not of the cache engine)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    layerwise: bool = Field(
+        default=False,
+        description="Load and store layer by layer inside the forward pass "
+        "(wait_for_layer_load / save_kv_layer) instead of once before / after it.",
+    )
+    save_decode_cache: bool = Field(
+        default=False, description="Also store chunks completed by generated (decode) tokens."
+    )
+    skip_last_n_tokens: NonNegativeInt = Field(
+        default=0, description="Leave the last N prompt tokens out of lookups (LMCache's option)."
+    )
+    lookup: Literal["auto", "direct", "socket"] = Field(
+        default="auto",
+        description="How the scheduler asks the worker's cache engine: direct (same process), "
+        "socket (vLLM's multiprocess engine), or auto (direct when the worker is in this process).",
+    )
+    lookup_timeout_s: PositiveFloat = Field(
+        default=10.0, description="A lookup that gets no answer in this time is a miss."
+    )
+    metrics_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="Serve the worker's kvplug Prometheus metrics on 127.0.0.1 at this port "
+        "(plus the tensor-parallel rank).",
+    )
+
+
+SETTING_NAMES = frozenset(ConnectorSettings.model_fields)
+_clash = SETTING_NAMES & set(KVPlugConfig.model_fields)
+assert not _clash, f"connector settings shadow core config fields: {_clash}"
+
+
+def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dict[str, Any]]:
+    """``(connector settings, the rest for kvplug.load_config)`` from vLLM's extra config."""
+    rest: dict[str, Any] = {}
+    mine: dict[str, Any] = {}
+    for key, value in (extra or {}).items():
+        if key.startswith(PREFIX) and key[len(PREFIX) :] in SETTING_NAMES:
+            mine[key[len(PREFIX) :]] = value
+        elif key == "kvplug" and isinstance(value, Mapping):
+            nested = dict(value)
+            for name in SETTING_NAMES & set(nested):
+                mine[name] = nested.pop(name)
+            rest[key] = nested
+        else:
+            rest[key] = value
+    try:
+        settings = ConnectorSettings.model_validate(mine)
+    except ValidationError as exc:
+        problems = [
+            ConfigProblem(PREFIX + ".".join(str(p) for p in error["loc"]), error.get("input"), error["msg"])
+            for error in exc.errors(include_url=False)
+        ]
+        raise ConfigError(problems, "kv_connector_extra_config") from None
+    return settings, rest
+
+
+def request_overrides(kv_transfer_params: Mapping[str, Any] | None, config: KVPlugConfig) -> dict[str, Any]:
+    """kvplug's per-request overrides in a request's ``kv_transfer_params``.
+
+    Raises :class:`kvplug.errors.ConfigError` naming a key that is not a per-request
+    setting or a value of the wrong type.
+    """
+    if not kv_transfer_params:
+        return {}
+    overrides = {
+        key[len(PREFIX) :]: value
+        for key, value in kv_transfer_params.items()
+        if isinstance(key, str) and key.startswith(PREFIX) and key != REPORT_KEY
+    }
+    if overrides:
+        config.with_overrides(overrides, source="kv_transfer_params")  # validates, raises ConfigError
+    return overrides
+
+
+def wants_report(kv_transfer_params: Mapping[str, Any] | None) -> bool:
+    return bool(kv_transfer_params and kv_transfer_params.get(REPORT_KEY))

@@ -1,0 +1,69 @@
+"""The connector's counters in vLLM's ``KVConnectorStats`` form.
+
+The worker side reports what it loaded, stored and failed to load since the
+previous step, and ``worker_us``, the time the forward pass spent in the
+connector (loads, layer waits, copies out for stores); the scheduler side
+reports its lookups and ``lookup_us``, their time. vLLM adds the two up,
+sends them to the front end (they are plain ints, so they serialize) and logs
+``KV Transfer metrics: ...`` with :meth:`KVPlugConnectorStats.reduce`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+#: Every counter, in the order they are logged.
+COUNTERS = (
+    "lookups",
+    "lookup_tokens",
+    "hit_tokens",
+    "loaded_tokens",
+    "loaded_bytes",
+    "stored_tokens",
+    "stored_bytes",
+    "load_error_blocks",
+    "load_error_requests",
+    "lookup_us",
+    "worker_us",
+)
+
+
+def _zeros() -> dict[str, Any]:
+    return {name: 0 for name in COUNTERS}
+
+
+@dataclass
+class KVPlugConnectorStats(KVConnectorStats):
+    """Counters since the last report; unknown keys in ``data`` are kept and summed too."""
+
+    data: dict[str, Any] = field(default_factory=_zeros)
+
+    def __post_init__(self) -> None:
+        for name in COUNTERS:
+            self.data.setdefault(name, 0)
+
+    def add(self, **counts: int) -> None:
+        for name, value in counts.items():
+            self.data[name] = self.data.get(name, 0) + int(value)
+
+    def reset(self) -> None:
+        self.data = _zeros()
+
+    def aggregate(self, other: KVConnectorStats) -> KVPlugConnectorStats:
+        for name, value in other.data.items():
+            if isinstance(value, (int, float)):
+                self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        reduced: dict[str, int | float] = {name: self.data.get(name, 0) for name in COUNTERS}
+        asked = self.data.get("lookup_tokens", 0)
+        reduced["miss_tokens"] = asked - self.data.get("hit_tokens", 0)
+        reduced["hit_rate"] = round(self.data.get("hit_tokens", 0) / asked, 4) if asked else 0.0
+        return reduced
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(name) for name in COUNTERS)

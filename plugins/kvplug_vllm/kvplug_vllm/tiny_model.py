@@ -1,0 +1,69 @@
+"""A random-weight Llama written to a folder, for demos, tests and benchmarks.
+
+vLLM loads it like any Hugging Face checkpoint (``config.json`` +
+``model.safetensors``); no tokenizer and no download are needed, so prompts are
+given as token ids and the engine runs with ``skip_tokenizer_init=True``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TinyLlamaSpec:
+    """Shape of the random Llama; the defaults make a 3 MB model that runs in milliseconds."""
+
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    vocab_size: int = 1000
+    max_position_embeddings: int = 4096
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def num_parameters(self) -> int:
+        """Parameters of the model (embeddings and LM head counted once each)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
+        return self.num_hidden_layers * per_layer + 2 * v * h + h
+
+
+#: About 100M parameters: the size the vLLM benchmark uses.
+BENCH_SPEC = TinyLlamaSpec(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    vocab_size=16000,
+    max_position_embeddings=9216,
+)
+
+
+def write_random_llama(path: str | Path, spec: TinyLlamaSpec = TinyLlamaSpec()) -> Path:
+    """Write a random Llama checkpoint to ``path`` (created) and return it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    target = Path(path)
+    target.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, spec.dtype)
+    fields = {k: v for k, v in asdict(spec).items() if k not in ("dtype", "seed")}
+    config = LlamaConfig(**fields, torch_dtype=dtype, eos_token_id=2, bos_token_id=1)
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config).to(dtype)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.save_pretrained(target)
+    return target

@@ -1,0 +1,311 @@
+"""Worker side of the connector: owns the cache engine, loads and stores blocks.
+
+Loads are synchronous from vLLM's point of view: ``start_load_kv`` runs before
+the forward pass of a step with loads and fetches (and checksums) every promised
+chunk. Whole mode writes them at once; layer-wise mode writes layer ``l`` in
+``wait_for_layer_load(l)``, just before that layer's attention reads it.
+Stores copy the finished blocks out in ``wait_for_save`` (after the forward) or,
+layer-wise, in ``save_kv_layer`` right after each layer's attention; the tiers
+are written by the cache engine's store thread.
+
+Blocks the scheduler was promised but that did not load (missing, corrupt, tier
+down) are reported by ``get_block_ids_with_load_errors``; vLLM then recomputes
+them (``kv_load_failure_policy: recompute``) or fails the request. A request
+whose load failed stores nothing in that step: its later blocks were computed
+on top of the bad ones.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import time
+import weakref
+from collections.abc import Callable, Generator, Mapping
+from typing import Any, TypeVar
+
+import torch
+
+from kvplug import CacheEngine, load_config, slots_from_block_ids
+from kvplug.core.engine import LayerwiseRetrieve
+from kvplug.errors import ConfigError, ConfigProblem
+
+from kvplug_vllm.layout import detect_layout, fingerprint_for
+from kvplug_vllm.lookup import LookupServer, register_local, socket_path, unregister_local
+from kvplug_vllm.metadata import KVPlugConnectorMetadata, RequestMeta
+from kvplug_vllm.settings import ConnectorSettings
+from kvplug_vllm.stats import KVPlugConnectorStats
+
+logger = logging.getLogger("kvplug.vllm")
+
+#: kvplug metric -> connector stats counter reported each step as a difference.
+_METRIC_COUNTERS = {
+    "kvplug_loaded_tokens_total": "loaded_tokens",
+    "kvplug_loaded_bytes_total": "loaded_bytes",
+    "kvplug_stored_tokens_total": "stored_tokens",
+    "kvplug_stored_bytes_total": "stored_bytes",
+}
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _timed(method: _F) -> _F:
+    """Count the method's wall time as connector time on the forward pass (``worker_us``)."""
+
+    @functools.wraps(method)
+    def wrapper(self: WorkerSide, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy_s += time.perf_counter() - started
+
+    return wrapper  # type: ignore[return-value]
+
+
+class WorkerSide:
+    """The worker-role half of :class:`kvplug_vllm.KVPlugConnector`."""
+
+    def __init__(
+        self,
+        parent: Any,
+        vllm_config: Any,
+        settings: ConnectorSettings,
+        engine_extra: Mapping[str, Any],
+        engine_key: tuple[str, int, int],
+    ) -> None:
+        kv_transfer = vllm_config.kv_transfer_config
+        self._parent = parent
+        self.vllm_config = vllm_config
+        self.settings = settings
+        self.engine_extra = dict(engine_extra)
+        self.engine_key = engine_key
+        self.can_load = kv_transfer.is_kv_consumer
+        self.can_save = kv_transfer.is_kv_producer
+        self.engine: CacheEngine | None = None
+        self.server: LookupServer | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.layer_index: dict[str, int] = {}
+        self._load_errors: set[int] = set()
+        self._failed_requests: set[str] = set()
+        self._retrievers: list[LayerwiseRetrieve] = []
+        self._loaded_layers = 0
+        self._storers: list[Generator[int, None, int]] = []
+        self._saved_layers = 0
+        self._stats = KVPlugConnectorStats()
+        self._metric_marks = dict.fromkeys(_METRIC_COUNTERS, 0.0)
+        self._busy_s = 0.0
+        self._worked = False
+        self._metrics_server: Any = None
+
+    # --- setup ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        layout = detect_layout(kv_caches, self.vllm_config)
+        config = load_config(engine_extra=self.engine_extra).config
+        if layout.whole_blocks_only and config.chunk_size % layout.block_size:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "chunk_size",
+                        config.chunk_size,
+                        f"must be a multiple of vLLM's block size {layout.block_size}: "
+                        f"the {layout.kind} layout copies whole blocks only",
+                    )
+                ],
+                "kv_connector_extra_config",
+            )
+        fingerprint = fingerprint_for(layout, self.vllm_config, tp_rank=get_tensor_model_parallel_rank(), pp_rank=get_pp_group().rank_in_group)
+        self.kv_caches = list(kv_caches.values())
+        self.layer_index = {name: index for index, name in enumerate(kv_caches)}
+        self.engine = CacheEngine(config, layout, fingerprint)
+        register_local(self.engine_key, self.engine)
+        if self.settings.lookup != "direct":
+            self.server = LookupServer(self.engine, socket_path(*self.engine_key))
+        if self.settings.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            port = self.settings.metrics_port + self.engine_key[2]
+            self._metrics_server = start_http_server(port, addr="127.0.0.1", registry=self.engine.metrics.registry)
+            logger.info("kvplug metrics on http://127.0.0.1:%d/metrics", port)
+        _close_at_exit(self)
+        logger.info(
+            "kvplug cache engine ready: layout %s, chunk %d tokens, tiers %s, layerwise %s",
+            layout.describe(), config.chunk_size, [t.type for t in config.tiers], self.settings.layerwise,
+        )  # fmt: skip
+
+    # --- per step ---------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Reset per-step state; vLLM binds new metadata before every forward."""
+        self._failed_requests.clear()
+        self._retrievers = []
+        self._loaded_layers = 0
+        self._storers = []
+        self._saved_layers = 0
+
+    @_timed
+    def start_load_kv(self) -> None:
+        meta = self._metadata()
+        if self.engine is None or meta is None or not self.can_load:
+            return
+        for request in meta.requests:
+            if request.load is not None:
+                self._load(request)
+
+    def _load(self, request: RequestMeta) -> None:
+        assert self.engine is not None and request.load is not None
+        self._worked = True
+        load = request.load
+        block_size = self.engine.layout.block_size
+        tokens = request.token_ids[: load.num_hit]
+        mask = torch.ones(len(tokens), dtype=torch.bool)
+        mask[: load.num_computed] = False
+        try:
+            slots = slots_from_block_ids(request.block_ids, block_size, len(tokens))
+            if self.settings.layerwise:
+                retriever = self.engine.retrieve_layerwise(tokens, self.kv_caches, slots, mask, request=request.request_info())
+                self._retrievers.append(retriever)
+                loaded = retriever.loaded_mask
+            else:
+                loaded = self.engine.retrieve(tokens, self.kv_caches, slots, mask, request=request.request_info())
+        except Exception:
+            logger.exception("request %s: loading failed; its blocks will be recomputed", request.req_id)
+            loaded = torch.zeros(len(tokens), dtype=torch.bool)
+        start, end = load.num_computed, load.num_computed + load.num_external
+        bad: set[int] = set()
+        for block in range(start // block_size, -(-end // block_size)):
+            lo, hi = max(start, block * block_size), min(end, (block + 1) * block_size)
+            if not bool(loaded[lo:hi].all()):
+                bad.add(request.block_ids[block])
+        if bad:
+            self._load_errors |= bad
+            self._failed_requests.add(request.req_id)
+            self._stats.add(load_error_blocks=len(bad), load_error_requests=1)
+            logger.warning(
+                "request %s: %d of %d promised tokens did not load; reporting %d blocks for recompute",
+                request.req_id, int((~loaded[start:end]).sum()), end - start, len(bad),
+            )  # fmt: skip
+
+    @_timed
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        index = self.layer_index.get(layer_name)
+        if index is None or not self._retrievers:
+            return
+        while self._loaded_layers <= index:
+            for retriever in self._retrievers:
+                next(retriever, None)
+            self._loaded_layers += 1
+
+    @_timed
+    def save_kv_layer(self, layer_name: str) -> None:
+        if not self.settings.layerwise or self.engine is None:
+            return
+        index = self.layer_index.get(layer_name)
+        if index is None:
+            return
+        if index == 0 and self._saved_layers == 0:
+            meta = self._metadata()
+            self._storers = [self._store(request, layerwise=True) for request in self._to_save(meta)]
+            self._storers = [s for s in self._storers if s is not None]
+        while self._saved_layers <= index:
+            for storer in self._storers:
+                next(storer, None)
+            self._saved_layers += 1
+
+    @_timed
+    def wait_for_save(self) -> None:
+        if self.engine is None:
+            return
+        for retriever in self._retrievers:  # layers the forward pass did not wait for
+            for _ in retriever:
+                pass
+        self._retrievers = []
+        if self.settings.layerwise:
+            for storer in self._storers:
+                for _ in storer:
+                    pass
+            self._storers = []
+            return
+        for request in self._to_save(self._metadata()):
+            self._store(request, layerwise=False)
+
+    def _to_save(self, meta: KVPlugConnectorMetadata | None) -> list[RequestMeta]:
+        if meta is None or not self.can_save:
+            return []
+        return [r for r in meta.requests if r.save_end > r.save_start and r.req_id not in self._failed_requests]
+
+    def _store(self, request: RequestMeta, *, layerwise: bool) -> Generator[int, None, int] | None:
+        assert self.engine is not None
+        self._worked = True
+        tokens = request.token_ids[: request.save_end]
+        mask = torch.ones(len(tokens), dtype=torch.bool)
+        mask[: request.save_start] = False
+        try:
+            slots = slots_from_block_ids(request.block_ids, self.engine.layout.block_size, len(tokens))
+            if layerwise:
+                return self.engine.store_layerwise(tokens, self.kv_caches, slots, mask, request=request.request_info())
+            self.engine.store(tokens, self.kv_caches, slots, mask, request=request.request_info())
+        except Exception:
+            logger.exception("request %s: storing failed; nothing stored for this step", request.req_id)
+        return None
+
+    # --- outputs ----------------------------------------------------------------------
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> KVPlugConnectorStats | None:
+        if self.engine is not None:
+            snapshot = self.engine.metrics.snapshot()
+            for metric, counter in _METRIC_COUNTERS.items():
+                value = snapshot.get(metric, 0.0)
+                if value != self._metric_marks[metric]:
+                    self._stats.add(**{counter: int(value - self._metric_marks[metric])})
+                    self._metric_marks[metric] = value
+        if self._worked:  # time of steps that moved KV; idle steps' few microseconds wait for one
+            self._stats.add(worker_us=int(self._busy_s * 1e6))
+            self._busy_s, self._worked = 0.0, False
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KVPlugConnectorStats()
+        return stats
+
+    def shutdown(self) -> None:
+        """Stop the lookup server and close the cache engine, writing queued stores."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self._metrics_server is not None:
+            httpd, thread = self._metrics_server
+            httpd.shutdown()
+            httpd.server_close()
+            thread.join(timeout=10)
+            self._metrics_server = None
+        if self.engine is not None:
+            unregister_local(self.engine_key)
+            self.engine.close(drain=True)
+            self.engine = None
+
+    def _metadata(self) -> KVPlugConnectorMetadata | None:
+        if not self._parent.has_connector_metadata():
+            return None
+        meta = self._parent._get_connector_metadata()
+        return meta if isinstance(meta, KVPlugConnectorMetadata) else None
+
+
+def _close_at_exit(worker: WorkerSide) -> None:
+    """Write queued stores even if vLLM exits without calling ``shutdown``."""
+    ref = weakref.ref(worker)
+
+    def close() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.shutdown()
+
+    atexit.register(close)

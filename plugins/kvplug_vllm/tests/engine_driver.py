@@ -1,0 +1,81 @@
+"""Runs one real vLLM engine for a test, in its own process, and prints a JSON result.
+
+Usage: ``python engine_driver.py '<json spec>'``. The spec names the model folder,
+the engine options, the ``kv_transfer_config`` (or none) and a list of steps; each
+step is one ``LLM.generate`` call over its prompts. The last stdout line is
+``RESULT {json}`` with every output's token ids, finish reason and
+``kv_transfer_params``, and each step's wall time.
+
+A separate process per engine keeps tests isolated: vLLM keeps global state (the
+KV transfer group, the distributed environment) that one process cannot reset.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import threading
+import time
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocessing") else "0"
+    from vllm import LLM, SamplingParams
+
+    options = dict(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        block_size=spec.get("block_size", 32),
+        dtype=spec.get("dtype", "bfloat16"),
+        max_model_len=spec.get("max_model_len", 1024),
+        num_gpu_blocks_override=spec.get("num_blocks", 96),
+        enable_prefix_caching=spec.get("prefix_caching", False),
+        seed=0,
+    )
+    if not spec.get("multiprocessing"):
+        options["distributed_executor_backend"] = "uni"
+    if spec.get("kv") is not None:
+        options["kv_transfer_config"] = spec["kv"]
+    llm = LLM(**options)
+    results = []
+    for step in spec["steps"]:
+        prompts = [
+            {"prompt_token_ids": p["tokens"], **({"cache_salt": p["cache_salt"]} if p.get("cache_salt") else {})}
+            for p in step["prompts"]
+        ]
+        params = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=step.get("max_tokens", 8),
+                ignore_eos=True,
+                detokenize=False,
+                extra_args={"kv_transfer_params": {"kvplug.report": True, **p.get("params", {})}},
+            )
+            for p in step["prompts"]
+        ]
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        results.append(
+            {
+                "seconds": seconds,
+                "outputs": [
+                    {"tokens": list(o.outputs[0].token_ids), "finish": o.outputs[0].finish_reason, "kv": o.kv_transfer_params}
+                    for o in outputs
+                ],
+            }
+        )
+    llm.llm_engine.engine_core.shutdown()  # both connector roles' shutdown()
+    del llm
+    gc.collect()
+    threads = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+    print("RESULT " + json.dumps({"steps": results, "threads_after_shutdown": threads}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

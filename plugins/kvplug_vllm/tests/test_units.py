@@ -1,0 +1,175 @@
+"""The connector's parts that need no running engine: registration, settings,
+stats, the lookup socket and request keys (with vLLM's own classes where they exist)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kvplug
+from kvplug import CacheEngine, Fingerprint, KVLayout, RequestInfo, load_config, slots_from_block_ids
+from kvplug.errors import ConfigError
+from kvplug_vllm.lookup import DirectLookup, LookupChannelError, LookupServer, SocketLookup, socket_path
+from kvplug_vllm.registration import CONNECTOR_NAME, register
+from kvplug_vllm.scheduler import request_info
+from kvplug_vllm.settings import request_overrides, split_extra_config
+
+
+def test_vllm_entry_point_registers_the_connector_once() -> None:
+    (entry,) = [e for e in entry_points(group="vllm.general_plugins") if e.value.startswith("kvplug_vllm")]
+    assert entry.load() is register
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    register()
+    register()  # vLLM calls general plugins once per process, more than once in tests
+    config = SimpleNamespace(kv_connector=CONNECTOR_NAME, kv_connector_module_path=None)
+    from kvplug_vllm.connector import KVPlugConnector
+
+    assert KVConnectorFactory.get_connector_class(config) is KVPlugConnector
+
+
+def test_kvplug_lists_the_vllm_engine_adapter() -> None:
+    adapters = kvplug.get_registry().engine_adapters()
+    assert adapters["vllm"].engine_version() == "0.32.0"
+
+
+def test_extra_config_split_between_connector_and_core() -> None:
+    settings, rest = split_extra_config(
+        {"kvplug.layerwise": True, "kvplug.chunk_size": 128, "kvplug": {"skip_last_n_tokens": 3, "hash": "xxh3_128"}, "other": 1}
+    )
+    assert settings.layerwise and settings.skip_last_n_tokens == 3
+    assert rest == {"kvplug.chunk_size": 128, "kvplug": {"hash": "xxh3_128"}, "other": 1}
+    config = load_config(engine_extra=rest, env={}).config
+    assert (config.chunk_size, config.hash) == (128, "xxh3_128")
+
+
+def test_bad_connector_setting_names_the_key() -> None:
+    with pytest.raises(ConfigError, match="kvplug.skip_last_n_tokens"):
+        split_extra_config({"kvplug.skip_last_n_tokens": -1})
+
+
+def test_per_request_settings_are_checked() -> None:
+    config = load_config(env={}).config
+    assert request_overrides({"kvplug.skip_save": True, "kvplug.report": True, "other": 1}, config) == {"skip_save": True}
+    with pytest.raises(ConfigError, match="chunk_size: cannot be set per request"):
+        request_overrides({"kvplug.chunk_size": 8}, config)
+
+
+def test_connector_stats_aggregate_and_rebuild() -> None:
+    from kvplug_vllm.connector import KVPlugConnector
+    from kvplug_vllm.stats import KVPlugConnectorStats
+
+    worker = KVPlugConnectorStats()
+    worker.add(loaded_tokens=64, load_error_blocks=2)
+    scheduler = KVPlugConnectorStats()
+    scheduler.add(lookups=2, lookup_tokens=400, hit_tokens=100)
+    assert KVPlugConnectorStats().is_empty() and not worker.is_empty()
+    rebuilt = KVPlugConnector.build_kv_connector_stats(worker.aggregate(scheduler).to_dict())
+    reduced = rebuilt.reduce()
+    assert (reduced["loaded_tokens"], reduced["lookups"], reduced["load_error_blocks"]) == (64, 2, 2)
+    assert reduced["hit_rate"] == 0.25
+    rebuilt.reset()
+    assert rebuilt.is_empty()
+
+
+# --- the lookup channel ------------------------------------------------------------------
+
+LAYOUT = dict(kind="vllm_cpu", num_layers=2, block_size=32, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def engine():
+    layout = KVLayout(**LAYOUT)  # type: ignore[arg-type]
+    config = load_config(engine_extra={"kvplug.chunk_size": 64, "kvplug.store.mode": "sync"}, env={}).config
+    with CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="unit")) as cache_engine:
+        yield cache_engine
+
+
+def store(engine: CacheEngine, tokens: list[int], request: RequestInfo | None = None) -> None:
+    caches = [torch.randn(16, 2, 32, 128).to(torch.bfloat16) for _ in range(2)]
+    engine.store(tokens, caches, slots_from_block_ids(list(range(1, 16)), 32, len(tokens)), request=request)
+
+
+def test_socket_lookup_answers_like_the_engine(engine: CacheEngine) -> None:
+    prompt = list(range(3, 203))
+    store(engine, prompt, RequestInfo(cache_salt="a"))
+    path = socket_path(f"unit-{id(engine):x}", 0, 0)
+    server = LookupServer(engine, path)
+    client = SocketLookup([path], timeout_s=5)
+    try:
+        for info in (RequestInfo(cache_salt="a"), RequestInfo(cache_salt="b"), RequestInfo()):
+            assert client.lookup(prompt, info) == DirectLookup([engine]).lookup(prompt, info)
+        assert client.lookup(prompt, RequestInfo(cache_salt="a")) == 192
+        assert client.lookup(prompt[:100] + [5] * 100, RequestInfo(cache_salt="a")) == 64
+    finally:
+        server.close()
+    assert not path.exists()
+    assert not [t for t in threading.enumerate() if t.name == "kvplug-lookup-server"]
+    with pytest.raises(LookupChannelError):  # the scheduler turns this into a miss
+        client.lookup(prompt, RequestInfo(cache_salt="a"))
+    client.close()
+
+
+def test_stale_socket_of_a_killed_worker_is_removed(engine: CacheEngine) -> None:
+    import socket
+
+    stale = socket_path(f"unit-stale-{id(engine):x}", 0, 0)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(stale))
+    listener.close()  # what a SIGKILLed worker leaves: the file, nobody listening
+    os.utime(stale, (time.time() - 120, time.time() - 120))  # and it is not brand new
+    path = socket_path(f"unit-live-{id(engine):x}", 0, 0)
+    server = LookupServer(engine, path)
+    try:
+        assert not stale.exists() and path.exists()
+    finally:
+        server.close()
+
+
+def test_lookup_server_survives_a_bad_request(engine: CacheEngine) -> None:
+    import socket
+    import struct
+
+    path = socket_path(f"unit-bad-{id(engine):x}", 0, 0)
+    server = LookupServer(engine, path)
+    try:
+        with socket.socket(socket.AF_UNIX) as raw:
+            raw.connect(str(path))
+            garbage = struct.pack("<I", 3) + b"{}x"  # header length longer than the body
+            raw.sendall(struct.pack("<I", len(garbage)) + garbage)
+            size = struct.unpack("<I", raw.recv(4))[0]
+            assert b"error" in raw.recv(size)
+        assert SocketLookup([path], timeout_s=5).lookup([1, 2, 3], RequestInfo()) == 0
+    finally:
+        server.close()
+
+
+# --- keys of a request ---------------------------------------------------------------------
+
+
+def mm_request(image_hash: str) -> SimpleNamespace:
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    feature = MultiModalFeatureSpec(
+        data=None, modality="image", identifier=f"lora-x:{image_hash}", mm_position=PlaceholderRange(offset=70, length=40), mm_hash=image_hash
+    )
+    return SimpleNamespace(mm_features=[feature], cache_salt="t1", lora_request=None, kv_transfer_params={"kvplug.skip_save": True})
+
+
+def test_multimodal_hashes_key_the_chunks_they_cover(engine: CacheEngine) -> None:
+    config = load_config(env={}).config
+    info = request_info(mm_request("img-1"), config)
+    assert info.cache_salt == "t1" and info.overrides == {"skip_save": True}
+    assert [(k.start, k.end) for k in info.extra_keys] == [(70, 110)]
+    prompt = list(range(3, 203))
+    store(engine, prompt, RequestInfo(cache_salt="t1", extra_keys=info.extra_keys))
+    other = request_info(mm_request("img-2"), config)
+    assert engine.lookup(prompt, request=RequestInfo(cache_salt="t1", extra_keys=info.extra_keys)) == 192
+    # another image at the same placeholder: the chunks up to the image still hit
+    assert engine.lookup(prompt, request=RequestInfo(cache_salt="t1", extra_keys=other.extra_keys)) == 64
