@@ -3,7 +3,8 @@
 Without keys (files hold only their key's digest), a record is whole when its frame
 verifies and the key digest in its header is the one its file name says: that
 catches flipped bits, truncation, appended bytes and files renamed onto another
-key's name. It reads every byte, so it takes as long as reading the cache once.
+key's name; a KV chunk frame inside is checked too
+(kvplug.core.record_store.check_record, as ``kvplug store verify`` does). It reads every byte, so it takes as long as reading the cache once.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvplug.core.record import parse_record_header, unpack_record
-from kvplug.errors import CorruptChunkError, IncompatibleChunkError
+from kvplug.core.record import RECORD_HEADER_SIZE
+from kvplug.core.record_store import check_record
 from kvplug_disk.files import RecordFolder
 
 
@@ -45,20 +46,15 @@ def verify_folder(path: str | os.PathLike[str], *, remove_corrupt: bool = False)
         if found is None:
             continue
         data, stat = found
-        try:
-            header = parse_record_header(data)
-            if header.key_digest.hex() != digest:
-                raise CorruptChunkError("record was stored under another key")
-            value = unpack_record(data)
-        except IncompatibleChunkError:
+        check = check_record(digest, data)  # record frame, its key digest, and a KV chunk frame inside
+        if check.status == "incompatible":
             report.incompatible += 1
-            continue
-        except CorruptChunkError:
+        elif check.status == "corrupt":
             report.corrupt += 1
             report.corrupt_digests.append(digest)
             if remove_corrupt and folder.unlink_if_same(digest, stat):
                 report.removed += 1
-            continue
-        report.ok += 1
-        report.ok_bytes += value.nbytes
+        else:
+            report.ok += 1
+            report.ok_bytes += len(data) - RECORD_HEADER_SIZE
     return report
