@@ -55,12 +55,13 @@ class TorchConnector(KVConnector):
             else:
                 _gather_rows(layer_cache.flatten(0, 1), plan.slots, out[0])
         elif kind == "vllm_flash":
-            if layer_cache.is_contiguous():
+            if layer_cache.is_contiguous() and plan.blocks is not None and out.is_contiguous():
+                # K and V in one call: [2, blocks, block bytes] -> [2, chunk blocks, block bytes]
+                rows = layer_cache.view(2, layer_cache.shape[1], -1)
+                _gather_rows(rows, plan.blocks, out.view(2, plan.blocks.numel(), -1), dim=1)
+            elif layer_cache.is_contiguous():
                 for index in range(2):
-                    if plan.blocks is not None:
-                        _gather_rows(layer_cache[index].flatten(1), plan.blocks, out[index].view(plan.blocks.numel(), -1))
-                    else:
-                        _gather_rows(layer_cache[index].flatten(0, 1).flatten(1), plan.slots, out[index])
+                    _gather_rows(layer_cache[index].flatten(0, 1).flatten(1), plan.slots, out[index])
             else:
                 blocks, offsets = plan.block_offsets
                 out.copy_(layer_cache[:, blocks, offsets].flatten(2))  # [2, n, H*D]
@@ -83,9 +84,8 @@ class TorchConnector(KVConnector):
                 _scatter_rows(layer_cache.view(-1, layer_cache.shape[-1]), plan.slots.to(device), src[0])
         elif kind == "vllm_flash":
             if layer_cache.is_contiguous() and plan.blocks is not None:
-                blocks = plan.blocks.to(device)
-                for index in range(2):
-                    _scatter_rows(layer_cache[index].view(layer_cache.shape[1], -1), blocks, src[index])
+                rows = layer_cache.view(2, layer_cache.shape[1], -1)  # K and V rows of a block together
+                _scatter_rows(rows, plan.blocks.to(device), src.reshape(2, plan.blocks.numel(), -1), dim=1)
             elif layer_cache.is_contiguous():
                 slots = plan.slots.to(device)
                 for index in range(2):
@@ -114,40 +114,43 @@ class TorchConnector(KVConnector):
         return layer_cache.view(layer_cache.shape[0], layout.num_kv_heads, 2, layout.block_size, layout.head_dim)
 
 
-def _gather_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[i] = rows[index[i]]``, straight into ``out`` when it is on the same device."""
+def _gather_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor, dim: int = 0) -> None:
+    """``out[i] = rows[index[i]]`` along ``dim``, straight into ``out`` on the same device."""
     index = index.to(rows.device)
     if rows.device == out.device and rows.is_contiguous() and out.is_contiguous():
         if rows.device.type == "cpu":
             # torch's CPU index_select copies whole rows with memcpy for 1-byte
             # dtypes but goes element-wise for bf16/fp16: 2x slower on 2 KiB rows.
             rows, out = rows.view(torch.uint8), out.view(torch.uint8)
-        torch.index_select(rows, 0, index, out=out)
+        torch.index_select(rows, dim, index, out=out)
     else:
-        out.copy_(rows.index_select(0, index))
+        out.copy_(rows.index_select(dim, index))
 
 
 #: Rows at least this large are scattered one ``copy_`` each (see ``_scatter_rows``).
 _ROW_COPY_BYTES = 8192
 
 
-def _scatter_rows(rows: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    """``rows[index[i]] = src[i]`` in place (``rows`` is a view of the engine's cache)."""
-    src = src.reshape(index.numel(), -1)
+def _scatter_rows(rows: torch.Tensor, index: torch.Tensor, src: torch.Tensor, dim: int = 0) -> None:
+    """``rows[index[i]] = src[i]`` along ``dim`` (0, or 1 for K/V pairs), in place in the cache."""
+    if dim == 0:
+        rows, src = rows.unsqueeze(0), src.reshape(1, index.numel(), -1)
+    else:
+        src = src.reshape(rows.shape[0], index.numel(), -1)
     if rows.device.type == "cpu" and rows.is_contiguous():
-        row_bytes = rows.shape[1] * rows.element_size()
+        row_bytes = rows.shape[2] * rows.element_size()
         if row_bytes >= _ROW_COPY_BYTES:
             # CPU index_copy_ copies element by element (0.4-4 GB/s measured) and
             # stalls on a busy machine; whole blocks copied one by one run at memcpy speed.
             for position, row in enumerate(index.tolist()):
-                rows[row].copy_(src[position])
+                rows[:, row].copy_(src[:, position])
             return
         if row_bytes % 4 == 0:  # small rows: index_copy_ is fastest on 4-byte elements
             rows, src = rows.view(torch.int32), src.contiguous().view(torch.int32)
-    if rows.element_size() == 1:
-        # index_copy_ has no float8 kernel: fp8 rows not a multiple of 4 bytes raised
-        rows, src = rows.view(torch.uint8), src.view(torch.uint8)
-    rows.index_copy_(0, index, src)
+        elif rows.element_size() == 1:
+            # index_copy_ has no float8 kernel: fp8 rows not a multiple of 4 bytes raised
+            rows, src = rows.view(torch.uint8), src.contiguous().view(torch.uint8)
+    rows.index_copy_(1, index, src)
 
 
 @hookimpl
