@@ -7,18 +7,16 @@ from typing import Any, Optional
 
 import typer
 import yaml
-from rich.console import Console
 from rich.table import Table
 
+from kvplug.cli.console import console, err_console, run_or_exit
 from kvplug.cli.store import store_app
-from kvplug.errors import ConfigError, PluginError
+from kvplug.errors import PluginError
 
 app = typer.Typer(help="kvplug: a KV cache layer for LLM serving engines.", no_args_is_help=True, add_completion=False)
 config_app = typer.Typer(help="Show and check kvplug configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(store_app, name="store")
-console = Console()
-err_console = Console(stderr=True)
 
 
 @app.command()
@@ -53,7 +51,7 @@ def config_show(
     """The effective config, and where each value came from."""
     from kvplug.core.config_loader import load_config
 
-    loaded = _load_or_exit(lambda: load_config(config_file=file))
+    loaded = run_or_exit(lambda: load_config(config_file=file))
     data = loaded.config.effective()
     table = Table(title="effective kvplug config")
     table.add_column("setting")
@@ -74,7 +72,7 @@ def config_validate(file: Path = typer.Argument(..., help="YAML config file to c
     """Check a config file; on error, name each bad field, its value and what is allowed."""
     from kvplug.core.config_loader import load_config
 
-    loaded = _load_or_exit(lambda: load_config(config_file=file, env={}))
+    loaded = run_or_exit(lambda: load_config(config_file=file, env={}))
     tiers = " -> ".join(spec.type for spec in loaded.config.tiers)
     console.print(f"[green]ok[/green]: {file} (tiers: {tiers})")
 
@@ -87,15 +85,7 @@ def demo(
     """Store a prompt's KV in the CPU tier and load it back, with hit tokens and GB/s."""
     from kvplug.cli.demo import run_demo
 
-    _load_or_exit(lambda: run_demo(console, tokens=tokens, engine=engine))
-
-
-def _load_or_exit(action: Any) -> Any:
-    try:
-        return action()
-    except (ConfigError, PluginError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(2) from None
+    run_or_exit(lambda: run_demo(console, tokens=tokens, engine=engine))
 
 
 def _show(value: Any) -> str:

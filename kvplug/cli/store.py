@@ -15,17 +15,16 @@ from contextlib import contextmanager
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from kvplug.cli.console import console, run_or_exit
 from kvplug.core.plugins import KNOWN_COMPONENTS, get_registry
 from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, check_record
 from kvplug.core.tier import StorageTier, TierContext
 from kvplug.errors import ConfigError, ConfigProblem
 
 store_app = typer.Typer(help="Inspect, verify and clean a disk folder or an S3/fsspec store.", no_args_is_help=True)
-console = Console()
 #: Opened for inspection: never evict because of a budget.
 _UNBOUNDED = 2**62
 
@@ -64,14 +63,6 @@ def open_store(location: str, endpoint_url: str | None = None) -> Iterator[Stora
         tier.close()
 
 
-def _run(action) -> None:  # noqa: ANN001 - a thunk
-    try:
-        action()
-    except ConfigError as exc:
-        Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(2) from None
-
-
 @store_app.command("stats")
 def stats(location: str = LocationArg, endpoint_url: Optional[str] = EndpointOpt) -> None:
     """How many records and bytes a store holds, and its tier's counters."""
@@ -92,7 +83,7 @@ def stats(location: str = LocationArg, endpoint_url: Optional[str] = EndpointOpt
                 table.add_row(f"tier {name}", str(value))
             console.print(table)
 
-    _run(action)
+    run_or_exit(action)
 
 
 @store_app.command("ls")
@@ -115,7 +106,7 @@ def ls(
                 table.add_row(record.digest, _size(record.size), _when(record.modified), _describe(check))
             console.print(table)
 
-    _run(action)
+    run_or_exit(action)
 
 
 @store_app.command("verify")
@@ -129,7 +120,7 @@ def verify(location: str = LocationArg, endpoint_url: Optional[str] = EndpointOp
         if verdicts["corrupt"]:
             raise typer.Exit(1)
 
-    _run(action)
+    run_or_exit(action)
 
 
 @store_app.command("gc")
@@ -141,7 +132,7 @@ def gc(location: str = LocationArg, endpoint_url: Optional[str] = EndpointOpt) -
             verdicts = _check_all(tier, remove=True)
         _report(verdicts, removed=verdicts["corrupt"] + verdicts["incompatible"])
 
-    _run(action)
+    run_or_exit(action)
 
 
 def _check_all(tier: StorageTier, *, remove: bool) -> Counter[str]:

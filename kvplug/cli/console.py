@@ -1,0 +1,25 @@
+"""The consoles every ``kvplug`` command prints to, and how a bad config ends one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import typer
+from rich.console import Console
+
+from kvplug.errors import ConfigError, PluginError
+
+console = Console()
+err_console = Console(stderr=True)
+
+T = TypeVar("T")
+
+
+def run_or_exit(action: Callable[[], T]) -> T:
+    """Run a command's work; a config or plugin error is printed and exits with status 2."""
+    try:
+        return action()
+    except (ConfigError, PluginError) as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
