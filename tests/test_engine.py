@@ -8,18 +8,16 @@ import time
 import pytest
 import torch
 
-from kvplug import CacheEngine, Fingerprint, RequestInfo, StorageTier, TierStats, load_config
+from kvplug import CacheEngine, Fingerprint, RequestInfo, StorageTier, TierStats, load_config, slots_from_block_ids
 from kvplug.core.plugins import PluginRegistry
 from kvplug.errors import EngineClosedError, LayoutError
 
-from core_helpers import LAYOUTS, caches_equal, random_caches
+from core_helpers import LAYOUTS, random_caches
 
 NUM_BLOCKS = 80
 
 
 def block_slots(layout, blocks: list[int], num_tokens: int) -> torch.Tensor:
-    from kvplug import slots_from_block_ids
-
     return slots_from_block_ids(blocks, layout.block_size, num_tokens)
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -11,20 +13,26 @@ from pathlib import Path
 import torch
 
 from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
+from kvplug.core.record import RECORD_HEADER_SIZE, pack_record
 
 LAYOUT = KVLayout("vllm_flash", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 
 
-def fill_store(folder: Path, prompts: int = 3) -> None:
+def fill_store(folder: Path, prompts: int = 3) -> list[str]:
+    """Store ``prompts`` prompts of two chunks each; returns the chunk keys."""
     config = load_config(
         engine_extra={"kvplug": {"chunk_size": 8, "store": {"mode": "sync"}, "tiers": [{"type": "disk", "path": str(folder)}]}},
         env={},
     ).config
     caches = [torch.randn(2, 32, 4, 2, 8).to(torch.bfloat16) for _ in range(2)]
+    keys = []
     with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="m")) as engine:
         for p in range(prompts):
-            engine.store(list(range(p * 1000, p * 1000 + 16)), caches, torch.arange(16))
+            tokens = list(range(p * 1000, p * 1000 + 16))
+            engine.store(tokens, caches, torch.arange(16))
+            keys += [chunk.key for chunk in engine.chunk_keys(tokens)]
         engine.flush()
+    return keys
 
 
 def kvplug(*args: str) -> subprocess.CompletedProcess[str]:
@@ -71,26 +79,13 @@ def test_stats_ls_verify_and_gc(tmp_path: Path) -> None:
 
 
 def test_a_chunk_of_another_format_version_is_incompatible_and_gc_removes_it(tmp_path: Path) -> None:
-    import struct
-
-    from kvplug.core.record import RECORD_HEADER_SIZE, pack_record
-
     folder = tmp_path / "cache"
-    fill_store(folder, prompts=1)
-    path = record_files(folder)[0]
-    data = bytearray(path.read_bytes())
-    value = bytearray(data[RECORD_HEADER_SIZE:])
+    key = fill_store(folder, prompts=1)[0]
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    path = folder / digest[:2] / f"{digest}.kvr"
+    value = bytearray(path.read_bytes()[RECORD_HEADER_SIZE:])
     struct.pack_into("<H", value, 4, 9)  # chunk frame version 9: from a future kvplug
-    # Re-wrap with a valid record frame, as a newer kvplug would have written it.
-    from kvplug.core.record import parse_record_header
-
-    digest = parse_record_header(bytes(data)).key_digest
-    rewrapped = bytearray(pack_record("placeholder", bytes(value)))
-    rewrapped[16:48] = digest
-    import xxhash
-
-    struct.pack_into("<Q", rewrapped, 56, xxhash.xxh3_64_intdigest(bytes(rewrapped[:56])))
-    path.write_bytes(bytes(rewrapped))
+    path.write_bytes(pack_record(key, bytes(value)))  # a valid record, as that kvplug would write it
 
     verify = kvplug("verify", str(folder))
     assert verify.returncode == 0  # incompatible is not corrupt
