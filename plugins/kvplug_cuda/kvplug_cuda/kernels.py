@@ -15,6 +15,9 @@ runs on CPU tensors in Triton's interpreter; the tests use that.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -81,34 +84,67 @@ def paged_copy(
     ``num_layers * num_kv * len(slots) * row_words`` words.
     Launches on the current stream and returns at once.
     """
+    launch = kernel_launch(addressing, base, slots, chunk, to_chunk=to_chunk)
+    if launch is not None:
+        _paged_copy_kernel[launch.grid](*launch.arguments, **launch.constants, **launch.options)
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """Everything one launch of :func:`_paged_copy_kernel` is given."""
+
+    grid: tuple[int, int, int]
+    arguments: tuple[Any, ...]  # runtime arguments, in the kernel's order
+    constants: dict[str, Any]  # compile-time (tl.constexpr) arguments
+    options: dict[str, Any]  # compiler options
+
+
+def kernel_launch(
+    addressing: PagedAddressing,
+    base: torch.Tensor,
+    slots: torch.Tensor,
+    chunk: torch.Tensor,
+    *,
+    to_chunk: bool,
+) -> KernelLaunch | None:
+    """The launch :func:`paged_copy` makes (None: nothing to copy); raises on a mis-sized ``chunk``.
+
+    Kept apart from the launch itself so the tests can compile exactly these
+    specialisations for real GPU targets on a machine without one.
+    """
     num_tokens = slots.numel()
     pairs = addressing.table.numel()
     if num_tokens == 0 or pairs == 0:
-        return
+        return None
     if chunk.dtype != addressing.word or chunk.numel() != pairs * num_tokens * addressing.row_words:
         raise ValueError(
             f"chunk buffer is {chunk.dtype} x {chunk.numel()}, need {addressing.word} x "
             f"{pairs * num_tokens * addressing.row_words}"
         )
     tile = min(triton.next_power_of_2(addressing.row_words), MAX_TILE_WORDS)
-    grid = (num_tokens, pairs, triton.cdiv(addressing.row_words, tile))
-    _paged_copy_kernel[grid](
-        base,
-        addressing.table,
-        slots,
-        chunk,
-        num_tokens,
-        addressing.num_slots,
-        addressing.stride_block,
-        addressing.stride_offset,
-        addressing.stride_head,
-        BLOCK_SIZE=addressing.block_size,
-        HEAD_WORDS=addressing.head_words,
-        ROW_WORDS=addressing.row_words,
-        HEADS_PACKED=addressing.heads_packed,
-        TILE=tile,
-        TO_CHUNK=to_chunk,
-        num_warps=4 if tile >= 256 else 1,
+    return KernelLaunch(
+        grid=(num_tokens, pairs, triton.cdiv(addressing.row_words, tile)),
+        arguments=(
+            base,
+            addressing.table,
+            slots,
+            chunk,
+            num_tokens,
+            addressing.num_slots,
+            addressing.stride_block,
+            addressing.stride_offset,
+            addressing.stride_head,
+        ),
+        constants={
+            "BLOCK_SIZE": addressing.block_size,
+            "HEAD_WORDS": addressing.head_words,
+            "ROW_WORDS": addressing.row_words,
+            "HEADS_PACKED": addressing.heads_packed,
+            "TILE": tile,
+            "TO_CHUNK": to_chunk,
+        },
+        # No float arithmetic to fuse; saying so also keeps Triton 3.9's default-change warning quiet.
+        options={"num_warps": 4 if tile >= 256 else 1, "enable_fp_fusion": False},
     )
 
 
