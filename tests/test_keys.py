@@ -23,6 +23,7 @@ TOKENS = list(range(1000, 1000 + 70))
 CHANGES = {
     "model_id": "meta-llama/Llama-3-70B",
     "model_revision": "abc123",
+    "engine_variant": "cpu_attn=amx",
     "dtype": "float16",
     "kv_layout": "vllm_flash:L32:B16:H8:D128:float16",
     "block_size": 32,

@@ -72,14 +72,14 @@ def fingerprint_for(layout: KVLayout, vllm_config: object, *, tp_rank: int, pp_r
     model_config = vllm_config.model_config  # type: ignore[attr-defined]
     parallel_config = vllm_config.parallel_config  # type: ignore[attr-defined]
     cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")  # type: ignore[attr-defined]
-    parts = [f"kv_cache_dtype={cache_dtype}"]
+    variant = [f"kv_cache_dtype={cache_dtype}"]
     if layout.kind == "vllm_cpu":
-        parts.append(f"cpu_attn={cpu_attention_isa(layout, vllm_config)}")
-    revision = f"{model_config.revision or ''}+{'+'.join(parts)}"
+        variant.append(f"cpu_attn={cpu_attention_isa(layout, vllm_config)}")
     return Fingerprint.for_layout(
         layout,
         model_id=str(model_config.model),
-        model_revision=revision,
+        model_revision=str(model_config.revision or ""),
+        engine_variant="+".join(variant),
         tp_rank=tp_rank,
         tp_size=parallel_config.tensor_parallel_size,
         pp_rank=pp_rank,

@@ -134,8 +134,9 @@ class WorkerSide:
             logger.info("kvplug metrics on http://127.0.0.1:%d/metrics", port)
         _close_at_exit(self)
         logger.info(
-            "kvplug cache engine ready: layout %s, chunk %d tokens, tiers %s, layerwise %s",
-            layout.describe(), config.chunk_size, [t.type for t in config.tiers], self.settings.layerwise,
+            "kvplug cache engine ready: layout %s (%s), chunk %d tokens, tiers %s, layerwise %s",
+            layout.describe(), fingerprint.engine_variant, config.chunk_size, [t.type for t in config.tiers],
+            self.settings.layerwise,
         )  # fmt: skip
 
     # --- per step ---------------------------------------------------------------------

