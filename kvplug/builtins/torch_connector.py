@@ -1,19 +1,24 @@
 """KV connector ``torch``: gather/scatter with plain torch indexing, on any device.
 
 It is the reference every faster connector (kvplug-cuda's kernels) is checked
-against, so it favours obvious correctness. Two things keep it near memcpy speed
+against, so it favours obvious correctness. Three things keep it near memcpy speed
 on contiguous caches: slots that cover whole blocks in order (the usual case:
-chunks are block-aligned) are copied a block at a time, and each layer and K/V
-takes one ``index_select``/``index_copy_`` straight into its destination.
+chunks are block-aligned) are copied a block at a time; each layer (K and V
+together) takes one ``index_select``/``index_copy_`` straight into its
+destination; and on the CPU those run on the widest integer word the rows allow,
+because torch's CPU index kernels copy bf16, fp16 and fp8 element by element.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
+from pydantic import BaseModel
 
 from kvplug.core.connector import KVConnector, LayerCache
+from kvplug.core.layouts import KVLayout
 from kvplug.errors import LayoutError
 from kvplug.hookspecs import hookimpl
 
@@ -31,6 +36,10 @@ class TorchConnector(KVConnector):
     """Works for every :class:`kvplug.KVLayout` kind and every device torch has."""
 
     name = "torch"
+
+    def __init__(self, config: BaseModel, layout: KVLayout) -> None:
+        super().__init__(config, layout)
+        self._scratch = threading.local()
 
     def plan(self, slots: torch.Tensor) -> SlotPlan:
         size = self.layout.block_size
@@ -67,7 +76,11 @@ class TorchConnector(KVConnector):
                 out.copy_(layer_cache[:, blocks, offsets].flatten(2))  # [2, n, H*D]
         else:  # vllm_cpu: whole opaque blocks, memory order [blocks, heads, K|V, block_size * head_dim]
             heads, dim = self.layout.num_kv_heads, self.layout.head_dim
-            picked = self._cpu_view(layer_cache)[self._whole_blocks(plan)]  # [nb, H, 2, BS, D]
+            blocks = self._whole_blocks(plan)
+            # Pick whole blocks with one word copy into reused scratch, then reorder from
+            # there: indexing the permuted cache directly runs element by element.
+            picked = self._cpu_scratch(layer_cache, blocks.numel())  # [nb, H, 2, BS, D]
+            _gather_rows(layer_cache.view(layer_cache.shape[0], -1), blocks, picked.view(blocks.numel(), -1))
             out.view(2, -1, self.layout.block_size, heads, dim).copy_(picked.permute(2, 0, 3, 1, 4))
 
     def scatter_layer(self, layer_cache: LayerCache, plan: SlotPlan, src: torch.Tensor) -> None:
@@ -96,9 +109,9 @@ class TorchConnector(KVConnector):
         else:
             heads, dim = self.layout.num_kv_heads, self.layout.head_dim
             blocks = self._whole_blocks(plan).to(device)
-            self._cpu_view(layer_cache)[blocks] = src.reshape(2, blocks.numel(), self.layout.block_size, heads, dim).permute(
-                1, 3, 0, 2, 4
-            )
+            staged = self._cpu_scratch(layer_cache, blocks.numel())  # [nb, H, 2, BS, D], in cache memory order
+            staged.copy_(src.reshape(2, blocks.numel(), self.layout.block_size, heads, dim).permute(1, 3, 0, 2, 4))
+            _scatter_rows(layer_cache.view(layer_cache.shape[0], -1), blocks, staged.view(blocks.numel(), -1))
 
     def _whole_blocks(self, plan: SlotPlan) -> torch.Tensor:
         if plan.blocks is None:
@@ -109,9 +122,19 @@ class TorchConnector(KVConnector):
             )
         return plan.blocks
 
-    def _cpu_view(self, layer_cache: torch.Tensor) -> torch.Tensor:
+    def _cpu_scratch(self, layer_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """This thread's staging for ``num_blocks`` vllm_cpu blocks, ``[nb, H, 2, BS, D]``.
+
+        Reused across calls: a fresh megabyte per layer would be fresh pages, and
+        faulting them in costs more than the copy.
+        """
         layout = self.layout
-        return layer_cache.view(layer_cache.shape[0], layout.num_kv_heads, 2, layout.block_size, layout.head_dim)
+        shape = (num_blocks, layout.num_kv_heads, 2, layout.block_size, layout.head_dim)
+        scratch = getattr(self._scratch, "tensor", None)
+        needed = num_blocks * (layer_cache.numel() // layer_cache.shape[0])
+        if scratch is None or scratch.numel() < needed or scratch.dtype != layer_cache.dtype:
+            scratch = self._scratch.tensor = torch.empty(needed, dtype=layer_cache.dtype, device=layer_cache.device)
+        return scratch[:needed].view(shape)
 
 
 def _gather_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor, dim: int = 0) -> None:
@@ -119,16 +142,10 @@ def _gather_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor, dim
     index = index.to(rows.device)
     if rows.device == out.device and rows.is_contiguous() and out.is_contiguous():
         if rows.device.type == "cpu":
-            # torch's CPU index_select copies whole rows with memcpy for 1-byte
-            # dtypes but goes element-wise for bf16/fp16: 2x slower on 2 KiB rows.
-            rows, out = rows.view(torch.uint8), out.view(torch.uint8)
+            rows, out = _as_words(rows, out)
         torch.index_select(rows, dim, index, out=out)
     else:
         out.copy_(rows.index_select(dim, index))
-
-
-#: Rows at least this large are scattered one ``copy_`` each (see ``_scatter_rows``).
-_ROW_COPY_BYTES = 8192
 
 
 def _scatter_rows(rows: torch.Tensor, index: torch.Tensor, src: torch.Tensor, dim: int = 0) -> None:
@@ -137,20 +154,37 @@ def _scatter_rows(rows: torch.Tensor, index: torch.Tensor, src: torch.Tensor, di
         rows, src = rows.unsqueeze(0), src.reshape(1, index.numel(), -1)
     else:
         src = src.reshape(rows.shape[0], index.numel(), -1)
-    if rows.device.type == "cpu" and rows.is_contiguous():
-        row_bytes = rows.shape[2] * rows.element_size()
-        if row_bytes >= _ROW_COPY_BYTES:
-            # CPU index_copy_ copies element by element (0.4-4 GB/s measured) and
-            # stalls on a busy machine; whole blocks copied one by one run at memcpy speed.
-            for position, row in enumerate(index.tolist()):
-                rows[:, row].copy_(src[:, position])
-            return
-        if row_bytes % 4 == 0:  # small rows: index_copy_ is fastest on 4-byte elements
-            rows, src = rows.view(torch.int32), src.contiguous().view(torch.int32)
-        elif rows.element_size() == 1:
-            # index_copy_ has no float8 kernel: fp8 rows not a multiple of 4 bytes raised
-            rows, src = rows.view(torch.uint8), src.contiguous().view(torch.uint8)
+    if rows.device.type == "cpu":
+        # Also the only way for fp8: index_copy_ has no float8 kernel.
+        rows, src = _as_words(rows, src.contiguous())
     rows.index_copy_(1, index, src)
+
+
+#: Integer words the CPU copies run on, widest first.
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def _as_words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Views of same-dtype tensors as the widest integer word every row, stride and offset allows.
+
+    torch's CPU ``index_copy_`` copies 2-byte and 1-byte elements one at a time
+    (and has no fp8 kernel); on 8-byte words it ran 1.5-2x faster on vLLM blocks
+    here. Copying words is bit exact for any dtype.
+    """
+    itemsize = tensors[0].element_size()
+    for word in _WORDS:
+        size = word.itemsize
+        if size >= itemsize and all(_divides(size, t, itemsize) for t in tensors):
+            return tuple(t.view(word) for t in tensors)
+    return tensors
+
+
+def _divides(size: int, tensor: torch.Tensor, itemsize: int) -> bool:
+    """Whether ``tensor`` (rows contiguous) can be viewed as words of ``size`` bytes."""
+    if tensor.dim() == 0 or tensor.stride(-1) != 1:
+        return False
+    quantities = (tensor.shape[-1], tensor.storage_offset(), *tensor.stride()[:-1])
+    return all(q * itemsize % size == 0 for q in quantities)
 
 
 @hookimpl
