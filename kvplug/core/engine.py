@@ -30,14 +30,14 @@ from kvplug.core.layouts import KVLayout
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.serializer import Serializer, dtype_name
-from kvplug.core.tier import Buffer, StorageTier
+from kvplug.core.tier import StorageTier
 from kvplug.core.tier_chain import TierChain
 from kvplug.errors import ChunkError, ConnectorError, EngineClosedError, LayoutError
 
 logger = logging.getLogger("kvplug.engine")
 
-#: (key, frame, tokens) batches the store worker writes.
-StoreBatch = list[tuple[str, Buffer, int]]
+#: What the store worker writes: (key, filled but not yet sealed frame, tokens) per chunk.
+StoreBatch = list[tuple[str, Any, int]]
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,9 @@ class CacheEngine:
         except ConnectorError as exc:
             self._count_connector_error("store", exc)
             return 0
-        batch = [(chunk.key, self.serializer.seal(frame), chunk.num_tokens) for chunk, frame, _ in todo]
+        # Sealing (the checksum pass) goes with the tier write, on the store thread in
+        # async mode: the caller only waits for the copy out of its cache.
+        batch = [(chunk.key, frame, chunk.num_tokens) for chunk, frame, _ in todo]
         if self._store_worker is not None:
             self._store_worker.submit(batch)
         else:
@@ -205,9 +207,10 @@ class CacheEngine:
         return sum(n for _, _, n in batch)
 
     def _write_batch(self, batch: StoreBatch) -> None:
-        self.chain.put([(key, frame) for key, frame, _ in batch])
+        sealed = [(key, self.serializer.seal(frame)) for key, frame, _ in batch]
+        self.chain.put(sealed)
         self.metrics.stored_tokens.inc(sum(n for _, _, n in batch))
-        self.metrics.stored_bytes.inc(sum(memoryview(frame).nbytes for _, frame, _ in batch))
+        self.metrics.stored_bytes.inc(sum(memoryview(frame).nbytes for _, frame in sealed))
         self.registry.emit(KVEvent("stored", tuple(k for k, _, _ in batch), token_counts=tuple(n for _, _, n in batch)))
 
     # --- retrieve -------------------------------------------------------------------
