@@ -289,3 +289,56 @@ def test_connector_failures_are_misses_not_errors(make_engine) -> None:
     loaded = engine.retrieve(tokens, random_caches(layout, NUM_BLOCKS), torch.arange(16) + 32)
     assert not loaded.any()
     assert engine.metrics.value("kvplug_load_errors_total", reason="PinnedPoolExhaustedError") == 2
+
+
+class _WatchedTier:
+    """Builds a cpu tier named ``remote`` that records the thread of every ``contains`` call."""
+
+    calls: list[str] = []
+
+    @classmethod
+    def plugin(cls):
+        from kvplug_cpu import CPUTier
+
+        from kvplug import hookimpl
+
+        class RemoteTier(CPUTier):
+            name = "remote"
+
+            def contains(self, keys):
+                cls.calls.append(threading.current_thread().name)
+                return super().contains(keys)
+
+        class Plugin:
+            @staticmethod
+            @hookimpl
+            def kvplug_storage_tiers():
+                return [RemoteTier]
+
+        return Plugin
+
+
+@pytest.mark.parametrize("write_mode", ["async", "sync"])
+def test_store_asks_only_tiers_written_on_the_callers_side_what_they_hold(write_mode: str) -> None:
+    """A store must not wait on a remote tier's round trip (S3 HEADs) just to skip a copy."""
+    registry = PluginRegistry(plugin_filter="cpu")
+    registry.register(_WatchedTier.plugin(), "watched-test")
+    _WatchedTier.calls.clear()
+    tiers = [{"type": "cpu"}, {"type": "remote", "write_mode": write_mode}]
+    config = load_config(engine_extra={"kvplug": {"chunk_size": 8, "store": {"mode": "sync"}, "tiers": tiers}}, env={}, registry=registry).config
+    layout = LAYOUTS["sglang_mha"]
+    caller = threading.current_thread().name
+    with CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry) as engine:
+        caches = random_caches(layout, NUM_BLOCKS)
+        engine.store(prompt(16), caches, torch.arange(16))
+        engine.flush()
+        asked_by_caller = _WatchedTier.calls.count(caller)
+        # The remote tier still checks, on its writer thread, before it writes: no duplicate put.
+        engine.chain.put([(k.key, b"x") for k in engine.chunk_keys(prompt(16))])
+        engine.flush()
+        remote = dict(engine.chain.stats())["1:remote"]
+    if write_mode == "async":
+        assert asked_by_caller == 0 and _WatchedTier.calls
+    else:
+        assert asked_by_caller >= 1  # a sync tier is written by the caller anyway: asking is as cheap
+    assert remote.items == 2 and remote.puts == 2

@@ -163,7 +163,7 @@ class CacheEngine:
                     for k in self.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk)
                     if k.end > first and self._copyable(k.start, k.end)
                 ]
-                stored = self.chain.contains_any([k.key for k in keys]) if keys else []
+                stored = self.chain.contains_any([k.key for k in keys], sync_tiers_only=True) if keys else []
                 for chunk, present in zip(keys, stored):
                     if present:
                         continue

@@ -26,7 +26,8 @@ class TierConfig(ComponentConfig):
     write_mode: Literal["sync", "async"] = Field(
         default="sync",
         description="sync: the store worker writes this tier directly; async: a "
-        "bounded background writer of its own does, so a slow tier never delays faster ones.",
+        "bounded background writer of its own does, so a slow tier never delays faster ones "
+        "(and a store does not ask it what it holds until that writer does).",
     )
     write_queue_items: PositiveInt = Field(
         default=1024, description="Bound of the async writer's queue, in batches."

@@ -92,10 +92,18 @@ class TierChain:
         """How many leading keys are held by at least one tier."""
         return next((i for i, found in enumerate(self.contains_any(keys)) if not found), len(keys))
 
-    def contains_any(self, keys: Sequence[str]) -> list[bool]:
-        """Whether some tier holds each key."""
+    def contains_any(self, keys: Sequence[str], *, sync_tiers_only: bool = False) -> list[bool]:
+        """Whether some tier holds each key.
+
+        ``sync_tiers_only`` asks only the tiers written on the caller's side (not
+        ``write_mode: async``). The store path uses it to skip copying chunks that are
+        already cached, without waiting on a remote store: an async tier checks what
+        it lacks again on its own writer thread before it writes.
+        """
         present = [False] * len(keys)
         for slot in self._slots:
+            if sync_tiers_only and slot.writer is not None:
+                continue
             ask = [i for i, found in enumerate(present) if not found]
             if not ask:
                 break
