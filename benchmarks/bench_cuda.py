@@ -6,8 +6,10 @@ One run measures, for chunks of ``--tokens`` tokens of a ``--layers``-layer mode
   pinned host tensor and a contiguous device tensor (the bus's practical ceiling);
 * ``copy_ pageable``: the same into ordinary host memory (what a serializer frame is);
 * ``torch``: the core's reference connector, whole chunk (``gather``/``scatter``);
-* ``cuda layerwise``: the engine's path, ``plan`` + ``gather_layer``/``scatter_layer``
-  for every layer + ``synchronize``, into/out of ordinary host memory;
+* ``cuda layerwise``: ``plan`` + ``gather_layer``/``scatter_layer`` for every layer +
+  ``synchronize``, into/out of ordinary host memory (through the pinned staging pool);
+* ``cuda pinned frame``: the same into/out of a frame of a pinned frame pool, the
+  engine's path on a GPU (DMA straight to the frame);
 * ``cuda one launch``: ``gather``/``scatter`` of all layers in one kernel launch.
 
 Each figure is bytes / wall time until the data is usable by the host (gather) or
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvplug import KVLayout
     from kvplug.builtins.torch_connector import TorchConnector
+    from kvplug.core.frame_pool import GRANULARITY, FramePool
 
     dtype = getattr(torch, args.dtype)
     heads = 1 if args.layout == "vllm_mla" else args.heads
@@ -73,16 +76,22 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def layerwise_gather() -> None:
+    # What the engine hands the connector on a GPU: a frame of its frame pool, page-locked
+    # once with cudaHostRegister, so the DMA goes straight to it (pageable here without CUDA).
+    frame_pool = FramePool(chunk_bytes + GRANULARITY, pin=device.type == "cuda")
+    pool_frame = torch.frombuffer(frame_pool.new_buffer(chunk_bytes), dtype=torch.uint8)
+    pool_frame = pool_frame.view(dtype).view(layout.chunk_shape(args.tokens))
+
+    def layerwise_gather(into: torch.Tensor) -> None:
         plan = cuda.plan(slots)
         for layer, cache in enumerate(caches):
-            cuda.gather_layer(cache, plan, frame[layer])
+            cuda.gather_layer(cache, plan, into[layer])
         cuda.synchronize()
 
-    def layerwise_scatter() -> None:
+    def layerwise_scatter(source: torch.Tensor) -> None:
         plan = cuda.plan(slots)
         for layer, cache in enumerate(caches):
-            cuda.scatter_layer(cache, plan, frame[layer])
+            cuda.scatter_layer(cache, plan, source[layer])
         cuda.synchronize()
         sync()
 
@@ -109,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             lambda: (reference.gather(caches, slots, frame), sync()),
             lambda: (reference.scatter(caches, slots, frame), sync()),
         ),
-        ("cuda layerwise", layerwise_gather, layerwise_scatter),
+        ("cuda layerwise", lambda: layerwise_gather(frame), lambda: layerwise_scatter(frame)),
+        ("cuda pinned frame", lambda: layerwise_gather(pool_frame), lambda: layerwise_scatter(pool_frame)),
         (
             "cuda one launch",
             lambda: (cuda.gather(caches, slots, frame), cuda.synchronize()),
@@ -122,20 +132,22 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.head_dim}, block {block_size}: {chunk_bytes / 2**20:.1f} MiB per chunk; device {_device_name(device)}"
     )
     print(f"ratios (x) are against the first row, {rows[0][0]!r}")
-    print(f"{'path':<18}{'gather GB/s':>12}{'x':>7}{'scatter GB/s':>14}{'x':>7}")
+    print(f"{'path':<19}{'gather GB/s':>12}{'x':>7}{'scatter GB/s':>14}{'x':>7}")
     baseline: tuple[float, float] | None = None
     for name, gather, scatter in rows:
         g = chunk_bytes / _median_seconds(gather, iters) / 1e9
         s = chunk_bytes / _median_seconds(scatter, iters) / 1e9
         baseline = baseline or (g, s)
-        print(f"{name:<18}{g:>12.2f}{g / baseline[0]:>7.2f}{s:>14.2f}{s / baseline[1]:>7.2f}")
+        print(f"{name:<19}{g:>12.2f}{g / baseline[0]:>7.2f}{s:>14.2f}{s / baseline[1]:>7.2f}")
     if device.type == "cuda":
         check = torch.empty_like(frame)
         reference.gather(caches, slots, check)
         cuda.gather(caches, slots, frame)
         cuda.synchronize()
-        same = torch.equal(check.view(torch.uint8), frame.view(torch.uint8))
-        print(f"cuda gather bit-exact vs torch: {same}; pool: {cuda.stats().pool}")
+        layerwise_gather(pool_frame)
+        same = all(torch.equal(check.view(torch.uint8), got.view(torch.uint8)) for got in (frame, pool_frame))
+        frames_pinned = frame_pool.stats().pinned
+        print(f"bit-exact vs torch: {same}; frame pool pinned: {frames_pinned}; staging: {cuda.stats().pool}")
         if not same:
             return 1
     return 0

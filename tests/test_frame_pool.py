@@ -50,3 +50,21 @@ def test_live_frames_never_share_memory_and_keep_their_bytes() -> None:
         assert torch.equal(tensor, torch.full((100,), tensor[0].item()))
     assert pool.stats().recycled > 0
     assert len({int(serializer.loads(d)[0].item()) for d in sealed}) == len(sealed)
+
+
+def test_a_pool_asked_to_pin_without_cuda_says_why_and_still_serves(caplog) -> None:
+    pool = FramePool(4 * GRANULARITY, pin=True)
+    frame = pool.new_buffer(100)
+    memoryview(frame).cast("B")[:3] = b"abc"
+    assert bytes(frame)[:3] == b"abc"
+    if not torch.cuda.is_available():
+        assert not pool.stats().pinned
+        assert "frames stay pageable" in caplog.text
+
+
+def test_the_engine_pins_its_frames_only_for_a_connector_that_wants_it(make_engine) -> None:
+    from core_helpers import LAYOUTS
+
+    engine = make_engine(LAYOUTS["vllm_flash"])
+    assert not engine.connector.wants_pinned_frames()  # the torch connector on host memory
+    assert not engine.frame_pool.stats().pinned

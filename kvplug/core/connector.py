@@ -36,6 +36,14 @@ class KVConnector(ABC):
         """Whether this connector can run in this process."""
         return True
 
+    def wants_pinned_frames(self) -> bool:
+        """Whether the engine should page-lock its host frames for this connector.
+
+        A connector that moves KV to and from a CUDA device says yes: it can then DMA
+        straight between the device and the frames a chunk is serialized in.
+        """
+        return False
+
     def plan(self, slots: torch.Tensor) -> Any:
         """Precompute the addressing of ``slots`` once for all layers of a chunk.
 

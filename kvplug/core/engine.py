@@ -76,7 +76,8 @@ class CacheEngine:
         self.connector: KVConnector = self._make_connector()
         self.key_builder = KeyBuilder(config.chunk_size, config.hash)
         self.chain = TierChain.open(config.tiers, self.registry, fingerprint=self.fingerprint.hexdigest(), metrics=self.metrics)
-        self.frame_pool = FramePool(self._frame_pool_bytes(self.chain.tiers))
+        pin_frames = self.connector.wants_pinned_frames()
+        self.frame_pool = FramePool(self._frame_pool_bytes(self.chain.tiers), pin=pin_frames)
         self._store_worker: BackgroundWorker[StoreBatch] | None = None
         if config.store.mode == "async":
             self._store_worker = BackgroundWorker(

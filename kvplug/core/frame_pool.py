@@ -11,11 +11,17 @@ Frames are ``ctypes`` arrays over the arena: they export the buffer protocol lik
 a bytearray, and ``weakref.finalize`` tells the pool when they die. A request
 that does not fit (arena full, no free frame of that size) gets a plain
 ``bytearray``, counted as a fallback.
+
+With ``pin=True`` (the engine asks when its connector moves KV to a CUDA device)
+the whole arena is page-locked once with ``cudaHostRegister``, so the device can
+DMA straight into and out of every frame: no staging copy per chunk, and no
+``cudaHostAlloc`` per chunk either. Pinning commits the arena's memory up front.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import threading
 import weakref
@@ -25,6 +31,8 @@ from typing import Any
 
 GRANULARITY = 4096
 
+logger = logging.getLogger("kvplug.frame_pool")
+
 
 @dataclass
 class FramePoolStats:
@@ -33,15 +41,56 @@ class FramePoolStats:
     in_use: int
     recycled: int
     fallbacks: int
+    pinned: bool = False
+
+
+class _Arena(mmap.mmap):
+    """The pool's anonymous mapping; page-locked for CUDA by :meth:`pin` until it dies.
+
+    Frames keep the arena alive (``from_buffer`` holds a reference), so it is
+    unregistered only after the last frame is gone, and before it is unmapped.
+    """
+
+    _pinned_address: int | None = None
+
+    def pin(self) -> bool:
+        """Page-lock the mapping for CUDA; False (with the reason logged) if that fails."""
+        try:
+            import torch
+
+            cudart = torch.cuda.cudart()
+            address = ctypes.addressof(ctypes.c_char.from_buffer(self))
+            error = cudart.cudaHostRegister(address, len(self), 0)
+        except Exception as exc:  # no CUDA runtime in this torch, no device: frames stay pageable
+            logger.warning("frame pool: cannot pin %d bytes for CUDA (%s); frames stay pageable", len(self), exc)
+            return False
+        if error != cudart.cudaError.success:
+            logger.warning(
+                "frame pool: cudaHostRegister of %d bytes failed (%s); frames stay pageable", len(self), error
+            )
+            return False
+        self._pinned_address = address
+        return True
+
+    def __del__(self) -> None:
+        address, self._pinned_address = self._pinned_address, None
+        if address is not None:
+            try:
+                import torch
+
+                torch.cuda.cudart().cudaHostUnregister(address)
+            except Exception:  # interpreter shutdown: the process exit releases it anyway
+                pass
 
 
 class FramePool:
     """A bump allocator over an anonymous mapping, with free lists per frame size."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, pin: bool = False) -> None:
         self.capacity = max(0, capacity - capacity % GRANULARITY)
         # mmap is mapped lazily: untouched capacity costs address space, not memory.
-        self._arena = mmap.mmap(-1, self.capacity) if self.capacity else None
+        self._arena = _Arena(-1, self.capacity) if self.capacity else None
+        self.pinned = bool(pin and self._arena is not None and self._arena.pin())
         self._lock = threading.RLock()
         self._free: dict[int, list[int]] = defaultdict(list)
         self._bump = 0
@@ -74,4 +123,4 @@ class FramePool:
 
     def stats(self) -> FramePoolStats:
         with self._lock:
-            return FramePoolStats(self.capacity, self._bump, self._in_use, self._recycled, self._fallbacks)
+            return FramePoolStats(self.capacity, self._bump, self._in_use, self._recycled, self._fallbacks, self.pinned)

@@ -19,4 +19,7 @@ def kvplug_kv_connectors() -> list[type]:
     ``scatter_layer`` writes such a tensor back into other slots. Slots are
     ``block_id * block_size + offset``. The class method ``is_available()`` says
     whether the connector can run here (``connector: {type: auto}`` uses it).
+    A device connector returns True from ``wants_pinned_frames()`` to have the
+    engine page-lock its host frames, and finishes its asynchronous copies in
+    ``synchronize()``.
     """

@@ -2,7 +2,8 @@
 
 ``bytes_used`` is the exact sum of stored value lengths. Values are kept as given
 (the caller hands them over, see :class:`kvplug.StorageTier`), or copied into
-page-locked memory when ``pin_memory`` applies, so a CUDA engine can copy them to
+page-locked memory when ``pin_memory`` applies and they are not pinned already
+(frames of an engine's pinned frame pool are), so a CUDA engine can copy them to
 the GPU asynchronously.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Literal
@@ -145,9 +147,17 @@ def _pinning_copier(mode: str):  # noqa: ANN202 - returns a copier or None
         return None
 
     def copy_pinned(view: memoryview) -> memoryview:
+        if view.nbytes and _is_pinned(torch, view):  # a frame of a pinned pool: keep it as it is
+            return view.toreadonly()
         pinned = torch.empty(view.nbytes, dtype=torch.uint8, pin_memory=True)
         if view.nbytes:
             pinned.numpy()[:] = memoryview(view).cast("B")
         return memoryview(pinned.numpy()).toreadonly()
 
     return copy_pinned
+
+
+def _is_pinned(torch, view: memoryview) -> bool:  # noqa: ANN001 - torch is the loaded module
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # frombuffer warns on read-only views; nothing writes here
+        return bool(torch.frombuffer(view, dtype=torch.uint8).is_pinned())

@@ -12,6 +12,10 @@ Retrieve (scatter), per call::
     copy stream:    [DMA pinned buffer -> device staging] --done-->
     engine stream:  wait done, [paged-copy kernel: staging -> cache]
 
+When the frame itself is pinned (the engine page-locks its frame pool for this
+connector, see ``wants_pinned_frames``) the DMA goes straight to or from the frame:
+no pinned buffer, no host copy, so a chunk crosses host memory once.
+
 The kernels run on the engine's current stream, so they are ordered with the
 engine's own reads and writes of the cache without any host synchronisation, and
 they are short (device memory speed). Only the PCIe transfers run on the copy
@@ -99,11 +103,16 @@ class TransferStats:
 
 @dataclass
 class _InFlight:
-    """One issued transfer: done when ``event`` is (None: already done)."""
+    """One issued transfer: done when ``event`` is (None: already done).
+
+    ``buffer`` is the pool's staging buffer to release (None: the DMA used a pinned
+    frame directly); ``host`` keeps that frame's tensor alive until then.
+    """
 
     event: Any
-    buffer: PinnedBuffer
+    buffer: PinnedBuffer | None
     finish: Callable[[], None] | None
+    host: torch.Tensor | None = None
 
 
 class CudaConnector(KVConnector):
@@ -127,6 +136,9 @@ class CudaConnector(KVConnector):
         self._reference = TorchConnector(TorchConnector.Config(), layout)
         self._lock = threading.Lock()
         self._inflight: deque[_InFlight] = deque()
+        # Transfers past their deadline: the device may still write their host memory,
+        # so it is never handed out again (a pinned frame would go back to the frame pool).
+        self._abandoned: list[_InFlight] = []
         self._tables: OrderedDict[tuple, PagedAddressing] = OrderedDict()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._stats = TransferStats()
@@ -140,6 +152,9 @@ class CudaConnector(KVConnector):
     @classmethod
     def is_available(cls) -> bool:
         return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+    def wants_pinned_frames(self) -> bool:
+        return torch.cuda.is_available() and self.layout.kind in KERNEL_LAYOUTS
 
     # --- the connector contract ----------------------------------------------------------
 
@@ -209,28 +224,35 @@ class CudaConnector(KVConnector):
         addressing, base = self._address(caches, plan)
         self._reap()
         nbytes = out.numel() * out.element_size()
-        buffer = self._acquire(nbytes)
+        direct = device.type == "cuda" and _pinned_and_dense(out)
+        buffer = None if direct else self._acquire(nbytes)
         try:
             slots = plan.on(device)
             if device.type == "cuda":
                 words = nbytes // addressing.word_size
                 staging = torch.empty(words, dtype=addressing.word, device=device)
                 self._kernels.paged_copy(addressing, base, slots, staging, to_chunk=True)
+                host = _bytes_of(out) if buffer is None else buffer.view(torch.uint8)
                 stream = self.copy_stream(device)
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):
-                    buffer.view(torch.uint8).copy_(staging.view(torch.uint8), non_blocking=True)
+                    host.copy_(staging.view(torch.uint8), non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(stream)
                 staging.record_stream(stream)  # not reused before the transfer read it
             else:
+                assert buffer is not None
                 self._kernels.paged_copy(addressing, base, slots, buffer.view(addressing.word), to_chunk=True)
                 event = None
         except BaseException:
-            self.pool.release(buffer)
+            if buffer is not None:
+                self.pool.release(buffer)
             raise
-        staged = buffer.view(out.dtype, tuple(out.shape))
-        self._issue(_InFlight(event, buffer, lambda: out.copy_(staged)))
+        if buffer is None:
+            self._issue(_InFlight(event, None, None, host=out))
+        else:
+            staged = buffer.view(out.dtype, tuple(out.shape))
+            self._issue(_InFlight(event, buffer, lambda: out.copy_(staged)))
         with self._lock:
             self._stats.gathers += 1
             self._stats.bytes_to_host += nbytes
@@ -247,29 +269,34 @@ class CudaConnector(KVConnector):
             raise LayoutError(f"chunk dtype {src.dtype} does not match the layout's {self.layout.dtype}")
         self._reap()
         nbytes = src.numel() * src.element_size()
-        buffer = self._acquire(nbytes)
+        direct = device.type == "cuda" and _pinned_and_dense(src)
+        buffer = None if direct else self._acquire(nbytes)
         try:
-            # Also gathers a non-contiguous src (a chunk's tail slice) into one run.
-            buffer.view(src.dtype, tuple(src.shape)).copy_(src)
+            if buffer is not None:
+                # Also gathers a non-contiguous src (a chunk's tail slice) into one run.
+                buffer.view(src.dtype, tuple(src.shape)).copy_(src)
             slots = plan.on(device)
             if device.type == "cuda":
+                host = _bytes_of(src) if buffer is None else buffer.view(torch.uint8)
                 stream = self.copy_stream(device)
                 current = torch.cuda.current_stream(device)
                 with torch.cuda.stream(stream):
                     staging = torch.empty(nbytes // addressing.word_size, dtype=addressing.word, device=device)
-                    staging.view(torch.uint8).copy_(buffer.view(torch.uint8), non_blocking=True)
+                    staging.view(torch.uint8).copy_(host, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(stream)
                 current.wait_event(event)
                 self._kernels.paged_copy(addressing, base, slots, staging, to_chunk=False)
                 staging.record_stream(current)  # not reused before the kernel read it
             else:
+                assert buffer is not None
                 self._kernels.paged_copy(addressing, base, slots, buffer.view(addressing.word), to_chunk=False)
                 event = None
         except BaseException:
-            self.pool.release(buffer)
+            if buffer is not None:
+                self.pool.release(buffer)
             raise
-        self._issue(_InFlight(event, buffer, None))
+        self._issue(_InFlight(event, buffer, None, host=src if buffer is None else None))
         with self._lock:
             self._stats.scatters += 1
             self._stats.bytes_to_device += nbytes
@@ -306,12 +333,12 @@ class CudaConnector(KVConnector):
                 return False
             transfer = self._inflight.popleft()
         if not _wait(transfer.event, deadline):
-            # The device may still write this buffer: never hand it out again.
             with self._lock:
+                self._abandoned.append(transfer)
                 self._stats.timeouts += 1
+            what = "its pinned buffer" if transfer.buffer is not None else "its frame"
             raise TransferTimeoutError(
-                f"a {transfer.buffer.nbytes}-byte transfer did not complete within the deadline; "
-                "its pinned buffer is abandoned"
+                f"a host<->device transfer did not complete within the deadline; {what} is abandoned, never reused"
             )
         self._complete(transfer)
         return True
@@ -321,7 +348,8 @@ class CudaConnector(KVConnector):
             if transfer.finish is not None:
                 transfer.finish()
         finally:
-            self.pool.release(transfer.buffer)
+            if transfer.buffer is not None:
+                self.pool.release(transfer.buffer)
 
     def _use_reference(self, device: torch.device) -> bool:
         if self.layout.kind not in KERNEL_LAYOUTS:  # vllm_cpu: host memory, opaque blocks
@@ -361,6 +389,16 @@ class CudaConnector(KVConnector):
             (tuple(t.shape), t.stride(), t.device) for cache in kv_caches for t in layer_tensors(self.layout, cache)
         }
         return len(shapes) == 1
+
+
+def _pinned_and_dense(tensor: torch.Tensor) -> bool:
+    """Whether the device can DMA this host tensor as one run (a frame of a pinned pool)."""
+    return tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.is_pinned()
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as flat bytes."""
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _done(event: Any) -> bool:

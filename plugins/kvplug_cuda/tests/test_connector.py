@@ -58,6 +58,8 @@ def test_engine_round_trip_matches_the_torch_connector(registry) -> None:
         stats = cuda_engine.connector.stats()
         assert stats.gathers == 2 * LAYOUT.num_layers and stats.scatters == 2 * LAYOUT.num_layers
         assert stats.pool.in_use_bytes == 0  # synchronize released every staging buffer
+        # Pinned frames (and DMA straight into them) only where there is a device to pin for.
+        assert cuda_engine.frame_pool.stats().pinned == torch.cuda.is_available()
 
 
 def test_connector_options_are_validated(registry) -> None:

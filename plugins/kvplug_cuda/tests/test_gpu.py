@@ -127,3 +127,25 @@ def test_the_benchmark_runs_and_is_bit_exact() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "bit-exact vs torch: True" in result.stdout
+
+
+def test_pinned_frames_are_copied_to_and_from_directly() -> None:
+    """The engine pins its frame pool for this connector: no staging buffer, no host copy."""
+    from kvplug.core.plugins import PluginRegistry
+
+    registry = PluginRegistry(plugin_filter="cuda,cpu")
+    extra = {"kvplug.store.mode": "sync", "kvplug.chunk_size": 256, "kvplug.connector": {"type": "cuda"}}
+    config = load_config(engine_extra=extra, env={}, registry=registry).config
+    caches, slots, _, _ = _setup()
+    tokens = list(range(256))
+    fingerprint = Fingerprint.for_layout(LAYOUT, model_id="gpu-pinned")
+    with CacheEngine(config, LAYOUT, fingerprint, registry=registry) as engine:
+        assert engine.frame_pool.stats().pinned
+        assert engine.store(tokens, caches, slots) == 256
+        target = [torch.zeros_like(c) for c in caches]
+        assert bool(engine.retrieve(tokens, target, slots).all())
+        stats = engine.connector.stats()
+        assert stats.pool.acquires == 0, "a pinned frame went through a staging buffer"
+        assert stats.gathers == stats.scatters == LAYOUT.num_layers
+    torch.cuda.synchronize()
+    assert all(same_bits(a.cpu(), b.cpu()) for a, b in zip(caches, target))
