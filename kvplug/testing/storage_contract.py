@@ -16,7 +16,12 @@ and returning a new, empty tier. The contract closes what it makes::
             return make
 
 Class attributes tune it: ``large_value_bytes`` (64 MiB), ``lru`` (whether the
-tier evicts least recently used first), ``concurrency_seconds``.
+tier evicts least recently used first), ``concurrency_seconds``, and
+``stateful_examples`` (how many random operation sequences the stateful test runs
+against a model of the tier; each sequence starts by removing its keys, so a tier
+whose storage outlives it, such as a folder, starts empty too).
+
+The contract needs ``pytest`` and ``hypothesis`` (``pip install kvplug[test]``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from kvplug.core.tier import StorageTier, TierContext
 from kvplug.errors import TierError
@@ -60,6 +68,7 @@ class StorageTierContract:
     large_value_bytes: int = 64 * 1024 * 1024
     lru: bool = True
     concurrency_seconds: float = 1.5
+    stateful_examples: int = 25
 
     @pytest.fixture
     def make_tier(self) -> Callable[..., StorageTier]:
@@ -192,6 +201,18 @@ class StorageTierContract:
         assert tier.contains([key_for("huge"), key_for("keep")]) == [False, True]
         assert _as_bytes(tier.get([key_for("keep")])[0]) == value_for("keep", 1000)
 
+    # --- random operation sequences against a model ---------------------------------
+
+    def test_random_operations_match_a_dict(self, make_tier: Callable[..., StorageTier]) -> None:
+        """Unbounded: every contains/get/stats answer equals a plain dict's after the same puts and removes."""
+        _run_against_model(make_tier, None, self.stateful_examples)
+
+    def test_random_operations_under_a_budget_never_return_a_wrong_value(
+        self, make_tier: Callable[..., StorageTier]
+    ) -> None:
+        """Bounded: a tier may evict anything, but a hit is the last value put, and the budget holds."""
+        _run_against_model(make_tier, 6_000, self.stateful_examples)
+
     # --- concurrency ----------------------------------------------------------------
 
     def test_concurrent_readers_and_writers_see_whole_values(self, tier: StorageTier) -> None:
@@ -239,3 +260,78 @@ class StorageTierContract:
             tier.get([key_for("c")])
         with pytest.raises(TierError):
             tier.put([(key_for("c"), b"2")])
+
+
+#: The keys the stateful test draws from: few, so sequences revisit them.
+_MODEL_KEYS = tuple(key_for(f"model-{i}") for i in range(6))
+
+
+def _run_against_model(make_tier: Callable[..., StorageTier], budget: int | None, examples: int) -> None:
+    """Random put/get/contains/remove sequences on fresh tiers, checked after every step."""
+
+    class TierMatchesModel(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tier = make_tier(budget)
+            self.tier.remove(list(_MODEL_KEYS))  # a folder or bucket may hold an earlier sequence's keys
+            self.tier.flush()
+            self.model: dict[str, bytes] = {}
+
+        @rule(
+            items=st.lists(
+                # few sizes, so an overwrite often keeps the length and only the bytes tell versions apart
+                st.tuples(st.sampled_from(_MODEL_KEYS), st.integers(0, 9), st.sampled_from([0, 1, 700, 2_500])),
+                max_size=4,
+            )
+        )
+        def put(self, items: list[tuple[str, int, int]]) -> None:
+            batch = {key: value_for(f"{key}-{version}", size) for key, version, size in items}  # last one wins
+            self.tier.put(list(batch.items()))
+            self.tier.flush()
+            self.model.update(batch)
+
+        @rule(keys=st.lists(st.sampled_from(_MODEL_KEYS), max_size=6))
+        def get(self, keys: list[str]) -> None:
+            for key, value in zip(keys, self.tier.get(keys), strict=True):
+                if budget is None:
+                    assert _as_bytes(value) == self.model.get(key), f"get({key}) after the model's history"
+                elif value is not None:
+                    assert _as_bytes(value) == self.model.get(key), f"get({key}) returned a value never last put"
+
+        @rule(keys=st.lists(st.sampled_from(_MODEL_KEYS), max_size=6))
+        def contains(self, keys: list[str]) -> None:
+            answers = self.tier.contains(keys)
+            assert len(answers) == len(keys)
+            for key, present in zip(keys, answers):
+                if budget is None or present:
+                    assert present == (key in self.model), f"contains({key})"
+
+        @rule(keys=st.lists(st.sampled_from(_MODEL_KEYS), max_size=3))
+        def remove(self, keys: list[str]) -> None:
+            self.tier.remove(keys)
+            self.tier.flush()
+            for key in keys:
+                self.model.pop(key, None)
+            assert self.tier.contains(keys) == [False] * len(keys)
+
+        @invariant()
+        def stats_agree(self) -> None:
+            stats = self.tier.stats()
+            if budget is None:
+                assert stats.items == len(self.model), f"stats.items {stats.items}, model {len(self.model)}"
+            else:
+                assert stats.bytes_used <= budget and stats.items <= len(self.model)
+
+        def teardown(self) -> None:
+            self.tier.close()
+
+    run_state_machine_as_test(
+        TierMatchesModel,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=25,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+            database=None,  # sequences depend on the tier under test, not worth replaying across runs
+        ),
+    )

@@ -18,6 +18,8 @@ def _budget(max_bytes: int | None) -> dict:
 
 class TestS3TierOnMoto(StorageTierContract):
     # large_value_bytes stays at the contract's 64 MiB: moto takes it in well under a second.
+    # Every step is HTTP round trips to moto: fewer random sequences (memory:// and file:// run the full count).
+    stateful_examples = 8
     @pytest.fixture
     def make_tier(self, moto_s3):
         return lambda max_bytes=None: make_s3_tier(moto_s3.endpoint, **_budget(max_bytes))
