@@ -31,6 +31,9 @@ from typing import Any
 
 GRANULARITY = 4096
 
+#: cudaHostRegisterPortable: pinned for every CUDA context in the process, not only the current device's.
+_CUDA_HOST_REGISTER_PORTABLE = 1
+
 logger = logging.getLogger("kvplug.frame_pool")
 
 
@@ -60,7 +63,7 @@ class _Arena(mmap.mmap):
 
             cudart = torch.cuda.cudart()
             address = ctypes.addressof(ctypes.c_char.from_buffer(self))
-            error = cudart.cudaHostRegister(address, len(self), 0)
+            error = cudart.cudaHostRegister(address, len(self), _CUDA_HOST_REGISTER_PORTABLE)
         except Exception as exc:  # no CUDA runtime in this torch, no device: frames stay pageable
             logger.warning("frame pool: cannot pin %d bytes for CUDA (%s); frames stay pageable", len(self), exc)
             return False
