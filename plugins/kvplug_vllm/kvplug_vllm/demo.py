@@ -104,8 +104,15 @@ def run_engine_demo(console: Any, *, tokens: int = 4096) -> dict[str, Any]:
         started = time.perf_counter()
         run = run_in_subprocess(spec)
         wall_s = time.perf_counter() - started
-    cold, warm = run["requests"]
-    identical = cold["tokens"] == warm["tokens"]
+        cold, warm = run["requests"]
+        identical = cold["tokens"] == warm["tokens"]
+        rounding = False
+        if not identical:
+            # Computing the last token over a cached prefix rounds differently from one
+            # prefill, and a random model's top logits are close: ask vLLM's own prefix
+            # cache (same weights, same prompt) whether it flips the same way.
+            native = run_in_subprocess({**spec, "kv": None, "prefix_caching": True})["requests"]
+            rounding = [cold["tokens"], warm["tokens"]] == [r["tokens"] for r in native]
     result = {
         "prompt_tokens": tokens,
         "ttft_cold_s": cold["ttft_s"],
@@ -115,6 +122,7 @@ def run_engine_demo(console: Any, *, tokens: int = 4096) -> dict[str, Any]:
         "warm_hit_tokens": warm["kvplug"]["hit_tokens"],
         "loaded_tokens": warm["kvplug"]["external_tokens"],
         "identical": identical,
+        "flips_like_vllm_prefix_cache": rounding,
         "wall_s": wall_s,
     }
     table = Table(title="kvplug demo: real vLLM engine, KVPlugConnector, CPU tier")
@@ -126,10 +134,16 @@ def run_engine_demo(console: Any, *, tokens: int = 4096) -> dict[str, Any]:
     table.add_row("speedup", f"{result['speedup']:.1f}x")
     table.add_row("hit tokens cold / warm", f"{result['cold_hit_tokens']} / {result['warm_hit_tokens']}")
     table.add_row("tokens loaded (the last one is recomputed)", str(result["loaded_tokens"]))
-    table.add_row("16 greedy tokens", "outputs identical" if identical else "[red]OUTPUTS DIFFER[/red]")
+    if identical:
+        outputs = "outputs identical"
+    elif rounding:
+        outputs = "warm differs from cold exactly as with vLLM's own prefix cache (rounding)"
+    else:
+        outputs = "[red]OUTPUTS DIFFER[/red]"
+    table.add_row("16 greedy tokens", outputs)
     console.print(table)
-    if not identical:
-        raise SystemExit("the warm output differs from the cold one")
+    if not (identical or rounding):
+        raise SystemExit("the warm output differs from the cold one, and from vLLM's own prefix cache")
     return result
 
 
