@@ -188,31 +188,31 @@ class RecordFolder:
         removed = kept = 0
         now = time.time()
         is_record = _RECORD_NAME.fullmatch
-        for shard in SHARDS:
-            try:
-                entries = os.scandir(f"{self.root}/{shard}")
-            except FileNotFoundError:
-                continue
-            with entries:
-                for entry in entries:
-                    name = entry.name
-                    if is_record(name):
-                        if not name.startswith(shard):
-                            continue
-                        try:
-                            st = entry.stat()
-                        except FileNotFoundError:  # evicted by another process meanwhile
-                            continue
-                        records.append((name[:64], st.st_size, st.st_mtime_ns))
-                    elif name.endswith(TEMP_SUFFIX) and clean_temps_older_than is not None:
-                        if _temp_is_stale(entry, now, clean_temps_older_than):
-                            removed += _unlink_quietly(entry.path)
-                        else:
-                            kept += 1
+        for shard, entry in self._shard_entries():
+            name = entry.name
+            if is_record(name):
+                if not name.startswith(shard):
+                    continue
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:  # evicted by another process meanwhile
+                    continue
+                records.append((name[:64], st.st_size, st.st_mtime_ns))
+            elif name.endswith(TEMP_SUFFIX) and clean_temps_older_than is not None:
+                if _temp_is_stale(entry, now, clean_temps_older_than):
+                    removed += _unlink_quietly(entry.path)
+                else:
+                    kept += 1
         return ScanResult(records, removed, kept)
 
     def iter_record_paths(self) -> Iterator[tuple[str, str]]:
         """``(digest, path)`` of every record file, without stat calls."""
+        for _, entry in self._shard_entries():
+            if _RECORD_NAME.fullmatch(entry.name):
+                yield entry.name[:64], entry.path
+
+    def _shard_entries(self) -> Iterator[tuple[str, os.DirEntry[str]]]:
+        """``(shard, entry)`` for everything in the shard folders that exist."""
         for shard in SHARDS:
             try:
                 entries = os.scandir(f"{self.root}/{shard}")
@@ -220,8 +220,7 @@ class RecordFolder:
                 continue
             with entries:
                 for entry in entries:
-                    if _RECORD_NAME.fullmatch(entry.name):
-                        yield entry.name[:64], entry.path
+                    yield shard, entry
 
 
 def _temp_is_stale(entry: os.DirEntry[str], now: float, max_age_s: float) -> bool:
