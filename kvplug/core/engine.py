@@ -71,7 +71,7 @@ class CacheEngine:
         self.metrics = metrics or EngineMetrics()
         self.serializer: Serializer = self.registry.serializers()[config.serializer.type](config.serializer.options)
         self.fingerprint = replace(
-            fingerprint, serializer=self.serializer.name, kv_layout=layout.describe(), dtype=dtype_name(layout.dtype)
+            fingerprint, serializer=self.serializer.fingerprint(), kv_layout=layout.describe(), dtype=dtype_name(layout.dtype)
         )
         self.connector: KVConnector = self._make_connector()
         self.key_builder = KeyBuilder(config.chunk_size, config.hash)

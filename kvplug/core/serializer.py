@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -38,6 +39,20 @@ class Serializer(ABC):
 
     def __init__(self, config: BaseModel) -> None:
         self.config = config
+
+    def fingerprint(self) -> str:
+        """What the key fingerprint records of this serializer: its name and options.
+
+        Chunks written under one fingerprint are never looked up under another, so a
+        frame is never read by a serializer (or options) it was not written with. The
+        default is the name, followed by the options as canonical JSON when there are
+        any; a serializer whose options do not change the stored bytes (thread counts)
+        overrides this to leave them out, so changing them keeps the cache.
+        """
+        options = self.config.model_dump(mode="json")
+        if not options:
+            return self.name
+        return f"{self.name}:{json.dumps(options, sort_keys=True, separators=(',', ':'))}"
 
     @abstractmethod
     def allocate(
