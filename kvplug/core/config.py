@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt, PrivateAttr, ValidationError
 
+from kvplug.core.components import CheckedModel
 from kvplug.core.plugins import KNOWN_COMPONENTS, PluginRegistry, get_registry
 from kvplug.errors import ConfigError, ConfigProblem
 
@@ -41,7 +42,7 @@ class ComponentSpec(BaseModel):
         return self._options
 
 
-class StoreSettings(BaseModel):
+class StoreSettings(CheckedModel):
     """How ``CacheEngine.store`` hands chunks to the tiers."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -63,12 +64,12 @@ class StoreSettings(BaseModel):
     )
 
 
-class KVPlugConfig(BaseModel):
+class KVPlugConfig(CheckedModel):
     """The whole kvplug config. Unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    chunk_size: PositiveInt = Field(default=256, description="Tokens per chunk.")
+    chunk_size: PositiveInt = Field(default=256, le=1 << 20, description="Tokens per chunk.")
     hash: Literal["sha256", "xxh3_128", "blake3"] = Field(
         default="sha256", description="Hash of the chunk key chain."
     )
@@ -93,6 +94,11 @@ class KVPlugConfig(BaseModel):
         description="Storage tiers, fastest first.",
     )
     store: StoreSettings = Field(default_factory=StoreSettings, description="How stores reach the tiers.")
+    lookup_timeout_ms: PositiveInt = Field(
+        default=200,
+        description="Budget of one lookup across all tiers; remote calls end within it and tiers not "
+        "asked in time count as a miss.",
+    )
 
     _resolved: bool = PrivateAttr(default=False)
 
@@ -125,6 +131,7 @@ class KVPlugConfig(BaseModel):
                 problems.append(ConfigProblem(f"{path}.type", spec.type, _unknown_type_message(concern, spec.type, available, registry)))
                 continue
             spec._options = _validate_options(spec, component.Config, path, problems)
+        _check_distinct_locations(self.tiers, problems)
         if problems:
             raise ConfigError(problems)
         self._resolved = True
@@ -162,6 +169,28 @@ class KVPlugConfig(BaseModel):
             theirs._options = mine._options
         updated._resolved = self._resolved
         return updated
+
+
+def _check_distinct_locations(tiers: list[ComponentSpec], problems: list[ConfigProblem]) -> None:
+    """Two tiers on one folder or bucket prefix would evict and count each other's records."""
+    seen: dict[str, int] = {}
+    for index, spec in enumerate(tiers):
+        locate = getattr(spec._options, "location", None)
+        where = locate() if callable(locate) else None
+        if not isinstance(where, str):
+            continue
+        if where in seen:
+            first = seen[where]
+            problems.append(
+                ConfigProblem(
+                    f"tiers[{index}]",
+                    where,
+                    f"tier {spec.type!r} uses the same location as tiers[{first}] ({tiers[first].type!r}): {where}; "
+                    "give each tier its own folder or prefix",
+                )
+            )
+        else:
+            seen[where] = index
 
 
 def _effective_component(spec: ComponentSpec) -> dict[str, Any]:

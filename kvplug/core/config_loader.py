@@ -74,9 +74,17 @@ def load_config(
 def read_yaml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
     source = str(path)
     try:
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError([ConfigProblem("", source, f"cannot read config file: {exc.strerror}")], source) from None
+    except ValueError as exc:  # a NUL in the path
+        raise ConfigError([ConfigProblem("", source, f"cannot read config file: {exc}")], source) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        message = f"not valid UTF-8: byte {exc.start} (line {line}) is {raw[exc.start : exc.start + 1]!r}; save the file as UTF-8"
+        raise ConfigError([ConfigProblem("", source, message)], source) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -139,7 +147,20 @@ def engine_config_layer(extra: Mapping[str, Any]) -> tuple[dict[str, Any], str |
                 target = target.setdefault(part, {})
             target[leaf] = value
     config_file = layer.pop("config", None)
-    return layer, config_file
+    if config_file is not None and not isinstance(config_file, (str, os.PathLike)):
+        kind = "a mapping" if isinstance(config_file, Mapping) else f"a {type(config_file).__name__}"
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "kvplug.config",
+                    config_file,
+                    f"must be the path of a YAML file, not {kind}; give settings as a nested 'kvplug' mapping "
+                    "or as kvplug.<setting> keys",
+                )
+            ],
+            "engine extra config",
+        )
+    return layer, None if config_file is None else os.fspath(config_file)
 
 
 def _merge(into: dict[str, Any], layer: Mapping[str, Any], sources: dict[str, str], name: str, prefix: str = "") -> None:
