@@ -1,0 +1,145 @@
+"""Serializers ``int8`` and ``fp8``: lossy, opt-in; about half the bytes of bf16/fp16 KV.
+
+The last axis of a chunk (``[layers, K/V, tokens, heads * head_dim]``) is cut into
+groups of ``group_size`` elements; each group has its own scale ``s``, the group's
+largest magnitude over the code's largest value, stored in the frame (fp16, rounded
+up so no value clips; fp32 for a frame whose scales fall outside fp16's normal range). With
+``group_size`` equal to the model's head_dim that is a scale per token per head.
+
+Error bound per element ``x`` of a group with scale ``s`` (before the result is
+rounded to the chunk's dtype, which adds at most half an ulp of that dtype):
+
+* ``int8``: ``|x' - x| <= s / 2``, with ``s = amax / 127`` (symmetric, round to nearest);
+* ``fp8`` (e4m3fn): ``|x' - x| <= max(|x| * 2**-4, s * 2**-10)``, with ``s = amax / 448``:
+  three mantissa bits give a relative error of at most 2**-4, down to e4m3's subnormals.
+
+Chunks whose dtype is not a float of 2 bytes or more (fp8 KV caches, integer caches)
+are stored as they are, as are chunks holding inf or NaN: those stay exact.
+
+Payload of a ``KVPC`` frame (encoding 1): the scales, ``[rows, groups]`` in the scale
+dtype, then the codes, ``[rows, width]`` one byte each (``rows`` = elements / width).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from kvplug.errors import CorruptChunkError
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvplug_compress import frame as kvpc
+from kvplug_compress.base import CompressingSerializer, tensor_over
+
+#: Chunk dtypes that are quantized; anything else is stored as is.
+QUANTIZED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+#: Scale dtype codes in the frame header (parameter B).
+SCALE_DTYPES: dict[int, torch.dtype] = {1: torch.float16, 2: torch.float32}
+_FP16_MAX = torch.finfo(torch.float16).max
+_FP16_TINY = torch.finfo(torch.float16).tiny
+
+
+class QuantizedConfig(BaseModel):
+    """Options of ``int8`` and ``fp8``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    group_size: int = Field(
+        default=64,
+        ge=8,
+        le=65536,
+        description="Elements of the last axis (heads * head_dim) sharing one scale; "
+        "the model's head_dim gives a scale per token per head.",
+    )
+
+
+class QuantizedSerializer(CompressingSerializer):
+    """Per-group absmax scaling to a one-byte code (:attr:`code_dtype`)."""
+
+    Config: ClassVar[type[BaseModel]] = QuantizedConfig
+    #: Largest magnitude of the code.
+    code_max: ClassVar[float]
+    code_dtype: ClassVar[torch.dtype]
+
+    def encode(self, tensor: torch.Tensor) -> bytearray:
+        group = self.config.group_size  # type: ignore[attr-defined]
+        if tensor.dtype not in QUANTIZED_DTYPES or tensor.numel() == 0:
+            return self.stored_frame(tensor, param_a=group)
+        width = tensor.shape[-1] if tensor.dim() else 1
+        rows = tensor.numel() // width
+        values = tensor.reshape(rows, width).float()
+        if not bool(torch.isfinite(values).all()):
+            return self.stored_frame(tensor, param_a=group)  # inf/NaN have no code: keep them exact
+        groups = math.ceil(width / group)
+        padded = F.pad(values, (0, groups * group - width)).view(rows, groups, group)
+        scales, scale_code = _scales(padded.abs().amax(-1) / self.code_max)
+        divisor = scales.float().masked_fill(scales == 0, 1.0).unsqueeze(-1)
+        codes = self.quantize(padded / divisor).view(rows, groups * group)[:, :width]
+        scale_bytes = scales.numel() * scales.element_size()
+        out = self.new_frame(tensor, kvpc.ENCODED, scale_bytes + rows * width, param_a=group, param_b=scale_code)
+        tensor_over(out, scales.dtype, tuple(scales.shape), kvpc.HEADER_SIZE).copy_(scales)
+        tensor_over(out, self.code_dtype, (rows, width), kvpc.HEADER_SIZE + scale_bytes).copy_(codes)
+        return out
+
+    def decode(self, header: kvpc.FrameHeader, payload: memoryview, dtype: torch.dtype) -> torch.Tensor:
+        group = header.param_a
+        scale_dtype = SCALE_DTYPES.get(header.param_b)
+        if scale_dtype is None or group <= 0 or dtype not in QUANTIZED_DTYPES:
+            raise CorruptChunkError(f"encoded {header.dtype} frame with group {group}, scale code {header.param_b}")
+        width = header.shape[-1] if header.shape else 1
+        rows = header.numel // width
+        groups = math.ceil(width / group)
+        scale_bytes = rows * groups * torch.empty((), dtype=scale_dtype).element_size()
+        if payload.nbytes != scale_bytes + rows * width:
+            raise CorruptChunkError(f"payload is {payload.nbytes} bytes, {rows}x{width} codes in groups of {group} need {scale_bytes + rows * width}")
+        scales = tensor_over(payload, scale_dtype, (rows, groups)).float()
+        codes = tensor_over(payload, self.code_dtype, (rows, width), scale_bytes).float()
+        padded = F.pad(codes, (0, groups * group - width)).view(rows, groups, group)
+        values = (padded * scales.unsqueeze(-1)).view(rows, groups * group)[:, :width]
+        return values.to(dtype).reshape(header.shape)
+
+    def quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+        """Codes of values already divided by their scale (so within ``[-code_max, code_max]``)."""
+        raise NotImplementedError
+
+
+def _scales(exact: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Scales to store and their dtype code: fp16 rounded up (never below ``exact``), or fp32.
+
+    Rounding up keeps every ``|x| / scale`` within the code's range, so nothing clips.
+    """
+    used = exact[exact > 0]
+    # Within fp16's normal range rounding up costs at most 2**-10 of the scale; subnormal
+    # fp16 scales would lose more precision than that, so such frames keep fp32 scales.
+    if used.numel() == 0 or (float(used.max()) <= _FP16_MAX / 2 and float(used.min()) >= _FP16_TINY):
+        half = exact.to(torch.float16)
+        bits = half.view(torch.int16)
+        # Positive fp16 values order like their bit patterns: +1 is the next larger value.
+        half = torch.where(half.float() < exact, bits + 1, bits).view(torch.float16)
+        return half, 1
+    return exact.contiguous(), 2
+
+
+class Int8Serializer(QuantizedSerializer):
+    """Lossy: symmetric int8 codes with a scale per group (``|error| <= scale / 2``)."""
+
+    name = "int8"
+    code_max = 127.0
+    code_dtype = torch.int8
+
+    def quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+        return scaled.round().clamp_(-127, 127).to(torch.int8)
+
+
+class FP8Serializer(QuantizedSerializer):
+    """Lossy: float8 e4m3fn codes with a scale per group (relative error <= 2**-4)."""
+
+    name = "fp8"
+    code_max = 448.0
+    code_dtype = torch.float8_e4m3fn
+
+    def quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+        # Clamped first: e4m3fn has no inf, and an out-of-range cast would give NaN.
+        return scaled.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
