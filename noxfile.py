@@ -17,8 +17,9 @@ nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
 nox.options.sessions = ["core", "vllm", "sglang", "cuda"]
 
-CORE = ["-e", ".[test]", "-e", "plugins/kvplug_cpu", "-e", "plugins/kvplug_disk[test]", "-e", "plugins/kvplug_s3[test]"]
-CORE_TESTS = ["tests", "plugins/kvplug_cpu/tests", "plugins/kvplug_disk/tests", "plugins/kvplug_s3/tests"]
+CORE = ["-e", ".[test]", "-e", "plugins/kvplug_cpu", "-e", "plugins/kvplug_disk[test]", "-e", "plugins/kvplug_s3[test]",
+        "-c", "plugins/kvplug_compress/requirements-test.txt", "-e", "plugins/kvplug_compress[test]"]
+CORE_TESTS = ["tests", "plugins/kvplug_cpu/tests", "plugins/kvplug_disk/tests", "plugins/kvplug_s3/tests", "plugins/kvplug_compress/tests"]
 
 
 @nox.session
@@ -37,6 +38,8 @@ def install_vllm(session: nox.Session) -> None:
     session.install(
         "-c", "plugins/kvplug_vllm/requirements-test.txt",
         "-e", ".", "-e", "plugins/kvplug_cpu", "-e", "plugins/kvplug_disk", "-e", "plugins/kvplug_vllm",
+        # zstd/int8 serializers on a real engine (test_vllm_compressed.py, bench_serializers.py)
+        "-c", "plugins/kvplug_compress/requirements-test.txt", "-e", "plugins/kvplug_compress",
     )
 
 
