@@ -15,10 +15,16 @@ is fsync'ed. A reader opens the final name only, so it sees a whole old record, 
 whole new one, or nothing. A writer killed mid-write leaves only a temp file,
 removed at the next start once it is provably stale (its process is gone, or it
 is older than ``stale_temp_s``): another live process may still be writing it.
+
+Nothing is followed out of the folder: shard folders are opened with ``O_NOFOLLOW``
+relative to the root's descriptor, files relative to their shard's descriptor, and
+an entry that is not what it should be (a link, a folder named like a record) raises
+:class:`ForeignEntryError` for the tier to skip.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -27,8 +33,9 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from stat import S_ISREG
 
 from kvplug.core.record import RECORD_HEADER_SIZE, pack_record_header
 from kvplug.core.tier import Buffer
@@ -63,37 +70,94 @@ class ScanResult:
     records: list[tuple[str, int, int]]
     temps_removed: int
     temps_kept: int
+    #: ``<shard>/<name>`` of entries that are not regular files, and shard names that are not folders.
+    foreign: list[str] = field(default_factory=list)
+
+
+class ForeignEntryError(OSError):
+    """A record's name holds something that is not a regular file (a folder, a link, a
+    FIFO), or its shard folder is not a real folder: never read, written or followed.
+    ``filename`` is the entry: a record's digest, or a shard's two hex digits."""
+
+
+@dataclass
+class TempFile:
+    """A written temp file, and the shard folder (by fd) it was written in: it is
+    published into that very folder, whatever has happened to the path since."""
+
+    name: str
+    shard: str
+    dir_fd: int
 
 
 class RecordFolder:
     """The record files under one folder; every method is safe to call from many
-    threads and processes at once."""
+    threads and processes at once.
+
+    Every file operation goes through a descriptor of its shard folder, opened with
+    ``O_NOFOLLOW`` relative to the root's descriptor, and record files are opened
+    with ``O_NOFOLLOW`` too: a link planted in place of a shard or a record is never
+    followed out of the store (it raises :class:`ForeignEntryError`). The root is
+    the configured path, opened once; it may itself be a link the operator chose.
+    """
 
     def __init__(self, root: Path, *, fsync: bool = True, create: bool = True) -> None:
         self.root = root
         self.fsync = fsync
         if create:
             root.mkdir(parents=True, exist_ok=True)
+        self._root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if create:
             for shard in SHARDS:
-                (root / shard).mkdir(exist_ok=True)
-            self.sync_dirs([str(root)])
+                try:
+                    os.mkdir(shard, 0o755, dir_fd=self._root_fd)
+                except FileExistsError:  # a link or file there is refused when used, not replaced
+                    pass
+            self.sync_dirs([])
+
+    def close(self) -> None:
+        fd, self._root_fd = self._root_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def path_of(self, digest: str) -> str:
         return f"{self.root}/{digest[:2]}/{digest}{RECORD_SUFFIX}"
 
     def shard_of(self, digest: str) -> str:
-        return f"{self.root}/{digest[:2]}"
+        return digest[:2]
+
+    def _open_shard(self, shard: str, *, create: bool = False) -> int:
+        """A descriptor of a real shard folder (never through a link)."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(shard, flags, dir_fd=self._root_fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+            try:  # someone removed the shard folder: make it again
+                os.mkdir(shard, 0o755, dir_fd=self._root_fd)
+            except FileExistsError:
+                pass
+            return self._open_shard(shard)
+        except (NotADirectoryError, OSError) as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise ForeignEntryError(exc.errno, f"shard folder {self.root}/{shard} is not a folder (a link?)", shard) from None
+            raise
 
     # --- writing --------------------------------------------------------------------
 
-    def write_temp(self, key: str, digest: str, value: Buffer) -> str:
-        """Write ``value``'s record to a new temp file next to its final name; its path."""
-        temp = f"{self.shard_of(digest)}/{digest}.{HOST_TAG}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+    def write_temp(self, key: str, digest: str, value: Buffer) -> TempFile:
+        """Write ``value``'s record to a new temp file next to its final name."""
+        shard = self.shard_of(digest)
+        name = f"{digest}.{HOST_TAG}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+        dir_fd = self._open_shard(shard, create=True)
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        except FileNotFoundError:  # someone removed the shard folder: make it again
-            os.makedirs(self.shard_of(digest), exist_ok=True)
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        temp = TempFile(name, shard, dir_fd)
         try:
             _write_all(fd, [pack_record_header(key, value), memoryview(value).cast("B")])
             # Explicit ns mtime: kernel timestamps are jiffy-coarse, and the LRU order
@@ -104,26 +168,38 @@ class RecordFolder:
                 _fdatasync(fd)
         except BaseException:
             os.close(fd)
-            _unlink_quietly(temp)
+            self.discard_temp(temp)
             raise
         os.close(fd)
         return temp
 
-    def publish(self, temp: str, digest: str) -> None:
-        """Rename a written temp file over the record's final name."""
-        os.replace(temp, self.path_of(digest))
+    def publish(self, temp: TempFile, digest: str) -> None:
+        """Rename a written temp file over the record's final name, in its own folder.
+        If that fails, the temp file is still there for :meth:`discard_temp`."""
+        os.replace(temp.name, f"{digest}{RECORD_SUFFIX}", src_dir_fd=temp.dir_fd, dst_dir_fd=temp.dir_fd)
+        os.close(temp.dir_fd)
+        temp.dir_fd = -1
 
-    def discard_temp(self, temp: str) -> None:
-        _unlink_quietly(temp)
+    def discard_temp(self, temp: TempFile) -> None:
+        if temp.dir_fd < 0:
+            return
+        try:
+            os.unlink(temp.name, dir_fd=temp.dir_fd)
+        except OSError:  # gone already; or not ours to remove: start-up cleans stale temps
+            pass
+        finally:
+            os.close(temp.dir_fd)
+            temp.dir_fd = -1
 
-    def sync_dirs(self, dirs: Iterable[str]) -> None:
-        """fsync folders so that renames and unlinks in them survive a power loss."""
+    def sync_dirs(self, shards: Iterable[str]) -> None:
+        """fsync shard folders (and the root) so that renames and unlinks in them survive a power loss."""
         if not self.fsync:
             return
-        for directory in dirs:
+        os.fsync(self._root_fd)
+        for shard in shards:
             try:
-                fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            except FileNotFoundError:
+                fd = self._open_shard(shard)
+            except OSError:  # gone, or a link: nothing of ours to sync there
                 continue
             try:
                 os.fsync(fd)
@@ -131,31 +207,51 @@ class RecordFolder:
                 os.close(fd)
 
     def unlink(self, digest: str) -> bool:
-        """Remove a record file; ``False`` if it was not there."""
-        return _unlink_quietly(self.path_of(digest))
+        """Remove a record file; ``False`` if it was not there. Raises ``OSError``
+        (``PermissionError``, ``IsADirectoryError``, ...) for an entry that cannot be removed."""
+        dir_fd = self._open_shard(self.shard_of(digest))
+        try:
+            os.unlink(f"{digest}{RECORD_SUFFIX}", dir_fd=dir_fd)
+        except FileNotFoundError:
+            return False
+        finally:
+            os.close(dir_fd)
+        return True
 
     def unlink_if_same(self, digest: str, stat: os.stat_result) -> bool:
         """Remove a record file only if it is still the inode ``stat`` describes: a bad
         file must not take a good one, renamed over it meanwhile, down with it."""
-        path = self.path_of(digest)
-        try:
-            now = os.stat(path)
-        except FileNotFoundError:
+        now = self.stat(digest)
+        if now is None or (now.st_ino, now.st_dev) != (stat.st_ino, stat.st_dev):
             return False
-        if (now.st_ino, now.st_dev) != (stat.st_ino, stat.st_dev):
-            return False
-        return _unlink_quietly(path)
+        return self.unlink(digest)
 
     # --- reading --------------------------------------------------------------------
 
     def read(self, digest: str) -> tuple[bytes, os.stat_result] | None:
-        """The whole file and its stat, or ``None`` when there is no such file."""
+        """The whole file and its stat, or ``None`` when there is no such file.
+
+        Raises :class:`ForeignEntryError` for anything but a regular file (opened
+        non-blocking, so a FIFO planted there cannot hang the reader)."""
         try:
-            fd = os.open(self.path_of(digest), os.O_RDONLY | os.O_CLOEXEC)
+            dir_fd = self._open_shard(self.shard_of(digest))
         except FileNotFoundError:
             return None
         try:
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            fd = os.open(f"{digest}{RECORD_SUFFIX}", flags, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ForeignEntryError(exc.errno, f"{self.path_of(digest)} is a link", digest) from None
+            raise
+        finally:
+            os.close(dir_fd)
+        try:
             stat = os.fstat(fd)
+            if not S_ISREG(stat.st_mode):
+                raise ForeignEntryError(errno.EISDIR, f"{self.path_of(digest)} is not a regular file", digest)
             data = os.read(fd, stat.st_size)  # one allocation, no zero-fill
             while len(data) < stat.st_size:  # short reads happen on some file systems
                 more = os.read(fd, stat.st_size - len(data))
@@ -167,65 +263,100 @@ class RecordFolder:
             os.close(fd)
 
     def stat(self, digest: str) -> os.stat_result | None:
+        """The record file's stat (never through a link), ``None`` if absent; raises
+        :class:`ForeignEntryError` when something else than a regular file is there."""
         try:
-            return os.stat(self.path_of(digest))
+            dir_fd = self._open_shard(self.shard_of(digest))
         except FileNotFoundError:
             return None
+        try:
+            stat = os.stat(f"{digest}{RECORD_SUFFIX}", dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(dir_fd)
+        if not S_ISREG(stat.st_mode):
+            raise ForeignEntryError(errno.EISDIR, f"{self.path_of(digest)} is not a regular file", digest)
+        return stat
 
     def touch(self, digest: str) -> None:
         """Mark a record as just used, so the LRU order survives a restart."""
         now = time.time_ns()
         try:
-            os.utime(self.path_of(digest), ns=(now, now))
+            dir_fd = self._open_shard(self.shard_of(digest))
+        except OSError:
+            return
+        try:
+            os.utime(f"{digest}{RECORD_SUFFIX}", ns=(now, now), dir_fd=dir_fd, follow_symlinks=False)
         except OSError:  # evicted or read-only: the order is a hint, not data
             pass
+        finally:
+            os.close(dir_fd)
 
     # --- scanning -------------------------------------------------------------------
 
     def scan(self, *, clean_temps_older_than: float | None = None) -> ScanResult:
-        """Every record file; stale temp files are removed when a limit is given."""
-        records: list[tuple[str, int, int]] = []
-        removed = kept = 0
+        """Every record file; stale temp files are removed when a limit is given.
+        Entries with a record's name that are not regular files, and shard folders that
+        are not folders, are listed in ``foreign`` instead."""
+        result = ScanResult([], 0, 0)
         now = time.time()
         is_record = _RECORD_NAME.fullmatch
-        for shard, entry in self._shard_entries():
+        for shard, entry in self._shard_entries(result.foreign):
             name = entry.name
             if is_record(name):
                 if not name.startswith(shard):
                     continue
                 try:
-                    st = entry.stat()
+                    st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:  # evicted by another process meanwhile
                     continue
-                records.append((name[:64], st.st_size, st.st_mtime_ns))
+                if S_ISREG(st.st_mode):
+                    result.records.append((name[:64], st.st_size, st.st_mtime_ns))
+                else:
+                    result.foreign.append(f"{shard}/{name}")
             elif name.endswith(TEMP_SUFFIX) and clean_temps_older_than is not None:
                 if _temp_is_stale(entry, now, clean_temps_older_than):
-                    removed += _unlink_quietly(entry.path)
+                    try:
+                        os.unlink(f"{shard}/{name}", dir_fd=self._root_fd)
+                        result.temps_removed += 1
+                    except FileNotFoundError:
+                        pass
+                    except OSError:  # not ours to remove
+                        result.temps_kept += 1
                 else:
-                    kept += 1
-        return ScanResult(records, removed, kept)
+                    result.temps_kept += 1
+        return result
 
     def iter_record_paths(self) -> Iterator[tuple[str, str]]:
-        """``(digest, path)`` of every record file, without stat calls."""
-        for _, entry in self._shard_entries():
-            if _RECORD_NAME.fullmatch(entry.name):
-                yield entry.name[:64], entry.path
+        """``(digest, path)`` of every regular record file, without stat calls where
+        the folder tells the type."""
+        for shard, entry in self._shard_entries([]):
+            if _RECORD_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                yield entry.name[:64], f"{self.root}/{shard}/{entry.name}"
 
-    def _shard_entries(self) -> Iterator[tuple[str, os.DirEntry[str]]]:
-        """``(shard, entry)`` for everything in the shard folders that exist."""
+    def _shard_entries(self, foreign: list[str]) -> Iterator[tuple[str, os.DirEntry[str]]]:
+        """``(shard, entry)`` for everything in the shard folders that exist; shard
+        names that are not real folders go to ``foreign``."""
         for shard in SHARDS:
             try:
-                entries = os.scandir(f"{self.root}/{shard}")
+                dir_fd = self._open_shard(shard)
             except FileNotFoundError:
                 continue
-            with entries:
-                for entry in entries:
-                    yield shard, entry
+            except ForeignEntryError:
+                foreign.append(shard)
+                continue
+            try:
+                with os.scandir(dir_fd) as entries:
+                    for entry in entries:
+                        yield shard, entry
+            finally:
+                os.close(dir_fd)
 
 
 def _temp_is_stale(entry: os.DirEntry[str], now: float, max_age_s: float) -> bool:
     try:
-        age = now - entry.stat().st_mtime
+        age = now - entry.stat(follow_symlinks=False).st_mtime
     except FileNotFoundError:
         return False
     if age > max_age_s:
@@ -257,11 +388,3 @@ def _write_all(fd: int, buffers: list[Buffer]) -> None:
             views.pop(0)
         if written:
             views[0] = views[0][written:]
-
-
-def _unlink_quietly(path: str) -> bool:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    return True

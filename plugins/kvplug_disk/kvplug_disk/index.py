@@ -76,5 +76,17 @@ class LRUIndex:
             victims.append((digest, entry))
         return victims
 
+    def pop_oldest(self, file_bytes: int) -> list[tuple[str, IndexEntry]]:
+        """Remove least recently used entries until their files add up to ``file_bytes``."""
+        victims = []
+        freed = 0
+        while self._entries and freed < file_bytes:
+            digest, entry = self._entries.popitem(last=False)
+            self.value_bytes -= entry.value_size
+            self.file_bytes -= entry.file_size
+            freed += entry.file_size
+            victims.append((digest, entry))
+        return victims
+
     def items(self) -> Iterator[tuple[str, IndexEntry]]:
         return iter(list(self._entries.items()))

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -33,11 +34,14 @@ from kvplug.core.record_store import StoredRecord
 from kvplug.core.tier import Buffer
 from kvplug.errors import CorruptChunkError, IncompatibleChunkError, TierClosedError, ValueTooLargeError
 from kvplug_disk.config import DiskTierConfig
-from kvplug_disk.files import RecordFolder, digest_of, value_size_of
+from kvplug_disk.files import ForeignEntryError, RecordFolder, TempFile, digest_of, value_size_of
 from kvplug_disk.index import IndexEntry, LRUIndex
+from kvplug_disk.problems import ProblemLog, is_no_space, is_undeletable
 
 #: Longest a renamed record waits for its folder's fsync while the writer is busy.
 FOLDER_SYNC_INTERVAL_S = 1.0
+#: On a full disk, rounds of evicting this tier's oldest records (each twice the last) before a write gives up.
+NO_SPACE_ROUNDS = 4
 
 
 @dataclass(eq=False)
@@ -63,7 +67,8 @@ class DiskTier(StorageTier):
         self._index = LRUIndex()
         self._pending: dict[str, _Write] = {}
         self._stats = TierStats()
-        self._counts = {"corrupt": 0, "incompatible": 0, "discovered": 0, "vanished": 0}
+        self._counts = {"corrupt": 0, "incompatible": 0, "discovered": 0, "vanished": 0, "skipped_writes": 0}
+        self._problems = ProblemLog(context.logger, getattr(context, "count_error", None))
         self._closed = False
         self._dirty_folders: set[str] = set()
         self._folder_lock = threading.Lock()  # one folder sync at a time; taken before _lock, never inside it
@@ -71,6 +76,9 @@ class DiskTier(StorageTier):
         started = time.perf_counter()
         self._folder = RecordFolder(config.path, fsync=config.fsync)
         scan = self._folder.scan(clean_temps_older_than=config.stale_temp_s)
+        for entry in scan.foreign:  # "<shard>/<digest>.kvr", or a shard name
+            shard, _, name = entry.partition("/")
+            self._problems.skip(name[:64] or shard, "foreign", f"{config.path}/{entry} is not a regular file or folder")
         scan.records.sort(key=lambda record: record[2])  # oldest first: LRU order by mtime
         for digest, file_size, _ in scan.records:
             self._index.add_new(digest, IndexEntry(value_size_of(file_size), file_size))
@@ -104,8 +112,15 @@ class DiskTier(StorageTier):
                 if digest in self._pending:
                     found.append(True)
                     continue
+            if self._skipped(digest):
+                found.append(False)
+                continue
             # A stat per key: cheap, and the truth when other processes share the folder.
-            stat = self._folder.stat(digest)
+            try:
+                stat = self._folder.stat(digest)
+            except OSError as exc:
+                self._entry_failed("stat", digest, exc)
+                stat = None
             with self._lock:
                 self._reconcile(digest, key, stat)
             found.append(stat is not None)
@@ -122,10 +137,16 @@ class DiskTier(StorageTier):
             if queued is not None:
                 self._stats.hits += 1
                 return memoryview(queued.value).toreadonly()
+        if self._skipped(digest):
+            with self._lock:
+                self._stats.misses += 1
+            return None
         try:
             found = self._folder.read(digest)
         except OSError as exc:
-            self._count_error("read", digest, exc)
+            self._entry_failed("read", digest, exc)
+            with self._lock:
+                self._stats.misses += 1
             return None
         if found is None:
             with self._lock:
@@ -137,7 +158,10 @@ class DiskTier(StorageTier):
             value = unpack_record(data, key)
         except CorruptChunkError as exc:
             self.context.logger.warning("disk tier: %s is corrupt (%s); removed", self._folder.path_of(digest), exc)
-            self._folder.unlink_if_same(digest, stat)
+            try:
+                self._folder.unlink_if_same(digest, stat)
+            except OSError as unlink_error:
+                self._entry_failed("unlink", digest, unlink_error)
             with self._lock:
                 self._counts["corrupt"] += 1
                 self._stats.misses += 1
@@ -177,14 +201,22 @@ class DiskTier(StorageTier):
     def read_record(self, digest: str) -> bytes | None:
         """The whole record file (header and value), unverified."""
         self._check_open()
-        found = self._folder.read(digest)
+        try:
+            found = self._folder.read(digest)
+        except OSError as exc:
+            self._entry_failed("read", digest, exc)
+            return None
         return None if found is None else found[0]
 
     def delete_record(self, digest: str) -> bool:
         self._check_open()
         with self._lock:
             self._index.pop(digest)
-        return self._folder.unlink(digest)
+        try:
+            return self._folder.unlink(digest)
+        except OSError as exc:
+            self._entry_failed("unlink", digest, exc)
+            return False
 
     # --- writes ---------------------------------------------------------------------
 
@@ -213,10 +245,15 @@ class DiskTier(StorageTier):
         for write in writes:
             if self._writer is not None and not self._is_pending(write):
                 continue  # superseded by a later put, or removed
+            if self._skipped(write.digest):  # a folder or an undeletable file holds its name
+                with self._lock:
+                    self._counts["skipped_writes"] += 1
+                self._forget_pending([write])
+                continue
             try:
-                temp = self._folder.write_temp(write.key, write.digest, write.value)
+                temp = self._write_temp(write)
             except OSError as exc:
-                self._count_error("write", write.digest, exc)
+                self._entry_failed("write", write.digest, exc)
                 self._forget_pending([write])
                 continue
             evicted: list[str] = []
@@ -232,8 +269,7 @@ class DiskTier(StorageTier):
                     self._folder.publish(temp, write.digest)
                 except OSError as exc:
                     self._folder.discard_temp(temp)
-                    self._stats.errors += 1
-                    self.context.logger.warning("disk tier: publishing %s failed: %s", write.digest, exc)
+                    self._entry_failed("publish", write.digest, exc, locked=True)
                 else:
                     self._index.add(write.digest, IndexEntry(value_size, value_size + RECORD_HEADER_SIZE, write.key))
                     self._stats.puts += 1
@@ -245,6 +281,25 @@ class DiskTier(StorageTier):
         if idle or time.monotonic() - self._folders_synced_at >= FOLDER_SYNC_INTERVAL_S:
             self._sync_folders()
 
+    def _write_temp(self, write: _Write) -> TempFile:
+        """Write the temp file; on a full disk, evict this tier's oldest records and retry."""
+        needed = memoryview(write.value).nbytes + RECORD_HEADER_SIZE + 64 * 1024  # + blocks, metadata
+        for attempt in range(NO_SPACE_ROUNDS + 1):
+            try:
+                return self._folder.write_temp(write.key, write.digest, write.value)
+            except OSError as exc:
+                if not is_no_space(exc) or attempt == NO_SPACE_ROUNDS:
+                    raise
+                with self._lock:
+                    victims = self._index.pop_oldest(needed << attempt)
+                    evicted = self._remove_victims(victims)
+                    self._problems.counts["enospc_evictions"] += len(victims)
+                if evicted:
+                    self.context.emit(KVEvent("evicted", tuple(evicted), tier=self.name))
+                if not victims:  # nothing of ours left to make room with
+                    raise
+        raise AssertionError("unreachable")
+
     def _sync_folders(self) -> None:
         with self._folder_lock:
             folders, self._dirty_folders = self._dirty_folders, set()
@@ -252,14 +307,23 @@ class DiskTier(StorageTier):
             try:
                 self._folder.sync_dirs(folders)
             except OSError as exc:
-                self._count_error("fsync", "folders", exc)
+                self._problems.error("fsync", "folders", exc)
 
     def _evict_for(self, incoming: int) -> list[str]:
         """Unlink least recently used files until ``incoming`` bytes fit; the keys known.
         Called with the lock held, so no write of the same digest can slip in between."""
+        return self._remove_victims(self._index.pop_victims(incoming, self._budget))
+
+    def _remove_victims(self, victims: list[tuple[str, IndexEntry]]) -> list[str]:
+        """Unlink evicted records (lock held); the keys known. One that cannot be removed
+        is skipped from then on: out of the index, so the budget is kept with the others."""
         keys = []
-        for digest, entry in self._index.pop_victims(incoming, self._budget):
-            self._folder.unlink(digest)
+        for digest, entry in victims:
+            try:
+                self._folder.unlink(digest)
+            except OSError as exc:
+                self._entry_failed("evict", digest, exc, locked=True)
+                continue
             self._stats.evictions += 1
             if entry.key is not None:
                 keys.append(entry.key)
@@ -273,7 +337,12 @@ class DiskTier(StorageTier):
                 digest = digest_of(key)
                 queued = self._pending.pop(digest, None) is not None
                 known = self._index.pop(digest) is not None
-                if self._folder.unlink(digest) or queued or known:
+                try:
+                    unlinked = self._folder.unlink(digest)
+                except OSError as exc:
+                    self._entry_failed("remove", digest, exc, locked=True)
+                    unlinked = False
+                if unlinked or queued or known:
                     removed.append(key)
         if removed:
             self.context.emit(KVEvent("removed", tuple(removed), tier=self.name))
@@ -291,8 +360,10 @@ class DiskTier(StorageTier):
             snapshot = TierStats(**{k: v for k, v in vars(self._stats).items() if k != "extra"})
             snapshot.bytes_used = self._index.value_bytes
             snapshot.items = len(self._index)
+            snapshot.errors += self._problems.errors
             snapshot.extra = {
                 **self._counts,
+                **self._problems.counts,
                 **self._startup,
                 "file_bytes": self._index.file_bytes,
                 "max_bytes": self._budget,
@@ -310,6 +381,7 @@ class DiskTier(StorageTier):
         if self._writer is not None:
             self._writer.close(drain=self.config.on_close == "flush")
         self._sync_folders()
+        self._folder.close()
 
     # --- helpers --------------------------------------------------------------------
 
@@ -338,10 +410,27 @@ class DiskTier(StorageTier):
                 if self._pending.get(write.digest) is write:
                     del self._pending[write.digest]
 
-    def _count_error(self, op: str, what: str, exc: OSError) -> None:
-        with self._lock:
-            self._stats.errors += 1
-        self.context.logger.warning("disk tier: %s of %s failed: %s", op, what, exc)
+    def _skipped(self, digest: str) -> bool:
+        return self._problems.is_skipped(digest) or self._problems.is_skipped(digest[:2])
+
+    def _entry_failed(self, op: str, digest: str, exc: OSError, *, locked: bool = False) -> None:
+        """Count a failed file operation; an entry that is in the way for good (not a
+        regular file, not ours to remove or replace) is skipped from now on."""
+        if isinstance(exc, ForeignEntryError):
+            self._problems.skip(exc.filename or digest, "foreign", exc.strerror)
+        elif is_undeletable(exc) and op in ("evict", "remove", "unlink", "publish"):
+            kind = "foreign" if exc.errno in (errno.EISDIR, errno.ENOTEMPTY) else "undeletable"
+            self._problems.skip(digest, kind, exc)
+        else:
+            self._problems.error(op, digest, exc)
+            return
+        if locked:
+            self._index.pop(digest)
+        else:
+            with self._lock:
+                self._index.pop(digest)
+        if op in ("write", "publish"):
+            self._problems.error(op, digest, exc)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,0 +1,224 @@
+"""Tier ``disk`` in a folder that fights back (issue 14, items 1 and 4): entries it may
+not delete, directories and links where records should be. Real files and real
+permissions: the undeletable case runs in a process that is not root, since root may
+delete anything."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from kvplug_disk import DiskTier, verify_folder
+from typer.testing import CliRunner, Result
+
+from kvplug.cli.main import app
+
+from kvplug.testing import key_for, tier_context, value_for
+
+HERE = Path(__file__).parent
+
+
+def make_disk_tier(path: Path, max_bytes: int | None = None, **options: object) -> DiskTier:
+    if max_bytes is not None:
+        options["max_bytes"] = max_bytes
+    return DiskTier(DiskTier.Config(path=path, **options), tier_context())
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def record_path(root: Path, key: str) -> Path:
+    return root / digest(key)[:2] / f"{digest(key)}.kvr"
+
+
+def temp_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*.tmp")]
+
+
+def store_cli(*args: str) -> Result:
+    """``kvplug store ...`` in this process (a subprocess per command costs seconds of imports)."""
+    return CliRunner().invoke(app, ["store", *args], env={"COLUMNS": "200"})
+
+
+# --- item 1: a directory where a record should be ---------------------------------------
+
+
+def test_a_directory_named_like_a_record_is_skipped_counted_and_never_a_hit(tmp_path: Path, caplog) -> None:
+    keys = [key_for(f"d{i}") for i in range(6)]
+    tier = make_disk_tier(tmp_path, writer="inline")
+    tier.put([(key, value_for(key, 1000)) for key in keys])
+    tier.close()
+    planted = record_path(tmp_path, keys[0])
+    planted.unlink()
+    planted.mkdir()
+    (planted / "inside").write_bytes(b"x")
+
+    # Start-up over budget: evicting the directory fails, eviction goes on with the others.
+    tier = make_disk_tier(tmp_path, 2_500, writer="inline")
+    stats = tier.stats()
+    assert stats.bytes_used <= 2_500 and stats.extra["foreign"] == 1
+    assert tier.contains([keys[0]]) == [False]
+    assert tier.get([keys[0]]) == [None]
+    tier.put([(keys[0], value_for("again", 1000))])  # the rename onto the directory fails: counted, no raise
+    assert tier.contains([keys[0]]) == [False] and tier.get([keys[0]]) == [None]
+    tier.put([(key_for(f"n{i}"), value_for(f"n{i}", 1000)) for i in range(4)])  # eviction keeps working
+    assert tier.contains([key_for("n3"), key_for("n2")]) == [True, True]
+    assert tier.stats().bytes_used <= 2_500
+    assert temp_files(tmp_path) == []
+    assert sum(digest(keys[0]) in r.getMessage() for r in caplog.records) == 1  # logged once
+    records = {r.digest for r in tier.records()}
+    assert digest(keys[0]) not in records
+    assert tier.read_record(digest(keys[0])) is None
+    assert tier.delete_record(digest(keys[0])) is False
+    tier.close()
+
+    report = verify_folder(tmp_path, remove_corrupt=True)
+    assert report.foreign == 1 and planted.is_dir()
+    for command in ("verify", "gc", "stats", "ls"):
+        result = store_cli(command, str(tmp_path))
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+        assert "IsADirectory" not in result.output and result.exit_code in (0, 1), result.output
+    assert planted.is_dir() and (planted / "inside").exists()
+
+
+# --- item 1: a record the process may not delete -------------------------------------------
+
+SCENARIO = """
+import json, logging, sys
+sys.path.insert(0, {here!r})
+from kvplug_disk import DiskTier, verify_folder
+from kvplug.testing import key_for, tier_context, value_for
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+root, locked_key, budget = {root!r}, {locked_key!r}, {budget}
+out = {{}}
+tier = DiskTier(DiskTier.Config(path=root, max_bytes=budget, writer="background"), tier_context())
+out["startup_bytes"] = tier.stats().bytes_used
+out["contains"] = tier.contains([locked_key])
+out["get"] = tier.get([locked_key]) == [None]
+tier.put([(locked_key, value_for("new", 1000))])
+tier.put([(key_for(f"m{{i}}"), value_for(f"m{{i}}", 1000)) for i in range(5)])
+tier.flush()
+out["new_hits"] = tier.contains([key_for("m4"), key_for("m3")])
+out["contains_after"] = tier.contains([locked_key])
+stats = tier.stats()
+out["bytes"] = stats.bytes_used
+out["skipped_writes"] = stats.extra["skipped_writes"]
+out["undeletable"] = stats.extra["undeletable"]
+import ctypes
+import hashlib
+d = hashlib.sha256(locked_key.encode()).hexdigest()
+out["delete"] = tier.delete_record(d)
+tier.close()
+report = verify_folder(root, remove_corrupt=True)
+out["verify"] = [report.corrupt, report.removed, report.undeletable]
+print(json.dumps(out))
+"""
+
+
+def _without_root_privileges() -> None:
+    """In the child, before exec: drop the capabilities that let root ignore file
+    permissions (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER) from the bounding
+    set, so the exec'ed process, still uid 0, obeys mode bits like any user."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2, 3):
+        if libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
+
+
+PR_CAPBSET_DROP = 24
+
+
+def test_a_record_the_process_may_not_delete_is_skipped_logged_once_and_counted(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    keys = [key_for(f"p{i}") for i in range(8)]
+    locked_key = keys[0]
+    tier = make_disk_tier(root, writer="inline")
+    for key in keys:  # one put each: the locked key is the oldest, the first victim
+        tier.put([(key, value_for(key, 1000))])
+    tier.close()
+    with record_path(root, locked_key).open("r+b") as damaged:  # so that verify wants to remove it
+        damaged.seek(500)
+        damaged.write(b"\xff" * 8)
+    os.utime(record_path(root, locked_key), ns=(1, 1))  # still the oldest: the first victim
+    shard = record_path(root, locked_key).parent
+    shard.chmod(0o555)  # its owner may read it but neither remove nor add entries
+    try:
+        code = SCENARIO.format(here=str(HERE), root=str(root), locked_key=locked_key, budget=4_000)
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=_without_root_privileges if os.geteuid() == 0 else None,
+        )
+    finally:
+        shard.chmod(0o755)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.splitlines()[-1])
+    assert out["startup_bytes"] <= 4_000
+    assert out["contains"] == [False] and out["get"] and out["contains_after"] == [False]
+    assert out["new_hits"] == [True, True] and out["bytes"] <= 4_000
+    assert out["undeletable"] == 1 and out["skipped_writes"] == 1
+    assert out["delete"] is False
+    assert out["verify"] == [1, 0, 1]
+    assert sum(digest(locked_key) in line for line in result.stderr.splitlines()) == 1, result.stderr  # logged once
+    assert temp_files(root) == []
+    assert record_path(root, locked_key).exists()
+
+
+# --- item 4: links ---------------------------------------------------------------------------
+
+
+def test_a_shard_folder_replaced_by_a_link_is_never_followed(tmp_path: Path) -> None:
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    outside.mkdir()
+    key = key_for("linked")
+    tier = make_disk_tier(root, writer="inline")
+    tier.put([(key, value_for(key, 1000))])
+    tier.close()
+    shard = record_path(root, key).parent
+    shutil.move(str(shard), str(outside / "moved"))  # a valid record, now outside the store
+    shard.symlink_to(outside / "moved")
+
+    tier = make_disk_tier(root, 10_000, writer="inline")
+    assert tier.stats().items == 0  # start-up does not list records through the link
+    assert tier.contains([key]) == [False] and tier.get([key]) == [None]
+    other = key_for("other-in-same-shard")
+    while digest(other)[:2] != digest(key)[:2]:
+        other = key_for(other)
+    tier.put([(other, value_for(other, 1000)), (key, value_for("new", 1000))])
+    assert tier.contains([other, key]) == [False, False]
+    assert tier.stats().extra["skipped_writes"] == 2 and tier.stats().extra["foreign"] == 1
+    assert sorted(p.name for p in (outside / "moved").iterdir()) == [f"{digest(key)}.kvr"]
+    tier.put([(key_for(f"f{i}"), value_for(f"f{i}", 3000)) for i in range(6)])  # evicts; never outside
+    assert (outside / "moved" / f"{digest(key)}.kvr").exists()
+    tier.close()
+    report = verify_folder(root)
+    inside = [p for p in root.glob("[0-9a-f][0-9a-f]/*.kvr") if not p.parent.is_symlink()]
+    assert (report.ok, report.corrupt, report.foreign) == (len(inside), 0, 1)
+    assert shard.is_symlink()
+
+
+def test_a_record_file_that_is_a_link_is_not_read_nor_removed_through(tmp_path: Path) -> None:
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    outside.mkdir()
+    victim, key = outside / "precious", key_for("l")
+    tier = make_disk_tier(root, writer="inline")
+    tier.put([(key, value_for(key, 1000))])
+    tier.close()
+    shutil.copy(record_path(root, key), victim)  # a valid record for key, outside the store
+    record_path(root, key).unlink()
+    record_path(root, key).symlink_to(victim)
+    tier = make_disk_tier(root, 1_000, writer="inline")
+    assert tier.contains([key]) == [False] and tier.get([key]) == [None]
+    tier.put([(key_for(f"g{i}"), value_for(f"g{i}", 1000)) for i in range(3)])
+    tier.remove([key])
+    tier.close()
+    assert victim.read_bytes()[:4] and victim.exists()
