@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvplug.core.components import ComponentConfig, EmptyConfig, EngineAdapter
 from kvplug.core.events import KVEvent
 from kvplug.core.keys import ChunkKey, ExtraKey, Fingerprint, KeyBuilder
+from kvplug.core.redaction import SECRET_MASK, is_secret_name, redact, redact_text, redact_url
 from kvplug.core.tier import StorageTier, TierConfig, TierContext, TierStats
 from kvplug.hookspecs import hookimpl
 
@@ -51,6 +52,11 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "SECRET_MASK",
+    "is_secret_name",
+    "redact",
+    "redact_text",
+    "redact_url",
     "CacheEngine",
     "ChunkKey",
     "ComponentConfig",

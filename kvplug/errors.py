@@ -55,11 +55,23 @@ class InvalidComponentError(PluginError):
 
 @dataclass(frozen=True)
 class ConfigProblem:
-    """One thing wrong with a config: where (dotted path), what value, why."""
+    """One thing wrong with a config: where (dotted path), what value, why.
+
+    Credentials are masked on construction (see :mod:`kvplug.core.redaction`): neither
+    the value nor the message of a problem ever holds a secret, so an error can be
+    printed, logged or kept without leaking one.
+    """
 
     path: str
     value: object
     message: str
+
+    def __post_init__(self) -> None:
+        from kvplug.core.redaction import redact, redact_text
+
+        leaf = self.path.rsplit(".", 1)[-1].split("[", 1)[0] if self.path else None
+        object.__setattr__(self, "value", redact(self.value, leaf or None))
+        object.__setattr__(self, "message", redact_text(self.message))
 
     def __str__(self) -> str:
         shown = repr(self.value)

@@ -51,8 +51,10 @@ def config_show(
     """The effective config, and where each value came from."""
     from kvplug.core.config_loader import load_config
 
+    from kvplug.core.redaction import redact
+
     loaded = run_or_exit(lambda: load_config(config_file=file))
-    data = loaded.config.effective()
+    data = redact(loaded.config.effective())
     table = Table(title="effective kvplug config")
     table.add_column("setting")
     table.add_column("value")

@@ -30,6 +30,13 @@ class CheckedModel(BaseModel):
     folder); ``max_bytes`` is greater than 0.
     """
 
+    def __repr_args__(self) -> Any:
+        # Configs get logged and printed in tracebacks: never with a credential in them.
+        from kvplug.core.redaction import redact
+
+        for name, value in super().__repr_args__():
+            yield name, redact(value, name)
+
     @field_validator("*", mode="before")
     @classmethod
     def _refuse_lax_values(cls, value: Any, info: ValidationInfo) -> Any:

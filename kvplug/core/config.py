@@ -30,6 +30,12 @@ class ComponentSpec(BaseModel):
     type: str = Field(min_length=1)
     _options: BaseModel | None = PrivateAttr(default=None)
 
+    def __repr_args__(self) -> Any:
+        from kvplug.core.redaction import redact
+
+        for name, value in super().__repr_args__():
+            yield name, redact(value, name)
+
     @property
     def raw_options(self) -> dict[str, Any]:
         return dict(self.__pydantic_extra__ or {})

@@ -82,6 +82,11 @@ class S3TierConfig(TierConfig):
             parts = urlsplit(endpoint)
             if parts.scheme not in ("http", "https") or not parts.netloc:
                 raise ValueError("endpoint_url must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:9000")
+            if parts.username is not None or parts.password is not None:
+                # S3 signs requests with its keys; a user:password in the URL is never used, only leaked.
+                raise ValueError(
+                    "endpoint_url must not carry credentials (user:password@); set access_key_id and secret_access_key"
+                )
         return endpoint
 
     @model_validator(mode="after")
