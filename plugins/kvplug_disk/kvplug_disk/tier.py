@@ -24,7 +24,7 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvplug import KVEvent, StorageTier, TierContext, TierStats
@@ -68,7 +68,7 @@ class DiskTier(StorageTier):
         self._pending: dict[str, _Write] = {}
         self._stats = TierStats()
         self._counts = {"corrupt": 0, "incompatible": 0, "discovered": 0, "vanished": 0, "skipped_writes": 0}
-        self._problems = ProblemLog(context.logger, getattr(context, "count_error", None))
+        self._problems = ProblemLog(context.logger, self._error_counter(context))
         self._closed = False
         self._dirty_folders: set[str] = set()
         self._folder_lock = threading.Lock()  # one folder sync at a time; taken before _lock, never inside it
@@ -409,6 +409,16 @@ class DiskTier(StorageTier):
             for write in writes:
                 if self._pending.get(write.digest) is write:
                     del self._pending[write.digest]
+
+    @staticmethod
+    def _error_counter(context: TierContext) -> Callable[[str], None] | None:
+        """Errors of the writer thread reach the engine's ``kvplug_tier_errors`` counter
+        (the tier chain counts only calls that raise, and the writer's never do)."""
+        metrics = getattr(context, "metrics", None)
+        if metrics is None:
+            return None
+        label = f"{context.tier_index}:disk"
+        return lambda op: metrics.tier_errors.labels(label, op).inc()
 
     def _skipped(self, digest: str) -> bool:
         return self._problems.is_skipped(digest) or self._problems.is_skipped(digest[:2])

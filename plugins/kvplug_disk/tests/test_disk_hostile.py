@@ -6,17 +6,22 @@ delete anything."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from kvplug_disk import DiskTier, verify_folder
 from typer.testing import CliRunner, Result
 
+from kvplug import EngineMetrics, TierChain
 from kvplug.cli.main import app
 
 from kvplug.testing import key_for, tier_context, value_for
@@ -222,3 +227,64 @@ def test_a_record_file_that_is_a_link_is_not_read_nor_removed_through(tmp_path: 
     tier.remove([key])
     tier.close()
     assert victim.read_bytes()[:4] and victim.exists()
+
+
+# --- item 2: a full disk ------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real 4 MiB file system (tmpfs), so ENOSPC is the kernel's own."""
+    mount_point = tmp_path / "fs"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0755", "tmpfs", str(mount_point)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        if os.geteuid() != 0:
+            pytest.skip(f"mounting a small tmpfs needs root (CI runs as root): {mounted.stderr.strip()}")
+        pytest.fail(f"cannot mount a 4 MiB tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_full_disk_evicts_the_tiers_own_records_to_make_room(small_fs: Path) -> None:
+    tier = make_disk_tier(small_fs / "cache", 64 * 1024**2, writer="inline")  # budget far above the disk
+    keys = [key_for(f"full{i}") for i in range(40)]
+    for key in keys:  # 8 MB through a 4 MiB disk
+        tier.put([(key, value_for(key, 200_000))])
+        assert tier.contains([key]) == [True], key
+        assert bytes(tier.get([key])[0]) == value_for(key, 200_000)
+    stats = tier.stats()
+    assert stats.errors == 0 and stats.extra["enospc_evictions"] > 0 and stats.evictions > 0
+    assert 5 < stats.items < 21
+    assert temp_files(small_fs) == []
+    tier.close()
+
+
+def test_a_disk_full_of_other_data_counts_errors_in_prometheus_and_warns_once_per_burst(
+    small_fs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (small_fs / "other").open("wb") as filler:  # someone else's data fills the disk
+        try:
+            while True:
+                filler.write(b"\0" * 65536)
+                filler.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    (small_fs / "other").unlink()
+    (small_fs / "other").write_bytes(b"\0" * (4 * 1024**2 - 150_000))  # leaves room for the tier's folders only
+    metrics = EngineMetrics()
+    config = DiskTier.Config(path=small_fs / "cache", max_bytes=64 * 1024**2)
+    chain = TierChain([DiskTier(config, tier_context(metrics=metrics))], metrics)
+    caplog.set_level(logging.WARNING)
+    for i in range(12):
+        chain.put([(key_for(f"nospace{i}"), value_for(f"nospace{i}", 200_000))])
+    chain.flush()
+    stats = chain.tiers[0].stats()
+    assert stats.errors == 12 and stats.extra["enospc"] == 12 and stats.items == 0
+    assert metrics.value("kvplug_tier_errors_total", tier="0:disk", op="write") == 12
+    warnings = [r for r in caplog.records if "No space left" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert temp_files(small_fs) == []
+    chain.close()
