@@ -10,11 +10,28 @@ from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from kvplug.core.background import BackgroundWorker
 from kvplug.core.components import ComponentConfig, EmptyConfig, EngineAdapter
 from kvplug.core.events import KVEvent
-from kvplug.core.keys import ChunkKey, ExtraKey, Fingerprint, KeyBuilder
+from kvplug.core.keys import KV_FORMAT_VERSION, ChunkKey, ExtraKey, Fingerprint, KeyBuilder
+from kvplug.core.metrics import EngineMetrics
+from kvplug.core.record import RECORD_HEADER_SIZE, key_digest, pack_record, pack_record_header, unpack_record
+from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, check_record
 from kvplug.core.redaction import SECRET_MASK, is_secret_name, redact, redact_text, redact_url
-from kvplug.core.tier import StorageTier, TierConfig, TierContext, TierStats
+from kvplug.core.remote import (
+    Absent,
+    CircuitBreaker,
+    FailureKind,
+    LoopThread,
+    RemoteCalls,
+    RemoteTierConfig,
+    RetryPolicy,
+    call_budget,
+    classify_failure,
+    remaining_budget_s,
+)
+from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierContext, TierStats
+from kvplug.core.tier_chain import TierChain
 from kvplug.hookspecs import hookimpl
 
 try:
@@ -24,6 +41,8 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 _LAZY = {
     "CacheEngine": "kvplug.core.engine",
+    "LayerwiseRetrieve": "kvplug.core.engine",
+    "TorchConnector": "kvplug.builtins.torch_connector",
     "RequestInfo": "kvplug.core.engine",
     "KVLayout": "kvplug.core.layouts",
     "slots_from_block_ids": "kvplug.core.layouts",
@@ -38,7 +57,8 @@ if TYPE_CHECKING:
     from kvplug.core.config import KVPlugConfig
     from kvplug.core.config_loader import load_config
     from kvplug.core.connector import KVConnector
-    from kvplug.core.engine import CacheEngine, RequestInfo
+    from kvplug.builtins.torch_connector import TorchConnector
+    from kvplug.core.engine import CacheEngine, LayerwiseRetrieve, RequestInfo
     from kvplug.core.layouts import KVLayout, slots_from_block_ids
     from kvplug.core.plugins import get_registry
     from kvplug.core.serializer import Serializer
@@ -57,27 +77,53 @@ __all__ = [
     "redact",
     "redact_text",
     "redact_url",
+    "Absent",
+    "BackgroundWorker",
+    "Buffer",
     "CacheEngine",
     "ChunkKey",
+    "CircuitBreaker",
     "ComponentConfig",
     "EmptyConfig",
     "EngineAdapter",
+    "EngineMetrics",
     "ExtraKey",
+    "FailureKind",
     "Fingerprint",
     "KVConnector",
     "KVEvent",
     "KVLayout",
     "KVPlugConfig",
+    "KV_FORMAT_VERSION",
     "KeyBuilder",
+    "LayerwiseRetrieve",
+    "LoopThread",
+    "RECORD_HEADER_SIZE",
+    "RecordCheck",
+    "RecordStore",
+    "RemoteCalls",
+    "RemoteTierConfig",
     "RequestInfo",
+    "RetryPolicy",
     "Serializer",
     "StorageTier",
+    "StoredRecord",
+    "TierChain",
     "TierConfig",
     "TierContext",
     "TierStats",
+    "TorchConnector",
     "__version__",
+    "call_budget",
+    "check_record",
+    "classify_failure",
     "get_registry",
     "hookimpl",
+    "key_digest",
     "load_config",
+    "pack_record",
+    "pack_record_header",
+    "remaining_budget_s",
     "slots_from_block_ids",
+    "unpack_record",
 ]

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from kvplug.errors import TierUnavailableError
-from kvplug_s3.resilience import Absent, CircuitBreaker, RetryPolicy
+from kvplug import Absent, CircuitBreaker, RetryPolicy
 
 
 class FakeClock:

@@ -75,7 +75,13 @@ class CacheEngine:
         )
         self.connector: KVConnector = self._make_connector()
         self.key_builder = KeyBuilder(config.chunk_size, config.hash)
-        self.chain = TierChain.open(config.tiers, self.registry, fingerprint=self.fingerprint.hexdigest(), metrics=self.metrics)
+        self.chain = TierChain.open(
+            config.tiers,
+            self.registry,
+            fingerprint=self.fingerprint.hexdigest(),
+            metrics=self.metrics,
+            lookup_timeout_s=config.lookup_timeout_ms / 1000,
+        )
         pin_frames = self.connector.wants_pinned_frames()
         self.frame_pool = FramePool(self._frame_pool_bytes(self.chain.tiers), pin=pin_frames)
         self._store_worker: BackgroundWorker[StoreBatch] | None = None
@@ -109,10 +115,25 @@ class CacheEngine:
         keys = self.chunk_keys(tokens, request)
         hit = self.chain.contains_prefix([k.key for k in keys]) if keys else 0
         tokens_hit = keys[hit - 1].end if hit else 0
-        self.metrics.lookups.inc()
-        self.metrics.lookup_tokens.inc(len(tokens))
-        self.metrics.hit_tokens.inc(tokens_hit)
+        self._count_lookup(len(tokens), tokens_hit)
         return tokens_hit
+
+    def lookup_tiers(self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None) -> list[tuple[str, int]]:
+        """Like :meth:`lookup`, per chunk of the cached prefix: (fastest tier holding it, its tokens).
+
+        The hit length is the sum of the token counts. An adapter uses the tier names
+        to load a prefix that needs a slow tier asynchronously.
+        """
+        self._check_open()
+        keys = self.chunk_keys(tokens, request)
+        tiers = self.chain.locate_prefix([k.key for k in keys]) if keys else []
+        self._count_lookup(len(tokens), keys[len(tiers) - 1].end if tiers else 0)
+        return [(name, key.num_tokens) for name, key in zip(tiers, keys)]
+
+    def _count_lookup(self, asked: int, hit: int) -> None:
+        self.metrics.lookups.inc()
+        self.metrics.lookup_tokens.inc(asked)
+        self.metrics.hit_tokens.inc(hit)
 
     # --- store ----------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ process); an adapter exposes ``metrics.registry`` through its engine's server, o
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class EngineMetrics:
@@ -31,6 +31,21 @@ class EngineMetrics:
         )
         self.tier_errors = Counter("kvplug_tier_errors", "Tier calls that raised", ["tier", "op"], registry=r)
         self.promotions = Counter("kvplug_promotions", "Chunks copied to a faster tier", ["tier"], registry=r)
+        self.lookup_budget_spent = Counter(
+            "kvplug_lookup_budget_spent", "Lookups that ran out of lookup_timeout_ms before asking every tier", registry=r
+        )
+        self.remote_breaker_state = Gauge(
+            "kvplug_remote_breaker_state", "Circuit breaker of a remote tier: 0 closed, 1 half open, 2 open", ["tier"],
+            registry=r,
+        )  # fmt: skip
+        self.remote_failures = Counter(
+            "kvplug_remote_failures", "Failed attempts of remote store operations", ["tier", "kind"], registry=r
+        )
+        self.remote_retries = Counter("kvplug_remote_retries", "Retried remote store operations", ["tier"], registry=r)
+        self.remote_short_circuits = Counter(
+            "kvplug_remote_short_circuits", "Remote calls answered without the store (breaker open, budget spent)",
+            ["tier"], registry=r,
+        )  # fmt: skip
         self.retrieve_seconds = Histogram("kvplug_retrieve_seconds", "Time of retrieve calls", registry=r)
         self.store_seconds = Histogram("kvplug_store_seconds", "Time of store calls (caller side)", registry=r)
 

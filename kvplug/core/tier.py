@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ByteSize, Field, PositiveInt
 
 from kvplug.core.components import ComponentConfig
 from kvplug.core.events import KVEvent
+from kvplug.core.metrics import EngineMetrics
 
 #: What ``get`` returns for a key: the whole value, or ``None`` for a miss.
 Buffer = Union[bytes, bytearray, memoryview]
@@ -58,6 +59,8 @@ class TierContext:
     tier_index: int = 0
     fingerprint: str | None = None
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("kvplug.tier"))
+    #: The engine's metrics; remote tiers report breaker state and failures there.
+    metrics: EngineMetrics = field(default_factory=EngineMetrics)
     #: Report events (``evicted``, ``removed``) to ``kvplug_on_event`` observers.
     emit: Callable[[KVEvent], None] = lambda event: None
 
@@ -80,6 +83,15 @@ class StorageTier(ABC):
     def __init__(self, config: BaseModel, context: TierContext) -> None:
         self.config = config
         self.context = context
+
+    @classmethod
+    def location_config(cls, location: str, options: Mapping[str, Any]) -> BaseModel | None:
+        """The config that opens ``location`` for ``kvplug store`` (inspection: an
+        unbounded budget, nothing evicted), or ``None`` when this tier does not store
+        things at such a location. ``options`` are extra settings from the command
+        line (``--endpoint-url``); raise ``ValueError`` naming any this tier lacks.
+        A tier that answers must implement ``kvplug.RecordStore``."""
+        return None
 
     @abstractmethod
     def contains(self, keys: Sequence[str]) -> list[bool]:

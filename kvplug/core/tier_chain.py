@@ -21,6 +21,7 @@ from typing import Any
 from kvplug.core.background import BackgroundWorker
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry
+from kvplug.core.remote import call_budget, remaining_budget_s
 from kvplug.core.tier import Buffer, StorageTier, TierContext, TierStats
 
 logger = logging.getLogger("kvplug.tiers")
@@ -40,10 +41,14 @@ class _Slot:
 class TierChain:
     """Tiers fastest first; see the module docstring for the semantics."""
 
-    def __init__(self, tiers: Sequence[StorageTier], metrics: EngineMetrics | None = None) -> None:
+    def __init__(
+        self, tiers: Sequence[StorageTier], metrics: EngineMetrics | None = None, *, lookup_timeout_s: float | None = None
+    ) -> None:
         if not tiers:
             raise ValueError("a tier chain needs at least one tier")
         self.metrics = metrics or EngineMetrics()
+        #: Budget of one lookup across every tier; past it, the rest is a miss.
+        self.lookup_timeout_s = lookup_timeout_s
         self._slots: list[_Slot] = []
         for index, tier in enumerate(tiers):
             label = f"{index}:{tier.name}"
@@ -60,12 +65,19 @@ class TierChain:
 
     @classmethod
     def open(
-        cls, specs: Sequence[Any], registry: PluginRegistry, *, fingerprint: str | None = None, metrics: EngineMetrics | None = None
+        cls,
+        specs: Sequence[Any],
+        registry: PluginRegistry,
+        *,
+        fingerprint: str | None = None,
+        metrics: EngineMetrics | None = None,
+        lookup_timeout_s: float | None = None,
     ) -> TierChain:
         """Build each configured tier (``config.tiers`` entries, resolved) and chain them.
 
         If one tier fails to open, the ones already opened are closed again.
         """
+        metrics = metrics or EngineMetrics()
         tiers: list[StorageTier] = []
         try:
             for index, spec in enumerate(specs):
@@ -74,13 +86,14 @@ class TierChain:
                     fingerprint=fingerprint,
                     logger=logging.getLogger(f"kvplug.tier.{spec.type}"),
                     emit=registry.emit,
+                    metrics=metrics,
                 )
                 tiers.append(registry.storage_tiers()[spec.type](spec.options, context))
         except BaseException:
             for tier in tiers:
                 tier.close()
             raise
-        return cls(tiers, metrics)
+        return cls(tiers, metrics, lookup_timeout_s=lookup_timeout_s)
 
     @property
     def tiers(self) -> list[StorageTier]:
@@ -89,28 +102,62 @@ class TierChain:
     # --- reads ----------------------------------------------------------------------
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
-        """How many leading keys are held by at least one tier."""
-        return next((i for i, found in enumerate(self.contains_any(keys)) if not found), len(keys))
+        """How many leading keys are held by at least one tier, within the lookup budget."""
+        present = self.contains_any(keys, budget_s=self.lookup_timeout_s)
+        return next((i for i, found in enumerate(present) if not found), len(keys))
 
-    def contains_any(self, keys: Sequence[str], *, sync_tiers_only: bool = False) -> list[bool]:
+    def locate_prefix(self, keys: Sequence[str]) -> list[str]:
+        """Name of the fastest tier holding each leading key, up to the first key none holds.
+
+        Lets an adapter tell a prefix served from memory from one that needs a slow tier
+        (vLLM loads the latter asynchronously).
+        """
+        where: list[str | None] = [None] * len(keys)
+        with call_budget(self.lookup_timeout_s):
+            for slot in self._slots:
+                ask = [i for i, found in enumerate(where) if found is None]
+                if not ask or self._budget_spent():
+                    break
+                answers = self._call(slot, "contains", [keys[i] for i in ask]) or [False] * len(ask)
+                for i, found in zip(ask, answers):
+                    if found:
+                        where[i] = slot.tier.name
+        limit = next((i for i, name in enumerate(where) if name is None), len(keys))
+        return [name for name in where[:limit] if name is not None]
+
+    def contains_any(
+        self, keys: Sequence[str], *, sync_tiers_only: bool = False, budget_s: float | None = None
+    ) -> list[bool]:
         """Whether some tier holds each key.
 
         ``sync_tiers_only`` asks only the tiers written on the caller's side (not
         ``write_mode: async``). The store path uses it to skip copying chunks that are
         already cached, without waiting on a remote store: an async tier checks what
         it lacks again on its own writer thread before it writes.
+
+        ``budget_s`` bounds the whole answer: remote tiers end their calls within it
+        (:func:`kvplug.call_budget`), and tiers not asked before it ran out answer
+        "miss".
         """
         present = [False] * len(keys)
-        for slot in self._slots:
-            if sync_tiers_only and slot.writer is not None:
-                continue
-            ask = [i for i, found in enumerate(present) if not found]
-            if not ask:
-                break
-            answers = self._call(slot, "contains", [keys[i] for i in ask]) or [False] * len(ask)
-            for i, found in zip(ask, answers):
-                present[i] = bool(found)
+        with call_budget(budget_s):
+            for slot in self._slots:
+                if sync_tiers_only and slot.writer is not None:
+                    continue
+                ask = [i for i, found in enumerate(present) if not found]
+                if not ask or self._budget_spent():
+                    break
+                answers = self._call(slot, "contains", [keys[i] for i in ask]) or [False] * len(ask)
+                for i, found in zip(ask, answers):
+                    present[i] = bool(found)
         return present
+
+    def _budget_spent(self) -> bool:
+        remaining = remaining_budget_s()
+        if remaining is None or remaining > 0:
+            return False
+        self.metrics.lookup_budget_spent.inc()
+        return True
 
     def get_prefix(self, keys: Sequence[str]) -> list[Buffer]:
         """Values of the leading keys that some tier holds; stops at the first miss.

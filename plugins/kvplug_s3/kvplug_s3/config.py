@@ -9,12 +9,12 @@ protocols fsspec knows and which of them are installed.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
 from pydantic import ByteSize, Field, NonNegativeFloat, PositiveFloat, PositiveInt, SecretStr, field_validator, model_validator
 
-from kvplug import TierConfig
+from kvplug import RemoteTierConfig
 
 #: Protocols spoken by the S3 options (endpoint, region, keys).
 S3_PROTOCOLS = frozenset({"s3", "s3a"})
@@ -24,7 +24,7 @@ READ_ONLY_PROTOCOLS = frozenset(
 )
 
 
-class S3TierConfig(TierConfig):
+class S3TierConfig(RemoteTierConfig):
     """Options of tier ``s3``: an S3 bucket prefix or any writable fsspec URL.
 
     Every network call has a deadline (``request_timeout_s`` per attempt) and is
@@ -46,8 +46,9 @@ class S3TierConfig(TierConfig):
     )
     connect_timeout_s: PositiveFloat = Field(default=3.0, description="Seconds to open a connection (s3).")
     read_timeout_s: PositiveFloat = Field(default=15.0, description="Seconds a socket read may stall (s3).")
+    # Objects are whole chunks (MBs): an attempt may take longer than a key-value store's.
     request_timeout_s: PositiveFloat = Field(
-        default=60.0, description="Deadline of one attempt of one object operation, transfer included."
+        default=30.0, description="Deadline of one attempt of one object operation, transfer included."
     )
     retries: int = Field(default=2, ge=0, le=10, description="Retries after a failed attempt (bounded).")
     backoff_base_s: NonNegativeFloat = Field(default=0.05, description="First backoff; doubles per retry, full jitter.")
@@ -56,7 +57,6 @@ class S3TierConfig(TierConfig):
     breaker_cooldown_s: PositiveFloat = Field(
         default=10.0, description="Seconds the breaker stays open before one probe batch may try the store."
     )
-    max_concurrency: PositiveInt = Field(default=32, description="Object requests in flight at once.")
     frame_buffer_bytes: ByteSize = Field(
         default=ByteSize(256 * 1024**2),
         description="Upload buffers kept for reuse (values framed for a PUT); 0 allocates each anew.",
@@ -65,10 +65,6 @@ class S3TierConfig(TierConfig):
         default=True,
         description="List the prefix on start so stats and the max_bytes budget include objects already stored.",
     )
-    write_mode: Literal["sync", "async"] = Field(
-        default="async", description="async: the tier chain writes this tier from its own bounded background writer."
-    )
-
     @field_validator("url")
     @classmethod
     def _known_writable_protocol(cls, url: str) -> str:

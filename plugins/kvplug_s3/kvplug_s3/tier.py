@@ -5,26 +5,32 @@ and checksums, then the value) named by the key's sha256 digest. Every read is
 verified: a torn, truncated, bit-flipped or swapped object is a miss, counted,
 and deleted. Batches run concurrently on the tier's own event loop, each object
 operation under a deadline, bounded retries and a circuit breaker
-(:mod:`kvplug_s3.resilience`): a store that is down costs one failed batch, then
-lookups miss and puts are dropped at no cost until the store is back.
+(core's :class:`kvplug.RemoteCalls`): a store that is down costs one failed batch,
+then lookups miss and puts are dropped at no cost until the store is back.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import hashlib
-import math
 import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from kvplug import KVEvent, StorageTier, TierContext, TierStats
-from kvplug.core.record import RECORD_HEADER_SIZE, pack_record_header, unpack_record
-from kvplug.core.record_store import StoredRecord
-from kvplug.core.tier import Buffer
+from kvplug import (
+    RECORD_HEADER_SIZE,
+    Absent,
+    Buffer,
+    KVEvent,
+    RemoteCalls,
+    StorageTier,
+    StoredRecord,
+    TierContext,
+    TierStats,
+    key_digest,
+    pack_record_header,
+    unpack_record,
+)
 from kvplug.errors import (
     CorruptChunkError,
     IncompatibleChunkError,
@@ -38,23 +44,18 @@ from kvplug_s3.backend import AsyncObjectStore, ObjectStore, StoredObject, open_
 from kvplug_s3.config import S3TierConfig
 from kvplug_s3.frames import FrameBuffers
 from kvplug_s3.index import SizeIndex
-from kvplug_s3.loop import LoopThread
-from kvplug_s3.resilience import Absent, CircuitBreaker, RetryPolicy
 
 T = TypeVar("T")
 #: A listing of a large prefix legitimately takes longer than one object request.
 LISTING_TIMEOUT_S = 300.0
 #: A store that is down fails every put; say so once in a while, not per put.
 DROP_WARNING_INTERVAL_S = 60.0
-_COUNTERS = (
-    "hits", "misses", "puts", "evictions", "dropped_puts", "short_circuited",
-    "failures", "retries", "corrupt", "incompatible",
-)  # fmt: skip
+_COUNTERS = ("hits", "misses", "puts", "evictions", "dropped_puts", "corrupt", "incompatible")
 
 
 def object_digest(key: str) -> str:
     """The sha256 hex digest naming ``key``'s object (never the key text itself)."""
-    return hashlib.sha256(key.encode()).hexdigest()
+    return key_digest(key).hex()
 
 
 class S3Tier(StorageTier):
@@ -67,24 +68,12 @@ class S3Tier(StorageTier):
         super().__init__(config, context)
         self.config: S3TierConfig = config
         self._where = re.sub(r"://[^/@]*@", "://", config.url)  # never show credentials in a URL
-        self._loop = LoopThread(f"kvplug-s3-{context.tier_index}")
+        self._calls = RemoteCalls(self.name, config, context, where=self._where)
         try:
-            self._store: ObjectStore = open_object_store(config, self._loop.loop)
+            self._store: ObjectStore = open_object_store(config, self._calls.loop.loop)
         except Exception as exc:
-            self._loop.close()
+            self._calls.close()
             raise TierError(f"tier 's3' cannot open {self._where}: {type(exc).__name__}: {exc}") from exc
-        self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
-        self._policy = RetryPolicy(
-            self._breaker,
-            retries=config.retries,
-            timeout_s=config.request_timeout_s,
-            backoff_base_s=config.backoff_base_s,
-            backoff_max_s=config.backoff_max_s,
-            on_retry=lambda: self._count("retries"),
-            on_open=self._on_breaker_open,
-            on_close=lambda: self.context.logger.warning("tier s3: %s answers again; circuit breaker closed", self._where),
-        )
-        self._semaphore = asyncio.Semaphore(config.max_concurrency)
         # Sync stores (memory://) may keep the very buffer they are given: no reuse there.
         reusable = isinstance(self._store, AsyncObjectStore) and config.frame_buffer_bytes > 0
         self._frames = FrameBuffers(int(config.frame_buffer_bytes)) if reusable else None
@@ -96,7 +85,7 @@ class S3Tier(StorageTier):
         self._scan_future = None
         if config.scan_on_start:
             self._index.begin_scan()
-            self._scan_future = self._loop.submit(self._scan_into_index())
+            self._scan_future = self._calls.submit(self._scan_into_index())
 
     # --- reads ----------------------------------------------------------------------
 
@@ -104,8 +93,7 @@ class S3Tier(StorageTier):
         self._check_open()
         if not keys:
             return []
-        if not self._breaker.allow():
-            self._count("short_circuited", len(keys))
+        if not self._calls.allow(len(keys)):
             return [False] * len(keys)
         digests = [object_digest(key) for key in keys]
         results = self._batch(self._store.size, [self._store.path_for(d) for d in digests])
@@ -123,8 +111,7 @@ class S3Tier(StorageTier):
         self._check_open()
         if not keys:
             return []
-        if not self._breaker.allow():
-            self._count("short_circuited", len(keys))
+        if not self._calls.allow(len(keys)):
             self._count("misses", len(keys))
             return [None] * len(keys)
         digests = [object_digest(key) for key in keys]
@@ -167,7 +154,7 @@ class S3Tier(StorageTier):
                 raise ValueTooLargeError(f"value of {size} bytes for {key} exceeds the s3 tier's max_bytes {budget}")
         if not latest:
             return
-        if not self._breaker.allow():
+        if not self._calls.allow(len(latest)):
             self._count("dropped_puts", len(latest))
             return
         keys = list(latest)
@@ -182,18 +169,17 @@ class S3Tier(StorageTier):
                 frames.append(frame)
                 yield self._store.path_for(digest), frame
 
-        retries_before = self._counters["retries"]
+        retries_before = self._calls.retried
         results = self._batch(lambda write: self._store.write(*write), framed())
         # A frame goes back to the pool only after its upload finished. After a
         # retry, an abandoned attempt's connection might still be sending from it:
         # then no frame of this batch is reused.
-        if self._frames and self._counters["retries"] == retries_before:
+        if self._frames and self._calls.retried == retries_before:
             for frame, result in zip(frames, results):
                 if not isinstance(result, BaseException):
                     self._frames.release(frame)
         for key, digest, result in zip(keys, digests, results):
             if isinstance(result, Absent):  # the bucket or folder is gone: a failure for a write
-                self._count("failures")
                 result = TierUnavailableError(f"{self._where} does not exist")
             if isinstance(result, BaseException):
                 self._count("dropped_puts")
@@ -208,8 +194,7 @@ class S3Tier(StorageTier):
         self._check_open()
         if not keys:
             return
-        if not self._breaker.allow():
-            self._count("short_circuited", len(keys))
+        if not self._calls.allow(len(keys)):
             raise TierUnavailableError(f"tier s3: {self._where} is unavailable (circuit breaker open); nothing removed")
         digests = [object_digest(key) for key in keys]
         results = self._batch(self._store.delete, [self._store.path_for(d) for d in digests])
@@ -241,7 +226,7 @@ class S3Tier(StorageTier):
         if forget:
             for digest in digests:
                 self._index.forget(digest)
-        if self._breaker.allow():
+        if self._calls.allow(len(digests)):
             self._batch(self._store.delete, [self._store.path_for(d) for d in digests])
 
     # --- whole store ----------------------------------------------------------------
@@ -250,7 +235,7 @@ class S3Tier(StorageTier):
         """Every object under the prefix (digest, object size, modification time),
         for ``kvplug store`` commands; objects not named by a digest are skipped."""
         self._check_open()
-        objects = self._loop.run(self._policy.run(self._store.listing, timeout_s=LISTING_TIMEOUT_S), LISTING_TIMEOUT_S * 2)
+        objects = self._calls.run(self._store.listing, timeout_s=LISTING_TIMEOUT_S)
         return iter(objects)
 
     # --- maintenance (kvplug.core.record_store.RecordStore) ------------------------------
@@ -281,7 +266,7 @@ class S3Tier(StorageTier):
 
     async def _scan_into_index(self) -> None:
         try:
-            objects = await self._policy.run(self._store.listing, timeout_s=LISTING_TIMEOUT_S)
+            objects = await self._calls.policy.run(self._store.listing, timeout_s=LISTING_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - a store down at start is not fatal
             self._index.abandon_scan()
             self.context.logger.warning("tier s3: could not list %s on start: %s", self._where, exc)
@@ -312,16 +297,16 @@ class S3Tier(StorageTier):
             misses=counters["misses"],
             puts=counters["puts"],
             evictions=counters["evictions"],
-            errors=counters["failures"] + counters["corrupt"],
+            errors=self._calls.failed + counters["corrupt"],
             extra={
                 "url": self._where,
                 "max_bytes": -1 if self.config.max_bytes is None else int(self.config.max_bytes),
-                "breaker_state": self._breaker.state,
-                "breaker_opens": self._breaker.opens,
+                "breaker_state": self._calls.breaker.state,
+                "breaker_opens": self._calls.breaker.opens,
                 "dropped_puts": counters["dropped_puts"],
-                "short_circuited": counters["short_circuited"],
-                "failures": counters["failures"],
-                "retries": counters["retries"],
+                "short_circuited": self._calls.short_circuited,
+                "failures": self._calls.failed,
+                "retries": self._calls.retried,
                 "corrupt": counters["corrupt"],
                 "incompatible": counters["incompatible"],
             },
@@ -332,7 +317,7 @@ class S3Tier(StorageTier):
             if self._closed:
                 return
             self._closed = True
-        self._loop.close(final=self._store.close())
+        self._calls.close(final=self._store.close())
         self._index.clear()
         if self._frames:
             self._frames.clear()
@@ -340,39 +325,11 @@ class S3Tier(StorageTier):
     # --- plumbing -------------------------------------------------------------------
 
     def _batch(self, operation: Callable[[Any], Awaitable[T]], arguments: Iterable[Any]) -> list[T | BaseException]:
-        """Run ``operation`` on each argument concurrently; each result is the
-        value, :class:`Absent`, or the exception that ended it. Each argument is
-        submitted as soon as ``arguments`` yields it, so an upload starts while
-        the caller still frames the next value."""
-
-        async def one(argument: Any) -> T:
-            async with self._semaphore:
-                return await self._policy.run(lambda: operation(argument))
-
-        futures = [self._loop.submit(one(argument)) for argument in arguments]
-        waves = math.ceil(len(futures) / self.config.max_concurrency)
-        deadline = time.monotonic() + waves * self._policy.worst_case_s() + 5.0
-        results: list[T | BaseException] = []
-        for future in futures:
-            try:
-                results.append(future.result(max(deadline - time.monotonic(), 0.0)))
-            except concurrent.futures.TimeoutError:
-                future.cancel()  # every attempt has its own deadline; this is the backstop
-                results.append(TierUnavailableError("store operation overran its deadline; cancelled"))
-            except concurrent.futures.CancelledError:
-                raise TierClosedError(f"tier 's3' ({self._where}) was closed during the operation") from None
-            except Exception as exc:  # noqa: BLE001 - classified by the caller
-                results.append(exc)
-        failures = sum(1 for r in results if isinstance(r, BaseException) and not isinstance(r, Absent))
-        if failures:
-            self._count("failures", failures)
-        return results
-
-    def _on_breaker_open(self, cause: BaseException) -> None:
-        self.context.logger.warning(
-            "tier s3: %s is failing (%s: %s); circuit breaker open for %.1f s: lookups miss, puts are dropped",
-            self._where, type(cause).__name__, cause, self.config.breaker_cooldown_s,
-        )  # fmt: skip
+        """Run ``operation`` on each argument concurrently (see :meth:`kvplug.RemoteCalls.batch`)."""
+        try:
+            return self._calls.batch(operation, arguments)
+        except TierClosedError:
+            raise TierClosedError(f"tier 's3' ({self._where}) was closed during the operation") from None
 
     def _warn_dropped(self, cause: BaseException) -> None:
         now = time.monotonic()

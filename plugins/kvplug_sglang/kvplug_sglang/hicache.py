@@ -103,7 +103,12 @@ class KVPlugStorage(HiCacheStorage):
             pp_size=cfg.pp_size,
         )
         self._prefix = f"{KV_FORMAT_VERSION}/{self.fingerprint.hexdigest()}/"
-        self.chain = TierChain.open(self.config.tiers, self.registry, fingerprint=self.fingerprint.hexdigest())
+        self.chain = TierChain.open(
+            self.config.tiers,
+            self.registry,
+            fingerprint=self.fingerprint.hexdigest(),
+            lookup_timeout_s=self.config.lookup_timeout_ms / 1000,
+        )
         self.mem_pool_host = mem_pool_host
         self.page_format = page_format
 

@@ -1,0 +1,472 @@
+"""Resilience for tiers that talk to a remote store: deadlines, retries, a circuit breaker.
+
+A shared store that is down, slow or hung must cost the serving engine a bounded,
+small delay and then nothing. Every remote tier (``s3``, ``valkey``, ``mooncake`` and
+third-party ones) runs its store calls through one :class:`RemoteCalls`:
+
+- every attempt has a deadline (``request_timeout_s``), and the caller stops waiting
+  at its budget (:func:`call_budget`; the tier chain gives a lookup
+  ``lookup_timeout_ms`` across all its tiers): the answer is then "miss", while the
+  operation finishes (or times out, counted) in the background;
+- a failed attempt is retried at most ``retries`` times with exponential backoff and
+  full jitter, never past the deadline;
+- ``breaker_failures`` consecutive failures open a circuit breaker: calls are then
+  answered at once, without a network call (lookups miss, stores are dropped and
+  counted), until a probe after ``breaker_cooldown_s`` finds the store back;
+- breaker state, failures, retries and short-circuited calls are Prometheus metrics.
+
+Calls run on an asyncio loop the tier owns (one thread), so a batch of N keys is N
+concurrent requests (or one pipelined request), whatever the client library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import contextvars
+import math
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
+from typing import Any, Literal, TypeVar
+
+from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
+
+from kvplug.core.tier import TierConfig, TierContext
+from kvplug.errors import TierClosedError, TierUnavailableError
+
+T = TypeVar("T")
+A = TypeVar("A")
+BreakerState = Literal["closed", "open", "half_open"]
+#: How a failed call is judged: ``absent`` is an answer (no such key), ``permanent``
+#: a failure no retry can fix (credentials, missing bucket), ``transient`` worth a retry.
+FailureKind = Literal["absent", "permanent", "transient"]
+_STATE_VALUES: dict[BreakerState, float] = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
+
+#: How long past its deadline a call may take before the caller stops waiting for a stuck loop.
+_BACKSTOP_GRACE_S = 0.1
+
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("kvplug_call_deadline", default=None)
+
+
+@contextlib.contextmanager
+def call_budget(seconds: float | None) -> Iterator[None]:
+    """Limit how long every remote call made inside the block (in this thread) is waited for.
+
+    Budgets nest: the tighter one wins. ``None`` adds no limit.
+    """
+    if seconds is None:
+        yield
+        return
+    deadline = time.monotonic() + seconds
+    outer = _deadline.get()
+    token = _deadline.set(deadline if outer is None else min(outer, deadline))
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
+
+
+def remaining_budget_s() -> float | None:
+    """Seconds left of the innermost :func:`call_budget`, or ``None`` outside one."""
+    deadline = _deadline.get()
+    return None if deadline is None else deadline - time.monotonic()
+
+
+class RemoteTierConfig(TierConfig):
+    """Options every remote tier shares. Remote tier ``Config`` classes subclass it."""
+
+    write_mode: Literal["sync", "async"] = Field(
+        default="async",
+        description="async: the tier chain writes this tier from its own bounded background writer, "
+        "so a slow store never delays a store call.",
+    )
+    request_timeout_s: PositiveFloat = Field(
+        default=2.0, description="Deadline of one attempt of one store operation, transfer included."
+    )
+    retries: int = Field(default=1, ge=0, le=10, description="Retries after a failed attempt (bounded).")
+    backoff_base_s: NonNegativeFloat = Field(default=0.02, description="First backoff; doubles per retry, full jitter.")
+    backoff_max_s: NonNegativeFloat = Field(default=0.5, description="Longest backoff between two attempts.")
+    breaker_failures: PositiveInt = Field(
+        default=3, description="Consecutive failed operations that open the circuit breaker."
+    )
+    breaker_cooldown_s: PositiveFloat = Field(
+        default=5.0, description="Seconds the breaker stays open before one probe may try the store."
+    )
+    max_concurrency: PositiveInt = Field(default=32, description="Store operations in flight at once.")
+
+
+class CircuitBreaker:
+    """closed -> open after ``failure_threshold`` consecutive failures -> half_open
+    after ``cooldown_s`` (one probe may go) -> closed on a success, open again on a
+    failure. Thread-safe; ``clock`` is injectable so the state machine can be tested
+    without sleeping."""
+
+    def __init__(self, failure_threshold: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.failure_threshold = failure_threshold
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._state: BreakerState = "closed"
+        self._consecutive_failures = 0
+        self._opened_at = 0.0
+        self._probe_started = 0.0
+        self.opens = 0
+
+    @property
+    def state(self) -> BreakerState:
+        with self._lock:
+            return self._state
+
+    def allow(self) -> bool:
+        """Whether a call may use the store now. After the cool-down the first caller
+        becomes the probe; others are refused until it reports, or until another
+        cool-down passes without an answer (a probe that vanished)."""
+        with self._lock:
+            if self._state == "closed":
+                return True
+            now = self._clock()
+            if self._state == "open":
+                if now - self._opened_at < self.cooldown_s:
+                    return False
+                self._state = "half_open"
+                self._probe_started = now
+                return True
+            if now - self._probe_started >= self.cooldown_s:
+                self._probe_started = now
+                return True
+            return False
+
+    def may_retry(self) -> bool:
+        """Whether a failed attempt may be retried: not once the breaker opened."""
+        with self._lock:
+            return self._state != "open"
+
+    def record_success(self) -> bool:
+        """Count a success; ``True`` when this one closed an open breaker."""
+        with self._lock:
+            self._consecutive_failures = 0
+            reopened = self._state != "closed"
+            self._state = "closed"
+            return reopened
+
+    def record_failure(self) -> bool:
+        """Count a failure; ``True`` when this one opened the breaker."""
+        with self._lock:
+            self._consecutive_failures += 1
+            should_open = self._state == "half_open" or (
+                self._state == "closed" and self._consecutive_failures >= self.failure_threshold
+            )
+            if not should_open:
+                return False
+            self._state = "open"
+            self._opened_at = self._clock()
+            self.opens += 1
+            return True
+
+
+class Absent(Exception):
+    """The key does not exist in the store: an answer, not a failure.
+
+    A remote operation may raise it itself; :func:`classify_failure` also maps
+    ``FileNotFoundError`` to it.
+    """
+
+
+def classify_failure(exc: BaseException) -> FailureKind:
+    """The default judgement of an exception raised by a store operation."""
+    if isinstance(exc, (Absent, FileNotFoundError)):
+        return "absent"
+    if isinstance(exc, (PermissionError, ValueError, TypeError, NotImplementedError)):
+        return "permanent"
+    return "transient"
+
+
+class RetryPolicy:
+    """Runs one store operation with a deadline per attempt, bounded retries with
+    exponential backoff and full jitter, and the breaker's bookkeeping."""
+
+    def __init__(
+        self,
+        breaker: CircuitBreaker,
+        *,
+        retries: int,
+        timeout_s: float,
+        backoff_base_s: float,
+        backoff_max_s: float,
+        classify: Callable[[BaseException], FailureKind] = classify_failure,
+        on_retry: Callable[[], None] = lambda: None,
+        on_failure: Callable[[BaseException], None] = lambda exc: None,
+        on_open: Callable[[BaseException], None] = lambda exc: None,
+        on_close: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.breaker = breaker
+        self.retries = retries
+        self.timeout_s = timeout_s
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self._classify = classify
+        self._on_retry = on_retry
+        self._on_failure = on_failure
+        self._on_open = on_open
+        self._on_close = on_close
+        # Jitter only spreads retries out; it needs no cryptographic quality.
+        self._random = random.Random()
+
+    def worst_case_s(self, timeout_s: float | None = None) -> float:
+        """The longest one operation can take: every attempt timing out."""
+        return (self.retries + 1) * (timeout_s or self.timeout_s) + self.retries * self.backoff_max_s
+
+    async def run(
+        self, operation: Callable[[], Awaitable[T]], *, timeout_s: float | None = None, deadline: float | None = None
+    ) -> T:
+        """The operation's result; raises :class:`Absent` for a missing key and
+        :class:`TierUnavailableError` when it failed, ran out of time or the breaker
+        opened. ``timeout_s`` replaces the per-attempt deadline (listings take longer);
+        ``deadline`` (a ``time.monotonic()`` value) ends every attempt and retry."""
+        attempt = 0
+        while True:
+            attempt_s = timeout_s or self.timeout_s
+            if deadline is not None:
+                attempt_s = min(attempt_s, deadline - time.monotonic())
+                if attempt_s <= 0:
+                    raise TierUnavailableError("the call's time budget is spent")
+            try:
+                result = await asyncio.wait_for(operation(), attempt_s)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - every store error is classified here
+                if not isinstance(exc, Exception):
+                    raise
+                kind = self._classify(exc)
+                if kind == "absent":
+                    if self.breaker.record_success():
+                        self._on_close()
+                    raise Absent() from None
+                self._on_failure(exc)
+                if self.breaker.record_failure():
+                    self._on_open(exc)
+                out_of_time = deadline is not None and deadline - time.monotonic() <= 0
+                if kind == "permanent" or attempt >= self.retries or out_of_time or not self.breaker.may_retry():
+                    what = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+                    raise TierUnavailableError(what) from exc
+                attempt += 1
+                self._on_retry()
+                ceiling = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))
+                pause = self._random.uniform(0, ceiling)
+                if deadline is not None:
+                    pause = min(pause, max(deadline - time.monotonic(), 0.0))
+                await asyncio.sleep(pause)
+                continue
+            if self.breaker.record_success():
+                self._on_close()
+            return result
+
+
+class LoopThread:
+    """A daemon thread running one asyncio loop until :meth:`close`."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if self._closed:
+            coro.close()
+            raise TierClosedError("the tier's event loop is stopped")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self, final: Coroutine[Any, Any, object] | None = None, timeout_s: float = 5.0) -> None:
+        """Cancel what still runs, await ``final`` (closing clients), stop the loop
+        and join the thread. Idempotent."""
+        if self._closed:
+            if final is not None:
+                final.close()
+            return
+
+        async def shutdown() -> None:
+            current = asyncio.current_task()
+            pending = [t for t in asyncio.all_tasks() if t is not current]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            if final is not None:
+                with contextlib.suppress(Exception):  # a client that fails to close is gone anyway
+                    await asyncio.wait_for(final, timeout_s)
+
+        with contextlib.suppress(Exception):  # stop the loop whatever happened
+            asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout_s * 2)
+        self._closed = True
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class RemoteCalls:
+    """How a remote tier calls its store: on its own event loop, under deadlines,
+    retries and a circuit breaker, with metrics. See the module docstring.
+
+    A tier builds one in ``__init__`` and uses :meth:`allow` (is the store worth
+    asking?), :meth:`run` (one operation) and :meth:`batch` (one operation per key,
+    concurrently). Both return or raise within the call's deadline, whatever the
+    store does: ``request_timeout_s`` per attempt, bounded retries, and the caller's
+    :func:`call_budget`.
+    """
+
+    def __init__(
+        self,
+        tier: str,
+        config: RemoteTierConfig,
+        context: TierContext,
+        *,
+        where: str = "",
+        classify: Callable[[BaseException], FailureKind] = classify_failure,
+    ) -> None:
+        self.tier = tier
+        self.config = config
+        self.context = context
+        self.where = where or tier
+        self.label = f"{context.tier_index}:{tier}"
+        self.loop = LoopThread(f"kvplug-{tier}-{context.tier_index}")
+        self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
+        #: Totals for the tier's ``stats()`` (the metrics hold the same, per engine).
+        self.retried = 0
+        self.failed = 0
+        self.short_circuited = 0
+        metrics = context.metrics
+        self._failures = metrics.remote_failures
+        self._short_circuits = metrics.remote_short_circuits.labels(self.label)
+        self._retries = metrics.remote_retries.labels(self.label)
+        metrics.remote_breaker_state.labels(self.label).set_function(lambda: _STATE_VALUES[self.breaker.state])
+        self.policy = RetryPolicy(
+            self.breaker,
+            retries=config.retries,
+            timeout_s=config.request_timeout_s,
+            backoff_base_s=config.backoff_base_s,
+            backoff_max_s=config.backoff_max_s,
+            classify=classify,
+            on_retry=self._count_retry,
+            on_failure=self._count_failure,
+            on_open=self._opened,
+            on_close=self._closed_again,
+        )
+        self._semaphore = asyncio.Semaphore(config.max_concurrency)
+
+    # --- calls ----------------------------------------------------------------------
+
+    def allow(self, calls: int = 1) -> bool:
+        """Whether the store is worth asking now; ``False`` (counted) while the breaker
+        is open or the caller's budget is spent. Costs no network call."""
+        remaining = remaining_budget_s()
+        if (remaining is None or remaining > 0) and self.breaker.allow():
+            return True
+        self.short_circuited += calls
+        self._short_circuits.inc(calls)
+        return False
+
+    def run(self, operation: Callable[[], Awaitable[T]], *, timeout_s: float | None = None) -> T:
+        """Run one operation on the tier's loop; its result, or :class:`Absent`, or
+        :class:`TierUnavailableError` within the deadline."""
+        deadline = time.monotonic() + self.policy.worst_case_s(timeout_s)
+        future = self.loop.submit(self.policy.run(operation, timeout_s=timeout_s, deadline=deadline))
+        return self._wait(future, deadline, remaining_budget_s())
+
+    def batch(self, operation: Callable[[A], Awaitable[T]], arguments: Iterable[A]) -> list[T | BaseException]:
+        """Run ``operation`` on each argument concurrently (``max_concurrency`` at a
+        time); each result is the value, :class:`Absent`, or the exception that ended
+        it. Each argument is submitted as soon as ``arguments`` yields it, so a
+        transfer starts while the caller still prepares the next one."""
+        budget = remaining_budget_s()
+        submitted_at = time.monotonic()
+
+        async def one(argument: A) -> T:
+            async with self._semaphore:
+                # Each operation's deadline starts when it gets a slot.
+                deadline = time.monotonic() + self.policy.worst_case_s()
+                return await self.policy.run(lambda: operation(argument), deadline=deadline)
+
+        futures = [self.loop.submit(one(argument)) for argument in arguments]
+        if not futures:
+            return []
+        # Later waves wait for earlier ones; the backstop allows for them.
+        waves = math.ceil(len(futures) / self.config.max_concurrency)
+        backstop = time.monotonic() + waves * self.policy.worst_case_s()
+        budget_end = None if budget is None else submitted_at + budget
+        results = []
+        for future in futures:
+            remaining = None if budget_end is None else budget_end - time.monotonic()
+            results.append(self._wait_result(future, backstop, remaining))
+        return results
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run a coroutine on the tier's loop without waiting (start-up scans)."""
+        return self.loop.submit(coro)
+
+    def close(self, final: Coroutine[Any, Any, object] | None = None) -> None:
+        """Cancel running calls, await ``final`` (closing the client) and stop the loop."""
+        self.loop.close(final=final)
+
+    # --- plumbing -------------------------------------------------------------------
+
+    def _wait(self, future: concurrent.futures.Future[T], deadline: float, budget_s: float | None) -> T:
+        # A caller's budget ends the wait, not the operation: it goes on under its own
+        # deadline, so a slow first connection still completes (and warms the client)
+        # and a hung store still times out and opens the breaker.
+        if budget_s is not None and budget_s < deadline - time.monotonic():
+            try:
+                return future.result(max(budget_s, 0.0))
+            except concurrent.futures.TimeoutError:
+                raise TierUnavailableError(f"{self.where}: no answer within the caller's budget") from None
+            except concurrent.futures.CancelledError:
+                raise TierClosedError(f"tier {self.tier!r} ({self.where}) was closed during the call") from None
+        # The policy ends every attempt at the deadline; this is the backstop for a
+        # loop that is itself stuck (a client library blocking it).
+        try:
+            return future.result(max(deadline - time.monotonic(), 0.0) + _BACKSTOP_GRACE_S)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            self._count_failure(TimeoutError())
+            raise TierUnavailableError(f"{self.where}: call overran its deadline; cancelled") from None
+        except concurrent.futures.CancelledError:
+            raise TierClosedError(f"tier {self.tier!r} ({self.where}) was closed during the call") from None
+
+    def _wait_result(
+        self, future: concurrent.futures.Future[T], deadline: float, budget_s: float | None
+    ) -> T | BaseException:
+        try:
+            return self._wait(future, deadline, budget_s)
+        except TierClosedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - returned for the caller to classify
+            return exc
+
+    def _count_retry(self) -> None:
+        self.retried += 1
+        self._retries.inc()
+
+    def _count_failure(self, exc: BaseException) -> None:
+        self.failed += 1
+        kind = "timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
+        self._failures.labels(self.label, kind).inc()
+
+    def _opened(self, cause: BaseException) -> None:
+        self.context.logger.warning(
+            "tier %s: %s is failing (%s: %s); circuit breaker open for %.1f s: lookups miss, stores are dropped",
+            self.tier,
+            self.where,
+            type(cause).__name__,
+            cause,
+            self.config.breaker_cooldown_s,
+        )
+
+    def _closed_again(self) -> None:
+        self.context.logger.warning("tier %s: %s answers again; circuit breaker closed", self.tier, self.where)
