@@ -1,0 +1,1 @@
+"""kvplug plugin: storage tier ``valkey`` (a shared cache on Valkey or Redis, standalone or cluster)."""
