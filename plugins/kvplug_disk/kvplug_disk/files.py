@@ -4,6 +4,7 @@ Layout under the tier's folder::
 
     <ab>/<sha256(key) hex>.kvr                          one record: kvplug.core.record frame + value
     <ab>/<digest>.<host>.<pid>.<tid>.<random>.tmp       a write in progress
+    .kvplug-usage                                       the folder's shared byte total (kvplug_disk.ledger)
 
 ``<ab>`` is the first two hex digits of the digest: 256 shard folders, so a
 folder holds ~400 files per 100k records and start-up lists 256 folders, not 65k.
@@ -114,6 +115,10 @@ class RecordFolder:
                 except FileExistsError:  # a link or file there is refused when used, not replaced
                     pass
             self.sync_dirs([])
+
+    @property
+    def root_fd(self) -> int:
+        return self._root_fd
 
     def close(self) -> None:
         fd, self._root_fd = self._root_fd, -1

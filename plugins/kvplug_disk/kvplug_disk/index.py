@@ -66,16 +66,6 @@ class LRUIndex:
             self.file_bytes -= entry.file_size
         return entry
 
-    def pop_victims(self, incoming: int, budget: int) -> list[tuple[str, IndexEntry]]:
-        """Remove least recently used entries until ``incoming`` more bytes fit."""
-        victims = []
-        while self._entries and self.value_bytes + incoming > budget:
-            digest, entry = self._entries.popitem(last=False)
-            self.value_bytes -= entry.value_size
-            self.file_bytes -= entry.file_size
-            victims.append((digest, entry))
-        return victims
-
     def pop_oldest(self, file_bytes: int) -> list[tuple[str, IndexEntry]]:
         """Remove least recently used entries until their files add up to ``file_bytes``."""
         victims = []

@@ -36,6 +36,7 @@ from kvplug.errors import CorruptChunkError, IncompatibleChunkError, TierClosedE
 from kvplug_disk.config import DiskTierConfig
 from kvplug_disk.files import ForeignEntryError, RecordFolder, TempFile, digest_of, value_size_of
 from kvplug_disk.index import IndexEntry, LRUIndex
+from kvplug_disk.ledger import Usage, UsageLedger
 from kvplug_disk.problems import ProblemLog, is_no_space, is_undeletable
 
 #: Longest a renamed record waits for its folder's fsync while the writer is busy.
@@ -75,21 +76,20 @@ class DiskTier(StorageTier):
         self._folders_synced_at = time.monotonic()
         started = time.perf_counter()
         self._folder = RecordFolder(config.path, fsync=config.fsync)
-        scan = self._folder.scan(clean_temps_older_than=config.stale_temp_s)
-        for entry in scan.foreign:  # "<shard>/<digest>.kvr", or a shard name
-            shard, _, name = entry.partition("/")
-            self._problems.skip(name[:64] or shard, "foreign", f"{config.path}/{entry} is not a regular file or folder")
-        scan.records.sort(key=lambda record: record[2])  # oldest first: LRU order by mtime
-        for digest, file_size, _ in scan.records:
-            self._index.add_new(digest, IndexEntry(value_size_of(file_size), file_size))
-        self._startup = {
-            "startup_s": round(time.perf_counter() - started, 4),
-            "temps_removed": scan.temps_removed,
-            "temps_kept": scan.temps_kept,
-        }
-        if self._index.value_bytes > self._budget:  # the budget shrank since the last run
-            with self._lock:
-                self._evict_for(0)
+        self._ledger = UsageLedger(self._folder.root_fd)
+        # Under the folder's lock: the scan and the total it gives are exact, not racing a writer.
+        with self._lock, self._ledger.locked() as usage:
+            scan = self._folder.scan(clean_temps_older_than=config.stale_temp_s)
+            for entry in scan.foreign:  # "<shard>/<digest>.kvr", or a shard name
+                shard, _, name = entry.partition("/")
+                self._problems.skip(name[:64] or shard, "foreign", f"{config.path}/{entry} is not a regular file or folder")
+            self._rebuild_index(usage, scan.records)
+            self._startup = {
+                "startup_s": round(time.perf_counter() - started, 4),
+                "temps_removed": scan.temps_removed,
+                "temps_kept": scan.temps_kept,
+            }
+            self._evict_for(usage, 0)  # the budget may have shrunk since the last run
         self._writer: BackgroundWorker[list[_Write]] | None = None
         if config.writer == "background":
             self._writer = BackgroundWorker(
@@ -158,11 +158,12 @@ class DiskTier(StorageTier):
             value = unpack_record(data, key)
         except CorruptChunkError as exc:
             self.context.logger.warning("disk tier: %s is corrupt (%s); removed", self._folder.path_of(digest), exc)
-            try:
-                self._folder.unlink_if_same(digest, stat)
-            except OSError as unlink_error:
-                self._entry_failed("unlink", digest, unlink_error)
-            with self._lock:
+            with self._lock, self._ledger.locked() as usage:
+                try:
+                    if self._folder.unlink_if_same(digest, stat):
+                        usage.total -= value_size_of(stat.st_size)
+                except OSError as unlink_error:
+                    self._entry_failed("unlink", digest, unlink_error, locked=True)
                 self._counts["corrupt"] += 1
                 self._stats.misses += 1
                 self._index.pop(digest)
@@ -210,13 +211,9 @@ class DiskTier(StorageTier):
 
     def delete_record(self, digest: str) -> bool:
         self._check_open()
-        with self._lock:
+        with self._lock, self._ledger.locked() as usage:
             self._index.pop(digest)
-        try:
-            return self._folder.unlink(digest)
-        except OSError as exc:
-            self._entry_failed("unlink", digest, exc)
-            return False
+            return self._unlink_record(usage, digest, "unlink")
 
     # --- writes ---------------------------------------------------------------------
 
@@ -257,17 +254,21 @@ class DiskTier(StorageTier):
                 self._forget_pending([write])
                 continue
             evicted: list[str] = []
-            with self._lock:
+            with self._lock, self._ledger.locked() as usage:
                 if self._writer is not None and self._pending.get(write.digest) is not write:
                     self._folder.discard_temp(temp)
                     continue
                 self._pending.pop(write.digest, None)
                 self._index.pop(write.digest)  # replaced below; must not count against its own room
                 value_size = memoryview(write.value).nbytes
-                evicted = self._evict_for(value_size)
+                evicted = self._evict_for(usage, value_size)
+                growth = value_size - self._value_size_on_disk(write.digest)
+                usage.total += growth
+                usage.save()  # before the rename: a crash in between over-counts, never under-counts
                 try:
                     self._folder.publish(temp, write.digest)
                 except OSError as exc:
+                    usage.total -= growth
                     self._folder.discard_temp(temp)
                     self._entry_failed("publish", write.digest, exc, locked=True)
                 else:
@@ -290,9 +291,9 @@ class DiskTier(StorageTier):
             except OSError as exc:
                 if not is_no_space(exc) or attempt == NO_SPACE_ROUNDS:
                     raise
-                with self._lock:
+                with self._lock, self._ledger.locked() as usage:
                     victims = self._index.pop_oldest(needed << attempt)
-                    evicted = self._remove_victims(victims)
+                    evicted = self._remove_victims(usage, victims)
                     self._problems.counts["enospc_evictions"] += len(victims)
                 if evicted:
                     self.context.emit(KVEvent("evicted", tuple(evicted), tier=self.name))
@@ -309,40 +310,80 @@ class DiskTier(StorageTier):
             except OSError as exc:
                 self._problems.error("fsync", "folders", exc)
 
-    def _evict_for(self, incoming: int) -> list[str]:
-        """Unlink least recently used files until ``incoming`` bytes fit; the keys known.
-        Called with the lock held, so no write of the same digest can slip in between."""
-        return self._remove_victims(self._index.pop_victims(incoming, self._budget))
+    def _evict_for(self, usage: Usage, incoming: int) -> list[str]:
+        """Unlink least recently used files until ``incoming`` bytes fit in the folder's
+        budget; the keys known. Called with the lock and the folder's lock held, so no
+        write of the same digest, here or in another process, can slip in between.
+        When this process knows of nothing more to evict, it lists the folder again:
+        the rest of the total is other processes' records."""
+        keys: list[str] = []
+        rescanned = False
+        while usage.total + incoming > self._budget:
+            victims = self._index.pop_oldest(1)
+            if not victims:
+                if rescanned:
+                    break
+                self._rebuild_index(usage, self._folder.scan().records)
+                rescanned = True
+                continue
+            keys += self._remove_victims(usage, victims)
+        return keys
 
-    def _remove_victims(self, victims: list[tuple[str, IndexEntry]]) -> list[str]:
-        """Unlink evicted records (lock held); the keys known. One that cannot be removed
-        is skipped from then on: out of the index, so the budget is kept with the others."""
+    def _remove_victims(self, usage: Usage, victims: list[tuple[str, IndexEntry]]) -> list[str]:
+        """Unlink evicted records (locks held); the keys known. One that cannot be removed
+        is skipped from then on: out of the index and the total, so the budget is kept
+        with the others."""
         keys = []
         for digest, entry in victims:
-            try:
-                self._folder.unlink(digest)
-            except OSError as exc:
-                self._entry_failed("evict", digest, exc, locked=True)
-                continue
-            self._stats.evictions += 1
-            if entry.key is not None:
-                keys.append(entry.key)
+            if self._unlink_record(usage, digest, "evict"):
+                self._stats.evictions += 1
+                if entry.key is not None:
+                    keys.append(entry.key)
         return keys
+
+    def _unlink_record(self, usage: Usage, digest: str, op: str) -> bool:
+        """Remove one record file and take its bytes off the folder's total (locks held)."""
+        stat = None
+        try:
+            stat = self._folder.stat(digest)
+            if stat is None or not self._folder.unlink(digest):
+                return False
+        except OSError as exc:
+            self._entry_failed(op, digest, exc, locked=True)
+            if self._skipped(digest) and stat is not None:
+                usage.total -= value_size_of(stat.st_size)  # out of the budget: nothing can make it go
+            return False
+        usage.total -= value_size_of(stat.st_size)
+        return True
+
+    def _value_size_on_disk(self, digest: str) -> int:
+        try:
+            stat = self._folder.stat(digest)
+        except OSError:
+            return 0
+        return 0 if stat is None else value_size_of(stat.st_size)
+
+    def _rebuild_index(self, usage: Usage, records: list[tuple[str, int, int]]) -> None:
+        """Index every record of a folder listing, oldest first (LRU order by mtime),
+        keeping the keys this process knows; the folder's total becomes the listing's."""
+        records.sort(key=lambda record: record[2])
+        old, self._index = self._index, LRUIndex()
+        for digest, file_size, _ in records:
+            if self._skipped(digest):
+                continue
+            known = old.get(digest)
+            self._index.add_new(digest, IndexEntry(value_size_of(file_size), file_size, known and known.key))
+        usage.total = self._index.value_bytes
 
     def remove(self, keys: Sequence[str]) -> None:
         self._check_open()
         removed = []
-        with self._lock:
+        with self._lock, self._ledger.locked() as usage:
             for key in keys:
                 digest = digest_of(key)
                 queued = self._pending.pop(digest, None) is not None
                 known = self._index.pop(digest) is not None
-                try:
-                    unlinked = self._folder.unlink(digest)
-                except OSError as exc:
-                    self._entry_failed("remove", digest, exc, locked=True)
-                    unlinked = False
-                if unlinked or queued or known:
+                if self._unlink_record(usage, digest, "remove") or queued or known:
                     removed.append(key)
         if removed:
             self.context.emit(KVEvent("removed", tuple(removed), tier=self.name))
@@ -367,6 +408,8 @@ class DiskTier(StorageTier):
                 **self._startup,
                 "file_bytes": self._index.file_bytes,
                 "max_bytes": self._budget,
+                "folder_bytes": self._ledger.peek(),
+                "folder_budget_shared": int(self._ledger.shared),
                 "pending": len(self._pending),
                 "dropped": self._writer.dropped if self._writer is not None else 0,
                 "path": str(self.config.path),
@@ -381,6 +424,7 @@ class DiskTier(StorageTier):
         if self._writer is not None:
             self._writer.close(drain=self.config.on_close == "flush")
         self._sync_folders()
+        self._ledger.close()
         self._folder.close()
 
     # --- helpers --------------------------------------------------------------------

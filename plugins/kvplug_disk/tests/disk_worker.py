@@ -3,6 +3,7 @@
     python disk_worker.py write-forever PATH SEED WRITER BUDGET   # prints "ready", writes until killed
     python disk_worker.py store PATH COUNT                         # stores COUNT keys, closes, exits
     python disk_worker.py fork-server PATH                         # see serve_forks
+    python disk_worker.py fill PATH SEED COUNT SIZE BUDGET         # waits for "go" on stdin, stores COUNT new keys
 
 The fork server imports everything once and forks one writer per stdin line, so
 a crash test can kill many real writer processes without paying Python's start-up
@@ -68,6 +69,18 @@ def store(path: str, count: int) -> None:
     tier.close()  # on_close: flush writes what is still queued
 
 
+def fill(path: str, seed: int, count: int, size: int, budget: int) -> None:
+    """Store ``count`` keys of its own (``size`` bytes each), one put each, then close."""
+    tier = open_tier(path, writer="background", budget=budget, fsync=False, on_queue_full="block", queue_items=4)
+    print("ready", flush=True)
+    sys.stdin.readline()  # every process starts writing at once
+    for index in range(count):
+        name = f"fill{seed}/{index}"
+        tier.put([(key_for(name), value_for(name, size))])
+    tier.close()
+    print("done", flush=True)
+
+
 def serve_forks(path: str) -> None:
     """For each stdin line ``SEED WRITER BUDGET``: fork a writer (it prints ``ready PID``
     and writes until killed), wait for it to die, print ``dead SIGNAL``."""
@@ -91,6 +104,8 @@ def main(argv: list[str]) -> None:
         serve_forks(path)
     elif command == "store":
         store(path, int(argv[2]))
+    elif command == "fill":
+        fill(path, *(int(arg) for arg in argv[2:6]))  # type: ignore[call-arg]
     else:
         raise SystemExit(f"unknown command {command!r}")
 

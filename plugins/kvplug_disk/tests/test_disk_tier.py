@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from kvplug_disk import DiskTier, verify_folder
 from kvplug_disk.files import HOST_TAG
+from kvplug_disk.ledger import LEDGER_NAME
 from pydantic import ValidationError
 
 from kvplug.testing import StorageTierContract, key_for, tier_context, value_for
@@ -55,8 +56,8 @@ def test_one_record_file_per_key_named_by_digest_and_nothing_else(tmp_path: Path
     key = key_for("file")
     tier.put([(key, value_for("file", 5000))])
     files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
-    assert files == [record_path(tmp_path, key)]
-    assert files[0].stat().st_size == 5000 + 64
+    assert files == [tmp_path / LEDGER_NAME, record_path(tmp_path, key)]  # the folder's shared byte total, and the record
+    assert files[1].stat().st_size == 5000 + 64
     stats = tier.stats()
     assert (stats.bytes_used, stats.items, stats.extra["file_bytes"]) == (5000, 1, 5064)
     tier.close()

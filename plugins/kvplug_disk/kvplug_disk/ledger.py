@@ -1,0 +1,108 @@
+"""The folder-wide byte total of tier ``disk``, shared by every process using the folder.
+
+Each process knows the records it found at start, wrote or read since; a budget kept
+over those alone let two processes with ``max_bytes: 8MiB`` fill one folder to 16 MB.
+So the value bytes of every record in the folder live in one small file,
+``<folder>/.kvplug-usage`` (8 bytes, little-endian), read and changed only under an
+exclusive ``flock`` on it. A process holds that lock from the moment it decides what
+to evict until its new record is renamed into place, so the budget holds for the
+folder as a whole; only writes in flight (temp files, at most one per writer) are
+not counted.
+
+The total is rebuilt from a scan of the folder at start and whenever a process has
+nothing left of its own to evict while the total says the folder is full: a process
+killed between its rename and its update, or ``kvplug store gc`` run beside the
+tiers, costs at most that drift until then. Where the folder cannot hold the file (a
+read-only folder) or cannot lock it, the total is this process's own.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+LEDGER_NAME = ".kvplug-usage"
+
+logger = logging.getLogger("kvplug.tier.disk")
+
+
+class Usage:
+    """The total while the ledger is locked; ``save`` writes it before the lock is released."""
+
+    def __init__(self, ledger: UsageLedger, total: int | None) -> None:
+        self._ledger = ledger
+        #: ``None`` when the file held no valid total: the caller rebuilds it from a scan.
+        self.known = total is not None
+        self.total = total or 0
+
+    def save(self) -> None:
+        self.total = max(0, self.total)
+        self.known = True
+        self._ledger._write(self.total)
+
+
+class UsageLedger:
+    """One folder's shared byte total (see the module docstring)."""
+
+    def __init__(self, root_fd: int) -> None:
+        self._thread_lock = threading.Lock()  # flock is per open file, not per thread
+        self._local = 0
+        self._fd: int | None = None
+        try:
+            fd = os.open(LEDGER_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=root_fd)
+        except OSError as exc:
+            logger.warning("disk tier: no shared usage file (%s); the budget counts this process's records only", exc)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError as exc:
+            os.close(fd)
+            logger.warning("disk tier: cannot lock the usage file (%s); the budget counts this process's records only", exc)
+            return
+        self._fd = fd
+
+    @property
+    def shared(self) -> bool:
+        return self._fd is not None
+
+    @contextmanager
+    def locked(self) -> Iterator[Usage]:
+        """Hold the folder's lock; the yielded total is saved on exit when changed."""
+        with self._thread_lock:
+            if self._fd is not None:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                usage = Usage(self, self._read())
+                before = usage.total if usage.known else None
+                yield usage
+                if usage.total != before:
+                    usage.save()
+            finally:
+                if self._fd is not None:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def peek(self) -> int:
+        """The total without locking (for stats)."""
+        return self._read() or 0
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def _read(self) -> int | None:
+        if self._fd is None:
+            return self._local
+        data = os.pread(self._fd, 8, 0)
+        return int.from_bytes(data, "little") if len(data) == 8 else None
+
+    def _write(self, total: int) -> None:
+        if self._fd is None:
+            self._local = total
+        else:
+            os.pwrite(self._fd, total.to_bytes(8, "little"), 0)
