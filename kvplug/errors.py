@@ -106,6 +106,14 @@ class IncompatibleChunkError(ChunkError):
     """A well-formed chunk of another format version, dtype or shape."""
 
 
+class MissingIntegrityKeyError(IncompatibleChunkError):
+    """A record signed with an integrity key, read by a process that has none.
+
+    A miss, never misread; ``kvplug store gc`` keeps such records for the processes
+    that hold the key.
+    """
+
+
 # --- storage -------------------------------------------------------------------------
 
 

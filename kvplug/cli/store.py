@@ -156,7 +156,7 @@ def _report(verdicts: Counter[str], *, removed: int) -> None:
     table = Table(title="verification")
     table.add_column("records")
     table.add_column("count", justify="right")
-    for status in ("ok", "corrupt", "incompatible", "gone"):
+    for status in ("ok", "corrupt", "incompatible", "unverified", "gone"):
         table.add_row(status, str(verdicts[status]))
     table.add_row("removed", str(removed))
     console.print(table)

@@ -19,11 +19,19 @@ from pydantic_settings import EnvSettingsSource
 
 from kvplug.core.config import KVPlugConfig
 from kvplug.core.plugins import PluginRegistry
+from kvplug.core.record import INTEGRITY_KEY_ENV, INTEGRITY_KEY_FILE_ENV, integrity_key
 from kvplug.errors import ConfigError, ConfigProblem
 
 ENV_PREFIX = "KVPLUG_"
 #: ``KVPLUG_*`` variables that are not config fields.
-RESERVED_ENV = {"KVPLUG_CONFIG", "KVPLUG_PLUGINS", "KVPLUG_TRACE_PLUGINS", "KVPLUG_LOG_LEVEL"}
+RESERVED_ENV = {
+    "KVPLUG_CONFIG",
+    "KVPLUG_PLUGINS",
+    "KVPLUG_TRACE_PLUGINS",
+    "KVPLUG_LOG_LEVEL",
+    INTEGRITY_KEY_ENV,
+    INTEGRITY_KEY_FILE_ENV,
+}
 RESERVED_ENV_PREFIXES = ("KVPLUG_TEST_", "KVPLUG_BENCH_")
 ENGINE_KEY_PREFIX = "kvplug."
 
@@ -47,6 +55,9 @@ def load_config(
 ) -> LoadedConfig:
     """Merge the layers, validate, and resolve every component entry."""
     env = os.environ if env is None else env
+    # The integrity key is process-wide (records are framed far from any config): an
+    # unusable key setting is reported with the config, not on the first record.
+    integrity_key()
     engine_layer, engine_file = engine_config_layer(engine_extra or {})
     layers: list[tuple[str, dict[str, Any]]] = []
     path = engine_file or config_file or env.get("KVPLUG_CONFIG")

@@ -1,8 +1,12 @@
 """The frame a persistent tier wraps around each stored value, without torch.
 
-Tiers store opaque bytes, but a file or object can be torn, truncated, bit-rotted
-or swapped for another key's. Every persistent tier (disk, s3, fsspec) writes::
+Tiers store opaque bytes, but a file or object can be torn, truncated, bit-rotted,
+swapped for another key's, or forged by anyone who can write the store. Every
+persistent tier (disk, s3, fsspec, and remote key-value tiers) writes a 64-byte
+header followed by the value. Two versions exist; which one is written depends on
+whether this process has an integrity key (see :func:`resolve_integrity_key`)::
 
+    version 1 (no integrity key: checksums against accidents, not attackers)
     0   4s  magic b"KVPR"
     4   H   record version (1)
     6   H   header length (64)
@@ -11,26 +15,65 @@ or swapped for another key's. Every persistent tier (disk, s3, fsspec) writes::
     48  Q   xxh3_64 of the value
     56  Q   xxh3_64 of header bytes [0, 56)
 
-followed by the value. :func:`unpack_record` checks all of it and raises
-:class:`kvplug.errors.CorruptChunkError` or ``IncompatibleChunkError``.
+    version 2 (integrity key set: a keyed MAC only holders of the key can compute)
+    0   4s  magic b"KVPR"
+    4   H   record version (2)
+    6   H   header length (64)
+    8   Q   value length
+    16  32s sha256 of the key
+    48  16s keyed blake3 of header bytes [0, 48) and the value (128-bit MAC)
+
+A process with a key reads only version 2 records whose MAC its key reproduces:
+a version 1 record or a bad MAC is :class:`kvplug.errors.CorruptChunkError` (a miss,
+counted, and removed by ``kvplug store gc``). A process without a key reads version 1
+as before and treats version 2 as :class:`kvplug.errors.MissingIntegrityKeyError`
+(an incompatible record: a miss, never misread, kept for the processes that hold
+the key). The key is process-wide, resolved once from the environment, so the
+signatures of the record functions stay as they were.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 import struct
+import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import EllipsisType
 
+import blake3
 import xxhash
 
 from kvplug.core.tier import Buffer
-from kvplug.errors import CorruptChunkError, IncompatibleChunkError
+from kvplug.errors import (
+    ConfigError,
+    ConfigProblem,
+    CorruptChunkError,
+    IncompatibleChunkError,
+    MissingIntegrityKeyError,
+)
 
 RECORD_MAGIC = b"KVPR"
+#: The version written without an integrity key (readable by every kvplug since 0.1).
 RECORD_VERSION = 1
+#: The version written with an integrity key.
+KEYED_RECORD_VERSION = 2
 RECORD_HEADER_SIZE = 64
 _HEADER = struct.Struct("<4sHHQ32sQQ")
-assert _HEADER.size == RECORD_HEADER_SIZE
+_KEYED_HEADER = struct.Struct("<4sHHQ32s16s")
+_PREFIX = struct.Struct("<4sHH")
+_MAC_OFFSET = 48
+_MAC_SIZE = 16
+assert _HEADER.size == _KEYED_HEADER.size == RECORD_HEADER_SIZE
+
+#: Environment variables that give the key: the secret itself, or the path of a file holding it.
+INTEGRITY_KEY_ENV = "KVPLUG_INTEGRITY_KEY"
+INTEGRITY_KEY_FILE_ENV = "KVPLUG_INTEGRITY_KEY_FILE"
+MIN_INTEGRITY_KEY_BYTES = 16
+#: blake3 key derivation context: a key given to kvplug is never used raw.
+_DERIVE_CONTEXT = "kvplug 2026-11 record integrity v2"
 
 
 @dataclass(frozen=True)
@@ -38,10 +81,123 @@ class RecordHeader:
     value_length: int
     key_digest: bytes
     value_checksum: int
+    #: 1: unkeyed checksums; 2: keyed MAC (``value_checksum`` is 0 then).
+    version: int = RECORD_VERSION
 
     @property
     def record_length(self) -> int:
         return RECORD_HEADER_SIZE + self.value_length
+
+
+class IntegrityKey:
+    """A derived 32-byte blake3 key; its repr never shows it."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, material: bytes) -> None:
+        if len(material) < MIN_INTEGRITY_KEY_BYTES:
+            raise ValueError(f"an integrity key needs at least {MIN_INTEGRITY_KEY_BYTES} bytes")
+        self._key = blake3.blake3(material, derive_key_context=_DERIVE_CONTEXT).digest()
+
+    def mac(self, header: Buffer, value: Buffer) -> bytes:
+        hasher = blake3.blake3(key=self._key)
+        hasher.update(header)
+        hasher.update(value)
+        return hasher.digest(length=_MAC_SIZE)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, IntegrityKey) and other._key == self._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        return "IntegrityKey(**********)"
+
+
+def resolve_integrity_key(env: Mapping[str, str] | None = None) -> IntegrityKey | None:
+    """The key from ``KVPLUG_INTEGRITY_KEY`` (the secret) or ``KVPLUG_INTEGRITY_KEY_FILE``.
+
+    A key file must be a regular file that other users cannot read; its content, less
+    a trailing newline, is the key. Raises :class:`kvplug.errors.ConfigError` (never
+    quoting the key) when the setting is unusable.
+    """
+    env = os.environ if env is None else env
+    value, path = env.get(INTEGRITY_KEY_ENV), env.get(INTEGRITY_KEY_FILE_ENV)
+    if value and path:
+        raise _key_error(INTEGRITY_KEY_ENV, "set either KVPLUG_INTEGRITY_KEY or KVPLUG_INTEGRITY_KEY_FILE, not both")
+    if path:
+        material = _read_key_file(path)
+        where = INTEGRITY_KEY_FILE_ENV
+    elif value:
+        material, where = value.encode(), INTEGRITY_KEY_ENV
+    else:
+        return None
+    try:
+        return IntegrityKey(material)
+    except ValueError as exc:
+        raise _key_error(
+            where, f"{exc} (got {len(material)}); e.g. 32 random bytes as hex: openssl rand -hex 32"
+        ) from None
+
+
+def _read_key_file(path: str) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise _key_error(INTEGRITY_KEY_FILE_ENV, f"cannot open the key file {path}: {exc.strerror}", path) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _key_error(INTEGRITY_KEY_FILE_ENV, f"the key file {path} is not a regular file", path)
+        if info.st_mode & 0o077:
+            raise _key_error(
+                INTEGRITY_KEY_FILE_ENV,
+                f"the key file {path} is readable by other users (mode {stat.S_IMODE(info.st_mode):o}); chmod 600 it",
+                path,
+            )
+        material = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    return material.rstrip(b"\r\n")
+
+
+def _key_error(variable: str, message: str, shown: str | None = None) -> ConfigError:
+    return ConfigError(
+        [ConfigProblem(f"env {variable}", shown if shown is not None else "<hidden>", message)], "environment"
+    )
+
+
+_key_lock = threading.Lock()
+_key_resolved = False
+_process_key: IntegrityKey | None = None
+
+
+def integrity_key() -> IntegrityKey | None:
+    """This process's integrity key, resolved from the environment on first use."""
+    global _key_resolved, _process_key
+    if _key_resolved:
+        return _process_key
+    with _key_lock:
+        if not _key_resolved:
+            _process_key = resolve_integrity_key()
+            _key_resolved = True
+    return _process_key
+
+
+def set_integrity_key(key: IntegrityKey | bytes | None | EllipsisType) -> None:
+    """Set this process's key (bytes are key material), ``None`` for no key, ``...`` to re-read the environment.
+
+    For tests and embedders; a deployment sets ``KVPLUG_INTEGRITY_KEY(_FILE)`` instead.
+    Every process sharing a store must use the same key.
+    """
+    global _key_resolved, _process_key
+    with _key_lock:
+        if key is ...:
+            _key_resolved, _process_key = False, None
+            return
+        _process_key = IntegrityKey(key) if isinstance(key, bytes) else key
+        _key_resolved = True
 
 
 def key_digest(key: str) -> bytes:
@@ -49,10 +205,22 @@ def key_digest(key: str) -> bytes:
 
 
 def pack_record_header(key: str, value: Buffer) -> bytes:
-    """The 64-byte header for ``value`` stored under ``key``."""
+    """The 64-byte header for ``value`` stored under ``key`` (keyed when this process has a key)."""
     view = memoryview(value)
+    secret = integrity_key()
+    if secret is not None:
+        prefix = _KEYED_HEADER.pack(
+            RECORD_MAGIC, KEYED_RECORD_VERSION, RECORD_HEADER_SIZE, view.nbytes, key_digest(key), b""
+        )[:_MAC_OFFSET]
+        return prefix + secret.mac(prefix, view)
     body = _HEADER.pack(
-        RECORD_MAGIC, RECORD_VERSION, RECORD_HEADER_SIZE, view.nbytes, key_digest(key), xxhash.xxh3_64_intdigest(view), 0
+        RECORD_MAGIC,
+        RECORD_VERSION,
+        RECORD_HEADER_SIZE,
+        view.nbytes,
+        key_digest(key),
+        xxhash.xxh3_64_intdigest(view),
+        0,
     )
     return body[:56] + struct.pack("<Q", xxhash.xxh3_64_intdigest(body[:56]))
 
@@ -63,29 +231,56 @@ def pack_record(key: str, value: Buffer) -> bytes:
 
 
 def parse_record_header(data: Buffer, key: str | None = None) -> RecordHeader:
-    """Check magic, version, header checksum and (if given) the key; not the value."""
+    """Check magic, version, header checksum and (if given) the key; not the value (nor a MAC)."""
     view = memoryview(data)
     if view.nbytes < RECORD_HEADER_SIZE:
         raise CorruptChunkError(f"record is {view.nbytes} bytes, shorter than its header")
-    magic, version, header_size, length, digest, checksum, header_checksum = _HEADER.unpack_from(view, 0)
+    magic, version, header_size = _PREFIX.unpack_from(view, 0)
     if magic != RECORD_MAGIC:
         raise CorruptChunkError(f"bad record magic {bytes(magic)!r}")
-    if header_checksum != xxhash.xxh3_64_intdigest(view[:56]):
-        raise CorruptChunkError("record header checksum mismatch")
-    if version != RECORD_VERSION or header_size != RECORD_HEADER_SIZE:
-        raise IncompatibleChunkError(f"record version {version} is not {RECORD_VERSION}")
+    secret = integrity_key()
+    if version == KEYED_RECORD_VERSION and header_size == RECORD_HEADER_SIZE:
+        if secret is None:
+            raise MissingIntegrityKeyError(
+                "record is signed with an integrity key and this process has none (set KVPLUG_INTEGRITY_KEY)"
+            )
+        _, _, _, length, digest, _ = _KEYED_HEADER.unpack_from(view, 0)
+        checksum = 0
+    else:
+        _, _, _, length, digest, checksum, header_checksum = _HEADER.unpack_from(view, 0)
+        if header_checksum != xxhash.xxh3_64_intdigest(view[:56]):
+            raise CorruptChunkError("record header checksum mismatch")
+        if version != RECORD_VERSION or header_size != RECORD_HEADER_SIZE:
+            raise IncompatibleChunkError(f"record version {version} is not {RECORD_VERSION}")
+        if secret is not None:
+            # Anyone can compute an unkeyed record: with a key set it proves nothing.
+            raise CorruptChunkError("record has no keyed MAC and this process requires one (integrity key set)")
     if key is not None and digest != key_digest(key):
         raise CorruptChunkError("record was stored under another key")
-    return RecordHeader(length, digest, checksum)
+    return RecordHeader(length, digest, checksum, version)
 
 
 def unpack_record(data: Buffer, key: str | None = None) -> memoryview:
     """The verified value inside a record (a zero-copy view of ``data``)."""
     view = memoryview(data)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
     header = parse_record_header(view, key)
     if view.nbytes != header.record_length:
         raise CorruptChunkError(f"record is {view.nbytes} bytes, header says {header.record_length}")
     value = view[RECORD_HEADER_SIZE:]
-    if xxhash.xxh3_64_intdigest(value) != header.value_checksum:
+    if header.version == KEYED_RECORD_VERSION:
+        secret = integrity_key()
+        assert secret is not None  # parse_record_header refused a keyed record otherwise
+        expected = secret.mac(view[:_MAC_OFFSET], value)
+        if not _same(expected, view[_MAC_OFFSET:RECORD_HEADER_SIZE]):
+            raise CorruptChunkError("record MAC mismatch (forged, damaged, or written with another integrity key)")
+    elif xxhash.xxh3_64_intdigest(value) != header.value_checksum:
         raise CorruptChunkError("record value checksum mismatch")
     return value.toreadonly()
+
+
+def _same(expected: bytes, found: memoryview) -> bool:
+    import hmac
+
+    return hmac.compare_digest(expected, bytes(found))

@@ -14,7 +14,7 @@ from typing import Literal, Protocol, runtime_checkable
 from kvplug.core import chunk_format
 from kvplug.core.record import parse_record_header, unpack_record
 from kvplug.core.tier import Buffer
-from kvplug.errors import CorruptChunkError, IncompatibleChunkError
+from kvplug.errors import CorruptChunkError, IncompatibleChunkError, MissingIntegrityKeyError
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class RecordStore(Protocol):
 class RecordCheck:
     """The verdict on one record; ``dtype``/``shape`` when it holds a KV chunk frame."""
 
-    status: Literal["ok", "corrupt", "incompatible", "gone"]
+    status: Literal["ok", "corrupt", "incompatible", "unverified", "gone"]
     reason: str = ""
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
@@ -62,6 +62,8 @@ def check_record(digest: str, data: Buffer | None) -> RecordCheck:
         if bytes(value[:4]) != chunk_format.MAGIC:
             return RecordCheck("ok", "opaque value (not a KV chunk frame)")
         chunk = chunk_format.verify_frame(value)
+    except MissingIntegrityKeyError as exc:
+        return RecordCheck("unverified", str(exc))
     except IncompatibleChunkError as exc:
         return RecordCheck("incompatible", str(exc))
     except CorruptChunkError as exc:

@@ -1,0 +1,168 @@
+"""Issue 14 item 10: with an integrity key, a forged or re-framed record is a miss, counted.
+
+Without a key anyone who can write a shared folder or bucket can build a record with valid
+checksums; with ``KVPLUG_INTEGRITY_KEY`` every record carries a keyed MAC over its key digest,
+header and value, so only holders of the key can write records the cache will serve.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvplug.core import record
+from kvplug.core.record_store import check_record
+from kvplug.errors import ConfigError, CorruptChunkError, IncompatibleChunkError
+
+KEY = "integrity-key-for-tests-0123456789"
+
+#: Stores prompts A and B through a disk tier, lets a key-less attacker re-frame B's first chunk
+#: under A's first key (a v1 record with valid checksums, and B's own record with A's digest
+#: patched in), then reads A back in a fresh engine. Prints what happened as JSON.
+POISON = textwrap.dedent(
+    """
+    import hashlib, json, struct, sys, torch, xxhash
+    from pathlib import Path
+    from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
+
+    def unkeyed_record(key, value):  # the documented v1 frame, built by hand as an attacker would
+        head = struct.pack("<4sHHQ32sQ", b"KVPR", 1, 64, len(value), hashlib.sha256(key.encode()).digest(),
+                           xxhash.xxh3_64_intdigest(value))
+        return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + value
+
+    folder, attack, phase = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    layout = KVLayout("vllm_flash", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    extra = {"kvplug": {"chunk_size": 8, "store": {"mode": "sync"},
+                        "tiers": [{"type": "disk", "path": str(folder), "writer": "inline"}]}}
+    fingerprint = Fingerprint.for_layout(layout, model_id="m")
+    caches = [torch.randn(2, 32, 4, 2, 8).to(torch.bfloat16) for _ in range(2)]
+    a, b = list(range(16)), list(range(1000, 1016))
+    with CacheEngine(load_config(engine_extra=extra, env={}).config, layout, fingerprint) as engine:
+        if phase == "read":
+            loaded = engine.retrieve(a, caches, torch.arange(16))
+            stats = engine.chain.stats()[0][1]
+            print(json.dumps({"loaded": int(loaded.sum()), "corrupt": stats.extra.get("corrupt", 0), "misses": stats.misses}))
+            sys.exit(0)
+        engine.store(a, caches, torch.arange(16))
+        engine.store(b, caches, torch.arange(16, 32))
+        engine.flush()
+        key_a, key_b = engine.chunk_keys(a)[0].key, engine.chunk_keys(b)[0].key
+    path = lambda key: folder / hashlib.sha256(key.encode()).hexdigest()[:2] / (hashlib.sha256(key.encode()).hexdigest() + ".kvr")
+    stolen = path(key_b).read_bytes()
+    if attack == "reframe":  # what anyone can do without the key
+        path(key_a).write_bytes(unkeyed_record(key_a, stolen[64:]))
+    else:  # keep B's record, claim it is A's
+        forged = bytearray(stolen)
+        forged[16:48] = hashlib.sha256(key_a.encode()).digest()
+        path(key_a).write_bytes(bytes(forged))
+    """
+)
+
+
+def run_poison(tmp_path: Path, attack: str, key: str | None) -> tuple[dict, subprocess.CompletedProcess[str]]:
+    env = dict(os.environ)
+    env.pop("KVPLUG_PLUGINS", None)
+    env.pop("KVPLUG_INTEGRITY_KEY_FILE", None)
+    env.pop("KVPLUG_INTEGRITY_KEY", None)
+    if key is not None:
+        env["KVPLUG_INTEGRITY_KEY"] = key
+    folder = tmp_path / f"store-{attack}-{key is not None}"
+    forge = subprocess.run(
+        [sys.executable, "-c", POISON, str(folder), attack, "forge"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert forge.returncode == 0, forge.stderr
+    verify = subprocess.run(
+        [sys.executable, "-m", "kvplug.cli.main", "store", "verify", str(folder)],
+        env=dict(env, COLUMNS="250"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", POISON, str(folder), attack, "read"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1]), verify
+
+
+@pytest.mark.parametrize("attack", ["reframe", "patch-digest"])
+def test_a_forged_record_is_a_counted_miss_with_a_key(tmp_path: Path, attack: str) -> None:
+    outcome, verify = run_poison(tmp_path, attack, KEY)
+    assert outcome["loaded"] == 0, outcome  # A's first chunk is forged: nothing of A loads
+    assert outcome["corrupt"] >= 1, outcome
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    assert "corrupt" in verify.stdout
+
+
+def test_without_a_key_a_reframed_record_is_served(tmp_path: Path) -> None:
+    """Today's behaviour without a key, as documented: checksums catch accidents, not attackers."""
+    outcome, verify = run_poison(tmp_path, "reframe", None)
+    assert outcome["loaded"] == 16 and outcome["corrupt"] == 0, outcome
+    assert verify.returncode == 0
+
+
+@pytest.fixture
+def keyed():
+    record.set_integrity_key(KEY.encode())
+    yield
+    record.set_integrity_key(...)
+
+
+def test_keyed_records_round_trip_and_bind_key_and_value(keyed: None) -> None:
+    data = record.pack_record("k1", b"value" * 10)
+    assert bytes(record.unpack_record(data, "k1")) == b"value" * 10
+    assert check_record(record.key_digest("k1").hex(), data).status == "ok"
+    with pytest.raises(CorruptChunkError):
+        record.unpack_record(data, "k2")
+    flipped = bytearray(data)
+    flipped[-1] ^= 1
+    with pytest.raises(CorruptChunkError):
+        record.unpack_record(bytes(flipped), "k1")
+    record.set_integrity_key(b"another key, same length......")
+    with pytest.raises(CorruptChunkError):
+        record.unpack_record(data, "k1")
+
+
+def test_records_across_key_settings(keyed: None) -> None:
+    keyed_record = record.pack_record("k", b"v" * 100)
+    record.set_integrity_key(None)
+    plain = record.pack_record("k", b"v" * 100)
+    assert bytes(record.unpack_record(plain, "k")) == b"v" * 100  # no key: today's format, readable
+    with pytest.raises(IncompatibleChunkError, match="integrity key"):
+        record.unpack_record(keyed_record, "k")  # a keyed record without the key: a miss, never misread
+    check = check_record(record.key_digest("k").hex(), keyed_record)
+    assert check.status == "unverified"  # kvplug store gc keeps it
+    record.set_integrity_key(KEY.encode())
+    with pytest.raises(CorruptChunkError, match="no keyed MAC"):
+        record.unpack_record(plain, "k")  # with a key, an unkeyed record is untrusted
+
+
+def test_the_key_comes_from_the_environment_or_a_private_file(tmp_path: Path) -> None:
+    secret_file = tmp_path / "key"
+    secret_file.write_text(KEY + "\n")
+    secret_file.chmod(0o600)
+    from_file = record.resolve_integrity_key({"KVPLUG_INTEGRITY_KEY_FILE": str(secret_file)})
+    assert from_file == record.resolve_integrity_key({"KVPLUG_INTEGRITY_KEY": KEY}) is not None
+    assert record.resolve_integrity_key({}) is None
+    secret_file.chmod(0o644)
+    with pytest.raises(ConfigError, match="readable by other users"):
+        record.resolve_integrity_key({"KVPLUG_INTEGRITY_KEY_FILE": str(secret_file)})
+    with pytest.raises(ConfigError, match="at least 16") as info:
+        record.resolve_integrity_key({"KVPLUG_INTEGRITY_KEY": "short"})
+    assert "short" not in str(info.value)
+    with pytest.raises(ConfigError, match="not both"):
+        record.resolve_integrity_key({"KVPLUG_INTEGRITY_KEY": KEY, "KVPLUG_INTEGRITY_KEY_FILE": str(secret_file)})
