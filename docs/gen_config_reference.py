@@ -6,6 +6,7 @@ from pydantic import BaseModel
 
 from kvplug.core.config import KVPlugConfig, StoreSettings
 from kvplug.core.tier import TierConfig
+from kvplug_compress import FP8Serializer, LZ4Serializer, ZstdSerializer
 from kvplug_cpu import CPUTier
 
 HEADER = """# Config reference
@@ -18,6 +19,23 @@ and mappings as JSON: `KVPLUG_TIERS='[{"type":"cpu"}]'`), the engine's extra con
 `kvplug config show` prints the effective values and their sources.
 
 Sizes take `8GiB`, `512MB`, `1.5GB` or a byte count.
+"""
+
+SERIALIZERS = """
+## Serializer
+
+`serializer: {type: raw}` (core) stores each chunk's bytes behind a checksummed header.
+kvplug-compress adds `zstd` and `lz4` (lossless, bit exact: byte planes compressed
+apart) and `int8` and `fp8` (lossy, opt-in: one scale per group of `group_size`
+elements, error bound in plugins/kvplug_compress/README.md).
+
+The serializer is one per engine, not per tier: every tier stores the same frame, so a
+key names one byte format, a hit promoted from a slow tier to a fast one is copied as
+it is (no transcoding), and engines sharing a tier agree on what a key holds. With a
+compressing serializer the cpu tier holds compressed frames too (int8/fp8: about twice
+the chunks per budget; zstd/lz4: loads pay the decompression). The serializer's name
+and its options that change the stored bytes are part of the key fingerprint, so
+chunks are never read by another serializer or setting.
 """
 
 
@@ -50,6 +68,9 @@ def render() -> str:
         table("`store`", StoreSettings, "store."),
         table("Options every tier takes (`kvplug.TierConfig`)", TierConfig),
         table("Tier `cpu` (kvplug-cpu)", CPUTier.Config, skip=set(TierConfig.model_fields) - {"max_bytes"}),
+        SERIALIZERS,
+        table("Serializers `zstd` and `lz4` (kvplug-compress; lz4's `level`: 0 fast, 1-12 HC)", ZstdSerializer.Config, "serializer."),
+        table("Serializers `int8` and `fp8` (kvplug-compress)", FP8Serializer.Config, "serializer."),
         "\nOther plugins document their options in their README; `kvplug config validate`\n"
         "lists the allowed keys of any installed component when one is misspelled.",
     ]

