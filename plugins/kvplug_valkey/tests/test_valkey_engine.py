@@ -1,0 +1,104 @@
+"""A CacheEngine with tiers [cpu, valkey] on a real valkey-server: exact KV round trips
+(a second engine hits from valkey and promotes to cpu), a config from YAML, and a lookup
+through a hung valkey tier that returns within the engine's lookup budget."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch  # the engine needs torch; the tier itself does not
+
+from kvplug import CacheEngine, Fingerprint, KVLayout, get_registry, load_config
+
+from conftest import FAST_FAILING, fresh_prefix
+from fault_proxy import SilentListener
+
+LAYOUT = KVLayout("vllm_flash", num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+NUM_BLOCKS = 24
+
+
+def caches(seed: int) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, NUM_BLOCKS, 4, 2, 8, generator=generator).to(torch.bfloat16) for _ in range(3)]
+
+
+def engine_for(valkey: dict[str, Any], **settings: Any) -> CacheEngine:
+    extra = {
+        "kvplug.chunk_size": 8,
+        "kvplug.store.mode": "sync",
+        "kvplug.tiers": [{"type": "cpu", "max_bytes": "64MiB"}, {"type": "valkey", **valkey}],
+        **{f"kvplug.{name}": value for name, value in settings.items()},
+    }
+    config = load_config(engine_extra=extra, env={}).config
+    return CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="valkey-test"), registry=get_registry())
+
+
+def gathered(engine: CacheEngine, kv: list, slots: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(engine.layout.chunk_shape(slots.numel()), dtype=LAYOUT.dtype)
+    engine.connector.gather(kv, slots, out)
+    return out.view(torch.uint8)
+
+
+def tier_stats(engine: CacheEngine) -> dict:
+    return {label.split(":", 1)[1]: stats for label, stats in engine.chain.stats()}
+
+
+def test_kv_round_trips_through_valkey_and_promotes_to_cpu(valkey_server) -> None:
+    valkey = {"url": valkey_server.url, "key_prefix": fresh_prefix()}
+    tokens = list(range(1000, 1040))
+    source, src_slots = caches(1), torch.randperm(NUM_BLOCKS * 4)[:40]
+    first = engine_for(valkey)
+    try:
+        assert first.store(tokens, source, src_slots) == 40
+        first.flush()  # the valkey tier is written by its async writer
+        stats = tier_stats(first)
+        assert stats["valkey"].puts == 5 and stats["cpu"].items == 5
+    finally:
+        first.close()
+
+    second = engine_for(valkey)  # a fresh process-like engine: empty cpu tier, same server and prefix
+    try:
+        assert second.lookup(tokens) == 40
+        target, dst_slots = caches(2), torch.randperm(NUM_BLOCKS * 4)[:40]
+        assert bool(second.retrieve(tokens, target, dst_slots).all())
+        assert torch.equal(gathered(second, source, src_slots), gathered(second, target, dst_slots))
+        second.flush()
+        stats = tier_stats(second)
+        assert stats["valkey"].hits == 5 and stats["cpu"].items == 5  # promoted
+    finally:
+        second.close()
+
+
+def test_config_from_yaml(valkey_server, tmp_path: Path) -> None:
+    path = tmp_path / "kvplug.yaml"
+    path.write_text(f"chunk_size: 8\ntiers:\n  - {{type: valkey, url: redis://127.0.0.1:{valkey_server.port}}}\n")
+    config = load_config(config_file=path, env={}).config
+    engine = CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="yaml"), registry=get_registry())
+    try:
+        tokens = list(range(16))
+        kv, slots = caches(4), torch.arange(16)
+        assert engine.store(tokens, kv, slots) == 16
+        engine.flush()
+        assert engine.lookup(tokens) == 16
+    finally:
+        engine.close()
+
+
+def test_lookup_through_a_hung_valkey_returns_within_the_budget(valkey_server) -> None:
+    """The cpu tier holds nothing; valkey accepts connections and never answers. The
+    lookup must end within lookup_timeout_ms (200 ms) plus a margin, every time."""
+    listener = SilentListener()
+    engine = engine_for({"url": listener.url, **FAST_FAILING, "request_timeout_s": 2.0})
+    try:
+        tokens = list(range(5000, 5040))
+        times = []
+        for _ in range(5):
+            started = time.monotonic()
+            assert engine.lookup(tokens) == 0
+            times.append(time.monotonic() - started)
+        assert max(times) < 0.2 + 0.3, times  # budget + margin for a loaded CI machine
+    finally:
+        engine.close()
+        listener.close()

@@ -1,0 +1,195 @@
+"""A valkey server that is killed, hung, slow, refusing, behind a wrong password or
+full: requests keep being answered within a bound, the breaker opens and then a
+lookup costs well under a millisecond with no network traffic, and the tier recovers
+by itself when the fault goes away."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvplug.testing import key_for, value_for
+from kvplug_valkey import ValkeyTier
+from kvplug_valkey.testing import ValkeyServer, free_port
+
+from conftest import FAST_FAILING
+from fault_proxy import FaultProxy, SilentListener
+
+#: "Answers instead of hanging": well above the worst case of FAST_FAILING
+#: (2 attempts x 0.3 s + backoff), generous for a loaded 2-core CI machine.
+ANSWER_BOUND_S = 2.5
+KEYS = [key_for(f"fault-{i}") for i in range(6)]
+VALUES = [value_for(f"fault-{i}", 20_000 + i) for i in range(6)]
+
+
+def timed(call: Callable, *args: object) -> tuple[object, float]:
+    started = time.monotonic()
+    result = call(*args)
+    return result, time.monotonic() - started
+
+
+def as_bytes(values: list) -> list:
+    return [None if v is None else bytes(v) for v in values]
+
+
+def open_breaker_lookup_cost_s(tier: ValkeyTier) -> float:
+    """Median seconds of one contains() while the breaker is open."""
+    samples = []
+    for _ in range(200):
+        _, seconds = timed(tier.contains, KEYS)
+        samples.append(seconds)
+    return statistics.median(samples)
+
+
+def assert_down_behaviour(tier: ValkeyTier, traffic: Callable[[], object] | None) -> None:
+    """Misses within the bound, breaker open, cheap lookups, stores dropped, no traffic."""
+    for _ in range(3):  # the first calls pay the failing attempts; later ones are short-circuited
+        got, seconds = timed(tier.get, KEYS)
+        assert got == [None] * len(KEYS), tier.stats()
+        assert seconds < ANSWER_BOUND_S, (seconds, tier.stats())
+    extra = tier.stats().extra
+    assert extra["breaker_state"] == "open" and extra["breaker_opens"] >= 1, extra
+    before = None if traffic is None else traffic()
+    assert tier.contains(KEYS) == [False] * len(KEYS)
+    cost = open_breaker_lookup_cost_s(tier)
+    assert cost < 0.001, f"a lookup with the breaker open took {cost * 1e3:.3f} ms"
+    tier.put([(key_for("during-fault"), b"x" * 100)])
+    after = tier.stats().extra
+    assert after["dropped_puts"] == extra["dropped_puts"] + 1
+    assert after["short_circuited"] >= extra["short_circuited"] + 200 * len(KEYS)
+    if traffic is not None:
+        assert traffic() == before, "an open breaker must not touch the network"
+
+
+def wait_for_hits(tier: ValkeyTier, deadline_s: float = 20.0) -> list:
+    """Read until every key hits again (the breaker's probe must get through)."""
+    stop = time.monotonic() + deadline_s
+    while True:
+        got = as_bytes(tier.get(KEYS))
+        if all(v is not None for v in got) or time.monotonic() > stop:
+            return got
+        time.sleep(0.1)
+
+
+def assert_recovers(tier: ValkeyTier, *, store_again: bool = False) -> None:
+    if store_again:  # a server restarted without persistence is empty: stores must get through again
+        stop = time.monotonic() + 20
+        while tier.stats().extra["breaker_state"] != "closed" and time.monotonic() < stop:
+            tier.contains(KEYS)
+            time.sleep(0.1)
+        tier.put(list(zip(KEYS, VALUES)))
+    assert wait_for_hits(tier) == VALUES, tier.stats()
+    assert tier.stats().extra["breaker_state"] == "closed", tier.stats()
+
+
+@pytest.fixture
+def proxied(own_server: ValkeyServer) -> Iterator[FaultProxy]:
+    own_server.start()
+    proxy = FaultProxy(own_server.port, delay_s=1.0)
+    yield proxy
+    proxy.close()
+
+
+@pytest.mark.parametrize("fault", ["hang", "delay", "refuse"])
+def test_network_fault_gives_misses_opens_the_breaker_and_recovers(fault: str, proxied: FaultProxy, tiers) -> None:
+    tier = tiers(proxied.url, **FAST_FAILING)
+    tier.put(list(zip(KEYS, VALUES)))
+    assert as_bytes(tier.get(KEYS)) == VALUES
+    proxied.set_mode(fault)
+    assert_down_behaviour(tier, proxied.traffic)
+    proxied.set_mode("pass")
+    assert_recovers(tier)
+
+
+def test_server_killed_then_restarted(tmp_path: Path, tiers) -> None:
+    """SIGKILL mid-run; the server comes back with its data (appendonly, fsync always) and hits return."""
+    server = ValkeyServer(tmp_path / "aof", appendonly=True).start()
+    try:
+        proxy = FaultProxy(server.port)
+        try:
+            tier = tiers(proxy.url, **FAST_FAILING)
+            tier.put(list(zip(KEYS, VALUES)))
+            server.kill()
+            assert_down_behaviour(tier, proxy.traffic)
+            server.start()
+            assert_recovers(tier)
+        finally:
+            proxy.close()
+    finally:
+        server.kill()
+
+
+def test_server_paused_sigstop_then_resumed(own_server: ValkeyServer, tiers) -> None:
+    """The real server stops answering (SIGSTOP) but keeps its sockets: a hung store."""
+    own_server.start()
+    tier = tiers(own_server.url, **FAST_FAILING)
+    tier.put(list(zip(KEYS, VALUES)))
+    own_server.pause()
+    assert_down_behaviour(tier, None)
+    own_server.resume()
+    assert_recovers(tier)
+
+
+def test_hung_listener_from_the_start(tiers) -> None:
+    """A listener that accepts and never answers: the first lookup is bounded, then the breaker holds."""
+    listener = SilentListener()
+    try:
+        tier = tiers(listener.url, **FAST_FAILING)
+        assert_down_behaviour(tier, None)
+    finally:
+        listener.close()
+
+
+def test_refused_at_start_then_a_server_appears(tmp_path: Path, tiers) -> None:
+    port = free_port()
+    tier = tiers(f"redis://127.0.0.1:{port}/0", **FAST_FAILING)
+    assert_down_behaviour(tier, None)
+    server = ValkeyServer(tmp_path / "late", port=port).start()
+    try:
+        assert_recovers(tier, store_again=True)
+    finally:
+        server.kill()
+
+
+def test_wrong_password_opens_the_breaker_without_retries(tmp_path: Path, tiers) -> None:
+    server = ValkeyServer(tmp_path / "auth", password="right-secret-1").start()
+    try:
+        wrong = tiers(server.url, password="wrong-secret-2", **FAST_FAILING)
+        assert_down_behaviour(wrong, None)
+        assert wrong.stats().extra["retries"] == 0  # a credential error is permanent: never retried
+        assert "wrong-secret-2" not in repr(wrong.config) and "wrong-secret-2" not in str(wrong.stats())
+        missing = tiers(server.url, **FAST_FAILING)  # no password at all: NOAUTH
+        assert missing.get(KEYS) == [None] * len(KEYS)
+        right = tiers(server.url, password="right-secret-1", **FAST_FAILING)
+        right.put(list(zip(KEYS, VALUES)))
+        assert as_bytes(right.get(KEYS)) == VALUES
+    finally:
+        server.kill()
+
+
+def test_full_server_drops_stores_counted_and_keeps_serving(tmp_path: Path, tiers) -> None:
+    """maxmemory tiny + noeviction: SETs answer OOM. Stores are dropped and counted, the
+    breaker stays closed (the server is healthy), and what is stored still hits."""
+    server = ValkeyServer(tmp_path / "full", maxmemory="4mb", maxmemory_policy="noeviction").start()
+    try:
+        tier = tiers(server.url, **FAST_FAILING)
+        tier.put(list(zip(KEYS, VALUES)))
+        assert as_bytes(tier.get(KEYS)) == VALUES
+        filler = [(key_for(f"fill-{i}"), value_for(f"fill-{i}", 512 * 1024)) for i in range(16)]
+        for item in filler:
+            tier.put([item])
+        extra = tier.stats().extra
+        assert extra["oom_dropped_puts"] >= 4 and extra["dropped_puts"] >= extra["oom_dropped_puts"], extra
+        assert extra["breaker_state"] == "closed" and extra["failures"] == 0, extra
+        assert as_bytes(tier.get(KEYS)) == VALUES  # still answering, and right
+        stored = tier.contains([key for key, _ in filler])
+        assert 0 < sum(stored) < len(filler)
+        for (key, value), present in zip(filler, stored):
+            got = tier.get([key])[0]
+            assert (got is not None) == present and (got is None or bytes(got) == value)
+    finally:
+        server.kill()
