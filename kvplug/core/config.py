@@ -8,7 +8,9 @@ does both, after merging the layers (see :mod:`kvplug.core.config_loader`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt, PrivateAttr, ValidationError
@@ -57,6 +59,12 @@ class StoreSettings(CheckedModel):
         default="async", description="async: a worker thread writes; sync: the caller does."
     )
     queue_max_batches: PositiveInt = Field(default=64, description="Bound of the store queue.")
+    queue_max_bytes: ByteSize = Field(
+        default=ByteSize(256 * 1024**2),
+        gt=0,
+        description="Bound of the store queue in bytes of chunk data (queued and being written); "
+        "past it a store waits or drops as on_full says, as for a full queue.",
+    )
     on_full: Literal["block", "drop"] = Field(
         default="block", description="When the queue is full: wait (up to block_timeout_s) or drop."
     )
@@ -138,6 +146,8 @@ class KVPlugConfig(CheckedModel):
                 continue
             spec._options = _validate_options(spec, component.Config, path, problems)
         _check_distinct_locations(self.tiers, problems)
+        if not problems:
+            _check_memory_budgets(self, registry, problems)
         if problems:
             raise ConfigError(problems)
         self._resolved = True
@@ -232,3 +242,50 @@ def _unknown_type_message(concern: str, name: str, available: Mapping[str, type]
     if registry.load_errors:
         message += "; plugins that failed to load: " + ", ".join(e.plugin for e in registry.load_errors)
     return message
+
+
+def physical_memory() -> tuple[int, str]:
+    """Bytes of memory this process can have, and what limits it: the machine's RAM, or a
+    smaller cgroup limit (a container)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    what = "physical memory"
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            total, what = int(text), f"the cgroup memory limit ({limit_file})"
+        break
+    return total, what
+
+
+def _check_memory_budgets(config: KVPlugConfig, registry: PluginRegistry, problems: list[ConfigProblem]) -> None:
+    """In-memory tiers' budgets plus the store queue must fit in memory: past it, the
+    engine is killed (ENOMEM, the OOM killer) long after the config was accepted."""
+    classes = registry.components("storage_tier")
+    held: list[tuple[str, int]] = []
+    for index, spec in enumerate(config.tiers):
+        component = classes.get(spec.type)
+        budget = getattr(spec._options, "max_bytes", None)
+        if component is not None and getattr(component, "keeps_buffers", False) and budget:
+            held.append((f"tiers[{index}].max_bytes", int(budget)))
+    queue = int(config.store.queue_max_bytes) if config.store.mode == "async" else 0
+    wanted = sum(budget for _, budget in held) + queue
+    available, what = physical_memory()
+    if held and wanted > available:
+        path, budget = held[-1]
+        problems.append(
+            ConfigProblem(
+                path,
+                budget,
+                f"in-memory tiers' max_bytes ({' + '.join(_gib(b) for _, b in held)}) plus store.queue_max_bytes "
+                f"({_gib(queue)}) need {_gib(wanted)}, more than {what} of this machine: {_gib(available)}; "
+                "lower max_bytes",
+            )
+        )
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 1024**3:.2f} GiB"
+

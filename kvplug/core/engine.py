@@ -90,6 +90,8 @@ class CacheEngine:
                 "kvplug-store",
                 self._write_batch,
                 max_items=config.store.queue_max_batches,
+                max_bytes=int(config.store.queue_max_bytes),
+                size_of=lambda batch: sum(memoryview(frame).nbytes for _, frame, _ in batch),
                 on_full=config.store.on_full,
                 block_timeout_s=config.store.block_timeout_s,
                 on_drop=lambda batch: self.metrics.store_dropped.labels("engine").inc(),

@@ -33,6 +33,11 @@ class TierConfig(ComponentConfig):
     write_queue_items: PositiveInt = Field(
         default=1024, description="Bound of the async writer's queue, in batches."
     )
+    write_queue_bytes: ByteSize = Field(
+        default=ByteSize(256 * 1024**2),
+        gt=0,
+        description="Bound of the async writer's queue in bytes of values (queued and being written).",
+    )
     on_queue_full: Literal["block", "drop"] = Field(
         default="drop", description="What an async writer does when its queue is full."
     )

@@ -38,6 +38,10 @@ class _Slot:
     writer: BackgroundWorker[Items] | None
 
 
+def _items_bytes(items: Items) -> int:
+    return sum(memoryview(value).nbytes for _, value in items)
+
+
 class TierChain:
     """Tiers fastest first; see the module docstring for the semantics."""
 
@@ -58,6 +62,8 @@ class TierChain:
                     f"kvplug-writer-{label}",
                     functools.partial(self._put_missing_at, index),
                     max_items=getattr(tier.config, "write_queue_items", 1024),
+                    max_bytes=int(getattr(tier.config, "write_queue_bytes", 256 * 2**20)),
+                    size_of=_items_bytes,
                     on_full=getattr(tier.config, "on_queue_full", "drop"),
                     on_drop=lambda items, label=label: self.metrics.store_dropped.labels(label).inc(),
                 )

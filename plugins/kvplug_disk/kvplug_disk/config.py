@@ -41,6 +41,12 @@ class DiskTierConfig(TierConfig):
     queue_items: PositiveInt = Field(
         default=64, description="Bound of the background writer's queue, in put batches."
     )
+    queue_bytes: ByteSize = Field(
+        default=ByteSize(256 * 1024**2),
+        gt=0,
+        description="Bound of the background writer's queue in bytes of values (queued and being written): "
+        "queued values are held in memory until written.",
+    )
     block_timeout_s: PositiveFloat = Field(
         default=30.0, description="With on_queue_full: block, a put waits this long for room, then drops."
     )

@@ -96,6 +96,8 @@ class DiskTier(StorageTier):
                 f"kvplug-disk-writer:{config.path}",
                 self._write_batch,
                 max_items=config.queue_items,
+                max_bytes=int(config.queue_bytes),
+                size_of=lambda writes: sum(memoryview(write.value).nbytes for write in writes),
                 on_full=config.on_queue_full,
                 block_timeout_s=config.block_timeout_s,
                 on_drop=self._forget_pending,
