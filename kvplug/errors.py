@@ -35,6 +35,17 @@ class PluginLoadError(PluginError):
         )
 
 
+class PluginRejectedError(PluginError):
+    """A plugin loaded but is not used: a misspelled hook, a hook that raised, or a
+    plugin built for another kvplug plugin API."""
+
+    def __init__(self, plugin: str, distribution: str, reason: str) -> None:
+        self.plugin = plugin
+        self.distribution = distribution
+        self.reason = reason
+        super().__init__(f"plugin {plugin!r} (distribution {distribution}) is not used: {reason}")
+
+
 class DuplicateComponentError(PluginError):
     """Two plugins provide a component of the same concern under the same name."""
 

@@ -15,11 +15,14 @@ from kvplug.errors import DuplicateComponentError, InvalidComponentError
 from kvplug_cpu import CPUTier
 
 
-def make_distribution(site: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str]) -> None:
+def make_distribution(
+    site: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str], requires: tuple[str, ...] = ()
+) -> None:
     """A real installed distribution on ``site``: a dist-info with entry points, and modules."""
     info = site / f"{dist.replace('-', '_')}-1.2.3.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2.3\n")
+    requirements = "".join(f"Requires-Dist: {r}\n" for r in requires)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2.3\n{requirements}")
     (info / "entry_points.txt").write_text("[kvplug]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points.items()))
     for name, code in modules.items():
         (site / f"{name}.py").write_text(code)
@@ -127,7 +130,7 @@ def test_trace_logs_hook_calls(tmp_path: Path) -> None:
     code = "import logging; logging.basicConfig(level=logging.INFO); from kvplug.core.plugins import PluginRegistry; PluginRegistry().storage_tiers()"
     env = dict(os.environ, KVPLUG_TRACE_PLUGINS="1")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    assert "call kvplug_storage_tiers" in result.stderr and "CPUTier" in result.stderr
+    assert "kvplug_storage_tiers [hook]" in result.stderr and "CPUTier" in result.stderr
 
 
 def test_events_reach_observers_and_their_errors_are_contained() -> None:
@@ -152,3 +155,50 @@ def test_events_reach_observers_and_their_errors_are_contained() -> None:
     registry.register(Faulty, "faulty")
     registry.emit(KVEvent("stored", ("k",)))
     assert seen == ["stored"]
+
+
+def test_a_misspelled_hook_is_reported_by_name_and_the_others_load(tmp_path: Path) -> None:
+    code = "import kvplug\n@kvplug.hookimpl\ndef kvplug_storage_tier():\n    return []\n"
+    make_distribution(tmp_path, "kvplug-typo", {"typo": "typo_tier"}, {"typo_tier": code})
+    result = run_kvplug(tmp_path, "plugins")
+    output = " ".join(result.stdout.split()) + " ".join(result.stderr.split())
+    assert result.returncode == 1
+    assert "plugin 'typo' (distribution kvplug-typo) is not used" in output
+    assert "kvplug_storage_tier" in output and "unknown hook" in output
+    assert "storage_tier: cpu" in result.stdout
+
+
+def test_a_hook_that_raises_is_reported_by_name_and_the_others_load(tmp_path: Path) -> None:
+    code = "import kvplug\n@kvplug.hookimpl\ndef kvplug_storage_tiers():\n    raise RuntimeError('disk on fire')\n"
+    make_distribution(tmp_path, "kvplug-raises", {"raises": "raising_tier"}, {"raising_tier": code})
+    result = run_kvplug(tmp_path, "plugins")
+    output = " ".join(result.stdout.split()) + " ".join(result.stderr.split())
+    assert result.returncode == 1
+    assert "plugin 'raises' (distribution kvplug-raises) is not used" in output
+    assert "kvplug_storage_tiers() raised RuntimeError: disk on fire" in output
+    assert "storage_tier: cpu" in result.stdout
+
+
+def test_a_plugin_built_for_another_api_is_refused_naming_both_versions(tmp_path: Path) -> None:
+    import kvplug
+
+    make_distribution(
+        tmp_path,
+        "kvplug-ancient",
+        {"ancient": "ancient_tier"},
+        {"ancient_tier": TIER_MODULE.format(cls="AncientTier", name="ancient")},
+        requires=("kvplug>=0.1,<0.2",),
+    )
+    make_distribution(
+        tmp_path,
+        "kvplug-current",
+        {"current": "current_tier"},
+        {"current_tier": TIER_MODULE.format(cls="CurrentTier", name="current")},
+        requires=(f"kvplug>={kvplug.__version__}",),
+    )
+    result = run_kvplug(tmp_path, "plugins")
+    output = " ".join(result.stdout.split()) + " ".join(result.stderr.split())
+    assert result.returncode == 1
+    assert "plugin 'ancient' (distribution kvplug-ancient) is not used" in output
+    assert f"built for kvplug<0.2,>=0.1 (plugin API), and this is kvplug {kvplug.__version__}" in output
+    assert "storage_tier: current" in result.stdout and "storage_tier: ancient" not in result.stdout

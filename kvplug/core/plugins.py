@@ -3,6 +3,12 @@
 Core's builtins register through the same manager as entry-point plugins (like
 pytest's default plugins); ``KVPLUG_PLUGINS`` limits which entry points load.
 Core code asks ``registry.storage_tiers()`` rather than calling ``pm.hook.*``.
+
+A plugin is used only if it fits: its distribution's requirement on ``kvplug``
+admits this version (the plugin API follows semantic versions: plugins declare
+``kvplug>=0.2,<0.3``), every hook it implements exists (pluggy's
+``check_pending``), and its hooks do not raise. A plugin that does not fit is
+reported by name in ``load_errors`` and ``kvplug plugins``; the others still load.
 """
 
 from __future__ import annotations
@@ -12,14 +18,23 @@ import importlib
 import logging
 import os
 from dataclasses import dataclass, field
-from importlib.metadata import EntryPoint, entry_points
-from typing import Any
+from importlib.metadata import Distribution, EntryPoint, entry_points
+from typing import TYPE_CHECKING, Any, cast
 
 import pluggy
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
+from kvplug.core.components import EngineAdapter
 from kvplug.core.events import KVEvent
-from kvplug.errors import DuplicateComponentError, InvalidComponentError, PluginLoadError
+from kvplug.core.tier import StorageTier
+from kvplug.errors import DuplicateComponentError, InvalidComponentError, PluginError, PluginLoadError, PluginRejectedError
 from kvplug.hookspecs import PROJECT_NAME, SPEC_MODULES
+
+if TYPE_CHECKING:
+    from kvplug.core.connector import KVConnector
+    from kvplug.core.serializer import Serializer
 
 logger = logging.getLogger("kvplug.plugins")
 
@@ -39,6 +54,7 @@ KNOWN_COMPONENTS: dict[tuple[str, str], str] = {
     ("storage_tier", "cpu"): "kvplug-cpu",
     ("storage_tier", "disk"): "kvplug-disk",
     ("storage_tier", "s3"): "kvplug-s3",
+    ("storage_tier", "valkey"): "kvplug-valkey",
     ("kv_connector", "cuda"): "kvplug-cuda",
     ("engine_adapter", "vllm"): "kvplug-vllm",
     ("engine_adapter", "sglang"): "kvplug-sglang",
@@ -65,9 +81,12 @@ class PluginRegistry:
         for module in SPEC_MODULES:
             self.pm.add_hookspecs(module)
         self._infos: dict[str, PluginInfo] = {}
-        self.load_errors: list[PluginLoadError] = []
-        tracing = os.environ.get("KVPLUG_TRACE_PLUGINS", "") not in ("", "0")
-        self._trace = logging.getLogger("kvplug.trace") if tracing else None
+        self.load_errors: list[PluginError] = []
+        if os.environ.get("KVPLUG_TRACE_PLUGINS", "") not in ("", "0"):
+            # pluggy's own hook-call monitoring: every call, its arguments and its result.
+            self.pm.trace.root.setwriter(logging.getLogger("kvplug.trace").info)
+            self.pm.enable_tracing()
+        self._callers: dict[tuple[str, str], Any] = {}
         self._register_builtins()
         if load_entry_points:
             if plugin_filter is None:
@@ -78,19 +97,40 @@ class PluginRegistry:
 
     # --- registration ---------------------------------------------------------------
 
-    def register(self, plugin: object, name: str, *, distribution: str = "(in-process)", version: str = "") -> None:
-        """Register a plugin object or module by hand (tests, embedding)."""
-        self.pm.register(plugin, name=name)
-        self._infos[name] = PluginInfo(name, distribution, version, builtin=False)
+    def register(self, plugin: object, name: str, *, distribution: str = "(in-process)", version: str = "") -> bool:
+        """Register a plugin object or module by hand (tests, embedding).
+
+        ``False`` (and an entry in ``load_errors``) when the plugin implements a hook
+        kvplug does not define, or with a signature that does not match the spec.
+        """
         self._components = None
+        return self._add(plugin, name, PluginInfo(name, distribution, version, builtin=False))
+
+    def _add(self, plugin: object, name: str, info: PluginInfo) -> bool:
+        self._infos[name] = info
+        self._callers.clear()  # a subset caller made before knows nothing of this plugin
+        try:
+            self.pm.register(plugin, name=name)
+            self.pm.check_pending()  # a misspelled hook name is an error, not silence
+        except pluggy.PluginValidationError as exc:
+            if self.pm.has_plugin(name):
+                self.pm.unregister(name=name)
+            self._reject(info, f"{exc}")
+            return False
+        return True
+
+    def _reject(self, info: PluginInfo, reason: str) -> None:
+        error = PluginRejectedError(info.name, info.distribution, reason)
+        logger.error("%s", error)
+        self.load_errors.append(error)
+        info.error = str(error)
 
     def _register_builtins(self) -> None:
         from kvplug import __version__
         from kvplug.builtins import BUILTIN_PLUGINS
 
         for module_path in BUILTIN_PLUGINS:
-            self.pm.register(importlib.import_module(module_path), name=module_path)
-            self._infos[module_path] = PluginInfo(module_path, "kvplug", __version__, builtin=True)
+            self._add(importlib.import_module(module_path), module_path, PluginInfo(module_path, "kvplug", __version__, builtin=True))
 
     def _load_entry_points(self, allowed: set[str] | None) -> None:
         for entry_point in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name):
@@ -99,6 +139,12 @@ class PluginRegistry:
             if self.pm.has_plugin(entry_point.name) or self.pm.is_blocked(entry_point.name):
                 continue
             distribution, version = _distribution_of(entry_point)
+            incompatible = _api_mismatch(getattr(entry_point, "dist", None))
+            if incompatible:
+                info = PluginInfo(entry_point.name, distribution, version, builtin=False)
+                self._infos[entry_point.name] = info
+                self._reject(info, incompatible)
+                continue
             try:
                 plugin = entry_point.load()
             except Exception as exc:  # a broken plugin must not take kvplug down
@@ -109,35 +155,33 @@ class PluginRegistry:
                     entry_point.name, distribution, version, builtin=False, error=str(error)
                 )
                 continue
-            self.pm.register(plugin, name=entry_point.name)
-            self._infos[entry_point.name] = PluginInfo(entry_point.name, distribution, version, builtin=False)
+            self._add(plugin, entry_point.name, PluginInfo(entry_point.name, distribution, version, builtin=False))
 
-    def _call(self, hook_name: str, impl: Any, **kwargs: Any) -> Any:
-        """Call one plugin's implementation; with KVPLUG_TRACE_PLUGINS=1, log call and result.
-
-        Implementations are called one by one (not through ``pm.hook``) so every
-        component and every failure is attributed to the plugin that caused it.
-        """
-        if self._trace is None:
-            return impl.function(**kwargs)
-        self._trace.info("call %s(%s) on plugin %s", hook_name, kwargs or "", impl.plugin_name)
-        result = impl.function(**kwargs)
-        self._trace.info("  %s of %s -> %r", hook_name, impl.plugin_name, result)
-        return result
+    def _call(self, hook_name: str, plugin_name: str, **kwargs: Any) -> Any:
+        """Call one plugin's implementation of a hook, through pluggy (so its tracing
+        sees the call), so every component and every failure is attributed to the
+        plugin that caused it."""
+        caller = self._callers.get((hook_name, plugin_name))
+        if caller is None:
+            others = [plugin for name, plugin in self.pm.list_name_plugin() if name != plugin_name]
+            caller = self.pm.subset_hook_caller(hook_name, remove_plugins=others)
+            self._callers[(hook_name, plugin_name)] = caller
+        results = caller(**kwargs)
+        return results[0] if results else None
 
     # --- typed facade ---------------------------------------------------------------
 
-    def serializers(self) -> dict[str, type]:
-        return dict(self._collect()["serializer"])
+    def serializers(self) -> dict[str, type[Serializer]]:
+        return cast("dict[str, type[Serializer]]", dict(self._collect()["serializer"]))
 
-    def storage_tiers(self) -> dict[str, type]:
-        return dict(self._collect()["storage_tier"])
+    def storage_tiers(self) -> dict[str, type[StorageTier]]:
+        return cast("dict[str, type[StorageTier]]", dict(self._collect()["storage_tier"]))
 
-    def kv_connectors(self) -> dict[str, type]:
-        return dict(self._collect()["kv_connector"])
+    def kv_connectors(self) -> dict[str, type[KVConnector]]:
+        return cast("dict[str, type[KVConnector]]", dict(self._collect()["kv_connector"]))
 
-    def engine_adapters(self) -> dict[str, type]:
-        return dict(self._collect()["engine_adapter"])
+    def engine_adapters(self) -> dict[str, type[EngineAdapter]]:
+        return cast("dict[str, type[EngineAdapter]]", dict(self._collect()["engine_adapter"]))
 
     def components(self, concern: str) -> dict[str, type]:
         return dict(self._collect()[concern])
@@ -155,7 +199,7 @@ class PluginRegistry:
         """Deliver an event to ``kvplug_on_event`` observers; their errors are logged."""
         for impl in self.pm.hook.kvplug_on_event.get_hookimpls():
             try:
-                self._call("kvplug_on_event", impl, event=event)
+                self._call("kvplug_on_event", impl.plugin_name, event=event)
             except Exception:
                 logger.exception("kvplug_on_event of plugin %s failed", impl.plugin_name)
 
@@ -169,7 +213,12 @@ class PluginRegistry:
             for impl in reversed(getattr(self.pm.hook, hook_name).get_hookimpls()):
                 info = self._infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "?", "", False)
                 provider = f"{info.distribution} {info.version}".strip()
-                for component in self._call(hook_name, impl) or []:
+                try:
+                    components = self._call(hook_name, impl.plugin_name) or []
+                except Exception as exc:  # a broken plugin must not take the others down
+                    self._reject(info, f"{hook_name}() raised {type(exc).__name__}: {exc}")
+                    continue
+                for component in components:
                     name = _component_name(component, impl.plugin_name, hook_name)
                     if name in found[concern]:
                         raise DuplicateComponentError(concern, name, self._origins[(concern, name)], provider)
@@ -198,6 +247,28 @@ def _parse_filter(value: str | None) -> set[str] | None:
     return {part.strip() for part in value.split(",") if part.strip()}
 
 
+def _api_mismatch(dist: Distribution | None) -> str | None:
+    """Why a plugin's distribution does not fit this kvplug, or ``None`` when it does.
+
+    The plugin API follows semantic versions; a plugin states the range it was built
+    for in its requirement on ``kvplug`` (``kvplug>=0.2,<0.3``).
+    """
+    from kvplug import __version__
+
+    for text in (dist.requires or []) if dist is not None else []:
+        try:
+            requirement = Requirement(text)
+        except InvalidRequirement:
+            continue
+        if canonicalize_name(requirement.name) != PROJECT_NAME:
+            continue
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        if requirement.specifier and not requirement.specifier.contains(Version(__version__), prereleases=True):
+            return f"it was built for kvplug{requirement.specifier} (plugin API), and this is kvplug {__version__}"
+    return None
+
+
 def _distribution_of(entry_point: EntryPoint) -> tuple[str, str]:
     dist = getattr(entry_point, "dist", None)
     if dist is None:
@@ -207,9 +278,5 @@ def _distribution_of(entry_point: EntryPoint) -> tuple[str, str]:
 
 @functools.lru_cache(maxsize=1)
 def get_registry() -> PluginRegistry:
-    """The process-wide registry, built on first use. ``reset_registry`` rebuilds it."""
+    """The process-wide registry, built on first use."""
     return PluginRegistry()
-
-
-def reset_registry() -> None:
-    get_registry.cache_clear()
