@@ -24,12 +24,42 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from kvplug import FailureKind, classify_failure
+
 from kvplug_s3.config import S3TierConfig
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 #: Stores where writing one object is atomic by themselves (a PUT replaces the
 #: object whole); others get temp-and-rename.
 ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gcs", "gs", "az", "abfs", "abfss", "oci", "oss", "memory"})
+#: S3 error codes that say the location itself is unusable: s3fs turns them into
+#: FileNotFoundError like a missing key, but every key of the tier will fail alike.
+_LOCATION_ERROR_CODES = frozenset({"NoSuchBucket", "AllAccessDisabled", "AccountProblem", "NotSignedUp"})
+
+
+def s3_error_code(exc: BaseException) -> str | None:
+    """The S3 error code (``NoSuchKey``, ``NoSuchBucket``, ...) behind an exception
+    that s3fs translated, found on the botocore error it chained; ``None`` when none."""
+    seen: BaseException | None = exc
+    for _ in range(5):  # s3fs chains one level; a little more is harmless
+        if seen is None:
+            return None
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            if code:
+                return str(code)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def classify_s3_failure(exc: BaseException) -> FailureKind:
+    """Like :func:`kvplug.classify_failure`, but a missing bucket (and an account that
+    cannot be used) is a failure that counts towards the breaker, not an absent key:
+    otherwise every lookup would pay a round trip to learn the same thing forever."""
+    if s3_error_code(exc) in _LOCATION_ERROR_CODES:
+        return "permanent"
+    return classify_failure(exc)
 
 
 @dataclass(frozen=True)
@@ -93,10 +123,34 @@ class AsyncObjectStore(ObjectStore):
         await self.fs._pipe_file(path, data)
 
     async def size(self, path: str) -> int:
+        if hasattr(self.fs, "_s3"):
+            return await self._s3_size(path)
         info = await self.fs._info(path)
         if info.get("type") == "directory":
             raise FileNotFoundError(path)
         return int(info.get("size") or 0)
+
+    async def _s3_size(self, path: str) -> int:
+        # One ranged GET is one round trip, hit or miss: s3fs's _info would HEAD and,
+        # on a miss, list the prefix as a possible directory (a second round trip).
+        # A GET (unlike a HEAD) also tells a missing key from a missing bucket.
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range="bytes=0-0")
+        except OSError as exc:
+            if s3_error_code(exc) in ("InvalidRange", "416"):  # an empty object has no byte 0
+                return 0
+            raise
+        body = response["Body"]
+        try:
+            await body.read()
+        finally:
+            body.close()
+        content_range = str(response.get("ContentRange") or "")  # "bytes 0-0/<size>"
+        total = content_range.rpartition("/")[2]
+        if total.isdigit():
+            return int(total)
+        return int(response.get("ContentLength") or 0)
 
     async def delete(self, path: str) -> None:
         await self.fs._rm_file(path)
@@ -104,7 +158,9 @@ class AsyncObjectStore(ObjectStore):
     async def listing(self) -> list[StoredObject]:
         try:
             found = await self.fs._find(self.root, detail=True)
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
+            if s3_error_code(exc) in _LOCATION_ERROR_CODES:
+                raise  # no bucket is a failure, not an empty prefix
             return []
         return self._objects(found)
 

@@ -40,7 +40,7 @@ from kvplug.errors import (
     ValueTooLargeError,
 )
 
-from kvplug_s3.backend import AsyncObjectStore, ObjectStore, StoredObject, open_object_store
+from kvplug_s3.backend import AsyncObjectStore, ObjectStore, StoredObject, classify_s3_failure, open_object_store
 from kvplug_s3.config import S3TierConfig
 from kvplug_s3.frames import FrameBuffers
 from kvplug_s3.index import SizeIndex
@@ -68,7 +68,7 @@ class S3Tier(StorageTier):
         super().__init__(config, context)
         self.config: S3TierConfig = config
         self._where = re.sub(r"://[^/@]*@", "://", config.url)  # never show credentials in a URL
-        self._calls = RemoteCalls(self.name, config, context, where=self._where)
+        self._calls = RemoteCalls(self.name, config, context, where=self._where, classify=classify_s3_failure)
         try:
             self._store: ObjectStore = open_object_store(config, self._calls.loop.loop)
         except Exception as exc:
@@ -165,7 +165,11 @@ class S3Tier(StorageTier):
             for key, digest in zip(keys, digests):
                 value = latest[key]
                 # One buffer per object (a PUT body): the value is copied once.
-                frame = self._frames.frame(key, value) if self._frames else b"".join((pack_record_header(key, value), value))
+                frame = (
+                    self._frames.frame(key, value)
+                    if self._frames
+                    else b"".join((pack_record_header(key, value), value))
+                )
                 frames.append(frame)
                 yield self._store.path_for(digest), frame
 

@@ -1,4 +1,5 @@
-"""Fixtures of the s3 tier tests: one real S3 server (moto) for the session."""
+"""Fixtures of the s3 tier tests: real S3 servers for the session, moto's and
+SeaweedFS's S3 gateway, both on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from s3_helpers import BUCKET, MotoS3
+from seaweedfs import SeaweedS3
 
 
 @pytest.fixture(scope="session")
@@ -17,6 +19,22 @@ def moto_s3() -> Iterator[MotoS3]:
     server.client().create_bucket(Bucket=BUCKET)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweed_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    """SeaweedFS (master, volume, filer, S3 gateway) on 127.0.0.1, with the test bucket;
+    it checks request signatures against one identity (s3_helpers' keys)."""
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs"))
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(params=["moto", "seaweedfs"])
+def s3_server(request: pytest.FixtureRequest) -> MotoS3 | SeaweedS3:
+    """Each real S3 server in turn."""
+    return request.getfixturevalue("moto_s3" if request.param == "moto" else "seaweed_s3")
 
 
 @pytest.fixture

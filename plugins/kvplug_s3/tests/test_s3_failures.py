@@ -1,0 +1,121 @@
+"""What a lookup costs on S3, counted at a TCP proxy on 127.0.0.1 in front of a real
+S3 server (moto and SeaweedFS): a miss is one request; a missing bucket, wrong
+credentials and refused connections are failures that open the breaker, after
+which lookups make no request at all."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from kvplug.testing import key_for, tier_context, value_for
+from kvplug_s3 import S3Tier
+from kvplug_s3.tier import object_digest
+
+from s3_helpers import FAST_FAILING, FaultProxy, MotoS3, free_port, make_s3_tier, s3_options
+from seaweedfs import SeaweedS3, listening_addresses
+
+KEYS = [key_for(f"trip-{i}") for i in range(4)]
+VALUES = [value_for(f"trip-{i}", 30_000 + i) for i in range(4)]
+
+
+@pytest.fixture
+def counting_proxy(s3_server: MotoS3 | SeaweedS3) -> Iterator[FaultProxy]:
+    proxy = FaultProxy(s3_server.port)
+    yield proxy
+    proxy.close()
+
+
+def requests_made(proxy: FaultProxy, call, *args):
+    before = dict(proxy.requests)
+    result = call(*args)
+    made = {m: n - before.get(m, 0) for m, n in proxy.requests.items() if n != before.get(m, 0)}
+    return result, made
+
+
+def test_a_lookup_costs_one_request_per_key_hit_or_miss(counting_proxy: FaultProxy) -> None:
+    tier = make_s3_tier(counting_proxy.endpoint)
+    try:
+        tier.flush()  # the start-up listing is not a lookup
+        tier.put([(KEYS[0], VALUES[0])])
+        assert requests_made(counting_proxy, tier.contains, [KEYS[1]]) == ([False], {"GET": 1})
+        assert requests_made(counting_proxy, tier.get, [KEYS[1]]) == ([None], {"GET": 1})
+        assert requests_made(counting_proxy, tier.contains, [KEYS[0]]) == ([True], {"GET": 1})
+        got, made = requests_made(counting_proxy, tier.get, [KEYS[0]])
+        assert bytes(got[0]) == VALUES[0] and made == {"GET": 1}
+        assert requests_made(counting_proxy, tier.contains, KEYS) == ([True, False, False, False], {"GET": 4})
+        _, made = requests_made(counting_proxy, tier.put, [(KEYS[1], VALUES[1])])
+        assert made == {"PUT": 1}
+        assert tier.stats().extra["breaker_state"] == "closed"
+    finally:
+        tier.close()
+
+
+def test_an_empty_object_is_not_held(counting_proxy: FaultProxy, s3_server: MotoS3 | SeaweedS3) -> None:
+    """A zero-byte object (no byte 0 to read) under a key's name is "not held", not an error."""
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    tier = make_s3_tier(counting_proxy.endpoint, prefix)
+    try:
+        path = tier._store.path_for(object_digest(KEYS[2]))
+        bucket, key = path.split("/", 1)
+        s3_server.client().put_object(Bucket=bucket, Key=key, Body=b"")
+        assert tier.contains([KEYS[2]]) == [False]
+        assert tier.stats().extra["failures"] == 0
+    finally:
+        tier.close()
+
+
+def assert_fails_then_costs_nothing(tier: S3Tier, proxy: FaultProxy | None) -> None:
+    threshold = FAST_FAILING["breaker_failures"]
+    for _ in range(threshold):
+        assert tier.get(KEYS[:1]) == [None]
+        if tier.stats().extra["breaker_state"] == "open":
+            break
+    stats = tier.stats().extra
+    assert stats["breaker_state"] == "open" and stats["failures"] >= threshold, stats
+    before = proxy.total_requests() if proxy else 0
+    for _ in range(20):
+        assert tier.contains(KEYS) == [False] * len(KEYS)
+        assert tier.get(KEYS) == [None] * len(KEYS)
+    tier.put([(KEYS[0], VALUES[0])])
+    after = tier.stats().extra
+    assert after["short_circuited"] >= 20 * 2 * len(KEYS) and after["dropped_puts"] >= 1, after
+    assert (proxy.total_requests() if proxy else 0) == before, "an open breaker must not send requests"
+
+
+def test_a_missing_bucket_opens_the_breaker(counting_proxy: FaultProxy) -> None:
+    options = s3_options(counting_proxy.endpoint, **FAST_FAILING, breaker_cooldown_s=60.0)
+    options["url"] = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/p"
+    tier = S3Tier(S3Tier.Config(**options), tier_context())
+    try:
+        assert_fails_then_costs_nothing(tier, counting_proxy)
+    finally:
+        tier.close()
+
+
+def test_wrong_credentials_open_the_breaker(seaweed_s3: SeaweedS3) -> None:
+    """SeaweedFS checks signatures (moto's server accepts any key)."""
+    proxy = FaultProxy(seaweed_s3.port)
+    tier = make_s3_tier(proxy.endpoint, secret_access_key="not-the-secret", **FAST_FAILING, breaker_cooldown_s=60.0)
+    try:
+        assert_fails_then_costs_nothing(tier, proxy)
+    finally:
+        tier.close()
+        proxy.close()
+
+
+def test_refused_connections_open_the_breaker() -> None:
+    tier = make_s3_tier(f"http://127.0.0.1:{free_port()}", **FAST_FAILING, breaker_cooldown_s=60.0)
+    try:
+        assert_fails_then_costs_nothing(tier, None)
+    finally:
+        tier.close()
+
+
+def test_seaweedfs_listens_on_loopback_only(seaweed_s3: SeaweedS3) -> None:
+    assert seaweed_s3.process is not None
+    found = listening_addresses(seaweed_s3.process.pid)
+    assert {port for _, port in found} >= set(seaweed_s3.ports.values()), (found, seaweed_s3.ports)
+    assert all(address == "127.0.0.1" for address, _ in found), found
