@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import kvplug
-
 from kvplug_compress.lossless import LZ4Serializer, ZstdSerializer
 from kvplug_compress.quantized import FP8Serializer, Int8Serializer
 

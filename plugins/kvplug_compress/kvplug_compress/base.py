@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from abc import abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import kvplug
 import torch
-from kvplug.errors import CorruptChunkError
 
+import kvplug
+from kvplug.errors import CorruptChunkError
 from kvplug_compress import frame as kvpc
 
 
@@ -32,16 +32,18 @@ def tensor_over(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...], offset:
     return flat.view(dtype).view(shape)
 
 
-@dataclass
-class StagedChunk:
-    """An unsealed frame: the chunk's plain tensor bytes, in memory from the engine's frame pool.
+def staged_frame(buffer: Any, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+    """An unsealed frame: the chunk's plain bytes in ``buffer`` (from the engine's frame pool).
 
-    The connector gathers straight into ``tensor``; :meth:`CompressingSerializer.seal`
-    encodes it into a new, smaller buffer, after which this one goes back to the pool.
+    The connector gathers straight into it; :meth:`CompressingSerializer.seal` encodes it
+    into a new, smaller buffer, after which this one goes back to the pool. It is a
+    ctypes array over ``buffer`` because the engine measures queued frames with
+    ``memoryview`` (a plain object has no buffer protocol before Python 3.12), and it
+    carries the chunk's shape and dtype as attributes.
     """
-
-    buffer: Any
-    tensor: torch.Tensor
+    frame = (ctypes.c_ubyte * memoryview(buffer).nbytes).from_buffer(buffer)
+    frame.kvplug_chunk = (tuple(shape), dtype)
+    return frame
 
 
 class CompressingSerializer(kvplug.Serializer):
@@ -64,14 +66,17 @@ class CompressingSerializer(kvplug.Serializer):
         self, shape: tuple[int, ...], dtype: torch.dtype, new_buffer: Callable[[int], Any] = bytearray
     ) -> tuple[Any, torch.Tensor]:
         nbytes = kvpc.itemsize_of(dtype_name(dtype)) * int(torch.Size(shape).numel())
-        buffer = new_buffer(nbytes)
-        tensor = tensor_over(buffer, dtype, shape)
-        return StagedChunk(buffer, tensor), tensor
+        frame = staged_frame(new_buffer(nbytes), shape, dtype)
+        return frame, tensor_over(frame, dtype, shape)
 
     def seal(self, frame: Any) -> memoryview:
-        if not isinstance(frame, StagedChunk):
-            raise TypeError(f"serializer {self.name!r} seals frames from its own allocate(), got {type(frame).__name__}")
-        sealed = self.encode(frame.tensor)
+        chunk = getattr(frame, "kvplug_chunk", None)
+        if chunk is None:
+            raise TypeError(
+                f"serializer {self.name!r} seals frames from its own allocate(), got {type(frame).__name__}"
+            )
+        shape, dtype = chunk
+        sealed = self.encode(tensor_over(frame, dtype, shape))
         kvpc.seal(sealed)
         return memoryview(sealed).toreadonly()
 
@@ -115,7 +120,9 @@ class CompressingSerializer(kvplug.Serializer):
             tensor_over(out, tensor.dtype, tuple(tensor.shape), kvpc.HEADER_SIZE).copy_(tensor)
         return out
 
-    def new_frame(self, tensor: torch.Tensor, encoding: int, payload_length: int, *, param_a: int, param_b: int) -> bytearray:
+    def new_frame(
+        self, tensor: torch.Tensor, encoding: int, payload_length: int, *, param_a: int, param_b: int
+    ) -> bytearray:
         """A frame buffer with its header written (checksum zero) and room for the payload."""
         header = kvpc.pack_header(
             self.name,
@@ -129,4 +136,3 @@ class CompressingSerializer(kvplug.Serializer):
         out = bytearray(kvpc.HEADER_SIZE + payload_length)
         out[: kvpc.HEADER_SIZE] = header
         return out
-

@@ -32,6 +32,7 @@ import struct
 from dataclasses import dataclass
 
 import xxhash
+
 from kvplug.errors import CorruptChunkError, IncompatibleChunkError
 
 MAGIC = b"KVPC"
@@ -168,9 +169,7 @@ def verify(data: bytes | bytearray | memoryview, codec: str) -> FrameHeader:
     return FrameHeader(written_by, dtype, tuple(dims[:ndim]), encoding, param_a, param_b, length, checksum)
 
 
-def check_expected(
-    header: FrameHeader, expected_shape: tuple[int, ...] | None, expected_dtype: str | None
-) -> None:
+def check_expected(header: FrameHeader, expected_shape: tuple[int, ...] | None, expected_dtype: str | None) -> None:
     """``IncompatibleChunkError`` if the frame holds another dtype or shape than the reader wants."""
     if expected_dtype is not None and header.dtype != expected_dtype:
         raise IncompatibleChunkError(f"chunk dtype {header.dtype}, expected {expected_dtype}")

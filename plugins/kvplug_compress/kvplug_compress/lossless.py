@@ -28,9 +28,9 @@ from typing import Any, ClassVar, TypeVar
 import lz4.block
 import torch
 import zstandard
-from kvplug.errors import CorruptChunkError
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvplug.errors import CorruptChunkError
 from kvplug_compress import frame as kvpc
 from kvplug_compress.base import CompressingSerializer, tensor_over
 
@@ -123,11 +123,18 @@ class LosslessSerializer(CompressingSerializer):
             offsets.append(position)
             position += length & ~_RAW_PLANE
         if position != payload.nbytes:
-            raise CorruptChunkError(f"planes take {position - table_bytes} bytes, payload has {payload.nbytes - table_bytes}")
+            raise CorruptChunkError(
+                f"planes take {position - table_bytes} bytes, payload has {payload.nbytes - table_bytes}"
+            )
         buffer = bytearray(numel * itemsize)
         out = tensor_over(buffer, torch.uint8, (numel * itemsize,))
         jobs = [
-            (out, span, itemsize, [(payload, offsets[i * itemsize + p], lengths[i * itemsize + p]) for p in range(itemsize)])
+            (
+                out,
+                span,
+                itemsize,
+                [(payload, offsets[i * itemsize + p], lengths[i * itemsize + p]) for p in range(itemsize)],
+            )
             for i, span in enumerate(bounds)
         ]
         self._map(self._decompress_segment, jobs)
@@ -151,7 +158,9 @@ class LosslessSerializer(CompressingSerializer):
             result.append((len(packed), packed) if len(packed) < count else (count | _RAW_PLANE, raw))
         return result
 
-    def _decompress_segment(self, job: tuple[torch.Tensor, tuple[int, int], int, list[tuple[memoryview, int, int]]]) -> None:
+    def _decompress_segment(
+        self, job: tuple[torch.Tensor, tuple[int, int], int, list[tuple[memoryview, int, int]]]
+    ) -> None:
         out, (start, end), itemsize, planes = job
         count = end - start
         target = out[start * itemsize : end * itemsize].view(count, itemsize)

@@ -27,9 +27,9 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from kvplug.errors import CorruptChunkError
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvplug.errors import CorruptChunkError
 from kvplug_compress import frame as kvpc
 from kvplug_compress.base import CompressingSerializer, tensor_over
 
@@ -93,7 +93,9 @@ class QuantizedSerializer(CompressingSerializer):
         groups = math.ceil(width / group)
         scale_bytes = rows * groups * torch.empty((), dtype=scale_dtype).element_size()
         if payload.nbytes != scale_bytes + rows * width:
-            raise CorruptChunkError(f"payload is {payload.nbytes} bytes, {rows}x{width} codes in groups of {group} need {scale_bytes + rows * width}")
+            raise CorruptChunkError(
+                f"payload is {payload.nbytes} bytes, {rows}x{width} codes in groups of {group} need {scale_bytes + rows * width}"
+            )
         scales = tensor_over(payload, scale_dtype, (rows, groups)).float()
         codes = tensor_over(payload, self.code_dtype, (rows, width), scale_bytes).float()
         padded = F.pad(codes, (0, groups * group - width)).view(rows, groups, group)

@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import kvplug
 import pytest
 import torch
+
+import kvplug
 from kvplug.errors import ConfigError
 
 LAYOUT = kvplug.KVLayout("vllm_flash", num_layers=3, block_size=4, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
@@ -38,7 +39,7 @@ def slots(blocks: range) -> torch.Tensor:
 
 def store(path: Path, serializer: dict[str, Any], source: list[torch.Tensor]) -> None:
     with engine(path, serializer) as writer:
-        assert writer.store(TOKENS, source, slots(range(0, 8))) == len(TOKENS)
+        assert writer.store(TOKENS, source, slots(range(8))) == len(TOKENS)
         writer.flush()
 
 
@@ -71,7 +72,7 @@ def test_lossy_chunks_come_back_close_from_disk(tmp_path: Path, serializer: dict
     store(tmp_path, serializer, source)
     hit, target = retrieve(tmp_path, serializer)
     assert hit == len(TOKENS)
-    expected, got = blocks_of(source, range(0, 8)), blocks_of(target, range(8, 16))
+    expected, got = blocks_of(source, range(8)), blocks_of(target, range(8, 16))
     relative = ((got - expected).norm() / expected.norm()).item()
     assert 0 < relative < (0.01 if serializer["type"] == "int8" else 0.05)
 

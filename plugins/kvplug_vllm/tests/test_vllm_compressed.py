@@ -14,7 +14,14 @@ from typing import Any
 import pytest
 from conftest import CHUNK_SIZE, kv_config, output, report, step
 
-STEPS = [step("P1"), step("P1"), step("P5"), step("P5"), step("P6", params={"kvplug.save_unfull_chunk": True}), step("P6")]
+STEPS = [
+    step("P1"),
+    step("P1"),
+    step("P5"),
+    step("P5"),
+    step("P6", params={"kvplug.save_unfull_chunk": True}),
+    step("P6"),
+]
 WARM = {1: "P1", 3: "P5", 5: "P6"}
 
 
@@ -50,14 +57,18 @@ def test_warm_prompts_are_served_from_the_disk_tier(which: str, request: pytest.
     assert all(b"KVPC" in f and codec in f for f in frames)  # the compressed frame of that serializer
 
 
-def test_zstd_outputs_equal_the_run_without_connector(zstd_run: tuple[dict[str, Any], Path], baseline: dict[str, list[int]]) -> None:
+def test_zstd_outputs_equal_the_run_without_connector(
+    zstd_run: tuple[dict[str, Any], Path], baseline: dict[str, list[int]]
+) -> None:
     result, _ = zstd_run
     for index, name in WARM.items():
         assert output(result, index) == baseline[name], name
         assert output(result, index - 1) == baseline[name], name
 
 
-def test_int8_token_agreement_is_reported(int8_run: tuple[dict[str, Any], Path], baseline: dict[str, list[int]], record_property: Any) -> None:
+def test_int8_token_agreement_is_reported(
+    int8_run: tuple[dict[str, Any], Path], baseline: dict[str, list[int]], record_property: Any
+) -> None:
     result, _ = int8_run
     pairs = [(a, b) for index, name in WARM.items() for a, b in zip(output(result, index), baseline[name])]
     agreement = sum(a == b for a, b in pairs) / len(pairs)
