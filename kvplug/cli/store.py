@@ -9,6 +9,9 @@ fail verification or are of another format version.
 from __future__ import annotations
 
 import datetime
+import os
+import re
+import stat
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,9 +42,42 @@ def tier_type_for(location: str) -> str:
     return "disk"
 
 
+_SHARD_NAME = re.compile(r"[0-9a-f]{2}")
+
+
+def require_disk_store(path: str, location: str) -> None:
+    """Refuse, before anything is opened or created, a folder that no disk tier wrote.
+
+    Opening a disk tier creates its 256 shard folders: pointed at the wrong folder
+    (a typo, a home directory) ``kvplug store`` would litter it. A disk store is a
+    folder holding shard folders ``00``..``ff`` (links are not followed).
+    """
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError([ConfigProblem("location", location, f"not a kvplug store: {why}")])
+
+    try:
+        info = os.stat(path)  # a link to the store folder is fine; links inside it are not followed
+    except FileNotFoundError:
+        raise refuse("no such folder") from None
+    except (OSError, ValueError) as exc:
+        raise refuse(f"cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise refuse("not a folder")
+    try:
+        with os.scandir(path) as entries:
+            shards = sum(1 for e in entries if _SHARD_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
+    except OSError as exc:
+        raise refuse(f"cannot list it ({exc.strerror})") from None
+    if not shards:
+        raise refuse("the folder has no shard folders 00..ff, so no disk tier wrote it; nothing was created")
+
+
 @contextmanager
 def open_store(location: str, endpoint_url: str | None = None) -> Iterator[StorageTier]:
     kind = tier_type_for(location)
+    if kind == "disk":
+        require_disk_store(location.removeprefix("file://"), location)
     tiers = get_registry().storage_tiers()
     if kind not in tiers:
         package = KNOWN_COMPONENTS[("storage_tier", kind)]
