@@ -1,0 +1,237 @@
+"""A real Mooncake Store cluster on 127.0.0.1 for tests: ``mooncake_master`` (with its
+built-in HTTP metadata server) and one standalone storage process (``mooncake_client``).
+
+Mooncake's binaries (0.3.13) listen on the wildcard address for part of their
+sockets whatever their flags say: the master's HTTP metadata server, and every
+client's transfer-engine RPC and TCP data ports (the kvplug process's own client
+included). :class:`MooncakeCluster` therefore refuses to start outside a network
+namespace whose only interface is loopback, where a wildcard socket cannot be
+reached from, or send to, any other address. Run the tests under one::
+
+    unshare --net sh -c 'ip link set lo up && python -m pytest plugins/kvplug_mooncake/tests'
+
+(root, or a user namespace: ``unshare --user --map-root-user --net``). Every flag
+that takes an address is still set to 127.0.0.1, and so is ``MC_TCP_BIND_ADDRESS``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+LOOPBACK = "127.0.0.1"
+NETNS_HINT = "unshare --net sh -c 'ip link set lo up && <command>'"
+
+
+class LoopbackOnlyError(RuntimeError):
+    """This process can reach interfaces other than loopback: Mooncake must not run here."""
+
+
+def require_loopback_only_network() -> None:
+    """Raise :class:`LoopbackOnlyError` unless loopback is this process's only network interface
+    (and it is up)."""
+    names = [name for _, name in socket.if_nameindex()]
+    if names != ["lo"]:
+        raise LoopbackOnlyError(
+            f"mooncake's binaries listen on the wildcard address; this network namespace has interfaces {names}. "
+            f"Run inside a loopback-only namespace: {NETNS_HINT}"
+        )
+    with socket.socket() as probe:
+        try:
+            probe.bind((LOOPBACK, 0))
+        except OSError as exc:
+            raise LoopbackOnlyError(f"loopback is not up ({exc}); run `ip link set lo up` first") from None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def _binary(name: str) -> str:
+    import mooncake
+
+    path = Path(mooncake.__file__).parent / name
+    if path.exists():
+        return str(path)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found: pip install mooncake-transfer-engine-non-cuda")
+    return found
+
+
+def mooncake_env() -> dict[str, str]:
+    return dict(os.environ, MC_TCP_BIND_ADDRESS=LOOPBACK)
+
+
+class MooncakeCluster:
+    """``mooncake_master`` + one ``mooncake_client`` storage process on 127.0.0.1.
+
+    ``segment_size`` is the storage process's segment ("256MB" by default); a small
+    one makes a full store. ``lease_ttl_ms`` is the master's object lease.
+    """
+
+    def __init__(self, workdir: str | Path, *, segment_size: str = "256MB", lease_ttl_ms: int = 1000) -> None:
+        self.workdir = Path(workdir)
+        self.segment_size = segment_size
+        self.lease_ttl_ms = lease_ttl_ms
+        self.rpc_port = free_port()
+        self.metadata_port = free_port()
+        self.metrics_port = free_port()
+        self.client_port = free_port()
+        self.master: subprocess.Popen[bytes] | None = None
+        self.storage: subprocess.Popen[bytes] | None = None
+        self._logs: list[Any] = []
+
+    # --- addresses ------------------------------------------------------------------
+
+    @property
+    def master_address(self) -> str:
+        return f"{LOOPBACK}:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://{LOOPBACK}:{self.metadata_port}/metadata"
+
+    @property
+    def tier_options(self) -> dict[str, Any]:
+        """Options for ``{type: mooncake, ...}`` that reach this cluster."""
+        return {"master": self.master_address, "metadata_server": self.metadata_server, "local_hostname": LOOPBACK}
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> MooncakeCluster:
+        require_loopback_only_network()
+        os.environ["MC_TCP_BIND_ADDRESS"] = LOOPBACK  # the kvplug process's own client
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.start_master()
+        self.start_storage()
+        return self
+
+    def start_master(self) -> None:
+        command = [
+            _binary("mooncake_master"),
+            f"--rpc_address={LOOPBACK}",
+            f"--rpc_port={self.rpc_port}",
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_host={LOOPBACK}",
+            f"--http_metadata_server_port={self.metadata_port}",
+            f"--metrics_host={LOOPBACK}",
+            f"--metrics_port={self.metrics_port}",
+            f"--default_kv_lease_ttl={self.lease_ttl_ms}",
+            "--client_ttl=3",
+            "--rpc_thread_num=2",
+            "--logtostderr",
+        ]
+        self.master = self._spawn("master", command)
+        self._wait_for_port(self.rpc_port, self.master, "mooncake_master")
+        self._wait_for_port(self.metadata_port, self.master, "mooncake_master (HTTP metadata)")
+
+    def start_storage(self) -> None:
+        command = [
+            _binary("mooncake_client"),
+            f"--host={LOOPBACK}",
+            f"--port={self.client_port}",
+            f"--master_server_address={self.master_address}",
+            f"--metadata_server={self.metadata_server}",
+            f"--global_segment_size={self.segment_size}",
+            "--protocol=tcp",
+            "--logtostderr",
+        ]
+        self.storage = self._spawn("storage", command)
+        self._wait_for_port(self.client_port, self.storage, "mooncake_client")
+        self.wait_until_mounted()
+
+    def wait_until_mounted(self, timeout_s: float = 20.0) -> None:
+        """Until the master reports storage capacity (the storage process mounted its segment)."""
+        deadline = time.monotonic() + timeout_s
+        url = f"http://{LOOPBACK}:{self.metrics_port}/metrics"
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url, timeout=1) as response:  # noqa: S310 - loopback only
+                    text = response.read().decode(errors="replace")
+                for line in text.splitlines():
+                    if line.startswith("master_total_capacity_bytes") and float(line.split()[-1]) > 0:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"the storage process did not mount its segment within {timeout_s} s")
+
+    def kill(self, *, storage: bool = True) -> None:
+        """SIGKILL the master (and the storage process)."""
+        for process in (self.master, self.storage if storage else None):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(10)
+
+    def restart(self) -> None:
+        """Kill whatever still runs and start master and storage again on the same ports."""
+        self.kill()
+        self.start_master()
+        self.start_storage()
+
+    def pause(self) -> None:
+        """SIGSTOP the master: it accepts connections and never answers."""
+        assert self.master is not None
+        self.master.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.master is not None
+        self.master.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        for process in (self.storage, self.master):
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+                process.terminate()
+                try:
+                    process.wait(5)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(5)
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+    def __enter__(self) -> MooncakeCluster:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # --- plumbing -------------------------------------------------------------------
+
+    def _spawn(self, role: str, command: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / f"{role}.log", "ab")  # noqa: SIM115 - closed in stop()
+        self._logs.append(log)
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=mooncake_env(), cwd=self.workdir)
+
+    def _wait_for_port(self, port: int, process: subprocess.Popen[bytes], what: str, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"{what} exited with {process.returncode}; see {self.workdir}")
+            try:
+                with socket.create_connection((LOOPBACK, port), timeout=0.5):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"{what} did not listen on {LOOPBACK}:{port} within {timeout_s} s")
+
+
+if __name__ == "__main__":  # pragma: no cover - a manual check
+    with MooncakeCluster(sys.argv[1] if len(sys.argv) > 1 else "/tmp/kvplug-mooncake") as cluster:
+        print(cluster.tier_options)

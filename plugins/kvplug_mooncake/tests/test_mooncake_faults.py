@@ -1,0 +1,168 @@
+"""Tier ``mooncake`` when the store fails for real: processes killed, hung (SIGSTOP),
+nothing listening, a full segment. Requests keep being answered within their
+deadlines, an open breaker costs < 1 ms per lookup, and the tier recovers by itself."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvplug import call_budget
+from kvplug.testing import key_for, value_for
+from kvplug_mooncake.testing import MooncakeCluster, free_port
+
+#: Quick failure detection, so each test takes seconds, not minutes.
+FAST = {"request_timeout_s": 0.5, "retries": 0, "breaker_failures": 2, "breaker_cooldown_s": 1.0, "setup_timeout_s": 3.0}
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A cluster of its own: these tests kill it."""
+    with MooncakeCluster(tmp_path / "cluster") as cluster:
+        yield cluster
+
+
+def _timed(call):
+    start = time.perf_counter()
+    result = call()
+    return result, time.perf_counter() - start
+
+
+def _open_breaker(tier, keys):
+    for _ in range(4):
+        tier.contains(keys)
+    assert tier.stats().extra["breaker_state"] == "open"
+
+
+def _assert_short_circuit_costs_under_1ms(tier, keys):
+    costs = sorted(_timed(lambda: tier.contains(keys))[1] for _ in range(50))
+    assert costs[len(costs) // 2] < 0.001, f"median lookup with the breaker open took {costs[len(costs) // 2] * 1e3:.2f} ms"
+    assert tier.get(keys) == [None] * len(keys)
+    puts_dropped = tier.stats().extra["dropped_puts"]
+    _, cost = _timed(lambda: tier.put([(keys[0], b"dropped")]))
+    assert cost < 0.01 and tier.stats().extra["dropped_puts"] == puts_dropped + 1
+
+
+def _wait_until(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError("condition not reached in time")
+
+
+def test_killed_cluster_misses_quickly_then_recovers_after_restart(cluster, make_mooncake_tier):
+    tier = make_mooncake_tier(cluster, **FAST)
+    keys = [key_for(f"kill{i}") for i in range(4)]
+    tier.put([(k, value_for(k, 5000)) for k in keys])
+    assert tier.contains(keys) == [True] * 4
+
+    cluster.kill()
+    for _ in range(3):
+        answers, cost = _timed(lambda: tier.contains(keys))
+        assert answers == [False] * 4 and cost < 1.5
+    _open_breaker(tier, keys)
+    _assert_short_circuit_costs_under_1ms(tier, keys)
+
+    cluster.restart()
+
+    def works_again() -> bool:
+        tier.put([(keys[0], value_for("again", 3000))])
+        got = tier.get([keys[0]])[0]
+        return got is not None and bytes(got) == value_for("again", 3000)
+
+    _wait_until(works_again)
+    assert tier.stats().extra["breaker_state"] == "closed"
+
+
+def test_hung_master_costs_one_deadline_then_nothing(cluster, make_mooncake_tier):
+    tier = make_mooncake_tier(cluster, **FAST)
+    keys = [key_for(f"hung{i}") for i in range(3)]
+    tier.put([(k, value_for(k, 2000)) for k in keys])
+    cluster.pause()
+    try:
+        answers, cost = _timed(lambda: tier.contains(keys))
+        assert answers == [False] * 3 and cost < 1.5
+        with call_budget(0.2):  # a lookup's budget ends the wait earlier still
+            answers, cost = _timed(lambda: tier.contains(keys))
+        assert answers == [False] * 3 and cost < 0.5
+        _open_breaker(tier, keys)
+        _assert_short_circuit_costs_under_1ms(tier, keys)
+    finally:
+        cluster.resume()
+    _wait_until(lambda: tier.contains(keys[:1]) == [True])
+    got = tier.get(keys)
+    assert [bytes(v) if v is not None else None for v in got] == [value_for(k, 2000) for k in keys]
+
+
+def test_nothing_listening_opens_the_breaker_and_construction_does_not_hang(make_mooncake_tier, mooncake_cluster):
+    dead = f"127.0.0.1:{free_port()}"
+    options = {**FAST, "master": dead, "metadata_server": f"http://127.0.0.1:{free_port()}/metadata"}
+    from kvplug.testing import tier_context
+    from kvplug_mooncake import MooncakeTier
+
+    tier, cost = _timed(lambda: MooncakeTier(MooncakeTier.Config(**options), tier_context()))
+    try:
+        assert cost < options["setup_timeout_s"] + 1.0
+        keys = [key_for("refused")]
+        for _ in range(3):
+            answers, cost = _timed(lambda: tier.contains(keys))
+            assert answers == [False] and cost < 1.5
+        assert tier.stats().extra["breaker_state"] == "open"
+        _assert_short_circuit_costs_under_1ms(tier, keys)
+    finally:
+        tier.close()
+
+
+def test_full_store_drops_puts_and_counts_them(tmp_path, make_mooncake_tier):
+    with MooncakeCluster(tmp_path / "small", segment_size="16MB") as small:
+        tier = make_mooncake_tier(small, **FAST)
+        value = value_for("big", 6 * 1024 * 1024)
+        tier.put([(key_for(f"full{i}"), value) for i in range(5)])
+        stats = tier.stats()
+        assert stats.extra["dropped_no_space"] >= 1
+        assert stats.puts + stats.extra["dropped_puts"] == 5
+        # What was stored reads back whole; what was dropped is a miss, never a wrong value.
+        for i in range(5):
+            got = tier.get([key_for(f"full{i}")])[0]
+            assert got is None or bytes(got) == value
+        assert stats.extra["breaker_state"] == "closed"  # a full store answers: not a failure
+
+
+def test_storage_process_killed_reads_miss_and_new_storage_serves(cluster, make_mooncake_tier):
+    tier = make_mooncake_tier(cluster, **FAST)
+    keys = [key_for(f"st{i}") for i in range(3)]
+    tier.put([(k, value_for(k, 4000)) for k in keys])
+    assert cluster.storage is not None
+    cluster.storage.kill()
+    cluster.storage.wait(5)
+    got, cost = _timed(lambda: tier.get(keys))
+    assert cost < 1.5
+    for key, value in zip(keys, got):
+        assert value is None or bytes(value) == value_for(key, 4000)
+    cluster.start_storage()
+
+    def stores_again() -> bool:
+        tier.put([(keys[0], value_for("new", 1000))])
+        value = tier.get([keys[0]])[0]
+        return value is not None and bytes(value) == value_for("new", 1000)
+
+    _wait_until(stores_again)
+
+
+def test_corrupt_object_is_a_counted_miss(mooncake_cluster, make_mooncake_tier):
+    tier = make_mooncake_tier()
+    other = make_mooncake_tier(key_prefix=tier.config.key_prefix)
+    key, intruder = key_for("victim"), key_for("intruder")
+    # Another writer puts a record framed for another key under this key's object name.
+    from mooncake.store import MooncakeDistributedStore  # noqa: F401 - the wheel is what we test against
+
+    from kvplug import key_digest, pack_record
+
+    name = tier.config.key_prefix + key_digest(key).hex()
+    other._run(lambda: other._connected().upsert(name, pack_record(intruder, b"foreign bytes")))
+    assert tier.get([key]) == [None]
+    assert tier.stats().extra["corrupt"] == 1
+    assert tier.contains([key]) == [False]  # removed
