@@ -8,7 +8,7 @@ from typing import TypeVar
 import typer
 from rich.console import Console
 
-from kvplug.errors import ConfigError, PluginError
+from kvplug.errors import ConfigError, PluginError, TierError
 
 console = Console()
 err_console = Console(stderr=True)
@@ -17,9 +17,9 @@ T = TypeVar("T")
 
 
 def run_or_exit(action: Callable[[], T]) -> T:
-    """Run a command's work; a config or plugin error is printed and exits with status 2."""
+    """Run a command's work; a config, plugin or store error is printed and exits with status 2."""
     try:
         return action()
-    except (ConfigError, PluginError) as exc:
+    except (ConfigError, PluginError, TierError) as exc:  # a store that is down or refuses us: say so, no traceback
         err_console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None

@@ -36,7 +36,9 @@ EndpointOpt = typer.Option(None, "--endpoint-url", help="S3 endpoint, e.g. http:
 
 
 def tier_type_for(location: str) -> str:
-    """``disk`` for a folder path, ``s3`` for any URL but ``file://``."""
+    """``disk`` for a folder path, ``valkey`` for redis/valkey URLs, ``s3`` for any other URL but ``file://``."""
+    if location.split("://", 1)[0].lower() in ("redis", "rediss", "valkey", "valkeys", "unix") and "://" in location:
+        return "valkey"
     if "://" in location and not location.startswith("file://"):
         return "s3"
     return "disk"
@@ -75,21 +77,34 @@ def require_disk_store(path: str, location: str) -> None:
 
 @contextmanager
 def open_store(location: str, endpoint_url: str | None = None) -> Iterator[StorageTier]:
-    kind = tier_type_for(location)
-    if kind == "disk":
+    if tier_type_for(location) == "disk":
         require_disk_store(location.removeprefix("file://"), location)
     tiers = get_registry().storage_tiers()
-    if kind not in tiers:
-        package = KNOWN_COMPONENTS[("storage_tier", kind)]
-        raise ConfigError([ConfigProblem("location", location, f"a {kind} store needs the {package} package: pip install {package}")])
-    cls = tiers[kind]
-    if kind == "disk":
-        options = {"path": location.removeprefix("file://"), "max_bytes": _UNBOUNDED}
-    else:
-        options = {"url": location, "max_bytes": _UNBOUNDED}
-        if endpoint_url:
-            options["endpoint_url"] = endpoint_url
-    tier = cls(cls.Config(**options), TierContext())
+    # Every tier is asked whether it opens this location (StorageTier.location_config);
+    # tiers that do not answer fall back to the folder/URL rule below.
+    extra = {"endpoint_url": endpoint_url} if endpoint_url else {}
+    tier: StorageTier | None = None
+    for kind, cls in tiers.items():
+        try:
+            config = cls.location_config(location, extra)
+        except ValueError as exc:
+            raise ConfigError([ConfigProblem("location", location, f"tier {kind!r}: {exc}")]) from None
+        if config is not None:
+            tier = cls(config, TierContext())
+            break
+    if tier is None:
+        kind = tier_type_for(location)
+        if kind not in tiers:
+            package = KNOWN_COMPONENTS[("storage_tier", kind)]
+            raise ConfigError([ConfigProblem("location", location, f"a {kind} store needs the {package} package: pip install {package}")])
+        cls = tiers[kind]
+        if kind == "disk":
+            options = {"path": location.removeprefix("file://"), "max_bytes": _UNBOUNDED}
+        else:
+            options = {"url": location, "max_bytes": _UNBOUNDED}
+            if endpoint_url:
+                options["endpoint_url"] = endpoint_url
+        tier = cls(cls.Config(**options), TierContext())
     if not isinstance(tier, RecordStore):
         tier.close()
         raise ConfigError([ConfigProblem("location", location, f"tier {kind!r} cannot list its records")])

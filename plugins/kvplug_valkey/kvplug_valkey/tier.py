@@ -14,6 +14,7 @@ an OOM refusal is a dropped store, counted.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -84,8 +85,11 @@ class ValkeyTier(StorageTier):
     def location_config(cls, location: str, options: Mapping[str, Any]) -> ValkeyTierConfig | None:
         """``redis://``, ``rediss://``, ``valkey://``, ``valkeys://`` and ``unix://`` URLs open as this tier.
 
-        ``options`` may give ``password``, ``username``, ``key_prefix`` and ``cluster``."""
-        if location.split("://", 1)[0].lower() not in SCHEMES or "://" not in location:
+        The password comes from ``KVPLUG_VALKEY_PASSWORD`` (never the command line, where
+        ``ps`` shows it), the key prefix from ``KVPLUG_VALKEY_KEY_PREFIX`` (default ``kvplug:``);
+        ``options`` (from the command line) may set ``password``, ``username``, ``key_prefix``
+        and ``cluster``."""
+        if "://" not in location or location.split("://", 1)[0].lower() not in SCHEMES:
             return None
         allowed = {"password", "username", "key_prefix", "cluster"}
         given = {name: value for name, value in options.items() if value is not None}
@@ -94,7 +98,10 @@ class ValkeyTier(StorageTier):
             raise ValueError(
                 f"option(s) {', '.join(unknown)} do not apply to a valkey store; it takes {sorted(allowed)}"
             )
-        # Inspection must survive a slow listing and never evict anything.
+        for name, variable in (("password", "KVPLUG_VALKEY_PASSWORD"), ("key_prefix", "KVPLUG_VALKEY_KEY_PREFIX")):
+            if name not in given and os.environ.get(variable):
+                given[name] = os.environ[variable]
+        # Inspection must survive slow listings of a big prefix; nothing is ever evicted (no max_bytes).
         return ValkeyTierConfig(url=location, request_timeout_s=30.0, **given)
 
     # --- reads ----------------------------------------------------------------------

@@ -1,0 +1,74 @@
+"""``kvplug store stats|ls|verify|gc redis://...`` on a real valkey-server: list, verify, clean a tampered value."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import valkey
+
+from kvplug.testing import key_for, value_for
+
+from conftest import fresh_prefix, make_valkey_tier
+
+
+def kvplug_store(*args: str, **env_extra: str) -> subprocess.CompletedProcess[str]:
+    # Only the valkey plugin loads: each command starts faster on a busy CI machine.
+    env = dict(os.environ, COLUMNS="250", KVPLUG_PLUGINS="valkey", **env_extra)
+    return subprocess.run(
+        [sys.executable, "-m", "kvplug.cli.main", "store", *args], env=env, capture_output=True, text=True, timeout=180
+    )
+
+
+def test_store_commands_on_valkey(tmp_path) -> None:
+    from kvplug_valkey.testing import ValkeyServer
+
+    with ValkeyServer(tmp_path / "cli", password="cli-secret-9") as server:
+        prefix = fresh_prefix()
+        tier = make_valkey_tier(server.url, key_prefix=prefix, password="cli-secret-9")
+        tier.put([(key_for(f"k{i}"), value_for(f"k{i}", 1000 + i)) for i in range(4)])
+        tier.close()
+        client = valkey.Valkey(host="127.0.0.1", port=server.port, password="cli-secret-9")
+        client.set(b"other-app:key", b"not ours")  # outside the prefix: never listed nor touched
+        env = {"KVPLUG_VALKEY_PASSWORD": "cli-secret-9", "KVPLUG_VALKEY_KEY_PREFIX": prefix}
+
+        stats = kvplug_store("stats", server.url, **env)
+        assert stats.returncode == 0, stats.stderr
+        assert re.search(r"│ records\s*│\s*4 │", stats.stdout), stats.stdout
+        assert "cli-secret-9" not in stats.stdout + stats.stderr
+
+        listing = kvplug_store("ls", server.url, **env)
+        assert "4 records in" in listing.stdout and listing.stdout.count("opaque value") == 4, listing.stdout
+
+        victim = next(iter(client.scan_iter(match=prefix + "*")))
+        body = bytearray(client.get(victim))
+        body[-1] ^= 0x55
+        client.set(victim, bytes(body))
+        verify = kvplug_store("verify", server.url, **env)
+        digest = victim.decode()[len(prefix) :]
+        assert verify.returncode == 1 and f"corrupt: {digest}" in verify.stdout, verify.stdout
+        assert kvplug_store("gc", server.url, **env).returncode == 0
+        remaining = list(client.scan_iter(match=prefix + "*"))
+        assert victim not in remaining and len(remaining) == 3
+        assert client.get(b"other-app:key") == b"not ours"
+
+        wrong = kvplug_store("stats", server.url)  # no password: a clear failure, not a hang nor a traceback
+        assert wrong.returncode == 2 and "Authentication required" in wrong.stderr, wrong.stderr
+        assert "Traceback" not in wrong.stderr and "cli-secret-9" not in wrong.stdout + wrong.stderr
+
+
+def test_location_config_answers_only_for_its_urls(monkeypatch) -> None:
+    from kvplug_valkey import ValkeyTier
+
+    assert ValkeyTier.location_config("s3://bucket/prefix", {}) is None
+    assert ValkeyTier.location_config("/var/cache/kvplug", {}) is None
+    monkeypatch.setenv("KVPLUG_VALKEY_PASSWORD", "from-env-1")
+    monkeypatch.setenv("KVPLUG_VALKEY_KEY_PREFIX", "fleet-a:")
+    config = ValkeyTier.location_config("valkey://127.0.0.1:7001", {})
+    assert config is not None and config.key_prefix == "fleet-a:" and config.max_bytes is None
+    assert config.password is not None and config.password.get_secret_value() == "from-env-1"
+    with pytest.raises(ValueError, match="endpoint_url do not apply to a valkey store"):
+        ValkeyTier.location_config("redis://127.0.0.1:7001", {"endpoint_url": "http://127.0.0.1:9000"})
