@@ -272,10 +272,9 @@ def s3_rows(chunks: list[torch.Tensor], repeats: int) -> list[dict[str, Any]]:
 
 
 def valkey_rows(chunks: list[torch.Tensor], repeats: int, workdir: Path) -> list[dict[str, Any]]:
+    from kvplug.testing import tier_context
     from kvplug_valkey import ValkeyTier
     from kvplug_valkey.testing import ValkeyServer
-
-    from kvplug.testing import tier_context
 
     with ValkeyServer(workdir) as server:
 
@@ -287,9 +286,8 @@ def valkey_rows(chunks: list[torch.Tensor], repeats: int, workdir: Path) -> list
 
 
 def cpu_budget_rows(chunks: list[torch.Tensor], budget: int) -> list[dict[str, Any]]:
-    from kvplug_cpu import CPUTier
-
     from kvplug.testing import key_for, tier_context
+    from kvplug_cpu import CPUTier
 
     rows = []
     for name in SERIALIZERS:
