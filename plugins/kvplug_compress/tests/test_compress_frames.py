@@ -13,10 +13,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvplug_compress import FP8Serializer, Int8Serializer, LZ4Serializer, ZstdSerializer
 
 import kvplug
 from kvplug.errors import ChunkError, CorruptChunkError, IncompatibleChunkError
+from kvplug_compress import FP8Serializer, Int8Serializer, LZ4Serializer, ZstdSerializer
 
 LOSSLESS = {"zstd": ZstdSerializer, "lz4": LZ4Serializer}
 LOSSY = {"int8": Int8Serializer, "fp8": FP8Serializer}
@@ -132,10 +132,7 @@ def assert_within_bound(name: str, tensor: torch.Tensor, loaded: torch.Tensor, g
     # The stored scale is amax / code_max rounded up to fp16: at most 2**-10 above it.
     code_max = 127.0 if name == "int8" else 448.0
     scale = (padded.amax(-1) / code_max * (1 + 2.0**-10)).repeat_interleave(group, dim=1)[:, :width]
-    if name == "int8":
-        bound = scale / 2
-    else:
-        bound = torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10)
+    bound = scale / 2 if name == "int8" else torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10)
     # float32 arithmetic adds a few ulps; the chunk dtype's rounding up to half an ulp (x2 for slack).
     rounding = ROUNDING[tensor.dtype] * 2
     # (absolute below the dtype's normal range: fp16 subnormals are 2**-24 apart)
