@@ -24,6 +24,17 @@ def test_every_hook_spec_is_documented() -> None:
                 assert inspect.getdoc(fn), f"hook spec {name} has no docstring"
 
 
+def test_the_plugin_api_page_lists_exactly_the_public_names() -> None:
+    import kvplug
+
+    page = (ROOT / "docs" / "api.md").read_text()
+    rows = [line for line in page.split("## Names in `kvplug`", 1)[1].splitlines() if line.startswith("| `")]
+    documented = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    exported = set(kvplug.__all__)
+    assert exported - documented == set(), "public names missing from docs/api.md"
+    assert documented - exported == set(), "docs/api.md lists names kvplug does not export"
+
+
 def extract_guide_package(target: Path) -> Path:
     """Write the files that docs/writing-plugins.md marks with ``<!-- file: ... -->``."""
     text = (ROOT / "docs" / "writing-plugins.md").read_text()

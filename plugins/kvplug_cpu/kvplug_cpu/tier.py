@@ -18,9 +18,8 @@ from typing import Literal
 
 from pydantic import ByteSize, Field
 
-from kvplug import KVEvent, StorageTier, TierConfig, TierContext, TierStats
+from kvplug import Buffer, KVEvent, StorageTier, TierConfig, TierContext, TierStats
 from kvplug.errors import TierClosedError, ValueTooLargeError
-from kvplug.core.tier import Buffer
 
 
 class CPUTierConfig(TierConfig):

@@ -43,8 +43,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import ByteSize, Field
 
-from kvplug import ComponentConfig, KVConnector, KVLayout
-from kvplug.builtins.torch_connector import TorchConnector
+from kvplug import ComponentConfig, KVConnector, KVLayout, TorchConnector
 from kvplug.errors import ConnectorError, LayoutError, TransferTimeoutError
 from kvplug_cuda.addressing import (
     KERNEL_LAYOUTS,

@@ -13,8 +13,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
-from kvplug.core.record import RECORD_HEADER_SIZE, pack_record_header
-from kvplug.core.tier import Buffer
+from kvplug import RECORD_HEADER_SIZE, Buffer, pack_record_header
 
 
 class FrameBuffers:

@@ -42,8 +42,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 import kvplug
-from kvplug.core.keys import KV_FORMAT_VERSION
-from kvplug.core.tier_chain import TierChain
+from kvplug import KV_FORMAT_VERSION, TierChain
 from kvplug.errors import ChunkError, LayoutError
 
 from kvplug_sglang.host_pages import HostPageFormat
