@@ -72,7 +72,7 @@ class _Arena(mmap.mmap):
         try:
             import torch
 
-            cudart = torch.cuda.cudart()
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch ships this untyped
             address = ctypes.addressof(ctypes.c_char.from_buffer(self))
             error = cudart.cudaHostRegister(address, len(self), _CUDA_HOST_REGISTER_PORTABLE)
         except Exception as exc:  # no CUDA runtime in this torch, no device: frames stay pageable
@@ -92,7 +92,7 @@ class _Arena(mmap.mmap):
             try:
                 import torch
 
-                torch.cuda.cudart().cudaHostUnregister(address)
+                torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]  # untyped in torch
             except Exception:  # interpreter shutdown: the process exit releases it anyway
                 pass
 

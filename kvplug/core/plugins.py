@@ -29,7 +29,7 @@ from packaging.version import Version
 from kvplug.core.components import EngineAdapter
 from kvplug.core.events import KVEvent
 from kvplug.core.tier import StorageTier
-from kvplug.errors import DuplicateComponentError, InvalidComponentError, PluginError, PluginLoadError, PluginRejectedError
+from kvplug.errors import DuplicateComponentError, InvalidComponentError, PluginLoadError, PluginRejectedError
 from kvplug.hookspecs import PROJECT_NAME, SPEC_MODULES
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class PluginRegistry:
         for module in SPEC_MODULES:
             self.pm.add_hookspecs(module)
         self._infos: dict[str, PluginInfo] = {}
-        self.load_errors: list[PluginError] = []
+        self.load_errors: list[PluginLoadError | PluginRejectedError] = []
         if os.environ.get("KVPLUG_TRACE_PLUGINS", "") not in ("", "0"):
             # pluggy's own hook-call monitoring: every call, its arguments and its result.
             self.pm.trace.root.setwriter(logging.getLogger("kvplug.trace").info)
@@ -183,7 +183,7 @@ class PluginRegistry:
     def engine_adapters(self) -> dict[str, type[EngineAdapter]]:
         return cast("dict[str, type[EngineAdapter]]", dict(self._collect()["engine_adapter"]))
 
-    def components(self, concern: str) -> dict[str, type]:
+    def components(self, concern: str) -> dict[str, type[Any]]:
         return dict(self._collect()[concern])
 
     def origin(self, concern: str, name: str) -> str:

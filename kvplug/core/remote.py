@@ -401,10 +401,11 @@ class RemoteCalls:
         waves = math.ceil(len(futures) / self.config.max_concurrency)
         backstop = time.monotonic() + waves * self.policy.worst_case_s()
         budget_end = None if budget is None else submitted_at + budget
-        results = []
+        results: list[T | BaseException] = []
         for future in futures:
             remaining = None if budget_end is None else budget_end - time.monotonic()
-            results.append(self._wait_result(future, backstop, remaining))
+            outcome = self._wait_result(future, backstop, remaining)
+            results.append(outcome)
         return results
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:

@@ -65,7 +65,7 @@ class TierChain:
                     max_bytes=int(getattr(tier.config, "write_queue_bytes", 256 * 2**20)),
                     size_of=_items_bytes,
                     on_full=getattr(tier.config, "on_queue_full", "drop"),
-                    on_drop=lambda items, label=label: self.metrics.store_dropped.labels(label).inc(),
+                    on_drop=functools.partial(self._count_drop, label),
                 )
             self._slots.append(_Slot(tier, label, writer))
 
@@ -252,7 +252,10 @@ class TierChain:
                 slot.writer.close(drain=drain)
             self._call(slot, "close")
 
-    def _call(self, slot: _Slot, op: str, *args: object):  # noqa: ANN202 - op's own result
+    def _count_drop(self, label: str, items: Items) -> None:
+        self.metrics.store_dropped.labels(label).inc()
+
+    def _call(self, slot: _Slot, op: str, *args: object) -> Any:  # the result of the tier's own method
         try:
             return getattr(slot.tier, op)(*args)
         except Exception as exc:

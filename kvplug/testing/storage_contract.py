@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from kvplug.core.tier import StorageTier, TierContext
+from kvplug.core.tier import Buffer, StorageTier, TierContext
 from kvplug.errors import TierError
 
 
@@ -58,8 +58,8 @@ def value_for(name: str, size: int) -> bytes:
     return (seed * (size // len(seed) + 1))[:size]
 
 
-def _as_bytes(value: object) -> bytes | None:
-    return None if value is None else bytes(value)  # type: ignore[arg-type]
+def _as_bytes(value: Buffer | None) -> bytes | None:
+    return None if value is None else bytes(value)
 
 
 class StorageTierContract:
