@@ -21,7 +21,7 @@ nox.options.reuse_existing_virtualenvs = False
 nox.options.sessions = ["lint", "core", "vllm", "sglang", "cuda"]
 
 CORE = ["-e", ".[test]", "-e", "plugins/kvplug_cpu", "-e", "plugins/kvplug_disk[test]", "-e", "plugins/kvplug_s3[test]",
-        "-e", "plugins/kvplug_valkey[test]",
+        "-e", "plugins/kvplug_valkey[test]", "-e", "plugins/kvplug_mooncake[test]",
         "-c", "plugins/kvplug_compress/requirements-test.txt", "-e", "plugins/kvplug_compress[test]"]
 CORE_TESTS = ["tests", "plugins/kvplug_cpu/tests", "plugins/kvplug_disk/tests", "plugins/kvplug_s3/tests", "plugins/kvplug_compress/tests",
               "plugins/kvplug_valkey/tests"]
@@ -30,8 +30,31 @@ CORE_TESTS = ["tests", "plugins/kvplug_cpu/tests", "plugins/kvplug_disk/tests", 
 @nox.session
 def core(session: nox.Session) -> None:
     """kvplug, its builtins and the storage plugins (S3 against a real moto server), with the core's pins."""
+    ensure_libibverbs(session)
     session.install("-c", "constraints/core.txt", *CORE)
     session.run("pytest", "-p", "no:cacheprovider", *CORE_TESTS, *session.posargs)
+    # Mooncake's binaries listen on the wildcard address: its tests run in a network
+    # namespace that has only loopback (kvplug_mooncake.testing refuses to run elsewhere).
+    run_in_loopback_namespace(session, "python -m pytest -p no:cacheprovider plugins/kvplug_mooncake/tests")
+
+
+def ensure_libibverbs(session: nox.Session) -> None:
+    """The mooncake wheel links libibverbs (even for TCP): apt-get it when missing and running as root."""
+    import ctypes.util
+
+    if ctypes.util.find_library("ibverbs"):
+        return
+    if os.geteuid() != 0:
+        session.error("the mooncake wheel needs libibverbs1: run `apt-get install -y libibverbs1` as root")
+    session.run("apt-get", "update", external=True)
+    session.run("apt-get", "install", "-y", "--no-install-recommends", "libibverbs1", external=True)
+
+
+def run_in_loopback_namespace(session: nox.Session, command: str) -> None:
+    """Run ``command`` in a new network namespace that has only loopback (root, or a user namespace);
+    kvplug_mooncake.testing brings loopback up."""
+    unshare = ["unshare", "--net"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--net"]
+    session.run(*unshare, *command.split(), external=True)
 
 
 def install_vllm(session: nox.Session) -> None:

@@ -8,7 +8,7 @@ included). :class:`MooncakeCluster` therefore refuses to start outside a network
 namespace whose only interface is loopback, where a wildcard socket cannot be
 reached from, or send to, any other address. Run the tests under one::
 
-    unshare --net sh -c 'ip link set lo up && python -m pytest plugins/kvplug_mooncake/tests'
+    unshare --net python -m pytest plugins/kvplug_mooncake/tests
 
 (root, or a user namespace: ``unshare --user --map-root-user --net``). Every flag
 that takes an address is still set to 127.0.0.1, and so is ``MC_TCP_BIND_ADDRESS``.
@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import Any
 
 LOOPBACK = "127.0.0.1"
-NETNS_HINT = "unshare --net sh -c 'ip link set lo up && <command>'"
+NETNS_HINT = "unshare --net <command>"
 
 
 class LoopbackOnlyError(RuntimeError):
@@ -45,11 +45,28 @@ def require_loopback_only_network() -> None:
             f"mooncake's binaries listen on the wildcard address; this network namespace has interfaces {names}. "
             f"Run inside a loopback-only namespace: {NETNS_HINT}"
         )
+    _bring_loopback_up()
     with socket.socket() as probe:
         try:
             probe.bind((LOOPBACK, 0))
         except OSError as exc:
             raise LoopbackOnlyError(f"loopback is not up ({exc}); run `ip link set lo up` first") from None
+
+
+def _bring_loopback_up() -> None:
+    """``ip link set lo up`` without iproute2 (a fresh namespace starts with lo down)."""
+    import fcntl
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(sock, siocgifflags, request))[1]
+        if not flags & iff_up:
+            try:
+                fcntl.ioctl(sock, siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
+            except OSError as exc:
+                raise LoopbackOnlyError(f"cannot bring loopback up ({exc}); run `ip link set lo up` first") from None
 
 
 def free_port() -> int:

@@ -16,12 +16,15 @@ abandoned at its deadline keeps its buffer range until the client returns.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from kvplug import (
     RECORD_HEADER_SIZE,
@@ -60,6 +63,35 @@ DROP_WARNING_INTERVAL_S = 60.0
 _COUNTERS = ("hits", "misses", "puts", "evictions", "dropped_puts", "no_space", "corrupt", "incompatible", "leased")
 
 
+def _library_timeouts(config: MooncakeTierConfig) -> None:
+    """Bound the client library's own RPC timeouts and setup retries by this tier's
+    deadline (its defaults are 30 s and many retries, with the GIL held in setup).
+    Process-wide, read when the first client starts; values already set win."""
+    timeout_ms = max(int(config.request_timeout_s * 1000), 100)
+    os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(timeout_ms))
+    os.environ.setdefault("MC_RPC_CONNECT_TIMEOUT_MS", str(min(timeout_ms, 1000)))
+    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+
+
+def _endpoints(config: MooncakeTierConfig) -> list[tuple[str, int]]:
+    """The TCP endpoints setup needs: the master, and an HTTP or etcd metadata server."""
+    host, _, port = config.master.rpartition(":")
+    found = [(host.strip("[]"), int(port))]
+    if config.metadata_server != "P2PHANDSHAKE":
+        parts = urlsplit(config.metadata_server if "://" in config.metadata_server else f"etcd://{config.metadata_server}")
+        if parts.hostname:
+            found.append((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)))
+    return found
+
+
+def _probe(host: str, port: int, timeout_s: float) -> None:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise MooncakeCallError(f"connecting to {host}:{port} ({exc})", -900) from None
+
+
 class MooncakeCallError(Exception):
     """A client call failed as a whole (the store did not answer); transient."""
 
@@ -85,6 +117,8 @@ class MooncakeTier(StorageTier):
         super().__init__(config, context)
         self.config: MooncakeTierConfig = config
         self._where = f"mooncake master {config.master}"
+        _library_timeouts(config)
+        self._endpoints = _endpoints(config)
         self._calls = RemoteCalls(self.name, config, context, where=self._where)
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvplug-mooncake")
         self._setup_lock = threading.Lock()
@@ -109,10 +143,14 @@ class MooncakeTier(StorageTier):
         with self._setup_lock:
             if self._store is not None:
                 return self._store
+            config = self.config
+            # setup() holds the GIL while it retries: it would freeze every thread of the
+            # engine past any deadline. A store that refuses connections fails here instead.
+            for host, port in self._endpoints:
+                _probe(host, port, min(config.request_timeout_s, 1.0))
             from mooncake.store import MooncakeDistributedStore  # the C++ extension loads on first use
 
             store = MooncakeDistributedStore()
-            config = self.config
             code = store.setup(
                 config.local_hostname,
                 config.metadata_server,
