@@ -98,6 +98,9 @@ class ObjectStore:
     async def listing(self) -> list[StoredObject]:
         raise NotImplementedError
 
+    async def open(self) -> None:
+        """Get ready to serve, without a network call (e.g. build the client)."""
+
     async def close(self) -> None:
         """Release connections."""
 
@@ -112,6 +115,14 @@ class ObjectStore:
 
 class AsyncObjectStore(ObjectStore):
     """An fsspec ``AsyncFileSystem`` (s3fs, gcsfs, ...) driven by its coroutines."""
+
+    async def open(self) -> None:
+        # Building the botocore client parses the S3 service model (megabytes of JSON,
+        # about a second on a busy machine, holding the GIL). Done lazily it would land
+        # in the first lookup and hold every thread past the lookup budget.
+        set_session = getattr(self.fs, "set_session", None)
+        if set_session is not None:
+            await set_session()
 
     async def read(self, path: str) -> bytes:
         if hasattr(self.fs, "_s3"):

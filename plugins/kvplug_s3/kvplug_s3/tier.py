@@ -48,6 +48,8 @@ from kvplug_s3.index import SizeIndex
 T = TypeVar("T")
 #: A listing of a large prefix legitimately takes longer than one object request.
 LISTING_TIMEOUT_S = 300.0
+#: Building the client is local work (no network), but slow on a busy machine.
+OPEN_TIMEOUT_S = 60.0
 #: A store that is down fails every put; say so once in a while, not per put.
 DROP_WARNING_INTERVAL_S = 60.0
 _COUNTERS = ("hits", "misses", "puts", "evictions", "dropped_puts", "corrupt", "incompatible")
@@ -74,6 +76,10 @@ class S3Tier(StorageTier):
         except Exception as exc:
             self._calls.close()
             raise TierError(f"tier 's3' cannot open {self._where}: {type(exc).__name__}: {exc}") from exc
+        try:
+            self._calls.submit(self._store.open()).result(OPEN_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the first call builds it then; not fatal
+            self.context.logger.warning("tier s3: could not prepare the client for %s: %s", self._where, exc)
         # Sync stores (memory://) may keep the very buffer they are given: no reuse there.
         reusable = isinstance(self._store, AsyncObjectStore) and config.frame_buffer_bytes > 0
         self._frames = FrameBuffers(int(config.frame_buffer_bytes)) if reusable else None

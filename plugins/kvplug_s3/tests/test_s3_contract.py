@@ -1,4 +1,4 @@
-"""Tier ``s3`` against the storage contract: a real S3 server (moto), memory:// and file://."""
+"""Tier ``s3`` against the storage contract: real S3 servers (moto, SeaweedFS), memory:// and file://."""
 
 from __future__ import annotations
 
@@ -20,9 +20,20 @@ class TestS3TierOnMoto(StorageTierContract):
     # large_value_bytes stays at the contract's 64 MiB: moto takes it in well under a second.
     # Every step is HTTP round trips to moto: fewer random sequences (memory:// and file:// run the full count).
     stateful_examples = 8
+
     @pytest.fixture
     def make_tier(self, moto_s3):
         return lambda max_bytes=None: make_s3_tier(moto_s3.endpoint, **_budget(max_bytes))
+
+
+class TestS3TierOnSeaweedFS(StorageTierContract):
+    # A real S3 implementation (master, volume and filer behind the S3 gateway).
+    # Each step is HTTP round trips: fewer random sequences, as on moto.
+    stateful_examples = 6
+
+    @pytest.fixture
+    def make_tier(self, seaweed_s3):
+        return lambda max_bytes=None: make_s3_tier(seaweed_s3.endpoint, **_budget(max_bytes))
 
 
 class TestS3TierOnMemoryURL(StorageTierContract):
