@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from kvplug.errors import TierUnavailableError
 from kvplug import Absent, CircuitBreaker, RetryPolicy
+from kvplug.errors import TierUnavailableError
 
 
 class FakeClock:
@@ -76,7 +76,7 @@ def run_policy(outcomes: list, *, retries: int, threshold: int = 100) -> tuple[o
 
     try:
         result: object = asyncio.run(policy.run(operation))
-    except Exception as exc:  # noqa: BLE001 - the test looks at which one
+    except Exception as exc:
         result = exc
     return result, calls, breaker
 

@@ -237,7 +237,7 @@ class RetryPolicy:
                 result = await asyncio.wait_for(operation(), attempt_s)
             except asyncio.CancelledError:
                 raise
-            except BaseException as exc:  # noqa: BLE001 - every store error is classified here
+            except BaseException as exc:
                 if not isinstance(exc, Exception):
                     raise
                 kind = self._classify(exc)
@@ -447,7 +447,7 @@ class RemoteCalls:
             return self._wait(future, deadline, budget_s)
         except TierClosedError:
             raise
-        except Exception as exc:  # noqa: BLE001 - returned for the caller to classify
+        except Exception as exc:
             return exc
 
     def _count_retry(self) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import kvplug
-
 from kvplug_s3.config import S3TierConfig
 from kvplug_s3.tier import S3Tier
 

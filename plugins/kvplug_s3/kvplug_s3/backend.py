@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvplug import FailureKind, classify_failure
-
 from kvplug_s3.config import S3TierConfig
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")

@@ -12,7 +12,16 @@ import importlib.util
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import ByteSize, Field, NonNegativeFloat, PositiveFloat, PositiveInt, SecretStr, field_validator, model_validator
+from pydantic import (
+    ByteSize,
+    Field,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 
 from kvplug import RemoteTierConfig
 
@@ -34,7 +43,9 @@ class S3TierConfig(RemoteTierConfig):
     network, until a probe after ``breaker_cooldown_s`` succeeds.
     """
 
-    url: str = Field(description="Where objects go: s3://bucket/prefix, gcs://bucket/prefix, file:///path, memory://name.")
+    url: str = Field(
+        description="Where objects go: s3://bucket/prefix, gcs://bucket/prefix, file:///path, memory://name."
+    )
     endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, Ceph, moto), s3 only.")
     region: str | None = Field(default=None, description="AWS region, s3 only.")
     access_key_id: SecretStr | None = Field(
@@ -65,6 +76,7 @@ class S3TierConfig(RemoteTierConfig):
         default=True,
         description="List the prefix on start so stats and the max_bytes budget include objects already stored.",
     )
+
     @field_validator("url")
     @classmethod
     def _known_writable_protocol(cls, url: str) -> str:
@@ -77,7 +89,9 @@ class S3TierConfig(RemoteTierConfig):
         if endpoint is not None:
             parts = urlsplit(endpoint)
             if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ValueError("endpoint_url must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:9000")
+                raise ValueError(
+                    "endpoint_url must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:9000"
+                )
             if parts.username is not None or parts.password is not None:
                 # S3 signs requests with its keys; a user:password in the URL is never used, only leaked.
                 raise ValueError(
@@ -136,7 +150,9 @@ def check_url(url: str) -> None:
     if "::" in url:
         raise ValueError("chained fsspec URLs (a::b://...) are not supported; give one protocol://location")
     if "://" not in url:
-        raise ValueError(f"url needs a protocol, e.g. s3://bucket/prefix or file://{url if url.startswith('/') else '/path'}")
+        raise ValueError(
+            f"url needs a protocol, e.g. s3://bucket/prefix or file://{url if url.startswith('/') else '/path'}"
+        )
     protocol, location = url.split("://", 1)
     known, installed = fsspec_protocols()
     if protocol not in known:

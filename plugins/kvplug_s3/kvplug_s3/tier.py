@@ -39,7 +39,6 @@ from kvplug.errors import (
     TierUnavailableError,
     ValueTooLargeError,
 )
-
 from kvplug_s3.backend import AsyncObjectStore, ObjectStore, StoredObject, classify_s3_failure, open_object_store
 from kvplug_s3.config import S3TierConfig
 from kvplug_s3.frames import FrameBuffers
@@ -78,7 +77,7 @@ class S3Tier(StorageTier):
             raise TierError(f"tier 's3' cannot open {self._where}: {type(exc).__name__}: {exc}") from exc
         try:
             self._calls.submit(self._store.open()).result(OPEN_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - the first call builds it then; not fatal
+        except Exception as exc:
             self.context.logger.warning("tier s3: could not prepare the client for %s: %s", self._where, exc)
         # Sync stores (memory://) may keep the very buffer they are given: no reuse there.
         reusable = isinstance(self._store, AsyncObjectStore) and config.frame_buffer_bytes > 0
@@ -277,7 +276,7 @@ class S3Tier(StorageTier):
     async def _scan_into_index(self) -> None:
         try:
             objects = await self._calls.policy.run(self._store.listing, timeout_s=LISTING_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - a store down at start is not fatal
+        except Exception as exc:
             self._index.abandon_scan()
             self.context.logger.warning("tier s3: could not list %s on start: %s", self._where, exc)
             return
@@ -292,7 +291,7 @@ class S3Tier(StorageTier):
             return
         try:
             future.result(LISTING_TIMEOUT_S * 2)
-        except Exception as exc:  # noqa: BLE001 - the scan logs its own failure
+        except Exception as exc:
             self.context.logger.debug("tier s3: start-up listing did not finish: %s", exc)
         if self.config.max_bytes is not None:
             self._evict_over(int(self.config.max_bytes))

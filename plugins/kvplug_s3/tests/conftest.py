@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
 from s3_helpers import BUCKET, MotoS3
 from seaweedfs import SeaweedS3
 

@@ -13,7 +13,6 @@ import sys
 from kvplug.testing import key_for, tier_context, value_for
 from kvplug_s3 import S3Tier
 
-
 VERSIONS = 4
 
 

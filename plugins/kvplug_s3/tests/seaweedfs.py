@@ -23,7 +23,6 @@ from typing import Any
 
 import boto3
 from botocore.config import Config
-
 from s3_helpers import ACCESS_KEY, BUCKET, SECRET_KEY
 
 #: Start-up of a fresh server on a loaded 2-core machine takes a few seconds.
@@ -144,7 +143,7 @@ class SeaweedS3:
                 client.put_object(Bucket=BUCKET, Key="kvplug-ready-probe", Body=b"ready")
                 if client.get_object(Bucket=BUCKET, Key="kvplug-ready-probe")["Body"].read() == b"ready":
                     return
-            except Exception as exc:  # noqa: BLE001 - not up yet: try again until the deadline
+            except Exception as exc:
                 last = exc
             time.sleep(0.25)
         self.stop()

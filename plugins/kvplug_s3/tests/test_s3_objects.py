@@ -7,10 +7,9 @@ import hashlib
 import re
 
 import pytest
+from s3_helpers import BUCKET, make_s3_tier
 
 from kvplug.testing import key_for, value_for
-
-from s3_helpers import BUCKET, make_s3_tier
 
 
 def object_key(prefix: str, key: str) -> str:

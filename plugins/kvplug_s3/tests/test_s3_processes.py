@@ -13,12 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+from s3_helpers import s3_options
+from s3_writer import VERSIONS, version_value
 
 from kvplug.testing import key_for, tier_context, value_for
 from kvplug_s3 import S3Tier
-
-from s3_helpers import s3_options
-from s3_writer import VERSIONS, version_value
 
 WRITER = str(Path(__file__).with_name("s3_writer.py"))
 
@@ -67,7 +66,7 @@ def test_writer_killed_mid_put_leaves_whole_values_or_nothing(kind: str, moto_s3
     tier = S3Tier(S3Tier.Config(**options), tier_context())
     keys = [key_for(f"o{i}") for i in range(4)]
     got = tier.get(keys)
-    for index, (key, value) in enumerate(zip(keys, got)):
+    for key, value in zip(keys, got):
         assert value is not None, "every key was written whole at least once before the kill"
         versions = {version_value(key, v) for v in range(VERSIONS)}
         assert bytes(value) in versions

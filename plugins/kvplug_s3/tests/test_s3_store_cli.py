@@ -7,17 +7,23 @@ import re
 import subprocess
 import sys
 
-from kvplug.testing import key_for, value_for
-
 from s3_helpers import ACCESS_KEY, BUCKET, SECRET_KEY, make_s3_tier
+
+from kvplug.testing import key_for, value_for
 
 
 def kvplug_store(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(
-        os.environ, COLUMNS="250", AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_DEFAULT_REGION="us-east-1"
+        os.environ,
+        COLUMNS="250",
+        AWS_ACCESS_KEY_ID=ACCESS_KEY,
+        AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+        AWS_DEFAULT_REGION="us-east-1",
     )
     env.pop("KVPLUG_PLUGINS", None)
-    return subprocess.run([sys.executable, "-m", "kvplug.cli.main", "store", *args], env=env, capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "kvplug.cli.main", "store", *args], env=env, capture_output=True, text=True, timeout=180
+    )
 
 
 def test_store_commands_on_s3(moto_s3, s3_client) -> None:
