@@ -13,6 +13,9 @@ Sections (``SECTIONS``; each takes the parsed args and prints its own table):
 - ``startup``: a disk tier's index rebuild over ``--index-files`` small records,
   next to a bare scandir + stat of the same tree (the least any rebuild must do).
 - ``s3``: runs ``benchmarks/bench_s3_tier.py``'s ``run(args)`` when that file exists.
+- ``valkey``: tier ``valkey`` put/get GB/s next to the raw valkey-py asyncio client (one
+  pipeline per batch) on the same real valkey-server, standalone and 3-node cluster
+  (``benchmarks/bench_valkey_tier.py``). Goal: tier >= 90% of raw.
 
 Results are printed, never asserted.
 """
@@ -240,7 +243,18 @@ def run_s3(args: argparse.Namespace) -> None:
     module.run(args)
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {"disk": run_disk, "startup": run_startup, "s3": run_s3}
+def run_valkey(args: argparse.Namespace) -> None:
+    """Tier ``valkey`` next to the raw valkey-py client, standalone and cluster (``bench_valkey_tier.py``)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    importlib.import_module("bench_valkey_tier").run(args)
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "disk": run_disk,
+    "startup": run_startup,
+    "s3": run_s3,
+    "valkey": run_valkey,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
