@@ -18,3 +18,21 @@ def register() -> None:
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+    _choose_lookup_socket_folder()
+
+
+def _choose_lookup_socket_folder() -> None:
+    """Pick the lookup sockets' private folder in the first vLLM process.
+
+    The choice is exported as ``$KVPLUG_LOOKUP_DIR``, so the engine core (scheduler)
+    and the workers it starts agree on it even when the usual folder was refused
+    (a link or another user's folder) and a fresh ``mkdtemp`` folder is used instead.
+    """
+    import logging
+
+    from kvplug_vllm.socket_server import private_socket_dir
+
+    try:
+        private_socket_dir()
+    except Exception as exc:  # never break vLLM's start-up: lookups over the socket will say why
+        logging.getLogger("kvplug.vllm.lookup").warning("no private folder for lookup sockets: %s", exc)

@@ -1,0 +1,239 @@
+"""Issue 14 item 11: the worker's lookup socket against abusive clients, on a real socket.
+
+A real :class:`LookupServer` serves a real cache engine (cpu tier); real client sockets
+send half messages, huge headers, requests they never read the answers of; planted links
+and foreign folders must not be used. A normal lookup must keep working throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import struct
+import tempfile
+import threading
+import time
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvplug import CacheEngine, Fingerprint, KVLayout, RequestInfo, load_config, slots_from_block_ids
+from kvplug_vllm import socket_server
+from kvplug_vllm.lookup import LookupChannelError, LookupServer, SocketLookup, encode_request, socket_path
+from kvplug_vllm.socket_server import LOOKUP_DIR_ENV, ServerLimits, UnsafeSocketPathError, private_socket_dir
+
+LAYOUT = KVLayout("vllm_cpu", num_layers=2, block_size=32, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+PROMPT = list(range(3, 203))
+LEN = struct.Struct("<I")
+
+
+@pytest.fixture
+def engine() -> Iterator[CacheEngine]:
+    config = load_config(engine_extra={"kvplug": {"chunk_size": 64, "store": {"mode": "sync"}}}, env={}).config
+    with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="m")) as engine:
+        caches = [torch.randn(16, 2, 32, 128).to(torch.bfloat16) for _ in range(2)]
+        engine.store(PROMPT, caches, slots_from_block_ids(list(range(1, 16)), 32, len(PROMPT)))
+        yield engine
+
+
+@pytest.fixture
+def server(engine: CacheEngine) -> Iterator[LookupServer]:
+    limits = ServerLimits(
+        max_message_bytes=16 * 2**20, max_buffered_bytes=24 * 2**20, read_deadline_s=1.0, write_deadline_s=1.0
+    )
+    served = LookupServer(engine, socket_path(f"abuse-{os.getpid()}-{id(engine):x}", 0, 0), limits=limits)
+    yield served
+    served.close()
+
+
+def normal_lookup_works(server: LookupServer, timeout_s: float = 2.0) -> float:
+    """A fresh well-behaved client gets the right answer within ``timeout_s``; returns seconds taken."""
+    started = time.monotonic()
+    client = SocketLookup([server.path], timeout_s=timeout_s)
+    try:
+        assert client.lookup(PROMPT, RequestInfo()) == 192
+    finally:
+        client.close()
+    return time.monotonic() - started
+
+
+def connect(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(str(path))
+    return sock
+
+
+def closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    sock.settimeout(within_s)
+    try:
+        while True:
+            data = sock.recv(1 << 16)
+            if not data:
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_half_sent_messages_are_bounded_and_time_out(server: LookupServer) -> None:
+    """12 clients announce big messages and send part: the server holds at most its byte budget."""
+    payload = b"\0" * (6 * 2**20)
+    framed = {size: LEN.pack(size) + payload for size in (60 * 2**20, 15 * 2**20)}
+    clients: list[socket.socket] = []
+    tracemalloc.start()
+    try:
+        baseline = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        for announced in [60 * 2**20] * 4 + [15 * 2**20] * 8:  # over the limit, and just under it
+            sock = connect(server.path)
+            clients.append(sock)
+            try:
+                sock.sendall(framed[announced])
+            except OSError:
+                pass  # dropped while sending: what we want for the oversized ones
+        assert normal_lookup_works(server) < 2.0
+        assert server.buffered_bytes <= server.limits.max_buffered_bytes
+        peak = tracemalloc.get_traced_memory()[1] - baseline
+        # 12 x 6 MiB were sent; the server kept at most its 24 MiB budget (plus one recv buffer).
+        assert peak < 28 * 2**20, f"server buffered {peak / 2**20:.0f} MiB"
+        assert all(closed_by_server(sock, within_s=5.0) for sock in clients)  # read deadline
+        assert server.buffered_bytes == 0
+    finally:
+        tracemalloc.stop()
+        for sock in clients:
+            sock.close()
+
+
+def test_huge_headers_and_extra_key_counts_are_refused_before_parsing(server: LookupServer) -> None:
+    request = RequestInfo()
+    body = bytearray(encode_request(PROMPT, request))
+    header = json.dumps({"op": "lookup", "extra_keys": [[0, 1, "x" * 8]] * 200_000}).encode()
+    flood = LEN.pack(len(header)) + header
+    with connect(server.path) as sock:
+        started = time.monotonic()
+        sock.sendall(LEN.pack(len(flood)) + flood)
+        size = LEN.unpack(sock.recv(4))[0]
+        reply = json.loads(sock.recv(size))
+        assert "error" in reply and "header" in reply["error"]
+        assert time.monotonic() - started < 1.0
+    # 5000 extra keys fit the header budget but not the count budget.
+    header = json.dumps({"op": "lookup", "extra_keys": [[0, 1, "x"]] * 5000}).encode()
+    many = LEN.pack(len(header)) + header
+    with connect(server.path) as sock:
+        sock.sendall(LEN.pack(len(many)) + many)
+        size = LEN.unpack(sock.recv(4))[0]
+        assert "extra_keys" in json.loads(sock.recv(size))["error"]
+    assert normal_lookup_works(server) < 2.0
+    assert body  # a normal request still encodes
+
+
+def test_a_client_that_never_reads_blocks_only_itself(server: LookupServer) -> None:
+    message = encode_request(PROMPT, RequestInfo())
+    greedy = connect(server.path)
+    greedy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stop = threading.Event()
+
+    def pipeline() -> None:  # requests forever, never a read
+        framed = LEN.pack(len(message)) + message
+        greedy.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                greedy.sendall(framed)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    sender = threading.Thread(target=pipeline, daemon=True)
+    sender.start()
+    try:
+        time.sleep(0.5)  # the greedy client's receive buffer is full by now
+        for _ in range(3):
+            assert normal_lookup_works(server) < 2.0
+        stop.set()
+        sender.join(timeout=5)
+        deadline = time.monotonic() + 5.0  # unread replies: closed after the write deadline (1 s)
+        while server.connections and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.connections == 0
+        assert closed_by_server(greedy, within_s=5.0)
+    finally:
+        stop.set()
+        sender.join(timeout=5)
+        greedy.close()
+
+
+def test_connections_are_bounded(engine: CacheEngine) -> None:
+    limits = ServerLimits(max_connections=4, read_deadline_s=1.0)
+    served = LookupServer(engine, socket_path(f"conns-{os.getpid()}", 0, 0), limits=limits)
+    idle = [connect(served.path) for _ in range(10)]
+    try:
+        assert normal_lookup_works(served) < 2.0
+        time.sleep(0.2)
+        assert served.connections <= 4
+    finally:
+        for sock in idle:
+            sock.close()
+        served.close()
+
+
+# --- the private folder ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_dir_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private temp root and no folder resolved yet; restored afterwards."""
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    monkeypatch.delenv(LOOKUP_DIR_ENV, raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(socket_server, "_dir", None)
+    return root
+
+
+def test_a_planted_link_is_not_followed(fresh_dir_state: Path, tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    (fresh_dir_state / f"kvplug-{os.getuid()}").symlink_to(target)
+    folder = private_socket_dir()
+    assert folder.parent == fresh_dir_state and not folder.is_symlink() and folder != target
+    assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700 and os.lstat(folder).st_uid == os.getuid()
+    assert os.environ[LOOKUP_DIR_ENV] == str(folder)  # children find the same folder
+    assert list(target.iterdir()) == []
+
+
+def test_an_open_or_foreign_folder_is_not_used(fresh_dir_state: Path) -> None:
+    squatted = fresh_dir_state / f"kvplug-{os.getuid()}"
+    squatted.mkdir()
+    squatted.chmod(0o777)
+    if os.getuid() == 0:  # as root, also make it another user's, as a squatter's would be
+        os.chown(squatted, 65534, 65534)
+    folder = private_socket_dir()
+    assert folder != squatted and stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
+
+
+def test_xdg_runtime_dir_is_preferred(fresh_dir_state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime = tmp_path / "run-user"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert private_socket_dir() == runtime / "kvplug"
+
+
+def test_clients_refuse_a_link_to_a_socket(server: LookupServer) -> None:
+    link = server.path.parent / "lookup-link.sock"
+    link.symlink_to(server.path)
+    try:
+        with pytest.raises(LookupChannelError, match="not a socket"):
+            SocketLookup([link], timeout_s=1).lookup(PROMPT, RequestInfo())
+    finally:
+        link.unlink()
+    with pytest.raises(UnsafeSocketPathError):
+        socket_server.check_socket_file(Path(tempfile.gettempdir()) / "nonexistent-dir" / "x.sock")
