@@ -35,11 +35,11 @@ def test_config_validate_refuses_a_cpu_budget_above_physical_memory_and_names_it
 
 def test_budgets_of_several_in_memory_tiers_and_the_store_queue_add_up(tmp_path: Path) -> None:
     half = PHYSICAL // 2 + 1
-    code, output = validate(
-        tmp_path, f"tiers: [{{type: cpu, max_bytes: {half}}}, {{type: cpu, max_bytes: {half}}}]\n"
-    )
+    code, output = validate(tmp_path, f"tiers: [{{type: cpu, max_bytes: {half}}}, {{type: cpu, max_bytes: {half}}}]\n")
     assert code != 0 and "tiers[1].max_bytes" in output, output
-    code, output = validate(tmp_path, "tiers: [{type: cpu, max_bytes: 1GiB}, {type: disk, path: /tmp/x, max_bytes: 100TiB}]\n")
+    code, output = validate(
+        tmp_path, "tiers: [{type: cpu, max_bytes: 1GiB}, {type: disk, path: /tmp/x, max_bytes: 100TiB}]\n"
+    )
     assert code == 0 and "ok" in output, output  # a disk budget is not memory
 
 

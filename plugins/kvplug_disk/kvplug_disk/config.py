@@ -38,9 +38,7 @@ class DiskTierConfig(TierConfig):
         description="background: put queues the write for the tier's own writer thread; "
         "inline: put writes before it returns.",
     )
-    queue_items: PositiveInt = Field(
-        default=64, description="Bound of the background writer's queue, in put batches."
-    )
+    queue_items: PositiveInt = Field(default=64, description="Bound of the background writer's queue, in put batches.")
     queue_bytes: ByteSize = Field(
         default=ByteSize(256 * 1024**2),
         gt=0,

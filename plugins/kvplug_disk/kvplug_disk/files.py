@@ -2,7 +2,7 @@
 
 Layout under the tier's folder::
 
-    <ab>/<sha256(key) hex>.kvr                          one record: kvplug.core.record frame + value
+    <ab>/<sha256(key) hex>.kvr                          one record: kvplug record frame + value
     <ab>/<digest>.<host>.<pid>.<tid>.<random>.tmp       a write in progress
     .kvplug-usage                                       the folder's shared byte total (kvplug_disk.ledger)
 
@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from stat import S_ISREG
 
-from kvplug.core.record import RECORD_HEADER_SIZE, pack_record_header
-from kvplug.core.tier import Buffer
+from kvplug import RECORD_HEADER_SIZE, Buffer, pack_record_header
 
 RECORD_SUFFIX = ".kvr"
 TEMP_SUFFIX = ".tmp"
@@ -146,7 +145,9 @@ class RecordFolder:
             return self._open_shard(shard)
         except (NotADirectoryError, OSError) as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise ForeignEntryError(exc.errno, f"shard folder {self.root}/{shard} is not a folder (a link?)", shard) from None
+                raise ForeignEntryError(
+                    exc.errno, f"shard folder {self.root}/{shard} is not a folder (a link?)", shard
+                ) from None
             raise
 
     # --- writing --------------------------------------------------------------------

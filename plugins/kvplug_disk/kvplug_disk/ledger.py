@@ -51,6 +51,7 @@ class UsageLedger:
     def __init__(self, root_fd: int) -> None:
         self._thread_lock = threading.Lock()  # flock is per open file, not per thread
         self._local = 0
+        self._write_failed = False
         self._fd: int | None = None
         try:
             fd = os.open(LEDGER_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=root_fd)
@@ -62,7 +63,9 @@ class UsageLedger:
             fcntl.flock(fd, fcntl.LOCK_UN)
         except OSError as exc:
             os.close(fd)
-            logger.warning("disk tier: cannot lock the usage file (%s); the budget counts this process's records only", exc)
+            logger.warning(
+                "disk tier: cannot lock the usage file (%s); the budget counts this process's records only", exc
+            )
             return
         self._fd = fd
 
@@ -96,13 +99,20 @@ class UsageLedger:
             os.close(fd)
 
     def _read(self) -> int | None:
-        if self._fd is None:
+        if self._fd is None or self._write_failed:
             return self._local
         data = os.pread(self._fd, 8, 0)
         return int.from_bytes(data, "little") if len(data) == 8 else None
 
     def _write(self, total: int) -> None:
+        self._local = total
         if self._fd is None:
-            self._local = total
-        else:
+            return
+        try:
             os.pwrite(self._fd, total.to_bytes(8, "little"), 0)
+        except OSError as exc:  # a full disk may refuse even 8 bytes for a new file
+            if not self._write_failed:
+                logger.warning("disk tier: cannot update the shared usage file (%s); retrying with each write", exc)
+            self._write_failed = True
+        else:
+            self._write_failed = False

@@ -27,11 +27,17 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvplug import KVEvent, StorageTier, TierContext, TierStats
-from kvplug.core.background import BackgroundWorker
-from kvplug.core.record import RECORD_HEADER_SIZE, unpack_record
-from kvplug.core.record_store import StoredRecord
-from kvplug.core.tier import Buffer
+from kvplug import (
+    RECORD_HEADER_SIZE,
+    BackgroundWorker,
+    Buffer,
+    KVEvent,
+    StorageTier,
+    StoredRecord,
+    TierContext,
+    TierStats,
+    unpack_record,
+)
 from kvplug.errors import CorruptChunkError, IncompatibleChunkError, TierClosedError, ValueTooLargeError
 from kvplug_disk.config import DiskTierConfig
 from kvplug_disk.files import ForeignEntryError, RecordFolder, TempFile, digest_of, value_size_of
@@ -82,7 +88,9 @@ class DiskTier(StorageTier):
             scan = self._folder.scan(clean_temps_older_than=config.stale_temp_s)
             for entry in scan.foreign:  # "<shard>/<digest>.kvr", or a shard name
                 shard, _, name = entry.partition("/")
-                self._problems.skip(name[:64] or shard, "foreign", f"{config.path}/{entry} is not a regular file or folder")
+                self._problems.skip(
+                    name[:64] or shard, "foreign", f"{config.path}/{entry} is not a regular file or folder"
+                )
             self._rebuild_index(usage, scan.records)
             self._startup = {
                 "startup_s": round(time.perf_counter() - started, 4),
@@ -193,7 +201,7 @@ class DiskTier(StorageTier):
                 name = entry.key if entry is not None and entry.key is not None else digest
             yield name, value_size_of(file_size)
 
-    # --- maintenance (kvplug.core.record_store.RecordStore) ------------------------------
+    # --- maintenance (kvplug.RecordStore) -----------------------------------------------
 
     def records(self) -> Iterator[StoredRecord]:
         """Every record file: its key digest, file size and modification time."""
@@ -228,7 +236,9 @@ class DiskTier(StorageTier):
                 raise TypeError(f"value for {key} is not a C-contiguous buffer")
             size = view.nbytes
             if size > self._budget:
-                raise ValueTooLargeError(f"value of {size} bytes for {key} exceeds max_bytes {self._budget} of tier disk")
+                raise ValueTooLargeError(
+                    f"value of {size} bytes for {key} exceeds max_bytes {self._budget} of tier disk"
+                )
             writes.append(_Write(key, digest_of(key), value))
         if not writes:
             return

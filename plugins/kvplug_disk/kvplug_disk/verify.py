@@ -4,7 +4,7 @@ Without keys (files hold only their key's digest), a record is whole when its fr
 verifies and the key digest in its header is the one its file name says: that
 catches flipped bits, truncation, appended bytes and files renamed onto another
 key's name; a KV chunk frame inside is checked too
-(kvplug.core.record_store.check_record, as ``kvplug store verify`` does). It reads every byte, so it takes as long as reading the cache once.
+(kvplug.check_record, as ``kvplug store verify`` does). It reads every byte, so it takes as long as reading the cache once.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvplug.core.record import RECORD_HEADER_SIZE
-from kvplug.core.record_store import check_record
+from kvplug import RECORD_HEADER_SIZE, check_record
 from kvplug_disk.files import ForeignEntryError, RecordFolder
 
 

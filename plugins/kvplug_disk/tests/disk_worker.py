@@ -21,9 +21,8 @@ import random
 import sys
 from pathlib import Path
 
-from kvplug_disk import DiskTier
-
 from kvplug.testing import key_for, tier_context, value_for
+from kvplug_disk import DiskTier
 
 KEYSPACE = 40
 VERSIONS = 3
@@ -56,7 +55,9 @@ def write_forever(path: str, seed: int, writer: str, budget: int) -> None:
     rng = random.Random(seed)
     print(f"ready {os.getpid()}", flush=True)
     while True:
-        batch = [(key_of(i), value_of(i, rng.randrange(VERSIONS))) for i in rng.sample(range(KEYSPACE), rng.randint(1, 4))]
+        batch = [
+            (key_of(i), value_of(i, rng.randrange(VERSIONS))) for i in rng.sample(range(KEYSPACE), rng.randint(1, 4))
+        ]
         tier.put(batch)
         if rng.random() < 0.1:
             tier.remove([key_of(rng.randrange(KEYSPACE))])

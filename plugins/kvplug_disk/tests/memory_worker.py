@@ -54,7 +54,9 @@ def main(folder: str, cpu_mib: int, queue_mib: int, stored_mib: int, bounded: bo
     prompts = stored_mib * 1024**2 // (chunk_bytes * CHUNKS_PER_PROMPT)
     with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="memory")) as engine:
         for warm in range(2):  # code paths, thread stacks, allocator pools: not chunk data
-            engine.store(list(range(10**9 + warm * tokens_per_prompt, 10**9 + (warm + 1) * tokens_per_prompt)), caches, slots)
+            engine.store(
+                list(range(10**9 + warm * tokens_per_prompt, 10**9 + (warm + 1) * tokens_per_prompt)), caches, slots
+            )
         engine.flush()
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")  # resets VmHWM (peak RSS) to the current RSS

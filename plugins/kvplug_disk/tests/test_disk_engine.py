@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvplug_disk import DiskTier
 
 import kvplug
 from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
 from kvplug.errors import ConfigError
+from kvplug_disk import DiskTier
 
 LAYOUT = KVLayout("vllm_flash", num_layers=3, block_size=8, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16)
 NUM_BLOCKS = 16
@@ -48,7 +48,9 @@ def test_config_errors_name_the_disk_fields(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"tiers\[0\].*path"):
         load_config(engine_extra={"kvplug": {"tiers": [{"type": "disk"}]}}, env={})
     with pytest.raises(ConfigError, match="max_bytes"):
-        load_config(engine_extra={"kvplug": {"tiers": [{"type": "disk", "path": str(tmp_path), "max_bytes": "lots"}]}}, env={})
+        load_config(
+            engine_extra={"kvplug": {"tiers": [{"type": "disk", "path": str(tmp_path), "max_bytes": "lots"}]}}, env={}
+        )
 
 
 def test_a_second_engine_loads_kv_from_disk_and_promotes_it_to_cpu(tmp_path: Path) -> None:

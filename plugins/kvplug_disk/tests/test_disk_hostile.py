@@ -18,13 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvplug_disk import DiskTier, verify_folder
 from typer.testing import CliRunner, Result
 
 from kvplug import EngineMetrics, TierChain
 from kvplug.cli.main import app
-
 from kvplug.testing import key_for, tier_context, value_for
+from kvplug_disk import DiskTier, verify_folder
 
 HERE = Path(__file__).parent
 
@@ -237,7 +236,9 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A real 4 MiB file system (tmpfs), so ENOSPC is the kernel's own."""
     mount_point = tmp_path / "fs"
     mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0755", "tmpfs", str(mount_point)], capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0755", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         if os.geteuid() != 0:
             pytest.skip(f"mounting a small tmpfs needs root (CI runs as root): {mounted.stderr.strip()}")
@@ -265,11 +266,10 @@ def test_a_full_disk_evicts_the_tiers_own_records_to_make_room(small_fs: Path) -
 def test_a_disk_full_of_other_data_counts_errors_in_prometheus_and_warns_once_per_burst(
     small_fs: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with (small_fs / "other").open("wb") as filler:  # someone else's data fills the disk
+    with (small_fs / "other").open("wb", buffering=0) as filler:  # someone else's data fills the disk
         try:
             while True:
                 filler.write(b"\0" * 65536)
-                filler.flush()
         except OSError as exc:
             assert exc.errno == errno.ENOSPC
     (small_fs / "other").unlink()
@@ -288,3 +288,21 @@ def test_a_disk_full_of_other_data_counts_errors_in_prometheus_and_warns_once_pe
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert temp_files(small_fs) == []
     chain.close()
+
+
+def test_a_tier_opened_on_a_full_disk_starts_and_counts_its_failed_writes(small_fs: Path) -> None:
+    with (small_fs / "other").open("wb", buffering=0) as filler:
+        try:
+            while True:
+                filler.write(b"\0" * 4096)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    tier = make_disk_tier(small_fs / "cache", 64 * 1024**2, writer="inline")
+    tier.put([(key_for("no room"), value_for("no room", 100_000))])
+    assert tier.contains([key_for("no room")]) == [False]
+    assert tier.stats().extra["enospc"] == 1
+    (small_fs / "other").unlink()  # room again: the tier works, and its shared total with it
+    tier.put([(key_for("room"), value_for("room", 100_000))])
+    assert tier.contains([key_for("room")]) == [True]
+    assert tier.stats().extra["folder_bytes"] == 100_000
+    tier.close()

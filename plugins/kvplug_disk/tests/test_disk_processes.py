@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from disk_worker import KEYSPACE, key_of, open_tier, value_of, versions_of
+
 from kvplug_disk import verify_folder
 from kvplug_disk.ledger import LEDGER_NAME
 

@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from kvplug_disk import DiskTier, verify_folder
-from kvplug_disk.files import HOST_TAG
-from kvplug_disk.ledger import LEDGER_NAME
 from pydantic import ValidationError
 
 from kvplug.testing import StorageTierContract, key_for, tier_context, value_for
+from kvplug_disk import DiskTier, verify_folder
+from kvplug_disk.files import HOST_TAG
+from kvplug_disk.ledger import LEDGER_NAME
 
 
 def make_disk_tier(path: Path, max_bytes: int | None = None, **options: object) -> DiskTier:
@@ -56,7 +56,10 @@ def test_one_record_file_per_key_named_by_digest_and_nothing_else(tmp_path: Path
     key = key_for("file")
     tier.put([(key, value_for("file", 5000))])
     files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
-    assert files == [tmp_path / LEDGER_NAME, record_path(tmp_path, key)]  # the folder's shared byte total, and the record
+    assert files == [
+        tmp_path / LEDGER_NAME,
+        record_path(tmp_path, key),
+    ]  # the folder's shared byte total, and the record
     assert files[1].stat().st_size == 5000 + 64
     stats = tier.stats()
     assert (stats.bytes_used, stats.items, stats.extra["file_bytes"]) == (5000, 1, 5064)
@@ -122,7 +125,9 @@ def test_a_smaller_budget_at_start_evicts_the_oldest(tmp_path: Path) -> None:
 
 def test_stale_temp_files_are_removed_at_start_and_live_ones_kept(tmp_path: Path) -> None:
     make_disk_tier(tmp_path).close()
-    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead_pid = int(finished.stdout)
     shard = tmp_path / "ab"
     digest = "ab" + "0" * 62
@@ -175,7 +180,11 @@ def test_a_damaged_file_is_a_counted_miss_and_is_removed(tmp_path: Path, damage)
     keys = [key_for(f"d{i}") for i in range(3)]
     tier.put([(key, value_for(key, 4096)) for key in keys])
     damage(record_path(tmp_path, keys[1]))
-    assert [None if v is None else bytes(v) for v in tier.get(keys)] == [value_for(keys[0], 4096), None, value_for(keys[2], 4096)]
+    assert [None if v is None else bytes(v) for v in tier.get(keys)] == [
+        value_for(keys[0], 4096),
+        None,
+        value_for(keys[2], 4096),
+    ]
     stats = tier.stats()
     assert stats.extra["corrupt"] == 1 and stats.items == 2 and stats.bytes_used == 2 * 4096
     assert not record_path(tmp_path, keys[1]).exists()
