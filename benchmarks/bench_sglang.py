@@ -7,14 +7,41 @@ it back into other slots. The baseline, measured in the same run, is a plain
 table with GB/s and the ratio to the baseline; asserts nothing.
 
     python benchmarks/bench_sglang.py [--tokens 8192] [--repeat 5]
+
+``--server`` adds a second section: time to first token of a real
+``python -m sglang.launch_server`` (a random-weight Llama, prompts as token ids) with
+``--radix-cache-backend kvplug`` over a cpu and a disk tier:
+
+* ``sglang cold`` / ``sglang warm``: SGLang alone, a new prompt and then the same
+  prompt again from SGLang's own radix cache (the baselines, same run);
+* ``kvplug cold``: the kvplug server, a new prompt (lookup miss, prefill, store);
+* ``kvplug after flush``: ``/flush_cache`` emptied SGLang's cache; kvplug's cpu tier
+  serves the prefix;
+* ``kvplug after restart``: a new server process; kvplug's disk tier serves it (the
+  OS page cache is warm: this is kvplug's disk path, not the drive).
+
+TTFT is the HTTP round trip of a one-token greedy ``/generate``, the median over
+``--server-reps`` prompts. Outputs of the kvplug warm runs are checked against SGLang's
+own warm run and mismatches counted. Without CUDA the server runs on the test-only CPU
+platform (``plugins/kvplug_sglang/tests/sglang_cpu_platform``): SGLang's speed there is
+not representative of SGLang on a GPU, only the ratios within one run mean something.
+``--json`` prints one JSON object (both sections) as the last line.
+
+    python benchmarks/bench_sglang.py --server [--server-tokens 4096] [--server-reps 3] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import statistics
+import sys
+import tempfile
 import time
 import warnings
+from pathlib import Path
+from typing import Any
 
 warnings.filterwarnings("ignore")
 
@@ -46,12 +73,7 @@ def best_of(repeat: int, fn) -> float:  # noqa: ANN001
     return min(times), statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--chunk-size", type=int, default=256)
-    args = parser.parse_args()
+def connector_section(args: argparse.Namespace) -> dict[str, Any]:
     tokens = args.tokens
     pool = MHATokenToKVPool(
         size=2 * tokens + 16, page_size=1, dtype=torch.bfloat16, head_num=HEADS, head_dim=HEAD_DIM,
@@ -93,6 +115,106 @@ def main() -> None:
     print(f"{'operation':<18} {'best ms':>9} {'median ms':>10} {'GB/s':>7} {'x copy_':>8}")
     for name, best, med in rows:
         print(f"{name:<18} {best * 1e3:9.1f} {med * 1e3:10.1f} {nbytes / best / 1e9:7.2f} {best / copy_best:8.2f}")
+    return {
+        "tokens": tokens, "chunk_size": args.chunk_size, "bytes": nbytes,
+        "ms": {name: {"best": round(best * 1e3, 2), "median": round(med * 1e3, 2)} for name, best, med in rows},
+    }
+
+
+def server_section(args: argparse.Namespace) -> dict[str, Any]:
+    # The server helpers are kvplug-sglang's test support (tests/sglang_server.py).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "kvplug_sglang" / "tests"))
+    from sglang_server import ON_GPU, SGLangServer, kvplug_env, write_random_llama
+
+    size, reps = args.server_tokens, args.server_reps
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 30000) for _ in range(size)] for _ in range(reps + 1)]
+    warmup, prompts = prompts[0], prompts[1:]
+    pool = max(8192, 2 * size * (reps + 1))
+    times: dict[str, list[float]] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    hits: list[int] = []
+
+    def measure(server: SGLangServer, label: str, *, kvplug_hit: bool = False) -> None:
+        for prompt in prompts:
+            out, seconds, meta = server.ttft(prompt)
+            times.setdefault(label, []).append(seconds)
+            outputs.setdefault(label, []).append(out)
+            if kvplug_hit:
+                hits.append(int((meta.get("cached_tokens_details") or {}).get("host", 0)))
+
+    with tempfile.TemporaryDirectory(prefix="bench-sglang-") as tmp:
+        work = Path(tmp)
+        model = str(write_random_llama(work / "model", large=True))
+
+        def start(extra: list[str], env: dict[str, str], name: str) -> SGLangServer:
+            server = SGLangServer(model, extra, env, work / f"{name}.log", max_total_tokens=pool).wait_healthy()
+            server.ttft(warmup)
+            return server
+
+        base = start([], {}, "sglang")
+        try:
+            for prompt in prompts:
+                for label in ("sglang cold", "sglang warm"):
+                    out, seconds, _ = base.ttft(prompt)
+                    times.setdefault(label, []).append(seconds)
+                    outputs.setdefault(label, []).append(out)
+        finally:
+            base.stop()
+        tiers = [{"type": "cpu", "max_bytes": "4GiB"}, {"type": "disk", "path": str(work / "kv")}]
+        args_kv, env_kv = ["--radix-cache-backend", "kvplug"], kvplug_env(tiers, args.chunk_size)
+        server = start(args_kv, env_kv, "kvplug")
+        try:
+            measure(server, "kvplug cold")
+            time.sleep(1.0)  # the store worker writes the tiers in the background
+            server.flush_cache()
+            measure(server, "kvplug after flush", kvplug_hit=True)
+        finally:
+            server.stop()
+        server = start(args_kv, env_kv, "kvplug-restarted")
+        try:
+            measure(server, "kvplug after restart", kvplug_hit=True)
+        finally:
+            server.stop()
+
+    base_cold = statistics.median(times["sglang cold"])
+    mismatches = sum(
+        a != b for label in ("kvplug after flush", "kvplug after restart")
+        for a, b in zip(outputs[label], outputs["sglang warm"])
+    )
+    print(f"\nsglang server ({'GPU' if ON_GPU else 'CPU test platform: not representative of SGLang speed'}), "
+          f"random Llama (512 hidden, 4 layers), {size}-token prompts, median of {reps}, chunk {args.chunk_size}")
+    print(f"{'TTFT':<22} {'median ms':>10} {'x sglang cold':>14}")
+    for label, values in times.items():
+        med = statistics.median(values)
+        print(f"{label:<22} {med * 1e3:10.1f} {med / base_cold:14.2f}")
+    print(f"kvplug hit tokens per warm request: {min(hits)}..{max(hits)} of {size}; "
+          f"outputs differing from SGLang's own warm run: {mismatches} of {2 * reps}")
+    return {
+        "device": "gpu" if ON_GPU else "cpu-test-platform", "tokens": size, "reps": reps,
+        "ttft_ms": {label: round(statistics.median(values) * 1e3, 2) for label, values in times.items()},
+        "kvplug_hit_tokens_min": min(hits), "output_mismatches": mismatches,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--server", action="store_true", help="also time a real sglang.launch_server (minutes)")
+    parser.add_argument("--server-only", action="store_true", help="only the server section")
+    parser.add_argument("--server-tokens", type=int, default=4096)
+    parser.add_argument("--server-reps", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = parser.parse_args()
+    result: dict[str, Any] = {"benchmark": "bench_sglang"}
+    if not args.server_only:
+        result["connector"] = connector_section(args)
+    if args.server or args.server_only:
+        result["server"] = server_section(args)
+    if args.json:
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

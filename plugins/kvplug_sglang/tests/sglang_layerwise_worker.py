@@ -45,9 +45,9 @@ def run_rank(rank: int, port: int, out_dir: str, chunks_stored: list[int]) -> No
         for layer in range(pool.layer_num):
             connector.load_kv_layerwise(layer)
         exact = all(
-            torch.equal(pool.get_key_buffer(l)[dst[:loaded]], expected[l][0][:loaded])
-            and torch.equal(pool.get_value_buffer(l)[dst[:loaded]], expected[l][1][:loaded])
-            for l in range(pool.layer_num)
+            torch.equal(pool.get_key_buffer(i)[dst[:loaded]], expected[i][0][:loaded])
+            and torch.equal(pool.get_value_buffer(i)[dst[:loaded]], expected[i][1][:loaded])
+            for i in range(pool.layer_num)
         )
         connector.close()
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"loaded": loaded, "exact": exact}))

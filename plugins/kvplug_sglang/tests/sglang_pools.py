@@ -58,7 +58,7 @@ def fill_random(pool: MHATokenToKVPool, slots: torch.Tensor, seed: int = 0) -> N
 
 
 def snapshot(pool: MHATokenToKVPool, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(pool.get_key_buffer(l)[slots].clone(), pool.get_value_buffer(l)[slots].clone()) for l in range(pool.layer_num)]
+    return [(pool.get_key_buffer(i)[slots].clone(), pool.get_value_buffer(i)[slots].clone()) for i in range(pool.layer_num)]
 
 
 def clear_pool(pool: MHATokenToKVPool) -> None:

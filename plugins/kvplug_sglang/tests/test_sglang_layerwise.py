@@ -24,12 +24,12 @@ def test_start_then_each_layer_restores_every_layer(model_config, pool_factory) 
     clear_pool(pool)
     dst = torch.arange(60, 108)
     assert connector.start_load_kv(LoadMetadata(tokens, dst, 0)) == 48
-    written = [bool(pool.get_key_buffer(l)[dst].any()) for l in range(pool.layer_num)]
+    written = [bool(pool.get_key_buffer(i)[dst].any()) for i in range(pool.layer_num)]
     assert written == [True] + [False] * (pool.layer_num - 1), "start_load_kv writes layer 0 only"
     for layer in range(pool.layer_num):
         connector.load_kv_layerwise(layer)
         upto = min(layer + 1, pool.layer_num - 1)
-        assert all(pool.get_value_buffer(l)[dst].any() for l in range(upto + 1))
+        assert all(pool.get_value_buffer(i)[dst].any() for i in range(upto + 1))
         if upto + 1 < pool.layer_num:
             assert not pool.get_value_buffer(upto + 1)[dst].any(), "a layer was written ahead of time"
     for layer, (k, v) in enumerate(expected):

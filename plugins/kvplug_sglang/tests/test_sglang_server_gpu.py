@@ -25,9 +25,15 @@ from pathlib import Path
 import pytest
 import torch
 
+# On CPU, test_sglang_server.py runs the same flows (both backends, cold / flush / restart)
+# on the test-only CPU platform; what only a GPU has is SGLang's CUDA path: sgl_kernel's
+# HiCache transfer kernels (io backend "kernel", layout page_first) and pinned host pools.
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU to run sglang.launch_server"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs CUDA: SGLang's CUDA kernels and pinned HiCache pools (CPU flows: test_sglang_server.py)",
+    ),
 ]
 
 PROMPT = list(range(10, 10 + 1500))
