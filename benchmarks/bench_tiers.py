@@ -2,20 +2,23 @@
 
     python benchmarks/bench_tiers.py                       # every section, temp dir under /tmp
     python benchmarks/bench_tiers.py --dir /mnt/nvme/tmp --sizes 2MiB,8MiB,32MiB --total 512MiB
-    python benchmarks/bench_tiers.py --sections disk       # one section
+    python benchmarks/bench_tiers.py --sections disk,s3 --json   # tables on stderr, one JSON line on stdout
 
-Sections (``SECTIONS``; each takes the parsed args and prints its own table):
+Sections (``SECTIONS``): each is one function ``run_<name>(args) -> dict`` that prints
+its own table and returns its figures (ratios included); ``--json`` prints every
+section's figures as one JSON object, the last line of stdout.
 
 - ``disk``: tier ``disk`` write and read GB/s next to raw ``write + fdatasync + rename``
   and raw ``open + read`` of the same values in the same folder; reads both hot (page
   cache) and cold (pages dropped with posix_fadvise DONTNEED, file by file, so no
-  global cache drop is needed). Goal: tier >= 80% of raw.
+  global cache drop is needed). Goal: tier >= 90% of raw at 8 MiB.
 - ``startup``: a disk tier's index rebuild over ``--index-files`` small records,
   next to a bare scandir + stat of the same tree (the least any rebuild must do).
-- ``s3``: runs ``benchmarks/bench_s3_tier.py``'s ``run(args)`` when that file exists.
-- ``valkey``: tier ``valkey`` put/get GB/s next to the raw valkey-py asyncio client (one
-  pipeline per batch) on the same real valkey-server, standalone and 3-node cluster
-  (``benchmarks/bench_valkey_tier.py``). Goal: tier >= 90% of raw.
+- Remote stores, each next to its raw client on the same server in the same run, put
+  and get per value size; goal: tier >= 90% of raw. A remote store's section lives in
+  ``benchmarks/bench_<store>_tier.py`` as ``run(args) -> dict`` and is listed in
+  ``REMOTE_SECTIONS``: ``s3`` (s3fs on moto and on SeaweedFS; ``--servers``),
+  ``valkey``, ``mooncake``. A section whose file is missing is reported and skipped.
 
 Results are printed, never asserted.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import shutil
 import sys
@@ -31,6 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import ByteSize, TypeAdapter
 
@@ -76,7 +81,7 @@ def _raw_write(folder: Path, values: Sequence[bytes]) -> float:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         view = memoryview(value)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         _fdatasync(fd)
         os.close(fd)
         os.replace(temp, final)
@@ -110,20 +115,27 @@ def _drop_pages(folder: Path) -> None:
             os.close(fd)
 
 
-def run_disk(args: argparse.Namespace) -> None:
+def run_disk(args: argparse.Namespace) -> dict[str, Any]:
     rows = [row for size in args.sizes for row in _measure_disk(args, size)]
     print_table(
         f"disk tier vs raw files in {args.dir} (best of {args.repeats}; write = write+fdatasync+rename; "
         f"tier batches {args.batch} values per put, background writer, flush included)",
         ["values", "op", "raw GB/s", "tier GB/s", "tier/raw"],
-        rows,
+        [(*row[:4], f"{row[4]:.0%}") for row in rows],
     )
+    figures: dict[str, Any] = {}
+    for (_, op, raw, tier, ratio), size in zip(rows, [s for s in args.sizes for _ in range(3)]):
+        figures.setdefault(str(size), {})[op] = {
+            "raw_gbps": round(raw, 4),
+            "tier_gbps": round(tier, 4),
+            "ratio": round(ratio, 4),
+        }
+    return figures
 
 
-def _measure_disk(args: argparse.Namespace, size: int) -> list[tuple[object, ...]]:
-    from kvplug_disk import DiskTier
-
+def _measure_disk(args: argparse.Namespace, size: int) -> list[tuple[Any, ...]]:
     from kvplug.testing import key_for, tier_context
+    from kvplug_disk import DiskTier
 
     count = max(4, args.total // size)
     distinct = [os.urandom(size) for _ in range(min(count, 4))]
@@ -135,7 +147,9 @@ def _measure_disk(args: argparse.Namespace, size: int) -> list[tuple[object, ...
 
     def tier_write() -> float:
         shutil.rmtree(tier_dir, ignore_errors=True)
-        tier = DiskTier(DiskTier.Config(path=tier_dir, max_bytes=2 * count * size, on_queue_full="block"), tier_context())
+        tier = DiskTier(
+            DiskTier.Config(path=tier_dir, max_bytes=2 * count * size, on_queue_full="block"), tier_context()
+        )
         started = time.perf_counter()
         for at in range(0, count, args.batch):  # an engine stores a request's chunks as one batch
             tier.put(list(zip(keys[at : at + args.batch], values[at : at + args.batch])))
@@ -172,19 +186,18 @@ def _measure_disk(args: argparse.Namespace, size: int) -> list[tuple[object, ...
     shutil.rmtree(tier_dir)
     label = f"{size / 2**20:g} MiB x {count}"
     return [
-        (label, "write", gb / raw_w, gb / tier_w, f"{raw_w / tier_w:.0%}"),
-        (label, "read (page cache)", gb / raw_hot, gb / tier_hot, f"{raw_hot / tier_hot:.0%}"),
-        (label, "read (cold)", gb / raw_cold, gb / tier_cold, f"{raw_cold / tier_cold:.0%}"),
+        (label, "write", gb / raw_w, gb / tier_w, raw_w / tier_w),
+        (label, "read (page cache)", gb / raw_hot, gb / tier_hot, raw_hot / tier_hot),
+        (label, "read (cold)", gb / raw_cold, gb / tier_cold, raw_cold / tier_cold),
     ]
 
 
 # --- startup -------------------------------------------------------------------------
 
 
-def run_startup(args: argparse.Namespace) -> None:
-    from kvplug_disk import DiskTier
-
+def run_startup(args: argparse.Namespace) -> dict[str, Any]:
     from kvplug.testing import key_for, tier_context
+    from kvplug_disk import DiskTier
 
     folder = args.dir / "index"
     filler = DiskTier(DiskTier.Config(path=folder, writer="inline", fsync=False), tier_context())
@@ -226,34 +239,41 @@ def run_startup(args: argparse.Namespace) -> None:
         ],
     )
     shutil.rmtree(folder)
+    return {
+        "files": args.index_files,
+        "bare_scan_s": round(scan_s, 4),
+        "tier_start_s": round(start_s, 4),
+        "ratio": round(scan_s / start_s, 4),
+    }
 
 
-# --- s3 ------------------------------------------------------------------------------
+# --- remote stores: one module each ---------------------------------------------------
+
+#: Section name -> module in benchmarks/ with ``run(args) -> dict`` (prints its own table).
+REMOTE_SECTIONS = {"s3": "bench_s3_tier", "valkey": "bench_valkey_tier", "mooncake": "bench_mooncake_tier"}
 
 
-def run_s3(args: argparse.Namespace) -> None:
+def run_remote(name: str, args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).parent))
+    module_name = REMOTE_SECTIONS[name]
     try:
-        module = importlib.import_module("bench_s3_tier")
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name != "bench_s3_tier":
+        if exc.name != module_name:
             raise
-        print("\ns3: benchmarks/bench_s3_tier.py is not there; skipped")
-        return
-    module.run(args)
+        print(f"\n{name}: benchmarks/{module_name}.py is not there; skipped")
+        return {"skipped": f"benchmarks/{module_name}.py is missing"}
+    return module.run(args) or {}
 
 
-def run_valkey(args: argparse.Namespace) -> None:
-    """Tier ``valkey`` next to the raw valkey-py client, standalone and cluster (``bench_valkey_tier.py``)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    importlib.import_module("bench_valkey_tier").run(args)
+def _remote_section(name: str) -> Callable[[argparse.Namespace], dict[str, Any]]:
+    return lambda args: run_remote(name, args)
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
+SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "disk": run_disk,
     "startup": run_startup,
-    "s3": run_s3,
-    "valkey": run_valkey,
+    **{name: _remote_section(name) for name in REMOTE_SECTIONS},
 }
 
 
@@ -266,17 +286,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--index-files", type=int, default=100_000)
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"of {', '.join(SECTIONS)}")
+    parser.add_argument("--servers", default="moto,seaweedfs", help="s3 section: S3 servers to start")
+    parser.add_argument("--json", action="store_true", help="tables on stderr; one JSON object as stdout's last line")
     args = parser.parse_args(argv)
+    args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
     args.total = parse_size(args.total)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         parser.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+    stdout = sys.stdout
+    figures: dict[str, Any] = {"benchmark": "bench_tiers", "sizes": args.sizes, "goal": {"ratio": 0.9}}
     with tempfile.TemporaryDirectory(prefix="kvplug-bench-", dir=args.dir) as scratch:
         args.dir = Path(scratch)
-        for name in sections:
-            SECTIONS[name](args)
+        if args.json:
+            sys.stdout = sys.stderr  # the tables; stdout keeps the JSON line
+        try:
+            for name in sections:
+                figures[name] = SECTIONS[name](args)
+        finally:
+            sys.stdout = stdout
+    if args.json:
+        print(json.dumps(figures))
 
 
 if __name__ == "__main__":
