@@ -30,12 +30,18 @@ other: computing the last token over a cached prefix rounds differently from one
 prefill, and a random-weight model's top logits are close; vLLM's prefix cache shows
 the same flips, so they are counted but are not kvplug's.)
 
-    python benchmarks/bench_vllm.py [--sizes 1024,4096,8192] [--reps 2]
+Miss overhead, proven (``benchmarks/vllm_miss_overhead.py``): two OpenAI servers side
+by side, no connector and kvplug, fresh prompts sent to each in turn (ABBA...), at
+least 15 pairs; the median of the paired TTFT differences with a 95% confidence
+interval. ``--json`` prints every figure as one JSON object on the last line.
+
+    python benchmarks/bench_vllm.py [--sizes 1024,4096,8192] [--reps 2] [--pairs 20] [--miss-size 2048] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -50,6 +56,9 @@ from rich.table import Table
 
 from kvplug_vllm.demo import run_in_subprocess
 from kvplug_vllm.tiny_model import BENCH_SPEC, write_random_llama
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_miss_overhead import measure
 
 CHUNK_SIZE = 256
 
@@ -81,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1024,4096,8192")
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=20, help="A/B pairs of the miss-overhead measurement (>= 15)")
+    parser.add_argument("--miss-size", type=int, default=2048, help="prompt tokens of the miss-overhead pairs")
+    parser.add_argument("--json", action="store_true", help="print all figures as one JSON object, last")
     args = parser.parse_args(argv)
+    if args.pairs < 15:
+        parser.error(f"--pairs must be at least 15 for a meaningful interval (got {args.pairs})")
     sizes = [int(s) for s in args.sizes.split(",")]
     console = Console(width=150)
     started = time.perf_counter()
@@ -132,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         twice = [request(size, rep) for size, rep in pairs for _ in (0, 1)]
         native = run_in_subprocess({**base, "kv": None, "prefix_caching": True, "requests": twice})["requests"]
         reference = {pair: (native[2 * i]["tokens"], native[2 * i + 1]["tokens"]) for i, pair in enumerate(pairs)}
+        console.print(f"miss overhead: {args.pairs} interleaved pairs at {args.miss_size} tokens ...")
+        miss = measure(
+            model, Path(workdir), size=args.miss_size, pairs=args.pairs, vocab=BENCH_SPEC.vocab_size,
+            kv=connector([{"type": "cpu", "max_bytes": "2GiB"}]),
+        )  # fmt: skip
 
     med = statistics.median
     table = Table(title=f"vLLM {_version()} CPU, random Llama {BENCH_SPEC.num_parameters() / 1e6:.0f}M bf16: time to first token (median of {args.reps})")
@@ -169,7 +188,30 @@ def main(argv: list[str] | None = None) -> int:
         + (f"; DIFFERENT for (size, rep) {wrong}" if wrong else "")
         + f"; warm differs from cold in {flips} of them, in vLLM's prefix cache too; total {time.perf_counter() - started:.0f}s"
     )
-    console.print("raw TTFT seconds: " + str({"none": none, "cold": cold, "warm_cpu": warm_cpu, "cold_disk": cold_disk, "warm_disk": warm_disk}))
+    console.print(
+        f"miss overhead, {miss['pairs']} interleaved pairs at {miss['size']} tokens: kvplug (every lookup a miss) - no connector "
+        f"= {miss['diff_median_s'] * 1000:+.2f} ms median ({miss['diff_median_pct']:+.2f}% of {miss['no_connector_median_s'] * 1000:.0f} ms), "
+        f"95% CI [{miss['diff_ci95_s'][0] * 1000:+.2f}, {miss['diff_ci95_s'][1] * 1000:+.2f}] ms "
+        f"([{miss['diff_ci95_pct'][0]:+.2f}%, {miss['diff_ci95_pct'][1]:+.2f}%]); goal <= 2%"
+    )
+    raw = {"none": none, "cold": cold, "warm_cpu": warm_cpu, "cold_disk": cold_disk, "warm_disk": warm_disk}
+    console.print("raw TTFT seconds: " + str(raw))
+    if args.json:
+        summary = {
+            "vllm": _version(),
+            "model_parameters": BENCH_SPEC.num_parameters(),
+            "sizes": sizes,
+            "reps": args.reps,
+            "ttft_median_s": {
+                name: {str(size): med(values[size]) if isinstance(values[size], list) else values[size] for size in sizes}
+                for name, values in raw.items()
+            },
+            "hit_tokens": {tier: {str(size): count for size, count in by_size.items()} for tier, by_size in hits.items()},
+            "outputs_equal_vllm_prefix_cache": len(outputs) - len(wrong),
+            "outputs_compared": len(outputs),
+            "miss_overhead": miss,
+        }
+        print(json.dumps(summary))
     return 1 if wrong else 0
 
 

@@ -14,6 +14,7 @@ module in ``kv_connector_module_path``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvplug import load_config
-
+from kvplug.errors import KVPlugError
+from kvplug_vllm.kv_events import KVPlugKVEvents
+from kvplug_vllm.prom_metrics import KVPlugPromMetrics
 from kvplug_vllm.scheduler import SchedulerSide
 from kvplug_vllm.settings import split_extra_config
 from kvplug_vllm.stats import KVPlugConnectorStats
@@ -32,6 +35,7 @@ from kvplug_vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -49,6 +53,7 @@ class KVPlugConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _route_logs_to_vllm()
+        check_kv_cache_groups(vllm_config, kv_cache_config)
         settings, engine_extra = split_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self.settings = settings
         parallel = vllm_config.parallel_config
@@ -99,10 +104,13 @@ class KVPlugConnector(KVConnectorBase_V1):
         self._worker_side().wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads and stores are synchronous with the step
+        return None, self._worker_side().get_finished()  # stores never hold blocks; background loads do
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().get_block_ids_with_load_errors()
+
+    def get_kv_connector_kv_cache_events(self) -> KVPlugKVEvents | None:
+        return self._worker_side().get_kv_cache_events()
 
     # --- scheduler side -------------------------------------------------------------
 
@@ -110,7 +118,7 @@ class KVPlugConnector(KVConnectorBase_V1):
         return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._scheduler_side().update_state_after_alloc(request, num_external_tokens)
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler_side().build_connector_meta(scheduler_output)
@@ -121,6 +129,12 @@ class KVPlugConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request, block_ids)
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._scheduler_side().take_events()
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler_side().reset_cache()
+
     # --- both -----------------------------------------------------------------------
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -130,6 +144,16 @@ class KVPlugConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVPlugConnectorStats(data=dict(data)) if data is not None else KVPlugConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVPlugPromMetrics:
+        return KVPlugPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -146,6 +170,37 @@ class KVPlugConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             raise RuntimeError("a scheduler-side connector method was called on the worker-side KVPlugConnector")
         return self._scheduler
+
+
+def check_kv_cache_groups(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Refuse a KV cache kvplug cannot key correctly, naming the model and the reason.
+
+    kvplug does not implement ``SupportsHMA``: for a model with sliding-window layers
+    vLLM then turns its hybrid allocator off, every layer keeps the KV of every token
+    in one group, and kvplug stores and loads them all (outputs equal vLLM's). Several
+    KV cache groups, or a group that is not attention (Mamba/SSM state), would mean
+    per-group block tables and states that a chunk of token KV does not capture.
+    """
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    model = getattr(vllm_config.model_config, "model", "?")
+    if len(groups) > 1:
+        raise KVPlugError(
+            f"KVPlugConnector cannot serve model {model!r}: its KV cache has {len(groups)} groups "
+            f"({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}); kvplug stores one group of "
+            "attention KV per token. Run it without the hybrid KV cache manager (--disable-hybrid-kv-cache-manager)."
+        )
+    for group in groups:
+        spec = group.kv_cache_spec
+        if not hasattr(spec, "num_kv_heads") or "mamba" in type(spec).__name__.lower():
+            raise KVPlugError(
+                f"KVPlugConnector cannot serve model {model!r}: its KV cache group of {type(spec).__name__} "
+                "is not attention KV per token (e.g. Mamba/SSM state), which kvplug cannot store as chunks."
+            )
+        if getattr(spec, "sliding_window", None):
+            logger.info(
+                "model %s has sliding-window layers; vLLM keeps their KV for every token (no hybrid allocator) "
+                "and kvplug stores and loads all of it", model,
+            )  # fmt: skip
 
 
 def _route_logs_to_vllm() -> None:

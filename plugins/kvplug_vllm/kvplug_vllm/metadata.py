@@ -22,6 +22,8 @@ class LoadSpec:
     num_computed: int
     num_hit: int
     num_external: int
+    #: Load in the background; the worker reports completion through ``get_finished``.
+    background: bool = False
 
 
 @dataclass
@@ -39,6 +41,9 @@ class RequestMeta:
     #: Store the chunks of ``token_ids[:save_end]``; the first ``save_start`` are stored already.
     save_start: int = 0
     save_end: int = 0
+    #: vLLM's hash of each full block of ``token_ids`` as its KV events publish it (only when
+    #: KV events are on): the worker names kvplug's chunks by them in its own events.
+    block_hashes: list[Any] = field(default_factory=list)
 
     def request_info(self) -> RequestInfo:
         return RequestInfo(

@@ -18,18 +18,23 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvplug import ExtraKey, KVPlugConfig, RequestInfo
 from kvplug.errors import ConfigError, KVPlugError
-
+from kvplug_vllm.kv_events import KVPlugKVEvents
 from kvplug_vllm.lookup import DirectLookup, SocketLookup, local_engine, socket_path
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
 from kvplug_vllm.settings import ConnectorSettings, request_overrides, wants_report
-from kvplug_vllm.stats import KVPlugConnectorStats
+from kvplug_vllm.stats import TIER_HIT_PREFIX, KVPlugConnectorStats
+from kvplug_vllm.worker import local_reset
 
 logger = logging.getLogger("kvplug.vllm")
+
+#: The tier type served from memory; a prefix needing any other tier loads in the background (load: auto).
+FAST_TIER = "cpu"
 
 
 @dataclass
@@ -37,6 +42,8 @@ class _Lookup:
     num_computed: int
     num_hit: int
     num_external: int = 0
+    background: bool = False
+    block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -93,7 +100,13 @@ class SchedulerSide:
         self._lookups: dict[str, _Lookup] = {}
         self._requests: dict[str, Any] = {}
         self._trackers: dict[str, _Tracker] = {}
+        #: Background loads allocated this step (go into the next metadata), and those sent.
+        self._background: dict[str, _Lookup] = {}
+        self._background_hits: dict[str, _Lookup] = {}
         self._stats = KVPlugConnectorStats()
+        kv_events = getattr(vllm_config, "kv_events_config", None)
+        self.publish_events = bool(kv_events is not None and kv_events.enable_kv_cache_events)
+        self._events: KVPlugKVEvents | None = None
         #: Worker and scheduler counters since start, for per-request reports.
         self.totals = KVPlugConnectorStats()
 
@@ -113,30 +126,53 @@ class SchedulerSide:
             tokens = tokens[: max(0, len(tokens) - self.settings.skip_last_n_tokens)]
         started = time.perf_counter()
         try:
-            hit = self._lookup_channel().lookup(tokens, info)
+            tiers = self._lookup_channel().lookup_tiers(tokens, info)
         except KVPlugError as exc:
             logger.warning("request %s: lookup failed, treated as a miss: %s", request.request_id, exc)
-            hit = 0
+            tiers = []
+        hit = sum(n for _, n in tiers)
         counts = dict(
             lookups=1, lookup_tokens=len(request.prompt_token_ids), hit_tokens=hit, lookup_us=int((time.perf_counter() - started) * 1e6)
         )
+        for name, count in tiers:
+            counts[TIER_HIT_PREFIX + name] = counts.get(TIER_HIT_PREFIX + name, 0) + count
         self._stats.add(**counts)
+        self._stats.sample("lookup_seconds", counts["lookup_us"] / 1e6)
         self.totals.add(**counts)
         need = hit - num_computed_tokens
         if hit == request.num_tokens:
             need -= 1  # the engine must compute the last token to sample the next
-        self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit)
+        background = need > 0 and self._loads_in_background(tiers, num_computed_tokens)
+        self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, background=background)
         logger.info(
-            "request %s: %d prompt tokens, %d cached by kvplug, %d computed by vLLM, loading %d",
-            request.request_id, len(request.prompt_token_ids), hit, num_computed_tokens, max(need, 0),
+            "request %s: %d prompt tokens, %d cached by kvplug (%s), %d computed by vLLM, loading %d%s",
+            request.request_id, len(request.prompt_token_ids), hit, _describe(tiers), num_computed_tokens,
+            max(need, 0), " in the background" if background else "",
         )  # fmt: skip
-        return max(need, 0), False
+        return max(need, 0), background
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def _loads_in_background(self, tiers: list[tuple[str, int]], num_computed: int) -> bool:
+        """Whether a load of the chunks past ``num_computed`` goes to the background."""
+        if self.settings.load != "auto":
+            return self.settings.load == "async"
+        end = 0
+        for name, count in tiers:
+            end += count
+            if end > num_computed and name != FAST_TIER:
+                return True
+        return False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._requests[request.request_id] = request
         lookup = self._lookups.get(request.request_id)
-        if lookup is not None:
-            lookup.num_external = num_external_tokens
+        if lookup is None:
+            return
+        lookup.num_external = num_external_tokens
+        if lookup.background and num_external_tokens > 0:
+            # The request waits in WAITING_FOR_REMOTE_KVS: it is not scheduled this step,
+            # so its load goes into the next metadata from here, with these blocks.
+            lookup.block_ids = list(blocks.get_block_ids()[0])
+            self._background[request.request_id] = self._lookups.pop(request.request_id)
 
     def request_info(self, request: Any, *, with_overrides: bool = True) -> RequestInfo:
         return request_info(request, self.config, with_overrides=with_overrides)
@@ -147,6 +183,20 @@ class SchedulerSide:
         meta = KVPlugConnectorMetadata()
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
+        for req_id, lookup in self._background.items():
+            request = self._requests[req_id]
+            meta.requests.append(
+                RequestMeta(
+                    req_id=req_id,
+                    token_ids=list(request.all_token_ids[: lookup.num_hit]),
+                    block_ids=lookup.block_ids,
+                    **_isolation(self.request_info(request, with_overrides=False)),
+                    load=LoadSpec(lookup.num_computed, lookup.num_hit, lookup.num_external, background=True),
+                    block_hashes=self._block_hashes(request, lookup.num_hit),
+                )
+            )
+            self._background_hits[req_id] = lookup
+        self._background.clear()
         for new in scheduler_output.scheduled_new_reqs:
             request = self._requests.get(new.req_id)
             if request is None or new.prompt_token_ids is None:
@@ -157,6 +207,10 @@ class SchedulerSide:
                 info = self.request_info(request, with_overrides=False)
             tracker = _Tracker(request, info, list(new.block_ids[0]), len(new.prompt_token_ids), overrides=dict(info.overrides))
             self._trackers[new.req_id] = tracker
+            loaded = self._background_hits.pop(new.req_id, None)
+            if loaded is not None:  # its KV arrived in the background (or failed and is recomputed)
+                tracker.hit_tokens, tracker.external_tokens = loaded.num_hit, loaded.num_external
+                tracker.num_saved = min(loaded.num_hit, new.num_computed_tokens) // self.chunk_size * self.chunk_size
             end = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
             self._add(meta, new.req_id, tracker, end, self._take_load(new.req_id, tracker))
         cached = scheduler_output.scheduled_cached_reqs
@@ -209,6 +263,7 @@ class SchedulerSide:
                 load=load,
                 save_start=save_start // self.chunk_size * self.chunk_size if saving else 0,
                 save_end=save_end if saving else 0,
+                block_hashes=self._block_hashes(tracker.request, len(tokens)),
             )
         )
 
@@ -225,10 +280,44 @@ class SchedulerSide:
 
     # --- outputs ------------------------------------------------------------------------
 
+    def _block_hashes(self, request: Any, num_tokens: int) -> list[Any]:
+        """vLLM's hashes of the full blocks of the first ``num_tokens``, as its KV events publish them."""
+        if not self.publish_events:
+            return []
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        # vLLM hashes in units of its hash block size; kvplug's events are per KV block.
+        hashes = list(request.block_hashes)[: num_tokens // self.block_size]
+        return [maybe_convert_block_hash(h) for h in hashes]
+
     def update_connector_output(self, connector_output: Any) -> None:
         stats = connector_output.kv_connector_stats
         if stats is not None:
-            self.totals.aggregate(stats)
+            self.totals.aggregate(stats, counts_only=True)
+        events = connector_output.kv_cache_events
+        if isinstance(events, KVPlugKVEvents):
+            if self._events is None:
+                self._events = events
+            else:
+                self._events.add_events(events.get_all_events())
+                self._events.increment_workers(events.get_number_of_workers())
+
+    def take_events(self) -> Iterable[Any]:
+        """kvplug's BlockStored/BlockRemoved events from the workers, for vLLM's publisher."""
+        if self._events is None:
+            return
+        events, self._events = self._events, None
+        yield from events.aggregate().get_all_events()
+
+    def reset_cache(self) -> bool:
+        """Remove this engine's chunks from the tiers named in ``reset_tiers`` (vLLM's reset_prefix_cache)."""
+        try:
+            removed = self._lookup_channel().reset()
+        except KVPlugError as exc:
+            logger.warning("reset_cache failed: %s", exc)
+            return False
+        logger.info("reset_cache: removed %d chunks from kvplug tiers %s", removed, self.settings.reset_tiers)
+        return True
 
     def get_kv_connector_stats(self) -> KVPlugConnectorStats | None:
         if self._stats.is_empty():
@@ -259,6 +348,8 @@ class SchedulerSide:
         self._trackers.pop(req_id, None)
         self._requests.pop(req_id, None)
         self._lookups.pop(req_id, None)
+        self._background.pop(req_id, None)
+        self._background_hits.pop(req_id, None)
 
     def _lookup_channel(self) -> DirectLookup | SocketLookup:
         if self._channel is None:
@@ -269,8 +360,25 @@ class SchedulerSide:
             if mode == "direct" or (mode == "auto" and all(e is not None for e in engines)):
                 if any(e is None for e in engines):
                     raise KVPlugError("lookup: direct, but the worker's cache engine is not in this process")
-                self._channel = DirectLookup([e for e in engines if e is not None])
+                self._channel = DirectLookup([e for e in engines if e is not None], [local_reset(key) for key in keys])
             else:
                 self._channel = SocketLookup([socket_path(*key) for key in keys], self.settings.lookup_timeout_s)
             logger.info("kvplug lookups go %s", "directly to the worker's engine" if isinstance(self._channel, DirectLookup) else "over the worker's lookup socket")
         return self._channel
+
+
+def _isolation(info: RequestInfo) -> dict[str, Any]:
+    """The RequestMeta fields that key a request's chunks."""
+    return dict(
+        cache_salt=info.cache_salt,
+        lora_id=info.lora_id,
+        extra_keys=[(k.start, k.end, k.value) for k in info.extra_keys],
+    )
+
+
+def _describe(tiers: list[tuple[str, int]]) -> str:
+    """``cpu 128, s3 64`` (tokens by tier, in prefix order) for log lines."""
+    counts: dict[str, int] = {}
+    for name, count in tiers:
+        counts[name] = counts.get(name, 0) + count
+    return ", ".join(f"{name} {count}" for name, count in counts.items()) or "none"

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
 from kvplug import KVPlugConfig
 from kvplug.errors import ConfigError, ConfigProblem
@@ -51,6 +51,22 @@ class ConnectorSettings(BaseModel):
     )
     lookup_timeout_s: PositiveFloat = Field(
         default=10.0, description="A lookup that gets no answer in this time is a miss."
+    )
+    load: Literal["auto", "sync", "async"] = Field(
+        default="auto",
+        description="How cached prefixes are loaded: sync (before the step's forward pass), async (in the "
+        "background while vLLM schedules other requests; the request waits in WAITING_FOR_REMOTE_KVS), or auto "
+        "(async when part of the prefix is only in a slow tier, i.e. any tier other than cpu).",
+    )
+    load_timeout_ms: PositiveInt = Field(
+        default=10_000,
+        description="An asynchronous load not finished in this time is given up: its blocks are reported "
+        "through get_block_ids_with_load_errors and vLLM recomputes them.",
+    )
+    reset_tiers: list[str] = Field(
+        default_factory=lambda: ["cpu"],
+        description="Tier types whose chunks vLLM's reset_prefix_cache (reset_cache) removes; "
+        "[] leaves every tier alone.",
     )
     metrics_port: int | None = Field(
         default=None,

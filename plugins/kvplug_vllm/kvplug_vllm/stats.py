@@ -31,6 +31,16 @@ COUNTERS = (
 )
 
 
+#: ``hit_tokens_tier.<tier type>``: tokens of lookup hits whose chunk was found first in that tier.
+TIER_HIT_PREFIX = "hit_tokens_tier."
+#: ``load_errors.<reason>``: chunks that failed to load (corrupt, ...) or loads given up (deadline).
+LOAD_ERROR_PREFIX = "load_errors."
+#: ``gauge.<name>``: a level (latest value wins when stats are merged), e.g. ``gauge.breaker_state.<tier>``.
+GAUGE_PREFIX = "gauge."
+#: Keys holding lists of seconds, one entry per operation (for latency histograms).
+SAMPLES = ("lookup_seconds", "load_seconds", "store_seconds")
+
+
 def _zeros() -> dict[str, Any]:
     return {name: 0 for name in COUNTERS}
 
@@ -52,9 +62,21 @@ class KVPlugConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = _zeros()
 
-    def aggregate(self, other: KVConnectorStats) -> KVPlugConnectorStats:
+    def sample(self, name: str, seconds: float) -> None:
+        """Record one operation's latency (``name`` in :data:`SAMPLES`)."""
+        self.data.setdefault(name, []).append(seconds)
+
+    def aggregate(self, other: KVConnectorStats, *, counts_only: bool = False) -> KVPlugConnectorStats:
+        """Add ``other`` in: counters are summed, gauges take ``other``'s level, latency
+        samples are concatenated (left out with ``counts_only``, for running totals)."""
         for name, value in other.data.items():
-            if isinstance(value, (int, float)):
+            if name.startswith(GAUGE_PREFIX):
+                if not counts_only:
+                    self.data[name] = value
+            elif isinstance(value, list):
+                if not counts_only:
+                    self.data.setdefault(name, []).extend(value)
+            elif isinstance(value, (int, float)):
                 self.data[name] = self.data.get(name, 0) + value
         return self
 

@@ -24,6 +24,10 @@ class TinyLlamaSpec:
     max_position_embeddings: int = 4096
     dtype: str = "bfloat16"
     seed: int = 0
+    #: Per layer ``"full_attention"`` or ``"sliding_attention"`` (vLLM's Llama reads them);
+    #: None: every layer is full attention.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -57,7 +61,9 @@ def write_random_llama(path: str | Path, spec: TinyLlamaSpec = TinyLlamaSpec()) 
     target = Path(path)
     target.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, spec.dtype)
-    fields = {k: v for k, v in asdict(spec).items() if k not in ("dtype", "seed")}
+    fields = {k: v for k, v in asdict(spec).items() if k not in ("dtype", "seed") and v is not None}
+    if spec.layer_types is not None:
+        fields["layer_types"] = list(spec.layer_types)
     config = LlamaConfig(**fields, torch_dtype=dtype, eos_token_id=2, bos_token_id=1)
     generator_state = torch.random.get_rng_state()
     try:

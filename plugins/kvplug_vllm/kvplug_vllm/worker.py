@@ -28,14 +28,16 @@ from typing import Any, TypeVar
 import torch
 
 from kvplug import CacheEngine, load_config, slots_from_block_ids
-from kvplug.core.engine import LayerwiseRetrieve
+from kvplug.core.engine import LayerwiseRetrieve  # internal: needs public API (type of retrieve_layerwise)
 from kvplug.errors import ConfigError, ConfigProblem
-
+from kvplug_vllm import add_event_listener, remove_event_listener
+from kvplug_vllm.background import BackgroundLoads, fetch
+from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
 from kvplug_vllm.layout import detect_layout, fingerprint_for
 from kvplug_vllm.lookup import LookupServer, register_local, socket_path, unregister_local
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, RequestMeta
 from kvplug_vllm.settings import ConnectorSettings
-from kvplug_vllm.stats import KVPlugConnectorStats
+from kvplug_vllm.stats import GAUGE_PREFIX, LOAD_ERROR_PREFIX, KVPlugConnectorStats
 
 logger = logging.getLogger("kvplug.vllm")
 
@@ -48,7 +50,34 @@ _METRIC_COUNTERS = {
 }
 
 
+#: Labelled kvplug metrics passed on by label: metric prefix -> connector stats key prefix.
+_LABELLED = {
+    "kvplug_load_errors_total{reason=": LOAD_ERROR_PREFIX,
+    "kvplug_remote_breaker_state{tier=": GAUGE_PREFIX + "breaker_state.",
+}
+
+
+def _stats_name(metric: str) -> str | None:
+    """The connector stats key a kvplug metric sample is reported under, or None."""
+    if metric in _METRIC_COUNTERS:
+        return _METRIC_COUNTERS[metric]
+    if metric.startswith("kvplug_store_dropped_total{"):
+        return "store_dropped." + metric[metric.index("=") + 1 : -1]
+    for prefix, key in _LABELLED.items():
+        if metric.startswith(prefix) and metric.endswith("}"):
+            return key + metric[len(prefix) : -1]
+    return None
+
+
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+#: (engine id, data-parallel rank, tensor-parallel rank) -> that worker's reset_cache, in this process.
+_LOCAL_RESETS: dict[tuple[str, int, int], Callable[[], int]] = {}
+
+
+def local_reset(engine_key: tuple[str, int, int]) -> Callable[[], int]:
+    """The in-process worker's ``reset_cache`` (looked up when called: the worker may register later)."""
+    return lambda: _LOCAL_RESETS[engine_key]() if engine_key in _LOCAL_RESETS else 0
 
 
 def _timed(method: _F) -> _F:
@@ -95,10 +124,13 @@ class WorkerSide:
         self._storers: list[Generator[int, None, int]] = []
         self._saved_layers = 0
         self._stats = KVPlugConnectorStats()
-        self._metric_marks = dict.fromkeys(_METRIC_COUNTERS, 0.0)
+        self._metric_marks: dict[str, float] = {}
         self._busy_s = 0.0
         self._worked = False
         self._metrics_server: Any = None
+        self.background = BackgroundLoads(settings.load_timeout_ms / 1000)
+        self.index: ChunkIndex | None = None
+        self._listener: int | None = None
 
     # --- setup ------------------------------------------------------------------------
 
@@ -123,9 +155,15 @@ class WorkerSide:
         self.kv_caches = list(kv_caches.values())
         self.layer_index = {name: index for index, name in enumerate(kv_caches)}
         self.engine = CacheEngine(config, layout, fingerprint)
+        kv_events = getattr(self.vllm_config, "kv_events_config", None)
+        self.index = ChunkIndex(
+            layout.block_size, [t.type for t in config.tiers], publish=bool(kv_events is not None and kv_events.enable_kv_cache_events)
+        )
+        self._listener = add_event_listener(self.index.on_event)
         register_local(self.engine_key, self.engine)
+        _LOCAL_RESETS[self.engine_key] = self.reset_cache
         if self.settings.lookup != "direct":
-            self.server = LookupServer(self.engine, socket_path(*self.engine_key))
+            self.server = LookupServer(self.engine, socket_path(*self.engine_key), on_reset=self.reset_cache)
         if self.settings.metrics_port is not None:
             from prometheus_client import start_http_server
 
@@ -155,28 +193,41 @@ class WorkerSide:
         if self.engine is None or meta is None or not self.can_load:
             return
         for request in meta.requests:
-            if request.load is not None:
+            if request.load is None:
+                continue
+            if request.load.background:
+                self._remember(request, request.token_ids[: request.load.num_hit], request.load.num_computed)
+                self.background.start(self.engine, request, self.kv_caches)
+            else:
                 self._load(request)
 
     def _load(self, request: RequestMeta) -> None:
         assert self.engine is not None and request.load is not None
         self._worked = True
-        load = request.load
-        block_size = self.engine.layout.block_size
-        tokens = request.token_ids[: load.num_hit]
-        mask = torch.ones(len(tokens), dtype=torch.bool)
-        mask[: load.num_computed] = False
+        started = time.perf_counter()
+        tokens = request.token_ids[: request.load.num_hit]
+        self._remember(request, tokens, request.load.num_computed)
         try:
-            slots = slots_from_block_ids(request.block_ids, block_size, len(tokens))
+            retriever = fetch(self.engine, request, self.kv_caches)
             if self.settings.layerwise:
-                retriever = self.engine.retrieve_layerwise(tokens, self.kv_caches, slots, mask, request=request.request_info())
                 self._retrievers.append(retriever)
-                loaded = retriever.loaded_mask
             else:
-                loaded = self.engine.retrieve(tokens, self.kv_caches, slots, mask, request=request.request_info())
+                for _ in retriever:
+                    pass
+            loaded = retriever.loaded_mask
         except Exception:
             logger.exception("request %s: loading failed; its blocks will be recomputed", request.req_id)
             loaded = torch.zeros(len(tokens), dtype=torch.bool)
+        self._stats.sample("load_seconds", time.perf_counter() - started)
+        self._check_loaded(request, loaded)
+
+    def _check_loaded(self, request: RequestMeta, loaded: torch.Tensor | None) -> None:
+        """Report the promised blocks that did not load (``loaded`` None: none did)."""
+        assert self.engine is not None and request.load is not None
+        load = request.load
+        block_size = self.engine.layout.block_size
+        if loaded is None:
+            loaded = torch.zeros(load.num_hit, dtype=torch.bool)
         start, end = load.num_computed, load.num_computed + load.num_external
         bad: set[int] = set()
         for block in range(start // block_size, -(-end // block_size)):
@@ -247,28 +298,92 @@ class WorkerSide:
         mask = torch.ones(len(tokens), dtype=torch.bool)
         mask[: request.save_start] = False
         try:
+            self._remember(request, tokens, request.save_start)
             slots = slots_from_block_ids(request.block_ids, self.engine.layout.block_size, len(tokens))
             if layerwise:
                 return self.engine.store_layerwise(tokens, self.kv_caches, slots, mask, request=request.request_info())
+            started = time.perf_counter()
             self.engine.store(tokens, self.kv_caches, slots, mask, request=request.request_info())
+            self._stats.sample("store_seconds", time.perf_counter() - started)
         except Exception:
             logger.exception("request %s: storing failed; nothing stored for this step", request.req_id)
         return None
 
     # --- outputs ----------------------------------------------------------------------
 
+    def get_finished(self) -> set[str] | None:
+        """Requests whose background load finished, failed or ran past its deadline this step.
+
+        Finished fetches are written into the paged cache here, on vLLM's thread
+        between two forward passes; the blocks of failed or late ones are reported
+        as load errors in the same step, as vLLM requires.
+        """
+        if self.engine is None:
+            return None
+        done = self.background.collect()
+        for request, retriever, seconds in done:
+            self._stats.sample("load_seconds", seconds)
+            if retriever is None:
+                reason = "deadline" if seconds >= self.background.timeout_s else "fetch_failed"
+                self._stats.add(**{LOAD_ERROR_PREFIX + reason: 1})
+            loaded = None
+            if retriever is not None:
+                self._worked = True
+                try:
+                    for _ in retriever:
+                        pass
+                    loaded = retriever.loaded_mask
+                except Exception:
+                    logger.exception("request %s: writing the loaded KV failed; its blocks will be recomputed", request.req_id)
+            self._check_loaded(request, loaded)
+        return {request.req_id for request, _, _ in done} or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def _remember(self, request: RequestMeta, tokens: list[int], start: int) -> None:
+        """Index the chunks of ``tokens`` from ``start`` on (keys -> vLLM blocks), for events and reset."""
+        if self.index is None or self.engine is None:
+            return
+        keys = [k for k in self.engine.chunk_keys(tokens, request.request_info()) if k.end > start]
+        self.index.remember(keys, tokens, request.block_hashes, request.lora_id)
+
+    def get_kv_cache_events(self) -> KVPlugKVEvents | None:
+        if self.index is None:
+            return None
+        events = self.index.take()
+        if not events:
+            return None
+        batch = KVPlugKVEvents(num_workers=1)
+        batch.add_events(events)
+        return batch
+
+    def reset_cache(self) -> int:
+        """Remove every chunk this worker stored or loaded from the ``reset_tiers`` tiers."""
+        if self.engine is None or self.index is None:
+            return 0
+        keys = self.index.keys()
+        tiers = [t for t in self.engine.chain.tiers if t.name in self.settings.reset_tiers]
+        for tier in tiers:
+            try:
+                tier.remove(keys)
+            except Exception:
+                logger.exception("reset_cache: removing chunks from tier %s failed", tier.name)
+        return len(keys) if tiers else 0
+
     def get_kv_connector_stats(self) -> KVPlugConnectorStats | None:
         if self.engine is not None:
             snapshot = self.engine.metrics.snapshot()
-            for metric, counter in _METRIC_COUNTERS.items():
-                value = snapshot.get(metric, 0.0)
-                if value != self._metric_marks[metric]:
-                    self._stats.add(**{counter: int(value - self._metric_marks[metric])})
-                    self._metric_marks[metric] = value
+            for metric, value in snapshot.items():
+                name = _stats_name(metric)
+                if name is None or value == self._metric_marks.get(metric, 0.0):
+                    continue
+                if name.startswith(GAUGE_PREFIX):
+                    self._stats.data[name] = value
+                else:
+                    self._stats.add(**{name: int(value - self._metric_marks.get(metric, 0.0))})
+                self._metric_marks[metric] = value
         if self._worked:  # time of steps that moved KV; idle steps' few microseconds wait for one
             self._stats.add(worker_us=int(self._busy_s * 1e6))
             self._busy_s, self._worked = 0.0, False
@@ -279,6 +394,11 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Stop the lookup server and close the cache engine, writing queued stores."""
+        self.background.close()
+        _LOCAL_RESETS.pop(self.engine_key, None)
+        if self._listener is not None:
+            remove_event_listener(self._listener)
+            self._listener = None
         if self.server is not None:
             self.server.close()
             self.server = None

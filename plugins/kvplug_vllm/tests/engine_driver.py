@@ -41,6 +41,8 @@ def main() -> None:
         options["distributed_executor_backend"] = "uni"
     if spec.get("kv") is not None:
         options["kv_transfer_config"] = spec["kv"]
+    if spec.get("kv_events") is not None:
+        options["kv_events_config"] = spec["kv_events"]
     llm = LLM(**options)
     results = []
     for step in spec["steps"]:
@@ -59,22 +61,48 @@ def main() -> None:
             for p in step["prompts"]
         ]
         started = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        if step.get("concurrent"):
+            outputs, finished = run_concurrently(llm, prompts, params, started)
+        else:
+            outputs, finished = llm.generate(prompts, params, use_tqdm=False), []
         seconds = time.perf_counter() - started
         results.append(
             {
                 "seconds": seconds,
+                "finished": finished,
                 "outputs": [
                     {"tokens": list(o.outputs[0].token_ids), "finish": o.outputs[0].finish_reason, "kv": o.kv_transfer_params}
                     for o in outputs
                 ],
             }
         )
+        if step.get("reset_prefix_cache"):
+            results[-1]["reset"] = llm.reset_prefix_cache(reset_connector=True)
     llm.llm_engine.engine_core.shutdown()  # both connector roles' shutdown()
     del llm
     gc.collect()
     threads = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
     print("RESULT " + json.dumps({"steps": results, "threads_after_shutdown": threads}), flush=True)
+
+
+def run_concurrently(llm, prompts, params, started):
+    """Submit every prompt at once, in order, and step the engine until all finish.
+
+    Returns the outputs in submission order and ``[[index, seconds], ...]`` in the
+    order the requests finished (seconds since ``started``).
+    """
+    engine = llm.llm_engine
+    ids = [f"c{index}-{time.monotonic_ns()}" for index in range(len(prompts))]
+    for request_id, prompt, param in zip(ids, prompts, params):
+        engine.add_request(request_id, prompt, param)
+    done: dict[str, object] = {}
+    finished = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.request_id not in done:
+                done[out.request_id] = out
+                finished.append([ids.index(out.request_id), time.perf_counter() - started])
+    return [done[request_id] for request_id in ids], finished
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def server(tiny_model: str, tmp_path: Path, metrics_port: int) -> Iterator[str]:
         "--kv-transfer-config", json.dumps(kv),
     ]  # fmt: skip
     log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=child_env(), cwd=tmp_path)
+    env = {**child_env(), "VLLM_SERVER_DEV_MODE": "1"}  # for /reset_prefix_cache
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -91,8 +92,34 @@ def scrape(port: int) -> dict[str, float]:
     return {line.split(" ")[0]: float(line.split(" ")[1]) for line in lines if line.startswith("kvplug_")}
 
 
+def vllm_metrics(url: str) -> dict[str, float]:
+    """kvplug's series on vLLM's own /metrics, ``name{labels}`` -> value."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("kvplug_")}
+
+
+def total(metrics: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the series of ``name`` whose labels include ``labels``."""
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
+    return sum(v for k, v in metrics.items() if k.split("{")[0] == name and all(w in k for w in wanted))
+
+
+def wait_for(url: str, name: str, value: float, timeout_s: float = 30.0) -> dict[str, float]:
+    """vLLM's stats reach the API server a moment after the request: poll until they do."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = vllm_metrics(url)
+        if total(metrics, name) >= value or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.5)
+
+
 def test_openai_server_second_completion_hits(server: str, metrics_port: int, baseline: dict[str, list[int]]) -> None:
     body = {"model": "tiny", "prompt": P1, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": {"kvplug.report": True}}
+    before = vllm_metrics(server)
+    assert total(before, "kvplug_lookups_total") == 0  # registered by build_prom_metrics, still zero
+    assert "kvplug_lookup_seconds_count" in {k.split("{")[0] for k in before}
     first = post(server + "/v1/completions", body)
     second = post(server + "/v1/completions", body)
     assert first["kv_transfer_params"]["kvplug"]["hit_tokens"] == 0
@@ -106,3 +133,19 @@ def test_openai_server_second_completion_hits(server: str, metrics_port: int, ba
     assert metrics["kvplug_hit_tokens_total"] == 256
     assert metrics["kvplug_loaded_tokens_total"] == 256
     assert metrics["kvplug_stored_tokens_total"] == 256
+    # the same figures on vLLM's own /metrics (build_prom_metrics), per tier and with latencies
+    after = wait_for(server, "kvplug_loaded_tokens_total", 256)
+    assert total(after, "kvplug_lookups_total") == 2
+    assert total(after, "kvplug_hit_tokens_total") == 256
+    assert total(after, "kvplug_hit_tokens_by_tier_total", tier="cpu") == 256
+    assert total(after, "kvplug_loaded_tokens_total") == 256
+    assert total(after, "kvplug_stored_bytes_total") == metrics["kvplug_stored_bytes_total"] > 0
+    assert total(after, "kvplug_loaded_bytes_total") > 0
+    assert total(after, "kvplug_lookup_seconds_count") == 2
+    assert total(after, "kvplug_load_seconds_count") == 1
+    assert total(after, "kvplug_load_error_blocks_total") == 0
+    # /reset_prefix_cache?reset_external=true empties kvplug's cpu tier: the prompt misses again
+    assert post(server + "/reset_prefix_cache?reset_external=true", {})["success"] is True
+    third = post(server + "/v1/completions", body)
+    assert third["kv_transfer_params"]["kvplug"]["hit_tokens"] == 0
+    assert third["choices"][0]["token_ids"] == baseline["P1"]

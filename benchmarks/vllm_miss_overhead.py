@@ -1,0 +1,144 @@
+"""Miss overhead of KVPlugConnector, proven: paired, interleaved TTFT measurements.
+
+Two OpenAI servers run side by side on 127.0.0.1 (``python -m
+vllm.entrypoints.openai.api_server``, same model, same options, prefix caching
+off): A without any connector, B with kvplug on a cpu tier. Each pair sends one
+fresh random prompt (never seen before, so B's lookup misses and B stores its
+chunks, as in production) to A and another fresh prompt of the same length to B,
+alternating which goes first (ABBA...), one request at a time so they never
+compete for the CPU. TTFT is the wall time of a ``max_tokens=1`` completion (the
+prefill plus the first token). The result is the median of the per-pair
+differences B - A with a distribution-free 95% confidence interval for that median
+(order statistics of the sign test), also relative to A's median TTFT.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+START_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def openai_server(model: str, workdir: Path, name: str, kv: dict[str, Any] | None, max_model_len: int) -> Iterator[str]:
+    """A vLLM OpenAI server on 127.0.0.1 (own process group, SIGKILLed on exit); yields its URL."""
+    port = _free_port()
+    args = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
+        "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
+        "--no-enable-prefix-caching", "--max-num-seqs", "4",
+    ]  # fmt: skip
+    if kv is not None:
+        args += ["--kv-transfer-config", json.dumps(kv)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    log_path = workdir / f"{name}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=workdir
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server {name} exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server {name} not healthy after {START_TIMEOUT_S}s")
+            time.sleep(1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
+def ttft(url: str, tokens: list[int]) -> float:
+    """Seconds of one ``max_tokens=1`` completion: prefill plus the first token."""
+    body = json.dumps({"model": "bench", "prompt": tokens, "max_tokens": 1, "temperature": 0.0}).encode()
+    request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    started = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=600) as response:
+        response.read()
+    return time.perf_counter() - started
+
+
+def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """Median and a distribution-free confidence interval for it (sign-test order statistics)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    alpha = (1 - confidence) / 2
+    # largest k with P(Binomial(n, 1/2) <= k - 1) <= alpha: the interval is [x_(k), x_(n-k+1)]
+    cumulative, k = 0.0, 0
+    for i in range(n + 1):
+        cumulative += math.comb(n, i) / 2**n
+        if cumulative > alpha:
+            k = i
+            break
+    k = max(k, 1)
+    return statistics.median(ordered), ordered[k - 1], ordered[n - k]
+
+
+def measure(
+    model: str, workdir: Path, *, size: int, pairs: int, vocab: int, kv: dict[str, Any], warmup: int = 3
+) -> dict[str, Any]:
+    """Run the A/B pairs; returns per-pair TTFTs and the median difference with its 95% CI."""
+    rng = random.Random(4242)
+
+    def fresh() -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(size)]
+
+    with ExitStack() as stack:
+        plain = stack.enter_context(openai_server(model, workdir, "no-connector", None, size + 64))
+        kvplug = stack.enter_context(openai_server(model, workdir, "kvplug", kv, size + 64))
+        for _ in range(warmup):
+            ttft(plain, fresh())
+            ttft(kvplug, fresh())
+        a_times, b_times = [], []
+        for pair in range(pairs):
+            order = [(plain, a_times), (kvplug, b_times)]
+            if pair % 2:
+                order.reverse()
+            for url, times in order:
+                times.append(ttft(url, fresh()))
+    diffs = [b - a for a, b in zip(a_times, b_times)]
+    median, low, high = median_ci(diffs)
+    base = statistics.median(a_times)
+    return {
+        "size": size,
+        "pairs": pairs,
+        "no_connector_median_s": base,
+        "kvplug_miss_median_s": statistics.median(b_times),
+        "diff_median_s": median,
+        "diff_ci95_s": [low, high],
+        "diff_median_pct": 100 * median / base,
+        "diff_ci95_pct": [100 * low / base, 100 * high / base],
+        "no_connector_s": a_times,
+        "kvplug_miss_s": b_times,
+    }

@@ -1,0 +1,102 @@
+"""Background loads: fetch a cached prefix from a slow tier while vLLM keeps scheduling.
+
+vLLM's asynchronous loading (``load_async=True`` from ``get_num_new_matched_tokens``)
+parks the request in ``WAITING_FOR_REMOTE_KVS`` with its blocks allocated, and asks
+the worker each step which loads are done (``get_finished``). Here the slow part,
+fetching and checksumming the chunks (``CacheEngine.retrieve_layerwise``), runs on
+a small thread pool; writing them into the paged cache is left to vLLM's own thread
+between two forward passes (:meth:`WorkerSide.get_finished`), so it never races a
+forward pass on the same device stream.
+
+A fetch still running at its deadline is given up: its request is reported finished
+with every promised block in error, vLLM recomputes them, and the late result is
+dropped unwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from kvplug import CacheEngine, slots_from_block_ids
+from kvplug.core.engine import LayerwiseRetrieve  # internal: needs public API (type of retrieve_layerwise)
+from kvplug_vllm.metadata import RequestMeta
+
+logger = logging.getLogger("kvplug.vllm")
+
+#: Fetches in flight at once; each is I/O bound (tier round trips, checksums).
+FETCH_THREADS = 4
+
+
+def fetch(engine: CacheEngine, request: RequestMeta, kv_caches: Sequence[torch.Tensor]) -> LayerwiseRetrieve:
+    """Fetch and verify the chunks ``request.load`` promised; iterate the result to write them."""
+    assert request.load is not None
+    tokens = request.token_ids[: request.load.num_hit]
+    mask = torch.ones(len(tokens), dtype=torch.bool)
+    mask[: request.load.num_computed] = False
+    slots = slots_from_block_ids(request.block_ids, engine.layout.block_size, len(tokens))
+    return engine.retrieve_layerwise(tokens, kv_caches, slots, mask, request=request.request_info())
+
+
+@dataclass
+class _Pending:
+    request: RequestMeta
+    future: Future[LayerwiseRetrieve]
+    started: float
+    deadline: float
+
+
+class BackgroundLoads:
+    """Fetches in flight, by request id, each with a deadline."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._pending: dict[str, _Pending] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self, engine: CacheEngine, request: RequestMeta, kv_caches: Sequence[torch.Tensor]) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kvplug-load")
+        future = self._pool.submit(fetch, engine, request, kv_caches)
+        now = time.monotonic()
+        self._pending[request.req_id] = _Pending(request, future, now, now + self.timeout_s)
+
+    def collect(self) -> list[tuple[RequestMeta, LayerwiseRetrieve | None, float]]:
+        """Loads that are over: fetched (a retriever to write), or failed / late (None),
+        with the seconds since they started."""
+        now = time.monotonic()
+        over: list[tuple[RequestMeta, LayerwiseRetrieve | None, float]] = []
+        for req_id, pending in list(self._pending.items()):
+            if pending.future.done():
+                try:
+                    over.append((pending.request, pending.future.result(), now - pending.started))
+                except Exception:
+                    logger.exception("request %s: background load failed; its blocks will be recomputed", req_id)
+                    over.append((pending.request, None, now - pending.started))
+            elif now >= pending.deadline:
+                pending.future.cancel()
+                logger.warning(
+                    "request %s: background load still running after %.0f ms (load_timeout_ms); "
+                    "its blocks will be recomputed", req_id, self.timeout_s * 1000,
+                )  # fmt: skip
+                over.append((pending.request, None, now - pending.started))
+            else:
+                continue
+            del self._pending[req_id]
+        return over
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def close(self) -> None:
+        """Drop what is in flight: queued fetches are cancelled, running ones (bounded by
+        their tiers' own deadlines) are waited for and discarded."""
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None

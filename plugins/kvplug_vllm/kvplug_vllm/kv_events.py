@@ -1,0 +1,143 @@
+"""kvplug's stored/evicted chunks as vLLM KV events, for cache-aware routers.
+
+A router (llm-d's KV indexer, Dynamo) matches prompts to servers by vLLM's own
+block hashes. kvplug keys chunks by its own chained hashes, so the worker keeps,
+for each chunk it stored or loaded, the vLLM block hashes of the blocks it spans
+(the scheduler sends them with each request, from ``Request.block_hashes``). When
+kvplug's core reports a chunk stored (``kvplug_on_event``), the worker publishes
+one ``BlockStored`` per tier the chunk was written to, ``medium`` = the tier type
+(``cpu``, ``disk``, ``s3``...); when a tier evicts or removes it, a ``BlockRemoved``
+with that tier as ``medium``. Events leave the worker in the step's
+``KVConnectorOutput`` and vLLM's scheduler publishes them (``take_events``) on its
+ZMQ publisher together with its own prefix cache's events.
+
+The same index gives the keys that ``reset_cache`` removes from the in-memory tiers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents, KVEventAggregator
+
+from kvplug import ChunkKey, KVEvent
+
+#: Chunks remembered at most (oldest forgotten first): bounds the index's memory.
+MAX_CHUNKS = 1 << 20
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    block_hashes: tuple[Any, ...]
+    parent: Any
+    token_ids: tuple[int, ...]
+    lora_name: str | None
+
+
+class ChunkIndex:
+    """Chunk key -> the vLLM blocks it holds, and the vLLM events not yet handed to vLLM.
+
+    ``on_event`` is called from kvplug's threads (store worker, tier writers);
+    everything is guarded by one lock.
+    """
+
+    def __init__(self, block_size: int, tier_names: Sequence[str], *, publish: bool) -> None:
+        self.block_size = block_size
+        self.tier_names = list(tier_names)
+        self.publish = publish
+        self._chunks: OrderedDict[str, _Chunk] = OrderedDict()
+        self._events: list[KVCacheEvent] = []
+        self._lock = threading.Lock()
+
+    def remember(
+        self, keys: Sequence[ChunkKey], token_ids: Sequence[int], block_hashes: Sequence[Any], lora_name: str | None
+    ) -> None:
+        """Record the vLLM blocks of each chunk; ``block_hashes[i]`` is block ``i``'s, as vLLM publishes it.
+
+        Chunks that end inside a block, or past the blocks vLLM hashed, have no
+        vLLM identity and are not published (vLLM hashes full blocks only).
+        """
+        size = self.block_size
+        with self._lock:
+            for key in keys:
+                first, last = key.start // size, key.end // size
+                if key.start % size or key.end % size or last > len(block_hashes) or last == first:
+                    continue
+                parent = block_hashes[first - 1] if first else None
+                self._chunks[key.key] = _Chunk(
+                    tuple(block_hashes[first:last]), parent, tuple(token_ids[key.start : key.end]), lora_name
+                )
+                self._chunks.move_to_end(key.key)
+            while len(self._chunks) > MAX_CHUNKS:
+                self._chunks.popitem(last=False)
+
+    def on_event(self, event: KVEvent) -> None:
+        with self._lock:
+            known = [(key, self._chunks[key]) for key in event.keys if key in self._chunks]
+            if not known or not self.publish:
+                return
+            if event.kind == "stored":
+                for tier in self.tier_names:
+                    for _, chunk in known:
+                        self._events.append(
+                            BlockStored(
+                                block_hashes=list(chunk.block_hashes),
+                                parent_block_hash=chunk.parent,
+                                token_ids=list(chunk.token_ids),
+                                block_size=self.block_size,
+                                lora_id=None,
+                                medium=tier,
+                                lora_name=chunk.lora_name,
+                            )
+                        )
+            elif event.kind in ("evicted", "removed") and event.tier is not None:
+                hashes = [h for _, chunk in known for h in chunk.block_hashes]
+                self._events.append(BlockRemoved(block_hashes=hashes, medium=event.tier))
+
+    def take(self) -> list[KVCacheEvent]:
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def keys(self) -> list[str]:
+        """Every chunk key this worker stored or loaded (and has not forgotten)."""
+        with self._lock:
+            return list(self._chunks)
+
+
+class KVPlugKVEvents(KVConnectorKVEvents):
+    """The worker's events of one step, merged across tensor-parallel workers by vLLM.
+
+    With several workers each stores its own shard of a chunk and reports it; only
+    events every worker reported are published (a chunk is usable only then).
+    """
+
+    def __init__(self, num_workers: int = 1) -> None:
+        self._aggregator = KVEventAggregator(num_workers)
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._aggregator.add_events(events)
+
+    def aggregate(self) -> KVPlugKVEvents:
+        common = self._aggregator.get_common_events()
+        self._aggregator.clear_events()
+        self._aggregator.add_events(common)
+        self._aggregator.reset_workers()
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._aggregator.increment_workers(count)
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return self._aggregator.get_all_events()
+
+    def get_number_of_workers(self) -> int:
+        return self._aggregator.get_number_of_workers()
+
+    def clear_events(self) -> None:
+        self._aggregator.clear_events()
+        self._aggregator.reset_workers()

@@ -1,0 +1,85 @@
+"""kvplug's stored and evicted chunks as vLLM KV events, on vLLM's own ZMQ publisher.
+
+The test binds a ZMQ SUB socket on 127.0.0.1; the engine (vLLM's prefix cache on,
+kvplug with a small cpu tier) connects its publisher to it. vLLM publishes its own
+prefix cache's ``BlockStored`` events and, through the connector, kvplug's: one per
+stored chunk and tier (``medium="cpu"``), carrying vLLM's hash of each block in the
+chunk, and ``BlockRemoved`` with ``medium="cpu"`` when the tier evicts the chunk.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from conftest import P1, P3, kv_config
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+CHUNK_BYTES = 65_632  # one 64-token chunk of the tiny model, serialized
+
+
+class Subscriber:
+    """Collects every event batch published to ``endpoint`` (bound here, on 127.0.0.1)."""
+
+    def __init__(self) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.SUB)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.batches: list[KVEventBatch] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(100):
+                *_, payload = self.socket.recv_multipart()
+                self.batches.append(decoder.decode(payload))
+
+    def close(self) -> list[Any]:
+        self._stop.set()
+        self._thread.join(5)
+        self.socket.close(linger=0)
+        self.context.term()
+        return [event for batch in self.batches for event in batch.events]
+
+
+@pytest.fixture(scope="module")
+def events(run_engine: Any) -> Iterator[list[Any]]:
+    subscriber = Subscriber()
+    kv = kv_config(**{"kvplug.tiers": [{"type": "cpu", "max_bytes": 5 * CHUNK_BYTES}]})
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": subscriber.endpoint}
+    steps = [{"prompts": [{"tokens": P1}], "max_tokens": 4}, {"prompts": [{"tokens": P3}], "max_tokens": 4}]
+    try:
+        run_engine(kv=kv, steps=steps, prefix_caching=True, kv_events=kv_events)
+    finally:
+        yield subscriber.close()
+
+
+def test_stored_chunks_carry_vllm_block_hashes(events: list[Any]) -> None:
+    vllm_blocks = {e.block_hashes[0]: e for e in events if isinstance(e, BlockStored) and e.medium != "cpu"}
+    ours = [e for e in events if isinstance(e, BlockStored) and e.medium == "cpu"]
+    assert len(ours) == 4 + 3  # P1: 4 whole chunks of 64; P3: 3
+    for event in ours:
+        assert len(event.block_hashes) == 2  # 64-token chunk, 32-token blocks
+        first = vllm_blocks[event.block_hashes[0]]  # the very hash vLLM's own prefix cache published
+        assert first.parent_block_hash == event.parent_block_hash
+        assert first.token_ids == event.token_ids[:32]
+        assert vllm_blocks[event.block_hashes[1]].token_ids == event.token_ids[32:]
+    assert [e.token_ids for e in ours[:4]] == [P1[i : i + 64] for i in range(0, 256, 64)]
+
+
+def test_evicted_chunks_are_removed_with_their_tier(events: list[Any]) -> None:
+    stored_p1 = [h for e in events if isinstance(e, BlockStored) and e.medium == "cpu" for h in e.block_hashes][:8]
+    removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == "cpu" for h in e.block_hashes]
+    # 7 chunks into a 5-chunk tier: P1's two oldest chunks are evicted, in order
+    assert removed == stored_p1[:4]
