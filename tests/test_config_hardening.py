@@ -5,9 +5,6 @@ Each bad value must be a :class:`ConfigError` naming the field; the CLI must pri
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -73,7 +70,7 @@ def test_two_tiers_on_one_location_are_refused(full_registry: PluginRegistry, tm
 def test_yaml_with_invalid_utf8_is_a_config_error(full_registry: PluginRegistry, tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_bytes(b"chunk_size: 64\nhash: \xff\xfesha\n")
-    paths, text = problem_paths(full_registry, config_file=path)
+    _, text = problem_paths(full_registry, config_file=path)
     assert "not valid UTF-8" in text and "byte 21 (line 2)" in text
 
 
@@ -84,7 +81,11 @@ def test_config_given_as_a_mapping_is_a_config_error(full_registry: PluginRegist
     assert "path of a YAML file" in text
 
 
-def test_cli_validate_reports_without_traceback(tmp_path: Path) -> None:
+def test_cli_validate_reports_without_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from kvplug.cli.main import app
+
     cases = {
         "zero.yaml": b"tiers: [{type: cpu, max_bytes: 0}]\n",
         "bool.yaml": b"chunk_size: true\n",
@@ -92,19 +93,12 @@ def test_cli_validate_reports_without_traceback(tmp_path: Path) -> None:
         "utf8.yaml": b"chunk_size: \xc3\x28\n",
         "empty_path.yaml": b"tiers: [{type: disk, path: ''}]\n",
     }
-    env = dict(os.environ, COLUMNS="250")
-    env.pop("KVPLUG_PLUGINS", None)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KVPLUG_PLUGINS", raising=False)
     for name, text in cases.items():
-        path = tmp_path / name
-        path.write_bytes(text)
-        result = subprocess.run(
-            [sys.executable, "-m", "kvplug.cli.main", "config", "validate", str(path)],
-            env=env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert result.returncode == 2, (name, result.stdout, result.stderr)
-        assert "Traceback" not in result.stderr and "error:" in result.stderr, (name, result.stderr)
+        (tmp_path / name).write_bytes(text)
+        result = CliRunner().invoke(app, ["config", "validate", str(tmp_path / name)])
+        assert result.exit_code == 2, (name, result.output)
+        assert isinstance(result.exception, SystemExit), (name, result.exception)  # an exit, not a crash
+        assert "error:" in result.output and "Traceback" not in result.output, (name, result.output)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(cases)  # nothing created in the cwd

@@ -22,97 +22,87 @@ from kvplug.errors import ConfigError, CorruptChunkError, IncompatibleChunkError
 
 KEY = "integrity-key-for-tests-0123456789"
 
-#: Stores prompts A and B through a disk tier, lets a key-less attacker re-frame B's first chunk
-#: under A's first key (a v1 record with valid checksums, and B's own record with A's digest
-#: patched in), then reads A back in a fresh engine. Prints what happened as JSON.
+#: For each attack: stores prompts A and B through a disk tier, lets a key-less attacker
+#: re-frame B's first chunk under A's first key (a v1 record with valid checksums built by
+#: hand, or B's own record with A's digest patched in), runs ``kvplug store verify``, then
+#: reads A back in a fresh engine. Prints one JSON line per attack.
 POISON = textwrap.dedent(
     """
     import hashlib, json, struct, sys, torch, xxhash
     from pathlib import Path
+    from typer.testing import CliRunner
     from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
+    from kvplug.cli.main import app
 
     def unkeyed_record(key, value):  # the documented v1 frame, built by hand as an attacker would
         head = struct.pack("<4sHHQ32sQ", b"KVPR", 1, 64, len(value), hashlib.sha256(key.encode()).digest(),
                            xxhash.xxh3_64_intdigest(value))
         return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + value
 
-    folder, attack, phase = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    def path(folder, key):
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        return folder / digest[:2] / (digest + ".kvr")
+
     layout = KVLayout("vllm_flash", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
-    extra = {"kvplug": {"chunk_size": 8, "store": {"mode": "sync"},
-                        "tiers": [{"type": "disk", "path": str(folder), "writer": "inline"}]}}
     fingerprint = Fingerprint.for_layout(layout, model_id="m")
     caches = [torch.randn(2, 32, 4, 2, 8).to(torch.bfloat16) for _ in range(2)]
     a, b = list(range(16)), list(range(1000, 1016))
-    with CacheEngine(load_config(engine_extra=extra, env={}).config, layout, fingerprint) as engine:
-        if phase == "read":
+    root = Path(sys.argv[1])
+    for attack in sys.argv[2:]:
+        folder = root / attack
+        extra = {"kvplug": {"chunk_size": 8, "store": {"mode": "sync"},
+                            "tiers": [{"type": "disk", "path": str(folder), "writer": "inline"}]}}
+        with CacheEngine(load_config(engine_extra=extra, env={}).config, layout, fingerprint) as engine:
+            engine.store(a, caches, torch.arange(16))
+            engine.store(b, caches, torch.arange(16, 32))
+            engine.flush()
+            key_a, key_b = engine.chunk_keys(a)[0].key, engine.chunk_keys(b)[0].key
+        stolen = path(folder, key_b).read_bytes()
+        if attack == "reframe":
+            path(folder, key_a).write_bytes(unkeyed_record(key_a, stolen[64:]))
+        else:
+            forged = bytearray(stolen)
+            forged[16:48] = hashlib.sha256(key_a.encode()).digest()
+            path(folder, key_a).write_bytes(bytes(forged))
+        verify = CliRunner().invoke(app, ["store", "verify", str(folder)], terminal_width=250)
+        with CacheEngine(load_config(engine_extra=extra, env={}).config, layout, fingerprint) as engine:
             loaded = engine.retrieve(a, caches, torch.arange(16))
             stats = engine.chain.stats()[0][1]
-            print(json.dumps({"loaded": int(loaded.sum()), "corrupt": stats.extra.get("corrupt", 0), "misses": stats.misses}))
-            sys.exit(0)
-        engine.store(a, caches, torch.arange(16))
-        engine.store(b, caches, torch.arange(16, 32))
-        engine.flush()
-        key_a, key_b = engine.chunk_keys(a)[0].key, engine.chunk_keys(b)[0].key
-    path = lambda key: folder / hashlib.sha256(key.encode()).hexdigest()[:2] / (hashlib.sha256(key.encode()).hexdigest() + ".kvr")
-    stolen = path(key_b).read_bytes()
-    if attack == "reframe":  # what anyone can do without the key
-        path(key_a).write_bytes(unkeyed_record(key_a, stolen[64:]))
-    else:  # keep B's record, claim it is A's
-        forged = bytearray(stolen)
-        forged[16:48] = hashlib.sha256(key_a.encode()).digest()
-        path(key_a).write_bytes(bytes(forged))
+        print(json.dumps({"attack": attack, "loaded": int(loaded.sum()), "corrupt": stats.extra.get("corrupt", 0),
+                          "verify_exit": verify.exit_code, "verify": verify.output}))
     """
 )
 
 
-def run_poison(tmp_path: Path, attack: str, key: str | None) -> tuple[dict, subprocess.CompletedProcess[str]]:
+def run_poison(tmp_path: Path, attacks: list[str], key: str | None) -> dict[str, dict]:
     env = dict(os.environ)
     env.pop("KVPLUG_PLUGINS", None)
     env.pop("KVPLUG_INTEGRITY_KEY_FILE", None)
     env.pop("KVPLUG_INTEGRITY_KEY", None)
     if key is not None:
         env["KVPLUG_INTEGRITY_KEY"] = key
-    folder = tmp_path / f"store-{attack}-{key is not None}"
-    forge = subprocess.run(
-        [sys.executable, "-c", POISON, str(folder), attack, "forge"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert forge.returncode == 0, forge.stderr
-    verify = subprocess.run(
-        [sys.executable, "-m", "kvplug.cli.main", "store", "verify", str(folder)],
-        env=dict(env, COLUMNS="250"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
     result = subprocess.run(
-        [sys.executable, "-c", POISON, str(folder), attack, "read"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-c", POISON, str(tmp_path), *attacks], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1]), verify
+    outcomes = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    return {outcome["attack"]: outcome for outcome in outcomes}
 
 
-@pytest.mark.parametrize("attack", ["reframe", "patch-digest"])
-def test_a_forged_record_is_a_counted_miss_with_a_key(tmp_path: Path, attack: str) -> None:
-    outcome, verify = run_poison(tmp_path, attack, KEY)
-    assert outcome["loaded"] == 0, outcome  # A's first chunk is forged: nothing of A loads
-    assert outcome["corrupt"] >= 1, outcome
-    assert verify.returncode == 1, verify.stdout + verify.stderr
-    assert "corrupt" in verify.stdout
+def test_a_forged_record_is_a_counted_miss_with_a_key(tmp_path: Path) -> None:
+    outcomes = run_poison(tmp_path, ["reframe", "patch-digest"], KEY)
+    assert sorted(outcomes) == ["patch-digest", "reframe"]
+    for outcome in outcomes.values():
+        assert outcome["loaded"] == 0, outcome  # A's first chunk is forged: nothing of A loads
+        assert outcome["corrupt"] >= 1, outcome
+        assert outcome["verify_exit"] == 1 and "corrupt:" in outcome["verify"], outcome
 
 
 def test_without_a_key_a_reframed_record_is_served(tmp_path: Path) -> None:
     """Today's behaviour without a key, as documented: checksums catch accidents, not attackers."""
-    outcome, verify = run_poison(tmp_path, "reframe", None)
+    outcome = run_poison(tmp_path, ["reframe"], None)["reframe"]
     assert outcome["loaded"] == 16 and outcome["corrupt"] == 0, outcome
-    assert verify.returncode == 0
+    assert outcome["verify_exit"] == 0, outcome
 
 
 @pytest.fixture
