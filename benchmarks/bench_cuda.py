@@ -15,13 +15,16 @@ One run measures, for chunks of ``--tokens`` tokens of a ``--layers``-layer mode
 Each figure is bytes / wall time until the data is usable by the host (gather) or
 by the device's current stream (scatter), median of ``--iters`` runs; ratios are
 against ``copy_ pinned`` of the same run. Without CUDA it says so and exits 0.
+``--json`` sends the table to stderr and prints one JSON object (figures and ratios;
+``skipped`` without CUDA) as the last line of stdout.
 
-    python benchmarks/bench_cuda.py [--layout vllm_flash] [--dtype bfloat16]
+    python benchmarks/bench_cuda.py [--layout vllm_flash] [--dtype bfloat16] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -46,21 +49,35 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the connector paths on CPU tensors in Triton's interpreter to check the script; numbers mean nothing",
     )
+    parser.add_argument("--json", action="store_true", help="table on stderr; one JSON object as stdout's last line")
     args = parser.parse_args(argv)
+    if not args.json:
+        return _measure(args, {})
+    stdout, sys.stdout = sys.stdout, sys.stderr  # the table; stdout keeps the JSON line
+    figures: dict[str, object] = {"benchmark": "bench_cuda"}
+    try:
+        status = _measure(args, figures)
+    finally:
+        sys.stdout = stdout
+    print(json.dumps(figures))
+    return status
+
+
+def _measure(args: argparse.Namespace, figures: dict[str, object]) -> int:
     if args.smoke_cpu:
         os.environ["TRITON_INTERPRET"] = "1"
         device = torch.device("cpu")
     elif not torch.cuda.is_available():
         print("bench_cuda: no CUDA device here (torch.cuda.is_available() is False); nothing to measure.")
+        figures["skipped"] = "no CUDA device"
         return 0
     else:
         device = torch.device("cuda")
 
-    from kvplug_cuda import CudaConnector
-
     from kvplug import KVLayout
     from kvplug.builtins.torch_connector import TorchConnector
     from kvplug.core.frame_pool import GRANULARITY, FramePool
+    from kvplug_cuda import CudaConnector
 
     dtype = getattr(torch, args.dtype)
     heads = 1 if args.layout == "vllm_mla" else args.heads
@@ -134,11 +151,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratios (x) are against the first row, {rows[0][0]!r}")
     print(f"{'path':<19}{'gather GB/s':>12}{'x':>7}{'scatter GB/s':>14}{'x':>7}")
     baseline: tuple[float, float] | None = None
+    figures.update(layout=args.layout, dtype=args.dtype, chunk_bytes=chunk_bytes, device=_device_name(device))
+    paths: dict[str, dict[str, float]] = {}
     for name, gather, scatter in rows:
         g = chunk_bytes / _median_seconds(gather, iters) / 1e9
         s = chunk_bytes / _median_seconds(scatter, iters) / 1e9
         baseline = baseline or (g, s)
         print(f"{name:<19}{g:>12.2f}{g / baseline[0]:>7.2f}{s:>14.2f}{s / baseline[1]:>7.2f}")
+        paths[name] = {
+            "gather_gbps": round(g, 3),
+            "gather_vs_baseline": round(g / baseline[0], 4),
+            "scatter_gbps": round(s, 3),
+            "scatter_vs_baseline": round(s / baseline[1], 4),
+        }
+    figures["baseline"] = rows[0][0]
+    figures["paths"] = paths
     if device.type == "cuda":
         check = torch.empty_like(frame)
         reference.gather(caches, slots, check)
@@ -148,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         same = all(torch.equal(check.view(torch.uint8), got.view(torch.uint8)) for got in (frame, pool_frame))
         frames_pinned = frame_pool.stats().pinned
         print(f"bit-exact vs torch: {same}; frame pool pinned: {frames_pinned}; staging: {cuda.stats().pool}")
+        figures["bit_exact"] = same
         if not same:
             return 1
     return 0

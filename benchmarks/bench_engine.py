@@ -6,13 +6,20 @@ this run; ratios are against ``copy_`` between two preallocated tensors of the
 same size (the best a copy can do) and into a freshly allocated tensor (what a
 store that keeps its copy must also pay: page faults of new memory).
 
-    python benchmarks/bench_engine.py [--tokens 4096] [--rounds 8]
+    python benchmarks/bench_engine.py [--tokens 4096] [--rounds 8] [--json]
+
+``--json``: the table goes to stderr and one JSON object is the last line of stdout:
+GB/s of every path and its fraction of the same run's preallocated memcpy
+(``store_vs_memcpy``, ``store_async_vs_memcpy``, ``retrieve_vs_memcpy``, ...).
+Goal (issue 16): store and retrieve >= 0.8 of memcpy.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
 
 import torch
@@ -35,7 +42,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per prompt (a multiple of 256)")
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--json", action="store_true", help="table on stderr; one JSON object as stdout's last line")
     args = parser.parse_args()
+    out = sys.stderr if args.json else sys.stdout
 
     layout = KVLayout("vllm_flash", num_layers=8, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     tokens = args.tokens
@@ -44,7 +53,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     num_blocks = 2 * blocks + 4
     caches = [
-        torch.randn(2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim, generator=gen).to(layout.dtype)
+        torch.randn(2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim, generator=gen).to(
+            layout.dtype
+        )
         for _ in range(layout.num_layers)
     ]
     order = torch.randperm(num_blocks, generator=gen)
@@ -61,8 +72,14 @@ def main() -> None:
 
     def make_engine(mode: str) -> CacheEngine:
         config = load_config(
-            engine_extra={"kvplug": {"chunk_size": 256, "store": {"mode": mode}, "connector": {"type": "torch"},
-                                     "tiers": [{"type": "cpu", "max_bytes": budget}]}},
+            engine_extra={
+                "kvplug": {
+                    "chunk_size": 256,
+                    "store": {"mode": mode},
+                    "connector": {"type": "torch"},
+                    "tiers": [{"type": "cpu", "max_bytes": budget}],
+                }
+            },
             env={},
         ).config
         return CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id=f"bench/llama-8l-{mode}"))
@@ -139,25 +156,41 @@ def main() -> None:
     engine.close()
 
     gbps = lambda seconds: nbytes / seconds / 1e9  # noqa: E731
-    print(f"kvplug bench_engine: {tokens} tokens x {layout.bytes_per_token()} B = {nbytes / 2**20:.0f} MiB per prompt, "
-          f"{tokens // 256} chunks of 256 tokens, torch threads {torch.get_num_threads()}")
-    print(f"{'path':<40}{'GB/s':>8}{'vs memcpy':>11}{'vs fresh memcpy':>17}")
+    print(
+        f"kvplug bench_engine: {tokens} tokens x {layout.bytes_per_token()} B = {nbytes / 2**20:.0f} MiB per prompt, "
+        f"{tokens // 256} chunks of 256 tokens, torch threads {torch.get_num_threads()}",
+        file=out,
+    )
+    print(f"{'path':<40}{'GB/s':>8}{'vs memcpy':>11}{'vs fresh memcpy':>17}", file=out)
     rows = [
-        ("memcpy (preallocated dst)", memcpy_s),
-        ("memcpy into fresh memory", fresh_s),
-        ("store, steady state (frames recycled)", store_s),
-        ("store call, async mode (caller waits)", store_async_s),
-        ("retrieve (get+verify+scatter)", retrieve_s),
-        ("  store: allocate frames", alloc_s),
-        ("  store: gather paged -> frames", gather_s),
-        ("  store: seal (xxh3 checksum)", seal_s),
-        ("  retrieve: loads (verify)", loads_s),
-        ("  retrieve: scatter -> paged", scatter_s),
+        ("memcpy", "memcpy (preallocated dst)", memcpy_s),
+        ("fresh_memcpy", "memcpy into fresh memory", fresh_s),
+        ("store", "store, steady state (frames recycled)", store_s),
+        ("store_async", "store call, async mode (caller waits)", store_async_s),
+        ("retrieve", "retrieve (get+verify+scatter)", retrieve_s),
+        ("allocate", "  store: allocate frames", alloc_s),
+        ("gather", "  store: gather paged -> frames", gather_s),
+        ("seal", "  store: seal (xxh3 checksum)", seal_s),
+        ("loads", "  retrieve: loads (verify)", loads_s),
+        ("scatter", "  retrieve: scatter -> paged", scatter_s),
     ]
-    for name, seconds in rows:
-        print(f"{name:<40}{gbps(seconds):>8.2f}{memcpy_s / seconds:>10.0%}{fresh_s / seconds:>16.0%}")
-    print(f"cpu tier after the run: {tier_stats[0][1]}")
-    print(f"frame pool after the run: {pool_stats}")
+    for _, name, seconds in rows:
+        print(f"{name:<40}{gbps(seconds):>8.2f}{memcpy_s / seconds:>10.0%}{fresh_s / seconds:>16.0%}", file=out)
+    print(f"cpu tier after the run: {tier_stats[0][1]}", file=out)
+    print(f"frame pool after the run: {pool_stats}", file=out)
+    if args.json:
+        figures: dict[str, object] = {
+            "benchmark": "bench_engine",
+            "tokens": tokens,
+            "bytes_per_prompt": nbytes,
+            "torch_threads": torch.get_num_threads(),
+            "goal": {"store_vs_memcpy": 0.8, "retrieve_vs_memcpy": 0.8},
+        }
+        for key, _, seconds in rows:
+            figures[f"{key}_gbps"] = round(gbps(seconds), 3)
+            if key != "memcpy":
+                figures[f"{key}_vs_memcpy"] = round(memcpy_s / seconds, 4)
+        print(json.dumps(figures))
 
 
 if __name__ == "__main__":
