@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import kvplug
-
 from kvplug_mooncake.config import MooncakeTierConfig
 from kvplug_mooncake.tier import MooncakeTier
 

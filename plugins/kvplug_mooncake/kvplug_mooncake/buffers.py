@@ -11,18 +11,31 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import mmap
 import threading
+import weakref
 from collections.abc import Callable
 
 
 class Lease:
-    """A range of registered memory for one client call: ``address`` and a writable ``view``."""
+    """A range of registered memory for one client call: ``address`` and a writable ``view``.
 
-    def __init__(self, address: int, view: memoryview, release: Callable[[], None]) -> None:
+    ``start`` is its offset in the shared buffer, or ``None`` for a temporary buffer."""
+
+    def __init__(self, address: int, view: memoryview, release: Callable[[], None], start: int | None = None) -> None:
         self.address = address
         self.view = view
+        self.start = start
         self._release = release
+
+    def detach(self) -> None:
+        """Its range is handed out piece by piece (see :meth:`TransferBuffers.hand_out`)."""
+        self._release = _nothing
+        try:
+            self.view.release()
+        except BufferError:
+            pass
 
     def release(self) -> None:
         release, self._release = self._release, _nothing
@@ -58,7 +71,11 @@ class TransferBuffers:
         self._register = register
         self._unregister = unregister
         self._align = align
-        self._lock = threading.Lock()
+        # Re-entrant: a handed-out view can be garbage-collected (and return its slot)
+        # while this thread holds the lock.
+        self._lock = threading.RLock()
+        self.handed_out = 0
+        self.max_handed_out = size // 2
         self._memory = mmap.mmap(-1, size) if size > 0 else None
         self._view = memoryview(self._memory) if self._memory is not None else None
         self.address = buffer_address(self._memory) if self._memory is not None else 0
@@ -80,9 +97,40 @@ class TransferBuffers:
                     self._take(start, length, need)
                     assert self._view is not None
                     return Lease(
-                        self.address + start, self._view[start : start + nbytes], lambda: self._give_back(start, need)
+                        self.address + start,
+                        self._view[start : start + nbytes],
+                        functools.partial(self._give_back, start, need),
+                        start,
                     )
         return self._temporary(nbytes)
+
+    def hand_out(self, lease: Lease, pieces: list[tuple[int, int, int]]) -> list[memoryview] | None:
+        """Read-only views of ``pieces`` (offset in the lease, bytes, slot bytes; slots tile
+        the lease) that stay valid while the caller holds them: each slot returns to the
+        buffer when its view is garbage. ``None`` (nothing handed out) for a temporary
+        lease, or when values held by callers would exceed ``max_handed_out`` bytes: the
+        caller copies then, so callers keeping values cannot starve the transfers."""
+        if lease.start is None or self._memory is None:
+            return None
+        total = sum(slot for _, _, slot in pieces)
+        with self._lock:
+            if self.handed_out + total > self.max_handed_out:
+                return None
+            self.handed_out += total
+        base = lease.start
+        lease.detach()
+        views = []
+        for offset, nbytes, slot in pieces:
+            # from_buffer keeps the mapping alive while the view lives, even past close().
+            holder = (ctypes.c_char * max(nbytes, 1)).from_buffer(self._memory, base + offset)
+            weakref.finalize(holder, self._returned, base + offset, slot)
+            views.append(memoryview(holder).cast("B")[:nbytes].toreadonly())
+        return views
+
+    def _returned(self, start: int, length: int) -> None:
+        self._give_back(start, length)
+        with self._lock:
+            self.handed_out -= length
 
     def _take(self, start: int, length: int, need: int) -> None:
         self._free_starts.remove(start)
@@ -136,4 +184,3 @@ class TransferBuffers:
         """Unregister the buffer (the client is closing)."""
         if self._memory is not None:
             self._unregister(self.address)
-

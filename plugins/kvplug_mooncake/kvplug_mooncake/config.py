@@ -58,9 +58,7 @@ class MooncakeTierConfig(RemoteTierConfig):
     setup_timeout_s: PositiveFloat = Field(
         default=10.0, description="Deadline of connecting the client to the master (setup)."
     )
-    transfer_threads: int = Field(
-        default=8, ge=1, le=256, description="Threads that run the client's blocking calls."
-    )
+    transfer_threads: int = Field(default=8, ge=1, le=256, description="Threads that run the client's blocking calls.")
 
     @field_validator("master")
     @classmethod

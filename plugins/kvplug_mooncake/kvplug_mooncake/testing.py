@@ -175,7 +175,7 @@ class MooncakeCluster:
         url = f"http://{LOOPBACK}:{self.metrics_port}/metrics"
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(url, timeout=1) as response:  # noqa: S310 - loopback only
+                with urllib.request.urlopen(url, timeout=1) as response:
                     text = response.read().decode(errors="replace")
                 for line in text.splitlines():
                     if line.startswith("master_total_capacity_bytes") and float(line.split()[-1]) > 0:

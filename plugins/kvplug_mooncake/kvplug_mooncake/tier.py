@@ -46,7 +46,6 @@ from kvplug.errors import (
     TierUnavailableError,
     ValueTooLargeError,
 )
-
 from kvplug_mooncake.buffers import TransferBuffers
 from kvplug_mooncake.config import MooncakeTierConfig
 
@@ -78,7 +77,9 @@ def _endpoints(config: MooncakeTierConfig) -> list[tuple[str, int]]:
     host, _, port = config.master.rpartition(":")
     found = [(host.strip("[]"), int(port))]
     if config.metadata_server != "P2PHANDSHAKE":
-        parts = urlsplit(config.metadata_server if "://" in config.metadata_server else f"etcd://{config.metadata_server}")
+        parts = urlsplit(
+            config.metadata_server if "://" in config.metadata_server else f"etcd://{config.metadata_server}"
+        )
         if parts.hostname:
             found.append((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)))
     return found
@@ -227,7 +228,7 @@ class MooncakeTier(StorageTier):
         corrupt: list[str] = []
         for key, name, result in zip(keys, names, results):
             value = None
-            if isinstance(result, bytes):
+            if not isinstance(result, int):
                 try:
                     value = unpack_record(result, key)
                 except IncompatibleChunkError:
@@ -248,7 +249,7 @@ class MooncakeTier(StorageTier):
             self._remove_quietly(corrupt)
         return values
 
-    def _read(self, names: list[str]) -> list[bytes | int]:
+    def _read(self, names: list[str]) -> list[Buffer | int]:
         """Each object's bytes, or its mooncake code (in a pool thread)."""
         # The client mixes up the buffers of a key named twice in one batch: read each once.
         unique = list(dict.fromkeys(names))
@@ -260,7 +261,7 @@ class MooncakeTier(StorageTier):
         with self._lock:
             hint = self._record_hint
             sizes = [self._index[name][0] + RECORD_HEADER_SIZE if name in self._index else hint for name in names]
-        results: list[bytes | int] = [INVALID_PARAMS] * len(names)
+        results: list[Buffer | int] = [INVALID_PARAMS] * len(names)
         guessed = [i for i, size in enumerate(sizes) if size > 0]
         if guessed:
             self._read_into(store, [names[i] for i in guessed], [sizes[i] for i in guessed], guessed, results)
@@ -283,18 +284,26 @@ class MooncakeTier(StorageTier):
         return results
 
     def _read_into(
-        self, store: Any, names: list[str], sizes: list[int], positions: list[int], results: list[bytes | int]
+        self, store: Any, names: list[str], sizes: list[int], positions: list[int], results: list[Buffer | int]
     ) -> None:
-        assert self._buffers is not None
-        offsets, total = [], 0
+        buffers = self._buffers
+        assert buffers is not None
+        offsets, slots, total = [], [], 0
         for size in sizes:
             offsets.append(total)
-            total += -(-max(size, 1) // 64) * 64
-        with self._buffers.lease(total) as lease:
-            codes = store.batch_get_into(names, [lease.address + o for o in offsets], sizes)
-            for position, offset, code in zip(positions, offsets, codes):
-                # Copied out here: the range is reused once this call returns.
-                results[position] = bytes(lease.view[offset : offset + code]) if code >= 0 else int(code)
+            slots.append(-(-max(size, 1) // 64) * 64)
+            total += slots[-1]
+        with buffers.lease(total) as lease:
+            codes = [int(code) for code in store.batch_get_into(names, [lease.address + o for o in offsets], sizes)]
+            # Zero copy: the values stay where they landed until the caller drops them.
+            views = buffers.hand_out(lease, [(o, max(c, 0), s) for o, c, s in zip(offsets, codes, slots)])
+            for i, (position, offset, code) in enumerate(zip(positions, offsets, codes)):
+                if code < 0:
+                    results[position] = code
+                elif views is not None:
+                    results[position] = views[i]
+                else:  # copied out: the range is reused once this call returns
+                    results[position] = bytes(lease.view[offset : offset + code])
 
     # --- writes ---------------------------------------------------------------------
 
@@ -305,7 +314,9 @@ class MooncakeTier(StorageTier):
         for key, value in latest.items():
             size = memoryview(value).nbytes
             if budget is not None and size > budget:
-                raise ValueTooLargeError(f"value of {size} bytes for {key} exceeds the mooncake tier's max_bytes {budget}")
+                raise ValueTooLargeError(
+                    f"value of {size} bytes for {key} exceeds the mooncake tier's max_bytes {budget}"
+                )
         if not latest:
             return
         if not self._calls.allow(len(latest)):
@@ -313,7 +324,9 @@ class MooncakeTier(StorageTier):
             return
         keys = list(latest)
         names = self._names(keys)
-        values = [memoryview(latest[key]).cast("B") if memoryview(latest[key]).nbytes else memoryview(b"") for key in keys]
+        values = [
+            memoryview(latest[key]).cast("B") if memoryview(latest[key]).nbytes else memoryview(b"") for key in keys
+        ]
 
         def write() -> list[int]:
             store = self._connected()
@@ -359,7 +372,9 @@ class MooncakeTier(StorageTier):
         if not keys:
             return
         if not self._calls.allow(len(keys)):
-            raise TierUnavailableError(f"tier mooncake: {self._where} is unavailable (circuit breaker open); nothing removed")
+            raise TierUnavailableError(
+                f"tier mooncake: {self._where} is unavailable (circuit breaker open); nothing removed"
+            )
         names = self._names(keys)
         codes = self._run(lambda: self._delete(names))
         removed, failed = [], 0
@@ -511,5 +526,5 @@ def _close_client(store: Any, buffers: TransferBuffers | None) -> None:
         if buffers is not None:
             buffers.close()
         store.close()
-    except Exception:  # noqa: BLE001 - the client is being dropped either way
+    except Exception:
         pass

@@ -63,7 +63,9 @@ def main() -> None:
             loaded = engine.retrieve(prompt_tokens(i), target, slots)
             answer["seconds"] = time.perf_counter() - start
             answer["loaded"] = int(loaded.sum())
-            answer["equal"] = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(prompt_kv(i), target))
+            answer["equal"] = all(
+                torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(prompt_kv(i), target)
+            )
         elif op == "drop_cpu":
             cpu = engine.chain.tiers[0]
             for i in command["prompts"]:
