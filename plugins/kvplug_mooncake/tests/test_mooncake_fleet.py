@@ -53,10 +53,11 @@ class Engine:
         return self._read()
 
     def quit(self) -> None:
-        if self.process.poll() is None and self.process.stdin is not None:
+        stdin = self.process.stdin
+        if self.process.poll() is None and stdin is not None and not stdin.closed:
             try:
-                self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.process.stdin.close()
+                stdin.write(json.dumps({"op": "quit"}) + "\n")
+                stdin.close()
             except OSError:
                 pass
 
