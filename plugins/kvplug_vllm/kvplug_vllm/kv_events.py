@@ -59,25 +59,26 @@ class ChunkIndex:
         """Record the vLLM blocks of each chunk; ``block_hashes[i]`` is block ``i``'s, as vLLM publishes it.
 
         Chunks that end inside a block, or past the blocks vLLM hashed, have no
-        vLLM identity and are not published (vLLM hashes full blocks only).
+        vLLM identity and are not published (vLLM hashes full blocks only); their
+        keys are still kept, for ``reset_cache``.
         """
         size = self.block_size
         with self._lock:
             for key in keys:
                 first, last = key.start // size, key.end // size
-                if key.start % size or key.end % size or last > len(block_hashes) or last == first:
-                    continue
-                parent = block_hashes[first - 1] if first else None
-                self._chunks[key.key] = _Chunk(
-                    tuple(block_hashes[first:last]), parent, tuple(token_ids[key.start : key.end]), lora_name
-                )
+                named = not (key.start % size or key.end % size or last > len(block_hashes) or last == first)
+                parent = block_hashes[first - 1] if named and first else None
+                hashes = tuple(block_hashes[first:last]) if named else ()
+                self._chunks[key.key] = _Chunk(hashes, parent, tuple(token_ids[key.start : key.end]), lora_name)
                 self._chunks.move_to_end(key.key)
             while len(self._chunks) > MAX_CHUNKS:
                 self._chunks.popitem(last=False)
 
     def on_event(self, event: KVEvent) -> None:
         with self._lock:
-            known = [(key, self._chunks[key]) for key in event.keys if key in self._chunks]
+            known = [
+                (key, self._chunks[key]) for key in event.keys if key in self._chunks and self._chunks[key].block_hashes
+            ]
             if not known or not self.publish:
                 return
             if event.kind == "stored":

@@ -24,6 +24,11 @@ from conftest import kv_config, tokens
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kvplug_s3" / "tests"))
 from s3_helpers import BUCKET, FaultProxy, MotoS3, s3_options
 
+# several real engines per test: more than the suite's default 300 s on a loaded machine
+pytestmark = pytest.mark.timeout(1200)
+
+#: In-process engines: the scheduler asks the worker's cache engine directly (no lookup socket).
+DIRECT = {"kvplug.lookup": "direct"}
 LONG = tokens(21, 512)  # 8 chunks of 64
 SHORT = tokens(22, 40)
 DELAY_S = 2.0
@@ -59,10 +64,10 @@ def s3_kv(endpoint: str, prefix: str, **extra: Any) -> dict[str, Any]:
         **{
             "kvplug.tiers": [s3_tier(endpoint, prefix)],
             "kvplug.lookup_timeout_ms": 30_000,
-            "kvplug.lookup": "direct",
+            **DIRECT,
             **extra,
         }
-    )  # DEVONLY
+    )
 
 
 def both(steps_prompts: list[list[int]], concurrent: bool = False) -> dict[str, Any]:

@@ -19,6 +19,9 @@ import zmq
 from conftest import P1, P3, kv_config
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
+# several real engines per test: more than the suite's default 300 s on a loaded machine
+pytestmark = pytest.mark.timeout(1200)
+
 CHUNK_BYTES = 65_632  # one 64-token chunk of the tiny model, serialized
 
 
@@ -56,7 +59,7 @@ class Subscriber:
 @pytest.fixture(scope="module")
 def events(run_engine: Any) -> Iterator[list[Any]]:
     subscriber = Subscriber()
-    kv = kv_config(**{"kvplug.tiers": [{"type": "cpu", "max_bytes": 5 * CHUNK_BYTES}]})
+    kv = kv_config(**{"kvplug.tiers": [{"type": "cpu", "max_bytes": 5 * CHUNK_BYTES}], "kvplug.lookup": "direct"})
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": subscriber.endpoint}
     steps = [{"prompts": [{"tokens": P1}], "max_tokens": 4}, {"prompts": [{"tokens": P3}], "max_tokens": 4}]
     try:

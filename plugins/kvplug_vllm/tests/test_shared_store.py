@@ -18,6 +18,9 @@ from conftest import kv_config, tokens
 
 from kvplug_valkey.testing import ValkeyServer
 
+# several real engines per test: more than the suite's default 300 s on a loaded machine
+pytestmark = pytest.mark.timeout(1200)
+
 X = tokens(31, 576)  # 9 whole chunks of 64
 Y = tokens(32, 448)  # 7
 
@@ -29,7 +32,7 @@ def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyServer]:
 
 
 def run(run_engine: Any, valkey: ValkeyServer, role: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
-    kv = kv_config(role=role, **{"kvplug.tiers": [valkey.tier_options()], "kvplug.lookup_timeout_ms": 5000})
+    kv = kv_config(role=role, **{"kvplug.tiers": [valkey.tier_options()], "kvplug.lookup_timeout_ms": 5000, "kvplug.lookup": "direct"})
     result = run_engine(kv=kv, steps=[{"prompts": [{"tokens": p}], "max_tokens": 8} for p in prompts])
     return [step["outputs"][0] for step in result["steps"]]
 

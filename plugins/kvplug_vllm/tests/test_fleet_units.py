@@ -1,0 +1,83 @@
+"""Units of the fleet features that need no engine: tier merging, the chunk index's
+vLLM events, and how connector stats merge (counters, gauges, latency samples)."""
+
+from __future__ import annotations
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+from kvplug import ChunkKey, KVEvent
+from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
+from kvplug_vllm.lookup import merge_tiers
+from kvplug_vllm.stats import KVPlugConnectorStats
+
+
+def test_merge_tiers_takes_the_shortest_prefix_and_the_slowest_tier() -> None:
+    a = [("cpu", 64), ("cpu", 64), ("disk", 64)]
+    b = [("cpu", 64), ("s3", 64)]
+    assert merge_tiers([a, b]) == [("cpu", 64), ("s3", 64)]
+    assert merge_tiers([a]) == a
+    assert merge_tiers([]) == []
+
+
+def key(index: int, start: int, end: int) -> ChunkKey:
+    return ChunkKey(index, start, end, f"1/{'ab' * 16}/{index:064x}")
+
+
+def test_chunk_index_publishes_vllm_block_hashes_per_tier_and_evictions() -> None:
+    index = ChunkIndex(block_size=4, tier_names=["cpu", "disk"], publish=True)
+    tokens = list(range(100, 118))  # 4 blocks of 4 and 2 tokens
+    hashes = [b"h0", b"h1", b"h2", b"h3"]
+    keys = [key(0, 0, 8), key(1, 8, 16), key(2, 16, 18)]  # the last chunk ends inside a block
+    index.remember(keys, tokens, hashes, lora_name=None)
+    index.on_event(KVEvent("stored", (keys[0].key, keys[1].key, keys[2].key)))
+    events = index.take()
+    assert [(e.medium, e.block_hashes, e.parent_block_hash) for e in events] == [
+        ("cpu", [b"h0", b"h1"], None),
+        ("cpu", [b"h2", b"h3"], b"h1"),
+        ("disk", [b"h0", b"h1"], None),
+        ("disk", [b"h2", b"h3"], b"h1"),
+    ]
+    assert all(isinstance(e, BlockStored) and e.block_size == 4 for e in events)
+    assert events[1].token_ids == tokens[8:16]
+    index.on_event(KVEvent("evicted", (keys[0].key,), tier="cpu"))
+    index.on_event(KVEvent("evicted", ("1/unknown/00",), tier="cpu"))  # not ours: nothing
+    (removed,) = index.take()
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == [b"h0", b"h1"] and removed.medium == "cpu"
+    assert set(index.keys()) == {keys[0].key, keys[1].key, keys[2].key}  # reset removes all it saw
+    assert index.take() == []
+
+
+def test_chunk_index_without_publishing_keeps_keys_only() -> None:
+    index = ChunkIndex(block_size=4, tier_names=["cpu"], publish=False)
+    index.remember([key(0, 0, 8)], list(range(8)), [], lora_name=None)  # no hashes sent
+    index.on_event(KVEvent("stored", (key(0, 0, 8).key,)))
+    assert index.take() == []
+    assert index.keys() == [key(0, 0, 8).key]
+
+
+def test_events_of_several_workers_are_published_once_all_report_them() -> None:
+    event = BlockRemoved(block_hashes=[b"h0"], medium="cpu")
+    merged = KVPlugKVEvents(1)
+    merged.add_events([event])
+    other = KVPlugKVEvents(1)
+    other.add_events([event, BlockRemoved(block_hashes=[b"h9"], medium="cpu")])
+    merged.add_events(other.get_all_events())
+    merged.increment_workers(other.get_number_of_workers())
+    assert merged.aggregate().get_all_events() == [event]
+
+
+def test_stats_sum_counters_keep_the_latest_gauge_and_concatenate_samples() -> None:
+    first = KVPlugConnectorStats()
+    first.add(lookups=1, **{"hit_tokens_tier.cpu": 64})
+    first.sample("lookup_seconds", 0.5)
+    first.data["gauge.breaker_state.0:s3"] = 2.0
+    second = KVPlugConnectorStats()
+    second.add(lookups=2, **{"hit_tokens_tier.cpu": 128})
+    second.sample("lookup_seconds", 0.25)
+    second.data["gauge.breaker_state.0:s3"] = 0.0
+    merged = KVPlugConnectorStats().aggregate(first).aggregate(second)
+    assert merged.data["lookups"] == 3 and merged.data["hit_tokens_tier.cpu"] == 192
+    assert merged.data["lookup_seconds"] == [0.5, 0.25]
+    assert merged.data["gauge.breaker_state.0:s3"] == 0.0
+    totals = KVPlugConnectorStats().aggregate(first, counts_only=True)
+    assert "lookup_seconds" not in totals.data and "gauge.breaker_state.0:s3" not in totals.data
