@@ -69,14 +69,18 @@ class QuantizedSerializer(CompressingSerializer):
             return self.stored_frame(tensor, param_a=group)
         width = tensor.shape[-1] if tensor.dim() else 1
         rows = tensor.numel() // width
-        values = tensor.reshape(rows, width).float()
-        if not bool(torch.isfinite(values).all()):
-            return self.stored_frame(tensor, param_a=group)  # inf/NaN have no code: keep them exact
         groups = math.ceil(width / group)
-        padded = F.pad(values, (0, groups * group - width)).view(rows, groups, group)
-        scales, scale_code = _scales(padded.abs().amax(-1) / self.code_max)
-        divisor = scales.float().masked_fill(scales == 0, 1.0).unsqueeze(-1)
-        codes = self.quantize(padded / divisor).view(rows, groups * group)[:, :width]
+        # One float32 copy, padded only when groups do not divide the width; the rest in place.
+        values = tensor.reshape(rows, width).to(torch.float32, copy=True)  # a copy: divided in place below
+        padded = (values if groups * group == width else F.pad(values, (0, groups * group - width))).view(
+            rows, groups, group
+        )
+        amax = padded.abs().amax(-1)
+        if not bool(torch.isfinite(amax).all()):  # an inf or NaN in a group shows in its amax
+            return self.stored_frame(tensor, param_a=group)  # inf/NaN have no code: keep them exact
+        scales, scale_code = _scales(amax.div_(self.code_max))
+        divisor = scales.float().masked_fill_(scales == 0, 1.0).unsqueeze(-1)
+        codes = self.quantize(padded.div_(divisor)).view(rows, groups * group)[:, :width]
         scale_bytes = scales.numel() * scales.element_size()
         out = self.new_frame(tensor, kvpc.ENCODED, scale_bytes + rows * width, param_a=group, param_b=scale_code)
         tensor_over(out, scales.dtype, tuple(scales.shape), kvpc.HEADER_SIZE).copy_(scales)
@@ -98,8 +102,10 @@ class QuantizedSerializer(CompressingSerializer):
             )
         scales = tensor_over(payload, scale_dtype, (rows, groups)).float()
         codes = tensor_over(payload, self.code_dtype, (rows, width), scale_bytes).float()
-        padded = F.pad(codes, (0, groups * group - width)).view(rows, groups, group)
-        values = (padded * scales.unsqueeze(-1)).view(rows, groups * group)[:, :width]
+        padded = (codes if groups * group == width else F.pad(codes, (0, groups * group - width))).view(
+            rows, groups, group
+        )
+        values = padded.mul_(scales.unsqueeze(-1)).view(rows, groups * group)[:, :width]
         return values.to(dtype).reshape(header.shape)
 
     def quantize(self, scaled: torch.Tensor) -> torch.Tensor:
@@ -132,7 +138,7 @@ class Int8Serializer(QuantizedSerializer):
     code_dtype = torch.int8
 
     def quantize(self, scaled: torch.Tensor) -> torch.Tensor:
-        return scaled.round().clamp_(-127, 127).to(torch.int8)
+        return scaled.round_().clamp_(-127, 127).to(torch.int8)
 
 
 class FP8Serializer(QuantizedSerializer):
@@ -144,4 +150,4 @@ class FP8Serializer(QuantizedSerializer):
 
     def quantize(self, scaled: torch.Tensor) -> torch.Tensor:
         # Clamped first: e4m3fn has no inf, and an out-of-range cast would give NaN.
-        return scaled.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return scaled.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
