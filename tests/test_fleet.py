@@ -26,8 +26,9 @@ from typing import Any, Protocol
 
 import pytest
 
-#: The engine's lookup budget in the workers, and the margin a loaded CI machine gets on top.
-LOOKUP_BUDGET_MS = 200
+#: The engine's lookup budget in the workers (above the 200 ms default, so that hits on a
+#: busy 2-core CI machine stay hits), and the margin a loaded machine gets on top.
+LOOKUP_BUDGET_MS = 1000
 MARGIN_S = 0.4
 CHUNK = 16
 PROMPT_TOKENS = 48  # three chunks
@@ -67,7 +68,7 @@ class ValkeyFleetStore:
             "type": "valkey",
             "url": self.server.url,
             "key_prefix": "fleet:",
-            "request_timeout_s": 0.3,
+            "request_timeout_s": 1.0,
             "connect_timeout_s": 0.2,
             "breaker_cooldown_s": 1.0,
         }

@@ -96,7 +96,8 @@ def open_store(location: str, endpoint_url: str | None = None) -> Iterator[Stora
         kind = tier_type_for(location)
         if kind not in tiers:
             package = KNOWN_COMPONENTS[("storage_tier", kind)]
-            raise ConfigError([ConfigProblem("location", location, f"a {kind} store needs the {package} package: pip install {package}")])
+            needs = f"a {kind} store needs the {package} package: pip install {package}"
+            raise ConfigError([ConfigProblem("location", location, needs)])
         cls = tiers[kind]
         if kind == "disk":
             options = {"path": location.removeprefix("file://"), "max_bytes": _UNBOUNDED}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import kvplug
-
 from kvplug_valkey.config import ValkeyTierConfig
 from kvplug_valkey.tier import ValkeyTier
 

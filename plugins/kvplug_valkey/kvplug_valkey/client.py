@@ -25,7 +25,6 @@ from valkey import exceptions as vex
 from valkey.asyncio.cluster import ValkeyCluster
 
 from kvplug import Buffer, FailureKind, classify_failure
-
 from kvplug_valkey.config import ValkeyTierConfig
 
 #: SCAN page size: keys per round trip when listing.

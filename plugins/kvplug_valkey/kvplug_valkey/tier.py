@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 from kvplug import (
     RECORD_HEADER_SIZE,
@@ -40,7 +41,6 @@ from kvplug.errors import (
     TierUnavailableError,
     ValueTooLargeError,
 )
-
 from kvplug_valkey.client import ValkeyStore, classify
 from kvplug_valkey.config import SCHEMES, ValkeyTierConfig
 from kvplug_valkey.index import KeyIndex
@@ -51,6 +51,8 @@ A = TypeVar("A")
 LISTING_TIMEOUT_S = 300.0
 #: A server that is down fails every store; say so once in a while, not per store.
 DROP_WARNING_INTERVAL_S = 60.0
+#: Keys per pipeline for commands with small replies (STRLEN, DEL): a lookup is one round trip.
+SMALL_REPLY_KEYS = 1024
 _COUNTERS = ("hits", "misses", "puts", "evictions", "dropped_puts", "oom", "corrupt", "incompatible")
 
 
@@ -85,10 +87,10 @@ class ValkeyTier(StorageTier):
     def location_config(cls, location: str, options: Mapping[str, Any]) -> ValkeyTierConfig | None:
         """``redis://``, ``rediss://``, ``valkey://``, ``valkeys://`` and ``unix://`` URLs open as this tier.
 
-        The password comes from ``KVPLUG_VALKEY_PASSWORD`` (never the command line, where
-        ``ps`` shows it), the key prefix from ``KVPLUG_VALKEY_KEY_PREFIX`` (default ``kvplug:``);
-        ``options`` (from the command line) may set ``password``, ``username``, ``key_prefix``
-        and ``cluster``."""
+        ``?prefix=P`` in the location selects the key prefix (default ``kvplug:``); the
+        password comes from ``REDISCLI_AUTH`` (as for valkey-cli and redis-cli; never the
+        command line, where ``ps`` shows it). ``options`` may set ``password``,
+        ``username``, ``key_prefix`` and ``cluster``."""
         if "://" not in location or location.split("://", 1)[0].lower() not in SCHEMES:
             return None
         allowed = {"password", "username", "key_prefix", "cluster"}
@@ -98,16 +100,20 @@ class ValkeyTier(StorageTier):
             raise ValueError(
                 f"option(s) {', '.join(unknown)} do not apply to a valkey store; it takes {sorted(allowed)}"
             )
-        for name, variable in (("password", "KVPLUG_VALKEY_PASSWORD"), ("key_prefix", "KVPLUG_VALKEY_KEY_PREFIX")):
-            if name not in given and os.environ.get(variable):
-                given[name] = os.environ[variable]
+        parts = urlsplit(location)
+        query = parse_qs(parts.query, keep_blank_values=True)
+        if "prefix" in query:
+            given.setdefault("key_prefix", query.pop("prefix")[-1])
+            location = urlunsplit(parts._replace(query=urlencode(query, doseq=True)))
+        if "password" not in given and os.environ.get("REDISCLI_AUTH"):
+            given["password"] = os.environ["REDISCLI_AUTH"]
         # Inspection must survive slow listings of a big prefix; nothing is ever evicted (no max_bytes).
         return ValkeyTierConfig(url=location, request_timeout_s=30.0, **given)
 
     # --- reads ----------------------------------------------------------------------
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
-        """One pipelined STRLEN per ``pipeline_keys`` keys: a present key holds at least a record header."""
+        """One pipelined STRLEN for the batch (one round trip): a present key holds at least a record header."""
         self._check_open()
         if not keys:
             return []
@@ -115,7 +121,7 @@ class ValkeyTier(StorageTier):
             return [False] * len(keys)
         digests = [key_name_digest(key) for key in keys]
         answers: list[bool] = []
-        for group, result in self._groups(self._store.lengths, digests):
+        for group, result in self._groups(self._store.lengths, digests, SMALL_REPLY_KEYS):
             if isinstance(result, BaseException):
                 answers.extend([False] * len(group))
                 continue
@@ -215,7 +221,7 @@ class ValkeyTier(StorageTier):
         digests = [key_name_digest(key) for key in keys]
         removed, failed = [], 0
         key_of = dict(zip(digests, keys))
-        for group, result in self._groups(self._store.delete_many, digests):
+        for group, result in self._groups(self._store.delete_many, digests, SMALL_REPLY_KEYS):
             if isinstance(result, BaseException):
                 failed += len(group)
                 continue
@@ -242,7 +248,7 @@ class ValkeyTier(StorageTier):
             for digest in digests:
                 self._index.forget(digest)
         if self._calls.allow(len(digests)):
-            self._groups(self._store.delete_many, digests)
+            self._groups(self._store.delete_many, digests, SMALL_REPLY_KEYS)
 
     # --- maintenance (kvplug.RecordStore, for `kvplug store`) -----------------------
 
@@ -301,10 +307,10 @@ class ValkeyTier(StorageTier):
     # --- plumbing -------------------------------------------------------------------
 
     def _groups(
-        self, operation: Callable[[Sequence[str]], Awaitable[T]], digests: Sequence[str]
+        self, operation: Callable[[Sequence[str]], Awaitable[T]], digests: Sequence[str], size: int | None = None
     ) -> list[tuple[Sequence[str], T | BaseException]]:
-        """Run ``operation`` on ``pipeline_keys``-sized groups concurrently; (group, result or exception)."""
-        groups = _chunks(digests, self.config.pipeline_keys)
+        """Run ``operation`` on groups of ``size`` (default ``pipeline_keys``) concurrently; (group, result or exception)."""
+        groups = _chunks(digests, size or self.config.pipeline_keys)
         try:
             results = self._calls.batch(operation, groups)
         except TierClosedError:

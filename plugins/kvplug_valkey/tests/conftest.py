@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from valkey_helpers import make_valkey_tier
 
-from kvplug.testing import tier_context
 from kvplug_valkey import ValkeyTier
 from kvplug_valkey.testing import ValkeyCluster, ValkeyServer
 
@@ -34,27 +33,6 @@ def own_server(tmp_path: Path) -> Iterator[ValkeyServer]:
     server = ValkeyServer(tmp_path / "own")
     yield server
     server.kill()
-
-
-def fresh_prefix() -> str:
-    return f"t{uuid.uuid4().hex[:10]}:"
-
-
-#: Settings that make faults show within a fraction of a second.
-FAST_FAILING: dict[str, Any] = {
-    "connect_timeout_s": 0.2,
-    "request_timeout_s": 0.3,
-    "retries": 1,
-    "backoff_base_s": 0.01,
-    "backoff_max_s": 0.02,
-    "breaker_failures": 3,
-    "breaker_cooldown_s": 0.5,
-}
-
-
-def make_valkey_tier(url: str, **options: Any) -> ValkeyTier:
-    options.setdefault("key_prefix", fresh_prefix())
-    return ValkeyTier(ValkeyTier.Config(url=url, **options), tier_context())
 
 
 @pytest.fixture

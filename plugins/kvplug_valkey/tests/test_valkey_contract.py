@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from valkey_helpers import make_valkey_tier
 
 from kvplug.testing import StorageTierContract
-
-from conftest import make_valkey_tier
 
 
 def _budget(max_bytes: int | None) -> dict:

@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import torch  # the engine needs torch; the tier itself does not
+from valkey_fault_proxy import SilentListener
+from valkey_helpers import FAST_FAILING, fresh_prefix
 
 from kvplug import CacheEngine, Fingerprint, KVLayout, get_registry, load_config
-
-from conftest import FAST_FAILING, fresh_prefix
-from fault_proxy import SilentListener
 
 LAYOUT = KVLayout("vllm_flash", num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 NUM_BLOCKS = 24
@@ -46,10 +45,11 @@ def tier_stats(engine: CacheEngine) -> dict:
 
 
 def test_kv_round_trips_through_valkey_and_promotes_to_cpu(valkey_server) -> None:
-    valkey = {"url": valkey_server.url, "key_prefix": fresh_prefix()}
+    valkey = {"url": valkey_server.url, "key_prefix": fresh_prefix(), "request_timeout_s": 5.0}
     tokens = list(range(1000, 1040))
     source, src_slots = caches(1), torch.randperm(NUM_BLOCKS * 4)[:40]
-    first = engine_for(valkey)
+    # This test checks what is stored and found, not the lookup budget (the last test does).
+    first = engine_for(valkey, lookup_timeout_ms=30_000)
     try:
         assert first.store(tokens, source, src_slots) == 40
         first.flush()  # the valkey tier is written by its async writer
@@ -58,7 +58,7 @@ def test_kv_round_trips_through_valkey_and_promotes_to_cpu(valkey_server) -> Non
     finally:
         first.close()
 
-    second = engine_for(valkey)  # a fresh process-like engine: empty cpu tier, same server and prefix
+    second = engine_for(valkey, lookup_timeout_ms=30_000)  # a fresh process-like engine: empty cpu tier, same server and prefix
     try:
         assert second.lookup(tokens) == 40
         target, dst_slots = caches(2), torch.randperm(NUM_BLOCKS * 4)[:40]

@@ -11,13 +11,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from valkey_fault_proxy import FaultProxy, SilentListener
+from valkey_helpers import FAST_FAILING
 
 from kvplug.testing import key_for, value_for
 from kvplug_valkey import ValkeyTier
 from kvplug_valkey.testing import ValkeyServer, free_port
-
-from conftest import FAST_FAILING
-from fault_proxy import FaultProxy, SilentListener
 
 #: "Answers instead of hanging": well above the worst case of FAST_FAILING
 #: (2 attempts x 0.3 s + backoff), generous for a loaded 2-core CI machine.

@@ -7,11 +7,10 @@ from __future__ import annotations
 import time
 
 import valkey
+from valkey_helpers import fresh_prefix
 
 from kvplug import RECORD_HEADER_SIZE, key_digest, unpack_record
 from kvplug.testing import key_for, value_for
-
-from conftest import fresh_prefix
 
 
 def plain_client(server) -> valkey.Valkey:
@@ -80,7 +79,7 @@ def test_big_batches_are_pipelined_in_groups_and_keep_order(valkey_server, tiers
     tier.put(list(zip(keys, values)))
     assert tier.stats().puts == 25
     assert [bytes(v) for v in tier.get(keys)] == values
-    assert tier.contains(keys[::-1] + [key_for("absent")]) == [True] * 25 + [False]
+    assert tier.contains([*keys[::-1], key_for("absent")]) == [True] * 25 + [False]
 
 
 def test_prefixes_keep_tiers_apart(valkey_server, tiers) -> None:

@@ -9,10 +9,9 @@ import sys
 
 import pytest
 import valkey
+from valkey_helpers import fresh_prefix, make_valkey_tier
 
 from kvplug.testing import key_for, value_for
-
-from conftest import fresh_prefix, make_valkey_tier
 
 
 def kvplug_store(*args: str, **env_extra: str) -> subprocess.CompletedProcess[str]:
@@ -33,24 +32,25 @@ def test_store_commands_on_valkey(tmp_path) -> None:
         tier.close()
         client = valkey.Valkey(host="127.0.0.1", port=server.port, password="cli-secret-9")
         client.set(b"other-app:key", b"not ours")  # outside the prefix: never listed nor touched
-        env = {"KVPLUG_VALKEY_PASSWORD": "cli-secret-9", "KVPLUG_VALKEY_KEY_PREFIX": prefix}
+        env = {"REDISCLI_AUTH": "cli-secret-9"}
+        location = f"{server.url}?prefix={prefix}"
 
-        stats = kvplug_store("stats", server.url, **env)
+        stats = kvplug_store("stats", location, **env)
         assert stats.returncode == 0, stats.stderr
         assert re.search(r"│ records\s*│\s*4 │", stats.stdout), stats.stdout
         assert "cli-secret-9" not in stats.stdout + stats.stderr
 
-        listing = kvplug_store("ls", server.url, **env)
+        listing = kvplug_store("ls", location, **env)
         assert "4 records in" in listing.stdout and listing.stdout.count("opaque value") == 4, listing.stdout
 
         victim = next(iter(client.scan_iter(match=prefix + "*")))
         body = bytearray(client.get(victim))
         body[-1] ^= 0x55
         client.set(victim, bytes(body))
-        verify = kvplug_store("verify", server.url, **env)
+        verify = kvplug_store("verify", location, **env)
         digest = victim.decode()[len(prefix) :]
         assert verify.returncode == 1 and f"corrupt: {digest}" in verify.stdout, verify.stdout
-        assert kvplug_store("gc", server.url, **env).returncode == 0
+        assert kvplug_store("gc", location, **env).returncode == 0
         remaining = list(client.scan_iter(match=prefix + "*"))
         assert victim not in remaining and len(remaining) == 3
         assert client.get(b"other-app:key") == b"not ours"
@@ -65,10 +65,10 @@ def test_location_config_answers_only_for_its_urls(monkeypatch) -> None:
 
     assert ValkeyTier.location_config("s3://bucket/prefix", {}) is None
     assert ValkeyTier.location_config("/var/cache/kvplug", {}) is None
-    monkeypatch.setenv("KVPLUG_VALKEY_PASSWORD", "from-env-1")
-    monkeypatch.setenv("KVPLUG_VALKEY_KEY_PREFIX", "fleet-a:")
-    config = ValkeyTier.location_config("valkey://127.0.0.1:7001", {})
+    monkeypatch.setenv("REDISCLI_AUTH", "from-env-1")
+    config = ValkeyTier.location_config("valkey://127.0.0.1:7001/2?prefix=fleet-a:", {})
     assert config is not None and config.key_prefix == "fleet-a:" and config.max_bytes is None
+    assert config.address.db == 2 and "prefix" not in config.url
     assert config.password is not None and config.password.get_secret_value() == "from-env-1"
     with pytest.raises(ValueError, match="endpoint_url do not apply to a valkey store"):
         ValkeyTier.location_config("redis://127.0.0.1:7001", {"endpoint_url": "http://127.0.0.1:9000"})

@@ -1,0 +1,33 @@
+"""Helpers of the valkey tier tests (a module of its own: ``conftest`` names clash across test folders)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from kvplug.testing import tier_context
+from kvplug_valkey import ValkeyTier
+
+
+def fresh_prefix() -> str:
+    return f"t{uuid.uuid4().hex[:10]}:"
+
+
+#: Settings that make faults show within a fraction of a second.
+FAST_FAILING: dict[str, Any] = {
+    "connect_timeout_s": 0.2,
+    "request_timeout_s": 0.3,
+    "retries": 1,
+    "backoff_base_s": 0.01,
+    "backoff_max_s": 0.02,
+    "breaker_failures": 3,
+    "breaker_cooldown_s": 0.5,
+}
+
+
+def make_valkey_tier(url: str, **options: Any) -> ValkeyTier:
+    options.setdefault("key_prefix", fresh_prefix())
+    # Tests not about faults must not turn a busy 2-core CI machine into a timeout: fault
+    # tests pass FAST_FAILING, which sets its own deadlines.
+    options.setdefault("request_timeout_s", 5.0)
+    return ValkeyTier(ValkeyTier.Config(url=url, **options), tier_context())
