@@ -23,12 +23,22 @@ SECRETS = ("SeCrEt-ONE-4711", "SeCrEt-TWO-4712", "SeCrEt-THREE-4713", "SeCrEt-FO
 
 
 def kvplug_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, COLUMNS="250")
-    env.pop("KVPLUG_PLUGINS", None)
-    env.pop("KVPLUG_CONFIG", None)
-    return subprocess.run(
-        [sys.executable, "-m", "kvplug.cli.main", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=300
-    )
+    """The real CLI app in this process (typer's runner); stdout and stderr as one output."""
+    from typer.testing import CliRunner
+
+    from kvplug.cli.console import console, err_console
+    from kvplug.cli.main import app
+
+    saved = {name: os.environ.pop(name) for name in ("KVPLUG_PLUGINS", "KVPLUG_CONFIG") if name in os.environ}
+    widths = console.width, err_console.width
+    console.width = err_console.width = 250  # whole table cells: a secret cannot hide across a line break
+    try:
+        result = CliRunner().invoke(app, list(args))
+    finally:
+        os.environ.update(saved)
+        console.width, err_console.width = widths
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return subprocess.CompletedProcess(args, result.exit_code, result.output, result.output)
 
 
 def assert_no_secret(*outputs: str) -> None:
@@ -144,3 +154,19 @@ def test_logs_and_exceptions_of_a_running_engine_mask_credentials(tmp_path: Path
     )
     assert "hit" in result.stdout or "exception" in result.stdout, result.stderr
     assert_no_secret(result.stdout, result.stderr)
+
+
+def test_config_show_says_whether_records_are_signed_never_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvplug.core.record import set_integrity_key
+
+    monkeypatch.setenv("KVPLUG_INTEGRITY_KEY", SECRETS[0] * 2)
+    set_integrity_key(...)
+    try:
+        result = kvplug_cli("config", "show", cwd=Path.cwd())
+    finally:
+        monkeypatch.delenv("KVPLUG_INTEGRITY_KEY")
+        set_integrity_key(...)
+    assert result.returncode == 0, result.stdout
+    row = next(line for line in result.stdout.splitlines() if "integrity_key" in line)
+    assert "records are signed" in row and "env KVPLUG_INTEGRITY_KEY" in row
+    assert_no_secret(result.stdout)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 import yaml
@@ -44,14 +45,16 @@ def plugins() -> None:
         raise typer.Exit(1)
 
 
-@config_app.command("show")
-def config_show(
-    file: Optional[Path] = typer.Option(None, "--file", "-f", help="YAML config (default: $KVPLUG_CONFIG)."),
-) -> None:
-    """The effective config, and where each value came from."""
-    from kvplug.core.config_loader import load_config
+ConfigFileOpt = typer.Option(None, "--file", "-f", help="YAML config (default: $KVPLUG_CONFIG).")
+ConfigFileArg = typer.Argument(..., help="YAML config file to check.")
 
-    from kvplug.core.redaction import redact
+
+@config_app.command("show")
+def config_show(file: Path | None = ConfigFileOpt) -> None:
+    """The effective config, and where each value came from; credentials are masked."""
+    from kvplug.core.config_loader import load_config
+    from kvplug.core.record import INTEGRITY_KEY_ENV, INTEGRITY_KEY_FILE_ENV
+    from kvplug.core.redaction import SECRET_MASK, redact
 
     loaded = run_or_exit(lambda: load_config(config_file=file))
     data = redact(loaded.config.effective())
@@ -66,11 +69,17 @@ def config_show(
                 table.add_row(path, _show(subvalue), loaded.sources.get(path, loaded.sources.get(key, "default")))
         else:
             table.add_row(key, _show(value), loaded.sources.get(key, "default"))
+    # The integrity key is not a config setting (never in a file), but it decides how records are framed.
+    key_from = next((name for name in (INTEGRITY_KEY_ENV, INTEGRITY_KEY_FILE_ENV) if os.environ.get(name)), None)
+    if key_from:
+        table.add_row("integrity_key", f"{SECRET_MASK} (records are signed)", f"env {key_from}")
+    else:
+        table.add_row("integrity_key", "not set (records are checksummed, not signed)", "default")
     console.print(table)
 
 
 @config_app.command("validate")
-def config_validate(file: Path = typer.Argument(..., help="YAML config file to check.")) -> None:
+def config_validate(file: Path = ConfigFileArg) -> None:
     """Check a config file; on error, name each bad field, its value and what is allowed."""
     from kvplug.core.config_loader import load_config
 
@@ -82,7 +91,9 @@ def config_validate(file: Path = typer.Argument(..., help="YAML config file to c
 @app.command()
 def demo(
     tokens: int = typer.Option(4096, help="Prompt length in tokens."),
-    engine: str = typer.Option("auto", help="auto: the real engine when its plugin is installed; synthetic: no engine."),
+    engine: str = typer.Option(
+        "auto", help="auto: the real engine when its plugin is installed; synthetic: no engine."
+    ),
 ) -> None:
     """Store a prompt's KV in the CPU tier and load it back, with hit tokens and GB/s."""
     from kvplug.cli.demo import run_demo
