@@ -30,8 +30,7 @@ class PluginLoadError(PluginError):
         self.distribution = distribution
         self.cause = cause
         super().__init__(
-            f"plugin {plugin!r} (distribution {distribution}) failed to import: "
-            f"{type(cause).__name__}: {cause}"
+            f"plugin {plugin!r} (distribution {distribution}) failed to import: {type(cause).__name__}: {cause}"
         )
 
 

@@ -15,7 +15,6 @@ import stat
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -116,7 +115,7 @@ def open_store(location: str, endpoint_url: str | None = None) -> Iterator[Stora
 
 
 @store_app.command("stats")
-def stats(location: str = LocationArg, endpoint_url: Optional[str] = EndpointOpt) -> None:
+def stats(location: str = LocationArg, endpoint_url: str | None = EndpointOpt) -> None:
     """How many records and bytes a store holds, and its tier's counters."""
 
     def action() -> None:
@@ -141,7 +140,7 @@ def stats(location: str = LocationArg, endpoint_url: Optional[str] = EndpointOpt
 @store_app.command("ls")
 def ls(
     location: str = LocationArg,
-    endpoint_url: Optional[str] = EndpointOpt,
+    endpoint_url: str | None = EndpointOpt,
     limit: int = typer.Option(50, help="Show at most this many records, newest first (0: all)."),
 ) -> None:
     """List records: key digest, size, when written, and the KV chunk each holds."""
@@ -150,7 +149,10 @@ def ls(
         with open_store(location, endpoint_url) as tier:
             records = sorted(tier.records(), key=lambda r: r.modified or 0, reverse=True)  # type: ignore[attr-defined]
             shown = records if limit == 0 else records[:limit]
-            table = Table(title=f"{len(records)} records in {location}" + ("" if len(shown) == len(records) else f" (newest {len(shown)})"))
+            table = Table(
+                title=f"{len(records)} records in {location}"
+                + ("" if len(shown) == len(records) else f" (newest {len(shown)})")
+            )
             for column in ("key digest", "size", "written", "chunk"):
                 table.add_column(column)
             for record in shown:
@@ -162,7 +164,7 @@ def ls(
 
 
 @store_app.command("verify")
-def verify(location: str = LocationArg, endpoint_url: Optional[str] = EndpointOpt) -> None:
+def verify(location: str = LocationArg, endpoint_url: str | None = EndpointOpt) -> None:
     """Read every record and check its checksums; exit 1 when any is corrupt."""
 
     def action() -> None:
@@ -176,7 +178,7 @@ def verify(location: str = LocationArg, endpoint_url: Optional[str] = EndpointOp
 
 
 @store_app.command("gc")
-def gc(location: str = LocationArg, endpoint_url: Optional[str] = EndpointOpt) -> None:
+def gc(location: str = LocationArg, endpoint_url: str | None = EndpointOpt) -> None:
     """Verify every record and remove the corrupt and incompatible ones."""
 
     def action() -> None:

@@ -46,7 +46,12 @@ class CheckedModel(BaseModel):
         annotation = field.annotation if field is not None else None
         if isinstance(value, (str, PurePath)) and "\0" in str(value):
             raise ValueError("must not contain a NUL character (\\0)")
-        if _accepts(annotation, PurePath) and not _accepts(annotation, str) and isinstance(value, str) and not value.strip():
+        if (
+            _accepts(annotation, PurePath)
+            and not _accepts(annotation, str)
+            and isinstance(value, str)
+            and not value.strip()
+        ):
             raise ValueError("must not be empty (an empty path would mean the current folder); give a folder")
         if _accepts(annotation, int) and not _accepts(annotation, (str, float)):
             _check_integer(value, byte_size=_accepts_byte_size(annotation))

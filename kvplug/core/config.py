@@ -84,9 +84,7 @@ class KVPlugConfig(CheckedModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     chunk_size: PositiveInt = Field(default=256, le=1 << 20, description="Tokens per chunk.")
-    hash: Literal["sha256", "xxh3_128", "blake3"] = Field(
-        default="sha256", description="Hash of the chunk key chain."
-    )
+    hash: Literal["sha256", "xxh3_128", "blake3"] = Field(default="sha256", description="Hash of the chunk key chain.")
     save_unfull_chunk: bool = Field(
         default=False,
         description="Also store the last, partial chunk of a prompt.",
@@ -142,7 +140,11 @@ class KVPlugConfig(CheckedModel):
             available = registry.components(concern)
             component = available.get(spec.type)
             if component is None:
-                problems.append(ConfigProblem(f"{path}.type", spec.type, _unknown_type_message(concern, spec.type, available, registry)))
+                problems.append(
+                    ConfigProblem(
+                        f"{path}.type", spec.type, _unknown_type_message(concern, spec.type, available, registry)
+                    )
+                )
                 continue
             spec._options = _validate_options(spec, component.Config, path, problems)
         _check_distinct_locations(self.tiers, problems)
@@ -181,7 +183,9 @@ class KVPlugConfig(CheckedModel):
             from kvplug.core.config_loader import problems_from_validation_error
 
             raise ConfigError(problems_from_validation_error(exc, data), source) from None
-        for mine, theirs in zip([self.serializer, self.connector, *self.tiers], [updated.serializer, updated.connector, *updated.tiers]):
+        for mine, theirs in zip(
+            [self.serializer, self.connector, *self.tiers], [updated.serializer, updated.connector, *updated.tiers]
+        ):
             theirs._options = mine._options
         updated._resolved = self._resolved
         return updated
@@ -218,7 +222,9 @@ class _AutoConnectorOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _validate_options(spec: ComponentSpec, model: type[BaseModel], path: str, problems: list[ConfigProblem]) -> BaseModel | None:
+def _validate_options(
+    spec: ComponentSpec, model: type[BaseModel], path: str, problems: list[ConfigProblem]
+) -> BaseModel | None:
     from kvplug.core.config_loader import problems_from_validation_error
 
     options = spec.raw_options
@@ -288,4 +294,3 @@ def _check_memory_budgets(config: KVPlugConfig, registry: PluginRegistry, proble
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 1024**3:.2f} GiB"
-

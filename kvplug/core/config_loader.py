@@ -31,6 +31,7 @@ RESERVED_ENV = {
     "KVPLUG_LOG_LEVEL",
     INTEGRITY_KEY_ENV,
     INTEGRITY_KEY_FILE_ENV,
+    "KVPLUG_LOOKUP_DIR",  # kvplug-vllm's private lookup-socket folder, exported to its engine processes
 }
 RESERVED_ENV_PREFIXES = ("KVPLUG_TEST_", "KVPLUG_BENCH_")
 ENGINE_KEY_PREFIX = "kvplug."
@@ -174,7 +175,9 @@ def engine_config_layer(extra: Mapping[str, Any]) -> tuple[dict[str, Any], str |
     return layer, None if config_file is None else os.fspath(config_file)
 
 
-def _merge(into: dict[str, Any], layer: Mapping[str, Any], sources: dict[str, str], name: str, prefix: str = "") -> None:
+def _merge(
+    into: dict[str, Any], layer: Mapping[str, Any], sources: dict[str, str], name: str, prefix: str = ""
+) -> None:
     for key, value in layer.items():
         path = f"{prefix}{key}"
         # Sections merge key by key; a component spec ({type: ...}) is replaced whole,
