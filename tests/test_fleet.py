@@ -77,7 +77,41 @@ class ValkeyFleetStore:
         self.server.kill()
 
 
-FLEET_STORES: dict[str, type] = {"valkey": ValkeyFleetStore}
+class MooncakeFleetStore:
+    """mooncake_master (HTTP metadata server built in) + one storage process, no persistence:
+    restarted empty. Mooncake's binaries listen on the wildcard address, so this one runs
+    only in a network namespace with nothing but loopback (nox runs it under ``unshare --net``;
+    ``MooncakeCluster`` refuses to start anywhere else)."""
+
+    def __init__(self, workdir: Path) -> None:
+        from kvplug_mooncake.testing import MooncakeCluster
+
+        self.cluster = MooncakeCluster(workdir / "mooncake")
+
+    def start(self) -> None:
+        self.cluster.start()
+
+    def kill(self) -> None:
+        self.cluster.kill()
+
+    def restart(self) -> None:
+        self.cluster.restart()
+
+    def tier(self) -> dict[str, Any]:
+        return {
+            "type": "mooncake",
+            **self.cluster.tier_options,
+            "key_prefix": "fleet/",
+            "request_timeout_s": 0.3,
+            "retries": 0,
+            "breaker_cooldown_s": 1.0,
+        }
+
+    def close(self) -> None:
+        self.cluster.stop()
+
+
+FLEET_STORES: dict[str, type] = {"valkey": ValkeyFleetStore, "mooncake": MooncakeFleetStore}
 
 
 # --- the worker process ---------------------------------------------------------------
