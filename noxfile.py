@@ -133,7 +133,8 @@ def lint(session: nox.Session) -> None:
     """
     steps = set(session.posargs) or {"ruff", "format", "mypy", "imports"}  # `nox -s lint -- mypy`: one step
     session.install("-r", "constraints/lint.txt")
-    session.install("-c", "constraints/core.txt", "-e", ".")
+    # kvplug.testing is typed against pytest and hypothesis: mypy needs them installed.
+    session.install("-c", "constraints/core.txt", "-e", ".[test]")
     if "ruff" in steps:
         session.run("ruff", "check", ".")
     if "format" in steps:
