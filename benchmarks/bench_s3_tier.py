@@ -77,7 +77,7 @@ def seaweedfs_server() -> Iterator[str]:
     from seaweedfs import SeaweedS3
 
     with tempfile.TemporaryDirectory(prefix="kvplug-bench-weed-") as data:
-        server = SeaweedS3(Path(data))
+        server = SeaweedS3(Path(data), volume_max=100)  # room for every repeat: deletes are not vacuumed
         server.start()
         try:
             yield server.endpoint

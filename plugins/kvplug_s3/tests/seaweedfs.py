@@ -64,8 +64,11 @@ class SeaweedS3:
     """``weed server -s3`` with data under ``data_dir``; stoppable and restartable on the
     same ports and data (objects survive a restart)."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, *, volume_max: int = 16) -> None:
         self.data_dir = data_dir
+        #: Volumes of 64 MB the server may create: its capacity (deleted objects keep
+        #: their space until a vacuum), 1 GB by default; benchmarks ask for more.
+        self.volume_max = volume_max
         self.ports = dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES))))
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir / "weed.log"
@@ -105,7 +108,7 @@ class SeaweedS3:
             "-metricsPort=0",
             # Small volumes, few of them: the tests store megabytes, not gigabytes.
             "-master.volumeSizeLimitMB=64",
-            "-volume.max=16",
+            f"-volume.max={self.volume_max}",
             "-master.volumePreallocate=false",
         ]
 
