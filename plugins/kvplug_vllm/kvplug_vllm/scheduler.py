@@ -117,6 +117,11 @@ class SchedulerSide:
         tokens = request.prompt_token_ids
         if not self.can_load or tokens is None:
             return 0, False
+        if self._background_hits.pop(request.request_id, None) is not None:
+            # Its background load failed or ran past load_timeout_ms and vLLM rolled it back to
+            # nothing: trying the same slow tier again could fail the same way, forever.
+            logger.info("request %s: its background load failed; vLLM computes the prompt", request.request_id)
+            return 0, False
         try:
             info = self.request_info(request)
         except ConfigError as exc:

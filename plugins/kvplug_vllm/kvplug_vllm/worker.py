@@ -311,6 +311,7 @@ class WorkerSide:
 
     # --- outputs ----------------------------------------------------------------------
 
+    @_timed
     def get_finished(self) -> set[str] | None:
         """Requests whose background load finished, failed or ran past its deadline this step.
 
