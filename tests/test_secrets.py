@@ -62,7 +62,8 @@ S3_TIER = f"""\
 
 def test_config_show_masks_every_credential(tmp_path: Path) -> None:
     path = tmp_path / "kvplug.yaml"
-    path.write_text("tiers:\n  - {type: cpu, max_bytes: 1GiB}\n" + S3_TIER)
+    valkey = f"  - {{type: valkey, url: 'redis://127.0.0.1:6379', username: u, password: {SECRETS[2]}}}\n"
+    path.write_text("tiers:\n  - {type: cpu, max_bytes: 1GiB}\n" + S3_TIER + valkey)
     result = kvplug_cli("config", "show", "--file", str(path), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "s3://bucket/prefix" in result.stdout and "127.0.0.1:3128" in result.stdout  # the rest is shown
@@ -80,6 +81,9 @@ def test_config_show_masks_every_credential(tmp_path: Path) -> None:
         f"  - {{type: s3, url: 's3://b/p', storage_options: {SECRETS[2]}}}\n",
         # a password inside the endpoint URL is refused, and not echoed
         f"  - {{type: s3, url: 's3://b/p', endpoint_url: 'http://u:{SECRETS[4]}@127.0.0.1:9'}}\n",
+        # valkey: a password in the server URL, and a password of the wrong type
+        f"  - {{type: valkey, url: 'redis://:{SECRETS[4]}@127.0.0.1:6379/0'}}\n",
+        f"  - {{type: valkey, url: 'redis://127.0.0.1:6379', password: [{SECRETS[1]}]}}\n",
         # a password inside a URL in an unknown key
         f"  - {{type: cpu, redis: 'redis://:{SECRETS[4]}@127.0.0.1:6379/0'}}\n",
     ],
