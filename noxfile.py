@@ -50,7 +50,7 @@ def ensure_libibverbs(session: nox.Session) -> None:
     if os.geteuid() != 0:
         session.error("the mooncake wheel needs libibverbs1: run `apt-get install -y libibverbs1` as root")
     session.run("apt-get", "update", external=True)
-    session.run("apt-get", "install", "-y", "--no-install-recommends", "libibverbs1", external=True)
+    session.run("apt-get", "install", "-y", "libibverbs1", external=True)  # with ibverbs-providers, as tested
 
 
 def run_in_loopback_namespace(session: nox.Session, command: str) -> None:
