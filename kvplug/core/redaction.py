@@ -106,8 +106,10 @@ def redact(value: Any, name: str | None = None) -> Any:
         return {key: redact(item, str(key)) for key, item in value.items()}
     if name is not None and name.lower() in _OPTION_BAGS and value not in (None, ""):
         return SECRET_MASK
-    if isinstance(value, (list, tuple)):
-        return type(value)(redact(item) for item in value)
+    if isinstance(value, list):
+        return [redact(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(redact(item) for item in value)
     if isinstance(value, str):
         return redact_text(redact_url(value) if "://" in value and " " not in value else value)
     return value
