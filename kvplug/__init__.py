@@ -51,6 +51,7 @@ _LAZY = {
     "KVPlugConfig": "kvplug.core.config",
     "load_config": "kvplug.core.config_loader",
     "get_registry": "kvplug.core.plugins",
+    "PluginRegistry": "kvplug.core.plugins",
 }
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
     from kvplug.builtins.torch_connector import TorchConnector
     from kvplug.core.engine import CacheEngine, LayerwiseRetrieve, RequestInfo
     from kvplug.core.layouts import KVLayout, slots_from_block_ids
-    from kvplug.core.plugins import get_registry
+    from kvplug.core.plugins import PluginRegistry, get_registry
     from kvplug.core.serializer import Serializer
 
 
@@ -90,6 +91,7 @@ __all__ = [
     "ExtraKey",
     "FailureKind",
     "Fingerprint",
+    "PluginRegistry",
     "KVConnector",
     "KVEvent",
     "KVLayout",
