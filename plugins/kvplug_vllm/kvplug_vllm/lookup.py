@@ -9,9 +9,12 @@ connects to it (LMCache does the same over ZMQ).
 
 Wire format, no pickle: each message is ``<u32 length>`` + body. A request body
 is ``<u32 header length>`` + a JSON header + the token ids as little-endian
-int64; a reply body is JSON, ``{"hit": n}`` or ``{"error": "..."}``. The socket
-lives in a per-user folder of mode 0700 under the temp dir, named from a sha256
-of the engine id and ranks, never from user text.
+int64; a reply body is JSON, ``{"hit": n, "tiers": [[tier, tokens], ...]}`` or ``{"error": "..."}``. The socket
+lives in this user's private folder (see :mod:`kvplug_vllm.socket_server`: links,
+foreign-owned or open folders are refused), named from a sha256 of the engine id
+and ranks, never from user text. Sizes and counts of a request are bounded before
+anything is allocated for them (:data:`MAX_TOKENS`, :data:`MAX_HEADER_BYTES`,
+:data:`MAX_EXTRA_KEYS`), and the server holds any client to deadlines and byte limits.
 """
 
 from __future__ import annotations
@@ -19,25 +22,38 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import selectors
 import socket
 import struct
-import tempfile
 import threading
-import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvplug import CacheEngine, ExtraKey, RequestInfo
 from kvplug.errors import KVPlugError
+from kvplug_vllm.socket_server import (
+    MessageServer,
+    ServerLimits,
+    UnsafeSocketPathError,
+    check_socket_file,
+    private_socket_dir,
+)
 
 logger = logging.getLogger("kvplug.vllm.lookup")
 
 _LEN = struct.Struct("<I")
-_MAX_MESSAGE = 64 * 1024 * 1024
+#: Most prompt tokens one lookup may carry (a 16 MiB message).
+MAX_TOKENS = 2 * 1024 * 1024
+#: Largest JSON header of a request (salt, LoRA, extra keys, overrides).
+MAX_HEADER_BYTES = 256 * 1024
+#: Most extra keys (multimodal hashes, LoRA ranges) of one request.
+MAX_EXTRA_KEYS = 4096
+MAX_OVERRIDES = 64
+MAX_TEXT = 1024
+#: Largest message either side accepts.
+_MAX_MESSAGE = _LEN.size + MAX_HEADER_BYTES + 8 * MAX_TOKENS
+LOOKUP_LIMITS = ServerLimits(max_message_bytes=_MAX_MESSAGE, max_buffered_bytes=4 * _MAX_MESSAGE)
 
 #: (engine id, data-parallel rank, tensor-parallel rank) -> the worker's engine in this process.
 _LOCAL_ENGINES: dict[tuple[str, int, int], CacheEngine] = {}
@@ -64,37 +80,13 @@ def local_engine(engine_key: tuple[str, int, int]) -> CacheEngine | None:
 
 
 def socket_path(engine_id: str, dp_rank: int, tp_rank: int) -> Path:
-    """The lookup socket of one worker; a private folder, a hex name."""
-    folder = Path(tempfile.gettempdir()) / f"kvplug-{os.getuid()}"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    info = folder.stat()
-    if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise LookupChannelError(f"{folder} must be owned by uid {os.getuid()} with mode 0700 (it holds lookup sockets)")
+    """The lookup socket of one worker; this user's private folder, a hex name."""
+    try:
+        folder = private_socket_dir()
+    except UnsafeSocketPathError as exc:
+        raise LookupChannelError(str(exc)) from None
     name = hashlib.sha256(f"{engine_id}\0{dp_rank}\0{tp_rank}".encode()).hexdigest()[:32]
     return folder / f"lookup-{name}.sock"
-
-
-def remove_stale_sockets(folder: Path, *, min_age_s: float = 60.0) -> None:
-    """Remove lookup sockets nobody listens on (their worker was killed, e.g. SIGKILL).
-
-    Only files older than ``min_age_s``: a worker starting right now has bound its
-    socket but may not listen yet.
-    """
-    now = time.time()
-    for candidate in folder.glob("lookup-*.sock"):
-        try:
-            if now - candidate.stat().st_mtime < min_age_s:
-                continue
-        except OSError:
-            continue
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            probe.settimeout(1.0)
-            try:
-                probe.connect(str(candidate))
-            except ConnectionRefusedError:
-                candidate.unlink(missing_ok=True)
-            except OSError:
-                pass
 
 
 # --- encoding ---------------------------------------------------------------------------
@@ -116,23 +108,70 @@ def encode_request(tokens: Sequence[int], request: RequestInfo) -> bytes:
     return _LEN.pack(len(header)) + header + packed.tobytes()
 
 
-def decode_request(body: bytes) -> tuple[list[int], RequestInfo]:
+def encode_reset() -> bytes:
+    """A ``reset`` message: header only, no tokens."""
+    header = json.dumps({"op": "reset"}).encode()
+    return _LEN.pack(len(header)) + header
+
+
+def _header_of(body: bytes) -> tuple[dict[str, Any], int]:
+    """The JSON header of a message and where the tokens start; sizes checked before parsing."""
+    if len(body) < _LEN.size:
+        raise ValueError("message shorter than its header length")
     (header_len,) = _LEN.unpack_from(body)
+    if header_len > MAX_HEADER_BYTES or header_len > len(body) - _LEN.size:
+        raise ValueError(f"header of {header_len} bytes: over {MAX_HEADER_BYTES} or longer than the message")
     header = json.loads(body[_LEN.size : _LEN.size + header_len])
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header, _LEN.size + header_len
+
+
+def is_reset(body: bytes) -> bool:
+    return _header_of(body)[0].get("op") == "reset"
+
+
+def _text(value: Any, name: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > MAX_TEXT:
+        raise ValueError(f"{name} must be a string of at most {MAX_TEXT} characters")
+    return value
+
+
+def _extra_keys(raw: Any) -> tuple[ExtraKey, ...]:
+    if not isinstance(raw, list) or len(raw) > MAX_EXTRA_KEYS:
+        raise ValueError(f"extra_keys must be a list of at most {MAX_EXTRA_KEYS} [start, end, value] entries")
+    keys = []
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 3 and all(type(x) is int for x in entry[:2])):
+            raise ValueError("an extra key is [start, end, value] with integer start and end")
+        keys.append(ExtraKey(entry[0], entry[1], _text(entry[2], "an extra key value") or ""))
+    return tuple(keys)
+
+
+def decode_request(body: bytes) -> tuple[list[int], RequestInfo]:
+    header, tokens_at = _header_of(body)
     if header.get("op") != "lookup":
-        raise ValueError(f"unknown op {header.get('op')!r}")
-    raw = body[_LEN.size + header_len :]
-    if len(raw) % 8:
-        raise ValueError("token bytes are not a whole number of int64")
+        raise ValueError(f"unknown op {str(header.get('op'))[:40]!r}")
+    raw = memoryview(body)[tokens_at:]
+    if len(raw) % 8 or len(raw) // 8 > MAX_TOKENS:
+        raise ValueError(f"tokens must be whole int64s, at most {MAX_TOKENS} of them")
+    overrides = header.get("overrides") or {}
+    if not isinstance(overrides, dict) or len(overrides) > MAX_OVERRIDES:
+        raise ValueError(f"overrides must be a mapping of at most {MAX_OVERRIDES} settings")
+    lora_id = header.get("lora_id")
+    if lora_id is not None and type(lora_id) is not int:
+        raise ValueError("lora_id must be an integer")
     tokens = array("q")
     tokens.frombytes(raw)
     if struct.pack("=q", 1) != struct.pack("<q", 1):  # pragma: no cover
         tokens.byteswap()
     info = RequestInfo(
-        cache_salt=header.get("cache_salt"),
-        lora_id=header.get("lora_id"),
-        extra_keys=tuple(ExtraKey(int(s), int(e), str(v)) for s, e, v in header.get("extra_keys", [])),
-        overrides=dict(header.get("overrides") or {}),
+        cache_salt=_text(header.get("cache_salt"), "cache_salt"),
+        lora_id=lora_id,
+        extra_keys=_extra_keys(header.get("extra_keys", [])),
+        overrides=dict(overrides),
     )
     return tokens.tolist(), info
 
@@ -140,98 +179,39 @@ def decode_request(body: bytes) -> tuple[list[int], RequestInfo]:
 # --- server (worker side) -----------------------------------------------------------------
 
 
-class LookupServer:
-    """Answers lookups for one worker's engine on a unix socket, from one thread."""
+class LookupServer(MessageServer):
+    """Answers lookups for one worker's engine on a unix socket, from one thread.
 
-    def __init__(self, engine: CacheEngine, path: Path) -> None:
+    The socket handling (limits, deadlines, private folder) is :class:`MessageServer`'s.
+    """
+
+    thread_name = "kvplug-lookup-server"
+
+    def __init__(
+        self,
+        engine: CacheEngine,
+        path: Path,
+        on_reset: Callable[[], int] | None = None,
+        limits: ServerLimits = LOOKUP_LIMITS,
+    ) -> None:
         self.engine = engine
-        self.path = path
-        remove_stale_sockets(path.parent)
-        path.unlink(missing_ok=True)
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(str(path))
-        os.chmod(path, 0o600)
-        self._listener.listen(16)
-        self._listener.setblocking(False)
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._listener, selectors.EVENT_READ, "accept")
-        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._buffers: dict[socket.socket, bytearray] = {}
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="kvplug-lookup-server", daemon=True)
-        self._thread.start()
+        #: What a ``reset`` message runs (the worker's ``reset_cache``): returns chunks removed.
+        self.on_reset = on_reset
+        super().__init__(path, limits)
 
-    def close(self) -> None:
-        """Stop the thread, close every socket and remove the socket file."""
-        if self._stopping:
-            return
-        self._stopping = True
-        self._wake_w.send(b"x")
-        self._thread.join(timeout=10)
-        for conn in list(self._buffers):
-            conn.close()
-        self._selector.close()
-        self._listener.close()
-        self._wake_r.close()
-        self._wake_w.close()
-        self.path.unlink(missing_ok=True)
-
-    def _run(self) -> None:
-        while not self._stopping:
-            for key, _ in self._selector.select(timeout=1.0):
-                if key.data == "accept":
-                    self._accept()
-                elif key.data == "read":
-                    self._read(key.fileobj)  # type: ignore[arg-type]
-
-    def _accept(self) -> None:
-        try:
-            conn, _ = self._listener.accept()
-        except BlockingIOError:
-            return
-        conn.setblocking(True)
-        self._buffers[conn] = bytearray()
-        self._selector.register(conn, selectors.EVENT_READ, "read")
-
-    def _read(self, conn: socket.socket) -> None:
-        buffer = self._buffers[conn]
-        try:
-            data = conn.recv(1 << 20)
-        except OSError:
-            data = b""
-        if not data:
-            self._drop(conn)
-            return
-        buffer += data
-        while len(buffer) >= _LEN.size:
-            (length,) = _LEN.unpack_from(buffer)
-            if length > _MAX_MESSAGE:
-                self._drop(conn)
-                return
-            if len(buffer) < _LEN.size + length:
-                break
-            body = bytes(buffer[_LEN.size : _LEN.size + length])
-            del buffer[: _LEN.size + length]
-            reply = self._answer(body)
-            try:
-                conn.sendall(_LEN.pack(len(reply)) + reply)
-            except OSError:
-                self._drop(conn)
-                return
+    def answer(self, body: bytes) -> bytes:
+        return self._answer(body)
 
     def _answer(self, body: bytes) -> bytes:
         try:
+            if self.on_reset is not None and is_reset(body):
+                return json.dumps({"removed": self.on_reset()}).encode()
             tokens, info = decode_request(body)
-            return json.dumps({"hit": self.engine.lookup(tokens, request=info)}).encode()
+            tiers = self.engine.lookup_tiers(tokens, request=info)
+            return json.dumps({"hit": sum(n for _, n in tiers), "tiers": tiers}).encode()
         except Exception as exc:  # a bad request or a closed engine: the client sees a miss
             logger.warning("lookup request failed: %s", exc)
             return json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
-
-    def _drop(self, conn: socket.socket) -> None:
-        self._selector.unregister(conn)
-        self._buffers.pop(conn, None)
-        conn.close()
 
 
 # --- client (scheduler side) ---------------------------------------------------------------
@@ -247,9 +227,13 @@ class SocketLookup:
         self._lock = threading.Lock()
 
     def lookup(self, tokens: Sequence[int], request: RequestInfo) -> int:
+        return sum(n for _, n in self.lookup_tiers(tokens, request))
+
+    def lookup_tiers(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
+        """Per chunk of the prefix every worker holds: (fastest tier holding it, tokens)."""
         message = encode_request(tokens, request)
         with self._lock:
-            return min(self._ask(path, message) for path in self.paths)
+            return merge_tiers([self._ask(path, message) for path in self.paths])
 
     def close(self) -> None:
         with self._lock:
@@ -257,17 +241,30 @@ class SocketLookup:
                 sock.close()
             self._socks.clear()
 
-    def _ask(self, path: Path, message: bytes) -> int:
+    def reset(self) -> int:
+        """Ask every worker to run its ``reset_cache``; returns the chunks removed."""
+        message = encode_reset()
+        with self._lock:
+            return sum(int(self._exchange(path, message).get("removed", 0)) for path in self.paths)
+
+    def _ask(self, path: Path, message: bytes) -> list[tuple[str, int]]:
+        reply = self._exchange(path, message)
+        return [(str(name), int(count)) for name, count in reply.get("tiers", [])]
+
+    def _exchange(self, path: Path, message: bytes) -> dict[str, Any]:
         for attempt in (1, 2):  # one reconnect: the worker may have restarted its server
             sock = self._socks.get(path)
             try:
                 if sock is None:
+                    check_socket_file(path)
                     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                     sock.settimeout(self.timeout_s)
                     sock.connect(str(path))
                     self._socks[path] = sock
                 sock.sendall(_LEN.pack(len(message)) + message)
                 reply: dict[str, Any] = json.loads(_recv_message(sock))
+            except UnsafeSocketPathError as exc:
+                raise LookupChannelError(str(exc)) from None
             except (OSError, ValueError) as exc:
                 self._socks.pop(path, None)
                 if sock is not None:
@@ -277,7 +274,7 @@ class SocketLookup:
                 continue
             if "error" in reply:
                 raise LookupChannelError(f"worker could not look up: {reply['error']}")
-            return int(reply["hit"])
+            return reply
         raise AssertionError("unreachable")
 
 
@@ -301,11 +298,32 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 class DirectLookup:
     """The worker's engines live in this process: call them."""
 
-    def __init__(self, engines: Sequence[CacheEngine]) -> None:
+    def __init__(self, engines: Sequence[CacheEngine], resets: Sequence[Callable[[], int]] = ()) -> None:
         self.engines = list(engines)
+        self.resets = list(resets)
+
+    def reset(self) -> int:
+        return sum(reset() for reset in self.resets)
 
     def lookup(self, tokens: Sequence[int], request: RequestInfo) -> int:
-        return min(engine.lookup(tokens, request=request) for engine in self.engines)
+        return sum(n for _, n in self.lookup_tiers(tokens, request))
+
+    def lookup_tiers(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
+        return merge_tiers([engine.lookup_tiers(tokens, request=request) for engine in self.engines])
 
     def close(self) -> None:
         pass
+
+
+def merge_tiers(answers: Sequence[list[tuple[str, int]]]) -> list[tuple[str, int]]:
+    """The prefix every tensor-parallel worker holds; a chunk counts as in memory only
+    if every worker has it in its ``cpu`` tier (else the slowest answer wins)."""
+    if not answers:
+        return []
+    length = min(len(answer) for answer in answers)
+    merged = []
+    for index in range(length):
+        names = {answer[index][0] for answer in answers}
+        name = next((n for n in sorted(names) if n != "cpu"), "cpu")
+        merged.append((name, answers[0][index][1]))
+    return merged
