@@ -225,3 +225,24 @@ def test_a_failed_probe_opens_the_breaker_again(calls: RemoteCalls) -> None:
         calls.run(ping(port))
     assert calls.breaker.state == "open" and calls.breaker.opens == 2
     assert calls.allow() is False
+
+
+def test_operations_queued_behind_a_hung_store_are_not_sent_once_the_breaker_opens(server: LineServer) -> None:
+    """Two slots, ten operations: the first two hang and open the breaker; the eight
+    that waited for a slot are answered without a connection, so a later probe does
+    not queue behind them."""
+    config = CONFIG.model_copy(update={"max_concurrency": 2, "retries": 0, "breaker_failures": 2})
+    calls = RemoteCalls("probe", config, tier_context())
+    try:
+
+        async def echo(argument: int) -> int:
+            await ping(server.port)()
+            return argument
+
+        results = calls.batch(echo, range(10))
+        assert all(isinstance(result, TierUnavailableError) for result in results), results
+        assert calls.breaker.state == "open"
+        assert server.accepted == 2, server.accepted
+        assert sample(calls, "kvplug_remote_short_circuits_total") == 8
+    finally:
+        calls.close()

@@ -369,8 +369,7 @@ class RemoteCalls:
         remaining = remaining_budget_s()
         if (remaining is None or remaining > 0) and self.breaker.allow():
             return True
-        self.short_circuited += calls
-        self._short_circuits.inc(calls)
+        self._count_short_circuit(calls)
         return False
 
     def run(self, operation: Callable[[], Awaitable[T]], *, timeout_s: float | None = None) -> T:
@@ -390,6 +389,12 @@ class RemoteCalls:
 
         async def one(argument: A) -> T:
             async with self._semaphore:
+                # An operation that waited for a slot while the breaker opened is not
+                # sent: queued behind a hung store, it would hold a slot for a whole
+                # timeout and delay the probe that finds the store back.
+                if not self.breaker.may_retry():
+                    self._count_short_circuit(1)
+                    raise TierUnavailableError(f"{self.where}: circuit breaker open")
                 # Each operation's deadline starts when it gets a slot.
                 deadline = time.monotonic() + self.policy.worst_case_s()
                 return await self.policy.run(lambda: operation(argument), deadline=deadline)
@@ -449,6 +454,10 @@ class RemoteCalls:
             raise
         except Exception as exc:
             return exc
+
+    def _count_short_circuit(self, calls: int) -> None:
+        self.short_circuited += calls
+        self._short_circuits.inc(calls)
 
     def _count_retry(self) -> None:
         self.retried += 1
