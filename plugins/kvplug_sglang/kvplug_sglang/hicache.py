@@ -95,7 +95,7 @@ class KVPlugStorage(HiCacheStorage):
             kv_layout=page_format.describe() + (":split" if cfg.should_split_heads else ""),
             dtype=str(page_format.dtype).removeprefix("torch."),
             block_size=page_format.page_size,
-            serializer=self.serializer.name,
+            serializer=self.serializer.fingerprint(),
             tp_rank=0 if replicated else cfg.tp_rank,
             tp_size=1 if replicated else cfg.tp_size,
             pp_rank=cfg.pp_rank,
