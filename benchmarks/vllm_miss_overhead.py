@@ -63,7 +63,9 @@ def openai_server(model: str, workdir: Path, name: str, kv: dict[str, Any] | Non
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server {name} exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+                text = log_path.read_text()
+                causes = [line for line in text.splitlines() if "Error" in line][-10:]
+                raise RuntimeError(f"server {name} exited with {proc.returncode}:\n" + "\n".join(causes) + "\n" + text[-3000:])
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as response:
                     if response.status == 200:
