@@ -64,6 +64,20 @@ def reference(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> dict
     return {"cold": cold, "warm": warm}
 
 
+@pytest.fixture(scope="module")
+def sglang_hicache_hash() -> None:
+    """Build SGLang's HiCache page-hash extension before a HiCache server needs it.
+
+    SGLang compiles it (a torch C++ extension, cached per machine) on the first storage
+    lookup, in HiCache's prefetch thread; ``/flush_cache`` stops that thread and gives it
+    10 s, so a flush during the first compile fails ("Failed to stop HiCache storage
+    threads cleanly"). A first HiCache request on a fresh machine has the same wait.
+    """
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    get_hash_str(list(range(64)), None, page_size=64)
+
+
 def _kvplug_hit(meta: dict[str, Any], source: str) -> int:
     """Prefix tokens that came from below SGLang's device cache (``host`` or ``storage``)."""
     details = meta.get("cached_tokens_details") or {}
@@ -96,6 +110,7 @@ def test_radix_backend_hits_after_flush_and_restart(serve: Start, reference: dic
     assert again == reference["warm"]
 
 
+@pytest.mark.usefixtures("sglang_hicache_hash")
 def test_hicache_storage_backend_hits_after_flush_and_restart(serve: Start, reference: dict, tmp_path: Path) -> None:
     args = hicache_args([{"type": "disk", "path": str(tmp_path / "l3")}])
     server = serve(args).wait_healthy()
