@@ -37,6 +37,17 @@ def _raw_client(url_port: int, cluster: bool) -> Any:
     return avalkey.Valkey(host="127.0.0.1", port=url_port, socket_timeout=30, max_connections=64)
 
 
+class _Clock:
+    """Wall seconds and this process's CPU seconds (all threads) of one timed run."""
+
+    def __init__(self) -> None:
+        self.wall = time.perf_counter()
+        self.cpu = time.process_time()
+
+    def stop(self) -> tuple[float, float]:
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
 def _measure(port: int, cluster: bool, size: int, args: argparse.Namespace) -> dict[str, float]:
     count = max(4, args.total // size)
     distinct = [os.urandom(size) for _ in range(min(count, 4))]
@@ -52,46 +63,47 @@ def _measure(port: int, cluster: bool, size: int, args: argparse.Namespace) -> d
     raw = _raw_client(port, cluster)
     loop.run_until_complete(raw.ping())
 
-    async def raw_put() -> float:
-        started = time.perf_counter()
+    async def raw_put() -> tuple[float, float]:
+        clock = _Clock()
         for batch in batches:
             pipe = raw.pipeline(transaction=False)
             for i in batch:
                 pipe.set(raw_names[i], values[i])
             await pipe.execute()
-        return time.perf_counter() - started
+        return clock.stop()
 
-    async def raw_get() -> float:
-        started = time.perf_counter()
+    async def raw_get() -> tuple[float, float]:
+        clock = _Clock()
         for batch in batches:
             pipe = raw.pipeline(transaction=False)
             for i in batch:
                 pipe.get(raw_names[i])
             got = await pipe.execute()
             assert all(v is not None for v in got), "raw client lost values"
-        return time.perf_counter() - started
+        return clock.stop()
 
     tier = ValkeyTier(
         ValkeyTier.Config(url=f"redis://127.0.0.1:{port}/0", key_prefix="bench:", request_timeout_s=30.0),
         tier_context(),
     )
 
-    def tier_put() -> float:
-        started = time.perf_counter()
+    def tier_put() -> tuple[float, float]:
+        clock = _Clock()
         for batch in batches:
             tier.put([(keys[i], values[i]) for i in batch])
-        elapsed = time.perf_counter() - started
+        elapsed = clock.stop()
         assert tier.stats().extra["dropped_puts"] == 0, tier.stats()
         return elapsed
 
-    def tier_get() -> float:
-        started = time.perf_counter()
+    def tier_get() -> tuple[float, float]:
+        clock = _Clock()
         for batch in batches:
             got = tier.get([keys[i] for i in batch])
             assert all(v is not None for v in got), "tier lost values"
-        return time.perf_counter() - started
+        return clock.stop()
 
-    raw_w = tier_w = raw_r = tier_r = float("inf")
+    inf = (float("inf"), float("inf"))
+    raw_w = tier_w = raw_r = tier_r = inf
     try:
         tier.contains([keys[0]])  # connect (and detect a cluster) outside the timing
         for _ in range(args.repeats):  # interleaved, so drift hits both sides alike
@@ -109,12 +121,18 @@ def _measure(port: int, cluster: bool, size: int, args: argparse.Namespace) -> d
     gb = count * size / 1e9
     return {
         "count": count,
-        "raw_put_gbps": gb / raw_w,
-        "tier_put_gbps": gb / tier_w,
-        "put_ratio": raw_w / tier_w,
-        "raw_get_gbps": gb / raw_r,
-        "tier_get_gbps": gb / tier_r,
-        "get_ratio": raw_r / tier_r,
+        "raw_put_gbps": gb / raw_w[0],
+        "tier_put_gbps": gb / tier_w[0],
+        "put_ratio": raw_w[0] / tier_w[0],
+        "raw_get_gbps": gb / raw_r[0],
+        "tier_get_gbps": gb / tier_r[0],
+        "get_ratio": raw_r[0] / tier_r[0],
+        # Client-side CPU seconds per GB (this process, all threads): what the tier adds,
+        # independent of how busy the machine is (wall-clock ratios on a shared box are not).
+        "raw_put_cpu_s_per_gb": raw_w[1] / gb,
+        "tier_put_cpu_s_per_gb": tier_w[1] / gb,
+        "raw_get_cpu_s_per_gb": raw_r[1] / gb,
+        "tier_get_cpu_s_per_gb": tier_r[1] / gb,
     }
 
 
@@ -130,12 +148,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for mode, by_size in figures.items():
         for size, f in by_size.items():
             label = f"{mode} {int(size) / 2**20:g} MiB x {f['count']}"
-            rows.append((label, "put", f["raw_put_gbps"], f["tier_put_gbps"], f"{f['put_ratio']:.0%}"))
-            rows.append((label, "get", f["raw_get_gbps"], f["tier_get_gbps"], f"{f['get_ratio']:.0%}"))
+            for op in ("put", "get"):
+                rows.append(
+                    (
+                        label,
+                        op,
+                        f[f"raw_{op}_gbps"],
+                        f[f"tier_{op}_gbps"],
+                        f"{f[f'{op}_ratio']:.0%}",
+                        f[f"raw_{op}_cpu_s_per_gb"],
+                        f[f"tier_{op}_cpu_s_per_gb"],
+                    )
+                )
     _print_table(
         f"valkey tier vs raw valkey-py asyncio client, same server, same run (best of {args.repeats}; "
         f"{args.batch} values per put/get call = one raw pipeline)",
-        ["values", "op", "raw GB/s", "tier GB/s", "tier/raw"],
+        ["values", "op", "raw GB/s", "tier GB/s", "tier/raw", "raw CPU s/GB", "tier CPU s/GB"],
         rows,
     )
     return figures

@@ -137,7 +137,10 @@ class ValkeyTierConfig(RemoteTierConfig):
         default=8, description="Keys per pipelined request; larger batches go as several pipelines at once."
     )
     pipeline_bytes: ByteSize = Field(
-        default=ByteSize(32 * 1024**2), description="Bytes of values per pipelined store request (at least one value)."
+        # Measured: asyncio moves one huge write buffer with O(n) copies per partial send;
+        # 8 MiB pipelines sent side by side cost a third of the client CPU of 32 MiB ones.
+        default=ByteSize(8 * 1024**2),
+        description="Bytes of values per pipelined store request (at least one value); several go at once.",
     )
     max_connections: PositiveInt = Field(default=64, description="Connections per server in the client's pool.")
     tls_ca_file: str | None = Field(default=None, description="CA bundle to verify the server's TLS certificate.")
