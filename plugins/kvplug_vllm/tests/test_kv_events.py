@@ -68,16 +68,28 @@ def events(run_engine: Any) -> Iterator[list[Any]]:
         yield subscriber.close()
 
 
+def vllm_blocks(events: list[Any]) -> dict[Any, tuple[Any, list[int]]]:
+    """vLLM's own prefix-cache blocks: hash -> (parent hash, the block's token ids)."""
+    blocks = {}
+    for event in events:
+        if isinstance(event, BlockStored) and event.medium != "cpu":
+            parent = event.parent_block_hash
+            for i, block_hash in enumerate(event.block_hashes):
+                blocks[block_hash] = (parent, event.token_ids[i * event.block_size : (i + 1) * event.block_size])
+                parent = block_hash
+    return blocks
+
+
 def test_stored_chunks_carry_vllm_block_hashes(events: list[Any]) -> None:
-    vllm_blocks = {e.block_hashes[0]: e for e in events if isinstance(e, BlockStored) and e.medium != "cpu"}
+    theirs = vllm_blocks(events)
     ours = [e for e in events if isinstance(e, BlockStored) and e.medium == "cpu"]
     assert len(ours) == 4 + 3  # P1: 4 whole chunks of 64; P3: 3
     for event in ours:
         assert len(event.block_hashes) == 2  # 64-token chunk, 32-token blocks
-        first = vllm_blocks[event.block_hashes[0]]  # the very hash vLLM's own prefix cache published
-        assert first.parent_block_hash == event.parent_block_hash
-        assert first.token_ids == event.token_ids[:32]
-        assert vllm_blocks[event.block_hashes[1]].token_ids == event.token_ids[32:]
+        # the very hashes vLLM's own prefix cache published for the same tokens
+        first, second = (theirs[h] for h in event.block_hashes)
+        assert first == (event.parent_block_hash, event.token_ids[:32])
+        assert second == (event.block_hashes[0], event.token_ids[32:])
     assert [e.token_ids for e in ours[:4]] == [P1[i : i + 64] for i in range(0, 256, 64)]
 
 
