@@ -64,7 +64,7 @@ class ModelFacts:
         return HEADS // tp_size
 
 
-def best_of(repeat: int, fn) -> float:  # noqa: ANN001
+def best_of(repeat: int, fn) -> float:
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
@@ -76,8 +76,15 @@ def best_of(repeat: int, fn) -> float:  # noqa: ANN001
 def connector_section(args: argparse.Namespace) -> dict[str, Any]:
     tokens = args.tokens
     pool = MHATokenToKVPool(
-        size=2 * tokens + 16, page_size=1, dtype=torch.bfloat16, head_num=HEADS, head_dim=HEAD_DIM,
-        layer_num=LAYERS, device="cpu", enable_memory_saver=False, enable_alt_stream=False,
+        size=2 * tokens + 16,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
     )
     for layer in range(LAYERS):
         pool.k_buffer[layer].normal_()
@@ -87,9 +94,18 @@ def connector_section(args: argparse.Namespace) -> dict[str, Any]:
     token_ids = list(range(tokens))
     nbytes = 2 * LAYERS * tokens * HEADS * HEAD_DIM * 2
     connector = KVPlugConnector(
-        ModelFacts(), 1, 0, pool.k_buffer, pool.v_buffer,
-        engine_extra={"kvplug": {"chunk_size": args.chunk_size, "store": {"mode": "sync"},
-                                 "tiers": [{"type": "cpu", "max_bytes": 4 * nbytes}]}},
+        ModelFacts(),
+        1,
+        0,
+        pool.k_buffer,
+        pool.v_buffer,
+        engine_extra={
+            "kvplug": {
+                "chunk_size": args.chunk_size,
+                "store": {"mode": "sync"},
+                "tiers": [{"type": "cpu", "max_bytes": 4 * nbytes}],
+            }
+        },
     )
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16).normal_()
     b = torch.empty_like(a)
@@ -110,13 +126,17 @@ def connector_section(args: argparse.Namespace) -> dict[str, Any]:
         assert torch.equal(pool.k_buffer[layer][dst_slots], pool.k_buffer[layer][src_slots])
     connector.close()
 
-    print(f"sglang connector, {LAYERS} layers x {HEADS} heads x {HEAD_DIM} bf16, {tokens} tokens, "
-          f"chunk {args.chunk_size}: {nbytes / 2**20:.0f} MiB per pass, best/median of {args.repeat}")
+    print(
+        f"sglang connector, {LAYERS} layers x {HEADS} heads x {HEAD_DIM} bf16, {tokens} tokens, "
+        f"chunk {args.chunk_size}: {nbytes / 2**20:.0f} MiB per pass, best/median of {args.repeat}"
+    )
     print(f"{'operation':<18} {'best ms':>9} {'median ms':>10} {'GB/s':>7} {'x copy_':>8}")
     for name, best, med in rows:
         print(f"{name:<18} {best * 1e3:9.1f} {med * 1e3:10.1f} {nbytes / best / 1e9:7.2f} {best / copy_best:8.2f}")
     return {
-        "tokens": tokens, "chunk_size": args.chunk_size, "bytes": nbytes,
+        "tokens": tokens,
+        "chunk_size": args.chunk_size,
+        "bytes": nbytes,
         "ms": {name: {"best": round(best * 1e3, 2), "median": round(med * 1e3, 2)} for name, best, med in rows},
     }
 
@@ -179,21 +199,29 @@ def server_section(args: argparse.Namespace) -> dict[str, Any]:
 
     base_cold = statistics.median(times["sglang cold"])
     mismatches = sum(
-        a != b for label in ("kvplug after flush", "kvplug after restart")
+        a != b
+        for label in ("kvplug after flush", "kvplug after restart")
         for a, b in zip(outputs[label], outputs["sglang warm"])
     )
-    print(f"\nsglang server ({'GPU' if ON_GPU else 'CPU test platform: not representative of SGLang speed'}), "
-          f"random Llama (512 hidden, 4 layers), {size}-token prompts, median of {reps}, chunk {args.chunk_size}")
+    print(
+        f"\nsglang server ({'GPU' if ON_GPU else 'CPU test platform: not representative of SGLang speed'}), "
+        f"random Llama (512 hidden, 4 layers), {size}-token prompts, median of {reps}, chunk {args.chunk_size}"
+    )
     print(f"{'TTFT':<22} {'median ms':>10} {'x sglang cold':>14}")
     for label, values in times.items():
         med = statistics.median(values)
         print(f"{label:<22} {med * 1e3:10.1f} {med / base_cold:14.2f}")
-    print(f"kvplug hit tokens per warm request: {min(hits)}..{max(hits)} of {size}; "
-          f"outputs differing from SGLang's own warm run: {mismatches} of {2 * reps}")
+    print(
+        f"kvplug hit tokens per warm request: {min(hits)}..{max(hits)} of {size}; "
+        f"outputs differing from SGLang's own warm run: {mismatches} of {2 * reps}"
+    )
     return {
-        "device": "gpu" if ON_GPU else "cpu-test-platform", "tokens": size, "reps": reps,
+        "device": "gpu" if ON_GPU else "cpu-test-platform",
+        "tokens": size,
+        "reps": reps,
         "ttft_ms": {label: round(statistics.median(values) * 1e3, 2) for label, values in times.items()},
-        "kvplug_hit_tokens_min": min(hits), "output_mismatches": mismatches,
+        "kvplug_hit_tokens_min": min(hits),
+        "output_mismatches": mismatches,
     }
 
 

@@ -19,7 +19,6 @@ from typing import Any
 warnings.filterwarnings("ignore", message=".*support (AWQ|GGUF).*")
 
 import torch  # noqa: E402
-from sglang_pools import fill_random, make_pool, snapshot  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams  # noqa: E402
@@ -28,6 +27,7 @@ from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang_pools import fill_random, make_pool, snapshot  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -60,7 +60,9 @@ def build_stack(server_args: Any, model_config: Any, *, page_size: int = 1, size
     else:
         allocator = PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, "cpu", pool, False)
     req_pool = ReqToTokenPool(8, 1024, "cpu", False)
-    params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, page_size=page_size)
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, page_size=page_size
+    )
     ctx = TreeCacheBuildContext(
         server_args=server_args,
         params=params,

@@ -31,7 +31,13 @@ def run_rank(rank: int, port: int, out_dir: str, chunks_stored: list[int]) -> No
     try:
         pool = make_pool(size=256, heads=1)
         connector = KVPlugLayerwiseConnector(
-            TinyModelConfig(), 2, rank, pool.k_buffer, pool.v_buffer, tp_group=dist.group.WORLD, engine_extra=kvplug_extra()
+            TinyModelConfig(),
+            2,
+            rank,
+            pool.k_buffer,
+            pool.v_buffer,
+            tp_group=dist.group.WORLD,
+            engine_extra=kvplug_extra(),
         )
         tokens = list(range(700, 748))  # 3 chunks of 16
         src = torch.arange(1, 49)

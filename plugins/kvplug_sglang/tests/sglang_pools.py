@@ -33,7 +33,9 @@ def write_model_dir(path: Path, *, num_layers: int = NUM_LAYERS, num_kv_heads: i
     return path
 
 
-def make_pool(size: int = 512, page_size: int = 1, layers: int = NUM_LAYERS, heads: int = NUM_HEADS) -> MHATokenToKVPool:
+def make_pool(
+    size: int = 512, page_size: int = 1, layers: int = NUM_LAYERS, heads: int = NUM_HEADS
+) -> MHATokenToKVPool:
     return MHATokenToKVPool(
         size=size,
         page_size=page_size,
@@ -58,7 +60,9 @@ def fill_random(pool: MHATokenToKVPool, slots: torch.Tensor, seed: int = 0) -> N
 
 
 def snapshot(pool: MHATokenToKVPool, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(pool.get_key_buffer(i)[slots].clone(), pool.get_value_buffer(i)[slots].clone()) for i in range(pool.layer_num)]
+    return [
+        (pool.get_key_buffer(i)[slots].clone(), pool.get_value_buffer(i)[slots].clone()) for i in range(pool.layer_num)
+    ]
 
 
 def clear_pool(pool: MHATokenToKVPool) -> None:
@@ -69,4 +73,6 @@ def clear_pool(pool: MHATokenToKVPool) -> None:
 
 def kvplug_extra(tiers: list[dict[str, Any]] | None = None, chunk_size: int = 16, **more: Any) -> dict[str, Any]:
     """A nested ``kvplug`` engine-extra config: sync stores so reads see them at once."""
-    return {"kvplug": {"chunk_size": chunk_size, "store": {"mode": "sync"}, "tiers": tiers or [{"type": "cpu"}], **more}}
+    return {
+        "kvplug": {"chunk_size": chunk_size, "store": {"mode": "sync"}, "tiers": tiers or [{"type": "cpu"}], **more}
+    }

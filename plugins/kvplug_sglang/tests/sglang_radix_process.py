@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import sys
 
-from sglang_flow import build_stack, published_server_args, serve_request
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang_flow import build_stack, published_server_args, serve_request
 from test_sglang_radix import kv_digest
 
 from kvplug_sglang.plugin import register
@@ -27,14 +27,18 @@ def main(mode: str, model_dir: str) -> None:
         stack.tree.evict(EvictParams(num_tokens=10_000))
         after = stack.allocator.available_size()
         stack.tree.shutdown()
-    print(json.dumps({
-        "device_hit": served.device_hit,
-        "promised": served.promised,
-        "loaded": served.loaded,
-        "kv_sha256": kv_digest(served.kv, 48),
-        "available_before": before,
-        "available_after": after,
-    }))
+    print(
+        json.dumps(
+            {
+                "device_hit": served.device_hit,
+                "promised": served.promised,
+                "loaded": served.loaded,
+                "kv_sha256": kv_digest(served.kv, 48),
+                "available_before": before,
+                "available_after": after,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang_pools import NUM_LAYERS, clear_pool, fill_random, kvplug_extra, snapshot
 from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
+from sglang_pools import NUM_LAYERS, clear_pool, fill_random, kvplug_extra, snapshot
 
 from kvplug.errors import LayoutError
 from kvplug_sglang.connector import KVPlugConnector, LoadMetadata, StoreMetadata
@@ -65,7 +65,9 @@ def test_shared_prefix_loads_chunk_aligned_prefix(model_config, pool_factory) ->
 
 
 @pytest.mark.parametrize("tier", ["cpu", "disk"])
-def test_corrupt_chunk_gives_shorter_load_never_wrong_data(model_config, pool_factory, tmp_path: Path, tier: str) -> None:
+def test_corrupt_chunk_gives_shorter_load_never_wrong_data(
+    model_config, pool_factory, tmp_path: Path, tier: str
+) -> None:
     pool = pool_factory()
     if tier == "cpu":
         tiers = [{"type": "cpu"}]

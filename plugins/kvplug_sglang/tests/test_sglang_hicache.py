@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from sglang_pools import make_pool
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
     PoolName,
@@ -20,6 +19,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
+from sglang_pools import make_pool
 
 from kvplug_sglang.hicache import KVPlugStorage
 
@@ -31,18 +31,39 @@ def make_host(layout: str) -> MHATokenToKVPoolHost:
     device = make_pool(size=64, page_size=PAGE)
     info = device.get_device_pool_infos()[0].buffer_info
     return MHATokenToKVPoolHost(
-        info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-        device_capacity_tokens=device.size, start_layer=device.start_layer, end_layer=device.end_layer,
+        info,
+        2.0,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=device.size,
+        start_layer=device.start_layer,
+        end_layer=device.end_layer,
     )
 
 
-def make_backend(host: Any, kvplug: dict[str, Any], *, model: str = "tiny-llama", tp_rank: int = 0, v1: bool = True) -> KVPlugStorage:
+def make_backend(
+    host: Any, kvplug: dict[str, Any], *, model: str = "tiny-llama", tp_rank: int = 0, v1: bool = True
+) -> KVPlugStorage:
     config = HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-        enable_storage_metrics=False, is_page_first_layout=host.layout == "page_first", model_name=model,
+        tp_rank=tp_rank,
+        tp_size=2,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=host.layout == "page_first",
+        model_name=model,
         extra_config={
-            "backend_name": "kvplug", "module_path": "kvplug_sglang.hicache", "class_name": "KVPlugStorage",
-            "interface_v1": int(v1), "kvplug": kvplug,
+            "backend_name": "kvplug",
+            "module_path": "kvplug_sglang.hicache",
+            "class_name": "KVPlugStorage",
+            "interface_v1": int(v1),
+            "kvplug": kvplug,
         },
     )
     backend = StorageBackendFactory.create_backend("dynamic", config, host)
@@ -107,10 +128,16 @@ def tiers_for(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> list
         pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
         return [{"type": "disk", "path": str(tmp_path / "disk")}]
     endpoint = request.getfixturevalue("s3_endpoint")
-    return [{
-        "type": "s3", "url": f"s3://kvplug-test/{tmp_path.name}", "endpoint_url": endpoint, "region": "us-east-1",
-        "access_key_id": "test", "secret_access_key": "test",
-    }]
+    return [
+        {
+            "type": "s3",
+            "url": f"s3://kvplug-test/{tmp_path.name}",
+            "endpoint_url": endpoint,
+            "region": "us-east-1",
+            "access_key_id": "test",
+            "secret_access_key": "test",
+        }
+    ]
 
 
 # --- tests ---------------------------------------------------------------------------
@@ -184,8 +211,10 @@ def test_salt_or_model_change_never_hits() -> None:
     salted = page_keys(tokens, cache_salt="tenant-b")
     assert salted != keys and backend.batch_exists(salted) == 0
     # another model or TP rank: same SGLang keys, different kvplug keys, no hit
-    for other in (make_backend(host, {"tiers": [{"type": "cpu"}]}, model="other-model"),
-                  make_backend(host, {"tiers": [{"type": "cpu"}]}, tp_rank=1)):
+    for other in (
+        make_backend(host, {"tiers": [{"type": "cpu"}]}, model="other-model"),
+        make_backend(host, {"tiers": [{"type": "cpu"}]}, tp_rank=1),
+    ):
         assert other.storage_key(keys[0]) != backend.storage_key(keys[0])
         other.chain = backend.chain  # same storage, as a shared disk or bucket would be
         assert other.batch_exists(keys) == 0
@@ -220,10 +249,12 @@ def test_keys_are_hex_and_v2_serves_only_the_kv_pool() -> None:
     assert all(c in "0123456789abcdef" for c in fingerprint + digest)
     keys = page_keys(list(range(2 * PAGE)))
     src = random_pages(host, 2, seed=6)
-    results = backend.batch_set_v2([
-        PoolTransfer(name=PoolName.KV, host_indices=src, keys=keys),
-        PoolTransfer(name=PoolName.MAMBA, host_indices=src, keys=keys),
-    ])
+    results = backend.batch_set_v2(
+        [
+            PoolTransfer(name=PoolName.KV, host_indices=src, keys=keys),
+            PoolTransfer(name=PoolName.MAMBA, host_indices=src, keys=keys),
+        ]
+    )
     assert results == {"kv": [True, True], "mamba": [False, False]}
     exists = backend.batch_exists_v2(keys, [PoolTransfer(name=PoolName.MAMBA, keys=keys)])
     assert exists.kv_hit_pages == 2 and exists.extra_pool_hit_pages == {"mamba": 0}
@@ -238,8 +269,16 @@ def test_keys_are_hex_and_v2_serves_only_the_kv_pool() -> None:
 def test_errors_name_the_problem() -> None:
     host = make_host("layer_first")
     config = HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-        enable_storage_metrics=False, is_page_first_layout=False, model_name=None,
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=False,
+        model_name=None,
         extra_config={"backend_name": "kvplug", "module_path": "kvplug_sglang.hicache", "class_name": "KVPlugStorage"},
     )
     with pytest.raises(ValueError, match="model_id"):

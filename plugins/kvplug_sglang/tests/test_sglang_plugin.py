@@ -28,7 +28,13 @@ def test_sglang_load_plugins_registers_the_backend_in_a_fresh_process() -> None:
         "from sglang.srt.plugins import load_plugins; load_plugins(); load_plugins();"
         "from sglang.srt.mem_cache.registry import registered_radix_cache_backends as r; print(r())"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={"SGLANG_PLUGINS": "kvplug", **_env()})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"SGLANG_PLUGINS": "kvplug", **_env()},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "'kvplug'" in out.stdout.strip().splitlines()[-1]
 

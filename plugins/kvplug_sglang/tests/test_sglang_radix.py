@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang_flow import build_stack, published_server_args, serve_request
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.registry import get_radix_cache_factory, registered_radix_cache_backends
+from sglang_flow import build_stack, published_server_args, serve_request
 
 from kvplug_sglang.radix_cache import KVPlugRadixCache
 
@@ -39,9 +39,11 @@ def kvplug_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_unknown_backend_is_refused_and_ours_is_known(model_config) -> None:
     assert get_radix_cache_factory("kvplug") is not None
-    with published_server_args(radix_cache_backend="kvplug-typo") as args:
-        with pytest.raises(ValueError, match="is not registered"):
-            build_stack(args, model_config)
+    with (
+        published_server_args(radix_cache_backend="kvplug-typo") as args,
+        pytest.raises(ValueError, match="is not registered"),
+    ):
+        build_stack(args, model_config)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

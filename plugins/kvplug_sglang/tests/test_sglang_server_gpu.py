@@ -54,8 +54,15 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("random-llama")
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-        vocab_size=32000, max_position_embeddings=4096, architectures=["LlamaForCausalLM"], torch_dtype="bfloat16",
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        architectures=["LlamaForCausalLM"],
+        torch_dtype="bfloat16",
     )
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     return str(path)
@@ -65,11 +72,25 @@ class Server:
     def __init__(self, model: str, extra_args: list[str], env: dict[str, str], log: Path) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(self.port),
-                "--host", "127.0.0.1", "--skip-tokenizer-init", "--mem-fraction-static", "0.3", *extra_args]
+        args = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            model,
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+            "--skip-tokenizer-init",
+            "--mem-fraction-static",
+            "0.3",
+            *extra_args,
+        ]
         self.log = log.open("w")
-        self.proc = subprocess.Popen(args, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -82,9 +103,13 @@ class Server:
         raise TimeoutError(f"server not healthy after 600 s; see {log}")
 
     def generate(self, input_ids: list[int]) -> tuple[list[int], float, dict]:
-        body = json.dumps({"input_ids": input_ids, "sampling_params": {"max_new_tokens": 16, "temperature": 0}}).encode()
+        body = json.dumps(
+            {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+        ).encode()
         started = time.perf_counter()
-        request = urllib.request.Request(self.url + "/generate", data=body, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url + "/generate", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=300) as response:
             result = json.loads(response.read())
         return result["output_ids"], time.perf_counter() - started, result.get("meta_info", {})
@@ -129,9 +154,19 @@ def test_radix_cache_backend(serve, tmp_path: Path) -> None:
 def test_hicache_storage_backend(serve, tmp_path: Path) -> None:
     pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
     extra = {
-        "backend_name": "kvplug", "module_path": "kvplug_sglang.hicache", "class_name": "KVPlugStorage",
-        "interface_v1": 1, "kvplug": {"tiers": [{"type": "disk", "path": str(tmp_path / "l3")}]},
+        "backend_name": "kvplug",
+        "module_path": "kvplug_sglang.hicache",
+        "class_name": "KVPlugStorage",
+        "interface_v1": 1,
+        "kvplug": {"tiers": [{"type": "disk", "path": str(tmp_path / "l3")}]},
     }
-    args = ["--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic",
-            "--hicache-storage-backend-extra-config", json.dumps(extra), "--page-size", "64"]
+    args = [
+        "--enable-hierarchical-cache",
+        "--hicache-storage-backend",
+        "dynamic",
+        "--hicache-storage-backend-extra-config",
+        json.dumps(extra),
+        "--page-size",
+        "64",
+    ]
     _cold_then_warm(serve(args, {}))
