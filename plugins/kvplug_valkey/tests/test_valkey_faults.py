@@ -192,3 +192,20 @@ def test_full_server_drops_stores_counted_and_keeps_serving(tmp_path: Path, tier
             assert (got is not None) == present and (got is None or bytes(got) == value)
     finally:
         server.kill()
+
+
+def test_a_slow_server_within_the_deadline_still_serves(own_server: ValkeyServer, tiers) -> None:
+    """50 ms added per chunk each way (deadline 1 s): slower, but every answer right and no failure."""
+    own_server.start()
+    proxy = FaultProxy(own_server.port, delay_s=0.05)
+    try:
+        tier = tiers(proxy.url, **{**FAST_FAILING, "request_timeout_s": 1.0})
+        tier.put(list(zip(KEYS, VALUES)))
+        proxy.set_mode("delay")
+        got, seconds = timed(tier.get, KEYS)
+        assert as_bytes(got) == VALUES and seconds >= 0.1, seconds  # a request and a reply, each delayed
+        assert tier.contains(KEYS) == [True] * len(KEYS)
+        extra = tier.stats().extra
+        assert extra["failures"] == 0 and extra["breaker_state"] == "closed", extra
+    finally:
+        proxy.close()
