@@ -106,3 +106,14 @@ def test_standalone_is_detected(valkey_server, tiers) -> None:
     tier = tiers(valkey_server.url)
     tier.contains([key_for("x")])
     assert tier.stats().extra["cluster"] == "false"
+
+
+def test_unix_socket_url(tmp_path, tiers) -> None:
+    from kvplug_valkey.testing import ValkeyServer
+
+    socket_path = tmp_path / "v.sock"
+    with ValkeyServer(tmp_path / "unix", extra_args=["--unixsocket", str(socket_path), "--unixsocketperm", "700"]):
+        tier = tiers(f"unix://{socket_path}?db=3")
+        tier.put([(key_for("unix"), b"u" * 500)])
+        assert bytes(tier.get([key_for("unix")])[0]) == b"u" * 500
+        assert tier.stats().extra["url"] == f"unix://{socket_path}?db=3"
