@@ -1,7 +1,8 @@
 """``kvplug store stats|ls|verify|gc LOCATION``: look into a persistent store.
 
-LOCATION is a folder (tier ``disk``) or a URL (``s3://bucket/prefix`` and other
-fsspec URLs: tier ``s3``). The store is opened read-mostly: with an unbounded
+LOCATION is whatever an installed tier says it opens (``StorageTier.location_config``):
+a folder (tier ``disk``), ``s3://bucket/prefix`` and other fsspec URLs (tier ``s3``),
+``redis://host:port`` (tier ``valkey``). The store is opened read-mostly: with an unbounded
 budget (nothing is evicted) and nothing written; ``gc`` removes only records that
 fail verification or are of another format version.
 """
@@ -9,9 +10,6 @@ fail verification or are of another format version.
 from __future__ import annotations
 
 import datetime
-import os
-import re
-import stat
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,90 +19,46 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvplug.cli.console import console, run_or_exit
-from kvplug.core.plugins import KNOWN_COMPONENTS, get_registry
+from kvplug.core.plugins import get_registry
 from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, check_record
 from kvplug.core.tier import StorageTier, TierContext
 from kvplug.errors import ConfigError, ConfigProblem
 
-store_app = typer.Typer(help="Inspect, verify and clean a disk folder or an S3/fsspec store.", no_args_is_help=True)
-#: Opened for inspection: never evict because of a budget.
-_UNBOUNDED = 2**62
+store_app = typer.Typer(
+    help="Inspect, verify and clean a persistent store: a disk folder, an S3/fsspec URL, a valkey URL.",
+    no_args_is_help=True,
+)
 
-LocationArg = typer.Argument(..., help="A folder (disk tier) or a URL such as s3://bucket/prefix.")
+LocationArg = typer.Argument(..., help="A folder (disk tier) or a URL such as s3://bucket/prefix or redis://host:port.")
 EndpointOpt = typer.Option(None, "--endpoint-url", help="S3 endpoint, e.g. http://127.0.0.1:9000.")
 
-
-def tier_type_for(location: str) -> str:
-    """``disk`` for a folder path, ``valkey`` for redis/valkey URLs, ``s3`` for any other URL but ``file://``."""
-    if location.split("://", 1)[0].lower() in ("redis", "rediss", "valkey", "valkeys", "unix") and "://" in location:
-        return "valkey"
-    if "://" in location and not location.startswith("file://"):
-        return "s3"
-    return "disk"
-
-
-_SHARD_NAME = re.compile(r"[0-9a-f]{2}")
-
-
-def require_disk_store(path: str, location: str) -> None:
-    """Refuse, before anything is opened or created, a folder that no disk tier wrote.
-
-    Opening a disk tier creates its 256 shard folders: pointed at the wrong folder
-    (a typo, a home directory) ``kvplug store`` would litter it. A disk store is a
-    folder holding shard folders ``00``..``ff`` (links are not followed).
-    """
-
-    def refuse(why: str) -> ConfigError:
-        return ConfigError([ConfigProblem("location", location, f"not a kvplug store: {why}")])
-
-    try:
-        info = os.stat(path)  # a link to the store folder is fine; links inside it are not followed
-    except FileNotFoundError:
-        raise refuse("no such folder") from None
-    except (OSError, ValueError) as exc:
-        raise refuse(f"cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
-    if not stat.S_ISDIR(info.st_mode):
-        raise refuse("not a folder")
-    try:
-        with os.scandir(path) as entries:
-            shards = sum(1 for e in entries if _SHARD_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
-    except OSError as exc:
-        raise refuse(f"cannot list it ({exc.strerror})") from None
-    if not shards:
-        raise refuse("the folder has no shard folders 00..ff, so no disk tier wrote it; nothing was created")
+#: The package whose tier opens a kind of location, for the hint when no installed tier
+#: does (like fsspec's known_implementations); any other URL scheme: kvplug-s3 (fsspec).
+_LOCATION_PACKAGES = {
+    "": "kvplug-disk",
+    "file": "kvplug-disk",
+    **dict.fromkeys(("redis", "rediss", "valkey", "valkeys", "unix"), "kvplug-valkey"),
+}
 
 
 @contextmanager
 def open_store(location: str, endpoint_url: str | None = None) -> Iterator[StorageTier]:
-    if tier_type_for(location) == "disk":
-        require_disk_store(location.removeprefix("file://"), location)
-    tiers = get_registry().storage_tiers()
-    # Every tier is asked whether it opens this location (StorageTier.location_config);
-    # tiers that do not answer fall back to the folder/URL rule below.
-    extra = {"endpoint_url": endpoint_url} if endpoint_url else {}
-    tier: StorageTier | None = None
-    for kind, cls in tiers.items():
+    """Open ``location`` with the first installed tier that says it opens it
+    (:meth:`kvplug.StorageTier.location_config`), for inspection: nothing evicted."""
+    options = {"endpoint_url": endpoint_url} if endpoint_url else {}
+    for kind, cls in get_registry().storage_tiers().items():
         try:
-            config = cls.location_config(location, extra)
+            config = cls.location_config(location, options)
         except ValueError as exc:
             raise ConfigError([ConfigProblem("location", location, f"tier {kind!r}: {exc}")]) from None
         if config is not None:
-            tier = cls(config, TierContext())
             break
-    if tier is None:
-        kind = tier_type_for(location)
-        if kind not in tiers:
-            package = KNOWN_COMPONENTS[("storage_tier", kind)]
-            needs = f"a {kind} store needs the {package} package: pip install {package}"
-            raise ConfigError([ConfigProblem("location", location, needs)])
-        cls = tiers[kind]
-        if kind == "disk":
-            options = {"path": location.removeprefix("file://"), "max_bytes": _UNBOUNDED}
-        else:
-            options = {"url": location, "max_bytes": _UNBOUNDED}
-            if endpoint_url:
-                options["endpoint_url"] = endpoint_url
-        tier = cls(cls.Config(**options), TierContext())
+    else:
+        scheme = location.split("://", 1)[0].lower() if "://" in location else ""
+        package = _LOCATION_PACKAGES.get(scheme, "kvplug-s3")
+        needs = f"no installed tier opens this location; {package} does: pip install {package}"
+        raise ConfigError([ConfigProblem("location", location, needs)])
+    tier = cls(config, TierContext())
     if not isinstance(tier, RecordStore):
         tier.close()
         raise ConfigError([ConfigProblem("location", location, f"tier {kind!r} cannot list its records")])

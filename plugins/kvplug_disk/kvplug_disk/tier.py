@@ -24,8 +24,9 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvplug import (
     RECORD_HEADER_SIZE,
@@ -43,6 +44,7 @@ from kvplug_disk.config import DiskTierConfig
 from kvplug_disk.files import ForeignEntryError, RecordFolder, TempFile, digest_of, value_size_of
 from kvplug_disk.index import IndexEntry, LRUIndex
 from kvplug_disk.ledger import Usage, UsageLedger
+from kvplug_disk.location import disk_location_config
 from kvplug_disk.problems import ProblemLog, is_no_space, is_undeletable
 
 #: Longest a renamed record waits for its folder's fsync while the writer is busy.
@@ -65,6 +67,11 @@ class DiskTier(StorageTier):
 
     name = "disk"
     Config = DiskTierConfig
+
+    @classmethod
+    def location_config(cls, location: str, options: Mapping[str, Any]) -> DiskTierConfig | None:
+        """A folder path or ``file://`` URL that a disk tier wrote (see :mod:`kvplug_disk.location`)."""
+        return disk_location_config(location, options)
 
     def __init__(self, config: DiskTierConfig, context: TierContext) -> None:
         super().__init__(config, context)

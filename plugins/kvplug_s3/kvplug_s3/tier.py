@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvplug import (
@@ -43,6 +43,7 @@ from kvplug_s3.backend import AsyncObjectStore, ObjectStore, StoredObject, class
 from kvplug_s3.config import S3TierConfig
 from kvplug_s3.frames import FrameBuffers
 from kvplug_s3.index import SizeIndex
+from kvplug_s3.location import s3_location_config
 
 T = TypeVar("T")
 #: A listing of a large prefix legitimately takes longer than one object request.
@@ -64,6 +65,11 @@ class S3Tier(StorageTier):
 
     name = "s3"
     Config = S3TierConfig
+
+    @classmethod
+    def location_config(cls, location: str, options: Mapping[str, Any]) -> S3TierConfig | None:
+        """``s3://bucket/prefix`` and other writable fsspec URLs (see :mod:`kvplug_s3.location`)."""
+        return s3_location_config(location, options)
 
     def __init__(self, config: S3TierConfig, context: TierContext) -> None:
         super().__init__(config, context)
