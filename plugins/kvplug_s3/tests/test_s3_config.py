@@ -9,8 +9,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from kvplug import load_config
-from kvplug.core.plugins import PluginRegistry
+from kvplug import PluginRegistry, load_config
 from kvplug.errors import ConfigError
 from kvplug_s3 import S3Tier, S3TierConfig
 

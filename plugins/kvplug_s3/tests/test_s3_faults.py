@@ -20,8 +20,7 @@ import torch  # the engine test needs torch; the tier itself does not
 from s3_helpers import FAST_FAILING, FaultProxy, MotoS3, free_port, make_s3_tier, s3_options
 from seaweedfs import SeaweedS3
 
-from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
-from kvplug.core.plugins import PluginRegistry  # internal: needs public API (a registry limited to named plugins)
+from kvplug import CacheEngine, Fingerprint, KVLayout, PluginRegistry, load_config
 from kvplug.testing import key_for, value_for
 from kvplug_s3 import S3Tier
 
