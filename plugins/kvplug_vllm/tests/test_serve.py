@@ -25,6 +25,8 @@ import pytest
 from conftest import BLOCK_SIZE, P1, child_env
 
 START_TIMEOUT_S = 300
+# a server start plus the session's baseline engine: more than the suite's 300 s on a loaded machine
+pytestmark = pytest.mark.timeout(900)
 
 
 def free_port() -> int:
