@@ -65,7 +65,9 @@ def openai_server(model: str, workdir: Path, name: str, kv: dict[str, Any] | Non
             if proc.poll() is not None:
                 text = log_path.read_text()
                 causes = [line for line in text.splitlines() if "Error" in line][-10:]
-                raise RuntimeError(f"server {name} exited with {proc.returncode}:\n" + "\n".join(causes) + "\n" + text[-3000:])
+                raise RuntimeError(
+                    f"server {name} exited with {proc.returncode}:\n" + "\n".join(causes) + "\n" + text[-3000:]
+                )
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as response:
                     if response.status == 200:

@@ -53,7 +53,11 @@ BENCH_SPEC = TinyLlamaSpec(
 )
 
 
-def write_random_llama(path: str | Path, spec: TinyLlamaSpec = TinyLlamaSpec()) -> Path:
+#: The default tiny model (2 layers, hidden 256).
+DEFAULT_SPEC = TinyLlamaSpec()
+
+
+def write_random_llama(path: str | Path, spec: TinyLlamaSpec = DEFAULT_SPEC) -> Path:
     """Write a random Llama checkpoint to ``path`` (created) and return it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -32,7 +32,10 @@ def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyServer]:
 
 
 def run(run_engine: Any, valkey: ValkeyServer, role: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
-    kv = kv_config(role=role, **{"kvplug.tiers": [valkey.tier_options()], "kvplug.lookup_timeout_ms": 5000, "kvplug.lookup": "direct"})
+    kv = kv_config(
+        role=role,
+        **{"kvplug.tiers": [valkey.tier_options()], "kvplug.lookup_timeout_ms": 5000, "kvplug.lookup": "direct"},
+    )
     result = run_engine(kv=kv, steps=[{"prompts": [{"tokens": p}], "max_tokens": 8} for p in prompts])
     return [step["outputs"][0] for step in result["steps"]]
 
@@ -45,7 +48,9 @@ def reference(run_engine: Any) -> dict[str, list[int]]:
     return {"X": outs[1], "Y": outs[3]}
 
 
-def test_second_server_hits_what_the_first_stored(run_engine: Any, valkey: ValkeyServer, reference: dict[str, list[int]], tmp_path: Path) -> None:
+def test_second_server_hits_what_the_first_stored(
+    run_engine: Any, valkey: ValkeyServer, reference: dict[str, list[int]], tmp_path: Path
+) -> None:
     (a_x,) = run(run_engine, valkey, "kv_producer", [X])
     assert a_x["kv"]["kvplug"]["totals"]["stored_tokens"] == len(X)
     b_x, b_y = run(run_engine, valkey, "kv_both", [X, Y])
