@@ -172,7 +172,10 @@ class TierChain:
         vanishes between the two calls (evicted by another process) ends the prefix.
         Hits in slower tiers are written to the faster ones (promotion).
         """
-        limit = self.contains_prefix(keys)
+        # A load is not a lookup: its calls have their own deadlines, and cutting the
+        # existence check at the lookup budget would drop chunks the lookup promised.
+        present = self.contains_any(keys)
+        limit = next((i for i, found in enumerate(present) if not found), len(keys))
         values: list[Buffer | None] = [None] * limit
         found_in: list[int] = [-1] * limit
         for index, slot in enumerate(self._slots):

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvplug import CacheEngine, slots_from_block_ids
-from kvplug.core.engine import LayerwiseRetrieve  # internal: needs public API (type of retrieve_layerwise)
+from kvplug import CacheEngine, LayerwiseRetrieve, slots_from_block_ids
 from kvplug_vllm.metadata import RequestMeta
 
 logger = logging.getLogger("kvplug.vllm")

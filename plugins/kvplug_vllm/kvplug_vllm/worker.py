@@ -27,8 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvplug import CacheEngine, load_config, slots_from_block_ids
-from kvplug.core.engine import LayerwiseRetrieve  # internal: needs public API (type of retrieve_layerwise)
+from kvplug import CacheEngine, LayerwiseRetrieve, load_config, slots_from_block_ids
 from kvplug.errors import ConfigError, ConfigProblem
 from kvplug_vllm import add_event_listener, remove_event_listener
 from kvplug_vllm.background import BackgroundLoads, fetch
