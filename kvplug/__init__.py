@@ -55,10 +55,10 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from kvplug.builtins.torch_connector import TorchConnector
     from kvplug.core.config import KVPlugConfig
     from kvplug.core.config_loader import load_config
     from kvplug.core.connector import KVConnector
-    from kvplug.builtins.torch_connector import TorchConnector
     from kvplug.core.engine import CacheEngine, LayerwiseRetrieve, RequestInfo
     from kvplug.core.layouts import KVLayout, slots_from_block_ids
     from kvplug.core.plugins import PluginRegistry, get_registry
@@ -73,11 +73,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "KV_FORMAT_VERSION",
+    "RECORD_HEADER_SIZE",
     "SECRET_MASK",
-    "is_secret_name",
-    "redact",
-    "redact_text",
-    "redact_url",
     "Absent",
     "BackgroundWorker",
     "Buffer",
@@ -91,16 +89,14 @@ __all__ = [
     "ExtraKey",
     "FailureKind",
     "Fingerprint",
-    "PluginRegistry",
     "KVConnector",
     "KVEvent",
     "KVLayout",
     "KVPlugConfig",
-    "KV_FORMAT_VERSION",
     "KeyBuilder",
     "LayerwiseRetrieve",
     "LoopThread",
-    "RECORD_HEADER_SIZE",
+    "PluginRegistry",
     "RecordCheck",
     "RecordStore",
     "RemoteCalls",
@@ -121,10 +117,14 @@ __all__ = [
     "classify_failure",
     "get_registry",
     "hookimpl",
+    "is_secret_name",
     "key_digest",
     "load_config",
     "pack_record",
     "pack_record_header",
+    "redact",
+    "redact_text",
+    "redact_url",
     "remaining_budget_s",
     "slots_from_block_ids",
     "unpack_record",

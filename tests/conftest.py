@@ -18,7 +18,9 @@ def registry() -> PluginRegistry:
 def make_engine(registry: PluginRegistry):
     engines: list[CacheEngine] = []
 
-    def make(layout: KVLayout, *, model_id: str = "test-model", env: dict | None = None, **settings: object) -> CacheEngine:
+    def make(
+        layout: KVLayout, *, model_id: str = "test-model", env: dict | None = None, **settings: object
+    ) -> CacheEngine:
         extra = {"kvplug.store.mode": "sync", "kvplug.chunk_size": 8}
         extra.update({f"kvplug.{key}": value for key, value in settings.items()})
         config = load_config(engine_extra=extra, env=env or {}, registry=registry).config

@@ -11,7 +11,9 @@ from pathlib import Path
 def kvplug(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full_env = dict(os.environ, COLUMNS="200", **(env or {}))
     full_env.pop("KVPLUG_PLUGINS", None)
-    return subprocess.run([sys.executable, "-m", "kvplug.cli.main", *args], env=full_env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "kvplug.cli.main", *args], env=full_env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_config_show_names_where_each_value_came_from(tmp_path: Path) -> None:
@@ -19,7 +21,11 @@ def test_config_show_names_where_each_value_came_from(tmp_path: Path) -> None:
     config.write_text("chunk_size: 128\ntiers: [{type: cpu, max_bytes: 1GiB}]\n")
     result = kvplug("config", "show", env={"KVPLUG_CONFIG": str(config), "KVPLUG_HASH": "blake3"})
     assert result.returncode == 0, result.stderr
-    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:4]] for line in result.stdout.splitlines() if line.count("│") >= 4}
+    rows = {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:4]]
+        for line in result.stdout.splitlines()
+        if line.count("│") >= 4
+    }
     assert rows["chunk_size"] == ["128", f"file {config}"]
     assert rows["hash"] == ["blake3", "env"]
     assert rows["store.mode"] == ["async", "default"]
@@ -28,7 +34,9 @@ def test_config_show_names_where_each_value_came_from(tmp_path: Path) -> None:
 
 def test_config_validate_accepts_a_good_file_and_names_bad_fields(tmp_path: Path) -> None:
     good = tmp_path / "good.yaml"
-    good.write_text("chunk_size: 64\nserializer: {type: raw}\nconnector: {type: torch}\ntiers: [{type: cpu, max_bytes: 512MB}]\n")
+    good.write_text(
+        "chunk_size: 64\nserializer: {type: raw}\nconnector: {type: torch}\ntiers: [{type: cpu, max_bytes: 512MB}]\n"
+    )
     result = kvplug("config", "validate", str(good))
     assert result.returncode == 0 and "ok" in result.stdout and "tiers: cpu" in result.stdout
 

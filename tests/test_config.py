@@ -37,13 +37,21 @@ def error_of(load, **kwargs) -> ConfigError:
 
 def test_defaults(load) -> None:
     config = load().config
-    assert (config.chunk_size, config.hash, config.serializer.type, config.connector.type) == (256, "sha256", "raw", "auto")
+    assert (config.chunk_size, config.hash, config.serializer.type, config.connector.type) == (
+        256,
+        "sha256",
+        "raw",
+        "auto",
+    )
     assert [t.type for t in config.tiers] == ["cpu"]
     assert int(config.tiers[0].options.max_bytes) == 4 * 1024**3
 
 
 def test_layers_apply_in_order_and_sources_are_recorded(load, tmp_path: Path) -> None:
-    path = write(tmp_path, "chunk_size: 64\nhash: blake3\nstore: {mode: sync, queue_max_batches: 5}\ntiers: [{type: cpu, max_bytes: 1GiB}]\n")
+    path = write(
+        tmp_path,
+        "chunk_size: 64\nhash: blake3\nstore: {mode: sync, queue_max_batches: 5}\ntiers: [{type: cpu, max_bytes: 1GiB}]\n",
+    )
     loaded = load(
         config_file=path,
         env={"KVPLUG_HASH": "xxh3_128", "KVPLUG_STORE__QUEUE_MAX_BATCHES": "7"},
@@ -96,7 +104,10 @@ def test_unknown_top_level_key(load) -> None:
 
 def test_unknown_nested_key(load) -> None:
     error = error_of(load, engine_extra={"kvplug.store.moed": "sync"})
-    assert "store.moed: unknown key; allowed: block_timeout_s, frame_pool_bytes, mode, on_full, queue_max_batches" in str(error)
+    assert (
+        "store.moed: unknown key; allowed: block_timeout_s, frame_pool_bytes, mode, on_full, queue_max_batches"
+        in str(error)
+    )
 
 
 def test_bad_literal_lists_the_allowed_values(load) -> None:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from core_helpers import LAYOUTS, caches_equal, clone_caches, random_caches
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplug.builtins.torch_connector import TorchConnector
 from kvplug.core.components import EmptyConfig
 from kvplug.errors import LayoutError
-
-from core_helpers import LAYOUTS, caches_equal, clone_caches, random_caches
 
 NUM_BLOCKS = 12
 
@@ -87,7 +86,9 @@ def test_every_dtype_round_trips_through_a_paged_cache(dtype: torch.dtype) -> No
     layout = LAYOUTS["vllm_flash"].__class__("vllm_flash", 2, 4, 2, 8, dtype)
     connector = TorchConnector(EmptyConfig(), layout)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    source = [torch.randint(0, 256, (2, NUM_BLOCKS, 4, 2, 8 * itemsize), dtype=torch.uint8).view(dtype) for _ in range(2)]
+    source = [
+        torch.randint(0, 256, (2, NUM_BLOCKS, 4, 2, 8 * itemsize), dtype=torch.uint8).view(dtype) for _ in range(2)
+    ]
     slots = torch.tensor([5, 6, 7, 8, 30, 2])
     chunk = torch.empty(layout.chunk_shape(6), dtype=dtype)
     connector.gather(source, slots, chunk)
@@ -160,7 +161,11 @@ def random_bit_caches(layout, num_blocks: int, seed: int) -> list:
         return raw.view(layout.dtype)
 
     b, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
-    shapes = {"vllm_flash": (2, num_blocks, b, h, d), "vllm_mla": (num_blocks, b, d), "vllm_cpu": (num_blocks, h, b, 2 * d)}
+    shapes = {
+        "vllm_flash": (2, num_blocks, b, h, d),
+        "vllm_mla": (num_blocks, b, d),
+        "vllm_cpu": (num_blocks, h, b, 2 * d),
+    }
     if layout.kind == "sglang_mha":
         return [(fill(num_blocks * b, h, d), fill(num_blocks * b, h, d)) for _ in range(layout.num_layers)]
     return [fill(*shapes[layout.kind]) for _ in range(layout.num_layers)]

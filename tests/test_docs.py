@@ -16,7 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_every_hook_spec_is_documented() -> None:
     documented = set(re.findall(r"^## (kvplug_\w+)$", (ROOT / "docs" / "hooks.md").read_text(), re.M))
-    specs = {name for module in SPEC_MODULES for name, _ in inspect.getmembers(module, inspect.isfunction) if name.startswith("kvplug_")}
+    specs = {
+        name
+        for module in SPEC_MODULES
+        for name, _ in inspect.getmembers(module, inspect.isfunction)
+        if name.startswith("kvplug_")
+    }
     assert specs == documented
     for module in SPEC_MODULES:
         for name, fn in inspect.getmembers(module, inspect.isfunction):
@@ -51,7 +56,18 @@ def test_the_guide_plugin_installs_and_is_used_by_name(tmp_path: Path) -> None:
     package = extract_guide_package(tmp_path / "src")
     site = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(site), str(package)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(package),
+        ],
         check=True,
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
@@ -84,14 +100,21 @@ print("sqlite tier used by name: ok")
 
     misspelled = subprocess.run(
         [*kvplug_cli, "config", "validate", str(_write(tmp_path / "bad.yaml", "tiers: [{type: sqlite, paht: x}]\n"))],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert misspelled.returncode == 2
     assert "tiers[0].paht: unknown key; allowed:" in " ".join(misspelled.stderr.split())
 
     contract = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(package / "tests")],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert contract.returncode == 0, contract.stdout[-3000:]
     assert "passed" in contract.stdout
@@ -116,4 +139,6 @@ def test_config_reference_is_up_to_date() -> None:
     import runpy
 
     render = runpy.run_path(str(ROOT / "docs" / "gen_config_reference.py"))["render"]
-    assert (ROOT / "docs" / "config.md").read_text() == render(), "run: python docs/gen_config_reference.py > docs/config.md"
+    assert (ROOT / "docs" / "config.md").read_text() == render(), (
+        "run: python docs/gen_config_reference.py > docs/config.md"
+    )

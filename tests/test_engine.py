@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import ClassVar
 
 import pytest
 import torch
+from core_helpers import LAYOUTS, random_caches
 
 from kvplug import CacheEngine, Fingerprint, RequestInfo, StorageTier, TierStats, load_config, slots_from_block_ids
 from kvplug.core.plugins import PluginRegistry
 from kvplug.errors import EngineClosedError, LayoutError
-
-from core_helpers import LAYOUTS, random_caches
 
 NUM_BLOCKS = 80
 
@@ -48,7 +48,9 @@ def test_store_then_retrieve_restores_the_exact_bytes(kind: str, make_engine) ->
     target = random_caches(layout, NUM_BLOCKS, seed=2)
     loaded = engine.retrieve(tokens, target, dst_slots)
     assert loaded.all()
-    assert torch.equal(read_back(engine, source, src_slots).view(torch.uint8), read_back(engine, target, dst_slots).view(torch.uint8))
+    assert torch.equal(
+        read_back(engine, source, src_slots).view(torch.uint8), read_back(engine, target, dst_slots).view(torch.uint8)
+    )
 
 
 def test_lookup_is_chunk_aligned_and_prefix_shared(make_engine) -> None:
@@ -58,8 +60,8 @@ def test_lookup_is_chunk_aligned_and_prefix_shared(make_engine) -> None:
     tokens = prompt(30)
     engine.store(tokens, caches, torch.arange(30))
     assert engine.lookup(tokens) == 24  # three whole chunks of 8; the last 6 tokens are not stored
-    assert engine.lookup(tokens[:20] + [7, 7, 7, 7]) == 16
-    assert engine.lookup([1] + tokens[1:]) == 0
+    assert engine.lookup([*tokens[:20], 7, 7, 7, 7]) == 16
+    assert engine.lookup([1, *tokens[1:]]) == 0
 
 
 def test_save_unfull_chunk_makes_the_full_prompt_hit(make_engine) -> None:
@@ -69,7 +71,7 @@ def test_save_unfull_chunk_makes_the_full_prompt_hit(make_engine) -> None:
     tokens = prompt(30)
     assert engine.store(tokens, caches, torch.arange(30)) == 30
     assert engine.lookup(tokens) == 30
-    assert engine.lookup(tokens + [1, 2, 3]) == 24  # a longer prompt only shares whole chunks
+    assert engine.lookup([*tokens, 1, 2, 3]) == 24  # a longer prompt only shares whole chunks
 
 
 def test_flipped_byte_shortens_the_hit_and_never_loads_wrong_data(make_engine) -> None:
@@ -172,7 +174,9 @@ def test_vllm_cpu_layout_loads_whole_blocks_only(make_engine) -> None:
     tokens = prompt(22)  # chunks of 8: two whole chunks and a 6-token tail that is not whole blocks
     assert engine.store(tokens, caches, block_slots(layout, list(range(6)), 22)) == 16
     mask = torch.tensor([False] * 5 + [True] * 17)
-    loaded = engine.retrieve(tokens, random_caches(layout, NUM_BLOCKS), block_slots(layout, list(range(10, 16)), 22), mask)
+    loaded = engine.retrieve(
+        tokens, random_caches(layout, NUM_BLOCKS), block_slots(layout, list(range(10, 16)), 22), mask
+    )
     assert loaded.tolist() == [False] * 8 + [True] * 8 + [False] * 6  # starts at the next whole block
 
 
@@ -219,7 +223,13 @@ class _BrokenPlugin:
 def test_a_failing_tier_is_a_miss_not_an_error() -> None:
     registry = PluginRegistry(plugin_filter="cpu")
     registry.register(_BrokenPlugin, "broken-test")
-    config = load_config(engine_extra={"kvplug": {"chunk_size": 8, "store": {"mode": "sync"}, "tiers": [{"type": "broken"}, {"type": "cpu"}]}}, env={}, registry=registry).config
+    config = load_config(
+        engine_extra={
+            "kvplug": {"chunk_size": 8, "store": {"mode": "sync"}, "tiers": [{"type": "broken"}, {"type": "cpu"}]}
+        },
+        env={},
+        registry=registry,
+    ).config
     layout = LAYOUTS["sglang_mha"]
     with CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry) as engine:
         caches = random_caches(layout, NUM_BLOCKS)
@@ -233,7 +243,10 @@ def test_a_failing_tier_is_a_miss_not_an_error() -> None:
 def test_async_store_queue_drops_when_full_and_counts(registry) -> None:
     layout = LAYOUTS["sglang_mha"]
     config = load_config(
-        engine_extra={"kvplug.chunk_size": 8, "kvplug.store": {"mode": "async", "queue_max_batches": 1, "on_full": "drop"}},
+        engine_extra={
+            "kvplug.chunk_size": 8,
+            "kvplug.store": {"mode": "async", "queue_max_batches": 1, "on_full": "drop"},
+        },
         env={},
         registry=registry,
     ).config
@@ -294,13 +307,12 @@ def test_connector_failures_are_misses_not_errors(make_engine) -> None:
 class _WatchedTier:
     """Builds a cpu tier named ``remote`` that records the thread of every ``contains`` call."""
 
-    calls: list[str] = []
+    calls: ClassVar[list[str]] = []
 
     @classmethod
     def plugin(cls):
-        from kvplug_cpu import CPUTier
-
         from kvplug import hookimpl
+        from kvplug_cpu import CPUTier
 
         class RemoteTier(CPUTier):
             name = "remote"
@@ -325,7 +337,9 @@ def test_store_asks_only_tiers_written_on_the_callers_side_what_they_hold(write_
     registry.register(_WatchedTier.plugin(), "watched-test")
     _WatchedTier.calls.clear()
     tiers = [{"type": "cpu"}, {"type": "remote", "write_mode": write_mode}]
-    config = load_config(engine_extra={"kvplug": {"chunk_size": 8, "store": {"mode": "sync"}, "tiers": tiers}}, env={}, registry=registry).config
+    config = load_config(
+        engine_extra={"kvplug": {"chunk_size": 8, "store": {"mode": "sync"}, "tiers": tiers}}, env={}, registry=registry
+    ).config
     layout = LAYOUTS["sglang_mha"]
     caller = threading.current_thread().name
     with CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry) as engine:

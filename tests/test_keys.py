@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 
 from kvplug import ExtraKey, Fingerprint, KeyBuilder
 
-BASE = Fingerprint(model_id="meta-llama/Llama-3-8B", kv_layout="vllm_flash:L32:B16:H8:D128:bfloat16", dtype="bfloat16", block_size=16)
+BASE = Fingerprint(
+    model_id="meta-llama/Llama-3-8B", kv_layout="vllm_flash:L32:B16:H8:D128:bfloat16", dtype="bfloat16", block_size=16
+)
 TOKENS = list(range(1000, 1000 + 70))
 
 #: A different value for every fingerprint field.

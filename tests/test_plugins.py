@@ -33,7 +33,9 @@ def run_kvplug(site: Path, *args: str, plugins: str | None = None) -> subprocess
     env.pop("KVPLUG_PLUGINS", None)
     if plugins is not None:
         env["KVPLUG_PLUGINS"] = plugins
-    return subprocess.run([sys.executable, "-m", "kvplug.cli.main", *args], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "kvplug.cli.main", *args], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 TIER_MODULE = """
@@ -65,14 +67,20 @@ def test_kvplug_plugins_filters_entry_points() -> None:
 def test_cli_lists_plugins_and_respects_an_empty_filter(tmp_path: Path) -> None:
     listing = run_kvplug(tmp_path, "plugins")
     assert listing.returncode == 0, listing.stderr
-    assert "kvplug-cpu" in listing.stdout and "storage_tier: cpu" in listing.stdout and "serializer: raw" in listing.stdout
+    assert (
+        "kvplug-cpu" in listing.stdout and "storage_tier: cpu" in listing.stdout and "serializer: raw" in listing.stdout
+    )
     only_builtins = run_kvplug(tmp_path, "plugins", plugins="")
     assert "kvplug-cpu" not in only_builtins.stdout and "kv_connector: torch" in only_builtins.stdout
 
 
 def test_two_components_with_one_name_name_both_distributions(tmp_path: Path) -> None:
-    make_distribution(tmp_path, "kvplug-alpha", {"alpha": "alpha_tier"}, {"alpha_tier": TIER_MODULE.format(cls="A", name="shared")})
-    make_distribution(tmp_path, "kvplug-beta", {"beta": "beta_tier"}, {"beta_tier": TIER_MODULE.format(cls="B", name="shared")})
+    make_distribution(
+        tmp_path, "kvplug-alpha", {"alpha": "alpha_tier"}, {"alpha_tier": TIER_MODULE.format(cls="A", name="shared")}
+    )
+    make_distribution(
+        tmp_path, "kvplug-beta", {"beta": "beta_tier"}, {"beta_tier": TIER_MODULE.format(cls="B", name="shared")}
+    )
     result = run_kvplug(tmp_path, "plugins")
     assert result.returncode == 1
     message = " ".join(result.stderr.split())
@@ -83,7 +91,9 @@ def test_two_components_with_one_name_name_both_distributions(tmp_path: Path) ->
 
 
 def test_a_plugin_that_fails_to_import_is_reported_by_name(tmp_path: Path) -> None:
-    make_distribution(tmp_path, "kvplug-broken", {"broken": "broken_tier"}, {"broken_tier": "import not_a_real_module\n"})
+    make_distribution(
+        tmp_path, "kvplug-broken", {"broken": "broken_tier"}, {"broken_tier": "import not_a_real_module\n"}
+    )
     result = run_kvplug(tmp_path, "plugins")
     assert result.returncode == 1
     output = " ".join(result.stdout.split()) + " ".join(result.stderr.split())
@@ -93,7 +103,9 @@ def test_a_plugin_that_fails_to_import_is_reported_by_name(tmp_path: Path) -> No
 
 
 def test_unknown_type_mentions_plugins_that_failed(tmp_path: Path) -> None:
-    make_distribution(tmp_path, "kvplug-broken", {"broken": "broken_tier"}, {"broken_tier": "raise RuntimeError('boom')\n"})
+    make_distribution(
+        tmp_path, "kvplug-broken", {"broken": "broken_tier"}, {"broken_tier": "raise RuntimeError('boom')\n"}
+    )
     config = tmp_path / "c.yaml"
     config.write_text("tiers: [{type: fancy}]\n")
     result = run_kvplug(tmp_path, "config", "validate", str(config))

@@ -21,7 +21,9 @@ LAYOUT = KVLayout("vllm_flash", num_layers=2, block_size=4, num_kv_heads=2, head
 def fill_store(folder: Path, prompts: int = 3) -> list[str]:
     """Store ``prompts`` prompts of two chunks each; returns the chunk keys."""
     config = load_config(
-        engine_extra={"kvplug": {"chunk_size": 8, "store": {"mode": "sync"}, "tiers": [{"type": "disk", "path": str(folder)}]}},
+        engine_extra={
+            "kvplug": {"chunk_size": 8, "store": {"mode": "sync"}, "tiers": [{"type": "disk", "path": str(folder)}]}
+        },
         env={},
     ).config
     caches = [torch.randn(2, 32, 4, 2, 8).to(torch.bfloat16) for _ in range(2)]
@@ -38,7 +40,9 @@ def fill_store(folder: Path, prompts: int = 3) -> list[str]:
 def kvplug(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, COLUMNS="250")
     env.pop("KVPLUG_PLUGINS", None)
-    return subprocess.run([sys.executable, "-m", "kvplug.cli.main", "store", *args], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "kvplug.cli.main", "store", *args], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def record_files(folder: Path) -> list[Path]:
@@ -97,7 +101,11 @@ def test_a_chunk_of_another_format_version_is_incompatible_and_gc_removes_it(tmp
 def test_unknown_store_kind_says_what_to_install(tmp_path: Path) -> None:
     env = dict(os.environ, KVPLUG_PLUGINS="cpu", COLUMNS="250")
     result = subprocess.run(
-        [sys.executable, "-m", "kvplug.cli.main", "store", "stats", "s3://bucket/prefix"], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kvplug.cli.main", "store", "stats", "s3://bucket/prefix"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert "pip install kvplug-s3" in " ".join(result.stderr.split())

@@ -44,13 +44,9 @@ class RawSerializer(Serializer):
     ) -> torch.Tensor:
         header = chunk_format.verify_frame(data)
         if expected_dtype is not None and header.dtype != dtype_name(expected_dtype):
-            raise IncompatibleChunkError(
-                f"chunk dtype {header.dtype}, expected {dtype_name(expected_dtype)}"
-            )
+            raise IncompatibleChunkError(f"chunk dtype {header.dtype}, expected {dtype_name(expected_dtype)}")
         if expected_shape is not None and header.shape != tuple(expected_shape):
-            raise IncompatibleChunkError(
-                f"chunk shape {header.shape}, expected {tuple(expected_shape)}"
-            )
+            raise IncompatibleChunkError(f"chunk shape {header.shape}, expected {tuple(expected_shape)}")
         return _tensor_over(data, getattr(torch, header.dtype), header.shape, header.payload_length)
 
 
@@ -60,9 +56,7 @@ def _tensor_over(buffer: Buffer, dtype: torch.dtype, shape: tuple[int, ...], len
     with warnings.catch_warnings():
         # frombuffer warns on read-only buffers; readers never write through it.
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(
-            buffer, dtype=torch.uint8, count=length, offset=chunk_format.HEADER_SIZE
-        )
+        flat = torch.frombuffer(buffer, dtype=torch.uint8, count=length, offset=chunk_format.HEADER_SIZE)
     return flat.view(dtype).view(shape)
 
 

@@ -49,7 +49,9 @@ class TorchConnector(KVConnector):
         if size > 1 and slots.numel() and slots.numel() % size == 0:
             rows = slots.view(-1, size)
             first = rows[:, :1]
-            if bool(((first % size) == 0).all()) and bool((rows == first + torch.arange(size, device=slots.device)).all()):
+            if bool(((first % size) == 0).all()) and bool(
+                (rows == first + torch.arange(size, device=slots.device)).all()
+            ):
                 blocks_only = blocks.view(-1, size)[:, 0].contiguous()
         return SlotPlan(slots, blocks_only, (blocks, slots % size))
 

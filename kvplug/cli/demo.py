@@ -41,7 +41,9 @@ def run_synthetic_demo(console: Console, *, num_tokens: int = 4096, seed: int = 
     blocks_needed = -(-num_tokens // layout.block_size)
     num_blocks = 2 * blocks_needed + 8
     caches = [
-        torch.randn(2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim, generator=generator).to(layout.dtype)
+        torch.randn(2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim, generator=generator).to(
+            layout.dtype
+        )
         for _ in range(layout.num_layers)
     ]
     prompt = torch.randint(0, 32_000, (num_tokens,), generator=generator).tolist()

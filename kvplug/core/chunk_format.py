@@ -74,9 +74,7 @@ def payload_length(dtype: str, shape: tuple[int, ...]) -> int:
     try:
         itemsize = DTYPE_SIZES[dtype]
     except KeyError:
-        raise IncompatibleChunkError(
-            f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPE_SIZES)}"
-        ) from None
+        raise IncompatibleChunkError(f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPE_SIZES)}") from None
     return itemsize * math.prod(shape)
 
 
@@ -129,8 +127,7 @@ def parse_header(data: bytes | bytearray | memoryview) -> ChunkHeader:
         raise CorruptChunkError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != FRAME_VERSION or header_size != HEADER_SIZE:
         raise IncompatibleChunkError(
-            f"chunk frame version {version} (header {header_size} bytes) is not "
-            f"version {FRAME_VERSION}"
+            f"chunk frame version {version} (header {header_size} bytes) is not version {FRAME_VERSION}"
         )
     if ndim > MAX_NDIM:
         raise CorruptChunkError(f"ndim {ndim} exceeds {MAX_NDIM}")
@@ -142,13 +139,9 @@ def parse_header(data: bytes | bytearray | memoryview) -> ChunkHeader:
     if dtype not in DTYPE_SIZES:
         raise IncompatibleChunkError(f"chunk dtype {dtype!r} is not supported")
     if length != payload_length(dtype, shape):
-        raise CorruptChunkError(
-            f"payload length {length} does not match dtype {dtype} and shape {shape}"
-        )
+        raise CorruptChunkError(f"payload length {length} does not match dtype {dtype} and shape {shape}")
     if view.nbytes != HEADER_SIZE + length:
-        raise CorruptChunkError(
-            f"chunk is {view.nbytes} bytes, header says {HEADER_SIZE + length}"
-        )
+        raise CorruptChunkError(f"chunk is {view.nbytes} bytes, header says {HEADER_SIZE + length}")
     return ChunkHeader(dtype=dtype, shape=shape, payload_length=length, checksum=checksum)
 
 
@@ -157,7 +150,5 @@ def verify_frame(data: bytes | bytearray | memoryview) -> ChunkHeader:
     header = parse_header(data)
     actual = frame_checksum(memoryview(data))
     if actual != header.checksum:
-        raise CorruptChunkError(
-            f"checksum mismatch: stored {header.checksum:016x}, computed {actual:016x}"
-        )
+        raise CorruptChunkError(f"checksum mismatch: stored {header.checksum:016x}, computed {actual:016x}")
     return header

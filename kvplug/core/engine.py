@@ -71,7 +71,10 @@ class CacheEngine:
         self.metrics = metrics or EngineMetrics()
         self.serializer: Serializer = self.registry.serializers()[config.serializer.type](config.serializer.options)
         self.fingerprint = replace(
-            fingerprint, serializer=self.serializer.fingerprint(), kv_layout=layout.describe(), dtype=dtype_name(layout.dtype)
+            fingerprint,
+            serializer=self.serializer.fingerprint(),
+            kv_layout=layout.describe(),
+            dtype=dtype_name(layout.dtype),
         )
         self.connector: KVConnector = self._make_connector()
         self.key_builder = KeyBuilder(config.chunk_size, config.hash)
@@ -104,10 +107,14 @@ class CacheEngine:
 
     # --- keys -----------------------------------------------------------------------
 
-    def chunk_keys(self, tokens: Sequence[int] | torch.Tensor, request: RequestInfo | None = None, *, include_partial: bool = True) -> list[ChunkKey]:
+    def chunk_keys(
+        self, tokens: Sequence[int] | torch.Tensor, request: RequestInfo | None = None, *, include_partial: bool = True
+    ) -> list[ChunkKey]:
         request = request or _NO_REQUEST
         fingerprint = self.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id)
-        return self.key_builder.keys(tokens, fingerprint, extra_keys=request.extra_keys, include_partial=include_partial)
+        return self.key_builder.keys(
+            tokens, fingerprint, extra_keys=request.extra_keys, include_partial=include_partial
+        )
 
     # --- lookup ---------------------------------------------------------------------
 
@@ -120,7 +127,9 @@ class CacheEngine:
         self._count_lookup(len(tokens), tokens_hit)
         return tokens_hit
 
-    def lookup_tiers(self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None) -> list[tuple[str, int]]:
+    def lookup_tiers(
+        self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None
+    ) -> list[tuple[str, int]]:
         """Like :meth:`lookup`, per chunk of the cached prefix: (fastest tier holding it, its tokens).
 
         The hit length is the sum of the token counts. An adapter uses the tier names
@@ -273,12 +282,18 @@ class CacheEngine:
         try:
             if self.layout.whole_blocks_only:  # a block is loaded whole or not at all
                 first = -(-first // self.layout.block_size) * self.layout.block_size
-            keys = [k for k in self.chunk_keys(tokens, request) if k.end > first and self._copyable(max(k.start, first), k.end)]
+            keys = [
+                k
+                for k in self.chunk_keys(tokens, request)
+                if k.end > first and self._copyable(max(k.start, first), k.end)
+            ]
             buffers = self.chain.get_prefix([k.key for k in keys]) if keys else []
             for chunk, buffer in zip(keys, buffers):
                 try:
                     tensor = self.serializer.loads(
-                        buffer, expected_shape=self.layout.chunk_shape(chunk.num_tokens), expected_dtype=self.layout.dtype
+                        buffer,
+                        expected_shape=self.layout.chunk_shape(chunk.num_tokens),
+                        expected_dtype=self.layout.dtype,
                     )
                 except ChunkError as exc:
                     self.metrics.load_errors.labels(type(exc).__name__).inc()
@@ -351,15 +366,25 @@ class CacheEngine:
         if self._closed:
             raise EngineClosedError("the cache engine is closed")
 
-    def _check_call(self, tokens: Sequence[int] | torch.Tensor, kv_caches: Sequence[LayerCache], slots: torch.Tensor, mask: torch.Tensor | None) -> int:
+    def _check_call(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        kv_caches: Sequence[LayerCache],
+        slots: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> int:
         """Validate arguments; return the index of the first token ``mask`` selects."""
         self.layout.check_caches(kv_caches)
         if slots.dim() != 1 or slots.numel() != len(tokens):
-            raise LayoutError(f"slots must be 1-D with one entry per token ({len(tokens)}), got shape {tuple(slots.shape)}")
+            raise LayoutError(
+                f"slots must be 1-D with one entry per token ({len(tokens)}), got shape {tuple(slots.shape)}"
+            )
         if mask is None:
             return 0
         if mask.dim() != 1 or mask.numel() != len(tokens) or mask.dtype != torch.bool:
-            raise LayoutError(f"mask must be a 1-D bool tensor of {len(tokens)} entries, got {mask.dtype} {tuple(mask.shape)}")
+            raise LayoutError(
+                f"mask must be a 1-D bool tensor of {len(tokens)} entries, got {mask.dtype} {tuple(mask.shape)}"
+            )
         first = int(torch.count_nonzero(~mask))
         if not bool(mask[first:].all()):
             raise LayoutError("mask must be False for a prefix of the tokens and True after it")
@@ -429,5 +454,9 @@ class LayerwiseRetrieve(Iterator[int]):
         engine.metrics.retrieve_seconds.observe(time.perf_counter() - self._started)
         if self._chunks:
             engine.registry.emit(
-                KVEvent("loaded", tuple(c.key for c, _ in self._chunks), token_counts=tuple(c.num_tokens for c, _ in self._chunks))
+                KVEvent(
+                    "loaded",
+                    tuple(c.key for c, _ in self._chunks),
+                    token_counts=tuple(c.num_tokens for c, _ in self._chunks),
+                )
             )

@@ -126,9 +126,7 @@ class KeyBuilder:
         try:
             object.__setattr__(self, "_new_digest", HASHES[self.hash_name])
         except KeyError:
-            raise ValueError(
-                f"hash {self.hash_name!r} is not one of {', '.join(HASHES)}"
-            ) from None
+            raise ValueError(f"hash {self.hash_name!r} is not one of {', '.join(HASHES)}") from None
 
     def chunk_bounds(self, num_tokens: int, *, include_partial: bool) -> list[tuple[int, int]]:
         full = num_tokens // self.chunk_size
@@ -150,9 +148,7 @@ class KeyBuilder:
         prefix = f"{fingerprint.format_version}/{fingerprint.hexdigest()}/"
         previous = self.chain_seed()
         keys: list[ChunkKey] = []
-        for index, (start, end) in enumerate(
-            self.chunk_bounds(len(token_bytes) // 8, include_partial=include_partial)
-        ):
+        for index, (start, end) in enumerate(self.chunk_bounds(len(token_bytes) // 8, include_partial=include_partial)):
             digest = self._new_digest()
             digest.update(previous)
             digest.update(struct.pack("<I", end - start))

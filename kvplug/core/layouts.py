@@ -46,9 +46,7 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         if self.kind not in LAYER_SHAPES:
-            raise LayoutError(
-                f"unknown KV layout {self.kind!r}; known: {', '.join(LAYER_SHAPES)}"
-            )
+            raise LayoutError(f"unknown KV layout {self.kind!r}; known: {', '.join(LAYER_SHAPES)}")
         for field_name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
             if getattr(self, field_name) <= 0:
                 raise LayoutError(f"{field_name} must be positive, got {getattr(self, field_name)}")

@@ -23,16 +23,16 @@ class EngineMetrics:
         self.stored_bytes = Counter("kvplug_stored_bytes", "Serialized bytes handed to the tiers", registry=r)
         self.loaded_tokens = Counter("kvplug_loaded_tokens", "Tokens written into the engine cache", registry=r)
         self.loaded_bytes = Counter("kvplug_loaded_bytes", "Serialized bytes read back", registry=r)
-        self.load_errors = Counter(
-            "kvplug_load_errors", "Chunks that failed to load", ["reason"], registry=r
-        )
+        self.load_errors = Counter("kvplug_load_errors", "Chunks that failed to load", ["reason"], registry=r)
         self.store_dropped = Counter(
             "kvplug_store_dropped", "Chunk batches dropped by a full or closed queue", ["queue"], registry=r
         )
         self.tier_errors = Counter("kvplug_tier_errors", "Tier calls that raised", ["tier", "op"], registry=r)
         self.promotions = Counter("kvplug_promotions", "Chunks copied to a faster tier", ["tier"], registry=r)
         self.lookup_budget_spent = Counter(
-            "kvplug_lookup_budget_spent", "Lookups that ran out of lookup_timeout_ms before asking every tier", registry=r
+            "kvplug_lookup_budget_spent",
+            "Lookups that ran out of lookup_timeout_ms before asking every tier",
+            registry=r,
         )
         self.remote_breaker_state = Gauge(
             "kvplug_remote_breaker_state", "Circuit breaker of a remote tier: 0 closed, 1 half open, 2 open", ["tier"],

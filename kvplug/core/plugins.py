@@ -130,7 +130,11 @@ class PluginRegistry:
         from kvplug.builtins import BUILTIN_PLUGINS
 
         for module_path in BUILTIN_PLUGINS:
-            self._add(importlib.import_module(module_path), module_path, PluginInfo(module_path, "kvplug", __version__, builtin=True))
+            self._add(
+                importlib.import_module(module_path),
+                module_path,
+                PluginInfo(module_path, "kvplug", __version__, builtin=True),
+            )
 
     def _load_entry_points(self, allowed: set[str] | None) -> None:
         for entry_point in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name):

@@ -6,7 +6,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ByteSize, Field, PositiveInt
 
@@ -15,24 +15,20 @@ from kvplug.core.events import KVEvent
 from kvplug.core.metrics import EngineMetrics
 
 #: What ``get`` returns for a key: the whole value, or ``None`` for a miss.
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 
 class TierConfig(ComponentConfig):
     """Options every tier understands. Tier ``Config`` classes subclass it."""
 
-    max_bytes: ByteSize | None = Field(
-        default=None, description="Byte budget of stored values; None means unbounded."
-    )
+    max_bytes: ByteSize | None = Field(default=None, description="Byte budget of stored values; None means unbounded.")
     write_mode: Literal["sync", "async"] = Field(
         default="sync",
         description="sync: the store worker writes this tier directly; async: a "
         "bounded background writer of its own does, so a slow tier never delays faster ones "
         "(and a store does not ask it what it holds until that writer does).",
     )
-    write_queue_items: PositiveInt = Field(
-        default=1024, description="Bound of the async writer's queue, in batches."
-    )
+    write_queue_items: PositiveInt = Field(default=1024, description="Bound of the async writer's queue, in batches.")
     write_queue_bytes: ByteSize = Field(
         default=ByteSize(256 * 1024**2),
         gt=0,
@@ -118,7 +114,7 @@ class StorageTier(ABC):
     def stats(self) -> TierStats:
         """A snapshot of the tier's counters."""
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # noqa: B027 - a no-op for tiers whose puts are visible at once
         """Wait until every ``put`` accepted so far is visible to ``get``."""
 
     @abstractmethod

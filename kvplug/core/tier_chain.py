@@ -46,7 +46,11 @@ class TierChain:
     """Tiers fastest first; see the module docstring for the semantics."""
 
     def __init__(
-        self, tiers: Sequence[StorageTier], metrics: EngineMetrics | None = None, *, lookup_timeout_s: float | None = None
+        self,
+        tiers: Sequence[StorageTier],
+        metrics: EngineMetrics | None = None,
+        *,
+        lookup_timeout_s: float | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("a tier chain needs at least one tier")

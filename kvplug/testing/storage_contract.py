@@ -141,7 +141,12 @@ class StorageTierContract:
         assert _as_bytes(tier.get([key_for("empty")])[0]) == b""
 
     def test_memoryview_and_bytearray_values(self, tier: StorageTier) -> None:
-        tier.put([(key_for("mv"), memoryview(value_for("mv", 300)).toreadonly()), (key_for("ba"), bytearray(value_for("ba", 300)))])
+        tier.put(
+            [
+                (key_for("mv"), memoryview(value_for("mv", 300)).toreadonly()),
+                (key_for("ba"), bytearray(value_for("ba", 300))),
+            ]
+        )
         tier.flush()
         got = tier.get([key_for("mv"), key_for("ba")])
         assert [_as_bytes(v) for v in got] == [value_for("mv", 300), value_for("ba", 300)]
@@ -191,7 +196,9 @@ class StorageTierContract:
         tier.flush()
         assert tier.contains([key_for("l0"), key_for("l1")]) == [True, False]
 
-    def test_value_over_the_whole_budget_is_refused_and_loses_nothing(self, tier_factory: Callable[..., StorageTier]) -> None:
+    def test_value_over_the_whole_budget_is_refused_and_loses_nothing(
+        self, tier_factory: Callable[..., StorageTier]
+    ) -> None:
         tier = tier_factory(4_000)
         tier.put([(key_for("keep"), value_for("keep", 1000))])
         tier.flush()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import kvplug
-
 from kvplug_cpu.tier import CPUTier, CPUTierConfig
 
 __all__ = ["CPUTier", "CPUTierConfig"]

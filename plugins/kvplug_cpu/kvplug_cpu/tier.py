@@ -134,7 +134,7 @@ class CPUTier(StorageTier):
             raise TierClosedError("tier 'cpu' is closed")
 
 
-def _pinning_copier(mode: str):  # noqa: ANN202 - returns a copier or None
+def _pinning_copier(mode: str):
     """A function copying a buffer into pinned memory, or None when not pinning."""
     if mode == "never":
         return None
@@ -156,7 +156,7 @@ def _pinning_copier(mode: str):  # noqa: ANN202 - returns a copier or None
     return copy_pinned
 
 
-def _is_pinned(torch, view: memoryview) -> bool:  # noqa: ANN001 - torch is the loaded module
+def _is_pinned(torch, view: memoryview) -> bool:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # frombuffer warns on read-only views; nothing writes here
         return bool(torch.frombuffer(view, dtype=torch.uint8).is_pinned())

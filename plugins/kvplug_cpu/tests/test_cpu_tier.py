@@ -51,7 +51,7 @@ def test_the_tier_does_not_import_torch() -> None:
 def test_pinning_is_off_without_cuda() -> None:
     assert make_cpu_tier().stats().extra["pinned"] is False
     with pytest.raises(RuntimeError, match="CUDA"):
-        import torch  # noqa: F401 - loaded so the tier may look at CUDA
+        import torch
 
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")

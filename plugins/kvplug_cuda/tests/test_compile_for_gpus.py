@@ -18,13 +18,13 @@ import pytest
 import torch
 import triton
 from conftest import make_caches
-from kvplug_cuda import kernels
-from kvplug_cuda.addressing import base_tensor, paged_addressing
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from kvplug import KVLayout
+from kvplug_cuda import kernels
+from kvplug_cuda.addressing import base_tensor, paged_addressing
 
 #: (compute capability, what it is): the GPUs kvplug-cuda is meant for.
 TARGETS = {80: "A100", 90: "H100/H200", 100: "B200"}

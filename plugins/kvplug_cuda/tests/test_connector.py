@@ -11,11 +11,11 @@ import textwrap
 import pytest
 import torch
 from conftest import DEVICE, caches_same_bits, make_caches, same_bits
-from kvplug_cuda import CudaConnector
 
 from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
 from kvplug.builtins.torch_connector import TorchConnector
 from kvplug.errors import ConfigError, PinnedPoolExhaustedError
+from kvplug_cuda import CudaConnector
 
 LAYOUT = KVLayout("vllm_flash", num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 

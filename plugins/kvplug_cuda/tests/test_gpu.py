@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import gpu, make_caches, needs_cuda, same_bits
-from kvplug_cuda import CudaConnector
 
 from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
 from kvplug.builtins.torch_connector import TorchConnector
 from kvplug.errors import TransferTimeoutError
+from kvplug_cuda import CudaConnector
 
 pytestmark = [gpu, needs_cuda]
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
-from kvplug_cuda import PinnedPool
 
 from kvplug.errors import PinnedPoolExhaustedError
+from kvplug_cuda import PinnedPool
 
 KIB = 1024
 

@@ -58,7 +58,9 @@ def test_kv_round_trips_through_valkey_and_promotes_to_cpu(valkey_server) -> Non
     finally:
         first.close()
 
-    second = engine_for(valkey, lookup_timeout_ms=30_000)  # a fresh process-like engine: empty cpu tier, same server and prefix
+    second = engine_for(
+        valkey, lookup_timeout_ms=30_000
+    )  # a fresh process-like engine: empty cpu tier, same server and prefix
     try:
         assert second.lookup(tokens) == 40
         target, dst_slots = caches(2), torch.randperm(NUM_BLOCKS * 4)[:40]

@@ -55,7 +55,11 @@ def run_requests(spec: dict[str, Any]) -> dict[str, Any]:
 
     def run(request: dict[str, Any]) -> dict[str, Any]:
         params = SamplingParams(
-            temperature=0.0, max_tokens=request.get("max_tokens", 1), ignore_eos=True, detokenize=False, extra_args=extra
+            temperature=0.0,
+            max_tokens=request.get("max_tokens", 1),
+            ignore_eos=True,
+            detokenize=False,
+            extra_args=extra,
         )
         (out,) = llm.generate([{"prompt_token_ids": request["tokens"]}], params, use_tqdm=False)
         return {
@@ -74,7 +78,11 @@ def run_requests(spec: dict[str, Any]) -> dict[str, Any]:
 def run_in_subprocess(spec: dict[str, Any], *, timeout_s: float = 900) -> dict[str, Any]:
     """:func:`run_requests` in a fresh Python process; raises with its log on failure."""
     done = subprocess.run(
-        [sys.executable, "-m", "kvplug_vllm.demo"], input=json.dumps(spec), capture_output=True, text=True, timeout=timeout_s
+        [sys.executable, "-m", "kvplug_vllm.demo"],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if done.returncode != 0 or not lines:
@@ -88,7 +96,9 @@ def run_engine_demo(console: Any, *, tokens: int = 4096) -> dict[str, Any]:
 
     tokens = max(64, min(tokens, 16384))
     prompt = [random.Random(0).randrange(3, 1000) for _ in range(tokens)]
-    console.print(f"kvplug demo: vLLM {_vllm_version()} on a random 2-layer Llama, {tokens}-token prompt (about 30 s)...")
+    console.print(
+        f"kvplug demo: vLLM {_vllm_version()} on a random 2-layer Llama, {tokens}-token prompt (about 30 s)..."
+    )
     with tempfile.TemporaryDirectory(prefix="kvplug-demo-") as workdir:
         spec = {
             "workdir": workdir,

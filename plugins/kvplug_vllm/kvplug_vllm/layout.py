@@ -48,7 +48,12 @@ def detect_layout(kv_caches: Mapping[str, torch.Tensor], vllm_config: object) ->
             f"[2, num_blocks, block_size, {heads}, {head_dim}] and MLA [num_blocks, block_size, dim]"
         )
     layout = KVLayout(
-        kind=kind, num_layers=len(kv_caches), block_size=block_size, num_kv_heads=heads, head_dim=head_dim, dtype=first.dtype
+        kind=kind,
+        num_layers=len(kv_caches),
+        block_size=block_size,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        dtype=first.dtype,
     )
     layout.check_caches(list(kv_caches.values()))
     return layout

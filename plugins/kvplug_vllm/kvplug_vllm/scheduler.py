@@ -86,7 +86,9 @@ def request_info(request: Any, config: KVPlugConfig, *, with_overrides: bool = T
 class SchedulerSide:
     """The scheduler-role half of :class:`kvplug_vllm.KVPlugConnector`."""
 
-    def __init__(self, vllm_config: Any, settings: ConnectorSettings, config: KVPlugConfig, engine_key: tuple[str, int, int]) -> None:
+    def __init__(
+        self, vllm_config: Any, settings: ConnectorSettings, config: KVPlugConfig, engine_key: tuple[str, int, int]
+    ) -> None:
         kv_transfer = vllm_config.kv_transfer_config
         self.settings = settings
         self.config = config
@@ -137,7 +139,10 @@ class SchedulerSide:
             tiers = []
         hit = sum(n for _, n in tiers)
         counts = dict(
-            lookups=1, lookup_tokens=len(request.prompt_token_ids), hit_tokens=hit, lookup_us=int((time.perf_counter() - started) * 1e6)
+            lookups=1,
+            lookup_tokens=len(request.prompt_token_ids),
+            hit_tokens=hit,
+            lookup_us=int((time.perf_counter() - started) * 1e6),
         )
         for name, count in tiers:
             counts[TIER_HIT_PREFIX + name] = counts.get(TIER_HIT_PREFIX + name, 0) + count
@@ -210,7 +215,9 @@ class SchedulerSide:
                 info = self.request_info(request)
             except ConfigError:
                 info = self.request_info(request, with_overrides=False)
-            tracker = _Tracker(request, info, list(new.block_ids[0]), len(new.prompt_token_ids), overrides=dict(info.overrides))
+            tracker = _Tracker(
+                request, info, list(new.block_ids[0]), len(new.prompt_token_ids), overrides=dict(info.overrides)
+            )
             self._trackers[new.req_id] = tracker
             loaded = self._background_hits.pop(new.req_id, None)
             if loaded is not None:  # its KV arrived in the background (or failed and is recomputed)
@@ -246,7 +253,9 @@ class SchedulerSide:
         tracker.external_tokens += lookup.num_external
         return LoadSpec(lookup.num_computed, lookup.num_hit, lookup.num_external)
 
-    def _add(self, meta: KVPlugConnectorMetadata, req_id: str, tracker: _Tracker, end: int, load: LoadSpec | None) -> None:
+    def _add(
+        self, meta: KVPlugConnectorMetadata, req_id: str, tracker: _Tracker, end: int, load: LoadSpec | None
+    ) -> None:
         """Add the request to the step's metadata if it loads or stores anything."""
         tracker.num_computed = end
         save_start, save_end = tracker.num_saved, self._save_end(tracker, end)
@@ -368,7 +377,12 @@ class SchedulerSide:
                 self._channel = DirectLookup([e for e in engines if e is not None], [local_reset(key) for key in keys])
             else:
                 self._channel = SocketLookup([socket_path(*key) for key in keys], self.settings.lookup_timeout_s)
-            logger.info("kvplug lookups go %s", "directly to the worker's engine" if isinstance(self._channel, DirectLookup) else "over the worker's lookup socket")
+            logger.info(
+                "kvplug lookups go %s",
+                "directly to the worker's engine"
+                if isinstance(self._channel, DirectLookup)
+                else "over the worker's lookup socket",
+            )
         return self._channel
 
 

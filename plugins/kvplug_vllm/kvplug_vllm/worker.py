@@ -150,13 +150,17 @@ class WorkerSide:
                 ],
                 "kv_connector_extra_config",
             )
-        fingerprint = fingerprint_for(layout, self.vllm_config, tp_rank=get_tensor_model_parallel_rank(), pp_rank=get_pp_group().rank_in_group)
+        fingerprint = fingerprint_for(
+            layout, self.vllm_config, tp_rank=get_tensor_model_parallel_rank(), pp_rank=get_pp_group().rank_in_group
+        )
         self.kv_caches = list(kv_caches.values())
         self.layer_index = {name: index for index, name in enumerate(kv_caches)}
         self.engine = CacheEngine(config, layout, fingerprint)
         kv_events = getattr(self.vllm_config, "kv_events_config", None)
         self.index = ChunkIndex(
-            layout.block_size, [t.type for t in config.tiers], publish=bool(kv_events is not None and kv_events.enable_kv_cache_events)
+            layout.block_size,
+            [t.type for t in config.tiers],
+            publish=bool(kv_events is not None and kv_events.enable_kv_cache_events),
         )
         self._listener = add_event_listener(self.index.on_event)
         register_local(self.engine_key, self.engine)
@@ -334,7 +338,9 @@ class WorkerSide:
                         pass
                     loaded = retriever.loaded_mask
                 except Exception:
-                    logger.exception("request %s: writing the loaded KV failed; its blocks will be recomputed", request.req_id)
+                    logger.exception(
+                        "request %s: writing the loaded KV failed; its blocks will be recomputed", request.req_id
+                    )
             self._check_loaded(request, loaded)
         return {request.req_id for request, _, _ in done} or None
 

@@ -53,9 +53,19 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_process(args: list[str], timeout_s: float = ENGINE_TIMEOUT_S, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+def run_process(
+    args: list[str], timeout_s: float = ENGINE_TIMEOUT_S, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
     """Run a command in its own process group; SIGKILL the group if it runs too long."""
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=child_env(), **kwargs)
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=child_env(),
+        **kwargs,
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -71,7 +71,11 @@ def main() -> None:
                 "seconds": seconds,
                 "finished": finished,
                 "outputs": [
-                    {"tokens": list(o.outputs[0].token_ids), "finish": o.outputs[0].finish_reason, "kv": o.kv_transfer_params}
+                    {
+                        "tokens": list(o.outputs[0].token_ids),
+                        "finish": o.outputs[0].finish_reason,
+                        "kv": o.kv_transfer_params,
+                    }
                     for o in outputs
                 ],
             }

@@ -77,7 +77,9 @@ def test_skip_save_per_request(cpu_run: dict[str, Any], baseline: dict[str, list
     assert output(cpu_run, 12) == baseline["P4"]
 
 
-def test_bad_request_setting_is_ignored_and_named_in_the_log(cpu_run: dict[str, Any], baseline: dict[str, list[int]]) -> None:
+def test_bad_request_setting_is_ignored_and_named_in_the_log(
+    cpu_run: dict[str, Any], baseline: dict[str, list[int]]
+) -> None:
     assert output(cpu_run, 13) == baseline["P4"]
     assert report(cpu_run, 13)["hit_tokens"] == 192  # step 12 stored P4
     assert "chunk_size: cannot be set per request" in cpu_run["log"]
@@ -118,17 +120,27 @@ def disk_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def layerwise_disk_run(run_engine: Any, disk_dir: Path) -> dict[str, Any]:
     """Layer-wise engine on the disk tier; stores decode chunks too."""
-    kv = kv_config(**{"kvplug.layerwise": True, "kvplug.save_decode_cache": True, "kvplug.tiers": [{"type": "disk", "path": str(disk_dir)}]})
+    kv = kv_config(
+        **{
+            "kvplug.layerwise": True,
+            "kvplug.save_decode_cache": True,
+            "kvplug.tiers": [{"type": "disk", "path": str(disk_dir)}],
+        }
+    )
     return run_engine(kv=kv, steps=[step("P1", max_tokens=30), step("P1")])
 
 
-def test_layerwise_load_and_store_give_identical_output(layerwise_disk_run: dict[str, Any], baseline: dict[str, list[int]]) -> None:
+def test_layerwise_load_and_store_give_identical_output(
+    layerwise_disk_run: dict[str, Any], baseline: dict[str, list[int]]
+) -> None:
     assert report(layerwise_disk_run, 1)["hit_tokens"] == 256
     assert output(layerwise_disk_run, 0)[:8] == baseline["P1"]
     assert output(layerwise_disk_run, 1) == baseline["P1"]
 
 
-def test_new_engine_process_hits_the_disk_tier(run_engine: Any, layerwise_disk_run: dict[str, Any], disk_dir: Path, baseline: dict[str, list[int]]) -> None:
+def test_new_engine_process_hits_the_disk_tier(
+    run_engine: Any, layerwise_disk_run: dict[str, Any], disk_dir: Path, baseline: dict[str, list[int]]
+) -> None:
     generated = output(layerwise_disk_run, 0)
     continued = {"tokens": P1 + generated[:20]}  # 320 tokens: chunk 5 was completed by decode tokens
     kv = kv_config(**{"kvplug.tiers": [{"type": "disk", "path": str(disk_dir)}]})
@@ -154,14 +166,18 @@ def records(path: Path) -> list[Path]:
     return sorted(path.rglob("*.kvr"))
 
 
-def test_producer_stores_and_consumer_loads(run_engine: Any, producer: tuple[dict[str, Any], Path], baseline: dict[str, list[int]], tmp_path: Path) -> None:
+def test_producer_stores_and_consumer_loads(
+    run_engine: Any, producer: tuple[dict[str, Any], Path], baseline: dict[str, list[int]], tmp_path: Path
+) -> None:
     produced, source = producer
     assert [report(produced, i)["hit_tokens"] for i in (0, 1)] == [0, 0]  # a producer never loads
     assert report(produced, 1)["totals"]["lookups"] == 0
     assert len(records(source)) == 4
     shared = tmp_path / "kv"
     shutil.copytree(source, shared)
-    kv = kv_config(role="kv_consumer", **{"kvplug.skip_last_n_tokens": 45, "kvplug.tiers": [{"type": "disk", "path": str(shared)}]})
+    kv = kv_config(
+        role="kv_consumer", **{"kvplug.skip_last_n_tokens": 45, "kvplug.tiers": [{"type": "disk", "path": str(shared)}]}
+    )
     consumed = run_engine(kv=kv, steps=[step("Q"), step("P1")])
     # skip_last_n_tokens=45 leaves 255 of 300 tokens to look up: 3 whole chunks
     assert report(consumed, 0)["hit_tokens"] == 192
@@ -171,7 +187,9 @@ def test_producer_stores_and_consumer_loads(run_engine: Any, producer: tuple[dic
     assert len(records(shared)) == 4
 
 
-def test_corrupt_chunk_is_recomputed_and_counted(run_engine: Any, producer: tuple[dict[str, Any], Path], baseline: dict[str, list[int]], tmp_path: Path) -> None:
+def test_corrupt_chunk_is_recomputed_and_counted(
+    run_engine: Any, producer: tuple[dict[str, Any], Path], baseline: dict[str, list[int]], tmp_path: Path
+) -> None:
     _, source = producer
     shared = tmp_path / "kv"
     shutil.copytree(source, shared)

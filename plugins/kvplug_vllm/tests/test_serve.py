@@ -50,7 +50,11 @@ def metrics_port() -> int:
 def server(tiny_model: str, tmp_path: Path, metrics_port: int) -> Iterator[str]:
     config = tmp_path / "kvplug.yaml"
     config.write_text("chunk_size: 64\ntiers:\n  - {type: cpu, max_bytes: 256MiB}\n")
-    kv = {"kv_connector": "KVPlugConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"kvplug.config": str(config), "kvplug.metrics_port": metrics_port}}
+    kv = {
+        "kv_connector": "KVPlugConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvplug.config": str(config), "kvplug.metrics_port": metrics_port},
+    }
     port = free_port()
     args = [
         sys.executable, str(Path(__file__).with_name("vllm_cli.py")), "serve", tiny_model,
@@ -67,7 +71,9 @@ def server(tiny_model: str, tmp_path: Path, metrics_port: int) -> Iterator[str]:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited with {proc.returncode}:\n{(tmp_path / 'serve.log').read_text()[-6000:]}")
+                raise AssertionError(
+                    f"vllm serve exited with {proc.returncode}:\n{(tmp_path / 'serve.log').read_text()[-6000:]}"
+                )
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as response:
                     if response.status == 200:
@@ -75,7 +81,9 @@ def server(tiny_model: str, tmp_path: Path, metrics_port: int) -> Iterator[str]:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             if time.monotonic() > deadline:
-                raise AssertionError(f"vllm serve not healthy after {START_TIMEOUT_S}s:\n{(tmp_path / 'serve.log').read_text()[-6000:]}")
+                raise AssertionError(
+                    f"vllm serve not healthy after {START_TIMEOUT_S}s:\n{(tmp_path / 'serve.log').read_text()[-6000:]}"
+                )
             time.sleep(1)
         yield url
     finally:
@@ -118,7 +126,15 @@ def wait_for(url: str, name: str, value: float, timeout_s: float = 30.0) -> dict
 
 
 def test_openai_server_second_completion_hits(server: str, metrics_port: int, baseline: dict[str, list[int]]) -> None:
-    body = {"model": "tiny", "prompt": P1, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": {"kvplug.report": True}}
+    body = {
+        "model": "tiny",
+        "prompt": P1,
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "kv_transfer_params": {"kvplug.report": True},
+    }
     before = vllm_metrics(server)
     assert total(before, "kvplug_lookups_total") == 0  # registered by build_prom_metrics, still zero
     assert "kvplug_lookup_seconds_count" in {k.split("{")[0] for k in before}

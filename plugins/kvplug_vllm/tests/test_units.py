@@ -41,7 +41,12 @@ def test_kvplug_lists_the_vllm_engine_adapter() -> None:
 
 def test_extra_config_split_between_connector_and_core() -> None:
     settings, rest = split_extra_config(
-        {"kvplug.layerwise": True, "kvplug.chunk_size": 128, "kvplug": {"skip_last_n_tokens": 3, "hash": "xxh3_128"}, "other": 1}
+        {
+            "kvplug.layerwise": True,
+            "kvplug.chunk_size": 128,
+            "kvplug": {"skip_last_n_tokens": 3, "hash": "xxh3_128"},
+            "other": 1,
+        }
     )
     assert settings.layerwise and settings.skip_last_n_tokens == 3
     assert rest == {"kvplug.chunk_size": 128, "kvplug": {"hash": "xxh3_128"}, "other": 1}
@@ -56,7 +61,9 @@ def test_bad_connector_setting_names_the_key() -> None:
 
 def test_per_request_settings_are_checked() -> None:
     config = load_config(env={}).config
-    assert request_overrides({"kvplug.skip_save": True, "kvplug.report": True, "other": 1}, config) == {"skip_save": True}
+    assert request_overrides({"kvplug.skip_save": True, "kvplug.report": True, "other": 1}, config) == {
+        "skip_save": True
+    }
     with pytest.raises(ConfigError, match="chunk_size: cannot be set per request"):
         request_overrides({"kvplug.chunk_size": 8}, config)
 
@@ -157,9 +164,15 @@ def mm_request(image_hash: str) -> SimpleNamespace:
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
     feature = MultiModalFeatureSpec(
-        data=None, modality="image", identifier=f"lora-x:{image_hash}", mm_position=PlaceholderRange(offset=70, length=40), mm_hash=image_hash
+        data=None,
+        modality="image",
+        identifier=f"lora-x:{image_hash}",
+        mm_position=PlaceholderRange(offset=70, length=40),
+        mm_hash=image_hash,
     )
-    return SimpleNamespace(mm_features=[feature], cache_salt="t1", lora_request=None, kv_transfer_params={"kvplug.skip_save": True})
+    return SimpleNamespace(
+        mm_features=[feature], cache_salt="t1", lora_request=None, kv_transfer_params={"kvplug.skip_save": True}
+    )
 
 
 def test_multimodal_hashes_key_the_chunks_they_cover(engine: CacheEngine) -> None:
