@@ -228,9 +228,9 @@ def test_a_failed_probe_opens_the_breaker_again(calls: RemoteCalls) -> None:
 
 
 def test_operations_queued_behind_a_hung_store_are_not_sent_once_the_breaker_opens(server: LineServer) -> None:
-    """Two slots, ten operations: the first two hang and open the breaker; the eight
-    that waited for a slot are answered without a connection, so a later probe does
-    not queue behind them."""
+    """Two slots, ten operations: the first ones hang and open the breaker; those that
+    waited for a slot are answered without a connection, so a later probe does not
+    queue behind them."""
     config = CONFIG.model_copy(update={"max_concurrency": 2, "retries": 0, "breaker_failures": 2})
     calls = RemoteCalls("probe", config, tier_context())
     try:
@@ -242,7 +242,10 @@ def test_operations_queued_behind_a_hung_store_are_not_sent_once_the_breaker_ope
         results = calls.batch(echo, range(10))
         assert all(isinstance(result, TierUnavailableError) for result in results), results
         assert calls.breaker.state == "open"
-        assert server.accepted == 2, server.accepted
-        assert sample(calls, "kvplug_remote_short_circuits_total") == 8
+        # Until the second failure opens the breaker, a slot freed by the first one may
+        # still send one more operation (timeouts end at slightly different moments on a
+        # loaded machine): at most max_concurrency + breaker_failures - 1 connections.
+        assert 2 <= server.accepted <= 3, server.accepted
+        assert sample(calls, "kvplug_remote_short_circuits_total") == 10 - server.accepted
     finally:
         calls.close()
