@@ -64,7 +64,7 @@ def write_random_llama(path: Path, *, large: bool = ON_GPU) -> Path:
             "vocab_size": 2048,
         }
     config = LlamaConfig(
-        **shape, max_position_embeddings=4096, architectures=["LlamaForCausalLM"], torch_dtype="bfloat16"
+        **shape, max_position_embeddings=8192, architectures=["LlamaForCausalLM"], torch_dtype="bfloat16"
     )
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     return path
