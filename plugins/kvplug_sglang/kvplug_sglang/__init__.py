@@ -7,7 +7,6 @@ Importing this package does not import SGLang; the SGLang-facing modules
 from __future__ import annotations
 
 import kvplug
-
 from kvplug_sglang.adapter import SGLangAdapter
 
 __all__ = ["SGLangAdapter"]

@@ -26,7 +26,6 @@ import torch.distributed as dist
 
 import kvplug
 from kvplug.errors import LayoutError
-
 from kvplug_sglang.events import KVEventBridge
 from kvplug_sglang.setup_engine import build_cache_engine
 
@@ -189,7 +188,9 @@ class KVPlugLayerwiseConnector(KVPlugConnector):
         self._loads: list[list[Any]] = []
 
     @torch.no_grad()
-    def global_min_tokens(self, local_tokens: int, tp_group: dist.ProcessGroup | None, device: torch.device | str) -> int:
+    def global_min_tokens(
+        self, local_tokens: int, tp_group: dist.ProcessGroup | None, device: torch.device | str
+    ) -> int:
         """The smallest ``local_tokens`` over the ranks of ``tp_group`` (all_reduce MIN)."""
         if self.tp_size == 1:
             return local_tokens
@@ -211,7 +212,9 @@ class KVPlugLayerwiseConnector(KVPlugConnector):
         try:
             hit = self.engine.lookup(tokens, request=request)
             if hit > meta.offset:
-                loading = self.engine.retrieve_layerwise(tokens[:hit], self.kv_caches, slots[:hit], mask[:hit], request=request)
+                loading = self.engine.retrieve_layerwise(
+                    tokens[:hit], self.kv_caches, slots[:hit], mask[:hit], request=request
+                )
                 local = meta.offset + loading.num_loaded_tokens
         except Exception:
             # Never skip the collective below: the other ranks would hang in it.

@@ -64,7 +64,9 @@ class KVEventBridge:
         with _LIVE_LOCK:
             _LIVE.add(self)
 
-    def expect(self, keys: Sequence[str], bounds: Sequence[tuple[int, int]], tokens: Sequence[int], cache_salt: str | None) -> None:
+    def expect(
+        self, keys: Sequence[str], bounds: Sequence[tuple[int, int]], tokens: Sequence[int], cache_salt: str | None
+    ) -> None:
         """Remember the token ids of chunks about to be stored under ``keys``."""
         with self._lock:
             parent: int | None = None

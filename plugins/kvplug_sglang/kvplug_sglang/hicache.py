@@ -44,7 +44,6 @@ from sglang.srt.mem_cache.hicache_storage import (
 import kvplug
 from kvplug import KV_FORMAT_VERSION, TierChain
 from kvplug.errors import ChunkError, LayoutError
-
 from kvplug_sglang.host_pages import HostPageFormat
 
 logger = logging.getLogger("kvplug.sglang.hicache")
@@ -164,7 +163,9 @@ class KVPlugStorage(HiCacheStorage):
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         return self.batch_get([key], None if target_location is None else [target_location])[0]
 
-    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
         """Pages in the host pool's own flat order (what ``set_from_flat_data_page`` takes)."""
         self._check_ready()
         assert self.page_format is not None
@@ -183,10 +184,14 @@ class KVPlugStorage(HiCacheStorage):
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
         self._check_ready()
         if values is None or len(values) != len(keys):
-            raise ValueError(f"batch_set needs one page per key: {len(keys)} keys, {0 if values is None else len(values)} values")
+            raise ValueError(
+                f"batch_set needs one page per key: {len(keys)} keys, {0 if values is None else len(values)} values"
+            )
         return self._put(list(keys), list(values))
 
     def exists(self, key: str) -> bool:
@@ -200,7 +205,9 @@ class KVPlugStorage(HiCacheStorage):
 
     # --- zero-copy v1 (host indices) --------------------------------------------------
 
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         """Load pages straight into the host pool at ``host_indices`` (``page_size`` per key)."""
         self._check_ready()
         self._check_indices(keys, host_indices)
@@ -212,7 +219,9 @@ class KVPlugStorage(HiCacheStorage):
             results.append(page is not None)
         return results
 
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         self._check_ready()
         self._check_indices(keys, host_indices)
         ok = self._put(list(keys), [self._host_page(host_indices, i) for i in range(len(keys))])
@@ -221,20 +230,29 @@ class KVPlugStorage(HiCacheStorage):
     # --- v2 pool transfers ------------------------------------------------------------
 
     def batch_exists_v2(
-        self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None, extra_info: HiCacheStorageExtraInfo | None = None
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
         """KV hits as in :meth:`batch_exists`; every other pool reports no pages."""
         hits = self.batch_exists(keys, extra_info)
         extra = {str(t.name): 0 for t in pool_transfers or [] if str(t.name) != PoolName.KV.value}
         return PoolTransferResult(kv_hit_pages=hits, extra_pool_hit_pages=extra)
 
-    def batch_get_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
         return {str(t.name): self._transfer(t, load=True, extra_info=extra_info) for t in transfers}
 
-    def batch_set_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
         return {str(t.name): self._transfer(t, load=False, extra_info=extra_info) for t in transfers}
 
-    def _transfer(self, transfer: PoolTransfer, *, load: bool, extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
+    def _transfer(
+        self, transfer: PoolTransfer, *, load: bool, extra_info: HiCacheStorageExtraInfo | None
+    ) -> list[bool]:
         keys = list(transfer.keys or [])
         if str(transfer.name) != PoolName.KV.value:
             return [False] * len(keys)  # unsupported pool: a miss / a failed write, never wrong data

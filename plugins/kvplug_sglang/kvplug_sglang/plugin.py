@@ -24,6 +24,8 @@ def register() -> None:
         return
     if existing is not None:
         # SGLang's registry refuses duplicates; someone else owns the name.
-        logger.warning("radix-cache backend %r is already registered by %r; kvplug left it alone", BACKEND_NAME, existing)
+        logger.warning(
+            "radix-cache backend %r is already registered by %r; kvplug left it alone", BACKEND_NAME, existing
+        )
         return
     register_radix_cache_backend(BACKEND_NAME, kvplug_radix_cache_factory)

@@ -46,7 +46,6 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 import kvplug
-
 from kvplug_sglang.setup_engine import build_cache_engine
 
 logger = logging.getLogger("kvplug.sglang.radix")
@@ -154,7 +153,9 @@ class KVPlugRadixCache(RadixCache):
         mask[: plan.device_len] = False
         all_slots = torch.cat([prefix.to(torch.int64).cpu(), slots.to(torch.int64).cpu()])
         try:
-            loaded = self.engine.retrieve(plan.key.raw_token_ids(), self.kv_caches, all_slots, mask, request=_request_of(plan.key))
+            loaded = self.engine.retrieve(
+                plan.key.raw_token_ids(), self.kv_caches, all_slots, mask, request=_request_of(plan.key)
+            )
         except Exception:
             logger.exception("kvplug retrieve failed; recomputing")
             return 0
@@ -235,7 +236,10 @@ def kvplug_radix_cache_factory(ctx: Any) -> KVPlugRadixCache:
             ("hybrid SWA models", ctx.is_hybrid_swa),
             ("hybrid SSM (mamba) models", ctx.is_hybrid_ssm),
             ("DSA models", getattr(ctx, "is_dsa", False)),
-            ("--enable-hierarchical-cache (use the HiCache storage backend kvplug_sglang.hicache.KVPlugStorage)", ctx.enable_hierarchical_cache),
+            (
+                "--enable-hierarchical-cache (use the HiCache storage backend kvplug_sglang.hicache.KVPlugStorage)",
+                ctx.enable_hierarchical_cache,
+            ),
         )
         if on
     ]

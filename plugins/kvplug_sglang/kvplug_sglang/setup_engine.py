@@ -16,6 +16,7 @@ import torch
 import kvplug
 from kvplug.errors import LayoutError
 
+
 def model_id_of(model_config: Any) -> str:
     """The model identity that goes into the fingerprint.
 
@@ -28,7 +29,9 @@ def model_id_of(model_config: Any) -> str:
     return str(model_id)
 
 
-def sglang_layout(k_pool: Sequence[torch.Tensor], v_pool: Sequence[torch.Tensor], page_size: int = 1) -> kvplug.KVLayout:
+def sglang_layout(
+    k_pool: Sequence[torch.Tensor], v_pool: Sequence[torch.Tensor], page_size: int = 1
+) -> kvplug.KVLayout:
     """The ``sglang_mha`` layout of an ``MHATokenToKVPool``'s ``k_buffer``/``v_buffer`` lists."""
     if not k_pool or len(k_pool) != len(v_pool):
         raise LayoutError(
@@ -101,15 +104,13 @@ def build_cache_engine(
 def _check_against_model(model_config: Any, layout: kvplug.KVLayout, tp_size: int) -> None:
     """Catch a pool that belongs to another model (or another TP split) early."""
     layers = getattr(model_config, "num_hidden_layers", None)
-    if isinstance(layers, int) and layers != layout.num_layers:
-        # Pipeline parallelism gives a rank a slice of the layers; the pool is the truth.
-        if not (0 < layout.num_layers < layers):
-            raise LayoutError(f"the KV pool has {layout.num_layers} layers, the model {layers}")
+    # Pipeline parallelism gives a rank a slice of the layers; the pool is the truth.
+    if isinstance(layers, int) and layers != layout.num_layers and not (0 < layout.num_layers < layers):
+        raise LayoutError(f"the KV pool has {layout.num_layers} layers, the model {layers}")
     get_heads = getattr(model_config, "get_num_kv_heads", None)
     if callable(get_heads):
         heads = get_heads(tp_size)
         if isinstance(heads, int) and heads != layout.num_kv_heads:
             raise LayoutError(
-                f"the KV pool has {layout.num_kv_heads} KV heads per rank, "
-                f"the model {heads} at tp_size={tp_size}"
+                f"the KV pool has {layout.num_kv_heads} KV heads per rank, the model {heads} at tp_size={tp_size}"
             )
