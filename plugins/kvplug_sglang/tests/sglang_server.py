@@ -224,5 +224,9 @@ def hicache_args(tiers: list[dict[str, Any]], page_size: int = 64) -> list[str]:
         json.dumps(extra),
         "--page-size",
         str(page_size),
+        # The tests assert what storage serves, not how fast: SGLang's default ("timeout")
+        # gives up on a prefetch that a loaded CI machine makes slow, and recomputes.
+        "--hicache-storage-prefetch-policy",
+        "wait_complete",
     ]
     return args + ([] if ON_GPU else CPU_HICACHE_ARGS)
