@@ -18,18 +18,8 @@ from kvplug.core.metrics import EngineMetrics
 from kvplug.core.record import RECORD_HEADER_SIZE, key_digest, pack_record, pack_record_header, unpack_record
 from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, check_record
 from kvplug.core.redaction import SECRET_MASK, is_secret_name, redact, redact_text, redact_url
-from kvplug.core.remote import (
-    Absent,
-    CircuitBreaker,
-    FailureKind,
-    LoopThread,
-    RemoteCalls,
-    RemoteTierConfig,
-    RetryPolicy,
-    call_budget,
-    classify_failure,
-    remaining_budget_s,
-)
+from kvplug.core.remote import LoopThread, RemoteCalls, RemoteTierConfig, call_budget, remaining_budget_s
+from kvplug.core.retry import Absent, CircuitBreaker, FailureKind, RetryPolicy, classify_failure
 from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierContext, TierStats
 from kvplug.core.tier_chain import TierChain
 from kvplug.hookspecs import hookimpl
