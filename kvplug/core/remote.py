@@ -47,6 +47,8 @@ T = TypeVar("T")
 A = TypeVar("A")
 _STATE_VALUES: dict[BreakerState, float] = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 
+#: A store that is down fails every put; a tier says so once in this many seconds, not per put.
+DROP_WARNING_INTERVAL_S = 60.0
 #: How long past its deadline a call may take before the caller stops waiting for a stuck loop.
 _BACKSTOP_GRACE_S = 0.1
 
@@ -195,6 +197,8 @@ class RemoteCalls:
             on_close=self._closed_again,
         )
         self._semaphore = asyncio.Semaphore(config.max_concurrency)
+        self._drop_warning_lock = threading.Lock()
+        self._last_drop_warning: float | None = None
 
     # --- calls ----------------------------------------------------------------------
 
@@ -247,6 +251,16 @@ class RemoteCalls:
             outcome = self._wait_result(future, backstop, remaining)
             results.append(outcome)
         return results
+
+    def warn_dropped(self, cause: BaseException) -> None:
+        """Log that stores to the store fail and are dropped: once per
+        ``DROP_WARNING_INTERVAL_S``, not once per store (the tier counts each drop)."""
+        now = time.monotonic()
+        with self._drop_warning_lock:
+            if self._last_drop_warning is not None and now - self._last_drop_warning < DROP_WARNING_INTERVAL_S:
+                return
+            self._last_drop_warning = now
+        self.context.logger.warning("tier %s: puts to %s are failing and dropped (%s)", self.tier, self.where, cause)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run a coroutine on the tier's loop without waiting (start-up scans)."""

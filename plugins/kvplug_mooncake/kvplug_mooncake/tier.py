@@ -19,7 +19,6 @@ import asyncio
 import os
 import socket
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -58,7 +57,6 @@ OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706  # being read by a client; a plain remove is refused
 #: Codes that say the store is not answering (as opposed to answering about a key).
 UNAVAILABLE_CODES = frozenset({-1, -101, -103, -703, -800, -900, -1010, -1011})
-DROP_WARNING_INTERVAL_S = 60.0
 _COUNTERS = ("hits", "misses", "puts", "evictions", "dropped_puts", "no_space", "corrupt", "incompatible", "leased")
 
 
@@ -131,7 +129,6 @@ class MooncakeTier(StorageTier):
         self._record_hint = 0  # the largest record seen: the read size for keys of unknown size
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
-        self._last_drop_warning: float | None = None
         try:  # connect now so the first lookup is fast; a store that is down is retried later
             self._calls.run(lambda: self._blocking(self._connected), timeout_s=config.setup_timeout_s)
         except (TierUnavailableError, Absent) as exc:
@@ -351,7 +348,7 @@ class MooncakeTier(StorageTier):
             codes = self._run(write)
         except TierUnavailableError as exc:
             self._count("dropped_puts", len(keys))
-            self._warn_dropped(exc)
+            self._calls.warn_dropped(exc)
             return
         for key, name, value, code in zip(keys, names, values, codes):
             if code == 0:
@@ -363,7 +360,7 @@ class MooncakeTier(StorageTier):
             self._count("dropped_puts")
             if code == NO_SPACE:
                 self._count("no_space")
-            self._warn_dropped(MooncakeCallError(f"put of {key}", code))
+            self._calls.warn_dropped(MooncakeCallError(f"put of {key}", code))
         if budget is not None:
             self._evict_over(budget)
 
@@ -503,14 +500,6 @@ class MooncakeTier(StorageTier):
             self._bytes = 0
 
     # --- plumbing -------------------------------------------------------------------
-
-    def _warn_dropped(self, cause: BaseException) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if self._last_drop_warning is not None and now - self._last_drop_warning < DROP_WARNING_INTERVAL_S:
-                return
-            self._last_drop_warning = now
-        self.context.logger.warning("tier mooncake: puts to %s are failing and dropped (%s)", self._where, cause)
 
     def _count(self, name: str, amount: int = 1) -> None:
         with self._lock:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -50,8 +49,6 @@ T = TypeVar("T")
 LISTING_TIMEOUT_S = 300.0
 #: Building the client is local work (no network), but slow on a busy machine.
 OPEN_TIMEOUT_S = 60.0
-#: A store that is down fails every put; say so once in a while, not per put.
-DROP_WARNING_INTERVAL_S = 60.0
 _COUNTERS = ("hits", "misses", "puts", "evictions", "dropped_puts", "corrupt", "incompatible")
 
 
@@ -92,7 +89,6 @@ class S3Tier(StorageTier):
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
-        self._last_drop_warning: float | None = None
         self._scan_future = None
         if config.scan_on_start:
             self._index.begin_scan()
@@ -198,7 +194,7 @@ class S3Tier(StorageTier):
                 result = TierUnavailableError(f"{self._where} does not exist")
             if isinstance(result, BaseException):
                 self._count("dropped_puts")
-                self._warn_dropped(result)
+                self._calls.warn_dropped(result)
             else:
                 self._count("puts")
                 self._index.record(digest, memoryview(latest[key]).nbytes, key)
@@ -345,14 +341,6 @@ class S3Tier(StorageTier):
             return self._calls.batch(operation, arguments)
         except TierClosedError:
             raise TierClosedError(f"tier 's3' ({self._where}) was closed during the operation") from None
-
-    def _warn_dropped(self, cause: BaseException) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if self._last_drop_warning is not None and now - self._last_drop_warning < DROP_WARNING_INTERVAL_S:
-                return
-            self._last_drop_warning = now
-        self.context.logger.warning("tier s3: puts to %s are failing and dropped (%s)", self._where, cause)
 
     def _count(self, name: str, amount: int = 1) -> None:
         with self._lock:

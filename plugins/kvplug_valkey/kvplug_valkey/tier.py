@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
@@ -49,8 +48,6 @@ T = TypeVar("T")
 A = TypeVar("A")
 #: Listing a large prefix legitimately takes longer than one batch.
 LISTING_TIMEOUT_S = 300.0
-#: A server that is down fails every store; say so once in a while, not per store.
-DROP_WARNING_INTERVAL_S = 60.0
 #: Keys per pipeline for commands with small replies (STRLEN, DEL): a lookup is one round trip.
 SMALL_REPLY_KEYS = 1024
 _COUNTERS = ("hits", "misses", "puts", "evictions", "dropped_puts", "oom", "corrupt", "incompatible")
@@ -81,7 +78,6 @@ class ValkeyTier(StorageTier):
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
-        self._last_drop_warning: float | None = None
 
     @classmethod
     def location_config(cls, location: str, options: Mapping[str, Any]) -> ValkeyTierConfig | None:
@@ -197,7 +193,7 @@ class ValkeyTier(StorageTier):
         for group, result in zip(groups, results):
             if isinstance(result, BaseException):
                 self._count("dropped_puts", len(group))
-                self._warn_dropped(result)
+                self._calls.warn_dropped(result)
                 continue
             for (digest, frame), stored in zip(group, result):
                 if stored:
@@ -206,7 +202,7 @@ class ValkeyTier(StorageTier):
                 else:
                     self._count("oom")
                     self._count("dropped_puts")
-                    self._warn_dropped(MemoryError("the server is out of memory (maxmemory, noeviction)"))
+                    self._calls.warn_dropped(MemoryError("the server is out of memory (maxmemory, noeviction)"))
         if budget is not None:
             self._evict_over(budget)
 
@@ -333,14 +329,6 @@ class ValkeyTier(StorageTier):
         if current:
             groups.append(current)
         return groups
-
-    def _warn_dropped(self, cause: BaseException) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if self._last_drop_warning is not None and now - self._last_drop_warning < DROP_WARNING_INTERVAL_S:
-                return
-            self._last_drop_warning = now
-        self.context.logger.warning("tier valkey: stores to %s are failing and dropped (%s)", self._where, cause)
 
     def _count(self, name: str, amount: int = 1) -> None:
         with self._lock:
