@@ -105,6 +105,8 @@ class SchedulerSide:
         #: Background loads allocated this step (go into the next metadata), and those sent.
         self._background: dict[str, _Lookup] = {}
         self._background_hits: dict[str, _Lookup] = {}
+        #: Background loads that failed with nothing valid: vLLM asks again and computes the prompt.
+        self._failed_loads: dict[str, _Lookup] = {}
         self._stats = KVPlugConnectorStats()
         kv_events = getattr(vllm_config, "kv_events_config", None)
         self.publish_events = bool(kv_events is not None and kv_events.enable_kv_cache_events)
@@ -119,9 +121,11 @@ class SchedulerSide:
         tokens = request.prompt_token_ids
         if not self.can_load or tokens is None:
             return 0, False
-        if self._background_hits.pop(request.request_id, None) is not None:
+        failed = self._background_hits.pop(request.request_id, None)
+        if failed is not None:
             # Its background load failed or ran past load_timeout_ms and vLLM rolled it back to
             # nothing: trying the same slow tier again could fail the same way, forever.
+            self._failed_loads[request.request_id] = failed
             logger.info("request %s: its background load failed; vLLM computes the prompt", request.request_id)
             return 0, False
         try:
@@ -223,6 +227,9 @@ class SchedulerSide:
             if loaded is not None:  # its KV arrived in the background (or failed and is recomputed)
                 tracker.hit_tokens, tracker.external_tokens = loaded.num_hit, loaded.num_external
                 tracker.num_saved = min(loaded.num_hit, new.num_computed_tokens) // self.chunk_size * self.chunk_size
+            failed = self._failed_loads.pop(new.req_id, None)
+            if failed is not None:  # the report still says what the lookup found; nothing was loaded
+                tracker.hit_tokens = failed.num_hit
             end = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
             self._add(meta, new.req_id, tracker, end, self._take_load(new.req_id, tracker))
         cached = scheduler_output.scheduled_cached_reqs
@@ -364,6 +371,7 @@ class SchedulerSide:
         self._lookups.pop(req_id, None)
         self._background.pop(req_id, None)
         self._background_hits.pop(req_id, None)
+        self._failed_loads.pop(req_id, None)
 
     def _lookup_channel(self) -> DirectLookup | SocketLookup:
         if self._channel is None:
