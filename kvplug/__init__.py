@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from kvplug.core.background import BackgroundWorker
+from kvplug.core.chunk_format import dtype_name
 from kvplug.core.components import ComponentConfig, EmptyConfig, EngineAdapter
 from kvplug.core.events import KVEvent
 from kvplug.core.keys import KV_FORMAT_VERSION, ChunkKey, ExtraKey, Fingerprint, KeyBuilder
@@ -35,6 +36,7 @@ _LAZY = {
     "TorchConnector": "kvplug.builtins.torch_connector",
     "RequestInfo": "kvplug.core.engine",
     "KVLayout": "kvplug.core.layouts",
+    "PagedFormat": "kvplug.core.layouts",
     "slots_from_block_ids": "kvplug.core.layouts",
     "Serializer": "kvplug.core.serializer",
     "KVConnector": "kvplug.core.connector",
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
     from kvplug.core.config_loader import load_config
     from kvplug.core.connector import KVConnector
     from kvplug.core.engine import CacheEngine, LayerwiseRetrieve, RequestInfo
-    from kvplug.core.layouts import KVLayout, slots_from_block_ids
+    from kvplug.core.layouts import KVLayout, PagedFormat, slots_from_block_ids
     from kvplug.core.plugins import PluginRegistry, get_registry
     from kvplug.core.serializer import Serializer
 
@@ -86,6 +88,7 @@ __all__ = [
     "KeyBuilder",
     "LayerwiseRetrieve",
     "LoopThread",
+    "PagedFormat",
     "PluginRegistry",
     "RecordCheck",
     "RecordStore",
@@ -105,6 +108,7 @@ __all__ = [
     "call_budget",
     "check_record",
     "classify_failure",
+    "dtype_name",
     "get_registry",
     "hookimpl",
     "is_secret_name",

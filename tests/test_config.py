@@ -198,3 +198,48 @@ def test_per_request_override_of_a_shared_setting_is_refused(load) -> None:
 def test_per_request_bad_value(load) -> None:
     error = error_of(load, request={"skip_save": "perhaps"})
     assert "skip_save:" in str(error) and "'perhaps'" in str(error)
+
+
+# --- resolution: a new frozen object, bound to its registry --------------------------------
+
+
+def test_resolve_returns_a_new_config_and_leaves_the_input_alone(registry: PluginRegistry) -> None:
+    from kvplug import KVPlugConfig
+
+    raw = KVPlugConfig.model_validate({"tiers": [{"type": "cpu", "max_bytes": "1GiB"}]})
+    resolved = raw.resolve(registry)
+    assert resolved is not raw and resolved.resolved and not raw.resolved
+    assert int(resolved.tiers[0].options.max_bytes) == 1024**3
+    with pytest.raises(RuntimeError, match="not resolved"):
+        _ = raw.tiers[0].options
+    assert resolved.resolve(registry) is resolved  # already resolved against this registry
+    assert resolved.resolved_with(registry)
+
+
+def test_a_config_resolved_with_one_registry_is_checked_again_with_another(registry: PluginRegistry) -> None:
+    from kvplug import KVPlugConfig
+
+    with_disk = PluginRegistry(plugin_filter="cpu,disk")
+    config = KVPlugConfig.model_validate({"tiers": [{"type": "cpu"}, {"type": "disk", "path": "/tmp/kvplug-x"}]})
+    resolved = config.resolve(with_disk)
+    with pytest.raises(ConfigError) as info:
+        resolved.resolve(registry)  # a registry without the disk tier
+    assert [p.path for p in info.value.problems] == ["tiers[1].type"]
+    assert resolved.resolved_with(with_disk)  # nothing changed in it
+
+
+def test_per_request_copy_stays_resolved_against_the_same_registry(load, registry: PluginRegistry) -> None:
+    config = load().config
+    changed = config.with_overrides({"skip_save": True})
+    assert changed is not config and changed.resolved_with(registry)
+
+
+def test_structural_and_component_errors_are_reported_in_one_pass(load) -> None:
+    error = error_of(
+        load,
+        engine_extra={"kvplug.chunk_size": 0, "kvplug.tiers": [{"type": "cpu", "max_bytes": "lots"}, {"type": "nope"}]},
+    )
+    paths = {p.path for p in error.problems}
+    assert "chunk_size" in paths
+    assert any(p.startswith("tiers[0].max_bytes") for p in paths), paths
+    assert "tiers[1].type" in paths

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from kvplug.core import chunk_format
-from kvplug.core.serializer import Serializer, dtype_name
+from kvplug.core.chunk_format import dtype_name
+from kvplug.core.serializer import Serializer
 from kvplug.core.tier import Buffer
 from kvplug.errors import IncompatibleChunkError
 from kvplug.hookspecs import hookimpl

@@ -30,6 +30,12 @@ import xxhash
 
 from kvplug.errors import CorruptChunkError, IncompatibleChunkError
 
+
+def dtype_name(dtype: object) -> str:
+    """The name a frame header and a fingerprint give a torch dtype: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
 MAGIC = b"KVPL"
 FRAME_VERSION = 1
 HEADER_SIZE = 96

@@ -2,8 +2,12 @@
 
 Validation has two steps. ``KVPlugConfig.model_validate`` checks the structure;
 :meth:`KVPlugConfig.resolve` then validates each ``{type: name, ...}`` entry with the
-``Config`` model of the component that provides ``name``. :func:`kvplug.load_config`
-does both, after merging the layers (see :mod:`kvplug.core.config_loader`).
+``Config`` model of the component that provides ``name`` in one plugin registry, and
+returns a new config that carries the validated options and remembers that registry.
+Nothing is ever written into an existing config: a resolved config is a new, frozen
+object, and using it with another registry resolves it again.
+:func:`kvplug.load_config` does both, after merging the layers, and reports structural
+and component problems together (see :mod:`kvplug.core.config_loader`).
 """
 
 from __future__ import annotations
@@ -19,8 +23,6 @@ from kvplug.core.components import CheckedModel
 from kvplug.core.plugins import KNOWN_COMPONENTS, PluginRegistry, get_registry
 from kvplug.errors import ConfigError, ConfigProblem
 
-#: concern of each component field, for messages and lookups.
-_FIELD_CONCERNS = {"serializer": "serializer", "connector": "kv_connector", "tiers": "storage_tier"}
 _CONCERN_WORDS = {"serializer": "serializer", "kv_connector": "connector", "storage_tier": "tier"}
 
 
@@ -44,10 +46,18 @@ class ComponentSpec(BaseModel):
 
     @property
     def options(self) -> BaseModel:
-        """The validated options; only after :meth:`KVPlugConfig.resolve`."""
+        """The validated options; only on the config :meth:`KVPlugConfig.resolve` returns."""
         if self._options is None:
-            raise RuntimeError(f"component {self.type!r} is not resolved; call KVPlugConfig.resolve()")
+            raise RuntimeError(
+                f"component {self.type!r} is not resolved; use the config KVPlugConfig.resolve() returns"
+            )
         return self._options
+
+    def _with_options(self, options: BaseModel | None) -> ComponentSpec:
+        """A new spec carrying validated ``options`` (this one stays as it is)."""
+        spec = self.model_copy()
+        spec._options = options
+        return spec
 
 
 class StoreSettings(CheckedModel):
@@ -112,7 +122,8 @@ class KVPlugConfig(CheckedModel):
         "asked in time count as a miss.",
     )
 
-    _resolved: bool = PrivateAttr(default=False)
+    #: The registry this config was resolved against; None: not resolved.
+    _registry: PluginRegistry | None = PrivateAttr(default=None)
 
     @classmethod
     def per_request_fields(cls) -> set[str]:
@@ -122,38 +133,48 @@ class KVPlugConfig(CheckedModel):
             if isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get("per_request")
         }
 
+    @property
+    def resolved(self) -> bool:
+        """Whether the component options are validated (this is what :meth:`resolve` returned)."""
+        return self._registry is not None
+
+    def resolved_with(self, registry: PluginRegistry) -> bool:
+        """Whether this config was resolved against ``registry``."""
+        return self._registry is registry
+
     def resolve(self, registry: PluginRegistry | None = None) -> KVPlugConfig:
-        """Validate every component entry with its component's Config (in place)."""
-        if self._resolved:
-            return self
+        """A new config whose component entries are validated by their components' ``Config``.
+
+        Returns ``self`` when it is already resolved against ``registry``; a config
+        resolved against another registry is resolved again, from its raw options.
+        Raises :class:`~kvplug.errors.ConfigError` listing every problem found.
+        """
         registry = registry or get_registry()
+        if self._registry is registry:
+            return self
         problems: list[ConfigProblem] = []
-        entries: list[tuple[str, str, ComponentSpec]] = [
-            ("serializer", "serializer", self.serializer),
-            ("connector", "kv_connector", self.connector),
-        ]
-        entries += [(f"tiers[{i}]", "storage_tier", spec) for i, spec in enumerate(self.tiers)]
-        for path, concern, spec in entries:
-            if concern == "kv_connector" and spec.type == "auto":
-                spec._options = _validate_options(spec, _AutoConnectorOptions, path, problems)
-                continue
-            available = registry.components(concern)
-            component = available.get(spec.type)
-            if component is None:
-                problems.append(
-                    ConfigProblem(
-                        f"{path}.type", spec.type, _unknown_type_message(concern, spec.type, available, registry)
-                    )
-                )
-                continue
-            spec._options = _validate_options(spec, component.Config, path, problems)
-        _check_distinct_locations(self.tiers, problems)
+        specs = [self.serializer, self.connector, *self.tiers]
+        options = resolve_components(
+            [(path, spec.type, spec.raw_options) for path, spec in zip(self._component_paths(), specs)],
+            registry,
+            problems,
+        )
+        resolved = [spec._with_options(opts) for spec, opts in zip(specs, options)]
+        _check_distinct_locations(resolved[2:], problems)
         if not problems:
-            _check_memory_budgets(self, registry, problems)
+            _check_memory_budgets(self, resolved[2:], registry, problems)
         if problems:
             raise ConfigError(problems)
-        self._resolved = True
-        return self
+        return self._assemble(resolved, registry)
+
+    def _component_paths(self) -> list[str]:
+        return ["serializer", "connector", *(f"tiers[{i}]" for i in range(len(self.tiers)))]
+
+    def _assemble(self, specs: list[ComponentSpec], registry: PluginRegistry) -> KVPlugConfig:
+        """A copy of this config with ``specs`` (serializer, connector, tiers...) resolved against ``registry``."""
+        copy = self.model_copy(update={"serializer": specs[0], "connector": specs[1], "tiers": specs[2:]})
+        copy._registry = registry
+        return copy
 
     def effective(self) -> dict[str, Any]:
         """The config as plain data, with every component's options validated and defaulted."""
@@ -183,12 +204,46 @@ class KVPlugConfig(CheckedModel):
             from kvplug.core.config_loader import problems_from_validation_error
 
             raise ConfigError(problems_from_validation_error(exc, data), source) from None
-        for mine, theirs in zip(
-            [self.serializer, self.connector, *self.tiers], [updated.serializer, updated.connector, *updated.tiers]
-        ):
-            theirs._options = mine._options
-        updated._resolved = self._resolved
-        return updated
+        if self._registry is None:
+            return updated
+        # Per-request settings are top-level scalars: the components' validated (frozen)
+        # options are the same, so the new config shares them instead of validating again.
+        return updated._assemble([self.serializer, self.connector, *self.tiers], self._registry)
+
+
+def resolve_components(
+    entries: list[tuple[str, str, dict[str, Any]]], registry: PluginRegistry, problems: list[ConfigProblem]
+) -> list[BaseModel | None]:
+    """Validate ``(path, type, raw options)`` entries (``serializer``, ``connector``,
+    ``tiers[i]``) with the ``Config`` of the component ``type`` names in ``registry``.
+
+    Appends a problem per unknown type or bad option to ``problems``; returns the
+    validated options, ``None`` where validation failed.
+    """
+    results: list[BaseModel | None] = []
+    for path, name, raw in entries:
+        concern = _concern_of(path)
+        if concern == "kv_connector" and name == "auto":
+            results.append(_validate_options(raw, _AutoConnectorOptions, path, problems))
+            continue
+        available = registry.components(concern)
+        component = available.get(name)
+        if component is None:
+            problems.append(
+                ConfigProblem(f"{path}.type", name, _unknown_type_message(concern, name, available, registry))
+            )
+            results.append(None)
+            continue
+        results.append(_validate_options(raw, component.Config, path, problems))
+    return results
+
+
+def _concern_of(path: str) -> str:
+    if path == "serializer":
+        return "serializer"
+    if path == "connector":
+        return "kv_connector"
+    return "storage_tier"
 
 
 def _check_distinct_locations(tiers: list[ComponentSpec], problems: list[ConfigProblem]) -> None:
@@ -223,11 +278,10 @@ class _AutoConnectorOptions(BaseModel):
 
 
 def _validate_options(
-    spec: ComponentSpec, model: type[BaseModel], path: str, problems: list[ConfigProblem]
+    options: dict[str, Any], model: type[BaseModel], path: str, problems: list[ConfigProblem]
 ) -> BaseModel | None:
     from kvplug.core.config_loader import problems_from_validation_error
 
-    options = spec.raw_options
     try:
         return model.model_validate(options)
     except ValidationError as exc:
@@ -266,12 +320,14 @@ def physical_memory() -> tuple[int, str]:
     return total, what
 
 
-def _check_memory_budgets(config: KVPlugConfig, registry: PluginRegistry, problems: list[ConfigProblem]) -> None:
+def _check_memory_budgets(
+    config: KVPlugConfig, tiers: list[ComponentSpec], registry: PluginRegistry, problems: list[ConfigProblem]
+) -> None:
     """In-memory tiers' budgets plus the store queue must fit in memory: past it, the
     engine is killed (ENOMEM, the OOM killer) long after the config was accepted."""
     classes = registry.components("storage_tier")
     held: list[tuple[str, int]] = []
-    for index, spec in enumerate(config.tiers):
+    for index, spec in enumerate(tiers):
         component = classes.get(spec.type)
         budget = getattr(spec._options, "max_bytes", None)
         if component is not None and getattr(component, "keeps_buffers", False) and budget:

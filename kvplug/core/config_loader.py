@@ -17,8 +17,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
 
-from kvplug.core.config import KVPlugConfig
-from kvplug.core.plugins import PluginRegistry
+from kvplug.core.config import KVPlugConfig, resolve_components
+from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.record import INTEGRITY_KEY_ENV, INTEGRITY_KEY_FILE_ENV, integrity_key
 from kvplug.errors import ConfigError, ConfigProblem
 
@@ -73,14 +73,31 @@ def load_config(
     try:
         config = KVPlugConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(problems_from_validation_error(exc, data, model=KVPlugConfig)) from None
-    config.resolve(registry)
+        # One pass: the component entries that are well formed are checked too, so a
+        # user fixes every problem at once rather than one layer of them per run.
+        problems = problems_from_validation_error(exc, data, model=KVPlugConfig)
+        resolve_components(_component_entries(data), registry or get_registry(), problems)
+        raise ConfigError(problems) from None
+    config = config.resolve(registry)
     if request:
         config = config.with_overrides(request)
         for key in request:
             sources[key] = "request"
         layers.append(("request", dict(request)))
     return LoadedConfig(config, sources, layers)
+
+
+def _component_entries(data: Mapping[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(path, type, options)`` of the well-formed component entries of raw config data."""
+    candidates: list[tuple[str, Any]] = [("serializer", data.get("serializer")), ("connector", data.get("connector"))]
+    tiers = data.get("tiers")
+    if isinstance(tiers, list):
+        candidates += [(f"tiers[{i}]", entry) for i, entry in enumerate(tiers)]
+    entries = []
+    for path, entry in candidates:
+        if isinstance(entry, Mapping) and isinstance(entry.get("type"), str) and entry["type"]:
+            entries.append((path, entry["type"], {k: v for k, v in entry.items() if k != "type"}))
+    return entries
 
 
 def read_yaml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvplug.core.background import BackgroundWorker
+from kvplug.core.chunk_format import dtype_name
 from kvplug.core.config import KVPlugConfig
 from kvplug.core.connector import KVConnector, LayerCache
 from kvplug.core.events import KVEvent
@@ -29,7 +30,7 @@ from kvplug.core.keys import ChunkKey, ExtraKey, Fingerprint, KeyBuilder
 from kvplug.core.layouts import KVLayout
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry, get_registry
-from kvplug.core.serializer import Serializer, dtype_name
+from kvplug.core.serializer import Serializer
 from kvplug.core.tier import StorageTier
 from kvplug.core.tier_chain import TierChain
 from kvplug.errors import ChunkError, ConnectorError, EngineClosedError, LayoutError
@@ -69,7 +70,9 @@ class CacheEngine:
         self.config = config.resolve(self.registry)
         self.layout = layout
         self.metrics = metrics or EngineMetrics()
-        self.serializer: Serializer = self.registry.serializers()[config.serializer.type](config.serializer.options)
+        self.serializer: Serializer = self.registry.serializers()[self.config.serializer.type](
+            self.config.serializer.options
+        )
         self.fingerprint = replace(
             fingerprint,
             serializer=self.serializer.fingerprint(),
@@ -77,26 +80,26 @@ class CacheEngine:
             dtype=dtype_name(layout.dtype),
         )
         self.connector: KVConnector = self._make_connector()
-        self.key_builder = KeyBuilder(config.chunk_size, config.hash)
+        self.key_builder = KeyBuilder(self.config.chunk_size, self.config.hash)
         self.chain = TierChain.open(
-            config.tiers,
+            self.config.tiers,
             self.registry,
             fingerprint=self.fingerprint.hexdigest(),
             metrics=self.metrics,
-            lookup_timeout_s=config.lookup_timeout_ms / 1000,
+            lookup_timeout_s=self.config.lookup_timeout_ms / 1000,
         )
         pin_frames = self.connector.wants_pinned_frames()
         self.frame_pool = FramePool(self._frame_pool_bytes(self.chain.tiers), pin=pin_frames)
         self._store_worker: BackgroundWorker[StoreBatch] | None = None
-        if config.store.mode == "async":
+        if self.config.store.mode == "async":
             self._store_worker = BackgroundWorker(
                 "kvplug-store",
                 self._write_batch,
-                max_items=config.store.queue_max_batches,
-                max_bytes=int(config.store.queue_max_bytes),
+                max_items=self.config.store.queue_max_batches,
+                max_bytes=int(self.config.store.queue_max_bytes),
                 size_of=lambda batch: sum(memoryview(frame).nbytes for _, frame, _ in batch),
-                on_full=config.store.on_full,
-                block_timeout_s=config.store.block_timeout_s,
+                on_full=self.config.store.on_full,
+                block_timeout_s=self.config.store.block_timeout_s,
                 on_drop=lambda batch: self.metrics.store_dropped.labels("engine").inc(),
             )
         self._closed = False

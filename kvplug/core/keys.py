@@ -21,6 +21,8 @@ from typing import Any, Literal, Protocol
 import blake3
 import xxhash
 
+from kvplug.core.chunk_format import dtype_name
+
 #: Bump when the meaning of stored bytes changes; old chunks then never match.
 KV_FORMAT_VERSION = "v1"
 
@@ -71,7 +73,7 @@ class Fingerprint:
         return cls(
             model_id=model_id,
             kv_layout=layout.describe(),
-            dtype=str(layout.dtype).removeprefix("torch."),
+            dtype=dtype_name(layout.dtype),
             block_size=layout.block_size,
             **fields,
         )

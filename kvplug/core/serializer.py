@@ -14,18 +14,6 @@ from kvplug.core.components import EmptyConfig
 from kvplug.core.tier import Buffer
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype {name!r}")
-    return dtype
-
-
 class Serializer(ABC):
     """Turns chunk tensors into frames with a versioned header and a checksum.
 

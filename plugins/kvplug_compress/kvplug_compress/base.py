@@ -11,13 +11,9 @@ from typing import Any
 import torch
 
 import kvplug
+from kvplug import dtype_name
 from kvplug.errors import CorruptChunkError
 from kvplug_compress import frame as kvpc
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
 
 
 def tensor_over(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:

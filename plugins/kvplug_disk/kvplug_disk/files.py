@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from stat import S_ISREG
 
-from kvplug import RECORD_HEADER_SIZE, Buffer, pack_record_header
+from kvplug import RECORD_HEADER_SIZE, Buffer, key_digest, pack_record_header
 
 RECORD_SUFFIX = ".kvr"
 TEMP_SUFFIX = ".tmp"
@@ -54,7 +54,7 @@ def digest_of(key: str) -> str:
     """The sha256 hex digest that names ``key``'s file."""
     if not isinstance(key, str):
         raise TypeError(f"tier keys are str, got {type(key).__name__}")
-    return hashlib.sha256(key.encode()).hexdigest()
+    return key_digest(key).hex()
 
 
 def value_size_of(file_size: int) -> int:

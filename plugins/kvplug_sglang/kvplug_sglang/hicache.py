@@ -27,7 +27,6 @@ indexer, ...) are refused at registration and report no hits.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import Any
 
@@ -92,7 +91,7 @@ class KVPlugStorage(HiCacheStorage):
         self.fingerprint = kvplug.Fingerprint(
             model_id=self.model_id,
             kv_layout=page_format.describe() + (":split" if cfg.should_split_heads else ""),
-            dtype=str(page_format.dtype).removeprefix("torch."),
+            dtype=kvplug.dtype_name(page_format.dtype),
             block_size=page_format.page_size,
             serializer=self.serializer.fingerprint(),
             tp_rank=0 if replicated else cfg.tp_rank,
@@ -123,7 +122,7 @@ class KVPlugStorage(HiCacheStorage):
     def storage_key(self, key: str) -> str:
         """kvplug's key of an SGLang page key: hex only, whatever SGLang sent."""
         self._check_ready()
-        return self._prefix + hashlib.sha256(key.encode("utf-8")).hexdigest()
+        return self._prefix + kvplug.key_digest(key).hex()
 
     def _encode(self, page: torch.Tensor) -> Any:
         assert self.page_format is not None
