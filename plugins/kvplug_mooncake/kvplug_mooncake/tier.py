@@ -487,14 +487,21 @@ class MooncakeTier(StorageTier):
                 return
             self._closed = True
         self._calls.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
         store, self._store = self._store, None
         buffers, self._buffers = self._buffers, None
-        if store is not None:
-            # The client's close talks to the master; a hung master must not hang close.
-            closer = threading.Thread(target=_close_client, args=(store, buffers), daemon=True)
-            closer.start()
-            closer.join(self.config.request_timeout_s)
+
+        def shut_down() -> None:
+            # A call abandoned at its deadline may still run in a pool thread (a hung or
+            # killed master): closing the client under it crashes the process (SIGSEGV in
+            # the client), so the client is closed only once every pool call has returned.
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            if store is not None:
+                _close_client(store, buffers)
+
+        # The client's close talks to the master; a hung master must not hang close.
+        closer = threading.Thread(target=shut_down, name="kvplug-mooncake-close", daemon=True)
+        closer.start()
+        closer.join(self.config.request_timeout_s)
         with self._lock:
             self._index.clear()
             self._bytes = 0
