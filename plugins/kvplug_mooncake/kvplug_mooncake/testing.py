@@ -87,6 +87,15 @@ def _binary(name: str) -> str:
     return found
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the test process dies, even by a crash,
+    so no master or storage process outlives the tests that started it."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def mooncake_env() -> dict[str, str]:
     return dict(os.environ, MC_TCP_BIND_ADDRESS=LOOPBACK)
 
@@ -234,7 +243,14 @@ class MooncakeCluster:
     def _spawn(self, role: str, command: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.workdir / f"{role}.log", "ab")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=mooncake_env(), cwd=self.workdir)
+        return subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=mooncake_env(),
+            cwd=self.workdir,
+            preexec_fn=_die_with_parent,
+        )
 
     def _wait_for_port(self, port: int, process: subprocess.Popen[bytes], what: str, timeout_s: float = 20.0) -> None:
         deadline = time.monotonic() + timeout_s
