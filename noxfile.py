@@ -172,7 +172,7 @@ PLUGIN_FOLDERS = sorted(str(path.parent) for path in Path("plugins").glob("kvplu
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check (pinned), mypy (strict on kvplug/), the import-linter contracts.
+    """ruff check and ruff format --check (pinned), mypy (strict on kvplug/ and every plugin package), the import-linter contracts.
 
     The plugins are put on PYTHONPATH rather than installed: their engines (vLLM, SGLang,
     Mooncake) need not be there for their imports to be checked.
@@ -187,5 +187,7 @@ def lint(session: nox.Session) -> None:
         session.run("ruff", "format", "--check", ".")
     if "mypy" in steps:
         session.run("mypy", "kvplug")
+        packages = [arg for folder in PLUGIN_FOLDERS for arg in ("-p", Path(folder).name)]
+        session.run("mypy", *packages, env={"MYPYPATH": os.pathsep.join(PLUGIN_FOLDERS)})
     if "imports" in steps:
         session.run("lint-imports", env={"PYTHONPATH": os.pathsep.join(PLUGIN_FOLDERS)})

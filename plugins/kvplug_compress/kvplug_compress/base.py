@@ -38,7 +38,7 @@ def staged_frame(buffer: Any, shape: tuple[int, ...], dtype: torch.dtype) -> Any
     carries the chunk's shape and dtype as attributes.
     """
     frame = (ctypes.c_ubyte * memoryview(buffer).nbytes).from_buffer(buffer)
-    frame.kvplug_chunk = (tuple(shape), dtype)
+    frame.kvplug_chunk = (tuple(shape), dtype)  # type: ignore[attr-defined]  # ctypes arrays take attributes
     return frame
 
 

@@ -209,13 +209,15 @@ class ZstdSerializer(LosslessSerializer):
         compressor = getattr(self._local, "compressor", None)
         if compressor is None:  # zstandard contexts are not thread-safe: one per thread
             compressor = self._local.compressor = zstandard.ZstdCompressor(level=self.level())
-        return compressor.compress(plane)
+        compressed: bytes = compressor.compress(plane)
+        return compressed
 
     def decompress_plane(self, blob: memoryview, size: int) -> bytes:
         decompressor = getattr(self._local, "decompressor", None)
         if decompressor is None:
             decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
-        return decompressor.decompress(blob, max_output_size=size)
+        compressed: bytes = decompressor.decompress(blob, max_output_size=size)
+        return compressed
 
 
 class LZ4Config(LosslessConfig):
@@ -235,8 +237,11 @@ class LZ4Serializer(LosslessSerializer):
     def compress_plane(self, plane: memoryview) -> bytes:
         level = self.level()
         if level == 0:
-            return lz4.block.compress(plane, store_size=False)
-        return lz4.block.compress(plane, mode="high_compression", compression=level, store_size=False)
+            fast: bytes = lz4.block.compress(plane, store_size=False)
+            return fast
+        small: bytes = lz4.block.compress(plane, mode="high_compression", compression=level, store_size=False)
+        return small
 
     def decompress_plane(self, blob: memoryview, size: int) -> bytes:
-        return lz4.block.decompress(blob, uncompressed_size=size)
+        plain: bytes = lz4.block.decompress(blob, uncompressed_size=size)
+        return plain

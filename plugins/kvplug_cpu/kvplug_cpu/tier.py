@@ -13,8 +13,8 @@ import sys
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 from pydantic import ByteSize, Field
 
@@ -134,11 +134,11 @@ class CPUTier(StorageTier):
             raise TierClosedError("tier 'cpu' is closed")
 
 
-def _pinning_copier(mode: str):
+def _pinning_copier(mode: str) -> Callable[[memoryview], memoryview] | None:
     """A function copying a buffer into pinned memory, or None when not pinning."""
     if mode == "never":
         return None
-    torch = sys.modules.get("torch")
+    torch: Any = sys.modules.get("torch")
     cuda_ok = torch is not None and torch.cuda.is_available()
     if not cuda_ok:
         if mode == "always":
@@ -156,7 +156,7 @@ def _pinning_copier(mode: str):
     return copy_pinned
 
 
-def _is_pinned(torch, view: memoryview) -> bool:
+def _is_pinned(torch: Any, view: memoryview) -> bool:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # frombuffer warns on read-only views; nothing writes here
         return bool(torch.frombuffer(view, dtype=torch.uint8).is_pinned())

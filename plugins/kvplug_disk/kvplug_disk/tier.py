@@ -391,7 +391,7 @@ class DiskTier(StorageTier):
             if self._skipped(digest):
                 continue
             known = old.get(digest)
-            self._index.add_new(digest, IndexEntry(value_size_of(file_size), file_size, known and known.key))
+            self._index.add_new(digest, IndexEntry(value_size_of(file_size), file_size, known.key if known else None))
         usage.total = self._index.value_bytes
 
     def remove(self, keys: Sequence[str]) -> None:

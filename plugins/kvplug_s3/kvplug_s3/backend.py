@@ -126,8 +126,10 @@ class AsyncObjectStore(ObjectStore):
     async def read(self, path: str) -> bytes:
         if hasattr(self.fs, "_s3"):
             # s3fs would HEAD first to decide on ranged reads; one GET is one round trip.
-            return await self.fs._cat_file(path, max_concurrency=1)
-        return await self.fs._cat_file(path)
+            data: bytes = await self.fs._cat_file(path, max_concurrency=1)
+            return data
+        whole: bytes = await self.fs._cat_file(path)
+        return whole
 
     async def write(self, path: str, data: bytes) -> None:
         await self.fs._pipe_file(path, data)
@@ -197,7 +199,8 @@ class ThreadedObjectStore(ObjectStore):
         return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
 
     async def read(self, path: str) -> bytes:
-        return await self._call(self.fs.cat_file, path)
+        data: bytes = await self._call(self.fs.cat_file, path)
+        return data
 
     async def write(self, path: str, data: bytes) -> None:
         await self._call(self._write_sync, path, data)
@@ -227,7 +230,8 @@ class ThreadedObjectStore(ObjectStore):
                 raise FileNotFoundError(path)
             return int(details.get("size") or 0)
 
-        return await self._call(info)
+        size: int = await self._call(info)
+        return size
 
     async def delete(self, path: str) -> None:
         await self._call(self.fs.rm_file, path)
@@ -235,7 +239,8 @@ class ThreadedObjectStore(ObjectStore):
     async def listing(self) -> list[StoredObject]:
         def find() -> dict[str, dict[str, Any]]:
             try:
-                return self.fs.find(self.root, detail=True)
+                found: dict[str, dict[str, Any]] = self.fs.find(self.root, detail=True)
+                return found
             except FileNotFoundError:
                 return {}
 

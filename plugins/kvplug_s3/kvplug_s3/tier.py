@@ -187,7 +187,7 @@ class S3Tier(StorageTier):
         # then no frame of this batch is reused.
         if self._frames and self._calls.retried == retries_before:
             for frame, result in zip(frames, results):
-                if not isinstance(result, BaseException):
+                if not isinstance(result, BaseException) and isinstance(frame, bytearray):
                     self._frames.release(frame)
         for key, digest, result in zip(keys, digests, results):
             if isinstance(result, Absent):  # the bucket or folder is gone: a failure for a write

@@ -155,7 +155,10 @@ class KVPlugStorage(HiCacheStorage):
 
     def _host_page(self, host_indices: torch.Tensor, i: int) -> torch.Tensor:
         assert self.page_format is not None
-        return self.mem_pool_host.get_data_page(int(host_indices[i * self.page_format.page_size]), flat=False)
+        page: torch.Tensor = self.mem_pool_host.get_data_page(
+            int(host_indices[i * self.page_format.page_size]), flat=False
+        )
+        return page
 
     # --- generic interface ------------------------------------------------------------
 

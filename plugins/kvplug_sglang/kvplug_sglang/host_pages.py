@@ -40,7 +40,7 @@ class HostPageFormat:
         is_mla = not hasattr(host, "v_buffer")
         allowed = MLA_LAYOUTS if is_mla else MHA_LAYOUTS
         kind = "MLA" if is_mla else "MHA"
-        if layout not in allowed:
+        if not isinstance(layout, str) or layout not in allowed:
             raise LayoutError(
                 f"kvplug's HiCache backend supports {kind} host pools with --hicache-mem-layout "
                 f"{', '.join(allowed)}; got {layout!r} ({type(host).__name__})"

@@ -139,6 +139,7 @@ class KVPlugRadixCache(RadixCache):
                 self.token_to_kv_pool_allocator.free(slots)
             self.load_failures += 1
             return 0, last_node
+        assert slots is not None  # every rank agreed its load succeeded
         values = torch.cat([prefix.to(torch.int64), slots.to(torch.int64)])
         result = self.insert(InsertParams(key=plan.key, value=values, priority=last_node.priority))
         if result.prefix_len > plan.device_len:

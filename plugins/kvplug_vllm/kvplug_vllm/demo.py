@@ -87,7 +87,8 @@ def run_in_subprocess(spec: dict[str, Any], *, timeout_s: float = 900) -> dict[s
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM engine run failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-5000:]}")
-    return json.loads(lines[-1][len(RESULT_PREFIX) :])
+    result: dict[str, Any] = json.loads(lines[-1][len(RESULT_PREFIX) :])
+    return result
 
 
 def run_engine_demo(console: Any, *, tokens: int = 4096) -> dict[str, Any]:

@@ -134,10 +134,11 @@ class KVPlugKVEvents(KVConnectorKVEvents):
         self._aggregator.increment_workers(count)
 
     def get_all_events(self) -> list[KVCacheEvent]:
-        return self._aggregator.get_all_events()
+        events: list[KVCacheEvent] = self._aggregator.get_all_events()
+        return events
 
     def get_number_of_workers(self) -> int:
-        return self._aggregator.get_number_of_workers()
+        return int(self._aggregator.get_number_of_workers())
 
     def clear_events(self) -> None:
         self._aggregator.clear_events()

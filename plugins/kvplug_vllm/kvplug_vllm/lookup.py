@@ -160,16 +160,13 @@ def decode_request(body: bytes) -> tuple[list[int], RequestInfo]:
     overrides = header.get("overrides") or {}
     if not isinstance(overrides, dict) or len(overrides) > MAX_OVERRIDES:
         raise ValueError(f"overrides must be a mapping of at most {MAX_OVERRIDES} settings")
-    lora_id = header.get("lora_id")
-    if lora_id is not None and type(lora_id) is not int:
-        raise ValueError("lora_id must be an integer")
     tokens = array("q")
     tokens.frombytes(raw)
     if struct.pack("=q", 1) != struct.pack("<q", 1):  # pragma: no cover
         tokens.byteswap()
     info = RequestInfo(
         cache_salt=_text(header.get("cache_salt"), "cache_salt"),
-        lora_id=lora_id,
+        lora_id=_text(header.get("lora_id"), "lora_id"),
         extra_keys=_extra_keys(header.get("extra_keys", [])),
         overrides=dict(overrides),
     )

@@ -234,9 +234,10 @@ class SchedulerSide:
             self._add(meta, new.req_id, tracker, end, self._take_load(new.req_id, tracker))
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
-            tracker = self._trackers.get(req_id)
-            if tracker is None:
+            running = self._trackers.get(req_id)
+            if running is None:
                 continue
+            tracker = running
             new_blocks = cached.new_block_ids[index]
             if req_id in cached.resumed_req_ids:
                 tracker.block_ids = list(new_blocks[0]) if new_blocks else []

@@ -265,8 +265,8 @@ class WorkerSide:
             return
         if index == 0 and self._saved_layers == 0:
             meta = self._metadata()
-            self._storers = [self._store(request, layerwise=True) for request in self._to_save(meta)]
-            self._storers = [s for s in self._storers if s is not None]
+            storers = (self._store(request, layerwise=True) for request in self._to_save(meta))
+            self._storers = [s for s in storers if s is not None]
         while self._saved_layers <= index:
             for storer in self._storers:
                 next(storer, None)
