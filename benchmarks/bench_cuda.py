@@ -74,7 +74,7 @@ def _measure(args: argparse.Namespace, figures: dict[str, object]) -> int:
     else:
         device = torch.device("cuda")
 
-    from kvplug import KVLayout
+    from kvplug import KVLayout, PagedFormat
     from kvplug.builtins.torch_connector import TorchConnector
     from kvplug.core.frame_pool import GRANULARITY, FramePool
     from kvplug_cuda import CudaConnector
@@ -82,7 +82,13 @@ def _measure(args: argparse.Namespace, figures: dict[str, object]) -> int:
     dtype = getattr(torch, args.dtype)
     heads = 1 if args.layout == "vllm_mla" else args.heads
     block_size = 1 if args.layout == "sglang_mha" else args.block_size
-    layout = KVLayout(args.layout, args.layers, block_size, heads, args.head_dim, dtype)
+    # the formats as the vLLM/SGLang adapters declare them (same names: same fingerprints)
+    formats = {
+        "vllm_flash": PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim")),
+        "vllm_mla": PagedFormat("vllm_mla", ("block", "token", "dim"), latent=True),
+        "sglang_mha": PagedFormat("sglang_mha", ("slot", "head", "dim"), tensors=2),
+    }
+    layout = KVLayout(formats[args.layout], args.layers, block_size, heads, args.head_dim, dtype)
     caches, slots = _paged_caches(layout, args.tokens, device)
     chunk_bytes = layout.bytes_per_token() * args.tokens
     frame = torch.empty(layout.chunk_shape(args.tokens), dtype=dtype)  # pageable, like a serializer frame
@@ -187,7 +193,7 @@ def _paged_caches(layout, tokens: int, device: torch.device) -> tuple[list, torc
     num_blocks = 4 * blocks_needed
     b, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
     shape = {"vllm_flash": (2, num_blocks, b, h, d), "vllm_mla": (num_blocks, b, d)}.get(
-        layout.kind, (num_blocks * b, h, d)
+        layout.format.name, (num_blocks * b, h, d)
     )
     itemsize = torch.empty((), dtype=layout.dtype).element_size()
 
@@ -196,7 +202,7 @@ def _paged_caches(layout, tokens: int, device: torch.device) -> tuple[list, torc
         return raw.view(layout.dtype)
 
     caches = [
-        (random_tensor(), random_tensor()) if layout.kind == "sglang_mha" else random_tensor()
+        (random_tensor(), random_tensor()) if layout.format.tensors == 2 else random_tensor()
         for _ in range(layout.num_layers)
     ]
     blocks = torch.randperm(num_blocks, device=device)[:blocks_needed]

@@ -24,7 +24,10 @@ import time
 
 import torch
 
-from kvplug import CacheEngine, Fingerprint, KVLayout, load_config, slots_from_block_ids
+from kvplug import CacheEngine, Fingerprint, KVLayout, PagedFormat, load_config, slots_from_block_ids
+
+#: The engine format this test's caches use, as the vLLM/SGLang adapters declare it (same name: same fingerprints).
+VLLM_FLASH = PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim"))
 
 
 def timed(fn, repeat: int) -> float:
@@ -46,7 +49,7 @@ def main() -> None:
     args = parser.parse_args()
     out = sys.stderr if args.json else sys.stdout
 
-    layout = KVLayout("vllm_flash", num_layers=8, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    layout = KVLayout(VLLM_FLASH, num_layers=8, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     tokens = args.tokens
     blocks = tokens // layout.block_size
     nbytes = tokens * layout.bytes_per_token()

@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import torch
 
-from kvplug import KVLayout
+from kvplug import KVLayout, PagedFormat
 
-#: One small layout per supported kind, and how to make its per-layer caches.
+#: The engine formats the adapters declare (kvplug_vllm's layout.py, kvplug_sglang's
+#: setup_engine.py), copied here because the core tests run without those plugins.
+#: Same names and axes, so fingerprints match.
+VLLM_FLASH = PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim"))
+VLLM_MLA = PagedFormat("vllm_mla", ("block", "token", "dim"), latent=True)
+VLLM_CPU = PagedFormat("vllm_cpu", ("block", "head", "kv", "token", "dim"), whole_blocks_only=True)
+SGLANG_MHA = PagedFormat("sglang_mha", ("slot", "head", "dim"), tensors=2)
+FORMATS = {f.name: f for f in (VLLM_FLASH, VLLM_MLA, VLLM_CPU, SGLANG_MHA)}
+
+#: One small layout per format, and how to make its per-layer caches.
 LAYOUTS = {
-    "vllm_flash": KVLayout("vllm_flash", num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float16),
-    "vllm_mla": KVLayout("vllm_mla", num_layers=2, block_size=4, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16),
-    "vllm_cpu": KVLayout("vllm_cpu", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16),
-    "sglang_mha": KVLayout("sglang_mha", num_layers=2, block_size=1, num_kv_heads=2, head_dim=8, dtype=torch.float32),
+    "vllm_flash": KVLayout(VLLM_FLASH, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float16),
+    "vllm_mla": KVLayout(VLLM_MLA, num_layers=2, block_size=4, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16),
+    "vllm_cpu": KVLayout(VLLM_CPU, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16),
+    "sglang_mha": KVLayout(SGLANG_MHA, num_layers=2, block_size=1, num_kv_heads=2, head_dim=8, dtype=torch.float32),
 }
 
 
@@ -26,11 +35,11 @@ def random_caches(layout: KVLayout, num_blocks: int, *, seed: int = 0) -> list:
 
     caches = []
     for _ in range(layout.num_layers):
-        if layout.kind == "vllm_flash":
+        if layout.format is VLLM_FLASH:
             caches.append(fill(2, num_blocks, b, h, d))
-        elif layout.kind == "vllm_mla":
+        elif layout.format is VLLM_MLA:
             caches.append(fill(num_blocks, b, d))
-        elif layout.kind == "vllm_cpu":
+        elif layout.format is VLLM_CPU:
             caches.append(fill(num_blocks, h, b, 2 * d))
         else:
             caches.append((fill(num_blocks * b, h, d), fill(num_blocks * b, h, d)))

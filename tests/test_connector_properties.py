@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from core_helpers import LAYOUTS, caches_equal, clone_caches, random_caches
+from core_helpers import FORMATS, LAYOUTS, VLLM_CPU, VLLM_FLASH, VLLM_MLA, caches_equal, clone_caches, random_caches
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,11 +24,11 @@ def token_rows(layout, cache, slots: torch.Tensor) -> list[torch.Tensor]:
     rows = []
     for tensor in layer_tensors(cache):
         raw = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
-        if layout.kind == "vllm_flash":
+        if layout.format is VLLM_FLASH:
             rows.append(raw.flatten(1, 2)[:, slots])
-        elif layout.kind == "vllm_mla":
+        elif layout.format is VLLM_MLA:
             rows.append(raw.flatten(0, 1)[slots])
-        elif layout.kind == "vllm_cpu":
+        elif layout.format is VLLM_CPU:
             rows.append(raw[torch.div(slots, layout.block_size, rounding_mode="floor")])
         else:
             rows.append(raw[slots])
@@ -83,7 +83,7 @@ def test_gather_then_scatter_writes_exactly_those_slots(kind: str, data: st.Data
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn], ids=str)
 def test_every_dtype_round_trips_through_a_paged_cache(dtype: torch.dtype) -> None:
-    layout = LAYOUTS["vllm_flash"].__class__("vllm_flash", 2, 4, 2, 8, dtype)
+    layout = LAYOUTS["vllm_flash"].__class__(VLLM_FLASH, 2, 4, 2, 8, dtype)
     connector = TorchConnector(EmptyConfig(), layout)
     itemsize = torch.empty((), dtype=dtype).element_size()
     source = [
@@ -138,7 +138,9 @@ def test_large_rows_round_trip(kind: str) -> None:
 
     heads = 1 if kind == "vllm_mla" else 8
     block = 1 if kind == "sglang_mha" else 16
-    layout = KVLayout(kind, num_layers=2, block_size=block, num_kv_heads=heads, head_dim=512, dtype=torch.bfloat16)
+    layout = KVLayout(
+        FORMATS[kind], num_layers=2, block_size=block, num_kv_heads=heads, head_dim=512, dtype=torch.bfloat16
+    )
     connector = TorchConnector(EmptyConfig(), layout)
     source = random_caches(layout, 8, seed=3)
     target = random_caches(layout, 8, seed=4)
@@ -166,9 +168,9 @@ def random_bit_caches(layout, num_blocks: int, seed: int) -> list:
         "vllm_mla": (num_blocks, b, d),
         "vllm_cpu": (num_blocks, h, b, 2 * d),
     }
-    if layout.kind == "sglang_mha":
+    if layout.format.name == "sglang_mha":
         return [(fill(num_blocks * b, h, d), fill(num_blocks * b, h, d)) for _ in range(layout.num_layers)]
-    return [fill(*shapes[layout.kind]) for _ in range(layout.num_layers)]
+    return [fill(*shapes[layout.format.name]) for _ in range(layout.num_layers)]
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -182,7 +184,7 @@ def test_every_layout_and_dtype_round_trips_bit_exact(kind: str, dtype: torch.dt
     from kvplug import KVLayout
 
     base = LAYOUTS[kind]
-    layout = KVLayout(kind, 2, base.block_size, base.num_kv_heads, head_dim, dtype)
+    layout = KVLayout(FORMATS[kind], 2, base.block_size, base.num_kv_heads, head_dim, dtype)
     connector = TorchConnector(EmptyConfig(), layout)
     source = random_bit_caches(layout, NUM_BLOCKS, seed=1)
     target = random_bit_caches(layout, NUM_BLOCKS, seed=2)

@@ -80,10 +80,10 @@ def test_the_guide_plugin_installs_and_is_used_by_name(tmp_path: Path) -> None:
     db = tmp_path / "kv.db"
     use = f"""
 import torch
-from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
+from kvplug import CacheEngine, Fingerprint, KVLayout, PagedFormat, load_config
 config = load_config(engine_extra={{"kvplug": {{"chunk_size": 4, "store": {{"mode": "sync"}},
     "tiers": [{{"type": "sqlite", "path": {str(db)!r}, "max_bytes": "1MiB"}}]}}}}, env={{}}).config
-layout = KVLayout("sglang_mha", 2, 1, 2, 4, torch.float32)
+layout = KVLayout(PagedFormat("sglang_mha", ("slot", "head", "dim"), tensors=2), 2, 1, 2, 4, torch.float32)
 caches = [(torch.randn(32, 2, 4), torch.randn(32, 2, 4)) for _ in range(2)]
 with CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m")) as engine:
     engine.store(list(range(8)), caches, torch.arange(8))

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from core_helpers import SGLANG_MHA
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
@@ -23,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_a
 from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
 from kvplug.core.plugins import PluginRegistry
 
-LAYOUT = KVLayout("sglang_mha", num_layers=2, block_size=1, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+LAYOUT = KVLayout(SGLANG_MHA, num_layers=2, block_size=1, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 CHUNK = 8
 NUM_SLOTS = 48
 ROW_BYTES = LAYOUT.num_kv_heads * LAYOUT.head_dim * 4

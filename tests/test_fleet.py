@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
+from core_helpers import VLLM_FLASH
 
 #: The engine's lookup budget in the workers (above the 200 ms default, so that hits on a
 #: busy 2-core CI machine stay hits), and the margin a loaded machine gets on top.
@@ -122,7 +123,7 @@ def _worker(spec: dict[str, Any]) -> None:
 
     from kvplug import CacheEngine, Fingerprint, KVLayout, get_registry, load_config
 
-    layout = KVLayout("vllm_flash", num_layers=2, block_size=BLOCK, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    layout = KVLayout(VLLM_FLASH, num_layers=2, block_size=BLOCK, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
     extra = {
         "kvplug.chunk_size": CHUNK,
         "kvplug.store.mode": "sync",

@@ -31,7 +31,7 @@ POISON = textwrap.dedent(
     import hashlib, json, struct, sys, torch, xxhash
     from pathlib import Path
     from typer.testing import CliRunner
-    from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
+    from kvplug import CacheEngine, Fingerprint, KVLayout, PagedFormat, load_config
     from kvplug.cli.main import app
 
     def unkeyed_record(key, value):  # the documented v1 frame, built by hand as an attacker would
@@ -43,7 +43,8 @@ POISON = textwrap.dedent(
         digest = hashlib.sha256(key.encode()).hexdigest()
         return folder / digest[:2] / (digest + ".kvr")
 
-    layout = KVLayout("vllm_flash", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    flash = PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim"))
+    layout = KVLayout(flash, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
     fingerprint = Fingerprint.for_layout(layout, model_id="m")
     caches = [torch.randn(2, 32, 4, 2, 8).to(torch.bfloat16) for _ in range(2)]
     a, b = list(range(16)), list(range(1000, 1016))

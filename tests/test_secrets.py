@@ -136,8 +136,9 @@ def test_logs_and_exceptions_of_a_running_engine_mask_credentials(tmp_path: Path
         logging.basicConfig(level=logging.DEBUG, stream=sys.stdout)
         for noisy in ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "asyncio"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-        from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
-        layout = KVLayout("vllm_flash", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+        from kvplug import CacheEngine, Fingerprint, KVLayout, PagedFormat, load_config
+        flash = PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim"))
+        layout = KVLayout(flash, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
         config = load_config(config_file={str(path)!r}, env={{}}).config
         logging.getLogger("kvplug").info("config %r", config)
         caches = [torch.randn(2, 16, 4, 2, 8).to(torch.bfloat16) for _ in range(2)]

@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 
 import torch
+from core_helpers import VLLM_FLASH
 
 from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
 from kvplug.core.record import RECORD_HEADER_SIZE, pack_record
 
-LAYOUT = KVLayout("vllm_flash", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+LAYOUT = KVLayout(VLLM_FLASH, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 
 
 def fill_store(folder: Path, prompts: int = 3) -> list[str]:

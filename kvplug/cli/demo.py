@@ -2,7 +2,8 @@
 
 With an engine plugin installed (``kvplug-vllm``) and ``--engine auto``, the demo
 runs that real engine. Otherwise it builds the paged KV cache a small Llama-style
-model would have (8 layers, 8 KV heads of 128, bf16, vLLM's flash layout), fills a
+model would have (8 layers, 8 KV heads of 128, bf16, in its own ``demo_paged``
+format: K and V blocks of 16 tokens), fills a
 prompt's blocks, stores them through the configured tiers, and loads them back
 into other blocks, checking every byte.
 """
@@ -19,10 +20,16 @@ from rich.table import Table
 from kvplug.core.config_loader import load_config
 from kvplug.core.engine import CacheEngine
 from kvplug.core.keys import Fingerprint
-from kvplug.core.layouts import KVLayout, slots_from_block_ids
+from kvplug.core.layouts import KVLayout, PagedFormat, slots_from_block_ids
 from kvplug.core.plugins import get_registry
 
-DEMO_LAYOUT = dict(kind="vllm_flash", num_layers=8, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+#: The synthetic demo's own paged format: [2, num_blocks, block_size, num_kv_heads, head_dim].
+DEMO_FORMAT = PagedFormat(
+    "demo_paged",
+    ("kv", "block", "token", "head", "dim"),
+    shape_doc="[2, num_blocks, block_size, num_kv_heads, head_dim]",
+)
+DEMO_LAYOUT = KVLayout(DEMO_FORMAT, num_layers=8, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 
 
 def run_demo(console: Console, *, tokens: int = 4096, engine: str = "auto") -> dict[str, Any]:
@@ -36,7 +43,7 @@ def run_demo(console: Console, *, tokens: int = 4096, engine: str = "auto") -> d
 
 def run_synthetic_demo(console: Console, *, num_tokens: int = 4096, seed: int = 0) -> dict[str, Any]:
     loaded = load_config(engine_extra={"kvplug.store.mode": "sync"})
-    layout = KVLayout(**DEMO_LAYOUT)  # type: ignore[arg-type]
+    layout = DEMO_LAYOUT
     generator = torch.Generator().manual_seed(seed)
     blocks_needed = -(-num_tokens // layout.block_size)
     num_blocks = 2 * blocks_needed + 8

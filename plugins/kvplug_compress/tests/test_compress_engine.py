@@ -16,7 +16,10 @@ import torch
 import kvplug
 from kvplug.errors import ConfigError
 
-LAYOUT = kvplug.KVLayout("vllm_flash", num_layers=3, block_size=4, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+#: The engine format this test's caches use, as the vLLM/SGLang adapters declare it (same name: same fingerprints).
+VLLM_FLASH = kvplug.PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim"))
+
+LAYOUT = kvplug.KVLayout(VLLM_FLASH, num_layers=3, block_size=4, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
 NUM_BLOCKS = 64
 TOKENS = list(range(100, 132))  # 4 chunks of 8
 

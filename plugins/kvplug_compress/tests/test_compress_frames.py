@@ -22,7 +22,13 @@ LOSSLESS = {"zstd": ZstdSerializer, "lz4": LZ4Serializer}
 LOSSY = {"int8": Int8Serializer, "fp8": FP8Serializer}
 ALL = {**LOSSLESS, **LOSSY}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
-KINDS = ["vllm_flash", "vllm_mla", "vllm_cpu", "sglang_mha"]
+#: The engine formats as the vLLM/SGLang adapters declare them: chunks of each one's shape.
+KINDS = [
+    kvplug.PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim")),
+    kvplug.PagedFormat("vllm_mla", ("block", "token", "dim"), latent=True),
+    kvplug.PagedFormat("vllm_cpu", ("block", "head", "kv", "token", "dim"), whole_blocks_only=True),
+    kvplug.PagedFormat("sglang_mha", ("slot", "head", "dim"), tensors=2),
+]
 #: Half an ulp, relative, of rounding a float32 result to the chunk dtype.
 ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 0.0}
 
@@ -39,9 +45,9 @@ def make(name: str, **options: object) -> kvplug.Serializer:
 def chunks(draw: st.DrawFn, dtype: torch.dtype) -> torch.Tensor:
     """A chunk tensor shaped like one of a random layout: [layers, K/V, tokens, heads * head_dim]."""
     kind = draw(st.sampled_from(KINDS))
-    heads = 1 if kind == "vllm_mla" else draw(st.integers(1, 4))
+    heads = 1 if kind.latent else draw(st.integers(1, 4))
     layout = kvplug.KVLayout(
-        kind,  # type: ignore[arg-type]
+        kind,
         num_layers=draw(st.integers(1, 3)),
         block_size=draw(st.sampled_from([1, 4, 16])),
         num_kv_heads=heads,

@@ -1,8 +1,10 @@
 """Where each token's K and V rows live in an engine's paged cache, in machine words.
 
-The GPU layouts (vllm_flash, vllm_mla, sglang_mha) reduce to one addressing
-scheme, so one kernel serves them all. For layer ``l``, K/V index ``k``, slot ``s`` (block ``b = s // B``,
-offset ``o = s % B``), head ``h`` and word ``d`` of the head::
+Every :class:`kvplug.PagedFormat` that is not ``whole_blocks_only`` reduces to one
+addressing scheme through :meth:`kvplug.KVLayout.kv_views` (one strided view per K/V
+index, ``[pages, page_tokens, heads, head_dim]``), so one kernel serves them all. For
+layer ``l``, K/V index ``k``, slot ``s`` (page ``b = s // B``, offset ``o = s % B``,
+``B`` the page's tokens), head ``h`` and word ``d`` of the head::
 
     address = base + table[l * num_kv + k] + b * stride_block + o * stride_offset
               + h * stride_head + d
@@ -23,10 +25,6 @@ import torch
 
 from kvplug import KVLayout
 from kvplug.errors import LayoutError
-
-#: Layouts the kernel addresses. vllm_cpu is absent: its caches live in host memory
-#: and its blocks are packed per CPU ISA, so only the torch connector's whole-block copy fits.
-KERNEL_LAYOUTS: tuple[str, ...] = ("vllm_flash", "vllm_mla", "sglang_mha")
 
 #: Machine words the kernels copy, widest first.
 _WORDS: tuple[torch.dtype, ...] = (torch.int64, torch.int32, torch.int16, torch.int8)
@@ -63,17 +61,22 @@ class _Origins:
     """Per-layer K/V origins (byte addresses) and element strides of one layer."""
 
     pointers: tuple[int, ...]
-    strides: tuple[int, int, int]  # block, offset-in-block, head; in elements
+    strides: tuple[int, int, int]  # page, token-in-page, head; in elements
     num_slots: int
 
 
+def kernel_fits(layout: KVLayout) -> bool:
+    """Whether the kernel addresses this format: every one whose tokens can be addressed.
+
+    ``whole_blocks_only`` formats pack a block's bytes engine-privately (vLLM's CPU
+    backend, per ISA, in host memory): only the torch connector's whole-block copy fits.
+    """
+    return not layout.whole_blocks_only
+
+
 def layer_tensors(layout: KVLayout, cache: object) -> tuple[torch.Tensor, ...]:
-    """The tensors of one layer's cache (SGLang keeps K and V apart)."""
-    tensors = tuple(cache) if isinstance(cache, (tuple, list)) else (cache,)
-    expected = 2 if layout.kind == "sglang_mha" else 1
-    if len(tensors) != expected or not all(isinstance(t, torch.Tensor) for t in tensors):
-        raise LayoutError(f"a {layout.kind} layer cache is {expected} tensor(s), got {type(cache).__name__}")
-    return tensors
+    """The tensors of one layer's cache (one, or K and V apart, as the format says)."""
+    return layout.layer_tensors(cache)
 
 
 def base_tensor(layout: KVLayout, caches: Sequence[object], word: torch.dtype) -> torch.Tensor:
@@ -93,13 +96,14 @@ def cache_key(layout: KVLayout, caches: Sequence[object]) -> tuple:
 
 def paged_addressing(layout: KVLayout, caches: Sequence[object]) -> PagedAddressing:
     """Describe ``caches`` (one entry per layer, all alike) for the paged-copy kernel."""
-    if layout.kind not in KERNEL_LAYOUTS:
+    if not kernel_fits(layout):
         raise LayoutError(
-            f"the paged-copy kernel does not address {layout.kind}; kernels cover {', '.join(KERNEL_LAYOUTS)}"
+            f"the paged-copy kernel does not address {layout.format.name}: it copies whole blocks only "
+            "(its bytes inside a block are engine-private)"
         )
     if not caches:
         raise LayoutError("no layer caches given")
-    origins = [_origins(layout, layer_tensors(layout, cache)) for cache in caches]
+    origins = [_origins(layout, cache) for cache in caches]
     first = origins[0]
     for index, other in enumerate(origins[1:], start=1):
         if other.strides != first.strides or other.num_slots != first.num_slots:
@@ -124,7 +128,7 @@ def paged_addressing(layout: KVLayout, caches: Sequence[object]) -> PagedAddress
         table=table.to(sample.device),
         num_layers=len(caches),
         num_kv=layout.num_kv,
-        block_size=layout.block_size if layout.kind != "sglang_mha" else 1,
+        block_size=layout.page_tokens,
         num_slots=first.num_slots,
         stride_block=first.strides[0] * itemsize // size,
         stride_offset=first.strides[1] * itemsize // size,
@@ -138,24 +142,19 @@ def _size(word: torch.dtype) -> int:
     return torch.empty((), dtype=word).element_size()
 
 
-def _origins(layout: KVLayout, tensors: tuple[torch.Tensor, ...]) -> _Origins:
-    kind, itemsize = layout.kind, tensors[0].element_size()
-    for tensor in tensors:
-        if tensor.stride(-1) != 1:
-            raise LayoutError(f"{kind} cache rows must be contiguous in head_dim; strides are {tensor.stride()}")
-    if kind == "vllm_flash":  # [2, num_blocks, block_size, heads, head_dim]
-        cache = tensors[0]
-        pointers = (cache.data_ptr(), cache.data_ptr() + cache.stride(0) * itemsize)
-        return _Origins(pointers, (cache.stride(1), cache.stride(2), cache.stride(3)), cache.shape[1] * cache.shape[2])
-    if kind == "vllm_mla":  # [num_blocks, block_size, head_dim], one latent "head"
-        cache = tensors[0]
-        return _Origins((cache.data_ptr(),), (cache.stride(0), cache.stride(1), 0), cache.shape[0] * cache.shape[1])
-    # sglang_mha: separate K and V buffers [num_slots, heads, head_dim]
-    k_buffer, v_buffer = tensors
-    if k_buffer.stride() != v_buffer.stride() or k_buffer.shape != v_buffer.shape:
-        raise LayoutError(
-            f"sglang K and V buffers differ: {k_buffer.shape}/{k_buffer.stride()} vs {v_buffer.shape}/{v_buffer.stride()}"
-        )
-    return _Origins(
-        (k_buffer.data_ptr(), v_buffer.data_ptr()), (k_buffer.stride(0), 0, k_buffer.stride(1)), k_buffer.shape[0]
-    )
+def _origins(layout: KVLayout, cache: object) -> _Origins:
+    views = layout.kv_views(cache)  # [pages, page_tokens, heads, head_dim] per K/V index
+    first = views[0]
+    for view in views:
+        if view.stride(-1) != 1 and layout.head_dim != 1:
+            raise LayoutError(
+                f"{layout.format.name} cache rows must be contiguous in head_dim; view strides are {view.stride()}"
+            )
+        if view.shape != first.shape or view.stride() != first.stride():
+            raise LayoutError(
+                f"{layout.format.name} K and V differ: {tuple(first.shape)}/{first.stride()} vs "
+                f"{tuple(view.shape)}/{view.stride()}"
+            )
+    # a dim of size 1 is never stepped along: stride 0 keeps it out of the word-size choice
+    page, token, head = (first.stride(i) if first.shape[i] > 1 else 0 for i in range(3))
+    return _Origins(tuple(v.data_ptr() for v in views), (page, token, head), first.shape[0] * first.shape[1])

@@ -23,8 +23,8 @@ stream: loading layer ``l + 1`` overlaps the engine's compute of layer ``l``, an
 storing layer ``l`` overlaps the compute of layer ``l + 1``. ``synchronize`` waits
 (with a deadline) for the transfers issued so far and releases their buffers.
 
-The ``vllm_cpu`` layout (host memory, blocks packed per CPU ISA) always goes to the
-torch connector. Other caches on the CPU go to it too, except under
+Formats that copy whole blocks only (``whole_blocks_only``, e.g. vLLM's CPU layout:
+host memory, blocks packed per CPU ISA) always go to the torch connector. Other caches on the CPU go to it too, except under
 Triton's interpreter (``TRITON_INTERPRET=1``), where the kernels run on CPU tensors
 and the staging/bookkeeping path is exercised without a GPU.
 """
@@ -46,10 +46,10 @@ from pydantic import ByteSize, Field
 from kvplug import ComponentConfig, KVConnector, KVLayout, TorchConnector
 from kvplug.errors import ConnectorError, LayoutError, TransferTimeoutError
 from kvplug_cuda.addressing import (
-    KERNEL_LAYOUTS,
     PagedAddressing,
     base_tensor,
     cache_key,
+    kernel_fits,
     layer_tensors,
     paged_addressing,
 )
@@ -153,7 +153,7 @@ class CudaConnector(KVConnector):
         return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
     def wants_pinned_frames(self) -> bool:
-        return torch.cuda.is_available() and self.layout.kind in KERNEL_LAYOUTS
+        return torch.cuda.is_available() and kernel_fits(self.layout)
 
     # --- the connector contract ----------------------------------------------------------
 
@@ -351,7 +351,7 @@ class CudaConnector(KVConnector):
                 self.pool.release(transfer.buffer)
 
     def _use_reference(self, device: torch.device) -> bool:
-        if self.layout.kind not in KERNEL_LAYOUTS:  # vllm_cpu: host memory, opaque blocks
+        if not kernel_fits(self.layout):  # whole_blocks_only (vLLM CPU): host memory, opaque blocks
             return True
         return device.type != "cuda" and not self._interpreted
 

@@ -16,8 +16,16 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from kvplug import KVLayout
+from kvplug import KVLayout, PagedFormat
 from kvplug.core.plugins import PluginRegistry
+
+# The engine formats as their adapters declare them (kvplug_vllm, kvplug_sglang): this
+# plugin imports no other plugin, so its tests keep copies (same names and axes).
+VLLM_FLASH = PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim"))
+VLLM_MLA = PagedFormat("vllm_mla", ("block", "token", "dim"), latent=True)
+VLLM_CPU = PagedFormat("vllm_cpu", ("block", "head", "kv", "token", "dim"), whole_blocks_only=True)
+SGLANG_MHA = PagedFormat("sglang_mha", ("slot", "head", "dim"), tensors=2)
+FORMATS = {f.name: f for f in (VLLM_FLASH, VLLM_MLA, VLLM_CPU, SGLANG_MHA)}
 
 #: Where the caches of the kernel tests live: the GPU when there is one.
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -45,9 +53,9 @@ def make_caches(
     b, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
     caches: list = []
     for _ in range(layout.num_layers):
-        if layout.kind == "vllm_flash":
+        if layout.format == VLLM_FLASH:
             caches.append(random_bits((2, num_blocks, b, h, d), layout.dtype, generator).to(device))
-        elif layout.kind == "vllm_mla":
+        elif layout.format == VLLM_MLA:
             caches.append(random_bits((num_blocks, b, d), layout.dtype, generator).to(device))
         else:
             caches.append(

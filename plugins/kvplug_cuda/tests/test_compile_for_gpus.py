@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 import triton
-from conftest import make_caches
+from conftest import SGLANG_MHA, VLLM_FLASH, VLLM_MLA, make_caches
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
@@ -31,11 +31,11 @@ TARGETS = {80: "A100", 90: "H100/H200", 100: "B200"}
 
 #: Layouts in the word widths the connector picks for them (head_dim * itemsize sets it).
 LAYOUTS = {
-    "vllm_flash bf16 (int64 words)": KVLayout("vllm_flash", 2, 16, 8, 128, torch.bfloat16),
-    "vllm_flash fp8 odd head_dim (int8 words)": KVLayout("vllm_flash", 2, 16, 2, 3, torch.float8_e4m3fn),
-    "vllm_mla bf16 (int64 words)": KVLayout("vllm_mla", 2, 16, 1, 576, torch.bfloat16),
-    "sglang_mha fp16 head_dim 2 (int32 words)": KVLayout("sglang_mha", 2, 1, 4, 2, torch.float16),
-    "sglang_mha fp32 head_dim 1 (int32 words)": KVLayout("sglang_mha", 2, 1, 3, 1, torch.float32),
+    "vllm_flash bf16 (int64 words)": KVLayout(VLLM_FLASH, 2, 16, 8, 128, torch.bfloat16),
+    "vllm_flash fp8 odd head_dim (int8 words)": KVLayout(VLLM_FLASH, 2, 16, 2, 3, torch.float8_e4m3fn),
+    "vllm_mla bf16 (int64 words)": KVLayout(VLLM_MLA, 2, 16, 1, 576, torch.bfloat16),
+    "sglang_mha fp16 head_dim 2 (int32 words)": KVLayout(SGLANG_MHA, 2, 1, 4, 2, torch.float16),
+    "sglang_mha fp32 head_dim 1 (int32 words)": KVLayout(SGLANG_MHA, 2, 1, 3, 1, torch.float32),
 }
 
 _POINTEE = {torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8"}

@@ -10,14 +10,14 @@ import textwrap
 
 import pytest
 import torch
-from conftest import DEVICE, caches_same_bits, make_caches, same_bits
+from conftest import DEVICE, VLLM_FLASH, VLLM_MLA, caches_same_bits, make_caches, same_bits
 
 from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
 from kvplug.builtins.torch_connector import TorchConnector
 from kvplug.errors import ConfigError, PinnedPoolExhaustedError
 from kvplug_cuda import CudaConnector
 
-LAYOUT = KVLayout("vllm_flash", num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+LAYOUT = KVLayout(VLLM_FLASH, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 
 
 def make_engine(registry, connector: dict, **settings: object) -> CacheEngine:
@@ -86,7 +86,7 @@ def test_explicit_cuda_without_cuda_or_interpreter_says_what_to_do() -> None:
         from kvplug import KVLayout
         from kvplug.errors import ConnectorError
         from kvplug_cuda import CudaConnector
-        layout = KVLayout("vllm_mla", 1, 4, 1, 8, torch.float16)
+        layout = KVLayout(VLLM_MLA, 1, 4, 1, 8, torch.float16)
         try:
             CudaConnector(CudaConnector.Config(), layout)
         except ConnectorError as exc:
@@ -104,7 +104,7 @@ def test_explicit_cuda_without_cuda_or_interpreter_says_what_to_do() -> None:
 def test_a_full_pool_finishes_earlier_transfers_instead_of_failing(registry) -> None:
     """Eight layers of 64 KiB staged through a 128 KiB pool without synchronize in between:
     finished transfers hand their buffers back, and the pool stays within its budget."""
-    layout = KVLayout("vllm_mla", num_layers=8, block_size=16, num_kv_heads=1, head_dim=512, dtype=torch.float32)
+    layout = KVLayout(VLLM_MLA, num_layers=8, block_size=16, num_kv_heads=1, head_dim=512, dtype=torch.float32)
     caches = make_caches(layout, 3, torch.Generator().manual_seed(8))
     slots = torch.arange(32, device=DEVICE)
     connector = CudaConnector(CudaConnector.Config(pinned_pool_bytes=128 * 1024, pool_timeout_s=5), layout)
@@ -121,7 +121,7 @@ def test_a_full_pool_finishes_earlier_transfers_instead_of_failing(registry) -> 
 
 
 def test_a_chunk_layer_larger_than_the_pool_is_a_counted_miss() -> None:
-    layout = KVLayout("vllm_mla", num_layers=1, block_size=16, num_kv_heads=1, head_dim=4096, dtype=torch.float32)
+    layout = KVLayout(VLLM_MLA, num_layers=1, block_size=16, num_kv_heads=1, head_dim=4096, dtype=torch.float32)
     caches = make_caches(layout, 1, torch.Generator().manual_seed(9))
     connector = CudaConnector(CudaConnector.Config(pinned_pool_bytes=64 * 1024), layout)
     out = torch.empty(layout.chunk_shape(16), dtype=layout.dtype)  # 256 KiB

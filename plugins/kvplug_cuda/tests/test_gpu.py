@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import gpu, make_caches, needs_cuda, same_bits
+from conftest import VLLM_FLASH, gpu, make_caches, needs_cuda, same_bits
 
 from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
 from kvplug.builtins.torch_connector import TorchConnector
@@ -22,7 +22,7 @@ from kvplug_cuda import CudaConnector
 
 pytestmark = [gpu, needs_cuda]
 
-LAYOUT = KVLayout("vllm_flash", num_layers=4, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+LAYOUT = KVLayout(VLLM_FLASH, num_layers=4, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 #: About half a second of GPU time: far longer than copying one 1 MiB layer over PCIe.
 LONG_SLEEP_CYCLES = 10**9
 

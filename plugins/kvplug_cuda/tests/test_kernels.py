@@ -8,14 +8,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, DTYPES, caches_same_bits, clone, make_caches, random_bits, same_bits
+from conftest import (
+    DEVICE,
+    DTYPES,
+    SGLANG_MHA,
+    VLLM_CPU,
+    VLLM_FLASH,
+    VLLM_MLA,
+    caches_same_bits,
+    clone,
+    make_caches,
+    random_bits,
+    same_bits,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvplug import KVLayout
 from kvplug.errors import LayoutError
 
-KINDS = ("vllm_flash", "vllm_mla", "sglang_mha")
+KINDS = (VLLM_FLASH, VLLM_MLA, SGLANG_MHA)  # what the kernel addresses; vllm_cpu copies whole blocks only
 
 
 @st.composite
@@ -23,8 +35,8 @@ def cases(draw: st.DrawFn) -> tuple[KVLayout, int, torch.Tensor, int]:
     """A small layout, its block count, a random slot mapping (unique slots, any order) and a seed."""
     kind = draw(st.sampled_from(KINDS))
     dtype = draw(st.sampled_from(DTYPES))
-    block_size = 1 if kind == "sglang_mha" else draw(st.sampled_from([1, 2, 4]))
-    heads = 1 if kind == "vllm_mla" else draw(st.integers(1, 3))
+    block_size = 1 if kind is SGLANG_MHA else draw(st.sampled_from([1, 2, 4]))
+    heads = 1 if kind.latent else draw(st.integers(1, 3))
     head_dim = draw(st.sampled_from([1, 3, 4, 8, 16]))  # odd sizes force narrow words
     layout = KVLayout(
         kind,
@@ -96,7 +108,7 @@ def test_scatter_is_bit_exact_against_torch(connectors, case) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_out_of_order_blocks_and_a_partial_block(connectors, dtype) -> None:
-    layout = KVLayout("vllm_flash", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    layout = KVLayout(VLLM_FLASH, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
     caches = make_caches(layout, 8, torch.Generator().manual_seed(1))
     # blocks 5, 2, 7 whole, then 2 tokens of block 0: the usual shape of a prompt's tail
     slots = torch.tensor([20, 21, 22, 23, 8, 9, 10, 11, 28, 29, 30, 31, 0, 1])
@@ -116,7 +128,7 @@ def test_out_of_order_blocks_and_a_partial_block(connectors, dtype) -> None:
 
 def test_rows_wider_than_one_tile(connectors) -> None:
     """An fp8 latent row of 2049 bytes is copied as 2049 int8 words: three kernel tiles."""
-    layout = KVLayout("vllm_mla", num_layers=2, block_size=2, num_kv_heads=1, head_dim=2049, dtype=torch.float8_e4m3fn)
+    layout = KVLayout(VLLM_MLA, num_layers=2, block_size=2, num_kv_heads=1, head_dim=2049, dtype=torch.float8_e4m3fn)
     generator = torch.Generator().manual_seed(12)
     caches = make_caches(layout, 3, generator)
     slots = torch.tensor([5, 0, 3])
@@ -133,7 +145,7 @@ def test_rows_wider_than_one_tile(connectors) -> None:
 
 def test_strided_heads_of_a_permuted_flash_cache(connectors) -> None:
     """vLLM's HND backends allocate [2, blocks, heads, block_size, dim] and view it as NHD."""
-    layout = KVLayout("vllm_flash", num_layers=2, block_size=4, num_kv_heads=3, head_dim=4, dtype=torch.bfloat16)
+    layout = KVLayout(VLLM_FLASH, num_layers=2, block_size=4, num_kv_heads=3, head_dim=4, dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(2)
     caches = [random_bits((2, 5, 3, 4, 4), layout.dtype, generator).to(DEVICE).transpose(2, 3) for _ in range(2)]
     assert not caches[0].is_contiguous()
@@ -151,7 +163,7 @@ def test_strided_heads_of_a_permuted_flash_cache(connectors) -> None:
 
 def test_scatter_takes_a_non_contiguous_chunk_slice(connectors) -> None:
     """The engine scatters ``chunk[layer, :, skip:]`` when a chunk's head is already loaded."""
-    layout = KVLayout("sglang_mha", num_layers=1, block_size=1, num_kv_heads=2, head_dim=4, dtype=torch.float16)
+    layout = KVLayout(SGLANG_MHA, num_layers=1, block_size=1, num_kv_heads=2, head_dim=4, dtype=torch.float16)
     generator = torch.Generator().manual_seed(3)
     caches = make_caches(layout, 16, generator)
     chunk = random_bits(layout.chunk_shape(8), layout.dtype, generator)
@@ -167,7 +179,7 @@ def test_scatter_takes_a_non_contiguous_chunk_slice(connectors) -> None:
 
 
 def test_slots_outside_the_cache_are_rejected_before_any_copy(connectors) -> None:
-    layout = KVLayout("vllm_mla", num_layers=1, block_size=4, num_kv_heads=1, head_dim=8, dtype=torch.bfloat16)
+    layout = KVLayout(VLLM_MLA, num_layers=1, block_size=4, num_kv_heads=1, head_dim=8, dtype=torch.bfloat16)
     caches = make_caches(layout, 2, torch.Generator().manual_seed(4))
     before = clone(caches)
     _, cuda = _pair(connectors, layout)
@@ -182,8 +194,8 @@ def test_slots_outside_the_cache_are_rejected_before_any_copy(connectors) -> Non
 
 
 def test_caches_of_another_dtype_are_rejected(connectors) -> None:
-    layout = KVLayout("vllm_mla", num_layers=1, block_size=4, num_kv_heads=1, head_dim=8, dtype=torch.bfloat16)
-    wrong = KVLayout("vllm_mla", num_layers=1, block_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float16)
+    layout = KVLayout(VLLM_MLA, num_layers=1, block_size=4, num_kv_heads=1, head_dim=8, dtype=torch.bfloat16)
+    wrong = KVLayout(VLLM_MLA, num_layers=1, block_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float16)
     caches = make_caches(wrong, 2, torch.Generator().manual_seed(5))
     _, cuda = _pair(connectors, layout)
     with pytest.raises(LayoutError, match="cache dtype torch.float16 does not match"):
@@ -192,7 +204,7 @@ def test_caches_of_another_dtype_are_rejected(connectors) -> None:
 
 def test_vllm_cpu_goes_to_the_torch_connector(connectors) -> None:
     """vllm_cpu blocks are packed per CPU ISA: whole-block copies by the reference, bit for bit."""
-    layout = KVLayout("vllm_cpu", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    layout = KVLayout(VLLM_CPU, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(6)
     caches = [random_bits((5, 2, 4, 16), layout.dtype, generator) for _ in range(2)]
     slots = torch.tensor([12, 13, 14, 15, 4, 5, 6, 7])

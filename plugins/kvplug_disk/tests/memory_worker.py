@@ -14,10 +14,13 @@ import time
 
 import torch
 
-from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
+from kvplug import CacheEngine, Fingerprint, KVLayout, PagedFormat, load_config
+
+#: The engine format this test's caches use, as the vLLM/SGLang adapters declare it (same name: same fingerprints).
+VLLM_FLASH = PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim"))
 
 # 2 MiB per 256-token chunk; a prompt of 2 chunks is one 4 MiB store batch.
-LAYOUT = KVLayout("vllm_flash", num_layers=2, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+LAYOUT = KVLayout(VLLM_FLASH, num_layers=2, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 CHUNK, CHUNKS_PER_PROMPT = 256, 2
 
 

@@ -8,11 +8,14 @@ import pytest
 import torch
 
 import kvplug
-from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
+from kvplug import CacheEngine, Fingerprint, KVLayout, PagedFormat, load_config
 from kvplug.errors import ConfigError
 from kvplug_disk import DiskTier
 
-LAYOUT = KVLayout("vllm_flash", num_layers=3, block_size=8, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16)
+#: The engine format this test's caches use, as the vLLM/SGLang adapters declare it (same name: same fingerprints).
+VLLM_FLASH = PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim"))
+
+LAYOUT = KVLayout(VLLM_FLASH, num_layers=3, block_size=8, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16)
 NUM_BLOCKS = 16
 
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 import torch  # the engine needs torch; the tier itself does not
 from s3_helpers import s3_options
 
-from kvplug import CacheEngine, Fingerprint, KVLayout, PluginRegistry, load_config
+from kvplug import CacheEngine, Fingerprint, KVLayout, PagedFormat, PluginRegistry, load_config
 
-LAYOUT = KVLayout("vllm_flash", num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+#: The engine format this test's caches use, as the vLLM/SGLang adapters declare it (same name: same fingerprints).
+VLLM_FLASH = PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim"))
+
+LAYOUT = KVLayout(VLLM_FLASH, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 NUM_BLOCKS = 24
 
 

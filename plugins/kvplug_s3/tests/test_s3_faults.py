@@ -20,9 +20,12 @@ import torch  # the engine test needs torch; the tier itself does not
 from s3_helpers import FAST_FAILING, FaultProxy, MotoS3, free_port, make_s3_tier, s3_options
 from seaweedfs import SeaweedS3
 
-from kvplug import CacheEngine, Fingerprint, KVLayout, PluginRegistry, load_config
+from kvplug import CacheEngine, Fingerprint, KVLayout, PagedFormat, PluginRegistry, load_config
 from kvplug.testing import key_for, value_for
 from kvplug_s3 import S3Tier
+
+#: The engine format this test's caches use, as the vLLM/SGLang adapters declare it (same name: same fingerprints).
+VLLM_FLASH = PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim"))
 
 #: "Returns instead of hanging": far above the configured deadlines (1 s per attempt).
 ANSWER_BOUND_S = 10.0
@@ -177,7 +180,7 @@ def test_a_slow_store_within_the_deadline_still_serves(s3_server: MotoS3 | Seawe
 
 # --- a hung store behind a whole CacheEngine ---------------------------------------
 
-LAYOUT = KVLayout("vllm_flash", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+LAYOUT = KVLayout(VLLM_FLASH, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 LOOKUP_TIMEOUT_MS = 200
 
 

@@ -16,6 +16,16 @@ import torch
 import kvplug
 from kvplug.errors import LayoutError
 
+#: ``MHATokenToKVPool``: per layer a ``k_buffer`` and a ``v_buffer``, each
+#: [num_slots, num_kv_heads, head_dim], addressed by token slot (the page size only
+#: groups slots; it is part of the fingerprint, not of the addressing).
+SGLANG_MHA = kvplug.PagedFormat(
+    "sglang_mha",
+    ("slot", "head", "dim"),
+    tensors=2,
+    shape_doc="(k_buffer, v_buffer), each [num_slots, num_kv_heads, head_dim]",
+)
+
 
 def model_id_of(model_config: Any) -> str:
     """The model identity that goes into the fingerprint.
@@ -51,7 +61,7 @@ def sglang_layout(
                 f"(layer 0: {tuple(first.shape)} {first.dtype}, got {tuple(k.shape)} {k.dtype} / {tuple(v.shape)} {v.dtype})"
             )
     return kvplug.KVLayout(
-        kind="sglang_mha",
+        format=SGLANG_MHA,
         num_layers=len(k_pool),
         block_size=page_size,
         num_kv_heads=first.shape[1],

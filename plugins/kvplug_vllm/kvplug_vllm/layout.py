@@ -4,7 +4,9 @@ The layout is read off the tensors vLLM registers, checked against the model
 config, so a backend that allocates something else fails with a clear error
 instead of copying the wrong bytes.
 
-vLLM's CPU backend (``vllm_cpu``) packs the K half of every (block, head) page
+The three vLLM cache layouts kvplug reads are declared here as
+:class:`kvplug.PagedFormat` values (the core knows no engine). vLLM's CPU backend
+(``vllm_cpu``) packs the K half of every (block, head) page
 per CPU instruction set: on ``vec`` (AVX-512/AVX2) K is stored transposed
 (``[head_dim, block_size]``), ``amx`` tiles it for AMX, ``neon``/``vec16`` have
 their own packing. The bytes of a block are only meaningful to a kernel of the
@@ -19,10 +21,32 @@ from collections.abc import Mapping
 
 import torch
 
-from kvplug import Fingerprint, KVLayout
+from kvplug import Fingerprint, KVLayout, PagedFormat
 from kvplug.errors import LayoutError
 
 logger = logging.getLogger("kvplug.vllm")
+
+#: FlashAttention / FlashInfer / Triton backends: one tensor per layer, K then V.
+VLLM_FLASH = PagedFormat(
+    "vllm_flash",
+    ("kv", "block", "token", "head", "dim"),
+    shape_doc="[2, num_blocks, block_size, num_kv_heads, head_dim]",
+)
+#: MLA backends: one latent vector per token, no K/V split.
+VLLM_MLA = PagedFormat(
+    "vllm_mla", ("block", "token", "dim"), latent=True, shape_doc="[num_blocks, block_size, head_dim]"
+)
+#: vllm-cpu 0.32 allocates [num_blocks, num_kv_heads, block_size, 2 * head_dim]: each
+#: (block, head) run is a K half then a V half (cpu_attn.py views it as
+#: [.., 2 * block_size, head_dim]), but the K half is packed per CPU ISA (on AVX-512
+#: "vec" it is [head_dim, block_size]). Blocks are therefore opaque: only whole blocks
+#: are copied, and the ISA belongs in the fingerprint.
+VLLM_CPU = PagedFormat(
+    "vllm_cpu",
+    ("block", "head", "kv", "token", "dim"),
+    whole_blocks_only=True,
+    shape_doc="[num_blocks, num_kv_heads, block_size, 2 * head_dim]",
+)
 
 
 def detect_layout(kv_caches: Mapping[str, torch.Tensor], vllm_config: object) -> KVLayout:
@@ -36,11 +60,11 @@ def detect_layout(kv_caches: Mapping[str, torch.Tensor], vllm_config: object) ->
     first_name, first = next(iter(kv_caches.items()))
     shape = tuple(first.shape)
     if first.dim() == 4 and shape[1] == heads and shape[3] == 2 * head_dim:
-        kind, block_size = "vllm_cpu", shape[2]
+        paged_format, block_size = VLLM_CPU, shape[2]
     elif first.dim() == 5 and shape[0] == 2 and shape[3:] == (heads, head_dim):
-        kind, block_size = "vllm_flash", shape[2]
+        paged_format, block_size = VLLM_FLASH, shape[2]
     elif first.dim() == 3 and getattr(model_config, "use_mla", False):
-        kind, block_size, heads, head_dim = "vllm_mla", shape[1], 1, shape[2]
+        paged_format, block_size, heads, head_dim = VLLM_MLA, shape[1], 1, shape[2]
     else:
         raise LayoutError(
             f"KV cache of layer {first_name!r} has shape {shape} (dtype {first.dtype}); kvplug reads "
@@ -48,7 +72,7 @@ def detect_layout(kv_caches: Mapping[str, torch.Tensor], vllm_config: object) ->
             f"[2, num_blocks, block_size, {heads}, {head_dim}] and MLA [num_blocks, block_size, dim]"
         )
     layout = KVLayout(
-        kind=kind,
+        format=paged_format,
         num_layers=len(kv_caches),
         block_size=block_size,
         num_kv_heads=heads,
@@ -78,7 +102,7 @@ def fingerprint_for(layout: KVLayout, vllm_config: object, *, tp_rank: int, pp_r
     parallel_config = vllm_config.parallel_config  # type: ignore[attr-defined]
     cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")  # type: ignore[attr-defined]
     variant = [f"kv_cache_dtype={cache_dtype}"]
-    if layout.kind == "vllm_cpu":
+    if layout.format == VLLM_CPU:
         variant.append(f"cpu_attn={cpu_attention_isa(layout, vllm_config)}")
     return Fingerprint.for_layout(
         layout,

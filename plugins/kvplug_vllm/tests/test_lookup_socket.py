@@ -24,10 +24,11 @@ import torch
 
 from kvplug import CacheEngine, Fingerprint, KVLayout, RequestInfo, load_config, slots_from_block_ids
 from kvplug_vllm import socket_server
+from kvplug_vllm.layout import VLLM_CPU
 from kvplug_vllm.lookup import LookupChannelError, LookupServer, SocketLookup, encode_request, socket_path
 from kvplug_vllm.socket_server import LOOKUP_DIR_ENV, ServerLimits, UnsafeSocketPathError, private_socket_dir
 
-LAYOUT = KVLayout("vllm_cpu", num_layers=2, block_size=32, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+LAYOUT = KVLayout(VLLM_CPU, num_layers=2, block_size=32, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
 PROMPT = list(range(3, 203))
 LEN = struct.Struct("<I")
 

@@ -15,6 +15,7 @@ import torch
 import kvplug
 from kvplug import CacheEngine, Fingerprint, KVLayout, RequestInfo, load_config, slots_from_block_ids
 from kvplug.errors import ConfigError
+from kvplug_vllm.layout import VLLM_CPU
 from kvplug_vllm.lookup import DirectLookup, LookupChannelError, LookupServer, SocketLookup, socket_path
 from kvplug_vllm.registration import CONNECTOR_NAME, register
 from kvplug_vllm.scheduler import request_info
@@ -87,12 +88,12 @@ def test_connector_stats_aggregate_and_rebuild() -> None:
 
 # --- the lookup channel ------------------------------------------------------------------
 
-LAYOUT = dict(kind="vllm_cpu", num_layers=2, block_size=32, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+LAYOUT = KVLayout(VLLM_CPU, num_layers=2, block_size=32, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
 
 
 @pytest.fixture
 def engine():
-    layout = KVLayout(**LAYOUT)  # type: ignore[arg-type]
+    layout = LAYOUT
     config = load_config(engine_extra={"kvplug.chunk_size": 64, "kvplug.store.mode": "sync"}, env={}).config
     with CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="unit")) as cache_engine:
         yield cache_engine
@@ -106,12 +107,20 @@ def store(engine: CacheEngine, tokens: list[int], request: RequestInfo | None = 
 def test_socket_lookup_answers_like_the_engine(engine: CacheEngine) -> None:
     prompt = list(range(3, 203))
     store(engine, prompt, RequestInfo(cache_salt="a"))
+    store(engine, prompt, RequestInfo(lora_id="sql-adapter"))  # the scheduler sends LoRA names
     path = socket_path(f"unit-{id(engine):x}", 0, 0)
     server = LookupServer(engine, path)
     client = SocketLookup([path], timeout_s=5)
     try:
-        for info in (RequestInfo(cache_salt="a"), RequestInfo(cache_salt="b"), RequestInfo()):
+        for info in (
+            RequestInfo(cache_salt="a"),
+            RequestInfo(cache_salt="b"),
+            RequestInfo(),
+            RequestInfo(lora_id="sql-adapter"),
+            RequestInfo(lora_id="other-adapter"),
+        ):
             assert client.lookup(prompt, info) == DirectLookup([engine]).lookup(prompt, info)
+        assert client.lookup(prompt, RequestInfo(lora_id="sql-adapter")) == 192
         assert client.lookup(prompt, RequestInfo(cache_salt="a")) == 192
         assert client.lookup(prompt[:100] + [5] * 100, RequestInfo(cache_salt="a")) == 64
     finally:
