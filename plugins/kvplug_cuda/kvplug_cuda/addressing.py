@@ -66,12 +66,14 @@ class _Origins:
 
 
 def kernel_fits(layout: KVLayout) -> bool:
-    """Whether the kernel addresses this format: every one whose tokens can be addressed.
+    """Whether the kernel addresses this format: any whose tokens are addressable and whose head rows are runs.
 
     ``whole_blocks_only`` formats pack a block's bytes engine-privately (vLLM's CPU
     backend, per ISA, in host memory): only the torch connector's whole-block copy fits.
+    The kernel copies a head's elements as one run of words, so ``dim`` must be the
+    innermost axis; other formats go to the torch connector too.
     """
-    return not layout.whole_blocks_only
+    return not layout.whole_blocks_only and (layout.format.axes[-1] == "dim" or layout.head_dim == 1)
 
 
 def layer_tensors(layout: KVLayout, cache: object) -> tuple[torch.Tensor, ...]:
@@ -98,8 +100,8 @@ def paged_addressing(layout: KVLayout, caches: Sequence[object]) -> PagedAddress
     """Describe ``caches`` (one entry per layer, all alike) for the paged-copy kernel."""
     if not kernel_fits(layout):
         raise LayoutError(
-            f"the paged-copy kernel does not address {layout.format.name}: it copies whole blocks only "
-            "(its bytes inside a block are engine-private)"
+            f"the paged-copy kernel does not address {layout.format.name} {layout.format.axes}: it copies whole "
+            "blocks only (bytes inside a block are engine-private), or head_dim is not its innermost axis"
         )
     if not caches:
         raise LayoutError("no layer caches given")

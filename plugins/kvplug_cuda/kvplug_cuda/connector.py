@@ -351,7 +351,7 @@ class CudaConnector(KVConnector):
                 self.pool.release(transfer.buffer)
 
     def _use_reference(self, device: torch.device) -> bool:
-        if not kernel_fits(self.layout):  # whole_blocks_only (vLLM CPU): host memory, opaque blocks
+        if not kernel_fits(self.layout):  # opaque blocks (vLLM CPU: host memory), or head rows that are not runs
             return True
         return device.type != "cuda" and not self._interpreted
 

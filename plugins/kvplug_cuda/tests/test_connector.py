@@ -83,10 +83,10 @@ def test_explicit_cuda_without_cuda_or_interpreter_says_what_to_do() -> None:
     code = textwrap.dedent(
         """
         import torch
-        from kvplug import KVLayout
+        from kvplug import KVLayout, PagedFormat
         from kvplug.errors import ConnectorError
         from kvplug_cuda import CudaConnector
-        layout = KVLayout(VLLM_MLA, 1, 4, 1, 8, torch.float16)
+        layout = KVLayout(PagedFormat("vllm_mla", ("block", "token", "dim"), latent=True), 1, 4, 1, 8, torch.float16)
         try:
             CudaConnector(CudaConnector.Config(), layout)
         except ConnectorError as exc:

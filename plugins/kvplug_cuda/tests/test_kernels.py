@@ -24,7 +24,7 @@ from conftest import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvplug import KVLayout
+from kvplug import KVLayout, PagedFormat
 from kvplug.errors import LayoutError
 
 KINDS = (VLLM_FLASH, VLLM_MLA, SGLANG_MHA)  # what the kernel addresses; vllm_cpu copies whole blocks only
@@ -215,3 +215,46 @@ def test_vllm_cpu_goes_to_the_torch_connector(connectors) -> None:
     cuda.synchronize()
     assert same_bits(got, expected)
     assert cuda.stats().fallbacks == 1
+
+
+#: Formats no engine here declares: the kernel addresses them through kv_views alone
+#: (the dim-major one goes to the torch connector: its head rows are not runs).
+NEW_FORMATS = (
+    PagedFormat("test_head_major", ("block", "head", "kv", "token", "dim")),
+    PagedFormat("test_split_blocks", ("block", "token", "head", "dim"), tensors=2),
+    PagedFormat("test_token_interleaved", ("slot", "kv", "head", "dim")),
+    PagedFormat("test_dim_major", ("dim", "kv", "head", "block", "token")),
+)
+
+
+def _format_caches(layout: KVLayout, num_blocks: int, generator: torch.Generator) -> list:
+    sizes = {"kv": 2, "block": num_blocks, "token": layout.block_size, "head": layout.num_kv_heads}
+    sizes |= {"slot": num_blocks * layout.block_size, "dim": layout.head_dim}
+    shape = tuple(sizes[axis] for axis in layout.format.axes)
+    tensors = layout.format.tensors
+    return [
+        tuple(random_bits(shape, layout.dtype, generator).to(DEVICE) for _ in range(tensors))
+        if tensors > 1
+        else random_bits(shape, layout.dtype, generator).to(DEVICE)
+        for _ in range(layout.num_layers)
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("fmt", NEW_FORMATS, ids=lambda f: f.name)
+def test_a_new_format_is_bit_exact_against_torch(connectors, fmt: PagedFormat, dtype: torch.dtype) -> None:
+    layout = KVLayout(fmt, num_layers=2, block_size=4, num_kv_heads=3, head_dim=4, dtype=dtype)
+    generator = torch.Generator().manual_seed(7)
+    caches = _format_caches(layout, 6, generator)
+    slots = torch.tensor([20, 21, 22, 23, 8, 9, 10, 11, 1, 0, 14])  # two whole blocks, then stray tokens
+    expected, per_layer, one_launch = _gather_both(connectors, layout, caches, slots)
+    assert same_bits(per_layer, expected) and same_bits(one_launch, expected)
+    chunk = random_bits(layout.chunk_shape(slots.numel()), layout.dtype, generator)
+    reference, cuda = _pair(connectors, layout)
+    want, got = clone(caches), clone(caches)
+    reference.scatter(want, slots.to(DEVICE), chunk)
+    cuda.scatter(got, slots.to(DEVICE), chunk)
+    cuda.synchronize()
+    assert caches_same_bits(got, want) and not caches_same_bits(want, caches)
+    # head_dim not innermost: head rows are not runs of words, the torch connector copies them
+    assert cuda.stats().fallbacks == (0 if fmt.axes[-1] == "dim" else 1)
