@@ -279,3 +279,37 @@ def test_a_new_engine_format_round_trips_through_the_cache_engine(fmt: PagedForm
         for s, d in zip(src_slots.tolist(), dst_slots.tolist()):
             assert torch.equal(token_kv(layout, src_cache, s), token_kv(layout, dst_cache, d))
     assert layout.describe().startswith(f"{fmt.name}:L2:B4:H3:D8:")
+
+
+#: Packed formats of one and of two tensors per layer: whole blocks only.
+PACKED = [
+    PagedFormat("test_packed", ("block", "kv", "head", "token", "dim"), whole_blocks_only=True),
+    PagedFormat("test_packed_split", ("block", "head", "token", "dim"), tensors=2, whole_blocks_only=True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("fmt", PACKED, ids=lambda f: f.name)
+def test_a_new_packed_format_copies_whole_blocks(fmt: PagedFormat, dtype: torch.dtype) -> None:
+    layout = KVLayout(fmt, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    connector = TorchConnector(EmptyConfig(), layout)
+    source = [
+        tuple(c.to(dtype) for c in cache) if isinstance(cache, tuple) else cache.to(dtype)
+        for cache in allocate(KVLayout(fmt, 2, 4, 2, 8, torch.float32), 12, seed=3)
+    ]
+    target = [
+        tuple(torch.zeros_like(t) for t in cache) if isinstance(cache, tuple) else torch.zeros_like(cache)
+        for cache in source
+    ]
+    src_slots = (torch.tensor([5, 1, 9])[:, None] * 4 + torch.arange(4)).reshape(-1)
+    dst_slots = (torch.tensor([0, 7, 2])[:, None] * 4 + torch.arange(4)).reshape(-1)
+    chunk = torch.empty(layout.chunk_shape(12), dtype=dtype)
+    connector.gather(source, src_slots, chunk)
+    connector.scatter(target, dst_slots, chunk)
+    for src_cache, dst_cache in zip(source, target):
+        for s, d in zip(src_slots.tolist(), dst_slots.tolist()):
+            assert torch.equal(
+                token_kv(layout, src_cache, s).view(torch.uint8), token_kv(layout, dst_cache, d).view(torch.uint8)
+            )
+    with pytest.raises(LayoutError, match=f"layout {fmt.name} packs tokens inside a block"):
+        connector.gather(source, torch.tensor([4, 5, 6]), torch.empty(layout.chunk_shape(3), dtype=dtype))

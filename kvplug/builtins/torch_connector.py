@@ -177,32 +177,26 @@ class TorchConnector(KVConnector):
         blocks = self._whole_blocks(plan)
         # Pick whole blocks with one word copy into reused scratch, then reorder from
         # there: indexing the permuted cache directly runs element by element.
-        picked = self._block_scratch(tensors, blocks.numel())
-        for tensor, rows in zip(tensors, picked):
+        staging = self._staging(tensors, blocks.numel())
+        for tensor, rows in zip(tensors, staging.rows):
             _gather_rows(self._block_rows(tensor), blocks, rows)
-        shape = (blocks.numel(), self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim)
-        staged = self._staged(picked, tensors)
-        route = self._route(staged)
-        if route.stacked is not None and out.is_contiguous():
-            out.view(self.layout.num_kv, *shape).copy_(route.stacked.of(staged))
+        if staging.stacked is not None and out.is_contiguous():
+            out.view(staging.stacked.shape).copy_(staging.stacked)
         else:
-            for index, view in enumerate(route.views):
-                out[index].view(shape).copy_(view.of(staged))
+            for index, view in enumerate(staging.views):
+                out[index].view(view.shape).copy_(view)
 
     def _scatter_blocks(self, tensors: tuple[torch.Tensor, ...], plan: SlotPlan, src: torch.Tensor) -> None:
         device = tensors[0].device
         blocks = self._whole_blocks(plan).to(device)
-        picked = self._block_scratch(tensors, blocks.numel())
-        staged = self._staged(picked, tensors)  # blocks in the cache's memory order
-        route = self._route(staged)
-        shape = (blocks.numel(), self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim)
+        staging = self._staging(tensors, blocks.numel())  # blocks in the cache's memory order
         src = src.to(device, non_blocking=True)
-        if route.stacked is not None:
-            route.stacked.of(staged).copy_(src.reshape(self.layout.num_kv, *shape))
+        if staging.stacked is not None:
+            staging.stacked.copy_(src.reshape(staging.stacked.shape))
         else:
-            for index, view in enumerate(route.views):
-                view.of(staged).copy_(src[index].reshape(shape))
-        for tensor, rows in zip(tensors, picked):
+            for index, view in enumerate(staging.views):
+                view.copy_(src[index].reshape(view.shape))
+        for tensor, rows in zip(tensors, staging.rows):
             _scatter_rows(self._block_rows(tensor), blocks, rows)
 
     def _whole_blocks(self, plan: SlotPlan) -> torch.Tensor:
@@ -217,6 +211,8 @@ class TorchConnector(KVConnector):
 
     def _block_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` as ``[num_blocks, elements per block]`` rows: each block is one run of memory."""
+        if tensor.is_contiguous():
+            return tensor.view(tensor.shape[0], -1)
         if not _dense(tensor.shape[1:], tensor.stride()[1:]):
             raise LayoutError(
                 f"layout {self.layout.format.name}: a block of the cache tensor {tuple(tensor.shape)} with strides "
@@ -224,29 +220,47 @@ class TorchConnector(KVConnector):
             )
         return tensor.as_strided((tensor.shape[0], math.prod(tensor.shape[1:])), (tensor.stride(0), 1))
 
-    def _block_scratch(self, tensors: tuple[torch.Tensor, ...], num_blocks: int) -> list[torch.Tensor]:
-        """This thread's staging for ``num_blocks`` blocks of each layer tensor, ``[num_blocks, block elements]``.
+    def _staging(self, tensors: tuple[torch.Tensor, ...], num_blocks: int) -> _Staging:
+        """This thread's staging for ``num_blocks`` whole blocks of each layer tensor.
 
-        Reused across calls: a fresh megabyte per layer would be fresh pages, and
-        faulting them in costs more than the copy.
+        The scratch memory is reused across calls (a fresh megabyte per layer would be
+        fresh pages, and faulting them in costs more than the copy), and so are its
+        views, one set per block count.
         """
         first = tensors[0]
+        key = (num_blocks, first.shape[1:], first.dtype, first.device, len(tensors))
+        local = self._scratch
+        staging: _Staging | None = getattr(local, "views", {}).get(key)
+        if staging is not None:
+            return staging
         needed = num_blocks * math.prod(first.shape[1:])
-        scratch = getattr(self._scratch, "tensor", None)
+        scratch = getattr(local, "tensor", None)
         if (
             scratch is None
             or scratch.numel() < needed * len(tensors)
             or scratch.dtype != first.dtype
             or scratch.device != first.device
         ):
-            scratch = self._scratch.tensor = torch.empty(needed * len(tensors), dtype=first.dtype, device=first.device)
-        return [scratch[i * needed : (i + 1) * needed].view(num_blocks, -1) for i in range(len(tensors))]
+            scratch = local.tensor = torch.empty(needed * len(tensors), dtype=first.dtype, device=first.device)
+            local.views = {}  # views of the old scratch must not outlive it
+        rows = [scratch[i * needed : (i + 1) * needed].view(num_blocks, -1) for i in range(len(tensors))]
+        # Whole blocks in the cache's own memory order and nominal shape: the format's
+        # views read the scratch as they would the cache.
+        staged = tuple(row.view(num_blocks, *t.shape[1:]) for row, t in zip(rows, tensors))
+        route = _route(self.layout, staged)
+        stacked = route.stacked.of(staged) if route.stacked is not None else None
+        staging = _Staging(rows, tuple(view.of(staged) for view in route.views), stacked)
+        local.views[key] = staging
+        return staging
 
-    @staticmethod
-    def _staged(picked: list[torch.Tensor], tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        # Whole blocks in the cache's own memory order and nominal shape: the
-        # format's views read the scratch as they would the cache.
-        return tuple(rows.view(rows.shape[0], *t.shape[1:]) for rows, t in zip(picked, tensors))
+
+@dataclass(frozen=True)
+class _Staging:
+    """Scratch for whole blocks: rows as picked from the cache, and the format's views of them."""
+
+    rows: list[torch.Tensor]  # [num_blocks, block elements] per layer tensor
+    views: tuple[torch.Tensor, ...]  # kv_views, [num_blocks, block_size, heads, head_dim] per K/V index
+    stacked: torch.Tensor | None  # [num_kv, num_blocks, block_size, heads, head_dim] when one tensor holds K and V
 
 
 def _route(layout: KVLayout, tensors: tuple[torch.Tensor, ...]) -> _Route:
