@@ -89,7 +89,7 @@ def base_tensor(layout: KVLayout, caches: Sequence[object], word: torch.dtype) -
     return first.as_strided((count,), (1,)).view(word)
 
 
-def cache_key(layout: KVLayout, caches: Sequence[object]) -> tuple:
+def cache_key(layout: KVLayout, caches: Sequence[object]) -> tuple[object, ...]:
     """Identifies a set of layer caches by address, shape and strides (for reuse of tables)."""
     return tuple(
         (t.data_ptr(), tuple(t.shape), t.stride(), t.device) for cache in caches for t in layer_tensors(layout, cache)

@@ -110,7 +110,7 @@ class _InFlight:
 
     event: Any
     buffer: PinnedBuffer | None
-    finish: Callable[[], None] | None
+    finish: Callable[[], object] | None
     host: torch.Tensor | None = None
 
 
@@ -123,6 +123,7 @@ class CudaConnector(KVConnector):
 
     def __init__(self, config: CudaConnectorConfig, layout: KVLayout) -> None:
         super().__init__(config, layout)
+        self.options = config  # typed: the base class keeps ``config`` as a plain BaseModel
         from kvplug_cuda import kernels  # triton is imported only by a connector that runs
 
         self._kernels = kernels
@@ -138,7 +139,7 @@ class CudaConnector(KVConnector):
         # Transfers past their deadline: the device may still write their host memory,
         # so it is never handed out again (a pinned frame would go back to the frame pool).
         self._abandoned: list[_InFlight] = []
-        self._tables: OrderedDict[tuple, PagedAddressing] = OrderedDict()
+        self._tables: OrderedDict[tuple[object, ...], PagedAddressing] = OrderedDict()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._stats = TransferStats()
         self.pool = PinnedPool(
@@ -193,7 +194,7 @@ class CudaConnector(KVConnector):
 
     def synchronize(self) -> None:
         """Wait for every issued transfer (at most ``copy_timeout_s``), then release buffers."""
-        deadline = time.monotonic() + self.config.copy_timeout_s
+        deadline = time.monotonic() + self.options.copy_timeout_s
         while self._finish_oldest(deadline):
             pass
 
@@ -208,7 +209,7 @@ class CudaConnector(KVConnector):
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
         stream = self._streams.get(device)
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)
+            stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         return stream
 
     # --- transfers -----------------------------------------------------------------------
@@ -236,7 +237,7 @@ class CudaConnector(KVConnector):
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):
                     host.copy_(staging.view(torch.uint8), non_blocking=True)
-                    event = torch.cuda.Event()
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     event.record(stream)
                 staging.record_stream(stream)  # not reused before the transfer read it
             else:
@@ -282,7 +283,7 @@ class CudaConnector(KVConnector):
                 with torch.cuda.stream(stream):
                     staging = torch.empty(nbytes // addressing.word_size, dtype=addressing.word, device=device)
                     staging.view(torch.uint8).copy_(host, non_blocking=True)
-                    event = torch.cuda.Event()
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     event.record(stream)
                 current.wait_event(event)
                 self._kernels.paged_copy(addressing, base, slots, staging, to_chunk=False)

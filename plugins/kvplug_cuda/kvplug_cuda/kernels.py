@@ -28,8 +28,8 @@ from kvplug_cuda.addressing import PagedAddressing
 MAX_TILE_WORDS = 1024
 
 
-@triton.jit
-def _paged_copy_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # Triton has no type information
+def _paged_copy_kernel(  # type: ignore[no-untyped-def]  # arguments are Triton pointers and constexprs
     cache_ptr,
     table_ptr,
     slot_ptr,

@@ -93,7 +93,7 @@ def cpu_attention_isa(layout: KVLayout, vllm_config: object) -> str:
     isa = _get_attn_isa(layout.dtype, layout.block_size, layout.head_dim, cache_dtype)
     if isa == "vec":
         isa += "/avx512" if torch.cpu._is_avx512_supported() else "/avx2"
-    return isa
+    return str(isa)
 
 
 def fingerprint_for(layout: KVLayout, vllm_config: object, *, tp_rank: int, pp_rank: int) -> Fingerprint:
