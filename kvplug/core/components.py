@@ -123,7 +123,7 @@ class EmptyConfig(ComponentConfig):
 
 
 class EngineAdapter:
-    """Describes one serving engine's integration (vLLM, SGLang).
+    """Describes one serving engine's integration (an engine adapter plugin).
 
     The integration itself is registered with the engine by the engine's own
     plugin system; this class lets ``kvplug plugins`` list it and lets
@@ -134,6 +134,9 @@ class EngineAdapter:
     Config: ClassVar[type[BaseModel]] = EmptyConfig
     #: Distribution name of the engine package, for version reports.
     engine_distribution: ClassVar[str] = ""
+    #: ``KVPLUG_*`` environment variables the adapter sets for its engine's processes
+    #: (not config settings): the config loader does not report them as unknown.
+    environment: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def engine_version(cls) -> str | None:

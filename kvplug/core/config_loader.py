@@ -31,7 +31,6 @@ RESERVED_ENV = {
     "KVPLUG_LOG_LEVEL",
     INTEGRITY_KEY_ENV,
     INTEGRITY_KEY_FILE_ENV,
-    "KVPLUG_LOOKUP_DIR",  # kvplug-vllm's private lookup-socket folder, exported to its engine processes
 }
 RESERVED_ENV_PREFIXES = ("KVPLUG_TEST_", "KVPLUG_BENCH_")
 ENGINE_KEY_PREFIX = "kvplug."
@@ -64,7 +63,7 @@ def load_config(
     path = engine_file or config_file or env.get("KVPLUG_CONFIG")
     if path:
         layers.append((f"file {path}", read_yaml_layer(path)))
-    layers.append(("env", env_layer(env)))
+    layers.append(("env", env_layer(env, reserved=adapter_environment(registry or get_registry()))))
     layers.append(("engine", engine_layer))
     data: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -125,14 +124,22 @@ def read_yaml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def env_layer(env: Mapping[str, str]) -> dict[str, Any]:
-    """``KVPLUG_CHUNK_SIZE=128``, ``KVPLUG_STORE__MODE=sync``, ``KVPLUG_TIERS='[...]'``."""
+def adapter_environment(registry: PluginRegistry) -> frozenset[str]:
+    """The ``KVPLUG_*`` variables installed engine adapters set for their engines (not settings)."""
+    return frozenset(name.upper() for adapter in registry.engine_adapters().values() for name in adapter.environment)
+
+
+def env_layer(env: Mapping[str, str], reserved: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """``KVPLUG_CHUNK_SIZE=128``, ``KVPLUG_STORE__MODE=sync``, ``KVPLUG_TIERS='[...]'``.
+
+    ``reserved``: more names that are not settings (see :func:`adapter_environment`)."""
     fields = {name.upper() for name in KVPlugConfig.model_fields}
     unknown = [
         name
         for name in env
         if name.upper().startswith(ENV_PREFIX)
         and name.upper() not in RESERVED_ENV
+        and name.upper() not in reserved
         and not name.upper().startswith(RESERVED_ENV_PREFIXES)
         and name.upper()[len(ENV_PREFIX) :].split("__")[0] not in fields
     ]

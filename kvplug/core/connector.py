@@ -12,7 +12,8 @@ from pydantic import BaseModel
 from kvplug.core.components import EmptyConfig
 from kvplug.core.layouts import KVLayout
 
-#: One layer's cache as the engine holds it: a tensor, or SGLang's (k, v) pair.
+#: One layer's cache as the engine holds it: a tensor, or a tuple of them (K and V kept apart);
+#: the layout's :class:`~kvplug.PagedFormat` says which.
 LayerCache = Any
 
 

@@ -55,8 +55,8 @@ class Fingerprint:
     block_size: int
     model_revision: str = ""
     #: Engine-side choices that change the bytes of a layout with the same shape: the
-    #: KV cache dtype as the engine spells it, an attention kernel's packing (vLLM's CPU
-    #: backend packs blocks per instruction set). Empty when there are none.
+    #: KV cache dtype as the engine spells it, an attention kernel's packing (a CPU
+    #: backend that packs blocks per instruction set). Empty when there are none.
     engine_variant: str = ""
     format_version: str = KV_FORMAT_VERSION
     serializer: str = "raw"

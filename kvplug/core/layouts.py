@@ -120,11 +120,6 @@ class KVLayout:
             raise LayoutError(f"{self.format.name} is {what}, one head: num_kv_heads must be 1")
 
     @property
-    def kind(self) -> str:
-        """The format's name. Deprecated: use ``format.name``; kept for 0.1 callers."""
-        return self.format.name
-
-    @property
     def num_kv(self) -> int:
         return self.format.num_kv
 

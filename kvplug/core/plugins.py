@@ -56,8 +56,6 @@ KNOWN_COMPONENTS: dict[tuple[str, str], str] = {
     ("storage_tier", "s3"): "kvplug-s3",
     ("storage_tier", "valkey"): "kvplug-valkey",
     ("kv_connector", "cuda"): "kvplug-cuda",
-    ("engine_adapter", "vllm"): "kvplug-vllm",
-    ("engine_adapter", "sglang"): "kvplug-sglang",
 }
 
 

@@ -120,7 +120,7 @@ class TierChain:
         """Name of the fastest tier holding each leading key, up to the first key none holds.
 
         Lets an adapter tell a prefix served from memory from one that needs a slow tier
-        (vLLM loads the latter asynchronously).
+        (an engine may load the latter in the background).
         """
         where: list[str | None] = [None] * len(keys)
         with call_budget(self.lookup_timeout_s):

@@ -13,6 +13,8 @@ class VLLMEngineAdapter(EngineAdapter):
 
     name: ClassVar[str] = "vllm"
     engine_distribution: ClassVar[str] = "vllm"
+    #: the private lookup-socket folder, exported to vLLM's engine processes (socket_server.py)
+    environment: ClassVar[tuple[str, ...]] = ("KVPLUG_LOOKUP_DIR",)
 
     @classmethod
     def engine_version(cls) -> str | None:

@@ -145,7 +145,7 @@ class WorkerSide:
                         "chunk_size",
                         config.chunk_size,
                         f"must be a multiple of vLLM's block size {layout.block_size}: "
-                        f"the {layout.kind} layout copies whole blocks only",
+                        f"the {layout.format.name} layout copies whole blocks only",
                     )
                 ],
                 "kv_connector_extra_config",

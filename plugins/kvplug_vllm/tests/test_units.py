@@ -40,6 +40,14 @@ def test_kvplug_lists_the_vllm_engine_adapter() -> None:
     assert adapters["vllm"].engine_version() == "0.32.0"
 
 
+def test_the_lookup_folder_variable_is_not_an_unknown_setting() -> None:
+    # vLLM's engine processes inherit KVPLUG_LOOKUP_DIR from the adapter; the adapter
+    # declares it, so the config loader does not take it for a misspelled setting.
+    load_config(env={"KVPLUG_LOOKUP_DIR": "/run/user/0/kvplug"})
+    with pytest.raises(ConfigError, match="KVPLUG_LOOKUP_DIRS"):
+        load_config(env={"KVPLUG_LOOKUP_DIRS": "/run/user/0/kvplug"})
+
+
 def test_extra_config_split_between_connector_and_core() -> None:
     settings, rest = split_extra_config(
         {
