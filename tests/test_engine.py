@@ -74,27 +74,99 @@ def test_save_unfull_chunk_makes_the_full_prompt_hit(make_engine) -> None:
     assert engine.lookup([*tokens, 1, 2, 3]) == 24  # a longer prompt only shares whole chunks
 
 
-def test_flipped_byte_shortens_the_hit_and_never_loads_wrong_data(make_engine) -> None:
-    layout = LAYOUTS["vllm_flash"]
-    engine = make_engine(layout)
-    source = random_caches(layout, NUM_BLOCKS, seed=3)
-    tokens = prompt(32)
-    engine.store(tokens, source, torch.arange(32))
-    keys = [k.key for k in engine.chunk_keys(tokens)]
-    cpu = engine.chain.tiers[0]
-    damaged = bytearray(cpu.get([keys[2]])[0])
-    damaged[-3] ^= 0x10
-    cpu.put([(keys[2], bytes(damaged))])
+def _untrusted_memory_plugin():
+    """A cpu tier without ``trusted_reads``: like shared memory another process could write."""
+    from kvplug import hookimpl
+    from kvplug_cpu import CPUTier
 
-    target = random_caches(layout, NUM_BLOCKS, seed=4)
-    before = [c.clone() for c in target]
-    slots = torch.arange(32) + 64
-    loaded = engine.retrieve(tokens, target, slots)
-    assert loaded.tolist() == [True] * 16 + [False] * 16
-    assert torch.equal(read_back(engine, source, torch.arange(16)), read_back(engine, target, slots[:16]))
-    assert torch.equal(read_back(engine, before, slots[16:]), read_back(engine, target, slots[16:]))
-    assert engine.metrics.value("kvplug_load_errors_total", reason="CorruptChunkError") == 1
-    assert engine.lookup(tokens) == 16  # the corrupt chunk was dropped from the tiers
+    class SharedMemoryTier(CPUTier):
+        name = "shared_memory"
+        trusted_reads = False
+
+    class Plugin:
+        @staticmethod
+        @hookimpl
+        def kvplug_storage_tiers():
+            return [SharedMemoryTier]
+
+    return Plugin
+
+
+def _engine_on(tiers: list[dict], registry: PluginRegistry, layout) -> CacheEngine:
+    config = load_config(
+        engine_extra={"kvplug": {"chunk_size": 8, "store": {"mode": "sync"}, "tiers": tiers}}, env={}, registry=registry
+    ).config
+    return CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry)
+
+
+def test_flipped_byte_shortens_the_hit_and_never_loads_wrong_data() -> None:
+    registry = PluginRegistry(plugin_filter="cpu")
+    registry.register(_untrusted_memory_plugin(), "untrusted-test")
+    layout = LAYOUTS["vllm_flash"]
+    with _engine_on([{"type": "shared_memory"}], registry, layout) as engine:
+        source = random_caches(layout, NUM_BLOCKS, seed=3)
+        tokens = prompt(32)
+        engine.store(tokens, source, torch.arange(32))
+        keys = [k.key for k in engine.chunk_keys(tokens)]
+        tier = engine.chain.tiers[0]
+        damaged = bytearray(tier.get([keys[2]])[0])
+        damaged[-3] ^= 0x10
+        tier.put([(keys[2], bytes(damaged))])
+
+        target = random_caches(layout, NUM_BLOCKS, seed=4)
+        before = [c.clone() for c in target]
+        slots = torch.arange(32) + 64
+        loaded = engine.retrieve(tokens, target, slots)
+        assert loaded.tolist() == [True] * 16 + [False] * 16
+        assert torch.equal(read_back(engine, source, torch.arange(16)), read_back(engine, target, slots[:16]))
+        assert torch.equal(read_back(engine, before, slots[16:]), read_back(engine, target, slots[16:]))
+        assert engine.metrics.value("kvplug_load_errors_total", reason="CorruptChunkError") == 1
+        assert engine.lookup(tokens) == 16  # the corrupt chunk was dropped from the tiers
+
+
+def test_a_corrupt_chunk_from_a_slower_tier_is_not_promoted_into_a_trusted_one() -> None:
+    """The cpu tier's frames are not re-verified (trusted_reads), so only verified
+    chunks may be promoted into it."""
+    registry = PluginRegistry(plugin_filter="cpu")
+    registry.register(_untrusted_memory_plugin(), "untrusted-test")
+    layout = LAYOUTS["vllm_flash"]
+    with _engine_on([{"type": "cpu"}, {"type": "shared_memory"}], registry, layout) as engine:
+        source = random_caches(layout, NUM_BLOCKS, seed=3)
+        tokens = prompt(32)
+        engine.store(tokens, source, torch.arange(32))
+        keys = [k.key for k in engine.chunk_keys(tokens)]
+        cpu, slow = engine.chain.tiers
+        cpu.remove(keys)  # as if evicted: the next load comes from the slower tier
+        damaged = bytearray(slow.get([keys[1]])[0])
+        damaged[-3] ^= 0x10
+        slow.put([(keys[1], bytes(damaged))])
+
+        loaded = engine.retrieve(tokens, random_caches(layout, NUM_BLOCKS), torch.arange(32) + 64)
+        assert loaded.tolist() == [True] * 8 + [False] * 24
+        assert cpu.contains(keys) == [True, False, False, False]  # the verified chunk only
+        assert engine.lookup(tokens) == 8
+
+
+def test_frames_only_trusted_tiers_hold_skip_the_checksum_and_others_are_sealed() -> None:
+    from kvplug.core import chunk_format
+
+    registry = PluginRegistry(plugin_filter="cpu")
+    registry.register(_untrusted_memory_plugin(), "untrusted-test")
+    layout = LAYOUTS["vllm_flash"]
+    for tiers, sealed in (([{"type": "cpu"}], False), ([{"type": "cpu"}, {"type": "shared_memory"}], True)):
+        with _engine_on(tiers, registry, layout) as engine:
+            source = random_caches(layout, NUM_BLOCKS, seed=5)
+            tokens = prompt(16)
+            engine.store(tokens, source, torch.arange(16))
+            frame = engine.chain.tiers[0].get([engine.chunk_keys(tokens)[0].key])[0]
+            checksum = chunk_format.parse_header(frame).checksum
+            assert (checksum == chunk_format.frame_checksum(memoryview(frame))) is sealed
+            assert (checksum == 0) is not sealed
+            target = random_caches(layout, NUM_BLOCKS, seed=6)
+            assert bool(engine.retrieve(tokens, target, torch.arange(16) + 32).all())
+            assert torch.equal(
+                read_back(engine, source, torch.arange(16)), read_back(engine, target, torch.arange(16) + 32)
+            )
 
 
 def test_mask_skips_tokens_the_engine_already_has(make_engine) -> None:

@@ -243,7 +243,8 @@ class CacheEngine:
         return sum(n for _, _, n in batch)
 
     def _write_batch(self, batch: StoreBatch) -> None:
-        sealed = [(key, self.serializer.seal(frame)) for key, frame, _ in batch]
+        seal = self.serializer.seal_unchecked if self.chain.all_trusted else self.serializer.seal
+        sealed = [(key, seal(frame)) for key, frame, _ in batch]
         self.chain.put(sealed)
         self.metrics.stored_tokens.inc(sum(n for _, _, n in batch))
         self.metrics.stored_bytes.inc(sum(memoryview(frame).nbytes for _, frame in sealed))
@@ -290,11 +291,14 @@ class CacheEngine:
                 for k in self.chunk_keys(tokens, request)
                 if k.end > first and self._copyable(max(k.start, first), k.end)
             ]
-            buffers = self.chain.get_prefix([k.key for k in keys]) if keys else []
-            for chunk, buffer in zip(keys, buffers):
+            fetched = self.chain.fetch_prefix([k.key for k in keys]) if keys else []
+            for chunk, hit in zip(keys, fetched):
+                # Frames from trusted_reads tiers are this process's own bytes; frames
+                # from anywhere else are verified (see StorageTier.trusted_reads).
+                loads = self.serializer.loads_trusted if hit.trusted else self.serializer.loads
                 try:
-                    tensor = self.serializer.loads(
-                        buffer,
+                    tensor = loads(
+                        hit.value,
                         expected_shape=self.layout.chunk_shape(chunk.num_tokens),
                         expected_dtype=self.layout.dtype,
                     )
@@ -303,8 +307,10 @@ class CacheEngine:
                     logger.warning("chunk %s unusable (%s); prefix ends there", chunk.key, exc)
                     self.chain.discard([chunk.key])
                     break
-                self.metrics.loaded_bytes.inc(memoryview(buffer).nbytes)
+                self.metrics.loaded_bytes.inc(memoryview(hit.value).nbytes)
                 chunks.append((chunk, tensor))
+            # Only verified chunks go up to the faster tiers.
+            self.chain.promote([chunk.key for chunk, _ in chunks], fetched[: len(chunks)])
         except Exception:
             logger.exception("retrieve: fetching chunks failed; loading what was fetched")
         return LayerwiseRetrieve(self, len(tokens), first, kv_caches, slots.to(torch.long), chunks, started)

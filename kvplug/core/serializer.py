@@ -70,6 +70,23 @@ class Serializer(ABC):
         ``IncompatibleChunkError`` (another format version, dtype or shape).
         """
 
+    def seal_unchecked(self, frame: Any) -> Buffer:
+        """:meth:`seal` for a frame that never leaves this process (only tiers with
+        ``trusted_reads`` hold it): a serializer may skip its checksum. The default seals."""
+        return self.seal(frame)
+
+    def loads_trusted(
+        self,
+        data: Buffer,
+        *,
+        expected_shape: tuple[int, ...] | None = None,
+        expected_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """:meth:`loads` for bytes this process itself put into a tier with
+        ``trusted_reads``: a serializer may skip re-verifying its checksum (the header
+        is still checked). The default verifies."""
+        return self.loads(data, expected_shape=expected_shape, expected_dtype=expected_dtype)
+
     def dumps(self, tensor: torch.Tensor) -> Buffer:
         frame, payload = self.allocate(tuple(tensor.shape), tensor.dtype)
         payload.copy_(tensor)

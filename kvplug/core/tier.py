@@ -80,6 +80,12 @@ class StorageTier(ABC):
     #: True for tiers that keep the very buffers ``put`` hands them (in-memory
     #: tiers): the engine sizes its frame pool to cover their ``max_bytes``.
     keeps_buffers: ClassVar[bool] = False
+    #: True for tiers whose ``get`` returns the very bytes ``put`` was given in this
+    #: process (process memory, nothing in between that could change them): the engine
+    #: then neither checksums frames that only such tiers hold nor re-verifies frames
+    #: read from them. Bytes that leave the process (files, shared memory, the network)
+    #: are sealed and verified.
+    trusted_reads: ClassVar[bool] = False
 
     def __init__(self, config: BaseModel, context: TierContext) -> None:
         self.config = config

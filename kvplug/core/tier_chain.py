@@ -29,6 +29,17 @@ logger = logging.getLogger("kvplug.tiers")
 Items = list[tuple[str, Buffer]]
 
 
+@dataclass(frozen=True)
+class Fetched:
+    """A value :meth:`TierChain.fetch_prefix` found, and where."""
+
+    value: Buffer
+    #: Index of the tier that answered, fastest first.
+    tier: int
+    #: That tier has ``trusted_reads``: the value is this process's own bytes.
+    trusted: bool
+
+
 @dataclass
 class _Slot:
     """A tier and how it is written."""
@@ -176,6 +187,16 @@ class TierChain:
         vanishes between the two calls (evicted by another process) ends the prefix.
         Hits in slower tiers are written to the faster ones (promotion).
         """
+        fetched = self.fetch_prefix(keys)
+        self.promote(keys, fetched)
+        return [hit.value for hit in fetched]
+
+    def fetch_prefix(self, keys: Sequence[str]) -> list[Fetched]:
+        """:meth:`get_prefix` without the promotion, each value with the tier it came from.
+
+        A caller that verifies values promotes only those that passed
+        (:meth:`promote`): a faster tier with ``trusted_reads`` must never hold bytes
+        nobody checked."""
         # A load is not a lookup: its calls have their own deadlines, and cutting the
         # existence check at the lookup budget would drop chunks the lookup promised.
         present = self.contains_any(keys)
@@ -191,9 +212,20 @@ class TierChain:
                 if value is not None:
                     values[i], found_in[i] = value, index
         limit = next((i for i, value in enumerate(values) if value is None), limit)
-        prefix = values[:limit]
-        self._promote(keys[:limit], prefix, found_in[:limit])  # type: ignore[arg-type]
-        return prefix  # type: ignore[return-value]
+        return [
+            Fetched(value, where, self._slots[where].tier.trusted_reads)
+            for value, where in zip(values[:limit], found_in[:limit])
+            if value is not None
+        ]
+
+    def promote(self, keys: Sequence[str], fetched: Sequence[Fetched]) -> None:
+        """Write values found in slower tiers to the faster ones (``keys`` pair with ``fetched``)."""
+        self._promote(list(keys[: len(fetched)]), [hit.value for hit in fetched], [hit.tier for hit in fetched])
+
+    @property
+    def all_trusted(self) -> bool:
+        """Whether every tier has ``trusted_reads``: stored frames then never leave this process."""
+        return all(slot.tier.trusted_reads for slot in self._slots)
 
     def discard(self, keys: Sequence[str]) -> None:
         """Remove keys from every tier (a chunk found corrupt, ``store gc``)."""

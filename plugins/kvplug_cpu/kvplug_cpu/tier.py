@@ -39,6 +39,7 @@ class CPUTier(StorageTier):
     name = "cpu"
     Config = CPUTierConfig
     keeps_buffers = True
+    trusted_reads = True  # a dict of this process's own buffers
 
     def __init__(self, config: CPUTierConfig, context: TierContext) -> None:
         super().__init__(config, context)
