@@ -66,10 +66,15 @@ def test_shared_prefix_loads_chunk_aligned_prefix(model_config, pool_factory) ->
 
 @pytest.mark.parametrize("tier", ["cpu", "disk"])
 def test_corrupt_chunk_gives_shorter_load_never_wrong_data(
-    model_config, pool_factory, tmp_path: Path, tier: str
+    model_config, pool_factory, tmp_path: Path, tier: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pool = pool_factory()
     if tier == "cpu":
+        from kvplug_cpu import CPUTier
+
+        # The cpu tier's own frames are not re-verified (trusted_reads: this process's
+        # bytes); as an in-memory tier another process could write, its frames are.
+        monkeypatch.setattr(CPUTier, "trusted_reads", False)
         tiers = [{"type": "cpu"}]
     else:
         pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")

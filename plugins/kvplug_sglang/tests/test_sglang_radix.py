@@ -69,7 +69,14 @@ def test_evicted_prefix_comes_back_from_kvplug(model_config, kvplug_env, page_si
         stack.tree.shutdown()
 
 
-def test_corrupt_chunk_between_match_and_load_loads_nothing(model_config, kvplug_env) -> None:
+def test_corrupt_chunk_between_match_and_load_loads_nothing(
+    model_config, kvplug_env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvplug_cpu import CPUTier
+
+    # The cpu tier's own frames are not re-verified (trusted_reads: this process's bytes);
+    # as an in-memory tier another process could write, its frames are.
+    monkeypatch.setattr(CPUTier, "trusted_reads", False)
     with published_server_args(radix_cache_backend="kvplug") as args:
         stack = build_stack(args, model_config)
         start = stack.allocator.available_size()
