@@ -84,6 +84,7 @@ def connector(tiers: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "kv_connector": "KVPlugConnector",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",  # as the README says: a failed load is recomputed, not an error
         "kv_connector_extra_config": {"kvplug.chunk_size": CHUNK_SIZE, "kvplug.tiers": tiers},
     }
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -64,6 +65,11 @@ class BackgroundLoads:
         future = self._pool.submit(fetch, engine, request, kv_caches)
         now = time.monotonic()
         self._pending[request.req_id] = _Pending(request, future, now, now + self.timeout_s)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a load in flight is over, or ``timeout_s`` passed (releases the GIL)."""
+        if self._pending:
+            futures.wait([p.future for p in self._pending.values()], timeout_s, futures.FIRST_COMPLETED)
 
     def collect(self) -> list[tuple[RequestMeta, LayerwiseRetrieve | None, float]]:
         """Loads that are over: fetched (a retriever to write), or failed / late (None),

@@ -67,6 +67,12 @@ class KVPlugConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             config = load_config(engine_extra=engine_extra).config
+            if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") == "fail":
+                logger.warning(
+                    "kv_load_failure_policy is 'fail' (vLLM's default): a cached chunk that cannot be loaded "
+                    "(a corrupt record, a store that went away) fails its request; set "
+                    '"kv_load_failure_policy": "recompute" so vLLM computes it instead'
+                )
             self._scheduler = SchedulerSide(vllm_config, settings, config, engine_key)
         else:
             self._worker = WorkerSide(self, vllm_config, settings, engine_extra, engine_key)

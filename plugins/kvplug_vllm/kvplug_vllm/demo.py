@@ -108,6 +108,7 @@ def run_engine_demo(console: Any, *, tokens: int = 4096) -> dict[str, Any]:
             "kv": {
                 "kv_connector": "KVPlugConnector",
                 "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"kvplug.tiers": [{"type": "cpu", "max_bytes": "1GiB"}]},
             },
             "requests": [{"tokens": prompt, "max_tokens": 16}, {"tokens": prompt, "max_tokens": 16}],

@@ -59,3 +59,5 @@ class KVPlugConnectorMetadata(KVConnectorMetadata):
     """The step's requests that load or store anything."""
 
     requests: list[RequestMeta] = field(default_factory=list)
+    #: The step computes nothing (every request waits, e.g. for its background load).
+    idle: bool = False

@@ -194,7 +194,7 @@ class SchedulerSide:
     # --- per step -----------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPlugConnectorMetadata:
-        meta = KVPlugConnectorMetadata()
+        meta = KVPlugConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
         for req_id, lookup in self._background.items():

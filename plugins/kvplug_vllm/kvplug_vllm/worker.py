@@ -68,6 +68,10 @@ def _stats_name(metric: str) -> str | None:
     return None
 
 
+#: Longest wait for a background load in a step that computes nothing: short enough that
+#: a request arriving meanwhile is scheduled at once, long enough to stop the busy loop.
+IDLE_WAIT_S = 0.005
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 #: (engine id, data-parallel rank, tensor-parallel rank) -> that worker's reset_cache, in this process.
@@ -324,6 +328,12 @@ class WorkerSide:
         """
         if self.engine is None:
             return None
+        meta = self._metadata()
+        if meta is not None and meta.idle:
+            # Nothing to compute this step: vLLM would call again at once, a busy loop
+            # that holds the GIL and starves the threads moving the KV in (a 12 MiB
+            # valkey read ran past its deadline that way). Waiting here releases it.
+            self.background.wait(IDLE_WAIT_S)
         done = self.background.collect()
         for request, retriever, seconds in done:
             self._stats.sample("load_seconds", seconds)

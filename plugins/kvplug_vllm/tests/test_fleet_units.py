@@ -3,9 +3,14 @@ vLLM events, and how connector stats merge (counters, gauges, latency samples)."
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from kvplug import ChunkKey, KVEvent
+from kvplug_vllm.background import BackgroundLoads, _Pending
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
 from kvplug_vllm.lookup import merge_tiers
 from kvplug_vllm.stats import KVPlugConnectorStats
@@ -81,3 +86,24 @@ def test_stats_sum_counters_keep_the_latest_gauge_and_concatenate_samples() -> N
     assert merged.data["gauge.breaker_state.0:s3"] == 0.0
     totals = KVPlugConnectorStats().aggregate(first, counts_only=True)
     assert "lookup_seconds" not in totals.data and "gauge.breaker_state.0:s3" not in totals.data
+
+
+def test_an_idle_step_waits_for_a_background_load_instead_of_spinning() -> None:
+    """vLLM calls get_finished in a busy loop while every request waits for its KV; the
+    worker waits on the loads there (GIL released) rather than return at once."""
+    loads = BackgroundLoads(timeout_s=10)
+    started = time.monotonic()
+    loads.wait(0.05)  # nothing in flight: returns at once
+    assert time.monotonic() - started < 0.04
+
+    release = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(release.wait)
+        loads._pending["r"] = _Pending(request=None, future=future, started=started, deadline=started + 10)  # type: ignore[arg-type]
+        started = time.monotonic()
+        loads.wait(0.05)  # in flight and not done: waits the whole timeout
+        assert time.monotonic() - started >= 0.045
+        threading.Timer(0.01, release.set).start()
+        started = time.monotonic()
+        loads.wait(5.0)  # returns as soon as the load is over
+        assert time.monotonic() - started < 1.0
