@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvplug.core.chunk_format import dtype_name
 from kvplug.errors import LayoutError
 
 #: Axis names a format may use. ``kv``: K (0) and V (1); ``block``/``token``: the page
@@ -149,7 +150,7 @@ class KVLayout:
         """Stable text for the key fingerprint."""
         return (
             f"{self.format.name}:L{self.num_layers}:B{self.block_size}:H{self.num_kv_heads}:"
-            f"D{self.head_dim}:{str(self.dtype).removeprefix('torch.')}"
+            f"D{self.head_dim}:{dtype_name(self.dtype)}"
         )
 
     def layer_tensors(self, layer_cache: object) -> tuple[torch.Tensor, ...]:
