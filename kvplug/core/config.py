@@ -155,7 +155,10 @@ class KVPlugConfig(CheckedModel):
         problems: list[ConfigProblem] = []
         specs = [self.serializer, self.connector, *self.tiers]
         options = resolve_components(
-            [(path, spec.type, spec.raw_options) for path, spec in zip(self._component_paths(), specs)],
+            [
+                (path, concern, spec.type, spec.raw_options)
+                for (path, concern), spec in zip(component_slots(len(self.tiers)), specs)
+            ],
             registry,
             problems,
         )
@@ -166,9 +169,6 @@ class KVPlugConfig(CheckedModel):
         if problems:
             raise ConfigError(problems)
         return self._assemble(resolved, registry)
-
-    def _component_paths(self) -> list[str]:
-        return ["serializer", "connector", *(f"tiers[{i}]" for i in range(len(self.tiers)))]
 
     def _assemble(self, specs: list[ComponentSpec], registry: PluginRegistry) -> KVPlugConfig:
         """A copy of this config with ``specs`` (serializer, connector, tiers...) resolved against ``registry``."""
@@ -211,18 +211,27 @@ class KVPlugConfig(CheckedModel):
         return updated._assemble([self.serializer, self.connector, *self.tiers], self._registry)
 
 
+def component_slots(num_tiers: int) -> list[tuple[str, str]]:
+    """``(path, concern)`` of every component entry of a config with ``num_tiers`` tiers,
+    in the order ``serializer``, ``connector``, ``tiers[i]``."""
+    return [
+        ("serializer", "serializer"),
+        ("connector", "kv_connector"),
+        *((f"tiers[{i}]", "storage_tier") for i in range(num_tiers)),
+    ]
+
+
 def resolve_components(
-    entries: list[tuple[str, str, dict[str, Any]]], registry: PluginRegistry, problems: list[ConfigProblem]
+    entries: list[tuple[str, str, str, dict[str, Any]]], registry: PluginRegistry, problems: list[ConfigProblem]
 ) -> list[BaseModel | None]:
-    """Validate ``(path, type, raw options)`` entries (``serializer``, ``connector``,
-    ``tiers[i]``) with the ``Config`` of the component ``type`` names in ``registry``.
+    """Validate ``(path, concern, type, raw options)`` entries (see :func:`component_slots`)
+    with the ``Config`` of the component ``type`` names in ``registry``.
 
     Appends a problem per unknown type or bad option to ``problems``; returns the
     validated options, ``None`` where validation failed.
     """
     results: list[BaseModel | None] = []
-    for path, name, raw in entries:
-        concern = _concern_of(path)
+    for path, concern, name, raw in entries:
         if concern == "kv_connector" and name == "auto":
             results.append(_validate_options(raw, _AutoConnectorOptions, path, problems))
             continue
@@ -236,14 +245,6 @@ def resolve_components(
             continue
         results.append(_validate_options(raw, component.Config, path, problems))
     return results
-
-
-def _concern_of(path: str) -> str:
-    if path == "serializer":
-        return "serializer"
-    if path == "connector":
-        return "kv_connector"
-    return "storage_tier"
 
 
 def _check_distinct_locations(tiers: list[ComponentSpec], problems: list[ConfigProblem]) -> None:

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
 
-from kvplug.core.config import KVPlugConfig, resolve_components
+from kvplug.core.config import KVPlugConfig, component_slots, resolve_components
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.record import INTEGRITY_KEY_ENV, INTEGRITY_KEY_FILE_ENV, integrity_key
 from kvplug.errors import ConfigError, ConfigProblem
@@ -86,16 +86,15 @@ def load_config(
     return LoadedConfig(config, sources, layers)
 
 
-def _component_entries(data: Mapping[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
-    """``(path, type, options)`` of the well-formed component entries of raw config data."""
-    candidates: list[tuple[str, Any]] = [("serializer", data.get("serializer")), ("connector", data.get("connector"))]
+def _component_entries(data: Mapping[str, Any]) -> list[tuple[str, str, str, dict[str, Any]]]:
+    """``(path, concern, type, options)`` of the well-formed component entries of raw config data."""
     tiers = data.get("tiers")
-    if isinstance(tiers, list):
-        candidates += [(f"tiers[{i}]", entry) for i, entry in enumerate(tiers)]
+    tiers = tiers if isinstance(tiers, list) else []
+    raw = [data.get("serializer"), data.get("connector"), *tiers]
     entries = []
-    for path, entry in candidates:
+    for (path, concern), entry in zip(component_slots(len(tiers)), raw):
         if isinstance(entry, Mapping) and isinstance(entry.get("type"), str) and entry["type"]:
-            entries.append((path, entry["type"], {k: v for k, v in entry.items() if k != "type"}))
+            entries.append((path, concern, entry["type"], {k: v for k, v in entry.items() if k != "type"}))
     return entries
 
 
