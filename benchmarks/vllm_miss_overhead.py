@@ -5,8 +5,13 @@ vllm.entrypoints.openai.api_server``, same model, same options, prefix caching
 off): A without any connector, B with kvplug on a cpu tier. Each pair sends one
 fresh random prompt (never seen before, so B's lookup misses and B stores its
 chunks, as in production) to A and another fresh prompt of the same length to B,
-alternating which goes first (ABBA...), one request at a time so they never
-compete for the CPU. TTFT is the wall time of a ``max_tokens=1`` completion (the
+alternating which goes first (ABBA...), one request at a time. The server not being
+measured is stopped (SIGSTOP of its process group) and resumed for its turn, so an
+idle server's threads take no CPU from the measured one. Both servers reserve the
+same number of cores for vLLM's scheduler (``VLLM_CPU_NUM_OF_RESERVED_CPU``, default
+0 here): vLLM reserves one more core when any KV connector is configured, and on a
+2-core machine that made the server without a connector compute on one core and
+kvplug's on two (2x apart, 34-40 s against 17-27 s at 2048 tokens). TTFT is the wall time of a ``max_tokens=1`` completion (the
 prefill plus the first token). The result is the median of the per-pair
 differences B - A with a distribution-free 95% confidence interval for that median
 (order statistics of the sign test), also relative to A's median TTFT.
@@ -28,6 +33,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +46,26 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class Server:
+    """A running OpenAI server: its URL and its process group, which can be paused and resumed."""
+
+    url: str
+    pgid: int
+
+    def pause(self) -> None:
+        os.killpg(self.pgid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.pgid, signal.SIGCONT)
+        _wait_healthy(self.url, time.monotonic() + 60)
+
+
 @contextmanager
-def openai_server(model: str, workdir: Path, name: str, kv: dict[str, Any] | None, max_model_len: int) -> Iterator[str]:
-    """A vLLM OpenAI server on 127.0.0.1 (own process group, SIGKILLed on exit); yields its URL."""
+def openai_server(
+    model: str, workdir: Path, name: str, kv: dict[str, Any] | None, max_model_len: int
+) -> Iterator[Server]:
+    """A vLLM OpenAI server on 127.0.0.1 (own process group, SIGKILLed on exit)."""
     port = _free_port()
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
@@ -52,7 +75,14 @@ def openai_server(model: str, workdir: Path, name: str, kv: dict[str, Any] | Non
     ]  # fmt: skip
     if kv is not None:
         args += ["--kv-transfer-config", json.dumps(kv)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        # vLLM's CPU worker leaves one core to the scheduler process, and one more when a KV
+        # connector is configured (for NIXL) unless that leaves none: on 2 cores the server
+        # without a connector computed on 1 core and kvplug's on 2. Both get the same cores.
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+    }
     log_path = workdir / f"{name}.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(
@@ -68,19 +98,30 @@ def openai_server(model: str, workdir: Path, name: str, kv: dict[str, Any] | Non
                 raise RuntimeError(
                     f"server {name} exited with {proc.returncode}:\n" + "\n".join(causes) + "\n" + text[-3000:]
                 )
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+            if _healthy(url):
+                break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server {name} not healthy after {START_TIMEOUT_S}s")
             time.sleep(1)
-        yield url
+        yield Server(url, proc.pid)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def _wait_healthy(url: str, deadline: float) -> None:
+    while not _healthy(url):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server {url} not healthy after it was resumed")
+        time.sleep(0.2)
 
 
 def ttft(url: str, tokens: list[int]) -> float:
@@ -121,16 +162,23 @@ def measure(
     with ExitStack() as stack:
         plain = stack.enter_context(openai_server(model, workdir, "no-connector", None, size + 64))
         kvplug = stack.enter_context(openai_server(model, workdir, "kvplug", kv, size + 64))
+        kvplug.pause()
         for _ in range(warmup):
-            ttft(plain, fresh())
-            ttft(kvplug, fresh())
+            ttft(plain.url, fresh())
+        plain.pause()
+        kvplug.resume()
+        for _ in range(warmup):
+            ttft(kvplug.url, fresh())
+        kvplug.pause()
         a_times, b_times = [], []
         for pair in range(pairs):
             order = [(plain, a_times), (kvplug, b_times)]
             if pair % 2:
                 order.reverse()
-            for url, times in order:
-                times.append(ttft(url, fresh()))
+            for server, times in order:
+                server.resume()  # only the measured server runs
+                times.append(ttft(server.url, fresh()))
+                server.pause()
     diffs = [b - a for a, b in zip(a_times, b_times)]
     median, low, high = median_ci(diffs)
     base = statistics.median(a_times)
