@@ -172,7 +172,7 @@ def main() -> None:
         ("store_async", "store call, async mode (caller waits)", store_async_s),
         ("retrieve", "retrieve (get+verify+scatter)", retrieve_s),
         ("allocate", "  store: allocate frames", alloc_s),
-        ("gather", "  store: gather paged -> frames", gather_s),
+        ("gather", "  store: gather paged -> frames (1 thread)", gather_s),
         ("seal", "  store: seal (xxh3 checksum)", seal_s),
         ("loads", "  retrieve: loads (verify)", loads_s),
         ("scatter", "  retrieve: scatter -> paged", scatter_s),

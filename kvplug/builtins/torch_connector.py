@@ -73,6 +73,7 @@ class TorchConnector(KVConnector):
     """
 
     name = "torch"
+    concurrent_copies = True  # routes are computed idempotently; scratch buffers are per thread
 
     def __init__(self, config: BaseModel, layout: KVLayout) -> None:
         super().__init__(config, layout)

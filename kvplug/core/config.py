@@ -116,6 +116,11 @@ class KVPlugConfig(CheckedModel):
         description="Storage tiers, fastest first.",
     )
     store: StoreSettings = Field(default_factory=StoreSettings, description="How stores reach the tiers.")
+    copy_threads: PositiveInt | Literal["auto"] = Field(
+        default="auto",
+        description="Threads that copy stored chunks out of the engine's host KV cache (the caller's "
+        "among them); auto: torch's intra-op threads, at most 4. Copies on a GPU ignore it.",
+    )
     lookup_timeout_ms: PositiveInt = Field(
         default=200,
         description="Budget of one lookup across all tiers; remote calls end within it and tiers not "

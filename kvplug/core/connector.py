@@ -27,6 +27,10 @@ class KVConnector(ABC):
 
     name: ClassVar[str]
     Config: ClassVar[type[BaseModel]] = EmptyConfig
+    #: Whether ``gather_layer`` may run on several threads at once for different chunks
+    #: (disjoint frames). The engine then splits gathers out of a host cache across its
+    #: ``copy_threads``; a connector with per-call state it does not guard says no.
+    concurrent_copies: ClassVar[bool] = False
 
     def __init__(self, config: BaseModel, layout: KVLayout) -> None:
         self.config = config

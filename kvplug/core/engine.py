@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from kvplug.core.frame_pool import FramePool
 from kvplug.core.keys import ChunkKey, ExtraKey, Fingerprint, KeyBuilder
 from kvplug.core.layouts import KVLayout
 from kvplug.core.metrics import EngineMetrics
+from kvplug.core.parallel_copies import ParallelCopies, auto_copy_threads
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.serializer import Serializer
 from kvplug.core.tier import StorageTier
@@ -52,6 +54,15 @@ class RequestInfo:
 
 
 _NO_REQUEST = RequestInfo()
+
+
+@dataclass
+class RetrieveTimings:
+    """Where one retrieve's time went, in seconds: tier reads, decoding and verifying, writing into the cache."""
+
+    fetch_s: float = 0.0
+    verify_s: float = 0.0
+    write_s: float = 0.0
 
 
 class CacheEngine:
@@ -80,6 +91,7 @@ class CacheEngine:
             dtype=dtype_name(layout.dtype),
         )
         self.connector: KVConnector = self._make_connector()
+        self._copies = ParallelCopies(self._copy_threads())
         self.key_builder = KeyBuilder(self.config.chunk_size, self.config.hash)
         self.chain = TierChain.open(
             self.config.tiers,
@@ -166,7 +178,7 @@ class CacheEngine:
         entries must form a prefix (tokens stored earlier). The copy out of
         ``kv_caches`` is done before returning; writing to tiers may not be.
         """
-        layers = self.store_layerwise(tokens, kv_caches, slots, mask, request=request)
+        layers = self._store(tokens, kv_caches, slots, mask, request, layers_per_step=self.layout.num_layers)
         while True:
             try:
                 next(layers)
@@ -188,6 +200,18 @@ class CacheEngine:
         After the last layer the chunks are sealed and handed to the tiers; the
         generator returns the number of tokens queued. Arguments are checked now.
         """
+        return self._store(tokens, kv_caches, slots, mask, request, layers_per_step=1)
+
+    def _store(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        kv_caches: Sequence[LayerCache],
+        slots: torch.Tensor,
+        mask: torch.Tensor | None,
+        request: RequestInfo | None,
+        *,
+        layers_per_step: int,
+    ) -> Generator[int, None, int]:
         self._check_open()
         first = self._check_call(tokens, kv_caches, slots, mask)
         config = self._request_config(request)
@@ -210,21 +234,33 @@ class CacheEngine:
             except Exception:
                 logger.exception("store: preparing chunks failed; nothing stored")
                 todo = []
-        return self._store_layers(kv_caches, slots.to(torch.long), todo)
+        return self._store_layers(kv_caches, slots.to(torch.long), todo, layers_per_step)
 
     def _store_layers(
-        self, kv_caches: Sequence[LayerCache], slots: torch.Tensor, todo: list[tuple[ChunkKey, Any, torch.Tensor]]
+        self,
+        kv_caches: Sequence[LayerCache],
+        slots: torch.Tensor,
+        todo: list[tuple[ChunkKey, Any, torch.Tensor]],
+        layers_per_step: int,
     ) -> Generator[int, None, int]:
+        """Copy ``layers_per_step`` layers of every chunk per ``next()`` (one pass of parallel copies)."""
         started = time.perf_counter()
         plans = [self.connector.plan(slots[chunk.start : chunk.end]) for chunk, _, _ in todo]
-        for layer in range(self.layout.num_layers):
+        for first in range(0, self.layout.num_layers, layers_per_step):
+            layers = range(first, min(first + layers_per_step, self.layout.num_layers))
             try:
-                for plan, (_, _, payload) in zip(plans, todo):
-                    self.connector.gather_layer(kv_caches[layer], plan, payload[layer])
+                self._run_copies(
+                    kv_caches,
+                    [
+                        partial(self.connector.gather_layer, kv_caches[layer], plan, payload[layer])
+                        for layer in layers
+                        for plan, (_, _, payload) in zip(plans, todo)
+                    ],
+                )
             except ConnectorError as exc:  # e.g. no staging buffer in time: this store is dropped
                 self._count_connector_error("store", exc)
                 todo = plans = []
-            yield layer
+            yield from layers
         if not todo:
             return 0
         try:
@@ -265,8 +301,7 @@ class CacheEngine:
         the tokens written. ``mask`` ``False`` entries (a prefix) are already in the
         engine and are not written."""
         loading = self.retrieve_layerwise(tokens, kv_caches, slots, mask, request=request)
-        for _ in loading:
-            pass
+        loading.write_remaining()
         return loading.loaded_mask
 
     def retrieve_layerwise(
@@ -282,6 +317,7 @@ class CacheEngine:
         self._check_open()
         first = self._check_call(tokens, kv_caches, slots, mask)
         started = time.perf_counter()
+        timings = RetrieveTimings()
         chunks: list[tuple[ChunkKey, torch.Tensor]] = []
         try:
             if self.layout.whole_blocks_only:  # a block is loaded whole or not at all
@@ -292,6 +328,8 @@ class CacheEngine:
                 if k.end > first and self._copyable(max(k.start, first), k.end)
             ]
             fetched = self.chain.fetch_prefix([k.key for k in keys]) if keys else []
+            verifying = time.perf_counter()
+            timings.fetch_s = verifying - started
             for chunk, hit in zip(keys, fetched):
                 # Frames from trusted_reads tiers are this process's own bytes; frames
                 # from anywhere else are verified (see StorageTier.trusted_reads).
@@ -309,11 +347,12 @@ class CacheEngine:
                     break
                 self.metrics.loaded_bytes.inc(memoryview(hit.value).nbytes)
                 chunks.append((chunk, tensor))
+            timings.verify_s = time.perf_counter() - verifying
             # Only verified chunks go up to the faster tiers.
             self.chain.promote([chunk.key for chunk, _ in chunks], fetched[: len(chunks)])
         except Exception:
             logger.exception("retrieve: fetching chunks failed; loading what was fetched")
-        return LayerwiseRetrieve(self, len(tokens), first, kv_caches, slots.to(torch.long), chunks, started)
+        return LayerwiseRetrieve(self, len(tokens), first, kv_caches, slots.to(torch.long), chunks, started, timings)
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -331,6 +370,7 @@ class CacheEngine:
         if self._store_worker is not None:
             self._store_worker.close(drain=drain)
         self.chain.close(drain=drain)
+        self._copies.close()
 
     def __enter__(self) -> CacheEngine:
         return self
@@ -349,6 +389,17 @@ class CacheEngine:
         chosen = max(usable, key=lambda cls: getattr(cls, "priority", 0))
         logger.info("connector auto: chose %r of %s", chosen.name, sorted(c.name for c in usable))
         return chosen(chosen.Config(), self.layout)
+
+    def _copy_threads(self) -> int:
+        if not self.connector.concurrent_copies:
+            return 1
+        configured = self.config.copy_threads
+        return auto_copy_threads() if configured == "auto" else configured
+
+    def _run_copies(self, kv_caches: Sequence[LayerCache], copies: Sequence[Callable[[], None]]) -> None:
+        """Run gathers out of the cache, split across the copy threads when it is in host memory."""
+        on_host = bool(kv_caches) and self.layout.layer_tensors(kv_caches[0])[0].device.type == "cpu"
+        self._copies.run(copies, parallel=on_host)
 
     def _count_connector_error(self, operation: str, exc: ConnectorError) -> None:
         self.metrics.load_errors.labels(type(exc).__name__).inc()
@@ -404,7 +455,8 @@ class LayerwiseRetrieve(Iterator[int]):
     """Chunks fetched and verified; each ``next()`` writes one layer, yielding its index.
 
     ``loaded_mask`` and ``num_loaded_tokens`` are known before the first layer is
-    written, so an engine can plan its compute while layers stream in.
+    written, so an engine can plan its compute while layers stream in. ``timings``
+    says where the time went (the write time grows as layers are written).
     """
 
     def __init__(
@@ -416,7 +468,9 @@ class LayerwiseRetrieve(Iterator[int]):
         slots: torch.Tensor,
         chunks: list[tuple[ChunkKey, torch.Tensor]],
         started: float,
+        timings: RetrieveTimings,
     ) -> None:
+        self.timings = timings
         self._engine = engine
         self._kv_caches = kv_caches
         self._slots = slots
@@ -434,10 +488,25 @@ class LayerwiseRetrieve(Iterator[int]):
         layer = self._next_layer
         if layer >= self._engine.layout.num_layers:
             raise StopIteration
-        connector = self._engine.connector
+        self._write(range(layer, layer + 1))
+        return layer
+
+    def write_remaining(self) -> None:
+        """Write every layer not written yet."""
+        if self._next_layer < self._engine.layout.num_layers:
+            self._write(range(self._next_layer, self._engine.layout.num_layers))
+
+    def _write(self, layers: range) -> None:
+        engine = self._engine
+        scatter = engine.connector.scatter_layer
+        started = time.perf_counter()
         try:
-            for plan, (start, _, chunk_start), (_, tensor) in zip(self._plans, self._spans, self._chunks):
-                connector.scatter_layer(self._kv_caches[layer], plan, tensor[layer, :, start - chunk_start :])
+            # Scatters stay on this thread: torch's CPU index_copy_ already runs on the
+            # intra-op threads, and splitting it across copy threads oversubscribed the
+            # cores (2-core VM: 30-44% of memcpy against 46-59% on one thread).
+            for layer in layers:
+                for plan, (start, _, chunk_start), (_, tensor) in zip(self._plans, self._spans, self._chunks):
+                    scatter(self._kv_caches[layer], plan, tensor[layer, :, start - chunk_start :])
         except ConnectorError as exc:
             # Some layers are written and this one maybe in part: report nothing as
             # loaded, so the engine recomputes (and overwrites) all of it.
@@ -445,10 +514,10 @@ class LayerwiseRetrieve(Iterator[int]):
             self._plans, self._spans, self._chunks = [], [], []
             self.loaded_mask.zero_()
             self.num_loaded_tokens = 0
-        self._next_layer += 1
-        if self._next_layer == self._engine.layout.num_layers:
+        self.timings.write_s += time.perf_counter() - started
+        self._next_layer = layers.stop
+        if self._next_layer == engine.layout.num_layers:
             self._finish()
-        return layer
 
     def _finish(self) -> None:
         engine = self._engine

@@ -1,0 +1,126 @@
+"""Gathers split across copy threads: the same bytes as one thread, every copy done before a call returns."""
+
+from __future__ import annotations
+
+import threading
+import time
+from functools import partial
+
+import pytest
+import torch
+from core_helpers import LAYOUTS, random_caches
+
+from kvplug import load_config, slots_from_block_ids
+from kvplug.core.parallel_copies import ParallelCopies
+from kvplug.errors import ConfigError
+
+NUM_BLOCKS = 80
+TOKENS = 40  # five chunks of 8
+
+
+def _slots(layout, blocks: list[int]) -> torch.Tensor:
+    return slots_from_block_ids(blocks, layout.block_size, TOKENS)
+
+
+def _read(engine, caches, slots: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(engine.layout.chunk_shape(slots.numel()), dtype=engine.layout.dtype)
+    engine.connector.gather(caches, slots, out)
+    return out.view(torch.uint8)
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_parallel_store_and_retrieve_write_the_same_bytes_as_one_thread(
+    kind: str, layerwise: bool, make_engine
+) -> None:
+    layout = LAYOUTS[kind]
+    source = random_caches(layout, NUM_BLOCKS, seed=1)
+    src = _slots(layout, list(range(NUM_BLOCKS // 2)))
+    dst = _slots(layout, list(range(NUM_BLOCKS // 2, NUM_BLOCKS))[::-1])
+    results = []
+    for threads in (1, 3):
+        engine = make_engine(layout, copy_threads=threads)
+        tokens = list(range(100, 100 + TOKENS))
+        if layerwise:
+            storing = engine.store_layerwise(tokens, source, src)
+            assert list(storing) == list(range(layout.num_layers))
+        else:
+            assert engine.store(tokens, source, src) == TOKENS
+        target = random_caches(layout, NUM_BLOCKS, seed=2)
+        if layerwise:
+            loading = engine.retrieve_layerwise(tokens, target, dst)
+            assert list(loading) == list(range(layout.num_layers))
+            loaded = loading.loaded_mask
+        else:
+            loaded = engine.retrieve(tokens, target, dst)
+        assert bool(loaded.all())
+        assert torch.equal(_read(engine, target, dst), _read(engine, source, src))
+        results.append(torch.cat([t.flatten().view(torch.uint8) for t in _flat(target)]))
+    assert torch.equal(results[0], results[1])  # the rest of the cache is untouched alike
+
+
+def _flat(caches) -> list[torch.Tensor]:
+    return [t for cache in caches for t in (cache if isinstance(cache, tuple | list) else (cache,))]
+
+
+def test_the_engine_splits_chunk_copies_between_the_caller_and_a_copy_thread(make_engine) -> None:
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout, copy_threads=2)
+    threads: set[str] = set()
+    gather = engine.connector.gather_layer
+
+    def recording_gather(*args: object) -> None:
+        threads.add(threading.current_thread().name)
+        gather(*args)
+
+    engine.connector.gather_layer = recording_gather  # type: ignore[method-assign]
+    caches = random_caches(layout, NUM_BLOCKS)
+    assert engine.store(list(range(TOKENS)), caches, _slots(layout, list(range(NUM_BLOCKS // 2)))) == TOKENS
+    assert threading.current_thread().name in threads
+    assert any(name.startswith("kvplug-copy") for name in threads)
+
+
+def test_copies_run_at_the_same_time() -> None:
+    copies = ParallelCopies(2)
+    barrier = threading.Barrier(2, timeout=10)  # passes only when both copies are running at once
+    done: list[int] = []
+    copies.run([lambda: done.append(barrier.wait()), lambda: done.append(barrier.wait())])
+    assert sorted(done) == [0, 1]
+    copies.close()
+
+
+def test_an_error_is_raised_only_after_every_other_copy_finished() -> None:
+    copies = ParallelCopies(3)
+    finished = threading.Event()
+
+    def slow() -> None:
+        time.sleep(0.2)
+        finished.set()
+
+    def failing() -> None:
+        raise RuntimeError("copy failed")
+
+    with pytest.raises(RuntimeError, match="copy failed"):
+        copies.run([failing, slow, lambda: None])
+    assert finished.is_set()
+    copies.close()
+
+
+def test_every_copy_runs_once_whatever_the_split() -> None:
+    copies = ParallelCopies(4)
+    for count in range(0, 11):
+        ran = [0] * count
+        copies.run([partial(_bump, ran, i) for i in range(count)])
+        assert ran == [1] * count
+    copies.close()
+
+
+def _bump(counts: list[int], index: int) -> None:
+    counts[index] += 1
+
+
+def test_copy_threads_must_be_positive_or_auto() -> None:
+    assert load_config(engine_extra={"kvplug.copy_threads": "auto"}, env={}).config.copy_threads == "auto"
+    assert load_config(engine_extra={"kvplug.copy_threads": 2}, env={}).config.copy_threads == 2
+    with pytest.raises(ConfigError, match="copy_threads"):
+        load_config(engine_extra={"kvplug.copy_threads": 0}, env={})
