@@ -15,7 +15,11 @@ For 1k, 4k and 8k-token prompts (a fresh random prompt per size and repetition):
   ``lookup_us`` + ``worker_us``) over its TTFT, measured in the same run, so it does
   not carry the run-to-run noise of the end-to-end comparison;
 * ``warm cpu``: the same prompt again on the same engine: loaded from the CPU tier,
-  only the last token is computed;
+  only the last token is computed; its breakdown (lookup, tier reads, verify, writes
+  into vLLM's blocks: the connector's own timings; the recompute of the last token:
+  the request's next decode step, same context length; the rest) and its floor: the
+  prompt's KV bytes at this run's ``copy_`` speed plus that decode step (issue 16
+  goal: warm TTFT <= 1.3x the floor);
 * ``warm disk``: a new engine process on the disk tier that a previous process
   filled (the OS page cache is warm: this measures kvplug's disk path, not the drive);
 * ``warm valkey``: the same with a shared valkey tier (a real ``valkey-server`` on
@@ -35,7 +39,10 @@ the same flips, so they are counted but are not kvplug's.)
 Miss overhead, proven (``benchmarks/vllm_miss_overhead.py``): two OpenAI servers side
 by side, no connector and kvplug, fresh prompts sent to each in turn (ABBA...), at
 least 15 pairs; the median of the paired TTFT differences with a 95% confidence
-interval. ``--json`` prints every figure as one JSON object on the last line.
+interval. The kvplug server stores every prompt it computes, so this is also what
+the cold request pays for storing its KV (``cold_store_overhead``, goal <= 2%).
+``--json`` prints every figure as one JSON object on the last line (``warm_ttft_ms``,
+``warm_floor_ms``: at the largest size; ``cold_store_overhead``: fraction, with its interval).
 
     python benchmarks/bench_vllm.py [--sizes 1024,4096,8192] [--reps 2] [--pairs 20] [--miss-size 2048] [--json]
 """
@@ -53,6 +60,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -63,6 +71,39 @@ sys.path.insert(0, str(Path(__file__).parent))
 from vllm_miss_overhead import measure
 
 CHUNK_SIZE = 256
+#: The connector's timings of a load, as its per-request report sums them (microseconds).
+LOAD_PHASES = {
+    "lookup": "lookup_us",
+    "tier reads": "load_fetch_us",
+    "verify": "load_verify_us",
+    "write": "load_write_us",
+}
+
+
+def kv_bytes(size: int) -> int:
+    """Bytes of KV of ``size`` tokens of the bench model (bf16 K and V of every layer)."""
+    spec = BENCH_SPEC
+    return size * spec.num_hidden_layers * 2 * spec.num_key_value_heads * spec.head_dim * 2
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 10) -> float:
+    """``copy_`` between two preallocated tensors of ``nbytes`` (torch's threads, as the engine has)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        samples.append(time.perf_counter() - started)
+    return nbytes / statistics.median(samples) / 1e9
+
+
+def phases(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """Seconds of each load phase between two per-request reports (running totals)."""
+    return {
+        name: (after["totals"].get(key, 0) - before["totals"].get(key, 0)) / 1e6 for name, key in LOAD_PHASES.items()
+    }
 
 
 def request(size: int, rep: int) -> dict[str, Any]:
@@ -105,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvplug-bench-vllm-") as workdir:
         model = str(write_random_llama(Path(workdir) / "model", BENCH_SPEC))
         os.sync()  # engines right after a fresh write of the weights ran slow here
+        memcpy = memcpy_gbps(kv_bytes(max(sizes)))
         warmup = [[random.Random(-seed).randrange(3, BENCH_SPEC.vocab_size) for _ in range(1024)] for seed in (1, 2)]
         base = {"model": model, "max_model_len": max(sizes) + 64, "warmup": warmup}
         # a throwaway engine first: the first engine process after the model is written runs slow
@@ -116,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         cold: dict[int, list[float]] = {s: [] for s in sizes}
         warm_cpu: dict[int, list[float]] = {s: [] for s in sizes}
         in_run: dict[int, list[float]] = {s: [] for s in sizes}
+        breakdown: dict[int, list[dict[str, float]]] = {s: [] for s in sizes}  # warm cpu requests
         outputs: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # (size, rep) -> kvplug (cold, warm)
         hits: dict[str, dict[int, int]] = {"cpu": {}, "disk": {}}
         for rep in range(args.reps):
@@ -135,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                 previous = connector_us(second["kvplug"])
                 cold[size].append(first["ttft_s"])
                 warm_cpu[size].append(second["ttft_s"])
+                breakdown[size].append({**phases(first["kvplug"], second["kvplug"]), "decode": second["decode_step_s"]})
                 outputs[size, rep] = (first["tokens"], second["tokens"])
                 hits["cpu"][size] = second["kvplug"]["hit_tokens"]
             console.print(f"rep {rep + 1}/{args.reps} done ({time.perf_counter() - started:.0f}s)")
@@ -192,6 +236,28 @@ def main(argv: list[str] | None = None) -> int:
             f"{hits['cpu'][size]}/{hits['disk'][size]}/{hits.get('valkey', {}).get(size, 'n/a')}",
         )
     console.print(table)
+    floor_table = Table(
+        title=f"Warm cpu request against its floor: KV bytes at copy_ speed ({memcpy:.1f} GB/s, this run) + one decode step"
+    )
+    for column in ("prompt", "KV", "warm TTFT", "floor", "TTFT/floor", *LOAD_PHASES, "last token", "rest"):
+        floor_table.add_column(column, justify="right")
+    warm_parts: dict[int, dict[str, float]] = {}
+    floors: dict[int, float] = {}
+    for size in sizes:
+        parts = {name: med([b[name] for b in breakdown[size]]) for name in (*LOAD_PHASES, "decode")}
+        ttft_s = med(warm_cpu[size])
+        parts["rest"] = ttft_s - sum(parts.values())
+        warm_parts[size] = parts
+        floors[size] = kv_bytes(size) / (memcpy * 1e9) + parts["decode"]
+        floor_table.add_row(
+            f"{size}",
+            f"{kv_bytes(size) / 2**20:.0f} MiB",
+            f"{ttft_s * 1000:.1f} ms",
+            f"{floors[size] * 1000:.1f} ms",
+            f"{ttft_s / floors[size]:.2f}x",
+            *(f"{parts[name] * 1000:.1f} ms" for name in (*LOAD_PHASES, "decode", "rest")),
+        )
+    console.print(floor_table)
     biggest = max(sizes)
     speedup = med(cold[biggest]) / med(warm_cpu[biggest])
     overheads = {s: med(cold[s]) / med(none[s]) - 1 for s in sizes}
@@ -239,6 +305,25 @@ def main(argv: list[str] | None = None) -> int:
             "outputs_equal_vllm_prefix_cache": len(outputs) - len(wrong),
             "outputs_compared": len(outputs),
             "miss_overhead": miss,
+            "memcpy_gbps": memcpy,
+            "warm_ttft_ms": med(warm_cpu[biggest]) * 1000,
+            "warm_floor_ms": floors[biggest] * 1000,
+            "warm_vs_floor": med(warm_cpu[biggest]) / floors[biggest],
+            "warm_by_size": {
+                str(size): {
+                    "ttft_ms": med(warm_cpu[size]) * 1000,
+                    "floor_ms": floors[size] * 1000,
+                    "breakdown_ms": {name: value * 1000 for name, value in warm_parts[size].items()},
+                }
+                for size in sizes
+            },
+            "cold_store_overhead": {
+                "median": miss["diff_median_pct"] / 100,
+                "ci95": [pct / 100 for pct in miss["diff_ci95_pct"]],
+                "pairs": miss["pairs"],
+                "prompt_tokens": miss["size"],
+            },
+            "goal": {"warm_vs_floor": 1.3, "cold_store_overhead": 0.02},
         }
         print(json.dumps(summary))
     return 1 if wrong else 0

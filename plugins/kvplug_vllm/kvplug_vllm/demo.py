@@ -62,8 +62,11 @@ def run_requests(spec: dict[str, Any]) -> dict[str, Any]:
             extra_args=extra,
         )
         (out,) = llm.generate([{"prompt_token_ids": request["tokens"]}], params, use_tqdm=False)
+        metrics = out.metrics
         return {
-            "ttft_s": out.metrics.first_token_latency,
+            "ttft_s": metrics.first_token_latency,
+            # first to last token of a two-token request: one decode step at the prompt's length
+            "decode_step_s": metrics.last_token_ts - metrics.first_token_ts,
             "tokens": list(out.outputs[0].token_ids),
             "kvplug": (out.kv_transfer_params or {}).get("kvplug"),
         }

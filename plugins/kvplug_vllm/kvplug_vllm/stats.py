@@ -28,6 +28,10 @@ COUNTERS = (
     "load_error_requests",
     "lookup_us",
     "worker_us",
+    # where loads' time went: tier reads, decode and verify, writes into vLLM's blocks
+    "load_fetch_us",
+    "load_verify_us",
+    "load_write_us",
 )
 
 

@@ -219,14 +219,23 @@ class WorkerSide:
             if self.settings.layerwise:
                 self._retrievers.append(retriever)
             else:
-                for _ in retriever:
-                    pass
+                retriever.write_remaining()
+                self._count_phases(retriever)
             loaded = retriever.loaded_mask
         except Exception:
             logger.exception("request %s: loading failed; its blocks will be recomputed", request.req_id)
             loaded = torch.zeros(len(tokens), dtype=torch.bool)
         self._stats.sample("load_seconds", time.perf_counter() - started)
         self._check_loaded(request, loaded)
+
+    def _count_phases(self, retriever: LayerwiseRetrieve) -> None:
+        """Where a load's time went (tier reads, verify, writing into vLLM's blocks), for the breakdown of a hit."""
+        timings = retriever.timings
+        self._stats.add(
+            load_fetch_us=int(timings.fetch_s * 1e6),
+            load_verify_us=int(timings.verify_s * 1e6),
+            load_write_us=int(timings.write_s * 1e6),
+        )
 
     def _check_loaded(self, request: RequestMeta, loaded: torch.Tensor | None) -> None:
         """Report the promised blocks that did not load (``loaded`` None: none did)."""
@@ -281,8 +290,7 @@ class WorkerSide:
         if self.engine is None:
             return
         for retriever in self._retrievers:  # layers the forward pass did not wait for
-            for _ in retriever:
-                pass
+            retriever.write_remaining()
         self._retrievers = []
         if self.settings.layerwise:
             for storer in self._storers:
@@ -344,8 +352,8 @@ class WorkerSide:
             if retriever is not None:
                 self._worked = True
                 try:
-                    for _ in retriever:
-                        pass
+                    retriever.write_remaining()
+                    self._count_phases(retriever)
                     loaded = retriever.loaded_mask
                 except Exception:
                     logger.exception(
