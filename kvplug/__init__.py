@@ -33,6 +33,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 _LAZY = {
     "CacheEngine": "kvplug.core.engine",
     "LayerwiseRetrieve": "kvplug.core.engine",
+    "RetrieveTimings": "kvplug.core.engine",
     "TorchConnector": "kvplug.builtins.torch_connector",
     "RequestInfo": "kvplug.core.engine",
     "KVLayout": "kvplug.core.layouts",
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     from kvplug.core.config import KVPlugConfig
     from kvplug.core.config_loader import load_config
     from kvplug.core.connector import KVConnector
-    from kvplug.core.engine import CacheEngine, LayerwiseRetrieve, RequestInfo
+    from kvplug.core.engine import CacheEngine, LayerwiseRetrieve, RequestInfo, RetrieveTimings
     from kvplug.core.layouts import KVLayout, PagedFormat, slots_from_block_ids
     from kvplug.core.plugins import PluginRegistry, get_registry
     from kvplug.core.serializer import Serializer
@@ -95,6 +96,7 @@ __all__ = [
     "RemoteCalls",
     "RemoteTierConfig",
     "RequestInfo",
+    "RetrieveTimings",
     "RetryPolicy",
     "Serializer",
     "StorageTier",

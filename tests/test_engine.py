@@ -428,3 +428,20 @@ def test_store_asks_only_tiers_written_on_the_callers_side_what_they_hold(write_
     else:
         assert asked_by_caller >= 1  # a sync tier is written by the caller anyway: asking is as cheap
     assert remote.items == 2 and remote.puts == 2
+
+
+def test_a_retrieve_says_where_its_time_went(make_engine) -> None:
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout)
+    caches = random_caches(layout, NUM_BLOCKS)
+    tokens = prompt(32)
+    engine.store(tokens, caches, block_slots(layout, list(range(8)), 32))
+    loading = engine.retrieve_layerwise(tokens, caches, block_slots(layout, list(range(8, 16)), 32))
+    assert loading.timings.fetch_s > 0 and loading.timings.verify_s > 0
+    assert loading.timings.write_s == 0  # nothing written yet
+    next(loading)
+    after_one = loading.timings.write_s
+    assert after_one > 0
+    loading.write_remaining()
+    assert loading.timings.write_s > after_one
+    assert bool(loading.loaded_mask.all())

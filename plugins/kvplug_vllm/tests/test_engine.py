@@ -103,6 +103,9 @@ def test_connector_stats_count_hits_loads_and_stores(cpu_run: dict[str, Any]) ->
     assert totals["loaded_tokens"] == sum(h for h in hits)
     assert totals["loaded_bytes"] > 0 and totals["stored_bytes"] > 0
     assert totals["load_error_blocks"] == 0
+    # where the loads' time went (bench_vllm's breakdown of a warm request)
+    assert totals["load_write_us"] > 0
+    assert {"load_fetch_us", "load_verify_us"} <= set(totals)
 
 
 def test_shutdown_leaves_no_kvplug_thread(cpu_run: dict[str, Any]) -> None:
