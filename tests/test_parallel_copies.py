@@ -80,6 +80,22 @@ def test_the_engine_splits_chunk_copies_between_the_caller_and_a_copy_thread(mak
     assert any(name.startswith("kvplug-copy") for name in threads)
 
 
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_copy_threads_write_the_inference_tensors_of_an_engine_in_inference_mode(kind: str, make_engine) -> None:
+    # vLLM runs the connector inside torch.inference_mode(), which is per thread.
+    layout = LAYOUTS[kind]
+    engine = make_engine(layout, copy_threads=2)
+    with torch.inference_mode():
+        source = random_caches(layout, NUM_BLOCKS, seed=1)
+        src = _slots(layout, list(range(NUM_BLOCKS // 2)))
+        tokens = list(range(100, 100 + TOKENS))
+        assert engine.store(tokens, source, src) == TOKENS
+        target = random_caches(layout, NUM_BLOCKS, seed=2)
+        dst = _slots(layout, list(range(NUM_BLOCKS // 2, NUM_BLOCKS)))
+        assert bool(engine.retrieve(tokens, target, dst).all())
+        assert torch.equal(_read(engine, target, dst), _read(engine, source, src))
+
+
 def test_copies_run_at_the_same_time() -> None:
     copies = ParallelCopies(2)
     barrier = threading.Barrier(2, timeout=10)  # passes only when both copies are running at once

@@ -50,7 +50,10 @@ class ParallelCopies:
                 copy()
             return
         shares = _split(copies, min(self.threads, len(copies)))
-        futures: list[Future[None]] = [self._pool.submit(_run_share, share) for share in shares[1:]]
+        # Inference and grad mode are per thread: the copy threads take the caller's, or
+        # they could not write the inference tensors an engine (vLLM) hands in.
+        modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        futures: list[Future[None]] = [self._pool.submit(_run_share, share, modes) for share in shares[1:]]
         error: BaseException | None = None
         try:
             _run_share(shares[0])
@@ -79,6 +82,12 @@ def _split(copies: Sequence[Callable[[], None]], parts: int) -> list[Sequence[Ca
     return shares
 
 
-def _run_share(share: Sequence[Callable[[], None]]) -> None:
-    for copy in share:
-        copy()
+def _run_share(share: Sequence[Callable[[], None]], modes: tuple[bool, bool] | None = None) -> None:
+    if modes is None:
+        for copy in share:
+            copy()
+        return
+    inference, grad = modes
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        for copy in share:
+            copy()
