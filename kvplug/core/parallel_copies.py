@@ -51,7 +51,7 @@ class ParallelCopies:
             return
         shares = _split(copies, min(self.threads, len(copies)))
         # Inference and grad mode are per thread: the copy threads take the caller's, or
-        # they could not write the inference tensors an engine (vLLM) hands in.
+        # they could not write the inference tensors of an engine that runs in inference mode.
         modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
         futures: list[Future[None]] = [self._pool.submit(_run_share, share, modes) for share in shares[1:]]
         error: BaseException | None = None
