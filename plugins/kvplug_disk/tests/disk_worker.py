@@ -4,6 +4,7 @@
     python disk_worker.py store PATH COUNT                         # stores COUNT keys, closes, exits
     python disk_worker.py fork-server PATH                         # see serve_forks
     python disk_worker.py fill PATH SEED COUNT SIZE BUDGET         # waits for "go" on stdin, stores COUNT new keys
+                                                                   # and prints the folder's size after each put
 
 The fork server imports everything once and forks one writer per stdin line, so
 a crash test can kill many real writer processes without paying Python's start-up
@@ -15,6 +16,7 @@ byte: :func:`versions_of` gives each key's possible values.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import random
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from kvplug.testing import key_for, tier_context, value_for
 from kvplug_disk import DiskTier
+from kvplug_disk.ledger import LEDGER_NAME
 
 KEYSPACE = 40
 VERSIONS = 3
@@ -71,15 +74,31 @@ def store(path: str, count: int) -> None:
 
 
 def fill(path: str, seed: int, count: int, size: int, budget: int) -> None:
-    """Store ``count`` keys of its own (``size`` bytes each), one put each, then close."""
+    """Store ``count`` keys of its own (``size`` bytes each), one put each, then close.
+
+    After each put it prints ``size BYTES``: the folder's value bytes, read while
+    holding the lock every tier of the folder takes (so no process is between an
+    eviction and a rename). That is one sample per put, taken while the other
+    processes write, however fast the machine is."""
     tier = open_tier(path, writer="background", budget=budget, fsync=False, on_queue_full="block", queue_items=4)
     print("ready", flush=True)
     sys.stdin.readline()  # every process starts writing at once
-    for index in range(count):
-        name = f"fill{seed}/{index}"
-        tier.put([(key_for(name), value_for(name, size))])
+    with (Path(path) / LEDGER_NAME).open("ab") as ledger:  # its own open file: flock excludes the tier's
+        for index in range(count):
+            name = f"fill{seed}/{index}"
+            tier.put([(key_for(name), value_for(name, size))])
+            fcntl.flock(ledger, fcntl.LOCK_EX)
+            try:
+                print(f"size {folder_value_bytes(Path(path))}", flush=True)
+            finally:
+                fcntl.flock(ledger, fcntl.LOCK_UN)
     tier.close()
     print("done", flush=True)
+
+
+def folder_value_bytes(path: Path) -> int:
+    """Value bytes of the record files in the folder now (each record has a 64-byte header)."""
+    return sum(record.stat().st_size - 64 for record in path.glob("*/*.kvr"))
 
 
 def serve_forks(path: str) -> None:
