@@ -22,7 +22,7 @@ from kvplug.errors import TierUnavailableError
 from kvplug.testing import tier_context
 
 #: Scheduling slack on a loaded 2-core CI machine, added to every bound.
-MARGIN_S = 0.25
+MARGIN_S = 0.4
 
 
 class LineServer:
@@ -92,7 +92,7 @@ def ping(port: int):
 
 
 CONFIG = RemoteTierConfig(
-    request_timeout_s=0.3,
+    request_timeout_s=0.5,
     retries=1,
     backoff_base_s=0.01,
     backoff_max_s=0.02,
@@ -135,7 +135,7 @@ def open_breaker(calls: RemoteCalls, port: int) -> None:
 
 
 def test_a_call_to_a_hung_server_returns_within_its_deadline(server: LineServer, calls: RemoteCalls) -> None:
-    worst = calls.policy.worst_case_s()  # two attempts of 0.3 s and one backoff
+    worst = calls.policy.worst_case_s()  # two attempts of 0.5 s and one backoff
     seconds = timed_failure(lambda: calls.run(ping(server.port)))
     assert CONFIG.request_timeout_s <= seconds < worst + MARGIN_S
     assert server.accepted == 2  # the attempt and its one retry

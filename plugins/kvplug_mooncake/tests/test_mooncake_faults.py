@@ -56,8 +56,9 @@ def _assert_short_circuit_costs_under_1ms(tier, keys):
     )
     assert tier.get(keys) == [None] * len(keys)
     puts_dropped = tier.stats().extra["dropped_puts"]
-    _, cost = _timed(lambda: tier.put([(keys[0], b"dropped")]))
-    assert cost < 0.01 and tier.stats().extra["dropped_puts"] == puts_dropped + 1
+    put_costs = sorted(_timed(lambda: tier.put([(keys[0], b"dropped")]))[1] for _ in range(20))
+    assert put_costs[len(put_costs) // 2] < 0.01, f"median put with the breaker open took {put_costs[10] * 1e3:.2f} ms"
+    assert tier.stats().extra["dropped_puts"] == puts_dropped + 20
 
 
 def _wait_until(predicate, timeout_s: float = 30.0) -> None:

@@ -103,7 +103,7 @@ def test_lookup_through_a_hung_valkey_returns_within_the_budget(valkey_server) -
             started = time.monotonic()
             assert engine.lookup(tokens) == 0
             times.append(time.monotonic() - started)
-        assert max(times) < 0.2 + 0.3, times  # budget + margin for a loaded CI machine
+        assert max(times) < 0.2 + 1.0, times  # budget + margin for a loaded CI machine (a hang would take 2 s)
     finally:
         engine.close()
         listener.close()

@@ -21,7 +21,7 @@ FAST_FAILING: dict[str, Any] = {
     "backoff_base_s": 0.01,
     "backoff_max_s": 0.02,
     "breaker_failures": 3,
-    "breaker_cooldown_s": 0.5,
+    "breaker_cooldown_s": 2.0,  # long enough that a stalled CI machine does not half-open it mid-assertion
 }
 
 
