@@ -29,9 +29,11 @@ def test_submits_racing_close_are_each_handled_or_dropped_and_flush_never_hangs(
             for item in range(first, first + 50):
                 worker.submit(item)
 
-        def close_soon(worker: BackgroundWorker[int] = worker, go: threading.Barrier = go) -> None:
+        def close_soon(
+            worker: BackgroundWorker[int] = worker, go: threading.Barrier = go, delay_s: float = 0.001 * (round_ % 5)
+        ) -> None:
             go.wait(10)
-            time.sleep(0.001 * (round_ % 5))
+            time.sleep(delay_s)
             worker.close()
 
         threads = [threading.Thread(target=submit_many, args=(k * 50,)) for k in range(4)]

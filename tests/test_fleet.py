@@ -269,7 +269,8 @@ def test_three_engines_share_one_remote_tier(fleet_store: FleetStore) -> None:
         while True:
             prompt += 1
             again = first.ask("store", [prompt])
-            if others[0].ask("lookup", [prompt])["found"] == [PROMPT_TOKENS]:
+            # Each process has its own breaker and probes after its own cool-down: wait for all.
+            if all(worker.ask("lookup", [prompt])["found"] == [PROMPT_TOKENS] for worker in others):
                 break
             assert time.monotonic() < deadline, f"no hits after the restart: {first.ask('stats')}"
             time.sleep(0.3)

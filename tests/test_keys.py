@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplug import ExtraKey, Fingerprint, KeyBuilder
@@ -93,6 +93,7 @@ def test_keys_are_identical_across_processes_with_different_hash_seeds() -> None
     assert all(len(keys) == 7 for keys in results[0].values())
 
 
+@settings(deadline=None)  # a loaded CI machine can take 200 ms for one example
 @given(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=100), st.integers(1, 99))
 def test_a_prefix_shares_exactly_its_whole_chunks(tokens: list[int], cut: int) -> None:
     builder = KeyBuilder(chunk_size=8)

@@ -12,7 +12,6 @@ prefix-cache run.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,7 +96,6 @@ def test_short_request_finishes_while_the_long_one_loads_in_the_background(
     kv = s3_kv(slow_proxy.endpoint, filled, **{"kvplug.load_timeout_ms": 60_000})
     result = run_engine(kv=kv, steps=[both([LONG, SHORT], concurrent=True)])
     step = result["steps"][0]
-    Path("/tmp/e-async.log").write_text(result["log"] + json.dumps(step))  # DEBUG
     long_out, short_out = step["outputs"]
     assert "loading 511 in the background" in result["log"]
     assert [index for index, _ in step["finished"]] == [1, 0], step["finished"]  # SHORT (1) before LONG (0)
