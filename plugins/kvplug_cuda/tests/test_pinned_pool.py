@@ -65,9 +65,15 @@ def test_a_request_larger_than_the_pool_fails_at_once() -> None:
 
 
 def test_a_release_from_another_thread_wakes_a_waiter() -> None:
-    pool = make_pool(capacity=64 * KIB, timeout_s=10)
+    waiting = threading.Event()
+
+    def nothing_to_reclaim(deadline: float) -> bool:
+        waiting.set()  # the acquire below found the pool full and is about to wait
+        return False
+
+    pool = make_pool(capacity=64 * KIB, timeout_s=10, reclaim=nothing_to_reclaim)
     held = pool.acquire(64 * KIB)
-    releaser = threading.Timer(0.05, pool.release, args=(held,))
+    releaser = threading.Thread(target=lambda: waiting.wait(10) and pool.release(held))
     releaser.start()
     buffer = pool.acquire(64 * KIB)
     releaser.join()

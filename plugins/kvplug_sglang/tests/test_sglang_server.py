@@ -84,9 +84,33 @@ def _kvplug_hit(meta: dict[str, Any], source: str) -> int:
     return int(details.get(source, 0))
 
 
-def _settle() -> None:
-    # kvplug writes finished requests to its tiers on a background worker.
-    time.sleep(1.0)
+def _wait_until_stored(stored_amount: Callable[[], int], timeout_s: float = 120.0) -> None:
+    """kvplug writes a finished request's KV on a background worker: wait until the
+    store holds something and has stopped growing for a second (not a fixed sleep,
+    which a loaded machine outlasts)."""
+    deadline = time.monotonic() + timeout_s
+    last, steady_since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        amount = stored_amount()
+        if amount != last:
+            last, steady_since = amount, time.monotonic()
+        elif amount > 0 and time.monotonic() - steady_since >= 1.0:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"kvplug's store did not settle within {timeout_s} s (last amount {last})")
+
+
+def _folder_bytes(folder: Path) -> Callable[[], int]:
+    def total() -> int:
+        size = 0
+        for path in folder.rglob("*") if folder.exists() else []:
+            try:
+                size += path.stat().st_size if path.is_file() else 0
+            except FileNotFoundError:  # a temporary file renamed into place meanwhile
+                pass
+        return size
+
+    return total
 
 
 def test_radix_backend_hits_after_flush_and_restart(serve: Start, reference: dict, tmp_path: Path) -> None:
@@ -96,7 +120,7 @@ def test_radix_backend_hits_after_flush_and_restart(serve: Start, reference: dic
     cold, _, meta = server.generate(PROMPT)
     assert cold == reference["cold"]
     assert meta["cached_tokens"] == 0, meta
-    _settle()
+    _wait_until_stored(_folder_bytes(tmp_path / "kv"))  # the last tier, written after the cpu tier
     server.flush_cache()
     warm, _, meta = server.generate(PROMPT)
     assert _kvplug_hit(meta, "host") >= MIN_HIT, f"not served from kvplug after /flush_cache: {meta}"
@@ -116,7 +140,7 @@ def test_hicache_storage_backend_hits_after_flush_and_restart(serve: Start, refe
     server = serve(args).wait_healthy()
     cold, _, _ = server.generate(PROMPT)
     assert cold == reference["cold"]
-    _settle()
+    _wait_until_stored(_folder_bytes(tmp_path / "l3"))
     server.flush_cache()
     warm, _, meta = server.generate(PROMPT)
     assert _kvplug_hit(meta, "storage") >= MIN_HIT, f"not served from KVPlugStorage after /flush_cache: {meta}"
@@ -140,7 +164,7 @@ def test_two_servers_share_one_valkey_tier(serve: Start, reference: dict, tmp_pa
         second.wait_healthy()
         cold, _, meta = first.generate(PROMPT)
         assert cold == reference["cold"] and meta["cached_tokens"] == 0, meta
-        _settle()
+        _wait_until_stored(lambda: int(valkey.cli("DBSIZE")))
         shared, _, meta = second.generate(PROMPT)
         assert _kvplug_hit(meta, "host") >= MIN_HIT, f"server 2 did not load server 1's prefix from valkey: {meta}"
         assert shared == reference["warm"]

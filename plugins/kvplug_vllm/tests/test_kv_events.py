@@ -43,10 +43,12 @@ class Subscriber:
         decoder = msgspec.msgpack.Decoder(KVEventBatch)
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
-        while not self._stop.is_set():
+        while True:
             if poller.poll(100):
                 *_, payload = self.socket.recv_multipart()
                 self.batches.append(decoder.decode(payload))
+            elif self._stop.is_set():  # stop only once what has arrived is read
+                return
 
     def close(self) -> list[Any]:
         self._stop.set()
