@@ -46,6 +46,7 @@ from typing import Any
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 
 from kvplug_sglang.connector import KVPlugConnector, LoadMetadata, StoreMetadata  # noqa: E402
@@ -64,19 +65,43 @@ class ModelFacts:
         return HEADS // tp_size
 
 
-def best_of(repeat: int, fn) -> float:
+def best_of(repeat: int, fn, before=None) -> tuple[float, float]:
+    """Best and median seconds of ``fn`` over ``repeat`` calls; ``before`` runs untimed ahead of each."""
     times = []
     for _ in range(repeat):
+        if before is not None:
+            before()
         started = time.perf_counter()
         fn()
         times.append(time.perf_counter() - started)
     return min(times), statistics.median(times)
 
 
+def allocator_slots(pool: MHATokenToKVPool, tokens: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots for the prompt and for its reload as SGLang's own allocator hands them out after churn.
+
+    Requests of 64..1024 tokens fill the pool, two of every three are freed in random
+    order, and the prompt and its reload destination are then allocated: runs as long
+    as the freed requests were, in the order they were freed.
+    """
+    allocator = TokenToKVPoolAllocator(pool.size, pool.dtype, "cpu", pool, need_sort=False)
+    held = []
+    while (slots := allocator.alloc(rng.randrange(64, 1025))) is not None:
+        held.append(slots)
+    freed = [slots for i, slots in enumerate(held) if i % 3]
+    rng.shuffle(freed)
+    for slots in freed:
+        allocator.free(slots)
+    src, dst = allocator.alloc(tokens), allocator.alloc(tokens)
+    if src is None or dst is None:
+        raise SystemExit(f"the pool of {pool.size} slots cannot hold the prompt twice after churn")
+    return src, dst
+
+
 def connector_section(args: argparse.Namespace) -> dict[str, Any]:
     tokens = args.tokens
     pool = MHATokenToKVPool(
-        size=2 * tokens + 16,
+        size=4 * tokens + 16,
         page_size=1,
         dtype=torch.bfloat16,
         head_num=HEADS,
@@ -89,8 +114,11 @@ def connector_section(args: argparse.Namespace) -> dict[str, Any]:
     for layer in range(LAYERS):
         pool.k_buffer[layer].normal_()
         pool.v_buffer[layer].normal_()
-    perm = torch.randperm(2 * tokens) + 1
-    src_slots, dst_slots = perm[:tokens], perm[tokens:]
+    perm = torch.randperm(pool.size)[: 2 * tokens] + 1
+    slot_sets = {
+        "allocator": allocator_slots(pool, tokens, random.Random(0)),
+        "scattered": (perm[:tokens], perm[tokens:]),  # the worst case: no two slots adjacent in order
+    }
     token_ids = list(range(tokens))
     nbytes = 2 * LAYERS * tokens * HEADS * HEAD_DIM * 2
     connector = KVPlugConnector(
@@ -110,34 +138,47 @@ def connector_section(args: argparse.Namespace) -> dict[str, Any]:
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16).normal_()
     b = torch.empty_like(a)
 
-    def store() -> None:
-        connector.reset()  # so every round stores for real (kvplug skips chunks it has)
-        connector.store_kv(StoreMetadata(None, token_ids, src_slots, 0))
-
-    def load() -> None:
-        assert connector.load_kv(LoadMetadata(token_ids, dst_slots, 0)) == tokens
-
     rows = []
     copy_best, copy_med = best_of(args.repeat, lambda: b.copy_(a))
     rows.append(("copy_ (baseline)", copy_best, copy_med))
-    rows.append(("store_kv", *best_of(args.repeat, store)))
-    rows.append(("load_kv", *best_of(args.repeat, load)))
-    for layer in range(LAYERS):  # the loaded KV is the stored KV
-        assert torch.equal(pool.k_buffer[layer][dst_slots], pool.k_buffer[layer][src_slots])
+    runs = {}
+    for name, (src_slots, dst_slots) in slot_sets.items():
+        runs[name] = int((src_slots[1:] - src_slots[:-1] != 1).sum()) + 1
+
+        def store(src_slots: torch.Tensor = src_slots) -> None:
+            connector.store_kv(StoreMetadata(None, token_ids, src_slots, 0))
+
+        def load(dst_slots: torch.Tensor = dst_slots) -> None:
+            assert connector.load_kv(LoadMetadata(token_ids, dst_slots, 0)) == tokens
+
+        # reset first, untimed, so every round stores for real (kvplug skips chunks it has)
+        rows.append((f"store_kv {name}", *best_of(args.repeat, store, before=connector.reset)))
+        rows.append((f"load_kv {name}", *best_of(args.repeat, load)))
+        for layer in range(LAYERS):  # the loaded KV is the stored KV
+            assert torch.equal(pool.k_buffer[layer][dst_slots], pool.k_buffer[layer][src_slots])
+            assert torch.equal(pool.v_buffer[layer][dst_slots], pool.v_buffer[layer][src_slots])
     connector.close()
 
     print(
         f"sglang connector, {LAYERS} layers x {HEADS} heads x {HEAD_DIM} bf16, {tokens} tokens, "
-        f"chunk {args.chunk_size}: {nbytes / 2**20:.0f} MiB per pass, best/median of {args.repeat}"
+        f"chunk {args.chunk_size}: {nbytes / 2**20:.0f} MiB per pass, best/median of {args.repeat}; "
+        f"prompt slots in runs: allocator {runs['allocator']}, scattered {runs['scattered']}"
     )
-    print(f"{'operation':<18} {'best ms':>9} {'median ms':>10} {'GB/s':>7} {'x copy_':>8}")
+    print(f"{'operation':<20} {'best ms':>9} {'median ms':>10} {'GB/s':>7} {'of copy_':>9}")
     for name, best, med in rows:
-        print(f"{name:<18} {best * 1e3:9.1f} {med * 1e3:10.1f} {nbytes / best / 1e9:7.2f} {best / copy_best:8.2f}")
+        print(f"{name:<20} {best * 1e3:9.1f} {med * 1e3:10.1f} {nbytes / best / 1e9:7.2f} {copy_best / best:9.0%}")
+    best = {name: value for name, value, _ in rows}
     return {
         "tokens": tokens,
         "chunk_size": args.chunk_size,
         "bytes": nbytes,
-        "ms": {name: {"best": round(best * 1e3, 2), "median": round(med * 1e3, 2)} for name, best, med in rows},
+        "slot_runs": runs,
+        "ms": {name: {"best": round(value * 1e3, 2), "median": round(med * 1e3, 2)} for name, value, med in rows},
+        # fractions of the same run's copy_ speed (issue 16 goal 4: >= 0.8)
+        "store_vs_copy": round(copy_best / best["store_kv allocator"], 3),
+        "load_vs_copy": round(copy_best / best["load_kv allocator"], 3),
+        "store_vs_copy_scattered": round(copy_best / best["store_kv scattered"], 3),
+        "load_vs_copy_scattered": round(copy_best / best["load_kv scattered"], 3),
     }
 
 

@@ -3,6 +3,9 @@ equivalence with kvplug 0.1's per-engine code (tests/reference_torch_connector.p
 
 from __future__ import annotations
 
+from itertools import pairwise
+from unittest import mock
+
 import pytest
 import torch
 from core_helpers import FORMATS, SGLANG_MHA, VLLM_CPU, VLLM_FLASH, VLLM_MLA
@@ -11,6 +14,7 @@ from hypothesis import strategies as st
 from reference_torch_connector import ReferenceConnector
 
 from kvplug import KVLayout, PagedFormat
+from kvplug.builtins import index_runs
 from kvplug.builtins.torch_connector import TorchConnector
 from kvplug.core.components import EmptyConfig
 from kvplug.errors import LayoutError
@@ -172,12 +176,30 @@ CASES = [
 ]
 
 
+def in_runs(order: list[int], data: st.DataObject, label: str) -> list[int]:
+    """``order`` cut into pieces that are each sorted: runs of consecutive values, as engines allocate."""
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(order)), max_size=3), label=label))
+    bounds = [0, *cuts, len(order)]
+    return [v for a, b in pairwise(bounds) for v in sorted(order[a:b])]
+
+
+@pytest.mark.parametrize("copies", ["indexed", "sliced"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("name", "storage", "slot_kind"), CASES, ids=["-".join(c) for c in CASES])
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
 def test_generic_connector_matches_the_01_connector_bit_for_bit(
-    name: str, storage: str, dtype: torch.dtype, slot_kind: str, data: st.DataObject
+    name: str, storage: str, dtype: torch.dtype, slot_kind: str, copies: str, data: st.DataObject
+) -> None:
+    # "sliced": every run of consecutive slots or blocks is copied as a slice, however
+    # short, and the slots come mostly in runs; "indexed": the index kernels only.
+    threshold = 0 if copies == "sliced" else 2**62
+    with mock.patch.object(index_runs, "MIN_MEAN_RUN_ROWS", threshold):
+        check_against_reference(name, storage, dtype, slot_kind, copies == "sliced", data)
+
+
+def check_against_reference(
+    name: str, storage: str, dtype: torch.dtype, slot_kind: str, runs: bool, data: st.DataObject
 ) -> None:
     fmt = FORMATS[name]
     # 0.1's vllm_cpu path needs block_size > 1 (it has no whole-block plan for blocks of one token)
@@ -189,14 +211,18 @@ def test_generic_connector_matches_the_01_connector_bit_for_bit(
 
     if slot_kind == "whole_blocks":
         blocks = data.draw(st.permutations(range(NUM_BLOCKS)), label="blocks")[: data.draw(st.integers(1, NUM_BLOCKS))]
-        src_slots = (torch.tensor(blocks)[:, None] * block + torch.arange(block)).reshape(-1)
         dst_blocks = data.draw(st.permutations(range(NUM_BLOCKS)), label="dst_blocks")[: len(blocks)]
+        if runs:
+            blocks, dst_blocks = in_runs(blocks, data, "block runs"), in_runs(dst_blocks, data, "dst block runs")
+        src_slots = (torch.tensor(blocks)[:, None] * block + torch.arange(block)).reshape(-1)
         dst_slots = (torch.tensor(dst_blocks)[:, None] * block + torch.arange(block)).reshape(-1)
     else:
         slots = data.draw(st.permutations(range(NUM_BLOCKS * block)), label="slots")
         count = data.draw(st.integers(1, len(slots)), label="count")
-        src_slots = torch.tensor(slots[:count])
-        dst_slots = torch.tensor(data.draw(st.permutations(slots), label="dst")[:count])
+        src, dst = slots[:count], data.draw(st.permutations(slots), label="dst")[:count]
+        if runs:
+            src, dst = in_runs(src, data, "runs"), in_runs(dst, data, "dst runs")
+        src_slots, dst_slots = torch.tensor(src), torch.tensor(dst)
 
     seed = data.draw(st.integers(0, 2**16), label="seed")
     source, _ = engine_caches(layout, storage, seed)

@@ -1,12 +1,14 @@
 """KV connector ``torch``: gather/scatter with plain torch indexing, on any device.
 
 It is the reference every faster connector (kvplug-cuda's kernels) is checked
-against, so it favours obvious correctness. Three things keep it near memcpy speed
+against, so it favours obvious correctness. Four things keep it near memcpy speed
 on contiguous caches: slots that cover whole blocks in order (the usual case:
 chunks are block-aligned) are copied a block at a time; each layer (K and V
 together) takes one ``index_select``/``index_copy_`` straight into its
-destination; and on the CPU those run on the widest integer word the rows allow,
-because torch's CPU index kernels copy bf16, fp16 and fp8 element by element.
+destination; on the CPU those run on the widest integer word the rows allow,
+because torch's CPU index kernels copy bf16, fp16 and fp8 element by element;
+and long runs of consecutive slots or blocks are copied as slices
+(:mod:`kvplug.builtins.index_runs`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import BaseModel
 
+from kvplug.builtins.index_runs import IndexRuns, gather_runs, index_runs, scatter_runs
 from kvplug.core.connector import KVConnector, LayerCache
 from kvplug.core.layouts import KVLayout
 from kvplug.errors import LayoutError
@@ -32,6 +35,8 @@ class SlotPlan:
     slots: torch.Tensor
     blocks: torch.Tensor | None
     block_offsets: tuple[torch.Tensor, torch.Tensor]
+    slot_runs: IndexRuns | None = None  # runs of consecutive slots
+    page_runs: IndexRuns | None = None  # runs of consecutive pages, when the slots fill whole pages
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,15 @@ class TorchConnector(KVConnector):
                 (rows == first + torch.arange(size, device=slots.device)).all()
             ):
                 blocks_only = blocks.view(-1, size)[:, 0].contiguous()
-        return SlotPlan(slots, blocks_only, (blocks, slots % size))
+        # Runs of the index each copy path will use (page rows when whole pages, else token rows).
+        slot_runs = page_runs = None
+        if self._page_tokens == 1:
+            slot_runs = page_runs = index_runs(slots)
+        elif blocks_only is not None:
+            page_runs = index_runs(blocks_only)
+        else:
+            slot_runs = index_runs(slots)
+        return SlotPlan(slots, blocks_only, (blocks, slots % size), slot_runs, page_runs)
 
     def gather_layer(self, layer_cache: LayerCache, plan: SlotPlan, out: torch.Tensor) -> None:
         tensors = self.layout.layer_tensors(layer_cache)
@@ -107,13 +120,13 @@ class TorchConnector(KVConnector):
             # Whole pages: a page is one row (K and V in one call when one tensor holds both).
             if route.stacked_page_rows is not None:
                 rows = route.stacked_page_rows.of(tensors)
-                _gather_rows(rows, pages, out.view(rows.shape[0], pages.numel(), -1), dim=1)
+                _gather_rows(rows, pages, out.view(rows.shape[0], pages.numel(), -1), dim=1, runs=plan.page_runs)
             else:
                 for index, page_rows in enumerate(route.page_rows):
-                    _gather_rows(page_rows.of(tensors), pages, out[index].view(pages.numel(), -1))
+                    _gather_rows(page_rows.of(tensors), pages, out[index].view(pages.numel(), -1), runs=plan.page_runs)
         elif route.token_rows is not None:
             for index, token_rows in enumerate(route.token_rows):
-                _gather_rows(token_rows.of(tensors), plan.slots, out[index])
+                _gather_rows(token_rows.of(tensors), plan.slots, out[index], runs=plan.slot_runs)
         else:
             page, offset = self._page_offsets(plan, tensors[0].device)
             if route.stacked is not None:
@@ -135,14 +148,14 @@ class TorchConnector(KVConnector):
             pages = pages.to(device)
             if route.stacked_page_rows is not None:
                 rows = route.stacked_page_rows.of(tensors)
-                _scatter_rows(rows, pages, src.reshape(rows.shape[0], pages.numel(), -1), dim=1)
+                _scatter_rows(rows, pages, src.reshape(rows.shape[0], pages.numel(), -1), dim=1, runs=plan.page_runs)
             else:
                 for index, page_rows in enumerate(route.page_rows):
-                    _scatter_rows(page_rows.of(tensors), pages, src[index])
+                    _scatter_rows(page_rows.of(tensors), pages, src[index], runs=plan.page_runs)
         elif route.token_rows is not None:
             slots = plan.slots.to(device)
             for index, token_rows in enumerate(route.token_rows):
-                _scatter_rows(token_rows.of(tensors), slots, src[index])
+                _scatter_rows(token_rows.of(tensors), slots, src[index], runs=plan.slot_runs)
         else:
             page, offset = self._page_offsets(plan, device)
             heads, dim = self.layout.num_kv_heads, self.layout.head_dim
@@ -180,7 +193,7 @@ class TorchConnector(KVConnector):
         # there: indexing the permuted cache directly runs element by element.
         staging = self._staging(tensors, blocks.numel())
         for tensor, rows in zip(tensors, staging.rows):
-            _gather_rows(self._block_rows(tensor), blocks, rows)
+            _gather_rows(self._block_rows(tensor), blocks, rows, runs=plan.page_runs)
         if staging.stacked is not None and out.is_contiguous():
             out.view(staging.stacked.shape).copy_(staging.stacked)
         else:
@@ -198,7 +211,7 @@ class TorchConnector(KVConnector):
             for index, view in enumerate(staging.views):
                 view.copy_(src[index].reshape(view.shape))
         for tensor, rows in zip(tensors, staging.rows):
-            _scatter_rows(self._block_rows(tensor), blocks, rows)
+            _scatter_rows(self._block_rows(tensor), blocks, rows, runs=plan.page_runs)
 
     def _whole_blocks(self, plan: SlotPlan) -> torch.Tensor:
         pages = self._pages(plan)
@@ -337,8 +350,13 @@ def _stacked(views: tuple[_Strided, ...]) -> _Strided | None:
     return _Strided(first.tensor, (len(views), *first.size), (delta, *first.stride), first.offset)
 
 
-def _gather_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor, dim: int = 0) -> None:
+def _gather_rows(
+    rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor, dim: int = 0, runs: IndexRuns | None = None
+) -> None:
     """``out[i] = rows[index[i]]`` along ``dim``, straight into ``out`` on the same device."""
+    if runs is not None and rows.device == out.device and runs.worth_slicing:
+        gather_runs(rows, runs, out, dim)
+        return
     index = index.to(rows.device)
     if rows.device == out.device and rows.is_contiguous() and out.is_contiguous():
         if rows.device.type == "cpu":
@@ -348,8 +366,14 @@ def _gather_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor, dim
         out.copy_(rows.index_select(dim, index))
 
 
-def _scatter_rows(rows: torch.Tensor, index: torch.Tensor, src: torch.Tensor, dim: int = 0) -> None:
+def _scatter_rows(
+    rows: torch.Tensor, index: torch.Tensor, src: torch.Tensor, dim: int = 0, runs: IndexRuns | None = None
+) -> None:
     """``rows[index[i]] = src[i]`` along ``dim`` (0, or 1 for K/V pairs), in place in the cache."""
+    if runs is not None and runs.worth_slicing:
+        src = src.reshape(rows.shape[0], index.numel(), -1) if dim == 1 else src.reshape(index.numel(), -1)
+        scatter_runs(rows, runs, src.to(rows.device), dim)
+        return
     if dim == 0:
         rows, src = rows.unsqueeze(0), src.reshape(1, index.numel(), -1)
     else:
