@@ -140,3 +140,23 @@ def test_copy_threads_must_be_positive_or_auto() -> None:
     assert load_config(engine_extra={"kvplug.copy_threads": 2}, env={}).config.copy_threads == 2
     with pytest.raises(ConfigError, match="copy_threads"):
         load_config(engine_extra={"kvplug.copy_threads": 0}, env={})
+
+
+def test_copy_threads_copy_on_one_intra_op_thread_and_leave_the_callers_alone() -> None:
+    # A copy thread with an OpenMP team of its own slows the engine thread's small
+    # parallel ops (libgomp stops spinning once it manages more threads than cores).
+    caller_threads = torch.get_num_threads()
+    seen: dict[str, int] = {}
+
+    def record() -> None:
+        seen[threading.current_thread().name] = torch.get_num_threads()
+
+    copies = ParallelCopies(2)
+    try:
+        copies.run([record, record])
+    finally:
+        copies.close()
+    workers = {name: n for name, n in seen.items() if name.startswith("kvplug-copy")}
+    assert list(workers.values()) == [1]
+    assert torch.get_num_threads() == caller_threads
+    assert seen[threading.current_thread().name] == caller_threads
