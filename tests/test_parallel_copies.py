@@ -160,3 +160,8 @@ def test_copy_threads_copy_on_one_intra_op_thread_and_leave_the_callers_alone() 
     assert list(workers.values()) == [1]
     assert torch.get_num_threads() == caller_threads
     assert seen[threading.current_thread().name] == caller_threads
+    # torch's process-wide default is untouched: a thread that starts using torch now gets it
+    later = threading.Thread(target=record, name="started-later")
+    later.start()
+    later.join()
+    assert seen["started-later"] == caller_threads
