@@ -1,13 +1,13 @@
 """Runs of consecutive rows in a gather/scatter index, copied as slices.
 
 Engines hand a new prompt consecutive slots or blocks whenever their free lists
-allow (a fresh SGLang token pool, freed requests' slots handed out again, a vLLM
-request's blocks allocated together). ``index_select``/``index_copy_`` move small rows
+allow (a fresh token pool, freed requests' slots handed out again, a request's
+blocks allocated together). ``index_select``/``index_copy_`` move small rows
 one by one well below ``copy_``'s speed once the cache is larger than the CPU caches:
-SGLang's 2 KiB token rows went at about a third of ``copy_`` on a 2-core VM. A run of
+a token-granular pool's 2 KiB rows went at about a third of ``copy_`` on a 2-core VM. A run of
 rows copied as one slice is a plain ``copy_``. Each slice costs about 5 us of dispatch
 here, so slices are used only when the runs are long (:data:`MIN_MEAN_RUN_ROWS`):
-with runs of one or two 64 KiB vLLM blocks, slices made stores two times slower.
+with runs of one or two 64 KiB blocks of a block-paged cache, slices made stores two times slower.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-#: Mean rows per run from which slices beat one indexed copy (bench_sglang.py: runs of
+#: Mean rows per run from which slices beat one indexed copy (benchmarks: runs of
 #: hundreds of 2 KiB rows, store 24-26% -> 39-40% of ``copy_``, load 30-35% -> 45-55%).
 MIN_MEAN_RUN_ROWS = 32
 
@@ -39,7 +39,7 @@ def index_runs(index: torch.Tensor) -> IndexRuns | None:
 
     A CUDA index is not inspected: reading it back would wait for the device. An
     index with negative entries is left to the index kernels, which reject it, and so
-    is one shorter than :data:`MIN_MEAN_RUN_ROWS` (a chunk of 16 vLLM blocks).
+    is one shorter than :data:`MIN_MEAN_RUN_ROWS` (a chunk of 16 blocks).
     """
     if index.dim() != 1 or index.device.type != "cpu" or index.numel() < MIN_MEAN_RUN_ROWS:
         return None  # too short to slice: skip the few tens of microseconds finding runs costs

@@ -85,7 +85,7 @@ def _one_intra_op_thread() -> None:
     spinning between parallel regions, so every later small parallel op of the engine's
     own thread pays a futex wake-up: on the 2-core VM, 512 slice copies of 512 KiB on
     the main thread took 38-51 ms instead of 26 ms for as long as such a thread lived
-    (an SGLang load at 21% of ``copy_`` instead of 38%).
+    (a token-pool load at 21% of ``copy_`` instead of 38%).
 
     ``torch.set_num_threads(1)`` is not the way: it also sets torch's process-wide
     default, which every thread that starts using torch later (the engine's among them)
