@@ -182,10 +182,13 @@ def check_kv_cache_groups(vllm_config: Any, kv_cache_config: Any) -> None:
     """Refuse a KV cache kvplug cannot key correctly, naming the model and the reason.
 
     kvplug does not implement ``SupportsHMA``: for a model with sliding-window layers
-    vLLM then turns its hybrid allocator off, every layer keeps the KV of every token
-    in one group, and kvplug stores and loads them all (outputs equal vLLM's). Several
-    KV cache groups, or a group that is not attention (Mamba/SSM state), would mean
-    per-group block tables and states that a chunk of token KV does not capture.
+    among full-attention ones vLLM then turns its hybrid allocator off, every layer
+    keeps the KV of every token in one group, and kvplug stores and loads them all. A
+    model whose layers all slide keeps one group of ``SlidingWindowSpec``; kvplug stores
+    each chunk in the step that computed it, before vLLM frees blocks that fall out of
+    the window. Outputs equal vLLM's prefix cache in both cases (tests/test_hybrid.py).
+    Several KV cache groups, or a group that is not attention (Mamba/SSM state), would
+    mean per-group block tables and states that a chunk of token KV does not capture.
     """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     model = getattr(vllm_config.model_config, "model", "?")
@@ -204,8 +207,8 @@ def check_kv_cache_groups(vllm_config: Any, kv_cache_config: Any) -> None:
             )
         if getattr(spec, "sliding_window", None):
             logger.info(
-                "model %s has sliding-window layers; vLLM keeps their KV for every token (no hybrid allocator) "
-                "and kvplug stores and loads all of it", model,
+                "model %s has sliding-window layers (%s, window %s); kvplug stores and loads their KV "
+                "as vLLM's prefix cache would", model, type(spec).__name__, spec.sliding_window,
             )  # fmt: skip
 
 

@@ -37,6 +37,8 @@ def main() -> None:
         enable_prefix_caching=spec.get("prefix_caching", False),
         seed=0,
     )
+    if spec.get("max_num_batched_tokens") is not None:  # a small budget: long prompts prefill in several steps
+        options["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if not spec.get("multiprocessing"):
         options["distributed_executor_backend"] = "uni"
     if spec.get("kv") is not None:

@@ -203,3 +203,30 @@ def test_multimodal_hashes_key_the_chunks_they_cover(engine: CacheEngine) -> Non
     assert engine.lookup(prompt, request=RequestInfo(cache_salt="t1", extra_keys=info.extra_keys)) == 192
     # another image at the same placeholder: the chunks up to the image still hit
     assert engine.lookup(prompt, request=RequestInfo(cache_salt="t1", extra_keys=other.extra_keys)) == 64
+
+
+# --- KV cache groups kvplug refuses at start-up ------------------------------------------
+
+
+def kv_cache_config(*specs: object) -> object:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.attn"], spec) for i, spec in enumerate(specs)]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_kv_cache_groups_kvplug_cannot_key_are_refused_naming_the_model() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    from kvplug_vllm.connector import check_kv_cache_groups
+
+    model = SimpleNamespace(model_config=SimpleNamespace(model="org/hybrid-ssm"))
+    full = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)
+    window = SlidingWindowSpec(block_size=32, num_kv_heads=4, head_size=64, dtype=torch.bfloat16, sliding_window=16)
+    mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,))
+    check_kv_cache_groups(model, kv_cache_config(full))  # one group of attention KV: served
+    check_kv_cache_groups(model, kv_cache_config(window))  # every layer sliding: served (test_hybrid.py)
+    with pytest.raises(kvplug.errors.KVPlugError, match=r"'org/hybrid-ssm'.*2 groups \(FullAttentionSpec, MambaSpec\)"):
+        check_kv_cache_groups(model, kv_cache_config(full, mamba))
+    with pytest.raises(kvplug.errors.KVPlugError, match=r"'org/hybrid-ssm'.*MambaSpec is not attention KV"):
+        check_kv_cache_groups(model, kv_cache_config(mamba))
