@@ -15,6 +15,13 @@ kvplug's on two (2x apart, 34-40 s against 17-27 s at 2048 tokens). TTFT is the 
 prefill plus the first token). The result is the median of the per-pair
 differences B - A with a distribution-free 95% confidence interval for that median
 (order statistics of the sign test), also relative to A's median TTFT.
+
+The interval covers the request-to-request noise of one pair of servers, not the
+difference between two server processes. ``kv=None`` measures that control: two
+servers without a connector. On the 2-core VM two identical servers differed by
++8.4% [+7.0, +10.2] and -9.3% [-11.8, -7.9] in two runs (2048 tokens, 16 pairs), so
+a kvplug figure inside that spread says nothing about kvplug; the connector's own
+time inside a cold TTFT (``bench_vllm.py``'s connector share) is the precise figure.
 """
 
 from __future__ import annotations
@@ -153,7 +160,10 @@ def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, flo
 def measure(
     model: str, workdir: Path, *, size: int, pairs: int, vocab: int, kv: dict[str, Any], warmup: int = 3
 ) -> dict[str, Any]:
-    """Run the A/B pairs; returns per-pair TTFTs and the median difference with its 95% CI."""
+    """Run the A/B pairs; returns per-pair TTFTs and the median difference with its 95% CI.
+
+    ``kv=None`` gives B no connector either: the A/A control of two identical servers.
+    """
     rng = random.Random(4242)
 
     def fresh() -> list[int]:
@@ -161,7 +171,7 @@ def measure(
 
     with ExitStack() as stack:
         plain = stack.enter_context(openai_server(model, workdir, "no-connector", None, size + 64))
-        kvplug = stack.enter_context(openai_server(model, workdir, "kvplug", kv, size + 64))
+        kvplug = stack.enter_context(openai_server(model, workdir, "kvplug" if kv else "control", kv, size + 64))
         kvplug.pause()
         for _ in range(warmup):
             ttft(plain.url, fresh())
