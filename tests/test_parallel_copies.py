@@ -1,4 +1,4 @@
-"""Gathers split across copy threads: the same bytes as one thread, every copy done before a call returns."""
+"""Copies split across copy threads: the same bytes as one thread, every copy done before a call returns."""
 
 from __future__ import annotations
 
@@ -63,21 +63,31 @@ def _flat(caches) -> list[torch.Tensor]:
     return [t for cache in caches for t in (cache if isinstance(cache, tuple | list) else (cache,))]
 
 
-def test_the_engine_splits_chunk_copies_between_the_caller_and_a_copy_thread(make_engine) -> None:
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_the_engine_gathers_and_writes_on_copy_threads(layerwise: bool, make_engine) -> None:
     layout = LAYOUTS["vllm_flash"]
     engine = make_engine(layout, copy_threads=2)
-    threads: set[str] = set()
-    gather = engine.connector.gather_layer
+    threads: dict[str, set[str]] = {"gather_layer": set(), "scatter_layer": set()}
+    for name, seen in threads.items():
+        copy = getattr(engine.connector, name)
 
-    def recording_gather(*args: object) -> None:
-        threads.add(threading.current_thread().name)
-        gather(*args)
+        def recording(*args: object, copy=copy, seen=seen) -> None:
+            seen.add(threading.current_thread().name)
+            copy(*args)
 
-    engine.connector.gather_layer = recording_gather  # type: ignore[method-assign]
+        setattr(engine.connector, name, recording)
     caches = random_caches(layout, NUM_BLOCKS)
-    assert engine.store(list(range(TOKENS)), caches, _slots(layout, list(range(NUM_BLOCKS // 2)))) == TOKENS
-    assert threading.current_thread().name in threads
-    assert any(name.startswith("kvplug-copy") for name in threads)
+    slots = _slots(layout, list(range(NUM_BLOCKS // 2)))
+    tokens = list(range(TOKENS))
+    assert engine.store(tokens, caches, slots) == TOKENS
+    if layerwise:
+        loading = engine.retrieve_layerwise(tokens, caches, slots)
+        assert list(loading) == list(range(layout.num_layers))
+    else:
+        assert bool(engine.retrieve(tokens, caches, slots).all())
+    for seen in threads.values():
+        # the caller only waits (that shares run at once: test_copies_run_at_the_same_time)
+        assert seen and all(name.startswith("kvplug-copy") for name in seen), seen
 
 
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
@@ -156,10 +166,9 @@ def test_copy_threads_copy_on_one_intra_op_thread_and_leave_the_callers_alone() 
         copies.run([record, record])
     finally:
         copies.close()
-    workers = {name: n for name, n in seen.items() if name.startswith("kvplug-copy")}
-    assert list(workers.values()) == [1]
+    assert list(seen) and all(name.startswith("kvplug-copy") for name in seen)  # the caller copies nothing
+    assert set(seen.values()) == {1}
     assert torch.get_num_threads() == caller_threads
-    assert seen[threading.current_thread().name] == caller_threads
     # torch's process-wide default is untouched: a thread that starts using torch now gets it
     later = threading.Thread(target=record, name="started-later")
     later.start()

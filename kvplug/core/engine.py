@@ -397,7 +397,7 @@ class CacheEngine:
         return auto_copy_threads() if configured == "auto" else configured
 
     def _run_copies(self, kv_caches: Sequence[LayerCache], copies: Sequence[Callable[[], None]]) -> None:
-        """Run gathers out of the cache, split across the copy threads when it is in host memory."""
+        """Run copies out of or into the cache, on the copy threads when it is in host memory."""
         on_host = bool(kv_caches) and self.layout.layer_tensors(kv_caches[0])[0].device.type == "cpu"
         self._copies.run(copies, parallel=on_host)
 
@@ -501,12 +501,16 @@ class LayerwiseRetrieve(Iterator[int]):
         scatter = engine.connector.scatter_layer
         started = time.perf_counter()
         try:
-            # Scatters stay on this thread: torch's CPU index_copy_ already runs on the
-            # intra-op threads, and splitting it across copy threads oversubscribed the
-            # cores (2-core VM: 30-44% of memcpy against 46-59% on one thread).
-            for layer in layers:
-                for plan, (start, _, chunk_start), (_, tensor) in zip(self._plans, self._spans, self._chunks):
-                    scatter(self._kv_caches[layer], plan, tensor[layer, :, start - chunk_start :])
+            # Chunks hold different slots and layers are different tensors: the writes
+            # touch disjoint memory and run on the copy threads, as gathers do.
+            engine._run_copies(
+                self._kv_caches,
+                [
+                    partial(scatter, self._kv_caches[layer], plan, tensor[layer, :, start - chunk_start :])
+                    for layer in layers
+                    for plan, (start, _, chunk_start), (_, tensor) in zip(self._plans, self._spans, self._chunks)
+                ],
+            )
         except ConnectorError as exc:
             # Some layers are written and this one maybe in part: report nothing as
             # loaded, so the engine recomputes (and overwrites) all of it.
