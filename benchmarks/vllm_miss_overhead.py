@@ -18,10 +18,13 @@ differences B - A with a distribution-free 95% confidence interval for that medi
 
 The interval covers the request-to-request noise of one pair of servers, not the
 difference between two server processes. ``kv=None`` measures that control: two
-servers without a connector. On the 2-core VM two identical servers differed by
-+8.4% [+7.0, +10.2] and -9.3% [-11.8, -7.9] in two runs (2048 tokens, 16 pairs), so
-a kvplug figure inside that spread says nothing about kvplug; the connector's own
-time inside a cold TTFT (``bench_vllm.py``'s connector share) is the precise figure.
+servers without a connector. On the 2-core VM (THP "madvise") two identical servers
+differed by +8.4% [+7.0, +10.2], -9.3% [-11.8, -7.9], +5.2% and +10.1% in four runs
+(2048 tokens, 16-20 pairs): whether torch's big allocations got huge pages was left
+to chance. Both servers now run with ``THP_MEM_ALLOC_ENABLE=1`` (torch asks for huge
+pages), and three control runs gave +0.3% [-4.2, +6.3], +2.0% [-0.7, +6.6] and -2.0%
+[-6.2, +1.9]. The connector's own time inside a cold TTFT (``bench_vllm.py``'s
+connector share) is the precise figure either way.
 """
 
 from __future__ import annotations
@@ -89,6 +92,9 @@ def openai_server(
         # connector is configured (for NIXL) unless that leaves none: on 2 cores the server
         # without a connector computed on 1 core and kvplug's on 2. Both get the same cores.
         "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+        # torch's CPU allocator asks for transparent huge pages: left to chance (THP
+        # "madvise" here), two identical servers were up to 10% apart in TTFT.
+        "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1"),
     }
     log_path = workdir / f"{name}.log"
     with log_path.open("w") as log:

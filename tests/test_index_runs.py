@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplug.builtins import index_runs as index_runs_module
-from kvplug.builtins.index_runs import MIN_MEAN_RUN_ROWS, gather_runs, index_runs, scatter_runs
+from kvplug.builtins.index_runs import (
+    MIN_MEAN_RUN_BYTES_WRITTEN,
+    MIN_MEAN_RUN_ROWS,
+    gather_runs,
+    index_runs,
+    scatter_runs,
+)
 
 
 def test_runs_are_found_where_the_index_steps_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -25,8 +31,8 @@ def test_runs_are_found_where_the_index_steps_by_one(monkeypatch: pytest.MonkeyP
 def test_an_index_that_slices_cannot_follow_is_left_to_the_index_kernels() -> None:
     assert index_runs(torch.arange(-1, 63)) is None  # narrow() would wrap -1 to the last row
     assert index_runs(torch.arange(64).view(2, 32)) is None
-    assert index_runs(torch.arange(MIN_MEAN_RUN_ROWS - 1)) is None  # too short to pay for finding runs
-    assert index_runs(torch.arange(MIN_MEAN_RUN_ROWS)) is not None
+    assert index_runs(torch.tensor([7])) is None  # one entry: nothing to gain
+    assert index_runs(torch.tensor([7, 8])) is not None
 
 
 def test_slicing_pays_only_for_long_runs() -> None:
@@ -40,11 +46,26 @@ def test_slicing_pays_only_for_long_runs() -> None:
     assert MIN_MEAN_RUN_ROWS > 2
 
 
+def test_writes_take_slices_from_runs_of_fewer_bytes_than_gathers() -> None:
+    block = 32 * 1024  # a vLLM CPU block of the bench model (32 tokens)
+    chunk = index_runs(torch.arange(40, 48))  # a chunk's eight blocks, allocated together
+    pairs = index_runs(torch.tensor([3, 4, 9, 10, 20, 21, 30, 31]))
+    apart = index_runs(torch.arange(8) * 2)
+    assert chunk is not None and pairs is not None and apart is not None
+    assert not chunk.worth_slicing  # index_select still wins for gathers
+    assert chunk.worth_slicing_writes(block)
+    assert not pairs.worth_slicing_writes(block) and pairs.worth_slicing_writes(2 * block)
+    assert not apart.worth_slicing_writes(block)
+    tokens = index_runs(torch.arange(256))  # token slots of 2 KiB
+    assert tokens is not None and tokens.worth_slicing_writes(2048)
+    assert 4 * block == MIN_MEAN_RUN_BYTES_WRITTEN
+
+
 @mock.patch.object(index_runs_module, "MIN_MEAN_RUN_ROWS", 1)
 @settings(max_examples=60, deadline=None)
 @given(
     order=st.permutations(range(40)),
-    count=st.integers(1, 40),
+    count=st.integers(2, 40),
     cuts=st.lists(st.integers(0, 40), max_size=4),
     dim=st.sampled_from([0, 1]),
 )

@@ -194,7 +194,10 @@ def test_generic_connector_matches_the_01_connector_bit_for_bit(
     # "sliced": every run of consecutive slots or blocks is copied as a slice, however
     # short, and the slots come mostly in runs; "indexed": the index kernels only.
     threshold = 0 if copies == "sliced" else 2**62
-    with mock.patch.object(index_runs, "MIN_MEAN_RUN_ROWS", threshold):
+    with (
+        mock.patch.object(index_runs, "MIN_MEAN_RUN_ROWS", threshold),
+        mock.patch.object(index_runs, "MIN_MEAN_RUN_BYTES_WRITTEN", threshold),
+    ):
         check_against_reference(name, storage, dtype, slot_kind, copies == "sliced", data)
 
 

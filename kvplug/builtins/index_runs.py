@@ -6,8 +6,11 @@ blocks allocated together). ``index_select``/``index_copy_`` move small rows
 one by one well below ``copy_``'s speed once the cache is larger than the CPU caches:
 a token-granular pool's 2 KiB rows went at about a third of ``copy_`` on a 2-core VM. A run of
 rows copied as one slice is a plain ``copy_``. Each slice costs about 5 us of dispatch
-here, so slices are used only when the runs are long (:data:`MIN_MEAN_RUN_ROWS`):
-with runs of one or two 64 KiB blocks of a block-paged cache, slices made stores two times slower.
+here, so slices are used only when the runs are long: with runs of one or two 64 KiB
+blocks of a block-paged cache, gathers as slices made stores two times slower.
+``index_copy_`` is slower than ``index_select``, so writes take slices from shorter
+runs (:data:`MIN_MEAN_RUN_ROWS` rows for gathers, :data:`MIN_MEAN_RUN_BYTES_WRITTEN`
+bytes for writes).
 """
 
 from __future__ import annotations
@@ -16,9 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-#: Mean rows per run from which slices beat one indexed copy (benchmarks: runs of
-#: hundreds of 2 KiB rows, store 24-26% -> 39-40% of ``copy_``, load 30-35% -> 45-55%).
+#: Mean rows per run from which gathers as slices beat one ``index_select`` (benchmarks: runs
+#: of hundreds of 2 KiB rows, store 24-26% -> 39-40% of ``copy_``, load 30-35% -> 45-55%).
 MIN_MEAN_RUN_ROWS = 32
+
+#: Mean bytes per run from which writes as slices beat one ``index_copy_``, whose CPU
+#: kernel is the slower of the two (2-core VM, 96 MiB written in int64 words: runs of
+#: four 32 KiB blocks 8.6 -> 6.1 ms, of eight 4.6 ms; two 64 KiB blocks 17.0 -> 13.0 ms;
+#: 2 KiB rows tie at 32 per run and win from 64).
+MIN_MEAN_RUN_BYTES_WRITTEN = 128 * 1024
 
 
 @dataclass(frozen=True)
@@ -30,8 +39,12 @@ class IndexRuns:
 
     @property
     def worth_slicing(self) -> bool:
-        """Whether copying each run as a slice beats one indexed copy (the runs are long)."""
+        """Whether gathering each run as a slice beats one ``index_select`` (the runs are long)."""
         return bool(self.runs) and self.numel >= MIN_MEAN_RUN_ROWS * len(self.runs)
+
+    def worth_slicing_writes(self, entry_bytes: int) -> bool:
+        """Whether writing each run as a slice beats one ``index_copy_``; ``entry_bytes``: bytes per index entry."""
+        return bool(self.runs) and self.numel * entry_bytes >= MIN_MEAN_RUN_BYTES_WRITTEN * len(self.runs)
 
 
 def index_runs(index: torch.Tensor) -> IndexRuns | None:
@@ -39,10 +52,10 @@ def index_runs(index: torch.Tensor) -> IndexRuns | None:
 
     A CUDA index is not inspected: reading it back would wait for the device. An
     index with negative entries is left to the index kernels, which reject it, and so
-    is one shorter than :data:`MIN_MEAN_RUN_ROWS` (a chunk of 16 blocks).
+    is one of a single entry.
     """
-    if index.dim() != 1 or index.device.type != "cpu" or index.numel() < MIN_MEAN_RUN_ROWS:
-        return None  # too short to slice: skip the few tens of microseconds finding runs costs
+    if index.dim() != 1 or index.device.type != "cpu" or index.numel() < 2:
+        return None
     index = index.to(torch.long)
     if int(index.min()) < 0:  # narrow() would wrap a negative start; the index kernels reject it
         return None

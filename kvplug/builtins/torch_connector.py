@@ -370,7 +370,7 @@ def _scatter_rows(
     rows: torch.Tensor, index: torch.Tensor, src: torch.Tensor, dim: int = 0, runs: IndexRuns | None = None
 ) -> None:
     """``rows[index[i]] = src[i]`` along ``dim`` (0, or 1 for K/V pairs), in place in the cache."""
-    if runs is not None and runs.worth_slicing:
+    if runs is not None and runs.worth_slicing_writes(rows.numel() // max(rows.shape[dim], 1) * rows.element_size()):
         src = src.reshape(rows.shape[0], index.numel(), -1) if dim == 1 else src.reshape(index.numel(), -1)
         scatter_runs(rows, runs, src.to(rows.device), dim)
         return

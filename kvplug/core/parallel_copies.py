@@ -34,7 +34,7 @@ class ParallelCopies:
     ``run`` returns when every copy of the batch has finished, so a caller never sees
     a copy still writing after it returns (or raises). The caller's thread copies
     nothing itself: it keeps torch's intra-op team, and a chunk's copies are too small
-    for a team to pay off (2-core VM, 96 MiB of 256-token chunks written into a vLLM
+    for a team to pay off (2-core VM, 96 MiB of 256-token chunks written into a block-packed
     CPU cache: 40 ms on a thread with two OpenMP threads, 25 ms on a copy thread with
     one), while a caller's team next to the copy threads oversubscribed the cores.
     """
