@@ -126,11 +126,7 @@ def _split(copies: Sequence[Callable[[], None]], parts: int) -> list[Sequence[Ca
     return shares
 
 
-def _run_share(share: Sequence[Callable[[], None]], modes: tuple[bool, bool] | None = None) -> None:
-    if modes is None:
-        for copy in share:
-            copy()
-        return
+def _run_share(share: Sequence[Callable[[], None]], modes: tuple[bool, bool]) -> None:
     inference, grad = modes
     with torch.inference_mode(inference), torch.set_grad_enabled(grad):
         for copy in share:
