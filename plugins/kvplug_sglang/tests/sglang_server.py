@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,10 +31,24 @@ CPU_PLATFORM = "kvplug_test_cpu"  # entry point name of tests/sglang_cpu_platfor
 CPU_HICACHE_ARGS = ["--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first"]
 
 
+#: Ports the server tests pick from: below Linux's ephemeral range (32768-60999 by
+#: default). A port the OS handed out and the test released could be taken by an
+#: outgoing connection of the server's own processes before its HTTP server binds it
+#: (CI once saw "[Errno 98] address already in use" and a server that never exited).
+SERVER_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A port free on 127.0.0.1 now, outside the ephemeral range."""
+    for _ in range(100):
+        port = random.randrange(SERVER_PORTS.start, SERVER_PORTS.stop)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {SERVER_PORTS} after 100 tries")
 
 
 def write_random_llama(path: Path, *, large: bool = ON_GPU) -> Path:
@@ -130,6 +145,9 @@ class SGLangServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if "error while attempting to bind on address" in self.log_path.read_text(errors="replace"):
+                # SGLang's HTTP server failed to bind but its process stays up: fail now, not at the deadline
+                raise RuntimeError(f"server could not bind port {self.port}:\n{self.log_tail()}")
             try:
                 urllib.request.urlopen(self.url + "/health", timeout=2)
                 return self
