@@ -26,12 +26,13 @@ NUM_LAYERS = 2
 # --- declarations --------------------------------------------------------------------------
 
 
-def test_fingerprint_text_is_unchanged_for_the_engine_formats() -> None:
+def test_fingerprint_text_of_the_engine_formats() -> None:
     assert KVLayout(VLLM_FLASH, 32, 16, 8, 128, torch.bfloat16).describe() == "vllm_flash:L32:B16:H8:D128:bfloat16"
     assert (
         KVLayout(VLLM_MLA, 61, 64, 1, 576, torch.float8_e4m3fn).describe() == "vllm_mla:L61:B64:H1:D576:float8_e4m3fn"
     )
-    assert KVLayout(VLLM_CPU, 2, 32, 2, 64, torch.bfloat16).describe() == "vllm_cpu:L2:B32:H2:D64:bfloat16"
+    # Packed chunks changed order in 0.2 (block order): the old ones must be misses, not misread.
+    assert KVLayout(VLLM_CPU, 2, 32, 2, 64, torch.bfloat16).describe() == "vllm_cpu:L2:B32:H2:D64:bfloat16:block_order"
     assert KVLayout(SGLANG_MHA, 2, 1, 2, 8, torch.float32).describe() == "sglang_mha:L2:B1:H2:D8:float32"
 
 
@@ -41,7 +42,10 @@ def test_derived_facts_come_from_the_format() -> None:
     assert flash.chunk_shape(5) == (3, 2, 5, 16) and flash.bytes_per_token() == 3 * 2 * 16 * 2
     mla = KVLayout(VLLM_MLA, 2, 4, 1, 16, torch.bfloat16)
     assert (mla.num_kv, mla.chunk_shape(5)) == (1, (2, 1, 5, 16))
-    assert KVLayout(VLLM_CPU, 2, 4, 2, 8, torch.bfloat16).whole_blocks_only
+    cpu = KVLayout(VLLM_CPU, 2, 4, 2, 8, torch.bfloat16)
+    assert cpu.whole_blocks_only and cpu.packed_block_split() == (2, 2, 4 * 8)  # per head: K half, V half
+    with pytest.raises(LayoutError, match="vllm_flash is not a packed"):
+        flash.packed_block_split()
     assert KVLayout(SGLANG_MHA, 2, 16, 2, 8, torch.float32).page_tokens == 1
 
 
@@ -233,14 +237,25 @@ def check_against_reference(
     reference.gather(source, src_slots, expected)
     got = torch.full_like(as_bytes(expected), 0xA5).view(dtype)
     generic.gather(source, src_slots, got)
-    assert torch.equal(as_bytes(got), as_bytes(expected))
+    if fmt.whole_blocks_only:  # 0.2 stores packed blocks in block order: heads outside tokens
+        assert torch.equal(as_bytes(got), as_bytes(vllm_cpu_01_chunk_in_block_order(layout, expected)))
+    else:
+        assert torch.equal(as_bytes(got), as_bytes(expected))
 
     ref_target, ref_owners = engine_caches(layout, storage, seed + 1)
     new_target, new_owners = engine_caches(layout, storage, seed + 1)
     reference.scatter(ref_target, dst_slots, expected)
-    generic.scatter(new_target, dst_slots, expected)
+    generic.scatter(new_target, dst_slots, got)
     for want, have in zip(ref_owners, new_owners):  # the whole allocation: nothing written outside the view
         assert torch.equal(as_bytes(have), as_bytes(want))
+
+
+def vllm_cpu_01_chunk_in_block_order(layout: KVLayout, chunk: torch.Tensor) -> torch.Tensor:
+    """0.1's vllm_cpu chunk (per K/V: [blocks, token, head, dim]) as 0.2 stores it: [blocks, head, token, dim]."""
+    layers, num_kv, tokens, _ = chunk.shape
+    heads, dim, size = layout.num_kv_heads, layout.head_dim, layout.block_size
+    per_block = chunk.view(layers, num_kv, tokens // size, size, heads, dim)
+    return per_block.transpose(3, 4).reshape(chunk.shape)
 
 
 # --- a format the core has never heard of -------------------------------------------------
@@ -340,6 +355,15 @@ def test_a_new_packed_format_copies_whole_blocks(fmt: PagedFormat, dtype: torch.
     dst_slots = (torch.tensor([0, 7, 2])[:, None] * 4 + torch.arange(4)).reshape(-1)
     chunk = torch.empty(layout.chunk_shape(12), dtype=dtype)
     connector.gather(source, src_slots, chunk)
+    # The documented block order: chunk[layer, i, block b's tokens] is the b-th block's K/V part i, as stored.
+    outer, kv, inner = layout.packed_block_split()
+    for layer, cache in enumerate(source):
+        tensors = cache if isinstance(cache, tuple) else (cache,)
+        for b, block in enumerate([5, 1, 9]):
+            for i in range(layout.num_kv):
+                stored = tensors[i // kv][block].reshape(outer, kv, inner)[:, i % kv]
+                copied = chunk[layer, i, b * 4 : (b + 1) * 4].reshape(outer, inner)
+                assert torch.equal(copied.view(torch.uint8), stored.view(torch.uint8))
     connector.scatter(target, dst_slots, chunk)
     for src_cache, dst_cache in zip(source, target):
         for s, d in zip(src_slots.tolist(), dst_slots.tolist()):

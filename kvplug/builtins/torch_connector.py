@@ -186,32 +186,39 @@ class TorchConnector(KVConnector):
         return plan.block_offsets[0].to(device), plan.block_offsets[1].to(device)
 
     # --- whole packed blocks (whole_blocks_only formats) ----------------------------------
+    # The chunk holds blocks as the engine stores them, split by K/V index only
+    # (KVLayout.packed_block_split), so every copy moves runs of whole heads.
 
     def _gather_blocks(self, tensors: tuple[torch.Tensor, ...], plan: SlotPlan, out: torch.Tensor) -> None:
         blocks = self._whole_blocks(plan)
-        # Pick whole blocks with one word copy into reused scratch, then reorder from
-        # there: indexing the permuted cache directly runs element by element.
+        parts = self._chunk_parts(out, blocks.numel())
+        runs = plan.page_runs
+        if runs is not None and runs.worth_slicing and out.device == tensors[0].device:
+            for tensor, part in zip(tensors, parts):
+                gather_runs(self._packed_blocks(tensor), runs, part, dim=1)
+            return
+        # Pick whole blocks with one word copy into reused scratch, then split K and V
+        # from there: a block at a time, indexing runs far below copy_'s speed.
         staging = self._staging(tensors, blocks.numel())
-        for tensor, rows in zip(tensors, staging.rows):
-            _gather_rows(self._block_rows(tensor), blocks, rows, runs=plan.page_runs)
-        if staging.stacked is not None and out.is_contiguous():
-            out.view(staging.stacked.shape).copy_(staging.stacked)
-        else:
-            for index, view in enumerate(staging.views):
-                out[index].view(view.shape).copy_(view)
+        for tensor, rows, staged, part in zip(tensors, staging.rows, staging.parts, parts):
+            _gather_rows(self._block_rows(tensor), blocks, rows)
+            part.copy_(staged)
 
     def _scatter_blocks(self, tensors: tuple[torch.Tensor, ...], plan: SlotPlan, src: torch.Tensor) -> None:
         device = tensors[0].device
-        blocks = self._whole_blocks(plan).to(device)
-        staging = self._staging(tensors, blocks.numel())  # blocks in the cache's memory order
-        src = src.to(device, non_blocking=True)
-        if staging.stacked is not None:
-            staging.stacked.copy_(src.reshape(staging.stacked.shape))
-        else:
-            for index, view in enumerate(staging.views):
-                view.copy_(src[index].reshape(view.shape))
-        for tensor, rows in zip(tensors, staging.rows):
-            _scatter_rows(self._block_rows(tensor), blocks, rows, runs=plan.page_runs)
+        blocks = self._whole_blocks(plan)
+        parts = self._chunk_parts(src.to(device, non_blocking=True), blocks.numel(), read_only=True)
+        runs = plan.page_runs
+        block_bytes = math.prod(tensors[0].shape[1:]) * tensors[0].element_size()
+        if runs is not None and runs.worth_slicing_writes(block_bytes):
+            for tensor, part in zip(tensors, parts):
+                scatter_runs(self._packed_blocks(tensor), runs, part, dim=1)
+            return
+        blocks = blocks.to(device)
+        staging = self._staging(tensors, blocks.numel())  # blocks as the cache stores them
+        for tensor, rows, staged, part in zip(tensors, staging.rows, staging.parts, parts):
+            staged.copy_(part)
+            _scatter_rows(self._block_rows(tensor), blocks, rows)
 
     def _whole_blocks(self, plan: SlotPlan) -> torch.Tensor:
         pages = self._pages(plan)
@@ -222,6 +229,22 @@ class TorchConnector(KVConnector):
                 f"{plan.slots.numel()} slots that do not fill whole blocks in order"
             )
         return pages
+
+    def _chunk_parts(self, chunk_layer: torch.Tensor, num_blocks: int, read_only: bool = False) -> list[torch.Tensor]:
+        """A chunk layer ``[num_kv, tokens, token_width]`` as ``[kv, blocks, outer, inner]``, one per layer tensor.
+
+        Views of the chunk's memory; a chunk only read may be copied into that shape.
+        """
+        outer, kv, inner = self.layout.packed_block_split()
+        shape = (self.layout.num_kv, num_blocks, outer, inner)
+        blocks = chunk_layer.reshape(shape) if read_only else chunk_layer.view(shape)
+        return [blocks[i * kv : (i + 1) * kv] for i in range(self.layout.format.tensors)]
+
+    def _packed_blocks(self, rows: torch.Tensor) -> torch.Tensor:
+        """A layer tensor (or staged rows of one) as ``[kv, blocks, outer, inner]``: views of its memory."""
+        outer, kv, inner = self.layout.packed_block_split()
+        block_rows = self._block_rows(rows)
+        return block_rows.view(block_rows.shape[0], outer, kv, inner).permute(2, 0, 1, 3)
 
     def _block_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` as ``[num_blocks, elements per block]`` rows: each block is one run of memory."""
@@ -258,23 +281,17 @@ class TorchConnector(KVConnector):
             scratch = local.tensor = torch.empty(needed * len(tensors), dtype=first.dtype, device=first.device)
             local.views = {}  # views of the old scratch must not outlive it
         rows = [scratch[i * needed : (i + 1) * needed].view(num_blocks, -1) for i in range(len(tensors))]
-        # Whole blocks in the cache's own memory order and nominal shape: the format's
-        # views read the scratch as they would the cache.
-        staged = tuple(row.view(num_blocks, *t.shape[1:]) for row, t in zip(rows, tensors))
-        route = _route(self.layout, staged)
-        stacked = route.stacked.of(staged) if route.stacked is not None else None
-        staging = _Staging(rows, tuple(view.of(staged) for view in route.views), stacked)
+        staging = _Staging(rows, [self._packed_blocks(row) for row in rows])
         local.views[key] = staging
         return staging
 
 
 @dataclass(frozen=True)
 class _Staging:
-    """Scratch for whole blocks: rows as picked from the cache, and the format's views of them."""
+    """Scratch for whole blocks: rows as picked from the cache, and their K/V split."""
 
     rows: list[torch.Tensor]  # [num_blocks, block elements] per layer tensor
-    views: tuple[torch.Tensor, ...]  # kv_views, [num_blocks, block_size, heads, head_dim] per K/V index
-    stacked: torch.Tensor | None  # [num_kv, num_blocks, block_size, heads, head_dim] when one tensor holds K and V
+    parts: list[torch.Tensor]  # the same memory as [kv, num_blocks, outer, inner] (packed_block_split)
 
 
 def _route(layout: KVLayout, tensors: tuple[torch.Tensor, ...]) -> _Route:

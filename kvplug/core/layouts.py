@@ -5,7 +5,9 @@ An engine adapter declares how one layer's cache is laid out in memory as a
 two); a :class:`KVLayout` adds the sizes. The core knows no engine: every format
 maps to the same chunk tensor ``[num_layers, num_kv, num_tokens, token_width]``
 (``num_kv`` is 2 for K and V, 1 for a latent cache; ``token_width`` is heads * head_dim),
-and a connector addresses any format through :meth:`KVLayout.kv_views`.
+and a connector addresses any format through :meth:`KVLayout.kv_views`. Packed
+(``whole_blocks_only``) formats fill that tensor in block order instead
+(:meth:`KVLayout.packed_block_split`).
 
 Slots address tokens: ``slot = block_id * block_size + offset_in_block``.
 """
@@ -25,6 +27,10 @@ from kvplug.errors import LayoutError
 #: and the token inside it; ``slot``: block * block_size + token merged, for pools
 #: addressed by token; ``head``: KV head; ``dim``: element of a head.
 AXES: tuple[str, ...] = ("kv", "block", "token", "slot", "head", "dim")
+
+
+#: Fingerprint suffix of packed (whole_blocks_only) layouts: chunks in block order.
+PACKED_FRAME_ORDER = ":block_order"
 
 
 @dataclass(frozen=True)
@@ -148,10 +154,33 @@ class KVLayout:
 
     def describe(self) -> str:
         """Stable text for the key fingerprint."""
-        return (
+        text = (
             f"{self.format.name}:L{self.num_layers}:B{self.block_size}:H{self.num_kv_heads}:"
             f"D{self.head_dim}:{dtype_name(self.dtype)}"
         )
+        # Packed formats' chunks held the declared token order in kvplug 0.1; the
+        # suffix names the block order (packed_block_split), so those chunks are misses.
+        return text + PACKED_FRAME_ORDER if self.format.whole_blocks_only else text
+
+    def packed_block_split(self) -> tuple[int, int, int]:
+        """A block of one layer tensor of a packed format as ``(outer, kv, inner)`` elements.
+
+        The chunk of a ``whole_blocks_only`` format holds each block as the engine stores
+        it, split by K/V index only: with one block of a layer tensor viewed as
+        ``[outer, kv, inner]`` (``kv`` 2 when the tensor holds K and V, else 1),
+        ``chunk[layer, i, b * block_size:(b + 1) * block_size]`` is ``block[:, i, :]`` of
+        the ``b``-th block copied, in memory order. The engine packs tokens privately, so
+        no token order is implied, and the copies run over whole ``inner`` runs (e.g. a
+        head's K or V half of a block) instead of single head rows.
+        """
+        if not self.format.whole_blocks_only:
+            raise LayoutError(f"{self.format.name} is not a packed (whole_blocks_only) format")
+        fixed = {"kv": 2, "token": self.block_size, "head": self.num_kv_heads, "dim": self.head_dim}
+        axes = self.format.axes[1:]  # 'block' is first in a packed format
+        if "kv" not in axes:
+            return 1, 1, math.prod(fixed[a] for a in axes)
+        at = axes.index("kv")
+        return math.prod(fixed[a] for a in axes[:at]), 2, math.prod(fixed[a] for a in axes[at + 1 :])
 
     def layer_tensors(self, layer_cache: object) -> tuple[torch.Tensor, ...]:
         """The tensor(s) of one layer's cache: ``format.tensors`` of them."""
