@@ -8,6 +8,7 @@ from core_helpers import FORMATS, LAYOUTS, VLLM_CPU, VLLM_FLASH, VLLM_MLA, cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvplug.builtins.index_runs import index_runs
 from kvplug.builtins.torch_connector import TorchConnector
 from kvplug.core.components import EmptyConfig
 from kvplug.errors import LayoutError
@@ -229,3 +230,59 @@ def test_threads_sharing_a_connector_do_not_share_staging() -> None:
     for thread in threads:
         thread.join()
     assert not failures
+
+
+def _expected_plan(layout, slots: list[int]) -> tuple[list[int] | None, object, object]:
+    """What a plan of ``slots`` must say, worked out slot by slot: (whole blocks or None, slot runs, page runs)."""
+    size = layout.block_size
+    whole = (
+        size > 1
+        and len(slots) > 0
+        and len(slots) % size == 0
+        and all(s == slots[i - i % size] + i % size and slots[i - i % size] % size == 0 for i, s in enumerate(slots))
+    )
+    blocks = [s // size for s in slots[::size]] if whole else None
+    runs_of_slots = index_runs(torch.tensor(slots, dtype=torch.long))
+    if layout.page_tokens == 1:
+        return blocks, runs_of_slots, runs_of_slots
+    if blocks is not None:
+        return blocks, None, index_runs(torch.tensor(blocks, dtype=torch.long))
+    return None, runs_of_slots, None
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_plans_of_many_spans_are_the_plans_of_each_span(kind: str, data: st.DataObject) -> None:
+    layout = LAYOUTS[kind]
+    size = layout.block_size
+    connector = TorchConnector(EmptyConfig(), layout)
+    # Slot tensors as engines hand them out: whole blocks in order, now and then a stray slot.
+    pieces = data.draw(
+        st.lists(
+            st.one_of(
+                st.integers(0, NUM_BLOCKS - 1).map(lambda b: list(range(b * size, (b + 1) * size))),
+                st.integers(0, NUM_BLOCKS * size - 1).map(lambda s: [s]),
+            ),
+            max_size=10,
+        )
+    )
+    slots = [s for piece in pieces for s in piece]
+    bound = st.integers(0, len(slots))
+    spans = [tuple(sorted(pair)) for pair in data.draw(st.lists(st.tuples(bound, bound), max_size=5))]
+    spans += [(start, start + size) for start in range(0, len(slots) - size + 1, size)]  # block-aligned chunks
+    tensor = torch.tensor(slots, dtype=torch.long)
+
+    plans = connector.plan_many(tensor, spans)
+
+    assert len(plans) == len(spans)
+    for (start, end), plan in zip(spans, plans):
+        blocks, slot_runs, page_runs = _expected_plan(layout, slots[start:end])
+        assert plan.slots.tolist() == slots[start:end]
+        assert (None if plan.blocks is None else plan.blocks.tolist()) == blocks, (start, end)
+        assert plan.block_offsets[0].tolist() == [s // size for s in slots[start:end]]
+        assert plan.block_offsets[1].tolist() == [s % size for s in slots[start:end]]
+        assert (plan.slot_runs, plan.page_runs) == (slot_runs, page_runs), (start, end)
+        single = connector.plan(tensor[start:end])
+        assert (single.slot_runs, single.page_runs) == (slot_runs, page_runs)
+        assert (None if single.blocks is None else single.blocks.tolist()) == blocks

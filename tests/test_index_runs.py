@@ -14,6 +14,7 @@ from kvplug.builtins import index_runs as index_runs_module
 from kvplug.builtins.index_runs import (
     MIN_MEAN_RUN_BYTES_WRITTEN,
     MIN_MEAN_RUN_ROWS,
+    SpanRuns,
     gather_runs,
     index_runs,
     scatter_runs,
@@ -90,3 +91,18 @@ def test_slices_copy_what_the_index_kernels_copy(order: list[int], count: int, c
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
 def test_a_device_index_is_not_read_back() -> None:
     assert index_runs(torch.arange(8, device="cuda")) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    index=st.lists(st.integers(-1, 12), max_size=40),
+    spans=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=6),
+)
+def test_span_runs_are_the_runs_of_each_slice(index: list[int], spans: list[tuple[int, int]]) -> None:
+    tensor = torch.tensor(index, dtype=torch.long)
+    found = SpanRuns(tensor)
+    negative = any(v < 0 for v in index)
+    for a, b in spans:
+        start, end = sorted((min(a, len(index)), min(b, len(index))))
+        expected = None if negative else index_runs(tensor[start:end])
+        assert found.of(start, end) == expected, (start, end)

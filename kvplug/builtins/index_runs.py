@@ -15,6 +15,7 @@ bytes for writes).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -54,17 +55,49 @@ def index_runs(index: torch.Tensor) -> IndexRuns | None:
     index with negative entries is left to the index kernels, which reject it, and so
     is one of a single entry.
     """
-    if index.dim() != 1 or index.device.type != "cpu" or index.numel() < 2:
-        return None
-    index = index.to(torch.long)
-    if int(index.min()) < 0:  # narrow() would wrap a negative start; the index kernels reject it
-        return None
-    breaks = (torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1).tolist()
-    starts = [0, *breaks]
-    ends = [*breaks, index.numel()]
-    firsts = index[starts].tolist()
-    runs = tuple((at, first, end - at) for at, first, end in zip(starts, firsts, ends))
-    return IndexRuns(runs, index.numel())
+    return SpanRuns(index).of(0, index.numel()) if index.dim() == 1 else None
+
+
+class SpanRuns:
+    """The runs of spans of one index, found in one pass over the whole index.
+
+    An engine call covers many chunks, each a span of one slot tensor. Planning each
+    chunk's slice alone took a dozen small torch ops per chunk, about 40 us: 1.2 ms
+    for the 32 chunks of an 8192-token call, against 0.27 ms for the whole tensor at
+    once (:meth:`kvplug.KVConnector.plan_many`). ``of(start, end)`` is what
+    :func:`index_runs` returns for ``index[start:end]``, worked out in Python from
+    the breaks found once. Where the index has a negative entry, every span is left
+    to the index kernels.
+    """
+
+    def __init__(self, index: torch.Tensor) -> None:
+        self._index: torch.Tensor | None = index  # scanned on the first call of of(): many plans need no runs
+        self._values: list[int] = []
+        self._breaks: list[int] = []  # positions i where index[i] != index[i - 1] + 1
+        self._usable = index.dim() == 1 and index.device.type == "cpu" and index.numel() >= 2
+
+    def _scan(self, index: torch.Tensor) -> None:
+        self._index = None
+        if not self._usable:
+            return
+        index = index.to(torch.long)
+        if int(index.min()) < 0:  # narrow() would wrap a negative start; the index kernels reject it
+            self._usable = False
+            return
+        self._breaks = (torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1).tolist()
+        self._values = index.tolist()
+
+    def of(self, start: int, end: int) -> IndexRuns | None:
+        """The runs of ``index[start:end]``, positions relative to ``start``; None where slices do not apply."""
+        if self._index is not None:
+            self._scan(self._index)
+        if not self._usable or end - start < 2:
+            return None
+        inside = self._breaks[bisect.bisect_right(self._breaks, start) : bisect.bisect_left(self._breaks, end)]
+        starts = [start, *inside]
+        ends = [*inside, end]
+        runs = tuple((at - start, self._values[at], stop - at) for at, stop in zip(starts, ends))
+        return IndexRuns(runs, end - start)
 
 
 def gather_runs(rows: torch.Tensor, runs: IndexRuns, out: torch.Tensor, dim: int) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import BaseModel
 
-from kvplug.builtins.index_runs import IndexRuns, gather_runs, index_runs, scatter_runs
+from kvplug.builtins.index_runs import IndexRuns, SpanRuns, gather_runs, scatter_runs
 from kvplug.core.connector import KVConnector, LayerCache
 from kvplug.core.layouts import KVLayout
 from kvplug.errors import LayoutError
@@ -37,6 +37,32 @@ class SlotPlan:
     block_offsets: tuple[torch.Tensor, torch.Tensor]
     slot_runs: IndexRuns | None = None  # runs of consecutive slots
     page_runs: IndexRuns | None = None  # runs of consecutive pages, when the slots fill whole pages
+
+
+class _WholeBlockGroups:
+    """Which spans of a slot tensor fill whole blocks in order, from one check of every group of ``size`` slots.
+
+    Slots ``[start, end)`` fill whole blocks when both ends fall on a group boundary
+    and every group between holds one block's slots in order. Groups are counted from
+    the first slot, so a span that starts elsewhere is never taken for whole blocks.
+    """
+
+    def __init__(self, slots: torch.Tensor, size: int) -> None:
+        self.size = size
+        count = slots.numel() // size if size > 1 else 0
+        rows = slots[: count * size].view(count, size)
+        first = rows[:, :1]
+        good = ((first % size) == 0).flatten() & (rows == first + torch.arange(size, device=slots.device)).all(dim=1)
+        #: The block each group would fill: ``pages[g]`` for group ``g``.
+        self.pages = torch.div(first.flatten(), size, rounding_mode="floor")
+        # Groups failing the check before each group: a span passes when none fail inside it.
+        self._bad_before: list[int] = [0, *torch.cumsum(~good, 0).tolist()]
+
+    def whole(self, start: int, end: int) -> bool:
+        size = self.size
+        if size <= 1 or end <= start or start % size or end % size:
+            return False
+        return self._bad_before[end // size] == self._bad_before[start // size]
 
 
 @dataclass(frozen=True)
@@ -88,26 +114,39 @@ class TorchConnector(KVConnector):
         self._page_tokens = layout.page_tokens
 
     def plan(self, slots: torch.Tensor) -> SlotPlan:
+        return self._plans(slots, [(0, slots.numel())])[0]
+
+    def plan_many(self, slots: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[SlotPlan]:
+        if type(self).plan is not TorchConnector.plan:  # a subclass plans its own way
+            return super().plan_many(slots, spans)
+        return self._plans(slots, spans)
+
+    def _plans(self, slots: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[SlotPlan]:
+        """Plans of ``slots[start:end]`` for each span, from one pass of torch ops over ``slots``."""
         size = self.layout.block_size
         slots = slots.to(torch.long)
         blocks = torch.div(slots, size, rounding_mode="floor")
-        blocks_only = None
-        if size > 1 and slots.numel() and slots.numel() % size == 0:
-            rows = slots.view(-1, size)
-            first = rows[:, :1]
-            if bool(((first % size) == 0).all()) and bool(
-                (rows == first + torch.arange(size, device=slots.device)).all()
-            ):
-                blocks_only = blocks.view(-1, size)[:, 0].contiguous()
+        offsets = slots % size
+        groups = _WholeBlockGroups(slots, size)
         # Runs of the index each copy path will use (page rows when whole pages, else token rows).
-        slot_runs = page_runs = None
-        if self._page_tokens == 1:
-            slot_runs = page_runs = index_runs(slots)
-        elif blocks_only is not None:
-            page_runs = index_runs(blocks_only)
-        else:
-            slot_runs = index_runs(slots)
-        return SlotPlan(slots, blocks_only, (blocks, slots % size), slot_runs, page_runs)
+        slot_runs = SpanRuns(slots)
+        page_runs = SpanRuns(groups.pages) if self._page_tokens > 1 else slot_runs
+        plans = []
+        for start, end in spans:
+            if start % size:  # groups count from slots[0]: a span starting inside one (a load from mid-chunk) is
+                # planned on its own
+                plans.append(self._plans(slots[start:end], [(0, end - start)])[0])
+                continue
+            first_group, group_end = start // size, end // size
+            blocks_only = groups.pages[first_group:group_end] if groups.whole(start, end) else None
+            if self._page_tokens == 1:
+                runs = (slot_runs.of(start, end),) * 2
+            elif blocks_only is not None:
+                runs = (None, page_runs.of(first_group, group_end))
+            else:
+                runs = (slot_runs.of(start, end), None)
+            plans.append(SlotPlan(slots[start:end], blocks_only, (blocks[start:end], offsets[start:end]), *runs))
+        return plans
 
     def gather_layer(self, layer_cache: LayerCache, plan: SlotPlan, out: torch.Tensor) -> None:
         tensors = self.layout.layer_tensors(layer_cache)

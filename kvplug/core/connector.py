@@ -57,6 +57,15 @@ class KVConnector(ABC):
         """
         return slots
 
+    def plan_many(self, slots: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[Any]:
+        """Plans of ``slots[start:end]`` for each ``(start, end)`` of ``spans``: the chunks of one engine call.
+
+        The default calls :meth:`plan` per span. A connector whose planning runs
+        device or tensor ops per call can do them once for the whole slot tensor;
+        its plans must be the ones :meth:`plan` gives for each span.
+        """
+        return [self.plan(slots[start:end]) for start, end in spans]
+
     @abstractmethod
     def gather_layer(self, layer_cache: LayerCache, plan: Any, out: torch.Tensor) -> None:
         """Copy the KV of the planned slots of one layer into ``out`` ``[num_kv, n, width]``."""

@@ -245,7 +245,7 @@ class CacheEngine:
     ) -> Generator[int, None, int]:
         """Copy ``layers_per_step`` layers of every chunk per ``next()`` (one pass of parallel copies)."""
         started = time.perf_counter()
-        plans = [self.connector.plan(slots[chunk.start : chunk.end]) for chunk, _, _ in todo]
+        plans = self.connector.plan_many(slots, [(chunk.start, chunk.end) for chunk, _, _ in todo])
         for first in range(0, self.layout.num_layers, layers_per_step):
             layers = range(first, min(first + layers_per_step, self.layout.num_layers))
             try:
@@ -479,7 +479,7 @@ class LayerwiseRetrieve(Iterator[int]):
         self._next_layer = 0
         self.loaded_mask = torch.zeros(num_tokens, dtype=torch.bool)
         self._spans = [(max(chunk.start, first), chunk.end, chunk.start) for chunk, _ in chunks]
-        self._plans = [engine.connector.plan(slots[start:end]) for start, end, _ in self._spans]
+        self._plans = engine.connector.plan_many(slots, [(start, end) for start, end, _ in self._spans])
         for start, end, _ in self._spans:
             self.loaded_mask[start:end] = True
         self.num_loaded_tokens = int(self.loaded_mask.sum())
