@@ -133,8 +133,8 @@ class TorchConnector(KVConnector):
         page_runs = SpanRuns(groups.pages) if self._page_tokens > 1 else slot_runs
         plans = []
         for start, end in spans:
-            if start % size:  # groups count from slots[0]: a span starting inside one (a load from mid-chunk) is
-                # planned on its own
+            # Groups count from slots[0]: a span that starts inside one (a load from mid-chunk) is planned alone.
+            if start % size:
                 plans.append(self._plans(slots[start:end], [(0, end - start)])[0])
                 continue
             first_group, group_end = start // size, end // size
