@@ -120,9 +120,9 @@ class KVPlugConfig(CheckedModel):
         default="auto",
         description="Threads that copy KV between the engine's host KV cache and chunk frames, for stores "
         "and loads (the caller waits); auto: torch's intra-op threads, at most 4. Copies on a GPU ignore it. "
-        "Where the engine's own threads take every core (vLLM's CPU backend), fewer may be faster: on a "
-        "2-core VM, 1 instead of 2 cut vLLM's warm TTFT at 8192 tokens from 49 to 42 ms (medians of 6 "
-        "engine processes) while the copies of a store took about 40% longer.",
+        "Where the engine's own threads take every core (an engine running on the CPU), fewer may be "
+        "faster: on a 2-core VM, 1 instead of 2 cut such an engine's warm TTFT at 8192 tokens from 49 to "
+        "42 ms (medians of 6 engine processes) while the copies of a store took about 40% longer.",
     )
     lookup_timeout_ms: PositiveInt = Field(
         default=200,
