@@ -112,6 +112,8 @@ class TorchConnector(KVConnector):
         self._routes: dict[tuple[object, ...], _Route] = {}
         self._whole_blocks_only = layout.whole_blocks_only
         self._page_tokens = layout.page_tokens
+        # Asked on every copy of a packed block: once here, not per chunk and layer.
+        self._packed_split = layout.packed_block_split() if layout.whole_blocks_only else None
 
     def plan(self, slots: torch.Tensor) -> SlotPlan:
         return self._plans(slots, [(0, slots.numel())])[0]
@@ -274,16 +276,21 @@ class TorchConnector(KVConnector):
 
         Views of the chunk's memory; a chunk only read may be copied into that shape.
         """
-        outer, kv, inner = self.layout.packed_block_split()
+        outer, kv, inner = self._split()
         shape = (self.layout.num_kv, num_blocks, outer, inner)
         blocks = chunk_layer.reshape(shape) if read_only else chunk_layer.view(shape)
         return [blocks[i * kv : (i + 1) * kv] for i in range(self.layout.format.tensors)]
 
     def _packed_blocks(self, rows: torch.Tensor) -> torch.Tensor:
         """A layer tensor (or staged rows of one) as ``[kv, blocks, outer, inner]``: views of its memory."""
-        outer, kv, inner = self.layout.packed_block_split()
+        outer, kv, inner = self._split()
         block_rows = self._block_rows(rows)
         return block_rows.view(block_rows.shape[0], outer, kv, inner).permute(2, 0, 1, 3)
+
+    def _split(self) -> tuple[int, int, int]:
+        if self._packed_split is None:
+            raise LayoutError(f"layout {self.layout.format.name} is not a packed (whole_blocks_only) format")
+        return self._packed_split
 
     def _block_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` as ``[num_blocks, elements per block]`` rows: each block is one run of memory."""
