@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -73,6 +74,48 @@ class KVConnector(ABC):
     @abstractmethod
     def scatter_layer(self, layer_cache: LayerCache, plan: Any, src: torch.Tensor) -> None:
         """Write ``src`` ``[num_kv, n, width]`` into the planned slots of one layer."""
+
+    def gather_copies(
+        self,
+        kv_caches: Sequence[LayerCache],
+        layers: range,
+        plans: Sequence[Any],
+        chunks: Sequence[torch.Tensor],
+        parts: int,
+    ) -> list[Callable[[], None]]:
+        """The copies that gather ``layers`` of every planned chunk of an engine call.
+
+        ``plans[i]`` (from :meth:`plan_many`) goes with ``chunks[i]``, a chunk tensor
+        ``[num_layers, num_kv, n, width]`` whose ``n`` is that plan's slot count. The engine
+        runs the returned copies at once, on its ``parts`` copy threads when
+        ``concurrent_copies`` and the cache is in host memory, and returns when all have
+        finished. The default is one :meth:`gather_layer` per layer and chunk; a
+        connector that copies a whole batch in one call returns about ``parts`` copies.
+        """
+        return [
+            partial(self.gather_layer, kv_caches[layer], plan, chunk[layer])
+            for layer in layers
+            for plan, chunk in zip(plans, chunks)
+        ]
+
+    def scatter_copies(
+        self,
+        kv_caches: Sequence[LayerCache],
+        layers: range,
+        plans: Sequence[Any],
+        chunks: Sequence[torch.Tensor],
+        parts: int,
+    ) -> list[Callable[[], None]]:
+        """The copies that write ``layers`` of every chunk into its planned slots: :meth:`gather_copies` reversed.
+
+        Different chunks never share a slot, so the copies may run in any order. The
+        default is one :meth:`scatter_layer` per layer and chunk.
+        """
+        return [
+            partial(self.scatter_layer, kv_caches[layer], plan, chunk[layer])
+            for layer in layers
+            for plan, chunk in zip(plans, chunks)
+        ]
 
     def gather(self, kv_caches: Sequence[LayerCache], slots: torch.Tensor, out: torch.Tensor) -> None:
         """All layers: ``out`` is ``[num_layers, num_kv, n, width]``."""

@@ -16,7 +16,6 @@ import logging
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any
 
 import torch
@@ -249,14 +248,10 @@ class CacheEngine:
         for first in range(0, self.layout.num_layers, layers_per_step):
             layers = range(first, min(first + layers_per_step, self.layout.num_layers))
             try:
-                self._run_copies(
-                    kv_caches,
-                    [
-                        partial(self.connector.gather_layer, kv_caches[layer], plan, payload[layer])
-                        for layer in layers
-                        for plan, (_, _, payload) in zip(plans, todo)
-                    ],
+                copies = self.connector.gather_copies(
+                    kv_caches, layers, plans, [payload for _, _, payload in todo], self._copies.threads
                 )
+                self._run_copies(kv_caches, copies)
             except ConnectorError as exc:  # e.g. no staging buffer in time: this store is dropped
                 self._count_connector_error("store", exc)
                 todo = plans = []
@@ -498,19 +493,18 @@ class LayerwiseRetrieve(Iterator[int]):
 
     def _write(self, layers: range) -> None:
         engine = self._engine
-        scatter = engine.connector.scatter_layer
         started = time.perf_counter()
         try:
             # Chunks hold different slots and layers are different tensors: the writes
             # touch disjoint memory and run on the copy threads, as gathers do.
-            engine._run_copies(
-                self._kv_caches,
-                [
-                    partial(scatter, self._kv_caches[layer], plan, tensor[layer, :, start - chunk_start :])
-                    for layer in layers
-                    for plan, (start, _, chunk_start), (_, tensor) in zip(self._plans, self._spans, self._chunks)
-                ],
+            sources = [
+                tensor[:, :, start - chunk_start :]
+                for (start, _, chunk_start), (_, tensor) in zip(self._spans, self._chunks)
+            ]
+            copies = engine.connector.scatter_copies(
+                self._kv_caches, layers, self._plans, sources, engine._copies.threads
             )
+            engine._run_copies(self._kv_caches, copies)
         except ConnectorError as exc:
             # Some layers are written and this one maybe in part: report nothing as
             # loaded, so the engine recomputes (and overwrites) all of it.

@@ -17,7 +17,10 @@ def kvplug_kv_connectors() -> list[type]:
     ``gather_layer`` copies the KV of the given slots of one layer out of the
     paged cache into a chunk tensor ``[num_kv, num_tokens, token_width]``;
     ``scatter_layer`` writes such a tensor back into other slots. Slots are
-    ``block_id * block_size + offset``. The class method ``is_available()`` says
+    ``block_id * block_size + offset``. The engine plans every chunk of a call
+    at once (``plan_many``) and asks ``gather_copies``/``scatter_copies`` for the
+    copies of a batch of layers, which by default are one ``gather_layer`` or
+    ``scatter_layer`` per layer and chunk; a connector may return fewer, larger ones. The class method ``is_available()`` says
     whether the connector can run here (``connector: {type: auto}`` uses it).
     A device connector returns True from ``wants_pinned_frames()`` to have the
     engine page-lock its host frames, and finishes its asynchronous copies in
