@@ -2,9 +2,11 @@
 
 An 8-layer model's pool (bf16, 8 KV heads x 128) holds a prompt at scattered
 slots; the connector stores it (gather + serialize + cpu tier, sync) and loads
-it back into other slots. The baseline, measured in the same run, is a plain
-``copy_`` of the same number of bytes between two contiguous tensors. Prints a
-table with GB/s and the ratio to the baseline; asserts nothing.
+it back into other slots, once per connector installed (the core's ``torch``, and
+``native`` with kvplug-native). The baseline is a plain ``copy_`` of the same number
+of bytes between two contiguous tensors, timed right before every sample: each ratio
+is of a pair taken back to back. Prints a table with GB/s and the ratios (median and
+interquartile range over the pairs); asserts nothing.
 
     python benchmarks/bench_sglang.py [--tokens 8192] [--repeat 5]
 
@@ -65,16 +67,26 @@ class ModelFacts:
         return HEADS // tp_size
 
 
-def best_of(repeat: int, fn, before=None) -> tuple[float, float]:
-    """Best and median seconds of ``fn`` over ``repeat`` calls; ``before`` runs untimed ahead of each."""
-    times = []
+def paired(repeat: int, fn, baseline, before=None) -> tuple[float, float, float, float]:
+    """``fn`` timed ``repeat`` times, each right after one ``baseline`` call (``before`` runs untimed first).
+
+    Returns fn's median seconds and the quartiles (q1, median, q3) of baseline time / fn
+    time over the pairs: each ratio is of two timings taken back to back, so drift of the
+    machine's speed between them cancels.
+    """
+    times, ratios = [], []
     for _ in range(repeat):
         if before is not None:
             before()
         started = time.perf_counter()
+        baseline()
+        middle = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - started)
-    return min(times), statistics.median(times)
+        ended = time.perf_counter()
+        times.append(ended - middle)
+        ratios.append((middle - started) / (ended - middle))
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return statistics.median(times), q1, median, q3
 
 
 def allocator_slots(pool: MHATokenToKVPool, tokens: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,65 +133,85 @@ def connector_section(args: argparse.Namespace) -> dict[str, Any]:
     }
     token_ids = list(range(tokens))
     nbytes = 2 * LAYERS * tokens * HEADS * HEAD_DIM * 2
-    connector = KVPlugConnector(
-        ModelFacts(),
-        1,
-        0,
-        pool.k_buffer,
-        pool.v_buffer,
-        engine_extra={
-            "kvplug": {
-                "chunk_size": args.chunk_size,
-                "store": {"mode": "sync"},
-                "tiers": [{"type": "cpu", "max_bytes": 4 * nbytes}],
-            }
-        },
-    )
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16).normal_()
     b = torch.empty_like(a)
-
+    baseline = lambda: b.copy_(a)  # noqa: E731
+    runs = {name: int((src[1:] - src[:-1] != 1).sum()) + 1 for name, (src, _) in slot_sets.items()}
     rows = []
-    copy_best, copy_med = best_of(args.repeat, lambda: b.copy_(a))
-    rows.append(("copy_ (baseline)", copy_best, copy_med))
-    runs = {}
-    for name, (src_slots, dst_slots) in slot_sets.items():
-        runs[name] = int((src_slots[1:] - src_slots[:-1] != 1).sum()) + 1
+    for kind in connector_types():
+        connector = KVPlugConnector(
+            ModelFacts(),
+            1,
+            0,
+            pool.k_buffer,
+            pool.v_buffer,
+            engine_extra={
+                "kvplug": {
+                    "chunk_size": args.chunk_size,
+                    "store": {"mode": "sync"},
+                    "connector": {"type": kind},
+                    "tiers": [{"type": "cpu", "max_bytes": 4 * nbytes}],
+                }
+            },
+        )
+        for name, (src_slots, dst_slots) in slot_sets.items():
 
-        def store(src_slots: torch.Tensor = src_slots) -> None:
-            connector.store_kv(StoreMetadata(None, token_ids, src_slots, 0))
+            def store(src_slots: torch.Tensor = src_slots, connector: KVPlugConnector = connector) -> None:
+                connector.store_kv(StoreMetadata(None, token_ids, src_slots, 0))
 
-        def load(dst_slots: torch.Tensor = dst_slots) -> None:
-            assert connector.load_kv(LoadMetadata(token_ids, dst_slots, 0)) == tokens
+            def load(dst_slots: torch.Tensor = dst_slots, connector: KVPlugConnector = connector) -> None:
+                assert connector.load_kv(LoadMetadata(token_ids, dst_slots, 0)) == tokens
 
-        # reset first, untimed, so every round stores for real (kvplug skips chunks it has)
-        rows.append((f"store_kv {name}", *best_of(args.repeat, store, before=connector.reset)))
-        rows.append((f"load_kv {name}", *best_of(args.repeat, load)))
-        for layer in range(LAYERS):  # the loaded KV is the stored KV
-            assert torch.equal(pool.k_buffer[layer][dst_slots], pool.k_buffer[layer][src_slots])
-            assert torch.equal(pool.v_buffer[layer][dst_slots], pool.v_buffer[layer][src_slots])
-    connector.close()
+            # reset first, untimed, so every round stores for real (kvplug skips chunks it has)
+            rows.append((kind, f"store_kv {name}", *paired(args.repeat, store, baseline, before=connector.reset)))
+            rows.append((kind, f"load_kv {name}", *paired(args.repeat, load, baseline)))
+            for layer in range(LAYERS):  # the loaded KV is the stored KV
+                assert torch.equal(pool.k_buffer[layer][dst_slots], pool.k_buffer[layer][src_slots])
+                assert torch.equal(pool.v_buffer[layer][dst_slots], pool.v_buffer[layer][src_slots])
+        connector.close()
 
     print(
         f"sglang connector, {LAYERS} layers x {HEADS} heads x {HEAD_DIM} bf16, {tokens} tokens, "
-        f"chunk {args.chunk_size}: {nbytes / 2**20:.0f} MiB per pass, best/median of {args.repeat}; "
+        f"chunk {args.chunk_size}: {nbytes / 2**20:.0f} MiB per pass, {args.repeat} pairs with copy_ each; "
         f"prompt slots in runs: allocator {runs['allocator']}, scattered {runs['scattered']}"
     )
-    print(f"{'operation':<20} {'best ms':>9} {'median ms':>10} {'GB/s':>7} {'of copy_':>9}")
-    for name, best, med in rows:
-        print(f"{name:<20} {best * 1e3:9.1f} {med * 1e3:10.1f} {nbytes / best / 1e9:7.2f} {copy_best / best:9.0%}")
-    best = {name: value for name, value, _ in rows}
-    return {
+    print(f"{'connector':<10} {'operation':<20} {'median ms':>10} {'GB/s':>7} {'of copy_ (median, IQR)':>26}")
+    for kind, name, seconds, q1, median, q3 in rows:
+        gbps = nbytes / seconds / 1e9
+        print(f"{kind:<10} {name:<20} {seconds * 1e3:10.1f} {gbps:7.2f} {median:11.0%}  [{q1:.0%}, {q3:.0%}]")
+    ratio = {(kind, name): median for kind, name, _, _, median, _ in rows}
+    auto = default_connector()
+    figures: dict[str, Any] = {
         "tokens": tokens,
         "chunk_size": args.chunk_size,
         "bytes": nbytes,
         "slot_runs": runs,
-        "ms": {name: {"best": round(value * 1e3, 2), "median": round(med * 1e3, 2)} for name, value, med in rows},
-        # fractions of the same run's copy_ speed (issue 16 goal 4: >= 0.8)
-        "store_vs_copy": round(copy_best / best["store_kv allocator"], 3),
-        "load_vs_copy": round(copy_best / best["load_kv allocator"], 3),
-        "store_vs_copy_scattered": round(copy_best / best["store_kv scattered"], 3),
-        "load_vs_copy_scattered": round(copy_best / best["load_kv scattered"], 3),
-    }
+        "connector": auto,
+        "ms": {f"{kind}.{name}": round(seconds * 1e3, 2) for kind, name, seconds, *_ in rows},
+        "connectors": {
+            kind: {f"{op}_vs_copy{suffix}": round(ratio[kind, f"{op}_kv {slots}"], 3)
+                   for op in ("store", "load") for slots, suffix in (("allocator", ""), ("scattered", "_scattered"))}
+            for kind in connector_types()
+        },
+    }  # fmt: skip
+    # fractions of the same run's copy_ speed, for the connector `auto` picks (issue 16 goal 4: >= 0.8)
+    figures.update(figures["connectors"][auto])
+    return figures
+
+
+def connector_types() -> list[str]:
+    """The connectors installed here: the core's torch connector, and kvplug-native's when it is installed."""
+    from kvplug import get_registry
+
+    return [name for name in ("torch", "native") if name in get_registry().kv_connectors()]
+
+
+def default_connector() -> str:
+    """What ``connector: {type: auto}`` picks here."""
+    from kvplug import get_registry
+
+    usable = [cls for cls in get_registry().kv_connectors().values() if cls.is_available()]
+    return max(usable, key=lambda cls: getattr(cls, "priority", 0)).name
 
 
 def server_section(args: argparse.Namespace) -> dict[str, Any]:

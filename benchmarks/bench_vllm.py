@@ -50,7 +50,8 @@ the cold request pays for storing its KV (``cold_store_overhead``, goal <= 2%).
 ``--control`` (default on) measures two servers without a connector the same way: how far
 apart two server processes are by themselves, which the pairs' interval does not cover.
 
-    python benchmarks/bench_vllm.py [--sizes 1024,4096,8192] [--reps 2] [--pairs 20] [--miss-size 2048] [--no-control] [--json]
+    python benchmarks/bench_vllm.py [--sizes 1024,4096,8192] [--reps 2] [--pairs 20] [--miss-size 2048] [--no-control]
+        [--connector auto|native|torch] [--json]
 """
 
 from __future__ import annotations
@@ -132,12 +133,17 @@ def prompt(size: int, rep: int) -> list[int]:
     return [rng.randrange(3, BENCH_SPEC.vocab_size) for _ in range(size)]
 
 
+#: kvplug's KV connector in every engine of the run (--connector); auto: the fastest installed.
+KV_CONNECTOR = {"type": "auto"}
+
+
 def connector(tiers: list[dict[str, Any]]) -> dict[str, Any]:
+    extra = {"kvplug.chunk_size": CHUNK_SIZE, "kvplug.tiers": tiers, "kvplug.connector": KV_CONNECTOR}
     return {
         "kv_connector": "KVPlugConnector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",  # as the README says: a failed load is recomputed, not an error
-        "kv_connector_extra_config": {"kvplug.chunk_size": CHUNK_SIZE, "kvplug.tiers": tiers},
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -153,8 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="also measure two servers without a connector the same way (the spread between server processes)",
     )
+    parser.add_argument(
+        "--connector", default="auto", help="kvplug's KV connector: auto (the fastest installed), native or torch"
+    )
     parser.add_argument("--json", action="store_true", help="print all figures as one JSON object, last")
     args = parser.parse_args(argv)
+    KV_CONNECTOR["type"] = args.connector
     if args.pairs < 15:
         parser.error(f"--pairs must be at least 15 for a meaningful interval (got {args.pairs})")
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -340,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             "miss_overhead": miss,
             "miss_overhead_control": control,
             "memcpy_gbps": memcpy,
+            "connector": args.connector,
             "warm_ttft_ms": med(warm_cpu[biggest]) * 1000,
             "warm_floor_ms": floors[biggest] * 1000,
             "warm_vs_floor": med(warm_cpu[biggest]) / floors[biggest],

@@ -1,4 +1,4 @@
-"""KV connector ``native``: a batch's copies in one C call per copy thread, with streaming stores.
+"""KV connector ``native``: a call's copies in one C call, on torch's OpenMP team, with streaming stores.
 
 For a KV cache in host memory (vLLM's and SGLang's CPU backends), the torch connector
 issues one or more torch ops per chunk and layer: an 8192-token store is hundreds
@@ -6,9 +6,10 @@ of Python-dispatched ops, each a few microseconds of GIL time, and torch's CPU i
 kernels write through the cache (every destination line is read before it is
 overwritten). This connector turns a whole engine call into one table of byte runs
 (:mod:`kvplug_native.runs`: found once per call with vectorized torch ops, merged
-where blocks or slots follow each other) and copies it in C with the GIL released,
-one share per copy thread. Batches larger than ``streaming_min_bytes`` are written
-with non-temporal stores, which skip that read.
+where blocks or slots follow each other) and copies it in C with the GIL released:
+on the engine's main thread shared out among its OpenMP team (the one torch's ops
+use), elsewhere one share per copy thread. Calls of ``streaming_min_bytes`` or more
+are written with non-temporal stores, which skip that read.
 
 Caches on a device, and caches a run table cannot address (a ``head_dim`` axis
 that is not contiguous), go to the torch connector, as do chunk tensors that are not
@@ -209,10 +210,14 @@ class NativeConnector(KVConnector):
             and table.shape[0] > 0
             and int(table[:, NBYTES].sum()) >= minimum
         )
-        if self._openmp:
-            # One copy, which the engine runs on its own thread: the C call shares it out among
-            # that thread's OpenMP team (see _copy.c for why not among the engine's copy threads).
+        if self._openmp and threading.current_thread() is threading.main_thread():
+            # One copy, which the engine runs on this thread: the C call shares it out among the
+            # thread's OpenMP team, whose workers torch's ops have just left spinning (_copy.c).
             return [_CopyRuns(table, streaming, parts)] if table.shape[0] else []
+        # Elsewhere (a background load, or no OpenMP) a share per copy thread of the engine:
+        # a team of OpenMP threads started for a background thread would stay next to the
+        # engine's own team, and libgomp, seeing more threads than cores, makes every team
+        # sleep instead of spin between parallel regions (the engine's small ops then wait).
         return [_CopyRuns(share, streaming, 1) for share in split_table(table, parts)]
 
     def _table(
