@@ -152,6 +152,7 @@ class TorchConnector(KVConnector):
 
     def gather_layer(self, layer_cache: LayerCache, plan: SlotPlan, out: torch.Tensor) -> None:
         tensors = self.layout.layer_tensors(layer_cache)
+        _check_dtype(tensors[0], out)
         if self._whole_blocks_only:
             self._gather_blocks(tensors, plan, out)
             return
@@ -178,6 +179,7 @@ class TorchConnector(KVConnector):
 
     def scatter_layer(self, layer_cache: LayerCache, plan: SlotPlan, src: torch.Tensor) -> None:
         tensors = self.layout.layer_tensors(layer_cache)
+        _check_dtype(tensors[0], src)
         if self._whole_blocks_only:
             self._scatter_blocks(tensors, plan, src)
             return
@@ -338,6 +340,12 @@ class _Staging:
 
     rows: list[torch.Tensor]  # [num_blocks, block elements] per layer tensor
     parts: list[torch.Tensor]  # the same memory as [kv, num_blocks, outer, inner] (packed_block_split)
+
+
+def _check_dtype(cache: torch.Tensor, chunk: torch.Tensor) -> None:
+    """A chunk holds the cache's bytes as they are: the copies move words, so other dtypes are refused."""
+    if chunk.dtype != cache.dtype:
+        raise LayoutError(f"a chunk of {chunk.dtype} cannot be copied to or from a {cache.dtype} KV cache")
 
 
 def _route(layout: KVLayout, tensors: tuple[torch.Tensor, ...]) -> _Route:

@@ -284,11 +284,24 @@ def _fits(chunk: torch.Tensor, plan: Any, dtype: torch.dtype, layers: int, layou
 
 
 def _by_call(plans: Sequence[NativePlan]) -> list[tuple[_Call, list[tuple[int, int]]]]:
-    """Plans grouped by the engine call they came from: (call, [(span index, position in plans)])."""
-    groups: dict[int, tuple[_Call, list[tuple[int, int]]]] = {}
+    """Plans grouped by the engine call they came from: (call, [(span index, position in plans)]).
+
+    A span given twice (one plan, two chunk tensors) starts another group, so that every
+    group holds each span once: a run table has one chunk address per span.
+    """
+    groups: list[tuple[_Call, list[tuple[int, int]]]] = []
+    taken: list[set[int]] = []
     for position, plan in enumerate(plans):
-        groups.setdefault(id(plan.call), (plan.call, []))[1].append((plan.index, position))
-    return list(groups.values())
+        for (call, _), spans in zip(groups, taken):
+            if call is plan.call and plan.index not in spans:
+                break
+        else:
+            groups.append((plan.call, []))
+            taken.append(set())
+            call, batch, spans = *groups[-1], taken[-1]
+        batch.append((plan.index, position))
+        spans.add(plan.index)
+    return groups
 
 
 def _only_spans(runs: list[Runs], spans: list[int], span_count: int) -> list[Runs]:

@@ -79,7 +79,8 @@ def find_runs(
     per_tensor = len(views) // len(tensors)
     if any(view.stride(3) != 1 and view.shape[3] > 1 for view in views):
         return None
-    pages, page_tokens = views[0].shape[0], views[0].shape[1]
+    page_tokens = views[0].shape[1]
+    pages = min(view.shape[0] for view in views)  # K and V may be tensors of different sizes
     position, chunk = _positions(spans, slots.device)
     slot = slots[position]
     if slot.numel():
