@@ -120,10 +120,12 @@ class KVPlugConfig(CheckedModel):
         default="auto",
         description="Threads that copy KV between the engine's host KV cache and chunk frames, for stores "
         "and loads (the caller waits); auto: torch's intra-op threads, at most 4. Copies on a GPU ignore it. "
-        "Where the engine's own threads take every core (an engine running on the CPU), fewer may be "
-        "faster: on a 2-core VM, 1 instead of 2 cut such an engine's warm TTFT at 8192 tokens from 49 to "
-        "42 ms (medians of 6 engine processes), while a cache laid out as [K/V, block, token, head, dim] "
-        "was gathered 40% slower on one thread. Measure on your hosts.",
+        "The native connector (kvplug-native) copies a call on that many threads of the calling thread's "
+        "OpenMP team (torch's own) when called from the main thread, else on copy threads; the torch "
+        "connector always on copy threads. With the torch connector, where the engine's own threads take "
+        "every core (an engine running on the CPU), fewer may be faster: on a 2-core VM, 1 instead of 2 cut "
+        "such an engine's warm TTFT at 8192 tokens from 49 to 42 ms (medians of 6 engine processes), while "
+        "the native connector's was 31 ms with 2 against 35 ms with 1 (4 each). Measure on your hosts.",
     )
     lookup_timeout_ms: PositiveInt = Field(
         default=200,
