@@ -38,6 +38,13 @@ class DiskTierConfig(TierConfig):
         description="background: put queues the write for the tier's own writer thread; "
         "inline: put writes before it returns.",
     )
+    write_threads: PositiveInt = Field(
+        default=4,
+        description="Records of one put written at once, so that their fdatasyncs overlap (each record is "
+        "still renamed into place in the order it was put, after its own write). On a 2-core VM's virtual "
+        "disk, 8 MiB records went 1.80 GB/s one at a time, 2.07 GB/s two and 2.66 GB/s four at a time. "
+        "1: one at a time.",
+    )
     queue_items: PositiveInt = Field(default=64, description="Bound of the background writer's queue, in put batches.")
     queue_bytes: ByteSize = Field(
         default=ByteSize(256 * 1024**2),

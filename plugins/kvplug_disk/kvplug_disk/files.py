@@ -152,8 +152,8 @@ class RecordFolder:
 
     # --- writing --------------------------------------------------------------------
 
-    def write_temp(self, key: str, digest: str, value: Buffer) -> TempFile:
-        """Write ``value``'s record to a new temp file next to its final name."""
+    def write_temp(self, key: str, digest: str, value: Buffer, *, mtime_ns: int | None = None) -> TempFile:
+        """Write ``value``'s record to a new temp file next to its final name, stamped ``mtime_ns`` (default: now)."""
         shard = self.shard_of(digest)
         name = f"{digest}.{HOST_TAG}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
         dir_fd = self._open_shard(shard, create=True)
@@ -168,8 +168,8 @@ class RecordFolder:
             _write_all(fd, [pack_record_header(key, value), memoryview(value).cast("B")])
             # Explicit ns mtime: kernel timestamps are jiffy-coarse, and the LRU order
             # rebuilt at start comes from mtimes.
-            now = time.time_ns()
-            os.utime(fd, ns=(now, now))
+            stamp = time.time_ns() if mtime_ns is None else mtime_ns
+            os.utime(fd, ns=(stamp, stamp))
             if self.fsync:
                 _fdatasync(fd)
         except BaseException:

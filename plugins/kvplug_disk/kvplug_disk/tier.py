@@ -25,7 +25,9 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from kvplug import (
@@ -105,6 +107,12 @@ class DiskTier(StorageTier):
                 "temps_kept": scan.temps_kept,
             }
             self._evict_for(usage, 0)  # the budget may have shrunk since the last run
+        # fdatasync releases the GIL: records written on several threads overlap their waits.
+        self._io = (
+            ThreadPoolExecutor(config.write_threads, thread_name_prefix="kvplug-disk-io")
+            if config.write_threads > 1
+            else None
+        )
         self._writer: BackgroundWorker[list[_Write]] | None = None
         if config.writer == "background":
             self._writer = BackgroundWorker(
@@ -258,18 +266,10 @@ class DiskTier(StorageTier):
         self._writer.submit(writes)  # a dropped batch comes back through _forget_pending
 
     def _write_batch(self, writes: list[_Write]) -> None:
-        for write in writes:
-            if self._writer is not None and not self._is_pending(write):
-                continue  # superseded by a later put, or removed
-            if self._skipped(write.digest):  # a folder or an undeletable file holds its name
-                with self._lock:
-                    self._counts["skipped_writes"] += 1
-                self._forget_pending([write])
-                continue
-            try:
-                temp = self._write_temp(write)
-            except OSError as exc:
-                self._entry_failed("write", write.digest, exc)
+        wanted = [write for write in writes if self._still_wanted(write)]
+        for write, temp in zip(wanted, self._write_temps(wanted)):
+            if isinstance(temp, OSError):
+                self._entry_failed("write", write.digest, temp)
                 self._forget_pending([write])
                 continue
             evicted: list[str] = []
@@ -301,12 +301,40 @@ class DiskTier(StorageTier):
         if idle or time.monotonic() - self._folders_synced_at >= FOLDER_SYNC_INTERVAL_S:
             self._sync_folders()
 
-    def _write_temp(self, write: _Write) -> TempFile:
+    def _still_wanted(self, write: _Write) -> bool:
+        if self._writer is not None and not self._is_pending(write):
+            return False  # superseded by a later put, or removed
+        if self._skipped(write.digest):  # a folder or an undeletable file holds its name
+            with self._lock:
+                self._counts["skipped_writes"] += 1
+            self._forget_pending([write])
+            return False
+        return True
+
+    def _write_temps(self, writes: list[_Write]) -> list[TempFile | OSError]:
+        """The temp files of ``writes`` (or why one failed), up to ``write_threads`` written at once.
+
+        Their mtimes (the LRU order a restart rebuilds) follow the order of ``writes``,
+        whichever finishes first.
+        """
+        start = time.time_ns()
+        jobs = [partial(self._write_temp_or_error, write, start + i) for i, write in enumerate(writes)]
+        if self._io is None or len(jobs) < 2:
+            return [job() for job in jobs]
+        return list(self._io.map(_call, jobs))
+
+    def _write_temp_or_error(self, write: _Write, mtime_ns: int) -> TempFile | OSError:
+        try:
+            return self._write_temp(write, mtime_ns)
+        except OSError as exc:
+            return exc
+
+    def _write_temp(self, write: _Write, mtime_ns: int) -> TempFile:
         """Write the temp file; on a full disk, evict this tier's oldest records and retry."""
         needed = memoryview(write.value).nbytes + RECORD_HEADER_SIZE + 64 * 1024  # + blocks, metadata
         for attempt in range(NO_SPACE_ROUNDS + 1):
             try:
-                return self._folder.write_temp(write.key, write.digest, write.value)
+                return self._folder.write_temp(write.key, write.digest, write.value, mtime_ns=mtime_ns)
             except OSError as exc:
                 if not is_no_space(exc) or attempt == NO_SPACE_ROUNDS:
                     raise
@@ -442,6 +470,8 @@ class DiskTier(StorageTier):
             self._closed = True
         if self._writer is not None:
             self._writer.close(drain=self.config.on_close == "flush")
+        if self._io is not None:
+            self._io.shutdown(wait=True)
         self._sync_folders()
         self._ledger.close()
         self._folder.close()
@@ -508,3 +538,7 @@ class DiskTier(StorageTier):
     def _check_open(self) -> None:
         if self._closed:
             raise TierClosedError("tier 'disk' is closed")
+
+
+def _call(job: Callable[[], TempFile | OSError]) -> TempFile | OSError:
+    return job()

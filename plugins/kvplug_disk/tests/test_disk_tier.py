@@ -112,6 +112,30 @@ def test_a_new_tier_finds_what_the_last_one_stored_and_keeps_its_lru_order(tmp_p
     second.close()
 
 
+@pytest.mark.parametrize("write_threads", [1, 4])
+def test_records_of_one_put_written_at_once_keep_the_put_order(tmp_path: Path, write_threads: int) -> None:
+    """A batch's records are written on several threads, finishing in any order; the LRU order a
+    restart rebuilds (from mtimes) is still the order they were put in."""
+    first = make_disk_tier(tmp_path, writer="inline", write_threads=write_threads)
+    sizes = [300_000, 1000, 200_000, 10, 100_000, 1000, 50_000, 1]  # big ones first: they finish last
+    first.put([(key_for(f"b{i}"), value_for(f"b{i}", size)) for i, size in enumerate(sizes)])
+    assert first.stats().items == len(sizes)
+    first.close()
+    names = [record_path(tmp_path, key_for(f"b{i}")) for i in range(len(sizes))]
+    stamps = [path.stat().st_mtime_ns for path in names]
+    assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps)
+    second = make_disk_tier(tmp_path, sum(sizes[4:]), writer="inline")  # room for the last four only
+    assert second.contains([key_for(f"b{i}") for i in range(len(sizes))]) == [False] * 4 + [True] * 4
+    kept = second.get([key_for(f"b{i}") for i in range(4, len(sizes))])
+    assert [bytes(v) for v in kept if v is not None] == [value_for(f"b{i}", sizes[i]) for i in range(4, len(sizes))]
+    second.close()
+
+
+def test_write_threads_is_at_least_one(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="write_threads"):
+        make_disk_tier(tmp_path, write_threads=0)
+
+
 def test_a_smaller_budget_at_start_evicts_the_oldest(tmp_path: Path) -> None:
     first = make_disk_tier(tmp_path, writer="inline")
     for i in range(4):

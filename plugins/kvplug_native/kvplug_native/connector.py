@@ -99,15 +99,16 @@ class NativePlan:
 class _CopyRuns:
     """A run table (or a share of one) copied in one C call on ``threads`` threads; holds the table while it runs."""
 
-    def __init__(self, table: torch.Tensor, streaming: bool, threads: int) -> None:
+    def __init__(
+        self, copy_runs: Callable[[int, int, bool, int], None], table: torch.Tensor, streaming: bool, threads: int
+    ) -> None:
+        self._copy_runs = copy_runs
         self.table = table
         self.streaming = streaming
         self.threads = threads
 
     def __call__(self) -> None:
-        from kvplug_native import _copy
-
-        _copy.copy_runs(self.table.data_ptr(), self.table.shape[0], self.streaming, self.threads)
+        self._copy_runs(self.table.data_ptr(), self.table.shape[0], self.streaming, self.threads)
 
 
 class NativeConnector(KVConnector):
@@ -129,6 +130,7 @@ class NativeConnector(KVConnector):
         from kvplug_native import _copy
 
         self.options = config  # typed: the base class keeps ``config`` as a plain BaseModel
+        self._copy_runs = _copy.copy_runs
         self._streaming_stores = bool(_copy.STREAMING_STORES)
         self._openmp = bool(_copy.OPENMP)
         self._torch = TorchConnector(TorchConnector.Config(), layout)
@@ -156,10 +158,7 @@ class NativeConnector(KVConnector):
         chunks: Sequence[torch.Tensor],
         parts: int,
     ) -> list[Callable[[], None]]:
-        copies = self._copies(kv_caches, layers, plans, chunks, parts, into_cache=False)
-        if copies is None:
-            return self._torch.gather_copies(kv_caches, layers, _torch_plans(plans), chunks, parts)
-        return copies
+        return self._copies(kv_caches, layers, plans, chunks, parts, into_cache=False)
 
     def scatter_copies(
         self,
@@ -169,10 +168,7 @@ class NativeConnector(KVConnector):
         chunks: Sequence[torch.Tensor],
         parts: int,
     ) -> list[Callable[[], None]]:
-        copies = self._copies(kv_caches, layers, plans, chunks, parts, into_cache=True)
-        if copies is None:
-            return self._torch.scatter_copies(kv_caches, layers, _torch_plans(plans), chunks, parts)
-        return copies
+        return self._copies(kv_caches, layers, plans, chunks, parts, into_cache=True)
 
     def gather_layer(self, layer_cache: Any, plan: NativePlan, out: torch.Tensor) -> None:
         _run(self.gather_copies([layer_cache], range(1), [plan], [out.unsqueeze(0)], 1))
@@ -196,13 +192,14 @@ class NativeConnector(KVConnector):
         parts: int,
         *,
         into_cache: bool,
-    ) -> list[Callable[[], None]] | None:
-        """The run table's shares as copies; None where the torch connector must copy instead."""
+    ) -> list[Callable[[], None]]:
+        """The run table's shares as copies, or the torch connector's copies where a table does not apply."""
         if not layers or not plans:
             return []
         table = self._table(kv_caches, layers, plans, chunks, into_cache=into_cache)
         if table is None:
-            return None
+            torch_copies = self._torch.scatter_copies if into_cache else self._torch.gather_copies
+            return torch_copies(kv_caches, layers, _torch_plans(plans), chunks, parts)
         minimum = self.options.streaming_min_bytes
         streaming = (
             self._streaming_stores
@@ -213,12 +210,12 @@ class NativeConnector(KVConnector):
         if self._openmp and threading.current_thread() is threading.main_thread():
             # One copy, which the engine runs on this thread: the C call shares it out among the
             # thread's OpenMP team, whose workers torch's ops have just left spinning (_copy.c).
-            return [_CopyRuns(table, streaming, parts)] if table.shape[0] else []
+            return [_CopyRuns(self._copy_runs, table, streaming, parts)] if table.shape[0] else []
         # Elsewhere (a background load, or no OpenMP) a share per copy thread of the engine:
         # a team of OpenMP threads started for a background thread would stay next to the
         # engine's own team, and libgomp, seeing more threads than cores, makes every team
         # sleep instead of spin between parallel regions (the engine's small ops then wait).
-        return [_CopyRuns(share, streaming, 1) for share in split_table(table, parts)]
+        return [_CopyRuns(self._copy_runs, share, streaming, 1) for share in split_table(table, parts)]
 
     def _table(
         self,

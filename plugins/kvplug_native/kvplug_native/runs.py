@@ -161,7 +161,7 @@ def _packed_runs(
             if low < 0 or high >= rows:
                 raise LayoutError(f"block {low if low < 0 else high} is outside the cache: it holds {rows} blocks")
         block_elements = math.prod(tensor.shape[1:])
-        if not _dense(tensor.shape[1:], tensor.stride()[1:]) or outer * kv * inner != block_elements:
+        if (rows and not tensor[0].is_contiguous()) or outer * kv * inner != block_elements:
             raise LayoutError(
                 f"layout {layout.format.name}: a block of the cache tensor {tuple(tensor.shape)} with strides "
                 f"{tensor.stride()} is not one run of memory; whole-block copies need dense blocks"
@@ -246,13 +246,3 @@ def _span_starts(spans: Sequence[tuple[int, int]], device: torch.device) -> torc
 def _cumulative_starts(parts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     lengths = torch.tensor([p.numel() for p in parts], dtype=torch.long, device=device)
     return torch.cumsum(lengths, 0) - lengths
-
-
-def _dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether dims of these sizes and strides are one run of memory in order (size-1 dims ignored)."""
-    step = 1
-    for size, stride in zip(reversed(sizes), reversed(strides)):
-        if size != 1 and stride != step:
-            return False
-        step *= size
-    return True
