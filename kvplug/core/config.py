@@ -86,6 +86,13 @@ class StoreSettings(CheckedModel):
         description="Host memory recycled for chunk frames; None: the max_bytes of in-memory "
         "tiers plus 256MiB; 0: no pool (every frame is fresh memory).",
     )
+    prefault_frames: bool = Field(
+        default=True,
+        description="Fault the frame pool's next 64 MiB of memory in on a background thread before stores "
+        "need it (Linux 5.14+), so that a new engine's stores do not pay page faults: on a 2-core VM a "
+        "copy into new pages ran at 2.3 GB/s against 12.9 GB/s into resident ones. Commits at most one "
+        "64 MiB segment ahead of what frames use; off: pages are faulted in by the stores themselves.",
+    )
 
 
 class KVPlugConfig(CheckedModel):

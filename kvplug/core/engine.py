@@ -100,7 +100,9 @@ class CacheEngine:
             lookup_timeout_s=self.config.lookup_timeout_ms / 1000,
         )
         pin_frames = self.connector.wants_pinned_frames()
-        self.frame_pool = FramePool(self._frame_pool_bytes(self.chain.tiers), pin=pin_frames)
+        self.frame_pool = FramePool(
+            self._frame_pool_bytes(self.chain.tiers), pin=pin_frames, prefault=self.config.store.prefault_frames
+        )
         self._store_worker: BackgroundWorker[StoreBatch] | None = None
         if self.config.store.mode == "async":
             self._store_worker = BackgroundWorker(
