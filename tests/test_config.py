@@ -106,8 +106,7 @@ def test_unknown_nested_key(load) -> None:
     error = error_of(load, engine_extra={"kvplug.store.moed": "sync"})
     assert (
         "store.moed: unknown key; allowed: block_timeout_s, frame_pool_bytes, mode, on_full, prefault_frames, "
-        "queue_max_batches"
-        in str(error)
+        "queue_max_batches" in str(error)
     )
 
 
