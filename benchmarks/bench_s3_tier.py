@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import os
 import socket
 import subprocess
@@ -43,8 +44,9 @@ SERVERS = ("moto", "seaweedfs")
 
 
 @contextlib.contextmanager
-def moto_server() -> Iterator[str]:
-    """moto's S3 server in a subprocess on 127.0.0.1 and a free port; yields its endpoint."""
+def moto_server(written_bytes: int = 0) -> Iterator[str]:
+    """moto's S3 server in a subprocess on 127.0.0.1 and a free port; yields its endpoint.
+    ``written_bytes`` is unused: moto keeps objects in memory and has no volumes to size."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -70,14 +72,17 @@ def moto_server() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def seaweedfs_server() -> Iterator[str]:
+def seaweedfs_server(written_bytes: int = 2**30) -> Iterator[str]:
     """SeaweedFS (master, volume, filer, S3 gateway) on 127.0.0.1, data in a temporary
-    folder; yields the S3 endpoint. The same launcher as kvplug-s3's tests."""
+    folder; yields the S3 endpoint. The same launcher as kvplug-s3's tests, with room
+    for ``written_bytes``: deletes are not vacuumed, so every repeat's objects stay in
+    its volumes, and a full server answers puts with InternalError."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "plugins" / "kvplug_s3" / "tests"))
     from seaweedfs import SeaweedS3
 
     with tempfile.TemporaryDirectory(prefix="kvplug-bench-weed-") as data:
-        server = SeaweedS3(Path(data), volume_max=100)  # room for every repeat: deletes are not vacuumed
+        volumes = 16 + math.ceil(1.5 * written_bytes / SeaweedS3.VOLUME_BYTES)  # half again: volumes fill unevenly
+        server = SeaweedS3(Path(data), volume_max=volumes)
         server.start()
         try:
             yield server.endpoint
@@ -85,7 +90,7 @@ def seaweedfs_server() -> Iterator[str]:
             server.close()
 
 
-STARTERS: dict[str, Callable[[], contextlib.AbstractContextManager[str]]] = {
+STARTERS: dict[str, Callable[[int], contextlib.AbstractContextManager[str]]] = {
     "moto": moto_server,
     "seaweedfs": seaweedfs_server,
 }
@@ -201,7 +206,8 @@ def measure(
     """One result dict per value size, on ``endpoint`` or on a ``server`` started here."""
     with contextlib.ExitStack() as stack:
         if endpoint is None:
-            endpoint = stack.enter_context(STARTERS[server]())
+            written = 2 * repeats * len(sizes) * total_bytes  # raw and tier copies of every value
+            endpoint = stack.enter_context(STARTERS[server](written))
         fs = _raw_fs(endpoint)
         if not fs.exists(bucket):
             fs.call_s3("create_bucket", Bucket=bucket)  # us-east-1: no location constraint
@@ -288,8 +294,8 @@ def main() -> None:
             parser.error(f"--servers: unknown {unknown}; known: {', '.join(SERVERS)}")
         runs = {server: {"server": server} for server in servers}
     rows: list[dict[str, Any]] = []
-    for name, where in runs.items():
-        measured = measure(sizes, total, batch=args.batch, repeats=args.repeats, bucket=args.bucket, **where)
+    for name, target in runs.items():
+        measured = measure(sizes, total, batch=args.batch, repeats=args.repeats, bucket=args.bucket, **target)
         rows.extend({**row, "server": name} for row in measured)
     where = ", ".join(runs) + ("" if args.endpoint else " on 127.0.0.1")
     print_rows(rows, where, file=sys.stderr if args.json else sys.stdout)

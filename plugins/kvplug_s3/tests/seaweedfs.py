@@ -64,6 +64,9 @@ class SeaweedS3:
     """``weed server -s3`` with data under ``data_dir``; stoppable and restartable on the
     same ports and data (objects survive a restart)."""
 
+    #: The size of one volume (``-master.volumeSizeLimitMB``).
+    VOLUME_BYTES = 64 * 2**20
+
     def __init__(self, data_dir: Path, *, volume_max: int = 16) -> None:
         self.data_dir = data_dir
         #: Volumes of 64 MB the server may create: its capacity (deleted objects keep
@@ -107,7 +110,7 @@ class SeaweedS3:
             "-master.telemetry=false",
             "-metricsPort=0",
             # Small volumes, few of them: the tests store megabytes, not gigabytes.
-            "-master.volumeSizeLimitMB=64",
+            f"-master.volumeSizeLimitMB={self.VOLUME_BYTES // 2**20}",
             f"-volume.max={self.volume_max}",
             "-master.volumePreallocate=false",
         ]
