@@ -286,19 +286,16 @@ def _by_call(plans: Sequence[NativePlan]) -> list[tuple[_Call, list[tuple[int, i
     A span given twice (one plan, two chunk tensors) starts another group, so that every
     group holds each span once: a run table has one chunk address per span.
     """
-    groups: list[tuple[_Call, list[tuple[int, int]]]] = []
-    taken: list[set[int]] = []
+    groups: list[tuple[_Call, list[tuple[int, int]], set[int]]] = []
     for position, plan in enumerate(plans):
-        for (call, _), spans in zip(groups, taken):
-            if call is plan.call and plan.index not in spans:
-                break
-        else:
-            groups.append((plan.call, []))
-            taken.append(set())
-            call, batch, spans = *groups[-1], taken[-1]
+        group = next((g for g in groups if g[0] is plan.call and plan.index not in g[2]), None)
+        if group is None:
+            group = (plan.call, [], set())
+            groups.append(group)
+        _, batch, spans = group
         batch.append((plan.index, position))
         spans.add(plan.index)
-    return groups
+    return [(call, batch) for call, batch, _ in groups]
 
 
 def _only_spans(runs: list[Runs], spans: list[int], span_count: int) -> list[Runs]:

@@ -578,3 +578,23 @@ def test_one_plan_gathered_into_two_chunks() -> None:
     run_all(reference.gather_copies(caches.layers, range(1), [ref_plan, ref_plan], want, 1))
     assert torch.equal(dense_bytes(got[1]), dense_bytes(want[1]))
     assert torch.equal(dense_bytes(got[0]), dense_bytes(want[0])), "the first chunk of a repeated plan was not written"
+
+
+def test_plans_of_two_calls_interleaved() -> None:
+    """Plans of two ``plan_many`` calls, taken in turns: every chunk gets its own call's span, as with the torch
+    connector (grouping plans by call once put a span of the first call into the second call's group)."""
+    layout = KVLayout(FLASH, num_layers=2, block_size=4, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+    caches = make_caches(layout, 8, torch.Generator().manual_seed(0))
+    connector, reference = native(layout), torch_connector(layout)
+    slots_a, slots_b = torch.arange(8), torch.arange(31, 23, -1)
+    spans = [(0, 4), (4, 8)]
+    first, second = connector.plan_many(slots_a, spans), connector.plan_many(slots_b, spans)
+    ref_first, ref_second = reference.plan_many(slots_a, spans), reference.plan_many(slots_b, spans)
+    plans = [first[0], second[0], first[1], second[1]]
+    ref_plans = [ref_first[0], ref_second[0], ref_first[1], ref_second[1]]
+    got = [unwritten(torch.empty(layout.chunk_shape(4))) for _ in plans]
+    want = [unwritten(torch.empty(layout.chunk_shape(4))) for _ in plans]
+    run_all(connector.gather_copies(caches.layers, range(2), plans, got, 1))
+    run_all(reference.gather_copies(caches.layers, range(2), ref_plans, want, 1))
+    for index, (mine, theirs) in enumerate(zip(got, want)):
+        assert torch.equal(dense_bytes(mine), dense_bytes(theirs)), f"chunk {index} holds another span's KV"
