@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from kvplug import (
@@ -318,10 +317,10 @@ class DiskTier(StorageTier):
         whichever finishes first.
         """
         start = time.time_ns()
-        jobs = [partial(self._write_temp_or_error, write, start + i) for i, write in enumerate(writes)]
-        if self._io is None or len(jobs) < 2:
-            return [job() for job in jobs]
-        return list(self._io.map(_call, jobs))
+        stamps = range(start, start + len(writes))
+        if self._io is None or len(writes) < 2:
+            return [self._write_temp_or_error(write, stamp) for write, stamp in zip(writes, stamps)]
+        return list(self._io.map(self._write_temp_or_error, writes, stamps))
 
     def _write_temp_or_error(self, write: _Write, mtime_ns: int) -> TempFile | OSError:
         try:
@@ -538,7 +537,3 @@ class DiskTier(StorageTier):
     def _check_open(self) -> None:
         if self._closed:
             raise TierClosedError("tier 'disk' is closed")
-
-
-def _call(job: Callable[[], TempFile | OSError]) -> TempFile | OSError:
-    return job()
