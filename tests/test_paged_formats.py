@@ -49,6 +49,17 @@ def test_derived_facts_come_from_the_format() -> None:
     assert KVLayout(SGLANG_MHA, 2, 16, 2, 8, torch.float32).page_tokens == 1
 
 
+def test_cache_shape_is_the_declared_axes_for_a_block_count() -> None:
+    assert KVLayout(VLLM_FLASH, 3, 4, 2, 8, torch.float16).cache_shape(5) == (2, 5, 4, 2, 8)
+    assert KVLayout(VLLM_MLA, 2, 4, 1, 16, torch.bfloat16).cache_shape(5) == (5, 4, 16)
+    assert KVLayout(VLLM_CPU, 2, 4, 2, 8, torch.bfloat16).cache_shape(3) == (3, 2, 2, 4, 8)
+    assert KVLayout(SGLANG_MHA, 2, 16, 2, 8, torch.float32).cache_shape(3) == (48, 2, 8)  # slots: blocks x block_size
+    for fmt in FORMATS.values():
+        layout = KVLayout(fmt, 2, 4, 1, 8, torch.float16)
+        layer = torch.zeros(layout.cache_shape(3), dtype=torch.float16)
+        layout.check_caches([layer if fmt.tensors == 1 else (layer,) * fmt.tensors] * 2)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -276,15 +287,7 @@ NEW_FORMATS = [HEAD_MAJOR, SPLIT_BLOCKS, TOKEN_INTERLEAVED, DIM_MAJOR]
 def allocate(layout: KVLayout, num_blocks: int, seed: int) -> list:
     """Caches shaped by the format's own axes, filled with random values."""
     generator = torch.Generator().manual_seed(seed)
-    sizes = {
-        "kv": 2,
-        "block": num_blocks,
-        "token": layout.block_size,
-        "slot": num_blocks * layout.block_size,
-        "head": layout.num_kv_heads,
-        "dim": layout.head_dim,
-    }
-    shape = tuple(sizes[axis] for axis in layout.format.axes)
+    shape = layout.cache_shape(num_blocks)
 
     def fill() -> torch.Tensor:
         return torch.randn(shape, generator=generator).to(layout.dtype)

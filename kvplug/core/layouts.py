@@ -148,6 +148,16 @@ class KVLayout:
     def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
         return (self.num_layers, self.num_kv, num_tokens, self.token_width)
 
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The declared shape of one of a layer's cache tensors holding ``num_blocks`` blocks
+        (``num_blocks * block_size`` slots for token-addressed formats), axes in the format's order."""
+        sizes = {**self._fixed_axis_sizes(), "block": num_blocks, "slot": num_blocks * self.block_size}
+        return tuple(sizes[axis] for axis in self.format.axes)
+
+    def _fixed_axis_sizes(self) -> dict[str, int]:
+        """The sizes of the axes that do not depend on how many blocks a cache holds."""
+        return {"kv": 2, "token": self.block_size, "head": self.num_kv_heads, "dim": self.head_dim}
+
     def bytes_per_token(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * self.num_kv * self.token_width * itemsize
@@ -175,7 +185,7 @@ class KVLayout:
         """
         if not self.format.whole_blocks_only:
             raise LayoutError(f"{self.format.name} is not a packed (whole_blocks_only) format")
-        fixed = {"kv": 2, "token": self.block_size, "head": self.num_kv_heads, "dim": self.head_dim}
+        fixed = self._fixed_axis_sizes()
         axes = self.format.axes[1:]  # 'block' is first in a packed format
         if "kv" not in axes:
             return 1, 1, math.prod(fixed[a] for a in axes)
@@ -248,7 +258,7 @@ class KVLayout:
         (whole_blocks_only) formats, when it is contiguous with the same number of
         elements per block: the engine may declare a nominal shape of its own.
         """
-        fixed = {"kv": 2, "token": self.block_size, "head": self.num_kv_heads, "dim": self.head_dim}
+        fixed = self._fixed_axis_sizes()
         axes = self.format.axes
         shape = tuple(tensor.shape)
         if len(shape) == len(axes) and all(shape[i] == fixed[a] for i, a in enumerate(axes) if a in fixed):

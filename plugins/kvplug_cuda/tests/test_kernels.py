@@ -228,9 +228,7 @@ NEW_FORMATS = (
 
 
 def _format_caches(layout: KVLayout, num_blocks: int, generator: torch.Generator) -> list:
-    sizes = {"kv": 2, "block": num_blocks, "token": layout.block_size, "head": layout.num_kv_heads}
-    sizes |= {"slot": num_blocks * layout.block_size, "dim": layout.head_dim}
-    shape = tuple(sizes[axis] for axis in layout.format.axes)
+    shape = layout.cache_shape(num_blocks)
     tensors = layout.format.tensors
     return [
         tuple(random_bits(shape, layout.dtype, generator).to(DEVICE) for _ in range(tensors))

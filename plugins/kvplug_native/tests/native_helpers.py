@@ -96,17 +96,6 @@ def _assemble(bases: list[torch.Tensor], views: list[Any], tensors: int) -> Cach
     return Caches(layers, bases, views, tensors)
 
 
-def axis_sizes(layout: KVLayout, num_blocks: int) -> dict[str, int]:
-    return {
-        "kv": 2,
-        "block": num_blocks,
-        "token": layout.block_size,
-        "slot": num_blocks * layout.block_size,
-        "head": layout.num_kv_heads,
-        "dim": layout.head_dim,
-    }
-
-
 def make_caches(
     layout: KVLayout,
     num_blocks: int,
@@ -115,8 +104,7 @@ def make_caches(
 ) -> Caches:
     """Random-byte caches of ``layout``, one geometry per layer (default: contiguous)."""
     fmt = layout.format
-    sizes = axis_sizes(layout, num_blocks)
-    declared = [sizes[axis] for axis in fmt.axes]
+    declared = list(layout.cache_shape(num_blocks))
     bases: list[torch.Tensor] = []
     views = []
     for layer in range(layout.num_layers):
