@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +52,7 @@ ConfigFileArg = typer.Argument(..., help="YAML config file to check.")
 def config_show(file: Path | None = ConfigFileOpt) -> None:
     """The effective config, and where each value came from; credentials are masked."""
     from kvplug.core.config_loader import load_config
-    from kvplug.core.record import INTEGRITY_KEY_ENV, INTEGRITY_KEY_FILE_ENV
+    from kvplug.core.record import integrity_key_variable
     from kvplug.core.redaction import SECRET_MASK, redact
 
     loaded = run_or_exit(lambda: load_config(config_file=file))
@@ -70,7 +69,8 @@ def config_show(file: Path | None = ConfigFileOpt) -> None:
         else:
             table.add_row(key, _show(value), loaded.sources.get(key, "default"))
     # The integrity key is not a config setting (never in a file), but it decides how records are framed.
-    key_from = next((name for name in (INTEGRITY_KEY_ENV, INTEGRITY_KEY_FILE_ENV) if os.environ.get(name)), None)
+    # load_config refused an unusable key setting (set but empty, both set) already.
+    key_from = run_or_exit(integrity_key_variable)
     if key_from:
         table.add_row("integrity_key", f"{SECRET_MASK} (records are signed)", f"env {key_from}")
     else:

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from kvplug.cli.console import console, run_or_exit
 from kvplug.core.plugins import get_registry
+from kvplug.core.record import integrity_key
 from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, check_record
 from kvplug.core.tier import StorageTier, TierContext
 from kvplug.errors import ConfigError, ConfigProblem
@@ -45,10 +46,17 @@ _LOCATION_PACKAGES = {
 def open_store(location: str, endpoint_url: str | None = None) -> Iterator[StorageTier]:
     """Open ``location`` with the first installed tier that says it opens it
     (:meth:`kvplug.StorageTier.location_config`), for inspection: nothing evicted."""
+    # Records are checked with this process's integrity key: an unusable key setting (a
+    # set-but-empty variable) is an error here, never a verify that quietly passes unsigned records.
+    integrity_key()
     options = {"endpoint_url": endpoint_url} if endpoint_url else {}
     for kind, cls in get_registry().storage_tiers().items():
+        # Opening locations is an optional capability: a tier without it opens none.
+        locate = getattr(cls, "location_config", None)
+        if not callable(locate):
+            continue
         try:
-            config = cls.location_config(location, options)
+            config = locate(location, options)
         except ValueError as exc:
             raise ConfigError([ConfigProblem("location", location, f"tier {kind!r}: {exc}")]) from None
         if config is not None:

@@ -17,6 +17,7 @@ import functools
 import importlib
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from importlib.metadata import Distribution, EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any, cast
@@ -212,24 +213,77 @@ class PluginRegistry:
         found: dict[str, dict[str, type]] = {concern: {} for concern in CONCERN_HOOKS}
         for info in self._infos.values():
             info.components = {}
+        # First every plugin's components, then those of the plugins not refused: a plugin
+        # that gets one component wrong provides none (like one built for another API).
+        provided: list[tuple[str, str, PluginInfo, list[type]]] = []
+        refused: set[str] = set()
         for concern, hook_name in CONCERN_HOOKS.items():
             for impl in reversed(getattr(self.pm.hook, hook_name).get_hookimpls()):
                 info = self._infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "?", "", False)
-                provider = f"{info.distribution} {info.version}".strip()
                 try:
                     components = self._call(hook_name, impl.plugin_name) or []
                 except Exception as exc:  # a broken plugin must not take the others down
                     self._reject(info, f"{hook_name}() raised {type(exc).__name__}: {exc}")
+                    refused.add(impl.plugin_name)
                     continue
                 for component in components:
                     name = _component_name(component, impl.plugin_name, hook_name)
-                    if name in found[concern]:
-                        raise DuplicateComponentError(concern, name, self._origins[(concern, name)], provider)
-                    found[concern][name] = component
-                    self._origins[(concern, name)] = provider
-                    info.components.setdefault(concern, []).append(name)
+                    base = _missing_base(concern, component)
+                    if base is not None:
+                        word = _CONCERN_WORDS[concern]
+                        self._reject(
+                            info,
+                            f"its {word} {name!r} (class {component.__module__}.{component.__qualname__}) does not "
+                            f"subclass {base}; every {word} must, for the defaults of the optional methods core "
+                            "calls (see docs/writing-plugins.md)",
+                        )
+                        refused.add(impl.plugin_name)
+                provided.append((concern, impl.plugin_name, info, list(components)))
+        for concern, plugin_name, info, components in provided:
+            if plugin_name in refused:
+                continue
+            provider = f"{info.distribution} {info.version}".strip()
+            for component in components:
+                name = component.name  # type: ignore[attr-defined]  # checked by _component_name
+                if name in found[concern]:
+                    raise DuplicateComponentError(concern, name, self._origins[(concern, name)], provider)
+                found[concern][name] = component
+                self._origins[(concern, name)] = provider
+                info.components.setdefault(concern, []).append(name)
         self._components = found
         return found
+
+
+#: concern -> (module, class) of the base class every component of it subclasses.
+CONCERN_BASES: dict[str, tuple[str, str]] = {
+    "serializer": ("kvplug.core.serializer", "Serializer"),
+    "storage_tier": ("kvplug.core.tier", "StorageTier"),
+    "kv_connector": ("kvplug.core.connector", "KVConnector"),
+    "engine_adapter": ("kvplug.core.components", "EngineAdapter"),
+}
+_CONCERN_WORDS = {
+    "serializer": "serializer",
+    "storage_tier": "storage tier",
+    "kv_connector": "KV connector",
+    "engine_adapter": "engine adapter",
+}
+
+
+def _missing_base(concern: str, component: type) -> str | None:
+    """The base class ``component`` must subclass to serve ``concern`` and does not, or ``None``.
+
+    Core calls a component's optional methods and reads its class attributes (a tier's
+    ``location_config``, ``keeps_buffers``) through the base's defaults: a look-alike
+    class that only implements the required methods breaks commands it has nothing to do
+    with. The base's module is looked up in ``sys.modules``, never imported (the
+    serializer and connector bases import torch): a subclass has imported it already.
+    """
+    module_name, class_name = CONCERN_BASES[concern]
+    module = sys.modules.get(module_name)
+    base = getattr(module, class_name, None) if module is not None else None
+    if isinstance(base, type) and issubclass(component, base):
+        return None
+    return f"kvplug.{class_name}"
 
 
 def _component_name(component: object, plugin: str, hook_name: str) -> str:

@@ -72,6 +72,8 @@ assert _HEADER.size == _KEYED_HEADER.size == RECORD_HEADER_SIZE
 INTEGRITY_KEY_ENV = "KVPLUG_INTEGRITY_KEY"
 INTEGRITY_KEY_FILE_ENV = "KVPLUG_INTEGRITY_KEY_FILE"
 MIN_INTEGRITY_KEY_BYTES = 16
+#: A key file longer than this is refused, never cut: a prefix would make keys that differ past it equal.
+MAX_INTEGRITY_KEY_FILE_BYTES = 4096
 #: blake3 key derivation context: a key given to kvplug is never used raw.
 _DERIVE_CONTEXT = "kvplug 2026-11 record integrity v2"
 
@@ -118,27 +120,54 @@ class IntegrityKey:
 def resolve_integrity_key(env: Mapping[str, str] | None = None) -> IntegrityKey | None:
     """The key from ``KVPLUG_INTEGRITY_KEY`` (the secret) or ``KVPLUG_INTEGRITY_KEY_FILE``.
 
-    A key file must be a regular file that other users cannot read; its content, less
-    a trailing newline, is the key. Raises :class:`kvplug.errors.ConfigError` (never
-    quoting the key) when the setting is unusable.
+    Set at most one of them. A variable that is set but empty (or only white space) is
+    an error, not "no key": ``export KVPLUG_INTEGRITY_KEY="$(cat /run/secrets/...)"``
+    with the secret missing must not quietly turn signing off. A key file must be a
+    regular file of at most :data:`MAX_INTEGRITY_KEY_FILE_BYTES` bytes that other users
+    cannot read; its content, less a trailing newline, is the key. Raises
+    :class:`kvplug.errors.ConfigError` (never quoting the key) when the setting is unusable.
     """
     env = os.environ if env is None else env
-    value, path = env.get(INTEGRITY_KEY_ENV), env.get(INTEGRITY_KEY_FILE_ENV)
-    if value and path:
-        raise _key_error(INTEGRITY_KEY_ENV, "set either KVPLUG_INTEGRITY_KEY or KVPLUG_INTEGRITY_KEY_FILE, not both")
-    if path:
-        material = _read_key_file(path)
-        where = INTEGRITY_KEY_FILE_ENV
-    elif value:
-        material, where = value.encode(), INTEGRITY_KEY_ENV
-    else:
+    where = integrity_key_variable(env)
+    if where is None:
         return None
+    if where == INTEGRITY_KEY_FILE_ENV:
+        material = _read_key_file(env[INTEGRITY_KEY_FILE_ENV])
+    else:
+        material = env[INTEGRITY_KEY_ENV].encode()
     try:
         return IntegrityKey(material)
     except ValueError as exc:
         raise _key_error(
             where, f"{exc} (got {len(material)}); e.g. 32 random bytes as hex: openssl rand -hex 32"
         ) from None
+
+
+def integrity_key_variable(env: Mapping[str, str] | None = None) -> str | None:
+    """The variable that gives this process's integrity key, or ``None`` when neither is set.
+
+    The one place that decides what counts as set, for :func:`resolve_integrity_key` and
+    for ``kvplug config show``: a set-but-empty variable, or both variables set, is a
+    :class:`kvplug.errors.ConfigError` naming the variable.
+    """
+    env = os.environ if env is None else env
+    present = [name for name in (INTEGRITY_KEY_ENV, INTEGRITY_KEY_FILE_ENV) if name in env]
+    problems = [
+        ConfigProblem(
+            f"env {name}",
+            env[name],
+            "is set but empty (or only white space): an empty variable is not 'no key' (a missing secret or file must not turn "
+            "signing off); give the key (KVPLUG_INTEGRITY_KEY) or the path of a file holding it "
+            "(KVPLUG_INTEGRITY_KEY_FILE), or unset the variable to run without a key",
+        )
+        for name in present
+        if not env[name].strip()
+    ]
+    if problems:
+        raise ConfigError(problems, "environment")
+    if len(present) == 2:
+        raise _key_error(INTEGRITY_KEY_ENV, "set either KVPLUG_INTEGRITY_KEY or KVPLUG_INTEGRITY_KEY_FILE, not both")
+    return present[0] if present else None
 
 
 def _read_key_file(path: str) -> bytes:
@@ -156,9 +185,25 @@ def _read_key_file(path: str) -> bytes:
                 f"the key file {path} is readable by other users (mode {stat.S_IMODE(info.st_mode):o}); chmod 600 it",
                 path,
             )
-        material = os.read(fd, 4096)
+        # One byte past the limit tells an over-long file from one of exactly the limit
+        # (st_size alone could change between fstat and read).
+        material = b""
+        while len(material) <= MAX_INTEGRITY_KEY_FILE_BYTES:
+            block = os.read(fd, MAX_INTEGRITY_KEY_FILE_BYTES + 1 - len(material))
+            if not block:
+                break
+            material += block
     finally:
         os.close(fd)
+    if len(material) > MAX_INTEGRITY_KEY_FILE_BYTES:
+        # Reading a prefix would make two keys that differ past it the same key.
+        raise _key_error(
+            INTEGRITY_KEY_FILE_ENV,
+            f"the key file {path} is longer than {MAX_INTEGRITY_KEY_FILE_BYTES} bytes, the most a key file may "
+            "hold (is it the right file?); a key needs at least {MIN_INTEGRITY_KEY_BYTES} bytes: 32 random bytes as hex, "
+            "openssl rand -hex 32, are 64",
+            path,
+        )
     return material.rstrip(b"\r\n")
 
 
