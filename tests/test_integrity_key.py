@@ -157,3 +157,78 @@ def test_the_key_comes_from_the_environment_or_a_private_file(tmp_path: Path) ->
     assert "short" not in str(info.value)
     with pytest.raises(ConfigError, match="not both"):
         record.resolve_integrity_key({"KVPLUG_INTEGRITY_KEY": KEY, "KVPLUG_INTEGRITY_KEY_FILE": str(secret_file)})
+
+
+# --- issue 29 items 5 and 6: the key variables' edges ------------------------------------
+
+
+@pytest.mark.parametrize("name", ["KVPLUG_INTEGRITY_KEY", "KVPLUG_INTEGRITY_KEY_FILE"])
+@pytest.mark.parametrize("value", ["", "  ", "\n"])
+def test_a_set_but_empty_key_variable_is_an_error_not_no_key(name: str, value: str) -> None:
+    """``export KVPLUG_INTEGRITY_KEY="$(cat /run/secrets/missing)"`` sets an empty value: that must not
+    turn signing off (unsigned records written, forged ones served)."""
+    with pytest.raises(ConfigError) as info:
+        record.resolve_integrity_key({name: value})
+    assert [p.path for p in info.value.problems] == [f"env {name}"]
+    assert "set but empty" in str(info.value) and "unset the variable" in str(info.value)
+    assert record.resolve_integrity_key({}) is None  # unset is still "no key"
+
+
+def test_an_empty_variable_beside_a_good_key_is_still_an_error(tmp_path: Path) -> None:
+    secret_file = tmp_path / "key"
+    secret_file.write_text(KEY)
+    secret_file.chmod(0o600)
+    with pytest.raises(ConfigError, match="KVPLUG_INTEGRITY_KEY_FILE: is set but empty"):
+        record.resolve_integrity_key({"KVPLUG_INTEGRITY_KEY": KEY, "KVPLUG_INTEGRITY_KEY_FILE": ""})
+    with pytest.raises(ConfigError, match="KVPLUG_INTEGRITY_KEY: is set but empty"):
+        record.resolve_integrity_key({"KVPLUG_INTEGRITY_KEY": "", "KVPLUG_INTEGRITY_KEY_FILE": str(secret_file)})
+
+
+def kvplug_cli(*args: str, env_update: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLUG_")}
+    env.update(env_update, COLUMNS="250")
+    return subprocess.run(
+        [sys.executable, "-m", "kvplug.cli.main", *args], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("name", ["KVPLUG_INTEGRITY_KEY", "KVPLUG_INTEGRITY_KEY_FILE"])
+def test_every_command_that_reads_the_key_refuses_an_empty_variable(tmp_path: Path, name: str) -> None:
+    """``config show`` used to print "not set" and ``store verify`` passed unsigned records."""
+    folder = tmp_path / "store"
+    folder.mkdir()
+    config = tmp_path / "c.yaml"
+    config.write_text(f"tiers: [{{type: disk, path: {folder}}}]\n")
+    for args in (
+        ["config", "show", "-f", str(config)],
+        ["config", "validate", str(config)],
+        ["store", "verify", str(folder)],
+    ):
+        result = kvplug_cli(*args, env_update={name: ""})
+        message = " ".join(result.stderr.split())
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        assert f"env {name}: is set but empty" in message, (args, message)
+        assert "Traceback" not in result.stderr
+    shown = kvplug_cli("config", "show", "-f", str(config), env_update={"KVPLUG_INTEGRITY_KEY": KEY})
+    assert shown.returncode == 0 and "env KVPLUG_INTEGRITY_KEY" in shown.stdout and KEY not in shown.stdout
+
+
+def test_a_key_file_longer_than_the_limit_is_refused_not_cut(tmp_path: Path) -> None:
+    """Two keys that differ only past byte 4096 used to be the same key (the file was read to 4096)."""
+    limit = record.MAX_INTEGRITY_KEY_FILE_BYTES
+    files = []
+    for tail in (b"A", b"B"):
+        path = tmp_path / f"key{tail.decode()}"
+        path.write_bytes(b"k" * limit + tail)
+        path.chmod(0o600)
+        files.append(path)
+    for path in files:
+        with pytest.raises(ConfigError) as info:
+            record.resolve_integrity_key({"KVPLUG_INTEGRITY_KEY_FILE": str(path)})
+        assert f"longer than {limit} bytes" in str(info.value) and str(path) in str(info.value)
+    exact = tmp_path / "exact"
+    exact.write_bytes(b"k" * (limit - 1) + b"x")
+    exact.chmod(0o600)
+    assert record.resolve_integrity_key({"KVPLUG_INTEGRITY_KEY_FILE": str(exact)}) == record.IntegrityKey(
+        b"k" * (limit - 1) + b"x"
+    )
