@@ -41,7 +41,11 @@ class TierConfig(ComponentConfig):
 
 @dataclass
 class TierStats:
-    """Counters of one tier. ``bytes_used`` counts value bytes exactly."""
+    """Counters of one tier. ``bytes_used`` counts value bytes (not record headers).
+
+    ``bytes_used`` and ``items`` are exact for a tier that owns its storage. A tier on a
+    server that evicts on its own (valkey) can only estimate them from what this process
+    stored and read; it says so with ``extra["items_are"] = "estimate"``."""
 
     bytes_used: int = 0
     items: int = 0

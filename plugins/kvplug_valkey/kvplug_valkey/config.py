@@ -144,6 +144,14 @@ class ValkeyTierConfig(RemoteTierConfig):
     )
     max_connections: PositiveInt = Field(default=64, description="Connections per server in the client's pool.")
     tls_ca_file: str | None = Field(default=None, description="CA bundle to verify the server's TLS certificate.")
+    index_max_keys: PositiveInt = Field(
+        default=100_000,
+        le=100_000_000,
+        description="Most keys in this process's index of what it stored and read (about 300 bytes "
+        "each), which gives stats() its estimate and max_bytes its LRU. Past it the least recently used "
+        "are forgotten, not deleted: they stay in the server until its maxmemory policy evicts them, and "
+        "max_bytes no longer counts them.",
+    )
 
     @field_validator("url")
     @classmethod

@@ -9,7 +9,9 @@ event loop under core's :class:`kvplug.RemoteCalls`: a deadline per attempt,
 bounded retries, a circuit breaker. A server that is down, hung or refusing costs
 one failed batch, then lookups miss and stores are dropped at no cost until it
 answers again. The server's ``maxmemory`` and LRU policy are the shared budget;
-an OOM refusal is a dropped store, counted.
+an OOM refusal is a dropped store, counted. ``stats()`` items and bytes come from this
+process's bounded index of its keys (:mod:`kvplug_valkey.index`): an estimate, since
+the server evicts without telling its clients.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class ValkeyTier(StorageTier):
         self._where = config.address.display()
         self._calls = RemoteCalls(self.name, config, context, where=self._where, classify=classify)
         self._store = ValkeyStore(config)
-        self._index = KeyIndex()
+        self._index = KeyIndex(config.index_max_keys)
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
@@ -116,14 +118,15 @@ class ValkeyTier(StorageTier):
         if not self._calls.allow(len(keys)):
             return [False] * len(keys)
         digests = [key_name_digest(key) for key in keys]
+        seen = dict(zip(digests, self._index.snapshot(digests)))
         answers: list[bool] = []
         for group, result in self._groups(self._store.lengths, digests, SMALL_REPLY_KEYS):
             if isinstance(result, BaseException):
                 answers.extend([False] * len(group))
                 continue
             for digest, length in zip(group, result):
-                if length == 0:
-                    self._index.forget(digest)
+                if length == 0:  # evicted, expired or deleted by another process
+                    self._index.forget_gone(digest, seen[digest])
                 answers.append(length >= RECORD_HEADER_SIZE)
         return answers
 
@@ -135,15 +138,16 @@ class ValkeyTier(StorageTier):
             self._count("misses", len(keys))
             return [None] * len(keys)
         digests = [key_name_digest(key) for key in keys]
+        seen = self._index.snapshot(digests)
         stored: list[bytes | None] = []
         for group, result in self._groups(self._store.get_many, digests):
             stored.extend([None] * len(group) if isinstance(result, BaseException) else result)
         values: list[Buffer | None] = []
         corrupt: list[str] = []
-        for key, digest, data in zip(keys, digests, stored):
+        for key, digest, data, entry in zip(keys, digests, stored, seen):
             value = None
-            if data is None:
-                self._index.forget(digest)
+            if data is None:  # evicted, expired or deleted by another process
+                self._index.forget_gone(digest, entry)
             else:
                 try:
                     # A key of another type reads as b"" (FOREIGN): too short, corrupt.
@@ -205,6 +209,7 @@ class ValkeyTier(StorageTier):
                     self._calls.warn_dropped(MemoryError("the server is out of memory (maxmemory, noeviction)"))
         if budget is not None:
             self._evict_over(budget)
+        self._check_indexed()
 
     def remove(self, keys: Sequence[str]) -> None:
         self._check_open()
@@ -238,6 +243,20 @@ class ValkeyTier(StorageTier):
         known = tuple(key for _, key in victims if key is not None)
         if known:
             self.context.emit(KVEvent("evicted", known, tier=self.name))
+
+    def _check_indexed(self) -> None:
+        """Drop the indexed keys the server no longer holds, among the next ones of the
+        index's round (one pipelined STRLEN; see :mod:`kvplug_valkey.index`)."""
+        due = self._index.due_checks()
+        # Bookkeeping only: never the breaker's half-open probe, never counted as short-circuited.
+        if not due or self._calls.breaker.state != "closed":
+            return
+        for group, result in self._groups(self._store.lengths, list(due), SMALL_REPLY_KEYS):
+            if isinstance(result, BaseException):
+                continue
+            for digest, length in zip(group, result):
+                if length == 0:
+                    self._index.forget_gone(digest, due[digest])
 
     def _delete_quietly(self, digests: list[str], *, forget: bool = True) -> None:
         if forget:
@@ -280,6 +299,11 @@ class ValkeyTier(StorageTier):
                 "url": self._where,
                 "cluster": "unknown" if self._store.cluster is None else str(self._store.cluster).lower(),
                 "max_bytes": -1 if self.config.max_bytes is None else int(self.config.max_bytes),
+                # items and bytes_used: this process's index, not a count by the server.
+                "items_are": "estimate",
+                "index_max_keys": self._index.max_keys,
+                "index_dropped_full": self._index.dropped_full,
+                "index_found_gone": self._index.found_gone,
                 "breaker_state": self._calls.breaker.state,
                 "breaker_opens": self._calls.breaker.opens,
                 "dropped_puts": counters["dropped_puts"],
