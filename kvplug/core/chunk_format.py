@@ -40,6 +40,8 @@ MAGIC = b"KVPL"
 FRAME_VERSION = 1
 HEADER_SIZE = 96
 MAX_NDIM = 6
+#: The default bound on a decoded chunk (``KVPlugConfig.max_chunk_bytes``, ``Serializer.max_chunk_bytes``).
+DEFAULT_MAX_CHUNK_BYTES = 1 << 30
 _CHECKSUM_OFFSET = 80
 _STRUCT = struct.Struct("<4sHH16sB3x6I4xQ16sQ8x")
 assert _STRUCT.size == HEADER_SIZE

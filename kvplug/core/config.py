@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt, PrivateAttr, ValidationError
 
+from kvplug.core.chunk_format import DEFAULT_MAX_CHUNK_BYTES
 from kvplug.core.components import CheckedModel
 from kvplug.core.plugins import KNOWN_COMPONENTS, PluginRegistry, get_registry
 from kvplug.errors import ConfigError, ConfigProblem
@@ -112,6 +113,15 @@ class KVPlugConfig(CheckedModel):
     )
     serializer: ComponentSpec = Field(
         default_factory=lambda: ComponentSpec(type="raw"), description="Serializer of chunk frames."
+    )
+    max_chunk_bytes: ByteSize = Field(
+        default=ByteSize(DEFAULT_MAX_CHUNK_BYTES),
+        gt=0,
+        le=1 << 40,
+        description="Largest chunk, in bytes of its decoded tensor, that a load decodes: every size a "
+        "frame's header declares (shape, segments, a codec's output size) is checked against it before "
+        "anything is allocated, so a forged frame cannot make a reader allocate more. Must hold one "
+        "chunk of the model (chunk_size tokens of every layer's K and V); the engine says so if not.",
     )
     connector: ComponentSpec = Field(
         default_factory=lambda: ComponentSpec(type="auto"),

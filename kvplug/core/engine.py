@@ -13,6 +13,7 @@ length, caches that do not match the layout) raise at once, before any work.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,7 +35,7 @@ from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.serializer import Serializer
 from kvplug.core.tier import StorageTier
 from kvplug.core.tier_chain import TierChain
-from kvplug.errors import ChunkError, ConnectorError, EngineClosedError, LayoutError
+from kvplug.errors import ChunkError, ConfigError, ConfigProblem, ConnectorError, EngineClosedError, LayoutError
 
 logger = logging.getLogger("kvplug.engine")
 
@@ -83,6 +84,7 @@ class CacheEngine:
         self.serializer: Serializer = self.registry.serializers()[self.config.serializer.type](
             self.config.serializer.options
         )
+        self.serializer.max_chunk_bytes = self._max_chunk_bytes()
         self.fingerprint = replace(
             fingerprint,
             serializer=self.serializer.fingerprint(),
@@ -386,6 +388,24 @@ class CacheEngine:
         chosen = max(usable, key=lambda cls: getattr(cls, "priority", 0))
         logger.info("connector auto: chose %r of %s", chosen.name, sorted(c.name for c in usable))
         return chosen(chosen.Config(), self.layout)
+
+    def _max_chunk_bytes(self) -> int:
+        """``max_chunk_bytes``, checked to hold this model's largest chunk (else no load could succeed)."""
+        bound = int(self.config.max_chunk_bytes)
+        shape = self.layout.chunk_shape(self.config.chunk_size)
+        needed = math.prod(shape) * self.layout.dtype.itemsize
+        if needed > bound:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "max_chunk_bytes",
+                        bound,
+                        f"a chunk of this model takes {needed} bytes (shape {shape}, {dtype_name(self.layout.dtype)}): "
+                        f"raise max_chunk_bytes to at least {needed} or lower chunk_size",
+                    )
+                ]
+            )
+        return bound
 
     def _copy_threads(self) -> int:
         if not self.connector.concurrent_copies:

@@ -10,8 +10,10 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel
 
+from kvplug.core.chunk_format import DEFAULT_MAX_CHUNK_BYTES
 from kvplug.core.components import EmptyConfig
 from kvplug.core.tier import Buffer
+from kvplug.errors import CorruptChunkError
 
 
 class Serializer(ABC):
@@ -20,10 +22,20 @@ class Serializer(ABC):
     The fast path is ``allocate`` + ``seal``: the engine asks for a frame, lets the
     connector gather the paged KV straight into ``tensor`` (no extra copy), then
     seals it. ``dumps`` is the convenience form for a tensor already in hand.
+
+    Frames are untrusted input (anyone who can write a store can write one), so every
+    size a decoder takes from a header (shape times itemsize, segment or plane counts,
+    a codec's declared output size) is checked before anything is allocated: against
+    the chunk the frame says it holds, and that against :attr:`max_chunk_bytes`, with or
+    without an ``expected_shape``.
     """
 
     name: ClassVar[str]
     Config: ClassVar[type[BaseModel]] = EmptyConfig
+    #: The largest chunk, in bytes of the decoded tensor, that ``loads`` accepts; a frame
+    #: whose header asks for more is a ``CorruptChunkError`` before any allocation.
+    #: ``CacheEngine`` sets it from ``KVPlugConfig.max_chunk_bytes``.
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
 
     def __init__(self, config: BaseModel) -> None:
         self.config = config
@@ -86,6 +98,14 @@ class Serializer(ABC):
         ``trusted_reads``: a serializer may skip re-verifying its checksum (the header
         is still checked). The default verifies."""
         return self.loads(data, expected_shape=expected_shape, expected_dtype=expected_dtype)
+
+    def check_chunk_bytes(self, nbytes: int, what: str) -> None:
+        """``CorruptChunkError`` naming the bound if a frame's ``what`` (a decoded chunk of
+        ``nbytes``) is over :attr:`max_chunk_bytes`; call it before allocating for a frame."""
+        if nbytes > self.max_chunk_bytes:
+            raise CorruptChunkError(
+                f"{what} is {nbytes} bytes, over the maximum chunk of {self.max_chunk_bytes} bytes (max_chunk_bytes)"
+            )
 
     def dumps(self, tensor: torch.Tensor) -> Buffer:
         frame, payload = self.allocate(tuple(tensor.shape), tensor.dtype)
