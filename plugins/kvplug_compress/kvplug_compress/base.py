@@ -90,6 +90,10 @@ class CompressingSerializer(kvplug.Serializer):
     ) -> torch.Tensor:
         header = kvpc.verify(data, self.name)
         kvpc.check_expected(header, expected_shape, None if expected_dtype is None else dtype_name(expected_dtype))
+        # Before anything is allocated: without an expected shape, the header's is all there is.
+        self.check_chunk_bytes(
+            header.numel * header.itemsize, f"chunk of shape {header.shape} and dtype {header.dtype}"
+        )
         dtype = getattr(torch, header.dtype)
         if header.encoding == kvpc.STORED:
             if header.payload_length != header.numel * header.itemsize:

@@ -35,6 +35,9 @@ from kvplug_compress import frame as kvpc
 from kvplug_compress.base import CompressingSerializer, tensor_over
 
 _RAW_PLANE = 0x8000_0000
+#: Bounds of ``segment_bytes``; a frame's segments are never smaller than the lower one.
+MIN_SEGMENT_BYTES = 4096
+MAX_SEGMENT_BYTES = 1 << 28
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -46,8 +49,8 @@ class LosslessConfig(BaseModel):
 
     segment_bytes: int = Field(
         default=1 << 20,
-        ge=4096,
-        le=1 << 28,
+        ge=MIN_SEGMENT_BYTES,
+        le=MAX_SEGMENT_BYTES,
         description="Chunk bytes per independently compressed segment (the unit of parallel work).",
     )
     threads: int | None = Field(
@@ -111,13 +114,26 @@ class LosslessSerializer(CompressingSerializer):
 
     def decode(self, header: kvpc.FrameHeader, payload: memoryview, dtype: torch.dtype) -> torch.Tensor:
         itemsize, numel, per_segment = header.itemsize, header.numel, header.param_a
-        if per_segment <= 0:
-            raise CorruptChunkError(f"segment size {per_segment} in an encoded frame")
-        bounds = [(start, min(numel, start + per_segment)) for start in range(0, numel, per_segment)]
-        table_bytes = 4 * len(bounds) * itemsize
+        # Every size below comes from the header: each is checked against the payload, in
+        # arithmetic, before a list or buffer is built from it. The encoder stores a chunk
+        # that would not shrink (encoding 0), so an encoded payload is smaller than its chunk,
+        # and its segments hold at least MIN_SEGMENT_BYTES (a 1-element segment would make
+        # the table, and the lists below, larger than the chunk).
+        if payload.nbytes >= numel * itemsize:
+            raise CorruptChunkError(
+                f"encoded payload of {payload.nbytes} bytes for a chunk of {numel * itemsize} bytes (shape {header.shape})"
+            )
+        if per_segment < MIN_SEGMENT_BYTES // itemsize:
+            raise CorruptChunkError(
+                f"segments of {per_segment} elements; a {header.dtype} segment has at least "
+                f"{MIN_SEGMENT_BYTES // itemsize} (segment_bytes >= {MIN_SEGMENT_BYTES})"
+            )
+        segments = -(-numel // per_segment)
+        table_bytes = 4 * segments * itemsize
         if table_bytes > payload.nbytes:
             raise CorruptChunkError(f"payload of {payload.nbytes} bytes cannot hold its {table_bytes}-byte table")
-        lengths = struct.unpack_from(f"<{len(bounds) * itemsize}I", payload, 0)
+        bounds = [(start, min(numel, start + per_segment)) for start in range(0, numel, per_segment)]
+        lengths = struct.unpack_from(f"<{segments * itemsize}I", payload, 0)
         offsets, position = [], table_bytes
         for length in lengths:
             offsets.append(position)
@@ -213,11 +229,17 @@ class ZstdSerializer(LosslessSerializer):
         return compressed
 
     def decompress_plane(self, blob: memoryview, size: int) -> bytes:
+        # python-zstandard allocates the content size a frame declares and ignores
+        # max_output_size then: a 32 KB plane can declare 1 GiB. The declared size is checked
+        # first; a frame that declares none (-1) is bounded by max_output_size.
+        declared = zstandard.frame_content_size(blob)
+        if declared not in (size, -1):
+            raise CorruptChunkError(f"zstd plane declares {declared} bytes, expected {size}")
         decompressor = getattr(self._local, "decompressor", None)
         if decompressor is None:
             decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
-        compressed: bytes = decompressor.decompress(blob, max_output_size=size)
-        return compressed
+        plain: bytes = decompressor.decompress(blob, max_output_size=size)
+        return plain
 
 
 class LZ4Config(LosslessConfig):
@@ -243,5 +265,7 @@ class LZ4Serializer(LosslessSerializer):
         return small
 
     def decompress_plane(self, blob: memoryview, size: int) -> bytes:
+        # With uncompressed_size the output buffer is exactly size bytes: a block that
+        # would decode to more is an error, whatever the blob says.
         plain: bytes = lz4.block.decompress(blob, uncompressed_size=size)
         return plain

@@ -92,9 +92,11 @@ class QuantizedSerializer(CompressingSerializer):
         scale_dtype = SCALE_DTYPES.get(header.param_b)
         if scale_dtype is None or group <= 0 or dtype not in QUANTIZED_DTYPES:
             raise CorruptChunkError(f"encoded {header.dtype} frame with group {group}, scale code {header.param_b}")
+        if header.numel == 0:  # the encoder stores empty chunks; and a zero width divides nothing
+            raise CorruptChunkError(f"encoded frame of an empty chunk (shape {header.shape})")
         width = header.shape[-1] if header.shape else 1
         rows = header.numel // width
-        groups = math.ceil(width / group)
+        groups = -(-width // group)
         scale_bytes = rows * groups * torch.empty((), dtype=scale_dtype).element_size()
         if payload.nbytes != scale_bytes + rows * width:
             raise CorruptChunkError(
@@ -102,10 +104,12 @@ class QuantizedSerializer(CompressingSerializer):
             )
         scales = tensor_over(payload, scale_dtype, (rows, groups)).float()
         codes = tensor_over(payload, self.code_dtype, (rows, width), scale_bytes).float()
-        padded = (codes if groups * group == width else F.pad(codes, (0, groups * group - width))).view(
-            rows, groups, group
-        )
-        values = padded.mul_(scales.unsqueeze(-1)).view(rows, groups * group)[:, :width]
+        if groups * group == width:
+            values = codes.view(rows, groups, group).mul_(scales.unsqueeze(-1)).view(rows, width)
+        else:
+            # Each column's scale by index, not by padding rows to whole groups: the header's
+            # group (up to 2**32) would size the padding, not the payload.
+            values = codes.mul_(scales[:, torch.arange(width) // group])
         return values.to(dtype).reshape(header.shape)
 
     def quantize(self, scaled: torch.Tensor) -> torch.Tensor:
