@@ -21,7 +21,16 @@ from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, che
 from kvplug.core.redaction import SECRET_MASK, is_secret_name, redact, redact_text, redact_url
 from kvplug.core.remote import LoopThread, RemoteCalls, RemoteTierConfig, call_budget, remaining_budget_s
 from kvplug.core.retry import Absent, CircuitBreaker, FailureKind, RetryPolicy, classify_failure
-from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierContext, TierStats
+from kvplug.core.tier import (
+    MEDIA,
+    UNBOUNDED_BYTES,
+    Buffer,
+    Medium,
+    StorageTier,
+    TierConfig,
+    TierContext,
+    TierStats,
+)
 from kvplug.core.tier_chain import TierChain
 from kvplug.hookspecs import hookimpl
 
@@ -67,8 +76,10 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "KV_FORMAT_VERSION",
+    "MEDIA",
     "RECORD_HEADER_SIZE",
     "SECRET_MASK",
+    "UNBOUNDED_BYTES",
     "Absent",
     "BackgroundWorker",
     "Buffer",
@@ -89,6 +100,7 @@ __all__ = [
     "KeyBuilder",
     "LayerwiseRetrieve",
     "LoopThread",
+    "Medium",
     "PagedFormat",
     "PluginRegistry",
     "RecordCheck",

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from core_helpers import VLLM_FLASH
 
-from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
+from kvplug import UNBOUNDED_BYTES, CacheEngine, Fingerprint, KVLayout, load_config
+from kvplug.cli.store import _budget
 from kvplug.core.record import RECORD_HEADER_SIZE, pack_record
 
 LAYOUT = KVLayout(VLLM_FLASH, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
@@ -81,6 +82,18 @@ def test_stats_ls_verify_and_gc(tmp_path: Path) -> None:
     assert re.search(r"│ removed\s*│\s*1 │", cleaned.stdout), cleaned.stdout
     assert not files[0].exists() and len(record_files(folder)) == 5
     assert kvplug("verify", str(folder)).returncode == 0
+
+
+def test_stats_show_the_budget_in_words_not_the_inspection_sentinel(tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    fill_store(folder, prompts=1)
+    stats = kvplug("stats", str(folder))
+    assert stats.returncode == 0, stats.stderr
+    assert re.search(
+        r"│ tier max_bytes\s*│\s*unbounded \(opened for inspection: nothing is evicted\) │", stats.stdout
+    ), stats.stdout
+    assert str(UNBOUNDED_BYTES) not in stats.stdout
+    assert _budget(3 * 1024**3) == "3.0 GiB (3221225472 bytes)" and _budget(-1).startswith("unbounded")
 
 
 def test_a_chunk_of_another_format_version_is_incompatible_and_gc_removes_it(tmp_path: Path) -> None:

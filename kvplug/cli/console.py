@@ -11,7 +11,10 @@ from rich.console import Console
 from kvplug.errors import ConfigError, PluginError, TierError
 
 console = Console()
-err_console = Console(stderr=True)
+#: Errors are never wrapped by rich (which wraps at 80 columns when stderr is not a
+#: terminal): a hint's ``pip install kvplug-s3`` must stay one line for a log or a
+#: copy-paste; a terminal wraps long lines itself.
+err_console = Console(stderr=True, soft_wrap=True)
 
 T = TypeVar("T")
 

@@ -22,7 +22,7 @@ from kvplug.cli.console import console, run_or_exit
 from kvplug.core.plugins import get_registry
 from kvplug.core.record import integrity_key
 from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, check_record
-from kvplug.core.tier import StorageTier, TierContext
+from kvplug.core.tier import UNBOUNDED_BYTES, StorageTier, TierContext
 from kvplug.errors import ConfigError, ConfigProblem
 
 store_app = typer.Typer(
@@ -93,7 +93,7 @@ def stats(location: str = LocationArg, endpoint_url: str | None = EndpointOpt) -
                 table.add_row("oldest", _when(min(times)))
                 table.add_row("newest", _when(max(times)))
             for name, value in tier.stats().extra.items():
-                table.add_row(f"tier {name}", str(value))
+                table.add_row(f"tier {name}", _budget(value) if name == "max_bytes" else str(value))
             console.print(table)
 
     run_or_exit(action)
@@ -184,6 +184,16 @@ def _describe(check: RecordCheck) -> str:
     if check.shape is None:
         return check.reason
     return f"{check.dtype} {list(check.shape)}"
+
+
+def _budget(value: object) -> str:
+    """A tier's ``max_bytes`` as a person reads it: a size with its bytes, or "unbounded"
+    (``None``, -1, or :data:`kvplug.UNBOUNDED_BYTES` and above: what an inspection opens with)."""
+    if value is None or (isinstance(value, int) and (value < 0 or value >= UNBOUNDED_BYTES)):
+        return "unbounded (opened for inspection: nothing is evicted)"
+    if isinstance(value, int):
+        return f"{_size(value)} ({value} bytes)"
+    return str(value)
 
 
 def _size(nbytes: int) -> str:

@@ -21,10 +21,9 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, Posi
 
 from kvplug.core.chunk_format import DEFAULT_MAX_CHUNK_BYTES
 from kvplug.core.components import CheckedModel
-from kvplug.core.plugins import KNOWN_COMPONENTS, PluginRegistry, get_registry
+from kvplug.core.concerns import CONCERNS_BY_KEY, CONFIG_CONCERNS
+from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.errors import ConfigError, ConfigProblem
-
-_CONCERN_WORDS = {"serializer": "serializer", "kv_connector": "connector", "storage_tier": "tier"}
 
 
 class ComponentSpec(BaseModel):
@@ -166,6 +165,12 @@ class KVPlugConfig(CheckedModel):
         """Whether the component options are validated (this is what :meth:`resolve` returned)."""
         return self._registry is not None
 
+    @property
+    def registry(self) -> PluginRegistry | None:
+        """The plugin registry this config was resolved against (its components' classes);
+        ``None`` when it is not resolved."""
+        return self._registry
+
     def resolved_with(self, registry: PluginRegistry) -> bool:
         """Whether this config was resolved against ``registry``."""
         return self._registry is registry
@@ -181,7 +186,7 @@ class KVPlugConfig(CheckedModel):
         if self._registry is registry:
             return self
         problems: list[ConfigProblem] = []
-        specs = [self.serializer, self.connector, *self.tiers]
+        specs = self._component_specs()
         options = resolve_components(
             [
                 (path, concern, spec.type, spec.raw_options)
@@ -190,26 +195,42 @@ class KVPlugConfig(CheckedModel):
             registry,
             problems,
         )
-        resolved = [spec._with_options(opts) for spec, opts in zip(specs, options)]
-        _check_distinct_locations(resolved[2:], problems)
+        resolved = self._assemble([spec._with_options(opts) for spec, opts in zip(specs, options)], registry)
+        _check_distinct_locations(resolved.tiers, problems)
         if not problems:
-            _check_memory_budgets(self, resolved[2:], registry, problems)
+            _check_memory_budgets(self, resolved.tiers, registry, problems)
         if problems:
             raise ConfigError(problems)
-        return self._assemble(resolved, registry)
+        return resolved
+
+    def _component_specs(self) -> list[ComponentSpec]:
+        """Every component entry, in :func:`component_slots` order."""
+        specs: list[ComponentSpec] = []
+        for concern in CONFIG_CONCERNS:
+            value = getattr(self, str(concern.config_field))
+            specs.extend(value if concern.many else [value])
+        return specs
 
     def _assemble(self, specs: list[ComponentSpec], registry: PluginRegistry) -> KVPlugConfig:
-        """A copy of this config with ``specs`` (serializer, connector, tiers...) resolved against ``registry``."""
-        copy = self.model_copy(update={"serializer": specs[0], "connector": specs[1], "tiers": specs[2:]})
+        """A copy of this config with ``specs`` (in :func:`component_slots` order) resolved against ``registry``."""
+        update: dict[str, Any] = {}
+        rest = list(specs)
+        for concern in CONFIG_CONCERNS:
+            name = str(concern.config_field)
+            count = len(getattr(self, name)) if concern.many else 1
+            taken, rest = rest[:count], rest[count:]
+            update[name] = taken if concern.many else taken[0]
+        copy = self.model_copy(update=update)
         copy._registry = registry
         return copy
 
     def effective(self) -> dict[str, Any]:
         """The config as plain data, with every component's options validated and defaulted."""
         data = self.model_dump(mode="json")
-        for name in ("serializer", "connector"):
-            data[name] = _effective_component(getattr(self, name))
-        data["tiers"] = [_effective_component(spec) for spec in self.tiers]
+        for concern in CONFIG_CONCERNS:
+            name = str(concern.config_field)
+            value = getattr(self, name)
+            data[name] = [_effective_component(s) for s in value] if concern.many else _effective_component(value)
         return data
 
     def with_overrides(self, overrides: Mapping[str, Any], *, source: str = "request") -> KVPlugConfig:
@@ -236,17 +257,19 @@ class KVPlugConfig(CheckedModel):
             return updated
         # Per-request settings are top-level scalars: the components' validated (frozen)
         # options are the same, so the new config shares them instead of validating again.
-        return updated._assemble([self.serializer, self.connector, *self.tiers], self._registry)
+        return updated._assemble(self._component_specs(), self._registry)
 
 
 def component_slots(num_tiers: int) -> list[tuple[str, str]]:
     """``(path, concern)`` of every component entry of a config with ``num_tiers`` tiers,
-    in the order ``serializer``, ``connector``, ``tiers[i]``."""
-    return [
-        ("serializer", "serializer"),
-        ("connector", "kv_connector"),
-        *((f"tiers[{i}]", "storage_tier") for i in range(num_tiers)),
-    ]
+    in the order of :data:`~kvplug.core.concerns.CONFIG_CONCERNS`: ``serializer``,
+    ``connector``, ``tiers[i]``."""
+    slots: list[tuple[str, str]] = []
+    for concern in CONFIG_CONCERNS:
+        name = str(concern.config_field)
+        paths = [f"{name}[{i}]" for i in range(num_tiers)] if concern.many else [name]
+        slots.extend((path, concern.key) for path in paths)
+    return slots
 
 
 def resolve_components(
@@ -260,7 +283,7 @@ def resolve_components(
     """
     results: list[BaseModel | None] = []
     for path, concern, name, raw in entries:
-        if concern == "kv_connector" and name == "auto":
+        if name in CONCERNS_BY_KEY[concern].pseudo:  # connector: auto, the only one
             results.append(_validate_options(raw, _AutoConnectorOptions, path, problems))
             continue
         available = registry.components(concern)
@@ -319,15 +342,13 @@ def _validate_options(
 
 
 def _unknown_type_message(concern: str, name: str, available: Mapping[str, type], registry: PluginRegistry) -> str:
-    word = _CONCERN_WORDS[concern]
-    package = KNOWN_COMPONENTS.get((concern, name))
+    kind = CONCERNS_BY_KEY[concern]
+    package = kind.install_hint(name)
     if package:
-        message = f"{word} type {name!r} needs the {package} package: pip install {package}"
+        message = f"{kind.word} type {name!r} needs the {package} package: pip install {package}"
     else:
-        installed = ", ".join(sorted(available)) or "none"
-        message = f"unknown {word} type {name!r}; installed: {installed}"
-        if concern == "kv_connector":
-            message += ", auto"
+        installed = ", ".join([*sorted(available), *kind.pseudo]) or "none"
+        message = f"unknown {kind.word} type {name!r}; installed: {installed}"
     if registry.load_errors:
         message += "; plugins that failed to load: " + ", ".join(e.plugin for e in registry.load_errors)
     return message

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
 
+from kvplug.core.concerns import CONFIG_CONCERNS
 from kvplug.core.config import KVPlugConfig, component_slots, resolve_components
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.record import INTEGRITY_KEY_ENV, INTEGRITY_KEY_FILE_ENV, integrity_key
@@ -88,13 +89,19 @@ def load_config(
 
 def _component_entries(data: Mapping[str, Any]) -> list[tuple[str, str, str, dict[str, Any]]]:
     """``(path, concern, type, options)`` of the well-formed component entries of raw config data."""
-    tiers = data.get("tiers")
-    tiers = tiers if isinstance(tiers, list) else []
-    raw = [data.get("serializer"), data.get("connector"), *tiers]
+    raw: list[Any] = []
+    many: list[Any] = []  # the entries of the one list field (tiers)
+    for concern in CONFIG_CONCERNS:
+        value = data.get(str(concern.config_field))
+        if concern.many:
+            many = value if isinstance(value, list) else []
+            raw.extend(many)
+        else:
+            raw.append(value)
     entries = []
-    for (path, concern), entry in zip(component_slots(len(tiers)), raw):
+    for (path, concern_key), entry in zip(component_slots(len(many)), raw):
         if isinstance(entry, Mapping) and isinstance(entry.get("type"), str) and entry["type"]:
-            entries.append((path, concern, entry["type"], {k: v for k, v in entry.items() if k != "type"}))
+            entries.append((path, concern_key, entry["type"], {k: v for k, v in entry.items() if k != "type"}))
     return entries
 
 

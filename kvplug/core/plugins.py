@@ -28,8 +28,9 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from kvplug.core.components import EngineAdapter
+from kvplug.core.concerns import CONCERNS, CONCERNS_BY_KEY
 from kvplug.core.events import KVEvent
-from kvplug.core.tier import StorageTier
+from kvplug.core.tier import MEDIA, StorageTier
 from kvplug.errors import DuplicateComponentError, InvalidComponentError, PluginLoadError, PluginRejectedError
 from kvplug.hookspecs import PROJECT_NAME, SPEC_MODULES
 
@@ -41,23 +42,14 @@ logger = logging.getLogger("kvplug.plugins")
 
 ENTRY_POINT_GROUP = "kvplug"
 
-#: concern -> hook name. The order is the order ``kvplug plugins`` shows them in.
-CONCERN_HOOKS: dict[str, str] = {
-    "serializer": "kvplug_serializers",
-    "storage_tier": "kvplug_storage_tiers",
-    "kv_connector": "kvplug_kv_connectors",
-    "engine_adapter": "kvplug_engine_adapters",
-}
+#: concern -> hook name, from :data:`kvplug.core.concerns.CONCERNS` (which orders them
+#: as ``kvplug plugins`` shows them).
+CONCERN_HOOKS: dict[str, str] = {concern.key: concern.hook for concern in CONCERNS}
 
-#: Components that known, separately installed plugins provide (fsspec's
-#: ``known_implementations``): config errors say which package to install.
+#: ``(concern, component) -> package`` of kvplug's separately installed components, from
+#: :data:`kvplug.core.concerns.CONCERNS`: config errors say which package to install.
 KNOWN_COMPONENTS: dict[tuple[str, str], str] = {
-    ("storage_tier", "cpu"): "kvplug-cpu",
-    ("storage_tier", "disk"): "kvplug-disk",
-    ("storage_tier", "s3"): "kvplug-s3",
-    ("storage_tier", "valkey"): "kvplug-valkey",
-    ("kv_connector", "cuda"): "kvplug-cuda",
-    ("kv_connector", "native"): "kvplug-native",
+    (concern.key, name): package for concern in CONCERNS for name, package in concern.known.items()
 }
 
 
@@ -295,6 +287,11 @@ def _component_name(component: object, plugin: str, hook_name: str) -> str:
         )
     if not hasattr(component, "Config"):
         raise InvalidComponentError(f"plugin {plugin!r}: component {name!r} has no Config model")
+    medium = getattr(component, "medium", "remote")
+    if hook_name == CONCERNS_BY_KEY["storage_tier"].hook and medium not in MEDIA:
+        raise InvalidComponentError(
+            f"plugin {plugin!r}: tier {name!r} declares medium {medium!r}; a tier's medium is one of {', '.join(MEDIA)}"
+        )
     return name
 
 

@@ -18,6 +18,16 @@ from kvplug.core.metrics import EngineMetrics
 Buffer = bytes | bytearray | memoryview
 
 
+#: Where a tier keeps its values (:attr:`StorageTier.medium`), fastest first.
+Medium = Literal["memory", "disk", "remote"]
+#: The media in order of speed: adapters rank tiers by it, never by tier name.
+MEDIA: tuple[Medium, ...] = ("memory", "disk", "remote")
+#: A ``max_bytes`` that never binds (2**62), for a tier whose config needs a number where
+#: nothing may be evicted: :meth:`StorageTier.location_config` opens stores with it for
+#: inspection. Displays show it, and any budget above it, as "unbounded".
+UNBOUNDED_BYTES = 2**62
+
+
 class TierConfig(ComponentConfig):
     """Options every tier understands. Tier ``Config`` classes subclass it."""
 
@@ -81,6 +91,14 @@ class StorageTier(ABC):
 
     name: ClassVar[str]
     Config: ClassVar[type[BaseModel]] = TierConfig
+    #: Where the values live: ``memory`` (this process's or this host's memory, read at
+    #: memory speed), ``disk`` (local files) or ``remote`` (another machine or service).
+    #: Engine adapters treat tiers by this trait, never by their names: a prefix held
+    #: only by tiers not in memory may load in the background, an engine's prefix cache
+    #: reset clears the memory tiers, KV events carry the medium. A tier
+    #: that does not declare it (written against kvplug 0.2) counts as ``remote``, the
+    #: safe assumption: its reads may be slow, and a reset leaves it alone.
+    medium: ClassVar[Medium] = "remote"
     #: True for tiers that keep the very buffers ``put`` hands them (in-memory
     #: tiers): the engine sizes its frame pool to cover their ``max_bytes``.
     keeps_buffers: ClassVar[bool] = False

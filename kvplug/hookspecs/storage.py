@@ -13,7 +13,10 @@ def kvplug_storage_tiers() -> list[type]:
     ``name: ClassVar[str]`` (the ``tiers: [{type: <name>}]`` of a config) and a
     pydantic ``Config`` model (subclass :class:`kvplug.TierConfig` to get the
     shared ``max_bytes`` and write options), and is built as
-    ``cls(config, context)`` with a :class:`kvplug.TierContext`.
+    ``cls(config, context)`` with a :class:`kvplug.TierContext`. It declares its
+    ``medium`` (``"memory"``, ``"disk"`` or ``"remote"``; undeclared: ``"remote"``):
+    engine adapters treat tiers by it, never by their names. A constructor that
+    fails raises; the core reports it as ``TierOpenError`` naming ``tiers[i]``.
 
     A tier sees bytes only (it must not import torch). Its methods are batched:
     ``contains(keys)``, ``get(keys)``, ``put(items)``, ``remove(keys)``,

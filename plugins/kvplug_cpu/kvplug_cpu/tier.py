@@ -37,6 +37,7 @@ class CPUTier(StorageTier):
     """A thread-safe, byte-bounded LRU of byte buffers."""
 
     name = "cpu"
+    medium = "memory"
     Config = CPUTierConfig
     keeps_buffers = True
     trusted_reads = True  # a dict of this process's own buffers

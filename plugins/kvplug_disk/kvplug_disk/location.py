@@ -14,11 +14,10 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
+from kvplug import UNBOUNDED_BYTES
 from kvplug_disk.config import DiskTierConfig
 
 _SHARD_NAME = re.compile(r"[0-9a-f]{2}")
-#: Opened for inspection: never evict because of a budget.
-_UNBOUNDED = 2**62
 
 
 def disk_location_config(location: str, options: Mapping[str, Any]) -> DiskTierConfig | None:
@@ -34,7 +33,7 @@ def disk_location_config(location: str, options: Mapping[str, Any]) -> DiskTierC
         raise ValueError(f"option(s) {', '.join(given)} do not apply to a disk store (a folder)")
     path = location.removeprefix("file://")
     require_disk_store(path)
-    return DiskTierConfig(path=path, max_bytes=_UNBOUNDED)
+    return DiskTierConfig(path=path, max_bytes=UNBOUNDED_BYTES)  # opened for inspection: never evict
 
 
 def require_disk_store(path: str) -> None:

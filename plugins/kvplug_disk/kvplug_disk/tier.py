@@ -67,6 +67,7 @@ class DiskTier(StorageTier):
     """Byte buffers as verified record files in a folder shared by any number of processes."""
 
     name = "disk"
+    medium = "disk"
     Config = DiskTierConfig
 
     @classmethod

@@ -110,6 +110,7 @@ class MooncakeTier(StorageTier):
     """A Mooncake Store cluster as a storage tier; see the module docstring."""
 
     name = "mooncake"
+    medium = "remote"
     Config = MooncakeTierConfig
 
     def __init__(self, config: MooncakeTierConfig, context: TierContext) -> None:

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvplug import UNBOUNDED_BYTES
 from kvplug_s3.config import READ_ONLY_PROTOCOLS, S3TierConfig, fsspec_protocols
 
-#: Opened for inspection: never evict because of a budget.
-_UNBOUNDED = 2**62
 #: Folders are the disk tier's: ``file://`` too.
 _LOCAL_PROTOCOLS = frozenset({"file", "local"})
 
@@ -27,4 +26,4 @@ def s3_location_config(location: str, options: Mapping[str, Any]) -> S3TierConfi
     if unknown:
         raise ValueError(f"option(s) {', '.join(unknown)} do not apply to an object store; it takes endpoint_url")
     # Nothing is evicted while a store is inspected.
-    return S3TierConfig(url=location, max_bytes=_UNBOUNDED, **given)
+    return S3TierConfig(url=location, max_bytes=UNBOUNDED_BYTES, **given)

@@ -61,6 +61,7 @@ class S3Tier(StorageTier):
     """A remote object store as a storage tier; see the module docstring."""
 
     name = "s3"
+    medium = "remote"
     Config = S3TierConfig
 
     @classmethod

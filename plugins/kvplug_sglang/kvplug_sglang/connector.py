@@ -96,7 +96,7 @@ class KVPlugConnector:
         self.num_layers = len(self.kv_caches)
         self.device = k_pool[0].device
         first_tier = self.engine.config.tiers[0].type
-        self.events = KVEventBridge(first_tier)
+        self.events = KVEventBridge(first_tier, {tier.name: tier.medium for tier in self.engine.chain.tiers})
 
     # --- API --------------------------------------------------------------------------
 

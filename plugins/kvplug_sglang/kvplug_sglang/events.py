@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvplug import KVEvent
+from kvplug import KVEvent, Medium
 
-#: tier name -> SGLang ``StorageMedium`` value.
-_MEDIA = {"cpu": "CPU_PINNED", "disk": "DISK"}
+#: kvplug tier medium (``StorageTier.medium``) -> SGLang ``StorageMedium`` value.
+_STORAGE_MEDIUM: dict[Medium, str] = {"memory": "CPU_PINNED", "disk": "DISK", "remote": "EXTERNAL"}
 _LIVE: weakref.WeakSet[KVEventBridge] = weakref.WeakSet()
 _LIVE_LOCK = threading.Lock()
 
@@ -52,8 +52,17 @@ class KVEventBridge:
     ``max_events`` untaken events are kept; older ones are dropped and counted.
     """
 
-    def __init__(self, first_tier: str, *, max_tracked: int = 65536, max_events: int = 65536) -> None:
-        self._medium = _MEDIA.get(first_tier, "EXTERNAL")
+    def __init__(
+        self,
+        first_tier: str,
+        media: Mapping[str, Medium] | None = None,
+        *,
+        max_tracked: int = 65536,
+        max_events: int = 65536,
+    ) -> None:
+        #: Tier type -> medium (types not in it count as remote): events name media, not tiers.
+        self._media = dict(media or {})
+        self._medium = self._storage_medium(first_tier)
         self._pending: dict[str, _Pending] = {}
         self._stored: dict[str, None] = {}  # insertion-ordered set of confirmed keys
         self._events: list[Any] = []
@@ -105,7 +114,7 @@ class KVEventBridge:
             elif event.kind in ("evicted", "removed"):
                 gone = [key for key in event.keys if key in self._stored]
                 if gone:
-                    medium = _MEDIA.get(event.tier or "", "EXTERNAL")
+                    medium = self._storage_medium(event.tier or "")
                     new.append(BlockRemoved(block_hashes=[block_hash(k) for k in gone], medium=medium))
                     if event.kind == "removed":
                         for key in gone:
@@ -115,6 +124,9 @@ class KVEventBridge:
             if overflow > 0:
                 del self._events[:overflow]
                 self.dropped += overflow
+
+    def _storage_medium(self, tier: str) -> str:
+        return _STORAGE_MEDIUM[self._media.get(tier, "remote")]
 
     def take(self) -> list[Any]:
         """Events since the last call, oldest first."""

@@ -68,6 +68,7 @@ class ValkeyTier(StorageTier):
     """A Valkey/Redis server or cluster as a storage tier; see the module docstring."""
 
     name = "valkey"
+    medium = "remote"
     Config = ValkeyTierConfig
 
     def __init__(self, config: ValkeyTierConfig, context: TierContext) -> None:
