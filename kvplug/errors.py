@@ -101,6 +101,23 @@ class ConfigError(KVPlugError, ValueError):
         super().__init__(f"invalid kvplug config{where}:\n{lines}")
 
 
+class TierOpenError(ConfigError):
+    """A configured tier could not be opened: its constructor raised (a folder that
+    cannot be created or written, a store it cannot reach at start-up).
+
+    Names the entry, ``tiers[1] (type disk): <reason>``, so a user knows which line of
+    the config to fix; ``cause`` is the tier's own exception. Every adapter gets it,
+    since the core opens the tiers (:meth:`kvplug.TierChain.open`).
+    """
+
+    def __init__(self, index: int, tier_type: str, cause: BaseException) -> None:
+        self.index, self.tier_type, self.cause = index, tier_type, cause
+        reason = str(cause) if isinstance(cause, KVPlugError) else f"{type(cause).__name__}: {cause}"
+        super().__init__([ConfigProblem(f"tiers[{index}]", tier_type, f"cannot open the tier: {reason}")])
+        # The problem's message is redacted (a URL's credentials); the one line names the entry.
+        self.args = (f"kvplug config tiers[{index}] (type {tier_type}): {self.problems[0].message}",)
+
+
 # --- chunks --------------------------------------------------------------------------
 
 

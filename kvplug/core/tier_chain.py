@@ -23,6 +23,7 @@ from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry
 from kvplug.core.remote import call_budget, remaining_budget_s
 from kvplug.core.tier import Buffer, StorageTier, TierContext, TierStats
+from kvplug.errors import TierOpenError
 
 logger = logging.getLogger("kvplug.tiers")
 
@@ -96,7 +97,9 @@ class TierChain:
     ) -> TierChain:
         """Build each configured tier (``config.tiers`` entries, resolved) and chain them.
 
-        If one tier fails to open, the ones already opened are closed again.
+        If one tier fails to open, the ones already opened are closed again, and the
+        failure is a :class:`~kvplug.errors.TierOpenError` naming the entry
+        (``tiers[1] (type disk): ...``); the tier's own exception is its ``cause``.
         """
         metrics = metrics or EngineMetrics()
         tiers: list[StorageTier] = []
@@ -109,7 +112,14 @@ class TierChain:
                     emit=registry.emit,
                     metrics=metrics,
                 )
-                tiers.append(registry.storage_tiers()[spec.type](spec.options, context))
+                tier_class = registry.storage_tiers()[spec.type]
+                try:
+                    tiers.append(tier_class(spec.options, context))
+                except Exception as exc:
+                    # One line naming the entry; the tier's traceback (whose text may hold
+                    # an unredacted URL) only at debug level.
+                    context.logger.debug("tiers[%d] (type %s) failed to open", index, spec.type, exc_info=True)
+                    raise TierOpenError(index, spec.type, exc) from None
         except BaseException:
             for tier in tiers:
                 tier.close()
