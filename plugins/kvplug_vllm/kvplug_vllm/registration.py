@@ -19,6 +19,19 @@ def register() -> None:
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
     _choose_lookup_socket_folder()
+    _check_configs_early()
+
+
+def _check_configs_early() -> None:
+    """Refuse a bad kvplug config when vLLM builds its config, not after the model loads."""
+    from kvplug_vllm.config_check import install
+
+    try:
+        install()
+    except Exception as exc:  # another vLLM version: the connector still validates, later
+        import logging
+
+        logging.getLogger("kvplug.vllm").warning("kvplug cannot check its config before the model loads: %s", exc)
 
 
 def _choose_lookup_socket_folder() -> None:

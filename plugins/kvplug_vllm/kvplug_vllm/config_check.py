@@ -1,0 +1,89 @@
+"""Refusing a bad kvplug config when vLLM builds its config, before any model loads.
+
+vLLM 0.32 constructs both roles of a KV connector only after the model is loaded and
+profiled (the workers' in ``initialize_from_config``, once the KV cache size is
+known; the scheduler's after that, in ``EngineCore``), and its one class-level hook
+that sees ``kv_connector_extra_config`` at config time,
+``requires_piecewise_for_cudagraph``, runs only when full CUDA graphs are on (never
+on the CPU backend or with ``--enforce-eager``). A config naming an uninstalled tier
+so failed a minute into start-up, in a long log of engine-core tracebacks.
+
+So the ``vllm.general_plugins`` entry point (run in the front-end process before it
+builds its config) adds a check to ``EngineArgs.create_engine_config``: when
+``kv_transfer_config`` names ``KVPlugConnector`` (directly, by module path, or as a
+``MultiConnector`` child), the kvplug part of its extra config is validated exactly
+as the connector will validate it, and a bad one raises one
+:class:`kvplug.errors.ConfigError` naming the field, e.g. ``tiers[1].type``, from
+the ``LLM(...)`` call or the ``vllm serve`` command, before an engine process starts.
+What only opening a tier can tell (a folder that cannot be created) is still found
+by the worker, as a :class:`kvplug.errors.TierOpenError` naming ``tiers[i]``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from kvplug import load_config
+from kvplug_vllm.registration import CONNECTOR_MODULE, CONNECTOR_NAME
+
+_MARK = "_kvplug_checks_config"
+
+
+def kvplug_extra_configs(kv_transfer_config: Any) -> Iterator[Mapping[str, Any]]:
+    """The ``kv_connector_extra_config`` of each KVPlugConnector a kv_transfer_config sets up."""
+    if kv_transfer_config is None:
+        return
+    entries: list[Mapping[str, Any]] = [
+        {
+            "kv_connector": getattr(kv_transfer_config, "kv_connector", None),
+            "kv_connector_module_path": getattr(kv_transfer_config, "kv_connector_module_path", None),
+            "kv_connector_extra_config": getattr(kv_transfer_config, "kv_connector_extra_config", None) or {},
+        }
+    ]
+    if entries[0]["kv_connector"] == "MultiConnector":
+        children = entries[0]["kv_connector_extra_config"].get("connectors") or []
+        entries = [child for child in children if isinstance(child, Mapping)]
+    for entry in entries:
+        module = entry.get("kv_connector_module_path")
+        if entry.get("kv_connector") == CONNECTOR_NAME and module in (None, CONNECTOR_MODULE):
+            yield entry.get("kv_connector_extra_config") or {}
+
+
+def check_kv_transfer_config(kv_transfer_config: Any) -> None:
+    """Validate kvplug's settings in a vLLM ``kv_transfer_config`` as the connector would.
+
+    Raises :class:`kvplug.errors.ConfigError` naming every bad field (an unknown
+    ``tiers[1].type``, a bad ``kvplug.layerwise``, an unreadable ``kvplug.config``
+    file); returns quietly for a config that does not use kvplug.
+    """
+    from kvplug_vllm.settings import split_extra_config
+
+    for extra in kvplug_extra_configs(kv_transfer_config):
+        _, engine_extra = split_extra_config(extra)
+        load_config(engine_extra=engine_extra)
+
+
+def install() -> None:
+    """Check kvplug's part of every config ``EngineArgs`` builds in this process (idempotent).
+
+    Wraps ``EngineArgs.create_engine_config`` (what ``LLM(...)``, ``AsyncLLM`` and
+    ``vllm serve`` call before starting an engine) rather than ``VllmConfig.__post_init__``:
+    pydantic turns a ``ValueError`` raised there, as :class:`~kvplug.errors.ConfigError`
+    is one, into its own ``ValidationError``.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    create = EngineArgs.create_engine_config
+    if getattr(create, _MARK, False):
+        return
+
+    @functools.wraps(create)
+    def create_checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        vllm_config = create(self, *args, **kwargs)
+        check_kv_transfer_config(vllm_config.kv_transfer_config)
+        return vllm_config
+
+    setattr(create_checked, _MARK, True)
+    EngineArgs.create_engine_config = create_checked
