@@ -26,11 +26,11 @@ import socket
 import struct
 import threading
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvplug import CacheEngine, ExtraKey, RequestInfo
+from kvplug import MEDIA, CacheEngine, ExtraKey, KVPlugConfig, Medium, RequestInfo, get_registry
 from kvplug.errors import KVPlugError
 from kvplug_vllm.socket_server import (
     MessageServer,
@@ -217,9 +217,10 @@ class LookupServer(MessageServer):
 class SocketLookup:
     """Asks every tensor-parallel worker of one engine; the hit is the smallest answer."""
 
-    def __init__(self, paths: Sequence[Path], timeout_s: float) -> None:
+    def __init__(self, paths: Sequence[Path], timeout_s: float, media: Mapping[str, Medium] | None = None) -> None:
         self.paths = list(paths)
         self.timeout_s = timeout_s
+        self.media = dict(media or {})
         self._socks: dict[Path, socket.socket] = {}
         self._lock = threading.Lock()
 
@@ -230,7 +231,7 @@ class SocketLookup:
         """Per chunk of the prefix every worker holds: (fastest tier holding it, tokens)."""
         message = encode_request(tokens, request)
         with self._lock:
-            return merge_tiers([self._ask(path, message) for path in self.paths])
+            return merge_tiers([self._ask(path, message) for path in self.paths], self.media)
 
     def close(self) -> None:
         with self._lock:
@@ -295,9 +296,15 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 class DirectLookup:
     """The worker's engines live in this process: call them."""
 
-    def __init__(self, engines: Sequence[CacheEngine], resets: Sequence[Callable[[], int]] = ()) -> None:
+    def __init__(
+        self,
+        engines: Sequence[CacheEngine],
+        resets: Sequence[Callable[[], int]] = (),
+        media: Mapping[str, Medium] | None = None,
+    ) -> None:
         self.engines = list(engines)
         self.resets = list(resets)
+        self.media = dict(media or {})
 
     def reset(self) -> int:
         return sum(reset() for reset in self.resets)
@@ -306,21 +313,33 @@ class DirectLookup:
         return sum(n for _, n in self.lookup_tiers(tokens, request))
 
     def lookup_tiers(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
-        return merge_tiers([engine.lookup_tiers(tokens, request=request) for engine in self.engines])
+        return merge_tiers([engine.lookup_tiers(tokens, request=request) for engine in self.engines], self.media)
 
     def close(self) -> None:
         pass
 
 
-def merge_tiers(answers: Sequence[list[tuple[str, int]]]) -> list[tuple[str, int]]:
-    """The prefix every tensor-parallel worker holds; a chunk counts as in memory only
-    if every worker has it in its ``cpu`` tier (else the slowest answer wins)."""
+def tier_media(config: KVPlugConfig) -> dict[str, Medium]:
+    """The medium of each tier type in ``config`` (:attr:`kvplug.StorageTier.medium`), from
+    the registry it was resolved against.
+
+    Adapters treat tiers by this trait, never by their names; a type this process
+    does not have counts as ``remote``, the slow and safe assumption.
+    """
+    classes = (config.registry or get_registry()).storage_tiers()
+    return {spec.type: classes[spec.type].medium if spec.type in classes else "remote" for spec in config.tiers}
+
+
+def merge_tiers(answers: Sequence[list[tuple[str, int]]], media: Mapping[str, Medium]) -> list[tuple[str, int]]:
+    """The prefix every tensor-parallel worker holds, each chunk with the slowest of the
+    workers' answers by medium (``media``: tier type -> medium; unknown types are
+    ``remote``): a chunk counts as in memory only if every worker has it in a memory tier."""
     if not answers:
         return []
     length = min(len(answer) for answer in answers)
     merged = []
     for index in range(length):
-        names = {answer[index][0] for answer in answers}
-        name = next((n for n in sorted(names) if n != "cpu"), "cpu")
+        names = sorted({answer[index][0] for answer in answers})
+        name = max(names, key=lambda n: MEDIA.index(media.get(n, "remote")))
         merged.append((name, answers[0][index][1]))
     return merged

@@ -19,7 +19,14 @@ from kvplug_vllm.stats import GAUGE_PREFIX, LOAD_ERROR_PREFIX, SAMPLES, TIER_HIT
 _COUNTERS = {
     "lookups": ("kvplug_lookups", "Prompts looked up in kvplug's tiers"),
     "lookup_tokens": ("kvplug_lookup_tokens", "Prompt tokens looked up"),
-    "hit_tokens": ("kvplug_hit_tokens", "Prompt tokens found cached by kvplug"),
+    "hit_tokens": (
+        "kvplug_hit_tokens",
+        "Prompt tokens kvplug holds past what vLLM's own prefix cache had: what kvplug loads",
+    ),
+    "vllm_cached_tokens": (
+        "kvplug_vllm_cached_tokens",
+        "Prompt tokens kvplug holds that vLLM's own prefix cache had already (kvplug loads none of them)",
+    ),
     "loaded_tokens": ("kvplug_loaded_tokens", "Tokens of KV loaded into vLLM's cache"),
     "loaded_bytes": ("kvplug_loaded_bytes", "Serialized bytes read from kvplug's tiers"),
     "stored_tokens": ("kvplug_stored_tokens", "Tokens of KV stored in kvplug's tiers"),
@@ -53,7 +60,7 @@ class KVPlugPromMetrics(KVConnectorPromMetrics):
         }
         self._tier_hits = self._counter_cls(
             name="kvplug_hit_tokens_by_tier",
-            documentation="Prompt tokens found cached, by the fastest kvplug tier holding them",
+            documentation="kvplug_hit_tokens by the fastest kvplug tier holding them",
             labelnames=[*labelnames, "tier"],
         )
         self._load_errors = self._counter_cls(

@@ -25,7 +25,7 @@ from typing import Any
 from kvplug import ExtraKey, KVPlugConfig, RequestInfo
 from kvplug.errors import ConfigError, KVPlugError
 from kvplug_vllm.kv_events import KVPlugKVEvents
-from kvplug_vllm.lookup import DirectLookup, SocketLookup, local_engine, socket_path
+from kvplug_vllm.lookup import DirectLookup, SocketLookup, local_engine, socket_path, tier_media
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
 from kvplug_vllm.settings import ConnectorSettings, request_overrides, wants_report
 from kvplug_vllm.stats import TIER_HIT_PREFIX, KVPlugConnectorStats
@@ -33,8 +33,9 @@ from kvplug_vllm.worker import local_reset
 
 logger = logging.getLogger("kvplug.vllm")
 
-#: The tier type served from memory; a prefix needing any other tier loads in the background (load: auto).
-FAST_TIER = "cpu"
+#: The medium served at memory speed; a prefix needing a tier of any other medium
+#: (``StorageTier.medium``) loads in the background (load: auto).
+FAST_MEDIUM = "memory"
 
 
 @dataclass
@@ -44,6 +45,16 @@ class _Lookup:
     num_external: int = 0
     background: bool = False
     block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def new_hit(self) -> int:
+        """Tokens kvplug holds past what vLLM had computed (its own prefix cache): what kvplug adds."""
+        return max(0, self.num_hit - self.num_computed)
+
+    @property
+    def vllm_cached(self) -> int:
+        """Tokens kvplug holds that vLLM's own prefix cache had already: kvplug loads none of them."""
+        return min(self.num_hit, self.num_computed)
 
 
 @dataclass
@@ -57,6 +68,7 @@ class _Tracker:
     num_saved: int = 0
     num_computed: int = 0
     hit_tokens: int = 0
+    vllm_cached_tokens: int = 0
     external_tokens: int = 0
     overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -98,6 +110,8 @@ class SchedulerSide:
         self.can_save = kv_transfer.is_kv_producer
         self.engine_key = engine_key
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        #: Tier type -> medium: tiers are told apart by this trait, never by name.
+        self.media = tier_media(config)
         self._channel: DirectLookup | SocketLookup | None = None
         self._lookups: dict[str, _Lookup] = {}
         self._requests: dict[str, Any] = {}
@@ -142,14 +156,21 @@ class SchedulerSide:
             logger.warning("request %s: lookup failed, treated as a miss: %s", request.request_id, exc)
             tiers = []
         hit = sum(n for _, n in tiers)
+        # vLLM's own prefix cache answers first: what kvplug holds of the tokens vLLM has
+        # computed already is counted apart, so hit tokens are the tokens kvplug adds.
         counts = dict(
             lookups=1,
             lookup_tokens=len(request.prompt_token_ids),
-            hit_tokens=hit,
+            hit_tokens=max(0, hit - num_computed_tokens),
+            vllm_cached_tokens=min(hit, num_computed_tokens),
             lookup_us=int((time.perf_counter() - started) * 1e6),
         )
+        end = 0
         for name, count in tiers:
-            counts[TIER_HIT_PREFIX + name] = counts.get(TIER_HIT_PREFIX + name, 0) + count
+            beyond = min(count, max(0, end + count - num_computed_tokens))
+            end += count
+            if beyond:
+                counts[TIER_HIT_PREFIX + name] = counts.get(TIER_HIT_PREFIX + name, 0) + beyond
         self._stats.add(**counts)
         self._stats.sample("lookup_seconds", counts["lookup_us"] / 1e6)
         self.totals.add(**counts)
@@ -172,7 +193,7 @@ class SchedulerSide:
         end = 0
         for name, count in tiers:
             end += count
-            if end > num_computed and name != FAST_TIER:
+            if end > num_computed and self.media.get(name, "remote") != FAST_MEDIUM:
                 return True
         return False
 
@@ -225,11 +246,12 @@ class SchedulerSide:
             self._trackers[new.req_id] = tracker
             loaded = self._background_hits.pop(new.req_id, None)
             if loaded is not None:  # its KV arrived in the background (or failed and is recomputed)
-                tracker.hit_tokens, tracker.external_tokens = loaded.num_hit, loaded.num_external
+                tracker.hit_tokens, tracker.external_tokens = loaded.new_hit, loaded.num_external
+                tracker.vllm_cached_tokens = loaded.vllm_cached
                 tracker.num_saved = min(loaded.num_hit, new.num_computed_tokens) // self.chunk_size * self.chunk_size
             failed = self._failed_loads.pop(new.req_id, None)
             if failed is not None:  # the report still says what the lookup found; nothing was loaded
-                tracker.hit_tokens = failed.num_hit
+                tracker.hit_tokens, tracker.vllm_cached_tokens = failed.new_hit, failed.vllm_cached
             end = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
             self._add(meta, new.req_id, tracker, end, self._take_load(new.req_id, tracker))
         cached = scheduler_output.scheduled_cached_reqs
@@ -254,7 +276,7 @@ class SchedulerSide:
         lookup = self._lookups.pop(req_id, None)
         if lookup is None:
             return None
-        tracker.hit_tokens = lookup.num_hit
+        tracker.hit_tokens, tracker.vllm_cached_tokens = lookup.new_hit, lookup.vllm_cached
         tracker.num_saved = max(tracker.num_saved, lookup.num_hit)
         if lookup.num_external <= 0:
             return None
@@ -332,13 +354,14 @@ class SchedulerSide:
         yield from events.aggregate().get_all_events()
 
     def reset_cache(self) -> bool:
-        """Remove this engine's chunks from the tiers named in ``reset_tiers`` (vLLM's reset_prefix_cache)."""
+        """Remove this engine's chunks from the ``reset_tiers`` tiers (vLLM's reset_prefix_cache)."""
         try:
             removed = self._lookup_channel().reset()
         except KVPlugError as exc:
             logger.warning("reset_cache failed: %s", exc)
             return False
-        logger.info("reset_cache: removed %d chunks from kvplug tiers %s", removed, self.settings.reset_tiers)
+        which = self.settings.reset_tiers if self.settings.reset_tiers is not None else "of medium memory"
+        logger.info("reset_cache: removed %d chunks from kvplug tiers %s", removed, which)
         return True
 
     def get_kv_connector_stats(self) -> KVPlugConnectorStats | None:
@@ -354,6 +377,7 @@ class SchedulerSide:
             report = {
                 "kvplug": {
                     "hit_tokens": tracker.hit_tokens if tracker else 0,
+                    "vllm_cached_tokens": tracker.vllm_cached_tokens if tracker else 0,
                     "external_tokens": tracker.external_tokens if tracker else 0,
                     "totals": self.totals.reduce(),
                 }
@@ -383,9 +407,13 @@ class SchedulerSide:
             if mode == "direct" or (mode == "auto" and all(e is not None for e in engines)):
                 if any(e is None for e in engines):
                     raise KVPlugError("lookup: direct, but the worker's cache engine is not in this process")
-                self._channel = DirectLookup([e for e in engines if e is not None], [local_reset(key) for key in keys])
+                self._channel = DirectLookup(
+                    [e for e in engines if e is not None], [local_reset(key) for key in keys], self.media
+                )
             else:
-                self._channel = SocketLookup([socket_path(*key) for key in keys], self.settings.lookup_timeout_s)
+                self._channel = SocketLookup(
+                    [socket_path(*key) for key in keys], self.settings.lookup_timeout_s, self.media
+                )
             logger.info(
                 "kvplug lookups go %s",
                 "directly to the worker's engine"

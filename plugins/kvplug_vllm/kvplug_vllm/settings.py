@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
-from kvplug import KVPlugConfig
+from kvplug import KVPlugConfig, StorageTier
 from kvplug.errors import ConfigError, ConfigProblem
 
 PREFIX = "kvplug."
@@ -56,17 +56,17 @@ class ConnectorSettings(BaseModel):
         default="auto",
         description="How cached prefixes are loaded: sync (before the step's forward pass), async (in the "
         "background while vLLM schedules other requests; the request waits in WAITING_FOR_REMOTE_KVS), or auto "
-        "(async when part of the prefix is only in a slow tier, i.e. any tier other than cpu).",
+        "(async when part of the prefix is only in a tier whose medium is not memory: disk or remote).",
     )
     load_timeout_ms: PositiveInt = Field(
         default=10_000,
         description="An asynchronous load not finished in this time is given up: its blocks are reported "
         "through get_block_ids_with_load_errors and vLLM recomputes them.",
     )
-    reset_tiers: list[str] = Field(
-        default_factory=lambda: ["cpu"],
+    reset_tiers: list[str] | None = Field(
+        default=None,
         description="Tier types whose chunks vLLM's reset_prefix_cache (reset_cache) removes; "
-        "[] leaves every tier alone.",
+        "None (the default): every in-memory tier (medium memory, e.g. cpu); [] leaves every tier alone.",
     )
     metrics_port: int | None = Field(
         default=None,
@@ -123,6 +123,12 @@ def request_overrides(kv_transfer_params: Mapping[str, Any] | None, config: KVPl
     if overrides:
         config.with_overrides(overrides, source="kv_transfer_params")  # validates, raises ConfigError
     return overrides
+
+
+def resets(tier: StorageTier, reset_tiers: list[str] | None) -> bool:
+    """Whether vLLM's ``reset_prefix_cache`` empties ``tier`` (the ``reset_tiers`` setting):
+    the named tier types, or by default every tier whose ``medium`` is memory."""
+    return tier.medium == "memory" if reset_tiers is None else tier.name in reset_tiers
 
 
 def wants_report(kv_transfer_params: Mapping[str, Any] | None) -> bool:

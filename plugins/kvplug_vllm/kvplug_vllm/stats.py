@@ -1,5 +1,20 @@
 """The connector's counters in vLLM's ``KVConnectorStats`` form.
 
+What they count (tokens are prompt tokens; vLLM's own prefix cache answers first):
+
+- ``lookups``, ``lookup_tokens``: prompts looked up in kvplug's tiers, and their tokens.
+- ``hit_tokens``: tokens kvplug holds past what vLLM's own prefix cache already had:
+  what kvplug adds, and loads (``loaded_tokens``), unless a load fails. For a
+  full-prompt hit vLLM recomputes the last token, but kvplug writes its block anyway.
+- ``vllm_cached_tokens``: tokens kvplug holds that vLLM's own prefix cache had already;
+  kvplug loads none of them. ``hit_tokens + vllm_cached_tokens`` is all kvplug held.
+- ``hit_tokens_tier.<tier type>``: ``hit_tokens`` split by the fastest tier holding them.
+- ``loaded_tokens``, ``loaded_bytes``: tokens written into vLLM's blocks, and the
+  serialized bytes read for them (worker side).
+- ``stored_tokens``, ``stored_bytes``: tokens handed to the tiers, and their serialized bytes.
+- ``load_error_blocks``, ``load_error_requests``: vLLM blocks promised but not loaded
+  (vLLM recomputes them), and the requests they belong to.
+
 The worker side reports what it loaded, stored and failed to load since the
 previous step, and ``worker_us``, the time the forward pass spent in the
 connector (loads, layer waits, copies out for stores); the scheduler side
@@ -20,6 +35,7 @@ COUNTERS = (
     "lookups",
     "lookup_tokens",
     "hit_tokens",
+    "vllm_cached_tokens",
     "loaded_tokens",
     "loaded_bytes",
     "stored_tokens",
@@ -35,7 +51,7 @@ COUNTERS = (
 )
 
 
-#: ``hit_tokens_tier.<tier type>``: tokens of lookup hits whose chunk was found first in that tier.
+#: ``hit_tokens_tier.<tier type>``: ``hit_tokens`` whose chunk was found first in that tier.
 TIER_HIT_PREFIX = "hit_tokens_tier."
 #: ``load_errors.<reason>``: chunks that failed to load (corrupt, ...) or loads given up (deadline).
 LOAD_ERROR_PREFIX = "load_errors."

@@ -35,7 +35,7 @@ from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
 from kvplug_vllm.layout import detect_layout, fingerprint_for
 from kvplug_vllm.lookup import LookupServer, register_local, socket_path, unregister_local
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, RequestMeta
-from kvplug_vllm.settings import ConnectorSettings
+from kvplug_vllm.settings import ConnectorSettings, resets
 from kvplug_vllm.stats import GAUGE_PREFIX, LOAD_ERROR_PREFIX, KVPlugConnectorStats
 
 logger = logging.getLogger("kvplug.vllm")
@@ -384,11 +384,12 @@ class WorkerSide:
         return batch
 
     def reset_cache(self) -> int:
-        """Remove every chunk this worker stored or loaded from the ``reset_tiers`` tiers."""
+        """Remove every chunk this worker stored or loaded from the ``reset_tiers`` tiers
+        (by default the in-memory ones, told by their ``medium``)."""
         if self.engine is None or self.index is None:
             return 0
         keys = self.index.keys()
-        tiers = [t for t in self.engine.chain.tiers if t.name in self.settings.reset_tiers]
+        tiers = [t for t in self.engine.chain.tiers if resets(t, self.settings.reset_tiers)]
         for tier in tiers:
             try:
                 tier.remove(keys)

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-from kvplug import ChunkKey, KVEvent
+from kvplug import ChunkKey, KVEvent, Medium
 from kvplug_vllm.background import BackgroundLoads, _Pending
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
 from kvplug_vllm.lookup import merge_tiers
@@ -19,9 +19,10 @@ from kvplug_vllm.stats import KVPlugConnectorStats
 def test_merge_tiers_takes_the_shortest_prefix_and_the_slowest_tier() -> None:
     a = [("cpu", 64), ("cpu", 64), ("disk", 64)]
     b = [("cpu", 64), ("s3", 64)]
-    assert merge_tiers([a, b]) == [("cpu", 64), ("s3", 64)]
-    assert merge_tiers([a]) == a
-    assert merge_tiers([]) == []
+    media: dict[str, Medium] = {"cpu": "memory", "disk": "disk", "s3": "remote"}
+    assert merge_tiers([a, b], media) == [("cpu", 64), ("s3", 64)]
+    assert merge_tiers([a], media) == a
+    assert merge_tiers([], media) == []
 
 
 def key(index: int, start: int, end: int) -> ChunkKey:

@@ -1,0 +1,218 @@
+"""The connector tells tiers apart by their declared ``medium``, never by their names: a
+third-party in-memory tier is served as fast as ``cpu`` by the scheduler's lookups and is
+emptied by vLLM's prefix cache reset; a tier that declares nothing counts as remote.
+
+No engine: a real CacheEngine with real tiers, the scheduler side's lookup path
+(``get_num_new_matched_tokens`` over a direct lookup) and the worker's ``reset_cache``.
+vLLM's config and request objects are plain data here, as in test_units.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import kvplug
+from kvplug import (
+    Buffer,
+    CacheEngine,
+    Fingerprint,
+    KVLayout,
+    PluginRegistry,
+    RequestInfo,
+    StorageTier,
+    TierStats,
+    load_config,
+    slots_from_block_ids,
+)
+from kvplug.errors import InvalidComponentError
+from kvplug_vllm.kv_events import ChunkIndex
+from kvplug_vllm.layout import VLLM_CPU
+from kvplug_vllm.lookup import merge_tiers, register_local, tier_media, unregister_local
+from kvplug_vllm.scheduler import SchedulerSide
+from kvplug_vllm.settings import ConnectorSettings, resets
+from kvplug_vllm.worker import WorkerSide
+
+LAYOUT = KVLayout(VLLM_CPU, num_layers=2, block_size=32, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+PROMPT = list(range(3, 203))  # 3 whole chunks of 64
+
+
+class _DictTier(StorageTier):
+    """A third-party tier keeping values in a dict of this process."""
+
+    def __init__(self, config: Any, context: kvplug.TierContext) -> None:
+        super().__init__(config, context)
+        self._values: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            return [key in self._values for key in keys]
+
+    def get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        with self._lock:
+            return [self._values.get(key) for key in keys]
+
+    def put(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        with self._lock:
+            self._values.update((key, bytes(value)) for key, value in items)
+
+    def remove(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._values.pop(key, None)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(bytes_used=sum(map(len, self._values.values())), items=len(self._values))
+
+    def close(self) -> None:
+        pass
+
+
+class RamTier(_DictTier):
+    name = "ram"
+    medium = "memory"
+
+
+class LegacyTier(_DictTier):
+    """Written against kvplug 0.2: declares no medium."""
+
+    name = "legacy"
+
+
+class ThirdParty:
+    @kvplug.hookimpl
+    def kvplug_storage_tiers(self) -> list[type]:
+        return [RamTier, LegacyTier]
+
+
+@pytest.fixture
+def registry() -> PluginRegistry:
+    registry = PluginRegistry(plugin_filter="disk")
+    assert registry.register(ThirdParty(), "third-party")
+    return registry
+
+
+@pytest.fixture
+def engine(registry: PluginRegistry, tmp_path: Path) -> Iterator[CacheEngine]:
+    extra = {
+        "kvplug.chunk_size": 64,
+        "kvplug.store.mode": "sync",
+        "kvplug.tiers": [
+            {"type": "ram"},
+            {"type": "legacy"},
+            {"type": "disk", "path": str(tmp_path / "disk"), "max_bytes": "64MiB"},
+        ],
+    }
+    config = load_config(engine_extra=extra, env={}, registry=registry).config
+    with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="unit"), registry=registry) as cache:
+        caches = [torch.randn(16, 2, 32, 128).to(torch.bfloat16) for _ in range(2)]
+        cache.store(PROMPT, caches, slots_from_block_ids(list(range(1, 16)), 32, len(PROMPT)))
+        cache.chain.flush()
+        yield cache
+
+
+def tier(engine: CacheEngine, name: str) -> StorageTier:
+    return next(t for t in engine.chain.tiers if t.name == name)
+
+
+def scheduler(engine: CacheEngine) -> Iterator[SchedulerSide]:
+    key = (f"unit-media-{id(engine):x}", 0, 0)
+    register_local(key, engine)
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(is_kv_consumer=True, is_kv_producer=True),
+        cache_config=SimpleNamespace(block_size=32),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        kv_events_config=None,
+    )
+    side = SchedulerSide(vllm_config, ConnectorSettings(lookup="direct"), engine.config, key)
+    try:
+        yield side
+    finally:
+        side.shutdown()
+        unregister_local(key)
+
+
+@pytest.fixture
+def side(engine: CacheEngine) -> Iterator[SchedulerSide]:
+    yield from scheduler(engine)
+
+
+def request(request_id: str) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=request_id,
+        prompt_token_ids=PROMPT,
+        num_tokens=len(PROMPT),
+        kv_transfer_params=None,
+        mm_features=None,
+        lora_request=None,
+        cache_salt=None,
+    )
+
+
+def test_the_media_of_the_configured_tiers(engine: CacheEngine) -> None:
+    assert tier_media(engine.config) == {"ram": "memory", "legacy": "remote", "disk": "disk"}
+
+
+def test_a_prefix_in_a_third_party_memory_tier_loads_before_the_step(engine: CacheEngine, side: SchedulerSide) -> None:
+    assert side.get_num_new_matched_tokens(request("r1"), 0) == (192, False)  # False: not in the background
+    stats = side.get_kv_connector_stats()
+    assert stats is not None and stats.data["hit_tokens_tier.ram"] == 192
+
+
+@pytest.mark.parametrize("gone", [["ram"], ["ram", "legacy"]], ids=["legacy-tier", "disk-tier"])
+def test_a_prefix_only_in_slower_media_loads_in_the_background(
+    engine: CacheEngine, side: SchedulerSide, gone: list[str]
+) -> None:
+    keys = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
+    for name in gone:
+        tier(engine, name).remove(keys)
+    assert side.get_num_new_matched_tokens(request("r2"), 0) == (192, True)
+
+
+def test_tensor_parallel_answers_merge_to_the_slowest_medium() -> None:
+    media: dict[str, kvplug.Medium] = {"ram": "memory", "cpu": "memory", "disk": "disk"}
+    a = [("ram", 64), ("ram", 64), ("disk", 64)]
+    b = [("cpu", 64), ("disk", 64), ("ram", 64), ("ram", 64)]
+    assert merge_tiers([a, b], media) == [("cpu", 64), ("disk", 64), ("disk", 64)]
+    assert merge_tiers([[("ram", 64)], [("unknown", 64)]], media) == [("unknown", 64)]  # undeclared: remote
+
+
+def test_the_prefix_cache_reset_empties_the_memory_tiers_and_keeps_the_others(engine: CacheEngine) -> None:
+    keys = [k for k in engine.chunk_keys(PROMPT, RequestInfo()) if k.end % 64 == 0]  # the 3 stored chunks
+    index = ChunkIndex(32, [t.name for t in engine.chain.tiers], publish=False)
+    index.remember(keys, PROMPT, [f"h{i}".encode() for i in range(len(PROMPT) // 32)], None)
+    worker = SimpleNamespace(engine=engine, index=index, settings=ConnectorSettings())  # reset_tiers: default
+    assert WorkerSide.reset_cache(worker) == len(keys)  # type: ignore[arg-type]
+    held = {t.name: t.contains([k.key for k in keys]) for t in engine.chain.tiers}
+    assert held == {"ram": [False] * 3, "legacy": [True] * 3, "disk": [True] * 3}
+
+
+def test_reset_tiers_names_the_tiers_to_empty(engine: CacheEngine) -> None:
+    named = ["legacy"]
+    assert [t.name for t in engine.chain.tiers if resets(t, named)] == ["legacy"]
+    assert [t.name for t in engine.chain.tiers if resets(t, [])] == []
+    assert [t.name for t in engine.chain.tiers if resets(t, None)] == ["ram"]
+
+
+def test_a_tier_declaring_an_unknown_medium_is_refused() -> None:
+    class SsdTier(RamTier):
+        name = "ssd"
+        medium = "ssd"  # type: ignore[assignment]
+
+    class Plugin:
+        @kvplug.hookimpl
+        def kvplug_storage_tiers(self) -> list[type]:
+            return [SsdTier]
+
+    registry = PluginRegistry(load_entry_points=False)
+    registry.register(Plugin(), "ssd-plugin")
+    with pytest.raises(InvalidComponentError, match="declares medium 'ssd'; a tier's medium is one of memory, disk"):
+        registry.storage_tiers()
