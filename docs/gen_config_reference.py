@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from typing import Annotated, get_args, get_origin
 
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from kvplug import Bounded
 from kvplug.core.config import KVPlugConfig, StoreSettings
 from kvplug.core.tier import TierConfig
 from kvplug_compress import FP8Serializer, ZstdSerializer
@@ -59,6 +63,14 @@ def _default(value: object) -> object:
     return value
 
 
+def _bounds(field: FieldInfo) -> Bounded | None:
+    """The :class:`kvplug.Bounded` range of a field, also inside ``ThreadCount | Literal["auto"]``."""
+    candidates = list(field.metadata)
+    for member in get_args(field.annotation):
+        candidates += get_args(member)[1:] if get_origin(member) is Annotated else []
+    return next((c for c in candidates if isinstance(c, Bounded)), None)
+
+
 def table(title: str, model: type[BaseModel], prefix: str = "", skip: set[str] = frozenset()) -> str:
     lines = [f"\n## {title}\n", "| setting | default | meaning |", "|---|---|---|"]
     for name, field in model.model_fields.items():
@@ -67,6 +79,9 @@ def table(title: str, model: type[BaseModel], prefix: str = "", skip: set[str] =
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         note = " Per request." if extra.get("per_request") else ""
         default = _default(field.get_default(call_default_factory=True))
+        bounds = _bounds(field)
+        if bounds is not None:
+            note = f" Allowed: {bounds.describe()}.{note}"
         lines.append(f"| `{prefix}{name}` | `{default}` | {field.description or ''}{note} |")
     return "\n".join(lines)
 

@@ -13,6 +13,16 @@ from typing import TYPE_CHECKING, Any
 from kvplug.core.background import BackgroundWorker
 from kvplug.core.chunk_format import dtype_name
 from kvplug.core.components import ComponentConfig, EmptyConfig, EngineAdapter
+from kvplug.core.config_types import (
+    BackoffSeconds,
+    Bounded,
+    Concurrency,
+    FailureCount,
+    QueueItems,
+    ThreadCount,
+    TimeoutMilliseconds,
+    TimeoutSeconds,
+)
 from kvplug.core.events import KVEvent
 from kvplug.core.keys import KV_FORMAT_VERSION, ChunkKey, ExtraKey, Fingerprint, KeyBuilder
 from kvplug.core.metrics import EngineMetrics
@@ -82,15 +92,19 @@ __all__ = [
     "UNBOUNDED_BYTES",
     "Absent",
     "BackgroundWorker",
+    "BackoffSeconds",
+    "Bounded",
     "Buffer",
     "CacheEngine",
     "ChunkKey",
     "CircuitBreaker",
     "ComponentConfig",
+    "Concurrency",
     "EmptyConfig",
     "EngineAdapter",
     "EngineMetrics",
     "ExtraKey",
+    "FailureCount",
     "FailureKind",
     "Fingerprint",
     "KVConnector",
@@ -103,6 +117,7 @@ __all__ = [
     "Medium",
     "PagedFormat",
     "PluginRegistry",
+    "QueueItems",
     "RecordCheck",
     "RecordStore",
     "RemoteCalls",
@@ -113,10 +128,13 @@ __all__ = [
     "Serializer",
     "StorageTier",
     "StoredRecord",
+    "ThreadCount",
     "TierChain",
     "TierConfig",
     "TierContext",
     "TierStats",
+    "TimeoutMilliseconds",
+    "TimeoutSeconds",
     "TorchConnector",
     "__version__",
     "call_budget",

@@ -17,11 +17,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt, PrivateAttr, ValidationError
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, PrivateAttr, ValidationError
 
 from kvplug.core.chunk_format import DEFAULT_MAX_CHUNK_BYTES
 from kvplug.core.components import CheckedModel
 from kvplug.core.concerns import CONCERNS_BY_KEY, CONFIG_CONCERNS
+from kvplug.core.config_types import QueueItems, ThreadCount, TimeoutMilliseconds, TimeoutSeconds
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.errors import ConfigError, ConfigProblem
 
@@ -68,7 +69,7 @@ class StoreSettings(CheckedModel):
     mode: Literal["async", "sync"] = Field(
         default="async", description="async: a worker thread writes; sync: the caller does."
     )
-    queue_max_batches: PositiveInt = Field(default=64, description="Bound of the store queue.")
+    queue_max_batches: QueueItems = Field(default=64, description="Bound of the store queue.")
     queue_max_bytes: ByteSize = Field(
         default=ByteSize(256 * 1024**2),
         gt=0,
@@ -78,7 +79,7 @@ class StoreSettings(CheckedModel):
     on_full: Literal["block", "drop"] = Field(
         default="block", description="When the queue is full: wait (up to block_timeout_s) or drop."
     )
-    block_timeout_s: PositiveFloat = Field(
+    block_timeout_s: TimeoutSeconds = Field(
         default=30.0, description="A blocked store waits at most this long, then is dropped."
     )
     frame_pool_bytes: ByteSize | None = Field(
@@ -132,7 +133,7 @@ class KVPlugConfig(CheckedModel):
         description="Storage tiers, fastest first.",
     )
     store: StoreSettings = Field(default_factory=StoreSettings, description="How stores reach the tiers.")
-    copy_threads: PositiveInt | Literal["auto"] = Field(
+    copy_threads: ThreadCount | Literal["auto"] = Field(
         default="auto",
         description="Threads that copy KV between the engine's host KV cache and chunk frames, for stores "
         "and loads (the caller waits); auto: torch's intra-op threads, at most 4. Copies on a GPU ignore it. "
@@ -143,7 +144,7 @@ class KVPlugConfig(CheckedModel):
         "such an engine's warm TTFT at 8192 tokens from 49 to 42 ms (medians of 6 engine processes), while "
         "the native connector's was 31 ms with 2 against 35 ms with 1 (4 each). Measure on your hosts.",
     )
-    lookup_timeout_ms: PositiveInt = Field(
+    lookup_timeout_ms: TimeoutMilliseconds = Field(
         default=200,
         description="Budget of one lookup across all tiers; remote calls end within it and tiers not "
         "asked in time count as a miss.",

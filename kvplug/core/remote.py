@@ -31,8 +31,9 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from typing import Any, Literal, TypeVar
 
-from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
+from pydantic import Field
 
+from kvplug.core.config_types import BackoffSeconds, Concurrency, FailureCount, TimeoutSeconds
 from kvplug.core.retry import (
     BreakerState,
     CircuitBreaker,
@@ -87,19 +88,19 @@ class RemoteTierConfig(TierConfig):
         description="async: the tier chain writes this tier from its own bounded background writer, "
         "so a slow store never delays a store call.",
     )
-    request_timeout_s: PositiveFloat = Field(
+    request_timeout_s: TimeoutSeconds = Field(
         default=2.0, description="Deadline of one attempt of one store operation, transfer included."
     )
     retries: int = Field(default=1, ge=0, le=10, description="Retries after a failed attempt (bounded).")
-    backoff_base_s: NonNegativeFloat = Field(default=0.02, description="First backoff; doubles per retry, full jitter.")
-    backoff_max_s: NonNegativeFloat = Field(default=0.5, description="Longest backoff between two attempts.")
-    breaker_failures: PositiveInt = Field(
+    backoff_base_s: BackoffSeconds = Field(default=0.02, description="First backoff; doubles per retry, full jitter.")
+    backoff_max_s: BackoffSeconds = Field(default=0.5, description="Longest backoff between two attempts.")
+    breaker_failures: FailureCount = Field(
         default=3, description="Consecutive failed operations that open the circuit breaker."
     )
-    breaker_cooldown_s: PositiveFloat = Field(
+    breaker_cooldown_s: TimeoutSeconds = Field(
         default=5.0, description="Seconds the breaker stays open before one probe may try the store."
     )
-    max_concurrency: PositiveInt = Field(default=32, description="Store operations in flight at once.")
+    max_concurrency: Concurrency = Field(default=32, description="Store operations in flight at once.")
 
 
 class LoopThread:

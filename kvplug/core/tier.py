@@ -8,9 +8,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ByteSize, Field, PositiveInt
+from pydantic import BaseModel, ByteSize, Field
 
 from kvplug.core.components import ComponentConfig
+from kvplug.core.config_types import QueueItems
 from kvplug.core.events import KVEvent
 from kvplug.core.metrics import EngineMetrics
 
@@ -38,7 +39,7 @@ class TierConfig(ComponentConfig):
         "bounded background writer of its own does, so a slow tier never delays faster ones "
         "(and a store does not ask it what it holds until that writer does).",
     )
-    write_queue_items: PositiveInt = Field(default=1024, description="Bound of the async writer's queue, in batches.")
+    write_queue_items: QueueItems = Field(default=1024, description="Bound of the async writer's queue, in batches.")
     write_queue_bytes: ByteSize = Field(
         default=ByteSize(256 * 1024**2),
         gt=0,

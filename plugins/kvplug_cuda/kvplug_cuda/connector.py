@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import ByteSize, Field
 
-from kvplug import ComponentConfig, KVConnector, KVLayout, TorchConnector
+from kvplug import ComponentConfig, KVConnector, KVLayout, TimeoutSeconds, TorchConnector
 from kvplug.errors import ConnectorError, LayoutError, TransferTimeoutError
 from kvplug_cuda.addressing import (
     PagedAddressing,
@@ -66,8 +66,10 @@ class CudaConnectorConfig(ComponentConfig):
         default=ByteSize(256 * 1024**2),
         description="Most pinned host memory held for staging; a chunk layer must fit in it.",
     )
-    pool_timeout_s: float = Field(default=2.0, gt=0, description="Longest wait for a free pinned buffer; then a miss.")
-    copy_timeout_s: float = Field(default=30.0, gt=0, description="Longest wait for issued copies in synchronize().")
+    pool_timeout_s: TimeoutSeconds = Field(
+        default=2.0, description="Longest wait for a free pinned buffer; then a miss."
+    )
+    copy_timeout_s: TimeoutSeconds = Field(default=30.0, description="Longest wait for issued copies in synchronize().")
 
 
 @dataclass

@@ -13,11 +13,11 @@ is queued exactly once; ``write_mode: async`` is accepted only with
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import ByteSize, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import ByteSize, Field, field_validator, model_validator
 
-from kvplug import TierConfig
+from kvplug import Bounded, QueueItems, ThreadCount, TierConfig, TimeoutSeconds
 
 
 class DiskTierConfig(TierConfig):
@@ -38,27 +38,27 @@ class DiskTierConfig(TierConfig):
         description="background: put queues the write for the tier's own writer thread; "
         "inline: put writes before it returns.",
     )
-    write_threads: PositiveInt = Field(
+    write_threads: ThreadCount = Field(
         default=4,
         description="Records of one put written at once, so that their fdatasyncs overlap (each record is "
         "still renamed into place in the order it was put, after its own write). On a 2-core VM's virtual "
         "disk, 8 MiB records went 1.80 GB/s one at a time, 2.07 GB/s two and 2.66 GB/s four at a time. "
         "1: one at a time.",
     )
-    queue_items: PositiveInt = Field(default=64, description="Bound of the background writer's queue, in put batches.")
+    queue_items: QueueItems = Field(default=64, description="Bound of the background writer's queue, in put batches.")
     queue_bytes: ByteSize = Field(
         default=ByteSize(256 * 1024**2),
         gt=0,
         description="Bound of the background writer's queue in bytes of values (queued and being written): "
         "queued values are held in memory until written.",
     )
-    block_timeout_s: PositiveFloat = Field(
+    block_timeout_s: TimeoutSeconds = Field(
         default=30.0, description="With on_queue_full: block, a put waits this long for room, then drops."
     )
     on_close: Literal["flush", "drop"] = Field(
         default="flush", description="What close does with queued writes: write them, or drop them."
     )
-    stale_temp_s: PositiveFloat = Field(
+    stale_temp_s: Annotated[float, Bounded(0, 7 * 86400, "seconds", exclusive_minimum=True, note="a week")] = Field(
         default=600.0,
         description="A temporary file this old is a leftover of a killed writer and is removed at start "
         "(one whose writer process on this host is gone is removed at once).",

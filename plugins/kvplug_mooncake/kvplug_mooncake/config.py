@@ -6,9 +6,9 @@ import re
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import ByteSize, Field, PositiveFloat, field_validator
+from pydantic import ByteSize, Field, field_validator
 
-from kvplug import RemoteTierConfig
+from kvplug import RemoteTierConfig, ThreadCount, TimeoutSeconds
 
 _HOST_PORT = re.compile(r"^(?P<host>[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>[0-9]{1,5})$")
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9._\-/]{0,64}$")
@@ -55,10 +55,10 @@ class MooncakeTierConfig(RemoteTierConfig):
     key_prefix: str = Field(
         default="kvplug/", description="Prefix of every object key in the store (letters, digits, . _ - /)."
     )
-    setup_timeout_s: PositiveFloat = Field(
+    setup_timeout_s: TimeoutSeconds = Field(
         default=10.0, description="Deadline of connecting the client to the master (setup)."
     )
-    transfer_threads: int = Field(default=8, ge=1, le=256, description="Threads that run the client's blocking calls.")
+    transfer_threads: ThreadCount = Field(default=8, description="Threads that run the client's blocking calls.")
 
     @field_validator("master")
     @classmethod

@@ -15,15 +15,12 @@ from urllib.parse import urlsplit
 from pydantic import (
     ByteSize,
     Field,
-    NonNegativeFloat,
-    PositiveFloat,
-    PositiveInt,
     SecretStr,
     field_validator,
     model_validator,
 )
 
-from kvplug import RemoteTierConfig
+from kvplug import BackoffSeconds, FailureCount, RemoteTierConfig, TimeoutSeconds
 
 #: Protocols spoken by the S3 options (endpoint, region, keys).
 S3_PROTOCOLS = frozenset({"s3", "s3a"})
@@ -55,17 +52,17 @@ class S3TierConfig(RemoteTierConfig):
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments for the fsspec filesystem; they win over the above."
     )
-    connect_timeout_s: PositiveFloat = Field(default=3.0, description="Seconds to open a connection (s3).")
-    read_timeout_s: PositiveFloat = Field(default=15.0, description="Seconds a socket read may stall (s3).")
+    connect_timeout_s: TimeoutSeconds = Field(default=3.0, description="Seconds to open a connection (s3).")
+    read_timeout_s: TimeoutSeconds = Field(default=15.0, description="Seconds a socket read may stall (s3).")
     # Objects are whole chunks (MBs): an attempt may take longer than a key-value store's.
-    request_timeout_s: PositiveFloat = Field(
+    request_timeout_s: TimeoutSeconds = Field(
         default=30.0, description="Deadline of one attempt of one object operation, transfer included."
     )
     retries: int = Field(default=2, ge=0, le=10, description="Retries after a failed attempt (bounded).")
-    backoff_base_s: NonNegativeFloat = Field(default=0.05, description="First backoff; doubles per retry, full jitter.")
-    backoff_max_s: NonNegativeFloat = Field(default=2.0, description="Longest backoff between two attempts.")
-    breaker_failures: PositiveInt = Field(default=5, description="Consecutive failures that open the circuit breaker.")
-    breaker_cooldown_s: PositiveFloat = Field(
+    backoff_base_s: BackoffSeconds = Field(default=0.05, description="First backoff; doubles per retry, full jitter.")
+    backoff_max_s: BackoffSeconds = Field(default=2.0, description="Longest backoff between two attempts.")
+    breaker_failures: FailureCount = Field(default=5, description="Consecutive failures that open the circuit breaker.")
+    breaker_cooldown_s: TimeoutSeconds = Field(
         default=10.0, description="Seconds the breaker stays open before one probe batch may try the store."
     )
     frame_buffer_bytes: ByteSize = Field(

@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Annotated
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from pydantic import (
     ByteSize,
     Field,
-    NonNegativeFloat,
-    PositiveFloat,
     PositiveInt,
     SecretStr,
     field_validator,
     model_validator,
 )
 
-from kvplug import RemoteTierConfig
+from kvplug import BackoffSeconds, Bounded, Concurrency, RemoteTierConfig, TimeoutSeconds
 
 #: URL schemes the tier accepts, and whether they mean TLS.
 SCHEMES = {"redis": False, "valkey": False, "rediss": True, "valkeys": True, "unix": False}
@@ -117,23 +116,23 @@ class ValkeyTierConfig(RemoteTierConfig):
         description="Prefix of every key this tier writes (keys are prefix + sha256 hex digest); "
         "`kvplug store` lists and cleans only keys under it.",
     )
-    ttl_s: PositiveFloat | None = Field(
+    ttl_s: Annotated[float, Bounded(0.001, 366 * 86400, "seconds", note="a year")] | None = Field(
         default=None, description="Expire stored values after this many seconds (SET PX); None: never."
     )
     cluster: bool | None = Field(
         default=None,
         description="true: Valkey/Redis Cluster; false: a standalone server; unset: ask the server (INFO cluster).",
     )
-    connect_timeout_s: PositiveFloat = Field(default=0.25, description="Seconds to open a connection.")
-    request_timeout_s: PositiveFloat = Field(
+    connect_timeout_s: TimeoutSeconds = Field(default=0.25, description="Seconds to open a connection.")
+    request_timeout_s: TimeoutSeconds = Field(
         default=0.5, description="Deadline of one attempt of one pipelined batch, transfer included."
     )
-    backoff_base_s: NonNegativeFloat = Field(default=0.01, description="First backoff; doubles per retry, full jitter.")
-    backoff_max_s: NonNegativeFloat = Field(default=0.1, description="Longest backoff between two attempts.")
-    breaker_cooldown_s: PositiveFloat = Field(
+    backoff_base_s: BackoffSeconds = Field(default=0.01, description="First backoff; doubles per retry, full jitter.")
+    backoff_max_s: BackoffSeconds = Field(default=0.1, description="Longest backoff between two attempts.")
+    breaker_cooldown_s: TimeoutSeconds = Field(
         default=2.0, description="Seconds the breaker stays open before one probe may try the server."
     )
-    pipeline_keys: PositiveInt = Field(
+    pipeline_keys: Annotated[int, Bounded(1, 4096, "keys")] = Field(
         default=8, description="Keys per pipelined request; larger batches go as several pipelines at once."
     )
     pipeline_bytes: ByteSize = Field(
@@ -142,7 +141,7 @@ class ValkeyTierConfig(RemoteTierConfig):
         default=ByteSize(8 * 1024**2),
         description="Bytes of values per pipelined store request (at least one value); several go at once.",
     )
-    max_connections: PositiveInt = Field(default=64, description="Connections per server in the client's pool.")
+    max_connections: Concurrency = Field(default=64, description="Connections per server in the client's pool.")
     tls_ca_file: str | None = Field(default=None, description="CA bundle to verify the server's TLS certificate.")
     index_max_keys: PositiveInt = Field(
         default=100_000,

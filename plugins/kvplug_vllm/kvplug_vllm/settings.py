@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
 
-from kvplug import KVPlugConfig, StorageTier
+from kvplug import KVPlugConfig, StorageTier, TimeoutMilliseconds, TimeoutSeconds
 from kvplug.errors import ConfigError, ConfigProblem
 
 PREFIX = "kvplug."
@@ -49,7 +49,7 @@ class ConnectorSettings(BaseModel):
         description="How the scheduler asks the worker's cache engine: direct (same process), "
         "socket (vLLM's multiprocess engine), or auto (direct when the worker is in this process).",
     )
-    lookup_timeout_s: PositiveFloat = Field(
+    lookup_timeout_s: TimeoutSeconds = Field(
         default=10.0, description="A lookup that gets no answer in this time is a miss."
     )
     load: Literal["auto", "sync", "async"] = Field(
@@ -58,7 +58,7 @@ class ConnectorSettings(BaseModel):
         "background while vLLM schedules other requests; the request waits in WAITING_FOR_REMOTE_KVS), or auto "
         "(async when part of the prefix is only in a tier whose medium is not memory: disk or remote).",
     )
-    load_timeout_ms: PositiveInt = Field(
+    load_timeout_ms: TimeoutMilliseconds = Field(
         default=10_000,
         description="An asynchronous load not finished in this time is given up: its blocks are reported "
         "through get_block_ids_with_load_errors and vLLM recomputes them.",
