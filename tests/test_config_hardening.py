@@ -102,3 +102,141 @@ def test_cli_validate_reports_without_traceback(tmp_path: Path, monkeypatch: pyt
         assert isinstance(result.exception, SystemExit), (name, result.exception)  # an exit, not a crash
         assert "error:" in result.output and "Traceback" not in result.output, (name, result.output)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(cases)  # nothing created in the cwd
+
+
+# --- issue 29 item 9: values that cannot be right (inf, nan, absurd counts) ----------------
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.fixture
+def remote_registry() -> PluginRegistry:
+    return PluginRegistry(plugin_filter="cpu,disk,s3,valkey,mooncake")
+
+
+VALKEY = {"type": "valkey", "url": "redis://127.0.0.1:1/0"}
+S3 = {"type": "s3", "url": "s3://bucket/prefix", "endpoint_url": "http://127.0.0.1:1"}
+MOONCAKE = {"type": "mooncake", "master": "127.0.0.1:1", "metadata_server": "P2PHANDSHAKE"}
+
+
+@pytest.mark.parametrize(
+    ("settings", "path", "bound"),
+    [
+        ({"store": {"block_timeout_s": INF}}, "store.block_timeout_s", "at most 3600"),
+        ({"store": {"block_timeout_s": NAN}}, "store.block_timeout_s", "at most 3600"),
+        ({"store": {"block_timeout_s": 1e9}}, "store.block_timeout_s", "at most 3600"),
+        ({"store": {"queue_max_batches": 10**9}}, "store.queue_max_batches", "at most 65536"),
+        ({"copy_threads": 100000}, "copy_threads", "at most 256"),
+        ({"lookup_timeout_ms": 10**12}, "lookup_timeout_ms", "at most 3600000"),
+        ({"tiers": [{"type": "cpu", "write_queue_items": 10**9}]}, "tiers[0].write_queue_items", "at most 65536"),
+        ({"tiers": [{**VALKEY, "request_timeout_s": INF}]}, "tiers[0].request_timeout_s", "at most 3600"),
+        ({"tiers": [{**VALKEY, "connect_timeout_s": NAN}]}, "tiers[0].connect_timeout_s", "at most 3600"),
+        ({"tiers": [{**VALKEY, "ttl_s": INF}]}, "tiers[0].ttl_s", "at most 31622400"),
+        ({"tiers": [{**VALKEY, "backoff_max_s": INF}]}, "tiers[0].backoff_max_s", "at most 60"),
+        ({"tiers": [{**VALKEY, "max_connections": 10**6}]}, "tiers[0].max_connections", "at most 1024"),
+        ({"tiers": [{**VALKEY, "pipeline_keys": 10**6}]}, "tiers[0].pipeline_keys", "at most 4096"),
+        ({"tiers": [{**VALKEY, "breaker_failures": 10**9}]}, "tiers[0].breaker_failures", "at most 1000"),
+        ({"tiers": [{**VALKEY, "max_concurrency": 10**9}]}, "tiers[0].max_concurrency", "at most 1024"),
+        ({"tiers": [{**S3, "read_timeout_s": INF}]}, "tiers[0].read_timeout_s", "at most 3600"),
+        ({"tiers": [{**S3, "breaker_cooldown_s": INF}]}, "tiers[0].breaker_cooldown_s", "at most 3600"),
+        ({"tiers": [{**MOONCAKE, "setup_timeout_s": INF}]}, "tiers[0].setup_timeout_s", "at most 3600"),
+        (
+            {"tiers": [{"type": "disk", "path": "/tmp/x", "write_threads": 100000}]},
+            "tiers[0].write_threads",
+            "at most 256",
+        ),
+        (
+            {"tiers": [{"type": "disk", "path": "/tmp/x", "block_timeout_s": INF}]},
+            "tiers[0].block_timeout_s",
+            "at most 3600",
+        ),
+        (
+            {"tiers": [{"type": "disk", "path": "/tmp/x", "stale_temp_s": INF}]},
+            "tiers[0].stale_temp_s",
+            "at most 604800",
+        ),
+        (
+            {"tiers": [{"type": "disk", "path": "/tmp/x", "queue_items": 10**9}]},
+            "tiers[0].queue_items",
+            "at most 65536",
+        ),
+    ],
+)
+def test_values_that_cannot_be_right_name_field_value_and_bound(
+    remote_registry: PluginRegistry, settings: dict, path: str, bound: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(registry=remote_registry, env={}, engine_extra={"kvplug": settings})
+    [problem] = [p for p in info.value.problems if p.path == path]
+    assert bound in problem.message, str(info.value)
+    assert str(problem).startswith(f"{path}: ") and str(problem).endswith(f"(got {problem.value!r})")
+    assert isinstance(problem.value, (int, float)) and not 0 < problem.value <= 3600, problem  # the bad value
+
+
+def test_infinity_from_yaml_and_the_environment_is_refused(remote_registry: PluginRegistry, tmp_path: Path) -> None:
+    """YAML's ``.inf`` and ``KVPLUG_STORE__BLOCK_TIMEOUT_S=inf`` are floats pydantic takes as they are."""
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "store: {block_timeout_s: .inf}\ntiers: [{type: valkey, url: 'redis://127.0.0.1:1', request_timeout_s: .inf}]\n"
+    )
+    paths, text = problem_paths(remote_registry, config_file=config)
+    assert paths == ["store.block_timeout_s", "tiers[0].request_timeout_s"], text
+    assert "finite" in text and "(got inf)" in text
+    paths, _ = problem_paths(remote_registry, env={"KVPLUG_STORE__BLOCK_TIMEOUT_S": "inf"})
+    assert paths == ["store.block_timeout_s"]
+
+
+def test_bounded_values_at_the_bounds_are_accepted(remote_registry: PluginRegistry) -> None:
+    settings = {
+        "copy_threads": 256,
+        "lookup_timeout_ms": 3_600_000,
+        "store": {"block_timeout_s": 3600, "queue_max_batches": 65536},
+        "tiers": [{**VALKEY, "request_timeout_s": 0.001, "backoff_base_s": 0, "ttl_s": 86400}],
+    }
+    config = load_config(registry=remote_registry, env={}, engine_extra={"kvplug": settings}).config
+    assert config.copy_threads == 256 and config.store.block_timeout_s == 3600
+    assert load_config(registry=remote_registry, env={}, engine_extra={"kvplug": {"copy_threads": "auto"}})
+
+
+def _numeric_fields(model: type) -> list[tuple[str, object]]:
+    """``(name, FieldInfo)`` of the float and int fields of ``model`` (byte sizes and bools excepted)."""
+    from pydantic import ByteSize
+
+    from kvplug.core.components import _members
+
+    fields = []
+    for name, info in model.model_fields.items():
+        kinds = [m for m in _members(info.annotation) if isinstance(m, type)]
+        kinds += [a for m in _members(info.annotation) for a in getattr(m, "__args__", ())[:1] if isinstance(a, type)]
+        if any(k is float or (k is int and not issubclass(k, (bool, ByteSize))) for k in kinds):
+            fields.append((name, info))
+    return fields
+
+
+def test_no_float_or_int_setting_of_any_installed_component_takes_inf_nan_or_absurd_counts() -> None:
+    """A sweep, so a field added later without a bound fails here: every float setting of the
+    core and of every installed component refuses inf and nan, every int setting 2**62."""
+    from typing import Annotated
+
+    from pydantic import TypeAdapter, ValidationError
+
+    from kvplug.core.config import KVPlugConfig, StoreSettings
+
+    registry = PluginRegistry()
+    models: list[type] = [KVPlugConfig, StoreSettings]
+    for concern in ("serializer", "kv_connector", "storage_tier"):
+        models += [component.Config for component in registry.components(concern).values()]
+    accepted = []
+    checked = 0
+    for model in models:
+        for name, info in _numeric_fields(model):
+            adapter = TypeAdapter(Annotated[info.annotation, info])
+            for bad in (INF, NAN, 2**62):
+                checked += 1
+                try:
+                    adapter.validate_python(bad)
+                except ValidationError:
+                    continue
+                accepted.append(f"{model.__name__}.{name} = {bad}")
+    assert checked > 60
+    assert not accepted, accepted

@@ -68,6 +68,22 @@ def test_bad_connector_setting_names_the_key() -> None:
         split_extra_config({"kvplug.skip_last_n_tokens": -1})
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "bound"),
+    [
+        ("kvplug.lookup_timeout_s", float("inf"), "at most 3600"),
+        ("kvplug.lookup_timeout_s", float("nan"), "at most 3600"),
+        ("kvplug.load_timeout_ms", 10**12, "at most 3600000"),
+    ],
+)
+def test_connector_timeouts_are_finite_and_bounded(key: str, value: float, bound: str) -> None:
+    """Issue 29 item 9: ``lookup_timeout_s: .inf`` was accepted (a lookup that never gives up)."""
+    with pytest.raises(ConfigError) as info:
+        split_extra_config({key: value})
+    [problem] = info.value.problems
+    assert problem.path == key and bound in problem.message, str(info.value)
+
+
 def test_per_request_settings_are_checked() -> None:
     config = load_config(env={}).config
     assert request_overrides({"kvplug.skip_save": True, "kvplug.report": True, "other": 1}, config) == {
