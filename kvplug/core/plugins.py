@@ -222,7 +222,7 @@ class PluginRegistry:
                     name = _component_name(component, impl.plugin_name, hook_name)
                     base = _missing_base(concern, component)
                     if base is not None:
-                        word = _CONCERN_WORDS[concern]
+                        word = CONCERNS_BY_KEY[concern].label
                         self._reject(
                             info,
                             f"its {word} {name!r} (class {component.__module__}.{component.__qualname__}) does not "
@@ -246,19 +246,9 @@ class PluginRegistry:
         return found
 
 
-#: concern -> (module, class) of the base class every component of it subclasses.
-CONCERN_BASES: dict[str, tuple[str, str]] = {
-    "serializer": ("kvplug.core.serializer", "Serializer"),
-    "storage_tier": ("kvplug.core.tier", "StorageTier"),
-    "kv_connector": ("kvplug.core.connector", "KVConnector"),
-    "engine_adapter": ("kvplug.core.components", "EngineAdapter"),
-}
-_CONCERN_WORDS = {
-    "serializer": "serializer",
-    "storage_tier": "storage tier",
-    "kv_connector": "KV connector",
-    "engine_adapter": "engine adapter",
-}
+#: concern -> ``(module, class)`` of the base class every component of it subclasses,
+#: from :data:`kvplug.core.concerns.CONCERNS`.
+CONCERN_BASES: dict[str, tuple[str, str]] = {concern.key: concern.base for concern in CONCERNS}
 
 
 def _missing_base(concern: str, component: type) -> str | None:
