@@ -7,7 +7,7 @@ within its bounds, and a value outside them is a config error that names the fie
 value and the bound::
 
     store.block_timeout_s: Value error, must be a finite number of seconds greater than 0
-    and at most 3600 (one hour) (got inf)
+    and less than or equal to 3600 (one hour) (got inf)
 
 Plugins use them through the public ``kvplug`` namespace (``kvplug.TimeoutSeconds``), or
 :class:`Bounded` for a range of their own: ``Annotated[float, Bounded(0, 60, "seconds")]``.
@@ -53,10 +53,11 @@ class Bounded:
     note: str = ""
 
     def describe(self) -> str:
-        """The allowed range, in words: ``greater than 0 and at most 3600 (one hour)``."""
-        low = "greater than" if self.exclusive_minimum else "at least"
+        """The allowed range, in words: ``greater than 0 and less than or equal to 3600 (one hour)``."""
+        # pydantic's words, as in its own range errors ("less than or equal to 1048576").
+        low = "greater than" if self.exclusive_minimum else "greater than or equal to"
         note = f" ({self.note})" if self.note else ""
-        return f"{low} {_number(self.minimum)} and at most {_number(self.maximum)}{note}"
+        return f"{low} {_number(self.minimum)} and less than or equal to {_number(self.maximum)}{note}"
 
     def check(self, value: Any) -> Any:
         """``value`` if it is finite and within the bounds, else ``ValueError`` naming them."""

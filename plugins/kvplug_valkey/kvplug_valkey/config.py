@@ -116,7 +116,7 @@ class ValkeyTierConfig(RemoteTierConfig):
         description="Prefix of every key this tier writes (keys are prefix + sha256 hex digest); "
         "`kvplug store` lists and cleans only keys under it.",
     )
-    ttl_s: Annotated[float, Bounded(0.001, 366 * 86400, "seconds", note="a year")] | None = Field(
+    ttl_s: Annotated[float, Bounded(0, 366 * 86400, "seconds", exclusive_minimum=True, note="a year")] | None = Field(
         default=None, description="Expire stored values after this many seconds (SET PX); None: never."
     )
     cluster: bool | None = Field(

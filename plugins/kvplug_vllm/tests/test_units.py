@@ -71,9 +71,9 @@ def test_bad_connector_setting_names_the_key() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "bound"),
     [
-        ("kvplug.lookup_timeout_s", float("inf"), "at most 3600"),
-        ("kvplug.lookup_timeout_s", float("nan"), "at most 3600"),
-        ("kvplug.load_timeout_ms", 10**12, "at most 3600000"),
+        ("kvplug.lookup_timeout_s", float("inf"), "less than or equal to 3600"),
+        ("kvplug.lookup_timeout_s", float("nan"), "less than or equal to 3600"),
+        ("kvplug.load_timeout_ms", 10**12, "less than or equal to 3600000"),
     ],
 )
 def test_connector_timeouts_are_finite_and_bounded(key: str, value: float, bound: str) -> None:
