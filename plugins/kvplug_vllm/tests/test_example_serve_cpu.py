@@ -1,0 +1,60 @@
+"""``examples/serve_cpu.sh``, run as a user runs it: its OpenAI server hits kvplug after a restart.
+
+The script builds the random model, starts vLLM's OpenAI server (a real subprocess on
+127.0.0.1) with a cpu and a disk tier, sends one prompt twice, restarts the server and
+sends it again. The third request must load its prefix from the disk tier that the
+first server wrote, and all three outputs must be the same tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_serve import free_port
+
+SCRIPT = Path(__file__).parents[3] / "examples" / "serve_cpu.sh"
+RUN_TIMEOUT_S = 1500
+ROW = re.compile(r"^(\d) .*TTFT +([\d.]+) ms +kvplug hit +(\d+) tokens, loaded +(\d+) +output (\[[\d, ]*\])$")
+
+# two server starts on a loaded 2-core machine: several minutes
+pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+
+
+def test_serve_cpu_example_hits_after_a_restart_with_identical_outputs(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env.pop("KVPLUG_CONFIG", None)
+    # as in an activated virtualenv: `python` is this environment's
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.update(PORT=str(free_port()), METRICS_PORT=str(free_port()), WORK=str(tmp_path / "work"))
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"serve_cpu.sh ran past {RUN_TIMEOUT_S}s:\n{out[-4000:]}") from None
+    logs = "".join(path.read_text()[-3000:] for path in sorted((tmp_path / "work").glob("server-*.log")))
+    assert proc.returncode == 0, f"serve_cpu.sh failed ({proc.returncode}):\n{out}\n{logs}"
+    rows = [match.groups() for line in out.splitlines() if (match := ROW.match(line))]
+    assert [row[0] for row in rows] == ["1", "2", "3"], out
+    cold, warm, restarted = ((int(hit), int(loaded), tokens) for _, _, hit, loaded, tokens in rows)
+    assert cold[:2] == (0, 0), out
+    assert warm[:2] == (768, 768), out  # three whole 256-token chunks of the 1000-token prompt
+    assert restarted[:2] == (768, 768), out  # from the disk tier the first server wrote
+    assert cold[2] == warm[2] == restarted[2], out
+    assert "outputs identical: True" in out
+    # the script stopped both servers: nothing of its process group is left
+    with pytest.raises(ProcessLookupError):
+        for _ in range(100):
+            os.killpg(proc.pid, 0)
+            time.sleep(0.1)
