@@ -12,7 +12,7 @@ from valkey_helpers import fresh_prefix
 
 from kvplug import RECORD_HEADER_SIZE, key_digest
 from kvplug.testing import key_for
-from kvplug_valkey.index import CHECKS_PER_NEW_KEY, CHECKS_PER_ROUND, KeyIndex
+from kvplug_valkey.index import CHECKS_PER_ROUND, KeyIndex
 from kvplug_valkey.testing import ValkeyServer
 
 #: Documented slack of stats() over the server when this process is the only writer of
