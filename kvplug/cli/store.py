@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvplug.cli.console import console, run_or_exit
+from kvplug.core.concerns import install_command
 from kvplug.core.plugins import get_registry
 from kvplug.core.record import integrity_key
 from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, check_record
@@ -64,7 +65,7 @@ def open_store(location: str, endpoint_url: str | None = None) -> Iterator[Stora
     else:
         scheme = location.split("://", 1)[0].lower() if "://" in location else ""
         package = _LOCATION_PACKAGES.get(scheme, "kvplug-s3")
-        needs = f"no installed tier opens this location; {package} does: pip install {package}"
+        needs = f"no installed tier opens this location; {package} does: {install_command(package)}"
         raise ConfigError([ConfigProblem("location", location, needs)])
     tier = cls(config, TierContext())
     if not isinstance(tier, RecordStore):

@@ -45,6 +45,19 @@ class Concern:
         return self.known.get(name)
 
 
+def install_command(package: str) -> str:
+    """How to install one of kvplug's own packages, for an error message (never wrapped).
+
+    The packages are not on PyPI yet: the index name comes first, for when they are, then
+    the two ways that work today (a checkout, or the wheels ``nox -s build`` writes).
+    """
+    folder = "plugins/" + package.replace("-", "_")
+    return (
+        f"pip install {package} (not yet published: pip install -e {folder} from a kvplug checkout, "
+        f"or pip install --find-links dist {package} after nox -s build)"
+    )
+
+
 def _known(**packages: str) -> Mapping[str, str]:
     return MappingProxyType(packages)
 

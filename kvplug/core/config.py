@@ -21,7 +21,7 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, Privat
 
 from kvplug.core.chunk_format import DEFAULT_MAX_CHUNK_BYTES
 from kvplug.core.components import CheckedModel
-from kvplug.core.concerns import CONCERNS_BY_KEY, CONFIG_CONCERNS
+from kvplug.core.concerns import CONCERNS_BY_KEY, CONFIG_CONCERNS, install_command
 from kvplug.core.config_types import QueueItems, ThreadCount, TimeoutMilliseconds, TimeoutSeconds
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.errors import ConfigError, ConfigProblem
@@ -346,7 +346,7 @@ def _unknown_type_message(concern: str, name: str, available: Mapping[str, type]
     kind = CONCERNS_BY_KEY[concern]
     package = kind.install_hint(name)
     if package:
-        message = f"{kind.word} type {name!r} needs the {package} package: pip install {package}"
+        message = f"{kind.word} type {name!r} needs the {package} package: {install_command(package)}"
     else:
         installed = ", ".join([*sorted(available), *kind.pseudo]) or "none"
         message = f"unknown {kind.word} type {name!r}; installed: {installed}"
