@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from pydantic import BaseModel
 
+from kvplug.builtins.chunk_checks import check_chunk_layer, check_chunks
 from kvplug.builtins.index_runs import IndexRuns, SpanRuns, gather_runs, scatter_runs
 from kvplug.core.connector import KVConnector, LayerCache
 from kvplug.core.layouts import KVLayout
@@ -114,6 +115,7 @@ class TorchConnector(KVConnector):
         self._page_tokens = layout.page_tokens
         # Asked on every copy of a packed block: once here, not per chunk and layer.
         self._packed_split = layout.packed_block_split() if layout.whole_blocks_only else None
+        self._kv_width = (layout.num_kv, layout.token_width)  # of a chunk layer, checked on every copy
 
     def plan(self, slots: torch.Tensor) -> SlotPlan:
         return self._plans(slots, [(0, slots.numel())])[0]
@@ -150,9 +152,40 @@ class TorchConnector(KVConnector):
             plans.append(SlotPlan(slots[start:end], blocks_only, (blocks[start:end], offsets[start:end]), *runs))
         return plans
 
+    def gather_copies(
+        self,
+        kv_caches: Sequence[LayerCache],
+        layers: range,
+        plans: Sequence[SlotPlan],
+        chunks: Sequence[torch.Tensor],
+        parts: int,
+    ) -> list[Callable[[], None]]:
+        # Every chunk and layer checked before the first copy: a refused call copies nothing.
+        check_chunks(self.layout, kv_caches, layers, [plan.slots.numel() for plan in plans], chunks)
+        return super().gather_copies(kv_caches, layers, plans, chunks, parts)
+
+    def scatter_copies(
+        self,
+        kv_caches: Sequence[LayerCache],
+        layers: range,
+        plans: Sequence[SlotPlan],
+        chunks: Sequence[torch.Tensor],
+        parts: int,
+    ) -> list[Callable[[], None]]:
+        check_chunks(self.layout, kv_caches, layers, [plan.slots.numel() for plan in plans], chunks)
+        return super().scatter_copies(kv_caches, layers, plans, chunks, parts)
+
+    def gather(self, kv_caches: Sequence[LayerCache], slots: torch.Tensor, out: torch.Tensor) -> None:
+        for copy in self.gather_copies(kv_caches, range(len(kv_caches)), [self.plan(slots)], [out], 1):
+            copy()
+
+    def scatter(self, kv_caches: Sequence[LayerCache], slots: torch.Tensor, src: torch.Tensor) -> None:
+        for copy in self.scatter_copies(kv_caches, range(len(kv_caches)), [self.plan(slots)], [src], 1):
+            copy()
+
     def gather_layer(self, layer_cache: LayerCache, plan: SlotPlan, out: torch.Tensor) -> None:
         tensors = self.layout.layer_tensors(layer_cache)
-        _check_dtype(tensors[0], out)
+        check_chunk_layer(self._kv_width, tensors, plan.slots.numel(), out)
         if self._whole_blocks_only:
             self._gather_blocks(tensors, plan, out)
             return
@@ -179,7 +212,7 @@ class TorchConnector(KVConnector):
 
     def scatter_layer(self, layer_cache: LayerCache, plan: SlotPlan, src: torch.Tensor) -> None:
         tensors = self.layout.layer_tensors(layer_cache)
-        _check_dtype(tensors[0], src)
+        check_chunk_layer(self._kv_width, tensors, plan.slots.numel(), src)
         if self._whole_blocks_only:
             self._scatter_blocks(tensors, plan, src)
             return
@@ -340,12 +373,6 @@ class _Staging:
 
     rows: list[torch.Tensor]  # [num_blocks, block elements] per layer tensor
     parts: list[torch.Tensor]  # the same memory as [kv, num_blocks, outer, inner] (packed_block_split)
-
-
-def _check_dtype(cache: torch.Tensor, chunk: torch.Tensor) -> None:
-    """A chunk holds the cache's bytes as they are: the copies move words, so other dtypes are refused."""
-    if chunk.dtype != cache.dtype:
-        raise LayoutError(f"a chunk of {chunk.dtype} cannot be copied to or from a {cache.dtype} KV cache")
 
 
 def _route(layout: KVLayout, tensors: tuple[torch.Tensor, ...]) -> _Route:

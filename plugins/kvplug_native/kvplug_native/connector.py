@@ -11,9 +11,10 @@ on the engine's main thread shared out among its OpenMP team (the one torch's op
 use), elsewhere one share per copy thread. Calls of ``streaming_min_bytes`` or more
 are written with non-temporal stores, which skip that read.
 
-Caches on a device, and caches a run table cannot address (a ``head_dim`` axis
-that is not contiguous), go to the torch connector, as do chunk tensors that are not
-``[num_layers, num_kv, n, width]`` with contiguous token rows.
+Caches on a device, caches a run table cannot address (a ``head_dim`` axis that is
+not contiguous) and layers of more than one dtype go to the torch connector, as do
+chunk tensors that are not ``[num_layers, num_kv, n, width]`` of the layers' dtype with
+contiguous token rows: it copies what fits and refuses the rest by name before any copy.
 """
 
 from __future__ import annotations
@@ -228,9 +229,13 @@ class NativeConnector(KVConnector):
     ) -> torch.Tensor | None:
         layer_tensors = {layer: self.layout.layer_tensors(kv_caches[layer]) for layer in layers}
         first = layer_tensors[layers[0]][0]
-        if first.device.type != "cpu" or not all(
-            _fits(chunk, plan, first.dtype, layers.stop, self.layout) for plan, chunk in zip(plans, chunks)
-        ):
+        # A table's byte offsets take one element size, and its addresses are host memory: a layer of
+        # another dtype or device goes to the torch connector, which refuses the call by name or copies it.
+        if not all(
+            tensor.dtype == first.dtype and tensor.device.type == "cpu"
+            for tensors in layer_tensors.values()
+            for tensor in tensors
+        ) or not all(_fits(chunk, plan, first.dtype, layers.stop, self.layout) for plan, chunk in zip(plans, chunks)):
             return None
         no_tensors = [0] * self.layout.format.tensors
         bases = torch.tensor(

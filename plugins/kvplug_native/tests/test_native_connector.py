@@ -426,21 +426,23 @@ def test_a_chunk_without_dense_token_rows_is_copied_exactly(fmt: PagedFormat) ->
 
 
 @pytest.mark.parametrize("chunk_dtype", [torch.float32, torch.float16])
-def test_a_chunk_of_another_dtype_goes_to_the_torch_connector(chunk_dtype: torch.dtype) -> None:
+def test_a_chunk_of_another_dtype_is_refused_before_any_copy(chunk_dtype: torch.dtype) -> None:
     """A chunk whose dtype is not the cache's is never copied by bytes by a run table: it goes to the
-    torch connector, which refuses it by name (a chunk holds the cache's bytes as they are)."""
+    torch connector, which refuses it by name when asked for the copies (a chunk holds the cache's bytes as
+    they are)."""
     layout = KVLayout(FLASH, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(8)
     caches = [torch.randn(2, 6, 4, 2, 8, generator=generator).to(torch.bfloat16) for _ in range(2)]
     before = [cache.clone() for cache in caches]
     slots = torch.tensor([20, 21, 22, 23, 4, 5, 6])
     connector, reference = native(layout, 0), torch_connector(layout)
+    refused = f"layer 0: a chunk of {chunk_dtype} cannot be copied to or from a {layout.dtype} KV cache"
 
     got = torch.zeros(layout.chunk_shape(7), dtype=chunk_dtype)
-    copies = connector.gather_copies(caches, range(2), [connector.plan(slots)], [got], 1)
-    assert _copies_go_to_the_torch_connector(copies)
-    with pytest.raises(LayoutError, match=f"a chunk of {chunk_dtype} cannot be copied"):
-        run_all(copies)
+    with pytest.raises(LayoutError, match=refused):
+        connector.gather_copies(caches, range(2), [connector.plan(slots)], [got], 1)
+    with pytest.raises(LayoutError, match=refused):
+        reference.gather_copies(caches, range(2), [reference.plan(slots)], [got], 1)
     with pytest.raises(LayoutError, match=f"a chunk of {chunk_dtype} cannot be copied"):
         reference.gather(caches, slots, torch.zeros_like(got))
     assert not bool(got.any())
@@ -450,10 +452,10 @@ def test_a_chunk_of_another_dtype_goes_to_the_torch_connector(chunk_dtype: torch
     )
 
     source = torch.randn(layout.chunk_shape(7), generator=generator).to(chunk_dtype)
-    copies = connector.scatter_copies(caches, range(2), [connector.plan(slots)], [source], 1)
-    assert _copies_go_to_the_torch_connector(copies)
+    with pytest.raises(LayoutError, match=refused):
+        connector.scatter_copies(caches, range(2), [connector.plan(slots)], [source], 1)
     with pytest.raises(LayoutError, match=f"a chunk of {chunk_dtype} cannot be copied"):
-        run_all(copies)
+        connector.scatter(caches, slots, source)
     assert all(torch.equal(a, b) for a, b in zip(caches, before)), "a refused scatter wrote into the cache"
 
 
