@@ -22,6 +22,7 @@ import torch
 from pydantic import BaseModel
 
 from kvplug.builtins.chunk_checks import check_chunk_layer, check_chunks
+from kvplug.builtins.copy_routes import Route, dense, find_route
 from kvplug.builtins.index_runs import IndexRuns, SpanRuns, gather_runs, scatter_runs
 from kvplug.core.connector import KVConnector, LayerCache
 from kvplug.core.layouts import KVLayout
@@ -66,31 +67,6 @@ class _WholeBlockGroups:
         return self._bad_before[end // size] == self._bad_before[start // size]
 
 
-@dataclass(frozen=True)
-class _Strided:
-    """A strided view of one of a layer's tensors, kept without the tensor (offset relative to its own)."""
-
-    tensor: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-    def of(self, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        base = tensors[self.tensor]
-        return base.as_strided(self.size, self.stride, base.storage_offset() + self.offset)
-
-
-@dataclass(frozen=True)
-class _Route:
-    """How to copy one layer of a given geometry: its kv_views and the row views the fast paths use."""
-
-    views: tuple[_Strided, ...]  # kv_views: [pages, page_tokens, heads, head_dim] per K/V index
-    stacked: _Strided | None  # [num_kv, pages, page_tokens, heads, head_dim]: K and V at one stride in one tensor
-    page_rows: tuple[_Strided, ...] | None  # [pages, page elements] per K/V, when every page is one run
-    stacked_page_rows: _Strided | None  # [num_kv, pages, page elements], K and V in one call
-    token_rows: tuple[_Strided, ...] | None  # [pages * page_tokens, heads * head_dim] per K/V, rows one run apart
-
-
 #: Geometries remembered per connector; an engine has one or two, tests a few more.
 _MAX_ROUTES = 64
 
@@ -110,7 +86,7 @@ class TorchConnector(KVConnector):
     def __init__(self, config: BaseModel, layout: KVLayout) -> None:
         super().__init__(config, layout)
         self._scratch = threading.local()
-        self._routes: dict[tuple[object, ...], _Route] = {}
+        self._routes: dict[tuple[object, ...], Route] = {}
         self._whole_blocks_only = layout.whole_blocks_only
         self._page_tokens = layout.page_tokens
         # Asked on every copy of a packed block: once here, not per chunk and layer.
@@ -241,11 +217,11 @@ class TorchConnector(KVConnector):
                 for index, view in enumerate(route.views):
                     view.of(tensors)[page, offset] = src[index].view(-1, heads, dim)
 
-    def _route(self, tensors: tuple[torch.Tensor, ...]) -> _Route:
+    def _route(self, tensors: tuple[torch.Tensor, ...]) -> Route:
         key = tuple((t.shape, t.stride()) for t in tensors)
         route = self._routes.get(key)
         if route is None:
-            route = _route(self.layout, tensors)
+            route = find_route(self.layout, tensors)
             if len(self._routes) >= _MAX_ROUTES:
                 self._routes.clear()
             self._routes[key] = route
@@ -331,7 +307,7 @@ class TorchConnector(KVConnector):
         """``tensor`` as ``[num_blocks, elements per block]`` rows: each block is one run of memory."""
         if tensor.is_contiguous():
             return tensor.view(tensor.shape[0], -1)
-        if not _dense(tensor.shape[1:], tensor.stride()[1:]):
+        if not dense(tensor.shape[1:], tensor.stride()[1:]):
             raise LayoutError(
                 f"layout {self.layout.format.name}: a block of the cache tensor {tuple(tensor.shape)} with strides "
                 f"{tensor.stride()} is not one run of memory; whole-block copies need dense blocks"
@@ -373,79 +349,6 @@ class _Staging:
 
     rows: list[torch.Tensor]  # [num_blocks, block elements] per layer tensor
     parts: list[torch.Tensor]  # the same memory as [kv, num_blocks, outer, inner] (packed_block_split)
-
-
-def _route(layout: KVLayout, tensors: tuple[torch.Tensor, ...]) -> _Route:
-    """Work out, once per geometry, which copies the kv_views of ``tensors`` allow."""
-    views = layout.kv_views(tensors if len(tensors) > 1 else tensors[0])
-    # kv_views gives num_kv views per tensor, in tensor order
-    per_tensor = len(views) // len(tensors)
-    strided = tuple(
-        _Strided(
-            i // per_tensor,
-            tuple(v.shape),
-            v.stride(),
-            int(v.storage_offset()) - int(tensors[i // per_tensor].storage_offset()),
-        )
-        for i, v in enumerate(views)
-    )
-    stacked = _stacked(strided)
-    page_rows = token_rows = stacked_page_rows = None
-    if all(_dense(v.size[1:], v.stride[1:]) for v in strided):
-        page_rows = tuple(_rows(v, 1) for v in strided)
-        if stacked is not None and len(strided) > 1:
-            stacked_page_rows = _rows(stacked, 2)
-    if all(_token_rows_dense(v) for v in strided):
-        token_rows = tuple(_token_rows(v) for v in strided)
-    return _Route(strided, stacked, page_rows, stacked_page_rows, token_rows)
-
-
-def _dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether dims of these sizes and strides are one run of memory in order (size-1 dims ignored)."""
-    step = 1
-    for size, stride in zip(reversed(sizes), reversed(strides)):
-        if size != 1 and stride != step:
-            return False
-        step *= size
-    return True
-
-
-def _token_rows_dense(view: _Strided) -> bool:
-    """A kv_view's token rows (heads, dims) are runs, and pages follow each other at one token stride."""
-    pages, tokens, heads, dim = view.size
-    if not _dense((heads, dim), view.stride[2:]):
-        return False
-    return tokens == 1 or pages <= 1 or view.stride[0] == tokens * view.stride[1]
-
-
-def _rows(view: _Strided, keep: int) -> _Strided:
-    """A view whose dims after the first ``keep`` are one run, as ``[*first keep dims, run]``."""
-    size = (*view.size[:keep], math.prod(view.size[keep:]))
-    return _Strided(view.tensor, size, (*view.stride[:keep], 1), view.offset)
-
-
-def _token_rows(view: _Strided) -> _Strided:
-    """A token-row-dense view as ``[pages * page_tokens, heads * dims]`` rows, one per slot."""
-    pages, tokens, heads, dim = view.size
-    stride = view.stride[1] if tokens > 1 else view.stride[0]
-    return _Strided(view.tensor, (pages * tokens, heads * dim), (stride, 1), view.offset)
-
-
-def _stacked(views: tuple[_Strided, ...]) -> _Strided | None:
-    """The K/V views as one ``[num_kv, ...]`` view when one tensor holds them at a constant stride."""
-    first = views[0]
-    if len(views) == 1:
-        return _Strided(first.tensor, (1, *first.size), (0, *first.stride), first.offset)
-    delta = views[1].offset - first.offset
-    if delta <= 0 or any(
-        v.tensor != first.tensor
-        or v.size != first.size
-        or v.stride != first.stride
-        or v.offset - first.offset != i * delta
-        for i, v in enumerate(views)
-    ):
-        return None
-    return _Strided(first.tensor, (len(views), *first.size), (delta, *first.stride), first.offset)
 
 
 def _gather_rows(
