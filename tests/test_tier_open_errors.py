@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 from core_helpers import LAYOUTS
 
-from kvplug import CacheEngine, Fingerprint, StorageTier, TierStats, hookimpl, load_config
+from kvplug import CacheEngine, Fingerprint, StorageTier, TierChain, TierStats, hookimpl, load_config
 from kvplug.core.plugins import PluginRegistry
 from kvplug.errors import ConfigError, TierOpenError
 
@@ -89,3 +90,37 @@ def test_a_third_party_tier_constructor_failure_names_its_entry_without_credenti
     assert message.startswith("kvplug config tiers[1] (type unreachable): cannot open the tier: ConnectionError: ")
     assert "connection refused" in message
     assert "hunter2" not in message and "hunter2" not in str(caught.value.problems[0])
+
+
+def test_preflight_names_a_disk_folder_that_cannot_be_made_and_creates_nothing(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    registry = PluginRegistry()
+    tiers = [{"type": "cpu", "max_bytes": "1MiB"}, {"type": "disk", "path": str(blocker / "sub" / "cache")}]
+    config = load_config(engine_extra={"kvplug": {"tiers": tiers}}, env={}, registry=registry).config
+    with pytest.raises(TierOpenError, match=r"tiers\[1\] \(type disk\): cannot open the tier: ValueError: ") as info:
+        TierChain.preflight(config.tiers, registry)
+    assert f"{blocker} is not a folder" in str(info.value)
+    assert not (blocker / "sub").exists()
+
+    good = tmp_path / "new" / "cache"
+    config = load_config(
+        engine_extra={"kvplug": {"tiers": [{"type": "disk", "path": str(good)}]}}, env={}, registry=registry
+    )
+    TierChain.preflight(config.config.tiers, registry)
+    assert not good.parent.exists()  # checked, not created
+
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    try:
+        config = load_config(
+            engine_extra={"kvplug": {"tiers": [{"type": "disk", "path": str(read_only / "cache")}]}},
+            env={},
+            registry=registry,
+        )
+        if os.geteuid() != 0:  # root writes anywhere: the access check passes, as the mkdir would
+            with pytest.raises(TierOpenError, match="is not writable by this process"):
+                TierChain.preflight(config.config.tiers, registry)
+    finally:
+        read_only.chmod(0o700)

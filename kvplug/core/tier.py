@@ -123,6 +123,18 @@ class StorageTier(ABC):
         A tier that answers must implement ``kvplug.RecordStore``."""
         return None
 
+    @classmethod  # noqa: B027 - a no-op: most tiers can tell only by opening
+    def preflight(cls, config: BaseModel) -> None:
+        """Check, without side effects, what can be known before an engine starts: a
+        folder that cannot be created, a path under a file. Raise an exception whose
+        message says what is wrong; the caller names the entry (``tiers[1] (type disk)``).
+
+        Engine adapters call it where the engine validates its own configuration, before
+        the model loads, so a config that cannot work fails in seconds rather than after
+        the model load. It must be cheap and must not create, connect or scan anything:
+        what only opening the tier can tell is still found by the constructor.
+        """
+
     @abstractmethod
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is stored."""

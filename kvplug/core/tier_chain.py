@@ -126,6 +126,16 @@ class TierChain:
             raise
         return cls(tiers, metrics, lookup_timeout_s=lookup_timeout_s)
 
+    @staticmethod
+    def preflight(specs: Sequence[Any], registry: PluginRegistry) -> None:
+        """Run every configured tier's :meth:`StorageTier.preflight` (no side effects); the
+        first failure is a :class:`~kvplug.errors.TierOpenError` naming its entry."""
+        for index, spec in enumerate(specs):
+            try:
+                registry.storage_tiers()[spec.type].preflight(spec.options)
+            except Exception as exc:
+                raise TierOpenError(index, spec.type, exc) from None
+
     @property
     def tiers(self) -> list[StorageTier]:
         return [slot.tier for slot in self._slots]

@@ -46,6 +46,7 @@ from kvplug_disk.files import ForeignEntryError, RecordFolder, TempFile, digest_
 from kvplug_disk.index import IndexEntry, LRUIndex
 from kvplug_disk.ledger import Usage, UsageLedger
 from kvplug_disk.location import disk_location_config
+from kvplug_disk.preflight import check_folder
 from kvplug_disk.problems import ProblemLog, is_no_space, is_undeletable
 
 #: Longest a renamed record waits for its folder's fsync while the writer is busy.
@@ -74,6 +75,11 @@ class DiskTier(StorageTier):
     def location_config(cls, location: str, options: Mapping[str, Any]) -> DiskTierConfig | None:
         """A folder path or ``file://`` URL that a disk tier wrote (see :mod:`kvplug_disk.location`)."""
         return disk_location_config(location, options)
+
+    @classmethod
+    def preflight(cls, config: DiskTierConfig) -> None:  # type: ignore[override]
+        """The folder can be created and written (:func:`kvplug_disk.preflight.check_folder`)."""
+        check_folder(config.path)
 
     def __init__(self, config: DiskTierConfig, context: TierContext) -> None:
         super().__init__(config, context)

@@ -15,8 +15,10 @@ builds its config) adds a check to ``EngineArgs.create_engine_config``: when
 as the connector will validate it, and a bad one raises one
 :class:`kvplug.errors.ConfigError` naming the field, e.g. ``tiers[1].type``, from
 the ``LLM(...)`` call or the ``vllm serve`` command, before an engine process starts.
-What only opening a tier can tell (a folder that cannot be created) is still found
-by the worker, as a :class:`kvplug.errors.TierOpenError` naming ``tiers[i]``.
+Each tier's side-effect-free :meth:`kvplug.StorageTier.preflight` runs there too (a
+disk folder under a file or under a parent this process cannot write); what only
+opening a tier can tell is still found by the worker, as a
+:class:`kvplug.errors.TierOpenError` naming ``tiers[i]``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from kvplug import load_config
+from kvplug import TierChain, get_registry, load_config
 from kvplug_vllm.registration import CONNECTOR_MODULE, CONNECTOR_NAME
 
 _MARK = "_kvplug_checks_config"
@@ -56,13 +58,17 @@ def check_kv_transfer_config(kv_transfer_config: Any) -> None:
 
     Raises :class:`kvplug.errors.ConfigError` naming every bad field (an unknown
     ``tiers[1].type``, a bad ``kvplug.layerwise``, an unreadable ``kvplug.config``
-    file); returns quietly for a config that does not use kvplug.
+    file), or :class:`kvplug.errors.TierOpenError` naming a tier whose
+    :meth:`~kvplug.StorageTier.preflight` fails; returns quietly for a config that does
+    not use kvplug.
     """
     from kvplug_vllm.settings import split_extra_config
 
     for extra in kvplug_extra_configs(kv_transfer_config):
         _, engine_extra = split_extra_config(extra)
-        load_config(engine_extra=engine_extra)
+        config = load_config(engine_extra=engine_extra).config
+        # What each tier can tell without opening itself (a disk folder under a file).
+        TierChain.preflight(config.tiers, config.registry or get_registry())
 
 
 def install() -> None:

@@ -55,6 +55,22 @@ def test_llm_with_an_unknown_tier_type_fails_before_the_model_loads(tiny_model: 
     assert_one_clear_error(done.stdout + done.stderr)
 
 
+def test_llm_with_a_disk_folder_under_a_file_fails_before_the_model_loads(tiny_model: str, tmp_path: Path) -> None:
+    """What a tier can tell without opening itself (``StorageTier.preflight``) is checked there too."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    tiers = [{"type": "cpu", "max_bytes": "64MiB"}, {"type": "disk", "path": str(blocker / "cache")}]
+    done = run_process([sys.executable, "-c", LLM_SCRIPT, tiny_model, json.dumps(kv({"kvplug.tiers": tiers}))])
+    assert done.returncode == 1
+    output = done.stdout + done.stderr
+    assert output.count("Traceback (most recent call last)") == 1, output[-6000:]
+    last = output.rstrip().splitlines()[-1]
+    assert last.startswith("kvplug.errors.TierOpenError: kvplug config tiers[1] (type disk): cannot open the tier: ")
+    assert f"{blocker} is not a folder" in last, last
+    assert not [line for line in output.splitlines() if any(mark in line for mark in ENGINE_LINES)]
+    assert not (blocker / "cache").exists()
+
+
 def test_openai_server_with_an_unknown_tier_type_fails_before_the_model_loads(tiny_model: str, tmp_path: Path) -> None:
     config = tmp_path / "kvplug.yaml"
     config.write_text("tiers:\n  - {type: cpu, max_bytes: 64MiB}\n  - {type: nosuch}\n")
