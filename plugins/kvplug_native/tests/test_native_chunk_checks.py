@@ -35,7 +35,7 @@ def layout_of(fmt: PagedFormat) -> KVLayout:
 
 
 def shaped(*shape: int, dtype: torch.dtype = torch.float16) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A maker of a chunk of ``shape``: a view of the start of the memory it is given."""
+    """A maker of a chunk of ``shape``: a view of the start of the memory it is given (fp16: the layouts' dtype)."""
     return lambda memory: memory[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
