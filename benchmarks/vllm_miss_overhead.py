@@ -95,6 +95,8 @@ def openai_server(
         # torch's CPU allocator asks for transparent huge pages: left to chance (THP
         # "madvise" here), two identical servers were up to 10% apart in TTFT.
         "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1"),
+        # vLLM's internal message queue: on loopback, not the host's outward-facing address.
+        "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1"),
     }
     log_path = workdir / f"{name}.log"
     with log_path.open("w") as log:

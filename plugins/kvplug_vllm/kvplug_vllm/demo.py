@@ -29,6 +29,9 @@ def run_requests(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one engine over ``spec["requests"]`` one at a time, in this process."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM's internal message queue binds the host's outward-facing address unless told
+    # otherwise; the demo needs nothing off this machine.
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     model = spec.get("model")
     if model is None:  # build the model here: transformers is imported by vLLM anyway
         model = str(write_random_llama(Path(spec["workdir"]) / "model", TinyLlamaSpec(**spec.get("model_spec", {}))))

@@ -21,6 +21,10 @@ import pytest
 
 from kvplug_vllm.tiny_model import write_random_llama
 
+#: vLLM's processes talk over a message queue bound to the address ``get_ip()`` finds
+#: (the host's outward-facing one) unless told otherwise: tests keep every server on loopback.
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+
 HERE = Path(__file__).parent
 DRIVER = HERE / "engine_driver.py"
 BLOCK_SIZE = 32
