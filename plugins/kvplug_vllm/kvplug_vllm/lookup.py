@@ -217,10 +217,11 @@ class LookupServer(MessageServer):
 class SocketLookup:
     """Asks every tensor-parallel worker of one engine; the hit is the smallest answer."""
 
-    def __init__(self, paths: Sequence[Path], timeout_s: float, media: Mapping[str, Medium] | None = None) -> None:
+    def __init__(self, paths: Sequence[Path], timeout_s: float, media: Mapping[str, Medium]) -> None:
         self.paths = list(paths)
         self.timeout_s = timeout_s
-        self.media = dict(media or {})
+        #: Tier type -> medium (:func:`tier_media`): required, as a tier missing here counts as remote.
+        self.media = dict(media)
         self._socks: dict[Path, socket.socket] = {}
         self._lock = threading.Lock()
 
@@ -299,12 +300,13 @@ class DirectLookup:
     def __init__(
         self,
         engines: Sequence[CacheEngine],
-        resets: Sequence[Callable[[], int]] = (),
-        media: Mapping[str, Medium] | None = None,
+        resets: Sequence[Callable[[], int]],
+        media: Mapping[str, Medium],
     ) -> None:
         self.engines = list(engines)
         self.resets = list(resets)
-        self.media = dict(media or {})
+        #: Tier type -> medium (:func:`tier_media`): required, as a tier missing here counts as remote.
+        self.media = dict(media)
 
     def reset(self) -> int:
         return sum(reset() for reset in self.resets)

@@ -25,7 +25,7 @@ import torch
 from kvplug import CacheEngine, Fingerprint, KVLayout, RequestInfo, load_config, slots_from_block_ids
 from kvplug_vllm import socket_server
 from kvplug_vllm.layout import VLLM_CPU
-from kvplug_vllm.lookup import LookupChannelError, LookupServer, SocketLookup, encode_request, socket_path
+from kvplug_vllm.lookup import LookupChannelError, LookupServer, SocketLookup, encode_request, socket_path, tier_media
 from kvplug_vllm.socket_server import LOOKUP_DIR_ENV, ServerLimits, UnsafeSocketPathError, private_socket_dir
 
 LAYOUT = KVLayout(VLLM_CPU, num_layers=2, block_size=32, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
@@ -55,7 +55,7 @@ def server(engine: CacheEngine) -> Iterator[LookupServer]:
 def normal_lookup_works(server: LookupServer, timeout_s: float = 2.0) -> float:
     """A fresh well-behaved client gets the right answer within ``timeout_s``; returns seconds taken."""
     started = time.monotonic()
-    client = SocketLookup([server.path], timeout_s=timeout_s)
+    client = SocketLookup([server.path], timeout_s=timeout_s, media=tier_media(server.engine.config))
     try:
         assert client.lookup(PROMPT, RequestInfo()) == 192
     finally:
@@ -233,7 +233,7 @@ def test_clients_refuse_a_link_to_a_socket(server: LookupServer) -> None:
     link.symlink_to(server.path)
     try:
         with pytest.raises(LookupChannelError, match="not a socket"):
-            SocketLookup([link], timeout_s=1).lookup(PROMPT, RequestInfo())
+            SocketLookup([link], timeout_s=1, media=tier_media(server.engine.config)).lookup(PROMPT, RequestInfo())
     finally:
         link.unlink()
     with pytest.raises(UnsafeSocketPathError):

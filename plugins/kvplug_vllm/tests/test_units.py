@@ -16,7 +16,7 @@ import kvplug
 from kvplug import CacheEngine, Fingerprint, KVLayout, RequestInfo, load_config, slots_from_block_ids
 from kvplug.errors import ConfigError
 from kvplug_vllm.layout import VLLM_CPU
-from kvplug_vllm.lookup import DirectLookup, LookupChannelError, LookupServer, SocketLookup, socket_path
+from kvplug_vllm.lookup import DirectLookup, LookupChannelError, LookupServer, SocketLookup, socket_path, tier_media
 from kvplug_vllm.registration import CONNECTOR_NAME, register
 from kvplug_vllm.scheduler import request_info
 from kvplug_vllm.settings import request_overrides, split_extra_config
@@ -134,7 +134,7 @@ def test_socket_lookup_answers_like_the_engine(engine: CacheEngine) -> None:
     store(engine, prompt, RequestInfo(lora_id="sql-adapter"))  # the scheduler sends LoRA names
     path = socket_path(f"unit-{id(engine):x}", 0, 0)
     server = LookupServer(engine, path)
-    client = SocketLookup([path], timeout_s=5)
+    client = SocketLookup([path], timeout_s=5, media=tier_media(engine.config))
     try:
         for info in (
             RequestInfo(cache_salt="a"),
@@ -143,7 +143,9 @@ def test_socket_lookup_answers_like_the_engine(engine: CacheEngine) -> None:
             RequestInfo(lora_id="sql-adapter"),
             RequestInfo(lora_id="other-adapter"),
         ):
-            assert client.lookup(prompt, info) == DirectLookup([engine]).lookup(prompt, info)
+            assert client.lookup(prompt, info) == DirectLookup([engine], [], tier_media(engine.config)).lookup(
+                prompt, info
+            )
         assert client.lookup(prompt, RequestInfo(lora_id="sql-adapter")) == 192
         assert client.lookup(prompt, RequestInfo(cache_salt="a")) == 192
         assert client.lookup(prompt[:100] + [5] * 100, RequestInfo(cache_salt="a")) == 64
@@ -185,7 +187,7 @@ def test_lookup_server_survives_a_bad_request(engine: CacheEngine) -> None:
             raw.sendall(struct.pack("<I", len(garbage)) + garbage)
             size = struct.unpack("<I", raw.recv(4))[0]
             assert b"error" in raw.recv(size)
-        assert SocketLookup([path], timeout_s=5).lookup([1, 2, 3], RequestInfo()) == 0
+        assert SocketLookup([path], timeout_s=5, media=tier_media(engine.config)).lookup([1, 2, 3], RequestInfo()) == 0
     finally:
         server.close()
 
