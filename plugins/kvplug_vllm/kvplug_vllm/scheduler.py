@@ -26,9 +26,10 @@ from kvplug import ExtraKey, KVPlugConfig, RequestInfo
 from kvplug.errors import ConfigError, KVPlugError
 from kvplug_vllm.kv_events import KVPlugKVEvents
 from kvplug_vllm.lookup import DirectLookup, SocketLookup, local_engine, socket_path, tier_media
+from kvplug_vllm.lookup_result import LookupResult
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
 from kvplug_vllm.settings import ConnectorSettings, request_overrides, wants_report
-from kvplug_vllm.stats import TIER_HIT_PREFIX, KVPlugConnectorStats
+from kvplug_vllm.stats import KVPlugConnectorStats
 from kvplug_vllm.worker import local_reset
 
 logger = logging.getLogger("kvplug.vllm")
@@ -36,25 +37,6 @@ logger = logging.getLogger("kvplug.vllm")
 #: The medium served at memory speed; a prefix needing a tier of any other medium
 #: (``StorageTier.medium``) loads in the background (load: auto).
 FAST_MEDIUM = "memory"
-
-
-@dataclass
-class _Lookup:
-    num_computed: int
-    num_hit: int
-    num_external: int = 0
-    background: bool = False
-    block_ids: list[int] = field(default_factory=list)
-
-    @property
-    def new_hit(self) -> int:
-        """Tokens kvplug holds past what vLLM had computed (its own prefix cache): what kvplug adds."""
-        return max(0, self.num_hit - self.num_computed)
-
-    @property
-    def vllm_cached(self) -> int:
-        """Tokens kvplug holds that vLLM's own prefix cache had already: kvplug loads none of them."""
-        return min(self.num_hit, self.num_computed)
 
 
 @dataclass
@@ -113,14 +95,14 @@ class SchedulerSide:
         #: Tier type -> medium: tiers are told apart by this trait, never by name.
         self.media = tier_media(config)
         self._channel: DirectLookup | SocketLookup | None = None
-        self._lookups: dict[str, _Lookup] = {}
+        self._lookups: dict[str, LookupResult] = {}
         self._requests: dict[str, Any] = {}
         self._trackers: dict[str, _Tracker] = {}
         #: Background loads allocated this step (go into the next metadata), and those sent.
-        self._background: dict[str, _Lookup] = {}
-        self._background_hits: dict[str, _Lookup] = {}
+        self._background: dict[str, LookupResult] = {}
+        self._background_hits: dict[str, LookupResult] = {}
         #: Background loads that failed with nothing valid: vLLM asks again and computes the prompt.
-        self._failed_loads: dict[str, _Lookup] = {}
+        self._failed_loads: dict[str, LookupResult] = {}
         self._stats = KVPlugConnectorStats()
         kv_events = getattr(vllm_config, "kv_events_config", None)
         self.publish_events = bool(kv_events is not None and kv_events.enable_kv_cache_events)
@@ -156,32 +138,20 @@ class SchedulerSide:
             logger.warning("request %s: lookup failed, treated as a miss: %s", request.request_id, exc)
             tiers = []
         hit = sum(n for _, n in tiers)
-        # vLLM's own prefix cache answers first: what kvplug holds of the tokens vLLM has
-        # computed already is counted apart, so hit tokens are the tokens kvplug adds.
-        counts = dict(
-            lookups=1,
-            lookup_tokens=len(request.prompt_token_ids),
-            hit_tokens=max(0, hit - num_computed_tokens),
-            vllm_cached_tokens=min(hit, num_computed_tokens),
-            lookup_us=int((time.perf_counter() - started) * 1e6),
-        )
-        end = 0
-        for name, count in tiers:
-            beyond = min(count, max(0, end + count - num_computed_tokens))
-            end += count
-            if beyond:
-                counts[TIER_HIT_PREFIX + name] = counts.get(TIER_HIT_PREFIX + name, 0) + beyond
-        self._stats.add(**counts)
-        self._stats.sample("lookup_seconds", counts["lookup_us"] / 1e6)
-        self.totals.add(**counts)
+        # Time is spent on every ask; what was found is counted once the request is admitted.
+        lookup_us = int((time.perf_counter() - started) * 1e6)
+        self._stats.add(lookup_us=lookup_us)
+        self._stats.sample("lookup_seconds", lookup_us / 1e6)
+        self.totals.add(lookup_us=lookup_us)
         need = hit - num_computed_tokens
         if hit == request.num_tokens:
             need -= 1  # the engine must compute the last token to sample the next
         background = need > 0 and self._loads_in_background(tiers, num_computed_tokens)
-        self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, background=background)
+        lookup = LookupResult(num_computed_tokens, hit, tiers, len(request.prompt_token_ids), background=background)
+        self._lookups[request.request_id] = lookup
         logger.info(
             "request %s: %d prompt tokens, %d cached by kvplug (%s), %d computed by vLLM, loading %d%s",
-            request.request_id, len(request.prompt_token_ids), hit, _describe(tiers), num_computed_tokens,
+            request.request_id, len(request.prompt_token_ids), hit, lookup.describe(), num_computed_tokens,
             max(need, 0), " in the background" if background else "",
         )  # fmt: skip
         return max(need, 0), background
@@ -202,6 +172,10 @@ class SchedulerSide:
         lookup = self._lookups.get(request.request_id)
         if lookup is None:
             return
+        # Admitted: its lookup counts now, once, however many times vLLM asked (lookup_result.py).
+        counts = lookup.counts()
+        self._stats.add(**counts)
+        self.totals.add(**counts)
         lookup.num_external = num_external_tokens
         if lookup.background and num_external_tokens > 0:
             # The request waits in WAITING_FOR_REMOTE_KVS: it is not scheduled this step,
@@ -430,11 +404,3 @@ def _isolation(info: RequestInfo) -> dict[str, Any]:
         lora_id=info.lora_id,
         extra_keys=[(k.start, k.end, k.value) for k in info.extra_keys],
     )
-
-
-def _describe(tiers: list[tuple[str, int]]) -> str:
-    """``cpu 128, s3 64`` (tokens by tier, in prefix order) for log lines."""
-    counts: dict[str, int] = {}
-    for name, count in tiers:
-        counts[name] = counts.get(name, 0) + count
-    return ", ".join(f"{name} {count}" for name, count in counts.items()) or "none"

@@ -157,12 +157,54 @@ def request(request_id: str) -> SimpleNamespace:
     )
 
 
+#: What vLLM's KVCacheManager.get_blocks returns, as far as the scheduler side reads it.
+BLOCKS = SimpleNamespace(get_block_ids=lambda: (list(range(1, 8)),))
+HIT_FIGURES = ("lookups", "lookup_tokens", "hit_tokens", "vllm_cached_tokens")
+
+
+def hit_figures(stats: Any) -> dict[str, int]:
+    data = stats.data if stats is not None else {}
+    return {k: v for k, v in data.items() if k in HIT_FIGURES or k.startswith("hit_tokens_tier.")}
+
+
+def test_a_request_vllm_asks_about_again_is_counted_once_when_admitted(side: SchedulerSide) -> None:
+    # vLLM asks again, step after step, about a waiting request it could not schedule yet.
+    for _ in range(3):
+        assert side.get_num_new_matched_tokens(request("r-wait"), 0) == (192, False)
+    waiting = side.get_kv_connector_stats()
+    assert waiting is not None and waiting.data["lookup_us"] > 0  # the time spent is real
+    assert not any(hit_figures(waiting).values())  # nothing found is counted before admission
+    side.update_state_after_alloc(request("r-wait"), BLOCKS, 192)
+    expected = {"lookups": 1, "lookup_tokens": 200, "hit_tokens": 192, "vllm_cached_tokens": 0}
+    assert hit_figures(side.get_kv_connector_stats()) == {**expected, "hit_tokens_tier.ram": 192}
+    assert hit_figures(side.totals) == {**expected, "hit_tokens_tier.ram": 192}
+
+
+def test_a_hit_partly_in_vllms_prefix_cache_counts_only_the_rest_by_tier(
+    engine: CacheEngine, side: SchedulerSide
+) -> None:
+    last = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo()) if k.end == 192]
+    tier(engine, "ram").remove(last)  # chunks [0, 128) in ram, [128, 192) only in legacy
+    # vLLM's own prefix cache computed 96 tokens: kvplug adds 32 from ram and 64 from legacy.
+    assert side.get_num_new_matched_tokens(request("r-part"), 96) == (96, True)  # legacy: remote, background
+    side.update_state_after_alloc(request("r-part"), BLOCKS, 96)
+    assert hit_figures(side.get_kv_connector_stats()) == {
+        "lookups": 1,
+        "lookup_tokens": 200,
+        "hit_tokens": 96,
+        "vllm_cached_tokens": 96,
+        "hit_tokens_tier.ram": 32,
+        "hit_tokens_tier.legacy": 64,
+    }
+
+
 def test_the_media_of_the_configured_tiers(engine: CacheEngine) -> None:
     assert tier_media(engine.config) == {"ram": "memory", "legacy": "remote", "disk": "disk"}
 
 
 def test_a_prefix_in_a_third_party_memory_tier_loads_before_the_step(engine: CacheEngine, side: SchedulerSide) -> None:
     assert side.get_num_new_matched_tokens(request("r1"), 0) == (192, False)  # False: not in the background
+    side.update_state_after_alloc(request("r1"), BLOCKS, 192)
     stats = side.get_kv_connector_stats()
     assert stats is not None and stats.data["hit_tokens_tier.ram"] == 192
 
