@@ -24,11 +24,15 @@ opening a tier can tell is still found by the worker, as a
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+import logging
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from kvplug import TierChain, get_registry, load_config
+from kvplug.errors import KVPlugError
 from kvplug_vllm.registration import CONNECTOR_MODULE, CONNECTOR_NAME
+
+logger = logging.getLogger("kvplug.vllm")
 
 _MARK = "_kvplug_checks_config"
 
@@ -81,15 +85,29 @@ def install() -> None:
     """
     from vllm.engine.arg_utils import EngineArgs
 
-    create = EngineArgs.create_engine_config
-    if getattr(create, _MARK, False):
-        return
+    if not getattr(EngineArgs.create_engine_config, _MARK, False):
+        EngineArgs.create_engine_config = checked(EngineArgs.create_engine_config)
+
+
+def checked(create: Callable[..., Any]) -> Callable[..., Any]:
+    """``create`` (``EngineArgs.create_engine_config``) followed by :func:`check_kv_transfer_config`.
+
+    This runs for every vLLM start in a process where kvplug-vllm is installed, kvplug
+    the connector or not: only kvplug's own errors (:class:`kvplug.errors.KVPlugError`)
+    stop the start. Anything else (a vLLM whose config has changed shape) is logged and
+    the config returned unchecked; the connector still validates its config when it starts.
+    """
 
     @functools.wraps(create)
     def create_checked(self: Any, *args: Any, **kwargs: Any) -> Any:
         vllm_config = create(self, *args, **kwargs)
-        check_kv_transfer_config(vllm_config.kv_transfer_config)
+        try:
+            check_kv_transfer_config(getattr(vllm_config, "kv_transfer_config", None))
+        except KVPlugError:
+            raise
+        except Exception as exc:
+            logger.warning("kvplug could not check vLLM's kv_transfer_config early (%r); the connector checks it", exc)
         return vllm_config
 
     setattr(create_checked, _MARK, True)
-    EngineArgs.create_engine_config = create_checked
+    return create_checked
