@@ -65,7 +65,7 @@ def _per_key(result: BaseException) -> bool:
 
 
 class ValkeyStore:
-    """Batched GET/SET/STRLEN/DEL/SCAN under ``key_prefix``; see the module docstring."""
+    """Batched GET/SET/STRLEN/EXISTS/DEL/SCAN under ``key_prefix``; see the module docstring."""
 
     def __init__(self, config: ValkeyTierConfig) -> None:
         self.config = config
@@ -90,6 +90,18 @@ class ValkeyStore:
         """Stored bytes per key (0: missing, -1: not a string)."""
         results = await self._pipeline([("STRLEN", self.name(d)) for d in digests])
         return [-1 if isinstance(r, BaseException) else int(r) for r in results]
+
+    async def exist(self, digests: Sequence[str]) -> list[bool]:
+        """Whether each key exists (of any type), without touching it.
+
+        ``EXISTS`` leaves a key's LRU/LFU data as it was (every Valkey; Redis before
+        6.0 and since 6.2: early 6.0 releases touched, redis/redis#8016, no worse than
+        ``STRLEN``), where a read such as ``STRLEN`` makes it look freshly used to the
+        server: the index's round of checks must not keep this process's cold keys
+        alive in a server that other clients share. (``CLIENT NO-TOUCH`` would need
+        Valkey/Redis 7.2 and an error path on older servers.)"""
+        results = await self._pipeline([("EXISTS", self.name(d)) for d in digests])
+        return [isinstance(r, BaseException) or int(r) > 0 for r in results]
 
     async def set_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         """Store each frame; ``False`` where the server refused it for memory (OOM)."""

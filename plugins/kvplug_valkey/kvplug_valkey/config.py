@@ -148,8 +148,8 @@ class ValkeyTierConfig(RemoteTierConfig):
         le=100_000_000,
         description="Most keys in this process's index of what it stored and read (about 300 bytes "
         "each), which gives stats() its estimate and max_bytes its LRU. Past it the least recently used "
-        "are forgotten, not deleted: they stay in the server until its maxmemory policy evicts them, and "
-        "max_bytes no longer counts them.",
+        "are forgotten, not deleted (warned once): they stay in the server until its maxmemory policy "
+        "evicts them. With max_bytes set they are deleted instead (evictions), so max_bytes always holds.",
     )
 
     @field_validator("url")

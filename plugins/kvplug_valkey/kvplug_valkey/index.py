@@ -7,11 +7,14 @@ the least recently used keys this process knows are deleted. So that it neither 
 with every key ever stored nor reports keys long gone, it is bounded three ways:
 
 - **A size bound**: at most ``max_keys`` entries. Past it the least recently used
-  entry is forgotten, not deleted: its value stays in the server until the server's
-  own policy evicts it.
+  entry leaves the index, and :meth:`KeyIndex.record` returns it. Without
+  ``max_bytes`` the tier forgets it (its value stays in the server until the
+  server's own policy evicts it); with ``max_bytes`` the tier deletes it, as an
+  eviction, since bytes the index no longer counts would escape the budget.
 - **Misses**: a read or lookup that finds an indexed key gone drops it.
 - **A round of checks**: for each key newly indexed, the tier asks the server
-  (pipelined ``STRLEN``, after a put) about :data:`CHECKS_PER_NEW_KEY` indexed keys,
+  (pipelined ``EXISTS``, which leaves the keys' LRU/LFU data as it was, after a put
+  that fully succeeded) about :data:`CHECKS_PER_NEW_KEY` indexed keys,
   the next ones in a round over all entries, and drops those that are gone. A full
   round ends before the index has gained a quarter of its size in new keys, so keys
   evicted by a server that this process fills with chunks of one size (a model's
@@ -42,17 +45,20 @@ Entry = tuple[int, str | None]
 class KeyIndex:
     """Thread-safe LRU of value sizes by key digest (at most ``max_keys``), with the key text when known."""
 
-    def __init__(self, max_keys: int) -> None:
+    def __init__(self, max_keys: int, *, evicts_when_full: bool = False) -> None:
         if max_keys < 1:
             raise ValueError(f"max_keys must be at least 1, got {max_keys}")
         self.max_keys = max_keys
+        # True: the caller deletes what record() pushes out (counted as evictions, not here).
+        self.evicts_when_full = evicts_when_full
         self._entries: OrderedDict[str, Entry] = OrderedDict()
         # Digests in the order they are next checked; a forgotten digest's slot is skipped when reached.
         self._round: deque[str] = deque()
         self._lock = threading.Lock()
         self._bytes = 0
         self._new = 0  # keys indexed since the last round of checks
-        #: Entries forgotten to stay within ``max_keys`` (their values stayed in the server).
+        #: Entries forgotten to stay within ``max_keys`` (their values stayed in the server;
+        #: never counted when ``evicts_when_full``: those are deleted, as evictions).
         self.dropped_full = 0
         #: Entries dropped because a read, lookup or check found the key gone from the server.
         self.found_gone = 0
@@ -67,8 +73,12 @@ class KeyIndex:
         with self._lock:
             return len(self._entries)
 
-    def record(self, digest: str, size: int, key: str | None) -> None:
-        """``size`` value bytes are stored under ``digest``: now the most recently used."""
+    def record(self, digest: str, size: int, key: str | None) -> list[tuple[str, str | None]]:
+        """``size`` value bytes are stored under ``digest``: now the most recently used.
+
+        Returns the (digest, key) of the entries pushed out to stay within ``max_keys``
+        (least recently used first), for the caller to delete when ``evicts_when_full``."""
+        pushed: list[tuple[str, str | None]] = []
         with self._lock:
             old = self._entries.pop(digest, None)
             if old is not None:
@@ -80,12 +90,15 @@ class KeyIndex:
             self._entries[digest] = (size, key)
             self._bytes += size
             while len(self._entries) > self.max_keys:
-                _, (dropped, _) = self._entries.popitem(last=False)
+                gone, (dropped, gone_key) = self._entries.popitem(last=False)
                 self._bytes -= dropped
-                self.dropped_full += 1
+                pushed.append((gone, gone_key))
+                if not self.evicts_when_full:
+                    self.dropped_full += 1
             if len(self._round) > 2 * len(self._entries) + 1024:
                 # Keys forgotten and indexed again faster than rounds reach their old slots.
                 self._round = deque(self._entries)
+        return pushed
 
     def snapshot(self, digests: list[str]) -> list[Entry | None]:
         """The current entry of each digest, to pass to :meth:`forget_gone` after asking the server."""

@@ -50,7 +50,7 @@ T = TypeVar("T")
 A = TypeVar("A")
 #: Listing a large prefix legitimately takes longer than one batch.
 LISTING_TIMEOUT_S = 300.0
-#: Keys per pipeline for commands with small replies (STRLEN, DEL): a lookup is one round trip.
+#: Keys per pipeline for commands with small replies (STRLEN, EXISTS, DEL): a lookup is one round trip.
 SMALL_REPLY_KEYS = 1024
 _COUNTERS = ("hits", "misses", "puts", "evictions", "dropped_puts", "oom", "corrupt", "incompatible")
 
@@ -77,7 +77,10 @@ class ValkeyTier(StorageTier):
         self._where = config.address.display()
         self._calls = RemoteCalls(self.name, config, context, where=self._where, classify=classify)
         self._store = ValkeyStore(config)
-        self._index = KeyIndex(config.index_max_keys)
+        # With max_bytes, keys pushed out of a full index are deleted: forgotten, their
+        # bytes would escape the budget (100k SGLang pages of 128 KiB: 12.8 GB unseen).
+        self._index = KeyIndex(config.index_max_keys, evicts_when_full=config.max_bytes is not None)
+        self._warned_full = False
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
@@ -145,6 +148,7 @@ class ValkeyTier(StorageTier):
             stored.extend([None] * len(group) if isinstance(result, BaseException) else result)
         values: list[Buffer | None] = []
         corrupt: list[str] = []
+        pushed: list[tuple[str, str | None]] = []
         for key, digest, data, entry in zip(keys, digests, stored, seen):
             value = None
             if data is None:  # evicted, expired or deleted by another process
@@ -164,10 +168,11 @@ class ValkeyTier(StorageTier):
                 self._count("misses")
             else:
                 self._count("hits")
-                self._index.record(digest, value.nbytes, key)
+                pushed += self._index.record(digest, value.nbytes, key)
             values.append(value)
         if corrupt:
             self._delete_quietly(corrupt)
+        self._pushed_out(pushed)
         return values
 
     # --- writes ---------------------------------------------------------------------
@@ -195,22 +200,30 @@ class ValkeyTier(StorageTier):
             framed.append((key_name_digest(key), b"".join((pack_record_header(key, value), value))))
         groups = self._put_groups(framed)
         results = self._calls.batch(self._store.set_many, groups)
+        failed = False
+        pushed: list[tuple[str, str | None]] = []
         for group, result in zip(groups, results):
             if isinstance(result, BaseException):
+                failed = True
                 self._count("dropped_puts", len(group))
                 self._calls.warn_dropped(result)
                 continue
             for (digest, frame), stored in zip(group, result):
                 if stored:
                     self._count("puts")
-                    self._index.record(digest, len(frame) - RECORD_HEADER_SIZE, None)
+                    pushed += self._index.record(digest, len(frame) - RECORD_HEADER_SIZE, None)
                 else:
                     self._count("oom")
                     self._count("dropped_puts")
                     self._calls.warn_dropped(MemoryError("the server is out of memory (maxmemory, noeviction)"))
         if budget is not None:
-            self._evict_over(budget)
-        self._check_indexed()
+            self._evict(pushed + self._index.evict_over(budget))
+        else:
+            self._pushed_out(pushed)
+        # After a failed group the server is likely down or hung: a check would pay the
+        # put's worst case again before the breaker opens.
+        if not failed:
+            self._check_indexed()
 
     def remove(self, keys: Sequence[str]) -> None:
         self._check_open()
@@ -235,8 +248,24 @@ class ValkeyTier(StorageTier):
         if failed:
             raise TierUnavailableError(f"tier valkey: {failed} of {len(keys)} removals from {self._where} failed")
 
-    def _evict_over(self, budget: int) -> None:
-        victims = self._index.evict_over(budget)
+    def _pushed_out(self, pushed: list[tuple[str, str | None]]) -> None:
+        """Entries a full index pushed out: evicted with ``max_bytes``, else forgotten (warned once)."""
+        if not pushed:
+            return
+        if self._index.evicts_when_full:
+            self._evict(pushed)
+        elif not self._warned_full:
+            self._warned_full = True
+            self.context.logger.warning(
+                "tier valkey: the index of this process's keys is full (index_max_keys=%d): the least "
+                "recently used are forgotten, not deleted, and stay in %s until its own policy evicts them "
+                "(counted as index_dropped_full)",
+                self._index.max_keys,
+                self._where,
+            )
+
+    def _evict(self, victims: list[tuple[str, str | None]]) -> None:
+        """Delete entries already removed from the index, counted and reported as evictions."""
         if not victims:
             return
         self._count("evictions", len(victims))
@@ -247,16 +276,20 @@ class ValkeyTier(StorageTier):
 
     def _check_indexed(self) -> None:
         """Drop the indexed keys the server no longer holds, among the next ones of the
-        index's round (one pipelined STRLEN; see :mod:`kvplug_valkey.index`)."""
-        due = self._index.due_checks()
-        # Bookkeeping only: never the breaker's half-open probe, never counted as short-circuited.
-        if not due or self._calls.breaker.state != "closed":
+        index's round (one pipelined EXISTS, which does not refresh the keys' LRU/LFU
+        data as STRLEN would; see :mod:`kvplug_valkey.index`)."""
+        # Bookkeeping only: never the breaker's half-open probe, never counted as
+        # short-circuited; and the round moves on only for keys really checked.
+        if self._calls.breaker.state != "closed":
             return
-        for group, result in self._groups(self._store.lengths, list(due), SMALL_REPLY_KEYS):
+        due = self._index.due_checks()
+        if not due:
+            return
+        for group, result in self._groups(self._store.exist, list(due), SMALL_REPLY_KEYS):
             if isinstance(result, BaseException):
                 continue
-            for digest, length in zip(group, result):
-                if length == 0:
+            for digest, exists in zip(group, result):
+                if not exists:
                     self._index.forget_gone(digest, due[digest])
 
     def _delete_quietly(self, digests: list[str], *, forget: bool = True) -> None:

@@ -4,15 +4,18 @@ another program filling the server, and an index bound smaller than the keys sto
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 import pytest
 import valkey
-from valkey_helpers import fresh_prefix
+from valkey_helpers import FAST_FAILING, fresh_prefix
 
-from kvplug import RECORD_HEADER_SIZE, key_digest
-from kvplug.testing import key_for
-from kvplug_valkey.index import CHECKS_PER_ROUND, KeyIndex
+from kvplug import RECORD_HEADER_SIZE, KVEvent, key_digest
+from kvplug.testing import key_for, tier_context
+from kvplug_valkey import ValkeyTier
+from kvplug_valkey.index import CHECKS_PER_NEW_KEY, CHECKS_PER_ROUND, KeyIndex
 from kvplug_valkey.testing import ValkeyServer
 
 #: Documented slack of stats() over the server when this process is the only writer of
@@ -95,7 +98,8 @@ def test_reads_of_keys_another_program_pushed_out_drop_them(lru_server, tiers) -
     assert stats.extra["index_found_gone"] == gone
 
 
-def test_index_holds_at_most_index_max_keys_and_forgets_without_deleting(valkey_server, tiers) -> None:
+def test_index_holds_at_most_index_max_keys_and_forgets_without_deleting(valkey_server, tiers, caplog) -> None:
+    caplog.set_level(logging.WARNING)
     prefix = fresh_prefix()
     tier = tiers(valkey_server.url, key_prefix=prefix, pipeline_keys=256, index_max_keys=1_000)
     keys = [key_for(f"bound-{i}") for i in range(5_000)]
@@ -106,6 +110,9 @@ def test_index_holds_at_most_index_max_keys_and_forgets_without_deleting(valkey_
     assert stats.extra["index_max_keys"] == 1_000 and stats.extra["index_dropped_full"] == 4_000
     assert held_by_server(plain_client(valkey_server), prefix)[0] == 5_000  # forgotten, not deleted
     assert stats.evictions == 0
+    # Forgetting is said once, not once per key.
+    full = [r for r in caplog.records if "index_max_keys=1000" in r.getMessage()]
+    assert len(full) == 1 and "forgotten, not deleted" in full[0].getMessage()
     # A forgotten key is still served, and enters the index again as the most recently used.
     assert bytes(tier.get([keys[0]])[0]) == b"b" * 100
     assert tier.stats().items == 1_000
@@ -144,3 +151,75 @@ def test_checks_go_round_every_key_without_changing_the_eviction_order() -> None
     assert sorted(checked[:100]) == digests  # every key once before any key twice
     # Checking reordered nothing: max_bytes still evicts the least recently used first.
     assert [digest for digest, _ in index.evict_over(10 * 97)] == digests[1:4]
+
+
+def test_with_max_bytes_keys_pushed_out_of_a_full_index_are_evicted_not_forgotten(valkey_server) -> None:
+    # The index covers 200 keys of 1,000 bytes (~200 kB); max_bytes allows 400 kB; 2,000 keys
+    # (2 MB) are stored. Forgotten instead of deleted, they would all stay in the server.
+    prefix, budget, value_bytes = fresh_prefix(), 400_000, 1_000
+    events: list[KVEvent] = []
+    config = ValkeyTier.Config(
+        url=valkey_server.url, key_prefix=prefix, max_bytes=budget, index_max_keys=200, request_timeout_s=5.0
+    )
+    tier = ValkeyTier(config, tier_context(emit=events.append))
+    client = plain_client(valkey_server)
+    try:
+        keys = [key_for(f"capped-{i}") for i in range(2_000)]
+        for start in range(0, len(keys), 100):
+            tier.put([(key, b"c" * value_bytes) for key in keys[start : start + 100]])
+            held_keys, held_bytes = held_by_server(client, prefix)
+            assert held_bytes <= budget, (start, held_keys, held_bytes, tier.stats().extra)
+        assert (held_keys, held_bytes) == (200, 200 * value_bytes)
+        stats = tier.stats()
+        assert stats.items == 200 and stats.evictions == 1_800
+        assert stats.extra["index_dropped_full"] == 0  # evicted, not forgotten
+        # Reads of pushed-out keys miss; the last keys stored are still served, and a read
+        # indexes the key's text, so that its eviction is reported by name.
+        assert tier.get(keys[:5]) == [None] * 5
+        read = keys[-5:]
+        assert [bytes(v or b"") for v in tier.get(read)] == [b"c" * value_bytes] * 5
+        more = [key_for(f"capped-more-{i}") for i in range(200)]
+        tier.put([(key, b"m" * value_bytes) for key in more])
+        assert held_by_server(client, prefix) == (200, 200 * value_bytes)
+        assert tier.stats().evictions == 2_000
+        evicted = [key for event in events if event.kind == "evicted" for key in event.keys]
+        assert sorted(evicted) == sorted(read)
+    finally:
+        tier.close()
+
+
+def test_the_round_of_checks_does_not_refresh_the_servers_lru_of_checked_keys(valkey_server, tiers) -> None:
+    # STRLEN makes a key look freshly used to the server, EXISTS does not: a round that read
+    # the keys it checks would keep this process's cold chunks alive in a shared LRU server.
+    prefix = fresh_prefix()
+    tier = tiers(valkey_server.url, key_prefix=prefix)
+    keys = [key_for(f"idle-{i}") for i in range(50)]
+    tier.put([(key, b"i" * 100) for key in keys])  # 50 new keys: the whole index is checked now
+    client = plain_client(valkey_server)
+    names = [prefix + key_digest(key).hex() for key in keys]
+    client.delete(*names[:5])  # gone, so that the next round is seen to run
+    time.sleep(3.0)
+    tier.put([(key_for("idle-new"), b"n" * 100)])  # 1 new key: the round checks the next 20, oldest first
+    due = CHECKS_PER_NEW_KEY + CHECKS_PER_ROUND
+    assert tier.stats().extra["index_found_gone"] == 5, "the round did not check the oldest keys"
+    idle = [int(client.object("idletime", name)) for name in names[5:due]]
+    assert min(idle) >= 2, f"checked keys look freshly used to the server: idle times {idle}"
+
+
+def test_a_put_that_failed_does_not_also_pay_for_a_round_of_checks(own_server, tiers) -> None:
+    # A hung server: the put's groups time out (retries + 1 attempts, each counted as a
+    # failure). A round of checks after it would time out as well, doubling the put's cost
+    # until the breaker opens.
+    own_server.start()
+    tier = tiers(own_server.url, **{**FAST_FAILING, "breaker_failures": 10})
+    tier.put([(key_for(f"hung-{i}"), b"h" * 100) for i in range(50)])
+    assert tier.stats().extra["failures"] == 0
+    own_server.pause()
+    try:
+        tier.put([(key_for("hung-new"), b"n" * 100)])
+    finally:
+        own_server.resume()
+    extra = tier.stats().extra
+    assert extra["dropped_puts"] == 1
+    assert extra["failures"] == FAST_FAILING["retries"] + 1, extra
+    assert extra["breaker_state"] == "closed"
