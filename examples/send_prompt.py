@@ -1,15 +1,22 @@
 """One completion request to the server that serve_cpu.sh started, timed and counted.
 
-    python send_prompt.py URL METRICS_URL LABEL
+    python send_prompt.py URL LABEL
 
 Sends the same prompt every time (1000 token ids: three 256-token chunks and a partial
 one; the random model has no tokenizer, so the server runs with --skip-tokenizer-init
 and prompts are token ids), streamed, so the time to the first token (TTFT) is measured
-where a client sees it. kvplug's tokens for the request are the change of its counters
-on the worker's Prometheus endpoint (kvplug.metrics_port) across the request:
-kvplug_hit_tokens_total (found by the lookup) and kvplug_loaded_tokens_total (written
-into vLLM's cache instead of computed). Prints one line: LABEL, TTFT, hit and loaded
-tokens, and the generated token ids.
+where a client sees it. Prints one line: LABEL, TTFT, kvplug's hit and loaded tokens for
+the request, and the generated token ids.
+
+kvplug's tokens are the change across the request of kvplug-vllm's counters on vLLM's
+own ``URL/metrics`` (the server port): ``kvplug_hit_tokens_total``, the tokens kvplug
+held past what vLLM's own prefix cache had, counted once when vLLM admits the request,
+and ``kvplug_loaded_tokens_total``, the tokens kvplug wrote into vLLM's KV cache instead
+of vLLM computing them. They match with or without vLLM's prefix cache. The worker's own
+endpoint (``kvplug.metrics_port``) is not used: its ``kvplug_lookup_hit_tokens_total``
+counts every token each lookup found, and vLLM may look a request up several times.
+vLLM's figures reach its API server a moment after the step that made them, so the
+script waits until the request's lookup (``kvplug_lookups_total`` one up) is there.
 """
 
 from __future__ import annotations
@@ -23,10 +30,28 @@ import urllib.request
 PROMPT = [random.Random(0).randrange(3, 1000) for _ in range(1000)]
 
 
-def kvplug_counters(metrics_url: str) -> dict[str, float]:
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+def kvplug_counters(url: str) -> dict[str, float]:
+    """kvplug's series on vLLM's ``/metrics``, summed over their labels (engine, model)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
         lines = response.read().decode().splitlines()
-    return {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("kvplug_")}
+    totals: dict[str, float] = {}
+    for line in lines:
+        if line.startswith("kvplug_"):
+            series, value = line.rsplit(" ", 1)
+            name = series.split("{")[0]
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
+def counters_after(url: str, before: dict[str, float], timeout_s: float = 30.0) -> dict[str, float]:
+    """The counters once the request's lookup has reached vLLM's API server (or after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = kvplug_counters(url)
+        looked_up = after.get("kvplug_lookups_total", 0) > before.get("kvplug_lookups_total", 0)
+        if looked_up or time.monotonic() > deadline:
+            return after
+        time.sleep(0.2)
 
 
 def stream_completion(url: str) -> tuple[float, list[int]]:
@@ -60,10 +85,10 @@ def stream_completion(url: str) -> tuple[float, list[int]]:
 
 
 def main() -> None:
-    url, metrics_url, label = sys.argv[1:4]
-    before = kvplug_counters(metrics_url)
+    url, label = sys.argv[1:3]
+    before = kvplug_counters(url)
     ttft, tokens = stream_completion(url)
-    after = kvplug_counters(metrics_url)
+    after = counters_after(url, before)
 
     def delta(name: str) -> int:
         return int(after.get(name, 0) - before.get(name, 0))

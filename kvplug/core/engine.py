@@ -162,7 +162,7 @@ class CacheEngine:
     def _count_lookup(self, asked: int, hit: int) -> None:
         self.metrics.lookups.inc()
         self.metrics.lookup_tokens.inc(asked)
-        self.metrics.hit_tokens.inc(hit)
+        self.metrics.lookup_hit_tokens.inc(hit)
 
     # --- store ----------------------------------------------------------------------
 

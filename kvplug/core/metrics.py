@@ -18,7 +18,10 @@ class EngineMetrics:
         r = self.registry
         self.lookups = Counter("kvplug_lookups", "Lookup calls", registry=r)
         self.lookup_tokens = Counter("kvplug_lookup_tokens", "Tokens asked about in lookups", registry=r)
-        self.hit_tokens = Counter("kvplug_hit_tokens", "Tokens found cached by lookups", registry=r)
+        #: Every token a lookup of this engine found, however often it is asked (an adapter may ask
+        #: many times per request): not "tokens loaded". kvplug-vllm's kvplug_hit_tokens on vLLM's /metrics
+        #: is another figure (tokens past vLLM's own prefix cache, once per admitted request).
+        self.lookup_hit_tokens = Counter("kvplug_lookup_hit_tokens", "Tokens found cached by lookups", registry=r)
         self.stored_tokens = Counter("kvplug_stored_tokens", "Tokens handed to the tiers", registry=r)
         self.stored_bytes = Counter("kvplug_stored_bytes", "Serialized bytes handed to the tiers", registry=r)
         self.loaded_tokens = Counter("kvplug_loaded_tokens", "Tokens written into the engine cache", registry=r)

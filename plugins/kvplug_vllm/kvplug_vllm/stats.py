@@ -2,7 +2,9 @@
 
 What they count (tokens are prompt tokens; vLLM's own prefix cache answers first):
 
-- ``lookups``, ``lookup_tokens``: prompts looked up in kvplug's tiers, and their tokens.
+- ``lookups``, ``lookup_tokens``: requests looked up in kvplug's tiers, and their prompt
+  tokens. These and the hit figures below are counted once, when vLLM admits the request,
+  however often vLLM asked about it while it waited (``lookup_result``).
 - ``hit_tokens``: tokens kvplug holds past what vLLM's own prefix cache already had:
   what kvplug adds, and loads (``loaded_tokens``), unless a load fails. For a
   full-prompt hit vLLM recomputes the last token, but kvplug writes its block anyway.

@@ -148,7 +148,7 @@ def test_openai_server_second_completion_hits(server: str, metrics_port: int, ba
     # kvplug's own Prometheus metrics, served from the worker process
     metrics = scrape(metrics_port)
     assert metrics["kvplug_lookups_total"] == 2
-    assert metrics["kvplug_hit_tokens_total"] == 256
+    assert metrics["kvplug_lookup_hit_tokens_total"] == 256  # every token its lookups found
     assert metrics["kvplug_loaded_tokens_total"] == 256
     assert metrics["kvplug_stored_tokens_total"] == 256
     # the same figures on vLLM's own /metrics (build_prom_metrics), per tier and with latencies
