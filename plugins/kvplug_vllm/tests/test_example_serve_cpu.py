@@ -13,7 +13,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -27,12 +30,51 @@ ROW = re.compile(r"^(\d) .*TTFT +([\d.]+) ms +kvplug hit +(\d+) tokens, loaded +
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 
 
-def test_serve_cpu_example_hits_after_a_restart_with_identical_outputs(tmp_path: Path) -> None:
+def script_env(tmp_path: Path, **settings: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("KVPLUG_CONFIG", None)
     # as in an activated virtualenv: `python` is this environment's
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.update(PORT=str(free_port()), METRICS_PORT=str(free_port()), WORK=str(tmp_path / "work"))
+    env.update(settings)
+    return env
+
+
+class _AnswersEverything(BaseHTTPRequestHandler):
+    """Another server on the port: 200 to /health and to anything else."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    server = HTTPServer(("127.0.0.1", 0), _AnswersEverything)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("setting", ["PORT", "METRICS_PORT"])
+def test_serve_cpu_example_refuses_a_port_another_server_holds(tmp_path: Path, busy_port: int, setting: str) -> None:
+    done = subprocess.run(
+        ["bash", str(SCRIPT)], capture_output=True, text=True, env=script_env(tmp_path, **{setting: str(busy_port)}),
+        timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"port {busy_port} on 127.0.0.1 is in use (another server?); set {setting} to a free port" in done.stderr
+    assert not list((tmp_path / "work").glob("server-*.log"))  # no vLLM was started
+
+
+def test_serve_cpu_example_hits_after_a_restart_with_identical_outputs(tmp_path: Path) -> None:
+    env = script_env(tmp_path)
     proc = subprocess.Popen(
         ["bash", str(SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         start_new_session=True, cwd=tmp_path,
