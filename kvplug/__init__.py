@@ -59,6 +59,7 @@ _LAZY = {
     "PagedFormat": "kvplug.core.layouts",
     "slots_from_block_ids": "kvplug.core.layouts",
     "Serializer": "kvplug.core.serializer",
+    "make_serializer": "kvplug.core.serializer",
     "KVConnector": "kvplug.core.connector",
     "KVPlugConfig": "kvplug.core.config",
     "load_config": "kvplug.core.config_loader",
@@ -74,7 +75,7 @@ if TYPE_CHECKING:
     from kvplug.core.engine import CacheEngine, LayerwiseRetrieve, RequestInfo, RetrieveTimings
     from kvplug.core.layouts import KVLayout, PagedFormat, slots_from_block_ids
     from kvplug.core.plugins import PluginRegistry, get_registry
-    from kvplug.core.serializer import Serializer
+    from kvplug.core.serializer import Serializer, make_serializer
 
 
 def __getattr__(name: str) -> Any:
@@ -146,6 +147,7 @@ __all__ = [
     "is_secret_name",
     "key_digest",
     "load_config",
+    "make_serializer",
     "pack_record",
     "pack_record_header",
     "redact",

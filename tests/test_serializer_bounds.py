@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvplug import CacheEngine, Fingerprint, KVPlugConfig, load_config
+from kvplug import CacheEngine, Fingerprint, KVPlugConfig, get_registry, load_config, make_serializer
 from kvplug.builtins.raw_serializer import RawSerializer
 from kvplug.core import chunk_format
 from kvplug.core.components import EmptyConfig
@@ -74,6 +74,8 @@ def fuzz(examples: int) -> None:
         st.tuples(st.just("flip"), st.floats(0, 1), st.integers(1, 255)),
         st.tuples(st.just("truncate"), st.floats(0, 1)),
         st.tuples(st.just("extend"), st.binary(min_size=1, max_size=64)),
+        # A whole shape at once: several huge dims with a zero among them (an empty chunk).
+        st.tuples(st.just("shape"), st.lists(values("I") | st.just(0), max_size=6)),
     )
 
     @settings(
@@ -81,6 +83,7 @@ def fuzz(examples: int) -> None:
     )
     @example(0, [("field", "dim0", 2**20)], 1, False)  # a header over max_chunk_bytes
     @example(2, [("field", "dim0", 2**32 - 1)], 1, False)  # an empty chunk of a huge shape
+    @example(2, [("shape", [0, 2**32 - 1, 2**32 - 1, 2**32 - 1])], 1, False)  # whose strides overflow torch's
     @given(st.sampled_from(range(len(starts))), st.lists(ops, min_size=1, max_size=3), st.integers(0, 9), st.booleans())
     def check(start: int, mutations: list[tuple[Any, ...]], seal: int, with_expected: bool) -> None:
         base, base_shape, base_dtype, chunk_bytes = starts[start]
@@ -95,6 +98,9 @@ def fuzz(examples: int) -> None:
                 del frame[int(op[1] * len(frame)) :]
             elif op[0] == "extend":
                 frame += op[1]
+            elif op[0] == "shape" and len(frame) >= chunk_format.HEADER_SIZE:
+                struct.pack_into("<B", frame, 24, len(op[1]))
+                struct.pack_into(f"<{len(op[1])}I", frame, 28, *op[1])
         fields = {op[1] for op in mutations if op[0] == "field"}
         if seal and len(frame) >= chunk_format.HEADER_SIZE and "checksum" not in fields:
             if "payload_length" not in fields:
@@ -155,6 +161,37 @@ def test_the_engine_bounds_its_serializer_and_refuses_a_bound_below_its_chunk() 
         assert engine.serializer.max_chunk_bytes == 1536
     with pytest.raises(ConfigError, match=r"max_chunk_bytes: a chunk of this model takes 1536 bytes"):
         CacheEngine(config(1535), layout, fingerprint)
+
+
+def test_make_serializer_gives_every_adapter_the_configured_bound() -> None:
+    """SGLang's HiCache storage built its serializer without the bound (issue 29 item 8):
+    adapters build theirs with ``make_serializer``, as ``CacheEngine`` does."""
+    extra = {"kvplug.serializer": {"type": "raw"}, "kvplug.max_chunk_bytes": 4096}
+    config = load_config(engine_extra=extra, env={}).config
+    serializer = make_serializer(config, get_registry())
+    assert isinstance(serializer, RawSerializer) and serializer.max_chunk_bytes == 4096
+    frame = RawSerializer(EmptyConfig()).dumps(torch.zeros((2, 1025), dtype=torch.float16))
+    with pytest.raises(CorruptChunkError, match="4100 bytes, over the maximum chunk of 4096 bytes"):
+        serializer.loads(frame)
+
+
+def test_an_empty_chunk_is_bounded_by_its_extent() -> None:
+    """A zero dim made a frame 0 bytes whatever its other dims: (0, 2**32-1, 2**32-1, 2**32-1)
+    passed every check and torch raised ``RuntimeError: Stride calculation overflowed``."""
+    serializer = RawSerializer(EmptyConfig())
+    frame = bytearray(serializer.dumps(torch.empty((4, 0), dtype=torch.float16)))
+    assert serializer.loads(frame).shape == (4, 0)  # an empty chunk within the bound still decodes
+    huge = 2**32 - 1
+    frame[24] = 4  # ndim
+    struct.pack_into("<4I", frame, 28, 0, huge, huge, huge)
+    chunk_format.seal_frame(frame)
+    for load in (serializer.loads, serializer.loads_trusted):
+        with pytest.raises(
+            CorruptChunkError,
+            match=r"\(0, 4294967295, 4294967295, 4294967295\) and dtype float16 "
+            r"spans \d+ bytes \(its dims, a zero counted as 1\), over the maximum chunk",
+        ):
+            load(bytes(frame))
 
 
 if __name__ == "__main__":

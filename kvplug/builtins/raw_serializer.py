@@ -72,7 +72,7 @@ class RawSerializer(Serializer):
             raise IncompatibleChunkError(f"chunk shape {header.shape}, expected {tuple(expected_shape)}")
         # A raw frame's payload is the chunk itself, already in memory: the bound is for
         # symmetry with the other serializers (a reader never gets a chunk over it).
-        self.check_chunk_bytes(header.payload_length, f"chunk of shape {header.shape} and dtype {header.dtype}")
+        self.check_chunk_shape(header.shape, chunk_format.DTYPE_SIZES[header.dtype], header.dtype)
         return _tensor_over(data, getattr(torch, header.dtype), header.shape, header.payload_length)
 
 

@@ -32,7 +32,7 @@ from kvplug.core.layouts import KVLayout
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.parallel_copies import ParallelCopies, auto_copy_threads
 from kvplug.core.plugins import PluginRegistry, get_registry
-from kvplug.core.serializer import Serializer
+from kvplug.core.serializer import Serializer, make_serializer
 from kvplug.core.tier import StorageTier
 from kvplug.core.tier_chain import TierChain
 from kvplug.errors import ChunkError, ConfigError, ConfigProblem, ConnectorError, EngineClosedError, LayoutError
@@ -81,10 +81,8 @@ class CacheEngine:
         self.config = config.resolve(self.registry)
         self.layout = layout
         self.metrics = metrics or EngineMetrics()
-        self.serializer: Serializer = self.registry.serializers()[self.config.serializer.type](
-            self.config.serializer.options
-        )
-        self.serializer.max_chunk_bytes = self._max_chunk_bytes()
+        self._check_max_chunk_bytes()
+        self.serializer: Serializer = make_serializer(self.config, self.registry)
         self.fingerprint = replace(
             fingerprint,
             serializer=self.serializer.fingerprint(),
@@ -389,8 +387,8 @@ class CacheEngine:
         logger.info("connector auto: chose %r of %s", chosen.name, sorted(c.name for c in usable))
         return chosen(chosen.Config(), self.layout)
 
-    def _max_chunk_bytes(self) -> int:
-        """``max_chunk_bytes``, checked to hold this model's largest chunk (else no load could succeed)."""
+    def _check_max_chunk_bytes(self) -> None:
+        """``ConfigError`` unless ``max_chunk_bytes`` holds this model's largest chunk (else no load could succeed)."""
         bound = int(self.config.max_chunk_bytes)
         shape = self.layout.chunk_shape(self.config.chunk_size)
         needed = math.prod(shape) * self.layout.dtype.itemsize
@@ -405,7 +403,6 @@ class CacheEngine:
                     )
                 ]
             )
-        return bound
 
     def _copy_threads(self) -> int:
         if not self.connector.concurrent_copies:

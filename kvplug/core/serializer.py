@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from pydantic import BaseModel
@@ -14,6 +15,10 @@ from kvplug.core.chunk_format import DEFAULT_MAX_CHUNK_BYTES
 from kvplug.core.components import EmptyConfig
 from kvplug.core.tier import Buffer
 from kvplug.errors import CorruptChunkError
+
+if TYPE_CHECKING:
+    from kvplug.core.config import KVPlugConfig
+    from kvplug.core.plugins import PluginRegistry
 
 
 class Serializer(ABC):
@@ -107,7 +112,35 @@ class Serializer(ABC):
                 f"{what} is {nbytes} bytes, over the maximum chunk of {self.max_chunk_bytes} bytes (max_chunk_bytes)"
             )
 
+    def check_chunk_shape(self, shape: tuple[int, ...], itemsize: int, dtype: str) -> None:
+        """:meth:`check_chunk_bytes` for a frame's ``shape`` of ``dtype`` (``itemsize`` bytes):
+        its bytes, and also its extent (every dim, a zero counted as 1, times ``itemsize``).
+
+        An empty chunk holds 0 bytes whatever its other dims; bounding the extent keeps a
+        header like ``(0, 2**32-1, 2**32-1, 2**32-1)`` from reaching torch, whose strides
+        would overflow (a ``RuntimeError``, not a ``ChunkError``). kvplug never stores a
+        chunk with a zero dim; an empty chunk within the bound still decodes.
+        """
+        what = f"chunk of shape {shape} and dtype {dtype}"
+        self.check_chunk_bytes(math.prod(shape) * itemsize, what)
+        extent = math.prod(max(d, 1) for d in shape) * itemsize
+        if extent > self.max_chunk_bytes:
+            raise CorruptChunkError(
+                f"{what} spans {extent} bytes (its dims, a zero counted as 1), over the maximum chunk of "
+                f"{self.max_chunk_bytes} bytes (max_chunk_bytes)"
+            )
+
     def dumps(self, tensor: torch.Tensor) -> Buffer:
         frame, payload = self.allocate(tuple(tensor.shape), tensor.dtype)
         payload.copy_(tensor)
         return self.seal(frame)
+
+
+def make_serializer(config: KVPlugConfig, registry: PluginRegistry) -> Serializer:
+    """The serializer ``config.serializer`` names, with its options, bounded by
+    ``config.max_chunk_bytes``: how every engine adapter (``CacheEngine``, SGLang's
+    HiCache storage) builds one, so that none reads frames without the bound."""
+    spec = config.serializer
+    serializer: Serializer = registry.serializers()[spec.type](spec.options)
+    serializer.max_chunk_bytes = int(config.max_chunk_bytes)
+    return serializer

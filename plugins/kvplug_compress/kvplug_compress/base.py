@@ -91,9 +91,7 @@ class CompressingSerializer(kvplug.Serializer):
         header = kvpc.verify(data, self.name)
         kvpc.check_expected(header, expected_shape, None if expected_dtype is None else dtype_name(expected_dtype))
         # Before anything is allocated: without an expected shape, the header's is all there is.
-        self.check_chunk_bytes(
-            header.numel * header.itemsize, f"chunk of shape {header.shape} and dtype {header.dtype}"
-        )
+        self.check_chunk_shape(header.shape, header.itemsize, header.dtype)
         dtype = getattr(torch, header.dtype)
         if header.encoding == kvpc.STORED:
             if header.payload_length != header.numel * header.itemsize:

@@ -183,6 +183,10 @@ def fuzz(name: str, examples: int) -> None:
         st.tuples(st.just("u32"), st.integers(0, 64), st.sampled_from([*extremes, RAW_PLANE, RAW_PLANE | 4096])),
         st.tuples(st.just("truncate"), st.floats(0, 1)),
         st.tuples(st.just("extend"), st.binary(min_size=1, max_size=64)),
+        # A whole shape at once (several huge dims with a zero among them), and a frame
+        # left with no payload, as an empty chunk's stored frame has.
+        st.tuples(st.just("shape"), st.lists(values("I") | st.just(0), max_size=6)),
+        st.tuples(st.just("no_payload")),
     )
     plane_ops = st.tuples(
         st.just("plane"),
@@ -205,6 +209,11 @@ def fuzz(name: str, examples: int) -> None:
             del frame[int(op[1] * len(frame)) :]
         elif kind == "extend":
             frame += op[1]
+        elif kind == "shape" and len(frame) >= kvpc.HEADER_SIZE:
+            struct.pack_into("<B", frame, 32, len(op[1]))
+            struct.pack_into(f"<{len(op[1])}I", frame, 36, *op[1])
+        elif kind == "no_payload":
+            del frame[kvpc.HEADER_SIZE :]
         elif kind == "plane" and base.frame[33] == kvpc.ENCODED:
             _, index, content, declared, zstd_blob = op
             blob = zstd_zeros(content, declared) if zstd_blob else bytes(range(256)) * 8
@@ -251,6 +260,8 @@ def fuzz(name: str, examples: int) -> None:
         [("field", "param_a", 2**32 - 1)],  # a group (or segment) far wider than a row
         [("field", "dim0", 2**20)],  # a chunk of 2 GiB, read without expected_shape
     ]
+    # An empty stored chunk whose other dims overflow torch's strides (start 2 is stored).
+    empty_huge = [("shape", [0, 2**32 - 1, 2**32 - 1, 2**32 - 1]), ("no_payload",)]
     if name in ("zstd", "lz4"):
         regressions += [
             [("field", "param_a", 1)],  # 1-element segments
@@ -259,6 +270,7 @@ def fuzz(name: str, examples: int) -> None:
         ]
     for mutations in regressions:
         check = example(0, mutations, 1, False)(check)
+    check = example(2, empty_huge, 1, False)(check)
     check()
 
 

@@ -66,8 +66,7 @@ class KVPlugStorage(HiCacheStorage):
                 'or set "model_id" in --hicache-storage-backend-extra-config'
             )
         self.registry = kvplug.get_registry()
-        serializer_spec = self.config.serializer
-        self.serializer = self.registry.serializers()[serializer_spec.type](serializer_spec.options)
+        self.serializer = kvplug.make_serializer(self.config, self.registry)
         self.mem_pool_host: Any = None
         self.page_format: HostPageFormat | None = None
         self.fingerprint: kvplug.Fingerprint | None = None
