@@ -225,10 +225,42 @@ def test_a_key_file_longer_than_the_limit_is_refused_not_cut(tmp_path: Path) -> 
     for path in files:
         with pytest.raises(ConfigError) as info:
             record.resolve_integrity_key({"KVPLUG_INTEGRITY_KEY_FILE": str(path)})
-        assert f"longer than {limit} bytes" in str(info.value) and str(path) in str(info.value)
+        assert str(info.value) == (
+            "invalid kvplug config in environment:\n  - env KVPLUG_INTEGRITY_KEY_FILE: "
+            f"the key file {path} is longer than {limit} bytes, the most a key file may hold (is it the right "
+            "file?); a key needs at least 16 bytes: 32 random bytes as hex, openssl rand -hex 32, are 64 "
+            f"(got '{path}')"
+        )
     exact = tmp_path / "exact"
     exact.write_bytes(b"k" * (limit - 1) + b"x")
     exact.chmod(0o600)
     assert record.resolve_integrity_key({"KVPLUG_INTEGRITY_KEY_FILE": str(exact)}) == record.IntegrityKey(
         b"k" * (limit - 1) + b"x"
+    )
+
+
+def test_a_key_file_too_short_is_refused_with_the_whole_reason(tmp_path: Path) -> None:
+    short = tmp_path / "short"
+    short.write_bytes(b"short\n")
+    short.chmod(0o600)
+    with pytest.raises(ConfigError) as info:
+        record.resolve_integrity_key({"KVPLUG_INTEGRITY_KEY_FILE": str(short)})
+    assert str(info.value) == (
+        "invalid kvplug config in environment:\n  - env KVPLUG_INTEGRITY_KEY_FILE: an integrity key needs at "
+        "least 16 bytes (got 5); e.g. 32 random bytes as hex: openssl rand -hex 32 (got '<hidden>')"
+    )
+
+
+@pytest.mark.parametrize("content", [b"", b"\n", b" " * 40 + b"\n", b"\t \r\n" * 8])
+def test_an_empty_or_blank_key_file_is_refused_like_an_empty_variable(tmp_path: Path, content: bytes) -> None:
+    """40 spaces and a newline used to be a key, while a variable of 40 spaces was refused."""
+    blank = tmp_path / "blank"
+    blank.write_bytes(content)
+    blank.chmod(0o600)
+    with pytest.raises(ConfigError) as info:
+        record.resolve_integrity_key({"KVPLUG_INTEGRITY_KEY_FILE": str(blank)})
+    assert str(info.value) == (
+        "invalid kvplug config in environment:\n  - env KVPLUG_INTEGRITY_KEY_FILE: "
+        f"the key file {blank} is empty (or only white space): give it the key (e.g. openssl rand -hex 32), "
+        f"or unset the variable to run without a key (got '{blank}')"
     )

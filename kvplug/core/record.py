@@ -124,7 +124,8 @@ def resolve_integrity_key(env: Mapping[str, str] | None = None) -> IntegrityKey 
     an error, not "no key": ``export KVPLUG_INTEGRITY_KEY="$(cat /run/secrets/...)"``
     with the secret missing must not quietly turn signing off. A key file must be a
     regular file of at most :data:`MAX_INTEGRITY_KEY_FILE_BYTES` bytes that other users
-    cannot read; its content, less a trailing newline, is the key. Raises
+    cannot read, and not empty or only white space; its content, less a trailing
+    newline, is the key. Raises
     :class:`kvplug.errors.ConfigError` (never quoting the key) when the setting is unusable.
     """
     env = os.environ if env is None else env
@@ -200,8 +201,17 @@ def _read_key_file(path: str) -> bytes:
         raise _key_error(
             INTEGRITY_KEY_FILE_ENV,
             f"the key file {path} is longer than {MAX_INTEGRITY_KEY_FILE_BYTES} bytes, the most a key file may "
-            "hold (is it the right file?); a key needs at least {MIN_INTEGRITY_KEY_BYTES} bytes: 32 random bytes as hex, "
+            f"hold (is it the right file?); a key needs at least {MIN_INTEGRITY_KEY_BYTES} bytes: 32 random bytes as hex, "
             "openssl rand -hex 32, are 64",
+            path,
+        )
+    if not material.strip():
+        # The variables' rule, for the file's content: a secret mounted empty must not
+        # become a key anyone can guess.
+        raise _key_error(
+            INTEGRITY_KEY_FILE_ENV,
+            f"the key file {path} is empty (or only white space): give it the key (e.g. openssl rand -hex 32), "
+            "or unset the variable to run without a key",
             path,
         )
     return material.rstrip(b"\r\n")
