@@ -57,7 +57,10 @@ class DuplicateComponentError(PluginError):
 
 
 class InvalidComponentError(PluginError):
-    """A hook returned something that is not a usable component class."""
+    """A hook returned something that is not a usable component class.
+
+    No longer raised by the registry, which refuses such a plugin by name instead
+    (:class:`PluginRejectedError` in ``load_errors``); kept for code that catches it."""
 
 
 # --- config --------------------------------------------------------------------------

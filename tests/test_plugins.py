@@ -12,7 +12,7 @@ import pytest
 
 from kvplug import hookimpl
 from kvplug.core.plugins import PluginRegistry
-from kvplug.errors import DuplicateComponentError, InvalidComponentError
+from kvplug.errors import DuplicateComponentError
 from kvplug_cpu import CPUTier
 
 
@@ -133,10 +133,26 @@ def test_in_process_duplicate_and_invalid_components() -> None:
         def kvplug_serializers():
             return [object]
 
+    class Configless:
+        @staticmethod
+        @hookimpl
+        def kvplug_serializers():
+            class NoConfig:
+                name = "no-config"
+
+            return [NoConfig]
+
+    # Each is refused by name, with the reason; the builtins' serializers still come back.
     registry = PluginRegistry(plugin_filter="")
-    registry.register(Nameless, "nameless")
-    with pytest.raises(InvalidComponentError, match="nameless"):
-        registry.serializers()
+    registry.register(Nameless, "nameless", distribution="kvplug-nameless", version="1")
+    registry.register(Configless, "configless", distribution="kvplug-configless", version="1")
+    assert {"raw"} <= set(registry.serializers()) and "no-config" not in registry.serializers()
+    assert sorted(str(e) for e in registry.load_errors) == [
+        "plugin 'configless' (distribution kvplug-configless) is not used: its serializer 'no-config' has no "
+        "Config model",
+        "plugin 'nameless' (distribution kvplug-nameless) is not used: kvplug_serializers() must return classes "
+        "with a non-empty 'name' class attribute, got <class 'object'>",
+    ]
 
 
 def test_trace_logs_hook_calls(tmp_path: Path) -> None:
@@ -253,20 +269,8 @@ def test_a_look_alike_tier_is_refused_and_every_command_still_works(tmp_path: Pa
     """Issue 29 item 10: a non-``StorageTier`` tier installed next to kvplug made every
     ``kvplug store`` command crash (``MemoTier has no attribute 'location_config'``), even on
     a disk store. It is refused by name with the reason; the other plugins and every command work."""
-    from test_store_cli import fill_store
-    from typer.testing import CliRunner
-
-    from kvplug.cli.main import app
-    from kvplug.core import plugins
-
     site = tmp_path / "site"
     make_distribution(site, "kvplug-memo", {"memo": "memo_look_alike_tier"}, {"memo_look_alike_tier": LOOK_ALIKE_TIER})
-    folder = tmp_path / "cache"
-    fill_store(folder, prompts=2)
-    config = tmp_path / "disk.yaml"
-    config.write_text(f"tiers: [{{type: disk, path: {folder}}}]\n")
-    memo_config = tmp_path / "memo.yaml"
-    memo_config.write_text("tiers: [{type: memo}]\n")
     refused = "plugin 'memo' (distribution kvplug-memo) is not used: its storage tier 'memo' (class memo_look_alike_tier.MemoTier) does not subclass kvplug.StorageTier"
 
     # The real command line, in a process of its own: the plugin is found by entry-point discovery.
@@ -277,12 +281,29 @@ def test_a_look_alike_tier_is_refused_and_every_command_still_works(tmp_path: Pa
     assert "storage_tier: cpu, disk" in output or ("storage_tier: cpu" in output and "storage_tier: disk" in output)
     assert "Traceback" not in listing.stderr
 
-    # Every other command, in this process, with the plugin installed on sys.path.
+    assert_every_command_works(site, "memo", refused, monkeypatch, tmp_path)
+
+
+def assert_every_command_works(site: Path, tier: str, refused: str, monkeypatch, tmp_path: Path) -> None:
+    """Every CLI command, in this process, with the refused plugin of tier type ``tier`` on sys.path."""
+    from test_store_cli import fill_store
+    from typer.testing import CliRunner
+
+    from kvplug.cli.main import app
+    from kvplug.core import plugins
+
+    folder = tmp_path / "cache"
+    fill_store(folder, prompts=2)
+    config = tmp_path / "disk.yaml"
+    config.write_text(f"tiers: [{{type: disk, path: {folder}}}]\n")
+    tier_config = tmp_path / f"{tier}.yaml"
+    tier_config.write_text(f"tiers: [{{type: {tier}}}]\n")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.delenv("KVPLUG_PLUGINS", raising=False)
     plugins.get_registry.cache_clear()
     try:
-        assert "memo" not in plugins.get_registry().storage_tiers()
+        assert tier not in plugins.get_registry().storage_tiers()
+        assert "raw" in plugins.get_registry().serializers()
         assert any(refused in str(e) for e in plugins.get_registry().load_errors)
         runner = CliRunner()
         expected = {
@@ -294,7 +315,7 @@ def test_a_look_alike_tier_is_refused_and_every_command_still_works(tmp_path: Pa
             ("store", "verify", str(folder)): 0,
             ("store", "gc", str(folder)): 0,
             ("demo", "--engine", "synthetic", "--tokens", "256"): 0,
-            ("config", "validate", str(memo_config)): 2,
+            ("config", "validate", str(tier_config)): 2,
         }
         for args, code in expected.items():
             result = runner.invoke(app, list(args), terminal_width=250)
@@ -303,11 +324,43 @@ def test_a_look_alike_tier_is_refused_and_every_command_still_works(tmp_path: Pa
         stats = runner.invoke(app, ["store", "stats", str(folder)], terminal_width=250)
         assert re.search(r"│ records\s*│\s*4 │", stats.output), stats.output
         unknown = " ".join(
-            runner.invoke(app, ["config", "validate", str(memo_config)], terminal_width=250).output.split()
+            runner.invoke(app, ["config", "validate", str(tier_config)], terminal_width=250).output.split()
         )
-        assert "unknown tier type 'memo'" in unknown and "plugins that failed to load: memo" in unknown
+        assert f"unknown tier type '{tier}'" in unknown and f"plugins that failed to load: {tier}" in unknown
     finally:
         plugins.get_registry.cache_clear()
+
+
+SSD_TIER = """
+import kvplug
+from kvplug_cpu import CPUTier
+
+class SsdTier(CPUTier):
+    name = "ssd"
+    medium = "ssd"
+
+@kvplug.hookimpl
+def kvplug_storage_tiers():
+    return [SsdTier]
+"""
+
+
+def test_a_tier_of_an_unknown_medium_is_refused_and_every_command_still_works(tmp_path: Path, monkeypatch) -> None:
+    """A tier declaring ``medium = "ssd"`` raised ``InvalidComponentError`` out of ``components()``,
+    taking down ``serializers()`` and every command; now its plugin alone is refused, by name."""
+    site = tmp_path / "site"
+    make_distribution(site, "kvplug-ssd", {"ssd": "ssd_medium_tier"}, {"ssd_medium_tier": SSD_TIER})
+    refused = (
+        "plugin 'ssd' (distribution kvplug-ssd) is not used: its storage tier 'ssd' declares medium 'ssd'; "
+        "a tier's medium is one of memory, disk, remote"
+    )
+    listing = run_kvplug(site, "plugins")
+    output = " ".join(listing.stdout.split()) + " " + " ".join(listing.stderr.split())
+    assert listing.returncode == 1, output
+    assert refused in output, output
+    assert "storage_tier: cpu, disk" in output or ("storage_tier: cpu" in output and "storage_tier: disk" in output)
+    assert "Traceback" not in listing.stderr
+    assert_every_command_works(site, "ssd", refused, monkeypatch, tmp_path)
 
 
 def test_a_plugin_with_one_look_alike_component_provides_none() -> None:

@@ -31,7 +31,7 @@ from kvplug.core.components import EngineAdapter
 from kvplug.core.concerns import CONCERNS, CONCERNS_BY_KEY
 from kvplug.core.events import KVEvent
 from kvplug.core.tier import MEDIA, StorageTier
-from kvplug.errors import DuplicateComponentError, InvalidComponentError, PluginLoadError, PluginRejectedError
+from kvplug.errors import DuplicateComponentError, PluginLoadError, PluginRejectedError
 from kvplug.hookspecs import PROJECT_NAME, SPEC_MODULES
 
 if TYPE_CHECKING:
@@ -219,16 +219,9 @@ class PluginRegistry:
                     refused.add(impl.plugin_name)
                     continue
                 for component in components:
-                    name = _component_name(component, impl.plugin_name, hook_name)
-                    base = _missing_base(concern, component)
-                    if base is not None:
-                        word = CONCERNS_BY_KEY[concern].label
-                        self._reject(
-                            info,
-                            f"its {word} {name!r} (class {component.__module__}.{component.__qualname__}) does not "
-                            f"subclass {base}; every {word} must, for the defaults of the optional methods core "
-                            "calls (see docs/writing-plugins.md)",
-                        )
+                    problem = _component_problem(concern, hook_name, component)
+                    if problem is not None:
+                        self._reject(info, problem)
                         refused.add(impl.plugin_name)
                 provided.append((concern, impl.plugin_name, info, list(components)))
         for concern, plugin_name, info, components in provided:
@@ -236,7 +229,7 @@ class PluginRegistry:
                 continue
             provider = f"{info.distribution} {info.version}".strip()
             for component in components:
-                name = component.name  # type: ignore[attr-defined]  # checked by _component_name
+                name = component.name  # type: ignore[attr-defined]  # checked by _component_problem
                 if name in found[concern]:
                     raise DuplicateComponentError(concern, name, self._origins[(concern, name)], provider)
                 found[concern][name] = component
@@ -268,21 +261,29 @@ def _missing_base(concern: str, component: type) -> str | None:
     return f"kvplug.{class_name}"
 
 
-def _component_name(component: object, plugin: str, hook_name: str) -> str:
+def _component_problem(concern: str, hook_name: str, component: object) -> str | None:
+    """Why ``component`` cannot serve ``concern`` (the plugin that returned it is refused), or ``None``.
+
+    A reason, not an exception: one plugin's bad component must not take down
+    ``serializers()``, the other plugins and every command (issue 29 item 10).
+    """
     name = getattr(component, "name", None)
     if not isinstance(component, type) or not isinstance(name, str) or not name:
-        raise InvalidComponentError(
-            f"plugin {plugin!r}: {hook_name}() must return classes with a non-empty "
-            f"'name' class attribute, got {component!r}"
-        )
+        return f"{hook_name}() must return classes with a non-empty 'name' class attribute, got {component!r}"
+    word = CONCERNS_BY_KEY[concern].label
     if not hasattr(component, "Config"):
-        raise InvalidComponentError(f"plugin {plugin!r}: component {name!r} has no Config model")
+        return f"its {word} {name!r} has no Config model"
     medium = getattr(component, "medium", "remote")
-    if hook_name == CONCERNS_BY_KEY["storage_tier"].hook and medium not in MEDIA:
-        raise InvalidComponentError(
-            f"plugin {plugin!r}: tier {name!r} declares medium {medium!r}; a tier's medium is one of {', '.join(MEDIA)}"
+    if concern == "storage_tier" and medium not in MEDIA:
+        return f"its {word} {name!r} declares medium {medium!r}; a tier's medium is one of {', '.join(MEDIA)}"
+    base = _missing_base(concern, component)
+    if base is not None:
+        return (
+            f"its {word} {name!r} (class {component.__module__}.{component.__qualname__}) does not "
+            f"subclass {base}; every {word} must, for the defaults of the optional methods core "
+            "calls (see docs/writing-plugins.md)"
         )
-    return name
+    return None
 
 
 def _parse_filter(value: str | None) -> set[str] | None:
