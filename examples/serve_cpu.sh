@@ -13,11 +13,24 @@
 # where kvplug's counters are read) and METRICS_PORT (8001, the worker's own kvplug endpoint) on 127.0.0.1,
 # both refused if in use,
 # WORK (a new temp folder; it keeps the model, kvplug.yaml, the disk tier and the server logs),
-# START_TIMEOUT_S (600). Exit status 0 only if the request after the restart hit kvplug's disk tier
+# START_TIMEOUT_S (600), VLLM_HOST_IP (127.0.0.1). Exit status 0 only if the request after the restart hit kvplug's disk tier
 # and every output was identical.
 set -euo pipefail
 
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+  sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
+  exit 0
+fi
+
 PYTHON=${PYTHON:-python}
+# vLLM's processes talk over a message queue bound to the host's outward-facing address
+# unless told otherwise: keep everything on loopback.
+export VLLM_HOST_IP=${VLLM_HOST_IP:-127.0.0.1}
+if ! "$PYTHON" -c 'import vllm, kvplug_vllm, kvplug_cpu, kvplug_disk' 2>/dev/null; then
+  echo "$PYTHON ($(command -v "$PYTHON" || echo not found)) lacks vllm or kvplug-vllm/-cpu/-disk." >&2
+  echo "Run the README's quick start 1 (nox -s demo) and then: PYTHON=.nox/demo/bin/python bash $0" >&2
+  exit 1
+fi
 PORT=${PORT:-8000}
 METRICS_PORT=${METRICS_PORT:-8001}
 WORK=${WORK:-$(mktemp -d -t kvplug-serve-cpu.XXXXXX)}
@@ -137,3 +150,4 @@ restart_loaded = int(rows[2][2])
 print(f"after the restart kvplug loaded {restart_loaded} tokens; outputs identical: {len(outputs) == 1}")
 sys.exit(0 if restart_loaded > 0 and len(outputs) == 1 else 1)
 EOF
+echo "work folder kept: $WORK (model, kvplug.yaml, disk tier, server logs; rm -rf it when done)"
