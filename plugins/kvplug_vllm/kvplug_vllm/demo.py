@@ -104,7 +104,8 @@ def run_engine_demo(console: Any, *, tokens: int = 4096) -> dict[str, Any]:
     tokens = max(64, min(tokens, 16384))
     prompt = [random.Random(0).randrange(3, 1000) for _ in range(tokens)]
     console.print(
-        f"kvplug demo: vLLM {_vllm_version()} on a random 2-layer Llama, {tokens}-token prompt (about 30 s)..."
+        f"kvplug demo: vLLM {_vllm_version()} on a random 2-layer Llama, {tokens}-token prompt (about 30 s)...",
+        soft_wrap=True,  # one line in a log too (rich wraps at 80 columns when stdout is not a terminal)
     )
     with tempfile.TemporaryDirectory(prefix="kvplug-demo-") as workdir:
         spec = {
