@@ -19,8 +19,8 @@ class EngineMetrics:
         self.lookups = Counter("kvplug_lookups", "Lookup calls", registry=r)
         self.lookup_tokens = Counter("kvplug_lookup_tokens", "Tokens asked about in lookups", registry=r)
         #: Every token a lookup of this engine found, however often it is asked (an adapter may ask
-        #: many times per request): not "tokens loaded". kvplug-vllm's kvplug_hit_tokens on vLLM's /metrics
-        #: is another figure (tokens past vLLM's own prefix cache, once per admitted request).
+        #: many times per request): not "tokens loaded". An engine adapter's own hit figures (tokens
+        #: past the engine's own prefix cache, once per admitted request) are other counters.
         self.lookup_hit_tokens = Counter("kvplug_lookup_hit_tokens", "Tokens found cached by lookups", registry=r)
         self.stored_tokens = Counter("kvplug_stored_tokens", "Tokens handed to the tiers", registry=r)
         self.stored_bytes = Counter("kvplug_stored_bytes", "Serialized bytes handed to the tiers", registry=r)

@@ -138,8 +138,8 @@ class Serializer(ABC):
 
 def make_serializer(config: KVPlugConfig, registry: PluginRegistry) -> Serializer:
     """The serializer ``config.serializer`` names, with its options, bounded by
-    ``config.max_chunk_bytes``: how every engine adapter (``CacheEngine``, SGLang's
-    HiCache storage) builds one, so that none reads frames without the bound."""
+    ``config.max_chunk_bytes``: how ``CacheEngine`` and every adapter that reads frames
+    itself builds one, so that none reads frames without the bound."""
     spec = config.serializer
     serializer: Serializer = registry.serializers()[spec.type](spec.options)
     serializer.max_chunk_bytes = int(config.max_chunk_bytes)
