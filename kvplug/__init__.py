@@ -7,7 +7,6 @@ The public API. Importing ``kvplug`` does not import torch; the torch-facing nam
 from __future__ import annotations
 
 from importlib import import_module
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from kvplug.core.background import BackgroundWorker
@@ -28,7 +27,6 @@ from kvplug.core.keys import KV_FORMAT_VERSION, ChunkKey, ExtraKey, Fingerprint,
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.record import RECORD_HEADER_SIZE, key_digest, pack_record, pack_record_header, unpack_record
 from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, check_record
-from kvplug.core.redaction import SECRET_MASK, is_secret_name, redact, redact_text, redact_url
 from kvplug.core.remote import LoopThread, RemoteCalls, RemoteTierConfig, call_budget, remaining_budget_s
 from kvplug.core.retry import Absent, CircuitBreaker, FailureKind, RetryPolicy, classify_failure
 from kvplug.core.tier import (
@@ -42,12 +40,11 @@ from kvplug.core.tier import (
     TierStats,
 )
 from kvplug.core.tier_chain import TierChain
+from kvplug.core.version import KVPLUG_VERSION
 from kvplug.hookspecs import hookimpl
+from kvplug.redaction import SECRET_MASK, is_secret_name, redact, redact_text, redact_url
 
-try:
-    __version__ = version("kvplug")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0.0.0"
+__version__ = KVPLUG_VERSION
 
 _LAZY = {
     "CacheEngine": "kvplug.core.engine",
@@ -59,7 +56,7 @@ _LAZY = {
     "PagedFormat": "kvplug.core.layouts",
     "slots_from_block_ids": "kvplug.core.layouts",
     "Serializer": "kvplug.core.serializer",
-    "make_serializer": "kvplug.core.serializer",
+    "make_serializer": "kvplug.core.serializer_factory",
     "KVConnector": "kvplug.core.connector",
     "KVPlugConfig": "kvplug.core.config",
     "load_config": "kvplug.core.config_loader",
@@ -75,7 +72,8 @@ if TYPE_CHECKING:
     from kvplug.core.engine import CacheEngine, LayerwiseRetrieve, RequestInfo, RetrieveTimings
     from kvplug.core.layouts import KVLayout, PagedFormat, slots_from_block_ids
     from kvplug.core.plugins import PluginRegistry, get_registry
-    from kvplug.core.serializer import Serializer, make_serializer
+    from kvplug.core.serializer import Serializer
+    from kvplug.core.serializer_factory import make_serializer
 
 
 def __getattr__(name: str) -> Any:

@@ -70,7 +70,7 @@ class InvalidComponentError(PluginError):
 class ConfigProblem:
     """One thing wrong with a config: where (dotted path), what value, why.
 
-    Credentials are masked on construction (see :mod:`kvplug.core.redaction`): neither
+    Credentials are masked on construction (see :mod:`kvplug.redaction`): neither
     the value nor the message of a problem ever holds a secret, so an error can be
     printed, logged or kept without leaking one.
     """
@@ -80,7 +80,7 @@ class ConfigProblem:
     message: str
 
     def __post_init__(self) -> None:
-        from kvplug.core.redaction import redact, redact_text
+        from kvplug.redaction import redact, redact_text
 
         leaf = self.path.rsplit(".", 1)[-1].split("[", 1)[0] if self.path else None
         object.__setattr__(self, "value", redact(self.value, leaf or None))

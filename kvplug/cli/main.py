@@ -53,7 +53,7 @@ def config_show(file: Path | None = ConfigFileOpt) -> None:
     """The effective config, and where each value came from; credentials are masked."""
     from kvplug.core.config_loader import load_config
     from kvplug.core.record import integrity_key_variable
-    from kvplug.core.redaction import SECRET_MASK, redact
+    from kvplug.redaction import SECRET_MASK, redact
 
     loaded = run_or_exit(lambda: load_config(config_file=file))
     data = redact(loaded.config.effective())

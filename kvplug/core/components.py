@@ -32,7 +32,7 @@ class CheckedModel(BaseModel):
 
     def __repr_args__(self) -> Any:
         # Configs get logged and printed in tracebacks: never with a credential in them.
-        from kvplug.core.redaction import redact
+        from kvplug.redaction import redact
 
         for name, value in super().__repr_args__():
             yield name, redact(value, name)

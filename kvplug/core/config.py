@@ -22,6 +22,7 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, Privat
 from kvplug.core.chunk_format import DEFAULT_MAX_CHUNK_BYTES
 from kvplug.core.components import CheckedModel
 from kvplug.core.concerns import CONCERNS_BY_KEY, CONFIG_CONCERNS, install_command
+from kvplug.core.config_problems import problems_from_validation_error
 from kvplug.core.config_types import QueueItems, ThreadCount, TimeoutMilliseconds, TimeoutSeconds
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.errors import ConfigError, ConfigProblem
@@ -36,7 +37,7 @@ class ComponentSpec(BaseModel):
     _options: BaseModel | None = PrivateAttr(default=None)
 
     def __repr_args__(self) -> Any:
-        from kvplug.core.redaction import redact
+        from kvplug.redaction import redact
 
         for name, value in super().__repr_args__():
             yield name, redact(value, name)
@@ -251,8 +252,6 @@ class KVPlugConfig(CheckedModel):
         try:
             updated = type(self).model_validate(data)
         except ValidationError as exc:
-            from kvplug.core.config_loader import problems_from_validation_error
-
             raise ConfigError(problems_from_validation_error(exc, data), source) from None
         if self._registry is None:
             return updated
@@ -333,8 +332,6 @@ class _AutoConnectorOptions(BaseModel):
 def _validate_options(
     options: dict[str, Any], model: type[BaseModel], path: str, problems: list[ConfigProblem]
 ) -> BaseModel | None:
-    from kvplug.core.config_loader import problems_from_validation_error
-
     try:
         return model.model_validate(options)
     except ValidationError as exc:

@@ -32,6 +32,11 @@ class KVConnector(ABC):
     #: (disjoint frames). The engine then splits gathers out of a host cache across its
     #: ``copy_threads``; a connector with per-call state it does not guard says no.
     concurrent_copies: ClassVar[bool] = False
+    #: Rank of this connector for ``connector: {type: auto}``: the engine picks the
+    #: available connector (``is_available``) with the highest priority. The built-in
+    #: ``torch`` connector, which runs everywhere, has 0; faster ones that need
+    #: something (a C extension, a GPU) declare more (``native`` 5, ``cuda`` 10).
+    priority: ClassVar[int] = 0
 
     def __init__(self, config: BaseModel, layout: KVLayout) -> None:
         self.config = config

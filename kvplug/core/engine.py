@@ -32,8 +32,8 @@ from kvplug.core.layouts import KVLayout
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.parallel_copies import ParallelCopies, auto_copy_threads
 from kvplug.core.plugins import PluginRegistry, get_registry
-from kvplug.core.serializer import Serializer, make_serializer
-from kvplug.core.tier import StorageTier
+from kvplug.core.serializer import Serializer
+from kvplug.core.serializer_factory import make_serializer
 from kvplug.core.tier_chain import TierChain
 from kvplug.errors import ChunkError, ConfigError, ConfigProblem, ConnectorError, EngineClosedError, LayoutError
 
@@ -101,7 +101,7 @@ class CacheEngine:
         )
         pin_frames = self.connector.wants_pinned_frames()
         self.frame_pool = FramePool(
-            self._frame_pool_bytes(self.chain.tiers), pin=pin_frames, prefault=self.config.store.prefault_frames
+            self._frame_pool_bytes(self.chain), pin=pin_frames, prefault=self.config.store.prefault_frames
         )
         self._store_worker: BackgroundWorker[StoreBatch] | None = None
         if self.config.store.mode == "async":
@@ -383,7 +383,7 @@ class CacheEngine:
         if spec.type != "auto":
             return connectors[spec.type](spec.options, self.layout)
         usable = [cls for cls in connectors.values() if cls.is_available()]
-        chosen = max(usable, key=lambda cls: getattr(cls, "priority", 0))
+        chosen = max(usable, key=lambda cls: cls.priority)
         logger.info("connector auto: chose %r of %s", chosen.name, sorted(c.name for c in usable))
         return chosen(chosen.Config(), self.layout)
 
@@ -419,11 +419,11 @@ class CacheEngine:
         self.metrics.load_errors.labels(type(exc).__name__).inc()
         logger.warning("%s: connector %s failed (%s); treated as a miss", operation, self.connector.name, exc)
 
-    def _frame_pool_bytes(self, tiers: Sequence[StorageTier]) -> int:
+    def _frame_pool_bytes(self, chain: TierChain) -> int:
         configured = self.config.store.frame_pool_bytes
         if configured is not None:
             return int(configured)
-        held = sum(int(getattr(t.config, "max_bytes", 0) or 0) for t in tiers if t.keeps_buffers)
+        held = sum(int(s.max_bytes or 0) for t, s in zip(chain.tiers, chain.settings) if t.keeps_buffers)
         return held + 256 * 2**20
 
     def _copyable(self, start: int, end: int) -> bool:

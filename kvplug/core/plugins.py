@@ -31,6 +31,7 @@ from kvplug.core.components import EngineAdapter
 from kvplug.core.concerns import CONCERNS, CONCERNS_BY_KEY
 from kvplug.core.events import KVEvent
 from kvplug.core.tier import MEDIA, StorageTier
+from kvplug.core.version import KVPLUG_VERSION
 from kvplug.errors import DuplicateComponentError, PluginLoadError, PluginRejectedError
 from kvplug.hookspecs import PROJECT_NAME, SPEC_MODULES
 
@@ -63,6 +64,14 @@ class PluginInfo:
     builtin: bool
     components: dict[str, list[str]] = field(default_factory=dict)
     error: str | None = None
+
+
+#: Module paths of core's own components (``kvplug.builtins``), registered as plugins in
+#: this order. Named, like entry points, not imported: the builtins build on the core.
+BUILTIN_PLUGINS = (
+    "kvplug.builtins.raw_serializer",
+    "kvplug.builtins.torch_connector",
+)
 
 
 class PluginRegistry:
@@ -118,14 +127,11 @@ class PluginRegistry:
         info.error = str(error)
 
     def _register_builtins(self) -> None:
-        from kvplug import __version__
-        from kvplug.builtins import BUILTIN_PLUGINS
-
         for module_path in BUILTIN_PLUGINS:
             self._add(
                 importlib.import_module(module_path),
                 module_path,
-                PluginInfo(module_path, "kvplug", __version__, builtin=True),
+                PluginInfo(module_path, "kvplug", KVPLUG_VERSION, builtin=True),
             )
 
     def _load_entry_points(self, allowed: set[str] | None) -> None:
@@ -298,8 +304,6 @@ def _api_mismatch(dist: Distribution | None) -> str | None:
     The plugin API follows semantic versions; a plugin states the range it was built
     for in its requirement on ``kvplug`` (``kvplug>=0.2,<0.3``).
     """
-    from kvplug import __version__
-
     for text in (dist.requires or []) if dist is not None else []:
         try:
             requirement = Requirement(text)
@@ -309,8 +313,8 @@ def _api_mismatch(dist: Distribution | None) -> str | None:
             continue
         if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
             continue
-        if requirement.specifier and not requirement.specifier.contains(Version(__version__), prereleases=True):
-            return f"it was built for kvplug{requirement.specifier} (plugin API), and this is kvplug {__version__}"
+        if requirement.specifier and not requirement.specifier.contains(Version(KVPLUG_VERSION), prereleases=True):
+            return f"it was built for kvplug{requirement.specifier} (plugin API), and this is kvplug {KVPLUG_VERSION}"
     return None
 
 

@@ -6,7 +6,7 @@ import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel
@@ -15,10 +15,6 @@ from kvplug.core.chunk_format import DEFAULT_MAX_CHUNK_BYTES
 from kvplug.core.components import EmptyConfig
 from kvplug.core.tier import Buffer
 from kvplug.errors import CorruptChunkError
-
-if TYPE_CHECKING:
-    from kvplug.core.config import KVPlugConfig
-    from kvplug.core.plugins import PluginRegistry
 
 
 class Serializer(ABC):
@@ -134,13 +130,3 @@ class Serializer(ABC):
         frame, payload = self.allocate(tuple(tensor.shape), tensor.dtype)
         payload.copy_(tensor)
         return self.seal(frame)
-
-
-def make_serializer(config: KVPlugConfig, registry: PluginRegistry) -> Serializer:
-    """The serializer ``config.serializer`` names, with its options, bounded by
-    ``config.max_chunk_bytes``: how ``CacheEngine`` and every adapter that reads frames
-    itself builds one, so that none reads frames without the bound."""
-    spec = config.serializer
-    serializer: Serializer = registry.serializers()[spec.type](spec.options)
-    serializer.max_chunk_bytes = int(config.max_chunk_bytes)
-    return serializer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -91,7 +92,10 @@ class StorageTier(ABC):
     """
 
     name: ClassVar[str]
-    Config: ClassVar[type[BaseModel]] = TierConfig
+    #: The tier's options, a :class:`TierConfig` subclass: the chain reads the settings
+    #: every tier has (``max_bytes``, ``write_mode`` ...) from it. A plain pydantic model
+    #: (kvplug 0.2) still works, deprecated: see :func:`tier_settings`.
+    Config: ClassVar[type[TierConfig]] = TierConfig
     #: Where the values live: ``memory`` (this process's or this host's memory, read at
     #: memory speed), ``disk`` (local files) or ``remote`` (another machine or service).
     #: Engine adapters treat tiers by this trait, never by their names: a prefix held
@@ -110,8 +114,8 @@ class StorageTier(ABC):
     #: are sealed and verified.
     trusted_reads: ClassVar[bool] = False
 
-    def __init__(self, config: BaseModel, context: TierContext) -> None:
-        self.config = config
+    def __init__(self, config: TierConfig, context: TierContext) -> None:
+        self.config: TierConfig = config
         self.context = context
 
     @classmethod
@@ -167,3 +171,26 @@ class StorageTier(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def tier_settings(tier: StorageTier) -> TierConfig:
+    """The settings every tier has (:class:`TierConfig`) of ``tier``, read typed.
+
+    A tier's ``config`` is its :class:`TierConfig` subclass. A tier written before that
+    was required may have a plain pydantic ``Config``: its settings are read from the
+    fields it has, :class:`TierConfig`'s defaults for the others, with a
+    ``DeprecationWarning`` naming the tier (subclass ``kvplug.TierConfig`` instead; the
+    shim goes in a later release).
+    """
+    config: object = tier.config
+    if isinstance(config, TierConfig):
+        return config
+    label = f"{getattr(type(tier), 'name', '?')!r} ({type(tier).__module__}.{type(tier).__qualname__})"
+    warnings.warn(
+        f"tier {label}: its Config {type(config).__name__} is not a kvplug.TierConfig; "
+        "a plain pydantic tier Config is deprecated and will stop working in a later release: subclass kvplug.TierConfig",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    fields = type(config).model_fields.keys() if isinstance(config, BaseModel) else set()
+    return TierConfig.model_validate({name: getattr(config, name) for name in TierConfig.model_fields.keys() & fields})

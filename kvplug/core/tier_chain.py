@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from kvplug.core.background import BackgroundWorker
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry
 from kvplug.core.remote import call_budget, remaining_budget_s
-from kvplug.core.tier import Buffer, StorageTier, TierContext, TierStats
+from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierContext, TierStats, tier_settings
 from kvplug.errors import TierOpenError
 
 logger = logging.getLogger("kvplug.tiers")
 
 Items = list[tuple[str, Buffer]]
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,46 @@ class Fetched:
 
 @dataclass
 class _Slot:
-    """A tier and how it is written."""
+    """A tier, its settings and how it is written; its calls guarded.
+
+    Each guarded call is the tier's own method: a tier that raises answers ``None``
+    (a miss), counted in ``tier_errors`` under the operation's name and logged.
+    """
 
     tier: StorageTier
+    settings: TierConfig
     label: str
     writer: BackgroundWorker[Items] | None
+    metrics: EngineMetrics
+
+    def contains(self, keys: list[str]) -> list[bool] | None:
+        return self._guard("contains", self.tier.contains, keys)
+
+    def get(self, keys: list[str]) -> list[Buffer | None] | None:
+        return self._guard("get", self.tier.get, keys)
+
+    def put(self, items: Items) -> None:
+        self._guard("put", self.tier.put, items)
+
+    def remove(self, keys: list[str]) -> None:
+        self._guard("remove", self.tier.remove, keys)
+
+    def stats(self) -> TierStats | None:
+        return self._guard("stats", self.tier.stats)
+
+    def flush(self) -> None:
+        self._guard("flush", self.tier.flush)
+
+    def close(self) -> None:
+        self._guard("close", self.tier.close)
+
+    def _guard(self, op: str, method: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R | None:
+        try:
+            return method(*args, **kwargs)
+        except Exception as exc:
+            self.metrics.tier_errors.labels(self.label, op).inc()
+            logger.warning("tier %s: %s failed: %s", self.label, op, exc)
+            return None
 
 
 def _items_bytes(items: Items) -> int:
@@ -72,18 +109,19 @@ class TierChain:
         self._slots: list[_Slot] = []
         for index, tier in enumerate(tiers):
             label = f"{index}:{tier.name}"
+            settings = tier_settings(tier)
             writer = None
-            if getattr(tier.config, "write_mode", "sync") == "async":
+            if settings.write_mode == "async":
                 writer = BackgroundWorker(
                     f"kvplug-writer-{label}",
                     functools.partial(self._put_missing_at, index),
-                    max_items=getattr(tier.config, "write_queue_items", 1024),
-                    max_bytes=int(getattr(tier.config, "write_queue_bytes", 256 * 2**20)),
+                    max_items=settings.write_queue_items,
+                    max_bytes=int(settings.write_queue_bytes),
                     size_of=_items_bytes,
-                    on_full=getattr(tier.config, "on_queue_full", "drop"),
+                    on_full=settings.on_queue_full,
                     on_drop=functools.partial(self._count_drop, label),
                 )
-            self._slots.append(_Slot(tier, label, writer))
+            self._slots.append(_Slot(tier, settings, label, writer, self.metrics))
 
     @classmethod
     def open(
@@ -140,6 +178,11 @@ class TierChain:
     def tiers(self) -> list[StorageTier]:
         return [slot.tier for slot in self._slots]
 
+    @property
+    def settings(self) -> list[TierConfig]:
+        """Each tier's :class:`~kvplug.TierConfig` settings (a 0.2-style config adapted once)."""
+        return [slot.settings for slot in self._slots]
+
     # --- reads ----------------------------------------------------------------------
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
@@ -159,7 +202,7 @@ class TierChain:
                 ask = [i for i, found in enumerate(where) if found is None]
                 if not ask or self._budget_spent():
                     break
-                answers = self._call(slot, "contains", [keys[i] for i in ask]) or [False] * len(ask)
+                answers = slot.contains([keys[i] for i in ask]) or [False] * len(ask)
                 for i, found in zip(ask, answers):
                     if found:
                         where[i] = slot.tier.name
@@ -188,7 +231,7 @@ class TierChain:
                 ask = [i for i, found in enumerate(present) if not found]
                 if not ask or self._budget_spent():
                     break
-                answers = self._call(slot, "contains", [keys[i] for i in ask]) or [False] * len(ask)
+                answers = slot.contains([keys[i] for i in ask]) or [False] * len(ask)
                 for i, found in zip(ask, answers):
                     present[i] = bool(found)
         return present
@@ -227,7 +270,7 @@ class TierChain:
             ask = [i for i in range(limit) if values[i] is None]
             if not ask:
                 break
-            answers = self._call(slot, "get", [keys[i] for i in ask]) or [None] * len(ask)
+            answers = slot.get([keys[i] for i in ask]) or [None] * len(ask)
             for i, value in zip(ask, answers):
                 if value is not None:
                     values[i], found_in[i] = value, index
@@ -250,7 +293,7 @@ class TierChain:
     def discard(self, keys: Sequence[str]) -> None:
         """Remove keys from every tier (a chunk found corrupt, ``store gc``)."""
         for slot in self._slots:
-            self._call(slot, "remove", list(keys))
+            slot.remove(list(keys))
 
     # --- writes ---------------------------------------------------------------------
 
@@ -265,16 +308,16 @@ class TierChain:
                 self._put_missing(slot, items)
 
     def _put_missing(self, slot: _Slot, items: Items) -> None:
-        answers = self._call(slot, "contains", [key for key, _ in items])
+        answers = slot.contains([key for key, _ in items])
         missing = items if answers is None else [item for item, has in zip(items, answers) if not has]
         if missing:
-            self._call(slot, "put", missing)
+            slot.put(missing)
 
     def _write(self, slot: _Slot, items: Items) -> None:
         if slot.writer is not None:
             slot.writer.submit(items)
         else:
-            self._call(slot, "put", items)
+            slot.put(items)
 
     def _put_missing_at(self, index: int, items: Items) -> None:
         self._put_missing(self._slots[index], items)
@@ -293,12 +336,12 @@ class TierChain:
         for slot in self._slots:
             if slot.writer is not None:
                 slot.writer.flush()
-            self._call(slot, "flush")
+            slot.flush()
 
     def stats(self) -> list[tuple[str, TierStats]]:
         result = []
         for slot in self._slots:
-            stats = self._call(slot, "stats") or TierStats(errors=-1)
+            stats = slot.stats() or TierStats(errors=-1)
             if slot.writer is not None:
                 stats.extra["writer_dropped"] = slot.writer.dropped
                 stats.extra["writer_pending"] = slot.writer.pending()
@@ -309,15 +352,7 @@ class TierChain:
         for slot in self._slots:
             if slot.writer is not None:
                 slot.writer.close(drain=drain)
-            self._call(slot, "close")
+            slot.close()
 
     def _count_drop(self, label: str, items: Items) -> None:
         self.metrics.store_dropped.labels(label).inc()
-
-    def _call(self, slot: _Slot, op: str, *args: object) -> Any:  # the result of the tier's own method
-        try:
-            return getattr(slot.tier, op)(*args)
-        except Exception as exc:
-            self.metrics.tier_errors.labels(slot.label, op).inc()
-            logger.warning("tier %s: %s failed: %s", slot.label, op, exc)
-            return None

@@ -7,14 +7,8 @@ repeats them for readers who do not read code.
 
 from __future__ import annotations
 
-import pluggy
-
-PROJECT_NAME = "kvplug"
-
-hookspec = pluggy.HookspecMarker(PROJECT_NAME)
-hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
-
-from kvplug.hookspecs import connectors, engines, events, serializers, storage  # noqa: E402
+from kvplug.hookspecs import connectors, engines, events, serializers, storage
+from kvplug.hookspecs.markers import PROJECT_NAME, hookimpl, hookspec
 
 SPEC_MODULES = (serializers, storage, connectors, engines, events)
 

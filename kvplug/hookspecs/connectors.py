@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvplug.hookspecs import hookspec
+from kvplug.hookspecs.markers import hookspec
 
 
 @hookspec
@@ -21,7 +21,8 @@ def kvplug_kv_connectors() -> list[type]:
     at once (``plan_many``) and asks ``gather_copies``/``scatter_copies`` for the
     copies of a batch of layers, which by default are one ``gather_layer`` or
     ``scatter_layer`` per layer and chunk; a connector may return fewer, larger ones. The class method ``is_available()`` says
-    whether the connector can run here (``connector: {type: auto}`` uses it).
+    whether the connector can run here; ``connector: {type: auto}`` picks the
+    available one with the highest ``priority: ClassVar[int]`` (default 0).
     A device connector returns True from ``wants_pinned_frames()`` to have the
     engine page-lock its host frames, and finishes its asynchronous copies in
     ``synchronize()``.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvplug.hookspecs import hookspec
+from kvplug.hookspecs.markers import hookspec
 
 
 @hookspec

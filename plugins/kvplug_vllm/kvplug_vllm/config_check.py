@@ -30,7 +30,7 @@ from typing import Any
 
 from kvplug import TierChain, get_registry, load_config
 from kvplug.errors import KVPlugError
-from kvplug_vllm.registration import CONNECTOR_MODULE, CONNECTOR_NAME
+from kvplug_vllm.identity import CONNECTOR_MODULE, CONNECTOR_NAME
 
 logger = logging.getLogger("kvplug.vllm")
 

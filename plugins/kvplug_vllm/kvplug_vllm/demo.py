@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvplug_vllm.identity import vllm_version
 from kvplug_vllm.tiny_model import TinyLlamaSpec, write_random_llama
 
 RESULT_PREFIX = "RESULT "
@@ -167,9 +168,7 @@ def run_engine_demo(console: Any, *, tokens: int = 4096) -> dict[str, Any]:
 
 
 def _vllm_version() -> str:
-    from kvplug_vllm.adapter import VLLMEngineAdapter
-
-    return VLLMEngineAdapter.engine_version() or "?"
+    return vllm_version() or "?"
 
 
 if __name__ == "__main__":

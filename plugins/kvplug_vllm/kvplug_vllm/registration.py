@@ -7,9 +7,9 @@ a second registration of one name.
 
 from __future__ import annotations
 
-#: The name a deployment puts in ``kv_transfer_config["kv_connector"]``.
-CONNECTOR_NAME = "KVPlugConnector"
-CONNECTOR_MODULE = "kvplug_vllm.connector"
+from kvplug_vllm.identity import CONNECTOR_MODULE, CONNECTOR_NAME
+
+__all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "register"]
 
 
 def register() -> None:

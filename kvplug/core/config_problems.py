@@ -1,0 +1,61 @@
+"""Config errors from pydantic's: one :class:`~kvplug.errors.ConfigProblem` per error, with
+the field's path (``tiers[0].max_bytes``) and, for an unknown key, the keys allowed there.
+
+Apart from the loader so that the config model and the loader both use it without
+importing each other."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from kvplug.errors import ConfigProblem
+
+
+def problems_from_validation_error(
+    exc: ValidationError,
+    data: Any,
+    *,
+    prefix: str = "",
+    model: type[BaseModel] | None = None,
+) -> list[ConfigProblem]:
+    """One :class:`ConfigProblem` per pydantic error, with a ``tiers[0].max_bytes`` path."""
+    problems = []
+    for error in exc.errors(include_url=False):
+        loc = tuple(part for part in error["loc"] if not (isinstance(part, str) and part.startswith("function-")))
+        path = _format_path(prefix, loc)
+        message = error["msg"]
+        if error["type"] == "extra_forbidden" and model is not None:
+            allowed = _allowed_keys(model, loc[:-1])
+            if allowed:
+                message = f"unknown key; allowed: {', '.join(allowed)}"
+        problems.append(ConfigProblem(path, error.get("input"), message))
+    return problems
+
+
+def _format_path(prefix: str, loc: tuple[Any, ...]) -> str:
+    path = prefix
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field_info = getattr(current, "model_fields", {}).get(part)
+        if field_info is None:
+            return []
+        annotation = field_info.annotation
+        args = getattr(annotation, "__args__", ())
+        candidates = [annotation, *args]
+        current = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if current is None:
+            return []
+    return sorted(getattr(current, "model_fields", {}))
