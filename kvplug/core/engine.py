@@ -368,6 +368,7 @@ class CacheEngine:
             self._store_worker.close(drain=drain)
         self.chain.close(drain=drain)
         self._copies.close()
+        self.frame_pool.close()
 
     def __enter__(self) -> CacheEngine:
         return self

@@ -214,6 +214,13 @@ class FramePool:
             )
             self.prefaulting.start()
 
+    def close(self) -> None:
+        """Wait for the segment being faulted in, if any, so a closed engine leaves no thread
+        behind. Frames already handed out stay valid; the pool may still hand out more."""
+        thread = self.prefaulting
+        if thread is not None:
+            thread.join()  # one madvise of at most a segment: it ends by itself
+
     def _release(self, arena: _Arena, offset: int, size: int) -> None:
         with self._lock:
             self._free[size].append((arena, offset))
