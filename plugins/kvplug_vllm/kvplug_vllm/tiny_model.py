@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,18 @@ def write_random_llama(path: str | Path, spec: TinyLlamaSpec = DEFAULT_SPEC) -> 
     if spec.layer_types is not None:
         fields["layer_types"] = list(spec.layer_types)
     config = LlamaConfig(**fields, torch_dtype=dtype, eos_token_id=2, bos_token_id=1)
+    return _save_seeded(LlamaForCausalLM, config, dtype, spec.seed, target)
+
+
+def _save_seeded(model_class: Any, config: Any, dtype: Any, seed: int, target: Path) -> Path:
+    """Initialise ``model_class(config)`` from ``seed`` (leaving the caller's RNG as it was),
+    cast it to ``dtype`` and save it to ``target``."""
+    import torch
+
     generator_state = torch.random.get_rng_state()
     try:
-        torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(config).to(dtype)
+        torch.manual_seed(seed)
+        model = model_class(config).to(dtype)
     finally:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(target)
@@ -129,11 +138,4 @@ def write_random_deepseek_v2(path: str | Path, spec: TinyDeepseekV2Spec = DEFAUL
         eos_token_id=2,
         bos_token_id=1,
     )
-    generator_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(spec.seed)
-        model = DeepseekV2ForCausalLM(config).to(dtype)
-    finally:
-        torch.random.set_rng_state(generator_state)
-    model.save_pretrained(target)
-    return target
+    return _save_seeded(DeepseekV2ForCausalLM, config, dtype, spec.seed, target)
