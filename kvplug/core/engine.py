@@ -25,7 +25,7 @@ from kvplug.core.background import BackgroundWorker
 from kvplug.core.chunk_format import dtype_name
 from kvplug.core.config import KVPlugConfig
 from kvplug.core.connector import KVConnector, LayerCache
-from kvplug.core.events import KVEvent
+from kvplug.core.events import EventListener, EventListeners, KVEvent
 from kvplug.core.frame_pool import FramePool
 from kvplug.core.keys import ChunkKey, ExtraKey, Fingerprint, KeyBuilder
 from kvplug.core.layouts import KVLayout
@@ -92,12 +92,14 @@ class CacheEngine:
         self.connector: KVConnector = self._make_connector()
         self._copies = ParallelCopies(self._copy_threads())
         self.key_builder = KeyBuilder(self.config.chunk_size, self.config.hash)
+        self._events = EventListeners(self.registry.emit)
         self.chain = TierChain.open(
             self.config.tiers,
             self.registry,
             fingerprint=self.fingerprint.hexdigest(),
             metrics=self.metrics,
             lookup_timeout_s=self.config.lookup_timeout_ms / 1000,
+            emit=self._events.emit,
         )
         pin_frames = self.connector.wants_pinned_frames()
         self.frame_pool = FramePool(
@@ -120,6 +122,17 @@ class CacheEngine:
     @property
     def chunk_size(self) -> int:
         return self.config.chunk_size
+
+    def add_event_listener(self, listener: EventListener) -> None:
+        """Call ``listener(event)`` for each :class:`~kvplug.KVEvent` of this engine (its
+        stores and loads, its tiers' evictions and removals) until
+        :meth:`remove_event_listener`; never for another engine's, unlike the
+        process-wide ``kvplug_on_event`` hook. It runs on the thread that caused the
+        event (often a storage worker) and must be quick; an exception is logged."""
+        self._events.add(listener)
+
+    def remove_event_listener(self, listener: EventListener) -> None:
+        self._events.remove(listener)
 
     # --- keys -----------------------------------------------------------------------
 
@@ -281,7 +294,7 @@ class CacheEngine:
         self.chain.put(sealed)
         self.metrics.stored_tokens.inc(sum(n for _, _, n in batch))
         self.metrics.stored_bytes.inc(sum(memoryview(frame).nbytes for _, frame in sealed))
-        self.registry.emit(KVEvent("stored", tuple(k for k, _, _ in batch), token_counts=tuple(n for _, _, n in batch)))
+        self._events.emit(KVEvent("stored", tuple(k for k, _, _ in batch), token_counts=tuple(n for _, _, n in batch)))
 
     # --- retrieve -------------------------------------------------------------------
 
@@ -549,7 +562,7 @@ class LayerwiseRetrieve(Iterator[int]):
         engine.metrics.loaded_tokens.inc(self.num_loaded_tokens)
         engine.metrics.retrieve_seconds.observe(time.perf_counter() - self._started)
         if self._chunks:
-            engine.registry.emit(
+            engine._events.emit(
                 KVEvent(
                     "loaded",
                     tuple(c.key for c, _ in self._chunks),

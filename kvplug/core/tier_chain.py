@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from kvplug.core.background import BackgroundWorker
+from kvplug.core.events import KVEvent
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry
 from kvplug.core.remote import call_budget, remaining_budget_s
@@ -132,8 +133,12 @@ class TierChain:
         fingerprint: str | None = None,
         metrics: EngineMetrics | None = None,
         lookup_timeout_s: float | None = None,
+        emit: Callable[[KVEvent], None] | None = None,
     ) -> TierChain:
         """Build each configured tier (``config.tiers`` entries, resolved) and chain them.
+
+        The tiers report their events to ``emit`` (their engine's listeners; default:
+        only the registry's ``kvplug_on_event`` observers).
 
         If one tier fails to open, the ones already opened are closed again, and the
         failure is a :class:`~kvplug.errors.TierOpenError` naming the entry
@@ -147,7 +152,7 @@ class TierChain:
                     tier_index=index,
                     fingerprint=fingerprint,
                     logger=logging.getLogger(f"kvplug.tier.{spec.type}"),
-                    emit=registry.emit,
+                    emit=emit or registry.emit,
                     metrics=metrics,
                 )
                 tier_class = registry.storage_tiers()[spec.type]

@@ -9,8 +9,11 @@ from kvplug.hookspecs.markers import hookspec
 def kvplug_on_event(event: object) -> None:
     """Observe a :class:`kvplug.KVEvent` (chunks stored, loaded, evicted, removed).
 
-    Called synchronously on the thread that caused the event (often a storage
-    worker), so an implementation must be quick and must not raise; exceptions
-    are logged and swallowed. Engine adapters use it to feed their engine's KV
-    event stream (SGLang's ``BlockStored``/``BlockRemoved``).
+    Process-wide: an observer sees the events of every cache engine in the
+    process (for metrics or audit across engines). Called synchronously on the
+    thread that caused the event (often a storage worker), so an implementation
+    must be quick and must not raise; exceptions are logged and swallowed. An
+    engine adapter that feeds one engine's KV event stream (vLLM's or SGLang's
+    ``BlockStored``/``BlockRemoved``) listens to that engine only, with
+    ``CacheEngine.add_event_listener``.
     """

@@ -15,11 +15,3 @@ __all__ = ["SGLangAdapter"]
 @kvplug.hookimpl
 def kvplug_engine_adapters() -> list[type]:
     return [SGLangAdapter]
-
-
-@kvplug.hookimpl
-def kvplug_on_event(event: object) -> None:
-    # Only connectors turn events into SGLang KV events; nothing to do until one exists.
-    from kvplug_sglang import events
-
-    events.dispatch(event)  # type: ignore[arg-type]

@@ -97,6 +97,7 @@ class KVPlugConnector:
         self.device = k_pool[0].device
         first_tier = self.engine.config.tiers[0].type
         self.events = KVEventBridge(first_tier, {tier.name: tier.medium for tier in self.engine.chain.tiers})
+        self.engine.add_event_listener(self.events.observe)
 
     # --- API --------------------------------------------------------------------------
 
@@ -137,7 +138,7 @@ class KVPlugConnector:
         self.engine.chain.discard(self.events.stored_keys())
 
     def close(self) -> None:
-        self.events.close()
+        self.engine.remove_event_listener(self.events.observe)
         self.engine.close()
 
     # --- helpers ----------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """kvplug events as SGLang KV events (``BlockStored`` / ``BlockRemoved``).
 
-kvplug reports what its tiers did through the ``kvplug_on_event`` hook, on the
-thread that did it. A :class:`KVEventBridge` remembers the token ids of the chunks
-its connector queued, turns the matching ``stored`` events into SGLang's
+A cache engine reports what it and its tiers did to its own listeners
+(``CacheEngine.add_event_listener``), on the thread that did it. A
+:class:`KVEventBridge`, one connector's listener, remembers the token ids of the
+chunks its connector queued, turns the matching ``stored`` events into SGLang's
 ``BlockStored`` (one block per chunk, chained by ``parent_block_hash``) and
 ``evicted``/``removed`` events into ``BlockRemoved``, and hands them out from
 ``take()``: the shape SGLang's ``KVEventPublisher`` sends to routers.
@@ -11,7 +12,6 @@ its connector queued, turns the matching ``stored`` events into SGLang's
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,16 +20,6 @@ from kvplug import KVEvent, Medium
 
 #: kvplug tier medium (``StorageTier.medium``) -> SGLang ``StorageMedium`` value.
 _STORAGE_MEDIUM: dict[Medium, str] = {"memory": "CPU_PINNED", "disk": "DISK", "remote": "EXTERNAL"}
-_LIVE: weakref.WeakSet[KVEventBridge] = weakref.WeakSet()
-_LIVE_LOCK = threading.Lock()
-
-
-def dispatch(event: KVEvent) -> None:
-    """Hand an event to every live bridge (called from the ``kvplug_on_event`` hook)."""
-    with _LIVE_LOCK:
-        bridges = list(_LIVE)
-    for bridge in bridges:
-        bridge.observe(event)
 
 
 def block_hash(chunk_key: str) -> int:
@@ -70,8 +60,6 @@ class KVEventBridge:
         self._max_tracked = max_tracked
         self._max_events = max_events
         self.dropped = 0
-        with _LIVE_LOCK:
-            _LIVE.add(self)
 
     def expect(
         self, keys: Sequence[str], bounds: Sequence[tuple[int, int]], tokens: Sequence[int], cache_salt: str | None
@@ -137,7 +125,3 @@ class KVEventBridge:
     def stored_keys(self) -> list[str]:
         with self._lock:
             return list(self._stored)
-
-    def close(self) -> None:
-        with _LIVE_LOCK:
-            _LIVE.discard(self)

@@ -4,7 +4,7 @@ A router (llm-d's KV indexer, Dynamo) matches prompts to servers by vLLM's own
 block hashes. kvplug keys chunks by its own chained hashes, so the worker keeps,
 for each chunk it stored or loaded, the vLLM block hashes of the blocks it spans
 (the scheduler sends them with each request, from ``Request.block_hashes``). When
-kvplug's core reports a chunk stored (``kvplug_on_event``), the worker publishes
+its cache engine reports a chunk stored (``add_event_listener``), the worker publishes
 one ``BlockStored`` per tier the chunk was written to, ``medium`` = the tier type
 (``cpu``, ``disk``, ``s3``...); when a tier evicts or removes it, a ``BlockRemoved``
 with that tier as ``medium``. Events leave the worker in the step's

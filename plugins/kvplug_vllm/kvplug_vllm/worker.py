@@ -29,7 +29,6 @@ import torch
 
 from kvplug import CacheEngine, LayerwiseRetrieve, load_config, slots_from_block_ids
 from kvplug.errors import ConfigError, ConfigProblem
-from kvplug_vllm import add_event_listener, remove_event_listener
 from kvplug_vllm.background import BackgroundLoads, fetch
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
 from kvplug_vllm.layout import detect_layout, fingerprint_for
@@ -133,7 +132,6 @@ class WorkerSide:
         self._metrics_server: Any = None
         self.background = BackgroundLoads(settings.load_timeout_ms / 1000)
         self.index: ChunkIndex | None = None
-        self._listener: int | None = None
 
     # --- setup ------------------------------------------------------------------------
 
@@ -166,7 +164,7 @@ class WorkerSide:
             [t.type for t in config.tiers],
             publish=bool(kv_events is not None and kv_events.enable_kv_cache_events),
         )
-        self._listener = add_event_listener(self.index.on_event)
+        self.engine.add_event_listener(self.index.on_event)
         register_local(self.engine_key, self.engine)
         _LOCAL_RESETS[self.engine_key] = self.reset_cache
         if self.settings.lookup != "direct":
@@ -421,9 +419,6 @@ class WorkerSide:
         """Stop the lookup server and close the cache engine, writing queued stores."""
         self.background.close()
         _LOCAL_RESETS.pop(self.engine_key, None)
-        if self._listener is not None:
-            remove_event_listener(self._listener)
-            self._listener = None
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -435,6 +430,8 @@ class WorkerSide:
             self._metrics_server = None
         if self.engine is not None:
             unregister_local(self.engine_key)
+            if self.index is not None:
+                self.engine.remove_event_listener(self.index.on_event)
             self.engine.close(drain=True)
             self.engine = None
 
