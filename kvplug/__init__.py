@@ -24,10 +24,20 @@ from kvplug.core.config_types import (
 )
 from kvplug.core.events import KVEvent
 from kvplug.core.keys import KV_FORMAT_VERSION, ChunkKey, ExtraKey, Fingerprint, KeyBuilder
-from kvplug.core.metrics import EngineMetrics
+from kvplug.core.metrics import EngineMetrics, MetricSample
 from kvplug.core.record import RECORD_HEADER_SIZE, key_digest, pack_record, pack_record_header, unpack_record
+from kvplug.core.record_backend import SIZE_UNKNOWN, CallSizes, RecordBackend, RecordToWrite
+from kvplug.core.record_index import RecordIndex
 from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, check_record
-from kvplug.core.remote import LoopThread, RemoteCalls, RemoteTierConfig, call_budget, remaining_budget_s
+from kvplug.core.record_tier import RecordTier
+from kvplug.core.remote import (
+    LoopThread,
+    RecordTierConfig,
+    RemoteCalls,
+    RemoteTierConfig,
+    call_budget,
+    remaining_budget_s,
+)
 from kvplug.core.retry import Absent, CircuitBreaker, FailureKind, RetryPolicy, classify_failure
 from kvplug.core.tier import (
     MEDIA,
@@ -88,6 +98,7 @@ __all__ = [
     "MEDIA",
     "RECORD_HEADER_SIZE",
     "SECRET_MASK",
+    "SIZE_UNKNOWN",
     "UNBOUNDED_BYTES",
     "Absent",
     "BackgroundWorker",
@@ -95,6 +106,7 @@ __all__ = [
     "Bounded",
     "Buffer",
     "CacheEngine",
+    "CallSizes",
     "ChunkKey",
     "CircuitBreaker",
     "ComponentConfig",
@@ -114,11 +126,17 @@ __all__ = [
     "LayerwiseRetrieve",
     "LoopThread",
     "Medium",
+    "MetricSample",
     "PagedFormat",
     "PluginRegistry",
     "QueueItems",
+    "RecordBackend",
     "RecordCheck",
+    "RecordIndex",
     "RecordStore",
+    "RecordTier",
+    "RecordTierConfig",
+    "RecordToWrite",
     "RemoteCalls",
     "RemoteTierConfig",
     "RequestInfo",

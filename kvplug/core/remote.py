@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from typing import Any, Literal, TypeVar
 
-from pydantic import Field
+from pydantic import Field, PositiveInt
 
 from kvplug.core.config_types import BackoffSeconds, Concurrency, FailureCount, TimeoutSeconds
 from kvplug.core.retry import (
@@ -101,6 +101,23 @@ class RemoteTierConfig(TierConfig):
         default=5.0, description="Seconds the breaker stays open before one probe may try the store."
     )
     max_concurrency: Concurrency = Field(default=32, description="Store operations in flight at once.")
+
+
+class RecordTierConfig(RemoteTierConfig):
+    """Options every record tier has (a :class:`RemoteTierConfig` plus its index)."""
+
+    index_max_keys: PositiveInt = Field(
+        default=1_000_000,
+        le=100_000_000,
+        description="Most records in this process's index of the store (about 300 bytes each), which "
+        "gives stats() its figures and max_bytes its LRU. Past it the least recently used are forgotten, "
+        "not deleted (warned once); with max_bytes set they are deleted instead, so max_bytes always holds.",
+    )
+    scan_on_start: bool = Field(
+        default=False,
+        description="List the store on start so stats and the max_bytes budget include records already "
+        "stored (for stores that can list).",
+    )
 
 
 class LoopThread:

@@ -1,0 +1,162 @@
+"""The record tier base (kvplug.RecordTier) over a backend whose store is a dict in this
+process: the conformance suite, and what the base owns (verification, the index bound,
+the budget, the breaker) checked against the store's own contents."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from kvplug import (
+    RECORD_HEADER_SIZE,
+    Buffer,
+    CallSizes,
+    RecordBackend,
+    RecordTier,
+    RecordTierConfig,
+    RecordToWrite,
+    StorageTier,
+    StoredRecord,
+    TierContext,
+    key_digest,
+)
+from kvplug.testing import StorageTierContract
+
+
+class DictBackend(RecordBackend):
+    """Records in a dict; ``down`` makes every call fail as a dead server's would."""
+
+    call_sizes = CallSizes(query=7, read=3, write=2, write_bytes=1 << 20)
+    where = "dict store"
+
+    def __init__(self, store: dict[str, bytes]) -> None:
+        self.store = store
+        self.lock = threading.Lock()
+        self.down = False
+        self.calls = 0
+
+    async def _enter(self) -> None:
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("store is down")
+        await asyncio.sleep(0)
+
+    async def sizes(self, names: Sequence[str]) -> list[int | None]:
+        await self._enter()
+        with self.lock:
+            return [len(self.store[n]) if n in self.store else None for n in names]
+
+    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
+        await self._enter()
+        with self.lock:
+            return [self.store.get(n) for n in names]
+
+    async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
+        await self._enter()
+        with self.lock:
+            for record in records:
+                self.store[record.name] = record.joined()
+        return [None] * len(records)
+
+    async def delete(self, names: Sequence[str]) -> list[bool]:
+        await self._enter()
+        with self.lock:
+            return [self.store.pop(n, None) is not None for n in names]
+
+    async def listing(self) -> list[StoredRecord]:
+        await self._enter()
+        with self.lock:
+            return [StoredRecord(n, len(v), float(i)) for i, (n, v) in enumerate(self.store.items())]
+
+
+class DictTier(RecordTier):
+    name = "dict"
+    Config = RecordTierConfig
+    store: dict[str, bytes]
+
+    def open_backend(self, loop: asyncio.AbstractEventLoop) -> RecordBackend:
+        self.backend = DictBackend(self.store)
+        return self.backend
+
+
+def make(store: dict[str, bytes], **options: object) -> DictTier:
+    tier_class = type("DictTierOn", (DictTier,), {"store": store})
+    config = RecordTierConfig.model_validate(
+        {"request_timeout_s": 1.0, "retries": 0, "breaker_failures": 2, "breaker_cooldown_s": 60.0, **options}
+    )
+    return tier_class(config, TierContext(logger=logging.getLogger("test.record_tier")))
+
+
+class TestDictRecordTier(StorageTierContract):
+    lru = True
+
+    @pytest.fixture
+    def make_tier(self) -> Callable[..., StorageTier]:
+        store: dict[str, bytes] = {}
+        return lambda max_bytes: make(store, max_bytes=max_bytes)
+
+
+def test_a_damaged_record_is_a_counted_miss_and_deleted() -> None:
+    store: dict[str, bytes] = {}
+    with make(store) as tier:
+        tier.put([("v/f/a", b"x" * 1000), ("v/f/b", b"y" * 1000)])
+        name = key_digest("v/f/a").hex()
+        damaged = bytearray(store[name])
+        damaged[RECORD_HEADER_SIZE + 10] ^= 1
+        store[name] = bytes(damaged)
+        assert tier.get(["v/f/a", "v/f/b"]) == [None, b"y" * 1000]
+        assert name not in store
+        assert tier.stats().extra["corrupt"] == 1
+
+
+def test_a_record_under_another_key_is_never_returned() -> None:
+    store: dict[str, bytes] = {}
+    with make(store) as tier:
+        tier.put([("v/f/a", b"a" * 100), ("v/f/b", b"b" * 100)])
+        store[key_digest("v/f/b").hex()] = store[key_digest("v/f/a").hex()]
+        assert tier.get(["v/f/b"]) == [None]
+
+
+def test_the_index_bound_evicts_when_there_is_a_budget() -> None:
+    store: dict[str, bytes] = {}
+    with make(store, max_bytes=10_000, index_max_keys=3) as tier:
+        tier.put([(f"v/f/{i}", bytes([i]) * 100) for i in range(5)])
+        assert len(store) == 3 and tier.stats().items == 3
+        assert tier.stats().evictions == 2
+
+
+def test_the_index_bound_only_forgets_without_a_budget() -> None:
+    store: dict[str, bytes] = {}
+    with make(store, index_max_keys=3) as tier:
+        tier.put([(f"v/f/{i}", bytes([i]) * 100) for i in range(5)])
+        assert len(store) == 5 and tier.stats().items == 3
+        assert tier.stats().extra["index_dropped_full"] == 2
+
+
+def test_a_start_up_listing_fills_the_index_and_the_budget_applies_to_it() -> None:
+    store: dict[str, bytes] = {}
+    with make(store) as tier:
+        tier.put([(f"v/f/{i}", bytes([i]) * 1000) for i in range(6)])
+    with make(store, scan_on_start=True, max_bytes=3000) as tier:
+        tier.flush()
+        assert tier.stats().items == 3 and len(store) == 3
+        assert tier.stats().bytes_used == 3000
+
+
+def test_a_store_that_is_down_opens_the_breaker_then_costs_no_calls() -> None:
+    store: dict[str, bytes] = {}
+    with make(store) as tier:
+        tier.put([("v/f/a", b"a" * 10)])
+        tier.backend.down = True
+        assert tier.get(["v/f/a"]) == [None]
+        tier.put([("v/f/b", b"b")])
+        assert tier.stats().extra["breaker_state"] == "open"
+        calls = tier.backend.calls
+        assert tier.contains(["v/f/a"]) == [False]
+        tier.put([("v/f/c", b"c")])
+        assert tier.backend.calls == calls
+        assert tier.stats().extra["dropped_puts"] == 2
