@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from kvplug.core.events import KVEvent
 from kvplug.core.record import RECORD_HEADER_SIZE, key_digest, pack_record_header, unpack_record
@@ -56,7 +56,7 @@ class RecordTier(StorageTier):
     implement :meth:`open_backend`; see the module docstring for what they inherit."""
 
     medium = "remote"
-    Config = RecordTierConfig
+    Config: ClassVar[type[RecordTierConfig]] = RecordTierConfig
 
     def __init__(self, config: RecordTierConfig, context: TierContext) -> None:
         super().__init__(config, context)
