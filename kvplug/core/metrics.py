@@ -7,7 +7,25 @@ process); an adapter exposes ``metrics.registry`` through its engine's server, o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+@dataclass(frozen=True)
+class MetricSample:
+    """One sample of an engine metric, as Prometheus exposes it (a counter's name ends
+    in ``_total``): what an adapter reads to pass kvplug's figures on to its engine."""
+
+    name: str
+    labels: Mapping[str, str]
+    value: float
+
+    @property
+    def series(self) -> tuple[str, tuple[tuple[str, str], ...]]:
+        """The name and sorted labels: which series the sample is of (hashable)."""
+        return self.name, tuple(sorted(self.labels.items()))
 
 
 class EngineMetrics:
@@ -52,17 +70,27 @@ class EngineMetrics:
         self.retrieve_seconds = Histogram("kvplug_retrieve_seconds", "Time of retrieve calls", registry=r)
         self.store_seconds = Histogram("kvplug_store_seconds", "Time of store calls (caller side)", registry=r)
 
+    def samples(self) -> list[MetricSample]:
+        """Every metric's current samples (``_created`` timestamps left out)."""
+        return [
+            MetricSample(sample.name, dict(sample.labels), sample.value)
+            for family in self.registry.collect()
+            for sample in family.samples
+            if not sample.name.endswith("_created")
+        ]
+
     def snapshot(self) -> dict[str, float]:
-        """Flat ``name{labels} -> value`` of every counter, for CLIs and tests."""
+        """Flat ``name{label=value,...} -> value`` of every sample, for reading by people
+        (programs use :meth:`samples` or :meth:`value`)."""
         values: dict[str, float] = {}
-        for family in self.registry.collect():
-            for sample in family.samples:
-                if sample.name.endswith("_created"):
-                    continue
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        for sample in self.samples():
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
         return values
 
     def value(self, name: str, **labels: str) -> float:
-        key = name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
-        return self.snapshot().get(key, 0.0)
+        """The value of the sample ``name`` with exactly ``labels``; 0 if there is none yet."""
+        for sample in self.samples():
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+        return 0.0

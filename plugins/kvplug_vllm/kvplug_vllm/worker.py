@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvplug import CacheEngine, LayerwiseRetrieve, load_config, slots_from_block_ids
+from kvplug import CacheEngine, LayerwiseRetrieve, MetricSample, load_config, slots_from_block_ids
 from kvplug.errors import ConfigError, ConfigProblem
 from kvplug_vllm.background import BackgroundLoads, fetch
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
@@ -48,22 +48,22 @@ _METRIC_COUNTERS = {
 }
 
 
-#: Labelled kvplug metrics passed on by label: metric prefix -> connector stats key prefix.
+#: Labelled kvplug metrics passed on by label: metric -> (its label, connector stats key prefix).
 _LABELLED = {
-    "kvplug_load_errors_total{reason=": LOAD_ERROR_PREFIX,
-    "kvplug_remote_breaker_state{tier=": GAUGE_PREFIX + "breaker_state.",
+    "kvplug_load_errors_total": ("reason", LOAD_ERROR_PREFIX),
+    "kvplug_store_dropped_total": ("queue", "store_dropped."),
+    "kvplug_remote_breaker_state": ("tier", GAUGE_PREFIX + "breaker_state."),
 }
 
 
-def _stats_name(metric: str) -> str | None:
+def _stats_name(sample: MetricSample) -> str | None:
     """The connector stats key a kvplug metric sample is reported under, or None."""
-    if metric in _METRIC_COUNTERS:
-        return _METRIC_COUNTERS[metric]
-    if metric.startswith("kvplug_store_dropped_total{"):
-        return "store_dropped." + metric[metric.index("=") + 1 : -1]
-    for prefix, key in _LABELLED.items():
-        if metric.startswith(prefix) and metric.endswith("}"):
-            return key + metric[len(prefix) : -1]
+    if not sample.labels:
+        return _METRIC_COUNTERS.get(sample.name)
+    if sample.name in _LABELLED:
+        label, prefix = _LABELLED[sample.name]
+        if set(sample.labels) == {label}:
+            return prefix + sample.labels[label]
     return None
 
 
@@ -397,16 +397,15 @@ class WorkerSide:
 
     def get_kv_connector_stats(self) -> KVPlugConnectorStats | None:
         if self.engine is not None:
-            snapshot = self.engine.metrics.snapshot()
-            for metric, value in snapshot.items():
-                name = _stats_name(metric)
-                if name is None or value == self._metric_marks.get(metric, 0.0):
+            for sample in self.engine.metrics.samples():
+                name = _stats_name(sample)
+                if name is None or sample.value == self._metric_marks.get(name, 0.0):
                     continue
                 if name.startswith(GAUGE_PREFIX):
-                    self._stats.data[name] = value
+                    self._stats.data[name] = sample.value
                 else:
-                    self._stats.add(**{name: int(value - self._metric_marks.get(metric, 0.0))})
-                self._metric_marks[metric] = value
+                    self._stats.add(**{name: int(sample.value - self._metric_marks.get(name, 0.0))})
+                self._metric_marks[name] = sample.value
         if self._worked:  # time of steps that moved KV; idle steps' few microseconds wait for one
             self._stats.add(worker_us=int(self._busy_s * 1e6))
             self._busy_s, self._worked = 0.0, False

@@ -118,7 +118,7 @@ LAYOUT = KVLayout(VLLM_CPU, num_layers=2, block_size=32, num_kv_heads=2, head_di
 @pytest.fixture
 def engine():
     layout = LAYOUT
-    config = load_config(engine_extra={"kvplug.chunk_size": 64, "kvplug.store.mode": "sync"}, env={}).config
+    config = load_config(engine_extra={"kvplug.chunk_size": 64, "kvplug.store.queue.mode": "sync"}, env={}).config
     with CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="unit")) as cache_engine:
         yield cache_engine
 
@@ -275,7 +275,7 @@ def test_vllm_cpu_mla_cache_is_detected_only_for_an_mla_model() -> None:
 @pytest.mark.parametrize("connector", ["torch", "native"])
 def test_vllm_cpu_mla_latent_rows_round_trip_bit_exactly(connector: str) -> None:
     layout = KVLayout(VLLM_CPU_MLA, num_layers=2, block_size=16, num_kv_heads=1, head_dim=576, dtype=torch.bfloat16)
-    extra = {"kvplug.chunk_size": 64, "kvplug.store.mode": "sync", "kvplug.connector": {"type": connector}}
+    extra = {"kvplug.chunk_size": 64, "kvplug.store.queue.mode": "sync", "kvplug.connector": {"type": connector}}
     config = load_config(engine_extra=extra, env={}).config
     generator = torch.Generator().manual_seed(3)
     # random bytes (NaN patterns too) in vLLM's shape; the target starts as zeros
@@ -296,3 +296,28 @@ def test_vllm_cpu_mla_latent_rows_round_trip_bit_exactly(connector: str) -> None
         untouched = torch.ones(dst_rows.shape[0], dtype=torch.bool)
         untouched[dst_slots[:64]] = False
         assert not dst_rows[untouched].any(), "a row outside the loaded slots was written"
+
+
+def test_worker_stats_pass_engine_metrics_on_by_name_and_label(engine: CacheEngine) -> None:
+    from kvplug_vllm.stats import KVPlugConnectorStats
+    from kvplug_vllm.worker import WorkerSide
+
+    worker = SimpleNamespace(engine=engine, _stats=KVPlugConnectorStats(), _metric_marks={}, _worked=False, _busy_s=0.0)
+    store(engine, list(range(3, 203)))  # 3 whole chunks of 64
+    engine.metrics.load_errors.labels("CorruptChunkError").inc(2)
+    engine.metrics.store_dropped.labels("engine").inc()
+    engine.metrics.remote_breaker_state.labels("1:s3,{x=y}").set(2)  # label text is data, never parsed
+    engine.metrics.tier_errors.labels("0:cpu", "get").inc()  # not passed on
+    stats = WorkerSide.get_kv_connector_stats(worker)  # type: ignore[arg-type]
+    assert stats is not None
+    data = {k: v for k, v in stats.data.items() if v}
+    assert data == {
+        "stored_tokens": 192,
+        "stored_bytes": engine.metrics.value("kvplug_stored_bytes_total"),
+        "load_errors.CorruptChunkError": 2,
+        "store_dropped.engine": 1,
+        "gauge.breaker_state.1:s3,{x=y}": 2.0,
+    }
+    engine.metrics.load_errors.labels("CorruptChunkError").inc()
+    again = WorkerSide.get_kv_connector_stats(worker)  # type: ignore[arg-type]
+    assert again is None or {k: v for k, v in again.data.items() if v} == {"load_errors.CorruptChunkError": 1}
