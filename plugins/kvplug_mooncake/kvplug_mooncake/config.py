@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from pydantic import ByteSize, Field, field_validator
 
-from kvplug import RemoteTierConfig, ThreadCount, TimeoutSeconds
+from kvplug import RecordTierConfig, ThreadCount, TimeoutSeconds
 
 _HOST_PORT = re.compile(r"^(?P<host>[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>[0-9]{1,5})$")
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9._\-/]{0,64}$")
@@ -21,12 +21,13 @@ def check_host_port(value: str, field: str) -> str:
     return value
 
 
-class MooncakeTierConfig(RemoteTierConfig):
+class MooncakeTierConfig(RecordTierConfig):
     """Options of tier ``mooncake``: a Mooncake Store cluster (master + storage nodes).
 
     Values are stored as kvplug records (key-bound, checksummed) under the sha256
     digest of the key. Every store call has a deadline, bounded retries and a circuit
-    breaker (see :class:`kvplug.RemoteTierConfig`).
+    breaker, and the records this process wrote or read are indexed (see
+    :class:`kvplug.RecordTierConfig`; the store cannot list, so ``scan_on_start`` finds nothing).
     """
 
     master: str = Field(description="The mooncake_master RPC address, host:port.")

@@ -173,15 +173,20 @@ def test_storage_process_killed_reads_miss_and_new_storage_serves(cluster, make_
 
 def test_corrupt_object_is_a_counted_miss(mooncake_cluster, make_mooncake_tier):
     tier = make_mooncake_tier()
-    other = make_mooncake_tier(key_prefix=tier.config.key_prefix)
     key, intruder = key_for("victim"), key_for("intruder")
-    # Another writer puts a record framed for another key under this key's object name.
-    from mooncake.store import MooncakeDistributedStore  # noqa: F401 - the wheel is what we test against
+    # Another writer (a raw client) puts a record framed for another key under this key's object name.
+    from mooncake.store import MooncakeDistributedStore
 
     from kvplug import key_digest, pack_record
 
     name = tier.config.key_prefix + key_digest(key).hex()
-    other._run(lambda: other._connected().upsert(name, pack_record(intruder, b"foreign bytes")))
+    other = MooncakeDistributedStore()
+    cluster = mooncake_cluster
+    assert other.setup("127.0.0.1", cluster.metadata_server, 0, 16 * 1024**2, "tcp", "", cluster.master_address) == 0
+    try:
+        assert other.upsert(name, pack_record(intruder, b"foreign bytes")) == 0
+    finally:
+        other.close()
     assert tier.get([key]) == [None]
     assert tier.stats().extra["corrupt"] == 1
     assert tier.contains([key]) == [False]  # removed

@@ -2,7 +2,7 @@
 
 The worker owns the :class:`kvplug.CacheEngine` and its tiers. With vLLM's
 in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the scheduler finds that
-engine in :data:`_LOCAL_ENGINES` and calls it directly. With the multiprocess
+engine in :data:`_LOCAL_WORKERS` and calls it directly. With the multiprocess
 engine the scheduler (EngineCore process) and the worker are different
 processes: the worker then serves lookups on a unix socket and the scheduler
 connects to it (LMCache does the same over ZMQ).
@@ -27,6 +27,7 @@ import struct
 import threading
 from array import array
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,18 @@ MAX_TEXT = 1024
 _MAX_MESSAGE = _LEN.size + MAX_HEADER_BYTES + 8 * MAX_TOKENS
 LOOKUP_LIMITS = ServerLimits(max_message_bytes=_MAX_MESSAGE, max_buffered_bytes=4 * _MAX_MESSAGE)
 
-#: (engine id, data-parallel rank, tensor-parallel rank) -> the worker's engine in this process.
-_LOCAL_ENGINES: dict[tuple[str, int, int], CacheEngine] = {}
+
+@dataclass(frozen=True)
+class LocalWorker:
+    """A worker in this process (vLLM's in-process engine), as the scheduler side finds it."""
+
+    engine: CacheEngine
+    #: Removes the worker's chunks from the tiers vLLM's prefix cache reset empties; returns how many.
+    reset: Callable[[], int]
+
+
+#: (engine id, data-parallel rank, tensor-parallel rank) -> the worker in this process.
+_LOCAL_WORKERS: dict[tuple[str, int, int], LocalWorker] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
@@ -64,19 +75,19 @@ class LookupChannelError(KVPlugError):
     """A lookup could not be answered (the worker is gone, slow or said no)."""
 
 
-def register_local(engine_key: tuple[str, int, int], engine: CacheEngine) -> None:
+def register_local(engine_key: tuple[str, int, int], worker: LocalWorker) -> None:
     with _LOCAL_LOCK:
-        _LOCAL_ENGINES[engine_key] = engine
+        _LOCAL_WORKERS[engine_key] = worker
 
 
 def unregister_local(engine_key: tuple[str, int, int]) -> None:
     with _LOCAL_LOCK:
-        _LOCAL_ENGINES.pop(engine_key, None)
+        _LOCAL_WORKERS.pop(engine_key, None)
 
 
-def local_engine(engine_key: tuple[str, int, int]) -> CacheEngine | None:
+def local_worker(engine_key: tuple[str, int, int]) -> LocalWorker | None:
     with _LOCAL_LOCK:
-        return _LOCAL_ENGINES.get(engine_key)
+        return _LOCAL_WORKERS.get(engine_key)
 
 
 def socket_path(engine_id: str, dp_rank: int, tp_rank: int) -> Path:

@@ -25,12 +25,11 @@ from typing import Any
 from kvplug import ExtraKey, KVPlugConfig, RequestInfo
 from kvplug.errors import ConfigError, KVPlugError
 from kvplug_vllm.kv_events import KVPlugKVEvents
-from kvplug_vllm.lookup import DirectLookup, SocketLookup, local_engine, socket_path, tier_media
+from kvplug_vllm.lookup import DirectLookup, SocketLookup, local_worker, socket_path, tier_media
 from kvplug_vllm.lookup_result import LookupResult
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
 from kvplug_vllm.settings import ConnectorSettings, request_overrides, wants_report
 from kvplug_vllm.stats import KVPlugConnectorStats
-from kvplug_vllm.worker import local_reset
 
 logger = logging.getLogger("kvplug.vllm")
 
@@ -376,14 +375,13 @@ class SchedulerSide:
         if self._channel is None:
             engine_id, dp_rank, _ = self.engine_key
             keys = [(engine_id, dp_rank, rank) for rank in range(self.tp_size)]
-            engines = [local_engine(key) for key in keys]
+            found = [local_worker(key) for key in keys]
+            workers = [w for w in found if w is not None]
             mode = self.settings.lookup
-            if mode == "direct" or (mode == "auto" and all(e is not None for e in engines)):
-                if any(e is None for e in engines):
+            if mode == "direct" or (mode == "auto" and len(workers) == len(keys)):
+                if len(workers) < len(keys):
                     raise KVPlugError("lookup: direct, but the worker's cache engine is not in this process")
-                self._channel = DirectLookup(
-                    [e for e in engines if e is not None], [local_reset(key) for key in keys], self.media
-                )
+                self._channel = DirectLookup([w.engine for w in workers], [w.reset for w in workers], self.media)
             else:
                 self._channel = SocketLookup(
                     [socket_path(*key) for key in keys], self.settings.lookup_timeout_s, self.media

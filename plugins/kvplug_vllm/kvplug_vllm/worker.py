@@ -32,7 +32,7 @@ from kvplug.errors import ConfigError, ConfigProblem
 from kvplug_vllm.background import BackgroundLoads, fetch
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
 from kvplug_vllm.layout import detect_layout, fingerprint_for
-from kvplug_vllm.lookup import LookupServer, register_local, socket_path, unregister_local
+from kvplug_vllm.lookup import LocalWorker, LookupServer, register_local, socket_path, unregister_local
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, RequestMeta
 from kvplug_vllm.settings import ConnectorSettings, resets
 from kvplug_vllm.stats import GAUGE_PREFIX, LOAD_ERROR_PREFIX, KVPlugConnectorStats
@@ -72,15 +72,6 @@ def _stats_name(sample: MetricSample) -> str | None:
 IDLE_WAIT_S = 0.005
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-#: (engine id, data-parallel rank, tensor-parallel rank) -> that worker's reset_cache, in this process.
-_LOCAL_RESETS: dict[tuple[str, int, int], Callable[[], int]] = {}
-
-
-def local_reset(engine_key: tuple[str, int, int]) -> Callable[[], int]:
-    """The in-process worker's ``reset_cache`` (looked up when called: the worker may register later)."""
-    return lambda: _LOCAL_RESETS[engine_key]() if engine_key in _LOCAL_RESETS else 0
-
 
 def _timed(method: _F) -> _F:
     """Count the method's wall time as connector time on the forward pass (``worker_us``)."""
@@ -165,8 +156,7 @@ class WorkerSide:
             publish=bool(kv_events is not None and kv_events.enable_kv_cache_events),
         )
         self.engine.add_event_listener(self.index.on_event)
-        register_local(self.engine_key, self.engine)
-        _LOCAL_RESETS[self.engine_key] = self.reset_cache
+        register_local(self.engine_key, LocalWorker(self.engine, self.reset_cache))
         if self.settings.lookup != "direct":
             self.server = LookupServer(self.engine, socket_path(*self.engine_key), on_reset=self.reset_cache)
         if self.settings.metrics_port is not None:
@@ -417,7 +407,6 @@ class WorkerSide:
     def shutdown(self) -> None:
         """Stop the lookup server and close the cache engine, writing queued stores."""
         self.background.close()
-        _LOCAL_RESETS.pop(self.engine_key, None)
         if self.server is not None:
             self.server.close()
             self.server = None

@@ -10,7 +10,7 @@ vLLM's config and request objects are plain data here, as in test_units.py.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -33,7 +33,7 @@ from kvplug import (
 )
 from kvplug_vllm.kv_events import ChunkIndex
 from kvplug_vllm.layout import VLLM_CPU
-from kvplug_vllm.lookup import merge_tiers, register_local, tier_media, unregister_local
+from kvplug_vllm.lookup import LocalWorker, merge_tiers, register_local, tier_media, unregister_local
 from kvplug_vllm.scheduler import SchedulerSide
 from kvplug_vllm.settings import ConnectorSettings, resets
 from kvplug_vllm.worker import WorkerSide
@@ -122,9 +122,9 @@ def tier(engine: CacheEngine, name: str) -> StorageTier:
     return next(t for t in engine.chain.tiers if t.name == name)
 
 
-def scheduler(engine: CacheEngine) -> Iterator[SchedulerSide]:
+def scheduler(engine: CacheEngine, reset: Callable[[], int] = lambda: 0) -> Iterator[SchedulerSide]:
     key = (f"unit-media-{id(engine):x}", 0, 0)
-    register_local(key, engine)
+    register_local(key, LocalWorker(engine, reset))
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(is_kv_consumer=True, is_kv_producer=True),
         cache_config=SimpleNamespace(block_size=32),
@@ -232,6 +232,18 @@ def test_the_prefix_cache_reset_empties_the_memory_tiers_and_keeps_the_others(en
     index.remember(keys, PROMPT, [f"h{i}".encode() for i in range(len(PROMPT) // 32)], None)
     worker = SimpleNamespace(engine=engine, index=index, settings=ConnectorSettings())  # reset_tiers: default
     assert WorkerSide.reset_cache(worker) == len(keys)  # type: ignore[arg-type]
+    held = {t.name: t.contains([k.key for k in keys]) for t in engine.chain.tiers}
+    assert held == {"ram": [False] * 3, "legacy": [True] * 3, "disk": [True] * 3}
+
+
+def test_vllms_prefix_cache_reset_reaches_the_worker_in_this_process(engine: CacheEngine) -> None:
+    # The scheduler side finds the worker's engine and its reset in one registry.
+    keys = [k for k in engine.chunk_keys(PROMPT, RequestInfo()) if k.end % 64 == 0]
+    index = ChunkIndex(32, [t.name for t in engine.chain.tiers], publish=False)
+    index.remember(keys, PROMPT, [f"h{i}".encode() for i in range(len(PROMPT) // 32)], None)
+    worker = SimpleNamespace(engine=engine, index=index, settings=ConnectorSettings())
+    for side in scheduler(engine, reset=lambda: WorkerSide.reset_cache(worker)):  # type: ignore[arg-type]
+        assert side.reset_cache()
     held = {t.name: t.contains([k.key for k in keys]) for t in engine.chain.tiers}
     assert held == {"ram": [False] * 3, "legacy": [True] * 3, "disk": [True] * 3}
 
