@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvplug import BackoffSeconds, Bounded, Concurrency, RemoteTierConfig, TimeoutSeconds
+from kvplug import BackoffSeconds, Bounded, Concurrency, RecordTierConfig, TimeoutSeconds
 
 #: URL schemes the tier accepts, and whether they mean TLS.
 SCHEMES = {"redis": False, "valkey": False, "rediss": True, "valkeys": True, "unix": False}
@@ -90,7 +90,7 @@ def _db_number(text: str) -> int:
     return int(text)
 
 
-class ValkeyTierConfig(RemoteTierConfig):
+class ValkeyTierConfig(RecordTierConfig):
     """Options of tier ``valkey``: a Valkey or Redis server (or cluster) shared by engines.
 
     The server's ``maxmemory`` with an LRU policy (``allkeys-lru``) is the cache's real

@@ -1,6 +1,7 @@
 """The tier's index of its keys stays bounded and close to what a real server holds: a
 server that evicts (``maxmemory`` with ``allkeys-lru``) while this process keeps storing,
-another program filling the server, and an index bound smaller than the keys stored."""
+another program filling the server, and an index bound smaller than the keys stored.
+(The index itself, kvplug.RecordIndex, is unit-tested in tests/test_record_index.py.)"""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ import valkey
 from valkey_helpers import FAST_FAILING, fresh_prefix
 
 from kvplug import RECORD_HEADER_SIZE, KVEvent, key_digest
+from kvplug.core.record_index import CHECKS_PER_NEW_KEY, CHECKS_PER_ROUND  # the round's pace, not public API
 from kvplug.testing import key_for, tier_context
 from kvplug_valkey import ValkeyTier
-from kvplug_valkey.index import CHECKS_PER_NEW_KEY, CHECKS_PER_ROUND, KeyIndex
 from kvplug_valkey.testing import ValkeyServer
 
 #: Documented slack of stats() over the server when this process is the only writer of
-#: chunks of one size: about a third (kvplug_valkey.index); the assertion allows half.
+#: chunks of one size: about a third (kvplug_valkey.tier); the assertion allows half.
 SLACK = 1.5
 VALUE_BYTES = 400
 
@@ -124,35 +125,6 @@ def test_index_max_keys_must_be_positive_and_bounded(valkey_server, tiers) -> No
             tiers(valkey_server.url, index_max_keys=bad)
 
 
-def test_a_put_between_the_servers_answer_and_the_drop_keeps_its_entry() -> None:
-    index = KeyIndex(max_keys=10)
-    index.record("a" * 64, 100, None)
-    (seen,) = index.snapshot(["a" * 64])
-    index.record("a" * 64, 120, None)  # stored again while a read's miss was on its way back
-    index.forget_gone("a" * 64, seen)
-    assert index.items == 1 and index.bytes_used == 120 and index.found_gone == 0
-    (seen,) = index.snapshot(["a" * 64])
-    index.forget_gone("a" * 64, seen)
-    assert index.items == 0 and index.bytes_used == 0 and index.found_gone == 1
-
-
-def test_checks_go_round_every_key_without_changing_the_eviction_order() -> None:
-    index = KeyIndex(max_keys=1_000)
-    digests = [f"{i:064x}" for i in range(100)]
-    for digest in digests:
-        index.record(digest, 10, None)
-    assert list(index.due_checks()) == digests  # 100 new keys: the whole index is due, oldest first
-    index.record(digests[0], 10, None)  # read again: most recently used
-    checked: list[str] = []
-    while len(checked) < 100:  # nothing new: each round of checks takes the next CHECKS_PER_ROUND keys
-        batch = index.due_checks()
-        assert len(batch) == CHECKS_PER_ROUND
-        checked.extend(batch)
-    assert sorted(checked[:100]) == digests  # every key once before any key twice
-    # Checking reordered nothing: max_bytes still evicts the least recently used first.
-    assert [digest for digest, _ in index.evict_over(10 * 97)] == digests[1:4]
-
-
 def test_with_max_bytes_keys_pushed_out_of_a_full_index_are_evicted_not_forgotten(valkey_server) -> None:
     # The index covers 200 keys of 1,000 bytes (~200 kB); max_bytes allows 400 kB; 2,000 keys
     # (2 MB) are stored. Forgotten instead of deleted, they would all stay in the server.
@@ -173,8 +145,7 @@ def test_with_max_bytes_keys_pushed_out_of_a_full_index_are_evicted_not_forgotte
         stats = tier.stats()
         assert stats.items == 200 and stats.evictions == 1_800
         assert stats.extra["index_dropped_full"] == 0  # evicted, not forgotten
-        # Reads of pushed-out keys miss; the last keys stored are still served, and a read
-        # indexes the key's text, so that its eviction is reported by name.
+        # Reads of pushed-out keys miss; the last keys stored are still served.
         assert tier.get(keys[:5]) == [None] * 5
         read = keys[-5:]
         assert [bytes(v or b"") for v in tier.get(read)] == [b"c" * value_bytes] * 5
@@ -182,8 +153,11 @@ def test_with_max_bytes_keys_pushed_out_of_a_full_index_are_evicted_not_forgotte
         tier.put([(key, b"m" * value_bytes) for key in more])
         assert held_by_server(client, prefix) == (200, 200 * value_bytes)
         assert tier.stats().evictions == 2_000
+        # Every eviction is reported by name, once: the index keeps the text of keys stored
+        # and read (kvplug.RecordTier). The read keys were evicted last, by the final put.
         evicted = [key for event in events if event.kind == "evicted" for key in event.keys]
-        assert sorted(evicted) == sorted(read)
+        assert sorted(evicted) == sorted(keys)
+        assert set(read) <= set(evicted[-200:])
     finally:
         tier.close()
 
@@ -223,3 +197,20 @@ def test_a_put_that_failed_does_not_also_pay_for_a_round_of_checks(own_server, t
     assert extra["dropped_puts"] == 1
     assert extra["failures"] == FAST_FAILING["retries"] + 1, extra
     assert extra["breaker_state"] == "closed"
+
+
+def test_scan_on_start_indexes_the_keys_already_stored_and_applies_max_bytes(valkey_server, tiers) -> None:
+    prefix = fresh_prefix()
+    writer = tiers(valkey_server.url, key_prefix=prefix)
+    keys = [key_for(f"before-{i}") for i in range(30)]
+    writer.put([(key, b"s" * 1_000) for key in keys])
+    plain_client(valkey_server).set(prefix + "not-a-digest", b"another program's key")
+    assert tiers(valkey_server.url, key_prefix=prefix).stats().items == 0  # scan_on_start is off by default
+    scanning = tiers(valkey_server.url, key_prefix=prefix, scan_on_start=True, max_bytes=20_000)
+    scanning.flush()  # waits for the listing (SCAN under the prefix), then applies max_bytes to it
+    stats = scanning.stats()
+    assert stats.items == 20 and stats.bytes_used == 20_000 and stats.evictions == 10
+    client = plain_client(valkey_server)
+    assert client.exists(prefix + "not-a-digest") == 1  # not a record name: never listed, never deleted
+    client.delete(prefix + "not-a-digest")
+    assert held_by_server(client, prefix) == (20, 20_000)  # 10 of them were deleted (a listing has no ages)

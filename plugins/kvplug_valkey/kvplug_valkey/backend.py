@@ -1,16 +1,17 @@
-"""Pipelined batches against one Valkey/Redis server or cluster, as coroutines.
+"""The valkey tier's backend: pipelined batches against one Valkey/Redis server or cluster.
 
-Every method runs on the tier's event loop (:class:`kvplug.RemoteCalls`) and sends
+Every primitive runs on the tier's event loop (:class:`kvplug.RecordTier`) and sends
 one pipeline: N keys cost one round trip (in cluster mode, one per node holding
 some of them; valkey-py groups the commands by slot owner). The client is made on
 first use, on that loop, with one connection pool; when ``cluster`` is unset the
 first call asks the server (``INFO cluster``) which client it needs.
 
 Per-key answers that are not failures of the server come back as values: a key
-of another type (``WRONGTYPE``) reads as a foreign record, a store refused for
-memory (``OOM``) as ``False``. Anything else (connection refused or reset,
-timeout, authentication, cluster down) raises, and the tier's retry policy and
-circuit breaker judge it.
+of another type (``WRONGTYPE``) reads as a foreign record (too short: corrupt, so the
+tier deletes it), a store refused for memory (``OOM``) as a dropped write, counted
+here (``oom_dropped_puts``). Anything else (connection refused or reset, timeout,
+authentication, cluster down) raises, and the tier's retry policy and circuit
+breaker judge it.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ import valkey.asyncio as avalkey
 from valkey import exceptions as vex
 from valkey.asyncio.cluster import ValkeyCluster
 
-from kvplug import Buffer, FailureKind, classify_failure
+from kvplug import Buffer, CallSizes, FailureKind, RecordBackend, RecordToWrite, StoredRecord, classify_failure
 from kvplug_valkey.config import ValkeyTierConfig
 
 #: SCAN page size: keys per round trip when listing.
 SCAN_COUNT = 1000
+#: Keys per pipeline for commands with small replies (STRLEN, EXISTS, DEL): a lookup is one round trip.
+SMALL_REPLY_KEYS = 1024
 #: A value that is not a string (another program's key under our prefix).
 FOREIGN = b""
 
@@ -64,34 +67,53 @@ def _per_key(result: BaseException) -> bool:
     )
 
 
-class ValkeyStore:
+class ValkeyBackend(RecordBackend):
     """Batched GET/SET/STRLEN/EXISTS/DEL/SCAN under ``key_prefix``; see the module docstring."""
+
+    #: The server's ``maxmemory`` policy and TTLs remove keys without telling any client.
+    evicts_on_its_own = True
 
     def __init__(self, config: ValkeyTierConfig) -> None:
         self.config = config
         self.address = config.address
+        self.where = self.address.display()
+        self.call_sizes = CallSizes(
+            query=SMALL_REPLY_KEYS,
+            read=config.pipeline_keys,
+            write=config.pipeline_keys,
+            write_bytes=int(config.pipeline_bytes),
+        )
         self.prefix = config.key_prefix.encode()
         self.cluster: bool | None = config.cluster
+        #: Stores the server refused for memory (``maxmemory`` with ``noeviction``).
+        self.oom_dropped = 0
         self._client: Client | None = None
         self._lock: asyncio.Lock | None = None
         self._ttl_ms = None if config.ttl_s is None else max(1, round(config.ttl_s * 1000))
 
-    def name(self, digest: str) -> bytes:
-        return self.prefix + digest.encode()
+    def key(self, name: str) -> bytes:
+        """The server key of a record: ``key_prefix`` and the digest."""
+        return self.prefix + name.encode()
+
+    def classify(self, exc: BaseException) -> FailureKind:
+        return classify(exc)
+
+    def describe(self) -> dict[str, int | float | str]:
+        return {
+            "url": self.where,
+            "cluster": "unknown" if self.cluster is None else str(self.cluster).lower(),
+            "oom_dropped_puts": self.oom_dropped,
+        }
 
     # --- batches --------------------------------------------------------------------
 
-    async def get_many(self, digests: Sequence[str]) -> list[bytes | None]:
-        """Each stored value (``FOREIGN`` for a non-string key), ``None`` where missing."""
-        results = await self._pipeline([("GET", self.name(d)) for d in digests])
-        return [FOREIGN if isinstance(r, BaseException) else r for r in results]
+    async def sizes(self, names: Sequence[str]) -> list[int | None]:
+        """STRLEN per key: 0 is a key evicted, expired or deleted (``None``); a key of
+        another type answers 0 bytes (there, but no record)."""
+        results = await self._pipeline([("STRLEN", self.key(n)) for n in names])
+        return [0 if isinstance(r, BaseException) else (int(r) or None) for r in results]
 
-    async def lengths(self, digests: Sequence[str]) -> list[int]:
-        """Stored bytes per key (0: missing, -1: not a string)."""
-        results = await self._pipeline([("STRLEN", self.name(d)) for d in digests])
-        return [-1 if isinstance(r, BaseException) else int(r) for r in results]
-
-    async def exist(self, digests: Sequence[str]) -> list[bool]:
+    async def exists(self, names: Sequence[str]) -> list[bool]:
         """Whether each key exists (of any type), without touching it.
 
         ``EXISTS`` leaves a key's LRU/LFU data as it was (every Valkey; Redis before
@@ -100,40 +122,48 @@ class ValkeyStore:
         server: the index's round of checks must not keep this process's cold keys
         alive in a server that other clients share. (``CLIENT NO-TOUCH`` would need
         Valkey/Redis 7.2 and an error path on older servers.)"""
-        results = await self._pipeline([("EXISTS", self.name(d)) for d in digests])
+        results = await self._pipeline([("EXISTS", self.key(n)) for n in names])
         return [isinstance(r, BaseException) or int(r) > 0 for r in results]
 
-    async def set_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
-        """Store each frame; ``False`` where the server refused it for memory (OOM)."""
+    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
+        """Each stored value (``FOREIGN`` for a non-string key), ``None`` where missing."""
+        results = await self._pipeline([("GET", self.key(n)) for n in names])
+        return [FOREIGN if isinstance(r, BaseException) else r for r in results]
+
+    async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
+        """SET each record (one buffer per SET: the value copied once, behind its header);
+        an OOM refusal drops that record alone, counted."""
         expiry: tuple[Any, ...] = () if self._ttl_ms is None else ("PX", self._ttl_ms)
-        results = await self._pipeline([("SET", self.name(d), frame, *expiry) for d, frame in items])
-        return [not isinstance(r, BaseException) for r in results]
+        results = await self._pipeline([("SET", self.key(r.name), r.joined(), *expiry) for r in records])
+        outcomes: list[BaseException | None] = []
+        for result in results:
+            if isinstance(result, BaseException):  # only per-key errors reach here: OOM
+                self.oom_dropped += 1
+                outcomes.append(MemoryError("the server is out of memory (maxmemory, noeviction)"))
+            else:
+                outcomes.append(None)
+        return outcomes
 
-    async def delete_many(self, digests: Sequence[str]) -> int:
-        """Delete the keys; how many existed."""
-        results = await self._pipeline([("DEL", self.name(d)) for d in digests])
-        return sum(int(r) for r in results if not isinstance(r, BaseException))
+    async def delete(self, names: Sequence[str]) -> list[bool]:
+        results = await self._pipeline([("DEL", self.key(n)) for n in names])
+        return [not isinstance(r, BaseException) and int(r) > 0 for r in results]
 
-    async def scan(self) -> list[tuple[str, int]]:
-        """(digest, stored bytes) of every key under the prefix named by a digest (every node of a cluster)."""
+    async def listing(self) -> list[StoredRecord]:
+        """Every key under the prefix named by a digest (SCAN; every primary of a cluster), with its size."""
         client = await self.client()
-        names: list[bytes] = []
-        async for name in client.scan_iter(match=self.prefix + b"*", count=SCAN_COUNT):
-            digest = name[len(self.prefix) :]
+        keys: list[bytes] = []
+        async for key in client.scan_iter(match=self.prefix + b"*", count=SCAN_COUNT):
+            digest = key[len(self.prefix) :]
             if len(digest) == 64 and all(c in b"0123456789abcdef" for c in digest):
-                names.append(name)
-        found: list[tuple[str, int]] = []
-        for start in range(0, len(names), SCAN_COUNT):
-            page = names[start : start + SCAN_COUNT]
-            sizes = await self._pipeline([("STRLEN", name) for name in page])
-            for name, size in zip(page, sizes):
+                keys.append(key)
+        found: list[StoredRecord] = []
+        for start in range(0, len(keys), SCAN_COUNT):
+            page = keys[start : start + SCAN_COUNT]
+            sizes = await self._pipeline([("STRLEN", key) for key in page])
+            for key, size in zip(page, sizes):
                 if not isinstance(size, BaseException) and int(size) > 0:
-                    found.append((name[len(self.prefix) :].decode(), int(size)))
+                    found.append(StoredRecord(key[len(self.prefix) :].decode(), int(size), None))
         return found
-
-    async def ping(self) -> None:
-        client = await self.client()
-        await client.ping()
 
     # --- client ---------------------------------------------------------------------
 
