@@ -10,6 +10,8 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from kvplug.core.background import BackgroundWorker
+from kvplug.core.chunk_format import DTYPE_SIZES as CHUNK_DTYPE_SIZES
+from kvplug.core.chunk_format import MAGIC as RAW_FRAME_MAGIC
 from kvplug.core.chunk_format import dtype_name
 from kvplug.core.components import ComponentConfig, EmptyConfig, EngineAdapter
 from kvplug.core.config_types import (
@@ -94,8 +96,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CHUNK_DTYPE_SIZES",
     "KV_FORMAT_VERSION",
     "MEDIA",
+    "RAW_FRAME_MAGIC",
     "RECORD_HEADER_SIZE",
     "SECRET_MASK",
     "SIZE_UNKNOWN",

@@ -33,11 +33,10 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvplug import CHUNK_DTYPE_SIZES, RAW_FRAME_MAGIC
 from kvplug.errors import CorruptChunkError, IncompatibleChunkError
 
 MAGIC = b"KVPC"
-#: core's raw frame magic: named in the error when a raw frame reaches a compressing serializer.
-RAW_MAGIC = b"KVPL"
 FRAME_VERSION = 1
 HEADER_SIZE = 96
 MAX_NDIM = 6
@@ -46,21 +45,6 @@ ENCODED = 1
 _CHECKSUM_OFFSET = 80
 _STRUCT = struct.Struct("<4sHH8s16sBB2x6IIi4xQQ8x")
 assert _STRUCT.size == HEADER_SIZE
-
-#: dtype name -> bytes per element, the dtypes a chunk may have (torch's names).
-DTYPE_SIZES: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-}
 
 
 @dataclass(frozen=True)
@@ -78,7 +62,7 @@ class FrameHeader:
 
     @property
     def itemsize(self) -> int:
-        return DTYPE_SIZES[self.dtype]
+        return CHUNK_DTYPE_SIZES[self.dtype]
 
     @property
     def numel(self) -> int:
@@ -88,9 +72,10 @@ class FrameHeader:
 def itemsize_of(dtype: str) -> int:
     """Bytes per element of ``dtype``; ``IncompatibleChunkError`` naming the allowed ones."""
     try:
-        return DTYPE_SIZES[dtype]
+        return CHUNK_DTYPE_SIZES[dtype]
     except KeyError:
-        raise IncompatibleChunkError(f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPE_SIZES)}") from None
+        supported = ", ".join(CHUNK_DTYPE_SIZES)
+        raise IncompatibleChunkError(f"dtype {dtype!r} is not supported; supported: {supported}") from None
 
 
 def pack_header(
@@ -145,7 +130,7 @@ def verify(data: bytes | bytearray | memoryview, codec: str) -> FrameHeader:
         raise CorruptChunkError(f"chunk is {view.nbytes} bytes, shorter than its header")
     magic, version, header_size, codec_raw, dtype_raw, ndim, encoding, *rest = _STRUCT.unpack_from(view, 0)
     dims, (param_a, param_b, length, checksum) = rest[:MAX_NDIM], rest[MAX_NDIM:]
-    if magic == RAW_MAGIC:
+    if magic == RAW_FRAME_MAGIC:  # core's raw frame, handed to a compressing serializer
         raise IncompatibleChunkError(f"a 'raw' serializer frame, not one of serializer {codec!r}")
     if magic != MAGIC:
         raise CorruptChunkError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
