@@ -1,14 +1,17 @@
-"""Object I/O on an fsspec filesystem, as coroutines on the tier's loop.
+"""The record backend of tier ``s3``: whole objects on an fsspec filesystem.
 
 Object names come from the key's sha256 hex digest, never from key text:
 ``<root>/<digest[:2]>/<digest>``. The two-character shard keeps directory-like
 stores (``file://``) at 256 entries per level and spreads S3 key prefixes.
+Every primitive handles one object (:attr:`ObjectBackend.call_sizes` of 1): an
+object is one request, so each gets its own deadline and retries.
 
-Two implementations of one interface:
+Two implementations:
 
-- :class:`AsyncObjectStore` calls an async filesystem's coroutines
-  (s3fs's ``_cat_file``, ``_pipe_file``, ``_info``, ``_rm_file``, ``_find``).
-- :class:`ThreadedObjectStore` runs a sync filesystem (``memory://``, ``file://``)
+- :class:`AsyncObjectBackend` calls an async filesystem's coroutines (s3fs's
+  ``_cat_file``, ``_pipe_file``, ``_rm_file``, ``_find``; a ranged GET for sizes)
+  and frames uploads into reusable buffers (:class:`~kvplug_s3.frames.FrameBuffers`).
+- :class:`ThreadedObjectBackend` runs a sync filesystem (``memory://``, ``file://``)
   on a bounded thread pool; on stores whose writes are not atomic (files) it
   writes a temporary object and renames it into place, so a reader or a crash
   never leaves a partial object under the final name.
@@ -20,13 +23,23 @@ import asyncio
 import datetime
 import re
 import uuid
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from kvplug import FailureKind, classify_failure
+from kvplug import (
+    Buffer,
+    CallSizes,
+    FailureKind,
+    RecordBackend,
+    RecordToWrite,
+    StoredRecord,
+    classify_failure,
+)
 from kvplug_s3.config import S3TierConfig
+from kvplug_s3.frames import FrameBuffers
 
+T = TypeVar("T")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 #: Stores where writing one object is atomic by themselves (a PUT replaces the
 #: object whole); others get temp-and-rename.
@@ -34,6 +47,8 @@ ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gcs", "gs", "az", "abfs", "abfss
 #: S3 error codes that say the location itself is unusable: s3fs turns them into
 #: FileNotFoundError like a missing key, but every key of the tier will fail alike.
 _LOCATION_ERROR_CODES = frozenset({"NoSuchBucket", "AllAccessDisabled", "AccountProblem", "NotSignedUp"})
+#: Building the client is local work (no network), but slow on a busy machine.
+OPEN_TIMEOUT_S = 60.0
 
 
 def s3_error_code(exc: BaseException) -> str | None:
@@ -61,59 +76,45 @@ def classify_s3_failure(exc: BaseException) -> FailureKind:
     return classify_failure(exc)
 
 
-@dataclass(frozen=True)
-class StoredObject:
-    """One object found by listing: its key digest, object size and age."""
+class ObjectBackend(RecordBackend):
+    """Records as whole objects under ``root``; a missing object raises
+    ``FileNotFoundError`` (a miss, see :meth:`classify`)."""
 
-    digest: str
-    size: int
-    modified: float
-    path: str
+    # One object per request: per-object deadlines and retries.
+    call_sizes = CallSizes(query=1, read=1, write=1)
+    open_timeout_s = OPEN_TIMEOUT_S
 
-
-class ObjectStore:
-    """Reads and writes whole objects under ``root``; every method is a coroutine
-    to run on the tier's loop. Missing objects raise ``FileNotFoundError``."""
-
-    def __init__(self, fs: Any, root: str) -> None:
+    def __init__(self, fs: Any, root: str, where: str) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
+        self.where = where
 
     def path_for(self, digest: str) -> str:
         return f"{self.root}/{digest[:2]}/{digest}"
 
-    async def read(self, path: str) -> bytes:
-        raise NotImplementedError
+    def classify(self, exc: BaseException) -> FailureKind:
+        return classify_s3_failure(exc)
 
-    async def write(self, path: str, data: bytes) -> None:
-        raise NotImplementedError
+    def describe(self) -> dict[str, int | float | str]:
+        return {"url": self.where}
 
-    async def size(self, path: str) -> int:
-        raise NotImplementedError
-
-    async def delete(self, path: str) -> None:
-        raise NotImplementedError
-
-    async def listing(self) -> list[StoredObject]:
-        raise NotImplementedError
-
-    async def open(self) -> None:
-        """Get ready to serve, without a network call (e.g. build the client)."""
-
-    async def close(self) -> None:
-        """Release connections."""
-
-    def _objects(self, found: dict[str, dict[str, Any]]) -> list[StoredObject]:
-        objects = []
+    def _records(self, found: dict[str, dict[str, Any]]) -> list[StoredRecord]:
+        records = []
         for path, info in found.items():
             parts = path.rstrip("/").rsplit("/", 2)
             if len(parts) == 3 and _DIGEST.fullmatch(parts[2]) and parts[1] == parts[2][:2]:
-                objects.append(StoredObject(parts[2], int(info.get("size") or 0), _modified(info), path))
-        return objects
+                records.append(StoredRecord(parts[2], int(info.get("size") or 0), _modified(info)))
+        return records
 
 
-class AsyncObjectStore(ObjectStore):
+class AsyncObjectBackend(ObjectBackend):
     """An fsspec ``AsyncFileSystem`` (s3fs, gcsfs, ...) driven by its coroutines."""
+
+    def __init__(self, fs: Any, root: str, where: str, *, frame_buffer_bytes: int) -> None:
+        super().__init__(fs, root, where)
+        self._is_s3 = hasattr(fs, "_s3")
+        #: Upload buffers for reuse, or ``None`` (each frame allocated anew).
+        self.frames = FrameBuffers(frame_buffer_bytes) if frame_buffer_bytes > 0 else None
 
     async def open(self) -> None:
         # Building the botocore client parses the S3 service model (megabytes of JSON,
@@ -123,24 +124,15 @@ class AsyncObjectStore(ObjectStore):
         if set_session is not None:
             await set_session()
 
-    async def read(self, path: str) -> bytes:
-        if hasattr(self.fs, "_s3"):
-            # s3fs would HEAD first to decide on ranged reads; one GET is one round trip.
-            data: bytes = await self.fs._cat_file(path, max_concurrency=1)
-            return data
-        whole: bytes = await self.fs._cat_file(path)
-        return whole
-
-    async def write(self, path: str, data: bytes) -> None:
-        await self.fs._pipe_file(path, data)
-
-    async def size(self, path: str) -> int:
-        if hasattr(self.fs, "_s3"):
-            return await self._s3_size(path)
+    async def sizes(self, names: Sequence[str]) -> list[int | None]:
+        (name,) = names
+        path = self.path_for(name)
+        if self._is_s3:
+            return [await self._s3_size(path)]
         info = await self.fs._info(path)
         if info.get("type") == "directory":
             raise FileNotFoundError(path)
-        return int(info.get("size") or 0)
+        return [int(info.get("size") or 0)]
 
     async def _s3_size(self, path: str) -> int:
         # One ranged GET is one round trip, hit or miss: s3fs's _info would HEAD and,
@@ -164,19 +156,48 @@ class AsyncObjectStore(ObjectStore):
             return int(total)
         return int(response.get("ContentLength") or 0)
 
-    async def delete(self, path: str) -> None:
-        await self.fs._rm_file(path)
+    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
+        (name,) = names
+        path = self.path_for(name)
+        if self._is_s3:
+            # s3fs would HEAD first to decide on ranged reads; one GET is one round trip.
+            data: bytes = await self.fs._cat_file(path, max_concurrency=1)
+        else:
+            data = await self.fs._cat_file(path)
+        return [data]
 
-    async def listing(self) -> list[StoredObject]:
+    async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
+        (record,) = records
+        path = self.path_for(record.name)
+        if self.frames is None:
+            await self.fs._pipe_file(path, record.joined())
+            return [None]
+        frame = self.frames.frame(record.header, record.value)
+        await self.fs._pipe_file(path, frame)
+        # Back to the pool only after a finished upload: an attempt that failed, or was
+        # abandoned at its deadline, may still be sending from this frame.
+        self.frames.release(frame)
+        return [None]
+
+    async def delete(self, names: Sequence[str]) -> list[bool]:
+        (name,) = names
+        await self.fs._rm_file(self.path_for(name))
+        # S3 answers a DELETE alike whether or not the object was there: "not there"
+        # then, so only records this process indexed count as removed.
+        return [not self._is_s3]
+
+    async def listing(self) -> list[StoredRecord]:
         try:
             found = await self.fs._find(self.root, detail=True)
         except FileNotFoundError as exc:
             if s3_error_code(exc) in _LOCATION_ERROR_CODES:
                 raise  # no bucket is a failure, not an empty prefix
             return []
-        return self._objects(found)
+        return self._records(found)
 
     async def close(self) -> None:
+        if self.frames is not None:
+            self.frames.clear()
         creator = getattr(self.fs, "_s3creator", None)
         if creator is not None and getattr(self.fs, "_s3", None) is not None:
             await creator.__aexit__(None, None, None)
@@ -187,25 +208,42 @@ class AsyncObjectStore(ObjectStore):
             await session.close()
 
 
-class ThreadedObjectStore(ObjectStore):
-    """A sync fsspec filesystem on a bounded thread pool owned by the tier."""
+class ThreadedObjectBackend(ObjectBackend):
+    """A sync fsspec filesystem on a bounded thread pool owned by the backend.
 
-    def __init__(self, fs: Any, root: str, *, threads: int, atomic_put: bool) -> None:
-        super().__init__(fs, root)
+    Uploads are never pooled: a sync store (``memory://``) may keep the very
+    buffer it is given, and a thread abandoned at its deadline may still write."""
+
+    def __init__(self, fs: Any, root: str, where: str, *, threads: int, atomic_put: bool) -> None:
+        super().__init__(fs, root, where)
         self.atomic_put = atomic_put
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvplug-s3-io")
 
-    async def _call(self, function: Any, *args: Any) -> Any:
+    async def _call(self, function: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
 
-    async def read(self, path: str) -> bytes:
-        data: bytes = await self._call(self.fs.cat_file, path)
-        return data
+    async def sizes(self, names: Sequence[str]) -> list[int | None]:
+        path = self.path_for(names[0])
 
-    async def write(self, path: str, data: bytes) -> None:
-        await self._call(self._write_sync, path, data)
+        def info() -> int:
+            details = self.fs.info(path)
+            if details.get("type") == "directory":
+                raise FileNotFoundError(path)
+            return int(details.get("size") or 0)
 
-    def _write_sync(self, path: str, data: bytes) -> None:
+        return [await self._call(info)]
+
+    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
+        data: bytes = await self._call(self.fs.cat_file, self.path_for(names[0]))
+        return [data]
+
+    async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
+        (record,) = records
+        await self._call(self._write_sync, self.path_for(record.name), record)
+        return [None]
+
+    def _write_sync(self, path: str, record: RecordToWrite) -> None:
+        data = record.joined()  # in the pool's thread, not on the tier's loop
         if self.atomic_put:
             self.fs.pipe_file(path, data)
             return
@@ -223,20 +261,11 @@ class ThreadedObjectStore(ObjectStore):
                 pass
             raise
 
-    async def size(self, path: str) -> int:
-        def info() -> int:
-            details = self.fs.info(path)
-            if details.get("type") == "directory":
-                raise FileNotFoundError(path)
-            return int(details.get("size") or 0)
+    async def delete(self, names: Sequence[str]) -> list[bool]:
+        await self._call(self.fs.rm_file, self.path_for(names[0]))
+        return [True]  # a missing object raised FileNotFoundError
 
-        size: int = await self._call(info)
-        return size
-
-    async def delete(self, path: str) -> None:
-        await self._call(self.fs.rm_file, path)
-
-    async def listing(self) -> list[StoredObject]:
+    async def listing(self) -> list[StoredRecord]:
         def find() -> dict[str, dict[str, Any]]:
             try:
                 found: dict[str, dict[str, Any]] = self.fs.find(self.root, detail=True)
@@ -244,14 +273,14 @@ class ThreadedObjectStore(ObjectStore):
             except FileNotFoundError:
                 return {}
 
-        return self._objects(await self._call(find))
+        return self._records(await self._call(find))
 
     async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def open_object_store(config: S3TierConfig, loop: asyncio.AbstractEventLoop) -> ObjectStore:
-    """The store for ``config.url``, bound to ``loop`` when the filesystem is async."""
+def open_object_backend(config: S3TierConfig, loop: asyncio.AbstractEventLoop) -> ObjectBackend:
+    """The backend for ``config.url``, bound to ``loop`` when the filesystem is async."""
     import fsspec
     from fsspec.asyn import AsyncFileSystem
 
@@ -259,16 +288,17 @@ def open_object_store(config: S3TierConfig, loop: asyncio.AbstractEventLoop) -> 
     cls = fsspec.get_filesystem_class(protocol)
     options = config.filesystem_options()
     root = cls._strip_protocol(config.url)
+    where = re.sub(r"://[^/@]*@", "://", config.url)  # never show credentials in a URL
     if issubclass(cls, AsyncFileSystem) and getattr(cls, "async_impl", False):
         # skip_instance_cache: fsspec caches instances per options; a tier owns its
         # filesystem, sessions and loop, and closes them.
         fs = cls(asynchronous=True, loop=loop, skip_instance_cache=True, **options)
         if hasattr(fs, "retries"):
             fs.retries = 1  # s3fs's own retry loop would multiply the tier's bounded retries
-        return AsyncObjectStore(fs, root)
+        return AsyncObjectBackend(fs, root, where, frame_buffer_bytes=int(config.frame_buffer_bytes))
     fs = cls(skip_instance_cache=True, **options)
     threads = min(config.max_concurrency, 16)
-    return ThreadedObjectStore(fs, root, threads=threads, atomic_put=protocol in ATOMIC_PUT_PROTOCOLS)
+    return ThreadedObjectBackend(fs, root, where, threads=threads, atomic_put=protocol in ATOMIC_PUT_PROTOCOLS)
 
 
 def _modified(info: dict[str, Any]) -> float:

@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvplug import BackoffSeconds, FailureCount, RemoteTierConfig, TimeoutSeconds
+from kvplug import BackoffSeconds, FailureCount, RecordTierConfig, TimeoutSeconds
 
 #: Protocols spoken by the S3 options (endpoint, region, keys).
 S3_PROTOCOLS = frozenset({"s3", "s3a"})
@@ -30,7 +30,7 @@ READ_ONLY_PROTOCOLS = frozenset(
 )
 
 
-class S3TierConfig(RemoteTierConfig):
+class S3TierConfig(RecordTierConfig):
     """Options of tier ``s3``: an S3 bucket prefix or any writable fsspec URL.
 
     Every network call has a deadline (``request_timeout_s`` per attempt) and is

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
-from kvplug import RECORD_HEADER_SIZE, Buffer, pack_record_header
+from kvplug import RECORD_HEADER_SIZE
 
 
 class FrameBuffers:
@@ -25,10 +25,10 @@ class FrameBuffers:
         self._held = 0
         self._lock = threading.Lock()
 
-    def frame(self, key: str, value: Buffer) -> bytearray:
-        """Header and value in one buffer (from the pool when one of that size is free)."""
-        view = memoryview(value).cast("B")
-        size = RECORD_HEADER_SIZE + view.nbytes
+    def frame(self, header: bytes, value: memoryview) -> bytearray:
+        """A record's 64-byte header and its value (bytes) in one buffer, from the pool
+        when one of that size is free."""
+        size = RECORD_HEADER_SIZE + value.nbytes
         with self._lock:
             free = self._free.get(size)
             buffer = free.pop() if free else None
@@ -36,9 +36,15 @@ class FrameBuffers:
                 self._held -= size
         if buffer is None:
             buffer = bytearray(size)
-        buffer[:RECORD_HEADER_SIZE] = pack_record_header(key, view)
-        buffer[RECORD_HEADER_SIZE:] = view
+        buffer[:RECORD_HEADER_SIZE] = header
+        buffer[RECORD_HEADER_SIZE:] = value
         return buffer
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the frames waiting in the pool."""
+        with self._lock:
+            return self._held
 
     def release(self, buffer: bytearray) -> None:
         """Take back a frame whose upload finished (never one that may still be in flight)."""

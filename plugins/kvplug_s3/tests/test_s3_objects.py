@@ -98,7 +98,7 @@ def test_a_new_tier_indexes_what_is_stored_and_applies_its_budget(moto_s3, s3_cl
     second = make_s3_tier(moto_s3.endpoint, prefix="reindex")
     second.flush()
     assert (second.stats().items, second.stats().bytes_used) == (6, 6000)
-    scanned = list(second.scan())
+    scanned = list(second.records())
     assert sorted(o.digest for o in scanned) == sorted(hashlib.sha256(k.encode()).hexdigest() for k in keys)
     assert all(o.size == 1064 for o in scanned)
     second.close()
@@ -118,7 +118,7 @@ def test_temporary_files_of_file_urls_are_not_objects(tmp_path) -> None:
     tier.put([(key_for("f"), b"x" * 10)])
     digest = hashlib.sha256(key_for("f").encode()).hexdigest()
     (tmp_path / digest[:2] / f".{digest}.tmp-deadbeef").write_bytes(b"partial")
-    assert [o.digest for o in tier.scan()] == [digest]
+    assert [o.digest for o in tier.records()] == [digest]
     assert sorted(p.name for p in (tmp_path / digest[:2]).iterdir()) == sorted([digest, f".{digest}.tmp-deadbeef"])
     tier.close()
 
@@ -134,17 +134,56 @@ def test_reused_upload_buffers_never_mix_values(moto_s3) -> None:
 
 
 def test_frame_buffers_are_whole_records_reused_within_their_bound() -> None:
-    from kvplug.core.record import unpack_record
+    from kvplug import pack_record_header, unpack_record
     from kvplug_s3.frames import FrameBuffers
 
+    def frame(key: str, value: bytes) -> bytearray:
+        return pool.frame(pack_record_header(key, value), memoryview(value))
+
     pool = FrameBuffers(max_bytes=2 * (64 + 100))
-    first = pool.frame("a", b"x" * 100)
+    first = frame("a", b"x" * 100)
     assert bytes(unpack_record(first, "a")) == b"x" * 100
     pool.release(first)
-    second = pool.frame("b", memoryview(b"y" * 100))
+    assert pool.held_bytes == 164
+    second = frame("b", b"y" * 100)
     assert second is first and bytes(unpack_record(second, "b")) == b"y" * 100
-    held = [pool.frame(str(i), b"z" * 100) for i in range(3)]
+    held = [frame(str(i), b"z" * 100) for i in range(3)]
     for buffer in held:
         pool.release(buffer)
-    reused = [pool.frame("c", b"c" * 100) for _ in range(3)]
+    assert pool.held_bytes == 2 * 164
+    reused = [frame("c", b"c" * 100) for _ in range(3)]
     assert [any(buffer is h for h in held) for buffer in reused] == [True, True, False]  # only two fit the bound
+
+
+def test_a_frame_returns_to_the_pool_only_after_its_upload_finished(moto_s3) -> None:
+    """An upload abandoned at its deadline may still be sending from its frame: that
+    frame never goes back to the pool; one whose upload finished does."""
+    import asyncio
+
+    from s3_helpers import FaultProxy, s3_options
+
+    from kvplug import RecordToWrite, key_digest, pack_record_header
+    from kvplug_s3 import S3TierConfig
+    from kvplug_s3.backend import AsyncObjectBackend, open_object_backend
+
+    proxy = FaultProxy(moto_s3.port)
+    loop = asyncio.new_event_loop()
+    backend = open_object_backend(S3TierConfig(**s3_options(proxy.endpoint)), loop)
+    assert isinstance(backend, AsyncObjectBackend) and backend.frames is not None
+    key = key_for("frame")
+    value = memoryview(value_for("frame", 10_000))
+    record = RecordToWrite(key_digest(key).hex(), pack_record_header(key, value), value)
+    try:
+        loop.run_until_complete(backend.open())
+        proxy.set_mode("hang")  # the upload is sent and never answered
+        with pytest.raises(TimeoutError):
+            loop.run_until_complete(asyncio.wait_for(backend.write([record]), 1.0))
+        assert backend.frames.held_bytes == 0
+        proxy.set_mode("pass")
+        assert loop.run_until_complete(backend.write([record])) == [None]
+        assert backend.frames.held_bytes == record.size
+        assert bytes(loop.run_until_complete(backend.read([record.name], [None]))[0]) == record.joined()
+    finally:
+        loop.run_until_complete(backend.close())
+        loop.close()
+        proxy.close()
