@@ -91,8 +91,8 @@ class StoreSettings(CheckedModel):
     prefault_frames: bool = Field(
         default=True,
         description="Fault the frame pool's next 64 MiB of memory in on a background thread before stores "
-        "need it (Linux 5.14+), so that a new engine's stores do not pay page faults: on a 2-core VM a "
-        "copy into new pages ran at 2.3 GB/s against 12.9 GB/s into resident ones. Commits at most one "
+        "need it (Linux 5.14+), so that a new engine's stores do not pay page faults (a copy into new "
+        "pages runs several times slower than into resident ones). Commits at most one "
         "64 MiB segment ahead of what frames use; off: pages are faulted in by the stores themselves.",
     )
 
@@ -141,9 +141,8 @@ class KVPlugConfig(CheckedModel):
         "The native connector (kvplug-native) copies a call on that many threads of the calling thread's "
         "OpenMP team (torch's own) when called from the main thread, else on copy threads; the torch "
         "connector always on copy threads. With the torch connector, where the engine's own threads take "
-        "every core (an engine running on the CPU), fewer may be faster: on a 2-core VM, 1 instead of 2 cut "
-        "such an engine's warm TTFT at 8192 tokens from 49 to 42 ms (medians of 6 engine processes), while "
-        "the native connector's was 31 ms with 2 against 35 ms with 1 (4 each). Measure on your hosts.",
+        "every core (an engine running on the CPU), fewer may be faster: measure on your hosts "
+        "(benchmarks/README.md).",
     )
     lookup_timeout_ms: TimeoutMilliseconds = Field(
         default=200,
