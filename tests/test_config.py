@@ -213,7 +213,7 @@ def test_resolve_returns_a_new_config_and_leaves_the_input_alone(registry: Plugi
     with pytest.raises(RuntimeError, match="not resolved"):
         _ = raw.tiers[0].options
     assert resolved.resolve(registry) is resolved  # already resolved against this registry
-    assert resolved.resolved_with(registry)
+    assert resolved.registry is registry
 
 
 def test_a_config_resolved_with_one_registry_is_checked_again_with_another(registry: PluginRegistry) -> None:
@@ -225,13 +225,13 @@ def test_a_config_resolved_with_one_registry_is_checked_again_with_another(regis
     with pytest.raises(ConfigError) as info:
         resolved.resolve(registry)  # a registry without the disk tier
     assert [p.path for p in info.value.problems] == ["tiers[1].type"]
-    assert resolved.resolved_with(with_disk)  # nothing changed in it
+    assert resolved.registry is with_disk  # nothing changed in it
 
 
 def test_per_request_copy_stays_resolved_against_the_same_registry(load, registry: PluginRegistry) -> None:
     config = load().config
     changed = config.with_overrides({"skip_save": True})
-    assert changed is not config and changed.resolved_with(registry)
+    assert changed is not config and changed.registry is registry
 
 
 def test_structural_and_component_errors_are_reported_in_one_pass(load) -> None:

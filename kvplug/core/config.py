@@ -172,10 +172,6 @@ class KVPlugConfig(CheckedModel):
         ``None`` when it is not resolved."""
         return self._registry
 
-    def resolved_with(self, registry: PluginRegistry) -> bool:
-        """Whether this config was resolved against ``registry``."""
-        return self._registry is registry
-
     def resolve(self, registry: PluginRegistry | None = None) -> KVPlugConfig:
         """A new config whose component entries are validated by their components' ``Config``.
 
