@@ -1,7 +1,8 @@
 """kvplug: keep the attention KV cache an LLM engine computed, and load it back.
 
 The public API. Importing ``kvplug`` does not import torch; the torch-facing names
-(``CacheEngine``, ``KVLayout``, ``Serializer``, ``KVConnector``) load on first use.
+(``CacheEngine``, ``ChunkStore``, ``KVLayout``, ``Serializer``, ``KVConnector``) load on
+first use.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kvplug.core.config_types import (
     TimeoutSeconds,
 )
 from kvplug.core.events import KVEvent
-from kvplug.core.keys import KV_FORMAT_VERSION, ChunkKey, ExtraKey, Fingerprint, KeyBuilder
+from kvplug.core.keys import KV_FORMAT_VERSION, ChunkKey, ExtraKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.metrics import EngineMetrics, MetricSample
 from kvplug.core.record import RECORD_HEADER_SIZE, key_digest, pack_record, pack_record_header, unpack_record
 from kvplug.core.record_backend import SIZE_UNKNOWN, CallSizes, RecordBackend, RecordToWrite
@@ -60,10 +61,11 @@ __version__ = KVPLUG_VERSION
 
 _LAZY = {
     "CacheEngine": "kvplug.core.engine",
-    "LayerwiseRetrieve": "kvplug.core.engine",
-    "RetrieveTimings": "kvplug.core.engine",
+    "ChunkStore": "kvplug.core.chunk_store",
+    "LoadedChunks": "kvplug.core.chunk_store",
+    "LayerwiseRetrieve": "kvplug.core.layerwise_retrieve",
+    "RetrieveTimings": "kvplug.core.layerwise_retrieve",
     "TorchConnector": "kvplug.builtins.torch_connector",
-    "RequestInfo": "kvplug.core.engine",
     "KVLayout": "kvplug.core.layouts",
     "PagedFormat": "kvplug.core.layouts",
     "slots_from_block_ids": "kvplug.core.layouts",
@@ -78,10 +80,12 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from kvplug.builtins.torch_connector import TorchConnector
+    from kvplug.core.chunk_store import ChunkStore, LoadedChunks
     from kvplug.core.config import KVPlugConfig
     from kvplug.core.config_loader import load_config
     from kvplug.core.connector import KVConnector
-    from kvplug.core.engine import CacheEngine, LayerwiseRetrieve, RequestInfo, RetrieveTimings
+    from kvplug.core.engine import CacheEngine
+    from kvplug.core.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
     from kvplug.core.layouts import KVLayout, PagedFormat, slots_from_block_ids
     from kvplug.core.plugins import PluginRegistry, get_registry
     from kvplug.core.serializer import Serializer
@@ -112,6 +116,7 @@ __all__ = [
     "CacheEngine",
     "CallSizes",
     "ChunkKey",
+    "ChunkStore",
     "CircuitBreaker",
     "ComponentConfig",
     "Concurrency",
@@ -128,6 +133,7 @@ __all__ = [
     "KVPlugConfig",
     "KeyBuilder",
     "LayerwiseRetrieve",
+    "LoadedChunks",
     "LoopThread",
     "Medium",
     "MetricSample",

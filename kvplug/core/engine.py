@@ -13,29 +13,29 @@ length, caches that do not match the layout) raise at once, before any work.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from kvplug.core.background import BackgroundWorker
 from kvplug.core.chunk_format import dtype_name
+from kvplug.core.chunk_store import ChunkStore
 from kvplug.core.config import KVPlugConfig
 from kvplug.core.connector import KVConnector, LayerCache
 from kvplug.core.events import EventListener, EventListeners, KVEvent
 from kvplug.core.frame_pool import FramePool
-from kvplug.core.keys import ChunkKey, ExtraKey, Fingerprint, KeyBuilder
+from kvplug.core.keys import ChunkKey, Fingerprint, KeyBuilder, RequestInfo
+from kvplug.core.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
 from kvplug.core.layouts import KVLayout
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.parallel_copies import ParallelCopies, auto_copy_threads
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.serializer import Serializer
-from kvplug.core.serializer_factory import make_serializer
 from kvplug.core.tier_chain import TierChain
-from kvplug.errors import ChunkError, ConfigError, ConfigProblem, ConnectorError, EngineClosedError, LayoutError
+from kvplug.errors import ConnectorError, EngineClosedError
 
 logger = logging.getLogger("kvplug.engine")
 
@@ -43,26 +43,7 @@ logger = logging.getLogger("kvplug.engine")
 StoreBatch = list[tuple[str, Any, int]]
 
 
-@dataclass(frozen=True)
-class RequestInfo:
-    """What one request adds to the shared config: isolation, extra keys, overrides."""
-
-    cache_salt: str | None = None
-    lora_id: str | None = None
-    extra_keys: tuple[ExtraKey, ...] = ()
-    overrides: Mapping[str, Any] = field(default_factory=dict)
-
-
 _NO_REQUEST = RequestInfo()
-
-
-@dataclass
-class RetrieveTimings:
-    """Where one retrieve's time went, in seconds: tier reads, decoding and verifying, writing into the cache."""
-
-    fetch_s: float = 0.0
-    verify_s: float = 0.0
-    write_s: float = 0.0
 
 
 class CacheEngine:
@@ -81,26 +62,22 @@ class CacheEngine:
         self.config = config.resolve(self.registry)
         self.layout = layout
         self.metrics = metrics or EngineMetrics()
-        self._check_max_chunk_bytes()
-        self.serializer: Serializer = make_serializer(self.config, self.registry)
-        self.fingerprint = replace(
-            fingerprint,
-            serializer=self.serializer.fingerprint(),
-            kv_layout=layout.describe(),
-            dtype=dtype_name(layout.dtype),
-        )
         self.connector: KVConnector = self._make_connector()
-        self._copies = ParallelCopies(self._copy_threads())
-        self.key_builder = KeyBuilder(self.config.chunk_size, self.config.hash)
         self._events = EventListeners(self.registry.emit)
-        self.chain = TierChain.open(
-            self.config.tiers,
-            self.registry,
-            fingerprint=self.fingerprint.hexdigest(),
+        # Serializer, fingerprint and tiers: loads are verified and only verified chunks promoted.
+        self.chunk_store = ChunkStore.open(
+            self.config,
+            replace(fingerprint, kv_layout=layout.describe(), dtype=dtype_name(layout.dtype)),
+            registry=self.registry,
             metrics=self.metrics,
-            lookup_timeout_s=self.config.lookup_timeout_ms / 1000,
+            largest_chunk=(layout.chunk_shape(self.config.chunk_size), layout.dtype),
             emit=self._events.emit,
         )
+        self.serializer: Serializer = self.chunk_store.serializer
+        self.fingerprint = self.chunk_store.fingerprint
+        self.chain = self.chunk_store.chain
+        self._copies = ParallelCopies(self._copy_threads())
+        self.key_builder = KeyBuilder(self.config.chunk_size, self.config.hash)
         pin_frames = self.connector.wants_pinned_frames()
         self.frame_pool = FramePool(
             self._frame_pool_bytes(self.chain), pin=pin_frames, prefault=self.config.store.prefault_frames
@@ -151,7 +128,7 @@ class CacheEngine:
         """Length of the cached prefix in tokens: whole chunks, or the full prompt."""
         self._check_open()
         keys = self.chunk_keys(tokens, request)
-        hit = self.chain.contains_prefix([k.key for k in keys]) if keys else 0
+        hit = self.chunk_store.contains_prefix([k.key for k in keys])
         tokens_hit = keys[hit - 1].end if hit else 0
         self._count_lookup(len(tokens), tokens_hit)
         return tokens_hit
@@ -166,7 +143,7 @@ class CacheEngine:
         """
         self._check_open()
         keys = self.chunk_keys(tokens, request)
-        tiers = self.chain.locate_prefix([k.key for k in keys]) if keys else []
+        tiers = self.chunk_store.locate_prefix([k.key for k in keys])
         self._count_lookup(len(tokens), keys[len(tiers) - 1].end if tiers else 0)
         return [(name, key.num_tokens) for name, key in zip(tiers, keys)]
 
@@ -227,7 +204,7 @@ class CacheEngine:
         layers_per_step: int,
     ) -> Generator[int, None, int]:
         self._check_open()
-        first = self._check_call(tokens, kv_caches, slots, mask)
+        first = self.layout.check_call(len(tokens), kv_caches, slots, mask)
         config = self._request_config(request)
         todo: list[tuple[ChunkKey, Any, torch.Tensor]] = []
         if not config.skip_save:
@@ -241,7 +218,7 @@ class CacheEngine:
                 for chunk, present in zip(keys, stored):
                     if present:
                         continue
-                    frame, payload = self.serializer.allocate(
+                    frame, payload = self.chunk_store.allocate(
                         self.layout.chunk_shape(chunk.num_tokens), self.layout.dtype, self.frame_pool.new_buffer
                     )
                     todo.append((chunk, frame, payload))
@@ -289,11 +266,9 @@ class CacheEngine:
         return sum(n for _, _, n in batch)
 
     def _write_batch(self, batch: StoreBatch) -> None:
-        seal = self.serializer.seal_unchecked if self.chain.all_trusted else self.serializer.seal
-        sealed = [(key, seal(frame)) for key, frame, _ in batch]
-        self.chain.put(sealed)
+        nbytes = self.chunk_store.put_frames([(key, frame) for key, frame, _ in batch])
         self.metrics.stored_tokens.inc(sum(n for _, _, n in batch))
-        self.metrics.stored_bytes.inc(sum(memoryview(frame).nbytes for _, frame in sealed))
+        self.metrics.stored_bytes.inc(nbytes)
         self._events.emit(KVEvent("stored", tuple(k for k, _, _ in batch), token_counts=tuple(n for _, _, n in batch)))
 
     # --- retrieve -------------------------------------------------------------------
@@ -325,7 +300,7 @@ class CacheEngine:
     ) -> LayerwiseRetrieve:
         """Fetch and verify the cached chunks now; iterate to write them layer by layer."""
         self._check_open()
-        first = self._check_call(tokens, kv_caches, slots, mask)
+        first = self.layout.check_call(len(tokens), kv_caches, slots, mask)
         started = time.perf_counter()
         timings = RetrieveTimings()
         chunks: list[tuple[ChunkKey, torch.Tensor]] = []
@@ -337,31 +312,14 @@ class CacheEngine:
                 for k in self.chunk_keys(tokens, request)
                 if k.end > first and self._copyable(max(k.start, first), k.end)
             ]
-            fetched = self.chain.fetch_prefix([k.key for k in keys]) if keys else []
-            verifying = time.perf_counter()
-            timings.fetch_s = verifying - started
-            for chunk, hit in zip(keys, fetched):
-                # Frames from trusted_reads tiers are this process's own bytes; frames
-                # from anywhere else are verified (see StorageTier.trusted_reads).
-                loads = self.serializer.loads_trusted if hit.trusted else self.serializer.loads
-                try:
-                    tensor = loads(
-                        hit.value,
-                        expected_shape=self.layout.chunk_shape(chunk.num_tokens),
-                        expected_dtype=self.layout.dtype,
-                    )
-                except ChunkError as exc:
-                    self.metrics.load_errors.labels(type(exc).__name__).inc()
-                    logger.warning("chunk %s unusable (%s); prefix ends there", chunk.key, exc)
-                    self.chain.discard([chunk.key])
-                    break
-                self.metrics.loaded_bytes.inc(memoryview(hit.value).nbytes)
-                chunks.append((chunk, tensor))
-            timings.verify_s = time.perf_counter() - verifying
-            # Only verified chunks go up to the faster tiers.
-            self.chain.promote([chunk.key for chunk, _ in chunks], fetched[: len(chunks)])
+            # Verified (a bad chunk ends the prefix and is removed); only those promoted.
+            loaded = self.chunk_store.load_prefix(
+                [k.key for k in keys], [self.layout.chunk_shape(k.num_tokens) for k in keys], self.layout.dtype
+            )
+            timings.fetch_s, timings.verify_s = loaded.fetch_s, loaded.verify_s
+            chunks = list(zip(keys, loaded.tensors))
         except Exception:
-            logger.exception("retrieve: fetching chunks failed; loading what was fetched")
+            logger.exception("retrieve: fetching chunks failed; treated as a miss")
         return LayerwiseRetrieve(self, len(tokens), first, kv_caches, slots.to(torch.long), chunks, started, timings)
 
     # --- lifecycle ------------------------------------------------------------------
@@ -401,23 +359,6 @@ class CacheEngine:
         logger.info("connector auto: chose %r of %s", chosen.name, sorted(c.name for c in usable))
         return chosen(chosen.Config(), self.layout)
 
-    def _check_max_chunk_bytes(self) -> None:
-        """``ConfigError`` unless ``max_chunk_bytes`` holds this model's largest chunk (else no load could succeed)."""
-        bound = int(self.config.max_chunk_bytes)
-        shape = self.layout.chunk_shape(self.config.chunk_size)
-        needed = math.prod(shape) * self.layout.dtype.itemsize
-        if needed > bound:
-            raise ConfigError(
-                [
-                    ConfigProblem(
-                        "max_chunk_bytes",
-                        bound,
-                        f"a chunk of this model takes {needed} bytes (shape {shape}, {dtype_name(self.layout.dtype)}): "
-                        f"raise max_chunk_bytes to at least {needed} or lower chunk_size",
-                    )
-                ]
-            )
-
     def _copy_threads(self) -> int:
         if not self.connector.concurrent_copies:
             return 1
@@ -453,119 +394,3 @@ class CacheEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("the cache engine is closed")
-
-    def _check_call(
-        self,
-        tokens: Sequence[int] | torch.Tensor,
-        kv_caches: Sequence[LayerCache],
-        slots: torch.Tensor,
-        mask: torch.Tensor | None,
-    ) -> int:
-        """Validate arguments; return the index of the first token ``mask`` selects."""
-        self.layout.check_caches(kv_caches)
-        if slots.dim() != 1 or slots.numel() != len(tokens):
-            raise LayoutError(
-                f"slots must be 1-D with one entry per token ({len(tokens)}), got shape {tuple(slots.shape)}"
-            )
-        if mask is None:
-            return 0
-        if mask.dim() != 1 or mask.numel() != len(tokens) or mask.dtype != torch.bool:
-            raise LayoutError(
-                f"mask must be a 1-D bool tensor of {len(tokens)} entries, got {mask.dtype} {tuple(mask.shape)}"
-            )
-        first = int(torch.count_nonzero(~mask))
-        if not bool(mask[first:].all()):
-            raise LayoutError("mask must be False for a prefix of the tokens and True after it")
-        return first
-
-
-class LayerwiseRetrieve(Iterator[int]):
-    """Chunks fetched and verified; each ``next()`` writes one layer, yielding its index.
-
-    ``loaded_mask`` and ``num_loaded_tokens`` are known before the first layer is
-    written, so an engine can plan its compute while layers stream in. ``timings``
-    says where the time went (the write time grows as layers are written).
-    """
-
-    def __init__(
-        self,
-        engine: CacheEngine,
-        num_tokens: int,
-        first: int,
-        kv_caches: Sequence[LayerCache],
-        slots: torch.Tensor,
-        chunks: list[tuple[ChunkKey, torch.Tensor]],
-        started: float,
-        timings: RetrieveTimings,
-    ) -> None:
-        self.timings = timings
-        self._engine = engine
-        self._kv_caches = kv_caches
-        self._slots = slots
-        self._chunks = chunks
-        self._started = started
-        self._next_layer = 0
-        self.loaded_mask = torch.zeros(num_tokens, dtype=torch.bool)
-        self._spans = [(max(chunk.start, first), chunk.end, chunk.start) for chunk, _ in chunks]
-        self._plans = engine.connector.plan_many(slots, [(start, end) for start, end, _ in self._spans])
-        for start, end, _ in self._spans:
-            self.loaded_mask[start:end] = True
-        self.num_loaded_tokens = int(self.loaded_mask.sum())
-
-    def __next__(self) -> int:
-        layer = self._next_layer
-        if layer >= self._engine.layout.num_layers:
-            raise StopIteration
-        self._write(range(layer, layer + 1))
-        return layer
-
-    def write_remaining(self) -> None:
-        """Write every layer not written yet."""
-        if self._next_layer < self._engine.layout.num_layers:
-            self._write(range(self._next_layer, self._engine.layout.num_layers))
-
-    def _write(self, layers: range) -> None:
-        engine = self._engine
-        started = time.perf_counter()
-        try:
-            # Chunks hold different slots and layers are different tensors: the writes
-            # touch disjoint memory and run on the copy threads, as gathers do.
-            sources = [
-                tensor[:, :, start - chunk_start :]
-                for (start, _, chunk_start), (_, tensor) in zip(self._spans, self._chunks)
-            ]
-            copies = engine.connector.scatter_copies(
-                self._kv_caches, layers, self._plans, sources, engine._copies.threads
-            )
-            engine._run_copies(self._kv_caches, copies)
-        except ConnectorError as exc:
-            # Some layers are written and this one maybe in part: report nothing as
-            # loaded, so the engine recomputes (and overwrites) all of it.
-            self._engine._count_connector_error("retrieve", exc)
-            self._plans, self._spans, self._chunks = [], [], []
-            self.loaded_mask.zero_()
-            self.num_loaded_tokens = 0
-        self.timings.write_s += time.perf_counter() - started
-        self._next_layer = layers.stop
-        if self._next_layer == engine.layout.num_layers:
-            self._finish()
-
-    def _finish(self) -> None:
-        engine = self._engine
-        try:
-            engine.connector.synchronize()
-        except ConnectorError as exc:
-            engine._count_connector_error("retrieve", exc)
-            self.loaded_mask.zero_()
-            self.num_loaded_tokens = 0
-            self._chunks = []
-        engine.metrics.loaded_tokens.inc(self.num_loaded_tokens)
-        engine.metrics.retrieve_seconds.observe(time.perf_counter() - self._started)
-        if self._chunks:
-            engine._events.emit(
-                KVEvent(
-                    "loaded",
-                    tuple(c.key for c, _ in self._chunks),
-                    token_counts=tuple(c.num_tokens for c, _ in self._chunks),
-                )
-            )

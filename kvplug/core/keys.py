@@ -14,7 +14,7 @@ import hashlib
 import json
 import struct
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, Protocol
 
@@ -98,6 +98,17 @@ class ExtraKey:
     start: int
     end: int
     value: str
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What one request adds to the shared config: isolation, extra keys, overrides."""
+
+    cache_salt: str | None = None
+    lora_id: str | None = None
+    extra_keys: tuple[ExtraKey, ...] = ()
+    #: Config settings for this request only (``KVPlugConfig.with_overrides``).
+    overrides: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -251,6 +251,27 @@ class KVLayout:
                 if self._axis_sizes(tensor) is None:
                     raise LayoutError(f"layer {index}: {self._misfit(tensor)}")
 
+    def check_call(
+        self, num_tokens: int, kv_caches: Sequence[object], slots: torch.Tensor, mask: torch.Tensor | None
+    ) -> int:
+        """Check a store or retrieve call's arguments (``LayoutError`` naming what is wrong);
+        returns the index of the first token ``mask`` selects."""
+        self.check_caches(kv_caches)
+        if slots.dim() != 1 or slots.numel() != num_tokens:
+            raise LayoutError(
+                f"slots must be 1-D with one entry per token ({num_tokens}), got shape {tuple(slots.shape)}"
+            )
+        if mask is None:
+            return 0
+        if mask.dim() != 1 or mask.numel() != num_tokens or mask.dtype != torch.bool:
+            raise LayoutError(
+                f"mask must be a 1-D bool tensor of {num_tokens} entries, got {mask.dtype} {tuple(mask.shape)}"
+            )
+        first = int(torch.count_nonzero(~mask))
+        if not bool(mask[first:].all()):
+            raise LayoutError("mask must be False for a prefix of the tokens and True after it")
+        return first
+
     def _axis_sizes(self, tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """Sizes and strides of ``tensor`` along the format's axes, or None when it does not fit.
 

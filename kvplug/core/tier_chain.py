@@ -3,8 +3,9 @@
 - ``put`` writes through to every tier that lacks the key: ``sync`` tiers from
   the calling (store worker) thread, ``async`` tiers through a bounded writer of
   their own, so a slow S3 never delays what the CPU tier can serve.
-- ``get_prefix`` reads through: the first tier holding a chunk serves it, and a
-  hit in a slower tier is promoted to the faster ones.
+- ``fetch_prefix`` reads through: the first tier holding a chunk serves it. It
+  does not promote: ``promote`` writes a hit from a slower tier to the faster
+  ones once the caller has verified it (:class:`kvplug.ChunkStore` does both).
 - ``contains_prefix`` answers how many leading keys some tier holds.
 - A tier that raises is a miss for that call (logged and counted), never an error
   for the engine.
@@ -248,23 +249,15 @@ class TierChain:
         self.metrics.lookup_budget_spent.inc()
         return True
 
-    def get_prefix(self, keys: Sequence[str]) -> list[Buffer]:
-        """Values of the leading keys that some tier holds; stops at the first miss.
+    def fetch_prefix(self, keys: Sequence[str]) -> list[Fetched]:
+        """Values of the leading keys that some tier holds, each with the tier it came
+        from; stops at the first miss.
 
         Asks ``contains`` first so no value past the prefix is fetched; a key that
         vanishes between the two calls (evicted by another process) ends the prefix.
-        Hits in slower tiers are written to the faster ones (promotion).
-        """
-        fetched = self.fetch_prefix(keys)
-        self.promote(keys, fetched)
-        return [hit.value for hit in fetched]
-
-    def fetch_prefix(self, keys: Sequence[str]) -> list[Fetched]:
-        """:meth:`get_prefix` without the promotion, each value with the tier it came from.
-
-        A caller that verifies values promotes only those that passed
-        (:meth:`promote`): a faster tier with ``trusted_reads`` must never hold bytes
-        nobody checked."""
+        Nothing is promoted: the caller verifies the values and promotes only those
+        that passed (:meth:`promote`), since a faster tier with ``trusted_reads`` must
+        never hold bytes nobody checked."""
         # A load is not a lookup: its calls have their own deadlines, and cutting the
         # existence check at the lookup budget would drop chunks the lookup promised.
         present = self.contains_any(keys)

@@ -16,7 +16,9 @@ the request's ``extra_key``/``cache_salt``).
 A page is stored under ``<kv format version>/<fingerprint hex>/<sha256 of SGLang's
 key>`` as a serializer frame (checksummed) of the page in canonical order
 (:mod:`kvplug_sglang.host_pages`); persistent tiers add their record checksums.
-A page that fails a check is a miss, and is removed.
+Pages go through :class:`kvplug.ChunkStore`, as ``CacheEngine``'s chunks do: a page
+that fails a check is a miss and is removed, and only pages that passed are
+promoted into faster tiers.
 
 Supported: MHA host pools in every plain layout (``layer_first``, ``page_first``,
 ``page_first_direct``, ``page_head``) and MLA host pools, through the generic
@@ -41,8 +43,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 import kvplug
-from kvplug import KV_FORMAT_VERSION, TierChain
-from kvplug.errors import ChunkError, LayoutError
+from kvplug import ChunkStore
+from kvplug.errors import LayoutError
 from kvplug_sglang.host_pages import HostPageFormat
 
 logger = logging.getLogger("kvplug.sglang.hicache")
@@ -52,7 +54,12 @@ _LOADER_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "tp
 
 
 class KVPlugStorage(HiCacheStorage):
-    """HiCache L3 storage on a kvplug :class:`~kvplug.core.tier_chain.TierChain`."""
+    """HiCache L3 storage on a kvplug :class:`~kvplug.ChunkStore`.
+
+    SGLang names, cuts and copies pages itself, so this backend needs no
+    ``CacheEngine`` (token keys, a paged-cache connector): only the store that
+    encodes, verifies, promotes and discards them.
+    """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
@@ -66,12 +73,9 @@ class KVPlugStorage(HiCacheStorage):
                 'or set "model_id" in --hicache-storage-backend-extra-config'
             )
         self.registry = kvplug.get_registry()
-        self.serializer = kvplug.make_serializer(self.config, self.registry)
         self.mem_pool_host: Any = None
         self.page_format: HostPageFormat | None = None
-        self.fingerprint: kvplug.Fingerprint | None = None
-        self.chain: TierChain | None = None
-        self._prefix = ""
+        self.store: ChunkStore | None = None
         self._written: set[str] = set()
         self._unsupported_pools: set[str] = set()
 
@@ -80,30 +84,28 @@ class KVPlugStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Learn the page format and open the tiers (keys depend on the format)."""
         page_format = HostPageFormat.of(mem_pool_host)
-        if self.chain is not None:
+        if self.store is not None:
             if page_format != self.page_format:
                 raise LayoutError("KVPlugStorage: a second host pool with another page format was registered")
             self.mem_pool_host = mem_pool_host
             return
         cfg = self.storage_config
         replicated = page_format.is_mla  # MLA KV is the same on every TP rank
-        self.fingerprint = kvplug.Fingerprint(
+        fingerprint = kvplug.Fingerprint(
             model_id=self.model_id,
             kv_layout=page_format.describe() + (":split" if cfg.should_split_heads else ""),
             dtype=kvplug.dtype_name(page_format.dtype),
             block_size=page_format.page_size,
-            serializer=self.serializer.fingerprint(),
             tp_rank=0 if replicated else cfg.tp_rank,
             tp_size=1 if replicated else cfg.tp_size,
             pp_rank=cfg.pp_rank,
             pp_size=cfg.pp_size,
         )
-        self._prefix = f"{KV_FORMAT_VERSION}/{self.fingerprint.hexdigest()}/"
-        self.chain = TierChain.open(
-            self.config.tiers,
-            self.registry,
-            fingerprint=self.fingerprint.hexdigest(),
-            lookup_timeout_s=self.config.lookup_timeout_ms / 1000,
+        self.store = ChunkStore.open(
+            self.config,
+            fingerprint,
+            registry=self.registry,
+            largest_chunk=(page_format.canonical_shape, page_format.dtype),
         )
         self.mem_pool_host = mem_pool_host
         self.page_format = page_format
@@ -121,34 +123,27 @@ class KVPlugStorage(HiCacheStorage):
     def storage_key(self, key: str) -> str:
         """kvplug's key of an SGLang page key: hex only, whatever SGLang sent."""
         self._check_ready()
-        return self._prefix + kvplug.key_digest(key).hex()
-
-    def _encode(self, page: torch.Tensor) -> Any:
-        assert self.page_format is not None
-        return self.serializer.dumps(self.page_format.canonical(page).contiguous())
+        assert self.store is not None
+        return self.store.key_prefix + kvplug.key_digest(key).hex()
 
     def _fetch(self, keys: list[str]) -> list[torch.Tensor | None]:
-        """Verified canonical pages of the leading keys some tier holds; ``None`` after a miss."""
-        assert self.chain is not None and self.page_format is not None
+        """Verified canonical pages of the leading keys some tier holds; ``None`` after a miss.
+
+        The store verifies every page before any is promoted into a faster tier; a page
+        that fails ends the prefix and is removed from every tier."""
+        assert self.store is not None and self.page_format is not None
         found: list[torch.Tensor | None] = [None] * len(keys)
-        storage_keys = [self.storage_key(k) for k in keys]
-        for index, buffer in enumerate(self.chain.get_prefix(storage_keys)):
-            try:
-                found[index] = self.serializer.loads(
-                    buffer, expected_shape=self.page_format.canonical_shape, expected_dtype=self.page_format.dtype
-                )
-            except ChunkError as exc:
-                logger.warning("page %s unusable (%s); treating it and what follows as a miss", keys[index], exc)
-                self.chain.discard([storage_keys[index]])
-                break
+        shapes = [self.page_format.canonical_shape] * len(keys)
+        loaded = self.store.load_prefix([self.storage_key(k) for k in keys], shapes, self.page_format.dtype)
+        found[: len(loaded.tensors)] = loaded.tensors
         return found
 
     def _put(self, keys: list[str], pages: list[torch.Tensor]) -> bool:
-        assert self.chain is not None
+        assert self.store is not None and self.page_format is not None
         if not self.storage_config.is_storage_writer:
             return True  # another rank writes the replicated (MLA) pages
-        items = [(self.storage_key(k), self._encode(p)) for k, p in zip(keys, pages)]
-        self.chain.put(items)
+        items = [(self.storage_key(k), self.page_format.canonical(p)) for k, p in zip(keys, pages)]
+        self.store.put_tensors(items)
         self._written.update(k for k, _ in items)
         return True
 
@@ -201,8 +196,8 @@ class KVPlugStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading pages are stored (stops at the first missing one)."""
         self._check_ready()
-        assert self.chain is not None
-        return self.chain.contains_prefix([self.storage_key(k) for k in keys])
+        assert self.store is not None
+        return self.store.contains_prefix([self.storage_key(k) for k in keys])
 
     # --- zero-copy v1 (host indices) --------------------------------------------------
 
@@ -267,21 +262,21 @@ class KVPlugStorage(HiCacheStorage):
 
     def clear(self) -> None:
         """Remove the pages this backend stored (in this process) from every tier."""
-        if self.chain is not None:
-            self.chain.flush()
-            self.chain.discard(sorted(self._written))
+        if self.store is not None:
+            self.store.flush()
+            self.store.discard(sorted(self._written))
         self._written.clear()
 
     def flush(self) -> None:
-        if self.chain is not None:
-            self.chain.flush()
+        if self.store is not None:
+            self.store.flush()
 
     def close(self) -> None:
-        if self.chain is not None:
-            self.chain.close()
+        if self.store is not None:
+            self.store.close()
 
     def _check_ready(self) -> None:
-        if self.chain is None:
+        if self.store is None:
             raise RuntimeError("KVPlugStorage: register_mem_pool_host() must be called before storage operations")
 
     def _check_indices(self, keys: list[str], host_indices: torch.Tensor) -> None:

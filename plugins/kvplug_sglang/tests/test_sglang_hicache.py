@@ -21,6 +21,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang_pools import make_pool
 
+from kvplug import ChunkStore
 from kvplug_sglang.hicache import KVPlugStorage
 
 PAGE = 4
@@ -216,27 +217,63 @@ def test_salt_or_model_change_never_hits() -> None:
         make_backend(host, {"tiers": [{"type": "cpu"}]}, tp_rank=1),
     ):
         assert other.storage_key(keys[0]) != backend.storage_key(keys[0])
-        other.chain = backend.chain  # same storage, as a shared disk or bucket would be
+        assert other.store is not None and backend.store is not None
+        other.store.close()  # same storage, as a shared disk or bucket would be
+        other.store = ChunkStore(other.store.serializer, other.store.fingerprint, backend.store.chain)
         assert other.batch_exists(keys) == 0
     backend.close()
 
 
-def test_corrupt_page_is_a_miss() -> None:
+def _damage(tier: Any, key: str) -> None:
+    """Flip a payload byte of the frame stored under ``key`` (a disk tier wraps it in a
+    sound record of its own: only the frame's checksum can tell)."""
+    frame = bytearray(tier.get([key])[0])
+    frame[-3] ^= 0x04
+    tier.remove([key])
+    tier.put([(key, bytes(frame))])
+
+
+def test_corrupt_page_is_a_miss(tmp_path: Path) -> None:
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
     host = make_host("layer_first")
-    backend = make_backend(host, {"tiers": [{"type": "cpu"}]})
+    backend = make_backend(host, {"tiers": [{"type": "disk", "path": str(tmp_path / "disk")}]})
     keys = page_keys(list(range(80, 80 + 3 * PAGE)))
     src = random_pages(host, 3, seed=5)
     backend.batch_set_v1(keys, src)
+    backend.flush()
     expected = pages_of(host, src)
-    tier = backend.chain.tiers[0]
-    victim = backend.storage_key(keys[1])
-    frame = bytearray(tier.get([victim])[0])
-    frame[-3] ^= 0x04
-    tier.put([(victim, bytes(frame))])
+    assert backend.store is not None
+    _damage(backend.store.chain.tiers[0], backend.storage_key(keys[1]))
     dst = host.alloc(3 * PAGE)
     assert backend.batch_get_v1(keys, dst) == [True, False, False]
     assert torch.equal(pages_of(host, dst)[0], expected[0])
     assert backend.batch_exists(keys) == 1, "the corrupt page is removed"
+    backend.close()
+
+
+def test_pages_are_verified_before_they_are_promoted(tmp_path: Path) -> None:
+    """The cpu tier serves its bytes without re-checking them (trusted_reads): a page read
+    from disk goes up into it only once it passed its checks."""
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    host = make_host("page_first")
+    backend = make_backend(host, {"tiers": [{"type": "cpu"}, {"type": "disk", "path": str(tmp_path / "disk")}]})
+    keys = page_keys(list(range(90, 90 + 3 * PAGE)))
+    src = random_pages(host, 3, seed=7)
+    expected = pages_of(host, src)
+    backend.batch_set_v1(keys, src)
+    backend.flush()
+    assert backend.store is not None
+    cpu, disk = backend.store.chain.tiers
+    stored = [backend.storage_key(k) for k in keys]
+    cpu.remove(stored)  # as if evicted from memory: the next load reads the disk
+    _damage(disk, stored[1])
+    dst = host.alloc(3 * PAGE)
+    assert backend.batch_get_v1(keys, dst) == [True, False, False]
+    assert torch.equal(pages_of(host, dst)[0], expected[0])
+    # Only the page that passed went up; the damaged one is gone from every tier, and the
+    # one after it, fetched but never checked, stays on disk only.
+    assert cpu.contains(stored) == [True, False, False]
+    assert disk.contains(stored) == [True, False, True]
     backend.close()
 
 
