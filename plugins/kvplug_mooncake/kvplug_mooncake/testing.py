@@ -12,6 +12,10 @@ reached from, or send to, any other address. Run the tests under one::
 
 (root, or a user namespace: ``unshare --user --map-root-user --net``). Every flag
 that takes an address is still set to 127.0.0.1, and so is ``MC_TCP_BIND_ADDRESS``.
+
+This is kvplug-mooncake's public test kit, like ``kvplug.testing``: shipped in the package
+because the tests and benchmarks of other packages start clusters with it; its binaries
+come with the ``test`` extra, and no runtime module imports it (tests/test_test_kits.py).
 """
 
 from __future__ import annotations

@@ -15,6 +15,11 @@
         tier_options = {"type": "valkey", "url": cluster.url, "cluster": True}
 
 Nothing here listens on or connects to any address but 127.0.0.1.
+
+This is kvplug-valkey's public test kit, like ``kvplug.testing``: shipped in the package
+because the tests and benchmarks of other packages (core, the engine adapters) start
+servers with it; its server binaries come with the ``test`` extra, and no runtime module
+imports it (tests/test_test_kits.py).
 """
 
 from __future__ import annotations
