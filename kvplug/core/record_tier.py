@@ -32,7 +32,7 @@ from kvplug.core.record_index import RecordIndex, Victim
 from kvplug.core.record_store import StoredRecord
 from kvplug.core.remote import RecordTierConfig, RemoteCalls
 from kvplug.core.retry import Absent, FailureKind
-from kvplug.core.tier import Buffer, StorageTier, TierContext, TierStats
+from kvplug.core.tier import Buffer, Medium, StorageTier, TierContext, TierStats
 from kvplug.errors import (
     CorruptChunkError,
     IncompatibleChunkError,
@@ -55,7 +55,7 @@ class RecordTier(StorageTier):
     Subclasses set ``name``, ``Config`` (a :class:`RecordTierConfig` subclass) and
     implement :meth:`open_backend`; see the module docstring for what they inherit."""
 
-    medium = "remote"
+    medium: ClassVar[Medium] = "remote"
     Config: ClassVar[type[RecordTierConfig]] = RecordTierConfig
 
     def __init__(self, config: RecordTierConfig, context: TierContext) -> None:
