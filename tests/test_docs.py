@@ -53,7 +53,11 @@ def extract_guide_package(target: Path) -> Path:
 
 
 def test_the_guide_plugin_installs_and_is_used_by_name(tmp_path: Path) -> None:
+    """The guide's record tier: installed, listed, used by name from a config by two engines,
+    inspected by ``kvplug store``, and its conformance test (``StorageTierContract``) run."""
     package = extract_guide_package(tmp_path / "src")
+    # What the guide promises: a complete record tier in under 120 lines.
+    assert len((package / "kvplug_sqlite" / "tier.py").read_text().splitlines()) < 120
     site = tmp_path / "site"
     subprocess.run(
         [
@@ -97,6 +101,13 @@ print("sqlite tier used by name: ok")
     used = subprocess.run([sys.executable, "-c", use], env=env, capture_output=True, text=True, timeout=120)
     assert used.returncode == 0, used.stderr
     assert "ok" in used.stdout
+
+    # Another process lists the file, reads and verifies both records (kvplug store, through the base).
+    verified = subprocess.run(
+        [*kvplug_cli, "store", "verify", f"sqlite://{db}"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert verified.returncode == 0, verified.stderr
+    assert re.search(r"\bok\W+2\b", verified.stdout), verified.stdout
 
     misspelled = subprocess.run(
         [*kvplug_cli, "config", "validate", str(_write(tmp_path / "bad.yaml", "tiers: [{type: sqlite, paht: x}]\n"))],
