@@ -77,6 +77,7 @@ def _measure(args: argparse.Namespace, figures: dict[str, object]) -> int:
     from kvplug import KVLayout, PagedFormat
     from kvplug.builtins.torch_connector import TorchConnector
     from kvplug.core.frame_pool import GRANULARITY, FramePool
+    from kvplug.testing import gather_chunk, scatter_chunk
     from kvplug_cuda import CudaConnector
 
     dtype = getattr(torch, args.dtype)
@@ -138,8 +139,8 @@ def _measure(args: argparse.Namespace, figures: dict[str, object]) -> int:
     rows += [
         (
             "torch",
-            lambda: (reference.gather(caches, slots, frame), sync()),
-            lambda: (reference.scatter(caches, slots, frame), sync()),
+            lambda: (gather_chunk(reference, caches, slots, frame), sync()),
+            lambda: (scatter_chunk(reference, caches, slots, frame), sync()),
         ),
         ("cuda layerwise", lambda: layerwise_gather(frame), lambda: layerwise_scatter(frame)),
         ("cuda pinned frame", lambda: layerwise_gather(pool_frame), lambda: layerwise_scatter(pool_frame)),
@@ -174,7 +175,7 @@ def _measure(args: argparse.Namespace, figures: dict[str, object]) -> int:
     figures["paths"] = paths
     if device.type == "cuda":
         check = torch.empty_like(frame)
-        reference.gather(caches, slots, check)
+        gather_chunk(reference, caches, slots, check)
         cuda.gather(caches, slots, frame)
         cuda.synchronize()
         layerwise_gather(pool_frame)

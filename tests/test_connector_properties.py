@@ -12,6 +12,7 @@ from kvplug.builtins.index_runs import index_runs
 from kvplug.builtins.torch_connector import TorchConnector
 from kvplug.core.components import EmptyConfig
 from kvplug.errors import LayoutError
+from kvplug.testing import gather_chunk, scatter_chunk
 
 NUM_BLOCKS = 12
 
@@ -63,10 +64,10 @@ def test_gather_then_scatter_writes_exactly_those_slots(kind: str, data: st.Data
     dst_slots = data.draw(slot_sets(kind, count=units))
 
     chunk = torch.empty(layout.chunk_shape(src_slots.numel()), dtype=layout.dtype)
-    connector.gather(source, src_slots, chunk)
+    gather_chunk(connector, source, src_slots, chunk)
     target = random_caches(layout, NUM_BLOCKS, seed=1000)
     before = clone_caches(target)
-    connector.scatter(target, dst_slots, chunk)
+    scatter_chunk(connector, target, dst_slots, chunk)
 
     for src_cache, dst_cache, old_cache in zip(source, target, before):
         for wanted, got in zip(token_rows(layout, src_cache, src_slots), token_rows(layout, dst_cache, dst_slots)):
@@ -92,9 +93,9 @@ def test_every_dtype_round_trips_through_a_paged_cache(dtype: torch.dtype) -> No
     ]
     slots = torch.tensor([5, 6, 7, 8, 30, 2])
     chunk = torch.empty(layout.chunk_shape(6), dtype=dtype)
-    connector.gather(source, slots, chunk)
+    gather_chunk(connector, source, slots, chunk)
     target = [torch.zeros_like(c) for c in source]
-    connector.scatter(target, slots, chunk)
+    scatter_chunk(connector, target, slots, chunk)
     for s, t in zip(source, target):
         assert torch.equal(s.flatten(1, 2)[:, slots].view(torch.uint8), t.flatten(1, 2)[:, slots].view(torch.uint8))
 
@@ -120,7 +121,7 @@ def test_vllm_cpu_refuses_partial_blocks() -> None:
     caches = random_caches(layout, NUM_BLOCKS)
     chunk = torch.empty(layout.chunk_shape(3), dtype=layout.dtype)
     with pytest.raises(LayoutError, match="whole"):
-        connector.gather(caches, torch.tensor([4, 5, 6]), chunk)
+        gather_chunk(connector, caches, torch.tensor([4, 5, 6]), chunk)
 
 
 def test_caches_equal_helper_sees_differences() -> None:
@@ -147,8 +148,8 @@ def test_large_rows_round_trip(kind: str) -> None:
     target = random_caches(layout, 8, seed=4)
     slots = (torch.tensor([5, 2, 7])[:, None] * block + torch.arange(block)).reshape(-1)
     chunk = torch.empty(layout.chunk_shape(slots.numel()), dtype=layout.dtype)
-    connector.gather(source, slots, chunk)
-    connector.scatter(target, slots.flip(0), chunk.flip(2))
+    gather_chunk(connector, source, slots, chunk)
+    scatter_chunk(connector, target, slots.flip(0), chunk.flip(2))
     for src_cache, dst_cache in zip(source, target):
         for wanted, got in zip(token_rows(layout, src_cache, slots), token_rows(layout, dst_cache, slots)):
             assert torch.equal(wanted, got)
@@ -192,10 +193,10 @@ def test_every_layout_and_dtype_round_trips_bit_exact(kind: str, dtype: torch.dt
     size = layout.block_size
     slots = (torch.tensor([7, 2, 9])[:, None] * size + torch.arange(size)).reshape(-1)
     chunk = torch.empty(layout.chunk_shape(slots.numel()), dtype=dtype)
-    connector.gather(source, slots, chunk)
-    connector.scatter(target, slots, chunk)
+    gather_chunk(connector, source, slots, chunk)
+    scatter_chunk(connector, target, slots, chunk)
     again = torch.empty_like(chunk)
-    connector.gather(target, slots, again)
+    gather_chunk(connector, target, slots, again)
     assert torch.equal(as_bytes(again), as_bytes(chunk))
     for src_cache, dst_cache in zip(source, target):
         for wanted, got in zip(token_rows(layout, src_cache, slots), token_rows(layout, dst_cache, slots)):
@@ -218,8 +219,8 @@ def test_threads_sharing_a_connector_do_not_share_staging() -> None:
             blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed * 1000 + round_))[:4]
             slots = (blocks[:, None] * size + torch.arange(size)).reshape(-1)
             chunk = torch.empty(layout.chunk_shape(slots.numel()), dtype=layout.dtype)
-            connector.gather(source, slots, chunk)
-            connector.scatter(target, slots, chunk)
+            gather_chunk(connector, source, slots, chunk)
+            scatter_chunk(connector, target, slots, chunk)
             if not all(torch.equal(s[blocks], t[blocks]) for s, t in zip(source, target)):
                 failures.append(f"thread {seed}, round {round_}")
                 return

@@ -13,6 +13,7 @@ from core_helpers import LAYOUTS, random_caches
 from kvplug import CacheEngine, Fingerprint, RequestInfo, StorageTier, TierStats, load_config, slots_from_block_ids
 from kvplug.core.plugins import PluginRegistry
 from kvplug.errors import EngineClosedError, LayoutError
+from kvplug.testing import gather_chunk
 
 NUM_BLOCKS = 80
 
@@ -27,7 +28,7 @@ def prompt(n: int, start: int = 100) -> list[int]:
 
 def read_back(engine: CacheEngine, caches, slots: torch.Tensor) -> torch.Tensor:
     out = torch.empty(engine.layout.chunk_shape(slots.numel()), dtype=engine.layout.dtype)
-    engine.connector.gather(caches, slots, out)
+    gather_chunk(engine.connector, caches, slots, out)
     return out
 
 

@@ -122,6 +122,7 @@ def _worker(spec: dict[str, Any]) -> None:
     import torch
 
     from kvplug import CacheEngine, Fingerprint, KVLayout, get_registry, load_config
+    from kvplug.testing import gather_chunk
 
     layout = KVLayout(VLLM_FLASH, num_layers=2, block_size=BLOCK, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
     extra = {
@@ -146,7 +147,7 @@ def _worker(spec: dict[str, Any]) -> None:
 
     def digest(kv: list[torch.Tensor]) -> str:
         out = torch.empty(layout.chunk_shape(PROMPT_TOKENS), dtype=layout.dtype)
-        engine.connector.gather(kv, slots, out)
+        gather_chunk(engine.connector, kv, slots, out)
         return hashlib.sha256(bytes(out.view(torch.uint8).flatten().tolist())).hexdigest()
 
     def handle(command: dict[str, Any]) -> dict[str, Any]:

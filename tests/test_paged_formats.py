@@ -18,6 +18,7 @@ from kvplug.builtins import index_runs
 from kvplug.builtins.torch_connector import TorchConnector
 from kvplug.core.components import EmptyConfig
 from kvplug.errors import LayoutError
+from kvplug.testing import gather_chunk, scatter_chunk
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
 NUM_BLOCKS = 6
@@ -245,9 +246,9 @@ def check_against_reference(
     seed = data.draw(st.integers(0, 2**16), label="seed")
     source, _ = engine_caches(layout, storage, seed)
     expected = torch.empty(layout.chunk_shape(src_slots.numel()), dtype=dtype)
-    reference.gather(source, src_slots, expected)
+    gather_chunk(reference, source, src_slots, expected)
     got = torch.full_like(as_bytes(expected), 0xA5).view(dtype)
-    generic.gather(source, src_slots, got)
+    gather_chunk(generic, source, src_slots, got)
     if fmt.whole_blocks_only:  # 0.2 stores packed blocks in block order: heads outside tokens
         assert torch.equal(as_bytes(got), as_bytes(vllm_cpu_01_chunk_in_block_order(layout, expected)))
     else:
@@ -255,8 +256,8 @@ def check_against_reference(
 
     ref_target, ref_owners = engine_caches(layout, storage, seed + 1)
     new_target, new_owners = engine_caches(layout, storage, seed + 1)
-    reference.scatter(ref_target, dst_slots, expected)
-    generic.scatter(new_target, dst_slots, got)
+    scatter_chunk(reference, ref_target, dst_slots, expected)
+    scatter_chunk(generic, new_target, dst_slots, got)
     for want, have in zip(ref_owners, new_owners):  # the whole allocation: nothing written outside the view
         assert torch.equal(as_bytes(have), as_bytes(want))
 
@@ -357,7 +358,7 @@ def test_a_new_packed_format_copies_whole_blocks(fmt: PagedFormat, dtype: torch.
     src_slots = (torch.tensor([5, 1, 9])[:, None] * 4 + torch.arange(4)).reshape(-1)
     dst_slots = (torch.tensor([0, 7, 2])[:, None] * 4 + torch.arange(4)).reshape(-1)
     chunk = torch.empty(layout.chunk_shape(12), dtype=dtype)
-    connector.gather(source, src_slots, chunk)
+    gather_chunk(connector, source, src_slots, chunk)
     # The documented block order: chunk[layer, i, block b's tokens] is the b-th block's K/V part i, as stored.
     outer, kv, inner = layout.packed_block_split()
     for layer, cache in enumerate(source):
@@ -367,11 +368,11 @@ def test_a_new_packed_format_copies_whole_blocks(fmt: PagedFormat, dtype: torch.
                 stored = tensors[i // kv][block].reshape(outer, kv, inner)[:, i % kv]
                 copied = chunk[layer, i, b * 4 : (b + 1) * 4].reshape(outer, inner)
                 assert torch.equal(copied.view(torch.uint8), stored.view(torch.uint8))
-    connector.scatter(target, dst_slots, chunk)
+    scatter_chunk(connector, target, dst_slots, chunk)
     for src_cache, dst_cache in zip(source, target):
         for s, d in zip(src_slots.tolist(), dst_slots.tolist()):
             assert torch.equal(
                 token_kv(layout, src_cache, s).view(torch.uint8), token_kv(layout, dst_cache, d).view(torch.uint8)
             )
     with pytest.raises(LayoutError, match=f"layout {fmt.name} packs tokens inside a block"):
-        connector.gather(source, torch.tensor([4, 5, 6]), torch.empty(layout.chunk_shape(3), dtype=dtype))
+        gather_chunk(connector, source, torch.tensor([4, 5, 6]), torch.empty(layout.chunk_shape(3), dtype=dtype))

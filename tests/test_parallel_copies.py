@@ -13,6 +13,7 @@ from core_helpers import LAYOUTS, random_caches
 from kvplug import load_config, slots_from_block_ids
 from kvplug.core.parallel_copies import ParallelCopies
 from kvplug.errors import ConfigError
+from kvplug.testing import gather_chunk
 
 NUM_BLOCKS = 80
 TOKENS = 40  # five chunks of 8
@@ -24,7 +25,7 @@ def _slots(layout, blocks: list[int]) -> torch.Tensor:
 
 def _read(engine, caches, slots: torch.Tensor) -> torch.Tensor:
     out = torch.empty(engine.layout.chunk_shape(slots.numel()), dtype=engine.layout.dtype)
-    engine.connector.gather(caches, slots, out)
+    gather_chunk(engine.connector, caches, slots, out)
     return out.view(torch.uint8)
 
 

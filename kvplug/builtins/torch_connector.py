@@ -151,14 +151,6 @@ class TorchConnector(KVConnector):
         check_chunks(self.layout, kv_caches, layers, [plan.slots.numel() for plan in plans], chunks)
         return super().scatter_copies(kv_caches, layers, plans, chunks, parts)
 
-    def gather(self, kv_caches: Sequence[LayerCache], slots: torch.Tensor, out: torch.Tensor) -> None:
-        for copy in self.gather_copies(kv_caches, range(len(kv_caches)), [self.plan(slots)], [out], 1):
-            copy()
-
-    def scatter(self, kv_caches: Sequence[LayerCache], slots: torch.Tensor, src: torch.Tensor) -> None:
-        for copy in self.scatter_copies(kv_caches, range(len(kv_caches)), [self.plan(slots)], [src], 1):
-            copy()
-
     def gather_layer(self, layer_cache: LayerCache, plan: SlotPlan, out: torch.Tensor) -> None:
         tensors = self.layout.layer_tensors(layer_cache)
         check_chunk_layer(self._kv_width, tensors, plan.slots.numel(), out)

@@ -122,16 +122,5 @@ class KVConnector(ABC):
             for plan, chunk in zip(plans, chunks)
         ]
 
-    def gather(self, kv_caches: Sequence[LayerCache], slots: torch.Tensor, out: torch.Tensor) -> None:
-        """All layers: ``out`` is ``[num_layers, num_kv, n, width]``."""
-        plan = self.plan(slots)
-        for layer, cache in enumerate(kv_caches):
-            self.gather_layer(cache, plan, out[layer])
-
-    def scatter(self, kv_caches: Sequence[LayerCache], slots: torch.Tensor, src: torch.Tensor) -> None:
-        plan = self.plan(slots)
-        for layer, cache in enumerate(kv_caches):
-            self.scatter_layer(cache, plan, src[layer])
-
     def synchronize(self) -> None:  # noqa: B027 - host copies are done when issued; device connectors override
         """Wait for copies issued so far (device connectors override)."""

@@ -1,5 +1,6 @@
 """Test helpers for kvplug plugin authors: conformance suites and fixtures."""
 
+from kvplug.testing.connector_copies import gather_chunk, scatter_chunk
 from kvplug.testing.decode_bounds import DecodeCost, assert_bounded, cap_memory, measure_decode, run_fresh
 from kvplug.testing.storage_contract import StorageTierContract, key_for, tier_context, value_for
 
@@ -8,9 +9,11 @@ __all__ = [
     "StorageTierContract",
     "assert_bounded",
     "cap_memory",
+    "gather_chunk",
     "key_for",
     "measure_decode",
     "run_fresh",
+    "scatter_chunk",
     "tier_context",
     "value_for",
 ]

@@ -15,6 +15,7 @@ from conftest import DEVICE, VLLM_FLASH, VLLM_MLA, caches_same_bits, make_caches
 from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
 from kvplug.builtins.torch_connector import TorchConnector
 from kvplug.errors import ConfigError, PinnedPoolExhaustedError
+from kvplug.testing import gather_chunk
 from kvplug_cuda import CudaConnector
 
 LAYOUT = KVLayout(VLLM_FLASH, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
@@ -119,7 +120,7 @@ def test_a_full_pool_finishes_earlier_transfers_instead_of_failing(registry) -> 
         assert connector.stats().pool.allocated_bytes <= 128 * 1024
     connector.synchronize()
     want = torch.empty_like(got)
-    TorchConnector(TorchConnector.Config(), layout).gather(caches, slots, want)
+    gather_chunk(TorchConnector(TorchConnector.Config(), layout), caches, slots, want)
     assert same_bits(got, want)
     assert connector.stats().pool.misses == 0
 

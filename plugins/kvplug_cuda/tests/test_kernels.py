@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from kvplug import KVLayout, PagedFormat
 from kvplug.errors import LayoutError
+from kvplug.testing import gather_chunk, scatter_chunk
 
 KINDS = (VLLM_FLASH, VLLM_MLA, SGLANG_MHA)  # what the kernel addresses; vllm_cpu copies whole blocks only
 
@@ -62,7 +63,7 @@ def _pair(connectors: dict[str, type], layout: KVLayout):
 def _gather_both(connectors, layout, caches, slots):
     reference, cuda = _pair(connectors, layout)
     expected = torch.empty(layout.chunk_shape(slots.numel()), dtype=layout.dtype)
-    reference.gather(caches, slots.to(DEVICE), expected)
+    gather_chunk(reference, caches, slots.to(DEVICE), expected)
     per_layer = torch.empty_like(expected)
     plan = cuda.plan(slots.to(DEVICE))
     for layer, cache in enumerate(caches):
@@ -95,7 +96,7 @@ def test_scatter_is_bit_exact_against_torch(connectors, case) -> None:
     chunk = random_bits(layout.chunk_shape(slots.numel()), layout.dtype, generator)
     reference, cuda = _pair(connectors, layout)
     expected, per_layer, one_launch = clone(caches), clone(caches), clone(caches)
-    reference.scatter(expected, slots.to(DEVICE), chunk)
+    scatter_chunk(reference, expected, slots.to(DEVICE), chunk)
     plan = cuda.plan(slots.to(DEVICE))
     for layer, cache in enumerate(per_layer):
         cuda.scatter_layer(cache, plan, chunk[layer])
@@ -137,7 +138,7 @@ def test_rows_wider_than_one_tile(connectors) -> None:
     chunk = random_bits(layout.chunk_shape(3), layout.dtype, generator)
     reference, cuda = _pair(connectors, layout)
     want, got = clone(caches), clone(caches)
-    reference.scatter(want, slots.to(DEVICE), chunk)
+    scatter_chunk(reference, want, slots.to(DEVICE), chunk)
     cuda.scatter(got, slots.to(DEVICE), chunk)
     cuda.synchronize()
     assert caches_same_bits(got, want)
@@ -155,7 +156,7 @@ def test_strided_heads_of_a_permuted_flash_cache(connectors) -> None:
     chunk = random_bits(layout.chunk_shape(5), layout.dtype, generator)
     reference, cuda = _pair(connectors, layout)
     want, got = clone(caches), [c.transpose(2, 3).clone().transpose(2, 3) for c in caches]
-    reference.scatter(want, slots.to(DEVICE), chunk)
+    scatter_chunk(reference, want, slots.to(DEVICE), chunk)
     cuda.scatter(got, slots.to(DEVICE), chunk)
     cuda.synchronize()
     assert caches_same_bits(got, want)
@@ -210,7 +211,7 @@ def test_vllm_cpu_goes_to_the_torch_connector(connectors) -> None:
     slots = torch.tensor([12, 13, 14, 15, 4, 5, 6, 7])
     reference, cuda = _pair(connectors, layout)
     expected, got = (torch.empty(layout.chunk_shape(8), dtype=layout.dtype) for _ in range(2))
-    reference.gather(caches, slots, expected)
+    gather_chunk(reference, caches, slots, expected)
     cuda.gather(caches, slots, got)
     cuda.synchronize()
     assert same_bits(got, expected)
@@ -250,7 +251,7 @@ def test_a_new_format_is_bit_exact_against_torch(connectors, fmt: PagedFormat, d
     chunk = random_bits(layout.chunk_shape(slots.numel()), layout.dtype, generator)
     reference, cuda = _pair(connectors, layout)
     want, got = clone(caches), clone(caches)
-    reference.scatter(want, slots.to(DEVICE), chunk)
+    scatter_chunk(reference, want, slots.to(DEVICE), chunk)
     cuda.scatter(got, slots.to(DEVICE), chunk)
     cuda.synchronize()
     assert caches_same_bits(got, want) and not caches_same_bits(want, caches)

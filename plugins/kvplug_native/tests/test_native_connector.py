@@ -46,6 +46,7 @@ from native_helpers import (
 import kvplug
 from kvplug import KVLayout, PagedFormat
 from kvplug.errors import LayoutError
+from kvplug.testing import gather_chunk, scatter_chunk
 from kvplug_native import NativeConnector, NativeConnectorConfig, NativePlan
 
 
@@ -178,8 +179,8 @@ def test_single_chunk_methods_match_the_torch_connector(fmt: PagedFormat, dtype:
 
     got = unwritten(torch.empty(layout.chunk_shape(12), dtype=dtype))
     want = unwritten(torch.empty_like(got))
-    connector.gather(caches.layers, slots, got)
-    reference.gather(caches.layers, slots, want)
+    gather_chunk(connector, caches.layers, slots, got)
+    gather_chunk(reference, caches.layers, slots, want)
     assert torch.equal(dense_bytes(got), dense_bytes(want))
     assert not bool((dense_bytes(got) == UNWRITTEN).any())
 
@@ -192,8 +193,8 @@ def test_single_chunk_methods_match_the_torch_connector(fmt: PagedFormat, dtype:
     mine, theirs = caches.clone(), caches.clone()
     source = make_chunk(layout, 12, ChunkStorage(), seed=11)
     other = (torch.tensor([0, 5, 3])[:, None] * 4 + torch.arange(4)).flatten()
-    connector.scatter(mine.layers, other, source)
-    reference.scatter(theirs.layers, other, source)
+    scatter_chunk(connector, mine.layers, other, source)
+    scatter_chunk(reference, theirs.layers, other, source)
     assert mine.same_bytes(theirs) and not mine.same_bytes(caches)
     connector.scatter_layer(mine.layers[1], connector.plan(slots), source[0])
     reference.scatter_layer(theirs.layers[1], reference.plan(slots), source[0])
@@ -264,8 +265,8 @@ def test_unaligned_destinations_with_streaming_stores(dtype: torch.dtype, offset
     assert got.data_ptr() % 16 != 0
     want = unwritten(torch.empty(shape, dtype=dtype))
 
-    connector.gather(caches.layers, slots, got)
-    reference.gather(caches.layers, slots, want)
+    gather_chunk(connector, caches.layers, slots, got)
+    gather_chunk(reference, caches.layers, slots, want)
     assert torch.equal(dense_bytes(got), dense_bytes(want))
     assert bool((buffer[: offset_elements * itemsize] == UNWRITTEN).all())
 
@@ -276,8 +277,8 @@ def test_unaligned_destinations_with_streaming_stores(dtype: torch.dtype, offset
     target = list(flat.view(layout.num_layers, 2, 8, 16, 4, 64).unbind(0))
     expected = [unwritten(torch.empty_like(t)) for t in target]
     other = torch.arange(16, 16 + slots.numel())
-    connector.scatter(target, other, got)
-    reference.scatter(expected, other, want)
+    scatter_chunk(connector, target, other, got)
+    scatter_chunk(reference, expected, other, want)
     assert all(torch.equal(dense_bytes(a), dense_bytes(b)) for a, b in zip(target, expected))
     assert bool((raw[: offset_elements * itemsize] == UNWRITTEN).all())
 
@@ -411,8 +412,8 @@ def test_a_chunk_without_dense_token_rows_is_copied_exactly(fmt: PagedFormat) ->
             connector.gather_copies(caches.layers, range(L), [connector.plan(slots)], [got], 1)
         )
         if not fmt.whole_blocks_only:
-            connector.gather(caches.layers, slots, got)
-            reference.gather(caches.layers, slots, want)
+            gather_chunk(connector, caches.layers, slots, got)
+            gather_chunk(reference, caches.layers, slots, want)
             assert torch.equal(dense_bytes(got), dense_bytes(want))
             assert not bool((dense_bytes(got) == UNWRITTEN).any())
 
@@ -420,8 +421,8 @@ def test_a_chunk_without_dense_token_rows_is_copied_exactly(fmt: PagedFormat) ->
         source = make()
         source.copy_(make_chunk(layout, 12, ChunkStorage(), 4))
         other = (torch.tensor([2, 3, 4])[:, None] * 4 + torch.arange(4)).flatten()
-        connector.scatter(mine.layers, other, source)
-        reference.scatter(theirs.layers, other, source)
+        scatter_chunk(connector, mine.layers, other, source)
+        scatter_chunk(reference, theirs.layers, other, source)
         assert mine.same_bytes(theirs) and not mine.same_bytes(caches)
 
 
@@ -444,7 +445,7 @@ def test_a_chunk_of_another_dtype_is_refused_before_any_copy(chunk_dtype: torch.
     with pytest.raises(LayoutError, match=refused):
         reference.gather_copies(caches, range(2), [reference.plan(slots)], [got], 1)
     with pytest.raises(LayoutError, match=f"a chunk of {chunk_dtype} cannot be copied"):
-        reference.gather(caches, slots, torch.zeros_like(got))
+        gather_chunk(reference, caches, slots, torch.zeros_like(got))
     assert not bool(got.any())
     same_dtype = torch.zeros(layout.chunk_shape(7), dtype=layout.dtype)
     assert not _copies_go_to_the_torch_connector(
@@ -455,7 +456,7 @@ def test_a_chunk_of_another_dtype_is_refused_before_any_copy(chunk_dtype: torch.
     with pytest.raises(LayoutError, match=refused):
         connector.scatter_copies(caches, range(2), [connector.plan(slots)], [source], 1)
     with pytest.raises(LayoutError, match=f"a chunk of {chunk_dtype} cannot be copied"):
-        connector.scatter(caches, slots, source)
+        scatter_chunk(connector, caches, slots, source)
     assert all(torch.equal(a, b) for a, b in zip(caches, before)), "a refused scatter wrote into the cache"
 
 
@@ -471,11 +472,11 @@ def test_a_cache_whose_head_dim_is_not_contiguous_is_copied_exactly() -> None:
     copies = connector.gather_copies(caches.layers, range(2), [connector.plan(slots)], [got], 1)
     assert _copies_go_to_the_torch_connector(copies)
     run_all(copies)
-    reference.gather(caches.layers, slots, want)
+    gather_chunk(reference, caches.layers, slots, want)
     assert torch.equal(dense_bytes(got), dense_bytes(want))
     mine, theirs = caches.clone(), caches.clone()
-    connector.scatter(mine.layers, slots.flip(0), got)
-    reference.scatter(theirs.layers, slots.flip(0), want)
+    scatter_chunk(connector, mine.layers, slots.flip(0), got)
+    scatter_chunk(reference, theirs.layers, slots.flip(0), want)
     assert mine.same_bytes(theirs) and not mine.same_bytes(caches)
 
 
@@ -561,10 +562,10 @@ def test_a_slot_outside_a_smaller_v_tensor_is_a_layout_error() -> None:
     values = buffer[:4]  # 4 slots where K has 8
     source = torch.ones(layout.chunk_shape(1))
     with pytest.raises(LayoutError, match=r"slot 6\b"):
-        native(layout).scatter([(keys, values)], torch.tensor([6]), source)
+        scatter_chunk(native(layout), [(keys, values)], torch.tensor([6]), source)
     assert not bool(buffer.any()), "a scatter wrote outside the V tensor"
     with pytest.raises((LayoutError, IndexError)):
-        torch_connector(layout).scatter([(keys, values)], torch.tensor([6]), source)
+        scatter_chunk(torch_connector(layout), [(keys, values)], torch.tensor([6]), source)
 
 
 def test_one_plan_gathered_into_two_chunks() -> None:

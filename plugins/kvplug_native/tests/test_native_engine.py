@@ -12,6 +12,7 @@ from native_helpers import FLASH, HND, MLA, PACKED, SLOTS_KV, UNWRITTEN, Caches,
 
 from kvplug import CacheEngine, Fingerprint, KVLayout, load_config, slots_from_block_ids
 from kvplug.errors import ConfigError
+from kvplug.testing import gather_chunk
 from kvplug_native import NativeConnector
 
 CHUNK = 16
@@ -73,7 +74,7 @@ def _fresh(source: Caches) -> Caches:
 def _at_slots(layout: KVLayout, caches: Caches, slots: torch.Tensor) -> torch.Tensor:
     """What the reference connector gathers from ``slots``: the KV stored at them, as bytes."""
     chunk = torch.empty(layout.chunk_shape(slots.numel()), dtype=layout.dtype)
-    torch_connector(layout).gather(caches.layers, slots, chunk)
+    gather_chunk(torch_connector(layout), caches.layers, slots, chunk)
     return chunk.view(torch.uint8)
 
 

@@ -7,6 +7,7 @@ import torch  # the engine needs torch; the tier itself does not
 from s3_helpers import s3_options
 
 from kvplug import CacheEngine, Fingerprint, KVLayout, PagedFormat, PluginRegistry, load_config
+from kvplug.testing import gather_chunk
 
 #: The engine format this test's caches use, as the vLLM/SGLang adapters declare it (same name: same fingerprints).
 VLLM_FLASH = PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim"))
@@ -36,7 +37,7 @@ def engine_for(s3: dict) -> CacheEngine:
 
 def gathered(engine: CacheEngine, kv: list, slots: torch.Tensor) -> torch.Tensor:
     out = torch.empty(engine.layout.chunk_shape(slots.numel()), dtype=LAYOUT.dtype)
-    engine.connector.gather(kv, slots, out)
+    gather_chunk(engine.connector, kv, slots, out)
     return out.view(torch.uint8)
 
 

@@ -13,6 +13,7 @@ from valkey_fault_proxy import SilentListener
 from valkey_helpers import FAST_FAILING, fresh_prefix
 
 from kvplug import CacheEngine, Fingerprint, KVLayout, PagedFormat, get_registry, load_config
+from kvplug.testing import gather_chunk
 
 #: The engine format this test's caches use, as the vLLM/SGLang adapters declare it (same name: same fingerprints).
 VLLM_FLASH = PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim"))
@@ -39,7 +40,7 @@ def engine_for(valkey: dict[str, Any], **settings: Any) -> CacheEngine:
 
 def gathered(engine: CacheEngine, kv: list, slots: torch.Tensor) -> torch.Tensor:
     out = torch.empty(engine.layout.chunk_shape(slots.numel()), dtype=LAYOUT.dtype)
-    engine.connector.gather(kv, slots, out)
+    gather_chunk(engine.connector, kv, slots, out)
     return out.view(torch.uint8)
 
 
