@@ -113,7 +113,7 @@ def main() -> None:
             engine_extra={
                 "kvplug": {
                     "chunk_size": CHUNK,
-                    "store": {"mode": mode},
+                    "store": {"queue": {"mode": mode}},
                     "connector": {"type": connector},
                     "tiers": [{"type": "cpu", "max_bytes": budget}],
                 }

@@ -148,7 +148,7 @@ def connector_section(args: argparse.Namespace) -> dict[str, Any]:
             engine_extra={
                 "kvplug": {
                     "chunk_size": args.chunk_size,
-                    "store": {"mode": "sync"},
+                    "store": {"queue": {"mode": "sync"}},
                     "connector": {"type": kind},
                     "tiers": [{"type": "cpu", "max_bytes": 4 * nbytes}],
                 }

@@ -28,6 +28,7 @@ from kvplug.core.config_types import (
 from kvplug.core.events import KVEvent
 from kvplug.core.keys import KV_FORMAT_VERSION, ChunkKey, ExtraKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.metrics import EngineMetrics, MetricSample
+from kvplug.core.queue_settings import OldQueueKey, QueueSettings
 from kvplug.core.record import RECORD_HEADER_SIZE, key_digest, pack_record, pack_record_header, unpack_record
 from kvplug.core.record_backend import SIZE_UNKNOWN, CallSizes, RecordBackend, RecordToWrite
 from kvplug.core.record_index import RecordIndex
@@ -137,9 +138,11 @@ __all__ = [
     "LoopThread",
     "Medium",
     "MetricSample",
+    "OldQueueKey",
     "PagedFormat",
     "PluginRegistry",
     "QueueItems",
+    "QueueSettings",
     "RecordBackend",
     "RecordCheck",
     "RecordIndex",

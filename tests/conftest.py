@@ -21,7 +21,7 @@ def make_engine(registry: PluginRegistry):
     def make(
         layout: KVLayout, *, model_id: str = "test-model", env: dict | None = None, **settings: object
     ) -> CacheEngine:
-        extra = {"kvplug.store.mode": "sync", "kvplug.chunk_size": 8}
+        extra = {"kvplug.store.queue.mode": "sync", "kvplug.chunk_size": 8}
         extra.update({f"kvplug.{key}": value for key, value in settings.items()})
         config = load_config(engine_extra=extra, env=env or {}, registry=registry).config
         engine = CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id=model_id), registry=registry)

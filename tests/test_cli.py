@@ -28,7 +28,7 @@ def test_config_show_names_where_each_value_came_from(tmp_path: Path) -> None:
     }
     assert rows["chunk_size"] == ["128", f"file {config}"]
     assert rows["hash"] == ["blake3", "env"]
-    assert rows["store.mode"] == ["async", "default"]
+    assert rows["store.queue.mode"] == ["async", "default"]
     assert rows["tiers"][1] == f"file {config}" and "1073741824" in rows["tiers"][0]
 
 
@@ -41,12 +41,12 @@ def test_config_validate_accepts_a_good_file_and_names_bad_fields(tmp_path: Path
     assert result.returncode == 0 and "ok" in result.stdout and "tiers: cpu" in result.stdout
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text("chunk_size: -1\nstore: {on_full: explode}\n")
+    bad.write_text("chunk_size: -1\nstore: {queue: {on_full: explode}}\n")
     result = kvplug("config", "validate", str(bad))
     message = " ".join(result.stderr.split())
     assert result.returncode == 2
     assert "chunk_size: Input should be greater than 0 (got -1)" in message
-    assert "store.on_full:" in message and "'explode'" in message
+    assert "store.queue.on_full:" in message and "'explode'" in message
 
 
 def test_demo_runs_the_synthetic_job_and_checks_every_byte() -> None:

@@ -50,23 +50,24 @@ def test_defaults(load) -> None:
 def test_layers_apply_in_order_and_sources_are_recorded(load, tmp_path: Path) -> None:
     path = write(
         tmp_path,
-        "chunk_size: 64\nhash: blake3\nstore: {mode: sync, queue_max_batches: 5}\ntiers: [{type: cpu, max_bytes: 1GiB}]\n",
+        "chunk_size: 64\nhash: blake3\nstore: {queue: {mode: sync, max_items: 5}}\ntiers: [{type: cpu, max_bytes: 1GiB}]\n",
     )
     loaded = load(
         config_file=path,
-        env={"KVPLUG_HASH": "xxh3_128", "KVPLUG_STORE__QUEUE_MAX_BATCHES": "7"},
-        engine_extra={"kvplug.store.queue_max_batches": 9, "other_connector_key": 1},
+        env={"KVPLUG_HASH": "xxh3_128", "KVPLUG_STORE__QUEUE__MAX_ITEMS": "7"},
+        engine_extra={"kvplug.store.queue.max_items": 9, "other_connector_key": 1},
         request={"save_unfull_chunk": True},
     )
     config = loaded.config
     assert config.chunk_size == 64 and config.hash == "xxh3_128"
-    assert config.store.mode == "sync" and config.store.queue_max_batches == 9
+    assert config.store.queue.mode == "sync" and config.store.queue.max_items == 9
+    assert config.store.queue.on_full == "block"  # the store queue's default, kept by a partial queue
     assert config.save_unfull_chunk is True
     assert int(config.tiers[0].options.max_bytes) == 1024**3
     assert loaded.sources["chunk_size"] == f"file {path}"
     assert loaded.sources["hash"] == "env"
-    assert loaded.sources["store.queue_max_batches"] == "engine"
-    assert loaded.sources["store.mode"] == f"file {path}"
+    assert loaded.sources["store.queue.max_items"] == "engine"
+    assert loaded.sources["store.queue.mode"] == f"file {path}"
     assert loaded.sources["save_unfull_chunk"] == "request"
 
 
@@ -104,10 +105,7 @@ def test_unknown_top_level_key(load) -> None:
 
 def test_unknown_nested_key(load) -> None:
     error = error_of(load, engine_extra={"kvplug.store.moed": "sync"})
-    assert (
-        "store.moed: unknown key; allowed: block_timeout_s, frame_pool_bytes, mode, on_full, prefault_frames, "
-        "queue_max_batches" in str(error)
-    )
+    assert "store.moed: unknown key; allowed: frame_pool_bytes, prefault_frames, queue" in str(error)
 
 
 def test_bad_literal_lists_the_allowed_values(load) -> None:
@@ -186,8 +184,8 @@ def test_missing_file(load, tmp_path: Path) -> None:
 
 
 def test_yaml_errors_name_nested_fields(load, tmp_path: Path) -> None:
-    error = error_of(load, config_file=write(tmp_path, "store:\n  on_full: explode\n"))
-    assert "store.on_full:" in str(error) and "'explode'" in str(error) and "'block'" in str(error)
+    error = error_of(load, config_file=write(tmp_path, "store:\n  queue: {on_full: explode}\n"))
+    assert "store.queue.on_full:" in str(error) and "'explode'" in str(error) and "'block'" in str(error)
 
 
 def test_per_request_override_of_a_shared_setting_is_refused(load) -> None:

@@ -35,7 +35,7 @@ def problem_paths(registry: PluginRegistry, **kwargs: object) -> tuple[list[str]
         ({"chunk_size": 1e32}, "chunk_size", "not a float"),
         ({"chunk_size": 10**32}, "chunk_size", "less than or equal"),
         ({"chunk_size": 8.0}, "chunk_size", "not a float"),
-        ({"store": {"queue_max_batches": False}}, "store.queue_max_batches", "not a boolean"),
+        ({"store": {"queue": {"max_items": False}}}, "store.queue.max_items", "not a boolean"),
         ({"tiers": [{"type": "cpu", "max_bytes": True}]}, "tiers[0].max_bytes", "not a boolean"),
         ({"tiers": [{"type": "disk", "path": "/tmp/a\0b"}]}, "tiers[0].path", "NUL"),
         ({"tiers": [{"type": "disk", "path": ""}]}, "tiers[0].path", "empty"),
@@ -122,15 +122,15 @@ MOONCAKE = {"type": "mooncake", "master": "127.0.0.1:1", "metadata_server": "P2P
 @pytest.mark.parametrize(
     ("settings", "path", "bound"),
     [
-        ({"store": {"block_timeout_s": INF}}, "store.block_timeout_s", "less than or equal to 3600"),
-        ({"store": {"block_timeout_s": NAN}}, "store.block_timeout_s", "less than or equal to 3600"),
-        ({"store": {"block_timeout_s": 1e9}}, "store.block_timeout_s", "less than or equal to 3600"),
-        ({"store": {"queue_max_batches": 10**9}}, "store.queue_max_batches", "less than or equal to 65536"),
+        ({"store": {"queue": {"block_timeout_s": INF}}}, "store.queue.block_timeout_s", "less than or equal to 3600"),
+        ({"store": {"queue": {"block_timeout_s": NAN}}}, "store.queue.block_timeout_s", "less than or equal to 3600"),
+        ({"store": {"queue": {"block_timeout_s": 1e9}}}, "store.queue.block_timeout_s", "less than or equal to 3600"),
+        ({"store": {"queue": {"max_items": 10**9}}}, "store.queue.max_items", "less than or equal to 65536"),
         ({"copy_threads": 100000}, "copy_threads", "less than or equal to 256"),
         ({"lookup_timeout_ms": 10**12}, "lookup_timeout_ms", "less than or equal to 3600000"),
         (
-            {"tiers": [{"type": "cpu", "write_queue_items": 10**9}]},
-            "tiers[0].write_queue_items",
+            {"tiers": [{"type": "cpu", "queue": {"max_items": 10**9}}]},
+            "tiers[0].queue.max_items",
             "less than or equal to 65536",
         ),
         ({"tiers": [{**VALKEY, "request_timeout_s": INF}]}, "tiers[0].request_timeout_s", "less than or equal to 3600"),
@@ -150,8 +150,8 @@ MOONCAKE = {"type": "mooncake", "master": "127.0.0.1:1", "metadata_server": "P2P
             "less than or equal to 256",
         ),
         (
-            {"tiers": [{"type": "disk", "path": "/tmp/x", "block_timeout_s": INF}]},
-            "tiers[0].block_timeout_s",
+            {"tiers": [{"type": "disk", "path": "/tmp/x", "queue": {"block_timeout_s": INF}}]},
+            "tiers[0].queue.block_timeout_s",
             "less than or equal to 3600",
         ),
         (
@@ -160,8 +160,13 @@ MOONCAKE = {"type": "mooncake", "master": "127.0.0.1:1", "metadata_server": "P2P
             "less than or equal to 604800",
         ),
         (
-            {"tiers": [{"type": "disk", "path": "/tmp/x", "queue_items": 10**9}]},
-            "tiers[0].queue_items",
+            {"tiers": [{**VALKEY, "queue": {"max_bytes": 0}}]},
+            "tiers[0].queue.max_bytes",
+            "greater than 0",
+        ),
+        (
+            {"tiers": [{"type": "disk", "path": "/tmp/x", "queue": {"max_items": 10**9}}]},
+            "tiers[0].queue.max_items",
             "less than or equal to 65536",
         ),
     ],
@@ -178,27 +183,27 @@ def test_values_that_cannot_be_right_name_field_value_and_bound(
 
 
 def test_infinity_from_yaml_and_the_environment_is_refused(remote_registry: PluginRegistry, tmp_path: Path) -> None:
-    """YAML's ``.inf`` and ``KVPLUG_STORE__BLOCK_TIMEOUT_S=inf`` are floats pydantic takes as they are."""
+    """YAML's ``.inf`` and ``KVPLUG_STORE__QUEUE__BLOCK_TIMEOUT_S=inf`` are floats pydantic takes as they are."""
     config = tmp_path / "c.yaml"
     config.write_text(
-        "store: {block_timeout_s: .inf}\ntiers: [{type: valkey, url: 'redis://127.0.0.1:1', request_timeout_s: .inf}]\n"
+        "store: {queue: {block_timeout_s: .inf}}\ntiers: [{type: valkey, url: 'redis://127.0.0.1:1', request_timeout_s: .inf}]\n"
     )
     paths, text = problem_paths(remote_registry, config_file=config)
-    assert paths == ["store.block_timeout_s", "tiers[0].request_timeout_s"], text
+    assert paths == ["store.queue.block_timeout_s", "tiers[0].request_timeout_s"], text
     assert "finite" in text and "(got inf)" in text
-    paths, _ = problem_paths(remote_registry, env={"KVPLUG_STORE__BLOCK_TIMEOUT_S": "inf"})
-    assert paths == ["store.block_timeout_s"]
+    paths, _ = problem_paths(remote_registry, env={"KVPLUG_STORE__QUEUE__BLOCK_TIMEOUT_S": "inf"})
+    assert paths == ["store.queue.block_timeout_s"]
 
 
 def test_bounded_values_at_the_bounds_are_accepted(remote_registry: PluginRegistry) -> None:
     settings = {
         "copy_threads": 256,
         "lookup_timeout_ms": 3_600_000,
-        "store": {"block_timeout_s": 3600, "queue_max_batches": 65536},
+        "store": {"queue": {"block_timeout_s": 3600, "max_items": 65536}},
         "tiers": [{**VALKEY, "request_timeout_s": 0.001, "backoff_base_s": 0, "ttl_s": 86400}],
     }
     config = load_config(registry=remote_registry, env={}, engine_extra={"kvplug": settings}).config
-    assert config.copy_threads == 256 and config.store.block_timeout_s == 3600
+    assert config.copy_threads == 256 and config.store.queue.block_timeout_s == 3600
     assert load_config(registry=remote_registry, env={}, engine_extra={"kvplug": {"copy_threads": "auto"}})
 
 

@@ -85,7 +85,7 @@ def test_the_guide_plugin_installs_and_is_used_by_name(tmp_path: Path) -> None:
     use = f"""
 import torch
 from kvplug import CacheEngine, Fingerprint, KVLayout, PagedFormat, load_config
-config = load_config(engine_extra={{"kvplug": {{"chunk_size": 4, "store": {{"mode": "sync"}},
+config = load_config(engine_extra={{"kvplug": {{"chunk_size": 4, "store": {{"queue": {{"mode": "sync"}}}},
     "tiers": [{{"type": "sqlite", "path": {str(db)!r}, "max_bytes": "1MiB"}}]}}}}, env={{}}).config
 layout = KVLayout(PagedFormat("sglang_mha", ("slot", "head", "dim"), tensors=2), 2, 1, 2, 4, torch.float32)
 caches = [(torch.randn(32, 2, 4), torch.randn(32, 2, 4)) for _ in range(2)]

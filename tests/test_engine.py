@@ -95,7 +95,9 @@ def _untrusted_memory_plugin():
 
 def _engine_on(tiers: list[dict], registry: PluginRegistry, layout) -> CacheEngine:
     config = load_config(
-        engine_extra={"kvplug": {"chunk_size": 8, "store": {"mode": "sync"}, "tiers": tiers}}, env={}, registry=registry
+        engine_extra={"kvplug": {"chunk_size": 8, "store": {"queue": {"mode": "sync"}}, "tiers": tiers}},
+        env={},
+        registry=registry,
     ).config
     return CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry)
 
@@ -298,7 +300,11 @@ def test_a_failing_tier_is_a_miss_not_an_error() -> None:
     registry.register(_BrokenPlugin, "broken-test")
     config = load_config(
         engine_extra={
-            "kvplug": {"chunk_size": 8, "store": {"mode": "sync"}, "tiers": [{"type": "broken"}, {"type": "cpu"}]}
+            "kvplug": {
+                "chunk_size": 8,
+                "store": {"queue": {"mode": "sync"}},
+                "tiers": [{"type": "broken"}, {"type": "cpu"}],
+            }
         },
         env={},
         registry=registry,
@@ -318,7 +324,7 @@ def test_async_store_queue_drops_when_full_and_counts(registry) -> None:
     config = load_config(
         engine_extra={
             "kvplug.chunk_size": 8,
-            "kvplug.store": {"mode": "async", "queue_max_batches": 1, "on_full": "drop"},
+            "kvplug.store": {"queue": {"mode": "async", "max_items": 1, "on_full": "drop"}},
         },
         env={},
         registry=registry,
@@ -403,15 +409,17 @@ class _WatchedTier:
         return Plugin
 
 
-@pytest.mark.parametrize("write_mode", ["async", "sync"])
-def test_store_asks_only_tiers_written_on_the_callers_side_what_they_hold(write_mode: str) -> None:
+@pytest.mark.parametrize("queue_mode", ["async", "sync"])
+def test_store_asks_only_tiers_written_on_the_callers_side_what_they_hold(queue_mode: str) -> None:
     """A store must not wait on a remote tier's round trip (S3 HEADs) just to skip a copy."""
     registry = PluginRegistry(plugin_filter="cpu")
     registry.register(_WatchedTier.plugin(), "watched-test")
     _WatchedTier.calls.clear()
-    tiers = [{"type": "cpu"}, {"type": "remote", "write_mode": write_mode}]
+    tiers = [{"type": "cpu"}, {"type": "remote", "queue": {"mode": queue_mode}}]
     config = load_config(
-        engine_extra={"kvplug": {"chunk_size": 8, "store": {"mode": "sync"}, "tiers": tiers}}, env={}, registry=registry
+        engine_extra={"kvplug": {"chunk_size": 8, "store": {"queue": {"mode": "sync"}}, "tiers": tiers}},
+        env={},
+        registry=registry,
     ).config
     layout = LAYOUTS["sglang_mha"]
     caller = threading.current_thread().name
@@ -420,11 +428,11 @@ def test_store_asks_only_tiers_written_on_the_callers_side_what_they_hold(write_
         engine.store(prompt(16), caches, torch.arange(16))
         engine.flush()
         asked_by_caller = _WatchedTier.calls.count(caller)
-        # The remote tier still checks, on its writer thread, before it writes: no duplicate put.
+        # The remote tier still checks, on its write queue's thread, before it writes: no duplicate put.
         engine.chain.put([(k.key, b"x") for k in engine.chunk_keys(prompt(16))])
         engine.flush()
         remote = dict(engine.chain.stats())["1:remote"]
-    if write_mode == "async":
+    if queue_mode == "async":
         assert asked_by_caller == 0 and _WatchedTier.calls
     else:
         assert asked_by_caller >= 1  # a sync tier is written by the caller anyway: asking is as cheap

@@ -81,7 +81,14 @@ class EngineLoadsOnlyTheRightKV(RuleBasedStateMachine):
         registry = PluginRegistry(plugin_filter="cpu,disk")
         chunk_bytes = CHUNK * LAYOUT.bytes_per_token() + 4096
         tiers = [{"type": "cpu", "max_bytes": 3 * chunk_bytes}, {"type": "disk", "path": str(self.folder)}]
-        extra = {"kvplug": {"chunk_size": CHUNK, "save_unfull_chunk": False, "store": {"mode": "sync"}, "tiers": tiers}}
+        extra = {
+            "kvplug": {
+                "chunk_size": CHUNK,
+                "save_unfull_chunk": False,
+                "store": {"queue": {"mode": "sync"}},
+                "tiers": tiers,
+            }
+        }
         config = load_config(engine_extra=extra, env={}, registry=registry).config
         return CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="prefix-kv"), registry=registry)
 

@@ -127,7 +127,7 @@ def _worker(spec: dict[str, Any]) -> None:
     layout = KVLayout(VLLM_FLASH, num_layers=2, block_size=BLOCK, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
     extra = {
         "kvplug.chunk_size": CHUNK,
-        "kvplug.store.mode": "sync",
+        "kvplug.store.queue.mode": "sync",
         "kvplug.lookup_timeout_ms": LOOKUP_BUDGET_MS,
         "kvplug.tiers": [{"type": "cpu", "max_bytes": "64MiB"}, spec["tier"]],
     }

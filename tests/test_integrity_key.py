@@ -51,8 +51,8 @@ POISON = textwrap.dedent(
     root = Path(sys.argv[1])
     for attack in sys.argv[2:]:
         folder = root / attack
-        extra = {"kvplug": {"chunk_size": 8, "store": {"mode": "sync"},
-                            "tiers": [{"type": "disk", "path": str(folder), "writer": "inline"}]}}
+        extra = {"kvplug": {"chunk_size": 8, "store": {"queue": {"mode": "sync"}},
+                            "tiers": [{"type": "disk", "path": str(folder), "queue": {"mode": "sync"}}]}}
         with CacheEngine(load_config(engine_extra=extra, env={}).config, layout, fingerprint) as engine:
             engine.store(a, caches, torch.arange(16))
             engine.store(b, caches, torch.arange(16, 32))

@@ -47,17 +47,17 @@ def test_queue_byte_bounds_are_settings_with_a_positive_value(tmp_path: Path) ->
     config = load_config(
         engine_extra={
             "kvplug": {
-                "store": {"queue_max_bytes": "64MiB"},
+                "store": {"queue": {"max_bytes": "64MiB"}},
                 "tiers": [
                     {"type": "cpu", "max_bytes": "1GiB"},
-                    {"type": "disk", "path": str(tmp_path), "queue_bytes": "32MiB"},
+                    {"type": "disk", "path": str(tmp_path), "queue": {"max_bytes": "32MiB"}},
                 ],
             }
         },
         env={},
     ).config
-    assert int(config.store.queue_max_bytes) == 64 * 1024**2
-    assert int(config.tiers[1].options.queue_bytes) == 32 * 1024**2
-    assert int(config.tiers[0].options.write_queue_bytes) == 256 * 1024**2
-    with pytest.raises(ConfigError, match="queue_max_bytes"):
-        load_config(engine_extra={"kvplug": {"store": {"queue_max_bytes": 0}}}, env={})
+    assert int(config.store.queue.max_bytes) == 64 * 1024**2
+    assert int(config.tiers[1].options.queue.max_bytes) == 32 * 1024**2
+    assert int(config.tiers[0].options.queue.max_bytes) == 256 * 1024**2
+    with pytest.raises(ConfigError, match=r"store\.queue\.max_bytes"):
+        load_config(engine_extra={"kvplug": {"store": {"queue": {"max_bytes": 0}}}}, env={})

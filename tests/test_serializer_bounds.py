@@ -154,7 +154,7 @@ def test_the_engine_bounds_its_serializer_and_refuses_a_bound_below_its_chunk() 
     fingerprint = Fingerprint.for_layout(layout, model_id="m")
 
     def config(bound: int) -> KVPlugConfig:
-        extra = {"kvplug.chunk_size": 8, "kvplug.store.mode": "sync", "kvplug.max_chunk_bytes": bound}
+        extra = {"kvplug.chunk_size": 8, "kvplug.store.queue.mode": "sync", "kvplug.max_chunk_bytes": bound}
         return load_config(engine_extra=extra, env={}).config
 
     with CacheEngine(config(1536), layout, fingerprint) as engine:

@@ -24,7 +24,11 @@ def fill_store(folder: Path, prompts: int = 3) -> list[str]:
     """Store ``prompts`` prompts of two chunks each; returns the chunk keys."""
     config = load_config(
         engine_extra={
-            "kvplug": {"chunk_size": 8, "store": {"mode": "sync"}, "tiers": [{"type": "disk", "path": str(folder)}]}
+            "kvplug": {
+                "chunk_size": 8,
+                "store": {"queue": {"mode": "sync"}},
+                "tiers": [{"type": "disk", "path": str(folder)}],
+            }
         },
         env={},
     ).config

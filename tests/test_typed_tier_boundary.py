@@ -91,7 +91,7 @@ class _LegacyPlugin:
 
 def _engine(tiers: list[dict], registry: PluginRegistry, **extra: object) -> CacheEngine:
     layout = LAYOUTS["sglang_mha"]
-    kvplug = {"chunk_size": 8, "store": {"mode": "sync"}, "tiers": tiers, **extra}
+    kvplug = {"chunk_size": 8, "store": {"queue": {"mode": "sync"}}, "tiers": tiers, **extra}
     config = load_config(engine_extra={"kvplug": kvplug}, env={}, registry=registry).config
     return CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry)
 
@@ -107,15 +107,16 @@ def test_a_tier_with_a_plain_pydantic_config_still_loads_with_a_deprecation_warn
         assert isinstance(tier, LegacyDictTier) and tier.capacity == 100
         settings = engine.chain.settings[0]
         # Its own values of the settings it has, TierConfig's defaults for the others.
-        assert (settings.write_mode, settings.write_queue_items) == ("async", 7)
-        assert (settings.on_queue_full, settings.max_bytes) == ("drop", None)
-        assert settings.write_queue_bytes == TierConfig().write_queue_bytes
+        # (0.2's queue keys, write_mode and write_queue_items, read as queue settings.)
+        assert (settings.queue.mode, settings.queue.max_items) == ("async", 7)
+        assert (settings.queue.on_full, settings.max_bytes) == ("drop", None)
+        assert settings.queue.max_bytes == TierConfig().queue.max_bytes
 
         layout = LAYOUTS["sglang_mha"]
         tokens = list(range(100, 116))
         engine.store(tokens, random_caches(layout, NUM_BLOCKS), torch.arange(16))
         engine.chain.flush()
-        assert "writer_pending" in engine.chain.stats()[0][1].extra  # written by its async writer
+        assert "writer_pending" in engine.chain.stats()[0][1].extra  # written by its write queue
         assert engine.lookup(tokens) == 16
         assert engine.retrieve(tokens, random_caches(layout, NUM_BLOCKS, seed=1), torch.arange(16)).all()
 
@@ -124,10 +125,10 @@ def test_a_tier_config_subclass_is_read_as_is_without_a_warning() -> None:
     registry = PluginRegistry(plugin_filter="cpu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine = _engine([{"type": "cpu", "write_mode": "async", "write_queue_items": 3}], registry)
+        engine = _engine([{"type": "cpu", "queue": {"mode": "async", "max_items": 3}}], registry)
     with engine:
         assert engine.chain.settings[0] is engine.chain.tiers[0].config
-        assert engine.chain.settings[0].write_queue_items == 3
+        assert engine.chain.settings[0].queue.max_items == 3
     assert not [w for w in caught if NOT_TIER_CONFIG in str(w.message)]
 
 

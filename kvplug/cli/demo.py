@@ -42,7 +42,7 @@ def run_demo(console: Console, *, tokens: int = 4096, engine: str = "auto") -> d
 
 
 def run_synthetic_demo(console: Console, *, num_tokens: int = 4096, seed: int = 0) -> dict[str, Any]:
-    loaded = load_config(engine_extra={"kvplug.store.mode": "sync"})
+    loaded = load_config(engine_extra={"kvplug.store.queue.mode": "sync"})
     layout = DEMO_LAYOUT
     generator = torch.Generator().manual_seed(seed)
     blocks_needed = -(-num_tokens // layout.block_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +62,11 @@ def config_show(file: Path | None = ConfigFileOpt) -> None:
     table.add_column("setting")
     table.add_column("value")
     table.add_column("source")
-    for key, value in data.items():
-        if isinstance(value, dict) and key not in ("serializer", "connector"):
-            for sub, subvalue in value.items():
-                path = f"{key}.{sub}"
-                table.add_row(path, _show(subvalue), loaded.sources.get(path, loaded.sources.get(key, "default")))
-        else:
-            table.add_row(key, _show(value), loaded.sources.get(key, "default"))
+    for path, value in _settings(data):
+        # A value's source is its own, else that of the section that set it whole.
+        parts = path.split(".")
+        sources = (loaded.sources.get(".".join(parts[:n])) for n in range(len(parts), 0, -1))
+        table.add_row(path, _show(value), next((s for s in sources if s is not None), "default"))
     # The integrity key is not a config setting (never in a file), but it decides how records are framed.
     # load_config refused an unusable key setting (set but empty, both set) already.
     key_from = run_or_exit(integrity_key_variable)
@@ -99,6 +98,16 @@ def demo(
     from kvplug.cli.demo import run_demo
 
     run_or_exit(lambda: run_demo(console, tokens=tokens, engine=engine))
+
+
+def _settings(data: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(dotted path, value)`` of every setting; sections (``store``, ``store.queue``)
+    flattened, component entries (``serializer``, ``connector``, ``tiers``) whole."""
+    for key, value in data.items():
+        if isinstance(value, dict) and (prefix or key not in ("serializer", "connector")):
+            yield from _settings(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def _show(value: Any) -> str:

@@ -17,14 +17,25 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, PrivateAttr, ValidationError
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 from kvplug.core.chunk_format import DEFAULT_MAX_CHUNK_BYTES
 from kvplug.core.components import CheckedModel
 from kvplug.core.concerns import CONCERNS_BY_KEY, CONFIG_CONCERNS, install_command
 from kvplug.core.config_problems import problems_from_validation_error
-from kvplug.core.config_types import QueueItems, ThreadCount, TimeoutMilliseconds, TimeoutSeconds
+from kvplug.core.config_types import ThreadCount, TimeoutMilliseconds
 from kvplug.core.plugins import PluginRegistry, get_registry
+from kvplug.core.queue_settings import STORE_QUEUE_KEYS, QueueSettings, upgrade_queue_keys
 from kvplug.errors import ConfigError, ConfigProblem
 
 
@@ -67,21 +78,15 @@ class StoreSettings(CheckedModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: Literal["async", "sync"] = Field(
-        default="async", description="async: a worker thread writes; sync: the caller does."
-    )
-    queue_max_batches: QueueItems = Field(default=64, description="Bound of the store queue.")
-    queue_max_bytes: ByteSize = Field(
-        default=ByteSize(256 * 1024**2),
-        gt=0,
-        description="Bound of the store queue in bytes of chunk data (queued and being written); "
-        "past it a store waits or drops as on_full says, as for a full queue.",
-    )
-    on_full: Literal["block", "drop"] = Field(
-        default="block", description="When the queue is full: wait (up to block_timeout_s) or drop."
-    )
-    block_timeout_s: TimeoutSeconds = Field(
-        default=30.0, description="A blocked store waits at most this long, then is dropped."
+    @model_validator(mode="before")
+    @classmethod
+    def _upgrade_queue_keys(cls, data: Any, info: ValidationInfo) -> Any:
+        return upgrade_queue_keys(cls, data, STORE_QUEUE_KEYS, "store", info)
+
+    queue: QueueSettings = Field(
+        default_factory=lambda: QueueSettings(mode="async", max_items=64, on_full="block"),
+        description="The store queue between store calls and the tiers: async, a worker thread writes the "
+        "tiers; sync, the store call does. Its bytes count chunk data queued and being written.",
     )
     frame_pool_bytes: ByteSize | None = Field(
         default=None,
@@ -328,7 +333,7 @@ def _validate_options(
     options: dict[str, Any], model: type[BaseModel], path: str, problems: list[ConfigProblem]
 ) -> BaseModel | None:
     try:
-        return model.model_validate(options)
+        return model.model_validate(options, context={"path": path})
     except ValidationError as exc:
         problems.extend(problems_from_validation_error(exc, options, prefix=path, model=model))
         return None
@@ -375,7 +380,7 @@ def _check_memory_budgets(
         budget = getattr(spec._options, "max_bytes", None)
         if component is not None and getattr(component, "keeps_buffers", False) and budget:
             held.append((f"tiers[{index}].max_bytes", int(budget)))
-    queue = int(config.store.queue_max_bytes) if config.store.mode == "async" else 0
+    queue = int(config.store.queue.max_bytes) if config.store.queue.mode == "async" else 0
     wanted = sum(budget for _, budget in held) + queue
     available, what = physical_memory()
     if held and wanted > available:
@@ -384,7 +389,7 @@ def _check_memory_budgets(
             ConfigProblem(
                 path,
                 budget,
-                f"in-memory tiers' max_bytes ({' + '.join(_gib(b) for _, b in held)}) plus store.queue_max_bytes "
+                f"in-memory tiers' max_bytes ({' + '.join(_gib(b) for _, b in held)}) plus store.queue.max_bytes "
                 f"({_gib(queue)}) need {_gib(wanted)}, more than {what} of this machine: {_gib(available)}; "
                 "lower max_bytes",
             )

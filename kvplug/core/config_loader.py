@@ -137,7 +137,7 @@ def adapter_environment(registry: PluginRegistry) -> frozenset[str]:
 
 
 def env_layer(env: Mapping[str, str], reserved: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """``KVPLUG_CHUNK_SIZE=128``, ``KVPLUG_STORE__MODE=sync``, ``KVPLUG_TIERS='[...]'``.
+    """``KVPLUG_CHUNK_SIZE=128``, ``KVPLUG_STORE__QUEUE__MODE=sync``, ``KVPLUG_TIERS='[...]'``.
 
     ``reserved``: more names that are not settings (see :func:`adapter_environment`)."""
     fields = {name.upper() for name in KVPlugConfig.model_fields}
@@ -173,7 +173,7 @@ def engine_config_layer(extra: Mapping[str, Any]) -> tuple[dict[str, Any], str |
     """kvplug's part of an engine's extra config, and the config file it names.
 
     Accepts ``{"kvplug": {...}}`` and ``{"kvplug.chunk_size": 128,
-    "kvplug.store.mode": "sync", "kvplug.config": "kvplug.yaml"}``; other keys
+    "kvplug.store.queue.mode": "sync", "kvplug.config": "kvplug.yaml"}``; other keys
     belong to other connectors and are ignored.
     """
     layer: dict[str, Any] = {}

@@ -83,15 +83,16 @@ class CacheEngine:
             self._frame_pool_bytes(self.chain), pin=pin_frames, prefault=self.config.store.prefault_frames
         )
         self._store_worker: BackgroundWorker[StoreBatch] | None = None
-        if self.config.store.mode == "async":
+        queue = self.config.store.queue
+        if queue.mode == "async":
             self._store_worker = BackgroundWorker(
                 "kvplug-store",
                 self._write_batch,
-                max_items=self.config.store.queue_max_batches,
-                max_bytes=int(self.config.store.queue_max_bytes),
+                max_items=queue.max_items,
+                max_bytes=int(queue.max_bytes),
                 size_of=lambda batch: sum(memoryview(frame).nbytes for _, frame, _ in batch),
-                on_full=self.config.store.on_full,
-                block_timeout_s=self.config.store.block_timeout_s,
+                on_full=queue.on_full,
+                block_timeout_s=queue.block_timeout_s,
                 on_drop=lambda batch: self.metrics.store_dropped.labels("engine").inc(),
             )
         self._closed = False
@@ -336,7 +337,7 @@ class CacheEngine:
             return
         self._closed = True
         if self._store_worker is not None:
-            self._store_worker.close(drain=drain)
+            self._store_worker.close(drain=drain and self.config.store.queue.on_close == "drain")
         self.chain.close(drain=drain)
         self._copies.close()
         self.frame_pool.close()

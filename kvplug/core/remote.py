@@ -29,11 +29,12 @@ import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import Field, PositiveInt
 
 from kvplug.core.config_types import BackoffSeconds, Concurrency, FailureCount, TimeoutSeconds
+from kvplug.core.queue_settings import QueueSettings
 from kvplug.core.retry import (
     BreakerState,
     CircuitBreaker,
@@ -83,10 +84,10 @@ def remaining_budget_s() -> float | None:
 class RemoteTierConfig(TierConfig):
     """Options every remote tier shares. Remote tier ``Config`` classes subclass it."""
 
-    write_mode: Literal["sync", "async"] = Field(
-        default="async",
-        description="async: the tier chain writes this tier from its own bounded background writer, "
-        "so a slow store never delays a store call.",
+    queue: QueueSettings = Field(
+        default_factory=lambda: QueueSettings(mode="async"),
+        description="How the tier chain writes this tier; async by default: from a bounded write queue of "
+        "its own, so a slow store never delays a store call (values queued there are readable at once).",
     )
     request_timeout_s: TimeoutSeconds = Field(
         default=2.0, description="Deadline of one attempt of one store operation, transfer included."

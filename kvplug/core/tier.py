@@ -9,12 +9,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ByteSize, Field
+from pydantic import BaseModel, ByteSize, Field, ValidationInfo, model_validator
 
 from kvplug.core.components import ComponentConfig
-from kvplug.core.config_types import QueueItems
 from kvplug.core.events import KVEvent
 from kvplug.core.metrics import EngineMetrics
+from kvplug.core.queue_settings import TIER_QUEUE_KEYS, OldQueueKey, QueueSettings, upgrade_queue_keys
 
 #: What ``get`` returns for a key: the whole value, or ``None`` for a miss.
 Buffer = bytes | bytearray | memoryview
@@ -31,24 +31,29 @@ UNBOUNDED_BYTES = 2**62
 
 
 class TierConfig(ComponentConfig):
-    """Options every tier understands. Tier ``Config`` classes subclass it."""
+    """Options every tier understands. Tier ``Config`` classes subclass it.
+
+    A subclass gives its tiers other queue defaults by redeclaring ``queue`` with another
+    default (``RemoteTierConfig``: async); a user's partial ``queue:`` mapping changes only
+    the keys it names. A subclass whose tiers had options of their own that became queue
+    settings lists them in ``old_queue_keys`` (kvplug 0.2 keys, accepted for one release).
+    """
+
+    #: Old keys that became ``queue.<field>`` (each warns, naming its new key).
+    old_queue_keys: ClassVar[Mapping[str, OldQueueKey]] = TIER_QUEUE_KEYS
 
     max_bytes: ByteSize | None = Field(default=None, description="Byte budget of stored values; None means unbounded.")
-    write_mode: Literal["sync", "async"] = Field(
-        default="sync",
-        description="sync: the store worker writes this tier directly; async: a "
-        "bounded background writer of its own does, so a slow tier never delays faster ones "
-        "(and a store does not ask it what it holds until that writer does).",
+    queue: QueueSettings = Field(
+        default_factory=QueueSettings,
+        description="How the tier chain writes this tier: sync, from the store worker's thread, or async, through "
+        "a bounded write queue of the chain's own (values queued there are readable at once; a store does "
+        "not ask an async tier what it holds until its queue writes).",
     )
-    write_queue_items: QueueItems = Field(default=1024, description="Bound of the async writer's queue, in batches.")
-    write_queue_bytes: ByteSize = Field(
-        default=ByteSize(256 * 1024**2),
-        gt=0,
-        description="Bound of the async writer's queue in bytes of values (queued and being written).",
-    )
-    on_queue_full: Literal["block", "drop"] = Field(
-        default="drop", description="What an async writer does when its queue is full."
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _upgrade_queue_keys(cls, data: Any, info: ValidationInfo) -> Any:
+        return upgrade_queue_keys(cls, data, cls.old_queue_keys, "", info)
 
 
 @dataclass
@@ -93,7 +98,7 @@ class StorageTier(ABC):
 
     name: ClassVar[str]
     #: The tier's options, a :class:`TierConfig` subclass: the chain reads the settings
-    #: every tier has (``max_bytes``, ``write_mode`` ...) from it. A plain pydantic model
+    #: every tier has (``max_bytes``, ``queue`` ...) from it. A plain pydantic model
     #: (kvplug 0.2) still works, deprecated: see :func:`tier_settings`.
     Config: ClassVar[type[TierConfig]] = TierConfig
     #: Where the values live: ``memory`` (this process's or this host's memory, read at
@@ -160,7 +165,12 @@ class StorageTier(ABC):
         """A snapshot of the tier's counters."""
 
     def flush(self) -> None:  # noqa: B027 - a no-op for tiers whose puts are visible at once
-        """Wait until every ``put`` accepted so far is visible to ``get``."""
+        """Wait until every ``put`` accepted so far is visible to ``get``, and finish work a
+        tier defers across puts (the disk tier's folder fsyncs).
+
+        The tier chain calls it when the tier's write queue runs empty and after each
+        put written from the caller's thread, so a tier may group such work over the
+        puts of a busy queue instead of doing it in every put."""
 
     @abstractmethod
     def close(self) -> None:
@@ -193,4 +203,7 @@ def tier_settings(tier: StorageTier) -> TierConfig:
         stacklevel=2,
     )
     fields = type(config).model_fields.keys() if isinstance(config, BaseModel) else set()
-    return TierConfig.model_validate({name: getattr(config, name) for name in TierConfig.model_fields.keys() & fields})
+    known = TierConfig.model_fields.keys() | TierConfig.old_queue_keys.keys()
+    with warnings.catch_warnings():  # warned above, once for the tier; not once per old key
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return TierConfig.model_validate({name: getattr(config, name) for name in known & fields})

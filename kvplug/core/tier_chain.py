@@ -1,8 +1,10 @@
 """An ordered list of storage tiers, fastest first, used as one store.
 
-- ``put`` writes through to every tier that lacks the key: ``sync`` tiers from
-  the calling (store worker) thread, ``async`` tiers through a bounded writer of
-  their own, so a slow S3 never delays what the CPU tier can serve.
+- ``put`` writes through to every tier that lacks the key: ``queue.mode: sync``
+  tiers from the calling (store worker) thread, ``async`` tiers through the one
+  bounded write queue the chain keeps for each (:mod:`kvplug.core.write_queue`), so
+  a slow S3 never delays what the CPU tier can serve. Reads answer from an async
+  tier's queue first: what is queued for it is readable at once.
 - ``fetch_prefix`` reads through: the first tier holding a chunk serves it. It
   does not promote: ``promote`` writes a hit from a slower tier to the faster
   ones once the caller has verified it (:class:`kvplug.ChunkStore` does both).
@@ -19,12 +21,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
-from kvplug.core.background import BackgroundWorker
 from kvplug.core.events import KVEvent
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry
 from kvplug.core.remote import call_budget, remaining_budget_s
 from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierContext, TierStats, tier_settings
+from kvplug.core.write_queue import WriteQueue
 from kvplug.errors import TierOpenError
 
 logger = logging.getLogger("kvplug.tiers")
@@ -47,23 +49,38 @@ class Fetched:
 
 @dataclass
 class _Slot:
-    """A tier, its settings and how it is written; its calls guarded.
+    """A tier, its settings and its write queue (async tiers); its calls guarded.
 
     Each guarded call is the tier's own method: a tier that raises answers ``None``
     (a miss), counted in ``tier_errors`` under the operation's name and logged.
+    ``contains`` and ``get`` answer for keys in the write queue from the queue.
     """
 
     tier: StorageTier
     settings: TierConfig
     label: str
-    writer: BackgroundWorker[Items] | None
+    queue: WriteQueue | None
     metrics: EngineMetrics
 
     def contains(self, keys: list[str]) -> list[bool] | None:
+        queued = self.queue.values(keys) if self.queue is not None else [None] * len(keys)
+        ask = [key for key, value in zip(keys, queued) if value is None]
+        if len(ask) == len(keys):
+            return self.stored(keys)
+        answers = iter((self.stored(ask) if ask else None) or [False] * len(ask))
+        return [value is not None or bool(next(answers)) for value in queued]
+
+    def stored(self, keys: list[str]) -> list[bool] | None:
+        """``contains`` of the tier itself, not counting its queue."""
         return self._guard("contains", self.tier.contains, keys)
 
     def get(self, keys: list[str]) -> list[Buffer | None] | None:
-        return self._guard("get", self.tier.get, keys)
+        queued = self.queue.values(keys) if self.queue is not None else [None] * len(keys)
+        ask = [key for key, value in zip(keys, queued) if value is None]
+        if len(ask) == len(keys):
+            return self._guard("get", self.tier.get, keys)
+        answers = iter((self._guard("get", self.tier.get, ask) if ask else None) or [None] * len(ask))
+        return [value if value is not None else next(answers) for value in queued]
 
     def put(self, items: Items) -> None:
         self._guard("put", self.tier.put, items)
@@ -89,10 +106,6 @@ class _Slot:
             return None
 
 
-def _items_bytes(items: Items) -> int:
-    return sum(memoryview(value).nbytes for _, value in items)
-
-
 class TierChain:
     """Tiers fastest first; see the module docstring for the semantics."""
 
@@ -112,18 +125,16 @@ class TierChain:
         for index, tier in enumerate(tiers):
             label = f"{index}:{tier.name}"
             settings = tier_settings(tier)
-            writer = None
-            if settings.write_mode == "async":
-                writer = BackgroundWorker(
+            queue = None
+            if settings.queue.mode == "async":
+                queue = WriteQueue(
                     f"kvplug-writer-{label}",
+                    settings.queue,
                     functools.partial(self._put_missing_at, index),
-                    max_items=settings.write_queue_items,
-                    max_bytes=int(settings.write_queue_bytes),
-                    size_of=_items_bytes,
-                    on_full=settings.on_queue_full,
-                    on_drop=functools.partial(self._count_drop, label),
+                    settle=functools.partial(self._settle_at, index),
+                    on_drop=self.metrics.store_dropped.labels(label).inc,
                 )
-            self._slots.append(_Slot(tier, settings, label, writer, self.metrics))
+            self._slots.append(_Slot(tier, settings, label, queue, self.metrics))
 
     @classmethod
     def open(
@@ -221,9 +232,9 @@ class TierChain:
         """Whether some tier holds each key.
 
         ``sync_tiers_only`` asks only the tiers written on the caller's side (not
-        ``write_mode: async``). The store path uses it to skip copying chunks that are
-        already cached, without waiting on a remote store: an async tier checks what
-        it lacks again on its own writer thread before it writes.
+        ``queue.mode: async``). The store path uses it to skip copying chunks that are
+        already cached, without waiting on a remote store: an async tier's queue checks
+        what the tier lacks again on its own thread before it writes.
 
         ``budget_s`` bounds the whole answer: remote tiers end their calls within it
         (:func:`kvplug.call_budget`), and tiers not asked before it ran out answer
@@ -232,7 +243,7 @@ class TierChain:
         present = [False] * len(keys)
         with call_budget(budget_s):
             for slot in self._slots:
-                if sync_tiers_only and slot.writer is not None:
+                if sync_tiers_only and slot.queue is not None:
                     continue
                 ask = [i for i, found in enumerate(present) if not found]
                 if not ask or self._budget_spent():
@@ -289,8 +300,12 @@ class TierChain:
         return all(slot.tier.trusted_reads for slot in self._slots)
 
     def discard(self, keys: Sequence[str]) -> None:
-        """Remove keys from every tier (a chunk found corrupt, ``store gc``)."""
+        """Remove keys from every tier (a chunk found corrupt, ``store gc``), cancelling
+        their writes still queued."""
         for slot in self._slots:
+            cancelled = slot.queue.cancel(keys) if slot.queue is not None else []
+            if cancelled:  # perhaps never written: the tier cannot report their removal itself
+                slot.tier.context.emit(KVEvent("removed", tuple(cancelled), tier=slot.tier.name))
             slot.remove(list(keys))
 
     # --- writes ---------------------------------------------------------------------
@@ -300,25 +315,30 @@ class TierChain:
         if not items:
             return
         for slot in self._slots:
-            if slot.writer is not None:  # a slow tier checks what it lacks on its own thread
-                slot.writer.submit(items)
+            if slot.queue is not None:  # a slow tier checks what it lacks on its queue's thread
+                slot.queue.submit(items)
             else:
                 self._put_missing(slot, items)
+                slot.flush()
 
     def _put_missing(self, slot: _Slot, items: Items) -> None:
-        answers = slot.contains([key for key, _ in items])
+        answers = slot.stored([key for key, _ in items])
         missing = items if answers is None else [item for item, has in zip(items, answers) if not has]
         if missing:
             slot.put(missing)
 
     def _write(self, slot: _Slot, items: Items) -> None:
-        if slot.writer is not None:
-            slot.writer.submit(items)
+        if slot.queue is not None:
+            slot.queue.submit(items)
         else:
             slot.put(items)
+            slot.flush()
 
     def _put_missing_at(self, index: int, items: Items) -> None:
         self._put_missing(self._slots[index], items)
+
+    def _settle_at(self, index: int) -> None:
+        self._slots[index].flush()
 
     def _promote(self, keys: Sequence[str], values: Sequence[Buffer], found_in: Sequence[int]) -> None:
         for index, slot in enumerate(self._slots):
@@ -332,25 +352,24 @@ class TierChain:
     def flush(self) -> None:
         """Wait until every accepted write is visible in its tier."""
         for slot in self._slots:
-            if slot.writer is not None:
-                slot.writer.flush()
+            if slot.queue is not None:
+                slot.queue.flush()
             slot.flush()
 
     def stats(self) -> list[tuple[str, TierStats]]:
         result = []
         for slot in self._slots:
             stats = slot.stats() or TierStats(errors=-1)
-            if slot.writer is not None:
-                stats.extra["writer_dropped"] = slot.writer.dropped
-                stats.extra["writer_pending"] = slot.writer.pending()
+            if slot.queue is not None:
+                stats.extra["writer_dropped"] = slot.queue.dropped
+                stats.extra["writer_pending"] = slot.queue.pending()
             result.append((slot.label, stats))
         return result
 
     def close(self, *, drain: bool = True) -> None:
+        """Close every tier, after its write queue has written (``drain`` and the
+        queue's ``on_close: drain``) or dropped what is queued."""
         for slot in self._slots:
-            if slot.writer is not None:
-                slot.writer.close(drain=drain)
+            if slot.queue is not None:
+                slot.queue.close(drain=drain)
             slot.close()
-
-    def _count_drop(self, label: str, items: Items) -> None:
-        self.metrics.store_dropped.labels(label).inc()

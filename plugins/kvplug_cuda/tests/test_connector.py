@@ -22,7 +22,7 @@ LAYOUT = KVLayout(VLLM_FLASH, num_layers=3, block_size=4, num_kv_heads=2, head_d
 
 
 def make_engine(registry, connector: dict, **settings: object) -> CacheEngine:
-    extra = {"kvplug.store.mode": "sync", "kvplug.chunk_size": 8, "kvplug.connector": connector}
+    extra = {"kvplug.store.queue.mode": "sync", "kvplug.chunk_size": 8, "kvplug.connector": connector}
     extra.update({f"kvplug.{key}": value for key, value in settings.items()})
     config = load_config(engine_extra=extra, env={}, registry=registry).config
     return CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="cuda-test"), registry=registry)

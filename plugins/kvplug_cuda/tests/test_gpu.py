@@ -110,7 +110,9 @@ def test_auto_picks_cuda_when_it_is_available() -> None:
 
     registry = PluginRegistry(plugin_filter="cuda,cpu")
     config = load_config(
-        engine_extra={"kvplug.store.mode": "sync", "kvplug.connector": {"type": "auto"}}, env={}, registry=registry
+        engine_extra={"kvplug.store.queue.mode": "sync", "kvplug.connector": {"type": "auto"}},
+        env={},
+        registry=registry,
     ).config
     with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="gpu"), registry=registry) as engine:
         assert isinstance(engine.connector, CudaConnector)
@@ -134,7 +136,7 @@ def test_pinned_frames_are_copied_to_and_from_directly() -> None:
     from kvplug.core.plugins import PluginRegistry
 
     registry = PluginRegistry(plugin_filter="cuda,cpu")
-    extra = {"kvplug.store.mode": "sync", "kvplug.chunk_size": 256, "kvplug.connector": {"type": "cuda"}}
+    extra = {"kvplug.store.queue.mode": "sync", "kvplug.chunk_size": 256, "kvplug.connector": {"type": "cuda"}}
     config = load_config(engine_extra=extra, env={}, registry=registry).config
     caches, slots, _, _ = _setup()
     tokens = list(range(256))

@@ -1,13 +1,14 @@
 """Tier ``disk``: one crash-safe record file per key in a folder, LRU within a byte budget.
 
 - Writes are atomic per key (temp file, fdatasync, rename, folder fsync; see
-  :mod:`kvplug_disk.files`), by default on the tier's own bounded writer thread
-  (see :mod:`kvplug_disk.config` for why it owns one). Values still queued are
-  served from memory, so a ``put`` is readable at once. The writer fsyncs the
-  folders it renamed into as a group: when its queue runs empty, at least every
-  ``FOLDER_SYNC_INTERVAL_S``, and on ``flush``/``close``. A rename not yet synced
-  can only be lost by a power failure, and then the key is simply absent: the
-  file's data was synced before the rename, so a name never points at torn bytes.
+  :mod:`kvplug_disk.files`). ``put`` writes before it returns; by default the tier
+  chain calls it from the write queue it keeps for the tier (``queue.mode: async``,
+  see :mod:`kvplug_disk.config`), which serves values still queued from memory. The
+  folders renamed into are fsynced as a group: on ``flush`` (which the chain's queue
+  calls when it runs empty), at least every ``FOLDER_SYNC_INTERVAL_S``, and on
+  ``close``. A rename not yet synced can only be lost by a power failure, and then
+  the key is simply absent: the file's data was synced before the rename, so a name
+  never points at torn bytes.
 - Every read verifies the record frame (magic, version, length, key digest,
   checksums). A bad file is a miss, counted as ``extra["corrupt"]``, and removed.
 - The index (digest -> size, LRU order) is rebuilt from the folder at start, so
@@ -31,7 +32,6 @@ from typing import Any
 
 from kvplug import (
     RECORD_HEADER_SIZE,
-    BackgroundWorker,
     Buffer,
     KVEvent,
     StorageTier,
@@ -49,15 +49,15 @@ from kvplug_disk.location import disk_location_config
 from kvplug_disk.preflight import check_folder
 from kvplug_disk.problems import ProblemLog, is_no_space, is_undeletable
 
-#: Longest a renamed record waits for its folder's fsync while the writer is busy.
+#: Longest a renamed record waits for its folder's fsync while puts keep coming (a busy queue).
 FOLDER_SYNC_INTERVAL_S = 1.0
 #: On a full disk, rounds of evicting this tier's oldest records (each twice the last) before a write gives up.
 NO_SPACE_ROUNDS = 4
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True)
 class _Write:
-    """One queued value; identity tells whether a later put or remove superseded it."""
+    """One value of a put, and the digest that names its file."""
 
     key: str
     digest: str
@@ -87,7 +87,6 @@ class DiskTier(StorageTier):
         self._budget = int(config.max_bytes)
         self._lock = threading.Lock()
         self._index = LRUIndex()
-        self._pending: dict[str, _Write] = {}
         self._stats = TierStats()
         self._counts = {"corrupt": 0, "incompatible": 0, "discovered": 0, "vanished": 0, "skipped_writes": 0}
         self._problems = ProblemLog(context.logger, self._error_counter(context))
@@ -119,18 +118,6 @@ class DiskTier(StorageTier):
             if config.write_threads > 1
             else None
         )
-        self._writer: BackgroundWorker[list[_Write]] | None = None
-        if config.writer == "background":
-            self._writer = BackgroundWorker(
-                f"kvplug-disk-writer:{config.path}",
-                self._write_batch,
-                max_items=config.queue_items,
-                max_bytes=int(config.queue_bytes),
-                size_of=lambda writes: sum(memoryview(write.value).nbytes for write in writes),
-                on_full=config.on_queue_full,
-                block_timeout_s=config.block_timeout_s,
-                on_drop=self._forget_pending,
-            )
 
     # --- reads ----------------------------------------------------------------------
 
@@ -139,10 +126,6 @@ class DiskTier(StorageTier):
         found = []
         for key in keys:
             digest = digest_of(key)
-            with self._lock:
-                if digest in self._pending:
-                    found.append(True)
-                    continue
             if self._skipped(digest):
                 found.append(False)
                 continue
@@ -163,11 +146,6 @@ class DiskTier(StorageTier):
 
     def _get_one(self, key: str) -> Buffer | None:
         digest = digest_of(key)
-        with self._lock:
-            queued = self._pending.get(digest)
-            if queued is not None:
-                self._stats.hits += 1
-                return memoryview(queued.value).toreadonly()
         if self._skipped(digest):
             with self._lock:
                 self._stats.misses += 1
@@ -253,7 +231,7 @@ class DiskTier(StorageTier):
         writes = []
         for key, value in items:
             view = memoryview(value)
-            if not view.c_contiguous:  # caught here: the writer thread could only log it
+            if not view.c_contiguous:  # before any file: a whole batch refused
                 raise TypeError(f"value for {key} is not a C-contiguous buffer")
             size = view.nbytes
             if size > self._budget:
@@ -261,29 +239,16 @@ class DiskTier(StorageTier):
                     f"value of {size} bytes for {key} exceeds max_bytes {self._budget} of tier disk"
                 )
             writes.append(_Write(key, digest_of(key), value))
-        if not writes:
-            return
-        if self._writer is None:
-            self._write_batch(writes)
-            return
-        with self._lock:
-            for write in writes:
-                self._pending[write.digest] = write
-        self._writer.submit(writes)  # a dropped batch comes back through _forget_pending
+        self._write_batch(writes)
 
     def _write_batch(self, writes: list[_Write]) -> None:
         wanted = [write for write in writes if self._still_wanted(write)]
         for write, temp in zip(wanted, self._write_temps(wanted)):
             if isinstance(temp, OSError):
                 self._entry_failed("write", write.digest, temp)
-                self._forget_pending([write])
                 continue
             evicted: list[str] = []
             with self._lock, self._ledger.locked() as usage:
-                if self._writer is not None and self._pending.get(write.digest) is not write:
-                    self._folder.discard_temp(temp)
-                    continue
-                self._pending.pop(write.digest, None)
                 self._index.pop(write.digest)  # replaced below; must not count against its own room
                 value_size = memoryview(write.value).nbytes
                 evicted = self._evict_for(usage, value_size)
@@ -303,17 +268,13 @@ class DiskTier(StorageTier):
                 self._dirty_folders.add(self._folder.shard_of(write.digest))
             if evicted:
                 self.context.emit(KVEvent("evicted", tuple(evicted), tier=self.name))
-        idle = self._writer is None or self._writer.pending() <= 1  # 1: the batch being handled
-        if idle or time.monotonic() - self._folders_synced_at >= FOLDER_SYNC_INTERVAL_S:
-            self._sync_folders()
+        if time.monotonic() - self._folders_synced_at >= FOLDER_SYNC_INTERVAL_S:
+            self._sync_folders()  # the rest on flush: the chain's queue calls it when it runs empty
 
     def _still_wanted(self, write: _Write) -> bool:
-        if self._writer is not None and not self._is_pending(write):
-            return False  # superseded by a later put, or removed
         if self._skipped(write.digest):  # a folder or an undeletable file holds its name
             with self._lock:
                 self._counts["skipped_writes"] += 1
-            self._forget_pending([write])
             return False
         return True
 
@@ -434,9 +395,8 @@ class DiskTier(StorageTier):
         with self._lock, self._ledger.locked() as usage:
             for key in keys:
                 digest = digest_of(key)
-                queued = self._pending.pop(digest, None) is not None
                 known = self._index.pop(digest) is not None
-                if self._unlink_record(usage, digest, "remove") or queued or known:
+                if self._unlink_record(usage, digest, "remove") or known:
                     removed.append(key)
         if removed:
             self.context.emit(KVEvent("removed", tuple(removed), tier=self.name))
@@ -444,9 +404,9 @@ class DiskTier(StorageTier):
     # --- lifecycle ------------------------------------------------------------------
 
     def flush(self) -> None:
+        """Puts are visible when they return; this fsyncs the folders renamed into since
+        the last sync, as a group (the tier chain's queue calls it when it runs empty)."""
         self._check_open()
-        if self._writer is not None:
-            self._writer.flush()
         self._sync_folders()
 
     def stats(self) -> TierStats:
@@ -463,8 +423,6 @@ class DiskTier(StorageTier):
                 "max_bytes": self._budget,
                 "folder_bytes": self._ledger.peek(),
                 "folder_budget_shared": int(self._ledger.shared),
-                "pending": len(self._pending),
-                "dropped": self._writer.dropped if self._writer is not None else 0,
                 "path": str(self.config.path),
             }
             return snapshot
@@ -474,8 +432,6 @@ class DiskTier(StorageTier):
             if self._closed:
                 return
             self._closed = True
-        if self._writer is not None:
-            self._writer.close(drain=self.config.on_close == "flush")
         if self._io is not None:
             self._io.shutdown(wait=True)
         self._sync_folders()
@@ -499,20 +455,10 @@ class DiskTier(StorageTier):
         elif entry.key is None:
             entry.key = key
 
-    def _is_pending(self, write: _Write) -> bool:
-        with self._lock:
-            return self._pending.get(write.digest) is write
-
-    def _forget_pending(self, writes: list[_Write]) -> None:
-        with self._lock:
-            for write in writes:
-                if self._pending.get(write.digest) is write:
-                    del self._pending[write.digest]
-
     @staticmethod
     def _error_counter(context: TierContext) -> Callable[[str], None] | None:
-        """Errors of the writer thread reach the engine's ``kvplug_tier_errors`` counter
-        (the tier chain counts only calls that raise, and the writer's never do)."""
+        """Errors of writes reach the engine's ``kvplug_tier_errors`` counter
+        (the tier chain counts only calls that raise, and failed writes are counted, not raised)."""
         metrics = getattr(context, "metrics", None)
         if metrics is None:
             return None

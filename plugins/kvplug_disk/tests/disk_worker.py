@@ -23,6 +23,7 @@ import random
 import sys
 from pathlib import Path
 
+from kvplug import TierChain
 from kvplug.testing import key_for, tier_context, value_for
 from kvplug_disk import DiskTier
 from kvplug_disk.ledger import LEDGER_NAME
@@ -45,16 +46,35 @@ def versions_of(index: int) -> set[bytes]:
     return {value_of(index, version) for version in range(VERSIONS)}
 
 
-def open_tier(path: str, *, writer: str = "inline", budget: int | None = None, **options: object) -> DiskTier:
-    options.update(path=path, writer=writer)
+class Queued:
+    """A disk tier written through the tier chain's write queue for it, as an engine writes it."""
+
+    def __init__(self, tier: DiskTier) -> None:
+        self.chain = TierChain([tier])
+
+    def put(self, items: list[tuple[str, bytes]]) -> None:
+        self.chain.put(items)
+
+    def remove(self, keys: list[str]) -> None:
+        self.chain.discard(keys)
+
+    def close(self) -> None:
+        self.chain.close()
+
+
+def open_tier(path: str, *, writer: str = "inline", budget: int | None = None, **queue: object) -> DiskTier | Queued:
+    """WRITER ``inline``: the tier itself; ``background``: through the chain's write queue."""
+    options: dict[str, object] = {"path": path, "fsync": queue.pop("fsync", True)}
+    options["queue"] = {"mode": "sync" if writer == "inline" else "async", **queue}
     if budget is not None:
         options["max_bytes"] = budget
-    return DiskTier(DiskTier.Config(**options), tier_context())
+    tier = DiskTier(DiskTier.Config(**options), tier_context())
+    return tier if writer == "inline" else Queued(tier)
 
 
 def write_forever(path: str, seed: int, writer: str, budget: int) -> None:
     # block: a producer faster than the disk waits, rather than dropping puts while removes run
-    tier = open_tier(path, writer=writer, budget=budget, on_queue_full="block", queue_items=4)
+    tier = open_tier(path, writer=writer, budget=budget, on_full="block", max_items=4)
     rng = random.Random(seed)
     print(f"ready {os.getpid()}", flush=True)
     while True:
@@ -67,10 +87,10 @@ def write_forever(path: str, seed: int, writer: str, budget: int) -> None:
 
 
 def store(path: str, count: int) -> None:
-    tier = open_tier(path, writer="background", on_queue_full="block")
+    tier = open_tier(path, writer="background", on_full="block")
     for index in range(count):
         tier.put([(key_of(index), value_of(index, 0))])
-    tier.close()  # on_close: flush writes what is still queued
+    tier.close()  # queue.on_close: drain writes what is still queued
 
 
 def fill(path: str, seed: int, count: int, size: int, budget: int) -> None:
@@ -80,7 +100,7 @@ def fill(path: str, seed: int, count: int, size: int, budget: int) -> None:
     holding the lock every tier of the folder takes (so no process is between an
     eviction and a rename). That is one sample per put, taken while the other
     processes write, however fast the machine is."""
-    tier = open_tier(path, writer="background", budget=budget, fsync=False, on_queue_full="block", queue_items=4)
+    tier = open_tier(path, writer="background", budget=budget, fsync=False, on_full="block", max_items=4)
     print("ready", flush=True)
     sys.stdin.readline()  # every process starts writing at once
     with (Path(path) / LEDGER_NAME).open("ab") as ledger:  # its own open file: flock excludes the tier's

@@ -34,11 +34,13 @@ def rss_kib(field: str) -> int:
 
 def main(folder: str, cpu_mib: int, queue_mib: int, stored_mib: int, bounded: bool) -> None:
     queue = f"{queue_mib}MiB"
-    disk = {"type": "disk", "path": folder, "max_bytes": "1GiB", "fsync": False, "on_queue_full": "block"}
-    store = {"mode": "async", "on_full": "block"}
+    disk_queue: dict[str, object] = {"mode": "async", "on_full": "block"}
+    store_queue: dict[str, object] = {"mode": "async", "on_full": "block"}
     if bounded:
-        disk["queue_bytes"] = queue
-        store["queue_max_bytes"] = queue
+        disk_queue["max_bytes"] = queue
+        store_queue["max_bytes"] = queue
+    disk = {"type": "disk", "path": folder, "max_bytes": "1GiB", "fsync": False, "queue": disk_queue}
+    store = {"queue": store_queue}
     config = load_config(
         engine_extra={
             "kvplug": {
@@ -77,7 +79,7 @@ def main(folder: str, cpu_mib: int, queue_mib: int, stored_mib: int, bounded: bo
                 "growth_mib": (peak - baseline) / 1024,
                 "stored_mib": prompts * CHUNKS_PER_PROMPT * chunk_bytes / 1024**2,
                 "seconds": round(seconds, 2),
-                "disk_dropped": stats["1:disk"].extra.get("dropped"),
+                "disk_dropped": stats["1:disk"].extra.get("writer_dropped"),
                 "disk_items": stats["1:disk"].items,
             }
         )

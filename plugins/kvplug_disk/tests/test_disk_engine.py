@@ -24,7 +24,7 @@ def engine_on(path: Path) -> CacheEngine:
         engine_extra={
             "kvplug": {
                 "chunk_size": 16,
-                "store": {"mode": "sync"},
+                "store": {"queue": {"mode": "sync"}},
                 "tiers": [{"type": "cpu"}, {"type": "disk", "path": str(path), "max_bytes": "64MiB"}],
             }
         },

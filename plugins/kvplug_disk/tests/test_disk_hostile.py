@@ -56,7 +56,7 @@ def store_cli(*args: str) -> Result:
 
 def test_a_directory_named_like_a_record_is_skipped_counted_and_never_a_hit(tmp_path: Path, caplog) -> None:
     keys = [key_for(f"d{i}") for i in range(6)]
-    tier = make_disk_tier(tmp_path, writer="inline")
+    tier = make_disk_tier(tmp_path)
     tier.put([(key, value_for(key, 1000)) for key in keys])
     tier.close()
     planted = record_path(tmp_path, keys[0])
@@ -65,7 +65,7 @@ def test_a_directory_named_like_a_record_is_skipped_counted_and_never_a_hit(tmp_
     (planted / "inside").write_bytes(b"x")
 
     # Start-up over budget: evicting the directory fails, eviction goes on with the others.
-    tier = make_disk_tier(tmp_path, 2_500, writer="inline")
+    tier = make_disk_tier(tmp_path, 2_500)
     stats = tier.stats()
     assert stats.bytes_used <= 2_500 and stats.extra["foreign"] == 1
     assert tier.contains([keys[0]]) == [False]
@@ -102,7 +102,7 @@ from kvplug.testing import key_for, tier_context, value_for
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 root, locked_key, budget = {root!r}, {locked_key!r}, {budget}
 out = {{}}
-tier = DiskTier(DiskTier.Config(path=root, max_bytes=budget, writer="background"), tier_context())
+tier = DiskTier(DiskTier.Config(path=root, max_bytes=budget), tier_context())
 out["startup_bytes"] = tier.stats().bytes_used
 out["contains"] = tier.contains([locked_key])
 out["get"] = tier.get([locked_key]) == [None]
@@ -143,7 +143,7 @@ def test_a_record_the_process_may_not_delete_is_skipped_logged_once_and_counted(
     root = tmp_path / "cache"
     keys = [key_for(f"p{i}") for i in range(8)]
     locked_key = keys[0]
-    tier = make_disk_tier(root, writer="inline")
+    tier = make_disk_tier(root)
     for key in keys:  # one put each: the locked key is the oldest, the first victim
         tier.put([(key, value_for(key, 1000))])
     tier.close()
@@ -184,14 +184,14 @@ def test_a_shard_folder_replaced_by_a_link_is_never_followed(tmp_path: Path) -> 
     root, outside = tmp_path / "cache", tmp_path / "outside"
     outside.mkdir()
     key = key_for("linked")
-    tier = make_disk_tier(root, writer="inline")
+    tier = make_disk_tier(root)
     tier.put([(key, value_for(key, 1000))])
     tier.close()
     shard = record_path(root, key).parent
     shutil.move(str(shard), str(outside / "moved"))  # a valid record, now outside the store
     shard.symlink_to(outside / "moved")
 
-    tier = make_disk_tier(root, 10_000, writer="inline")
+    tier = make_disk_tier(root, 10_000)
     assert tier.stats().items == 0  # start-up does not list records through the link
     assert tier.contains([key]) == [False] and tier.get([key]) == [None]
     other = key_for("other-in-same-shard")
@@ -214,13 +214,13 @@ def test_a_record_file_that_is_a_link_is_not_read_nor_removed_through(tmp_path: 
     root, outside = tmp_path / "cache", tmp_path / "outside"
     outside.mkdir()
     victim, key = outside / "precious", key_for("l")
-    tier = make_disk_tier(root, writer="inline")
+    tier = make_disk_tier(root)
     tier.put([(key, value_for(key, 1000))])
     tier.close()
     shutil.copy(record_path(root, key), victim)  # a valid record for key, outside the store
     record_path(root, key).unlink()
     record_path(root, key).symlink_to(victim)
-    tier = make_disk_tier(root, 1_000, writer="inline")
+    tier = make_disk_tier(root, 1_000)
     assert tier.contains([key]) == [False] and tier.get([key]) == [None]
     tier.put([(key_for(f"g{i}"), value_for(f"g{i}", 1000)) for i in range(3)])
     tier.remove([key])
@@ -250,7 +250,7 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_a_full_disk_evicts_the_tiers_own_records_to_make_room(small_fs: Path) -> None:
-    tier = make_disk_tier(small_fs / "cache", 64 * 1024**2, writer="inline")  # budget far above the disk
+    tier = make_disk_tier(small_fs / "cache", 64 * 1024**2)  # budget far above the disk
     keys = [key_for(f"full{i}") for i in range(40)]
     for key in keys:  # 8 MB through a 4 MiB disk
         tier.put([(key, value_for(key, 200_000))])
@@ -297,7 +297,7 @@ def test_a_tier_opened_on_a_full_disk_starts_and_counts_its_failed_writes(small_
                 filler.write(b"\0" * 4096)
         except OSError as exc:
             assert exc.errno == errno.ENOSPC
-    tier = make_disk_tier(small_fs / "cache", 64 * 1024**2, writer="inline")
+    tier = make_disk_tier(small_fs / "cache", 64 * 1024**2)
     tier.put([(key_for("no room"), value_for("no room", 100_000))])
     assert tier.contains([key_for("no room")]) == [False]
     assert tier.stats().extra["enospc"] == 1

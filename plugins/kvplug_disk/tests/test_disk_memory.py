@@ -24,6 +24,6 @@ def test_storing_twelve_cpu_budgets_grows_the_process_by_at_most_its_budgets(tmp
     )
     assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads(result.stdout.splitlines()[-1])
-    budgets_mib = cpu_mib + 2 * queue_mib  # cpu tier + store queue + disk writer queue
+    budgets_mib = cpu_mib + 2 * queue_mib  # cpu tier + store queue + the disk tier's write queue
     assert measured["stored_mib"] >= 12 * cpu_mib and measured["disk_dropped"] == 0 and measured["disk_items"] > 0
     assert measured["growth_mib"] <= 1.15 * budgets_mib, measured

@@ -45,14 +45,14 @@ class TestInlineDiskTierContract(StorageTierContract):
 
     @pytest.fixture
     def make_tier(self, tmp_path: Path):
-        return lambda max_bytes=None: make_disk_tier(tmp_path / "cache", max_bytes, writer="inline")
+        return lambda max_bytes=None: make_disk_tier(tmp_path / "cache", max_bytes)
 
 
 # --- files and accounting ---------------------------------------------------------------
 
 
 def test_one_record_file_per_key_named_by_digest_and_nothing_else(tmp_path: Path) -> None:
-    tier = make_disk_tier(tmp_path, writer="inline")
+    tier = make_disk_tier(tmp_path)
     key = key_for("file")
     tier.put([(key, value_for("file", 5000))])
     files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
@@ -67,7 +67,7 @@ def test_one_record_file_per_key_named_by_digest_and_nothing_else(tmp_path: Path
 
 
 def test_accounting_is_exact_through_overwrite_remove_and_eviction(tmp_path: Path) -> None:
-    tier = make_disk_tier(tmp_path, 3_000, writer="inline")
+    tier = make_disk_tier(tmp_path, 3_000)
     tier.put([(key_for("a"), b"a" * 1000), (key_for("b"), b"b" * 700)])
     assert tier.stats().bytes_used == 1700
     tier.put([(key_for("a"), b"A" * 300)])
@@ -83,7 +83,7 @@ def test_accounting_is_exact_through_overwrite_remove_and_eviction(tmp_path: Pat
 
 def test_evictions_and_removals_are_reported_as_events(tmp_path: Path) -> None:
     events: list = []
-    tier = make_disk_tier(tmp_path, 2_000, writer="inline", emit=events.append)
+    tier = make_disk_tier(tmp_path, 2_000, emit=events.append)
     tier.put([(key_for(f"e{i}"), value_for(f"e{i}", 1000)) for i in range(3)])
     tier.remove([key_for("e2"), key_for("never")])
     assert [(e.kind, e.keys, e.tier) for e in events] == [
@@ -116,7 +116,7 @@ def test_a_new_tier_finds_what_the_last_one_stored_and_keeps_its_lru_order(tmp_p
 def test_records_of_one_put_written_at_once_keep_the_put_order(tmp_path: Path, write_threads: int) -> None:
     """A batch's records are written on several threads, finishing in any order; the LRU order a
     restart rebuilds (from mtimes) is still the order they were put in."""
-    first = make_disk_tier(tmp_path, writer="inline", write_threads=write_threads)
+    first = make_disk_tier(tmp_path, write_threads=write_threads)
     sizes = [300_000, 1000, 200_000, 10, 100_000, 1000, 50_000, 1]  # big ones first: they finish last
     first.put([(key_for(f"b{i}"), value_for(f"b{i}", size)) for i, size in enumerate(sizes)])
     assert first.stats().items == len(sizes)
@@ -124,7 +124,7 @@ def test_records_of_one_put_written_at_once_keep_the_put_order(tmp_path: Path, w
     names = [record_path(tmp_path, key_for(f"b{i}")) for i in range(len(sizes))]
     stamps = [path.stat().st_mtime_ns for path in names]
     assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps)
-    second = make_disk_tier(tmp_path, sum(sizes[4:]), writer="inline")  # room for the last four only
+    second = make_disk_tier(tmp_path, sum(sizes[4:]))  # room for the last four only
     assert second.contains([key_for(f"b{i}") for i in range(len(sizes))]) == [False] * 4 + [True] * 4
     kept = second.get([key_for(f"b{i}") for i in range(4, len(sizes))])
     assert [bytes(v) for v in kept if v is not None] == [value_for(f"b{i}", sizes[i]) for i in range(4, len(sizes))]
@@ -137,11 +137,11 @@ def test_write_threads_is_at_least_one(tmp_path: Path) -> None:
 
 
 def test_a_smaller_budget_at_start_evicts_the_oldest(tmp_path: Path) -> None:
-    first = make_disk_tier(tmp_path, writer="inline")
+    first = make_disk_tier(tmp_path)
     for i in range(4):
         first.put([(key_for(f"s{i}"), value_for(f"s{i}", 1000))])
     first.close()
-    second = make_disk_tier(tmp_path, 2_500, writer="inline")
+    second = make_disk_tier(tmp_path, 2_500)
     assert second.contains([key_for(f"s{i}") for i in range(4)]) == [False, False, True, True]
     assert second.stats().bytes_used == 2000
     second.close()
@@ -200,7 +200,7 @@ def _append(path: Path) -> None:
 
 @pytest.mark.parametrize("damage", [_flip_value_byte, _flip_header_byte, _truncate, _truncate_into_header, _append])
 def test_a_damaged_file_is_a_counted_miss_and_is_removed(tmp_path: Path, damage) -> None:
-    tier = make_disk_tier(tmp_path, writer="inline")
+    tier = make_disk_tier(tmp_path)
     keys = [key_for(f"d{i}") for i in range(3)]
     tier.put([(key, value_for(key, 4096)) for key in keys])
     damage(record_path(tmp_path, keys[1]))
@@ -217,7 +217,7 @@ def test_a_damaged_file_is_a_counted_miss_and_is_removed(tmp_path: Path, damage)
 
 
 def test_a_file_renamed_onto_another_keys_name_is_a_miss_not_the_wrong_value(tmp_path: Path) -> None:
-    tier = make_disk_tier(tmp_path, writer="inline")
+    tier = make_disk_tier(tmp_path)
     a, b = key_for("swap-a"), key_for("swap-b")
     tier.put([(a, value_for("a", 3000)), (b, value_for("b", 3000))])
     os.replace(record_path(tmp_path, a), record_path(tmp_path, b))  # b's name now holds a's record
@@ -228,7 +228,7 @@ def test_a_file_renamed_onto_another_keys_name_is_a_miss_not_the_wrong_value(tmp
 
 
 def test_verify_counts_and_removes_corrupt_files(tmp_path: Path) -> None:
-    tier = make_disk_tier(tmp_path, writer="inline")
+    tier = make_disk_tier(tmp_path)
     keys = [key_for(f"v{i}") for i in range(6)]
     tier.put([(key, value_for(key, 2000)) for key in keys])
     tier.close()
@@ -245,83 +245,58 @@ def test_verify_counts_and_removes_corrupt_files(tmp_path: Path) -> None:
         verify_folder(tmp_path / "nowhere")
 
 
-# --- the background writer --------------------------------------------------------------
-
-
-def test_queued_values_are_readable_at_once_and_remove_cancels_them(tmp_path: Path) -> None:
-    tier = make_disk_tier(tmp_path)
-    values = {key_for(f"q{i}"): value_for(f"q{i}", 256 * 1024) for i in range(16)}
-    for key, value in values.items():
-        tier.put([(key, value)])
-    removed = list(values)[::2]
-    tier.remove(removed)
-    kept = [k for k in values if k not in removed]
-    assert [bytes(v) for v in tier.get(kept)] == [values[k] for k in kept]
-    tier.flush()
-    assert tier.contains(list(values)) == [k not in removed for k in values]
-    assert not any(record_path(tmp_path, k).exists() for k in removed)
-    assert tier.stats().extra["pending"] == 0
-    tier.close()
-
-
-def test_close_writes_what_is_queued_by_default(tmp_path: Path) -> None:
-    tier = make_disk_tier(tmp_path, on_queue_full="block")
-    values = {key_for(f"w{i}"): value_for(f"w{i}", 64 * 1024) for i in range(40)}
-    for key, value in values.items():
-        tier.put([(key, value)])
-    tier.close()
-    reopened = make_disk_tier(tmp_path)
-    assert [bytes(v) for v in reopened.get(list(values))] == list(values.values())
-    reopened.close()
-
-
-def test_close_with_on_close_drop_loses_only_whole_values(tmp_path: Path) -> None:
-    tier = make_disk_tier(tmp_path, on_close="drop", on_queue_full="block", queue_items=100)
-    values = {key_for(f"x{i}"): value_for(f"x{i}", 256 * 1024) for i in range(60)}
-    for key, value in values.items():
-        tier.put([(key, value)])
-    tier.close()
-    stats = tier.stats()
-    assert stats.extra["pending"] == 0
-    reopened = make_disk_tier(tmp_path)
-    got = reopened.get(list(values))
-    assert all(v is None or bytes(v) == values[k] for k, v in zip(values, got))
-    assert sum(v is not None for v in got) + stats.extra["dropped"] == len(values)
-    reopened.close()
-
-
-def test_a_full_queue_drops_and_counts(tmp_path: Path) -> None:
-    tier = make_disk_tier(tmp_path, queue_items=1, on_queue_full="drop")
-    values = {key_for(f"f{i}"): value_for(f"f{i}", 1024 * 1024) for i in range(30)}
-    for key, value in values.items():
-        tier.put([(key, value)])
-    tier.flush()
-    stats = tier.stats()
-    assert stats.extra["dropped"] >= 1
-    assert stats.extra["dropped"] + stats.puts == len(values)
-    assert sum(tier.contains(list(values))) == stats.puts
-    tier.close()
-
-
 # --- config -----------------------------------------------------------------------------
+# What a queue gives the tier (readable at once, coalesce, cancel, drain or drop on close,
+# bounds) is the tier chain's, for every async tier: tests/test_write_queue.py, with this tier.
 
 
-def test_config_needs_a_path_and_refuses_a_second_queue(tmp_path: Path) -> None:
+def test_config_needs_a_path_and_is_written_through_the_chains_queue(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match="path"):
         DiskTier.Config()
-    with pytest.raises(ValidationError, match="queue every write twice"):
-        DiskTier.Config(path=tmp_path, write_mode="async")
-    assert DiskTier.Config(path=tmp_path, write_mode="async", writer="inline").writer == "inline"
+    queue = DiskTier.Config(path=tmp_path).queue
+    assert (queue.mode, queue.max_items, queue.on_full, queue.on_close) == ("async", 64, "drop", "drain")
+    partial = DiskTier.Config(path=tmp_path, queue={"max_bytes": "1MiB"}).queue
+    assert (partial.mode, partial.max_items, int(partial.max_bytes)) == ("async", 64, 1024**2)
     relative = DiskTier.Config(path="cache")
     assert relative.path.is_absolute() and relative.path.name == "cache"
     assert int(DiskTier.Config(path=tmp_path, max_bytes="2GiB").max_bytes) == 2 * 1024**3
 
 
+@pytest.mark.parametrize(
+    ("old", "value", "field", "expected"),
+    [
+        ("writer", "inline", "mode", "sync"),
+        ("writer", "background", "mode", "async"),
+        ("write_mode", "sync", "mode", "async"),  # 0.2: the tier's own writer still queued (writer: background)
+        ("queue_items", 5, "max_items", 5),
+        ("queue_bytes", "1MiB", "max_bytes", 1024**2),
+        ("block_timeout_s", 2.5, "block_timeout_s", 2.5),
+        ("on_close", "flush", "on_close", "drain"),
+        ("on_close", "drop", "on_close", "drop"),
+    ],
+)
+def test_old_writer_keys_still_work_with_a_warning_naming_the_new_key(
+    tmp_path: Path, old: str, value: object, field: str, expected: object
+) -> None:
+    with pytest.warns(DeprecationWarning, match=rf"^{old} is deprecated .*: use queue\.{field}$"):
+        config = DiskTier.Config(path=tmp_path, **{old: value})
+    assert getattr(config.queue, field) == expected
+
+
+def test_old_keys_combine_as_0_2_did_and_conflicts_are_errors(tmp_path: Path) -> None:
+    with pytest.warns(DeprecationWarning):  # 0.2's one way to queue in the chain instead
+        assert DiskTier.Config(path=tmp_path, write_mode="async", writer="inline").queue.mode == "async"
+    with pytest.warns(DeprecationWarning), pytest.raises(ValidationError, match=r"set only queue\.max_items"):
+        DiskTier.Config(path=tmp_path, queue_items=3, write_queue_items=4)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValidationError, match="conflicts with queue.on_close"):
+        DiskTier.Config(path=tmp_path, on_close="flush", queue={"on_close": "drop"})
+
+
 def test_scan_names_known_keys_and_digests_of_others(tmp_path: Path) -> None:
-    first = make_disk_tier(tmp_path, writer="inline")
+    first = make_disk_tier(tmp_path)
     first.put([(key_for("old"), b"o" * 10)])
     first.close()
-    tier = make_disk_tier(tmp_path, writer="inline")
+    tier = make_disk_tier(tmp_path)
     tier.put([(key_for("new"), b"n" * 20)])
     old_digest = hashlib.sha256(key_for("old").encode()).hexdigest()
     assert sorted(tier.scan()) == sorted([(key_for("new"), 20), (old_digest, 10)])
@@ -348,5 +323,4 @@ def test_bad_items_are_refused_before_anything_is_queued(tmp_path: Path) -> None
         tier.put([(b"bytes-key", b"v")])  # type: ignore[list-item]
     tier.flush()
     assert tier.contains([key_for("ok"), key_for("strided")]) == [False, False]
-    assert tier.stats().extra["pending"] == 0
     tier.close()

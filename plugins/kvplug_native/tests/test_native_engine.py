@@ -32,7 +32,7 @@ def make_engine(layout: KVLayout, connector: dict[str, Any], chunk_size: int = C
         engine_extra={
             "kvplug": {
                 "chunk_size": chunk_size,
-                "store": {"mode": "sync"},
+                "store": {"queue": {"mode": "sync"}},
                 "copy_threads": 2,
                 "connector": connector,
                 "tiers": [{"type": "cpu", "max_bytes": "64MiB"}],

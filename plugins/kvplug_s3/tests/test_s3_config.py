@@ -72,7 +72,7 @@ def test_retries_are_bounded_and_unknown_keys_rejected() -> None:
 
 def test_defaults_write_asynchronously_and_secrets_stay_hidden() -> None:
     config = S3TierConfig(url="s3://b/p", access_key_id="AKIA-visible-id", secret_access_key="very-secret-value")
-    assert config.write_mode == "async"
+    assert config.queue.mode == "async"
     assert "very-secret-value" not in repr(config) and "very-secret-value" not in str(config.model_dump())
     options = config.filesystem_options()
     assert options["secret"] == "very-secret-value"

@@ -25,7 +25,7 @@ def engine_for(s3: dict) -> CacheEngine:
     registry = PluginRegistry(plugin_filter="cpu,s3")
     extra = {
         "kvplug.chunk_size": 8,
-        "kvplug.store.mode": "sync",
+        "kvplug.store.queue.mode": "sync",
         # These tests check what is stored and found, not the lookup budget: a
         # loaded CI machine must not turn a slow moto answer into a miss.
         "kvplug.lookup_timeout_ms": 30_000,

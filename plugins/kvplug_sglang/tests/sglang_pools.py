@@ -74,5 +74,10 @@ def clear_pool(pool: MHATokenToKVPool) -> None:
 def kvplug_extra(tiers: list[dict[str, Any]] | None = None, chunk_size: int = 16, **more: Any) -> dict[str, Any]:
     """A nested ``kvplug`` engine-extra config: sync stores so reads see them at once."""
     return {
-        "kvplug": {"chunk_size": chunk_size, "store": {"mode": "sync"}, "tiers": tiers or [{"type": "cpu"}], **more}
+        "kvplug": {
+            "chunk_size": chunk_size,
+            "store": {"queue": {"mode": "sync"}},
+            "tiers": tiers or [{"type": "cpu"}],
+            **more,
+        }
     }

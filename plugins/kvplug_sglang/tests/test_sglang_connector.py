@@ -78,7 +78,7 @@ def test_corrupt_chunk_gives_shorter_load_never_wrong_data(
         tiers = [{"type": "cpu"}]
     else:
         pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
-        tiers = [{"type": "disk", "path": str(tmp_path / "kv"), "writer": "inline"}]
+        tiers = [{"type": "disk", "path": str(tmp_path / "kv"), "queue": {"mode": "sync"}}]
     connector = _connector(model_config, pool, kvplug_extra(tiers))
     tokens = list(range(500, 548))  # 3 chunks
     src = torch.arange(1, 49)

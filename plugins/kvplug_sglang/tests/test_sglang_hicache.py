@@ -171,7 +171,7 @@ def test_pages_round_trip_bit_exact(layout: str, tier: str, tmp_path: Path, requ
 def test_generic_set_and_cross_layout_read(tmp_path: Path) -> None:
     """Pages written by a page_first server are read by a layer_first one (canonical order)."""
     pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
-    kvplug = {"tiers": [{"type": "disk", "path": str(tmp_path / "disk"), "writer": "inline"}]}
+    kvplug = {"tiers": [{"type": "disk", "path": str(tmp_path / "disk"), "queue": {"mode": "sync"}}]}
     first_host, second_host = make_host("page_first"), make_host("layer_first")
     writer = make_backend(first_host, kvplug, v1=False)
     keys = page_keys(list(range(5, 5 + 2 * PAGE)))

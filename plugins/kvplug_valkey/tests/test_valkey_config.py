@@ -58,5 +58,5 @@ def test_password_never_shows() -> None:
 
 def test_unbounded_by_default_with_short_deadlines() -> None:
     config = ValkeyTierConfig(url="redis://127.0.0.1")
-    assert config.max_bytes is None and config.write_mode == "async"
+    assert config.max_bytes is None and config.queue.mode == "async"
     assert config.request_timeout_s <= 0.5 and config.cluster is None

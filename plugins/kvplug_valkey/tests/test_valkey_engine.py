@@ -30,7 +30,7 @@ def caches(seed: int) -> list:
 def engine_for(valkey: dict[str, Any], **settings: Any) -> CacheEngine:
     extra = {
         "kvplug.chunk_size": 8,
-        "kvplug.store.mode": "sync",
+        "kvplug.store.queue.mode": "sync",
         "kvplug.tiers": [{"type": "cpu", "max_bytes": "64MiB"}, {"type": "valkey", **valkey}],
         **{f"kvplug.{name}": value for name, value in settings.items()},
     }

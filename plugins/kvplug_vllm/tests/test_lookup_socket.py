@@ -35,7 +35,9 @@ LEN = struct.Struct("<I")
 
 @pytest.fixture
 def engine() -> Iterator[CacheEngine]:
-    config = load_config(engine_extra={"kvplug": {"chunk_size": 64, "store": {"mode": "sync"}}}, env={}).config
+    config = load_config(
+        engine_extra={"kvplug": {"chunk_size": 64, "store": {"queue": {"mode": "sync"}}}}, env={}
+    ).config
     with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="m")) as engine:
         caches = [torch.randn(16, 2, 32, 128).to(torch.bfloat16) for _ in range(2)]
         engine.store(PROMPT, caches, slots_from_block_ids(list(range(1, 16)), 32, len(PROMPT)))

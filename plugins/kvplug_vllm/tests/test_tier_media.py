@@ -103,7 +103,7 @@ def registry() -> PluginRegistry:
 def engine(registry: PluginRegistry, tmp_path: Path) -> Iterator[CacheEngine]:
     extra = {
         "kvplug.chunk_size": 64,
-        "kvplug.store.mode": "sync",
+        "kvplug.store.queue.mode": "sync",
         "kvplug.tiers": [
             {"type": "ram"},
             {"type": "legacy"},

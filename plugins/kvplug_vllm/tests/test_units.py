@@ -118,7 +118,7 @@ LAYOUT = KVLayout(VLLM_CPU, num_layers=2, block_size=32, num_kv_heads=2, head_di
 @pytest.fixture
 def engine():
     layout = LAYOUT
-    config = load_config(engine_extra={"kvplug.chunk_size": 64, "kvplug.store.mode": "sync"}, env={}).config
+    config = load_config(engine_extra={"kvplug.chunk_size": 64, "kvplug.store.queue.mode": "sync"}, env={}).config
     with CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="unit")) as cache_engine:
         yield cache_engine
 
@@ -275,7 +275,7 @@ def test_vllm_cpu_mla_cache_is_detected_only_for_an_mla_model() -> None:
 @pytest.mark.parametrize("connector", ["torch", "native"])
 def test_vllm_cpu_mla_latent_rows_round_trip_bit_exactly(connector: str) -> None:
     layout = KVLayout(VLLM_CPU_MLA, num_layers=2, block_size=16, num_kv_heads=1, head_dim=576, dtype=torch.bfloat16)
-    extra = {"kvplug.chunk_size": 64, "kvplug.store.mode": "sync", "kvplug.connector": {"type": connector}}
+    extra = {"kvplug.chunk_size": 64, "kvplug.store.queue.mode": "sync", "kvplug.connector": {"type": connector}}
     config = load_config(engine_extra=extra, env={}).config
     generator = torch.Generator().manual_seed(3)
     # random bytes (NaN patterns too) in vLLM's shape; the target starts as zeros

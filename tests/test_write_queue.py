@@ -1,0 +1,197 @@
+"""The tier chain's one write queue per async tier (issue 27 item 2), on real cpu and disk tiers.
+
+What the disk tier's own writer thread used to give only that tier, every async tier now
+gets from the chain: values readable while queued, repeated writes coalesced, queued
+writes cancelled by a removal (and a write in progress not overtaking the removal),
+drain or drop on close, bounds in batches and bytes that block or drop (counted).
+
+The tier under test is held in its ``put`` by a gate the test opens: a slow tier,
+with the real tier behind it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvplug import Buffer, EngineMetrics, StorageTier, TierChain
+from kvplug.testing import key_for, tier_context, value_for
+from kvplug_cpu import CPUTier
+from kvplug_disk import DiskTier
+
+SIZE = 4096
+
+
+class Held:
+    """Makes a real tier's ``put`` wait for ``gate`` and records what it was asked to write."""
+
+    def __init__(self, tier: StorageTier) -> None:
+        self.tier = tier
+        self.gate = threading.Event()
+        self.entered = threading.Event()  # a put is waiting at the gate
+        self.written: list[tuple[str, bytes]] = []
+        real_put = tier.put
+
+        def put(items: Any) -> None:
+            self.entered.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+            self.written += [(key, bytes(value)) for key, value in items]
+            real_put(items)
+
+        tier.put = put  # type: ignore[method-assign]
+
+    def open_later(self, seconds: float = 0.2) -> threading.Timer:
+        timer = threading.Timer(seconds, self.gate.set)
+        timer.start()
+        return timer
+
+
+MakeTier = Callable[..., StorageTier]
+
+
+@pytest.fixture(params=["cpu", "disk"])
+def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MakeTier]:
+    """An async tier of each kind, its queue settings from the test."""
+
+    def make(**queue: object) -> StorageTier:
+        settings = {"mode": "async", **queue}
+        if request.param == "cpu":
+            return CPUTier(CPUTier.Config(queue=settings), tier_context())
+        return DiskTier(DiskTier.Config(path=tmp_path / "disk", fsync=False, queue=settings), tier_context())
+
+    yield make
+
+
+def chain_of(tier: StorageTier) -> tuple[TierChain, Held, EngineMetrics]:
+    held = Held(tier)
+    metrics = EngineMetrics()
+    return TierChain([tier], metrics), held, metrics
+
+
+def item(name: str, version: int = 0) -> tuple[str, bytes]:
+    return key_for(name), value_for(f"{name}/{version}", SIZE)
+
+
+def values_of(chain: TierChain, keys: list[str]) -> list[bytes | None]:
+    got: list[Buffer | None] = [hit.value for hit in chain.fetch_prefix(keys)]
+    got += [None] * (len(keys) - len(got))
+    return [None if value is None else bytes(value) for value in got]
+
+
+def test_queued_values_are_readable_at_once(make_tier: MakeTier) -> None:
+    chain, held, _ = chain_of(make_tier())
+    a, b = item("a"), item("b")
+    chain.put([a, b])
+    assert held.entered.wait(10)
+    assert held.tier.contains([a[0], b[0]]) == [False, False]  # not in the tier yet
+    assert chain.contains_any([a[0], b[0]]) == [True, True]
+    assert values_of(chain, [a[0], b[0]]) == [a[1], b[1]]
+    held.gate.set()
+    chain.flush()  # every accepted write visible in its tier
+    assert held.tier.contains([a[0], b[0]]) == [True, True]
+    assert [bytes(v) for v in held.tier.get([a[0], b[0]]) if v is not None] == [a[1], b[1]]
+    assert dict(chain.stats())[f"0:{held.tier.name}"].extra["writer_pending"] == 0
+    chain.close()
+
+
+def test_a_second_write_of_a_queued_key_replaces_it(make_tier: MakeTier) -> None:
+    chain, held, _ = chain_of(make_tier())
+    first = item("first")
+    chain.put([first])
+    assert held.entered.wait(10)  # "first" is being written; what follows waits in the queue
+    old, new = item("again", 1), item("again", 2)
+    chain.put([old])
+    chain.put([new])
+    assert values_of(chain, [new[0]]) == [new[1]]
+    held.gate.set()
+    chain.flush()
+    assert held.written == [first, new]  # the replaced value was never written
+    assert bytes(held.tier.get([new[0]])[0] or b"") == new[1]
+    chain.close()
+
+
+def test_a_removal_cancels_queued_writes_and_is_not_overtaken_by_one_in_progress(make_tier: MakeTier) -> None:
+    chain, held, _ = chain_of(make_tier())
+    writing, queued, kept = item("writing"), item("queued"), item("kept")
+    chain.put([writing])
+    assert held.entered.wait(10)
+    chain.put([queued])
+    chain.put([kept])
+    chain.discard([queued[0]])
+    assert chain.contains_any([queued[0]]) == [False]
+    timer = held.open_later()
+    chain.discard([writing[0]])  # waits for the write in progress, then removes it
+    timer.join()
+    chain.flush()
+    assert [key for key, _ in held.written] == [writing[0], kept[0]]
+    assert held.tier.contains([writing[0], queued[0], kept[0]]) == [False, False, True]
+    chain.close()
+
+
+@pytest.mark.parametrize("on_close", ["drain", "drop"])
+def test_close_drains_or_drops_what_is_queued(make_tier: MakeTier, on_close: str) -> None:
+    chain, held, metrics = chain_of(make_tier(on_close=on_close))
+    items = [item(f"c{i}") for i in range(5)]
+    chain.put(items[:1])
+    assert held.entered.wait(10)
+    for one in items[1:]:
+        chain.put([one])
+    timer = held.open_later()
+    chain.close()  # drop: the queued four go at once; the one being written still lands
+    timer.join()
+    label = f"0:{held.tier.name}"
+    if on_close == "drain":
+        assert held.written == items
+        assert metrics.value("kvplug_store_dropped_total", queue=label) == 0
+    else:
+        assert held.written == items[:1]
+        assert metrics.value("kvplug_store_dropped_total", queue=label) == 4
+
+
+def test_a_full_queue_drops_and_counts(make_tier: MakeTier) -> None:
+    chain, held, metrics = chain_of(make_tier(max_items=1, on_full="drop"))
+    a, b, c = item("a"), item("b"), item("c")
+    chain.put([a])
+    assert held.entered.wait(10)  # a is being written: the queue itself is empty
+    chain.put([b])  # fills it
+    chain.put([c])  # dropped
+    assert chain.contains_any([b[0], c[0]]) == [True, False]  # a dropped write is not readable
+    stats = dict(chain.stats())[f"0:{held.tier.name}"]
+    assert stats.extra["writer_dropped"] == 1 and stats.extra["writer_pending"] == 2
+    assert metrics.value("kvplug_store_dropped_total", queue=f"0:{held.tier.name}") == 1
+    held.gate.set()
+    chain.flush()
+    assert held.written == [a, b]
+    chain.close()
+
+
+def test_a_queue_full_in_bytes_makes_a_blocking_write_wait_for_room(make_tier: MakeTier) -> None:
+    chain, held, _ = chain_of(make_tier(max_bytes=SIZE + SIZE // 2, on_full="block"))
+    a, b = item("a"), item("b")
+    chain.put([a])
+    assert held.entered.wait(10)  # a's bytes count until it is written: no room for b's
+    timer = held.open_later()
+    chain.put([b])  # waits until a is written
+    assert held.written[:1] == [a]
+    timer.join()
+    chain.flush()
+    assert held.written == [a, b]
+    assert dict(chain.stats())[f"0:{held.tier.name}"].extra["writer_dropped"] == 0
+    chain.close()
+
+
+def test_a_queue_full_in_bytes_drops_without_blocking(make_tier: MakeTier) -> None:
+    chain, held, _ = chain_of(make_tier(max_bytes=SIZE + SIZE // 2, on_full="drop"))
+    a, b = item("a"), item("b")
+    chain.put([a])
+    assert held.entered.wait(10)
+    chain.put([b])  # no room for its bytes: dropped at once (the gate is still shut)
+    assert dict(chain.stats())[f"0:{held.tier.name}"].extra["writer_dropped"] == 1
+    held.gate.set()
+    chain.flush()
+    assert held.written == [a]
+    chain.close()
