@@ -7,7 +7,7 @@ from typing import Annotated, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from kvplug import Bounded
+from kvplug import Bounded, QueueSettings
 from kvplug.core.config import KVPlugConfig, StoreSettings
 from kvplug.core.tier import TierConfig
 from kvplug_compress import FP8Serializer, ZstdSerializer
@@ -17,9 +17,9 @@ from kvplug_native import NativeConnector
 HEADER = """# Config reference
 
 Every setting of `KVPlugConfig`. Layers, later wins: defaults, YAML file
-(`KVPLUG_CONFIG`), `KVPLUG_*` environment (`__` nests: `KVPLUG_STORE__MODE=sync`; lists
+(`KVPLUG_CONFIG`), `KVPLUG_*` environment (`__` nests: `KVPLUG_STORE__QUEUE__MODE=sync`; lists
 and mappings as JSON: `KVPLUG_TIERS='[{"type":"cpu"}]'`), the engine's extra config
-(`kvplug.`-prefixed keys such as `kvplug.store.mode`, or a nested `kvplug` mapping;
+(`kvplug.`-prefixed keys such as `kvplug.store.queue.mode`, or a nested `kvplug` mapping;
 `kvplug.config` names a YAML file), and per-request settings. Unknown keys are errors.
 `kvplug config show` prints the effective values and their sources.
 
@@ -42,6 +42,28 @@ the chunks per budget; zstd/lz4: loads pay the decompression). The serializer's 
 and its options that change the stored bytes are part of the key fingerprint, so
 chunks are never read by another serializer or setting.
 """
+
+QUEUES = """
+One model, `kvplug.QueueSettings`, configures every write-behind queue: the store queue
+(`store.queue`, between store calls and the tiers) and each tier's write queue
+(`tiers[i].queue`, kept by the tier chain). An async tier's queued values are readable at
+once, a second write of a queued key replaces it, a removal cancels it, and `on_close`
+says whether close writes or drops what is queued. Defaults differ by owner; a partial
+`queue:` mapping changes only the keys it names:
+
+| owner | `mode` | `max_items` | `on_full` |
+|---|---|---|---|
+| `store.queue` | async | 64 | block |
+| tier `cpu` (and any tier by default) | sync | 1024 | drop |
+| tier `disk` | async | 64 | drop |
+| remote tiers (`s3`, `valkey`, `mooncake`) | async | 1024 | drop |
+
+The keys these replace still work for one release, each with a `DeprecationWarning`
+naming its new key: `store.mode`, `store.queue_max_batches`, `store.queue_max_bytes`,
+`store.on_full`, `store.block_timeout_s`; every tier's `write_mode`, `write_queue_items`,
+`write_queue_bytes`, `on_queue_full`; the disk tier's `writer` (`background`: async,
+`inline`: sync), `queue_items`, `queue_bytes`, `block_timeout_s` and `on_close`
+(`flush`: drain). An old key and its new key with different values are an error."""
 
 CONNECTORS = """
 ## Connector
@@ -91,6 +113,8 @@ def render() -> str:
         HEADER,
         table("Top level", KVPlugConfig),
         table("`store`", StoreSettings, "store."),
+        table("Write queues: `store.queue` and `tiers[i].queue` (`kvplug.QueueSettings`)", QueueSettings, "queue."),
+        QUEUES,
         table("Options every tier takes (`kvplug.TierConfig`)", TierConfig),
         table("Tier `cpu` (kvplug-cpu)", CPUTier.Config, skip=set(TierConfig.model_fields) - {"max_bytes"}),
         SERIALIZERS,
