@@ -73,6 +73,7 @@ IDLE_WAIT_S = 0.005
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
+
 def _timed(method: _F) -> _F:
     """Count the method's wall time as connector time on the forward pass (``worker_us``)."""
 
