@@ -177,13 +177,6 @@ class NativeConnector(KVConnector):
     def scatter_layer(self, layer_cache: Any, plan: NativePlan, src: torch.Tensor) -> None:
         _run(self.scatter_copies([layer_cache], range(1), [plan], [src.unsqueeze(0)], 1))
 
-    def gather(self, kv_caches: Sequence[Any], slots: torch.Tensor, out: torch.Tensor) -> None:
-        """All layers of one chunk in one table."""
-        _run(self.gather_copies(kv_caches, range(len(kv_caches)), [self.plan(slots)], [out], 1))
-
-    def scatter(self, kv_caches: Sequence[Any], slots: torch.Tensor, src: torch.Tensor) -> None:
-        _run(self.scatter_copies(kv_caches, range(len(kv_caches)), [self.plan(slots)], [src], 1))
-
     def _copies(
         self,
         kv_caches: Sequence[Any],
