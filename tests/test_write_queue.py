@@ -195,3 +195,31 @@ def test_a_queue_full_in_bytes_drops_without_blocking(make_tier: MakeTier) -> No
     chain.flush()
     assert held.written == [a]
     chain.close()
+
+
+def test_the_chain_settles_a_tier_once_its_queue_runs_empty(make_tier: MakeTier) -> None:
+    """``StorageTier.settle``: the disk tier syncs its folders there, once per busy spell, not per put."""
+    chain, held, _ = chain_of(make_tier())
+    settles: list[int] = []
+    real_settle = held.tier.settle
+    held.tier.settle = lambda: (settles.append(len(held.written)), real_settle())[1]  # type: ignore[method-assign]
+    items = [item(f"s{i}") for i in range(3)]
+    chain.put(items[:1])
+    assert held.entered.wait(10)
+    chain.put(items[1:2])
+    chain.put(items[2:])
+    held.gate.set()
+    chain.flush()
+    assert settles == [3]  # after the last of the three, not after each
+    chain.close()
+
+
+def test_a_tier_written_from_the_callers_thread_is_settled_after_each_put() -> None:
+    tier = CPUTier(CPUTier.Config(), tier_context())
+    settles: list[str] = []
+    tier.settle = lambda: settles.append("settled")  # type: ignore[method-assign]
+    chain = TierChain([tier])
+    chain.put([item("a")])
+    chain.put([item("b")])
+    assert settles == ["settled", "settled"] and tier.contains([item("a")[0]]) == [True]
+    chain.close()

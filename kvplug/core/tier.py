@@ -165,12 +165,14 @@ class StorageTier(ABC):
         """A snapshot of the tier's counters."""
 
     def flush(self) -> None:  # noqa: B027 - a no-op for tiers whose puts are visible at once
-        """Wait until every ``put`` accepted so far is visible to ``get``, and finish work a
-        tier defers across puts (the disk tier's folder fsyncs).
+        """Wait until every ``put`` accepted so far is visible to ``get``."""
 
-        The tier chain calls it when the tier's write queue runs empty and after each
-        put written from the caller's thread, so a tier may group such work over the
-        puts of a busy queue instead of doing it in every put."""
+    def settle(self) -> None:  # noqa: B027 - a hook: most tiers defer nothing
+        """Hook: the tier chain has nothing more to write to this tier for now. It calls it
+        when the tier's write queue runs empty and after each put written from the
+        caller's thread, so a tier can group work over the puts of a busy queue instead
+        of doing it in every put (the disk tier fsyncs the folders it renamed into here).
+        Must not wait long: the queue's thread runs it. The default does nothing."""
 
     @abstractmethod
     def close(self) -> None:

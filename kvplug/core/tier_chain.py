@@ -94,6 +94,9 @@ class _Slot:
     def flush(self) -> None:
         self._guard("flush", self.tier.flush)
 
+    def settle(self) -> None:
+        self._guard("settle", self.tier.settle)
+
     def close(self) -> None:
         self._guard("close", self.tier.close)
 
@@ -319,7 +322,7 @@ class TierChain:
                 slot.queue.submit(items)
             else:
                 self._put_missing(slot, items)
-                slot.flush()
+                slot.settle()
 
     def _put_missing(self, slot: _Slot, items: Items) -> None:
         answers = slot.stored([key for key, _ in items])
@@ -332,13 +335,13 @@ class TierChain:
             slot.queue.submit(items)
         else:
             slot.put(items)
-            slot.flush()
+            slot.settle()
 
     def _put_missing_at(self, index: int, items: Items) -> None:
         self._put_missing(self._slots[index], items)
 
     def _settle_at(self, index: int) -> None:
-        self._slots[index].flush()
+        self._slots[index].settle()
 
     def _promote(self, keys: Sequence[str], values: Sequence[Buffer], found_in: Sequence[int]) -> None:
         for index, slot in enumerate(self._slots):

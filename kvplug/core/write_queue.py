@@ -14,8 +14,8 @@ What every async tier gets from it, whatever the tier:
   (``queue.max_items``, ``queue.max_bytes``), blocking or dropping when full
   (``queue.on_full``); every dropped batch is counted.
 
-When the queue runs empty it calls ``settle`` (the tier's ``flush``), so a tier can
-group work over a busy queue's writes (the disk tier's folder fsyncs).
+When the queue runs empty it calls ``settle`` (the tier's :meth:`~kvplug.StorageTier.settle`
+hook), so a tier can group work over a busy queue's writes (the disk tier's folder fsyncs).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Writes go through the tier chain's write queue for this tier (``queue``, async b
 default), like every async tier's: values still queued are readable at once, repeated
 writes of one key are coalesced, a ``remove`` cancels queued writes, and ``close``
 writes or drops what is queued (``queue.on_close``). The tier's own ``put`` writes
-before it returns; the chain's queue calls its ``flush`` when it runs empty, which
+before it returns; the chain calls its ``settle`` when the queue runs empty, which
 fsyncs the folders renamed into since the last one as a group.
 
 The options of kvplug 0.2's writer thread (``writer``, ``queue_items``, ``queue_bytes``,

@@ -4,9 +4,9 @@
   :mod:`kvplug_disk.files`). ``put`` writes before it returns; by default the tier
   chain calls it from the write queue it keeps for the tier (``queue.mode: async``,
   see :mod:`kvplug_disk.config`), which serves values still queued from memory. The
-  folders renamed into are fsynced as a group: on ``flush`` (which the chain's queue
-  calls when it runs empty), at least every ``FOLDER_SYNC_INTERVAL_S``, and on
-  ``close``. A rename not yet synced can only be lost by a power failure, and then
+  folders renamed into are fsynced as a group: on ``settle`` (which the chain calls
+  when the tier's queue runs empty), at least every ``FOLDER_SYNC_INTERVAL_S``, and on
+  ``flush``/``close``. A rename not yet synced can only be lost by a power failure, and then
   the key is simply absent: the file's data was synced before the rename, so a name
   never points at torn bytes.
 - Every read verifies the record frame (magic, version, length, key digest,
@@ -269,7 +269,7 @@ class DiskTier(StorageTier):
             if evicted:
                 self.context.emit(KVEvent("evicted", tuple(evicted), tier=self.name))
         if time.monotonic() - self._folders_synced_at >= FOLDER_SYNC_INTERVAL_S:
-            self._sync_folders()  # the rest on flush: the chain's queue calls it when it runs empty
+            self._sync_folders()  # the rest on settle: the chain calls it when the queue runs empty
 
     def _still_wanted(self, write: _Write) -> bool:
         if self._skipped(write.digest):  # a folder or an undeletable file holds its name
@@ -405,9 +405,14 @@ class DiskTier(StorageTier):
 
     def flush(self) -> None:
         """Puts are visible when they return; this fsyncs the folders renamed into since
-        the last sync, as a group (the tier chain's queue calls it when it runs empty)."""
+        the last sync, as a group."""
         self._check_open()
         self._sync_folders()
+
+    def settle(self) -> None:
+        """The chain has nothing more to write here for now: sync the folders renamed into."""
+        if not self._closed:
+            self._sync_folders()
 
     def stats(self) -> TierStats:
         with self._lock:
