@@ -58,7 +58,7 @@ says whether close writes or drops what is queued. Defaults differ by owner; a p
 | tier `disk` | async | 64 | drop |
 | remote tiers (`s3`, `valkey`, `mooncake`) | async | 1024 | drop |
 
-The keys these replace still work for one release, each with a `DeprecationWarning`
+The keys these replace still work for one release, each with a `FutureWarning` (shown by default)
 naming its new key: `store.mode`, `store.queue_max_batches`, `store.queue_max_bytes`,
 `store.on_full`, `store.block_timeout_s`; every tier's `write_mode`, `write_queue_items`,
 `write_queue_bytes`, `on_queue_full`; the disk tier's `writer` (`background`: async,

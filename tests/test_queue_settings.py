@@ -50,7 +50,7 @@ def test_an_old_tier_key_still_works_with_a_warning_naming_its_new_key(
     old: str, value: object, new: str, expected: object
 ) -> None:
     tiers = [{"type": "cpu"}, {"type": "cpu", old: value}]
-    with pytest.warns(DeprecationWarning) as caught:
+    with pytest.warns(FutureWarning) as caught:
         config = load({"tiers": tiers})
     assert [str(w.message) for w in caught] == [
         f"tiers[1].{old} is deprecated and will be removed in a later release: use tiers[1].queue.{new}"
@@ -72,7 +72,7 @@ def test_an_old_tier_key_still_works_with_a_warning_naming_its_new_key(
 def test_an_old_store_key_still_works_with_a_warning_naming_its_new_key(
     old: str, value: object, new: str, expected: object
 ) -> None:
-    with pytest.warns(DeprecationWarning) as caught:
+    with pytest.warns(FutureWarning) as caught:
         config = load({"store": {old: value}})
     assert [str(w.message) for w in caught] == [
         f"store.{old} is deprecated and will be removed in a later release: use store.queue.{new}"
@@ -81,24 +81,24 @@ def test_an_old_store_key_still_works_with_a_warning_naming_its_new_key(
 
 
 def test_an_old_key_and_its_new_key_that_disagree_are_a_config_error() -> None:
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError) as info:
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError) as info:
         load({"tiers": [{"type": "cpu", "write_queue_items": 3, "queue": {"max_items": 4}}]})
     assert "tiers[0].write_queue_items (3) conflicts with tiers[0].queue.max_items (4)" in str(info.value)
     assert "set only tiers[0].queue.max_items" in str(info.value)
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match=r"store\.mode .* store\.queue\.mode"):
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=r"store\.mode .* store\.queue\.mode"):
         load({"store": {"mode": "sync", "queue": {"mode": "async"}}})
     with warnings.catch_warnings():  # the same value twice is no conflict
-        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
         assert load({"store": {"mode": "sync", "queue": {"mode": "sync"}}}).store.queue.mode == "sync"
 
 
 def test_old_keys_are_still_refused_values_they_never_took() -> None:
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError) as info:
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError) as info:
         load({"store": {"on_full": "explode"}})
     assert "store.queue.on_full" in str(info.value) and "'explode'" in str(info.value)
 
 
 def test_the_new_keys_alone_warn_of_nothing() -> None:
     with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
+        warnings.simplefilter("error", FutureWarning)
         load({"store": {"queue": {"mode": "sync"}}, "tiers": [{"type": "cpu", "queue": {"mode": "async"}}]})

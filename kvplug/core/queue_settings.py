@@ -8,7 +8,7 @@ async, a cpu tier's sync); a partial ``queue:`` mapping changes only the keys it
 
 The keys of kvplug 0.2 (``write_mode``, ``write_queue_items``, ``store.queue_max_batches``
 ...) still work for one release: :func:`upgrade_queue_keys` maps each to its new key
-with a ``DeprecationWarning`` naming it.
+with a ``FutureWarning`` naming it (shown by default: the reader is an operator).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def upgrade_queue_keys(
     and ``queue`` completed from ``model``'s own default, so a partial mapping keeps the
     owner's defaults for the keys it does not name.
 
-    Each old key warns (``DeprecationWarning``) naming the key to use. An old key and
+    Each old key warns (``FutureWarning``) naming the key to use. An old key and
     its new key with different values, or two old keys that disagree, are a
     ``ValueError`` naming both. ``path`` names the entry (``store``); a validation
     context's ``path`` (``tiers[1]``) wins.
@@ -119,7 +119,9 @@ def upgrade_queue_keys(
         new = f"{prefix}queue.{how.key}"
         warnings.warn(
             f"{prefix}{old} is deprecated and will be removed in a later release: use {new}",
-            DeprecationWarning,
+            # A FutureWarning, not a DeprecationWarning: the reader is whoever wrote the config
+            # (an operator), and Python shows FutureWarnings by default.
+            FutureWarning,
             stacklevel=2,
         )
         value = how.values.get(raw, raw) if isinstance(raw, str) else raw

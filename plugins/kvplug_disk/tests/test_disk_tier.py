@@ -278,28 +278,30 @@ def test_config_needs_a_path_and_is_written_through_the_chains_queue(tmp_path: P
 def test_old_writer_keys_still_work_with_a_warning_naming_the_new_key(
     tmp_path: Path, old: str, value: object, field: str, expected: object
 ) -> None:
-    with pytest.warns(DeprecationWarning, match=rf"^{old} is deprecated .*: use queue\.{field}$"):
+    with pytest.warns(FutureWarning, match=rf"^{old} is deprecated .*: use queue\.{field}$"):
         config = DiskTier.Config(path=tmp_path, **{old: value})
     assert getattr(config.queue, field) == expected
 
 
 def test_old_keys_combine_as_0_2_did_and_conflicts_are_errors(tmp_path: Path) -> None:
-    with pytest.warns(DeprecationWarning):  # 0.2's one way to queue in the chain instead
+    with pytest.warns(FutureWarning):  # 0.2's one way to queue in the chain instead
         assert DiskTier.Config(path=tmp_path, write_mode="async", writer="inline").queue.mode == "async"
-    with pytest.warns(DeprecationWarning), pytest.raises(ValidationError, match=r"set only queue\.max_items"):
+    with pytest.warns(FutureWarning), pytest.raises(ValidationError, match=r"set only queue\.max_items"):
         DiskTier.Config(path=tmp_path, queue_items=3, write_queue_items=4)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValidationError, match="conflicts with queue.on_close"):
+    with pytest.warns(FutureWarning), pytest.raises(ValidationError, match="conflicts with queue.on_close"):
         DiskTier.Config(path=tmp_path, on_close="flush", queue={"on_close": "drop"})
 
 
-def test_scan_names_known_keys_and_digests_of_others(tmp_path: Path) -> None:
+def test_records_list_every_file_of_the_folder_by_digest_and_record_size(tmp_path: Path) -> None:
     first = make_disk_tier(tmp_path)
     first.put([(key_for("old"), b"o" * 10)])
     first.close()
     tier = make_disk_tier(tmp_path)
     tier.put([(key_for("new"), b"n" * 20)])
-    old_digest = hashlib.sha256(key_for("old").encode()).hexdigest()
-    assert sorted(tier.scan()) == sorted([(key_for("new"), 20), (old_digest, 10)])
+    listed = sorted((record.digest, record.size) for record in tier.records())
+    assert listed == sorted(
+        (hashlib.sha256(key_for(k).encode()).hexdigest(), n + 64) for k, n in [("old", 10), ("new", 20)]
+    )
     tier.close()
 
 
