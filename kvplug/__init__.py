@@ -26,6 +26,7 @@ from kvplug.core.config_types import (
     TimeoutSeconds,
 )
 from kvplug.core.events import KVEvent
+from kvplug.core.eviction import EvictionName, EvictionPolicy, LRUPolicy, S3FIFOPolicy, make_eviction_policy
 from kvplug.core.keys import KV_FORMAT_VERSION, ChunkKey, ExtraKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.metrics import EngineMetrics, MetricSample
 from kvplug.core.queue_settings import OldQueueKey, QueueSettings
@@ -124,6 +125,8 @@ __all__ = [
     "EmptyConfig",
     "EngineAdapter",
     "EngineMetrics",
+    "EvictionName",
+    "EvictionPolicy",
     "ExtraKey",
     "FailureCount",
     "FailureKind",
@@ -133,6 +136,7 @@ __all__ = [
     "KVLayout",
     "KVPlugConfig",
     "KeyBuilder",
+    "LRUPolicy",
     "LayerwiseRetrieve",
     "LoadedChunks",
     "LoopThread",
@@ -155,6 +159,7 @@ __all__ = [
     "RequestInfo",
     "RetrieveTimings",
     "RetryPolicy",
+    "S3FIFOPolicy",
     "Serializer",
     "StorageTier",
     "StoredRecord",
@@ -176,6 +181,7 @@ __all__ = [
     "is_secret_name",
     "key_digest",
     "load_config",
+    "make_eviction_policy",
     "make_serializer",
     "pack_record",
     "pack_record_header",

@@ -1,4 +1,6 @@
-"""Tier ``cpu``: values in host memory, least recently used evicted first.
+"""Tier ``cpu``: values in host memory, evicted by the configured policy (``eviction``:
+``lru``, least recently used first, or the scan-resistant ``s3fifo``; see
+:class:`kvplug.EvictionPolicy`).
 
 ``bytes_used`` is the exact sum of stored value lengths. Values are kept as given
 (the caller hands them over, see :class:`kvplug.StorageTier`), or copied into
@@ -12,13 +14,21 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import ByteSize, Field
 
-from kvplug import Buffer, KVEvent, StorageTier, TierConfig, TierContext, TierStats
+from kvplug import (
+    Buffer,
+    EvictionName,
+    KVEvent,
+    StorageTier,
+    TierConfig,
+    TierContext,
+    TierStats,
+    make_eviction_policy,
+)
 from kvplug.errors import TierClosedError, ValueTooLargeError
 
 
@@ -31,10 +41,16 @@ class CPUTierConfig(TierConfig):
         description="auto: pin when torch is already loaded and CUDA is present "
         "(this tier never imports torch itself); always: require it.",
     )
+    eviction: EvictionName = Field(
+        default="lru",
+        description="Which values leave first past max_bytes: lru (least recently used) or s3fifo "
+        "(scan-resistant: a value read at least twice outlives a scan of one-off prompts; "
+        "Yang et al., SOSP 2023).",
+    )
 
 
 class CPUTier(StorageTier):
-    """A thread-safe, byte-bounded LRU of byte buffers."""
+    """A thread-safe, byte-bounded map of byte buffers, evicted by its ``eviction`` policy."""
 
     name = "cpu"
     medium = "memory"
@@ -45,7 +61,8 @@ class CPUTier(StorageTier):
     def __init__(self, config: CPUTierConfig, context: TierContext) -> None:
         super().__init__(config, context)
         self.config: CPUTierConfig = config
-        self._entries: OrderedDict[str, Buffer] = OrderedDict()
+        self._entries: dict[str, Buffer] = {}
+        self._policy = make_eviction_policy(config.eviction)  # guarded by self._lock, like _entries
         self._lock = threading.Lock()
         self._stats = TierStats()
         self._closed = False
@@ -60,12 +77,13 @@ class CPUTier(StorageTier):
         found: list[Buffer | None] = []
         with self._lock:
             self._check_open()
+            accessed = self._policy.accessed
             for key in keys:
                 value = self._entries.get(key)
                 if value is None:
                     self._stats.misses += 1
                 else:
-                    self._entries.move_to_end(key)
+                    accessed(key)
                     self._stats.hits += 1
                 found.append(value)
         return found
@@ -77,21 +95,28 @@ class CPUTier(StorageTier):
             view = memoryview(value)
             if view.nbytes > budget:
                 raise ValueTooLargeError(f"value of {view.nbytes} bytes for {key} exceeds max_bytes {budget}")
-            prepared.append((key, self._own(value, view)))
+            prepared.append((key, self._own(value, view), view.nbytes))
         evicted: list[str] = []
         with self._lock:
             self._check_open()
-            for key, value in prepared:
+            stats = self._stats
+            for key, value, size in prepared:
                 old = self._entries.pop(key, None)
                 if old is not None:
                     self._account(old, -1)
                 self._entries[key] = value
-                self._account(value, +1)
-                self._stats.puts += 1
-                while self._stats.bytes_used > budget:
-                    victim, dropped = self._entries.popitem(last=False)
-                    self._account(dropped, -1)
-                    self._stats.evictions += 1
+                stats.bytes_used += size
+                stats.items += 1
+                self._policy.inserted(key, size)
+                stats.puts += 1
+                while stats.bytes_used > budget:
+                    popped = self._policy.pop_victim()
+                    assert popped is not None, "the policy holds every stored key"
+                    victim, victim_size = popped
+                    del self._entries[victim]
+                    stats.bytes_used -= victim_size
+                    stats.items -= 1
+                    stats.evictions += 1
                     evicted.append(victim)
         if evicted:
             self.context.emit(KVEvent("evicted", tuple(evicted), tier=self.name))
@@ -104,6 +129,7 @@ class CPUTier(StorageTier):
                 value = self._entries.pop(key, None)
                 if value is not None:
                     self._account(value, -1)
+                    self._policy.removed(key)
                     removed.append(key)
         if removed:
             self.context.emit(KVEvent("removed", tuple(removed), tier=self.name))
@@ -111,13 +137,18 @@ class CPUTier(StorageTier):
     def stats(self) -> TierStats:
         with self._lock:
             snapshot = TierStats(**{k: v for k, v in vars(self._stats).items() if k != "extra"})
-            snapshot.extra = {"max_bytes": int(self.config.max_bytes), "pinned": self._pin is not None}
+            snapshot.extra = {
+                "max_bytes": int(self.config.max_bytes),
+                "pinned": self._pin is not None,
+                "eviction": self._policy.name,
+            }
             return snapshot
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             self._entries.clear()
+            self._policy.clear()
             self._stats.bytes_used = self._stats.items = 0
 
     def _account(self, value: Buffer, sign: int) -> None:

@@ -11,8 +11,10 @@ from kvplug.testing import StorageTierContract, key_for, tier_context, value_for
 from kvplug_cpu import CPUTier
 
 
-def make_cpu_tier(max_bytes: int | None = None, **events: object) -> CPUTier:
-    options = {} if max_bytes is None else {"max_bytes": max_bytes}
+def make_cpu_tier(max_bytes: int | None = None, eviction: str = "lru", **events: object) -> CPUTier:
+    options: dict[str, object] = {"eviction": eviction}
+    if max_bytes is not None:
+        options["max_bytes"] = max_bytes
     return CPUTier(CPUTier.Config(**options), tier_context(**events))
 
 
@@ -22,8 +24,26 @@ class TestCPUTierContract(StorageTierContract):
         return make_cpu_tier
 
 
-def test_accounting_is_exact_through_overwrite_remove_and_eviction() -> None:
-    tier = make_cpu_tier(3_000)
+class TestCPUTierS3FIFOContract(StorageTierContract):
+    lru = False  # a key read once is not enough to outlive the small queue
+
+    @pytest.fixture
+    def make_tier(self):
+        return lambda max_bytes=None, **events: make_cpu_tier(max_bytes, "s3fifo", **events)
+
+    def test_recently_read_keys_survive_eviction(self, tier_factory) -> None:
+        tier = tier_factory(5_000)
+        for i in range(5):
+            tier.put([(key_for(f"l{i}"), value_for(f"l{i}", 1000))])
+        tier.get([key_for("l0")])
+        tier.get([key_for("l0")])  # read twice: it moves on to the main queue when the small one is full
+        tier.put([(key_for("l5"), value_for("l5", 1000))])
+        assert tier.contains([key_for("l0"), key_for("l1")]) == [True, False]
+
+
+@pytest.mark.parametrize("eviction", ["lru", "s3fifo"])
+def test_accounting_is_exact_through_overwrite_remove_and_eviction(eviction: str) -> None:
+    tier = make_cpu_tier(3_000, eviction)
     tier.put([(key_for("a"), b"a" * 1000), (key_for("b"), b"b" * 700)])
     assert tier.stats().bytes_used == 1700
     tier.put([(key_for("a"), b"A" * 300)])
