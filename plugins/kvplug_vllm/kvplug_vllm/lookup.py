@@ -251,6 +251,11 @@ class SocketLookup:
                 sock.close()
             self._socks.clear()
 
+    def memory_lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]] | None:
+        """``None``: the worker answers from one thread, which a slow lookup may hold, so
+        the scheduler never asks it from its own thread in background mode."""
+        return None
+
     def reset(self) -> int:
         """Ask every worker to run its ``reset_cache``; returns the chunks removed."""
         message = encode_reset()
@@ -327,6 +332,42 @@ class DirectLookup:
 
     def lookup_tiers(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
         return merge_tiers([engine.lookup_tiers(tokens, request=request) for engine in self.engines], self.media)
+
+    def memory_lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]] | None:
+        """The answer of :meth:`lookup_tiers` when the tiers of medium memory give it alone,
+        without asking a slower tier; ``None`` when a slower tier could add to it.
+
+        Memory answers alone when it holds every whole chunk of the prompt, and the last,
+        partial chunk too unless the config never stores one (``save_unfull_chunk``).
+        """
+        answers, hits = [], []
+        for engine in self.engines:
+            keys = engine.chunk_keys(tokens, request)
+            where: list[str | None] = [None] * len(keys)
+            for tier in engine.chain.tiers:
+                if self.media.get(tier.name, "remote") != "memory":
+                    continue
+                ask = [i for i, name in enumerate(where) if name is None]
+                if not ask:
+                    break
+                try:
+                    found = tier.contains([keys[i].key for i in ask])
+                except Exception:  # the lookup proper asks again, and counts the error
+                    return None
+                for i, present in zip(ask, found):
+                    if present:
+                        where[i] = tier.name
+            held = next((i for i, name in enumerate(where) if name is None), len(keys))
+            partial_left = held == len(keys) - 1 and keys[-1].num_tokens < engine.chunk_size
+            if held < len(keys) and not (partial_left and not engine.config.save_unfull_chunk):
+                return None
+            answers.append([(str(name), key.num_tokens) for name, key in zip(where[:held], keys)])
+            hits.append(keys[held - 1].end if held else 0)
+        for engine, hit in zip(self.engines, hits):  # counted as CacheEngine.lookup_tiers counts its own
+            engine.metrics.lookups.inc()
+            engine.metrics.lookup_tokens.inc(len(tokens))
+            engine.metrics.lookup_hit_tokens.inc(hit)
+        return merge_tiers(answers, self.media)
 
     def close(self) -> None:
         pass

@@ -26,6 +26,7 @@ from kvplug import ExtraKey, KVPlugConfig, RequestInfo
 from kvplug.errors import ConfigError, KVPlugError
 from kvplug_vllm.kv_events import KVPlugKVEvents
 from kvplug_vllm.lookup import DirectLookup, SocketLookup, local_worker, socket_path, tier_media
+from kvplug_vllm.lookup_pool import LookupPool, Tiers
 from kvplug_vllm.lookup_result import LookupResult
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
 from kvplug_vllm.settings import ConnectorSettings, request_overrides, wants_report
@@ -34,8 +35,11 @@ from kvplug_vllm.stats import KVPlugConnectorStats
 logger = logging.getLogger("kvplug.vllm")
 
 #: The medium served at memory speed; a prefix needing a tier of any other medium
-#: (``StorageTier.medium``) loads in the background (load: auto).
+#: (``StorageTier.medium``) loads in the background (load: auto), and is looked up off
+#: the scheduler thread (lookups: background).
 FAST_MEDIUM = "memory"
+#: How long an idle scheduler step waits for a background lookup, rather than spin.
+IDLE_WAIT_S = 0.01
 
 
 @dataclass
@@ -95,6 +99,11 @@ class SchedulerSide:
         self.media = tier_media(config)
         self._channel: DirectLookup | SocketLookup | None = None
         self._lookups: dict[str, LookupResult] = {}
+        #: Lookups off the scheduler thread (lookup_pool.py), and their answers kept until admission.
+        self._pool: LookupPool | None = None
+        if settings.lookups == "background" and any(m != FAST_MEDIUM for m in self.media.values()):
+            self._pool = LookupPool(settings.max_background_lookups, settings.lookup_timeout_s)
+        self._answered: dict[str, Tiers] = {}
         self._requests: dict[str, Any] = {}
         self._trackers: dict[str, _Tracker] = {}
         #: Background loads allocated this step (go into the next metadata), and those sent.
@@ -111,7 +120,7 @@ class SchedulerSide:
 
     # --- lookups ------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._lookups.pop(request.request_id, None)
         tokens = request.prompt_token_ids
         if not self.can_load or tokens is None:
@@ -130,18 +139,10 @@ class SchedulerSide:
             info = self.request_info(request, with_overrides=False)
         if self.settings.skip_last_n_tokens:
             tokens = tokens[: max(0, len(tokens) - self.settings.skip_last_n_tokens)]
-        started = time.perf_counter()
-        try:
-            tiers = self._lookup_channel().lookup_tiers(tokens, info)
-        except KVPlugError as exc:
-            logger.warning("request %s: lookup failed, treated as a miss: %s", request.request_id, exc)
-            tiers = []
+        tiers = self._find(request.request_id, tokens, info)
+        if tiers is None:
+            return None, False  # its lookup runs in the background: vLLM asks again next step
         hit = sum(n for _, n in tiers)
-        # Time is spent on every ask; what was found is counted once the request is admitted.
-        lookup_us = int((time.perf_counter() - started) * 1e6)
-        self._stats.add(lookup_us=lookup_us)
-        self._stats.sample("lookup_seconds", lookup_us / 1e6)
-        self.totals.add(lookup_us=lookup_us)
         need = hit - num_computed_tokens
         if hit == request.num_tokens:
             need -= 1  # the engine must compute the last token to sample the next
@@ -154,6 +155,35 @@ class SchedulerSide:
             max(need, 0), " in the background" if background else "",
         )  # fmt: skip
         return max(need, 0), background
+
+    def _find(self, req_id: str, tokens: list[int], info: RequestInfo) -> Tiers | None:
+        """The request's cached prefix by tier, or ``None`` while its background lookup runs."""
+        if req_id in self._answered:  # not admitted when last answered: the same answer
+            return self._answered[req_id]
+        started = time.perf_counter()
+        try:
+            channel = self._lookup_channel()
+            tiers = channel.lookup_tiers(tokens, info) if self._pool is None else channel.memory_lookup(tokens, info)
+        except KVPlugError as exc:
+            logger.warning("request %s: lookup failed, treated as a miss: %s", req_id, exc)
+            tiers = []
+        if tiers is not None:
+            self._count_lookup_time(time.perf_counter() - started)
+            return tiers
+        assert self._pool is not None
+        answer = self._pool.ask(req_id, lambda: channel.lookup_tiers(tokens, info))
+        if answer is None:
+            return None
+        # Time is spent on every ask; what was found is counted once the request is admitted.
+        self._count_lookup_time(answer.waited_s)
+        self._answered[req_id] = answer.tiers
+        return answer.tiers
+
+    def _count_lookup_time(self, seconds: float) -> None:
+        lookup_us = int(seconds * 1e6)
+        self._stats.add(lookup_us=lookup_us)
+        self._stats.sample("lookup_seconds", lookup_us / 1e6)
+        self.totals.add(lookup_us=lookup_us)
 
     def _loads_in_background(self, tiers: list[tuple[str, int]], num_computed: int) -> bool:
         """Whether a load of the chunks past ``num_computed`` goes to the background."""
@@ -168,6 +198,7 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._requests[request.request_id] = request
+        self._answered.pop(request.request_id, None)  # if vLLM preempts it, its next ask looks up anew
         lookup = self._lookups.get(request.request_id)
         if lookup is None:
             return
@@ -189,6 +220,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPlugConnectorMetadata:
         meta = KVPlugConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
+        if meta.idle and self._pool is not None:
+            self._pool.wait_any(IDLE_WAIT_S)  # nothing runs: a busy loop would take the lookups' CPU
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
         for req_id, lookup in self._background.items():
@@ -359,6 +392,8 @@ class SchedulerSide:
         return False, report
 
     def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -370,6 +405,9 @@ class SchedulerSide:
         self._background.pop(req_id, None)
         self._background_hits.pop(req_id, None)
         self._failed_loads.pop(req_id, None)
+        self._answered.pop(req_id, None)
+        if self._pool is not None:
+            self._pool.discard(req_id)
 
     def _lookup_channel(self) -> DirectLookup | SocketLookup:
         if self._channel is None:

@@ -52,6 +52,20 @@ class ConnectorSettings(BaseModel):
     lookup_timeout_s: TimeoutSeconds = Field(
         default=10.0, description="A lookup that gets no answer in this time is a miss."
     )
+    lookups: Literal["background", "blocking"] = Field(
+        default="background",
+        description="background: a lookup that the tiers of medium memory cannot answer alone (one that "
+        "needs a disk or remote tier) runs off vLLM's scheduler thread; get_num_new_matched_tokens answers "
+        "None (ask again next step) until it is done, and vLLM schedules other requests meanwhile. "
+        "blocking: every lookup is answered at once, the scheduler waiting for it (kvplug 0.2).",
+    )
+    max_background_lookups: int = Field(
+        default=8,
+        ge=1,
+        le=256,
+        description="Background lookups in flight at once; a request asked about while all are busy is "
+        "asked about again next step (and is a miss once it has waited lookup_timeout_s).",
+    )
     load: Literal["auto", "sync", "async"] = Field(
         default="auto",
         description="How cached prefixes are loaded: sync (before the step's forward pass), async (in the "
