@@ -1,14 +1,15 @@
-"""A record tier's view of what its store holds: value sizes in use order, bounded.
+"""A record tier's view of what its store holds: value sizes in eviction order, bounded.
 
 A remote store has no cheap "bytes used" or "least recently used", and a server may
 evict keys without telling its clients. The index keeps both in this process, filled
 by listing the store on start (when the backend can list) and kept up to date by this
 process's writes, hits and removals. It serves ``stats()`` and the tier's ``max_bytes``
-budget: past it, the least recently used records are deleted. So that it neither grows
-with every key ever stored nor reports records long gone, it is bounded three ways:
+budget: past it, records are deleted in the order of the tier's eviction policy
+(:mod:`kvplug.core.eviction`: least recently used first, or S3-FIFO). So that it neither
+grows with every key ever stored nor reports records long gone, it is bounded three ways:
 
-- **A size bound**: at most ``max_keys`` entries. Past it the least recently used
-  entry leaves the index, and :meth:`RecordIndex.record` returns it. Without
+- **A size bound**: at most ``max_keys`` entries. Past it the policy's next victim
+  leaves the index, and :meth:`RecordIndex.record` returns it. Without
   ``max_bytes`` the tier forgets it (its record stays in the store until the store's
   own policy removes it); with ``max_bytes`` the tier deletes it, as an eviction, since
   bytes the index no longer counts would escape the budget.
@@ -25,9 +26,10 @@ with every key ever stored nor reports records long gone, it is bounded three wa
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable
 
+from kvplug.core.eviction import EvictionName, make_eviction_policy
 from kvplug.core.record_store import StoredRecord
 
 #: Indexed records checked against the store per record newly indexed (see the module docstring).
@@ -44,15 +46,18 @@ Victim = tuple[str, str | None]
 
 
 class RecordIndex:
-    """Thread-safe LRU of value sizes by record digest (at most ``max_keys``), with the key text when known."""
+    """Thread-safe index of value sizes by record digest (at most ``max_keys``), with the key
+    text when known, in the order of its eviction policy (``lru`` or ``s3fifo``)."""
 
-    def __init__(self, max_keys: int, *, evicts_when_full: bool = False) -> None:
+    def __init__(self, max_keys: int, *, evicts_when_full: bool = False, eviction: EvictionName = "lru") -> None:
         if max_keys < 1:
             raise ValueError(f"max_keys must be at least 1, got {max_keys}")
         self.max_keys = max_keys
         #: True: the tier deletes what :meth:`record` pushes out (counted as evictions, not here).
         self.evicts_when_full = evicts_when_full
-        self._entries: OrderedDict[str, Entry] = OrderedDict()
+        self._entries: dict[str, Entry] = {}
+        # Holds exactly the digests of _entries, with their sizes; guarded by _lock like them.
+        self._policy = make_eviction_policy(eviction)
         # Digests in the order they are next checked; a forgotten digest's slot is skipped when reached.
         self._round: deque[str] = deque()
         self._lock = threading.Lock()
@@ -82,12 +87,14 @@ class RecordIndex:
             return None if entry is None else entry[0]
 
     def record(self, digest: str, size: int, key: str | None) -> list[Victim]:
-        """``size`` value bytes are stored under ``digest``: now the most recently used.
+        """``size`` value bytes are stored under ``digest`` (written, or read back): for the
+        eviction policy a new record, or an access to one indexed (with ``lru``: now the most
+        recently used).
 
-        Returns the entries pushed out to stay within ``max_keys``, least recently used first."""
+        Returns the entries pushed out to stay within ``max_keys``, in eviction order."""
         pushed: list[Victim] = []
         with self._lock:
-            old = self._entries.pop(digest, None)
+            old = self._entries.get(digest)
             if old is not None:
                 self._bytes -= old[0]
                 key = key or old[1]
@@ -96,8 +103,10 @@ class RecordIndex:
                 self._round.append(digest)
             self._entries[digest] = (size, key)
             self._bytes += size
+            self._policy.inserted(digest, size)
             while len(self._entries) > self.max_keys:
-                gone, (dropped, gone_key) = self._entries.popitem(last=False)
+                gone = self._next_victim()
+                dropped, gone_key = self._entries.pop(gone)
                 self._bytes -= dropped
                 self._note_forgotten(gone)
                 pushed.append((gone, gone_key))
@@ -122,6 +131,7 @@ class RecordIndex:
         with self._lock:
             if self._entries.get(digest) is seen:
                 del self._entries[digest]
+                self._policy.removed(digest)
                 self._bytes -= seen[0]
                 self._note_forgotten(digest)
                 self.found_gone += 1
@@ -133,15 +143,17 @@ class RecordIndex:
             entry = self._entries.pop(digest, None)
             if entry is None:
                 return False
+            self._policy.removed(digest)
             self._bytes -= entry[0]
             return entry[1]
 
     def evict_over(self, budget: int) -> list[Victim]:
-        """Remove least recently used entries until ``bytes_used <= budget``; the removed ones."""
+        """Remove entries in eviction order until ``bytes_used <= budget``; the removed ones."""
         victims: list[Victim] = []
         with self._lock:
             while self._bytes > budget and self._entries:
-                digest, (size, key) = self._entries.popitem(last=False)
+                digest = self._next_victim()
+                size, key = self._entries.pop(digest)
                 self._bytes -= size
                 self._note_forgotten(digest)
                 victims.append((digest, key))
@@ -172,8 +184,8 @@ class RecordIndex:
             self._forgotten_during_scan.clear()
 
     def finish_scan(self, records: Iterable[StoredRecord], header_size: int) -> None:
-        """Merge a listing: records not indexed yet enter as least recently used, oldest
-        first; records removed while the listing ran are not brought back. A full index
+        """Merge a listing: records not indexed yet enter as the eviction policy's first
+        victims (``cold``), oldest first; records removed while the listing ran are not brought back. A full index
         takes the newest records of the listing (the others count as ``dropped_full``)."""
         with self._lock:
             newest_first = sorted(records, key=lambda r: r.modified or 0.0, reverse=True)
@@ -185,7 +197,7 @@ class RecordIndex:
                     continue
                 size = max(found.size - header_size, 0)
                 self._entries[found.digest] = (size, None)
-                self._entries.move_to_end(found.digest, last=False)
+                self._policy.inserted(found.digest, size, cold=True)
                 self._round.append(found.digest)
                 self._bytes += size
             self._scanning = False
@@ -199,9 +211,20 @@ class RecordIndex:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._policy.clear()
             self._round.clear()
             self._bytes = 0
             self._new = 0
+
+    @property
+    def eviction(self) -> str:
+        """The name of the eviction policy."""
+        return self._policy.name
+
+    def _next_victim(self) -> str:
+        popped = self._policy.pop_victim()
+        assert popped is not None, "the policy holds every indexed digest"
+        return popped[0]
 
     def _note_forgotten(self, digest: str) -> None:
         if self._scanning:

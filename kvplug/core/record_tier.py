@@ -68,7 +68,9 @@ class RecordTier(StorageTier):
             self._calls.close()
             raise TierError(f"tier {self.name!r} cannot open its store: {type(exc).__name__}: {exc}") from exc
         self._where = self._calls.where = self._backend.where or self.name
-        self._index = RecordIndex(config.index_max_keys, evicts_when_full=config.max_bytes is not None)
+        self._index = RecordIndex(
+            config.index_max_keys, evicts_when_full=config.max_bytes is not None, eviction=config.eviction
+        )
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._warned_full = False

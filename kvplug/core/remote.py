@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 from pydantic import Field, PositiveInt
 
 from kvplug.core.config_types import BackoffSeconds, Concurrency, FailureCount, TimeoutSeconds
+from kvplug.core.eviction import EvictionName
 from kvplug.core.queue_settings import QueueSettings
 from kvplug.core.retry import (
     BreakerState,
@@ -111,13 +112,20 @@ class RecordTierConfig(RemoteTierConfig):
         default=1_000_000,
         le=100_000_000,
         description="Most records in this process's index of the store (about 300 bytes each), which "
-        "gives stats() its figures and max_bytes its LRU. Past it the least recently used are forgotten, "
-        "not deleted (warned once); with max_bytes set they are deleted instead, so max_bytes always holds.",
+        "gives stats() its figures and max_bytes its eviction order. Past it the next in eviction order are "
+        "forgotten, not deleted (warned once); with max_bytes set they are deleted instead, so max_bytes "
+        "always holds.",
     )
     scan_on_start: bool = Field(
         default=False,
         description="List the store on start so stats and the max_bytes budget include records already "
         "stored (for stores that can list).",
+    )
+    eviction: EvictionName = Field(
+        default="lru",
+        description="Which records max_bytes (and a full index) deletes first: lru (least recently used) "
+        "or s3fifo (scan-resistant: a record read at least twice outlives a scan of one-off prompts; "
+        "Yang et al., SOSP 2023). Records a start-up listing found go first either way.",
     )
 
 
