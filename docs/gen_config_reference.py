@@ -7,7 +7,7 @@ from typing import Annotated, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from kvplug import Bounded, QueueSettings
+from kvplug import Bounded, FrequencyAdmissionConfig, QueueSettings
 from kvplug.core.config import KVPlugConfig, StoreSettings
 from kvplug.core.tier import TierConfig
 from kvplug_compress import FP8Serializer, ZstdSerializer
@@ -65,6 +65,18 @@ naming its new key: `store.mode`, `store.queue_max_batches`, `store.queue_max_by
 `inline`: sync), `queue_items`, `queue_bytes`, `block_timeout_s` and `on_close`
 (`flush`: drain). An old key and its new key with different values are an error."""
 
+ADMISSION = """
+`tiers[i].admission` decides which chunks the tier chain writes to that tier: `{type: all}`
+(the default) writes every chunk; `{type: frequency, min_hits: 2}` writes a chunk once its
+key was seen `min_hits` times, so one-off prompts never reach the tier. A sighting is a
+store of the chunk or a verified load of it; lookups do not count (an engine repeats them
+while a request waits). The counts live in a count-min sketch of fixed size (`sketch_keys`)
+whose counts halve every 10 x `sketch_keys` sightings. A chunk declined when stored and
+later loaded from a faster tier is written to this tier on the load that admits it;
+promotions into a faster tier respect its admission too. Counted per tier in
+`kvplug_admission_admitted_total` and `kvplug_admission_declined_total`.
+"""
+
 CONNECTORS = """
 ## Connector
 
@@ -116,6 +128,12 @@ def render() -> str:
         table("Write queues: `store.queue` and `tiers[i].queue` (`kvplug.QueueSettings`)", QueueSettings, "queue."),
         QUEUES,
         table("Options every tier takes (`kvplug.TierConfig`)", TierConfig),
+        table(
+            "Tier admission `{type: frequency}` (`kvplug.FrequencyAdmissionConfig`)",
+            FrequencyAdmissionConfig,
+            "admission.",
+        ),
+        ADMISSION,
         table("Tier `cpu` (kvplug-cpu)", CPUTier.Config, skip=set(TierConfig.model_fields) - {"max_bytes"}),
         SERIALIZERS,
         table(

@@ -10,6 +10,16 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from kvplug.core.admission import (
+    AdmissionConfig,
+    AdmissionPolicy,
+    AdmitAll,
+    AdmitAllConfig,
+    FrequencyAdmission,
+    FrequencyAdmissionConfig,
+    FrequencySketch,
+    make_admission_policy,
+)
 from kvplug.core.background import BackgroundWorker
 from kvplug.core.chunk_format import DTYPE_SIZES as CHUNK_DTYPE_SIZES
 from kvplug.core.chunk_format import MAGIC as RAW_FRAME_MAGIC
@@ -111,6 +121,10 @@ __all__ = [
     "SIZE_UNKNOWN",
     "UNBOUNDED_BYTES",
     "Absent",
+    "AdmissionConfig",
+    "AdmissionPolicy",
+    "AdmitAll",
+    "AdmitAllConfig",
     "BackgroundWorker",
     "BackoffSeconds",
     "Bounded",
@@ -131,6 +145,9 @@ __all__ = [
     "FailureCount",
     "FailureKind",
     "Fingerprint",
+    "FrequencyAdmission",
+    "FrequencyAdmissionConfig",
+    "FrequencySketch",
     "KVConnector",
     "KVEvent",
     "KVLayout",
@@ -181,6 +198,7 @@ __all__ = [
     "is_secret_name",
     "key_digest",
     "load_config",
+    "make_admission_policy",
     "make_eviction_policy",
     "make_serializer",
     "pack_record",

@@ -6,6 +6,7 @@ importing each other."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -24,6 +25,7 @@ def problems_from_validation_error(
     problems = []
     for error in exc.errors(include_url=False):
         loc = tuple(part for part in error["loc"] if not (isinstance(part, str) and part.startswith("function-")))
+        loc = _without_union_tags(loc, data)
         path = _format_path(prefix, loc)
         message = error["msg"]
         if error["type"] == "extra_forbidden" and model is not None:
@@ -32,6 +34,24 @@ def problems_from_validation_error(
                 message = f"unknown key; allowed: {', '.join(allowed)}"
         problems.append(ConfigProblem(path, error.get("input"), message))
     return problems
+
+
+def _without_union_tags(loc: tuple[Any, ...], data: Any) -> tuple[Any, ...]:
+    """``loc`` without the tags pydantic puts in the path of a union chosen by ``type``
+    (``admission.frequency.min_hits`` is the user's ``admission.min_hits``): a part that
+    is no key of the input there but the value of its ``type`` key."""
+    kept: list[Any] = []
+    for part in loc:
+        if isinstance(data, Mapping) and isinstance(part, str) and part not in data and data.get("type") == part:
+            continue
+        kept.append(part)
+        if isinstance(data, Mapping):
+            data = data.get(part)
+        elif isinstance(part, int) and isinstance(data, (list, tuple)) and 0 <= part < len(data):
+            data = data[part]
+        else:
+            data = None
+    return tuple(kept)
 
 
 def _format_path(prefix: str, loc: tuple[Any, ...]) -> str:

@@ -50,6 +50,14 @@ class EngineMetrics:
         )
         self.tier_errors = Counter("kvplug_tier_errors", "Tier calls that raised", ["tier", "op"], registry=r)
         self.promotions = Counter("kvplug_promotions", "Chunks copied to a faster tier", ["tier"], registry=r)
+        self.admission_admitted = Counter(
+            "kvplug_admission_admitted", "Chunks a tier's admission policy let the chain write to it", ["tier"],
+            registry=r,
+        )  # fmt: skip
+        self.admission_declined = Counter(
+            "kvplug_admission_declined", "Chunks a tier's admission policy kept the chain from writing to it",
+            ["tier"], registry=r,
+        )  # fmt: skip
         self.lookup_budget_spent = Counter(
             "kvplug_lookup_budget_spent",
             "Lookups that ran out of lookup_timeout_ms before asking every tier",

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ByteSize, Field, ValidationInfo, model_validator
 
+from kvplug.core.admission import AdmissionConfig, AdmitAllConfig
 from kvplug.core.components import ComponentConfig
 from kvplug.core.events import KVEvent
 from kvplug.core.metrics import EngineMetrics
@@ -48,6 +49,12 @@ class TierConfig(ComponentConfig):
         description="How the tier chain writes this tier: sync, from the store worker's thread, or async, through "
         "a bounded write queue of the chain's own (values queued there are readable at once; a store does "
         "not ask an async tier what it holds until its queue writes).",
+    )
+    admission: AdmissionConfig = Field(
+        default_factory=AdmitAllConfig,
+        description="Which chunks the tier chain writes to this tier: {type: all} every chunk; {type: frequency, "
+        "min_hits: 2} a chunk once it was stored or loaded min_hits times (lookups do not count), so one-off "
+        "prompts never reach the tier. Written and declined chunks are counted (kvplug_admission_*_total).",
     )
 
     @model_validator(mode="before")

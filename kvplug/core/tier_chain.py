@@ -9,6 +9,11 @@
   does not promote: ``promote`` writes a hit from a slower tier to the faster
   ones once the caller has verified it (:class:`kvplug.ChunkStore` does both).
 - ``contains_prefix`` answers how many leading keys some tier holds.
+- Admission: each tier's :class:`~kvplug.AdmissionPolicy` (``tiers[i].admission``)
+  decides which chunks of a ``put`` or a ``promote`` are written to it, before the
+  write is made or queued; stores and verified loads count as sightings, lookups do
+  not. A load also writes the chunks a slower tier's policy has just admitted (they
+  were declined when stored); see :mod:`kvplug.core.admission`.
 - A tier that raises is a miss for that call (logged and counted), never an error
   for the engine.
 """
@@ -21,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
+from kvplug.core.admission import AdmissionPolicy, make_admission_policy
 from kvplug.core.events import KVEvent
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry
@@ -61,6 +67,7 @@ class _Slot:
     label: str
     queue: WriteQueue | None
     metrics: EngineMetrics
+    admission: AdmissionPolicy
 
     def contains(self, keys: list[str]) -> list[bool] | None:
         queued = self.queue.values(keys) if self.queue is not None else [None] * len(keys)
@@ -137,7 +144,8 @@ class TierChain:
                     settle=functools.partial(self._settle_at, index),
                     on_drop=self.metrics.store_dropped.labels(label).inc,
                 )
-            self._slots.append(_Slot(tier, settings, label, queue, self.metrics))
+            admission = make_admission_policy(settings.admission)
+            self._slots.append(_Slot(tier, settings, label, queue, self.metrics, admission))
 
     @classmethod
     def open(
@@ -294,8 +302,24 @@ class TierChain:
         ]
 
     def promote(self, keys: Sequence[str], fetched: Sequence[Fetched]) -> None:
-        """Write values found in slower tiers to the faster ones (``keys`` pair with ``fetched``)."""
-        self._promote(list(keys[: len(fetched)]), [hit.value for hit in fetched], [hit.tier for hit in fetched])
+        """After a verified load: write values found in slower tiers to the faster ones
+        that admit them, and values a slower tier's admission policy admits from this
+        load on (declined when they were stored) to that tier (``keys`` pair with
+        ``fetched``). The load counts as a sighting of each key."""
+        keys = list(keys[: len(fetched)])
+        if not keys:
+            return
+        selective = [slot for slot in self._slots if not slot.admission.admits_everything]
+        before = {id(slot): slot.admission.admit(keys) for slot in selective}
+        self._seen(keys)
+        for index, slot in enumerate(self._slots):
+            faster = [(key, hit.value) for key, hit in zip(keys, fetched) if hit.tier > index]
+            admitted = self._admitted(slot, faster)
+            if admitted:
+                self.metrics.promotions.labels(slot.label).inc(len(admitted))
+                self._write(slot, admitted)
+            if id(slot) in before:
+                self._catch_up(slot, keys, fetched, index, before[id(slot)])
 
     @property
     def all_trusted(self) -> bool:
@@ -313,16 +337,54 @@ class TierChain:
 
     # --- writes ---------------------------------------------------------------------
 
-    def put(self, items: Items) -> None:
-        """Write each item to every tier that does not hold its key yet."""
+    def put(self, items: Items, *, admission: bool = True) -> None:
+        """Write each item to every tier that admits it and does not hold its key yet.
+        The put counts as a sighting of each key. ``admission=False`` writes to every
+        tier, uncounted: for small records every tier must hold (fingerprint manifests)."""
         if not items:
             return
+        if admission:
+            self._seen([key for key, _ in items])
         for slot in self._slots:
-            if slot.queue is not None:  # a slow tier checks what it lacks on its queue's thread
-                slot.queue.submit(items)
-            else:
-                self._put_missing(slot, items)
-                slot.settle()
+            self._write_missing(slot, self._admitted(slot, items) if admission else items)
+
+    def _write_missing(self, slot: _Slot, items: Items) -> None:
+        if not items:
+            return
+        if slot.queue is not None:  # a slow tier checks what it lacks on its queue's thread
+            slot.queue.submit(items)
+        else:
+            self._put_missing(slot, items)
+            slot.settle()
+
+    def _seen(self, keys: list[str]) -> None:
+        for slot in self._slots:
+            if not slot.admission.admits_everything:
+                slot.admission.seen(keys)
+
+    def _admitted(self, slot: _Slot, items: Items) -> Items:
+        """The items ``slot``'s admission policy lets the chain write to it, counted."""
+        if not items:
+            return items
+        if slot.admission.admits_everything:
+            admitted = items
+        else:
+            answers = slot.admission.admit([key for key, _ in items])
+            admitted = [item for item, admit in zip(items, answers) if admit]
+        if admitted:
+            self.metrics.admission_admitted.labels(slot.label).inc(len(admitted))
+        if len(admitted) < len(items):
+            self.metrics.admission_declined.labels(slot.label).inc(len(items) - len(admitted))
+        return admitted
+
+    def _catch_up(
+        self, slot: _Slot, keys: list[str], fetched: Sequence[Fetched], index: int, before: list[bool]
+    ) -> None:
+        """Write to ``slot`` (index ``index``) the loaded values from faster tiers that its
+        policy admits since this load's sighting. Keys it admitted before are left alone:
+        they were written then (by a store or an earlier load)."""
+        candidates = [(key, hit.value) for key, hit, was in zip(keys, fetched, before) if hit.tier < index and not was]
+        self._write_missing(slot, self._admitted(slot, candidates))
 
     def _put_missing(self, slot: _Slot, items: Items) -> None:
         answers = slot.stored([key for key, _ in items])
@@ -342,13 +404,6 @@ class TierChain:
 
     def _settle_at(self, index: int) -> None:
         self._slots[index].settle()
-
-    def _promote(self, keys: Sequence[str], values: Sequence[Buffer], found_in: Sequence[int]) -> None:
-        for index, slot in enumerate(self._slots):
-            items = [(k, v) for k, v, where in zip(keys, values, found_in) if where > index]
-            if items:
-                self.metrics.promotions.labels(slot.label).inc(len(items))
-                self._write(slot, items)
 
     # --- lifecycle ------------------------------------------------------------------
 
