@@ -1,7 +1,7 @@
 """``ChunkStore``: chunk keys in, verified chunk tensors out, over a tier chain.
 
 The one place that turns stored bytes back into tensors, for ``CacheEngine`` and for
-adapters that manage their own pages (SGLang's HiCache storage backend). It owns:
+adapters that manage their own pages (an engine's host-memory page pool). It owns:
 
 - the serializer (built from the config, bounded by ``max_chunk_bytes``) and the
   fingerprint that records it, so a frame is only ever read under the fingerprint
