@@ -63,8 +63,9 @@ def main() -> None:
             for p in step["prompts"]
         ]
         started = time.perf_counter()
+        first: list[list[float]] = []
         if step.get("concurrent"):
-            outputs, finished = run_concurrently(llm, prompts, params, started)
+            outputs, finished, first = run_concurrently(llm, prompts, params, started)
         else:
             outputs, finished = llm.generate(prompts, params, use_tqdm=False), []
         seconds = time.perf_counter() - started
@@ -72,6 +73,7 @@ def main() -> None:
             {
                 "seconds": seconds,
                 "finished": finished,
+                "first_token": first,
                 "outputs": [
                     {
                         "tokens": list(o.outputs[0].token_ids),
@@ -94,8 +96,9 @@ def main() -> None:
 def run_concurrently(llm, prompts, params, started):
     """Submit every prompt at once, in order, and step the engine until all finish.
 
-    Returns the outputs in submission order and ``[[index, seconds], ...]`` in the
-    order the requests finished (seconds since ``started``).
+    Returns the outputs in submission order, ``[[index, seconds], ...]`` in the order
+    the requests finished and, in the same form, in the order each got its first
+    token (seconds since ``started``).
     """
     engine = llm.llm_engine
     ids = [f"c{index}-{time.monotonic_ns()}" for index in range(len(prompts))]
@@ -103,12 +106,15 @@ def run_concurrently(llm, prompts, params, started):
         engine.add_request(request_id, prompt, param)
     done: dict[str, object] = {}
     finished = []
+    first: list[list[float]] = []
     while engine.has_unfinished_requests():
         for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids and all(ids.index(out.request_id) != i for i, _ in first):
+                first.append([ids.index(out.request_id), time.perf_counter() - started])
             if out.finished and out.request_id not in done:
                 done[out.request_id] = out
                 finished.append([ids.index(out.request_id), time.perf_counter() - started])
-    return [done[request_id] for request_id in ids], finished
+    return [done[request_id] for request_id in ids], finished, first
 
 
 if __name__ == "__main__":
