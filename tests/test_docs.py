@@ -102,12 +102,13 @@ print("sqlite tier used by name: ok")
     assert used.returncode == 0, used.stderr
     assert "ok" in used.stdout
 
-    # Another process lists the file, reads and verifies both records (kvplug store, through the base).
+    # Another process lists the file, reads and verifies its records (kvplug store, through the base):
+    # both chunks and the engine's fingerprint manifest (kvplug explain's).
     verified = subprocess.run(
         [*kvplug_cli, "store", "verify", f"sqlite://{db}"], env=env, capture_output=True, text=True, timeout=120
     )
     assert verified.returncode == 0, verified.stderr
-    assert re.search(r"\bok\W+2\b", verified.stdout), verified.stdout
+    assert re.search(r"\bok\W+3\b", verified.stdout), verified.stdout
 
     misspelled = subprocess.run(
         [*kvplug_cli, "config", "validate", str(_write(tmp_path / "bad.yaml", "tiers: [{type: sqlite, paht: x}]\n"))],

@@ -15,6 +15,7 @@ from core_helpers import VLLM_FLASH
 
 from kvplug import UNBOUNDED_BYTES, CacheEngine, Fingerprint, KVLayout, load_config
 from kvplug.cli.store import _budget
+from kvplug.core.manifest import MANIFEST_MAGIC
 from kvplug.core.record import RECORD_HEADER_SIZE, pack_record
 
 LAYOUT = KVLayout(VLLM_FLASH, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
@@ -52,7 +53,8 @@ def kvplug(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def record_files(folder: Path) -> list[Path]:
-    return sorted(folder.glob("*/*.kvr"))
+    """The chunk records (not the engine's fingerprint manifest, kvplug explain's)."""
+    return sorted(f for f in folder.glob("*/*.kvr") if MANIFEST_MAGIC not in f.read_bytes())
 
 
 def test_stats_ls_verify_and_gc(tmp_path: Path) -> None:
@@ -63,11 +65,12 @@ def test_stats_ls_verify_and_gc(tmp_path: Path) -> None:
 
     stats = kvplug("stats", str(folder))
     assert stats.returncode == 0, stats.stderr
-    assert re.search(r"│ records\s*│\s*6 │", stats.stdout), stats.stdout
+    assert re.search(r"│ records\s*│\s*7 │", stats.stdout), stats.stdout  # and the fingerprint manifest
 
     listing = kvplug("ls", str(folder))
     assert listing.returncode == 0, listing.stderr
-    assert "6 records in" in listing.stdout
+    assert "7 records in" in listing.stdout
+    assert listing.stdout.count("fingerprint manifest") == 1
     assert listing.stdout.count("bfloat16 [2, 2, 8, 16]") == 6
     assert all(f.name[:64] in listing.stdout for f in files)
 

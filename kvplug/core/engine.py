@@ -30,6 +30,7 @@ from kvplug.core.frame_pool import FramePool
 from kvplug.core.keys import ChunkKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
 from kvplug.core.layouts import KVLayout
+from kvplug.core.manifest import ManifestWriter
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.parallel_copies import ParallelCopies, auto_copy_threads
 from kvplug.core.plugins import PluginRegistry, get_registry
@@ -78,6 +79,7 @@ class CacheEngine:
         self.chain = self.chunk_store.chain
         self._copies = ParallelCopies(self._copy_threads())
         self.key_builder = KeyBuilder(self.config.chunk_size, self.config.hash)
+        self._manifests = ManifestWriter(self.chain.put, self.config.chunk_size, self.config.hash)
         pin_frames = self.connector.wants_pinned_frames()
         self.frame_pool = FramePool(
             self._frame_pool_bytes(self.chain), pin=pin_frames, prefault=self.config.store.prefault_frames
@@ -223,6 +225,8 @@ class CacheEngine:
                         self.layout.chunk_shape(chunk.num_tokens), self.layout.dtype, self.frame_pool.new_buffer
                     )
                     todo.append((chunk, frame, payload))
+                if todo:  # the fingerprint these chunks go under, for kvplug explain
+                    self._manifests.note(self.fingerprint, request)
             except Exception:
                 logger.exception("store: preparing chunks failed; nothing stored")
                 todo = []

@@ -151,14 +151,20 @@ class KeyBuilder:
     def keys(
         self,
         tokens: Sequence[int] | Any,
-        fingerprint: Fingerprint,
+        fingerprint: Fingerprint | str,
         *,
         extra_keys: Sequence[ExtraKey] = (),
         include_partial: bool = False,
     ) -> list[ChunkKey]:
-        """Keys of the prompt's chunks; the partial last chunk only if asked."""
+        """Keys of the prompt's chunks; the partial last chunk only if asked.
+
+        ``fingerprint`` may also be the key prefix itself, ``<format version>/<fingerprint
+        hex>/`` (what a store's fingerprint manifest records, see :mod:`kvplug.core.manifest`)."""
         token_bytes = _token_bytes(tokens)
-        prefix = f"{fingerprint.format_version}/{fingerprint.hexdigest()}/"
+        if isinstance(fingerprint, str):
+            prefix = fingerprint
+        else:
+            prefix = f"{fingerprint.format_version}/{fingerprint.hexdigest()}/"
         previous = self.chain_seed()
         keys: list[ChunkKey] = []
         for index, (start, end) in enumerate(self.chunk_bounds(len(token_bytes) // 8, include_partial=include_partial)):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 from kvplug.core import chunk_format
+from kvplug.core.manifest import decode_manifest
 from kvplug.core.record import parse_record_header, unpack_record
 from kvplug.core.tier import Buffer
 from kvplug.errors import CorruptChunkError, IncompatibleChunkError, MissingIntegrityKeyError
@@ -60,6 +61,9 @@ def check_record(digest: str, data: Buffer | None) -> RecordCheck:
             raise CorruptChunkError("record was stored under another key")
         value = unpack_record(data)
         if bytes(value[:4]) != chunk_format.MAGIC:
+            manifest = decode_manifest(value)
+            if manifest is not None:
+                return RecordCheck("ok", f"fingerprint manifest {manifest.fingerprint_hex} (kvplug explain)")
             return RecordCheck("ok", "opaque value (not a KV chunk frame)")
         chunk = chunk_format.verify_frame(value)
     except MissingIntegrityKeyError as exc:

@@ -64,11 +64,11 @@ def test_a_second_engine_loads_kv_from_disk_and_promotes_it_to_cpu(tmp_path: Pat
         assert first.store(tokens, source, slots) == 48
         first.flush()
         assert first.lookup(tokens) == 48
-    assert len(list((tmp_path / "kv").glob("*/*.kvr"))) == 3
+    assert len(list((tmp_path / "kv").glob("*/*.kvr"))) == 4  # three chunks and the fingerprint manifest
 
     with engine_on(tmp_path / "kv") as second:
         cpu, disk = second.chain.tiers
-        assert (cpu.stats().items, disk.stats().items) == (0, 3)
+        assert (cpu.stats().items, disk.stats().items) == (0, 4)  # and the fingerprint manifest
         assert second.lookup(tokens) == 48
         target = paged_caches()
         target_slots = torch.randperm(NUM_BLOCKS * 8)[:48]

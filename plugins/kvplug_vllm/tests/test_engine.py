@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 from conftest import CHUNK_SIZE, P1, kv_config, output, report, step
 
+from kvplug import check_record
+
 # --- one engine, CPU tier: hits, chunk alignment, salts, per-request settings ------------
 
 CPU_STEPS = [
@@ -166,7 +168,9 @@ def producer(run_engine: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple
 
 
 def records(path: Path) -> list[Path]:
-    return sorted(path.rglob("*.kvr"))
+    """The chunk records (not the engine's fingerprint manifest, kvplug explain's)."""
+    found = sorted(path.rglob("*.kvr"))
+    return [p for p in found if "fingerprint manifest" not in check_record(p.name[:64], p.read_bytes()).reason]
 
 
 def test_producer_stores_and_consumer_loads(

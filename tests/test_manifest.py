@@ -1,0 +1,61 @@
+"""Fingerprint manifests: their keys, their bounded format, and how often an engine writes them."""
+
+from __future__ import annotations
+
+import json
+
+from kvplug import Fingerprint
+from kvplug.core import manifest
+from kvplug.core.manifest import MANIFEST_MAGIC, KeyScheme, ManifestWriter, decode_manifest, encode_manifest
+
+BASE = Fingerprint(model_id="m", kv_layout="l", dtype="float16", block_size=16, cache_salt="secret-tenant")
+
+
+def test_a_manifest_round_trips_without_its_salt() -> None:
+    scheme = KeyScheme.of(BASE, 256, "sha256")
+    value = encode_manifest(scheme)
+    assert b"secret-tenant" not in value and value.startswith(MANIFEST_MAGIC)
+    assert decode_manifest(value) == scheme
+    assert scheme.prefix == f"v1/{BASE.hexdigest()}/" and scheme.manifest_key().startswith(scheme.prefix)
+    # Its name has the shape of a chunk key, and depends on the chunk size and hash.
+    assert len(scheme.manifest_key().rsplit("/", 1)[1]) == 64
+    assert KeyScheme.of(BASE, 128, "sha256").manifest_key() != scheme.manifest_key()
+    same_salt = KeyScheme.of(BASE.for_request(cache_salt="secret-tenant"), 256, "sha256")
+    other_salt = KeyScheme.of(BASE.for_request(cache_salt="other"), 256, "sha256")
+    assert scheme.differences(same_salt) == [] and scheme.differences(other_salt) == ["cache_salt"]
+
+
+def test_anything_else_is_not_a_manifest() -> None:
+    good = json.loads(encode_manifest(KeyScheme.of(BASE, 8, "sha256"))[len(MANIFEST_MAGIC) :])
+    bad_bodies = [
+        b"not json",
+        json.dumps({"fields": good["fields"]}).encode(),
+        json.dumps({**good, "prefix": "no-slashes"}).encode(),
+        json.dumps({**good, "fields": {**good["fields"], "chunk_size": 0}}).encode(),
+        json.dumps({**good, "fields": {**good["fields"], "hash": "md5"}}).encode(),
+        json.dumps({**good, "fields": {**good["fields"], "model_id": ["a", "list"]}}).encode(),
+    ]
+    for body in bad_bodies:
+        assert decode_manifest(MANIFEST_MAGIC + body) is None, body
+    assert decode_manifest(b"KVC1" + bytes(100)) is None  # a chunk frame
+    assert decode_manifest(MANIFEST_MAGIC + b" " * manifest.MANIFEST_MAX_BYTES) is None  # too big to be one
+
+
+def test_an_engine_writes_each_fingerprint_once_a_while_in_bounded_memory(monkeypatch) -> None:
+    written: list[str] = []
+    now = [0.0]
+    writer = ManifestWriter(lambda items: written.extend(k for k, _ in items), 8, "sha256", clock=lambda: now[0])
+    salted = [BASE.for_request(cache_salt=str(i)) for i in range(3)]
+    for fingerprint in [*salted, *salted]:
+        writer.note(fingerprint)
+    assert len(written) == 3  # once per fingerprint
+    now[0] = manifest.MANIFEST_REFRESH_S + 1
+    writer.note(salted[0])
+    assert len(written) == 4  # again after the refresh interval, so an LRU tier keeps it
+    monkeypatch.setattr(manifest, "MANIFEST_MEMORY", 2)
+    for i in range(10):
+        writer.note(BASE.for_request(cache_salt=f"many-{i}"))
+    assert len(writer._written) == 2
+    huge = Fingerprint(model_id="x" * manifest.MANIFEST_MAX_BYTES, kv_layout="l", dtype="f", block_size=1)
+    writer.note(huge)  # over the bound: not written, never an error
+    assert len(written) == 14
