@@ -121,6 +121,11 @@ class TierOpenError(ConfigError):
         self.args = (f"kvplug config tiers[{index}] (type {tier_type}): {self.problems[0].message}",)
 
 
+class ExplainInputError(KVPlugError, ValueError):
+    """``kvplug explain`` was given a prompt or a fingerprint it cannot use (not token
+    ids, an unknown fingerprint field, no manifest matching a digest); the message says which."""
+
+
 # --- chunks --------------------------------------------------------------------------
 
 

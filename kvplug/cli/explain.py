@@ -1,0 +1,295 @@
+"""``kvplug explain PROMPT``: which tiers hold each chunk of a prompt, and why it misses.
+
+The chunk keys are computed as the engine computes them, from the config (chunk size,
+hash, serializer) and the engine's fingerprint, which ``--fingerprint`` names: the
+fingerprint digest (or its first characters) of a manifest that engine wrote into the
+tiers (``--list-fingerprints`` shows them), or a JSON file (a manifest as
+``--json``/``--list-fingerprints --json`` print it, or the fields of
+``kvplug.Fingerprint``). ``--set FIELD=VALUE``, ``--cache-salt`` and ``--lora`` change
+fields. Tiers in memory are left out: they are the engine process's own (empty here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from kvplug.cli.console import console, err_console, run_or_exit
+from kvplug.core.config import KVPlugConfig
+from kvplug.core.explain import Explanation, OtherScheme, explain_prompt, list_manifests
+from kvplug.core.keys import Fingerprint
+from kvplug.core.manifest import FIELD_NAMES, MANIFEST_MAGIC, KeyScheme, decode_manifest
+from kvplug.core.plugins import get_registry
+from kvplug.core.serializer_factory import make_serializer
+from kvplug.core.tier import UNBOUNDED_BYTES, TierConfig
+from kvplug.core.tier_chain import TierChain
+from kvplug.errors import ExplainInputError
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Fingerprint)}
+_INT_FIELDS = {name for name, f in _FIELDS.items() if f.type in ("int", int)}
+
+
+def read_prompt(source: str, tokenizer: str | None) -> list[int]:
+    """Token ids from a file (``-``: stdin): a JSON list or whitespace-separated ints; with
+    ``tokenizer``, text encoded by that Hugging Face tokenizer (needs ``transformers``)."""
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text()
+    except OSError as exc:
+        raise ExplainInputError(f"prompt {source!r}: cannot read it: {exc}") from None
+    if tokenizer is not None:
+        try:
+            from transformers import AutoTokenizer  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:
+            raise ExplainInputError(
+                "--tokenizer needs the transformers package (pip install transformers); "
+                "or pass token ids (a JSON list or whitespace-separated ints)"
+            ) from None
+        return list(AutoTokenizer.from_pretrained(tokenizer)(text)["input_ids"])
+    try:
+        parsed = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.split()]
+    except ValueError:
+        raise ExplainInputError(
+            f"prompt {source!r} is not token ids (a JSON list or whitespace-separated ints); "
+            "for text, pass --tokenizer NAME_OR_PATH"
+        ) from None
+    if not isinstance(parsed, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in parsed):
+        raise ExplainInputError(f"prompt {source!r}: a JSON prompt must be a list of integers")
+    if any(t < 0 or t >= 2**63 for t in parsed):
+        raise ExplainInputError(f"prompt {source!r}: token ids must be between 0 and 2**63 - 1")
+    return parsed
+
+
+def open_tiers(config: KVPlugConfig) -> tuple[TierChain, list[tuple[str, Any]], list[str]]:
+    """The config's tiers not in memory, opened for inspection (nothing evicted) and
+    labelled by their place in the config (``1:disk``), and the labels of those left out."""
+    registry = get_registry()
+    classes = registry.storage_tiers()
+    specs, labels, skipped = [], [], []
+    for index, spec in enumerate(config.tiers):
+        label = f"{index}:{spec.type}"
+        if getattr(classes[spec.type], "medium", "remote") == "memory":
+            skipped.append(label)
+            continue
+        options = spec.options
+        if isinstance(options, TierConfig):
+            options = options.model_copy(update={"max_bytes": UNBOUNDED_BYTES})
+        specs.append(SimpleNamespace(type=spec.type, options=options))
+        labels.append(label)
+    chain = TierChain.open(specs, registry)
+    return chain, list(zip(labels, chain.tiers)), skipped
+
+
+def load_scheme_file(path: Path) -> KeyScheme | dict[str, Any]:
+    """A manifest (as stored or as ``--json`` prints it) or a dict of fingerprint fields."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ExplainInputError(f"fingerprint file {str(path)!r}: cannot read it: {exc}") from None
+    if not data.startswith(MANIFEST_MAGIC):
+        try:
+            body = json.loads(data)
+        except ValueError:
+            raise ExplainInputError(f"fingerprint file {str(path)!r} is not JSON") from None
+        if not isinstance(body, dict):
+            raise ExplainInputError(f"fingerprint file {str(path)!r}: want a JSON object")
+        if "prefix" not in body:
+            return body
+        data = MANIFEST_MAGIC + json.dumps({"fields": body.get("fields"), "prefix": body["prefix"]}).encode()
+    scheme = decode_manifest(data)
+    if scheme is None:
+        raise ExplainInputError(f"fingerprint file {str(path)!r} is not a kvplug fingerprint manifest")
+    return scheme
+
+
+def find_scheme(wanted: str, tiers: list[tuple[str, Any]]) -> KeyScheme:
+    """The manifest in the tiers whose fingerprint digest starts with ``wanted``."""
+    notes: dict[str, str] = {}
+    found = {s.prefix: s for label, tier in tiers for s in list_manifests(label, tier, notes)}
+    matches = [s for prefix, s in found.items() if s.fingerprint_hex.startswith(wanted.lower())]
+    if len(matches) != 1:
+        what = "no" if not matches else f"{len(matches)}"
+        raise ExplainInputError(
+            f"--fingerprint {wanted!r}: {what} fingerprint manifests in the tiers match; "
+            f"found: {', '.join(s.fingerprint_hex for s in found.values()) or 'none'} (see --list-fingerprints)"
+        )
+    return matches[0]
+
+
+def build_scheme(base: KeyScheme | dict[str, Any], config: KVPlugConfig, changes: dict[str, str | None]) -> KeyScheme:
+    """The scheme of ``base``'s fingerprint with ``changes``, under the config's chunk size,
+    hash and serializer (the config is the engine's)."""
+    fields: dict[str, Any] = dict(base.fields if isinstance(base, KeyScheme) else base)
+    salt_from_manifest = isinstance(base, KeyScheme) and fields.get("cache_salt") is not None
+    for name, value in changes.items():
+        if name not in _FIELDS:
+            raise ExplainInputError(f"--set {name}: not a fingerprint field; fields: {', '.join(_FIELDS)}")
+        try:
+            fields[name] = int(value) if name in _INT_FIELDS and value is not None else value
+        except ValueError:
+            raise ExplainInputError(f"--set {name}={value}: {name} must be an integer") from None
+    if salt_from_manifest and "cache_salt" not in changes:
+        raise ExplainInputError(
+            "this fingerprint's manifest keeps only a digest of its cache_salt: pass --cache-salt (or --no-salt)"
+        )
+    fields = {name: value for name, value in fields.items() if name in _FIELDS}
+    fields["serializer"] = make_serializer(config, get_registry()).fingerprint()
+    try:
+        fingerprint = Fingerprint(**fields)
+    except TypeError as exc:
+        raise ExplainInputError(f"fingerprint fields: {exc}") from None
+    return KeyScheme.of(fingerprint, config.chunk_size, config.hash)
+
+
+def render(console: Any, found: Explanation, skipped: list[str]) -> None:
+    scheme = found.scheme
+    table = Table(
+        title=f"{found.num_tokens} tokens, fingerprint {scheme.fingerprint_hex[:12]}, chunk {scheme.chunk_size}"
+    )
+    for column in ("chunk", "tokens", "key", "tiers"):
+        table.add_column(column)
+    for row in found.chunks:
+        style = "" if row.index < found.hit_chunks else "red" if row.index == found.hit_chunks else "dim"
+        where = ", ".join(row.tiers) or "-"
+        table.add_row(str(row.index), f"{row.start}-{row.end}", row.digest, where, style=style)
+    console.print(table)
+    console.print(f"hit: {found.hit_tokens} of {found.num_tokens} tokens ({found.hit_chunks} chunks)", highlight=False)
+    console.print(f"why: {found.reason}", highlight=False)
+    if found.others:
+        others = Table(title="other fingerprints holding this prompt")
+        for column in ("fingerprint", "tokens held", "tiers", "differs in"):
+            others.add_column(column)
+        for other in found.others:
+            others.add_row(
+                other.scheme.fingerprint_hex[:12], str(other.hit_tokens), ", ".join(other.tiers), _diff(found, other)
+            )
+        console.print(others)
+    for label, note in found.notes.items():
+        console.print(f"tier {label}: {note}", highlight=False)
+    for label in skipped:
+        console.print(f"tier {label}: in memory, the engine process's own: not visible here", highlight=False)
+
+
+def _diff(found: Explanation, other: OtherScheme) -> str:
+    names = {v: k for k, v in FIELD_NAMES.items()}
+    parts = []
+    for name in other.differs:
+        ours, theirs = found.scheme.fields.get(names[name]), other.scheme.fields.get(names[name])
+        parts.append(f"{name} ({ours} here, {theirs} there)")
+    return "; ".join(parts) or "-"
+
+
+_CONFIG_FILE = typer.Option(None, "--file", "-f", help="The engine's YAML config (default: $KVPLUG_CONFIG).")
+_CHANGES = typer.Option([], "--set", help="Change a fingerprint field: FIELD=VALUE (repeatable).")
+_CANDIDATES = typer.Option(
+    [], "--candidate", help="Also check this fingerprint (a JSON file): for tiers that cannot list (mooncake)."
+)
+
+
+def explain_command(
+    prompt: str | None = typer.Argument(
+        None, help="File of token ids (a JSON list or whitespace-separated ints); '-' reads stdin."
+    ),
+    file: Path | None = _CONFIG_FILE,
+    fingerprint: str | None = typer.Option(
+        None,
+        "--fingerprint",
+        help="The engine's fingerprint: a digest (prefix) of a manifest in the tiers, or a JSON file.",
+    ),
+    changes: list[str] = _CHANGES,
+    cache_salt: str | None = typer.Option(None, "--cache-salt", help="The request's cache_salt."),
+    no_salt: bool = typer.Option(False, "--no-salt", help="The request has no cache_salt."),
+    lora: str | None = typer.Option(None, "--lora", help="The request's LoRA id."),
+    candidates: list[Path] = _CANDIDATES,
+    tokenizer: str | None = typer.Option(
+        None, "--tokenizer", help="The prompt file is text: encode it with this Hugging Face tokenizer."
+    ),
+    list_fingerprints: bool = typer.Option(False, "--list-fingerprints", help="List the manifests in the tiers."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """A prompt's chunk map: each chunk's key and the tiers holding it, the first missing
+    chunk and why the prompt stops there (naming the fingerprint fields that differ when
+    the tiers hold its tokens under another fingerprint)."""
+    from kvplug.core.config_loader import load_config
+
+    def action() -> None:
+        config = load_config(config_file=file).config
+        chain, tiers, skipped = open_tiers(config)
+        try:
+            if list_fingerprints:
+                _list(tiers)
+                return
+            if prompt is None:
+                raise ExplainInputError("PROMPT is missing: a file of token ids, or '-' for stdin")
+            tokens = read_prompt(prompt, tokenizer)
+            if fingerprint is None:
+                raise ExplainInputError("--fingerprint is missing: the engine's (see --list-fingerprints)")
+            path = Path(fingerprint)
+            base = (
+                load_scheme_file(path) if path.suffix == ".json" or path.is_file() else find_scheme(fingerprint, tiers)
+            )
+            fields: dict[str, str | None] = dict(_split(change) for change in changes)
+            if cache_salt is not None or no_salt:
+                fields["cache_salt"] = None if no_salt else cache_salt
+            if lora is not None:
+                fields["lora_id"] = lora
+            scheme = build_scheme(base, config, fields)
+            others = [_as_scheme(load_scheme_file(c), config) for c in candidates]
+            found = explain_prompt(tiers, scheme, tokens, save_unfull_chunk=config.save_unfull_chunk, candidates=others)
+        finally:
+            chain.close(drain=False)
+        if as_json:
+            typer.echo(json.dumps({**found.to_json(), "tiers_not_visible": skipped}, indent=2))
+        else:
+            render(console, found, skipped)
+
+    try:
+        run_or_exit(action)
+    except ExplainInputError as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+def _split(change: str) -> tuple[str, str]:
+    name, sep, value = change.partition("=")
+    if not sep:
+        raise ExplainInputError(f"--set {change!r}: want FIELD=VALUE")
+    return name.strip(), value
+
+
+def _as_scheme(base: KeyScheme | dict[str, Any], config: KVPlugConfig) -> KeyScheme:
+    return base if isinstance(base, KeyScheme) else build_scheme(base, config, {})
+
+
+def _list(tiers: list[tuple[str, Any]]) -> None:
+    notes: dict[str, str] = {}
+    table = Table(title="fingerprint manifests in the tiers")
+    columns = ("tier", "fingerprint", "model@revision", "dtype", "block", "TP", "PP", "serializer", "LoRA", "salt")
+    for column in (*columns, "chunk/hash", "layout; variant"):
+        table.add_column(column, overflow="fold")
+    for label, tier in tiers:
+        for scheme in list_manifests(label, tier, notes):
+            f = scheme.fields
+            table.add_row(
+                label,
+                scheme.fingerprint_hex,
+                f"{f.get('model_id')}@{f.get('model_revision') or '-'}",
+                str(f.get("dtype")),
+                str(f.get("block_size")),
+                f"{f.get('tp_rank')}/{f.get('tp_size')}",
+                f"{f.get('pp_rank')}/{f.get('pp_size')}",
+                str(f.get("serializer")),
+                str(f.get("lora_id") or "-"),
+                str(f.get("cache_salt") or "-"),
+                f"{scheme.chunk_size}/{scheme.hash_name}",
+                f"{f.get('kv_layout')}; {f.get('engine_variant') or '-'}",
+            )
+    console.print(table)
+    for label, note in notes.items():
+        console.print(f"tier {label}: {note}", highlight=False)
