@@ -147,6 +147,21 @@ def side(engine: CacheEngine) -> Iterator[SchedulerSide]:
     yield from scheduler(engine)
 
 
+def slowed(engine: CacheEngine, name: str) -> tuple[threading.Event, threading.Event]:
+    """Hold the ``contains`` calls of tier ``name`` until released, as a slow store would."""
+    slow = tier(engine, name)
+    started, release = threading.Event(), threading.Event()
+    contains = slow.contains
+
+    def delayed(asked: Any) -> list[bool]:
+        started.set()
+        assert release.wait(10)
+        return contains(asked)
+
+    slow.contains = delayed  # type: ignore[method-assign]
+    return started, release
+
+
 def test_a_prefix_all_in_memory_is_answered_at_once(side: SchedulerSide) -> None:
     assert side.get_num_new_matched_tokens(request("r-mem"), 0) == (192, False)
 
@@ -154,7 +169,11 @@ def test_a_prefix_all_in_memory_is_answered_at_once(side: SchedulerSide) -> None
 def test_a_lookup_needing_a_slower_tier_answers_later_and_counts_once(engine: CacheEngine, side: SchedulerSide) -> None:
     keys = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
     tier(engine, "ram").remove(keys)
+    started, release = slowed(engine, "legacy")
     assert side.get_num_new_matched_tokens(request("r-slow"), 0) == (None, False)  # vLLM asks again later
+    assert started.wait(5)
+    assert side.get_num_new_matched_tokens(request("r-slow"), 0) == (None, False)
+    release.set()
     assert answer(side, request("r-slow"), 0) == (192, True)
     # not admitted this step (no free blocks): the next ask gives the same answer at once
     assert side.get_num_new_matched_tokens(request("r-slow"), 0) == (192, True)
@@ -166,16 +185,7 @@ def test_a_lookup_needing_a_slower_tier_answers_later_and_counts_once(engine: Ca
 def test_a_request_finished_before_its_lookup_is_done_leaves_nothing(engine: CacheEngine, side: SchedulerSide) -> None:
     keys = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
     tier(engine, "ram").remove(keys)
-    slow = tier(engine, "legacy")
-    started, release = threading.Event(), threading.Event()
-    contains = slow.contains
-
-    def delayed(asked: Any) -> list[bool]:  # a slow store, as a proxy makes one
-        started.set()
-        assert release.wait(10)
-        return contains(asked)
-
-    slow.contains = delayed  # type: ignore[method-assign]
+    started, release = slowed(engine, "legacy")
     assert side.get_num_new_matched_tokens(request("r-gone"), 0) == (None, False)
     assert started.wait(5)
     side.request_finished(request("r-gone"), [])  # aborted while waiting
