@@ -5,6 +5,9 @@ Semantics follow LMCache's vLLM v1 adapter:
 - ``get_num_new_matched_tokens`` asks the worker's cache engine for the cached
   prefix (whole chunks, or the full prompt). vLLM must compute at least one token
   to sample from, so a full-prompt hit still leaves the last token to recompute.
+  With ``lookups: background`` a lookup the memory tiers cannot answer alone runs
+  off the scheduler thread (:mod:`kvplug_vllm.lookup_pool`): the answer is ``None``
+  ("ask again next step") until it is done, and vLLM schedules other requests.
 - Each step a request is scheduled, the tokens whose KV will exist after the step
   are known; their whole chunks not stored yet are stored (the last, partial
   chunk of the prompt too with ``save_unfull_chunk``; chunks completed by decode
