@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +18,25 @@ import torch
 from core_helpers import LAYOUTS, random_caches
 from typer.testing import CliRunner
 
-from kvplug import CacheEngine, Fingerprint, KVLayout, RequestInfo, load_config
+from kvplug import (
+    Buffer,
+    CacheEngine,
+    CallSizes,
+    Fingerprint,
+    KVLayout,
+    RecordBackend,
+    RecordTier,
+    RecordTierConfig,
+    RecordToWrite,
+    RequestInfo,
+    TierContext,
+    load_config,
+)
 from kvplug.cli.explain import open_tiers
 from kvplug.cli.main import app
 from kvplug.core.config import KVPlugConfig
 from kvplug.core.explain import Explanation, explain_prompt
-from kvplug.core.manifest import KeyScheme
+from kvplug.core.manifest import KeyScheme, encode_manifest
 
 READER = LAYOUTS["vllm_flash"]  # float16, block 4
 TOKENS = list(range(100, 140))  # five chunks of 8
@@ -124,6 +139,55 @@ def test_a_tier_that_cannot_list_checks_the_fingerprints_it_is_given() -> None:
         assert "TP size" in told.reason
 
 
+class UnlistedBackend(RecordBackend):
+    """Records in a dict, and no listing (the base's): a store like Mooncake's."""
+
+    call_sizes = CallSizes(query=64, read=8, write=8, write_bytes=1 << 20)
+    where = "unlisted dict"
+
+    def __init__(self) -> None:
+        self.store: dict[str, bytes] = {}
+
+    async def sizes(self, names: Sequence[str]) -> list[int | None]:
+        return [len(self.store[n]) if n in self.store else None for n in names]
+
+    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
+        return [self.store.get(n) for n in names]
+
+    async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
+        self.store.update((r.name, r.joined()) for r in records)
+        return [None] * len(records)
+
+    async def delete(self, names: Sequence[str]) -> list[bool]:
+        return [self.store.pop(n, None) is not None for n in names]
+
+
+class UnlistedTier(RecordTier):
+    name = "unlisted"
+    Config = RecordTierConfig
+
+    def open_backend(self, loop: asyncio.AbstractEventLoop) -> RecordBackend:
+        return UnlistedBackend()
+
+
+def test_a_record_tier_that_cannot_list_is_told_and_checks_given_fingerprints() -> None:
+    config = RecordTierConfig.model_validate({"scan_on_start": False})
+    tier = UnlistedTier(config, TierContext(logger=logging.getLogger("test.explain")))
+    ours = KeyScheme.of(Fingerprint(model_id="m", kv_layout="l", dtype="float16", block_size=4), 8, "sha256")
+    theirs = KeyScheme.of(
+        Fingerprint(model_id="m", kv_layout="l", dtype="float16", block_size=4, tp_size=8), 8, "sha256"
+    )
+    try:
+        tier.put([(k.key, b"chunk") for k in theirs.key_builder().keys(TOKENS, theirs.prefix)])
+        tier.put([(theirs.manifest_key(), encode_manifest(theirs))])
+        blind = explain_prompt([("0:unlisted", tier)], ours, TOKENS)
+        assert blind.notes["0:unlisted"].startswith("cannot list its records") and not blind.others
+        told = explain_prompt([("0:unlisted", tier)], ours, TOKENS, candidates=[theirs])
+        assert [(o.differs, o.hit_tokens) for o in told.others] == [(("TP size",), 40)]
+    finally:
+        tier.close()
+
+
 def test_partial_chunks_evictions_and_whole_hits_are_told_apart(tmp_path: Path) -> None:
     config = config_for([{"type": "disk", "path": str(tmp_path)}])
     store(config, READER, TOKENS)
@@ -167,6 +231,8 @@ def test_the_command_prints_the_chunk_map_and_json(tmp_path: Path) -> None:
     listing = kvplug(*common, "--list-fingerprints")
     assert listing.returncode == 0, listing.stderr
     assert ours in listing.stdout and listing.stdout.count("1:disk") == 2
+    listed = json.loads(kvplug(*common, "--list-fingerprints", "--json").stdout)["fingerprints"]
+    assert sorted((f["fingerprint"] == ours, f["fields"]["tp_size"]) for f in listed) == [(False, 4), (True, 1)]
 
     shown = kvplug(*common, "--fingerprint", ours[:10], str(tmp_path / "prompt.txt"))
     assert shown.returncode == 0, shown.stderr

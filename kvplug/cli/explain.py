@@ -3,9 +3,8 @@
 The chunk keys are computed as the engine computes them, from the config (chunk size,
 hash, serializer) and the engine's fingerprint, which ``--fingerprint`` names: the
 fingerprint digest (or its first characters) of a manifest that engine wrote into the
-tiers (``--list-fingerprints`` shows them), or a JSON file (a manifest as
-``--json``/``--list-fingerprints --json`` print it, or the fields of
-``kvplug.Fingerprint``). ``--set FIELD=VALUE``, ``--cache-salt`` and ``--lora`` change
+tiers (``--list-fingerprints`` shows them), or a JSON file (an entry of
+``--list-fingerprints --json``, or the fields of ``kvplug.Fingerprint``). ``--set FIELD=VALUE``, ``--cache-salt`` and ``--lora`` change
 fields. Tiers in memory are left out: they are the engine process's own (empty here).
 """
 
@@ -223,7 +222,7 @@ def explain_command(
         chain, tiers, skipped = open_tiers(config)
         try:
             if list_fingerprints:
-                _list(tiers)
+                _list(tiers, as_json)
                 return
             if prompt is None:
                 raise ExplainInputError("PROMPT is missing: a file of token ids, or '-' for stdin")
@@ -267,8 +266,16 @@ def _as_scheme(base: KeyScheme | dict[str, Any], config: KVPlugConfig) -> KeySch
     return base if isinstance(base, KeyScheme) else build_scheme(base, config, {})
 
 
-def _list(tiers: list[tuple[str, Any]]) -> None:
+def _list(tiers: list[tuple[str, Any]], as_json: bool) -> None:
     notes: dict[str, str] = {}
+    if as_json:  # each entry is also a --fingerprint/--candidate file's content
+        found = [
+            {"tier": label, "prefix": s.prefix, "fingerprint": s.fingerprint_hex, "fields": s.fields}
+            for label, tier in tiers
+            for s in list_manifests(label, tier, notes)
+        ]
+        typer.echo(json.dumps({"fingerprints": found, "notes": notes}, indent=2))
+        return
     table = Table(title="fingerprint manifests in the tiers")
     columns = ("tier", "fingerprint", "model@revision", "dtype", "block", "TP", "PP", "serializer", "LoRA", "salt")
     for column in (*columns, "chunk/hash", "layout; variant"):

@@ -23,6 +23,7 @@ from kvplug.core.record_store import RecordStore
 from kvplug.core.tier import StorageTier
 from kvplug.errors import ChunkError
 
+_CANNOT_LIST = "cannot list its records: only the fingerprints found in other tiers or given were checked"
 #: At most this many manifests are read from one tier's listing (and as many schemes compared).
 MAX_MANIFESTS = 256
 
@@ -176,9 +177,7 @@ def list_manifests(label: str, tier: StorageTier, notes: dict[str, str]) -> list
     """The schemes of the manifests a tier's listing finds (records small enough to be
     one are read; at most :data:`MAX_MANIFESTS`). A tier that cannot list: a note."""
     if not isinstance(tier, RecordStore):
-        notes.setdefault(
-            label, "cannot list its records: only the fingerprints found in other tiers or given were checked"
-        )
+        notes.setdefault(label, _CANNOT_LIST)
         return []
     schemes: list[KeyScheme] = []
     try:
@@ -196,7 +195,10 @@ def list_manifests(label: str, tier: StorageTier, notes: dict[str, str]) -> list
                     notes.setdefault(label, f"more than {MAX_MANIFESTS} fingerprint manifests: the first were compared")
                     break
     except Exception as exc:
-        notes.setdefault(label, f"listing failed: {type(exc).__name__}: {exc}")
+        # A record tier whose store cannot list (mooncake) raises NotImplementedError, as
+        # the cause of the tier's TierUnavailableError.
+        cannot = isinstance(exc, NotImplementedError) or isinstance(exc.__cause__, NotImplementedError)
+        notes.setdefault(label, _CANNOT_LIST if cannot else f"listing failed: {type(exc).__name__}: {exc}")
     return schemes
 
 
