@@ -168,9 +168,9 @@ class WorkerSide:
             logger.info("kvplug metrics on http://127.0.0.1:%d/metrics", port)
         _close_at_exit(self)
         logger.info(
-            "kvplug cache engine ready: layout %s (%s), chunk %d tokens, tiers %s, layerwise %s",
+            "kvplug cache engine ready: layout %s (%s), chunk %d tokens, tiers %s, layerwise %s, fingerprint %s",
             layout.describe(), fingerprint.engine_variant, config.chunk_size, [t.type for t in config.tiers],
-            self.settings.layerwise,
+            self.settings.layerwise, self.engine.fingerprint.hexdigest(),
         )  # fmt: skip
 
     # --- per step ---------------------------------------------------------------------

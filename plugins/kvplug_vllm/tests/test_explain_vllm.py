@@ -37,8 +37,10 @@ def test_explain_matches_the_engines_hit_and_names_the_salt(run_engine: Any, tmp
     config.write_text(f"chunk_size: {CHUNK_SIZE}\ntiers:\n  - {{type: disk, path: {path}}}\n")
     listed = explain("-f", str(config), "--list-fingerprints")["fingerprints"]
     assert sorted(f["fields"]["cache_salt"] is None for f in listed) == [False, True]
+    own = next(f for f in listed if f["fields"]["cache_salt"] is None)
+    assert f"fingerprint {own['fingerprint']}" in result["log"]  # the worker logs it at start
     engine_fp = tmp_path / "engine.json"  # the engine's own fingerprint, as its manifest records it
-    engine_fp.write_text(json.dumps(next(f for f in listed if f["fields"]["cache_salt"] is None)))
+    engine_fp.write_text(json.dumps(own))
     for name in ("P2", "P3"):
         (tmp_path / name).write_text(json.dumps(PROMPTS[name]))
 
