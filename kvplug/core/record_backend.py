@@ -79,6 +79,23 @@ class RecordBackend(ABC):
     #: policy): the tier then checks a few indexed records against :meth:`exists` after
     #: each write, so its index and ``stats()`` do not keep records long gone.
     evicts_on_its_own: ClassVar[bool] = False
+    #: True for a backend that keeps the tier's ``max_bytes`` itself, over a store that
+    #: several processes share (one budget for all of them, kept in the store: the disk
+    #: tier's folder ledger, a shared-memory segment's header). Its :meth:`write` makes
+    #: room as it stores, and :meth:`take_evicted` reports what it removed; the tier
+    #: then counts those evictions and reports them as ``evicted`` events with the key
+    #: texts it knows. The tier's own index only gives size hints, ``stats()`` and key
+    #: texts: it never deletes by its own LRU (an index full at ``index_max_keys``
+    #: forgets its least recently used entries, counted as ``index_dropped_full``).
+    keeps_budget: ClassVar[bool] = False
+    #: True for a backend whose primitives only make local system calls (files, shared
+    #: memory) and never suspend: the tier runs them on the calling thread, one call
+    #: after another, without its event loop, deadlines, retries or breaker (a deadline
+    #: cannot stop a system call, and two thread hops per call would cost more than a
+    #: read from the page cache). Such a backend is thread-safe and runs its own threads
+    #: where calls should overlap. ``open``, ``listing``, ``flush`` and ``close`` still
+    #: run on the tier's loop.
+    runs_inline: ClassVar[bool] = False
     #: Deadline of :meth:`open`, when it differs from the tier's ``request_timeout_s``.
     open_timeout_s: float | None = None
 
@@ -124,6 +141,20 @@ class RecordBackend(ABC):
         """Every record of the store (for the start-up scan and ``kvplug store``).
         Stores that cannot list leave it: the tier then indexes what it writes and reads."""
         raise NotImplementedError(f"{type(self).__name__} cannot list its store")
+
+    async def flush(self) -> None:  # noqa: B027 - most stores are durable when a write returns
+        """Finish work deferred over writes (the disk tier's grouped folder fsyncs).
+        Called by the tier's ``flush``."""
+
+    def take_evicted(self) -> list[StoredRecord]:
+        """For :attr:`keeps_budget` backends: the records removed to keep the budget since
+        the last call (name and stored size; ``modified`` may be 0). Called from any thread."""
+        return []
+
+    def errors(self) -> int:
+        """Failures the backend counted itself instead of raising (a record it could not
+        read, an fsync that failed), added to ``stats().errors``."""
+        return 0
 
     async def close(self) -> None:  # noqa: B027 - nothing to release by default
         """Release the client. Called once, on the tier's loop, after every call ended."""

@@ -68,8 +68,10 @@ class RecordTier(StorageTier):
             self._calls.close()
             raise TierError(f"tier {self.name!r} cannot open its store: {type(exc).__name__}: {exc}") from exc
         self._where = self._calls.where = self._backend.where or self.name
+        # A backend that keeps the budget itself evicts; this index then only forgets.
+        self._budget = None if config.max_bytes is None or self._backend.keeps_budget else int(config.max_bytes)
         self._index = RecordIndex(
-            config.index_max_keys, evicts_when_full=config.max_bytes is not None, eviction=config.eviction
+            config.index_max_keys, evicts_when_full=self._budget is not None, eviction=config.eviction
         )
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -165,6 +167,8 @@ class RecordTier(StorageTier):
         latest = dict(items)  # the same key twice in a batch: the last value wins
         budget = None if self.config.max_bytes is None else int(self.config.max_bytes)
         for key, value in latest.items():
+            if not isinstance(key, str):  # before anything is stored: the whole batch is refused
+                raise TypeError(f"tier keys are str, got {type(key).__name__}")
             size = memoryview(value).nbytes
             if budget is not None and size > budget:
                 raise ValueTooLargeError(
@@ -194,8 +198,9 @@ class RecordTier(StorageTier):
                     self._count("dropped_puts")
                     self._calls.warn_dropped(outcome)
         self._pushed_out(pushed)
-        if budget is not None:
-            self._evict(self._index.evict_over(budget))
+        if self._budget is not None:
+            self._evict(self._index.evict_over(self._budget))
+        self._take_evicted()
         # After a failed batch the store is likely down or hung: a check would pay the
         # write's worst case again before the breaker opens.
         if self._backend.evicts_on_its_own and not failed:
@@ -257,7 +262,7 @@ class RecordTier(StorageTier):
             return
         if self._index.evicts_when_full:
             self._evict(pushed)
-        elif not self._warned_full:
+        elif not self._warned_full and not self._backend.keeps_budget:
             self._warned_full = True
             self.context.logger.warning(
                 "tier %s: the index of records is full (index_max_keys=%d): the least recently used are "
@@ -277,6 +282,16 @@ class RecordTier(StorageTier):
         # listing (a restart) brings it back into the index.
         self._delete_quietly([name for name, _ in victims], forget=False)
         known = tuple(key for _, key in victims if key is not None)
+        if known:
+            self.context.emit(KVEvent("evicted", known, tier=self.name))
+
+    def _take_evicted(self) -> None:
+        """Count and report what a backend that keeps the budget itself removed."""
+        gone = self._backend.take_evicted()
+        if not gone:
+            return
+        self._count("evictions", len(gone))
+        known = tuple(key for key in (self._index.forget(record.digest) for record in gone) if isinstance(key, str))
         if known:
             self.context.emit(KVEvent("evicted", known, tier=self.name))
 
@@ -311,8 +326,11 @@ class RecordTier(StorageTier):
 
     def flush(self) -> None:
         """Writes are synchronous; this waits for the start-up listing to be indexed
-        (and applies the budget to it)."""
+        (and applies the budget to it), and runs the backend's :meth:`~RecordBackend.flush`."""
         self._check_open()
+        if type(self._backend).flush is not RecordBackend.flush:
+            self._calls.run(self._backend.flush)
+        self._take_evicted()
         scan, self._scan = self._scan, None
         if scan is None:
             return
@@ -320,8 +338,8 @@ class RecordTier(StorageTier):
             scan.result(LISTING_TIMEOUT_S * 2)
         except Exception as exc:
             self.context.logger.debug("tier %s: start-up listing did not finish: %s", self.name, exc)
-        if self.config.max_bytes is not None:
-            self._evict(self._index.evict_over(int(self.config.max_bytes)))
+        if self._budget is not None:
+            self._evict(self._index.evict_over(self._budget))
 
     # --- maintenance (kvplug.RecordStore, for `kvplug store`) -----------------------
 
@@ -351,6 +369,7 @@ class RecordTier(StorageTier):
     # --- counters and lifecycle -----------------------------------------------------
 
     def stats(self) -> TierStats:
+        self._take_evicted()
         with self._lock:
             counters = dict(self._counters)
         extra: dict[str, int | float | str] = {
@@ -377,7 +396,7 @@ class RecordTier(StorageTier):
             misses=counters["misses"],
             puts=counters["puts"],
             evictions=counters["evictions"],
-            errors=self._calls.failed + counters["corrupt"],
+            errors=self._calls.failed + counters["corrupt"] + self._backend.errors(),
             extra=extra,
         )
 
@@ -400,10 +419,28 @@ class RecordTier(StorageTier):
         return list(zip(groups, self._batch(operation, groups)))
 
     def _batch(self, operation: Callable[[A], Awaitable[T]], arguments: Iterable[A]) -> list[T | BaseException]:
+        if self._backend.runs_inline:
+            return [self._inline(operation(argument)) for argument in arguments]
         try:
             return self._calls.batch(operation, arguments)
         except TierClosedError:
             raise TierClosedError(f"tier {self.name!r} ({self._where}) was closed during the operation") from None
+
+    def _inline(self, call: Awaitable[T]) -> T | BaseException:
+        """Drive a :attr:`~RecordBackend.runs_inline` backend's coroutine on this thread."""
+        coroutine = call.__await__()
+        try:
+            coroutine.send(None)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        except (Absent, FileNotFoundError):
+            return Absent()
+        except Exception as exc:
+            self._calls.failed += 1
+            self.context.logger.warning("tier %s: a call on %s failed: %r", self.name, self._where, exc)
+            return exc
+        coroutine.close()
+        raise TypeError(f"{type(self._backend).__name__} runs_inline, but its coroutine suspended")
 
     def _count(self, name: str, amount: int = 1) -> None:
         with self._lock:
