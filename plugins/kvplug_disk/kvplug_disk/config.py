@@ -15,18 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import ByteSize, Field, field_validator
 
-from kvplug import Bounded, OldQueueKey, QueueSettings, ThreadCount, TierConfig
+from kvplug import Bounded, OldQueueKey, QueueSettings, RecordTierConfig, ThreadCount, TimeoutSeconds
 
 
-class DiskTierConfig(TierConfig):
+class DiskTierConfig(RecordTierConfig):
     """Options of tier ``disk``; ``path`` is required."""
 
     old_queue_keys: ClassVar[Mapping[str, OldQueueKey]] = {
-        **TierConfig.old_queue_keys,
+        **RecordTierConfig.old_queue_keys,
         # The chain never queued a disk tier's writes in sync mode: its own writer did (writer).
         "write_mode": OldQueueKey("mode", {"sync": None}),
         "writer": OldQueueKey("mode", {"background": "async", "inline": "sync"}),
@@ -50,6 +50,19 @@ class DiskTierConfig(TierConfig):
         default_factory=lambda: QueueSettings(mode="async", max_items=64),
         description="How the tier chain writes this tier; async by default: from a bounded write queue, "
         "whose values are readable at once (queued values are held in memory until written).",
+    )
+    scan_on_start: bool = Field(
+        default=True, description="List the folder on start, before the tier serves, so stats include its records."
+    )
+    # Local file I/O cannot be cancelled: a deadline would only report a write that still lands.
+    request_timeout_s: TimeoutSeconds = Field(
+        default=600.0, description="Deadline of one call (a put's records, a get's reads) on the folder."
+    )
+    retries: int = Field(default=0, ge=0, le=10, description="Retries after a failed call (file errors are not).")
+    eviction: Literal["lru"] = Field(
+        default="lru",
+        description="Which records max_bytes deletes first: lru, by the folder's own order (file mtimes, "
+        "which writes and hits set) over every process sharing it.",
     )
     write_threads: ThreadCount = Field(
         default=4,

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from stat import S_ISREG
 
-from kvplug import RECORD_HEADER_SIZE, Buffer, key_digest, pack_record_header
+from kvplug import RECORD_HEADER_SIZE, Buffer, key_digest
 
 RECORD_SUFFIX = ".kvr"
 TEMP_SUFFIX = ".tmp"
@@ -152,8 +152,9 @@ class RecordFolder:
 
     # --- writing --------------------------------------------------------------------
 
-    def write_temp(self, key: str, digest: str, value: Buffer, *, mtime_ns: int | None = None) -> TempFile:
-        """Write ``value``'s record to a new temp file next to its final name, stamped ``mtime_ns`` (default: now)."""
+    def write_temp(self, digest: str, header: bytes, value: Buffer, *, mtime_ns: int | None = None) -> TempFile:
+        """Write a record (its ``header``, then ``value``) to a new temp file next to its
+        final name, stamped ``mtime_ns`` (default: now)."""
         shard = self.shard_of(digest)
         name = f"{digest}.{HOST_TAG}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
         dir_fd = self._open_shard(shard, create=True)
@@ -165,7 +166,7 @@ class RecordFolder:
             raise
         temp = TempFile(name, shard, dir_fd)
         try:
-            _write_all(fd, [pack_record_header(key, value), memoryview(value).cast("B")])
+            _write_all(fd, [header, value])
             # Explicit ns mtime: kernel timestamps are jiffy-coarse, and the LRU order
             # rebuilt at start comes from mtimes.
             stamp = time.time_ns() if mtime_ns is None else mtime_ns

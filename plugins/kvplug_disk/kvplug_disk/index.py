@@ -1,9 +1,12 @@
-"""The in-memory index of tier ``disk``: which records exist, their sizes, LRU order.
+"""The eviction order of tier ``disk``'s folder budget: record files, sizes, LRU order.
 
-Rebuilt from the folder at start (order by mtime: writes and hits set it), kept up
-to date by this process's own writes and reads, and corrected whenever the file
-system disagrees (a file another process wrote or evicted). It is not thread-safe:
-the tier holds its lock around every call.
+The disk backend keeps the ``max_bytes`` of the whole folder itself (see
+:mod:`kvplug_disk.ledger`), so it needs the order of the files it may evict, which
+the record tier's own index (keys, sizes for ``stats()``) does not give. Rebuilt from
+the folder at start (order by mtime: writes and hits set it), kept up to date by this
+process's writes and reads, corrected whenever the file system disagrees (a file
+another process wrote or evicted), and rebuilt when it has nothing left to evict while
+the folder is over budget. Not thread-safe: the backend holds its lock around every call.
 """
 
 from __future__ import annotations
@@ -15,11 +18,10 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class IndexEntry:
-    """One record file. ``key`` is known once this process wrote or read it."""
+    """One record file."""
 
     value_size: int
     file_size: int
-    key: str | None = None
 
 
 class LRUIndex:
@@ -52,12 +54,9 @@ class LRUIndex:
         self.value_bytes += entry.value_size
         self.file_bytes += entry.file_size
 
-    def touch(self, digest: str, key: str | None = None) -> None:
-        entry = self._entries.get(digest)
-        if entry is not None:
+    def touch(self, digest: str) -> None:
+        if digest in self._entries:
             self._entries.move_to_end(digest)
-            if key is not None:
-                entry.key = key
 
     def pop(self, digest: str) -> IndexEntry | None:
         entry = self._entries.pop(digest, None)

@@ -62,8 +62,9 @@ class ProblemLog:
     def is_skipped(self, digest: str) -> bool:
         return digest in self._skipped  # a dict read is atomic; a stale answer is as good as a racing one
 
-    def error(self, op: str, what: str, exc: OSError) -> None:
-        """Count a failed operation; warn unless one of its kind was logged recently."""
+    def error(self, op: str, what: str, exc: OSError, *, warn: bool = True) -> None:
+        """Count a failed operation; warn unless one of its kind was logged recently
+        (or ``warn`` is false: someone else reports it)."""
         kind = f"{op}:{errno.errorcode.get(exc.errno or 0, exc.errno)}"
         now = time.monotonic()
         with self._lock:
@@ -71,8 +72,10 @@ class ProblemLog:
             if is_no_space(exc):
                 self.counts["enospc"] += 1
             last = self._last_warned.get(kind)
-            quiet = last is not None and now - last < WARN_INTERVAL_S
-            if quiet:
+            quiet = not warn or (last is not None and now - last < WARN_INTERVAL_S)
+            if not warn:
+                pass
+            elif quiet:
                 self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
             else:
                 self._last_warned[kind] = now

@@ -1,0 +1,373 @@
+"""The store of tier ``disk``: record files in a folder, under one budget for every process.
+
+A :class:`kvplug.RecordBackend` that keeps the tier's ``max_bytes`` itself
+(``keeps_budget``): the folder's total lives in its ledger (:mod:`kvplug_disk.ledger`),
+and a write makes room, under the folder's lock, by unlinking the least recently used
+files this process knows of (:mod:`kvplug_disk.index`), listing the folder again when
+it knows of nothing more. What it unlinked goes to the tier through :meth:`take_evicted`.
+
+- A write is a temp file (``write_threads`` at once, so fdatasyncs overlap), renamed
+  over the record's name in the order given, then its folder is fsynced as a group
+  with others: on the tier's ``flush``/``settle``, at least every
+  ``FOLDER_SYNC_INTERVAL_S``, and on close (see :mod:`kvplug_disk.files`).
+- Every call is blocking file I/O, run by the tier on the calling thread
+  (``runs_inline``: a read from the page cache costs less than a thread hop); a file
+  operation that fails is counted (:mod:`kvplug_disk.problems`), never raised: a read
+  is then a miss, a write a dropped put.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar
+
+from kvplug import Buffer, CallSizes, RecordBackend, RecordToWrite, StoredRecord
+from kvplug_disk.config import DiskTierConfig
+from kvplug_disk.files import ForeignEntryError, RecordFolder, TempFile, value_size_of
+from kvplug_disk.index import IndexEntry, LRUIndex
+from kvplug_disk.ledger import Usage, UsageLedger
+from kvplug_disk.problems import ProblemLog, is_no_space, is_undeletable
+
+#: Longest a renamed record waits for its folder's fsync while puts keep coming (a busy queue).
+FOLDER_SYNC_INTERVAL_S = 1.0
+#: On a full disk, rounds of evicting this tier's oldest records (each twice the last) before a write gives up.
+NO_SPACE_ROUNDS = 4
+
+
+class SkippedEntryError(OSError):
+    """A record's name is held by an entry the tier leaves alone (a folder, a link, an
+    undeletable file): the write is dropped. The entry itself was logged once, when found."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.EEXIST, "an entry the tier leaves alone holds the record's name")
+
+
+class DiskBackend(RecordBackend):
+    """Record files in one folder shared by any number of processes (see the module docstring)."""
+
+    # One put is one call: its records are renamed in order, with mtimes in that order.
+    call_sizes = CallSizes(query=1024, read=16, write=1 << 20, write_bytes=1 << 62)
+    keeps_budget: ClassVar[bool] = True
+    runs_inline: ClassVar[bool] = True
+
+    def __init__(self, config: DiskTierConfig, problems: ProblemLog) -> None:
+        self.where = str(config.path)
+        self._budget = int(config.max_bytes)
+        self._problems = problems
+        self._lock = threading.Lock()  # taken before the ledger's lock, never inside it
+        self._lru = LRUIndex()
+        self._counts = {"discovered": 0, "vanished": 0, "skipped_writes": 0}
+        self._evicted: list[StoredRecord] = []
+        self._dirty_folders: set[str] = set()
+        self._folder_lock = threading.Lock()  # one folder sync at a time
+        self._folders_synced_at = time.monotonic()
+        started = time.perf_counter()
+        self._folder = RecordFolder(config.path, fsync=config.fsync)
+        self._ledger = UsageLedger(self._folder.root_fd)
+        # Under the folder's lock: the scan and the total it gives are exact, not racing a writer.
+        with self._lock, self._ledger.locked() as usage:
+            scan = self._folder.scan(clean_temps_older_than=config.stale_temp_s)
+            for entry in scan.foreign:  # "<shard>/<digest>.kvr", or a shard name
+                shard, _, name = entry.partition("/")
+                problems.skip(name[:64] or shard, "foreign", f"{config.path}/{entry} is not a regular file or folder")
+            self._rebuild(usage, scan.records)
+            self._evict_for(usage, 0)  # the budget may have shrunk since the last run
+            # The tier's start-up listing: the files still there, without listing twice.
+            self._startup_listing: list[StoredRecord] | None = [
+                StoredRecord(digest, size, mtime_ns / 1e9)
+                for digest, size, mtime_ns in scan.records
+                if digest in self._lru
+            ]
+        self._startup = {
+            "startup_s": round(time.perf_counter() - started, 4),
+            "temps_removed": scan.temps_removed,
+            "temps_kept": scan.temps_kept,
+        }
+        # fdatasync releases the GIL: records written on several threads overlap their waits.
+        self._io = (
+            ThreadPoolExecutor(config.write_threads, thread_name_prefix="kvplug-disk-io")
+            if config.write_threads > 1
+            else None
+        )
+
+    # --- reads ----------------------------------------------------------------------
+
+    async def sizes(self, names: Sequence[str]) -> list[int | None]:
+        return self._sizes(names)
+
+    def _sizes(self, names: Sequence[str]) -> list[int | None]:
+        found: list[int | None] = []
+        for digest in names:
+            stat = None
+            if not self._skipped(digest):
+                try:  # a stat per key: cheap, and the truth when other processes share the folder
+                    stat = self._folder.stat(digest)
+                except OSError as exc:
+                    self._entry_failed("stat", digest, exc)
+            with self._lock:
+                self._reconcile(digest, stat)
+            found.append(None if stat is None else stat.st_size)
+        return found
+
+    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
+        return self._read(names)
+
+    def _read(self, names: Sequence[str]) -> list[Buffer | None]:
+        return [self._read_one(digest) for digest in names]
+
+    def _read_one(self, digest: str) -> bytes | None:
+        if self._skipped(digest):
+            return None
+        try:
+            found = self._folder.read(digest)
+        except OSError as exc:
+            self._entry_failed("read", digest, exc)
+            return None
+        with self._lock:
+            self._reconcile(digest, None if found is None else found[1])
+            if found is None:
+                return None
+            self._lru.touch(digest)
+        self._folder.touch(digest)  # the mtime is the LRU order a restart rebuilds
+        return found[0]
+
+    async def listing(self) -> list[StoredRecord]:
+        startup, self._startup_listing = self._startup_listing, None
+        return startup if startup is not None else self._listing()
+
+    def _listing(self) -> list[StoredRecord]:
+        records = self._folder.scan().records
+        return [StoredRecord(d, size, mtime_ns / 1e9) for d, size, mtime_ns in records if not self._skipped(d)]
+
+    # --- writes ---------------------------------------------------------------------
+
+    async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
+        return self._write(records)
+
+    def _write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
+        outcomes: list[BaseException | None] = [None] * len(records)
+        wanted = []
+        for i, record in enumerate(records):
+            if self._skipped(record.name):  # a folder or an undeletable file holds its name
+                with self._lock:
+                    self._counts["skipped_writes"] += 1
+                outcomes[i] = SkippedEntryError()
+            else:
+                wanted.append(i)
+        temps = self._write_temps([records[i] for i in wanted])
+        for i, temp in zip(wanted, temps):
+            record = records[i]
+            if isinstance(temp, OSError):
+                outcomes[i] = SkippedEntryError() if self._entry_failed("write", record.name, temp) else temp
+                continue
+            with self._lock, self._ledger.locked() as usage:
+                self._lru.pop(record.name)  # replaced below; must not count against its own room
+                value_size = record.value.nbytes
+                self._evict_for(usage, value_size)
+                growth = value_size - self._value_size_on_disk(record.name)
+                usage.total += growth
+                usage.save()  # before the rename: a crash in between over-counts, never under-counts
+                try:
+                    self._folder.publish(temp, record.name)
+                except OSError as exc:
+                    usage.total -= growth
+                    self._folder.discard_temp(temp)
+                    skipped = self._entry_failed("publish", record.name, exc, locked=True)
+                    outcomes[i] = SkippedEntryError() if skipped else exc
+                else:
+                    self._lru.add(record.name, IndexEntry(value_size, record.size))
+            with self._folder_lock:
+                self._dirty_folders.add(self._folder.shard_of(record.name))
+        if time.monotonic() - self._folders_synced_at >= FOLDER_SYNC_INTERVAL_S:
+            self._sync_folders()  # the rest on flush
+        return outcomes
+
+    def _write_temps(self, records: list[RecordToWrite]) -> list[TempFile | OSError]:
+        """The temp files of ``records`` (or why one failed), up to ``write_threads`` written
+        at once. Their mtimes (the LRU order a restart rebuilds) follow the order of
+        ``records``, whichever finishes first."""
+        start = time.time_ns()
+        stamps = range(start, start + len(records))
+        if self._io is None or len(records) < 2:
+            return [self._write_temp_or_error(record, stamp) for record, stamp in zip(records, stamps)]
+        return list(self._io.map(self._write_temp_or_error, records, stamps))
+
+    def _write_temp_or_error(self, record: RecordToWrite, mtime_ns: int) -> TempFile | OSError:
+        try:
+            return self._write_temp(record, mtime_ns)
+        except OSError as exc:
+            return exc
+
+    def _write_temp(self, record: RecordToWrite, mtime_ns: int) -> TempFile:
+        """Write the temp file; on a full disk, evict this process's oldest records and retry."""
+        needed = record.size + 64 * 1024  # + blocks, metadata
+        for attempt in range(NO_SPACE_ROUNDS + 1):
+            try:
+                return self._folder.write_temp(record.name, record.header, record.value, mtime_ns=mtime_ns)
+            except OSError as exc:
+                if not is_no_space(exc) or attempt == NO_SPACE_ROUNDS:
+                    raise
+                with self._lock, self._ledger.locked() as usage:
+                    victims = self._lru.pop_oldest(needed << attempt)
+                    self._remove_victims(usage, victims)
+                    self._problems.counts["enospc_evictions"] += len(victims)
+                if not victims:  # nothing of ours left to make room with
+                    raise
+        raise AssertionError("unreachable")
+
+    def take_evicted(self) -> list[StoredRecord]:
+        with self._lock:
+            evicted, self._evicted = self._evicted, []
+        return evicted
+
+    # --- the folder's budget --------------------------------------------------------
+
+    def _evict_for(self, usage: Usage, incoming: int) -> None:
+        """Unlink least recently used files until ``incoming`` bytes fit in the folder's
+        budget. Called with both locks held, so no write of the same digest, here or in
+        another process, can slip in between. When this process knows of nothing more
+        to evict, it lists the folder again: the rest of the total is other processes' records."""
+        rescanned = False
+        while usage.total + incoming > self._budget:
+            victims = self._lru.pop_oldest(1)
+            if not victims:
+                if rescanned:
+                    break
+                self._rebuild(usage, self._folder.scan().records)
+                rescanned = True
+                continue
+            self._remove_victims(usage, victims)
+
+    def _remove_victims(self, usage: Usage, victims: list[tuple[str, IndexEntry]]) -> None:
+        """Unlink evicted records (locks held). One that cannot be removed is skipped from
+        then on: out of the index and the total, so the budget is kept with the others."""
+        for digest, entry in victims:
+            if self._unlink_record(usage, digest, "evict"):
+                self._evicted.append(StoredRecord(digest, entry.file_size, 0.0))
+
+    def _unlink_record(self, usage: Usage, digest: str, op: str) -> bool:
+        """Remove one record file and take its bytes off the folder's total (locks held)."""
+        stat = None
+        try:
+            stat = self._folder.stat(digest)
+            if stat is None or not self._folder.unlink(digest):
+                return False
+        except OSError as exc:
+            self._entry_failed(op, digest, exc, locked=True)
+            if self._skipped(digest) and stat is not None:
+                usage.total -= value_size_of(stat.st_size)  # out of the budget: nothing can make it go
+            return False
+        usage.total -= value_size_of(stat.st_size)
+        return True
+
+    def _value_size_on_disk(self, digest: str) -> int:
+        try:
+            stat = self._folder.stat(digest)
+        except OSError:
+            return 0
+        return 0 if stat is None else value_size_of(stat.st_size)
+
+    def _rebuild(self, usage: Usage, records: list[tuple[str, int, int]]) -> None:
+        """Order every record of a folder listing, oldest first (by mtime); the folder's
+        total becomes the listing's."""
+        records.sort(key=lambda record: record[2])
+        self._lru = LRUIndex()
+        for digest, file_size, _ in records:
+            if not self._skipped(digest):
+                self._lru.add_new(digest, IndexEntry(value_size_of(file_size), file_size))
+        usage.total = self._lru.value_bytes
+
+    async def delete(self, names: Sequence[str]) -> list[bool]:
+        return self._delete(names)
+
+    def _delete(self, names: Sequence[str]) -> list[bool]:
+        with self._lock, self._ledger.locked() as usage:
+            existed = []
+            for digest in names:
+                self._lru.pop(digest)
+                existed.append(self._unlink_record(usage, digest, "remove"))
+            return existed
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def flush(self) -> None:
+        self._sync_folders()
+
+    def _sync_folders(self) -> None:
+        with self._folder_lock:
+            folders, self._dirty_folders = self._dirty_folders, set()
+            self._folders_synced_at = time.monotonic()
+            try:
+                self._folder.sync_dirs(folders)
+            except OSError as exc:
+                self._problems.error("fsync", "folders", exc)
+
+    async def close(self) -> None:
+        self.shut()
+
+    def shut(self) -> None:
+        """Close the files (also without the tier's loop, for a tier that failed to start)."""
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+        self._sync_folders()
+        self._ledger.close()
+        self._folder.close()
+
+    def errors(self) -> int:
+        return self._problems.errors
+
+    def describe(self) -> dict[str, int | float | str]:
+        with self._lock:
+            return {
+                **self._counts,
+                **self._problems.counts,
+                **self._startup,
+                "file_bytes": self._lru.file_bytes,
+                "folder_bytes": self._ledger.peek(),
+                "folder_budget_shared": int(self._ledger.shared),
+                "path": self.where,
+            }
+
+    # --- helpers --------------------------------------------------------------------
+
+    def _reconcile(self, digest: str, stat: os.stat_result | None) -> None:
+        """Make the eviction order agree with what the file system just said (lock held)."""
+        entry = self._lru.get(digest)
+        if stat is None:
+            if entry is not None:
+                self._lru.pop(digest)
+                self._counts["vanished"] += 1
+        elif entry is None or entry.file_size != stat.st_size:
+            if entry is None:
+                self._counts["discovered"] += 1
+            self._lru.add(digest, IndexEntry(value_size_of(stat.st_size), stat.st_size))
+
+    def _skipped(self, digest: str) -> bool:
+        return self._problems.is_skipped(digest) or self._problems.is_skipped(digest[:2])
+
+    def _entry_failed(self, op: str, digest: str, exc: OSError, *, locked: bool = False) -> bool:
+        """Count a failed file operation; an entry that is in the way for good (not a
+        regular file, not ours to remove or replace) is skipped from now on (``True``).
+        A failed write is warned about by the tier, as a dropped put."""
+        warn = op not in ("write", "publish")
+        if isinstance(exc, ForeignEntryError):
+            self._problems.skip(exc.filename or digest, "foreign", exc.strerror)
+        elif is_undeletable(exc) and op in ("evict", "remove", "unlink", "publish"):
+            kind = "foreign" if exc.errno in (errno.EISDIR, errno.ENOTEMPTY) else "undeletable"
+            self._problems.skip(digest, kind, exc)
+        else:
+            self._problems.error(op, digest, exc, warn=warn)
+            return False
+        if locked:
+            self._lru.pop(digest)
+        else:
+            with self._lock:
+                self._lru.pop(digest)
+        if not warn:
+            self._problems.error(op, digest, exc, warn=False)
+        return True
