@@ -24,22 +24,17 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
-from kvplug.core.admission import AdmissionPolicy, make_admission_policy
+from kvplug.core.admission import make_admission_policy
 from kvplug.core.events import KVEvent
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry
 from kvplug.core.remote import call_budget, remaining_budget_s
 from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierContext, TierStats, tier_settings
+from kvplug.core.tier_slot import Items, TierSlot
 from kvplug.core.write_queue import WriteQueue
 from kvplug.errors import TierOpenError
-
-logger = logging.getLogger("kvplug.tiers")
-
-Items = list[tuple[str, Buffer]]
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -51,69 +46,6 @@ class Fetched:
     tier: int
     #: That tier has ``trusted_reads``: the value is this process's own bytes.
     trusted: bool
-
-
-@dataclass
-class _Slot:
-    """A tier, its settings and its write queue (async tiers); its calls guarded.
-
-    Each guarded call is the tier's own method: a tier that raises answers ``None``
-    (a miss), counted in ``tier_errors`` under the operation's name and logged.
-    ``contains`` and ``get`` answer for keys in the write queue from the queue.
-    """
-
-    tier: StorageTier
-    settings: TierConfig
-    label: str
-    queue: WriteQueue | None
-    metrics: EngineMetrics
-    admission: AdmissionPolicy
-
-    def contains(self, keys: list[str]) -> list[bool] | None:
-        queued = self.queue.values(keys) if self.queue is not None else [None] * len(keys)
-        ask = [key for key, value in zip(keys, queued) if value is None]
-        if len(ask) == len(keys):
-            return self.stored(keys)
-        answers = iter((self.stored(ask) if ask else None) or [False] * len(ask))
-        return [value is not None or bool(next(answers)) for value in queued]
-
-    def stored(self, keys: list[str]) -> list[bool] | None:
-        """``contains`` of the tier itself, not counting its queue."""
-        return self._guard("contains", self.tier.contains, keys)
-
-    def get(self, keys: list[str]) -> list[Buffer | None] | None:
-        queued = self.queue.values(keys) if self.queue is not None else [None] * len(keys)
-        ask = [key for key, value in zip(keys, queued) if value is None]
-        if len(ask) == len(keys):
-            return self._guard("get", self.tier.get, keys)
-        answers = iter((self._guard("get", self.tier.get, ask) if ask else None) or [None] * len(ask))
-        return [value if value is not None else next(answers) for value in queued]
-
-    def put(self, items: Items) -> None:
-        self._guard("put", self.tier.put, items)
-
-    def remove(self, keys: list[str]) -> None:
-        self._guard("remove", self.tier.remove, keys)
-
-    def stats(self) -> TierStats | None:
-        return self._guard("stats", self.tier.stats)
-
-    def flush(self) -> None:
-        self._guard("flush", self.tier.flush)
-
-    def settle(self) -> None:
-        self._guard("settle", self.tier.settle)
-
-    def close(self) -> None:
-        self._guard("close", self.tier.close)
-
-    def _guard(self, op: str, method: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R | None:
-        try:
-            return method(*args, **kwargs)
-        except Exception as exc:
-            self.metrics.tier_errors.labels(self.label, op).inc()
-            logger.warning("tier %s: %s failed: %s", self.label, op, exc)
-            return None
 
 
 class TierChain:
@@ -131,7 +63,7 @@ class TierChain:
         self.metrics = metrics or EngineMetrics()
         #: Budget of one lookup across every tier; past it, the rest is a miss.
         self.lookup_timeout_s = lookup_timeout_s
-        self._slots: list[_Slot] = []
+        self._slots: list[TierSlot] = []
         for index, tier in enumerate(tiers):
             label = f"{index}:{tier.name}"
             settings = tier_settings(tier)
@@ -145,7 +77,7 @@ class TierChain:
                     on_drop=self.metrics.store_dropped.labels(label).inc,
                 )
             admission = make_admission_policy(settings.admission)
-            self._slots.append(_Slot(tier, settings, label, queue, self.metrics, admission))
+            self._slots.append(TierSlot(tier, settings, label, queue, self.metrics, admission))
 
     @classmethod
     def open(
@@ -348,7 +280,7 @@ class TierChain:
         for slot in self._slots:
             self._write_missing(slot, self._admitted(slot, items) if admission else items)
 
-    def _write_missing(self, slot: _Slot, items: Items) -> None:
+    def _write_missing(self, slot: TierSlot, items: Items) -> None:
         if not items:
             return
         if slot.queue is not None:  # a slow tier checks what it lacks on its queue's thread
@@ -362,7 +294,7 @@ class TierChain:
             if not slot.admission.admits_everything:
                 slot.admission.seen(keys)
 
-    def _admitted(self, slot: _Slot, items: Items) -> Items:
+    def _admitted(self, slot: TierSlot, items: Items) -> Items:
         """The items ``slot``'s admission policy lets the chain write to it, counted."""
         if not items:
             return items
@@ -378,7 +310,7 @@ class TierChain:
         return admitted
 
     def _catch_up(
-        self, slot: _Slot, keys: list[str], fetched: Sequence[Fetched], index: int, before: list[bool]
+        self, slot: TierSlot, keys: list[str], fetched: Sequence[Fetched], index: int, before: list[bool]
     ) -> None:
         """Write to ``slot`` (index ``index``) the loaded values from faster tiers that its
         policy admits since this load's sighting. Keys it admitted before are left alone:
@@ -386,13 +318,13 @@ class TierChain:
         candidates = [(key, hit.value) for key, hit, was in zip(keys, fetched, before) if hit.tier < index and not was]
         self._write_missing(slot, self._admitted(slot, candidates))
 
-    def _put_missing(self, slot: _Slot, items: Items) -> None:
+    def _put_missing(self, slot: TierSlot, items: Items) -> None:
         answers = slot.stored([key for key, _ in items])
         missing = items if answers is None else [item for item, has in zip(items, answers) if not has]
         if missing:
             slot.put(missing)
 
-    def _write(self, slot: _Slot, items: Items) -> None:
+    def _write(self, slot: TierSlot, items: Items) -> None:
         if slot.queue is not None:
             slot.queue.submit(items)
         else:
