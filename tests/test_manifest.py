@@ -44,7 +44,13 @@ def test_anything_else_is_not_a_manifest() -> None:
 def test_an_engine_writes_each_fingerprint_once_a_while_in_bounded_memory(monkeypatch) -> None:
     written: list[str] = []
     now = [0.0]
-    writer = ManifestWriter(lambda items: written.extend(k for k, _ in items), 8, "sha256", clock=lambda: now[0])
+
+    class Chain:  # records what the writer puts, and that it bypasses admission
+        def put(self, items: list[tuple[str, bytes]], *, admission: bool = True) -> None:
+            assert admission is False
+            written.extend(k for k, _ in items)
+
+    writer = ManifestWriter(Chain(), 8, "sha256", clock=lambda: now[0])  # type: ignore[arg-type]
     salted = [BASE.for_request(cache_salt=str(i)) for i in range(3)]
     for fingerprint in [*salted, *salted]:
         writer.note(fingerprint)

@@ -79,7 +79,7 @@ class CacheEngine:
         self.chain = self.chunk_store.chain
         self._copies = ParallelCopies(self._copy_threads())
         self.key_builder = KeyBuilder(self.config.chunk_size, self.config.hash)
-        self._manifests = ManifestWriter(self.chain.put, self.config.chunk_size, self.config.hash)
+        self._manifests = ManifestWriter(self.chain, self.config.chunk_size, self.config.hash)
         pin_frames = self.connector.wants_pinned_frames()
         self.frame_pool = FramePool(
             self._frame_pool_bytes(self.chain), pin=pin_frames, prefault=self.config.store.prefault_frames

@@ -32,6 +32,7 @@ from typing import Any
 
 from kvplug.core.keys import Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.tier import Buffer
+from kvplug.core.tier_chain import TierChain
 
 #: First bytes of a manifest value (a chunk frame starts with another magic).
 MANIFEST_MAGIC = b"kvplug-manifest/1\n"
@@ -135,19 +136,20 @@ def decode_manifest(value: Buffer) -> KeyScheme | None:
 
 
 class ManifestWriter:
-    """Writes an engine's manifests through ``put`` (its tier chain's): :meth:`note` writes
-    the manifest of a fingerprint not written in the last :data:`MANIFEST_REFRESH_S`
-    seconds. Bounded memory: the oldest of :data:`MANIFEST_MEMORY` fingerprints are
-    forgotten, and written again when seen again."""
+    """Writes an engine's manifests into every tier of its chain, whatever a tier's
+    admission policy (``explain`` reads them there): :meth:`note` writes the manifest of a
+    fingerprint not written in the last :data:`MANIFEST_REFRESH_S` seconds. Bounded
+    memory: the oldest of :data:`MANIFEST_MEMORY` fingerprints are forgotten, and written
+    again when seen again."""
 
     def __init__(
         self,
-        put: Callable[[list[tuple[str, Buffer]]], None],
+        chain: TierChain,
         chunk_size: int,
         hash_name: str,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._put, self._chunk_size, self._hash_name = put, chunk_size, hash_name
+        self._chain, self._chunk_size, self._hash_name = chain, chunk_size, hash_name
         self._written: OrderedDict[str, float] = OrderedDict()
         self._clock = clock
         self._lock = threading.Lock()
@@ -172,4 +174,4 @@ class ManifestWriter:
             value = encode_manifest(scheme)
         except ValueError:  # a model id of kilobytes: no manifest, explain cannot name it
             return
-        self._put([(key, value)])
+        self._chain.put([(key, value)], admission=False)
