@@ -87,7 +87,10 @@ def test_a_short_request_is_scheduled_while_a_long_ones_lookup_runs(run_engine: 
     assert short_out["kv"]["kvplug"]["hit_tokens"] == 0
     first = dict((int(index), seconds) for index, seconds in race["first_token"])
     assert first[1] < first[0], race["first_token"]  # SHORT (1) before LONG (0)
-    # Blocking: both lookups, one after the other, before SHORT is scheduled: >= 4 * DELAY_S.
-    assert first[1] < 3.5 * DELAY_S, race["first_token"]
+    # Blocking lookups cannot get under 4 * DELAY_S: both lookups run one after the other
+    # before SHORT is scheduled, each at least 2 * DELAY_S through the proxy. In the
+    # background SHORT waits for its own lookup only (about 2.2 * DELAY_S measured), so
+    # this bound is set by the proxy's delays, not by how fast this machine is.
+    assert first[1] < 4 * DELAY_S, race["first_token"]
     assert long_out["tokens"] == fill["outputs"][0]["tokens"]
     assert short_out["tokens"] == fill["outputs"][1]["tokens"]
