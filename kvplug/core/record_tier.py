@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from kvplug.core.events import KVEvent
-from kvplug.core.record import RECORD_HEADER_SIZE, key_digest, pack_record_header, unpack_record
+from kvplug.core.record import RECORD_HEADER_SIZE, key_digest, unpack_record
 from kvplug.core.record_backend import SIZE_UNKNOWN, RecordBackend, RecordToWrite
+from kvplug.core.record_calls import framed_batches, run_batch
 from kvplug.core.record_index import RecordIndex, Victim
-from kvplug.core.record_store import StoredRecord
+from kvplug.core.record_maintenance import LISTING_TIMEOUT_S, RecordMaintenance
 from kvplug.core.remote import RecordTierConfig, RemoteCalls
 from kvplug.core.retry import Absent, FailureKind
 from kvplug.core.tier import Buffer, Medium, StorageTier, TierContext, TierStats
@@ -44,12 +45,10 @@ from kvplug.errors import (
 
 T = TypeVar("T")
 A = TypeVar("A")
-#: Listing a large store legitimately takes longer than one batch.
-LISTING_TIMEOUT_S = 300.0
 _COUNTERS = ("hits", "misses", "puts", "evictions", "dropped_puts", "corrupt", "incompatible")
 
 
-class RecordTier(StorageTier):
+class RecordTier(RecordMaintenance, StorageTier):
     """A storage tier of framed records in a store a :class:`RecordBackend` speaks.
 
     Subclasses set ``name``, ``Config`` (a :class:`RecordTierConfig` subclass) and
@@ -181,7 +180,7 @@ class RecordTier(StorageTier):
             return
         keys = list(latest)
         groups: list[list[tuple[str, RecordToWrite]]] = []
-        results = self._batch(self._write_group, self._write_groups(keys, latest, groups))
+        results = self._batch(self._write_group, framed_batches(keys, latest, self._backend.call_sizes, groups))
         failed = False
         pushed: list[Victim] = []
         for group, result in zip(groups, results):
@@ -205,28 +204,6 @@ class RecordTier(StorageTier):
         # write's worst case again before the breaker opens.
         if self._backend.evicts_on_its_own and not failed:
             self._check_indexed()
-
-    def _write_groups(
-        self, keys: list[str], latest: dict[str, Buffer], groups: list[list[tuple[str, RecordToWrite]]]
-    ) -> Iterator[list[tuple[str, RecordToWrite]]]:
-        """Records framed lazily, in calls of ``call_sizes.write`` records and
-        ``write_bytes`` bytes: the first call is sent while later values are framed."""
-        sizes = self._backend.call_sizes
-        current: list[tuple[str, RecordToWrite]] = []
-        size = 0
-        for key in keys:
-            view = memoryview(latest[key])
-            value = view.cast("B") if view.nbytes else memoryview(b"")
-            record = RecordToWrite(key_digest(key).hex(), pack_record_header(key, value), value)
-            if current and (len(current) >= sizes.write or size + record.size > sizes.write_bytes):
-                groups.append(current)
-                yield current
-                current, size = [], 0
-            current.append((key, record))
-            size += record.size
-        if current:
-            groups.append(current)
-            yield current
 
     async def _write_group(self, group: Sequence[tuple[str, RecordToWrite]]) -> list[BaseException | None]:
         return await self._backend.write([record for _, record in group])
@@ -341,31 +318,6 @@ class RecordTier(StorageTier):
         if self._budget is not None:
             self._evict(self._index.evict_over(self._budget))
 
-    # --- maintenance (kvplug.RecordStore, for `kvplug store`) -----------------------
-
-    def records(self) -> Iterator[StoredRecord]:
-        """Every record in the store (its listing)."""
-        self._check_open()
-        return iter(self._calls.run(self._backend.listing, timeout_s=LISTING_TIMEOUT_S))
-
-    def read_record(self, digest: str) -> Buffer | None:
-        """The stored bytes (record frame and value), unverified; ``None`` if gone."""
-        self._check_open()
-        try:
-            (data,) = self._calls.run(lambda: self._backend.read([digest], [None]))
-        except Absent:
-            return None
-        return data
-
-    def delete_record(self, digest: str) -> bool:
-        self._check_open()
-        self._index.forget(digest)
-        try:
-            (existed,) = self._calls.run(lambda: self._backend.delete([digest]))
-        except Absent:
-            return False
-        return existed
-
     # --- counters and lifecycle -----------------------------------------------------
 
     def stats(self) -> TierStats:
@@ -414,33 +366,15 @@ class RecordTier(StorageTier):
     def _groups(
         self, operation: Callable[[Sequence[A]], Awaitable[T]], items: Sequence[A], size: int
     ) -> list[tuple[Sequence[A], T | BaseException]]:
-        """Run ``operation`` on slices of ``size`` items concurrently; (slice, result or exception)."""
+        """Run ``operation`` on slices of ``size`` items; (slice, result or exception)."""
         groups = [items[i : i + size] for i in range(0, len(items), max(size, 1))]
         return list(zip(groups, self._batch(operation, groups)))
 
     def _batch(self, operation: Callable[[A], Awaitable[T]], arguments: Iterable[A]) -> list[T | BaseException]:
-        if self._backend.runs_inline:
-            return [self._inline(operation(argument)) for argument in arguments]
         try:
-            return self._calls.batch(operation, arguments)
+            return run_batch(self._backend, self._calls, operation, arguments)
         except TierClosedError:
             raise TierClosedError(f"tier {self.name!r} ({self._where}) was closed during the operation") from None
-
-    def _inline(self, call: Awaitable[T]) -> T | BaseException:
-        """Drive a :attr:`~RecordBackend.runs_inline` backend's coroutine on this thread."""
-        coroutine = call.__await__()
-        try:
-            coroutine.send(None)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-        except (Absent, FileNotFoundError):
-            return Absent()
-        except Exception as exc:
-            self._calls.failed += 1
-            self.context.logger.warning("tier %s: a call on %s failed: %r", self.name, self._where, exc)
-            return exc
-        coroutine.close()
-        raise TypeError(f"{type(self._backend).__name__} runs_inline, but its coroutine suspended")
 
     def _count(self, name: str, amount: int = 1) -> None:
         with self._lock:

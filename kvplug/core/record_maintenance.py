@@ -1,0 +1,51 @@
+"""``kvplug store`` maintenance of a record tier (:class:`~kvplug.core.record_store.RecordStore`):
+list, read and delete records by digest, through the tier's backend and its deadlines."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvplug.core.record_backend import RecordBackend
+from kvplug.core.record_index import RecordIndex
+from kvplug.core.record_store import StoredRecord
+from kvplug.core.remote import RemoteCalls
+from kvplug.core.retry import Absent
+from kvplug.core.tier import Buffer
+
+#: Listing a large store legitimately takes longer than one batch.
+LISTING_TIMEOUT_S = 300.0
+
+
+class RecordMaintenance:
+    """The :class:`~kvplug.core.record_store.RecordStore` methods of
+    :class:`~kvplug.core.record_tier.RecordTier`, which sets the attributes below."""
+
+    _backend: RecordBackend
+    _calls: RemoteCalls
+    _index: RecordIndex
+
+    def _check_open(self) -> None:
+        raise NotImplementedError
+
+    def records(self) -> Iterator[StoredRecord]:
+        """Every record in the store (its listing)."""
+        self._check_open()
+        return iter(self._calls.run(self._backend.listing, timeout_s=LISTING_TIMEOUT_S))
+
+    def read_record(self, digest: str) -> Buffer | None:
+        """The stored bytes (record frame and value), unverified; ``None`` if gone."""
+        self._check_open()
+        try:
+            (data,) = self._calls.run(lambda: self._backend.read([digest], [None]))
+        except Absent:
+            return None
+        return data
+
+    def delete_record(self, digest: str) -> bool:
+        self._check_open()
+        self._index.forget(digest)
+        try:
+            (existed,) = self._calls.run(lambda: self._backend.delete([digest]))
+        except Absent:
+            return False
+        return existed
