@@ -1,9 +1,8 @@
 """``CacheEngine``: the one object an engine adapter talks to.
 
-It turns token ids into chunk keys, gathers chunks out of the engine's paged KV
-cache into serializer frames and hands them to the tier chain (``store``), answers
-how much of a prompt is cached (``lookup``), and scatters cached chunks back into
-the paged cache (``retrieve``), whole or layer by layer.
+It turns token ids into chunk keys, gathers chunks out of the engine's paged KV cache
+into the chunk store (``store``), answers how much of a prompt is cached (``lookup``),
+and scatters cached chunks back into the paged cache (``retrieve``), whole or by layer.
 
 Storage and chunk failures never escape ``lookup``/``store``/``retrieve``: they
 shorten the hit and are counted. Wrong arguments (a slot mapping of the wrong
