@@ -70,8 +70,8 @@ ADMISSION = """
 (the default) writes every chunk; `{type: frequency, min_hits: 2}` writes a chunk once its
 key was seen `min_hits` times, so one-off prompts never reach the tier. A sighting is a
 store of the chunk or a verified load of it; lookups do not count (an engine repeats them
-while a request waits). The counts live in a count-min sketch of fixed size (`sketch_keys`)
-whose counts halve every 10 x `sketch_keys` sightings. A chunk declined when stored and
+while a request waits). The counts live in a count-min sketch of fixed size (`sketch_keys`:
+counts halve every 10 x `sketch_keys` sightings; 4 MiB for the default 100000). A chunk declined when stored and
 later loaded from a faster tier is written to this tier on the load that admits it;
 promotions into a faster tier respect its admission too. Counted per tier in
 `kvplug_admission_admitted_total` and `kvplug_admission_declined_total`.

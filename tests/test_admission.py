@@ -19,7 +19,7 @@ from kvplug import (
     load_config,
     make_admission_policy,
 )
-from kvplug.core.admission import MAX_HITS, SKETCH_DEPTH
+from kvplug.core.admission import AGING_FACTOR, MAX_HITS, SKETCH_DEPTH
 from kvplug.core.plugins import PluginRegistry
 from kvplug.errors import ConfigError
 
@@ -181,7 +181,7 @@ def test_config_builds_the_policy(registry, tmp_path) -> None:
     assert admission == FrequencyAdmissionConfig(min_hits=3, sketch_keys=100_000)
     policy = make_admission_policy(admission)
     assert isinstance(policy, FrequencyAdmission)
-    assert (policy.min_hits, policy.sketch.width) == (3, 131072)
+    assert (policy.min_hits, policy.sketch.width) == (3, 1 << 20)  # 10 x 100000 sightings, to a power of two
 
 
 # --- the policy and its sketch ----------------------------------------------------------
@@ -212,7 +212,7 @@ def test_sketch_counts_halve_after_its_sample_size() -> None:
 def test_sketch_memory_is_fixed_whatever_the_number_of_keys(keys: int, distinct: int) -> None:
     sketch = FrequencySketch(keys)
     before = sketch.nbytes
-    assert keys <= sketch.width < 2 * keys
+    assert AGING_FACTOR * keys <= sketch.width < 2 * AGING_FACTOR * keys
     assert before == SKETCH_DEPTH * sketch.width
     for i in range(distinct):
         sketch.add(f"v1/fingerprint/{i:064x}")
@@ -237,3 +237,17 @@ def test_sketch_never_undercounts_within_its_window(sightings: list[int], keys: 
     assert sketch.agings == 0
     for key, count in truth.items():
         assert sketch.estimate(key) >= min(count, MAX_HITS)
+
+
+def test_a_period_of_one_off_keys_does_not_fill_the_sketch() -> None:
+    """The reviewer's case: a stream of distinct keys as long as one aging period. Were the
+    rows sized by ``keys`` instead of by the period, about half of them would read as seen
+    twice by its end, and a frequency tier would admit one-off prompts."""
+    sketch = FrequencySketch(1024)
+    for i in range(sketch.sample_size - 1):  # one short of the aging that would clear them
+        sketch.add(f"one-off-{i}")
+    assert sketch.agings == 0
+    seen_once = sum(sketch.estimate(f"one-off-{i}") >= 2 for i in range(sketch.sample_size - 1))
+    never_seen = sum(sketch.estimate(f"never-{i}") >= 2 for i in range(10_000))
+    assert seen_once / (sketch.sample_size - 1) < 0.02
+    assert never_seen / 10_000 < 0.02

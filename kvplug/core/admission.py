@@ -47,10 +47,10 @@ from kvplug.core.config_types import Bounded
 
 #: Counters saturate here (one byte each).
 MAX_HITS = 255
-#: Bounds of ``sketch_keys``: the sketch takes 4 one-byte counters per key it is sized
-#: for (rounded up to a power of two).
+#: Bounds of ``sketch_keys``: the sketch takes ``SKETCH_DEPTH * AGING_FACTOR`` one-byte
+#: counters per key it is sized for (rounded up to a power of two): 4 MiB for 100k keys.
 MIN_SKETCH_KEYS = 64
-MAX_SKETCH_KEYS = 2**26
+MAX_SKETCH_KEYS = 2**20
 #: Rows of the sketch: each key increments one counter per row, and its count is the
 #: smallest of them (more rows: fewer overestimates, more work per key).
 SKETCH_DEPTH = 4
@@ -64,8 +64,12 @@ _HALF = bytes(i >> 1 for i in range(256))
 class FrequencySketch:
     """A count-min sketch of how often each key was seen, in bounded memory.
 
-    ``SKETCH_DEPTH`` rows of ``width`` one-byte counters (``width``: ``keys`` rounded
-    up to a power of two), so its memory is fixed whatever the number of distinct keys.
+    ``SKETCH_DEPTH`` rows of ``width`` one-byte counters (``width``: the sightings of one
+    aging period, ``AGING_FACTOR * keys``, rounded up to a power of two), so its memory
+    is fixed whatever the number of distinct keys. Sized by the period, not by ``keys``:
+    a period of one-off keys then fills about a tenth of each row, and a key seen once
+    reads as seen twice only where all its counters were taken (well under 1 %); a row
+    of ``keys`` counters would be full within the period and admit about half of them.
     Keys are hashed with xxh3-64 (stable across processes, never Python's ``hash()``);
     the rows take the counters at ``h1 + i * h2`` (double hashing). Increments are
     conservative (only the counters at the key's current minimum grow), which keeps
@@ -80,7 +84,7 @@ class FrequencySketch:
     def __init__(self, keys: int) -> None:
         if keys < 1:
             raise ValueError(f"a frequency sketch needs keys >= 1, got {keys}")
-        self.width = 1 << max(keys - 1, 1).bit_length()
+        self.width = 1 << max(AGING_FACTOR * keys - 1, 1).bit_length()
         self._mask = self.width - 1
         self._rows = [bytearray(self.width) for _ in range(SKETCH_DEPTH)]
         #: Increments until the next halving.
@@ -201,9 +205,9 @@ class FrequencyAdmissionConfig(CheckedModel):
     )
     sketch_keys: Annotated[int, Bounded(MIN_SKETCH_KEYS, MAX_SKETCH_KEYS, "keys")] = Field(
         default=100_000,
-        description="Distinct chunks the frequency sketch is sized for: it holds 4 one-byte counters per key "
-        "(the count rounded up to a power of two), whatever the number of chunks seen; counts halve after 10 x "
-        "this many sightings.",
+        description="Distinct chunks the frequency sketch is sized for: counts halve after 10 x this many "
+        "sightings, and the sketch holds 4 rows of one-byte counters for those sightings (4 MiB for 100000), "
+        "whatever the number of chunks seen.",
     )
 
 
