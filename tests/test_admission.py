@@ -94,6 +94,22 @@ def test_a_prefix_loaded_by_a_second_request_is_written_to_the_frequency_tier(ma
     assert load(engine, tokens) == len(tokens)
 
 
+def test_an_admitted_chunk_the_tier_lost_is_written_again_on_a_later_load(make_engine, tmp_path) -> None:
+    """Admitted but not held (a write dropped from a full queue, a failed put, a file
+    removed): the next load from the cpu tier writes it again, however often it was seen."""
+    engine = cpu_and_disk(make_engine, tmp_path, {"type": "frequency", "min_hits": 2})
+    tokens = prompt(100)
+    engine.store(tokens, random_caches(LAYOUT, 80), torch.arange(len(tokens)))
+    assert load(engine, tokens) == len(tokens)  # the second sighting: admitted and written
+    engine.flush()
+    keys = [k.key for k in engine.chunk_keys(tokens)]
+    engine.chain.tiers[1].remove(keys[:1])
+    assert held(engine, 1, tokens) == [False] + [True] * (CHUNKS - 1)
+    assert load(engine, tokens) == len(tokens)
+    assert held(engine, 1, tokens) == [True] * CHUNKS
+    assert counted(engine, "admitted", "1:disk") == CHUNKS  # admitted once, written twice
+
+
 def test_a_prefix_stored_twice_is_written_on_its_second_store(make_engine, tmp_path) -> None:
     engine = make_engine(
         LAYOUT,

@@ -313,10 +313,17 @@ class TierChain:
         self, slot: TierSlot, keys: list[str], fetched: Sequence[Fetched], index: int, before: list[bool]
     ) -> None:
         """Write to ``slot`` (index ``index``) the loaded values from faster tiers that its
-        policy admits since this load's sighting. Keys it admitted before are left alone:
-        they were written then (by a store or an earlier load)."""
-        candidates = [(key, hit.value) for key, hit, was in zip(keys, fetched, before) if hit.tier < index and not was]
-        self._write_missing(slot, self._admitted(slot, candidates))
+        policy admits, where it lacks them: declined when stored, or admitted then but never
+        written (a write dropped from a full queue, a put that failed). Only keys this load
+        admitted (not admitted ``before`` it) count as admitted."""
+        candidates = [(key, hit.value, was) for key, hit, was in zip(keys, fetched, before) if hit.tier < index]
+        if not candidates:
+            return
+        answers = slot.admission.admit([key for key, _, _ in candidates])
+        newly = sum(admit and not was for (_, _, was), admit in zip(candidates, answers))
+        if newly:
+            self.metrics.admission_admitted.labels(slot.label).inc(newly)
+        self._write_missing(slot, [(key, value) for (key, value, _), admit in zip(candidates, answers) if admit])
 
     def _put_missing(self, slot: TierSlot, items: Items) -> None:
         answers = slot.stored([key for key, _ in items])
