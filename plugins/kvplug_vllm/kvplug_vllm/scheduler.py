@@ -171,6 +171,8 @@ class SchedulerSide:
             logger.warning("request %s: lookup failed, treated as a miss: %s", req_id, exc)
             tiers = []
         if tiers is not None:
+            if self._pool is not None:  # answered from memory: an earlier ask's lookup is stale
+                self._pool.discard(req_id)
             self._count_lookup_time(time.perf_counter() - started)
             return tiers
         assert self._pool is not None

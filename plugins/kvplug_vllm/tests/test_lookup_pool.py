@@ -196,6 +196,25 @@ def test_a_request_finished_before_its_lookup_is_done_leaves_nothing(engine: Cac
     assert len(pool) == 0 and not side._answered
 
 
+def test_an_answer_from_memory_drops_the_lookup_an_earlier_ask_started(
+    engine: CacheEngine, side: SchedulerSide
+) -> None:
+    """Left in the pool, that lookup would answer the request after a preemption with
+    what it found long before (or a timed-out miss)."""
+    keys = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
+    values = [bytes(value) for value in tier(engine, "ram").get(keys) if value is not None]
+    tier(engine, "ram").remove(keys)
+    started, release = slowed(engine, "legacy")
+    assert side.get_num_new_matched_tokens(request("r-back"), 0) == (None, False)
+    assert started.wait(5)
+    tier(engine, "ram").put(list(zip(keys, values)))  # another request stored the prefix meanwhile
+    assert side.get_num_new_matched_tokens(request("r-back"), 0) == (192, False)
+    pool = side._pool
+    assert pool is not None and len(pool) == 0
+    release.set()
+    settle(pool, 0)
+
+
 def test_blocking_lookups_answer_at_once(engine: CacheEngine) -> None:
     keys = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
     tier(engine, "ram").remove(keys)
