@@ -31,6 +31,8 @@ def test_anything_else_is_not_a_manifest() -> None:
         b"not json",
         json.dumps({"fields": good["fields"]}).encode(),
         json.dumps({**good, "prefix": "no-slashes"}).encode(),
+        json.dumps({**good, "prefix": "1/[/x]/"}).encode(),  # not <version>/<hex digest>/: rich markup
+        b"[" * 8000 + b"]" * 8000,  # nested past the JSON parser's recursion limit
         json.dumps({**good, "fields": {**good["fields"], "chunk_size": 0}}).encode(),
         json.dumps({**good, "fields": {**good["fields"], "hash": "md5"}}).encode(),
         json.dumps({**good, "fields": {**good["fields"], "model_id": ["a", "list"]}}).encode(),
@@ -65,3 +67,20 @@ def test_an_engine_writes_each_fingerprint_once_a_while_in_bounded_memory(monkey
     huge = Fingerprint(model_id="x" * manifest.MANIFEST_MAX_BYTES, kv_layout="l", dtype="f", block_size=1)
     writer.note(huge)  # over the bound: not written, never an error
     assert len(written) == 14
+
+
+def test_explain_shows_store_text_as_it_is_not_as_markup() -> None:
+    """A manifest's fields come from a shared store: text like ``[/bold]`` in them must
+    print as it is, neither crashing the table (MarkupError) nor styling the output."""
+    from rich.console import Console
+
+    from kvplug.cli.explain import _plain
+
+    console = Console(record=True, width=200)
+    from rich.table import Table
+
+    table = Table()
+    table.add_column("model")
+    table.add_row(*_plain("evil[/bold] [red]forged[/red]"))
+    console.print(table)
+    assert "evil[/bold] [red]forged[/red]" in console.export_text()

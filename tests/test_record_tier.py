@@ -160,3 +160,16 @@ def test_a_store_that_is_down_opens_the_breaker_then_costs_no_calls() -> None:
         tier.put([("v/f/c", b"c")])
         assert tier.backend.calls == calls
         assert tier.stats().extra["dropped_puts"] == 2
+
+
+def test_a_value_that_is_not_contiguous_is_refused_before_anything_is_stored() -> None:
+    """Checked with the batch, not when its record is framed: framing is lazy, and the
+    batches before it would already be in the store, neither indexed nor counted."""
+    store: dict[str, bytes] = {}
+    with make(store) as tier:
+        strided = memoryview(bytes(range(200)))[::2]
+        items: list[tuple[str, Buffer]] = [(f"v/f/{i}", bytes([i]) * 100) for i in range(4)]
+        with pytest.raises(TypeError) as refused:
+            tier.put([*items, ("v/f/strided", strided)])
+        assert tier.contains([key for key, _ in items]) == [False] * 4  # (after any call in flight)
+        assert store == {} and tier.stats().items == 0 and tier.stats().puts == 0

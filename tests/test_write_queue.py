@@ -169,6 +169,66 @@ def test_a_full_queue_drops_and_counts(make_tier: MakeTier) -> None:
     chain.close()
 
 
+def test_a_dropped_write_of_a_queued_key_leaves_the_queued_write_in_place(make_tier: MakeTier) -> None:
+    """A refused write replaces nothing: the accepted older write of its key is still
+    readable and still written (it used to be skipped as replaced, and the key lost)."""
+    chain, held, _ = chain_of(make_tier(max_items=1, on_full="drop"))
+    first = item("first")
+    chain.put([first])
+    assert held.entered.wait(10)  # "first" is being written: the queue itself is empty
+    old, new = item("again", 1), item("again", 2)
+    chain.put([old])  # fills the queue
+    chain.put([new])  # dropped
+    assert dict(chain.stats())[f"0:{held.tier.name}"].extra["writer_dropped"] == 1
+    assert values_of(chain, [old[0]]) == [old[1]]
+    held.gate.set()
+    chain.flush()
+    assert held.written == [first, old]
+    assert values_of(chain, [old[0]]) == [old[1]]
+    assert bytes(held.tier.get([old[0]])[0] or b"") == old[1]
+    chain.close()
+
+
+def test_a_write_refused_after_waiting_leaves_the_older_write_of_its_key_to_be_written(make_tier: MakeTier) -> None:
+    """The worker takes the older batch while a newer write of the same key waits for
+    room, which it never gets (block_timeout_s): the older batch still writes the key."""
+    tier = make_tier(max_bytes=int(3.5 * SIZE), on_full="block", block_timeout_s=0.5)
+    chain, held, _ = chain_of(tier)
+    held.gate.set()  # each put waits for its own turn instead
+    turns, entered = [threading.Event() for _ in range(3)], [threading.Event() for _ in range(3)]
+    calls = iter(range(3))
+    held_put = tier.put
+
+    def put(items: Any) -> None:
+        call = next(calls)
+        entered[call].set()
+        assert turns[call].wait(30), "the test never gave this put its turn"
+        held_put(items)
+
+    tier.put = put  # type: ignore[method-assign]
+    first, old, other = item("first"), item("again", 1), item("other")
+    new, big = item("again", 2), (key_for("big"), value_for("big", 2 * SIZE))
+    chain.put([first])
+    assert entered[0].wait(10)  # "first" is being written: 1 of 3.5 sizes held
+    chain.put([old, other])  # queued: 3 sizes held
+    waiting = threading.Thread(target=chain.put, args=([new, big],))  # 3 more: waits for room
+    waiting.start()
+    for _ in range(1000):  # until the waiting write is pending (readable)
+        if chain.contains_any([big[0]]) == [True]:
+            break
+        threading.Event().wait(0.01)
+    turns[0].set()
+    assert entered[1].wait(10)  # the worker took [old, other] while [new, big] waits
+    waiting.join(10)  # [old, other] hold 2 sizes until written: no room for 3, dropped
+    assert dict(chain.stats())[f"0:{tier.name}"].extra["writer_dropped"] == 1
+    assert values_of(chain, [old[0], big[0]]) == [old[1], None]
+    turns[1].set()
+    chain.flush()
+    assert held.written == [first, old, other]
+    assert bytes(held.tier.get([old[0]])[0] or b"") == old[1]
+    chain.close()
+
+
 def test_a_queue_full_in_bytes_makes_a_blocking_write_wait_for_room(make_tier: MakeTier) -> None:
     chain, held, _ = chain_of(make_tier(max_bytes=SIZE + SIZE // 2, on_full="block"))
     a, b = item("a"), item("b")

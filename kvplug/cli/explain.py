@@ -19,6 +19,7 @@ from typing import Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from kvplug.cli.console import console, err_console, run_or_exit
 from kvplug.core.config import KVPlugConfig
@@ -146,6 +147,12 @@ def build_scheme(base: KeyScheme | dict[str, Any], config: KVPlugConfig, changes
     return KeyScheme.of(fingerprint, config.chunk_size, config.hash)
 
 
+def _plain(*cells: str) -> list[Text]:
+    """Table cells shown as they are: text from a store (a manifest's fields) is never
+    read as rich markup, which could break the table or forge what it shows."""
+    return [Text(cell) for cell in cells]
+
+
 def render(console: Any, found: Explanation, skipped: list[str]) -> None:
     scheme = found.scheme
     table = Table(
@@ -156,21 +163,26 @@ def render(console: Any, found: Explanation, skipped: list[str]) -> None:
     for row in found.chunks:
         style = "" if row.index < found.hit_chunks else "red" if row.index == found.hit_chunks else "dim"
         where = ", ".join(row.tiers) or "-"
-        table.add_row(str(row.index), f"{row.start}-{row.end}", row.digest, where, style=style)
+        table.add_row(*_plain(str(row.index), f"{row.start}-{row.end}", row.digest, where), style=style)
     console.print(table)
     console.print(f"hit: {found.hit_tokens} of {found.num_tokens} tokens ({found.hit_chunks} chunks)", highlight=False)
-    console.print(f"why: {found.reason}", highlight=False)
+    console.print(f"why: {found.reason}", highlight=False, markup=False)
     if found.others:
         others = Table(title="other fingerprints holding this prompt")
         for column in ("fingerprint", "tokens held", "tiers", "differs in"):
             others.add_column(column)
         for other in found.others:
             others.add_row(
-                other.scheme.fingerprint_hex[:12], str(other.hit_tokens), ", ".join(other.tiers), _diff(found, other)
+                *_plain(
+                    other.scheme.fingerprint_hex[:12],
+                    str(other.hit_tokens),
+                    ", ".join(other.tiers),
+                    _diff(found, other),
+                )
             )
         console.print(others)
     for label, note in found.notes.items():
-        console.print(f"tier {label}: {note}", highlight=False)
+        console.print(f"tier {label}: {note}", highlight=False, markup=False)
     for label in skipped:
         console.print(f"tier {label}: in memory, the engine process's own: not visible here", highlight=False)
 
@@ -284,19 +296,21 @@ def _list(tiers: list[tuple[str, Any]], as_json: bool) -> None:
         for scheme in list_manifests(label, tier, notes):
             f = scheme.fields
             table.add_row(
-                label,
-                scheme.fingerprint_hex,
-                f"{f.get('model_id')}@{f.get('model_revision') or '-'}",
-                str(f.get("dtype")),
-                str(f.get("block_size")),
-                f"{f.get('tp_rank')}/{f.get('tp_size')}",
-                f"{f.get('pp_rank')}/{f.get('pp_size')}",
-                str(f.get("serializer")),
-                str(f.get("lora_id") or "-"),
-                str(f.get("cache_salt") or "-"),
-                f"{scheme.chunk_size}/{scheme.hash_name}",
-                f"{f.get('kv_layout')}; {f.get('engine_variant') or '-'}",
+                *_plain(
+                    label,
+                    scheme.fingerprint_hex,
+                    f"{f.get('model_id')}@{f.get('model_revision') or '-'}",
+                    str(f.get("dtype")),
+                    str(f.get("block_size")),
+                    f"{f.get('tp_rank')}/{f.get('tp_size')}",
+                    f"{f.get('pp_rank')}/{f.get('pp_size')}",
+                    str(f.get("serializer")),
+                    str(f.get("lora_id") or "-"),
+                    str(f.get("cache_salt") or "-"),
+                    f"{scheme.chunk_size}/{scheme.hash_name}",
+                    f"{f.get('kv_layout')}; {f.get('engine_variant') or '-'}",
+                )
             )
     console.print(table)
     for label, note in notes.items():
-        console.print(f"tier {label}: {note}", highlight=False)
+        console.print(f"tier {label}: {note}", highlight=False, markup=False)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -42,6 +43,8 @@ MANIFEST_MAX_BYTES = 16 * 1024
 MANIFEST_REFRESH_S = 600.0
 #: How many fingerprints an engine remembers having written (salts are per request).
 MANIFEST_MEMORY = 4096
+#: The key prefix a manifest records: ``<format version>/<fingerprint hex digest>/``.
+_PREFIX = re.compile(r"[A-Za-z0-9._-]{1,16}/[0-9a-f]{32}/")
 
 #: The fields a manifest records, in the order a person compares them, and their names.
 FIELD_NAMES: dict[str, str] = {
@@ -125,12 +128,12 @@ def decode_manifest(value: Buffer) -> KeyScheme | None:
     try:
         body: Any = json.loads(bytes(view[len(MANIFEST_MAGIC) :]))
         fields, prefix = body["fields"], body["prefix"]
-        ok = isinstance(fields, dict) and isinstance(prefix, str) and prefix.count("/") == 2
+        ok = isinstance(fields, dict) and isinstance(prefix, str) and _PREFIX.fullmatch(prefix) is not None
         ok = ok and all(isinstance(v, (str, int)) or v is None for v in fields.values())
         if not ok or not isinstance(fields.get("chunk_size"), int) or not isinstance(fields.get("hash"), str):
             return None
         KeyBuilder(fields["chunk_size"], fields["hash"])  # a chunk size or hash this kvplug cannot use
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested too deep
         return None
     return KeyScheme(prefix, fields["chunk_size"], fields["hash"], fields)
 

@@ -168,7 +168,10 @@ class RecordTier(RecordMaintenance, StorageTier):
         for key, value in latest.items():
             if not isinstance(key, str):  # before anything is stored: the whole batch is refused
                 raise TypeError(f"tier keys are str, got {type(key).__name__}")
-            size = memoryview(value).nbytes
+            view = memoryview(value)
+            if not view.c_contiguous:  # framing casts it to bytes, after earlier records were sent
+                raise TypeError(f"value for {key} is not a C-contiguous buffer")
+            size = view.nbytes
             if budget is not None and size > budget:
                 raise ValueTooLargeError(
                     f"value of {size} bytes for {key} exceeds the {self.name} tier's max_bytes {budget}"

@@ -6,7 +6,8 @@ What every async tier gets from it, whatever the tier:
   has it; the chain answers ``get``/``contains`` for pending keys from here, so a store
   is readable before the tier has written it.
 - **Coalesced.** A second write of a key still queued replaces it: the older value is
-  never written.
+  never written. A write the queue refuses (full) replaces nothing: the key's older
+  queued write is still written and still answers reads.
 - **Cancelled.** :meth:`WriteQueue.cancel` (the chain's ``discard``) forgets queued
   writes of the keys and waits for one of them being written to finish, so the
   ``remove`` that follows cannot be overtaken by it.
@@ -41,6 +42,10 @@ class _Write:
 
     key: str
     value: Buffer
+    # Until the worker accepts this write, the older pending write of its key: if the
+    # worker refuses this one, that one answers reads again and is still written.
+    replaced: _Write | None = None
+    accepted: bool = False
 
 
 def _writes_bytes(writes: list[_Write]) -> int:
@@ -94,9 +99,14 @@ class WriteQueue:
         """Queue a batch; ``False`` if it was dropped. Its values are readable at once."""
         writes = [_Write(key, value) for key, value in items]
         with self._cond:
-            for write in writes:
-                self._pending[write.key] = write  # supersedes an older queued write of the key
-        return self._worker.submit(writes)  # a dropped batch comes back through _dropped
+            for write in writes:  # readable at once, before the worker has room for it
+                write.replaced = self._pending.get(write.key)
+                self._pending[write.key] = write
+        accepted = self._worker.submit(writes)  # a dropped batch comes back through _dropped
+        if accepted:
+            with self._cond:
+                self._accept(writes)
+        return accepted
 
     def values(self, keys: Sequence[str]) -> list[Buffer | None]:
         """The pending value of each key (read-only), ``None`` where none is pending."""
@@ -129,7 +139,8 @@ class WriteQueue:
 
     def _handle(self, writes: list[_Write]) -> None:
         with self._cond:
-            wanted = [write for write in writes if self._pending.get(write.key) is write]
+            self._accept(writes)  # being handled: accepted, whether or not submit has seen it yet
+            wanted = [write for write in writes if self._due(write)]
             self._writing = {write.key for write in wanted}
         try:
             if wanted:
@@ -137,8 +148,7 @@ class WriteQueue:
         finally:
             with self._cond:
                 for write in wanted:  # written (or failed): the tier answers for it now
-                    if self._pending.get(write.key) is write:
-                        del self._pending[write.key]
+                    self._unlink(write)
                 self._writing = set()
                 self._cond.notify_all()
         if self._worker.pending() <= 1:  # 1: this batch
@@ -146,7 +156,38 @@ class WriteQueue:
 
     def _dropped(self, writes: list[_Write]) -> None:
         with self._cond:
-            for write in writes:
-                if self._pending.get(write.key) is write:
-                    del self._pending[write.key]
+            for write in writes:  # the older write each replaced (if still queued) is pending again
+                self._unlink(write)
         self._count_drop()
+
+    # The pending writes of a key form a chain from ``_pending[key]``, newest first, through
+    # ``replaced``; it ends at the newest accepted write. The methods below hold ``_cond``.
+
+    def _accept(self, writes: list[_Write]) -> None:
+        for write in writes:  # the older writes it replaced are superseded for good
+            write.accepted = True
+            write.replaced = None
+
+    def _due(self, write: _Write) -> bool:
+        """Whether the worker writes ``write``: neither cancelled nor replaced by an
+        accepted write (a newer write not yet accepted may still be refused)."""
+        newer = self._pending.get(write.key)
+        while newer is not None and newer is not write:
+            if newer.accepted:
+                return False
+            newer = newer.replaced
+        return newer is write
+
+    def _unlink(self, write: _Write) -> None:
+        """Take ``write`` out of its key's chain (if it is still there)."""
+        newer, node = None, self._pending.get(write.key)
+        while node is not None and node is not write:
+            newer, node = node, node.replaced
+        if node is None:
+            return
+        if newer is not None:
+            newer.replaced = write.replaced
+        elif write.replaced is not None:
+            self._pending[write.key] = write.replaced
+        else:
+            del self._pending[write.key]
