@@ -9,7 +9,12 @@ per attempt; the tier splits big batches by :attr:`RecordBackend.call_sizes` and
 pieces concurrently. A primitive signals a missing record by its result (``None``,
 ``False``) or, for a batch of one, by raising ``FileNotFoundError`` or
 :class:`kvplug.Absent`; any other exception fails the whole batch (counted, retried when
-:meth:`RecordBackend.classify` says it is transient).
+:meth:`RecordBackend.classify` says it is transient). Where the store answers per name
+and fails on some names only, :meth:`~RecordBackend.sizes`, :meth:`~RecordBackend.exists`,
+:meth:`~RecordBackend.read`, :meth:`~RecordBackend.peek` and :meth:`~RecordBackend.delete`
+put an exception instance in those names' slots: no answer for that name, like a failed
+batch for it alone (a miss, nothing forgotten, a removal that failed), without failing
+the others or counting towards the breaker.
 """
 
 from __future__ import annotations
@@ -111,21 +116,27 @@ class RecordBackend(ABC):
         """Connect or prepare the client. A failure is logged, not fatal: later calls retry."""
 
     @abstractmethod
-    async def sizes(self, names: Sequence[str]) -> list[int | None]:
+    async def sizes(self, names: Sequence[str]) -> Sequence[int | None | BaseException]:
         """The stored size of each record, ``None`` where there is none (or
         :data:`SIZE_UNKNOWN` where the store knows it is there but not its size)."""
 
-    async def exists(self, names: Sequence[str]) -> list[bool]:
+    async def exists(self, names: Sequence[str]) -> Sequence[bool | BaseException]:
         """Whether each record is stored. Used for the index's round of checks on stores
         that evict on their own; override with a call that does not count as a use of
         the record (a server's LRU data) where the store has one."""
-        return [size is not None for size in await self.sizes(names)]
+        return [size if isinstance(size, BaseException) else size is not None for size in await self.sizes(names)]
 
     @abstractmethod
-    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
+    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> Sequence[Buffer | None | BaseException]:
         """Each record's bytes (header and value), ``None`` where there is none.
         ``sizes`` are the expected record sizes where the tier knows them (a store that
         reads into pre-sized buffers uses them; others ignore them)."""
+
+    async def peek(self, names: Sequence[str], sizes: Sequence[int | None]) -> Sequence[Buffer | None | BaseException]:
+        """Read for inspection (``kvplug store``, ``kvplug explain``): must not count as a
+        use of the records. :meth:`read` by default; override where a read counts as one
+        (the disk tier's file mtimes and eviction order)."""
+        return await self.read(names, sizes)
 
     @abstractmethod
     async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
@@ -134,7 +145,7 @@ class RecordBackend(ABC):
         that says why not (the store is full: the record is dropped and counted)."""
 
     @abstractmethod
-    async def delete(self, names: Sequence[str]) -> list[bool]:
+    async def delete(self, names: Sequence[str]) -> Sequence[bool | BaseException]:
         """Remove the records; per name, whether there was one."""
 
     async def listing(self) -> list[StoredRecord]:

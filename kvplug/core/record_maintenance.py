@@ -11,6 +11,7 @@ from kvplug.core.record_store import StoredRecord
 from kvplug.core.remote import RemoteCalls
 from kvplug.core.retry import Absent
 from kvplug.core.tier import Buffer
+from kvplug.errors import TierUnavailableError
 
 #: Listing a large store legitimately takes longer than one batch.
 LISTING_TIMEOUT_S = 300.0
@@ -33,12 +34,15 @@ class RecordMaintenance:
         return iter(self._calls.run(self._backend.listing, timeout_s=LISTING_TIMEOUT_S))
 
     def read_record(self, digest: str) -> Buffer | None:
-        """The stored bytes (record frame and value), unverified; ``None`` if gone."""
+        """The stored bytes (record frame and value), unverified; ``None`` if gone.
+        Read with :meth:`RecordBackend.peek`: inspecting a record is not a use of it."""
         self._check_open()
         try:
-            (data,) = self._calls.run(lambda: self._backend.read([digest], [None]))
+            (data,) = self._calls.run(lambda: self._backend.peek([digest], [None]))
         except Absent:
             return None
+        if isinstance(data, BaseException):  # the store failed on this record alone
+            raise TierUnavailableError(f"{self._calls.where}: reading {digest} failed: {data}") from data
         return data
 
     def delete_record(self, digest: str) -> bool:
@@ -48,4 +52,6 @@ class RecordMaintenance:
             (existed,) = self._calls.run(lambda: self._backend.delete([digest]))
         except Absent:
             return False
+        if isinstance(existed, BaseException):  # the store failed on this record alone
+            raise TierUnavailableError(f"{self._calls.where}: removing {digest} failed: {existed}") from existed
         return existed

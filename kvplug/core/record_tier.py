@@ -108,6 +108,9 @@ class RecordTier(RecordMaintenance, StorageTier):
                 answers.extend([False] * len(group))
                 continue
             for name, size in zip(group, result):
+                if isinstance(size, BaseException):  # no answer for this name alone
+                    answers.append(False)
+                    continue
                 if size is None:  # evicted or removed by another process
                     self._index.forget_gone(name, seen[len(answers)])
                 answers.append(size is not None and (size == SIZE_UNKNOWN or size >= RECORD_HEADER_SIZE))
@@ -156,7 +159,7 @@ class RecordTier(RecordMaintenance, StorageTier):
         self._pushed_out(pushed)
         return values
 
-    async def _read_pairs(self, pairs: Sequence[tuple[str, int | None]]) -> list[Buffer | None]:
+    async def _read_pairs(self, pairs: Sequence[tuple[str, int | None]]) -> Sequence[Buffer | None | BaseException]:
         return await self._backend.read([name for name, _ in pairs], [size for _, size in pairs])
 
     # --- writes ---------------------------------------------------------------------
@@ -227,7 +230,9 @@ class RecordTier(RecordMaintenance, StorageTier):
                 continue
             existed = [False] * len(group) if isinstance(result, BaseException) else result
             for name, was_there in zip(group, existed):
-                if self._index.forget(name) is not False or was_there:
+                if isinstance(was_there, BaseException):  # failed for this name alone: still indexed
+                    failed += 1
+                elif self._index.forget(name) is not False or was_there:
                     removed.append(key_of[name])
         if removed:
             self.context.emit(KVEvent("removed", tuple(removed), tier=self.name))
@@ -285,7 +290,7 @@ class RecordTier(RecordMaintenance, StorageTier):
         for group, result in self._groups(self._backend.exists, list(due), self._backend.call_sizes.query):
             if not isinstance(result, BaseException):
                 for name, exists in zip(group, result):
-                    if not exists:
+                    if exists is False:  # (an exception: no answer for this name)
                         self._index.forget_gone(name, due[name])
 
     def _delete_quietly(self, names: list[str], *, forget: bool = True) -> None:

@@ -136,6 +136,21 @@ class DiskBackend(RecordBackend):
         self._folder.touch(digest)  # the mtime is the LRU order a restart rebuilds
         return found[0]
 
+    async def peek(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
+        """Read for ``kvplug store`` and ``kvplug explain``: no mtime set, no move in the eviction order."""
+        found: list[Buffer | None] = []
+        for digest in names:
+            data = None
+            if not self._skipped(digest):
+                try:
+                    read = self._folder.read(digest)
+                except OSError as exc:
+                    self._entry_failed("read", digest, exc)
+                else:
+                    data = None if read is None else read[0]
+            found.append(data)
+        return found
+
     async def listing(self) -> list[StoredRecord]:
         startup, self._startup_listing = self._startup_listing, None
         return startup if startup is not None else self._listing()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from kvplug import RECORD_HEADER_SIZE
 from kvplug.testing import StorageTierContract, key_for, tier_context, value_for
 from kvplug_disk import DiskTier, verify_folder
 from kvplug_disk.files import HOST_TAG
@@ -110,6 +111,23 @@ def test_a_new_tier_finds_what_the_last_one_stored_and_keeps_its_lru_order(tmp_p
     assert second.contains([key_for(f"r{i}") for i in range(6)]) == [True, False, True, True, True, True]
     assert bytes(second.get([key_for("r3")])[0]) == value_for("r3", 1000)
     second.close()
+
+
+def test_reading_a_record_for_inspection_is_not_a_use_of_it(tmp_path: Path) -> None:
+    """``kvplug store verify/ls/gc`` and ``kvplug explain`` read through read_record: the
+    file's mtime (the order a restart rebuilds) and the eviction order stay as they were."""
+    tier = make_disk_tier(tmp_path, 2_000)
+    tier.put([(key_for("p0"), value_for("p0", 1000))])
+    tier.put([(key_for("p1"), value_for("p1", 1000))])
+    path = record_path(tmp_path, key_for("p0"))
+    old = time.time_ns() - 3600 * 10**9
+    os.utime(path, ns=(old, old))
+    data = tier.read_record(path.name.removesuffix(".kvr"))
+    assert data is not None and bytes(data)[RECORD_HEADER_SIZE:] == value_for("p0", 1000)
+    assert path.stat().st_mtime_ns == old
+    tier.put([(key_for("p2"), value_for("p2", 1000))])  # evicts the least recently used: p0
+    assert tier.contains([key_for(f"p{i}") for i in range(3)]) == [False, True, True]
+    tier.close()
 
 
 @pytest.mark.parametrize("write_threads", [1, 4])

@@ -37,6 +37,8 @@ NO_SPACE = -200  # NO_AVAILABLE_HANDLE: the segments are full
 INVALID_PARAMS = -600  # also: the buffer given to get_into is too small
 OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706  # being read by a client; a plain remove is refused
+#: Codes that say a key has no object: gone (any other code is no answer for the key).
+GONE_CODES = frozenset({0, OBJECT_NOT_FOUND})
 #: Codes that say the store is not answering (as opposed to answering about a key).
 UNAVAILABLE_CODES = frozenset({-1, -101, -103, -703, -800, -900, -1010, -1011})
 #: A batch is one client call whatever its size (the client pipelines it itself).
@@ -83,6 +85,11 @@ class MooncakeCallError(Exception):
         self.code = code
 
 
+def _failed_key(what: str, name: str, code: int) -> MooncakeCallError:
+    """The store answered for the other keys but failed on this one: no answer for it."""
+    return MooncakeCallError(f"{what} of {name}", code)
+
+
 def _raise_if_unavailable(what: str, codes: Sequence[int]) -> None:
     """Fail the batch when every key failed because the store did not answer."""
     if codes and all(code in UNAVAILABLE_CODES or code < -1000 for code in codes):
@@ -108,6 +115,7 @@ class MooncakeBackend(RecordBackend):
         self._record_hint = 0  # the largest record seen: the read size for records of unknown size
         self._no_space = 0
         self._leased = 0
+        self._failed = {"failed_lookups": 0, "failed_removes": 0}  # keys the store failed on alone
         self._closed = False
 
     # --- the client ----------------------------------------------------------------
@@ -153,7 +161,7 @@ class MooncakeBackend(RecordBackend):
 
     # --- the primitives -------------------------------------------------------------
 
-    async def sizes(self, names: Sequence[str]) -> list[int | None]:
+    async def sizes(self, names: Sequence[str]) -> list[int | None | BaseException]:
         full = self._full(names)
 
         def exist() -> list[int]:
@@ -163,9 +171,17 @@ class MooncakeBackend(RecordBackend):
             _raise_if_unavailable("batch_is_exist", codes)
             return codes
 
-        return [SIZE_UNKNOWN if code == 1 else None for code in await self._blocking(exist)]
+        sizes: list[int | None | BaseException] = []
+        for name, code in zip(full, await self._blocking(exist)):
+            if code == 1:
+                sizes.append(SIZE_UNKNOWN)
+            elif code in GONE_CODES:
+                sizes.append(None)
+            else:
+                sizes.append(self._key_failed("failed_lookups", _failed_key("batch_is_exist", name, code)))
+        return sizes
 
-    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
+    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None | BaseException]:
         full = self._full(names)
         # The client mixes up the buffers of an object named twice in one batch: read each once.
         hints = dict(zip(full, sizes))
@@ -173,8 +189,9 @@ class MooncakeBackend(RecordBackend):
         found = dict(zip(unique, await self._blocking(lambda: self._read(unique, [hints[n] for n in unique]))))
         return [found[name] for name in full]
 
-    def _read(self, names: list[str], known: list[int | None]) -> list[Buffer | None]:
-        """Each object's bytes, ``None`` where there is none (in a pool thread)."""
+    def _read(self, names: list[str], known: list[int | None]) -> list[Buffer | None | BaseException]:
+        """Each object's bytes, ``None`` where there is none, an exception where the
+        store failed on it alone (in a pool thread)."""
         store, buffers = self._connected()
         with self._lock:
             hint = self._record_hint
@@ -197,8 +214,15 @@ class MooncakeBackend(RecordBackend):
         codes = [r for r in results if isinstance(r, int)]
         if len(codes) == len(results):
             _raise_if_unavailable("batch_get_into", codes)
-        # Any other code (OBJECT_NOT_FOUND above all) is the store's answer about that record: a miss.
-        return [None if isinstance(r, int) else r for r in results]
+        found: list[Buffer | None | BaseException] = []
+        for name, result in zip(names, results):
+            if not isinstance(result, int):
+                found.append(result)
+            elif result == OBJECT_NOT_FOUND:
+                found.append(None)
+            else:  # a miss that says nothing about whether the record is there
+                found.append(self._key_failed("failed_lookups", _failed_key("batch_get_into", name, result)))
+        return found
 
     def _read_into(
         self,
@@ -258,14 +282,16 @@ class MooncakeBackend(RecordBackend):
             outcomes.append(MooncakeCallError(f"put of {name}", code))
         return outcomes
 
-    async def delete(self, names: Sequence[str]) -> list[bool]:
+    async def delete(self, names: Sequence[str]) -> list[bool | BaseException]:
         full = self._full(names)
         unique = list(dict.fromkeys(full))  # see read
-        done = dict(zip(unique, await self._blocking(lambda: self._delete(unique))))
-        failed = [code for code in done.values() if code not in (0, OBJECT_NOT_FOUND)]
-        if failed:
-            raise MooncakeCallError(f"batch_remove of {len(failed)} of {len(unique)} objects", failed[0])
-        return [done[name] == 0 for name in full]
+        done: dict[str, bool | BaseException] = {}
+        for name, code in zip(unique, await self._blocking(lambda: self._delete(unique))):
+            if code in GONE_CODES:
+                done[name] = code == 0
+            else:  # removed or not, the store did not say: the tier keeps the record indexed
+                done[name] = self._key_failed("failed_removes", _failed_key("batch_remove", name, code))
+        return [done[name] for name in full]
 
     def _delete(self, names: list[str]) -> list[int]:
         """Remove objects (in a pool thread). A plain remove is refused while a reader
@@ -282,11 +308,20 @@ class MooncakeBackend(RecordBackend):
         _raise_if_unavailable("batch_remove", codes)
         return codes
 
+    def _key_failed(self, counter: str, exc: MooncakeCallError) -> MooncakeCallError:
+        with self._lock:
+            self._failed[counter] += 1
+        return exc
+
     def _saw(self, record_size: int) -> None:
         with self._lock:
             self._record_hint = max(self._record_hint, record_size)
 
     # --- counters and shutdown ------------------------------------------------------
+
+    def errors(self) -> int:
+        with self._lock:
+            return sum(self._failed.values())
 
     def describe(self) -> dict[str, int | float | str]:
         buffers = self._buffers
@@ -295,6 +330,7 @@ class MooncakeBackend(RecordBackend):
                 "master": self.config.master,
                 "dropped_no_space": self._no_space,
                 "leased_removes": self._leased,
+                **self._failed,
                 "temporary_buffers": 0 if buffers is None else buffers.temporary,
             }
 

@@ -5,10 +5,12 @@ deadlines, an open breaker costs < 1 ms per lookup, and the tier recovers by its
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
-from kvplug import call_budget
+from kvplug import call_budget, key_digest
+from kvplug.errors import TierUnavailableError
 from kvplug.testing import key_for, value_for
 from kvplug_mooncake.testing import MooncakeCluster, free_port
 
@@ -190,3 +192,60 @@ def test_corrupt_object_is_a_counted_miss(mooncake_cluster, make_mooncake_tier):
     assert tier.get([key]) == [None]
     assert tier.stats().extra["corrupt"] == 1
     assert tier.contains([key]) == [False]  # removed
+
+
+#: A per-key error code: neither "no such object" (0, -704) nor "the store is unavailable".
+PER_KEY_ERROR = -700
+
+
+class _FailsOn:
+    """The tier's real client, except that the store fails on one object alone (answers
+    ``PER_KEY_ERROR`` for it, and leaves it stored): a fault no real cluster produces on
+    demand. Every other object goes through the real client."""
+
+    def __init__(self, client: Any, name: str) -> None:
+        self.client, self.name = client, name
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self.client, attribute)
+
+    def _patched(self, names: list[str], codes: Any) -> list[int]:
+        return [PER_KEY_ERROR if name == self.name else int(code) for name, code in zip(names, codes)]
+
+    def batch_is_exist(self, names: list[str]) -> list[int]:
+        return self._patched(names, self.client.batch_is_exist(names))
+
+    def batch_get_into(self, names: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+        return self._patched(names, self.client.batch_get_into(names, addresses, sizes))
+
+    def batch_remove(self, names: list[str], force: bool) -> list[int]:
+        others = [name for name in names if name != self.name]
+        done = dict(zip(others, self.client.batch_remove(others, force))) if others else {}
+        return [PER_KEY_ERROR if name == self.name else int(done[name]) for name in names]
+
+
+def test_a_key_the_store_fails_on_alone_is_no_answer_for_it(make_mooncake_tier):
+    """A per-key error code is no answer for that key: a miss that keeps the key indexed,
+    a removal that failed (counted, raised after the others were removed and reported);
+    the batch is not failed and the breaker is not fed."""
+    events: list = []
+    tier = make_mooncake_tier()
+    tier.context.emit = events.append
+    keys = [key_for(f"alone{i}") for i in range(3)]
+    tier.put([(k, value_for(k, 3000)) for k in keys])
+    backend = tier._backend  # the fault goes between the tier and its real client
+    backend._store = _FailsOn(backend._store, tier.config.key_prefix + key_digest(keys[0]).hex())
+
+    assert tier.contains(keys) == [False, True, True]
+    got = tier.get(keys)
+    assert got[0] is None and [bytes(v) for v in got[1:]] == [value_for(k, 3000) for k in keys[1:]]
+    assert tier.stats().items == 3  # nothing known to be gone: still indexed
+    with pytest.raises(TierUnavailableError, match="1 of 3 removals"):
+        tier.remove(keys)
+    assert [(e.kind, e.keys) for e in events] == [("removed", tuple(keys[1:]))]
+    stats = tier.stats()
+    assert stats.items == 1 and stats.extra["failed_removes"] == 1 and stats.extra["failed_lookups"] == 2
+    assert stats.extra["breaker_state"] == "closed" and stats.extra["failures"] == 0
+
+    backend._store = backend._store.client
+    assert bytes(tier.get(keys[:1])[0]) == value_for(keys[0], 3000)  # it was never removed
