@@ -173,3 +173,4 @@ def test_a_value_that_is_not_contiguous_is_refused_before_anything_is_stored() -
             tier.put([*items, ("v/f/strided", strided)])
         assert tier.contains([key for key, _ in items]) == [False] * 4  # (after any call in flight)
         assert store == {} and tier.stats().items == 0 and tier.stats().puts == 0
+        assert "value for v/f/strided is not a C-contiguous buffer" in str(refused.value)
