@@ -8,6 +8,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import pytest
 
@@ -24,7 +25,10 @@ from kvplug import (
     TierContext,
     key_digest,
 )
+from kvplug.errors import TierUnavailableError
 from kvplug.testing import StorageTierContract
+
+T = TypeVar("T")
 
 
 class DictBackend(RecordBackend):
@@ -38,6 +42,10 @@ class DictBackend(RecordBackend):
         self.lock = threading.Lock()
         self.down = False
         self.calls = 0
+        self.failing: set[str] = set()  # names the store fails on alone (an exception in their slot)
+
+    def _or_failed(self, name: str, answer: T) -> T | BaseException:
+        return ConnectionError(f"the store failed on {name}") if name in self.failing else answer
 
     async def _enter(self) -> None:
         self.calls += 1
@@ -45,15 +53,15 @@ class DictBackend(RecordBackend):
             raise ConnectionError("store is down")
         await asyncio.sleep(0)
 
-    async def sizes(self, names: Sequence[str]) -> list[int | None]:
+    async def sizes(self, names: Sequence[str]) -> list[int | None | BaseException]:
         await self._enter()
         with self.lock:
-            return [len(self.store[n]) if n in self.store else None for n in names]
+            return [self._or_failed(n, len(self.store[n]) if n in self.store else None) for n in names]
 
-    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
+    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None | BaseException]:
         await self._enter()
         with self.lock:
-            return [self.store.get(n) for n in names]
+            return [self._or_failed(n, self.store.get(n)) for n in names]
 
     async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
         await self._enter()
@@ -62,10 +70,12 @@ class DictBackend(RecordBackend):
                 self.store[record.name] = record.joined()
         return [None] * len(records)
 
-    async def delete(self, names: Sequence[str]) -> list[bool]:
+    async def delete(self, names: Sequence[str]) -> list[bool | BaseException]:
         await self._enter()
         with self.lock:
-            return [self.store.pop(n, None) is not None for n in names]
+            return [
+                self._or_failed(n, False) if n in self.failing else self.store.pop(n, None) is not None for n in names
+            ]
 
     async def listing(self) -> list[StoredRecord]:
         await self._enter()
@@ -160,6 +170,30 @@ def test_a_store_that_is_down_opens_the_breaker_then_costs_no_calls() -> None:
         tier.put([("v/f/c", b"c")])
         assert tier.backend.calls == calls
         assert tier.stats().extra["dropped_puts"] == 2
+
+
+def test_a_name_the_store_fails_on_alone_is_a_miss_and_stays_indexed() -> None:
+    """A primitive's exception in one name's slot: no answer for that name (a miss, a
+    failed removal), nothing forgotten; the other names are answered, the breaker untouched."""
+    store: dict[str, bytes] = {}
+    with make(store) as tier:
+        tier.put([("v/f/a", b"a" * 100), ("v/f/b", b"b" * 100)])
+        failing = key_digest("v/f/a").hex()
+        tier.backend.failing = {failing}
+        assert tier.contains(["v/f/a", "v/f/b"]) == [False, True]
+        assert tier.get(["v/f/a", "v/f/b"]) == [None, b"b" * 100]
+        assert tier.stats().items == 2
+        with pytest.raises(TierUnavailableError, match="failed"):
+            tier.read_record(failing)
+        removed: list[tuple[str, ...]] = []
+        tier.context.emit = lambda event: removed.append(event.keys)
+        with pytest.raises(TierUnavailableError, match="1 of 2 removals"):
+            tier.remove(["v/f/a", "v/f/b"])
+        assert removed == [("v/f/b",)] and failing in store and tier.stats().items == 1
+        stats = tier.stats()
+        assert stats.extra["breaker_state"] == "closed" and stats.extra["failures"] == 0
+        tier.backend.failing = set()
+        assert tier.get(["v/f/a"]) == [b"a" * 100]
 
 
 def test_a_value_that_is_not_contiguous_is_refused_before_anything_is_stored() -> None:
