@@ -19,6 +19,7 @@ from kvplug import KVLayout
 from kvplug.builtins.torch_connector import TorchConnector
 from kvplug.core.components import EmptyConfig
 from kvplug.errors import LayoutError
+from kvplug.testing import gather_chunk, scatter_chunk
 
 NUM_BLOCKS = 48
 #: The byte a gather's segment holds before the call; randn values in the caches are never all of it.
@@ -81,7 +82,7 @@ def copy_with(
         for copy in ask(caches, range(len(caches)), connector.plan_many(slots, [(0, slots.numel())]), [chunk], 2):
             copy()
     elif api == "whole":
-        (connector.gather if direction == "gather" else connector.scatter)(caches, slots, chunk)
+        (gather_chunk if direction == "gather" else scatter_chunk)(connector, caches, slots, chunk)
     else:
         copy_layer = connector.gather_layer if direction == "gather" else connector.scatter_layer
         copy_layer(caches[-1], connector.plan(slots), chunk[-1])

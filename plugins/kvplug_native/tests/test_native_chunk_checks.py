@@ -19,6 +19,7 @@ from native_helpers import FORMATS, dense_bytes, make_caches, random_bytes, run_
 
 from kvplug import KVLayout, PagedFormat, TorchConnector
 from kvplug.errors import LayoutError
+from kvplug.testing import gather_chunk, scatter_chunk
 from kvplug_native import NativeConnector, NativeConnectorConfig
 
 FORMAT_IDS = [f.name.removeprefix("native_test_") for f in FORMATS]
@@ -77,13 +78,13 @@ def in_segment(makers: list[Callable[[torch.Tensor], torch.Tensor]], fill: str) 
 
 
 def copy_with(connector: NativeConnector, api: str, direction: str, layers: list, chunks: list) -> None:
-    """``copies``: the two chunks of one call (the second one bad); ``whole``: gather/scatter of one chunk of
+    """``copies``: the two chunks of one call (the second one bad); ``whole``: kvplug.testing.gather_chunk/scatter_chunk of one chunk of
     all 16 slots; ``layer``: gather_layer/scatter_layer of the last layer."""
     if api == "copies":
         ask = connector.gather_copies if direction == "gather" else connector.scatter_copies
         run_all(ask(layers, range(len(layers)), connector.plan_many(SLOTS, SPANS), chunks, 2))
     elif api == "whole":
-        (connector.gather if direction == "gather" else connector.scatter)(layers, SLOTS, chunks[0])
+        (gather_chunk if direction == "gather" else scatter_chunk)(connector, layers, SLOTS, chunks[0])
     else:
         copy_layer = connector.gather_layer if direction == "gather" else connector.scatter_layer
         copy_layer(layers[-1], connector.plan(SLOTS), chunks[0][-1])
