@@ -137,6 +137,8 @@ class EngineLoadsOnlyTheRightKV(RuleBasedStateMachine):
         path = files[pick % len(files)]
         data = bytearray(path.read_bytes())
         kv_bytes = CHUNK * LAYOUT.bytes_per_token()  # the payload is the record's tail
+        # A record shorter than one chunk's KV is the fingerprint manifest: any byte of it.
+        in_kv = in_kv and len(data) > kv_bytes
         position = len(data) - 1 - offset % kv_bytes if in_kv else offset % len(data)
         data[position] ^= flip
         path.write_bytes(bytes(data))
