@@ -32,8 +32,8 @@ from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry
 from kvplug.core.remote import call_budget, remaining_budget_s
 from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierContext, TierStats, tier_settings
-from kvplug.core.tier_slot import Items, TierSlot
-from kvplug.core.write_queue import WriteQueue
+from kvplug.core.tier_slot import TierSlot
+from kvplug.core.write_queue import Items, WriteQueue
 from kvplug.errors import TierOpenError
 
 

@@ -11,12 +11,10 @@ from typing import ParamSpec, TypeVar
 from kvplug.core.admission import AdmissionPolicy
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierStats
-from kvplug.core.write_queue import WriteQueue
+from kvplug.core.write_queue import Items, WriteQueue
 
 logger = logging.getLogger("kvplug.tiers")
 
-#: A batch of values to write: (key, value) pairs.
-Items = list[tuple[str, Buffer]]
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 

@@ -33,6 +33,7 @@ from kvplug.core.tier import Buffer
 
 logger = logging.getLogger("kvplug.tiers")
 
+#: A batch of values to write: (key, value) pairs.
 Items = list[tuple[str, Buffer]]
 
 
