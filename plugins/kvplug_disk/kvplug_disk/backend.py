@@ -2,9 +2,10 @@
 
 A :class:`kvplug.RecordBackend` that keeps the tier's ``max_bytes`` itself
 (``keeps_budget``): the folder's total lives in its ledger (:mod:`kvplug_disk.ledger`),
-and a write makes room, under the folder's lock, by unlinking the least recently used
-files this process knows of (:mod:`kvplug_disk.index`), listing the folder again when
-it knows of nothing more. What it unlinked goes to the tier through :meth:`take_evicted`.
+and a write makes room, under the folder's lock, by unlinking the files this process
+knows of in the order of its ``eviction`` policy (:mod:`kvplug_disk.index`), listing the
+folder again when it knows of nothing more. What it unlinked goes to the tier through
+:meth:`take_evicted`.
 
 - A write is a temp file (``write_threads`` at once, so fdatasyncs overlap), renamed
   over the record's name in the order given, then its folder is fsynced as a group
@@ -29,13 +30,13 @@ from typing import ClassVar
 from kvplug import Buffer, CallSizes, RecordBackend, RecordToWrite, StoredRecord
 from kvplug_disk.config import DiskTierConfig
 from kvplug_disk.files import ForeignEntryError, RecordFolder, TempFile, value_size_of
-from kvplug_disk.index import IndexEntry, LRUIndex
+from kvplug_disk.index import EvictionIndex, IndexEntry
 from kvplug_disk.ledger import Usage, UsageLedger
 from kvplug_disk.problems import ProblemLog, is_no_space, is_undeletable
 
 #: Longest a renamed record waits for its folder's fsync while puts keep coming (a busy queue).
 FOLDER_SYNC_INTERVAL_S = 1.0
-#: On a full disk, rounds of evicting this tier's oldest records (each twice the last) before a write gives up.
+#: On a full disk, rounds of evicting this tier's next victims (each twice the last) before a write gives up.
 NO_SPACE_ROUNDS = 4
 
 
@@ -60,7 +61,8 @@ class DiskBackend(RecordBackend):
         self._budget = int(config.max_bytes)
         self._problems = problems
         self._lock = threading.Lock()  # taken before the ledger's lock, never inside it
-        self._lru = LRUIndex()
+        self._eviction = config.eviction
+        self._order = EvictionIndex(config.eviction)
         self._counts = {"discovered": 0, "vanished": 0, "skipped_writes": 0}
         self._evicted: list[StoredRecord] = []
         self._dirty_folders: set[str] = set()
@@ -81,7 +83,7 @@ class DiskBackend(RecordBackend):
             self._startup_listing: list[StoredRecord] | None = [
                 StoredRecord(digest, size, mtime_ns / 1e9)
                 for digest, size, mtime_ns in scan.records
-                if digest in self._lru
+                if digest in self._order
             ]
         self._startup = {
             "startup_s": round(time.perf_counter() - started, 4),
@@ -132,8 +134,8 @@ class DiskBackend(RecordBackend):
             self._reconcile(digest, None if found is None else found[1])
             if found is None:
                 return None
-            self._lru.touch(digest)
-        self._folder.touch(digest)  # the mtime is the LRU order a restart rebuilds
+            self._order.touch(digest)
+        self._folder.touch(digest)  # the mtime is the order a restart rebuilds
         return found[0]
 
     async def peek(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
@@ -181,7 +183,8 @@ class DiskBackend(RecordBackend):
                 outcomes[i] = SkippedEntryError() if self._entry_failed("write", record.name, temp) else temp
                 continue
             with self._lock, self._ledger.locked() as usage:
-                self._lru.pop(record.name)  # replaced below; must not count against its own room
+                # Replaced below: it must not count against its own room, nor be evicted for it.
+                replaced = self._order.pop(record.name) is not None
                 value_size = record.value.nbytes
                 self._evict_for(usage, value_size)
                 growth = value_size - self._value_size_on_disk(record.name)
@@ -195,7 +198,9 @@ class DiskBackend(RecordBackend):
                     skipped = self._entry_failed("publish", record.name, exc, locked=True)
                     outcomes[i] = SkippedEntryError() if skipped else exc
                 else:
-                    self._lru.add(record.name, IndexEntry(value_size, record.size))
+                    self._order.add(record.name, IndexEntry(value_size, record.size))
+                    if replaced:  # storing a record again is a use of it
+                        self._order.touch(record.name)
             with self._folder_lock:
                 self._dirty_folders.add(self._folder.shard_of(record.name))
         if time.monotonic() - self._folders_synced_at >= FOLDER_SYNC_INTERVAL_S:
@@ -204,7 +209,7 @@ class DiskBackend(RecordBackend):
 
     def _write_temps(self, records: list[RecordToWrite]) -> list[TempFile | OSError]:
         """The temp files of ``records`` (or why one failed), up to ``write_threads`` written
-        at once. Their mtimes (the LRU order a restart rebuilds) follow the order of
+        at once. Their mtimes (the order a restart rebuilds) follow the order of
         ``records``, whichever finishes first."""
         start = time.time_ns()
         stamps = range(start, start + len(records))
@@ -219,7 +224,7 @@ class DiskBackend(RecordBackend):
             return exc
 
     def _write_temp(self, record: RecordToWrite, mtime_ns: int) -> TempFile:
-        """Write the temp file; on a full disk, evict this process's oldest records and retry."""
+        """Write the temp file; on a full disk, evict this process's next victims and retry."""
         needed = record.size + 64 * 1024  # + blocks, metadata
         for attempt in range(NO_SPACE_ROUNDS + 1):
             try:
@@ -228,7 +233,7 @@ class DiskBackend(RecordBackend):
                 if not is_no_space(exc) or attempt == NO_SPACE_ROUNDS:
                     raise
                 with self._lock, self._ledger.locked() as usage:
-                    victims = self._lru.pop_oldest(needed << attempt)
+                    victims = self._order.pop_victims(needed << attempt)
                     self._remove_victims(usage, victims)
                     self._problems.counts["enospc_evictions"] += len(victims)
                 if not victims:  # nothing of ours left to make room with
@@ -243,13 +248,13 @@ class DiskBackend(RecordBackend):
     # --- the folder's budget --------------------------------------------------------
 
     def _evict_for(self, usage: Usage, incoming: int) -> None:
-        """Unlink least recently used files until ``incoming`` bytes fit in the folder's
+        """Unlink files in eviction order until ``incoming`` bytes fit in the folder's
         budget. Called with both locks held, so no write of the same digest, here or in
         another process, can slip in between. When this process knows of nothing more
         to evict, it lists the folder again: the rest of the total is other processes' records."""
         rescanned = False
         while usage.total + incoming > self._budget:
-            victims = self._lru.pop_oldest(1)
+            victims = self._order.pop_victims(1)
             if not victims:
                 if rescanned:
                     break
@@ -288,14 +293,14 @@ class DiskBackend(RecordBackend):
         return 0 if stat is None else value_size_of(stat.st_size)
 
     def _rebuild(self, usage: Usage, records: list[tuple[str, int, int]]) -> None:
-        """Order every record of a folder listing, oldest first (by mtime); the folder's
-        total becomes the listing's."""
+        """Order every record of a folder listing as cold entries, the oldest (by mtime) the
+        first to leave; the folder's total becomes the listing's."""
         records.sort(key=lambda record: record[2])
-        self._lru = LRUIndex()
-        for digest, file_size, _ in records:
+        self._order = EvictionIndex(self._eviction)
+        for digest, file_size, _ in reversed(records):  # each cold entry goes before the others
             if not self._skipped(digest):
-                self._lru.add_new(digest, IndexEntry(value_size_of(file_size), file_size))
-        usage.total = self._lru.value_bytes
+                self._order.add_cold(digest, IndexEntry(value_size_of(file_size), file_size))
+        usage.total = self._order.value_bytes
 
     async def delete(self, names: Sequence[str]) -> list[bool]:
         return self._delete(names)
@@ -304,7 +309,7 @@ class DiskBackend(RecordBackend):
         with self._lock, self._ledger.locked() as usage:
             existed = []
             for digest in names:
-                self._lru.pop(digest)
+                self._order.pop(digest)
                 existed.append(self._unlink_record(usage, digest, "remove"))
             return existed
 
@@ -342,7 +347,8 @@ class DiskBackend(RecordBackend):
                 **self._counts,
                 **self._problems.counts,
                 **self._startup,
-                "file_bytes": self._lru.file_bytes,
+                "file_bytes": self._order.file_bytes,
+                "eviction": self._eviction,
                 "folder_bytes": self._ledger.peek(),
                 "folder_budget_shared": int(self._ledger.shared),
                 "path": self.where,
@@ -352,15 +358,15 @@ class DiskBackend(RecordBackend):
 
     def _reconcile(self, digest: str, stat: os.stat_result | None) -> None:
         """Make the eviction order agree with what the file system just said (lock held)."""
-        entry = self._lru.get(digest)
+        entry = self._order.get(digest)
         if stat is None:
             if entry is not None:
-                self._lru.pop(digest)
+                self._order.pop(digest)
                 self._counts["vanished"] += 1
         elif entry is None or entry.file_size != stat.st_size:
             if entry is None:
                 self._counts["discovered"] += 1
-            self._lru.add(digest, IndexEntry(value_size_of(stat.st_size), stat.st_size))
+            self._order.add(digest, IndexEntry(value_size_of(stat.st_size), stat.st_size))
 
     def _skipped(self, digest: str) -> bool:
         return self._problems.is_skipped(digest) or self._problems.is_skipped(digest[:2])
@@ -379,10 +385,10 @@ class DiskBackend(RecordBackend):
             self._problems.error(op, digest, exc, warn=warn)
             return False
         if locked:
-            self._lru.pop(digest)
+            self._order.pop(digest)
         else:
             with self._lock:
-                self._lru.pop(digest)
+                self._order.pop(digest)
         if not warn:
             self._problems.error(op, digest, exc, warn=False)
         return True

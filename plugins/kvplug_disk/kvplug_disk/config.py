@@ -15,11 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar
 
 from pydantic import ByteSize, Field, field_validator
 
-from kvplug import Bounded, OldQueueKey, QueueSettings, RecordTierConfig, ThreadCount, TimeoutSeconds
+from kvplug import (
+    Bounded,
+    EvictionName,
+    OldQueueKey,
+    QueueSettings,
+    RecordTierConfig,
+    ThreadCount,
+    TimeoutSeconds,
+)
 
 
 class DiskTierConfig(RecordTierConfig):
@@ -59,10 +67,13 @@ class DiskTierConfig(RecordTierConfig):
         default=600.0, description="Deadline of one call (a put's records, a get's reads) on the folder."
     )
     retries: int = Field(default=0, ge=0, le=10, description="Retries after a failed call (file errors are not).")
-    eviction: Literal["lru"] = Field(
+    eviction: EvictionName = Field(
         default="lru",
-        description="Which records max_bytes deletes first: lru, by the folder's own order (file mtimes, "
-        "which writes and hits set) over every process sharing it.",
+        description="Which records max_bytes deletes first: lru (least recently used) or s3fifo "
+        "(scan-resistant: a record read at least twice outlives a scan of one-off prompts; Yang et al., "
+        "SOSP 2023). The order is each process's own, over the records it knows: at start every record "
+        "listed enters cold, oldest file mtime first to leave (writes and hits set mtimes); then its own "
+        "writes and hits. The budget stays one for the folder, shared by every process using it.",
     )
     write_threads: ThreadCount = Field(
         default=4,

@@ -1,19 +1,23 @@
-"""The eviction order of tier ``disk``'s folder budget: record files, sizes, LRU order.
+"""The eviction order of tier ``disk``'s folder budget: record files, sizes, and a policy.
 
 The disk backend keeps the ``max_bytes`` of the whole folder itself (see
 :mod:`kvplug_disk.ledger`), so it needs the order of the files it may evict, which
-the record tier's own index (keys, sizes for ``stats()``) does not give. Rebuilt from
-the folder at start (order by mtime: writes and hits set it), kept up to date by this
-process's writes and reads, corrected whenever the file system disagrees (a file
-another process wrote or evicted), and rebuilt when it has nothing left to evict while
-the folder is over budget. Not thread-safe: the backend holds its lock around every call.
+the record tier's own index (keys, sizes for ``stats()``) does not give. That order is
+the tier's ``eviction`` policy (:class:`kvplug.EvictionPolicy`: ``lru`` or ``s3fifo``),
+over file sizes (what an eviction frees). It is this process's own: rebuilt from the
+folder at start, where every record enters cold, oldest mtime first to leave (writes
+and hits set mtimes), kept up to date by this process's writes and reads, corrected
+whenever the file system disagrees (a file another process wrote or evicted), and
+rebuilt when it has nothing left to evict while the folder is over budget. Not
+thread-safe: the backend holds its lock around every call.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from kvplug import EvictionName, make_eviction_policy
 
 
 @dataclass(slots=True)
@@ -24,11 +28,14 @@ class IndexEntry:
     file_size: int
 
 
-class LRUIndex:
-    """Record digests, least recently used first, with exact byte totals."""
+class EvictionIndex:
+    """Record digests in the order of an eviction policy, with exact byte totals."""
 
-    def __init__(self) -> None:
-        self._entries: OrderedDict[str, IndexEntry] = OrderedDict()
+    def __init__(self, eviction: EvictionName = "lru") -> None:
+        self.eviction: EvictionName = eviction
+        self._entries: dict[str, IndexEntry] = {}
+        # Holds exactly the digests of _entries, each with its file size.
+        self._policy = make_eviction_policy(eviction)
         self.value_bytes = 0
         self.file_bytes = 0
 
@@ -42,40 +49,47 @@ class LRUIndex:
         return self._entries.get(digest)
 
     def add(self, digest: str, entry: IndexEntry) -> None:
-        """Insert or replace as the most recently used."""
-        self.pop(digest)
-        self._entries[digest] = entry
-        self.value_bytes += entry.value_size
-        self.file_bytes += entry.file_size
+        """Insert, or replace as a use of it (``lru``: now the most recently used)."""
+        old = self._entries.get(digest)
+        if old is not None:
+            self.value_bytes -= old.value_size
+            self.file_bytes -= old.file_size
+        self._store(digest, entry)
+        self._policy.inserted(digest, entry.file_size)
 
-    def add_new(self, digest: str, entry: IndexEntry) -> None:
-        """Append an entry known to be absent (start-up: skips ``add``'s lookup)."""
-        self._entries[digest] = entry
-        self.value_bytes += entry.value_size
-        self.file_bytes += entry.file_size
+    def add_cold(self, digest: str, entry: IndexEntry) -> None:
+        """Insert an entry known to be absent, found by a listing rather than stored: it
+        goes before every entry held (start-up: add the newest first)."""
+        self._store(digest, entry)
+        self._policy.inserted(digest, entry.file_size, cold=True)
 
     def touch(self, digest: str) -> None:
-        if digest in self._entries:
-            self._entries.move_to_end(digest)
+        """A hit on ``digest`` (ignored when not held)."""
+        self._policy.accessed(digest)
 
     def pop(self, digest: str) -> IndexEntry | None:
         entry = self._entries.pop(digest, None)
         if entry is not None:
+            self._policy.removed(digest)
             self.value_bytes -= entry.value_size
             self.file_bytes -= entry.file_size
         return entry
 
-    def pop_oldest(self, file_bytes: int) -> list[tuple[str, IndexEntry]]:
-        """Remove least recently used entries until their files add up to ``file_bytes``."""
+    def pop_victims(self, file_bytes: int) -> list[tuple[str, IndexEntry]]:
+        """Remove entries in eviction order until their files add up to ``file_bytes``."""
         victims = []
-        freed = 0
-        while self._entries and freed < file_bytes:
-            digest, entry = self._entries.popitem(last=False)
+        for digest, _ in self._policy.victims(file_bytes):
+            entry = self._entries.pop(digest)
             self.value_bytes -= entry.value_size
             self.file_bytes -= entry.file_size
-            freed += entry.file_size
             victims.append((digest, entry))
         return victims
 
     def items(self) -> Iterator[tuple[str, IndexEntry]]:
+        """Every entry (a copy, in no particular order)."""
         return iter(list(self._entries.items()))
+
+    def _store(self, digest: str, entry: IndexEntry) -> None:
+        self._entries[digest] = entry
+        self.value_bytes += entry.value_size
+        self.file_bytes += entry.file_size

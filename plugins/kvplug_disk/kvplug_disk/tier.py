@@ -1,4 +1,5 @@
-"""Tier ``disk``: one crash-safe record file per key in a folder, LRU within a byte budget.
+"""Tier ``disk``: one crash-safe record file per key in a folder, within a byte budget
+kept in the order of its ``eviction`` policy (``lru`` or ``s3fifo``).
 
 A :class:`kvplug.RecordTier`: the base frames and verifies every record (a bad file is
 a miss, counted as ``extra["corrupt"]``, and removed), counts, reports events and
