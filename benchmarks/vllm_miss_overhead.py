@@ -41,7 +41,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,17 +71,31 @@ class Server:
         _wait_healthy(self.url, time.monotonic() + 60)
 
 
+#: The server options of the miss-overhead pairs: every prompt is computed (or loaded from kvplug).
+MISS_OPTIONS = ("--no-enable-prefix-caching", "--max-num-seqs", "4")
+
+
 @contextmanager
 def openai_server(
-    model: str, workdir: Path, name: str, kv: dict[str, Any] | None, max_model_len: int
+    model: str,
+    workdir: Path,
+    name: str,
+    kv: dict[str, Any] | None,
+    max_model_len: int,
+    options: Sequence[str] = MISS_OPTIONS,
+    env_extra: Mapping[str, str] | None = None,
 ) -> Iterator[Server]:
-    """A vLLM OpenAI server on 127.0.0.1 (own process group, SIGKILLed on exit)."""
+    """A vLLM OpenAI server on 127.0.0.1 (own process group, SIGKILLed on exit).
+
+    ``options``: more server arguments (bench_serving.py's keep prefix caching on);
+    ``env_extra``: more environment variables, set over the ones below.
+    """
     port = _free_port()
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
         "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
-        "--no-enable-prefix-caching", "--max-num-seqs", "4",
+        *options,
     ]  # fmt: skip
     if kv is not None:
         args += ["--kv-transfer-config", json.dumps(kv)]
@@ -97,6 +111,7 @@ def openai_server(
         "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1"),
         # vLLM's internal message queue: on loopback, not the host's outward-facing address.
         "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1"),
+        **(env_extra or {}),
     }
     log_path = workdir / f"{name}.log"
     with log_path.open("w") as log:
