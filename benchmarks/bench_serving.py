@@ -4,8 +4,9 @@ Each configuration is its own OpenAI server on 127.0.0.1 (``vllm_miss_overhead.o
 started once per workload and warmed up with one request; requests go to one server at a
 time, the others stopped (SIGSTOP of their process groups). Every server has prefix caching
 on, the same ``--num-gpu-blocks-override`` (by default a third of the workload's distinct
-context, so vLLM's own cache is under pressure; ``--no-pressure``: room for all of it) and the
-same ``VLLM_CPU_NUM_OF_RESERVED_CPU``. Configurations:
+context, at least room for the requests in flight, so vLLM's own cache is under pressure;
+``--no-pressure``: room for all of it) and the same ``VLLM_CPU_NUM_OF_RESERVED_CPU``.
+Configurations:
 
 * ``A`` vLLM alone; ``A2`` a second one (the A/A control: how far apart two servers are);
 * ``B`` kvplug, a cpu tier holding everything; ``C`` kvplug, a small cpu tier (a quarter
@@ -68,7 +69,7 @@ from vllm_miss_overhead import Server, _free_port, openai_server
 
 CHUNK_SIZE = 256
 BLOCK_SIZE = 32  # vLLM CPU attention: a multiple of 32
-#: The issue's model: BENCH_SPEC with 3 layers (a 3000-token prefill takes about 2 s on 2 cores).
+#: The issue's model: BENCH_SPEC with 3 layers (about 500 prefill tokens/s on the 2-core VM under load).
 SPEC = dataclasses.replace(BENCH_SPEC, num_hidden_layers=3)
 KV_BYTES_PER_TOKEN = SPEC.num_hidden_layers * 2 * SPEC.num_key_value_heads * SPEC.head_dim * 2
 QUICK = Sizes(users=4, system=128, document=512, rounds=2, question=16, answer=4, concurrency=2,
@@ -115,16 +116,17 @@ def max_model_len(workload: Workload) -> int:
     return workload.longest_prompt + workload.max_tokens + BLOCK_SIZE
 
 
-def blocks_for(workload: Workload, pressure: bool, override: int | None) -> int:
-    """vLLM's KV cache in blocks: a third of the distinct context (at least one longest request)."""
+def blocks_for(workload: Workload, concurrency: int, pressure: bool, override: int | None) -> int:
+    """vLLM's KV cache in blocks: a third of the distinct context, and at least room for the
+    requests in flight (else vLLM runs fewer at once and the run measures its queue)."""
     longest = math.ceil(max_model_len(workload) / BLOCK_SIZE) + 1
     if override is not None:
         return max(override, longest)
     context = math.ceil(workload.distinct_tokens / BLOCK_SIZE)
     if not pressure:  # everything, scans and the requests in flight included
         scans = sum(r.scan for r in workload.requests) * longest
-        return context + scans + 8 * longest
-    return max(context // 3, longest)
+        return context + scans + concurrency * longest
+    return max(context // 3, concurrency * longest)
 
 
 #: Series read from vLLM's ``/metrics`` and from the worker's kvplug endpoint (``kvplug.metrics_port``:
@@ -216,10 +218,10 @@ def run_phase(
     """Start one server per configuration, play ``reps`` interleaved repetitions, return the figures."""
     workloads = [build(f"rep{rep}") for rep in range(reps)]
     first = workloads[0]
-    blocks = blocks_for(first, not args.no_pressure, args.blocks)
+    blocks = blocks_for(first, args.concurrency, not args.no_pressure, args.blocks)
     print(f"\n== {first.name}: {len(first.requests)} requests, {first.distinct_tokens} distinct context tokens "
           f"({math.ceil(first.distinct_tokens / BLOCK_SIZE)} blocks of {BLOCK_SIZE}); vLLM's KV cache: {blocks} blocks "
-          f"({'no pressure' if args.no_pressure else 'a third of the context'}); configs {configs}, {reps} reps", file=out, flush=True)  # fmt: skip
+          f"({'no pressure' if args.no_pressure else 'a third of the context, at least room for the requests in flight'}); configs {configs}, {reps} reps", file=out, flush=True)  # fmt: skip
     options = ["--max-num-seqs", str(args.concurrency), "--num-gpu-blocks-override", str(blocks),
                "--block-size", str(BLOCK_SIZE), "--enable-prompt-tokens-details", "--enable-per-request-metrics"]  # fmt: skip
     max_len = max_model_len(first)
