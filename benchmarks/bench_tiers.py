@@ -12,6 +12,10 @@ section's figures as one JSON object, the last line of stdout.
   and raw ``open + read`` of the same values in the same folder; reads both hot (page
   cache) and cold (pages dropped with posix_fadvise DONTNEED, file by file, so no
   global cache drop is needed). Goal: tier >= 90% of raw at 8 MiB.
+- ``shm``: tier ``shm`` get (records mapped, verified over the mapping) and get + copy
+  into a destination, next to memcpy of the same bytes, and tier ``disk`` on the same
+  tmpfs, in a scratch folder under ``--shm-dir`` (``benchmarks/bench_shm_tier.py``).
+  Goal: shm get + copy >= 70% of memcpy.
 - ``startup``: a disk tier's index rebuild over ``--index-files`` small records,
   next to a bare scandir + stat of the same tree (the least any rebuild must do).
 - Remote stores, each next to its raw client on the same server in the same run, put
@@ -253,11 +257,12 @@ def run_startup(args: argparse.Namespace) -> dict[str, Any]:
 
 #: Section name -> module in benchmarks/ with ``run(args) -> dict`` (prints its own table).
 REMOTE_SECTIONS = {"s3": "bench_s3_tier", "valkey": "bench_valkey_tier", "mooncake": "bench_mooncake_tier"}
+MODULE_SECTIONS = {"shm": "bench_shm_tier", **REMOTE_SECTIONS}
 
 
 def run_remote(name: str, args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).parent))
-    module_name = REMOTE_SECTIONS[name]
+    module_name = MODULE_SECTIONS[name]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -275,7 +280,7 @@ def _remote_section(name: str) -> Callable[[argparse.Namespace], dict[str, Any]]
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "disk": run_disk,
     "startup": run_startup,
-    **{name: _remote_section(name) for name in REMOTE_SECTIONS},
+    **{name: _remote_section(name) for name in MODULE_SECTIONS},
 }
 
 
@@ -288,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--index-files", type=int, default=100_000)
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"of {', '.join(SECTIONS)}")
+    parser.add_argument("--shm-dir", default="/dev/shm", help="shm section: parent of its scratch folder")
     parser.add_argument("--servers", default="moto,seaweedfs", help="s3 section: S3 servers to start")
     parser.add_argument("--json", action="store_true", help="tables on stderr; one JSON object as stdout's last line")
     args = parser.parse_args(argv)

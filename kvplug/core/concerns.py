@@ -82,7 +82,12 @@ CONCERNS: tuple[Concern, ...] = (
         config_field="tiers",
         many=True,
         known=_known(
-            cpu="kvplug-cpu", disk="kvplug-disk", s3="kvplug-s3", valkey="kvplug-valkey", mooncake="kvplug-mooncake"
+            cpu="kvplug-cpu",
+            disk="kvplug-disk",
+            shm="kvplug-disk",
+            s3="kvplug-s3",
+            valkey="kvplug-valkey",
+            mooncake="kvplug-mooncake",
         ),
     ),
     Concern(

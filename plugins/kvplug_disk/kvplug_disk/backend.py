@@ -122,11 +122,15 @@ class DiskBackend(RecordBackend):
     def _read(self, names: Sequence[str]) -> list[Buffer | None]:
         return [self._read_one(digest) for digest in names]
 
-    def _read_one(self, digest: str) -> bytes | None:
+    def _load(self, digest: str) -> tuple[Buffer, os.stat_result] | None:
+        """A record's bytes and its stat (``None``: no such file); raises ``OSError``."""
+        return self._folder.read(digest)
+
+    def _read_one(self, digest: str) -> Buffer | None:
         if self._skipped(digest):
             return None
         try:
-            found = self._folder.read(digest)
+            found = self._load(digest)
         except OSError as exc:
             self._entry_failed("read", digest, exc)
             return None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import ByteSize, Field, field_validator
 
@@ -91,3 +91,27 @@ class DiskTierConfig(RecordTierConfig):
     @classmethod
     def _absolute_path(cls, path: Path) -> Path:
         return path.expanduser().absolute()
+
+
+#: Where tier ``shm`` keeps its records unless told otherwise: tmpfs on every Linux host.
+DEFAULT_SHM_PATH = Path("/dev/shm/kvplug")
+
+
+class ShmTierConfig(DiskTierConfig):
+    """Options of tier ``shm``: a disk tier's folder in shared memory, read by mapping."""
+
+    path: Path = Field(
+        default=DEFAULT_SHM_PATH,
+        description="Folder of the cache on tmpfs (or ramfs), created if missing; every process on the host "
+        "that names it shares it. Elsewhere the tier warns once at start and still works.",
+    )
+    fsync: Literal[False] = Field(
+        default=False,
+        description="Always off: tmpfs has nothing to sync to (a record is still written to a temp file and "
+        "renamed into place, so a killed writer never leaves a torn record).",
+    )
+    write_threads: ThreadCount = Field(
+        default=1,
+        description="Records of one put written at once (1: one at a time; with no fdatasync to wait for, "
+        "more threads only help on hosts with idle cores).",
+    )

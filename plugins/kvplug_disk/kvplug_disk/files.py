@@ -236,7 +236,25 @@ class RecordFolder:
     # --- reading --------------------------------------------------------------------
 
     def read(self, digest: str) -> tuple[bytes, os.stat_result] | None:
-        """The whole file and its stat, or ``None`` when there is no such file.
+        """The whole file and its stat, or ``None`` when there is no such file."""
+        opened = self.open_record(digest)
+        if opened is None:
+            return None
+        fd, stat = opened
+        try:
+            data = os.read(fd, stat.st_size)  # one allocation, no zero-fill
+            while len(data) < stat.st_size:  # short reads happen on some file systems
+                more = os.read(fd, stat.st_size - len(data))
+                if not more:
+                    break
+                data += more
+            return data, stat
+        finally:
+            os.close(fd)
+
+    def open_record(self, digest: str) -> tuple[int, os.stat_result] | None:
+        """A read-only descriptor of the record file (the caller closes it) and its
+        stat, or ``None`` when there is no such file.
 
         Raises :class:`ForeignEntryError` for anything but a regular file (opened
         non-blocking, so a FIFO planted there cannot hang the reader)."""
@@ -259,15 +277,10 @@ class RecordFolder:
             stat = os.fstat(fd)
             if not S_ISREG(stat.st_mode):
                 raise ForeignEntryError(errno.EISDIR, f"{self.path_of(digest)} is not a regular file", digest)
-            data = os.read(fd, stat.st_size)  # one allocation, no zero-fill
-            while len(data) < stat.st_size:  # short reads happen on some file systems
-                more = os.read(fd, stat.st_size - len(data))
-                if not more:
-                    break
-                data += more
-            return data, stat
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        return fd, stat
 
     def stat(self, digest: str) -> os.stat_result | None:
         """The record file's stat (never through a link), ``None`` if absent; raises

@@ -29,7 +29,7 @@ import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from kvplug import RecordBackend, RecordTier, TierContext
+from kvplug import Medium, RecordBackend, RecordTier, TierContext
 from kvplug.errors import TierClosedError
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.config import DiskTierConfig
@@ -42,8 +42,10 @@ class DiskTier(RecordTier):
     """Byte buffers as verified record files in a folder shared by any number of processes."""
 
     name = "disk"
-    medium = "disk"
+    medium: ClassVar[Medium] = "disk"
     Config: ClassVar[type[DiskTierConfig]] = DiskTierConfig
+    #: The store under the tier; tier ``shm`` maps its records instead of reading them.
+    backend_class: ClassVar[type[DiskBackend]] = DiskBackend
 
     @classmethod
     def location_config(cls, location: str, options: Mapping[str, Any]) -> DiskTierConfig | None:
@@ -58,7 +60,7 @@ class DiskTier(RecordTier):
     def __init__(self, config: DiskTierConfig, context: TierContext) -> None:
         # Opened before the base, so that a folder that cannot be made raises its own
         # OSError (which names the path) rather than the base's wrapped TierError.
-        self._disk = DiskBackend(config, ProblemLog(context.logger, _error_counter(context)))
+        self._disk = self.backend_class(config, ProblemLog(context.logger, _error_counter(context, self.name)))
         try:
             super().__init__(config, context)
         except BaseException:
@@ -76,11 +78,11 @@ class DiskTier(RecordTier):
             self.flush()
 
 
-def _error_counter(context: TierContext) -> Callable[[str], None] | None:
+def _error_counter(context: TierContext, tier: str) -> Callable[[str], None] | None:
     """Errors of writes reach the engine's ``kvplug_tier_errors`` counter
     (the tier chain counts only calls that raise, and failed writes are counted, not raised)."""
     metrics = getattr(context, "metrics", None)
     if metrics is None:
         return None
-    label = f"{context.tier_index}:disk"
+    label = f"{context.tier_index}:{tier}"
     return lambda op: metrics.tier_errors.labels(label, op).inc()

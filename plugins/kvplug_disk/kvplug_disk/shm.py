@@ -1,0 +1,140 @@
+"""Tier ``shm``: the disk tier's folder in shared memory (tmpfs), read by mapping records.
+
+Several engine processes on one host that name the same folder (``/dev/shm/kvplug`` by
+default) share one cache at memory speed, with no daemon: the folder is the store. All
+of the disk tier's machinery is reused as it is (:class:`~kvplug_disk.tier.DiskTier`,
+:class:`~kvplug_disk.backend.DiskBackend`): one record file per key, written to a temp
+file and renamed into place (a killed writer leaves a temp file, never a torn record;
+stale temps are removed at start), one byte budget for the folder across processes
+(:mod:`kvplug_disk.ledger`), ``eviction: lru|s3fifo``, a ``stat`` per key for lookups.
+Two things differ:
+
+- Nothing is fsynced (``fsync`` is always off): tmpfs has no disk behind it, and the
+  rename alone is what makes a record whole or absent.
+- A read maps the record file read-only (``mmap``, ``MAP_POPULATE``) and returns a
+  memoryview over the mapping, not a copy: the record base verifies the record's
+  checksum over the mapping (:func:`kvplug.unpack_record` returns a view, no copy) and
+  the connector scatters from the same pages into the engine's KV cache.
+
+Why a reader never sees the bytes of a mapped record change: the tier never writes a
+record file in place. A record is written once, as a temp file, then renamed over the
+final name, which points the name at a new inode; eviction and removal unlink the
+name. A mapping holds its inode, so a reader keeps the old, whole bytes until it drops
+the buffer (tmpfs frees the pages of an unlinked file when its last mapping goes). Only
+a process that truncates or rewrites a record file in place (not kvplug; something else
+with write access to the folder) could change or cut mapped bytes: a cut makes the
+reader's next touch of those pages fail with SIGBUS. See docs/security.md for who may
+write the folder.
+
+A mapping lives as long as any view of it: a value promoted from here into the ``cpu``
+tier (which keeps the buffer it is given) keeps its tmpfs pages after this tier evicts
+the record, until the cpu tier drops it. When the kernel refuses a mapping
+(``vm.max_map_count``), the record is read into memory instead, counted as
+``extra["map_fallbacks"]``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+from kvplug import Buffer, Medium, TierContext
+from kvplug_disk.backend import DiskBackend
+from kvplug_disk.config import DiskTierConfig, ShmTierConfig
+from kvplug_disk.problems import ProblemLog
+from kvplug_disk.tier import DiskTier
+
+#: File systems that keep files in memory: a mapping of them is a mapping of RAM.
+MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})
+# Pages are mapped in one call instead of one fault per 4 KiB page on first touch.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+class ShmBackend(DiskBackend):
+    """A :class:`DiskBackend` whose reads map the record files instead of copying them."""
+
+    def __init__(self, config: DiskTierConfig, problems: ProblemLog) -> None:
+        super().__init__(config, problems)
+        self._counts["map_fallbacks"] = 0
+        self.file_system = file_system_of(config.path)
+
+    def _load(self, digest: str) -> tuple[Buffer, os.stat_result] | None:
+        opened = self._folder.open_record(digest)
+        if opened is None:
+            return None
+        fd, stat = opened
+        try:
+            return map_record(fd, stat.st_size), stat
+        except OSError:  # no mapping to be had (vm.max_map_count, memory): read it into memory
+            with self._lock:
+                self._counts["map_fallbacks"] += 1
+            return self._folder.read(digest)
+        finally:
+            os.close(fd)  # a mapping outlives the descriptor it was made from
+
+    def describe(self) -> dict[str, int | float | str]:
+        return {**super().describe(), "file_system": self.file_system}
+
+
+class ShmTier(DiskTier):
+    """Byte buffers as records in a shared-memory folder, mapped on read (see the module docstring)."""
+
+    name = "shm"
+    medium: ClassVar[Medium] = "memory"
+    Config: ClassVar[type[DiskTierConfig]] = ShmTierConfig
+    backend_class: ClassVar[type[DiskBackend]] = ShmBackend
+
+    @classmethod
+    def location_config(cls, location: str, options: Mapping[str, Any]) -> DiskTierConfig | None:
+        """None: ``kvplug store`` opens an shm folder as tier ``disk`` does (the same files)."""
+        return None
+
+    def __init__(self, config: DiskTierConfig, context: TierContext) -> None:
+        super().__init__(config, context)
+        found = self.file_system
+        if found not in MEMORY_FILE_SYSTEMS:
+            context.logger.warning(
+                "tier shm: %s is on file system %s, not tmpfs or ramfs: records are files there, "
+                "read at that file system's speed (it works, without fsync)",
+                config.path,
+                found,
+            )
+
+    @property
+    def file_system(self) -> str:
+        """The type of the file system holding the folder (``tmpfs``, ``ext4``, ``unknown``)."""
+        backend = self._disk
+        return backend.file_system if isinstance(backend, ShmBackend) else "unknown"
+
+
+def map_record(fd: int, size: int) -> memoryview:
+    """A read-only view of the first ``size`` bytes of the file open as ``fd``, over a
+    shared mapping of it (the mapping is unmapped when the last view of it is released)."""
+    if size == 0:  # mmap refuses empty files; an empty record is corrupt anyway
+        return memoryview(b"")
+    return memoryview(mmap.mmap(fd, size, flags=_MAP_FLAGS, prot=mmap.PROT_READ))
+
+
+def file_system_of(path: Path, mounts: str = "/proc/self/mounts") -> str:
+    """The type of the file system mounted where ``path`` lives (its deepest mount
+    point), from ``mounts``; ``unknown`` where that cannot be read."""
+    target = os.path.realpath(path)
+    found, depth = "unknown", -1
+    try:
+        with open(mounts, encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), fields[1])
+                inside = target == point or target.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= depth:  # a later mount over the same point hides earlier ones
+                    found, depth = fields[2], len(point)
+    except OSError:
+        return "unknown"
+    return found

@@ -1,0 +1,136 @@
+"""Tier ``shm`` against the storage contract, plus what is specific to it: reads are
+views of mapped record files, nothing is fsynced, the file system is checked."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from kvplug import RECORD_HEADER_SIZE, get_registry
+from kvplug.testing import StorageTierContract, key_for, tier_context, value_for
+from kvplug_disk import ShmTier
+from kvplug_disk.config import DEFAULT_SHM_PATH
+from kvplug_disk.shm import file_system_of
+
+
+def make_shm_tier(path: Path, max_bytes: int | None = None, **options: object) -> ShmTier:
+    if max_bytes is not None:
+        options["max_bytes"] = max_bytes
+    return ShmTier(ShmTier.Config(path=path, **options), tier_context())
+
+
+class TestShmTierContract(StorageTierContract):
+    large_value_bytes = 8 * 1024 * 1024
+    concurrency_seconds = 1.0
+
+    @pytest.fixture
+    def make_tier(self, shm_dir: Path):
+        return lambda max_bytes=None: make_shm_tier(shm_dir / "cache", max_bytes)
+
+
+def test_a_read_is_a_view_of_the_mapped_record_not_a_copy(shm_dir: Path) -> None:
+    size = 4 * 1024 * 1024
+    tier = make_shm_tier(shm_dir)
+    try:
+        tier.put([(key_for("big"), value_for("big", size))])
+        tracemalloc.start()
+        try:
+            (value,) = tier.get([key_for("big")])
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert isinstance(value, memoryview) and value.readonly
+        assert isinstance(value.obj, mmap.mmap), f"the value is over a {type(value.obj).__name__}, not a mapping"
+        assert peak < size // 8, f"get allocated {peak} bytes for a {size}-byte value: a copy"
+        assert value == value_for("big", size)
+        assert tier.stats().extra["map_fallbacks"] == 0
+    finally:
+        tier.close()
+
+
+def test_the_checksum_is_verified_over_the_mapping(shm_dir: Path) -> None:
+    """A record whose bytes changed on tmpfs is a miss, counted as corrupt and removed."""
+    tier = make_shm_tier(shm_dir)
+    try:
+        tier.put([(key_for("x"), value_for("x", 10_000))])
+        (record,) = shm_dir.glob("*/*.kvr")
+        data = bytearray(record.read_bytes())
+        data[RECORD_HEADER_SIZE + 5000] ^= 0xFF
+        record.write_bytes(data)  # in place, as only something other than kvplug would
+        assert tier.get([key_for("x")]) == [None]
+        assert tier.stats().extra["corrupt"] == 1 and not record.exists()
+    finally:
+        tier.close()
+
+
+def test_tier_shm_is_registered_and_declares_host_memory() -> None:
+    assert get_registry().storage_tiers()["shm"] is ShmTier
+    assert ShmTier.medium == "memory" and not ShmTier.trusted_reads and not ShmTier.keeps_buffers
+
+
+def test_defaults_are_dev_shm_and_no_fsync() -> None:
+    config = ShmTier.Config()
+    assert config.path == DEFAULT_SHM_PATH == Path("/dev/shm/kvplug")
+    assert config.fsync is False and config.write_threads == 1
+    with pytest.raises(ValidationError, match="fsync"):
+        ShmTier.Config(fsync=True)
+
+
+def test_no_fsync_is_called(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    synced: list[int] = []
+    for name in ("fsync", "fdatasync"):
+        if hasattr(os, name):
+            real = getattr(os, name)
+            monkeypatch.setattr(os, name, lambda fd, real=real: synced.append(fd) or real(fd))
+    tier = make_shm_tier(shm_dir)
+    try:
+        tier.put([(key_for(f"k{i}"), value_for(f"k{i}", 1000)) for i in range(20)])
+        tier.flush()
+    finally:
+        tier.close()
+    assert synced == []
+    assert len(list(shm_dir.glob("*/*.kvr"))) == 20 and not list(shm_dir.glob("*/*.tmp"))
+
+
+def test_the_file_system_of_a_path_is_its_deepest_mount(tmp_path: Path) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "overlay / overlay rw 0 0\n"
+        "tmpfs /dev/shm tmpfs rw 0 0\n"
+        "/dev/sda1 /dev/shm/disk\\040dir ext4 rw 0 0\n"  # a space in a mount point is escaped
+        "tmpfs /mnt/over ext4 rw 0 0\n"
+        "tmpfs /mnt/over ramfs rw 0 0\n"  # mounted over the last: it is what a path there reaches
+    )
+    assert file_system_of(Path("/dev/shm/kvplug"), str(mounts)) == "tmpfs"
+    assert file_system_of(Path("/dev/shm/disk dir/x"), str(mounts)) == "ext4"
+    assert file_system_of(Path("/dev/shmx"), str(mounts)) == "overlay"
+    assert file_system_of(Path("/mnt/over/a"), str(mounts)) == "ramfs"
+    assert file_system_of(Path("/x"), str(tmp_path / "absent")) == "unknown"
+
+
+def test_a_folder_off_tmpfs_is_warned_about_once_and_still_works(
+    tmp_path: Path, shm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for folder in (tmp_path / "cache", shm_dir / "cache"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            tier = make_shm_tier(folder)
+        try:
+            tier.put([(key_for("a"), b"abc")])
+            assert bytes(tier.get([key_for("a")])[0] or b"") == b"abc"
+            found = tier.stats().extra["file_system"]
+        finally:
+            tier.close()
+        assert found == file_system_of(folder)
+        warnings = [r.getMessage() for r in caplog.records if "not tmpfs" in r.getMessage()]
+        if found in ("tmpfs", "ramfs"):
+            assert warnings == []
+        else:
+            assert len(warnings) == 1 and str(folder) in warnings[0] and found in warnings[0]
