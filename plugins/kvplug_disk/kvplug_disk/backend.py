@@ -69,7 +69,7 @@ class DiskBackend(RecordBackend):
         self._folder_lock = threading.Lock()  # one folder sync at a time
         self._folders_synced_at = time.monotonic()
         started = time.perf_counter()
-        self._folder = RecordFolder(config.path, fsync=config.fsync)
+        self._folder = self._open_folder(config)
         self._ledger = UsageLedger(self._folder.root_fd)
         # Under the folder's lock: the scan and the total it gives are exact, not racing a writer.
         with self._lock, self._ledger.locked() as usage:
@@ -96,6 +96,9 @@ class DiskBackend(RecordBackend):
             if config.write_threads > 1
             else None
         )
+
+    def _open_folder(self, config: DiskTierConfig) -> RecordFolder:
+        return RecordFolder(config.path, fsync=config.fsync)
 
     # --- reads ----------------------------------------------------------------------
 

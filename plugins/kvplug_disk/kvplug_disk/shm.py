@@ -35,9 +35,11 @@ the record, until the cpu tier drops it. When the kernel refuses a mapping
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -45,6 +47,7 @@ from typing import Any, ClassVar
 from kvplug import Buffer, Medium, TierContext
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.config import DiskTierConfig, ShmTierConfig
+from kvplug_disk.files import RecordFolder
 from kvplug_disk.problems import ProblemLog
 from kvplug_disk.tier import DiskTier
 
@@ -63,14 +66,36 @@ class ShmBackend(DiskBackend):
         self._counts["map_fallbacks"] = 0
         self.file_system = file_system_of(config.path)
 
+    def _open_folder(self, config: DiskTierConfig) -> RecordFolder:
+        """The folder, made 0700 when missing; refused, before anything is made or cleaned
+        in it, unless this user owns it and no one else may write it: its parent
+        (/dev/shm) is open to every user of the host."""
+        config.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(config.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            checked = os.fstat(fd)  # the folder itself, wherever a link led
+        finally:
+            os.close(fd)
+        problem = not_private(checked)
+        if problem is None:
+            folder = RecordFolder(config.path, fsync=False)
+            opened = os.fstat(folder.root_fd)
+            if (opened.st_dev, opened.st_ino) == (checked.st_dev, checked.st_ino):
+                return folder
+            folder.close()
+            problem = "it was replaced while it was opened"
+        raise PermissionError(errno.EPERM, f"tier shm refuses the folder: {problem}", str(config.path))
+
     def _load(self, digest: str) -> tuple[Buffer, os.stat_result] | None:
         opened = self._folder.open_record(digest)
         if opened is None:
             return None
-        fd, stat = opened
+        fd, info = opened
         try:
-            return map_record(fd, stat.st_size), stat
-        except OSError:  # no mapping to be had (vm.max_map_count, memory): read it into memory
+            return map_record(fd, info.st_size), info
+        # No mapping to be had (vm.max_map_count, memory; ValueError: the file shrank since
+        # its fstat, which only something other than kvplug does): read it into memory.
+        except (OSError, ValueError):
             with self._lock:
                 self._counts["map_fallbacks"] += 1
             return self._folder.read(digest)
@@ -88,6 +113,18 @@ class ShmTier(DiskTier):
     medium: ClassVar[Medium] = "memory"
     Config: ClassVar[type[DiskTierConfig]] = ShmTierConfig
     backend_class: ClassVar[type[DiskBackend]] = ShmBackend
+
+    @classmethod
+    def preflight(cls, config: DiskTierConfig) -> None:  # type: ignore[override]
+        """The folder can be created and written, and is private when it exists."""
+        super().preflight(config)
+        try:
+            found = os.stat(config.path)
+        except FileNotFoundError:
+            return
+        problem = not_private(found)
+        if problem is not None:
+            raise ValueError(f"{config.path}: tier shm refuses the folder: {problem}")
 
     @classmethod
     def location_config(cls, location: str, options: Mapping[str, Any]) -> DiskTierConfig | None:
@@ -110,6 +147,17 @@ class ShmTier(DiskTier):
         """The type of the file system holding the folder (``tmpfs``, ``ext4``, ``unknown``)."""
         backend = self._disk
         return backend.file_system if isinstance(backend, ShmBackend) else "unknown"
+
+
+def not_private(found: os.stat_result) -> str | None:
+    """Why a folder with this stat is not fit to hold this user's shared records, or None.
+    Whoever may write there may plant records (checksummed, not signed, unless
+    ``integrity_key`` is set) or cut a mapped file short under a reader."""
+    if found.st_uid != os.geteuid():
+        return f"it is owned by uid {found.st_uid}, not by this user (uid {os.geteuid()})"
+    if found.st_mode & 0o022:
+        return f"others may write it (mode {stat.S_IMODE(found.st_mode):04o}; chmod 0700 it)"
+    return None
 
 
 def map_record(fd: int, size: int) -> memoryview:

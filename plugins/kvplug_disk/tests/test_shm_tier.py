@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import stat
 import tracemalloc
 from pathlib import Path
 
@@ -134,3 +135,21 @@ def test_a_folder_off_tmpfs_is_warned_about_once_and_still_works(
             assert warnings == []
         else:
             assert len(warnings) == 1 and str(folder) in warnings[0] and found in warnings[0]
+
+
+def test_a_folder_others_may_write_is_refused_and_a_new_one_is_private(shm_dir: Path) -> None:
+    new = shm_dir / "new" / "cache"
+    make_shm_tier(new).close()
+    assert stat.S_IMODE(new.stat().st_mode) & 0o077 == 0  # made 0700 (less the umask)
+    open_to_all = shm_dir / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    with pytest.raises(ValueError, match=r"others may write it \(mode 0777"):
+        ShmTier.preflight(ShmTier.Config(path=open_to_all))
+    with pytest.raises(PermissionError, match="others may write it") as refused:
+        make_shm_tier(open_to_all)
+    assert refused.value.filename == str(open_to_all)
+    assert list(open_to_all.iterdir()) == []  # refused before anything was scanned, cleaned or made
+    open_to_all.chmod(0o700)
+    ShmTier.preflight(ShmTier.Config(path=open_to_all))
+    make_shm_tier(open_to_all).close()
