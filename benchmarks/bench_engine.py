@@ -22,6 +22,11 @@ medians taken minutes apart did not. Rows:
   non-temporal stores, this machine's limit for one pass over the bytes.
 
     python benchmarks/bench_engine.py [--tokens 4096] [--rounds 15] [--json]
+    python benchmarks/bench_engine.py --tier shm [--shm-dir /dev/shm]   # tier shm instead of cpu
+
+``--tier shm``: the engines' one tier is ``shm`` in a scratch folder under ``--shm-dir``
+(written in sync mode; a retrieve maps each record, verifies it over the mapping and
+scatters from it), instead of ``cpu``.
 
 ``--json``: the table goes to stderr and one JSON object is the last line of stdout:
 ``store_vs_memcpy``, ``store_async_vs_memcpy``, ``retrieve_vs_memcpy`` (medians, as
@@ -35,6 +40,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -79,7 +85,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per prompt (a multiple of 256)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--json", action="store_true", help="table on stderr; one JSON object as stdout's last line")
+    parser.add_argument("--tier", choices=("cpu", "shm"), default="cpu", help="the engines' one tier")
+    parser.add_argument("--shm-dir", default="/dev/shm", help="--tier shm: parent of its scratch folder")
     args = parser.parse_args()
+    scratch = (
+        tempfile.TemporaryDirectory(prefix="kvplug-bench-engine-", dir=args.shm_dir) if args.tier == "shm" else None
+    )
     out = sys.stderr if args.json else sys.stdout
 
     layout = KVLayout(VLLM_FLASH, num_layers=8, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
@@ -108,6 +119,11 @@ def main() -> None:
         key=lambda cls: getattr(cls, "priority", 0),
     ).name
 
+    def tier_entry(name: str) -> dict[str, object]:
+        if scratch is None:
+            return {"type": "cpu", "max_bytes": budget}
+        return {"type": "shm", "path": f"{scratch.name}/{name}", "max_bytes": budget, "queue": {"mode": "sync"}}
+
     def make_engine(connector: str, mode: str) -> CacheEngine:
         config = load_config(
             engine_extra={
@@ -115,7 +131,7 @@ def main() -> None:
                     "chunk_size": CHUNK,
                     "store": {"queue": {"mode": mode}},
                     "connector": {"type": connector},
-                    "tiers": [{"type": "cpu", "max_bytes": budget}],
+                    "tiers": [tier_entry(f"{connector}-{mode}")],
                 }
             },
             env={},
@@ -195,6 +211,8 @@ def main() -> None:
     for engine in engines:
         engine.close()
     copy_threads.close()
+    if scratch is not None:
+        scratch.cleanup()
 
     ratios = {
         key: quartiles([base / seconds for base, seconds in zip(pair_baselines[key], values)])
@@ -205,7 +223,7 @@ def main() -> None:
     print(
         f"kvplug bench_engine: {tokens} tokens x {layout.bytes_per_token()} B = {nbytes / 2**20:.0f} MiB per prompt, "
         f"{len(spans)} chunks of {CHUNK} tokens, {args.rounds} rounds, torch threads {torch.get_num_threads()}; "
-        f"memcpy {nbytes / memcpy_s / 1e9:.2f} GB/s (median); auto picks {auto!r}",
+        f"memcpy {nbytes / memcpy_s / 1e9:.2f} GB/s (median); auto picks {auto!r}; tier {args.tier}",
         file=out,
     )
     print(f"{'path':<36}{'ms':>8}{'vs memcpy (median, IQR)':>28}", file=out)
@@ -231,6 +249,7 @@ def main() -> None:
             "torch_threads": torch.get_num_threads(),
             "memcpy_gbps": round(nbytes / memcpy_s / 1e9, 3),
             "connector": auto,
+            "tier": args.tier,
             "goal": {"store_vs_memcpy": 0.8, "retrieve_vs_memcpy": 0.8},
             "connectors": {
                 name: {
