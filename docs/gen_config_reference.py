@@ -55,7 +55,7 @@ says whether close writes or drops what is queued. Defaults differ by owner; a p
 |---|---|---|---|
 | `store.queue` | async | 64 | block |
 | tier `cpu` (and any tier by default) | sync | 1024 | drop |
-| tier `disk` | async | 64 | drop |
+| tiers `disk`, `shm` | async | 64 | drop |
 | remote tiers (`s3`, `valkey`, `mooncake`) | async | 1024 | drop |
 
 The keys these replace still work for one release, each with a `FutureWarning` (shown by default)
