@@ -29,10 +29,10 @@ from bench_tiers import print_table
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kvplug_disk.shm import file_system_of
+    from kvplug_disk.shm import file_system_of, huge_pages_of
 
     parent = Path(getattr(args, "shm_dir", None) or "/dev/shm")
-    figures: dict[str, Any] = {"file_system": file_system_of(parent)}
+    figures: dict[str, Any] = {"file_system": file_system_of(parent), "huge_pages": huge_pages_of(parent)}
     rows: list[tuple[Any, ...]] = []
     with tempfile.TemporaryDirectory(prefix="kvplug-bench-shm-", dir=parent) as scratch:
         for size in args.sizes:
@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 gbps = measured[what]
                 rows.append((label, what, gbps, gbps / measured["memcpy"]))
     print_table(
-        f"tier shm vs memcpy in {parent} ({figures['file_system']}; best of {args.repeats}; "
+        f"tier shm vs memcpy in {parent} ({figures['file_system']}, huge pages {figures['huge_pages']}; "
+        f"best of {args.repeats}; "
         f"{args.batch} values per get; disk: tier disk on the same folder's file system)",
         ["values", "op", "GB/s", "vs memcpy"],
         [(*row[:3], f"{row[3]:.0%}") for row in rows],

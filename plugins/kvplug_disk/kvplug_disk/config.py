@@ -102,8 +102,9 @@ class ShmTierConfig(DiskTierConfig):
 
     path: Path = Field(
         default=DEFAULT_SHM_PATH,
-        description="Folder of the cache on tmpfs (or ramfs), created if missing; every process on the host "
-        "that names it shares it. Elsewhere the tier warns once at start and still works.",
+        description="Folder of the cache on tmpfs (or ramfs), created 0700 if missing; every process of this "
+        "user on the host that names it shares it. Elsewhere the tier warns once at start and still works. "
+        "A tmpfs mounted with huge=always (2 MiB pages) reads several times faster than one of 4 KiB pages.",
     )
     fsync: Literal[False] = Field(
         default=False,

@@ -26,6 +26,11 @@ with write access to the folder) could change or cut mapped bytes: a cut makes t
 reader's next touch of those pages fail with SIGBUS. See docs/security.md for who may
 write the folder.
 
+What a read costs beyond the checksum is the mapping: one page-table entry per page.
+On a tmpfs of 4 KiB pages (``/dev/shm`` on most hosts) that holds reads to a few GB/s;
+on a tmpfs mounted with ``huge=always`` (2 MiB pages) they run at about memory speed.
+``extra["huge_pages"]`` says which (:func:`huge_pages_of`), and the tier says so at start.
+
 A mapping lives as long as any view of it: a value promoted from here into the ``cpu``
 tier (which keeps the buffer it is given) keeps its tmpfs pages after this tier evicts
 the record, until the cpu tier drops it. When the kernel refuses a mapping
@@ -56,6 +61,8 @@ MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})
 # Pages are mapped in one call instead of one fault per 4 KiB page on first touch.
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+#: The host's switch of huge pages for tmpfs; ``force`` and ``deny`` override every mount's ``huge=``.
+SHMEM_HUGE_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 
 
 class ShmBackend(DiskBackend):
@@ -65,6 +72,7 @@ class ShmBackend(DiskBackend):
         super().__init__(config, problems)
         self._counts["map_fallbacks"] = 0
         self.file_system = file_system_of(config.path)
+        self.huge_pages = huge_pages_of(config.path)
 
     def _open_folder(self, config: DiskTierConfig) -> RecordFolder:
         """The folder, made 0700 when missing; refused, before anything is made or cleaned
@@ -103,7 +111,7 @@ class ShmBackend(DiskBackend):
             os.close(fd)  # a mapping outlives the descriptor it was made from
 
     def describe(self) -> dict[str, int | float | str]:
-        return {**super().describe(), "file_system": self.file_system}
+        return {**super().describe(), "file_system": self.file_system, "huge_pages": self.huge_pages}
 
 
 class ShmTier(DiskTier):
@@ -141,12 +149,24 @@ class ShmTier(DiskTier):
                 config.path,
                 found,
             )
+        elif self.huge_pages == "never":
+            context.logger.info(
+                "tier shm: %s is on tmpfs with 4 KiB pages: each read maps its pages one by one (a few GB/s); "
+                "on a tmpfs mounted with huge=always it maps 2 MiB pages, at about memory speed",
+                config.path,
+            )
 
     @property
     def file_system(self) -> str:
         """The type of the file system holding the folder (``tmpfs``, ``ext4``, ``unknown``)."""
         backend = self._disk
         return backend.file_system if isinstance(backend, ShmBackend) else "unknown"
+
+    @property
+    def huge_pages(self) -> str:
+        """How the folder's tmpfs uses 2 MiB pages (:func:`huge_pages_of`)."""
+        backend = self._disk
+        return backend.huge_pages if isinstance(backend, ShmBackend) else "-"
 
 
 def not_private(found: os.stat_result) -> str | None:
@@ -169,20 +189,44 @@ def map_record(fd: int, size: int) -> memoryview:
 
 
 def file_system_of(path: Path, mounts: str = "/proc/self/mounts") -> str:
-    """The type of the file system mounted where ``path`` lives (its deepest mount
-    point), from ``mounts``; ``unknown`` where that cannot be read."""
+    """The type of the file system mounted where ``path`` lives (``tmpfs``, ``ext4``),
+    ``unknown`` where that cannot be read."""
+    return mount_of(path, mounts)[0]
+
+
+def huge_pages_of(path: Path, mounts: str = "/proc/self/mounts", host: str = SHMEM_HUGE_SETTING) -> str:
+    """How tmpfs at ``path`` backs files with 2 MiB pages: its mount's ``huge=`` option
+    (``never`` when absent), unless the host forces or denies huge pages on every mount
+    (``host``); ``-`` off tmpfs. A mapping of 2 MiB pages costs a few page-table entries
+    instead of 512 per 2 MiB: what a read of this tier costs beyond its checksum."""
+    found, options = mount_of(path, mounts)
+    if found != "tmpfs":
+        return "-"
+    try:
+        with open(host, encoding="utf-8") as setting:
+            chosen = re.search(r"\[(\w+)\]", setting.read())
+    except OSError:
+        chosen = None
+    if chosen is not None and chosen.group(1) in ("force", "deny"):
+        return "always" if chosen.group(1) == "force" else "never"
+    return next((o.removeprefix("huge=") for o in options.split(",") if o.startswith("huge=")), "never")
+
+
+def mount_of(path: Path, mounts: str = "/proc/self/mounts") -> tuple[str, str]:
+    """The type and the options of the file system mounted where ``path`` lives (its
+    deepest mount point), from ``mounts``; ``("unknown", "")`` where that cannot be read."""
     target = os.path.realpath(path)
-    found, depth = "unknown", -1
+    found, depth = ("unknown", ""), -1
     try:
         with open(mounts, encoding="utf-8", errors="replace") as lines:
             for line in lines:
                 fields = line.split()
-                if len(fields) < 3:
+                if len(fields) < 4:
                     continue
                 point = _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), fields[1])
                 inside = target == point or target.startswith(point.rstrip("/") + "/")
                 if inside and len(point) >= depth:  # a later mount over the same point hides earlier ones
-                    found, depth = fields[2], len(point)
+                    found, depth = (fields[2], fields[3]), len(point)
     except OSError:
-        return "unknown"
+        return ("unknown", "")
     return found

@@ -16,7 +16,7 @@ from kvplug import RECORD_HEADER_SIZE, get_registry
 from kvplug.testing import StorageTierContract, key_for, tier_context, value_for
 from kvplug_disk import ShmTier
 from kvplug_disk.config import DEFAULT_SHM_PATH
-from kvplug_disk.shm import file_system_of
+from kvplug_disk.shm import file_system_of, huge_pages_of
 
 
 def make_shm_tier(path: Path, max_bytes: int | None = None, **options: object) -> ShmTier:
@@ -114,6 +114,23 @@ def test_the_file_system_of_a_path_is_its_deepest_mount(tmp_path: Path) -> None:
     assert file_system_of(Path("/dev/shmx"), str(mounts)) == "overlay"
     assert file_system_of(Path("/mnt/over/a"), str(mounts)) == "ramfs"
     assert file_system_of(Path("/x"), str(tmp_path / "absent")) == "unknown"
+
+
+def test_huge_pages_are_the_mount_option_unless_the_host_forces_or_denies_them(tmp_path: Path) -> None:
+    mounts, host = tmp_path / "mounts", tmp_path / "shmem_enabled"
+    mounts.write_text(
+        "tmpfs /dev/shm tmpfs rw,nosuid,nodev 0 0\n"
+        "tmpfs /mnt/kv tmpfs rw,size=64g,huge=always 0 0\n"
+        "/dev/sda1 /data ext4 rw 0 0\n"
+    )
+    host.write_text("always within_size advise [never] deny force\n")
+    huge = {p: huge_pages_of(Path(p), str(mounts), str(host)) for p in ("/dev/shm/a", "/mnt/kv/a", "/data/a")}
+    assert huge == {"/dev/shm/a": "never", "/mnt/kv/a": "always", "/data/a": "-"}
+    host.write_text("always within_size advise never deny [force]\n")
+    assert huge_pages_of(Path("/dev/shm/a"), str(mounts), str(host)) == "always"
+    host.write_text("always within_size advise never [deny] force\n")
+    assert huge_pages_of(Path("/mnt/kv/a"), str(mounts), str(host)) == "never"
+    assert huge_pages_of(Path("/mnt/kv/a"), str(mounts), str(tmp_path / "absent")) == "always"
 
 
 def test_a_folder_off_tmpfs_is_warned_about_once_and_still_works(
