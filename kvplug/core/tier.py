@@ -116,6 +116,12 @@ class StorageTier(ABC):
     #: that does not declare it (written against kvplug 0.2) counts as ``remote``, the
     #: safe assumption: its reads may be slow, and a reset leaves it alone.
     medium: ClassVar[Medium] = "remote"
+    #: True for tiers whose ``contains`` costs microseconds and never waits on a network
+    #: or another process (a ``stat`` of a local file): engine adapters then ask it on
+    #: their latency-critical thread (vLLM's scheduler) rather than in the background,
+    #: where an answer waits for the engine's next step. Tiers of medium ``memory``
+    #: count as such whatever they declare.
+    inline_lookups: ClassVar[bool] = False
     #: True for tiers that keep the very buffers ``put`` hands them (in-memory
     #: tiers): the engine sizes its frame pool to cover their ``max_bytes``.
     keeps_buffers: ClassVar[bool] = False

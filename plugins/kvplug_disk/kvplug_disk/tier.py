@@ -43,6 +43,8 @@ class DiskTier(RecordTier):
 
     name = "disk"
     medium: ClassVar[Medium] = "disk"
+    #: A lookup is a ``stat`` per key in a local folder: microseconds, no waiting on others.
+    inline_lookups: ClassVar[bool] = True
     Config: ClassVar[type[DiskTierConfig]] = DiskTierConfig
     #: The store under the tier; tier ``shm`` maps its records instead of reading them.
     backend_class: ClassVar[type[DiskBackend]] = DiskBackend

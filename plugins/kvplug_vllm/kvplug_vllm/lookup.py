@@ -26,7 +26,7 @@ import socket
 import struct
 import threading
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -251,7 +251,7 @@ class SocketLookup:
                 sock.close()
             self._socks.clear()
 
-    def memory_lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]] | None:
+    def inline_lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]] | None:
         """``None``: the worker answers from one thread, which a slow lookup may hold, so
         the scheduler never asks it from its own thread in background mode."""
         return None
@@ -318,11 +318,14 @@ class DirectLookup:
         engines: Sequence[CacheEngine],
         resets: Sequence[Callable[[], int]],
         media: Mapping[str, Medium],
+        inline: Collection[str] | None = None,
     ) -> None:
         self.engines = list(engines)
         self.resets = list(resets)
         #: Tier type -> medium (:func:`tier_media`): required, as a tier missing here counts as remote.
         self.media = dict(media)
+        #: Tier types :meth:`inline_lookup` asks (:func:`inline_tiers`); by default those of medium memory.
+        self.inline = frozenset(inline if inline is not None else (t for t, m in self.media.items() if m == "memory"))
 
     def reset(self) -> int:
         return sum(reset() for reset in self.resets)
@@ -333,11 +336,12 @@ class DirectLookup:
     def lookup_tiers(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
         return merge_tiers([engine.lookup_tiers(tokens, request=request) for engine in self.engines], self.media)
 
-    def memory_lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]] | None:
-        """The answer of :meth:`lookup_tiers` when the tiers of medium memory give it alone,
-        without asking a slower tier; ``None`` when a slower tier could add to it.
+    def inline_lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]] | None:
+        """The answer of :meth:`lookup_tiers` when the tiers that answer inline
+        (``self.inline``: memory, local files) give it alone, without asking a slower
+        tier; ``None`` when a slower tier could add to it.
 
-        Memory answers alone when it holds every whole chunk of the prompt, and the last,
+        They answer alone when they hold every whole chunk of the prompt, and the last,
         partial chunk too unless the config never stores one (``save_unfull_chunk``).
         """
         answers, hits = [], []
@@ -345,7 +349,7 @@ class DirectLookup:
             keys = engine.chunk_keys(tokens, request)
             where: list[str | None] = [None] * len(keys)
             for tier in engine.chain.tiers:
-                if self.media.get(tier.name, "remote") != "memory":
+                if tier.name not in self.inline:
                     continue
                 ask = [i for i, name in enumerate(where) if name is None]
                 if not ask:
@@ -382,6 +386,17 @@ def tier_media(config: KVPlugConfig) -> dict[str, Medium]:
     """
     classes = (config.registry or get_registry()).storage_tiers()
     return {spec.type: classes[spec.type].medium if spec.type in classes else "remote" for spec in config.tiers}
+
+
+def inline_tiers(config: KVPlugConfig) -> frozenset[str]:
+    """The tier types in ``config`` that answer lookups inline (:attr:`kvplug.StorageTier.inline_lookups`,
+    or medium ``memory``): the scheduler asks them on its own thread, the others in the background."""
+    classes = (config.registry or get_registry()).storage_tiers()
+    return frozenset(
+        spec.type
+        for spec in config.tiers
+        if spec.type in classes and (classes[spec.type].medium == "memory" or classes[spec.type].inline_lookups)
+    )
 
 
 def merge_tiers(answers: Sequence[list[tuple[str, int]]], media: Mapping[str, Medium]) -> list[tuple[str, int]]:

@@ -5,8 +5,8 @@ Semantics follow LMCache's vLLM v1 adapter:
 - ``get_num_new_matched_tokens`` asks the worker's cache engine for the cached
   prefix (whole chunks, or the full prompt). vLLM must compute at least one token
   to sample from, so a full-prompt hit still leaves the last token to recompute.
-  With ``lookups: background`` a lookup the memory tiers cannot answer alone runs
-  off the scheduler thread (:mod:`kvplug_vllm.lookup_pool`): the answer is ``None``
+  With ``lookups: background`` a lookup the tiers answering inline (memory, local
+  files: ``StorageTier.inline_lookups``) cannot answer alone runs off the scheduler thread (:mod:`kvplug_vllm.lookup_pool`): the answer is ``None``
   ("ask again next step") until it is done, and vLLM schedules other requests.
 - Each step a request is scheduled, the tokens whose KV will exist after the step
   are known; their whole chunks not stored yet are stored (the last, partial
@@ -28,7 +28,7 @@ from typing import Any
 from kvplug import ExtraKey, KVPlugConfig, RequestInfo
 from kvplug.errors import ConfigError, KVPlugError
 from kvplug_vllm.kv_events import KVPlugKVEvents
-from kvplug_vllm.lookup import DirectLookup, SocketLookup, local_worker, socket_path, tier_media
+from kvplug_vllm.lookup import DirectLookup, SocketLookup, inline_tiers, local_worker, socket_path, tier_media
 from kvplug_vllm.lookup_pool import LookupPool, Tiers
 from kvplug_vllm.lookup_result import LookupResult
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
@@ -38,8 +38,8 @@ from kvplug_vllm.stats import KVPlugConnectorStats
 logger = logging.getLogger("kvplug.vllm")
 
 #: The medium served at memory speed; a prefix needing a tier of any other medium
-#: (``StorageTier.medium``) loads in the background (load: auto), and is looked up off
-#: the scheduler thread (lookups: background).
+#: (``StorageTier.medium``) loads in the background (load: auto). Lookups go off the
+#: scheduler thread (lookups: background) only for tiers that do not answer inline.
 FAST_MEDIUM = "memory"
 #: How long an idle scheduler step waits for a background lookup, rather than spin.
 IDLE_WAIT_S = 0.01
@@ -100,11 +100,13 @@ class SchedulerSide:
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         #: Tier type -> medium: tiers are told apart by this trait, never by name.
         self.media = tier_media(config)
+        #: Tier types looked up on the scheduler thread (memory, local files); the others in the background.
+        self.inline = inline_tiers(config)
         self._channel: DirectLookup | SocketLookup | None = None
         self._lookups: dict[str, LookupResult] = {}
         #: Lookups off the scheduler thread (lookup_pool.py), and their answers kept until admission.
         self._pool: LookupPool | None = None
-        if settings.lookups == "background" and any(m != FAST_MEDIUM for m in self.media.values()):
+        if settings.lookups == "background" and any(t not in self.inline for t in self.media):
             self._pool = LookupPool(settings.max_background_lookups, settings.lookup_timeout_s)
         self._answered: dict[str, Tiers] = {}
         self._requests: dict[str, Any] = {}
@@ -166,12 +168,12 @@ class SchedulerSide:
         started = time.perf_counter()
         try:
             channel = self._lookup_channel()
-            tiers = channel.lookup_tiers(tokens, info) if self._pool is None else channel.memory_lookup(tokens, info)
+            tiers = channel.lookup_tiers(tokens, info) if self._pool is None else channel.inline_lookup(tokens, info)
         except KVPlugError as exc:
             logger.warning("request %s: lookup failed, treated as a miss: %s", req_id, exc)
             tiers = []
         if tiers is not None:
-            if self._pool is not None:  # answered from memory: an earlier ask's lookup is stale
+            if self._pool is not None:  # answered inline: an earlier ask's lookup is stale
                 self._pool.discard(req_id)
             self._count_lookup_time(time.perf_counter() - started)
             return tiers
@@ -424,7 +426,9 @@ class SchedulerSide:
             if mode == "direct" or (mode == "auto" and len(workers) == len(keys)):
                 if len(workers) < len(keys):
                     raise KVPlugError("lookup: direct, but the worker's cache engine is not in this process")
-                self._channel = DirectLookup([w.engine for w in workers], [w.reset for w in workers], self.media)
+                self._channel = DirectLookup(
+                    [w.engine for w in workers], [w.reset for w in workers], self.media, self.inline
+                )
             else:
                 self._channel = SocketLookup(
                     [socket_path(*key) for key in keys], self.settings.lookup_timeout_s, self.media

@@ -54,9 +54,10 @@ class ConnectorSettings(BaseModel):
     )
     lookups: Literal["background", "blocking"] = Field(
         default="background",
-        description="background: a lookup that the tiers of medium memory cannot answer alone (one that "
-        "needs a disk or remote tier) runs off vLLM's scheduler thread; get_num_new_matched_tokens answers "
-        "None (ask again next step) until it is done, and vLLM schedules other requests meanwhile. "
+        description="background: a lookup that the tiers answering inline (memory, and local files: disk, "
+        "shm; StorageTier.inline_lookups) cannot answer alone, one that needs a remote tier, runs off vLLM's "
+        "scheduler thread; get_num_new_matched_tokens answers None (ask again next step) until it is done, "
+        "and vLLM schedules other requests meanwhile (an answer then waits for the engine's next step). "
         "blocking: every lookup is answered at once, the scheduler waiting for it (kvplug 0.2).",
     )
     max_background_lookups: int = Field(

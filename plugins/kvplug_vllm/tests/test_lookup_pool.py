@@ -162,13 +162,31 @@ def slowed(engine: CacheEngine, name: str) -> tuple[threading.Event, threading.E
     return started, release
 
 
+def only_in_legacy(engine: CacheEngine, keys: list[str]) -> None:
+    """Leave ``keys`` only in tier legacy (remote): ram and disk answer lookups inline."""
+    tier(engine, "ram").remove(keys)
+    tier(engine, "disk").remove(keys)
+
+
 def test_a_prefix_all_in_memory_is_answered_at_once(side: SchedulerSide) -> None:
     assert side.get_num_new_matched_tokens(request("r-mem"), 0) == (192, False)
 
 
-def test_a_lookup_needing_a_slower_tier_answers_later_and_counts_once(engine: CacheEngine, side: SchedulerSide) -> None:
+def test_a_prefix_on_local_disk_is_answered_at_once(engine: CacheEngine, side: SchedulerSide) -> None:
+    """Tier disk answers lookups inline (a stat per key): no background lookup, whose answer
+    would wait for the engine's next step, even with a slower tier before it in the chain."""
     keys = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
     tier(engine, "ram").remove(keys)
+    tier(engine, "legacy").remove(keys)
+    assert side.get_num_new_matched_tokens(request("r-disk"), 0) == (192, True)  # a disk load: background
+    assert side._pool is not None and len(side._pool) == 0
+    side.update_state_after_alloc(request("r-disk"), BLOCKS, 192)
+    assert hit_figures(side.get_kv_connector_stats())["hit_tokens_tier.disk"] == 192
+
+
+def test_a_lookup_needing_a_slower_tier_answers_later_and_counts_once(engine: CacheEngine, side: SchedulerSide) -> None:
+    keys = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
+    only_in_legacy(engine, keys)
     started, release = slowed(engine, "legacy")
     assert side.get_num_new_matched_tokens(request("r-slow"), 0) == (None, False)  # vLLM asks again later
     assert started.wait(5)
@@ -184,7 +202,7 @@ def test_a_lookup_needing_a_slower_tier_answers_later_and_counts_once(engine: Ca
 
 def test_a_request_finished_before_its_lookup_is_done_leaves_nothing(engine: CacheEngine, side: SchedulerSide) -> None:
     keys = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
-    tier(engine, "ram").remove(keys)
+    only_in_legacy(engine, keys)
     started, release = slowed(engine, "legacy")
     assert side.get_num_new_matched_tokens(request("r-gone"), 0) == (None, False)
     assert started.wait(5)
@@ -203,7 +221,7 @@ def test_an_answer_from_memory_drops_the_lookup_an_earlier_ask_started(
     what it found long before (or a timed-out miss)."""
     keys = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
     values = [bytes(value) for value in tier(engine, "ram").get(keys) if value is not None]
-    tier(engine, "ram").remove(keys)
+    only_in_legacy(engine, keys)
     started, release = slowed(engine, "legacy")
     assert side.get_num_new_matched_tokens(request("r-back"), 0) == (None, False)
     assert started.wait(5)

@@ -194,7 +194,9 @@ def test_a_hit_partly_in_vllms_prefix_cache_counts_only_the_rest_by_tier(
     engine: CacheEngine, side: SchedulerSide
 ) -> None:
     last = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo()) if k.end == 192]
-    tier(engine, "ram").remove(last)  # chunks [0, 128) in ram, [128, 192) only in legacy
+    # chunks [0, 128) in ram, [128, 192) only in legacy (disk, which answers inline, would hold it too)
+    tier(engine, "ram").remove(last)
+    tier(engine, "disk").remove(last)
     # vLLM's own prefix cache computed 96 tokens: kvplug adds 32 from ram and 64 from legacy.
     assert answer(side, request("r-part"), 96) == (96, True)  # legacy: remote, background
     side.update_state_after_alloc(request("r-part"), BLOCKS, 96)
