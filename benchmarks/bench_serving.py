@@ -11,10 +11,11 @@ Configurations:
 * ``A`` vLLM alone; ``A2`` a second one (the A/A control: how far apart two servers are);
 * ``B`` kvplug, a cpu tier holding everything; ``C`` kvplug, a small cpu tier (a quarter
   of the context) over a disk tier in the work folder;
-* ``F`` and ``L`` (the scan comparison, issue 33 item 6): one cpu tier of 1.1x the
-  workload's context, ``admission: frequency, min_hits: 2`` + ``eviction: s3fifo`` (F)
-  against admit-all + ``lru`` (L, kvplug's defaults: the baseline of this comparison), on
-  the multi-round workload with a one-off prompt after every ``--scan-every`` requests.
+* ``F``, ``S`` and ``L`` (the scan comparison, issue 33 item 6): one cpu tier of 1.1x the
+  workload's context, ``admission: frequency, min_hits: 2`` + ``eviction: s3fifo`` (F),
+  admit-all + ``s3fifo`` (S), against admit-all + ``lru`` (L, kvplug's defaults: the
+  baseline of this comparison), on the multi-round workload with a one-off prompt after
+  every ``--scan-every`` requests.
 
 Workloads (``serving_workloads.py``): ``multiround`` (users sharing a system prompt, each
 with its own document, rounds of question + answer, users round-robin; each round's prompt
@@ -22,8 +23,10 @@ holds the earlier rounds' questions and the server's answers) and ``longdoc`` (d
 times questions, each document revisited after all the others). Token ids are seeded
 random ids; each repetition draws a new workload (seed ``<workload>-rep<i>``), the same
 for every configuration, so nothing is shared across repetitions, and each run starts
-with ``POST /reset_prefix_cache`` (the servers run with ``VLLM_SERVER_DEV_MODE=1``),
-which empties vLLM's prefix cache and kvplug's memory tiers. Repetitions are interleaved:
+with ``POST /reset_prefix_cache?reset_external=true`` (the servers run with
+``VLLM_SERVER_DEV_MODE=1``), which empties vLLM's prefix cache and kvplug's memory tiers
+(without ``reset_external`` vLLM leaves the connector alone: an s3fifo tier then started
+each repetition with the last one's hot chunks in its main queue). Repetitions are interleaved:
 every configuration once per repetition, the order rotated each time.
 
 Per run: TTFT p50/p90/p99 (client side, streamed), the largest gap between two tokens,
@@ -81,6 +84,7 @@ DESCRIPTIONS = {
     "C": "kvplug small cpu + disk",
     "F": "cpu, frequency + s3fifo",
     "L": "cpu, admit-all + lru",
+    "S": "cpu, admit-all + s3fifo",
 }
 RATIO_KEYS = ["ttft_p50", "ttft_p90", "ttft_p99", "max_gap", "wall_s", "tok_s"]
 
@@ -98,6 +102,8 @@ def tiers(config: str, workload: Workload, workdir: Path) -> list[dict[str, Any]
     if config == "F":
         return [{"type": "cpu", "max_bytes": int(1.1 * context), "eviction": "s3fifo",
                  "admission": {"type": "frequency", "min_hits": 2}}]  # fmt: skip
+    if config == "S":
+        return [{"type": "cpu", "max_bytes": int(1.1 * context), "eviction": "s3fifo"}]
     if config == "L":
         return [{"type": "cpu", "max_bytes": int(1.1 * context), "eviction": "lru"}]
     raise SystemExit(f"unknown configuration {config!r}: choose from {', '.join(DESCRIPTIONS)}")
@@ -158,9 +164,10 @@ def _series(url: str, prefixes: tuple[str, ...], tag: str) -> dict[str, float]:
 
 
 def reset(server: Server) -> None:
-    request = urllib.request.Request(server.url + "/reset_prefix_cache", b"", method="POST")
-    with urllib.request.urlopen(request, timeout=120) as response:
-        response.read()
+    url = server.url + "/reset_prefix_cache?reset_external=true"  # without it vLLM leaves kvplug alone
+    with urllib.request.urlopen(urllib.request.Request(url, b"", method="POST"), timeout=120) as response:
+        if not json.loads(response.read()).get("success"):
+            raise RuntimeError(f"{server.url}: reset_prefix_cache did not succeed")
 
 
 def percentile(values: list[float], q: float) -> float:
