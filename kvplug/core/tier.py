@@ -118,7 +118,7 @@ class StorageTier(ABC):
     medium: ClassVar[Medium] = "remote"
     #: True for tiers whose ``contains`` costs microseconds and never waits on a network
     #: or another process (a ``stat`` of a local file): engine adapters then ask it on
-    #: their latency-critical thread (vLLM's scheduler) rather than in the background,
+    #: their latency-critical thread (an engine's scheduler) rather than in the background,
     #: where an answer waits for the engine's next step. Tiers of medium ``memory``
     #: count as such whatever they declare.
     inline_lookups: ClassVar[bool] = False
