@@ -28,7 +28,16 @@ WARM = {1: "P1", 3: "P5", 5: "P6"}
 
 
 def run(run_engine: Any, path: Path, serializer: dict[str, Any]) -> dict[str, Any]:
-    kv = kv_config(**{"kvplug.serializer": serializer, "kvplug.tiers": [{"type": "disk", "path": str(path)}]})
+    # Stores in step: a prompt repeated by the very next step must find its chunks on disk, while
+    # an asynchronous store of int8's slower frames could still be compressing them (a lookup of
+    # the disk tier is answered at once, on the scheduler thread).
+    kv = kv_config(
+        **{
+            "kvplug.serializer": serializer,
+            "kvplug.store.queue.mode": "sync",
+            "kvplug.tiers": [{"type": "disk", "path": str(path)}],
+        }
+    )
     return run_engine(kv=kv, steps=STEPS)
 
 
