@@ -61,7 +61,6 @@ class DiskBackend(RecordBackend):
         self._budget = int(config.max_bytes)
         self._problems = problems
         self._lock = threading.Lock()  # taken before the ledger's lock, never inside it
-        self._eviction = config.eviction
         self._order = EvictionIndex(config.eviction)
         self._counts = {"discovered": 0, "vanished": 0, "skipped_writes": 0}
         self._evicted: list[StoredRecord] = []
@@ -303,7 +302,7 @@ class DiskBackend(RecordBackend):
         """Order every record of a folder listing as cold entries, the oldest (by mtime) the
         first to leave; the folder's total becomes the listing's."""
         records.sort(key=lambda record: record[2])
-        self._order = EvictionIndex(self._eviction)
+        self._order = EvictionIndex(self._order.eviction)
         for digest, file_size, _ in reversed(records):  # each cold entry goes before the others
             if not self._skipped(digest):
                 self._order.add_cold(digest, IndexEntry(value_size_of(file_size), file_size))
@@ -355,7 +354,7 @@ class DiskBackend(RecordBackend):
                 **self._problems.counts,
                 **self._startup,
                 "file_bytes": self._order.file_bytes,
-                "eviction": self._eviction,
+                "eviction": self._order.eviction,
                 "folder_bytes": self._ledger.peek(),
                 "folder_budget_shared": int(self._ledger.shared),
                 "path": self.where,
