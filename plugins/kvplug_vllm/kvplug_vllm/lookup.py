@@ -324,8 +324,10 @@ class DirectLookup:
         self.resets = list(resets)
         #: Tier type -> medium (:func:`tier_media`): required, as a tier missing here counts as remote.
         self.media = dict(media)
-        #: Tier types :meth:`inline_lookup` asks (:func:`inline_tiers`); by default those of medium memory.
-        self.inline = frozenset(inline if inline is not None else (t for t, m in self.media.items() if m == "memory"))
+        #: Tier types :meth:`inline_lookup` asks; by default :func:`inline_tiers` of the engines' config.
+        if inline is None:
+            inline = inline_tiers(self.engines[0].config) if self.engines else ()
+        self.inline = frozenset(inline)
 
     def reset(self) -> int:
         return sum(reset() for reset in self.resets)
