@@ -407,12 +407,23 @@ def _done(event: Any) -> bool:
     return event is None or event.query()
 
 
+#: Longest pause between two polls of a transfer's event. A 32 MiB chunk crosses PCIe in
+#: about 0.6 ms; pauses that doubled up to 1 ms made ``synchronize`` return up to 0.6 ms
+#: after the copy ended (measured on an H200: a one-launch gather took 1.2 ms for a 0.63 ms
+#: copy; now 0.90 ms). The kernel's timer slack adds about 50 us to any sleep.
+_MAX_POLL_PAUSE_S = 50e-6
+
+
 def _wait(event: Any, deadline: float) -> bool:
-    """Poll ``event`` until it completes or ``deadline`` passes (never an unbounded wait)."""
-    pause = 20e-6
+    """Poll ``event`` until it completes or ``deadline`` passes (never an unbounded wait).
+
+    ``Event.synchronize`` would return sooner, but it cannot time out: a hung device
+    would hang the engine's thread with it.
+    """
+    pause = 5e-6
     while not _done(event):
         if time.monotonic() >= deadline:
             return False
         time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
+        pause = min(pause * 2, _MAX_POLL_PAUSE_S)
     return True
