@@ -37,6 +37,7 @@ from kvplug.core.config_types import (
 )
 from kvplug.core.events import KVEvent
 from kvplug.core.eviction import EvictionName, EvictionPolicy, LRUPolicy, S3FIFOPolicy, make_eviction_policy
+from kvplug.core.guarded_eviction import GuardedEviction, PinOutcome
 from kvplug.core.keys import KV_FORMAT_VERSION, ChunkKey, ExtraKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.metrics import EngineMetrics, MetricSample
 from kvplug.core.queue_settings import OldQueueKey, QueueSettings
@@ -54,6 +55,16 @@ from kvplug.core.remote import (
     remaining_budget_s,
 )
 from kvplug.core.retry import Absent, CircuitBreaker, FailureKind, RetryPolicy, classify_failure
+from kvplug.core.tenancy import (
+    OTHER_TENANTS,
+    UNSALTED,
+    PinBook,
+    PinReport,
+    PinSpec,
+    Tenancy,
+    TenancySettings,
+    TenantBook,
+)
 from kvplug.core.tier import (
     MEDIA,
     UNBOUNDED_BYTES,
@@ -115,11 +126,13 @@ __all__ = [
     "CHUNK_DTYPE_SIZES",
     "KV_FORMAT_VERSION",
     "MEDIA",
+    "OTHER_TENANTS",
     "RAW_FRAME_MAGIC",
     "RECORD_HEADER_SIZE",
     "SECRET_MASK",
     "SIZE_UNKNOWN",
     "UNBOUNDED_BYTES",
+    "UNSALTED",
     "Absent",
     "AdmissionConfig",
     "AdmissionPolicy",
@@ -148,6 +161,7 @@ __all__ = [
     "FrequencyAdmission",
     "FrequencyAdmissionConfig",
     "FrequencySketch",
+    "GuardedEviction",
     "KVConnector",
     "KVEvent",
     "KVLayout",
@@ -161,6 +175,10 @@ __all__ = [
     "MetricSample",
     "OldQueueKey",
     "PagedFormat",
+    "PinBook",
+    "PinOutcome",
+    "PinReport",
+    "PinSpec",
     "PluginRegistry",
     "QueueItems",
     "QueueSettings",
@@ -180,6 +198,9 @@ __all__ = [
     "Serializer",
     "StorageTier",
     "StoredRecord",
+    "Tenancy",
+    "TenancySettings",
+    "TenantBook",
     "ThreadCount",
     "TierChain",
     "TierConfig",

@@ -36,6 +36,7 @@ from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.serializer import Serializer
 from kvplug.core.serializer_factory import make_serializer
+from kvplug.core.tenancy import Tenancy
 from kvplug.core.tier_chain import TierChain
 from kvplug.errors import ChunkError, ConfigError, ConfigProblem
 
@@ -90,6 +91,7 @@ class ChunkStore:
         metrics: EngineMetrics | None = None,
         largest_chunk: tuple[tuple[int, ...], torch.dtype] | None = None,
         emit: Callable[[KVEvent], None] | None = None,
+        tenancy: Tenancy | None = None,
     ) -> ChunkStore:
         """The configured serializer and tiers under ``fingerprint`` (its ``serializer``
         field is set here).
@@ -97,7 +99,7 @@ class ChunkStore:
         ``largest_chunk`` (shape, dtype): a :class:`~kvplug.errors.ConfigError` naming
         ``max_chunk_bytes`` before any tier opens if such a chunk is over that bound,
         since no load of one could then succeed. ``emit`` receives the tiers' events
-        (see :meth:`TierChain.open`).
+        (see :meth:`TierChain.open`), ``tenancy`` is shared by the tiers.
         """
         registry = registry or get_registry()
         config = config.resolve(registry)
@@ -113,6 +115,7 @@ class ChunkStore:
             metrics=metrics,
             lookup_timeout_s=config.lookup_timeout_ms / 1000,
             emit=emit,
+            tenancy=tenancy,
         )
         return cls(serializer, fingerprint, chain, metrics=metrics)
 

@@ -36,6 +36,7 @@ from kvplug.core.config_problems import problems_from_validation_error
 from kvplug.core.config_types import ThreadCount, TimeoutMilliseconds
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.queue_settings import STORE_QUEUE_KEYS, QueueSettings, upgrade_queue_keys
+from kvplug.core.tenancy import PinSpec
 from kvplug.errors import ConfigError, ConfigProblem
 
 
@@ -116,6 +117,17 @@ class KVPlugConfig(CheckedModel):
     )
     skip_save: bool = Field(
         default=False, description="Store nothing (lookups still hit).", json_schema_extra={"per_request": True}
+    )
+    pin: list[PinSpec] = Field(
+        default_factory=list,
+        description="Prefixes whose chunks no tier evicts (within each tier's pin_max_bytes): "
+        "[{salt: tenant-a, prefix_file: system_prompt.json}]; applied at start to chunks held and to the "
+        "others when stored, in this process (docs/operations.md).",
+    )
+    pin_request: bool = Field(
+        default=False,
+        description="Pin the chunks this request stores (vLLM: kv_transfer_params {\"kvplug.pin\": true}).",
+        json_schema_extra={"per_request": True},
     )
     serializer: ComponentSpec = Field(
         default_factory=lambda: ComponentSpec(type="raw"), description="Serializer of chunk frames."

@@ -22,6 +22,7 @@ from kvplug.core.config import KVPlugConfig, component_slots, resolve_components
 from kvplug.core.config_problems import problems_from_validation_error
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.record import INTEGRITY_KEY_ENV, INTEGRITY_KEY_FILE_ENV, integrity_key
+from kvplug.core.tenancy import anchor_pin_files
 from kvplug.errors import ConfigError, ConfigProblem
 
 ENV_PREFIX = "KVPLUG_"
@@ -64,7 +65,7 @@ def load_config(
     layers: list[tuple[str, dict[str, Any]]] = []
     path = engine_file or config_file or env.get("KVPLUG_CONFIG")
     if path:
-        layers.append((f"file {path}", read_yaml_layer(path)))
+        layers.append((f"file {path}", anchor_pin_files(read_yaml_layer(path), Path(path).parent)))
     layers.append(("env", env_layer(env, reserved=adapter_environment(registry or get_registry()))))
     layers.append(("engine", engine_layer))
     data: dict[str, Any] = {}

@@ -32,8 +32,10 @@ from kvplug.core.layouts import KVLayout
 from kvplug.core.manifest import ManifestWriter
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.parallel_copies import ParallelCopies, auto_copy_threads
+from kvplug.core.pins import apply_configured_pins, pin_keys, unpin_keys
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.serializer import Serializer
+from kvplug.core.tenancy import PinReport
 from kvplug.core.tier_chain import TierChain
 from kvplug.errors import ConnectorError, EngineClosedError
 
@@ -97,6 +99,7 @@ class CacheEngine:
                 on_drop=lambda batch: self.metrics.store_dropped.labels("engine").inc(),
             )
         self._closed = False
+        apply_configured_pins(self, self.config.pin)
 
     @property
     def chunk_size(self) -> int:
@@ -120,9 +123,31 @@ class CacheEngine:
     ) -> list[ChunkKey]:
         request = request or _NO_REQUEST
         fingerprint = self.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id)
+        fingerprint_hex = fingerprint.hexdigest()
+        self.chain.tenancy.tenants.note(fingerprint_hex, request.cache_salt)  # the tenant tiers count a key to
         return self.key_builder.keys(
-            tokens, fingerprint, extra_keys=request.extra_keys, include_partial=include_partial
+            tokens,
+            f"{fingerprint.format_version}/{fingerprint_hex}/",
+            extra_keys=request.extra_keys,
+            include_partial=include_partial,
         )
+
+    # --- pins -----------------------------------------------------------------------
+
+    def pin(self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None) -> PinReport:
+        """Keep the prompt's chunks (as a store of it with ``request`` keys them) from eviction
+        in every tier that keeps pins, within each tier's ``pin_max_bytes``: at once where
+        held, and chunks not stored yet when they are (in this process: see docs/operations.md)."""
+        self._check_open()
+        config = self._request_config(request)
+        keys = self.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk)
+        return pin_keys(self.chain, [k.key for k in keys])
+
+    def unpin(self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None) -> PinReport:
+        """Make the prompt's chunks evictable again (the reverse of :meth:`pin`)."""
+        self._check_open()
+        keys = self.chunk_keys(tokens, request, include_partial=True)
+        return unpin_keys(self.chain, [k.key for k in keys])
 
     # --- lookup ---------------------------------------------------------------------
 
@@ -208,6 +233,8 @@ class CacheEngine:
         self._check_open()
         first = self.layout.check_call(len(tokens), kv_caches, slots, mask)
         config = self._request_config(request)
+        if config.pin_request and not config.skip_save:  # first: a tier pins a wanted chunk as it stores it
+            self.pin(tokens, request=request)
         todo: list[tuple[ChunkKey, Any, torch.Tensor]] = []
         if not config.skip_save:
             try:

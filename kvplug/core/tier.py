@@ -16,6 +16,7 @@ from kvplug.core.components import ComponentConfig
 from kvplug.core.events import KVEvent
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.queue_settings import TIER_QUEUE_KEYS, OldQueueKey, QueueSettings, upgrade_queue_keys
+from kvplug.core.tenancy import Tenancy
 
 #: What ``get`` returns for a key: the whole value, or ``None`` for a miss.
 Buffer = bytes | bytearray | memoryview
@@ -92,6 +93,8 @@ class TierContext:
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     #: Report events (``evicted``, ``removed``) to ``kvplug_on_event`` observers.
     emit: Callable[[KVEvent], None] = lambda event: None
+    #: The engine's wanted pins and the tenants (cache_salts) of key fingerprints, shared by its tiers.
+    tenancy: Tenancy = field(default_factory=Tenancy)
 
 
 class StorageTier(ABC):
@@ -186,6 +189,18 @@ class StorageTier(ABC):
         caller's thread, so a tier can group work over the puts of a busy queue instead
         of doing it in every put (the disk tier fsyncs the folders it renamed into here).
         Must not wait long: the queue's thread runs it. The default does nothing."""
+
+    def pin(self, keys: Sequence[str]) -> list[tuple[str, int]] | None:
+        """Take stored keys out of eviction, within the tier's pin budget: per key, what
+        happened (``pinned``, ``already``, ``refused``, ``missing``) and its bytes. ``None``:
+        this tier keeps no pins (the default). Tiers that keep them also pin every key
+        ``context.tenancy.pins`` wants when they store it."""
+        return None
+
+    def unpin(self, keys: Sequence[str]) -> list[int | None] | None:
+        """Make pinned keys evictable again: per key its bytes, or ``None`` where it was not
+        pinned. ``None``: this tier keeps no pins (the default)."""
+        return None
 
     @abstractmethod
     def close(self) -> None:

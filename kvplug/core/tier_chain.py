@@ -31,6 +31,7 @@ from kvplug.core.events import KVEvent
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry
 from kvplug.core.remote import call_budget, remaining_budget_s
+from kvplug.core.tenancy import Tenancy
 from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierContext, TierStats, tier_settings
 from kvplug.core.tier_slot import TierSlot
 from kvplug.core.write_queue import Items, WriteQueue
@@ -64,6 +65,8 @@ class TierChain:
         #: Budget of one lookup across every tier; past it, the rest is a miss.
         self.lookup_timeout_s = lookup_timeout_s
         self._slots: list[TierSlot] = []
+        #: The pins and tenants its tiers share (:meth:`open` gives its tiers this one).
+        self.tenancy = Tenancy()
         for index, tier in enumerate(tiers):
             label = f"{index}:{tier.name}"
             settings = tier_settings(tier)
@@ -89,17 +92,20 @@ class TierChain:
         metrics: EngineMetrics | None = None,
         lookup_timeout_s: float | None = None,
         emit: Callable[[KVEvent], None] | None = None,
+        tenancy: Tenancy | None = None,
     ) -> TierChain:
         """Build each configured tier (``config.tiers`` entries, resolved) and chain them.
 
         The tiers report their events to ``emit`` (their engine's listeners; default:
-        only the registry's ``kvplug_on_event`` observers).
+        only the registry's ``kvplug_on_event`` observers). ``tenancy``: the engine's pins and
+        tenants, shared by the tiers (default: none wanted, none known).
 
         If one tier fails to open, the ones already opened are closed again, and the
         failure is a :class:`~kvplug.errors.TierOpenError` naming the entry
         (``tiers[1] (type disk): ...``); the tier's own exception is its ``cause``.
         """
         metrics = metrics or EngineMetrics()
+        tenancy = tenancy or Tenancy()
         tiers: list[StorageTier] = []
         try:
             for index, spec in enumerate(specs):
@@ -109,6 +115,7 @@ class TierChain:
                     logger=logging.getLogger(f"kvplug.tier.{spec.type}"),
                     emit=emit or registry.emit,
                     metrics=metrics,
+                    tenancy=tenancy,
                 )
                 tier_class = registry.storage_tiers()[spec.type]
                 try:
@@ -122,7 +129,9 @@ class TierChain:
             for tier in tiers:
                 tier.close()
             raise
-        return cls(tiers, metrics, lookup_timeout_s=lookup_timeout_s)
+        chain = cls(tiers, metrics, lookup_timeout_s=lookup_timeout_s)
+        chain.tenancy = tenancy
+        return chain
 
     @staticmethod
     def preflight(specs: Sequence[Any], registry: PluginRegistry) -> None:

@@ -22,17 +22,18 @@ from pydantic import ByteSize, Field
 from kvplug import (
     Buffer,
     EvictionName,
+    GuardedEviction,
     KVEvent,
     StorageTier,
+    TenancySettings,
     TierConfig,
     TierContext,
     TierStats,
-    make_eviction_policy,
 )
 from kvplug.errors import TierClosedError, ValueTooLargeError
 
 
-class CPUTierConfig(TierConfig):
+class CPUTierConfig(TenancySettings, TierConfig):
     """Options of tier ``cpu``."""
 
     max_bytes: ByteSize = Field(default=ByteSize(4 * 1024**3), description="Byte budget of stored values.")
@@ -62,7 +63,18 @@ class CPUTier(StorageTier):
         super().__init__(config, context)
         self.config: CPUTierConfig = config
         self._entries: dict[str, Buffer] = {}
-        self._policy = make_eviction_policy(config.eviction)  # guarded by self._lock, like _entries
+        quotas, default_quota = config.quota_bytes()
+        # Guarded by self._lock, like _entries: pinned keys are never its victims.
+        self._policy = GuardedEviction(
+            config.eviction,
+            pin_budget=config.pin_budget(),
+            quotas=quotas,
+            default_quota=default_quota,
+            tenant_of=context.tenancy.tenants.tenant_of,
+            wants_pin=context.tenancy.pins.wants_key,
+            logger=context.logger,
+            tier=self.name,
+        )
         self._lock = threading.Lock()
         self._stats = TierStats()
         self._closed = False
@@ -109,17 +121,37 @@ class CPUTier(StorageTier):
                 stats.items += 1
                 self._policy.inserted(key, size)
                 stats.puts += 1
+                for victim, victim_size in self._policy.take_over_quota():  # the tenant's own chunks
+                    self._drop_victim(victim, victim_size, evicted)
                 while stats.bytes_used > budget:
+                    # Never None: pins fit in pin_max_bytes <= max_bytes, the rest is the policy's.
                     popped = self._policy.pop_victim()
-                    assert popped is not None, "the policy holds every stored key"
-                    victim, victim_size = popped
-                    del self._entries[victim]
-                    stats.bytes_used -= victim_size
-                    stats.items -= 1
-                    stats.evictions += 1
-                    evicted.append(victim)
+                    assert popped is not None, "the policy holds every stored key not pinned"
+                    self._drop_victim(*popped, evicted)
         if evicted:
             self.context.emit(KVEvent("evicted", tuple(evicted), tier=self.name))
+
+    def _drop_victim(self, victim: str, size: int, evicted: list[str]) -> None:
+        del self._entries[victim]
+        self._stats.bytes_used -= size
+        self._stats.items -= 1
+        self._stats.evictions += 1
+        evicted.append(victim)
+
+    def pin(self, keys: Sequence[str]) -> list[tuple[str, int]]:
+        with self._lock:
+            self._check_open()
+            outcomes = []
+            for key in keys:
+                outcome = self._policy.pin(key)
+                value = self._entries.get(key)
+                outcomes.append((outcome, 0 if value is None else memoryview(value).nbytes))
+            return outcomes
+
+    def unpin(self, keys: Sequence[str]) -> list[int | None]:
+        with self._lock:
+            self._check_open()
+            return [self._policy.unpin(key) for key in keys]
 
     def remove(self, keys: Sequence[str]) -> None:
         removed = []
@@ -140,7 +172,8 @@ class CPUTier(StorageTier):
             snapshot.extra = {
                 "max_bytes": int(self.config.max_bytes),
                 "pinned": self._pin is not None,
-                "eviction": self._policy.name,
+                "eviction": self._policy.eviction,
+                **self._policy.stats_extra(),
             }
             return snapshot
 

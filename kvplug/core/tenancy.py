@@ -1,0 +1,278 @@
+"""Pins and per-tenant quotas: what a tier knows of a key beyond its bytes.
+
+- **Pins.** A pinned chunk is never an eviction victim of its tier. The engine keeps
+  the wanted pins (:class:`PinBook`: config ``pin:`` prefixes, requests that ask for
+  it, ``CacheEngine.pin``) and hands the book to every tier through
+  :class:`~kvplug.TierContext`; a tier pins a wanted chunk when it stores it, and
+  :meth:`kvplug.StorageTier.pin` pins chunks it holds already. Each tier's pinned bytes
+  have their own budget (:class:`TenancySettings` ``pin_max_bytes``); a pin over it
+  is refused, counted and logged, and the chunk stays an ordinary, evictable one.
+- **Tenants.** A tenant is a ``cache_salt``. Keys are ``<version>/<fingerprint>/<hash>``
+  and the fingerprint digests the salt, so the salt cannot be read back from a key:
+  the engine notes which fingerprint stands for which salt whenever it computes keys
+  for a salted request (:class:`TenantBook`), and a tier asks the book about a key's
+  fingerprint. Unsalted requests are no tenant: no quota applies to them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+
+#: The metrics label of salted tenants not named in a tier's ``quotas`` (a bounded label set).
+OTHER_TENANTS = "(other)"
+#: The metrics label of unsalted requests' chunks.
+UNSALTED = "(unsalted)"
+#: The quota that applies to every salt not named in ``quotas``.
+DEFAULT_QUOTA = "default"
+
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+_BYTES: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
+
+
+def parse_share(where: str, value: object) -> int | str:
+    """A byte count (``4GiB``, ``1000``) or a percentage of the tier's budget (``"20%"``),
+    normalised to an ``int`` or a ``"<number>%"`` string; ``ValueError`` names ``where``,
+    the value and the bound."""
+    if isinstance(value, str):
+        match = _PERCENT.match(value)
+        if match is not None:
+            percent = float(match.group(1))
+            if not 0 < percent <= 100:
+                raise ValueError(f"{where}: {value!r} must be a percentage greater than 0 and at most 100")
+            return f"{match.group(1)}%"
+    if isinstance(value, bool):
+        raise ValueError(f"{where}: {value!r} is not a byte size (4GiB) or a percentage (20%)")
+    try:
+        size = int(_BYTES.validate_python(value))
+    except ValueError:
+        raise ValueError(f"{where}: {value!r} is not a byte size (4GiB) or a percentage (20%)") from None
+    if size < 0:
+        raise ValueError(f"{where}: {value!r} must be at least 0 bytes")
+    return size
+
+
+def share_bytes(share: int | str, budget: int | None) -> int | None:
+    """The bytes a normalised share stands for (``None``: unbounded, a percentage of no budget)."""
+    if isinstance(share, int):
+        return share
+    if budget is None:
+        return None
+    return int(budget * float(share[:-1]) / 100)
+
+
+class TenancySettings(BaseModel):
+    """Pin budget and per-tenant quotas of a tier (mixed into the ``Config`` of tiers
+    that keep them: ``cpu``, ``disk``, ``shm``). Both are per tier, beside the tier's
+    ``max_bytes`` they are shares of, because each tier evicts on its own."""
+
+    pin_max_bytes: int | str = Field(
+        default="25%",
+        description="Budget of pinned chunks in this tier (chunks no eviction policy evicts: config pin:, "
+        "the kvplug.pin request flag, CacheEngine.pin / kvplug ctl pin): bytes (1GiB) or a percentage of "
+        "max_bytes (25%), at most max_bytes. A pin over it is refused and counted (stats pins_refused). "
+        "Not to be confused with pin_memory (page-locked host memory).",
+    )
+    quotas: dict[str, int | str] = Field(
+        default_factory=dict,
+        description="Per-tenant (cache_salt) byte quotas: {default: 20%, tenant-a: 4GiB}; bytes or a "
+        "percentage of max_bytes, each at most max_bytes. default applies to every salt not named; unsalted "
+        "requests are no tenant. A tenant over its quota evicts its own chunks (in the eviction policy's "
+        "order), never another's; pinned chunks do not count against it.",
+    )
+
+    @field_validator("pin_max_bytes", mode="before")
+    @classmethod
+    def _pin_share(cls, value: Any) -> int | str:
+        return parse_share("pin_max_bytes", value)
+
+    @field_validator("quotas", mode="before")
+    @classmethod
+    def _quota_shares(cls, value: Any) -> dict[str, int | str]:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"quotas: {value!r} is not a mapping of tenant (cache_salt) to bytes or percentage")
+        return {str(name): parse_share(f"quotas[{str(name)!r}]", share) for name, share in value.items()}
+
+    @model_validator(mode="after")
+    def _within_budget(self) -> TenancySettings:
+        budget = getattr(self, "max_bytes", None)
+        if budget is None:
+            return self
+        shares = {"pin_max_bytes": self.pin_max_bytes, **{f"quotas[{n!r}]": s for n, s in self.quotas.items()}}
+        for where, share in shares.items():
+            if isinstance(share, int) and share > int(budget):
+                raise ValueError(f"{where}: {share} bytes is more than the tier's max_bytes ({int(budget)})")
+        return self
+
+    def pin_budget(self) -> int | None:
+        """Pinned bytes this tier may hold (``None``: unbounded)."""
+        return share_bytes(self.pin_max_bytes, _budget(self))
+
+    def quota_bytes(self) -> tuple[dict[str, int], int | None]:
+        """(byte quota of each named tenant, the ``default`` quota or ``None``)."""
+        budget = _budget(self)
+        named: dict[str, int] = {}
+        default: int | None = None
+        for name, share in self.quotas.items():
+            size = share_bytes(share, budget)
+            if size is None:
+                continue
+            if name == DEFAULT_QUOTA:
+                default = size
+            else:
+                named[name] = size
+        return named, default
+
+
+def _budget(settings: BaseModel) -> int | None:
+    budget = getattr(settings, "max_bytes", None)
+    return None if budget is None else int(budget)
+
+
+class PinSpec(BaseModel):
+    """One configured pin: the chunks of a prefix (token ids in a file), for one salt."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefix_file: Path = Field(
+        description="Token ids of the prefix to pin: a JSON list or whitespace-separated integers (as kvplug "
+        "explain reads). A relative path is relative to the config file's folder."
+    )
+    salt: str | None = Field(default=None, description="The cache_salt of the requests the prefix serves.")
+    lora_id: str | None = Field(default=None, description="The LoRA adapter of those requests, if any.")
+
+
+def read_token_file(path: Path) -> list[int]:
+    """Token ids from a file: a JSON list, or integers separated by whitespace or commas."""
+    text = path.read_text(encoding="utf-8").strip()
+    body = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    try:
+        return [int(part) for part in body.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"{path}: not a list of token ids (a JSON list or whitespace-separated integers)") from None
+
+
+def record_name(key: str) -> str:
+    """The name record stores give ``key``: :func:`kvplug.key_digest` in hex (not imported
+    from :mod:`kvplug.core.record`, which needs the tier module that needs this one)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class PinBook:
+    """The chunks an engine wants pinned, by key and by record name (the sha256 of the key,
+    :func:`kvplug.key_digest`, which record stores see). Thread-safe; bounded: past
+    ``max_keys`` wanted keys a new pin is not remembered (it is still applied to chunks
+    tiers hold at that moment)."""
+
+    def __init__(self, max_keys: int = 1 << 20) -> None:
+        self.max_keys = max_keys
+        self._keys: set[str] = set()
+        self._names: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add(self, keys: Iterable[str]) -> int:
+        """Remember ``keys``; the number not remembered because the book is full."""
+        full = 0
+        with self._lock:
+            for key in keys:
+                if key in self._keys:
+                    continue
+                if len(self._keys) >= self.max_keys:
+                    full += 1
+                    continue
+                self._keys.add(key)
+                self._names.add(record_name(key))
+        return full
+
+    def discard(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            for key in keys:
+                if key in self._keys:
+                    self._keys.discard(key)
+                    self._names.discard(record_name(key))
+
+    def wants_key(self, key: str) -> bool:
+        return key in self._keys  # a set lookup is atomic under the GIL: no lock on this hot path
+
+    def wants_name(self, name: str) -> bool:
+        return name in self._names
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class TenantBook:
+    """Which key fingerprint stands for which ``cache_salt`` (thread-safe, at most
+    ``max_fingerprints``, the least recently noted forgotten first)."""
+
+    def __init__(self, max_fingerprints: int = 65536) -> None:
+        self.max_fingerprints = max_fingerprints
+        self._salts: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def note(self, fingerprint_hex: str, salt: str | None) -> None:
+        """Keys under ``fingerprint_hex`` belong to tenant ``salt`` (nothing for ``None``)."""
+        if salt is None:
+            return
+        with self._lock:
+            self._salts[fingerprint_hex] = salt
+            self._salts.move_to_end(fingerprint_hex)
+            while len(self._salts) > self.max_fingerprints:
+                self._salts.popitem(last=False)
+
+    def tenant_of(self, key: str) -> str | None:
+        """The salt of a ``<version>/<fingerprint>/<hash>`` key, ``None`` when unsalted or unknown."""
+        parts = key.split("/", 2)
+        if len(parts) != 3:
+            return None
+        return self._salts.get(parts[1])
+
+
+@dataclass
+class Tenancy:
+    """The pins and tenants of one engine, shared by its tiers (``TierContext.tenancy``)."""
+
+    pins: PinBook = field(default_factory=PinBook)
+    tenants: TenantBook = field(default_factory=TenantBook)
+
+
+def tenant_label(tenant: str | None, named: Iterable[str]) -> str:
+    """The metrics label of a tenant: its salt when ``quotas`` names it, else a shared label."""
+    if tenant is None:
+        return UNSALTED
+    return tenant if tenant in named else OTHER_TENANTS
+
+
+@dataclass(frozen=True)
+class PinReport:
+    """What :meth:`kvplug.CacheEngine.pin` or ``unpin`` did to a prompt's chunks.
+
+    ``chunks``: chunks now pinned (``pin``, in at least one tier) or no longer pinned
+    (``unpin``); ``bytes``: their bytes, summed over the tiers; ``refused``: chunks a
+    tier refused because its ``pin_max_bytes`` was spent; ``missing``: chunks no tier
+    that keeps pins holds yet (a pin applies when they are stored)."""
+
+    chunks: int = 0
+    bytes: int = 0
+    refused: int = 0
+    missing: int = 0
+
+
+def anchor_pin_files(layer: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A config file's layer with each relative ``pin[].prefix_file`` made relative to
+    the file's ``folder`` (the layer itself, changed in place)."""
+    pins = layer.get("pin")
+    if isinstance(pins, list):
+        for entry in pins:
+            if isinstance(entry, dict) and isinstance(entry.get("prefix_file"), str):
+                path = Path(entry["prefix_file"]).expanduser()
+                entry["prefix_file"] = str(path if path.is_absolute() else folder / path)
+    return layer
