@@ -35,6 +35,16 @@ from kvplug.core.config_types import (
     TimeoutMilliseconds,
     TimeoutSeconds,
 )
+from kvplug.core.control_protocol import CONTROL_PROTOCOL_VERSION
+from kvplug.core.control_socket import (
+    LOOKUP_DIR_ENV,
+    MessageServer,
+    ServerLimits,
+    check_socket_file,
+    foreign_peer,
+    private_socket_dir,
+    remove_stale_sockets,
+)
 from kvplug.core.events import KVEvent
 from kvplug.core.eviction import EvictionName, EvictionPolicy, LRUPolicy, S3FIFOPolicy, make_eviction_policy
 from kvplug.core.guarded_eviction import GuardedEviction, PinOutcome
@@ -98,6 +108,11 @@ _LAZY = {
     "KVPlugConfig": "kvplug.core.config",
     "load_config": "kvplug.core.config_loader",
     "get_registry": "kvplug.core.plugins",
+    "ControlServer": "kvplug.core.control_server",
+    "ControlIdentity": "kvplug.core.control_server",
+    "control_socket_path": "kvplug.core.control_server",
+    "ControlTarget": "kvplug.core.control_target",
+    "EngineControl": "kvplug.core.control_target",
     "PluginRegistry": "kvplug.core.plugins",
 }
 
@@ -107,6 +122,8 @@ if TYPE_CHECKING:
     from kvplug.core.config import KVPlugConfig
     from kvplug.core.config_loader import load_config
     from kvplug.core.connector import KVConnector
+    from kvplug.core.control_server import ControlIdentity, ControlServer, control_socket_path
+    from kvplug.core.control_target import ControlTarget, EngineControl
     from kvplug.core.engine import CacheEngine
     from kvplug.core.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
     from kvplug.core.layouts import KVLayout, PagedFormat, slots_from_block_ids
@@ -124,7 +141,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CHUNK_DTYPE_SIZES",
+    "CONTROL_PROTOCOL_VERSION",
     "KV_FORMAT_VERSION",
+    "LOOKUP_DIR_ENV",
     "MEDIA",
     "OTHER_TENANTS",
     "RAW_FRAME_MAGIC",
@@ -149,8 +168,12 @@ __all__ = [
     "CircuitBreaker",
     "ComponentConfig",
     "Concurrency",
+    "ControlIdentity",
+    "ControlServer",
+    "ControlTarget",
     "EmptyConfig",
     "EngineAdapter",
+    "EngineControl",
     "EngineMetrics",
     "EvictionName",
     "EvictionPolicy",
@@ -172,6 +195,7 @@ __all__ = [
     "LoadedChunks",
     "LoopThread",
     "Medium",
+    "MessageServer",
     "MetricSample",
     "OldQueueKey",
     "PagedFormat",
@@ -196,6 +220,7 @@ __all__ = [
     "RetryPolicy",
     "S3FIFOPolicy",
     "Serializer",
+    "ServerLimits",
     "StorageTier",
     "StoredRecord",
     "Tenancy",
@@ -212,8 +237,11 @@ __all__ = [
     "__version__",
     "call_budget",
     "check_record",
+    "check_socket_file",
     "classify_failure",
+    "control_socket_path",
     "dtype_name",
+    "foreign_peer",
     "get_registry",
     "hookimpl",
     "is_secret_name",
@@ -224,10 +252,12 @@ __all__ = [
     "make_serializer",
     "pack_record",
     "pack_record_header",
+    "private_socket_dir",
     "redact",
     "redact_text",
     "redact_url",
     "remaining_budget_s",
+    "remove_stale_sockets",
     "slots_from_block_ids",
     "unpack_record",
 ]

@@ -192,3 +192,20 @@ class LayoutError(KVPlugError, ValueError):
 
 class EngineClosedError(KVPlugError):
     """The cache engine was used after :meth:`kvplug.CacheEngine.close`."""
+
+
+# --- control socket ------------------------------------------------------------------
+
+
+class UnsafeSocketPathError(KVPlugError):
+    """A socket folder or file that another user could control (a link, foreign-owned, open to others)."""
+
+
+class ControlError(KVPlugError):
+    """A control request to a running engine failed: no engine answers, the socket is gone
+    or refused us, the reply was malformed, or the engine said no (the message says which)."""
+
+
+class ControlProtocolError(ControlError, ValueError):
+    """A control message breaks the protocol: too large, not length-prefixed JSON, an
+    unknown op, a field of the wrong type or size, or another protocol version."""

@@ -11,6 +11,7 @@ import yaml
 from rich.table import Table
 
 from kvplug.cli.console import console, err_console, run_or_exit
+from kvplug.cli.ctl import ctl_app
 from kvplug.cli.explain import explain_command
 from kvplug.cli.store import store_app
 from kvplug.errors import PluginError
@@ -19,6 +20,7 @@ app = typer.Typer(help="kvplug: a KV cache layer for LLM serving engines.", no_a
 config_app = typer.Typer(help="Show and check kvplug configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(store_app, name="store")
+app.add_typer(ctl_app, name="ctl")
 app.command("explain")(explain_command)
 
 

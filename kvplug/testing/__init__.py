@@ -2,6 +2,7 @@
 
 from kvplug.testing.connector_copies import gather_chunk, scatter_chunk
 from kvplug.testing.decode_bounds import DecodeCost, assert_bounded, cap_memory, measure_decode, run_fresh
+from kvplug.testing.other_user import send_as_other_user
 from kvplug.testing.storage_contract import StorageTierContract, key_for, tier_context, value_for
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "measure_decode",
     "run_fresh",
     "scatter_chunk",
+    "send_as_other_user",
     "tier_context",
     "value_for",
 ]

@@ -198,7 +198,7 @@ def fresh_dir_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(tempfile, "tempdir", str(root))
     monkeypatch.delenv(LOOKUP_DIR_ENV, raising=False)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
-    monkeypatch.setattr(socket_server, "_dir", None)
+    monkeypatch.setattr("kvplug.core.control_socket._dir", None)
     return root
 
 

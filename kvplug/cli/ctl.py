@@ -1,0 +1,336 @@
+"""``kvplug ctl``: ask a running engine about its cache, pin prompts, clear chunks.
+
+Each rank of a running engine answers on a control socket in this user's private folder
+(:mod:`kvplug.core.control_server`). A command finds the engine (``--engine`` ID, a
+prefix of it, or its name; needed only when several run), asks every rank, and prints
+the sum (counts and bytes summed over ranks; a lookup's hit is the smallest rank's, as
+the engine loads only what every rank holds). ``--per-rank`` adds each rank's row;
+``--json`` prints one JSON object with the total and each rank's reply.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from kvplug.cli.console import console, err_console
+from kvplug.cli.explain import read_prompt
+from kvplug.core.control_client import ControlClient, RankEndpoint, find_ranks, select_engine
+from kvplug.core.control_protocol import request_fields
+from kvplug.core.keys import RequestInfo
+from kvplug.errors import ControlError, ExplainInputError
+
+ctl_app = typer.Typer(help="Control a running engine: stats, lookup, explain, pin, clear.", no_args_is_help=True)
+
+T = TypeVar("T")
+Replies = list[tuple[RankEndpoint, dict[str, Any]]]
+
+_ENGINE = typer.Option(None, "--engine", "-e", help="The engine's id (or a prefix of it) or name; needed when several run.")  # fmt: skip
+_DIR = typer.Option(None, "--socket-dir", help="The private socket folder (default: as the engine finds it).")
+_JSON = typer.Option(False, "--json", help="Print one JSON object: the total and each rank's reply.")
+_PER_RANK = typer.Option(False, "--per-rank", help="Also show each rank's row.")
+_TIMEOUT = typer.Option(30.0, "--timeout", help="Seconds to wait for each rank's answer.")
+_PROMPT = typer.Argument(..., help="File of token ids (a JSON list or whitespace-separated ints); '-' reads stdin.")
+_TOKENIZER = typer.Option(None, "--tokenizer", help="The prompt file is text: encode it with this Hugging Face tokenizer.")  # fmt: skip
+_SALT = typer.Option(None, "--cache-salt", help="The request's cache_salt.")
+_LORA = typer.Option(None, "--lora", help="The request's LoRA id.")
+
+
+def _run(action: Callable[[], T]) -> T:
+    try:
+        return action()
+    except (ControlError, ExplainInputError) as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False, markup=False)
+        raise typer.Exit(2) from None
+
+
+def _client(engine: str | None, socket_dir: Path | None, timeout: float) -> ControlClient:
+    found = find_ranks(socket_dir)
+    return ControlClient(select_engine(found.ranks, engine), timeout_s=timeout)
+
+
+def _request(cache_salt: str | None, lora: str | None) -> dict[str, Any]:
+    return request_fields(RequestInfo(cache_salt=cache_salt, lora_id=lora))
+
+
+def _rank_name(rank: RankEndpoint) -> str:
+    dp, tp = rank.rank
+    return f"dp{dp}/tp{tp}"
+
+
+def _print_json(replies: Replies, total: dict[str, Any]) -> None:
+    ranks = [{"dp_rank": r.rank[0], "tp_rank": r.rank[1], **reply} for r, reply in replies]
+    engine = replies[0][0].engine_id if replies else None
+    typer.echo(json.dumps({"engine": engine, "total": total, "ranks": ranks}, indent=2))
+
+
+def _sum_numbers(dicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Numbers summed key by key; other values kept when every dict agrees, else joined."""
+    total: dict[str, Any] = {}
+    for d in dicts:
+        for key, value in d.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+            elif key not in total:
+                total[key] = value
+            elif total[key] != value and not isinstance(value, (dict, list)):
+                total[key] = f"{total[key]}, {value}"
+    return total
+
+
+def _sum_tiers(replies: Replies) -> list[dict[str, Any]]:
+    by_label: dict[str, list[dict[str, Any]]] = {}
+    for _, reply in replies:
+        for row in reply.get("tiers", []):
+            by_label.setdefault(str(row.get("tier")), []).append({k: v for k, v in row.items() if k != "extra"})
+    return [_sum_numbers(rows) for rows in by_label.values()]
+
+
+def _size(value: Any) -> str:
+    if not isinstance(value, (int, float)):
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(value)  # pragma: no cover
+
+
+def _tier_table(title: str, rows: Sequence[dict[str, Any]], rank: str | None = None) -> Table:
+    table = Table(title=title)
+    columns = ["tier", "medium", "used", "budget", "items", "hits", "misses", "evictions", "errors", "breaker"]
+    for column in (["rank"] if rank else []) + columns:
+        table.add_column(column)
+    for row in rows:
+        cells = [
+            str(row.get("tier")), str(row.get("medium")), _size(row.get("bytes_used")), _size(row.get("max_bytes")),
+            *(str(row.get(name, "-")) for name in ("items", "hits", "misses", "evictions", "errors", "breaker_state")),
+        ]  # fmt: skip
+        table.add_row(*(Text(c) for c in ([rank] if rank else []) + cells))
+    return table
+
+
+# --- commands -------------------------------------------------------------------------------
+
+
+@ctl_app.command("list")
+def list_command(socket_dir: Path | None = _DIR, as_json: bool = _JSON, timeout: float = _TIMEOUT) -> None:
+    """The engines answering in this user's socket folder, and their ranks."""
+    found = _run(lambda: find_ranks(socket_dir, timeout_s=timeout))
+    if as_json:
+        body = {"ranks": [{"socket": str(r.path), **r.info} for r in found.ranks], "unreachable": found.unreachable}
+        typer.echo(json.dumps(body, indent=2))
+        return
+    table = Table(title="running engines")
+    for column in ("engine", "name", "adapter", "rank", "pid", "model", "fingerprint", "tiers"):
+        table.add_column(column, overflow="fold")
+    for rank in found.ranks:
+        info = rank.info
+        cells = [rank.engine_id, str(info.get("name")), str(info.get("adapter")),
+                 f"{_rank_name(rank)} of {info.get('tp_size')}", str(info.get("pid")), str(info.get("model")),
+                 str(info.get("fingerprint"))[:12], ", ".join(map(str, info.get("tiers", [])))]  # fmt: skip
+        table.add_row(*(Text(c) for c in cells))
+    console.print(table)
+    for path, why in found.unreachable.items():
+        console.print(f"not answering: {path}: {why}", highlight=False, markup=False)
+
+
+@ctl_app.command("stats")
+def stats_command(
+    engine: str | None = _ENGINE, socket_dir: Path | None = _DIR, per_rank: bool = _PER_RANK,
+    as_json: bool = _JSON, timeout: float = _TIMEOUT,
+) -> None:  # fmt: skip
+    """The engine's counters (stored, loaded, lookups, errors) and its tiers' usage, summed over ranks."""
+    replies = _run(lambda: _client(engine, socket_dir, timeout).ask_all("stats"))
+    metrics = _sum_numbers([reply.get("metrics", {}) for _, reply in replies])
+    total: dict[str, Any] = {"metrics": metrics, "tiers": _sum_tiers(replies)}
+    if as_json:
+        _print_json(replies, total)
+        return
+    table = Table(title=f"engine {replies[0][0].engine_id}: {len(replies)} rank(s), counters summed")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in sorted(metrics.items()):
+        if value:
+            table.add_row(Text(name), f"{value:g}")
+    console.print(table)
+    console.print(_tier_table("tiers (summed over ranks)", total["tiers"]))
+    if per_rank:
+        for rank, reply in replies:
+            console.print(_tier_table(f"tiers of {_rank_name(rank)}", reply.get("tiers", []), _rank_name(rank)))
+
+
+@ctl_app.command("tiers")
+def tiers_command(
+    engine: str | None = _ENGINE, socket_dir: Path | None = _DIR, per_rank: bool = _PER_RANK,
+    as_json: bool = _JSON, timeout: float = _TIMEOUT,
+) -> None:  # fmt: skip
+    """Each tier's usage, budget and circuit-breaker state (a remote tier's), summed over ranks."""
+    replies = _run(lambda: _client(engine, socket_dir, timeout).ask_all("tiers"))
+    total: dict[str, Any] = {"tiers": _sum_tiers(replies)}
+    if as_json:
+        _print_json(replies, total)
+        return
+    console.print(_tier_table(f"tiers of engine {replies[0][0].engine_id} (summed over ranks)", total["tiers"]))
+    if per_rank:
+        for rank, reply in replies:
+            console.print(_tier_table(f"tiers of {_rank_name(rank)}", reply.get("tiers", []), _rank_name(rank)))
+
+
+@ctl_app.command("lookup")
+def lookup_command(
+    prompt: str = _PROMPT, tokenizer: str | None = _TOKENIZER, cache_salt: str | None = _SALT,
+    lora: str | None = _LORA, engine: str | None = _ENGINE, socket_dir: Path | None = _DIR,
+    per_rank: bool = _PER_RANK, as_json: bool = _JSON, timeout: float = _TIMEOUT,
+) -> None:  # fmt: skip
+    """How much of a prompt the engine holds now: the hit it would load, and where each rank holds it."""
+
+    def action() -> Replies:
+        tokens = read_prompt(prompt, tokenizer)
+        return _client(engine, socket_dir, timeout).ask_all("lookup", _request(cache_salt, lora), tokens)
+
+    replies = _run(action)
+    hits = [int(reply["hit_tokens"]) for _, reply in replies]
+    total = {
+        "num_tokens": replies[0][1]["num_tokens"],
+        "hit_tokens": min(hits),
+        "chunks_held": sum(len(reply["chunks"]) for _, reply in replies),
+    }
+    if as_json:
+        _print_json(replies, total)
+        return
+    console.print(
+        f"hit: {total['hit_tokens']} of {total['num_tokens']} tokens (every rank holds it); "
+        f"{total['chunks_held']} chunks held over {len(replies)} rank(s)",
+        highlight=False,
+    )
+    if per_rank or len(set(hits)) > 1:
+        table = Table(title="per rank")
+        for column in ("rank", "hit tokens", "chunks by tier"):
+            table.add_column(column)
+        for rank, reply in replies:
+            tiers: dict[str, int] = {}
+            for tier, _ in reply["chunks"]:
+                tiers[tier] = tiers.get(tier, 0) + 1
+            where = ", ".join(f"{name}: {count}" for name, count in tiers.items()) or "-"
+            table.add_row(_rank_name(rank), str(reply["hit_tokens"]), Text(where))
+        console.print(table)
+
+
+@ctl_app.command("explain")
+def explain_command(
+    prompt: str = _PROMPT, tokenizer: str | None = _TOKENIZER, cache_salt: str | None = _SALT,
+    lora: str | None = _LORA, engine: str | None = _ENGINE, socket_dir: Path | None = _DIR,
+    per_rank: bool = _PER_RANK, as_json: bool = _JSON, timeout: float = _TIMEOUT,
+) -> None:  # fmt: skip
+    """A prompt's chunk map over the live engine's own tiers (its memory tier too) and why it stops there."""
+
+    def action() -> Replies:
+        tokens = read_prompt(prompt, tokenizer)
+        return _client(engine, socket_dir, timeout).ask_all("explain", _request(cache_salt, lora), tokens)
+
+    replies = _run(action)
+    worst_rank, worst = min(replies, key=lambda item: int(item[1]["hit_tokens"]))
+    total = {"hit_tokens": worst["hit_tokens"], "num_tokens": worst["num_tokens"], "reason": worst["reason"]}
+    if as_json:
+        _print_json(replies, total)
+        return
+    for rank, reply in replies if per_rank else [(worst_rank, worst)]:
+        table = Table(title=f"{_rank_name(rank)}: {reply['num_tokens']} tokens, fingerprint "
+                      f"{reply['scheme']['fingerprint'][:12]}, chunk {reply['scheme']['fields'].get('chunk_size')}")  # fmt: skip
+        for column in ("chunk", "tokens", "key", "tiers"):
+            table.add_column(column)
+        for row in reply["chunks"]:
+            style = (
+                "" if row["index"] < reply["hit_chunks"] else "red" if row["index"] == reply["hit_chunks"] else "dim"
+            )
+            key = str(row["key"]).rsplit("/", 1)[-1][:12]
+            cells = [str(row["index"]), f"{row['start']}-{row['end']}", key, ", ".join(row["tiers"]) or "-"]
+            table.add_row(*(Text(c) for c in cells), style=style)
+        console.print(table)
+    console.print(f"hit: {worst['hit_tokens']} of {worst['num_tokens']} tokens ({_rank_name(worst_rank)}, the "
+                  f"rank holding least, of {len(replies)})", highlight=False)  # fmt: skip
+    console.print(f"why: {worst['reason']}", highlight=False, markup=False)
+
+
+def _pin(op: str, prompt: str, tokenizer: str | None, cache_salt: str | None, lora: str | None,
+         engine: str | None, socket_dir: Path | None, per_rank: bool, as_json: bool, timeout: float) -> None:  # fmt: skip
+    def action() -> Replies:
+        tokens = read_prompt(prompt, tokenizer)
+        return _client(engine, socket_dir, timeout).ask_all(op, _request(cache_salt, lora), tokens)
+
+    replies = _run(action)
+    total = _sum_numbers([reply for _, reply in replies])
+    if as_json:
+        _print_json(replies, total)
+        return
+    summary = ", ".join(f"{name} {total.get(name, 0)}" for name in ("chunks", "bytes", "refused", "missing"))
+    console.print(f"{op}ned over {len(replies)} rank(s): {summary}", highlight=False)
+    if per_rank:
+        for rank, reply in replies:
+            console.print(f"  {_rank_name(rank)}: {json.dumps(reply)}", highlight=False, markup=False)
+
+
+@ctl_app.command("pin")
+def pin_command(
+    prompt: str = _PROMPT, tokenizer: str | None = _TOKENIZER, cache_salt: str | None = _SALT,
+    lora: str | None = _LORA, engine: str | None = _ENGINE, socket_dir: Path | None = _DIR,
+    per_rank: bool = _PER_RANK, as_json: bool = _JSON, timeout: float = _TIMEOUT,
+) -> None:  # fmt: skip
+    """Pin a prompt's stored chunks on every rank: never evicted, within the pinned-bytes budget."""
+    _pin("pin", prompt, tokenizer, cache_salt, lora, engine, socket_dir, per_rank, as_json, timeout)
+
+
+@ctl_app.command("unpin")
+def unpin_command(
+    prompt: str = _PROMPT, tokenizer: str | None = _TOKENIZER, cache_salt: str | None = _SALT,
+    lora: str | None = _LORA, engine: str | None = _ENGINE, socket_dir: Path | None = _DIR,
+    per_rank: bool = _PER_RANK, as_json: bool = _JSON, timeout: float = _TIMEOUT,
+) -> None:  # fmt: skip
+    """Unpin a prompt's chunks on every rank: they are evicted like any other again."""
+    _pin("unpin", prompt, tokenizer, cache_salt, lora, engine, socket_dir, per_rank, as_json, timeout)
+
+
+@ctl_app.command("clear")
+def clear_command(
+    cache_salt: str | None = typer.Option(None, "--salt", help="Remove the chunks of this cache_salt only."),
+    no_salt: bool = typer.Option(False, "--no-salt", help="Remove the chunks of requests without a cache_salt."),
+    all_salts: bool = typer.Option(False, "--all", help="Remove the chunks of every cache_salt."),
+    lora: str | None = typer.Option(None, "--lora", help="With --salt/--no-salt: the chunks of this LoRA id."),
+    tier: str | None = typer.Option(None, "--tier", help="Only from this tier (its type, index or label: cpu, 0, 0:cpu)."),
+    engine: str | None = _ENGINE, socket_dir: Path | None = _DIR, per_rank: bool = _PER_RANK,
+    as_json: bool = _JSON, timeout: float = _TIMEOUT,
+) -> None:  # fmt: skip
+    """Remove the chunks this engine stored or loaded since it started, of one cache_salt
+    (--salt S, --no-salt) or of all (--all), from every tier or one (--tier). Chunks other
+    engines wrote to a shared tier are left alone (``kvplug store`` handles stores offline)."""
+    if sum([cache_salt is not None, no_salt, all_salts]) != 1:
+        err_console.print("[red]error:[/red] say what to clear: exactly one of --salt S, --no-salt, --all")
+        raise typer.Exit(2)
+    fields: dict[str, Any] = {"all_salts": True} if all_salts else {"cache_salt": cache_salt, "lora_id": lora}
+    if tier is not None:
+        fields["tier"] = tier
+    replies = _run(lambda: _client(engine, socket_dir, timeout).ask_all("clear", fields))
+    removed = _sum_numbers([reply["removed"] for _, reply in replies])
+    freed = _sum_numbers([reply["bytes_freed"] for _, reply in replies])
+    scope = replies[0][1]["scope"]
+    total = {"removed": removed, "bytes_freed": freed, "scope": scope, "known_chunks": sum(r["known_chunks"] for _, r in replies)}  # fmt: skip
+    if as_json:
+        _print_json(replies, total)
+        return
+    where = ", ".join(f"{label}: {count} chunks ({_size(freed.get(label))})" for label, count in removed.items())
+    console.print(
+        f"cleared the chunks of {scope} that engine {replies[0][0].engine_id} stored or loaded, over "
+        f"{len(replies)} rank(s): {where or 'no tier matched'}",
+        highlight=False,
+        markup=False,
+    )
+    if per_rank:
+        for rank, reply in replies:
+            console.print(f"  {_rank_name(rank)}: {reply['removed']}", highlight=False, markup=False)

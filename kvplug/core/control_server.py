@@ -1,0 +1,212 @@
+"""A running engine's answers to ``kvplug ctl``: one :class:`ControlServer` per cache engine.
+
+An engine adapter starts one for each of its workers' :class:`~kvplug.CacheEngine`
+(one per tensor-parallel rank) on :func:`control_socket_path`, in this user's private
+folder; ``kvplug ctl`` finds them there, asks every rank of an engine and sums. The
+server answers on its own thread and socket, apart from any lookup socket the adapter
+serves its scheduler on, so an operator's request never queues behind, nor ahead of,
+the engine's own lookups.
+
+The server asks a :class:`~kvplug.core.control_target.ControlTarget` (a cache engine's,
+:class:`~kvplug.core.control_target.EngineControl`, by default). ``clear`` removes the
+chunks this engine stored or loaded since it started (the target's journal, fed by its
+events), never those other engines wrote to a shared tier: it can say exactly what it
+removed. ``kvplug store`` handles stores offline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvplug.core.control_protocol import (
+    CONTROL_PROTOCOL_VERSION,
+    MAX_CONTROL_MESSAGE,
+    ControlRequest,
+    VersionMismatch,
+    decode_request,
+    encode_reply,
+    error_reply,
+    text_field,
+)
+from kvplug.core.control_socket import MessageServer, ServerLimits, private_socket_dir
+from kvplug.core.control_target import ControlTarget, EngineControl
+from kvplug.core.version import KVPLUG_VERSION
+from kvplug.errors import ControlProtocolError
+
+if TYPE_CHECKING:
+    from kvplug.core.engine import CacheEngine
+
+logger = logging.getLogger("kvplug.control")
+
+CONTROL_LIMITS = ServerLimits(
+    max_message_bytes=MAX_CONTROL_MESSAGE, max_buffered_bytes=2 * MAX_CONTROL_MESSAGE, max_connections=16
+)
+
+
+@dataclass(frozen=True)
+class ControlIdentity:
+    """Who answers on a control socket: ``kvplug ctl list`` shows it, ``--engine`` matches it."""
+
+    #: The engine instance's id (unique per running engine); ranks of one engine share it.
+    engine_id: str
+    #: A name an operator knows it by (the served model name), for ``--engine NAME``.
+    name: str
+    #: Which adapter runs it (the engine plugin's name).
+    adapter: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_rank: int = 0
+
+
+def control_socket_path(engine_id: str, dp_rank: int, tp_rank: int) -> Path:
+    """The control socket of one rank of an engine: this user's private folder, a hex name."""
+    name = hashlib.sha256(f"{engine_id}\0{dp_rank}\0{tp_rank}".encode()).hexdigest()[:32]
+    return private_socket_dir() / f"ctl-{name}.sock"
+
+
+class ControlServer(MessageServer):
+    """Answers ``kvplug ctl`` for one cache engine on a unix socket, from one thread.
+
+    The socket handling (private folder, peer uid, limits, deadlines) is
+    :class:`~kvplug.MessageServer`'s; the messages are :mod:`kvplug.core.control_protocol`'s.
+    """
+
+    thread_name = "kvplug-control-server"
+
+    def __init__(
+        self,
+        target: CacheEngine | ControlTarget,
+        identity: ControlIdentity,
+        path: Path | None = None,
+        limits: ServerLimits = CONTROL_LIMITS,
+    ) -> None:
+        #: What the server answers about (a cache engine is served by its :class:`EngineControl`).
+        self.target = target if isinstance(target, ControlTarget) else EngineControl(target)
+        self.identity = identity
+        self._ops: Mapping[str, Callable[[ControlRequest], dict[str, Any]]] = {
+            "info": self._info,
+            "stats": self._stats,
+            "tiers": self._tiers,
+            "lookup": self._lookup,
+            "explain": self._explain,
+            "pin": self._pin,
+            "unpin": self._pin,
+            "clear": self._clear,
+        }
+        try:
+            super().__init__(
+                path or control_socket_path(identity.engine_id, identity.dp_rank, identity.tp_rank), limits
+            )
+        except BaseException:
+            self.target.close()
+            raise
+
+    def close(self) -> None:
+        super().close()
+        self.target.close()
+
+    def answer(self, body: bytes) -> bytes | None:
+        try:
+            request = decode_request(body)
+        except VersionMismatch as exc:
+            return error_reply(str(exc), "version")
+        except ControlProtocolError as exc:
+            logger.warning("control socket: a malformed request (%s); closing its connection", exc)
+            return None
+        try:
+            return encode_reply(self._ops[request.op](request))
+        except ControlProtocolError as exc:
+            return error_reply(str(exc), "bad_request")
+        except Exception as exc:  # the engine stays up: the operator reads why
+            logger.warning("control request %s failed: %s", request.op, exc)
+            return error_reply(f"{type(exc).__name__}: {exc}", "failed")
+
+    # --- ops --------------------------------------------------------------------------
+
+    def _info(self, request: ControlRequest) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(self.identity),
+            "pid": os.getpid(),
+            "protocol": CONTROL_PROTOCOL_VERSION,
+            "kvplug": KVPLUG_VERSION,
+            **self.target.describe(),
+            "tiers": [label for label, _ in self.target.chain.stats()],
+        }
+
+    def _tier_rows(self) -> list[dict[str, Any]]:
+        chain = self.target.chain
+        rows = []
+        for (label, stats), tier, settings in zip(chain.stats(), chain.tiers, chain.settings):
+            row: dict[str, Any] = {
+                "tier": label,
+                "medium": tier.medium,
+                "max_bytes": None if settings.max_bytes is None else int(settings.max_bytes),
+                **{f.name: getattr(stats, f.name) for f in dataclasses.fields(stats) if f.name != "extra"},
+                "breaker_state": stats.extra.get("breaker_state", "-"),
+                "extra": dict(stats.extra),
+            }
+            rows.append(row)
+        return rows
+
+    def _stats(self, request: ControlRequest) -> dict[str, Any]:
+        return {"metrics": self.target.metrics.snapshot(), "tiers": self._tier_rows()}
+
+    def _tiers(self, request: ControlRequest) -> dict[str, Any]:
+        return {"tiers": self._tier_rows()}
+
+    def _lookup(self, request: ControlRequest) -> dict[str, Any]:
+        tiers = self.target.lookup(request.tokens, request.request_info())
+        return {
+            "num_tokens": len(request.tokens),
+            "hit_tokens": sum(n for _, n in tiers),
+            "chunks": [[tier, n] for tier, n in tiers],
+        }
+
+    def _explain(self, request: ControlRequest) -> dict[str, Any]:
+        return self.target.explain(request.tokens, request.request_info())
+
+    def _pin(self, request: ControlRequest) -> dict[str, Any]:
+        report = self.target.pin(request.tokens, request.request_info(), unpin=request.op == "unpin")
+        return dataclasses.asdict(report)
+
+    def _clear(self, request: ControlRequest) -> dict[str, Any]:
+        """Remove the journal's chunks in the request's scope, from one tier (or all); say what."""
+        target = self.target
+        keys, scope = target.clear_keys(request)
+        tier_name = text_field(request.fields, "tier")
+        chain = target.chain
+        labels = [label for label, _ in chain.stats()]
+        chosen = [(label, tier) for label, tier in zip(labels, chain.tiers) if _tier_matches(label, tier_name)]
+        if tier_name is not None and not chosen:
+            raise ControlProtocolError(f"no tier {tier_name!r} in this engine; tiers: {', '.join(labels)}")
+        target.flush()  # a queued write would land after the removal
+        removed: dict[str, int] = {}
+        freed: dict[str, int] = {}
+        for label, tier in chosen:
+            before = tier.stats().bytes_used
+            present = [key for key, held in zip(keys, tier.contains(keys) if keys else []) if held]
+            if present:
+                tier.remove(present)
+            removed[label] = len(present)
+            freed[label] = max(0, before - tier.stats().bytes_used)
+        if tier_name is None:
+            target.forget(keys)
+        return {
+            "removed": removed,
+            "bytes_freed": freed,
+            "known_chunks": len(keys),
+            "journal_forgot": target.journal.forgotten,
+            "scope": scope,
+        }
+
+
+def _tier_matches(label: str, wanted: str | None) -> bool:
+    """``wanted`` names a tier by its label (``1:disk``), its type (``disk``) or its index (``1``)."""
+    return wanted is None or wanted in (label, *label.split(":", 1))

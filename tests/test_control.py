@@ -1,0 +1,208 @@
+"""``kvplug ctl`` and its control protocol against a real cache engine's control server.
+
+The server runs on its own thread in this process, with a real cpu and disk tier; the
+CLI is the real ``kvplug ctl`` (typer's runner); the bad clients are real sockets, and
+the other user is a real process running as ``nobody``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import struct
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from core_helpers import LAYOUTS, random_caches
+from typer.testing import CliRunner
+
+from kvplug import CacheEngine, ControlIdentity, ControlServer, Fingerprint, RequestInfo, load_config
+from kvplug.cli.main import app
+from kvplug.core.control_client import ask, find_ranks
+from kvplug.core.control_protocol import MAX_CONTROL_MESSAGE, encode_request, exchange
+from kvplug.errors import ControlError
+from kvplug.testing import send_as_other_user
+
+LAYOUT = LAYOUTS["vllm_flash"]  # float16, block 4
+TOKENS = list(range(100, 140))  # five chunks of 8
+OTHER = list(range(500, 524))  # three chunks of 8
+_LEN = struct.Struct("<I")
+
+
+@pytest.fixture
+def socket_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    folder = Path(tempfile.mkdtemp(prefix="kvctl-"))  # 0700; short: a socket path has ~100 bytes at most
+    monkeypatch.setenv("KVPLUG_LOOKUP_DIR", str(folder))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[CacheEngine]:
+    tiers = [{"type": "cpu", "max_bytes": "64MiB"}, {"type": "disk", "path": str(tmp_path / "disk"), "max_bytes": "64MiB"}]  # fmt: skip
+    extra = {"kvplug": {"chunk_size": 8, "store": {"queue": {"mode": "sync"}}, "tiers": tiers}}
+    config = load_config(engine_extra=extra, env={}).config
+    with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="m")) as cache:
+        yield cache
+
+
+@pytest.fixture
+def server(engine: CacheEngine, socket_dir: Path) -> Iterator[ControlServer]:
+    served = ControlServer(engine, ControlIdentity("engine-a", "tiny", "test", tp_rank=0, tp_size=1))
+    yield served
+    served.close()
+
+
+def store(engine: CacheEngine, tokens: list[int], salt: str | None = None) -> None:
+    caches = random_caches(LAYOUT, 80)
+    engine.store(tokens, caches, torch.arange(len(tokens)), request=RequestInfo(cache_salt=salt))
+    engine.flush()
+
+
+def connect(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(path))
+    return sock
+
+
+def closed_without_reply(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def ctl(*args: str) -> Any:
+    result = CliRunner().invoke(app, ["ctl", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+# --- protocol --------------------------------------------------------------------------------
+
+
+def test_an_oversize_message_closes_only_its_connection(server: ControlServer) -> None:
+    with connect(server.path) as sock:
+        sock.sendall(_LEN.pack(MAX_CONTROL_MESSAGE + 1))  # the length alone: nothing more is read
+        assert closed_without_reply(sock)
+    assert ask(server.path, "info")["engine_id"] == "engine-a"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xff\xff\x00\x00{}",  # a header length past the message
+        _LEN.pack(5) + b"nope!",  # not JSON
+        _LEN.pack(2) + b"[]",  # not an object
+        encode_request("drop_tables"),  # an unknown op
+        encode_request("lookup", {"cache_salt": 7}),  # a field of the wrong type
+        encode_request("lookup", {"cache_salt": "s" * 5000}),  # too long
+        encode_request("lookup", {"extra_keys": [[0, "x", "v"]]}),
+        encode_request("lookup", tokens=[1, 2]) + b"\x01",  # tokens not whole int64s
+    ],
+)
+def test_a_malformed_request_closes_its_connection(server: ControlServer, body: bytes) -> None:
+    with connect(server.path) as sock, connect(server.path) as bystander:
+        sock.sendall(_LEN.pack(len(body)) + body)
+        assert closed_without_reply(sock)
+        assert exchange(bystander, encode_request("info"))["engine_id"] == "engine-a"  # other clients go on
+
+
+def test_another_protocol_version_is_refused_by_name(server: ControlServer) -> None:
+    with connect(server.path) as sock:
+        reply = exchange(sock, encode_request("stats", version=2))
+        assert reply["kind"] == "version" and "speaks version 1" in reply["error"]
+        assert exchange(sock, encode_request("info"))["engine_id"] == "engine-a"  # the connection stays usable
+
+
+def test_a_client_of_another_user_cannot_connect(server: ControlServer, caplog: pytest.LogCaptureFixture) -> None:
+    if os.getuid() != 0:
+        pytest.fail("this test runs a client as nobody, which needs root (as here and in CI)")
+    request = encode_request("info")
+    assert send_as_other_user(server.path, request, dac_override=False) == "connect 13"  # EACCES: the 0700 folder
+    # Past the folder (a capability): the server reads the peer's uid and closes at once.
+    assert send_as_other_user(server.path, request, dac_override=True) in ("reply b''", "closed 32", "closed 104")
+    assert "runs as uid 65534" in caplog.text  # refused by SO_PEERCRED, before a byte was read
+    assert ask(server.path, "info")["engine_id"] == "engine-a"
+
+
+# --- ops and the command line ------------------------------------------------------------------
+
+
+def test_ctl_list_stats_lookup_and_explain(server: ControlServer, engine: CacheEngine, tmp_path: Path) -> None:
+    store(engine, TOKENS)
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(json.dumps([*TOKENS, 7, 7, 7]))
+    (listed,) = ctl("list")["ranks"]
+    assert listed["engine_id"] == "engine-a" and listed["name"] == "tiny" and listed["tiers"] == ["0:cpu", "1:disk"]
+    stats = ctl("stats")
+    assert stats["total"]["metrics"]["kvplug_stored_tokens_total"] == 40
+    assert {row["tier"]: row["items"] for row in stats["total"]["tiers"]} == {
+        "0:cpu": 6,
+        "1:disk": 6,
+    }  # and the manifest
+    looked = ctl("lookup", str(prompt), "--engine", "tiny")
+    assert looked["total"]["hit_tokens"] == 40 and looked["ranks"][0]["chunks"] == [["cpu", 8]] * 5
+    assert ctl("lookup", str(prompt), "--cache-salt", "t1")["total"]["hit_tokens"] == 0
+    explained = ctl("explain", str(prompt))["ranks"][0]
+    assert explained["hit_tokens"] == 40 and explained["chunks"][0]["tiers"] == [
+        "0:cpu",
+        "1:disk",
+    ]  # the memory tier too
+    assert "partial chunk" in explained["reason"]
+    tiers = ctl("tiers")["total"]["tiers"]
+    assert tiers[0]["max_bytes"] == 64 * 2**20 and tiers[0]["breaker_state"] == "-"
+
+
+def test_ctl_clear_removes_one_salt_from_one_tier_and_says_so(server: ControlServer, engine: CacheEngine) -> None:
+    store(engine, TOKENS, salt="tenant-a")
+    store(engine, OTHER, salt="tenant-b")
+    result = CliRunner().invoke(app, ["ctl", "clear"])
+    assert result.exit_code == 2 and "exactly one of --salt S, --no-salt, --all" in result.output
+    cleared = ctl("clear", "--salt", "tenant-a", "--tier", "cpu")["total"]
+    assert cleared["removed"] == {"0:cpu": 5} and cleared["scope"] == "cache_salt 'tenant-a'"
+    assert cleared["bytes_freed"]["0:cpu"] > 0
+    a, b = RequestInfo(cache_salt="tenant-a"), RequestInfo(cache_salt="tenant-b")
+    assert [t for t, _ in engine.lookup_tiers(TOKENS, request=a)] == ["disk"] * 5  # still on disk
+    assert [t for t, _ in engine.lookup_tiers(OTHER, request=b)] == ["cpu"] * 3  # another tenant untouched
+    everything = ctl("clear", "--all")["total"]
+    assert everything["removed"] == {"0:cpu": 3, "1:disk": 8} and everything["scope"] == "every cache_salt"
+    assert engine.lookup(OTHER, request=b) == 0 and engine.lookup(TOKENS, request=a) == 0
+    result = CliRunner().invoke(app, ["ctl", "clear", "--all", "--tier", "s3"])
+    assert result.exit_code == 2 and "no tier 's3'" in result.output
+
+
+def test_ctl_names_the_engines_when_several_run(server: ControlServer, engine: CacheEngine) -> None:
+    second = ControlServer(engine, ControlIdentity("engine-b", "other", "test"))
+    try:
+        result = CliRunner().invoke(app, ["ctl", "stats"])
+        assert result.exit_code == 2 and "2 engines match" in result.output and "engine-b (other)" in result.output
+        assert ctl("stats", "--engine", "engine-b")["engine"] == "engine-b"
+        assert ctl("stats", "-e", "engine-a")["engine"] == "engine-a"
+    finally:
+        second.close()
+    assert len(find_ranks().ranks) == 1
+
+
+def test_no_engine_is_a_clear_error(socket_dir: Path) -> None:
+    result = CliRunner().invoke(app, ["ctl", "stats"])
+    assert result.exit_code == 2 and "no engine is running" in result.output
+    with pytest.raises(ControlError, match="no kvplug socket"):
+        ask(socket_dir / "ctl-0.sock", "info")
+
+
+def test_ctl_pin_and_unpin(server: ControlServer, engine: CacheEngine, tmp_path: Path) -> None:
+    store(engine, TOKENS, salt="t")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(" ".join(map(str, TOKENS)))
+    pinned = ctl("pin", str(prompt), "--cache-salt", "t")["total"]
+    assert pinned["chunks"] == 5 and pinned["bytes"] > 0 and pinned["refused"] == pinned["missing"] == 0
+    assert ctl("pin", str(prompt))["total"]["missing"] == 5  # unsalted: another tenant's keys, none stored
+    assert ctl("unpin", str(prompt), "--cache-salt", "t")["total"]["chunks"] == 5
