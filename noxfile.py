@@ -90,7 +90,16 @@ def core(session: nox.Session) -> None:
     """kvplug, its builtins and the storage plugins (S3 against a real moto server), with the core's pins."""
     ensure_libibverbs(session)
     session.install("-c", "constraints/core.txt", *CORE)
-    session.run("pytest", "-p", "no:cacheprovider", "--durations=15", *CORE_TESTS, "--deselect", FLEET_MOONCAKE, *session.posargs)
+    session.run(
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "--durations=15",
+        *CORE_TESTS,
+        "--deselect",
+        FLEET_MOONCAKE,
+        *session.posargs,
+    )
     # Mooncake's binaries listen on the wildcard address: its tests run in a network
     # namespace that has only loopback (kvplug_mooncake.testing refuses to run elsewhere).
     run_in_loopback_namespace(
@@ -240,7 +249,9 @@ def sglang(session: nox.Session) -> None:
     # Test support only: the SGLang platform plugin that lets sglang.launch_server run on
     # a CPU without sgl_kernel (what SGLang 0.5.23 lacks there; see its README).
     session.install("--no-deps", "-e", "plugins/kvplug_sglang/tests/sglang_cpu_platform")
-    session.run("pytest", "-p", "no:cacheprovider", "--durations=15", "-rs", "plugins/kvplug_sglang/tests", *session.posargs)
+    session.run(
+        "pytest", "-p", "no:cacheprovider", "--durations=15", "-rs", "plugins/kvplug_sglang/tests", *session.posargs
+    )
 
 
 PLUGIN_FOLDERS = sorted(str(path.parent) for path in Path("plugins").glob("kvplug_*/pyproject.toml"))
