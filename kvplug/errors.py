@@ -190,6 +190,11 @@ class LayoutError(KVPlugError, ValueError):
     """KV cache tensors do not match the layout they were declared with."""
 
 
+class UnsupportedModelError(LayoutError):
+    """An engine's KV cache holds something kvplug cannot key or load correctly (a Mamba/GDN
+    state group of a hybrid model): refused at start-up, naming the model, the group and why."""
+
+
 class EngineClosedError(KVPlugError):
     """The cache engine was used after :meth:`kvplug.CacheEngine.close`."""
 

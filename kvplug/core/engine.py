@@ -59,6 +59,7 @@ class CacheEngine:
         *,
         registry: PluginRegistry | None = None,
         metrics: EngineMetrics | None = None,
+        shares_tiers_with: CacheEngine | None = None,
     ) -> None:
         self.registry = registry or get_registry()
         self.config = config.resolve(self.registry)
@@ -67,14 +68,27 @@ class CacheEngine:
         self.connector: KVConnector = self._make_connector()
         self._events = EventListeners(self.registry.emit)
         # Serializer, fingerprint and tiers: loads are verified and only verified chunks promoted.
-        self.chunk_store = ChunkStore.open(
-            self.config,
-            replace(fingerprint, kv_layout=layout.describe(), dtype=dtype_name(layout.dtype)),
-            registry=self.registry,
-            metrics=self.metrics,
-            largest_chunk=(layout.chunk_shape(self.config.chunk_size), layout.dtype),
-            emit=self._events.emit,
-        )
+        fingerprint = replace(fingerprint, kv_layout=layout.describe(), dtype=dtype_name(layout.dtype))
+        #: Another engine's tiers this one stores into (one engine per KV cache group of a
+        #: hybrid model): its own fingerprint keeps the keys apart; the owner closes them.
+        self._owns_tiers = shares_tiers_with is None
+        if shares_tiers_with is None:
+            self.chunk_store = ChunkStore.open(
+                self.config,
+                fingerprint,
+                registry=self.registry,
+                metrics=self.metrics,
+                largest_chunk=(layout.chunk_shape(self.config.chunk_size), layout.dtype),
+                emit=self._events.emit,
+            )
+        else:
+            owner = shares_tiers_with.chunk_store
+            self.chunk_store = ChunkStore(
+                owner.serializer,
+                replace(fingerprint, serializer=owner.serializer.fingerprint()),
+                owner.chain,
+                metrics=self.metrics,
+            )
         self.serializer: Serializer = self.chunk_store.serializer
         self.fingerprint = self.chunk_store.fingerprint
         self.chain = self.chunk_store.chain
@@ -368,7 +382,8 @@ class CacheEngine:
         self._closed = True
         if self._store_worker is not None:
             self._store_worker.close(drain=drain and self.config.store.queue.on_close == "drain")
-        self.chain.close(drain=drain)
+        if self._owns_tiers:
+            self.chain.close(drain=drain)
         self._copies.close()
         self.frame_pool.close()
 

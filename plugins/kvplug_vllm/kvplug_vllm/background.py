@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvplug import CacheEngine, LayerwiseRetrieve, slots_from_block_ids
+from kvplug_vllm.kv_groups import first_real_token
 from kvplug_vllm.metadata import RequestMeta
 
 logger = logging.getLogger("kvplug.vllm")
@@ -44,9 +46,64 @@ def fetch(engine: CacheEngine, request: RequestMeta, kv_caches: Sequence[torch.T
 
 
 @dataclass
+class GroupTimings:
+    """Where a load of several KV cache groups spent its time, summed over the groups."""
+
+    fetch_s: float = 0.0
+    verify_s: float = 0.0
+    write_s: float = 0.0
+
+
+class GroupsRetrieve:
+    """The fetched chunks of every KV cache group of one request (a hybrid model).
+
+    Each group loads its own block ids from the first token whose block is allocated
+    (a sliding-window group: the window before the hit; the null block is never
+    written), so each group's part of the promise starts there.
+    """
+
+    def __init__(self, parts: list[tuple[LayerwiseRetrieve, int]]) -> None:
+        self.parts = parts
+
+    def write_remaining(self) -> None:
+        for retriever, _ in self.parts:
+            retriever.write_remaining()
+
+    def complete(self, end: int) -> bool:
+        """Whether every group loaded its tokens up to ``end``."""
+        return all(bool(r.loaded_mask[first:end].all()) for r, first in self.parts)
+
+    @property
+    def timings(self) -> GroupTimings:
+        total = GroupTimings()
+        for retriever, _ in self.parts:
+            total.fetch_s += retriever.timings.fetch_s
+            total.verify_s += retriever.timings.verify_s
+            total.write_s += retriever.timings.write_s
+        return total
+
+
+def fetch_groups(
+    groups: Sequence[tuple[int, CacheEngine, Sequence[torch.Tensor]]], request: RequestMeta
+) -> GroupsRetrieve:
+    """Fetch every group's chunks of ``request.load`` into that group's own blocks."""
+    assert request.load is not None
+    tokens = request.token_ids[: request.load.num_hit]
+    parts = []
+    for index, engine, caches in groups:
+        block_ids = request.group_block_ids[index]
+        first = min(len(tokens), max(request.load.num_computed, first_real_token(block_ids, engine.layout.block_size)))
+        mask = torch.ones(len(tokens), dtype=torch.bool)
+        mask[:first] = False
+        slots = slots_from_block_ids(block_ids, engine.layout.block_size, len(tokens))
+        parts.append((engine.retrieve_layerwise(tokens, caches, slots, mask, request=request.request_info()), first))
+    return GroupsRetrieve(parts)
+
+
+@dataclass
 class _Pending:
     request: RequestMeta
-    future: Future[LayerwiseRetrieve]
+    future: Future[Any]
     started: float
     deadline: float
 
@@ -60,9 +117,13 @@ class BackgroundLoads:
         self._pool: ThreadPoolExecutor | None = None
 
     def start(self, engine: CacheEngine, request: RequestMeta, kv_caches: Sequence[torch.Tensor]) -> None:
+        self.start_fetch(request, lambda: fetch(engine, request, kv_caches))
+
+    def start_fetch(self, request: RequestMeta, fetcher: Callable[[], Any]) -> None:
+        """Run ``fetcher`` (returns a retriever: :class:`LayerwiseRetrieve` or :class:`GroupsRetrieve`)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kvplug-load")
-        future = self._pool.submit(fetch, engine, request, kv_caches)
+        future = self._pool.submit(fetcher)
         now = time.monotonic()
         self._pending[request.req_id] = _Pending(request, future, now, now + self.timeout_s)
 
@@ -71,11 +132,11 @@ class BackgroundLoads:
         if self._pending:
             futures.wait([p.future for p in self._pending.values()], timeout_s, futures.FIRST_COMPLETED)
 
-    def collect(self) -> list[tuple[RequestMeta, LayerwiseRetrieve | None, float]]:
+    def collect(self) -> list[tuple[RequestMeta, Any, float]]:
         """Loads that are over: fetched (a retriever to write), or failed / late (None),
         with the seconds since they started."""
         now = time.monotonic()
-        over: list[tuple[RequestMeta, LayerwiseRetrieve | None, float]] = []
+        over: list[tuple[RequestMeta, Any, float]] = []
         for req_id, pending in list(self._pending.items()):
             if pending.future.done():
                 try:

@@ -22,11 +22,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvplug import load_config
-from kvplug.errors import KVPlugError
 from kvplug_vllm.kv_events import KVPlugKVEvents
+from kvplug_vllm.kv_groups import check_kv_cache_groups
 from kvplug_vllm.prom_metrics import KVPlugPromMetrics
 from kvplug_vllm.scheduler import SchedulerSide
 from kvplug_vllm.settings import split_extra_config
@@ -47,13 +49,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvplug.vllm")
 
 
-class KVPlugConnector(KVConnectorBase_V1):
-    """Stores prompt KV in kvplug's tiers and loads cached prefixes back (LMCache semantics)."""
+class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
+    """Stores prompt KV in kvplug's tiers and loads cached prefixes back (LMCache semantics).
+
+    It keeps vLLM's hybrid KV cache manager on (``SupportsHMA``): each KV cache group
+    (full attention, sliding window) is stored and loaded with its own block ids
+    (:mod:`kvplug_vllm.kv_groups`); groups it cannot serve are refused at start-up.
+    """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _route_logs_to_vllm()
-        check_kv_cache_groups(vllm_config, kv_cache_config)
+        groups = check_kv_cache_groups(vllm_config, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER and (len(groups) > 1 or any(g.sliding_window for g in groups)):
+            logger.info(
+                "model %s: KV cache groups %s (vLLM's hybrid allocator); kvplug stores and loads each group with "
+                "its own block ids", vllm_config.model_config.model, ", ".join(g.describe(len(groups)) for g in groups),
+            )  # fmt: skip
         settings, engine_extra = split_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self.settings = settings
         parallel = vllm_config.parallel_config
@@ -73,9 +85,9 @@ class KVPlugConnector(KVConnectorBase_V1):
                     "(a corrupt record, a store that went away) fails its request; set "
                     '"kv_load_failure_policy": "recompute" so vLLM computes it instead'
                 )
-            self._scheduler = SchedulerSide(vllm_config, settings, config, engine_key)
+            self._scheduler = SchedulerSide(vllm_config, settings, config, engine_key, num_kv_cache_groups=len(groups))
         else:
-            self._worker = WorkerSide(self, vllm_config, settings, engine_extra, engine_key)
+            self._worker = WorkerSide(self, vllm_config, settings, engine_extra, engine_key, kv_groups=groups)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -112,6 +124,13 @@ class KVPlugConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, self._worker_side().get_finished()  # stores never hold blocks; background loads do
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # A hybrid model's load failures go by request: vLLM maps block ids to requests
+        # for one KV cache group only (they are unique within a group).
+        _, finished = self.get_finished(finished_req_ids)
+        failed = self._worker_side().take_failed_loads()
+        return KVConnectorTransferResults(finished_recving=set(finished or ()) | failed, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().get_block_ids_with_load_errors()
 
@@ -134,6 +153,12 @@ class KVPlugConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Stores are copied out in the step that computed them: no group's blocks are held.
+        return self._scheduler_side().request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._scheduler_side().take_events()
@@ -176,40 +201,6 @@ class KVPlugConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             raise RuntimeError("a scheduler-side connector method was called on the worker-side KVPlugConnector")
         return self._scheduler
-
-
-def check_kv_cache_groups(vllm_config: Any, kv_cache_config: Any) -> None:
-    """Refuse a KV cache kvplug cannot key correctly, naming the model and the reason.
-
-    kvplug does not implement ``SupportsHMA``: for a model with sliding-window layers
-    among full-attention ones vLLM then turns its hybrid allocator off, every layer
-    keeps the KV of every token in one group, and kvplug stores and loads them all. A
-    model whose layers all slide keeps one group of ``SlidingWindowSpec``; kvplug stores
-    each chunk in the step that computed it, before vLLM frees blocks that fall out of
-    the window. Outputs equal vLLM's prefix cache in both cases (tests/test_hybrid.py).
-    Several KV cache groups, or a group that is not attention (Mamba/SSM state), would
-    mean per-group block tables and states that a chunk of token KV does not capture.
-    """
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    model = getattr(vllm_config.model_config, "model", "?")
-    if len(groups) > 1:
-        raise KVPlugError(
-            f"KVPlugConnector cannot serve model {model!r}: its KV cache has {len(groups)} groups "
-            f"({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}); kvplug stores one group of "
-            "attention KV per token. Run it without the hybrid KV cache manager (--disable-hybrid-kv-cache-manager)."
-        )
-    for group in groups:
-        spec = group.kv_cache_spec
-        if not hasattr(spec, "num_kv_heads") or "mamba" in type(spec).__name__.lower():
-            raise KVPlugError(
-                f"KVPlugConnector cannot serve model {model!r}: its KV cache group of {type(spec).__name__} "
-                "is not attention KV per token (e.g. Mamba/SSM state), which kvplug cannot store as chunks."
-            )
-        if getattr(spec, "sliding_window", None):
-            logger.info(
-                "model %s has sliding-window layers (%s, window %s); kvplug stores and loads their KV "
-                "as vLLM's prefix cache would", model, type(spec).__name__, spec.sliding_window,
-            )  # fmt: skip
 
 
 def _route_logs_to_vllm() -> None:

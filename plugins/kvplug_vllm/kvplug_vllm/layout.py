@@ -121,8 +121,13 @@ def attention_backend_name(vllm_config: object) -> str:
     return "unknown"
 
 
-def fingerprint_for(layout: KVLayout, vllm_config: object, *, tp_rank: int, pp_rank: int) -> Fingerprint:
-    """What makes this worker's KV bytes (in)compatible with another engine's."""
+def fingerprint_for(
+    layout: KVLayout, vllm_config: object, *, tp_rank: int, pp_rank: int, kv_group: str = ""
+) -> Fingerprint:
+    """What makes this worker's KV bytes (in)compatible with another engine's.
+
+    ``kv_group`` names a hybrid model's KV cache group (:meth:`kvplug_vllm.kv_groups.KVGroup.describe`):
+    each group's chunks are keyed apart, and a chunk stored with one group of every layer is a miss."""
     model_config = vllm_config.model_config  # type: ignore[attr-defined]
     parallel_config = vllm_config.parallel_config  # type: ignore[attr-defined]
     cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")  # type: ignore[attr-defined]
@@ -131,6 +136,8 @@ def fingerprint_for(layout: KVLayout, vllm_config: object, *, tp_rank: int, pp_r
         variant.append(f"cpu_attn={cpu_attention_isa(layout, vllm_config)}")
     elif layout.format == VLLM_CPU_MLA:
         variant.append(f"mla_attn={attention_backend_name(vllm_config)}")
+    if kv_group:
+        variant.append(kv_group)
     return Fingerprint.for_layout(
         layout,
         model_id=str(model_config.model),

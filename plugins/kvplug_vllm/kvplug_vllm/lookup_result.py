@@ -32,6 +32,8 @@ class LookupResult:
     num_external: int = 0
     background: bool = False
     block_ids: list[int] = field(default_factory=list)
+    #: Every KV cache group's blocks (a hybrid model only).
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def new_hit(self) -> int:

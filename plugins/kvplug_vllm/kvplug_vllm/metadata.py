@@ -32,7 +32,10 @@ class RequestMeta:
 
     req_id: str
     token_ids: list[int]
+    #: The blocks of KV cache group 0 (vLLM's ``block_ids[0]``).
     block_ids: list[int]
+    #: Every KV cache group's blocks, a hybrid model only (empty: one group, ``block_ids``).
+    group_block_ids: list[list[int]] = field(default_factory=list)
     cache_salt: str | None = None
     lora_id: str | None = None
     extra_keys: list[tuple[int, int, str]] = field(default_factory=list)

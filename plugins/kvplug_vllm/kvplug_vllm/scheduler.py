@@ -53,6 +53,8 @@ class _Tracker:
     info: RequestInfo
     block_ids: list[int]
     prompt_len: int
+    #: Every KV cache group's block ids (a hybrid model only; ``block_ids`` is group 0's).
+    group_block_ids: list[list[int]] = field(default_factory=list)
     num_saved: int = 0
     num_computed: int = 0
     hit_tokens: int = 0
@@ -87,7 +89,13 @@ class SchedulerSide:
     """The scheduler-role half of :class:`kvplug_vllm.KVPlugConnector`."""
 
     def __init__(
-        self, vllm_config: Any, settings: ConnectorSettings, config: KVPlugConfig, engine_key: tuple[str, int, int]
+        self,
+        vllm_config: Any,
+        settings: ConnectorSettings,
+        config: KVPlugConfig,
+        engine_key: tuple[str, int, int],
+        *,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         kv_transfer = vllm_config.kv_transfer_config
         self.settings = settings
@@ -97,6 +105,9 @@ class SchedulerSide:
         self.can_load = kv_transfer.is_kv_consumer
         self.can_save = kv_transfer.is_kv_producer
         self.engine_key = engine_key
+        #: A hybrid model's loads all go to the background: vLLM takes a failed load of
+        #: several KV cache groups by request (failed_recving), never by block id.
+        self.num_groups = num_kv_cache_groups
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         #: Tier type -> medium: tiers are told apart by this trait, never by name.
         self.media = tier_media(config)
@@ -194,6 +205,8 @@ class SchedulerSide:
 
     def _loads_in_background(self, tiers: list[tuple[str, int]], num_computed: int) -> bool:
         """Whether a load of the chunks past ``num_computed`` goes to the background."""
+        if self.num_groups > 1:
+            return True
         if self.settings.load != "auto":
             return self.settings.load == "async"
         end = 0
@@ -218,6 +231,8 @@ class SchedulerSide:
             # The request waits in WAITING_FOR_REMOTE_KVS: it is not scheduled this step,
             # so its load goes into the next metadata from here, with these blocks.
             lookup.block_ids = list(blocks.get_block_ids()[0])
+            if self.num_groups > 1:
+                lookup.group_block_ids = [list(ids) for ids in blocks.get_block_ids()]
             self._background[request.request_id] = self._lookups.pop(request.request_id)
 
     def request_info(self, request: Any, *, with_overrides: bool = True) -> RequestInfo:
@@ -238,6 +253,7 @@ class SchedulerSide:
                     req_id=req_id,
                     token_ids=list(request.all_token_ids[: lookup.num_hit]),
                     block_ids=lookup.block_ids,
+                    group_block_ids=lookup.group_block_ids,
                     **_isolation(self.request_info(request, with_overrides=False)),
                     load=LoadSpec(lookup.num_computed, lookup.num_hit, lookup.num_external, background=True),
                     block_hashes=self._block_hashes(request, lookup.num_hit),
@@ -256,6 +272,8 @@ class SchedulerSide:
             tracker = _Tracker(
                 request, info, list(new.block_ids[0]), len(new.prompt_token_ids), overrides=dict(info.overrides)
             )
+            if self.num_groups > 1:
+                tracker.group_block_ids = [list(ids) for ids in new.block_ids]
             self._trackers[new.req_id] = tracker
             loaded = self._background_hits.pop(new.req_id, None)
             if loaded is not None:  # its KV arrived in the background (or failed and is recomputed)
@@ -276,8 +294,12 @@ class SchedulerSide:
             new_blocks = cached.new_block_ids[index]
             if req_id in cached.resumed_req_ids:
                 tracker.block_ids = list(new_blocks[0]) if new_blocks else []
+                if self.num_groups > 1:
+                    tracker.group_block_ids = [list(ids) for ids in new_blocks] if new_blocks else []
             elif new_blocks:
                 tracker.block_ids.extend(new_blocks[0])
+                for ids, added in zip(tracker.group_block_ids, new_blocks):
+                    ids.extend(added)
             computed = cached.num_computed_tokens[index]
             if computed < tracker.num_computed:  # preempted, or rolled back after a failed load
                 tracker.num_saved = min(tracker.num_saved, computed // self.chunk_size * self.chunk_size)
@@ -313,6 +335,7 @@ class SchedulerSide:
                 req_id=req_id,
                 token_ids=list(tokens),
                 block_ids=list(tracker.block_ids),
+                group_block_ids=[list(ids) for ids in tracker.group_block_ids],
                 cache_salt=tracker.info.cache_salt,
                 lora_id=tracker.info.lora_id,
                 extra_keys=[(k.start, k.end, k.value) for k in tracker.info.extra_keys],

@@ -1,4 +1,4 @@
-"""A random-weight Llama (or DeepSeek-V2 style MLA model) written to a folder, for demos, tests and benchmarks.
+"""A random-weight Llama (or DeepSeek-V2 style MLA, or Qwen3-Next style GDN hybrid model) written to a folder, for demos, tests and benchmarks.
 
 vLLM loads it like any Hugging Face checkpoint (``config.json`` +
 ``model.safetensors``); no tokenizer and no download are needed, so prompts are
@@ -139,3 +139,54 @@ def write_random_deepseek_v2(path: str | Path, spec: TinyDeepseekV2Spec = DEFAUL
         bos_token_id=1,
     )
     return _save_seeded(DeepseekV2ForCausalLM, config, dtype, spec.seed, target)
+
+
+@dataclass(frozen=True)
+class TinyQwen3NextSpec:
+    """Shape of a random Qwen3-Next style hybrid: Gated DeltaNet (linear attention) layers
+    with full-attention ones; the last layer has a small MoE (vLLM looks for one), the others dense MLPs."""
+
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    layer_types: tuple[str, ...] = ("linear_attention", "full_attention")
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 32
+    linear_value_head_dim: int = 32
+    vocab_size: int = 1000
+    max_position_embeddings: int = 4096
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+
+#: The default tiny GDN hybrid (one Gated DeltaNet layer, one full-attention layer).
+DEFAULT_QWEN3_NEXT_SPEC = TinyQwen3NextSpec()
+
+
+def write_random_qwen3_next(path: str | Path, spec: TinyQwen3NextSpec = DEFAULT_QWEN3_NEXT_SPEC) -> Path:
+    """Write a random Qwen3-Next style (GDN + full attention) checkpoint to ``path`` and return it."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    target = Path(path)
+    target.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, spec.dtype)
+    fields = {k: v for k, v in asdict(spec).items() if k not in ("dtype", "seed", "layer_types")}
+    layers = len(spec.layer_types)
+    config = Qwen3NextConfig(
+        **fields,
+        num_hidden_layers=layers,
+        layer_types=list(spec.layer_types),
+        mlp_only_layers=list(range(layers - 1)),  # vLLM wants one MoE layer; the others dense
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        torch_dtype=dtype,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    return _save_seeded(Qwen3NextForCausalLM, config, dtype, spec.seed, target)

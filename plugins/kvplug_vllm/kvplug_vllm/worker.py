@@ -29,8 +29,9 @@ import torch
 
 from kvplug import CacheEngine, LayerwiseRetrieve, MetricSample, load_config, slots_from_block_ids
 from kvplug.errors import ConfigError, ConfigProblem
-from kvplug_vllm.background import BackgroundLoads, fetch
+from kvplug_vllm.background import BackgroundLoads, GroupsRetrieve, fetch, fetch_groups
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
+from kvplug_vllm.kv_groups import KVGroup, first_real_token, primary_group
 from kvplug_vllm.layout import detect_layout, fingerprint_for
 from kvplug_vllm.lookup import LocalWorker, LookupServer, register_local, socket_path, unregister_local
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, RequestMeta
@@ -98,6 +99,8 @@ class WorkerSide:
         settings: ConnectorSettings,
         engine_extra: Mapping[str, Any],
         engine_key: tuple[str, int, int],
+        *,
+        kv_groups: list[KVGroup] | None = None,
     ) -> None:
         kv_transfer = vllm_config.kv_transfer_config
         self._parent = parent
@@ -124,12 +127,22 @@ class WorkerSide:
         self._metrics_server: Any = None
         self.background = BackgroundLoads(settings.load_timeout_ms / 1000)
         self.index: ChunkIndex | None = None
+        #: A hybrid model's KV cache groups, each with its own engine and caches (see kv_groups.py);
+        #: empty for one group. Their loads run in the background and fail by request.
+        self.kv_groups = list(kv_groups or [])
+        self.groups: list[tuple[int, CacheEngine, list[torch.Tensor]]] = []
+        self._failed_loads: set[str] = set()
+        self.layerwise = settings.layerwise and len(self.kv_groups) <= 1
 
     # --- setup ------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        all_caches = kv_caches
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
+        if len(self.kv_groups) > 1:
+            primary = self.kv_groups[primary_group(self.kv_groups)]
+            kv_caches = {name: kv_caches[name] for name in primary.layer_names}
         layout = detect_layout(kv_caches, self.vllm_config)
         config = load_config(engine_extra=self.engine_extra).config
         if layout.whole_blocks_only and config.chunk_size % layout.block_size:
@@ -144,12 +157,24 @@ class WorkerSide:
                 ],
                 "kv_connector_extra_config",
             )
-        fingerprint = fingerprint_for(
-            layout, self.vllm_config, tp_rank=get_tensor_model_parallel_rank(), pp_rank=get_pp_group().rank_in_group
-        )
+        ranks = dict(tp_rank=get_tensor_model_parallel_rank(), pp_rank=get_pp_group().rank_in_group)
+        count = len(self.kv_groups)
+        group = self.kv_groups[primary_group(self.kv_groups)].describe(count) if count > 1 else ""
+        fingerprint = fingerprint_for(layout, self.vllm_config, kv_group=group, **ranks)
         self.kv_caches = list(kv_caches.values())
         self.layer_index = {name: index for index, name in enumerate(kv_caches)}
         self.engine = CacheEngine(config, layout, fingerprint)
+        if count > 1:
+            self.groups = [(primary_group(self.kv_groups), self.engine, self.kv_caches)]
+            for other in self.kv_groups:
+                if other.index == self.groups[0][0]:
+                    continue
+                caches = {name: all_caches[name] for name in other.layer_names}
+                other_layout = detect_layout(caches, self.vllm_config)
+                other_fp = fingerprint_for(other_layout, self.vllm_config, kv_group=other.describe(count), **ranks)
+                engine = CacheEngine(config, other_layout, other_fp, shares_tiers_with=self.engine)
+                self.groups.append((other.index, engine, list(caches.values())))
+            self.groups.sort(key=lambda g: g[0])
         kv_events = getattr(self.vllm_config, "kv_events_config", None)
         self.index = ChunkIndex(
             layout.block_size,
@@ -193,7 +218,10 @@ class WorkerSide:
                 continue
             if request.load.background:
                 self._remember(request, request.token_ids[: request.load.num_hit], request.load.num_computed)
-                self.background.start(self.engine, request, self.kv_caches)
+                if self.groups:
+                    self.background.start_fetch(request, functools.partial(fetch_groups, self.groups, request))
+                else:
+                    self.background.start(self.engine, request, self.kv_caches)
             else:
                 self._load(request)
 
@@ -205,7 +233,7 @@ class WorkerSide:
         self._remember(request, tokens, request.load.num_computed)
         try:
             retriever = fetch(self.engine, request, self.kv_caches)
-            if self.settings.layerwise:
+            if self.layerwise:
                 self._retrievers.append(retriever)
             else:
                 retriever.write_remaining()
@@ -217,7 +245,7 @@ class WorkerSide:
         self._stats.sample("load_seconds", time.perf_counter() - started)
         self._check_loaded(request, loaded)
 
-    def _count_phases(self, retriever: LayerwiseRetrieve) -> None:
+    def _count_phases(self, retriever: LayerwiseRetrieve | GroupsRetrieve) -> None:
         """Where a load's time went (tier reads, verify, writing into vLLM's blocks), for the breakdown of a hit."""
         timings = retriever.timings
         self._stats.add(
@@ -260,7 +288,7 @@ class WorkerSide:
 
     @_timed
     def save_kv_layer(self, layer_name: str) -> None:
-        if not self.settings.layerwise or self.engine is None:
+        if not self.layerwise or self.engine is None:
             return
         index = self.layer_index.get(layer_name)
         if index is None:
@@ -281,7 +309,7 @@ class WorkerSide:
         for retriever in self._retrievers:  # layers the forward pass did not wait for
             retriever.write_remaining()
         self._retrievers = []
-        if self.settings.layerwise:
+        if self.layerwise:
             for storer in self._storers:
                 for _ in storer:
                     pass
@@ -303,6 +331,9 @@ class WorkerSide:
         mask[: request.save_start] = False
         try:
             self._remember(request, tokens, request.save_start)
+            if self.groups:
+                self._store_groups(request, tokens)
+                return None
             slots = slots_from_block_ids(request.block_ids, self.engine.layout.block_size, len(tokens))
             if layerwise:
                 return self.engine.store_layerwise(tokens, self.kv_caches, slots, mask, request=request.request_info())
@@ -312,6 +343,23 @@ class WorkerSide:
         except Exception:
             logger.exception("request %s: storing failed; nothing stored for this step", request.req_id)
         return None
+
+    def _store_groups(self, request: RequestMeta, tokens: list[int]) -> None:
+        """Store every KV cache group's chunks from its own blocks (a sliding-window group's
+        leading null blocks, out of its window, are not read)."""
+        started = time.perf_counter()
+        for index, engine, caches in self.groups:
+            block_ids = request.group_block_ids[index]
+            mask = torch.ones(len(tokens), dtype=torch.bool)
+            mask[: max(request.save_start, first_real_token(block_ids, engine.layout.block_size))] = False
+            slots = slots_from_block_ids(block_ids, engine.layout.block_size, len(tokens))
+            engine.store(tokens, caches, slots, mask, request=request.request_info())
+        self._stats.sample("store_seconds", time.perf_counter() - started)
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests of a hybrid model whose background load failed (vLLM recomputes them whole)."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     # --- outputs ----------------------------------------------------------------------
 
@@ -343,13 +391,25 @@ class WorkerSide:
                 try:
                     retriever.write_remaining()
                     self._count_phases(retriever)
-                    loaded = retriever.loaded_mask
+                    loaded = None if isinstance(retriever, GroupsRetrieve) else retriever.loaded_mask
                 except Exception:
                     logger.exception(
                         "request %s: writing the loaded KV failed; its blocks will be recomputed", request.req_id
                     )
-            self._check_loaded(request, loaded)
+            if isinstance(retriever, GroupsRetrieve) or (retriever is None and self.groups):
+                self._check_groups_loaded(request, retriever)
+            else:
+                self._check_loaded(request, loaded)
         return {request.req_id for request, _, _ in done} or None
+
+    def _check_groups_loaded(self, request: RequestMeta, retriever: GroupsRetrieve | None) -> None:
+        """A hybrid model's load counts whole or not at all: vLLM recomputes a failed one from scratch."""
+        assert request.load is not None
+        if retriever is not None and retriever.complete(request.load.num_computed + request.load.num_external):
+            return
+        self._failed_loads.add(request.req_id)
+        self._stats.add(load_error_requests=1)
+        logger.warning("request %s: a KV cache group did not load; vLLM recomputes the request", request.req_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -417,6 +477,10 @@ class WorkerSide:
             httpd.server_close()
             thread.join(timeout=10)
             self._metrics_server = None
+        for _, engine, _ in self.groups:
+            if engine is not self.engine:
+                engine.close(drain=True)  # before the engine that owns the tiers they store into
+        self.groups = []
         if self.engine is not None:
             unregister_local(self.engine_key)
             if self.index is not None:

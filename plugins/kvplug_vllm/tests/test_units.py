@@ -236,7 +236,7 @@ def kv_cache_config(*specs: object) -> object:
 def test_kv_cache_groups_kvplug_cannot_key_are_refused_naming_the_model() -> None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
-    from kvplug_vllm.connector import check_kv_cache_groups
+    from kvplug_vllm.kv_groups import check_kv_cache_groups
 
     model = SimpleNamespace(model_config=SimpleNamespace(model="org/hybrid-ssm"))
     full = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)
@@ -244,9 +244,12 @@ def test_kv_cache_groups_kvplug_cannot_key_are_refused_naming_the_model() -> Non
     mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,))
     check_kv_cache_groups(model, kv_cache_config(full))  # one group of attention KV: served
     check_kv_cache_groups(model, kv_cache_config(window))  # every layer sliding: served (test_hybrid.py)
-    with pytest.raises(kvplug.errors.KVPlugError, match=r"'org/hybrid-ssm'.*2 groups \(FullAttentionSpec, MambaSpec\)"):
+    served = check_kv_cache_groups(model, kv_cache_config(window, full))  # vLLM's hybrid allocator: served
+    assert [g.describe(2) for g in served] == ["kv_group=0/2:sliding16", "kv_group=1/2:full"]
+    refused = r"'org/hybrid-ssm': KV cache group 1 of 2 \(FullAttentionSpec, MambaSpec\) is a MambaSpec group: it holds"
+    with pytest.raises(kvplug.errors.UnsupportedModelError, match=refused):
         check_kv_cache_groups(model, kv_cache_config(full, mamba))
-    with pytest.raises(kvplug.errors.KVPlugError, match=r"'org/hybrid-ssm'.*MambaSpec is not attention KV"):
+    with pytest.raises(kvplug.errors.UnsupportedModelError, match=r"'org/hybrid-ssm'.*MambaSpec group: it holds"):
         check_kv_cache_groups(model, kv_cache_config(mamba))
 
 

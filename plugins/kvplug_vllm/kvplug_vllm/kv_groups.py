@@ -1,0 +1,108 @@
+"""vLLM's KV cache groups as kvplug serves them (its hybrid allocator, ``SupportsHMA``).
+
+A hybrid model's layers fall into KV cache groups, each with its own block table:
+full attention, sliding-window attention, Mamba/GDN recurrent state. kvplug keeps one
+cache engine per group (its layers, its layout, a fingerprint naming the group), all
+writing into the same tiers, and stores and loads each group with its own block ids.
+
+- Full attention: every chunk of the prefix is stored and loaded.
+- Sliding window: every chunk is stored (any chunk end can be a later hit boundary),
+  but a resumed request reads only the window before its boundary; vLLM allocates
+  blocks for that window only and gives the null block for the others. kvplug loads
+  only the chunks that touch a real block and never writes the null block.
+- Anything else (Mamba/GDN state, chunked local attention, ...) is refused at start-up
+  by :func:`check_kv_cache_groups` with a message naming the model, the group kind and
+  the reason: a chunk of token KV does not capture a recurrent state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvplug.errors import UnsupportedModelError
+
+#: vLLM's null block: the id a sliding-window group's table holds for blocks out of the window.
+NULL_BLOCK_ID = 0
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV cache group: its layers, and what kvplug stores for it."""
+
+    index: int
+    layer_names: tuple[str, ...]
+    #: ``full`` or ``sliding``.
+    kind: str
+    spec_name: str
+    sliding_window: int | None = None
+
+    def describe(self, count: int) -> str:
+        """The group as it goes into the key fingerprint: index, count and kind."""
+        window = f"{self.sliding_window}" if self.sliding_window else ""
+        return f"kv_group={self.index}/{count}:{self.kind}{window}"
+
+
+def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
+    """The groups of vLLM's KV cache config (checked by :func:`check_kv_cache_groups` first)."""
+    groups = []
+    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
+        spec = group.kv_cache_spec
+        window = getattr(spec, "sliding_window", None)
+        groups.append(
+            KVGroup(index, tuple(group.layer_names), "sliding" if window else "full", type(spec).__name__, window)
+        )
+    return groups
+
+
+def primary_group(groups: list[KVGroup]) -> int:
+    """The group whose chunks answer lookups: the first full-attention one (it needs every chunk)."""
+    return next((g.index for g in groups if g.kind == "full"), 0)
+
+
+def _refusal(spec: Any, several: bool) -> str | None:
+    """Why kvplug cannot serve a group of this spec, or None."""
+    name = type(spec).__name__
+    if "mamba" in name.lower() or not hasattr(spec, "num_kv_heads"):
+        return (
+            "it holds recurrent (Mamba/GDN linear-attention) state, not per-token attention KV; "
+            "kvplug cannot store it as chunks, so a hit would resume from a wrong state"
+        )
+    if not several:
+        return None  # one group of token KV: kvplug's original path (sliding windows included)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    if type(spec) in (FullAttentionSpec, SlidingWindowSpec):
+        return None
+    return (
+        "kvplug stores the full-attention and sliding-window groups of a hybrid KV cache only; "
+        "the blocks of this kind could not be keyed or loaded correctly"
+    )
+
+
+def check_kv_cache_groups(vllm_config: Any, kv_cache_config: Any) -> list[KVGroup]:
+    """Refuse a KV cache kvplug cannot key or load correctly, naming the model, group kind and reason.
+
+    Runs when vLLM creates the connector (scheduler and workers), which is the first
+    place the KV cache specs are visible to kvplug, before vLLM runs a request.
+    """
+    raw = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    model = getattr(vllm_config.model_config, "model", "?")
+    for index, group in enumerate(raw):
+        reason = _refusal(group.kv_cache_spec, len(raw) > 1)
+        if reason is not None:
+            kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in raw)
+            raise UnsupportedModelError(
+                f"KVPlugConnector cannot serve model {model!r}: KV cache group {index} of {len(raw)} ({kinds}) is "
+                f"a {type(group.kv_cache_spec).__name__} group: {reason}. Run this model without --kv-transfer-config KVPlugConnector."
+            )
+    return kv_groups(kv_cache_config)
+
+
+def first_real_token(block_ids: list[int], block_size: int) -> int:
+    """The first token whose block is allocated: a sliding-window group's table starts with
+    null blocks for the tokens out of the window (none in a full-attention group)."""
+    skipped = 0
+    while skipped < len(block_ids) and block_ids[skipped] == NULL_BLOCK_ID:
+        skipped += 1
+    return skipped * block_size
