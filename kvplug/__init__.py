@@ -36,6 +36,7 @@ from kvplug.core.config_types import (
     TimeoutSeconds,
 )
 from kvplug.core.control_protocol import CONTROL_PROTOCOL_VERSION
+from kvplug.core.control_protocol import encode_request as encode_control_request
 from kvplug.core.control_socket import (
     LOOKUP_DIR_ENV,
     MessageServer,
@@ -240,6 +241,7 @@ __all__ = [
     "check_socket_file",
     "classify_failure",
     "control_socket_path",
+    "encode_control_request",
     "dtype_name",
     "foreign_peer",
     "get_registry",

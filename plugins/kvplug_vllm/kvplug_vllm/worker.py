@@ -27,9 +27,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvplug import CacheEngine, LayerwiseRetrieve, MetricSample, load_config, slots_from_block_ids
+from kvplug import CacheEngine, ControlServer, LayerwiseRetrieve, MetricSample, load_config, slots_from_block_ids
 from kvplug.errors import ConfigError, ConfigProblem
 from kvplug_vllm.background import BackgroundLoads, GroupsRetrieve, fetch, fetch_groups
+from kvplug_vllm.control import start_control
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
 from kvplug_vllm.kv_groups import KVGroup, first_real_token, primary_group
 from kvplug_vllm.layout import detect_layout, fingerprint_for
@@ -112,6 +113,7 @@ class WorkerSide:
         self.can_save = kv_transfer.is_kv_producer
         self.engine: CacheEngine | None = None
         self.server: LookupServer | None = None
+        self.control: ControlServer | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.layer_index: dict[str, int] = {}
         self._load_errors: set[int] = set()
@@ -185,6 +187,7 @@ class WorkerSide:
         register_local(self.engine_key, LocalWorker(self.engine, self.reset_cache))
         if self.settings.lookup != "direct":
             self.server = LookupServer(self.engine, socket_path(*self.engine_key), on_reset=self.reset_cache)
+        self.control = start_control(self.engine, self.vllm_config, self.engine_key)
         if self.settings.metrics_port is not None:
             from prometheus_client import start_http_server
 
@@ -471,6 +474,9 @@ class WorkerSide:
         if self.server is not None:
             self.server.close()
             self.server = None
+        if self.control is not None:
+            self.control.close()
+            self.control = None
         if self._metrics_server is not None:
             httpd, thread = self._metrics_server
             httpd.shutdown()
