@@ -98,6 +98,8 @@ _LAZY = {
     "ChunkStore": "kvplug.core.chunk_store",
     "LoadedChunks": "kvplug.core.chunk_store",
     "LayerwiseRetrieve": "kvplug.core.layerwise_retrieve",
+    "HeadRecords": "kvplug.core.head_shards",
+    "HeadShard": "kvplug.core.head_shards",
     "RetrieveTimings": "kvplug.core.layerwise_retrieve",
     "TorchConnector": "kvplug.builtins.torch_connector",
     "KVLayout": "kvplug.core.layouts",
@@ -126,6 +128,7 @@ if TYPE_CHECKING:
     from kvplug.core.control_server import ControlIdentity, ControlServer, control_socket_path
     from kvplug.core.control_target import ControlTarget, EngineControl
     from kvplug.core.engine import CacheEngine
+    from kvplug.core.head_shards import HeadRecords, HeadShard
     from kvplug.core.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
     from kvplug.core.layouts import KVLayout, PagedFormat, slots_from_block_ids
     from kvplug.core.plugins import PluginRegistry, get_registry
@@ -186,6 +189,8 @@ __all__ = [
     "FrequencyAdmissionConfig",
     "FrequencySketch",
     "GuardedEviction",
+    "HeadRecords",
+    "HeadShard",
     "KVConnector",
     "KVEvent",
     "KVLayout",

@@ -332,7 +332,7 @@ def test_async_store_queue_drops_when_full_and_counts(registry) -> None:
     engine = CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry)
     gate = threading.Event()
     original = engine.chain.put
-    engine.chain.put = lambda items: (gate.wait(10), original(items))  # a slow tier, held by the test
+    engine.chain.put = lambda items, **kw: (gate.wait(10), original(items, **kw))  # a slow tier, held by the test
     caches = random_caches(layout, NUM_BLOCKS)
     for i in range(4):
         engine.store(prompt(8, start=1000 * i), caches, torch.arange(8))

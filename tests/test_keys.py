@@ -31,6 +31,7 @@ CHANGES = {
     "block_size": 32,
     "format_version": "v2",
     "serializer": "other",
+    "kv_heads": "0-2/4",
     "tp_rank": 1,
     "tp_size": 2,
     "pp_rank": 1,

@@ -289,7 +289,18 @@ def _list(tiers: list[tuple[str, Any]], as_json: bool) -> None:
         typer.echo(json.dumps({"fingerprints": found, "notes": notes}, indent=2))
         return
     table = Table(title="fingerprint manifests in the tiers")
-    columns = ("tier", "fingerprint", "model@revision", "dtype", "block", "TP", "PP", "serializer", "LoRA", "salt")
+    columns = (
+        "tier",
+        "fingerprint",
+        "model@revision",
+        "dtype",
+        "block",
+        "TP/heads",
+        "PP",
+        "serializer",
+        "LoRA",
+        "salt",
+    )
     for column in (*columns, "chunk/hash", "layout; variant"):
         table.add_column(column, overflow="fold")
     for label, tier in tiers:
@@ -302,7 +313,7 @@ def _list(tiers: list[tuple[str, Any]], as_json: bool) -> None:
                     f"{f.get('model_id')}@{f.get('model_revision') or '-'}",
                     str(f.get("dtype")),
                     str(f.get("block_size")),
-                    f"{f.get('tp_rank')}/{f.get('tp_size')}",
+                    f"heads {f['kv_heads']}" if f.get("kv_heads") else f"{f.get('tp_rank')}/{f.get('tp_size')}",
                     f"{f.get('pp_rank')}/{f.get('pp_size')}",
                     str(f.get("serializer")),
                     str(f.get("lora_id") or "-"),

@@ -179,13 +179,15 @@ class ChunkStore:
         fill the view, then hand the frame to :meth:`put_frames`."""
         return self.serializer.allocate(shape, dtype, new_buffer)
 
-    def put_frames(self, items: Sequence[tuple[str, Any]]) -> int:
+    def put_frames(self, items: Sequence[tuple[str, Any]], *, only_trusted: bool = False) -> int:
         """Seal filled frames from :meth:`allocate` and write each to every tier lacking
-        its key; returns the bytes sealed."""
+        its key; returns the bytes sealed. ``only_trusted``: only to the ``trusted_reads``
+        (process-private) tiers, for a copy that another process writes to the shared ones."""
         # A frame only trusted_reads tiers hold never leaves this process: no checksum.
-        seal = self.serializer.seal_unchecked if self.chain.all_trusted else self.serializer.seal
+        private = only_trusted or self.chain.all_trusted
+        seal = self.serializer.seal_unchecked if private else self.serializer.seal
         sealed = [(key, seal(frame)) for key, frame in items]
-        self.chain.put(sealed)
+        self.chain.put(sealed, only_trusted=only_trusted)
         return sum(memoryview(value).nbytes for _, value in sealed)
 
     def put_tensors(self, items: Sequence[tuple[str, torch.Tensor]]) -> int:

@@ -161,6 +161,15 @@ class KVPlugConfig(CheckedModel):
         "every core (an engine running on the CPU), fewer may be faster: measure on your hosts "
         "(benchmarks/README.md).",
     )
+    heads_per_record: PositiveInt | Literal["auto"] = Field(
+        default="auto",
+        description="KV heads per stored record. A chunk is stored as one record per group of this many "
+        "heads, keyed by the group's head range, never by the TP rank or size: engines of any TP size "
+        "read the groups their ranks hold. auto: the heads of one rank (one record per chunk per rank, "
+        "shared only by engines of the same TP size). Engines of mixed TP sizes sharing a store set it to "
+        "the model's KV heads // the largest TP size (it must divide every rank's heads). Latent (MLA) and "
+        "replicated heads are one record for all ranks whatever this says.",
+    )
     lookup_timeout_ms: TimeoutMilliseconds = Field(
         default=200,
         description="Budget of one lookup across all tiers; remote calls end within it and tiers not "

@@ -26,6 +26,7 @@ from kvplug.core.config import KVPlugConfig
 from kvplug.core.connector import KVConnector, LayerCache
 from kvplug.core.events import EventListener, EventListeners, KVEvent
 from kvplug.core.frame_pool import FramePool
+from kvplug.core.head_shards import HeadRecords, HeadShard
 from kvplug.core.keys import ChunkKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
 from kvplug.core.layouts import KVLayout
@@ -60,6 +61,7 @@ class CacheEngine:
         registry: PluginRegistry | None = None,
         metrics: EngineMetrics | None = None,
         shares_tiers_with: CacheEngine | None = None,
+        heads: HeadShard | None = None,
     ) -> None:
         self.registry = registry or get_registry()
         self.config = config.resolve(self.registry)
@@ -69,6 +71,10 @@ class CacheEngine:
         self._events = EventListeners(self.registry.emit)
         # Serializer, fingerprint and tiers: loads are verified and only verified chunks promoted.
         fingerprint = replace(fingerprint, kv_layout=layout.describe(), dtype=dtype_name(layout.dtype))
+        #: A chunk is one record per group of this cache's KV heads (``heads``; None: one
+        #: record), keyed by head range: engines of any TP size read what they hold.
+        self.records = HeadRecords(layout, fingerprint, heads)
+        fingerprint = self.records.fingerprints[0]
         #: Another engine's tiers this one stores into (one engine per KV cache group of a
         #: hybrid model): its own fingerprint keeps the keys apart; the owner closes them.
         self._owns_tiers = shares_tiers_with is None
@@ -155,13 +161,13 @@ class CacheEngine:
         self._check_open()
         config = self._request_config(request)
         keys = self.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk)
-        return pin_keys(self.chain, [k.key for k in keys])
+        return pin_keys(self.chain, self.record_keys(keys, request))
 
     def unpin(self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None) -> PinReport:
         """Make the prompt's chunks evictable again (the reverse of :meth:`pin`)."""
         self._check_open()
         keys = self.chunk_keys(tokens, request, include_partial=True)
-        return unpin_keys(self.chain, [k.key for k in keys])
+        return unpin_keys(self.chain, self.record_keys(keys, request))
 
     # --- lookup ---------------------------------------------------------------------
 
@@ -169,7 +175,7 @@ class CacheEngine:
         """Length of the cached prefix in tokens: whole chunks, or the full prompt."""
         self._check_open()
         keys = self.chunk_keys(tokens, request)
-        hit = self.chunk_store.contains_prefix([k.key for k in keys])
+        hit = self.records.chunks_held(self.chunk_store.contains_prefix(self.record_keys(keys, request)))
         tokens_hit = keys[hit - 1].end if hit else 0
         self._count_lookup(len(tokens), tokens_hit)
         return tokens_hit
@@ -184,9 +190,15 @@ class CacheEngine:
         """
         self._check_open()
         keys = self.chunk_keys(tokens, request)
-        tiers = self.chunk_store.locate_prefix([k.key for k in keys])
+        located = self.chunk_store.locate_prefix(self.record_keys(keys, request))
+        tiers = self.records.chunk_tiers(located, [tier.name for tier in self.chain.tiers])
         self._count_lookup(len(tokens), keys[len(tiers) - 1].end if tiers else 0)
         return [(name, key.num_tokens) for name, key in zip(tiers, keys)]
+
+    def record_keys(self, keys: Sequence[ChunkKey], request: RequestInfo | None = None) -> list[str]:
+        """The keys of the records of chunks ``keys`` (``records.count`` per chunk, one per
+        head group, chunk by chunk); a chunk is cached only when all of its records are."""
+        return self.records.record_keys([k.key for k in keys], request)
 
     def _count_lookup(self, asked: int, hit: int) -> None:
         self.metrics.lookups.inc()
@@ -249,24 +261,32 @@ class CacheEngine:
         config = self._request_config(request)
         if config.pin_request and not config.skip_save:  # first: a tier pins a wanted chunk as it stores it
             self.pin(tokens, request=request)
-        todo: list[tuple[ChunkKey, Any, torch.Tensor]] = []
-        if not config.skip_save:
+        # Per chunk: its records (key, frame, payload), and the tensor its KV is gathered into.
+        todo: list[tuple[ChunkKey, list[tuple[str, Any, torch.Tensor]], torch.Tensor]] = []
+        # A replica (not the writer of its heads) keeps copies only in process-private tiers.
+        if not config.skip_save and (self.records.writer or any(t.trusted_reads for t in self.chain.tiers)):
             try:
                 keys = [
                     k
                     for k in self.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk)
                     if k.end > first and self._copyable(k.start, k.end)
                 ]
-                stored = self.chain.contains_any([k.key for k in keys], sync_tiers_only=True) if keys else []
-                for chunk, present in zip(keys, stored):
-                    if present:
+                record_keys, count = self.record_keys(keys, request), self.records.count
+                stored = self.chain.contains_any(record_keys, sync_tiers_only=True) if keys else []
+                for index, chunk in enumerate(keys):
+                    if all(stored[index * count : (index + 1) * count]):
                         continue
-                    frame, payload = self.chunk_store.allocate(
-                        self.layout.chunk_shape(chunk.num_tokens), self.layout.dtype, self.frame_pool.new_buffer
-                    )
-                    todo.append((chunk, frame, payload))
-                if todo:  # the fingerprint these chunks go under, for kvplug explain
-                    self._manifests.note(self.fingerprint, request)
+                    shape = self.records.record_shape(chunk.num_tokens)
+                    records = [
+                        (key, *self.chunk_store.allocate(shape, self.layout.dtype, self.frame_pool.new_buffer))
+                        for key in record_keys[index * count : (index + 1) * count]
+                    ]
+                    whole = self.layout.chunk_shape(chunk.num_tokens)
+                    gathered = records[0][2] if count == 1 else torch.empty(whole, dtype=self.layout.dtype)
+                    todo.append((chunk, records, gathered))
+                if todo:  # the fingerprints these chunks go under, for kvplug explain
+                    for fingerprint in self.records.fingerprints:
+                        self._manifests.note(fingerprint, request)
             except Exception:
                 logger.exception("store: preparing chunks failed; nothing stored")
                 todo = []
@@ -276,7 +296,7 @@ class CacheEngine:
         self,
         kv_caches: Sequence[LayerCache],
         slots: torch.Tensor,
-        todo: list[tuple[ChunkKey, Any, torch.Tensor]],
+        todo: list[tuple[ChunkKey, list[tuple[str, Any, torch.Tensor]], torch.Tensor]],
         layers_per_step: int,
     ) -> Generator[int, None, int]:
         """Copy ``layers_per_step`` layers of every chunk per ``next()`` (one pass of parallel copies)."""
@@ -302,7 +322,11 @@ class CacheEngine:
             return 0
         # Sealing (the checksum pass) goes with the tier write, on the store thread in
         # async mode: the caller only waits for the copy out of its cache.
-        batch = [(chunk.key, frame, chunk.num_tokens) for chunk, frame, _ in todo]
+        batch: StoreBatch = []
+        for chunk, records, gathered in todo:
+            if len(records) > 1:
+                self.records.split(gathered, [payload for _, _, payload in records])
+            batch += [(key, frame, chunk.num_tokens if i == 0 else 0) for i, (key, frame, _) in enumerate(records)]
         if self._store_worker is not None:
             self._store_worker.submit(batch)
         else:
@@ -311,7 +335,8 @@ class CacheEngine:
         return sum(n for _, _, n in batch)
 
     def _write_batch(self, batch: StoreBatch) -> None:
-        nbytes = self.chunk_store.put_frames([(key, frame) for key, frame, _ in batch])
+        frames = [(key, frame) for key, frame, _ in batch]
+        nbytes = self.chunk_store.put_frames(frames, only_trusted=not self.records.writer)
         self.metrics.stored_tokens.inc(sum(n for _, _, n in batch))
         self.metrics.stored_bytes.inc(nbytes)
         self._events.emit(KVEvent("stored", tuple(k for k, _, _ in batch), token_counts=tuple(n for _, _, n in batch)))
@@ -359,10 +384,12 @@ class CacheEngine:
             ]
             # Verified (a bad chunk ends the prefix and is removed); only those promoted.
             loaded = self.chunk_store.load_prefix(
-                [k.key for k in keys], [self.layout.chunk_shape(k.num_tokens) for k in keys], self.layout.dtype
+                self.record_keys(keys, request),
+                [self.records.record_shape(k.num_tokens) for k in keys for _ in range(self.records.count)],
+                self.layout.dtype,
             )
             timings.fetch_s, timings.verify_s = loaded.fetch_s, loaded.verify_s
-            chunks = list(zip(keys, loaded.tensors))
+            chunks = list(zip(keys, self.records.joined(loaded.tensors, [k.num_tokens for k in keys])))
         except Exception:
             logger.exception("retrieve: fetching chunks failed; treated as a miss")
         return LayerwiseRetrieve(self, len(tokens), first, kv_caches, slots.to(torch.long), chunks, started, timings)

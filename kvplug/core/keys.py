@@ -60,6 +60,12 @@ class Fingerprint:
     engine_variant: str = ""
     format_version: str = KV_FORMAT_VERSION
     serializer: str = "raw"
+    #: The model's KV heads a record holds, ``"<first>-<end>/<total>"`` (see
+    #: :mod:`kvplug.core.head_shards`): keys independent of the writer's TP size. Empty
+    #: for adapters that key records per rank with ``tp_rank``/``tp_size`` instead.
+    kv_heads: str = ""
+    #: Per-rank keys (adapters whose records are not split by head range); adapters
+    #: that set ``kv_heads`` leave these at 0/1, so any TP size reads their records.
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0

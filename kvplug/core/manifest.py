@@ -54,6 +54,7 @@ FIELD_NAMES: dict[str, str] = {
     "block_size": "block size",
     "kv_layout": "KV layout",
     "engine_variant": "engine variant (KV cache dtype, attention ISA)",
+    "kv_heads": "KV heads (range of the model's, by record)",
     "tp_rank": "TP rank",
     "tp_size": "TP size",
     "pp_rank": "PP rank",

@@ -278,15 +278,18 @@ class TierChain:
 
     # --- writes ---------------------------------------------------------------------
 
-    def put(self, items: Items, *, admission: bool = True) -> None:
+    def put(self, items: Items, *, admission: bool = True, only_trusted: bool = False) -> None:
         """Write each item to every tier that admits it and does not hold its key yet.
         The put counts as a sighting of each key. ``admission=False`` writes to every
-        tier, uncounted: for small records every tier must hold (fingerprint manifests)."""
+        tier, uncounted: for small records every tier must hold (fingerprint manifests).
+        ``only_trusted``: only to the ``trusted_reads`` (process-private) tiers."""
         if not items:
             return
         if admission:
             self._seen([key for key, _ in items])
         for slot in self._slots:
+            if only_trusted and not slot.tier.trusted_reads:
+                continue
             self._write_missing(slot, self._admitted(slot, items) if admission else items)
 
     def _write_missing(self, slot: TierSlot, items: Items) -> None:

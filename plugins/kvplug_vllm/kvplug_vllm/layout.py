@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
-from kvplug import Fingerprint, KVLayout, PagedFormat
+from kvplug import Fingerprint, HeadShard, KVLayout, PagedFormat
 from kvplug.errors import LayoutError
 
 logger = logging.getLogger("kvplug.vllm")
@@ -147,4 +147,18 @@ def fingerprint_for(
         tp_size=parallel_config.tensor_parallel_size,
         pp_rank=pp_rank,
         pp_size=parallel_config.pipeline_parallel_size,
+    )
+
+
+def head_shard(layout: KVLayout, vllm_config: object, heads_per_record: int | str, *, tp_rank: int) -> HeadShard:
+    """Which of the model's KV heads this rank's cache holds, as vLLM splits them over TP
+    ranks (a latent MLA cache: on every rank), and the heads per stored record."""
+    model_config = vllm_config.model_config  # type: ignore[attr-defined]
+    parallel_config = vllm_config.parallel_config  # type: ignore[attr-defined]
+    return HeadShard.for_rank(
+        total_heads=1 if layout.format.latent else int(model_config.get_total_num_kv_heads()),
+        tp_rank=tp_rank,
+        tp_size=int(parallel_config.tensor_parallel_size),
+        heads_per_record=heads_per_record,
+        latent=layout.format.latent,
     )

@@ -349,6 +349,8 @@ class DirectLookup:
         answers, hits = [], []
         for engine in self.engines:
             keys = engine.chunk_keys(tokens, request)
+            # A chunk is held when every record of it is (one per head group: CacheEngine.record_keys).
+            count, records = engine.records.count, engine.record_keys(keys, request)
             where: list[str | None] = [None] * len(keys)
             for tier in engine.chain.tiers:
                 if tier.name not in self.inline:
@@ -357,11 +359,11 @@ class DirectLookup:
                 if not ask:
                     break
                 try:
-                    found = tier.contains([keys[i].key for i in ask])
+                    found = tier.contains([records[i * count + j] for i in ask for j in range(count)])
                 except Exception:  # the lookup proper asks again, and counts the error
                     return None
-                for i, present in zip(ask, found):
-                    if present:
+                for n, i in enumerate(ask):
+                    if all(found[n * count : (n + 1) * count]):
                         where[i] = tier.name
             held = next((i for i, name in enumerate(where) if name is None), len(keys))
             partial_left = held == len(keys) - 1 and keys[-1].num_tokens < engine.chunk_size

@@ -33,7 +33,7 @@ from kvplug_vllm.background import BackgroundLoads, GroupsRetrieve, fetch, fetch
 from kvplug_vllm.control import start_control
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
 from kvplug_vllm.kv_groups import KVGroup, first_real_token, primary_group
-from kvplug_vllm.layout import detect_layout, fingerprint_for
+from kvplug_vllm.layout import detect_layout, fingerprint_for, head_shard
 from kvplug_vllm.lookup import LocalWorker, LookupServer, register_local, socket_path, unregister_local
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, RequestMeta
 from kvplug_vllm.settings import ConnectorSettings, resets
@@ -165,7 +165,9 @@ class WorkerSide:
         fingerprint = fingerprint_for(layout, self.vllm_config, kv_group=group, **ranks)
         self.kv_caches = list(kv_caches.values())
         self.layer_index = {name: index for index, name in enumerate(kv_caches)}
-        self.engine = CacheEngine(config, layout, fingerprint)
+        tp_rank = get_tensor_model_parallel_rank()
+        heads = head_shard(layout, self.vllm_config, config.heads_per_record, tp_rank=tp_rank)
+        self.engine = CacheEngine(config, layout, fingerprint, heads=heads)
         if count > 1:
             self.groups = [(primary_group(self.kv_groups), self.engine, self.kv_caches)]
             for other in self.kv_groups:

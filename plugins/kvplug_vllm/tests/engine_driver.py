@@ -23,7 +23,11 @@ import time
 def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocessing") else "0"
+    tp = spec.get("tensor_parallel_size", 1)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocessing") or tp > 1 else "0"
+    if tp > 1:  # vllm-cpu binds each rank's OpenMP threads to its own cores: one core each here
+        cores = os.cpu_count() or 1
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(rank % cores) for rank in range(tp)))
     from vllm import LLM, SamplingParams
 
     options = dict(
@@ -39,7 +43,9 @@ def main() -> None:
     )
     if spec.get("max_num_batched_tokens") is not None:  # a small budget: long prompts prefill in several steps
         options["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
-    if not spec.get("multiprocessing"):
+    if tp > 1:
+        options.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+    elif not spec.get("multiprocessing"):
         options["distributed_executor_backend"] = "uni"
     if spec.get("kv") is not None:
         options["kv_transfer_config"] = spec["kv"]

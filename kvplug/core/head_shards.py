@@ -1,0 +1,194 @@
+"""Records per range of KV heads, keyed independently of the writer's tensor-parallel size.
+
+With tensor parallelism each rank's paged cache holds a contiguous range of the model's
+KV heads: rank ``r`` of ``T`` holds heads ``[r * H/T, (r + 1) * H/T)``. A chunk of a
+rank is stored as one record per *group* of ``heads_per_record`` heads, under a
+fingerprint that names the group's head range of the model (``kv_heads``, e.g.
+``"2-4/4"``) and the layout of a ``heads_per_record``-head cache, never the rank or
+the TP size. An engine of another TP size whose ranks hold whole groups reads the same
+records: with 4 KV heads and ``heads_per_record: 2``, a TP=1 engine writes and reads
+records ``0-2/4`` and ``2-4/4`` per chunk, a TP=2 engine's rank 0 the first, rank 1
+the second.
+
+Replicated heads (a TP size above the model's KV heads, where several ranks hold the
+same head, and MLA's latent cache, identical on every rank) are one record for all
+the ranks that hold it, written by one of them (:attr:`HeadShard.writer`); the others
+read it and keep a copy only in their process-private tiers (``trusted_reads``).
+
+A group's record holds the chunk tensor of a ``heads_per_record``-head cache: the
+rank's chunk ``[layers, kv, tokens, heads * head_dim]`` sliced along its heads (for
+packed, ``whole_blocks_only`` formats each block is head-major, so the slice is taken
+per block). :class:`HeadRecords` does the slicing with one strided copy per record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvplug.core.keys import Fingerprint, RequestInfo
+from kvplug.core.layouts import KVLayout
+from kvplug.errors import ConfigError, ConfigProblem
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """Which of the model's KV heads an engine's cache holds, and how its records split them.
+
+    ``first`` is the model's index of the first head the cache holds (its
+    ``num_kv_heads`` heads follow), ``total`` the model's KV heads (1 for a latent
+    cache), ``group`` the heads per record (it divides the cache's heads).
+    ``writer`` False: another engine holding the same heads writes the shared tiers.
+    """
+
+    first: int
+    total: int
+    group: int
+    writer: bool = True
+
+    @classmethod
+    def for_rank(
+        cls,
+        *,
+        total_heads: int,
+        tp_rank: int,
+        tp_size: int,
+        heads_per_record: int | str = "auto",
+        latent: bool = False,
+    ) -> HeadShard:
+        """The shard of tensor-parallel rank ``tp_rank`` of ``tp_size``, as vLLM and SGLang
+        split KV heads (a TP size above the head count replicates each head over
+        ``tp_size / total_heads`` consecutive ranks; a latent cache is on every rank).
+
+        ``heads_per_record`` ``"auto"``: one record per chunk per rank (the rank's heads).
+        An int must divide the rank's heads: a :class:`~kvplug.errors.ConfigError` otherwise.
+        """
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+        if latent:
+            return cls(0, 1, 1, writer=tp_rank == 0)
+        if tp_size >= total_heads:
+            replicas = tp_size // total_heads
+            return cls(tp_rank // replicas, total_heads, 1, writer=tp_rank % replicas == 0)
+        held = total_heads // tp_size
+        group = held if heads_per_record == "auto" else int(heads_per_record)
+        if group <= 0 or held % group:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "heads_per_record",
+                        heads_per_record,
+                        f"must divide the {held} KV heads a rank holds at tensor-parallel size {tp_size} "
+                        f"({total_heads} KV heads in all): e.g. {total_heads} // the largest TP size sharing the store",
+                    )
+                ]
+            )
+        return cls(tp_rank * held, total_heads, group)
+
+    def label(self, index: int) -> str:
+        """The ``kv_heads`` fingerprint field of record ``index``: ``"<first>-<end>/<total>"``."""
+        start = self.first + index * self.group
+        return f"{start}-{start + self.group}/{self.total}"
+
+
+class HeadRecords:
+    """The records of an engine's chunks: one per head group of its :class:`HeadShard`.
+
+    ``fingerprints[i]`` keys record ``i`` of every chunk; :meth:`record_keys` names them,
+    :meth:`split` copies a chunk's head groups into record tensors and :meth:`join`
+    copies them back.
+    """
+
+    def __init__(self, layout: KVLayout, fingerprint: Fingerprint, shard: HeadShard | None) -> None:
+        self.layout = layout
+        if shard is None:  # one record, keyed as the adapter's fingerprint says
+            shard = HeadShard(0, layout.num_kv_heads, layout.num_kv_heads)
+            self.labels = [fingerprint.kv_heads]
+        else:
+            if layout.num_kv_heads % shard.group or shard.first + layout.num_kv_heads > shard.total:
+                raise ValueError(
+                    f"a cache of {layout.num_kv_heads} KV heads from head {shard.first} does not fit "
+                    f"{shard.total} heads in records of {shard.group}"
+                )
+            self.labels = [shard.label(i) for i in range(layout.num_kv_heads // shard.group)]
+            # The head range replaces the rank in the key: any TP size reads these records.
+            fingerprint = replace(fingerprint, tp_rank=0, tp_size=1)
+        self.shard = shard
+        self.count = len(self.labels)
+        #: The layout of one record: a cache of ``shard.group`` heads.
+        self.record_layout = replace(layout, num_kv_heads=shard.group)
+        self.fingerprints = [
+            replace(fingerprint, kv_heads=label, kv_layout=self.record_layout.describe()) for label in self.labels
+        ]
+        self.prefixes = [f"{f.format_version}/{f.hexdigest()}/" for f in self.fingerprints]
+
+    @property
+    def writer(self) -> bool:
+        return self.shard.writer
+
+    def record_keys(self, keys: Sequence[str], request: RequestInfo | None = None) -> list[str]:
+        """The record keys of chunk keys (those of record 0, under ``request``'s isolation),
+        ``count`` per chunk, chunk by chunk."""
+        if self.count == 1:
+            return list(keys)
+        prefixes = self.prefixes
+        if request is not None and (request.cache_salt is not None or request.lora_id is not None):
+            isolated = (
+                f.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id) for f in self.fingerprints
+            )
+            prefixes = [f"{f.format_version}/{f.hexdigest()}/" for f in isolated]
+        cut = len(prefixes[0])
+        return [prefix + key[cut:] for key in keys for prefix in prefixes]
+
+    def record_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
+        return self.record_layout.chunk_shape(num_tokens)
+
+    def _grouped(self, tensor: torch.Tensor, heads: int) -> torch.Tensor:
+        """``tensor`` (a chunk or record, contiguous) as ``[layers, kv, pages, heads, run]``: a
+        head's run is its ``head_dim`` elements of a token, or of a packed format its whole
+        block (the block's bytes are head-major)."""
+        layers, kv, tokens, _ = tensor.shape
+        if self.layout.whole_blocks_only:
+            size = self.layout.block_size
+            return tensor.view(layers, kv, tokens // size, heads, size * self.layout.head_dim)
+        return tensor.view(layers, kv, tokens, heads, self.layout.head_dim)
+
+    def split(self, chunk: torch.Tensor, records: Sequence[torch.Tensor]) -> None:
+        """Copy each head group of ``chunk`` into its record tensor (one strided copy each)."""
+        source = self._grouped(chunk, self.layout.num_kv_heads)
+        group = self.shard.group
+        for index, record in enumerate(records):
+            self._grouped(record, group).copy_(source[:, :, :, index * group : (index + 1) * group])
+
+    def join(self, records: Sequence[torch.Tensor], chunk: torch.Tensor) -> None:
+        """Copy record tensors into their head groups of ``chunk``: :meth:`split` reversed."""
+        target = self._grouped(chunk, self.layout.num_kv_heads)
+        group = self.shard.group
+        for index, record in enumerate(records):
+            target[:, :, :, index * group : (index + 1) * group].copy_(self._grouped(record, group))
+
+    def chunks_held(self, found: int) -> int:
+        """Whole chunks among ``found`` leading records (a chunk needs all of its records)."""
+        return found // self.count
+
+    def chunk_tiers(self, located: Sequence[str], tier_order: Sequence[str]) -> list[str]:
+        """Per chunk, the slowest (latest in ``tier_order``) of the tiers that hold its records,
+        from one tier name per leading record."""
+        if self.count == 1:
+            return list(located)
+        step, whole = self.count, len(located) // self.count * self.count
+        return [max(located[i : i + step], key=tier_order.index) for i in range(0, whole, step)]
+
+    def joined(self, records: Sequence[torch.Tensor], token_counts: Sequence[int]) -> list[torch.Tensor]:
+        """Chunk tensors of the leading whole chunks of ``records`` (``count`` per chunk, chunk
+        ``i`` of ``token_counts[i]`` tokens), each joined from its records."""
+        if self.count == 1:
+            return list(records)
+        chunks = []
+        for index in range(len(records) // self.count):
+            chunk = torch.empty(self.layout.chunk_shape(token_counts[index]), dtype=self.layout.dtype)
+            self.join(records[index * self.count : (index + 1) * self.count], chunk)
+            chunks.append(chunk)
+        return chunks

@@ -1,0 +1,207 @@
+"""Records per range of KV heads (kvplug.core.head_shards): engines of any TP size share chunks.
+
+A "TP=1" engine holds all 4 KV heads of a cache; the two ranks of a "TP=2" engine hold
+heads 0-1 and 2-3 (copies of the same KV, sliced as vLLM slices them). With
+``heads_per_record: 2`` each side reads what the other stored, byte for byte, in every
+head-bearing format (flash, vLLM's packed CPU layout, SGLang's token pool). Latent
+(MLA) caches are one record for all ranks, written by rank 0 only. Chunks keyed the
+old way (by TP rank and size, no head range) are misses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from core_helpers import LAYOUTS, random_caches
+
+from kvplug import CacheEngine, Fingerprint, HeadRecords, HeadShard, KVLayout, load_config
+from kvplug.core.plugins import PluginRegistry
+from kvplug.errors import ConfigError
+
+TOKENS = list(range(100, 132))  # 4 chunks of 8 (2 blocks of 4 each)
+#: The axis of each format's per-layer tensor that holds KV heads.
+HEAD_AXIS = {"vllm_flash": 3, "vllm_cpu": 1, "sglang_mha": 1}
+
+
+@pytest.fixture
+def registry() -> PluginRegistry:
+    return PluginRegistry(plugin_filter="cpu,disk")
+
+
+@pytest.fixture
+def engines(registry: PluginRegistry, tmp_path: Path) -> Iterator[Any]:
+    opened: list[CacheEngine] = []
+
+    def make(layout: KVLayout, heads: HeadShard | None, *, tiers: list[dict[str, Any]] | None = None) -> CacheEngine:
+        tiers = tiers or [{"type": "disk", "path": str(tmp_path / "kv")}]
+        extra = {"kvplug": {"chunk_size": 8, "store": {"queue": {"mode": "sync"}}, "tiers": tiers}}
+        config = load_config(engine_extra=extra, env={}, registry=registry).config
+        fingerprint = Fingerprint.for_layout(layout, model_id="m")
+        engine = CacheEngine(config, layout, fingerprint, registry=registry, heads=heads)
+        opened.append(engine)
+        return engine
+
+    yield make
+    for engine in opened:
+        engine.close()
+
+
+def blocks(layout: KVLayout) -> int:
+    """Exactly the blocks of the prompt, so that a cache equal to another was loaded whole."""
+    return len(TOKENS) // layout.block_size
+
+
+def heads_of(caches: list[Any], axis: int, first: int, count: int) -> list[Any]:
+    """A rank's caches: the heads ``[first, first + count)`` of every layer, as separate tensors."""
+
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.narrow(axis, first, count).contiguous()
+
+    return [tuple(cut(t) for t in c) if isinstance(c, tuple) else cut(c) for c in caches]
+
+
+def zeros_like(caches: list[Any]) -> list[Any]:
+    return [tuple(torch.zeros_like(t) for t in c) if isinstance(c, tuple) else torch.zeros_like(c) for c in caches]
+
+
+def equal(a: list[Any], b: list[Any]) -> bool:
+    flat_a = [t for c in a for t in (c if isinstance(c, tuple) else (c,))]
+    flat_b = [t for c in b for t in (c if isinstance(c, tuple) else (c,))]
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(flat_a, flat_b, strict=True))
+
+
+def shard(tp_rank: int, tp_size: int) -> HeadShard:
+    return HeadShard.for_rank(total_heads=4, tp_rank=tp_rank, tp_size=tp_size, heads_per_record=2)
+
+
+@pytest.mark.parametrize("name", sorted(HEAD_AXIS))
+@pytest.mark.parametrize("writer_tp", [1, 2])
+def test_engines_of_another_tp_size_load_the_heads_they_hold(engines: Any, name: str, writer_tp: int) -> None:
+    full = replace(LAYOUTS[name], num_kv_heads=4)
+    half = replace(full, num_kv_heads=2)
+    axis = HEAD_AXIS[name]
+    source = random_caches(full, blocks(full), seed=5)
+    slots = torch.arange(len(TOKENS))
+    if writer_tp == 1:
+        writer = engines(full, shard(0, 1))
+        assert writer.records.count == 2
+        assert writer.store(TOKENS, source, slots) == len(TOKENS)
+        writer.flush()
+        for rank in range(2):
+            reader = engines(half, shard(rank, 2))
+            assert reader.records.count == 1
+            assert reader.lookup(TOKENS) == len(TOKENS)
+            target = zeros_like(heads_of(source, axis, 2 * rank, 2))
+            assert bool(reader.retrieve(TOKENS, target, slots).all())
+            assert equal(target, heads_of(source, axis, 2 * rank, 2))
+    else:
+        ranks = [engines(half, shard(rank, 2)) for rank in range(2)]
+        reader = engines(full, shard(0, 1))
+        ranks[0].store(TOKENS, heads_of(source, axis, 0, 2), slots)
+        ranks[0].flush()
+        # Rank 1 has not stored yet: every chunk lacks the records of heads 2-3.
+        assert reader.lookup(TOKENS) == 0
+        ranks[1].store(TOKENS, heads_of(source, axis, 2, 2), slots)
+        ranks[1].flush()
+        assert reader.lookup(TOKENS) == len(TOKENS)
+        target = zeros_like(source)
+        assert bool(reader.retrieve(TOKENS, target, slots).all())
+        assert equal(target, source)
+
+
+def test_split_then_join_restores_the_chunk() -> None:
+    layout = replace(LAYOUTS["vllm_cpu"], num_kv_heads=4)
+    fingerprint = Fingerprint.for_layout(layout, model_id="m")
+    records = HeadRecords(
+        layout, fingerprint, HeadShard.for_rank(total_heads=4, tp_rank=0, tp_size=1, heads_per_record=1)
+    )
+    chunk = torch.randn(layout.chunk_shape(8)).to(layout.dtype)
+    parts = [torch.empty(records.record_shape(8), dtype=layout.dtype) for _ in range(records.count)]
+    records.split(chunk, parts)
+    # Packed blocks are head-major: record h holds head h's run of each block.
+    runs = chunk.view(2, 2, 2, 4, 4 * 8)
+    assert all(torch.equal(parts[h].view(2, 2, 2, 4 * 8), runs[:, :, :, h]) for h in range(4))
+    assert [f.kv_heads for f in records.fingerprints] == ["0-1/4", "1-2/4", "2-3/4", "3-4/4"]
+    assert len({f.hexdigest() for f in records.fingerprints}) == 4
+    joined = records.joined(parts, [8])
+    assert torch.equal(joined[0], chunk)
+
+
+def test_a_latent_cache_is_one_record_written_by_rank_zero(engines: Any, tmp_path: Path) -> None:
+    layout = LAYOUTS["vllm_mla"]
+    source = random_caches(layout, blocks(layout), seed=6)
+    slots = torch.arange(len(TOKENS))
+    disk = {"type": "disk", "path": str(tmp_path / "shared")}
+
+    def rank(r: int) -> CacheEngine:
+        return engines(
+            layout,
+            HeadShard.for_rank(total_heads=1, tp_rank=r, tp_size=2, latent=True),
+            tiers=[
+                {"type": "cpu"},
+                disk,
+            ],
+        )
+
+    second, first = rank(1), rank(0)
+    assert not second.records.writer and first.records.writer
+    assert second.record_keys(second.chunk_keys(TOKENS)) == first.record_keys(first.chunk_keys(TOKENS))
+    second.store(TOKENS, source, slots)
+    second.flush()
+    shared = second.chain.tiers[1]
+    keys = second.record_keys(second.chunk_keys(TOKENS))
+    assert shared.contains(keys) == [False] * 4  # a replica keeps its copy in its own memory
+    assert second.chain.tiers[0].contains(keys) == [True] * 4
+    first.store(TOKENS, source, slots)
+    first.flush()
+    assert shared.contains(keys) == [True] * 4
+    reader = rank(1)  # a new process of rank 1: only the shared tier holds the chunks
+    target = zeros_like(source)
+    assert bool(reader.retrieve(TOKENS, target, slots).all())
+    assert equal(target, source)
+
+
+def test_replicated_kv_heads_have_one_writer_per_head() -> None:
+    shards = [HeadShard.for_rank(total_heads=2, tp_rank=r, tp_size=4) for r in range(4)]
+    assert [(s.first, s.writer) for s in shards] == [(0, True), (0, False), (1, True), (1, False)]
+    assert {s.label(0) for s in shards} == {"0-1/2", "1-2/2"}
+
+
+def test_heads_per_record_must_divide_a_ranks_heads() -> None:
+    with pytest.raises(ConfigError, match="heads_per_record.*must divide the 2 KV heads a rank holds"):
+        HeadShard.for_rank(total_heads=4, tp_rank=0, tp_size=2, heads_per_record=4)
+
+
+def test_chunks_keyed_by_tp_rank_and_size_are_misses(engines: Any, tmp_path: Path) -> None:
+    """A chunk written before records were keyed by head range (the fingerprint had no
+    ``kv_heads``, the rank's TP rank and size instead) is a miss, never misread."""
+    layout = replace(LAYOUTS["vllm_flash"], num_kv_heads=4)
+    source = random_caches(layout, blocks(layout), seed=7)
+    slots = torch.arange(len(TOKENS))
+    engine = engines(layout, HeadShard.for_rank(total_heads=4, tp_rank=0, tp_size=1))
+    keys = engine.record_keys(engine.chunk_keys(TOKENS))
+    # The same fingerprint as the old code computed it: no kv_heads field, tp_rank/tp_size kept.
+    old_fields = asdict(replace(engine.fingerprint, kv_heads="", kv_layout=layout.describe()))
+    del old_fields["kv_heads"]
+    old_hex = hashlib.sha256(json.dumps(old_fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+    old_keys = [f"{engine.fingerprint.format_version}/{old_hex}/{key.rsplit('/', 1)[1]}" for key in keys]
+    assert old_keys != keys
+    frames = []
+    for key in old_keys:
+        frame, payload = engine.chunk_store.allocate(layout.chunk_shape(8), layout.dtype)
+        payload.copy_(torch.randn(payload.shape).to(layout.dtype))
+        frames.append((key, frame))
+    engine.chunk_store.put_frames(frames)
+    engine.flush()
+    assert engine.chain.tiers[0].contains(old_keys) == [True] * 4
+    assert engine.lookup(TOKENS) == 0
+    target = zeros_like(source)
+    assert not bool(engine.retrieve(TOKENS, target, slots).any())
+    assert equal(target, zeros_like(source))
