@@ -35,7 +35,7 @@ from kvplug.core.config_types import (
     TimeoutMilliseconds,
     TimeoutSeconds,
 )
-from kvplug.core.control_protocol import CONTROL_PROTOCOL_VERSION
+from kvplug.core.control_protocol import CONTROL_PROTOCOL_VERSION, ControlRequest
 from kvplug.core.control_protocol import encode_request as encode_control_request
 from kvplug.core.control_socket import (
     LOOKUP_DIR_ENV,
@@ -173,6 +173,7 @@ __all__ = [
     "ComponentConfig",
     "Concurrency",
     "ControlIdentity",
+    "ControlRequest",
     "ControlServer",
     "ControlTarget",
     "EmptyConfig",
@@ -246,8 +247,8 @@ __all__ = [
     "check_socket_file",
     "classify_failure",
     "control_socket_path",
-    "encode_control_request",
     "dtype_name",
+    "encode_control_request",
     "foreign_peer",
     "get_registry",
     "hookimpl",

@@ -20,6 +20,7 @@ from pydantic_settings import EnvSettingsSource
 from kvplug.core.concerns import CONFIG_CONCERNS
 from kvplug.core.config import KVPlugConfig, component_slots, resolve_components
 from kvplug.core.config_problems import problems_from_validation_error
+from kvplug.core.control_socket import LOOKUP_DIR_ENV
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.record import INTEGRITY_KEY_ENV, INTEGRITY_KEY_FILE_ENV, integrity_key
 from kvplug.core.tenancy import anchor_pin_files
@@ -34,6 +35,7 @@ RESERVED_ENV = {
     "KVPLUG_LOG_LEVEL",
     INTEGRITY_KEY_ENV,
     INTEGRITY_KEY_FILE_ENV,
+    LOOKUP_DIR_ENV,  # the private socket folder (kvplug ctl, lookups)
 }
 RESERVED_ENV_PREFIXES = ("KVPLUG_TEST_", "KVPLUG_BENCH_")
 ENGINE_KEY_PREFIX = "kvplug."

@@ -30,6 +30,8 @@ indexer, ...) are refused at registration and report no hits.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -43,8 +45,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 import kvplug
-from kvplug import ChunkStore
+from kvplug import ChunkStore, ControlServer
 from kvplug.errors import LayoutError
+from kvplug_sglang.control import HiCacheControl, start_control
 from kvplug_sglang.host_pages import HostPageFormat
 
 logger = logging.getLogger("kvplug.sglang.hicache")
@@ -77,6 +80,8 @@ class KVPlugStorage(HiCacheStorage):
         self.page_format: HostPageFormat | None = None
         self.store: ChunkStore | None = None
         self._written: set[str] = set()
+        self._written_lock = threading.Lock()  # SGLang's backup thread adds, kvplug ctl reads
+        self.control: ControlServer | None = None
         self._unsupported_pools: set[str] = set()
 
     # --- registration -----------------------------------------------------------------
@@ -109,6 +114,8 @@ class KVPlugStorage(HiCacheStorage):
         )
         self.mem_pool_host = mem_pool_host
         self.page_format = page_format
+        target = HiCacheControl(self, self.store, page_format.page_size)
+        self.control = start_control(target, name=self.model_id, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
@@ -144,7 +151,8 @@ class KVPlugStorage(HiCacheStorage):
             return True  # another rank writes the replicated (MLA) pages
         items = [(self.storage_key(k), self.page_format.canonical(p)) for k, p in zip(keys, pages)]
         self.store.put_tensors(items)
-        self._written.update(k for k, _ in items)
+        with self._written_lock:
+            self._written.update(k for k, _ in items)
         return True
 
     def _host_page(self, host_indices: torch.Tensor, i: int) -> torch.Tensor:
@@ -264,14 +272,27 @@ class KVPlugStorage(HiCacheStorage):
         """Remove the pages this backend stored (in this process) from every tier."""
         if self.store is not None:
             self.store.flush()
-            self.store.discard(sorted(self._written))
-        self._written.clear()
+            self.store.discard(self.written_keys())
+        with self._written_lock:
+            self._written.clear()
+
+    def written_keys(self) -> list[str]:
+        """kvplug's keys of the pages this backend stored (in this process)."""
+        with self._written_lock:
+            return sorted(self._written)
+
+    def forget_written(self, keys: Sequence[str]) -> None:
+        with self._written_lock:
+            self._written.difference_update(keys)
 
     def flush(self) -> None:
         if self.store is not None:
             self.store.flush()
 
     def close(self) -> None:
+        if self.control is not None:
+            self.control.close()
+            self.control = None
         if self.store is not None:
             self.store.close()
 

@@ -46,7 +46,8 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 import kvplug
-from kvplug_sglang.setup_engine import build_cache_engine
+from kvplug_sglang.control import start_control
+from kvplug_sglang.setup_engine import build_cache_engine, model_id_of
 
 logger = logging.getLogger("kvplug.sglang.radix")
 
@@ -90,6 +91,7 @@ class KVPlugRadixCache(RadixCache):
         )
         self.tp_size = tp_size
         self.tp_group = tp_group
+        self.control = start_control(self.engine, name=model_id_of(model_config), tp_rank=tp_rank, tp_size=tp_size)
         self.loaded_tokens = 0
         self.load_failures = 0
         _close_at_exit(self)
@@ -216,6 +218,10 @@ class KVPlugRadixCache(RadixCache):
 
     def shutdown(self) -> None:
         """Write what is queued to the tiers and close them."""
+        control = getattr(self, "control", None)
+        if control is not None:
+            control.close()
+            self.control = None
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()

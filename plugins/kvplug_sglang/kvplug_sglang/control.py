@@ -1,0 +1,89 @@
+"""``kvplug ctl`` for SGLang: each TP rank's scheduler serves a control socket.
+
+With the radix-cache backend the rank's :class:`kvplug.CacheEngine` answers
+(:class:`kvplug.EngineControl`). With the HiCache storage backend SGLang names pages
+itself (``page_i = sha256(page_{i-1} || tokens_i)``, seeded with the request's
+``extra_key``/``cache_salt``), so :class:`HiCacheControl` computes a prompt's page keys
+with SGLang's own hash, as its cache controller does, and asks the backend's tiers. The
+ranks of one server share its launcher's process id in their engine id.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import kvplug
+from kvplug import ChunkStore, ControlIdentity, ControlRequest, ControlServer, ControlTarget, RequestInfo
+from kvplug.errors import ControlProtocolError
+
+logger = logging.getLogger("kvplug.sglang")
+_started = itertools.count()
+
+
+def start_control(
+    target: kvplug.CacheEngine | ControlTarget, *, name: str, tp_rank: int, tp_size: int
+) -> ControlServer | None:
+    """This rank's control server, or ``None`` (logged) if it cannot start: SGLang still serves."""
+    # The TP ranks' schedulers are children of one launcher process: its pid names the server
+    # (and the count of caches this process started, the same on every rank).
+    engine_id = f"sglang-{os.getppid()}-{next(_started)}"
+    identity = ControlIdentity(engine_id, name, "sglang", tp_rank=tp_rank, tp_size=tp_size)
+    try:
+        server = ControlServer(target, identity)
+    except Exception as exc:
+        logger.warning("kvplug ctl is not available for this rank: %s", exc)
+        return None
+    logger.info("kvplug ctl: %s rank tp%d answers on %s", identity.engine_id, tp_rank, server.path)
+    return server
+
+
+class PageStorage(Protocol):
+    """What :class:`HiCacheControl` needs of the HiCache backend (``KVPlugStorage``)."""
+
+    def storage_key(self, key: str) -> str: ...
+    def written_keys(self) -> list[str]: ...
+    def forget_written(self, keys: Sequence[str]) -> None: ...
+
+
+class HiCacheControl(ControlTarget):
+    """The control target of the HiCache backend, ``KVPlugStorage`` (pages, not chunks)."""
+
+    def __init__(self, storage: PageStorage, store: ChunkStore, page_size: int) -> None:
+        super().__init__(store.chain, store.metrics)
+        self.storage = storage
+        self.store = store
+        self.page_size = page_size
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model": self.store.fingerprint.model_id,
+            "fingerprint": self.store.fingerprint.hexdigest(),
+            "chunk_size": self.page_size,
+        }
+
+    def page_keys(self, tokens: Sequence[int], request: RequestInfo) -> list[str]:
+        """kvplug's keys of the prompt's whole pages, as SGLang's cache controller names them
+        (``get_storage_hash_str``: the LoRA id is SGLang's ``extra_key``)."""
+        from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
+
+        seed = storage_namespace_seed(request.lora_id, request.cache_salt)
+        whole = len(tokens) // self.page_size * self.page_size
+        hashes = get_hash_str(list(tokens[:whole]), seed, page_size=self.page_size) if whole else []
+        return [self.storage.storage_key(h) for h in hashes]
+
+    def lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
+        return [(tier, self.page_size) for tier in self.store.locate_prefix(self.page_keys(tokens, request))]
+
+    def clear_keys(self, request: ControlRequest) -> tuple[list[str], str]:
+        if request.fields.get("all_salts") is not True:
+            raise ControlProtocolError(
+                "SGLang hashes the cache_salt into its page keys: clear --salt cannot tell them apart; use --all"
+            )
+        return self.storage.written_keys(), "every cache_salt"
+
+    def forget(self, keys: Sequence[str]) -> None:
+        self.storage.forget_written(keys)

@@ -1,0 +1,92 @@
+"""``kvplug ctl`` against a real SGLang CPU server running kvplug as its HiCache storage backend.
+
+The server is ``python -m sglang.launch_server`` (``sglang_server.py``); its scheduler's
+``KVPlugStorage`` serves a control socket in a private folder made for the test, and
+``kvplug ctl`` runs as the real command line. The prompt's page keys are SGLang's own
+(``get_hash_str``), so ``lookup`` answers what SGLang's cache controller would find.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sglang_server import SGLangServer, hicache_args, write_random_llama
+
+from kvplug import encode_control_request
+from kvplug.testing import send_as_other_user
+
+pytestmark = pytest.mark.timeout(900)
+PAGE = 64
+PROMPT = list(range(100, 100 + 1500))
+WHOLE_PAGES = len(PROMPT) // PAGE
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    folder = Path(tempfile.mkdtemp(prefix="kvctl-"))  # 0700, and short: socket paths are ~100 bytes at most
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def server(tmp_path: Path, socket_dir: Path) -> Iterator[SGLangServer]:
+    model = write_random_llama(tmp_path / "random-llama")
+    args = hicache_args([{"type": "cpu", "max_bytes": "256MiB"}], page_size=PAGE)
+    served = SGLangServer(str(model), args, {"KVPLUG_LOOKUP_DIR": str(socket_dir)}, tmp_path / "server.log")
+    try:
+        yield served.wait_healthy()
+    finally:
+        served.stop()
+
+
+def ctl(socket_dir: Path, *args: str, ok: bool = True) -> Any:
+    env = {**os.environ, "KVPLUG_LOOKUP_DIR": str(socket_dir)}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvplug.cli.main", "ctl", *args, "--json"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    if not ok:
+        assert done.returncode == 2, done
+        return done.stderr
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_ctl_against_an_sglang_server(server: SGLangServer, socket_dir: Path, tmp_path: Path) -> None:
+    (rank,) = ctl(socket_dir, "list")["ranks"]
+    assert rank["adapter"] == "sglang" and rank["tp_size"] == 1 and rank["chunk_size"] == PAGE
+
+    server.generate(PROMPT)
+    deadline = time.monotonic() + 120
+    while True:  # HiCache backs pages up to its storage backend in the background: poll
+        (cpu,) = ctl(socket_dir, "stats")["total"]["tiers"]
+        if cpu["items"] >= WHOLE_PAGES:
+            break
+        assert time.monotonic() < deadline, cpu
+        time.sleep(0.5)
+    assert cpu["tier"] == "0:cpu" and cpu["bytes_used"] > 0
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(" ".join(map(str, PROMPT)))
+    looked = ctl(socket_dir, "lookup", str(prompt))
+    assert looked["total"]["hit_tokens"] == WHOLE_PAGES * PAGE
+    assert looked["ranks"][0]["chunks"] == [["cpu", PAGE]] * WHOLE_PAGES
+    assert ctl(socket_dir, "lookup", str(prompt), "--cache-salt", "other")["total"]["hit_tokens"] == 0
+
+    assert send_as_other_user(Path(rank["socket"]), encode_control_request("info")) == "connect 13"
+
+    assert "use --all" in ctl(socket_dir, "clear", "--salt", "t", ok=False)
+    cleared = ctl(socket_dir, "clear", "--all")["total"]
+    assert cleared["removed"] == {"0:cpu": cpu["items"]} and cleared["bytes_freed"]["0:cpu"] == cpu["bytes_used"]
+    assert ctl(socket_dir, "lookup", str(prompt))["total"]["hit_tokens"] == 0
+    assert ctl(socket_dir, "tiers")["total"]["tiers"][0]["items"] == 0
