@@ -53,7 +53,7 @@ FIELD_NAMES: dict[str, str] = {
     "dtype": "dtype",
     "block_size": "block size",
     "kv_layout": "KV layout",
-    "engine_variant": "engine variant (KV cache dtype, attention ISA)",
+    "engine_variant": "engine variant (KV cache dtype, attention ISA, KV cache group)",
     "kv_heads": "KV heads (range of the model's, by record)",
     "tp_rank": "TP rank",
     "tp_size": "TP size",
