@@ -157,7 +157,7 @@ def stats_command(
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name, value in sorted(metrics.items()):
-        if value:
+        if value and "_bucket{" not in name:  # histogram buckets: in --json
             table.add_row(Text(name), f"{value:g}")
     console.print(table)
     console.print(_tier_table("tiers (summed over ranks)", total["tiers"]))
