@@ -190,7 +190,10 @@ def test_yaml_errors_name_nested_fields(load, tmp_path: Path) -> None:
 
 def test_per_request_override_of_a_shared_setting_is_refused(load) -> None:
     error = error_of(load, request={"chunk_size": 16})
-    assert "chunk_size: cannot be set per request; per-request settings: save_unfull_chunk, skip_save" in str(error)
+    assert (
+        "chunk_size: cannot be set per request; per-request settings: pin_request, save_unfull_chunk, skip_save"
+        in str(error)
+    )
 
 
 def test_per_request_bad_value(load) -> None:

@@ -126,7 +126,8 @@ class KVPlugConfig(CheckedModel):
     )
     pin_request: bool = Field(
         default=False,
-        description="Pin the chunks this request stores (vLLM: kv_transfer_params {\"kvplug.pin\": true}).",
+        description="Pin the chunks this request stores (engine adapters map their request flag to it, "
+        "e.g. kvplug.pin: true; docs/operations.md).",
         json_schema_extra={"per_request": True},
     )
     serializer: ComponentSpec = Field(

@@ -19,13 +19,10 @@ from typing import Literal
 
 from kvplug.core.eviction import EvictionPolicy, make_eviction_policy
 from kvplug.core.tenancy import tenant_label
+from kvplug.core.tenant_metrics import TENANT_BYTES, TENANT_HITS
 
 #: What :meth:`GuardedEviction.pin` did.
 PinOutcome = Literal["pinned", "already", "refused", "missing"]
-
-#: ``stats().extra`` key prefixes of the per-tenant figures (followed by the tenant's label).
-TENANT_BYTES = "tenant_bytes:"
-TENANT_HITS = "tenant_hits:"
 
 _NOBODY: Callable[[str], str | None] = lambda name: None  # noqa: E731
 _NOTHING: Callable[[str], bool] = lambda name: False  # noqa: E731
@@ -101,6 +98,8 @@ class GuardedEviction(EvictionPolicy):
     def accessed(self, key: str) -> None:
         self._policy.accessed(key)
         tenant = self._tenant.get(key)
+        if tenant is None and key in self._sizes:
+            tenant = self._attribute(key)
         own = self._own.get(tenant) if tenant is not None else None
         if own is not None:
             own.accessed(key)
@@ -240,6 +239,22 @@ class GuardedEviction(EvictionPolicy):
         self._tenant_of = lambda key: resolve(key) or known.get(key)
 
     # --- helpers --------------------------------------------------------------------
+
+    def _attribute(self, key: str) -> str | None:
+        """A held key whose tenant was unknown when it entered (a record found in a shared
+        folder): its tenant, if known by now, takes it over (its quota, its figures)."""
+        tenant = self._tenant_of(key)
+        if tenant is None:
+            return None
+        size = self._sizes[key]
+        self._tenant[key] = tenant
+        self._add_held(None, -size)
+        self._add_held(tenant, size)
+        own = self._own_policy(tenant)
+        if own is not None:
+            own.inserted(key, size)
+            self._due.add(tenant)
+        return tenant
 
     def _room_for_pin(self, key: str, size: int) -> bool:
         if self.pin_budget is None or self.pinned_bytes + size <= self.pin_budget:

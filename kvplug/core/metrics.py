@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvplug.core.tenant_metrics import TenantCollector
+
 
 @dataclass(frozen=True)
 class MetricSample:
@@ -77,6 +79,9 @@ class EngineMetrics:
         )  # fmt: skip
         self.retrieve_seconds = Histogram("kvplug_retrieve_seconds", "Time of retrieve calls", registry=r)
         self.store_seconds = Histogram("kvplug_store_seconds", "Time of store calls (caller side)", registry=r)
+        #: Pins and per-tenant bytes and hits, read from the tiers of each chain added to its ``sources``.
+        self.tenants = TenantCollector()
+        r.register(self.tenants)
 
     def samples(self) -> list[MetricSample]:
         """Every metric's current samples (``_created`` timestamps left out)."""

@@ -230,10 +230,39 @@ class TenantBook:
 
     def tenant_of(self, key: str) -> str | None:
         """The salt of a ``<version>/<fingerprint>/<hash>`` key, ``None`` when unsalted or unknown."""
+        if not isinstance(key, str):  # (a bad key: the tier's own checks say so)
+            return None
         parts = key.split("/", 2)
         if len(parts) != 3:
             return None
         return self._salts.get(parts[1])
+
+
+class NameTenants:
+    """The tenants of record names (:func:`record_name`), for a store that sees names, not
+    keys: a tier notes the keys it is asked about (:meth:`note`) before its store indexes
+    their records. Thread-safe; at most ``max_names``, the least recently noted forgotten
+    first (a forgotten record only counts as unsalted until it is noted again)."""
+
+    def __init__(self, tenants: TenantBook, max_names: int = 65536) -> None:
+        self._tenants = tenants
+        self.max_names = max_names
+        self._names: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def note(self, keys: Iterable[str]) -> None:
+        found = [(record_name(key), tenant) for key in keys if (tenant := self._tenants.tenant_of(key)) is not None]
+        if not found:
+            return
+        with self._lock:
+            for name, tenant in found:
+                self._names[name] = tenant
+                self._names.move_to_end(name)
+            while len(self._names) > self.max_names:
+                self._names.popitem(last=False)
+
+    def tenant_of(self, name: str) -> str | None:
+        return self._names.get(name)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry
 from kvplug.core.remote import call_budget, remaining_budget_s
 from kvplug.core.tenancy import Tenancy
+from kvplug.core.tenant_metrics import TierFigures
 from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierContext, TierStats, tier_settings
 from kvplug.core.tier_slot import TierSlot
 from kvplug.core.write_queue import Items, WriteQueue
@@ -67,6 +68,8 @@ class TierChain:
         self._slots: list[TierSlot] = []
         #: The pins and tenants its tiers share (:meth:`open` gives its tiers this one).
         self.tenancy = Tenancy()
+        self._figures: TierFigures = lambda: [(label, stats.extra) for label, stats in self.stats()]
+        self.metrics.tenants.sources.append(self._figures)
         for index, tier in enumerate(tiers):
             label = f"{index}:{tier.name}"
             settings = tier_settings(tier)
@@ -378,6 +381,8 @@ class TierChain:
     def close(self, *, drain: bool = True) -> None:
         """Close every tier, after its write queue has written (``drain`` and the
         queue's ``on_close: drain``) or dropped what is queued."""
+        if self._figures in self.metrics.tenants.sources:
+            self.metrics.tenants.sources.remove(self._figures)
         for slot in self._slots:
             if slot.queue is not None:
                 slot.queue.close(drain=drain)

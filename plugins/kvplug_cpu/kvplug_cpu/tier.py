@@ -141,7 +141,7 @@ class CPUTier(StorageTier):
     def pin(self, keys: Sequence[str]) -> list[tuple[str, int]]:
         with self._lock:
             self._check_open()
-            outcomes = []
+            outcomes: list[tuple[str, int]] = []
             for key in keys:
                 outcome = self._policy.pin(key)
                 value = self._entries.get(key)

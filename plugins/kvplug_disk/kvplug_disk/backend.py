@@ -27,7 +27,18 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
-from kvplug import Buffer, CallSizes, RecordBackend, RecordToWrite, StoredRecord
+from kvplug import (
+    Buffer,
+    CallSizes,
+    EvictionName,
+    GuardedEviction,
+    NameTenants,
+    PinOutcome,
+    RecordBackend,
+    RecordToWrite,
+    StoredRecord,
+    Tenancy,
+)
 from kvplug_disk.config import DiskTierConfig
 from kvplug_disk.files import ForeignEntryError, RecordFolder, TempFile, value_size_of
 from kvplug_disk.index import EvictionIndex, IndexEntry
@@ -56,12 +67,29 @@ class DiskBackend(RecordBackend):
     keeps_budget: ClassVar[bool] = True
     runs_inline: ClassVar[bool] = True
 
-    def __init__(self, config: DiskTierConfig, problems: ProblemLog) -> None:
+    def __init__(self, config: DiskTierConfig, problems: ProblemLog, tenancy: Tenancy | None = None) -> None:
         self.where = str(config.path)
         self._budget = int(config.max_bytes)
         self._problems = problems
         self._lock = threading.Lock()  # taken before the ledger's lock, never inside it
-        self._order = EvictionIndex(config.eviction)
+        tenancy = tenancy or Tenancy()
+        #: The tenants of record names: the tier notes the keys it is asked about here.
+        self.tenant_names = NameTenants(tenancy.tenants)
+        quotas, default_quota = config.quota_bytes()
+
+        def guard(eviction: EvictionName) -> GuardedEviction:
+            return GuardedEviction(
+                eviction,
+                pin_budget=config.pin_budget(),
+                quotas=quotas,
+                default_quota=default_quota,
+                tenant_of=self.tenant_names.tenant_of,
+                wants_pin=tenancy.pins.wants_name,
+                logger=problems.logger,
+                tier=self.where,
+            )
+
+        self._order = EvictionIndex(config.eviction, guard)
         self._counts = {"discovered": 0, "vanished": 0, "skipped_writes": 0}
         self._evicted: list[StoredRecord] = []
         self._dirty_folders: set[str] = set()
@@ -207,6 +235,10 @@ class DiskBackend(RecordBackend):
                     self._order.add(record.name, IndexEntry(value_size, record.size))
                     if replaced:  # storing a record again is a use of it
                         self._order.touch(record.name)
+                    over_quota = self._order.take_over_quota()  # the tenant's own records
+                    if over_quota:
+                        self._remove_victims(usage, over_quota)
+                        usage.save()
             with self._folder_lock:
                 self._dirty_folders.add(self._folder.shard_of(record.name))
         if time.monotonic() - self._folders_synced_at >= FOLDER_SYNC_INTERVAL_S:
@@ -302,11 +334,33 @@ class DiskBackend(RecordBackend):
         """Order every record of a folder listing as cold entries, the oldest (by mtime) the
         first to leave; the folder's total becomes the listing's."""
         records.sort(key=lambda record: record[2])
-        self._order = EvictionIndex(self._order.eviction)
+        self._order = self._order.fresh()
         for digest, file_size, _ in reversed(records):  # each cold entry goes before the others
             if not self._skipped(digest):
                 self._order.add_cold(digest, IndexEntry(value_size_of(file_size), file_size))
         usage.total = self._order.value_bytes
+
+    # --- pins -----------------------------------------------------------------------
+
+    def pin(self, names: Sequence[str]) -> list[tuple[PinOutcome, int]]:
+        """Take records out of eviction (each asked of the file system first, so a record
+        another process wrote is pinned too): per name, what happened and its value bytes."""
+        self._sizes(names)
+        outcomes: list[tuple[PinOutcome, int]] = []
+        with self._lock:
+            for digest in names:
+                entry = self._order.get(digest)
+                outcomes.append((self._order.pin(digest), 0 if entry is None else entry.value_size))
+        return outcomes
+
+    def unpin(self, names: Sequence[str]) -> list[int | None]:
+        """Make records evictable again: per name its value bytes, ``None`` if not pinned."""
+        with self._lock:
+            sizes: list[int | None] = []
+            for digest in names:
+                entry = self._order.get(digest)
+                sizes.append(entry.value_size if entry is not None and self._order.unpin(digest) else None)
+            return sizes
 
     async def delete(self, names: Sequence[str]) -> list[bool]:
         return self._delete(names)
@@ -354,6 +408,7 @@ class DiskBackend(RecordBackend):
                 **self._problems.counts,
                 **self._startup,
                 "file_bytes": self._order.file_bytes,
+                **self._order.stats_extra(),
                 "eviction": self._order.eviction,
                 "folder_bytes": self._ledger.peek(),
                 "folder_budget_shared": int(self._ledger.shared),

@@ -25,12 +25,13 @@ from kvplug import (
     OldQueueKey,
     QueueSettings,
     RecordTierConfig,
+    TenancySettings,
     ThreadCount,
     TimeoutSeconds,
 )
 
 
-class DiskTierConfig(RecordTierConfig):
+class DiskTierConfig(TenancySettings, RecordTierConfig):
     """Options of tier ``disk``; ``path`` is required."""
 
     old_queue_keys: ClassVar[Mapping[str, OldQueueKey]] = {

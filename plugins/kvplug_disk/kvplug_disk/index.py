@@ -10,14 +10,19 @@ and hits set mtimes), kept up to date by this process's writes and reads, correc
 whenever the file system disagrees (a file another process wrote or evicted), and
 rebuilt when it has nothing left to evict while the folder is over budget. Not
 thread-safe: the backend holds its lock around every call.
+
+The policy is guarded (:class:`kvplug.GuardedEviction`): pinned records are never
+victims, and a tenant over its quota gives up its own records
+(:meth:`EvictionIndex.take_over_quota`). Both count file sizes. A rebuild keeps the
+tenants learnt so far, and pins records the engine's pin book wants again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvplug import EvictionName, make_eviction_policy
+from kvplug import EvictionName, GuardedEviction, PinOutcome
 
 
 @dataclass(slots=True)
@@ -31,13 +36,22 @@ class IndexEntry:
 class EvictionIndex:
     """Record digests in the order of an eviction policy, with exact byte totals."""
 
-    def __init__(self, eviction: EvictionName = "lru") -> None:
+    def __init__(
+        self, eviction: EvictionName = "lru", guard: Callable[[EvictionName], GuardedEviction] = GuardedEviction
+    ) -> None:
         self.eviction: EvictionName = eviction
+        self._guard = guard
         self._entries: dict[str, IndexEntry] = {}
         # Holds exactly the digests of _entries, each with its file size.
-        self._policy = make_eviction_policy(eviction)
+        self._policy = guard(eviction)
         self.value_bytes = 0
         self.file_bytes = 0
+
+    def fresh(self) -> EvictionIndex:
+        """An empty index of the same policy and guard, knowing the tenants this one learnt."""
+        index = EvictionIndex(self.eviction, self._guard)
+        index._policy.adopt_tenants(self._policy.tenants_of())
+        return index
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -84,6 +98,28 @@ class EvictionIndex:
             self.file_bytes -= entry.file_size
             victims.append((digest, entry))
         return victims
+
+    def pin(self, digest: str) -> PinOutcome:
+        """Take a held record out of eviction (within the guard's pin budget)."""
+        return self._policy.pin(digest)
+
+    def unpin(self, digest: str) -> bool:
+        """Make a pinned record evictable again; whether it was pinned."""
+        return self._policy.unpin(digest) is not None
+
+    def take_over_quota(self) -> list[tuple[str, IndexEntry]]:
+        """Remove the records of tenants over their quotas (each its own, in its order)."""
+        victims = []
+        for digest, _ in self._policy.take_over_quota():
+            entry = self._entries.pop(digest)
+            self.value_bytes -= entry.value_size
+            self.file_bytes -= entry.file_size
+            victims.append((digest, entry))
+        return victims
+
+    def stats_extra(self) -> dict[str, int]:
+        """Pins, quota evictions and per-tenant figures (:meth:`kvplug.GuardedEviction.stats_extra`)."""
+        return self._policy.stats_extra()
 
     def items(self) -> Iterator[tuple[str, IndexEntry]]:
         """Every entry (a copy, in no particular order)."""

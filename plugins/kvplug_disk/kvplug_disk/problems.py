@@ -41,6 +41,8 @@ class ProblemLog:
 
     def __init__(self, logger: logging.Logger, count_error: Callable[[str], None] | None = None) -> None:
         self._logger = logger
+        #: The tier's logger (the backend's eviction guard logs refused pins there).
+        self.logger = logger
         self._count_error = count_error
         self._lock = threading.Lock()
         self._skipped: dict[str, str] = {}

@@ -49,7 +49,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvplug import Buffer, Medium, TierContext
+from kvplug import Buffer, Medium, Tenancy, TierContext
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.config import DiskTierConfig, ShmTierConfig
 from kvplug_disk.files import RecordFolder
@@ -68,8 +68,8 @@ SHMEM_HUGE_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 class ShmBackend(DiskBackend):
     """A :class:`DiskBackend` whose reads map the record files instead of copying them."""
 
-    def __init__(self, config: DiskTierConfig, problems: ProblemLog) -> None:
-        super().__init__(config, problems)
+    def __init__(self, config: DiskTierConfig, problems: ProblemLog, tenancy: Tenancy | None = None) -> None:
+        super().__init__(config, problems, tenancy)
         self._counts["map_fallbacks"] = 0
         self.file_system = file_system_of(config.path)
         self.huge_pages = huge_pages_of(config.path)

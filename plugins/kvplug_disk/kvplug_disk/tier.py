@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from kvplug import Medium, RecordBackend, RecordTier, TierContext
+from kvplug import Buffer, Medium, RecordBackend, RecordTier, TierContext, key_digest
 from kvplug.errors import TierClosedError
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.config import DiskTierConfig
@@ -62,7 +62,9 @@ class DiskTier(RecordTier):
     def __init__(self, config: DiskTierConfig, context: TierContext) -> None:
         # Opened before the base, so that a folder that cannot be made raises its own
         # OSError (which names the path) rather than the base's wrapped TierError.
-        self._disk = self.backend_class(config, ProblemLog(context.logger, _error_counter(context, self.name)))
+        self._disk = self.backend_class(
+            config, ProblemLog(context.logger, _error_counter(context, self.name)), context.tenancy
+        )
         try:
             super().__init__(config, context)
         except BaseException:
@@ -73,6 +75,29 @@ class DiskTier(RecordTier):
 
     def open_backend(self, loop: asyncio.AbstractEventLoop) -> RecordBackend:
         return self._disk
+
+    # The backend sees record names, not keys: it learns their tenants (cache_salts) here.
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        self._disk.tenant_names.note(keys)
+        return super().contains(keys)
+
+    def get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        self._disk.tenant_names.note(keys)
+        return super().get(keys)
+
+    def put(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        self._disk.tenant_names.note(key for key, _ in items)
+        super().put(items)
+
+    def pin(self, keys: Sequence[str]) -> list[tuple[str, int]]:
+        self._check_open()
+        self._disk.tenant_names.note(keys)
+        return list(self._disk.pin([key_digest(key).hex() for key in keys]))
+
+    def unpin(self, keys: Sequence[str]) -> list[int | None]:
+        self._check_open()
+        return self._disk.unpin([key_digest(key).hex() for key in keys])
 
     def settle(self) -> None:
         """The chain has nothing more to write here for now: sync the folders renamed into."""

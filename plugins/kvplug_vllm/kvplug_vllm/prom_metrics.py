@@ -80,6 +80,36 @@ class KVPlugPromMetrics(KVConnectorPromMetrics):
             labelnames=[*labelnames, "tier"],
             multiprocess_mode="mostrecent",
         )
+        self._pins = {  # stats key prefix -> metric, labelled by tier
+            GAUGE_PREFIX + "pinned_bytes.": self._gauge_cls(
+                name="kvplug_pinned_bytes",
+                documentation="Bytes of pinned chunks in a kvplug tier",
+                labelnames=[*labelnames, "tier"],
+                multiprocess_mode="mostrecent",
+            ),
+            "pins_refused.": self._counter_cls(
+                name="kvplug_pins_refused",
+                documentation="Pins a kvplug tier refused: its pin_max_bytes was spent",
+                labelnames=[*labelnames, "tier"],
+            ),
+            "quota_evictions.": self._counter_cls(
+                name="kvplug_quota_evictions",
+                documentation="Chunks a kvplug tier evicted because their tenant was over its quota",
+                labelnames=[*labelnames, "tier"],
+            ),
+        }
+        # Tenant labels are bounded: the tenants a tier's quotas names, (other), (unsalted).
+        self._tenant_bytes = self._gauge_cls(
+            name="kvplug_tenant_bytes",
+            documentation="Bytes a tenant (cache_salt) holds in a kvplug tier",
+            labelnames=[*labelnames, "tier", "tenant"],
+            multiprocess_mode="mostrecent",
+        )
+        self._tenant_hits = self._counter_cls(
+            name="kvplug_tenant_hits",
+            documentation="Reads of a tenant's chunks a kvplug tier served",
+            labelnames=[*labelnames, "tier", "tenant"],
+        )
         self._histograms = {
             key: self._histogram_cls(name=name, documentation=doc, labelnames=labelnames, buckets=_BUCKETS)
             for key, (name, doc) in _HISTOGRAMS.items()
@@ -110,3 +140,27 @@ class KVPlugPromMetrics(KVConnectorPromMetrics):
                     self._dropped.labels(*values, key[len("store_dropped.") :]).inc(value)
             elif key.startswith(GAUGE_PREFIX + "breaker_state."):
                 self._breaker.labels(*values, key[len(GAUGE_PREFIX + "breaker_state.") :]).set(value)
+            else:
+                self._observe_tenancy(values, key, value)
+
+    def _observe_tenancy(self, values: list[object], key: str, value: Any) -> None:
+        """Pin and per-tenant figures (stats keys ``<prefix><tier>`` or ``<prefix><tier>|<tenant>``)."""
+        for prefix, metric in self._pins.items():
+            if key.startswith(prefix):
+                tier = key[len(prefix) :]
+                if prefix.startswith(GAUGE_PREFIX):
+                    metric.labels(*values, tier).set(value)
+                elif value:
+                    metric.labels(*values, tier).inc(value)
+                return
+        for prefix, metric in (
+            (GAUGE_PREFIX + "tenant_bytes.", self._tenant_bytes),
+            ("tenant_hits.", self._tenant_hits),
+        ):
+            if key.startswith(prefix):
+                tier, _, tenant = key[len(prefix) :].partition("|")
+                if prefix.startswith(GAUGE_PREFIX):
+                    metric.labels(*values, tier, tenant).set(value)
+                elif value:
+                    metric.labels(*values, tier, tenant).inc(value)
+                return

@@ -9,6 +9,7 @@ rejecting them as unknown.
 Per request, ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` (or
 ``kv_transfer_params`` in an OpenAI request body) may set kvplug's per-request
 fields: ``{"kvplug.skip_save": true}``, ``{"kvplug.save_unfull_chunk": true}``, and
+``{"kvplug.pin": true}`` to pin the chunks it stores (see docs/operations.md), and
 ``{"kvplug.report": true}`` to get the request's hit counts back in the output's
 ``kv_transfer_params``.
 """
@@ -26,6 +27,8 @@ from kvplug.errors import ConfigError, ConfigProblem
 PREFIX = "kvplug."
 #: kv_transfer_params key asking for the request's cache report in its output.
 REPORT_KEY = "kvplug.report"
+#: kv_transfer_params key pinning the chunks the request stores (the config's per-request ``pin_request``).
+PIN_KEY = "kvplug.pin"
 
 
 class ConnectorSettings(BaseModel):
@@ -131,7 +134,7 @@ def request_overrides(kv_transfer_params: Mapping[str, Any] | None, config: KVPl
     if not kv_transfer_params:
         return {}
     overrides = {
-        key[len(PREFIX) :]: value
+        "pin_request" if key == PIN_KEY else key[len(PREFIX) :]: value
         for key, value in kv_transfer_params.items()
         if isinstance(key, str) and key.startswith(PREFIX) and key != REPORT_KEY
     }

@@ -55,6 +55,15 @@ _LABELLED = {
     "kvplug_load_errors_total": ("reason", LOAD_ERROR_PREFIX),
     "kvplug_store_dropped_total": ("queue", "store_dropped."),
     "kvplug_remote_breaker_state": ("tier", GAUGE_PREFIX + "breaker_state."),
+    "kvplug_pinned_bytes": ("tier", GAUGE_PREFIX + "pinned_bytes."),
+    "kvplug_pins_refused_total": ("tier", "pins_refused."),
+    "kvplug_quota_evictions_total": ("tier", "quota_evictions."),
+}
+#: Per-tenant metrics (labels tier and tenant) -> connector stats key prefix; ``<tier>|<tenant>`` follows
+#: (a tier label, ``<index>:<type>``, has no ``|``).
+_TENANT_LABELLED = {
+    "kvplug_tenant_bytes": GAUGE_PREFIX + "tenant_bytes.",
+    "kvplug_tenant_hits_total": "tenant_hits.",
 }
 
 
@@ -66,6 +75,8 @@ def _stats_name(sample: MetricSample) -> str | None:
         label, prefix = _LABELLED[sample.name]
         if set(sample.labels) == {label}:
             return prefix + sample.labels[label]
+    if sample.name in _TENANT_LABELLED and set(sample.labels) == {"tier", "tenant"}:
+        return f"{_TENANT_LABELLED[sample.name]}{sample.labels['tier']}|{sample.labels['tenant']}"
     return None
 
 

@@ -1,0 +1,73 @@
+"""Per-tier pin and per-tenant figures as Prometheus metrics, read from the tiers when scraped.
+
+Tiers that keep pins and quotas count them in ``stats().extra``
+(:meth:`kvplug.GuardedEviction.stats_extra`); this collector turns those figures into
+``kvplug_tenant_bytes{tier,tenant}``, ``kvplug_tenant_hits_total{tier,tenant}``,
+``kvplug_pinned_bytes{tier}``, ``kvplug_pins_refused_total{tier}`` and
+``kvplug_quota_evictions_total{tier}``. The tenant label set is bounded: the tenants a
+tier's ``quotas`` names, ``(other)`` for every other salt, ``(unsalted)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+#: ``stats().extra`` key prefixes of the per-tenant figures (the tenant's label follows).
+TENANT_BYTES = "tenant_bytes:"
+TENANT_HITS = "tenant_hits:"
+
+#: (tier label, its stats' extra figures) of each tier of a chain.
+TierFigures = Callable[[], Iterable[tuple[str, Mapping[str, object]]]]
+
+logger = logging.getLogger("kvplug.metrics")
+
+
+class TenantCollector(Collector):
+    """Collects the figures of every registered tier source (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.sources: list[TierFigures] = []
+
+    def collect(self) -> Iterator[Metric]:
+        held = GaugeMetricFamily(
+            "kvplug_tenant_bytes", "Bytes a tenant (cache_salt) holds in a tier", labels=["tier", "tenant"]
+        )
+        hits = CounterMetricFamily(
+            "kvplug_tenant_hits", "Reads of a tenant's chunks a tier served", labels=["tier", "tenant"]
+        )
+        pinned = GaugeMetricFamily("kvplug_pinned_bytes", "Bytes of pinned chunks in a tier", labels=["tier"])
+        refused = CounterMetricFamily(
+            "kvplug_pins_refused", "Pins a tier refused: its pin_max_bytes was spent", labels=["tier"]
+        )
+        evicted = CounterMetricFamily(
+            "kvplug_quota_evictions", "Chunks a tier evicted because their tenant was over its quota", labels=["tier"]
+        )
+        for source in self.sources:
+            try:
+                figures = list(source())
+            except Exception:  # a closed chain, a tier that fails: no figures, never a failed scrape
+                logger.debug("tenant metrics: a tier source failed", exc_info=True)
+                continue
+            for tier, extra in figures:
+                if "pinned_bytes" not in extra:
+                    continue  # a tier that keeps no pins or quotas
+                pinned.add_metric([tier], _number(extra["pinned_bytes"]))
+                refused.add_metric([tier], _number(extra.get("pins_refused", 0)))
+                evicted.add_metric([tier], _number(extra.get("quota_evictions", 0)))
+                for key, value in extra.items():
+                    if key.startswith(TENANT_BYTES):
+                        held.add_metric([tier, key[len(TENANT_BYTES) :]], _number(value))
+                    elif key.startswith(TENANT_HITS):
+                        hits.add_metric([tier, key[len(TENANT_HITS) :]], _number(value))
+        yield from (held, hits, pinned, refused, evicted)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # the families are known only when collected
+
+
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0

@@ -1,0 +1,100 @@
+"""CacheEngine.pin / unpin, the config's pin: prefixes, and per-tenant quotas through an engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from core_helpers import LAYOUTS, random_caches
+
+from kvplug import CacheEngine, Fingerprint, PinReport, RequestInfo, load_config
+from kvplug.core.plugins import PluginRegistry
+
+LAYOUT = LAYOUTS["vllm_flash"]
+SYSTEM = list(range(5000, 5032))  # 4 chunks of 8 tokens
+
+
+def one_off(i: int) -> list[int]:
+    return [100_000 + 1000 * i + t for t in range(32)]
+
+
+def make(registry: PluginRegistry, **extra: object) -> CacheEngine:
+    settings = {
+        "kvplug.store.queue.mode": "sync",
+        "kvplug.chunk_size": 8,
+        **{f"kvplug.{k}": v for k, v in extra.items()},
+    }
+    config = load_config(engine_extra=settings, env={}, registry=registry).config
+    return CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="pins"), registry=registry)
+
+
+def test_pin_before_and_after_the_store_and_unpin(registry: PluginRegistry) -> None:
+    with make(registry, tiers=[{"type": "cpu", "max_bytes": "64KiB", "pin_max_bytes": "50%"}]) as engine:
+        salted = RequestInfo(cache_salt="tenant-a")
+        assert engine.pin(SYSTEM[:16], request=salted) == PinReport(chunks=0, bytes=0, refused=0, missing=2)
+        caches = random_caches(LAYOUT, 16)
+        engine.store(SYSTEM, caches, torch.arange(32), request=salted)
+        # The first two chunks were pinned as they were stored; pinning the prompt pins the other two.
+        pinned = engine.pin(SYSTEM, request=salted)
+        size = pinned.bytes // 4  # one chunk's frame
+        assert pinned == PinReport(chunks=4, bytes=4 * size, refused=0, missing=0)
+        assert engine.chain.tiers[0].stats().extra["pinned_bytes"] == 4 * size
+        for i in range(64 * 1024 // (4 * size) * 3):  # a scan that fills the tier three times over
+            engine.store(one_off(i), caches, torch.arange(32))
+        assert engine.lookup(SYSTEM, request=salted) == 32
+        assert engine.lookup(one_off(0)) == 0
+        assert engine.unpin(SYSTEM, request=salted) == PinReport(chunks=4, bytes=4 * size, refused=0, missing=0)
+        for i in range(64 * 1024 // (4 * size) * 3):
+            engine.store(one_off(1000 + i), caches, torch.arange(32))
+        assert engine.lookup(SYSTEM, request=salted) == 0
+
+
+def test_configured_pins_read_their_prefix_file_beside_the_config(registry: PluginRegistry, tmp_path: Path) -> None:
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "system.json").write_text(json.dumps(SYSTEM))
+    (tmp_path / "kvplug.yaml").write_text(
+        "chunk_size: 8\nstore: {queue: {mode: sync}}\n"
+        "tiers: [{type: cpu, max_bytes: 64KiB, pin_max_bytes: 50%, eviction: s3fifo}]\n"
+        "pin: [{salt: tenant-a, prefix_file: prompts/system.json}]\n"
+    )
+    config = load_config(config_file=tmp_path / "kvplug.yaml", env={}, registry=registry).config
+    assert config.pin[0].prefix_file == tmp_path / "prompts" / "system.json"
+    with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="pins"), registry=registry) as engine:
+        caches = random_caches(LAYOUT, 16)
+        salted = RequestInfo(cache_salt="tenant-a")
+        engine.store(SYSTEM, caches, torch.arange(32), request=salted)
+        for i in range(200):
+            engine.store(one_off(i), caches, torch.arange(32))
+        assert engine.lookup(SYSTEM, request=salted) == 32
+        assert engine.lookup(SYSTEM) == 0  # unsalted: other keys, never pinned
+
+
+def test_a_tenant_over_its_quota_evicts_its_own_chunks_through_the_engine(registry: PluginRegistry) -> None:
+    tiers = [{"type": "cpu", "max_bytes": "256KiB", "quotas": {"tenant-a": "10%", "default": "20%"}}]
+    with make(registry, tiers=tiers) as engine:
+        caches = random_caches(LAYOUT, 16)
+        b = RequestInfo(cache_salt="tenant-b")
+        engine.store(SYSTEM, caches, torch.arange(32), request=b)
+        a = RequestInfo(cache_salt="tenant-a")
+        for i in range(40):  # tenant-a alone would fill the tier more than twice
+            engine.store(one_off(i), caches, torch.arange(32), request=a)
+        assert engine.lookup(SYSTEM, request=b) == 32
+        assert engine.lookup(one_off(0), request=a) == 0
+        assert engine.lookup(one_off(39), request=a) == 32
+        held = engine.metrics.value("kvplug_tenant_bytes", tier="0:cpu", tenant="tenant-a")
+        assert 0 < held <= 256 * 1024 // 10
+        assert engine.metrics.value("kvplug_tenant_bytes", tier="0:cpu", tenant="(other)") > 0  # tenant-b
+        assert engine.metrics.value("kvplug_quota_evictions_total", tier="0:cpu") > 0
+
+
+@pytest.mark.parametrize("request_flag", [True, False])
+def test_the_per_request_pin_setting(registry: PluginRegistry, request_flag: bool) -> None:
+    with make(registry, tiers=[{"type": "cpu", "max_bytes": "64KiB", "pin_max_bytes": "50%"}]) as engine:
+        caches = random_caches(LAYOUT, 16)
+        info = RequestInfo(overrides={"pin_request": True} if request_flag else {})
+        engine.store(SYSTEM, caches, torch.arange(32), request=info)
+        for i in range(200):
+            engine.store(one_off(i), caches, torch.arange(32))
+        assert engine.lookup(SYSTEM) == (32 if request_flag else 0)
