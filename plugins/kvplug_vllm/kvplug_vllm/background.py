@@ -40,7 +40,8 @@ def fetch(engine: CacheEngine, request: RequestMeta, kv_caches: Sequence[torch.T
     assert request.load is not None
     tokens = request.token_ids[: request.load.num_hit]
     mask = torch.ones(len(tokens), dtype=torch.bool)
-    mask[: request.load.num_computed] = False
+    # A sliding-window group's table starts with vLLM's null block out of the window: not written.
+    mask[: max(request.load.num_computed, first_real_token(request.block_ids, engine.layout.block_size))] = False
     slots = slots_from_block_ids(request.block_ids, engine.layout.block_size, len(tokens))
     return engine.retrieve_layerwise(tokens, kv_caches, slots, mask, request=request.request_info())
 

@@ -277,7 +277,8 @@ class WorkerSide:
         block_size = self.engine.layout.block_size
         if loaded is None:
             loaded = torch.zeros(load.num_hit, dtype=torch.bool)
-        start, end = load.num_computed, load.num_computed + load.num_external
+        end = load.num_computed + load.num_external
+        start = max(load.num_computed, first_real_token(request.block_ids, block_size))  # none before the window
         bad: set[int] = set()
         for block in range(start // block_size, -(-end // block_size)):
             lo, hi = max(start, block * block_size), min(end, (block + 1) * block_size)

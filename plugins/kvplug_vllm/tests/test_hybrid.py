@@ -12,7 +12,8 @@ kvplug implements ``SupportsHMA`` (kv_groups.py), so vLLM keeps its hybrid alloc
   ``SlidingWindowSpec`` whose blocks vLLM frees once they fall out of the window, so a
   chunk completed in a later step is gathered with some blocks already freed. No token
   after the chunk ever attends to those positions. The prompt is a whole-prompt hit, so
-  the one computed token attends to the window of loaded KV before it;
+  the one computed token attends to the window of loaded KV before it, and only the chunk
+  holding that window is loaded (vLLM gives the null block for the blocks before it);
 * a Qwen3-Next style hybrid (Gated DeltaNet + full attention): its Mamba-type state
   group is refused at start-up by kvplug, naming the model, the group and the reason
   (vLLM alone runs it; without ``SupportsHMA`` vLLM itself failed at start).
@@ -83,6 +84,8 @@ def test_all_sliding_model_with_chunked_prefill_matches_vllm_prefix_cache(run_en
     assert "KV cache groups kv_group=0/1:sliding16" in cold["log"]
     assert report(cold, 0)["hit_tokens"] == 0
     assert report(warm, 0)["hit_tokens"] == len(P5)  # the whole prompt: only its last token is computed
+    # only the chunk holding the window before the last token is loaded; vLLM's null block is not written
+    assert report(warm, 0)["totals"]["loaded_tokens"] <= CHUNK_SIZE
     assert report(warm, 0)["totals"]["load_error_blocks"] == 0
     assert output(cold, 0) == output(own, 0)
     assert output(warm, 0) == output(own, 1)
