@@ -71,18 +71,26 @@ class GuardedEviction(EvictionPolicy):
 
     def inserted(self, key: str, size: int, *, cold: bool = False) -> None:
         tenant = self._tenant_of(key) or self._tenant.get(key)
+        may_pin = True
         if key in self._pinned:
-            self.pinned_bytes += size - self._pinned[key]
-            self._add_held(tenant, size - self._pinned[key])
-            self._pinned[key] = size
-            return
+            old_pinned = self._pinned[key]
+            self._add_held(tenant, size - old_pinned)
+            if self.pin_budget is None or self.pinned_bytes - old_pinned + size <= self.pin_budget:
+                self.pinned_bytes += size - old_pinned
+                self._pinned[key] = size
+                return
+            # A pinned key stored again, larger, past the pin budget: an ordinary key from now on.
+            del self._pinned[key]
+            self.pinned_bytes -= old_pinned
+            self._add_held(tenant, -size)
+            may_pin = self._room_for_pin(key, size)  # False: counted and logged as a refusal
         old = self._sizes.get(key)
         if old is not None:
             self._add_held(self._tenant.get(key), -old)
         if tenant is not None:
             self._tenant[key] = tenant
         self._add_held(tenant, size)
-        if self._wants_pin(key) and self._room_for_pin(key, size):
+        if may_pin and self._wants_pin(key) and self._room_for_pin(key, size):
             if old is not None:
                 self._unlist(key)
             self._pinned[key] = size
