@@ -76,6 +76,7 @@ from kvplug_vllm.tiny_model import BENCH_SPEC, write_random_llama
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_miss_overhead import measure
+from vllm_shm_goal import run as shm_goal
 
 CHUNK_SIZE = 256
 #: The connector's timings of a load, as its per-request report sums them (microseconds).
@@ -163,6 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         "--connector", default="auto", help="kvplug's KV connector: auto (the fastest installed), native or torch"
     )
     parser.add_argument("--json", action="store_true", help="print all figures as one JSON object, last")
+    parser.add_argument(
+        "--only",
+        choices=["shm"],
+        help="shm: only issue 30's goal, warm from tier shm in a second process (vllm_shm_goal.py)",
+    )
+    parser.add_argument(
+        "--shm-dir", help="with --only shm: the tmpfs folder to make the shm tier's folders in (/dev/shm)"
+    )
     args = parser.parse_args(argv)
     KV_CONNECTOR["type"] = args.connector
     if args.pairs < 15:
@@ -181,6 +190,18 @@ def main(argv: list[str] | None = None) -> int:
         console.print(
             f"model: random Llama, {BENCH_SPEC.num_parameters() / 1e6:.0f}M parameters; sizes {sizes}; {args.reps} reps"
         )
+        if args.only == "shm":
+            hooks = {"connector": connector, "request": request, "phases": phases, "console": console}
+            shm = shm_goal(base, sizes, args.reps, shm_parent=args.shm_dir, **hooks)
+            console.print(f"memcpy {memcpy:.1f} GB/s; total {time.perf_counter() - started:.0f}s")
+            if args.json:
+                meta = {"vllm": _version(), "model_parameters": BENCH_SPEC.num_parameters(), "memcpy_gbps": memcpy}
+                print(
+                    json.dumps(
+                        {**meta, "sizes": sizes, "reps": args.reps, "connector": args.connector, "shm_goal": shm}
+                    )
+                )
+            return 1 if shm["outputs_differ"] or shm["load_error_blocks"] else 0
         none: dict[int, list[float]] = {s: [] for s in sizes}
         cold: dict[int, list[float]] = {s: [] for s in sizes}
         warm_cpu: dict[int, list[float]] = {s: [] for s in sizes}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,9 +163,24 @@ def test_new_engine_process_hits_the_disk_tier(
 
 
 @pytest.fixture(scope="module")
-def producer(run_engine: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+def shm_dir() -> Iterator[Path]:
+    """A private folder under /dev/shm (0700, as mkdtemp makes it) for tier shm, removed after the module."""
+    path = Path(tempfile.mkdtemp(prefix="kvplug-test-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def shm_tier(path: Path) -> dict[str, Any]:
+    return {"type": "shm", "path": str(path), "max_bytes": "64MiB"}
+
+
+@pytest.fixture(scope="module")
+def producer(run_engine: Any, tmp_path_factory: pytest.TempPathFactory, shm_dir: Path) -> tuple[dict[str, Any], Path]:
+    """Stores Q to a disk tier and to the host's shm tier (shared with later engine processes)."""
     path = tmp_path_factory.mktemp("shared") / "kv"
-    kv = kv_config(role="kv_producer", **{"kvplug.tiers": [{"type": "disk", "path": str(path)}]})
+    kv = kv_config(role="kv_producer", **{"kvplug.tiers": [shm_tier(shm_dir), {"type": "disk", "path": str(path)}]})
     return run_engine(kv=kv, steps=[step("Q"), step("Q")]), path
 
 
@@ -216,3 +233,19 @@ def test_corrupt_chunk_is_recomputed_and_counted(
     second = report(result, 1)
     assert second["hit_tokens"] == 256 and output(result, 1) == baseline["Q"]
     assert second["totals"]["load_error_requests"] == 1
+
+
+def test_new_engine_process_hits_what_another_stored_in_shm(
+    run_engine: Any, producer: tuple[dict[str, Any], Path], shm_dir: Path, baseline: dict[str, list[int]]
+) -> None:
+    """Two engine processes on one host share one shm tier: the producer stored Q there and
+    exited; this engine (an empty cpu tier of its own before it) loads Q from shm."""
+    assert len(records(shm_dir)) == 4
+    kv = kv_config(**{"kvplug.tiers": [{"type": "cpu", "max_bytes": "64MiB"}, shm_tier(shm_dir)]})
+    result = run_engine(kv=kv, steps=[step("Q")])
+    loaded = report(result, 0)
+    assert loaded["hit_tokens"] == 256  # Q's 4 whole chunks of its 300 tokens
+    assert "300 prompt tokens, 256 cached by kvplug (shm 256)" in result["log"]  # found in shm, not in cpu
+    assert loaded["totals"]["loaded_tokens"] == 256
+    assert loaded["totals"]["load_error_blocks"] == 0
+    assert output(result, 0) == baseline["Q"]
