@@ -27,21 +27,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
-from kvplug import (
-    Buffer,
-    CallSizes,
-    EvictionName,
-    GuardedEviction,
-    NameTenants,
-    PinOutcome,
-    RecordBackend,
-    RecordToWrite,
-    StoredRecord,
-    Tenancy,
-)
+from kvplug import Buffer, CallSizes, NameTenants, PinOutcome, RecordBackend, RecordToWrite, StoredRecord, Tenancy
 from kvplug_disk.config import DiskTierConfig
 from kvplug_disk.files import ForeignEntryError, RecordFolder, TempFile, value_size_of
-from kvplug_disk.index import EvictionIndex, IndexEntry
+from kvplug_disk.index import EvictionIndex, IndexEntry, record_guard
 from kvplug_disk.ledger import Usage, UsageLedger
 from kvplug_disk.problems import ProblemLog, is_no_space, is_undeletable
 
@@ -75,20 +64,7 @@ class DiskBackend(RecordBackend):
         tenancy = tenancy or Tenancy()
         #: The tenants of record names: the tier notes the keys it is asked about here.
         self.tenant_names = NameTenants(tenancy.tenants)
-        quotas, default_quota = config.quota_bytes()
-
-        def guard(eviction: EvictionName) -> GuardedEviction:
-            return GuardedEviction(
-                eviction,
-                pin_budget=config.pin_budget(),
-                quotas=quotas,
-                default_quota=default_quota,
-                tenant_of=self.tenant_names.tenant_of,
-                wants_pin=tenancy.pins.wants_name,
-                logger=problems.logger,
-                tier=self.where,
-            )
-
+        guard = record_guard(config, tenancy.pins, self.tenant_names, problems.logger, self.where)
         self._order = EvictionIndex(config.eviction, guard)
         self._counts = {"discovered": 0, "vanished": 0, "skipped_writes": 0}
         self._evicted: list[StoredRecord] = []

@@ -19,10 +19,11 @@ tenants learnt so far, and pins records the engine's pin book wants again.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvplug import EvictionName, GuardedEviction, PinOutcome
+from kvplug import EvictionName, GuardedEviction, NameTenants, PinBook, PinOutcome, TenancySettings
 
 
 @dataclass(slots=True)
@@ -129,3 +130,25 @@ class EvictionIndex:
         self._entries[digest] = entry
         self.value_bytes += entry.value_size
         self.file_bytes += entry.file_size
+
+
+def record_guard(
+    settings: TenancySettings, pins: PinBook, names: NameTenants, logger: logging.Logger, where: str
+) -> Callable[[EvictionName], GuardedEviction]:
+    """The guard of a record folder's index: ``settings``' pin budget and quotas (over file
+    sizes), the engine's wanted pins by record name, tenants by record name."""
+    quotas, default_quota = settings.quota_bytes()
+
+    def guard(eviction: EvictionName) -> GuardedEviction:
+        return GuardedEviction(
+            eviction,
+            pin_budget=settings.pin_budget(),
+            quotas=quotas,
+            default_quota=default_quota,
+            tenant_of=names.tenant_of,
+            wants_pin=pins.wants_name,
+            logger=logger,
+            tier=where,
+        )
+
+    return guard
