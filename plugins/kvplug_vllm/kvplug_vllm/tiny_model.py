@@ -154,8 +154,9 @@ class TinyQwen3NextSpec:
     head_dim: int = 64
     linear_num_key_heads: int = 2
     linear_num_value_heads: int = 4
-    linear_key_head_dim: int = 32
-    linear_value_head_dim: int = 32
+    #: vLLM's CPU Gated DeltaNet kernel runs head dim 128 (32: "Unexpected head dim size").
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
     vocab_size: int = 1000
     max_position_embeddings: int = 4096
     dtype: str = "bfloat16"
