@@ -187,7 +187,8 @@ class WorkerSide:
                 caches = {name: all_caches[name] for name in other.layer_names}
                 other_layout = detect_layout(caches, self.vllm_config)
                 other_fp = fingerprint_for(other_layout, self.vllm_config, kv_group=other.describe(count), **ranks)
-                engine = CacheEngine(config, other_layout, other_fp, shares_tiers_with=self.engine)
+                other_heads = head_shard(other_layout, self.vllm_config, config.heads_per_record, tp_rank=tp_rank)
+                engine = CacheEngine(config, other_layout, other_fp, heads=other_heads, shares_tiers_with=self.engine)
                 self.groups.append((other.index, engine, list(caches.values())))
             self.groups.sort(key=lambda g: g[0])
         kv_events = getattr(self.vllm_config, "kv_events_config", None)
