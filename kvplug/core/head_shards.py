@@ -58,7 +58,7 @@ class HeadShard:
         heads_per_record: int | str = "auto",
         latent: bool = False,
     ) -> HeadShard:
-        """The shard of tensor-parallel rank ``tp_rank`` of ``tp_size``, as vLLM and SGLang
+        """The shard of tensor-parallel rank ``tp_rank`` of ``tp_size``, as the engines
         split KV heads (a TP size above the head count replicates each head over
         ``tp_size / total_heads`` consecutive ranks; a latent cache is on every rank).
 

@@ -314,6 +314,8 @@ def test_worker_stats_pass_engine_metrics_on_by_name_and_label(engine: CacheEngi
     stats = WorkerSide.get_kv_connector_stats(worker)  # type: ignore[arg-type]
     assert stats is not None
     data = {k: v for k, v in stats.data.items() if v}
+    # the cpu tier's bytes of unsalted requests: 3 chunks and their fingerprint manifest
+    assert data.pop("gauge.tenant_bytes.0:cpu|(unsalted)") >= engine.metrics.value("kvplug_stored_bytes_total")
     assert data == {
         "stored_tokens": 192,
         "stored_bytes": engine.metrics.value("kvplug_stored_bytes_total"),
