@@ -21,7 +21,7 @@ import pytest
 import torch
 from core_helpers import LAYOUTS, random_caches
 
-from kvplug import CacheEngine, Fingerprint, HeadRecords, HeadShard, KVLayout, load_config
+from kvplug import CacheEngine, Fingerprint, HeadRecords, HeadShard, KVLayout, RequestInfo, load_config
 from kvplug.core.plugins import PluginRegistry
 from kvplug.errors import ConfigError
 
@@ -205,3 +205,21 @@ def test_chunks_keyed_by_tp_rank_and_size_are_misses(engines: Any, tmp_path: Pat
     target = zeros_like(source)
     assert not bool(engine.retrieve(TOKENS, target, slots).any())
     assert equal(target, zeros_like(source))
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_a_chunk_named_by_its_first_record_is_removed_whole(engines: Any, salt: str | None) -> None:
+    """A reset or ``kvplug ctl clear`` knows a chunk by the key of its first record (the
+    worker's index, the journal): every head group's record of it goes, salted or not."""
+    layout = replace(LAYOUTS["vllm_flash"], num_kv_heads=4)
+    engine = engines(layout, shard(0, 1), tiers=[{"type": "cpu", "max_bytes": "64MiB"}])
+    request = RequestInfo(cache_salt=salt)
+    engine.store(TOKENS, random_caches(layout, blocks(layout), seed=3), torch.arange(len(TOKENS)), request=request)
+    engine.flush()
+    first = [key.key for key in engine.chunk_keys(TOKENS, request)]
+    records = engine.record_keys(engine.chunk_keys(TOKENS, request), request)
+    assert len(records) == 2 * len(first)
+    assert sorted(engine.records.all_records(first)) == sorted(records)
+    assert sorted(engine.records.all_records(records)) == sorted(records)  # a journal names every record
+    engine.chain.tiers[0].remove(engine.records.all_records(first))
+    assert engine.chain.tiers[0].contains(records) == [False] * len(records)

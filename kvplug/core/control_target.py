@@ -151,13 +151,15 @@ class EngineControl(ControlTarget):
         return (self.engine.unpin if unpin else self.engine.pin)(tokens, request=request)
 
     def clear_keys(self, request: ControlRequest) -> tuple[list[str], str]:
+        records = self.engine.records
         if request.fields.get("all_salts") is True:
-            return self.journal.keys(f"{self.engine.fingerprint.format_version}/"), "every cache_salt"
+            keys = self.journal.keys(f"{self.engine.fingerprint.format_version}/")
+            return records.all_records(keys), "every cache_salt"
         if "cache_salt" not in request.fields:
             raise ControlProtocolError("clear needs a scope: cache_salt (null: no salt) or all_salts: true")
         info = request.request_info()
         fingerprint = self.engine.fingerprint.for_request(cache_salt=info.cache_salt, lora_id=info.lora_id)
-        keys = self.journal.keys(f"{fingerprint.format_version}/{fingerprint.hexdigest()}/")
+        keys = records.all_records(self.journal.keys(f"{fingerprint.format_version}/{fingerprint.hexdigest()}/"))
         lora = f", LoRA {info.lora_id!r}" if info.lora_id else ""
         return keys, f"cache_salt {text_field(request.fields, 'cache_salt')!r}{lora}"
 

@@ -23,6 +23,8 @@ per block). :class:`HeadRecords` does the slicing with one strided copy per reco
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -93,6 +95,10 @@ class HeadShard:
         return f"{start}-{start + self.group}/{self.total}"
 
 
+#: cache_salt/LoRA isolations whose record keys :meth:`HeadRecords.all_records` can name.
+_MAX_ISOLATIONS = 4096
+
+
 class HeadRecords:
     """The records of an engine's chunks: one per head group of its :class:`HeadShard`.
 
@@ -123,6 +129,10 @@ class HeadRecords:
             replace(fingerprint, kv_heads=label, kv_layout=self.record_layout.describe()) for label in self.labels
         ]
         self.prefixes = [f"{f.format_version}/{f.hexdigest()}/" for f in self.fingerprints]
+        # Record 0's key prefix -> every record's, per cache_salt/LoRA seen lately, so that
+        # a chunk known by its record-0 key (events, journals) can be removed whole.
+        self._isolations: OrderedDict[str, list[str]] = OrderedDict()
+        self._lock = threading.Lock()
 
     @property
     def writer(self) -> bool:
@@ -139,8 +149,28 @@ class HeadRecords:
                 f.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id) for f in self.fingerprints
             )
             prefixes = [f"{f.format_version}/{f.hexdigest()}/" for f in isolated]
+            with self._lock:
+                self._isolations[prefixes[0]] = prefixes
+                self._isolations.move_to_end(prefixes[0])
+                if len(self._isolations) > _MAX_ISOLATIONS:
+                    self._isolations.popitem(last=False)
         cut = len(prefixes[0])
         return [prefix + key[cut:] for key in keys for prefix in prefixes]
+
+    def all_records(self, keys: Sequence[str]) -> list[str]:
+        """Every record key of the chunks named by their record-0 ``keys`` (as events and
+        the chunk journal name them); a key of a salt or LoRA not seen lately stays alone."""
+        if self.count == 1:
+            return list(keys)
+        cut = len(self.prefixes[0])
+        with self._lock:
+            known = {key[:cut]: self._isolations.get(key[:cut]) for key in keys}
+        known[self.prefixes[0]] = self.prefixes
+        found: dict[str, None] = {}  # ordered, once each: a journal may name several records
+        for key in keys:
+            prefixes = known[key[:cut]]
+            found.update(dict.fromkeys([key] if prefixes is None else [prefix + key[cut:] for prefix in prefixes]))
+        return list(found)
 
     def record_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
         return self.record_layout.chunk_shape(num_tokens)

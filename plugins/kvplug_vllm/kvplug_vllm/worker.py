@@ -455,7 +455,7 @@ class WorkerSide:
         (by default the in-memory ones, told by their ``medium``)."""
         if self.engine is None or self.index is None:
             return 0
-        keys = self.index.keys()
+        keys = self.engine.records.all_records(self.index.keys())  # every head group's record
         tiers = [t for t in self.engine.chain.tiers if resets(t, self.settings.reset_tiers)]
         for tier in tiers:
             try:
