@@ -11,7 +11,7 @@ Two things differ:
 
 - Nothing is fsynced (``fsync`` is always off): tmpfs has no disk behind it, and the
   rename alone is what makes a record whole or absent.
-- A read maps the record file read-only (``mmap``, ``MAP_POPULATE``) and returns a
+- A read maps the record file read-only (``mmap``) and returns a
   memoryview over the mapping, not a copy: the record base verifies the record's
   checksum over the mapping (:func:`kvplug.unpack_record` returns a view, no copy) and
   the connector scatters from the same pages into the engine's KV cache.
@@ -58,8 +58,11 @@ from kvplug_disk.tier import DiskTier
 
 #: File systems that keep files in memory: a mapping of them is a mapping of RAM.
 MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})
-# Pages are mapped in one call instead of one fault per 4 KiB page on first touch.
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+# No MAP_POPULATE: the checksum's first touch faults pages in 64 KiB at a time (the
+# kernel's fault-around for files), where MAP_POPULATE walks them one 4 KiB page at a
+# time: a map and a checksum of 96 MiB on a 4 KiB-page tmpfs took 0.81x as long
+# without it (median of 15 pairs, 2-core VM).
+_MAP_FLAGS = mmap.MAP_SHARED
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 #: The host's switch of huge pages for tmpfs; ``force`` and ``deny`` override every mount's ``huge=``.
 SHMEM_HUGE_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
