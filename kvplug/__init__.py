@@ -51,6 +51,7 @@ from kvplug.core.eviction import EvictionName, EvictionPolicy, LRUPolicy, S3FIFO
 from kvplug.core.guarded_eviction import GuardedEviction, PinOutcome
 from kvplug.core.keys import KV_FORMAT_VERSION, ChunkKey, ExtraKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.metrics import EngineMetrics, MetricSample
+from kvplug.core.pins import pin_keys, unpin_keys
 from kvplug.core.queue_settings import OldQueueKey, QueueSettings
 from kvplug.core.record import RECORD_HEADER_SIZE, key_digest, pack_record, pack_record_header, unpack_record
 from kvplug.core.record_backend import SIZE_UNKNOWN, CallSizes, RecordBackend, RecordToWrite
@@ -262,6 +263,7 @@ __all__ = [
     "make_serializer",
     "pack_record",
     "pack_record_header",
+    "pin_keys",
     "private_socket_dir",
     "redact",
     "redact_text",
@@ -270,4 +272,5 @@ __all__ = [
     "remove_stale_sockets",
     "slots_from_block_ids",
     "unpack_record",
+    "unpin_keys",
 ]

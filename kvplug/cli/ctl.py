@@ -88,7 +88,11 @@ def _sum_tiers(replies: Replies) -> list[dict[str, Any]]:
     by_label: dict[str, list[dict[str, Any]]] = {}
     for _, reply in replies:
         for row in reply.get("tiers", []):
-            by_label.setdefault(str(row.get("tier")), []).append({k: v for k, v in row.items() if k != "extra"})
+            summed = {k: v for k, v in row.items() if k != "extra"}
+            extra = row.get("extra") or {}
+            if "pinned_bytes" in extra:  # a tier that keeps pins (GuardedEviction's figures)
+                summed["pinned_bytes"] = extra["pinned_bytes"]
+            by_label.setdefault(str(row.get("tier")), []).append(summed)
     return [_sum_numbers(rows) for rows in by_label.values()]
 
 
@@ -104,12 +108,25 @@ def _size(value: Any) -> str:
 
 def _tier_table(title: str, rows: Sequence[dict[str, Any]], rank: str | None = None) -> Table:
     table = Table(title=title)
-    columns = ["tier", "medium", "used", "budget", "items", "hits", "misses", "evictions", "errors", "breaker"]
+    columns = [
+        "tier",
+        "medium",
+        "used",
+        "pinned",
+        "budget",
+        "items",
+        "hits",
+        "misses",
+        "evictions",
+        "errors",
+        "breaker",
+    ]
     for column in (["rank"] if rank else []) + columns:
         table.add_column(column)
     for row in rows:
         cells = [
-            str(row.get("tier")), str(row.get("medium")), _size(row.get("bytes_used")), _size(row.get("max_bytes")),
+            str(row.get("tier")), str(row.get("medium")), _size(row.get("bytes_used")),
+            _size(row.get("pinned_bytes", row.get("extra", {}).get("pinned_bytes"))), _size(row.get("max_bytes")),
             *(str(row.get(name, "-")) for name in ("items", "hits", "misses", "evictions", "errors", "breaker_state")),
         ]  # fmt: skip
         table.add_row(*(Text(c) for c in ([rank] if rank else []) + cells))

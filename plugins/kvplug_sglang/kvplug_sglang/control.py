@@ -17,7 +17,17 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import kvplug
-from kvplug import ChunkStore, ControlIdentity, ControlRequest, ControlServer, ControlTarget, RequestInfo
+from kvplug import (
+    ChunkStore,
+    ControlIdentity,
+    ControlRequest,
+    ControlServer,
+    ControlTarget,
+    PinReport,
+    RequestInfo,
+    pin_keys,
+    unpin_keys,
+)
 from kvplug.errors import ControlProtocolError
 
 logger = logging.getLogger("kvplug.sglang")
@@ -77,6 +87,10 @@ class HiCacheControl(ControlTarget):
 
     def lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
         return [(tier, self.page_size) for tier in self.store.locate_prefix(self.page_keys(tokens, request))]
+
+    def pin(self, tokens: Sequence[int], request: RequestInfo, *, unpin: bool = False) -> PinReport:
+        # Page keys carry the salt (SGLang seeds its page hash with it), so a pin is per salt too.
+        return (unpin_keys if unpin else pin_keys)(self.store.chain, self.page_keys(tokens, request))
 
     def clear_keys(self, request: ControlRequest) -> tuple[list[str], str]:
         if request.fields.get("all_salts") is not True:

@@ -85,6 +85,13 @@ def test_ctl_against_an_sglang_server(server: SGLangServer, socket_dir: Path, tm
 
     assert send_as_other_user(Path(rank["socket"]), encode_control_request("info")) == "connect 13"
 
+    pinned = ctl(socket_dir, "pin", str(prompt))["total"]
+    assert pinned["chunks"] == WHOLE_PAGES and pinned["refused"] == 0 and pinned["bytes"] > 0
+    (cpu_pinned,) = ctl(socket_dir, "tiers")["total"]["tiers"]
+    assert cpu_pinned["pinned_bytes"] == pinned["bytes"]
+    assert ctl(socket_dir, "pin", str(prompt), "--cache-salt", "other")["total"]["missing"] == WHOLE_PAGES
+    assert ctl(socket_dir, "unpin", str(prompt))["total"]["chunks"] == WHOLE_PAGES
+
     assert "use --all" in ctl(socket_dir, "clear", "--salt", "t", ok=False)
     cleared = ctl(socket_dir, "clear", "--all")["total"]
     assert cleared["removed"] == {"0:cpu": cpu["items"]} and cleared["bytes_freed"]["0:cpu"] == cpu["bytes_used"]

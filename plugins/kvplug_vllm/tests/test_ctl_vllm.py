@@ -130,7 +130,9 @@ def test_ctl_against_vllm_serve_with_two_tensor_parallel_ranks(server: str, sock
 
     pinned = ctl(socket_dir, "pin", str(prompt))["total"]
     assert pinned["chunks"] == 8 and pinned["refused"] == 0 and pinned["bytes"] > 0
+    assert ctl(socket_dir, "tiers")["total"]["tiers"][0]["pinned_bytes"] == pinned["bytes"]  # both ranks' pins
     assert ctl(socket_dir, "unpin", str(prompt))["total"]["chunks"] == 8
+    assert ctl(socket_dir, "tiers")["total"]["tiers"][0]["pinned_bytes"] == 0
 
     other = str(ranks[0]["socket"])
     info = encode_control_request("info")
