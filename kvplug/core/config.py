@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -38,6 +38,9 @@ from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.queue_settings import STORE_QUEUE_KEYS, QueueSettings, upgrade_queue_keys
 from kvplug.core.tenancy import PinSpec
 from kvplug.errors import ConfigError, ConfigProblem
+
+#: The most KV heads one record may hold (models have at most a few hundred).
+MAX_HEADS_PER_RECORD = 4096
 
 
 class ComponentSpec(BaseModel):
@@ -162,7 +165,7 @@ class KVPlugConfig(CheckedModel):
         "every core (an engine running on the CPU), fewer may be faster: measure on your hosts "
         "(benchmarks/README.md).",
     )
-    heads_per_record: PositiveInt | Literal["auto"] = Field(
+    heads_per_record: Annotated[int, Field(ge=1, le=MAX_HEADS_PER_RECORD)] | Literal["auto"] = Field(
         default="auto",
         description="KV heads per stored record. A chunk is stored as one record per group of this many "
         "heads, keyed by the group's head range, never by the TP rank or size: engines of any TP size "

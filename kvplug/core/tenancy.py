@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
@@ -36,6 +36,8 @@ DEFAULT_QUOTA = "default"
 
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 _BYTES: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
+#: The largest byte share a pin budget or quota may name: 1 PiB.
+MAX_SHARE_BYTES = 2**50
 
 
 def parse_share(where: str, value: object) -> int | str:
@@ -55,8 +57,8 @@ def parse_share(where: str, value: object) -> int | str:
         size = int(_BYTES.validate_python(value))
     except ValueError:
         raise ValueError(f"{where}: {value!r} is not a byte size (4GiB) or a percentage (20%)") from None
-    if size < 0:
-        raise ValueError(f"{where}: {value!r} must be at least 0 bytes")
+    if not 0 <= size <= MAX_SHARE_BYTES:
+        raise ValueError(f"{where}: {value!r} must be from 0 bytes to 1 PiB")
     return size
 
 
@@ -74,7 +76,7 @@ class TenancySettings(BaseModel):
     that keep them: ``cpu``, ``disk``, ``shm``). Both are per tier, beside the tier's
     ``max_bytes`` they are shares of, because each tier evicts on its own."""
 
-    pin_max_bytes: int | str = Field(
+    pin_max_bytes: Annotated[int, Field(ge=0, le=MAX_SHARE_BYTES)] | str = Field(
         default="25%",
         description="Budget of pinned chunks in this tier (chunks no eviction policy evicts: config pin:, "
         "the kvplug.pin request flag, CacheEngine.pin / kvplug ctl pin): bytes (1GiB) or a percentage of "
