@@ -200,6 +200,17 @@ def tiers_command(
             console.print(_tier_table(f"tiers of {_rank_name(rank)}", reply.get("tiers", []), _rank_name(rank)))
 
 
+def _ask_about_prompt(op: str, prompt: str, tokenizer: str | None, cache_salt: str | None, lora: str | None,
+                      engine: str | None, socket_dir: Path | None, timeout: float) -> Replies:  # fmt: skip
+    """Every rank's answer to ``op`` about the prompt read from ``prompt`` (a file, ``-``)."""
+
+    def action() -> Replies:
+        tokens = read_prompt(prompt, tokenizer)
+        return _client(engine, socket_dir, timeout).ask_all(op, _request(cache_salt, lora), tokens)
+
+    return _run(action)
+
+
 @ctl_app.command("lookup")
 def lookup_command(
     prompt: str = _PROMPT, tokenizer: str | None = _TOKENIZER, cache_salt: str | None = _SALT,
@@ -208,11 +219,7 @@ def lookup_command(
 ) -> None:  # fmt: skip
     """How much of a prompt the engine holds now: the hit it would load, and where each rank holds it."""
 
-    def action() -> Replies:
-        tokens = read_prompt(prompt, tokenizer)
-        return _client(engine, socket_dir, timeout).ask_all("lookup", _request(cache_salt, lora), tokens)
-
-    replies = _run(action)
+    replies = _ask_about_prompt("lookup", prompt, tokenizer, cache_salt, lora, engine, socket_dir, timeout)
     hits = [int(reply["hit_tokens"]) for _, reply in replies]
     total = {
         "num_tokens": replies[0][1]["num_tokens"],
@@ -248,11 +255,7 @@ def explain_command(
 ) -> None:  # fmt: skip
     """A prompt's chunk map over the live engine's own tiers (its memory tier too) and why it stops there."""
 
-    def action() -> Replies:
-        tokens = read_prompt(prompt, tokenizer)
-        return _client(engine, socket_dir, timeout).ask_all("explain", _request(cache_salt, lora), tokens)
-
-    replies = _run(action)
+    replies = _ask_about_prompt("explain", prompt, tokenizer, cache_salt, lora, engine, socket_dir, timeout)
     worst_rank, worst = min(replies, key=lambda item: int(item[1]["hit_tokens"]))
     total = {"hit_tokens": worst["hit_tokens"], "num_tokens": worst["num_tokens"], "reason": worst["reason"]}
     if as_json:
@@ -278,11 +281,7 @@ def explain_command(
 
 def _pin(op: str, prompt: str, tokenizer: str | None, cache_salt: str | None, lora: str | None,
          engine: str | None, socket_dir: Path | None, per_rank: bool, as_json: bool, timeout: float) -> None:  # fmt: skip
-    def action() -> Replies:
-        tokens = read_prompt(prompt, tokenizer)
-        return _client(engine, socket_dir, timeout).ask_all(op, _request(cache_salt, lora), tokens)
-
-    replies = _run(action)
+    replies = _ask_about_prompt(op, prompt, tokenizer, cache_salt, lora, engine, socket_dir, timeout)
     total = _sum_numbers([reply for _, reply in replies])
     if as_json:
         _print_json(replies, total)
