@@ -12,7 +12,9 @@ adapters that manage their own pages (an engine's host-memory page pool). It own
   prefix and is removed from every tier (a miss, never wrong data);
 - promotion after verification: only chunks that passed are copied into the faster
   tiers. A tier with ``trusted_reads`` serves its bytes without re-checking them,
-  so it must never hold a value nobody verified;
+  so it must never hold a value nobody verified; a tier with ``verified_reads``
+  checked its bytes itself (a record checksum over the whole frame), so the frame
+  checksum is not computed a second time;
 - the store side: frames sealed (without a checksum when only ``trusted_reads``
   tiers will ever read them) and written through to every tier.
 """
@@ -154,7 +156,8 @@ class ChunkStore:
         loaded = LoadedChunks([], fetch_s=verifying - started)
         for key, shape, hit in zip(keys, shapes, fetched):
             # Frames from trusted_reads tiers are this process's own bytes (written here,
-            # or promoted after they passed); frames from anywhere else are verified.
+            # or promoted after they passed); a verified_reads tier checked every byte
+            # against its record checksum already; frames from anywhere else are verified.
             loads = self.serializer.loads_trusted if hit.trusted else self.serializer.loads
             try:
                 tensor = loads(hit.value, expected_shape=shape, expected_dtype=dtype)

@@ -56,6 +56,7 @@ class RecordTier(RecordMaintenance, StorageTier):
 
     medium: ClassVar[Medium] = "remote"
     Config: ClassVar[type[RecordTierConfig]] = RecordTierConfig
+    verified_reads = True  # get() returns only values whose record checksum (or MAC) matched
 
     def __init__(self, config: RecordTierConfig, context: TierContext) -> None:
         super().__init__(config, context)

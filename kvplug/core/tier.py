@@ -134,6 +134,13 @@ class StorageTier(ABC):
     #: read from them. Bytes that leave the process (files, shared memory, the network)
     #: are sealed and verified.
     trusted_reads: ClassVar[bool] = False
+    #: True for tiers whose ``get`` checks every byte of each value it returns against a
+    #: checksum (or MAC) written with it, and returns a miss otherwise: the record tiers,
+    #: whose record checksum covers the whole value. The engine then does not checksum
+    #: the frame a second time (it still checks the frame's header, shape and dtype):
+    #: one pass over the bytes instead of two, on the path of every load from outside
+    #: the process. Leave it off for a tier that returns what its store returns unchecked.
+    verified_reads: ClassVar[bool] = False
 
     def __init__(self, config: TierConfig, context: TierContext) -> None:
         self.config: TierConfig = config

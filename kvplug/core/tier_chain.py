@@ -46,7 +46,9 @@ class Fetched:
     value: Buffer
     #: Index of the tier that answered, fastest first.
     tier: int
-    #: That tier has ``trusted_reads``: the value is this process's own bytes.
+    #: That tier has ``trusted_reads`` (the value is this process's own bytes) or
+    #: ``verified_reads`` (it checked every byte against the checksum stored with them):
+    #: the frame's own checksum need not be checked again.
     trusted: bool
 
 
@@ -240,7 +242,7 @@ class TierChain:
                     values[i], found_in[i] = value, index
         limit = next((i for i, value in enumerate(values) if value is None), limit)
         return [
-            Fetched(value, where, self._slots[where].tier.trusted_reads)
+            Fetched(value, where, self._slots[where].tier.trusted_reads or self._slots[where].tier.verified_reads)
             for value, where in zip(values[:limit], found_in[:limit])
             if value is not None
         ]

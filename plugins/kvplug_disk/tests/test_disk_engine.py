@@ -83,3 +83,38 @@ def test_a_second_engine_loads_kv_from_disk_and_promotes_it_to_cpu(tmp_path: Pat
         assert disk.stats().hits == 3 and cpu.stats().hits == 3  # now served by cpu
         for want, got in zip(kv_at(source, slots), kv_at(again, target_slots)):
             assert torch.equal(want, got)
+
+
+def test_a_load_from_disk_checks_each_byte_once_by_the_record_checksum(tmp_path: Path, monkeypatch) -> None:
+    """The record checksum covers the whole frame (``verified_reads``): the frame's own
+    checksum is not computed again on load. A damaged record is still a miss."""
+    from kvplug.core import chunk_format
+
+    tokens = list(range(48))
+    source = paged_caches()
+    slots = torch.randperm(NUM_BLOCKS * 8)[:48]
+    with engine_on(tmp_path / "kv") as first:
+        assert first.store(tokens, source, slots) == 48
+        first.flush()
+    assert DiskTier.verified_reads
+
+    frame_checksums: list[int] = []
+    checksum = chunk_format.frame_checksum
+    monkeypatch.setattr(chunk_format, "frame_checksum", lambda frame: frame_checksums.append(1) or checksum(frame))
+    with engine_on(tmp_path / "kv") as second:
+        target, target_slots = paged_caches(), torch.randperm(NUM_BLOCKS * 8)[:48]
+        assert int(second.retrieve(tokens, target, target_slots).sum()) == 48
+        assert second.chain.tiers[1].stats().hits == 3  # every chunk came from the disk
+        assert frame_checksums == []
+        for want, got in zip(kv_at(source, slots), kv_at(target, target_slots)):
+            assert torch.equal(want, got)
+
+    # a flipped byte in the middle of a record's value: that chunk and the rest are a miss
+    records = sorted((tmp_path / "kv").glob("*/*.kvr"), key=lambda p: p.stat().st_size)
+    damaged = records[-1]
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    damaged.write_bytes(bytes(data))
+    with engine_on(tmp_path / "kv") as third:
+        assert int(third.retrieve(tokens, paged_caches(), target_slots).sum()) < 48
+        assert third.chain.tiers[1].stats().extra["corrupt"] == 1
