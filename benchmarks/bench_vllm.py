@@ -172,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--shm-dir", help="with --only shm: the tmpfs folder to make the shm tier's folders in (/dev/shm)"
     )
+    parser.add_argument(
+        "--shm-trust-host",
+        action="store_true",
+        help="with --only shm: the shm tier with trust_host (no checksum over loaded values; docs/security.md)",
+    )
     args = parser.parse_args(argv)
     KV_CONNECTOR["type"] = args.connector
     if args.pairs < 15:
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.only == "shm":
             hooks = {"connector": connector, "request": request, "phases": phases, "console": console}
-            shm = shm_goal(base, sizes, args.reps, shm_parent=args.shm_dir, **hooks)
+            shm = shm_goal(base, sizes, args.reps, shm_parent=args.shm_dir, trust_host=args.shm_trust_host, **hooks)
             console.print(f"memcpy {memcpy:.1f} GB/s; total {time.perf_counter() - started:.0f}s")
             if args.json:
                 meta = {"vllm": _version(), "model_parameters": BENCH_SPEC.num_parameters(), "memcpy_gbps": memcpy}

@@ -48,6 +48,7 @@ def measure(
     request: Callable[[int, int], dict[str, Any]],
     phases: Callable[[dict[str, Any], dict[str, Any]], dict[str, float]],
     shm_parent: str,
+    trust_host: bool,
     console: Console,
 ) -> dict[str, Any]:
     """Both processes' warm TTFTs per size and repetition, their breakdowns, hits and outputs."""
@@ -60,7 +61,10 @@ def measure(
     for rep in range(reps):
         folder = tempfile.mkdtemp(prefix="kvplug-bench-shm-", dir=shm_parent)
         try:
-            tiers = [{"type": "cpu", "max_bytes": "2GiB"}, {"type": "shm", "path": folder, "max_bytes": "4GiB"}]
+            tiers = [
+                {"type": "cpu", "max_bytes": "2GiB"},
+                {"type": "shm", "path": folder, "max_bytes": "4GiB", "trust_host": trust_host},
+            ]
             first = run_in_subprocess(
                 {**base, "kv": connector(tiers), "requests": [request(s, rep) for s in sizes for _ in (0, 1)]}
             )
@@ -159,11 +163,14 @@ def report(found: dict[str, Any], sizes: list[int], console: Console) -> dict[st
     return summary
 
 
-def run(base: dict[str, Any], sizes: list[int], reps: int, *, shm_parent: str | None, **hooks: Any) -> dict[str, Any]:
+def run(
+    base: dict[str, Any], sizes: list[int], reps: int, *, shm_parent: str | None, trust_host: bool, **hooks: Any
+) -> dict[str, Any]:
     """:func:`measure` then :func:`report`; ``shm_parent`` defaults to /dev/shm."""
     parent = shm_parent or "/dev/shm"
     if not Path(parent).is_dir():
         raise SystemExit(f"--shm-dir {parent}: no such folder (tier shm wants a tmpfs, such as /dev/shm)")
     console: Console = hooks.pop("console")
-    found = measure(base, sizes, reps, shm_parent=parent, console=console, **hooks)
-    return report(found, sizes, console)
+    console.print(f"tier shm with trust_host: {trust_host}")
+    found = measure(base, sizes, reps, shm_parent=parent, trust_host=trust_host, console=console, **hooks)
+    return {**report(found, sizes, console), "trust_host": trust_host}

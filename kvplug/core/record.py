@@ -315,8 +315,13 @@ def parse_record_header(data: Buffer, key: str | None = None) -> RecordHeader:
     return RecordHeader(length, digest, checksum, version)
 
 
-def unpack_record(data: Buffer, key: str | None = None) -> memoryview:
-    """The verified value inside a record (a zero-copy view of ``data``)."""
+def unpack_record(data: Buffer, key: str | None = None, *, check_value: bool = True) -> memoryview:
+    """The verified value inside a record (a zero-copy view of ``data``).
+
+    ``check_value=False`` checks everything but the checksum over the value (magic,
+    version, header checksum, key, length; a keyed record's MAC still covers its value):
+    for a store whose operator trusts its bytes as the process's own (tier ``shm``'s
+    ``trust_host``, docs/security.md)."""
     view = memoryview(data)
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
@@ -330,7 +335,7 @@ def unpack_record(data: Buffer, key: str | None = None) -> memoryview:
         expected = secret.mac(view[:_MAC_OFFSET], value)
         if not _same(expected, view[_MAC_OFFSET:RECORD_HEADER_SIZE]):
             raise CorruptChunkError("record MAC mismatch (forged, damaged, or written with another integrity key)")
-    elif xxhash.xxh3_64_intdigest(value) != header.value_checksum:
+    elif check_value and xxhash.xxh3_64_intdigest(value) != header.value_checksum:
         raise CorruptChunkError("record value checksum mismatch")
     return value.toreadonly()
 

@@ -142,7 +142,7 @@ class RecordTier(RecordMaintenance, StorageTier):
                 self._index.forget_gone(name, entry)
             elif not isinstance(data, BaseException):  # (an exception: the store did not answer)
                 try:
-                    value = unpack_record(data, key)
+                    value = self.unpack(data, key)
                 except IncompatibleChunkError:
                     self._count("incompatible")  # possibly a newer kvplug's record in a shared store: keep it
                 except CorruptChunkError as exc:
@@ -159,6 +159,11 @@ class RecordTier(RecordMaintenance, StorageTier):
             self._delete_quietly(corrupt)
         self._pushed_out(pushed)
         return values
+
+    def unpack(self, data: Buffer, key: str) -> memoryview:
+        """The value of a record read for ``key``, checked (:func:`kvplug.unpack_record`);
+        raises ``CorruptChunkError`` or ``IncompatibleChunkError``."""
+        return unpack_record(data, key)
 
     async def _read_pairs(self, pairs: Sequence[tuple[str, int | None]]) -> Sequence[Buffer | None | BaseException]:
         return await self._backend.read([name for name, _ in pairs], [size for _, size in pairs])

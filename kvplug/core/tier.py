@@ -139,7 +139,9 @@ class StorageTier(ABC):
     #: whose record checksum covers the whole value. The engine then does not checksum
     #: the frame a second time (it still checks the frame's header, shape and dtype):
     #: one pass over the bytes instead of two, on the path of every load from outside
-    #: the process. Leave it off for a tier that returns what its store returns unchecked.
+    #: the process. (Tier ``shm`` with ``trust_host`` skips its own pass too, by its
+    #: operator's choice: docs/security.md.) Leave it off for a tier that returns what
+    #: its store returns unchecked.
     verified_reads: ClassVar[bool] = False
 
     def __init__(self, config: TierConfig, context: TierContext) -> None:

@@ -117,3 +117,10 @@ class ShmTierConfig(DiskTierConfig):
         description="Records of one put written at once (1: one at a time; with no fdatasync to wait for, "
         "more threads only help on hosts with idle cores).",
     )
+    trust_host: bool = Field(
+        default=False,
+        description="Trust the folder's bytes as this user's own memory: a read checks each record's header, "
+        "key and length, not the checksum over its value (one pass over every loaded byte less; an "
+        "integrity_key's MAC is still checked). Only for a folder that nothing but this user's kvplug "
+        "engines writes: see docs/security.md.",
+    )

@@ -14,7 +14,9 @@ Two things differ:
 - A read maps the record file read-only (``mmap``) and returns a
   memoryview over the mapping, not a copy: the record base verifies the record's
   checksum over the mapping (:func:`kvplug.unpack_record` returns a view, no copy) and
-  the connector scatters from the same pages into the engine's KV cache.
+  the connector scatters from the same pages into the engine's KV cache. With
+  ``trust_host`` the value's checksum is skipped (header, key and length are still
+  checked): the operator vouches that only this user's engines write the folder.
 
 Why a reader never sees the bytes of a mapped record change: the tier never writes a
 record file in place. A record is written once, as a temp file, then renamed over the
@@ -49,7 +51,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvplug import Buffer, Medium, Tenancy, TierContext
+from kvplug import Buffer, Medium, Tenancy, TierContext, unpack_record
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.config import DiskTierConfig, ShmTierConfig
 from kvplug_disk.files import RecordFolder
@@ -144,6 +146,7 @@ class ShmTier(DiskTier):
 
     def __init__(self, config: DiskTierConfig, context: TierContext) -> None:
         super().__init__(config, context)
+        self._trust_host = isinstance(config, ShmTierConfig) and config.trust_host
         found = self.file_system
         if found not in MEMORY_FILE_SYSTEMS:
             context.logger.warning(
@@ -158,6 +161,10 @@ class ShmTier(DiskTier):
                 "on a tmpfs mounted with huge=always it maps 2 MiB pages, at about memory speed",
                 config.path,
             )
+
+    def unpack(self, data: Buffer, key: str) -> memoryview:
+        # trust_host: the operator vouches for every writer of the folder (docs/security.md).
+        return unpack_record(data, key, check_value=not self._trust_host)
 
     @property
     def file_system(self) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from kvplug import RECORD_HEADER_SIZE, get_registry
+from kvplug import RECORD_HEADER_SIZE, get_registry, key_digest
 from kvplug.testing import StorageTierContract, key_for, tier_context, value_for
 from kvplug_disk import ShmTier
 from kvplug_disk.config import DEFAULT_SHM_PATH
@@ -65,6 +65,28 @@ def test_the_checksum_is_verified_over_the_mapping(shm_dir: Path) -> None:
         record.write_bytes(data)  # in place, as only something other than kvplug would
         assert tier.get([key_for("x")]) == [None]
         assert tier.stats().extra["corrupt"] == 1 and not record.exists()
+    finally:
+        tier.close()
+
+
+def test_trust_host_skips_only_the_value_checksum(shm_dir: Path) -> None:
+    """trust_host: the value's checksum is not computed (docs/security.md says when that
+    is sound), but a record under another key, a cut record or a bad header is still a miss."""
+    tier = make_shm_tier(shm_dir, trust_host=True)
+    try:
+        tier.put([(key_for("x"), value_for("x", 10_000)), (key_for("y"), value_for("y", 10_000))])
+        records = {path.stem: path for path in shm_dir.glob("*/*.kvr")}
+        x, y = (records[key_digest(key_for(name)).hex()] for name in ("x", "y"))
+        data = bytearray(x.read_bytes())
+        data[RECORD_HEADER_SIZE + 5000] ^= 0xFF
+        x.write_bytes(data)  # the value changed in place: not checked, by the operator's choice
+        assert tier.get([key_for("x")])[0] == bytes(data[RECORD_HEADER_SIZE:])
+        y.write_bytes(y.read_bytes()[:-1])  # cut short: the header's length says otherwise
+        z = key_digest(key_for("z")).hex()
+        (shm_dir / z[:2]).mkdir(exist_ok=True)
+        x.rename(shm_dir / z[:2] / f"{z}.kvr")  # x's record where z's belongs: stored under another key
+        assert tier.get([key_for("y"), key_for("z")]) == [None, None]
+        assert tier.stats().extra["corrupt"] == 2
     finally:
         tier.close()
 
