@@ -1,6 +1,7 @@
 """Test helpers for kvplug plugin authors: conformance suites and fixtures."""
 
 from kvplug.testing.connector_copies import gather_chunk, scatter_chunk
+from kvplug.testing.control_cli import run_ctl
 from kvplug.testing.decode_bounds import DecodeCost, assert_bounded, cap_memory, measure_decode, run_fresh
 from kvplug.testing.other_user import send_as_other_user
 from kvplug.testing.storage_contract import StorageTierContract, key_for, tier_context, value_for
@@ -13,6 +14,7 @@ __all__ = [
     "gather_chunk",
     "key_for",
     "measure_decode",
+    "run_ctl",
     "run_fresh",
     "scatter_chunk",
     "send_as_other_user",

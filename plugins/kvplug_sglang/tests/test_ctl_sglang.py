@@ -8,22 +8,17 @@ The server is ``python -m sglang.launch_server`` (``sglang_server.py``); its sch
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from sglang_server import SGLangServer, hicache_args, write_random_llama
 
 from kvplug import encode_control_request
-from kvplug.testing import send_as_other_user
+from kvplug.testing import run_ctl, send_as_other_user
 
 pytestmark = pytest.mark.timeout(900)
 PAGE = 64
@@ -49,27 +44,14 @@ def server(tmp_path: Path, socket_dir: Path) -> Iterator[SGLangServer]:
         served.stop()
 
 
-def ctl(socket_dir: Path, *args: str, ok: bool = True) -> Any:
-    env = {**os.environ, "KVPLUG_LOOKUP_DIR": str(socket_dir)}
-    done = subprocess.run(
-        [sys.executable, "-m", "kvplug.cli.main", "ctl", *args, "--json"],
-        capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
-    if not ok:
-        assert done.returncode == 2, done
-        return done.stderr
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
-
-
 def test_ctl_against_an_sglang_server(server: SGLangServer, socket_dir: Path, tmp_path: Path) -> None:
-    (rank,) = ctl(socket_dir, "list")["ranks"]
+    (rank,) = run_ctl(socket_dir, "list")["ranks"]
     assert rank["adapter"] == "sglang" and rank["tp_size"] == 1 and rank["chunk_size"] == PAGE
 
     server.generate(PROMPT)
     deadline = time.monotonic() + 120
     while True:  # HiCache backs pages up to its storage backend in the background: poll
-        (cpu,) = ctl(socket_dir, "stats")["total"]["tiers"]
+        (cpu,) = run_ctl(socket_dir, "stats")["total"]["tiers"]
         if cpu["items"] >= WHOLE_PAGES:
             break
         assert time.monotonic() < deadline, cpu
@@ -78,22 +60,22 @@ def test_ctl_against_an_sglang_server(server: SGLangServer, socket_dir: Path, tm
 
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(" ".join(map(str, PROMPT)))
-    looked = ctl(socket_dir, "lookup", str(prompt))
+    looked = run_ctl(socket_dir, "lookup", str(prompt))
     assert looked["total"]["hit_tokens"] == WHOLE_PAGES * PAGE
     assert looked["ranks"][0]["chunks"] == [["cpu", PAGE]] * WHOLE_PAGES
-    assert ctl(socket_dir, "lookup", str(prompt), "--cache-salt", "other")["total"]["hit_tokens"] == 0
+    assert run_ctl(socket_dir, "lookup", str(prompt), "--cache-salt", "other")["total"]["hit_tokens"] == 0
 
     assert send_as_other_user(Path(rank["socket"]), encode_control_request("info")) == "connect 13"
 
-    pinned = ctl(socket_dir, "pin", str(prompt))["total"]
+    pinned = run_ctl(socket_dir, "pin", str(prompt))["total"]
     assert pinned["chunks"] == WHOLE_PAGES and pinned["refused"] == 0 and pinned["bytes"] > 0
-    (cpu_pinned,) = ctl(socket_dir, "tiers")["total"]["tiers"]
+    (cpu_pinned,) = run_ctl(socket_dir, "tiers")["total"]["tiers"]
     assert cpu_pinned["pinned_bytes"] == pinned["bytes"]
-    assert ctl(socket_dir, "pin", str(prompt), "--cache-salt", "other")["total"]["missing"] == WHOLE_PAGES
-    assert ctl(socket_dir, "unpin", str(prompt))["total"]["chunks"] == WHOLE_PAGES
+    assert run_ctl(socket_dir, "pin", str(prompt), "--cache-salt", "other")["total"]["missing"] == WHOLE_PAGES
+    assert run_ctl(socket_dir, "unpin", str(prompt))["total"]["chunks"] == WHOLE_PAGES
 
-    assert "use --all" in ctl(socket_dir, "clear", "--salt", "t", ok=False)
-    cleared = ctl(socket_dir, "clear", "--all")["total"]
+    assert "use --all" in run_ctl(socket_dir, "clear", "--salt", "t", expect_rc=2)
+    cleared = run_ctl(socket_dir, "clear", "--all")["total"]
     assert cleared["removed"] == {"0:cpu": cpu["items"]} and cleared["bytes_freed"]["0:cpu"] == cpu["bytes_used"]
-    assert ctl(socket_dir, "lookup", str(prompt))["total"]["hit_tokens"] == 0
-    assert ctl(socket_dir, "tiers")["total"]["tiers"][0]["items"] == 0
+    assert run_ctl(socket_dir, "lookup", str(prompt))["total"]["hit_tokens"] == 0
+    assert run_ctl(socket_dir, "tiers")["total"]["tiers"][0]["items"] == 0

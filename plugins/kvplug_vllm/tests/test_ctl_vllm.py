@@ -21,13 +21,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import BLOCK_SIZE, P1, child_env
 
 from kvplug import CONTROL_PROTOCOL_VERSION, encode_control_request
-from kvplug.testing import send_as_other_user
+from kvplug.testing import run_ctl, send_as_other_user
 
 START_TIMEOUT_S = 300
 pytestmark = pytest.mark.timeout(900)
@@ -86,19 +85,8 @@ def server(tiny_model: str, tmp_path: Path, socket_dir: Path) -> Iterator[str]:
         log.close()
 
 
-def ctl(socket_dir: Path, *args: str) -> dict[str, Any]:
-    env = {**os.environ, "KVPLUG_LOOKUP_DIR": str(socket_dir)}
-    done = subprocess.run(
-        [sys.executable, "-m", "kvplug.cli.main", "ctl", *args, "--json"],
-        capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    reply: dict[str, Any] = json.loads(done.stdout)
-    return reply
-
-
 def test_ctl_against_vllm_serve_with_two_tensor_parallel_ranks(server: str, socket_dir: Path, tmp_path: Path) -> None:
-    ranks = ctl(socket_dir, "list")["ranks"]
+    ranks = run_ctl(socket_dir, "list")["ranks"]
     assert [(r["tp_rank"], r["tp_size"], r["name"], r["adapter"]) for r in ranks] == [
         (0, 2, "tiny", "vllm"),
         (1, 2, "tiny", "vllm"),
@@ -112,7 +100,7 @@ def test_ctl_against_vllm_serve_with_two_tensor_parallel_ranks(server: str, sock
         assert response.status == 200
     deadline = time.monotonic() + 60
     while True:  # the workers store after the step: poll
-        stats = ctl(socket_dir, "stats")
+        stats = run_ctl(socket_dir, "stats")
         if stats["total"]["metrics"].get("kvplug_stored_tokens_total") == 2 * STORED_PER_RANK:
             break
         assert time.monotonic() < deadline, stats
@@ -124,15 +112,15 @@ def test_ctl_against_vllm_serve_with_two_tensor_parallel_ranks(server: str, sock
 
     prompt = tmp_path / "p1.json"
     prompt.write_text(json.dumps(P1))
-    looked = ctl(socket_dir, "lookup", str(prompt))
+    looked = run_ctl(socket_dir, "lookup", str(prompt))
     assert looked["total"] == {"num_tokens": len(P1), "hit_tokens": STORED_PER_RANK, "chunks_held": 8}
     assert [r["hit_tokens"] for r in looked["ranks"]] == [STORED_PER_RANK] * 2
 
-    pinned = ctl(socket_dir, "pin", str(prompt))["total"]
+    pinned = run_ctl(socket_dir, "pin", str(prompt))["total"]
     assert pinned["chunks"] == 8 and pinned["refused"] == 0 and pinned["bytes"] > 0
-    assert ctl(socket_dir, "tiers")["total"]["tiers"][0]["pinned_bytes"] == pinned["bytes"]  # both ranks' pins
-    assert ctl(socket_dir, "unpin", str(prompt))["total"]["chunks"] == 8
-    assert ctl(socket_dir, "tiers")["total"]["tiers"][0]["pinned_bytes"] == 0
+    assert run_ctl(socket_dir, "tiers")["total"]["tiers"][0]["pinned_bytes"] == pinned["bytes"]  # both ranks' pins
+    assert run_ctl(socket_dir, "unpin", str(prompt))["total"]["chunks"] == 8
+    assert run_ctl(socket_dir, "tiers")["total"]["tiers"][0]["pinned_bytes"] == 0
 
     other = str(ranks[0]["socket"])
     info = encode_control_request("info")
@@ -140,6 +128,6 @@ def test_ctl_against_vllm_serve_with_two_tensor_parallel_ranks(server: str, sock
     assert send_as_other_user(Path(other), info, dac_override=True) in ("reply b''", "closed 32", "closed 104")
     assert "runs as uid 65534" in (tmp_path / "serve.log").read_text()  # the worker refused it by its uid
 
-    cleared = ctl(socket_dir, "clear", "--no-salt")["total"]
+    cleared = run_ctl(socket_dir, "clear", "--no-salt")["total"]
     assert cleared["removed"] == {"0:cpu": 8} and cleared["scope"] == "cache_salt None"
-    assert ctl(socket_dir, "lookup", str(prompt))["total"]["hit_tokens"] == 0
+    assert run_ctl(socket_dir, "lookup", str(prompt))["total"]["hit_tokens"] == 0
