@@ -11,6 +11,8 @@ Per value size, over ``--total`` bytes of distinct values (so no side reads from
   fresh buffers + verify);
 - ``get + copy``: ``get``, then each value copied into the destination: a load.
 
+Rows for tier ``shm`` with ``trust_host`` (no checksum over the values) come after shm's.
+
 ``ratio`` is memcpy's time over the row's time (goal for shm ``get + copy``: >= 0.7).
 Tier ``disk`` pointed at the same tmpfs is measured alongside, for comparison.
 """
@@ -39,7 +41,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             measured = _measure(Path(scratch), size, args)
             figures[str(size)] = measured
             label = f"{size / 2**20:g} MiB x {measured['count']}"
-            for what in ("memcpy", "shm get", "shm get + copy", "disk get", "disk get + copy"):
+            for what in (
+                "memcpy",
+                "shm get",
+                "shm get + copy",
+                "shm trust_host get",
+                "shm trust_host get + copy",
+                "disk get",
+                "disk get + copy",
+            ):
                 gbps = measured[what]
                 rows.append((label, what, gbps, gbps / measured["memcpy"]))
     print_table(
@@ -87,9 +97,14 @@ def _measure(scratch: Path, size: int, args: argparse.Namespace) -> dict[str, An
         return timed
 
     tiers = {}
-    for name, cls in (("shm", ShmTier), ("disk", DiskTier)):
-        options: dict[str, Any] = {"path": scratch / f"{name}-{size}", "max_bytes": 2 * count * size, "fsync": False}
-        tier = cls(cls.Config(**options), tier_context())
+    kinds: list[tuple[str, Any, dict[str, Any]]] = [
+        ("shm", ShmTier, {}),
+        ("shm trust_host", ShmTier, {"trust_host": True}),
+        ("disk", DiskTier, {}),
+    ]
+    for index, (name, cls, extra) in enumerate(kinds):
+        options: dict[str, Any] = {"path": scratch / f"{index}-{size}", "max_bytes": 2 * count * size, "fsync": False}
+        tier = cls(cls.Config(**options, **extra), tier_context())
         for at in range(0, count, args.batch):
             tier.put(list(zip(keys[at : at + args.batch], values[at : at + args.batch])))
         tier.flush()
@@ -102,7 +117,7 @@ def _measure(scratch: Path, size: int, args: argparse.Namespace) -> dict[str, An
     for _ in range(args.repeats):  # interleaved, so that a noisy neighbour hits every row alike
         for what, timed in runs.items():
             best[what] = min(best[what], timed())
-    for name, tier in tiers.items():
+    for index, tier in enumerate(tiers.values()):
         tier.close()
-        shutil.rmtree(scratch / f"{name}-{size}", ignore_errors=True)
+        shutil.rmtree(scratch / f"{index}-{size}", ignore_errors=True)
     return {"count": count, **{what: round(gb / seconds, 4) for what, seconds in best.items()}}
