@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvplug import ChunkStore, Fingerprint, KVPlugConfig, PluginRegistry, load_config
+from kvplug import ChunkStore, Fingerprint, KVPlugConfig, PluginRegistry, key_digest, load_config
 from kvplug.errors import ConfigError
 
 SHAPE = (2, 2, 8, 16)
@@ -64,21 +64,26 @@ def test_chunks_from_the_slower_tier_are_verified_then_promoted(store: ChunkStor
     assert store.metrics.value("kvplug_loaded_bytes_total") == loaded.nbytes
 
 
-def test_a_corrupt_frame_in_the_slower_tier_is_removed_and_never_promoted(store: ChunkStore) -> None:
+def test_a_corrupt_record_in_the_slower_tier_is_removed_and_never_promoted(store: ChunkStore, tmp_path: Path) -> None:
+    """The disk tier checks each record's checksum over the whole frame (verified_reads):
+    a flipped byte in a record file is a miss there, and the frame is not checksummed again.
+    (A frame that fails its own checksum, from a tier without verified_reads: test_engine.py.)"""
     keys, tensors = _stored_on_disk_only(store, 3)
     cpu, disk = store.chain.tiers
-    damaged = bytearray(disk.get([keys[1]])[0])
-    damaged[-3] ^= 0x10  # a payload byte: the frame checksum fails, the disk record around it is sound
-    disk.remove([keys[1]])
-    disk.put([(keys[1], bytes(damaged))])
+    assert disk.verified_reads
+    digest = key_digest(keys[1]).hex()
+    (record,) = (tmp_path / "disk").glob(f"*/{digest}.kvr")
+    damaged = bytearray(record.read_bytes())
+    damaged[-3] ^= 0x10  # a payload byte of the frame inside the record
+    record.write_bytes(bytes(damaged))
 
     loaded = store.load_prefix(keys, [SHAPE] * 3, DTYPE)
     assert len(loaded.tensors) == 1 and torch.equal(loaded.tensors[0], tensors[0])
-    # Only the chunk that passed went up. The bad one is gone from every tier, and the
-    # one after it (fetched, never verified) stays where it was: not in the trusted tier.
+    # Only the chunk before it went up. The bad record is gone, and the chunk after it
+    # (never fetched: the prefix ended) stays where it was: not in the trusted tier.
     assert cpu.contains(keys) == [True, False, False]
     assert disk.contains(keys) == [True, False, True]
-    assert store.metrics.value("kvplug_load_errors_total", reason="CorruptChunkError") == 1
+    assert disk.stats().extra["corrupt"] == 1
     assert store.metrics.value("kvplug_promotions_total", tier="0:cpu") == 1
     assert store.contains_prefix(keys) == 1
 

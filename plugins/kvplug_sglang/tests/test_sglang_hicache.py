@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang_pools import make_pool
 
-from kvplug import ChunkStore
+from kvplug import ChunkStore, key_digest
 from kvplug_sglang.hicache import KVPlugStorage
 
 PAGE = 4
@@ -225,12 +225,13 @@ def test_salt_or_model_change_never_hits() -> None:
 
 
 def _damage(tier: Any, key: str) -> None:
-    """Flip a payload byte of the frame stored under ``key`` (a disk tier wraps it in a
-    sound record of its own: only the frame's checksum can tell)."""
-    frame = bytearray(tier.get([key])[0])
-    frame[-3] ^= 0x04
-    tier.remove([key])
-    tier.put([(key, bytes(frame))])
+    """Flip a payload byte of the page stored under ``key``, in its record file on disk
+    (the disk tier's record checksum covers the whole frame: verified_reads)."""
+    digest = key_digest(key).hex()
+    (record,) = Path(tier.config.path).glob(f"*/{digest}.kvr")
+    data = bytearray(record.read_bytes())
+    data[-3] ^= 0x04
+    record.write_bytes(bytes(data))
 
 
 def test_corrupt_page_is_a_miss(tmp_path: Path) -> None:
@@ -271,7 +272,7 @@ def test_pages_are_verified_before_they_are_promoted(tmp_path: Path) -> None:
     assert backend.batch_get_v1(keys, dst) == [True, False, False]
     assert torch.equal(pages_of(host, dst)[0], expected[0])
     # Only the page that passed went up; the damaged one is gone from every tier, and the
-    # one after it, fetched but never checked, stays on disk only.
+    # one after it (the prefix ended before it) stays on disk only.
     assert cpu.contains(stored) == [True, False, False]
     assert disk.contains(stored) == [True, False, True]
     backend.close()
