@@ -85,14 +85,17 @@ class GroupsRetrieve:
 
 
 def fetch_groups(
-    groups: Sequence[tuple[int, CacheEngine, Sequence[torch.Tensor]]], request: RequestMeta
+    groups: Sequence[tuple[int, CacheEngine, Sequence[torch.Tensor]]],
+    request: RequestMeta,
+    group_block_ids: Sequence[Sequence[int]],
 ) -> GroupsRetrieve:
-    """Fetch every group's chunks of ``request.load`` into that group's own blocks."""
+    """Fetch every group's chunks of ``request.load`` into that group's own blocks
+    (``group_block_ids``, one list per entry of ``groups``, in the engine's block size)."""
     assert request.load is not None
     tokens = request.token_ids[: request.load.num_hit]
     parts = []
-    for index, engine, caches in groups:
-        block_ids = request.group_block_ids[index]
+    for (_, engine, caches), block_ids in zip(groups, group_block_ids):
+        block_ids = list(block_ids)
         first = min(len(tokens), max(request.load.num_computed, first_real_token(block_ids, engine.layout.block_size)))
         mask = torch.ones(len(tokens), dtype=torch.bool)
         mask[:first] = False

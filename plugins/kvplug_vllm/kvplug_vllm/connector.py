@@ -85,7 +85,14 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
                     "(a corrupt record, a store that went away) fails its request; set "
                     '"kv_load_failure_policy": "recompute" so vLLM computes it instead'
                 )
-            self._scheduler = SchedulerSide(vllm_config, settings, config, engine_key, num_kv_cache_groups=len(groups))
+            self._scheduler = SchedulerSide(
+                vllm_config,
+                settings,
+                config,
+                engine_key,
+                num_kv_cache_groups=len(groups),
+                state_groups=any(g.kind == "state" for g in groups),
+            )
         else:
             self._worker = WorkerSide(self, vllm_config, settings, engine_extra, engine_key, kv_groups=groups)
 

@@ -10,9 +10,16 @@ writing into the same tiers, and stores and loads each group with its own block 
   but a resumed request reads only the window before its boundary; vLLM allocates
   blocks for that window only and gives the null block for the others. kvplug loads
   only the chunks that touch a real block and never writes the null block.
-- Anything else (Mamba/GDN state, chunked local attention, ...) is refused at start-up
-  by :func:`check_kv_cache_groups` with a message naming the model, the group kind and
-  the reason: a chunk of token KV does not capture a recurrent state.
+- Recurrent state (Mamba, Gated DeltaNet: vLLM's ``MambaSpec`` with ``mamba_cache_mode:
+  align``): a layer keeps one state per request, not KV per token. In ``align`` mode vLLM
+  keeps the state at block boundaries in blocks of their own and hands each one to the
+  connector with its exact block id (``boundary_state_offloads``). kvplug stores the state
+  at each chunk end it is handed, as that chunk's record of the state group; a hit must
+  end at a chunk whose state is stored (:mod:`kvplug_vllm.state_groups`), and the load
+  writes that one state into the block vLLM reads it from.
+- Anything else (Mamba state in another cache mode, chunked local attention, ...) is
+  refused at start-up by :func:`check_kv_cache_groups` with a message naming the model,
+  the group kind and the reason.
 """
 
 from __future__ import annotations
@@ -32,10 +39,13 @@ class KVGroup:
 
     index: int
     layer_names: tuple[str, ...]
-    #: ``full`` or ``sliding``.
+    #: ``full``, ``sliding`` or ``state`` (Mamba/GDN recurrent state, vLLM's ``align`` mode).
     kind: str
     spec_name: str
     sliding_window: int | None = None
+    #: A state group's state tensors (kind, shapes, dtypes) as they go into its key fingerprint:
+    #: a state page is only meaningful to a kernel that lays it out the same way.
+    state_format: str = ""
 
     def describe(self, count: int) -> str:
         """The group as it goes into the key fingerprint: index, count and kind."""
@@ -49,25 +59,44 @@ def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
     for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
         spec = group.kv_cache_spec
         window = getattr(spec, "sliding_window", None)
-        groups.append(
-            KVGroup(index, tuple(group.layer_names), "sliding" if window else "full", type(spec).__name__, window)
-        )
+        kind = "state" if _is_state(spec) else "sliding" if window else "full"
+        state = _state_format(spec) if kind == "state" else ""
+        groups.append(KVGroup(index, tuple(group.layer_names), kind, type(spec).__name__, window, state))
     return groups
 
 
+def _state_format(spec: Any) -> str:
+    mamba_type = getattr(spec, "mamba_type", "")
+    shapes = ",".join("x".join(str(n) for n in shape) for shape in getattr(spec, "shapes", ()))
+    dtypes = ",".join(str(d).removeprefix("torch.") for d in getattr(spec, "dtypes", ()))
+    return f"{str(getattr(mamba_type, 'name', mamba_type)).lower()}[{shapes}][{dtypes}]"
+
+
+def _is_state(spec: Any) -> bool:
+    return "mamba" in type(spec).__name__.lower()
+
+
 def primary_group(groups: list[KVGroup]) -> int:
-    """The group whose chunks answer lookups: the first full-attention one (it needs every chunk)."""
-    return next((g.index for g in groups if g.kind == "full"), 0)
+    """The group whose chunks answer lookups: the first full-attention one (it needs every chunk),
+    else the first of token KV."""
+    return next((g.index for g in groups if g.kind == "full"), next((g.index for g in groups if g.kind != "state"), 0))
 
 
 def _refusal(spec: Any, several: bool) -> str | None:
     """Why kvplug cannot serve a group of this spec, or None."""
-    name = type(spec).__name__
-    if "mamba" in name.lower() or not hasattr(spec, "num_kv_heads"):
-        return (
-            "it holds recurrent (Mamba/GDN linear-attention) state, not per-token attention KV; "
-            "kvplug cannot store it as chunks, so a hit would resume from a wrong state"
-        )
+    if _is_state(spec):
+        mode = getattr(spec, "mamba_cache_mode", None)
+        if mode != "align":
+            return (
+                f"it holds recurrent (Mamba/GDN linear-attention) state, and vLLM keeps it in mamba_cache_mode "
+                f"{mode!r}: kvplug stores the state at chunk boundaries only in mode 'align' (start vLLM with "
+                "--enable-prefix-caching --mamba-cache-mode align), where vLLM keeps one state per block boundary"
+            )
+        if not several:
+            return "a model of recurrent layers only has no attention KV for kvplug's chunks to key a hit by"
+        return None
+    if not hasattr(spec, "num_kv_heads"):
+        return "it holds neither per-token attention KV nor a recurrent state kvplug knows"
     if not several:
         return None  # one group of token KV: kvplug's original path (sliding windows included)
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec

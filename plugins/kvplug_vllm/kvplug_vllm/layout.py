@@ -59,6 +59,17 @@ VLLM_CPU_MLA = PagedFormat(
     shape_doc="[num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim]",
 )
 
+#: A recurrent-state layer (Mamba, GDN) in vLLM's ``align`` mode: one page of raw state
+#: bytes per block (conv and SSM state, padded to the attention page), viewed by
+#: :func:`kvplug_vllm.state_groups.state_pages` as one chunk per page. Opaque and whole.
+VLLM_STATE_PAGES = PagedFormat(
+    "vllm_state_pages",
+    ("block", "token", "dim"),
+    latent=True,
+    whole_blocks_only=True,
+    shape_doc="[num_blocks, chunk_size, page_bytes / chunk_size] bytes (one state page per vLLM block)",
+)
+
 
 def detect_layout(kv_caches: Mapping[str, torch.Tensor], vllm_config: object) -> KVLayout:
     """The layout of the registered caches (all layers must agree)."""

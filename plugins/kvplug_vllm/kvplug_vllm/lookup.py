@@ -43,6 +43,10 @@ from kvplug_vllm.socket_server import (
 
 logger = logging.getLogger("kvplug.vllm.lookup")
 
+#: Cuts a lookup's answer (per chunk: tier, tokens) short, e.g. to a chunk end with a
+#: recurrent state (:class:`kvplug_vllm.state_groups.StateBoundaries`): (tokens, request, answer).
+TrimHit = Callable[[Sequence[int], RequestInfo | None, list[tuple[str, int]]], list[tuple[str, int]]]
+
 _LEN = struct.Struct("<I")
 #: Most prompt tokens one lookup may carry (a 16 MiB message).
 MAX_TOKENS = 2 * 1024 * 1024
@@ -64,6 +68,8 @@ class LocalWorker:
     engine: CacheEngine
     #: Removes the worker's chunks from the tiers vLLM's prefix cache reset empties; returns how many.
     reset: Callable[[], int]
+    #: Applied to every answer of ``engine`` (a model with recurrent-state groups), or None.
+    trim: TrimHit | None = None
 
 
 #: (engine id, data-parallel rank, tensor-parallel rank) -> the worker in this process.
@@ -201,8 +207,10 @@ class LookupServer(MessageServer):
         path: Path,
         on_reset: Callable[[], int] | None = None,
         limits: ServerLimits = LOOKUP_LIMITS,
+        trim: TrimHit | None = None,
     ) -> None:
         self.engine = engine
+        self.trim = trim
         #: What a ``reset`` message runs (the worker's ``reset_cache``): returns chunks removed.
         self.on_reset = on_reset
         super().__init__(path, limits)
@@ -216,6 +224,8 @@ class LookupServer(MessageServer):
                 return json.dumps({"removed": self.on_reset()}).encode()
             tokens, info = decode_request(body)
             tiers = self.engine.lookup_tiers(tokens, request=info)
+            if self.trim is not None:
+                tiers = self.trim(tokens, info, tiers)
             return json.dumps({"hit": sum(n for _, n in tiers), "tiers": tiers}).encode()
         except Exception as exc:  # a bad request or a closed engine: the client sees a miss
             logger.warning("lookup request failed: %s", exc)
@@ -319,8 +329,11 @@ class DirectLookup:
         resets: Sequence[Callable[[], int]],
         media: Mapping[str, Medium],
         inline: Collection[str] | None = None,
+        trims: Sequence[TrimHit | None] = (),
     ) -> None:
         self.engines = list(engines)
+        #: Per engine, what cuts its answers short (None: nothing).
+        self.trims = list(trims) or [None] * len(self.engines)
         self.resets = list(resets)
         #: Tier type -> medium (:func:`tier_media`): required, as a tier missing here counts as remote.
         self.media = dict(media)
@@ -336,7 +349,13 @@ class DirectLookup:
         return sum(n for _, n in self.lookup_tiers(tokens, request))
 
     def lookup_tiers(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
-        return merge_tiers([engine.lookup_tiers(tokens, request=request) for engine in self.engines], self.media)
+        answers = [engine.lookup_tiers(tokens, request=request) for engine in self.engines]
+        return merge_tiers(self._trimmed(tokens, request, answers), self.media)
+
+    def _trimmed(
+        self, tokens: Sequence[int], request: RequestInfo, answers: list[list[tuple[str, int]]]
+    ) -> list[list[tuple[str, int]]]:
+        return [a if trim is None else trim(tokens, request, a) for trim, a in zip(self.trims, answers)]
 
     def inline_lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]] | None:
         """The answer of :meth:`lookup_tiers` when the tiers that answer inline
@@ -375,7 +394,7 @@ class DirectLookup:
             engine.metrics.lookups.inc()
             engine.metrics.lookup_tokens.inc(len(tokens))
             engine.metrics.lookup_hit_tokens.inc(hit)
-        return merge_tiers(answers, self.media)
+        return merge_tiers(self._trimmed(tokens, request, answers), self.media)
 
     def close(self) -> None:
         pass

@@ -47,6 +47,9 @@ class RequestMeta:
     #: vLLM's hash of each full block of ``token_ids`` as its KV events publish it (only when
     #: KV events are on): the worker names kvplug's chunks by them in its own events.
     block_hashes: list[Any] = field(default_factory=list)
+    #: Recurrent states vLLM handed over this step (``align`` mode): (KV cache group, block id,
+    #: token boundary) each. The worker stores each as the state group's chunk ending there.
+    state_blocks: list[tuple[int, int, int]] = field(default_factory=list)
 
     def request_info(self) -> RequestInfo:
         return RequestInfo(

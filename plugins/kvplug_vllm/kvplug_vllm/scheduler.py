@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +96,7 @@ class SchedulerSide:
         engine_key: tuple[str, int, int],
         *,
         num_kv_cache_groups: int = 1,
+        state_groups: bool = False,
     ) -> None:
         kv_transfer = vllm_config.kv_transfer_config
         self.settings = settings
@@ -108,6 +109,9 @@ class SchedulerSide:
         #: A hybrid model's loads all go to the background: vLLM takes a failed load of
         #: several KV cache groups by request (failed_recving), never by block id.
         self.num_groups = num_kv_cache_groups
+        #: Some group keeps recurrent state (state_groups.py): a hit ends at a chunk whose state is
+        #: stored, and never at the prompt's end (vLLM would resume from the state one token earlier).
+        self.state_groups = state_groups
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         #: Tier type -> medium: tiers are told apart by this trait, never by name.
         self.media = tier_media(config)
@@ -159,6 +163,9 @@ class SchedulerSide:
         if tiers is None:
             return None, False  # its lookup runs in the background: vLLM asks again next step
         hit = sum(n for _, n in tiers)
+        if self.state_groups and hit == request.num_tokens and tiers:
+            tiers = tiers[:-1]
+            hit = sum(n for _, n in tiers)
         need = hit - num_computed_tokens
         if hit == request.num_tokens:
             need -= 1  # the engine must compute the last token to sample the next
@@ -242,6 +249,9 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPlugConnectorMetadata:
         meta = KVPlugConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        #: Recurrent states vLLM hands over this step (align mode): request -> (group, block, boundary).
+        states = dict(getattr(block_state, "boundary_state_offloads", None) or {}) if self.state_groups else {}
         if meta.idle and self._pool is not None:
             self._pool.wait_any(IDLE_WAIT_S)  # nothing runs: a busy loop would take the lookups' CPU
         for req_id in scheduler_output.finished_req_ids:
@@ -284,7 +294,8 @@ class SchedulerSide:
             if failed is not None:  # the report still says what the lookup found; nothing was loaded
                 tracker.hit_tokens, tracker.vllm_cached_tokens = failed.new_hit, failed.vllm_cached
             end = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
-            self._add(meta, new.req_id, tracker, end, self._take_load(new.req_id, tracker))
+            load = self._take_load(new.req_id, tracker)
+            self._add(meta, new.req_id, tracker, end, load, states.get(new.req_id, ()))
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
             running = self._trackers.get(req_id)
@@ -304,7 +315,7 @@ class SchedulerSide:
             if computed < tracker.num_computed:  # preempted, or rolled back after a failed load
                 tracker.num_saved = min(tracker.num_saved, computed // self.chunk_size * self.chunk_size)
             end = computed + scheduler_output.num_scheduled_tokens[req_id]
-            self._add(meta, req_id, tracker, end, self._take_load(req_id, tracker))
+            self._add(meta, req_id, tracker, end, self._take_load(req_id, tracker), states.get(req_id, ()))
         return meta
 
     def _take_load(self, req_id: str, tracker: _Tracker) -> LoadSpec | None:
@@ -319,7 +330,13 @@ class SchedulerSide:
         return LoadSpec(lookup.num_computed, lookup.num_hit, lookup.num_external)
 
     def _add(
-        self, meta: KVPlugConnectorMetadata, req_id: str, tracker: _Tracker, end: int, load: LoadSpec | None
+        self,
+        meta: KVPlugConnectorMetadata,
+        req_id: str,
+        tracker: _Tracker,
+        end: int,
+        load: LoadSpec | None,
+        handed: Sequence[tuple[int, int, int]] = (),
     ) -> None:
         """Add the request to the step's metadata if it loads or stores anything."""
         tracker.num_computed = end
@@ -327,9 +344,13 @@ class SchedulerSide:
         saving = save_end > save_start
         if saving:
             tracker.num_saved = save_end
-        if not saving and load is None:
+        # A state at a chunk end kvplug stores chunks up to (the whole chunks of what _save_end allows).
+        limit = self._save_end(tracker, max(end, *(boundary for _, _, boundary in handed), 0))
+        states = [(g, b, n) for g, b, n in handed if n % self.chunk_size == 0 and 0 < n <= limit]
+        if not saving and load is None and not states:
             return
-        tokens = tracker.request.all_token_ids[: max(save_end if saving else 0, load.num_hit if load else 0)]
+        stored_to = max(save_end if saving else 0, *(n for _, _, n in states), 0)
+        tokens = tracker.request.all_token_ids[: max(stored_to, load.num_hit if load else 0)]
         meta.requests.append(
             RequestMeta(
                 req_id=req_id,
@@ -344,6 +365,7 @@ class SchedulerSide:
                 save_start=save_start // self.chunk_size * self.chunk_size if saving else 0,
                 save_end=save_end if saving else 0,
                 block_hashes=self._block_hashes(tracker.request, len(tokens)),
+                state_blocks=[(int(g), int(b), int(n)) for g, b, n in states],
             )
         )
 
@@ -450,7 +472,11 @@ class SchedulerSide:
                 if len(workers) < len(keys):
                     raise KVPlugError("lookup: direct, but the worker's cache engine is not in this process")
                 self._channel = DirectLookup(
-                    [w.engine for w in workers], [w.reset for w in workers], self.media, self.inline
+                    [w.engine for w in workers],
+                    [w.reset for w in workers],
+                    self.media,
+                    self.inline,
+                    trims=[w.trim for w in workers],
                 )
             else:
                 self._channel = SocketLookup(

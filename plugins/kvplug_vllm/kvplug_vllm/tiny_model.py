@@ -7,6 +7,7 @@ given as token ids and the engine runs with ``skip_tokenizer_init=True``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -73,15 +74,21 @@ def write_random_llama(path: str | Path, spec: TinyLlamaSpec = DEFAULT_SPEC) -> 
     return _save_seeded(LlamaForCausalLM, config, dtype, spec.seed, target)
 
 
-def _save_seeded(model_class: Any, config: Any, dtype: Any, seed: int, target: Path) -> Path:
+def _save_seeded(
+    model_class: Any, config: Any, dtype: Any, seed: int, target: Path, adjust: Callable[[Any], None] | None = None
+) -> Path:
     """Initialise ``model_class(config)`` from ``seed`` (leaving the caller's RNG as it was),
-    cast it to ``dtype`` and save it to ``target``."""
+    let ``adjust`` change its weights, cast it to ``dtype`` and save it to ``target``."""
     import torch
 
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = model_class(config).to(dtype)
+        model = model_class(config)
+        if adjust is not None:
+            with torch.no_grad():
+                adjust(model)
+        model = model.to(dtype)
     finally:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(target)
@@ -161,6 +168,10 @@ class TinyQwen3NextSpec:
     max_position_embeddings: int = 4096
     dtype: str = "bfloat16"
     seed: int = 0
+    #: Fill every GDN layer's ``A_log`` with this (None: the random init). The delta rule decays
+    #: its state by ``exp(-exp(A_log) * softplus(...))`` per token: random ``A_log`` forgets the
+    #: prompt within a few tokens, so a test of a restored state needs a long memory (e.g. -8).
+    a_log: float | None = None
 
 
 #: The default tiny GDN hybrid (one Gated DeltaNet layer, one full-attention layer).
@@ -175,8 +186,14 @@ def write_random_qwen3_next(path: str | Path, spec: TinyQwen3NextSpec = DEFAULT_
     target = Path(path)
     target.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, spec.dtype)
-    fields = {k: v for k, v in asdict(spec).items() if k not in ("dtype", "seed", "layer_types")}
+    fields = {k: v for k, v in asdict(spec).items() if k not in ("dtype", "seed", "layer_types", "a_log")}
     layers = len(spec.layer_types)
+
+    def long_memory(model: Any) -> None:
+        for name, parameter in model.named_parameters():
+            if spec.a_log is not None and name.endswith("A_log"):
+                parameter.fill_(spec.a_log)
+
     config = Qwen3NextConfig(
         **fields,
         num_hidden_layers=layers,
@@ -190,4 +207,4 @@ def write_random_qwen3_next(path: str | Path, spec: TinyQwen3NextSpec = DEFAULT_
         eos_token_id=2,
         bos_token_id=1,
     )
-    return _save_seeded(Qwen3NextForCausalLM, config, dtype, spec.seed, target)
+    return _save_seeded(Qwen3NextForCausalLM, config, dtype, spec.seed, target, long_memory)

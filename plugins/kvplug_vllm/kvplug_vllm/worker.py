@@ -27,7 +27,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvplug import CacheEngine, ControlServer, LayerwiseRetrieve, MetricSample, load_config, slots_from_block_ids
+from kvplug import (
+    CacheEngine,
+    ControlServer,
+    HeadShard,
+    LayerwiseRetrieve,
+    MetricSample,
+    load_config,
+    slots_from_block_ids,
+)
 from kvplug.errors import ConfigError, ConfigProblem
 from kvplug_vllm.background import BackgroundLoads, GroupsRetrieve, fetch, fetch_groups
 from kvplug_vllm.control import start_control
@@ -37,6 +45,7 @@ from kvplug_vllm.layout import detect_layout, fingerprint_for, head_shard
 from kvplug_vllm.lookup import LocalWorker, LookupServer, register_local, socket_path, unregister_local
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, RequestMeta
 from kvplug_vllm.settings import ConnectorSettings, resets
+from kvplug_vllm.state_groups import StateBoundaries, state_layout, state_load_block_ids, state_pages, state_store_calls
 from kvplug_vllm.stats import GAUGE_PREFIX, LOAD_ERROR_PREFIX, KVPlugConnectorStats
 
 logger = logging.getLogger("kvplug.vllm")
@@ -144,6 +153,9 @@ class WorkerSide:
         #: empty for one group. Their loads run in the background and fail by request.
         self.kv_groups = list(kv_groups or [])
         self.groups: list[tuple[int, CacheEngine, list[torch.Tensor]]] = []
+        #: The recurrent-state groups among them (state_groups.py), and the lookup trim they need.
+        self.state_groups: set[int] = {g.index for g in self.kv_groups if g.kind == "state"}
+        self.trim: StateBoundaries | None = None
         self._failed_loads: set[str] = set()
         self.layerwise = settings.layerwise and len(self.kv_groups) <= 1
 
@@ -185,12 +197,24 @@ class WorkerSide:
                 if other.index == self.groups[0][0]:
                     continue
                 caches = {name: all_caches[name] for name in other.layer_names}
-                other_layout = detect_layout(caches, self.vllm_config)
-                other_fp = fingerprint_for(other_layout, self.vllm_config, kv_group=other.describe(count), **ranks)
-                other_heads = head_shard(other_layout, self.vllm_config, config.heads_per_record, tp_rank=tp_rank)
+                other_heads: HeadShard | None
+                if other.kind == "state":  # a rank's own state (GDN shards it by head): keyed by rank
+                    pages = state_pages(list(caches.values()), other.layer_names, config.chunk_size)
+                    other_layout, other_heads, caches = (
+                        state_layout(pages, config.chunk_size),
+                        None,
+                        dict(zip(caches, pages)),
+                    )
+                else:
+                    other_layout = detect_layout(caches, self.vllm_config)
+                    other_heads = head_shard(other_layout, self.vllm_config, config.heads_per_record, tp_rank=tp_rank)
+                described = other.describe(count) + (f"[{other.state_format}]" if other.state_format else "")
+                other_fp = fingerprint_for(other_layout, self.vllm_config, kv_group=described, **ranks)
                 engine = CacheEngine(config, other_layout, other_fp, heads=other_heads, shares_tiers_with=self.engine)
                 self.groups.append((other.index, engine, list(caches.values())))
             self.groups.sort(key=lambda g: g[0])
+            if self.state_groups:
+                self.trim = StateBoundaries([e for i, e, _ in self.groups if i in self.state_groups])
         kv_events = getattr(self.vllm_config, "kv_events_config", None)
         self.index = ChunkIndex(
             layout.block_size,
@@ -198,9 +222,11 @@ class WorkerSide:
             publish=bool(kv_events is not None and kv_events.enable_kv_cache_events),
         )
         self.engine.add_event_listener(self.index.on_event)
-        register_local(self.engine_key, LocalWorker(self.engine, self.reset_cache))
+        register_local(self.engine_key, LocalWorker(self.engine, self.reset_cache, self.trim))
         if self.settings.lookup != "direct":
-            self.server = LookupServer(self.engine, socket_path(*self.engine_key), on_reset=self.reset_cache)
+            self.server = LookupServer(
+                self.engine, socket_path(*self.engine_key), on_reset=self.reset_cache, trim=self.trim
+            )
         self.control = start_control(self.engine, self.vllm_config, self.engine_key)
         if self.settings.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -236,11 +262,31 @@ class WorkerSide:
             if request.load.background:
                 self._remember(request, request.token_ids[: request.load.num_hit], request.load.num_computed)
                 if self.groups:
-                    self.background.start_fetch(request, functools.partial(fetch_groups, self.groups, request))
+                    self.background.start_fetch(request, functools.partial(self._fetch_groups, request))
                 else:
                     self.background.start(self.engine, request, self.kv_caches)
             else:
                 self._load(request)
+
+    def _fetch_groups(self, request: RequestMeta) -> GroupsRetrieve:
+        """Fetch every group's chunks (in the background: a group that cannot load fails the request)."""
+        return fetch_groups(self.groups, request, self._load_block_ids(request))
+
+    def _load_block_ids(self, request: RequestMeta) -> list[list[int]]:
+        """Each group's blocks for a load (a state group: the block at the hit boundary)."""
+        assert request.load is not None
+        return [
+            state_load_block_ids(
+                request.group_block_ids[index], request.load.num_hit, engine.chunk_size, self._block_size
+            )
+            if index in self.state_groups
+            else request.group_block_ids[index]
+            for index, engine, _ in self.groups
+        ]
+
+    @property
+    def _block_size(self) -> int:
+        return int(self.vllm_config.cache_config.block_size)
 
     def _load(self, request: RequestMeta) -> None:
         assert self.engine is not None and request.load is not None
@@ -339,7 +385,11 @@ class WorkerSide:
     def _to_save(self, meta: KVPlugConnectorMetadata | None) -> list[RequestMeta]:
         if meta is None or not self.can_save:
             return []
-        return [r for r in meta.requests if r.save_end > r.save_start and r.req_id not in self._failed_requests]
+        return [
+            r
+            for r in meta.requests
+            if (r.save_end > r.save_start or r.state_blocks) and r.req_id not in self._failed_requests
+        ]
 
     def _store(self, request: RequestMeta, *, layerwise: bool) -> Generator[int, None, int] | None:
         assert self.engine is not None
@@ -367,12 +417,27 @@ class WorkerSide:
         leading null blocks, out of its window, are not read)."""
         started = time.perf_counter()
         for index, engine, caches in self.groups:
+            if index in self.state_groups:
+                self._store_states(request, index, engine, caches)
+                continue
+            if request.save_end <= request.save_start:
+                continue
             block_ids = request.group_block_ids[index]
             mask = torch.ones(len(tokens), dtype=torch.bool)
             mask[: max(request.save_start, first_real_token(block_ids, engine.layout.block_size))] = False
             slots = slots_from_block_ids(block_ids, engine.layout.block_size, len(tokens))
             engine.store(tokens, caches, slots, mask, request=request.request_info())
         self._stats.sample("store_seconds", time.perf_counter() - started)
+
+    def _store_states(self, request: RequestMeta, index: int, engine: CacheEngine, caches: list[torch.Tensor]) -> None:
+        """Store the states vLLM handed over this step, each as the chunk that ends at its boundary."""
+        handed = [(boundary, block) for group, block, boundary in request.state_blocks if group == index]
+        tokens = request.token_ids
+        for boundary, block_ids in state_store_calls(handed, len(tokens), engine.chunk_size):
+            mask = torch.ones(boundary, dtype=torch.bool)
+            mask[: boundary - engine.chunk_size] = False
+            slots = slots_from_block_ids(block_ids, engine.chunk_size, boundary)
+            engine.store(tokens[:boundary], caches, slots, mask, request=request.request_info())
 
     def take_failed_loads(self) -> set[str]:
         """Requests of a hybrid model whose background load failed (vLLM recomputes them whole)."""

@@ -41,6 +41,8 @@ def main() -> None:
         enable_prefix_caching=spec.get("prefix_caching", False),
         seed=0,
     )
+    if spec.get("mamba_cache_mode") is not None:  # a Mamba/GDN hybrid: "align" keeps states at block ends
+        options["mamba_cache_mode"] = spec["mamba_cache_mode"]
     if spec.get("max_num_batched_tokens") is not None:  # a small budget: long prompts prefill in several steps
         options["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if tp > 1:

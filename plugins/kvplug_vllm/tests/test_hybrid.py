@@ -14,9 +14,13 @@ kvplug implements ``SupportsHMA`` (kv_groups.py), so vLLM keeps its hybrid alloc
   after the chunk ever attends to those positions. The prompt is a whole-prompt hit, so
   the one computed token attends to the window of loaded KV before it, and only the chunk
   holding that window is loaded (vLLM gives the null block for the blocks before it);
-* a Qwen3-Next style hybrid (Gated DeltaNet + full attention): its Mamba-type state
-  group is refused at start-up by kvplug, naming the model, the group and the reason
-  (vLLM alone runs it; without ``SupportsHMA`` vLLM itself failed at start).
+* a Qwen3-Next style hybrid (Gated DeltaNet + full attention) in vLLM's ``align`` mode:
+  engine A stores the attention chunks and the GDN state vLLM hands over at the last
+  whole block of the prompt; a new process B hits 1152 of 1200 tokens, loads the state
+  into the block it resumes from, and computes the same tokens as vLLM alone (a state
+  not loaded, or loaded into another block, changes them). Without ``align`` mode the
+  state group is refused at start-up by kvplug, naming the model, the group, the reason
+  and the flag to set (without ``SupportsHMA`` vLLM itself failed at start).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 import pytest
 from conftest import CHUNK_SIZE, DRIVER, P5, kv_config, output, report, run_process, tokens
 
-from kvplug_vllm.tiny_model import TinyLlamaSpec, write_random_llama, write_random_qwen3_next
+from kvplug_vllm.tiny_model import TinyLlamaSpec, TinyQwen3NextSpec, write_random_llama, write_random_qwen3_next
 
 # several real engines per test: more than the suite's default 300 s on a loaded machine
 pytestmark = pytest.mark.timeout(1200)
@@ -91,11 +95,56 @@ def test_all_sliding_model_with_chunked_prefill_matches_vllm_prefix_cache(run_en
     assert output(warm, 0) == output(own, 1)
 
 
-def test_gated_deltanet_hybrid_is_refused_by_kvplug_at_start(tmp_path: Path) -> None:
+#: A GDN hybrid in vLLM's align mode: vLLM picks the block size (384 here, so that an
+#: attention page holds a GDN state page); kvplug's chunk is one block.
+GDN_CHUNK = 384
+GDN_PROMPT = tokens(13, 1200)
+#: Shares GDN_PROMPT's first two chunks, whose ends have no stored state (vLLM hands over the
+#: state at the end of each prefill step: 1152): kvplug must not claim them as a hit.
+GDN_BRANCH = GDN_PROMPT[:1000] + tokens(14, 200)
+GDN_OPTIONS = {"block_size": None, "prefix_caching": True, "mamba_cache_mode": "align", "max_model_len": 2048}
+
+
+def test_gated_deltanet_hybrid_resumes_from_its_stored_state_in_a_new_process(run_engine: Any, tmp_path: Path) -> None:
+    # a long memory: the state at the hit boundary decides the tokens after it
+    model = str(write_random_qwen3_next(tmp_path / "tiny-qwen3-next", TinyQwen3NextSpec(a_log=-8.0)))
+    steps = [{"prompts": [{"tokens": GDN_PROMPT}], "max_tokens": 16}]
+    branch = [{"prompts": [{"tokens": GDN_BRANCH}], "max_tokens": 16}]
+    own = run_engine(kv=None, steps=steps + branch, model=model, **GDN_OPTIONS)
+    expected = output(own, 0)
+    assert len(set(expected)) >= 8, f"the random model repeats itself ({expected}): it would prove nothing"
+
+    kv = kv_config(
+        **{"kvplug.chunk_size": GDN_CHUNK, "kvplug.lookup": "direct"},
+        **{"kvplug.tiers": [{"type": "disk", "path": str(tmp_path / "kv")}]},
+    )
+    cold = run_engine(kv=kv, steps=steps, model=model, **GDN_OPTIONS)
+    warm = run_engine(kv=kv, steps=steps + branch, model=model, **GDN_OPTIONS)  # a new process: disk only
+    groups = re.search(r"KV cache groups (\S+), (\S+) \(vLLM's hybrid allocator\)", cold["log"])
+    assert groups is not None, "kvplug did not see several KV cache groups"
+    assert sorted(groups.groups()) == ["kv_group=0/2:state", "kv_group=1/2:full"]
+    assert report(cold, 0)["hit_tokens"] == 0
+    hit = report(warm, 0)
+    # vLLM prefills the prompt up to its last whole block in one step and hands kvplug the state
+    # there: the hit is every whole chunk, and vLLM resumes from the loaded state
+    whole_chunks = len(GDN_PROMPT) // GDN_CHUNK * GDN_CHUNK  # 1152
+    assert hit["hit_tokens"] == whole_chunks >= 0.8 * len(GDN_PROMPT)
+    assert hit["totals"]["loaded_tokens"] == whole_chunks
+    assert hit["totals"].get("load_error_requests", 0) == 0
+    assert output(cold, 0) == expected
+    assert output(warm, 0) == expected
+    # the branch's attention chunks are stored but no state at their ends: a miss, not a failed load
+    assert report(warm, 1)["hit_tokens"] == 0
+    assert report(warm, 1)["totals"].get("load_error_requests", 0) == 0
+    assert output(warm, 1) == output(own, 1)
+
+
+def test_gated_deltanet_hybrid_without_align_mode_is_refused_by_kvplug_at_start(tmp_path: Path) -> None:
     model = str(write_random_qwen3_next(tmp_path / "tiny-qwen3-next"))
-    spec = {"model": model, "kv": disk_kv(tmp_path), "steps": [], "block_size": 32}
+    spec = {"model": model, "kv": disk_kv(tmp_path), "steps": [], "block_size": None, "prefix_caching": False}
     done = run_process([sys.executable, str(DRIVER), json.dumps(spec)])
     assert done.returncode != 0
     assert "kvplug.errors.UnsupportedModelError: KVPlugConnector cannot serve model" in done.stderr
     assert re.search(r"KV cache group \d of 2 \(\w+, \w+\) is a MambaSpec group: it holds recurrent", done.stderr)
+    assert "mamba_cache_mode 'none'" in done.stderr and "--mamba-cache-mode align" in done.stderr
     assert "Failed to promote" not in done.stderr
