@@ -208,3 +208,49 @@ def write_random_qwen3_next(path: str | Path, spec: TinyQwen3NextSpec = DEFAULT_
         bos_token_id=1,
     )
     return _save_seeded(Qwen3NextForCausalLM, config, dtype, spec.seed, target, long_memory)
+
+
+@dataclass(frozen=True)
+class TinyGptOssSpec:
+    """Shape of a random gpt-oss style model: sliding-window (with attention sinks) and full
+    attention layers in turn, MoE MLPs. ``initializer_range`` 0.1: the library default
+    (0.02) makes a random model of this size repeat one token."""
+
+    hidden_size: int = 256
+    intermediate_size: int = 256
+    layer_types: tuple[str, ...] = ("sliding_attention", "full_attention")
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    num_local_experts: int = 4
+    num_experts_per_tok: int = 2
+    sliding_window: int = 128
+    vocab_size: int = 1000
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.1
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+
+#: The default tiny gpt-oss style model (one sliding layer with sinks, one full, MoE MLPs).
+DEFAULT_GPT_OSS_SPEC = TinyGptOssSpec()
+
+
+def write_random_gpt_oss(path: str | Path, spec: TinyGptOssSpec = DEFAULT_GPT_OSS_SPEC) -> Path:
+    """Write a random gpt-oss style checkpoint to ``path`` and return it."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    target = Path(path)
+    target.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, spec.dtype)
+    fields = {k: v for k, v in asdict(spec).items() if k not in ("dtype", "seed", "layer_types")}
+    config = GptOssConfig(
+        **fields,
+        num_hidden_layers=len(spec.layer_types),
+        layer_types=list(spec.layer_types),
+        torch_dtype=dtype,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    return _save_seeded(GptOssForCausalLM, config, dtype, spec.seed, target)

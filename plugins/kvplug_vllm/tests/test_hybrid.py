@@ -2,8 +2,9 @@
 
 kvplug implements ``SupportsHMA`` (kv_groups.py), so vLLM keeps its hybrid allocator:
 
-* sliding window (128) + full attention layers: two KV cache groups, each with its own
-  block table. Engine A stores a 1100-token prompt to a disk tier; a new engine process
+* sliding window (128) + full attention layers (Gemma-3 style layer types on Llama, and a
+  gpt-oss style model, whose sliding layers have attention sinks and whose MLPs are MoE):
+  two KV cache groups, each with its own block table. Engine A stores a 1100-token prompt to a disk tier; a new engine process
   B loads its 17 whole chunks into both groups' own blocks (the sliding group only the
   window before the hit: vLLM gives it the null block for the rest) and computes the
   tail, whose sliding layer attends to the loaded window: a load that skips a group, or
@@ -34,7 +35,13 @@ from typing import Any
 import pytest
 from conftest import CHUNK_SIZE, DRIVER, P5, kv_config, output, report, run_process, tokens
 
-from kvplug_vllm.tiny_model import TinyLlamaSpec, TinyQwen3NextSpec, write_random_llama, write_random_qwen3_next
+from kvplug_vllm.tiny_model import (
+    TinyLlamaSpec,
+    TinyQwen3NextSpec,
+    write_random_gpt_oss,
+    write_random_llama,
+    write_random_qwen3_next,
+)
 
 # several real engines per test: more than the suite's default 300 s on a loaded machine
 pytestmark = pytest.mark.timeout(1200)
@@ -48,11 +55,17 @@ def disk_kv(tmp_path: Path) -> dict[str, Any]:
     return kv_config(**{"kvplug.lookup": "direct", "kvplug.tiers": [{"type": "disk", "path": str(tmp_path / "kv")}]})
 
 
-def test_sliding_and_full_groups_hit_a_new_process_from_disk_with_vllms_outputs(
-    run_engine: Any, tmp_path: Path
-) -> None:
+def gemma3_style(path: Path) -> Path:
+    """Llama layers with Gemma-3 style layer types: a sliding-window layer and a full one."""
     spec = TinyLlamaSpec(layer_types=("sliding_attention", "full_attention"), sliding_window=128, seed=3)
-    model = str(write_random_llama(tmp_path / "tiny-swa-llama", spec))
+    return write_random_llama(path, spec)
+
+
+@pytest.mark.parametrize("write_model", [gemma3_style, write_random_gpt_oss], ids=["gemma3-style", "gpt-oss-style"])
+def test_sliding_and_full_groups_hit_a_new_process_from_disk_with_vllms_outputs(
+    run_engine: Any, tmp_path: Path, write_model: Any
+) -> None:
+    model = str(write_model(tmp_path / "tiny-hybrid"))
     steps = [{"prompts": [{"tokens": PROMPT}], "max_tokens": 16}]
     own = run_engine(kv=None, steps=steps, model=model, **OPTIONS)
     expected = output(own, 0)
