@@ -53,7 +53,11 @@ class Stack:
     tree: Any
 
 
-def build_stack(server_args: Any, model_config: Any, *, page_size: int = 1, size: int = 256) -> Stack:
+def build_stack(
+    server_args: Any, model_config: Any, *, page_size: int = 1, size: int = 256, **pool_kinds: bool
+) -> Stack:
+    """A radix cache as SGLang's scheduler builds it; ``pool_kinds`` sets the context's model
+    flags (``is_hybrid_swa``, ``is_hybrid_ssm``, ``is_dsa``)."""
     pool = make_pool(size=size, page_size=page_size)
     if page_size == 1:
         allocator = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", pool, False)
@@ -76,6 +80,8 @@ def build_stack(server_args: Any, model_config: Any, *, page_size: int = 1, size
         tp_rank=0,
         tp_group=None,
     )
+    for name, value in pool_kinds.items():
+        setattr(ctx, name, value)
     return Stack(pool, allocator, req_pool, create_tree_cache(ctx))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -44,6 +45,18 @@ def test_unknown_backend_is_refused_and_ours_is_known(model_config) -> None:
         pytest.raises(ValueError, match="is not registered"),
     ):
         build_stack(args, model_config)
+
+
+@pytest.mark.parametrize(
+    ("kind", "named"),
+    [("is_hybrid_ssm", "hybrid SSM (mamba) models"), ("is_hybrid_swa", "hybrid SWA models"), ("is_dsa", "DSA models")],
+)
+def test_hybrid_and_dsa_pools_are_refused_naming_the_kind(model_config, kvplug_env, kind: str, named: str) -> None:
+    with (
+        published_server_args(radix_cache_backend="kvplug") as args,
+        pytest.raises(ValueError, match=rf"--radix-cache-backend kvplug does not support {re.escape(named)}"),
+    ):
+        build_stack(args, model_config, **{kind: True})
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
