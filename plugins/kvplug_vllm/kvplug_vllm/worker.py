@@ -30,22 +30,21 @@ import torch
 from kvplug import (
     CacheEngine,
     ControlServer,
-    HeadShard,
     LayerwiseRetrieve,
     MetricSample,
     load_config,
     slots_from_block_ids,
 )
 from kvplug.errors import ConfigError, ConfigProblem
-from kvplug_vllm.background import BackgroundLoads, GroupsRetrieve, fetch, fetch_groups
+from kvplug_vllm.background import BackgroundLoads, GroupsRetrieve, fetch
 from kvplug_vllm.control import start_control
+from kvplug_vllm.group_engines import GroupEngines
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
 from kvplug_vllm.kv_groups import KVGroup, first_real_token, primary_group
 from kvplug_vllm.layout import detect_layout, fingerprint_for, head_shard
 from kvplug_vllm.lookup import LocalWorker, LookupServer, register_local, socket_path, unregister_local
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, RequestMeta
 from kvplug_vllm.settings import ConnectorSettings, resets
-from kvplug_vllm.state_groups import StateBoundaries, state_layout, state_load_block_ids, state_pages, state_store_calls
 from kvplug_vllm.stats import GAUGE_PREFIX, LOAD_ERROR_PREFIX, KVPlugConnectorStats
 
 logger = logging.getLogger("kvplug.vllm")
@@ -152,10 +151,7 @@ class WorkerSide:
         #: A hybrid model's KV cache groups, each with its own engine and caches (see kv_groups.py);
         #: empty for one group. Their loads run in the background and fail by request.
         self.kv_groups = list(kv_groups or [])
-        self.groups: list[tuple[int, CacheEngine, list[torch.Tensor]]] = []
-        #: The recurrent-state groups among them (state_groups.py), and the lookup trim they need.
-        self.state_groups: set[int] = {g.index for g in self.kv_groups if g.kind == "state"}
-        self.trim: StateBoundaries | None = None
+        self.groups: GroupEngines | None = None
         self._failed_loads: set[str] = set()
         self.layerwise = settings.layerwise and len(self.kv_groups) <= 1
 
@@ -192,29 +188,9 @@ class WorkerSide:
         heads = head_shard(layout, self.vllm_config, config.heads_per_record, tp_rank=tp_rank)
         self.engine = CacheEngine(config, layout, fingerprint, heads=heads)
         if count > 1:
-            self.groups = [(primary_group(self.kv_groups), self.engine, self.kv_caches)]
-            for other in self.kv_groups:
-                if other.index == self.groups[0][0]:
-                    continue
-                caches = {name: all_caches[name] for name in other.layer_names}
-                other_heads: HeadShard | None
-                if other.kind == "state":  # a rank's own state (GDN shards it by head): keyed by rank
-                    pages = state_pages(list(caches.values()), other.layer_names, config.chunk_size)
-                    other_layout, other_heads, caches = (
-                        state_layout(pages, config.chunk_size),
-                        None,
-                        dict(zip(caches, pages)),
-                    )
-                else:
-                    other_layout = detect_layout(caches, self.vllm_config)
-                    other_heads = head_shard(other_layout, self.vllm_config, config.heads_per_record, tp_rank=tp_rank)
-                described = other.describe(count) + (f"[{other.state_format}]" if other.state_format else "")
-                other_fp = fingerprint_for(other_layout, self.vllm_config, kv_group=described, **ranks)
-                engine = CacheEngine(config, other_layout, other_fp, heads=other_heads, shares_tiers_with=self.engine)
-                self.groups.append((other.index, engine, list(caches.values())))
-            self.groups.sort(key=lambda g: g[0])
-            if self.state_groups:
-                self.trim = StateBoundaries([e for i, e, _ in self.groups if i in self.state_groups])
+            primary_entry = (primary_group(self.kv_groups), self.engine, self.kv_caches)
+            self.groups = GroupEngines(self.kv_groups, primary_entry, all_caches, config, self.vllm_config, **ranks)
+        trim = self.groups.trim if self.groups is not None else None
         kv_events = getattr(self.vllm_config, "kv_events_config", None)
         self.index = ChunkIndex(
             layout.block_size,
@@ -222,11 +198,9 @@ class WorkerSide:
             publish=bool(kv_events is not None and kv_events.enable_kv_cache_events),
         )
         self.engine.add_event_listener(self.index.on_event)
-        register_local(self.engine_key, LocalWorker(self.engine, self.reset_cache, self.trim))
+        register_local(self.engine_key, LocalWorker(self.engine, self.reset_cache, trim))
         if self.settings.lookup != "direct":
-            self.server = LookupServer(
-                self.engine, socket_path(*self.engine_key), on_reset=self.reset_cache, trim=self.trim
-            )
+            self.server = LookupServer(self.engine, socket_path(*self.engine_key), on_reset=self.reset_cache, trim=trim)
         self.control = start_control(self.engine, self.vllm_config, self.engine_key)
         if self.settings.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -261,32 +235,12 @@ class WorkerSide:
                 continue
             if request.load.background:
                 self._remember(request, request.token_ids[: request.load.num_hit], request.load.num_computed)
-                if self.groups:
-                    self.background.start_fetch(request, functools.partial(self._fetch_groups, request))
+                if self.groups is not None:
+                    self.background.start_fetch(request, functools.partial(self.groups.fetch, request))
                 else:
                     self.background.start(self.engine, request, self.kv_caches)
             else:
                 self._load(request)
-
-    def _fetch_groups(self, request: RequestMeta) -> GroupsRetrieve:
-        """Fetch every group's chunks (in the background: a group that cannot load fails the request)."""
-        return fetch_groups(self.groups, request, self._load_block_ids(request))
-
-    def _load_block_ids(self, request: RequestMeta) -> list[list[int]]:
-        """Each group's blocks for a load (a state group: the block at the hit boundary)."""
-        assert request.load is not None
-        return [
-            state_load_block_ids(
-                request.group_block_ids[index], request.load.num_hit, engine.chunk_size, self._block_size
-            )
-            if index in self.state_groups
-            else request.group_block_ids[index]
-            for index, engine, _ in self.groups
-        ]
-
-    @property
-    def _block_size(self) -> int:
-        return int(self.vllm_config.cache_config.block_size)
 
     def _load(self, request: RequestMeta) -> None:
         assert self.engine is not None and request.load is not None
@@ -399,8 +353,10 @@ class WorkerSide:
         mask[: request.save_start] = False
         try:
             self._remember(request, tokens, request.save_start)
-            if self.groups:
-                self._store_groups(request, tokens)
+            if self.groups is not None:
+                started = time.perf_counter()
+                self.groups.store(request, tokens)
+                self._stats.sample("store_seconds", time.perf_counter() - started)
                 return None
             slots = slots_from_block_ids(request.block_ids, self.engine.layout.block_size, len(tokens))
             if layerwise:
@@ -411,33 +367,6 @@ class WorkerSide:
         except Exception:
             logger.exception("request %s: storing failed; nothing stored for this step", request.req_id)
         return None
-
-    def _store_groups(self, request: RequestMeta, tokens: list[int]) -> None:
-        """Store every KV cache group's chunks from its own blocks (a sliding-window group's
-        leading null blocks, out of its window, are not read)."""
-        started = time.perf_counter()
-        for index, engine, caches in self.groups:
-            if index in self.state_groups:
-                self._store_states(request, index, engine, caches)
-                continue
-            if request.save_end <= request.save_start:
-                continue
-            block_ids = request.group_block_ids[index]
-            mask = torch.ones(len(tokens), dtype=torch.bool)
-            mask[: max(request.save_start, first_real_token(block_ids, engine.layout.block_size))] = False
-            slots = slots_from_block_ids(block_ids, engine.layout.block_size, len(tokens))
-            engine.store(tokens, caches, slots, mask, request=request.request_info())
-        self._stats.sample("store_seconds", time.perf_counter() - started)
-
-    def _store_states(self, request: RequestMeta, index: int, engine: CacheEngine, caches: list[torch.Tensor]) -> None:
-        """Store the states vLLM handed over this step, each as the chunk that ends at its boundary."""
-        handed = [(boundary, block) for group, block, boundary in request.state_blocks if group == index]
-        tokens = request.token_ids
-        for boundary, block_ids in state_store_calls(handed, len(tokens), engine.chunk_size):
-            mask = torch.ones(boundary, dtype=torch.bool)
-            mask[: boundary - engine.chunk_size] = False
-            slots = slots_from_block_ids(block_ids, engine.chunk_size, boundary)
-            engine.store(tokens[:boundary], caches, slots, mask, request=request.request_info())
 
     def take_failed_loads(self) -> set[str]:
         """Requests of a hybrid model whose background load failed (vLLM recomputes them whole)."""
@@ -479,7 +408,7 @@ class WorkerSide:
                     logger.exception(
                         "request %s: writing the loaded KV failed; its blocks will be recomputed", request.req_id
                     )
-            if isinstance(retriever, GroupsRetrieve) or (retriever is None and self.groups):
+            if isinstance(retriever, GroupsRetrieve) or (retriever is None and self.groups is not None):
                 self._check_groups_loaded(request, retriever)
             else:
                 self._check_loaded(request, loaded)
@@ -563,10 +492,9 @@ class WorkerSide:
             httpd.server_close()
             thread.join(timeout=10)
             self._metrics_server = None
-        for _, engine, _ in self.groups:
-            if engine is not self.engine:
-                engine.close(drain=True)  # before the engine that owns the tiers they store into
-        self.groups = []
+        if self.groups is not None and self.engine is not None:
+            self.groups.close(self.engine)
+        self.groups = None
         if self.engine is not None:
             unregister_local(self.engine_key)
             if self.index is not None:
