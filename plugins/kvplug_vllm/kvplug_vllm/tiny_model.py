@@ -64,23 +64,33 @@ def write_random_llama(path: str | Path, spec: TinyLlamaSpec = DEFAULT_SPEC) -> 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    target = Path(path)
-    target.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, spec.dtype)
-    fields = {k: v for k, v in asdict(spec).items() if k not in ("dtype", "seed") and v is not None}
+    fields = {k: v for k, v in _config_fields(spec).items() if v is not None}
     if spec.layer_types is not None:
         fields["layer_types"] = list(spec.layer_types)
     config = LlamaConfig(**fields, torch_dtype=dtype, eos_token_id=2, bos_token_id=1)
-    return _save_seeded(LlamaForCausalLM, config, dtype, spec.seed, target)
+    return _save_seeded(LlamaForCausalLM, config, dtype, spec.seed, path)
+
+
+def _config_fields(spec: Any, *skip: str) -> dict[str, Any]:
+    """The fields of a tiny model spec that go into the model's config as they are."""
+    return {k: v for k, v in asdict(spec).items() if k not in ("dtype", "seed", *skip)}
 
 
 def _save_seeded(
-    model_class: Any, config: Any, dtype: Any, seed: int, target: Path, adjust: Callable[[Any], None] | None = None
+    model_class: Any,
+    config: Any,
+    dtype: Any,
+    seed: int,
+    path: str | Path,
+    adjust: Callable[[Any], None] | None = None,
 ) -> Path:
     """Initialise ``model_class(config)`` from ``seed`` (leaving the caller's RNG as it was),
-    let ``adjust`` change its weights, cast it to ``dtype`` and save it to ``target``."""
+    let ``adjust`` change its weights, cast it to ``dtype`` and save it to ``path`` (created)."""
     import torch
 
+    target = Path(path)
+    target.mkdir(parents=True, exist_ok=True)
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
@@ -127,10 +137,8 @@ def write_random_deepseek_v2(path: str | Path, spec: TinyDeepseekV2Spec = DEFAUL
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    target = Path(path)
-    target.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, spec.dtype)
-    fields = {k: v for k, v in asdict(spec).items() if k not in ("dtype", "seed")}
+    fields = _config_fields(spec)
     config = DeepseekV2Config(
         **fields,
         num_key_value_heads=spec.num_attention_heads,
@@ -145,7 +153,7 @@ def write_random_deepseek_v2(path: str | Path, spec: TinyDeepseekV2Spec = DEFAUL
         eos_token_id=2,
         bos_token_id=1,
     )
-    return _save_seeded(DeepseekV2ForCausalLM, config, dtype, spec.seed, target)
+    return _save_seeded(DeepseekV2ForCausalLM, config, dtype, spec.seed, path)
 
 
 @dataclass(frozen=True)
@@ -183,10 +191,8 @@ def write_random_qwen3_next(path: str | Path, spec: TinyQwen3NextSpec = DEFAULT_
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    target = Path(path)
-    target.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, spec.dtype)
-    fields = {k: v for k, v in asdict(spec).items() if k not in ("dtype", "seed", "layer_types", "a_log")}
+    fields = _config_fields(spec, "layer_types", "a_log")
     layers = len(spec.layer_types)
 
     def long_memory(model: Any) -> None:
@@ -207,7 +213,7 @@ def write_random_qwen3_next(path: str | Path, spec: TinyQwen3NextSpec = DEFAULT_
         eos_token_id=2,
         bos_token_id=1,
     )
-    return _save_seeded(Qwen3NextForCausalLM, config, dtype, spec.seed, target, long_memory)
+    return _save_seeded(Qwen3NextForCausalLM, config, dtype, spec.seed, path, long_memory)
 
 
 @dataclass(frozen=True)
@@ -241,10 +247,8 @@ def write_random_gpt_oss(path: str | Path, spec: TinyGptOssSpec = DEFAULT_GPT_OS
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    target = Path(path)
-    target.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, spec.dtype)
-    fields = {k: v for k, v in asdict(spec).items() if k not in ("dtype", "seed", "layer_types")}
+    fields = _config_fields(spec, "layer_types")
     config = GptOssConfig(
         **fields,
         num_hidden_layers=len(spec.layer_types),
@@ -253,4 +257,4 @@ def write_random_gpt_oss(path: str | Path, spec: TinyGptOssSpec = DEFAULT_GPT_OS
         eos_token_id=2,
         bos_token_id=1,
     )
-    return _save_seeded(GptOssForCausalLM, config, dtype, spec.seed, target)
+    return _save_seeded(GptOssForCausalLM, config, dtype, spec.seed, path)
