@@ -110,7 +110,7 @@ class SchedulerSide:
         #: several KV cache groups by request (failed_recving), never by block id.
         self.num_groups = num_kv_cache_groups
         #: Some group keeps recurrent state (state_groups.py): a hit ends at a chunk whose state is
-        #: stored, and never at the prompt's end (vLLM would resume from the state one token earlier).
+        #: stored, before the prompt's last token (which vLLM computes from the state before it).
         self.state_groups = state_groups
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         #: Tier type -> medium: tiers are told apart by this trait, never by name.
@@ -159,13 +159,14 @@ class SchedulerSide:
             info = self.request_info(request, with_overrides=False)
         if self.settings.skip_last_n_tokens:
             tokens = tokens[: max(0, len(tokens) - self.settings.skip_last_n_tokens)]
+        if self.state_groups:
+            # vLLM computes the last token whatever the hit, and resumes a recurrent state only
+            # where one is stored: the hit must be a chunk end with a state before that token.
+            tokens = tokens[:-1]
         tiers = self._find(request.request_id, tokens, info)
         if tiers is None:
             return None, False  # its lookup runs in the background: vLLM asks again next step
         hit = sum(n for _, n in tiers)
-        if self.state_groups and hit == request.num_tokens and tiers:
-            tiers = tiers[:-1]
-            hit = sum(n for _, n in tiers)
         need = hit - num_computed_tokens
         if hit == request.num_tokens:
             need -= 1  # the engine must compute the last token to sample the next
