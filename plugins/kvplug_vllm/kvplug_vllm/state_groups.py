@@ -125,9 +125,9 @@ def state_store_calls(
 class StateBoundaries:
     """Trims a lookup's hit to the last chunk end at which every state group has a state.
 
-    vLLM hands kvplug the states of the boundaries it keeps (in ``align`` mode, the
-    end of each scheduled prefill step, and every block it caches), so not every chunk
-    end of an attention hit has one; a hit that resumes without its state would be wrong.
+    vLLM hands kvplug the states of the boundaries it keeps (in ``align`` mode, where a
+    prefill step ends: it schedules prefills to end at a block boundary), so not every
+    chunk end of an attention hit has one; a hit that resumes without its state would be wrong.
     """
 
     def __init__(self, engines: Sequence[CacheEngine]) -> None:
