@@ -83,14 +83,14 @@ def test_reads_of_keys_another_program_pushed_out_drop_them(lru_server, tiers) -
         for i in range(250):
             pipe.set(f"other:{batch}:{i}", filler)
         pipe.execute()
+    # The server evicts on any command while it is over maxmemory (a GET pipeline's replies count),
+    # so it would go on dropping keys between the snapshot below and the reads after it.
+    client.config_set("maxmemory", "0")
     names = [(prefix + key_digest(key).hex()).encode() for key in keys]
     alive = [client.exists(name) == 1 for name in names]
     gone = alive.count(False)
     assert gone > 150, f"only {gone} of 300 keys were evicted: the test proves nothing"
     assert tier.stats().items == 300  # nothing told this process yet: the estimate is stale
-    # The server evicts on any command while it is over maxmemory (a GET pipeline's replies count),
-    # so it would go on dropping keys between the snapshot above and the reads below.
-    client.config_set("maxmemory", "0")
     # A lookup (STRLEN) and a read (GET) that miss drop the keys the server no longer holds.
     answers = tier.contains(keys[:150])
     values = tier.get(keys[150:])
