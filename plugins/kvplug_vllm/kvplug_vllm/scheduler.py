@@ -345,9 +345,9 @@ class SchedulerSide:
         saving = save_end > save_start
         if saving:
             tracker.num_saved = save_end
-        # A state at a chunk end kvplug stores chunks up to (the whole chunks of what _save_end allows).
-        limit = self._save_end(tracker, max(end, *(boundary for _, _, boundary in handed), 0))
-        states = [(g, b, n) for g, b, n in handed if n % self.chunk_size == 0 and 0 < n <= limit]
+        # A state at a chunk end kvplug stores chunks up to: vLLM hands over a state in the step
+        # that computes its boundary (boundary <= end), so save_end bounds the states as well.
+        states = [(g, b, n) for g, b, n in handed if n % self.chunk_size == 0 and 0 < n <= save_end]
         if not saving and load is None and not states:
             return
         stored_to = max(save_end if saving else 0, *(n for _, _, n in states), 0)

@@ -27,14 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvplug import (
-    CacheEngine,
-    ControlServer,
-    LayerwiseRetrieve,
-    MetricSample,
-    load_config,
-    slots_from_block_ids,
-)
+from kvplug import CacheEngine, ControlServer, LayerwiseRetrieve, MetricSample, load_config, slots_from_block_ids
 from kvplug.errors import ConfigError, ConfigProblem
 from kvplug_vllm.background import BackgroundLoads, GroupsRetrieve, fetch
 from kvplug_vllm.control import start_control
