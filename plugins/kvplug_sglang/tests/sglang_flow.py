@@ -70,8 +70,7 @@ def build_stack(
     ctx = TreeCacheBuildContext(
         server_args=server_args,
         params=params,
-        is_hybrid_swa=False,
-        is_hybrid_ssm=False,
+        **{"is_hybrid_swa": False, "is_hybrid_ssm": False, **pool_kinds},
         enable_hierarchical_cache=False,
         disable_radix_cache=False,
         tp_worker=None,
@@ -80,8 +79,6 @@ def build_stack(
         tp_rank=0,
         tp_group=None,
     )
-    for name, value in pool_kinds.items():
-        setattr(ctx, name, value)
     return Stack(pool, allocator, req_pool, create_tree_cache(ctx))
 
 
