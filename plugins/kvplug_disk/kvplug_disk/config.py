@@ -117,6 +117,14 @@ class ShmTierConfig(DiskTierConfig):
         description="Records of one put written at once (1: one at a time; with no fdatasync to wait for, "
         "more threads only help on hosts with idle cores).",
     )
+    keep_mapped_bytes: ByteSize | None = Field(
+        default=None,
+        description="Bytes of record mappings each process keeps after reading them, the least recently read "
+        "let go first (None: max_bytes; 0: map every read anew). A record read again from a kept mapping "
+        "costs no page faults, at memory speed, and its checksum is not computed again. Keeping costs "
+        "page-table entries (8 bytes per 4 KiB page), and a record another process evicts stays in memory "
+        "until this process lets its mapping go, within about a second while it reads the tier.",
+    )
     trust_host: bool = Field(
         default=False,
         description="Trust the folder's bytes as this user's own memory: a read checks each record's header, "

@@ -28,10 +28,14 @@ with write access to the folder) could change or cut mapped bytes: a cut makes t
 reader's next touch of those pages fail with SIGBUS. See docs/security.md for who may
 write the folder.
 
-What a read costs beyond the checksum is the mapping: one page-table entry per page.
-On a tmpfs of 4 KiB pages (``/dev/shm`` on most hosts) that holds reads to a few GB/s;
-on a tmpfs mounted with ``huge=always`` (2 MiB pages) they run at about memory speed.
-``extra["huge_pages"]`` says which (:func:`huge_pages_of`), and the tier says so at start.
+What a first read costs beyond the checksum is the mapping: one page-table entry per
+page, set up by page faults. On a tmpfs of 4 KiB pages (``/dev/shm`` on most hosts) that
+holds a record's first read in a process to a few GB/s; on a tmpfs mounted with
+``huge=always`` (2 MiB pages) it runs at about memory speed. ``extra["huge_pages"]`` says
+which (:func:`huge_pages_of`), and the tier says so at start. Each process keeps the
+mappings it made, up to ``keep_mapped_bytes`` (:mod:`kvplug_disk.mappings`): a record
+read again from the same file is a view of the kept mapping, read at memory speed, its
+checksum verified on the first read only.
 
 A mapping lives as long as any view of it: a value promoted from here into the ``cpu``
 tier (which keeps the buffer it is given) keeps its tmpfs pages after this tier evicts
@@ -47,14 +51,16 @@ import mmap
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvplug import Buffer, Medium, Tenancy, TierContext, unpack_record
+from kvplug import Buffer, Medium, Tenancy, TierContext, key_digest, unpack_record
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.config import DiskTierConfig, ShmTierConfig
 from kvplug_disk.files import RecordFolder
+from kvplug_disk.ledger import Usage
+from kvplug_disk.mappings import MappedRecords
 from kvplug_disk.problems import ProblemLog
 from kvplug_disk.tier import DiskTier
 
@@ -78,6 +84,9 @@ class ShmBackend(DiskBackend):
         self._counts["map_fallbacks"] = 0
         self.file_system = file_system_of(config.path)
         self.huge_pages = huge_pages_of(config.path)
+        kept = getattr(config, "keep_mapped_bytes", None)
+        #: The mappings this process keeps between reads (:mod:`kvplug_disk.mappings`).
+        self.mapped = MappedRecords(int(config.max_bytes if kept is None else kept))
 
     def _open_folder(self, config: DiskTierConfig) -> RecordFolder:
         """The folder, made 0700 when missing; refused, before anything is made or cleaned
@@ -105,7 +114,10 @@ class ShmBackend(DiskBackend):
             return None
         fd, info = opened
         try:
-            return map_record(fd, info.st_size), info
+            kept = self.mapped.reuse(digest, info)
+            if kept is not None:
+                return memoryview(kept), info
+            mapping = map_file(fd, info.st_size)
         # No mapping to be had (vm.max_map_count, memory; ValueError: the file shrank since
         # its fstat, which only something other than kvplug does): read it into memory.
         except (OSError, ValueError):
@@ -114,9 +126,34 @@ class ShmBackend(DiskBackend):
             return self._folder.read(digest)
         finally:
             os.close(fd)  # a mapping outlives the descriptor it was made from
+        if mapping is None:
+            return memoryview(b""), info
+        self.mapped.keep(digest, info, mapping)
+        return memoryview(mapping), info
+
+    def _read(self, names: Sequence[str]) -> list[Buffer | None]:
+        found = super()._read(names)
+        self.mapped.sweep(self._stat_quietly)
+        return found
+
+    def _stat_quietly(self, digest: str) -> os.stat_result | None:
+        return None if self._skipped(digest) else self._folder.stat(digest)
+
+    def _unlink_record(self, usage: Usage, digest: str, op: str) -> bool:
+        self.mapped.forget([digest])  # evicted or removed here: its pages go with the last view
+        return super()._unlink_record(usage, digest, op)
+
+    def shut(self) -> None:
+        self.mapped.clear()
+        super().shut()
 
     def describe(self) -> dict[str, int | float | str]:
-        return {**super().describe(), "file_system": self.file_system, "huge_pages": self.huge_pages}
+        return {
+            **super().describe(),
+            **self.mapped.describe(),
+            "file_system": self.file_system,
+            "huge_pages": self.huge_pages,
+        }
 
 
 class ShmTier(DiskTier):
@@ -157,14 +194,24 @@ class ShmTier(DiskTier):
             )
         elif self.huge_pages == "never":
             context.logger.info(
-                "tier shm: %s is on tmpfs with 4 KiB pages: each read maps its pages one by one (a few GB/s); "
-                "on a tmpfs mounted with huge=always it maps 2 MiB pages, at about memory speed",
+                "tier shm: %s is on tmpfs with 4 KiB pages: a record's first read in a process maps its pages "
+                "one by one (a few GB/s; reads from the kept mapping after that run at memory speed); "
+                "on a tmpfs mounted with huge=always first reads map 2 MiB pages, at about memory speed",
                 config.path,
             )
 
     def unpack(self, data: Buffer, key: str) -> memoryview:
         # trust_host: the operator vouches for every writer of the folder (docs/security.md).
-        return unpack_record(data, key, check_value=not self._trust_host)
+        if self._trust_host:
+            return unpack_record(data, key, check_value=False)
+        # A kept mapping verified on an earlier read: kvplug never writes a record file in place.
+        mapped = self._disk.mapped if isinstance(self._disk, ShmBackend) else None
+        digest = key_digest(key).hex()
+        verified = mapped is not None and mapped.verified(digest, data)
+        value = unpack_record(data, key, check_value=not verified)
+        if mapped is not None and not verified:
+            mapped.mark_verified(digest, data)
+        return value
 
     @property
     def file_system(self) -> str:
@@ -190,12 +237,13 @@ def not_private(found: os.stat_result) -> str | None:
     return None
 
 
-def map_record(fd: int, size: int) -> memoryview:
-    """A read-only view of the first ``size`` bytes of the file open as ``fd``, over a
-    shared mapping of it (the mapping is unmapped when the last view of it is released)."""
-    if size == 0:  # mmap refuses empty files; an empty record is corrupt anyway
-        return memoryview(b"")
-    return memoryview(mmap.mmap(fd, size, flags=_MAP_FLAGS, prot=mmap.PROT_READ))
+def map_file(fd: int, size: int) -> mmap.mmap | None:
+    """A read-only shared mapping of the first ``size`` bytes of the file open as ``fd``
+    (unmapped when it and the last view of it are released); ``None`` for an empty file,
+    which mmap refuses (an empty record is corrupt anyway)."""
+    if size == 0:
+        return None
+    return mmap.mmap(fd, size, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
 
 
 def file_system_of(path: Path, mounts: str = "/proc/self/mounts") -> str:
