@@ -12,9 +12,10 @@ A kept mapping is of one file (device, inode, size). The name is opened on every
 so a record renamed over by a new write (a new inode) is mapped anew, and a name that is
 gone is a miss. The one cost of keeping: an unlinked file's pages are freed when its last
 mapping goes, so a record evicted by another process stays in memory while this process
-keeps it mapped. :meth:`MappedRecords.sweep` (run by the tier at most every
-``SWEEP_INTERVAL_S`` seconds) lets go of mappings whose names no longer lead to their files;
-an eviction or removal by this process lets go at once.
+keeps it mapped. A sweeper thread, running while any mapping is kept, lets go every
+``SWEEP_INTERVAL_S`` seconds of the mappings whose names no longer lead to their files
+(an idle process too: it would otherwise hold up to ``keep_mapped_bytes`` of records
+the folder no longer counts); an eviction or removal by this process lets go at once.
 
 Whether a mapping's checksum was verified is kept with it: a record file is never
 written in place by kvplug (docs/security.md), so a file verified once stays verified
@@ -26,13 +27,12 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-#: Longest a kept mapping of a record that another process evicted outlives the eviction
-#: (if this process goes on reading the tier; an idle tier sweeps on its next read).
+#: How often kept mappings are checked against the folder: about the longest a kept mapping
+#: of a record another process evicted outlives the eviction.
 SWEEP_INTERVAL_S = 1.0
 #: The kernel's limit on one process's mappings; kept mappings take at most a quarter of it.
 MAX_MAP_COUNT_SETTING = "/proc/sys/vm/max_map_count"
@@ -57,13 +57,17 @@ class MappedRecords:
     """Mappings of record files kept for reuse, least recently read first to go,
     within ``max_bytes`` and ``max_count`` (see the module docstring). Thread-safe."""
 
-    def __init__(self, max_bytes: int, max_count: int | None = None) -> None:
+    def __init__(
+        self, max_bytes: int, stat: Callable[[str], os.stat_result | None], max_count: int | None = None
+    ) -> None:
         self.max_bytes = max_bytes
         self.max_count = max_map_count() // 4 if max_count is None else max_count
+        self._stat = stat
         self._kept: OrderedDict[str, _Kept] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
-        self._swept_at = time.monotonic()
+        self._closed = threading.Event()
+        self._sweeper: threading.Thread | None = None
         self.counts = {"mapping_reuses": 0, "mappings_swept": 0}
 
     @property
@@ -90,11 +94,16 @@ class MappedRecords:
         if not self.enabled or size > self.max_bytes:
             return
         with self._lock:
+            if self._closed.is_set():
+                return
             self._drop(digest)
             self._kept[digest] = _Kept(identity_of(info), mapping)
             self._bytes += size
             while self._bytes > self.max_bytes or len(self._kept) > self.max_count:
                 self._drop(next(iter(self._kept)))
+            if self._sweeper is None:
+                self._sweeper = threading.Thread(target=self._sweep_until_closed, name="kvplug-shm-sweep", daemon=True)
+                self._sweeper.start()
 
     def verified(self, digest: str, data: object) -> bool:
         """Whether ``data`` is a view of the kept mapping of ``digest`` whose checksum was verified."""
@@ -115,20 +124,15 @@ class MappedRecords:
             for digest in digests:
                 self._drop(digest)
 
-    def sweep(self, stat: Callable[[str], os.stat_result | None]) -> None:
-        """Let go of mappings whose names no longer lead to their files (evicted, removed or
-        rewritten by another process), at most every ``SWEEP_INTERVAL_S``. ``stat`` gives a
-        record's stat, ``None`` if absent; a failing one lets the mapping go too."""
-        now = time.monotonic()
+    def sweep(self) -> None:
+        """Let go of the mappings whose names no longer lead to their files (evicted, removed
+        or written again by another process); a name whose stat fails is let go too."""
         with self._lock:
-            if now - self._swept_at < SWEEP_INTERVAL_S or not self._kept:
-                return
-            self._swept_at = now
             kept = {digest: entry.identity for digest, entry in self._kept.items()}
         gone = []
         for digest, identity in kept.items():  # without the lock: reads go on meanwhile
             try:
-                found = stat(digest)
+                found = self._stat(digest)
             except OSError:
                 found = None
             if found is None or identity_of(found) != identity:
@@ -139,6 +143,19 @@ class MappedRecords:
                 if entry is not None and kept[digest] == entry.identity:  # not mapped anew meanwhile
                     self._drop(digest)
                     self.counts["mappings_swept"] += 1
+
+    def _sweep_until_closed(self) -> None:
+        while not self._closed.wait(SWEEP_INTERVAL_S):
+            self.sweep()
+
+    def close(self) -> None:
+        """Stop the sweeper and let go of every kept mapping (before the folder is closed)."""
+        with self._lock:
+            self._closed.set()
+            sweeper, self._sweeper = self._sweeper, None
+        if sweeper is not None:
+            sweeper.join()
+        self.clear()
 
     def clear(self) -> None:
         with self._lock:

@@ -51,7 +51,7 @@ import mmap
 import os
 import re
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -86,7 +86,7 @@ class ShmBackend(DiskBackend):
         self.huge_pages = huge_pages_of(config.path)
         kept = getattr(config, "keep_mapped_bytes", None)
         #: The mappings this process keeps between reads (:mod:`kvplug_disk.mappings`).
-        self.mapped = MappedRecords(int(config.max_bytes if kept is None else kept))
+        self.mapped = MappedRecords(int(config.max_bytes if kept is None else kept), self._stat_quietly)
 
     def _open_folder(self, config: DiskTierConfig) -> RecordFolder:
         """The folder, made 0700 when missing; refused, before anything is made or cleaned
@@ -131,11 +131,6 @@ class ShmBackend(DiskBackend):
         self.mapped.keep(digest, info, mapping)
         return memoryview(mapping), info
 
-    def _read(self, names: Sequence[str]) -> list[Buffer | None]:
-        found = super()._read(names)
-        self.mapped.sweep(self._stat_quietly)
-        return found
-
     def _stat_quietly(self, digest: str) -> os.stat_result | None:
         return None if self._skipped(digest) else self._folder.stat(digest)
 
@@ -144,7 +139,7 @@ class ShmBackend(DiskBackend):
         return super()._unlink_record(usage, digest, op)
 
     def shut(self) -> None:
-        self.mapped.clear()
+        self.mapped.close()
         super().shut()
 
     def describe(self) -> dict[str, int | float | str]:
