@@ -4,19 +4,51 @@ Every tensor-parallel rank's worker starts a :class:`kvplug.ControlServer` for i
 engine, under vLLM's ``kv_transfer_config.engine_id`` (shared by the ranks of one
 engine) and the served model name, whether the scheduler asks that worker over the
 lookup socket or directly (``LLM`` in one process): ``kvplug ctl`` works the same way.
+
+A hybrid model's worker answers for all of its KV cache groups (:class:`HybridControl`):
+``lookup`` is cut as the engine's own lookups are, and ``clear`` removes every group's records.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
-from kvplug import CacheEngine, ControlIdentity, ControlServer
+from kvplug import CacheEngine, ControlIdentity, ControlRequest, ControlServer, EngineControl, RequestInfo
+from kvplug_vllm.group_engines import GroupEngines
 
 logger = logging.getLogger("kvplug.vllm")
 
 
-def start_control(engine: CacheEngine, vllm_config: Any, engine_key: tuple[str, int, int]) -> ControlServer | None:
+class HybridControl(EngineControl):
+    """``kvplug ctl`` over a hybrid model's engines: the primary group's engine answers as for
+    any model (its journal, explain's chunk map), and the other groups' records are included:
+    a ``lookup`` is cut to the last chunk end with a stored state, as the scheduler's lookups
+    are (:class:`~kvplug_vllm.state_groups.StateBoundaries`), and a ``clear`` removes the other
+    groups' records of the chunks this worker stored or loaded in its scope too."""
+
+    def __init__(self, engine: CacheEngine, groups: GroupEngines) -> None:
+        super().__init__(engine)
+        self.groups = groups
+
+    def lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
+        found = super().lookup(tokens, request)
+        return found if self.groups.trim is None else self.groups.trim(tokens, request, found)
+
+    def clear_keys(self, request: ControlRequest) -> tuple[list[str], str]:
+        keys, scope = super().clear_keys(request)
+        scoped = None if request.fields.get("all_salts") is True else request.request_info()
+        return keys + self.groups.records_to_reset(scoped), scope
+
+    def forget(self, keys: Sequence[str]) -> None:
+        super().forget(keys)
+        self.groups.forget(keys)
+
+
+def start_control(
+    engine: CacheEngine | EngineControl, vllm_config: Any, engine_key: tuple[str, int, int]
+) -> ControlServer | None:
     """The worker's control server, or ``None`` (logged) if it cannot start: an engine
     without ``kvplug ctl`` still serves."""
     engine_id, dp_rank, tp_rank = engine_key

@@ -9,13 +9,16 @@ states vLLM hands over (:mod:`kvplug_vllm.state_groups`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from kvplug import CacheEngine, HeadShard, KVPlugConfig, slots_from_block_ids
+from kvplug import CacheEngine, HeadShard, KVPlugConfig, RequestInfo, slots_from_block_ids
 from kvplug_vllm.background import GroupsRetrieve, fetch_groups
+from kvplug_vllm.kv_events import MAX_CHUNKS
 from kvplug_vllm.kv_groups import KVGroup, first_real_token
 from kvplug_vllm.layout import detect_layout, fingerprint_for, head_shard
 from kvplug_vllm.metadata import RequestMeta
@@ -57,6 +60,10 @@ class GroupEngines:
             engine = CacheEngine(config, layout, fingerprint, heads=heads, shares_tiers_with=primary[1])
             self.groups.append((group.index, engine, caches))
         self.groups.sort(key=lambda g: g[0])
+        self.primary_index = primary[0]
+        #: Per other group's engine, the chunk keys this worker stored or loaded (for reset_cache).
+        self._seen: dict[int, OrderedDict[str, None]] = {index: OrderedDict() for index, _, _ in self._others()}
+        self._seen_lock = threading.Lock()  # noted by the worker's steps, read by reset and clear threads
         #: Cuts lookups to a chunk end with a stored state (None: no state group).
         self.trim = (
             StateBoundaries([e for i, e, _ in self.groups if i in self.state_groups]) if self.state_groups else None
@@ -103,6 +110,46 @@ class GroupEngines:
             else request.group_block_ids[index]
             for index, engine, _ in self.groups
         ]
+
+    def remember(self, tokens: list[int], request: RequestInfo, start: int) -> None:
+        """Note the other groups' keys of the chunks of ``tokens`` from ``start`` on (stored or
+        loaded), as the worker's chunk index notes the primary group's; a state group's chunk
+        without a stored state is noted too (removing it is a no-op)."""
+        for index, engine, _ in self._others():
+            keys = [key.key for key in engine.chunk_keys(tokens, request) if key.end > start]
+            with self._seen_lock:
+                seen = self._seen[index]
+                for key in keys:
+                    seen[key] = None
+                    seen.move_to_end(key)
+                while len(seen) > MAX_CHUNKS:
+                    seen.popitem(last=False)
+
+    def records_to_reset(self, request: RequestInfo | None = None) -> list[str]:
+        """The records (every head group's) of the other groups' chunks noted by
+        :meth:`remember`; with ``request``, only those keyed for its cache_salt and LoRA."""
+        records: list[str] = []
+        for index, engine, _ in self._others():
+            with self._seen_lock:
+                keys = list(self._seen[index])
+            if request is not None:
+                fingerprint = engine.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id)
+                prefix = f"{fingerprint.format_version}/{fingerprint.hexdigest()}/"
+                keys = [key for key in keys if key.startswith(prefix)]
+            records += engine.records.all_records(keys)
+        return records
+
+    def forget(self, records: Sequence[str]) -> None:
+        """``records`` were cleared from every tier: no longer noted."""
+        gone = set(records)
+        with self._seen_lock:
+            for seen in self._seen.values():
+                for key in [key for key in seen if key in gone]:
+                    del seen[key]
+
+    def _others(self) -> list[tuple[int, CacheEngine, list[torch.Tensor]]]:
+        """Every group but the primary one (whose chunks the worker's own chunk index notes)."""
+        return [group for group in self.groups if group[0] != self.primary_index]
 
     def close(self, primary: CacheEngine) -> None:
         """Close every group's engine but ``primary`` (the worker closes its own)."""

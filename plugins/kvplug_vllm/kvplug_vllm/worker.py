@@ -30,7 +30,7 @@ import torch
 from kvplug import CacheEngine, ControlServer, LayerwiseRetrieve, MetricSample, load_config, slots_from_block_ids
 from kvplug.errors import ConfigError, ConfigProblem
 from kvplug_vllm.background import BackgroundLoads, GroupsRetrieve, fetch
-from kvplug_vllm.control import start_control
+from kvplug_vllm.control import HybridControl, start_control
 from kvplug_vllm.group_engines import GroupEngines
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
 from kvplug_vllm.kv_groups import KVGroup, first_real_token, primary_group
@@ -194,7 +194,8 @@ class WorkerSide:
         register_local(self.engine_key, LocalWorker(self.engine, self.reset_cache, trim))
         if self.settings.lookup != "direct":
             self.server = LookupServer(self.engine, socket_path(*self.engine_key), on_reset=self.reset_cache, trim=trim)
-        self.control = start_control(self.engine, self.vllm_config, self.engine_key)
+        target = self.engine if self.groups is None else HybridControl(self.engine, self.groups)
+        self.control = start_control(target, self.vllm_config, self.engine_key)
         if self.settings.metrics_port is not None:
             from prometheus_client import start_http_server
 
@@ -426,6 +427,8 @@ class WorkerSide:
             return
         keys = [k for k in self.engine.chunk_keys(tokens, request.request_info()) if k.end > start]
         self.index.remember(keys, tokens, request.block_hashes, request.lora_id)
+        if self.groups is not None:
+            self.groups.remember(tokens, request.request_info(), start)
 
     def get_kv_cache_events(self) -> KVPlugKVEvents | None:
         if self.index is None:
@@ -438,15 +441,17 @@ class WorkerSide:
         return batch
 
     def reset_cache(self) -> int:
-        """Remove every chunk this worker stored or loaded from the ``reset_tiers`` tiers
-        (by default the in-memory ones, told by their ``medium``)."""
+        """Remove every chunk this worker stored or loaded, of every KV cache group, from the
+        ``reset_tiers`` tiers (by default the in-memory ones, told by their ``medium``);
+        returns the primary group's chunks."""
         if self.engine is None or self.index is None:
             return 0
         keys = self.engine.records.all_records(self.index.keys())  # every head group's record
+        groups = self.groups.records_to_reset() if self.groups is not None else []
         tiers = [t for t in self.engine.chain.tiers if resets(t, self.settings.reset_tiers)]
         for tier in tiers:
             try:
-                tier.remove(keys)
+                tier.remove(keys + groups)
             except Exception:
                 logger.exception("reset_cache: removing chunks from tier %s failed", tier.name)
         return len(keys) if tiers else 0

@@ -4,7 +4,9 @@ Usage: ``python engine_driver.py '<json spec>'``. The spec names the model folde
 the engine options, the ``kv_transfer_config`` (or none) and a list of steps; each
 step is one ``LLM.generate`` call over its prompts. The last stdout line is
 ``RESULT {json}`` with every output's token ids, finish reason and
-``kv_transfer_params``, and each step's wall time.
+``kv_transfer_params``, and each step's wall time. A step's ``ctl_lookups`` (token lists)
+are asked of the engine after its prompts by the real ``kvplug ctl lookup`` command line
+(``ctl_engine``: the engine id); their replies are the step's ``ctl_lookups``.
 
 A separate process per engine keeps tests isolated: vLLM keeps global state (the
 KV transfer group, the distributed environment) that one process cannot reset.
@@ -18,6 +20,19 @@ import os
 import sys
 import threading
 import time
+
+
+def ctl_lookup(tokens: list[int], engine: str) -> object:
+    """``kvplug ctl lookup --json`` of ``tokens`` against this process's engine (its worker runs here)."""
+    import tempfile
+    from pathlib import Path
+
+    from kvplug.testing import run_ctl
+
+    with tempfile.TemporaryDirectory() as folder:
+        prompt = Path(folder) / "prompt.json"
+        prompt.write_text(json.dumps(tokens))
+        return run_ctl(Path(os.environ["KVPLUG_LOOKUP_DIR"]), "lookup", str(prompt), "--engine", engine)
 
 
 def main() -> None:
@@ -92,6 +107,8 @@ def main() -> None:
                 ],
             }
         )
+        if step.get("ctl_lookups"):
+            results[-1]["ctl_lookups"] = [ctl_lookup(tokens, step["ctl_engine"]) for tokens in step["ctl_lookups"]]
         if step.get("reset_prefix_cache"):
             results[-1]["reset"] = llm.reset_prefix_cache(reset_connector=True)
     llm.llm_engine.engine_core.shutdown()  # both connector roles' shutdown()

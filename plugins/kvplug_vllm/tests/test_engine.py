@@ -17,9 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CHUNK_SIZE, P1, kv_config, output, report, step
-
-from kvplug import check_record
+from conftest import CHUNK_SIZE, P1, chunk_records, kv_config, output, report, step
 
 # --- one engine, CPU tier: hits, chunk alignment, salts, per-request settings ------------
 
@@ -184,19 +182,13 @@ def producer(run_engine: Any, tmp_path_factory: pytest.TempPathFactory, shm_dir:
     return run_engine(kv=kv, steps=[step("Q"), step("Q")]), path
 
 
-def records(path: Path) -> list[Path]:
-    """The chunk records (not the engine's fingerprint manifest, kvplug explain's)."""
-    found = sorted(path.rglob("*.kvr"))
-    return [p for p in found if "fingerprint manifest" not in check_record(p.name[:64], p.read_bytes()).reason]
-
-
 def test_producer_stores_and_consumer_loads(
     run_engine: Any, producer: tuple[dict[str, Any], Path], baseline: dict[str, list[int]], tmp_path: Path
 ) -> None:
     produced, source = producer
     assert [report(produced, i)["hit_tokens"] for i in (0, 1)] == [0, 0]  # a producer never loads
     assert report(produced, 1)["totals"]["lookups"] == 0
-    assert len(records(source)) == 4
+    assert len(chunk_records(source)) == 4
     shared = tmp_path / "kv"
     shutil.copytree(source, shared)
     kv = kv_config(
@@ -208,7 +200,7 @@ def test_producer_stores_and_consumer_loads(
     assert output(consumed, 0) == baseline["Q"]
     assert output(consumed, 1) == baseline["P1"]
     assert report(consumed, 1)["totals"]["stored_tokens"] == 0  # a consumer never stores
-    assert len(records(shared)) == 4
+    assert len(chunk_records(shared)) == 4
 
 
 def test_corrupt_chunk_is_recomputed_and_counted(
@@ -217,7 +209,7 @@ def test_corrupt_chunk_is_recomputed_and_counted(
     _, source = producer
     shared = tmp_path / "kv"
     shutil.copytree(source, shared)
-    victim = records(shared)[0]  # one of Q's 4 chunks
+    victim = chunk_records(shared)[0]  # one of Q's 4 chunks
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -240,7 +232,7 @@ def test_new_engine_process_hits_what_another_stored_in_shm(
 ) -> None:
     """Two engine processes on one host share one shm tier: the producer stored Q there and
     exited; this engine (an empty cpu tier of its own before it) loads Q from shm."""
-    assert len(records(shm_dir)) == 4
+    assert len(chunk_records(shm_dir)) == 4
     kv = kv_config(**{"kvplug.tiers": [{"type": "cpu", "max_bytes": "64MiB"}, shm_tier(shm_dir)]})
     result = run_engine(kv=kv, steps=[step("Q")])
     loaded = report(result, 0)

@@ -19,7 +19,9 @@ kvplug implements ``SupportsHMA`` (kv_groups.py), so vLLM keeps its hybrid alloc
   engine A stores the attention chunks and the GDN state vLLM hands over at the last
   whole block of the prompt; a new process B hits 1152 of 1200 tokens, loads the state
   into the block it resumes from, and computes the same tokens as vLLM alone (a state
-  not loaded, or loaded into another block, changes them). Without ``align`` mode the
+  not loaded, or loaded into another block, changes them). ``kvplug ctl lookup`` answers
+  as the scheduler's lookups do, and vLLM's prefix cache reset removes every group's
+  records that B loaded or stored. Without ``align`` mode the
   state group is refused at start-up by kvplug, naming the model, the group, the reason
   and the flag to set (without ``SupportsHMA`` vLLM itself failed at start).
 """
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CHUNK_SIZE, DRIVER, P5, kv_config, output, report, run_process, tokens
+from conftest import CHUNK_SIZE, DRIVER, P5, chunk_records, kv_config, output, report, run_process, tokens
 
 from kvplug_vllm.tiny_model import (
     TinyLlamaSpec,
@@ -132,7 +134,13 @@ def test_gated_deltanet_hybrid_resumes_from_its_stored_state_in_a_new_process(ru
         **{"kvplug.tiers": [{"type": "disk", "path": str(tmp_path / "kv")}]},
     )
     cold = run_engine(kv=kv, steps=steps, model=model, **GDN_OPTIONS)
-    warm = run_engine(kv=kv, steps=steps + branch, model=model, **GDN_OPTIONS)  # a new process: disk only
+    # a new process: disk only; at the end vLLM's prefix cache reset, told to empty the disk tier
+    warm_kv = {**kv, "engine_id": "gdn-warm"}
+    warm_kv["kv_connector_extra_config"] = {**kv["kv_connector_extra_config"], "kvplug.reset_tiers": ["disk"]}
+    # kvplug ctl's lookups are cut as the scheduler's are: the branch's chunks have no state
+    then_ctl = [{**steps[0], "ctl_lookups": [GDN_PROMPT, GDN_BRANCH], "ctl_engine": "gdn-warm"}]
+    branch_then_reset = [{**branch[0], "reset_prefix_cache": True}]
+    warm = run_engine(kv=warm_kv, steps=then_ctl + branch_then_reset, model=model, **GDN_OPTIONS)
     groups = re.search(r"KV cache groups (\S+), (\S+) \(vLLM's hybrid allocator\)", cold["log"])
     assert groups is not None, "kvplug did not see several KV cache groups"
     assert sorted(groups.groups()) == ["kv_group=0/2:state", "kv_group=1/2:full"]
@@ -150,6 +158,11 @@ def test_gated_deltanet_hybrid_resumes_from_its_stored_state_in_a_new_process(ru
     assert report(warm, 1)["hit_tokens"] == 0
     assert report(warm, 1)["totals"].get("load_error_requests", 0) == 0
     assert output(warm, 1) == output(own, 1)
+    ctl = [reply["total"]["hit_tokens"] for reply in warm["steps"][0]["ctl_lookups"]]
+    assert ctl == [whole_chunks, 0]
+    # the reset removed every group's records this process loaded or stored: GDN states too
+    assert warm["steps"][1]["reset"] is True
+    assert len(chunk_records(tmp_path / "kv")) == 0, "a group's chunk records were left after the reset"
 
 
 def test_gated_deltanet_hybrid_without_align_mode_is_refused_by_kvplug_at_start(tmp_path: Path) -> None:

@@ -243,7 +243,8 @@ def test_the_prefix_cache_reset_empties_the_memory_tiers_and_keeps_the_others(en
     keys = [k for k in engine.chunk_keys(PROMPT, RequestInfo()) if k.end % 64 == 0]  # the 3 stored chunks
     index = ChunkIndex(32, [t.name for t in engine.chain.tiers], publish=False)
     index.remember(keys, PROMPT, [f"h{i}".encode() for i in range(len(PROMPT) // 32)], None)
-    worker = SimpleNamespace(engine=engine, index=index, settings=ConnectorSettings())  # reset_tiers: default
+    # reset_tiers: default; one KV cache group
+    worker = SimpleNamespace(engine=engine, index=index, groups=None, settings=ConnectorSettings())
     assert WorkerSide.reset_cache(worker) == len(keys)  # type: ignore[arg-type]
     held = {t.name: t.contains([k.key for k in keys]) for t in engine.chain.tiers}
     assert held == {"ram": [False] * 3, "legacy": [True] * 3, "disk": [True] * 3}
@@ -254,7 +255,7 @@ def test_vllms_prefix_cache_reset_reaches_the_worker_in_this_process(engine: Cac
     keys = [k for k in engine.chunk_keys(PROMPT, RequestInfo()) if k.end % 64 == 0]
     index = ChunkIndex(32, [t.name for t in engine.chain.tiers], publish=False)
     index.remember(keys, PROMPT, [f"h{i}".encode() for i in range(len(PROMPT) // 32)], None)
-    worker = SimpleNamespace(engine=engine, index=index, settings=ConnectorSettings())
+    worker = SimpleNamespace(engine=engine, index=index, groups=None, settings=ConnectorSettings())
     for side in scheduler(engine, reset=lambda: WorkerSide.reset_cache(worker)):  # type: ignore[arg-type]
         assert side.reset_cache()
     held = {t.name: t.contains([k.key for k in keys]) for t in engine.chain.tiers}
