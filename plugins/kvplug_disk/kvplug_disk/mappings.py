@@ -24,12 +24,15 @@ while it is mapped.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+logger = logging.getLogger("kvplug.tier.shm")
 
 #: How often kept mappings are checked against the folder: about the longest a kept mapping
 #: of a record another process evicted outlives the eviction.
@@ -146,7 +149,10 @@ class MappedRecords:
 
     def _sweep_until_closed(self) -> None:
         while not self._closed.wait(SWEEP_INTERVAL_S):
-            self.sweep()
+            try:
+                self.sweep()
+            except Exception:  # a sweeper that died would keep evicted records in memory for good
+                logger.exception("tier shm: sweeping kept mappings failed; trying again in %s s", SWEEP_INTERVAL_S)
 
     def close(self) -> None:
         """Stop the sweeper and let go of every kept mapping (before the folder is closed)."""
