@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvplug import CacheEngine, HeadShard, KVPlugConfig, RequestInfo, slots_from_block_ids
+from kvplug import CacheEngine, ChunkKey, HeadShard, KVPlugConfig, RequestInfo, slots_from_block_ids
 from kvplug_vllm.background import GroupsRetrieve, fetch_groups
 from kvplug_vllm.kv_events import MAX_CHUNKS
 from kvplug_vllm.kv_groups import KVGroup, first_real_token
@@ -111,15 +111,17 @@ class GroupEngines:
             for index, engine, _ in self.groups
         ]
 
-    def remember(self, tokens: list[int], request: RequestInfo, start: int) -> None:
-        """Note the other groups' keys of the chunks of ``tokens`` from ``start`` on (stored or
-        loaded), as the worker's chunk index notes the primary group's; a state group's chunk
-        without a stored state is noted too (removing it is a no-op)."""
+    def remember(self, keys: Sequence[ChunkKey], request: RequestInfo) -> None:
+        """Note the other groups' keys of the chunks ``keys`` (the primary group's chunks the
+        worker stored or loaded, noted in its chunk index): the same chunk hashes under each
+        group's own fingerprint, as its engine keys them. A state group's chunk without a
+        stored state is noted too (removing it is a no-op)."""
         for index, engine, _ in self._others():
-            keys = [key.key for key in engine.chunk_keys(tokens, request) if key.end > start]
+            prefix = _key_prefix(engine, request)
+            named = [prefix + key.key.rpartition("/")[2] for key in keys]
             with self._seen_lock:
                 seen = self._seen[index]
-                for key in keys:
+                for key in named:
                     seen[key] = None
                     seen.move_to_end(key)
                 while len(seen) > MAX_CHUNKS:
@@ -133,8 +135,7 @@ class GroupEngines:
             with self._seen_lock:
                 keys = list(self._seen[index])
             if request is not None:
-                fingerprint = engine.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id)
-                prefix = f"{fingerprint.format_version}/{fingerprint.hexdigest()}/"
+                prefix = _key_prefix(engine, request)
                 keys = [key for key in keys if key.startswith(prefix)]
             records += engine.records.all_records(keys)
         return records
@@ -157,3 +158,10 @@ class GroupEngines:
             if engine is not primary:
                 engine.close(drain=True)  # before the engine that owns the tiers they store into
         self.groups = []
+
+
+def _key_prefix(engine: CacheEngine, request: RequestInfo) -> str:
+    """The prefix of ``engine``'s chunk keys for ``request``'s cache_salt and LoRA
+    (``<format version>/<fingerprint hex>/``, before the chunk's chained hash)."""
+    fingerprint = engine.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id)
+    return f"{fingerprint.format_version}/{fingerprint.hexdigest()}/"

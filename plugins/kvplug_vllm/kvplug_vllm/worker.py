@@ -425,10 +425,11 @@ class WorkerSide:
         """Index the chunks of ``tokens`` from ``start`` on (keys -> vLLM blocks), for events and reset."""
         if self.index is None or self.engine is None:
             return
-        keys = [k for k in self.engine.chunk_keys(tokens, request.request_info()) if k.end > start]
+        info = request.request_info()
+        keys = [k for k in self.engine.chunk_keys(tokens, info) if k.end > start]
         self.index.remember(keys, tokens, request.block_hashes, request.lora_id)
         if self.groups is not None:
-            self.groups.remember(tokens, request.request_info(), start)
+            self.groups.remember(keys, info)
 
     def get_kv_cache_events(self) -> KVPlugKVEvents | None:
         if self.index is None:
