@@ -8,14 +8,11 @@ import mmap
 import time
 from pathlib import Path
 
+from test_shm_tier import make_shm_tier
+
 from kvplug import key_digest
-from kvplug.testing import key_for, tier_context, value_for
-from kvplug_disk import ShmTier
+from kvplug.testing import key_for, value_for
 from kvplug_disk.mappings import SWEEP_INTERVAL_S, MappedRecords
-
-
-def make_shm_tier(path: Path, **options: object) -> ShmTier:
-    return ShmTier(ShmTier.Config(path=path, **options), tier_context())
 
 
 def mapped_files(folder: Path) -> list[str]:
