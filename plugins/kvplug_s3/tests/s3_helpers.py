@@ -124,7 +124,8 @@ class FaultProxy:
     - ``http503``: answer every request ``HTTP/1.1 503`` itself;
     - ``hang``: accept connections and read requests, never answer.
 
-    ``requests`` counts the HTTP requests forwarded to the server, per method.
+    ``requests`` counts the HTTP requests forwarded to the server, per method;
+    ``swallowed_bytes`` the bytes ``hang`` read and never answered.
     """
 
     def __init__(self, target_port: int, *, delay_s: float = 5.0) -> None:
@@ -134,6 +135,7 @@ class FaultProxy:
         self.port = free_port()
         self.connections = 0
         self.forwarded_bytes = 0
+        self.swallowed_bytes = 0
         self.requests: dict[str, int] = {}
         self._open: set[asyncio.StreamWriter] = set()
         self._server: asyncio.base_events.Server | None = None
@@ -152,11 +154,19 @@ class FaultProxy:
 
     def close(self) -> None:
         self._call(self._switch("refuse"))
+        self._call(self._end_handlers())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+
+    async def _end_handlers(self) -> None:
+        # Handlers left pending when the loop stops would be reported as destroyed tasks;
+        # their connections were aborted, so they end at their next read.
+        handlers = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        if handlers:
+            await asyncio.wait(handlers, timeout=2)
 
     async def _listen(self) -> None:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
@@ -184,8 +194,8 @@ class FaultProxy:
             return
         if self.mode == "hang":
             self._open.add(writer)
-            while await reader.read(1 << 16):
-                pass
+            while data := await reader.read(1 << 16):
+                self.swallowed_bytes += len(data)
             self._open.discard(writer)
             return
         try:
