@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 
-from kvplug import check_record
 from kvplug_vllm.tiny_model import write_random_llama
 
 #: vLLM's processes talk over a message queue bound to the address ``get_ip()`` finds
@@ -176,13 +175,6 @@ def kv_config(role: str = "kv_both", policy: str = "recompute", **extra: Any) ->
         "kv_load_failure_policy": policy,
         "kv_connector_extra_config": {"kvplug.chunk_size": CHUNK_SIZE, **extra},
     }
-
-
-def chunk_records(path: Path) -> list[Path]:
-    """The chunk records of a disk or shm tier's folder (not the engines' fingerprint manifests,
-    kvplug explain's, which stay when chunks are removed)."""
-    found = sorted(path.rglob("*.kvr"))
-    return [p for p in found if "fingerprint manifest" not in check_record(p.name[:64], p.read_bytes()).reason]
 
 
 def step(name: str, max_tokens: int = 8, **prompt: Any) -> dict[str, Any]:

@@ -6,7 +6,10 @@ step is one ``LLM.generate`` call over its prompts. The last stdout line is
 ``RESULT {json}`` with every output's token ids, finish reason and
 ``kv_transfer_params``, and each step's wall time. A step's ``ctl_lookups`` (token lists)
 are asked of the engine after its prompts by the real ``kvplug ctl lookup`` command line
-(``ctl_engine``: the engine id); their replies are the step's ``ctl_lookups``.
+(``ctl_engine``: the engine id); their replies are the step's ``ctl_lookups``. Then a step's
+``ctl_clear`` (the arguments of ``kvplug ctl clear``) runs the same way; its reply is the step's
+``ctl_clear``. A step's ``count_records`` (a disk or shm tier's folder) counts the chunk
+records there after all that (the step's ``records``).
 
 A separate process per engine keeps tests isolated: vLLM keeps global state (the
 KV transfer group, the distributed environment) that one process cannot reset.
@@ -20,19 +23,24 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
+
+
+def ctl(*args: str) -> object:
+    """``kvplug ctl ARGS --json`` against this process's engine (its worker runs here)."""
+    from kvplug.testing import run_ctl
+
+    return run_ctl(Path(os.environ["KVPLUG_LOOKUP_DIR"]), *args)
 
 
 def ctl_lookup(tokens: list[int], engine: str) -> object:
-    """``kvplug ctl lookup --json`` of ``tokens`` against this process's engine (its worker runs here)."""
+    """``kvplug ctl lookup`` of ``tokens``."""
     import tempfile
-    from pathlib import Path
-
-    from kvplug.testing import run_ctl
 
     with tempfile.TemporaryDirectory() as folder:
         prompt = Path(folder) / "prompt.json"
         prompt.write_text(json.dumps(tokens))
-        return run_ctl(Path(os.environ["KVPLUG_LOOKUP_DIR"]), "lookup", str(prompt), "--engine", engine)
+        return ctl("lookup", str(prompt), "--engine", engine)
 
 
 def main() -> None:
@@ -109,8 +117,14 @@ def main() -> None:
         )
         if step.get("ctl_lookups"):
             results[-1]["ctl_lookups"] = [ctl_lookup(tokens, step["ctl_engine"]) for tokens in step["ctl_lookups"]]
+        if step.get("ctl_clear"):
+            results[-1]["ctl_clear"] = ctl("clear", *step["ctl_clear"], "--engine", step["ctl_engine"])
         if step.get("reset_prefix_cache"):
             results[-1]["reset"] = llm.reset_prefix_cache(reset_connector=True)
+        if step.get("count_records"):
+            from record_files import chunk_records
+
+            results[-1]["records"] = len(chunk_records(Path(step["count_records"])))
     llm.llm_engine.engine_core.shutdown()  # both connector roles' shutdown()
     del llm
     gc.collect()

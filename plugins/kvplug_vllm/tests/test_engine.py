@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CHUNK_SIZE, P1, chunk_records, kv_config, output, report, step
+from conftest import CHUNK_SIZE, P1, kv_config, output, report, step
+from record_files import chunk_records
 
 # --- one engine, CPU tier: hits, chunk alignment, salts, per-request settings ------------
 

@@ -20,8 +20,8 @@ kvplug implements ``SupportsHMA`` (kv_groups.py), so vLLM keeps its hybrid alloc
   whole block of the prompt; a new process B hits 1152 of 1200 tokens, loads the state
   into the block it resumes from, and computes the same tokens as vLLM alone (a state
   not loaded, or loaded into another block, changes them). ``kvplug ctl lookup`` answers
-  as the scheduler's lookups do, and vLLM's prefix cache reset removes every group's
-  records that B loaded or stored. Without ``align`` mode the
+  as the scheduler's lookups do; ``kvplug ctl clear`` and vLLM's prefix cache reset each
+  remove every group's records that B loaded or stored. Without ``align`` mode the
   state group is refused at start-up by kvplug, naming the model, the group, the reason
   and the flag to set (without ``SupportsHMA`` vLLM itself failed at start).
 """
@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CHUNK_SIZE, DRIVER, P5, chunk_records, kv_config, output, report, run_process, tokens
+from conftest import CHUNK_SIZE, DRIVER, P5, kv_config, output, report, run_process, tokens
+from record_files import chunk_records
 
 from kvplug_vllm.tiny_model import (
     TinyLlamaSpec,
@@ -117,6 +118,8 @@ GDN_PROMPT = tokens(13, 1200)
 #: Shares GDN_PROMPT's first two chunks, whose ends have no stored state (vLLM hands over the
 #: state at the end of each prefill step: 1152): kvplug must not claim them as a hit.
 GDN_BRANCH = GDN_PROMPT[:1000] + tokens(14, 200)
+#: A prompt of its own: two whole chunks, with the state vLLM hands over at their end (768).
+GDN_OTHER = tokens(15, 800)
 GDN_OPTIONS = {"block_size": None, "prefix_caching": True, "mamba_cache_mode": "align", "max_model_len": 2048}
 
 
@@ -137,10 +140,16 @@ def test_gated_deltanet_hybrid_resumes_from_its_stored_state_in_a_new_process(ru
     # a new process: disk only; at the end vLLM's prefix cache reset, told to empty the disk tier
     warm_kv = {**kv, "engine_id": "gdn-warm"}
     warm_kv["kv_connector_extra_config"] = {**kv["kv_connector_extra_config"], "kvplug.reset_tiers": ["disk"]}
+    ctl = {"ctl_engine": "gdn-warm"}
     # kvplug ctl's lookups are cut as the scheduler's are: the branch's chunks have no state
-    then_ctl = [{**steps[0], "ctl_lookups": [GDN_PROMPT, GDN_BRANCH], "ctl_engine": "gdn-warm"}]
-    branch_then_reset = [{**branch[0], "reset_prefix_cache": True}]
-    warm = run_engine(kv=warm_kv, steps=then_ctl + branch_then_reset, model=model, **GDN_OPTIONS)
+    then_ctl = [{**steps[0], **ctl, "ctl_lookups": [GDN_PROMPT, GDN_BRANCH]}]
+    branch_then_clear = [{**branch[0], **ctl, "ctl_clear": ["--all"], "count_records": str(tmp_path / "kv")}]
+    # after the clear: a prompt stored anew, then vLLM's prefix cache reset
+    other_then_reset = [
+        {"prompts": [{"tokens": GDN_OTHER}], "max_tokens": 4, **ctl, "ctl_lookups": [GDN_PROMPT, GDN_OTHER]}
+        | {"reset_prefix_cache": True}
+    ]
+    warm = run_engine(kv=warm_kv, steps=then_ctl + branch_then_clear + other_then_reset, model=model, **GDN_OPTIONS)
     groups = re.search(r"KV cache groups (\S+), (\S+) \(vLLM's hybrid allocator\)", cold["log"])
     assert groups is not None, "kvplug did not see several KV cache groups"
     assert sorted(groups.groups()) == ["kv_group=0/2:state", "kv_group=1/2:full"]
@@ -158,10 +167,16 @@ def test_gated_deltanet_hybrid_resumes_from_its_stored_state_in_a_new_process(ru
     assert report(warm, 1)["hit_tokens"] == 0
     assert report(warm, 1)["totals"].get("load_error_requests", 0) == 0
     assert output(warm, 1) == output(own, 1)
-    ctl = [reply["total"]["hit_tokens"] for reply in warm["steps"][0]["ctl_lookups"]]
-    assert ctl == [whole_chunks, 0]
-    # the reset removed every group's records this process loaded or stored: GDN states too
-    assert warm["steps"][1]["reset"] is True
+    hits = [reply["total"]["hit_tokens"] for reply in warm["steps"][0]["ctl_lookups"]]
+    assert hits == [whole_chunks, 0]
+    # kvplug ctl clear removed every group's records this process loaded or stored (the prompt's
+    # and the branch's, attention chunks and GDN states): none is left in the folder
+    assert warm["steps"][1]["ctl_clear"]["total"]["removed"]["0:disk"] > 0
+    assert warm["steps"][1]["records"] == 0, "a group's chunk records were left after kvplug ctl clear"
+    hits = [reply["total"]["hit_tokens"] for reply in warm["steps"][2]["ctl_lookups"]]
+    assert hits == [0, 2 * GDN_CHUNK]
+    # the reset removed every group's records stored since the clear: GDN states too
+    assert warm["steps"][2]["reset"] is True
     assert len(chunk_records(tmp_path / "kv")) == 0, "a group's chunk records were left after the reset"
 
 
