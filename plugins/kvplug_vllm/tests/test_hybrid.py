@@ -145,10 +145,8 @@ def test_gated_deltanet_hybrid_resumes_from_its_stored_state_in_a_new_process(ru
     then_ctl = [{**steps[0], **ctl, "ctl_lookups": [GDN_PROMPT, GDN_BRANCH]}]
     branch_then_clear = [{**branch[0], **ctl, "ctl_clear": ["--all"], "count_records": str(tmp_path / "kv")}]
     # after the clear: a prompt stored anew, then vLLM's prefix cache reset
-    other_then_reset = [
-        {"prompts": [{"tokens": GDN_OTHER}], "max_tokens": 4, **ctl, "ctl_lookups": [GDN_PROMPT, GDN_OTHER]}
-        | {"reset_prefix_cache": True}
-    ]
+    other = {"prompts": [{"tokens": GDN_OTHER}], "max_tokens": 4}
+    other_then_reset = [{**other, **ctl, "ctl_lookups": [GDN_PROMPT, GDN_OTHER], "reset_prefix_cache": True}]
     warm = run_engine(kv=warm_kv, steps=then_ctl + branch_then_clear + other_then_reset, model=model, **GDN_OPTIONS)
     groups = re.search(r"KV cache groups (\S+), (\S+) \(vLLM's hybrid allocator\)", cold["log"])
     assert groups is not None, "kvplug did not see several KV cache groups"
