@@ -125,7 +125,7 @@ class ChunkStore:
     def key_prefix(self) -> str:
         """``<format version>/<fingerprint hex>/``: what every key of this store starts with
         (the chunk's hash in hex follows)."""
-        return f"{self.fingerprint.format_version}/{self.fingerprint.hexdigest()}/"
+        return self.fingerprint.key_prefix()
 
     # --- lookup ---------------------------------------------------------------------
 

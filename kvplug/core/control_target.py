@@ -159,7 +159,7 @@ class EngineControl(ControlTarget):
             raise ControlProtocolError("clear needs a scope: cache_salt (null: no salt) or all_salts: true")
         info = request.request_info()
         fingerprint = self.engine.fingerprint.for_request(cache_salt=info.cache_salt, lora_id=info.lora_id)
-        keys = records.all_records(self.journal.keys(f"{fingerprint.format_version}/{fingerprint.hexdigest()}/"))
+        keys = records.all_records(self.journal.keys(fingerprint.key_prefix()))
         lora = f", LoRA {info.lora_id!r}" if info.lora_id else ""
         return keys, f"cache_salt {text_field(request.fields, 'cache_salt')!r}{lora}"
 

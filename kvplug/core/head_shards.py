@@ -128,7 +128,7 @@ class HeadRecords:
         self.fingerprints = [
             replace(fingerprint, kv_heads=label, kv_layout=self.record_layout.describe()) for label in self.labels
         ]
-        self.prefixes = [f"{f.format_version}/{f.hexdigest()}/" for f in self.fingerprints]
+        self.prefixes = [f.key_prefix() for f in self.fingerprints]
         # Record 0's key prefix -> every record's, per cache_salt/LoRA seen lately, so that
         # a chunk known by its record-0 key (events, journals) can be removed whole.
         self._isolations: OrderedDict[str, list[str]] = OrderedDict()
@@ -148,7 +148,7 @@ class HeadRecords:
             isolated = (
                 f.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id) for f in self.fingerprints
             )
-            prefixes = [f"{f.format_version}/{f.hexdigest()}/" for f in isolated]
+            prefixes = [f.key_prefix() for f in isolated]
             with self._lock:
                 self._isolations[prefixes[0]] = prefixes
                 self._isolations.move_to_end(prefixes[0])

@@ -92,6 +92,11 @@ class Fingerprint:
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
+    def key_prefix(self) -> str:
+        """``<format version>/<fingerprint hex>/``: what the keys of chunks stored under this
+        fingerprint start with (the chunk's chained hash in hex follows)."""
+        return f"{self.format_version}/{self.hexdigest()}/"
+
 
 @dataclass(frozen=True)
 class ExtraKey:
@@ -167,10 +172,7 @@ class KeyBuilder:
         ``fingerprint`` may also be the key prefix itself, ``<format version>/<fingerprint
         hex>/`` (what a store's fingerprint manifest records, see :mod:`kvplug.core.manifest`)."""
         token_bytes = _token_bytes(tokens)
-        if isinstance(fingerprint, str):
-            prefix = fingerprint
-        else:
-            prefix = f"{fingerprint.format_version}/{fingerprint.hexdigest()}/"
+        prefix = fingerprint if isinstance(fingerprint, str) else fingerprint.key_prefix()
         previous = self.chain_seed()
         keys: list[ChunkKey] = []
         for index, (start, end) in enumerate(self.chunk_bounds(len(token_bytes) // 8, include_partial=include_partial)):

@@ -93,7 +93,7 @@ class KeyScheme:
         fields: Fields = {k: v for k, v in asdict(fingerprint).items() if k != "cache_salt"}
         fields["cache_salt"] = salt_digest(fingerprint.cache_salt)
         fields.update(chunk_size=chunk_size, hash=hash_name)
-        return cls(f"{fingerprint.format_version}/{fingerprint.hexdigest()}/", chunk_size, hash_name, fields)
+        return cls(fingerprint.key_prefix(), chunk_size, hash_name, fields)
 
     @property
     def fingerprint_hex(self) -> str:

@@ -161,7 +161,5 @@ class GroupEngines:
 
 
 def _key_prefix(engine: CacheEngine, request: RequestInfo) -> str:
-    """The prefix of ``engine``'s chunk keys for ``request``'s cache_salt and LoRA
-    (``<format version>/<fingerprint hex>/``, before the chunk's chained hash)."""
-    fingerprint = engine.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id)
-    return f"{fingerprint.format_version}/{fingerprint.hexdigest()}/"
+    """The prefix of ``engine``'s chunk keys for ``request``'s cache_salt and LoRA."""
+    return engine.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id).key_prefix()
