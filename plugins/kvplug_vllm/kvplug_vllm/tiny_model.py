@@ -30,6 +30,8 @@ class TinyLlamaSpec:
     #: None: every layer is full attention.
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
+    #: The std of the random weights; a larger one (e.g. 0.3) gives a model whose greedy tokens vary.
+    initializer_range: float = 0.02
 
     @property
     def head_dim(self) -> int:
@@ -124,6 +126,7 @@ class TinyDeepseekV2Spec:
     v_head_dim: int = 32
     vocab_size: int = 1000
     max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
     dtype: str = "bfloat16"
     seed: int = 0
 

@@ -9,7 +9,10 @@ are asked of the engine after its prompts by the real ``kvplug ctl lookup`` comm
 (``ctl_engine``: the engine id); their replies are the step's ``ctl_lookups``. Then a step's
 ``ctl_clear`` (the arguments of ``kvplug ctl clear``) runs the same way; its reply is the step's
 ``ctl_clear``. A step's ``count_records`` (a disk or shm tier's folder) counts the chunk
-records there after all that (the step's ``records``).
+records there after all that (the step's ``records``). A step's ``capture`` (a file path; the
+spec's ``capture`` must be true) runs its one prompt step by step and, once the prompt is
+prefilled, has every rank write what its paged caches hold for it
+(:mod:`kvplug_vllm.kv_capture`, for the KV oracle); the step's ``capture`` lists the files.
 
 A separate process per engine keeps tests isolated: vLLM keeps global state (the
 KV transfer group, the distributed environment) that one process cannot reset.
@@ -53,6 +56,11 @@ def main() -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(rank % cores) for rank in range(tp)))
     from vllm import LLM, SamplingParams
 
+    if spec.get("force_loads"):  # test_mla.py: load where kvplug would refuse, to show why it refuses
+        import kvplug_vllm.scheduler
+
+        kvplug_vllm.scheduler.load_refusal = lambda vllm_config: None
+
     options = dict(
         model=spec["model"],
         skip_tokenizer_init=True,
@@ -72,6 +80,10 @@ def main() -> None:
         options.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     elif not spec.get("multiprocessing"):
         options["distributed_executor_backend"] = "uni"
+    if spec.get("capture"):
+        from kvplug_vllm.kv_capture import EXTENSION
+
+        options["worker_extension_cls"] = EXTENSION
     if spec.get("kv") is not None:
         options["kv_transfer_config"] = spec["kv"]
     if spec.get("kv_events") is not None:
@@ -95,7 +107,11 @@ def main() -> None:
         ]
         started = time.perf_counter()
         first: list[list[float]] = []
-        if step.get("concurrent"):
+        captured: list[str] = []
+        if step.get("capture"):
+            outputs, captured = run_captured(llm, prompts, params, step["capture"])
+            finished = []
+        elif step.get("concurrent"):
             outputs, finished, first = run_concurrently(llm, prompts, params, started)
         else:
             outputs, finished = llm.generate(prompts, params, use_tqdm=False), []
@@ -105,6 +121,7 @@ def main() -> None:
                 "seconds": seconds,
                 "finished": finished,
                 "first_token": first,
+                "capture": captured,
                 "outputs": [
                     {
                         "tokens": list(o.outputs[0].token_ids),
@@ -130,6 +147,26 @@ def main() -> None:
     gc.collect()
     threads = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
     print("RESULT " + json.dumps({"steps": results, "threads_after_shutdown": threads}), flush=True)
+
+
+def run_captured(llm, prompts, params, path):
+    """Run the one prompt step by step; once it has its first token (its prompt is in the paged
+    cache, loaded or computed), every rank writes the request's KV to ``path.rank<r>``."""
+    assert len(prompts) == 1, "a captured step runs one prompt"
+    assert params[0].max_tokens >= 2, "a captured request must still run after its first token"
+    engine = llm.llm_engine
+    request_id = f"capture-{time.monotonic_ns()}"
+    engine.add_request(request_id, prompts[0], params[0])
+    files: list[str] = []
+    done = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if not files and out.outputs and out.outputs[0].token_ids and not out.finished:
+                files = llm.collective_rpc("kvplug_capture_kv", args=(path,))
+            if out.finished:
+                done = out
+    assert done is not None and files, "the captured request finished before its KV was captured"
+    return [done], files
 
 
 def run_concurrently(llm, prompts, params, started):
