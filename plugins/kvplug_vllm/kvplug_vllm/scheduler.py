@@ -32,6 +32,7 @@ from kvplug_vllm.lookup import DirectLookup, SocketLookup, inline_tiers, local_w
 from kvplug_vllm.lookup_pool import LookupPool, Tiers
 from kvplug_vllm.lookup_result import LookupResult
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
+from kvplug_vllm.prefill_resume import load_refusal
 from kvplug_vllm.settings import ConnectorSettings, request_overrides, wants_report
 from kvplug_vllm.stats import KVPlugConnectorStats
 
@@ -103,7 +104,10 @@ class SchedulerSide:
         self.config = config
         self.chunk_size = config.chunk_size
         self.block_size = vllm_config.cache_config.block_size
-        self.can_load = kv_transfer.is_kv_consumer
+        refusal = load_refusal(vllm_config)
+        if refusal is not None and kv_transfer.is_kv_consumer:
+            logger.warning("kvplug loads nothing into this engine: %s", refusal)
+        self.can_load = kv_transfer.is_kv_consumer and refusal is None
         self.can_save = kv_transfer.is_kv_producer
         self.engine_key = engine_key
         #: A hybrid model's loads all go to the background: vLLM takes a failed load of

