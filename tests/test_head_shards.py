@@ -223,3 +223,34 @@ def test_a_chunk_named_by_its_first_record_is_removed_whole(engines: Any, salt: 
     assert sorted(engine.records.all_records(records)) == sorted(records)  # a journal names every record
     engine.chain.tiers[0].remove(engine.records.all_records(first))
     assert engine.chain.tiers[0].contains(records) == [False] * len(records)
+
+
+@pytest.mark.parametrize("name", sorted(HEAD_AXIS))
+@pytest.mark.parametrize(("writer_tp", "reader_tp"), [(1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2), (8, 2), (2, 8)])
+def test_default_records_are_read_by_every_tp_size(engines: Any, name: str, writer_tp: int, reader_tp: int) -> None:
+    """``heads_per_record: auto`` (one record per rank): a reader of another TP size joins
+    smaller records or slices a larger one into the heads it holds, byte for byte. TP 8 over
+    4 KV heads replicates each head on two ranks (one writes it)."""
+    full = replace(LAYOUTS[name], num_kv_heads=4)
+    axis = HEAD_AXIS[name]
+    source = random_caches(full, blocks(full), seed=7)
+    slots = torch.arange(len(TOKENS))
+
+    def rank_of(tp_rank: int, tp_size: int) -> tuple[HeadShard, KVLayout]:
+        heads = HeadShard.for_rank(total_heads=4, tp_rank=tp_rank, tp_size=tp_size)
+        return heads, replace(full, num_kv_heads=max(1, 4 // tp_size))
+
+    for rank in range(writer_tp):
+        heads, layout = rank_of(rank, writer_tp)
+        writer = engines(layout, heads)
+        writer.store(TOKENS, heads_of(source, axis, heads.first, layout.num_kv_heads), slots)
+        writer.flush()
+    for rank in range(reader_tp):
+        heads, layout = rank_of(rank, reader_tp)
+        reader = engines(layout, heads)
+        assert reader.lookup(TOKENS) == len(TOKENS), (rank, reader.records.labels)
+        assert [n for _, n in reader.lookup_tiers(TOKENS)] == [8, 8, 8, 8]
+        own = heads_of(source, axis, heads.first, layout.num_kv_heads)
+        target = zeros_like(own)
+        assert bool(reader.retrieve(TOKENS, target, slots).all())
+        assert equal(target, own)

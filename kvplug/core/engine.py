@@ -26,7 +26,7 @@ from kvplug.core.config import KVPlugConfig
 from kvplug.core.connector import KVConnector, LayerCache
 from kvplug.core.events import EventListener, EventListeners, KVEvent
 from kvplug.core.frame_pool import FramePool
-from kvplug.core.head_shards import HeadRecords, HeadShard
+from kvplug.core.head_shards import HeadRecords, HeadShard, OtherSplit
 from kvplug.core.keys import ChunkKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
 from kvplug.core.layouts import KVLayout
@@ -176,6 +176,9 @@ class CacheEngine:
         self._check_open()
         keys = self.chunk_keys(tokens, request)
         hit = self.records.chunks_held(self.chunk_store.contains_prefix(self.record_keys(keys, request)))
+        other = self._other_split(keys, request) if not hit else None
+        if other is not None:
+            hit = other.chunks_held(self.chunk_store.contains_prefix(other.record_keys([k.key for k in keys], request)))
         tokens_hit = keys[hit - 1].end if hit else 0
         self._count_lookup(len(tokens), tokens_hit)
         return tokens_hit
@@ -190,8 +193,12 @@ class CacheEngine:
         """
         self._check_open()
         keys = self.chunk_keys(tokens, request)
-        located = self.chunk_store.locate_prefix(self.record_keys(keys, request))
-        tiers = self.records.chunk_tiers(located, [tier.name for tier in self.chain.tiers])
+        order = [tier.name for tier in self.chain.tiers]
+        tiers = self.records.chunk_tiers(self.chunk_store.locate_prefix(self.record_keys(keys, request)), order)
+        other = self._other_split(keys, request) if not tiers else None
+        if other is not None:
+            located = self.chunk_store.locate_prefix(other.record_keys([k.key for k in keys], request))
+            tiers = other.chunk_tiers(located, order)
         self._count_lookup(len(tokens), keys[len(tiers) - 1].end if tiers else 0)
         return [(name, key.num_tokens) for name, key in zip(tiers, keys)]
 
@@ -199,6 +206,23 @@ class CacheEngine:
         """The keys of the records of chunks ``keys`` (``records.count`` per chunk, one per
         head group, chunk by chunk); a chunk is cached only when all of its records are."""
         return self.records.record_keys([k.key for k in keys], request)
+
+    def _other_split(self, keys: Sequence[ChunkKey], request: RequestInfo | None) -> OtherSplit | None:
+        """Where this engine's own records of the first chunk miss: the first other split of
+        the heads (another TP size's writer) whose records of it some tier holds, asked in
+        one batched ``contains`` per tier; None when none does."""
+        if not keys or not self.records.others:
+            return None
+        candidates = [(other, other.record_keys([keys[0].key], request)) for other in self.records.others]
+        present = self.chain.contains_any(
+            [key for _, names in candidates for key in names], budget_s=self.chain.lookup_timeout_s
+        )
+        at = 0
+        for other, names in candidates:
+            if all(present[at : at + len(names)]):
+                return other
+            at += len(names)
+        return None
 
     def _count_lookup(self, asked: int, hit: int) -> None:
         self.metrics.lookups.inc()
@@ -383,13 +407,22 @@ class CacheEngine:
                 if k.end > first and self._copyable(max(k.start, first), k.end)
             ]
             # Verified (a bad chunk ends the prefix and is removed); only those promoted.
+            split: HeadRecords | OtherSplit = self.records
             loaded = self.chunk_store.load_prefix(
                 self.record_keys(keys, request),
-                [self.records.record_shape(k.num_tokens) for k in keys for _ in range(self.records.count)],
+                [split.record_shape(k.num_tokens) for k in keys for _ in range(split.count)],
                 self.layout.dtype,
             )
+            other = self._other_split(keys, request) if len(loaded.tensors) < split.count else None
+            if other is not None:  # another TP size's writer: its records of these heads
+                split = other
+                loaded = self.chunk_store.load_prefix(
+                    other.record_keys([k.key for k in keys], request),
+                    [other.record_shape(k.num_tokens) for k in keys for _ in range(other.count)],
+                    self.layout.dtype,
+                )
             timings.fetch_s, timings.verify_s = loaded.fetch_s, loaded.verify_s
-            chunks = list(zip(keys, self.records.joined(loaded.tensors, [k.num_tokens for k in keys])))
+            chunks = list(zip(keys, split.joined(loaded.tensors, [k.num_tokens for k in keys])))
         except Exception:
             logger.exception("retrieve: fetching chunks failed; treated as a miss")
         return LayerwiseRetrieve(self, len(tokens), first, kv_caches, slots.to(torch.long), chunks, started, timings)

@@ -19,6 +19,13 @@ A group's record holds the chunk tensor of a ``heads_per_record``-head cache: th
 rank's chunk ``[layers, kv, tokens, heads * head_dim]`` sliced along its heads (for
 packed, ``whole_blocks_only`` formats each block is head-major, so the slice is taken
 per block). :class:`HeadRecords` does the slicing with one strided copy per record.
+
+Readers of another TP size need no option (``heads_per_record: auto``, one record per
+rank, works across TP sizes): a reader looks for its own records first, and where the
+prompt's first chunk has none, for those of every other split of the model's heads
+(:class:`OtherSplit`): records of fewer heads than it holds are joined, a record of more
+heads is sliced to its own. A reader of the writer's TP size pays nothing for this; a
+miss costs one more (batched) ``contains`` per tier.
 """
 
 from __future__ import annotations
@@ -91,8 +98,12 @@ class HeadShard:
 
     def label(self, index: int) -> str:
         """The ``kv_heads`` fingerprint field of record ``index``: ``"<first>-<end>/<total>"``."""
-        start = self.first + index * self.group
-        return f"{start}-{start + self.group}/{self.total}"
+        return head_range(self.first + index * self.group, self.group, self.total)
+
+
+def head_range(start: int, count: int, total: int) -> str:
+    """The ``kv_heads`` fingerprint field of a record of heads ``start .. start + count`` of ``total``."""
+    return f"{start}-{start + count}/{total}"
 
 
 #: cache_salt/LoRA isolations whose record keys :meth:`HeadRecords.all_records` can name.
@@ -109,6 +120,7 @@ class HeadRecords:
 
     def __init__(self, layout: KVLayout, fingerprint: Fingerprint, shard: HeadShard | None) -> None:
         self.layout = layout
+        readable_split = shard is not None and shard.total > 1
         if shard is None:  # one record, keyed as the adapter's fingerprint says
             shard = HeadShard(0, layout.num_kv_heads, layout.num_kv_heads)
             self.labels = [fingerprint.kv_heads]
@@ -129,6 +141,17 @@ class HeadRecords:
             replace(fingerprint, kv_heads=label, kv_layout=self.record_layout.describe()) for label in self.labels
         ]
         self.prefixes = [f.key_prefix() for f in self.fingerprints]
+        #: How other writers may have split the heads this cache holds, tried in order where
+        #: this engine's own records miss: joins of smaller records first (they read only
+        #: these heads), then larger records to slice. None for one record of every head.
+        self.others = (
+            [
+                OtherSplit(self, fingerprint, size)
+                for size in _other_group_sizes(shard.total, layout.num_kv_heads, shard.group)
+            ]
+            if readable_split
+            else []
+        )
         # Record 0's key prefix -> every record's, per cache_salt/LoRA seen lately, so that
         # a chunk known by its record-0 key (events, journals) can be removed whole.
         self._isolations: OrderedDict[str, list[str]] = OrderedDict()
@@ -211,6 +234,14 @@ class HeadRecords:
         step, whole = self.count, len(located) // self.count * self.count
         return [max(located[i : i + step], key=tier_order.index) for i in range(0, whole, step)]
 
+    def isolated_prefixes(self, fingerprints: Sequence[Fingerprint], request: RequestInfo | None) -> list[str] | None:
+        """The key prefixes of ``fingerprints`` under ``request``'s cache_salt/LoRA, or None without one."""
+        if request is None or (request.cache_salt is None and request.lora_id is None):
+            return None
+        return [
+            f.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id).key_prefix() for f in fingerprints
+        ]
+
     def joined(self, records: Sequence[torch.Tensor], token_counts: Sequence[int]) -> list[torch.Tensor]:
         """Chunk tensors of the leading whole chunks of ``records`` (``count`` per chunk, chunk
         ``i`` of ``token_counts[i]`` tokens), each joined from its records."""
@@ -220,5 +251,73 @@ class HeadRecords:
         for index in range(len(records) // self.count):
             chunk = torch.empty(self.layout.chunk_shape(token_counts[index]), dtype=self.layout.dtype)
             self.join(records[index * self.count : (index + 1) * self.count], chunk)
+            chunks.append(chunk)
+        return chunks
+
+
+def _other_group_sizes(total: int, held: int, own: int) -> list[int]:
+    """Record sizes (heads) other writers' splits of ``total`` heads use that a cache of
+    ``held`` heads can read: divisors of ``held`` (joined, largest first), then multiples
+    of it that divide ``total`` (sliced, smallest first); ``own`` left out."""
+    joins = [g for g in range(held, 0, -1) if held % g == 0]
+    slices = [g for g in range(2 * held, total + 1, held) if total % g == 0]
+    return [g for g in joins + slices if g != own]
+
+
+class OtherSplit:
+    """Records another writer's split of the heads wrote, as read by a cache of ``parent``'s heads.
+
+    ``group`` heads per record: fewer than the cache holds, ``count`` records joined per
+    chunk; more, one record per chunk of which the cache takes its heads.
+    """
+
+    def __init__(self, parent: HeadRecords, fingerprint: Fingerprint, group: int) -> None:
+        self.parent = parent
+        self.group = group
+        shard, held = parent.shard, parent.layout.num_kv_heads
+        if group <= held:
+            starts = [shard.first + i * group for i in range(held // group)]
+            self.offset = 0
+        else:
+            starts = [shard.first // group * group]
+            self.offset = shard.first - starts[0]
+        self.count = len(starts)
+        self.record_layout = replace(parent.layout, num_kv_heads=group)
+        base = replace(fingerprint, tp_rank=0, tp_size=1)
+        self.fingerprints = [
+            replace(base, kv_heads=head_range(start, group, shard.total), kv_layout=self.record_layout.describe())
+            for start in starts
+        ]
+        self.prefixes = [f.key_prefix() for f in self.fingerprints]
+
+    def record_keys(self, keys: Sequence[str], request: RequestInfo | None = None) -> list[str]:
+        """The keys of these records of the chunks named by the engine's own ``keys``."""
+        prefixes = self.parent.isolated_prefixes(self.fingerprints, request) or self.prefixes
+        cut = len(self.parent.prefixes[0])
+        return [prefix + key[cut:] for key in keys for prefix in prefixes]
+
+    def record_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
+        return self.record_layout.chunk_shape(num_tokens)
+
+    def chunks_held(self, found: int) -> int:
+        return found // self.count
+
+    def chunk_tiers(self, located: Sequence[str], tier_order: Sequence[str]) -> list[str]:
+        step, whole = self.count, len(located) // self.count * self.count
+        return [max(located[i : i + step], key=tier_order.index) for i in range(0, whole, step)]
+
+    def joined(self, records: Sequence[torch.Tensor], token_counts: Sequence[int]) -> list[torch.Tensor]:
+        """The engine's chunk tensors of the leading whole chunks of ``records``."""
+        parent, layout, held = self.parent, self.parent.layout, self.parent.layout.num_kv_heads
+        chunks = []
+        for index in range(len(records) // self.count):
+            chunk = torch.empty(layout.chunk_shape(token_counts[index]), dtype=layout.dtype)
+            target = parent._grouped(chunk, held)
+            for i, record in enumerate(records[index * self.count : (index + 1) * self.count]):
+                source = parent._grouped(record, self.group)
+                if self.group <= held:
+                    target[:, :, :, i * self.group : (i + 1) * self.group].copy_(source)
+                else:
+                    target.copy_(source[:, :, :, self.offset : self.offset + held])
             chunks.append(chunk)
         return chunks

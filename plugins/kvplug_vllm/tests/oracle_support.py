@@ -20,13 +20,17 @@ def captured_run(
     kv: dict[str, Any] | None,
     prompts: list[list[int]],
     max_tokens: int = 2,
+    params: list[dict[str, Any]] | None = None,
     **options: Any,
 ) -> tuple[dict[str, Any], list[list[KVSlots]]]:
-    """Run ``prompts`` one step each on one engine, capturing each request's KV (every rank,
-    every KV cache group) after its prefill; returns the driver's result and the captures."""
+    """Run ``prompts`` one step each on one engine (``params[i]``: prompt ``i``'s kv_transfer_params),
+    capturing each request's KV (every rank, every KV cache group) after its prefill; returns the
+    driver's result and the captures."""
     paths = [folder / f"kv-{next(_runs)}" for _ in prompts]
+    params = params or [{} for _ in prompts]
     steps = [
-        {"prompts": [{"tokens": p}], "max_tokens": max_tokens, "capture": str(path)} for p, path in zip(prompts, paths)
+        {"prompts": [{"tokens": p, **({"params": q} if q else {})}], "max_tokens": max_tokens, "capture": str(path)}
+        for p, q, path in zip(prompts, params, paths)
     ]
     result = run_engine(kv=kv, steps=steps, capture=True, **options)
     captures = [[s for file in step["capture"] for s in load_slots(file)] for step in result["steps"]]
