@@ -254,3 +254,36 @@ def test_default_records_are_read_by_every_tp_size(engines: Any, name: str, writ
         target = zeros_like(own)
         assert bool(reader.retrieve(TOKENS, target, slots).all())
         assert equal(target, own)
+
+
+def test_every_record_key_names_the_serializer(tmp_path: Path) -> None:
+    """Each head group's records (and other TP sizes' splits) are keyed under the engine's
+    serializer, as record 0's are: an engine of another serializer misses them and leaves
+    them stored (before: records 1.. were keyed as 'raw', and a raw engine found zstd frames,
+    failed to decode them and removed them)."""
+    registry = PluginRegistry(plugin_filter="cpu,disk,compress")
+    layout = replace(LAYOUTS["vllm_flash"], num_kv_heads=4)
+    source = random_caches(layout, blocks(layout), seed=9)
+    slots = torch.arange(len(TOKENS))
+    heads = HeadShard.for_rank(total_heads=4, tp_rank=0, tp_size=1, heads_per_record=1)
+    folder = str(tmp_path / "kv")
+
+    def engine(serializer: str) -> CacheEngine:
+        extra = {"kvplug": {"chunk_size": 8, "serializer": {"type": serializer}, "store": {"queue": {"mode": "sync"}},
+                            "tiers": [{"type": "disk", "path": folder, "queue": {"mode": "sync"}}]}}  # fmt: skip
+        config = load_config(engine_extra=extra, env={}, registry=registry).config
+        return CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry, heads=heads)
+
+    with engine("zstd") as zstd:
+        assert {f.serializer for f in zstd.records.fingerprints} == {zstd.fingerprint.serializer}
+        assert {f.serializer for other in zstd.records.others for f in other.fingerprints} == {
+            zstd.fingerprint.serializer
+        }
+        zstd.store(TOKENS, source, slots)
+        zstd.flush()
+    with engine("raw") as raw:
+        assert raw.lookup(TOKENS) == 0
+        target = zeros_like(source)
+        assert not bool(raw.retrieve(TOKENS, target, slots).any())
+    with engine("zstd") as again:
+        assert again.lookup(TOKENS) == len(TOKENS)

@@ -97,6 +97,9 @@ class CacheEngine:
             )
         self.serializer: Serializer = self.chunk_store.serializer
         self.fingerprint = self.chunk_store.fingerprint
+        # Again with the serializer the chunk store put into the fingerprint: every record
+        # key (other head groups', other TP sizes' splits) names it, as record 0's does.
+        self.records = HeadRecords(layout, self.fingerprint, heads)
         self.chain = self.chunk_store.chain
         self._copies = ParallelCopies(self._copy_threads())
         self.key_builder = KeyBuilder(self.config.chunk_size, self.config.hash)

@@ -1,0 +1,30 @@
+"""The KV oracle's other cells (see test_kv_oracle.py): lossy serializers, a hybrid model with
+sliding-window layers and attention sinks, and a load across TP sizes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from oracle_cells import FULL, FULL_CELLS, Cell, References, run_cell
+
+pytestmark = pytest.mark.timeout(1800)
+
+CELLS = FULL_CELLS[1::2] if FULL else [
+    Cell("llama-gqa", chunk_size=256, serializer="int8", tier="disk", connector="torch", load="async"),
+    Cell("llama-gqa", chunk_size=64, serializer="fp8", connector="native"),
+    Cell("gpt-oss", chunk_size=64, tier="disk"),
+    Cell("llama-gqa", chunk_size=544, tier="shm", serializer="lz4", writer_tp=2, reader_tp=1, load="async"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def references(run_engine: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[References]:
+    yield References(run_engine, tmp_path_factory.mktemp("oracle"))
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.id)
+def test_a_load_is_the_kv_the_engine_computed(cell: Cell, references: References, tmp_path: Path) -> None:
+    run_cell(cell, references, tmp_path)
