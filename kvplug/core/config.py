@@ -168,11 +168,11 @@ class KVPlugConfig(CheckedModel):
     heads_per_record: Annotated[int, Field(ge=1, le=MAX_HEADS_PER_RECORD)] | Literal["auto"] = Field(
         default="auto",
         description="KV heads per stored record. A chunk is stored as one record per group of this many "
-        "heads, keyed by the group's head range, never by the TP rank or size: engines of any TP size "
-        "read the groups their ranks hold. auto: the heads of one rank (one record per chunk per rank, "
-        "shared only by engines of the same TP size). Engines of mixed TP sizes sharing a store set it to "
-        "the model's KV heads // the largest TP size (it must divide every rank's heads). Latent (MLA) and "
-        "replicated heads are one record for all ranks whatever this says.",
+        "heads, keyed by the group's head range, never by the TP rank or size. auto: the heads of one rank "
+        "(one record per chunk per rank). Engines of every TP size read any split: where a rank's own "
+        "records of a prompt's first chunk miss, it joins smaller records of its heads or slices a larger "
+        "one. A smaller group costs more, smaller records; an int must divide every rank's heads. Latent "
+        "(MLA) and replicated heads are one record for all ranks whatever this says.",
     )
     lookup_timeout_ms: TimeoutMilliseconds = Field(
         default=200,

@@ -27,6 +27,7 @@ everything).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -168,12 +169,19 @@ def compare_kv(
         first_unit, end_unit = _units(slots, start, end)
         result.compared.append((slots.group, slots.rank))
         for layer, (got, want_all) in enumerate(zip(slots.layers, ref.layers, strict=True)):
-            want = want_all[:, :, slots.first_head : slots.first_head + slots.heads]
-            where = dict(group=slots.group, layer=layer, rank=slots.rank)
+            offset = slots.first_head - ref.first_head
+            if offset < 0 or offset + slots.heads > ref.heads:
+                raise ValueError(
+                    f"group {slots.group} rank {slots.rank} holds heads {slots.first_head}-"
+                    f"{slots.first_head + slots.heads}; the reference only {ref.first_head}-{ref.first_head + ref.heads}"
+                )
+            want = want_all[:, :, offset : offset + slots.heads]
             if got.shape[0] != want.shape[0] or got.shape[2:] != want.shape[2:] or got.dtype != want.dtype:
                 result.mismatches.append(
                     KVMismatch(
-                        **where,
+                        group=slots.group,
+                        layer=layer,
+                        rank=slots.rank,
                         kv="*",
                         tokens=(start, end),
                         heads=(slots.first_head, slots.first_head + slots.heads),
@@ -197,7 +205,7 @@ def compare_kv(
                 wrong = _wrong(a, b, bound)
                 if bool(wrong.any()):
                     units = torch.nonzero(valid).flatten()
-                    result.mismatches.append(_mismatch(where, name, slots, a, b, wrong, units + first_unit))
+                    result.mismatches.append(_mismatch(slots, layer, name, a, b, wrong, units + first_unit))
     return result
 
 
@@ -275,11 +283,16 @@ def _join_ranks(reference: Sequence[KVSlots]) -> dict[int, KVSlots]:
             if not distinct or slots.first_head >= distinct[-1].first_head + distinct[-1].heads:
                 distinct.append(slots)
         first = distinct[0]
-        if first.first_head != 0:
-            raise ValueError(f"reference group {group}: no rank holds head 0")
+        for before, after in itertools.pairwise(distinct):
+            if after.first_head != before.first_head + before.heads:
+                raise ValueError(
+                    f"reference group {group}: no rank holds heads {before.first_head + before.heads}-{after.first_head}"
+                )
         layers = [torch.cat([s.layers[i] for s in distinct], dim=2) for i in range(len(first.layers))]
         valid = torch.stack([s.valid for s in distinct]).all(dim=0)
-        joined[group] = KVSlots(group, -1, 0, first.unit_tokens, first.kv_names, layers, valid, first.layout)
+        joined[group] = KVSlots(
+            group, -1, first.first_head, first.unit_tokens, first.kv_names, layers, valid, first.layout
+        )
     return joined
 
 
@@ -305,9 +318,9 @@ def _wrong(a: torch.Tensor, b: torch.Tensor, bound: LossyBound | None) -> torch.
 
 
 def _mismatch(
-    where: dict[str, int],
-    kv: str,
     slots: KVSlots,
+    layer: int,
+    kv: str,
     a: torch.Tensor,
     b: torch.Tensor,
     wrong: torch.Tensor,
@@ -319,7 +332,9 @@ def _mismatch(
     error = (a.float() - b.float()).abs()[wrong]
     finite = error[torch.isfinite(error)]
     return KVMismatch(
-        **where,
+        group=slots.group,
+        layer=layer,
+        rank=slots.rank,
         kv=kv,
         tokens=(first_unit * slots.unit_tokens, (last_unit + 1) * slots.unit_tokens),
         heads=(slots.first_head + int(head_index.min()), slots.first_head + int(head_index.max()) + 1),
