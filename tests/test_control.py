@@ -106,6 +106,8 @@ def test_an_oversize_message_closes_only_its_connection(server: ControlServer) -
         encode_request("lookup", {"cache_salt": "s" * 5000}),  # too long
         encode_request("lookup", {"extra_keys": [[0, "x", "v"]]}),
         encode_request("lookup", tokens=[1, 2]) + b"\x01",  # tokens not whole int64s
+        _LEN.pack(60_000) + b"[" * 60_000,  # nests past the JSON parser's depth (RecursionError)
+        _LEN.pack(25) + b'{"v": 1, "op": "' + b"\xff" * 8 + b'"}',  # not UTF-8
     ],
 )
 def test_a_malformed_request_closes_its_connection(server: ControlServer, body: bytes) -> None:

@@ -112,6 +112,8 @@ def decode_request(body: bytes) -> ControlRequest:
         header = json.loads(body[_LEN.size : _LEN.size + header_len])
     except (ValueError, UnicodeDecodeError):
         raise ControlProtocolError("the header is not JSON") from None
+    except RecursionError:  # e.g. 60,000 '[': within the size limit, past the parser's depth
+        raise ControlProtocolError("the header nests too deeply") from None
     if not isinstance(header, dict):
         raise ControlProtocolError("the header is not a JSON object")
     version = header.get("v")

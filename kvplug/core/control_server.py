@@ -120,6 +120,9 @@ class ControlServer(MessageServer):
         except ControlProtocolError as exc:
             logger.warning("control socket: a malformed request (%s); closing its connection", exc)
             return None
+        except Exception as exc:  # a decoder bug ends this request, never the server
+            logger.warning("control socket: a request that could not be read (%r); closing its connection", exc)
+            return None
         try:
             return encode_reply(self._ops[request.op](request))
         except ControlProtocolError as exc:

@@ -336,7 +336,11 @@ class MessageServer:
             self._buffered -= len(conn.inbox)
             conn.inbox.clear()
             conn.body_length = conn.started = None
-            reply = self.answer(body)
+            try:
+                reply = self.answer(body)
+            except Exception:  # one request's failure ends that request only, never the serving thread
+                logger.exception("%s: answering a request failed", self.path.name)
+                reply = None
             if reply is None:
                 self._drop(conn, "a malformed message")
                 return
