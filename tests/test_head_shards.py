@@ -287,3 +287,28 @@ def test_every_record_key_names_the_serializer(tmp_path: Path) -> None:
         assert not bool(raw.retrieve(TOKENS, target, slots).any())
     with engine("zstd") as again:
         assert again.lookup(TOKENS) == len(TOKENS)
+
+
+def test_a_miss_asks_each_tier_once_and_a_same_tp_hit_too(engines: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cross-TP reads cost a reader of the writer's TP size nothing in round trips: its own
+    records and the other splits' first-chunk records go in one ``contains`` per tier (a remote
+    tier: one round trip). Only a hit through another split asks again, for its records."""
+    full = replace(LAYOUTS["vllm_flash"], num_kv_heads=4)
+    half = replace(full, num_kv_heads=2)
+    source = random_caches(full, blocks(full), seed=3)
+    slots = torch.arange(len(TOKENS))
+    tp1 = engines(full, HeadShard.for_rank(total_heads=4, tp_rank=0, tp_size=1))
+    tp2 = engines(half, HeadShard.for_rank(total_heads=4, tp_rank=0, tp_size=2))
+    tp1.store(TOKENS, source, slots)
+    tp1.flush()
+    for engine in (tp1, tp2):
+        (tier,) = engine.chain.tiers
+        calls: list[int] = []
+        asked = tier.contains
+        monkeypatch.setattr(
+            tier, "contains", lambda keys, asked=asked, calls=calls: calls.append(len(keys)) or asked(keys)
+        )
+        engine.calls = calls  # type: ignore[attr-defined]
+    assert tp1.lookup(list(range(900, 932))) == 0 and len(tp1.calls) == 1  # type: ignore[attr-defined]
+    assert tp1.lookup(TOKENS) == len(TOKENS) and len(tp1.calls) == 2  # type: ignore[attr-defined]
+    assert tp2.lookup(TOKENS) == len(TOKENS) and len(tp2.calls) == 2  # type: ignore[attr-defined]  # found, then asked

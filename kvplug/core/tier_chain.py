@@ -170,6 +170,11 @@ class TierChain:
         Lets an adapter tell a prefix served from memory from one that needs a slow tier
         (an engine may load the latter in the background).
         """
+        return leading(self.locate(keys))
+
+    def locate(self, keys: Sequence[str]) -> list[str | None]:
+        """Name of the fastest tier holding each key (None: none does), one batched
+        ``contains`` per tier, within the lookup budget."""
         where: list[str | None] = [None] * len(keys)
         with call_budget(self.lookup_timeout_s):
             for slot in self._slots:
@@ -180,8 +185,7 @@ class TierChain:
                 for i, found in zip(ask, answers):
                     if found:
                         where[i] = slot.tier.name
-        limit = next((i for i, name in enumerate(where) if name is None), len(keys))
-        return [name for name in where[:limit] if name is not None]
+        return where
 
     def contains_any(
         self, keys: Sequence[str], *, sync_tiers_only: bool = False, budget_s: float | None = None
@@ -389,3 +393,9 @@ class TierChain:
             if slot.queue is not None:
                 slot.queue.close(drain=drain)
             slot.close()
+
+
+def leading(where: Sequence[str | None]) -> list[str]:
+    """The tier names of :meth:`TierChain.locate`'s answer up to its first key no tier holds."""
+    limit = next((i for i, name in enumerate(where) if name is None), len(where))
+    return [name for name in where[:limit] if name is not None]

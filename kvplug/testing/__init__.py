@@ -1,20 +1,48 @@
-"""Test helpers for kvplug plugin authors: conformance suites and fixtures."""
+"""Test helpers for kvplug plugin authors: conformance suites and fixtures.
+
+The KV oracle (:mod:`kvplug.testing.kv_oracle`) is imported on first use: it needs torch,
+and a storage tier's tests (which import this package) must run without it.
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from kvplug.testing.connector_copies import gather_chunk, scatter_chunk
 from kvplug.testing.control_cli import run_ctl
 from kvplug.testing.decode_bounds import DecodeCost, assert_bounded, cap_memory, measure_decode, run_fresh
-from kvplug.testing.kv_oracle import (
-    KVComparison,
-    KVMismatch,
-    KVSlots,
-    LossyBound,
-    assert_kv_matches,
-    compare_kv,
-    load_slots,
-    save_slots,
-)
 from kvplug.testing.other_user import send_as_other_user
 from kvplug.testing.storage_contract import StorageTierContract, key_for, tier_context, value_for
+
+if TYPE_CHECKING:
+    from kvplug.testing.kv_oracle import (
+        KVComparison,
+        KVMismatch,
+        KVSlots,
+        LossyBound,
+        assert_kv_matches,
+        compare_kv,
+        load_slots,
+        save_slots,
+    )
+
+_KV_ORACLE = {
+    "KVComparison",
+    "KVMismatch",
+    "KVSlots",
+    "LossyBound",
+    "assert_kv_matches",
+    "compare_kv",
+    "load_slots",
+    "save_slots",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _KV_ORACLE:
+        from kvplug.testing import kv_oracle
+
+        return getattr(kv_oracle, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DecodeCost",

@@ -29,7 +29,7 @@ from typing import ClassVar
 
 from kvplug import Buffer, CallSizes, NameTenants, PinOutcome, RecordBackend, RecordToWrite, StoredRecord, Tenancy
 from kvplug_disk.config import DiskTierConfig
-from kvplug_disk.files import ForeignEntryError, RecordFolder, TempFile, value_size_of
+from kvplug_disk.files import ForeignEntryError, RecordFolder, TempFile, make_private, value_size_of
 from kvplug_disk.index import EvictionIndex, IndexEntry, record_guard
 from kvplug_disk.ledger import Usage, UsageLedger
 from kvplug_disk.problems import ProblemLog, is_no_space, is_undeletable
@@ -101,7 +101,18 @@ class DiskBackend(RecordBackend):
         )
 
     def _open_folder(self, config: DiskTierConfig) -> RecordFolder:
-        return RecordFolder(config.path, fsync=config.fsync)
+        """The store folder, made 0700 (its records are 0600): others on the host must not
+        read cached KV, which is prompts. A folder of this user's that others could read is
+        made private, saying so; another user's folder is used as it is (not ours to change)."""
+        folder = RecordFolder(config.path, fsync=config.fsync)
+        was = make_private(folder.root_fd)
+        if was is not None:
+            self._problems.logger.warning(
+                "tier disk: %s was mode %04o (other users could read cached KV, i.e. prompts); made it 0700",
+                config.path,
+                was,
+            )
+        return folder
 
     # --- reads ----------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -43,11 +44,26 @@ from kvplug import RECORD_HEADER_SIZE, Buffer, key_digest
 RECORD_SUFFIX = ".kvr"
 TEMP_SUFFIX = ".tmp"
 SHARDS = tuple(f"{i:02x}" for i in range(256))
+#: Cached KV is a user's prompts: its folders and files are this user's alone (the umask
+#: may only take more away).
+PRIVATE_FOLDER = 0o700
+PRIVATE_FILE = 0o600
 #: Tells this host's temp files from another host's on a shared (network) folder,
 #: where a pid says nothing about whether the writer still runs.
 HOST_TAG = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 _RECORD_NAME = re.compile(r"[0-9a-f]{64}\.kvr")
 _fdatasync = getattr(os, "fdatasync", os.fsync)
+
+
+def make_private(root_fd: int) -> int | None:
+    """Make the store folder open as ``root_fd`` this user's alone when others may read,
+    enter or write it and this user owns it; returns the mode it had (None: nothing done)."""
+    found = os.fstat(root_fd)
+    mode = stat.S_IMODE(found.st_mode)
+    if not mode & 0o077 or found.st_uid != os.geteuid():
+        return None
+    os.fchmod(root_fd, PRIVATE_FOLDER)
+    return mode
 
 
 def digest_of(key: str) -> str:
@@ -105,12 +121,12 @@ class RecordFolder:
         self.root = root
         self.fsync = fsync
         if create:
-            root.mkdir(parents=True, exist_ok=True)
+            root.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
         self._root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         if create:
             for shard in SHARDS:
                 try:
-                    os.mkdir(shard, 0o755, dir_fd=self._root_fd)
+                    os.mkdir(shard, PRIVATE_FOLDER, dir_fd=self._root_fd)
                 except FileExistsError:  # a link or file there is refused when used, not replaced
                     pass
             self.sync_dirs([])
@@ -139,7 +155,7 @@ class RecordFolder:
             if not create:
                 raise
             try:  # someone removed the shard folder: make it again
-                os.mkdir(shard, 0o755, dir_fd=self._root_fd)
+                os.mkdir(shard, PRIVATE_FOLDER, dir_fd=self._root_fd)
             except FileExistsError:
                 pass
             return self._open_shard(shard)
@@ -160,7 +176,7 @@ class RecordFolder:
         dir_fd = self._open_shard(shard, create=True)
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
+            fd = os.open(name, flags, PRIVATE_FILE, dir_fd=dir_fd)
         except BaseException:
             os.close(dir_fd)
             raise

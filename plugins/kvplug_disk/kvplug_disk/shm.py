@@ -90,10 +90,15 @@ class ShmBackend(DiskBackend):
 
     def _open_folder(self, config: DiskTierConfig) -> RecordFolder:
         """The folder, made 0700 when missing; refused, before anything is made or cleaned
-        in it, unless this user owns it and no one else may write it: its parent
-        (/dev/shm) is open to every user of the host."""
+        in it, when it is a symbolic link, or unless this user owns it and no one else may
+        read or write it: its parent (/dev/shm) is open to every user of the host."""
         config.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(config.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:  # never a link planted at the path: records would go wherever it points
+            fd = os.open(config.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            raise PermissionError(errno.EPERM, f"tier shm refuses the folder: {_LINK}", str(config.path)) from None
         try:
             checked = os.fstat(fd)  # the folder itself, wherever a link led
         finally:
@@ -164,10 +169,10 @@ class ShmTier(DiskTier):
         """The folder can be created and written, and is private when it exists."""
         super().preflight(config)
         try:
-            found = os.stat(config.path)
+            found = os.lstat(config.path)
         except FileNotFoundError:
             return
-        problem = not_private(found)
+        problem = _LINK if stat.S_ISLNK(found.st_mode) else not_private(found)
         if problem is not None:
             raise ValueError(f"{config.path}: tier shm refuses the folder: {problem}")
 
@@ -227,9 +232,13 @@ def not_private(found: os.stat_result) -> str | None:
     ``integrity_key`` is set) or cut a mapped file short under a reader."""
     if found.st_uid != os.geteuid():
         return f"it is owned by uid {found.st_uid}, not by this user (uid {os.geteuid()})"
-    if found.st_mode & 0o022:
-        return f"others may write it (mode {stat.S_IMODE(found.st_mode):04o}; chmod 0700 it)"
+    if found.st_mode & 0o077:
+        return f"others may read or write it (mode {stat.S_IMODE(found.st_mode):04o}; chmod 0700 it)"
     return None
+
+
+#: Why a symbolic link at the configured path is refused (as the lookup-socket folder refuses one).
+_LINK = "it is a symbolic link (another user could have planted it to receive the records); name the folder itself"
 
 
 def map_file(fd: int, size: int) -> mmap.mmap | None:

@@ -344,3 +344,36 @@ def test_bad_items_are_refused_before_anything_is_queued(tmp_path: Path) -> None
     tier.flush()
     assert tier.contains([key_for("ok"), key_for("strided")]) == [False, False]
     tier.close()
+
+
+# --- permissions ------------------------------------------------------------------------
+
+
+def test_folders_are_0700_and_records_0600_whatever_the_umask(tmp_path: Path) -> None:
+    """Issue 41, item 5: the folder was 0755, shards 0755, records and the ledger 0644 (with
+    umask 022): another local user read cached KV, i.e. prompts."""
+    old = os.umask(0o022)
+    try:
+        tier = make_disk_tier(tmp_path / "cache")
+        tier.put([("k", b"v" * 100)])
+        tier.close()
+    finally:
+        os.umask(old)
+    root = tmp_path / "cache"
+    modes = {path.relative_to(root).as_posix(): path.stat().st_mode & 0o777 for path in [root, *root.rglob("*")]}
+    folders = {name: mode for name, mode in modes.items() if (root / name).is_dir()}
+    files = {name: mode for name, mode in modes.items() if not (root / name).is_dir()}
+    assert set(folders.values()) == {0o700}, folders
+    assert set(files.values()) == {0o600}, files
+    assert record_path(root, "k").relative_to(root).as_posix() in files
+
+
+def test_a_folder_of_ours_others_could_read_is_made_private_saying_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "premade"
+    folder.mkdir()
+    folder.chmod(0o755)
+    make_disk_tier(folder).close()
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert any("was mode 0755" in r.getMessage() and "made it 0700" in r.getMessage() for r in caplog.records)

@@ -183,12 +183,39 @@ def test_a_folder_others_may_write_is_refused_and_a_new_one_is_private(shm_dir: 
     open_to_all = shm_dir / "open"
     open_to_all.mkdir()
     open_to_all.chmod(0o777)
-    with pytest.raises(ValueError, match=r"others may write it \(mode 0777"):
+    with pytest.raises(ValueError, match=r"others may read or write it \(mode 0777"):
         ShmTier.preflight(ShmTier.Config(path=open_to_all))
-    with pytest.raises(PermissionError, match="others may write it") as refused:
+    with pytest.raises(PermissionError, match="others may read or write it") as refused:
         make_shm_tier(open_to_all)
     assert refused.value.filename == str(open_to_all)
     assert list(open_to_all.iterdir()) == []  # refused before anything was scanned, cleaned or made
     open_to_all.chmod(0o700)
     ShmTier.preflight(ShmTier.Config(path=open_to_all))
     make_shm_tier(open_to_all).close()
+
+
+def test_a_folder_others_may_read_is_refused(shm_dir: Path) -> None:
+    """Issue 41, item 5: a folder pre-made 0755 held records another user could read (prompts)."""
+    readable = shm_dir / "readable"
+    readable.mkdir(mode=0o755)
+    readable.chmod(0o755)
+    with pytest.raises(ValueError, match=r"others may read or write it \(mode 0755"):
+        ShmTier.preflight(ShmTier.Config(path=readable))
+    with pytest.raises(PermissionError, match="others may read or write it"):
+        make_shm_tier(readable)
+    assert list(readable.iterdir()) == []
+
+
+def test_a_link_at_the_path_is_refused_before_anything_is_written(shm_dir: Path, tmp_path: Path) -> None:
+    """Issue 41, item 6: a symbolic link planted at the configured path (by another user, to a
+    folder they can read) received the tier's records. Refused, however private its target."""
+    target = tmp_path / "planted"
+    target.mkdir(mode=0o700)
+    link = shm_dir / "kvplug"
+    link.symlink_to(target)
+    with pytest.raises(ValueError, match="symbolic link"):
+        ShmTier.preflight(ShmTier.Config(path=link))
+    with pytest.raises(PermissionError, match="symbolic link") as refused:
+        make_shm_tier(link)
+    assert refused.value.filename == str(link)
+    assert list(target.iterdir()) == []
