@@ -249,3 +249,17 @@ def test_no_float_or_int_setting_of_any_installed_component_takes_inf_nan_or_abs
                 accepted.append(f"{model.__name__}.{name} = {bad}")
     assert checked > 60
     assert not accepted, accepted
+
+
+@pytest.mark.timeout(20)
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(full_registry: PluginRegistry, tmp_path: Path) -> None:
+    """Issue 41, item 16: 420 bytes of nested aliases made `kvplug config validate` run > 45 s
+    and take ~850 MB. Aliases are refused at parse time, naming the first one."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    lines += ["tiers: [{type: cpu, max_bytes: *a8}]"]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    assert path.stat().st_size < 600
+    _, text = problem_paths(full_registry, config_file=path)
+    assert "aliases (*a0) are not allowed" in text

@@ -109,6 +109,20 @@ def _component_entries(data: Mapping[str, Any]) -> list[tuple[str, str, str, dic
     return entries
 
 
+class _NoAliasLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` without aliases: a few hundred bytes of nested aliases (a "billion
+    laughs" file) expand to millions of nodes when the config is merged and validated. A
+    kvplug config has no use for them; an alias is a YAML error that names it."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.events.AliasEvent):
+            event = self.peek_event()  # type: ignore[no-untyped-call]
+            raise yaml.composer.ComposerError(
+                None, None, f"aliases (*{event.anchor}) are not allowed in a kvplug config", event.start_mark
+            )
+        return super().compose_node(parent, index)
+
+
 def read_yaml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
     source = str(path)
     try:
@@ -124,7 +138,7 @@ def read_yaml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
         message = f"not valid UTF-8: byte {exc.start} (line {line}) is {raw[exc.start : exc.start + 1]!r}; save the file as UTF-8"
         raise ConfigError([ConfigProblem("", source, message)], source) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_NoAliasLoader)  # a SafeLoader that also refuses aliases
     except yaml.YAMLError as exc:
         raise ConfigError([ConfigProblem("", source, f"not valid YAML: {exc}")], source) from None
     if data is None:
