@@ -109,7 +109,9 @@ def main() -> None:
            ("TP=1 joins TP=2's records (vs TP=1 records)", figures["join"])] if "slice" in figures else []),
     ]  # fmt: skip
     out = sys.stderr if args.json else sys.stdout
-    print(f"{args.tokens} tokens, 8 KV heads x 128, 8 layers, chunk 256, tier {args.tier}, {args.rounds} rounds", file=out)
+    print(
+        f"{args.tokens} tokens, 8 KV heads x 128, 8 layers, chunk 256, tier {args.tier}, {args.rounds} rounds", file=out
+    )
     print(f"{'row':52} {'speed vs baseline':>18}", file=out)
     for name, value in table:
         print(f"{name:52} {value:18.2f}", file=out)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from sglang_pools import clear_pool, fill_random, kvplug_extra, make_pool, write_model_dir
 
-from kvplug.testing import LossyBound, assert_kv_matches, compare_kv
+from kvplug.testing import KVSlots, LossyBound, assert_kv_matches, compare_kv
 from kvplug_sglang.connector import KVPlugConnector, LoadMetadata, StoreMetadata
 from kvplug_sglang.kv_capture import capture_pool_slots
 
@@ -56,33 +56,31 @@ def connector_for(cell: Cell, tmp_path: Path) -> tuple[Any, KVPlugConnector]:
     return pool, KVPlugConnector(model, 1, 0, pool.k_buffer, pool.v_buffer, engine_extra=extra)
 
 
-@pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.id)
-def test_a_load_is_the_kv_that_was_stored(cell: Cell, tmp_path: Path) -> None:
+def store_then_load(cell: Cell, tmp_path: Path, seed: int) -> tuple[Any, KVSlots, torch.Tensor, int]:
+    """Random KV at slots 1.., stored under ``cell``, the pool cleared, loaded into slots 256..;
+    returns the pool, the stored slots' capture, the load's slots and the tokens loaded."""
     pool, connector = connector_for(cell, tmp_path)
     source = torch.arange(1, len(TOKENS) + 1)
-    fill_random(pool, source, seed=3)
+    fill_random(pool, source, seed=seed)
     stored = capture_pool_slots(pool, source)
     connector.store_kv(StoreMetadata(last_node=None, token_ids=TOKENS, kv_indices=source, offset=0))
     clear_pool(pool)
     target = torch.arange(256, 256 + len(TOKENS))
     loaded = connector.load_kv(LoadMetadata(token_ids=TOKENS, slot_mapping=target, offset=0))
     connector.close()
+    return pool, stored, target, loaded
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.id)
+def test_a_load_is_the_kv_that_was_stored(cell: Cell, tmp_path: Path) -> None:
+    pool, stored, target, loaded = store_then_load(cell, tmp_path, seed=3)
     assert loaded == len(TOKENS) // cell.chunk_size * cell.chunk_size
     bound = LossyBound(cell.serializer) if cell.serializer in ("int8", "fp8") else None  # type: ignore[arg-type]
     assert_kv_matches([capture_pool_slots(pool, target)], [stored], loaded, bound=bound)
 
 
 def test_the_oracle_catches_a_wrong_load_on_a_pool(tmp_path: Path) -> None:
-    cell = Cell(chunk_size=32)
-    pool, connector = connector_for(cell, tmp_path)
-    source = torch.arange(1, len(TOKENS) + 1)
-    fill_random(pool, source, seed=4)
-    stored = capture_pool_slots(pool, source)
-    connector.store_kv(StoreMetadata(last_node=None, token_ids=TOKENS, kv_indices=source, offset=0))
-    clear_pool(pool)
-    target = torch.arange(256, 256 + len(TOKENS))
-    hit = connector.load_kv(LoadMetadata(token_ids=TOKENS, slot_mapping=target, offset=0))
-    connector.close()
+    pool, stored, target, hit = store_then_load(Cell(chunk_size=32), tmp_path, seed=4)
     loaded = capture_pool_slots(pool, target)
     assert compare_kv([loaded], [stored], hit).equal
     shifted = capture_pool_slots(pool, torch.cat([target[:32], target[31:-1]]))  # a token late from 32 on

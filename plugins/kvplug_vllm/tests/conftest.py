@@ -167,6 +167,14 @@ def run_engine(tiny_model: str, engine_forkserver: EngineForkServer) -> Callable
     return run
 
 
+@pytest.fixture(scope="module")
+def oracle_references(run_engine: Callable[..., dict[str, Any]], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The KV oracle's no-connector references (``oracle_cells.References``), made once per test module."""
+    from oracle_cells import References
+
+    return References(run_engine, tmp_path_factory.mktemp("oracle"))
+
+
 def kv_config(role: str = "kv_both", policy: str = "recompute", **extra: Any) -> dict[str, Any]:
     """A kv_transfer_config naming the connector by its registered name only."""
     return {

@@ -4,7 +4,8 @@ A cell stores a prompt and loads it back (one engine, two steps; two engines whe
 writer's TP size differs from the reader's) and compares every slot the load wrote with
 the KV a no-connector engine of the writer's TP size computed for the same tokens
 (:func:`kvplug.testing.assert_kv_matches`): bit for bit, or within a lossy serializer's
-bound. Each model's reference is captured once per test module (:class:`References`).
+bound. Each model's reference is captured once per test module (:class:`References`, the
+``oracle_references`` fixture of conftest.py).
 
 ``ORACLE_MATRIX=full`` (``nox -s oracle``) runs every cell of :data:`FULL_CELLS`; the vllm
 session runs the cells of each test module.

