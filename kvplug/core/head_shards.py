@@ -24,8 +24,10 @@ Readers of another TP size need no option (``heads_per_record: auto``, one recor
 rank, works across TP sizes): a reader looks for its own records first, and where the
 prompt's first chunk has none, for those of every other split of the model's heads
 (:class:`OtherSplit`): records of fewer heads than it holds are joined, a record of more
-heads is sliced to its own. A reader of the writer's TP size pays nothing for this; a
-miss costs one more (batched) ``contains`` per tier.
+heads is sliced to its own. The other splits' records of the first chunk are asked for in
+the same batched ``contains`` per tier as the engine's own records
+(:meth:`~kvplug.core.engine.CacheEngine.lookup`), so a reader of the writer's TP size, and a
+miss, cost no extra round trip.
 """
 
 from __future__ import annotations
@@ -167,11 +169,9 @@ class HeadRecords:
         if self.count == 1:
             return list(keys)
         prefixes = self.prefixes
-        if request is not None and (request.cache_salt is not None or request.lora_id is not None):
-            isolated = (
-                f.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id) for f in self.fingerprints
-            )
-            prefixes = [f.key_prefix() for f in isolated]
+        isolated = isolated_prefixes(self.fingerprints, request)
+        if isolated is not None:
+            prefixes = isolated
             with self._lock:
                 self._isolations[prefixes[0]] = prefixes
                 self._isolations.move_to_end(prefixes[0])
@@ -229,18 +229,7 @@ class HeadRecords:
     def chunk_tiers(self, located: Sequence[str], tier_order: Sequence[str]) -> list[str]:
         """Per chunk, the slowest (latest in ``tier_order``) of the tiers that hold its records,
         from one tier name per leading record."""
-        if self.count == 1:
-            return list(located)
-        step, whole = self.count, len(located) // self.count * self.count
-        return [max(located[i : i + step], key=tier_order.index) for i in range(0, whole, step)]
-
-    def isolated_prefixes(self, fingerprints: Sequence[Fingerprint], request: RequestInfo | None) -> list[str] | None:
-        """The key prefixes of ``fingerprints`` under ``request``'s cache_salt/LoRA, or None without one."""
-        if request is None or (request.cache_salt is None and request.lora_id is None):
-            return None
-        return [
-            f.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id).key_prefix() for f in fingerprints
-        ]
+        return slowest_per_chunk(located, self.count, tier_order)
 
     def joined(self, records: Sequence[torch.Tensor], token_counts: Sequence[int]) -> list[torch.Tensor]:
         """Chunk tensors of the leading whole chunks of ``records`` (``count`` per chunk, chunk
@@ -253,6 +242,21 @@ class HeadRecords:
             self.join(records[index * self.count : (index + 1) * self.count], chunk)
             chunks.append(chunk)
         return chunks
+
+
+def isolated_prefixes(fingerprints: Sequence[Fingerprint], request: RequestInfo | None) -> list[str] | None:
+    """The key prefixes of ``fingerprints`` under ``request``'s cache_salt/LoRA, or None without one."""
+    if request is None or (request.cache_salt is None and request.lora_id is None):
+        return None
+    return [f.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id).key_prefix() for f in fingerprints]
+
+
+def slowest_per_chunk(located: Sequence[str], count: int, tier_order: Sequence[str]) -> list[str]:
+    """Per whole chunk of ``count`` leading records, the slowest (latest in ``tier_order``) of their tiers."""
+    if count == 1:
+        return list(located)
+    whole = len(located) // count * count
+    return [max(located[i : i + count], key=tier_order.index) for i in range(0, whole, count)]
 
 
 def _other_group_sizes(total: int, held: int, own: int) -> list[int]:
@@ -292,7 +296,7 @@ class OtherSplit:
 
     def record_keys(self, keys: Sequence[str], request: RequestInfo | None = None) -> list[str]:
         """The keys of these records of the chunks named by the engine's own ``keys``."""
-        prefixes = self.parent.isolated_prefixes(self.fingerprints, request) or self.prefixes
+        prefixes = isolated_prefixes(self.fingerprints, request) or self.prefixes
         cut = len(self.parent.prefixes[0])
         return [prefix + key[cut:] for key in keys for prefix in prefixes]
 
@@ -303,8 +307,7 @@ class OtherSplit:
         return found // self.count
 
     def chunk_tiers(self, located: Sequence[str], tier_order: Sequence[str]) -> list[str]:
-        step, whole = self.count, len(located) // self.count * self.count
-        return [max(located[i : i + step], key=tier_order.index) for i in range(0, whole, step)]
+        return slowest_per_chunk(located, self.count, tier_order)
 
     def joined(self, records: Sequence[torch.Tensor], token_counts: Sequence[int]) -> list[torch.Tensor]:
         """The engine's chunk tensors of the leading whole chunks of ``records``."""
