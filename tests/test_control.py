@@ -135,6 +135,25 @@ def test_a_client_of_another_user_cannot_connect(server: ControlServer, caplog: 
     assert ask(server.path, "info")["engine_id"] == "engine-a"
 
 
+def test_at_the_connection_cap_another_users_connection_closes_none_of_the_owners(server: ControlServer) -> None:
+    """Issue 41, item 2: the oldest connection was dropped to make room before the peer check
+    refused the newcomer, so another user could close the owner's connections one by one."""
+    if os.getuid() != 0:
+        pytest.fail("this test runs a client as nobody, which needs root (as here and in CI)")
+    owners = [connect(server.path) for _ in range(server.limits.max_connections)]
+    try:
+        for sock in owners:  # each is accepted and answered: all are open on the server
+            assert exchange(sock, encode_request("info"))["engine_id"] == "engine-a"
+        assert send_as_other_user(server.path, encode_request("info"), dac_override=True) in (
+            "reply b''", "closed 32", "closed 104",
+        )  # fmt: skip
+        for sock in owners:
+            assert exchange(sock, encode_request("info"))["engine_id"] == "engine-a"
+    finally:
+        for sock in owners:
+            sock.close()
+
+
 # --- ops and the command line ------------------------------------------------------------------
 
 

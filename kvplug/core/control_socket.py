@@ -291,14 +291,15 @@ class MessageServer:
             except OSError as exc:
                 logger.warning("%s: accept failed: %s", self.path.name, exc)
                 return
-            if len(self._connections) >= self.limits.max_connections:
-                oldest = min(self._connections.values(), key=lambda c: c.last_active)
-                self._drop(oldest, f"{self.limits.max_connections} connections open; closing the one idle longest")
+            # The peer first: another user's connection must not cost the owner one of theirs.
             refused = foreign_peer(sock)
             if refused is not None:
                 logger.warning("%s: refusing a connection: %s", self.path.name, refused)
                 sock.close()
                 continue
+            if len(self._connections) >= self.limits.max_connections:
+                oldest = min(self._connections.values(), key=lambda c: c.last_active)
+                self._drop(oldest, f"{self.limits.max_connections} connections open; closing the one idle longest")
             sock.setblocking(False)
             self._connections[sock] = _Connection(sock, time.monotonic())
             self._selector.register(sock, selectors.EVENT_READ, None)
