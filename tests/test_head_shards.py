@@ -312,3 +312,45 @@ def test_a_miss_asks_each_tier_once_and_a_same_tp_hit_too(engines: Any, monkeypa
     assert tp1.lookup(list(range(900, 932))) == 0 and len(tp1.calls) == 1  # type: ignore[attr-defined]
     assert tp1.lookup(TOKENS) == len(TOKENS) and len(tp1.calls) == 2  # type: ignore[attr-defined]
     assert tp2.lookup(TOKENS) == len(TOKENS) and len(tp2.calls) == 2  # type: ignore[attr-defined]  # found, then asked
+
+
+def test_tp_sharing_same_keeps_the_writers_tp_size_in_the_keys(registry: PluginRegistry, tmp_path: Path) -> None:
+    """``tp_sharing: same``: a hit is bit for bit the KV this engine would have computed, so an
+    engine of another TP size (whose own KV differs in the last bits) misses; one of the writer's
+    TP size hits."""
+    full = replace(LAYOUTS["vllm_flash"], num_kv_heads=4)
+    half = replace(full, num_kv_heads=2)
+    source = random_caches(full, blocks(full), seed=11)
+    slots = torch.arange(len(TOKENS))
+    extra = {"kvplug": {"chunk_size": 8, "tp_sharing": "same", "store": {"queue": {"mode": "sync"}},
+                        "tiers": [{"type": "disk", "path": str(tmp_path / "kv")}]}}  # fmt: skip
+    config = load_config(engine_extra=extra, env={}, registry=registry).config
+
+    def engine(layout: KVLayout, tp_rank: int, tp_size: int) -> CacheEngine:
+        fingerprint = replace(Fingerprint.for_layout(layout, model_id="m"), tp_rank=tp_rank, tp_size=tp_size)
+        heads = HeadShard.for_rank(total_heads=4, tp_rank=tp_rank, tp_size=tp_size)
+        return CacheEngine(config, layout, fingerprint, registry=registry, heads=heads)
+
+    with engine(full, 0, 1) as writer:
+        writer.store(TOKENS, source, slots)
+        writer.flush()
+        assert writer.records.others == []
+    with engine(half, 0, 2) as other_size, engine(full, 0, 1) as same_size:
+        assert other_size.lookup(TOKENS) == 0
+        assert same_size.lookup(TOKENS) == len(TOKENS)
+    # Records a TP=2 engine of the default (any) wrote: not read by a TP=1 engine of "same".
+    shared = {
+        "kvplug": {**extra["kvplug"], "tp_sharing": "any", "tiers": [{"type": "disk", "path": str(tmp_path / "kv2")}]}
+    }
+    any_config = load_config(engine_extra=shared, env={}, registry=registry).config
+    for rank in range(2):
+        heads = HeadShard.for_rank(total_heads=4, tp_rank=rank, tp_size=2)
+        fingerprint = replace(Fingerprint.for_layout(half, model_id="m"), tp_rank=rank, tp_size=2)
+        with CacheEngine(any_config, half, fingerprint, registry=registry, heads=heads) as writer:
+            writer.store(TOKENS, heads_of(source, HEAD_AXIS["vllm_flash"], 2 * rank, 2), slots)
+            writer.flush()
+    config = load_config(
+        engine_extra={"kvplug": {**shared["kvplug"], "tp_sharing": "same"}}, env={}, registry=registry
+    ).config
+    with engine(full, 0, 1) as strict:
+        assert strict.lookup(TOKENS) == 0

@@ -174,6 +174,14 @@ class KVPlugConfig(CheckedModel):
         "one. A smaller group costs more, smaller records; an int must divide every rank's heads. Latent "
         "(MLA) and replicated heads are one record for all ranks whatever this says.",
     )
+    tp_sharing: Literal["any", "same"] = Field(
+        default="any",
+        description="Which tensor-parallel sizes read a writer's records. any: every TP size (a load is bit for "
+        "bit the writer's KV; an engine of another TP size computes other KV in the last bits, since vLLM's "
+        "row-parallel layers all-reduce partial sums in bf16, so its output may differ from its own run). "
+        "same: only engines of the writer's TP size hit: a hit is then bit for bit the KV this engine would "
+        "have computed (LMCache's default: it keys chunks by world size).",
+    )
     lookup_timeout_ms: TimeoutMilliseconds = Field(
         default=200,
         description="Budget of one lookup across all tiers; remote calls end within it and tiers not "

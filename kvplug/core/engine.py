@@ -73,7 +73,7 @@ class CacheEngine:
         fingerprint = replace(fingerprint, kv_layout=layout.describe(), dtype=dtype_name(layout.dtype))
         #: A chunk is one record per group of this cache's KV heads (``heads``; None: one
         #: record), keyed by head range: engines of any TP size read what they hold.
-        self.records = HeadRecords(layout, fingerprint, heads)
+        self.records = HeadRecords(layout, fingerprint, heads, any_tp_size=self.config.tp_sharing == "any")
         fingerprint = self.records.fingerprints[0]
         #: Another engine's tiers this one stores into (one engine per KV cache group of a
         #: hybrid model): its own fingerprint keeps the keys apart; the owner closes them.
@@ -99,7 +99,7 @@ class CacheEngine:
         self.fingerprint = self.chunk_store.fingerprint
         # Again with the serializer the chunk store put into the fingerprint: every record
         # key (other head groups', other TP sizes' splits) names it, as record 0's does.
-        self.records = HeadRecords(layout, self.fingerprint, heads)
+        self.records = HeadRecords(layout, self.fingerprint, heads, any_tp_size=self.config.tp_sharing == "any")
         self.chain = self.chunk_store.chain
         self._copies = ParallelCopies(self._copy_threads())
         self.key_builder = KeyBuilder(self.config.chunk_size, self.config.hash)

@@ -108,6 +108,9 @@ def head_range(start: int, count: int, total: int) -> str:
     return f"{start}-{start + count}/{total}"
 
 
+#: The engine variant's mark of records keyed by their writer's TP size (``tp_sharing: same``).
+SAME_TP_SIZE = "tp_sharing=same"
+
 #: cache_salt/LoRA isolations whose record keys :meth:`HeadRecords.all_records` can name.
 _MAX_ISOLATIONS = 4096
 
@@ -115,14 +118,19 @@ _MAX_ISOLATIONS = 4096
 class HeadRecords:
     """The records of an engine's chunks: one per head group of its :class:`HeadShard`.
 
+    ``any_tp_size`` False (``tp_sharing: same``): the records are keyed by the writer's TP
+    size too, and no other split is read.
+
     ``fingerprints[i]`` keys record ``i`` of every chunk; :meth:`record_keys` names them,
     :meth:`split` copies a chunk's head groups into record tensors and :meth:`join`
     copies them back.
     """
 
-    def __init__(self, layout: KVLayout, fingerprint: Fingerprint, shard: HeadShard | None) -> None:
+    def __init__(
+        self, layout: KVLayout, fingerprint: Fingerprint, shard: HeadShard | None, *, any_tp_size: bool = True
+    ) -> None:
         self.layout = layout
-        readable_split = shard is not None and shard.total > 1
+        readable_split = shard is not None and shard.total > 1 and any_tp_size
         if shard is None:  # one record, keyed as the adapter's fingerprint says
             shard = HeadShard(0, layout.num_kv_heads, layout.num_kv_heads)
             self.labels = [fingerprint.kv_heads]
@@ -133,8 +141,14 @@ class HeadRecords:
                     f"{shard.total} heads in records of {shard.group}"
                 )
             self.labels = [shard.label(i) for i in range(layout.num_kv_heads // shard.group)]
-            # The head range replaces the rank in the key: any TP size reads these records.
-            fingerprint = replace(fingerprint, tp_rank=0, tp_size=1)
+            # The head range replaces the rank in the key: any TP size reads these records
+            # (tp_sharing: same keeps the TP size, marked apart from "any", so only engines of
+            # this size do; marked once: an engine builds its records twice).
+            if any_tp_size:
+                fingerprint = replace(fingerprint, tp_rank=0, tp_size=1)
+            elif SAME_TP_SIZE not in fingerprint.engine_variant.split("+"):
+                variant = "+".join(filter(None, [fingerprint.engine_variant, SAME_TP_SIZE]))
+                fingerprint = replace(fingerprint, tp_rank=0, engine_variant=variant)
         self.shard = shard
         self.count = len(self.labels)
         #: The layout of one record: a cache of ``shard.group`` heads.

@@ -10,7 +10,8 @@ partial products per rank and all-reduce them in bf16), so its own prefill is no
 reference for what it loaded. The issue's defect 1 (a TP=2 writer, a TP=1 reader, 2 KV
 heads, ``initializer_range`` 0.3: greedy tokens differ) is that: the reader loads the TP=2
 engine's KV exactly, and a TP=1 prefill's KV differs from it in every layer after the first
-(test_a_tp1_engine_computes_other_kv_than_a_tp2_engine).
+(test_a_tp1_engine_computes_other_kv_than_a_tp2_engine); ``tp_sharing: same`` keys records by
+the writer's TP size for those who need each TP size's own output.
 
 MLA's latent cache is the same on every rank: one record per chunk, written by rank 0.
 """
@@ -90,13 +91,19 @@ def test_a_tp1_engine_computes_other_kv_than_a_tp2_engine(run_engine: Any, tmp_p
     )  # fmt: skip
     long_prompt = tokens(40, 1100)
     options = {"model": model, **OPTIONS}
-    _, (tp1_own,) = captured_run(run_engine, tmp_path, kv=None, prompts=[long_prompt], **options)
+    own, (tp1_own,) = captured_run(run_engine, tmp_path, kv=None, prompts=[long_prompt], max_tokens=16, **options)
     _, (tp2_own,) = captured_run(run_engine, tmp_path, kv=kv, prompts=[long_prompt], tensor_parallel_size=2, **options)
     reader, (loaded,) = captured_run(run_engine, tmp_path, kv=kv, prompts=[long_prompt], **options)
     assert loaded_tokens(reader, 0) == 1024
     assert_kv_matches(loaded, tp2_own, 1024)
     numerics = compare_kv(tp2_own, tp1_own, 1024)
     assert {m.layer for m in numerics.mismatches} == {1, 2, 3}, [str(m) for m in numerics.mismatches]
+    # tp_sharing: same, for who needs each TP size's own output: the TP=1 engine misses the
+    # TP=2 engine's records and computes (and stores) its own.
+    same = {**kv, "kv_connector_extra_config": {**kv["kv_connector_extra_config"], "kvplug.tp_sharing": "same"}}
+    strict = run_engine(kv=same, steps=[{"prompts": [{"tokens": long_prompt}], "max_tokens": 16}], **options)
+    assert report(strict, 0)["hit_tokens"] == 0
+    assert output(strict, 0) == output(own, 0)
 
 
 def test_mla_at_tp2_stores_one_copy(run_engine: Any, tmp_path: Path) -> None:
