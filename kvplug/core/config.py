@@ -177,8 +177,8 @@ class KVPlugConfig(CheckedModel):
     tp_sharing: Literal["any", "same"] = Field(
         default="any",
         description="Which tensor-parallel sizes read a writer's records. any: every TP size (a load is bit for "
-        "bit the writer's KV; an engine of another TP size computes other KV in the last bits, since vLLM's "
-        "row-parallel layers all-reduce partial sums in bf16, so its output may differ from its own run). "
+        "bit the writer's KV; an engine of another TP size computes other KV in the last bits, since its "
+        "row-parallel layers all-reduce other partial sums in bf16, so its output may differ from its own run). "
         "same: only engines of the writer's TP size hit: a hit is then bit for bit the KV this engine would "
         "have computed (LMCache's default: it keys chunks by world size).",
     )

@@ -7,7 +7,7 @@ the KV a no-connector engine of the writer's TP size computed for the same token
 bound. Each model's reference is captured once per test module (:class:`References`, the
 ``oracle_references`` fixture of conftest.py).
 
-``ORACLE_MATRIX=full`` (``nox -s oracle``) runs every cell of :data:`FULL_CELLS`; the vllm
+``ORACLE_MATRIX=full`` (``nox -s oracle``) runs every cell of :data:`FULL_CELLS` (15); the vllm
 session runs the cells of each test module.
 """
 
@@ -23,7 +23,14 @@ from conftest import kv_config, tokens
 from oracle_support import captured_run, loaded_tokens
 
 from kvplug.testing import KVComparison, KVSlots, LossyBound, assert_kv_matches
-from kvplug_vllm.tiny_model import TinyGptOssSpec, TinyLlamaSpec, write_random_gpt_oss, write_random_llama
+from kvplug_vllm.tiny_model import (
+    TinyGptOssSpec,
+    TinyLlamaSpec,
+    TinyQwen3NextSpec,
+    write_random_gpt_oss,
+    write_random_llama,
+    write_random_qwen3_next,
+)
 
 #: 600 tokens: hits of 576 (chunks of 32 and 64), 512 (256), 544 (544: not a power of two).
 PROMPT = tokens(60, 600)
@@ -39,6 +46,13 @@ MODELS: dict[str, Callable[[Path], Path]] = {
     "gemma3-style": lambda p: write_random_llama(
         p, TinyLlamaSpec(layer_types=("sliding_attention", "full_attention"), sliding_window=128, seed=3)
     ),
+    # Gated DeltaNet + full attention in vLLM's align mode: the attention group is compared (the
+    # recurrent state is one per request, not captured: test_hybrid.py checks it by the output)
+    "qwen3-next": lambda p: write_random_qwen3_next(p, TinyQwen3NextSpec(a_log=-8.0)),
+}
+#: Engine options a model needs: align mode wants prefix caching and picks its block size (384 here).
+MODEL_OPTIONS: dict[str, dict[str, Any]] = {
+    "qwen3-next": {"block_size": None, "prefix_caching": True, "mamba_cache_mode": "align", "max_model_len": 2048},
 }
 
 
@@ -109,7 +123,7 @@ class References:
         if (name, tp) not in self.captures:
             _, (capture,) = captured_run(
                 self.run_engine, self.folder, kv=None, prompts=[PROMPT], model=self.model(name),
-                tensor_parallel_size=tp, **ENGINE_OPTIONS,
+                tensor_parallel_size=tp, **{**ENGINE_OPTIONS, **MODEL_OPTIONS.get(name, {})},
             )  # fmt: skip
             self.captures[(name, tp)] = capture
         return self.captures[(name, tp)]
@@ -121,8 +135,9 @@ def run_cell(cell: Cell, references: References, folder: Path) -> tuple[int, lis
     folder.mkdir(parents=True, exist_ok=True)
     kv = cell.kv(folder)
     model = references.model(cell.model)
-    options = {"model": model, **ENGINE_OPTIONS}
-    if cell.writer_tp == cell.reader_tp:
+    options = {"model": model, **ENGINE_OPTIONS, **MODEL_OPTIONS.get(cell.model, {})}
+    # With vLLM's prefix cache on, the same engine's second request would hit it, not kvplug: a new process reads.
+    if cell.writer_tp == cell.reader_tp and not options.get("prefix_caching"):
         result, (_, loaded) = captured_run(
             references.run_engine,
             folder,
@@ -171,4 +186,5 @@ FULL_CELLS = [
     Cell("llama-gqa4", chunk_size=64, heads_per_record=1, tier="shm", writer_tp=2, reader_tp=2, layerwise=True),
     Cell("llama-mqa", chunk_size=256, tier="disk", serializer="fp8", connector="torch", writer_tp=2, reader_tp=1),
     Cell("gpt-oss", chunk_size=256, tier="shm", serializer="zstd", connector="native", load="async"),
+    Cell("qwen3-next", chunk_size=384, tier="disk"),
 ]
