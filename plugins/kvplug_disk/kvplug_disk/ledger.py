@@ -25,6 +25,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from kvplug_disk.files import PRIVATE_FILE
+
 LEDGER_NAME = ".kvplug-usage"
 
 logger = logging.getLogger("kvplug.tier.disk")
@@ -54,7 +56,9 @@ class UsageLedger:
         self._write_failed = False
         self._fd: int | None = None
         try:
-            fd = os.open(LEDGER_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=root_fd)
+            fd = os.open(
+                LEDGER_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE, dir_fd=root_fd
+            )
         except OSError as exc:
             logger.warning("disk tier: no shared usage file (%s); the budget counts this process's records only", exc)
             return

@@ -58,7 +58,7 @@ from typing import Any, ClassVar
 from kvplug import Buffer, Medium, Tenancy, TierContext, key_digest, unpack_record
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.config import DiskTierConfig, ShmTierConfig
-from kvplug_disk.files import RecordFolder
+from kvplug_disk.files import PRIVATE_FOLDER, RecordFolder
 from kvplug_disk.ledger import Usage
 from kvplug_disk.mappings import MappedRecords
 from kvplug_disk.problems import ProblemLog
@@ -92,7 +92,7 @@ class ShmBackend(DiskBackend):
         """The folder, made 0700 when missing; refused, before anything is made or cleaned
         in it, when it is a symbolic link, or unless this user owns it and no one else may
         read or write it: its parent (/dev/shm) is open to every user of the host."""
-        config.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        config.path.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
         try:  # never a link planted at the path: records would go wherever it points
             fd = os.open(config.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
