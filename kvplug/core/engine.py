@@ -36,8 +36,9 @@ from kvplug.core.parallel_copies import ParallelCopies, auto_copy_threads
 from kvplug.core.pins import apply_configured_pins, pin_keys, unpin_keys
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.serializer import Serializer
+from kvplug.core.split_lookup import located_prefix, other_split_holding
 from kvplug.core.tenancy import PinReport
-from kvplug.core.tier_chain import TierChain, leading
+from kvplug.core.tier_chain import TierChain
 from kvplug.errors import ConnectorError, EngineClosedError
 
 logger = logging.getLogger("kvplug.engine")
@@ -178,7 +179,7 @@ class CacheEngine:
         """Length of the cached prefix in tokens: whole chunks, or the full prompt."""
         self._check_open()
         keys = self.chunk_keys(tokens, request)
-        hit = len(self._located(keys, request, [tier.name for tier in self.chain.tiers]))
+        hit = len(located_prefix(self.records, self.chain, [k.key for k in keys], request, self._tier_order()))
         tokens_hit = keys[hit - 1].end if hit else 0
         self._count_lookup(len(tokens), tokens_hit)
         return tokens_hit
@@ -193,7 +194,7 @@ class CacheEngine:
         """
         self._check_open()
         keys = self.chunk_keys(tokens, request)
-        tiers = self._located(keys, request, [tier.name for tier in self.chain.tiers])
+        tiers = located_prefix(self.records, self.chain, [k.key for k in keys], request, self._tier_order())
         self._count_lookup(len(tokens), keys[len(tiers) - 1].end if tiers else 0)
         return [(name, key.num_tokens) for name, key in zip(tiers, keys)]
 
@@ -202,52 +203,8 @@ class CacheEngine:
         head group, chunk by chunk); a chunk is cached only when all of its records are."""
         return self.records.record_keys([k.key for k in keys], request)
 
-    def _located(self, keys: Sequence[ChunkKey], request: RequestInfo | None, order: Sequence[str]) -> list[str]:
-        """Per chunk of the cached prefix, the slowest tier (latest in ``order``) holding its records.
-
-        One batched ``contains`` per tier asks for this engine's own records and for the first
-        chunk's records of every other split of its heads (another TP size's writer): a miss
-        costs no more round trips than before cross-TP reads. Where only another split holds
-        the first chunk, its records of the prompt are asked for next."""
-        own = self.record_keys(keys, request)
-        others = self._first_records(keys, request)
-        where = self.chain.locate([*own, *(key for _, names in others for key in names)])
-        tiers = self.records.chunk_tiers(leading(where[: len(own)]), order)
-        if tiers or not others:
-            return tiers
-        other = self._holder(others, where[len(own) :])
-        if other is None:
-            return []
-        located = self.chunk_store.locate_prefix(other.record_keys([k.key for k in keys], request))
-        return other.chunk_tiers(located, order)
-
-    def _first_records(
-        self, keys: Sequence[ChunkKey], request: RequestInfo | None
-    ) -> list[tuple[OtherSplit, list[str]]]:
-        """Each other split of the heads with its record keys of the first chunk."""
-        return [(other, other.record_keys([keys[0].key], request)) for other in self.records.others] if keys else []
-
-    @staticmethod
-    def _holder(
-        others: Sequence[tuple[OtherSplit, list[str]]], where: Sequence[str | None] | Sequence[bool]
-    ) -> OtherSplit | None:
-        """The first split all of whose first-chunk records were found (``where``: per record, in order)."""
-        at = 0
-        for other, names in others:
-            if all(where[at : at + len(names)]):
-                return other
-            at += len(names)
-        return None
-
-    def _other_split(self, keys: Sequence[ChunkKey], request: RequestInfo | None) -> OtherSplit | None:
-        """The other split of the heads whose records of the first chunk some tier holds."""
-        others = self._first_records(keys, request)
-        if not others:
-            return None
-        present = self.chain.contains_any(
-            [key for _, names in others for key in names], budget_s=self.chain.lookup_timeout_s
-        )
-        return self._holder(others, present)
+    def _tier_order(self) -> list[str]:
+        return [tier.name for tier in self.chain.tiers]
 
     def _count_lookup(self, asked: int, hit: int) -> None:
         self.metrics.lookups.inc()
@@ -438,11 +395,13 @@ class CacheEngine:
                 [split.record_shape(k.num_tokens) for k in keys for _ in range(split.count)],
                 self.layout.dtype,
             )
-            other = self._other_split(keys, request) if len(loaded.tensors) < split.count else None
+            names = [k.key for k in keys]
+            holds_none = len(loaded.tensors) < split.count
+            other = other_split_holding(self.records, self.chain, names, request) if holds_none else None
             if other is not None:  # another TP size's writer: its records of these heads
                 split = other
                 loaded = self.chunk_store.load_prefix(
-                    other.record_keys([k.key for k in keys], request),
+                    other.record_keys(names, request),
                     [other.record_shape(k.num_tokens) for k in keys for _ in range(other.count)],
                     self.layout.dtype,
                 )
