@@ -26,7 +26,7 @@ prompt's first chunk has none, for those of every other split of the model's hea
 (:class:`OtherSplit`): records of fewer heads than it holds are joined, a record of more
 heads is sliced to its own. The other splits' records of the first chunk are asked for in
 the same batched ``contains`` per tier as the engine's own records
-(:meth:`~kvplug.core.engine.CacheEngine.lookup`), so a reader of the writer's TP size, and a
+(:mod:`kvplug.core.split_lookup`), so a reader of the writer's TP size, and a
 miss, cost no extra round trip.
 """
 
