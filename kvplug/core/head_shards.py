@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -229,16 +229,13 @@ class HeadRecords:
         for index, record in enumerate(records):
             self._grouped(record, group).copy_(source[:, :, :, index * group : (index + 1) * group])
 
-    def join(self, records: Sequence[torch.Tensor], chunk: torch.Tensor) -> None:
-        """Copy record tensors into their head groups of ``chunk``: :meth:`split` reversed."""
+    def join(self, records: Sequence[torch.Tensor], chunk: torch.Tensor, group: int | None = None) -> None:
+        """Copy record tensors of ``group`` heads each (default: this cache's records') into
+        their head groups of ``chunk``: :meth:`split` reversed."""
         target = self._grouped(chunk, self.layout.num_kv_heads)
-        group = self.shard.group
+        group = group or self.shard.group
         for index, record in enumerate(records):
             target[:, :, :, index * group : (index + 1) * group].copy_(self._grouped(record, group))
-
-    def chunks_held(self, found: int) -> int:
-        """Whole chunks among ``found`` leading records (a chunk needs all of its records)."""
-        return found // self.count
 
     def chunk_tiers(self, located: Sequence[str], tier_order: Sequence[str]) -> list[str]:
         """Per chunk, the slowest (latest in ``tier_order``) of the tiers that hold its records,
@@ -250,10 +247,21 @@ class HeadRecords:
         ``i`` of ``token_counts[i]`` tokens), each joined from its records."""
         if self.count == 1:
             return list(records)
+        return self.assembled(records, token_counts, self.count, self.join)
+
+    def assembled(
+        self,
+        records: Sequence[torch.Tensor],
+        token_counts: Sequence[int],
+        count: int,
+        assemble: Callable[[Sequence[torch.Tensor], torch.Tensor], None],
+    ) -> list[torch.Tensor]:
+        """A chunk tensor per ``count`` leading records (chunk ``i`` of ``token_counts[i]``
+        tokens), each written by ``assemble(its records, chunk)``."""
         chunks = []
-        for index in range(len(records) // self.count):
+        for index in range(len(records) // count):
             chunk = torch.empty(self.layout.chunk_shape(token_counts[index]), dtype=self.layout.dtype)
-            self.join(records[index * self.count : (index + 1) * self.count], chunk)
+            assemble(records[index * count : (index + 1) * count], chunk)
             chunks.append(chunk)
         return chunks
 
@@ -317,24 +325,20 @@ class OtherSplit:
     def record_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
         return self.record_layout.chunk_shape(num_tokens)
 
-    def chunks_held(self, found: int) -> int:
-        return found // self.count
-
     def chunk_tiers(self, located: Sequence[str], tier_order: Sequence[str]) -> list[str]:
         return slowest_per_chunk(located, self.count, tier_order)
 
     def joined(self, records: Sequence[torch.Tensor], token_counts: Sequence[int]) -> list[torch.Tensor]:
         """The engine's chunk tensors of the leading whole chunks of ``records``."""
-        parent, layout, held = self.parent, self.parent.layout, self.parent.layout.num_kv_heads
-        chunks = []
-        for index in range(len(records) // self.count):
-            chunk = torch.empty(layout.chunk_shape(token_counts[index]), dtype=layout.dtype)
-            target = parent._grouped(chunk, held)
-            for i, record in enumerate(records[index * self.count : (index + 1) * self.count]):
-                source = parent._grouped(record, self.group)
-                if self.group <= held:
-                    target[:, :, :, i * self.group : (i + 1) * self.group].copy_(source)
-                else:
-                    target.copy_(source[:, :, :, self.offset : self.offset + held])
-            chunks.append(chunk)
-        return chunks
+        return self.parent.assembled(records, token_counts, self.count, self._assemble)
+
+    def _assemble(self, records: Sequence[torch.Tensor], chunk: torch.Tensor) -> None:
+        parent = self.parent
+        if self.group <= parent.layout.num_kv_heads:
+            parent.join(records, chunk, self.group)
+            return
+        (record,) = records
+        held = parent.layout.num_kv_heads
+        parent._grouped(chunk, held).copy_(
+            parent._grouped(record, self.group)[:, :, :, self.offset : self.offset + held]
+        )
