@@ -18,12 +18,18 @@ HEADER = """# Config reference
 
 Every setting of `KVPlugConfig`. Layers, later wins: defaults, YAML file
 (`KVPLUG_CONFIG`), `KVPLUG_*` environment (`__` nests: `KVPLUG_STORE__QUEUE__MODE=sync`; lists
-and mappings as JSON: `KVPLUG_TIERS='[{"type":"cpu"}]'`), the engine's extra config
+and mappings as JSON: `KVPLUG_TIERS='[{"type":"cpu"}]'`; a number picks a list item, of this
+layer's list or the file's: `KVPLUG_TIERS__0__MAX_BYTES=8GiB`), the engine's extra config
 (`kvplug.`-prefixed keys such as `kvplug.store.queue.mode`, or a nested `kvplug` mapping;
 `kvplug.config` names a YAML file), and per-request settings. Unknown keys are errors.
 `kvplug config show` prints the effective values and their sources.
 
-Sizes take `8GiB`, `512MB`, `1.5GB` or a byte count.
+Every environment variable named `KVPLUG_*` applies or is an error that names it (an unknown
+setting, a part of a single value, an item the list does not have, JSON that does not parse).
+
+Sizes take `8GiB`, `512MB`, `1.5GB` or a byte count, from 0 to 4 EiB: one rule for every size
+setting, plugins' included (`kvplug.core.config_types.parse_byte_size`); a negative size, a
+float or a boolean is refused by name.
 """
 
 SERIALIZERS = """

@@ -15,6 +15,8 @@ from typing import Any, ClassVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
+from kvplug.core.config_types import parse_byte_size
+
 #: Largest integer any setting may hold: it must fit a signed 64-bit field.
 MAX_INT_SETTING = 2**63 - 1
 _WHOLE_NUMBER = re.compile(r"\s*[+-]?\d+\s*")
@@ -24,8 +26,9 @@ class CheckedModel(BaseModel):
     """A settings model that refuses values pydantic's lax mode would quietly convert.
 
     For every field: an integer field takes no bool (``true`` is not 1) and no float
-    (``1e32``, ``8.0``), only an int, or a string of digits (environment variables), or
-    a size string for byte sizes (``8GiB``), and nothing outside a signed 64-bit range;
+    (``1e32``, ``8.0``), only an int, or a string of digits (environment variables), and
+    nothing outside a signed 64-bit range; a ``ByteSize`` field takes what
+    :func:`~kvplug.core.config_types.parse_byte_size` takes (``8GiB``, 0 to 4 EiB);
     a text or path value holds no NUL; a path is not empty (``""`` would mean the current
     folder); ``max_bytes`` is greater than 0.
     """
@@ -53,21 +56,24 @@ class CheckedModel(BaseModel):
             and not value.strip()
         ):
             raise ValueError("must not be empty (an empty path would mean the current folder); give a folder")
-        if _accepts(annotation, int) and not _accepts(annotation, (str, float)):
-            _check_integer(value, byte_size=_accepts_byte_size(annotation))
-            if info.field_name == "max_bytes" and isinstance(value, int) and value <= 0:
-                raise ValueError("must be greater than 0 (a budget of 0 stores nothing)")
+        if _accepts_byte_size(annotation):
+            if value is not None:
+                value = parse_byte_size(value)
+        elif _accepts(annotation, int) and not _accepts(annotation, (str, float)):
+            _check_integer(value)
+        if info.field_name == "max_bytes" and isinstance(value, int) and value <= 0:
+            raise ValueError("must be greater than 0 (a budget of 0 stores nothing)")
         return value
 
 
-def _check_integer(value: Any, *, byte_size: bool) -> None:
+def _check_integer(value: Any) -> None:
     if isinstance(value, bool):
         raise ValueError(f"must be an integer, not a boolean ({str(value).lower()})")
     if isinstance(value, float):
         raise ValueError(f"must be an integer, not a float ({value!r})")
     if isinstance(value, int) and not -MAX_INT_SETTING <= value <= MAX_INT_SETTING:
         raise ValueError(f"must be less than or equal to {MAX_INT_SETTING} in size")
-    if isinstance(value, str) and not byte_size and not _WHOLE_NUMBER.fullmatch(value):
+    if isinstance(value, str) and not _WHOLE_NUMBER.fullmatch(value):
         raise ValueError(f"must be a whole number, e.g. 256 (got the text {value!r})")
 
 

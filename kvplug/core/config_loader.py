@@ -7,15 +7,16 @@ a nested ``kvplug`` mapping) < per-request overrides.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import ValidationError
-from pydantic_settings import EnvSettingsSource
 
 from kvplug.core.concerns import CONFIG_CONCERNS
 from kvplug.core.config import KVPlugConfig, component_slots, resolve_components
@@ -154,36 +155,103 @@ def adapter_environment(registry: PluginRegistry) -> frozenset[str]:
 
 
 def env_layer(env: Mapping[str, str], reserved: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """``KVPLUG_CHUNK_SIZE=128``, ``KVPLUG_STORE__QUEUE__MODE=sync``, ``KVPLUG_TIERS='[...]'``.
+    """``KVPLUG_CHUNK_SIZE=128``, ``KVPLUG_STORE__QUEUE__MODE=sync``, ``KVPLUG_TIERS='[...]'``,
+    ``KVPLUG_TIERS__0__MAX_BYTES=8GiB`` (item 0 of the tiers list, from this layer or the file's).
 
-    ``reserved``: more names that are not settings (see :func:`adapter_environment`)."""
-    fields = {name.upper() for name in KVPlugConfig.model_fields}
-    unknown = [
+    ``__`` separates keys, a number picks a list item; a value that starts with ``[`` or ``{``
+    is JSON. Every ``KVPLUG_*`` variable applies or is an error naming it: an unknown
+    setting, a part of a single value, an item a list does not have, JSON that does not
+    parse. Unknown keys inside a section are the model's errors (``store.nope: unknown
+    key``). ``reserved``: more names that are not settings (see :func:`adapter_environment`)."""
+    fields = {name.upper(): name for name in KVPlugConfig.model_fields}
+    problems: list[ConfigProblem] = []
+    layer: dict[str, Any] = {}
+    settings = [
         name
         for name in env
         if name.upper().startswith(ENV_PREFIX)
         and name.upper() not in RESERVED_ENV
         and name.upper() not in reserved
         and not name.upper().startswith(RESERVED_ENV_PREFIXES)
-        and name.upper()[len(ENV_PREFIX) :].split("__")[0] not in fields
     ]
-    if unknown:
+    # Whole values before their parts: KVPLUG_TIERS sets the list that KVPLUG_TIERS__0__X changes.
+    for name in sorted(settings, key=lambda n: (n.count("__"), n)):
+        path = name.upper()[len(ENV_PREFIX) :].lower().split("__")
+        problem = _env_name_problem(path, fields)
+        if problem is None:
+            try:
+                _set_path(
+                    layer,
+                    [int(part) if part.isdigit() else part for part in path],
+                    _env_value(env[name], ".".join(path)),
+                )
+            except ValueError as exc:
+                problem = str(exc)
+        if problem is not None:
+            problems.append(ConfigProblem(f"env {name}", env[name], problem))
+    if problems:
+        raise ConfigError(problems, "environment")
+    return layer
+
+
+def _env_name_problem(path: list[str], fields: Mapping[str, str]) -> str | None:
+    if path[0].upper() not in fields:
         allowed = ", ".join(sorted(ENV_PREFIX + f for f in fields))
-        raise ConfigError(
-            [ConfigProblem(f"env {name}", env[name], f"unknown setting; allowed: {allowed}") for name in unknown],
-            "environment",
-        )
-    source = EnvSettingsSource(
-        KVPlugConfig,  # type: ignore[arg-type]  # plain models work as a field list
-        env_prefix=ENV_PREFIX,
-        env_nested_delimiter="__",
-        case_sensitive=False,
-    )
-    source.env_vars = {k.lower(): v for k, v in env.items()}
+        return f"unknown setting; allowed: {allowed}"
+    if "" in path:
+        return "an empty key between two '__'"
+    if len(path) > 1 and _is_single_value(fields[path[0].upper()]):
+        return f"{fields[path[0].upper()]} is a single value: it has no part {path[1]!r}"
+    return None
+
+
+def _is_single_value(field_name: str) -> bool:
+    """Whether a top-level setting is a number, text or flag (no keys or items below it)."""
+    annotation = KVPlugConfig.model_fields[field_name].annotation
+    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    return all(member in (int, float, str, bool, type(None)) or get_origin(member) is Literal for member in members)
+
+
+def _env_value(text: str, setting: str) -> Any:
+    if not text.lstrip().startswith(("[", "{")):
+        return text
     try:
-        return dict(source())
-    except Exception as exc:  # pydantic-settings raises SettingsError on bad JSON
-        raise ConfigError([ConfigProblem("env", "", str(exc))], "environment") from None
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{setting}: a value starting with [ or {{ is JSON, and this is not valid JSON: {exc}"
+        ) from None
+
+
+def _set_path(target: Any, path: list[str | int], value: Any) -> None:
+    """Set ``value`` at ``path`` under ``target``, making mappings on the way; an int part picks a
+    list item, or keys a mapping merged into a lower layer's list (:func:`_merge`)."""
+    *parents, leaf = path
+    for depth, part in enumerate(parents):
+        child = _child(target, part, path[: depth + 1])
+        if child is None:
+            child = {}
+            target[part] = child
+        target = child
+    if isinstance(target, list):
+        _child(target, leaf, path)
+    elif not isinstance(target, dict):
+        raise ValueError(f"{_dotted(path[:-1])} is a single value: it has no part {leaf!r}")
+    target[leaf] = value
+
+
+def _child(target: Any, part: str | int, path: list[str | int]) -> Any:
+    if isinstance(target, list):
+        if not isinstance(part, int) or part >= len(target):
+            raise ValueError(f"{_dotted(path[:-1])} is {_items(len(target))}: it has no item {part!r}")
+        return target[part]
+    if not isinstance(target, dict):
+        raise ValueError(f"{_dotted(path[:-1])} is a single value: it has no part {part!r}")
+    return target.get(part)
+
+
+def _dotted(path: list[str | int]) -> str:
+    return ".".join(str(part) for part in path)
 
 
 def engine_config_layer(extra: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -199,13 +267,16 @@ def engine_config_layer(extra: Mapping[str, Any]) -> tuple[dict[str, Any], str |
         if not isinstance(nested, Mapping):
             raise ConfigError([ConfigProblem("kvplug", nested, "must be a mapping")], "engine extra config")
         layer = _deep_copy(nested)
+    problems: list[ConfigProblem] = []
     for key, value in extra.items():
         if key.startswith(ENGINE_KEY_PREFIX):
-            target = layer
-            *parents, leaf = key[len(ENGINE_KEY_PREFIX) :].split(".")
-            for part in parents:
-                target = target.setdefault(part, {})
-            target[leaf] = value
+            path = key[len(ENGINE_KEY_PREFIX) :].split(".")
+            try:
+                _set_path(layer, [int(part) if part.isdigit() else part for part in path], value)
+            except ValueError as exc:
+                problems.append(ConfigProblem(key, value, str(exc)))
+    if problems:
+        raise ConfigError(problems, "engine extra config")
     config_file = layer.pop("config", None)
     if config_file is not None and not isinstance(config_file, (str, os.PathLike)):
         kind = "a mapping" if isinstance(config_file, Mapping) else f"a {type(config_file).__name__}"
@@ -230,13 +301,49 @@ def _merge(
         path = f"{prefix}{key}"
         # Sections merge key by key; a component spec ({type: ...}) is replaced whole,
         # since options of one type mean nothing to another.
-        if isinstance(value, Mapping) and not (prefix == "" and key in ("serializer", "connector")):
+        if isinstance(value, Mapping) and value and all(isinstance(index, int) for index in value):
+            _merge_items(into, key, value, sources, name, path)
+        elif isinstance(value, Mapping) and not (prefix == "" and key in ("serializer", "connector")):
             if not isinstance(into.get(key), dict):
                 into[key] = {}
             _merge(into[key], value, sources, name, path + ".")
         else:
             into[key] = _deep_copy(value)
             sources[path] = name
+
+
+def _merge_items(
+    into: dict[str, Any], key: str, items: Mapping[int, Any], sources: dict[str, str], name: str, path: str
+) -> None:
+    """Items a layer sets by index (``KVPLUG_TIERS__0__MAX_BYTES``) in the list an earlier layer gave."""
+    target = into.get(key)
+    for index, value in items.items():
+        where = f"{path}.{index}"
+        if not isinstance(target, list) or index >= len(target):
+            have = (
+                _items(len(target)) if isinstance(target, list) else "not a list an earlier layer (a config file) gave"
+            )
+            problem = f"sets item {index} of {path}, which is {have}: give the whole list instead"
+            names = _leaf_paths(value, where)
+            shown = (
+                ", ".join("env " + ENV_PREFIX + n.upper().replace(".", "__") for n in names) if name == "env" else where
+            )
+            raise ConfigError([ConfigProblem(shown, value, problem)], "environment" if name == "env" else name)
+        if isinstance(value, Mapping) and isinstance(target[index], dict):
+            _merge(target[index], value, sources, name, where + ".")
+        else:
+            target[index] = _deep_copy(value)
+            sources[where] = name
+
+
+def _items(count: int) -> str:
+    return f"a list of {count} item{'' if count == 1 else 's'}"
+
+
+def _leaf_paths(value: Any, path: str) -> list[str]:
+    if isinstance(value, Mapping) and value:
+        return [leaf for key, child in value.items() for leaf in _leaf_paths(child, f"{path}.{key}")]
+    return [path]
 
 
 def _deep_copy(value: Any) -> Any:

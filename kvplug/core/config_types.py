@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler
+from pydantic import ByteSize, GetCoreSchemaHandler, GetJsonSchemaHandler, TypeAdapter, ValidationError
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, core_schema
 
@@ -35,6 +35,9 @@ MAX_CONCURRENCY = 1024
 MAX_FAILURES = 1000
 #: The longest a queue may be, in items (batches, requests); byte bounds are separate settings.
 MAX_QUEUE_ITEMS = 65536
+#: The largest byte size any setting may name (4 EiB): far above any machine, and small
+#: enough that sums of a few budgets still fit a signed 64-bit counter.
+MAX_BYTE_SIZE = 2**62
 
 
 @dataclass(frozen=True)
@@ -99,3 +102,40 @@ Concurrency = Annotated[int, Bounded(1, MAX_CONCURRENCY)]
 QueueItems = Annotated[int, Bounded(1, MAX_QUEUE_ITEMS, "items")]
 #: Consecutive failures before a circuit breaker opens: 1 to 1000.
 FailureCount = Annotated[int, Bounded(1, MAX_FAILURES, "failures")]
+
+
+_BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
+
+
+def parse_byte_size(value: Any) -> int:
+    """The one rule for byte sizes: a whole number of bytes (``1073741824``, ``"1073741824"``) or a
+    number with a unit (``"512MiB"``, ``"1.5GB"``), from 0 to :data:`MAX_BYTE_SIZE`.
+
+    ``ValueError`` says which rule ``value`` breaks: a boolean or float where bytes are meant,
+    a negative size, text that is no size, a size over 4 EiB. Settings models apply it to every
+    ``ByteSize`` field (:class:`kvplug.core.components.CheckedModel`), so plugins' sizes follow
+    it too.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"must be a byte size, not a boolean ({str(value).lower()})")
+    if isinstance(value, float):
+        raise ValueError(f"must be a whole number of bytes or a size with a unit (4GiB), not a float ({value!r})")
+    if isinstance(value, str) and value.strip().startswith("-"):
+        raise ValueError("must not be negative")
+    if isinstance(value, str):
+        try:
+            size = int(_BYTE_SIZE.validate_python(value.strip()))
+        except ValidationError:
+            raise ValueError(
+                f"{value!r} is not a byte size: give a whole number of bytes or a number with a unit "
+                "(512MiB, 4GiB, 1TB; units B, KB/KiB, MB/MiB, GB/GiB, TB/TiB, PB/PiB, EB/EiB)"
+            ) from None
+    elif isinstance(value, int):
+        size = value
+    else:
+        raise ValueError(f"must be a byte size (4GiB or a whole number of bytes), not a {type(value).__name__}")
+    if size < 0:
+        raise ValueError("must not be negative")
+    if size > MAX_BYTE_SIZE:
+        raise ValueError(f"must be at most 4 EiB ({MAX_BYTE_SIZE} bytes)")
+    return size

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvplug.core.config_types import parse_byte_size
 
 #: The metrics label of salted tenants not named in a tier's ``quotas`` (a bounded label set).
 OTHER_TENANTS = "(other)"
@@ -35,7 +37,6 @@ UNSALTED = "(unsalted)"
 DEFAULT_QUOTA = "default"
 
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
-_BYTES: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 #: The largest byte share a pin budget or quota may name: 1 PiB.
 MAX_SHARE_BYTES = 2**50
 
@@ -54,9 +55,9 @@ def parse_share(where: str, value: object) -> int | str:
     if isinstance(value, bool):
         raise ValueError(f"{where}: {value!r} is not a byte size (4GiB) or a percentage (20%)")
     try:
-        size = int(_BYTES.validate_python(value))
-    except ValueError:
-        raise ValueError(f"{where}: {value!r} is not a byte size (4GiB) or a percentage (20%)") from None
+        size = parse_byte_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}; or give a percentage (20%)") from None
     if not 0 <= size <= MAX_SHARE_BYTES:
         raise ValueError(f"{where}: {value!r} must be from 0 bytes to 1 PiB")
     return size
