@@ -7,6 +7,7 @@ from typing import TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from kvplug.errors import ConfigError, PluginError, TierError
 
@@ -19,10 +20,16 @@ err_console = Console(stderr=True, soft_wrap=True)
 T = TypeVar("T")
 
 
+def print_error(message: object) -> None:
+    """``error: <message>`` on stderr, the word in red on a terminal; the message is printed as it
+    is (an error's text holds brackets, ``tiers[0]``, that must not read as markup)."""
+    err_console.print(f"[red]error:[/red] {escape(str(message))}", highlight=False)
+
+
 def run_or_exit(action: Callable[[], T]) -> T:
     """Run a command's work; a config, plugin or store error is printed and exits with status 2."""
     try:
         return action()
     except (ConfigError, PluginError, TierError) as exc:  # a store that is down or refuses us: say so, no traceback
-        err_console.print(f"[red]error:[/red] {exc}", highlight=False)
+        print_error(exc)
         raise typer.Exit(2) from None

@@ -19,7 +19,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from kvplug.cli.console import console, err_console
+from kvplug.cli.console import console, print_error
 from kvplug.cli.explain import read_prompt
 from kvplug.core.control_client import ControlClient, RankEndpoint, find_ranks, select_engine
 from kvplug.core.control_protocol import request_fields
@@ -46,7 +46,7 @@ def _run(action: Callable[[], T]) -> T:
     try:
         return action()
     except (ControlError, ExplainInputError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}", highlight=False, markup=False)
+        print_error(exc)
         raise typer.Exit(2) from None
 
 
@@ -143,6 +143,10 @@ def list_command(socket_dir: Path | None = _DIR, as_json: bool = _JSON, timeout:
     if as_json:
         body = {"ranks": [{"socket": str(r.path), **r.info} for r in found.ranks], "unreachable": found.unreachable}
         typer.echo(json.dumps(body, indent=2))
+        return
+    if not found.ranks and not found.unreachable:
+        where = socket_dir or "this user's socket folder (--socket-dir to look in another)"
+        typer.echo(f"no engine is running: no control socket in {where}")
         return
     table = Table(title="running engines")
     for column in ("engine", "name", "adapter", "rank", "pid", "model", "fingerprint", "tiers"):
@@ -327,7 +331,7 @@ def clear_command(
     (--salt S, --no-salt) or of all (--all), from every tier or one (--tier). Chunks other
     engines wrote to a shared tier are left alone (``kvplug store`` handles stores offline)."""
     if sum([cache_salt is not None, no_salt, all_salts]) != 1:
-        err_console.print("[red]error:[/red] say what to clear: exactly one of --salt S, --no-salt, --all")
+        print_error("say what to clear: exactly one of --salt S, --no-salt, --all")
         raise typer.Exit(2)
     fields: dict[str, Any] = {"all_salts": True} if all_salts else {"cache_salt": cache_salt, "lora_id": lora}
     if tier is not None:

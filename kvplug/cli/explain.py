@@ -21,7 +21,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from kvplug.cli.console import console, err_console, run_or_exit
+from kvplug.cli.console import console, print_error, run_or_exit
 from kvplug.core.config import KVPlugConfig
 from kvplug.core.explain import Explanation, OtherScheme, explain_prompt, list_manifests
 from kvplug.core.keys import Fingerprint
@@ -263,7 +263,7 @@ def explain_command(
     try:
         run_or_exit(action)
     except ExplainInputError as exc:
-        err_console.print(f"[red]error:[/red] {exc}", highlight=False)
+        print_error(exc)
         raise typer.Exit(2) from None
 
 

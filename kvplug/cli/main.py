@@ -10,7 +10,7 @@ import typer
 import yaml
 from rich.table import Table
 
-from kvplug.cli.console import console, err_console, run_or_exit
+from kvplug.cli.console import console, print_error, run_or_exit
 from kvplug.cli.ctl import ctl_app
 from kvplug.cli.explain import explain_command
 from kvplug.cli.store import store_app
@@ -33,7 +33,7 @@ def plugins() -> None:
         registry = get_registry()
         infos = registry.plugins()
     except PluginError as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
+        print_error(exc)
         raise typer.Exit(1) from None
     table = Table(title="kvplug plugins")
     for column in ("plugin", "distribution", "version", "components"):
