@@ -100,7 +100,7 @@ def test_per_request_overrides_keep_resolved_components(load) -> None:
 
 def test_unknown_top_level_key(load) -> None:
     error = error_of(load, engine_extra={"kvplug.chunk_sise": 3})
-    assert "chunk_sise: unknown key; allowed: " in str(error) and "chunk_size" in str(error)
+    assert "chunk_sise: unknown key; did you mean 'chunk_size'? allowed: " in str(error) and "chunk_size" in str(error)
 
 
 def test_unknown_nested_key(load) -> None:
@@ -140,7 +140,7 @@ def test_bad_component_option_value(load) -> None:
 
 def test_unknown_component_option(load) -> None:
     error = error_of(load, engine_extra={"kvplug.tiers": [{"type": "cpu", "max_byte": "1GiB"}]})
-    assert "tiers[0].max_byte: unknown key; allowed: " in str(error) and "max_bytes" in str(error)
+    assert "tiers[0].max_byte: unknown key; did you mean 'max_bytes'? allowed: " in str(error) and "max_bytes" in str(error)
 
 
 def test_every_problem_is_reported_at_once(load) -> None:
@@ -154,7 +154,7 @@ def test_empty_tier_list(load) -> None:
 
 def test_unknown_env_variable(load) -> None:
     error = error_of(load, env={"KVPLUG_CHUNKSIZE": "8"})
-    assert "env KVPLUG_CHUNKSIZE: unknown setting; allowed: " in str(error) and "KVPLUG_CHUNK_SIZE" in str(error)
+    assert "env KVPLUG_CHUNKSIZE: unknown setting; did you mean 'KVPLUG_CHUNK_SIZE'? allowed: " in str(error) and "KVPLUG_CHUNK_SIZE" in str(error)
 
 
 def test_bad_env_value(load) -> None:

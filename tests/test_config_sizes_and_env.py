@@ -198,3 +198,19 @@ def test_any_variable_either_applies_or_is_an_error_naming_it(
         got = _dig(got, part)
     if not value.startswith(("[", "{")):
         assert str(got) == value or got == int(value), (name, value, got)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"env": {"KVPLUG_CHUNK_SIZ": "3"}}, "did you mean 'KVPLUG_CHUNK_SIZE'?"),
+        ({"engine_extra": {"kvplug": {"tiers": [{"type": "cpu", "max_byte": "1GiB"}]}}}, "did you mean 'max_bytes'?"),
+        ({"engine_extra": {"kvplug": {"store": {"queue": {"mod": "sync"}}}}}, "did you mean 'mode'?"),
+    ],
+)
+def test_a_misspelled_key_gets_a_suggestion(registry: PluginRegistry, kwargs: dict[str, Any], words: str) -> None:
+    assert words in error_text(registry, **kwargs)
+
+
+def test_no_suggestion_for_a_key_like_none(registry: PluginRegistry) -> None:
+    assert "did you mean" not in error_text(registry, engine_extra={"kvplug": {"zzzz": 1}})

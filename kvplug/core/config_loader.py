@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from kvplug.core.concerns import CONFIG_CONCERNS
 from kvplug.core.config import KVPlugConfig, component_slots, resolve_components
-from kvplug.core.config_problems import problems_from_validation_error
+from kvplug.core.config_problems import did_you_mean, problems_from_validation_error
 from kvplug.core.control_socket import LOOKUP_DIR_ENV
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.record import INTEGRITY_KEY_ENV, INTEGRITY_KEY_FILE_ENV, integrity_key
@@ -196,8 +196,8 @@ def env_layer(env: Mapping[str, str], reserved: frozenset[str] = frozenset()) ->
 
 def _env_name_problem(path: list[str], fields: Mapping[str, str]) -> str | None:
     if path[0].upper() not in fields:
-        allowed = ", ".join(sorted(ENV_PREFIX + f for f in fields))
-        return f"unknown setting; allowed: {allowed}"
+        allowed = sorted(ENV_PREFIX + f for f in fields)
+        return f"unknown setting; {did_you_mean(ENV_PREFIX + path[0].upper(), allowed)}allowed: {', '.join(allowed)}"
     if "" in path:
         return "an empty key between two '__'"
     if len(path) > 1 and _is_single_value(fields[path[0].upper()]):

@@ -6,6 +6,7 @@ importing each other."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,9 +32,17 @@ def problems_from_validation_error(
         if error["type"] == "extra_forbidden" and model is not None:
             allowed = _allowed_keys(model, loc[:-1])
             if allowed:
-                message = f"unknown key; allowed: {', '.join(allowed)}"
+                message = f"unknown key; {did_you_mean(str(loc[-1]), allowed)}allowed: {', '.join(allowed)}"
         problems.append(ConfigProblem(path, error.get("input"), message))
     return problems
+
+
+def did_you_mean(name: str, allowed: list[str]) -> str:
+    """``did you mean 'max_bytes'? `` when one of ``allowed`` is close to a misspelled ``name``, else ``""``."""
+    close = difflib.get_close_matches(name.lower(), [a.lower() for a in allowed], n=1, cutoff=0.7)
+    if not close:
+        return ""
+    return f"did you mean {next(a for a in allowed if a.lower() == close[0])!r}? "
 
 
 def _without_union_tags(loc: tuple[Any, ...], data: Any) -> tuple[Any, ...]:
