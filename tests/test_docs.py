@@ -118,7 +118,7 @@ print("sqlite tier used by name: ok")
         timeout=120,
     )
     assert misspelled.returncode == 2
-    assert "tiers[0].paht: unknown key; allowed:" in " ".join(misspelled.stderr.split())
+    assert "tiers[0].paht: unknown key; did you mean 'path'? allowed:" in " ".join(misspelled.stderr.split())
 
     contract = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(package / "tests")],
