@@ -124,3 +124,41 @@ def test_preflight_names_a_disk_folder_that_cannot_be_made_and_creates_nothing(t
                 TierChain.preflight(config.config.tiers, registry)
     finally:
         read_only.chmod(0o700)
+
+
+@pytest.mark.parametrize("folder", ["/proc/kvplug-nope", "/sys/kvplug-nope/cache"])
+def test_preflight_refuses_a_folder_on_a_kernel_file_system_even_as_root(folder: str) -> None:
+    """``os.access`` says root may write ``/proc``; the mkdir then fails, after the model loaded."""
+    registry = PluginRegistry()
+    config = load_config(
+        engine_extra={"kvplug": {"tiers": [{"type": "disk", "path": folder}]}}, env={}, registry=registry
+    ).config
+    with pytest.raises(
+        TierOpenError,
+        match=r"tiers\[0\] \(type disk\): .* (is on the kernel's (proc|sysfs) file system|is not writable by this)",
+    ):
+        TierChain.preflight(config.tiers, registry)
+
+
+def test_config_validate_runs_the_tiers_preflight_and_writes_nothing(tmp_path: Path) -> None:
+    """``kvplug config validate`` said ok for a disk tier at /proc/kvplug-nope; the server then died
+    after loading its model."""
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    proc_words = "kernel's proc file system" if os.geteuid() == 0 else "is not writable by this process"
+    for bad, words in (("/proc/kvplug-nope", proc_words), (str(blocker / "cache"), "is not a folder")):
+        config = tmp_path / "kvplug.yaml"
+        config.write_text(f"tiers:\n  - {{type: cpu, max_bytes: 1GiB}}\n  - {{type: disk, path: '{bad}'}}\n")
+        done = subprocess.run(
+            [sys.executable, "-c", "from kvplug.cli.main import app; app()", "config", "validate", str(config)],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 2, done
+        assert "tiers[1] (type disk): cannot open the tier" in done.stderr and words in done.stderr, done.stderr
+    assert not Path("/proc/kvplug-nope").exists() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "a-file",
+        "kvplug.yaml",
+    ]

@@ -85,8 +85,12 @@ def config_show(file: Path | None = ConfigFileOpt) -> None:
 def config_validate(file: Path = ConfigFileArg) -> None:
     """Check a config file; on error, name each bad field, its value and what is allowed."""
     from kvplug.core.config_loader import load_config
+    from kvplug.core.plugins import get_registry
+    from kvplug.core.tier_chain import TierChain
 
     loaded = run_or_exit(lambda: load_config(config_file=file, env={}))
+    # What each tier checks before it opens (folders it could not make, ...), writing nothing.
+    run_or_exit(lambda: TierChain.preflight(loaded.config.tiers, loaded.config.registry or get_registry()))
     tiers = " -> ".join(spec.type for spec in loaded.config.tiers)
     console.print(f"[green]ok[/green]: {file} (tiers: {tiers})")
 
