@@ -32,6 +32,10 @@ class TinyLlamaSpec:
     sliding_window: int | None = None
     #: The std of the random weights; a larger one (e.g. 0.3) gives a model whose greedy tokens vary.
     initializer_range: float = 0.02
+    #: Weights whose greedy tokens vary and depend on the whole prompt, through the KV: a plain
+    #: random model answers one token over and over (its attention averages the prompt away), so
+    #: "outputs identical" would prove little. See :func:`_vary_outputs`.
+    varied_outputs: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -71,12 +75,30 @@ def write_random_llama(path: str | Path, spec: TinyLlamaSpec = DEFAULT_SPEC) -> 
     if spec.layer_types is not None:
         fields["layer_types"] = list(spec.layer_types)
     config = LlamaConfig(**fields, torch_dtype=dtype, eos_token_id=2, bos_token_id=1)
-    return _save_seeded(LlamaForCausalLM, config, dtype, spec.seed, path)
+    adjust = _vary_outputs if spec.varied_outputs else None
+    return _save_seeded(LlamaForCausalLM, config, dtype, spec.seed, path, adjust)
+
+
+def _vary_outputs(model: Any) -> None:
+    """Embeddings of std 1 with the LM head a permutation of them (the residual stream then names
+    a next token with a wide margin), and sharp attention (queries and keys of std 0.3) that
+    moves it by what the prompt's KV holds: greedy tokens vary, two prompts ending in the same
+    token continue differently, and top-2 logit gaps stay far above bf16's rounding."""
+    import torch
+
+    generator = torch.Generator().manual_seed(123)
+    embeddings = torch.randn(model.model.embed_tokens.weight.shape, generator=generator)
+    model.model.embed_tokens.weight.copy_(embeddings)
+    model.lm_head.weight.copy_(embeddings[torch.randperm(embeddings.shape[0], generator=generator)])
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        for projection, std in ((attention.q_proj, 0.3), (attention.k_proj, 0.3), (attention.v_proj, 0.1), (attention.o_proj, 0.1)):  # fmt: skip
+            projection.weight.copy_(torch.randn(projection.weight.shape, generator=generator) * std)
 
 
 def _config_fields(spec: Any, *skip: str) -> dict[str, Any]:
     """The fields of a tiny model spec that go into the model's config as they are."""
-    return {k: v for k, v in asdict(spec).items() if k not in ("dtype", "seed", *skip)}
+    return {k: v for k, v in asdict(spec).items() if k not in ("dtype", "seed", "varied_outputs", *skip)}
 
 
 def _save_seeded(
