@@ -199,6 +199,11 @@ class EngineClosedError(KVPlugError):
     """The cache engine was used after :meth:`kvplug.CacheEngine.close`."""
 
 
+class EngineUnavailableError(KVPlugError):
+    """An engine an adapter drives cannot start in this environment (say, a package beside it
+    built for another torch); the message names the cause and the fix in one line."""
+
+
 # --- control socket ------------------------------------------------------------------
 
 

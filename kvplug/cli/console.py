@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from kvplug.errors import ConfigError, PluginError, TierError
+from kvplug.errors import ConfigError, EngineUnavailableError, PluginError, TierError
 
 console = Console()
 #: Errors are never wrapped by rich (which wraps at 80 columns when stderr is not a
@@ -30,6 +30,7 @@ def run_or_exit(action: Callable[[], T]) -> T:
     """Run a command's work; a config, plugin or store error is printed and exits with status 2."""
     try:
         return action()
-    except (ConfigError, PluginError, TierError) as exc:  # a store that is down or refuses us: say so, no traceback
+    # a store that is down or refuses us, an engine that cannot start here: say so, no traceback
+    except (ConfigError, PluginError, TierError, EngineUnavailableError) as exc:
         print_error(exc)
         raise typer.Exit(2) from None

