@@ -172,6 +172,11 @@ def test_ctl_list_stats_lookup_and_explain(server: ControlServer, engine: CacheE
     looked = ctl("lookup", str(prompt), "--engine", "tiny")
     assert looked["total"]["hit_tokens"] == 40 and looked["ranks"][0]["chunks"] == [["cpu", 8]] * 5
     assert ctl("lookup", str(prompt), "--cache-salt", "t1")["total"]["hit_tokens"] == 0
+    # In words: a hit of 0 said "(every rank holds it)".
+    said = CliRunner().invoke(app, ["ctl", "lookup", str(prompt)]).output
+    assert said.startswith("hit: 40 of 43 tokens (the prefix every rank holds); 5 chunks held over 1 rank(s)"), said
+    said = CliRunner().invoke(app, ["ctl", "lookup", str(prompt), "--cache-salt", "t1"]).output
+    assert said.startswith("hit: 0 of 43 tokens (no rank holds its first chunk, or not every rank)"), said
     explained = ctl("explain", str(prompt))["ranks"][0]
     assert explained["hit_tokens"] == 40 and explained["chunks"][0]["tiers"] == [
         "0:cpu",

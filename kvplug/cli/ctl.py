@@ -234,7 +234,8 @@ def lookup_command(
         _print_json(replies, total)
         return
     console.print(
-        f"hit: {total['hit_tokens']} of {total['num_tokens']} tokens (every rank holds it); "
+        f"hit: {total['hit_tokens']} of {total['num_tokens']} tokens "
+        f"({'the prefix every rank holds' if total['hit_tokens'] else 'no rank holds its first chunk, or not every rank'}); "
         f"{total['chunks_held']} chunks held over {len(replies)} rank(s)",
         highlight=False,
     )

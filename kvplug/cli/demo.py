@@ -108,5 +108,10 @@ def _print(console: Console, result: dict[str, Any], tiers: list[Any], chunk_siz
     table.add_row("retrieve throughput", f"{result['retrieve_gbps']:.2f} GB/s")
     table.add_row("KV identical after reload", "yes" if result["identical"] else "[red]NO[/red]")
     for label, stats in tiers:
-        table.add_row(f"tier {label}", f"{stats.items} chunks, {stats.bytes_used / 2**20:.1f} MiB, {stats.hits} hits")
+        # A tier's items are chunk records and the fingerprint's manifest (kvplug explain reads it).
+        table.add_row(
+            f"tier {label}",
+            f"{stats.items} records ({result['chunks']} chunks + manifest), {stats.bytes_used / 2**20:.1f} MiB, "
+            f"{stats.hits} hits",
+        )
     console.print(table)

@@ -178,7 +178,7 @@ class SchedulerSide:
         lookup = LookupResult(num_computed_tokens, hit, tiers, len(request.prompt_token_ids), background=background)
         self._lookups[request.request_id] = lookup
         logger.info(
-            "request %s: %d prompt tokens, %d cached by kvplug (%s), %d computed by vLLM, loading %d%s",
+            "request %s: %d prompt tokens, %d cached by kvplug (%s), %d in vLLM's own prefix cache, loading %d%s",
             request.request_id, len(request.prompt_token_ids), hit, lookup.describe(), num_computed_tokens,
             max(need, 0), " in the background" if background else "",
         )  # fmt: skip

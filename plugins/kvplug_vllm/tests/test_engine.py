@@ -238,7 +238,8 @@ def test_new_engine_process_hits_what_another_stored_in_shm(
     result = run_engine(kv=kv, steps=[step("Q")])
     loaded = report(result, 0)
     assert loaded["hit_tokens"] == 256  # Q's 4 whole chunks of its 300 tokens
-    assert "300 prompt tokens, 256 cached by kvplug (shm 256)" in result["log"]  # found in shm, not in cpu
+    # found in shm, not in cpu; vLLM's own cache had nothing (the log said "0 computed by vLLM")
+    assert "300 prompt tokens, 256 cached by kvplug (shm 256), 0 in vLLM's own prefix cache" in result["log"]
     assert loaded["totals"]["loaded_tokens"] == 256
     assert loaded["totals"]["load_error_blocks"] == 0
     assert output(result, 0) == baseline["Q"]
