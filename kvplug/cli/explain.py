@@ -27,7 +27,6 @@ from kvplug.core.explain import Explanation, OtherScheme, explain_prompt, list_m
 from kvplug.core.keys import Fingerprint
 from kvplug.core.manifest import FIELD_NAMES, MANIFEST_MAGIC, KeyScheme, decode_manifest
 from kvplug.core.plugins import get_registry
-from kvplug.core.serializer_factory import make_serializer
 from kvplug.core.tier import UNBOUNDED_BYTES, TierConfig
 from kvplug.core.tier_chain import TierChain
 from kvplug.errors import ExplainInputError
@@ -139,6 +138,8 @@ def build_scheme(base: KeyScheme | dict[str, Any], config: KVPlugConfig, changes
             "this fingerprint's manifest keeps only a digest of its cache_salt: pass --cache-salt (or --no-salt)"
         )
     fields = {name: value for name, value in fields.items() if name in _FIELDS}
+    from kvplug.core.serializer_factory import make_serializer  # torch: only where a serializer is built
+
     fields["serializer"] = make_serializer(config, get_registry()).fingerprint()
     try:
         fingerprint = Fingerprint(**fields)
