@@ -82,11 +82,13 @@ from kvplug.core.tier import (
     MEDIA,
     UNBOUNDED_BYTES,
     Buffer,
+    MappedFile,
     Medium,
     StorageTier,
     TierConfig,
     TierContext,
     TierStats,
+    is_mapped_file,
 )
 from kvplug.core.tier_chain import TierChain
 from kvplug.core.version import KVPLUG_VERSION
@@ -203,6 +205,7 @@ __all__ = [
     "LayerwiseRetrieve",
     "LoadedChunks",
     "LoopThread",
+    "MappedFile",
     "Medium",
     "MessageServer",
     "MetricSample",
@@ -255,6 +258,7 @@ __all__ = [
     "foreign_peer",
     "get_registry",
     "hookimpl",
+    "is_mapped_file",
     "is_secret_name",
     "key_digest",
     "load_config",

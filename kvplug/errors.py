@@ -160,6 +160,13 @@ class TierUnavailableError(TierError):
     """The tier's backing store is down or its circuit breaker is open."""
 
 
+class BackendAnswerError(TierError):
+    """A record tier's backend answered a call with what the call did not ask for: more or
+    fewer answers than names, or one name's record in another name's place. A fault of
+    the backend, counted towards its circuit breaker; the answer is never taken as news
+    about the records (the call is a miss, nothing is forgotten or deleted)."""
+
+
 class TierClosedError(TierError):
     """An operation on a tier after :meth:`close`."""
 

@@ -3,9 +3,11 @@ list, read and delete records by digest, through the tier's backend and its dead
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator, Sequence
+from typing import TypeVar
 
 from kvplug.core.record_backend import RecordBackend
+from kvplug.core.record_calls import one_each
 from kvplug.core.record_index import RecordIndex
 from kvplug.core.record_store import StoredRecord
 from kvplug.core.remote import RemoteCalls
@@ -13,6 +15,7 @@ from kvplug.core.retry import Absent
 from kvplug.core.tier import Buffer
 from kvplug.errors import TierUnavailableError
 
+T = TypeVar("T")
 #: Listing a large store legitimately takes longer than one batch.
 LISTING_TIMEOUT_S = 300.0
 
@@ -38,7 +41,7 @@ class RecordMaintenance:
         Read with :meth:`RecordBackend.peek`: inspecting a record is not a use of it."""
         self._check_open()
         try:
-            (data,) = self._calls.run(lambda: self._backend.peek([digest], [None]))
+            (data,) = self._calls.run(lambda: _one(digest, self._backend.peek([digest], [None]), "peek"))
         except Absent:
             return None
         if isinstance(data, BaseException):  # the store failed on this record alone
@@ -49,9 +52,14 @@ class RecordMaintenance:
         self._check_open()
         self._index.forget(digest)
         try:
-            (existed,) = self._calls.run(lambda: self._backend.delete([digest]))
+            (existed,) = self._calls.run(lambda: _one(digest, self._backend.delete([digest]), "delete"))
         except Absent:
             return False
         if isinstance(existed, BaseException):  # the store failed on this record alone
             raise TierUnavailableError(f"{self._calls.where}: removing {digest} failed: {existed}") from existed
         return existed
+
+
+async def _one(digest: str, call: Awaitable[Sequence[T]], name: str) -> Sequence[T]:
+    """The answer of a call for the record ``digest``: one entry (:func:`one_each`)."""
+    return one_each([digest], await call, name)

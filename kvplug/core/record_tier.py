@@ -6,7 +6,8 @@ A :class:`RecordTier` subclass names itself, declares its ``Config`` and opens a
 - values are stored as key-bound, checksummed records (:mod:`kvplug.core.record`);
   every read is verified: a torn, swapped or damaged record is a miss, counted and
   deleted; a record of another format version (a newer kvplug in a shared store) is a
-  miss, counted and kept;
+  miss, counted and kept; an answer that does not fit the call (a count off, a record
+  in another name's place) fails it, counted towards the breaker: nothing is deleted on it;
 - one bounded LRU index of record sizes (:class:`~kvplug.core.record_index.RecordIndex`),
   filled by a start-up listing where the backend can list, drives ``stats()`` and the
   ``max_bytes`` budget (least recently used records are deleted, reported as
@@ -28,13 +29,14 @@ from typing import Any, ClassVar, TypeVar
 from kvplug.core.events import KVEvent
 from kvplug.core.record import RECORD_HEADER_SIZE, key_digest, unpack_record
 from kvplug.core.record_backend import SIZE_UNKNOWN, RecordBackend, RecordToWrite
-from kvplug.core.record_calls import framed_batches, run_batch
+from kvplug.core.record_calls import answering_each, checked_reads, framed_batches, one_each, run_batch
 from kvplug.core.record_index import RecordIndex, Victim
 from kvplug.core.record_maintenance import LISTING_TIMEOUT_S, RecordMaintenance
 from kvplug.core.remote import RecordTierConfig, RemoteCalls
 from kvplug.core.retry import Absent, FailureKind
 from kvplug.core.tier import Buffer, Medium, StorageTier, TierContext, TierStats
 from kvplug.errors import (
+    BackendAnswerError,
     CorruptChunkError,
     IncompatibleChunkError,
     TierClosedError,
@@ -129,7 +131,7 @@ class RecordTier(RecordMaintenance, StorageTier):
         hints = [None if entry is None else entry[0] + RECORD_HEADER_SIZE for entry in seen]
         pairs = list(zip(names, hints))
         stored: list[Buffer | BaseException | None] = []
-        for group, result in self._groups(self._read_pairs, pairs, self._backend.call_sizes.read):
+        for group, result in self._groups(checked_reads(self._backend), pairs, self._backend.call_sizes.read):
             if isinstance(result, Absent):
                 result = [None] * len(group)
             stored.extend([result] * len(group) if isinstance(result, BaseException) else result)
@@ -164,9 +166,6 @@ class RecordTier(RecordMaintenance, StorageTier):
         """The value of a record read for ``key``, checked (:func:`kvplug.unpack_record`);
         raises ``CorruptChunkError`` or ``IncompatibleChunkError``."""
         return unpack_record(data, key)
-
-    async def _read_pairs(self, pairs: Sequence[tuple[str, int | None]]) -> Sequence[Buffer | None | BaseException]:
-        return await self._backend.read([name for name, _ in pairs], [size for _, size in pairs])
 
     # --- writes ---------------------------------------------------------------------
 
@@ -217,8 +216,8 @@ class RecordTier(RecordMaintenance, StorageTier):
         if self._backend.evicts_on_its_own and not failed:
             self._check_indexed()
 
-    async def _write_group(self, group: Sequence[tuple[str, RecordToWrite]]) -> list[BaseException | None]:
-        return await self._backend.write([record for _, record in group])
+    async def _write_group(self, group: Sequence[tuple[str, RecordToWrite]]) -> Sequence[BaseException | None]:
+        return one_each(group, await self._backend.write([record for _, record in group]), "write")
 
     def remove(self, keys: Sequence[str]) -> None:
         self._check_open()
@@ -375,14 +374,14 @@ class RecordTier(RecordMaintenance, StorageTier):
         self._index.clear()
 
     def _classify(self, exc: BaseException) -> FailureKind:
-        return self._backend.classify(exc)
+        return "permanent" if isinstance(exc, BackendAnswerError) else self._backend.classify(exc)
 
     def _groups(
-        self, operation: Callable[[Sequence[A]], Awaitable[T]], items: Sequence[A], size: int
-    ) -> list[tuple[Sequence[A], T | BaseException]]:
-        """Run ``operation`` on slices of ``size`` items; (slice, result or exception)."""
+        self, operation: Callable[[Sequence[A]], Awaitable[Sequence[T]]], items: Sequence[A], size: int
+    ) -> list[tuple[Sequence[A], Sequence[T] | BaseException]]:
+        """Run ``operation`` on slices of ``size`` items; (slice, its answer, one per item, or an exception)."""
         groups = [items[i : i + size] for i in range(0, len(items), max(size, 1))]
-        return list(zip(groups, self._batch(operation, groups)))
+        return list(zip(groups, self._batch(answering_each(operation), groups)))
 
     def _batch(self, operation: Callable[[A], Awaitable[T]], arguments: Iterable[A]) -> list[T | BaseException]:
         try:

@@ -37,6 +37,7 @@ from kvplug.core.config_types import BackoffSeconds, Concurrency, FailureCount, 
 from kvplug.core.eviction import EvictionName
 from kvplug.core.queue_settings import QueueSettings
 from kvplug.core.retry import (
+    LOOP_STALL_GRACE_S,
     BreakerState,
     CircuitBreaker,
     FailureKind,
@@ -53,7 +54,7 @@ _STATE_VALUES: dict[BreakerState, float] = {"closed": 0.0, "half_open": 1.0, "op
 #: A store that is down fails every put; a tier says so once in this many seconds, not per put.
 DROP_WARNING_INTERVAL_S = 60.0
 #: How long past its deadline a call may take before the caller stops waiting for a stuck loop.
-_BACKSTOP_GRACE_S = 0.1
+_BACKSTOP_GRACE_S = LOOP_STALL_GRACE_S
 
 _deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("kvplug_call_deadline", default=None)
 
@@ -315,8 +316,13 @@ class RemoteCalls:
         try:
             return future.result(max(deadline - time.monotonic(), 0.0) + _BACKSTOP_GRACE_S)
         except concurrent.futures.TimeoutError:
+            # The loop is stuck (a client blocking it): a failure of the store like any
+            # other, or every later call would wait out this backstop too.
             future.cancel()
-            self._count_failure(TimeoutError())
+            stuck = TimeoutError(f"{self.where}: call overran its deadline (the tier's event loop is blocked)")
+            self._count_failure(stuck)
+            if self.breaker.record_failure():
+                self._opened(stuck)
             raise TierUnavailableError(f"{self.where}: call overran its deadline; cancelled") from None
         except concurrent.futures.CancelledError:
             raise TierClosedError(f"tier {self.tier!r} ({self.where}) was closed during the call") from None

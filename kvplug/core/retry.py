@@ -92,6 +92,21 @@ class CircuitBreaker:
             return True
 
 
+#: How far past its deadline an attempt may return before it counts as timed out: only an
+#: operation that blocks the event loop gets there (``wait_for`` ends the others).
+LOOP_STALL_GRACE_S = 0.1
+
+
+def _cancelled() -> bool:
+    """Whether the running task was asked to cancel (Python 3.11+ can tell)."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no running loop: nothing to cancel
+        return False
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling()) if cancelling is not None else False
+
+
 class Absent(Exception):
     """The key does not exist in the store: an answer, not a failure.
 
@@ -159,7 +174,14 @@ class RetryPolicy:
                 if attempt_s <= 0:
                     raise TierUnavailableError("the call's time budget is spent")
             try:
+                started = time.monotonic()
                 result = await asyncio.wait_for(operation(), attempt_s)
+                if _cancelled():  # a result wait_for (before Python 3.12) let through a cancellation
+                    raise asyncio.CancelledError
+                if time.monotonic() - started > attempt_s + LOOP_STALL_GRACE_S:
+                    # wait_for could not end it: the operation blocked the event loop (a
+                    # blocking client call in a coroutine). It timed out all the same.
+                    raise TimeoutError(f"the operation blocked the event loop past its {attempt_s:g} s deadline")
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import mmap
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +21,21 @@ from kvplug.core.tenancy import Tenancy
 
 #: What ``get`` returns for a key: the whole value, or ``None`` for a miss.
 Buffer = bytes | bytearray | memoryview
+
+
+class MappedFile(mmap.mmap):
+    """A read-only mapping of a file in a store that processes share (tier ``shm``'s
+    record files), whose views a tier's ``get`` may return instead of a copy.
+
+    A view of it keeps the file's pages in memory after the file is unlinked (evicted),
+    where no budget counts them and no eviction can free them: a tier that keeps the
+    buffers it is given (:attr:`StorageTier.keeps_buffers`) copies such a value
+    (:func:`is_mapped_file`) instead of keeping the view."""
+
+
+def is_mapped_file(value: Buffer) -> bool:
+    """Whether ``value`` is a view of a :class:`MappedFile`."""
+    return isinstance(value.obj if isinstance(value, memoryview) else value, MappedFile)
 
 
 #: Where a tier keeps its values (:attr:`StorageTier.medium`), fastest first.
@@ -126,7 +142,9 @@ class StorageTier(ABC):
     #: count as such whatever they declare.
     inline_lookups: ClassVar[bool] = False
     #: True for tiers that keep the very buffers ``put`` hands them (in-memory
-    #: tiers): the engine sizes its frame pool to cover their ``max_bytes``.
+    #: tiers): the engine sizes its frame pool to cover their ``max_bytes``. Such a tier
+    #: copies a value that is a view of a :class:`MappedFile` (:func:`is_mapped_file`):
+    #: kept, the view would hold a shared file's pages after the file is evicted.
     keeps_buffers: ClassVar[bool] = False
     #: True for tiers whose ``get`` returns the very bytes ``put`` was given in this
     #: process (process memory, nothing in between that could change them): the engine

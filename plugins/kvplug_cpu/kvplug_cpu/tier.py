@@ -6,7 +6,10 @@
 (the caller hands them over, see :class:`kvplug.StorageTier`), or copied into
 page-locked memory when ``pin_memory`` applies and they are not pinned already
 (frames of an engine's pinned frame pool are), so a CUDA engine can copy them to
-the GPU asynchronously.
+the GPU asynchronously. A value that is a view of a shared file's mapping (a hit in
+tier ``shm`` promoted here) is copied: kept, it would hold the file's pages in the
+shared folder's memory after the file is evicted, which no budget counts and no
+eviction frees.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from kvplug import (
     TierConfig,
     TierContext,
     TierStats,
+    is_mapped_file,
 )
 from kvplug.errors import TierClosedError, ValueTooLargeError
 
@@ -193,6 +197,8 @@ class CPUTier(StorageTier):
             return self._pin(view)
         if isinstance(value, bytes):
             return value
+        if is_mapped_file(view):
+            return view.tobytes()
         return view.toreadonly()
 
     def _check_open(self) -> None:

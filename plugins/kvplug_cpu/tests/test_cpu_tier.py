@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import mmap
 import subprocess
 import sys
 
 import pytest
 
+from kvplug import MappedFile, is_mapped_file
 from kvplug.testing import StorageTierContract, key_for, tier_context, value_for
 from kvplug_cpu import CPUTier
 
@@ -67,3 +69,23 @@ def test_pinning_is_off_without_cuda() -> None:
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
         CPUTier(CPUTier.Config(pin_memory="always"), tier_context())
+
+
+def test_a_view_of_a_mapped_file_is_copied_and_other_buffers_are_kept(tmp_path) -> None:
+    """A value that is a view of a shared file's mapping (tier shm's hits, promoted here) is
+    copied: kept, it would hold the file's pages after the file is evicted. Other buffers
+    are kept as they are (frames of the engine's pool are not copied again)."""
+    path = tmp_path / "record"
+    path.write_bytes(b"r" * 8192)
+    with open(path, "rb") as file:
+        mapping = MappedFile(file.fileno(), 8192, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    mapped_view = memoryview(mapping)[100:4100].toreadonly()
+    kept = bytearray(b"k" * 4000)
+    tier = make_cpu_tier()
+    tier.put([(key_for("mapped"), mapped_view), (key_for("kept"), kept)])
+    held_mapped, held_kept = tier.get([key_for("mapped"), key_for("kept")])
+    assert held_mapped == b"r" * 4000 and not is_mapped_file(held_mapped)
+    assert isinstance(held_kept, memoryview) and held_kept.obj is kept  # not copied
+    del mapped_view
+    mapping.close()  # possible only when no view of it is left: the tier holds none
+    assert tier.get([key_for("mapped")])[0] == b"r" * 4000

@@ -249,21 +249,23 @@ class DiskBackend(RecordBackend):
             return exc
 
     def _write_temp(self, record: RecordToWrite, mtime_ns: int) -> TempFile:
-        """Write the temp file; on a full disk, evict this process's next victims and retry."""
-        needed = record.size + 64 * 1024  # + blocks, metadata
+        """Write the temp file; on a full disk, make room (:meth:`_make_room`) and retry."""
         for attempt in range(NO_SPACE_ROUNDS + 1):
             try:
                 return self._folder.write_temp(record.name, record.header, record.value, mtime_ns=mtime_ns)
             except OSError as exc:
-                if not is_no_space(exc) or attempt == NO_SPACE_ROUNDS:
-                    raise
-                with self._lock, self._ledger.locked() as usage:
-                    victims = self._order.pop_victims(needed << attempt)
-                    self._remove_victims(usage, victims)
-                    self._problems.counts["enospc_evictions"] += len(victims)
-                if not victims:  # nothing of ours left to make room with
+                if not is_no_space(exc) or attempt == NO_SPACE_ROUNDS or not self._make_room(record.size, attempt):
                     raise
         raise AssertionError("unreachable")
+
+    def _make_room(self, size: int, attempt: int) -> bool:
+        """After a write of ``size`` bytes found the disk full (``attempt`` times before):
+        evict this process's next victims, twice as many bytes each round; whether any were."""
+        with self._lock, self._ledger.locked() as usage:
+            victims = self._order.pop_victims((size + 64 * 1024) << attempt)  # + blocks, metadata
+            self._remove_victims(usage, victims)
+            self._problems.counts["enospc_evictions"] += len(victims)
+        return bool(victims)
 
     def take_evicted(self) -> list[StoredRecord]:
         with self._lock:

@@ -37,11 +37,21 @@ mappings it made, up to ``keep_mapped_bytes`` (:mod:`kvplug_disk.mappings`): a r
 read again from the same file is a view of the kept mapping, read at memory speed, its
 checksum verified on the first read only.
 
-A mapping lives as long as any view of it: a value promoted from here into the ``cpu``
-tier (which keeps the buffer it is given) keeps its tmpfs pages after this tier evicts
-the record, until the cpu tier drops it. When the kernel refuses a mapping
+A mapping lives as long as any view of it, and an unlinked file's pages with it: a view
+a caller holds, or another process's kept mapping, keeps an evicted record's memory
+until it goes. So each mapping is a :class:`kvplug.MappedFile`, whose views a tier that keeps
+the buffers it is given (``cpu``) copies rather than keeps: a value promoted from here
+never holds the folder's memory. When the kernel refuses a mapping
 (``vm.max_map_count``), the record is read into memory instead, counted as
 ``extra["map_fallbacks"]``.
+
+When the tmpfs itself is full (ENOSPC, before ``max_bytes`` binds), a write evicts one
+record at a time, asking the file system after each what is free (``statvfs``), and
+stops as soon as the record fits (:meth:`ShmBackend._make_room`). An eviction that frees
+nothing (the record's pages are still mapped somewhere) ends it: the write is dropped,
+and until memory comes back writes that find the tmpfs full are dropped without
+evicting, rather than evicting record after record for no room (:mod:`kvplug_disk.room`;
+``extra["enospc_in_vain"]`` counts such evictions).
 """
 
 from __future__ import annotations
@@ -51,17 +61,19 @@ import mmap
 import os
 import re
 import stat
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvplug import Buffer, Medium, Tenancy, TierContext, key_digest, unpack_record
+from kvplug import Buffer, MappedFile, Medium, RecordToWrite, Tenancy, TierContext, key_digest, unpack_record
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.config import DiskTierConfig, ShmTierConfig
-from kvplug_disk.files import PRIVATE_FOLDER, RecordFolder
+from kvplug_disk.files import PRIVATE_FOLDER, RecordFolder, TempFile
 from kvplug_disk.ledger import Usage
 from kvplug_disk.mappings import MappedRecords
-from kvplug_disk.problems import ProblemLog
+from kvplug_disk.problems import WARN_INTERVAL_S, ProblemLog
+from kvplug_disk.room import InVain, Room
 from kvplug_disk.tier import DiskTier
 
 #: File systems that keep files in memory: a mapping of them is a mapping of RAM.
@@ -87,6 +99,9 @@ class ShmBackend(DiskBackend):
         kept = getattr(config, "keep_mapped_bytes", None)
         #: The mappings this process keeps between reads (:mod:`kvplug_disk.mappings`).
         self.mapped = MappedRecords(int(config.max_bytes if kept is None else kept), self._stat_quietly)
+        self._problems.counts["enospc_in_vain"] = 0
+        self._in_vain = InVain()
+        self._in_vain_warned: float | None = None
 
     def _open_folder(self, config: DiskTierConfig) -> RecordFolder:
         """The folder, made 0700 when missing; refused, before anything is made or cleaned
@@ -135,6 +150,53 @@ class ShmBackend(DiskBackend):
             return memoryview(b""), info
         self.mapped.keep(digest, info, mapping)
         return memoryview(mapping), info
+
+    def _make_room(self, size: int, attempt: int) -> bool:
+        """After a write of ``size`` bytes found the tmpfs full: evict one record at a time,
+        asking the file system after each what is free, until the write fits (``True``).
+        ``False`` (the write is dropped): nothing of this process's left to evict, the
+        tmpfs not full by what it says (once retried), an eviction that freed nothing (its
+        pages are still mapped: the next would likely be evicted for nothing too), or one
+        that did so lately with nothing freed since (:mod:`kvplug_disk.room`)."""
+        with self._lock, self._ledger.locked() as usage:
+            room = Room.of(self._folder.root_fd)
+            if room is None or self._in_vain.held_off(room):
+                return False
+            if room.fits(size):  # full by something statvfs does not show, or freed meanwhile
+                return attempt == 0
+            while not room.fits(size):
+                victims = self._order.pop_victims(1)
+                if not victims:
+                    return False
+                self._remove_victims(usage, victims)
+                self._problems.counts["enospc_evictions"] += len(victims)
+                after = Room.of(self._folder.root_fd)
+                if after is None:
+                    return False
+                if not after.more_than(room):
+                    self._evicted_in_vain(after)
+                    return False
+                room = after
+        return True
+
+    def _write_temp(self, record: RecordToWrite, mtime_ns: int) -> TempFile:
+        temp = super()._write_temp(record, mtime_ns)
+        self._in_vain.wrote(record.size)
+        return temp
+
+    def _evicted_in_vain(self, room: Room) -> None:
+        self._in_vain.freed_nothing(room)
+        self._problems.counts["enospc_in_vain"] += 1
+        now = time.monotonic()
+        if self._in_vain_warned is not None and now - self._in_vain_warned < WARN_INTERVAL_S:
+            return
+        self._in_vain_warned = now
+        self._problems.logger.warning(
+            "tier shm: %s is full, and evicting a record freed no memory (its pages are still mapped: a view "
+            "some process holds, or another process's kept mapping); writes that find it full are dropped "
+            "without evicting until memory comes back (counted as enospc_in_vain)",
+            self.where,
+        )
 
     def _stat_quietly(self, digest: str) -> os.stat_result | None:
         return None if self._skipped(digest) else self._folder.stat(digest)
@@ -241,13 +303,13 @@ def not_private(found: os.stat_result) -> str | None:
 _LINK = "it is a symbolic link (another user could have planted it to receive the records); name the folder itself"
 
 
-def map_file(fd: int, size: int) -> mmap.mmap | None:
+def map_file(fd: int, size: int) -> MappedFile | None:
     """A read-only shared mapping of the first ``size`` bytes of the file open as ``fd``
     (unmapped when it and the last view of it are released); ``None`` for an empty file,
     which mmap refuses (an empty record is corrupt anyway)."""
     if size == 0:
         return None
-    return mmap.mmap(fd, size, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+    return MappedFile(fd, size, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
 
 
 def file_system_of(path: Path, mounts: str = "/proc/self/mounts") -> str:

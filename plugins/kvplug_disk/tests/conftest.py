@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,3 +26,30 @@ def shm_dir(tmp_path: Path) -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs of 4 KiB pages mounted for the test and unmounted after it: a full
+    shared-memory folder without filling the host's /dev/shm. Needs root (CI runs as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    point = tmp_path / "tmpfs"
+    point.mkdir()
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m,huge=never,mode=0700", "tmpfs", str(point)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield point
+    finally:
+        # Lazily if still busy (a test that failed holding a mapping): never left mounted.
+        if subprocess.run(["umount", str(point)], capture_output=True, timeout=60).returncode != 0:
+            subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=60)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from test_disk_engine import LAYOUT, NUM_BLOCKS, kv_at, paged_caches
 
-from kvplug import CacheEngine, Fingerprint, load_config
+from kvplug import CacheEngine, Fingerprint, is_mapped_file, load_config
 
 
 def engine_on(tiers: list[dict[str, object]]) -> CacheEngine:
@@ -38,3 +38,6 @@ def test_an_engine_loads_kv_another_stored_in_shm_and_promotes_it_to_cpu(shm_dir
             assert torch.equal(want, got)
         assert shared.stats().hits == 3 and shared.stats().extra["map_fallbacks"] == 0
         assert cpu.stats().items == 3  # promoted
+        # ... as copies: a view of a record's mapping would keep its pages after an eviction
+        promoted = cpu.get([chunk.key for chunk in second.chunk_keys(tokens)])
+        assert all(value is not None and not is_mapped_file(value) for value in promoted)
