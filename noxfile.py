@@ -4,6 +4,7 @@
     nox -s demo             # the README's first command: `kvplug demo` on the embedded default
     nox -s demo-synthetic   # the engine-free demo: the core venv only, no vLLM
     nox -s build            # wheels and sdists of every package into dist/
+    nox -s docs             # the documentation site, built strictly into site/
     nox -s core             # one session
     nox -s oracle           # the KV oracle's whole matrix on real vLLM engines (not in the default set)
 
@@ -28,7 +29,7 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
-nox.options.sessions = ["lint", "core", "packaging", "vllm", "sglang", "cuda"]
+nox.options.sessions = ["lint", "docs", "core", "packaging", "vllm", "sglang", "cuda"]
 
 #: Set by .ci/run: each default session's venv is removed when the session ends, so the disk
 #: holds one test environment at a time (together they take ~15 GB: sglang's torch 2.14.1 is
@@ -329,6 +330,19 @@ def lint(session: nox.Session) -> None:
         session.run("mypy", *packages, env={"MYPYPATH": os.pathsep.join(PLUGIN_FOLDERS)})
     if "imports" in steps:
         session.run("lint-imports", env={"PYTHONPATH": os.pathsep.join(PLUGIN_FOLDERS)})
+
+
+@default_session
+def docs(session: nox.Session) -> None:
+    """The documentation site (docs/ and mkdocs.yml, mkdocs-material) built into site/, strictly: a broken link or
+    anchor, a page outside the nav, or a docstring the API reference cannot render fails the session.
+
+    Nothing of kvplug is installed: mkdocstrings reads the docstrings from the source (griffe's
+    static analysis), so the site builds in seconds, without torch or an engine.
+    """
+    session.install("-r", "constraints/docs.txt")
+    # NO_MKDOCS_2_WARNING: mkdocs-material's end-of-life banner, printed on every build
+    session.run("mkdocs", "build", "--strict", "--clean", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 #: Every package: the core at the root, then each plugin.

