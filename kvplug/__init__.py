@@ -39,8 +39,6 @@ from kvplug.core.control_protocol import CONTROL_PROTOCOL_VERSION, ControlReques
 from kvplug.core.control_protocol import encode_request as encode_control_request
 from kvplug.core.control_socket import (
     LOOKUP_DIR_ENV,
-    MessageServer,
-    ServerLimits,
     check_socket_file,
     foreign_peer,
     private_socket_dir,
@@ -50,6 +48,7 @@ from kvplug.core.events import KVEvent
 from kvplug.core.eviction import EvictionName, EvictionPolicy, LRUPolicy, S3FIFOPolicy, make_eviction_policy
 from kvplug.core.guarded_eviction import GuardedEviction, PinOutcome
 from kvplug.core.keys import KV_FORMAT_VERSION, ChunkKey, ExtraKey, Fingerprint, KeyBuilder, RequestInfo
+from kvplug.core.message_server import MessageServer, ServerLimits
 from kvplug.core.metrics import EngineMetrics, MetricSample
 from kvplug.core.pins import pin_keys, unpin_keys
 from kvplug.core.queue_settings import OldQueueKey, QueueSettings

@@ -51,8 +51,14 @@ def _run(action: Callable[[], T]) -> T:
 
 
 def _client(engine: str | None, socket_dir: Path | None, timeout: float) -> ControlClient:
-    found = find_ranks(socket_dir)
-    return ControlClient(select_engine(found.ranks, engine), timeout_s=timeout)
+    found = find_ranks(socket_dir, timeout_s=timeout)
+    try:
+        return ControlClient(select_engine(found.ranks, engine), timeout_s=timeout)
+    except ControlError as exc:
+        if not found.unreachable:
+            raise
+        why = "; ".join(found.unreachable.values())
+        raise ControlError(f"{exc}; sockets that did not answer: {why}") from None
 
 
 def _request(cache_salt: str | None, lora: str | None) -> dict[str, Any]:

@@ -3,9 +3,9 @@
 An engine adapter starts one for each of its workers' :class:`~kvplug.CacheEngine`
 (one per tensor-parallel rank) on :func:`control_socket_path`, in this user's private
 folder; ``kvplug ctl`` finds them there, asks every rank of an engine and sums. The
-server answers on its own thread and socket, apart from any lookup socket the adapter
+server answers on its own threads and socket, apart from any lookup socket the adapter
 serves its scheduler on, so an operator's request never queues behind, nor ahead of,
-the engine's own lookups.
+the engine's own lookups, and several operators' requests are answered at once.
 
 The server asks a :class:`~kvplug.core.control_target.ControlTarget` (a cache engine's,
 :class:`~kvplug.core.control_target.EngineControl`, by default). ``clear`` removes the
@@ -35,8 +35,9 @@ from kvplug.core.control_protocol import (
     error_reply,
     text_field,
 )
-from kvplug.core.control_socket import MessageServer, ServerLimits, private_socket_dir
+from kvplug.core.control_socket import private_socket_dir
 from kvplug.core.control_target import ControlTarget, EngineControl
+from kvplug.core.message_server import MessageServer, ServerLimits
 from kvplug.core.version import KVPLUG_VERSION
 from kvplug.errors import ControlProtocolError
 
@@ -72,13 +73,16 @@ def control_socket_path(engine_id: str, dp_rank: int, tp_rank: int) -> Path:
 
 
 class ControlServer(MessageServer):
-    """Answers ``kvplug ctl`` for one cache engine on a unix socket, from one thread.
+    """Answers ``kvplug ctl`` for one cache engine on a unix socket.
 
     The socket handling (private folder, peer uid, limits, deadlines) is
     :class:`~kvplug.MessageServer`'s; the messages are :mod:`kvplug.core.control_protocol`'s.
+    Requests are answered on threads of their own, several at once: a slow one (a ``clear``
+    of many chunks, a ``stats`` of a slow tier) holds up only its own client.
     """
 
     thread_name = "kvplug-control-server"
+    answer_threads = 4
 
     def __init__(
         self,
