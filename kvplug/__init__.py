@@ -115,6 +115,7 @@ _LAZY = {
     "ControlServer": "kvplug.core.control_server",
     "ControlIdentity": "kvplug.core.control_server",
     "control_socket_path": "kvplug.core.control_server",
+    "ClearKeys": "kvplug.core.control_target",
     "ControlTarget": "kvplug.core.control_target",
     "EngineControl": "kvplug.core.control_target",
     "PluginRegistry": "kvplug.core.plugins",
@@ -127,7 +128,7 @@ if TYPE_CHECKING:
     from kvplug.core.config_loader import load_config
     from kvplug.core.connector import KVConnector
     from kvplug.core.control_server import ControlIdentity, ControlServer, control_socket_path
-    from kvplug.core.control_target import ControlTarget, EngineControl
+    from kvplug.core.control_target import ClearKeys, ControlTarget, EngineControl
     from kvplug.core.engine import CacheEngine
     from kvplug.core.head_shards import HeadRecords, HeadShard
     from kvplug.core.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
@@ -171,6 +172,7 @@ __all__ = [
     "ChunkKey",
     "ChunkStore",
     "CircuitBreaker",
+    "ClearKeys",
     "ComponentConfig",
     "Concurrency",
     "ControlIdentity",
