@@ -39,8 +39,6 @@ from kvplug.core.control_protocol import CONTROL_PROTOCOL_VERSION, ControlReques
 from kvplug.core.control_protocol import encode_request as encode_control_request
 from kvplug.core.control_socket import (
     LOOKUP_DIR_ENV,
-    MessageServer,
-    ServerLimits,
     check_socket_file,
     foreign_peer,
     private_socket_dir,
@@ -50,6 +48,7 @@ from kvplug.core.events import KVEvent
 from kvplug.core.eviction import EvictionName, EvictionPolicy, LRUPolicy, S3FIFOPolicy, make_eviction_policy
 from kvplug.core.guarded_eviction import GuardedEviction, PinOutcome
 from kvplug.core.keys import KV_FORMAT_VERSION, ChunkKey, ExtraKey, Fingerprint, KeyBuilder, RequestInfo
+from kvplug.core.message_server import MessageServer, ServerLimits
 from kvplug.core.metrics import EngineMetrics, MetricSample
 from kvplug.core.pins import pin_keys, unpin_keys
 from kvplug.core.queue_settings import OldQueueKey, QueueSettings
@@ -118,6 +117,7 @@ _LAZY = {
     "ControlServer": "kvplug.core.control_server",
     "ControlIdentity": "kvplug.core.control_server",
     "control_socket_path": "kvplug.core.control_server",
+    "ClearKeys": "kvplug.core.control_target",
     "ControlTarget": "kvplug.core.control_target",
     "EngineControl": "kvplug.core.control_target",
     "PluginRegistry": "kvplug.core.plugins",
@@ -130,7 +130,7 @@ if TYPE_CHECKING:
     from kvplug.core.config_loader import load_config
     from kvplug.core.connector import KVConnector
     from kvplug.core.control_server import ControlIdentity, ControlServer, control_socket_path
-    from kvplug.core.control_target import ControlTarget, EngineControl
+    from kvplug.core.control_target import ClearKeys, ControlTarget, EngineControl
     from kvplug.core.engine import CacheEngine
     from kvplug.core.head_shards import HeadRecords, HeadShard
     from kvplug.core.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
@@ -174,6 +174,7 @@ __all__ = [
     "ChunkKey",
     "ChunkStore",
     "CircuitBreaker",
+    "ClearKeys",
     "ComponentConfig",
     "Concurrency",
     "ControlIdentity",

@@ -51,8 +51,14 @@ def _run(action: Callable[[], T]) -> T:
 
 
 def _client(engine: str | None, socket_dir: Path | None, timeout: float) -> ControlClient:
-    found = find_ranks(socket_dir)
-    return ControlClient(select_engine(found.ranks, engine), timeout_s=timeout)
+    found = find_ranks(socket_dir, timeout_s=timeout)
+    try:
+        return ControlClient(select_engine(found.ranks, engine), timeout_s=timeout)
+    except ControlError as exc:
+        if not found.unreachable:
+            raise
+        why = "; ".join(found.unreachable.values())
+        raise ControlError(f"{exc}; sockets that did not answer: {why}") from None
 
 
 def _request(cache_salt: str | None, lora: str | None) -> dict[str, Any]:
@@ -328,9 +334,10 @@ def clear_command(
     engine: str | None = _ENGINE, socket_dir: Path | None = _DIR, per_rank: bool = _PER_RANK,
     as_json: bool = _JSON, timeout: float = _TIMEOUT,
 ) -> None:  # fmt: skip
-    """Remove the chunks this engine stored or loaded since it started, of one cache_salt
-    (--salt S, --no-salt) or of all (--all), from every tier or one (--tier). Chunks other
-    engines wrote to a shared tier are left alone (``kvplug store`` handles stores offline)."""
+    """Remove the chunks this engine stored since it started, of one cache_salt (--salt S,
+    --no-salt) or of all (--all), from every tier or one (--tier); chunks it only loaded go
+    from its private tiers (cpu) alone. Records other engines wrote to a tier they may share
+    are left alone (``kvplug store`` handles stores offline)."""
     if sum([cache_salt is not None, no_salt, all_salts]) != 1:
         print_error("say what to clear: exactly one of --salt S, --no-salt, --all")
         raise typer.Exit(2)
@@ -347,7 +354,8 @@ def clear_command(
         return
     where = ", ".join(f"{label}: {count} chunks ({_size(freed.get(label))})" for label, count in removed.items())
     console.print(
-        f"cleared the chunks of {scope} that engine {replies[0][0].engine_id} stored or loaded, over "
+        f"cleared the chunks of {scope} that engine {replies[0][0].engine_id} stored (and from its "
+        f"private tiers those it loaded), over "
         f"{len(replies)} rank(s): {where or 'no tier matched'}",
         highlight=False,
         markup=False,

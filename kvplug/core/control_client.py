@@ -10,6 +10,7 @@ answers on (a killed engine) is skipped and reported.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,11 @@ from typing import Any
 from kvplug.core.control_protocol import encode_request, exchange
 from kvplug.core.control_socket import check_socket_file, private_socket_dir
 from kvplug.errors import ControlError, UnsafeSocketPathError
+
+#: The shortest wait (and first pause between tries to connect to a busy engine).
+_MIN_WAIT_S = 0.01
+#: The longest pause between two tries to connect.
+_MAX_RETRY_PAUSE_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -46,22 +52,49 @@ class Found:
 
 def ask(path: Path, op: str, fields: Mapping[str, Any] | None = None, tokens: Sequence[int] = (), *,
         timeout_s: float = 30.0) -> dict[str, Any]:  # fmt: skip
-    """One request to one socket; :class:`ControlError` when it cannot be answered or the
-    engine replied with an error."""
+    """One request to one socket; :class:`ControlError` when it cannot be answered within
+    ``timeout_s`` (connecting and answering together) or the engine replied with an error."""
     try:
         check_socket_file(path)
     except (UnsafeSocketPathError, ConnectionRefusedError) as exc:
         raise ControlError(str(exc)) from None
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    with _connect(path, deadline, timeout_s) as sock:
+        sock.settimeout(max(deadline - time.monotonic(), _MIN_WAIT_S))
         try:
-            sock.connect(str(path))
-        except OSError as exc:
-            raise ControlError(f"cannot connect to {path}: {exc.strerror or exc}") from None
-        reply = exchange(sock, encode_request(op, fields, tokens))
+            reply = exchange(sock, encode_request(op, fields, tokens))
+        except ControlError as exc:
+            if isinstance(exc.__cause__, TimeoutError):
+                raise ControlError(f"{path} did not answer within {timeout_s:g} s") from None
+            raise
     if "error" in reply:
         raise ControlError(f"{path.name}: {reply['error']}")
     return reply
+
+
+def _connect(path: Path, deadline: float, timeout_s: float) -> socket.socket:
+    """A connection to ``path``. While the server's backlog is full (it is busy and accepts no
+    one now: the kernel answers EAGAIN), try again until ``deadline``."""
+    pause = _MIN_WAIT_S
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(max(deadline - time.monotonic(), _MIN_WAIT_S))
+        try:
+            sock.connect(str(path))
+            return sock
+        except BlockingIOError:
+            sock.close()
+        except OSError as exc:
+            sock.close()
+            raise ControlError(f"cannot connect to {path}: {exc.strerror or exc}") from None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ControlError(
+                f"{path} did not accept a connection within {timeout_s:g} s: the engine is busy "
+                "(its backlog of waiting connections is full); try again or pass a longer --timeout"
+            )
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, _MAX_RETRY_PAUSE_S)
 
 
 def find_ranks(folder: Path | None = None, *, timeout_s: float = 5.0) -> Found:

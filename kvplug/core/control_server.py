@@ -3,15 +3,16 @@
 An engine adapter starts one for each of its workers' :class:`~kvplug.CacheEngine`
 (one per tensor-parallel rank) on :func:`control_socket_path`, in this user's private
 folder; ``kvplug ctl`` finds them there, asks every rank of an engine and sums. The
-server answers on its own thread and socket, apart from any lookup socket the adapter
+server answers on its own threads and socket, apart from any lookup socket the adapter
 serves its scheduler on, so an operator's request never queues behind, nor ahead of,
-the engine's own lookups.
+the engine's own lookups, and several operators' requests are answered at once.
 
 The server asks a :class:`~kvplug.core.control_target.ControlTarget` (a cache engine's,
 :class:`~kvplug.core.control_target.EngineControl`, by default). ``clear`` removes the
-chunks this engine stored or loaded since it started (the target's journal, fed by its
-events), never those other engines wrote to a shared tier: it can say exactly what it
-removed. ``kvplug store`` handles stores offline.
+chunks this engine stored since it started (the target's journal, fed by its events) from
+every tier, and those it only loaded from its private tiers alone (``trusted_reads``), never
+what other engines wrote to a tier they may share: it can say exactly what it removed.
+``kvplug store`` handles stores offline.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +37,9 @@ from kvplug.core.control_protocol import (
     error_reply,
     text_field,
 )
-from kvplug.core.control_socket import MessageServer, ServerLimits, private_socket_dir
-from kvplug.core.control_target import ControlTarget, EngineControl
+from kvplug.core.control_socket import private_socket_dir
+from kvplug.core.control_target import ClearKeys, ControlTarget, EngineControl
+from kvplug.core.message_server import MessageServer, ServerLimits
 from kvplug.core.version import KVPLUG_VERSION
 from kvplug.errors import ControlProtocolError
 
@@ -72,13 +75,16 @@ def control_socket_path(engine_id: str, dp_rank: int, tp_rank: int) -> Path:
 
 
 class ControlServer(MessageServer):
-    """Answers ``kvplug ctl`` for one cache engine on a unix socket, from one thread.
+    """Answers ``kvplug ctl`` for one cache engine on a unix socket.
 
     The socket handling (private folder, peer uid, limits, deadlines) is
     :class:`~kvplug.MessageServer`'s; the messages are :mod:`kvplug.core.control_protocol`'s.
+    Requests are answered on threads of their own, several at once: a slow one (a ``clear``
+    of many chunks, a ``stats`` of a slow tier) holds up only its own client.
     """
 
     thread_name = "kvplug-control-server"
+    answer_threads = 4
 
     def __init__(
         self,
@@ -100,6 +106,7 @@ class ControlServer(MessageServer):
             "unpin": self._pin,
             "clear": self._clear,
         }
+        self._clearing = threading.Lock()
         try:
             super().__init__(
                 path or control_socket_path(identity.engine_id, identity.dp_rank, identity.tp_rank), limits
@@ -180,33 +187,47 @@ class ControlServer(MessageServer):
         return dataclasses.asdict(report)
 
     def _clear(self, request: ControlRequest) -> dict[str, Any]:
-        """Remove the journal's chunks in the request's scope, from one tier (or all); say what."""
+        """Remove the journal's chunks in the request's scope, from one tier (or all); say what.
+
+        What this engine wrote goes from every tier; what it only loaded, only from its
+        private tiers (``trusted_reads``): a tier others may share keeps their records."""
         target = self.target
-        keys, scope = target.clear_keys(request)
+        plan: ClearKeys | tuple[list[str], str] = target.clear_keys(request)
+        if isinstance(plan, tuple):  # a target written before ClearKeys: its keys count as its own
+            plan = ClearKeys(list(plan[0]), [], plan[1])
         tier_name = text_field(request.fields, "tier")
         chain = target.chain
         labels = [label for label, _ in chain.stats()]
-        chosen = [(label, tier) for label, tier in zip(labels, chain.tiers) if _tier_matches(label, tier_name)]
+        chosen = [
+            (index, label, tier)
+            for index, (label, tier) in enumerate(zip(labels, chain.tiers))
+            if _tier_matches(label, tier_name)
+        ]
         if tier_name is not None and not chosen:
             raise ControlProtocolError(f"no tier {tier_name!r} in this engine; tiers: {', '.join(labels)}")
         target.flush()  # a queued write would land after the removal
         removed: dict[str, int] = {}
         freed: dict[str, int] = {}
-        for label, tier in chosen:
-            before = tier.stats().bytes_used
-            present = [key for key, held in zip(keys, tier.contains(keys) if keys else []) if held]
-            if present:
-                tier.remove(present)
-            removed[label] = len(present)
-            freed[label] = max(0, before - tier.stats().bytes_used)
-        if tier_name is None:
-            target.forget(keys)
+        gone = set(plan.written)  # the records removed from every tier this clear asks
+        with self._clearing:  # the bytes a clear reports freed are its own
+            for index, label, tier in chosen:
+                keys = plan.for_tier(index, private=tier.trusted_reads)
+                gone.intersection_update(keys)
+                before = tier.stats().bytes_used
+                present = [key for key, held in zip(keys, tier.contains(keys) if keys else []) if held]
+                if present:
+                    tier.remove(present)
+                removed[label] = len(present)
+                freed[label] = max(0, before - tier.stats().bytes_used)
+            if tier_name is None:  # what may still be in a shared tier (another's) stays noted
+                target.forget([key for key in plan.written if key in gone])
         return {
             "removed": removed,
             "bytes_freed": freed,
-            "known_chunks": len(keys),
+            "known_chunks": len(plan.written) + len(plan.loaded),
+            "only_loaded": len(plan.loaded),
             "journal_forgot": target.journal.forgotten,
-            "scope": scope,
+            "scope": plan.scope,
         }
 
 

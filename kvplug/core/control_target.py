@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvplug.core.control_protocol import ControlRequest, text_field
@@ -34,32 +35,97 @@ if TYPE_CHECKING:
 MAX_JOURNAL_CHUNKS = 1 << 20
 
 
+@dataclass(frozen=True)
+class ClearKeys:
+    """The records a ``clear`` request means, whose they are, and its scope in words.
+
+    ``written`` are records this engine stored; ``loaded`` are records it only loaded
+    (another engine, or an earlier run, wrote them). From this engine's private tiers
+    (``trusted_reads``: this process's own memory) ``clear`` removes both; from any other
+    tier, which other engines may share, only the written records, and of those only the
+    ones this engine's own writes put there (``written_to``, per tier index, when the
+    target can tell): a tier that already held a record when this engine stored it kept
+    the other writer's record, which stays.
+    """
+
+    written: list[str]
+    loaded: list[str]
+    scope: str
+    #: Per tier (its index in the chain), the records of ``written`` this engine's writes
+    #: put there; ``None``: not known, every written record counts as written everywhere.
+    written_to: Mapping[int, Sequence[str]] | None = None
+
+    def for_tier(self, index: int, *, private: bool) -> list[str]:
+        """The records to remove from the tier at ``index`` (``private``: it has ``trusted_reads``)."""
+        if private:
+            return self.written + self.loaded
+        if self.written_to is None:
+            return list(self.written)
+        return list(self.written_to.get(index, ()))
+
+
+_STORED = 1
+_LOADED = 2
+_TIER_BITS = 2  # bit _TIER_BITS + i: this cache's chain wrote the key to tier i
+
+
 class ChunkJournal:
-    """The keys a cache stored or loaded (from its events), newest last; bounded."""
+    """The keys a cache stored or loaded (from its events), newest last, and for each the
+    tiers its own writes put it in (:meth:`on_written`, from its chain); bounded."""
 
     def __init__(self, max_chunks: int = MAX_JOURNAL_CHUNKS) -> None:
         self.max_chunks = max_chunks
         #: Keys dropped because the journal was full: ``clear`` cannot name them.
         self.forgotten = 0
-        self._keys: OrderedDict[str, None] = OrderedDict()
+        self._keys: OrderedDict[str, int] = OrderedDict()  # key -> _STORED | _LOADED | tier bits
         self._lock = threading.Lock()
 
     def on_event(self, event: KVEvent) -> None:
-        if event.kind in ("stored", "loaded"):  # an eviction from one tier leaves the others: clear asks each
-            self.add(event.keys)
+        # An eviction from one tier leaves the others: clear asks each.
+        if event.kind == "stored":
+            self._note(event.keys, _STORED)
+        elif event.kind == "loaded":
+            self._note(event.keys, _LOADED)
 
-    def add(self, keys: Sequence[str]) -> None:
+    def on_written(self, tier: int, keys: Sequence[str]) -> None:
+        """The chain wrote ``keys`` to its tier at index ``tier`` (a :class:`~kvplug.core.tier_slot.WriteListeners` listener)."""
+        self._note(keys, 1 << (_TIER_BITS + tier))
+
+    def _note(self, keys: Sequence[str], bits: int) -> None:
         with self._lock:
             for key in keys:
-                self._keys[key] = None
+                self._keys[key] = self._keys.get(key, 0) | bits
                 self._keys.move_to_end(key)
             while len(self._keys) > self.max_chunks:
                 self._keys.popitem(last=False)
                 self.forgotten += 1
 
     def keys(self, prefix: str = "") -> list[str]:
+        """Every key stored or loaded that starts with ``prefix``."""
+        stored, loaded = self.split(prefix)
+        return stored + loaded
+
+    def split(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        """The keys starting with ``prefix`` that this cache stored, and those it only loaded."""
+        stored: list[str] = []
+        loaded: list[str] = []
         with self._lock:
-            return [key for key in self._keys if key.startswith(prefix)]
+            for key, bits in self._keys.items():
+                if key.startswith(prefix) and bits & (_STORED | _LOADED):
+                    (stored if bits & _STORED else loaded).append(key)
+        return stored, loaded
+
+    def written_to(self, keys: Sequence[str]) -> dict[int, list[str]]:
+        """Per tier index, which of ``keys`` this cache's chain wrote there."""
+        found: dict[int, list[str]] = {}
+        with self._lock:
+            for key in keys:
+                tiers, index = self._keys.get(key, 0) >> _TIER_BITS, 0
+                while tiers:
+                    if tiers & 1:
+                        found.setdefault(index, []).append(key)
+                    tiers, index = tiers >> 1, index + 1
+        return found
 
     def forget(self, keys: Sequence[str]) -> None:
         with self._lock:
@@ -93,10 +159,11 @@ class ControlTarget:
     def pin(self, tokens: Sequence[int], request: RequestInfo, *, unpin: bool = False) -> PinReport:
         raise ControlProtocolError("this engine keeps no pins")
 
-    def clear_keys(self, request: ControlRequest) -> tuple[list[str], str]:
-        """The journal's keys a ``clear`` request means, and its scope in words."""
+    def clear_keys(self, request: ControlRequest) -> ClearKeys:
+        """The journal's keys a ``clear`` request means (stored, only loaded), and its scope."""
         if request.fields.get("all_salts") is True:
-            return self.journal.keys(), "every cache_salt"
+            stored, loaded = self.journal.split()
+            return ClearKeys(stored, loaded, "every cache_salt", self.journal.written_to(stored))
         raise ControlProtocolError("clear needs a scope this engine can tell: all_salts")
 
     def forget(self, keys: Sequence[str]) -> None:
@@ -113,12 +180,24 @@ class ControlTarget:
 
 class EngineControl(ControlTarget):
     """The control target of a :class:`~kvplug.CacheEngine`: its own lookups, explain over its
-    tiers (the memory tier too), pins, and a journal fed by its events."""
+    tiers (the memory tier too), pins, and a journal fed by its events.
 
-    def __init__(self, engine: CacheEngine) -> None:
+    The journal notes what the engine stored and loaded (its events) and which tiers its
+    chain wrote each record to. ``companions`` are engines that store into the same tiers
+    under fingerprints of their own (a model's other KV cache groups,
+    ``CacheEngine(shares_tiers_with=engine)``): the journal notes theirs too, and ``clear``
+    removes their records with the engine's."""
+
+    def __init__(self, engine: CacheEngine, companions: Sequence[CacheEngine] = ()) -> None:
         super().__init__(engine.chain, engine.metrics)
         self.engine = engine
-        engine.add_event_listener(self.journal.on_event)
+        #: The engines whose stores and loads the journal notes: this one and its companions.
+        self.engines = [engine, *companions]
+        for source in self.engines:
+            if source.chain is not self.chain:
+                raise ValueError("an engine's companions must store into its own tiers (shares_tiers_with)")
+            source.add_event_listener(self.journal.on_event)
+        self.chain.writes.add(self.journal.on_written)
 
     def describe(self) -> dict[str, Any]:
         fingerprint = self.engine.fingerprint
@@ -150,21 +229,37 @@ class EngineControl(ControlTarget):
     def pin(self, tokens: Sequence[int], request: RequestInfo, *, unpin: bool = False) -> PinReport:
         return (self.engine.unpin if unpin else self.engine.pin)(tokens, request=request)
 
-    def clear_keys(self, request: ControlRequest) -> tuple[list[str], str]:
-        records = self.engine.records
-        if request.fields.get("all_salts") is True:
-            keys = self.journal.keys(f"{self.engine.fingerprint.format_version}/")
-            return records.all_records(keys), "every cache_salt"
-        if "cache_salt" not in request.fields:
-            raise ControlProtocolError("clear needs a scope: cache_salt (null: no salt) or all_salts: true")
-        info = request.request_info()
-        fingerprint = self.engine.fingerprint.for_request(cache_salt=info.cache_salt, lora_id=info.lora_id)
-        keys = records.all_records(self.journal.keys(fingerprint.key_prefix()))
-        lora = f", LoRA {info.lora_id!r}" if info.lora_id else ""
-        return keys, f"cache_salt {text_field(request.fields, 'cache_salt')!r}{lora}"
+    def clear_keys(self, request: ControlRequest) -> ClearKeys:
+        scoped: RequestInfo | None = None
+        scope = "every cache_salt"
+        if request.fields.get("all_salts") is not True:
+            if "cache_salt" not in request.fields:
+                raise ControlProtocolError("clear needs a scope: cache_salt (null: no salt) or all_salts: true")
+            scoped = request.request_info()
+            lora = f", LoRA {scoped.lora_id!r}" if scoped.lora_id else ""
+            scope = f"cache_salt {text_field(request.fields, 'cache_salt')!r}{lora}"
+        stored: list[str] = []
+        loaded: list[str] = []
+        for source in self.engines:
+            if scoped is None:
+                prefix = f"{source.fingerprint.format_version}/"
+            else:
+                prefix = source.fingerprint.for_request(
+                    cache_salt=scoped.cache_salt, lora_id=scoped.lora_id
+                ).key_prefix()
+            wrote, read = self.journal.split(prefix)
+            # Every head group's record (a salted prefix matches record 0's key alone).
+            stored += source.records.all_records(wrote)
+            loaded += source.records.all_records(read)
+        stored = list(dict.fromkeys(stored))  # once each: every salt's prefix is every engine's
+        loaded = list(dict.fromkeys(loaded))
+        return ClearKeys(stored, loaded, scope, self.journal.written_to(stored))
 
     def flush(self) -> None:
-        self.engine.flush()
+        for source in self.engines:
+            source.flush()
 
     def close(self) -> None:
-        self.engine.remove_event_listener(self.journal.on_event)
+        self.chain.writes.remove(self.journal.on_written)
+        for source in self.engines:
+            source.remove_event_listener(self.journal.on_event)

@@ -34,7 +34,7 @@ from kvplug.core.remote import call_budget, remaining_budget_s
 from kvplug.core.tenancy import Tenancy
 from kvplug.core.tenant_metrics import TierFigures
 from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierContext, TierStats, tier_settings
-from kvplug.core.tier_slot import TierSlot
+from kvplug.core.tier_slot import TierSlot, WriteListeners
 from kvplug.core.write_queue import Items, WriteQueue
 from kvplug.errors import TierOpenError
 
@@ -72,6 +72,8 @@ class TierChain:
         self.tenancy = Tenancy()
         self._figures: TierFigures = lambda: [(label, stats.extra) for label, stats in self.stats()]
         self.metrics.tenants.sources.append(self._figures)
+        #: Told which keys each write of the chain put in which tier: a clear tells its own records by it.
+        self.writes = WriteListeners()
         for index, tier in enumerate(tiers):
             label = f"{index}:{tier.name}"
             settings = tier_settings(tier)
@@ -85,7 +87,7 @@ class TierChain:
                     on_drop=self.metrics.store_dropped.labels(label).inc,
                 )
             admission = make_admission_policy(settings.admission)
-            self._slots.append(TierSlot(tier, settings, label, queue, self.metrics, admission))
+            self._slots.append(TierSlot(tier, settings, label, queue, self.metrics, admission, index, self.writes))
 
     @classmethod
     def open(

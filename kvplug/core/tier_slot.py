@@ -4,8 +4,9 @@ write queue and admission policy, and its calls guarded so a tier that raises is
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
 from kvplug.core.admission import AdmissionPolicy
@@ -17,6 +18,40 @@ logger = logging.getLogger("kvplug.tiers")
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+
+#: Hears that one tier of a chain was written: (the tier's index in the chain, the keys).
+WriteListener = Callable[[int, Sequence[str]], None]
+
+
+class WriteListeners:
+    """Who hears which keys a chain's own writes put in which tier (:attr:`TierChain.writes`).
+
+    A listener is called on the thread that wrote (a store or queue thread) after each
+    write a tier took without raising: it must be quick. What a tier already held is not
+    written again (the chain asks first), so a listener learns which records this chain
+    put there, as against another process's. One that raises is logged; the others run.
+    """
+
+    def __init__(self) -> None:
+        # Replaced, never mutated: ``notify`` reads it without the lock.
+        self._listeners: tuple[WriteListener, ...] = ()
+        self._lock = threading.Lock()
+
+    def add(self, listener: WriteListener) -> None:
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
+    def remove(self, listener: WriteListener) -> None:
+        """Stop calling ``listener``; nothing happens if it was not added."""
+        with self._lock:
+            self._listeners = tuple(known for known in self._listeners if known != listener)
+
+    def notify(self, index: int, keys: Sequence[str]) -> None:
+        for listener in self._listeners:
+            try:
+                listener(index, keys)
+            except Exception:
+                logger.exception("write listener %r failed", listener)
 
 
 @dataclass
@@ -34,6 +69,9 @@ class TierSlot:
     queue: WriteQueue | None
     metrics: EngineMetrics
     admission: AdmissionPolicy
+    #: The tier's index in its chain, as write listeners are told it.
+    index: int = 0
+    writes: WriteListeners = field(default_factory=WriteListeners)
 
     def contains(self, keys: list[str]) -> list[bool] | None:
         queued = self.queue.values(keys) if self.queue is not None else [None] * len(keys)
@@ -56,7 +94,12 @@ class TierSlot:
         return [value if value is not None else next(answers) for value in queued]
 
     def put(self, items: Items) -> None:
-        self._guard("put", self.tier.put, items)
+        if self._guard("put", self._put, items):
+            self.writes.notify(self.index, [key for key, _ in items])
+
+    def _put(self, items: Items) -> bool:
+        self.tier.put(items)
+        return True
 
     def remove(self, keys: list[str]) -> None:
         self._guard("remove", self.tier.remove, keys)

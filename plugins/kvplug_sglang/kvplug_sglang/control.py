@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import kvplug
 from kvplug import (
     ChunkStore,
+    ClearKeys,
     ControlIdentity,
     ControlRequest,
     ControlServer,
@@ -67,6 +68,9 @@ class HiCacheControl(ControlTarget):
         self.storage = storage
         self.store = store
         self.page_size = page_size
+        # Which tiers the backend's own writes put each page in: a page a shared tier already
+        # held (another server wrote it) is not written again, and a clear leaves it there.
+        self.chain.writes.add(self.journal.on_written)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -92,12 +96,19 @@ class HiCacheControl(ControlTarget):
         # Page keys carry the salt (SGLang seeds its page hash with it), so a pin is per salt too.
         return (unpin_keys if unpin else pin_keys)(self.store.chain, self.page_keys(tokens, request))
 
-    def clear_keys(self, request: ControlRequest) -> tuple[list[str], str]:
+    def clear_keys(self, request: ControlRequest) -> ClearKeys:
         if request.fields.get("all_salts") is not True:
             raise ControlProtocolError(
                 "SGLang hashes the cache_salt into its page keys: clear --salt cannot tell them apart; use --all"
             )
-        return self.storage.written_keys(), "every cache_salt"
+        # Only the pages this backend wrote, from the tiers it wrote them to: pages it read
+        # from a shared tier are other servers'.
+        written = self.storage.written_keys()
+        return ClearKeys(written, [], "every cache_salt", self.journal.written_to(written))
 
     def forget(self, keys: Sequence[str]) -> None:
         self.storage.forget_written(keys)
+        self.journal.forget(keys)
+
+    def close(self) -> None:
+        self.chain.writes.remove(self.journal.on_written)

@@ -6,7 +6,8 @@ engine) and the served model name, whether the scheduler asks that worker over t
 lookup socket or directly (``LLM`` in one process): ``kvplug ctl`` works the same way.
 
 A hybrid model's worker answers for all of its KV cache groups (:class:`HybridControl`):
-``lookup`` is cut as the engine's own lookups are, and ``clear`` removes every group's records.
+``lookup`` is cut as the engine's own lookups are, and ``clear`` removes every group's records
+(of those this worker only loaded, only the copies in its private tiers, as for any engine).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from kvplug import CacheEngine, ControlIdentity, ControlRequest, ControlServer, EngineControl, RequestInfo
+from kvplug import CacheEngine, ControlIdentity, ControlServer, EngineControl, RequestInfo
 from kvplug_vllm.group_engines import GroupEngines
 
 logger = logging.getLogger("kvplug.vllm")
@@ -23,27 +24,23 @@ logger = logging.getLogger("kvplug.vllm")
 
 class HybridControl(EngineControl):
     """``kvplug ctl`` over a hybrid model's engines: the primary group's engine answers as for
-    any model (its journal, explain's chunk map), and the other groups' records are included:
-    a ``lookup`` is cut to the last chunk end with a stored state, as the scheduler's lookups
-    are (:class:`~kvplug_vllm.state_groups.StateBoundaries`), and a ``clear`` removes the other
-    groups' records of the chunks this worker stored or loaded in its scope too."""
+    any model (explain's chunk map), the other groups' engines are its companions (the
+    journal notes their stores and loads too: ``clear`` removes their records in its scope,
+    of those this worker only loaded the copies in its private tiers alone), and a ``lookup``
+    is cut to the last chunk end with a stored state, as the scheduler's lookups are
+    (:class:`~kvplug_vllm.state_groups.StateBoundaries`)."""
 
     def __init__(self, engine: CacheEngine, groups: GroupEngines) -> None:
-        super().__init__(engine)
+        super().__init__(engine, [other for index, other, _ in groups.groups if index != groups.primary_index])
         self.groups = groups
 
     def lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
         found = super().lookup(tokens, request)
         return found if self.groups.trim is None else self.groups.trim(tokens, request, found)
 
-    def clear_keys(self, request: ControlRequest) -> tuple[list[str], str]:
-        keys, scope = super().clear_keys(request)
-        scoped = None if request.fields.get("all_salts") is True else request.request_info()
-        return keys + self.groups.records_to_reset(scoped), scope
-
     def forget(self, keys: Sequence[str]) -> None:
         super().forget(keys)
-        self.groups.forget(keys)
+        self.groups.forget(keys)  # the reset's notes of them too
 
 
 def start_control(

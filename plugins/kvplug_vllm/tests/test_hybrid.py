@@ -20,8 +20,10 @@ kvplug implements ``SupportsHMA`` (kv_groups.py), so vLLM keeps its hybrid alloc
   whole block of the prompt; a new process B hits 1152 of 1200 tokens, loads the state
   into the block it resumes from, and computes the same tokens as vLLM alone (a state
   not loaded, or loaded into another block, changes them). ``kvplug ctl lookup`` answers
-  as the scheduler's lookups do; ``kvplug ctl clear`` and vLLM's prefix cache reset each
-  remove every group's records that B loaded or stored. Without ``align`` mode the
+  as the scheduler's lookups do; ``kvplug ctl clear`` removes every group's records that B
+  stored and leaves those it only loaded (A's, on a tier others may share), and vLLM's
+  prefix cache reset, told to empty the disk tier, removes every group's records that B
+  loaded or stored. Without ``align`` mode the
   state group is refused at start-up by kvplug, naming the model, the group, the reason
   and the flag to set (without ``SupportsHMA`` vLLM itself failed at start).
 """
@@ -137,6 +139,7 @@ def test_gated_deltanet_hybrid_resumes_from_its_stored_state_in_a_new_process(ru
         **{"kvplug.tiers": [{"type": "disk", "path": str(tmp_path / "kv")}]},
     )
     cold = run_engine(kv=kv, steps=steps, model=model, **GDN_OPTIONS)
+    written_by_cold = len(chunk_records(tmp_path / "kv"))
     # a new process: disk only; at the end vLLM's prefix cache reset, told to empty the disk tier
     warm_kv = {**kv, "engine_id": "gdn-warm"}
     warm_kv["kv_connector_extra_config"] = {**kv["kv_connector_extra_config"], "kvplug.reset_tiers": ["disk"]}
@@ -167,12 +170,13 @@ def test_gated_deltanet_hybrid_resumes_from_its_stored_state_in_a_new_process(ru
     assert output(warm, 1) == output(own, 1)
     hits = [reply["total"]["hit_tokens"] for reply in warm["steps"][0]["ctl_lookups"]]
     assert hits == [whole_chunks, 0]
-    # kvplug ctl clear removed every group's records this process loaded or stored (the prompt's
-    # and the branch's, attention chunks and GDN states): none is left in the folder
+    # kvplug ctl clear removed every group's records this process stored (the branch's attention
+    # chunks and GDN states) and none of those it only loaded from the disk, which the cold
+    # engine wrote: the disk tier may be shared, and clear never removes another engine's records
     assert warm["steps"][1]["ctl_clear"]["total"]["removed"]["0:disk"] > 0
-    assert warm["steps"][1]["records"] == 0, "a group's chunk records were left after kvplug ctl clear"
+    assert 0 < written_by_cold == warm["steps"][1]["records"], "kvplug ctl clear: wrong records left"
     hits = [reply["total"]["hit_tokens"] for reply in warm["steps"][2]["ctl_lookups"]]
-    assert hits == [0, 2 * GDN_CHUNK]
+    assert hits == [whole_chunks, 2 * GDN_CHUNK]
     # the reset removed every group's records stored since the clear: GDN states too
     assert warm["steps"][2]["reset"] is True
     assert len(chunk_records(tmp_path / "kv")) == 0, "a group's chunk records were left after the reset"
