@@ -160,6 +160,11 @@ class TierUnavailableError(TierError):
     """The tier's backing store is down or its circuit breaker is open."""
 
 
+class RecordUnreadableError(TierUnavailableError):
+    """One stored record is there but could not be read (no permission, an I/O error):
+    ``kvplug store verify`` counts it as unreadable, a failure, never as gone."""
+
+
 class TierClosedError(TierError):
     """An operation on a tier after :meth:`close`."""
 
