@@ -5,6 +5,7 @@ Layout under the tier's folder::
     <ab>/<sha256(key) hex>.kvr                          one record: kvplug record frame + value
     <ab>/<digest>.<host>.<pid>.<tid>.<random>.tmp       a write in progress
     .kvplug-usage                                       the folder's shared byte total (kvplug_disk.ledger)
+    .kvplug-store                                       says the folder is a store (kvplug_disk.location)
 
 ``<ab>`` is the first two hex digits of the digest: 256 shard folders, so a
 folder holds ~400 files per 100k records and start-up lists 256 folders, not 65k.
