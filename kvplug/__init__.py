@@ -52,7 +52,14 @@ from kvplug.core.message_server import MessageServer, ServerLimits
 from kvplug.core.metrics import EngineMetrics, MetricSample
 from kvplug.core.pins import pin_keys, unpin_keys
 from kvplug.core.queue_settings import OldQueueKey, QueueSettings
-from kvplug.core.record import RECORD_HEADER_SIZE, key_digest, pack_record, pack_record_header, unpack_record
+from kvplug.core.record import (
+    RECORD_HEADER_SIZE,
+    check_record_size,
+    key_digest,
+    pack_record,
+    pack_record_header,
+    unpack_record,
+)
 from kvplug.core.record_backend import SIZE_UNKNOWN, CallSizes, RecordBackend, RecordToWrite
 from kvplug.core.record_index import RecordIndex
 from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, check_record
@@ -251,6 +258,7 @@ __all__ = [
     "__version__",
     "call_budget",
     "check_record",
+    "check_record_size",
     "check_socket_file",
     "classify_failure",
     "control_socket_path",

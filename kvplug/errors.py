@@ -167,6 +167,11 @@ class BackendAnswerError(TierError):
     about the records (the call is a miss, nothing is forgotten or deleted)."""
 
 
+class RecordUnreadableError(TierUnavailableError):
+    """One stored record is there but could not be read (no permission, an I/O error):
+    ``kvplug store verify`` counts it as unreadable, a failure, never as gone."""
+
+
 class TierClosedError(TierError):
     """An operation on a tier after :meth:`close`."""
 

@@ -264,6 +264,8 @@ def test_the_command_prints_the_chunk_map_and_json(tmp_path: Path) -> None:
 )
 def test_bad_input_is_a_clear_error(tmp_path: Path, prompt: str, args: list[str], message: str) -> None:
     (tmp_path / "kvplug.yaml").write_text(f"chunk_size: 8\ntiers:\n  - {{type: disk, path: {tmp_path / 'c'}}}\n")
+    with engine(config_for([{"type": "disk", "path": str(tmp_path / "c")}])):
+        pass  # an empty store, as an engine leaves it (explain refuses a folder that is not one)
     (tmp_path / "p.txt").write_text(prompt)
     fingerprint = ["--fingerprint", "abc"]
     if "--set" in args:
@@ -274,3 +276,12 @@ def test_bad_input_is_a_clear_error(tmp_path: Path, prompt: str, args: list[str]
     args = ["explain", "-f", str(tmp_path / "kvplug.yaml"), *fingerprint, *args, str(tmp_path / "p.txt")]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and message in result.stderr, result.stderr
+
+
+def test_a_disk_tier_whose_folder_is_not_a_store_is_an_error_and_nothing_is_created(tmp_path: Path) -> None:
+    """explain opens its tiers read-only: a folder no engine wrote is refused, not made a store."""
+    (tmp_path / "kvplug.yaml").write_text(f"chunk_size: 8\ntiers:\n  - {{type: disk, path: {tmp_path / 'c'}}}\n")
+    result = CliRunner().invoke(app, ["explain", "-f", str(tmp_path / "kvplug.yaml"), "--list-fingerprints"])
+    assert result.exit_code == 2, result.stderr
+    assert f"not a kvplug store: {tmp_path / 'c'} does not exist" in " ".join(result.stderr.split())
+    assert not (tmp_path / "c").exists()

@@ -66,8 +66,9 @@ def read_prompt(source: str, tokenizer: str | None) -> list[int]:
 
 
 def open_tiers(config: KVPlugConfig) -> tuple[TierChain, list[tuple[str, Any]], list[str]]:
-    """The config's tiers not in memory, opened for inspection (nothing evicted) and
-    labelled by their place in the config (``1:disk``), and the labels of those left out."""
+    """The config's tiers not in memory, opened for inspection (read-only: nothing
+    created, changed, evicted or removed) and labelled by their place in the config
+    (``1:disk``), and the labels of those left out."""
     registry = get_registry()
     classes = registry.storage_tiers()
     specs, labels, skipped = [], [], []
@@ -81,7 +82,7 @@ def open_tiers(config: KVPlugConfig) -> tuple[TierChain, list[tuple[str, Any]], 
             options = options.model_copy(update={"max_bytes": UNBOUNDED_BYTES})
         specs.append(SimpleNamespace(type=spec.type, options=options))
         labels.append(label)
-    chain = TierChain.open(specs, registry)
+    chain = TierChain.open(specs, registry, read_only=True)
     return chain, list(zip(labels, chain.tiers)), skipped
 
 

@@ -2,9 +2,11 @@
 
 LOCATION is whatever an installed tier says it opens (``StorageTier.location_config``):
 a folder (tier ``disk``), ``s3://bucket/prefix`` and other fsspec URLs (tier ``s3``),
-``redis://host:port`` (tier ``valkey``). The store is opened read-mostly: with an unbounded
-budget (nothing is evicted) and nothing written; ``gc`` removes only records that
-fail verification or are of another format version.
+``redis://host:port`` (tier ``valkey``), and only if it is a store of that tier (a folder
+no disk tier wrote is refused before anything in it is touched). ``stats``, ``ls`` and
+``verify`` open it read-only (``TierContext.read_only``): they create, change and delete
+nothing. ``gc`` opens it as an engine does, with an unbounded budget (nothing is
+evicted), and removes only records that fail verification or are of another format version.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from kvplug.core.plugins import get_registry
 from kvplug.core.record import integrity_key
 from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, check_record
 from kvplug.core.tier import UNBOUNDED_BYTES, StorageTier, TierContext
-from kvplug.errors import ConfigError, ConfigProblem
+from kvplug.errors import ConfigError, ConfigProblem, CorruptChunkError, RecordUnreadableError
 
 store_app = typer.Typer(
     help="Inspect, verify and clean a persistent store: a disk folder, an S3/fsspec URL, a valkey URL.",
@@ -44,9 +46,10 @@ _LOCATION_PACKAGES = {
 
 
 @contextmanager
-def open_store(location: str, endpoint_url: str | None = None) -> Iterator[StorageTier]:
+def open_store(location: str, endpoint_url: str | None = None, *, read_only: bool = True) -> Iterator[StorageTier]:
     """Open ``location`` with the first installed tier that says it opens it
-    (:meth:`kvplug.StorageTier.location_config`), for inspection: nothing evicted."""
+    (:meth:`kvplug.StorageTier.location_config`), for inspection: nothing evicted, and
+    with ``read_only`` nothing created, changed or removed."""
     # Records are checked with this process's integrity key: an unusable key setting (a
     # set-but-empty variable) is an error here, never a verify that quietly passes unsigned records.
     integrity_key()
@@ -67,7 +70,7 @@ def open_store(location: str, endpoint_url: str | None = None) -> Iterator[Stora
         package = _LOCATION_PACKAGES.get(scheme, "kvplug-s3")
         needs = f"no installed tier opens this location; {package} does: {install_command(package)}"
         raise ConfigError([ConfigProblem("location", location, needs)])
-    tier = cls(config, TierContext())
+    tier = cls(config, TierContext(read_only=read_only))
     if not isinstance(tier, RecordStore):
         tier.close()
         raise ConfigError([ConfigProblem("location", location, f"tier {kind!r} cannot list its records")])
@@ -119,7 +122,7 @@ def ls(
             for column in ("key digest", "size", "written", "chunk"):
                 table.add_column(column)
             for record in shown:
-                check = check_record(record.digest, tier.read_record(record.digest))  # type: ignore[attr-defined]
+                check = _read_and_check(tier, record.digest)
                 table.add_row(record.digest, _size(record.size), _when(record.modified), _describe(check))
             console.print(table)
 
@@ -128,13 +131,13 @@ def ls(
 
 @store_app.command("verify")
 def verify(location: str = LocationArg, endpoint_url: str | None = EndpointOpt) -> None:
-    """Read every record and check its checksums; exit 1 when any is corrupt."""
+    """Read every record and check its checksums; exit 1 when any is corrupt or cannot be read."""
 
     def action() -> None:
         with open_store(location, endpoint_url) as tier:
             verdicts = _check_all(tier, remove=False)
         _report(verdicts, removed=0)
-        if verdicts["corrupt"]:
+        if verdicts["corrupt"] or verdicts["unreadable"]:
             raise typer.Exit(1)
 
     run_or_exit(action)
@@ -145,7 +148,7 @@ def gc(location: str = LocationArg, endpoint_url: str | None = EndpointOpt) -> N
     """Verify every record and remove the corrupt and incompatible ones."""
 
     def action() -> None:
-        with open_store(location, endpoint_url) as tier:
+        with open_store(location, endpoint_url, read_only=False) as tier:
             verdicts = _check_all(tier, remove=True)
         _report(verdicts, removed=verdicts["corrupt"] + verdicts["incompatible"])
 
@@ -159,21 +162,34 @@ def _check_all(tier: StorageTier, *, remove: bool) -> Counter[str]:
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("verifying", total=len(records))
         for record in records:
-            check = check_record(record.digest, tier.read_record(record.digest))  # type: ignore[attr-defined]
+            check = _read_and_check(tier, record.digest)
             verdicts[check.status] += 1
-            if check.status in ("corrupt", "incompatible"):
-                console.print(f"{check.status}: {record.digest} ({check.reason})", highlight=False)
-                if remove:
+            if check.status in ("corrupt", "incompatible", "unreadable"):
+                console.print(f"{check.status}: {record.digest} ({check.reason})", highlight=False, markup=False)
+                if remove and check.status != "unreadable":
                     tier.delete_record(record.digest)  # type: ignore[attr-defined]
             progress.advance(task)
     return verdicts
+
+
+def _read_and_check(tier: StorageTier, digest: str) -> RecordCheck:
+    """The verdict on one record: :func:`check_record` of its bytes, ``corrupt`` when the
+    tier found it bad unread (its size), ``unreadable`` when it is there but could not be
+    read (no permission): never ``gone``, which only a record that vanished is."""
+    try:
+        data = tier.read_record(digest)  # type: ignore[attr-defined]
+    except CorruptChunkError as exc:
+        return RecordCheck("corrupt", str(exc))
+    except RecordUnreadableError as exc:
+        return RecordCheck("unreadable", str(exc.__cause__ or exc))
+    return check_record(digest, data)
 
 
 def _report(verdicts: Counter[str], *, removed: int) -> None:
     table = Table(title="verification")
     table.add_column("records")
     table.add_column("count", justify="right")
-    for status in ("ok", "corrupt", "incompatible", "unverified", "gone"):
+    for status in ("ok", "corrupt", "unreadable", "incompatible", "unverified", "gone"):
         table.add_row(status, str(verdicts[status]))
     table.add_row("removed", str(removed))
     console.print(table)

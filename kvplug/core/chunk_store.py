@@ -36,9 +36,11 @@ from kvplug.core.events import KVEvent
 from kvplug.core.keys import Fingerprint
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry, get_registry
+from kvplug.core.record import RECORD_HEADER_SIZE
 from kvplug.core.serializer import Serializer
 from kvplug.core.serializer_factory import make_serializer
 from kvplug.core.tenancy import Tenancy
+from kvplug.core.tier import TierContext
 from kvplug.core.tier_chain import TierChain
 from kvplug.errors import ChunkError, ConfigError, ConfigProblem
 
@@ -110,6 +112,7 @@ class ChunkStore:
         serializer = make_serializer(config, registry)
         fingerprint = replace(fingerprint, serializer=serializer.fingerprint())
         metrics = metrics or EngineMetrics()
+        chunk_bytes = None if largest_chunk is None else math.prod(largest_chunk[0]) * largest_chunk[1].itemsize
         chain = TierChain.open(
             config.tiers,
             registry,
@@ -118,8 +121,19 @@ class ChunkStore:
             lookup_timeout_s=config.lookup_timeout_ms / 1000,
             emit=emit,
             tenancy=tenancy,
+            max_record_bytes=record_bound(serializer, chunk_bytes),
         )
         return cls(serializer, fingerprint, chain, metrics=metrics)
+
+    def reads_chunks_up_to(self, chunk_bytes: int) -> None:
+        """Let the tiers read records of chunks of up to ``chunk_bytes`` (decoded): another
+        cache that shares them (a hybrid model's group), or records of more KV heads than
+        this cache holds (another TP size's). Raises each tier's ``max_record_bytes``."""
+        bound = record_bound(self.serializer, chunk_bytes)
+        for tier in self.chain.tiers:
+            context = getattr(tier, "context", None)  # (a tier written for kvplug 0.2 may keep none)
+            if isinstance(context, TierContext) and context.max_record_bytes is not None:
+                context.max_record_bytes = max(context.max_record_bytes, bound)
 
     @property
     def key_prefix(self) -> str:
@@ -214,6 +228,13 @@ class ChunkStore:
 
     def close(self, *, drain: bool = True) -> None:
         self.chain.close(drain=drain)
+
+
+def record_bound(serializer: Serializer, chunk_bytes: int | None) -> int:
+    """The largest record (header and frame) of a chunk of ``chunk_bytes``, or of the
+    largest chunk the serializer decodes (``max_chunk_bytes``): a larger one is corrupt."""
+    largest = serializer.max_chunk_bytes if chunk_bytes is None else min(chunk_bytes, serializer.max_chunk_bytes)
+    return RECORD_HEADER_SIZE + serializer.max_frame_bytes(largest)
 
 
 def _check_max_chunk_bytes(config: KVPlugConfig, shape: tuple[int, ...], dtype: torch.dtype) -> None:

@@ -101,6 +101,8 @@ class CacheEngine:
         # Again with the serializer the chunk store put into the fingerprint: every record
         # key (other head groups', other TP sizes' splits) names it, as record 0's does.
         self.records = HeadRecords(layout, self.fingerprint, heads, any_tp_size=self.config.tp_sharing == "any")
+        # The tiers' record bound (a larger file is corrupt, never read) holds every record this cache reads.
+        self.chunk_store.reads_chunks_up_to(self.records.largest_chunk_read(self.config.chunk_size))
         self.chain = self.chunk_store.chain
         self._copies = ParallelCopies(self._copy_threads())
         self.key_builder = KeyBuilder(self.config.chunk_size, self.config.hash)

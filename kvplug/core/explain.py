@@ -21,7 +21,7 @@ from kvplug.core.manifest import MANIFEST_MAX_BYTES, KeyScheme, decode_manifest
 from kvplug.core.record import RECORD_HEADER_SIZE, unpack_record
 from kvplug.core.record_store import RecordStore
 from kvplug.core.tier import StorageTier
-from kvplug.errors import ChunkError
+from kvplug.errors import ChunkError, RecordUnreadableError
 
 _CANNOT_LIST = "cannot list its records: only the fingerprints found in other tiers or given were checked"
 #: At most this many manifests are read from one tier's listing (and as many schemes compared).
@@ -184,10 +184,10 @@ def list_manifests(label: str, tier: StorageTier, notes: dict[str, str]) -> list
         for record in tier.records():
             if record.size > MANIFEST_MAX_BYTES + RECORD_HEADER_SIZE:
                 continue
-            data = tier.read_record(record.digest)
             try:
+                data = tier.read_record(record.digest)
                 scheme = decode_manifest(unpack_record(data)) if data is not None else None
-            except ChunkError:  # corrupt, or signed with a key this process lacks: not read
+            except (ChunkError, RecordUnreadableError):  # corrupt, unreadable, or signed with a key we lack
                 continue
             if scheme is not None:
                 schemes.append(scheme)

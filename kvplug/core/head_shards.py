@@ -32,6 +32,7 @@ miss, cost no extra round trip.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -176,6 +177,13 @@ class HeadRecords:
     @property
     def writer(self) -> bool:
         return self.shard.writer
+
+    def largest_chunk_read(self, num_tokens: int) -> int:
+        """Bytes of the largest chunk of ``num_tokens`` tokens in one record this cache
+        reads: of its own records, or of another split's (:attr:`others`), which may hold
+        more heads than this cache."""
+        layouts = [self.record_layout, *(other.record_layout for other in self.others)]
+        return max(math.prod(each.chunk_shape(num_tokens)) * each.dtype.itemsize for each in layouts)
 
     def record_keys(self, keys: Sequence[str], request: RequestInfo | None = None) -> list[str]:
         """The record keys of chunk keys (those of record 0, under ``request``'s isolation),

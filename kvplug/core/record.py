@@ -315,6 +315,27 @@ def parse_record_header(data: Buffer, key: str | None = None) -> RecordHeader:
     return RecordHeader(length, digest, checksum, version)
 
 
+def check_record_size(header: Buffer, size: int, max_bytes: int | None = None) -> None:
+    """Raise ``CorruptChunkError`` when a stored record of ``size`` bytes, whose first
+    bytes are ``header``, cannot be whole: over ``max_bytes``, not a record (its magic),
+    or its header declares another length than ``size``. Unverified: the checks that
+    need the whole record come after it is read.
+
+    For a store that knows a record's size before it reads it (a file's ``fstat``):
+    call it with the header alone, so a sparse or forged file of a few KiB on disk that
+    claims a gigabyte is a miss without that gigabyte being allocated."""
+    view = memoryview(header).cast("B")
+    if max_bytes is not None and size > max_bytes:
+        raise CorruptChunkError(f"record is {size} bytes, over the {max_bytes} bytes a record of this store can be")
+    if view.nbytes < RECORD_HEADER_SIZE:
+        return  # too short to declare a length: reading it costs nothing, and verification refuses it
+    if bytes(view[:4]) != RECORD_MAGIC:
+        raise CorruptChunkError(f"bad record magic {bytes(view[:4])!r}")
+    declared = RECORD_HEADER_SIZE + int.from_bytes(view[8:16], "little")
+    if declared != size:
+        raise CorruptChunkError(f"record is {size} bytes, header says {declared}")
+
+
 def unpack_record(data: Buffer, key: str | None = None, *, check_value: bool = True) -> memoryview:
     """The verified value inside a record (a zero-copy view of ``data``).
 

@@ -14,7 +14,11 @@ and fails on some names only, :meth:`~RecordBackend.sizes`, :meth:`~RecordBacken
 :meth:`~RecordBackend.read`, :meth:`~RecordBackend.peek` and :meth:`~RecordBackend.delete`
 put an exception instance in those names' slots: no answer for that name, like a failed
 batch for it alone (a miss, nothing forgotten, a removal that failed), without failing
-the others or counting towards the breaker.
+the others or counting towards the breaker. A :class:`kvplug.errors.CorruptChunkError` in
+a slot of :meth:`~RecordBackend.read` or :meth:`~RecordBackend.peek` is an answer: the
+record is bad, found so before it was read (a file whose size its header or
+:attr:`kvplug.TierContext.max_record_bytes` rules out; :func:`kvplug.check_record_size`),
+and is counted, logged and removed like a record that fails verification.
 """
 
 from __future__ import annotations

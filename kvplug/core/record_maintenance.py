@@ -13,7 +13,7 @@ from kvplug.core.record_store import StoredRecord
 from kvplug.core.remote import RemoteCalls
 from kvplug.core.retry import Absent
 from kvplug.core.tier import Buffer
-from kvplug.errors import TierUnavailableError
+from kvplug.errors import CorruptChunkError, RecordUnreadableError, TierUnavailableError
 
 T = TypeVar("T")
 #: Listing a large store legitimately takes longer than one batch.
@@ -38,14 +38,19 @@ class RecordMaintenance:
 
     def read_record(self, digest: str) -> Buffer | None:
         """The stored bytes (record frame and value), unverified; ``None`` if gone.
-        Read with :meth:`RecordBackend.peek`: inspecting a record is not a use of it."""
+        Read with :meth:`RecordBackend.peek`: inspecting a record is not a use of it.
+        Raises ``CorruptChunkError`` for a record the backend found bad before reading it
+        (a size its header or the tier's bound rules out), :class:`RecordUnreadableError`
+        when the store failed on this record alone (no permission to read it)."""
         self._check_open()
         try:
             (data,) = self._calls.run(lambda: _one(digest, self._backend.peek([digest], [None]), "peek"))
         except Absent:
             return None
+        if isinstance(data, CorruptChunkError):  # found bad before it was read (its size)
+            raise data
         if isinstance(data, BaseException):  # the store failed on this record alone
-            raise TierUnavailableError(f"{self._calls.where}: reading {digest} failed: {data}") from data
+            raise RecordUnreadableError(f"{self._calls.where}: reading {digest} failed: {data}") from data
         return data
 
     def delete_record(self, digest: str) -> bool:

@@ -35,7 +35,9 @@ class RecordStore(Protocol):
         """Every record in the store (its listing; may include other processes' writes)."""
 
     def read_record(self, digest: str) -> Buffer | None:
-        """The stored bytes (record frame and value) of one record, or None if gone."""
+        """The stored bytes (record frame and value) of one record, or None if gone;
+        raises ``CorruptChunkError`` for one found bad unread, ``RecordUnreadableError``
+        for one that is there but cannot be read."""
 
     def delete_record(self, digest: str) -> bool:
         """Remove one record; False if it was already gone."""
@@ -45,7 +47,8 @@ class RecordStore(Protocol):
 class RecordCheck:
     """The verdict on one record; ``dtype``/``shape`` when it holds a KV chunk frame."""
 
-    status: Literal["ok", "corrupt", "incompatible", "unverified", "gone"]
+    #: ``unreadable``: there, but this process could not read it (``kvplug store``'s verdict).
+    status: Literal["ok", "corrupt", "incompatible", "unverified", "gone", "unreadable"]
     reason: str = ""
     dtype: str | None = None
     shape: tuple[int, ...] | None = None

@@ -142,8 +142,10 @@ class RecordTier(RecordMaintenance, StorageTier):
             value = None
             if data is None:  # evicted or removed by another process
                 self._index.forget_gone(name, entry)
-            elif not isinstance(data, BaseException):  # (an exception: the store did not answer)
-                try:
+            elif not isinstance(data, BaseException) or isinstance(data, CorruptChunkError):
+                try:  # (another exception: the store did not answer; this one: a record found bad unread)
+                    if isinstance(data, CorruptChunkError):
+                        raise data
                     value = self.unpack(data, key)
                 except IncompatibleChunkError:
                     self._count("incompatible")  # possibly a newer kvplug's record in a shared store: keep it
@@ -286,8 +288,7 @@ class RecordTier(RecordMaintenance, StorageTier):
             self.context.emit(KVEvent("evicted", known, tier=self.name))
 
     def _check_indexed(self) -> None:
-        """Drop the indexed records the store no longer holds, among the next of the
-        index's round (see :mod:`kvplug.core.record_index`)."""
+        """Drop the indexed records the store no longer holds, among the next of the index's round."""
         # Bookkeeping only: never the breaker's half-open probe, never counted as short-circuited.
         if self._calls.breaker.state != "closed":
             return
@@ -315,8 +316,7 @@ class RecordTier(RecordMaintenance, StorageTier):
         self._index.finish_scan(found, RECORD_HEADER_SIZE)
 
     def flush(self) -> None:
-        """Writes are synchronous; this waits for the start-up listing to be indexed
-        (and applies the budget to it), and runs the backend's :meth:`~RecordBackend.flush`."""
+        """Wait for the start-up listing to be indexed (budget applied); run the backend's ``flush``."""
         self._check_open()
         if type(self._backend).flush is not RecordBackend.flush:
             self._calls.run(self._backend.flush)

@@ -126,6 +126,14 @@ class Serializer(ABC):
                 f"{self.max_chunk_bytes} bytes (max_chunk_bytes)"
             )
 
+    def max_frame_bytes(self, chunk_bytes: int) -> int:
+        """The most bytes a frame of a chunk of ``chunk_bytes`` (its decoded tensor) takes:
+        what bounds the records a tier reads for this serializer's chunks. The default,
+        twice the chunk plus 1 MiB, holds any header and a codec's worst-case growth (the
+        shipped serializers stay within the chunk plus 96 bytes); a serializer whose
+        frames can be larger overrides it."""
+        return 2 * chunk_bytes + (1 << 20)
+
     def dumps(self, tensor: torch.Tensor) -> Buffer:
         frame, payload = self.allocate(tuple(tensor.shape), tensor.dtype)
         payload.copy_(tensor)

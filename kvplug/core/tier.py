@@ -111,6 +111,15 @@ class TierContext:
     emit: Callable[[KVEvent], None] = lambda event: None
     #: The engine's wanted pins and the tenants (cache_salts) of key fingerprints, shared by its tiers.
     tenancy: Tenancy = field(default_factory=Tenancy)
+    #: Opened by an inspection command (``kvplug store stats|ls|verify``, ``kvplug explain``):
+    #: the tier creates, changes and deletes nothing in its store (no folders, bookkeeping
+    #: files, cleanup, timestamps); a write or removal fails.
+    read_only: bool = False
+    #: The largest record (header and value) the engine can store or read: a tier that
+    #: learns a record's size before reading it (a file's) treats a larger one as corrupt
+    #: rather than allocate it. ``None``: no bound. The engine raises it when another cache
+    #: (a hybrid model's group) shares the tiers; read it when a record is read.
+    max_record_bytes: int | None = None
 
 
 class StorageTier(ABC):

@@ -100,12 +100,15 @@ class TierChain:
         lookup_timeout_s: float | None = None,
         emit: Callable[[KVEvent], None] | None = None,
         tenancy: Tenancy | None = None,
+        read_only: bool = False,
+        max_record_bytes: int | None = None,
     ) -> TierChain:
         """Build each configured tier (``config.tiers`` entries, resolved) and chain them.
 
         The tiers report their events to ``emit`` (their engine's listeners; default:
         only the registry's ``kvplug_on_event`` observers). ``tenancy``: the engine's pins and
-        tenants, shared by the tiers (default: none wanted, none known).
+        tenants, shared by the tiers (default: none wanted, none known). ``read_only`` and
+        ``max_record_bytes`` go to every tier's :class:`TierContext` (inspection; the bound).
 
         If one tier fails to open, the ones already opened are closed again, and the
         failure is a :class:`~kvplug.errors.TierOpenError` naming the entry
@@ -123,6 +126,8 @@ class TierChain:
                     emit=emit or registry.emit,
                     metrics=metrics,
                     tenancy=tenancy,
+                    read_only=read_only,
+                    max_record_bytes=max_record_bytes,
                 )
                 tier_class = registry.storage_tiers()[spec.type]
                 try:

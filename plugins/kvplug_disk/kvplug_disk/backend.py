@@ -15,24 +15,30 @@ folder again when it knows of nothing more. What it unlinked goes to the tier th
   (``runs_inline``: a read from the page cache costs less than a thread hop); a file
   operation that fails is counted (:mod:`kvplug_disk.problems`), never raised: a read
   is then a miss, a write a dropped put.
+- Reads are :mod:`kvplug_disk.reads`': a record's size is checked before it is read.
+- Opened ``read_only`` (``kvplug store stats|ls|verify``, ``kvplug explain``) it refuses
+  a folder that is not a store (:func:`kvplug_disk.location.require_disk_store`) and
+  then creates, changes and removes nothing: no folders, no ledger or marker, no temp
+  cleanup, no mtimes; writes and removals fail.
 """
 
 from __future__ import annotations
 
 import errno
-import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
-from kvplug import Buffer, CallSizes, NameTenants, PinOutcome, RecordBackend, RecordToWrite, StoredRecord, Tenancy
+from kvplug import CallSizes, NameTenants, PinOutcome, RecordBackend, RecordToWrite, StoredRecord, Tenancy
 from kvplug_disk.config import DiskTierConfig
 from kvplug_disk.files import ForeignEntryError, RecordFolder, TempFile, make_private, value_size_of
 from kvplug_disk.index import EvictionIndex, IndexEntry, record_guard
 from kvplug_disk.ledger import Usage, UsageLedger
+from kvplug_disk.location import mark_store, require_disk_store
 from kvplug_disk.problems import ProblemLog, is_no_space, is_undeletable
+from kvplug_disk.reads import DiskReads
 
 #: Longest a renamed record waits for its folder's fsync while puts keep coming (a busy queue).
 FOLDER_SYNC_INTERVAL_S = 1.0
@@ -48,7 +54,7 @@ class SkippedEntryError(OSError):
         super().__init__(errno.EEXIST, "an entry the tier leaves alone holds the record's name")
 
 
-class DiskBackend(RecordBackend):
+class DiskBackend(DiskReads, RecordBackend):
     """Record files in one folder shared by any number of processes (see the module docstring)."""
 
     # One put is one call: its records are renamed in order, with mtimes in that order.
@@ -56,8 +62,18 @@ class DiskBackend(RecordBackend):
     keeps_budget: ClassVar[bool] = True
     runs_inline: ClassVar[bool] = True
 
-    def __init__(self, config: DiskTierConfig, problems: ProblemLog, tenancy: Tenancy | None = None) -> None:
+    def __init__(
+        self,
+        config: DiskTierConfig,
+        problems: ProblemLog,
+        tenancy: Tenancy | None = None,
+        *,
+        read_only: bool = False,
+        record_bound: Callable[[], int | None] = lambda: None,
+    ) -> None:
         self.where = str(config.path)
+        self.read_only = read_only
+        self._record_bound = record_bound  # the tier's max_record_bytes, read at each read
         self._budget = int(config.max_bytes)
         self._problems = problems
         self._lock = threading.Lock()  # taken before the ledger's lock, never inside it
@@ -73,15 +89,18 @@ class DiskBackend(RecordBackend):
         self._folders_synced_at = time.monotonic()
         started = time.perf_counter()
         self._folder = self._open_folder(config)
-        self._ledger = UsageLedger(self._folder.root_fd)
+        if not read_only:
+            mark_store(self._folder.root_fd)
+        self._ledger = UsageLedger(self._folder.root_fd, read_only=read_only)
         # Under the folder's lock: the scan and the total it gives are exact, not racing a writer.
         with self._lock, self._ledger.locked() as usage:
-            scan = self._folder.scan(clean_temps_older_than=config.stale_temp_s)
+            scan = self._folder.scan(clean_temps_older_than=None if read_only else config.stale_temp_s)
             for entry in scan.foreign:  # "<shard>/<digest>.kvr", or a shard name
                 shard, _, name = entry.partition("/")
                 problems.skip(name[:64] or shard, "foreign", f"{config.path}/{entry} is not a regular file or folder")
             self._rebuild(usage, scan.records)
-            self._evict_for(usage, 0)  # the budget may have shrunk since the last run
+            if not read_only:
+                self._evict_for(usage, 0)  # the budget may have shrunk since the last run
             # The tier's start-up listing: the files still there, without listing twice.
             self._startup_listing: list[StoredRecord] | None = [
                 StoredRecord(digest, size, mtime_ns / 1e9)
@@ -103,7 +122,11 @@ class DiskBackend(RecordBackend):
     def _open_folder(self, config: DiskTierConfig) -> RecordFolder:
         """The store folder, made 0700 (its records are 0600): others on the host must not
         read cached KV, which is prompts. A folder of this user's that others could read is
-        made private, saying so; another user's folder is used as it is (not ours to change)."""
+        made private, saying so; another user's folder is used as it is (not ours to change).
+        ``read_only``: a store (else ``ValueError``), opened as it is."""
+        if self.read_only:
+            require_disk_store(str(config.path))
+            return RecordFolder(config.path, fsync=False, create=False)
         folder = RecordFolder(config.path, fsync=config.fsync)
         was = make_private(folder.root_fd)
         if was is not None:
@@ -114,77 +137,11 @@ class DiskBackend(RecordBackend):
             )
         return folder
 
-    # --- reads ----------------------------------------------------------------------
-
-    async def sizes(self, names: Sequence[str]) -> list[int | None]:
-        return self._sizes(names)
-
-    def _sizes(self, names: Sequence[str]) -> list[int | None]:
-        found: list[int | None] = []
-        for digest in names:
-            stat = None
-            if not self._skipped(digest):
-                try:  # a stat per key: cheap, and the truth when other processes share the folder
-                    stat = self._folder.stat(digest)
-                except OSError as exc:
-                    self._entry_failed("stat", digest, exc)
-            with self._lock:
-                self._reconcile(digest, stat)
-            found.append(None if stat is None else stat.st_size)
-        return found
-
-    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
-        return self._read(names)
-
-    def _read(self, names: Sequence[str]) -> list[Buffer | None]:
-        return [self._read_one(digest) for digest in names]
-
-    def _load(self, digest: str) -> tuple[Buffer, os.stat_result] | None:
-        """A record's bytes and its stat (``None``: no such file); raises ``OSError``."""
-        return self._folder.read(digest)
-
-    def _read_one(self, digest: str) -> Buffer | None:
-        if self._skipped(digest):
-            return None
-        try:
-            found = self._load(digest)
-        except OSError as exc:
-            self._entry_failed("read", digest, exc)
-            return None
-        with self._lock:
-            self._reconcile(digest, None if found is None else found[1])
-            if found is None:
-                return None
-            self._order.touch(digest)
-        self._folder.touch(digest)  # the mtime is the order a restart rebuilds
-        return found[0]
-
-    async def peek(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
-        """Read for ``kvplug store`` and ``kvplug explain``: no mtime set, no move in the eviction order."""
-        found: list[Buffer | None] = []
-        for digest in names:
-            data = None
-            if not self._skipped(digest):
-                try:
-                    read = self._folder.read(digest)
-                except OSError as exc:
-                    self._entry_failed("read", digest, exc)
-                else:
-                    data = None if read is None else read[0]
-            found.append(data)
-        return found
-
-    async def listing(self) -> list[StoredRecord]:
-        startup, self._startup_listing = self._startup_listing, None
-        return startup if startup is not None else self._listing()
-
-    def _listing(self) -> list[StoredRecord]:
-        records = self._folder.scan().records
-        return [StoredRecord(d, size, mtime_ns / 1e9) for d, size, mtime_ns in records if not self._skipped(d)]
-
     # --- writes ---------------------------------------------------------------------
 
     async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
+        if self.read_only:
+            return [ReadOnlyStoreError(self.where) for _ in records]
         return self._write(records)
 
     def _write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
@@ -351,7 +308,9 @@ class DiskBackend(RecordBackend):
                 sizes.append(entry.value_size if entry is not None and self._order.unpin(digest) else None)
             return sizes
 
-    async def delete(self, names: Sequence[str]) -> list[bool]:
+    async def delete(self, names: Sequence[str]) -> Sequence[bool | BaseException]:
+        if self.read_only:
+            return [ReadOnlyStoreError(self.where) for _ in names]
         return self._delete(names)
 
     def _delete(self, names: Sequence[str]) -> list[bool]:
@@ -406,18 +365,6 @@ class DiskBackend(RecordBackend):
 
     # --- helpers --------------------------------------------------------------------
 
-    def _reconcile(self, digest: str, stat: os.stat_result | None) -> None:
-        """Make the eviction order agree with what the file system just said (lock held)."""
-        entry = self._order.get(digest)
-        if stat is None:
-            if entry is not None:
-                self._order.pop(digest)
-                self._counts["vanished"] += 1
-        elif entry is None or entry.file_size != stat.st_size:
-            if entry is None:
-                self._counts["discovered"] += 1
-            self._order.add(digest, IndexEntry(value_size_of(stat.st_size), stat.st_size))
-
     def _skipped(self, digest: str) -> bool:
         return self._problems.is_skipped(digest) or self._problems.is_skipped(digest[:2])
 
@@ -442,3 +389,10 @@ class DiskBackend(RecordBackend):
         if not warn:
             self._problems.error(op, digest, exc, warn=False)
         return True
+
+
+class ReadOnlyStoreError(OSError):
+    """A write or removal in a store opened for inspection (``read_only``)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(errno.EROFS, f"{where} is open for inspection only", where)

@@ -5,6 +5,7 @@ Layout under the tier's folder::
     <ab>/<sha256(key) hex>.kvr                          one record: kvplug record frame + value
     <ab>/<digest>.<host>.<pid>.<tid>.<random>.tmp       a write in progress
     .kvplug-usage                                       the folder's shared byte total (kvplug_disk.ledger)
+    .kvplug-store                                       says the folder is a store (kvplug_disk.location)
 
 ``<ab>`` is the first two hex digits of the digest: 256 shard folders, so a
 folder holds ~400 files per 100k records and start-up lists 256 folders, not 65k.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import mmap
 import os
 import re
 import secrets
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from stat import S_ISREG
 
-from kvplug import RECORD_HEADER_SIZE, Buffer, key_digest
+from kvplug import RECORD_HEADER_SIZE, Buffer, check_record_size, key_digest
 
 RECORD_SUFFIX = ".kvr"
 TEMP_SUFFIX = ".tmp"
@@ -251,16 +253,28 @@ class RecordFolder:
 
     # --- reading --------------------------------------------------------------------
 
-    def read(self, digest: str) -> tuple[bytes, os.stat_result] | None:
-        """The whole file and its stat, or ``None`` when there is no such file."""
+    def read(
+        self, digest: str, *, max_bytes: int | None = None, mapped: bool = False
+    ) -> tuple[Buffer, os.stat_result] | None:
+        """The whole file and its stat, or ``None`` when there is no such file.
+
+        Its header is read first: a file whose size is not the length the header
+        declares, or is over ``max_bytes``, raises ``CorruptChunkError``
+        (:func:`kvplug.check_record_size`) before more is read. ``mapped``: a view of a
+        read-only mapping instead of a copy (nothing of the file's size is allocated;
+        for inspection, whose reader drops it soon)."""
         opened = self.open_record(digest)
         if opened is None:
             return None
         fd, stat = opened
+        size = stat.st_size
         try:
-            data = os.read(fd, stat.st_size)  # one allocation, no zero-fill
-            while len(data) < stat.st_size:  # short reads happen on some file systems
-                more = os.read(fd, stat.st_size - len(data))
+            check_record_size(os.pread(fd, RECORD_HEADER_SIZE, 0), size, max_bytes)
+            if mapped and size:
+                return memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)), stat
+            data = os.read(fd, size)  # one allocation, no zero-fill
+            while len(data) < size:  # short reads happen on some file systems
+                more = os.read(fd, size - len(data))
                 if not more:
                     break
                 data += more

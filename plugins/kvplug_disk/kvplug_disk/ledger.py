@@ -13,7 +13,9 @@ The total is rebuilt from a scan of the folder at start and whenever a process h
 nothing left of its own to evict while the total says the folder is full: a process
 killed between its rename and its update, or ``kvplug store gc`` run beside the
 tiers, costs at most that drift until then. Where the folder cannot hold the file (a
-read-only folder) or cannot lock it, the total is this process's own.
+read-only folder) or cannot lock it, the total is this process's own. Opened
+``read_only`` (for inspection) the file is read if it is there, never created, locked
+or written.
 """
 
 from __future__ import annotations
@@ -50,11 +52,18 @@ class Usage:
 class UsageLedger:
     """One folder's shared byte total (see the module docstring)."""
 
-    def __init__(self, root_fd: int) -> None:
+    def __init__(self, root_fd: int, *, read_only: bool = False) -> None:
         self._thread_lock = threading.Lock()  # flock is per open file, not per thread
         self._local = 0
         self._write_failed = False
         self._fd: int | None = None
+        self.read_only = read_only
+        if read_only:
+            try:
+                self._fd = os.open(LEDGER_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+            except OSError:  # none (a store of another kvplug), or not a file: the total is the listing's
+                pass
+            return
         try:
             fd = os.open(
                 LEDGER_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE, dir_fd=root_fd
@@ -81,7 +90,7 @@ class UsageLedger:
     def locked(self) -> Iterator[Usage]:
         """Hold the folder's lock; the yielded total is saved on exit when changed."""
         with self._thread_lock:
-            if self._fd is not None:
+            if self._fd is not None and not self.read_only:
                 fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 usage = Usage(self, self._read())
@@ -90,7 +99,7 @@ class UsageLedger:
                 if usage.total != before:
                     usage.save()
             finally:
-                if self._fd is not None:
+                if self._fd is not None and not self.read_only:
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def peek(self) -> int:
@@ -110,7 +119,7 @@ class UsageLedger:
 
     def _write(self, total: int) -> None:
         self._local = total
-        if self._fd is None:
+        if self._fd is None or self.read_only:
             return
         try:
             os.pwrite(self._fd, total.to_bytes(8, "little"), 0)

@@ -66,7 +66,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvplug import Buffer, MappedFile, Medium, RecordToWrite, Tenancy, TierContext, key_digest, unpack_record
+from kvplug import (
+    RECORD_HEADER_SIZE,
+    Buffer,
+    MappedFile,
+    Medium,
+    RecordToWrite,
+    Tenancy,
+    TierContext,
+    check_record_size,
+    key_digest,
+    unpack_record,
+)
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.config import DiskTierConfig, ShmTierConfig
 from kvplug_disk.files import PRIVATE_FOLDER, RecordFolder, TempFile
@@ -91,8 +102,10 @@ SHMEM_HUGE_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 class ShmBackend(DiskBackend):
     """A :class:`DiskBackend` whose reads map the record files instead of copying them."""
 
-    def __init__(self, config: DiskTierConfig, problems: ProblemLog, tenancy: Tenancy | None = None) -> None:
-        super().__init__(config, problems, tenancy)
+    def __init__(
+        self, config: DiskTierConfig, problems: ProblemLog, tenancy: Tenancy | None = None, **options: Any
+    ) -> None:
+        super().__init__(config, problems, tenancy, **options)
         self._counts["map_fallbacks"] = 0
         self.file_system = file_system_of(config.path)
         self.huge_pages = huge_pages_of(config.path)
@@ -107,6 +120,8 @@ class ShmBackend(DiskBackend):
         """The folder, made 0700 when missing; refused, before anything is made or cleaned
         in it, when it is a symbolic link, or unless this user owns it and no one else may
         read or write it: its parent (/dev/shm) is open to every user of the host."""
+        if self.read_only:  # for inspection: a store, opened as it is and never written
+            return super()._open_folder(config)
         config.path.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
         try:  # never a link planted at the path: records would go wherever it points
             fd = os.open(config.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -134,6 +149,7 @@ class ShmBackend(DiskBackend):
             return None
         fd, info = opened
         try:
+            check_record_size(os.pread(fd, RECORD_HEADER_SIZE, 0), info.st_size, self._record_bound())
             kept = self.mapped.reuse(digest, info)
             if kept is not None:
                 return memoryview(kept), info
@@ -143,7 +159,7 @@ class ShmBackend(DiskBackend):
         except (OSError, ValueError):
             with self._lock:
                 self._counts["map_fallbacks"] += 1
-            return self._folder.read(digest)
+            return self._folder.read(digest, max_bytes=self._record_bound())
         finally:
             os.close(fd)  # a mapping outlives the descriptor it was made from
         if mapping is None:

@@ -63,7 +63,11 @@ class DiskTier(RecordTier):
         # Opened before the base, so that a folder that cannot be made raises its own
         # OSError (which names the path) rather than the base's wrapped TierError.
         self._disk = self.backend_class(
-            config, ProblemLog(context.logger, _error_counter(context, self.name)), context.tenancy
+            config,
+            ProblemLog(context.logger, _error_counter(context, self.name)),
+            context.tenancy,
+            read_only=context.read_only,
+            record_bound=lambda: context.max_record_bytes,
         )
         try:
             super().__init__(config, context)

@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvplug import RECORD_HEADER_SIZE, check_record
+from kvplug import RECORD_HEADER_SIZE, RecordCheck, check_record
+from kvplug.errors import CorruptChunkError
 from kvplug_disk.files import ForeignEntryError, RecordFolder
 
 
@@ -30,6 +31,8 @@ class VerifyReport:
     foreign: int = 0
     #: Corrupt records that could not be removed (no permission).
     undeletable: int = 0
+    #: Records there but not readable by this process (no permission, an I/O error): not verified.
+    unreadable: int = 0
     corrupt_digests: list[str] = field(default_factory=list)
 
 
@@ -39,7 +42,9 @@ def verify_folder(path: str | os.PathLike[str], *, remove_corrupt: bool = False)
     Records of another record version are counted as ``incompatible`` and kept.
     Safe to run while tiers use the folder: a file that vanishes meanwhile is skipped.
     Folders or links named like records are counted as ``foreign`` and left alone; a
-    corrupt record the process may not delete is counted as ``undeletable``.
+    corrupt record the process may not delete is counted as ``undeletable``, one it may
+    not read as ``unreadable``. A file whose size its header rules out is corrupt
+    unread, and a record is mapped, not copied: a sparse or huge file costs no memory.
     """
     root = Path(path)
     if not root.is_dir():
@@ -50,14 +55,20 @@ def verify_folder(path: str | os.PathLike[str], *, remove_corrupt: bool = False)
         report.foreign = len(folder.scan().foreign)
         for digest, _ in folder.iter_record_paths():
             try:
-                found = folder.read(digest)
+                found = folder.read(digest, mapped=True)
             except ForeignEntryError:  # replaced by a folder or a link since the listing
                 report.foreign += 1
                 continue
-            if found is None:
+            except CorruptChunkError as exc:  # a size its header rules out: not read
+                check, stat = RecordCheck("corrupt", str(exc)), _stat_or_none(folder, digest)
+            except OSError:  # there, but not ours to read
+                report.unreadable += 1
                 continue
-            data, stat = found
-            check = check_record(digest, data)  # record frame, its key digest, and a KV chunk frame inside
+            else:  # record frame, its key digest, and a KV chunk frame inside
+                check = check_record(digest, None if found is None else found[0])
+                stat = None if found is None else found[1]
+            if stat is None:  # vanished meanwhile
+                continue
             if check.status == "incompatible":
                 report.incompatible += 1
             elif check.status == "corrupt":
@@ -70,7 +81,14 @@ def verify_folder(path: str | os.PathLike[str], *, remove_corrupt: bool = False)
                         report.undeletable += 1
             else:
                 report.ok += 1
-                report.ok_bytes += len(data) - RECORD_HEADER_SIZE
+                report.ok_bytes += stat.st_size - RECORD_HEADER_SIZE
     finally:
         folder.close()
     return report
+
+
+def _stat_or_none(folder: RecordFolder, digest: str) -> os.stat_result | None:
+    try:
+        return folder.stat(digest)
+    except OSError:
+        return None

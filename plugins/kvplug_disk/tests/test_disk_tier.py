@@ -17,6 +17,7 @@ from kvplug.testing import StorageTierContract, key_for, tier_context, value_for
 from kvplug_disk import DiskTier, verify_folder
 from kvplug_disk.files import HOST_TAG
 from kvplug_disk.ledger import LEDGER_NAME
+from kvplug_disk.location import STORE_MARKER
 
 
 def make_disk_tier(path: Path, max_bytes: int | None = None, **options: object) -> DiskTier:
@@ -58,10 +59,11 @@ def test_one_record_file_per_key_named_by_digest_and_nothing_else(tmp_path: Path
     tier.put([(key, value_for("file", 5000))])
     files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
     assert files == [
+        tmp_path / STORE_MARKER,
         tmp_path / LEDGER_NAME,
         record_path(tmp_path, key),
-    ]  # the folder's shared byte total, and the record
-    assert files[1].stat().st_size == 5000 + 64
+    ]  # what says the folder is a store, the folder's shared byte total, and the record
+    assert files[2].stat().st_size == 5000 + 64
     stats = tier.stats()
     assert (stats.bytes_used, stats.items, stats.extra["file_bytes"]) == (5000, 1, 5064)
     tier.close()
