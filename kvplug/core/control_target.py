@@ -238,6 +238,12 @@ class EngineControl(ControlTarget):
             scoped = request.request_info()
             lora = f", LoRA {scoped.lora_id!r}" if scoped.lora_id else ""
             scope = f"cache_salt {text_field(request.fields, 'cache_salt')!r}{lora}"
+        return self.planned_clear(scoped, scope)
+
+    def planned_clear(self, scoped: RequestInfo | None = None, scope: str = "every cache_salt") -> ClearKeys:
+        """The records of ``scoped``'s cache_salt and LoRA (``None``: of every salt) that this
+        engine and its companions stored or loaded, as ``clear`` (or an engine's cache reset)
+        removes them tier by tier (:meth:`ClearKeys.for_tier`)."""
         stored: list[str] = []
         loaded: list[str] = []
         for source in self.engines:

@@ -38,10 +38,6 @@ class HybridControl(EngineControl):
         found = super().lookup(tokens, request)
         return found if self.groups.trim is None else self.groups.trim(tokens, request, found)
 
-    def forget(self, keys: Sequence[str]) -> None:
-        super().forget(keys)
-        self.groups.forget(keys)  # the reset's notes of them too
-
 
 def start_control(
     engine: CacheEngine | EngineControl, vllm_config: Any, engine_key: tuple[str, int, int]

@@ -9,16 +9,13 @@ states vLLM hands over (:mod:`kvplug_vllm.state_groups`).
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from kvplug import CacheEngine, ChunkKey, HeadShard, KVPlugConfig, RequestInfo, slots_from_block_ids
+from kvplug import CacheEngine, HeadShard, KVPlugConfig, slots_from_block_ids
 from kvplug_vllm.background import GroupsRetrieve, fetch_groups
-from kvplug_vllm.kv_events import MAX_CHUNKS
 from kvplug_vllm.kv_groups import KVGroup, first_real_token
 from kvplug_vllm.layout import detect_layout, fingerprint_for, head_shard
 from kvplug_vllm.metadata import RequestMeta
@@ -61,9 +58,6 @@ class GroupEngines:
             self.groups.append((group.index, engine, caches))
         self.groups.sort(key=lambda g: g[0])
         self.primary_index = primary[0]
-        #: Per other group's engine, the chunk keys this worker stored or loaded (for reset_cache).
-        self._seen: dict[int, OrderedDict[str, None]] = {index: OrderedDict() for index, _, _ in self._others()}
-        self._seen_lock = threading.Lock()  # noted by the worker's steps, read by reset and clear threads
         #: Cuts lookups to a chunk end with a stored state (None: no state group).
         self.trim = (
             StateBoundaries([e for i, e, _ in self.groups if i in self.state_groups]) if self.state_groups else None
@@ -111,43 +105,6 @@ class GroupEngines:
             for index, engine, _ in self.groups
         ]
 
-    def remember(self, keys: Sequence[ChunkKey], request: RequestInfo) -> None:
-        """Note the other groups' keys of the chunks ``keys`` (the primary group's chunks the
-        worker stored or loaded, noted in its chunk index): the same chunk hashes under each
-        group's own fingerprint, as its engine keys them. A state group's chunk without a
-        stored state is noted too (removing it is a no-op)."""
-        for index, engine, _ in self._others():
-            prefix = _key_prefix(engine, request)
-            named = [prefix + key.key.rpartition("/")[2] for key in keys]
-            with self._seen_lock:
-                seen = self._seen[index]
-                for key in named:
-                    seen[key] = None
-                    seen.move_to_end(key)
-                while len(seen) > MAX_CHUNKS:
-                    seen.popitem(last=False)
-
-    def records_to_reset(self, request: RequestInfo | None = None) -> list[str]:
-        """The records (every head group's) of the other groups' chunks noted by
-        :meth:`remember`; with ``request``, only those keyed for its cache_salt and LoRA."""
-        records: list[str] = []
-        for index, engine, _ in self._others():
-            with self._seen_lock:
-                keys = list(self._seen[index])
-            if request is not None:
-                prefix = _key_prefix(engine, request)
-                keys = [key for key in keys if key.startswith(prefix)]
-            records += engine.records.all_records(keys)
-        return records
-
-    def forget(self, records: Sequence[str]) -> None:
-        """``records`` were cleared from every tier: no longer noted."""
-        gone = set(records)
-        with self._seen_lock:
-            for seen in self._seen.values():
-                for key in [key for key in seen if key in gone]:
-                    del seen[key]
-
     def _others(self) -> list[tuple[int, CacheEngine, list[torch.Tensor]]]:
         """Every group but the primary one (whose chunks the worker's own chunk index notes)."""
         return [group for group in self.groups if group[0] != self.primary_index]
@@ -158,8 +115,3 @@ class GroupEngines:
             if engine is not primary:
                 engine.close(drain=True)  # before the engine that owns the tiers they store into
         self.groups = []
-
-
-def _key_prefix(engine: CacheEngine, request: RequestInfo) -> str:
-    """The prefix of ``engine``'s chunk keys for ``request``'s cache_salt and LoRA."""
-    return engine.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id).key_prefix()

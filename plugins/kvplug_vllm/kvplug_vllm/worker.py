@@ -27,7 +27,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvplug import CacheEngine, ControlServer, LayerwiseRetrieve, MetricSample, load_config, slots_from_block_ids
+from kvplug import (
+    CacheEngine,
+    ControlServer,
+    EngineControl,
+    LayerwiseRetrieve,
+    MetricSample,
+    load_config,
+    slots_from_block_ids,
+)
 from kvplug.errors import ConfigError, ConfigProblem
 from kvplug_vllm.background import BackgroundLoads, GroupsRetrieve, fetch
 from kvplug_vllm.control import HybridControl, start_control
@@ -126,6 +134,7 @@ class WorkerSide:
         self.engine: CacheEngine | None = None
         self.server: LookupServer | None = None
         self.control: ControlServer | None = None
+        self.target: EngineControl | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.layer_index: dict[str, int] = {}
         self._load_errors: set[int] = set()
@@ -194,8 +203,9 @@ class WorkerSide:
         register_local(self.engine_key, LocalWorker(self.engine, self.reset_cache, trim))
         if self.settings.lookup != "direct":
             self.server = LookupServer(self.engine, socket_path(*self.engine_key), on_reset=self.reset_cache, trim=trim)
-        target = self.engine if self.groups is None else HybridControl(self.engine, self.groups)
-        self.control = start_control(target, self.vllm_config, self.engine_key)
+        #: What this worker stored and loaded, and where its writes went: kvplug ctl's target and the reset's plan.
+        self.target = EngineControl(self.engine) if self.groups is None else HybridControl(self.engine, self.groups)
+        self.control = start_control(self.target, self.vllm_config, self.engine_key)
         if self.settings.metrics_port is not None:
             from prometheus_client import start_http_server
 
@@ -422,14 +432,12 @@ class WorkerSide:
         return errors
 
     def _remember(self, request: RequestMeta, tokens: list[int], start: int) -> None:
-        """Index the chunks of ``tokens`` from ``start`` on (keys -> vLLM blocks), for events and reset."""
+        """Index the chunks of ``tokens`` from ``start`` on (keys -> vLLM blocks), for KV events."""
         if self.index is None or self.engine is None:
             return
         info = request.request_info()
         keys = [k for k in self.engine.chunk_keys(tokens, info) if k.end > start]
         self.index.remember(keys, tokens, request.block_hashes, request.lora_id)
-        if self.groups is not None:
-            self.groups.remember(keys, info)
 
     def get_kv_cache_events(self) -> KVPlugKVEvents | None:
         if self.index is None:
@@ -442,20 +450,27 @@ class WorkerSide:
         return batch
 
     def reset_cache(self) -> int:
-        """Remove every chunk this worker stored or loaded, of every KV cache group, from the
-        ``reset_tiers`` tiers (by default the in-memory ones, told by their ``medium``);
-        returns the primary group's chunks."""
-        if self.engine is None or self.index is None:
+        """Remove this worker's chunks, of every KV cache group, from the ``reset_tiers`` tiers (by
+        default the in-memory ones, told by their ``medium``); returns how many records went.
+
+        As ``kvplug ctl clear``: from a private tier (``trusted_reads``: this process's memory) every
+        chunk the worker stored or loaded; from a tier other engines may share (``shm``) only the
+        records this worker's writes put there, never what another engine wrote."""
+        if self.engine is None or self.target is None:
             return 0
-        keys = self.engine.records.all_records(self.index.keys())  # every head group's record
-        groups = self.groups.records_to_reset() if self.groups is not None else []
-        tiers = [t for t in self.engine.chain.tiers if resets(t, self.settings.reset_tiers)]
-        for tier in tiers:
+        plan = self.target.planned_clear()
+        removed: set[str] = set()
+        for index, tier in enumerate(self.engine.chain.tiers):
+            if not resets(tier, self.settings.reset_tiers):
+                continue
+            keys = plan.for_tier(index, private=tier.trusted_reads)
             try:
-                tier.remove(keys + groups)
+                tier.remove(keys)
             except Exception:
                 logger.exception("reset_cache: removing chunks from tier %s failed", tier.name)
-        return len(keys) if tiers else 0
+                continue
+            removed.update(keys)
+        return len(removed)
 
     def get_kv_connector_stats(self) -> KVPlugConnectorStats | None:
         if self.engine is not None:

@@ -23,6 +23,7 @@ import kvplug
 from kvplug import (
     Buffer,
     CacheEngine,
+    EngineControl,
     Fingerprint,
     KVLayout,
     PluginRegistry,
@@ -32,7 +33,6 @@ from kvplug import (
     load_config,
     slots_from_block_ids,
 )
-from kvplug_vllm.kv_events import ChunkIndex
 from kvplug_vllm.layout import VLLM_CPU
 from kvplug_vllm.lookup import LocalWorker, merge_tiers, register_local, tier_media, unregister_local
 from kvplug_vllm.scheduler import SchedulerSide
@@ -101,7 +101,8 @@ def registry() -> PluginRegistry:
 
 
 @pytest.fixture
-def engine(registry: PluginRegistry, tmp_path: Path) -> Iterator[CacheEngine]:
+def engine_and_control(registry: PluginRegistry, tmp_path: Path) -> Iterator[tuple[CacheEngine, EngineControl]]:
+    """The engine, and the control target a worker keeps from its start (its journal saw the stores)."""
     extra = {
         "kvplug.chunk_size": 64,
         "kvplug.store.queue.mode": "sync",
@@ -113,10 +114,22 @@ def engine(registry: PluginRegistry, tmp_path: Path) -> Iterator[CacheEngine]:
     }
     config = load_config(engine_extra=extra, env={}, registry=registry).config
     with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="unit"), registry=registry) as cache:
+        control = EngineControl(cache)
         caches = [torch.randn(16, 2, 32, 128).to(torch.bfloat16) for _ in range(2)]
         cache.store(PROMPT, caches, slots_from_block_ids(list(range(1, 16)), 32, len(PROMPT)))
         cache.chain.flush()
-        yield cache
+        yield cache, control
+        control.close()
+
+
+@pytest.fixture
+def engine(engine_and_control: tuple[CacheEngine, EngineControl]) -> CacheEngine:
+    return engine_and_control[0]
+
+
+def worker_of(engine: CacheEngine, control: EngineControl, **settings: Any) -> Any:
+    """What WorkerSide.reset_cache reads of a worker."""
+    return SimpleNamespace(engine=engine, target=control, settings=ConnectorSettings(**settings))
 
 
 def tier(engine: CacheEngine, name: str) -> StorageTier:
@@ -239,24 +252,25 @@ def test_tensor_parallel_answers_merge_to_the_slowest_medium() -> None:
     assert merge_tiers([[("ram", 64)], [("unknown", 64)]], media) == [("unknown", 64)]  # undeclared: remote
 
 
-def test_the_prefix_cache_reset_empties_the_memory_tiers_and_keeps_the_others(engine: CacheEngine) -> None:
+def test_the_prefix_cache_reset_empties_the_memory_tiers_and_keeps_the_others(
+    engine_and_control: tuple[CacheEngine, EngineControl],
+) -> None:
+    engine, control = engine_and_control
     keys = [k for k in engine.chunk_keys(PROMPT, RequestInfo()) if k.end % 64 == 0]  # the 3 stored chunks
-    index = ChunkIndex(32, [t.name for t in engine.chain.tiers], publish=False)
-    index.remember(keys, PROMPT, [f"h{i}".encode() for i in range(len(PROMPT) // 32)], None)
     # reset_tiers: default; one KV cache group
-    worker = SimpleNamespace(engine=engine, index=index, groups=None, settings=ConnectorSettings())
-    assert WorkerSide.reset_cache(worker) == len(keys)  # type: ignore[arg-type]
+    assert WorkerSide.reset_cache(worker_of(engine, control)) == len(keys)
     held = {t.name: t.contains([k.key for k in keys]) for t in engine.chain.tiers}
     assert held == {"ram": [False] * 3, "legacy": [True] * 3, "disk": [True] * 3}
 
 
-def test_vllms_prefix_cache_reset_reaches_the_worker_in_this_process(engine: CacheEngine) -> None:
+def test_vllms_prefix_cache_reset_reaches_the_worker_in_this_process(
+    engine_and_control: tuple[CacheEngine, EngineControl],
+) -> None:
     # The scheduler side finds the worker's engine and its reset in one registry.
+    engine, control = engine_and_control
     keys = [k for k in engine.chunk_keys(PROMPT, RequestInfo()) if k.end % 64 == 0]
-    index = ChunkIndex(32, [t.name for t in engine.chain.tiers], publish=False)
-    index.remember(keys, PROMPT, [f"h{i}".encode() for i in range(len(PROMPT) // 32)], None)
-    worker = SimpleNamespace(engine=engine, index=index, groups=None, settings=ConnectorSettings())
-    for side in scheduler(engine, reset=lambda: WorkerSide.reset_cache(worker)):  # type: ignore[arg-type]
+    worker = worker_of(engine, control)
+    for side in scheduler(engine, reset=lambda: WorkerSide.reset_cache(worker)):
         assert side.reset_cache()
     held = {t.name: t.contains([k.key for k in keys]) for t in engine.chain.tiers}
     assert held == {"ram": [False] * 3, "legacy": [True] * 3, "disk": [True] * 3}
@@ -285,3 +299,40 @@ def test_a_tier_declaring_an_unknown_medium_is_refused() -> None:
     [error] = registry.load_errors
     assert "plugin 'ssd-plugin'" in str(error)
     assert "its storage tier 'ssd' declares medium 'ssd'; a tier's medium is one of memory, disk, remote" in str(error)
+
+
+def test_the_prefix_cache_reset_leaves_what_other_engines_wrote_to_a_shared_memory_tier(tmp_path: Path) -> None:
+    """``shm`` is of medium memory, so vLLM's reset empties it by default, but other engines of
+    the host write it too: the reset removed every chunk the worker had loaded from there,
+    theirs included. Now, as ``kvplug ctl clear``: everything from the private ``cpu`` tier,
+    from ``shm`` only what this worker's writes put there."""
+    registry = PluginRegistry(plugin_filter="cpu,disk")
+    shm = {"type": "shm", "path": str(tmp_path / "shm"), "max_bytes": "64MiB"}
+    settings = {"kvplug.chunk_size": 64, "kvplug.store.queue.mode": "sync"}
+    other_config = load_config(engine_extra={**settings, "kvplug.tiers": [shm]}, env={}, registry=registry).config
+    tiers = [{"type": "cpu", "max_bytes": "64MiB"}, shm]
+    config = load_config(engine_extra={**settings, "kvplug.tiers": tiers}, env={}, registry=registry).config
+    fingerprint = Fingerprint.for_layout(LAYOUT, model_id="unit")
+    theirs_prompt = list(range(500, 700))
+    slots = slots_from_block_ids(list(range(1, 16)), 32, len(PROMPT))
+    with (
+        CacheEngine(other_config, LAYOUT, fingerprint, registry=registry) as other,
+        CacheEngine(config, LAYOUT, fingerprint, registry=registry) as engine,
+    ):
+        control = EngineControl(engine)
+        caches = [torch.randn(16, 2, 32, 128).to(torch.bfloat16) for _ in range(2)]
+        other.store(theirs_prompt, caches, slots)
+        other.flush()
+        assert int(engine.retrieve(theirs_prompt, caches, slots).sum()) == 192  # loaded, promoted into cpu
+        engine.store(PROMPT, caches, slots)
+        engine.flush()
+        theirs = [k.key for k in engine.chunk_keys(theirs_prompt, RequestInfo()) if k.end % 64 == 0]
+        ours = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo()) if k.end % 64 == 0]
+        cpu, shared = engine.chain.tiers
+        assert cpu.contains(theirs + ours) == [True] * 6 and shared.contains(theirs + ours) == [True] * 6
+
+        assert WorkerSide.reset_cache(worker_of(engine, control)) == 6
+        assert cpu.contains(theirs + ours) == [False] * 6  # this process's memory: all of it
+        assert shared.contains(theirs) == [True] * 3  # the other engine's records stay
+        assert shared.contains(ours) == [False] * 3
+        control.close()
