@@ -39,6 +39,7 @@ from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.serializer import Serializer
 from kvplug.core.serializer_factory import make_serializer
 from kvplug.core.tenancy import Tenancy
+from kvplug.core.tenants import label_key
 from kvplug.core.tier_chain import TierChain
 from kvplug.errors import ChunkError, ConfigError, ConfigProblem
 
@@ -117,7 +118,7 @@ class ChunkStore:
             metrics=metrics,
             lookup_timeout_s=config.lookup_timeout_ms / 1000,
             emit=emit,
-            tenancy=tenancy,
+            tenancy=tenancy or Tenancy.from_config(config.tenancy, label_key()),
         )
         return cls(serializer, fingerprint, chain, metrics=metrics)
 

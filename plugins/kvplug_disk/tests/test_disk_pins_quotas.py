@@ -109,7 +109,7 @@ def test_configured_pins_apply_to_records_found_at_start(tmp_path: Path) -> None
 
 
 def test_a_tenant_over_its_quota_evicts_its_own_records_not_another_s(tmp_path: Path) -> None:
-    tier, _ = make_tier(tmp_path / "disk", quotas={"tenant-a": 3 * FILE, "default": "25%"})
+    tier, context = make_tier(tmp_path / "disk", quotas={"tenant-a": 3 * FILE, "default": "25%"})
     mine_b = [key_of("tenant-b", f"b{i}") for i in range(2)]
     tier.put([(key, value_for(key, VALUE)) for key in mine_b])
     first_a = [key_of("tenant-a", f"a{i}") for i in range(3)]
@@ -120,7 +120,9 @@ def test_a_tenant_over_its_quota_evicts_its_own_records_not_another_s(tmp_path: 
     assert tier.contains(mine_b) == [True, True]
     assert tier.contains(first_a) == [False] * 3
     extra = tier.stats().extra
-    assert extra["tenant_bytes:tenant-a"] == 3 * FILE
+    label = context.tenancy.labels.label("tenant-a", {"tenant-a"})  # a quota named by its salt: a digest label
+    assert label.startswith("salt-") and not any("tenant-a" in key for key in extra)
+    assert extra[f"tenant_bytes:{label}"] == 3 * FILE
     assert extra["tenant_bytes:(other)"] == 2 * FILE
     assert extra["quota_evictions"] == 17
     tier.close()
