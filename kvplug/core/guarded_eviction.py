@@ -104,7 +104,7 @@ class GuardedEviction(EvictionPolicy):
             old_pinned, requested = pins.sizes[key], pins.is_requested(key)
             self._add_held(tenant, size - old_pinned)
             if pins.fits(tenant, size - old_pinned, requested):
-                pins.set(key, tenant, size, requested)
+                self._pin(key, tenant, size, requested)  # (a request's pin that grew: its tenant's quota applies)
                 return
             # A pinned key stored again, larger, past a pin budget: an ordinary key from now on.
             pins.drop(key)
@@ -230,15 +230,21 @@ class GuardedEviction(EvictionPolicy):
         its tenant's quota, less the tenant's request pins (``quota``). Call before
         :meth:`inserted`: a refused store then evicts nothing. ``overhead``: bytes each key
         counts here but not against ``budget`` (the disk tier: a record file's header)."""
-        if key in self._pinned:
+        pins = self._pinned
+        if key in pins:
             return True
-        tenant = self._tenant_of(key) or self._tenant.get(key)
-        if self._wants_pin(key) and self._pinned.fits(tenant, size, self._requested_pin(key)):
-            return True
-        pinned = self._pinned.bytes - overhead * len(self._pinned)
+        tenant: str | None = None
+        if self._wants_pin(key):
+            tenant = self._tenant_of(key) or self._tenant.get(key)
+            if pins.fits(tenant, size, self._requested_pin(key)):
+                return True
+        pinned = pins.bytes - overhead * len(pins)
         if budget is not None and pinned + size - overhead > budget:
             room = budget - pinned
             return self._refuse_store(key, "pins", f"{size - overhead} bytes, {room} left beside the pinned chunks")
+        if not self.quotas and self.default_quota is None:  # (the common case: no lookup of the tenant)
+            return True
+        tenant = tenant or self._tenant_of(key) or self._tenant.get(key)
         quota = self._quota_of(tenant)
         pinned = self._pinned.requested_of(tenant)
         if quota is not None and pinned + size > quota:

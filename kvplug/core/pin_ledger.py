@@ -94,7 +94,7 @@ class PinLedger:
         self.sizes[key] = size
         self.bytes += size - old
         if requested:
-            self._requested.setdefault(key, tenant)
+            tenant = self._requested.setdefault(key, tenant)  # a pinned key's tenant is the one it was pinned for
             self._requested_bytes[tenant] = self._requested_bytes.get(tenant, 0) + size - old
 
     def drop(self, key: str) -> int:

@@ -105,6 +105,27 @@ def test_a_tenant_over_its_quota_evicts_its_own_chunks_not_another_s() -> None:
     assert extra["quota_evictions"] == 17
 
 
+def test_unpinned_chunks_put_their_tenant_over_its_quota_at_once() -> None:
+    tier, _ = make_tier(pin_max_bytes="30%", quotas={"tenant-a": 3 * CHUNK})
+    keys = [key_of("tenant-a", f"a{i}") for i in range(4)]
+    tier.put([(keys[0], value_for(keys[0], CHUNK))])
+    assert tier.pin([keys[0]]) == [("pinned", CHUNK)]
+    tier.put([(key, value_for(key, CHUNK)) for key in keys[1:]])  # the quota, beside the pinned one
+    tier.unpin([keys[0]])  # now 4 chunks count against a quota of 3: the oldest unpinned one goes
+    assert tier.contains(keys) == [True, False, True, True]
+    assert tier.stats().extra["quota_evictions"] == 1
+
+
+def test_a_request_pin_that_grows_counts_against_its_tenant_s_quota() -> None:
+    tier, context = make_tier(request_pin_max_bytes="20%", quotas={"tenant-a": 3 * CHUNK})
+    pinned, other = key_of("tenant-a", "pinned"), key_of("tenant-a", "other")
+    context.tenancy.pins.add([pinned], requested=True)
+    tier.put([(pinned, value_for(pinned, 10)), (other, value_for(other, 2 * CHUNK))])
+    tier.put([(pinned, value_for(pinned, 2 * CHUNK))])  # still within request_pin_max_bytes: 4 chunks in all
+    assert tier.stats().extra["request_pinned_bytes"] == 2 * CHUNK
+    assert tier.contains([pinned, other]) == [True, False]  # the tenant gave up its unpinned chunk
+
+
 @pytest.mark.parametrize(
     ("options", "words"),
     [

@@ -354,12 +354,17 @@ class DiskBackend(RecordBackend):
         return outcomes
 
     def unpin(self, names: Sequence[str]) -> list[int | None]:
-        """Make records evictable again: per name its value bytes, ``None`` if not pinned."""
-        with self._lock:
+        """Make records evictable again: per name its value bytes, ``None`` if not pinned. They
+        count against their tenant's quota again: a tenant over it gives up its own records."""
+        with self._lock, self._ledger.locked() as usage:
             sizes: list[int | None] = []
             for digest in names:
                 entry = self._order.get(digest)
                 sizes.append(entry.value_size if entry is not None and self._order.unpin(digest) else None)
+            over_quota = self._order.take_over_quota()
+            if over_quota:
+                self._remove_victims(usage, over_quota)
+                usage.save()
             return sizes
 
     async def delete(self, names: Sequence[str]) -> list[bool]:

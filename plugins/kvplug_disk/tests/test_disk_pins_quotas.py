@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvplug import TierChain, TierContext
+from kvplug import TierChain, TierContext, key_digest
 from kvplug.core.pins import pin_keys
 from kvplug.testing import value_for
 from kvplug_disk import DiskTier
@@ -128,6 +128,18 @@ def test_a_tenant_over_its_quota_evicts_its_own_records_not_another_s(tmp_path: 
     tier.close()
 
 
+def test_unpinned_records_put_their_tenant_over_its_quota_at_once(tmp_path: Path) -> None:
+    tier, _ = make_tier(tmp_path / "disk", pin_max_bytes="30%", quotas={"tenant-a": 3 * FILE})
+    keys = [key_of("tenant-a", f"a{i}") for i in range(4)]
+    tier.put([(keys[0], value_for(keys[0], VALUE))])
+    assert tier.pin([keys[0]]) == [("pinned", VALUE)]
+    tier.put([(key, value_for(key, VALUE)) for key in keys[1:]])  # the quota, beside the pinned one
+    tier.unpin([keys[0]])  # now 4 records count against a quota of 3: the oldest unpinned one goes
+    assert tier.contains(keys) == [True, False, True, True]
+    assert tier.stats().extra["quota_evictions"] == 1
+    tier.close()
+
+
 class DiskPinsAndQuotas(RuleBasedStateMachine):
     """Random puts, gets, pins and unpins across tenants on a real disk tier's folder."""
 
@@ -137,11 +149,17 @@ class DiskPinsAndQuotas(RuleBasedStateMachine):
         super().__init__()
         self.folder = Path(tempfile.mkdtemp(prefix="kvplug-pins-"))
         self.tier, self.context = make_tier(
-            self.folder, self.eviction, pin_max_bytes=4 * FILE, quotas={"tenant-a": 3 * FILE, "default": "30%"}
+            self.folder,
+            self.eviction,
+            pin_max_bytes=4 * FILE,
+            request_pin_max_bytes=2 * FILE,
+            quotas={"tenant-a": 3 * FILE, "default": "30%"},
         )
         self.pinned: set[str] = set()
-        self.evicted: list[str] = []
-        self.context.emit = lambda event: self.evicted.extend(event.keys) if event.kind == "evicted" else None
+        self.evicted: list[str] = []  # records evicted while pinned
+        self.context.emit = lambda event: (
+            self.evicted.extend(set(event.keys) & self.pinned) if event.kind == "evicted" else None
+        )
         self.open = True
 
     names = st.integers(min_value=0, max_value=30).map(str)
@@ -162,8 +180,18 @@ class DiskPinsAndQuotas(RuleBasedStateMachine):
 
     @precondition(lambda self: self.open)
     @rule(tenant=tenants, name=names)
-    def pin(self, tenant: str | None, name: str) -> None:
+    def pin(self, tenant: str | None, name: str) -> None:  # an operator's: it may make request pins ordinary
         key = key_of(tenant, name)
+        if self.tier.pin([key])[0][0] in ("pinned", "already"):
+            self.pinned.add(key)
+        policy = self.tier._disk._order._policy
+        self.pinned = {key for key in self.pinned if policy.is_pinned(key_digest(key).hex())}
+
+    @precondition(lambda self: self.open)
+    @rule(tenant=tenants, name=names)
+    def request_pin(self, tenant: str | None, name: str) -> None:
+        key = key_of(tenant, name)
+        self.context.tenancy.pins.add([key], requested=True)  # as pin_keys does for a request's pin
         if self.tier.pin([key])[0][0] in ("pinned", "already"):
             self.pinned.add(key)
 
@@ -183,9 +211,12 @@ class DiskPinsAndQuotas(RuleBasedStateMachine):
         assert int(extra["pinned_bytes"]) <= 4 * FILE
         assert not self.pinned & {k for k in self.evicted}, "a pinned record was evicted"
         assert all(self.tier.contains(sorted(self.pinned)))
-        policy = self.tier._disk._order._policy  # the quotas count unpinned records: read them where kept
+        policy = self.tier._disk._order._policy  # the quotas count unpinned records and request pins
         for tenant, own in policy._own.items():
-            assert own.bytes_used <= (3 * FILE if tenant == "tenant-a" else 3 * VALUE), (tenant, own.bytes_used)
+            requested = policy._pinned.requested_of(tenant)
+            assert requested <= 2 * FILE, (tenant, requested)  # request_pin_max_bytes, per tenant
+            quota = 3 * FILE if tenant == "tenant-a" else 3 * VALUE
+            assert own.bytes_used + requested <= quota, (tenant, own.bytes_used, requested)
 
     def teardown(self) -> None:
         self.tier.close()
