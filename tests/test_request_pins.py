@@ -99,18 +99,19 @@ def test_a_full_pin_book_refuses_operator_pins_and_says_why(tmp_path: Path) -> N
         assert (report.chunks, report.refused, report.missing, report.book_full) == (4, 0, 0, 4)
 
 
-def test_a_full_pin_book_refuses_request_pins_and_operator_pins_displace_them(tmp_path: Path) -> None:
+def test_in_a_full_pin_book_new_pins_displace_request_pins_and_only_operator_pins_refuse(tmp_path: Path) -> None:
     tier_options = {"pin_max_bytes": "50%", "request_pin_max_bytes": "50%"}
     with make(tmp_path, tier_options, tenancy={"request_pins": True, "max_pins": 4}) as engine:
         store(engine, prompt(0), salt="acme", pin=True)  # 4 request pins fill the book
-        assert [extra["request_pinned_bytes"] > 0 for extra in extras(engine)] == [True, True]
-        store(engine, prompt(1), salt="acme", pin=True)  # refused: not pinned, counted
-        assert engine.metrics.value("kvplug_pin_book_full_total", origin="request") == 4
-        assert [extra["pinned_items"] for extra in extras(engine)] == [4, 4]
-        report = engine.pin(SYSTEM)  # the operator's pin takes the request pins' places in the book
+        store(engine, prompt(1), salt="acme", pin=True)  # they take the places of the first 4
+        assert [extra["pinned_items"] for extra in extras(engine)] == [8, 8]  # both stay pinned where held
+        report = engine.pin(SYSTEM)  # an operator's pin takes the request pins' places
         assert (report.refused, report.missing, report.book_full) == (0, 4, 0)
-        store(engine, SYSTEM)
+        store(engine, prompt(2), salt="acme", pin=True)  # the book holds operator pins only: refused
+        assert engine.metrics.value("kvplug_pin_book_full_total", origin="request") == 4
         assert [extra["pinned_items"] for extra in extras(engine)] == [8, 8]
+        store(engine, SYSTEM)
+        assert [extra["pinned_items"] for extra in extras(engine)] == [12, 12]
 
 
 def test_a_full_pin_book_does_not_promise_a_pin_it_will_not_keep() -> None:

@@ -32,9 +32,10 @@ def pin_keys(chain: TierChain, keys: Sequence[str], *, requested: bool = False) 
     """Pin ``keys`` now where tiers hold them, and when they are stored from now on.
 
     ``requested``: a request's pin, which tiers hold to its tenant's budgets; one the pin
-    book cannot remember is not applied at all. An operator's pin the book cannot remember
-    is applied where the chunks are held now. Either way the report counts them
-    (``book_full``), ``kvplug_pin_book_full_total{origin}`` too, and the log says so."""
+    book cannot remember (it holds operator pins only) is not applied at all. An operator's
+    pin the book cannot remember is applied where the chunks are held now. Either way the
+    report counts them (``book_full``), ``kvplug_pin_book_full_total{origin}`` too, and the
+    log says so."""
     tenancy = chain.tenancy
     unbooked = tenancy.pins.add(keys, requested=requested)
     if unbooked:

@@ -214,9 +214,10 @@ class PinBook:
     them (request pins count against their tenant's budgets, :class:`kvplug.GuardedEviction`).
 
     Thread-safe and bounded: it remembers at most ``max_keys`` keys (a remembered key is
-    pinned by every tier that stores it later). Past that, an operator's pin displaces the
-    oldest request pin, and a request's pin is refused (:meth:`add` returns the keys it
-    did not remember: the caller says so)."""
+    pinned by every tier that stores it later). Past that, a new pin takes the place of the
+    oldest request pin (whose chunks stay pinned where tiers hold them: only a later store
+    of them is not pinned), and when the book holds operator pins only, a new pin is
+    refused (:meth:`add` returns the keys it did not remember: the caller says so)."""
 
     def __init__(self, max_keys: int = DEFAULT_MAX_PINS) -> None:
         self.max_keys = max_keys
@@ -238,7 +239,7 @@ class PinBook:
                         self._names[name] = False
                     continue
                 if len(self._keys) >= self.max_keys:
-                    if requested or not self._requested:
+                    if not self._requested:
                         refused.append(key)
                         continue
                     self._forget(next(iter(self._requested)))

@@ -53,9 +53,10 @@ class TenancyConfig(CheckedModel):
         ge=1,
         le=1 << 24,
         description="Chunk keys the engine's pin book remembers (to pin chunks when they are stored; about "
-        "450 bytes each). A pin past it is refused and said so: kvplug ctl pin and CacheEngine.pin answer "
-        "book_full, kvplug_pin_book_full_total{origin} counts it. An operator pin (pin:, kvplug ctl pin, "
-        "CacheEngine.pin) displaces the oldest request pin from a full book; a request pin is refused.",
+        "450 bytes each). In a full book a new pin takes the place of the oldest request pin (its chunks stay "
+        "pinned where held); when the book holds operator pins only (pin:, kvplug ctl pin, CacheEngine.pin), "
+        "a new pin is refused and said so: kvplug ctl pin and CacheEngine.pin answer book_full, "
+        "kvplug_pin_book_full_total{origin} counts it.",
     )
     tenants: dict[str, SecretStr] = Field(
         default_factory=dict,
