@@ -9,6 +9,7 @@ from pydantic.fields import FieldInfo
 
 from kvplug import Bounded, FrequencyAdmissionConfig, QueueSettings
 from kvplug.core.config import KVPlugConfig, StoreSettings
+from kvplug.core.tenants import TenancyConfig
 from kvplug.core.tier import TierConfig
 from kvplug_compress import FP8Serializer, ZstdSerializer
 from kvplug_cpu import CPUTier
@@ -96,6 +97,8 @@ copies in one C call on the caller's OpenMP team, for caches in host memory), th
 def _default(value: object) -> object:
     if isinstance(value, StoreSettings):
         return "see store below"
+    if isinstance(value, TenancyConfig):
+        return "see tenancy below"
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json")
     if isinstance(value, list):
@@ -131,6 +134,7 @@ def render() -> str:
         HEADER,
         table("Top level", KVPlugConfig),
         table("`store`", StoreSettings, "store."),
+        table("`tenancy` (who may pin; tenant names)", TenancyConfig, "tenancy."),
         table("Write queues: `store.queue` and `tiers[i].queue` (`kvplug.QueueSettings`)", QueueSettings, "queue."),
         QUEUES,
         table("Options every tier takes (`kvplug.TierConfig`)", TierConfig),

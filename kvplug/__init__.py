@@ -84,6 +84,7 @@ from kvplug.core.tenancy import (
     TenancySettings,
     TenantBook,
 )
+from kvplug.core.tenants import TenancyConfig, TenantLabels
 from kvplug.core.tier import (
     MEDIA,
     UNBOUNDED_BYTES,
@@ -245,8 +246,10 @@ __all__ = [
     "StorageTier",
     "StoredRecord",
     "Tenancy",
+    "TenancyConfig",
     "TenancySettings",
     "TenantBook",
+    "TenantLabels",
     "ThreadCount",
     "TierChain",
     "TierConfig",

@@ -37,6 +37,9 @@ _SECRET_PARTS = frozenset({"pwd", "auth", "authorization", "sas", "apikey"})
 #: Settings whose value is a bag of options for a foreign library: anything in them may be a
 #: credential under a name we do not know, so a non-mapping value is masked whole.
 _OPTION_BAGS = frozenset({"storage_options", "client_kwargs", "config_kwargs", "connection_options", "credentials"})
+#: Settings whose value maps names to secrets (``tenancy.tenants``: tenant name -> cache_salt, a
+#: tenant's isolation secret): the names are kept, every value is masked.
+_SECRET_VALUE_MAPS = frozenset({"tenants"})
 
 _URL_USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:'\"]*:)(?P<password>[^\s/@'\"]*)(?P<at>@)")
 _NAMED_VALUE = re.compile(
@@ -103,6 +106,8 @@ def redact(value: Any, name: str | None = None) -> Any:
     if name is not None and value not in (None, "") and is_secret_name(name):
         return SECRET_MASK
     if isinstance(value, Mapping):
+        if name is not None and name.lower() in _SECRET_VALUE_MAPS:
+            return {key: SECRET_MASK for key in value}
         return {key: redact(item, str(key)) for key, item in value.items()}
     if name is not None and name.lower() in _OPTION_BAGS and value not in (None, ""):
         return SECRET_MASK

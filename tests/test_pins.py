@@ -73,11 +73,11 @@ def test_configured_pins_read_their_prefix_file_beside_the_config(registry: Plug
 
 def test_a_tenant_over_its_quota_evicts_its_own_chunks_through_the_engine(registry: PluginRegistry) -> None:
     tiers = [{"type": "cpu", "max_bytes": "256KiB", "quotas": {"tenant-a": "10%", "default": "20%"}}]
-    with make(registry, tiers=tiers) as engine:
+    with make(registry, tiers=tiers, tenancy={"tenants": {"tenant-a": "a-secret"}}) as engine:
         caches = random_caches(LAYOUT, 16)
-        b = RequestInfo(cache_salt="tenant-b")
+        b = RequestInfo(cache_salt="b-secret")
         engine.store(SYSTEM, caches, torch.arange(32), request=b)
-        a = RequestInfo(cache_salt="tenant-a")
+        a = RequestInfo(cache_salt="a-secret")
         for i in range(40):  # tenant-a alone would fill the tier more than twice
             engine.store(one_off(i), caches, torch.arange(32), request=a)
         assert engine.lookup(SYSTEM, request=b) == 32
@@ -91,7 +91,8 @@ def test_a_tenant_over_its_quota_evicts_its_own_chunks_through_the_engine(regist
 
 @pytest.mark.parametrize("request_flag", [True, False])
 def test_the_per_request_pin_setting(registry: PluginRegistry, request_flag: bool) -> None:
-    with make(registry, tiers=[{"type": "cpu", "max_bytes": "64KiB", "pin_max_bytes": "50%"}]) as engine:
+    tiers = [{"type": "cpu", "max_bytes": "64KiB", "pin_max_bytes": "50%", "request_pin_max_bytes": "50%"}]
+    with make(registry, tiers=tiers, tenancy={"request_pins": True}) as engine:
         caches = random_caches(LAYOUT, 16)
         info = RequestInfo(overrides={"pin_request": True} if request_flag else {})
         engine.store(SYSTEM, caches, torch.arange(32), request=info)

@@ -298,6 +298,8 @@ def _pin(op: str, prompt: str, tokenizer: str | None, cache_salt: str | None, lo
         _print_json(replies, total)
         return
     summary = ", ".join(f"{name} {total.get(name, 0)}" for name in ("chunks", "bytes", "refused", "missing"))
+    if total.get("book_full"):  # why some were refused: the pin book (tenancy.max_pins) is full
+        summary += f"; pin book full (tenancy.max_pins): {total['book_full']} not pinned when stored"
     console.print(f"{op}ned over {len(replies)} rank(s): {summary}", highlight=False)
     if per_rank:
         for rank, reply in replies:

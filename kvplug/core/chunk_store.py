@@ -40,6 +40,7 @@ from kvplug.core.record import RECORD_HEADER_SIZE
 from kvplug.core.serializer import Serializer
 from kvplug.core.serializer_factory import make_serializer
 from kvplug.core.tenancy import Tenancy
+from kvplug.core.tenants import label_key
 from kvplug.core.tier import TierContext
 from kvplug.core.tier_chain import TierChain
 from kvplug.errors import ChunkError, ConfigError, ConfigProblem
@@ -120,7 +121,7 @@ class ChunkStore:
             metrics=metrics,
             lookup_timeout_s=config.lookup_timeout_ms / 1000,
             emit=emit,
-            tenancy=tenancy,
+            tenancy=tenancy or Tenancy.from_config(config.tenancy, label_key()),
             max_record_bytes=record_bound(serializer, chunk_bytes),
         )
         return cls(serializer, fingerprint, chain, metrics=metrics)

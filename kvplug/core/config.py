@@ -37,6 +37,7 @@ from kvplug.core.config_types import ThreadCount, TimeoutMilliseconds
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.queue_settings import STORE_QUEUE_KEYS, QueueSettings, upgrade_queue_keys
 from kvplug.core.tenancy import PinSpec
+from kvplug.core.tenants import TenancyConfig
 from kvplug.errors import ConfigError, ConfigProblem
 
 #: The most KV heads one record may hold (models have at most a few hundred).
@@ -130,8 +131,12 @@ class KVPlugConfig(CheckedModel):
     pin_request: bool = Field(
         default=False,
         description="Pin the chunks this request stores (engine adapters map their request flag to it, "
-        "e.g. kvplug.pin: true; docs/operations.md).",
+        "e.g. kvplug.pin: true; docs/operations.md). Ignored (counted, logged) unless tenancy.request_pins.",
         json_schema_extra={"per_request": True},
+    )
+    tenancy: TenancyConfig = Field(
+        default_factory=TenancyConfig,
+        description="Who may pin, the pin book's bound, and tenant names for metrics (docs/security.md).",
     )
     serializer: ComponentSpec = Field(
         default_factory=lambda: ComponentSpec(type="raw"), description="Serializer of chunk frames."

@@ -33,7 +33,7 @@ from kvplug.core.layouts import KVLayout
 from kvplug.core.manifest import ManifestWriter
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.parallel_copies import ParallelCopies, auto_copy_threads
-from kvplug.core.pins import apply_configured_pins, pin_keys, unpin_keys
+from kvplug.core.pins import apply_configured_pins, pin_for_request, pin_keys, unpin_keys
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.serializer import Serializer
 from kvplug.core.split_lookup import located_prefix, other_split_holding
@@ -268,7 +268,7 @@ class CacheEngine:
         first = self.layout.check_call(len(tokens), kv_caches, slots, mask)
         config = self._request_config(request)
         if config.pin_request and not config.skip_save:  # first: a tier pins a wanted chunk as it stores it
-            self.pin(tokens, request=request)
+            pin_for_request(self, tokens, request, config)
         # Per chunk: its records (key, frame, payload), and the tensor its KV is gathered into.
         todo: list[tuple[ChunkKey, list[tuple[str, Any, torch.Tensor]], torch.Tensor]] = []
         # A replica (not the writer of its heads) keeps copies only in process-private tiers.

@@ -8,6 +8,14 @@ over its own keys only: a tenant over its quota gives up victims from there
 (:meth:`GuardedEviction.take_over_quota`), its own keys in its own order, never
 another's. The tier's budget still evicts in the tier-wide order.
 
+A request's pin (the pin book says only requests want the key) also counts against its
+tenant: within ``request_pin_budget`` and the tenant's quota, and in the quota's
+accounting, so a tenant cannot hold more than its quota by pinning. An operator's pin
+that does not fit in ``pin_budget`` turns request pins (oldest first) back into ordinary
+chunks. A store that could not be kept (no room beside the pinned chunks, a chunk larger
+than its tenant's quota) is refused before it evicts anything (:meth:`admits`), counted
+by reason and logged.
+
 Like the policies, not thread-safe: the owner calls it under its own lock.
 """
 
@@ -18,8 +26,10 @@ from collections.abc import Callable, Mapping
 from typing import Literal
 
 from kvplug.core.eviction import EvictionPolicy, make_eviction_policy
-from kvplug.core.tenancy import tenant_label
-from kvplug.core.tenant_metrics import TENANT_BYTES, TENANT_HITS
+from kvplug.core.pin_ledger import PinLedger
+from kvplug.core.tenant_metrics import STORES_REFUSED, TENANT_BYTES, TENANT_HITS
+from kvplug.core.tenants import TenantLabels
+from kvplug.core.throttled_log import ThrottledLog
 
 #: What :meth:`GuardedEviction.pin` did.
 PinOutcome = Literal["pinned", "already", "refused", "missing"]
@@ -44,57 +54,77 @@ class GuardedEviction(EvictionPolicy):
         wants_pin: Callable[[str], bool] = _NOTHING,
         logger: logging.Logger | None = None,
         tier: str = "",
+        request_pin_budget: int | None = None,
+        requested_pin: Callable[[str], bool] = _NOTHING,
+        labels: TenantLabels | None = None,
     ) -> None:
         self.eviction = eviction
         self._policy = make_eviction_policy(eviction)
-        self.pin_budget = pin_budget
         self.quotas = dict(quotas or {})
         self.default_quota = default_quota
         self._tenant_of = tenant_of
         self._wants_pin = wants_pin
-        self._logger = logger or logging.getLogger("kvplug.tier")
+        self._requested_pin = requested_pin
+        self._labels = labels or TenantLabels()
+        logger = logger or logging.getLogger("kvplug.tier")
+        self._pinned = PinLedger(pin_budget, request_pin_budget, self._quota_of, logger, tier)
+        self._store_log = ThrottledLog(logger)
         self._tier = tier
         self._sizes: dict[str, int] = {}  # unpinned keys
-        self._pinned: dict[str, int] = {}
-        self.pinned_bytes = 0
         self._tenant: dict[str, str] = {}  # salted keys only (pinned or not)
         self._own: dict[str, EvictionPolicy] = {}  # tenants with a quota: their unpinned keys
         self._held: dict[str | None, int] = {}  # bytes per tenant, pinned included
         self._hits: dict[str | None, int] = {}
         self._due: set[str] = set()  # tenants that grew since take_over_quota
-        #: Pins refused because ``pin_budget`` was spent.
-        self.pins_refused = 0
         #: Keys evicted because their tenant was over its quota.
         self.quota_evictions = 0
+        #: Stores refused before they evicted anything, by reason (``pins``, ``quota``).
+        self.stores_refused: dict[str, int] = {"pins": 0, "quota": 0}
+
+    @property
+    def pin_budget(self) -> int | None:
+        return self._pinned.pin_budget
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._pinned.bytes
+
+    @property
+    def pins_refused(self) -> int:
+        """Pins refused because ``pin_budget`` (or a tenant's request pin budget) was spent."""
+        return self._pinned.refused
 
     # --- the EvictionPolicy interface -----------------------------------------------
 
     def inserted(self, key: str, size: int, *, cold: bool = False) -> None:
         tenant = self._tenant_of(key) or self._tenant.get(key)
-        may_pin = True
-        if key in self._pinned:
-            old_pinned = self._pinned[key]
+        pin_as: bool | None = None  # pin it: whether as a request's pin
+        pins = self._pinned
+        if key in pins:
+            old_pinned, requested = pins.sizes[key], pins.is_requested(key)
             self._add_held(tenant, size - old_pinned)
-            if self.pin_budget is None or self.pinned_bytes - old_pinned + size <= self.pin_budget:
-                self.pinned_bytes += size - old_pinned
-                self._pinned[key] = size
+            if pins.fits(tenant, size - old_pinned, requested):
+                self._pin(key, tenant, size, requested)  # (a request's pin that grew: its tenant's quota applies)
                 return
-            # A pinned key stored again, larger, past the pin budget: an ordinary key from now on.
-            del self._pinned[key]
-            self.pinned_bytes -= old_pinned
+            # A pinned key stored again, larger, past a pin budget: an ordinary key from now on.
+            pins.drop(key)
             self._add_held(tenant, -size)
-            may_pin = self._room_for_pin(key, size)  # False: counted and logged as a refusal
+            if pins.room(key, tenant, size, requested, self.unpin):  # False: counted and logged as a refusal
+                pin_as = requested
+        elif self._wants_pin(key):
+            requested = self._requested_pin(key)
+            if pins.room(key, tenant, size, requested, self.unpin):
+                pin_as = requested
         old = self._sizes.get(key)
         if old is not None:
             self._add_held(self._tenant.get(key), -old)
         if tenant is not None:
             self._tenant[key] = tenant
         self._add_held(tenant, size)
-        if may_pin and self._wants_pin(key) and self._room_for_pin(key, size):
+        if pin_as is not None:
             if old is not None:
                 self._unlist(key)
-            self._pinned[key] = size
-            self.pinned_bytes += size
+            self._pin(key, tenant, size, pin_as)
             return
         self._sizes[key] = size
         self._policy.inserted(key, size, cold=cold)
@@ -115,14 +145,13 @@ class GuardedEviction(EvictionPolicy):
             self._hits[tenant] = self._hits.get(tenant, 0) + 1
 
     def removed(self, key: str) -> None:
-        size = self._pinned.pop(key, None)
-        if size is not None:
-            self.pinned_bytes -= size
-        else:
-            size = self._sizes.get(key)
-            if size is None:
-                return
+        if key in self._pinned:
+            size = self._pinned.drop(key)
+        elif key in self._sizes:
+            size = self._sizes[key]
             self._unlist(key)
+        else:
+            return
         self._add_held(self._tenant.pop(key, None), -size)
 
     def pop_victim(self) -> tuple[str, int] | None:
@@ -135,7 +164,6 @@ class GuardedEviction(EvictionPolicy):
         self._policy.clear()
         self._sizes.clear()
         self._pinned.clear()
-        self.pinned_bytes = 0
         self._tenant.clear()
         self._own.clear()
         self._held.clear()
@@ -149,39 +177,43 @@ class GuardedEviction(EvictionPolicy):
 
     @property
     def bytes_used(self) -> int:
-        return self._policy.bytes_used + self.pinned_bytes
+        return self._policy.bytes_used + self._pinned.bytes
 
     def state(self) -> dict[str, int]:
         return {
             **self._policy.state(),
             "pinned_items": len(self._pinned),
-            "pinned_bytes": self.pinned_bytes,
+            "pinned_bytes": self._pinned.bytes,
             "pins_refused": self.pins_refused,
             "quota_evictions": self.quota_evictions,
+            "request_pinned_bytes": self._pinned.requested_total(),
         }
 
     # --- pins and quotas ------------------------------------------------------------
 
     def pin(self, key: str) -> PinOutcome:
-        """Take a held key out of eviction, within ``pin_budget``."""
-        if key in self._pinned:
+        """Take a held key out of eviction, within ``pin_budget`` (and, for a request's pin,
+        within its tenant's ``request_pin_budget`` and quota)."""
+        requested, pins = self._requested_pin(key), self._pinned
+        if key in pins:
+            if pins.is_requested(key) and not requested:  # an operator's pin of a request's: theirs now
+                pins.set(key, None, pins.drop(key), False)
             return "already"
         size = self._sizes.get(key)
         if size is None:
             return "missing"
-        if not self._room_for_pin(key, size):
+        tenant = self._tenant.get(key)
+        if not pins.room(key, tenant, size, requested, self.unpin):
             return "refused"
         self._unlist(key)
-        self._pinned[key] = size
-        self.pinned_bytes += size
+        self._pin(key, tenant, size, requested)
         return "pinned"
 
     def unpin(self, key: str) -> int | None:
         """Make a pinned key evictable again (a fresh insert); its size, or ``None`` if not pinned."""
-        size = self._pinned.pop(key, None)
-        if size is None:
+        if key not in self._pinned:
             return None
-        self.pinned_bytes -= size
+        size = self._pinned.drop(key)
         tenant = self._tenant.get(key)
         self._sizes[key] = size
         self._policy.inserted(key, size)
@@ -190,6 +222,34 @@ class GuardedEviction(EvictionPolicy):
             own.inserted(key, size)
             self._due.add(tenant)  # type: ignore[arg-type]
         return size
+
+    def admits(self, key: str, size: int, budget: int | None, *, overhead: int = 0) -> bool:
+        """Whether a store of ``key`` (``size`` bytes) into a tier of ``budget`` bytes can be
+        kept: ``False`` (counted by reason, logged) when it would be evicted at once, by
+        the tier's budget because pinned chunks leave less room than it (``pins``), or by
+        its tenant's quota, less the tenant's request pins (``quota``). Call before
+        :meth:`inserted`: a refused store then evicts nothing. ``overhead``: bytes each key
+        counts here but not against ``budget`` (the disk tier: a record file's header)."""
+        pins = self._pinned
+        if key in pins:
+            return True
+        tenant: str | None = None
+        if self._wants_pin(key):
+            tenant = self._tenant_of(key) or self._tenant.get(key)
+            if pins.fits(tenant, size, self._requested_pin(key)):
+                return True
+        pinned = pins.bytes - overhead * len(pins)
+        if budget is not None and pinned + size - overhead > budget:
+            room = budget - pinned
+            return self._refuse_store(key, "pins", f"{size - overhead} bytes, {room} left beside the pinned chunks")
+        if not self.quotas and self.default_quota is None:  # (the common case: no lookup of the tenant)
+            return True
+        tenant = tenant or self._tenant_of(key) or self._tenant.get(key)
+        quota = self._quota_of(tenant)
+        pinned = self._pinned.requested_of(tenant)
+        if quota is not None and pinned + size > quota:
+            return self._refuse_store(key, "quota", f"{size} bytes, its tenant's quota {quota} ({pinned} pinned)")
+        return True
 
     def is_pinned(self, key: str) -> bool:
         return key in self._pinned
@@ -203,7 +263,7 @@ class GuardedEviction(EvictionPolicy):
             quota = self._quota_of(tenant)
             if own is None or quota is None:
                 continue
-            while own.bytes_used > quota:
+            while own.bytes_used + self._pinned.requested_of(tenant) > quota:
                 victim = own.pop_victim()
                 if victim is None:
                     break
@@ -217,20 +277,25 @@ class GuardedEviction(EvictionPolicy):
         """(bytes held, hits) by metrics label: named tenants, ``(other)``, ``(unsalted)``."""
         figures: dict[str, tuple[int, int]] = {}
         for tenant in self._held.keys() | self._hits.keys():
-            label = tenant_label(tenant, self.quotas)
+            label = self._labels.label(tenant, self.quotas)
             held, hits = figures.get(label, (0, 0))
             figures[label] = (held + self._held.get(tenant, 0), hits + self._hits.get(tenant, 0))
         return figures
 
     def stats_extra(self) -> dict[str, int]:
-        """Figures for a tier's ``stats().extra``: pins, refusals, quota evictions, and per
-        tenant label ``tenant_bytes:<label>`` and ``tenant_hits:<label>`` (metrics read these)."""
+        """Figures for a tier's ``stats().extra``: pins, refusals, quota evictions, stores refused
+        by reason (``stores_refused:<reason>``), and per tenant label ``tenant_bytes:<label>``
+        and ``tenant_hits:<label>`` (metrics read these)."""
         extra = {
             "pinned_items": len(self._pinned),
-            "pinned_bytes": self.pinned_bytes,
+            "pinned_bytes": self._pinned.bytes,
             "pins_refused": self.pins_refused,
             "quota_evictions": self.quota_evictions,
+            "request_pinned_bytes": self._pinned.requested_total(),
+            "request_pins_demoted": self._pinned.demoted,
         }
+        for reason, count in sorted(self.stores_refused.items()):
+            extra[f"{STORES_REFUSED}{reason}"] = count
         for label, (held, hits) in sorted(self.tenant_figures().items()):
             extra[f"{TENANT_BYTES}{label}"] = held
             extra[f"{TENANT_HITS}{label}"] = hits
@@ -264,21 +329,16 @@ class GuardedEviction(EvictionPolicy):
             self._due.add(tenant)
         return tenant
 
-    def _room_for_pin(self, key: str, size: int) -> bool:
-        if self.pin_budget is None or self.pinned_bytes + size <= self.pin_budget:
-            return True
-        self.pins_refused += 1
-        if self.pins_refused == 1 or self.pins_refused % 1000 == 0:
-            self._logger.warning(
-                "tier %s: pin of %s refused: %d pinned bytes + %d would pass pin_max_bytes %d (%d refused so far)",
-                self._tier,
-                key,
-                self.pinned_bytes,
-                size,
-                self.pin_budget,
-                self.pins_refused,
-            )
+    def _refuse_store(self, key: str, reason: str, why: str) -> bool:
+        self.stores_refused[reason] = self.stores_refused.get(reason, 0) + 1
+        self._store_log.warning("tier %s: store of %s refused (%s): %s", self._tier, key, reason, why)
         return False
+
+    def _pin(self, key: str, tenant: str | None, size: int, requested: bool) -> None:
+        """Pin ``key`` (out of the policies already); a request's pin counts against its tenant's quota."""
+        self._pinned.set(key, tenant, size, requested)
+        if requested and self._own_policy(tenant) is not None:
+            self._due.add(tenant)  # type: ignore[arg-type]  # (own is only found for a tenant)
 
     def _quota_of(self, tenant: str | None) -> int | None:
         if tenant is None:

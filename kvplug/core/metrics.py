@@ -77,6 +77,18 @@ class EngineMetrics:
             "kvplug_remote_short_circuits", "Remote calls answered without the store (breaker open, budget spent)",
             ["tier"], registry=r,
         )  # fmt: skip
+        self.request_pins_ignored = Counter(
+            "kvplug_request_pins_ignored",
+            "Stores that asked to pin their chunks while request pins are off (tenancy.request_pins)",
+            registry=r,
+        )
+        self.pin_book_full = Counter(
+            "kvplug_pin_book_full",
+            "Chunks a pin could not be remembered for: the pin book held tenancy.max_pins keys "
+            "(origin request: not pinned; operator: pinned only where held then)",
+            ["origin"],
+            registry=r,
+        )
         self.retrieve_seconds = Histogram("kvplug_retrieve_seconds", "Time of retrieve calls", registry=r)
         self.store_seconds = Histogram("kvplug_store_seconds", "Time of store calls (caller side)", registry=r)
         #: Pins and per-tenant bytes and hits, read from the tiers of each chain added to its ``sources``.

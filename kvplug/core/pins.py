@@ -4,6 +4,11 @@ A pin is remembered in the chain's :class:`~kvplug.core.tenancy.PinBook`, so tie
 the chunks when they store them, and applied at once to the chunks tiers hold
 (:meth:`kvplug.StorageTier.pin`). Pins live in this process: a restart re-applies
 the config's ``pin:`` prefixes (:func:`apply_configured_pins`), not pins asked for later.
+
+Pins come from the operator (config ``pin:``, ``kvplug ctl pin``, ``CacheEngine.pin``)
+or from requests (``pin_request``), which any API client can set: those are honoured
+only where ``tenancy.request_pins`` allows them (:func:`pin_for_request`), and each
+tier holds them to their tenant's budgets.
 """
 
 from __future__ import annotations
@@ -11,30 +16,49 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvplug.core.keys import RequestInfo
 from kvplug.core.tenancy import PinReport, PinSpec, read_token_file
 from kvplug.core.tier_chain import TierChain
+
+if TYPE_CHECKING:
+    from kvplug.core.config import KVPlugConfig
 
 logger = logging.getLogger("kvplug.pins")
 
 
-def pin_keys(chain: TierChain, keys: Sequence[str]) -> PinReport:
-    """Pin ``keys`` now where tiers hold them, and when they are stored from now on."""
-    full = chain.tenancy.pins.add(keys)
-    if full:
-        logger.warning(
-            "pin book full (%d keys): %d chunks pinned only where held now", chain.tenancy.pins.max_keys, full
+def pin_keys(chain: TierChain, keys: Sequence[str], *, requested: bool = False) -> PinReport:
+    """Pin ``keys`` now where tiers hold them, and when they are stored from now on.
+
+    ``requested``: a request's pin, which tiers hold to its tenant's budgets; one the pin
+    book cannot remember (it holds operator pins only) is not applied at all. An operator's
+    pin the book cannot remember is applied where the chunks are held now. Either way the
+    report counts them (``book_full``), ``kvplug_pin_book_full_total{origin}`` too, and the
+    log says so."""
+    tenancy = chain.tenancy
+    unbooked = tenancy.pins.add(keys, requested=requested)
+    if unbooked:
+        origin = "request" if requested else "operator"
+        chain.metrics.pin_book_full.labels(origin).inc(len(unbooked))
+        tenancy.warn(
+            "book_full",
+            "pin book full (tenancy.max_pins: %d keys): %d chunks of a pin (%s) will not be pinned when stored",
+            tenancy.pins.max_keys,
+            len(unbooked),
+            origin,
         )
+    skipped = set(unbooked) if requested else set()
+    asked = [key for key in keys if key not in skipped]
     pinned: set[str] = set()
-    refused: set[str] = set()
+    refused: set[str] = set(skipped)
     held: set[str] = set()
     nbytes = 0
     for tier in chain.tiers:
-        outcomes = tier.pin(keys)
+        outcomes = tier.pin(asked) if asked else []
         if outcomes is None:
             continue
-        for key, (outcome, size) in zip(keys, outcomes):
+        for key, (outcome, size) in zip(asked, outcomes):
             if outcome in ("pinned", "already"):
                 pinned.add(key)
                 nbytes += size
@@ -42,7 +66,29 @@ def pin_keys(chain: TierChain, keys: Sequence[str]) -> PinReport:
                 refused.add(key)
             if outcome != "missing":
                 held.add(key)
-    return PinReport(chunks=len(pinned), bytes=nbytes, refused=len(refused), missing=len(keys) - len(held))
+    # A chunk held nowhere that the book did not take will never be pinned: refused, not missing.
+    refused.update(key for key in unbooked if key not in held)
+    missing = sum(1 for key in keys if key not in held and key not in refused)
+    return PinReport(chunks=len(pinned), bytes=nbytes, refused=len(refused), missing=missing, book_full=len(unbooked))
+
+
+def pin_for_request(
+    engine: Any, tokens: Sequence[int] | Any, request: RequestInfo | None, config: KVPlugConfig
+) -> PinReport | None:
+    """Pin the chunks a store of ``engine`` (a :class:`kvplug.CacheEngine`) keys for
+    ``request``, which asked for it (``pin_request``; ``config``: the request's): ``None``,
+    and counted (``kvplug_request_pins_ignored_total``) and logged, unless
+    ``tenancy.request_pins``."""
+    if not engine.config.tenancy.request_pins:
+        engine.metrics.request_pins_ignored.inc()
+        engine.chain.tenancy.warn(
+            "request_pins_off",
+            "a request asked to pin the chunks it stores (pin_request, e.g. kvplug.pin), but request pins are "
+            "off (tenancy.request_pins: false): stored unpinned",
+        )
+        return None
+    keys = engine.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk)
+    return pin_keys(engine.chain, engine.record_keys(keys, request), requested=True)
 
 
 def unpin_keys(chain: TierChain, keys: Sequence[str]) -> PinReport:
@@ -65,8 +111,6 @@ def apply_configured_pins(engine: Any, specs: Sequence[PinSpec]) -> None:
     """Pin each configured prefix (``pin:``) of ``engine`` (a :class:`kvplug.CacheEngine`):
     chunks held now are pinned, the others when they are stored. A file that cannot be
     read is logged and skipped: a pin is an optimisation, not a reason not to serve."""
-    from kvplug.core.keys import RequestInfo
-
     for spec in specs:
         try:
             tokens = read_token_file(Path(spec.prefix_file))
@@ -75,9 +119,9 @@ def apply_configured_pins(engine: Any, specs: Sequence[PinSpec]) -> None:
             continue
         report = engine.pin(tokens, request=RequestInfo(cache_salt=spec.salt, lora_id=spec.lora_id))
         logger.info(
-            "pin: %s (salt %r): %d chunks pinned, %d refused, %d not stored yet",
+            "pin: %s%s: %d chunks pinned, %d refused, %d not stored yet",
             spec.prefix_file,
-            spec.salt,
+            "" if spec.salt is None else " (salted)",
             report.chunks,
             report.refused,
             report.missing,

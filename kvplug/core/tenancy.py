@@ -7,16 +7,20 @@
   :meth:`kvplug.StorageTier.pin` pins chunks it holds already. Each tier's pinned bytes
   have their own budget (:class:`TenancySettings` ``pin_max_bytes``); a pin over it
   is refused, counted and logged, and the chunk stays an ordinary, evictable one.
+  Requests pin only where the operator lets them (:class:`~kvplug.core.tenants.TenancyConfig`
+  ``request_pins``), each tenant within ``request_pin_max_bytes`` and its quota.
 - **Tenants.** A tenant is a ``cache_salt``. Keys are ``<version>/<fingerprint>/<hash>``
   and the fingerprint digests the salt, so the salt cannot be read back from a key:
   the engine notes which fingerprint stands for which salt whenever it computes keys
   for a salted request (:class:`TenantBook`), and a tier asks the book about a key's
-  fingerprint. Unsalted requests are no tenant: no quota applies to them.
+  fingerprint. Unsalted requests are no tenant: no quota applies to them. Figures name a
+  tenant by the label :class:`~kvplug.core.tenants.TenantLabels` gives it, never by its salt.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -28,17 +32,19 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvplug.core.config_types import parse_byte_size
+from kvplug.core.tenants import DEFAULT_MAX_PINS, DEFAULT_QUOTA, TenancyConfig, TenantLabels
+from kvplug.core.tenants import OTHER_TENANTS as OTHER_TENANTS  # (defined here before: still importable)
+from kvplug.core.tenants import UNSALTED as UNSALTED
+from kvplug.core.throttled_log import ThrottledLog
 
-#: The metrics label of salted tenants not named in a tier's ``quotas`` (a bounded label set).
-OTHER_TENANTS = "(other)"
-#: The metrics label of unsalted requests' chunks.
-UNSALTED = "(unsalted)"
-#: The quota that applies to every salt not named in ``quotas``.
-DEFAULT_QUOTA = "default"
+_logger = logging.getLogger("kvplug.pins")
 
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 #: The largest byte share a pin budget or quota may name: 1 PiB.
 MAX_SHARE_BYTES = 2**50
+#: The largest share of ``max_bytes`` pins may take, in percent: the rest is for chunks that can
+#: be evicted, or a tier full of pins would have no room to store anything new.
+MAX_PIN_PERCENT = 90
 
 
 def parse_share(where: str, value: object) -> int | str:
@@ -80,22 +86,38 @@ class TenancySettings(BaseModel):
     pin_max_bytes: Annotated[int, Field(ge=0, le=MAX_SHARE_BYTES)] | str = Field(
         default="25%",
         description="Budget of pinned chunks in this tier (chunks no eviction policy evicts: config pin:, "
-        "the kvplug.pin request flag, CacheEngine.pin / kvplug ctl pin): bytes (1GiB) or a percentage of "
-        "max_bytes (25%), at most max_bytes. A pin over it is refused and counted (stats pins_refused). "
-        "Not to be confused with pin_memory (page-locked host memory).",
+        "kvplug ctl pin / CacheEngine.pin, request pins where tenancy.request_pins allows them): bytes (1GiB) "
+        f"or a percentage of max_bytes (25%), at most {MAX_PIN_PERCENT}% of max_bytes, so that unpinned chunks "
+        "keep room. A pin over it is refused and counted (stats pins_refused). Not to be confused with "
+        "pin_memory (page-locked host memory).",
+    )
+    request_pin_max_bytes: Annotated[int, Field(ge=0, le=MAX_SHARE_BYTES)] | str = Field(
+        default="5%",
+        description="Budget of each tenant's request pins in this tier (tenancy.request_pins; unsalted "
+        "requests share one): bytes or a percentage of max_bytes. Request pins also count against the "
+        "tenant's quota and stay within pin_max_bytes; a request pin over either is refused and counted.",
     )
     quotas: dict[str, int | str] = Field(
         default_factory=dict,
         description="Per-tenant (cache_salt) byte quotas: {default: 20%, tenant-a: 4GiB}; bytes or a "
-        "percentage of max_bytes, each at most max_bytes. default applies to every salt not named; unsalted "
-        "requests are no tenant. A tenant over its quota evicts its own chunks (in the eviction policy's "
-        "order), never another's; pinned chunks do not count against it.",
+        "percentage of max_bytes, each at most max_bytes; a key is a tenant name of tenancy.tenants or a salt. "
+        "default applies to every salt not named; unsalted requests are no tenant. A tenant over its quota "
+        "evicts its own chunks (in the eviction policy's order), never another's; pinned chunks count "
+        "against it only when a request pinned them. A chunk larger than the quota is not stored (counted).",
     )
 
     @field_validator("pin_max_bytes", mode="before")
     @classmethod
     def _pin_share(cls, value: Any) -> int | str:
-        return parse_share("pin_max_bytes", value)
+        share = parse_share("pin_max_bytes", value)
+        if isinstance(share, str) and float(share[:-1]) > MAX_PIN_PERCENT:
+            raise ValueError(f"pin_max_bytes: {value!r} leaves too little room for unpinned chunks: {_PIN_RULE}")
+        return share
+
+    @field_validator("request_pin_max_bytes", mode="before")
+    @classmethod
+    def _request_pin_share(cls, value: Any) -> int | str:
+        return parse_share("request_pin_max_bytes", value)
 
     @field_validator("quotas", mode="before")
     @classmethod
@@ -109,15 +131,29 @@ class TenancySettings(BaseModel):
         budget = getattr(self, "max_bytes", None)
         if budget is None:
             return self
-        shares = {"pin_max_bytes": self.pin_max_bytes, **{f"quotas[{n!r}]": s for n, s in self.quotas.items()}}
+        shares = {
+            "pin_max_bytes": self.pin_max_bytes,
+            "request_pin_max_bytes": self.request_pin_max_bytes,
+            **{f"quotas[{n!r}]": s for n, s in self.quotas.items()},
+        }
         for where, share in shares.items():
             if isinstance(share, int) and share > int(budget):
                 raise ValueError(f"{where}: {share} bytes is more than the tier's max_bytes ({int(budget)})")
+        pins = self.pin_max_bytes
+        if isinstance(pins, int) and pins * 100 > int(budget) * MAX_PIN_PERCENT:
+            raise ValueError(
+                f"pin_max_bytes: {pins} bytes of max_bytes {int(budget)} leaves too little room for unpinned "
+                f"chunks: {_PIN_RULE}"
+            )
         return self
 
     def pin_budget(self) -> int | None:
         """Pinned bytes this tier may hold (``None``: unbounded)."""
         return share_bytes(self.pin_max_bytes, _budget(self))
+
+    def request_pin_budget(self) -> int | None:
+        """Bytes each tenant's request pins may hold in this tier (``None``: unbounded)."""
+        return share_bytes(self.request_pin_max_bytes, _budget(self))
 
     def quota_bytes(self) -> tuple[dict[str, int], int | None]:
         """(byte quota of each named tenant, the ``default`` quota or ``None``)."""
@@ -133,6 +169,9 @@ class TenancySettings(BaseModel):
             else:
                 named[name] = size
         return named, default
+
+
+_PIN_RULE = f"at most {MAX_PIN_PERCENT}% of max_bytes (the rest is for chunks that can be evicted)"
 
 
 def _budget(settings: BaseModel) -> int | None:
@@ -171,42 +210,70 @@ def record_name(key: str) -> str:
 
 class PinBook:
     """The chunks an engine wants pinned, by key and by record name (the sha256 of the key,
-    :func:`kvplug.key_digest`, which record stores see). Thread-safe; bounded: past
-    ``max_keys`` wanted keys a new pin is not remembered (it is still applied to chunks
-    tiers hold at that moment)."""
+    :func:`kvplug.key_digest`, which record stores see), and whether only requests want
+    them (request pins count against their tenant's budgets, :class:`kvplug.GuardedEviction`).
 
-    def __init__(self, max_keys: int = 1 << 20) -> None:
+    Thread-safe and bounded: it remembers at most ``max_keys`` keys (a remembered key is
+    pinned by every tier that stores it later). Past that, a new pin takes the place of the
+    oldest request pin (whose chunks stay pinned where tiers hold them: only a later store
+    of them is not pinned), and when the book holds operator pins only, a new pin is
+    refused (:meth:`add` returns the keys it did not remember: the caller says so)."""
+
+    def __init__(self, max_keys: int = DEFAULT_MAX_PINS) -> None:
         self.max_keys = max_keys
-        self._keys: set[str] = set()
-        self._names: set[str] = set()
+        self._keys: dict[str, str] = {}  # key -> its record name
+        self._names: dict[str, bool] = {}  # record name -> only requests want it
+        self._requested: OrderedDict[str, None] = OrderedDict()  # keys only requests want, oldest first
         self._lock = threading.Lock()
 
-    def add(self, keys: Iterable[str]) -> int:
-        """Remember ``keys``; the number not remembered because the book is full."""
-        full = 0
+    def add(self, keys: Iterable[str], *, requested: bool = False) -> list[str]:
+        """Remember ``keys`` (``requested``: a request's pin); the keys not remembered
+        because the book is full."""
+        refused: list[str] = []
         with self._lock:
             for key in keys:
-                if key in self._keys:
+                name = self._keys.get(key)
+                if name is not None:
+                    if not requested and key in self._requested:  # the operator wants it too
+                        del self._requested[key]
+                        self._names[name] = False
                     continue
                 if len(self._keys) >= self.max_keys:
-                    full += 1
-                    continue
-                self._keys.add(key)
-                self._names.add(record_name(key))
-        return full
+                    if not self._requested:
+                        refused.append(key)
+                        continue
+                    self._forget(next(iter(self._requested)))
+                name = record_name(key)
+                self._keys[key] = name
+                self._names[name] = requested
+                if requested:
+                    self._requested[key] = None
+        return refused
 
     def discard(self, keys: Iterable[str]) -> None:
         with self._lock:
             for key in keys:
                 if key in self._keys:
-                    self._keys.discard(key)
-                    self._names.discard(record_name(key))
+                    self._forget(key)
 
+    def _forget(self, key: str) -> None:
+        del self._names[self._keys.pop(key)]
+        self._requested.pop(key, None)
+
+    # Lookups of a dict are atomic under the GIL: no lock on these hot paths.
     def wants_key(self, key: str) -> bool:
-        return key in self._keys  # a set lookup is atomic under the GIL: no lock on this hot path
+        return key in self._keys
 
     def wants_name(self, name: str) -> bool:
         return name in self._names
+
+    def requested_key(self, key: str) -> bool:
+        """Whether only requests want ``key`` pinned."""
+        return key in self._requested
+
+    def requested_name(self, name: str) -> bool:
+        """Whether only requests want the record ``name`` pinned."""
+        return self._names.get(name, False)
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -274,13 +341,21 @@ class Tenancy:
 
     pins: PinBook = field(default_factory=PinBook)
     tenants: TenantBook = field(default_factory=TenantBook)
+    #: How figures name tenants (never by their salt).
+    labels: TenantLabels = field(default_factory=TenantLabels)
+    _logs: dict[str, ThrottledLog] = field(default_factory=dict, repr=False)
 
+    @classmethod
+    def from_config(cls, config: TenancyConfig, label_key: bytes | None = None) -> Tenancy:
+        """The tenancy of an engine configured with ``config`` (``tenancy:``)."""
+        return cls(pins=PinBook(config.max_pins), labels=TenantLabels.from_config(config, label_key))
 
-def tenant_label(tenant: str | None, named: Iterable[str]) -> str:
-    """The metrics label of a tenant: its salt when ``quotas`` names it, else a shared label."""
-    if tenant is None:
-        return UNSALTED
-    return tenant if tenant in named else OTHER_TENANTS
+    def warn(self, kind: str, message: str, *args: object) -> None:
+        """Log a refusal of ``kind`` at most once a minute (:class:`ThrottledLog`)."""
+        log = self._logs.get(kind)
+        if log is None:
+            log = self._logs.setdefault(kind, ThrottledLog(_logger))
+        log.warning(message, *args)
 
 
 @dataclass(frozen=True)
@@ -288,14 +363,18 @@ class PinReport:
     """What :meth:`kvplug.CacheEngine.pin` or ``unpin`` did to a prompt's chunks.
 
     ``chunks``: chunks now pinned (``pin``, in at least one tier) or no longer pinned
-    (``unpin``); ``bytes``: their bytes, summed over the tiers; ``refused``: chunks a
-    tier refused because its ``pin_max_bytes`` was spent; ``missing``: chunks no tier
-    that keeps pins holds yet (a pin applies when they are stored)."""
+    (``unpin``); ``bytes``: their bytes, summed over the tiers; ``refused``: chunks not
+    pinned where asked: a tier refused them because its ``pin_max_bytes`` (for a request's
+    pin, its tenant's ``request_pin_max_bytes`` or quota) was spent, or no tier holds them
+    and the pin book is full; ``missing``: chunks no tier that keeps pins holds yet (they
+    are pinned when stored); ``book_full``: chunks the pin book could not remember
+    (``tenancy.max_pins``): pinned only where held now, never when stored later."""
 
     chunks: int = 0
     bytes: int = 0
     refused: int = 0
     missing: int = 0
+    book_full: int = 0
 
 
 def anchor_pin_files(layer: dict[str, Any], folder: Path) -> dict[str, Any]:

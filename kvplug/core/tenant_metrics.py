@@ -3,9 +3,11 @@
 Tiers that keep pins and quotas count them in ``stats().extra``
 (:meth:`kvplug.GuardedEviction.stats_extra`); this collector turns those figures into
 ``kvplug_tenant_bytes{tier,tenant}``, ``kvplug_tenant_hits_total{tier,tenant}``,
-``kvplug_pinned_bytes{tier}``, ``kvplug_pins_refused_total{tier}`` and
-``kvplug_quota_evictions_total{tier}``. The tenant label set is bounded: the tenants a
-tier's ``quotas`` names, ``(other)`` for every other salt, ``(unsalted)``.
+``kvplug_pinned_bytes{tier}``, ``kvplug_pins_refused_total{tier}``,
+``kvplug_quota_evictions_total{tier}`` and ``kvplug_stores_refused_total{tier,reason}``.
+The tenant label set is bounded and never shows a salt: the names of ``tenancy.tenants``,
+a keyed digest for an unnamed salt a tier's ``quotas`` names, ``(other)`` for every other
+salt, ``(unsalted)`` (:class:`kvplug.core.tenants.TenantLabels`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from prometheus_client.registry import Collector
 #: ``stats().extra`` key prefixes of the per-tenant figures (the tenant's label follows).
 TENANT_BYTES = "tenant_bytes:"
 TENANT_HITS = "tenant_hits:"
+#: ``stats().extra`` key prefix of the stores a tier refused, by reason (``pins``, ``quota``).
+STORES_REFUSED = "stores_refused:"
 
 #: (tier label, its stats' extra figures) of each tier of a chain.
 TierFigures = Callable[[], Iterable[tuple[str, Mapping[str, object]]]]
@@ -46,6 +50,12 @@ class TenantCollector(Collector):
         evicted = CounterMetricFamily(
             "kvplug_quota_evictions", "Chunks a tier evicted because their tenant was over its quota", labels=["tier"]
         )
+        stores_refused = CounterMetricFamily(
+            "kvplug_stores_refused",
+            "Chunks a tier did not store, by reason: pins (less room beside the pinned chunks than the chunk), "
+            "quota (the chunk is larger than its tenant's quota less its request pins)",
+            labels=["tier", "reason"],
+        )
         for source in self.sources:
             try:
                 figures = list(source())
@@ -63,7 +73,9 @@ class TenantCollector(Collector):
                         held.add_metric([tier, key[len(TENANT_BYTES) :]], _number(value))
                     elif key.startswith(TENANT_HITS):
                         hits.add_metric([tier, key[len(TENANT_HITS) :]], _number(value))
-        yield from (held, hits, pinned, refused, evicted)
+                    elif key.startswith(STORES_REFUSED):
+                        stores_refused.add_metric([tier, key[len(STORES_REFUSED) :]], _number(value))
+        yield from (held, hits, pinned, refused, evicted, stores_refused)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # the families are known only when collected

@@ -68,16 +68,20 @@ class CPUTier(StorageTier):
         self.config: CPUTierConfig = config
         self._entries: dict[str, Buffer] = {}
         quotas, default_quota = config.quota_bytes()
+        tenancy = context.tenancy
         # Guarded by self._lock, like _entries: pinned keys are never its victims.
         self._policy = GuardedEviction(
             config.eviction,
             pin_budget=config.pin_budget(),
-            quotas=quotas,
+            quotas=tenancy.labels.quota_salts(quotas),
             default_quota=default_quota,
-            tenant_of=context.tenancy.tenants.tenant_of,
-            wants_pin=context.tenancy.pins.wants_key,
+            tenant_of=tenancy.tenants.tenant_of,
+            wants_pin=tenancy.pins.wants_key,
             logger=context.logger,
             tier=self.name,
+            request_pin_budget=config.request_pin_budget(),
+            requested_pin=tenancy.pins.requested_key,
+            labels=tenancy.labels,
         )
         self._lock = threading.Lock()
         self._stats = TierStats()
@@ -117,6 +121,8 @@ class CPUTier(StorageTier):
             self._check_open()
             stats = self._stats
             for key, value, size in prepared:
+                if not self._policy.admits(key, size, budget):  # it would only evict others, then itself
+                    continue
                 old = self._entries.pop(key, None)
                 if old is not None:
                     self._account(old, -1)
@@ -125,15 +131,13 @@ class CPUTier(StorageTier):
                 stats.items += 1
                 self._policy.inserted(key, size)
                 stats.puts += 1
-                for victim, victim_size in self._policy.take_over_quota():  # the tenant's own chunks
-                    self._drop_victim(victim, victim_size, evicted)
+                self._drop_over_quota(evicted)
                 while stats.bytes_used > budget:
                     # Never None: pins fit in pin_max_bytes <= max_bytes, the rest is the policy's.
                     popped = self._policy.pop_victim()
                     assert popped is not None, "the policy holds every stored key not pinned"
                     self._drop_victim(*popped, evicted)
-        if evicted:
-            self.context.emit(KVEvent("evicted", tuple(evicted), tier=self.name))
+        self._emit_evicted(evicted)
 
     def _drop_victim(self, victim: str, size: int, evicted: list[str]) -> None:
         del self._entries[victim]
@@ -143,6 +147,7 @@ class CPUTier(StorageTier):
         evicted.append(victim)
 
     def pin(self, keys: Sequence[str]) -> list[tuple[str, int]]:
+        evicted: list[str] = []
         with self._lock:
             self._check_open()
             outcomes: list[tuple[str, int]] = []
@@ -150,12 +155,26 @@ class CPUTier(StorageTier):
                 outcome = self._policy.pin(key)
                 value = self._entries.get(key)
                 outcomes.append((outcome, 0 if value is None else memoryview(value).nbytes))
-            return outcomes
+            self._drop_over_quota(evicted)  # request pins an operator's pin made ordinary again
+        self._emit_evicted(evicted)
+        return outcomes
 
     def unpin(self, keys: Sequence[str]) -> list[int | None]:
+        evicted: list[str] = []
         with self._lock:
             self._check_open()
-            return [self._policy.unpin(key) for key in keys]
+            sizes = [self._policy.unpin(key) for key in keys]
+            self._drop_over_quota(evicted)  # unpinned chunks count against their tenant's quota again
+        self._emit_evicted(evicted)
+        return sizes
+
+    def _drop_over_quota(self, evicted: list[str]) -> None:
+        for victim, victim_size in self._policy.take_over_quota():  # the tenant's own chunks
+            self._drop_victim(victim, victim_size, evicted)
+
+    def _emit_evicted(self, evicted: list[str]) -> None:
+        if evicted:
+            self.context.emit(KVEvent("evicted", tuple(evicted), tier=self.name))
 
     def remove(self, keys: Sequence[str]) -> None:
         removed = []

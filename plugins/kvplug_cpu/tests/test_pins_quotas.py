@@ -87,7 +87,7 @@ def test_a_pin_over_the_pin_budget_is_refused_and_counted(caplog: pytest.LogCapt
 
 
 def test_a_tenant_over_its_quota_evicts_its_own_chunks_not_another_s() -> None:
-    tier, _ = make_tier(quotas={"tenant-a": 3 * CHUNK, "default": "20%"})
+    tier, context = make_tier(quotas={"tenant-a": 3 * CHUNK, "default": "20%"})
     mine_b = [key_of("tenant-b", f"b{i}") for i in range(2)]
     tier.put([(key, value_for(key, CHUNK)) for key in mine_b])
     first_a = [key_of("tenant-a", f"a{i}") for i in range(3)]
@@ -98,9 +98,32 @@ def test_a_tenant_over_its_quota_evicts_its_own_chunks_not_another_s() -> None:
     assert tier.contains(mine_b) == [True, True]  # older than every chunk of tenant-a, still there
     assert tier.contains(first_a) == [False] * 3
     extra = tier.stats().extra
-    assert extra["tenant_bytes:tenant-a"] == 3 * CHUNK
+    label = context.tenancy.labels.label("tenant-a", {"tenant-a"})  # a quota named by its salt: a digest label
+    assert label.startswith("salt-") and not any("tenant-a" in key for key in extra)
+    assert extra[f"tenant_bytes:{label}"] == 3 * CHUNK
     assert extra["tenant_bytes:(other)"] == 2 * CHUNK  # tenant-b: not named, one bounded label
     assert extra["quota_evictions"] == 17
+
+
+def test_unpinned_chunks_put_their_tenant_over_its_quota_at_once() -> None:
+    tier, _ = make_tier(pin_max_bytes="30%", quotas={"tenant-a": 3 * CHUNK})
+    keys = [key_of("tenant-a", f"a{i}") for i in range(4)]
+    tier.put([(keys[0], value_for(keys[0], CHUNK))])
+    assert tier.pin([keys[0]]) == [("pinned", CHUNK)]
+    tier.put([(key, value_for(key, CHUNK)) for key in keys[1:]])  # the quota, beside the pinned one
+    tier.unpin([keys[0]])  # now 4 chunks count against a quota of 3: the oldest unpinned one goes
+    assert tier.contains(keys) == [True, False, True, True]
+    assert tier.stats().extra["quota_evictions"] == 1
+
+
+def test_a_request_pin_that_grows_counts_against_its_tenant_s_quota() -> None:
+    tier, context = make_tier(request_pin_max_bytes="20%", quotas={"tenant-a": 3 * CHUNK})
+    pinned, other = key_of("tenant-a", "pinned"), key_of("tenant-a", "other")
+    context.tenancy.pins.add([pinned], requested=True)
+    tier.put([(pinned, value_for(pinned, 10)), (other, value_for(other, 2 * CHUNK))])
+    tier.put([(pinned, value_for(pinned, 2 * CHUNK))])  # still within request_pin_max_bytes: 4 chunks in all
+    assert tier.stats().extra["request_pinned_bytes"] == 2 * CHUNK
+    assert tier.contains([pinned, other]) == [True, False]  # the tenant gave up its unpinned chunk
 
 
 @pytest.mark.parametrize(
@@ -127,12 +150,16 @@ class PinsAndQuotas(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.quotas = {"tenant-a": 4 * CHUNK, "default": "30%"}
-        self.tier, self.context = make_tier(self.eviction, pin_max_bytes=5 * CHUNK, quotas=self.quotas)
+        self.tier, self.context = make_tier(
+            self.eviction, pin_max_bytes=5 * CHUNK, request_pin_max_bytes=2 * CHUNK, quotas=self.quotas
+        )
         self.chain = TierChain([self.tier])
         self.chain.tenancy = self.context.tenancy
         self.pinned: set[str] = set()
-        self.evicted: list[str] = []
-        self.context.emit = lambda event: self.evicted.extend(event.keys) if event.kind == "evicted" else None
+        self.evicted: list[str] = []  # keys evicted while pinned
+        self.context.emit = lambda event: (
+            self.evicted.extend(set(event.keys) & self.pinned) if event.kind == "evicted" else None
+        )
 
     names = st.integers(min_value=0, max_value=40).map(str)
     tenants = st.sampled_from(TENANTS)
@@ -141,7 +168,10 @@ class PinsAndQuotas(RuleBasedStateMachine):
     @rule(tenant=tenants, name=names, size=sizes)
     def put(self, tenant: str | None, name: str, size: int) -> None:
         key = key_of(tenant, name)
+        self.pinned.discard(key)  # stored again larger past a pin budget, a pinned chunk becomes an ordinary one
         self.tier.put([(key, value_for(key, size))])
+        if self.tier._policy.is_pinned(key):
+            self.pinned.add(key)
 
     @rule(tenant=tenants, name=names)
     def get(self, tenant: str | None, name: str) -> None:
@@ -157,6 +187,19 @@ class PinsAndQuotas(RuleBasedStateMachine):
             self.pinned.add(key)
 
     @rule(tenant=tenants, name=names)
+    def request_pin(self, tenant: str | None, name: str) -> None:
+        key = key_of(tenant, name)
+        if pin_keys(self.chain, [key], requested=True).chunks:
+            self.pinned.add(key)
+
+    @rule(tenant=tenants, name=names)
+    def operator_pin(self, tenant: str | None, name: str) -> None:  # may turn request pins into ordinary chunks
+        key = key_of(tenant, name)
+        if pin_keys(self.chain, [key]).chunks:
+            self.pinned.add(key)
+        self.pinned = {key for key in self.pinned if self.tier._policy.is_pinned(key)}
+
+    @rule(tenant=tenants, name=names)
     def unpin(self, tenant: str | None, name: str) -> None:
         key = key_of(tenant, name)
         self.tier.unpin([key])
@@ -169,10 +212,14 @@ class PinsAndQuotas(RuleBasedStateMachine):
         assert stats.extra["pinned_bytes"] <= 5 * CHUNK
         assert not self.pinned & set(self.evicted), "a pinned chunk was evicted"
         assert all(self.tier.contains(sorted(self.pinned)))
-        policy = self.tier._policy  # the quotas count unpinned bytes: read them where they are kept
-        for tenant, own in policy._own.items():
-            quota = 4 * CHUNK if tenant == "tenant-a" else 3 * CHUNK
-            assert own.bytes_used <= quota, (tenant, own.bytes_used)
+        policy = self.tier._policy  # the quotas count unpinned bytes and request pins: read them where they are kept
+        for tenant in TENANTS:
+            requested = policy._pinned.requested_of(tenant)
+            assert requested <= 2 * CHUNK, (tenant, requested)  # request_pin_max_bytes, per tenant
+            own = policy._own.get(tenant) if tenant is not None else None
+            if own is not None:
+                quota = 4 * CHUNK if tenant == "tenant-a" else 3 * CHUNK
+                assert own.bytes_used + requested <= quota, (tenant, own.bytes_used, requested)
 
 
 class PinsAndQuotasS3FIFO(PinsAndQuotas):

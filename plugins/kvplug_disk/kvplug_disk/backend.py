@@ -54,6 +54,15 @@ class SkippedEntryError(OSError):
         super().__init__(errno.EEXIST, "an entry the tier leaves alone holds the record's name")
 
 
+class RefusedRecordError(OSError):
+    """No room for the record: the pinned records (or its tenant's quota) leave less than it
+    needs, so it is not stored rather than evicting everything else and then itself. The
+    guard counted and logged it (``stores_refused:<reason>``)."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.ENOSPC, "no room beside the pinned records or within the tenant's quota")
+
+
 class DiskBackend(DiskReads, RecordBackend):
     """Record files in one folder shared by any number of processes (see the module docstring)."""
 
@@ -80,7 +89,7 @@ class DiskBackend(DiskReads, RecordBackend):
         tenancy = tenancy or Tenancy()
         #: The tenants of record names: the tier notes the keys it is asked about here.
         self.tenant_names = NameTenants(tenancy.tenants)
-        guard = record_guard(config, tenancy.pins, self.tenant_names, problems.logger, self.where)
+        guard = record_guard(config, tenancy, self.tenant_names, problems.logger, self.where)
         self._order = EvictionIndex(config.eviction, guard)
         self._counts = {"discovered": 0, "vanished": 0, "skipped_writes": 0}
         self._evicted: list[StoredRecord] = []
@@ -161,6 +170,10 @@ class DiskBackend(DiskReads, RecordBackend):
                 outcomes[i] = SkippedEntryError() if self._entry_failed("write", record.name, temp) else temp
                 continue
             with self._lock, self._ledger.locked() as usage:
+                if not self._order.admits(record.name, IndexEntry(record.value.nbytes, record.size), self._budget):
+                    self._folder.discard_temp(temp)
+                    outcomes[i] = RefusedRecordError()
+                    continue
                 # Replaced below: it must not count against its own room, nor be evicted for it.
                 replaced = self._order.pop(record.name) is not None
                 value_size = record.value.nbytes
@@ -300,12 +313,17 @@ class DiskBackend(DiskReads, RecordBackend):
         return outcomes
 
     def unpin(self, names: Sequence[str]) -> list[int | None]:
-        """Make records evictable again: per name its value bytes, ``None`` if not pinned."""
-        with self._lock:
+        """Make records evictable again: per name its value bytes, ``None`` if not pinned. They
+        count against their tenant's quota again: a tenant over it gives up its own records."""
+        with self._lock, self._ledger.locked() as usage:
             sizes: list[int | None] = []
             for digest in names:
                 entry = self._order.get(digest)
                 sizes.append(entry.value_size if entry is not None and self._order.unpin(digest) else None)
+            over_quota = self._order.take_over_quota()
+            if over_quota:
+                self._remove_victims(usage, over_quota)
+                usage.save()
             return sizes
 
     async def delete(self, names: Sequence[str]) -> Sequence[bool | BaseException]:

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvplug import EvictionName, GuardedEviction, NameTenants, PinBook, PinOutcome, TenancySettings
+from kvplug import EvictionName, GuardedEviction, NameTenants, PinOutcome, Tenancy, TenancySettings
 
 
 @dataclass(slots=True)
@@ -108,6 +108,12 @@ class EvictionIndex:
         """Make a pinned record evictable again; whether it was pinned."""
         return self._policy.unpin(digest) is not None
 
+    def admits(self, digest: str, entry: IndexEntry, budget: int) -> bool:
+        """Whether a record can be kept beside the pinned ones (``budget``: value bytes) and
+        within its tenant's quota (file bytes), :meth:`kvplug.GuardedEviction.admits`: a
+        refusal is counted and logged."""
+        return self._policy.admits(digest, entry.file_size, budget, overhead=entry.file_size - entry.value_size)
+
     def take_over_quota(self) -> list[tuple[str, IndexEntry]]:
         """Remove the records of tenants over their quotas (each its own, in its order)."""
         victims = []
@@ -133,22 +139,26 @@ class EvictionIndex:
 
 
 def record_guard(
-    settings: TenancySettings, pins: PinBook, names: NameTenants, logger: logging.Logger, where: str
+    settings: TenancySettings, tenancy: Tenancy, names: NameTenants, logger: logging.Logger, where: str
 ) -> Callable[[EvictionName], GuardedEviction]:
-    """The guard of a record folder's index: ``settings``' pin budget and quotas (over file
+    """The guard of a record folder's index: ``settings``' pin budgets and quotas (over file
     sizes), the engine's wanted pins by record name, tenants by record name."""
+    pins, labels = tenancy.pins, tenancy.labels
     quotas, default_quota = settings.quota_bytes()
 
     def guard(eviction: EvictionName) -> GuardedEviction:
         return GuardedEviction(
             eviction,
             pin_budget=settings.pin_budget(),
-            quotas=quotas,
+            quotas=labels.quota_salts(quotas),
             default_quota=default_quota,
             tenant_of=names.tenant_of,
             wants_pin=pins.wants_name,
             logger=logger,
             tier=where,
+            request_pin_budget=settings.request_pin_budget(),
+            requested_pin=pins.requested_name,
+            labels=labels,
         )
 
     return guard

@@ -101,7 +101,9 @@ class DiskTier(RecordTier):
 
     def unpin(self, keys: Sequence[str]) -> list[int | None]:
         self._check_open()
-        return self._disk.unpin([key_digest(key).hex() for key in keys])
+        sizes = self._disk.unpin([key_digest(key).hex() for key in keys])
+        self._take_evicted()  # records of a tenant the unpinned ones put over its quota
+        return sizes
 
     def settle(self) -> None:
         """The chain has nothing more to write here for now: sync the folders renamed into."""

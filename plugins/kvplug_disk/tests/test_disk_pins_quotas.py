@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvplug import TierChain, TierContext
+from kvplug import TierChain, TierContext, key_digest
 from kvplug.core.pins import pin_keys
 from kvplug.testing import value_for
 from kvplug_disk import DiskTier
@@ -109,7 +109,7 @@ def test_configured_pins_apply_to_records_found_at_start(tmp_path: Path) -> None
 
 
 def test_a_tenant_over_its_quota_evicts_its_own_records_not_another_s(tmp_path: Path) -> None:
-    tier, _ = make_tier(tmp_path / "disk", quotas={"tenant-a": 3 * FILE, "default": "25%"})
+    tier, context = make_tier(tmp_path / "disk", quotas={"tenant-a": 3 * FILE, "default": "25%"})
     mine_b = [key_of("tenant-b", f"b{i}") for i in range(2)]
     tier.put([(key, value_for(key, VALUE)) for key in mine_b])
     first_a = [key_of("tenant-a", f"a{i}") for i in range(3)]
@@ -120,9 +120,23 @@ def test_a_tenant_over_its_quota_evicts_its_own_records_not_another_s(tmp_path: 
     assert tier.contains(mine_b) == [True, True]
     assert tier.contains(first_a) == [False] * 3
     extra = tier.stats().extra
-    assert extra["tenant_bytes:tenant-a"] == 3 * FILE
+    label = context.tenancy.labels.label("tenant-a", {"tenant-a"})  # a quota named by its salt: a digest label
+    assert label.startswith("salt-") and not any("tenant-a" in key for key in extra)
+    assert extra[f"tenant_bytes:{label}"] == 3 * FILE
     assert extra["tenant_bytes:(other)"] == 2 * FILE
     assert extra["quota_evictions"] == 17
+    tier.close()
+
+
+def test_unpinned_records_put_their_tenant_over_its_quota_at_once(tmp_path: Path) -> None:
+    tier, _ = make_tier(tmp_path / "disk", pin_max_bytes="30%", quotas={"tenant-a": 3 * FILE})
+    keys = [key_of("tenant-a", f"a{i}") for i in range(4)]
+    tier.put([(keys[0], value_for(keys[0], VALUE))])
+    assert tier.pin([keys[0]]) == [("pinned", VALUE)]
+    tier.put([(key, value_for(key, VALUE)) for key in keys[1:]])  # the quota, beside the pinned one
+    tier.unpin([keys[0]])  # now 4 records count against a quota of 3: the oldest unpinned one goes
+    assert tier.contains(keys) == [True, False, True, True]
+    assert tier.stats().extra["quota_evictions"] == 1
     tier.close()
 
 
@@ -135,11 +149,17 @@ class DiskPinsAndQuotas(RuleBasedStateMachine):
         super().__init__()
         self.folder = Path(tempfile.mkdtemp(prefix="kvplug-pins-"))
         self.tier, self.context = make_tier(
-            self.folder, self.eviction, pin_max_bytes=4 * FILE, quotas={"tenant-a": 3 * FILE, "default": "30%"}
+            self.folder,
+            self.eviction,
+            pin_max_bytes=4 * FILE,
+            request_pin_max_bytes=2 * FILE,
+            quotas={"tenant-a": 3 * FILE, "default": "30%"},
         )
         self.pinned: set[str] = set()
-        self.evicted: list[str] = []
-        self.context.emit = lambda event: self.evicted.extend(event.keys) if event.kind == "evicted" else None
+        self.evicted: list[str] = []  # records evicted while pinned
+        self.context.emit = lambda event: (
+            self.evicted.extend(set(event.keys) & self.pinned) if event.kind == "evicted" else None
+        )
         self.open = True
 
     names = st.integers(min_value=0, max_value=30).map(str)
@@ -160,8 +180,18 @@ class DiskPinsAndQuotas(RuleBasedStateMachine):
 
     @precondition(lambda self: self.open)
     @rule(tenant=tenants, name=names)
-    def pin(self, tenant: str | None, name: str) -> None:
+    def pin(self, tenant: str | None, name: str) -> None:  # an operator's: it may make request pins ordinary
         key = key_of(tenant, name)
+        if self.tier.pin([key])[0][0] in ("pinned", "already"):
+            self.pinned.add(key)
+        policy = self.tier._disk._order._policy
+        self.pinned = {key for key in self.pinned if policy.is_pinned(key_digest(key).hex())}
+
+    @precondition(lambda self: self.open)
+    @rule(tenant=tenants, name=names)
+    def request_pin(self, tenant: str | None, name: str) -> None:
+        key = key_of(tenant, name)
+        self.context.tenancy.pins.add([key], requested=True)  # as pin_keys does for a request's pin
         if self.tier.pin([key])[0][0] in ("pinned", "already"):
             self.pinned.add(key)
 
@@ -181,9 +211,12 @@ class DiskPinsAndQuotas(RuleBasedStateMachine):
         assert int(extra["pinned_bytes"]) <= 4 * FILE
         assert not self.pinned & {k for k in self.evicted}, "a pinned record was evicted"
         assert all(self.tier.contains(sorted(self.pinned)))
-        policy = self.tier._disk._order._policy  # the quotas count unpinned records: read them where kept
+        policy = self.tier._disk._order._policy  # the quotas count unpinned records and request pins
         for tenant, own in policy._own.items():
-            assert own.bytes_used <= (3 * FILE if tenant == "tenant-a" else 3 * VALUE), (tenant, own.bytes_used)
+            requested = policy._pinned.requested_of(tenant)
+            assert requested <= 2 * FILE, (tenant, requested)  # request_pin_max_bytes, per tenant
+            quota = 3 * FILE if tenant == "tenant-a" else 3 * VALUE
+            assert own.bytes_used + requested <= quota, (tenant, own.bytes_used, requested)
 
     def teardown(self) -> None:
         self.tier.close()

@@ -98,7 +98,14 @@ class KVPlugPromMetrics(KVConnectorPromMetrics):
                 labelnames=[*labelnames, "tier"],
             ),
         }
-        # Tenant labels are bounded: the tenants a tier's quotas names, (other), (unsalted).
+        self._stores_refused = self._counter_cls(
+            name="kvplug_stores_refused",
+            documentation="Chunks a kvplug tier did not store, by reason: pins (no room beside the pinned "
+            "chunks), quota (larger than its tenant's quota)",
+            labelnames=[*labelnames, "tier", "reason"],
+        )
+        # Tenant labels are bounded and never a cache_salt: the names of tenancy.tenants, a keyed
+        # digest for an unnamed salt a tier's quotas names, (other), (unsalted).
         self._tenant_bytes = self._gauge_cls(
             name="kvplug_tenant_bytes",
             documentation="Bytes a tenant (cache_salt) holds in a kvplug tier",
@@ -144,7 +151,8 @@ class KVPlugPromMetrics(KVConnectorPromMetrics):
                 self._observe_tenancy(values, key, value)
 
     def _observe_tenancy(self, values: list[object], key: str, value: Any) -> None:
-        """Pin and per-tenant figures (stats keys ``<prefix><tier>`` or ``<prefix><tier>|<tenant>``)."""
+        """Pin and per-tenant figures (stats keys ``<prefix><tier>``, ``<prefix><tier>|<tenant>`` or
+        ``<prefix><tier>|<reason>``)."""
         for prefix, metric in self._pins.items():
             if key.startswith(prefix):
                 tier = key[len(prefix) :]
@@ -156,6 +164,7 @@ class KVPlugPromMetrics(KVConnectorPromMetrics):
         for prefix, metric in (
             (GAUGE_PREFIX + "tenant_bytes.", self._tenant_bytes),
             ("tenant_hits.", self._tenant_hits),
+            ("stores_refused.", self._stores_refused),
         ):
             if key.startswith(prefix):
                 tier, _, tenant = key[len(prefix) :].partition("|")

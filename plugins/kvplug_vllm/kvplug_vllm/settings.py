@@ -9,7 +9,8 @@ rejecting them as unknown.
 Per request, ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` (or
 ``kv_transfer_params`` in an OpenAI request body) may set kvplug's per-request
 fields: ``{"kvplug.skip_save": true}``, ``{"kvplug.save_unfull_chunk": true}``, and
-``{"kvplug.pin": true}`` to pin the chunks it stores (see docs/operations.md), and
+``{"kvplug.pin": true}`` to pin the chunks it stores (only where the operator sets
+``tenancy.request_pins``: any API client can send it; see docs/security.md), and
 ``{"kvplug.report": true}`` to get the request's hit counts back in the output's
 ``kv_transfer_params``.
 """

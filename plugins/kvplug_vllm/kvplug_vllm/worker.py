@@ -74,6 +74,8 @@ _TENANT_LABELLED = {
     "kvplug_tenant_bytes": GAUGE_PREFIX + "tenant_bytes.",
     "kvplug_tenant_hits_total": "tenant_hits.",
 }
+#: Per-tier counters with a reason -> connector stats key prefix; ``<tier>|<reason>`` follows.
+_REASON_LABELLED = {"kvplug_stores_refused_total": "stores_refused."}
 
 
 def _stats_name(sample: MetricSample) -> str | None:
@@ -86,6 +88,8 @@ def _stats_name(sample: MetricSample) -> str | None:
             return prefix + sample.labels[label]
     if sample.name in _TENANT_LABELLED and set(sample.labels) == {"tier", "tenant"}:
         return f"{_TENANT_LABELLED[sample.name]}{sample.labels['tier']}|{sample.labels['tenant']}"
+    if sample.name in _REASON_LABELLED and set(sample.labels) == {"tier", "reason"}:
+        return f"{_REASON_LABELLED[sample.name]}{sample.labels['tier']}|{sample.labels['reason']}"
     return None
 
 

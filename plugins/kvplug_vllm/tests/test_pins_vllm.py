@@ -5,10 +5,21 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
+import pytest
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvplug import CacheEngine, Fingerprint, KVLayout, TierChain, TierContext, load_config, slots_from_block_ids
+from kvplug import (
+    CacheEngine,
+    Fingerprint,
+    KVLayout,
+    Tenancy,
+    TenantLabels,
+    TierChain,
+    TierContext,
+    load_config,
+    slots_from_block_ids,
+)
 from kvplug_cpu import CPUTier
 from kvplug_vllm.layout import VLLM_CPU
 from kvplug_vllm.prom_metrics import KVPlugPromMetrics
@@ -19,12 +30,23 @@ LAYOUT = KVLayout(VLLM_CPU, num_layers=2, block_size=32, num_kv_heads=2, head_di
 PROMPT = list(range(1000, 1256))
 
 
-def test_the_pin_flag_pins_the_stored_chunks_through_a_scan() -> None:
+@pytest.mark.parametrize("request_pins", [True, False])
+def test_the_pin_flag_pins_the_stored_chunks_through_a_scan_where_the_operator_allows_it(request_pins: bool) -> None:
     extra = {
         "kvplug.chunk_size": 64,
         "kvplug.store.queue.mode": "sync",
         # Room for about 15 chunks of 64 tokens (64 KiB of KV each), half of it for pins.
-        "kvplug.tiers": [{"type": "cpu", "max_bytes": "1MiB", "pin_max_bytes": "50%", "eviction": "s3fifo"}],
+        "kvplug.tiers": [
+            {
+                "type": "cpu",
+                "max_bytes": "1MiB",
+                "pin_max_bytes": "50%",
+                "request_pin_max_bytes": "50%",
+                "eviction": "s3fifo",
+            }
+        ],
+        # Off by default: any API client could pin everything it stores.
+        **({"kvplug.tenancy": {"request_pins": True}} if request_pins else {}),
     }
     config = load_config(engine_extra=extra, env={}).config
     request = SimpleNamespace(kv_transfer_params={"kvplug.pin": True}, cache_salt="tenant-a", lora_request=None)
@@ -38,21 +60,24 @@ def test_the_pin_flag_pins_the_stored_chunks_through_a_scan() -> None:
             other = [i * 10_000 + t for t in range(len(PROMPT))]  # (i = 0: range(256))
             cache.store(other, caches, slots)
         cache.flush()
-        assert cache.lookup(PROMPT, request=info) == len(PROMPT)
+        assert cache.lookup(PROMPT, request=info) == (len(PROMPT) if request_pins else 0)
         assert cache.lookup(list(range(256)), request=None) == 0  # the first one-off prompt: evicted
-        assert cache.chain.tiers[0].stats().extra["pinned_items"] == 4
+        assert cache.chain.tiers[0].stats().extra["pinned_items"] == (4 if request_pins else 0)
+        assert cache.metrics.value("kvplug_request_pins_ignored_total") == (0 if request_pins else 1)
 
 
-def test_pin_and_tenant_figures_reach_vllms_metrics() -> None:
-    context = TierContext()
-    context.tenancy.tenants.note("fa", "tenant-a")  # as the engine notes salted requests' fingerprints
-    context.tenancy.tenants.note("fb", "tenant-b")
+def test_pin_and_tenant_figures_reach_vllms_metrics_never_with_a_salt() -> None:
+    salt_a, salt_b = "Qv8-secret-of-a", "Rw3-secret-of-b"
+    context = TierContext(tenancy=Tenancy(labels=TenantLabels({"tenant-a": salt_a})))  # tenancy.tenants
+    context.tenancy.tenants.note("fa", salt_a)  # as the engine notes salted requests' fingerprints
+    context.tenancy.tenants.note("fb", salt_b)
     tier = CPUTier(CPUTier.Config(max_bytes=1000, pin_max_bytes=100, quotas={"tenant-a": 300}), context)
     chain = TierChain([tier])
     tier.put([("v1/fa/1", b"a" * 200), ("v1/fb/1", b"b" * 50)])
     tier.get(["v1/fa/1", "v1/fa/1", "v1/fb/1"])
     tier.put([("v1/fa/2", b"a" * 200)])  # tenant-a over its quota: its first chunk goes
     assert tier.pin(["v1/fb/1", "v1/fa/2"]) == [("pinned", 50), ("refused", 200)]
+    tier.put([("v1/fa/3", b"a" * 951)])  # no room beside the pinned 50 bytes: refused, counted
     stats = {}
     for sample in chain.metrics.samples():  # what the worker side reports each step
         name = _stats_name(sample)
@@ -72,3 +97,6 @@ def test_pin_and_tenant_figures_reach_vllms_metrics() -> None:
     assert value("kvplug_pinned_bytes", tier="0:cpu") == 50
     assert value("kvplug_pins_refused_total", tier="0:cpu") == 1
     assert value("kvplug_quota_evictions_total", tier="0:cpu") == 1
+    assert value("kvplug_stores_refused_total", tier="0:cpu", reason="pins") == 1
+    scraped = generate_latest(registry).decode()  # what vllm serve's /metrics shows
+    assert 'tenant="tenant-a"' in scraped and salt_a not in scraped and salt_b not in scraped
