@@ -58,5 +58,5 @@ def test_demo_runs_the_synthetic_job_and_checks_every_byte() -> None:
     assert "prompt sharing half the prefix │ 512 hit tokens" in out
     assert "KV identical after reload │ yes" in out
     # the tier's records: 4 chunks and the fingerprint's manifest (it said "5 chunks" after storing 4)
-    assert "tier 0:cpu │ 5 records (4 chunks + manifest)" in out
+    assert "tier 0:cpu │ 5 records (4 chunks + manifest) │" in out
     assert "GB/s" in out

@@ -60,3 +60,43 @@ def test_no_numpy_warning_on_any_command(no_engine_env: dict[str, str]) -> None:
     for command in (["ctl", "list"], ["plugins"], ["config", "validate"]):
         result = kvplug(*command, env=no_engine_env)
         assert "NumPy" not in result.stderr, (command, result.stderr)
+
+
+def test_plugins_fit_80_columns_without_cutting_a_name(no_engine_env: dict[str, str]) -> None:
+    """``kvplug plugins`` cut class names to ``kvplug.builtins.raw_s…`` at 80 columns."""
+    result = kvplug("plugins", env=no_engine_env)
+    assert result.returncode == 0, result
+    lines = result.stdout.splitlines()
+    assert max(map(len, lines)) <= 80 and "…" not in result.stdout, result.stdout
+    assert "kvplug.builtins.raw_serializer (builtin)" in lines and "  distribution: kvplug" in lines
+
+
+def test_a_table_that_fits_is_drawn_and_one_that_does_not_is_a_long_form() -> None:
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvplug.cli.console import print_table
+
+    def shown(*rows: tuple[str, ...], width: int = 80) -> str:
+        table = Table(title="t")
+        for column in ("name", "medium", "budget"):
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*row)
+        out = Console(file=io.StringIO(), width=width)
+        print_table(table, out)
+        return out.file.getvalue()  # type: ignore[attr-defined]
+
+    assert "┃ name  ┃ medium ┃ budget ┃" in shown(("0:cpu", "memory", "1 GiB"))
+    wide = shown(("0:disk " + "x" * 60, "disk", "200 GiB"), ("1:s3", "remote tiers[0]", "unbounded"))
+    assert wide.splitlines() == [
+        "t",
+        "0:disk " + "x" * 60,
+        "  medium: disk",
+        "  budget: 200 GiB",
+        "1:s3",
+        "  medium: remote tiers[0]",
+        "  budget: unbounded",
+    ]

@@ -183,6 +183,10 @@ def test_ctl_list_stats_lookup_and_explain(server: ControlServer, engine: CacheE
         "1:disk",
     ]  # the memory tier too
     assert "partial chunk" in explained["reason"]
+    # In words, at 80 columns (headers were cut to "med…", "bud…"): every line fits, no cell is cut.
+    said = CliRunner().invoke(app, ["ctl", "tiers"], env={"COLUMNS": "80"}).output
+    assert said and max(map(len, said.splitlines())) <= 80 and "…" not in said, said
+    assert "medium: memory" in said or "┃ medium" in said, said
     tiers = ctl("tiers")["total"]["tiers"]
     assert tiers[0]["max_bytes"] == 64 * 2**20 and tiers[0]["breaker_state"] == "-"
 

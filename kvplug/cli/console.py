@@ -8,6 +8,9 @@ from typing import TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
+from rich.table import Table
+from rich.text import Text
 
 from kvplug.errors import ConfigError, EngineUnavailableError, PluginError, TierError
 
@@ -18,6 +21,38 @@ console = Console()
 err_console = Console(stderr=True, soft_wrap=True)
 
 T = TypeVar("T")
+
+
+def print_table(table: Table, out: Console | None = None) -> None:
+    """``table`` as rich draws it where every cell fits the console's width (80 columns when
+    output is piped); otherwise one block per row, ``column: value`` lines under the table's
+    title, so no header or value is cut to ``med…`` or folded into 3-letter lines."""
+    out = out or console
+    # The width the table takes when nothing is wrapped or cut (rich clamps a measure to the options).
+    natural = Measurement.get(out, out.options.update(max_width=1 << 20), table).maximum
+    if natural <= out.width:
+        out.print(table)
+        return
+    if table.title:
+        out.print(Text.from_markup(str(table.title)), soft_wrap=True)
+    headers = [_plain(column.header) for column in table.columns]
+    columns = [list(column.cells) for column in table.columns]
+    for row in range(table.row_count):
+        first, *rest = (_text(column[row]) for column in columns)
+        if len(columns) == 2:  # a label and its value: one line each
+            out.print(first + Text(": ") + rest[0], soft_wrap=True)
+            continue
+        out.print(first, soft_wrap=True)  # the row's name, then its other cells under it
+        for header, cell in zip(headers[1:], rest):
+            out.print(Text(f"  {header}: ") + cell, soft_wrap=True)
+
+
+def _text(cell: object) -> Text:
+    return cell if isinstance(cell, Text) else Text.from_markup(str(cell))
+
+
+def _plain(cell: object) -> str:
+    return _text(cell).plain
 
 
 def print_error(message: object) -> None:

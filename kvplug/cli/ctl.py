@@ -19,7 +19,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from kvplug.cli.console import console, print_error
+from kvplug.cli.console import console, print_error, print_table
 from kvplug.cli.explain import read_prompt
 from kvplug.core.control_client import ControlClient, RankEndpoint, find_ranks, select_engine
 from kvplug.core.control_protocol import request_fields
@@ -163,7 +163,7 @@ def list_command(socket_dir: Path | None = _DIR, as_json: bool = _JSON, timeout:
                  f"{_rank_name(rank)} of {info.get('tp_size')}", str(info.get("pid")), str(info.get("model")),
                  str(info.get("fingerprint"))[:12], ", ".join(map(str, info.get("tiers", [])))]  # fmt: skip
         table.add_row(*(Text(c) for c in cells))
-    console.print(table)
+    print_table(table)
     for path, why in found.unreachable.items():
         console.print(f"not answering: {path}: {why}", highlight=False, markup=False)
 
@@ -186,11 +186,11 @@ def stats_command(
     for name, value in sorted(metrics.items()):
         if value and "_bucket{" not in name:  # histogram buckets: in --json
             table.add_row(Text(name), f"{value:g}")
-    console.print(table)
-    console.print(_tier_table("tiers (summed over ranks)", total["tiers"]))
+    print_table(table)
+    print_table(_tier_table("tiers (summed over ranks)", total["tiers"]))
     if per_rank:
         for rank, reply in replies:
-            console.print(_tier_table(f"tiers of {_rank_name(rank)}", reply.get("tiers", []), _rank_name(rank)))
+            print_table(_tier_table(f"tiers of {_rank_name(rank)}", reply.get("tiers", []), _rank_name(rank)))
 
 
 @ctl_app.command("tiers")
@@ -204,10 +204,10 @@ def tiers_command(
     if as_json:
         _print_json(replies, total)
         return
-    console.print(_tier_table(f"tiers of engine {replies[0][0].engine_id} (summed over ranks)", total["tiers"]))
+    print_table(_tier_table(f"tiers of engine {replies[0][0].engine_id} (summed over ranks)", total["tiers"]))
     if per_rank:
         for rank, reply in replies:
-            console.print(_tier_table(f"tiers of {_rank_name(rank)}", reply.get("tiers", []), _rank_name(rank)))
+            print_table(_tier_table(f"tiers of {_rank_name(rank)}", reply.get("tiers", []), _rank_name(rank)))
 
 
 def _ask_about_prompt(op: str, prompt: str, tokenizer: str | None, cache_salt: str | None, lora: str | None,
@@ -255,7 +255,7 @@ def lookup_command(
                 tiers[tier] = tiers.get(tier, 0) + 1
             where = ", ".join(f"{name}: {count}" for name, count in tiers.items()) or "-"
             table.add_row(_rank_name(rank), str(reply["hit_tokens"]), Text(where))
-        console.print(table)
+        print_table(table)
 
 
 @ctl_app.command("explain")
@@ -284,7 +284,7 @@ def explain_command(
             key = str(row["key"]).rsplit("/", 1)[-1][:12]
             cells = [str(row["index"]), f"{row['start']}-{row['end']}", key, ", ".join(row["tiers"]) or "-"]
             table.add_row(*(Text(c) for c in cells), style=style)
-        console.print(table)
+        print_table(table)
     console.print(f"hit: {worst['hit_tokens']} of {worst['num_tokens']} tokens ({_rank_name(worst_rank)}, the "
                   f"rank holding least, of {len(replies)})", highlight=False)  # fmt: skip
     console.print(f"why: {worst['reason']}", highlight=False, markup=False)

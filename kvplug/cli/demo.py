@@ -17,6 +17,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvplug.cli.console import print_table
 from kvplug.core.config_loader import load_config
 from kvplug.core.engine import CacheEngine
 from kvplug.core.keys import Fingerprint
@@ -109,9 +110,6 @@ def _print(console: Console, result: dict[str, Any], tiers: list[Any], chunk_siz
     table.add_row("KV identical after reload", "yes" if result["identical"] else "[red]NO[/red]")
     for label, stats in tiers:
         # A tier's items are chunk records and the fingerprint's manifest (kvplug explain reads it).
-        table.add_row(
-            f"tier {label}",
-            f"{stats.items} records ({result['chunks']} chunks + manifest), {stats.bytes_used / 2**20:.1f} MiB, "
-            f"{stats.hits} hits",
-        )
-    console.print(table)
+        table.add_row(f"tier {label}", f"{stats.items} records ({result['chunks']} chunks + manifest)")
+        table.add_row(f"tier {label} bytes, hits", f"{stats.bytes_used / 2**20:.1f} MiB, {stats.hits} hits")
+    print_table(table)

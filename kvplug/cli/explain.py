@@ -21,7 +21,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from kvplug.cli.console import console, print_error, run_or_exit
+from kvplug.cli.console import console, print_error, print_table, run_or_exit
 from kvplug.core.config import KVPlugConfig
 from kvplug.core.explain import Explanation, OtherScheme, explain_prompt, list_manifests
 from kvplug.core.keys import Fingerprint
@@ -166,7 +166,7 @@ def render(console: Any, found: Explanation, skipped: list[str]) -> None:
         style = "" if row.index < found.hit_chunks else "red" if row.index == found.hit_chunks else "dim"
         where = ", ".join(row.tiers) or "-"
         table.add_row(*_plain(str(row.index), f"{row.start}-{row.end}", row.digest, where), style=style)
-    console.print(table)
+    print_table(table)
     console.print(f"hit: {found.hit_tokens} of {found.num_tokens} tokens ({found.hit_chunks} chunks)", highlight=False)
     console.print(f"why: {found.reason}", highlight=False, markup=False)
     if found.others:
@@ -182,7 +182,7 @@ def render(console: Any, found: Explanation, skipped: list[str]) -> None:
                     _diff(found, other),
                 )
             )
-        console.print(others)
+        print_table(others)
     for label, note in found.notes.items():
         console.print(f"tier {label}: {note}", highlight=False, markup=False)
     for label in skipped:
@@ -324,6 +324,6 @@ def _list(tiers: list[tuple[str, Any]], as_json: bool) -> None:
                     f"{f.get('kv_layout')}; {f.get('engine_variant') or '-'}",
                 )
             )
-    console.print(table)
+    print_table(table)
     for label, note in notes.items():
         console.print(f"tier {label}: {note}", highlight=False, markup=False)

@@ -10,7 +10,7 @@ import typer
 import yaml
 from rich.table import Table
 
-from kvplug.cli.console import console, print_error, run_or_exit
+from kvplug.cli.console import console, print_error, print_table, run_or_exit
 from kvplug.cli.ctl import ctl_app
 from kvplug.cli.explain import explain_command
 from kvplug.cli.store import store_app
@@ -44,7 +44,7 @@ def plugins() -> None:
             components = f"[red]failed to load: {info.error}[/red]"
         name = f"{info.name} (builtin)" if info.builtin else info.name
         table.add_row(name, info.distribution, info.version, components or "-")
-    console.print(table)
+    print_table(table)
     if registry.load_errors:
         raise typer.Exit(1)
 
@@ -78,7 +78,7 @@ def config_show(file: Path | None = ConfigFileOpt) -> None:
         table.add_row("integrity_key", f"{SECRET_MASK} (records are signed)", f"env {key_from}")
     else:
         table.add_row("integrity_key", "not set (records are checksummed, not signed)", "default")
-    console.print(table)
+    print_table(table)
 
 
 @config_app.command("validate")

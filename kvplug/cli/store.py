@@ -20,7 +20,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from kvplug.cli.console import console, run_or_exit
+from kvplug.cli.console import console, print_table, run_or_exit
 from kvplug.core.concerns import install_command
 from kvplug.core.plugins import get_registry
 from kvplug.core.record import integrity_key
@@ -98,7 +98,7 @@ def stats(location: str = LocationArg, endpoint_url: str | None = EndpointOpt) -
                 table.add_row("newest", _when(max(times)))
             for name, value in tier.stats().extra.items():
                 table.add_row(f"tier {name}", _budget(value) if name == "max_bytes" else str(value))
-            console.print(table)
+            print_table(table)
 
     run_or_exit(action)
 
@@ -124,7 +124,7 @@ def ls(
             for record in shown:
                 check = _read_and_check(tier, record.digest)
                 table.add_row(record.digest, _size(record.size), _when(record.modified), _describe(check))
-            console.print(table)
+            print_table(table)
 
     run_or_exit(action)
 
@@ -192,7 +192,7 @@ def _report(verdicts: Counter[str], *, removed: int) -> None:
     for status in ("ok", "corrupt", "unreadable", "incompatible", "unverified", "gone"):
         table.add_row(status, str(verdicts[status]))
     table.add_row("removed", str(removed))
-    console.print(table)
+    print_table(table)
 
 
 def _describe(check: RecordCheck) -> str:
