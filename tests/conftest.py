@@ -6,6 +6,7 @@ import pytest
 
 from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
 from kvplug.core.plugins import PluginRegistry
+from kvplug.testing.control_cli import socket_dir  # noqa: F401  (a fixture for the control server tests)
 
 
 @pytest.fixture

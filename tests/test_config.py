@@ -140,7 +140,9 @@ def test_bad_component_option_value(load) -> None:
 
 def test_unknown_component_option(load) -> None:
     error = error_of(load, engine_extra={"kvplug.tiers": [{"type": "cpu", "max_byte": "1GiB"}]})
-    assert "tiers[0].max_byte: unknown key; did you mean 'max_bytes'? allowed: " in str(error) and "max_bytes" in str(error)
+    assert "tiers[0].max_byte: unknown key; did you mean 'max_bytes'? allowed: " in str(error) and "max_bytes" in str(
+        error
+    )
 
 
 def test_every_problem_is_reported_at_once(load) -> None:
@@ -154,7 +156,9 @@ def test_empty_tier_list(load) -> None:
 
 def test_unknown_env_variable(load) -> None:
     error = error_of(load, env={"KVPLUG_CHUNKSIZE": "8"})
-    assert "env KVPLUG_CHUNKSIZE: unknown setting; did you mean 'KVPLUG_CHUNK_SIZE'? allowed: " in str(error) and "KVPLUG_CHUNK_SIZE" in str(error)
+    assert "env KVPLUG_CHUNKSIZE: unknown setting; did you mean 'KVPLUG_CHUNK_SIZE'? allowed: " in str(
+        error
+    ) and "KVPLUG_CHUNK_SIZE" in str(error)
 
 
 def test_bad_env_value(load) -> None:

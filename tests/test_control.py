@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import struct
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,14 +31,6 @@ LAYOUT = LAYOUTS["vllm_flash"]  # float16, block 4
 TOKENS = list(range(100, 140))  # five chunks of 8
 OTHER = list(range(500, 524))  # three chunks of 8
 _LEN = struct.Struct("<I")
-
-
-@pytest.fixture
-def socket_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    folder = Path(tempfile.mkdtemp(prefix="kvctl-"))  # 0700; short: a socket path has ~100 bytes at most
-    monkeypatch.setenv("KVPLUG_LOOKUP_DIR", str(folder))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

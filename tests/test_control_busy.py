@@ -9,10 +9,8 @@ it); the backlog is filled with real connections; the CLI is the real ``kvplug c
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import socket
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -48,14 +46,6 @@ class SlowLookups(EngineControl):
         self.entered.set()
         self.release.wait(120)
         return super().lookup(tokens, request)
-
-
-@pytest.fixture
-def socket_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    folder = Path(tempfile.mkdtemp(prefix="kvctl-"))  # 0700; short: a socket path has ~100 bytes at most
-    monkeypatch.setenv("KVPLUG_LOOKUP_DIR", str(folder))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

@@ -9,13 +9,9 @@ engine A serves a real control server and the clear is the real ``kvplug ctl``.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from core_helpers import LAYOUTS, random_caches
 from typer.testing import CliRunner
@@ -26,14 +22,6 @@ from kvplug.cli.main import app
 LAYOUT = LAYOUTS["vllm_flash"]  # float16, block 4
 THEIRS = list(range(100, 124))  # three chunks of 8, stored by engine B
 OURS = [*THEIRS, *range(700, 716)]  # B's three chunks, then two of A's own
-
-
-@pytest.fixture
-def socket_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    folder = Path(tempfile.mkdtemp(prefix="kvctl-"))  # 0700; short: a socket path has ~100 bytes at most
-    monkeypatch.setenv("KVPLUG_LOOKUP_DIR", str(folder))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def open_engine(shared: Path, *, cpu: bool = True, group: str = "", owner: CacheEngine | None = None) -> CacheEngine:

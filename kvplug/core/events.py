@@ -9,11 +9,12 @@ so two engines in one process never see each other's events, and to the process-
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
+
+from kvplug.core.listeners import Listeners
 
 logger = logging.getLogger("kvplug.events")
 
@@ -39,35 +40,14 @@ class KVEvent:
 EventListener = Callable[[KVEvent], None]
 
 
-class EventListeners:
-    """One cache engine's event fan-out: the process-wide hook, then its own listeners.
-
-    A listener is called on the thread that caused the event (often a storage
-    worker): it must be quick. One that raises is logged; the others still run.
-    """
+class EventListeners(Listeners[[KVEvent]]):
+    """One cache engine's event fan-out: the process-wide hook, then its own listeners
+    (called on the thread that caused the event; one that raises is logged, the others run)."""
 
     def __init__(self, hook: EventListener) -> None:
+        super().__init__(logger, "event listener")
         self._hook = hook
-        # Replaced, never mutated: ``emit`` (on storage threads) reads it without the lock.
-        self._listeners: tuple[EventListener, ...] = ()
-        self._lock = threading.Lock()
-
-    def add(self, listener: EventListener) -> None:
-        with self._lock:
-            self._listeners = (*self._listeners, listener)
-
-    def remove(self, listener: EventListener) -> None:
-        """Stop calling ``listener``; nothing happens if it was not added."""
-        with self._lock:
-            listeners = list(self._listeners)
-            if listener in listeners:
-                listeners.remove(listener)
-            self._listeners = tuple(listeners)
 
     def emit(self, event: KVEvent) -> None:
         self._hook(event)
-        for listener in self._listeners:
-            try:
-                listener(event)
-            except Exception:
-                logger.exception("event listener %r failed", listener)
+        self.call_each(event)

@@ -4,12 +4,12 @@ write queue and admission policy, and its calls guarded so a tier that raises is
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
 from kvplug.core.admission import AdmissionPolicy
+from kvplug.core.listeners import Listeners
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierStats
 from kvplug.core.write_queue import Items, WriteQueue
@@ -19,11 +19,8 @@ logger = logging.getLogger("kvplug.tiers")
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
-#: Hears that one tier of a chain was written: (the tier's index in the chain, the keys).
-WriteListener = Callable[[int, Sequence[str]], None]
 
-
-class WriteListeners:
+class WriteListeners(Listeners[[int, Sequence[str]]]):
     """Who hears which keys a chain's own writes put in which tier (:attr:`TierChain.writes`).
 
     A listener is called on the thread that wrote (a store or queue thread) after each
@@ -33,25 +30,10 @@ class WriteListeners:
     """
 
     def __init__(self) -> None:
-        # Replaced, never mutated: ``notify`` reads it without the lock.
-        self._listeners: tuple[WriteListener, ...] = ()
-        self._lock = threading.Lock()
-
-    def add(self, listener: WriteListener) -> None:
-        with self._lock:
-            self._listeners = (*self._listeners, listener)
-
-    def remove(self, listener: WriteListener) -> None:
-        """Stop calling ``listener``; nothing happens if it was not added."""
-        with self._lock:
-            self._listeners = tuple(known for known in self._listeners if known != listener)
+        super().__init__(logger, "write listener")
 
     def notify(self, index: int, keys: Sequence[str]) -> None:
-        for listener in self._listeners:
-            try:
-                listener(index, keys)
-            except Exception:
-                logger.exception("write listener %r failed", listener)
+        self.call_each(index, keys)
 
 
 @dataclass

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 from sglang_pools import make_pool, write_model_dir
 
+from kvplug.testing.control_cli import socket_dir  # noqa: F401  (a fixture for the control server tests)
+
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -7,23 +7,12 @@ control server) share a real disk folder; the clear is a real control request on
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from test_sglang_hicache import PAGE, make_backend, make_host, page_keys, random_pages
 
 from kvplug.core.control_client import ask
-
-
-@pytest.fixture
-def socket_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    folder = Path(tempfile.mkdtemp(prefix="kvctl-"))  # 0700; short: a socket path has ~100 bytes at most
-    monkeypatch.setenv("KVPLUG_LOOKUP_DIR", str(folder))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_clear_all_leaves_the_pages_another_server_wrote_to_a_shared_disk_tier(
