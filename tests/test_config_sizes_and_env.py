@@ -214,3 +214,39 @@ def test_a_misspelled_key_gets_a_suggestion(registry: PluginRegistry, kwargs: di
 
 def test_no_suggestion_for_a_key_like_none(registry: PluginRegistry) -> None:
     assert "did you mean" not in error_text(registry, engine_extra={"kvplug": {"zzzz": 1}})
+
+
+# -- YAML aliases -------------------------------------------------------------------------------
+
+_SCALARS = st.one_of(st.integers(-5, 5), st.sampled_from(["x", "1GiB", "cpu", "sync", "true", "null"]))
+
+
+@st.composite
+def yaml_with_an_alias(draw: st.DrawFn) -> tuple[str, str]:
+    """A YAML document with an anchored node and, somewhere after it, an alias of it."""
+    anchor = draw(st.from_regex(r"[a-z][a-z0-9]{0,6}", fullmatch=True))
+    value = draw(
+        st.one_of(_SCALARS.map(str), st.lists(_SCALARS.map(str), max_size=4).map(lambda v: f"[{', '.join(v)}]"))
+    )
+    key = draw(st.sampled_from(["chunk_size", "tiers", "store", "x", "hash"]))
+    where = draw(st.sampled_from(["top", "list", "map", "merge"]))
+    if where == "top":
+        text = f"a: &{anchor} {value}\n{key}: *{anchor}\n"
+    elif where == "list":
+        text = f"a: &{anchor} {value}\n{key}: [1, *{anchor}]\n"
+    elif where == "map":
+        text = f"a: &{anchor} {value}\n{key}: {{inner: *{anchor}}}\n"
+    else:
+        text = f"base: &{anchor} {{type: cpu}}\ntiers:\n  - <<: *{anchor}\n    max_bytes: 1GiB\n"
+    return text, anchor
+
+
+@settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+@given(yaml_with_an_alias())
+def test_any_alias_in_a_config_file_is_refused_naming_it(
+    registry: PluginRegistry, tmp_path: Path, document: tuple[str, str]
+) -> None:
+    text, anchor = document
+    path = tmp_path / "aliased.yaml"
+    path.write_text(text)
+    assert f"aliases (*{anchor}) are not allowed" in error_text(registry, config_file=path), text

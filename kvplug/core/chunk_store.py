@@ -36,11 +36,10 @@ from kvplug.core.events import KVEvent
 from kvplug.core.keys import Fingerprint
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry, get_registry
-from kvplug.core.record import RECORD_HEADER_SIZE
+from kvplug.core.record import RECORD_HEADER_SIZE, integrity_key
 from kvplug.core.serializer import Serializer
 from kvplug.core.serializer_factory import make_serializer
 from kvplug.core.tenancy import Tenancy
-from kvplug.core.tenants import label_key
 from kvplug.core.tier import TierContext
 from kvplug.core.tier_chain import TierChain
 from kvplug.errors import ChunkError, ConfigError, ConfigProblem
@@ -121,7 +120,7 @@ class ChunkStore:
             metrics=metrics,
             lookup_timeout_s=config.lookup_timeout_ms / 1000,
             emit=emit,
-            tenancy=tenancy or Tenancy.from_config(config.tenancy, label_key()),
+            tenancy=tenancy or Tenancy.from_config(config.tenancy, tenant_label_key()),
             max_record_bytes=record_bound(serializer, chunk_bytes),
         )
         return cls(serializer, fingerprint, chain, metrics=metrics)
@@ -253,3 +252,11 @@ def _check_max_chunk_bytes(config: KVPlugConfig, shape: tuple[int, ...], dtype: 
                 )
             ]
         )
+
+
+def tenant_label_key() -> bytes | None:
+    """The key of tenant label digests for this deployment: derived from the integrity key
+    when one is set (so every rank and restart of engines sharing it agree), else ``None``
+    (:class:`~kvplug.core.tenants.TenantLabels` then draws a key of its own)."""
+    key = integrity_key()
+    return None if key is None else key.mac(b"kvplug tenant labels", b"")

@@ -124,13 +124,3 @@ class TenantLabels:
             digest = hashlib.blake2b(salt.encode(), key=self._key, digest_size=6, person=_PERSON)
             return DIGEST_LABEL + digest.hexdigest()
         return OTHER_TENANTS
-
-
-def label_key() -> bytes | None:
-    """The key of tenant label digests for this deployment: derived from the integrity key
-    when one is set (so every rank and restart of engines sharing it agree), else ``None``
-    (:class:`TenantLabels` then draws a key of its own)."""
-    from kvplug.core.record import integrity_key  # (record imports the tier module, which imports this one)
-
-    key = integrity_key()
-    return None if key is None else key.mac(b"kvplug tenant labels", b"")

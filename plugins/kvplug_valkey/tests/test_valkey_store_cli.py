@@ -37,7 +37,7 @@ def test_store_commands_on_valkey(tmp_path) -> None:
 
         stats = kvplug_store("stats", location, **env)
         assert stats.returncode == 0, stats.stderr
-        assert re.search(r"│ records\s*│\s*4 │", stats.stdout), stats.stdout
+        assert re.search(r"(│ records\s*│\s*4 │|^records: 4$)", stats.stdout, re.M), stats.stdout
         assert "cli-secret-9" not in stats.stdout + stats.stderr
 
         listing = kvplug_store("ls", location, **env)
