@@ -75,6 +75,8 @@ def test_stats_ls_verify_and_gc(tmp_path: Path) -> None:
     assert listing.stdout.count("fingerprint manifest") == 1
     assert listing.stdout.count("bfloat16 [2, 2, 8, 16]") == 6
     assert all(f.name[:64] in listing.stdout for f in files)
+    # a disk record's time is its LRU clock, which reads move: not "written"
+    assert "last used" in listing.stdout and "written" not in listing.stdout, listing.stdout
 
     assert kvplug("verify", str(folder)).returncode == 0
 

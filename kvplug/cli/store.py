@@ -109,7 +109,7 @@ def ls(
     endpoint_url: str | None = EndpointOpt,
     limit: int = typer.Option(50, help="Show at most this many records, newest first (0: all)."),
 ) -> None:
-    """List records: key digest, size, when written, and the KV chunk each holds."""
+    """List records: key digest, size, when written (or last used, where reads move a record's time), and the KV chunk each holds."""
 
     def action() -> None:
         with open_store(location, endpoint_url) as tier:
@@ -119,7 +119,8 @@ def ls(
                 title=f"{len(records)} records in {location}"
                 + ("" if len(shown) == len(records) else f" (newest {len(shown)})")
             )
-            for column in ("key digest", "size", "written", "chunk"):
+            # a record's listed time: when written, or (disk, shm) when last written or read
+            for column in ("key digest", "size", getattr(tier, "listed_time", "written"), "chunk"):
                 table.add_column(column)
             for record in shown:
                 check = _read_and_check(tier, record.digest)

@@ -97,6 +97,10 @@ class RecordBackend(ABC):
     #: texts: it never deletes by its own LRU (an index full at ``index_max_keys``
     #: forgets its least recently used entries, counted as ``index_dropped_full``).
     keeps_budget: ClassVar[bool] = False
+    #: What a listed record's time (:attr:`StoredRecord.modified`) is, in the words ``kvplug store
+    #: ls`` heads its column with: ``written``, or ``last used`` for a store whose reads move it
+    #: (an mtime the tier's LRU eviction bumps on every read).
+    listed_time: ClassVar[str] = "written"
     #: True for a backend whose primitives only make local system calls (files, shared
     #: memory) and never suspend: the tier runs them on the calling thread, one call
     #: after another, without its event loop, deadlines, retries or breaker (a deadline

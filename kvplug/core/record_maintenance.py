@@ -31,6 +31,11 @@ class RecordMaintenance:
     def _check_open(self) -> None:
         raise NotImplementedError
 
+    @property
+    def listed_time(self) -> str:
+        """What :attr:`StoredRecord.modified` of :meth:`records` means (:attr:`RecordBackend.listed_time`)."""
+        return self._backend.listed_time
+
     def records(self) -> Iterator[StoredRecord]:
         """Every record in the store (its listing)."""
         self._check_open()

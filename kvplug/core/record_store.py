@@ -20,7 +20,8 @@ from kvplug.errors import CorruptChunkError, IncompatibleChunkError, MissingInte
 
 @dataclass(frozen=True)
 class StoredRecord:
-    """One stored record: the digest of its key, its size in the store, when written."""
+    """One stored record: the digest of its key, its size in the store, when written (or last
+    used, where the store's reads move it: :attr:`~kvplug.RecordBackend.listed_time`)."""
 
     digest: str
     size: int

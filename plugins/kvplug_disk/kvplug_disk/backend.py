@@ -70,6 +70,8 @@ class DiskBackend(DiskReads, RecordBackend):
     call_sizes = CallSizes(query=1024, read=16, write=1 << 20, write_bytes=1 << 62)
     keeps_budget: ClassVar[bool] = True
     runs_inline: ClassVar[bool] = True
+    #: A record's mtime is the LRU clock: a read moves it.
+    listed_time: ClassVar[str] = "last used"
 
     def __init__(
         self,
