@@ -25,15 +25,17 @@ T = TypeVar("T")
 
 def print_table(table: Table, out: Console | None = None) -> None:
     """``table`` as rich draws it where every cell fits the console's width (80 columns when
-    output is piped), or a two-column table whose cells wrap at word ends; otherwise one block
+    output is piped), and any two-column table (its values wrap); otherwise one block
     per row, ``column: value`` lines under the table's title, so no header or value is cut to
     ``med…`` or folded into 3-letter lines."""
     out = out or console
-    # The widths the table takes when nothing is wrapped or cut, and with every cell wrapped at its
-    # longest word (rich clamps a measure to the options it is given).
-    measured = Measurement.get(out, out.options.update(max_width=1 << 20), table)
-    # A label and its value wrap readably; more columns squeezed cut headers and fold values.
-    if measured.maximum <= out.width or (len(table.columns) <= 2 and measured.minimum <= out.width):
+    # The width the table takes when nothing is wrapped or cut (rich clamps a measure to the options).
+    natural = Measurement.get(out, out.options.update(max_width=1 << 20), table).maximum
+    # A label and its value wrap readably (a long path folds); more columns squeezed cut
+    # headers and fold values into 3-letter lines.
+    if natural <= out.width or len(table.columns) <= 2:
+        for column in table.columns:
+            column.overflow = "fold"  # a word longer than its column breaks, never ends in "…"
         out.print(table)
         return
     if table.title:
