@@ -13,7 +13,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from test_tier_media import BLOCKS, PROMPT, answer, engine, hit_figures, registry, request, scheduler, tier
+from test_tier_media import (  # noqa: F401  (engine_and_control, engine, registry: fixtures)
+    BLOCKS,
+    PROMPT,
+    answer,
+    engine,
+    engine_and_control,
+    hit_figures,
+    registry,
+    request,
+    scheduler,
+    tier,
+)
 
 from kvplug import CacheEngine, RequestInfo
 from kvplug_vllm.lookup_pool import LookupPool, Tiers
