@@ -192,43 +192,31 @@ class ControlServer(MessageServer):
         What this engine wrote goes from every tier; what it only loaded, only from its
         private tiers (``trusted_reads``): a tier others may share keeps their records."""
         target = self.target
-        plan: ClearKeys | tuple[list[str], str] = target.clear_keys(request)
-        if isinstance(plan, tuple):  # a target written before ClearKeys: its keys count as its own
-            plan = ClearKeys(list(plan[0]), [], plan[1])
         tier_name = text_field(request.fields, "tier")
-        chain = target.chain
-        labels = [label for label, _ in chain.stats()]
-        chosen = [
-            (index, label, tier)
-            for index, (label, tier) in enumerate(zip(labels, chain.tiers))
-            if _tier_matches(label, tier_name)
-        ]
+        labels = [label for label, _ in target.chain.stats()]
+        chosen = [index for index, label in enumerate(labels) if _tier_matches(label, tier_name)]
         if tier_name is not None and not chosen:
             raise ControlProtocolError(f"no tier {tier_name!r} in this engine; tiers: {', '.join(labels)}")
-        target.flush()  # a queued write would land after the removal
-        removed: dict[str, int] = {}
-        freed: dict[str, int] = {}
-        gone = set(plan.written)  # the records removed from every tier this clear asks
         with self._clearing:  # the bytes a clear reports freed are its own
-            for index, label, tier in chosen:
-                keys = plan.for_tier(index, private=tier.trusted_reads)
-                gone.intersection_update(keys)
-                before = tier.stats().bytes_used
-                present = [key for key, held in zip(keys, tier.contains(keys) if keys else []) if held]
-                if present:
-                    tier.remove(present)
-                removed[label] = len(present)
-                freed[label] = max(0, before - tier.stats().bytes_used)
-            if tier_name is None:  # what may still be in a shared tier (another's) stays noted
-                target.forget([key for key in plan.written if key in gone])
+            plan, done = target.remove(
+                lambda: _clear_plan(target, request), tiers=None if tier_name is None else chosen, count=True
+            )
         return {
-            "removed": removed,
-            "bytes_freed": freed,
+            # A queued write cancelled is a record that leaves the tier before it got there.
+            "removed": {removal.label: len({*removal.removed, *removal.cancelled}) for removal in done},
+            "bytes_freed": {removal.label: removal.bytes_freed for removal in done},
             "known_chunks": len(plan.written) + len(plan.loaded),
             "only_loaded": len(plan.loaded),
             "journal_forgot": target.journal.forgotten,
             "scope": plan.scope,
         }
+
+
+def _clear_plan(target: ControlTarget, request: ControlRequest) -> ClearKeys:
+    plan: ClearKeys | tuple[list[str], str] = target.clear_keys(request)
+    if isinstance(plan, tuple):  # a target written before ClearKeys: its keys count as its own
+        return ClearKeys(list(plan[0]), [], plan[1])
+    return plan
 
 
 def _tier_matches(label: str, wanted: str | None) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from kvplug.core.keys import RequestInfo
 from kvplug.core.manifest import KeyScheme
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.tier_chain import TierChain
+from kvplug.core.tier_removal import TierRemoval
 from kvplug.errors import ControlProtocolError
 
 if TYPE_CHECKING:
@@ -55,6 +56,10 @@ class ClearKeys:
     #: put there; ``None``: not known, every written record counts as written everywhere.
     written_to: Mapping[int, Sequence[str]] | None = None
 
+    def cancels(self) -> list[str]:
+        """Every record the clear means: a queued write of one (this engine's own) is dropped."""
+        return self.written + self.loaded
+
     def for_tier(self, index: int, *, private: bool) -> list[str]:
         """The records to remove from the tier at ``index`` (``private``: it has ``trusted_reads``)."""
         if private:
@@ -83,7 +88,7 @@ class ChunkJournal:
     def on_event(self, event: KVEvent) -> None:
         # An eviction from one tier leaves the others: clear asks each.
         if event.kind == "stored":
-            self._note(event.keys, _STORED)
+            self.stored(event.keys)
         elif event.kind == "loaded":
             self._note(event.keys, _LOADED)
 
@@ -115,8 +120,17 @@ class ChunkJournal:
                     (stored if bits & _STORED else loaded).append(key)
         return stored, loaded
 
-    def written_to(self, keys: Sequence[str]) -> dict[int, list[str]]:
-        """Per tier index, which of ``keys`` this cache's chain wrote there."""
+    def stored(self, keys: Sequence[str]) -> None:
+        """Note ``keys`` as stored by this cache (what its ``stored`` events say)."""
+        self._note(keys, _STORED)
+
+    def written_to(self, keys: Sequence[str]) -> Mapping[int, Sequence[str]]:
+        """Per tier index, which of ``keys`` this cache's chain wrote there, read when asked:
+        a removal asks after cancelling queued writes, so a write that landed meanwhile counts."""
+        return _WrittenTo(self, list(keys))
+
+    def written_now(self, keys: Sequence[str]) -> dict[int, list[str]]:
+        """Per tier index, which of ``keys`` this cache's chain has written there so far."""
         found: dict[int, list[str]] = {}
         with self._lock:
             for key in keys:
@@ -131,6 +145,23 @@ class ChunkJournal:
         with self._lock:
             for key in keys:
                 self._keys.pop(key, None)
+
+
+class _WrittenTo(Mapping[int, Sequence[str]]):
+    """:meth:`ChunkJournal.written_to`: a view of the journal, not a copy."""
+
+    def __init__(self, journal: ChunkJournal, keys: list[str]) -> None:
+        self._journal = journal
+        self._keys = keys
+
+    def __getitem__(self, index: int) -> Sequence[str]:
+        return self._journal.written_now(self._keys)[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._journal.written_now(self._keys))
+
+    def __len__(self) -> int:
+        return len(self._journal.written_now(self._keys))
 
 
 class ControlTarget:
@@ -171,8 +202,33 @@ class ControlTarget:
         self.journal.forget(keys)
 
     def flush(self) -> None:
-        """Let queued writes land (a clear then removes them too)."""
+        """Let queued writes land."""
         self.chain.flush()
+
+    def flush_stores(self) -> None:
+        """Hand every store so far to the chain (a removal then cancels what is still queued)."""
+
+    def remove(
+        self, plan: Callable[[], ClearKeys], *, tiers: Collection[int] | None = None, count: bool = False
+    ) -> tuple[ClearKeys, list[TierRemoval]]:
+        """Remove the records ``plan()`` means from the tiers at ``tiers`` (None: all), through
+        :meth:`TierChain.remove`: what ``kvplug ctl clear`` and an engine's cache reset do.
+
+        Stores not yet handed to the chain are handed first, so the plan (read from the
+        journal after them) names them, and the chain cancels their queued writes. Records
+        removed from every tier are forgotten by the journal."""
+        self.flush_stores()
+        keys = plan()
+        done = self.chain.remove(keys, tiers=tiers, count=count)
+        if tiers is None:  # what may still be in a shared tier (another writer's) stays noted
+            private = [tier.trusted_reads for tier in self.chain.tiers]
+            gone = set(keys.written)
+            for removal in done:
+                gone.intersection_update(
+                    keys.for_tier(removal.index, private=private[removal.index]) + removal.cancelled
+                )
+            self.forget([key for key in keys.written if key in gone])
+        return keys, done
 
     def close(self) -> None:
         """Stop feeding the journal."""
@@ -264,6 +320,10 @@ class EngineControl(ControlTarget):
     def flush(self) -> None:
         for source in self.engines:
             source.flush()
+
+    def flush_stores(self) -> None:
+        for source in self.engines:
+            source.flush_stores()
 
     def close(self) -> None:
         self.chain.writes.remove(self.journal.on_written)

@@ -278,8 +278,7 @@ class CacheEngine(EngineStores):
 
     def flush(self) -> None:
         """Wait until every store so far is visible in every tier."""
-        if self._store_worker is not None:
-            self._store_worker.flush()
+        self.flush_stores()
         self.chain.flush()
 
     def close(self, *, drain: bool = True) -> None:

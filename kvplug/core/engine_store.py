@@ -204,6 +204,12 @@ class EngineStores:
         self.metrics.stored_bytes.inc(nbytes)
         self._events.emit(KVEvent("stored", tuple(k for k, _, _ in batch), token_counts=tuple(n for _, _, n in batch)))
 
+    def flush_stores(self) -> None:
+        """Wait until every store so far is handed to the tiers: written to the ``sync``
+        ones, queued for the ``async`` ones (:meth:`flush` waits for those too)."""
+        if self._store_worker is not None:
+            self._store_worker.flush()
+
     # --- helpers the loads share ---------------------------------------------------
 
     def _run_copies(self, kv_caches: Sequence[LayerCache], copies: Sequence[Callable[[], None]]) -> None:

@@ -21,8 +21,7 @@
 from __future__ import annotations
 
 import functools
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +32,11 @@ from kvplug.core.plugins import PluginRegistry
 from kvplug.core.remote import call_budget, remaining_budget_s
 from kvplug.core.tenancy import Tenancy
 from kvplug.core.tenant_metrics import TierFigures
-from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierContext, TierStats, tier_settings
+from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierStats, tier_settings
+from kvplug.core.tier_open import open_tiers, preflight_tiers
+from kvplug.core.tier_removal import RemovalPlan, RemoveKeys, TierRemoval, remove_planned
 from kvplug.core.tier_slot import TierSlot, WriteListeners
 from kvplug.core.write_queue import Items, WriteQueue
-from kvplug.errors import TierOpenError
 
 
 @dataclass(frozen=True)
@@ -116,31 +116,16 @@ class TierChain:
         """
         metrics = metrics or EngineMetrics()
         tenancy = tenancy or Tenancy()
-        tiers: list[StorageTier] = []
-        try:
-            for index, spec in enumerate(specs):
-                context = TierContext(
-                    tier_index=index,
-                    fingerprint=fingerprint,
-                    logger=logging.getLogger(f"kvplug.tier.{spec.type}"),
-                    emit=emit or registry.emit,
-                    metrics=metrics,
-                    tenancy=tenancy,
-                    read_only=read_only,
-                    max_record_bytes=max_record_bytes,
-                )
-                tier_class = registry.storage_tiers()[spec.type]
-                try:
-                    tiers.append(tier_class(spec.options, context))
-                except Exception as exc:
-                    # One line naming the entry; the tier's traceback (whose text may hold
-                    # an unredacted URL) only at debug level.
-                    context.logger.debug("tiers[%d] (type %s) failed to open", index, spec.type, exc_info=True)
-                    raise TierOpenError(index, spec.type, exc) from None
-        except BaseException:
-            for tier in tiers:
-                tier.close()
-            raise
+        tiers = open_tiers(
+            specs,
+            registry,
+            fingerprint=fingerprint,
+            metrics=metrics,
+            emit=emit,
+            tenancy=tenancy,
+            read_only=read_only,
+            max_record_bytes=max_record_bytes,
+        )
         chain = cls(tiers, metrics, lookup_timeout_s=lookup_timeout_s)
         chain.tenancy = tenancy
         return chain
@@ -149,11 +134,7 @@ class TierChain:
     def preflight(specs: Sequence[Any], registry: PluginRegistry) -> None:
         """Run every configured tier's :meth:`StorageTier.preflight` (no side effects); the
         first failure is a :class:`~kvplug.errors.TierOpenError` naming its entry."""
-        for index, spec in enumerate(specs):
-            try:
-                registry.storage_tiers()[spec.type].preflight(spec.options)
-            except Exception as exc:
-                raise TierOpenError(index, spec.type, exc) from None
+        preflight_tiers(specs, registry)
 
     @property
     def tiers(self) -> list[StorageTier]:
@@ -286,11 +267,16 @@ class TierChain:
     def discard(self, keys: Sequence[str]) -> None:
         """Remove keys from every tier (a chunk found corrupt, ``store gc``), cancelling
         their writes still queued."""
-        for slot in self._slots:
-            cancelled = slot.queue.cancel(keys) if slot.queue is not None else []
-            if cancelled:  # perhaps never written: the tier cannot report their removal itself
-                slot.tier.context.emit(KVEvent("removed", tuple(cancelled), tier=slot.tier.name))
-            slot.remove(list(keys))
+        self.remove(RemoveKeys(list(keys)))
+
+    def remove(
+        self, plan: RemovalPlan, *, tiers: Collection[int] | None = None, count: bool = False
+    ) -> list[TierRemoval]:
+        """Remove what ``plan`` says from the tiers at the indexes ``tiers`` (None: every
+        tier): first the queued writes of its keys are cancelled (one being written lands
+        first), then each tier removes its keys; see :mod:`kvplug.core.tier_removal`.
+        ``count``: remove only the keys a tier holds, and measure the bytes freed."""
+        return remove_planned(self._slots, plan, tiers=tiers, count=count)
 
     # --- writes ---------------------------------------------------------------------
 

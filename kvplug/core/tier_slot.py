@@ -83,8 +83,13 @@ class TierSlot:
         self.tier.put(items)
         return True
 
-    def remove(self, keys: list[str]) -> None:
-        self._guard("remove", self.tier.remove, keys)
+    def remove(self, keys: list[str]) -> bool:
+        """Remove ``keys`` from the tier; ``False`` if it raised (logged and counted)."""
+        return bool(self._guard("remove", self._remove, keys))
+
+    def _remove(self, keys: list[str]) -> bool:
+        self.tier.remove(keys)
+        return True
 
     def stats(self) -> TierStats | None:
         return self._guard("stats", self.tier.stats)

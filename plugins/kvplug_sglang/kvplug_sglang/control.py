@@ -56,8 +56,6 @@ class PageStorage(Protocol):
     """What :class:`HiCacheControl` needs of the HiCache backend (``KVPlugStorage``)."""
 
     def storage_key(self, key: str) -> str: ...
-    def written_keys(self) -> list[str]: ...
-    def forget_written(self, keys: Sequence[str]) -> None: ...
 
 
 class HiCacheControl(ControlTarget):
@@ -103,12 +101,13 @@ class HiCacheControl(ControlTarget):
             )
         # Only the pages this backend wrote, from the tiers it wrote them to: pages it read
         # from a shared tier are other servers'.
-        written = self.storage.written_keys()
+        written, _ = self.journal.split()
         return ClearKeys(written, [], "every cache_salt", self.journal.written_to(written))
 
-    def forget(self, keys: Sequence[str]) -> None:
-        self.storage.forget_written(keys)
-        self.journal.forget(keys)
+    def every_page_written(self) -> ClearKeys:
+        """The pages this backend wrote, to be removed from every tier (SGLang's ``clear``)."""
+        written, _ = self.journal.split()
+        return ClearKeys(written, [], "every cache_salt")
 
     def close(self) -> None:
         self.chain.writes.remove(self.journal.on_written)

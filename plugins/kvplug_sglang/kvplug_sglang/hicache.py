@@ -30,8 +30,6 @@ indexer, ...) are refused at registration and report no hits.
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -79,8 +77,8 @@ class KVPlugStorage(HiCacheStorage):
         self.mem_pool_host: Any = None
         self.page_format: HostPageFormat | None = None
         self.store: ChunkStore | None = None
-        self._written: set[str] = set()
-        self._written_lock = threading.Lock()  # SGLang's backup thread adds, kvplug ctl reads
+        #: What ``kvplug ctl`` asks, and the journal of the pages this backend wrote.
+        self.target: HiCacheControl | None = None
         self.control: ControlServer | None = None
         self._unsupported_pools: set[str] = set()
 
@@ -114,7 +112,7 @@ class KVPlugStorage(HiCacheStorage):
         )
         self.mem_pool_host = mem_pool_host
         self.page_format = page_format
-        target = HiCacheControl(self, self.store, page_format.page_size)
+        self.target = target = HiCacheControl(self, self.store, page_format.page_size)
         self.control = start_control(target, name=self.model_id, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -151,8 +149,8 @@ class KVPlugStorage(HiCacheStorage):
             return True  # another rank writes the replicated (MLA) pages
         items = [(self.storage_key(k), self.page_format.canonical(p)) for k, p in zip(keys, pages)]
         self.store.put_tensors(items)
-        with self._written_lock:
-            self._written.update(k for k, _ in items)
+        if self.target is not None:
+            self.target.journal.stored([k for k, _ in items])
         return True
 
     def _host_page(self, host_indices: torch.Tensor, i: int) -> torch.Tensor:
@@ -270,20 +268,8 @@ class KVPlugStorage(HiCacheStorage):
 
     def clear(self) -> None:
         """Remove the pages this backend stored (in this process) from every tier."""
-        if self.store is not None:
-            self.store.flush()
-            self.store.discard(self.written_keys())
-        with self._written_lock:
-            self._written.clear()
-
-    def written_keys(self) -> list[str]:
-        """kvplug's keys of the pages this backend stored (in this process)."""
-        with self._written_lock:
-            return sorted(self._written)
-
-    def forget_written(self, keys: Sequence[str]) -> None:
-        with self._written_lock:
-            self._written.difference_update(keys)
+        if self.target is not None:
+            self.target.remove(self.target.every_page_written)
 
     def flush(self) -> None:
         if self.store is not None:

@@ -462,19 +462,10 @@ class WorkerSide:
         records this worker's writes put there, never what another engine wrote."""
         if self.engine is None or self.target is None:
             return 0
-        plan = self.target.planned_clear()
-        removed: set[str] = set()
-        for index, tier in enumerate(self.engine.chain.tiers):
-            if not resets(tier, self.settings.reset_tiers):
-                continue
-            keys = plan.for_tier(index, private=tier.trusted_reads)
-            try:
-                tier.remove(keys)
-            except Exception:
-                logger.exception("reset_cache: removing chunks from tier %s failed", tier.name)
-                continue
-            removed.update(keys)
-        return len(removed)
+        tiers = self.engine.chain.tiers
+        chosen = [index for index, tier in enumerate(tiers) if resets(tier, self.settings.reset_tiers)]
+        _, done = self.target.remove(self.target.planned_clear, tiers=chosen)
+        return len({key for removal in done for key in (*removal.removed, *removal.cancelled)})
 
     def get_kv_connector_stats(self) -> KVPlugConnectorStats | None:
         if self.engine is not None:

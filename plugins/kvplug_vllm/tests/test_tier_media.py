@@ -336,3 +336,42 @@ def test_the_prefix_cache_reset_leaves_what_other_engines_wrote_to_a_shared_memo
         assert shared.contains(theirs) == [True] * 3  # the other engine's records stay
         assert shared.contains(ours) == [False] * 3
         control.close()
+
+
+def test_the_prefix_cache_reset_of_a_disk_tier_cancels_its_queued_writes(
+    registry: PluginRegistry, tmp_path: Path
+) -> None:
+    """A chunk whose disk write is still queued (the disk is slow: its ``put`` is held at a
+    gate) when the reset comes is not written after it."""
+    tiers = [{"type": "ram"}, {"type": "disk", "path": str(tmp_path / "disk"), "queue": {"mode": "async"}}]
+    extra = {"kvplug.chunk_size": 64, "kvplug.store.queue.mode": "sync", "kvplug.tiers": tiers}
+    config = load_config(engine_extra=extra, env={}, registry=registry).config
+    second_prompt = list(range(1000, 1200))
+    slots = slots_from_block_ids(list(range(1, 16)), 32, len(PROMPT))
+    with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="unit"), registry=registry) as engine:
+        control = EngineControl(engine)
+        disk = tier(engine, "disk")
+        gate, entered = threading.Event(), threading.Event()
+        real_put = disk.put
+
+        def slow_put(items: Any) -> None:
+            entered.set()
+            assert gate.wait(60), "the test never opened the gate"
+            real_put(items)
+
+        disk.put = slow_put  # type: ignore[method-assign]
+        caches = [torch.randn(16, 2, 32, 128).to(torch.bfloat16) for _ in range(2)]
+        engine.store(PROMPT, caches, slots)
+        assert entered.wait(30)  # the first prompt's disk write is held; the second queues behind it
+        engine.store(second_prompt, caches, slots)
+        keys = [k.key for prompt in (PROMPT, second_prompt) for k in engine.chunk_keys(prompt, RequestInfo())]
+        opener = threading.Timer(0.3, gate.set)  # the held write lands while the reset runs
+        opener.start()
+        try:
+            WorkerSide.reset_cache(worker_of(engine, control, reset_tiers=["ram", "disk"]))
+        finally:
+            opener.join()
+        engine.flush()
+        assert disk.contains(keys) == [False] * len(keys), "a reset chunk came back from the write queue"
+        assert tier(engine, "ram").contains(keys) == [False] * len(keys)
+        control.close()
