@@ -129,6 +129,11 @@ class ExplainInputError(KVPlugError, ValueError):
 # --- chunks --------------------------------------------------------------------------
 
 
+class KeyFormatError(KVPlugError, ValueError):
+    """A string is not a well-formed store key (``<version>/<fingerprint hex>/<digest hex>``);
+    the message names the part that is wrong."""
+
+
 class ChunkError(KVPlugError):
     """A stored chunk cannot be used. The engine treats it as a miss."""
 

@@ -23,7 +23,7 @@ from kvplug.cli.console import console, print_error, print_table
 from kvplug.cli.explain import read_prompt
 from kvplug.core.control_client import ControlClient, RankEndpoint, find_ranks, select_engine
 from kvplug.core.control_protocol import request_fields
-from kvplug.core.keys import RequestInfo
+from kvplug.core.keys import RequestInfo, StoreKey
 from kvplug.errors import ControlError, ExplainInputError
 
 ctl_app = typer.Typer(help="Control a running engine: stats, lookup, explain, pin, clear.", no_args_is_help=True)
@@ -281,7 +281,7 @@ def explain_command(
             style = (
                 "" if row["index"] < reply["hit_chunks"] else "red" if row["index"] == reply["hit_chunks"] else "dim"
             )
-            key = str(row["key"]).rsplit("/", 1)[-1][:12]
+            key = StoreKey.parse(str(row["key"])).short()
             cells = [str(row["index"]), f"{row['start']}-{row['end']}", key, ", ".join(row["tiers"]) or "-"]
             table.add_row(*(Text(c) for c in cells), style=style)
         print_table(table)

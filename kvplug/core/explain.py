@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvplug.core.keys import ChunkKey, ExtraKey
+from kvplug.core.keys import ChunkKey, ExtraKey, StoreKey
 from kvplug.core.manifest import MANIFEST_MAX_BYTES, KeyScheme, decode_manifest
 from kvplug.core.record import RECORD_HEADER_SIZE, unpack_record
 from kvplug.core.record_store import RecordStore
@@ -41,7 +41,7 @@ class ChunkRow:
     @property
     def digest(self) -> str:
         """The chunk hash, shortened (the key's last part)."""
-        return self.key.rsplit("/", 1)[-1][:12]
+        return StoreKey.parse(self.key).short()
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import blake3
 import xxhash
 
 from kvplug.core.chunk_format import dtype_name
+from kvplug.errors import KeyFormatError
 
 #: Bump when the meaning of stored bytes changes; old chunks then never match.
 KV_FORMAT_VERSION = "v1"
@@ -96,6 +97,86 @@ class Fingerprint:
         """``<format version>/<fingerprint hex>/``: what the keys of chunks stored under this
         fingerprint start with (the chunk's chained hash in hex follows)."""
         return f"{self.format_version}/{self.hexdigest()}/"
+
+
+_HEX = frozenset("0123456789abcdef")
+#: A fingerprint's hex digest (:meth:`Fingerprint.hexdigest`) is this long.
+FINGERPRINT_HEX_CHARS = 32
+#: A chunk digest in hex: 16 bytes (xxh3_128) up to 64 (room for longer hashes).
+DIGEST_HEX_CHARS = range(32, 129)
+
+
+def _check_hex(part: str, name: str, lengths: range, text: str) -> None:
+    if len(part) not in lengths:
+        wanted = str(lengths.start) if len(lengths) == 1 else f"{lengths.start} to {lengths.stop - 1}"
+        raise KeyFormatError(f"store key {text!r}: its {name} has {len(part)} characters, not {wanted}")
+    if not _HEX.issuperset(part):
+        raise KeyFormatError(f"store key {text!r}: its {name} is not lowercase hex")
+
+
+@dataclass(frozen=True)
+class KeyPrefix:
+    """``<format version>/<fingerprint hex>/``: the part of a store key that names the
+    fingerprint its chunks are stored under (:meth:`Fingerprint.key_prefix`)."""
+
+    version: str
+    fingerprint: str
+
+    def __post_init__(self) -> None:
+        text = f"{self.version}/{self.fingerprint}/"
+        if not (self.version[:1] == "v" and self.version[1:].isdigit() and self.version[1:].isascii()):
+            raise KeyFormatError(f"store key {text!r}: its format version {self.version!r} is not v<number>")
+        _check_hex(self.fingerprint, "fingerprint", range(FINGERPRINT_HEX_CHARS, FINGERPRINT_HEX_CHARS + 1), text)
+
+    @classmethod
+    def parse(cls, text: str) -> KeyPrefix:
+        """The prefix ``text`` spells (with or without its closing ``/``); a
+        :class:`~kvplug.errors.KeyFormatError` naming what is wrong otherwise."""
+        parts = text.removesuffix("/").split("/")
+        if len(parts) != 2:
+            raise KeyFormatError(f"store key prefix {text!r}: {len(parts)} parts, not 2 (<version>/<fingerprint>/)")
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        return f"{self.version}/{self.fingerprint}/"
+
+
+@dataclass(frozen=True)
+class StoreKey:
+    """A chunk's key in the tiers, parsed and checked once: ``<version>/<fingerprint>/<digest>``,
+    hex only. It becomes a string (``str(key)``) where it is handed to a
+    :class:`~kvplug.StorageTier`; parts are read from here, never split out of the string."""
+
+    prefix: KeyPrefix
+    digest: str
+
+    def __post_init__(self) -> None:
+        _check_hex(self.digest, "digest", DIGEST_HEX_CHARS, f"{self.prefix}{self.digest}")
+
+    @classmethod
+    def parse(cls, text: str) -> StoreKey:
+        """The key ``text`` spells; a :class:`~kvplug.errors.KeyFormatError` naming what is
+        wrong otherwise (parts, version, lengths, characters)."""
+        parts = text.split("/")
+        if len(parts) != 3:
+            raise KeyFormatError(f"store key {text!r}: {len(parts)} parts, not 3 (<version>/<fingerprint>/<digest>)")
+        version, fingerprint, digest = parts
+        return cls(KeyPrefix(version, fingerprint), digest)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.prefix.fingerprint
+
+    def short(self, chars: int = 12) -> str:
+        """The digest's first ``chars`` characters: how a table names a chunk."""
+        return self.digest[:chars]
+
+    def under(self, prefix: KeyPrefix) -> StoreKey:
+        """The same chunk under another fingerprint (another head group's record)."""
+        return StoreKey(prefix, self.digest)
+
+    def __str__(self) -> str:
+        return f"{self.prefix}{self.digest}"
 
 
 @dataclass(frozen=True)

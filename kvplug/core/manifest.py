@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvplug.core.keys import Fingerprint, KeyBuilder, RequestInfo
+from kvplug.core.keys import Fingerprint, KeyBuilder, KeyPrefix, RequestInfo
 from kvplug.core.tier import Buffer
 from kvplug.core.tier_chain import TierChain
 
@@ -97,7 +97,7 @@ class KeyScheme:
 
     @property
     def fingerprint_hex(self) -> str:
-        return self.prefix.rstrip("/").rsplit("/", 1)[-1]
+        return KeyPrefix.parse(self.prefix).fingerprint
 
     def key_builder(self) -> KeyBuilder:
         return KeyBuilder(self.chunk_size, self.hash_name)  # type: ignore[arg-type]

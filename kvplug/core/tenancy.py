@@ -32,10 +32,12 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvplug.core.config_types import parse_byte_size
+from kvplug.core.keys import StoreKey
 from kvplug.core.tenants import DEFAULT_MAX_PINS, DEFAULT_QUOTA, TenancyConfig, TenantLabels
 from kvplug.core.tenants import OTHER_TENANTS as OTHER_TENANTS  # (defined here before: still importable)
 from kvplug.core.tenants import UNSALTED as UNSALTED
 from kvplug.core.throttled_log import ThrottledLog
+from kvplug.errors import KeyFormatError
 
 _logger = logging.getLogger("kvplug.pins")
 
@@ -302,10 +304,11 @@ class TenantBook:
         """The salt of a ``<version>/<fingerprint>/<hash>`` key, ``None`` when unsalted or unknown."""
         if not isinstance(key, str):  # (a bad key: the tier's own checks say so)
             return None
-        parts = key.split("/", 2)
-        if len(parts) != 3:
+        try:
+            fingerprint = StoreKey.parse(key).fingerprint
+        except KeyFormatError:  # not a chunk key: no tenant's
             return None
-        return self._salts.get(parts[1])
+        return self._salts.get(fingerprint)
 
 
 class NameTenants:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvplug import KVEvent, Medium
+from kvplug.core.keys import StoreKey
 
 #: kvplug tier medium (``StorageTier.medium``) -> SGLang ``StorageMedium`` value.
 _STORAGE_MEDIUM: dict[Medium, str] = {"memory": "CPU_PINNED", "disk": "DISK", "remote": "EXTERNAL"}
@@ -24,7 +25,7 @@ _STORAGE_MEDIUM: dict[Medium, str] = {"memory": "CPU_PINNED", "disk": "DISK", "r
 
 def block_hash(chunk_key: str) -> int:
     """The signed 64-bit block hash SGLang events carry, from a chunk key's hash part."""
-    value = int(chunk_key.rsplit("/", 1)[-1][:16], 16)
+    value = int(StoreKey.parse(chunk_key).short(16), 16)
     return value - 2**64 if value >= 2**63 else value
 
 
