@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from kvplug.builtins.chunk_checks import check_chunk_layer, check_chunks
 from kvplug.builtins.copy_routes import Route, dense, find_route
 from kvplug.builtins.index_runs import IndexRuns, SpanRuns, gather_runs, scatter_runs
+from kvplug.builtins.row_copies import gather_rows, scatter_rows
 from kvplug.core.connector import KVConnector, LayerCache
 from kvplug.core.layouts import KVLayout
 from kvplug.errors import LayoutError
@@ -163,13 +164,13 @@ class TorchConnector(KVConnector):
             # Whole pages: a page is one row (K and V in one call when one tensor holds both).
             if route.stacked_page_rows is not None:
                 rows = route.stacked_page_rows.of(tensors)
-                _gather_rows(rows, pages, out.view(rows.shape[0], pages.numel(), -1), dim=1, runs=plan.page_runs)
+                gather_rows(rows, pages, out.view(rows.shape[0], pages.numel(), -1), dim=1, runs=plan.page_runs)
             else:
                 for index, page_rows in enumerate(route.page_rows):
-                    _gather_rows(page_rows.of(tensors), pages, out[index].view(pages.numel(), -1), runs=plan.page_runs)
+                    gather_rows(page_rows.of(tensors), pages, out[index].view(pages.numel(), -1), runs=plan.page_runs)
         elif route.token_rows is not None:
             for index, token_rows in enumerate(route.token_rows):
-                _gather_rows(token_rows.of(tensors), plan.slots, out[index], runs=plan.slot_runs)
+                gather_rows(token_rows.of(tensors), plan.slots, out[index], runs=plan.slot_runs)
         else:
             page, offset = self._page_offsets(plan, tensors[0].device)
             if route.stacked is not None:
@@ -192,14 +193,14 @@ class TorchConnector(KVConnector):
             pages = pages.to(device)
             if route.stacked_page_rows is not None:
                 rows = route.stacked_page_rows.of(tensors)
-                _scatter_rows(rows, pages, src.reshape(rows.shape[0], pages.numel(), -1), dim=1, runs=plan.page_runs)
+                scatter_rows(rows, pages, src.reshape(rows.shape[0], pages.numel(), -1), dim=1, runs=plan.page_runs)
             else:
                 for index, page_rows in enumerate(route.page_rows):
-                    _scatter_rows(page_rows.of(tensors), pages, src[index], runs=plan.page_runs)
+                    scatter_rows(page_rows.of(tensors), pages, src[index], runs=plan.page_runs)
         elif route.token_rows is not None:
             slots = plan.slots.to(device)
             for index, token_rows in enumerate(route.token_rows):
-                _scatter_rows(token_rows.of(tensors), slots, src[index], runs=plan.slot_runs)
+                scatter_rows(token_rows.of(tensors), slots, src[index], runs=plan.slot_runs)
         else:
             page, offset = self._page_offsets(plan, device)
             heads, dim = self.layout.num_kv_heads, self.layout.head_dim
@@ -245,7 +246,7 @@ class TorchConnector(KVConnector):
         # from there: a block at a time, indexing runs far below copy_'s speed.
         staging = self._staging(tensors, blocks.numel())
         for tensor, rows, staged, part in zip(tensors, staging.rows, staging.parts, parts):
-            _gather_rows(self._block_rows(tensor), blocks, rows)
+            gather_rows(self._block_rows(tensor), blocks, rows)
             part.copy_(staged)
 
     def _scatter_blocks(self, tensors: tuple[torch.Tensor, ...], plan: SlotPlan, src: torch.Tensor) -> None:
@@ -262,7 +263,7 @@ class TorchConnector(KVConnector):
         staging = self._staging(tensors, blocks.numel())  # blocks as the cache stores them
         for tensor, rows, staged, part in zip(tensors, staging.rows, staging.parts, parts):
             staged.copy_(part)
-            _scatter_rows(self._block_rows(tensor), blocks, rows)
+            scatter_rows(self._block_rows(tensor), blocks, rows)
 
     def _whole_blocks(self, plan: SlotPlan) -> torch.Tensor:
         pages = self._pages(plan)
@@ -341,73 +342,6 @@ class _Staging:
 
     rows: list[torch.Tensor]  # [num_blocks, block elements] per layer tensor
     parts: list[torch.Tensor]  # the same memory as [kv, num_blocks, outer, inner] (packed_block_split)
-
-
-def _gather_rows(
-    rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor, dim: int = 0, runs: IndexRuns | None = None
-) -> None:
-    """``out[i] = rows[index[i]]`` along ``dim``, straight into ``out`` on the same device."""
-    if runs is not None and rows.device == out.device and runs.worth_slicing:
-        gather_runs(rows, runs, out, dim)
-        return
-    index = index.to(rows.device)
-    if rows.device == out.device and rows.is_contiguous() and out.is_contiguous():
-        if _copies_words(rows):
-            rows, out = _as_words(rows, out)
-        torch.index_select(rows, dim, index, out=out)
-    else:
-        out.copy_(rows.index_select(dim, index))
-
-
-def _scatter_rows(
-    rows: torch.Tensor, index: torch.Tensor, src: torch.Tensor, dim: int = 0, runs: IndexRuns | None = None
-) -> None:
-    """``rows[index[i]] = src[i]`` along ``dim`` (0, or 1 for K/V pairs), in place in the cache."""
-    if runs is not None and runs.worth_slicing_writes(rows.numel() // max(rows.shape[dim], 1) * rows.element_size()):
-        src = src.reshape(rows.shape[0], index.numel(), -1) if dim == 1 else src.reshape(index.numel(), -1)
-        scatter_runs(rows, runs, src.to(rows.device), dim)
-        return
-    if dim == 0:
-        rows, src = rows.unsqueeze(0), src.reshape(1, index.numel(), -1)
-    else:
-        src = src.reshape(rows.shape[0], index.numel(), -1)
-    if _copies_words(rows):
-        rows, src = _as_words(rows, src.contiguous())
-    rows.index_copy_(1, index, src)
-
-
-def _copies_words(rows: torch.Tensor) -> bool:
-    """Whether rows are copied as integer words (:func:`_as_words`): always on the CPU (faster),
-    and for fp8 on any device, where ``index_copy_`` has no float8 kernel (CUDA's neither:
-    ``"index_copy_cuda" not implemented for 'Float8_e4m3fn'``, seen on an H200)."""
-    return rows.device.type == "cpu" or (rows.element_size() == 1 and rows.dtype.is_floating_point)
-
-
-#: Integer words the CPU copies run on, widest first.
-_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
-
-
-def _as_words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Views of same-dtype tensors as the widest integer word every row, stride and offset allows.
-
-    torch's CPU ``index_copy_`` copies 2-byte and 1-byte elements one at a time
-    (and has no fp8 kernel); on 8-byte words it ran 1.5-2x faster on 16-token blocks
-    here. Copying words is bit exact for any dtype.
-    """
-    itemsize = tensors[0].element_size()
-    for word in _WORDS:
-        size = word.itemsize
-        if size >= itemsize and all(_divides(size, t, itemsize) for t in tensors):
-            return tuple(t.view(word) for t in tensors)
-    return tensors
-
-
-def _divides(size: int, tensor: torch.Tensor, itemsize: int) -> bool:
-    """Whether ``tensor`` (rows contiguous) can be viewed as words of ``size`` bytes."""
-    if tensor.dim() == 0 or tensor.stride(-1) != 1:
-        return False
-    quantities = (tensor.shape[-1], tensor.storage_offset(), *tensor.stride()[:-1])
-    return all(q * itemsize % size == 0 for q in quantities)
 
 
 @hookimpl
