@@ -32,10 +32,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
 from kvplug import CallSizes, NameTenants, PinOutcome, RecordBackend, RecordToWrite, StoredRecord, Tenancy
+from kvplug_disk.budget import FolderBudget
 from kvplug_disk.config import DiskTierConfig
-from kvplug_disk.files import ForeignEntryError, RecordFolder, TempFile, make_private, value_size_of
+from kvplug_disk.files import RecordFolder, TempFile, make_private
+from kvplug_disk.folder_scan import ForeignEntryError
 from kvplug_disk.index import EvictionIndex, IndexEntry, record_guard
-from kvplug_disk.ledger import Usage, UsageLedger
+from kvplug_disk.ledger import UsageLedger
 from kvplug_disk.location import mark_store, require_disk_store
 from kvplug_disk.problems import ProblemLog, is_no_space, is_undeletable
 from kvplug_disk.reads import DiskReads
@@ -63,7 +65,7 @@ class RefusedRecordError(OSError):
         super().__init__(errno.ENOSPC, "no room beside the pinned records or within the tenant's quota")
 
 
-class DiskBackend(DiskReads, RecordBackend):
+class DiskBackend(FolderBudget, DiskReads, RecordBackend):
     """Record files in one folder shared by any number of processes (see the module docstring)."""
 
     # One put is one call: its records are renamed in order, with mtimes in that order.
@@ -229,77 +231,6 @@ class DiskBackend(DiskReads, RecordBackend):
                 if not is_no_space(exc) or attempt == NO_SPACE_ROUNDS or not self._make_room(record.size, attempt):
                     raise
         raise AssertionError("unreachable")
-
-    def _make_room(self, size: int, attempt: int) -> bool:
-        """After a write of ``size`` bytes found the disk full (``attempt`` times before):
-        evict this process's next victims, twice as many bytes each round; whether any were."""
-        with self._lock, self._ledger.locked() as usage:
-            victims = self._order.pop_victims((size + 64 * 1024) << attempt)  # + blocks, metadata
-            self._remove_victims(usage, victims)
-            self._problems.counts["enospc_evictions"] += len(victims)
-        return bool(victims)
-
-    def take_evicted(self) -> list[StoredRecord]:
-        with self._lock:
-            evicted, self._evicted = self._evicted, []
-        return evicted
-
-    # --- the folder's budget --------------------------------------------------------
-
-    def _evict_for(self, usage: Usage, incoming: int) -> None:
-        """Unlink files in eviction order until ``incoming`` bytes fit in the folder's
-        budget. Called with both locks held, so no write of the same digest, here or in
-        another process, can slip in between. When this process knows of nothing more
-        to evict, it lists the folder again: the rest of the total is other processes' records."""
-        rescanned = False
-        while usage.total + incoming > self._budget:
-            victims = self._order.pop_victims(1)
-            if not victims:
-                if rescanned:
-                    break
-                self._rebuild(usage, self._folder.scan().records)
-                rescanned = True
-                continue
-            self._remove_victims(usage, victims)
-
-    def _remove_victims(self, usage: Usage, victims: list[tuple[str, IndexEntry]]) -> None:
-        """Unlink evicted records (locks held). One that cannot be removed is skipped from
-        then on: out of the index and the total, so the budget is kept with the others."""
-        for digest, entry in victims:
-            if self._unlink_record(usage, digest, "evict"):
-                self._evicted.append(StoredRecord(digest, entry.file_size, 0.0))
-
-    def _unlink_record(self, usage: Usage, digest: str, op: str) -> bool:
-        """Remove one record file and take its bytes off the folder's total (locks held)."""
-        stat = None
-        try:
-            stat = self._folder.stat(digest)
-            if stat is None or not self._folder.unlink(digest):
-                return False
-        except OSError as exc:
-            self._entry_failed(op, digest, exc, locked=True)
-            if self._skipped(digest) and stat is not None:
-                usage.total -= value_size_of(stat.st_size)  # out of the budget: nothing can make it go
-            return False
-        usage.total -= value_size_of(stat.st_size)
-        return True
-
-    def _value_size_on_disk(self, digest: str) -> int:
-        try:
-            stat = self._folder.stat(digest)
-        except OSError:
-            return 0
-        return 0 if stat is None else value_size_of(stat.st_size)
-
-    def _rebuild(self, usage: Usage, records: list[tuple[str, int, int]]) -> None:
-        """Order every record of a folder listing as cold entries, the oldest (by mtime) the
-        first to leave; the folder's total becomes the listing's."""
-        records.sort(key=lambda record: record[2])
-        self._order = self._order.fresh()
-        for digest, file_size, _ in reversed(records):  # each cold entry goes before the others
-            if not self._skipped(digest):
-                self._order.add_cold(digest, IndexEntry(value_size_of(file_size), file_size))
-        usage.total = self._order.value_bytes
 
     # --- pins -----------------------------------------------------------------------
 

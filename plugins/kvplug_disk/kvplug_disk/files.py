@@ -27,33 +27,24 @@ an entry that is not what it should be (a link, a folder named like a record) ra
 from __future__ import annotations
 
 import errno
-import hashlib
 import mmap
 import os
-import re
 import secrets
-import socket
 import stat
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISREG
 
 from kvplug import RECORD_HEADER_SIZE, Buffer, check_record_size, key_digest
+from kvplug_disk.folder_scan import HOST_TAG, RECORD_SUFFIX, SHARDS, TEMP_SUFFIX, FolderScan, ForeignEntryError
 
-RECORD_SUFFIX = ".kvr"
-TEMP_SUFFIX = ".tmp"
-SHARDS = tuple(f"{i:02x}" for i in range(256))
 #: Cached KV is a user's prompts: its folders and files are this user's alone (the umask
 #: may only take more away).
 PRIVATE_FOLDER = 0o700
 PRIVATE_FILE = 0o600
-#: Tells this host's temp files from another host's on a shared (network) folder,
-#: where a pid says nothing about whether the writer still runs.
-HOST_TAG = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
-_RECORD_NAME = re.compile(r"[0-9a-f]{64}\.kvr")
 _fdatasync = getattr(os, "fdatasync", os.fsync)
 
 
@@ -81,24 +72,6 @@ def value_size_of(file_size: int) -> int:
 
 
 @dataclass
-class ScanResult:
-    """Record files as ``(digest, file size, mtime ns)`` tuples (plain tuples: start-up
-    builds 100k of them), and what happened to temp files."""
-
-    records: list[tuple[str, int, int]]
-    temps_removed: int
-    temps_kept: int
-    #: ``<shard>/<name>`` of entries that are not regular files, and shard names that are not folders.
-    foreign: list[str] = field(default_factory=list)
-
-
-class ForeignEntryError(OSError):
-    """A record's name holds something that is not a regular file (a folder, a link, a
-    FIFO), or its shard folder is not a real folder: never read, written or followed.
-    ``filename`` is the entry: a record's digest, or a shard's two hex digits."""
-
-
-@dataclass
 class TempFile:
     """A written temp file, and the shard folder (by fd) it was written in: it is
     published into that very folder, whatever has happened to the path since."""
@@ -108,7 +81,7 @@ class TempFile:
     dir_fd: int
 
 
-class RecordFolder:
+class RecordFolder(FolderScan):
     """The record files under one folder; every method is safe to call from many
     threads and processes at once.
 
@@ -342,91 +315,6 @@ class RecordFolder:
             pass
         finally:
             os.close(dir_fd)
-
-    # --- scanning -------------------------------------------------------------------
-
-    def scan(self, *, clean_temps_older_than: float | None = None) -> ScanResult:
-        """Every record file; stale temp files are removed when a limit is given.
-        Entries with a record's name that are not regular files, and shard folders that
-        are not folders, are listed in ``foreign`` instead."""
-        result = ScanResult([], 0, 0)
-        now = time.time()
-        is_record = _RECORD_NAME.fullmatch
-        for shard, entry in self._shard_entries(result.foreign):
-            name = entry.name
-            if is_record(name):
-                if not name.startswith(shard):
-                    continue
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:  # evicted by another process meanwhile
-                    continue
-                if S_ISREG(st.st_mode):
-                    result.records.append((name[:64], st.st_size, st.st_mtime_ns))
-                else:
-                    result.foreign.append(f"{shard}/{name}")
-            elif name.endswith(TEMP_SUFFIX) and clean_temps_older_than is not None:
-                if _temp_is_stale(entry, now, clean_temps_older_than):
-                    try:
-                        os.unlink(f"{shard}/{name}", dir_fd=self._root_fd)
-                        result.temps_removed += 1
-                    except FileNotFoundError:
-                        pass
-                    except OSError:  # not ours to remove
-                        result.temps_kept += 1
-                else:
-                    result.temps_kept += 1
-        return result
-
-    def iter_record_paths(self) -> Iterator[tuple[str, str]]:
-        """``(digest, path)`` of every regular record file, without stat calls where
-        the folder tells the type."""
-        for shard, entry in self._shard_entries([]):
-            if _RECORD_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-                yield entry.name[:64], f"{self.root}/{shard}/{entry.name}"
-
-    def _shard_entries(self, foreign: list[str]) -> Iterator[tuple[str, os.DirEntry[str]]]:
-        """``(shard, entry)`` for everything in the shard folders that exist; shard
-        names that are not real folders go to ``foreign``."""
-        for shard in SHARDS:
-            try:
-                dir_fd = self._open_shard(shard)
-            except FileNotFoundError:
-                continue
-            except ForeignEntryError:
-                foreign.append(shard)
-                continue
-            try:
-                with os.scandir(dir_fd) as entries:
-                    for entry in entries:
-                        yield shard, entry
-            finally:
-                os.close(dir_fd)
-
-
-def _temp_is_stale(entry: os.DirEntry[str], now: float, max_age_s: float) -> bool:
-    try:
-        age = now - entry.stat(follow_symlinks=False).st_mtime
-    except FileNotFoundError:
-        return False
-    if age > max_age_s:
-        return True
-    parts = entry.name.split(".")
-    if len(parts) != 6 or parts[1] != HOST_TAG or not parts[2].isdigit():
-        return False  # another host's (or an unknown) temp file: only age can tell
-    return not _pid_alive(int(parts[2]))
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, owned by someone else
-        return True
-    return True
 
 
 def _write_all(fd: int, buffers: list[Buffer]) -> None:

@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 
 from kvplug import Buffer, StoredRecord
 from kvplug.errors import CorruptChunkError
-from kvplug_disk.files import ForeignEntryError, RecordFolder, value_size_of
+from kvplug_disk.files import RecordFolder, value_size_of
+from kvplug_disk.folder_scan import ForeignEntryError
 from kvplug_disk.index import EvictionIndex, IndexEntry
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from kvplug import RECORD_HEADER_SIZE, RecordCheck, check_record
 from kvplug.errors import CorruptChunkError
-from kvplug_disk.files import ForeignEntryError, RecordFolder
+from kvplug_disk.files import RecordFolder
+from kvplug_disk.folder_scan import ForeignEntryError
 
 
 @dataclass

@@ -29,7 +29,7 @@ from kvplug.cli.main import app
 from kvplug.errors import TierUnavailableError
 from kvplug.testing import key_for, value_for
 from kvplug_disk import DiskTier, DiskTierConfig, verify_folder
-from kvplug_disk.files import HOST_TAG
+from kvplug_disk.folder_scan import HOST_TAG
 from kvplug_disk.ledger import LEDGER_NAME
 from kvplug_disk.location import STORE_MARKER
 

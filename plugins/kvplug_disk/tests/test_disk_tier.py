@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from kvplug import RECORD_HEADER_SIZE
 from kvplug.testing import StorageTierContract, key_for, tier_context, value_for
 from kvplug_disk import DiskTier, verify_folder
-from kvplug_disk.files import HOST_TAG
+from kvplug_disk.folder_scan import HOST_TAG
 from kvplug_disk.ledger import LEDGER_NAME
 from kvplug_disk.location import STORE_MARKER
 

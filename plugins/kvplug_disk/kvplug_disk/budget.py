@@ -1,0 +1,101 @@
+"""Keeping a disk tier's folder within its byte budget (:class:`FolderBudget`, a base of
+:class:`~kvplug_disk.backend.DiskBackend`): eviction in the index's order, room made when the
+disk is full, and the index rebuilt from a listing of the folder."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from kvplug import StoredRecord
+from kvplug_disk.files import RecordFolder, value_size_of
+from kvplug_disk.index import EvictionIndex, IndexEntry
+from kvplug_disk.ledger import Usage, UsageLedger
+from kvplug_disk.problems import ProblemLog
+
+
+class FolderBudget:
+    """The budget methods of a disk backend; they run with its lock (and the ledger's) held."""
+
+    _lock: threading.Lock
+    _ledger: UsageLedger
+    _order: EvictionIndex
+    _problems: ProblemLog
+    _evicted: list[StoredRecord]
+    _budget: int
+    _folder: RecordFolder
+
+    if TYPE_CHECKING:
+
+        def _skipped(self, digest: str) -> bool: ...
+
+        def _entry_failed(self, op: str, digest: str, exc: OSError, *, locked: bool = False) -> bool: ...
+
+    def _make_room(self, size: int, attempt: int) -> bool:
+        """After a write of ``size`` bytes found the disk full (``attempt`` times before):
+        evict this process's next victims, twice as many bytes each round; whether any were."""
+        with self._lock, self._ledger.locked() as usage:
+            victims = self._order.pop_victims((size + 64 * 1024) << attempt)  # + blocks, metadata
+            self._remove_victims(usage, victims)
+            self._problems.counts["enospc_evictions"] += len(victims)
+        return bool(victims)
+
+    def take_evicted(self) -> list[StoredRecord]:
+        with self._lock:
+            evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def _evict_for(self, usage: Usage, incoming: int) -> None:
+        """Unlink files in eviction order until ``incoming`` bytes fit in the folder's
+        budget. Called with both locks held, so no write of the same digest, here or in
+        another process, can slip in between. When this process knows of nothing more
+        to evict, it lists the folder again: the rest of the total is other processes' records."""
+        rescanned = False
+        while usage.total + incoming > self._budget:
+            victims = self._order.pop_victims(1)
+            if not victims:
+                if rescanned:
+                    break
+                self._rebuild(usage, self._folder.scan().records)
+                rescanned = True
+                continue
+            self._remove_victims(usage, victims)
+
+    def _remove_victims(self, usage: Usage, victims: list[tuple[str, IndexEntry]]) -> None:
+        """Unlink evicted records (locks held). One that cannot be removed is skipped from
+        then on: out of the index and the total, so the budget is kept with the others."""
+        for digest, entry in victims:
+            if self._unlink_record(usage, digest, "evict"):
+                self._evicted.append(StoredRecord(digest, entry.file_size, 0.0))
+
+    def _unlink_record(self, usage: Usage, digest: str, op: str) -> bool:
+        """Remove one record file and take its bytes off the folder's total (locks held)."""
+        stat = None
+        try:
+            stat = self._folder.stat(digest)
+            if stat is None or not self._folder.unlink(digest):
+                return False
+        except OSError as exc:
+            self._entry_failed(op, digest, exc, locked=True)
+            if self._skipped(digest) and stat is not None:
+                usage.total -= value_size_of(stat.st_size)  # out of the budget: nothing can make it go
+            return False
+        usage.total -= value_size_of(stat.st_size)
+        return True
+
+    def _value_size_on_disk(self, digest: str) -> int:
+        try:
+            stat = self._folder.stat(digest)
+        except OSError:
+            return 0
+        return 0 if stat is None else value_size_of(stat.st_size)
+
+    def _rebuild(self, usage: Usage, records: list[tuple[str, int, int]]) -> None:
+        """Order every record of a folder listing as cold entries, the oldest (by mtime) the
+        first to leave; the folder's total becomes the listing's."""
+        records.sort(key=lambda record: record[2])
+        self._order = self._order.fresh()
+        for digest, file_size, _ in reversed(records):  # each cold entry goes before the others
+            if not self._skipped(digest):
+                self._order.add_cold(digest, IndexEntry(value_size_of(file_size), file_size))
+        usage.total = self._order.value_bytes

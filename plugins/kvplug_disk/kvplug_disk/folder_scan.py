@@ -1,0 +1,137 @@
+"""Listing the record files of a disk tier's folder (:class:`FolderScan`, a base of
+:class:`~kvplug_disk.files.RecordFolder`): every shard folder's entries, records told from
+temp files and from foreign entries, stale temp files removed; and the names all of it reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from stat import S_ISREG
+from typing import TYPE_CHECKING
+
+RECORD_SUFFIX = ".kvr"
+TEMP_SUFFIX = ".tmp"
+SHARDS = tuple(f"{i:02x}" for i in range(256))
+#: Tells this host's temp files from another host's on a shared (network) folder,
+#: where a pid says nothing about whether the writer still runs.
+HOST_TAG = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+RECORD_NAME = re.compile(r"[0-9a-f]{64}\.kvr")
+
+
+class ForeignEntryError(OSError):
+    """A record's name holds something that is not a regular file (a folder, a link, a
+    FIFO), or its shard folder is not a real folder: never read, written or followed.
+    ``filename`` is the entry: a record's digest, or a shard's two hex digits."""
+
+
+@dataclass
+class ScanResult:
+    """Record files as ``(digest, file size, mtime ns)`` tuples (plain tuples: start-up
+    builds 100k of them), and what happened to temp files."""
+
+    records: list[tuple[str, int, int]]
+    temps_removed: int
+    temps_kept: int
+    #: ``<shard>/<name>`` of entries that are not regular files, and shard names that are not folders.
+    foreign: list[str] = field(default_factory=list)
+
+
+class FolderScan:
+    """The scanning methods of a record folder (its root, by path and by descriptor)."""
+
+    root: Path
+    _root_fd: int
+
+    if TYPE_CHECKING:
+
+        def _open_shard(self, shard: str, *, create: bool = False) -> int: ...
+
+    def scan(self, *, clean_temps_older_than: float | None = None) -> ScanResult:
+        """Every record file; stale temp files are removed when a limit is given.
+        Entries with a record's name that are not regular files, and shard folders that
+        are not folders, are listed in ``foreign`` instead."""
+        result = ScanResult([], 0, 0)
+        now = time.time()
+        is_record = RECORD_NAME.fullmatch
+        for shard, entry in self._shard_entries(result.foreign):
+            name = entry.name
+            if is_record(name):
+                if not name.startswith(shard):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:  # evicted by another process meanwhile
+                    continue
+                if S_ISREG(st.st_mode):
+                    result.records.append((name[:64], st.st_size, st.st_mtime_ns))
+                else:
+                    result.foreign.append(f"{shard}/{name}")
+            elif name.endswith(TEMP_SUFFIX) and clean_temps_older_than is not None:
+                if _temp_is_stale(entry, now, clean_temps_older_than):
+                    try:
+                        os.unlink(f"{shard}/{name}", dir_fd=self._root_fd)
+                        result.temps_removed += 1
+                    except FileNotFoundError:
+                        pass
+                    except OSError:  # not ours to remove
+                        result.temps_kept += 1
+                else:
+                    result.temps_kept += 1
+        return result
+
+    def iter_record_paths(self) -> Iterator[tuple[str, str]]:
+        """``(digest, path)`` of every regular record file, without stat calls where
+        the folder tells the type."""
+        for shard, entry in self._shard_entries([]):
+            if RECORD_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                yield entry.name[:64], f"{self.root}/{shard}/{entry.name}"
+
+    def _shard_entries(self, foreign: list[str]) -> Iterator[tuple[str, os.DirEntry[str]]]:
+        """``(shard, entry)`` for everything in the shard folders that exist; shard
+        names that are not real folders go to ``foreign``."""
+        for shard in SHARDS:
+            try:
+                dir_fd = self._open_shard(shard)
+            except FileNotFoundError:
+                continue
+            except ForeignEntryError:
+                foreign.append(shard)
+                continue
+            try:
+                with os.scandir(dir_fd) as entries:
+                    for entry in entries:
+                        yield shard, entry
+            finally:
+                os.close(dir_fd)
+
+
+def _temp_is_stale(entry: os.DirEntry[str], now: float, max_age_s: float) -> bool:
+    try:
+        age = now - entry.stat(follow_symlinks=False).st_mtime
+    except FileNotFoundError:
+        return False
+    if age > max_age_s:
+        return True
+    parts = entry.name.split(".")
+    if len(parts) != 6 or parts[1] != HOST_TAG or not parts[2].isdigit():
+        return False  # another host's (or an unknown) temp file: only age can tell
+    return not _pid_alive(int(parts[2]))
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by someone else
+        return True
+    return True
