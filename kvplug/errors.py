@@ -59,8 +59,9 @@ class DuplicateComponentError(PluginError):
 class InvalidComponentError(PluginError):
     """A hook returned something that is not a usable component class.
 
-    No longer raised by the registry, which refuses such a plugin by name instead
-    (:class:`PluginRejectedError` in ``load_errors``); kept for code that catches it."""
+    The registry does not raise it: it refuses such a plugin by name
+    (:class:`PluginRejectedError` in ``load_errors``), so that one plugin's bad component
+    leaves the others loaded. The class stays importable for code that catches it."""
 
 
 # --- config --------------------------------------------------------------------------

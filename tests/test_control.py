@@ -126,7 +126,7 @@ def test_a_client_of_another_user_cannot_connect(server: ControlServer, caplog: 
 
 
 def test_at_the_connection_cap_another_users_connection_closes_none_of_the_owners(server: ControlServer) -> None:
-    """Issue 41, item 2: the oldest connection was dropped to make room before the peer check
+    """The oldest connection was dropped to make room before the peer check
     refused the newcomer, so another user could close the owner's connections one by one."""
     if os.getuid() != 0:
         pytest.fail("this test runs a client as nobody, which needs root (as here and in CI)")

@@ -1,6 +1,6 @@
 """The cpu tier's ``eviction`` policy under a CacheEngine: a shared prefix retrieved twice
 outlives a scan of one-off prompts several times the tier's budget with ``s3fifo``; with
-``lru`` (the default) the scan flushes it (issue 33 item 5)."""
+``lru`` (the default) the scan flushes it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fleet test (issue 12 part 5): three engine processes share one remote tier.
+"""Fleet test: three engine processes share one remote tier.
 
 Each process runs its own CacheEngine with a cpu tier in front of the shared remote
 tier. Process 1 stores prompts; processes 2 and 3 retrieve them byte for byte. Then

@@ -1,5 +1,5 @@
-"""The frame pool maps memory as frames need it, not its whole capacity up front
-(issue 14 item 6): a capacity at or above physical memory must not kill the engine."""
+"""The frame pool maps memory as frames need it, not its whole capacity up front:
+a capacity at or above physical memory must not kill the engine."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 14 item 10: with an integrity key, a forged or re-framed record is a miss, counted.
+"""With an integrity key, a forged or re-framed record is a miss, counted.
 
 Without a key anyone who can write a shared folder or bucket can build a record with valid
 checksums; with ``KVPLUG_INTEGRITY_KEY`` every record carries a keyed MAC over its key digest,
@@ -159,7 +159,7 @@ def test_the_key_comes_from_the_environment_or_a_private_file(tmp_path: Path) ->
         record.resolve_integrity_key({"KVPLUG_INTEGRITY_KEY": KEY, "KVPLUG_INTEGRITY_KEY_FILE": str(secret_file)})
 
 
-# --- issue 29 items 5 and 6: the key variables' edges ------------------------------------
+# --- the key variables' edges ------------------------------------
 
 
 @pytest.mark.parametrize("name", ["KVPLUG_INTEGRITY_KEY", "KVPLUG_INTEGRITY_KEY_FILE"])

@@ -1,5 +1,5 @@
-"""Budgets that cannot fit in memory are refused when the config is validated (issue 14
-item 6), and every queue of chunk data has a byte bound in the config (item 5)."""
+"""Budgets that cannot fit in memory are refused when the config is validated,
+and every queue of chunk data has a byte bound in the config."""
 
 from __future__ import annotations
 

@@ -266,7 +266,7 @@ def kvplug_storage_tiers():
 
 
 def test_a_look_alike_tier_is_refused_and_every_command_still_works(tmp_path: Path, monkeypatch) -> None:
-    """Issue 29 item 10: a non-``StorageTier`` tier installed next to kvplug made every
+    """A non-``StorageTier`` tier installed next to kvplug made every
     ``kvplug store`` command crash (``MemoTier has no attribute 'location_config'``), even on
     a disk store. It is refused by name with the reason; the other plugins and every command work."""
     site = tmp_path / "site"

@@ -1,5 +1,5 @@
-"""``QueueSettings``: one vocabulary for the store queue and every tier's write queue
-(issue 27 item 2), and kvplug 0.2's keys mapped to it for one release with a warning.
+"""``QueueSettings``: one vocabulary for the store queue and every tier's write queue,
+and kvplug 0.2's keys mapped to it for one release with a warning.
 
 The disk tier's own old keys (``writer``, ``queue_items`` ...) are tested with the tier,
 in plugins/kvplug_disk/tests/test_disk_tier.py.

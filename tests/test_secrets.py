@@ -1,4 +1,4 @@
-"""Issue 14 item 9: a credential planted in a config never shows in any output.
+"""A credential planted in a config never shows in any output.
 
 Secrets are planted in every place a config can hold one (S3 keys, storage_options tokens,
 a nested aws_secret_access_key, a password in a URL) and every output is grepped:

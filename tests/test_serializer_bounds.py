@@ -1,4 +1,4 @@
-"""Serializer ``raw`` on hostile frames, and the ``max_chunk_bytes`` bound (issue 29).
+"""Serializer ``raw`` on hostile frames, and the ``max_chunk_bytes`` bound.
 
 The fuzz mutates header fields of valid ``KVPL`` frames to extreme values and flips,
 truncates and extends their bytes, resealing them (xxh3 is no obstacle to whoever can
@@ -164,7 +164,7 @@ def test_the_engine_bounds_its_serializer_and_refuses_a_bound_below_its_chunk() 
 
 
 def test_make_serializer_gives_every_adapter_the_configured_bound() -> None:
-    """SGLang's HiCache storage built its serializer without the bound (issue 29 item 8):
+    """SGLang's HiCache storage built its serializer without the bound:
     adapters build theirs with ``make_serializer``, as ``CacheEngine`` does."""
     extra = {"kvplug.serializer": {"type": "raw"}, "kvplug.max_chunk_bytes": 4096}
     config = load_config(engine_extra=extra, env={}).config

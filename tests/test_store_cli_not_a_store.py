@@ -1,6 +1,6 @@
-"""Issue 14 item 8: ``kvplug store verify|stats|ls|gc`` on a path that is not a store.
+"""``kvplug store verify|stats|ls|gc`` on a path that is not a store.
 
-It must say so, create nothing and exit non-zero (it used to create 256 folders and exit 0).
+It must say so, create nothing and exit non-zero: a typo in a path must not become an empty store.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The typed tier boundary (issue 27 item 3): the chain reads a tier's settings from its
+"""The typed tier boundary: the chain reads a tier's settings from its
 ``TierConfig``; a tier written against 0.2 with a plain pydantic ``Config`` still loads,
 with a ``DeprecationWarning`` naming it; ``connector: {type: auto}`` ranks by the declared
 ``KVConnector.priority``."""

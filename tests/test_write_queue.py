@@ -1,4 +1,4 @@
-"""The tier chain's one write queue per async tier (issue 27 item 2), on real cpu and disk tiers.
+"""The tier chain's one write queue per async tier, on real cpu and disk tiers.
 
 What the disk tier's own writer thread used to give only that tier, every async tier now
 gets from the chain: values readable while queued, repeated writes coalesced, queued

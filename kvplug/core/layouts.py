@@ -168,8 +168,8 @@ class KVLayout:
             f"{self.format.name}:L{self.num_layers}:B{self.block_size}:H{self.num_kv_heads}:"
             f"D{self.head_dim}:{dtype_name(self.dtype)}"
         )
-        # Packed formats' chunks held the declared token order in kvplug 0.1; the
-        # suffix names the block order (packed_block_split), so those chunks are misses.
+        # The suffix names the block order of packed formats' chunks (packed_block_split):
+        # chunks written in another order have another fingerprint, so they are misses.
         return text + PACKED_FRAME_ORDER if self.format.whole_blocks_only else text
 
     def packed_block_split(self) -> tuple[int, int, int]:

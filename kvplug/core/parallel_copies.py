@@ -1,7 +1,7 @@
 """Copies between the KV cache and chunk frames on several threads: one core does not saturate host memory.
 
 A connector's ``gather_layer`` on host memory is a torch ``index_select``, which
-releases the GIL but runs on one core: on the 2-core VM of issue 16 one thread
+releases the GIL but runs on one core: on a 2-core VM one thread
 gathered at about 70% of a two-core ``copy_`` and two threads, each taking half of
 the chunks, at 100-106% (bare ``index_select``; through the connector 65-77%
 against 54-59%). Gathers of different chunks write disjoint frames, and writes of

@@ -271,7 +271,7 @@ def _component_problem(concern: str, hook_name: str, component: object) -> str |
     """Why ``component`` cannot serve ``concern`` (the plugin that returned it is refused), or ``None``.
 
     A reason, not an exception: one plugin's bad component must not take down
-    ``serializers()``, the other plugins and every command (issue 29 item 10).
+    ``serializers()``, the other plugins and every command.
     """
     name = getattr(component, "name", None)
     if not isinstance(component, type) or not isinstance(name, str) or not name:

@@ -1,4 +1,4 @@
-"""Issue 27: the record formats stay byte-compatible. A disk folder and an s3 (``file://``)
+"""The record formats stay byte-compatible. A disk folder and an s3 (``file://``)
 store written by the 0.2 release (``release_0_2/``, see ``write_release_store.py``) are read by
 today's tiers, today's tiers write the very same bytes, and a damaged release record is a
 counted miss; each without an integrity key (record v1) and with one (v2).

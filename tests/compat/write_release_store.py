@@ -1,6 +1,6 @@
 """Write the release-store fixtures of ``tests/compat/release_0_2/`` with a *release's* tiers.
 
-The record formats on disk and in remote stores must stay byte-compatible (issue 27): a
+The record formats on disk and in remote stores must stay byte-compatible: a
 store written by a release is read by the code of today, and today's code writes the
 very same bytes. This script produces the evidence once, with the release's own code:
 three values (0 bytes, 4 KiB, 70 KiB + 13 bytes, from fixed seeds) under engine-shaped

@@ -1,4 +1,4 @@
-"""Hostile frames for zstd, lz4, int8 and fp8 (issue 29): bounded time and memory, a specific error.
+"""Hostile frames for zstd, lz4, int8 and fp8: bounded time and memory, a specific error.
 
 Anyone who can write a store can write a frame, and its checksum is no obstacle (xxh3 is
 not a MAC): every frame here is resealed after it is mutated, unless the mutation is the
@@ -8,7 +8,7 @@ chunk (:mod:`kvplug.testing.decode_bounds`). The decodes run in a fresh subproce
 file as a script) with a capped address space, so that the peak RSS means something and
 a build without the bounds fails there instead of exhausting the machine.
 
-The named regressions are the frames of issue 29: a 32 KB zstd plane declaring 1 GiB
+The named regressions are these frames: a 32 KB zstd plane declaring 1 GiB
 (through the serializer, and as a forged disk record through ``CacheEngine``), a 104-byte
 frame of 1-element segments for an 8B model's chunk, a 160-byte frame declaring 8 GiB
 read without ``expected_shape``, and int8/fp8 frames with a zero last dimension.
@@ -278,7 +278,7 @@ def fuzz(name: str, examples: int) -> None:
 
 
 def zstd_plane_declaring_1gib() -> None:
-    """Issue 29 item 1: a 32 KB plane that declares (and holds) 1 GiB of zeros.
+    """A 32 KB plane that declares (and holds) 1 GiB of zeros.
 
     In a 128 KiB chunk (one segment, planes of 64 KiB), so that the frame is smaller
     than its chunk, as an encoded frame is, and only the plane's declared size is wrong.
@@ -300,7 +300,7 @@ LLAMA_8B_CHUNK = (32, 2, 256, 1024)
 
 
 def one_element_segments(name: str) -> None:
-    """Issue 29 item 2: 104 bytes (8 of payload) whose segments are 1 element each."""
+    """104 bytes (8 of payload) whose segments are 1 element each."""
     frame = sealed(lossless_header(name, "bfloat16", LLAMA_8B_CHUNK, 1, b"\0" * 8))
     assert len(frame) == 104
     serializer = make(name)
@@ -311,7 +311,7 @@ def one_element_segments(name: str) -> None:
 
 
 def declares_8gib_without_expected_shape(name: str) -> None:
-    """Issue 29 item 8: 160 bytes declaring an 8 GiB float64 chunk in one segment, read with ``loads(frame)``."""
+    """160 bytes declaring an 8 GiB float64 chunk in one segment, read with ``loads(frame)``."""
     table = struct.pack("<8I", *[4] * 8)
     frame = sealed(lossless_header(name, "float64", (32768, 32768), 2**32 - 1, table + b"\xff" * 32))
     assert len(frame) == 160
@@ -323,7 +323,7 @@ def declares_8gib_without_expected_shape(name: str) -> None:
 
 
 def zero_last_dimension(name: str) -> None:
-    """Issue 29 item 8: an encoded int8/fp8 frame of shape (4, 0) divided by its zero width."""
+    """An encoded int8/fp8 frame of shape (4, 0) divided by its zero width."""
     frame = sealed(
         bytearray(
             kvpc.pack_header(name, "bfloat16", (4, 0), encoding=kvpc.ENCODED, param_a=64, param_b=1, payload_length=0)
@@ -350,7 +350,7 @@ def group_wider_than_the_row(name: str) -> None:
 
 
 def forged_disk_record(tmp: str) -> None:
-    """Issue 29 item 1 through CacheEngine: a ~65 KB disk record whose zstd plane declares 2 GiB."""
+    """Through CacheEngine: a ~65 KB disk record whose zstd plane declares 2 GiB."""
     from test_compress_engine import TOKENS, caches, engine, slots
 
     path = Path(tmp)

@@ -1,4 +1,4 @@
-"""Tier ``cpu``'s pins and per-tenant quotas (issue 31 item 2), on real tiers."""
+"""Tier ``cpu``'s pins and per-tenant quotas, on real tiers."""
 
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def test_engine_round_trip_matches_the_torch_connector(registry) -> None:
 def test_connector_options_are_validated(registry) -> None:
     with pytest.raises(ConfigError, match="pool_timeout_s"):
         make_engine(registry, {"type": "cuda", "pool_timeout_s": 0})
-    # Issue 29 item 9: an infinite wait is not a timeout.
+    # An infinite wait is not a timeout.
     for name in ("pool_timeout_s", "copy_timeout_s"):
         with pytest.raises(ConfigError, match=rf"connector.{name}: .*finite.*less than or equal to 3600"):
             make_engine(registry, {"type": "cuda", name: float("inf")})

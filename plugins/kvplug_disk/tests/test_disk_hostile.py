@@ -1,4 +1,4 @@
-"""Tier ``disk`` in a folder that fights back (issue 14, items 1 and 4): entries it may
+"""Tier ``disk`` in a folder that fights back: entries it may
 not delete, directories and links where records should be. Real files and real
 permissions: the undeletable case runs in a process that is not root, since root may
 delete anything."""
@@ -51,7 +51,7 @@ def store_cli(*args: str) -> Result:
     return CliRunner().invoke(app, ["store", *args], env={"COLUMNS": "200"})
 
 
-# --- item 1: a directory where a record should be ---------------------------------------
+# --- a directory where a record should be ---------------------------------------
 
 
 def test_a_directory_named_like_a_record_is_skipped_counted_and_never_a_hit(tmp_path: Path, caplog) -> None:
@@ -92,7 +92,7 @@ def test_a_directory_named_like_a_record_is_skipped_counted_and_never_a_hit(tmp_
     assert planted.is_dir() and (planted / "inside").exists()
 
 
-# --- item 1: a record the process may not delete -------------------------------------------
+# --- a record the process may not delete -------------------------------------------
 
 SCENARIO = """
 import json, logging, sys
@@ -177,7 +177,7 @@ def test_a_record_the_process_may_not_delete_is_skipped_logged_once_and_counted(
     assert record_path(root, locked_key).exists()
 
 
-# --- item 4: links ---------------------------------------------------------------------------
+# --- links ---------------------------------------------------------------------------
 
 
 def test_a_shard_folder_replaced_by_a_link_is_never_followed(tmp_path: Path) -> None:
@@ -228,7 +228,7 @@ def test_a_record_file_that_is_a_link_is_not_read_nor_removed_through(tmp_path: 
     assert victim.read_bytes()[:4] and victim.exists()
 
 
-# --- item 2: a full disk ------------------------------------------------------------------
+# --- a full disk ------------------------------------------------------------------
 
 
 @pytest.fixture

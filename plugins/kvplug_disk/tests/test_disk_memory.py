@@ -1,5 +1,5 @@
 """Memory stays within the configured budgets when far more than the cpu tier's budget
-is stored through cpu + disk tiers (issue 14 item 5), measured in a process of its own.
+is stored through cpu + disk tiers, measured in a process of its own.
 
 The issue's case, 3 GiB through a 256 MiB cpu tier, is scaled down 4x for CI: 768 MiB
 through a 64 MiB cpu tier, with 32 MiB store and disk writer queues."""

@@ -1,4 +1,4 @@
-"""Tiers ``disk`` and ``shm``: pins and per-tenant quotas (issue 31 item 2), on real folders."""
+"""Tiers ``disk`` and ``shm``: pins and per-tenant quotas, on real folders."""
 
 from __future__ import annotations
 

@@ -352,7 +352,7 @@ def test_bad_items_are_refused_before_anything_is_queued(tmp_path: Path) -> None
 
 
 def test_folders_are_0700_and_records_0600_whatever_the_umask(tmp_path: Path) -> None:
-    """Issue 41, item 5: the folder was 0755, shards 0755, records and the ledger 0644 (with
+    """The folder was 0755, shards 0755, records and the ledger 0644 (with
     umask 022): another local user read cached KV, i.e. prompts."""
     old = os.umask(0o022)
     try:

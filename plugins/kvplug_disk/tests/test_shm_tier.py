@@ -195,7 +195,7 @@ def test_a_folder_others_may_write_is_refused_and_a_new_one_is_private(shm_dir: 
 
 
 def test_a_folder_others_may_read_is_refused(shm_dir: Path) -> None:
-    """Issue 41, item 5: a folder pre-made 0755 held records another user could read (prompts)."""
+    """A folder pre-made 0755 held records another user could read (prompts)."""
     readable = shm_dir / "readable"
     readable.mkdir(mode=0o755)
     readable.chmod(0o755)
@@ -207,7 +207,7 @@ def test_a_folder_others_may_read_is_refused(shm_dir: Path) -> None:
 
 
 def test_a_link_at_the_path_is_refused_before_anything_is_written(shm_dir: Path, tmp_path: Path) -> None:
-    """Issue 41, item 6: a symbolic link planted at the configured path (by another user, to a
+    """A symbolic link planted at the configured path (by another user, to a
     folder they can read) received the tier's records. Refused, however private its target."""
     target = tmp_path / "planted"
     target.mkdir(mode=0o700)

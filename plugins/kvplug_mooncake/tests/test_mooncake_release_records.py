@@ -1,4 +1,4 @@
-"""Issue 27: the record format stays byte-compatible. The raw objects the 0.2 release's
+"""The record format stays byte-compatible. The raw objects the 0.2 release's
 mooncake tier stored (read back with a plain client's ``get`` and dumped to
 ``tests/compat/release_0_2/mooncake`` by ``tests/compat/write_release_store.py``) are put under
 their names into the store with a plain client: today's tier reads them, writes the very same

@@ -1,4 +1,4 @@
-"""Issue 27: the record format stays byte-compatible. The raw values the 0.2 release's valkey
+"""The record format stays byte-compatible. The raw values the 0.2 release's valkey
 tier stored (every key it wrote, read with ``GET`` and dumped to ``tests/compat/release_0_2/valkey``
 by ``tests/compat/write_release_store.py``) are ``SET`` under their names into a fresh server
 with a plain client: today's tier reads them, writes the very same keys and bytes, and takes a

@@ -1,4 +1,4 @@
-"""Issue 14 item 11: the worker's lookup socket against abusive clients, on a real socket.
+"""The worker's lookup socket against abusive clients, on a real socket.
 
 A real :class:`LookupServer` serves a real cache engine (cpu tier); real client sockets
 send half messages, huge headers, requests they never read the answers of; planted links

@@ -81,7 +81,7 @@ def test_tp1_and_tp2_engines_load_each_others_chunks_by_default(run_engine: Any,
 
 
 def test_a_tp1_engine_computes_other_kv_than_a_tp2_engine(run_engine: Any, tmp_path: Path) -> None:
-    """Issue 40's defect 1: a TP=2 writer, a TP=1 reader, 2 KV heads (one per rank),
+    """A TP=2 writer, a TP=1 reader, 2 KV heads (one per rank),
     ``heads_per_record: 1``, chunk 256, 4 layers, ``initializer_range`` 0.3. The reader loads the
     TP=2 engine's KV bit for bit; the TP=1 engine's own prefill differs from it after layer 0."""
     spec = TinyLlamaSpec(num_hidden_layers=4, num_key_value_heads=2, initializer_range=0.3)

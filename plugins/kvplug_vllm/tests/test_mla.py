@@ -5,7 +5,7 @@ AMX: one latent row per token (kv_lora_rank 512 plus rope 64), block size forced
 prefix caching and chunked prefill forced off. That backend cannot resume a prefill from a
 cached prefix: given a prefix whose latent KV is bit for bit the engine's own (the KV
 oracle checks it), the resumed prefill writes other rope keys for its first tokens than a
-full prefill, and the output differs (issue 40, defect 2: 1024 of 1100 tokens loaded,
+full prefill, and the output differs (measured: 1024 of 1100 tokens loaded,
 greedy tokens differ from the 2nd on). So kvplug stores such an engine's KV (one latent
 record per chunk, for every engine of the fingerprint) and loads none into it: a new
 process is a miss and computes vLLM's own output.

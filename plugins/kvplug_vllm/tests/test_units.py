@@ -77,7 +77,7 @@ def test_bad_connector_setting_names_the_key() -> None:
     ],
 )
 def test_connector_timeouts_are_finite_and_bounded(key: str, value: float, bound: str) -> None:
-    """Issue 29 item 9: ``lookup_timeout_s: .inf`` was accepted (a lookup that never gives up)."""
+    """``lookup_timeout_s: .inf`` was accepted (a lookup that never gives up)."""
     with pytest.raises(ConfigError) as info:
         split_extra_config({key: value})
     [problem] = info.value.problems
