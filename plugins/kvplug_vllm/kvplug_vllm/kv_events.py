@@ -11,7 +11,9 @@ with that tier as ``medium``. Events leave the worker in the step's
 ``KVConnectorOutput`` and vLLM's scheduler publishes them (``take_events``) on its
 ZMQ publisher together with its own prefix cache's events.
 
-The same index gives the keys that ``reset_cache`` removes from the in-memory tiers.
+The index translates events; it is not a journal of what the worker stored: ``kvplug ctl
+clear`` and ``reset_cache`` read the worker's control target's journal. A worker keeps an
+index only when vLLM publishes KV events.
 """
 
 from __future__ import annotations
@@ -45,10 +47,9 @@ class ChunkIndex:
     everything is guarded by one lock.
     """
 
-    def __init__(self, block_size: int, tier_names: Sequence[str], *, publish: bool) -> None:
+    def __init__(self, block_size: int, tier_names: Sequence[str]) -> None:
         self.block_size = block_size
         self.tier_names = list(tier_names)
-        self.publish = publish
         self._chunks: OrderedDict[str, _Chunk] = OrderedDict()
         self._events: list[KVCacheEvent] = []
         self._lock = threading.Lock()
@@ -59,8 +60,7 @@ class ChunkIndex:
         """Record the vLLM blocks of each chunk; ``block_hashes[i]`` is block ``i``'s, as vLLM publishes it.
 
         Chunks that end inside a block, or past the blocks vLLM hashed, have no
-        vLLM identity and are not published (vLLM hashes full blocks only); their
-        keys are still kept, for ``reset_cache``.
+        vLLM identity and are not published (vLLM hashes full blocks only).
         """
         size = self.block_size
         with self._lock:
@@ -79,7 +79,7 @@ class ChunkIndex:
             known = [
                 (key, self._chunks[key]) for key in event.keys if key in self._chunks and self._chunks[key].block_hashes
             ]
-            if not known or not self.publish:
+            if not known:
                 return
             if event.kind == "stored":
                 for tier in self.tier_names:
@@ -103,11 +103,6 @@ class ChunkIndex:
         with self._lock:
             events, self._events = self._events, []
         return events
-
-    def keys(self) -> list[str]:
-        """Every chunk key this worker stored or loaded (and has not forgotten)."""
-        with self._lock:
-            return list(self._chunks)
 
 
 class KVPlugKVEvents(KVConnectorKVEvents):

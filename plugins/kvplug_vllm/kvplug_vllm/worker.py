@@ -198,12 +198,9 @@ class WorkerSide:
             self.groups = GroupEngines(self.kv_groups, primary_entry, all_caches, config, self.vllm_config, **ranks)
         trim = self.groups.trim if self.groups is not None else None
         kv_events = getattr(self.vllm_config, "kv_events_config", None)
-        self.index = ChunkIndex(
-            layout.block_size,
-            [t.type for t in config.tiers],
-            publish=bool(kv_events is not None and kv_events.enable_kv_cache_events),
-        )
-        self.engine.add_event_listener(self.index.on_event)
+        if kv_events is not None and kv_events.enable_kv_cache_events:
+            self.index = ChunkIndex(layout.block_size, [t.type for t in config.tiers])
+            self.engine.add_event_listener(self.index.on_event)
         register_local(self.engine_key, LocalWorker(self.engine, self.reset_cache, trim))
         if self.settings.lookup != "direct":
             self.server = LookupServer(self.engine, socket_path(*self.engine_key), on_reset=self.reset_cache, trim=trim)

@@ -30,7 +30,7 @@ def key(index: int, start: int, end: int) -> ChunkKey:
 
 
 def test_chunk_index_publishes_vllm_block_hashes_per_tier_and_evictions() -> None:
-    index = ChunkIndex(block_size=4, tier_names=["cpu", "disk"], publish=True)
+    index = ChunkIndex(block_size=4, tier_names=["cpu", "disk"])
     tokens = list(range(100, 118))  # 4 blocks of 4 and 2 tokens
     hashes = [b"h0", b"h1", b"h2", b"h3"]
     keys = [key(0, 0, 8), key(1, 8, 16), key(2, 16, 18)]  # the last chunk ends inside a block
@@ -49,16 +49,14 @@ def test_chunk_index_publishes_vllm_block_hashes_per_tier_and_evictions() -> Non
     index.on_event(KVEvent("evicted", ("1/unknown/00",), tier="cpu"))  # not ours: nothing
     (removed,) = index.take()
     assert isinstance(removed, BlockRemoved) and removed.block_hashes == [b"h0", b"h1"] and removed.medium == "cpu"
-    assert set(index.keys()) == {keys[0].key, keys[1].key, keys[2].key}  # reset removes all it saw
     assert index.take() == []
 
 
-def test_chunk_index_without_publishing_keeps_keys_only() -> None:
-    index = ChunkIndex(block_size=4, tier_names=["cpu"], publish=False)
+def test_chunk_index_publishes_nothing_for_chunks_without_vllm_blocks() -> None:
+    index = ChunkIndex(block_size=4, tier_names=["cpu"])
     index.remember([key(0, 0, 8)], list(range(8)), [], lora_name=None)  # no hashes sent
     index.on_event(KVEvent("stored", (key(0, 0, 8).key,)))
     assert index.take() == []
-    assert index.keys() == [key(0, 0, 8).key]
 
 
 def test_events_of_several_workers_are_published_once_all_report_them() -> None:
