@@ -25,6 +25,7 @@ def test_a_key_parses_back_to_itself(key: StoreKey) -> None:
     assert str(StoreKey.parse(text)) == text
     assert KeyPrefix.parse(str(key.prefix)) == key.prefix
     assert text.startswith(str(key.prefix)) and text.endswith(key.digest)
+    assert StoreKey.fingerprint_of(text) == key.fingerprint
 
 
 @pytest.mark.parametrize("hash_name", ["sha256", "xxh3_128", "blake3"])
@@ -40,6 +41,7 @@ def test_a_key_of_other_parts_names_its_part_count(key: StoreKey, more: str) -> 
     text = str(key).replace("/", "", 1) if not more else f"{key}{more}"
     with pytest.raises(KeyFormatError, match=r"parts, not 3"):
         StoreKey.parse(text)
+    assert StoreKey.fingerprint_of(text) is None
 
 
 @given(keys, st.text(min_size=1, max_size=8).filter(lambda s: "/" not in s and not s[1:].isdigit()))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from array import array
 from collections.abc import Callable, Mapping, Sequence
@@ -104,6 +105,12 @@ _HEX = frozenset("0123456789abcdef")
 FINGERPRINT_HEX_CHARS = 32
 #: A chunk digest in hex: 16 bytes (xxh3_128) up to 64 (room for longer hashes).
 DIGEST_HEX_CHARS = range(32, 129)
+# The shapes checked on every key (one match each); the checks that name a wrong part
+# run only once a match has failed.
+_VERSION = re.compile(r"v[0-9]+")
+_FINGERPRINT = re.compile(r"[0-9a-f]{32}")
+_DIGEST = re.compile(r"[0-9a-f]{32,128}")
+_KEY = re.compile(r"(v[0-9]+)/([0-9a-f]{32})/([0-9a-f]{32,128})")
 
 
 def _check_hex(part: str, name: str, lengths: range, text: str) -> None:
@@ -114,7 +121,7 @@ def _check_hex(part: str, name: str, lengths: range, text: str) -> None:
         raise KeyFormatError(f"store key {text!r}: its {name} is not lowercase hex")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class KeyPrefix:
     """``<format version>/<fingerprint hex>/``: the part of a store key that names the
     fingerprint its chunks are stored under (:meth:`Fingerprint.key_prefix`)."""
@@ -123,8 +130,12 @@ class KeyPrefix:
     fingerprint: str
 
     def __post_init__(self) -> None:
+        if _VERSION.fullmatch(self.version) is None or _FINGERPRINT.fullmatch(self.fingerprint) is None:
+            self._refuse()
+
+    def _refuse(self) -> None:
         text = f"{self.version}/{self.fingerprint}/"
-        if not (self.version[:1] == "v" and self.version[1:].isdigit() and self.version[1:].isascii()):
+        if _VERSION.fullmatch(self.version) is None:
             raise KeyFormatError(f"store key {text!r}: its format version {self.version!r} is not v<number>")
         _check_hex(self.fingerprint, "fingerprint", range(FINGERPRINT_HEX_CHARS, FINGERPRINT_HEX_CHARS + 1), text)
 
@@ -141,7 +152,7 @@ class KeyPrefix:
         return f"{self.version}/{self.fingerprint}/"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StoreKey:
     """A chunk's key in the tiers, parsed and checked once: ``<version>/<fingerprint>/<digest>``,
     hex only. It becomes a string (``str(key)``) where it is handed to a
@@ -151,17 +162,31 @@ class StoreKey:
     digest: str
 
     def __post_init__(self) -> None:
-        _check_hex(self.digest, "digest", DIGEST_HEX_CHARS, f"{self.prefix}{self.digest}")
+        if _DIGEST.fullmatch(self.digest) is None:
+            _check_hex(self.digest, "digest", DIGEST_HEX_CHARS, f"{self.prefix}{self.digest}")
 
     @classmethod
     def parse(cls, text: str) -> StoreKey:
         """The key ``text`` spells; a :class:`~kvplug.errors.KeyFormatError` naming what is
         wrong otherwise (parts, version, lengths, characters)."""
-        parts = text.split("/")
-        if len(parts) != 3:
-            raise KeyFormatError(f"store key {text!r}: {len(parts)} parts, not 3 (<version>/<fingerprint>/<digest>)")
-        version, fingerprint, digest = parts
+        match = _KEY.fullmatch(text)
+        if match is not None:
+            version, fingerprint, digest = match.groups()
+        else:
+            parts = text.split("/")
+            if len(parts) != 3:
+                raise KeyFormatError(
+                    f"store key {text!r}: {len(parts)} parts, not 3 (<version>/<fingerprint>/<digest>)"
+                )
+            version, fingerprint, digest = parts
         return cls(KeyPrefix(version, fingerprint), digest)
+
+    @staticmethod
+    def fingerprint_of(text: str) -> str | None:
+        """The fingerprint part of ``text`` if it is a well-formed key, else ``None``: for a
+        path that asks of every key a tier is given (tenancy), without building a value."""
+        match = _KEY.fullmatch(text)
+        return None if match is None else match.group(2)
 
     @property
     def fingerprint(self) -> str:

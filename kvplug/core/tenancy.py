@@ -37,7 +37,6 @@ from kvplug.core.tenants import DEFAULT_MAX_PINS, DEFAULT_QUOTA, TenancyConfig, 
 from kvplug.core.tenants import OTHER_TENANTS as OTHER_TENANTS  # (defined here before: still importable)
 from kvplug.core.tenants import UNSALTED as UNSALTED
 from kvplug.core.throttled_log import ThrottledLog
-from kvplug.errors import KeyFormatError
 
 _logger = logging.getLogger("kvplug.pins")
 
@@ -304,11 +303,8 @@ class TenantBook:
         """The salt of a ``<version>/<fingerprint>/<hash>`` key, ``None`` when unsalted or unknown."""
         if not isinstance(key, str):  # (a bad key: the tier's own checks say so)
             return None
-        try:
-            fingerprint = StoreKey.parse(key).fingerprint
-        except KeyFormatError:  # not a chunk key: no tenant's
-            return None
-        return self._salts.get(fingerprint)
+        fingerprint = StoreKey.fingerprint_of(key)
+        return None if fingerprint is None else self._salts.get(fingerprint)
 
 
 class NameTenants:
