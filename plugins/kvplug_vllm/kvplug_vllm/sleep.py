@@ -27,6 +27,7 @@ from kvplug.errors import ConnectorError, LayoutError
 
 logger = logging.getLogger("kvplug.vllm")
 
+
 class CachesAsleepError(ConnectorError):
     """A copy into or out of the KV caches was asked for while vLLM had them unregistered (sleep mode)."""
 
@@ -151,7 +152,9 @@ class CacheSleep:
             worker.kv_caches[index] = kv_caches[name]
         if changed:
             for engine in _engines(worker):
-                connector = engine.connector.awake if isinstance(engine.connector, AsleepConnector) else engine.connector
+                connector = (
+                    engine.connector.awake if isinstance(engine.connector, AsleepConnector) else engine.connector
+                )
                 if isinstance(connector, ReleasesCaches):
                     connector.release_caches()
 

@@ -56,7 +56,9 @@ def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
 
 def connector_of(engine: CacheEngine, registered: list[torch.Tensor]) -> Any:
     """A worker-role connector's state as the sleep hooks see it (the worker's registered caches)."""
-    worker = SimpleNamespace(engine=engine, kv_caches=registered, layer_index={n: i for i, n in enumerate(NAMES)}, groups=None)
+    worker = SimpleNamespace(
+        engine=engine, kv_caches=registered, layer_index={n: i for i, n in enumerate(NAMES)}, groups=None
+    )
     return SimpleNamespace(_worker=worker, _sleep=CacheSleep())
 
 
