@@ -36,7 +36,7 @@ def test_every_abstract_method_of_the_base_classes_is_implemented() -> None:
 
 def _overridden() -> list[str]:
     names = []
-    for name, member in vars(KVPlugConnector).items():
+    for name in vars(KVPlugConnector):
         if name.startswith("_") and name != "__init__":
             continue
         if any(name in vars(base) for base in (KVConnectorBase_V1, SupportsHMA)):
