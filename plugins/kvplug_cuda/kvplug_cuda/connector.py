@@ -34,9 +34,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import threading
-import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -44,7 +43,7 @@ import torch
 from pydantic import ByteSize, Field
 
 from kvplug import ComponentConfig, KVConnector, KVLayout, TimeoutSeconds, TorchConnector
-from kvplug.errors import ConnectorError, LayoutError, TransferTimeoutError
+from kvplug.errors import ConnectorError, LayoutError
 from kvplug_cuda.addressing import (
     PagedAddressing,
     base_tensor,
@@ -54,6 +53,7 @@ from kvplug_cuda.addressing import (
     paged_addressing,
 )
 from kvplug_cuda.pinned_pool import PinnedBuffer, PinnedPool, PoolStats
+from kvplug_cuda.transfers import InFlight, Transfers
 
 #: Addressing tables kept per connector: every layer alone plus a few whole-model sets.
 _MAX_TABLES = 1024
@@ -102,20 +102,6 @@ class TransferStats:
     pool: PoolStats | None = None
 
 
-@dataclass
-class _InFlight:
-    """One issued transfer: done when ``event`` is (None: already done).
-
-    ``buffer`` is the pool's staging buffer to release (None: the DMA used a pinned
-    frame directly); ``host`` keeps that frame's tensor alive until then.
-    """
-
-    event: Any
-    buffer: PinnedBuffer | None
-    finish: Callable[[], object] | None
-    host: torch.Tensor | None = None
-
-
 class CudaConnector(KVConnector):
     """Moves chunks between a CUDA paged KV cache and host memory near PCIe bandwidth."""
 
@@ -137,10 +123,6 @@ class CudaConnector(KVConnector):
             )
         self._reference = TorchConnector(TorchConnector.Config(), layout)
         self._lock = threading.Lock()
-        self._inflight: deque[_InFlight] = deque()
-        # Transfers past their deadline: the device may still write their host memory,
-        # so it is never handed out again (a pinned frame would go back to the frame pool).
-        self._abandoned: list[_InFlight] = []
         self._tables: OrderedDict[tuple[object, ...], PagedAddressing] = OrderedDict()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._stats = TransferStats()
@@ -148,8 +130,9 @@ class CudaConnector(KVConnector):
             int(config.pinned_pool_bytes),
             pin=torch.cuda.is_available(),
             timeout_s=config.pool_timeout_s,
-            reclaim=self._finish_oldest,
+            reclaim=lambda deadline: self._transfers.finish_oldest(deadline),
         )
+        self._transfers = Transfers(self.pool.release)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -196,13 +179,22 @@ class CudaConnector(KVConnector):
 
     def synchronize(self) -> None:
         """Wait for every issued transfer (at most ``copy_timeout_s``), then release buffers."""
-        deadline = time.monotonic() + self.options.copy_timeout_s
-        while self._finish_oldest(deadline):
-            pass
+        self._transfers.finish_all(self.options.copy_timeout_s)
+
+    def release_caches(self) -> None:
+        """Finish the issued transfers and forget every cache address (vLLM's sleep mode unmaps the caches).
+
+        The addressing tables hold the caches' device addresses; the next copy builds its
+        table again from the caches it is handed.
+        """
+        self.synchronize()
+        with self._lock:
+            self._tables.clear()
 
     def stats(self) -> TransferStats:
         with self._lock:
             snapshot = TransferStats(**{k: v for k, v in vars(self._stats).items() if k != "pool"})
+        snapshot.timeouts = self._transfers.timeouts
         snapshot.pool = self.pool.stats()
         return snapshot
 
@@ -224,7 +216,7 @@ class CudaConnector(KVConnector):
                 self._reference.gather_layer(cache, self._reference_plan(plan), out[layer])
             return
         addressing, base = self._address(caches, plan)
-        self._reap()
+        self._transfers.reap()
         nbytes = out.numel() * out.element_size()
         direct = device.type == "cuda" and _pinned_and_dense(out)
         buffer = None if direct else self._acquire(nbytes)
@@ -251,10 +243,10 @@ class CudaConnector(KVConnector):
                 self.pool.release(buffer)
             raise
         if buffer is None:
-            self._issue(_InFlight(event, None, None, host=out))
+            self._transfers.issue(InFlight(event, None, None, host=out))
         else:
             staged = buffer.view(out.dtype, tuple(out.shape))
-            self._issue(_InFlight(event, buffer, lambda: out.copy_(staged)))
+            self._transfers.issue(InFlight(event, buffer, lambda: out.copy_(staged)))
         with self._lock:
             self._stats.gathers += 1
             self._stats.bytes_to_host += nbytes
@@ -269,7 +261,7 @@ class CudaConnector(KVConnector):
         addressing, base = self._address(caches, plan)
         if src.dtype != self.layout.dtype:
             raise LayoutError(f"chunk dtype {src.dtype} does not match the layout's {self.layout.dtype}")
-        self._reap()
+        self._transfers.reap()
         nbytes = src.numel() * src.element_size()
         direct = device.type == "cuda" and _pinned_and_dense(src)
         buffer = None if direct else self._acquire(nbytes)
@@ -298,7 +290,7 @@ class CudaConnector(KVConnector):
             if buffer is not None:
                 self.pool.release(buffer)
             raise
-        self._issue(_InFlight(event, buffer, None, host=src if buffer is None else None))
+        self._transfers.issue(InFlight(event, buffer, None, host=src if buffer is None else None))
         with self._lock:
             self._stats.scatters += 1
             self._stats.bytes_to_device += nbytes
@@ -314,44 +306,6 @@ class CudaConnector(KVConnector):
             with contextlib.suppress(ConnectorError):
                 self.synchronize()
             raise
-
-    def _issue(self, transfer: _InFlight) -> None:
-        with self._lock:
-            self._inflight.append(transfer)
-
-    def _reap(self) -> None:
-        """Finish the transfers that are already done, oldest first, without waiting."""
-        while True:
-            with self._lock:
-                if not self._inflight or not _done(self._inflight[0].event):
-                    return
-                transfer = self._inflight.popleft()
-            self._complete(transfer)
-
-    def _finish_oldest(self, deadline: float) -> bool:
-        """Wait (until ``deadline``) for the oldest transfer and finish it; False if none."""
-        with self._lock:
-            if not self._inflight:
-                return False
-            transfer = self._inflight.popleft()
-        if not _wait(transfer.event, deadline):
-            with self._lock:
-                self._abandoned.append(transfer)
-                self._stats.timeouts += 1
-            what = "its pinned buffer" if transfer.buffer is not None else "its frame"
-            raise TransferTimeoutError(
-                f"a host<->device transfer did not complete within the deadline; {what} is abandoned, never reused"
-            )
-        self._complete(transfer)
-        return True
-
-    def _complete(self, transfer: _InFlight) -> None:
-        try:
-            if transfer.finish is not None:
-                transfer.finish()
-        finally:
-            if transfer.buffer is not None:
-                self.pool.release(transfer.buffer)
 
     def _use_reference(self, device: torch.device) -> bool:
         if not kernel_fits(self.layout):  # opaque blocks (vLLM CPU: host memory), or head rows that are not runs
@@ -401,29 +355,3 @@ def _pinned_and_dense(tensor: torch.Tensor) -> bool:
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's memory as flat bytes."""
     return tensor.reshape(-1).view(torch.uint8)
-
-
-def _done(event: Any) -> bool:
-    return event is None or event.query()
-
-
-#: Longest pause between two polls of a transfer's event. A 32 MiB chunk crosses PCIe in
-#: about 0.6 ms; pauses that doubled up to 1 ms made ``synchronize`` return up to 0.6 ms
-#: after the copy ended (measured on an H200: a one-launch gather took 1.2 ms for a 0.63 ms
-#: copy; now 0.90 ms). The kernel's timer slack adds about 50 us to any sleep.
-_MAX_POLL_PAUSE_S = 50e-6
-
-
-def _wait(event: Any, deadline: float) -> bool:
-    """Poll ``event`` until it completes or ``deadline`` passes (never an unbounded wait).
-
-    ``Event.synchronize`` would return sooner, but it cannot time out: a hung device
-    would hang the engine's thread with it.
-    """
-    pause = 5e-6
-    while not _done(event):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, _MAX_POLL_PAUSE_S)
-    return True

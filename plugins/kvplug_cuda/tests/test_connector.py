@@ -144,3 +144,26 @@ def test_the_benchmark_exits_cleanly_without_a_gpu() -> None:
     result = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "no CUDA device here" in result.stdout
+
+
+def test_release_caches_forgets_addresses_and_copies_follow_new_caches() -> None:
+    """vLLM's sleep mode unmaps the caches: after ``release_caches`` no table of the old ones is used."""
+    connector = CudaConnector(CudaConnector.Config(), LAYOUT)
+    old = make_caches(LAYOUT, num_blocks=6, generator=torch.Generator().manual_seed(3))
+    slots = torch.arange(8, device=DEVICE) + 4
+    chunk = torch.empty(LAYOUT.chunk_shape(8), dtype=LAYOUT.dtype, pin_memory=DEVICE.type == "cuda")
+    connector.gather(old, slots, chunk)
+    connector.synchronize()
+    assert connector._tables  # the old caches' addresses are kept for reuse
+    connector.release_caches()
+    assert not connector._tables
+    new = [torch.zeros_like(cache) for cache in old]
+    before = [cache.clone() for cache in old]
+    connector.scatter(new, slots, chunk)
+    connector.synchronize()
+    expected = [torch.zeros_like(cache) for cache in old]
+    reference = TorchConnector(TorchConnector.Config(), LAYOUT)
+    for layer, cache in enumerate(expected):
+        reference.scatter_layer(cache, reference.plan(slots), chunk[layer])
+    assert caches_same_bits(new, expected), "the scatter did not land in the new caches"
+    assert caches_same_bits(old, before), "the scatter wrote the released caches"

@@ -32,6 +32,7 @@ from kvplug_vllm.kv_groups import check_kv_cache_groups
 from kvplug_vllm.prom_metrics import KVPlugPromMetrics
 from kvplug_vllm.scheduler import SchedulerSide
 from kvplug_vllm.settings import split_extra_config
+from kvplug_vllm.sleep import CacheSleep
 from kvplug_vllm.stats import KVPlugConnectorStats
 from kvplug_vllm.worker import WorkerSide
 
@@ -77,6 +78,7 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         engine_key = (str(self._kv_transfer_config.engine_id), parallel.data_parallel_rank, tp_rank)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._sleep = CacheSleep()
         if role == KVConnectorRole.SCHEDULER:
             config = load_config(engine_extra=engine_extra).config
             if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") == "fail":
@@ -110,6 +112,21 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker_side().register_kv_caches(kv_caches)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # Every copy follows the caches through unregister/restore (kvplug_vllm.sleep).
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """Before vLLM's sleep: no copy touches the caches until they are restored."""
+        if self._worker is not None:
+            self._sleep.unregister(self._worker)
+
+    def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor] | None = None) -> None:
+        """After wake-up: copy through the caches again (``kv_caches``: new tensors by layer name, if remapped)."""
+        if self._worker is not None:
+            self._sleep.restore(self._worker, kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
