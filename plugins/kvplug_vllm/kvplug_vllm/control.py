@@ -18,6 +18,7 @@ from typing import Any
 
 from kvplug import CacheEngine, ControlIdentity, ControlServer, EngineControl, RequestInfo
 from kvplug_vllm.group_engines import GroupEngines
+from kvplug_vllm.settings import resets
 
 logger = logging.getLogger("kvplug.vllm")
 
@@ -62,3 +63,25 @@ def start_control(
         return None
     logger.info("kvplug ctl: engine %s (%s) rank tp%d answers on %s", engine_id, name, tp_rank, server.path)
     return server
+
+
+def reset_tiers(engine: CacheEngine, target: EngineControl, reset_tiers: list[str] | None) -> int:
+    """Remove a worker's chunks, of every KV cache group, from the ``reset_tiers`` tiers (by
+    default the in-memory ones, told by their ``medium``); returns how many records went.
+
+    As ``kvplug ctl clear``: from a private tier (``trusted_reads``: this process's memory) every
+    chunk the worker stored or loaded; from a tier other engines may share (``shm``) only the
+    records this worker's writes put there, never what another engine wrote."""
+    plan = target.planned_clear()
+    removed: set[str] = set()
+    for index, tier in enumerate(engine.chain.tiers):
+        if not resets(tier, reset_tiers):
+            continue
+        keys = plan.for_tier(index, private=tier.trusted_reads)
+        try:
+            tier.remove(keys)
+        except Exception:
+            logger.exception("reset_cache: removing chunks from tier %s failed", tier.name)
+            continue
+        removed.update(keys)
+    return len(removed)
