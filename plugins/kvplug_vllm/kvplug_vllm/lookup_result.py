@@ -31,8 +31,7 @@ class LookupResult:
     prompt_tokens: int = 0
     num_external: int = 0
     background: bool = False
-    block_ids: list[int] = field(default_factory=list)
-    #: Every KV cache group's blocks (a hybrid model only).
+    #: Every KV cache group's blocks, for a background load.
     group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property

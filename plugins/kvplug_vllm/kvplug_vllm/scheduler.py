@@ -197,15 +197,15 @@ class SchedulerSide:
         meta = KVPlugConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         #: Recurrent states vLLM hands over this step (align mode): request -> (group, block, boundary).
-        states = dict(getattr(block_state, "boundary_state_offloads", None) or {}) if self.state_groups else {}
+        handed = dict(getattr(block_state, "boundary_state_offloads", None) or {}) if self.state_groups else {}
         if meta.idle and self._pool is not None:
             self._pool.wait_any(IDLE_WAIT_S)  # nothing runs: a busy loop would take the lookups' CPU
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
-        for state in self._states.values():
-            if state.phase is Phase.LOAD_QUEUED:
-                meta.requests.append(self._background_load(state))
-                state.phase = Phase.LOADING
+        for queued in self._states.values():
+            if queued.phase is Phase.LOAD_QUEUED:
+                meta.requests.append(self._background_load(queued))
+                queued.phase = Phase.LOADING
         for new in scheduler_output.scheduled_new_reqs:
             state = self._states.get(new.req_id)
             if state is None or state.request is None or new.prompt_token_ids is None:
@@ -222,7 +222,7 @@ class SchedulerSide:
                 progress.hit_tokens, progress.vllm_cached_tokens = state.load.new_hit, state.load.vllm_cached
             state.load = None
             end = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
-            self._add(meta, state, end, self._take_load(state), states.get(new.req_id, ()))
+            self._add(meta, state, end, self._take_load(state), handed.get(new.req_id, ()))
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
             state = self._states.get(req_id)
@@ -241,7 +241,7 @@ class SchedulerSide:
             if computed < progress.num_computed:  # preempted, or rolled back after a failed load
                 progress.num_saved = rolled_back(progress.num_saved, computed, self.chunk_size)
             end = computed + scheduler_output.num_scheduled_tokens[req_id]
-            self._add(meta, state, end, self._take_load(state), states.get(req_id, ()))
+            self._add(meta, state, end, self._take_load(state), handed.get(req_id, ()))
         return meta
 
     def _background_load(self, state: RequestState) -> RequestMeta:
