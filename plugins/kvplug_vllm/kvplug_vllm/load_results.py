@@ -17,6 +17,7 @@ import torch
 from kvplug_vllm.background import GroupsRetrieve
 from kvplug_vllm.kv_groups import first_real_token
 from kvplug_vllm.metadata import RequestMeta
+from kvplug_vllm.plan import promised_blocks
 from kvplug_vllm.stats import KVPlugConnectorStats
 
 logger = logging.getLogger("kvplug.vllm")
@@ -41,11 +42,8 @@ class LoadResults:
             loaded = torch.zeros(load.num_hit, dtype=torch.bool)
         end = load.num_computed + load.num_external
         start = max(load.num_computed, first_real_token(request.block_ids, block_size))  # none before the window
-        bad: set[int] = set()
-        for block in range(start // block_size, -(-end // block_size)):
-            lo, hi = max(start, block * block_size), min(end, (block + 1) * block_size)
-            if not bool(loaded[lo:hi].all()):
-                bad.add(request.block_ids[block])
+        promised = promised_blocks(load.num_computed, load.num_external, start, block_size)
+        bad = {request.block_ids[block] for block, lo, hi in promised if not bool(loaded[lo:hi].all())}
         if bad:
             self._block_errors |= bad
             self.failed_this_step.add(request.req_id)

@@ -135,6 +135,20 @@ def rolled_back(num_saved: int, num_computed: int, chunk_size: int) -> int:
     return min(num_saved, whole_chunks(num_computed, chunk_size))
 
 
+def promised_blocks(
+    num_computed: int, num_external: int, first_real: int, block_size: int
+) -> list[tuple[int, int, int]]:
+    """The blocks a load promised vLLM, as ``(block index, first token, end token)`` each: the
+    tokens ``[num_computed, num_computed + num_external)`` from the first whose block is allocated
+    (``first_real``: a sliding window's earlier blocks are vLLM's null block) on, cut at block ends."""
+    start, end = max(num_computed, first_real), num_computed + num_external
+    spans = [
+        (block, max(start, block * block_size), min(end, (block + 1) * block_size))
+        for block in range(start // block_size, -(-end // block_size))
+    ]
+    return [(block, lo, hi) for block, lo, hi in spans if lo < hi]
+
+
 def saved_after_background_load(num_hit: int, num_computed: int, chunk_size: int) -> int:
     """The stored count of a request whose background load ended with ``num_computed`` tokens
     in vLLM's cache (all it asked for, or less where blocks failed): the whole chunks of both."""

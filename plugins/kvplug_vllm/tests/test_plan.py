@@ -10,6 +10,7 @@ from kvplug_vllm.plan import (
     SaveRules,
     loads_in_background,
     plan_step,
+    promised_blocks,
     rolled_back,
     save_end,
     saved_after_background_load,
@@ -139,3 +140,15 @@ def test_loads_go_to_the_background_by_the_medium_of_the_chunks_past_vllms_own()
     assert not loads_in_background(tiers, 0, MEDIA, load="sync", num_groups=1)
     assert loads_in_background(tiers[:2], 0, MEDIA, load="async", num_groups=1)
     assert loads_in_background(tiers[:2], 0, MEDIA, load="sync", num_groups=2)  # several groups: by request
+
+
+@given(st.sampled_from([1, 16, 32]), st.integers(0, 2000), st.integers(0, 2000), st.integers(0, 2000))
+def test_the_promised_blocks_cover_the_loaded_tokens_from_the_first_real_block(
+    block_size: int, computed: int, external: int, first_real: int
+) -> None:
+    first_real = first_real // block_size * block_size  # a null block prefix is whole blocks
+    start, end = max(computed, first_real), computed + external
+    blocks = promised_blocks(computed, external, first_real, block_size)
+    covered = [token for _, lo, hi in blocks for token in range(lo, hi)]
+    assert covered == list(range(start, end))
+    assert all(block * block_size <= lo < hi <= (block + 1) * block_size for block, lo, hi in blocks)
