@@ -414,7 +414,7 @@ def valkey_runs(
         return {}, {}
     with ValkeyServer(Path(workdir) / "valkey") as server:
         kv = connector([server.tier_options()])
-        kv["kv_connector_extra_config"]["kvplug.lookup_timeout_ms"] = 2000
+        kv["kv_connector_extra_config"]["kvplug.lookup_budget_s"] = 2.0
         filled = run_in_subprocess({**base, "kv": kv, "requests": [request(s, 98) for s in sizes]})
         loaded = run_in_subprocess({**base, "kv": kv, "requests": [request(s, 98) for s in sizes]})
     hits["valkey"] = {}

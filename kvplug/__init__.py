@@ -32,7 +32,6 @@ from kvplug.core.config_types import (
     FailureCount,
     QueueItems,
     ThreadCount,
-    TimeoutMilliseconds,
     TimeoutSeconds,
 )
 from kvplug.core.control_protocol import CONTROL_PROTOCOL_VERSION, ControlRequest
@@ -255,7 +254,6 @@ __all__ = [
     "TierConfig",
     "TierContext",
     "TierStats",
-    "TimeoutMilliseconds",
     "TimeoutSeconds",
     "TorchConnector",
     "__version__",

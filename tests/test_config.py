@@ -161,6 +161,15 @@ def test_unknown_env_variable(load) -> None:
     ) and "KVPLUG_CHUNK_SIZE" in str(error)
 
 
+def test_a_renamed_setting_names_its_new_name(load) -> None:
+    """A setting renamed before the first release is an error that says what to write instead."""
+    error = error_of(load, engine_extra={"kvplug": {"lookup_timeout_ms": 200}})
+    assert "lookup_timeout_ms: unknown key; renamed to 'lookup_budget_s' (in seconds" in str(error)
+    error = error_of(load, env={"KVPLUG_LOOKUP_TIMEOUT_MS": "200"})
+    assert "env KVPLUG_LOOKUP_TIMEOUT_MS: unknown setting; renamed to 'KVPLUG_LOOKUP_BUDGET_S'" in str(error)
+    assert load(engine_extra={"kvplug.lookup_budget_s": 0.05}).config.lookup_budget_s == 0.05
+
+
 def test_bad_env_value(load) -> None:
     error = error_of(load, env={"KVPLUG_CHUNK_SIZE": "eight"})
     assert "chunk_size:" in str(error) and "'eight'" in str(error)

@@ -128,7 +128,7 @@ def _worker(spec: dict[str, Any]) -> None:
     extra = {
         "kvplug.chunk_size": CHUNK,
         "kvplug.store.queue.mode": "sync",
-        "kvplug.lookup_timeout_ms": LOOKUP_BUDGET_MS,
+        "kvplug.lookup_budget_s": LOOKUP_BUDGET_MS / 1000,
         "kvplug.tiers": [{"type": "cpu", "max_bytes": "64MiB"}, spec["tier"]],
     }
     config = load_config(engine_extra=extra, env={}).config

@@ -118,7 +118,7 @@ class ChunkStore:
             registry,
             fingerprint=fingerprint.hexdigest(),
             metrics=metrics,
-            lookup_timeout_s=config.lookup_timeout_ms / 1000,
+            lookup_timeout_s=config.lookup_budget_s,
             emit=emit,
             tenancy=tenancy or Tenancy.from_config(config.tenancy, tenant_label_key()),
             max_record_bytes=record_bound(serializer, chunk_bytes),

@@ -12,13 +12,13 @@ and component problems together (see :mod:`kvplug.core.config_loader`).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     ByteSize,
     ConfigDict,
     Field,
@@ -26,14 +26,22 @@ from pydantic import (
     PrivateAttr,
     ValidationError,
     ValidationInfo,
+    create_model,
     model_validator,
 )
 
 from kvplug.core.chunk_format import DEFAULT_MAX_CHUNK_BYTES
 from kvplug.core.components import CheckedModel
-from kvplug.core.concerns import CONCERNS_BY_KEY, CONFIG_CONCERNS, install_command
+from kvplug.core.concerns import CONFIG_CONCERNS
+from kvplug.core.config_components import (
+    ComponentSpec,
+    check_distinct_locations,
+    component_slots,
+    effective_component,
+    resolve_components,
+)
 from kvplug.core.config_problems import problems_from_validation_error
-from kvplug.core.config_types import ThreadCount, TimeoutMilliseconds
+from kvplug.core.config_types import ThreadCount, TimeoutSeconds
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.queue_settings import STORE_QUEUE_KEYS, QueueSettings, upgrade_queue_keys
 from kvplug.core.tenancy import PinSpec
@@ -42,40 +50,6 @@ from kvplug.errors import ConfigError, ConfigProblem
 
 #: The most KV heads one record may hold (models have at most a few hundred).
 MAX_HEADS_PER_RECORD = 4096
-
-
-class ComponentSpec(BaseModel):
-    """``{type: <name>, ...options}``; options are checked by that component's Config."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    type: str = Field(min_length=1)
-    _options: BaseModel | None = PrivateAttr(default=None)
-
-    def __repr_args__(self) -> Any:
-        from kvplug.redaction import redact
-
-        for name, value in super().__repr_args__():
-            yield name, redact(value, name)
-
-    @property
-    def raw_options(self) -> dict[str, Any]:
-        return dict(self.__pydantic_extra__ or {})
-
-    @property
-    def options(self) -> BaseModel:
-        """The validated options; only on the config :meth:`KVPlugConfig.resolve` returns."""
-        if self._options is None:
-            raise RuntimeError(
-                f"component {self.type!r} is not resolved; use the config KVPlugConfig.resolve() returns"
-            )
-        return self._options
-
-    def _with_options(self, options: BaseModel | None) -> ComponentSpec:
-        """A new spec carrying validated ``options`` (this one stays as it is)."""
-        spec = self.model_copy()
-        spec._options = options
-        return spec
 
 
 class StoreSettings(CheckedModel):
@@ -187,9 +161,9 @@ class KVPlugConfig(CheckedModel):
         "same: only engines of the writer's TP size hit: a hit is then bit for bit the KV this engine would "
         "have computed (LMCache's default: it keys chunks by world size).",
     )
-    lookup_timeout_ms: TimeoutMilliseconds = Field(
-        default=200,
-        description="Budget of one lookup across all tiers; remote calls end within it and tiers not "
+    lookup_budget_s: TimeoutSeconds = Field(
+        default=0.2,
+        description="Seconds one lookup may take across all tiers; remote calls end within it and tiers not "
         "asked in time count as a miss.",
     )
 
@@ -236,7 +210,7 @@ class KVPlugConfig(CheckedModel):
             problems,
         )
         resolved = self._assemble([spec._with_options(opts) for spec, opts in zip(specs, options)], registry)
-        _check_distinct_locations(resolved.tiers, problems)
+        check_distinct_locations(resolved.tiers, problems)
         if not problems:
             _check_memory_budgets(self, resolved.tiers, registry, problems)
         if problems:
@@ -270,11 +244,15 @@ class KVPlugConfig(CheckedModel):
         for concern in CONFIG_CONCERNS:
             name = str(concern.config_field)
             value = getattr(self, name)
-            data[name] = [_effective_component(s) for s in value] if concern.many else _effective_component(value)
+            data[name] = [effective_component(s) for s in value] if concern.many else effective_component(value)
         return data
 
     def with_overrides(self, overrides: Mapping[str, Any], *, source: str = "request") -> KVPlugConfig:
-        """A copy with per-request settings changed; other keys are errors."""
+        """A copy with per-request settings changed; other keys are errors.
+
+        Only the overridden settings are validated (by :func:`_overrides_model`, with the
+        same field rules); the rest of the config is this one's, resolved components included.
+        """
         allowed = self.per_request_fields()
         problems = [
             ConfigProblem(key, value, f"cannot be set per request; per-request settings: {', '.join(sorted(allowed))}")
@@ -285,109 +263,24 @@ class KVPlugConfig(CheckedModel):
             raise ConfigError(problems, source)
         if not overrides:
             return self
-        data = self.model_dump(mode="python", round_trip=True)
-        data.update(overrides)
+        data = dict(overrides)
         try:
-            updated = type(self).model_validate(data)
+            checked = _overrides_model(type(self)).model_validate(data)
         except ValidationError as exc:
             raise ConfigError(problems_from_validation_error(exc, data), source) from None
-        if self._registry is None:
-            return updated
-        # Per-request settings are top-level scalars: the components' validated (frozen)
-        # options are the same, so the new config shares them instead of validating again.
-        return updated._assemble(self._component_specs(), self._registry)
+        return self.model_copy(update={key: getattr(checked, key) for key in data})
 
 
-def component_slots(num_tiers: int) -> list[tuple[str, str]]:
-    """``(path, concern)`` of every component entry of a config with ``num_tiers`` tiers,
-    in the order of :data:`~kvplug.core.concerns.CONFIG_CONCERNS`: ``serializer``,
-    ``connector``, ``tiers[i]``."""
-    slots: list[tuple[str, str]] = []
-    for concern in CONFIG_CONCERNS:
-        name = str(concern.config_field)
-        paths = [f"{name}[{i}]" for i in range(num_tiers)] if concern.many else [name]
-        slots.extend((path, concern.key) for path in paths)
-    return slots
-
-
-def resolve_components(
-    entries: list[tuple[str, str, str, dict[str, Any]]], registry: PluginRegistry, problems: list[ConfigProblem]
-) -> list[BaseModel | None]:
-    """Validate ``(path, concern, type, raw options)`` entries (see :func:`component_slots`)
-    with the ``Config`` of the component ``type`` names in ``registry``.
-
-    Appends a problem per unknown type or bad option to ``problems``; returns the
-    validated options, ``None`` where validation failed.
-    """
-    results: list[BaseModel | None] = []
-    for path, concern, name, raw in entries:
-        if name in CONCERNS_BY_KEY[concern].pseudo:  # connector: auto, the only one
-            results.append(_validate_options(raw, _AutoConnectorOptions, path, problems))
-            continue
-        available = registry.components(concern)
-        component = available.get(name)
-        if component is None:
-            problems.append(
-                ConfigProblem(f"{path}.type", name, _unknown_type_message(concern, name, available, registry))
-            )
-            results.append(None)
-            continue
-        results.append(_validate_options(raw, component.Config, path, problems))
-    return results
-
-
-def _check_distinct_locations(tiers: list[ComponentSpec], problems: list[ConfigProblem]) -> None:
-    """Two tiers on one folder or bucket prefix would evict and count each other's records."""
-    seen: dict[str, int] = {}
-    for index, spec in enumerate(tiers):
-        locate = getattr(spec._options, "location", None)
-        where = locate() if callable(locate) else None
-        if not isinstance(where, str):
-            continue
-        if where in seen:
-            first = seen[where]
-            problems.append(
-                ConfigProblem(
-                    f"tiers[{index}]",
-                    where,
-                    f"tier {spec.type!r} uses the same location as tiers[{first}] ({tiers[first].type!r}): {where}; "
-                    "give each tier its own folder or prefix",
-                )
-            )
-        else:
-            seen[where] = index
-
-
-def _effective_component(spec: ComponentSpec) -> dict[str, Any]:
-    options = spec.raw_options if spec._options is None else spec._options.model_dump(mode="json")
-    return {"type": spec.type, **options}
-
-
-class _AutoConnectorOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def _validate_options(
-    options: dict[str, Any], model: type[BaseModel], path: str, problems: list[ConfigProblem]
-) -> BaseModel | None:
-    try:
-        return model.model_validate(options, context={"path": path})
-    except ValidationError as exc:
-        problems.extend(problems_from_validation_error(exc, options, prefix=path, model=model))
-        return None
-
-
-def _unknown_type_message(concern: str, name: str, available: Mapping[str, type], registry: PluginRegistry) -> str:
-    kind = CONCERNS_BY_KEY[concern]
-    package = kind.install_hint(name)
-    if package:
-        message = f"{kind.word} type {name!r} needs the {package} package: {install_command(package)}"
-    else:
-        installed = ", ".join([*sorted(available), *kind.pseudo]) or "none"
-        message = f"unknown {kind.word} type {name!r}; installed: {installed}"
-    if registry.load_errors:
-        message += "; plugins that failed to load: " + ", ".join(e.plugin for e in registry.load_errors)
-    return message
+@functools.cache
+def _overrides_model(config_class: type[KVPlugConfig]) -> type[CheckedModel]:
+    """A model of ``config_class``'s per-request settings alone, with their own fields: a
+    request's settings are validated without dumping and validating the whole config."""
+    fields: dict[str, Any] = {
+        name: (info.annotation, info)
+        for name, info in config_class.model_fields.items()
+        if name in config_class.per_request_fields()
+    }
+    return create_model(f"{config_class.__name__}Overrides", __base__=CheckedModel, **fields)
 
 
 def physical_memory() -> tuple[int, str]:

@@ -19,7 +19,8 @@ import yaml
 from pydantic import ValidationError
 
 from kvplug.core.concerns import CONFIG_CONCERNS
-from kvplug.core.config import KVPlugConfig, component_slots, resolve_components
+from kvplug.core.config import KVPlugConfig
+from kvplug.core.config_components import component_slots, resolve_components
 from kvplug.core.config_problems import did_you_mean, problems_from_validation_error
 from kvplug.core.control_socket import LOOKUP_DIR_ENV
 from kvplug.core.plugins import PluginRegistry, get_registry

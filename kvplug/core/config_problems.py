@@ -37,8 +37,29 @@ def problems_from_validation_error(
     return problems
 
 
+#: Settings renamed before the first release: old key -> (new key, what else changed). No
+#: released version read the old names, so they are errors, whose message names the new key.
+RENAMED = {
+    "lookup_timeout_ms": ("lookup_budget_s", "in seconds, e.g. 0.2 for 200 ms"),
+}
+
+
+def renamed_to(name: str) -> str:
+    """``renamed to 'lookup_budget_s' (in seconds ...); `` for an old ``name`` in :data:`RENAMED`
+    (any case, an ``KVPLUG_`` variable name too), else ``""``."""
+    key = name.lower().removeprefix("kvplug_")
+    if key not in RENAMED:
+        return ""
+    new, note = RENAMED[key]
+    shown = "KVPLUG_" + new.upper() if name.upper() == name and name.startswith("KVPLUG_") else new
+    return f"renamed to {shown!r}" + (f" ({note})" if note else "") + "; "
+
+
 def did_you_mean(name: str, allowed: list[str]) -> str:
-    """``did you mean 'max_bytes'? `` when one of ``allowed`` is close to a misspelled ``name``, else ``""``."""
+    """``did you mean 'max_bytes'? `` when one of ``allowed`` is close to a misspelled ``name``
+    (or ``renamed ...;`` for a renamed setting), else ``""``."""
+    if renamed_to(name):
+        return renamed_to(name)
     close = difflib.get_close_matches(name.lower(), [a.lower() for a in allowed], n=1, cutoff=0.7)
     if not close:
         return ""

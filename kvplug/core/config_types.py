@@ -88,10 +88,6 @@ def _number(value: float) -> str:
 
 #: A timeout, deadline or cooldown in seconds: more than 0, at most an hour.
 TimeoutSeconds = Annotated[float, Bounded(0, MAX_TIMEOUT_S, "seconds", exclusive_minimum=True, note="one hour")]
-#: The same in milliseconds.
-TimeoutMilliseconds = Annotated[
-    int, Bounded(0, int(MAX_TIMEOUT_S * 1000), "milliseconds", exclusive_minimum=True, note="one hour")
-]
 #: A wait between retries in seconds: 0 (retry at once) up to a minute.
 BackoffSeconds = Annotated[float, Bounded(0, MAX_BACKOFF_S, "seconds", note="one minute")]
 #: Threads of one pool: 1 to 256.

@@ -62,7 +62,7 @@ class EngineMetrics:
         )  # fmt: skip
         self.lookup_budget_spent = Counter(
             "kvplug_lookup_budget_spent",
-            "Lookups that ran out of lookup_timeout_ms before asking every tier",
+            "Lookups that ran out of lookup_budget_s before asking every tier",
             registry=r,
         )
         self.remote_breaker_state = Gauge(

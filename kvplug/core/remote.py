@@ -6,7 +6,7 @@ third-party ones) runs its store calls through one :class:`RemoteCalls`:
 
 - every attempt has a deadline (``request_timeout_s``), and the caller stops waiting
   at its budget (:func:`call_budget`; the tier chain gives a lookup
-  ``lookup_timeout_ms`` across all its tiers): the answer is then "miss", while the
+  ``lookup_budget_s`` across all its tiers): the answer is then "miss", while the
   operation finishes (or times out, counted) in the background;
 - a failed attempt is retried at most ``retries`` times with exponential backoff and
   full jitter, never past the deadline;

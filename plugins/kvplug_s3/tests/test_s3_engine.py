@@ -28,7 +28,7 @@ def engine_for(s3: dict) -> CacheEngine:
         "kvplug.store.queue.mode": "sync",
         # These tests check what is stored and found, not the lookup budget: a
         # loaded CI machine must not turn a slow moto answer into a miss.
-        "kvplug.lookup_timeout_ms": 30_000,
+        "kvplug.lookup_budget_s": 30.0,
         "kvplug.tiers": [{"type": "cpu", "max_bytes": "64MiB"}, {"type": "s3", **s3}],
     }
     config = load_config(engine_extra=extra, env={}, registry=registry).config

@@ -212,7 +212,7 @@ class SGLangServer:
         self._log.close()
 
 
-def kvplug_env(tiers: list[dict[str, Any]], chunk_size: int = 256, lookup_timeout_ms: int = 5000) -> dict[str, str]:
+def kvplug_env(tiers: list[dict[str, Any]], chunk_size: int = 256, lookup_budget_s: float = 5.0) -> dict[str, str]:
     """kvplug's config for the radix backend (SGLang has no extra-config field for it).
 
     The lookup budget is raised from kvplug's 200 ms default: the tests assert hits,
@@ -221,7 +221,7 @@ def kvplug_env(tiers: list[dict[str, Any]], chunk_size: int = 256, lookup_timeou
     return {
         "KVPLUG_CHUNK_SIZE": str(chunk_size),
         "KVPLUG_TIERS": json.dumps(tiers),
-        "KVPLUG_LOOKUP_TIMEOUT_MS": str(lookup_timeout_ms),
+        "KVPLUG_LOOKUP_BUDGET_S": str(lookup_budget_s),
     }
 
 
@@ -232,7 +232,7 @@ def hicache_args(tiers: list[dict[str, Any]], page_size: int = 64) -> list[str]:
         "module_path": "kvplug_sglang.hicache",
         "class_name": "KVPlugStorage",
         "interface_v1": 1,
-        "kvplug": {"tiers": tiers, "lookup_timeout_ms": 5000},
+        "kvplug": {"tiers": tiers, "lookup_budget_s": 5.0},
     }
     args = [
         "--enable-hierarchical-cache",

@@ -53,7 +53,7 @@ def test_kv_round_trips_through_valkey_and_promotes_to_cpu(valkey_server) -> Non
     tokens = list(range(1000, 1040))
     source, src_slots = caches(1), torch.randperm(NUM_BLOCKS * 4)[:40]
     # This test checks what is stored and found, not the lookup budget (the last test does).
-    first = engine_for(valkey, lookup_timeout_ms=30_000)
+    first = engine_for(valkey, lookup_budget_s=30.0)
     try:
         assert first.store(tokens, source, src_slots) == 40
         first.flush()  # the valkey tier is written by its async writer
@@ -63,7 +63,7 @@ def test_kv_round_trips_through_valkey_and_promotes_to_cpu(valkey_server) -> Non
         first.close()
 
     second = engine_for(
-        valkey, lookup_timeout_ms=30_000
+        valkey, lookup_budget_s=30.0
     )  # a fresh process-like engine: empty cpu tier, same server and prefix
     try:
         assert second.lookup(tokens) == 40
@@ -94,7 +94,7 @@ def test_config_from_yaml(valkey_server, tmp_path: Path) -> None:
 
 def test_lookup_through_a_hung_valkey_returns_within_the_budget(valkey_server) -> None:
     """The cpu tier holds nothing; valkey accepts connections and never answers. The
-    lookup must end within lookup_timeout_ms (200 ms) plus a margin, every time."""
+    lookup must end within lookup_budget_s (0.2 s) plus a margin, every time."""
     listener = SilentListener()
     engine = engine_for({"url": listener.url, **FAST_FAILING, "request_timeout_s": 2.0})
     try:

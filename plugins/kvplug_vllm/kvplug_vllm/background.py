@@ -151,8 +151,8 @@ class BackgroundLoads:
             elif now >= pending.deadline:
                 pending.future.cancel()
                 logger.warning(
-                    "request %s: background load still running after %.0f ms (load_timeout_ms); "
-                    "its blocks will be recomputed", req_id, self.timeout_s * 1000,
+                    "request %s: background load still running after %.1f s (load_timeout_s); "
+                    "its blocks will be recomputed", req_id, self.timeout_s,
                 )  # fmt: skip
                 over.append((pending.request, None, now - pending.started))
             else:

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvplug import CacheEngine, ControlIdentity, ControlServer, EngineControl, RequestInfo
 from kvplug_vllm.group_engines import GroupEngines
+from kvplug_vllm.settings import resets
 
 logger = logging.getLogger("kvplug.vllm")
 
@@ -62,3 +63,17 @@ def start_control(
         return None
     logger.info("kvplug ctl: engine %s (%s) rank tp%d answers on %s", engine_id, name, tp_rank, server.path)
     return server
+
+
+def reset_tiers(engine: CacheEngine, target: EngineControl, reset_tiers: list[str] | None) -> int:
+    """Remove a worker's chunks, of every KV cache group, from the ``reset_tiers`` tiers (by
+    default the in-memory ones, told by their ``medium``); returns how many records went.
+
+    As ``kvplug ctl clear``: from a private tier (``trusted_reads``: this process's memory) every
+    chunk the worker stored or loaded; from a tier other engines may share (``shm``) only the
+    records this worker's writes put there, never what another engine wrote. Through the chain's
+    one removal path, so a queued write of a removed chunk is cancelled, not written after."""
+    tiers = engine.chain.tiers
+    chosen = [index for index, tier in enumerate(tiers) if resets(tier, reset_tiers)]
+    _, done = target.remove(target.planned_clear, tiers=chosen)
+    return len({key for removal in done for key in (*removal.removed, *removal.cancelled)})

@@ -105,10 +105,6 @@ class GroupEngines:
             for index, engine, _ in self.groups
         ]
 
-    def _others(self) -> list[tuple[int, CacheEngine, list[torch.Tensor]]]:
-        """Every group but the primary one (whose chunks the worker's own chunk index notes)."""
-        return [group for group in self.groups if group[0] != self.primary_index]
-
     def close(self, primary: CacheEngine) -> None:
         """Close every group's engine but ``primary`` (the worker closes its own)."""
         for _, engine, _ in self.groups:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,3 +138,41 @@ class KVPlugKVEvents(KVConnectorKVEvents):
     def clear_events(self) -> None:
         self._aggregator.clear_events()
         self._aggregator.reset_workers()
+
+
+class SchedulerEvents:
+    """The scheduler side's part: vLLM's block hashes for each request's metadata, and the
+    workers' events gathered from each step's output until vLLM's publisher takes them."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        kv_events = getattr(vllm_config, "kv_events_config", None)
+        self.publish = bool(kv_events is not None and kv_events.enable_kv_cache_events)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self._events: KVPlugKVEvents | None = None
+
+    def block_hashes(self, request: Any, num_tokens: int) -> list[Any]:
+        """vLLM's hashes of the full blocks of the first ``num_tokens``, as its KV events publish them."""
+        if not self.publish:
+            return []
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        # vLLM hashes in units of its hash block size; kvplug's events are per KV block.
+        hashes = list(request.block_hashes)[: num_tokens // self.block_size]
+        return [maybe_convert_block_hash(h) for h in hashes]
+
+    def add(self, events: Any) -> None:
+        """Gather a step's worker events (``KVConnectorOutput.kv_cache_events``)."""
+        if not isinstance(events, KVPlugKVEvents):
+            return
+        if self._events is None:
+            self._events = events
+        else:
+            self._events.add_events(events.get_all_events())
+            self._events.increment_workers(events.get_number_of_workers())
+
+    def take(self) -> Iterable[KVCacheEvent]:
+        """kvplug's BlockStored/BlockRemoved events from the workers, for vLLM's publisher."""
+        if self._events is None:
+            return
+        events, self._events = self._events, None
+        yield from events.aggregate().get_all_events()

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from kvplug import Fingerprint, HeadShard, KVLayout, PagedFormat
-from kvplug.errors import LayoutError
+from kvplug.errors import ConfigError, ConfigProblem, LayoutError
 
 logger = logging.getLogger("kvplug.vllm")
 
@@ -173,3 +173,15 @@ def head_shard(layout: KVLayout, vllm_config: object, heads_per_record: int | st
         heads_per_record=heads_per_record,
         latent=layout.format.latent,
     )
+
+
+def check_chunk_size(layout: KVLayout, chunk_size: int) -> None:
+    """A layout that copies whole blocks only needs chunks of whole blocks (``ConfigError`` if not)."""
+    if layout.whole_blocks_only and chunk_size % layout.block_size:
+        problem = ConfigProblem(
+            "chunk_size",
+            chunk_size,
+            f"must be a multiple of vLLM's block size {layout.block_size}: "
+            f"the {layout.format.name} layout copies whole blocks only",
+        )
+        raise ConfigError([problem], "kv_connector_extra_config")

@@ -1,9 +1,9 @@
-"""Scheduler lookups that run off vLLM's scheduler thread (``lookups: background``).
+"""Scheduler lookups that run off vLLM's scheduler thread (``background_lookups``).
 
 vLLM 0.32 lets ``get_num_new_matched_tokens`` answer ``None``: "ask again next
 step", and its scheduler goes on with the other requests. A lookup that needs a
 tier whose medium is not memory (disk, remote: a round trip that may take as long
-as ``lookup_timeout_ms``) runs on one of a few threads here; each later ask about
+as ``lookup_budget_s``) runs on one of a few threads here; each later ask about
 the same request polls it, and the first ask after it is done takes its answer.
 
 Bounds: at most ``max_in_flight`` lookups run at once (a request asked about while

@@ -9,7 +9,7 @@ request's blocks (``update_state_after_alloc``), from the latest lookup: once pe
 admitted request, as vLLM records its own prefix cache stats "at admission so
 unscheduled lookups are not counted". A request vLLM preempts and admits again is
 looked up and loaded again, and counted again. ``lookup_us`` is time really spent and
-is counted on every ask that looks up; a background lookup (``lookups: background``)
+is counted on every ask that looks up; a background lookup (``background_lookups``)
 counts once, when its answer is taken: the time the request waited for it.
 """
 
@@ -31,8 +31,7 @@ class LookupResult:
     prompt_tokens: int = 0
     num_external: int = 0
     background: bool = False
-    block_ids: list[int] = field(default_factory=list)
-    #: Every KV cache group's blocks (a hybrid model only).
+    #: Every KV cache group's blocks, for a background load.
     group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property

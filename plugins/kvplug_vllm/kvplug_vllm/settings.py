@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
 
-from kvplug import KVPlugConfig, StorageTier, TimeoutMilliseconds, TimeoutSeconds
+from kvplug import KVPlugConfig, StorageTier, TimeoutSeconds
 from kvplug.errors import ConfigError, ConfigProblem
 
 PREFIX = "kvplug."
@@ -48,21 +48,24 @@ class ConnectorSettings(BaseModel):
     skip_last_n_tokens: NonNegativeInt = Field(
         default=0, description="Leave the last N prompt tokens out of lookups (LMCache's option)."
     )
-    lookup: Literal["auto", "direct", "socket"] = Field(
+    lookup_channel: Literal["auto", "direct", "socket"] = Field(
         default="auto",
         description="How the scheduler asks the worker's cache engine: direct (same process), "
         "socket (vLLM's multiprocess engine), or auto (direct when the worker is in this process).",
     )
     lookup_timeout_s: TimeoutSeconds = Field(
-        default=10.0, description="A lookup that gets no answer in this time is a miss."
+        default=10.0,
+        description="Seconds the scheduler waits for a lookup's answer from the worker (over the lookup "
+        "socket, or in the background); past it the request is a miss. The tiers' own time for one lookup "
+        "is the core's lookup_budget_s.",
     )
-    lookups: Literal["background", "blocking"] = Field(
-        default="background",
-        description="background: a lookup that the tiers answering inline (memory, and local files: disk, "
+    background_lookups: bool = Field(
+        default=True,
+        description="true: a lookup that the tiers answering inline (memory, and local files: disk, "
         "shm; StorageTier.inline_lookups) cannot answer alone, one that needs a remote tier, runs off vLLM's "
         "scheduler thread; get_num_new_matched_tokens answers None (ask again next step) until it is done, "
         "and vLLM schedules other requests meanwhile (an answer then waits for the engine's next step). "
-        "blocking: every lookup is answered at once, the scheduler waiting for it (kvplug 0.2).",
+        "false: every lookup is answered at once, the scheduler waiting for it.",
     )
     max_background_lookups: int = Field(
         default=8,
@@ -77,9 +80,9 @@ class ConnectorSettings(BaseModel):
         "background while vLLM schedules other requests; the request waits in WAITING_FOR_REMOTE_KVS), or auto "
         "(async when part of the prefix is only in a tier whose medium is not memory: disk or remote).",
     )
-    load_timeout_ms: TimeoutMilliseconds = Field(
-        default=10_000,
-        description="An asynchronous load not finished in this time is given up: its blocks are reported "
+    load_timeout_s: TimeoutSeconds = Field(
+        default=10.0,
+        description="Seconds after which an asynchronous load not finished in this time is given up: its blocks are reported "
         "through get_block_ids_with_load_errors and vLLM recomputes them.",
     )
     reset_tiers: list[str] | None = Field(
@@ -97,6 +100,12 @@ class ConnectorSettings(BaseModel):
 
 
 SETTING_NAMES = frozenset(ConnectorSettings.model_fields)
+#: Connector settings renamed before the first release (old key -> new key, what else changed).
+RENAMED = {
+    "lookup": ("lookup_channel", ""),
+    "lookups": ("background_lookups", "true for background, false for blocking"),
+    "load_timeout_ms": ("load_timeout_s", "in seconds, e.g. 10.0 for 10000 ms"),
+}
 _clash = SETTING_NAMES & set(KVPlugConfig.model_fields)
 assert not _clash, f"connector settings shadow core config fields: {_clash}"
 
@@ -106,15 +115,22 @@ def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettin
     rest: dict[str, Any] = {}
     mine: dict[str, Any] = {}
     for key, value in (extra or {}).items():
-        if key.startswith(PREFIX) and key[len(PREFIX) :] in SETTING_NAMES:
+        if key.startswith(PREFIX) and key[len(PREFIX) :] in SETTING_NAMES | set(RENAMED):
             mine[key[len(PREFIX) :]] = value
         elif key == "kvplug" and isinstance(value, Mapping):
             nested = dict(value)
-            for name in SETTING_NAMES & set(nested):
+            for name in (SETTING_NAMES | set(RENAMED)) & set(nested):
                 mine[name] = nested.pop(name)
             rest[key] = nested
         else:
             rest[key] = value
+    old: list[ConfigProblem] = []
+    for name in sorted(RENAMED.keys() & mine.keys()):
+        new, note = RENAMED[name]
+        message = f"renamed to {PREFIX + new!r}" + (f" ({note})" if note else "")
+        old.append(ConfigProblem(PREFIX + name, mine.pop(name), message))
+    if old:
+        raise ConfigError(old, "kv_connector_extra_config")
     try:
         settings = ConnectorSettings.model_validate(mine)
     except ValidationError as exc:
@@ -126,19 +142,22 @@ def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettin
     return settings, rest
 
 
+def kvplug_params(kv_transfer_params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """kvplug's per-request settings in a request's ``kv_transfer_params``, not validated."""
+    return {
+        "pin_request" if key == PIN_KEY else key[len(PREFIX) :]: value
+        for key, value in (kv_transfer_params or {}).items()
+        if isinstance(key, str) and key.startswith(PREFIX) and key != REPORT_KEY
+    }
+
+
 def request_overrides(kv_transfer_params: Mapping[str, Any] | None, config: KVPlugConfig) -> dict[str, Any]:
     """kvplug's per-request overrides in a request's ``kv_transfer_params``.
 
     Raises :class:`kvplug.errors.ConfigError` naming a key that is not a per-request
     setting or a value of the wrong type.
     """
-    if not kv_transfer_params:
-        return {}
-    overrides = {
-        "pin_request" if key == PIN_KEY else key[len(PREFIX) :]: value
-        for key, value in kv_transfer_params.items()
-        if isinstance(key, str) and key.startswith(PREFIX) and key != REPORT_KEY
-    }
+    overrides = kvplug_params(kv_transfer_params)
     if overrides:
         config.with_overrides(overrides, source="kv_transfer_params")  # validates, raises ConfigError
     return overrides

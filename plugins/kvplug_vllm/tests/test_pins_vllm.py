@@ -23,8 +23,8 @@ from kvplug import (
 from kvplug_cpu import CPUTier
 from kvplug_vllm.layout import VLLM_CPU
 from kvplug_vllm.prom_metrics import KVPlugPromMetrics
-from kvplug_vllm.scheduler import request_info
-from kvplug_vllm.worker import _stats_name
+from kvplug_vllm.request_state import request_info
+from kvplug_vllm.worker_stats import stats_name
 
 LAYOUT = KVLayout(VLLM_CPU, num_layers=2, block_size=32, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
 PROMPT = list(range(1000, 1256))
@@ -80,7 +80,7 @@ def test_pin_and_tenant_figures_reach_vllms_metrics_never_with_a_salt() -> None:
     tier.put([("v1/fa/3", b"a" * 951)])  # no room beside the pinned 50 bytes: refused, counted
     stats = {}
     for sample in chain.metrics.samples():  # what the worker side reports each step
-        name = _stats_name(sample)
+        name = stats_name(sample)
         if name is not None:
             stats[name] = sample.value
     registry = CollectorRegistry()

@@ -34,7 +34,7 @@ def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyServer]:
 def run(run_engine: Any, valkey: ValkeyServer, role: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
     kv = kv_config(
         role=role,
-        **{"kvplug.tiers": [valkey.tier_options()], "kvplug.lookup_timeout_ms": 5000, "kvplug.lookup": "direct"},
+        **{"kvplug.tiers": [valkey.tier_options()], "kvplug.lookup_budget_s": 5.0, "kvplug.lookup_channel": "direct"},
     )
     result = run_engine(kv=kv, steps=[{"prompts": [{"tokens": p}], "max_tokens": 8} for p in prompts])
     return [step["outputs"][0] for step in result["steps"]]

@@ -147,7 +147,7 @@ def scheduler(
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         kv_events_config=None,
     )
-    side = SchedulerSide(vllm_config, settings or ConnectorSettings(lookup="direct"), engine.config, key)
+    side = SchedulerSide(vllm_config, settings or ConnectorSettings(lookup_channel="direct"), engine.config, key)
     try:
         yield side
     finally:

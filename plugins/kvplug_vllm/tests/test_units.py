@@ -8,6 +8,7 @@ import threading
 import time
 from importlib.metadata import entry_points
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from kvplug.errors import ConfigError, LayoutError
 from kvplug_vllm.layout import VLLM_CPU, VLLM_CPU_MLA, VLLM_MLA, detect_layout
 from kvplug_vllm.lookup import DirectLookup, LookupChannelError, LookupServer, SocketLookup, socket_path, tier_media
 from kvplug_vllm.registration import CONNECTOR_NAME, register
-from kvplug_vllm.scheduler import request_info
+from kvplug_vllm.request_state import request_info
 from kvplug_vllm.settings import request_overrides, split_extra_config
 
 
@@ -73,7 +74,7 @@ def test_bad_connector_setting_names_the_key() -> None:
     [
         ("kvplug.lookup_timeout_s", float("inf"), "less than or equal to 3600"),
         ("kvplug.lookup_timeout_s", float("nan"), "less than or equal to 3600"),
-        ("kvplug.load_timeout_ms", 10**12, "less than or equal to 3600000"),
+        ("kvplug.load_timeout_s", 1e12, "less than or equal to 3600"),
     ],
 )
 def test_connector_timeouts_are_finite_and_bounded(key: str, value: float, bound: str) -> None:
@@ -82,6 +83,28 @@ def test_connector_timeouts_are_finite_and_bounded(key: str, value: float, bound
         split_extra_config({key: value})
     [problem] = info.value.problems
     assert problem.path == key and bound in problem.message, str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("old", "value", "new"),
+    [
+        ("lookup", "direct", "kvplug.lookup_channel"),
+        ("lookups", "blocking", "kvplug.background_lookups"),
+        ("load_timeout_ms", 500, "kvplug.load_timeout_s"),
+    ],
+)
+def test_a_renamed_connector_setting_names_its_new_name(old: str, value: Any, new: str) -> None:
+    for extra in ({f"kvplug.{old}": value}, {"kvplug": {old: value}}):
+        with pytest.raises(ConfigError) as info:
+            split_extra_config(extra)
+        [problem] = info.value.problems
+        assert problem.path == f"kvplug.{old}" and problem.message.startswith(f"renamed to {new!r}"), str(info.value)
+
+
+def test_timeouts_are_seconds() -> None:
+    settings, _ = split_extra_config({"kvplug.load_timeout_s": 0.5, "kvplug.lookup_timeout_s": 2})
+    assert (settings.load_timeout_s, settings.lookup_timeout_s) == (0.5, 2.0)
+    assert load_config(engine_extra={"kvplug.lookup_budget_s": 0.05}, env={}).config.lookup_budget_s == 0.05
 
 
 def test_per_request_settings_are_checked() -> None:

@@ -1,0 +1,71 @@
+"""What did not load, in the form vLLM takes it back.
+
+A model of one KV cache group reports the promised blocks that did not load
+(``get_block_ids_with_load_errors``); vLLM rolls the request back to the first of them
+and recomputes from there. A model of several groups reports a failed load by request
+(``failed_recving``): vLLM maps block ids to requests for one group only, and
+recomputes such a request whole. A request whose load failed stores nothing in that
+step: its later blocks were computed on top of the bad ones.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvplug_vllm.background import GroupsRetrieve
+from kvplug_vllm.kv_groups import first_real_token
+from kvplug_vllm.metadata import RequestMeta
+from kvplug_vllm.plan import promised_blocks
+from kvplug_vllm.stats import KVPlugConnectorStats
+
+logger = logging.getLogger("kvplug.vllm")
+
+
+class LoadResults:
+    """The loads that failed, until vLLM takes them (block ids, or requests)."""
+
+    def __init__(self) -> None:
+        self._block_errors: set[int] = set()
+        #: Requests of this step whose load failed: they store nothing in it.
+        self.failed_this_step: set[str] = set()
+        self._failed_requests: set[str] = set()
+
+    def check_blocks(
+        self, request: RequestMeta, loaded: torch.Tensor | None, block_size: int, stats: KVPlugConnectorStats
+    ) -> None:
+        """Note the promised blocks that did not load (``loaded`` None: none did)."""
+        assert request.load is not None
+        load = request.load
+        if loaded is None:
+            loaded = torch.zeros(load.num_hit, dtype=torch.bool)
+        end = load.num_computed + load.num_external
+        start = max(load.num_computed, first_real_token(request.block_ids, block_size))  # none before the window
+        promised = promised_blocks(load.num_computed, load.num_external, start, block_size)
+        bad = {request.block_ids[block] for block, lo, hi in promised if not bool(loaded[lo:hi].all())}
+        if bad:
+            self._block_errors |= bad
+            self.failed_this_step.add(request.req_id)
+            stats.add(load_error_blocks=len(bad), load_error_requests=1)
+            logger.warning(
+                "request %s: %d of %d promised tokens did not load; reporting %d blocks for recompute",
+                request.req_id, int((~loaded[start:end]).sum()), end - start, len(bad),
+            )  # fmt: skip
+
+    def check_groups(self, request: RequestMeta, retriever: GroupsRetrieve | None, stats: KVPlugConnectorStats) -> None:
+        """A load of several groups counts whole or not at all: vLLM recomputes a failed one from scratch."""
+        assert request.load is not None
+        if retriever is not None and retriever.complete(request.load.num_computed + request.load.num_external):
+            return
+        self._failed_requests.add(request.req_id)
+        stats.add(load_error_requests=1)
+        logger.warning("request %s: a KV cache group did not load; vLLM recomputes the request", request.req_id)
+
+    def take_block_errors(self) -> set[int]:
+        errors, self._block_errors = self._block_errors, set()
+        return errors
+
+    def take_failed_requests(self) -> set[str]:
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed

