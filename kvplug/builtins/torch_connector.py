@@ -27,7 +27,6 @@ from kvplug.builtins.index_runs import IndexRuns, SpanRuns, gather_runs, scatter
 from kvplug.core.connector import KVConnector, LayerCache
 from kvplug.core.layouts import KVLayout
 from kvplug.errors import LayoutError
-from kvplug.hookspecs import hookimpl
 
 
 @dataclass(frozen=True)
@@ -408,8 +407,3 @@ def _divides(size: int, tensor: torch.Tensor, itemsize: int) -> bool:
         return False
     quantities = (tensor.shape[-1], tensor.storage_offset(), *tensor.stride()[:-1])
     return all(q * itemsize % size == 0 for q in quantities)
-
-
-@hookimpl
-def kvplug_kv_connectors() -> list[type]:
-    return [TorchConnector]
