@@ -7,7 +7,8 @@ from typing import Annotated, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from kvplug import Bounded, FrequencyAdmissionConfig, QueueSettings
+from kvplug import Bounded, QueueSettings
+from kvplug.core.admission import FrequencyAdmissionConfig
 from kvplug.core.config import KVPlugConfig, StoreSettings
 from kvplug.core.tenants import TenancyConfig
 from kvplug.core.tier import TierConfig

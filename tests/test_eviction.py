@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplug import EvictionPolicy, LRUPolicy, S3FIFOPolicy, make_eviction_policy
+from kvplug.core.eviction import EvictionPolicy, LRUPolicy, S3FIFOPolicy, make_eviction_policy
 
 BUDGET = 64
 

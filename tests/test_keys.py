@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplug import ExtraKey, Fingerprint, KeyBuilder
+from kvplug import ExtraKey, Fingerprint
+from kvplug.core.keys import KeyBuilder
 
 BASE = Fingerprint(
     model_id="meta-llama/Llama-3-8B", kv_layout="vllm_flash:L32:B16:H8:D128:bfloat16", dtype="bfloat16", block_size=16

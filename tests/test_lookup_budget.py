@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvplug import TierChain, TierContext, remaining_budget_s
+from kvplug import TierChain, TierContext
+from kvplug.core.remote import remaining_budget_s
 from kvplug_cpu import CPUTier
 
 

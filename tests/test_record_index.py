@@ -5,8 +5,7 @@ evicting server is checked by the valkey tier's tests, plugins/kvplug_valkey/tes
 
 from __future__ import annotations
 
-from kvplug import RecordIndex
-from kvplug.core.record_index import CHECKS_PER_ROUND
+from kvplug.core.record_index import CHECKS_PER_ROUND, RecordIndex
 
 
 def test_a_put_between_the_stores_answer_and_the_drop_keeps_its_entry() -> None:

@@ -30,7 +30,7 @@ from packaging.version import Version
 from kvplug.core.components import EngineAdapter
 from kvplug.core.concerns import CONCERNS, CONCERNS_BY_KEY
 from kvplug.core.events import KVEvent
-from kvplug.core.tier import MEDIA, StorageTier
+from kvplug.core.tier import MEDIA, StorageTier, TierConfig
 from kvplug.core.version import KVPLUG_VERSION
 from kvplug.errors import DuplicateComponentError, PluginLoadError, PluginRejectedError
 from kvplug.hookspecs import PROJECT_NAME, SPEC_MODULES
@@ -307,6 +307,12 @@ def _component_problem(concern: str, hook_name: str, component: object) -> str |
     medium = getattr(component, "medium", "remote")
     if concern == "storage_tier" and medium not in MEDIA:
         return f"its {word} {name!r} declares medium {medium!r}; a tier's medium is one of {', '.join(MEDIA)}"
+    config = component.Config
+    if concern == "storage_tier" and not (isinstance(config, type) and issubclass(config, TierConfig)):
+        return (
+            f"its {word} {name!r} has a Config ({getattr(config, '__qualname__', config)}) that does not subclass "
+            "kvplug.TierConfig, which holds the settings every tier has (max_bytes, queue, admission)"
+        )
     base = _missing_base(concern, component)
     if base is not None:
         return (

@@ -33,7 +33,7 @@ from kvplug.core.plugins import PluginRegistry
 from kvplug.core.remote import call_budget, remaining_budget_s
 from kvplug.core.tenancy import Tenancy
 from kvplug.core.tenant_metrics import TierFigures
-from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierContext, TierStats, tier_settings
+from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierContext, TierStats
 from kvplug.core.tier_slot import TierSlot, WriteListeners
 from kvplug.core.write_queue import Items, WriteQueue
 from kvplug.errors import TierOpenError
@@ -76,7 +76,7 @@ class TierChain:
         self.writes = WriteListeners()
         for index, tier in enumerate(tiers):
             label = f"{index}:{tier.name}"
-            settings = tier_settings(tier)
+            settings = tier.config
             queue = None
             if settings.queue.mode == "async":
                 queue = WriteQueue(
