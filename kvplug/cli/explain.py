@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -155,17 +156,27 @@ def _plain(*cells: str) -> list[Text]:
     return [Text(cell) for cell in cells]
 
 
-def render(console: Any, found: Explanation, skipped: list[str]) -> None:
-    scheme = found.scheme
+def chunk_map(explained: Mapping[str, Any], title: str = "") -> Table:
+    """The chunk map of one explanation, as :meth:`Explanation.to_json` gives it (and a rank
+    of a running engine answers ``kvplug ctl explain``): each chunk's tokens, key and tiers;
+    the hit in plain style, the first missing chunk red, the rest dim."""
+    scheme, hit_chunks = explained["scheme"], explained["hit_chunks"]
     table = Table(
-        title=f"{found.num_tokens} tokens, fingerprint {scheme.fingerprint_hex[:12]}, chunk {scheme.chunk_size}"
+        title=f"{title}{explained['num_tokens']} tokens, fingerprint {scheme['fingerprint'][:12]}, "
+        f"chunk {scheme['fields'].get('chunk_size')}"
     )
     for column in ("chunk", "tokens", "key", "tiers"):
         table.add_column(column)
-    for row in found.chunks:
-        style = "" if row.index < found.hit_chunks else "red" if row.index == found.hit_chunks else "dim"
-        where = ", ".join(row.tiers) or "-"
-        table.add_row(*_plain(str(row.index), f"{row.start}-{row.end}", row.digest, where), style=style)
+    for row in explained["chunks"]:
+        style = "" if row["index"] < hit_chunks else "red" if row["index"] == hit_chunks else "dim"
+        key = str(row["key"]).rsplit("/", 1)[-1][:12]
+        where = ", ".join(row["tiers"]) or "-"
+        table.add_row(*_plain(str(row["index"]), f"{row['start']}-{row['end']}", key, where), style=style)
+    return table
+
+
+def render(console: Any, found: Explanation, skipped: list[str]) -> None:
+    table = chunk_map(found.to_json())
     print_table(table)
     console.print(f"hit: {found.hit_tokens} of {found.num_tokens} tokens ({found.hit_chunks} chunks)", highlight=False)
     console.print(f"why: {found.reason}", highlight=False, markup=False)

@@ -174,7 +174,7 @@ class StorageTier(ABC):
         """The config that opens ``location`` for ``kvplug store`` (inspection: an
         unbounded budget, nothing evicted), or ``None`` when this tier does not store
         things at such a location. ``options`` are extra settings from the command
-        line (``--endpoint-url``); raise ``ValueError`` naming any this tier lacks.
+        line (``kvplug store -o endpoint_url=...``); raise ``ValueError`` naming any this tier lacks.
         A tier that answers must implement ``kvplug.RecordStore``."""
         return None
 

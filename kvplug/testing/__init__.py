@@ -13,6 +13,7 @@ from kvplug.testing.other_user import send_as_other_user
 from kvplug.testing.storage_contract import StorageTierContract, key_for, tier_context, value_for
 
 if TYPE_CHECKING:
+    from kvplug.testing.engine_round_trip import TierRoundTripContract
     from kvplug.testing.kv_oracle import (
         KVComparison,
         KVMismatch,
@@ -41,6 +42,10 @@ def __getattr__(name: str) -> Any:
         from kvplug.testing import kv_oracle
 
         return getattr(kv_oracle, name)
+    if name == "TierRoundTripContract":  # an engine's: torch
+        from kvplug.testing import engine_round_trip
+
+        return engine_round_trip.TierRoundTripContract
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -51,6 +56,7 @@ __all__ = [
     "KVSlots",
     "LossyBound",
     "StorageTierContract",
+    "TierRoundTripContract",
     "assert_bounded",
     "assert_kv_matches",
     "cap_memory",
