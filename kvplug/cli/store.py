@@ -218,9 +218,7 @@ def _options(items: list[str]) -> dict[str, str]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(
-                [ConfigProblem("--option", item, "expected KEY=VALUE")]
-            )
+            raise ConfigError([ConfigProblem("--option", item, "expected KEY=VALUE")])
         options[key.strip()] = value
     return options
 

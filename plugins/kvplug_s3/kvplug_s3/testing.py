@@ -95,7 +95,9 @@ def s3_options(endpoint: str, prefix: str | None = None, **options: Any) -> dict
     }
 
 
-def make_s3_tier(endpoint: str, prefix: str | None = None, *, events: list[Any] | None = None, **options: Any) -> S3Tier:
+def make_s3_tier(
+    endpoint: str, prefix: str | None = None, *, events: list[Any] | None = None, **options: Any
+) -> S3Tier:
     context = tier_context(emit=events.append) if events is not None else tier_context()
     return S3Tier(S3Tier.Config(**s3_options(endpoint, prefix, **options)), context)
 
