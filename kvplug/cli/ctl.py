@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvplug.cli.console import console, format_size, print_error, print_table
-from kvplug.cli.explain import chunk_map, read_prompt
+from kvplug.cli.prompt import chunk_map, read_prompt
 from kvplug.core.control_client import ControlClient, RankEndpoint, find_ranks, select_engine
 from kvplug.core.control_protocol import request_fields
 from kvplug.core.keys import RequestInfo

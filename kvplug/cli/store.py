@@ -15,18 +15,19 @@ import datetime
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from kvplug.cli.console import console, format_size, print_table, run_or_exit
-from kvplug.core.concerns import install_command, location_package
-from kvplug.core.plugins import get_registry
-from kvplug.core.record import integrity_key
-from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, check_record
-from kvplug.core.tier import UNBOUNDED_BYTES, StorageTier, TierContext
 from kvplug.errors import ConfigError, ConfigProblem, CorruptChunkError, RecordUnreadableError
+
+# The core is imported where a command uses it: every ``kvplug`` command imports this module.
+if TYPE_CHECKING:
+    from kvplug.core.record_store import RecordCheck, StoredRecord
+    from kvplug.core.tier import StorageTier
 
 store_app = typer.Typer(
     help="Inspect, verify and clean a persistent store: a disk folder, an S3/fsspec URL, a valkey URL.",
@@ -49,6 +50,12 @@ def open_store(location: str, options: list[str] | None = None, *, read_only: bo
     (:meth:`kvplug.StorageTier.location_config`), for inspection: nothing evicted, and
     with ``read_only`` nothing created, changed or removed. ``options``: ``KEY=VALUE`` items
     for that tier's :meth:`~kvplug.StorageTier.location_config`."""
+    from kvplug.core.concerns import install_command, location_package
+    from kvplug.core.plugins import get_registry
+    from kvplug.core.record import integrity_key
+    from kvplug.core.record_store import RecordStore
+    from kvplug.core.tier import TierContext
+
     # Records are checked with this process's integrity key: an unusable key setting (a
     # set-but-empty variable) is an error here, never a verify that quietly passes unsigned records.
     integrity_key()
@@ -175,6 +182,8 @@ def _read_and_check(tier: StorageTier, digest: str) -> RecordCheck:
     """The verdict on one record: :func:`check_record` of its bytes, ``corrupt`` when the
     tier found it bad unread (its size), ``unreadable`` when it is there but could not be
     read (no permission): never ``gone``, which only a record that vanished is."""
+    from kvplug.core.record_store import RecordCheck, check_record
+
     try:
         data = tier.read_record(digest)  # type: ignore[attr-defined]
     except CorruptChunkError as exc:
@@ -205,6 +214,8 @@ def _describe(check: RecordCheck) -> str:
 def _budget(value: object) -> str:
     """A tier's ``max_bytes`` as a person reads it: a size with its bytes, or "unbounded"
     (``None``, -1, or :data:`kvplug.UNBOUNDED_BYTES` and above: what an inspection opens with)."""
+    from kvplug.core.tier import UNBOUNDED_BYTES
+
     if value is None or (isinstance(value, int) and (value < 0 or value >= UNBOUNDED_BYTES)):
         return "unbounded (opened for inspection: nothing is evicted)"
     if isinstance(value, int):

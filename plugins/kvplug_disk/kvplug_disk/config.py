@@ -6,9 +6,6 @@ writes of one key are coalesced, a ``remove`` cancels queued writes, and ``close
 writes or drops what is queued (``queue.on_close``). The tier's own ``put`` writes
 before it returns; the chain calls its ``settle`` when the queue runs empty, which
 fsyncs the folders renamed into since the last one as a group.
-
-The options of kvplug 0.2's writer thread (``writer``, ``queue_items``, ``queue_bytes``,
-``block_timeout_s``, ``on_close``) still work for one release, as ``queue`` settings.
 """
 
 from __future__ import annotations
