@@ -10,6 +10,7 @@ from kvplug.testing.connector_copies import gather_chunk, scatter_chunk
 from kvplug.testing.control_cli import run_ctl
 from kvplug.testing.decode_bounds import DecodeCost, assert_bounded, cap_memory, measure_decode, run_fresh
 from kvplug.testing.other_user import send_as_other_user
+from kvplug.testing.pins_contract import PinsAndQuotasContract, pins_context
 from kvplug.testing.storage_contract import StorageTierContract, key_for, tier_context, value_for
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ __all__ = [
     "KVMismatch",
     "KVSlots",
     "LossyBound",
+    "PinsAndQuotasContract",
     "StorageTierContract",
     "TierRoundTripContract",
     "assert_bounded",
@@ -65,6 +67,7 @@ __all__ = [
     "key_for",
     "load_slots",
     "measure_decode",
+    "pins_context",
     "run_ctl",
     "run_fresh",
     "save_slots",
