@@ -26,7 +26,6 @@ from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 from kvplug import RecordBackend, RecordTier
-from kvplug_valkey.backend import ValkeyBackend
 from kvplug_valkey.config import SCHEMES, ValkeyTierConfig
 
 
@@ -39,6 +38,10 @@ class ValkeyTier(RecordTier):
     config: ValkeyTierConfig
 
     def open_backend(self, loop: asyncio.AbstractEventLoop) -> RecordBackend:
+        # The client library loads with the first tier opened: listing plugins, checking a
+        # config or opening another store does not import it.
+        from kvplug_valkey.backend import ValkeyBackend
+
         return ValkeyBackend(self.config)
 
     @classmethod
