@@ -137,7 +137,7 @@ def render() -> str:
         QUEUES,
         table("Options every tier takes (`kvplug.TierConfig`)", TierConfig),
         table(
-            "Tier admission `{type: frequency}` (`kvplug.FrequencyAdmissionConfig`)",
+            "Tier admission `{type: frequency}` (`kvplug.core.admission.FrequencyAdmissionConfig`)",
             FrequencyAdmissionConfig,
             "admission.",
         ),

@@ -18,6 +18,7 @@ __version__ = KVPLUG_VERSION
 
 #: name -> (module, name there)
 _LAZY: dict[str, tuple[str, str]] = {
+    "Absent": ("kvplug.core.retry", "Absent"),
     "BackoffSeconds": ("kvplug.core.config_types", "BackoffSeconds"),
     "Bounded": ("kvplug.core.config_types", "Bounded"),
     "Buffer": ("kvplug.core.tier", "Buffer"),
@@ -148,10 +149,10 @@ if TYPE_CHECKING:
     from kvplug.core.queue_settings import QueueSettings
     from kvplug.core.record import RECORD_HEADER_SIZE, check_record_size, key_digest, unpack_record
     from kvplug.core.record_backend import SIZE_UNKNOWN, CallSizes, RecordBackend, RecordToWrite
-    from kvplug.core.record_store import RecordCheck, StoredRecord, check_record
+    from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, check_record
     from kvplug.core.record_tier import RecordTier
     from kvplug.core.remote import RecordTierConfig, RemoteTierConfig
-    from kvplug.core.retry import FailureKind, classify_failure
+    from kvplug.core.retry import Absent, FailureKind, classify_failure
     from kvplug.core.serializer import Serializer
     from kvplug.core.tenancy import NameTenants, PinReport, Tenancy, TenancySettings
     from kvplug.core.tier import (
@@ -189,6 +190,7 @@ __all__ = [
     "SECRET_MASK",
     "SIZE_UNKNOWN",
     "UNBOUNDED_BYTES",
+    "Absent",
     "BackoffSeconds",
     "Bounded",
     "Buffer",

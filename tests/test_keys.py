@@ -75,7 +75,8 @@ def test_unknown_hash_is_refused() -> None:
 
 _KEYS_SCRIPT = """
 import json, torch
-from kvplug import Fingerprint, KeyBuilder, ExtraKey
+from kvplug import Fingerprint, ExtraKey
+from kvplug.core.keys import KeyBuilder
 fp = Fingerprint(model_id="m", kv_layout="l", dtype="bfloat16", block_size=16, cache_salt="s")
 out = {}
 for name in ("sha256", "xxh3_128", "blake3"):

@@ -12,7 +12,7 @@ from kvplug_cpu import CPUTier
 
 class SlowAnsweringTier(CPUTier):
     """A real cpu tier that takes 50 ms to answer ``contains`` and, like every remote
-    tier (kvplug.RemoteCalls), answers "miss" once the caller's budget is spent."""
+    tier (kvplug.core.remote.RemoteCalls), answers "miss" once the caller's budget is spent."""
 
     name = "slow-cpu"
 

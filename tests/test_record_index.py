@@ -1,4 +1,4 @@
-"""kvplug.RecordIndex, the record tier's bounded LRU of record sizes: an entry recorded
+"""kvplug.core.record_index.RecordIndex, the record tier's bounded LRU of record sizes: an entry recorded
 again while a store call was answering is kept, and the round of checks goes over every
 entry without changing which one ``max_bytes`` evicts first. (Its behaviour against a real
 evicting server is checked by the valkey tier's tests, plugins/kvplug_valkey/tests.)"""

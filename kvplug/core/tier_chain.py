@@ -9,7 +9,7 @@
   does not promote: ``promote`` writes a hit from a slower tier to the faster
   ones once the caller has verified it (:class:`kvplug.ChunkStore` does both).
 - ``contains_prefix`` answers how many leading keys some tier holds.
-- Admission: each tier's :class:`~kvplug.AdmissionPolicy` (``tiers[i].admission``)
+- Admission: each tier's :class:`~kvplug.core.admission.AdmissionPolicy` (``tiers[i].admission``)
   decides which chunks of a ``put`` or a ``promote`` are written to it, before the
   write is made or queued; stores and verified loads count as sightings, lookups do
   not. A load also writes the chunks a slower tier's policy has just admitted (they
@@ -205,7 +205,7 @@ class TierChain:
         what the tier lacks again on its own thread before it writes.
 
         ``budget_s`` bounds the whole answer: remote tiers end their calls within it
-        (:func:`kvplug.call_budget`), and tiers not asked before it ran out answer
+        (:func:`kvplug.core.remote.call_budget`), and tiers not asked before it ran out answer
         "miss".
         """
         present = [False] * len(keys)
