@@ -7,7 +7,8 @@ from typing import Annotated, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from kvplug import Bounded, FrequencyAdmissionConfig, QueueSettings
+from kvplug import Bounded, QueueSettings
+from kvplug.core.admission import FrequencyAdmissionConfig
 from kvplug.core.config import KVPlugConfig, StoreSettings
 from kvplug.core.tenants import TenancyConfig
 from kvplug.core.tier import TierConfig
@@ -65,12 +66,9 @@ says whether close writes or drops what is queued. Defaults differ by owner; a p
 | tiers `disk`, `shm` | async | 64 | drop |
 | remote tiers (`s3`, `valkey`, `mooncake`) | async | 1024 | drop |
 
-The keys these replace still work for one release, each with a `FutureWarning` (shown by default)
-naming its new key: `store.mode`, `store.queue_max_batches`, `store.queue_max_bytes`,
-`store.on_full`, `store.block_timeout_s`; every tier's `write_mode`, `write_queue_items`,
-`write_queue_bytes`, `on_queue_full`; the disk tier's `writer` (`background`: async,
-`inline`: sync), `queue_items`, `queue_bytes`, `block_timeout_s` and `on_close`
-(`flush`: drain). An old key and its new key with different values are an error."""
+Queue settings go under `queue:` only: a queue key beside it (`store.mode`, a tier's
+`write_mode`, the disk tier's `writer`, ...: keys of unreleased development versions) is an
+unknown key, a config error naming it."""
 
 ADMISSION = """
 `tiers[i].admission` decides which chunks the tier chain writes to that tier: `{type: all}`
@@ -139,7 +137,7 @@ def render() -> str:
         QUEUES,
         table("Options every tier takes (`kvplug.TierConfig`)", TierConfig),
         table(
-            "Tier admission `{type: frequency}` (`kvplug.FrequencyAdmissionConfig`)",
+            "Tier admission `{type: frequency}` (`kvplug.core.admission.FrequencyAdmissionConfig`)",
             FrequencyAdmissionConfig,
             "admission.",
         ),

@@ -1,8 +1,9 @@
 """kvplug: keep the attention KV cache an LLM engine computed, and load it back.
 
-The public API. Importing ``kvplug`` does not import torch; the torch-facing names
-(``CacheEngine``, ``ChunkStore``, ``KVLayout``, ``Serializer``, ``KVConnector``) load on
-first use.
+The plugin API (docs/api.md): every name a plugin or an engine adapter uses, and nothing
+else; the rest of the package (``kvplug.core``, ``kvplug.builtins``, ``kvplug.cli``) is
+internal. Importing ``kvplug`` imports none of it: each name loads on first use, so a
+command that needs tiers alone never imports torch.
 """
 
 from __future__ import annotations
@@ -10,169 +11,186 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from kvplug.core.admission import (
-    AdmissionConfig,
-    AdmissionPolicy,
-    AdmitAll,
-    AdmitAllConfig,
-    FrequencyAdmission,
-    FrequencyAdmissionConfig,
-    FrequencySketch,
-    make_admission_policy,
-)
-from kvplug.core.background import BackgroundWorker
-from kvplug.core.chunk_format import DTYPE_SIZES as CHUNK_DTYPE_SIZES
-from kvplug.core.chunk_format import MAGIC as RAW_FRAME_MAGIC
-from kvplug.core.chunk_format import dtype_name
-from kvplug.core.components import ComponentConfig, EmptyConfig, EngineAdapter
-from kvplug.core.config_types import (
-    BackoffSeconds,
-    Bounded,
-    Concurrency,
-    FailureCount,
-    QueueItems,
-    ThreadCount,
-    TimeoutSeconds,
-)
-from kvplug.core.control_protocol import CONTROL_PROTOCOL_VERSION, ControlRequest
-from kvplug.core.control_protocol import encode_request as encode_control_request
-from kvplug.core.control_socket import (
-    LOOKUP_DIR_ENV,
-    check_socket_file,
-    foreign_peer,
-    private_socket_dir,
-    remove_stale_sockets,
-)
-from kvplug.core.events import KVEvent
-from kvplug.core.eviction import EvictionName, EvictionPolicy, LRUPolicy, S3FIFOPolicy, make_eviction_policy
-from kvplug.core.guarded_eviction import GuardedEviction, PinOutcome
-from kvplug.core.keys import KV_FORMAT_VERSION, ChunkKey, ExtraKey, Fingerprint, KeyBuilder, RequestInfo
-from kvplug.core.message_server import MessageServer, ServerLimits
-from kvplug.core.metrics import EngineMetrics, MetricSample
-from kvplug.core.pins import pin_keys, unpin_keys
-from kvplug.core.queue_settings import OldQueueKey, QueueSettings
-from kvplug.core.record import (
-    RECORD_HEADER_SIZE,
-    check_record_size,
-    key_digest,
-    pack_record,
-    pack_record_header,
-    unpack_record,
-)
-from kvplug.core.record_backend import SIZE_UNKNOWN, CallSizes, RecordBackend, RecordToWrite
-from kvplug.core.record_index import RecordIndex
-from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, check_record
-from kvplug.core.record_tier import RecordTier
-from kvplug.core.remote import (
-    LoopThread,
-    RecordTierConfig,
-    RemoteCalls,
-    RemoteTierConfig,
-    call_budget,
-    remaining_budget_s,
-)
-from kvplug.core.retry import Absent, CircuitBreaker, FailureKind, RetryPolicy, classify_failure
-from kvplug.core.tenancy import (
-    OTHER_TENANTS,
-    UNSALTED,
-    NameTenants,
-    PinBook,
-    PinReport,
-    PinSpec,
-    Tenancy,
-    TenancySettings,
-    TenantBook,
-)
-from kvplug.core.tenants import TenancyConfig, TenantLabels
-from kvplug.core.tier import (
-    MEDIA,
-    UNBOUNDED_BYTES,
-    Buffer,
-    MappedFile,
-    Medium,
-    StorageTier,
-    TierConfig,
-    TierContext,
-    TierStats,
-    is_mapped_file,
-)
-from kvplug.core.tier_chain import TierChain
 from kvplug.core.version import KVPLUG_VERSION
 from kvplug.hookspecs import hookimpl
-from kvplug.redaction import SECRET_MASK, is_secret_name, redact, redact_text, redact_url
 
 __version__ = KVPLUG_VERSION
 
-_LAZY = {
-    "CacheEngine": "kvplug.core.engine",
-    "ChunkStore": "kvplug.core.chunk_store",
-    "LoadedChunks": "kvplug.core.chunk_store",
-    "LayerwiseRetrieve": "kvplug.core.layerwise_retrieve",
-    "HeadRecords": "kvplug.core.head_shards",
-    "HeadShard": "kvplug.core.head_shards",
-    "RetrieveTimings": "kvplug.core.layerwise_retrieve",
-    "TorchConnector": "kvplug.builtins.torch_connector",
-    "KVLayout": "kvplug.core.layouts",
-    "PagedFormat": "kvplug.core.layouts",
-    "slots_from_block_ids": "kvplug.core.layouts",
-    "Serializer": "kvplug.core.serializer",
-    "make_serializer": "kvplug.core.serializer_factory",
-    "KVConnector": "kvplug.core.connector",
-    "KVPlugConfig": "kvplug.core.config",
-    "load_config": "kvplug.core.config_loader",
-    "get_registry": "kvplug.core.plugins",
-    "ControlServer": "kvplug.core.control_server",
-    "ControlIdentity": "kvplug.core.control_server",
-    "control_socket_path": "kvplug.core.control_server",
-    "ClearKeys": "kvplug.core.control_target",
-    "ControlTarget": "kvplug.core.control_target",
-    "EngineControl": "kvplug.core.control_target",
-    "PluginRegistry": "kvplug.core.plugins",
+#: name -> (module, name there)
+_LAZY: dict[str, tuple[str, str]] = {
+    "Absent": ("kvplug.core.retry", "Absent"),
+    "BackoffSeconds": ("kvplug.core.config_types", "BackoffSeconds"),
+    "Bounded": ("kvplug.core.config_types", "Bounded"),
+    "Buffer": ("kvplug.core.tier", "Buffer"),
+    "CHUNK_DTYPE_SIZES": ("kvplug.core.chunk_format", "DTYPE_SIZES"),
+    "CacheEngine": ("kvplug.core.engine", "CacheEngine"),
+    "CallSizes": ("kvplug.core.record_backend", "CallSizes"),
+    "ChunkKey": ("kvplug.core.keys", "ChunkKey"),
+    "ChunkStore": ("kvplug.core.chunk_store", "ChunkStore"),
+    "ClearKeys": ("kvplug.core.control_target", "ClearKeys"),
+    "ComponentConfig": ("kvplug.core.components", "ComponentConfig"),
+    "Concurrency": ("kvplug.core.config_types", "Concurrency"),
+    "ControlIdentity": ("kvplug.core.control_server", "ControlIdentity"),
+    "ControlRequest": ("kvplug.core.control_protocol", "ControlRequest"),
+    "ControlServer": ("kvplug.core.control_server", "ControlServer"),
+    "ControlTarget": ("kvplug.core.control_target", "ControlTarget"),
+    "EmptyConfig": ("kvplug.core.components", "EmptyConfig"),
+    "EngineAdapter": ("kvplug.core.components", "EngineAdapter"),
+    "EngineControl": ("kvplug.core.control_target", "EngineControl"),
+    "EvictionName": ("kvplug.core.eviction", "EvictionName"),
+    "ExtraKey": ("kvplug.core.keys", "ExtraKey"),
+    "FailureCount": ("kvplug.core.config_types", "FailureCount"),
+    "FailureKind": ("kvplug.core.retry", "FailureKind"),
+    "Fingerprint": ("kvplug.core.keys", "Fingerprint"),
+    "GuardedEviction": ("kvplug.core.guarded_eviction", "GuardedEviction"),
+    "HeadShard": ("kvplug.core.head_shards", "HeadShard"),
+    "KVConnector": ("kvplug.core.connector", "KVConnector"),
+    "KVEvent": ("kvplug.core.events", "KVEvent"),
+    "KVLayout": ("kvplug.core.layouts", "KVLayout"),
+    "KVPlugConfig": ("kvplug.core.config", "KVPlugConfig"),
+    "LOOKUP_DIR_ENV": ("kvplug.core.control_socket", "LOOKUP_DIR_ENV"),
+    "LayerwiseRetrieve": ("kvplug.core.layerwise_retrieve", "LayerwiseRetrieve"),
+    "MEDIA": ("kvplug.core.tier", "MEDIA"),
+    "MappedFile": ("kvplug.core.tier", "MappedFile"),
+    "Medium": ("kvplug.core.tier", "Medium"),
+    "MessageServer": ("kvplug.core.message_server", "MessageServer"),
+    "MetricSample": ("kvplug.core.metrics", "MetricSample"),
+    "NameTenants": ("kvplug.core.tenancy", "NameTenants"),
+    "PagedFormat": ("kvplug.core.layouts", "PagedFormat"),
+    "PinOutcome": ("kvplug.core.guarded_eviction", "PinOutcome"),
+    "PinReport": ("kvplug.core.tenancy", "PinReport"),
+    "PluginRegistry": ("kvplug.core.plugins", "PluginRegistry"),
+    "QueueItems": ("kvplug.core.config_types", "QueueItems"),
+    "QueueSettings": ("kvplug.core.queue_settings", "QueueSettings"),
+    "RAW_FRAME_MAGIC": ("kvplug.core.chunk_format", "MAGIC"),
+    "RECORD_HEADER_SIZE": ("kvplug.core.record", "RECORD_HEADER_SIZE"),
+    "RecordBackend": ("kvplug.core.record_backend", "RecordBackend"),
+    "RecordCheck": ("kvplug.core.record_store", "RecordCheck"),
+    "RecordStore": ("kvplug.core.record_store", "RecordStore"),
+    "RecordTier": ("kvplug.core.record_tier", "RecordTier"),
+    "RecordTierConfig": ("kvplug.core.remote", "RecordTierConfig"),
+    "RecordToWrite": ("kvplug.core.record_backend", "RecordToWrite"),
+    "RemoteTierConfig": ("kvplug.core.remote", "RemoteTierConfig"),
+    "RequestInfo": ("kvplug.core.keys", "RequestInfo"),
+    "StoreKey": ("kvplug.core.keys", "StoreKey"),
+    "KeyPrefix": ("kvplug.core.keys", "KeyPrefix"),
+    "SECRET_MASK": ("kvplug.redaction", "SECRET_MASK"),
+    "SIZE_UNKNOWN": ("kvplug.core.record_backend", "SIZE_UNKNOWN"),
+    "Serializer": ("kvplug.core.serializer", "Serializer"),
+    "ServerLimits": ("kvplug.core.message_server", "ServerLimits"),
+    "StorageTier": ("kvplug.core.tier", "StorageTier"),
+    "StoredRecord": ("kvplug.core.record_store", "StoredRecord"),
+    "Tenancy": ("kvplug.core.tenancy", "Tenancy"),
+    "TenancySettings": ("kvplug.core.tenancy", "TenancySettings"),
+    "ThreadCount": ("kvplug.core.config_types", "ThreadCount"),
+    "TierChain": ("kvplug.core.tier_chain", "TierChain"),
+    "TierConfig": ("kvplug.core.tier", "TierConfig"),
+    "TierContext": ("kvplug.core.tier", "TierContext"),
+    "TierStats": ("kvplug.core.tier", "TierStats"),
+    "TimeoutSeconds": ("kvplug.core.config_types", "TimeoutSeconds"),
+    "TorchConnector": ("kvplug.builtins.torch_connector", "TorchConnector"),
+    "UNBOUNDED_BYTES": ("kvplug.core.tier", "UNBOUNDED_BYTES"),
+    "check_record": ("kvplug.core.record_store", "check_record"),
+    "check_record_size": ("kvplug.core.record", "check_record_size"),
+    "check_socket_file": ("kvplug.core.control_socket", "check_socket_file"),
+    "classify_failure": ("kvplug.core.retry", "classify_failure"),
+    "dtype_name": ("kvplug.core.chunk_format", "dtype_name"),
+    "get_registry": ("kvplug.core.plugins", "get_registry"),
+    "is_mapped_file": ("kvplug.core.tier", "is_mapped_file"),
+    "is_secret_name": ("kvplug.redaction", "is_secret_name"),
+    "key_digest": ("kvplug.core.record", "key_digest"),
+    "load_config": ("kvplug.core.config_loader", "load_config"),
+    "pin_keys": ("kvplug.core.pins", "pin_keys"),
+    "private_socket_dir": ("kvplug.core.control_socket", "private_socket_dir"),
+    "redact": ("kvplug.redaction", "redact"),
+    "redact_text": ("kvplug.redaction", "redact_text"),
+    "redact_url": ("kvplug.redaction", "redact_url"),
+    "remove_stale_sockets": ("kvplug.core.control_socket", "remove_stale_sockets"),
+    "slots_from_block_ids": ("kvplug.core.layouts", "slots_from_block_ids"),
+    "unpack_record": ("kvplug.core.record", "unpack_record"),
+    "unpin_keys": ("kvplug.core.pins", "unpin_keys"),
 }
 
 if TYPE_CHECKING:
     from kvplug.builtins.torch_connector import TorchConnector
-    from kvplug.core.chunk_store import ChunkStore, LoadedChunks
+    from kvplug.core.chunk_format import DTYPE_SIZES as CHUNK_DTYPE_SIZES
+    from kvplug.core.chunk_format import MAGIC as RAW_FRAME_MAGIC
+    from kvplug.core.chunk_format import dtype_name
+    from kvplug.core.chunk_store import ChunkStore
+    from kvplug.core.components import ComponentConfig, EmptyConfig, EngineAdapter
     from kvplug.core.config import KVPlugConfig
     from kvplug.core.config_loader import load_config
+    from kvplug.core.config_types import (
+        BackoffSeconds,
+        Bounded,
+        Concurrency,
+        FailureCount,
+        QueueItems,
+        ThreadCount,
+        TimeoutSeconds,
+    )
     from kvplug.core.connector import KVConnector
-    from kvplug.core.control_server import ControlIdentity, ControlServer, control_socket_path
+    from kvplug.core.control_protocol import ControlRequest
+    from kvplug.core.control_server import ControlIdentity, ControlServer
+    from kvplug.core.control_socket import LOOKUP_DIR_ENV, check_socket_file, private_socket_dir, remove_stale_sockets
     from kvplug.core.control_target import ClearKeys, ControlTarget, EngineControl
     from kvplug.core.engine import CacheEngine
-    from kvplug.core.head_shards import HeadRecords, HeadShard
-    from kvplug.core.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
+    from kvplug.core.events import KVEvent
+    from kvplug.core.eviction import EvictionName
+    from kvplug.core.guarded_eviction import GuardedEviction, PinOutcome
+    from kvplug.core.head_shards import HeadShard
+    from kvplug.core.keys import ChunkKey, ExtraKey, Fingerprint, KeyPrefix, RequestInfo, StoreKey
+    from kvplug.core.layerwise_retrieve import LayerwiseRetrieve
     from kvplug.core.layouts import KVLayout, PagedFormat, slots_from_block_ids
+    from kvplug.core.message_server import MessageServer, ServerLimits
+    from kvplug.core.metrics import MetricSample
+    from kvplug.core.pins import pin_keys, unpin_keys
     from kvplug.core.plugins import PluginRegistry, get_registry
+    from kvplug.core.queue_settings import QueueSettings
+    from kvplug.core.record import RECORD_HEADER_SIZE, check_record_size, key_digest, unpack_record
+    from kvplug.core.record_backend import SIZE_UNKNOWN, CallSizes, RecordBackend, RecordToWrite
+    from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, check_record
+    from kvplug.core.record_tier import RecordTier
+    from kvplug.core.remote import RecordTierConfig, RemoteTierConfig
+    from kvplug.core.retry import Absent, FailureKind, classify_failure
     from kvplug.core.serializer import Serializer
-    from kvplug.core.serializer_factory import make_serializer
+    from kvplug.core.tenancy import NameTenants, PinReport, Tenancy, TenancySettings
+    from kvplug.core.tier import (
+        MEDIA,
+        UNBOUNDED_BYTES,
+        Buffer,
+        MappedFile,
+        Medium,
+        StorageTier,
+        TierConfig,
+        TierContext,
+        TierStats,
+        is_mapped_file,
+    )
+    from kvplug.core.tier_chain import TierChain
+    from kvplug.redaction import SECRET_MASK, is_secret_name, redact, redact_text, redact_url
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    found = _LAZY.get(name)
+    if found is None:
         raise AttributeError(f"module 'kvplug' has no attribute {name!r}")
-    return getattr(import_module(module), name)
+    module, attribute = found
+    value = getattr(import_module(module), attribute)
+    globals()[name] = value  # later uses skip this function
+    return value
 
 
 __all__ = [
     "CHUNK_DTYPE_SIZES",
-    "CONTROL_PROTOCOL_VERSION",
-    "KV_FORMAT_VERSION",
     "LOOKUP_DIR_ENV",
     "MEDIA",
-    "OTHER_TENANTS",
     "RAW_FRAME_MAGIC",
     "RECORD_HEADER_SIZE",
     "SECRET_MASK",
     "SIZE_UNKNOWN",
     "UNBOUNDED_BYTES",
-    "UNSALTED",
     "Absent",
-    "AdmissionConfig",
-    "AdmissionPolicy",
-    "AdmitAll",
-    "AdmitAllConfig",
-    "BackgroundWorker",
     "BackoffSeconds",
     "Bounded",
     "Buffer",
@@ -180,7 +198,6 @@ __all__ = [
     "CallSizes",
     "ChunkKey",
     "ChunkStore",
-    "CircuitBreaker",
     "ClearKeys",
     "ComponentConfig",
     "Concurrency",
@@ -191,64 +208,45 @@ __all__ = [
     "EmptyConfig",
     "EngineAdapter",
     "EngineControl",
-    "EngineMetrics",
     "EvictionName",
-    "EvictionPolicy",
     "ExtraKey",
     "FailureCount",
     "FailureKind",
     "Fingerprint",
-    "FrequencyAdmission",
-    "FrequencyAdmissionConfig",
-    "FrequencySketch",
     "GuardedEviction",
-    "HeadRecords",
     "HeadShard",
     "KVConnector",
     "KVEvent",
     "KVLayout",
     "KVPlugConfig",
-    "KeyBuilder",
-    "LRUPolicy",
+    "KeyPrefix",
     "LayerwiseRetrieve",
-    "LoadedChunks",
-    "LoopThread",
     "MappedFile",
     "Medium",
     "MessageServer",
     "MetricSample",
     "NameTenants",
-    "OldQueueKey",
     "PagedFormat",
-    "PinBook",
     "PinOutcome",
     "PinReport",
-    "PinSpec",
     "PluginRegistry",
     "QueueItems",
     "QueueSettings",
     "RecordBackend",
     "RecordCheck",
-    "RecordIndex",
     "RecordStore",
     "RecordTier",
     "RecordTierConfig",
     "RecordToWrite",
-    "RemoteCalls",
     "RemoteTierConfig",
     "RequestInfo",
-    "RetrieveTimings",
-    "RetryPolicy",
-    "S3FIFOPolicy",
     "Serializer",
     "ServerLimits",
     "StorageTier",
+    "StoreKey",
     "StoredRecord",
     "Tenancy",
-    "TenancyConfig",
     "TenancySettings",
-    "TenantBook",
-    "TenantLabels",
     "ThreadCount",
     "TierChain",
     "TierConfig",
@@ -257,32 +255,22 @@ __all__ = [
     "TimeoutSeconds",
     "TorchConnector",
     "__version__",
-    "call_budget",
     "check_record",
     "check_record_size",
     "check_socket_file",
     "classify_failure",
-    "control_socket_path",
     "dtype_name",
-    "encode_control_request",
-    "foreign_peer",
     "get_registry",
     "hookimpl",
     "is_mapped_file",
     "is_secret_name",
     "key_digest",
     "load_config",
-    "make_admission_policy",
-    "make_eviction_policy",
-    "make_serializer",
-    "pack_record",
-    "pack_record_header",
     "pin_keys",
     "private_socket_dir",
     "redact",
     "redact_text",
     "redact_url",
-    "remaining_budget_s",
     "remove_stale_sockets",
     "slots_from_block_ids",
     "unpack_record",

@@ -10,16 +10,17 @@ from core_helpers import LAYOUTS, random_caches
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplug import (
+from kvplug import CacheEngine, load_config
+from kvplug.core.admission import (
+    AGING_FACTOR,
+    MAX_HITS,
+    SKETCH_DEPTH,
     AdmitAll,
-    CacheEngine,
     FrequencyAdmission,
     FrequencyAdmissionConfig,
     FrequencySketch,
-    load_config,
     make_admission_policy,
 )
-from kvplug.core.admission import AGING_FACTOR, MAX_HITS, SKETCH_DEPTH
 from kvplug.core.plugins import PluginRegistry
 from kvplug.errors import ConfigError
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvplug.hookspecs import SPEC_MODULES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +40,25 @@ def test_the_plugin_api_page_lists_exactly_the_public_names() -> None:
     exported = set(kvplug.__all__)
     assert exported - documented == set(), "public names missing from docs/api.md"
     assert documented - exported == set(), "docs/api.md lists names kvplug does not export"
+
+
+def test_the_api_reference_renders_exactly_the_public_names() -> None:
+    import kvplug
+
+    page = (ROOT / "docs" / "reference.md").read_text()
+    rendered = set(re.findall(r"^::: kvplug\.(\w+)$", page, re.M)) - {"errors"}
+    assert rendered == set(kvplug.__all__) - {"__version__"}
+
+
+def test_every_public_name_resolves_and_nothing_else_is_exported() -> None:
+    import kvplug
+
+    for name in kvplug.__all__:
+        assert getattr(kvplug, name) is not None
+    for internal in ("LoopThread", "FrequencySketch", "KeyBuilder", "pack_record", "EngineMetrics"):
+        assert internal not in kvplug.__all__
+        with pytest.raises(AttributeError):
+            getattr(kvplug, internal)
 
 
 def extract_guide_package(target: Path) -> Path:

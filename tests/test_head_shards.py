@@ -21,7 +21,8 @@ import pytest
 import torch
 from core_helpers import LAYOUTS, random_caches
 
-from kvplug import CacheEngine, Fingerprint, HeadRecords, HeadShard, KVLayout, RequestInfo, load_config
+from kvplug import CacheEngine, Fingerprint, HeadShard, KVLayout, RequestInfo, load_config
+from kvplug.core.head_shards import HeadRecords
 from kvplug.core.plugins import PluginRegistry
 from kvplug.errors import ConfigError
 

@@ -49,7 +49,7 @@ def shipped_components() -> list[tuple[str, str, str]]:
             init = ast.parse((package_dir / "__init__.py").read_text(encoding="utf-8"))
             imported = {
                 alias.asname or alias.name: node.module
-                for node in init.body
+                for node in ast.walk(init)  # in the hook functions too: plugins import their classes there
                 if isinstance(node, ast.ImportFrom) and node.module
                 for alias in node.names
             }

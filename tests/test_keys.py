@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplug import ExtraKey, Fingerprint, KeyBuilder
+from kvplug import ExtraKey, Fingerprint
+from kvplug.core.keys import KeyBuilder
 
 BASE = Fingerprint(
     model_id="meta-llama/Llama-3-8B", kv_layout="vllm_flash:L32:B16:H8:D128:bfloat16", dtype="bfloat16", block_size=16
@@ -74,7 +75,8 @@ def test_unknown_hash_is_refused() -> None:
 
 _KEYS_SCRIPT = """
 import json, torch
-from kvplug import Fingerprint, KeyBuilder, ExtraKey
+from kvplug import Fingerprint, ExtraKey
+from kvplug.core.keys import KeyBuilder
 fp = Fingerprint(model_id="m", kv_layout="l", dtype="bfloat16", block_size=16, cache_salt="s")
 out = {}
 for name in ("sha256", "xxh3_128", "blake3"):

@@ -74,7 +74,7 @@ def test_explain_shows_store_text_as_it_is_not_as_markup() -> None:
     print as it is, neither crashing the table (MarkupError) nor styling the output."""
     from rich.console import Console
 
-    from kvplug.cli.explain import _plain
+    from kvplug.cli.prompt import plain as _plain
 
     console = Console(record=True, width=200)
     from rich.table import Table

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvplug import EngineMetrics, MetricSample
+from kvplug import MetricSample
+from kvplug.core.metrics import EngineMetrics
 
 
 def test_samples_carry_labels_as_data_and_value_matches_them_exactly() -> None:

@@ -1,8 +1,7 @@
-"""``QueueSettings``: one vocabulary for the store queue and every tier's write queue,
-and kvplug 0.2's keys mapped to it for one release with a warning.
+"""``QueueSettings``: one vocabulary for the store queue and every tier's write queue.
 
-The disk tier's own old keys (``writer``, ``queue_items`` ...) are tested with the tier,
-in plugins/kvplug_disk/tests/test_disk_tier.py.
+The queue keys of unreleased development versions (``write_mode``, ``store.mode`` ...)
+are unknown keys: a config error naming each.
 """
 
 from __future__ import annotations
@@ -38,64 +37,25 @@ def test_nested_queue_keys_come_from_the_environment_and_dotted_engine_keys() ->
 
 
 @pytest.mark.parametrize(
-    ("old", "value", "new", "expected"),
+    ("settings", "path"),
     [
-        ("write_mode", "async", "mode", "async"),
-        ("write_queue_items", 7, "max_items", 7),
-        ("write_queue_bytes", "1MiB", "max_bytes", 1024**2),
-        ("on_queue_full", "block", "on_full", "block"),
+        ({"tiers": [{"type": "cpu", "write_mode": "async"}]}, "tiers[0].write_mode"),
+        ({"tiers": [{"type": "cpu", "write_queue_items": 7}]}, "tiers[0].write_queue_items"),
+        ({"tiers": [{"type": "cpu", "write_queue_bytes": "1MiB"}]}, "tiers[0].write_queue_bytes"),
+        ({"tiers": [{"type": "cpu", "on_queue_full": "block"}]}, "tiers[0].on_queue_full"),
+        ({"store": {"mode": "sync"}}, "store.mode"),
+        ({"store": {"queue_max_batches": 5}}, "store.queue_max_batches"),
+        ({"store": {"queue_max_bytes": "64MiB"}}, "store.queue_max_bytes"),
+        ({"store": {"on_full": "drop"}}, "store.on_full"),
+        ({"store": {"block_timeout_s": 2.5}}, "store.block_timeout_s"),
     ],
 )
-def test_an_old_tier_key_still_works_with_a_warning_naming_its_new_key(
-    old: str, value: object, new: str, expected: object
-) -> None:
-    tiers = [{"type": "cpu"}, {"type": "cpu", old: value}]
-    with pytest.warns(FutureWarning) as caught:
-        config = load({"tiers": tiers})
-    assert [str(w.message) for w in caught] == [
-        f"tiers[1].{old} is deprecated and will be removed in a later release: use tiers[1].queue.{new}"
-    ]
-    assert getattr(config.tiers[1].options.queue, new) == expected
-    assert getattr(config.tiers[0].options.queue, new) == getattr(QueueSettings(), new)
-
-
-@pytest.mark.parametrize(
-    ("old", "value", "new", "expected"),
-    [
-        ("mode", "sync", "mode", "sync"),
-        ("queue_max_batches", 5, "max_items", 5),
-        ("queue_max_bytes", "64MiB", "max_bytes", 64 * 1024**2),
-        ("on_full", "drop", "on_full", "drop"),
-        ("block_timeout_s", 2.5, "block_timeout_s", 2.5),
-    ],
-)
-def test_an_old_store_key_still_works_with_a_warning_naming_its_new_key(
-    old: str, value: object, new: str, expected: object
-) -> None:
-    with pytest.warns(FutureWarning) as caught:
-        config = load({"store": {old: value}})
-    assert [str(w.message) for w in caught] == [
-        f"store.{old} is deprecated and will be removed in a later release: use store.queue.{new}"
-    ]
-    assert getattr(config.store.queue, new) == expected
-
-
-def test_an_old_key_and_its_new_key_that_disagree_are_a_config_error() -> None:
-    with pytest.warns(FutureWarning), pytest.raises(ConfigError) as info:
-        load({"tiers": [{"type": "cpu", "write_queue_items": 3, "queue": {"max_items": 4}}]})
-    assert "tiers[0].write_queue_items (3) conflicts with tiers[0].queue.max_items (4)" in str(info.value)
-    assert "set only tiers[0].queue.max_items" in str(info.value)
-    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=r"store\.mode .* store\.queue\.mode"):
-        load({"store": {"mode": "sync", "queue": {"mode": "async"}}})
-    with warnings.catch_warnings():  # the same value twice is no conflict
-        warnings.simplefilter("ignore", FutureWarning)
-        assert load({"store": {"mode": "sync", "queue": {"mode": "sync"}}}).store.queue.mode == "sync"
-
-
-def test_old_keys_are_still_refused_values_they_never_took() -> None:
-    with pytest.warns(FutureWarning), pytest.raises(ConfigError) as info:
-        load({"store": {"on_full": "explode"}})
-    assert "store.queue.on_full" in str(info.value) and "'explode'" in str(info.value)
+def test_a_queue_key_outside_queue_is_an_unknown_key(settings: dict[str, object], path: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused, not accepted with a warning
+        with pytest.raises(ConfigError) as info:
+            load(settings)
+    assert f"{path}: unknown key" in " ".join(str(info.value).split())
 
 
 def test_the_new_keys_alone_warn_of_nothing() -> None:

@@ -23,10 +23,10 @@ from kvplug import (
     RecordTierConfig,
     RecordToWrite,
     TierContext,
-    call_budget,
     key_digest,
-    pack_record,
 )
+from kvplug.core.record import pack_record
+from kvplug.core.remote import call_budget
 
 #: How a backend mangles the list it answers a read with.
 Mangle = Callable[[list[Buffer | None]], list[Buffer | None]]

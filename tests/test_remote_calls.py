@@ -17,7 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvplug import RemoteCalls, RemoteTierConfig, call_budget
+from kvplug import RemoteTierConfig
+from kvplug.core.remote import RemoteCalls, call_budget
 from kvplug.errors import TierUnavailableError
 from kvplug.testing import tier_context
 

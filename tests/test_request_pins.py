@@ -12,8 +12,9 @@ import pytest
 import torch
 from core_helpers import LAYOUTS, random_caches
 
-from kvplug import CacheEngine, Fingerprint, PinBook, RequestInfo, Tenancy, TierChain, TierContext, load_config
+from kvplug import CacheEngine, Fingerprint, RequestInfo, Tenancy, TierChain, TierContext, load_config
 from kvplug.core.pins import pin_keys
+from kvplug.core.tenancy import PinBook
 from kvplug_cpu import CPUTier
 
 LAYOUT = LAYOUTS["vllm_flash"]

@@ -125,7 +125,7 @@ def test_logs_and_exceptions_of_a_running_engine_mask_credentials(tmp_path: Path
     """An engine with the s3 tier on a port nobody listens on: every warning and error is grepped."""
     path = tmp_path / "kvplug.yaml"
     path.write_text(
-        "chunk_size: 8\nstore: {mode: sync}\ntiers:\n"
+        "chunk_size: 8\nstore: {queue: {mode: sync}}\ntiers:\n"
         + S3_TIER.replace(
             "http://127.0.0.1:9\n", "http://127.0.0.1:9\n    retries: 0\n    connect_timeout_s: 0.5\n"
         ).replace(f"      proxy: http://user:{SECRETS[4]}@127.0.0.1:3128\n", "")

@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from kvplug import CacheEngine, Fingerprint, KVPlugConfig, get_registry, load_config, make_serializer
+from kvplug import CacheEngine, Fingerprint, KVPlugConfig, get_registry, load_config
 from kvplug.builtins.raw_serializer import RawSerializer
 from kvplug.core import chunk_format
 from kvplug.core.components import EmptyConfig
+from kvplug.core.serializer_factory import make_serializer
 from kvplug.errors import ConfigError, CorruptChunkError
 from kvplug.testing import assert_bounded, cap_memory, measure_decode, run_fresh
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvplug import Fingerprint, KeyBuilder
-from kvplug.core.keys import KeyPrefix, StoreKey
+from kvplug import Fingerprint
+from kvplug.core.keys import KeyBuilder, KeyPrefix, StoreKey
 from kvplug.errors import KeyFormatError
 
 HEX = "0123456789abcdef"

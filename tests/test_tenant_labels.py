@@ -13,7 +13,8 @@ import torch
 from core_helpers import LAYOUTS, random_caches
 from prometheus_client import generate_latest
 
-from kvplug import CacheEngine, Fingerprint, RequestInfo, TenantLabels, load_config
+from kvplug import CacheEngine, Fingerprint, RequestInfo, load_config
+from kvplug.core.tenants import TenantLabels
 from kvplug.errors import ConfigError
 
 LAYOUT = LAYOUTS["vllm_flash"]

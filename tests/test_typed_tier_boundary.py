@@ -1,18 +1,16 @@
-"""The typed tier boundary: the chain reads a tier's settings from its
-``TierConfig``; a tier written against 0.2 with a plain pydantic ``Config`` still loads,
-with a ``DeprecationWarning`` naming it; ``connector: {type: auto}`` ranks by the declared
-``KVConnector.priority``."""
+"""The typed tier boundary: the chain reads a tier's settings from its ``TierConfig``; a
+tier with a plain pydantic ``Config`` is refused when its plugin registers, naming
+``TierConfig``; ``connector: {type: auto}`` ranks by the declared ``KVConnector.priority``."""
 
 from __future__ import annotations
 
 import threading
 import warnings
 from collections.abc import Sequence
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import pytest
-import torch
-from core_helpers import LAYOUTS, random_caches
+from core_helpers import LAYOUTS
 from pydantic import BaseModel, ConfigDict
 
 from kvplug import (
@@ -21,7 +19,6 @@ from kvplug import (
     Fingerprint,
     KVConnector,
     StorageTier,
-    TierConfig,
     TierContext,
     TierStats,
     TorchConnector,
@@ -29,25 +26,23 @@ from kvplug import (
     load_config,
 )
 from kvplug.core.plugins import PluginRegistry
+from kvplug.errors import ConfigError
 
 NUM_BLOCKS = 40
-NOT_TIER_CONFIG = "is not a kvplug.TierConfig"
 
 
 class LegacyConfig(BaseModel):
-    """A 0.2-style tier config: a plain pydantic model with some of TierConfig's fields."""
+    """A plain pydantic model: not a TierConfig."""
 
     model_config = ConfigDict(extra="forbid")
     capacity: int = 1000
-    write_mode: Literal["sync", "async"] = "sync"
-    write_queue_items: int = 7
 
 
 class LegacyDictTier(StorageTier):
-    """A third-party tier as written against kvplug 0.2: its Config is not a TierConfig."""
+    """A third-party tier whose Config is not a TierConfig."""
 
     name = "legacy_dict"
-    Config = LegacyConfig  # type: ignore[assignment]  # what 0.2 allowed
+    Config = LegacyConfig  # type: ignore[assignment]  # what the registry refuses
     medium = "memory"
 
     def __init__(self, config: LegacyConfig, context: TierContext) -> None:
@@ -96,29 +91,17 @@ def _engine(tiers: list[dict], registry: PluginRegistry, **extra: object) -> Cac
     return CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry)
 
 
-def test_a_tier_with_a_plain_pydantic_config_still_loads_with_a_deprecation_warning() -> None:
+def test_a_tier_with_a_plain_pydantic_config_is_refused_naming_tier_config() -> None:
     registry = PluginRegistry(plugin_filter="cpu")
     registry.register(_LegacyPlugin, "legacy-test")
-    tiers = [{"type": "legacy_dict", "write_mode": "async", "capacity": 100}]
-    with pytest.warns(DeprecationWarning, match=r"tier 'legacy_dict' \(.*LegacyDictTier\): its Config LegacyConfig"):
-        engine = _engine(tiers, registry)
-    with engine:
-        tier = engine.chain.tiers[0]
-        assert isinstance(tier, LegacyDictTier) and tier.capacity == 100
-        settings = engine.chain.settings[0]
-        # Its own values of the settings it has, TierConfig's defaults for the others.
-        # (0.2's queue keys, write_mode and write_queue_items, read as queue settings.)
-        assert (settings.queue.mode, settings.queue.max_items) == ("async", 7)
-        assert (settings.queue.on_full, settings.max_bytes) == ("drop", None)
-        assert settings.queue.max_bytes == TierConfig().queue.max_bytes
-
-        layout = LAYOUTS["sglang_mha"]
-        tokens = list(range(100, 116))
-        engine.store(tokens, random_caches(layout, NUM_BLOCKS), torch.arange(16))
-        engine.chain.flush()
-        assert "writer_pending" in engine.chain.stats()[0][1].extra  # written by its write queue
-        assert engine.lookup(tokens) == 16
-        assert engine.retrieve(tokens, random_caches(layout, NUM_BLOCKS, seed=1), torch.arange(16)).all()
+    assert "legacy_dict" not in registry.storage_tiers() and "cpu" in registry.storage_tiers()
+    [error] = registry.load_errors
+    assert error.plugin == "legacy-test"
+    assert "its storage tier 'legacy_dict' has a Config (LegacyConfig) that does not subclass kvplug.TierConfig" in str(
+        error
+    )
+    with pytest.raises(ConfigError, match="legacy_dict.*plugins that failed to load: legacy-test"):
+        _engine([{"type": "legacy_dict", "capacity": 100}], registry)
 
 
 def test_a_tier_config_subclass_is_read_as_is_without_a_warning() -> None:
@@ -129,7 +112,7 @@ def test_a_tier_config_subclass_is_read_as_is_without_a_warning() -> None:
     with engine:
         assert engine.chain.settings[0] is engine.chain.tiers[0].config
         assert engine.chain.settings[0].queue.max_items == 3
-    assert not [w for w in caught if NOT_TIER_CONFIG in str(w.message)]
+    assert not [w for w in caught if issubclass(w.category, DeprecationWarning)]
 
 
 class _EagerConnector(TorchConnector):

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from kvplug import Buffer, EngineMetrics, StorageTier, TierChain
+from kvplug import Buffer, StorageTier, TierChain
+from kvplug.core.metrics import EngineMetrics
 from kvplug.testing import key_for, tier_context, value_for
 from kvplug_cpu import CPUTier
 from kvplug_disk import DiskTier

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvplug.core import chunk_format
 from kvplug.core.chunk_format import dtype_name
 from kvplug.core.serializer import Serializer
 from kvplug.core.tier import Buffer
 from kvplug.errors import IncompatibleChunkError
-from kvplug.hookspecs import hookimpl
+
+if TYPE_CHECKING:  # imported where a frame is made or read: ``kvplug config validate`` reads the Config alone
+    import torch
 
 
 class RawSerializer(Serializer):
@@ -73,10 +73,14 @@ class RawSerializer(Serializer):
         # A raw frame's payload is the chunk itself, already in memory: the bound is for
         # symmetry with the other serializers (a reader never gets a chunk over it).
         self.check_chunk_shape(header.shape, chunk_format.DTYPE_SIZES[header.dtype], header.dtype)
+        import torch
+
         return _tensor_over(data, getattr(torch, header.dtype), header.shape, header.payload_length)
 
 
 def _tensor_over(buffer: Buffer, dtype: torch.dtype, shape: tuple[int, ...], length: int) -> torch.Tensor:
+    import torch
+
     if length == 0:
         return torch.empty(shape, dtype=dtype)
     with warnings.catch_warnings():
@@ -84,8 +88,3 @@ def _tensor_over(buffer: Buffer, dtype: torch.dtype, shape: tuple[int, ...], len
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(buffer, dtype=torch.uint8, count=length, offset=chunk_format.HEADER_SIZE)
     return flat.view(dtype).view(shape)
-
-
-@hookimpl
-def kvplug_serializers() -> list[type]:
-    return [RawSerializer]

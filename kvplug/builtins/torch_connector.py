@@ -28,7 +28,6 @@ from kvplug.builtins.row_copies import gather_rows, scatter_rows
 from kvplug.core.connector import KVConnector, LayerCache
 from kvplug.core.layouts import KVLayout
 from kvplug.errors import LayoutError
-from kvplug.hookspecs import hookimpl
 
 
 @dataclass(frozen=True)
@@ -342,8 +341,3 @@ class _Staging:
 
     rows: list[torch.Tensor]  # [num_blocks, block elements] per layer tensor
     parts: list[torch.Tensor]  # the same memory as [kv, num_blocks, outer, inner] (packed_block_split)
-
-
-@hookimpl
-def kvplug_kv_connectors() -> list[type]:
-    return [TorchConnector]

@@ -74,3 +74,15 @@ def run_or_exit(action: Callable[[], T]) -> T:
     except (ConfigError, PluginError, TierError, EngineUnavailableError) as exc:
         print_error(exc)
         raise typer.Exit(2) from None
+
+
+def format_size(nbytes: object) -> str:
+    """A byte count as a person reads it (``1.5 GiB``); ``-`` for anything not a number."""
+    if not isinstance(nbytes, (int, float)) or isinstance(nbytes, bool):
+        return "-"
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"

@@ -19,11 +19,11 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from kvplug.cli.console import console, print_error, print_table
-from kvplug.cli.explain import read_prompt
+from kvplug.cli.console import console, format_size, print_error, print_table
+from kvplug.cli.prompt import chunk_map, read_prompt
 from kvplug.core.control_client import ControlClient, RankEndpoint, find_ranks, select_engine
 from kvplug.core.control_protocol import request_fields
-from kvplug.core.keys import RequestInfo, StoreKey
+from kvplug.core.keys import RequestInfo
 from kvplug.errors import ControlError, ExplainInputError
 
 ctl_app = typer.Typer(help="Control a running engine: stats, lookup, explain, pin, clear.", no_args_is_help=True)
@@ -31,13 +31,17 @@ ctl_app = typer.Typer(help="Control a running engine: stats, lookup, explain, pi
 T = TypeVar("T")
 Replies = list[tuple[RankEndpoint, dict[str, Any]]]
 
-_ENGINE = typer.Option(None, "--engine", "-e", help="The engine's id (or a prefix of it) or name; needed when several run.")  # fmt: skip
+_ENGINE = typer.Option(
+    None, "--engine", "-e", help="The engine's id (or a prefix of it) or name; needed when several run."
+)
 _DIR = typer.Option(None, "--socket-dir", help="The private socket folder (default: as the engine finds it).")
 _JSON = typer.Option(False, "--json", help="Print one JSON object: the total and each rank's reply.")
 _PER_RANK = typer.Option(False, "--per-rank", help="Also show each rank's row.")
 _TIMEOUT = typer.Option(30.0, "--timeout", help="Seconds to wait for each rank's answer.")
 _PROMPT = typer.Argument(..., help="File of token ids (a JSON list or whitespace-separated ints); '-' reads stdin.")
-_TOKENIZER = typer.Option(None, "--tokenizer", help="The prompt file is text: encode it with this Hugging Face tokenizer.")  # fmt: skip
+_TOKENIZER = typer.Option(
+    None, "--tokenizer", help="The prompt file is text: encode it with this Hugging Face tokenizer."
+)
 _SALT = typer.Option(None, "--cache-salt", help="The request's cache_salt.")
 _LORA = typer.Option(None, "--lora", help="The request's LoRA id.")
 
@@ -102,16 +106,6 @@ def _sum_tiers(replies: Replies) -> list[dict[str, Any]]:
     return [_sum_numbers(rows) for rows in by_label.values()]
 
 
-def _size(value: Any) -> str:
-    if not isinstance(value, (int, float)):
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return str(value)  # pragma: no cover
-
-
 def _tier_table(title: str, rows: Sequence[dict[str, Any]], rank: str | None = None) -> Table:
     table = Table(title=title)
     columns = [
@@ -130,11 +124,12 @@ def _tier_table(title: str, rows: Sequence[dict[str, Any]], rank: str | None = N
     for column in (["rank"] if rank else []) + columns:
         table.add_column(column)
     for row in rows:
-        cells = [
-            str(row.get("tier")), str(row.get("medium")), _size(row.get("bytes_used")),
-            _size(row.get("pinned_bytes", row.get("extra", {}).get("pinned_bytes"))), _size(row.get("max_bytes")),
-            *(str(row.get(name, "-")) for name in ("items", "hits", "misses", "evictions", "errors", "breaker_state")),
-        ]  # fmt: skip
+        pinned = row.get("pinned_bytes", row.get("extra", {}).get("pinned_bytes"))
+        sizes = [format_size(row.get("bytes_used")), format_size(pinned), format_size(row.get("max_bytes"))]
+        counts = [
+            str(row.get(name, "-")) for name in ("items", "hits", "misses", "evictions", "errors", "breaker_state")
+        ]
+        cells = [str(row.get("tier")), str(row.get("medium")), *sizes, *counts]
         table.add_row(*(Text(c) for c in ([rank] if rank else []) + cells))
     return table
 
@@ -159,9 +154,10 @@ def list_command(socket_dir: Path | None = _DIR, as_json: bool = _JSON, timeout:
         table.add_column(column, overflow="fold")
     for rank in found.ranks:
         info = rank.info
-        cells = [rank.engine_id, str(info.get("name")), str(info.get("adapter")),
-                 f"{_rank_name(rank)} of {info.get('tp_size')}", str(info.get("pid")), str(info.get("model")),
-                 str(info.get("fingerprint"))[:12], ", ".join(map(str, info.get("tiers", [])))]  # fmt: skip
+        where = f"{_rank_name(rank)} of {info.get('tp_size')}"
+        described = [str(info.get(name)) for name in ("name", "adapter")] + [where, str(info.get("pid"))]
+        cells = [rank.engine_id, *described, str(info.get("model")), str(info.get("fingerprint"))[:12]]
+        cells.append(", ".join(map(str, info.get("tiers", []))))
         table.add_row(*(Text(c) for c in cells))
     print_table(table)
     for path, why in found.unreachable.items():
@@ -170,9 +166,12 @@ def list_command(socket_dir: Path | None = _DIR, as_json: bool = _JSON, timeout:
 
 @ctl_app.command("stats")
 def stats_command(
-    engine: str | None = _ENGINE, socket_dir: Path | None = _DIR, per_rank: bool = _PER_RANK,
-    as_json: bool = _JSON, timeout: float = _TIMEOUT,
-) -> None:  # fmt: skip
+    engine: str | None = _ENGINE,
+    socket_dir: Path | None = _DIR,
+    per_rank: bool = _PER_RANK,
+    as_json: bool = _JSON,
+    timeout: float = _TIMEOUT,
+) -> None:
     """The engine's counters (stored, loaded, lookups, errors) and its tiers' usage, summed over ranks."""
     replies = _run(lambda: _client(engine, socket_dir, timeout).ask_all("stats"))
     metrics = _sum_numbers([reply.get("metrics", {}) for _, reply in replies])
@@ -195,9 +194,12 @@ def stats_command(
 
 @ctl_app.command("tiers")
 def tiers_command(
-    engine: str | None = _ENGINE, socket_dir: Path | None = _DIR, per_rank: bool = _PER_RANK,
-    as_json: bool = _JSON, timeout: float = _TIMEOUT,
-) -> None:  # fmt: skip
+    engine: str | None = _ENGINE,
+    socket_dir: Path | None = _DIR,
+    per_rank: bool = _PER_RANK,
+    as_json: bool = _JSON,
+    timeout: float = _TIMEOUT,
+) -> None:
     """Each tier's usage, budget and circuit-breaker state (a remote tier's), summed over ranks."""
     replies = _run(lambda: _client(engine, socket_dir, timeout).ask_all("tiers"))
     total: dict[str, Any] = {"tiers": _sum_tiers(replies)}
@@ -210,42 +212,58 @@ def tiers_command(
             print_table(_tier_table(f"tiers of {_rank_name(rank)}", reply.get("tiers", []), _rank_name(rank)))
 
 
-def _ask_about_prompt(op: str, prompt: str, tokenizer: str | None, cache_salt: str | None, lora: str | None,
-                      engine: str | None, socket_dir: Path | None, timeout: float) -> Replies:  # fmt: skip
-    """Every rank's answer to ``op`` about the prompt read from ``prompt`` (a file, ``-``)."""
-
-    def action() -> Replies:
-        tokens = read_prompt(prompt, tokenizer)
-        return _client(engine, socket_dir, timeout).ask_all(op, _request(cache_salt, lora), tokens)
-
-    return _run(action)
+#: How a prompt command sums its ranks' replies (what ``--json`` prints as the total), and
+#: how it shows them: ``show(replies, total, per_rank)``.
+Total = Callable[[Replies], dict[str, Any]]
+Show = Callable[[Replies, dict[str, Any], bool], None]
 
 
-@ctl_app.command("lookup")
-def lookup_command(
-    prompt: str = _PROMPT, tokenizer: str | None = _TOKENIZER, cache_salt: str | None = _SALT,
-    lora: str | None = _LORA, engine: str | None = _ENGINE, socket_dir: Path | None = _DIR,
-    per_rank: bool = _PER_RANK, as_json: bool = _JSON, timeout: float = _TIMEOUT,
-) -> None:  # fmt: skip
-    """How much of a prompt the engine holds now: the hit it would load, and where each rank holds it."""
+def _prompt_command(op: str, doc: str, total: Total, show: Show) -> None:
+    """Add ``kvplug ctl OP PROMPT``: ask every rank ``op`` about the prompt (a file, ``-``),
+    with the options every prompt command takes."""
 
-    replies = _ask_about_prompt("lookup", prompt, tokenizer, cache_salt, lora, engine, socket_dir, timeout)
-    hits = [int(reply["hit_tokens"]) for _, reply in replies]
-    total = {
+    def command(
+        prompt: str = _PROMPT,
+        tokenizer: str | None = _TOKENIZER,
+        cache_salt: str | None = _SALT,
+        lora: str | None = _LORA,
+        engine: str | None = _ENGINE,
+        socket_dir: Path | None = _DIR,
+        per_rank: bool = _PER_RANK,
+        as_json: bool = _JSON,
+        timeout: float = _TIMEOUT,
+    ) -> None:
+        def action() -> Replies:
+            tokens = read_prompt(prompt, tokenizer)
+            return _client(engine, socket_dir, timeout).ask_all(op, _request(cache_salt, lora), tokens)
+
+        replies = _run(action)
+        summed = total(replies)
+        if as_json:
+            _print_json(replies, summed)
+        else:
+            show(replies, summed, per_rank)
+
+    command.__doc__ = doc
+    ctl_app.command(op)(command)
+
+
+def _lookup_total(replies: Replies) -> dict[str, Any]:
+    return {
         "num_tokens": replies[0][1]["num_tokens"],
-        "hit_tokens": min(hits),
+        "hit_tokens": min(int(reply["hit_tokens"]) for _, reply in replies),
         "chunks_held": sum(len(reply["chunks"]) for _, reply in replies),
     }
-    if as_json:
-        _print_json(replies, total)
-        return
+
+
+def _show_lookup(replies: Replies, total: dict[str, Any], per_rank: bool) -> None:
+    held = "the prefix every rank holds" if total["hit_tokens"] else "no rank holds its first chunk, or not every rank"
     console.print(
-        f"hit: {total['hit_tokens']} of {total['num_tokens']} tokens "
-        f"({'the prefix every rank holds' if total['hit_tokens'] else 'no rank holds its first chunk, or not every rank'}); "
+        f"hit: {total['hit_tokens']} of {total['num_tokens']} tokens ({held}); "
         f"{total['chunks_held']} chunks held over {len(replies)} rank(s)",
         highlight=False,
     )
-    if per_rank or len(set(hits)) > 1:
+    if per_rank or len({reply["hit_tokens"] for _, reply in replies}) > 1:
         table = Table(title="per rank")
         for column in ("rank", "hit tokens", "chunks by tier"):
             table.add_column(column)
@@ -258,72 +276,69 @@ def lookup_command(
         print_table(table)
 
 
-@ctl_app.command("explain")
-def explain_command(
-    prompt: str = _PROMPT, tokenizer: str | None = _TOKENIZER, cache_salt: str | None = _SALT,
-    lora: str | None = _LORA, engine: str | None = _ENGINE, socket_dir: Path | None = _DIR,
-    per_rank: bool = _PER_RANK, as_json: bool = _JSON, timeout: float = _TIMEOUT,
-) -> None:  # fmt: skip
-    """A prompt's chunk map over the live engine's own tiers (its memory tier too) and why it stops there."""
+def _least(replies: Replies) -> tuple[RankEndpoint, dict[str, Any]]:
+    """The rank holding least of the prompt: what the engine loads."""
+    return min(replies, key=lambda item: int(item[1]["hit_tokens"]))
 
-    replies = _ask_about_prompt("explain", prompt, tokenizer, cache_salt, lora, engine, socket_dir, timeout)
-    worst_rank, worst = min(replies, key=lambda item: int(item[1]["hit_tokens"]))
-    total = {"hit_tokens": worst["hit_tokens"], "num_tokens": worst["num_tokens"], "reason": worst["reason"]}
-    if as_json:
-        _print_json(replies, total)
-        return
+
+def _explain_total(replies: Replies) -> dict[str, Any]:
+    worst = _least(replies)[1]
+    return {"hit_tokens": worst["hit_tokens"], "num_tokens": worst["num_tokens"], "reason": worst["reason"]}
+
+
+def _show_explain(replies: Replies, total: dict[str, Any], per_rank: bool) -> None:
+    worst_rank, worst = _least(replies)
     for rank, reply in replies if per_rank else [(worst_rank, worst)]:
-        table = Table(title=f"{_rank_name(rank)}: {reply['num_tokens']} tokens, fingerprint "
-                      f"{reply['scheme']['fingerprint'][:12]}, chunk {reply['scheme']['fields'].get('chunk_size')}")  # fmt: skip
-        for column in ("chunk", "tokens", "key", "tiers"):
-            table.add_column(column)
-        for row in reply["chunks"]:
-            style = (
-                "" if row["index"] < reply["hit_chunks"] else "red" if row["index"] == reply["hit_chunks"] else "dim"
-            )
-            key = StoreKey.parse(str(row["key"])).short()
-            cells = [str(row["index"]), f"{row['start']}-{row['end']}", key, ", ".join(row["tiers"]) or "-"]
-            table.add_row(*(Text(c) for c in cells), style=style)
-        print_table(table)
-    console.print(f"hit: {worst['hit_tokens']} of {worst['num_tokens']} tokens ({_rank_name(worst_rank)}, the "
-                  f"rank holding least, of {len(replies)})", highlight=False)  # fmt: skip
+        print_table(chunk_map(reply, f"{_rank_name(rank)}: "))
+    console.print(
+        f"hit: {worst['hit_tokens']} of {worst['num_tokens']} tokens ({_rank_name(worst_rank)}, the "
+        f"rank holding least, of {len(replies)})",
+        highlight=False,
+    )
     console.print(f"why: {worst['reason']}", highlight=False, markup=False)
 
 
-def _pin(op: str, prompt: str, tokenizer: str | None, cache_salt: str | None, lora: str | None,
-         engine: str | None, socket_dir: Path | None, per_rank: bool, as_json: bool, timeout: float) -> None:  # fmt: skip
-    replies = _ask_about_prompt(op, prompt, tokenizer, cache_salt, lora, engine, socket_dir, timeout)
-    total = _sum_numbers([reply for _, reply in replies])
-    if as_json:
-        _print_json(replies, total)
-        return
-    summary = ", ".join(f"{name} {total.get(name, 0)}" for name in ("chunks", "bytes", "refused", "missing"))
-    if total.get("book_full"):  # why some were refused: the pin book (tenancy.max_pins) is full
-        summary += f"; pin book full (tenancy.max_pins): {total['book_full']} not pinned when stored"
-    console.print(f"{op}ned over {len(replies)} rank(s): {summary}", highlight=False)
-    if per_rank:
-        for rank, reply in replies:
-            console.print(f"  {_rank_name(rank)}: {json.dumps(reply)}", highlight=False, markup=False)
+def _pin_total(replies: Replies) -> dict[str, Any]:
+    return _sum_numbers([reply for _, reply in replies])
 
 
-@ctl_app.command("pin")
-def pin_command(
-    prompt: str = _PROMPT, tokenizer: str | None = _TOKENIZER, cache_salt: str | None = _SALT,
-    lora: str | None = _LORA, engine: str | None = _ENGINE, socket_dir: Path | None = _DIR,
-    per_rank: bool = _PER_RANK, as_json: bool = _JSON, timeout: float = _TIMEOUT,
-) -> None:  # fmt: skip
-    """Pin a prompt's stored chunks on every rank: never evicted, within the pinned-bytes budget."""
-    _pin("pin", prompt, tokenizer, cache_salt, lora, engine, socket_dir, per_rank, as_json, timeout)
+def _show_pin(op: str) -> Show:
+    def show(replies: Replies, total: dict[str, Any], per_rank: bool) -> None:
+        summary = ", ".join(f"{name} {total.get(name, 0)}" for name in ("chunks", "bytes", "refused", "missing"))
+        if total.get("book_full"):  # why some were refused: the pin book (tenancy.max_pins) is full
+            summary += f"; pin book full (tenancy.max_pins): {total['book_full']} not pinned when stored"
+        console.print(f"{op}ned over {len(replies)} rank(s): {summary}", highlight=False)
+        if per_rank:
+            for rank, reply in replies:
+                console.print(f"  {_rank_name(rank)}: {json.dumps(reply)}", highlight=False, markup=False)
+
+    return show
 
 
-@ctl_app.command("unpin")
-def unpin_command(
-    prompt: str = _PROMPT, tokenizer: str | None = _TOKENIZER, cache_salt: str | None = _SALT,
-    lora: str | None = _LORA, engine: str | None = _ENGINE, socket_dir: Path | None = _DIR,
-    per_rank: bool = _PER_RANK, as_json: bool = _JSON, timeout: float = _TIMEOUT,
-) -> None:  # fmt: skip
-    """Unpin a prompt's chunks on every rank: they are evicted like any other again."""
-    _pin("unpin", prompt, tokenizer, cache_salt, lora, engine, socket_dir, per_rank, as_json, timeout)
+_prompt_command(
+    "lookup",
+    "How much of a prompt the engine holds now: the hit it would load, and where each rank holds it.",
+    _lookup_total,
+    _show_lookup,
+)
+_prompt_command(
+    "explain",
+    "A prompt's chunk map over the live engine's own tiers (its memory tier too) and why it stops there.",
+    _explain_total,
+    _show_explain,
+)
+_prompt_command(
+    "pin",
+    "Pin a prompt's stored chunks on every rank: never evicted, within the pinned-bytes budget.",
+    _pin_total,
+    _show_pin("pin"),
+)
+_prompt_command(
+    "unpin",
+    "Unpin a prompt's chunks on every rank: they are evicted like any other again.",
+    _pin_total,
+    _show_pin("unpin"),
+)
 
 
 @ctl_app.command("clear")
@@ -332,10 +347,15 @@ def clear_command(
     no_salt: bool = typer.Option(False, "--no-salt", help="Remove the chunks of requests without a cache_salt."),
     all_salts: bool = typer.Option(False, "--all", help="Remove the chunks of every cache_salt."),
     lora: str | None = typer.Option(None, "--lora", help="With --salt/--no-salt: the chunks of this LoRA id."),
-    tier: str | None = typer.Option(None, "--tier", help="Only from this tier (its type, index or label: cpu, 0, 0:cpu)."),
-    engine: str | None = _ENGINE, socket_dir: Path | None = _DIR, per_rank: bool = _PER_RANK,
-    as_json: bool = _JSON, timeout: float = _TIMEOUT,
-) -> None:  # fmt: skip
+    tier: str | None = typer.Option(
+        None, "--tier", help="Only from this tier (its type, index or label: cpu, 0, 0:cpu)."
+    ),
+    engine: str | None = _ENGINE,
+    socket_dir: Path | None = _DIR,
+    per_rank: bool = _PER_RANK,
+    as_json: bool = _JSON,
+    timeout: float = _TIMEOUT,
+) -> None:
     """Remove the chunks this engine stored since it started, of one cache_salt (--salt S,
     --no-salt) or of all (--all), from every tier or one (--tier); chunks it only loaded go
     from its private tiers (cpu) alone. Records other engines wrote to a tier they may share
@@ -350,11 +370,12 @@ def clear_command(
     removed = _sum_numbers([reply["removed"] for _, reply in replies])
     freed = _sum_numbers([reply["bytes_freed"] for _, reply in replies])
     scope = replies[0][1]["scope"]
-    total = {"removed": removed, "bytes_freed": freed, "scope": scope, "known_chunks": sum(r["known_chunks"] for _, r in replies)}  # fmt: skip
+    known = sum(reply["known_chunks"] for _, reply in replies)
+    total = {"removed": removed, "bytes_freed": freed, "scope": scope, "known_chunks": known}
     if as_json:
         _print_json(replies, total)
         return
-    where = ", ".join(f"{label}: {count} chunks ({_size(freed.get(label))})" for label, count in removed.items())
+    where = ", ".join(f"{label}: {count} chunks ({format_size(freed.get(label))})" for label, count in removed.items())
     console.print(
         f"cleared the chunks of {scope} that engine {replies[0][0].engine_id} stored (and from its "
         f"private tiers those it loaded), over "

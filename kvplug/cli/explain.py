@@ -12,63 +12,44 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.table import Table
-from rich.text import Text
 
 from kvplug.cli.console import console, print_error, print_table, run_or_exit
-from kvplug.core.config import KVPlugConfig
-from kvplug.core.explain import Explanation, OtherScheme, explain_prompt, list_manifests
-from kvplug.core.keys import Fingerprint
-from kvplug.core.manifest import FIELD_NAMES, MANIFEST_MAGIC, KeyScheme, decode_manifest
-from kvplug.core.plugins import get_registry
-from kvplug.core.tier import UNBOUNDED_BYTES, TierConfig
-from kvplug.core.tier_chain import TierChain
+from kvplug.cli.prompt import chunk_map, plain, read_prompt
 from kvplug.errors import ExplainInputError
 
-_FIELDS = {f.name: f for f in dataclasses.fields(Fingerprint)}
-_INT_FIELDS = {name for name, f in _FIELDS.items() if f.type in ("int", int)}
+# The core is imported where a command uses it: importing this module (every ``kvplug``
+# command does, to list its commands) costs no config, tier or manifest code.
+if TYPE_CHECKING:
+    from kvplug.core.config import KVPlugConfig
+    from kvplug.core.explain import Explanation, OtherScheme
+    from kvplug.core.manifest import KeyScheme
+    from kvplug.core.tier_chain import TierChain
+
+__all__ = ["chunk_map", "explain_command", "open_tiers", "plain", "read_prompt", "render"]
 
 
-def read_prompt(source: str, tokenizer: str | None) -> list[int]:
-    """Token ids from a file (``-``: stdin): a JSON list or whitespace-separated ints; with
-    ``tokenizer``, text encoded by that Hugging Face tokenizer (needs ``transformers``)."""
-    try:
-        text = sys.stdin.read() if source == "-" else Path(source).read_text()
-    except OSError as exc:
-        raise ExplainInputError(f"prompt {source!r}: cannot read it: {exc}") from None
-    if tokenizer is not None:
-        try:
-            from transformers import AutoTokenizer  # type: ignore[import-not-found,unused-ignore]
-        except ImportError:
-            raise ExplainInputError(
-                "--tokenizer needs the transformers package (pip install transformers); "
-                "or pass token ids (a JSON list or whitespace-separated ints)"
-            ) from None
-        return list(AutoTokenizer.from_pretrained(tokenizer)(text)["input_ids"])
-    try:
-        parsed = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.split()]
-    except ValueError:
-        raise ExplainInputError(
-            f"prompt {source!r} is not token ids (a JSON list or whitespace-separated ints); "
-            "for text, pass --tokenizer NAME_OR_PATH"
-        ) from None
-    if not isinstance(parsed, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in parsed):
-        raise ExplainInputError(f"prompt {source!r}: a JSON prompt must be a list of integers")
-    if any(t < 0 or t >= 2**63 for t in parsed):
-        raise ExplainInputError(f"prompt {source!r}: token ids must be between 0 and 2**63 - 1")
-    return parsed
+def _fingerprint_fields() -> tuple[dict[str, dataclasses.Field[Any]], set[str]]:
+    """The fields of :class:`~kvplug.Fingerprint`, and those of them that are integers."""
+    from kvplug.core.keys import Fingerprint
+
+    fields = {f.name: f for f in dataclasses.fields(Fingerprint)}
+    return fields, {name for name, f in fields.items() if f.type in ("int", int)}
 
 
 def open_tiers(config: KVPlugConfig) -> tuple[TierChain, list[tuple[str, Any]], list[str]]:
     """The config's tiers not in memory, opened for inspection (read-only: nothing
     created, changed, evicted or removed) and labelled by their place in the config
     (``1:disk``), and the labels of those left out."""
+    from kvplug.core.plugins import get_registry
+    from kvplug.core.tier import UNBOUNDED_BYTES, TierConfig
+    from kvplug.core.tier_chain import TierChain
+
     registry = get_registry()
     classes = registry.storage_tiers()
     specs, labels, skipped = [], [], []
@@ -88,6 +69,8 @@ def open_tiers(config: KVPlugConfig) -> tuple[TierChain, list[tuple[str, Any]], 
 
 def load_scheme_file(path: Path) -> KeyScheme | dict[str, Any]:
     """A manifest (as stored or as ``--json`` prints it) or a dict of fingerprint fields."""
+    from kvplug.core.manifest import MANIFEST_MAGIC, decode_manifest
+
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -110,6 +93,8 @@ def load_scheme_file(path: Path) -> KeyScheme | dict[str, Any]:
 
 def find_scheme(wanted: str, tiers: list[tuple[str, Any]]) -> KeyScheme:
     """The manifest in the tiers whose fingerprint digest starts with ``wanted``."""
+    from kvplug.core.explain import list_manifests
+
     notes: dict[str, str] = {}
     found = {s.prefix: s for label, tier in tiers for s in list_manifests(label, tier, notes)}
     matches = [s for prefix, s in found.items() if s.fingerprint_hex.startswith(wanted.lower())]
@@ -125,20 +110,25 @@ def find_scheme(wanted: str, tiers: list[tuple[str, Any]]) -> KeyScheme:
 def build_scheme(base: KeyScheme | dict[str, Any], config: KVPlugConfig, changes: dict[str, str | None]) -> KeyScheme:
     """The scheme of ``base``'s fingerprint with ``changes``, under the config's chunk size,
     hash and serializer (the config is the engine's)."""
+    from kvplug.core.keys import Fingerprint
+    from kvplug.core.manifest import KeyScheme
+    from kvplug.core.plugins import get_registry
+
+    known_fields, int_fields = _fingerprint_fields()
     fields: dict[str, Any] = dict(base.fields if isinstance(base, KeyScheme) else base)
     salt_from_manifest = isinstance(base, KeyScheme) and fields.get("cache_salt") is not None
     for name, value in changes.items():
-        if name not in _FIELDS:
-            raise ExplainInputError(f"--set {name}: not a fingerprint field; fields: {', '.join(_FIELDS)}")
+        if name not in known_fields:
+            raise ExplainInputError(f"--set {name}: not a fingerprint field; fields: {', '.join(known_fields)}")
         try:
-            fields[name] = int(value) if name in _INT_FIELDS and value is not None else value
+            fields[name] = int(value) if name in int_fields and value is not None else value
         except ValueError:
             raise ExplainInputError(f"--set {name}={value}: {name} must be an integer") from None
     if salt_from_manifest and "cache_salt" not in changes:
         raise ExplainInputError(
             "this fingerprint's manifest keeps only a digest of its cache_salt: pass --cache-salt (or --no-salt)"
         )
-    fields = {name: value for name, value in fields.items() if name in _FIELDS}
+    fields = {name: value for name, value in fields.items() if name in known_fields}
     from kvplug.core.serializer_factory import make_serializer  # torch: only where a serializer is built
 
     fields["serializer"] = make_serializer(config, get_registry()).fingerprint()
@@ -149,23 +139,8 @@ def build_scheme(base: KeyScheme | dict[str, Any], config: KVPlugConfig, changes
     return KeyScheme.of(fingerprint, config.chunk_size, config.hash)
 
 
-def _plain(*cells: str) -> list[Text]:
-    """Table cells shown as they are: text from a store (a manifest's fields) is never
-    read as rich markup, which could break the table or forge what it shows."""
-    return [Text(cell) for cell in cells]
-
-
 def render(console: Any, found: Explanation, skipped: list[str]) -> None:
-    scheme = found.scheme
-    table = Table(
-        title=f"{found.num_tokens} tokens, fingerprint {scheme.fingerprint_hex[:12]}, chunk {scheme.chunk_size}"
-    )
-    for column in ("chunk", "tokens", "key", "tiers"):
-        table.add_column(column)
-    for row in found.chunks:
-        style = "" if row.index < found.hit_chunks else "red" if row.index == found.hit_chunks else "dim"
-        where = ", ".join(row.tiers) or "-"
-        table.add_row(*_plain(str(row.index), f"{row.start}-{row.end}", row.digest, where), style=style)
+    table = chunk_map(found.to_json())
     print_table(table)
     console.print(f"hit: {found.hit_tokens} of {found.num_tokens} tokens ({found.hit_chunks} chunks)", highlight=False)
     console.print(f"why: {found.reason}", highlight=False, markup=False)
@@ -175,7 +150,7 @@ def render(console: Any, found: Explanation, skipped: list[str]) -> None:
             others.add_column(column)
         for other in found.others:
             others.add_row(
-                *_plain(
+                *plain(
                     other.scheme.fingerprint_hex[:12],
                     str(other.hit_tokens),
                     ", ".join(other.tiers),
@@ -190,6 +165,8 @@ def render(console: Any, found: Explanation, skipped: list[str]) -> None:
 
 
 def _diff(found: Explanation, other: OtherScheme) -> str:
+    from kvplug.core.manifest import FIELD_NAMES
+
     names = {v: k for k, v in FIELD_NAMES.items()}
     parts = []
     for name in other.differs:
@@ -230,6 +207,7 @@ def explain_command(
     chunk and why the prompt stops there (naming the fingerprint fields that differ when
     the tiers hold its tokens under another fingerprint)."""
     from kvplug.core.config_loader import load_config
+    from kvplug.core.explain import explain_prompt
 
     def action() -> None:
         config = load_config(config_file=file).config
@@ -277,10 +255,14 @@ def _split(change: str) -> tuple[str, str]:
 
 
 def _as_scheme(base: KeyScheme | dict[str, Any], config: KVPlugConfig) -> KeyScheme:
+    from kvplug.core.manifest import KeyScheme
+
     return base if isinstance(base, KeyScheme) else build_scheme(base, config, {})
 
 
 def _list(tiers: list[tuple[str, Any]], as_json: bool) -> None:
+    from kvplug.core.explain import list_manifests
+
     notes: dict[str, str] = {}
     if as_json:  # each entry is also a --fingerprint/--candidate file's content
         found = [
@@ -309,7 +291,7 @@ def _list(tiers: list[tuple[str, Any]], as_json: bool) -> None:
         for scheme in list_manifests(label, tier, notes):
             f = scheme.fields
             table.add_row(
-                *_plain(
+                *plain(
                     label,
                     scheme.fingerprint_hex,
                     f"{f.get('model_id')}@{f.get('model_revision') or '-'}",

@@ -15,18 +15,19 @@ import datetime
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from kvplug.cli.console import console, print_table, run_or_exit
-from kvplug.core.concerns import install_command
-from kvplug.core.plugins import get_registry
-from kvplug.core.record import integrity_key
-from kvplug.core.record_store import RecordCheck, RecordStore, StoredRecord, check_record
-from kvplug.core.tier import UNBOUNDED_BYTES, StorageTier, TierContext
+from kvplug.cli.console import console, format_size, print_table, run_or_exit
 from kvplug.errors import ConfigError, ConfigProblem, CorruptChunkError, RecordUnreadableError
+
+# The core is imported where a command uses it: every ``kvplug`` command imports this module.
+if TYPE_CHECKING:
+    from kvplug.core.record_store import RecordCheck, StoredRecord
+    from kvplug.core.tier import StorageTier
 
 store_app = typer.Typer(
     help="Inspect, verify and clean a persistent store: a disk folder, an S3/fsspec URL, a valkey URL.",
@@ -34,40 +35,44 @@ store_app = typer.Typer(
 )
 
 LocationArg = typer.Argument(..., help="A folder (disk tier) or a URL such as s3://bucket/prefix or redis://host:port.")
-EndpointOpt = typer.Option(None, "--endpoint-url", help="S3 endpoint, e.g. http://127.0.0.1:9000.")
-
-#: The package whose tier opens a kind of location, for the hint when no installed tier
-#: does (like fsspec's known_implementations); any other URL scheme: kvplug-s3 (fsspec).
-_LOCATION_PACKAGES = {
-    "": "kvplug-disk",
-    "file": "kvplug-disk",
-    **dict.fromkeys(("redis", "rediss", "valkey", "valkeys", "unix"), "kvplug-valkey"),
-}
+#: What a tier needs besides the location: each tier's ``location_config`` says which keys it takes.
+OptionsOpt = typer.Option(
+    [],
+    "--option",
+    "-o",
+    help="KEY=VALUE for the tier that opens the location (repeatable); a tier names the keys it takes.",
+)
 
 
 @contextmanager
-def open_store(location: str, endpoint_url: str | None = None, *, read_only: bool = True) -> Iterator[StorageTier]:
+def open_store(location: str, options: list[str] | None = None, *, read_only: bool = True) -> Iterator[StorageTier]:
     """Open ``location`` with the first installed tier that says it opens it
     (:meth:`kvplug.StorageTier.location_config`), for inspection: nothing evicted, and
-    with ``read_only`` nothing created, changed or removed."""
+    with ``read_only`` nothing created, changed or removed. ``options``: ``KEY=VALUE`` items
+    for that tier's :meth:`~kvplug.StorageTier.location_config`."""
+    from kvplug.core.concerns import install_command, location_package
+    from kvplug.core.plugins import get_registry
+    from kvplug.core.record import integrity_key
+    from kvplug.core.record_store import RecordStore
+    from kvplug.core.tier import TierContext
+
     # Records are checked with this process's integrity key: an unusable key setting (a
     # set-but-empty variable) is an error here, never a verify that quietly passes unsigned records.
     integrity_key()
-    options = {"endpoint_url": endpoint_url} if endpoint_url else {}
+    settings = _options(options or [])
     for kind, cls in get_registry().storage_tiers().items():
         # Opening locations is an optional capability: a tier without it opens none.
         locate = getattr(cls, "location_config", None)
         if not callable(locate):
             continue
         try:
-            config = locate(location, options)
+            config = locate(location, settings)
         except ValueError as exc:
             raise ConfigError([ConfigProblem("location", location, f"tier {kind!r}: {exc}")]) from None
         if config is not None:
             break
     else:
-        scheme = location.split("://", 1)[0].lower() if "://" in location else ""
-        package = _LOCATION_PACKAGES.get(scheme, "kvplug-s3")
+        package = location_package(location)
         needs = f"no installed tier opens this location; {package} does: {install_command(package)}"
         raise ConfigError([ConfigProblem("location", location, needs)])
     tier = cls(config, TierContext(read_only=read_only))
@@ -81,17 +86,17 @@ def open_store(location: str, endpoint_url: str | None = None, *, read_only: boo
 
 
 @store_app.command("stats")
-def stats(location: str = LocationArg, endpoint_url: str | None = EndpointOpt) -> None:
+def stats(location: str = LocationArg, options: list[str] = OptionsOpt) -> None:
     """How many records and bytes a store holds, and its tier's counters."""
 
     def action() -> None:
-        with open_store(location, endpoint_url) as tier:
+        with open_store(location, options) as tier:
             records = list(tier.records())  # type: ignore[attr-defined]
             table = Table(title=f"kvplug store {location}")
             table.add_column("what")
             table.add_column("value", justify="right")
             table.add_row("records", str(len(records)))
-            table.add_row("bytes", _size(sum(r.size for r in records)))
+            table.add_row("bytes", format_size(sum(r.size for r in records)))
             times = [r.modified for r in records if r.modified is not None]
             if times:
                 table.add_row("oldest", _when(min(times)))
@@ -106,13 +111,13 @@ def stats(location: str = LocationArg, endpoint_url: str | None = EndpointOpt) -
 @store_app.command("ls")
 def ls(
     location: str = LocationArg,
-    endpoint_url: str | None = EndpointOpt,
+    options: list[str] = OptionsOpt,
     limit: int = typer.Option(50, help="Show at most this many records, newest first (0: all)."),
 ) -> None:
     """List records: key digest, size, when written (or last used, where reads move a record's time), and the KV chunk each holds."""
 
     def action() -> None:
-        with open_store(location, endpoint_url) as tier:
+        with open_store(location, options) as tier:
             records = sorted(tier.records(), key=lambda r: r.modified or 0, reverse=True)  # type: ignore[attr-defined]
             shown = records if limit == 0 else records[:limit]
             table = Table(
@@ -124,18 +129,18 @@ def ls(
                 table.add_column(column)
             for record in shown:
                 check = _read_and_check(tier, record.digest)
-                table.add_row(record.digest, _size(record.size), _when(record.modified), _describe(check))
+                table.add_row(record.digest, format_size(record.size), _when(record.modified), _describe(check))
             print_table(table)
 
     run_or_exit(action)
 
 
 @store_app.command("verify")
-def verify(location: str = LocationArg, endpoint_url: str | None = EndpointOpt) -> None:
+def verify(location: str = LocationArg, options: list[str] = OptionsOpt) -> None:
     """Read every record and check its checksums; exit 1 when any is corrupt or cannot be read."""
 
     def action() -> None:
-        with open_store(location, endpoint_url) as tier:
+        with open_store(location, options) as tier:
             verdicts = _check_all(tier, remove=False)
         _report(verdicts, removed=0)
         if verdicts["corrupt"] or verdicts["unreadable"]:
@@ -145,11 +150,11 @@ def verify(location: str = LocationArg, endpoint_url: str | None = EndpointOpt) 
 
 
 @store_app.command("gc")
-def gc(location: str = LocationArg, endpoint_url: str | None = EndpointOpt) -> None:
+def gc(location: str = LocationArg, options: list[str] = OptionsOpt) -> None:
     """Verify every record and remove the corrupt and incompatible ones."""
 
     def action() -> None:
-        with open_store(location, endpoint_url, read_only=False) as tier:
+        with open_store(location, options, read_only=False) as tier:
             verdicts = _check_all(tier, remove=True)
         _report(verdicts, removed=verdicts["corrupt"] + verdicts["incompatible"])
 
@@ -177,6 +182,8 @@ def _read_and_check(tier: StorageTier, digest: str) -> RecordCheck:
     """The verdict on one record: :func:`check_record` of its bytes, ``corrupt`` when the
     tier found it bad unread (its size), ``unreadable`` when it is there but could not be
     read (no permission): never ``gone``, which only a record that vanished is."""
+    from kvplug.core.record_store import RecordCheck, check_record
+
     try:
         data = tier.read_record(digest)  # type: ignore[attr-defined]
     except CorruptChunkError as exc:
@@ -207,19 +214,24 @@ def _describe(check: RecordCheck) -> str:
 def _budget(value: object) -> str:
     """A tier's ``max_bytes`` as a person reads it: a size with its bytes, or "unbounded"
     (``None``, -1, or :data:`kvplug.UNBOUNDED_BYTES` and above: what an inspection opens with)."""
+    from kvplug.core.tier import UNBOUNDED_BYTES
+
     if value is None or (isinstance(value, int) and (value < 0 or value >= UNBOUNDED_BYTES)):
         return "unbounded (opened for inspection: nothing is evicted)"
     if isinstance(value, int):
-        return f"{_size(value)} ({value} bytes)"
+        return f"{format_size(value)} ({value} bytes)"
     return str(value)
 
 
-def _size(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024  # type: ignore[assignment]
-    return str(nbytes)
+def _options(items: list[str]) -> dict[str, str]:
+    """``-o KEY=VALUE`` items as a mapping; an item without ``=`` is a config error naming it."""
+    options: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError([ConfigProblem("--option", item, "expected KEY=VALUE")])
+        options[key.strip()] = value
+    return options
 
 
 def _when(timestamp: float | None) -> str:

@@ -119,3 +119,17 @@ CONCERNS_BY_KEY: Mapping[str, Concern] = MappingProxyType({concern.key: concern 
 CONFIG_CONCERNS: tuple[Concern, ...] = tuple(
     CONCERNS_BY_KEY[key] for key in ("serializer", "kv_connector", "storage_tier")
 )
+
+#: The tier of kvplug's own that opens a kind of ``kvplug store`` location, by URL scheme
+#: (``""``: a folder), for the hint when no installed tier does; any other scheme: ``s3``
+#: (any fsspec URL). Like the components' ``known``: what is not installed cannot say it.
+LOCATION_TIERS: Mapping[str, str] = MappingProxyType(
+    {"": "disk", "file": "disk", **dict.fromkeys(("redis", "rediss", "valkey", "valkeys", "unix"), "valkey")}
+)
+
+
+def location_package(location: str) -> str:
+    """The package whose tier opens ``location`` (a folder, ``s3://...``, ``redis://...``)."""
+    scheme = location.split("://", 1)[0].lower() if "://" in location else ""
+    tier = LOCATION_TIERS.get(scheme, "s3")
+    return CONCERNS_BY_KEY["storage_tier"].known[tier]

@@ -25,7 +25,6 @@ from pydantic import (
     PositiveInt,
     PrivateAttr,
     ValidationError,
-    ValidationInfo,
     create_model,
     model_validator,
 )
@@ -43,7 +42,7 @@ from kvplug.core.config_components import (
 from kvplug.core.config_problems import problems_from_validation_error
 from kvplug.core.config_types import ThreadCount, TimeoutSeconds
 from kvplug.core.plugins import PluginRegistry, get_registry
-from kvplug.core.queue_settings import STORE_QUEUE_KEYS, QueueSettings, upgrade_queue_keys
+from kvplug.core.queue_settings import QueueSettings, complete_queue
 from kvplug.core.tenancy import PinSpec
 from kvplug.core.tenants import TenancyConfig
 from kvplug.errors import ConfigError, ConfigProblem
@@ -59,8 +58,8 @@ class StoreSettings(CheckedModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _upgrade_queue_keys(cls, data: Any, info: ValidationInfo) -> Any:
-        return upgrade_queue_keys(cls, data, STORE_QUEUE_KEYS, "store", info)
+    def _complete_queue(cls, data: Any) -> Any:
+        return complete_queue(cls, data)
 
     queue: QueueSettings = Field(
         default_factory=lambda: QueueSettings(mode="async", max_items=64, on_full="block"),

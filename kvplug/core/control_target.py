@@ -1,7 +1,7 @@
 """What ``kvplug ctl`` asks a running cache about: :class:`ControlTarget`.
 
 A :class:`~kvplug.ControlServer` answers for one target: its tiers (a
-:class:`~kvplug.TierChain`), its counters (:class:`~kvplug.EngineMetrics`), and how a
+:class:`~kvplug.TierChain`), its counters (:class:`~kvplug.core.metrics.EngineMetrics`), and how a
 prompt maps to its keys. :class:`EngineControl` is the target of a
 :class:`~kvplug.CacheEngine`; an adapter whose engine names its pages itself (a storage
 backend under the engine's own cache) subclasses :class:`ControlTarget` and computes

@@ -1,7 +1,7 @@
 """An eviction policy that keeps pinned keys and holds each tenant to its quota.
 
 :class:`GuardedEviction` wraps the tier's policy (``lru`` or ``s3fifo``, any
-:class:`~kvplug.EvictionPolicy`): a pinned key leaves both the policy and the
+:class:`~kvplug.core.eviction.EvictionPolicy`): a pinned key leaves both the policy and the
 accounting it evicts by, so no policy can ever choose it, and comes back as a fresh
 insert when unpinned. Each tenant with a quota also has a policy of the same kind
 over its own keys only: a tenant over its quota gives up victims from there

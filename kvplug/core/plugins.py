@@ -30,7 +30,7 @@ from packaging.version import Version
 from kvplug.core.components import EngineAdapter
 from kvplug.core.concerns import CONCERNS, CONCERNS_BY_KEY
 from kvplug.core.events import KVEvent
-from kvplug.core.tier import MEDIA, StorageTier
+from kvplug.core.tier import MEDIA, StorageTier, TierConfig
 from kvplug.core.version import KVPLUG_VERSION
 from kvplug.errors import DuplicateComponentError, PluginLoadError, PluginRejectedError
 from kvplug.hookspecs import PROJECT_NAME, SPEC_MODULES
@@ -66,12 +66,13 @@ class PluginInfo:
     error: str | None = None
 
 
-#: Module paths of core's own components (``kvplug.builtins``), registered as plugins in
-#: this order. Named, like entry points, not imported: the builtins build on the core.
-BUILTIN_PLUGINS = (
-    "kvplug.builtins.raw_serializer",
-    "kvplug.builtins.torch_connector",
-)
+#: Core's own components (``kvplug.builtins``), registered as plugins in this order: the
+#: plugin's name (its component's module) -> ``module:object`` of its hooks. Named, like
+#: entry points, not imported: the builtins build on the core.
+BUILTIN_PLUGINS = {
+    "kvplug.builtins.raw_serializer": "kvplug.builtins.hooks:raw_serializer",
+    "kvplug.builtins.torch_connector": "kvplug.builtins.hooks:torch_connector",
+}
 
 
 class PluginRegistry:
@@ -93,7 +94,8 @@ class PluginRegistry:
             if plugin_filter is None:
                 plugin_filter = os.environ.get("KVPLUG_PLUGINS")
             self._load_entry_points(_parse_filter(plugin_filter))
-        self._components: dict[str, dict[str, type]] | None = None
+        self._components: dict[str, dict[str, type]] = {}
+        self._provided: dict[str, dict[str, list[type]] | None] = {}
         self._origins: dict[tuple[str, str], str] = {}
 
     # --- registration ---------------------------------------------------------------
@@ -104,7 +106,8 @@ class PluginRegistry:
         ``False`` (and an entry in ``load_errors``) when the plugin implements a hook
         kvplug does not define, or with a signature that does not match the spec.
         """
-        self._components = None
+        self._components = {}
+        self._provided = {}
         return self._add(plugin, name, PluginInfo(name, distribution, version, builtin=False))
 
     def _add(self, plugin: object, name: str, info: PluginInfo) -> bool:
@@ -127,11 +130,12 @@ class PluginRegistry:
         info.error = str(error)
 
     def _register_builtins(self) -> None:
-        for module_path in BUILTIN_PLUGINS:
+        for name, target in BUILTIN_PLUGINS.items():
+            module_path, attribute = target.split(":")
             self._add(
-                importlib.import_module(module_path),
-                module_path,
-                PluginInfo(module_path, "kvplug", KVPLUG_VERSION, builtin=True),
+                getattr(importlib.import_module(module_path), attribute),
+                name,
+                PluginInfo(name, "kvplug", KVPLUG_VERSION, builtin=True),
             )
 
     def _load_entry_points(self, allowed: set[str] | None) -> None:
@@ -174,27 +178,28 @@ class PluginRegistry:
     # --- typed facade ---------------------------------------------------------------
 
     def serializers(self) -> dict[str, type[Serializer]]:
-        return cast("dict[str, type[Serializer]]", dict(self._collect()["serializer"]))
+        return cast("dict[str, type[Serializer]]", self.components("serializer"))
 
     def storage_tiers(self) -> dict[str, type[StorageTier]]:
-        return cast("dict[str, type[StorageTier]]", dict(self._collect()["storage_tier"]))
+        return cast("dict[str, type[StorageTier]]", self.components("storage_tier"))
 
     def kv_connectors(self) -> dict[str, type[KVConnector]]:
-        return cast("dict[str, type[KVConnector]]", dict(self._collect()["kv_connector"]))
+        return cast("dict[str, type[KVConnector]]", self.components("kv_connector"))
 
     def engine_adapters(self) -> dict[str, type[EngineAdapter]]:
-        return cast("dict[str, type[EngineAdapter]]", dict(self._collect()["engine_adapter"]))
+        return cast("dict[str, type[EngineAdapter]]", self.components("engine_adapter"))
 
     def components(self, concern: str) -> dict[str, type[Any]]:
-        return dict(self._collect()[concern])
+        return dict(self._collect(concern))
 
     def origin(self, concern: str, name: str) -> str:
         """``distribution version`` that provides a component."""
-        self._collect()
+        self._collect(concern)
         return self._origins[(concern, name)]
 
     def plugins(self) -> list[PluginInfo]:
-        self._collect()
+        for concern in CONCERN_HOOKS:
+            self._collect(concern)
         return sorted(self._infos.values(), key=lambda info: (not info.builtin, info.name))
 
     def emit(self, event: KVEvent) -> None:
@@ -205,44 +210,64 @@ class PluginRegistry:
             except Exception:
                 logger.exception("kvplug_on_event of plugin %s failed", impl.plugin_name)
 
-    def _collect(self) -> dict[str, dict[str, type]]:
-        if self._components is not None:
-            return self._components
-        found: dict[str, dict[str, type]] = {concern: {} for concern in CONCERN_HOOKS}
-        for info in self._infos.values():
-            info.components = {}
-        # First every plugin's components, then those of the plugins not refused: a plugin
-        # that gets one component wrong provides none (like one built for another API).
-        provided: list[tuple[str, str, PluginInfo, list[type]]] = []
-        refused: set[str] = set()
-        for concern, hook_name in CONCERN_HOOKS.items():
-            for impl in reversed(getattr(self.pm.hook, hook_name).get_hookimpls()):
-                info = self._infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "?", "", False)
-                try:
-                    components = self._call(hook_name, impl.plugin_name) or []
-                except Exception as exc:  # a broken plugin must not take the others down
-                    self._reject(info, f"{hook_name}() raised {type(exc).__name__}: {exc}")
-                    refused.add(impl.plugin_name)
-                    continue
-                for component in components:
-                    problem = _component_problem(concern, hook_name, component)
-                    if problem is not None:
-                        self._reject(info, problem)
-                        refused.add(impl.plugin_name)
-                provided.append((concern, impl.plugin_name, info, list(components)))
-        for concern, plugin_name, info, components in provided:
-            if plugin_name in refused:
+    def _collect(self, concern: str) -> dict[str, type]:
+        """The components of one concern, asking only the plugins that implement its hook.
+
+        A concern is collected when first asked for: a command that needs tiers alone never
+        imports the serializers and connectors (and torch, which they import).
+        """
+        found = self._components.get(concern)
+        if found is not None:
+            return found
+        found = {}
+        for impl in reversed(getattr(self.pm.hook, CONCERN_HOOKS[concern]).get_hookimpls()):
+            provided = self._provided_by(impl.plugin_name)
+            if provided is None:
                 continue
-            provider = f"{info.distribution} {info.version}".strip()
-            for component in components:
+            info = self._infos[impl.plugin_name]
+            source = f"{info.distribution} {info.version}".strip()
+            for component in provided.get(concern, []):
                 name = component.name  # type: ignore[attr-defined]  # checked by _component_problem
-                if name in found[concern]:
-                    raise DuplicateComponentError(concern, name, self._origins[(concern, name)], provider)
-                found[concern][name] = component
-                self._origins[(concern, name)] = provider
+                if name in found:
+                    raise DuplicateComponentError(concern, name, self._origins[(concern, name)], source)
+                found[name] = component
+                self._origins[(concern, name)] = source
                 info.components.setdefault(concern, []).append(name)
-        self._components = found
+        self._components[concern] = found
         return found
+
+    def _provided_by(self, plugin_name: str) -> dict[str, list[type]] | None:
+        """Every component one plugin provides, by concern; ``None`` when it is refused.
+
+        All of a plugin's hooks are asked together: a plugin that gets one component wrong
+        provides none (like one built for another API).
+        """
+        if plugin_name in self._provided:
+            return self._provided[plugin_name]
+        info = self._infos.get(plugin_name)
+        if info is None:
+            info = self._infos[plugin_name] = PluginInfo(plugin_name, "?", "", False)
+        info.components = {}
+        plugin = self.pm.get_plugin(plugin_name)
+        provided: dict[str, list[type]] = {}
+        refused = False
+        for concern, hook_name in CONCERN_HOOKS.items():
+            if not any(impl.plugin is plugin for impl in getattr(self.pm.hook, hook_name).get_hookimpls()):
+                continue
+            try:
+                components = list(self._call(hook_name, plugin_name) or [])
+            except Exception as exc:  # a broken plugin must not take the others down
+                self._reject(info, f"{hook_name}() raised {type(exc).__name__}: {exc}")
+                refused = True
+                continue
+            for component in components:
+                problem = _component_problem(concern, hook_name, component)
+                if problem is not None:
+                    self._reject(info, problem)
+                    refused = True
+            provided[concern] = components
+        self._provided[plugin_name] = None if refused else provided
+        return self._provided[plugin_name]
 
 
 #: concern -> ``(module, class)`` of the base class every component of it subclasses,
@@ -282,6 +307,12 @@ def _component_problem(concern: str, hook_name: str, component: object) -> str |
     medium = getattr(component, "medium", "remote")
     if concern == "storage_tier" and medium not in MEDIA:
         return f"its {word} {name!r} declares medium {medium!r}; a tier's medium is one of {', '.join(MEDIA)}"
+    config = component.Config
+    if concern == "storage_tier" and not (isinstance(config, type) and issubclass(config, TierConfig)):
+        return (
+            f"its {word} {name!r} has a Config ({getattr(config, '__qualname__', config)}) that does not subclass "
+            "kvplug.TierConfig, which holds the settings every tier has (max_bytes, queue, admission)"
+        )
     base = _missing_base(concern, component)
     if base is not None:
         return (

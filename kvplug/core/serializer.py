@@ -6,15 +6,17 @@ import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 from pydantic import BaseModel
 
 from kvplug.core.chunk_format import DEFAULT_MAX_CHUNK_BYTES
 from kvplug.core.components import EmptyConfig
 from kvplug.core.tier import Buffer
 from kvplug.errors import CorruptChunkError
+
+if TYPE_CHECKING:  # a serializer's module loads without torch: ``kvplug config validate`` reads its Config
+    import torch
 
 
 class Serializer(ABC):

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import logging
 import mmap
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ByteSize, Field, ValidationInfo, model_validator
+from pydantic import BaseModel, ByteSize, Field, model_validator
 
 from kvplug.core.admission import AdmissionConfig, AdmitAllConfig
 from kvplug.core.components import ComponentConfig
 from kvplug.core.events import KVEvent
 from kvplug.core.metrics import EngineMetrics
-from kvplug.core.queue_settings import TIER_QUEUE_KEYS, OldQueueKey, QueueSettings, upgrade_queue_keys
+from kvplug.core.queue_settings import QueueSettings, complete_queue
 from kvplug.core.tenancy import Tenancy
 
 #: What ``get`` returns for a key: the whole value, or ``None`` for a miss.
@@ -53,12 +52,8 @@ class TierConfig(ComponentConfig):
 
     A subclass gives its tiers other queue defaults by redeclaring ``queue`` with another
     default (``RemoteTierConfig``: async); a user's partial ``queue:`` mapping changes only
-    the keys it names. A subclass whose tiers had options of their own that became queue
-    settings lists them in ``old_queue_keys`` (kvplug 0.2 keys, accepted for one release).
+    the keys it names.
     """
-
-    #: Old keys that became ``queue.<field>`` (each warns, naming its new key).
-    old_queue_keys: ClassVar[Mapping[str, OldQueueKey]] = TIER_QUEUE_KEYS
 
     max_bytes: ByteSize | None = Field(default=None, description="Byte budget of stored values; None means unbounded.")
     queue: QueueSettings = Field(
@@ -76,8 +71,8 @@ class TierConfig(ComponentConfig):
 
     @model_validator(mode="before")
     @classmethod
-    def _upgrade_queue_keys(cls, data: Any, info: ValidationInfo) -> Any:
-        return upgrade_queue_keys(cls, data, cls.old_queue_keys, "", info)
+    def _complete_queue(cls, data: Any) -> Any:
+        return complete_queue(cls, data)
 
 
 @dataclass
@@ -133,8 +128,7 @@ class StorageTier(ABC):
 
     name: ClassVar[str]
     #: The tier's options, a :class:`TierConfig` subclass: the chain reads the settings
-    #: every tier has (``max_bytes``, ``queue`` ...) from it. A plain pydantic model
-    #: (kvplug 0.2) still works, deprecated: see :func:`tier_settings`.
+    #: every tier has (``max_bytes``, ``queue`` ...) from it.
     Config: ClassVar[type[TierConfig]] = TierConfig
     #: Where the values live: ``memory`` (this process's or this host's memory, read at
     #: memory speed), ``disk`` (local files) or ``remote`` (another machine or service).
@@ -180,7 +174,7 @@ class StorageTier(ABC):
         """The config that opens ``location`` for ``kvplug store`` (inspection: an
         unbounded budget, nothing evicted), or ``None`` when this tier does not store
         things at such a location. ``options`` are extra settings from the command
-        line (``--endpoint-url``); raise ``ValueError`` naming any this tier lacks.
+        line (``kvplug store -o endpoint_url=...``); raise ``ValueError`` naming any this tier lacks.
         A tier that answers must implement ``kvplug.RecordStore``."""
         return None
 
@@ -247,29 +241,3 @@ class StorageTier(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def tier_settings(tier: StorageTier) -> TierConfig:
-    """The settings every tier has (:class:`TierConfig`) of ``tier``, read typed.
-
-    A tier's ``config`` is its :class:`TierConfig` subclass. A tier written before that
-    was required may have a plain pydantic ``Config``: its settings are read from the
-    fields it has, :class:`TierConfig`'s defaults for the others, with a
-    ``DeprecationWarning`` naming the tier (subclass ``kvplug.TierConfig`` instead; the
-    shim goes in a later release).
-    """
-    config: object = tier.config
-    if isinstance(config, TierConfig):
-        return config
-    label = f"{getattr(type(tier), 'name', '?')!r} ({type(tier).__module__}.{type(tier).__qualname__})"
-    warnings.warn(
-        f"tier {label}: its Config {type(config).__name__} is not a kvplug.TierConfig; "
-        "a plain pydantic tier Config is deprecated and will stop working in a later release: subclass kvplug.TierConfig",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    fields = type(config).model_fields.keys() if isinstance(config, BaseModel) else set()
-    known = TierConfig.model_fields.keys() | TierConfig.old_queue_keys.keys()
-    with warnings.catch_warnings():  # warned above, once for the tier; not once per old key
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return TierConfig.model_validate({name: getattr(config, name) for name in known & fields})

@@ -9,7 +9,7 @@
   does not promote: ``promote`` writes a hit from a slower tier to the faster
   ones once the caller has verified it (:class:`kvplug.ChunkStore` does both).
 - ``contains_prefix`` answers how many leading keys some tier holds.
-- Admission: each tier's :class:`~kvplug.AdmissionPolicy` (``tiers[i].admission``)
+- Admission: each tier's :class:`~kvplug.core.admission.AdmissionPolicy` (``tiers[i].admission``)
   decides which chunks of a ``put`` or a ``promote`` are written to it, before the
   write is made or queued; stores and verified loads count as sightings, lookups do
   not. A load also writes the chunks a slower tier's policy has just admitted (they
@@ -32,7 +32,7 @@ from kvplug.core.plugins import PluginRegistry
 from kvplug.core.remote import call_budget, remaining_budget_s
 from kvplug.core.tenancy import Tenancy
 from kvplug.core.tenant_metrics import TierFigures
-from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierStats, tier_settings
+from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierStats
 from kvplug.core.tier_open import open_tiers, preflight_tiers
 from kvplug.core.tier_removal import RemovalPlan, RemoveKeys, TierRemoval, remove_planned
 from kvplug.core.tier_slot import TierSlot, WriteListeners
@@ -76,7 +76,7 @@ class TierChain:
         self.writes = WriteListeners()
         for index, tier in enumerate(tiers):
             label = f"{index}:{tier.name}"
-            settings = tier_settings(tier)
+            settings = tier.config
             queue = None
             if settings.queue.mode == "async":
                 queue = WriteQueue(
@@ -142,7 +142,7 @@ class TierChain:
 
     @property
     def settings(self) -> list[TierConfig]:
-        """Each tier's :class:`~kvplug.TierConfig` settings (a 0.2-style config adapted once)."""
+        """Each tier's :class:`~kvplug.TierConfig` settings."""
         return [slot.settings for slot in self._slots]
 
     # --- reads ----------------------------------------------------------------------
@@ -186,7 +186,7 @@ class TierChain:
         what the tier lacks again on its own thread before it writes.
 
         ``budget_s`` bounds the whole answer: remote tiers end their calls within it
-        (:func:`kvplug.call_budget`), and tiers not asked before it ran out answer
+        (:func:`kvplug.core.remote.call_budget`), and tiers not asked before it ran out answer
         "miss".
         """
         present = [False] * len(keys)

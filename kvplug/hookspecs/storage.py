@@ -12,8 +12,8 @@ def kvplug_storage_tiers() -> list[type]:
     Each class subclasses :class:`kvplug.StorageTier`, carries a unique
     ``name: ClassVar[str]`` (the ``tiers: [{type: <name>}]`` of a config) and a
     ``Config`` model subclassing :class:`kvplug.TierConfig` (the shared
-    ``max_bytes`` and write options the tier chain reads; a plain pydantic model
-    still works, deprecated, with a ``DeprecationWarning``), and is built as
+    ``max_bytes`` and write options the tier chain reads; the registry refuses a
+    plugin whose tier's ``Config`` does not), and is built as
     ``cls(config, context)`` with a :class:`kvplug.TierContext`. It declares its
     ``medium`` (``"memory"``, ``"disk"`` or ``"remote"``; undeclared: ``"remote"``):
     engine adapters treat tiers by it, never by their names. A constructor that

@@ -10,9 +10,11 @@ from kvplug.testing.connector_copies import gather_chunk, scatter_chunk
 from kvplug.testing.control_cli import run_ctl
 from kvplug.testing.decode_bounds import DecodeCost, assert_bounded, cap_memory, measure_decode, run_fresh
 from kvplug.testing.other_user import send_as_other_user
+from kvplug.testing.pins_contract import PinsAndQuotasContract, pins_context
 from kvplug.testing.storage_contract import StorageTierContract, key_for, tier_context, value_for
 
 if TYPE_CHECKING:
+    from kvplug.testing.engine_round_trip import TierRoundTripContract
     from kvplug.testing.kv_oracle import (
         KVComparison,
         KVMismatch,
@@ -41,6 +43,10 @@ def __getattr__(name: str) -> Any:
         from kvplug.testing import kv_oracle
 
         return getattr(kv_oracle, name)
+    if name == "TierRoundTripContract":  # an engine's: torch
+        from kvplug.testing import engine_round_trip
+
+        return engine_round_trip.TierRoundTripContract
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -50,7 +56,9 @@ __all__ = [
     "KVMismatch",
     "KVSlots",
     "LossyBound",
+    "PinsAndQuotasContract",
     "StorageTierContract",
+    "TierRoundTripContract",
     "assert_bounded",
     "assert_kv_matches",
     "cap_memory",
@@ -59,6 +67,7 @@ __all__ = [
     "key_for",
     "load_slots",
     "measure_decode",
+    "pins_context",
     "run_ctl",
     "run_fresh",
     "save_slots",

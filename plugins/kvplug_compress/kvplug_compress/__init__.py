@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 import kvplug
-from kvplug_compress.lossless import LZ4Serializer, ZstdSerializer
-from kvplug_compress.quantized import FP8Serializer, Int8Serializer
+
+if TYPE_CHECKING:
+    from kvplug_compress.lossless import LZ4Serializer, ZstdSerializer
+    from kvplug_compress.quantized import FP8Serializer, Int8Serializer
+
+#: Exported name -> its module, imported on first use: registering the plugin (every
+#: ``kvplug`` command does) imports none of them, nor what they import (torch).
+_LAZY = {
+    "LZ4Serializer": "kvplug_compress.lossless",
+    "ZstdSerializer": "kvplug_compress.lossless",
+    "FP8Serializer": "kvplug_compress.quantized",
+    "Int8Serializer": "kvplug_compress.quantized",
+}
 
 __all__ = ["FP8Serializer", "Int8Serializer", "LZ4Serializer", "ZstdSerializer"]
 
 
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(module), name)
+
+
 @kvplug.hookimpl
 def kvplug_serializers() -> list[type]:
+    from kvplug_compress.lossless import LZ4Serializer, ZstdSerializer
+    from kvplug_compress.quantized import FP8Serializer, Int8Serializer
+
     return [ZstdSerializer, LZ4Serializer, Int8Serializer, FP8Serializer]

@@ -6,14 +6,17 @@ import ctypes
 import warnings
 from abc import abstractmethod
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 import kvplug
 from kvplug import dtype_name
 from kvplug.errors import CorruptChunkError
 from kvplug_compress import frame as kvpc
+
+if TYPE_CHECKING:
+    import torch
+else:  # loaded on first use: reading the Config needs no torch
+    from kvplug_compress.lazy_torch import torch
 
 
 def tensor_over(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:

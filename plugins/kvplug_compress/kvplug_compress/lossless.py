@@ -23,16 +23,20 @@ import threading
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import lz4.block
-import torch
 import zstandard
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvplug.errors import CorruptChunkError
 from kvplug_compress import frame as kvpc
 from kvplug_compress.base import CompressingSerializer, tensor_over
+
+if TYPE_CHECKING:
+    import torch
+else:  # loaded on first use: reading the Config needs no torch
+    from kvplug_compress.lazy_torch import torch
 
 _RAW_PLANE = 0x8000_0000
 #: Bounds of ``segment_bytes``; a frame's segments are never smaller than the lower one.

@@ -23,22 +23,27 @@ dtype, then the codes, ``[rows, width]`` one byte each (``rows`` = elements / wi
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvplug import dtype_name
 from kvplug.errors import CorruptChunkError
 from kvplug_compress import frame as kvpc
 from kvplug_compress.base import CompressingSerializer, tensor_over
 
+if TYPE_CHECKING:
+    import torch
+else:  # loaded on first use: reading the Config needs no torch
+    from kvplug_compress.lazy_torch import torch
+
 #: Chunk dtypes that are quantized; anything else is stored as is.
-QUANTIZED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+QUANTIZED_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 #: Scale dtype codes in the frame header (parameter B).
-SCALE_DTYPES: dict[int, torch.dtype] = {1: torch.float16, 2: torch.float32}
-_FP16_MAX = torch.finfo(torch.float16).max
-_FP16_TINY = torch.finfo(torch.float16).tiny
+SCALE_DTYPES: dict[int, str] = {1: "float16", 2: "float32"}
+#: fp16's largest and smallest normal values (``torch.finfo(torch.float16)``).
+_FP16_MAX = 65504.0
+_FP16_TINY = 2.0**-14
 
 
 class QuantizedConfig(BaseModel):
@@ -61,20 +66,26 @@ class QuantizedSerializer(CompressingSerializer):
     Config: ClassVar[type[BaseModel]] = QuantizedConfig
     #: Largest magnitude of the code.
     code_max: ClassVar[float]
-    code_dtype: ClassVar[torch.dtype]
+    #: The code's torch dtype, by name.
+    code_dtype_name: ClassVar[str]
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        dtype: torch.dtype = getattr(torch, self.code_dtype_name)
+        return dtype
 
     def encode(self, tensor: torch.Tensor) -> bytearray:
         group = self.config.group_size  # type: ignore[attr-defined]
-        if tensor.dtype not in QUANTIZED_DTYPES or tensor.numel() == 0:
+        if dtype_name(tensor.dtype) not in QUANTIZED_DTYPES or tensor.numel() == 0:
             return self.stored_frame(tensor, param_a=group)
         width = tensor.shape[-1] if tensor.dim() else 1
         rows = tensor.numel() // width
         groups = math.ceil(width / group)
         # One float32 copy, padded only when groups do not divide the width; the rest in place.
         values = tensor.reshape(rows, width).to(torch.float32, copy=True)  # a copy: divided in place below
-        padded = (values if groups * group == width else F.pad(values, (0, groups * group - width))).view(
-            rows, groups, group
-        )
+        padded = (
+            values if groups * group == width else torch.nn.functional.pad(values, (0, groups * group - width))
+        ).view(rows, groups, group)
         amax = padded.abs().amax(-1)
         if not bool(torch.isfinite(amax).all()):  # an inf or NaN in a group shows in its amax
             return self.stored_frame(tensor, param_a=group)  # inf/NaN have no code: keep them exact
@@ -89,9 +100,10 @@ class QuantizedSerializer(CompressingSerializer):
 
     def decode(self, header: kvpc.FrameHeader, payload: memoryview, dtype: torch.dtype) -> torch.Tensor:
         group = header.param_a
-        scale_dtype = SCALE_DTYPES.get(header.param_b)
-        if scale_dtype is None or group <= 0 or dtype not in QUANTIZED_DTYPES:
+        scale_name = SCALE_DTYPES.get(header.param_b)
+        if scale_name is None or group <= 0 or dtype_name(dtype) not in QUANTIZED_DTYPES:
             raise CorruptChunkError(f"encoded {header.dtype} frame with group {group}, scale code {header.param_b}")
+        scale_dtype = getattr(torch, scale_name)
         if header.numel == 0:  # the encoder stores empty chunks; and a zero width divides nothing
             raise CorruptChunkError(f"encoded frame of an empty chunk (shape {header.shape})")
         width = header.shape[-1] if header.shape else 1
@@ -139,7 +151,7 @@ class Int8Serializer(QuantizedSerializer):
 
     name = "int8"
     code_max = 127.0
-    code_dtype = torch.int8
+    code_dtype_name = "int8"
 
     def quantize(self, scaled: torch.Tensor) -> torch.Tensor:
         return scaled.round_().clamp_(-127, 127).to(torch.int8)
@@ -150,7 +162,7 @@ class FP8Serializer(QuantizedSerializer):
 
     name = "fp8"
     code_max = 448.0
-    code_dtype = torch.float8_e4m3fn
+    code_dtype_name = "float8_e4m3fn"
 
     def quantize(self, scaled: torch.Tensor) -> torch.Tensor:
         # Clamped first: e4m3fn has no inf, and an out-of-range cast would give NaN.

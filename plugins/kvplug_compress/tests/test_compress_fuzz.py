@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import kvplug
+from kvplug.core.record import pack_record
 from kvplug.errors import CorruptChunkError
 from kvplug.testing import assert_bounded, cap_memory, measure_decode, run_fresh
 from kvplug_compress import FP8Serializer, Int8Serializer, LZ4Serializer, ZstdSerializer
@@ -364,7 +365,7 @@ def forged_disk_record(tmp: str) -> None:
     victim = record_of(path, keys[1])
     valid = bytes(kvplug.unpack_record(victim.read_bytes(), keys[1]))
     assert valid[33] == kvpc.ENCODED
-    record = kvplug.pack_record(keys[1], sealed(with_plane(valid, 0, zstd_zeros(2 * GiB, 2 * GiB))))
+    record = pack_record(keys[1], sealed(with_plane(valid, 0, zstd_zeros(2 * GiB, 2 * GiB))))
     assert len(record) < 70 * 1024
     target = caches(seed=9)
     with engine(path, serializer) as reader:  # warm-up: the first retrieve of a process pays for more than chunks

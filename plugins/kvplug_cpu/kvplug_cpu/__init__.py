@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 import kvplug
-from kvplug_cpu.tier import CPUTier, CPUTierConfig
+
+if TYPE_CHECKING:
+    from kvplug_cpu.tier import CPUTier, CPUTierConfig
+
+#: Exported name -> its module, imported on first use: registering the plugin (every
+#: ``kvplug`` command does) imports none of them, nor what they import (torch).
+_LAZY = {
+    "CPUTier": "kvplug_cpu.tier",
+    "CPUTierConfig": "kvplug_cpu.tier",
+}
 
 __all__ = ["CPUTier", "CPUTierConfig"]
 
 
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(module), name)
+
+
 @kvplug.hookimpl
 def kvplug_storage_tiers() -> list[type]:
+    from kvplug_cpu.tier import CPUTier
+
     return [CPUTier]

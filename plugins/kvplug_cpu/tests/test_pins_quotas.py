@@ -1,8 +1,8 @@
-"""Tier ``cpu``'s pins and per-tenant quotas, on real tiers."""
+"""Tier ``cpu``'s pins and per-tenant quotas, on real tiers: kvplug's contract suite, and the cpu tier's own cases."""
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Callable
 
 import pytest
 from hypothesis import settings
@@ -12,45 +12,25 @@ from pydantic import ValidationError
 
 from kvplug import TierChain, TierContext
 from kvplug.core.pins import pin_keys, unpin_keys
-from kvplug.testing import value_for
+from kvplug.testing import PinsAndQuotasContract, pins_context, value_for
+from kvplug.testing.pins_contract import TENANTS, key_of
 from kvplug_cpu import CPUTier
 
 CHUNK = 100
-TENANTS = ("tenant-a", "tenant-b", "tenant-c", None)
-
-
-def fingerprint_of(tenant: str | None) -> str:
-    return hashlib.sha256(f"fp/{tenant}".encode()).hexdigest()[:32]
-
-
-def key_of(tenant: str | None, name: str) -> str:
-    return f"v1/{fingerprint_of(tenant)}/{hashlib.sha256(name.encode()).hexdigest()}"
 
 
 def make_tier(eviction: str = "lru", **options: object) -> tuple[CPUTier, TierContext]:
-    context = TierContext()
-    for tenant in TENANTS:
-        context.tenancy.tenants.note(fingerprint_of(tenant), tenant)
+    context = pins_context()
     config = CPUTier.Config(eviction=eviction, **{"max_bytes": 10 * CHUNK, **options})  # type: ignore[arg-type]
     return CPUTier(config, context), context
 
 
-@pytest.mark.parametrize("eviction", ["lru", "s3fifo"])
-def test_pinned_system_prompt_survives_a_scan(eviction: str) -> None:
-    tier, context = make_tier(eviction, pin_max_bytes="30%")
-    system = [key_of(None, f"system-{i}") for i in range(3)]
-    context.tenancy.pins.add(system)  # as CacheEngine.pin does before the prompt is stored
-    tier.put([(key, value_for(key, CHUNK)) for key in system])
-    warm = [key_of(None, f"warm-{i}") for i in range(3)]
-    tier.put([(key, value_for(key, CHUNK)) for key in warm])
-    scan = [key_of(None, f"one-off-{i}") for i in range(200)]
-    for key in scan:
-        tier.put([(key, value_for(key, CHUNK))])
-    assert tier.contains(system) == [True] * 3
-    assert tier.get(system) == [value_for(key, CHUNK) for key in system]
-    assert tier.contains(warm) == [False] * 3  # everything else was evicted
-    assert tier.stats().bytes_used <= 10 * CHUNK
-    assert tier.stats().extra["pinned_bytes"] == 3 * CHUNK
+class TestCPUPinsAndQuotas(PinsAndQuotasContract):
+    value = unit = CHUNK
+
+    @pytest.fixture
+    def make_tier(self) -> Callable[..., tuple[CPUTier, TierContext]]:
+        return make_tier
 
 
 def test_pin_of_a_stored_chunk_through_the_chain_and_unpin() -> None:
@@ -71,49 +51,6 @@ def test_pin_of_a_stored_chunk_through_the_chain_and_unpin() -> None:
     for i in range(100, 200):
         tier.put([(key_of(None, f"scan-{i}"), value_for(str(i), CHUNK))])
     assert tier.contains([*stored, later]) == [False] * 3
-
-
-def test_a_pin_over_the_pin_budget_is_refused_and_counted(caplog: pytest.LogCaptureFixture) -> None:
-    tier, context = make_tier(pin_max_bytes=2 * CHUNK)
-    chain = TierChain([tier])
-    chain.tenancy = context.tenancy
-    keys = [key_of(None, f"k{i}") for i in range(3)]
-    tier.put([(key, value_for(key, CHUNK)) for key in keys])
-    report = pin_keys(chain, keys)
-    assert (report.chunks, report.refused, report.missing) == (2, 1, 0)
-    assert tier.stats().extra["pins_refused"] == 1
-    assert tier.stats().extra["pinned_bytes"] == 2 * CHUNK
-    assert "refused" in caplog.text and "pin_max_bytes" in caplog.text
-
-
-def test_a_tenant_over_its_quota_evicts_its_own_chunks_not_another_s() -> None:
-    tier, context = make_tier(quotas={"tenant-a": 3 * CHUNK, "default": "20%"})
-    mine_b = [key_of("tenant-b", f"b{i}") for i in range(2)]
-    tier.put([(key, value_for(key, CHUNK)) for key in mine_b])
-    first_a = [key_of("tenant-a", f"a{i}") for i in range(3)]
-    tier.put([(key, value_for(key, CHUNK)) for key in first_a])
-    for i in range(3, 20):  # tenant-a floods: far past its quota, well within the tier's budget
-        key = key_of("tenant-a", f"a{i}")
-        tier.put([(key, value_for(key, CHUNK))])
-    assert tier.contains(mine_b) == [True, True]  # older than every chunk of tenant-a, still there
-    assert tier.contains(first_a) == [False] * 3
-    extra = tier.stats().extra
-    label = context.tenancy.labels.label("tenant-a", {"tenant-a"})  # a quota named by its salt: a digest label
-    assert label.startswith("salt-") and not any("tenant-a" in key for key in extra)
-    assert extra[f"tenant_bytes:{label}"] == 3 * CHUNK
-    assert extra["tenant_bytes:(other)"] == 2 * CHUNK  # tenant-b: not named, one bounded label
-    assert extra["quota_evictions"] == 17
-
-
-def test_unpinned_chunks_put_their_tenant_over_its_quota_at_once() -> None:
-    tier, _ = make_tier(pin_max_bytes="30%", quotas={"tenant-a": 3 * CHUNK})
-    keys = [key_of("tenant-a", f"a{i}") for i in range(4)]
-    tier.put([(keys[0], value_for(keys[0], CHUNK))])
-    assert tier.pin([keys[0]]) == [("pinned", CHUNK)]
-    tier.put([(key, value_for(key, CHUNK)) for key in keys[1:]])  # the quota, beside the pinned one
-    tier.unpin([keys[0]])  # now 4 chunks count against a quota of 3: the oldest unpinned one goes
-    assert tier.contains(keys) == [True, False, True, True]
-    assert tier.stats().extra["quota_evictions"] == 1
 
 
 def test_a_request_pin_that_grows_counts_against_its_tenant_s_quota() -> None:

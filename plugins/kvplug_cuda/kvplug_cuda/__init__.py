@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 import kvplug
-from kvplug_cuda.connector import CudaConnector, CudaConnectorConfig
-from kvplug_cuda.pinned_pool import PinnedBuffer, PinnedPool, PoolStats
+
+if TYPE_CHECKING:
+    from kvplug_cuda.connector import CudaConnector, CudaConnectorConfig
+    from kvplug_cuda.pinned_pool import PinnedBuffer, PinnedPool, PoolStats
+
+#: Exported name -> its module, imported on first use: registering the plugin (every
+#: ``kvplug`` command does) imports none of them, nor what they import (torch).
+_LAZY = {
+    "CudaConnector": "kvplug_cuda.connector",
+    "CudaConnectorConfig": "kvplug_cuda.connector",
+    "PinnedBuffer": "kvplug_cuda.pinned_pool",
+    "PinnedPool": "kvplug_cuda.pinned_pool",
+    "PoolStats": "kvplug_cuda.pinned_pool",
+}
 
 __all__ = ["CudaConnector", "CudaConnectorConfig", "PinnedBuffer", "PinnedPool", "PoolStats"]
 
 
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(module), name)
+
+
 @kvplug.hookimpl
 def kvplug_kv_connectors() -> list[type]:
+    from kvplug_cuda.connector import CudaConnector
+
     return [CudaConnector]

@@ -6,23 +6,18 @@ writes of one key are coalesced, a ``remove`` cancels queued writes, and ``close
 writes or drops what is queued (``queue.on_close``). The tier's own ``put`` writes
 before it returns; the chain calls its ``settle`` when the queue runs empty, which
 fsyncs the folders renamed into since the last one as a group.
-
-The options of kvplug 0.2's writer thread (``writer``, ``queue_items``, ``queue_bytes``,
-``block_timeout_s``, ``on_close``) still work for one release, as ``queue`` settings.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Literal
 
 from pydantic import ByteSize, Field, field_validator
 
 from kvplug import (
     Bounded,
     EvictionName,
-    OldQueueKey,
     QueueSettings,
     RecordTierConfig,
     TenancySettings,
@@ -33,17 +28,6 @@ from kvplug import (
 
 class DiskTierConfig(TenancySettings, RecordTierConfig):
     """Options of tier ``disk``; ``path`` is required."""
-
-    old_queue_keys: ClassVar[Mapping[str, OldQueueKey]] = {
-        **RecordTierConfig.old_queue_keys,
-        # The chain never queued a disk tier's writes in sync mode: its own writer did (writer).
-        "write_mode": OldQueueKey("mode", {"sync": None}),
-        "writer": OldQueueKey("mode", {"background": "async", "inline": "sync"}),
-        "queue_items": OldQueueKey("max_items"),
-        "queue_bytes": OldQueueKey("max_bytes"),
-        "block_timeout_s": OldQueueKey("block_timeout_s"),
-        "on_close": OldQueueKey("on_close", {"flush": "drain"}),
-    }
 
     path: Path = Field(description="Folder of the cache, created if missing. Several processes may share it.")
     max_bytes: ByteSize = Field(

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
-from kvplug import EngineMetrics, TierChain
+from kvplug import TierChain
 from kvplug.cli.main import app
+from kvplug.core.metrics import EngineMetrics
 from kvplug.testing import key_for, tier_context, value_for
 from kvplug_disk import DiskTier, verify_folder
 

@@ -1,10 +1,11 @@
-"""Tiers ``disk`` and ``shm``: pins and per-tenant quotas, on real folders."""
+"""Tiers ``disk`` and ``shm``: pins and per-tenant quotas, on real folders: kvplug's contract suite,
+and the disk tier's own cases."""
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,22 +15,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvplug import TierChain, TierContext, key_digest
 from kvplug.core.pins import pin_keys
-from kvplug.testing import value_for
+from kvplug.testing import PinsAndQuotasContract, pins_context, value_for
+from kvplug.testing.pins_contract import TENANTS, key_of
 from kvplug_disk import DiskTier
 from kvplug_disk.shm import ShmTier
 
 VALUE = 1000
 FILE = VALUE + 64  # a record file: the value and its header; pins and quotas count file bytes
 BUDGET = 10 * VALUE
-TENANTS = ("tenant-a", "tenant-b", "tenant-c", None)
-
-
-def fingerprint_of(tenant: str | None) -> str:
-    return hashlib.sha256(f"fp/{tenant}".encode()).hexdigest()[:32]
-
-
-def key_of(tenant: str | None, name: str) -> str:
-    return f"v1/{fingerprint_of(tenant)}/{hashlib.sha256(name.encode()).hexdigest()}"
 
 
 def make_tier(
@@ -39,30 +32,17 @@ def make_tier(
     tier: type[DiskTier] = DiskTier,
     **options: object,
 ) -> tuple[DiskTier, TierContext]:
-    context = context or TierContext()
-    for tenant in TENANTS:
-        context.tenancy.tenants.note(fingerprint_of(tenant), tenant)
+    context = pins_context(context)
     config = tier.Config(path=path, eviction=eviction, fsync=False, max_bytes=BUDGET, **options)  # type: ignore[arg-type]
     return tier(config, context), context
 
 
-@pytest.mark.parametrize("eviction", ["lru", "s3fifo"])
-def test_pinned_system_prompt_survives_a_scan(tmp_path: Path, eviction: str) -> None:
-    tier, context = make_tier(tmp_path / "disk", eviction, pin_max_bytes="40%")
-    system = [key_of(None, f"system-{i}") for i in range(3)]
-    context.tenancy.pins.add(system)  # as CacheEngine.pin does before the prompt is stored
-    tier.put([(key, value_for(key, VALUE)) for key in system])
-    warm = [key_of(None, f"warm-{i}") for i in range(3)]
-    tier.put([(key, value_for(key, VALUE)) for key in warm])
-    for i in range(60):
-        key = key_of(None, f"one-off-{i}")
-        tier.put([(key, value_for(key, VALUE))])
-    assert tier.contains(warm) == [False] * 3  # everything else was evicted
-    assert [bytes(v) if v is not None else None for v in tier.get(system)] == [value_for(k, VALUE) for k in system]
-    extra = tier.stats().extra
-    assert extra["pinned_items"] == 3 and extra["pinned_bytes"] == 3 * FILE
-    assert extra["folder_bytes"] <= BUDGET
-    tier.close()
+class TestDiskPinsAndQuotas(PinsAndQuotasContract):
+    value, unit = VALUE, FILE
+
+    @pytest.fixture
+    def make_tier(self, tmp_path: Path) -> Callable[..., tuple[DiskTier, TierContext]]:
+        return lambda eviction="lru", **options: make_tier(tmp_path / "disk", eviction, **options)
 
 
 def test_shm_keeps_pins_too(tmp_path: Path) -> None:
@@ -79,19 +59,6 @@ def test_shm_keeps_pins_too(tmp_path: Path) -> None:
     tier.close()
 
 
-def test_a_pin_over_the_pin_budget_is_refused_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    tier, context = make_tier(tmp_path / "disk", pin_max_bytes=2 * FILE)
-    chain = TierChain([tier])
-    chain.tenancy = context.tenancy
-    keys = [key_of(None, f"k{i}") for i in range(3)]
-    tier.put([(key, value_for(key, VALUE)) for key in keys])
-    report = pin_keys(chain, [*keys, key_of(None, "not stored")])
-    assert (report.chunks, report.bytes, report.refused, report.missing) == (2, 2 * VALUE, 1, 1)
-    assert tier.stats().extra["pins_refused"] == 1
-    assert "refused" in caplog.text
-    tier.close()
-
-
 def test_configured_pins_apply_to_records_found_at_start(tmp_path: Path) -> None:
     first, _ = make_tier(tmp_path / "disk")
     system = key_of("tenant-a", "system")
@@ -105,38 +72,6 @@ def test_configured_pins_apply_to_records_found_at_start(tmp_path: Path) -> None
         key = key_of(None, f"one-off-{i}")
         tier.put([(key, value_for(key, VALUE))])
     assert tier.contains([system]) == [True]
-    tier.close()
-
-
-def test_a_tenant_over_its_quota_evicts_its_own_records_not_another_s(tmp_path: Path) -> None:
-    tier, context = make_tier(tmp_path / "disk", quotas={"tenant-a": 3 * FILE, "default": "25%"})
-    mine_b = [key_of("tenant-b", f"b{i}") for i in range(2)]
-    tier.put([(key, value_for(key, VALUE)) for key in mine_b])
-    first_a = [key_of("tenant-a", f"a{i}") for i in range(3)]
-    tier.put([(key, value_for(key, VALUE)) for key in first_a])
-    for i in range(3, 20):  # far past tenant-a's quota, within the folder's budget each time
-        key = key_of("tenant-a", f"a{i}")
-        tier.put([(key, value_for(key, VALUE))])
-    assert tier.contains(mine_b) == [True, True]
-    assert tier.contains(first_a) == [False] * 3
-    extra = tier.stats().extra
-    label = context.tenancy.labels.label("tenant-a", {"tenant-a"})  # a quota named by its salt: a digest label
-    assert label.startswith("salt-") and not any("tenant-a" in key for key in extra)
-    assert extra[f"tenant_bytes:{label}"] == 3 * FILE
-    assert extra["tenant_bytes:(other)"] == 2 * FILE
-    assert extra["quota_evictions"] == 17
-    tier.close()
-
-
-def test_unpinned_records_put_their_tenant_over_its_quota_at_once(tmp_path: Path) -> None:
-    tier, _ = make_tier(tmp_path / "disk", pin_max_bytes="30%", quotas={"tenant-a": 3 * FILE})
-    keys = [key_of("tenant-a", f"a{i}") for i in range(4)]
-    tier.put([(keys[0], value_for(keys[0], VALUE))])
-    assert tier.pin([keys[0]]) == [("pinned", VALUE)]
-    tier.put([(key, value_for(key, VALUE)) for key in keys[1:]])  # the quota, beside the pinned one
-    tier.unpin([keys[0]])  # now 4 records count against a quota of 3: the oldest unpinned one goes
-    assert tier.contains(keys) == [True, False, True, True]
-    assert tier.stats().extra["quota_evictions"] == 1
     tier.close()
 
 

@@ -28,10 +28,10 @@ from kvplug import (
     check_record_size,
     key_digest,
     load_config,
-    pack_record,
 )
 from kvplug.cli.main import app
 from kvplug.core import record
+from kvplug.core.record import pack_record
 from kvplug.errors import CorruptChunkError
 from kvplug_disk import DiskTier, DiskTierConfig, verify_folder
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -283,33 +284,14 @@ def test_config_needs_a_path_and_is_written_through_the_chains_queue(tmp_path: P
 
 
 @pytest.mark.parametrize(
-    ("old", "value", "field", "expected"),
-    [
-        ("writer", "inline", "mode", "sync"),
-        ("writer", "background", "mode", "async"),
-        ("write_mode", "sync", "mode", "async"),  # 0.2: the tier's own writer still queued (writer: background)
-        ("queue_items", 5, "max_items", 5),
-        ("queue_bytes", "1MiB", "max_bytes", 1024**2),
-        ("block_timeout_s", 2.5, "block_timeout_s", 2.5),
-        ("on_close", "flush", "on_close", "drain"),
-        ("on_close", "drop", "on_close", "drop"),
-    ],
+    ("old", "value"),
+    [("writer", "inline"), ("write_mode", "sync"), ("queue_items", 5), ("queue_bytes", "1MiB"), ("on_close", "flush")],
 )
-def test_old_writer_keys_still_work_with_a_warning_naming_the_new_key(
-    tmp_path: Path, old: str, value: object, field: str, expected: object
-) -> None:
-    with pytest.warns(FutureWarning, match=rf"^{old} is deprecated .*: use queue\.{field}$"):
-        config = DiskTier.Config(path=tmp_path, **{old: value})
-    assert getattr(config.queue, field) == expected
-
-
-def test_old_keys_combine_as_0_2_did_and_conflicts_are_errors(tmp_path: Path) -> None:
-    with pytest.warns(FutureWarning):  # 0.2's one way to queue in the chain instead
-        assert DiskTier.Config(path=tmp_path, write_mode="async", writer="inline").queue.mode == "async"
-    with pytest.warns(FutureWarning), pytest.raises(ValidationError, match=r"set only queue\.max_items"):
-        DiskTier.Config(path=tmp_path, queue_items=3, write_queue_items=4)
-    with pytest.warns(FutureWarning), pytest.raises(ValidationError, match="conflicts with queue.on_close"):
-        DiskTier.Config(path=tmp_path, on_close="flush", queue={"on_close": "drop"})
+def test_writer_keys_outside_queue_are_unknown_keys(tmp_path: Path, old: str, value: object) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused, not accepted with a warning
+        with pytest.raises(ValidationError, match=rf"{old}\n  Extra inputs are not permitted"):
+            DiskTier.Config(path=tmp_path, **{old: value})
 
 
 def test_records_list_every_file_of_the_folder_by_digest_and_record_size(tmp_path: Path) -> None:

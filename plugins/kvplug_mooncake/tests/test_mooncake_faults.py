@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvplug import call_budget, key_digest
+from kvplug import key_digest
+from kvplug.core.remote import call_budget
 from kvplug.errors import TierUnavailableError
 from kvplug.testing import key_for, value_for
 from kvplug_mooncake.testing import MooncakeCluster, free_port
@@ -179,7 +180,8 @@ def test_corrupt_object_is_a_counted_miss(mooncake_cluster, make_mooncake_tier):
     # Another writer (a raw client) puts a record framed for another key under this key's object name.
     from mooncake.store import MooncakeDistributedStore
 
-    from kvplug import key_digest, pack_record
+    from kvplug import key_digest
+    from kvplug.core.record import pack_record
 
     name = tier.config.key_prefix + key_digest(key).hex()
     other = MooncakeDistributedStore()

@@ -2,13 +2,34 @@
 
 from __future__ import annotations
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 import kvplug
-from kvplug_s3.config import S3TierConfig
-from kvplug_s3.tier import S3Tier
+
+if TYPE_CHECKING:
+    from kvplug_s3.config import S3TierConfig
+    from kvplug_s3.tier import S3Tier
+
+#: Exported name -> its module, imported on first use: registering the plugin (every
+#: ``kvplug`` command does) imports none of them, nor what they import (torch).
+_LAZY = {
+    "S3TierConfig": "kvplug_s3.config",
+    "S3Tier": "kvplug_s3.tier",
+}
 
 __all__ = ["S3Tier", "S3TierConfig"]
 
 
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(module), name)
+
+
 @kvplug.hookimpl
 def kvplug_storage_tiers() -> list[type]:
+    from kvplug_s3.tier import S3Tier
+
     return [S3Tier]

@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from s3_helpers import BUCKET, MotoS3
 from seaweedfs import SeaweedS3
+
+from kvplug_s3.testing import BUCKET, MotoS3
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +24,7 @@ def moto_s3() -> Iterator[MotoS3]:
 @pytest.fixture(scope="session")
 def seaweed_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
     """SeaweedFS (master, volume, filer, S3 gateway) on 127.0.0.1, with the test bucket;
-    it checks request signatures against one identity (s3_helpers' keys)."""
+    it checks request signatures against one identity (kvplug_s3.testing's keys)."""
     server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs"))
     server.start()
     yield server

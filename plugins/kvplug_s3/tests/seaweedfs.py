@@ -23,7 +23,8 @@ from typing import Any
 
 import boto3
 from botocore.config import Config
-from s3_helpers import ACCESS_KEY, BUCKET, SECRET_KEY
+
+from kvplug_s3.testing import ACCESS_KEY, BUCKET, SECRET_KEY
 
 #: Start-up of a fresh server on a loaded 2-core machine takes a few seconds.
 START_TIMEOUT_S = 60.0

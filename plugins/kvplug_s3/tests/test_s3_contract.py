@@ -5,10 +5,10 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from s3_helpers import make_s3_tier
 
 from kvplug.testing import StorageTierContract, tier_context
 from kvplug_s3 import S3Tier
+from kvplug_s3.testing import make_s3_tier
 
 
 def _budget(max_bytes: int | None) -> dict:

@@ -7,9 +7,9 @@ import hashlib
 import re
 
 import pytest
-from s3_helpers import BUCKET, make_s3_tier
 
 from kvplug.testing import key_for, value_for
+from kvplug_s3.testing import BUCKET, make_s3_tier
 
 
 def object_key(prefix: str, key: str) -> str:
@@ -134,7 +134,8 @@ def test_reused_upload_buffers_never_mix_values(moto_s3) -> None:
 
 
 def test_frame_buffers_are_whole_records_reused_within_their_bound() -> None:
-    from kvplug import pack_record_header, unpack_record
+    from kvplug import unpack_record
+    from kvplug.core.record import pack_record_header
     from kvplug_s3.frames import FrameBuffers
 
     def frame(key: str, value: bytes) -> bytearray:
@@ -160,11 +161,11 @@ def test_a_frame_returns_to_the_pool_only_after_its_upload_finished(moto_s3) -> 
     frame never goes back to the pool; one whose upload finished does."""
     import asyncio
 
-    from s3_helpers import FaultProxy, s3_options
-
-    from kvplug import RecordToWrite, key_digest, pack_record_header
+    from kvplug import RecordToWrite, key_digest
+    from kvplug.core.record import pack_record_header
     from kvplug_s3 import S3TierConfig
     from kvplug_s3.backend import AsyncObjectBackend, open_object_backend
+    from kvplug_s3.testing import FaultProxy, s3_options
 
     proxy = FaultProxy(moto_s3.port)
     loop = asyncio.new_event_loop()

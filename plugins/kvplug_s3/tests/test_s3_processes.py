@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from s3_helpers import s3_options
 from s3_writer import VERSIONS, version_value
 
 from kvplug.testing import key_for, tier_context, value_for
 from kvplug_s3 import S3Tier
+from kvplug_s3.testing import s3_options
 
 WRITER = str(Path(__file__).with_name("s3_writer.py"))
 

@@ -7,9 +7,8 @@ import re
 import subprocess
 import sys
 
-from s3_helpers import ACCESS_KEY, BUCKET, SECRET_KEY, make_s3_tier
-
 from kvplug.testing import key_for, value_for
+from kvplug_s3.testing import ACCESS_KEY, BUCKET, SECRET_KEY, make_s3_tier
 
 
 def kvplug_store(*args: str) -> subprocess.CompletedProcess[str]:
@@ -33,13 +32,13 @@ def test_store_commands_on_s3(moto_s3, s3_client) -> None:
     tier.close()
     url, endpoint = f"s3://{BUCKET}/cli", moto_s3.endpoint
 
-    stats = kvplug_store("stats", url, "--endpoint-url", endpoint)
+    stats = kvplug_store("stats", url, "-o", f"endpoint_url={endpoint}")
     assert stats.returncode == 0, stats.stderr
     assert re.search(r"(│ records\s*│\s*4 │|^records: 4$)", stats.stdout, re.M), stats.stdout
 
-    listing = kvplug_store("ls", url, "--endpoint-url", endpoint)
+    listing = kvplug_store("ls", url, "-o", f"endpoint_url={endpoint}")
     assert "4 records in" in listing.stdout and listing.stdout.count("opaque value") == 4
-    assert kvplug_store("verify", url, "--endpoint-url", endpoint).returncode == 0
+    assert kvplug_store("verify", url, "-o", f"endpoint_url={endpoint}").returncode == 0
 
     objects = s3_client.list_objects_v2(Bucket=BUCKET, Prefix="cli/")["Contents"]
     victim = objects[0]["Key"]
@@ -47,8 +46,8 @@ def test_store_commands_on_s3(moto_s3, s3_client) -> None:
     body[-1] ^= 0x55
     s3_client.put_object(Bucket=BUCKET, Key=victim, Body=bytes(body))
 
-    verify = kvplug_store("verify", url, "--endpoint-url", endpoint)
+    verify = kvplug_store("verify", url, "-o", f"endpoint_url={endpoint}")
     assert verify.returncode == 1 and f"corrupt: {victim.rsplit('/', 1)[1]}" in verify.stdout
-    assert kvplug_store("gc", url, "--endpoint-url", endpoint).returncode == 0
+    assert kvplug_store("gc", url, "-o", f"endpoint_url={endpoint}").returncode == 0
     remaining = [o["Key"] for o in s3_client.list_objects_v2(Bucket=BUCKET, Prefix="cli/")["Contents"]]
     assert victim not in remaining and len(remaining) == 3

@@ -6,12 +6,32 @@ Importing this package does not import SGLang; the SGLang-facing modules
 
 from __future__ import annotations
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 import kvplug
-from kvplug_sglang.adapter import SGLangAdapter
+
+if TYPE_CHECKING:
+    from kvplug_sglang.adapter import SGLangAdapter
+
+#: Exported name -> its module, imported on first use: registering the plugin (every
+#: ``kvplug`` command does) imports none of them, nor what they import (torch).
+_LAZY = {
+    "SGLangAdapter": "kvplug_sglang.adapter",
+}
 
 __all__ = ["SGLangAdapter"]
 
 
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(module), name)
+
+
 @kvplug.hookimpl
 def kvplug_engine_adapters() -> list[type]:
+    from kvplug_sglang.adapter import SGLangAdapter
+
     return [SGLangAdapter]

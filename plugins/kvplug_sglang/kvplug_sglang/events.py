@@ -16,8 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvplug import KVEvent, Medium
-from kvplug.core.keys import StoreKey
+from kvplug import KVEvent, Medium, StoreKey
 
 #: kvplug tier medium (``StorageTier.medium``) -> SGLang ``StorageMedium`` value.
 _STORAGE_MEDIUM: dict[Medium, str] = {"memory": "CPU_PINNED", "disk": "DISK", "remote": "EXTERNAL"}

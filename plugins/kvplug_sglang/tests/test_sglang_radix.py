@@ -35,7 +35,7 @@ def registered() -> None:
 @pytest.fixture
 def kvplug_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPLUG_CHUNK_SIZE", "16")
-    monkeypatch.setenv("KVPLUG_STORE__MODE", "sync")
+    monkeypatch.setenv("KVPLUG_STORE__QUEUE__MODE", "sync")
 
 
 def test_unknown_backend_is_refused_and_ours_is_known(model_config) -> None:

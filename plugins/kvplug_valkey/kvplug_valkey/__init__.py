@@ -2,13 +2,34 @@
 
 from __future__ import annotations
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 import kvplug
-from kvplug_valkey.config import ValkeyTierConfig
-from kvplug_valkey.tier import ValkeyTier
+
+if TYPE_CHECKING:
+    from kvplug_valkey.config import ValkeyTierConfig
+    from kvplug_valkey.tier import ValkeyTier
+
+#: Exported name -> its module, imported on first use: registering the plugin (every
+#: ``kvplug`` command does) imports none of them, nor what they import (torch).
+_LAZY = {
+    "ValkeyTierConfig": "kvplug_valkey.config",
+    "ValkeyTier": "kvplug_valkey.tier",
+}
 
 __all__ = ["ValkeyTier", "ValkeyTierConfig"]
 
 
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(module), name)
+
+
 @kvplug.hookimpl
 def kvplug_storage_tiers() -> list[type]:
+    from kvplug_valkey.tier import ValkeyTier
+
     return [ValkeyTier]

@@ -1,5 +1,5 @@
 """A CacheEngine with tiers [cpu, valkey] on a real valkey-server: exact KV round trips
-(a second engine hits from valkey and promotes to cpu), a config from YAML, and a lookup
+(a second engine hits from valkey and promotes to cpu: kvplug's contract suite), a config from YAML, and a lookup
 through a hung valkey tier that returns within the engine's lookup budget."""
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch  # the engine needs torch; the tier itself does not
-from valkey_fault_proxy import SilentListener
 from valkey_helpers import FAST_FAILING, fresh_prefix
 
 from kvplug import CacheEngine, Fingerprint, KVLayout, PagedFormat, get_registry, load_config
-from kvplug.testing import gather_chunk
+from kvplug.testing import TierRoundTripContract
+from kvplug_valkey.fault_proxy import SilentListener
 
 #: The engine format this test's caches use, as the vLLM/SGLang adapters declare it (same name: same fingerprints).
 VLLM_FLASH = PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim"))
@@ -38,43 +39,12 @@ def engine_for(valkey: dict[str, Any], **settings: Any) -> CacheEngine:
     return CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="valkey-test"), registry=get_registry())
 
 
-def gathered(engine: CacheEngine, kv: list, slots: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(engine.layout.chunk_shape(slots.numel()), dtype=LAYOUT.dtype)
-    gather_chunk(engine.connector, kv, slots, out)
-    return out.view(torch.uint8)
+class TestValkeyRoundTrip(TierRoundTripContract):
+    plugins = "cpu,valkey"
 
-
-def tier_stats(engine: CacheEngine) -> dict:
-    return {label.split(":", 1)[1]: stats for label, stats in engine.chain.stats()}
-
-
-def test_kv_round_trips_through_valkey_and_promotes_to_cpu(valkey_server) -> None:
-    valkey = {"url": valkey_server.url, "key_prefix": fresh_prefix(), "request_timeout_s": 5.0}
-    tokens = list(range(1000, 1040))
-    source, src_slots = caches(1), torch.randperm(NUM_BLOCKS * 4)[:40]
-    # This test checks what is stored and found, not the lookup budget (the last test does).
-    first = engine_for(valkey, lookup_budget_s=30.0)
-    try:
-        assert first.store(tokens, source, src_slots) == 40
-        first.flush()  # the valkey tier is written by its async writer
-        stats = tier_stats(first)
-        assert stats["valkey"].puts == 6 and stats["cpu"].items == 6  # 5 chunks and the fingerprint manifest
-    finally:
-        first.close()
-
-    second = engine_for(
-        valkey, lookup_budget_s=30.0
-    )  # a fresh process-like engine: empty cpu tier, same server and prefix
-    try:
-        assert second.lookup(tokens) == 40
-        target, dst_slots = caches(2), torch.randperm(NUM_BLOCKS * 4)[:40]
-        assert bool(second.retrieve(tokens, target, dst_slots).all())
-        assert torch.equal(gathered(second, source, src_slots), gathered(second, target, dst_slots))
-        second.flush()
-        stats = tier_stats(second)
-        assert stats["valkey"].hits == 5 and stats["cpu"].items == 5  # promoted
-    finally:
-        second.close()
+    @pytest.fixture
+    def tier_entry(self, valkey_server: Any) -> dict[str, Any]:
+        return {"type": "valkey", "url": valkey_server.url, "key_prefix": fresh_prefix(), "request_timeout_s": 5.0}
 
 
 def test_config_from_yaml(valkey_server, tmp_path: Path) -> None:

@@ -11,11 +11,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from valkey_fault_proxy import FaultProxy, SilentListener
 from valkey_helpers import FAST_FAILING
 
 from kvplug.testing import key_for, value_for
 from kvplug_valkey import ValkeyTier
+from kvplug_valkey.fault_proxy import FaultProxy, SilentListener
 from kvplug_valkey.testing import ValkeyServer, free_port
 
 #: "Answers instead of hanging": well above the worst case of FAST_FAILING

@@ -1,7 +1,7 @@
 """The tier's index of its keys stays bounded and close to what a real server holds: a
 server that evicts (``maxmemory`` with ``allkeys-lru``) while this process keeps storing,
 another program filling the server, and an index bound smaller than the keys stored.
-(The index itself, kvplug.RecordIndex, is unit-tested in tests/test_record_index.py.)"""
+(The index itself, kvplug.core.record_index.RecordIndex, is unit-tested in tests/test_record_index.py.)"""
 
 from __future__ import annotations
 

@@ -8,13 +8,34 @@ real engine. Importing it does not import vLLM.
 
 from __future__ import annotations
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 import kvplug
-from kvplug_vllm.adapter import VLLMEngineAdapter
-from kvplug_vllm.identity import CONNECTOR_NAME
+
+if TYPE_CHECKING:
+    from kvplug_vllm.adapter import VLLMEngineAdapter
+    from kvplug_vllm.identity import CONNECTOR_NAME
+
+#: Exported name -> its module, imported on first use: registering the plugin (every
+#: ``kvplug`` command does) imports none of them, nor what they import (torch).
+_LAZY = {
+    "VLLMEngineAdapter": "kvplug_vllm.adapter",
+    "CONNECTOR_NAME": "kvplug_vllm.identity",
+}
 
 __all__ = ["CONNECTOR_NAME", "VLLMEngineAdapter"]
 
 
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(module), name)
+
+
 @kvplug.hookimpl
 def kvplug_engine_adapters() -> list[type]:
+    from kvplug_vllm.adapter import VLLMEngineAdapter
+
     return [VLLMEngineAdapter]

@@ -12,16 +12,13 @@ prefix-cache run.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import kv_config, tokens
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kvplug_s3" / "tests"))
-from s3_helpers import BUCKET, FaultProxy, MotoS3, s3_options
+from kvplug_s3.testing import BUCKET, FaultProxy, MotoS3, s3_options
 
 # several real engines per test: more than the suite's default 300 s on a loaded machine
 pytestmark = pytest.mark.timeout(1200)

@@ -14,18 +14,14 @@ one's KV loads. Outputs equal the first step's.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import kv_config, tokens
 
+from kvplug_valkey.fault_proxy import FaultProxy
 from kvplug_valkey.testing import ValkeyServer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kvplug_valkey" / "tests"))
-from valkey_fault_proxy import FaultProxy
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -14,12 +14,12 @@ from kvplug import (
     Fingerprint,
     KVLayout,
     Tenancy,
-    TenantLabels,
     TierChain,
     TierContext,
     load_config,
     slots_from_block_ids,
 )
+from kvplug.core.tenants import TenantLabels
 from kvplug_cpu import CPUTier
 from kvplug_vllm.layout import VLLM_CPU
 from kvplug_vllm.prom_metrics import KVPlugPromMetrics

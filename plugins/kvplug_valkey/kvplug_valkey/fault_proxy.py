@@ -1,4 +1,4 @@
-"""A TCP proxy on 127.0.0.1 in front of a real valkey-server, switchable between faults.
+"""For tests: a TCP proxy on 127.0.0.1 in front of a real valkey-server, switchable between faults.
 
 - ``pass``: forward bytes both ways;
 - ``delay``: hold every chunk ``delay_s`` seconds before forwarding it (a slow server);

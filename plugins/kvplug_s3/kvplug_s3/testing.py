@@ -1,6 +1,7 @@
-"""A real S3 server (moto's ThreadedMotoServer) and a TCP proxy that injects
-network faults between the tier and it: delays, cut connections, refused
-connections and HTTP 503 answers."""
+"""For tests of the s3 tier and of what runs on it (an engine adapter's): a real S3 server
+(moto's ThreadedMotoServer) and a TCP proxy that injects network faults between the tier
+and it: delays, cut connections, refused connections and HTTP 503 answers. Needs the test
+dependencies (moto, boto3)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def _wait_until_bindable(port: int, timeout_s: float = 15.0) -> None:
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        port: int = probe.getsockname()[1]
+        return port
 
 
 class MotoS3:
@@ -93,7 +95,9 @@ def s3_options(endpoint: str, prefix: str | None = None, **options: Any) -> dict
     }
 
 
-def make_s3_tier(endpoint: str, prefix: str | None = None, *, events: list | None = None, **options: Any) -> S3Tier:
+def make_s3_tier(
+    endpoint: str, prefix: str | None = None, *, events: list[Any] | None = None, **options: Any
+) -> S3Tier:
     context = tier_context(emit=events.append) if events is not None else tier_context()
     return S3Tier(S3Tier.Config(**s3_options(endpoint, prefix, **options)), context)
 
