@@ -48,6 +48,7 @@ from kvplug.core.events import KVEvent
 from kvplug.core.eviction import EvictionName, EvictionPolicy, LRUPolicy, S3FIFOPolicy, make_eviction_policy
 from kvplug.core.guarded_eviction import GuardedEviction, PinOutcome
 from kvplug.core.keys import KV_FORMAT_VERSION, ChunkKey, ExtraKey, Fingerprint, KeyBuilder, RequestInfo
+from kvplug.core.locations import ChunkLocation, merge_locations
 from kvplug.core.message_server import MessageServer, ServerLimits
 from kvplug.core.metrics import EngineMetrics, MetricSample
 from kvplug.core.pins import pin_keys, unpin_keys
@@ -180,6 +181,7 @@ __all__ = [
     "CacheEngine",
     "CallSizes",
     "ChunkKey",
+    "ChunkLocation",
     "ChunkStore",
     "CircuitBreaker",
     "ClearKeys",
@@ -277,6 +279,7 @@ __all__ = [
     "make_admission_policy",
     "make_eviction_policy",
     "make_serializer",
+    "merge_locations",
     "pack_record",
     "pack_record_header",
     "pin_keys",

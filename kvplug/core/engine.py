@@ -30,6 +30,7 @@ from kvplug.core.head_shards import HeadRecords, HeadShard, OtherSplit
 from kvplug.core.keys import ChunkKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
 from kvplug.core.layouts import KVLayout
+from kvplug.core.locations import ChunkLocation, locate_inline
 from kvplug.core.manifest import ManifestWriter
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.parallel_copies import ParallelCopies, auto_copy_threads
@@ -183,22 +184,36 @@ class CacheEngine:
         keys = self.chunk_keys(tokens, request)
         hit = len(located_prefix(self.records, self.chain, [k.key for k in keys], request, self._tier_order()))
         tokens_hit = keys[hit - 1].end if hit else 0
-        self._count_lookup(len(tokens), tokens_hit)
+        self.count_lookup(len(tokens), tokens_hit)
         return tokens_hit
 
     def lookup_tiers(
         self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None
     ) -> list[tuple[str, int]]:
-        """Like :meth:`lookup`, per chunk of the cached prefix: (fastest tier holding it, its tokens).
+        """Like :meth:`locate`, each chunk as (the fastest tier's name, its tokens)."""
+        return [(loc.tier, loc.tokens) for loc in self.locate(tokens, request=request)]
 
-        The hit length is the sum of the token counts. An adapter uses the tier names
-        to load a prefix that needs a slow tier asynchronously.
-        """
+    def locate(
+        self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None
+    ) -> list[ChunkLocation]:
+        """Like :meth:`lookup`, per chunk of the cached prefix: where it is (the medium and
+        name of the fastest tier holding it) and its tokens. The hit length is the sum of
+        the token counts; an adapter loads a prefix that needs a slow medium asynchronously."""
         self._check_open()
         keys = self.chunk_keys(tokens, request)
         tiers = located_prefix(self.records, self.chain, [k.key for k in keys], request, self._tier_order())
-        self._count_lookup(len(tokens), keys[len(tiers) - 1].end if tiers else 0)
-        return [(name, key.num_tokens) for name, key in zip(tiers, keys)]
+        self.count_lookup(len(tokens), keys[len(tiers) - 1].end if tiers else 0)
+        media = {tier.name: tier.medium for tier in self.chain.tiers}
+        return [ChunkLocation(media[name], name, key.num_tokens) for name, key in zip(tiers, keys)]
+
+    def locate_inline(
+        self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None, count: bool = True
+    ) -> list[ChunkLocation] | None:
+        """:meth:`locate` asking only the tiers that answer on the caller's thread (memory,
+        ``inline_lookups``), or ``None`` when a slower tier could add to their answer;
+        ``count=False``: not counted (the caller counts it with :meth:`count_lookup`)."""
+        self._check_open()
+        return locate_inline(self, tokens, request, count=count)
 
     def record_keys(self, keys: Sequence[ChunkKey], request: RequestInfo | None = None) -> list[str]:
         """The keys of the records of chunks ``keys`` (``records.count`` per chunk, one per
@@ -208,7 +223,8 @@ class CacheEngine:
     def _tier_order(self) -> list[str]:
         return [tier.name for tier in self.chain.tiers]
 
-    def _count_lookup(self, asked: int, hit: int) -> None:
+    def count_lookup(self, asked: int, hit: int) -> None:
+        """Count one lookup of ``asked`` tokens that found ``hit``."""
         self.metrics.lookups.inc()
         self.metrics.lookup_tokens.inc(asked)
         self.metrics.lookup_hit_tokens.inc(hit)

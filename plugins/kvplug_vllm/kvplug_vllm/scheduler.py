@@ -25,10 +25,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvplug import ExtraKey, KVPlugConfig, RequestInfo
+from kvplug import ChunkLocation, ExtraKey, KVPlugConfig, RequestInfo
+from kvplug.core.locations import hit_tokens
 from kvplug.errors import ConfigError, KVPlugError
 from kvplug_vllm.kv_events import KVPlugKVEvents
-from kvplug_vllm.lookup import DirectLookup, SocketLookup, inline_tiers, local_worker, socket_path, tier_media
+from kvplug_vllm.lookup import DirectLookup, SocketLookup, inline_tiers, local_worker, socket_path
 from kvplug_vllm.lookup_pool import LookupPool, Tiers
 from kvplug_vllm.lookup_result import LookupResult
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
@@ -117,15 +118,13 @@ class SchedulerSide:
         #: stored, before the prompt's last token (which vLLM computes from the state before it).
         self.state_groups = state_groups
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        #: Tier type -> medium: tiers are told apart by this trait, never by name.
-        self.media = tier_media(config)
         #: Tier types looked up on the scheduler thread (memory, local files); the others in the background.
         self.inline = inline_tiers(config)
         self._channel: DirectLookup | SocketLookup | None = None
         self._lookups: dict[str, LookupResult] = {}
         #: Lookups off the scheduler thread (lookup_pool.py), and their answers kept until admission.
         self._pool: LookupPool | None = None
-        if settings.lookups == "background" and any(t not in self.inline for t in self.media):
+        if settings.lookups == "background" and any(spec.type not in self.inline for spec in config.tiers):
             self._pool = LookupPool(settings.max_background_lookups, settings.lookup_timeout_s)
         self._answered: dict[str, Tiers] = {}
         self._requests: dict[str, Any] = {}
@@ -170,7 +169,7 @@ class SchedulerSide:
         tiers = self._find(request.request_id, tokens, info)
         if tiers is None:
             return None, False  # its lookup runs in the background: vLLM asks again next step
-        hit = sum(n for _, n in tiers)
+        hit = hit_tokens(tiers)
         need = hit - num_computed_tokens
         if hit == request.num_tokens:
             need -= 1  # the engine must compute the last token to sample the next
@@ -191,7 +190,7 @@ class SchedulerSide:
         started = time.perf_counter()
         try:
             channel = self._lookup_channel()
-            tiers = channel.lookup_tiers(tokens, info) if self._pool is None else channel.inline_lookup(tokens, info)
+            tiers = channel.locate(tokens, info) if self._pool is None else channel.inline_lookup(tokens, info)
         except KVPlugError as exc:
             logger.warning("request %s: lookup failed, treated as a miss: %s", req_id, exc)
             tiers = []
@@ -201,7 +200,7 @@ class SchedulerSide:
             self._count_lookup_time(time.perf_counter() - started)
             return tiers
         assert self._pool is not None
-        answer = self._pool.ask(req_id, lambda: channel.lookup_tiers(tokens, info))
+        answer = self._pool.ask(req_id, lambda: channel.locate(tokens, info))
         if answer is None:
             return None
         # Time is spent on every ask; what was found is counted once the request is admitted.
@@ -215,16 +214,16 @@ class SchedulerSide:
         self._stats.sample("lookup_seconds", lookup_us / 1e6)
         self.totals.add(lookup_us=lookup_us)
 
-    def _loads_in_background(self, tiers: list[tuple[str, int]], num_computed: int) -> bool:
+    def _loads_in_background(self, tiers: list[ChunkLocation], num_computed: int) -> bool:
         """Whether a load of the chunks past ``num_computed`` goes to the background."""
         if self.num_groups > 1:
             return True
         if self.settings.load != "auto":
             return self.settings.load == "async"
         end = 0
-        for name, count in tiers:
-            end += count
-            if end > num_computed and self.media.get(name, "remote") != FAST_MEDIUM:
+        for location in tiers:
+            end += location.tokens
+            if end > num_computed and location.medium != FAST_MEDIUM:
                 return True
         return False
 
@@ -479,14 +478,10 @@ class SchedulerSide:
                 self._channel = DirectLookup(
                     [w.engine for w in workers],
                     [w.reset for w in workers],
-                    self.media,
-                    self.inline,
                     trims=[w.trim for w in workers],
                 )
             else:
-                self._channel = SocketLookup(
-                    [socket_path(*key) for key in keys], self.settings.lookup_timeout_s, self.media
-                )
+                self._channel = SocketLookup([socket_path(*key) for key in keys], self.settings.lookup_timeout_s)
             logger.info(
                 "kvplug lookups go %s",
                 "directly to the worker's engine"

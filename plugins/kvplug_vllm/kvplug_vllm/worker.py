@@ -43,7 +43,7 @@ from kvplug_vllm.group_engines import GroupEngines
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
 from kvplug_vllm.kv_groups import KVGroup, first_real_token, primary_group
 from kvplug_vllm.layout import detect_layout, fingerprint_for, head_shard
-from kvplug_vllm.lookup import LocalWorker, LookupServer, register_local, socket_path, unregister_local
+from kvplug_vllm.lookup import LocalWorker, register_local, unregister_local
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, RequestMeta
 from kvplug_vllm.settings import ConnectorSettings, resets
 from kvplug_vllm.stats import GAUGE_PREFIX, LOAD_ERROR_PREFIX, KVPlugConnectorStats
@@ -136,7 +136,6 @@ class WorkerSide:
         self.can_load = kv_transfer.is_kv_consumer
         self.can_save = kv_transfer.is_kv_producer
         self.engine: CacheEngine | None = None
-        self.server: LookupServer | None = None
         self.control: ControlServer | None = None
         self.target: EngineControl | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -205,11 +204,10 @@ class WorkerSide:
         )
         self.engine.add_event_listener(self.index.on_event)
         register_local(self.engine_key, LocalWorker(self.engine, self.reset_cache, trim))
-        if self.settings.lookup != "direct":
-            self.server = LookupServer(self.engine, socket_path(*self.engine_key), on_reset=self.reset_cache, trim=trim)
         #: What this worker stored and loaded, and where its writes went: kvplug ctl's target and the reset's plan.
         self.target = EngineControl(self.engine) if self.groups is None else HybridControl(self.engine, self.groups)
-        self.control = start_control(self.target, self.vllm_config, self.engine_key)
+        # Also the socket a scheduler in another process looks up and resets this worker's cache on.
+        self.control = start_control(self.target, self.vllm_config, self.engine_key, on_reset=self.reset_cache)
         if self.settings.metrics_port is not None:
             from prometheus_client import start_http_server
 
@@ -496,11 +494,8 @@ class WorkerSide:
         return stats
 
     def shutdown(self) -> None:
-        """Stop the lookup server and close the cache engine, writing queued stores."""
+        """Stop the control server and close the cache engine, writing queued stores."""
         self.background.close()
-        if self.server is not None:
-            self.server.close()
-            self.server = None
         if self.control is not None:
             self.control.close()
             self.control = None
