@@ -391,8 +391,10 @@ class CacheEngine:
         mask: torch.Tensor | None = None,
         *,
         request: RequestInfo | None = None,
+        keys: Sequence[ChunkKey] | None = None,
     ) -> LayerwiseRetrieve:
-        """Fetch and verify the cached chunks now; iterate to write them layer by layer."""
+        """Fetch and verify the cached chunks now; iterate to write them layer by layer.
+        ``keys``: :meth:`chunk_keys` of ``tokens`` and ``request``, when the caller has them."""
         self._check_open()
         first = self.layout.check_call(len(tokens), kv_caches, slots, mask)
         started = time.perf_counter()
@@ -403,7 +405,7 @@ class CacheEngine:
                 first = -(-first // self.layout.block_size) * self.layout.block_size
             keys = [
                 k
-                for k in self.chunk_keys(tokens, request)
+                for k in (self.chunk_keys(tokens, request) if keys is None else keys)
                 if k.end > first and self._copyable(max(k.start, first), k.end)
             ]
             # Verified (a bad chunk ends the prefix and is removed); only those promoted.

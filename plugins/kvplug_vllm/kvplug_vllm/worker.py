@@ -29,6 +29,7 @@ import torch
 
 from kvplug import (
     CacheEngine,
+    ChunkKey,
     ControlServer,
     EngineControl,
     LayerwiseRetrieve,
@@ -240,11 +241,11 @@ class WorkerSide:
             if request.load is None:
                 continue
             if request.load.background:
-                self._remember(request, request.token_ids[: request.load.num_hit], request.load.num_computed)
+                keys = self._remember(request, request.token_ids[: request.load.num_hit], request.load.num_computed)
                 if self.groups is not None:
                     self.background.start_fetch(request, functools.partial(self.groups.fetch, request))
                 else:
-                    self.background.start(self.engine, request, self.kv_caches)
+                    self.background.start(self.engine, request, self.kv_caches, keys)
             else:
                 self._load(request)
 
@@ -253,9 +254,9 @@ class WorkerSide:
         self._worked = True
         started = time.perf_counter()
         tokens = request.token_ids[: request.load.num_hit]
-        self._remember(request, tokens, request.load.num_computed)
+        keys = self._remember(request, tokens, request.load.num_computed)
         try:
-            retriever = fetch(self.engine, request, self.kv_caches)
+            retriever = fetch(self.engine, request, self.kv_caches, keys)
             if self.layerwise:
                 self._retrievers.append(retriever)
             else:
@@ -433,13 +434,14 @@ class WorkerSide:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def _remember(self, request: RequestMeta, tokens: list[int], start: int) -> None:
-        """Index the chunks of ``tokens`` from ``start`` on (keys -> vLLM blocks), for KV events."""
+    def _remember(self, request: RequestMeta, tokens: list[int], start: int) -> list[ChunkKey] | None:
+        """Index the chunks of ``tokens`` from ``start`` on (keys -> vLLM blocks), for KV events;
+        returns every chunk key of ``tokens`` (a load of them reuses them: hashed once)."""
         if self.index is None or self.engine is None:
-            return
-        info = request.request_info()
-        keys = [k for k in self.engine.chunk_keys(tokens, info) if k.end > start]
-        self.index.remember(keys, tokens, request.block_hashes, request.lora_id)
+            return None
+        keys = self.engine.chunk_keys(tokens, request.request_info())
+        self.index.remember([k for k in keys if k.end > start], tokens, request.block_hashes, request.lora_id)
+        return keys
 
     def get_kv_cache_events(self) -> KVPlugKVEvents | None:
         if self.index is None:
