@@ -8,11 +8,11 @@ looks up a prompt another engine stored and loads it, ``--reps`` times, two ways
 taking turns:
 
 - ``before``, the baseline: the load path as it was, run in this process: the worker
-  hashes the prompt again for its load and the load asks ``contains`` again before its
-  ``get`` (``TierChain.contains_any`` of the records, as ``fetch_prefix`` did): three
-  round trips per remote hit;
-- ``after``: the lookup's ``contains``, then the load's ``get`` alone, with the chunk
-  keys computed once: two round trips.
+  hashes the prompt twice (its KV events, its fetch) and the load asks ``contains`` again
+  before its ``get`` (``TierChain.contains_any`` of the records, as ``fetch_prefix`` did):
+  three round trips per remote hit;
+- ``after``: the lookup's ``contains``, then the load's ``get`` alone, under keys built
+  from the lookup's chunk hashes (no hashing): two round trips.
 
 Printed, never asserted:
 
@@ -131,14 +131,16 @@ def engine(port: int, prefix: str) -> CacheEngine:
 
 def lookup_and_load(reader: CacheEngine, tokens: list[int], caches: list[torch.Tensor], *, before: bool) -> int:
     """One scheduler lookup and the worker's load of what it found; tokens loaded."""
-    hit = sum(location.tokens for location in reader.locate(tokens))
+    found = reader.locate(tokens)
+    hit = sum(location.tokens for location in found)
     slots = torch.arange(hit)
-    keys = reader.chunk_keys(tokens[:hit])  # the worker's keys for its KV events
-    if before:  # what the load path did before: hash again, contains again, then get
+    if before:  # the load path as it was: hash for the KV events, hash again and contains again, then get
+        keys = reader.chunk_keys(tokens[:hit])
         keys = reader.chunk_keys(tokens[:hit])
         reader.chain.contains_any(reader.record_keys(keys))
         loading = reader.retrieve_layerwise(tokens[:hit], caches, slots)
-    else:
+    else:  # the keys from the lookup's chunk hashes, then get
+        keys = reader.chunk_keys(tokens[:hit], hashes=[location.chunk_hash for location in found])
         loading = reader.retrieve_layerwise(tokens[:hit], caches, slots, keys=keys)
     loading.write_remaining()
     return int(loading.loaded_mask.sum())

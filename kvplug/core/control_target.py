@@ -218,9 +218,12 @@ class EngineControl(ControlTarget):
         }
 
     def lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
+        return [(location.tier, location.tokens) for location in self.locate(tokens, request)]
+
+    def locate(self, tokens: Sequence[int], request: RequestInfo) -> list[ChunkLocation]:
         # The engine's own lookup (counted like any other), so that the answer is the one
-        # its scheduler gets.
-        return self.engine.lookup_tiers(tokens, request=request)
+        # its scheduler gets, chunk hashes included.
+        return self.engine.locate(tokens, request=request)
 
     def explain(self, tokens: Sequence[int], request: RequestInfo) -> dict[str, Any]:
         engine = self.engine

@@ -30,7 +30,7 @@ from kvplug.core.head_shards import HeadRecords, HeadShard, OtherSplit
 from kvplug.core.keys import ChunkKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
 from kvplug.core.layouts import KVLayout
-from kvplug.core.locations import ChunkLocation, locate_inline
+from kvplug.core.locations import ChunkLocation, chunk_hash, is_chunk_hash, locate_inline
 from kvplug.core.manifest import ManifestWriter
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.parallel_copies import ParallelCopies, auto_copy_threads
@@ -146,18 +146,26 @@ class CacheEngine:
     # --- keys -----------------------------------------------------------------------
 
     def chunk_keys(
-        self, tokens: Sequence[int] | torch.Tensor, request: RequestInfo | None = None, *, include_partial: bool = True
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        request: RequestInfo | None = None,
+        *,
+        include_partial: bool = True,
+        hashes: Sequence[str] | None = None,
     ) -> list[ChunkKey]:
+        """The keys of the prompt's chunks under ``request``'s salt and LoRA. ``hashes``: the
+        chunks' hashes a lookup of exactly these tokens found (:attr:`ChunkLocation.chunk_hash`),
+        used instead of hashing again when there is one per chunk."""
         request = request or _NO_REQUEST
         fingerprint = self.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id)
         fingerprint_hex = fingerprint.hexdigest()
         self.chain.tenancy.tenants.note(fingerprint_hex, request.cache_salt)  # the tenant tiers count a key to
-        return self.key_builder.keys(
-            tokens,
-            f"{fingerprint.format_version}/{fingerprint_hex}/",
-            extra_keys=request.extra_keys,
-            include_partial=include_partial,
-        )
+        prefix = f"{fingerprint.format_version}/{fingerprint_hex}/"
+        if hashes is not None:
+            bounds = self.key_builder.chunk_bounds(len(tokens), include_partial=include_partial)
+            if len(bounds) == len(hashes) and all(map(is_chunk_hash, hashes)):
+                return [ChunkKey(i, start, end, prefix + h) for i, ((start, end), h) in enumerate(zip(bounds, hashes))]
+        return self.key_builder.keys(tokens, prefix, extra_keys=request.extra_keys, include_partial=include_partial)
 
     # --- pins -----------------------------------------------------------------------
 
@@ -204,7 +212,7 @@ class CacheEngine:
         tiers = located_prefix(self.records, self.chain, [k.key for k in keys], request, self._tier_order())
         self.count_lookup(len(tokens), keys[len(tiers) - 1].end if tiers else 0)
         media = {tier.name: tier.medium for tier in self.chain.tiers}
-        return [ChunkLocation(media[name], name, key.num_tokens) for name, key in zip(tiers, keys)]
+        return [ChunkLocation(media[name], name, key.num_tokens, chunk_hash(key.key)) for name, key in zip(tiers, keys)]
 
     def locate_inline(
         self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None, count: bool = True

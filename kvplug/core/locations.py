@@ -11,7 +11,7 @@ ranks (tensor-parallel workers, each holding its own heads).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvplug.core.keys import RequestInfo
@@ -33,19 +33,36 @@ class ChunkLocation:
     tier: str
     #: The chunk's token count (the last chunk of a prompt may be partial).
     tokens: int
+    #: The chunk's chained hash in hex, its key without the fingerprint prefix (the same on
+    #: every rank): a load of the prefix rebuilds its keys from these
+    #: (``CacheEngine.chunk_keys(..., hashes=)``) instead of hashing the prompt again. "": unknown.
+    #: Not compared: two locations are equal when they say the same place.
+    chunk_hash: str = field(default="", compare=False)
 
     def to_json(self) -> list[Any]:
-        return [self.medium, self.tier, self.tokens]
+        return [self.medium, self.tier, self.tokens, self.chunk_hash]
 
     @classmethod
     def from_json(cls, raw: Any) -> ChunkLocation:
         """The inverse of :meth:`to_json`; ``ValueError`` names what is wrong with ``raw``."""
-        if not (isinstance(raw, list) and len(raw) == 3):
-            raise ValueError("a chunk location is [medium, tier, tokens]")
-        medium, tier, tokens = raw
+        if not (isinstance(raw, list) and len(raw) == 4):
+            raise ValueError("a chunk location is [medium, tier, tokens, chunk hash]")
+        medium, tier, tokens, chunk_hash = raw
         if medium not in MEDIA or not isinstance(tier, str) or type(tokens) is not int or tokens < 0:
             raise ValueError(f"a chunk location of medium one of {MEDIA}, a tier name and a token count: {raw!r}")
-        return cls(medium, tier, tokens)
+        if not is_chunk_hash(chunk_hash) and chunk_hash != "":
+            raise ValueError(f"a chunk hash is hex digits: {str(chunk_hash)[:80]!r}")
+        return cls(medium, tier, tokens, chunk_hash)
+
+
+def is_chunk_hash(value: Any) -> bool:
+    """Whether ``value`` can be a chunk's chained hash: 16 to 128 lowercase hex digits."""
+    return isinstance(value, str) and 16 <= len(value) <= 128 and all(c in "0123456789abcdef" for c in value)
+
+
+def chunk_hash(key: str) -> str:
+    """A chunk key's hash part (what follows its ``<format version>/<fingerprint hex>/`` prefix)."""
+    return key.rpartition("/")[2]
 
 
 def answers_inline(tier: StorageTier) -> bool:
@@ -65,8 +82,9 @@ def merge_locations(answers: Sequence[Sequence[ChunkLocation]]) -> list[ChunkLoc
         return []
     merged = []
     for index in range(min(len(answer) for answer in answers)):
-        chunk = sorted({answer[index] for answer in answers}, key=lambda loc: (-MEDIA.index(loc.medium), loc.tier))
-        merged.append(ChunkLocation(chunk[0].medium, chunk[0].tier, answers[0][index].tokens))
+        chunk = sorted((answer[index] for answer in answers), key=lambda loc: (-MEDIA.index(loc.medium), loc.tier))
+        first = answers[0][index]
+        merged.append(ChunkLocation(chunk[0].medium, chunk[0].tier, first.tokens, first.chunk_hash))
     return merged
 
 
@@ -105,7 +123,7 @@ def locate_inline(
     if count:
         engine.count_lookup(len(tokens), keys[held - 1].end if held else 0)
     return [
-        ChunkLocation(tier.medium, tier.name, key.num_tokens)
+        ChunkLocation(tier.medium, tier.name, key.num_tokens, chunk_hash(key.key))
         for tier, key in zip(where[:held], keys)
         if tier is not None
     ]

@@ -60,6 +60,11 @@ class LookupResult:
                 counts[TIER_HIT_PREFIX + name] = counts.get(TIER_HIT_PREFIX + name, 0) + beyond
         return counts
 
+    def chunk_hashes(self) -> list[str]:
+        """Each chunk's hash, for the load (empty unless the lookup knew every one)."""
+        hashes = [location.chunk_hash for location in self.tiers]
+        return hashes if all(hashes) else []
+
     def describe(self) -> str:
         """``cpu 128, s3 64`` (tokens by tier, in prefix order) for log lines."""
         by_tier: dict[str, int] = {}

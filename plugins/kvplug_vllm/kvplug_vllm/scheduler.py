@@ -269,7 +269,9 @@ class SchedulerSide:
                     block_ids=lookup.block_ids,
                     group_block_ids=lookup.group_block_ids,
                     **_isolation(self.request_info(request, with_overrides=False)),
-                    load=LoadSpec(lookup.num_computed, lookup.num_hit, lookup.num_external, background=True),
+                    load=LoadSpec(
+                        lookup.num_computed, lookup.num_hit, lookup.num_external, True, lookup.chunk_hashes()
+                    ),
                     block_hashes=self._block_hashes(request, lookup.num_hit),
                 )
             )
@@ -331,7 +333,7 @@ class SchedulerSide:
         if lookup.num_external <= 0:
             return None
         tracker.external_tokens += lookup.num_external
-        return LoadSpec(lookup.num_computed, lookup.num_hit, lookup.num_external)
+        return LoadSpec(lookup.num_computed, lookup.num_hit, lookup.num_external, chunk_hashes=lookup.chunk_hashes())
 
     def _add(
         self,

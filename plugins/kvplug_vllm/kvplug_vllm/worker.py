@@ -241,7 +241,9 @@ class WorkerSide:
             if request.load is None:
                 continue
             if request.load.background:
-                keys = self._remember(request, request.token_ids[: request.load.num_hit], request.load.num_computed)
+                keys = self._remember(
+                    request, request.token_ids[: request.load.num_hit], request.load.num_computed, True
+                )
                 if self.groups is not None:
                     self.background.start_fetch(request, functools.partial(self.groups.fetch, request))
                 else:
@@ -254,7 +256,7 @@ class WorkerSide:
         self._worked = True
         started = time.perf_counter()
         tokens = request.token_ids[: request.load.num_hit]
-        keys = self._remember(request, tokens, request.load.num_computed)
+        keys = self._remember(request, tokens, request.load.num_computed, True)
         try:
             retriever = fetch(self.engine, request, self.kv_caches, keys)
             if self.layerwise:
@@ -434,12 +436,17 @@ class WorkerSide:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def _remember(self, request: RequestMeta, tokens: list[int], start: int) -> list[ChunkKey] | None:
+    def _remember(
+        self, request: RequestMeta, tokens: list[int], start: int, loading: bool = False
+    ) -> list[ChunkKey] | None:
         """Index the chunks of ``tokens`` from ``start`` on (keys -> vLLM blocks), for KV events;
-        returns every chunk key of ``tokens`` (a load of them reuses them: hashed once)."""
+        returns every chunk key of ``tokens`` (a load of them reuses them). ``loading``: the
+        tokens are the load's hit, whose chunk hashes its lookup found (not hashed again)."""
         if self.index is None or self.engine is None:
             return None
-        keys = self.engine.chunk_keys(tokens, request.request_info())
+        load = request.load
+        hashes = load.chunk_hashes if loading and load is not None and len(tokens) == load.num_hit else None
+        keys = self.engine.chunk_keys(tokens, request.request_info(), hashes=hashes)
         self.index.remember([k for k in keys if k.end > start], tokens, request.block_hashes, request.lora_id)
         return keys
 

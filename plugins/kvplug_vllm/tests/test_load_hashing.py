@@ -1,5 +1,6 @@
-"""A worker's load hashes the promised prompt once: the chunk keys it indexes for KV events
-are the keys its fetch reads (the engine's ``retrieve_layerwise(keys=...)``).
+"""A worker's load hashes the promised prompt at most once: the chunk keys it indexes for KV
+events are the keys its fetch reads (the engine's ``retrieve_layerwise(keys=...)``), and
+none at all when its lookup's chunk hashes came with the load (``LoadSpec.chunk_hashes``).
 
 No vLLM engine: the worker side over a real CacheEngine (cpu tier) and real caches, its
 metadata plain data as the scheduler side builds it.
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from kvplug import CacheEngine, ChunkKey, Fingerprint, KeyBuilder, KVLayout, load_config, slots_from_block_ids
+from kvplug.core.locations import chunk_hash
 from kvplug_vllm.kv_events import ChunkIndex
 from kvplug_vllm.layout import VLLM_CPU
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
@@ -44,16 +46,11 @@ def engine() -> Iterator[CacheEngine]:
         yield cache
 
 
-def test_a_load_hashes_the_prompt_once(engine: CacheEngine) -> None:
+def load(engine: CacheEngine, spec: LoadSpec) -> tuple[list[int], list[torch.Tensor], WorkerSide]:
+    """Store the prompt, then run one worker step that loads ``spec``: the prompts hashed, the caches."""
     source = [torch.randn(16, 2, 32, 128).to(torch.bfloat16) for _ in range(2)]
     engine.store(PROMPT, source, slots_from_block_ids(list(range(1, 8)), 32, len(PROMPT)))
-    meta = KVPlugConnectorMetadata(
-        requests=[
-            RequestMeta(
-                "r1", PROMPT[:192], list(range(8, 15)), load=LoadSpec(num_computed=0, num_hit=192, num_external=192)
-            )
-        ]
-    )
+    meta = KVPlugConnectorMetadata(requests=[RequestMeta("r1", PROMPT[:192], list(range(8, 15)), load=spec)])
     parent = SimpleNamespace(has_connector_metadata=lambda: True, _get_connector_metadata=lambda: meta)
     vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_consumer=True, is_kv_producer=False))
     worker = WorkerSide(parent, vllm_config, ConnectorSettings(load="sync"), {}, ("hash", 0, 0))
@@ -65,9 +62,20 @@ def test_a_load_hashes_the_prompt_once(engine: CacheEngine) -> None:
         worker.begin_step()
         worker.start_load_kv()
         assert worker.get_block_ids_with_load_errors() == set()
-        assert calls == [192]  # indexed for KV events and fetched under the same keys
         for layer, loaded in zip(source, worker.kv_caches):
             assert torch.equal(layer[1:7], loaded[8:14])  # blocks 1-6 (192 tokens) landed in 8-13
     finally:
         worker.engine = None  # the fixture closes the engine
         worker.background.close()
+    return calls, worker.kv_caches, worker
+
+
+def test_a_load_hashes_the_prompt_once(engine: CacheEngine) -> None:
+    calls, _, _ = load(engine, LoadSpec(num_computed=0, num_hit=192, num_external=192))
+    assert calls == [192]  # indexed for KV events and fetched under the same keys
+
+
+def test_a_load_with_its_lookups_chunk_hashes_hashes_nothing(engine: CacheEngine) -> None:
+    hashes = [chunk_hash(key.key) for key in engine.chunk_keys(PROMPT[:192])]  # what its lookup answered
+    calls, _, _ = load(engine, LoadSpec(num_computed=0, num_hit=192, num_external=192, chunk_hashes=hashes))
+    assert calls == []  # the lookup's hashes named the chunks: the blocks above are the stored KV
