@@ -270,7 +270,11 @@ class SchedulerSide:
                     group_block_ids=lookup.group_block_ids,
                     **_isolation(self.request_info(request, with_overrides=False)),
                     load=LoadSpec(
-                        lookup.num_computed, lookup.num_hit, lookup.num_external, True, lookup.chunk_hashes()
+                        lookup.num_computed,
+                        lookup.num_hit,
+                        lookup.num_external,
+                        background=True,
+                        chunk_hashes=lookup.chunk_hashes(),
                     ),
                     block_hashes=self._block_hashes(request, lookup.num_hit),
                 )
