@@ -73,6 +73,13 @@ _LAZY: dict[str, tuple[str, str]] = {
     "RemoteTierConfig": ("kvplug.core.remote", "RemoteTierConfig"),
     "RequestInfo": ("kvplug.core.keys", "RequestInfo"),
     "StoreKey": ("kvplug.core.keys", "StoreKey"),
+    "ChunkLocation": ("kvplug.core.locations", "ChunkLocation"),
+    "merge_locations": ("kvplug.core.locations", "merge_locations"),
+    "hit_tokens": ("kvplug.core.locations", "hit_tokens"),
+    "control_socket_path": ("kvplug.core.control_server", "control_socket_path"),
+    "encode_control_request": ("kvplug.core.control_protocol", "encode_request"),
+    "control_request_fields": ("kvplug.core.control_protocol", "request_fields"),
+    "exchange_control_request": ("kvplug.core.control_protocol", "exchange"),
     "KeyPrefix": ("kvplug.core.keys", "KeyPrefix"),
     "SECRET_MASK": ("kvplug.redaction", "SECRET_MASK"),
     "SIZE_UNKNOWN": ("kvplug.core.record_backend", "SIZE_UNKNOWN"),
@@ -131,7 +138,10 @@ if TYPE_CHECKING:
     )
     from kvplug.core.connector import KVConnector
     from kvplug.core.control_protocol import ControlRequest
-    from kvplug.core.control_server import ControlIdentity, ControlServer
+    from kvplug.core.control_protocol import encode_request as encode_control_request
+    from kvplug.core.control_protocol import exchange as exchange_control_request
+    from kvplug.core.control_protocol import request_fields as control_request_fields
+    from kvplug.core.control_server import ControlIdentity, ControlServer, control_socket_path
     from kvplug.core.control_socket import LOOKUP_DIR_ENV, check_socket_file, private_socket_dir, remove_stale_sockets
     from kvplug.core.control_target import ClearKeys, ControlTarget, EngineControl
     from kvplug.core.engine import CacheEngine
@@ -142,6 +152,7 @@ if TYPE_CHECKING:
     from kvplug.core.keys import ChunkKey, ExtraKey, Fingerprint, KeyPrefix, RequestInfo, StoreKey
     from kvplug.core.layerwise_retrieve import LayerwiseRetrieve
     from kvplug.core.layouts import KVLayout, PagedFormat, slots_from_block_ids
+    from kvplug.core.locations import ChunkLocation, hit_tokens, merge_locations
     from kvplug.core.message_server import MessageServer, ServerLimits
     from kvplug.core.metrics import MetricSample
     from kvplug.core.pins import pin_keys, unpin_keys
@@ -197,6 +208,8 @@ __all__ = [
     "CacheEngine",
     "CallSizes",
     "ChunkKey",
+    "ChunkLocation",
+    "ChunkLocation",
     "ChunkStore",
     "ClearKeys",
     "ComponentConfig",
@@ -259,13 +272,19 @@ __all__ = [
     "check_record_size",
     "check_socket_file",
     "classify_failure",
+    "control_request_fields",
+    "control_socket_path",
     "dtype_name",
+    "encode_control_request",
+    "exchange_control_request",
     "get_registry",
+    "hit_tokens",
     "hookimpl",
     "is_mapped_file",
     "is_secret_name",
     "key_digest",
     "load_config",
+    "merge_locations",
     "pin_keys",
     "private_socket_dir",
     "redact",

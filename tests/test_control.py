@@ -226,3 +226,18 @@ def test_ctl_pin_and_unpin(server: ControlServer, engine: CacheEngine, tmp_path:
     assert pinned["chunks"] == 5 and pinned["bytes"] > 0 and pinned["refused"] == pinned["missing"] == 0
     assert ctl("pin", str(prompt))["total"]["missing"] == 5  # unsalted: another tenant's keys, none stored
     assert ctl("unpin", str(prompt), "--cache-salt", "t")["total"]["chunks"] == 5
+
+
+def test_lookup_answers_typed_locations_and_reset_needs_the_adapters_reset(
+    server: ControlServer, engine: CacheEngine
+) -> None:
+    store(engine, list(range(100, 124)))
+    with connect(server.path) as sock:
+        reply = exchange(sock, encode_request("lookup", tokens=list(range(100, 124))))
+        assert [row[:3] for row in reply["locations"]] == [["memory", "cpu", 8]] * 3
+        assert [row[3] for row in reply["locations"]] == [
+            k.key.rpartition("/")[2] for k in engine.chunk_keys(list(range(100, 124)))
+        ]
+        assert reply["chunks"] == [["cpu", 8]] * 3
+        refused = exchange(sock, encode_request("reset"))
+        assert refused["kind"] == "bad_request" and "no cache reset" in refused["error"]

@@ -22,7 +22,16 @@ import pytest
 from core_helpers import LAYOUTS
 from typer.testing import CliRunner
 
-from kvplug import CacheEngine, ControlIdentity, ControlServer, EngineControl, Fingerprint, RequestInfo, load_config
+from kvplug import (
+    CacheEngine,
+    ChunkLocation,
+    ControlIdentity,
+    ControlServer,
+    EngineControl,
+    Fingerprint,
+    RequestInfo,
+    load_config,
+)
 from kvplug.cli.main import app
 from kvplug.core.control_client import ask
 from kvplug.core.control_protocol import encode_request
@@ -35,17 +44,17 @@ IDENTITY = ControlIdentity("engine-a", "tiny", "test")
 
 
 class SlowLookups(EngineControl):
-    """An engine's control target whose ``lookup`` waits until the test releases it."""
+    """An engine's control target whose lookups wait until the test releases them."""
 
     def __init__(self, engine: CacheEngine) -> None:
         super().__init__(engine)
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
+    def locate(self, tokens: Sequence[int], request: RequestInfo) -> list[ChunkLocation]:
         self.entered.set()
         self.release.wait(120)
-        return super().lookup(tokens, request)
+        return super().locate(tokens, request)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import pytest
 import torch
 from core_helpers import LAYOUTS, random_caches
 
+from kvplug import ChunkLocation, merge_locations
 from kvplug.core.plugins import PluginRegistry
 
 
@@ -33,3 +34,48 @@ def test_lookup_tiers_names_the_fastest_tier_of_each_chunk(make_engine, tmp_path
     disk.remove([first_key])
     assert engine.lookup_tiers(tokens) == []
     assert engine.lookup(tokens) == 0
+
+
+def test_locate_says_each_chunks_medium_and_inline_lookups_stop_at_a_slower_tier(make_engine, tmp_path) -> None:
+    layout = LAYOUTS["vllm_flash"]
+    tiers = [{"type": "cpu", "max_bytes": "64MiB"}, {"type": "disk", "path": str(tmp_path)}]
+    engine = make_engine(layout, tiers=tiers)
+    tokens = list(range(200, 230))  # 3 whole chunks of 8 and 6 tokens
+    engine.store(tokens, random_caches(layout, 80), torch.arange(30))
+    engine.flush()
+    assert engine.locate(tokens) == [ChunkLocation("memory", "cpu", 8)] * 3
+    assert engine.locate_inline(tokens) == engine.locate(tokens)  # a partial last chunk is never stored
+    cpu, _ = engine.chain.tiers
+    cpu.remove([engine.chunk_keys(tokens)[1].key])
+    assert engine.locate(tokens)[1] == ChunkLocation("disk", "disk", 8)
+    assert engine.locate_inline(tokens) == engine.locate(tokens)  # disk answers inline (inline_lookups)
+    lookups = engine.metrics.lookups._value.get()
+    assert engine.locate_inline(tokens, count=False) is not None
+    assert engine.metrics.lookups._value.get() == lookups  # counted by the caller, if at all
+    assert engine.locate_inline(list(range(900, 930))) is None  # a miss: a slower tier might hold it
+
+
+def test_merge_locations_keeps_the_prefix_all_ranks_hold_at_the_slowest_medium() -> None:
+    cpu, disk, remote = (
+        ChunkLocation("memory", "cpu", 8),
+        ChunkLocation("disk", "disk", 8),
+        ChunkLocation("remote", "s3", 8),
+    )
+    assert merge_locations([[cpu, cpu, cpu], [cpu, disk], [remote, cpu, cpu]]) == [remote, disk]
+    assert merge_locations([]) == []
+    assert ChunkLocation.from_json(remote.to_json()) == remote
+    with pytest.raises(ValueError, match="medium"):
+        ChunkLocation.from_json(["tape", "t", 8])
+
+
+def test_chunk_keys_from_a_lookups_hashes_are_the_keys_hashing_gives(make_engine) -> None:
+    engine = make_engine(LAYOUTS["vllm_flash"], tiers=[{"type": "cpu", "max_bytes": "64MiB"}])
+    tokens = list(range(300, 330))
+    engine.store(tokens, random_caches(LAYOUTS["vllm_flash"], 80), torch.arange(30))
+    found = engine.locate(tokens[:24])
+    hashes = [location.chunk_hash for location in found]
+    assert engine.chunk_keys(tokens[:24], hashes=hashes) == engine.chunk_keys(tokens[:24])
+    assert ChunkLocation.from_json(found[0].to_json()).chunk_hash == hashes[0]
+    # not one hash per chunk, or not a hash: the prompt is hashed after all
+    assert engine.chunk_keys(tokens, hashes=hashes) == engine.chunk_keys(tokens)
+    assert engine.chunk_keys(tokens[:24], hashes=["x/y"] * 3) == engine.chunk_keys(tokens[:24])

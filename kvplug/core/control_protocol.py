@@ -34,11 +34,11 @@ from kvplug.errors import ControlError, ControlProtocolError
 #: The version of the protocol this kvplug speaks; a server answers only its own.
 CONTROL_PROTOCOL_VERSION = 1
 #: What a control request may ask.
-CONTROL_OPS = frozenset({"info", "stats", "tiers", "lookup", "explain", "pin", "unpin", "clear"})
-#: Most prompt tokens one request may carry.
-MAX_PROMPT_TOKENS = 1024 * 1024
-#: Largest JSON header of a request.
-MAX_HEADER_BYTES = 64 * 1024
+CONTROL_OPS = frozenset({"info", "stats", "tiers", "lookup", "explain", "pin", "unpin", "clear", "reset"})
+#: Most prompt tokens one request may carry (a scheduler's lookup of a long prompt too).
+MAX_PROMPT_TOKENS = 2 * 1024 * 1024
+#: Largest JSON header of a request (a multimodal prompt's extra keys fill it most).
+MAX_HEADER_BYTES = 256 * 1024
 #: Largest request or reply body either side accepts (a reply is JSON: an explain of a
 #: long prompt lists every chunk).
 MAX_CONTROL_MESSAGE = 4 + MAX_HEADER_BYTES + 8 * MAX_PROMPT_TOKENS

@@ -2,10 +2,11 @@
 
 An engine adapter starts one for each of its workers' :class:`~kvplug.CacheEngine`
 (one per tensor-parallel rank) on :func:`control_socket_path`, in this user's private
-folder; ``kvplug ctl`` finds them there, asks every rank of an engine and sums. The
-server answers on its own threads and socket, apart from any lookup socket the adapter
-serves its scheduler on, so an operator's request never queues behind, nor ahead of,
-the engine's own lookups, and several operators' requests are answered at once.
+folder; ``kvplug ctl`` finds them there, asks every rank of an engine and sums. An
+adapter whose scheduler runs in another process asks the same socket (``lookup``, with
+typed :class:`~kvplug.ChunkLocation` answers, and ``reset``: the adapter's cache reset,
+``on_reset``). Requests are answered on several threads at once, so an operator's request
+waits behind no more than the one lookup a scheduler has in flight.
 
 The server asks a :class:`~kvplug.core.control_target.ControlTarget` (a cache engine's,
 :class:`~kvplug.core.control_target.EngineControl`, by default). ``clear`` removes the
@@ -39,6 +40,7 @@ from kvplug.core.control_protocol import (
 )
 from kvplug.core.control_socket import private_socket_dir
 from kvplug.core.control_target import ClearKeys, ControlTarget, EngineControl
+from kvplug.core.locations import hit_tokens
 from kvplug.core.message_server import MessageServer, ServerLimits
 from kvplug.core.version import KVPLUG_VERSION
 from kvplug.errors import ControlProtocolError
@@ -92,10 +94,14 @@ class ControlServer(MessageServer):
         identity: ControlIdentity,
         path: Path | None = None,
         limits: ServerLimits = CONTROL_LIMITS,
+        *,
+        on_reset: Callable[[], int] | None = None,
     ) -> None:
         #: What the server answers about (a cache engine is served by its :class:`EngineControl`).
         self.target = target if isinstance(target, ControlTarget) else EngineControl(target)
         self.identity = identity
+        #: What a ``reset`` request runs (the adapter's cache reset: records removed); None: refused.
+        self.on_reset = on_reset
         self._ops: Mapping[str, Callable[[ControlRequest], dict[str, Any]]] = {
             "info": self._info,
             "stats": self._stats,
@@ -105,6 +111,7 @@ class ControlServer(MessageServer):
             "pin": self._pin,
             "unpin": self._pin,
             "clear": self._clear,
+            "reset": self._reset,
         }
         self._clearing = threading.Lock()
         try:
@@ -172,12 +179,18 @@ class ControlServer(MessageServer):
         return {"tiers": self._tier_rows()}
 
     def _lookup(self, request: ControlRequest) -> dict[str, Any]:
-        tiers = self.target.lookup(request.tokens, request.request_info())
+        found = self.target.locate(request.tokens, request.request_info())
         return {
             "num_tokens": len(request.tokens),
-            "hit_tokens": sum(n for _, n in tiers),
-            "chunks": [[tier, n] for tier, n in tiers],
+            "hit_tokens": hit_tokens(found),
+            "chunks": [[location.tier, location.tokens] for location in found],
+            "locations": [location.to_json() for location in found],
         }
+
+    def _reset(self, request: ControlRequest) -> dict[str, Any]:
+        if self.on_reset is None:
+            raise ControlProtocolError("this engine has no cache reset")
+        return {"removed": self.on_reset()}
 
     def _explain(self, request: ControlRequest) -> dict[str, Any]:
         return self.target.explain(request.tokens, request.request_info())

@@ -22,8 +22,10 @@ from kvplug.core.control_protocol import ControlRequest, text_field
 from kvplug.core.events import KVEvent
 from kvplug.core.explain import explain_prompt
 from kvplug.core.keys import RequestInfo
+from kvplug.core.locations import ChunkLocation
 from kvplug.core.manifest import KeyScheme
 from kvplug.core.metrics import EngineMetrics
+from kvplug.core.tier import Medium
 from kvplug.core.tier_chain import TierChain
 from kvplug.core.tier_removal import TierRemoval
 from kvplug.errors import ControlProtocolError
@@ -183,6 +185,14 @@ class ControlTarget:
         """Per chunk of the cached prefix: (fastest tier holding it, its tokens)."""
         raise NotImplementedError
 
+    def locate(self, tokens: Sequence[int], request: RequestInfo) -> list[ChunkLocation]:
+        """:meth:`lookup` with each chunk's medium (that of the first of the chain's tiers of its
+        name): what a ``lookup`` request is answered with."""
+        media: dict[str, Medium] = {}
+        for tier in self.chain.tiers:
+            media.setdefault(tier.name, tier.medium)
+        return [ChunkLocation(media.get(name, "remote"), name, n) for name, n in self.lookup(tokens, request)]
+
     def explain(self, tokens: Sequence[int], request: RequestInfo) -> dict[str, Any]:
         """A chunk map of the prompt over this cache's tiers (:meth:`Explanation.to_json`)."""
         raise ControlProtocolError("this engine cannot explain a prompt (its keys are not kvplug's chunk keys)")
@@ -264,9 +274,12 @@ class EngineControl(ControlTarget):
         }
 
     def lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
+        return [(location.tier, location.tokens) for location in self.locate(tokens, request)]
+
+    def locate(self, tokens: Sequence[int], request: RequestInfo) -> list[ChunkLocation]:
         # The engine's own lookup (counted like any other), so that the answer is the one
-        # its scheduler gets.
-        return self.engine.lookup_tiers(tokens, request=request)
+        # its scheduler gets, chunk hashes included.
+        return self.engine.locate(tokens, request=request)
 
     def explain(self, tokens: Sequence[int], request: RequestInfo) -> dict[str, Any]:
         engine = self.engine

@@ -30,6 +30,7 @@ from kvplug.core.head_shards import HeadRecords, HeadShard, OtherSplit
 from kvplug.core.keys import ChunkKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
 from kvplug.core.layouts import KVLayout
+from kvplug.core.locations import ChunkLocation, chunk_hash, is_chunk_hash, locate_inline
 from kvplug.core.manifest import ManifestWriter
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.parallel_copies import ParallelCopies, auto_copy_threads
@@ -142,18 +143,26 @@ class CacheEngine(EngineStores):
     # --- keys -----------------------------------------------------------------------
 
     def chunk_keys(
-        self, tokens: Sequence[int] | torch.Tensor, request: RequestInfo | None = None, *, include_partial: bool = True
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        request: RequestInfo | None = None,
+        *,
+        include_partial: bool = True,
+        hashes: Sequence[str] | None = None,
     ) -> list[ChunkKey]:
+        """The keys of the prompt's chunks under ``request``'s salt and LoRA. ``hashes``: the
+        chunks' hashes a lookup of exactly these tokens found (:attr:`ChunkLocation.chunk_hash`),
+        used instead of hashing again when there is one per chunk."""
         request = request or _NO_REQUEST
         fingerprint = self.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id)
         fingerprint_hex = fingerprint.hexdigest()
         self.chain.tenancy.tenants.note(fingerprint_hex, request.cache_salt)  # the tenant tiers count a key to
-        return self.key_builder.keys(
-            tokens,
-            f"{fingerprint.format_version}/{fingerprint_hex}/",
-            extra_keys=request.extra_keys,
-            include_partial=include_partial,
-        )
+        prefix = f"{fingerprint.format_version}/{fingerprint_hex}/"
+        if hashes is not None:
+            bounds = self.key_builder.chunk_bounds(len(tokens), include_partial=include_partial)
+            if len(bounds) == len(hashes) and all(map(is_chunk_hash, hashes)):
+                return [ChunkKey(i, start, end, prefix + h) for i, ((start, end), h) in enumerate(zip(bounds, hashes))]
+        return self.key_builder.keys(tokens, prefix, extra_keys=request.extra_keys, include_partial=include_partial)
 
     # --- pins -----------------------------------------------------------------------
 
@@ -180,22 +189,47 @@ class CacheEngine(EngineStores):
         keys = self.chunk_keys(tokens, request)
         hit = len(located_prefix(self.records, self.chain, [k.key for k in keys], request, self._tier_order()))
         tokens_hit = keys[hit - 1].end if hit else 0
-        self._count_lookup(len(tokens), tokens_hit)
+        self.count_lookup(len(tokens), tokens_hit)
         return tokens_hit
 
     def lookup_tiers(
         self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None
     ) -> list[tuple[str, int]]:
-        """Like :meth:`lookup`, per chunk of the cached prefix: (fastest tier holding it, its tokens).
+        """Like :meth:`locate`, each chunk as (the fastest tier's name, its tokens)."""
+        return [(loc.tier, loc.tokens) for loc in self.locate(tokens, request=request)]
 
-        The hit length is the sum of the token counts. An adapter uses the tier names
-        to load a prefix that needs a slow tier asynchronously.
-        """
+    def locate(
+        self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None
+    ) -> list[ChunkLocation]:
+        """Like :meth:`lookup`, per chunk of the cached prefix: where it is (the medium and
+        name of the fastest tier holding it) and its tokens. The hit length is the sum of
+        the token counts; an adapter loads a prefix that needs a slow medium asynchronously."""
         self._check_open()
         keys = self.chunk_keys(tokens, request)
         tiers = located_prefix(self.records, self.chain, [k.key for k in keys], request, self._tier_order())
-        self._count_lookup(len(tokens), keys[len(tiers) - 1].end if tiers else 0)
-        return [(name, key.num_tokens) for name, key in zip(tiers, keys)]
+        self.count_lookup(len(tokens), keys[len(tiers) - 1].end if tiers else 0)
+        media = {tier.name: tier.medium for tier in self.chain.tiers}
+        return [ChunkLocation(media[name], name, key.num_tokens, chunk_hash(key.key)) for name, key in zip(tiers, keys)]
+
+    def locate_inline(
+        self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None, count: bool = True
+    ) -> list[ChunkLocation] | None:
+        """:meth:`locate` asking only the tiers that answer on the caller's thread (memory,
+        ``inline_lookups``), or ``None`` when a slower tier could add to their answer;
+        ``count=False``: not counted (the caller counts it with :meth:`count_lookup`)."""
+        self._check_open()
+        keys = self.chunk_keys(tokens, request)
+        found = locate_inline(
+            keys,
+            self.record_keys(keys, request),
+            self.records.count,
+            self.chain.tiers,
+            chunk_size=self.chunk_size,
+            save_unfull_chunk=self.config.save_unfull_chunk,
+        )
+        if found is not None and count:
+            self.count_lookup(len(tokens), keys[len(found) - 1].end if found else 0)
+        return found
 
     def record_keys(self, keys: Sequence[ChunkKey], request: RequestInfo | None = None) -> list[str]:
         """The keys of the records of chunks ``keys`` (``records.count`` per chunk, one per
@@ -205,7 +239,8 @@ class CacheEngine(EngineStores):
     def _tier_order(self) -> list[str]:
         return [tier.name for tier in self.chain.tiers]
 
-    def _count_lookup(self, asked: int, hit: int) -> None:
+    def count_lookup(self, asked: int, hit: int) -> None:
+        """Count one lookup of ``asked`` tokens that found ``hit``."""
         self.metrics.lookups.inc()
         self.metrics.lookup_tokens.inc(asked)
         self.metrics.lookup_hit_tokens.inc(hit)
@@ -236,8 +271,10 @@ class CacheEngine(EngineStores):
         mask: torch.Tensor | None = None,
         *,
         request: RequestInfo | None = None,
+        keys: Sequence[ChunkKey] | None = None,
     ) -> LayerwiseRetrieve:
-        """Fetch and verify the cached chunks now; iterate to write them layer by layer."""
+        """Fetch and verify the cached chunks now; iterate to write them layer by layer.
+        ``keys``: :meth:`chunk_keys` of ``tokens`` and ``request``, when the caller has them."""
         self._check_open()
         first = self.layout.check_call(len(tokens), kv_caches, slots, mask)
         started = time.perf_counter()
@@ -248,7 +285,7 @@ class CacheEngine(EngineStores):
                 first = -(-first // self.layout.block_size) * self.layout.block_size
             keys = [
                 k
-                for k in self.chunk_keys(tokens, request)
+                for k in (self.chunk_keys(tokens, request) if keys is None else keys)
                 if k.end > first and self._copyable(max(k.start, first), k.end)
             ]
             # Verified (a bad chunk ends the prefix and is removed); only those promoted.

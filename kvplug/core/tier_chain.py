@@ -5,7 +5,8 @@
   bounded write queue the chain keeps for each (:mod:`kvplug.core.write_queue`), so
   a slow S3 never delays what the CPU tier can serve. Reads answer from an async
   tier's queue first: what is queued for it is readable at once.
-- ``fetch_prefix`` reads through: the first tier holding a chunk serves it. It
+- ``fetch_prefix`` reads through: the first tier holding a chunk serves it (one ``get``
+  per tier, no ``contains``: the first key no tier returns ends the prefix). It
   does not promote: ``promote`` writes a hit from a slower tier to the faster
   ones once the caller has verified it (:class:`kvplug.ChunkStore` does both).
 - ``contains_prefix`` answers how many leading keys some tier holds.
@@ -211,28 +212,26 @@ class TierChain:
 
     def fetch_prefix(self, keys: Sequence[str]) -> list[Fetched]:
         """Values of the leading keys that some tier holds, each with the tier it came
-        from; stops at the first miss.
+        from; stops at the first key no tier returns.
 
-        Asks ``contains`` first so no value past the prefix is fetched; a key that
-        vanishes between the two calls (evicted by another process) ends the prefix.
-        Nothing is promoted: the caller verifies the values and promotes only those
-        that passed (:meth:`promote`), since a faster tier with ``trusted_reads`` must
-        never hold bytes nobody checked."""
-        # A load is not a lookup: its calls have their own deadlines, and cutting the
-        # existence check at the lookup budget would drop chunks the lookup promised.
-        present = self.contains_any(keys)
-        limit = next((i for i, found in enumerate(present) if not found), len(keys))
-        values: list[Buffer | None] = [None] * limit
-        found_in: list[int] = [-1] * limit
+        Each tier, fastest first, is asked one batched ``get`` of the keys no faster tier
+        returned: a load costs one round trip per tier it reads, no ``contains`` (the
+        lookup asked that already). A key that vanished since the lookup (evicted by
+        another process) ends the prefix, a clean miss: what a slower tier returned past
+        it is dropped. Nothing is promoted: the caller verifies the values and promotes
+        only those that passed (:meth:`promote`), since a faster tier with
+        ``trusted_reads`` must never hold bytes nobody checked."""
+        values: list[Buffer | None] = [None] * len(keys)
+        found_in: list[int] = [-1] * len(keys)
         for index, slot in enumerate(self._slots):
-            ask = [i for i in range(limit) if values[i] is None]
+            ask = [i for i, value in enumerate(values) if value is None]
             if not ask:
                 break
             answers = slot.get([keys[i] for i in ask]) or [None] * len(ask)
             for i, value in zip(ask, answers):
                 if value is not None:
                     values[i], found_in[i] = value, index
-        limit = next((i for i, value in enumerate(values) if value is None), limit)
+        limit = next((i for i, value in enumerate(values) if value is None), len(keys))
         return [
             Fetched(value, where, self._slots[where].tier.trusted_reads or self._slots[where].tier.verified_reads)
             for value, where in zip(values[:limit], found_in[:limit])

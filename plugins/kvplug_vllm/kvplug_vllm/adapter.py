@@ -13,7 +13,7 @@ class VLLMEngineAdapter(EngineAdapter):
 
     name: ClassVar[str] = "vllm"
     engine_distribution: ClassVar[str] = "vllm"
-    #: the private lookup-socket folder, exported to vLLM's engine processes (socket_server.py)
+    #: the private lookup-socket folder, exported to vLLM's engine processes (kvplug.private_socket_dir)
     environment: ClassVar[tuple[str, ...]] = ("KVPLUG_LOOKUP_DIR",)
 
     @classmethod

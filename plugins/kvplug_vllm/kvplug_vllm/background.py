@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvplug import CacheEngine, LayerwiseRetrieve, slots_from_block_ids
+from kvplug import CacheEngine, ChunkKey, LayerwiseRetrieve, slots_from_block_ids
 from kvplug_vllm.kv_groups import first_real_token
 from kvplug_vllm.metadata import RequestMeta
 
@@ -35,15 +35,21 @@ logger = logging.getLogger("kvplug.vllm")
 FETCH_THREADS = 4
 
 
-def fetch(engine: CacheEngine, request: RequestMeta, kv_caches: Sequence[torch.Tensor]) -> LayerwiseRetrieve:
-    """Fetch and verify the chunks ``request.load`` promised; iterate the result to write them."""
+def fetch(
+    engine: CacheEngine,
+    request: RequestMeta,
+    kv_caches: Sequence[torch.Tensor],
+    keys: Sequence[ChunkKey] | None = None,
+) -> LayerwiseRetrieve:
+    """Fetch and verify the chunks ``request.load`` promised; iterate the result to write them.
+    ``keys``: the chunk keys of the promised tokens, when the caller computed them already."""
     assert request.load is not None
     tokens = request.token_ids[: request.load.num_hit]
     mask = torch.ones(len(tokens), dtype=torch.bool)
     # A sliding-window group's table starts with vLLM's null block out of the window: not written.
     mask[: max(request.load.num_computed, first_real_token(request.block_ids, engine.layout.block_size))] = False
     slots = slots_from_block_ids(request.block_ids, engine.layout.block_size, len(tokens))
-    return engine.retrieve_layerwise(tokens, kv_caches, slots, mask, request=request.request_info())
+    return engine.retrieve_layerwise(tokens, kv_caches, slots, mask, request=request.request_info(), keys=keys)
 
 
 @dataclass
@@ -120,8 +126,14 @@ class BackgroundLoads:
         self._pending: dict[str, _Pending] = {}
         self._pool: ThreadPoolExecutor | None = None
 
-    def start(self, engine: CacheEngine, request: RequestMeta, kv_caches: Sequence[torch.Tensor]) -> None:
-        self.start_fetch(request, lambda: fetch(engine, request, kv_caches))
+    def start(
+        self,
+        engine: CacheEngine,
+        request: RequestMeta,
+        kv_caches: Sequence[torch.Tensor],
+        keys: Sequence[ChunkKey] | None = None,
+    ) -> None:
+        self.start_fetch(request, lambda: fetch(engine, request, kv_caches, keys))
 
     def start_fetch(self, request: RequestMeta, fetcher: Callable[[], Any]) -> None:
         """Run ``fetcher`` (returns a retriever: :class:`LayerwiseRetrieve` or :class:`GroupsRetrieve`)."""

@@ -2,8 +2,9 @@
 
 Every tensor-parallel rank's worker starts a :class:`kvplug.ControlServer` for its
 engine, under vLLM's ``kv_transfer_config.engine_id`` (shared by the ranks of one
-engine) and the served model name, whether the scheduler asks that worker over the
-lookup socket or directly (``LLM`` in one process): ``kvplug ctl`` works the same way.
+engine) and the served model name. The same socket answers the scheduler's lookups and
+cache resets in vLLM's multiprocess engine (:mod:`kvplug_vllm.lookup`); ``LLM`` in one
+process calls the engine directly, and ``kvplug ctl`` works the same way.
 
 A hybrid model's worker answers for all of its KV cache groups (:class:`HybridControl`):
 ``lookup`` is cut as the engine's own lookups are, and ``clear`` removes every group's records
@@ -13,10 +14,10 @@ A hybrid model's worker answers for all of its KV cache groups (:class:`HybridCo
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvplug import CacheEngine, ControlIdentity, ControlServer, EngineControl, RequestInfo
+from kvplug import CacheEngine, ChunkLocation, ControlIdentity, ControlServer, EngineControl, RequestInfo
 from kvplug_vllm.group_engines import GroupEngines
 from kvplug_vllm.settings import resets
 
@@ -35,16 +36,21 @@ class HybridControl(EngineControl):
         super().__init__(engine, [other for index, other, _ in groups.groups if index != groups.primary_index])
         self.groups = groups
 
-    def lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
-        found = super().lookup(tokens, request)
+    def locate(self, tokens: Sequence[int], request: RequestInfo) -> list[ChunkLocation]:
+        found = super().locate(tokens, request)
         return found if self.groups.trim is None else self.groups.trim(tokens, request, found)
 
 
 def start_control(
-    engine: CacheEngine | EngineControl, vllm_config: Any, engine_key: tuple[str, int, int]
+    engine: CacheEngine | EngineControl,
+    vllm_config: Any,
+    engine_key: tuple[str, int, int],
+    *,
+    on_reset: Callable[[], int] | None = None,
 ) -> ControlServer | None:
     """The worker's control server, or ``None`` (logged) if it cannot start: an engine
-    without ``kvplug ctl`` still serves."""
+    without ``kvplug ctl`` (and, in vLLM's multiprocess engine, without kvplug hits: its
+    scheduler's lookups are misses) still serves. ``on_reset``: the worker's cache reset."""
     engine_id, dp_rank, tp_rank = engine_key
     names = getattr(vllm_config.model_config, "served_model_name", None) or vllm_config.model_config.model
     name = names[0] if isinstance(names, (list, tuple)) else str(names)
@@ -57,7 +63,7 @@ def start_control(
         dp_rank=dp_rank,
     )
     try:
-        server = ControlServer(engine, identity)
+        server = ControlServer(engine, identity, on_reset=on_reset)
     except Exception as exc:
         logger.warning("kvplug ctl is not available for this worker: %s", exc)
         return None

@@ -23,10 +23,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvplug import ChunkLocation
+
 logger = logging.getLogger("kvplug.vllm")
 
-#: (fastest tier holding it, tokens) per chunk of the cached prefix.
-Tiers = list[tuple[str, int]]
+#: Where each chunk of the cached prefix is.
+Tiers = list[ChunkLocation]
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvplug import ChunkLocation
 from kvplug_vllm.stats import TIER_HIT_PREFIX
 
 
@@ -26,8 +27,8 @@ class LookupResult:
 
     num_computed: int
     num_hit: int
-    #: (fastest tier holding it, tokens) per chunk of the prefix, in prefix order.
-    tiers: list[tuple[str, int]] = field(default_factory=list)
+    #: Where each chunk of the prefix is, in prefix order.
+    tiers: list[ChunkLocation] = field(default_factory=list)
     prompt_tokens: int = 0
     num_external: int = 0
     background: bool = False
@@ -50,7 +51,7 @@ class LookupResult:
             lookups=1, lookup_tokens=self.prompt_tokens, hit_tokens=self.new_hit, vllm_cached_tokens=self.vllm_cached
         )
         end = 0
-        for name, count in self.tiers:
+        for name, count in ((location.tier, location.tokens) for location in self.tiers):
             # Only the part of each chunk past vLLM's own prefix cache is kvplug's hit.
             beyond = min(count, max(0, end + count - self.num_computed))
             end += count
@@ -58,9 +59,15 @@ class LookupResult:
                 counts[TIER_HIT_PREFIX + name] = counts.get(TIER_HIT_PREFIX + name, 0) + beyond
         return counts
 
+    def chunk_hashes(self) -> list[str]:
+        """Each chunk's hash, for the load (empty unless the lookup knew every one)."""
+        hashes = [location.chunk_hash for location in self.tiers]
+        return hashes if all(hashes) else []
+
     def describe(self) -> str:
         """``cpu 128, s3 64`` (tokens by tier, in prefix order) for log lines."""
         by_tier: dict[str, int] = {}
-        for name, count in self.tiers:
+        for location in self.tiers:
+            name, count = location.tier, location.tokens
             by_tier[name] = by_tier.get(name, 0) + count
         return ", ".join(f"{name} {count}" for name, count in by_tier.items()) or "none"

@@ -24,6 +24,9 @@ class LoadSpec:
     num_external: int
     #: Load in the background; the worker reports completion through ``get_finished``.
     background: bool = False
+    #: The lookup's hash of each chunk of ``[0, num_hit)`` (empty: not known): the worker
+    #: names the chunks by them rather than hashing the prompt again.
+    chunk_hashes: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -14,8 +14,10 @@ Pure functions of token counts, so that the rules are in one place and tested on
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from kvplug import ChunkLocation
 
 #: The medium served at memory speed; a prefix needing a tier of any other medium
 #: (``StorageTier.medium``) loads in the background (load: auto).
@@ -37,9 +39,8 @@ def tokens_to_load(num_hit: int, num_computed: int, num_tokens: int) -> int:
 
 
 def loads_in_background(
-    tiers: Sequence[tuple[str, int]],
+    tiers: Sequence[ChunkLocation],
     num_computed: int,
-    media: Mapping[str, str],
     *,
     load: str,
     num_groups: int,
@@ -56,9 +57,9 @@ def loads_in_background(
     if load != "auto":
         return load == "async"
     end = 0
-    for name, count in tiers:
-        end += count
-        if end > num_computed and media.get(name, "remote") != FAST_MEDIUM:
+    for location in tiers:
+        end += location.tokens
+        if end > num_computed and location.medium != FAST_MEDIUM:
             return True
     return False
 

@@ -43,7 +43,7 @@ def _choose_lookup_socket_folder() -> None:
     """
     import logging
 
-    from kvplug_vllm.socket_server import private_socket_dir
+    from kvplug import private_socket_dir
 
     try:
         private_socket_dir()

@@ -29,7 +29,7 @@ from typing import Any
 from kvplug import KVPlugConfig
 from kvplug.errors import KVPlugError
 from kvplug_vllm.kv_events import SchedulerEvents
-from kvplug_vllm.lookup import DirectLookup, SocketLookup, inline_tiers, local_worker, socket_path, tier_media
+from kvplug_vllm.lookup import DirectLookup, SocketLookup, inline_tiers, local_worker, socket_path
 from kvplug_vllm.lookup_pool import LookupPool, Tiers
 from kvplug_vllm.lookup_result import LookupResult
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
@@ -81,14 +81,12 @@ class SchedulerSide:
         #: stored, before the prompt's last token (which vLLM computes from the state before it).
         self.state_groups = state_groups
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        #: Tier type -> medium: tiers are told apart by this trait, never by name.
-        self.media = tier_media(config)
         #: Tier types looked up on the scheduler thread (memory, local files); the others in the background.
         self.inline = inline_tiers(config)
         self._channel: DirectLookup | SocketLookup | None = None
         #: Lookups off the scheduler thread (lookup_pool.py).
         self._pool: LookupPool | None = None
-        if settings.background_lookups and any(t not in self.inline for t in self.media):
+        if settings.background_lookups and any(spec.type not in self.inline for spec in config.tiers):
             self._pool = LookupPool(settings.max_background_lookups, settings.lookup_timeout_s)
         #: Every request kvplug was asked about, until it finishes.
         self._states: dict[str, RequestState] = {}
@@ -127,10 +125,10 @@ class SchedulerSide:
         if tiers is None:
             state.phase = Phase.LOOKING_UP
             return None, False  # its lookup runs in the background: vLLM asks again next step
-        hit = sum(n for _, n in tiers)
+        hit = sum(location.tokens for location in tiers)
         need = tokens_to_load(hit, num_computed_tokens, request.num_tokens)
         background = need > 0 and loads_in_background(
-            tiers, num_computed_tokens, self.media, load=self.settings.load, num_groups=self.num_groups
+            tiers, num_computed_tokens, load=self.settings.load, num_groups=self.num_groups
         )
         lookup = LookupResult(num_computed_tokens, hit, tiers, len(request.prompt_token_ids), background=background)
         state.lookup, state.phase = lookup, Phase.LOOKED_UP
@@ -149,7 +147,7 @@ class SchedulerSide:
         started = time.perf_counter()
         try:
             channel = self._lookup_channel()
-            tiers = channel.lookup_tiers(tokens, info) if self._pool is None else channel.inline_lookup(tokens, info)
+            tiers = channel.locate(tokens, info) if self._pool is None else channel.inline_lookup(tokens, info)
         except KVPlugError as exc:
             logger.warning("request %s: lookup failed, treated as a miss: %s", req_id, exc)
             tiers = []
@@ -159,7 +157,7 @@ class SchedulerSide:
             self._count_lookup_time(time.perf_counter() - started)
             return tiers
         assert self._pool is not None
-        answer = self._pool.ask(req_id, lambda: channel.lookup_tiers(tokens, info))
+        answer = self._pool.ask(req_id, lambda: channel.locate(tokens, info))
         if answer is None:
             return None
         # Time is spent on every ask; what was found is counted once the request is admitted.
@@ -255,7 +253,13 @@ class SchedulerSide:
             block_ids=load.group_block_ids[0] if load.group_block_ids else [],
             group_block_ids=load.group_block_ids if self.num_groups > 1 else [],
             **isolation(state.info),
-            load=LoadSpec(load.num_computed, load.num_hit, load.num_external, background=True),
+            load=LoadSpec(
+                load.num_computed,
+                load.num_hit,
+                load.num_external,
+                background=True,
+                chunk_hashes=load.chunk_hashes(),
+            ),
             block_hashes=self.events.block_hashes(request, load.num_hit),
         )
 
@@ -272,7 +276,7 @@ class SchedulerSide:
         if lookup.num_external <= 0:
             return None
         progress.external_tokens += lookup.num_external
-        return LoadSpec(lookup.num_computed, lookup.num_hit, lookup.num_external)
+        return LoadSpec(lookup.num_computed, lookup.num_hit, lookup.num_external, chunk_hashes=lookup.chunk_hashes())
 
     def _add(
         self,
@@ -377,14 +381,10 @@ class SchedulerSide:
                 self._channel = DirectLookup(
                     [w.engine for w in workers],
                     [w.reset for w in workers],
-                    self.media,
-                    self.inline,
                     trims=[w.trim for w in workers],
                 )
             else:
-                self._channel = SocketLookup(
-                    [socket_path(*key) for key in keys], self.settings.lookup_timeout_s, self.media
-                )
+                self._channel = SocketLookup([socket_path(*key) for key in keys], self.settings.lookup_timeout_s)
             logger.info(
                 "kvplug lookups go %s",
                 "directly to the worker's engine"

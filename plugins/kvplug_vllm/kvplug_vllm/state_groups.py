@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvplug import CacheEngine, KVLayout, RequestInfo
+from kvplug import CacheEngine, ChunkLocation, KVLayout, RequestInfo, hit_tokens
 from kvplug.errors import LayoutError
 from kvplug_vllm.kv_groups import NULL_BLOCK_ID
 
@@ -134,11 +134,11 @@ class StateBoundaries:
         self.engines = list(engines)
 
     def __call__(
-        self, tokens: Sequence[int], request: RequestInfo | None, tiers: list[tuple[str, int]]
-    ) -> list[tuple[str, int]]:
+        self, tokens: Sequence[int], request: RequestInfo | None, tiers: list[ChunkLocation]
+    ) -> list[ChunkLocation]:
         if not tiers or not self.engines:
             return tiers
-        hit = sum(n for _, n in tiers)
+        hit = hit_tokens(tiers)
         usable = [True] * len(tiers)
         for engine in self.engines:
             keys = engine.chunk_keys(list(tokens[:hit]), request)[: len(tiers)]

@@ -29,6 +29,7 @@ import torch
 
 from kvplug import (
     CacheEngine,
+    ChunkKey,
     ControlServer,
     EngineControl,
     LayerwiseRetrieve,
@@ -42,7 +43,7 @@ from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
 from kvplug_vllm.kv_groups import KVGroup, primary_group
 from kvplug_vllm.layout import check_chunk_size, detect_layout, fingerprint_for, head_shard
 from kvplug_vllm.load_results import LoadResults
-from kvplug_vllm.lookup import LocalWorker, LookupServer, register_local, socket_path, unregister_local
+from kvplug_vllm.lookup import LocalWorker, register_local, unregister_local
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, RequestMeta
 from kvplug_vllm.settings import ConnectorSettings
 from kvplug_vllm.stats import LOAD_ERROR_PREFIX, KVPlugConnectorStats
@@ -77,7 +78,6 @@ class WorkerSide:
         self.can_load = kv_transfer.is_kv_consumer
         self.can_save = kv_transfer.is_kv_producer
         self.engine: CacheEngine | None = None
-        self.server: LookupServer | None = None
         self.control: ControlServer | None = None
         self.target: EngineControl | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -130,11 +130,10 @@ class WorkerSide:
             self.index = ChunkIndex(layout.block_size, [t.type for t in config.tiers])
             self.engine.add_event_listener(self.index.on_event)
         register_local(self.engine_key, LocalWorker(self.engine, self.reset_cache, trim))
-        if self.settings.lookup_channel != "direct":
-            self.server = LookupServer(self.engine, socket_path(*self.engine_key), on_reset=self.reset_cache, trim=trim)
         #: What this worker stored and loaded, and where its writes went: kvplug ctl's target and the reset's plan.
         self.target = EngineControl(self.engine) if self.groups is None else HybridControl(self.engine, self.groups)
-        self.control = start_control(self.target, self.vllm_config, self.engine_key)
+        # Also the socket a scheduler in another process looks up and resets this worker's cache on.
+        self.control = start_control(self.target, self.vllm_config, self.engine_key, on_reset=self.reset_cache)
         if self.settings.metrics_port is not None:
             self._metrics_server = serve_metrics(self.settings.metrics_port + self.engine_key[2], self.engine)
         _close_at_exit(self)
@@ -163,11 +162,13 @@ class WorkerSide:
             if request.load is None:
                 continue
             if request.load.background:
-                self._remember(request, request.token_ids[: request.load.num_hit], request.load.num_computed)
+                keys = self._remember(
+                    request, request.token_ids[: request.load.num_hit], request.load.num_computed, True
+                )
                 if self.groups is not None:
                     self.background.start_fetch(request, functools.partial(self.groups.fetch, request))
                 else:
-                    self.background.start(self.engine, request, self.kv_caches)
+                    self.background.start(self.engine, request, self.kv_caches, keys)
             else:
                 self._load(request)
 
@@ -176,9 +177,9 @@ class WorkerSide:
         self._worked = True
         started = time.perf_counter()
         tokens = request.token_ids[: request.load.num_hit]
-        self._remember(request, tokens, request.load.num_computed)
+        keys = self._remember(request, tokens, request.load.num_computed, True)
         try:
-            retriever = fetch(self.engine, request, self.kv_caches)
+            retriever = fetch(self.engine, request, self.kv_caches, keys)
             if self.layerwise:
                 self._retrievers.append(retriever)
             else:
@@ -313,13 +314,21 @@ class WorkerSide:
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.results.take_block_errors()
 
-    def _remember(self, request: RequestMeta, tokens: list[int], start: int) -> None:
-        """Index the chunks of ``tokens`` from ``start`` on (keys -> vLLM blocks), for KV events."""
-        if self.index is None or self.engine is None:
-            return
-        info = request.request_info()
-        keys = [k for k in self.engine.chunk_keys(tokens, info) if k.end > start]
-        self.index.remember(keys, tokens, request.block_hashes, request.lora_id)
+    def _remember(
+        self, request: RequestMeta, tokens: list[int], start: int, loading: bool = False
+    ) -> list[ChunkKey] | None:
+        """Index the chunks of ``tokens`` from ``start`` on (keys -> vLLM blocks), for KV events;
+        returns every chunk key of ``tokens`` (a load of them reuses them). ``loading``: the
+        tokens are the load's hit, whose chunk hashes its lookup found (not hashed again), and
+        whose keys the load needs even where no KV events are published."""
+        if self.engine is None or (self.index is None and not loading):
+            return None
+        load = request.load
+        hashes = load.chunk_hashes if loading and load is not None and len(tokens) == load.num_hit else None
+        keys = self.engine.chunk_keys(tokens, request.request_info(), hashes=hashes)
+        if self.index is not None:
+            self.index.remember([k for k in keys if k.end > start], tokens, request.block_hashes, request.lora_id)
+        return keys
 
     def get_kv_cache_events(self) -> KVPlugKVEvents | None:
         if self.index is None:
@@ -350,11 +359,8 @@ class WorkerSide:
         return stats
 
     def shutdown(self) -> None:
-        """Stop the lookup server and close the cache engine, writing queued stores."""
+        """Stop the control server and close the cache engine, writing queued stores."""
         self.background.close()
-        if self.server is not None:
-            self.server.close()
-            self.server = None
         if self.control is not None:
             self.control.close()
             self.control = None

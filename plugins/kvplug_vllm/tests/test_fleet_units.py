@@ -1,4 +1,4 @@
-"""Units of the fleet features that need no engine: tier merging, the chunk index's
+"""Units of the fleet features that need no engine: location merging, the chunk index's
 vLLM events, and how connector stats merge (counters, gauges, latency samples)."""
 
 from __future__ import annotations
@@ -9,20 +9,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-from kvplug import ChunkKey, KVEvent, Medium
+from kvplug import ChunkKey, ChunkLocation, KVEvent, merge_locations
 from kvplug_vllm.background import BackgroundLoads, _Pending
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
-from kvplug_vllm.lookup import merge_tiers
 from kvplug_vllm.stats import KVPlugConnectorStats
 
 
-def test_merge_tiers_takes_the_shortest_prefix_and_the_slowest_tier() -> None:
-    a = [("cpu", 64), ("cpu", 64), ("disk", 64)]
-    b = [("cpu", 64), ("s3", 64)]
-    media: dict[str, Medium] = {"cpu": "memory", "disk": "disk", "s3": "remote"}
-    assert merge_tiers([a, b], media) == [("cpu", 64), ("s3", 64)]
-    assert merge_tiers([a], media) == a
-    assert merge_tiers([], media) == []
+def test_merge_locations_takes_the_shortest_prefix_and_the_slowest_tier() -> None:
+    cpu, disk, s3 = (
+        ChunkLocation("memory", "cpu", 64),
+        ChunkLocation("disk", "disk", 64),
+        ChunkLocation("remote", "s3", 64),
+    )
+    a = [cpu, cpu, disk]
+    assert merge_locations([a, [cpu, s3]]) == [cpu, s3]
+    assert merge_locations([a]) == a
+    assert merge_locations([]) == []
 
 
 def key(index: int, start: int, end: int) -> ChunkKey:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvplug import ChunkLocation
 from kvplug_vllm.plan import (
     SaveRules,
     loads_in_background,
@@ -19,7 +20,6 @@ from kvplug_vllm.plan import (
 )
 
 CHUNK = 64
-MEDIA = {"cpu": "memory", "disk": "disk", "s3": "remote"}
 
 chunk_sizes = st.sampled_from([1, 16, 64, 256])
 
@@ -132,14 +132,14 @@ def test_a_full_prompt_hit_leaves_the_last_token_to_vllm() -> None:
 
 
 def test_loads_go_to_the_background_by_the_medium_of_the_chunks_past_vllms_own() -> None:
-    tiers = [("cpu", 64), ("cpu", 64), ("s3", 64)]
-    assert loads_in_background(tiers, 0, MEDIA, load="auto", num_groups=1)
-    assert not loads_in_background(tiers[:2], 0, MEDIA, load="auto", num_groups=1)
-    assert not loads_in_background([("s3", 64), ("cpu", 64)], 64, MEDIA, load="auto", num_groups=1)
-    assert loads_in_background([("unknown", 64)], 0, MEDIA, load="auto", num_groups=1)  # undeclared: remote
-    assert not loads_in_background(tiers, 0, MEDIA, load="sync", num_groups=1)
-    assert loads_in_background(tiers[:2], 0, MEDIA, load="async", num_groups=1)
-    assert loads_in_background(tiers[:2], 0, MEDIA, load="sync", num_groups=2)  # several groups: by request
+    cpu, s3 = ChunkLocation("memory", "cpu", 64), ChunkLocation("remote", "s3", 64)
+    tiers = [cpu, cpu, s3]
+    assert loads_in_background(tiers, 0, load="auto", num_groups=1)
+    assert not loads_in_background(tiers[:2], 0, load="auto", num_groups=1)
+    assert not loads_in_background([s3, cpu], 64, load="auto", num_groups=1)
+    assert not loads_in_background(tiers, 0, load="sync", num_groups=1)
+    assert loads_in_background(tiers[:2], 0, load="async", num_groups=1)
+    assert loads_in_background(tiers[:2], 0, load="sync", num_groups=2)  # several groups: by request
 
 
 @given(st.sampled_from([1, 16, 32]), st.integers(0, 2000), st.integers(0, 2000), st.integers(0, 2000))

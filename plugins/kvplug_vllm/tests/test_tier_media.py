@@ -23,6 +23,7 @@ import kvplug
 from kvplug import (
     Buffer,
     CacheEngine,
+    ChunkLocation,
     EngineControl,
     Fingerprint,
     KVLayout,
@@ -31,10 +32,11 @@ from kvplug import (
     StorageTier,
     TierStats,
     load_config,
+    merge_locations,
     slots_from_block_ids,
 )
 from kvplug_vllm.layout import VLLM_CPU
-from kvplug_vllm.lookup import LocalWorker, merge_tiers, register_local, tier_media, unregister_local
+from kvplug_vllm.lookup import LocalWorker, register_local, unregister_local
 from kvplug_vllm.scheduler import SchedulerSide
 from kvplug_vllm.settings import ConnectorSettings, resets
 from kvplug_vllm.worker import WorkerSide
@@ -223,8 +225,17 @@ def test_a_hit_partly_in_vllms_prefix_cache_counts_only_the_rest_by_tier(
     }
 
 
-def test_the_media_of_the_configured_tiers(engine: CacheEngine) -> None:
-    assert tier_media(engine.config) == {"ram": "memory", "legacy": "remote", "disk": "disk"}
+def test_a_lookup_says_the_medium_of_each_chunks_tier(engine: CacheEngine) -> None:
+    keys = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
+    assert engine.locate(PROMPT) == [ChunkLocation("memory", "ram", 64)] * 3
+    tier(engine, "ram").remove(keys[:1])
+    tier(engine, "legacy").remove(keys[1:2])
+    tier(engine, "ram").remove(keys[1:2])  # declares no medium: remote; disk: its own
+    assert [(loc.medium, loc.tier) for loc in engine.locate(PROMPT)] == [
+        ("remote", "legacy"),
+        ("disk", "disk"),
+        ("memory", "ram"),
+    ]
 
 
 def test_a_prefix_in_a_third_party_memory_tier_loads_before_the_step(engine: CacheEngine, side: SchedulerSide) -> None:
@@ -245,11 +256,9 @@ def test_a_prefix_only_in_slower_media_loads_in_the_background(
 
 
 def test_tensor_parallel_answers_merge_to_the_slowest_medium() -> None:
-    media: dict[str, kvplug.Medium] = {"ram": "memory", "cpu": "memory", "disk": "disk"}
-    a = [("ram", 64), ("ram", 64), ("disk", 64)]
-    b = [("cpu", 64), ("disk", 64), ("ram", 64), ("ram", 64)]
-    assert merge_tiers([a, b], media) == [("cpu", 64), ("disk", 64), ("disk", 64)]
-    assert merge_tiers([[("ram", 64)], [("unknown", 64)]], media) == [("unknown", 64)]  # undeclared: remote
+    ram, cpu, disk = (ChunkLocation(m, n, 64) for m, n in (("memory", "ram"), ("memory", "cpu"), ("disk", "disk")))
+    assert merge_locations([[ram, ram, disk], [cpu, disk, ram, ram]]) == [cpu, disk, disk]
+    assert merge_locations([[ram], [ChunkLocation("remote", "legacy", 64)]]) == [ChunkLocation("remote", "legacy", 64)]
 
 
 def test_the_prefix_cache_reset_empties_the_memory_tiers_and_keeps_the_others(

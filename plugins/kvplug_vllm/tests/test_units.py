@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from importlib.metadata import entry_points
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,10 +16,21 @@ import pytest
 import torch
 
 import kvplug
-from kvplug import CacheEngine, Fingerprint, KVLayout, RequestInfo, load_config, slots_from_block_ids
+from kvplug import (
+    CacheEngine,
+    ChunkLocation,
+    ControlIdentity,
+    ControlServer,
+    Fingerprint,
+    KVLayout,
+    RequestInfo,
+    load_config,
+    slots_from_block_ids,
+)
+from kvplug.core.control_client import ask
 from kvplug.errors import ConfigError, LayoutError
 from kvplug_vllm.layout import VLLM_CPU, VLLM_CPU_MLA, VLLM_MLA, detect_layout
-from kvplug_vllm.lookup import DirectLookup, LookupChannelError, LookupServer, SocketLookup, socket_path, tier_media
+from kvplug_vllm.lookup import DirectLookup, LookupChannelError, SocketLookup, socket_path
 from kvplug_vllm.registration import CONNECTOR_NAME, register
 from kvplug_vllm.request_state import request_info
 from kvplug_vllm.settings import request_overrides, split_extra_config
@@ -151,13 +164,18 @@ def store(engine: CacheEngine, tokens: list[int], request: RequestInfo | None = 
     engine.store(tokens, caches, slots_from_block_ids(list(range(1, 16)), 32, len(tokens)), request=request)
 
 
+def serve(engine: CacheEngine, path: Path, on_reset: Callable[[], int] | None = None) -> ControlServer:
+    """The control server a vLLM worker runs (its scheduler's lookups and resets go to it)."""
+    return ControlServer(engine, ControlIdentity(path.stem, "unit", "vllm"), path, on_reset=on_reset)
+
+
 def test_socket_lookup_answers_like_the_engine(engine: CacheEngine) -> None:
     prompt = list(range(3, 203))
     store(engine, prompt, RequestInfo(cache_salt="a"))
     store(engine, prompt, RequestInfo(lora_id="sql-adapter"))  # the scheduler sends LoRA names
     path = socket_path(f"unit-{id(engine):x}", 0, 0)
-    server = LookupServer(engine, path)
-    client = SocketLookup([path], timeout_s=5, media=tier_media(engine.config))
+    server = serve(engine, path)
+    client = SocketLookup([path], timeout_s=5)
     try:
         for info in (
             RequestInfo(cache_salt="a"),
@@ -166,19 +184,34 @@ def test_socket_lookup_answers_like_the_engine(engine: CacheEngine) -> None:
             RequestInfo(lora_id="sql-adapter"),
             RequestInfo(lora_id="other-adapter"),
         ):
-            assert client.lookup(prompt, info) == DirectLookup([engine], [], tier_media(engine.config)).lookup(
-                prompt, info
-            )
+            assert client.locate(prompt, info) == DirectLookup([engine], []).locate(prompt, info)
         assert client.lookup(prompt, RequestInfo(lora_id="sql-adapter")) == 192
         assert client.lookup(prompt, RequestInfo(cache_salt="a")) == 192
         assert client.lookup(prompt[:100] + [5] * 100, RequestInfo(cache_salt="a")) == 64
     finally:
         server.close()
     assert not path.exists()
-    assert not [t for t in threading.enumerate() if t.name == "kvplug-lookup-server"]
+    assert not [t for t in threading.enumerate() if t.name == "kvplug-control-server"]
     with pytest.raises(LookupChannelError):  # the scheduler turns this into a miss
         client.lookup(prompt, RequestInfo(cache_salt="a"))
     client.close()
+
+
+def test_one_socket_answers_the_schedulers_lookups_and_resets_and_kvplug_ctl(engine: CacheEngine) -> None:
+    prompt = list(range(3, 203))
+    store(engine, prompt)
+    resets: list[int] = []
+    path = socket_path(f"unit-one-{id(engine):x}", 0, 0)
+    server = serve(engine, path, on_reset=lambda: resets.append(1) or 7)
+    client = SocketLookup([path], timeout_s=5)
+    try:
+        assert client.locate(prompt, RequestInfo()) == [ChunkLocation("memory", "cpu", 64)] * 3
+        assert client.reset() == 7 and resets == [1]
+        assert ask(path, "info")["engine_id"] == path.stem  # kvplug ctl, on the same socket
+        assert path.name.startswith("ctl-")
+    finally:
+        client.close()
+        server.close()
 
 
 def test_stale_socket_of_a_killed_worker_is_removed(engine: CacheEngine) -> None:
@@ -190,7 +223,7 @@ def test_stale_socket_of_a_killed_worker_is_removed(engine: CacheEngine) -> None
     listener.close()  # what a SIGKILLed worker leaves: the file, nobody listening
     os.utime(stale, (time.time() - 120, time.time() - 120))  # and it is not brand new
     path = socket_path(f"unit-live-{id(engine):x}", 0, 0)
-    server = LookupServer(engine, path)
+    server = serve(engine, path)
     try:
         assert not stale.exists() and path.exists()
     finally:
@@ -202,15 +235,14 @@ def test_lookup_server_survives_a_bad_request(engine: CacheEngine) -> None:
     import struct
 
     path = socket_path(f"unit-bad-{id(engine):x}", 0, 0)
-    server = LookupServer(engine, path)
+    server = serve(engine, path)
     try:
         with socket.socket(socket.AF_UNIX) as raw:
             raw.connect(str(path))
             garbage = struct.pack("<I", 3) + b"{}x"  # header length longer than the body
             raw.sendall(struct.pack("<I", len(garbage)) + garbage)
-            size = struct.unpack("<I", raw.recv(4))[0]
-            assert b"error" in raw.recv(size)
-        assert SocketLookup([path], timeout_s=5, media=tier_media(engine.config)).lookup([1, 2, 3], RequestInfo()) == 0
+            assert raw.recv(4) == b""  # a malformed request: its connection is closed
+        assert SocketLookup([path], timeout_s=5).lookup([1, 2, 3], RequestInfo()) == 0
     finally:
         server.close()
 
