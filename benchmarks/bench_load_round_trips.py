@@ -122,7 +122,7 @@ def engine(port: int, prefix: str) -> CacheEngine:
     extra = {
         "kvplug.chunk_size": CHUNK,
         "kvplug.store.queue.mode": "sync",
-        "kvplug.lookup_timeout_ms": 30_000,
+        "kvplug.lookup_budget_s": 30.0,
         "kvplug.tiers": [{"type": "valkey", "url": f"redis://127.0.0.1:{port}/0", "key_prefix": prefix}],
     }
     config = load_config(engine_extra=extra, env={}).config

@@ -1,5 +1,5 @@
 """The plugins' test kits ship in their packages, like ``kvplug.testing``: ``kvplug_valkey.testing``
-and ``kvplug_mooncake.testing`` start real servers for the tests and benchmarks of every package
+(and its ``fault_proxy``) and ``kvplug_mooncake.testing`` start real servers for the tests and benchmarks of every package
 (core, the other plugins, benchmarks/). Nothing at runtime may import them: not the entry points
 kvplug loads, nor any other module of those packages."""
 
@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 CHECK = """
+KITS = {"testing", "fault_proxy"}
 import importlib, json, pkgutil, sys
 from kvplug import PluginRegistry
 from kvplug.core.concerns import CONCERNS
@@ -20,9 +21,9 @@ loaded = sorted(info.name for info in registry.plugins())
 for package in ("kvplug_valkey", "kvplug_mooncake"):
     module = importlib.import_module(package)
     for info in pkgutil.iter_modules(module.__path__, package + "."):
-        if info.name != package + ".testing":
+        if info.name.rsplit(".", 1)[-1] not in KITS:
             importlib.import_module(info.name)
-kits = sorted(m for m in sys.modules if m.split(".")[-1] == "testing" and m.startswith("kvplug"))
+kits = sorted(m for m in sys.modules if m.split(".")[-1] in KITS and m.startswith("kvplug"))
 print(json.dumps({"plugins": loaded, "kits": kits}))
 """
 

@@ -12,10 +12,13 @@ from typing import Any
 
 import torch
 import valkey
-from test_valkey_engine import NUM_BLOCKS, caches, engine_for, gathered
+from test_valkey_engine import NUM_BLOCKS, caches, engine_for
 from valkey_helpers import fresh_prefix
 
 from kvplug import CacheEngine
+from kvplug.testing import TierRoundTripContract
+
+gathered = TierRoundTripContract.gathered
 
 TOKENS = list(range(2000, 2040))  # 5 chunks of 8
 
@@ -32,7 +35,7 @@ def reset_calls(port: int) -> None:
 
 def stored_by_another_engine(settings: dict[str, Any]) -> tuple[list, torch.Tensor]:
     source, slots = caches(11), torch.randperm(NUM_BLOCKS * 4)[:40]
-    writer = engine_for(settings, lookup_timeout_ms=30_000)
+    writer = engine_for(settings, lookup_budget_s=30.0)
     try:
         assert writer.store(TOKENS, source, slots) == 40
         writer.flush()
@@ -43,7 +46,7 @@ def stored_by_another_engine(settings: dict[str, Any]) -> tuple[list, torch.Tens
 
 def reader(settings: dict[str, Any]) -> CacheEngine:
     """A fresh engine (its cpu tier empty) on the same server and prefix: every hit is remote."""
-    return engine_for(settings, lookup_timeout_ms=30_000)
+    return engine_for(settings, lookup_budget_s=30.0)
 
 
 def test_a_remote_hit_asks_contains_once_and_get_once(valkey_server) -> None:
