@@ -66,18 +66,26 @@ def test_the_pin_flag_pins_the_stored_chunks_through_a_scan_where_the_operator_a
         assert cache.metrics.value("kvplug_request_pins_ignored_total") == (0 if request_pins else 1)
 
 
+FA, FB = "fa" * 16, "fb" * 16  # two tenants' fingerprints
+
+
+def key(fingerprint: str, n: int) -> str:
+    """A well-formed store key (tenancy reads the fingerprint of well-formed keys only)."""
+    return f"v1/{fingerprint}/{n:032x}"
+
+
 def test_pin_and_tenant_figures_reach_vllms_metrics_never_with_a_salt() -> None:
     salt_a, salt_b = "Qv8-secret-of-a", "Rw3-secret-of-b"
     context = TierContext(tenancy=Tenancy(labels=TenantLabels({"tenant-a": salt_a})))  # tenancy.tenants
-    context.tenancy.tenants.note("fa", salt_a)  # as the engine notes salted requests' fingerprints
-    context.tenancy.tenants.note("fb", salt_b)
+    context.tenancy.tenants.note(FA, salt_a)  # as the engine notes salted requests' fingerprints
+    context.tenancy.tenants.note(FB, salt_b)
     tier = CPUTier(CPUTier.Config(max_bytes=1000, pin_max_bytes=100, quotas={"tenant-a": 300}), context)
     chain = TierChain([tier])
-    tier.put([("v1/fa/1", b"a" * 200), ("v1/fb/1", b"b" * 50)])
-    tier.get(["v1/fa/1", "v1/fa/1", "v1/fb/1"])
-    tier.put([("v1/fa/2", b"a" * 200)])  # tenant-a over its quota: its first chunk goes
-    assert tier.pin(["v1/fb/1", "v1/fa/2"]) == [("pinned", 50), ("refused", 200)]
-    tier.put([("v1/fa/3", b"a" * 951)])  # no room beside the pinned 50 bytes: refused, counted
+    tier.put([(key(FA, 1), b"a" * 200), (key(FB, 1), b"b" * 50)])
+    tier.get([key(FA, 1), key(FA, 1), key(FB, 1)])
+    tier.put([(key(FA, 2), b"a" * 200)])  # tenant-a over its quota: its first chunk goes
+    assert tier.pin([key(FB, 1), key(FA, 2)]) == [("pinned", 50), ("refused", 200)]
+    tier.put([(key(FA, 3), b"a" * 951)])  # no room beside the pinned 50 bytes: refused, counted
     stats = {}
     for sample in chain.metrics.samples():  # what the worker side reports each step
         name = stats_name(sample)
