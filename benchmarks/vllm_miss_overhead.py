@@ -84,15 +84,17 @@ def openai_server(
     max_model_len: int,
     options: Sequence[str] = MISS_OPTIONS,
     env_extra: Mapping[str, str] | None = None,
+    python: str | None = None,
 ) -> Iterator[Server]:
     """A vLLM OpenAI server on 127.0.0.1 (own process group, SIGKILLed on exit).
 
     ``options``: more server arguments (bench_serving.py's keep prefix caching on);
-    ``env_extra``: more environment variables, set over the ones below.
+    ``env_extra``: more environment variables, set over the ones below; ``python``: the
+    interpreter that runs the server (this one by default; bench_serving.py's LMCache venv).
     """
     port = _free_port()
     args = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
         "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
         *options,
