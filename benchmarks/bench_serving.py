@@ -11,6 +11,10 @@ Configurations:
 * ``A`` vLLM alone; ``A2`` a second one (the A/A control: how far apart two servers are);
 * ``B`` kvplug, a cpu tier holding everything; ``C`` kvplug, a small cpu tier (a quarter
   of the context) over a disk tier in the work folder;
+* ``A-np`` the floor: vLLM alone with room for the whole workload (every later request a
+  hit in vLLM's own memory), ``B-np`` B with that room too;
+* ``LMC`` (``--with-lmcache``): vLLM + LMCache 0.5.6, its multiprocess server with an L1 the
+  size of B's tier, in its own venv (``lmcache_python``, ``lmcache_server``; README);
 * ``F``, ``S`` and ``L`` (the scan comparison, issue 33 item 6): one cpu tier of 1.1x the
   workload's context, ``admission: frequency, min_hits: 2`` + ``eviction: s3fifo`` (F),
   admit-all + ``s3fifo`` (S), against admit-all + ``lru`` (L, kvplug's defaults: the
@@ -40,10 +44,14 @@ with whether the request had more cached prompt tokens (the usage's ``cached_tok
 cache plus kvplug's) than under the baseline (its prefix came from kvplug: a near-tie flip
 of a random bf16 model, whose KV was computed in a different split) or not. The slowest requests
 are listed with the server's per-request queue time and scheduled-to-first-token time
-(``--enable-per-request-metrics``). ``--json`` prints one JSON object as the last line.
+(``--enable-per-request-metrics``). The later requests (at least half the prompt computed
+before: what a cache can serve) get their TTFT percentiles against the floor (A-np) and
+kvplug's against LMCache's, and a per-request breakdown (``serving_breakdown.py``, from the
+events of ``timed_connector.py``). ``--json`` prints one JSON object as the last line.
 
     .nox/vllm/bin/python benchmarks/bench_serving.py [--quick] [--workloads multiround,longdoc]
-        [--configs A,B,C,A2] [--reps 3] [--scan-configs L,F] [--scan-reps 2] [--no-pressure] [--json]
+        [--configs A,B,C,A2,A-np,B-np] [--with-lmcache] [--reps 3] [--scan-configs L,F] [--scan-reps 2]
+        [--no-pressure] [--raw FILE] [--json]
 """
 
 from __future__ import annotations
