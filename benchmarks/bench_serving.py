@@ -279,11 +279,18 @@ def _series(url: str, prefixes: tuple[str, ...], tag: str) -> dict[str, float]:
     return totals
 
 
-def reset(server: Server) -> None:
+def reset(server: Server, log: Path | None = None) -> None:
     url = server.url + "/reset_prefix_cache?reset_external=true"  # without it vLLM leaves kvplug alone
-    with urllib.request.urlopen(urllib.request.Request(url, b"", method="POST"), timeout=120) as response:
-        if not json.loads(response.read()).get("success"):
-            raise RuntimeError(f"{server.url}: reset_prefix_cache did not succeed")
+    for timeout in (120, 600):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, b"", method="POST"), timeout=timeout) as response:
+                if not json.loads(response.read()).get("success"):
+                    raise RuntimeError(f"{server.url}: reset_prefix_cache did not succeed")
+                return
+        except TimeoutError:
+            tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+            print(f"{server.url}: reset_prefix_cache timed out after {timeout}s; its log ends:\n{tail}", flush=True)
+    raise RuntimeError(f"{server.url}: reset_prefix_cache timed out twice")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -407,7 +414,7 @@ def run_phase(
                 served = servers[config]
                 server = served.server
                 served.resume()
-                reset(server)
+                reset(server, workdir / f"{first.name}-{config}.log")
                 before = metrics(server.url, worker_urls.get(config))
                 _, offset = read_events(served.events, 0)
                 results, wall = play(server.url, workload, args.concurrency, f"{config}.rep{rep}.")
@@ -552,6 +559,9 @@ def main(argv: list[str] | None = None) -> int:
         "--blocks", type=int, default=None, help="vLLM's KV cache blocks (default: a third of the context)"
     )
     parser.add_argument("--no-pressure", action="store_true", help="room for the whole context in vLLM's KV cache")
+    parser.add_argument(
+        "--workdir", default=None, help="keep the model, logs and disk tiers here (default: a temp dir)"
+    )
     parser.add_argument("--raw", default=None, help="append each workload's raw runs (JSON lines) to this file")
     parser.add_argument(
         "--with-lmcache", action="store_true", help="add LMC (vLLM + LMCache) to --configs (its venv made on first use)"
@@ -595,8 +605,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     result: dict[str, Any] = {"sizes": dataclasses.asdict(sizes), "model_parameters": SPEC.num_parameters(),
                               "layers": SPEC.num_hidden_layers, "pressure": not args.no_pressure, "workloads": {}}  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="kvplug-bench-serving-") as tmp:
+    with ExitStack() as keep:
+        tmp = args.workdir or keep.enter_context(tempfile.TemporaryDirectory(prefix="kvplug-bench-serving-"))
         workdir = Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
         model = str(write_random_llama(workdir / "model", SPEC))
         os.sync()
         print(
