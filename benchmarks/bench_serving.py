@@ -398,6 +398,7 @@ def run_phase(
             warm = random.Random(f"warmup-{config}")
             prompt = [warm.randrange(3, SPEC.vocab_size) for _ in range(512)]
             play(server.url, Workload("warmup", [Request("warmup", lambda _, p=prompt: p)], 0, 0, 2), 1)
+            time.sleep(1.0)  # the engine's last step after the warm-up ends before it is stopped
             served = Served(server, others, events if kv is not None else None)
             served.pause()
             servers[config] = served

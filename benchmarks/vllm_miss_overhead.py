@@ -113,6 +113,9 @@ def openai_server(
         "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1"),
         # vLLM's internal message queue: on loopback, not the host's outward-facing address.
         "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1"),
+        # The engine core waits for each step's result with a deadline (300 s by default): a server
+        # stopped (SIGSTOP) in the middle of a step failed "RPC call to execute_model timed out".
+        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "86400"),
         **(env_extra or {}),
     }
     log_path = workdir / f"{name}.log"
