@@ -83,7 +83,7 @@ from serving_breakdown import breakdown_table, match_events, read_events
 from serving_workloads import Request, Result, Sizes, Workload, longdoc, multiround, play
 from vllm_miss_overhead import Server, _free_port, openai_server
 
-CHUNK_SIZE = 256
+CHUNK_SIZE = 256  # kvplug's and LMCache's (--chunk-size)
 BLOCK_SIZE = 32  # vLLM CPU attention: a multiple of 32
 #: The issue's model: BENCH_SPEC with 3 layers (about 500 prefill tokens/s on the 2-core VM under load).
 SPEC = dataclasses.replace(BENCH_SPEC, num_hidden_layers=3)
@@ -137,7 +137,9 @@ def big_tier_bytes(workload: Workload) -> int:
     return max(4 * workload.distinct_tokens * KV_BYTES_PER_TOKEN, 256 << 20)
 
 
-def kv_transfer(config: str, workload: Workload, workdir: Path, lmcache_port: int = 0) -> dict[str, Any] | None:
+def kv_transfer(
+    config: str, workload: Workload, workdir: Path, lmcache_port: int = 0, chunk_size: int | None = None
+) -> dict[str, Any] | None:
     """The server's ``--kv-transfer-config``: the connectors of ``timed_connector`` (the real
     ones, stamping per-request events for the breakdown)."""
     if config == "LMC":
@@ -148,7 +150,7 @@ def kv_transfer(config: str, workload: Workload, workdir: Path, lmcache_port: in
     chosen = tiers(config, workload, workdir)
     if chosen is None:
         return None
-    extra = {"kvplug.chunk_size": CHUNK_SIZE, "kvplug.tiers": chosen}
+    extra = {"kvplug.chunk_size": chunk_size or CHUNK_SIZE, "kvplug.tiers": chosen}
     return {"kv_connector": "TimedKVPlugConnector", "kv_connector_module_path": "timed_connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}  # fmt: skip
 
@@ -181,7 +183,9 @@ def lmcache_python(venv: Path) -> str:
 
 
 @contextmanager
-def lmcache_server(python: str, workdir: Path, name: str, l1_bytes: int) -> Iterator[tuple[int, int]]:
+def lmcache_server(
+    python: str, workdir: Path, name: str, l1_bytes: int, chunk_size: int = CHUNK_SIZE
+) -> Iterator[tuple[int, int]]:
     """LMCache's multiprocess cache server on 127.0.0.1: (its port, its process group).
 
     Its fairest setting here (benchmarks/README.md): an L1 of host memory with room for the
@@ -193,7 +197,7 @@ def lmcache_server(python: str, workdir: Path, name: str, l1_bytes: int) -> Iter
     """
     port = _free_port()
     args = [python, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port", str(port),
-            "--chunk-size", str(CHUNK_SIZE), "--l1-size-gb", f"{l1_bytes / (1 << 30):.3f}", "--no-l1-use-lazy",
+            "--chunk-size", str(chunk_size), "--l1-size-gb", f"{l1_bytes / (1 << 30):.3f}", "--no-l1-use-lazy",
             "--eviction-policy", "LRU", "--supported-transfer-mode", "engine_driven",
             "--shm-name", f"kvplug-bench-{os.getpid()}-{name}", "--worker-reap-timeout-seconds", "0",
             "--session-ttl-seconds", "86400", "--disable-observability"]  # fmt: skip
@@ -379,11 +383,13 @@ def run_phase(
             try:
                 if config == "LMC":
                     python = lmcache_python(Path(args.lmcache_venv))
-                    port, pgid = stack.enter_context(lmcache_server(python, workdir, name, big_tier_bytes(first)))
+                    port, pgid = stack.enter_context(
+                        lmcache_server(python, workdir, name, big_tier_bytes(first), args.chunk_size)
+                    )
                     others = [pgid]
-                    kv = kv_transfer(config, first, workdir, port)
+                    kv = kv_transfer(config, first, workdir, port, args.chunk_size)
                 else:
-                    kv = kv_transfer(config, first, workdir)
+                    kv = kv_transfer(config, first, workdir, chunk_size=args.chunk_size)
                 if kv is not None and config != "LMC":
                     port = _free_port()
                     kv["kv_connector_extra_config"]["kvplug.metrics_port"] = port
