@@ -567,6 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-pressure", action="store_true", help="room for the whole context in vLLM's KV cache")
     parser.add_argument(
+        "--chunk-size", type=int, default=CHUNK_SIZE, help="kvplug's and LMCache's chunk size in tokens"
+    )
+    parser.add_argument(
         "--workdir", default=None, help="keep the model, logs and disk tiers here (default: a temp dir)"
     )
     parser.add_argument("--raw", default=None, help="append each workload's raw runs (JSON lines) to this file")
