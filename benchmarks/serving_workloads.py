@@ -140,17 +140,25 @@ class Result:
     in_flight: int  # requests of this run in flight when it was sent (itself included)
     scan: bool = False
     server: dict[str, Any] = field(default_factory=dict)  # cached_tokens, queue_ms, prefill_ms
+    #: Its longest prefix that an earlier request, finished when it was sent, had computed (prompt and
+    #: output but the last output token): what a cache with room for all and no granularity could serve.
+    reusable: int = 0
+    request_id: str = ""  # its X-Request-Id header (vLLM's request id: cmpl-<this>-<n>...)
+    sent_wall: float = 0.0  # time.time() when it was sent (the server's clock: same machine)
 
 
-def stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float], list[int], dict[str, Any]]:
+def stream(
+    url: str, prompt: list[int], max_tokens: int, request_id: str | None = None
+) -> tuple[float, list[float], list[int], dict[str, Any]]:
     """(TTFT, gaps between token arrivals, output ids, the server's per-request figures) of one streamed completion."""
     body = {
         "model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
         "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
-    request = urllib.request.Request(
-        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json"}
+    if request_id is not None:
+        headers["X-Request-Id"] = request_id
+    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
     started = time.perf_counter()
     arrivals: list[float] = []
     output: list[int] = []
@@ -177,9 +185,21 @@ def stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[fl
     return arrivals[0] - started, gaps, output, server
 
 
-def play(url: str, workload: Workload, concurrency: int) -> tuple[list[Result], float]:
-    """Send the workload's requests in order, ``concurrency`` in flight; (results in order, wall seconds)."""
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def play(url: str, workload: Workload, concurrency: int, id_prefix: str = "") -> tuple[list[Result], float]:
+    """Send the workload's requests in order, ``concurrency`` in flight; (results in order, wall seconds).
+
+    With ``id_prefix`` each request is sent with ``X-Request-Id: <id_prefix><key>``.
+    """
     answers: dict[str, list[int]] = {}
+    computed: list[list[int]] = []  # finished requests' prompt + output but the last token
     done = {r.key: threading.Event() for r in workload.requests}
     lock = threading.Lock()
     in_flight = [0]
@@ -193,17 +213,24 @@ def play(url: str, workload: Workload, concurrency: int) -> tuple[list[Result], 
             with lock:
                 in_flight[0] += 1
                 now = in_flight[0]
+                earlier = list(computed)
+            reusable = max((common_prefix(prompt, seq) for seq in earlier), default=0)
+            request_id = f"{id_prefix}{req.key}" if id_prefix else None
             sent = time.perf_counter() - started
+            sent_wall = time.time()
             try:
-                ttft, gaps, output, server = stream(url, prompt, workload.max_tokens)
+                ttft, gaps, output, server = stream(url, prompt, workload.max_tokens, request_id)
             finally:
                 with lock:
                     in_flight[0] -= 1
             answers[req.key] = output
+            with lock:
+                computed.append(prompt + output[:-1])
         finally:
             done[req.key].set()  # a failure must not leave the next round waiting forever
         digest = sum((i + 1) * t for i, t in enumerate(prompt)) % (1 << 61)
-        return Result(req.key, len(prompt), digest, sent, ttft, gaps, output, now, req.scan, server)
+        return Result(req.key, len(prompt), digest, sent, ttft, gaps, output, now, req.scan, server,
+                      reusable, request_id or "", sent_wall)  # fmt: skip
 
     # A pool of `concurrency` threads takes the requests in order: a request waiting for an
     # earlier answer holds its thread, as a user does.

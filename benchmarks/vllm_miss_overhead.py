@@ -84,15 +84,17 @@ def openai_server(
     max_model_len: int,
     options: Sequence[str] = MISS_OPTIONS,
     env_extra: Mapping[str, str] | None = None,
+    python: str | None = None,
 ) -> Iterator[Server]:
     """A vLLM OpenAI server on 127.0.0.1 (own process group, SIGKILLed on exit).
 
     ``options``: more server arguments (bench_serving.py's keep prefix caching on);
-    ``env_extra``: more environment variables, set over the ones below.
+    ``env_extra``: more environment variables, set over the ones below; ``python``: the
+    interpreter that runs the server (this one by default; bench_serving.py's LMCache venv).
     """
     port = _free_port()
     args = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
         "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
         *options,
@@ -111,6 +113,9 @@ def openai_server(
         "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1"),
         # vLLM's internal message queue: on loopback, not the host's outward-facing address.
         "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1"),
+        # The engine core waits for each step's result with a deadline (300 s by default): a server
+        # stopped (SIGSTOP) in the middle of a step failed "RPC call to execute_model timed out".
+        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "86400"),
         **(env_extra or {}),
     }
     log_path = workdir / f"{name}.log"
