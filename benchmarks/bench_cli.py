@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from kvplug.core.config_loader import load_config
-from kvplug.core.control_server import ControlIdentity, ControlServer
-from kvplug.core.engine import CacheEngine
+from kvplug.core.config.loader import load_config
+from kvplug.core.control.server import ControlIdentity, ControlServer
+from kvplug.core.engine.cache_engine import CacheEngine
 from kvplug.core.keys import Fingerprint
 from kvplug.core.layouts import KVLayout, PagedFormat
 

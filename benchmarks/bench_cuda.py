@@ -76,7 +76,7 @@ def _measure(args: argparse.Namespace, figures: dict[str, object]) -> int:
 
     from kvplug import KVLayout, PagedFormat
     from kvplug.builtins.torch_connector import TorchConnector
-    from kvplug.core.frame_pool import GRANULARITY, FramePool
+    from kvplug.core.engine.frame_pool import GRANULARITY, FramePool
     from kvplug.testing import gather_chunk, scatter_chunk
     from kvplug_cuda import CudaConnector
 

@@ -47,7 +47,7 @@ from collections.abc import Callable
 import torch
 
 from kvplug import CacheEngine, Fingerprint, KVLayout, PagedFormat, get_registry, load_config, slots_from_block_ids
-from kvplug.core.parallel_copies import ParallelCopies, auto_copy_threads
+from kvplug.core.engine.parallel_copies import ParallelCopies, auto_copy_threads
 
 #: The engine format this test's caches use, as the vLLM/SGLang adapters declare it (same name: same fingerprints).
 VLLM_FLASH = PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim"))

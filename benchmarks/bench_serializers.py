@@ -166,7 +166,7 @@ def engine_section(
 
 def read_chunks(folder: Path) -> list[torch.Tensor]:
     """The KV chunks the raw engine run stored: disk records -> raw frames -> tensors."""
-    from kvplug.core.record import unpack_record  # benchmark-only: reads the disk tier's files as they are
+    from kvplug.core.records.frame import unpack_record  # benchmark-only: reads the disk tier's files as they are
 
     raw = serializer("raw")
     return [raw.loads(unpack_record(p.read_bytes())).clone() for p in sorted(folder.rglob("*.kvr"))]

@@ -8,8 +8,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from kvplug import Bounded, QueueSettings
-from kvplug.core.admission import FrequencyAdmissionConfig
-from kvplug.core.config import KVPlugConfig, StoreSettings
+from kvplug.core.config.model import KVPlugConfig, StoreSettings
+from kvplug.core.policies.admission import FrequencyAdmissionConfig
 from kvplug.core.tenants import TenancyConfig
 from kvplug.core.tier import TierConfig
 from kvplug_compress import FP8Serializer, ZstdSerializer
@@ -137,7 +137,7 @@ def render() -> str:
         QUEUES,
         table("Options every tier takes (`kvplug.TierConfig`)", TierConfig),
         table(
-            "Tier admission `{type: frequency}` (`kvplug.core.admission.FrequencyAdmissionConfig`)",
+            "Tier admission `{type: frequency}` (`kvplug.core.policies.admission.FrequencyAdmissionConfig`)",
             FrequencyAdmissionConfig,
             "admission.",
         ),

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplug import CacheEngine, load_config
-from kvplug.core.admission import (
+from kvplug.core.plugins import PluginRegistry
+from kvplug.core.policies.admission import (
     AGING_FACTOR,
     MAX_HITS,
     SKETCH_DEPTH,
@@ -21,7 +22,6 @@ from kvplug.core.admission import (
     FrequencySketch,
     make_admission_policy,
 )
-from kvplug.core.plugins import PluginRegistry
 from kvplug.errors import ConfigError
 
 LAYOUT = LAYOUTS["vllm_flash"]

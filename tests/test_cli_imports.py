@@ -18,9 +18,9 @@ import pytest
 import torch
 from core_helpers import LAYOUTS, random_caches
 
-from kvplug.core.config_loader import load_config
-from kvplug.core.control_server import ControlIdentity, ControlServer
-from kvplug.core.engine import CacheEngine
+from kvplug.core.config.loader import load_config
+from kvplug.core.control.server import ControlIdentity, ControlServer
+from kvplug.core.engine.cache_engine import CacheEngine
 from kvplug.core.keys import Fingerprint
 
 HEAVY = ("torch", "vllm", "sglang", "triton", "numpy")

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from kvplug import get_registry
 from kvplug.core.concerns import CONCERNS
-from kvplug.core.config import KVPlugConfig
+from kvplug.core.config.model import KVPlugConfig
 
 #: A figure with a unit of speed or time, or the words a measurement report uses.
 MEASURED = re.compile(

@@ -229,7 +229,7 @@ def test_no_float_or_int_setting_of_any_installed_component_takes_inf_nan_or_abs
 
     from pydantic import TypeAdapter, ValidationError
 
-    from kvplug.core.config import KVPlugConfig, StoreSettings
+    from kvplug.core.config.model import KVPlugConfig, StoreSettings
 
     registry = PluginRegistry()
     models: list[type] = [KVPlugConfig, StoreSettings]

@@ -22,8 +22,8 @@ from typer.testing import CliRunner
 
 from kvplug import CacheEngine, ControlIdentity, ControlServer, Fingerprint, RequestInfo, load_config
 from kvplug.cli.main import app
-from kvplug.core.control_client import ask, find_ranks
-from kvplug.core.control_protocol import MAX_CONTROL_MESSAGE, encode_request, exchange
+from kvplug.core.control.client import ask, find_ranks
+from kvplug.core.control.protocol import MAX_CONTROL_MESSAGE, encode_request, exchange
 from kvplug.errors import ControlError
 from kvplug.testing import send_as_other_user
 

@@ -33,9 +33,9 @@ from kvplug import (
     load_config,
 )
 from kvplug.cli.main import app
-from kvplug.core.control_client import ask
-from kvplug.core.control_protocol import encode_request
-from kvplug.core.control_server import CONTROL_LIMITS
+from kvplug.core.control.client import ask
+from kvplug.core.control.protocol import encode_request
+from kvplug.core.control.server import CONTROL_LIMITS
 from kvplug.errors import ControlError
 
 LAYOUT = LAYOUTS["vllm_flash"]

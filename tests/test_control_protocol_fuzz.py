@@ -10,7 +10,7 @@ import struct
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvplug.core.control_protocol import MAX_HEADER_BYTES, ControlRequest, decode_request, encode_request
+from kvplug.core.control.protocol import MAX_HEADER_BYTES, ControlRequest, decode_request, encode_request
 from kvplug.errors import ControlProtocolError
 
 _LEN = struct.Struct("<I")

@@ -159,7 +159,7 @@ def _write(path: Path, text: str) -> Path:
 
 
 def test_every_setting_is_in_the_config_reference() -> None:
-    from kvplug.core.config import KVPlugConfig, StoreSettings
+    from kvplug.core.config.model import KVPlugConfig, StoreSettings
 
     text = (ROOT / "docs" / "config.md").read_text()
     for name in KVPlugConfig.model_fields:

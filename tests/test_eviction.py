@@ -1,4 +1,4 @@
-"""kvplug's eviction policies (kvplug.core.eviction.LRUPolicy, kvplug.core.eviction.S3FIFOPolicy) under random use by a
+"""kvplug's eviction policies (kvplug.core.policies.eviction.LRUPolicy, kvplug.core.policies.eviction.S3FIFOPolicy) under random use by a
 byte-bounded owner: the budget always holds, ``lru`` evicts exactly in least-recently-used
 order, ``s3fifo`` keeps a working set read at least twice through a scan of one-off keys
 several times the budget (which ``lru`` loses), and its queues and ghost stay bounded."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplug.core.eviction import EvictionPolicy, LRUPolicy, S3FIFOPolicy, make_eviction_policy
+from kvplug.core.policies.eviction import EvictionPolicy, LRUPolicy, S3FIFOPolicy, make_eviction_policy
 
 BUDGET = 64
 

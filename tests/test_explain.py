@@ -34,9 +34,9 @@ from kvplug import (
 )
 from kvplug.cli.explain import open_tiers
 from kvplug.cli.main import app
-from kvplug.core.config import KVPlugConfig
-from kvplug.core.explain import Explanation, explain_prompt
-from kvplug.core.manifest import KeyScheme, encode_manifest
+from kvplug.core.config.model import KVPlugConfig
+from kvplug.core.control.explain import Explanation, explain_prompt
+from kvplug.core.records.manifest import KeyScheme, encode_manifest
 
 READER = LAYOUTS["vllm_flash"]  # float16, block 4
 TOKENS = list(range(100, 140))  # five chunks of 8

@@ -8,7 +8,7 @@ import torch
 
 from kvplug.builtins.raw_serializer import RawSerializer
 from kvplug.core.components import EmptyConfig
-from kvplug.core.frame_pool import GRANULARITY, FramePool
+from kvplug.core.engine.frame_pool import GRANULARITY, FramePool
 
 
 def test_frames_are_recycled_after_their_last_reference_dies() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import os
 
-from kvplug.core.frame_pool import GRANULARITY, SEGMENT_BYTES, FramePool
+from kvplug.core.engine.frame_pool import GRANULARITY, SEGMENT_BYTES, FramePool
 
 PHYSICAL = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 

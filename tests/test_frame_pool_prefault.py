@@ -8,7 +8,7 @@ import gc
 
 from core_helpers import LAYOUTS
 
-from kvplug.core.frame_pool import GRANULARITY, SEGMENT_BYTES, FramePool
+from kvplug.core.engine.frame_pool import GRANULARITY, SEGMENT_BYTES, FramePool
 
 PAGE = 4096
 

@@ -1,4 +1,4 @@
-"""Records per range of KV heads (kvplug.core.head_shards): engines of any TP size share chunks.
+"""Records per range of KV heads (kvplug.core.engine.head_shards): engines of any TP size share chunks.
 
 A "TP=1" engine holds all 4 KV heads of a cache; the two ranks of a "TP=2" engine hold
 heads 0-1 and 2-3 (copies of the same KV, sliced as vLLM slices them). With
@@ -22,7 +22,7 @@ import torch
 from core_helpers import LAYOUTS, random_caches
 
 from kvplug import CacheEngine, Fingerprint, HeadShard, KVLayout, RequestInfo, load_config
-from kvplug.core.head_shards import HeadRecords
+from kvplug.core.engine.head_shards import HeadRecords
 from kvplug.core.plugins import PluginRegistry
 from kvplug.errors import ConfigError
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvplug.core import record
-from kvplug.core.record_store import check_record
+from kvplug.core.records import frame as record
+from kvplug.core.records.store import check_record
 from kvplug.errors import ConfigError, CorruptChunkError, IncompatibleChunkError
 
 KEY = "integrity-key-for-tests-0123456789"

@@ -6,13 +6,13 @@ import time
 from collections.abc import Sequence
 
 from kvplug import TierChain, TierContext
-from kvplug.core.remote import remaining_budget_s
+from kvplug.core.remote.calls import remaining_budget_s
 from kvplug_cpu import CPUTier
 
 
 class SlowAnsweringTier(CPUTier):
     """A real cpu tier that takes 50 ms to answer ``contains`` and, like every remote
-    tier (kvplug.core.remote.RemoteCalls), answers "miss" once the caller's budget is spent."""
+    tier (kvplug.core.remote.calls.RemoteCalls), answers "miss" once the caller's budget is spent."""
 
     name = "slow-cpu"
 

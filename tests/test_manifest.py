@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from kvplug import Fingerprint
-from kvplug.core import manifest
-from kvplug.core.manifest import MANIFEST_MAGIC, KeyScheme, ManifestWriter, decode_manifest, encode_manifest
+from kvplug.core.records import manifest as manifest
+from kvplug.core.records.manifest import MANIFEST_MAGIC, KeyScheme, ManifestWriter, decode_manifest, encode_manifest
 
 BASE = Fingerprint(model_id="m", kv_layout="l", dtype="float16", block_size=16, cache_salt="secret-tenant")
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from kvplug import load_config
 from kvplug.cli.main import app
-from kvplug.core.config import physical_memory
+from kvplug.core.config.model import physical_memory
 from kvplug.errors import ConfigError
 
 PHYSICAL = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

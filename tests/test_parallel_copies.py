@@ -11,7 +11,7 @@ import torch
 from core_helpers import LAYOUTS, random_caches
 
 from kvplug import load_config, slots_from_block_ids
-from kvplug.core.parallel_copies import ParallelCopies
+from kvplug.core.engine.parallel_copies import ParallelCopies
 from kvplug.errors import ConfigError
 from kvplug.testing import gather_chunk
 

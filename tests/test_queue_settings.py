@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 from kvplug import QueueSettings, RemoteTierConfig, TierConfig, load_config
-from kvplug.core.config import StoreSettings
+from kvplug.core.config.model import StoreSettings
 from kvplug.errors import ConfigError
 
 

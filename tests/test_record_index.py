@@ -1,11 +1,11 @@
-"""kvplug.core.record_index.RecordIndex, the record tier's bounded LRU of record sizes: an entry recorded
+"""kvplug.core.records.index.RecordIndex, the record tier's bounded LRU of record sizes: an entry recorded
 again while a store call was answering is kept, and the round of checks goes over every
 entry without changing which one ``max_bytes`` evicts first. (Its behaviour against a real
 evicting server is checked by the valkey tier's tests, plugins/kvplug_valkey/tests.)"""
 
 from __future__ import annotations
 
-from kvplug.core.record_index import CHECKS_PER_ROUND, RecordIndex
+from kvplug.core.records.index import CHECKS_PER_ROUND, RecordIndex
 
 
 def test_a_put_between_the_stores_answer_and_the_drop_keeps_its_entry() -> None:

@@ -25,8 +25,8 @@ from kvplug import (
     TierContext,
     key_digest,
 )
-from kvplug.core.record import pack_record
-from kvplug.core.remote import call_budget
+from kvplug.core.records.frame import pack_record
+from kvplug.core.remote.calls import call_budget
 
 #: How a backend mangles the list it answers a read with.
 Mangle = Callable[[list[Buffer | None]], list[Buffer | None]]

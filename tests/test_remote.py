@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvplug.core.retry import Absent, CircuitBreaker, RetryPolicy
+from kvplug.core.remote.retry import Absent, CircuitBreaker, RetryPolicy
 from kvplug.errors import TierUnavailableError
 
 

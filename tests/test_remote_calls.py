@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvplug import RemoteTierConfig
-from kvplug.core.remote import RemoteCalls, call_budget
+from kvplug.core.remote.calls import RemoteCalls, call_budget
 from kvplug.errors import TierUnavailableError
 from kvplug.testing import tier_context
 

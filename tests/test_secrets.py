@@ -162,7 +162,7 @@ def test_logs_and_exceptions_of_a_running_engine_mask_credentials(tmp_path: Path
 
 
 def test_config_show_says_whether_records_are_signed_never_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvplug.core.record import set_integrity_key
+    from kvplug.core.records.frame import set_integrity_key
 
     monkeypatch.setenv("KVPLUG_INTEGRITY_KEY", SECRETS[0] * 2)
     set_integrity_key(...)

@@ -15,8 +15,8 @@ from core_helpers import VLLM_FLASH
 
 from kvplug import UNBOUNDED_BYTES, CacheEngine, Fingerprint, KVLayout, load_config
 from kvplug.cli.store import _budget
-from kvplug.core.manifest import MANIFEST_MAGIC
-from kvplug.core.record import RECORD_HEADER_SIZE, pack_record
+from kvplug.core.records.frame import RECORD_HEADER_SIZE, pack_record
+from kvplug.core.records.manifest import MANIFEST_MAGIC
 
 LAYOUT = KVLayout(VLLM_FLASH, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 

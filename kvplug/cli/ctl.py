@@ -1,7 +1,7 @@
 """``kvplug ctl``: ask a running engine about its cache, pin prompts, clear chunks.
 
 Each rank of a running engine answers on a control socket in this user's private folder
-(:mod:`kvplug.core.control_server`). A command finds the engine (``--engine`` ID, a
+(:mod:`kvplug.core.control.server`). A command finds the engine (``--engine`` ID, a
 prefix of it, or its name; needed only when several run), asks every rank, and prints
 the sum (counts and bytes summed over ranks; a lookup's hit is the smallest rank's, as
 the engine loads only what every rank holds). ``--per-rank`` adds each rank's row;
@@ -21,8 +21,8 @@ from rich.text import Text
 
 from kvplug.cli.console import console, format_size, print_error, print_table
 from kvplug.cli.prompt import chunk_map, read_prompt
-from kvplug.core.control_client import ControlClient, RankEndpoint, find_ranks, select_engine
-from kvplug.core.control_protocol import request_fields
+from kvplug.core.control.client import ControlClient, RankEndpoint, find_ranks, select_engine
+from kvplug.core.control.protocol import request_fields
 from kvplug.core.keys import RequestInfo
 from kvplug.errors import ControlError, ExplainInputError
 

@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvplug.cli.console import print_table
-from kvplug.core.config_loader import load_config
-from kvplug.core.engine import CacheEngine
+from kvplug.core.config.loader import load_config
+from kvplug.core.engine.cache_engine import CacheEngine
 from kvplug.core.keys import Fingerprint
 from kvplug.core.layouts import KVLayout, PagedFormat, slots_from_block_ids
 from kvplug.core.plugins import get_registry

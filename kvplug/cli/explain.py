@@ -26,10 +26,10 @@ from kvplug.errors import ExplainInputError
 # The core is imported where a command uses it: importing this module (every ``kvplug``
 # command does, to list its commands) costs no config, tier or manifest code.
 if TYPE_CHECKING:
-    from kvplug.core.config import KVPlugConfig
-    from kvplug.core.explain import Explanation, OtherScheme
-    from kvplug.core.manifest import KeyScheme
-    from kvplug.core.tier_chain import TierChain
+    from kvplug.core.chain.tier_chain import TierChain
+    from kvplug.core.config.model import KVPlugConfig
+    from kvplug.core.control.explain import Explanation, OtherScheme
+    from kvplug.core.records.manifest import KeyScheme
 
 __all__ = ["chunk_map", "explain_command", "open_tiers", "plain", "read_prompt", "render"]
 
@@ -46,9 +46,9 @@ def open_tiers(config: KVPlugConfig) -> tuple[TierChain, list[tuple[str, Any]], 
     """The config's tiers not in memory, opened for inspection (read-only: nothing
     created, changed, evicted or removed) and labelled by their place in the config
     (``1:disk``), and the labels of those left out."""
+    from kvplug.core.chain.tier_chain import TierChain
     from kvplug.core.plugins import get_registry
     from kvplug.core.tier import UNBOUNDED_BYTES, TierConfig
-    from kvplug.core.tier_chain import TierChain
 
     registry = get_registry()
     classes = registry.storage_tiers()
@@ -69,7 +69,7 @@ def open_tiers(config: KVPlugConfig) -> tuple[TierChain, list[tuple[str, Any]], 
 
 def load_scheme_file(path: Path) -> KeyScheme | dict[str, Any]:
     """A manifest (as stored or as ``--json`` prints it) or a dict of fingerprint fields."""
-    from kvplug.core.manifest import MANIFEST_MAGIC, decode_manifest
+    from kvplug.core.records.manifest import MANIFEST_MAGIC, decode_manifest
 
     try:
         data = path.read_bytes()
@@ -93,7 +93,7 @@ def load_scheme_file(path: Path) -> KeyScheme | dict[str, Any]:
 
 def find_scheme(wanted: str, tiers: list[tuple[str, Any]]) -> KeyScheme:
     """The manifest in the tiers whose fingerprint digest starts with ``wanted``."""
-    from kvplug.core.explain import list_manifests
+    from kvplug.core.control.explain import list_manifests
 
     notes: dict[str, str] = {}
     found = {s.prefix: s for label, tier in tiers for s in list_manifests(label, tier, notes)}
@@ -111,8 +111,8 @@ def build_scheme(base: KeyScheme | dict[str, Any], config: KVPlugConfig, changes
     """The scheme of ``base``'s fingerprint with ``changes``, under the config's chunk size,
     hash and serializer (the config is the engine's)."""
     from kvplug.core.keys import Fingerprint
-    from kvplug.core.manifest import KeyScheme
     from kvplug.core.plugins import get_registry
+    from kvplug.core.records.manifest import KeyScheme
 
     known_fields, int_fields = _fingerprint_fields()
     fields: dict[str, Any] = dict(base.fields if isinstance(base, KeyScheme) else base)
@@ -165,7 +165,7 @@ def render(console: Any, found: Explanation, skipped: list[str]) -> None:
 
 
 def _diff(found: Explanation, other: OtherScheme) -> str:
-    from kvplug.core.manifest import FIELD_NAMES
+    from kvplug.core.records.manifest import FIELD_NAMES
 
     names = {v: k for k, v in FIELD_NAMES.items()}
     parts = []
@@ -206,8 +206,8 @@ def explain_command(
     """A prompt's chunk map: each chunk's key and the tiers holding it, the first missing
     chunk and why the prompt stops there (naming the fingerprint fields that differ when
     the tiers hold its tokens under another fingerprint)."""
-    from kvplug.core.config_loader import load_config
-    from kvplug.core.explain import explain_prompt
+    from kvplug.core.config.loader import load_config
+    from kvplug.core.control.explain import explain_prompt
 
     def action() -> None:
         config = load_config(config_file=file).config
@@ -255,13 +255,13 @@ def _split(change: str) -> tuple[str, str]:
 
 
 def _as_scheme(base: KeyScheme | dict[str, Any], config: KVPlugConfig) -> KeyScheme:
-    from kvplug.core.manifest import KeyScheme
+    from kvplug.core.records.manifest import KeyScheme
 
     return base if isinstance(base, KeyScheme) else build_scheme(base, config, {})
 
 
 def _list(tiers: list[tuple[str, Any]], as_json: bool) -> None:
-    from kvplug.core.explain import list_manifests
+    from kvplug.core.control.explain import list_manifests
 
     notes: dict[str, str] = {}
     if as_json:  # each entry is also a --fingerprint/--candidate file's content

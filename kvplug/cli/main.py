@@ -56,8 +56,8 @@ ConfigFileArg = typer.Argument(..., help="YAML config file to check.")
 @config_app.command("show")
 def config_show(file: Path | None = ConfigFileOpt) -> None:
     """The effective config, and where each value came from; credentials are masked."""
-    from kvplug.core.config_loader import load_config
-    from kvplug.core.record import integrity_key_variable
+    from kvplug.core.config.loader import load_config
+    from kvplug.core.records.frame import integrity_key_variable
     from kvplug.redaction import SECRET_MASK, redact
 
     loaded = run_or_exit(lambda: load_config(config_file=file))
@@ -84,9 +84,9 @@ def config_show(file: Path | None = ConfigFileOpt) -> None:
 @config_app.command("validate")
 def config_validate(file: Path = ConfigFileArg) -> None:
     """Check a config file; on error, name each bad field, its value and what is allowed."""
-    from kvplug.core.config_loader import load_config
+    from kvplug.core.chain.tier_chain import TierChain
+    from kvplug.core.config.loader import load_config
     from kvplug.core.plugins import get_registry
-    from kvplug.core.tier_chain import TierChain
 
     loaded = run_or_exit(lambda: load_config(config_file=file, env={}))
     # What each tier checks before it opens (folders it could not make, ...), writing nothing.

@@ -26,7 +26,7 @@ from kvplug.errors import ConfigError, ConfigProblem, CorruptChunkError, RecordU
 
 # The core is imported where a command uses it: every ``kvplug`` command imports this module.
 if TYPE_CHECKING:
-    from kvplug.core.record_store import RecordCheck, StoredRecord
+    from kvplug.core.records.store import RecordCheck, StoredRecord
     from kvplug.core.tier import StorageTier
 
 store_app = typer.Typer(
@@ -52,8 +52,8 @@ def open_store(location: str, options: list[str] | None = None, *, read_only: bo
     for that tier's :meth:`~kvplug.StorageTier.location_config`."""
     from kvplug.core.concerns import install_command, location_package
     from kvplug.core.plugins import get_registry
-    from kvplug.core.record import integrity_key
-    from kvplug.core.record_store import RecordStore
+    from kvplug.core.records.frame import integrity_key
+    from kvplug.core.records.store import RecordStore
     from kvplug.core.tier import TierContext
 
     # Records are checked with this process's integrity key: an unusable key setting (a
@@ -182,7 +182,7 @@ def _read_and_check(tier: StorageTier, digest: str) -> RecordCheck:
     """The verdict on one record: :func:`check_record` of its bytes, ``corrupt`` when the
     tier found it bad unread (its size), ``unreadable`` when it is there but could not be
     read (no permission): never ``gone``, which only a record that vanished is."""
-    from kvplug.core.record_store import RecordCheck, check_record
+    from kvplug.core.records.store import RecordCheck, check_record
 
     try:
         data = tier.read_record(digest)  # type: ignore[attr-defined]

@@ -1,8 +1,8 @@
 """The private folder of the unix sockets a running engine answers on, and checks of their peers.
 
 An engine adapter's worker answers on unix sockets: its scheduler's lookups, and the
-operator's ``kvplug ctl`` (:mod:`kvplug.core.control_server`), served by
-:class:`~kvplug.core.message_server.MessageServer`.
+operator's ``kvplug ctl`` (:mod:`kvplug.core.control.server`), served by
+:class:`~kvplug.core.control.message_server.MessageServer`.
 
 The sockets live in a folder only this user can enter: ``$KVPLUG_LOOKUP_DIR`` if
 set, else ``$XDG_RUNTIME_DIR/kvplug``, else ``<tmp>/kvplug-<uid>``; a candidate that

@@ -63,7 +63,7 @@ class Fingerprint:
     format_version: str = KV_FORMAT_VERSION
     serializer: str = "raw"
     #: The model's KV heads a record holds, ``"<first>-<end>/<total>"`` (see
-    #: :mod:`kvplug.core.head_shards`): keys independent of the writer's TP size. Empty
+    #: :mod:`kvplug.core.engine.head_shards`): keys independent of the writer's TP size. Empty
     #: for adapters that key records per rank with ``tp_rank``/``tp_size`` instead.
     kv_heads: str = ""
     #: Per-rank keys (adapters whose records are not split by head range); adapters
@@ -276,7 +276,7 @@ class KeyBuilder:
         """Keys of the prompt's chunks; the partial last chunk only if asked.
 
         ``fingerprint`` may also be the key prefix itself, ``<format version>/<fingerprint
-        hex>/`` (what a store's fingerprint manifest records, see :mod:`kvplug.core.manifest`)."""
+        hex>/`` (what a store's fingerprint manifest records, see :mod:`kvplug.core.records.manifest`)."""
         token_bytes = _token_bytes(tokens)
         prefix = fingerprint if isinstance(fingerprint, str) else fingerprint.key_prefix()
         previous = self.chain_seed()

@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvplug.core.chain.tier_chain import TierChain
 from kvplug.core.keys import RequestInfo
 from kvplug.core.tenancy import PinReport, PinSpec, read_token_file
-from kvplug.core.tier_chain import TierChain
 
 if TYPE_CHECKING:
-    from kvplug.core.config import KVPlugConfig
+    from kvplug.core.config.model import KVPlugConfig
 
 logger = logging.getLogger("kvplug.pins")
 

@@ -64,7 +64,7 @@ class Serializer(ABC):
         """A new frame and a writable CPU tensor view of its payload.
 
         ``new_buffer(nbytes)`` supplies the memory (the engine passes its
-        :class:`kvplug.core.frame_pool.FramePool`); the frame is that buffer.
+        :class:`kvplug.core.engine.frame_pool.FramePool`); the frame is that buffer.
         """
 
     @abstractmethod

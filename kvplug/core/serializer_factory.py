@@ -4,7 +4,7 @@ so the contract imports neither the registry nor the config."""
 
 from __future__ import annotations
 
-from kvplug.core.config import KVPlugConfig
+from kvplug.core.config.model import KVPlugConfig
 from kvplug.core.plugins import PluginRegistry
 from kvplug.core.serializer import Serializer
 

@@ -205,7 +205,7 @@ def read_token_file(path: Path) -> list[int]:
 
 def record_name(key: str) -> str:
     """The name record stores give ``key``: :func:`kvplug.key_digest` in hex (not imported
-    from :mod:`kvplug.core.record`, which needs the tier module that needs this one)."""
+    from :mod:`kvplug.core.records.frame`, which needs the tier module that needs this one)."""
     return hashlib.sha256(key.encode()).hexdigest()
 
 

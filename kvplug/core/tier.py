@@ -11,10 +11,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ByteSize, Field, model_validator
 
-from kvplug.core.admission import AdmissionConfig, AdmitAllConfig
 from kvplug.core.components import ComponentConfig
 from kvplug.core.events import KVEvent
 from kvplug.core.metrics import EngineMetrics
+from kvplug.core.policies.admission import AdmissionConfig, AdmitAllConfig
 from kvplug.core.queue_settings import QueueSettings, complete_queue
 from kvplug.core.tenancy import Tenancy
 

@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from kvplug.core.config_loader import load_config
-from kvplug.core.engine import CacheEngine
+from kvplug.core.config.loader import load_config
+from kvplug.core.engine.cache_engine import CacheEngine
 from kvplug.core.keys import Fingerprint
 from kvplug.core.layouts import KVLayout, PagedFormat
 from kvplug.core.plugins import PluginRegistry

@@ -27,9 +27,9 @@ from typing import Any, ClassVar
 
 import pytest
 
+from kvplug.core.chain.tier_chain import TierChain
 from kvplug.core.pins import pin_keys
 from kvplug.core.tier import StorageTier, TierContext
-from kvplug.core.tier_chain import TierChain
 from kvplug.testing.storage_contract import value_for
 
 #: The tenants (cache_salts) of the contract's keys; ``None``: no salt.

@@ -17,7 +17,7 @@ FIXTURES = Path(__file__).resolve().parent / "release_0_2"
 MANIFEST: dict[str, Any] = json.loads((FIXTURES / "manifest.json").read_text(encoding="utf-8"))
 #: v1: written without an integrity key; v2: with the manifest's test key (a keyed MAC).
 MODES = ("v1", "v2")
-#: The record header every persistent tier writes before a value (kvplug.core.record).
+#: The record header every persistent tier writes before a value (kvplug.core.records.frame).
 HEADER_BYTES = 64
 
 
@@ -65,7 +65,7 @@ def integrity_key_of(mode: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Non
     once per process: it is made to re-read the environment here and again on exit
     (lazily, so after ``monkeypatch`` has restored it). Request the fixture that uses this
     before any fixture that makes tiers, so that it is torn down after them."""
-    from kvplug.core import record
+    from kvplug.core.records import frame as record
 
     monkeypatch.delenv("KVPLUG_INTEGRITY_KEY_FILE", raising=False)
     key = MANIFEST["integrity_key"][mode]

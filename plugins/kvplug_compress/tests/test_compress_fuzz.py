@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import kvplug
-from kvplug.core.record import pack_record
+from kvplug.core.records.frame import pack_record
 from kvplug.errors import CorruptChunkError
 from kvplug.testing import assert_bounded, cap_memory, measure_decode, run_fresh
 from kvplug_compress import FP8Serializer, Int8Serializer, LZ4Serializer, ZstdSerializer

@@ -1,6 +1,6 @@
 """Tier ``cpu``: values in host memory, evicted by the configured policy (``eviction``:
 ``lru``, least recently used first, or the scan-resistant ``s3fifo``; see
-:class:`kvplug.core.eviction.EvictionPolicy`).
+:class:`kvplug.core.policies.eviction.EvictionPolicy`).
 
 ``bytes_used`` is the exact sum of stored value lengths. Values are kept as given
 (the caller hands them over, see :class:`kvplug.StorageTier`), or copied into

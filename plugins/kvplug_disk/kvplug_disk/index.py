@@ -3,7 +3,7 @@
 The disk backend keeps the ``max_bytes`` of the whole folder itself (see
 :mod:`kvplug_disk.ledger`), so it needs the order of the files it may evict, which
 the record tier's own index (keys, sizes for ``stats()``) does not give. That order is
-the tier's ``eviction`` policy (:class:`kvplug.core.eviction.EvictionPolicy`: ``lru`` or ``s3fifo``),
+the tier's ``eviction`` policy (:class:`kvplug.core.policies.eviction.EvictionPolicy`: ``lru`` or ``s3fifo``),
 over file sizes (what an eviction frees). It is this process's own: rebuilt from the
 folder at start, where every record enters cold, oldest mtime first to leave (writes
 and hits set mtimes), kept up to date by this process's writes and reads, corrected

@@ -30,8 +30,8 @@ from kvplug import (
     load_config,
 )
 from kvplug.cli.main import app
-from kvplug.core import record
-from kvplug.core.record import pack_record
+from kvplug.core.records import frame as record
+from kvplug.core.records.frame import pack_record
 from kvplug.errors import CorruptChunkError
 from kvplug_disk import DiskTier, DiskTierConfig, verify_folder
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvplug import key_digest
-from kvplug.core.remote import call_budget
+from kvplug.core.remote.calls import call_budget
 from kvplug.errors import TierUnavailableError
 from kvplug.testing import key_for, value_for
 from kvplug_mooncake.testing import MooncakeCluster, free_port
@@ -181,7 +181,7 @@ def test_corrupt_object_is_a_counted_miss(mooncake_cluster, make_mooncake_tier):
     from mooncake.store import MooncakeDistributedStore
 
     from kvplug import key_digest
-    from kvplug.core.record import pack_record
+    from kvplug.core.records.frame import pack_record
 
     name = tier.config.key_prefix + key_digest(key).hex()
     other = MooncakeDistributedStore()

@@ -1,6 +1,6 @@
 """Tier ``s3``: values as objects in S3 or any writable fsspec store.
 
-Each object is a :mod:`kvplug.core.record` frame (header with the key's digest
+Each object is a :mod:`kvplug.core.records.frame` frame (header with the key's digest
 and checksums, then the value) named by the key's sha256 digest
 (:mod:`kvplug_s3.backend`). The record tier base (:class:`kvplug.RecordTier`) does
 the rest: every read is verified (a torn, truncated, bit-flipped or swapped object

@@ -135,7 +135,7 @@ def test_reused_upload_buffers_never_mix_values(moto_s3) -> None:
 
 def test_frame_buffers_are_whole_records_reused_within_their_bound() -> None:
     from kvplug import unpack_record
-    from kvplug.core.record import pack_record_header
+    from kvplug.core.records.frame import pack_record_header
     from kvplug_s3.frames import FrameBuffers
 
     def frame(key: str, value: bytes) -> bytearray:
@@ -162,7 +162,7 @@ def test_a_frame_returns_to_the_pool_only_after_its_upload_finished(moto_s3) -> 
     import asyncio
 
     from kvplug import RecordToWrite, key_digest
-    from kvplug.core.record import pack_record_header
+    from kvplug.core.records.frame import pack_record_header
     from kvplug_s3 import S3TierConfig
     from kvplug_s3.backend import AsyncObjectBackend, open_object_backend
     from kvplug_s3.testing import FaultProxy, s3_options

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_sglang_hicache import PAGE, make_backend, make_host, page_keys, random_pages
 
-from kvplug.core.control_client import ask
+from kvplug.core.control.client import ask
 
 
 def test_clear_all_leaves_the_pages_another_server_wrote_to_a_shared_disk_tier(

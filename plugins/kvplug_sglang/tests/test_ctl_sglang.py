@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from sglang_server import SGLangServer, hicache_args, write_random_llama
 
-from kvplug.core.control_protocol import encode_request as encode_control_request
+from kvplug.core.control.protocol import encode_request as encode_control_request
 from kvplug.testing import run_ctl, send_as_other_user
 
 pytestmark = pytest.mark.timeout(900)

@@ -9,7 +9,7 @@ are dropped at no cost until it answers again. This module parses locations; the
 backend (:mod:`kvplug_valkey.backend`) speaks the server in pipelines. The server's
 ``maxmemory`` and LRU policy are the shared budget; an OOM refusal is a dropped
 store, counted. ``stats()`` items and bytes come from this process's bounded index of
-its keys (:class:`kvplug.core.record_index.RecordIndex`): an estimate, since the server evicts without
+its keys (:class:`kvplug.core.records.index.RecordIndex`): an estimate, since the server evicts without
 telling its clients. The index's round of ``EXISTS`` checks finds evicted keys while
 they are at most about a quarter of it: with this process the only writer of chunks of
 one size (a model's chunks are), items and bytes are at most about a third above what

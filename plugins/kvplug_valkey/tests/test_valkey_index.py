@@ -1,7 +1,7 @@
 """The tier's index of its keys stays bounded and close to what a real server holds: a
 server that evicts (``maxmemory`` with ``allkeys-lru``) while this process keeps storing,
 another program filling the server, and an index bound smaller than the keys stored.
-(The index itself, kvplug.core.record_index.RecordIndex, is unit-tested in tests/test_record_index.py.)"""
+(The index itself, kvplug.core.records.index.RecordIndex, is unit-tested in tests/test_record_index.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import valkey
 from valkey_helpers import FAST_FAILING, fresh_prefix
 
 from kvplug import RECORD_HEADER_SIZE, KVEvent, key_digest
-from kvplug.core.record_index import CHECKS_PER_NEW_KEY, CHECKS_PER_ROUND  # the round's pace, not public API
+from kvplug.core.records.index import CHECKS_PER_NEW_KEY, CHECKS_PER_ROUND  # the round's pace, not public API
 from kvplug.testing import key_for, tier_context
 from kvplug_valkey import ValkeyTier
 from kvplug_valkey.testing import ValkeyServer

@@ -7,7 +7,7 @@ engine the scheduler (EngineCore process) and the worker are different
 processes: the scheduler then asks the worker's control socket
 (:class:`kvplug.ControlServer`, the one ``kvplug ctl`` talks to), whose ``lookup``
 op answers with typed locations and whose ``reset`` op runs the worker's cache reset.
-One socket per worker, one codec (:mod:`kvplug.core.control_protocol`: no pickle,
+One socket per worker, one codec (:mod:`kvplug.core.control.protocol`: no pickle,
 sizes bounded before anything is allocated), one private folder (links,
 foreign-owned or open folders refused, peers of another user closed).
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 from conftest import BLOCK_SIZE, P1, child_env
 
-from kvplug.core.control_protocol import CONTROL_PROTOCOL_VERSION
-from kvplug.core.control_protocol import encode_request as encode_control_request
+from kvplug.core.control.protocol import CONTROL_PROTOCOL_VERSION
+from kvplug.core.control.protocol import encode_request as encode_control_request
 from kvplug.testing import run_ctl, send_as_other_user
 
 START_TIMEOUT_S = 300

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kvplug import CacheEngine, ChunkKey, Fingerprint, KVLayout, load_config, slots_from_block_ids
+from kvplug.core.engine.locations import chunk_hash
 from kvplug.core.keys import KeyBuilder
-from kvplug.core.locations import chunk_hash
 from kvplug_vllm.kv_events import ChunkIndex
 from kvplug_vllm.layout import VLLM_CPU
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta

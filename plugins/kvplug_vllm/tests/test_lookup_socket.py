@@ -36,7 +36,7 @@ from kvplug import (
     private_socket_dir,
     slots_from_block_ids,
 )
-from kvplug.core.control_protocol import encode_request
+from kvplug.core.control.protocol import encode_request
 from kvplug.errors import UnsafeSocketPathError
 from kvplug_vllm.layout import VLLM_CPU
 from kvplug_vllm.lookup import LookupChannelError, SocketLookup, socket_path

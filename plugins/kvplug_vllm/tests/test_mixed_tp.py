@@ -1,6 +1,6 @@
 """Engines of different tensor-parallel sizes share chunks with the default config; MLA at TP=2 stores one copy.
 
-Records are keyed by KV head range, not by TP rank or size (kvplug.core.head_shards), and
+Records are keyed by KV head range, not by TP rank or size (kvplug.core.engine.head_shards), and
 ``heads_per_record: auto`` (one record per rank and chunk) works across TP sizes: a reader
 of another TP size joins smaller records or slices a larger one into its heads.
 

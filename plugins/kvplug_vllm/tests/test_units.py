@@ -27,7 +27,7 @@ from kvplug import (
     load_config,
     slots_from_block_ids,
 )
-from kvplug.core.control_client import ask
+from kvplug.core.control.client import ask
 from kvplug.errors import ConfigError, LayoutError
 from kvplug_vllm.layout import VLLM_CPU, VLLM_CPU_MLA, VLLM_MLA, detect_layout
 from kvplug_vllm.lookup import DirectLookup, LookupChannelError, SocketLookup, socket_path

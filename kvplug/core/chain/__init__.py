@@ -1,0 +1,1 @@
+"""The tier chain: ordered tiers as one store, their slots, write queues, opening and removal."""

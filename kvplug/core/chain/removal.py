@@ -1,0 +1,96 @@
+"""Removing keys from a :class:`~kvplug.TierChain`'s tiers: the one way anything leaves them
+on purpose (a corrupt chunk, ``store gc``, ``kvplug ctl clear``, an engine's cache reset).
+
+An ``async`` tier's write queue may still hold a write of a key being removed, or be
+writing one: removed from the tier alone, the key would come back when the queue
+writes it. So a removal first cancels the queued writes of every key it means
+(:meth:`RemovalPlan.cancels`), waiting for one in progress to land, and only then asks
+the plan which keys to remove from each tier (:meth:`RemovalPlan.for_tier`): a plan
+that reads a journal of the chain's writes then sees the writes that landed meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvplug.core.chain.slot import TierSlot
+from kvplug.core.events import KVEvent
+
+
+class RemovalPlan(Protocol):
+    """Which keys a removal means: whose queued writes to cancel, and what to remove where."""
+
+    def cancels(self) -> Sequence[str]:
+        """The keys whose queued writes (the chain's own, not written yet) are dropped."""
+        ...
+
+    def for_tier(self, index: int, *, private: bool) -> list[str]:
+        """The keys to remove from the tier at ``index`` (``private``: it has ``trusted_reads``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class RemoveKeys:
+    """A plan that removes the same keys from every tier."""
+
+    keys: Sequence[str]
+
+    def cancels(self) -> Sequence[str]:
+        return self.keys
+
+    def for_tier(self, index: int, *, private: bool) -> list[str]:
+        return list(self.keys)
+
+
+@dataclass(frozen=True)
+class TierRemoval:
+    """What a removal did to one tier."""
+
+    #: The tier's index and label in its chain (``1:disk``).
+    index: int
+    label: str
+    #: The keys the tier was asked to remove (with ``count``: those it held); none if it failed.
+    removed: list[str]
+    #: Queued writes of planned keys dropped before they reached the tier.
+    cancelled: list[str]
+    #: How far the tier's ``bytes_used`` fell (with ``count``; else 0).
+    bytes_freed: int = 0
+
+
+def remove_planned(
+    slots: Sequence[TierSlot], plan: RemovalPlan, *, tiers: Collection[int] | None = None, count: bool = False
+) -> list[TierRemoval]:
+    """Carry out ``plan`` on ``slots`` (only those whose index is in ``tiers``; None: all).
+
+    ``count``: ask each tier which planned keys it holds and remove only those, and
+    measure the bytes freed (what ``kvplug ctl clear`` reports); otherwise every
+    planned key is passed to ``remove``, which ignores keys a tier lacks.
+    """
+    chosen = [slot for slot in slots if tiers is None or slot.index in tiers]
+    cancels = list(plan.cancels())
+    dropped: dict[int, list[str]] = {}
+    for slot in chosen:
+        if slot.queue is None or not cancels:
+            continue
+        dropped[slot.index] = cancelled = slot.queue.cancel(cancels)
+        if cancelled:  # never written: the tier cannot report their removal itself
+            slot.tier.context.emit(KVEvent("removed", tuple(cancelled), tier=slot.tier.name))
+    done: list[TierRemoval] = []
+    for slot in chosen:
+        keys = plan.for_tier(slot.index, private=slot.tier.trusted_reads)
+        before = 0
+        if count and keys:
+            before = _bytes_used(slot)
+            keys = [key for key, held in zip(keys, slot.stored(keys) or [False] * len(keys)) if held]
+        if keys and not slot.remove(keys):
+            keys = []
+        freed = max(0, before - _bytes_used(slot)) if count and keys else 0
+        done.append(TierRemoval(slot.index, slot.label, keys, dropped.get(slot.index, []), freed))
+    return done
+
+
+def _bytes_used(slot: TierSlot) -> int:
+    stats = slot.stats()
+    return 0 if stats is None else stats.bytes_used

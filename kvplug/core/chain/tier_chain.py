@@ -1,0 +1,393 @@
+"""An ordered list of storage tiers, fastest first, used as one store.
+
+- ``put`` writes through to every tier that lacks the key: ``queue.mode: sync``
+  tiers from the calling (store worker) thread, ``async`` tiers through the one
+  bounded write queue the chain keeps for each (:mod:`kvplug.core.chain.write_queue`), so
+  a slow S3 never delays what the CPU tier can serve. Reads answer from an async
+  tier's queue first: what is queued for it is readable at once.
+- ``fetch_prefix`` reads through: the first tier holding a chunk serves it (one ``get``
+  per tier, no ``contains``: the first key no tier returns ends the prefix). It
+  does not promote: ``promote`` writes a hit from a slower tier to the faster
+  ones once the caller has verified it (:class:`kvplug.ChunkStore` does both).
+- ``contains_prefix`` answers how many leading keys some tier holds.
+- Admission: each tier's :class:`~kvplug.core.policies.admission.AdmissionPolicy` (``tiers[i].admission``)
+  decides which chunks of a ``put`` or a ``promote`` are written to it, before the
+  write is made or queued; stores and verified loads count as sightings, lookups do
+  not. A load also writes the chunks a slower tier's policy has just admitted (they
+  were declined when stored); see :mod:`kvplug.core.policies.admission`.
+- A tier that raises is a miss for that call (logged and counted), never an error
+  for the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvplug.core.chain.opening import open_tiers, preflight_tiers
+from kvplug.core.chain.removal import RemovalPlan, RemoveKeys, TierRemoval, remove_planned
+from kvplug.core.chain.slot import TierSlot, WriteListeners
+from kvplug.core.chain.write_queue import Items, WriteQueue
+from kvplug.core.events import KVEvent
+from kvplug.core.metrics import EngineMetrics
+from kvplug.core.plugins import PluginRegistry
+from kvplug.core.policies.admission import make_admission_policy
+from kvplug.core.remote.calls import call_budget, remaining_budget_s
+from kvplug.core.tenancy import Tenancy
+from kvplug.core.tenant_metrics import TierFigures
+from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierStats
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A value :meth:`TierChain.fetch_prefix` found, and where."""
+
+    value: Buffer
+    #: Index of the tier that answered, fastest first.
+    tier: int
+    #: That tier has ``trusted_reads`` (the value is this process's own bytes) or
+    #: ``verified_reads`` (it checked every byte against the checksum stored with them):
+    #: the frame's own checksum need not be checked again.
+    trusted: bool
+
+
+class TierChain:
+    """Tiers fastest first; see the module docstring for the semantics."""
+
+    def __init__(
+        self,
+        tiers: Sequence[StorageTier],
+        metrics: EngineMetrics | None = None,
+        *,
+        lookup_timeout_s: float | None = None,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a tier chain needs at least one tier")
+        self.metrics = metrics or EngineMetrics()
+        #: Budget of one lookup across every tier; past it, the rest is a miss.
+        self.lookup_timeout_s = lookup_timeout_s
+        self._slots: list[TierSlot] = []
+        #: The pins and tenants its tiers share (:meth:`open` gives its tiers this one).
+        self.tenancy = Tenancy()
+        self._figures: TierFigures = lambda: [(label, stats.extra) for label, stats in self.stats()]
+        self.metrics.tenants.sources.append(self._figures)
+        #: Told which keys each write of the chain put in which tier: a clear tells its own records by it.
+        self.writes = WriteListeners()
+        for index, tier in enumerate(tiers):
+            label = f"{index}:{tier.name}"
+            settings = tier.config
+            queue = None
+            if settings.queue.mode == "async":
+                queue = WriteQueue(
+                    f"kvplug-writer-{label}",
+                    settings.queue,
+                    functools.partial(self._put_missing_at, index),
+                    settle=functools.partial(self._settle_at, index),
+                    on_drop=self.metrics.store_dropped.labels(label).inc,
+                )
+            admission = make_admission_policy(settings.admission)
+            self._slots.append(TierSlot(tier, settings, label, queue, self.metrics, admission, index, self.writes))
+
+    @classmethod
+    def open(
+        cls,
+        specs: Sequence[Any],
+        registry: PluginRegistry,
+        *,
+        fingerprint: str | None = None,
+        metrics: EngineMetrics | None = None,
+        lookup_timeout_s: float | None = None,
+        emit: Callable[[KVEvent], None] | None = None,
+        tenancy: Tenancy | None = None,
+        read_only: bool = False,
+        max_record_bytes: int | None = None,
+    ) -> TierChain:
+        """Build each configured tier (``config.tiers`` entries, resolved) and chain them.
+
+        The tiers report their events to ``emit`` (their engine's listeners; default:
+        only the registry's ``kvplug_on_event`` observers). ``tenancy``: the engine's pins and
+        tenants, shared by the tiers (default: none wanted, none known). ``read_only`` and
+        ``max_record_bytes`` go to every tier's :class:`TierContext` (inspection; the bound).
+
+        If one tier fails to open, the ones already opened are closed again, and the
+        failure is a :class:`~kvplug.errors.TierOpenError` naming the entry
+        (``tiers[1] (type disk): ...``); the tier's own exception is its ``cause``.
+        """
+        metrics = metrics or EngineMetrics()
+        tenancy = tenancy or Tenancy()
+        tiers = open_tiers(
+            specs,
+            registry,
+            fingerprint=fingerprint,
+            metrics=metrics,
+            emit=emit,
+            tenancy=tenancy,
+            read_only=read_only,
+            max_record_bytes=max_record_bytes,
+        )
+        chain = cls(tiers, metrics, lookup_timeout_s=lookup_timeout_s)
+        chain.tenancy = tenancy
+        return chain
+
+    @staticmethod
+    def preflight(specs: Sequence[Any], registry: PluginRegistry) -> None:
+        """Run every configured tier's :meth:`StorageTier.preflight` (no side effects); the
+        first failure is a :class:`~kvplug.errors.TierOpenError` naming its entry."""
+        preflight_tiers(specs, registry)
+
+    @property
+    def tiers(self) -> list[StorageTier]:
+        return [slot.tier for slot in self._slots]
+
+    @property
+    def settings(self) -> list[TierConfig]:
+        """Each tier's :class:`~kvplug.TierConfig` settings."""
+        return [slot.settings for slot in self._slots]
+
+    # --- reads ----------------------------------------------------------------------
+
+    def contains_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading keys are held by at least one tier, within the lookup budget."""
+        present = self.contains_any(keys, budget_s=self.lookup_timeout_s)
+        return next((i for i, found in enumerate(present) if not found), len(keys))
+
+    def locate_prefix(self, keys: Sequence[str]) -> list[str]:
+        """Name of the fastest tier holding each leading key, up to the first key none holds.
+
+        Lets an adapter tell a prefix served from memory from one that needs a slow tier
+        (an engine may load the latter in the background).
+        """
+        return leading(self.locate(keys))
+
+    def locate(self, keys: Sequence[str]) -> list[str | None]:
+        """Name of the fastest tier holding each key (None: none does), one batched
+        ``contains`` per tier, within the lookup budget."""
+        where: list[str | None] = [None] * len(keys)
+        with call_budget(self.lookup_timeout_s):
+            for slot in self._slots:
+                ask = [i for i, found in enumerate(where) if found is None]
+                if not ask or self._budget_spent():
+                    break
+                answers = slot.contains([keys[i] for i in ask]) or [False] * len(ask)
+                for i, found in zip(ask, answers):
+                    if found:
+                        where[i] = slot.tier.name
+        return where
+
+    def contains_any(
+        self, keys: Sequence[str], *, sync_tiers_only: bool = False, budget_s: float | None = None
+    ) -> list[bool]:
+        """Whether some tier holds each key.
+
+        ``sync_tiers_only`` asks only the tiers written on the caller's side (not
+        ``queue.mode: async``). The store path uses it to skip copying chunks that are
+        already cached, without waiting on a remote store: an async tier's queue checks
+        what the tier lacks again on its own thread before it writes.
+
+        ``budget_s`` bounds the whole answer: remote tiers end their calls within it
+        (:func:`kvplug.core.remote.calls.call_budget`), and tiers not asked before it ran out answer
+        "miss".
+        """
+        present = [False] * len(keys)
+        with call_budget(budget_s):
+            for slot in self._slots:
+                if sync_tiers_only and slot.queue is not None:
+                    continue
+                ask = [i for i, found in enumerate(present) if not found]
+                if not ask or self._budget_spent():
+                    break
+                answers = slot.contains([keys[i] for i in ask]) or [False] * len(ask)
+                for i, found in zip(ask, answers):
+                    present[i] = bool(found)
+        return present
+
+    def _budget_spent(self) -> bool:
+        remaining = remaining_budget_s()
+        if remaining is None or remaining > 0:
+            return False
+        self.metrics.lookup_budget_spent.inc()
+        return True
+
+    def fetch_prefix(self, keys: Sequence[str]) -> list[Fetched]:
+        """Values of the leading keys that some tier holds, each with the tier it came
+        from; stops at the first key no tier returns.
+
+        Each tier, fastest first, is asked one batched ``get`` of the keys no faster tier
+        returned: a load costs one round trip per tier it reads, no ``contains`` (the
+        lookup asked that already). A key that vanished since the lookup (evicted by
+        another process) ends the prefix, a clean miss: what a slower tier returned past
+        it is dropped. Nothing is promoted: the caller verifies the values and promotes
+        only those that passed (:meth:`promote`), since a faster tier with
+        ``trusted_reads`` must never hold bytes nobody checked."""
+        values: list[Buffer | None] = [None] * len(keys)
+        found_in: list[int] = [-1] * len(keys)
+        for index, slot in enumerate(self._slots):
+            ask = [i for i, value in enumerate(values) if value is None]
+            if not ask:
+                break
+            answers = slot.get([keys[i] for i in ask]) or [None] * len(ask)
+            for i, value in zip(ask, answers):
+                if value is not None:
+                    values[i], found_in[i] = value, index
+        limit = next((i for i, value in enumerate(values) if value is None), len(keys))
+        return [
+            Fetched(value, where, self._slots[where].tier.trusted_reads or self._slots[where].tier.verified_reads)
+            for value, where in zip(values[:limit], found_in[:limit])
+            if value is not None
+        ]
+
+    def promote(self, keys: Sequence[str], fetched: Sequence[Fetched]) -> None:
+        """After a verified load: write values found in slower tiers to the faster ones
+        that admit them, and values a slower tier's admission policy admits from this
+        load on (declined when they were stored) to that tier (``keys`` pair with
+        ``fetched``). The load counts as a sighting of each key."""
+        keys = list(keys[: len(fetched)])
+        if not keys:
+            return
+        selective = [slot for slot in self._slots if not slot.admission.admits_everything]
+        before = {id(slot): slot.admission.admit(keys) for slot in selective}
+        self._seen(keys)
+        for index, slot in enumerate(self._slots):
+            faster = [(key, hit.value) for key, hit in zip(keys, fetched) if hit.tier > index]
+            admitted = self._admitted(slot, faster)
+            if admitted:
+                self.metrics.promotions.labels(slot.label).inc(len(admitted))
+                self._write(slot, admitted)
+            if id(slot) in before:
+                self._catch_up(slot, keys, fetched, index, before[id(slot)])
+
+    @property
+    def all_trusted(self) -> bool:
+        """Whether every tier has ``trusted_reads``: stored frames then never leave this process."""
+        return all(slot.tier.trusted_reads for slot in self._slots)
+
+    def discard(self, keys: Sequence[str]) -> None:
+        """Remove keys from every tier (a chunk found corrupt, ``store gc``), cancelling
+        their writes still queued."""
+        self.remove(RemoveKeys(list(keys)))
+
+    def remove(
+        self, plan: RemovalPlan, *, tiers: Collection[int] | None = None, count: bool = False
+    ) -> list[TierRemoval]:
+        """Remove what ``plan`` says from the tiers at the indexes ``tiers`` (None: every
+        tier): first the queued writes of its keys are cancelled (one being written lands
+        first), then each tier removes its keys; see :mod:`kvplug.core.chain.removal`.
+        ``count``: remove only the keys a tier holds, and measure the bytes freed."""
+        return remove_planned(self._slots, plan, tiers=tiers, count=count)
+
+    # --- writes ---------------------------------------------------------------------
+
+    def put(self, items: Items, *, admission: bool = True, only_trusted: bool = False) -> None:
+        """Write each item to every tier that admits it and does not hold its key yet.
+        The put counts as a sighting of each key. ``admission=False`` writes to every
+        tier, uncounted: for small records every tier must hold (fingerprint manifests).
+        ``only_trusted``: only to the ``trusted_reads`` (process-private) tiers."""
+        if not items:
+            return
+        if admission:
+            self._seen([key for key, _ in items])
+        for slot in self._slots:
+            if only_trusted and not slot.tier.trusted_reads:
+                continue
+            self._write_missing(slot, self._admitted(slot, items) if admission else items)
+
+    def _write_missing(self, slot: TierSlot, items: Items) -> None:
+        if not items:
+            return
+        if slot.queue is not None:  # a slow tier checks what it lacks on its queue's thread
+            slot.queue.submit(items)
+        else:
+            self._put_missing(slot, items)
+            slot.settle()
+
+    def _seen(self, keys: list[str]) -> None:
+        for slot in self._slots:
+            if not slot.admission.admits_everything:
+                slot.admission.seen(keys)
+
+    def _admitted(self, slot: TierSlot, items: Items) -> Items:
+        """The items ``slot``'s admission policy lets the chain write to it, counted."""
+        if not items:
+            return items
+        if slot.admission.admits_everything:
+            admitted = items
+        else:
+            answers = slot.admission.admit([key for key, _ in items])
+            admitted = [item for item, admit in zip(items, answers) if admit]
+        if admitted:
+            self.metrics.admission_admitted.labels(slot.label).inc(len(admitted))
+        if len(admitted) < len(items):
+            self.metrics.admission_declined.labels(slot.label).inc(len(items) - len(admitted))
+        return admitted
+
+    def _catch_up(
+        self, slot: TierSlot, keys: list[str], fetched: Sequence[Fetched], index: int, before: list[bool]
+    ) -> None:
+        """Write to ``slot`` (index ``index``) the loaded values from faster tiers that its
+        policy admits, where it lacks them: declined when stored, or admitted then but never
+        written (a write dropped from a full queue, a put that failed). Only keys this load
+        admitted (not admitted ``before`` it) count as admitted."""
+        candidates = [(key, hit.value, was) for key, hit, was in zip(keys, fetched, before) if hit.tier < index]
+        if not candidates:
+            return
+        answers = slot.admission.admit([key for key, _, _ in candidates])
+        newly = sum(admit and not was for (_, _, was), admit in zip(candidates, answers))
+        if newly:
+            self.metrics.admission_admitted.labels(slot.label).inc(newly)
+        self._write_missing(slot, [(key, value) for (key, value, _), admit in zip(candidates, answers) if admit])
+
+    def _put_missing(self, slot: TierSlot, items: Items) -> None:
+        answers = slot.stored([key for key, _ in items])
+        missing = items if answers is None else [item for item, has in zip(items, answers) if not has]
+        if missing:
+            slot.put(missing)
+
+    def _write(self, slot: TierSlot, items: Items) -> None:
+        if slot.queue is not None:
+            slot.queue.submit(items)
+        else:
+            slot.put(items)
+            slot.settle()
+
+    def _put_missing_at(self, index: int, items: Items) -> None:
+        self._put_missing(self._slots[index], items)
+
+    def _settle_at(self, index: int) -> None:
+        self._slots[index].settle()
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait until every accepted write is visible in its tier."""
+        for slot in self._slots:
+            if slot.queue is not None:
+                slot.queue.flush()
+            slot.flush()
+
+    def stats(self) -> list[tuple[str, TierStats]]:
+        result = []
+        for slot in self._slots:
+            stats = slot.stats() or TierStats(errors=-1)
+            if slot.queue is not None:
+                stats.extra["writer_dropped"] = slot.queue.dropped
+                stats.extra["writer_pending"] = slot.queue.pending()
+            result.append((slot.label, stats))
+        return result
+
+    def close(self, *, drain: bool = True) -> None:
+        """Close every tier, after its write queue has written (``drain`` and the
+        queue's ``on_close: drain``) or dropped what is queued."""
+        if self._figures in self.metrics.tenants.sources:
+            self.metrics.tenants.sources.remove(self._figures)
+        for slot in self._slots:
+            if slot.queue is not None:
+                slot.queue.close(drain=drain)
+            slot.close()
+
+
+def leading(where: Sequence[str | None]) -> list[str]:
+    """The tier names of :meth:`TierChain.locate`'s answer up to its first key no tier holds."""
+    limit = next((i for i, name in enumerate(where) if name is None), len(where))
+    return [name for name in where[:limit] if name is not None]

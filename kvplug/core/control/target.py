@@ -1,0 +1,344 @@
+"""What ``kvplug ctl`` asks a running cache about: :class:`ControlTarget`.
+
+A :class:`~kvplug.ControlServer` answers for one target: its tiers (a
+:class:`~kvplug.TierChain`), its counters (:class:`~kvplug.core.metrics.EngineMetrics`), and how a
+prompt maps to its keys. :class:`EngineControl` is the target of a
+:class:`~kvplug.CacheEngine`; an adapter whose engine names its pages itself (a storage
+backend under the engine's own cache) subclasses :class:`ControlTarget` and computes
+the keys as its engine does. What a target cannot do (pins where no tier keeps them,
+a salt the keys do not show) it refuses with a :class:`~kvplug.errors.ControlProtocolError`
+naming why, which the operator reads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvplug.core.chain.removal import TierRemoval
+from kvplug.core.chain.tier_chain import TierChain
+from kvplug.core.control.explain import explain_prompt
+from kvplug.core.control.protocol import ControlRequest, text_field
+from kvplug.core.engine.locations import ChunkLocation
+from kvplug.core.events import KVEvent
+from kvplug.core.keys import RequestInfo
+from kvplug.core.metrics import EngineMetrics
+from kvplug.core.records.manifest import KeyScheme
+from kvplug.core.tier import Medium
+from kvplug.errors import ControlProtocolError
+
+if TYPE_CHECKING:
+    from kvplug.core.engine.cache_engine import CacheEngine
+    from kvplug.core.tenancy import PinReport
+
+#: Chunks a journal remembers at most (oldest forgotten first): bounds its memory.
+MAX_JOURNAL_CHUNKS = 1 << 20
+
+
+@dataclass(frozen=True)
+class ClearKeys:
+    """The records a ``clear`` request means, whose they are, and its scope in words.
+
+    ``written`` are records this engine stored; ``loaded`` are records it only loaded
+    (another engine, or an earlier run, wrote them). From this engine's private tiers
+    (``trusted_reads``: this process's own memory) ``clear`` removes both; from any other
+    tier, which other engines may share, only the written records, and of those only the
+    ones this engine's own writes put there (``written_to``, per tier index, when the
+    target can tell): a tier that already held a record when this engine stored it kept
+    the other writer's record, which stays.
+    """
+
+    written: list[str]
+    loaded: list[str]
+    scope: str
+    #: Per tier (its index in the chain), the records of ``written`` this engine's writes
+    #: put there; ``None``: not known, every written record counts as written everywhere.
+    written_to: Mapping[int, Sequence[str]] | None = None
+
+    def cancels(self) -> list[str]:
+        """Every record the clear means: a queued write of one (this engine's own) is dropped."""
+        return self.written + self.loaded
+
+    def for_tier(self, index: int, *, private: bool) -> list[str]:
+        """The records to remove from the tier at ``index`` (``private``: it has ``trusted_reads``)."""
+        if private:
+            return self.written + self.loaded
+        if self.written_to is None:
+            return list(self.written)
+        return list(self.written_to.get(index, ()))
+
+
+_STORED = 1
+_LOADED = 2
+_TIER_BITS = 2  # bit _TIER_BITS + i: this cache's chain wrote the key to tier i
+
+
+class ChunkJournal:
+    """The keys a cache stored or loaded (from its events), newest last, and for each the
+    tiers its own writes put it in (:meth:`on_written`, from its chain); bounded."""
+
+    def __init__(self, max_chunks: int = MAX_JOURNAL_CHUNKS) -> None:
+        self.max_chunks = max_chunks
+        #: Keys dropped because the journal was full: ``clear`` cannot name them.
+        self.forgotten = 0
+        self._keys: OrderedDict[str, int] = OrderedDict()  # key -> _STORED | _LOADED | tier bits
+        self._lock = threading.Lock()
+
+    def on_event(self, event: KVEvent) -> None:
+        # An eviction from one tier leaves the others: clear asks each.
+        if event.kind == "stored":
+            self.stored(event.keys)
+        elif event.kind == "loaded":
+            self._note(event.keys, _LOADED)
+
+    def on_written(self, tier: int, keys: Sequence[str]) -> None:
+        """The chain wrote ``keys`` to its tier at index ``tier`` (a :class:`~kvplug.core.chain.slot.WriteListeners` listener)."""
+        self._note(keys, 1 << (_TIER_BITS + tier))
+
+    def _note(self, keys: Sequence[str], bits: int) -> None:
+        with self._lock:
+            for key in keys:
+                self._keys[key] = self._keys.get(key, 0) | bits
+                self._keys.move_to_end(key)
+            while len(self._keys) > self.max_chunks:
+                self._keys.popitem(last=False)
+                self.forgotten += 1
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Every key stored or loaded that starts with ``prefix``."""
+        stored, loaded = self.split(prefix)
+        return stored + loaded
+
+    def split(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        """The keys starting with ``prefix`` that this cache stored, and those it only loaded."""
+        stored: list[str] = []
+        loaded: list[str] = []
+        with self._lock:
+            for key, bits in self._keys.items():
+                if key.startswith(prefix) and bits & (_STORED | _LOADED):
+                    (stored if bits & _STORED else loaded).append(key)
+        return stored, loaded
+
+    def stored(self, keys: Sequence[str]) -> None:
+        """Note ``keys`` as stored by this cache (what its ``stored`` events say)."""
+        self._note(keys, _STORED)
+
+    def written_to(self, keys: Sequence[str]) -> Mapping[int, Sequence[str]]:
+        """Per tier index, which of ``keys`` this cache's chain wrote there, read when asked:
+        a removal asks after cancelling queued writes, so a write that landed meanwhile counts."""
+        return _WrittenTo(self, list(keys))
+
+    def written_now(self, keys: Sequence[str]) -> dict[int, list[str]]:
+        """Per tier index, which of ``keys`` this cache's chain has written there so far."""
+        found: dict[int, list[str]] = {}
+        with self._lock:
+            for key in keys:
+                tiers, index = self._keys.get(key, 0) >> _TIER_BITS, 0
+                while tiers:
+                    if tiers & 1:
+                        found.setdefault(index, []).append(key)
+                    tiers, index = tiers >> 1, index + 1
+        return found
+
+    def forget(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._keys.pop(key, None)
+
+
+class _WrittenTo(Mapping[int, Sequence[str]]):
+    """:meth:`ChunkJournal.written_to`: a view of the journal, not a copy."""
+
+    def __init__(self, journal: ChunkJournal, keys: list[str]) -> None:
+        self._journal = journal
+        self._keys = keys
+
+    def __getitem__(self, index: int) -> Sequence[str]:
+        return self._journal.written_now(self._keys)[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._journal.written_now(self._keys))
+
+    def __len__(self) -> int:
+        return len(self._journal.written_now(self._keys))
+
+
+class ControlTarget:
+    """One cache as ``kvplug ctl`` sees it; subclasses fill in what their keys need."""
+
+    chain: TierChain
+    metrics: EngineMetrics
+
+    def __init__(self, chain: TierChain, metrics: EngineMetrics) -> None:
+        self.chain = chain
+        self.metrics = metrics
+        self.journal = ChunkJournal()
+
+    def describe(self) -> dict[str, Any]:
+        """What ``kvplug ctl list`` shows besides the identity: model, fingerprint, chunk size."""
+        return {}
+
+    def lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
+        """Per chunk of the cached prefix: (fastest tier holding it, its tokens)."""
+        raise NotImplementedError
+
+    def locate(self, tokens: Sequence[int], request: RequestInfo) -> list[ChunkLocation]:
+        """:meth:`lookup` with each chunk's medium (that of the first of the chain's tiers of its
+        name): what a ``lookup`` request is answered with."""
+        media: dict[str, Medium] = {}
+        for tier in self.chain.tiers:
+            media.setdefault(tier.name, tier.medium)
+        return [ChunkLocation(media.get(name, "remote"), name, n) for name, n in self.lookup(tokens, request)]
+
+    def explain(self, tokens: Sequence[int], request: RequestInfo) -> dict[str, Any]:
+        """A chunk map of the prompt over this cache's tiers (:meth:`Explanation.to_json`)."""
+        raise ControlProtocolError("this engine cannot explain a prompt (its keys are not kvplug's chunk keys)")
+
+    def pin(self, tokens: Sequence[int], request: RequestInfo, *, unpin: bool = False) -> PinReport:
+        raise ControlProtocolError("this engine keeps no pins")
+
+    def clear_keys(self, request: ControlRequest) -> ClearKeys:
+        """The journal's keys a ``clear`` request means (stored, only loaded), and its scope."""
+        if request.fields.get("all_salts") is True:
+            stored, loaded = self.journal.split()
+            return ClearKeys(stored, loaded, "every cache_salt", self.journal.written_to(stored))
+        raise ControlProtocolError("clear needs a scope this engine can tell: all_salts")
+
+    def forget(self, keys: Sequence[str]) -> None:
+        """``keys`` were cleared from every tier."""
+        self.journal.forget(keys)
+
+    def flush(self) -> None:
+        """Let queued writes land."""
+        self.chain.flush()
+
+    def flush_stores(self) -> None:
+        """Hand every store so far to the chain (a removal then cancels what is still queued)."""
+
+    def remove(
+        self, plan: Callable[[], ClearKeys], *, tiers: Collection[int] | None = None, count: bool = False
+    ) -> tuple[ClearKeys, list[TierRemoval]]:
+        """Remove the records ``plan()`` means from the tiers at ``tiers`` (None: all), through
+        :meth:`TierChain.remove`: what ``kvplug ctl clear`` and an engine's cache reset do.
+
+        Stores not yet handed to the chain are handed first, so the plan (read from the
+        journal after them) names them, and the chain cancels their queued writes. Records
+        removed from every tier are forgotten by the journal."""
+        self.flush_stores()
+        keys = plan()
+        done = self.chain.remove(keys, tiers=tiers, count=count)
+        if tiers is None:  # what may still be in a shared tier (another writer's) stays noted
+            private = [tier.trusted_reads for tier in self.chain.tiers]
+            gone = set(keys.written)
+            for removal in done:
+                gone.intersection_update(
+                    keys.for_tier(removal.index, private=private[removal.index]) + removal.cancelled
+                )
+            self.forget([key for key in keys.written if key in gone])
+        return keys, done
+
+    def close(self) -> None:
+        """Stop feeding the journal."""
+
+
+class EngineControl(ControlTarget):
+    """The control target of a :class:`~kvplug.CacheEngine`: its own lookups, explain over its
+    tiers (the memory tier too), pins, and a journal fed by its events.
+
+    The journal notes what the engine stored and loaded (its events) and which tiers its
+    chain wrote each record to. ``companions`` are engines that store into the same tiers
+    under fingerprints of their own (a model's other KV cache groups,
+    ``CacheEngine(shares_tiers_with=engine)``): the journal notes theirs too, and ``clear``
+    removes their records with the engine's."""
+
+    def __init__(self, engine: CacheEngine, companions: Sequence[CacheEngine] = ()) -> None:
+        super().__init__(engine.chain, engine.metrics)
+        self.engine = engine
+        #: The engines whose stores and loads the journal notes: this one and its companions.
+        self.engines = [engine, *companions]
+        for source in self.engines:
+            if source.chain is not self.chain:
+                raise ValueError("an engine's companions must store into its own tiers (shares_tiers_with)")
+            source.add_event_listener(self.journal.on_event)
+        self.chain.writes.add(self.journal.on_written)
+
+    def describe(self) -> dict[str, Any]:
+        fingerprint = self.engine.fingerprint
+        return {
+            "model": fingerprint.model_id,
+            "fingerprint": fingerprint.hexdigest(),
+            "chunk_size": self.engine.chunk_size,
+        }
+
+    def lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
+        return [(location.tier, location.tokens) for location in self.locate(tokens, request)]
+
+    def locate(self, tokens: Sequence[int], request: RequestInfo) -> list[ChunkLocation]:
+        # The engine's own lookup (counted like any other), so that the answer is the one
+        # its scheduler gets, chunk hashes included.
+        return self.engine.locate(tokens, request=request)
+
+    def explain(self, tokens: Sequence[int], request: RequestInfo) -> dict[str, Any]:
+        engine = self.engine
+        fingerprint = engine.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id)
+        scheme = KeyScheme.of(fingerprint, engine.chunk_size, engine.config.hash)
+        labels = [label for label, _ in engine.chain.stats()]
+        found = explain_prompt(
+            list(zip(labels, engine.chain.tiers)),
+            scheme,
+            tokens,
+            extra_keys=request.extra_keys,
+            save_unfull_chunk=engine.config.save_unfull_chunk,
+        )
+        return found.to_json()
+
+    def pin(self, tokens: Sequence[int], request: RequestInfo, *, unpin: bool = False) -> PinReport:
+        return (self.engine.unpin if unpin else self.engine.pin)(tokens, request=request)
+
+    def clear_keys(self, request: ControlRequest) -> ClearKeys:
+        scoped: RequestInfo | None = None
+        scope = "every cache_salt"
+        if request.fields.get("all_salts") is not True:
+            if "cache_salt" not in request.fields:
+                raise ControlProtocolError("clear needs a scope: cache_salt (null: no salt) or all_salts: true")
+            scoped = request.request_info()
+            lora = f", LoRA {scoped.lora_id!r}" if scoped.lora_id else ""
+            scope = f"cache_salt {text_field(request.fields, 'cache_salt')!r}{lora}"
+        return self.planned_clear(scoped, scope)
+
+    def planned_clear(self, scoped: RequestInfo | None = None, scope: str = "every cache_salt") -> ClearKeys:
+        """The records of ``scoped``'s cache_salt and LoRA (``None``: of every salt) that this
+        engine and its companions stored or loaded, as ``clear`` (or an engine's cache reset)
+        removes them tier by tier (:meth:`ClearKeys.for_tier`)."""
+        stored: list[str] = []
+        loaded: list[str] = []
+        for source in self.engines:
+            if scoped is None:
+                prefix = f"{source.fingerprint.format_version}/"
+            else:
+                prefix = source.fingerprint.for_request(
+                    cache_salt=scoped.cache_salt, lora_id=scoped.lora_id
+                ).key_prefix()
+            wrote, read = self.journal.split(prefix)
+            # Every head group's record (a salted prefix matches record 0's key alone).
+            stored += source.records.all_records(wrote)
+            loaded += source.records.all_records(read)
+        stored = list(dict.fromkeys(stored))  # once each: every salt's prefix is every engine's
+        loaded = list(dict.fromkeys(loaded))
+        return ClearKeys(stored, loaded, scope, self.journal.written_to(stored))
+
+    def flush(self) -> None:
+        for source in self.engines:
+            source.flush()
+
+    def flush_stores(self) -> None:
+        for source in self.engines:
+            source.flush_stores()
+
+    def close(self) -> None:
+        self.chain.writes.remove(self.journal.on_written)
+        for source in self.engines:
+            source.remove_event_listener(self.journal.on_event)

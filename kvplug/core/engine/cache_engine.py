@@ -1,0 +1,366 @@
+"""``CacheEngine``: the one object an engine adapter talks to.
+
+It turns token ids into chunk keys, gathers chunks out of the engine's paged KV cache
+into the chunk store (``store``), answers how much of a prompt is cached (``lookup``),
+and scatters cached chunks back into the paged cache (``retrieve``), whole or by layer.
+
+Storage and chunk failures never escape ``lookup``/``store``/``retrieve``: they
+shorten the hit and are counted. Wrong arguments (a slot mapping of the wrong
+length, caches that do not match the layout) raise at once, before any work.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from kvplug.core.background import BackgroundWorker
+from kvplug.core.chain.tier_chain import TierChain
+from kvplug.core.chunk_format import dtype_name
+from kvplug.core.config.model import KVPlugConfig
+from kvplug.core.connector import KVConnector, LayerCache
+from kvplug.core.engine.chunk_store import ChunkStore
+from kvplug.core.engine.frame_pool import FramePool
+from kvplug.core.engine.head_shards import HeadRecords, HeadShard, OtherSplit
+from kvplug.core.engine.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
+from kvplug.core.engine.locations import ChunkLocation, chunk_hash, is_chunk_hash, locate_inline
+from kvplug.core.engine.parallel_copies import ParallelCopies, auto_copy_threads
+from kvplug.core.engine.split_lookup import located_prefix, other_split_holding
+from kvplug.core.engine.stores import EngineStores, StoreBatch
+from kvplug.core.events import EventListener, EventListeners
+from kvplug.core.keys import ChunkKey, Fingerprint, KeyBuilder, RequestInfo
+from kvplug.core.layouts import KVLayout
+from kvplug.core.metrics import EngineMetrics
+from kvplug.core.pins import apply_configured_pins, pin_keys, unpin_keys
+from kvplug.core.plugins import PluginRegistry, get_registry
+from kvplug.core.records.manifest import ManifestWriter
+from kvplug.core.serializer import Serializer
+from kvplug.core.tenancy import PinReport
+from kvplug.errors import EngineClosedError
+
+logger = logging.getLogger("kvplug.engine")
+
+
+_NO_REQUEST = RequestInfo()
+
+
+class CacheEngine(EngineStores):
+    """Store, look up and retrieve KV chunks of one model's paged cache."""
+
+    def __init__(
+        self,
+        config: KVPlugConfig,
+        layout: KVLayout,
+        fingerprint: Fingerprint,
+        *,
+        registry: PluginRegistry | None = None,
+        metrics: EngineMetrics | None = None,
+        shares_tiers_with: CacheEngine | None = None,
+        heads: HeadShard | None = None,
+    ) -> None:
+        self.registry = registry or get_registry()
+        self.config = config.resolve(self.registry)
+        self.layout = layout
+        self.metrics = metrics or EngineMetrics()
+        self.connector: KVConnector = self._make_connector()
+        self._events = EventListeners(self.registry.emit)
+        # Serializer, fingerprint and tiers: loads are verified and only verified chunks promoted.
+        fingerprint = replace(fingerprint, kv_layout=layout.describe(), dtype=dtype_name(layout.dtype))
+        #: A chunk is one record per group of this cache's KV heads (``heads``; None: one
+        #: record), keyed by head range: engines of any TP size read what they hold.
+        self.records = HeadRecords(layout, fingerprint, heads, any_tp_size=self.config.tp_sharing == "any")
+        fingerprint = self.records.fingerprints[0]
+        #: Another engine's tiers this one stores into (one engine per KV cache group of a
+        #: hybrid model): its own fingerprint keeps the keys apart; the owner closes them.
+        self._owns_tiers = shares_tiers_with is None
+        if shares_tiers_with is None:
+            self.chunk_store = ChunkStore.open(
+                self.config,
+                fingerprint,
+                registry=self.registry,
+                metrics=self.metrics,
+                largest_chunk=(layout.chunk_shape(self.config.chunk_size), layout.dtype),
+                emit=self._events.emit,
+            )
+        else:
+            owner = shares_tiers_with.chunk_store
+            self.chunk_store = ChunkStore(
+                owner.serializer,
+                replace(fingerprint, serializer=owner.serializer.fingerprint()),
+                owner.chain,
+                metrics=self.metrics,
+            )
+        self.serializer: Serializer = self.chunk_store.serializer
+        self.fingerprint = self.chunk_store.fingerprint
+        # Again with the serializer the chunk store put into the fingerprint: every record
+        # key (other head groups', other TP sizes' splits) names it, as record 0's does.
+        self.records = HeadRecords(layout, self.fingerprint, heads, any_tp_size=self.config.tp_sharing == "any")
+        # The tiers' record bound (a larger file is corrupt, never read) holds every record this cache reads.
+        self.chunk_store.reads_chunks_up_to(self.records.largest_chunk_read(self.config.chunk_size))
+        self.chain = self.chunk_store.chain
+        self._copies = ParallelCopies(self._copy_threads())
+        self.key_builder = KeyBuilder(self.config.chunk_size, self.config.hash)
+        self._manifests = ManifestWriter(self.chain, self.config.chunk_size, self.config.hash)
+        pin_frames = self.connector.wants_pinned_frames()
+        self.frame_pool = FramePool(
+            self._frame_pool_bytes(self.chain), pin=pin_frames, prefault=self.config.store.prefault_frames
+        )
+        self._store_worker: BackgroundWorker[StoreBatch] | None = None
+        queue = self.config.store.queue
+        if queue.mode == "async":
+            self._store_worker = BackgroundWorker(
+                "kvplug-store",
+                self._write_batch,
+                max_items=queue.max_items,
+                max_bytes=int(queue.max_bytes),
+                size_of=lambda batch: sum(memoryview(frame).nbytes for _, frame, _ in batch),
+                on_full=queue.on_full,
+                block_timeout_s=queue.block_timeout_s,
+                on_drop=lambda batch: self.metrics.store_dropped.labels("engine").inc(),
+            )
+        self._closed = False
+        apply_configured_pins(self, self.config.pin)
+
+    @property
+    def chunk_size(self) -> int:
+        return self.config.chunk_size
+
+    def add_event_listener(self, listener: EventListener) -> None:
+        """Call ``listener(event)`` for each :class:`~kvplug.KVEvent` of this engine (its
+        stores and loads, its tiers' evictions and removals) until
+        :meth:`remove_event_listener`; never for another engine's, unlike the
+        process-wide ``kvplug_on_event`` hook. It runs on the thread that caused the
+        event (often a storage worker) and must be quick; an exception is logged."""
+        self._events.add(listener)
+
+    def remove_event_listener(self, listener: EventListener) -> None:
+        self._events.remove(listener)
+
+    # --- keys -----------------------------------------------------------------------
+
+    def chunk_keys(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        request: RequestInfo | None = None,
+        *,
+        include_partial: bool = True,
+        hashes: Sequence[str] | None = None,
+    ) -> list[ChunkKey]:
+        """The keys of the prompt's chunks under ``request``'s salt and LoRA. ``hashes``: the
+        chunks' hashes a lookup of exactly these tokens found (:attr:`ChunkLocation.chunk_hash`),
+        used instead of hashing again when there is one per chunk."""
+        request = request or _NO_REQUEST
+        fingerprint = self.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id)
+        fingerprint_hex = fingerprint.hexdigest()
+        self.chain.tenancy.tenants.note(fingerprint_hex, request.cache_salt)  # the tenant tiers count a key to
+        prefix = f"{fingerprint.format_version}/{fingerprint_hex}/"
+        if hashes is not None:
+            bounds = self.key_builder.chunk_bounds(len(tokens), include_partial=include_partial)
+            if len(bounds) == len(hashes) and all(map(is_chunk_hash, hashes)):
+                return [ChunkKey(i, start, end, prefix + h) for i, ((start, end), h) in enumerate(zip(bounds, hashes))]
+        return self.key_builder.keys(tokens, prefix, extra_keys=request.extra_keys, include_partial=include_partial)
+
+    # --- pins -----------------------------------------------------------------------
+
+    def pin(self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None) -> PinReport:
+        """Keep the prompt's chunks (as a store of it with ``request`` keys them) from eviction
+        in every tier that keeps pins, within each tier's ``pin_max_bytes``: at once where
+        held, and chunks not stored yet when they are (in this process: see docs/operations.md)."""
+        self._check_open()
+        config = self._request_config(request)
+        keys = self.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk)
+        return pin_keys(self.chain, self.record_keys(keys, request))
+
+    def unpin(self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None) -> PinReport:
+        """Make the prompt's chunks evictable again (the reverse of :meth:`pin`)."""
+        self._check_open()
+        keys = self.chunk_keys(tokens, request, include_partial=True)
+        return unpin_keys(self.chain, self.record_keys(keys, request))
+
+    # --- lookup ---------------------------------------------------------------------
+
+    def lookup(self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None) -> int:
+        """Length of the cached prefix in tokens: whole chunks, or the full prompt."""
+        self._check_open()
+        keys = self.chunk_keys(tokens, request)
+        hit = len(located_prefix(self.records, self.chain, [k.key for k in keys], request, self._tier_order()))
+        tokens_hit = keys[hit - 1].end if hit else 0
+        self.count_lookup(len(tokens), tokens_hit)
+        return tokens_hit
+
+    def lookup_tiers(
+        self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None
+    ) -> list[tuple[str, int]]:
+        """Like :meth:`locate`, each chunk as (the fastest tier's name, its tokens)."""
+        return [(loc.tier, loc.tokens) for loc in self.locate(tokens, request=request)]
+
+    def locate(
+        self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None
+    ) -> list[ChunkLocation]:
+        """Like :meth:`lookup`, per chunk of the cached prefix: where it is (the medium and
+        name of the fastest tier holding it) and its tokens. The hit length is the sum of
+        the token counts; an adapter loads a prefix that needs a slow medium asynchronously."""
+        self._check_open()
+        keys = self.chunk_keys(tokens, request)
+        tiers = located_prefix(self.records, self.chain, [k.key for k in keys], request, self._tier_order())
+        self.count_lookup(len(tokens), keys[len(tiers) - 1].end if tiers else 0)
+        media = {tier.name: tier.medium for tier in self.chain.tiers}
+        return [ChunkLocation(media[name], name, key.num_tokens, chunk_hash(key.key)) for name, key in zip(tiers, keys)]
+
+    def locate_inline(
+        self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None, count: bool = True
+    ) -> list[ChunkLocation] | None:
+        """:meth:`locate` asking only the tiers that answer on the caller's thread (memory,
+        ``inline_lookups``), or ``None`` when a slower tier could add to their answer;
+        ``count=False``: not counted (the caller counts it with :meth:`count_lookup`)."""
+        self._check_open()
+        keys = self.chunk_keys(tokens, request)
+        found = locate_inline(
+            keys,
+            self.record_keys(keys, request),
+            self.records.count,
+            self.chain.tiers,
+            chunk_size=self.chunk_size,
+            save_unfull_chunk=self.config.save_unfull_chunk,
+        )
+        if found is not None and count:
+            self.count_lookup(len(tokens), keys[len(found) - 1].end if found else 0)
+        return found
+
+    def record_keys(self, keys: Sequence[ChunkKey], request: RequestInfo | None = None) -> list[str]:
+        """The keys of the records of chunks ``keys`` (``records.count`` per chunk, one per
+        head group, chunk by chunk); a chunk is cached only when all of its records are."""
+        return self.records.record_keys([k.key for k in keys], request)
+
+    def _tier_order(self) -> list[str]:
+        return [tier.name for tier in self.chain.tiers]
+
+    def count_lookup(self, asked: int, hit: int) -> None:
+        """Count one lookup of ``asked`` tokens that found ``hit``."""
+        self.metrics.lookups.inc()
+        self.metrics.lookup_tokens.inc(asked)
+        self.metrics.lookup_hit_tokens.inc(hit)
+
+    # --- retrieve -------------------------------------------------------------------
+
+    def retrieve(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        kv_caches: Sequence[LayerCache],
+        slots: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        request: RequestInfo | None = None,
+    ) -> torch.Tensor:
+        """Load the cached prefix of ``tokens`` into ``slots``; returns a bool mask of
+        the tokens written. ``mask`` ``False`` entries (a prefix) are already in the
+        engine and are not written."""
+        loading = self.retrieve_layerwise(tokens, kv_caches, slots, mask, request=request)
+        loading.write_remaining()
+        return loading.loaded_mask
+
+    def retrieve_layerwise(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        kv_caches: Sequence[LayerCache],
+        slots: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        request: RequestInfo | None = None,
+        keys: Sequence[ChunkKey] | None = None,
+    ) -> LayerwiseRetrieve:
+        """Fetch and verify the cached chunks now; iterate to write them layer by layer.
+        ``keys``: :meth:`chunk_keys` of ``tokens`` and ``request``, when the caller has them."""
+        self._check_open()
+        first = self.layout.check_call(len(tokens), kv_caches, slots, mask)
+        started = time.perf_counter()
+        timings = RetrieveTimings()
+        chunks: list[tuple[ChunkKey, torch.Tensor]] = []
+        try:
+            if self.layout.whole_blocks_only:  # a block is loaded whole or not at all
+                first = -(-first // self.layout.block_size) * self.layout.block_size
+            keys = [
+                k
+                for k in (self.chunk_keys(tokens, request) if keys is None else keys)
+                if k.end > first and self._copyable(max(k.start, first), k.end)
+            ]
+            # Verified (a bad chunk ends the prefix and is removed); only those promoted.
+            split: HeadRecords | OtherSplit = self.records
+            loaded = self.chunk_store.load_prefix(
+                self.record_keys(keys, request),
+                [split.record_shape(k.num_tokens) for k in keys for _ in range(split.count)],
+                self.layout.dtype,
+            )
+            names = [k.key for k in keys]
+            holds_none = len(loaded.tensors) < split.count
+            other = other_split_holding(self.records, self.chain, names, request) if holds_none else None
+            if other is not None:  # another TP size's writer: its records of these heads
+                split = other
+                loaded = self.chunk_store.load_prefix(
+                    other.record_keys(names, request),
+                    [other.record_shape(k.num_tokens) for k in keys for _ in range(other.count)],
+                    self.layout.dtype,
+                )
+            timings.fetch_s, timings.verify_s = loaded.fetch_s, loaded.verify_s
+            chunks = list(zip(keys, split.joined(loaded.tensors, [k.num_tokens for k in keys])))
+        except Exception:
+            logger.exception("retrieve: fetching chunks failed; treated as a miss")
+        return LayerwiseRetrieve(self, len(tokens), first, kv_caches, slots.to(torch.long), chunks, started, timings)
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait until every store so far is visible in every tier."""
+        self.flush_stores()
+        self.chain.flush()
+
+    def close(self, *, drain: bool = True) -> None:
+        """Stop the store worker (writing what is queued when ``drain``) and close tiers."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._store_worker is not None:
+            self._store_worker.close(drain=drain and self.config.store.queue.on_close == "drain")
+        if self._owns_tiers:
+            self.chain.close(drain=drain)
+        self._copies.close()
+        self.frame_pool.close()
+
+    def __enter__(self) -> CacheEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- helpers --------------------------------------------------------------------
+
+    def _make_connector(self) -> KVConnector:
+        spec = self.config.connector
+        connectors = self.registry.kv_connectors()
+        if spec.type != "auto":
+            return connectors[spec.type](spec.options, self.layout)
+        usable = [cls for cls in connectors.values() if cls.is_available()]
+        chosen = max(usable, key=lambda cls: cls.priority)
+        logger.info("connector auto: chose %r of %s", chosen.name, sorted(c.name for c in usable))
+        return chosen(chosen.Config(), self.layout)
+
+    def _copy_threads(self) -> int:
+        if not self.connector.concurrent_copies:
+            return 1
+        configured = self.config.copy_threads
+        return auto_copy_threads() if configured == "auto" else configured
+
+    def _frame_pool_bytes(self, chain: TierChain) -> int:
+        configured = self.config.store.frame_pool_bytes
+        if configured is not None:
+            return int(configured)
+        held = sum(int(s.max_bytes or 0) for t, s in zip(chain.tiers, chain.settings) if t.keeps_buffers)
+        return held + 256 * 2**20
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the cache engine is closed")

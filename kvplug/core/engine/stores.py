@@ -1,0 +1,232 @@
+"""The store path of :class:`~kvplug.CacheEngine`: gather chunks out of the paged KV
+cache into frames (the copy the caller waits for), then seal and write them to the
+tiers, on the store worker in ``store.queue.mode: async``.
+
+Kept apart from the engine's lookups and loads; :class:`EngineStores` is a base class
+of ``CacheEngine`` and reads the engine's parts (layout, chain, records, connector).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvplug.core.background import BackgroundWorker
+from kvplug.core.chain.tier_chain import TierChain
+from kvplug.core.config.model import KVPlugConfig
+from kvplug.core.connector import KVConnector, LayerCache
+from kvplug.core.engine.chunk_store import ChunkStore
+from kvplug.core.engine.frame_pool import FramePool
+from kvplug.core.engine.head_shards import HeadRecords
+from kvplug.core.engine.parallel_copies import ParallelCopies
+from kvplug.core.events import EventListeners, KVEvent
+from kvplug.core.keys import ChunkKey, RequestInfo
+from kvplug.core.layouts import KVLayout
+from kvplug.core.metrics import EngineMetrics
+from kvplug.core.pins import pin_for_request
+from kvplug.core.records.manifest import ManifestWriter
+from kvplug.errors import ConnectorError
+
+logger = logging.getLogger("kvplug.engine")
+
+#: What the store worker writes: (key, filled but not yet sealed frame, tokens) per chunk.
+StoreBatch = list[tuple[str, Any, int]]
+
+
+class EngineStores:
+    """``store``/``store_layerwise`` of a :class:`~kvplug.CacheEngine`, and the copy helpers
+    its loads share."""
+
+    config: KVPlugConfig
+    layout: KVLayout
+    metrics: EngineMetrics
+    connector: KVConnector
+    chunk_store: ChunkStore
+    chain: TierChain
+    records: HeadRecords
+    frame_pool: FramePool
+    _copies: ParallelCopies
+    _manifests: ManifestWriter
+    _store_worker: BackgroundWorker[StoreBatch] | None
+    _events: EventListeners
+
+    if TYPE_CHECKING:
+
+        def chunk_keys(
+            self,
+            tokens: Sequence[int] | torch.Tensor,
+            request: RequestInfo | None = None,
+            *,
+            include_partial: bool = True,
+        ) -> list[ChunkKey]: ...
+
+        def record_keys(self, keys: Sequence[ChunkKey], request: RequestInfo | None = None) -> list[str]: ...
+
+        def _check_open(self) -> None: ...
+
+    # --- store ----------------------------------------------------------------------
+
+    def store(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        kv_caches: Sequence[LayerCache],
+        slots: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        request: RequestInfo | None = None,
+    ) -> int:
+        """Store the chunks of ``tokens`` whose KV sits at ``slots``; returns tokens queued.
+
+        ``mask`` (bool per token) marks the tokens this call is for; its ``False``
+        entries must form a prefix (tokens stored earlier). The copy out of
+        ``kv_caches`` is done before returning; writing to tiers may not be.
+        """
+        layers = self._store(tokens, kv_caches, slots, mask, request, layers_per_step=self.layout.num_layers)
+        while True:
+            try:
+                next(layers)
+            except StopIteration as done:
+                return int(done.value or 0)
+
+    def store_layerwise(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        kv_caches: Sequence[LayerCache],
+        slots: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        request: RequestInfo | None = None,
+    ) -> Generator[int, None, int]:
+        """Generator form of :meth:`store`: each ``next()`` copies one more layer.
+
+        Call ``next()`` once a layer's KV is final; it yields that layer's index.
+        After the last layer the chunks are sealed and handed to the tiers; the
+        generator returns the number of tokens queued. Arguments are checked now.
+        """
+        return self._store(tokens, kv_caches, slots, mask, request, layers_per_step=1)
+
+    def _store(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        kv_caches: Sequence[LayerCache],
+        slots: torch.Tensor,
+        mask: torch.Tensor | None,
+        request: RequestInfo | None,
+        *,
+        layers_per_step: int,
+    ) -> Generator[int, None, int]:
+        self._check_open()
+        first = self.layout.check_call(len(tokens), kv_caches, slots, mask)
+        config = self._request_config(request)
+        if config.pin_request and not config.skip_save:  # first: a tier pins a wanted chunk as it stores it
+            pin_for_request(self, tokens, request, config)
+        # Per chunk: its records (key, frame, payload), and the tensor its KV is gathered into.
+        todo: list[tuple[ChunkKey, list[tuple[str, Any, torch.Tensor]], torch.Tensor]] = []
+        # A replica (not the writer of its heads) keeps copies only in process-private tiers.
+        if not config.skip_save and (self.records.writer or any(t.trusted_reads for t in self.chain.tiers)):
+            try:
+                keys = [
+                    k
+                    for k in self.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk)
+                    if k.end > first and self._copyable(k.start, k.end)
+                ]
+                record_keys, count = self.record_keys(keys, request), self.records.count
+                stored = self.chain.contains_any(record_keys, sync_tiers_only=True) if keys else []
+                for index, chunk in enumerate(keys):
+                    if all(stored[index * count : (index + 1) * count]):
+                        continue
+                    shape = self.records.record_shape(chunk.num_tokens)
+                    records = [
+                        (key, *self.chunk_store.allocate(shape, self.layout.dtype, self.frame_pool.new_buffer))
+                        for key in record_keys[index * count : (index + 1) * count]
+                    ]
+                    whole = self.layout.chunk_shape(chunk.num_tokens)
+                    gathered = records[0][2] if count == 1 else torch.empty(whole, dtype=self.layout.dtype)
+                    todo.append((chunk, records, gathered))
+                if todo:  # the fingerprints these chunks go under, for kvplug explain
+                    for fingerprint in self.records.fingerprints:
+                        self._manifests.note(fingerprint, request)
+            except Exception:
+                logger.exception("store: preparing chunks failed; nothing stored")
+                todo = []
+        return self._store_layers(kv_caches, slots.to(torch.long), todo, layers_per_step)
+
+    def _store_layers(
+        self,
+        kv_caches: Sequence[LayerCache],
+        slots: torch.Tensor,
+        todo: list[tuple[ChunkKey, list[tuple[str, Any, torch.Tensor]], torch.Tensor]],
+        layers_per_step: int,
+    ) -> Generator[int, None, int]:
+        """Copy ``layers_per_step`` layers of every chunk per ``next()`` (one pass of parallel copies)."""
+        started = time.perf_counter()
+        plans = self.connector.plan_many(slots, [(chunk.start, chunk.end) for chunk, _, _ in todo])
+        for first in range(0, self.layout.num_layers, layers_per_step):
+            layers = range(first, min(first + layers_per_step, self.layout.num_layers))
+            try:
+                copies = self.connector.gather_copies(
+                    kv_caches, layers, plans, [payload for _, _, payload in todo], self._copies.threads
+                )
+                self._run_copies(kv_caches, copies)
+            except ConnectorError as exc:  # e.g. no staging buffer in time: this store is dropped
+                self._count_connector_error("store", exc)
+                todo = plans = []
+            yield from layers
+        if not todo:
+            return 0
+        try:
+            self.connector.synchronize()
+        except ConnectorError as exc:
+            self._count_connector_error("store", exc)
+            return 0
+        # Sealing (the checksum pass) goes with the tier write, on the store thread in
+        # async mode: the caller only waits for the copy out of its cache.
+        batch: StoreBatch = []
+        for chunk, records, gathered in todo:
+            if len(records) > 1:
+                self.records.split(gathered, [payload for _, _, payload in records])
+            batch += [(key, frame, chunk.num_tokens if i == 0 else 0) for i, (key, frame, _) in enumerate(records)]
+        if self._store_worker is not None:
+            self._store_worker.submit(batch)
+        else:
+            self._write_batch(batch)
+        self.metrics.store_seconds.observe(time.perf_counter() - started)
+        return sum(n for _, _, n in batch)
+
+    def _write_batch(self, batch: StoreBatch) -> None:
+        frames = [(key, frame) for key, frame, _ in batch]
+        nbytes = self.chunk_store.put_frames(frames, only_trusted=not self.records.writer)
+        self.metrics.stored_tokens.inc(sum(n for _, _, n in batch))
+        self.metrics.stored_bytes.inc(nbytes)
+        self._events.emit(KVEvent("stored", tuple(k for k, _, _ in batch), token_counts=tuple(n for _, _, n in batch)))
+
+    def flush_stores(self) -> None:
+        """Wait until every store so far is handed to the tiers: written to the ``sync``
+        ones, queued for the ``async`` ones (:meth:`flush` waits for those too)."""
+        if self._store_worker is not None:
+            self._store_worker.flush()
+
+    # --- helpers the loads share ---------------------------------------------------
+
+    def _run_copies(self, kv_caches: Sequence[LayerCache], copies: Sequence[Callable[[], None]]) -> None:
+        """Run copies out of or into the cache, on the copy threads when it is in host memory."""
+        on_host = bool(kv_caches) and self.layout.layer_tensors(kv_caches[0])[0].device.type == "cpu"
+        self._copies.run(copies, parallel=on_host)
+
+    def _count_connector_error(self, operation: str, exc: ConnectorError) -> None:
+        self.metrics.load_errors.labels(type(exc).__name__).inc()
+        logger.warning("%s: connector %s failed (%s); treated as a miss", operation, self.connector.name, exc)
+
+    def _copyable(self, start: int, end: int) -> bool:
+        """Whether tokens ``[start, end)`` can be copied in this layout."""
+        size = self.layout.block_size
+        return not self.layout.whole_blocks_only or (start % size == 0 and end % size == 0)
+
+    def _request_config(self, request: RequestInfo | None) -> KVPlugConfig:
+        if request is None or not request.overrides:
+            return self.config
+        return self.config.with_overrides(request.overrides)

@@ -1,0 +1,1 @@
+"""Policies a tier applies: eviction order, pins and quotas over it, admission."""

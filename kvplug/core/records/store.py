@@ -1,0 +1,79 @@
+"""What ``kvplug store`` needs from a persistent tier, and how it judges a record.
+
+Persistent tiers name records by the sha256 digest of their key (a key never
+becomes a path), so maintenance works on digests. A tier that implements
+:class:`RecordStore` can be listed, verified and cleaned by ``kvplug store``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+from kvplug.core import chunk_format
+from kvplug.core.records.frame import parse_record_header, unpack_record
+from kvplug.core.records.manifest import decode_manifest
+from kvplug.core.tier import Buffer
+from kvplug.errors import CorruptChunkError, IncompatibleChunkError, MissingIntegrityKeyError
+
+
+@dataclass(frozen=True)
+class StoredRecord:
+    """One stored record: the digest of its key, its size in the store, when written (or last
+    used, where the store's reads move it: :attr:`~kvplug.RecordBackend.listed_time`)."""
+
+    digest: str
+    size: int
+    modified: float | None = None
+
+
+@runtime_checkable
+class RecordStore(Protocol):
+    """Optional methods of a persistent tier, used by ``kvplug store``."""
+
+    def records(self) -> Iterator[StoredRecord]:
+        """Every record in the store (its listing; may include other processes' writes)."""
+
+    def read_record(self, digest: str) -> Buffer | None:
+        """The stored bytes (record frame and value) of one record, or None if gone;
+        raises ``CorruptChunkError`` for one found bad unread, ``RecordUnreadableError``
+        for one that is there but cannot be read."""
+
+    def delete_record(self, digest: str) -> bool:
+        """Remove one record; False if it was already gone."""
+
+
+@dataclass(frozen=True)
+class RecordCheck:
+    """The verdict on one record; ``dtype``/``shape`` when it holds a KV chunk frame."""
+
+    #: ``unreadable``: there, but this process could not read it (``kvplug store``'s verdict).
+    status: Literal["ok", "corrupt", "incompatible", "unverified", "gone", "unreadable"]
+    reason: str = ""
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+
+def check_record(digest: str, data: Buffer | None) -> RecordCheck:
+    """Verify the record frame, that it belongs to ``digest``, and the chunk frame inside."""
+    if data is None:
+        return RecordCheck("gone", "vanished while checking")
+    try:
+        header = parse_record_header(data)
+        if header.key_digest.hex() != digest:
+            raise CorruptChunkError("record was stored under another key")
+        value = unpack_record(data)
+        if bytes(value[:4]) != chunk_format.MAGIC:
+            manifest = decode_manifest(value)
+            if manifest is not None:
+                return RecordCheck("ok", f"fingerprint manifest {manifest.fingerprint_hex} (kvplug explain)")
+            return RecordCheck("ok", "opaque value (not a KV chunk frame)")
+        chunk = chunk_format.verify_frame(value)
+    except MissingIntegrityKeyError as exc:
+        return RecordCheck("unverified", str(exc))
+    except IncompatibleChunkError as exc:
+        return RecordCheck("incompatible", str(exc))
+    except CorruptChunkError as exc:
+        return RecordCheck("corrupt", str(exc))
+    return RecordCheck("ok", dtype=chunk.dtype, shape=chunk.shape)

@@ -1,0 +1,398 @@
+"""The record tier base: one implementation of what every store of framed records shares.
+
+A :class:`RecordTier` subclass names itself, declares its ``Config`` and opens a
+:class:`~kvplug.core.records.backend.RecordBackend`; everything else is here, once:
+
+- values are stored as key-bound, checksummed records (:mod:`kvplug.core.records.frame`);
+  every read is verified: a torn, swapped or damaged record is a miss, counted and
+  deleted; a record of another format version (a newer kvplug in a shared store) is a
+  miss, counted and kept; an answer that does not fit the call (a count off, a record
+  in another name's place) fails it, counted towards the breaker: nothing is deleted on it;
+- one bounded LRU index of record sizes (:class:`~kvplug.core.records.index.RecordIndex`),
+  filled by a start-up listing where the backend can list, drives ``stats()`` and the
+  ``max_bytes`` budget (least recently used records are deleted, reported as
+  ``evicted`` events); a value larger than the budget is refused
+  (:class:`~kvplug.errors.ValueTooLargeError`);
+- every store call runs under :class:`~kvplug.core.remote.calls.RemoteCalls`: a deadline per
+  attempt, bounded retries, a circuit breaker (lookups miss and stores are dropped,
+  counted and warned about once a minute, while it is open);
+- ``kvplug store`` maintenance (:class:`~kvplug.core.records.store.RecordStore`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, ClassVar, TypeVar
+
+from kvplug.core.events import KVEvent
+from kvplug.core.records.backend import SIZE_UNKNOWN, RecordBackend, RecordToWrite
+from kvplug.core.records.calls import answering_each, checked_reads, framed_batches, one_each, run_batch
+from kvplug.core.records.frame import RECORD_HEADER_SIZE, key_digest, unpack_record
+from kvplug.core.records.index import RecordIndex, Victim
+from kvplug.core.records.maintenance import LISTING_TIMEOUT_S, RecordMaintenance
+from kvplug.core.remote.calls import RecordTierConfig, RemoteCalls
+from kvplug.core.remote.retry import Absent, FailureKind
+from kvplug.core.tier import Buffer, Medium, StorageTier, TierContext, TierStats
+from kvplug.errors import (
+    BackendAnswerError,
+    CorruptChunkError,
+    IncompatibleChunkError,
+    TierClosedError,
+    TierError,
+    TierUnavailableError,
+    ValueTooLargeError,
+)
+
+T = TypeVar("T")
+A = TypeVar("A")
+_COUNTERS = ("hits", "misses", "puts", "evictions", "dropped_puts", "corrupt", "incompatible")
+
+
+class RecordTier(RecordMaintenance, StorageTier):
+    """A storage tier of framed records in a store a :class:`RecordBackend` speaks.
+
+    Subclasses set ``name``, ``Config`` (a :class:`RecordTierConfig` subclass) and
+    implement :meth:`open_backend`; see the module docstring for what they inherit."""
+
+    medium: ClassVar[Medium] = "remote"
+    Config: ClassVar[type[RecordTierConfig]] = RecordTierConfig
+    verified_reads = True  # get() returns only values whose record checksum (or MAC) matched
+
+    def __init__(self, config: RecordTierConfig, context: TierContext) -> None:
+        super().__init__(config, context)
+        self.config: RecordTierConfig = config
+        self._calls = RemoteCalls(self.name, config, context, classify=self._classify)
+        try:
+            self._backend = self.open_backend(self._calls.loop.loop)
+        except Exception as exc:
+            self._calls.close()
+            raise TierError(f"tier {self.name!r} cannot open its store: {type(exc).__name__}: {exc}") from exc
+        self._where = self._calls.where = self._backend.where or self.name
+        # A backend that keeps the budget itself evicts; this index then only forgets.
+        self._budget = None if config.max_bytes is None or self._backend.keeps_budget else int(config.max_bytes)
+        self._index = RecordIndex(
+            config.index_max_keys, evicts_when_full=self._budget is not None, eviction=config.eviction
+        )
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._warned_full = False
+        self._closed = False
+        try:  # connect now so the first lookup is fast; a store that is down is retried later
+            self._calls.run(self._backend.open, timeout_s=self._backend.open_timeout_s)
+        except (TierUnavailableError, Absent) as exc:
+            context.logger.warning("tier %s: cannot reach %s yet (%s); will retry", self.name, self._where, exc)
+        self._scan: Any = None
+        if config.scan_on_start and self._backend.can_list:
+            self._index.begin_scan()
+            self._scan = self._calls.submit(self._scan_into_index())
+
+    def open_backend(self, loop: asyncio.AbstractEventLoop) -> RecordBackend:
+        """The backend for ``self.config``. ``loop`` is the tier's event loop, on which
+        every primitive runs (for clients that bind to one). Raise to refuse the config."""
+        raise NotImplementedError(f"{type(self).__name__} must implement open_backend")
+
+    # --- reads ----------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
+        if not keys:
+            return []
+        if not self._calls.allow(len(keys)):
+            return [False] * len(keys)
+        names = [key_digest(key).hex() for key in keys]
+        seen = self._index.snapshot(names)
+        answers: list[bool] = []
+        for group, result in self._groups(self._backend.sizes, names, self._backend.call_sizes.query):
+            if isinstance(result, Absent):
+                result = [None] * len(group)
+            if isinstance(result, BaseException):  # no answer: a miss, but nothing is known to be gone
+                answers.extend([False] * len(group))
+                continue
+            for name, size in zip(group, result):
+                if isinstance(size, BaseException):  # no answer for this name alone
+                    answers.append(False)
+                    continue
+                if size is None:  # evicted or removed by another process
+                    self._index.forget_gone(name, seen[len(answers)])
+                answers.append(size is not None and (size == SIZE_UNKNOWN or size >= RECORD_HEADER_SIZE))
+        return answers
+
+    def get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        self._check_open()
+        if not keys:
+            return []
+        if not self._calls.allow(len(keys)):
+            self._count("misses", len(keys))
+            return [None] * len(keys)
+        names = [key_digest(key).hex() for key in keys]
+        seen = self._index.snapshot(names)
+        hints = [None if entry is None else entry[0] + RECORD_HEADER_SIZE for entry in seen]
+        pairs = list(zip(names, hints))
+        stored: list[Buffer | BaseException | None] = []
+        for group, result in self._groups(checked_reads(self._backend), pairs, self._backend.call_sizes.read):
+            if isinstance(result, Absent):
+                result = [None] * len(group)
+            stored.extend([result] * len(group) if isinstance(result, BaseException) else result)
+        values: list[Buffer | None] = []
+        corrupt: list[str] = []
+        pushed: list[Victim] = []
+        for key, name, data, entry in zip(keys, names, stored, seen):
+            value = None
+            if data is None:  # evicted or removed by another process
+                self._index.forget_gone(name, entry)
+            elif not isinstance(data, BaseException) or isinstance(data, CorruptChunkError):
+                try:  # (another exception: the store did not answer; this one: a record found bad unread)
+                    if isinstance(data, CorruptChunkError):
+                        raise data
+                    value = self.unpack(data, key)
+                except IncompatibleChunkError:
+                    self._count("incompatible")  # possibly a newer kvplug's record in a shared store: keep it
+                except CorruptChunkError as exc:
+                    self.context.logger.warning("tier %s: corrupt record for %s (%s); deleting it", self.name, key, exc)
+                    self._count("corrupt")
+                    corrupt.append(name)
+            if value is None:
+                self._count("misses")
+            else:
+                self._count("hits")
+                pushed += self._index.record(name, value.nbytes, key)
+            values.append(value)
+        if corrupt:
+            self._delete_quietly(corrupt)
+        self._pushed_out(pushed)
+        return values
+
+    def unpack(self, data: Buffer, key: str) -> memoryview:
+        """The value of a record read for ``key``, checked (:func:`kvplug.unpack_record`);
+        raises ``CorruptChunkError`` or ``IncompatibleChunkError``."""
+        return unpack_record(data, key)
+
+    # --- writes ---------------------------------------------------------------------
+
+    def put(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        self._check_open()
+        latest = dict(items)  # the same key twice in a batch: the last value wins
+        budget = None if self.config.max_bytes is None else int(self.config.max_bytes)
+        for key, value in latest.items():
+            if not isinstance(key, str):  # before anything is stored: the whole batch is refused
+                raise TypeError(f"tier keys are str, got {type(key).__name__}")
+            view = memoryview(value)
+            if not view.c_contiguous:  # framing casts it to bytes, after earlier records were sent
+                raise TypeError(f"value for {key} is not a C-contiguous buffer")
+            size = view.nbytes
+            if budget is not None and size > budget:
+                raise ValueTooLargeError(
+                    f"value of {size} bytes for {key} exceeds the {self.name} tier's max_bytes {budget}"
+                )
+        if not latest:
+            return
+        if not self._calls.allow(len(latest)):
+            self._count("dropped_puts", len(latest))
+            return
+        keys = list(latest)
+        groups: list[list[tuple[str, RecordToWrite]]] = []
+        results = self._batch(self._write_group, framed_batches(keys, latest, self._backend.call_sizes, groups))
+        failed = False
+        pushed: list[Victim] = []
+        for group, result in zip(groups, results):
+            if isinstance(result, Absent):  # the bucket or folder is gone: a failure for a write
+                result = TierUnavailableError(f"{self._where} does not exist")
+            outcomes = [result] * len(group) if isinstance(result, BaseException) else result
+            failed |= isinstance(result, BaseException)
+            for (key, record), outcome in zip(group, outcomes):
+                if outcome is None:
+                    self._count("puts")
+                    pushed += self._index.record(record.name, record.value.nbytes, key)
+                else:  # not stored: whatever was there before is stale or gone
+                    self._index.forget(record.name)
+                    self._count("dropped_puts")
+                    self._calls.warn_dropped(outcome)
+        self._pushed_out(pushed)
+        if self._budget is not None:
+            self._evict(self._index.evict_over(self._budget))
+        self._take_evicted()
+        # After a failed batch the store is likely down or hung: a check would pay the
+        # write's worst case again before the breaker opens.
+        if self._backend.evicts_on_its_own and not failed:
+            self._check_indexed()
+
+    async def _write_group(self, group: Sequence[tuple[str, RecordToWrite]]) -> Sequence[BaseException | None]:
+        return one_each(group, await self._backend.write([record for _, record in group]), "write")
+
+    def remove(self, keys: Sequence[str]) -> None:
+        self._check_open()
+        if not keys:
+            return
+        if not self._calls.allow(len(keys)):
+            raise TierUnavailableError(
+                f"tier {self.name}: {self._where} is unavailable (circuit breaker open); nothing removed"
+            )
+        key_of = {key_digest(key).hex(): key for key in keys}
+        removed, failed = [], 0
+        for group, result in self._groups(self._backend.delete, list(key_of), self._backend.call_sizes.query):
+            if isinstance(result, BaseException) and not isinstance(result, Absent):
+                failed += len(group)
+                continue
+            existed = [False] * len(group) if isinstance(result, BaseException) else result
+            for name, was_there in zip(group, existed):
+                if isinstance(was_there, BaseException):  # failed for this name alone: still indexed
+                    failed += 1
+                elif self._index.forget(name) is not False or was_there:
+                    removed.append(key_of[name])
+        if removed:
+            self.context.emit(KVEvent("removed", tuple(removed), tier=self.name))
+        if failed:
+            raise TierUnavailableError(f"tier {self.name}: {failed} of {len(keys)} removals from {self._where} failed")
+
+    # --- the index and the budget ---------------------------------------------------
+
+    def _pushed_out(self, pushed: list[Victim]) -> None:
+        """Entries a full index pushed out: evicted with ``max_bytes``, else forgotten (warned once)."""
+        if not pushed:
+            return
+        if self._index.evicts_when_full:
+            self._evict(pushed)
+        elif not self._warned_full and not self._backend.keeps_budget:
+            self._warned_full = True
+            self.context.logger.warning(
+                "tier %s: the index of records is full (index_max_keys=%d): the least recently used are "
+                "forgotten, not deleted, and stay in %s until something else removes them "
+                "(counted as index_dropped_full)",
+                self.name,
+                self._index.max_keys,
+                self._where,
+            )
+
+    def _evict(self, victims: list[Victim]) -> None:
+        """Delete records already removed from the index, counted and reported as evictions."""
+        if not victims:
+            return
+        self._count("evictions", len(victims))
+        # A record whose delete fails stays in the store but leaves this budget; a later
+        # listing (a restart) brings it back into the index.
+        self._delete_quietly([name for name, _ in victims], forget=False)
+        known = tuple(key for _, key in victims if key is not None)
+        if known:
+            self.context.emit(KVEvent("evicted", known, tier=self.name))
+
+    def _take_evicted(self) -> None:
+        """Count and report what a backend that keeps the budget itself removed."""
+        gone = self._backend.take_evicted()
+        if not gone:
+            return
+        self._count("evictions", len(gone))
+        known = tuple(key for key in (self._index.forget(record.digest) for record in gone) if isinstance(key, str))
+        if known:
+            self.context.emit(KVEvent("evicted", known, tier=self.name))
+
+    def _check_indexed(self) -> None:
+        """Drop the indexed records the store no longer holds, among the next of the index's round."""
+        # Bookkeeping only: never the breaker's half-open probe, never counted as short-circuited.
+        if self._calls.breaker.state != "closed":
+            return
+        due = self._index.due_checks()
+        for group, result in self._groups(self._backend.exists, list(due), self._backend.call_sizes.query):
+            if not isinstance(result, BaseException):
+                for name, exists in zip(group, result):
+                    if exists is False:  # (an exception: no answer for this name)
+                        self._index.forget_gone(name, due[name])
+
+    def _delete_quietly(self, names: list[str], *, forget: bool = True) -> None:
+        if forget:
+            for name in names:
+                self._index.forget(name)
+        if names and self._calls.allow(len(names)):
+            self._groups(self._backend.delete, names, self._backend.call_sizes.query)
+
+    async def _scan_into_index(self) -> None:
+        try:
+            found = await self._calls.policy.run(self._backend.listing, timeout_s=LISTING_TIMEOUT_S)
+        except Exception as exc:
+            self._index.abandon_scan()
+            self.context.logger.warning("tier %s: could not list %s on start: %s", self.name, self._where, exc)
+            return
+        self._index.finish_scan(found, RECORD_HEADER_SIZE)
+
+    def flush(self) -> None:
+        """Wait for the start-up listing to be indexed (budget applied); run the backend's ``flush``."""
+        self._check_open()
+        if type(self._backend).flush is not RecordBackend.flush:
+            self._calls.run(self._backend.flush)
+        self._take_evicted()
+        scan, self._scan = self._scan, None
+        if scan is None:
+            return
+        try:
+            scan.result(LISTING_TIMEOUT_S * 2)
+        except Exception as exc:
+            self.context.logger.debug("tier %s: start-up listing did not finish: %s", self.name, exc)
+        if self._budget is not None:
+            self._evict(self._index.evict_over(self._budget))
+
+    # --- counters and lifecycle -----------------------------------------------------
+
+    def stats(self) -> TierStats:
+        self._take_evicted()
+        with self._lock:
+            counters = dict(self._counters)
+        extra: dict[str, int | float | str] = {
+            "max_bytes": -1 if self.config.max_bytes is None else int(self.config.max_bytes),
+            "index_max_keys": self._index.max_keys,
+            "index_dropped_full": self._index.dropped_full,
+            "index_found_gone": self._index.found_gone,
+            "breaker_state": self._calls.breaker.state,
+            "breaker_opens": self._calls.breaker.opens,
+            "dropped_puts": counters["dropped_puts"],
+            "short_circuited": self._calls.short_circuited,
+            "failures": self._calls.failed,
+            "retries": self._calls.retried,
+            "corrupt": counters["corrupt"],
+            "incompatible": counters["incompatible"],
+        }
+        if self._backend.evicts_on_its_own:
+            extra["items_are"] = "estimate"  # the store evicts without telling: the index's figures
+        extra.update(self._backend.describe())
+        return TierStats(
+            bytes_used=self._index.bytes_used,
+            items=self._index.items,
+            hits=counters["hits"],
+            misses=counters["misses"],
+            puts=counters["puts"],
+            evictions=counters["evictions"],
+            errors=self._calls.failed + counters["corrupt"] + self._backend.errors(),
+            extra=extra,
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._calls.close(final=self._backend.close())
+        self._index.clear()
+
+    def _classify(self, exc: BaseException) -> FailureKind:
+        return "permanent" if isinstance(exc, BackendAnswerError) else self._backend.classify(exc)
+
+    def _groups(
+        self, operation: Callable[[Sequence[A]], Awaitable[Sequence[T]]], items: Sequence[A], size: int
+    ) -> list[tuple[Sequence[A], Sequence[T] | BaseException]]:
+        """Run ``operation`` on slices of ``size`` items; (slice, its answer, one per item, or an exception)."""
+        groups = [items[i : i + size] for i in range(0, len(items), max(size, 1))]
+        return list(zip(groups, self._batch(answering_each(operation), groups)))
+
+    def _batch(self, operation: Callable[[A], Awaitable[T]], arguments: Iterable[A]) -> list[T | BaseException]:
+        try:
+            return run_batch(self._backend, self._calls, operation, arguments)
+        except TierClosedError:
+            raise TierClosedError(f"tier {self.name!r} ({self._where}) was closed during the operation") from None
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += amount
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierClosedError(f"tier {self.name!r} ({self._where}) is closed")

@@ -1,0 +1,1 @@
+"""Calls to a remote store: deadlines, retries, a circuit breaker, the loop thread."""
