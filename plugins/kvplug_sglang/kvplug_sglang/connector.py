@@ -98,6 +98,8 @@ class KVPlugConnector:
         first_tier = self.engine.config.tiers[0].type
         self.events = KVEventBridge(first_tier, {tier.name: tier.medium for tier in self.engine.chain.tiers})
         self.engine.add_event_listener(self.events.observe)
+        #: The engine's journal of what it stored and loaded, and where its chain wrote each.
+        self.journal = kvplug.EngineControl(self.engine)
 
     # --- API --------------------------------------------------------------------------
 
@@ -133,11 +135,13 @@ class KVPlugConnector:
         self.engine.flush()
 
     def reset(self) -> None:
-        """Remove what this connector stored (this process's chunks) from every tier."""
-        self.engine.flush()
-        self.engine.chain.discard(self.events.stored_keys())
+        """Remove this connector's chunks as ``kvplug ctl clear`` does: what it stored, from the
+        tiers its writes put them in (queued writes cancelled); what it only loaded, from its
+        private tiers alone, never another engine's records in a shared tier."""
+        self.journal.remove(self.journal.planned_clear)
 
     def close(self) -> None:
+        self.journal.close()
         self.engine.remove_event_listener(self.events.observe)
         self.engine.close()
 

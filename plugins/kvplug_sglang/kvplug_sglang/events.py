@@ -121,7 +121,3 @@ class KVEventBridge:
         with self._lock:
             events, self._events = self._events, []
         return events
-
-    def stored_keys(self) -> list[str]:
-        with self._lock:
-            return list(self._stored)

@@ -157,3 +157,34 @@ def test_bad_arguments_are_named(model_config, pool_factory) -> None:
     with pytest.raises(ValueError, match="multiple of SGLang's page size"):
         KVPlugConnector(model_config, 1, 0, pool.k_buffer, pool.v_buffer, page_size=5, engine_extra=kvplug_extra())
     connector.close()
+
+
+def test_reset_removes_as_clear_does_never_another_engines_records(model_config, pool_factory, tmp_path: Path) -> None:
+    """reset removes what this connector stored from every tier it wrote, and what it only
+    loaded from its private cpu tier alone: another engine's records in the shared disk stay."""
+    tiers = [{"type": "cpu"}, {"type": "disk", "path": str(tmp_path / "shared")}]
+    pool = pool_factory()
+    ours, theirs = list(range(500, 532)), list(range(900, 932))  # 2 chunks of 16 each
+    fill_random(pool, torch.arange(1, 33), seed=3)
+    other = _connector(model_config, pool, kvplug_extra(tiers))
+    other.store_kv(StoreMetadata(None, theirs, torch.arange(1, 33), 0))
+    other.flush()
+    connector = _connector(model_config, pool, kvplug_extra(tiers))
+    connector.store_kv(StoreMetadata(None, ours, torch.arange(1, 33), 0))
+    assert connector.load_kv(LoadMetadata(theirs, torch.arange(100, 132), 0)) == 32  # promoted into our cpu
+    connector.flush()
+    cpu, disk = connector.engine.chain.tiers
+    keys_of = {
+        name: [k.key for k in connector.engine.chunk_keys(t)] for name, t in (("ours", ours), ("theirs", theirs))
+    }
+    assert all(cpu.contains(keys_of["theirs"]))
+
+    connector.reset()
+    assert not any(cpu.contains(keys_of["ours"] + keys_of["theirs"]))  # our private tier: all of it
+    assert not any(disk.contains(keys_of["ours"]))
+    assert all(disk.contains(keys_of["theirs"]))  # shared: only what our writes put there
+    assert other.lookup(theirs) == 32
+    removed = [e for e in connector.get_kv_events() if isinstance(e, BlockRemoved)]
+    assert removed  # vLLM-style events: the removal of our stored chunks is published
+    connector.close()
+    other.close()
