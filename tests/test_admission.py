@@ -91,7 +91,7 @@ def test_a_prefix_loaded_by_a_second_request_is_written_to_the_frequency_tier(ma
     assert counted(engine, "admitted", "1:disk") == CHUNKS
     # What the disk got is the chunk itself: with the cpu tier gone it alone serves it.
     engine.chain.tiers[0].remove([k.key for k in engine.chunk_keys(tokens)])
-    assert engine.lookup_tiers(tokens) == [("disk", 8)] * CHUNKS
+    assert [(loc.tier, loc.tokens) for loc in engine.locate(tokens)] == [("disk", 8)] * CHUNKS
     assert load(engine, tokens) == len(tokens)
 
 
@@ -159,7 +159,7 @@ def test_promotion_into_a_faster_tier_respects_its_admission(make_engine, tmp_pa
     assert load(engine, tokens) == len(tokens)  # sighting 3: promoted
     assert held(engine, 0, tokens) == [True] * CHUNKS
     assert engine.metrics.value("kvplug_promotions_total", tier="0:cpu") == CHUNKS
-    assert engine.lookup_tiers(tokens) == [("cpu", 8)] * CHUNKS
+    assert [(loc.tier, loc.tokens) for loc in engine.locate(tokens)] == [("cpu", 8)] * CHUNKS
 
 
 # --- config ---------------------------------------------------------------------------

@@ -190,8 +190,8 @@ def test_ctl_clear_removes_one_salt_from_one_tier_and_says_so(server: ControlSer
     assert cleared["removed"] == {"0:cpu": 5} and cleared["scope"] == "cache_salt 'tenant-a'"
     assert cleared["bytes_freed"]["0:cpu"] > 0
     a, b = RequestInfo(cache_salt="tenant-a"), RequestInfo(cache_salt="tenant-b")
-    assert [t for t, _ in engine.lookup_tiers(TOKENS, request=a)] == ["disk"] * 5  # still on disk
-    assert [t for t, _ in engine.lookup_tiers(OTHER, request=b)] == ["cpu"] * 3  # another tenant untouched
+    assert [loc.tier for loc in engine.locate(TOKENS, request=a)] == ["disk"] * 5  # still on disk
+    assert [loc.tier for loc in engine.locate(OTHER, request=b)] == ["cpu"] * 3  # another tenant untouched
     everything = ctl("clear", "--all")["total"]
     assert everything["removed"] == {"0:cpu": 3, "1:disk": 8} and everything["scope"] == "every cache_salt"
     assert engine.lookup(OTHER, request=b) == 0 and engine.lookup(TOKENS, request=a) == 0

@@ -57,18 +57,18 @@ def test_clear_all_removes_this_engines_writes_and_leaves_another_engines_record
             assert int(loaded.sum()) == len(THEIRS)
             a.store(OURS, caches, torch.arange(len(OURS)))
             a.flush()
-            assert [tier for tier, _ in a.lookup_tiers(OURS)] == ["cpu"] * 5
+            assert [loc.tier for loc in a.locate(OURS)] == ["cpu"] * 5
 
             cleared = ctl("clear", "--all")["total"]
             # A's cpu tier is private (trusted_reads): B's chunks A loaded go from it too;
             # from the shared disk only the two chunks A wrote.
             assert cleared["removed"] == {"0:cpu": 5, "1:disk": 2}
             assert a.lookup(OURS) == len(THEIRS)  # B's chunks still load, from the disk
-            assert [tier for tier, _ in a.lookup_tiers(OURS)] == ["disk"] * 3
+            assert [loc.tier for loc in a.locate(OURS)] == ["disk"] * 3
         finally:
             server.close()
     with open_engine(shared, cpu=False) as reader:  # a third engine reads what is left on disk
-        assert [tier for tier, _ in reader.lookup_tiers(OURS)] == ["disk"] * 3
+        assert [loc.tier for loc in reader.locate(OURS)] == ["disk"] * 3
         assert int(reader.retrieve(OURS, random_caches(LAYOUT, 80, seed=2), torch.arange(len(OURS))).sum()) == 24
 
 
@@ -94,7 +94,7 @@ def test_a_chunk_this_engine_stored_again_where_another_engine_wrote_it_first_st
         finally:
             server.close()
     with open_engine(shared, cpu=False) as reader:
-        assert [tier for tier, _ in reader.lookup_tiers(OURS)] == ["disk"] * 3
+        assert [loc.tier for loc in reader.locate(OURS)] == ["disk"] * 3
 
 
 def test_clear_all_of_an_engine_with_companion_groups_leaves_another_engines_records_of_every_group(
@@ -127,4 +127,4 @@ def test_clear_all_of_an_engine_with_companion_groups_leaves_another_engines_rec
             server.close()
     for group in ("g0", "g1"):
         with open_engine(shared, cpu=False, group=group) as reader:
-            assert [tier for tier, _ in reader.lookup_tiers(OURS)] == ["disk"] * 3
+            assert [loc.tier for loc in reader.locate(OURS)] == ["disk"] * 3

@@ -250,7 +250,7 @@ def test_default_records_are_read_by_every_tp_size(engines: Any, name: str, writ
         heads, layout = rank_of(rank, reader_tp)
         reader = engines(layout, heads)
         assert reader.lookup(TOKENS) == len(TOKENS), (rank, reader.records.labels)
-        assert [n for _, n in reader.lookup_tiers(TOKENS)] == [8, 8, 8, 8]
+        assert [loc.tokens for loc in reader.locate(TOKENS)] == [8, 8, 8, 8]
         own = heads_of(source, axis, heads.first, layout.num_kv_heads)
         target = zeros_like(own)
         assert bool(reader.retrieve(TOKENS, target, slots).all())

@@ -27,7 +27,7 @@ from kvplug.core.engine.chunk_store import ChunkStore
 from kvplug.core.engine.frame_pool import FramePool
 from kvplug.core.engine.head_shards import HeadRecords, HeadShard, OtherSplit
 from kvplug.core.engine.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
-from kvplug.core.engine.locations import ChunkLocation, chunk_hash, is_chunk_hash, locate_inline
+from kvplug.core.engine.locations import ChunkLocation, chunk_hash, hit_tokens, is_chunk_hash, locate_inline
 from kvplug.core.engine.parallel_copies import ParallelCopies, auto_copy_threads
 from kvplug.core.engine.split_lookup import located_prefix, other_split_holding
 from kvplug.core.engine.stores import EngineStores, StoreBatch
@@ -185,18 +185,7 @@ class CacheEngine(EngineStores):
 
     def lookup(self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None) -> int:
         """Length of the cached prefix in tokens: whole chunks, or the full prompt."""
-        self._check_open()
-        keys = self.chunk_keys(tokens, request)
-        hit = len(located_prefix(self.records, self.chain, [k.key for k in keys], request, self._tier_order()))
-        tokens_hit = keys[hit - 1].end if hit else 0
-        self.count_lookup(len(tokens), tokens_hit)
-        return tokens_hit
-
-    def lookup_tiers(
-        self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None
-    ) -> list[tuple[str, int]]:
-        """Like :meth:`locate`, each chunk as (the fastest tier's name, its tokens)."""
-        return [(loc.tier, loc.tokens) for loc in self.locate(tokens, request=request)]
+        return hit_tokens(self.locate(tokens, request=request))
 
     def locate(
         self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None

@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvplug import KVPlugConfig
+from kvplug import KVPlugConfig, hit_tokens
 from kvplug.errors import KVPlugError
 from kvplug_vllm.kv_events import SchedulerEvents
 from kvplug_vllm.lookup import DirectLookup, SocketLookup, inline_tiers, local_worker, socket_path
@@ -125,7 +125,7 @@ class SchedulerSide:
         if tiers is None:
             state.phase = Phase.LOOKING_UP
             return None, False  # its lookup runs in the background: vLLM asks again next step
-        hit = sum(location.tokens for location in tiers)
+        hit = hit_tokens(tiers)
         need = tokens_to_load(hit, num_computed_tokens, request.num_tokens)
         background = need > 0 and loads_in_background(
             tiers, num_computed_tokens, load=self.settings.load, num_groups=self.num_groups
