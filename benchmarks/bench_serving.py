@@ -10,7 +10,8 @@ Configurations:
 
 * ``A`` vLLM alone; ``A2`` a second one (the A/A control: how far apart two servers are);
 * ``B`` kvplug, a cpu tier holding everything; ``C`` kvplug, a small cpu tier (a quarter
-  of the context) over a disk tier in the work folder;
+  of the context) over a disk tier in the work folder; ``Bb`` and ``Cb`` the same with
+  ``block_granular_hits: true`` (each prompt's tail stored in whole blocks, hits to the block);
 * ``A-np`` the floor: vLLM alone with room for the whole workload (every later request a
   hit in vLLM's own memory), ``B-np`` B with that room too;
 * ``LMC`` (``--with-lmcache``): vLLM + LMCache 0.5.6, its multiprocess server with an L1 the
@@ -97,6 +98,8 @@ DESCRIPTIONS = {
     "C": "kvplug small cpu + disk",
     "A-np": "floor: vLLM, room for all",
     "B-np": "kvplug cpu, no pressure",
+    "Bb": "kvplug cpu, block-granular hits",
+    "Cb": "kvplug small cpu + disk, block-granular hits",
     "LMC": "LMCache cpu (L1)",
     "F": "cpu, frequency + s3fifo",
     "L": "cpu, admit-all + lru",
@@ -112,8 +115,13 @@ LMCACHE_VERSION = "0.5.6"
 BENCH_DIR = Path(__file__).resolve().parent
 
 
+#: Configurations that are another's tiers with ``block_granular_hits: true``.
+BLOCK_GRANULAR = {"Bb": "B", "Cb": "C"}
+
+
 def tiers(config: str, workload: Workload, workdir: Path) -> list[dict[str, Any]] | None:
     """kvplug's tiers of a configuration (None: no connector)."""
+    config = BLOCK_GRANULAR.get(config, config)
     context = workload.distinct_tokens * KV_BYTES_PER_TOKEN
     if config in ("A", "A2", "A-np", "LMC"):
         return None
@@ -150,7 +158,8 @@ def kv_transfer(
     chosen = tiers(config, workload, workdir)
     if chosen is None:
         return None
-    extra = {"kvplug.chunk_size": chunk_size or CHUNK_SIZE, "kvplug.tiers": chosen}
+    extra = {"kvplug.chunk_size": chunk_size or CHUNK_SIZE, "kvplug.tiers": chosen,
+             "kvplug.block_granular_hits": config in BLOCK_GRANULAR}  # fmt: skip
     return {"kv_connector": "TimedKVPlugConnector", "kv_connector_module_path": "timed_connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}  # fmt: skip
 
@@ -319,6 +328,7 @@ def summarize(results: list[Result], wall: float, before: dict[str, float], afte
         "hit_by_tier": {k.split(".", 1)[1]: v for k, v in delta.items() if k.startswith("kvplug_hit_tokens_by_tier_total.")},
         "lookup_s": delta.get("kvplug_lookup_seconds_sum", 0.0), "load_s": delta.get("kvplug_load_seconds_sum", 0.0),
         "store_s": delta.get("kvplug_store_seconds_sum", 0.0),
+        "stored_bytes_per_request": delta.get("kvplug_stored_bytes_total", 0.0) / max(len(results), 1),
         "vllm_prefix_hits": delta.get("vllm:prefix_cache_hits_total", 0.0),
         "vllm_prefix_queries": delta.get("vllm:prefix_cache_queries_total", 0.0),
         "preemptions": delta.get("vllm:num_preemptions_total", 0.0),
@@ -443,12 +453,13 @@ def report(phase: dict[str, Any], out: Any) -> dict[str, Any]:
     """Print a phase's tables; return its figures (medians, ratios to the baseline, agreement, slowest requests)."""
     runs, med = phase["runs"], statistics.median
     figures: dict[str, Any] = {"blocks": phase["blocks"], "distinct_tokens": phase["distinct_tokens"], "configs": {}}
-    head = f"{'config':<28}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'max gap':>9}{'wall s':>8}{'tok/s':>7}{'kvplug hit':>11}{'loaded':>8}{'vLLM hit':>9}  hit by tier"
+    head = f"{'config':<28}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'max gap':>9}{'wall s':>8}{'tok/s':>7}{'kvplug hit':>11}{'loaded':>8}{'vLLM hit':>9}{'KiB/req':>9}  hit by tier"
     print(f"\n{phase['workload']} (medians over repetitions; seconds)\n{head}", file=out)
     for config, reps in runs.items():
         m = {
             k: med(r[k] for r in reps)
-            for k in [*RATIO_KEYS, "hit_tokens", "loaded_tokens", "vllm_prefix_hits", "lookup_s", "load_s", "store_s"]
+            for k in [*RATIO_KEYS, "hit_tokens", "loaded_tokens", "vllm_prefix_hits", "lookup_s", "load_s", "store_s",
+                      "stored_bytes_per_request"]
         }
         by_tier = {t: med(r["hit_by_tier"].get(t, 0.0) for r in reps) for r in reps for t in r["hit_by_tier"]}
         admission = {
@@ -464,7 +475,7 @@ def report(phase: dict[str, Any], out: Any) -> dict[str, Any]:
             "runs": [{k: v for k, v in r.items() if k != "results"} for r in reps],
         }
         print(f"{config + ' ' + DESCRIPTIONS[config]:<28}{m['ttft_p50']:>9.3f}{m['ttft_p90']:>8.3f}{m['ttft_p99']:>8.3f}{m['max_gap']:>9.3f}"
-              f"{m['wall_s']:>8.1f}{m['tok_s']:>7.1f}{m['hit_tokens']:>11.0f}{m['loaded_tokens']:>8.0f}{m['vllm_prefix_hits']:>9.0f}  "
+              f"{m['wall_s']:>8.1f}{m['tok_s']:>7.1f}{m['hit_tokens']:>11.0f}{m['loaded_tokens']:>8.0f}{m['vllm_prefix_hits']:>9.0f}{m['stored_bytes_per_request'] / 1024:>9.0f}  "
               + ", ".join(f"{t} {v:.0f}" for t, v in by_tier.items())
               + "".join(f"; {k} {v:.0f} chunks" for k, v in admission.items()), file=out)  # fmt: skip
     for config, error in phase.get("errors", {}).items():
@@ -536,7 +547,7 @@ def later_table(phase: dict[str, Any], figures: dict[str, Any], out: Any) -> Non
         print(f"ratio to {label}, per repetition: median (min-max)", file=out)
         figures[f"ratio_to_{ref}"] = {}
         for config, reps in runs.items():
-            if config == ref or (ref == "LMC" and config not in ("B", "C", "B-np")):
+            if config == ref or (ref == "LMC" and config not in ("B", "C", "B-np", *BLOCK_GRANULAR)):
                 continue
             ratios = {k: [r[k] / b[k] if b[k] else math.nan for r, b in zip(reps, runs[ref])] for k in LATER_KEYS}
             spread = {k: {"median": med(v), "min": min(v), "max": max(v)} for k, v in ratios.items()}

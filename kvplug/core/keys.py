@@ -282,18 +282,49 @@ class KeyBuilder:
         previous = self.chain_seed()
         keys: list[ChunkKey] = []
         for index, (start, end) in enumerate(self.chunk_bounds(len(token_bytes) // 8, include_partial=include_partial)):
-            digest = self._new_digest()
-            digest.update(previous)
-            digest.update(struct.pack("<I", end - start))
-            digest.update(token_bytes[start * 8 : end * 8])
-            for extra in extra_keys:
-                if extra.start < end and extra.end > start:
-                    encoded = extra.value.encode()
-                    digest.update(struct.pack("<qqI", extra.start, extra.end, len(encoded)))
-                    digest.update(encoded)
-            previous = digest.digest()
+            previous = self._chunk_digest(previous, token_bytes, start, end, extra_keys)
             keys.append(ChunkKey(index, start, end, prefix + previous.hex()))
         return keys
+
+    def tail_keys(
+        self,
+        tokens: Sequence[int] | Any,
+        prefix: str,
+        after: ChunkKey | None,
+        lengths: Sequence[int],
+        *,
+        extra_keys: Sequence[ExtraKey] = (),
+    ) -> list[ChunkKey]:
+        """The keys of the chunk following ``after`` (``None``: the first chunk) as the partial
+        last chunk of ``tokens[:start + n]`` for each ``n`` of ``lengths``: what :meth:`keys`
+        with ``include_partial`` names it, without hashing the prefix again. ``prefix``: the
+        key prefix, ``<format version>/<fingerprint hex>/``."""
+        token_bytes = _token_bytes(tokens)
+        index, start = (0, 0) if after is None else (after.index + 1, after.end)
+        previous = self.chain_seed() if after is None else bytes.fromhex(after.key.rpartition("/")[2])
+        return [
+            ChunkKey(
+                index,
+                start,
+                start + n,
+                prefix + self._chunk_digest(previous, token_bytes, start, start + n, extra_keys).hex(),
+            )
+            for n in lengths
+        ]
+
+    def _chunk_digest(
+        self, previous: bytes, token_bytes: memoryview, start: int, end: int, extra_keys: Sequence[ExtraKey]
+    ) -> bytes:
+        digest = self._new_digest()
+        digest.update(previous)
+        digest.update(struct.pack("<I", end - start))
+        digest.update(token_bytes[start * 8 : end * 8])
+        for extra in extra_keys:
+            if extra.start < end and extra.end > start:
+                encoded = extra.value.encode()
+                digest.update(struct.pack("<qqI", extra.start, extra.end, len(encoded)))
+                digest.update(encoded)
+        return digest.digest()
 
     def chain_seed(self) -> bytes:
         return f"kvplug-chain/{self.hash_name}".encode()

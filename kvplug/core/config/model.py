@@ -92,6 +92,12 @@ class KVPlugConfig(CheckedModel):
         description="Also store the last, partial chunk of a prompt.",
         json_schema_extra={"per_request": True},
     )
+    block_granular_hits: bool = Field(
+        default=False,
+        description="Hits granular to the engine's KV block, as its own prefix cache, not to whole chunks: "
+        "a store also keeps the prompt's tokens past its last whole chunk, cut at its last whole block (one "
+        "record), and a lookup that stops inside a chunk finds the longest such record.",
+    )
     skip_save: bool = Field(
         default=False, description="Store nothing (lookups still hit).", json_schema_extra={"per_request": True}
     )

@@ -31,6 +31,7 @@ from kvplug.core.engine.locations import ChunkLocation, chunk_hash, hit_tokens, 
 from kvplug.core.engine.parallel_copies import ParallelCopies, auto_copy_threads
 from kvplug.core.engine.split_lookup import located_prefix, other_split_holding
 from kvplug.core.engine.stores import EngineStores, StoreBatch
+from kvplug.core.engine.tails import longest_held_tail, tail_lengths
 from kvplug.core.events import EventListener, EventListeners
 from kvplug.core.keys import ChunkKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.layouts import KVLayout
@@ -196,9 +197,30 @@ class CacheEngine(EngineStores):
         self._check_open()
         keys = self.chunk_keys(tokens, request)
         tiers = located_prefix(self.records, self.chain, [k.key for k in keys], request, self._tier_order())
-        self.count_lookup(len(tokens), keys[len(tiers) - 1].end if tiers else 0)
+        found = list(zip(tiers, keys))
+        if len(tiers) < len(keys) and self.config.block_granular_hits:
+            tail = self._located_tail(tokens, keys, len(tiers), request)
+            if tail is not None:
+                found.append((tail[1], tail[0]))
+        self.count_lookup(len(tokens), found[-1][1].end if found else 0)
         media = {tier.name: tier.medium for tier in self.chain.tiers}
-        return [ChunkLocation(media[name], name, key.num_tokens, chunk_hash(key.key)) for name, key in zip(tiers, keys)]
+        return [ChunkLocation(media[name], name, key.num_tokens, chunk_hash(key.key)) for name, key in found]
+
+    def _located_tail(
+        self, tokens: Sequence[int] | torch.Tensor, keys: Sequence[ChunkKey], held: int, request: RequestInfo | None
+    ) -> tuple[ChunkKey, str] | None:
+        """The longest stored tail (:mod:`kvplug.core.engine.tails`) of chunk ``held``, the first
+        chunk of ``keys`` not held whole, and the tier it is in."""
+        missing = keys[held]
+        lengths = tail_lengths(missing.start, missing.num_tokens, self.layout.block_size)
+        if not lengths:
+            return None
+        prefix = missing.key.rpartition("/")[0] + "/"
+        extra = (request or _NO_REQUEST).extra_keys
+        candidates = self.key_builder.tail_keys(
+            tokens, prefix, keys[held - 1] if held else None, lengths, extra_keys=extra
+        )
+        return longest_held_tail(self.records, self.chain, candidates, request, self._tier_order())
 
     def locate_inline(
         self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None, count: bool = True
@@ -272,11 +294,8 @@ class CacheEngine(EngineStores):
         try:
             if self.layout.whole_blocks_only:  # a block is loaded whole or not at all
                 first = -(-first // self.layout.block_size) * self.layout.block_size
-            keys = [
-                k
-                for k in (self.chunk_keys(tokens, request) if keys is None else keys)
-                if k.end > first and self._copyable(max(k.start, first), k.end)
-            ]
+            every = self.chunk_keys(tokens, request) if keys is None else keys
+            keys = [k for k in every if k.end > first and self._copyable(max(k.start, first), k.end)]
             # Verified (a bad chunk ends the prefix and is removed); only those promoted.
             split: HeadRecords | OtherSplit = self.records
             loaded = self.chunk_store.load_prefix(
@@ -296,9 +315,30 @@ class CacheEngine(EngineStores):
                 )
             timings.fetch_s, timings.verify_s = loaded.fetch_s, loaded.verify_s
             chunks = list(zip(keys, split.joined(loaded.tensors, [k.num_tokens for k in keys])))
+            if self.config.block_granular_hits and split is self.records and keys[len(chunks) :]:
+                chunks += self._loaded_tail(tokens, every, keys[len(chunks)].index, first, request)
         except Exception:
             logger.exception("retrieve: fetching chunks failed; treated as a miss")
         return LayerwiseRetrieve(self, len(tokens), first, kv_caches, slots.to(torch.long), chunks, started, timings)
+
+    def _loaded_tail(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        keys: Sequence[ChunkKey],
+        held: int,
+        first: int,
+        request: RequestInfo | None,
+    ) -> list[tuple[ChunkKey, torch.Tensor]]:
+        """The longest stored tail of chunk ``held``, loaded: what a lookup adds to the whole chunks."""
+        tail = self._located_tail(tokens, keys, held, request)
+        if tail is None or tail[0].end <= first or not self._copyable(max(tail[0].start, first), tail[0].end):
+            return []
+        key = tail[0]
+        shape = self.records.record_shape(key.num_tokens)
+        loaded = self.chunk_store.load_prefix(
+            self.record_keys([key], request), [shape] * self.records.count, self.layout.dtype
+        )
+        return list(zip([key], self.records.joined(loaded.tensors, [key.num_tokens])))
 
     # --- lifecycle ------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from kvplug.core.engine.chunk_store import ChunkStore
 from kvplug.core.engine.frame_pool import FramePool
 from kvplug.core.engine.head_shards import HeadRecords
 from kvplug.core.engine.parallel_copies import ParallelCopies
+from kvplug.core.engine.tails import tail_cut
 from kvplug.core.events import EventListeners, KVEvent
 from kvplug.core.keys import ChunkKey, RequestInfo
 from kvplug.core.layouts import KVLayout
@@ -131,7 +132,7 @@ class EngineStores:
             try:
                 keys = [
                     k
-                    for k in self.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk)
+                    for k in self._stored_keys(tokens, request, config)
                     if k.end > first and self._copyable(k.start, k.end)
                 ]
                 record_keys, count = self.record_keys(keys, request), self.records.count
@@ -154,6 +155,18 @@ class EngineStores:
                 logger.exception("store: preparing chunks failed; nothing stored")
                 todo = []
         return self._store_layers(kv_caches, slots.to(torch.long), todo, layers_per_step)
+
+    def _stored_keys(
+        self, tokens: Sequence[int] | torch.Tensor, request: RequestInfo | None, config: KVPlugConfig
+    ) -> list[ChunkKey]:
+        """The chunks a store of ``tokens`` writes: the whole ones, the partial last one with
+        ``save_unfull_chunk``, and the tail cut at the last block end with ``block_granular_hits``
+        (:mod:`kvplug.core.engine.tails`)."""
+        keys = self.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk)
+        cut = tail_cut(len(tokens), config.chunk_size, self.layout.block_size) if config.block_granular_hits else 0
+        if cut and not (keys and keys[-1].end == cut):
+            keys.append(self.chunk_keys(tokens[:cut], request, include_partial=True)[-1])
+        return keys
 
     def _store_layers(
         self,

@@ -6,8 +6,9 @@ Pure functions of token counts, so that the rules are in one place and tested on
 - a lookup's hit lets vLLM skip the tokens past its own prefix cache, but never the last
   token of the request (vLLM must compute one token to sample from): :func:`tokens_to_load`;
 - each step stores the whole chunks its KV completes that are not stored yet (the last,
-  partial chunk of the prompt too with ``save_unfull_chunk``; tokens past the prompt only
-  with ``save_decode_cache``): :func:`plan_step`;
+  partial chunk of the prompt too with ``save_unfull_chunk``, and its tail in whole blocks
+  with ``block_granular_hits``; tokens past the prompt only with ``save_decode_cache``):
+  :func:`plan_step`;
 - a request whose computed count went back (preempted, or rolled back after a failed load)
   stores again from the last whole chunk before it: :func:`rolled_back`.
 """
@@ -72,6 +73,9 @@ class SaveRules:
     #: This engine stores at all (vLLM's kv_role is a producer) and the request does not skip it.
     can_save: bool = True
     save_unfull_chunk: bool = False
+    #: The prompt's tail past its last whole chunk is stored too, cut at a block end by the
+    #: cache engine (``block_granular_hits``).
+    save_tail: bool = False
     save_decode_cache: bool = False
 
 
@@ -81,7 +85,7 @@ def save_end(end: int, prompt_len: int, rules: SaveRules) -> int:
         return 0
     if end > prompt_len and not rules.save_decode_cache:
         end = prompt_len  # decode tokens are not stored
-    if end == prompt_len and rules.save_unfull_chunk:
+    if end == prompt_len and (rules.save_unfull_chunk or rules.save_tail):
         return end
     return whole_chunks(end, rules.chunk_size)
 

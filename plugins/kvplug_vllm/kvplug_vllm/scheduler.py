@@ -294,6 +294,7 @@ class SchedulerSide:
             self.chunk_size,
             can_save=self.can_save and not state.config.skip_save,
             save_unfull_chunk=state.config.save_unfull_chunk,
+            save_tail=state.config.block_granular_hits,
             save_decode_cache=self.settings.save_decode_cache,
         )
         plan = plan_step(progress.num_saved, end, progress.prompt_len, rules, handed)

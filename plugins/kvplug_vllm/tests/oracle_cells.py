@@ -32,9 +32,12 @@ from kvplug_vllm.tiny_model import (
     write_random_qwen3_next,
 )
 
-#: 600 tokens: hits of 576 (chunks of 32 and 64), 512 (256), 544 (544: not a power of two).
+#: 600 tokens: hits of 576 (chunks of 32 and 64), 512 (256), 544 (544: not a power of two); 576
+#: with block_granular_hits (the tail to the last block end).
 PROMPT = tokens(60, 600)
 ENGINE_OPTIONS = {"max_model_len": 1024, "num_blocks": 96}
+#: The engines' block size (engine_driver.py's default): a tail ends at a multiple of it.
+BLOCK_SIZE = 32
 FULL = os.environ.get("ORACLE_MATRIX") == "full"
 
 MODELS: dict[str, Callable[[Path], Path]] = {
@@ -70,10 +73,14 @@ class Cell:
     layerwise: bool = False
     writer_tp: int = 1
     reader_tp: int = 1
+    #: Tails in whole blocks too (``block_granular_hits``): the hit ends at a block end past the
+    #: last whole chunk, inside a chunk.
+    block_granular_hits: bool = False
 
     @property
     def id(self) -> str:
-        parts = [self.model, f"chunk{self.chunk_size}", f"hpr-{self.heads_per_record}", self.serializer, self.tier]
+        chunks = f"chunk{self.chunk_size}" + ("-blocks" if self.block_granular_hits else "")
+        parts = [self.model, chunks, f"hpr-{self.heads_per_record}", self.serializer, self.tier]
         parts += [
             self.connector,
             self.load + ("-layerwise" if self.layerwise else ""),
@@ -99,6 +106,7 @@ class Cell:
             "kvplug.store.queue.mode": "sync",  # stored when the step ends: the next step hits
             "kvplug.load": self.load,
             "kvplug.layerwise": self.layerwise,
+            "kvplug.block_granular_hits": self.block_granular_hits,
         }
         if self.heads_per_record != "auto":
             extra["kvplug.heads_per_record"] = self.heads_per_record
@@ -156,7 +164,9 @@ def run_cell(cell: Cell, references: References, folder: Path) -> tuple[int, lis
         )
         index = 0
     hit = loaded_tokens(result, index)
-    assert hit == len(PROMPT) // cell.chunk_size * cell.chunk_size, f"{cell.id}: hit {hit}"
+    whole = len(PROMPT) // cell.chunk_size * cell.chunk_size
+    expected = max(whole, len(PROMPT) // BLOCK_SIZE * BLOCK_SIZE) if cell.block_granular_hits else whole
+    assert hit == expected, f"{cell.id}: hit {hit}"
     reference = references.of(cell.model, cell.writer_tp)
     return hit, loaded, assert_kv_matches(loaded, reference, hit, bound=cell.bound)
 
@@ -187,4 +197,6 @@ FULL_CELLS = [
     Cell("llama-mqa", chunk_size=256, tier="disk", serializer="fp8", connector="torch", writer_tp=2, reader_tp=1),
     Cell("gpt-oss", chunk_size=256, tier="shm", serializer="zstd", connector="native", load="async"),
     Cell("qwen3-next", chunk_size=384, tier="disk"),
+    Cell("llama-gqa", chunk_size=256, block_granular_hits=True),
+    Cell("gpt-oss", chunk_size=256, tier="disk", load="async", block_granular_hits=True),
 ]

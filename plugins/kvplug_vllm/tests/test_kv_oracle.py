@@ -24,6 +24,7 @@ CELLS = FULL_CELLS[0::2] if FULL else [
     Cell("llama-gqa", chunk_size=32, connector="torch"),
     Cell("llama-gqa", chunk_size=544, heads_per_record=1, serializer="zstd", tier="disk", connector="native", load="async"),
     Cell("llama-mqa", chunk_size=64, serializer="lz4", tier="shm", connector="native", layerwise=True),
+    Cell("llama-gqa", chunk_size=256, block_granular_hits=True),
 ]  # fmt: skip
 
 

@@ -15,6 +15,7 @@ CELLS = FULL_CELLS[1::2] if FULL else [
     Cell("llama-gqa", chunk_size=64, serializer="fp8", connector="native"),
     Cell("gpt-oss", chunk_size=64, tier="disk"),
     Cell("llama-gqa", chunk_size=544, tier="shm", serializer="lz4", writer_tp=2, reader_tp=1, load="async"),
+    Cell("gpt-oss", chunk_size=256, tier="disk", load="async", block_granular_hits=True),
 ]  # fmt: skip
 
 

@@ -61,11 +61,14 @@ def test_planned_stores_cover_exactly_the_whole_chunks_computed(
     assert stored == expected
 
 
-@given(prefills())
-def test_the_partial_last_chunk_is_stored_once_and_again_whole_never(case: tuple[int, int, list[int], int]) -> None:
-    """With save_unfull_chunk the prompt's tail is stored when the prompt is done, never past it."""
+@given(prefills(), st.sampled_from(["save_unfull_chunk", "save_tail"]))
+def test_the_partial_last_chunk_is_stored_once_and_again_whole_never(
+    case: tuple[int, int, list[int], int], setting: str
+) -> None:
+    """With save_unfull_chunk (or block_granular_hits, whose tail the cache engine cuts at a
+    block end) the prompt's tail is stored when the prompt is done, never past it."""
     chunk, prompt, steps, _ = case
-    rules = SaveRules(chunk, save_unfull_chunk=True)
+    rules = SaveRules(chunk, **{setting: True})
     saved, computed, ends = 0, 0, []
     for scheduled in steps:
         computed += scheduled

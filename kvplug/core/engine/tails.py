@@ -1,0 +1,56 @@
+"""Hits granular to the engine's block: a prompt's tail stored in whole blocks.
+
+Chunks are the unit of storage (a few hundred tokens: cheap keys and large transfers), but
+an engine's own prefix cache hits to its block (16-32 tokens). With ``block_granular_hits``,
+a store also keeps the tokens of the prompt past its last whole chunk, cut at its last
+whole block, as one partial chunk (the *tail*: keyed as :meth:`KeyBuilder.keys` keys the
+last chunk of ``tokens[:cut]``, so chunk keys stay what they are). A lookup whose prefix
+stops inside a chunk then asks, in one batched ``contains`` per tier, for that chunk cut at
+each block end, and the longest held is the hit's last chunk. A later request that extends
+a stored prompt (the next round of a conversation) recomputes less than a block of it
+instead of up to a chunk. One tail per store, at the prompt's end: a partial chunk is stored
+again whole once a later request computes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvplug.core.chain.tier_chain import TierChain
+from kvplug.core.engine.head_shards import HeadRecords
+from kvplug.core.keys import ChunkKey, RequestInfo
+
+
+def tail_lengths(start: int, available: int, block_size: int) -> list[int]:
+    """The token counts ``n < available`` at which the chunk starting at token ``start`` is cut
+    at a block end (``start + n`` a multiple of ``block_size``), longest first."""
+    first_end = start // block_size * block_size + block_size
+    return [end - start for end in range(first_end, start + available, block_size)][::-1]
+
+
+def tail_cut(num_tokens: int, chunk_size: int, block_size: int) -> int:
+    """Where a store of ``num_tokens`` cuts its tail: the last block end, when it is inside a
+    chunk (0: the prompt ends no block past its last whole chunk, there is no tail)."""
+    cut = num_tokens // block_size * block_size
+    return cut if cut > num_tokens // chunk_size * chunk_size else 0
+
+
+def longest_held_tail(
+    records: HeadRecords,
+    chain: TierChain,
+    candidates: Sequence[ChunkKey],
+    request: RequestInfo | None,
+    order: Sequence[str],
+) -> tuple[ChunkKey, str] | None:
+    """The longest of ``candidates`` (longest first) whose records some tier holds, with the
+    slowest tier (latest in ``order``) holding one of its records; ``None``: none is held."""
+    if not candidates:
+        return None
+    record_keys = records.record_keys([candidate.key for candidate in candidates], request)
+    where = chain.locate(record_keys)
+    count = records.count
+    for index, candidate in enumerate(candidates):
+        names = where[index * count : (index + 1) * count]
+        if all(name is not None for name in names):
+            return candidate, records.chunk_tiers([n for n in names if n is not None], order)[0]
+    return None

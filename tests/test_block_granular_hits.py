@@ -1,0 +1,140 @@
+"""Hits granular to the engine's block (``block_granular_hits``): a prompt's tail past its last
+whole chunk is stored cut at a block end, and a longer prompt that starts with it hits it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from core_helpers import LAYOUTS, SGLANG_MHA, VLLM_MLA, random_caches
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvplug import KVLayout
+from kvplug.core.engine.tails import tail_cut, tail_lengths
+from kvplug.core.keys import ExtraKey, KeyBuilder
+from kvplug.core.plugins import PluginRegistry
+
+PREFIX = "v1/" + "a" * 32 + "/"
+
+
+@pytest.fixture
+def registry() -> PluginRegistry:
+    return PluginRegistry(plugin_filter="cpu,disk")
+
+
+@given(
+    chunk_size=st.integers(1, 24),
+    tokens=st.lists(st.integers(0, 2**40), min_size=1, max_size=80),
+    cut=st.integers(1, 80),
+    extra=st.lists(st.tuples(st.integers(0, 80), st.integers(1, 8), st.text(max_size=4)), max_size=3),
+)
+def test_a_tail_key_is_the_key_of_the_cut_prompts_last_chunk(chunk_size, tokens, cut, extra) -> None:
+    cut = min(cut, len(tokens))
+    builder = KeyBuilder(chunk_size=chunk_size)
+    extra_keys = [ExtraKey(start, start + n, value) for start, n, value in extra]
+    cut_keys = builder.keys(tokens[:cut], PREFIX, extra_keys=extra_keys, include_partial=True)
+    whole = builder.keys(tokens, PREFIX, extra_keys=extra_keys)
+    index = (cut - 1) // chunk_size
+    after = whole[index - 1] if index else None
+    (tail,) = builder.tail_keys(tokens, PREFIX, after, [cut - index * chunk_size], extra_keys=extra_keys)
+    assert tail == cut_keys[-1]
+
+
+@given(start=st.integers(0, 500), available=st.integers(1, 300), block_size=st.integers(1, 64))
+def test_tail_lengths_end_at_block_ends_inside_what_is_available(start, available, block_size) -> None:
+    lengths = tail_lengths(start, available, block_size)
+    assert lengths == sorted(lengths, reverse=True)
+    assert all(0 < n < available and (start + n) % block_size == 0 for n in lengths)
+    missing = [n for n in range(1, available) if (start + n) % block_size == 0 and n not in lengths]
+    assert missing == []
+
+
+@given(num_tokens=st.integers(0, 2000), chunk_size=st.integers(1, 300), block_size=st.integers(1, 64))
+def test_a_store_cuts_its_tail_at_the_last_block_end_past_the_last_whole_chunk(
+    num_tokens, chunk_size, block_size
+) -> None:
+    cut = tail_cut(num_tokens, chunk_size, block_size)
+    whole = num_tokens // chunk_size * chunk_size
+    last_block_end = num_tokens // block_size * block_size
+    assert cut == (last_block_end if last_block_end > whole else 0)
+
+
+def token_kv(layout: KVLayout, caches: list, token: int) -> list[torch.Tensor]:
+    """Every layer's KV of the token at slot ``token`` (slots are ``arange`` in these tests)."""
+    block, offset = divmod(token, layout.block_size)
+    if layout.format is SGLANG_MHA:
+        return [t[token] for layer in caches for t in layer]
+    if layout.format is VLLM_MLA:
+        return [layer[block, offset] for layer in caches]
+    return [layer[:, block, offset] for layer in caches]
+
+
+def same_kv(layout: KVLayout, a: list, b: list, token: int) -> bool:
+    return all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        for x, y in zip(token_kv(layout, a, token), token_kv(layout, b, token))
+    )
+
+
+@pytest.mark.parametrize("name", ["vllm_flash", "vllm_mla", "sglang_mha"])
+def test_a_longer_prompt_hits_the_stored_tail_and_loads_exactly_its_kv(make_engine, name) -> None:
+    layout = LAYOUTS[name]
+    engine = make_engine(layout, chunk_size=16, block_granular_hits=True)
+    source = random_caches(layout, 64, seed=1)
+    first = list(range(1000, 1027))  # a whole chunk of 16, then 11 tokens: the tail is cut at 24 (block 4)
+    cut = 24 if layout.block_size == 4 else 27
+    assert engine.store(first, source, torch.arange(27)) == 16 + cut - 16
+    longer = first + list(range(5000, 5013))  # the next round: the first prompt and more
+    assert [loc.tokens for loc in engine.locate(longer)] == [16, cut - 16]
+    target = random_caches(layout, 64, seed=2)
+    loaded = engine.retrieve(longer, target, torch.arange(len(longer)))
+    assert loaded.tolist() == [True] * cut + [False] * (len(longer) - cut)
+    assert all(same_kv(layout, source, target, t) for t in range(cut))
+    assert not any(same_kv(layout, source, target, t) for t in range(cut, len(longer)))
+
+
+def test_a_prompt_that_leaves_the_tail_inside_it_hits_the_whole_chunks_only(make_engine) -> None:
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout, chunk_size=16, block_granular_hits=True)
+    first = list(range(1000, 1027))
+    engine.store(first, random_caches(layout, 64), torch.arange(27))
+    # Equal up to token 22, inside the tail [16, 24): the tail's key does not match, and no
+    # shorter tail was stored.
+    other = first[:22] + list(range(7000, 7010))
+    assert engine.lookup(other) == 16
+    # Equal up to token 24 and then different: the whole tail hits.
+    assert engine.lookup(first[:24] + [7] * 9) == 24
+    # A lookup that hits whole chunks throughout asks for no tail.
+    assert engine.lookup(first[:16]) == 16
+
+
+def test_without_the_setting_hits_stay_whole_chunks_and_nothing_more_is_stored(make_engine) -> None:
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout, chunk_size=16)
+    first = list(range(1000, 1027))
+    assert engine.store(first, random_caches(layout, 64), torch.arange(27)) == 16
+    assert engine.lookup([*first, 1, 2, 3]) == 16
+
+
+def test_a_tail_in_a_slower_tier_is_located_there(make_engine, tmp_path) -> None:
+    layout = LAYOUTS["vllm_flash"]
+    tiers = [{"type": "cpu", "max_bytes": "64MiB"}, {"type": "disk", "path": str(tmp_path)}]
+    engine = make_engine(layout, tiers=tiers, chunk_size=16, block_granular_hits=True)
+    first = list(range(1000, 1027))
+    engine.store(first, random_caches(layout, 64), torch.arange(27))
+    engine.flush()
+    cpu, _ = engine.chain.tiers
+    tail_key = engine.chunk_keys(first[:24])[-1].key
+    cpu.remove([tail_key])
+    located = engine.locate([*first, 1, 2, 3, 4, 5])
+    assert [(loc.medium, loc.tokens) for loc in located] == [("memory", 16), ("disk", 8)]
+    assert located[-1].chunk_hash == tail_key.rpartition("/")[2]
+
+
+def test_with_save_unfull_chunk_both_the_exact_chunk_and_the_tail_are_stored(make_engine) -> None:
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout, chunk_size=16, block_granular_hits=True, save_unfull_chunk=True)
+    first = list(range(1000, 1027))
+    assert engine.store(first, random_caches(layout, 64), torch.arange(27)) == 16 + 11 + 8
+    assert engine.lookup(first) == 27  # the same prompt: every token
+    assert engine.lookup([*first, 3, 4]) == 24  # a longer one: up to the tail's end
