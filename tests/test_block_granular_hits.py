@@ -9,7 +9,8 @@ from core_helpers import LAYOUTS, SGLANG_MHA, VLLM_MLA, random_caches
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvplug import KVLayout
+from kvplug import CacheEngine, KVLayout
+from kvplug.core.engine.head_shards import HeadShard
 from kvplug.core.engine.tails import tail_cut, tail_lengths
 from kvplug.core.keys import ExtraKey, KeyBuilder
 from kvplug.core.plugins import PluginRegistry
@@ -76,10 +77,22 @@ def same_kv(layout: KVLayout, a: list, b: list, token: int) -> bool:
     )
 
 
-@pytest.mark.parametrize("name", ["vllm_flash", "vllm_mla", "sglang_mha"])
-def test_a_longer_prompt_hits_the_stored_tail_and_loads_exactly_its_kv(make_engine, name) -> None:
+@pytest.mark.parametrize(
+    ("name", "heads_per_record"),
+    [("vllm_flash", "auto"), ("vllm_flash", 1), ("vllm_mla", "auto"), ("sglang_mha", "auto")],
+)
+def test_a_longer_prompt_hits_the_stored_tail_and_loads_exactly_its_kv(
+    make_engine, request, name, heads_per_record
+) -> None:
     layout = LAYOUTS[name]
     engine = make_engine(layout, chunk_size=16, block_granular_hits=True)
+    if heads_per_record == 1:  # one record per KV head: a chunk is held when both are
+        config, fingerprint = engine.config, engine.fingerprint
+        engine.close()
+        heads = HeadShard.for_rank(total_heads=2, tp_rank=0, tp_size=1, heads_per_record=1)
+        engine = CacheEngine(config, layout, fingerprint, registry=engine.registry, heads=heads)
+        request.addfinalizer(engine.close)
+        assert engine.records.count == 2
     source = random_caches(layout, 64, seed=1)
     first = list(range(1000, 1027))  # a whole chunk of 16, then 11 tokens: the tail is cut at 24 (block 4)
     cut = 24 if layout.block_size == 4 else 27
@@ -91,6 +104,9 @@ def test_a_longer_prompt_hits_the_stored_tail_and_loads_exactly_its_kv(make_engi
     assert loaded.tolist() == [True] * cut + [False] * (len(longer) - cut)
     assert all(same_kv(layout, source, target, t) for t in range(cut))
     assert not any(same_kv(layout, source, target, t) for t in range(cut, len(longer)))
+    tail_records = engine.record_keys(engine.chunk_keys(first[:cut])[-1:])
+    engine.chain.tiers[0].remove(tail_records[-1:])  # one head's record gone: the tail is not held
+    assert engine.lookup(longer) == 16
 
 
 def test_a_prompt_that_leaves_the_tail_inside_it_hits_the_whole_chunks_only(make_engine) -> None:
