@@ -9,7 +9,7 @@ from core_helpers import LAYOUTS, SGLANG_MHA, VLLM_MLA, random_caches
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvplug import CacheEngine, KVLayout
+from kvplug import CacheEngine, ChunkLocation, KVLayout, merge_locations
 from kvplug.core.engine.head_shards import HeadShard
 from kvplug.core.engine.tails import tail_cut, tail_lengths
 from kvplug.core.keys import ExtraKey, KeyBuilder
@@ -154,3 +154,14 @@ def test_with_save_unfull_chunk_both_the_exact_chunk_and_the_tail_are_stored(mak
     assert engine.store(first, random_caches(layout, 64), torch.arange(27)) == 16 + 11 + 8
     assert engine.lookup(first) == 27  # the same prompt: every token
     assert engine.lookup([*first, 3, 4]) == 24  # a longer one: up to the tail's end
+
+
+def test_ranks_holding_tails_of_different_lengths_share_the_whole_chunks_only() -> None:
+    whole, tail_8, tail_4 = (
+        ChunkLocation("memory", "cpu", 16),
+        ChunkLocation("memory", "cpu", 8),
+        ChunkLocation("disk", "disk", 4),
+    )
+    assert merge_locations([[whole, tail_8], [whole, tail_4]]) == [whole]
+    assert merge_locations([[whole, tail_8], [whole, tail_8]]) == [whole, tail_8]
+    assert merge_locations([[whole, tail_8], [whole]]) == [whole]

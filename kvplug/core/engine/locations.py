@@ -72,13 +72,17 @@ def hit_tokens(locations: Sequence[ChunkLocation]) -> int:
 
 def merge_locations(answers: Sequence[Sequence[ChunkLocation]]) -> list[ChunkLocation]:
     """The prefix every rank holds, each chunk at the slowest of the ranks' media: a chunk
-    counts as in memory only if every rank has it in a memory tier (ties: the first name)."""
+    counts as in memory only if every rank has it in a memory tier (ties: the first name).
+    Ranks that found partial chunks of different lengths there (tails of different prompts,
+    ``block_granular_hits``) share none of them: the prefix ends before it."""
     if not answers:
         return []
     merged = []
     for index in range(min(len(answer) for answer in answers)):
-        chunk = sorted((answer[index] for answer in answers), key=lambda loc: (-MEDIA.index(loc.medium), loc.tier))
         first = answers[0][index]
+        if any(answer[index].tokens != first.tokens for answer in answers):
+            break
+        chunk = sorted((answer[index] for answer in answers), key=lambda loc: (-MEDIA.index(loc.medium), loc.tier))
         merged.append(ChunkLocation(chunk[0].medium, chunk[0].tier, first.tokens, first.chunk_hash))
     return merged
 
