@@ -165,3 +165,15 @@ def test_ranks_holding_tails_of_different_lengths_share_the_whole_chunks_only() 
     assert merge_locations([[whole, tail_8], [whole, tail_4]]) == [whole]
     assert merge_locations([[whole, tail_8], [whole, tail_8]]) == [whole, tail_8]
     assert merge_locations([[whole, tail_8], [whole]]) == [whole]
+
+
+def test_an_inline_lookup_leaves_a_prompt_with_a_partial_chunk_to_the_full_lookup(make_engine) -> None:
+    """Its tail may be in a slower tier than those that answer inline: "ask the full lookup"."""
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout, chunk_size=16, block_granular_hits=True)
+    first = list(range(1000, 1027))
+    engine.store(first, random_caches(layout, 64), torch.arange(27))
+    engine.chain.tiers[0].remove([engine.chunk_keys(first[:24])[-1].key])
+    assert engine.locate_inline([*first, 1, 2]) is None
+    assert engine.lookup([*first, 1, 2]) == 16
+    assert engine.locate_inline(first[:16]) == engine.locate(first[:16])  # whole chunks only: answered inline

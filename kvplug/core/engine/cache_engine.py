@@ -236,7 +236,8 @@ class CacheEngine(EngineStores):
             self.records.count,
             self.chain.tiers,
             chunk_size=self.chunk_size,
-            save_unfull_chunk=self.config.save_unfull_chunk,
+            # a tail of the partial chunk may be in a slower tier: as a partial chunk may
+            save_unfull_chunk=self.config.save_unfull_chunk or self.config.block_granular_hits,
         )
         if found is not None and count:
             self.count_lookup(len(tokens), keys[len(found) - 1].end if found else 0)
