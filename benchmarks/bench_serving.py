@@ -121,6 +121,7 @@ BLOCK_GRANULAR = {"Bb": "B", "Cb": "C"}
 
 def tiers(config: str, workload: Workload, workdir: Path) -> list[dict[str, Any]] | None:
     """kvplug's tiers of a configuration (None: no connector)."""
+    disk_path = workdir / f"disk-{config}-{workload.name}"  # each server its own: Cb must not read C's
     config = BLOCK_GRANULAR.get(config, config)
     context = workload.distinct_tokens * KV_BYTES_PER_TOKEN
     if config in ("A", "A2", "A-np", "LMC"):
@@ -128,7 +129,7 @@ def tiers(config: str, workload: Workload, workdir: Path) -> list[dict[str, Any]
     if config in ("B", "B-np"):
         return [{"type": "cpu", "max_bytes": big_tier_bytes(workload)}]
     if config == "C":
-        disk = {"type": "disk", "path": str(workdir / f"disk-{workload.name}"), "max_bytes": max(4 * context, 1 << 30)}
+        disk = {"type": "disk", "path": str(disk_path), "max_bytes": max(4 * context, 1 << 30)}
         return [{"type": "cpu", "max_bytes": context // 4}, disk]
     if config == "F":
         return [{"type": "cpu", "max_bytes": int(1.1 * context), "eviction": "s3fifo",
@@ -458,8 +459,16 @@ def report(phase: dict[str, Any], out: Any) -> dict[str, Any]:
     for config, reps in runs.items():
         m = {
             k: med(r[k] for r in reps)
-            for k in [*RATIO_KEYS, "hit_tokens", "loaded_tokens", "vllm_prefix_hits", "lookup_s", "load_s", "store_s",
-                      "stored_bytes_per_request"]
+            for k in [
+                *RATIO_KEYS,
+                "hit_tokens",
+                "loaded_tokens",
+                "vllm_prefix_hits",
+                "lookup_s",
+                "load_s",
+                "store_s",
+                "stored_bytes_per_request",
+            ]
         }
         by_tier = {t: med(r["hit_by_tier"].get(t, 0.0) for r in reps) for r in reps for t in r["hit_by_tier"]}
         admission = {
