@@ -48,6 +48,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "KVEvent": ("kvplug.core.events", "KVEvent"),
     "KVLayout": ("kvplug.core.layouts", "KVLayout"),
     "KVPlugConfig": ("kvplug.core.config.model", "KVPlugConfig"),
+    "LazyModule": ("kvplug.core.lazy_module", "LazyModule"),
     "LOOKUP_DIR_ENV": ("kvplug.core.control_socket", "LOOKUP_DIR_ENV"),
     "LayerwiseRetrieve": ("kvplug.core.engine.layerwise_retrieve", "LayerwiseRetrieve"),
     "MEDIA": ("kvplug.core.tier", "MEDIA"),
@@ -153,6 +154,7 @@ if TYPE_CHECKING:
     from kvplug.core.events import KVEvent
     from kvplug.core.keys import ChunkKey, ExtraKey, Fingerprint, KeyPrefix, RequestInfo, StoreKey
     from kvplug.core.layouts import KVLayout, PagedFormat, slots_from_block_ids
+    from kvplug.core.lazy_module import LazyModule
     from kvplug.core.metrics import MetricSample
     from kvplug.core.pins import pin_keys, unpin_keys
     from kvplug.core.plugins import PluginRegistry, get_registry
@@ -234,6 +236,7 @@ __all__ = [
     "KVPlugConfig",
     "KeyPrefix",
     "LayerwiseRetrieve",
+    "LazyModule",
     "MappedFile",
     "Medium",
     "MessageServer",

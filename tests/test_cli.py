@@ -16,6 +16,20 @@ def kvplug(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
     )
 
 
+def test_python_m_kvplug_is_the_kvplug_command() -> None:
+    # Where no console script is on PATH (a venv not activated), ``python -m kvplug`` is the command.
+    result = subprocess.run(
+        [sys.executable, "-m", "kvplug", "--help"],
+        env=dict(os.environ, COLUMNS="400"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Usage: kvplug [OPTIONS] COMMAND" in result.stdout
+    assert all(command in result.stdout for command in ("plugins", "config", "store", "ctl"))
+
+
 def test_config_show_names_where_each_value_came_from(tmp_path: Path) -> None:
     config = tmp_path / "kvplug.yaml"
     config.write_text("chunk_size: 128\ntiers: [{type: cpu, max_bytes: 1GiB}]\n")

@@ -12,12 +12,17 @@ layer, never per token.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvplug.core.connector import LayerCache
 from kvplug.core.layouts import KVLayout
+from kvplug.core.lazy_module import LazyModule
 from kvplug.errors import LayoutError
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: ``kvplug plugins`` and ``config validate`` load this module without torch
+    torch = LazyModule("torch")
 
 
 def check_chunks(

@@ -17,8 +17,14 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from kvplug.core.lazy_module import LazyModule
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: ``kvplug plugins`` and ``config validate`` load this module without torch
+    torch = LazyModule("torch")
 
 #: Mean rows per run from which gathers as slices beat one ``index_select`` (benchmarks: runs
 #: of hundreds of 2 KiB rows, store 24-26% -> 39-40% of ``copy_``, load 30-35% -> 45-55%).

@@ -3,9 +3,15 @@ slots; on the CPU (and for fp8 anywhere) as integer words, bit exact for any dty
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from kvplug.builtins.index_runs import IndexRuns, gather_runs, scatter_runs
+from kvplug.core.lazy_module import LazyModule
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: ``kvplug plugins`` and ``config validate`` load this module without torch
+    torch = LazyModule("torch")
 
 
 def gather_rows(
@@ -48,8 +54,8 @@ def _copies_words(rows: torch.Tensor) -> bool:
     return rows.device.type == "cpu" or (rows.element_size() == 1 and rows.dtype.is_floating_point)
 
 
-#: Integer words the CPU copies run on, widest first.
-_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+#: Integer words the CPU copies run on, widest first (torch dtype names: the module loads without torch).
+_WORDS = ("int64", "int32", "int16", "uint8")
 
 
 def _as_words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -60,7 +66,8 @@ def _as_words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     here. Copying words is bit exact for any dtype.
     """
     itemsize = tensors[0].element_size()
-    for word in _WORDS:
+    for name in _WORDS:
+        word = getattr(torch, name)
         size = word.itemsize
         if size >= itemsize and all(_divides(size, t, itemsize) for t in tensors):
             return tuple(t.view(word) for t in tensors)

@@ -17,8 +17,8 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 from pydantic import BaseModel
 
 from kvplug.builtins.chunk_checks import check_chunk_layer, check_chunks
@@ -27,7 +27,13 @@ from kvplug.builtins.index_runs import IndexRuns, SpanRuns, gather_runs, scatter
 from kvplug.builtins.row_copies import gather_rows, scatter_rows
 from kvplug.core.connector import KVConnector, LayerCache
 from kvplug.core.layouts import KVLayout
+from kvplug.core.lazy_module import LazyModule
 from kvplug.errors import LayoutError
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: ``kvplug plugins`` and ``config validate`` load this module without torch
+    torch = LazyModule("torch")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,10 @@ class CheckedModel(BaseModel):
     folder); ``max_bytes`` is greater than 0.
     """
 
+    # A model's validator is built when it first validates: ``kvplug config validate`` imports
+    # every installed component's Config (to resolve names) and validates only those the file uses.
+    model_config = ConfigDict(defer_build=True)
+
     def __repr_args__(self) -> Any:
         # Configs get logged and printed in tracebacks: never with a credential in them.
         from kvplug.redaction import redact

@@ -5,13 +5,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 from pydantic import BaseModel
 
 from kvplug.core.components import EmptyConfig
 from kvplug.core.layouts import KVLayout
+from kvplug.core.lazy_module import LazyModule
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: ``kvplug plugins`` and ``config validate`` load this module without torch
+    torch = LazyModule("torch")
 
 #: One layer's cache as the engine holds it: a tensor, or a tuple of them (K and V kept apart);
 #: the layout's :class:`~kvplug.PagedFormat` says which.

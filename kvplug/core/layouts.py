@@ -17,11 +17,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvplug.core.chunk_format import dtype_name
+from kvplug.core.lazy_module import LazyModule
 from kvplug.errors import LayoutError
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: ``kvplug plugins`` and ``config validate`` load this module without torch
+    torch = LazyModule("torch")
 
 #: Axis names a format may use. ``kv``: K (0) and V (1); ``block``/``token``: the page
 #: and the token inside it; ``slot``: block * block_size + token merged, for pools

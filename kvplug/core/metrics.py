@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
-from kvplug.core.tenant_metrics import TenantCollector
+    from kvplug.core.tenant_metrics import TenantCollector
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,15 @@ class MetricSample:
 class EngineMetrics:
     """Counters the cache engine and tier chain update."""
 
+    tenants: TenantCollector
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # prometheus_client (and the http server it imports) is imported by the engines that
+        # count, not by every module that names this class: ``kvplug config validate`` builds none.
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        from kvplug.core.tenant_metrics import TenantCollector
+
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.lookups = Counter("kvplug_lookups", "Lookup calls", registry=r)

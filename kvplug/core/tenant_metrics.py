@@ -18,11 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-#: ``stats().extra`` key prefixes of the per-tenant figures (the tenant's label follows).
-TENANT_BYTES = "tenant_bytes:"
-TENANT_HITS = "tenant_hits:"
-#: ``stats().extra`` key prefix of the stores a tier refused, by reason (``pins``, ``quota``).
-STORES_REFUSED = "stores_refused:"
+from kvplug.core.tenants import STORES_REFUSED, TENANT_BYTES, TENANT_HITS
 
 #: (tier label, its stats' extra figures) of each tier of a chain.
 TierFigures = Callable[[], Iterable[tuple[str, Mapping[str, object]]]]

@@ -26,6 +26,12 @@ UNSALTED = "(unsalted)"
 DEFAULT_QUOTA = "default"
 #: What the label of an unnamed salt starts with (a digest follows).
 DIGEST_LABEL = "salt-"
+#: ``stats().extra`` key prefixes of the per-tenant figures (the tenant's label follows), which
+#: :mod:`kvplug.core.tenant_metrics` turns into metrics.
+TENANT_BYTES = "tenant_bytes:"
+TENANT_HITS = "tenant_hits:"
+#: ``stats().extra`` key prefix of the stores a tier refused, by reason (``pins``, ``quota``).
+STORES_REFUSED = "stores_refused:"
 #: Chunk keys the pin book remembers by default (about 450 bytes each: ~28 MiB).
 DEFAULT_MAX_PINS = 65536
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvplug.core.chain.opening import open_tiers, preflight_tiers
 from kvplug.core.chain.removal import RemovalPlan, RemoveKeys, TierRemoval, remove_planned
@@ -36,8 +36,10 @@ from kvplug.core.plugins import PluginRegistry
 from kvplug.core.policies.admission import make_admission_policy
 from kvplug.core.remote.calls import call_budget, remaining_budget_s
 from kvplug.core.tenancy import Tenancy
-from kvplug.core.tenant_metrics import TierFigures
 from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierStats
+
+if TYPE_CHECKING:
+    from kvplug.core.tenant_metrics import TierFigures
 
 
 @dataclass(frozen=True)

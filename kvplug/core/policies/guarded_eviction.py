@@ -27,8 +27,7 @@ from typing import Literal
 
 from kvplug.core.pin_ledger import PinLedger
 from kvplug.core.policies.eviction import EvictionPolicy, make_eviction_policy
-from kvplug.core.tenant_metrics import STORES_REFUSED, TENANT_BYTES, TENANT_HITS
-from kvplug.core.tenants import TenantLabels
+from kvplug.core.tenants import STORES_REFUSED, TENANT_BYTES, TENANT_HITS, TenantLabels
 from kvplug.core.throttled_log import ThrottledLog
 
 #: What :meth:`GuardedEviction.pin` did.

@@ -9,14 +9,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import kvplug
-from kvplug import dtype_name
+from kvplug import LazyModule, dtype_name
 from kvplug.errors import CorruptChunkError
 from kvplug_compress import frame as kvpc
 
 if TYPE_CHECKING:
     import torch
 else:  # loaded on first use: reading the Config needs no torch
-    from kvplug_compress.lazy_torch import torch
+    torch = LazyModule("torch")
 
 
 def tensor_over(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:

@@ -29,6 +29,7 @@ import lz4.block
 import zstandard
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvplug import LazyModule
 from kvplug.errors import CorruptChunkError
 from kvplug_compress import frame as kvpc
 from kvplug_compress.base import CompressingSerializer, tensor_over
@@ -36,7 +37,7 @@ from kvplug_compress.base import CompressingSerializer, tensor_over
 if TYPE_CHECKING:
     import torch
 else:  # loaded on first use: reading the Config needs no torch
-    from kvplug_compress.lazy_torch import torch
+    torch = LazyModule("torch")
 
 _RAW_PLANE = 0x8000_0000
 #: Bounds of ``segment_bytes``; a frame's segments are never smaller than the lower one.

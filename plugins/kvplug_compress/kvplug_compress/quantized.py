@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvplug import dtype_name
+from kvplug import LazyModule, dtype_name
 from kvplug.errors import CorruptChunkError
 from kvplug_compress import frame as kvpc
 from kvplug_compress.base import CompressingSerializer, tensor_over
@@ -35,7 +35,7 @@ from kvplug_compress.base import CompressingSerializer, tensor_over
 if TYPE_CHECKING:
     import torch
 else:  # loaded on first use: reading the Config needs no torch
-    from kvplug_compress.lazy_torch import torch
+    torch = LazyModule("torch")
 
 #: Chunk dtypes that are quantized; anything else is stored as is.
 QUANTIZED_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})

@@ -20,14 +20,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvplug import KVLayout
+from kvplug import KVLayout, LazyModule
 from kvplug.errors import LayoutError
 
-#: Machine words the kernels copy, widest first.
-_WORDS: tuple[torch.dtype, ...] = (torch.int64, torch.int32, torch.int16, torch.int8)
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: ``kvplug plugins`` and ``config validate`` load this module without torch
+    torch = LazyModule("torch")
+
+#: Machine words the kernels copy, widest first (torch dtype names: the module loads without torch).
+_WORDS = ("int64", "int32", "int16", "int8")
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,7 @@ def paged_addressing(layout: KVLayout, caches: Sequence[object]) -> PagedAddress
     base = first.pointers[0]
     pointers = [p for o in origins for p in o.pointers]
     byte_quantities = [layout.head_dim * itemsize, *(s * itemsize for s in first.strides), *pointers]
-    word = next(w for w in _WORDS if all(q % _size(w) == 0 for q in byte_quantities))
+    word = next(w for w in map(_dtype, _WORDS) if all(q % _size(w) == 0 for q in byte_quantities))
     size = _size(word)
     table = torch.tensor([(p - base) // size for p in pointers], dtype=torch.int64)
     head_words = layout.head_dim * itemsize // size
@@ -138,6 +142,11 @@ def paged_addressing(layout: KVLayout, caches: Sequence[object]) -> PagedAddress
         head_words=head_words,
         row_words=head_words * layout.num_kv_heads,
     )
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 def _size(word: torch.dtype) -> int:

@@ -37,12 +37,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 from pydantic import ByteSize, Field
 
-from kvplug import ComponentConfig, KVConnector, KVLayout, TimeoutSeconds, TorchConnector
+from kvplug import ComponentConfig, KVConnector, KVLayout, LazyModule, TimeoutSeconds, TorchConnector
 from kvplug.errors import ConnectorError, LayoutError
 from kvplug_cuda.addressing import (
     PagedAddressing,
@@ -54,6 +53,11 @@ from kvplug_cuda.addressing import (
 )
 from kvplug_cuda.pinned_pool import PinnedBuffer, PinnedPool, PoolStats
 from kvplug_cuda.transfers import InFlight, Transfers
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: ``kvplug plugins`` and ``config validate`` load this module without torch
+    torch = LazyModule("torch")
 
 #: Addressing tables kept per connector: every layer alone plus a few whole-model sets.
 _MAX_TABLES = 1024

@@ -15,10 +15,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+from kvplug import LazyModule
 from kvplug.errors import PinnedPoolExhaustedError
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: ``kvplug plugins`` and ``config validate`` load this module without torch
+    torch = LazyModule("torch")
 
 #: Smallest buffer the pool allocates; smaller requests share this size class.
 MIN_BUFFER_BYTES = 64 * 1024

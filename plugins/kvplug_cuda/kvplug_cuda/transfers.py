@@ -13,12 +13,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from kvplug import LazyModule
 from kvplug.errors import TransferTimeoutError
 from kvplug_cuda.pinned_pool import PinnedBuffer
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: ``kvplug plugins`` and ``config validate`` load this module without torch
+    torch = LazyModule("torch")
 
 #: Longest pause between two polls of a transfer's event. A 32 MiB chunk crosses PCIe in
 #: about 0.6 ms; pauses that doubled up to 1 ms made ``synchronize`` return up to 0.6 ms

@@ -23,14 +23,18 @@ import importlib.util
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 from pydantic import ByteSize, Field
 
-from kvplug import ComponentConfig, KVConnector, KVLayout, TorchConnector
+from kvplug import ComponentConfig, KVConnector, KVLayout, LazyModule, TorchConnector
 from kvplug.errors import ConnectorError
 from kvplug_native.runs import NBYTES, Runs, find_runs, layer_geometry, run_table, split_table
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: ``kvplug plugins`` and ``config validate`` load this module without torch
+    torch = LazyModule("torch")
 
 #: Batches from this size on are written with streaming stores by default: far past the
 #: CPU caches, where the reader of the destination would not find it cached anyway.

@@ -26,11 +26,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvplug import KVLayout
+from kvplug import KVLayout, LazyModule
 from kvplug.errors import LayoutError
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: ``kvplug plugins`` and ``config validate`` load this module without torch
+    torch = LazyModule("torch")
 
 #: Columns of a run table: destination address, source address, bytes.
 DST, SRC, NBYTES = 0, 1, 2
