@@ -236,7 +236,7 @@ class CacheEngine(EngineStores):
             self.records.count,
             self.chain.tiers,
             chunk_size=self.chunk_size,
-            # a tail of the partial chunk may be in a slower tier: as a partial chunk may
+            # the partial chunk's tail may be in a slower tier, as the partial chunk itself may
             save_unfull_chunk=self.config.save_unfull_chunk or self.config.block_granular_hits,
         )
         if found is not None and count:
