@@ -4,7 +4,7 @@
     python benchmarks/bench_cli.py --json       # ... and one JSON object as the last line
 
 Against a real engine's control server (cpu and disk tiers, in this process) and the disk
-store it wrote: ``kvplug ctl list|stats|tiers|lookup|explain|pin|unpin``, ``kvplug config
+store it wrote: ``kvplug ctl list|stats|tiers|lookup|explain|pin|unpin``, ``kvplug plugins``, ``kvplug config
 validate|show``, ``kvplug store stats|ls|verify`` and ``--help``. Each command's median
 wall time over ``--reps`` runs, taken in turn with the baselines of the same run: ``python
 -c pass`` (the interpreter alone) and ``python -c "import torch"`` (what a command that
@@ -50,6 +50,7 @@ def commands(folder: Path, store: Path) -> dict[str, list[str]]:
     config.write_text(f"tiers: [{{type: cpu, max_bytes: 64MiB}}, {{type: disk, path: {folder / 'other'}}}]\n")
     named = {
         "--help": ["--help"],
+        "plugins": ["plugins"],
         "ctl list": ["ctl", "list"],
         "ctl stats": ["ctl", "stats"],
         "ctl tiers": ["ctl", "tiers"],
