@@ -215,11 +215,7 @@ class CacheEngine(EngineStores):
         lengths = tail_lengths(missing.start, missing.num_tokens, self.layout.block_size)
         if not lengths:
             return None
-        prefix = missing.key.rpartition("/")[0] + "/"
-        extra = (request or _NO_REQUEST).extra_keys
-        candidates = self.key_builder.tail_keys(
-            tokens, prefix, keys[held - 1] if held else None, lengths, extra_keys=extra
-        )
+        candidates = self._tail_keys(tokens, keys[held - 1] if held else None, lengths, request)
         return longest_held_tail(self.records, self.chain, candidates, request, self._tier_order())
 
     def locate_inline(

@@ -25,7 +25,7 @@ from kvplug.core.engine.head_shards import HeadRecords
 from kvplug.core.engine.parallel_copies import ParallelCopies
 from kvplug.core.engine.tails import tail_cut
 from kvplug.core.events import EventListeners, KVEvent
-from kvplug.core.keys import ChunkKey, RequestInfo
+from kvplug.core.keys import ChunkKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.layouts import KVLayout
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.pins import pin_for_request
@@ -44,6 +44,8 @@ class EngineStores:
 
     config: KVPlugConfig
     layout: KVLayout
+    fingerprint: Fingerprint
+    key_builder: KeyBuilder
     metrics: EngineMetrics
     connector: KVConnector
     chunk_store: ChunkStore
@@ -165,8 +167,24 @@ class EngineStores:
         keys = self.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk)
         cut = tail_cut(len(tokens), config.chunk_size, self.layout.block_size) if config.block_granular_hits else 0
         if cut and not (keys and keys[-1].end == cut):
-            keys.append(self.chunk_keys(tokens[:cut], request, include_partial=True)[-1])
+            whole = cut // config.chunk_size  # the whole chunks before the tail: the first keys
+            keys += self._tail_keys(
+                tokens, keys[whole - 1] if whole else None, [cut - whole * config.chunk_size], request
+            )
         return keys
+
+    def _tail_keys(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        after: ChunkKey | None,
+        lengths: Sequence[int],
+        request: RequestInfo | None,
+    ) -> list[ChunkKey]:
+        """The keys of the chunk after ``after`` (``None``: the first) cut at each of ``lengths``
+        tokens (:mod:`kvplug.core.engine.tails`), the prefix not hashed again."""
+        request = request or RequestInfo()
+        prefix = self.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id).key_prefix()
+        return self.key_builder.tail_keys(tokens, prefix, after, lengths, extra_keys=request.extra_keys)
 
     def _store_layers(
         self,
