@@ -26,7 +26,10 @@ from kvplug.core.keys import Fingerprint
 #: Packages no such command loads; prometheus_client only where an engine or a remote tier counts.
 HEAVY = ("torch", "vllm", "sglang", "triton", "numpy", "prometheus_client")
 
-#: Runs ``kvplug`` with the given arguments, then writes the heavy packages it imported.
+#: The modules of command groups, each imported only when one of its commands runs.
+COMMAND_MODULES = ("kvplug.cli.ctl", "kvplug.cli.store", "kvplug.cli.explain")
+
+#: Runs ``kvplug`` with the given arguments, then writes the heavy packages and command modules it imported.
 _RUN = """
 import json, sys
 from kvplug.cli.main import app
@@ -38,9 +41,10 @@ except SystemExit as exc:
     code = exc.code
 finally:
     heavy = sorted({name.split(".")[0] for name in sys.modules} & set(HEAVY))
+    commands = sorted(set(sys.modules) & set(COMMAND_MODULES))
     with open(report, "w") as out:
-        json.dump({"exit": code, "heavy": heavy}, out)
-""".replace("HEAVY", repr(HEAVY))
+        json.dump({"exit": code, "heavy": heavy, "commands": commands}, out)
+""".replace("COMMAND_MODULES", repr(COMMAND_MODULES)).replace("HEAVY", repr(HEAVY))
 
 
 @pytest.fixture
@@ -61,8 +65,9 @@ def running(tmp_path: Path, socket_dir: Path) -> Iterator[Path]:
             server.close()
 
 
-def heavy_imports(tmp_path: Path, *args: str) -> list[str]:
-    """The heavy packages ``kvplug ARGS`` imported; the command must succeed."""
+def run_reporting(tmp_path: Path, *args: str) -> dict[str, list[str]]:
+    """The heavy packages (``heavy``) and command modules (``commands``) ``kvplug ARGS``
+    imported; the command must succeed."""
     report = tmp_path / "imported.json"
     done = subprocess.run(
         [sys.executable, "-c", _RUN, str(report), *args],
@@ -75,8 +80,7 @@ def heavy_imports(tmp_path: Path, *args: str) -> list[str]:
     assert "Traceback" not in done.stderr, done.stderr
     result = json.loads(report.read_text())
     assert result["exit"] == 0, f"kvplug {' '.join(args)} exited {result['exit']}: {done.stderr}"
-    loaded: list[str] = result["heavy"]
-    return loaded
+    return {"heavy": result["heavy"], "commands": result["commands"]}
 
 
 def test_commands_that_touch_no_tensors_import_no_torch_nor_engine(running: Path, tmp_path: Path) -> None:
@@ -104,7 +108,14 @@ def test_commands_that_touch_no_tensors_import_no_torch_nor_engine(running: Path
         ("store", "verify", str(running)),
         ("store", "gc", str(running)),
     ]
-    loaded = {" ".join(args): heavy_imports(tmp_path, *args) for args in commands}
+    reports = {" ".join(args): run_reporting(tmp_path, *args) for args in commands}
     # Opening a store's record tier sets up its remote-call counters.
-    counting = {command: ["prometheus_client"] if command.startswith("store") else [] for command in loaded}
-    assert loaded == counting
+    counting = {command: ["prometheus_client"] if command.startswith("store") else [] for command in reports}
+    assert {command: report["heavy"] for command, report in reports.items()} == counting
+    # A command imports its own group's module only; --help lists (so imports) them all.
+    own = {
+        command: sorted(module for module in COMMAND_MODULES if module.endswith("." + command.split()[0]))
+        for command in reports
+    }
+    own["--help"] = sorted(COMMAND_MODULES)
+    assert {command: report["commands"] for command, report in reports.items()} == own

@@ -26,7 +26,9 @@ from kvplug.core.control.protocol import request_fields
 from kvplug.core.keys import RequestInfo
 from kvplug.errors import ControlError, ExplainInputError
 
-ctl_app = typer.Typer(help="Control a running engine: stats, lookup, explain, pin, clear.", no_args_is_help=True)
+ctl_app = typer.Typer(
+    help="Control a running engine: stats, lookup, explain, pin, clear.", no_args_is_help=True, add_completion=False
+)
 
 T = TypeVar("T")
 Replies = list[tuple[RankEndpoint, dict[str, Any]]]

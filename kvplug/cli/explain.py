@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvplug.core.control.explain import Explanation, OtherScheme
     from kvplug.core.records.manifest import KeyScheme
 
-__all__ = ["chunk_map", "explain_command", "open_tiers", "plain", "read_prompt", "render"]
+__all__ = ["chunk_map", "explain_app", "explain_command", "open_tiers", "plain", "read_prompt", "render"]
 
 
 def _fingerprint_fields() -> tuple[dict[str, dataclasses.Field[Any]], set[str]]:
@@ -245,6 +245,13 @@ def explain_command(
     except ExplainInputError as exc:
         print_error(exc)
         raise typer.Exit(2) from None
+
+
+#: ``kvplug explain`` as an app of one command, which ``kvplug.cli.main`` imports on use.
+explain_app = typer.Typer(add_completion=False)
+explain_app.command("explain", short_help="Which tiers hold each chunk of a prompt, and why it misses.")(
+    explain_command
+)
 
 
 def _split(change: str) -> tuple[str, str]:

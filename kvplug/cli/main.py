@@ -4,24 +4,36 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import typer
 import yaml
 from rich.table import Table
 
 from kvplug.cli.console import console, print_error, print_table, run_or_exit
-from kvplug.cli.ctl import ctl_app
-from kvplug.cli.explain import explain_command
-from kvplug.cli.store import store_app
+from kvplug.cli.lazy_commands import LazyCommands
 from kvplug.errors import PluginError
 
-app = typer.Typer(help="kvplug: a KV cache layer for LLM serving engines.", no_args_is_help=True, add_completion=False)
+
+class KVPlugCommands(LazyCommands):
+    """``kvplug``'s commands. Those below are imported only when they run (or ``--help`` lists
+    them): ``kvplug config validate`` pays for no control client or store walker."""
+
+    modules: ClassVar[dict[str, str]] = {
+        "store": "kvplug.cli.store:store_app",
+        "ctl": "kvplug.cli.ctl:ctl_app",
+        "explain": "kvplug.cli.explain:explain_app",
+    }
+
+
+app = typer.Typer(
+    cls=KVPlugCommands,
+    help="kvplug: a KV cache layer for LLM serving engines.",
+    no_args_is_help=True,
+    add_completion=False,
+)
 config_app = typer.Typer(help="Show and check kvplug configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
-app.add_typer(store_app, name="store")
-app.add_typer(ctl_app, name="ctl")
-app.command("explain")(explain_command)
 
 
 @app.command()

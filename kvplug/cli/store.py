@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 store_app = typer.Typer(
     help="Inspect, verify and clean a persistent store: a disk folder, an S3/fsspec URL, a valkey URL.",
     no_args_is_help=True,
+    add_completion=False,
 )
 
 LocationArg = typer.Argument(..., help="A folder (disk tier) or a URL such as s3://bucket/prefix or redis://host:port.")
