@@ -13,7 +13,7 @@ Configurations:
   of the context) over a disk tier in the work folder; ``Bb`` and ``Cb`` the same with
   ``block_granular_hits: true`` (each prompt's tail stored in whole blocks, hits to the block);
 * ``A-np`` the floor: vLLM alone with room for the whole workload (every later request a
-  hit in vLLM's own memory), ``B-np`` B with that room too;
+  hit in vLLM's own memory), ``A-np2`` a second floor (its A/A control), ``B-np`` B with that room too;
 * ``LMC`` (``--with-lmcache``): vLLM + LMCache 0.5.6, its multiprocess server with an L1 the
   size of B's tier, in its own venv (``lmcache_python``, ``lmcache_server``; README);
 * ``F``, ``S`` and ``L`` (the scan comparison, issue 33 item 6): one cpu tier of 1.1x the
@@ -51,7 +51,7 @@ kvplug's against LMCache's, and a per-request breakdown (``serving_breakdown.py`
 events of ``timed_connector.py``). ``--json`` prints one JSON object as the last line.
 
     .nox/vllm/bin/python benchmarks/bench_serving.py [--quick] [--workloads multiround,longdoc]
-        [--configs A,B,C,A2,A-np,B-np] [--with-lmcache] [--reps 3] [--scan-configs L,F] [--scan-reps 2]
+        [--configs A,B,C,A2,A-np,A-np2,B-np] [--with-lmcache] [--reps 3] [--scan-configs L,F] [--scan-reps 2]
         [--no-pressure] [--raw FILE] [--json]
 """
 
@@ -97,6 +97,7 @@ DESCRIPTIONS = {
     "B": "kvplug cpu",
     "C": "kvplug small cpu + disk",
     "A-np": "floor: vLLM, room for all",
+    "A-np2": "floor again (control)",
     "B-np": "kvplug cpu, no pressure",
     "Bb": "kvplug cpu, block-granular hits",
     "Cb": "kvplug small cpu + disk, block-granular hits",
@@ -110,7 +111,7 @@ RATIO_KEYS = ["ttft_p50", "ttft_p90", "ttft_p99", "max_gap", "wall_s", "tok_s"]
 #: revisited documents) and of the others (first rounds, first visits).
 LATER_KEYS = ["later_p50", "later_p90", "later_p99", "first_p50"]
 #: Configurations whose vLLM KV cache holds the whole workload (the floor and its kvplug pair).
-NO_PRESSURE = {"A-np", "B-np"}
+NO_PRESSURE = {"A-np", "A-np2", "B-np"}
 LMCACHE_VERSION = "0.5.6"
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -124,7 +125,7 @@ def tiers(config: str, workload: Workload, workdir: Path) -> list[dict[str, Any]
     disk_path = workdir / f"disk-{config}-{workload.name}"  # each server its own: Cb must not read C's
     config = BLOCK_GRANULAR.get(config, config)
     context = workload.distinct_tokens * KV_BYTES_PER_TOKEN
-    if config in ("A", "A2", "A-np", "LMC"):
+    if config in ("A", "A2", "A-np", "A-np2", "LMC"):
         return None
     if config in ("B", "B-np"):
         return [{"type": "cpu", "max_bytes": big_tier_bytes(workload)}]
