@@ -110,7 +110,7 @@ RATIO_KEYS = ["ttft_p50", "ttft_p90", "ttft_p99", "max_gap", "wall_s", "tok_s"]
 #: TTFT of the requests a cache can serve (at least half the prompt computed before: later rounds,
 #: revisited documents) and of the others (first rounds, first visits).
 LATER_KEYS = ["later_p50", "later_p90", "later_p99", "first_p50"]
-#: Configurations whose vLLM KV cache holds the whole workload (the floor and its kvplug pair).
+#: Configurations whose vLLM KV cache holds the whole workload (the floor, its control and its kvplug pair).
 NO_PRESSURE = {"A-np", "A-np2", "B-np"}
 LMCACHE_VERSION = "0.5.6"
 BENCH_DIR = Path(__file__).resolve().parent
