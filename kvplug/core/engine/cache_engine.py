@@ -155,15 +155,20 @@ class CacheEngine(EngineStores):
         chunks' hashes a lookup of exactly these tokens found (:attr:`ChunkLocation.chunk_hash`),
         used instead of hashing again when there is one per chunk."""
         request = request or _NO_REQUEST
-        fingerprint = self.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id)
-        fingerprint_hex = fingerprint.hexdigest()
-        self.chain.tenancy.tenants.note(fingerprint_hex, request.cache_salt)  # the tenant tiers count a key to
-        prefix = f"{fingerprint.format_version}/{fingerprint_hex}/"
+        prefix = self._key_prefix(request)
         if hashes is not None:
             bounds = self.key_builder.chunk_bounds(len(tokens), include_partial=include_partial)
             if len(bounds) == len(hashes) and all(map(is_chunk_hash, hashes)):
                 return [ChunkKey(i, start, end, prefix + h) for i, ((start, end), h) in enumerate(zip(bounds, hashes))]
         return self.key_builder.keys(tokens, prefix, extra_keys=request.extra_keys, include_partial=include_partial)
+
+    def _key_prefix(self, request: RequestInfo) -> str:
+        """The key prefix of ``request``'s chunks (:meth:`Fingerprint.key_prefix` under its salt
+        and LoRA), noting the salt's fingerprint for the tenant tiers that count keys by salt."""
+        fingerprint = self.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id)
+        fingerprint_hex = fingerprint.hexdigest()
+        self.chain.tenancy.tenants.note(fingerprint_hex, request.cache_salt)
+        return f"{fingerprint.format_version}/{fingerprint_hex}/"
 
     # --- pins -----------------------------------------------------------------------
 

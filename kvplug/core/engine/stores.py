@@ -69,6 +69,8 @@ class EngineStores:
 
         def record_keys(self, keys: Sequence[ChunkKey], request: RequestInfo | None = None) -> list[str]: ...
 
+        def _key_prefix(self, request: RequestInfo) -> str: ...
+
         def _check_open(self) -> None: ...
 
     # --- store ----------------------------------------------------------------------
@@ -183,8 +185,9 @@ class EngineStores:
         """The keys of the chunk after ``after`` (``None``: the first) cut at each of ``lengths``
         tokens (:mod:`kvplug.core.engine.tails`), the prefix not hashed again."""
         request = request or RequestInfo()
-        prefix = self.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id).key_prefix()
-        return self.key_builder.tail_keys(tokens, prefix, after, lengths, extra_keys=request.extra_keys)
+        return self.key_builder.tail_keys(
+            tokens, self._key_prefix(request), after, lengths, extra_keys=request.extra_keys
+        )
 
     def _store_layers(
         self,
