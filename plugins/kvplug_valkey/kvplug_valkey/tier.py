@@ -42,7 +42,7 @@ class ValkeyTier(RecordTier):
         # config or opening another store does not import it.
         from kvplug_valkey.backend import ValkeyBackend
 
-        return ValkeyBackend(self.config)
+        return ValkeyBackend(self.config, record_bound=lambda: self.context.max_record_bytes)
 
     @classmethod
     def location_config(cls, location: str, options: Mapping[str, Any]) -> ValkeyTierConfig | None:
