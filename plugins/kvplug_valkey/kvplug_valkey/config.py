@@ -183,6 +183,16 @@ class ValkeyTierConfig(RecordTierConfig):
             raise ValueError(f"a cluster has only database 0; the url selects database {address.db}")
         if self.tls_ca_file is not None and not address.tls:
             raise ValueError("tls_ca_file applies to rediss:// or valkeys:// urls only")
+        if self.max_connections <= self.max_concurrency:
+            # The client's pool refuses a call past its connections ("Too many
+            # connections") rather than wait: with fewer connections than pipelines in
+            # flight, a healthy server's batches failed and opened the breaker.
+            raise ValueError(
+                f"max_connections ({self.max_connections}) must be more than max_concurrency "
+                f"({self.max_concurrency}): the tier sends up to max_concurrency pipelines at once (and a "
+                "start-up listing beside them), and the client refuses a call past its connections; "
+                "raise max_connections or lower max_concurrency"
+            )
         return self
 
     @property

@@ -38,6 +38,11 @@ def test_url_forms(url: str, shown: str) -> None:
         ({"url": "redis://127.0.0.1/1", "cluster": True}, "a cluster has only database 0"),
         ({"url": "redis://127.0.0.1", "key_prefix": "a b"}, "key_prefix must be"),
         ({"url": "redis://127.0.0.1", "key_prefix": "kv*"}, "SCAN pattern characters"),
+        (
+            {"url": "redis://127.0.0.1", "max_connections": 4},
+            "max_connections (4) must be more than max_concurrency (32)",
+        ),
+        ({"url": "redis://127.0.0.1", "max_connections": 8, "max_concurrency": 8}, "raise max_connections or lower"),
         ({"url": "redis://127.0.0.1", "tls_ca_file": "/ca.pem"}, "rediss://"),
         ({"url": "redis://127.0.0.1", "ttl_s": 0}, "greater than 0"),
         ({"url": "redis://127.0.0.1", "bogus": 1}, "Extra inputs are not permitted"),
