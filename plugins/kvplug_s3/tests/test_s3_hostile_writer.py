@@ -1,10 +1,11 @@
 """What a writer of the bucket can make a reader do: an object too big for any record of
 the engine is a miss before its body is read, and records of a tier on a nested prefix
-are not this tier's (not indexed, listed or counted)."""
+are not this tier's (not indexed, listed or counted); a newer record version is kept."""
 
 from __future__ import annotations
 
 import hashlib
+import struct
 
 from kvplug.core.records.frame import pack_record
 from kvplug.testing import key_for, tier_context, value_for
@@ -60,3 +61,24 @@ def test_records_of_a_nested_prefix_are_not_this_tiers(moto_s3, s3_client) -> No
         ]
     finally:
         outer.close()
+
+
+def test_a_record_of_a_newer_record_version_is_kept(moto_s3, s3_client) -> None:
+    """A newer kvplug sharing the bucket (a rolling upgrade) may lay out its header's last
+    bytes otherwise, as version 2 did: its records are incompatible misses, kept, not deleted."""
+    tier = make_s3_tier(moto_s3.endpoint)
+    try:
+        prefix = tier.config.url.split(f"{BUCKET}/", 1)[1]
+        newer, own = key_for("newer"), key_for("own")
+        tier.put([(own, value_for("own", 1000))])
+        record = bytearray(pack_record(newer, value_for("newer", 1000)))
+        struct.pack_into("<H", record, 4, 3)  # record version 3
+        record[48:64] = bytes(range(16))  # where version 1 has its checksums
+        s3_client.put_object(Bucket=BUCKET, Key=object_key(prefix, newer), Body=bytes(record))
+        got = tier.get([newer, own])
+        assert got[0] is None and bytes(got[1]) == value_for("own", 1000)
+        stats = tier.stats().extra
+        assert (stats["incompatible"], stats["corrupt"]) == (1, 0)
+        assert s3_client.get_object(Bucket=BUCKET, Key=object_key(prefix, newer))["Body"].read() == bytes(record)
+    finally:
+        tier.close()
