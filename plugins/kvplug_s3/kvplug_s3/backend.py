@@ -244,9 +244,19 @@ class ThreadedObjectBackend(ObjectBackend):
     Uploads are never pooled: a sync store (``memory://``) may keep the very
     buffer it is given, and a thread abandoned at its deadline may still write."""
 
-    def __init__(self, fs: Any, root: str, where: str, *, threads: int, atomic_put: bool) -> None:
+    def __init__(
+        self,
+        fs: Any,
+        root: str,
+        where: str,
+        *,
+        threads: int,
+        atomic_put: bool,
+        record_bound: Callable[[], int | None] = lambda: None,
+    ) -> None:
         super().__init__(fs, root, where)
         self.atomic_put = atomic_put
+        self._record_bound = record_bound
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvplug-s3-io")
 
     async def _call(self, function: Callable[..., T], *args: Any) -> T:
@@ -263,9 +273,22 @@ class ThreadedObjectBackend(ObjectBackend):
 
         return [await self._call(info)]
 
-    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
-        data: bytes = await self._call(self.fs.cat_file, self.path_for(names[0]))
-        return [data]
+    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | BaseException | None]:
+        path = self.path_for(names[0])
+        bound = self._record_bound()
+        if bound is None:
+            data: bytes = await self._call(self.fs.cat_file, path)
+            return [data]
+
+        def read_bounded() -> bytes | CorruptChunkError:
+            # One byte past the bound tells a record too big without reading the rest of it.
+            with self.fs.open(path, "rb") as file:
+                found: bytes = file.read(bound + 1)
+            if len(found) > bound:
+                return CorruptChunkError(f"record is over the {bound} bytes a record of this store can be")
+            return found
+
+        return [await self._call(read_bounded)]
 
     async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
         (record,) = records
@@ -335,7 +358,9 @@ def open_object_backend(
         )
     fs = cls(skip_instance_cache=True, **options)
     threads = min(config.max_concurrency, 16)
-    return ThreadedObjectBackend(fs, root, where, threads=threads, atomic_put=protocol in ATOMIC_PUT_PROTOCOLS)
+    return ThreadedObjectBackend(
+        fs, root, where, threads=threads, atomic_put=protocol in ATOMIC_PUT_PROTOCOLS, record_bound=record_bound
+    )
 
 
 def _modified(info: dict[str, Any]) -> float:

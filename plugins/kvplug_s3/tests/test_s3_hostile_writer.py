@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import tracemalloc
 
 from kvplug.core.records.frame import pack_record
 from kvplug.testing import key_for, tier_context, value_for
@@ -80,5 +81,28 @@ def test_a_record_of_a_newer_record_version_is_kept(moto_s3, s3_client) -> None:
         stats = tier.stats().extra
         assert (stats["incompatible"], stats["corrupt"]) == (1, 0)
         assert s3_client.get_object(Bucket=BUCKET, Key=object_key(prefix, newer))["Body"].read() == bytes(record)
+    finally:
+        tier.close()
+
+
+def test_a_file_over_the_record_bound_is_a_miss_read_no_further(tmp_path) -> None:
+    """``file://`` (a shared folder): a sparse file planted under a record's name, a few KiB on
+    disk that claim 256 MiB, is a corrupt miss with at most the bound read."""
+    tier = S3Tier(S3Tier.Config(url=f"file://{tmp_path}"), tier_context(max_record_bytes=BOUND))
+    try:
+        victim, other = key_for("planted"), key_for("kept")
+        tier.put([(victim, value_for("planted", 4096)), (other, value_for("kept", 4096))])
+        planted = tmp_path / object_key("", victim).lstrip("/")
+        with planted.open("r+b") as file:
+            file.truncate(256 * 1024**2)
+        tracemalloc.start()
+        try:
+            got = tier.get([victim, other])
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert got[0] is None and bytes(got[1]) == value_for("kept", 4096)
+        assert peak < 16 * 1024**2, f"reading a 256 MiB file allocated {peak} bytes"
+        assert tier.stats().extra["corrupt"] == 1 and not planted.exists()
     finally:
         tier.close()
