@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvplug_valkey import ValkeyTierConfig
+from kvplug.errors import TierError
+from kvplug.testing import tier_context
+from kvplug_valkey import ValkeyTier, ValkeyTierConfig
 
 
 @pytest.mark.parametrize(
@@ -65,3 +67,11 @@ def test_unbounded_by_default_with_short_deadlines() -> None:
     config = ValkeyTierConfig(url="redis://127.0.0.1")
     assert config.max_bytes is None and config.queue.mode == "async"
     assert config.request_timeout_s <= 0.5 and config.cluster is None
+
+
+def test_a_ca_file_that_cannot_be_read_is_named_when_the_tier_opens(tmp_path) -> None:
+    missing = tmp_path / "no-such-ca.pem"
+    config = ValkeyTierConfig(url="rediss://127.0.0.1:6390", tls_ca_file=str(missing))
+    with pytest.raises(TierError) as caught:
+        ValkeyTier(config, tier_context())
+    assert f"tls_ca_file {missing} cannot be read: No such file or directory" in str(caught.value)
