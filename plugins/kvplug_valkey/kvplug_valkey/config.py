@@ -163,6 +163,13 @@ class ValkeyTierConfig(RecordTierConfig):
     def _plain_prefix(cls, prefix: str) -> str:
         if len(prefix) > 200 or not _PREFIX_CHARS.fullmatch(prefix):
             raise ValueError("key_prefix must be at most 200 printable ASCII characters without spaces")
+        if not prefix:
+            # Every key of the database named like a digest would be the tier's: listed,
+            # evicted under max_bytes, and removed by `kvplug store gc` when not a record.
+            raise ValueError(
+                "key_prefix must not be empty: the tier would take every key of the database named by a "
+                "64-hex digest (another application's too) for its own, evict and gc it; e.g. kvplug:"
+            )
         if _GLOB_CHARS.search(prefix):
             raise ValueError("key_prefix must not contain * ? [ ] or \\ (they are SCAN pattern characters)")
         return prefix

@@ -40,6 +40,7 @@ def test_url_forms(url: str, shown: str) -> None:
         ({"url": "redis://127.0.0.1/1", "cluster": True}, "a cluster has only database 0"),
         ({"url": "redis://127.0.0.1", "key_prefix": "a b"}, "key_prefix must be"),
         ({"url": "redis://127.0.0.1", "key_prefix": "kv*"}, "SCAN pattern characters"),
+        ({"url": "redis://127.0.0.1", "key_prefix": ""}, "key_prefix must not be empty"),
         (
             {"url": "redis://127.0.0.1", "max_connections": 4},
             "max_connections (4) must be more than max_concurrency (32)",
