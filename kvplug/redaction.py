@@ -41,6 +41,7 @@ _OPTION_BAGS = frozenset({"storage_options", "client_kwargs", "config_kwargs", "
 #: tenant's isolation secret): the names are kept, every value is masked.
 _SECRET_VALUE_MAPS = frozenset({"tenants"})
 
+_CAMEL_BOUNDARY = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _URL_USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:'\"]*:)(?P<password>[^\s/@'\"]*)(?P<at>@)")
 _NAMED_VALUE = re.compile(
     r"(?P<name>[A-Za-z_][\w.-]*)(?P<sep>['\"]?\s*[=:]\s*(?:SecretStr\()?['\"]?)(?P<value>[^\s'\",;)}\]&]+)"
@@ -49,7 +50,9 @@ _NAMED_VALUE = re.compile(
 
 def is_secret_name(name: str) -> bool:
     """Whether a setting, option or parameter called ``name`` holds a credential."""
-    lowered = name.lower().replace("-", "_")
+    # camelCase words are words too: the names of foreign libraries' options (boto3's
+    # ``SSECustomerKey``, an Azure connection string's ``AccountKey``) are spelled so.
+    lowered = _CAMEL_BOUNDARY.sub("_", name).lower().replace("-", "_")
     if any(word in lowered for word in _SECRET_WORDS):
         return True
     parts = [part for part in re.split(r"[^a-z0-9]+", lowered) if part]

@@ -57,6 +57,7 @@ S3_TIER = f"""\
       token: {SECRETS[2]}
       client_kwargs: {{aws_secret_access_key: {SECRETS[3]}}}
       proxy: http://user:{SECRETS[4]}@127.0.0.1:3128
+      s3_additional_kwargs: {{SSECustomerAlgorithm: AES256, SSECustomerKey: {SECRETS[0]}}}
 """
 
 
@@ -108,6 +109,10 @@ def test_redaction_helpers() -> None:
     assert kvplug.is_secret_name("aws_secret_access_key") and kvplug.is_secret_name("password")
     assert kvplug.is_secret_name("token") and kvplug.is_secret_name("key") and kvplug.is_secret_name("integrity_key")
     assert not kvplug.is_secret_name("max_bytes") and not kvplug.is_secret_name("key_prefix")
+    # Foreign options in camelCase: boto3's SSE-C key, an id and key, an Azure connection string's key.
+    assert kvplug.is_secret_name("SSECustomerKey") and kvplug.is_secret_name("accessKeyId")
+    assert not kvplug.is_secret_name("SSECustomerAlgorithm") and not kvplug.is_secret_name("maxKeys")
+    assert "k3y" not in kvplug.redact_text("AccountName=a;AccountKey=k3y;EndpointSuffix=x")
     data = {"url": "valkey://u:pw@127.0.0.1", "password": "pw", "nested": [{"api_key": "k", "size": 3}]}
     assert kvplug.redact(data) == {
         "url": "valkey://u:***@127.0.0.1",

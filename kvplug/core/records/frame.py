@@ -293,8 +293,16 @@ def parse_record_header(data: Buffer, key: str | None = None) -> RecordHeader:
     magic, version, header_size = _PREFIX.unpack_from(view, 0)
     if magic != RECORD_MAGIC:
         raise CorruptChunkError(f"bad record magic {bytes(magic)!r}")
+    if version not in (RECORD_VERSION, KEYED_RECORD_VERSION) or header_size != RECORD_HEADER_SIZE:
+        # Before any checksum: a newer kvplug's header need not keep version 1's checksum
+        # where version 1 has it (version 2 does not), and its records, in a store shared
+        # during a rolling upgrade, must be kept, not deleted as corrupt.
+        raise IncompatibleChunkError(
+            f"record version {version} (header {header_size} bytes) is not one this kvplug reads "
+            f"({RECORD_VERSION} or {KEYED_RECORD_VERSION}, header {RECORD_HEADER_SIZE} bytes)"
+        )
     secret = integrity_key()
-    if version == KEYED_RECORD_VERSION and header_size == RECORD_HEADER_SIZE:
+    if version == KEYED_RECORD_VERSION:
         if secret is None:
             raise MissingIntegrityKeyError(
                 "record is signed with an integrity key and this process has none (set KVPLUG_INTEGRITY_KEY)"
@@ -305,8 +313,6 @@ def parse_record_header(data: Buffer, key: str | None = None) -> RecordHeader:
         _, _, _, length, digest, checksum, header_checksum = _HEADER.unpack_from(view, 0)
         if header_checksum != xxhash.xxh3_64_intdigest(view[:56]):
             raise CorruptChunkError("record header checksum mismatch")
-        if version != RECORD_VERSION or header_size != RECORD_HEADER_SIZE:
-            raise IncompatibleChunkError(f"record version {version} is not {RECORD_VERSION}")
         if secret is not None:
             # Anyone can compute an unkeyed record: with a key set it proves nothing.
             raise CorruptChunkError("record has no keyed MAC and this process requires one (integrity key set)")

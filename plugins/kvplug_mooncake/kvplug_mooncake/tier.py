@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from kvplug import SIZE_UNKNOWN, Buffer, CallSizes, RecordBackend, RecordTier, RecordToWrite
-from kvplug.errors import TierClosedError
+from kvplug.errors import CorruptChunkError, TierClosedError
 from kvplug_mooncake.buffers import TransferBuffers
 from kvplug_mooncake.config import MooncakeTierConfig
 
@@ -101,8 +101,10 @@ class MooncakeBackend(RecordBackend):
 
     call_sizes = CallSizes(query=ONE_CALL, read=ONE_CALL, write=ONE_CALL, write_bytes=1 << 62)
 
-    def __init__(self, config: MooncakeTierConfig) -> None:
+    def __init__(self, config: MooncakeTierConfig, record_bound: Callable[[], int | None] = lambda: None) -> None:
         self.config = config
+        #: The tier's ``max_record_bytes``, read at each read (the engine may raise it).
+        self._record_bound = record_bound
         self.where = f"mooncake master {config.master}"
         self.open_timeout_s = config.setup_timeout_s
         _library_timeouts(config)
@@ -196,16 +198,24 @@ class MooncakeBackend(RecordBackend):
         with self._lock:
             hint = self._record_hint
         sizes = [hint if size is None else size for size in known]
-        results: list[Buffer | int] = [INVALID_PARAMS] * len(names)
+        results: list[Buffer | int | BaseException] = [INVALID_PARAMS] * len(names)
         guessed = [i for i, size in enumerate(sizes) if size > 0]
         if guessed:
             self._read_into(store, buffers, [names[i] for i in guessed], [sizes[i] for i in guessed], guessed, results)
         # Objects of unknown size, or larger than guessed: ask their size, then read them.
+        # One larger than any record of the engine is corrupt unread: anyone who can write
+        # the store could otherwise make this read, and (as the size hint) every later read
+        # of a record of unknown size, lease that much registered memory.
+        bound = self._record_bound()
         exact: list[int] = []
-        for i in [i for i, r in enumerate(results) if r == INVALID_PARAMS]:
+        for i in [i for i, r in enumerate(results) if isinstance(r, int) and r == INVALID_PARAMS]:
             size = int(store.get_size(names[i]))
             if size < 0:
                 results[i] = size
+            elif bound is not None and size > bound:
+                results[i] = CorruptChunkError(
+                    f"record is {size} bytes, over the {bound} bytes a record of this store can be"
+                )
             else:
                 exact.append(i)
                 sizes[i] = size
@@ -231,7 +241,7 @@ class MooncakeBackend(RecordBackend):
         names: list[str],
         sizes: list[int],
         positions: list[int],
-        results: list[Buffer | int],
+        results: list[Buffer | int | BaseException],
     ) -> None:
         offsets, slots, total = [], [], 0
         for size in sizes:
@@ -375,4 +385,4 @@ class MooncakeTier(RecordTier):
 
     def open_backend(self, loop: asyncio.AbstractEventLoop) -> MooncakeBackend:
         assert isinstance(self.config, MooncakeTierConfig)
-        return MooncakeBackend(self.config)
+        return MooncakeBackend(self.config, record_bound=lambda: self.context.max_record_bytes)

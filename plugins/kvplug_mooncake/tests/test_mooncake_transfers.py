@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import uuid
 
-from kvplug.testing import key_for, value_for
+from kvplug.testing import key_for, tier_context, value_for
+from kvplug_mooncake import MooncakeTier
 
 
 def _prefix() -> str:
@@ -24,6 +25,26 @@ def test_records_of_unknown_size_read_whole(make_mooncake_tier):
     assert bytes(reader.get([small])[0]) == value_for(small, 1000)
     assert bytes(reader.get([large])[0]) == value_for(large, 3 * 1024 * 1024)
     assert reader.stats().items == 2 and reader.stats().hits == 2
+
+
+def test_a_record_over_the_engines_bound_is_a_miss_read_no_further(make_mooncake_tier, mooncake_cluster):
+    """A writer of the store plants a record bigger than any of the engine's: a corrupt
+    miss, removed, and it does not become the size every later read of unknown size leases."""
+    prefix = _prefix()
+    writer = make_mooncake_tier(key_prefix=prefix)  # no bound: it stores what it is given
+    victim, others = key_for("planted"), [key_for(f"small-{i}") for i in range(8)]
+    writer.put([(victim, value_for(victim, 32 * 1024 * 1024)), *((k, value_for(k, 4096)) for k in others)])
+    bound = 64 + 64 * 1024
+    config = MooncakeTier.Config(**mooncake_cluster.tier_options, key_prefix=prefix, transfer_buffer_size=1024 * 1024)
+    reader = MooncakeTier(config, tier_context(max_record_bytes=bound))
+    try:
+        assert reader.get([victim]) == [None]
+        assert reader.stats().extra["corrupt"] == 1 and writer.contains([victim]) == [False]
+        # Sizes unknown to this reader: read at the size of the largest record it has seen.
+        assert [bytes(v) for v in reader.get(others)] == [value_for(k, 4096) for k in others]
+        assert reader.stats().extra["temporary_buffers"] == 0
+    finally:
+        reader.close()
 
 
 def test_a_batch_larger_than_the_transfer_buffer(make_mooncake_tier):

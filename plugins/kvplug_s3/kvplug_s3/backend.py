@@ -36,6 +36,7 @@ from kvplug import (
     StoredRecord,
     classify_failure,
 )
+from kvplug.errors import CorruptChunkError
 from kvplug_s3.config import S3TierConfig
 from kvplug_s3.frames import FrameBuffers
 
@@ -102,7 +103,9 @@ class ObjectBackend(RecordBackend):
         records = []
         for path, info in found.items():
             parts = path.rstrip("/").rsplit("/", 2)
-            if len(parts) == 3 and _DIGEST.fullmatch(parts[2]) and parts[1] == parts[2][:2]:
+            # Only <root>/<shard>/<digest>: a record deeper down is another tier's (a
+            # nested prefix), which this one would count, evict by the wrong path and list.
+            if len(parts) == 3 and parts[0] == self.root and _DIGEST.fullmatch(parts[2]) and parts[1] == parts[2][:2]:
                 records.append(StoredRecord(parts[2], int(info.get("size") or 0), _modified(info)))
         return records
 
@@ -110,9 +113,19 @@ class ObjectBackend(RecordBackend):
 class AsyncObjectBackend(ObjectBackend):
     """An fsspec ``AsyncFileSystem`` (s3fs, gcsfs, ...) driven by its coroutines."""
 
-    def __init__(self, fs: Any, root: str, where: str, *, frame_buffer_bytes: int) -> None:
+    def __init__(
+        self,
+        fs: Any,
+        root: str,
+        where: str,
+        *,
+        frame_buffer_bytes: int,
+        record_bound: Callable[[], int | None] = lambda: None,
+    ) -> None:
         super().__init__(fs, root, where)
         self._is_s3 = hasattr(fs, "_s3")
+        #: The tier's ``max_record_bytes``, read at each read (the engine may raise it).
+        self._record_bound = record_bound
         #: Upload buffers for reuse, or ``None`` (each frame allocated anew).
         self.frames = FrameBuffers(frame_buffer_bytes) if frame_buffer_bytes > 0 else None
 
@@ -156,15 +169,32 @@ class AsyncObjectBackend(ObjectBackend):
             return int(total)
         return int(response.get("ContentLength") or 0)
 
-    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
+    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | BaseException | None]:
         (name,) = names
         path = self.path_for(name)
         if self._is_s3:
-            # s3fs would HEAD first to decide on ranged reads; one GET is one round trip.
-            data: bytes = await self.fs._cat_file(path, max_concurrency=1)
-        else:
-            data = await self.fs._cat_file(path)
+            return [await self._s3_read(path)]
+        data: bytes = await self.fs._cat_file(path)
         return [data]
+
+    async def _s3_read(self, path: str) -> bytes | CorruptChunkError:
+        """One GET (s3fs would HEAD first to decide on ranged reads). An object longer
+        than the tier's ``max_record_bytes`` is corrupt before its body is read: anyone
+        who can write the bucket could otherwise make a reader allocate gigabytes."""
+        bucket, key, _ = self.fs.split_path(path)
+        response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+        body = response["Body"]
+        try:
+            bound = self._record_bound()
+            length = response.get("ContentLength")
+            if bound is not None and isinstance(length, int) and length > bound:
+                return CorruptChunkError(
+                    f"record is {length} bytes, over the {bound} bytes a record of this store can be"
+                )
+            data: bytes = await body.read()
+            return data
+        finally:
+            body.close()
 
     async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
         (record,) = records
@@ -214,9 +244,19 @@ class ThreadedObjectBackend(ObjectBackend):
     Uploads are never pooled: a sync store (``memory://``) may keep the very
     buffer it is given, and a thread abandoned at its deadline may still write."""
 
-    def __init__(self, fs: Any, root: str, where: str, *, threads: int, atomic_put: bool) -> None:
+    def __init__(
+        self,
+        fs: Any,
+        root: str,
+        where: str,
+        *,
+        threads: int,
+        atomic_put: bool,
+        record_bound: Callable[[], int | None] = lambda: None,
+    ) -> None:
         super().__init__(fs, root, where)
         self.atomic_put = atomic_put
+        self._record_bound = record_bound
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvplug-s3-io")
 
     async def _call(self, function: Callable[..., T], *args: Any) -> T:
@@ -233,9 +273,22 @@ class ThreadedObjectBackend(ObjectBackend):
 
         return [await self._call(info)]
 
-    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
-        data: bytes = await self._call(self.fs.cat_file, self.path_for(names[0]))
-        return [data]
+    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | BaseException | None]:
+        path = self.path_for(names[0])
+        bound = self._record_bound()
+        if bound is None:
+            data: bytes = await self._call(self.fs.cat_file, path)
+            return [data]
+
+        def read_bounded() -> bytes | CorruptChunkError:
+            # One byte past the bound tells a record too big without reading the rest of it.
+            with self.fs.open(path, "rb") as file:
+                found: bytes = file.read(bound + 1)
+            if len(found) > bound:
+                return CorruptChunkError(f"record is over the {bound} bytes a record of this store can be")
+            return found
+
+        return [await self._call(read_bounded)]
 
     async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
         (record,) = records
@@ -279,8 +332,13 @@ class ThreadedObjectBackend(ObjectBackend):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def open_object_backend(config: S3TierConfig, loop: asyncio.AbstractEventLoop) -> ObjectBackend:
-    """The backend for ``config.url``, bound to ``loop`` when the filesystem is async."""
+def open_object_backend(
+    config: S3TierConfig,
+    loop: asyncio.AbstractEventLoop,
+    record_bound: Callable[[], int | None] = lambda: None,
+) -> ObjectBackend:
+    """The backend for ``config.url``, bound to ``loop`` when the filesystem is async;
+    ``record_bound`` gives the tier's ``max_record_bytes`` (see :meth:`AsyncObjectBackend.read`)."""
     import fsspec
     from fsspec.asyn import AsyncFileSystem
 
@@ -295,10 +353,14 @@ def open_object_backend(config: S3TierConfig, loop: asyncio.AbstractEventLoop) -
         fs = cls(asynchronous=True, loop=loop, skip_instance_cache=True, **options)
         if hasattr(fs, "retries"):
             fs.retries = 1  # s3fs's own retry loop would multiply the tier's bounded retries
-        return AsyncObjectBackend(fs, root, where, frame_buffer_bytes=int(config.frame_buffer_bytes))
+        return AsyncObjectBackend(
+            fs, root, where, frame_buffer_bytes=int(config.frame_buffer_bytes), record_bound=record_bound
+        )
     fs = cls(skip_instance_cache=True, **options)
     threads = min(config.max_concurrency, 16)
-    return ThreadedObjectBackend(fs, root, where, threads=threads, atomic_put=protocol in ATOMIC_PUT_PROTOCOLS)
+    return ThreadedObjectBackend(
+        fs, root, where, threads=threads, atomic_put=protocol in ATOMIC_PUT_PROTOCOLS, record_bound=record_bound
+    )
 
 
 def _modified(info: dict[str, Any]) -> float:

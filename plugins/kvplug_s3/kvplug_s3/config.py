@@ -151,6 +151,13 @@ def check_url(url: str) -> None:
             f"url needs a protocol, e.g. s3://bucket/prefix or file://{url if url.startswith('/') else '/path'}"
         )
     protocol, location = url.split("://", 1)
+    if "@" in location.split("/", 1)[0] and ":" in location.split("@", 1)[0]:
+        # kvplug never takes credentials from a url (s3fs would read "key:secret@bucket" as
+        # the bucket's name), and a url goes into logs, errors and stats.
+        raise ValueError(
+            "url must not carry credentials (user:password@); set access_key_id and secret_access_key "
+            "(s3) or give them in storage_options"
+        )
     known, installed = fsspec_protocols()
     if protocol not in known:
         raise ValueError(

@@ -129,6 +129,7 @@ class FaultProxy:
     - ``hang``: accept connections and read requests, never answer.
 
     ``requests`` counts the HTTP requests forwarded to the server, per method;
+    ``answered_bytes`` the bytes of the server's answers forwarded to clients;
     ``swallowed_bytes`` the bytes ``hang`` read and never answered.
     """
 
@@ -139,6 +140,7 @@ class FaultProxy:
         self.port = free_port()
         self.connections = 0
         self.forwarded_bytes = 0
+        self.answered_bytes = 0
         self.swallowed_bytes = 0
         self.requests: dict[str, int] = {}
         self._open: set[asyncio.StreamWriter] = set()
@@ -209,7 +211,9 @@ class FaultProxy:
             return
         self._open.update((writer, up_writer))
         await asyncio.gather(
-            self._pipe(reader, up_writer, count=True), self._pipe(up_reader, writer), return_exceptions=True
+            self._pipe(reader, up_writer, count=True),
+            self._pipe(up_reader, writer, answer=True),
+            return_exceptions=True,
         )
         for w in (writer, up_writer):
             self._open.discard(w)
@@ -218,7 +222,9 @@ class FaultProxy:
     def total_requests(self) -> int:
         return sum(self.requests.values())
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, count: bool = False) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, count: bool = False, answer: bool = False
+    ) -> None:
         tail = b""
         while True:
             data = await reader.read(1 << 16)
@@ -238,6 +244,8 @@ class FaultProxy:
                         name = match.group(1).decode()
                         self.requests[name] = self.requests.get(name, 0) + 1
                 tail = window[-200:]
+            if answer:
+                self.answered_bytes += len(data)
             writer.write(data)
             await writer.drain()
         writer.transport.abort()

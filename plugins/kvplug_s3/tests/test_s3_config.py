@@ -49,6 +49,8 @@ def test_a_known_but_uninstalled_protocol_says_what_to_install() -> None:
         ("memory://", "names no location"),
         ("https://example.com/kv", "cannot store objects"),
         ("simplecache::s3://bucket/p", "chained fsspec URLs"),
+        ("s3://AKIAEXAMPLE:s3cr3t-Value@bucket/p", "url must not carry credentials (user:password@)"),
+        ("memory://user:s3cr3t-Value@host/p", "url must not carry credentials (user:password@)"),
     ],
 )
 def test_bad_urls_are_named(url: str, expected: str) -> None:
@@ -100,6 +102,20 @@ def test_config_errors_name_the_tier_field_path() -> None:
             registry=registry,
         )
     assert "tiers[1].url" in str(caught.value) and "gopher" in str(caught.value)
+
+
+def test_a_url_with_credentials_is_refused_without_showing_them() -> None:
+    """s3fs would take ``key:secret@bucket`` for a bucket's name, then put it in every error and log line."""
+    registry = PluginRegistry(plugin_filter="s3")
+    with pytest.raises(ConfigError) as caught:
+        load_config(
+            engine_extra={"kvplug.tiers": [{"type": "s3", "url": "s3://AKIAEXAMPLE:s3cr3t-Value@bucket/p"}]},
+            env={},
+            registry=registry,
+        )
+    message = str(caught.value)
+    assert "tiers[0].url" in message and "must not carry credentials" in message
+    assert "s3cr3t-Value" not in message and "s3cr3t-Value" not in repr(caught.value)
 
 
 def test_the_plugin_loads_through_its_entry_point() -> None:

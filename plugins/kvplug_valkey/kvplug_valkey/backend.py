@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import valkey.asyncio as avalkey
@@ -26,6 +26,7 @@ from valkey import exceptions as vex
 from valkey.asyncio.cluster import ValkeyCluster
 
 from kvplug import Buffer, CallSizes, FailureKind, RecordBackend, RecordToWrite, StoredRecord, classify_failure
+from kvplug.errors import CorruptChunkError
 from kvplug_valkey.config import ValkeyTierConfig
 
 #: SCAN page size: keys per round trip when listing.
@@ -68,13 +69,15 @@ def _per_key(result: BaseException) -> bool:
 
 
 class ValkeyBackend(RecordBackend):
-    """Batched GET/SET/STRLEN/EXISTS/DEL/SCAN under ``key_prefix``; see the module docstring."""
+    """Batched GET (or GETRANGE)/SET/STRLEN/EXISTS/DEL/SCAN under ``key_prefix``; see the module docstring."""
 
     #: The server's ``maxmemory`` policy and TTLs remove keys without telling any client.
     evicts_on_its_own = True
 
-    def __init__(self, config: ValkeyTierConfig) -> None:
+    def __init__(self, config: ValkeyTierConfig, record_bound: Callable[[], int | None] = lambda: None) -> None:
         self.config = config
+        #: The tier's ``max_record_bytes``, read at each read (the engine may raise it).
+        self._record_bound = record_bound
         self.address = config.address
         self.where = self.address.display()
         self.call_sizes = CallSizes(
@@ -125,10 +128,27 @@ class ValkeyBackend(RecordBackend):
         results = await self._pipeline([("EXISTS", self.key(n)) for n in names])
         return [isinstance(r, BaseException) or int(r) > 0 for r in results]
 
-    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
-        """Each stored value (``FOREIGN`` for a non-string key), ``None`` where missing."""
-        results = await self._pipeline([("GET", self.key(n)) for n in names])
-        return [FOREIGN if isinstance(r, BaseException) else r for r in results]
+    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | BaseException | None]:
+        """Each stored value (``FOREIGN`` for a non-string key), ``None`` where missing.
+
+        With a bound on records (the tier's ``max_record_bytes``), ``GETRANGE`` asks for
+        one byte more than it: a longer value is corrupt, and the server sends no more of
+        it (a writer of the server could otherwise make a reader take 512 MiB a key).
+        ``GETRANGE`` answers a missing key with no bytes, as ``STRLEN`` does: not there."""
+        bound = self._record_bound()
+        if bound is None:
+            results = await self._pipeline([("GET", self.key(n)) for n in names])
+            return [FOREIGN if isinstance(r, BaseException) else r for r in results]
+        results = await self._pipeline([("GETRANGE", self.key(n), 0, bound) for n in names])
+        values: list[Buffer | BaseException | None] = []
+        for result in results:
+            if isinstance(result, BaseException):
+                values.append(FOREIGN)
+            elif len(result) > bound:
+                values.append(CorruptChunkError(f"record is over the {bound} bytes a record of this store can be"))
+            else:
+                values.append(result or None)
+        return values
 
     async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
         """SET each record (one buffer per SET: the value copied once, behind its header);

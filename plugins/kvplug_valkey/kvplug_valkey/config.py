@@ -163,6 +163,13 @@ class ValkeyTierConfig(RecordTierConfig):
     def _plain_prefix(cls, prefix: str) -> str:
         if len(prefix) > 200 or not _PREFIX_CHARS.fullmatch(prefix):
             raise ValueError("key_prefix must be at most 200 printable ASCII characters without spaces")
+        if not prefix:
+            # Every key of the database named like a digest would be the tier's: listed,
+            # evicted under max_bytes, and removed by `kvplug store gc` when not a record.
+            raise ValueError(
+                "key_prefix must not be empty: the tier would take every key of the database named by a "
+                "64-hex digest (another application's too) for its own, evict and gc it; e.g. kvplug:"
+            )
         if _GLOB_CHARS.search(prefix):
             raise ValueError("key_prefix must not contain * ? [ ] or \\ (they are SCAN pattern characters)")
         return prefix
@@ -183,6 +190,16 @@ class ValkeyTierConfig(RecordTierConfig):
             raise ValueError(f"a cluster has only database 0; the url selects database {address.db}")
         if self.tls_ca_file is not None and not address.tls:
             raise ValueError("tls_ca_file applies to rediss:// or valkeys:// urls only")
+        if self.max_connections <= self.max_concurrency:
+            # The client's pool refuses a call past its connections ("Too many
+            # connections") rather than wait: with fewer connections than pipelines in
+            # flight, a healthy server's batches failed and opened the breaker.
+            raise ValueError(
+                f"max_connections ({self.max_connections}) must be more than max_concurrency "
+                f"({self.max_concurrency}): the tier sends up to max_concurrency pipelines at once (and a "
+                "start-up listing beside them), and the client refuses a call past its connections; "
+                "raise max_connections or lower max_concurrency"
+            )
         return self
 
     @property

@@ -42,7 +42,16 @@ class ValkeyTier(RecordTier):
         # config or opening another store does not import it.
         from kvplug_valkey.backend import ValkeyBackend
 
-        return ValkeyBackend(self.config)
+        ca_file = self.config.tls_ca_file
+        if ca_file is not None:
+            # Checked here, where the tier runs: the client would read it at each connection
+            # and say only "Error 2 connecting to host:port. No such file or directory".
+            try:
+                with open(ca_file, "rb"):
+                    pass
+            except OSError as exc:
+                raise ValueError(f"tls_ca_file {ca_file} cannot be read: {exc.strerror or exc}") from None
+        return ValkeyBackend(self.config, record_bound=lambda: self.context.max_record_bytes)
 
     @classmethod
     def location_config(cls, location: str, options: Mapping[str, Any]) -> ValkeyTierConfig | None:

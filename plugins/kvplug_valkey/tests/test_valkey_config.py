@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvplug_valkey import ValkeyTierConfig
+from kvplug.errors import TierError
+from kvplug.testing import tier_context
+from kvplug_valkey import ValkeyTier, ValkeyTierConfig
 
 
 @pytest.mark.parametrize(
@@ -38,6 +40,12 @@ def test_url_forms(url: str, shown: str) -> None:
         ({"url": "redis://127.0.0.1/1", "cluster": True}, "a cluster has only database 0"),
         ({"url": "redis://127.0.0.1", "key_prefix": "a b"}, "key_prefix must be"),
         ({"url": "redis://127.0.0.1", "key_prefix": "kv*"}, "SCAN pattern characters"),
+        ({"url": "redis://127.0.0.1", "key_prefix": ""}, "key_prefix must not be empty"),
+        (
+            {"url": "redis://127.0.0.1", "max_connections": 4},
+            "max_connections (4) must be more than max_concurrency (32)",
+        ),
+        ({"url": "redis://127.0.0.1", "max_connections": 8, "max_concurrency": 8}, "raise max_connections or lower"),
         ({"url": "redis://127.0.0.1", "tls_ca_file": "/ca.pem"}, "rediss://"),
         ({"url": "redis://127.0.0.1", "ttl_s": 0}, "greater than 0"),
         ({"url": "redis://127.0.0.1", "bogus": 1}, "Extra inputs are not permitted"),
@@ -60,3 +68,11 @@ def test_unbounded_by_default_with_short_deadlines() -> None:
     config = ValkeyTierConfig(url="redis://127.0.0.1")
     assert config.max_bytes is None and config.queue.mode == "async"
     assert config.request_timeout_s <= 0.5 and config.cluster is None
+
+
+def test_a_ca_file_that_cannot_be_read_is_named_when_the_tier_opens(tmp_path) -> None:
+    missing = tmp_path / "no-such-ca.pem"
+    config = ValkeyTierConfig(url="rediss://127.0.0.1:6390", tls_ca_file=str(missing))
+    with pytest.raises(TierError) as caught:
+        ValkeyTier(config, tier_context())
+    assert f"tls_ca_file {missing} cannot be read: No such file or directory" in str(caught.value)

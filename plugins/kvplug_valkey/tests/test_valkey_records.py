@@ -84,6 +84,18 @@ def test_big_batches_are_pipelined_in_groups_and_keep_order(valkey_server, tiers
     assert tier.contains([*keys[::-1], key_for("absent")]) == [True] * 25 + [False]
 
 
+def test_the_smallest_pool_allowed_serves_batches_of_many_pipelines(valkey_server, tiers) -> None:
+    """Connections only just over the pipelines in flight: no call is refused for want of one."""
+    tier = tiers(valkey_server.url, max_concurrency=3, max_connections=4, pipeline_keys=2, scan_on_start=True)
+    keys = [key_for(f"pool-{i}") for i in range(60)]
+    values = [value_for(k, 2000) for k in keys]
+    tier.put(list(zip(keys, values)))
+    assert [bytes(v) for v in tier.get(keys)] == values
+    assert tier.contains(keys) == [True] * 60
+    stats = tier.stats()
+    assert stats.puts == 60 and stats.extra["failures"] == 0 and stats.extra["breaker_opens"] == 0
+
+
 def test_prefixes_keep_tiers_apart(valkey_server, tiers) -> None:
     one, two = tiers(valkey_server.url), tiers(valkey_server.url)
     one.put([(key_for("shared"), b"one" * 30)])

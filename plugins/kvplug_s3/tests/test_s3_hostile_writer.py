@@ -1,0 +1,108 @@
+"""What a writer of the bucket can make a reader do: an object too big for any record of
+the engine is a miss before its body is read, and records of a tier on a nested prefix
+are not this tier's (not indexed, listed or counted); a newer record version is kept."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import tracemalloc
+
+from kvplug.core.records.frame import pack_record
+from kvplug.testing import key_for, tier_context, value_for
+from kvplug_s3 import S3Tier
+from kvplug_s3.testing import BUCKET, FaultProxy, make_s3_tier, s3_options
+
+#: The largest record the reading engine can store or read (its ``max_record_bytes``).
+BOUND = 64 + 64 * 1024
+#: A planted object far over the bound: reading it whole would cost a reader this much.
+PLANTED = 64 * 1024**2
+
+
+def object_key(prefix: str, key: str) -> str:
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    return f"{prefix}/{digest[:2]}/{digest}"
+
+
+def test_an_object_over_the_record_bound_is_a_miss_without_its_body_read(moto_s3, s3_client) -> None:
+    proxy = FaultProxy(moto_s3.port)
+    tier = S3Tier(S3Tier.Config(**s3_options(proxy.endpoint)), tier_context(max_record_bytes=BOUND))
+    try:
+        prefix = tier.config.url.split(f"{BUCKET}/", 1)[1]
+        victim, other = key_for("planted"), key_for("kept")
+        tier.put([(victim, value_for("planted", 4096)), (other, value_for("kept", 4096))])
+        # A whole, valid record of the victim's key: only its size gives it away.
+        s3_client.put_object(Bucket=BUCKET, Key=object_key(prefix, victim), Body=pack_record(victim, b"\x07" * PLANTED))
+        before = proxy.answered_bytes
+        got = tier.get([victim, other])
+        received = proxy.answered_bytes - before
+        assert got[0] is None and bytes(got[1]) == value_for("kept", 4096)
+        # Socket buffers may hold a few MiB of the body when the reader hangs up; not most of it.
+        assert received < PLANTED // 4, f"the reader received {received} bytes of a {PLANTED}-byte object"
+        assert tier.stats().extra["corrupt"] == 1
+        listing = s3_client.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/")
+        assert [item["Key"] for item in listing.get("Contents", [])] == [object_key(prefix, other)]
+    finally:
+        tier.close()
+        proxy.close()
+
+
+def test_records_of_a_nested_prefix_are_not_this_tiers(moto_s3, s3_client) -> None:
+    inner = make_s3_tier(moto_s3.endpoint, prefix="nest/inner")
+    inner.put([(key_for("inner"), value_for("inner", 1000))])
+    inner.close()
+    outer = make_s3_tier(moto_s3.endpoint, prefix="nest", scan_on_start=True, max_bytes=1_000_000)
+    try:
+        outer.put([(key_for("outer"), value_for("outer", 500))])
+        outer.flush()
+        assert (outer.stats().items, outer.stats().bytes_used) == (1, 500)
+        assert [record.digest for record in outer.records()] == [hashlib.sha256(key_for("outer").encode()).hexdigest()]
+        assert object_key("nest/inner", key_for("inner")) in [
+            item["Key"] for item in s3_client.list_objects_v2(Bucket=BUCKET, Prefix="nest/")["Contents"]
+        ]
+    finally:
+        outer.close()
+
+
+def test_a_record_of_a_newer_record_version_is_kept(moto_s3, s3_client) -> None:
+    """A newer kvplug sharing the bucket (a rolling upgrade) may lay out its header's last
+    bytes otherwise, as version 2 did: its records are incompatible misses, kept, not deleted."""
+    tier = make_s3_tier(moto_s3.endpoint)
+    try:
+        prefix = tier.config.url.split(f"{BUCKET}/", 1)[1]
+        newer, own = key_for("newer"), key_for("own")
+        tier.put([(own, value_for("own", 1000))])
+        record = bytearray(pack_record(newer, value_for("newer", 1000)))
+        struct.pack_into("<H", record, 4, 3)  # record version 3
+        record[48:64] = bytes(range(16))  # where version 1 has its checksums
+        s3_client.put_object(Bucket=BUCKET, Key=object_key(prefix, newer), Body=bytes(record))
+        got = tier.get([newer, own])
+        assert got[0] is None and bytes(got[1]) == value_for("own", 1000)
+        stats = tier.stats().extra
+        assert (stats["incompatible"], stats["corrupt"]) == (1, 0)
+        assert s3_client.get_object(Bucket=BUCKET, Key=object_key(prefix, newer))["Body"].read() == bytes(record)
+    finally:
+        tier.close()
+
+
+def test_a_file_over_the_record_bound_is_a_miss_read_no_further(tmp_path) -> None:
+    """``file://`` (a shared folder): a sparse file planted under a record's name, a few KiB on
+    disk that claim 256 MiB, is a corrupt miss with at most the bound read."""
+    tier = S3Tier(S3Tier.Config(url=f"file://{tmp_path}"), tier_context(max_record_bytes=BOUND))
+    try:
+        victim, other = key_for("planted"), key_for("kept")
+        tier.put([(victim, value_for("planted", 4096)), (other, value_for("kept", 4096))])
+        planted = tmp_path / object_key("", victim).lstrip("/")
+        with planted.open("r+b") as file:
+            file.truncate(256 * 1024**2)
+        tracemalloc.start()
+        try:
+            got = tier.get([victim, other])
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert got[0] is None and bytes(got[1]) == value_for("kept", 4096)
+        assert peak < 16 * 1024**2, f"reading a 256 MiB file allocated {peak} bytes"
+        assert tier.stats().extra["corrupt"] == 1 and not planted.exists()
+    finally:
+        tier.close()
