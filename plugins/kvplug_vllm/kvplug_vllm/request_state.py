@@ -5,7 +5,7 @@ A request goes through these phases (vLLM calls in brackets)::
     LOOKING_UP --> LOOKED_UP --> RUNNING                     (get_num_new_matched_tokens,
          |             |            ^                         update_state_after_alloc,
          |             v            |                         build_connector_meta)
-         |        LOAD_QUEUED --> LOADING --> LOAD_FAILED --> LOOKED_UP / RUNNING
+         |        LOAD_QUEUED --> LOADING --> LOAD_FAILED --> RUNNING
 
 - ``LOOKING_UP``: its lookup runs in the background; vLLM was told to ask again.
 - ``LOOKED_UP``: its latest lookup is answered (vLLM may ask again before it admits it; a
@@ -13,7 +13,7 @@ A request goes through these phases (vLLM calls in brackets)::
 - ``LOAD_QUEUED``: admitted with a background load, which goes into the next step's metadata.
 - ``LOADING``: that load was sent; vLLM keeps the request in ``WAITING_FOR_REMOTE_KVS``.
 - ``LOAD_FAILED``: vLLM asked about it again, so its background load failed with nothing valid
-  and vLLM computes the prompt.
+  and vLLM computes the prompt (every ask until vLLM admits it says so: no new lookup).
 - ``RUNNING``: scheduled; each step stores the chunks its KV completes (:mod:`kvplug_vllm.plan`).
 
 The request's kvplug settings (``kv_transfer_params``) are validated once, when its state is

@@ -109,11 +109,13 @@ class SchedulerSide:
         tokens = request.prompt_token_ids
         if not self.can_load or tokens is None:
             return 0, False
-        if state.phase is Phase.LOADING:
+        if state.phase in (Phase.LOADING, Phase.LOAD_FAILED):
             # Its background load failed or ran past load_timeout_s and vLLM rolled it back to
-            # nothing: trying the same slow tier again could fail the same way, forever.
+            # nothing: trying the same slow tier again could fail the same way, forever. vLLM
+            # asks again each step until it has blocks for the prompt: the answer stays.
+            if state.phase is Phase.LOADING:
+                logger.info("request %s: its background load failed; vLLM computes the prompt", request.request_id)
             state.phase = Phase.LOAD_FAILED
-            logger.info("request %s: its background load failed; vLLM computes the prompt", request.request_id)
             return 0, False
         if self.settings.skip_last_n_tokens:
             tokens = tokens[: max(0, len(tokens) - self.settings.skip_last_n_tokens)]

@@ -206,3 +206,24 @@ def test_prompts_of_equal_embeddings_share_chunks_and_other_embeddings_end_the_s
     assert keys(embeds.clone()) == same
     assert not set(same) & set(plain)
     assert other[0] == same[0] and not set(other[1:]) & set(same)
+
+
+def test_a_failed_background_load_is_not_tried_again_while_vllm_cannot_admit_the_request(
+    engine: CacheEngine, side: SchedulerSide
+) -> None:
+    """vLLM asks again, step after step, about a request it has no free blocks for: after its
+    background load failed, each ask says "compute it", never a new load of the same slow tier."""
+    keys = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
+    tier(engine, "ram").remove(keys)
+    tier(engine, "legacy").remove(keys)  # on local disk only: the load goes to the background
+    r = request("r-retry")
+    assert side.get_num_new_matched_tokens(r, 0) == (192, True)
+    side.update_state_after_alloc(r, BLOCKS, 192)
+    side.build_connector_meta(step())
+    assert phase(side, "r-retry") is Phase.LOADING
+    for _ in range(3):  # the load failed; vLLM freed its blocks and cannot allocate the prompt's yet
+        assert side.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert phase(side, "r-retry") is Phase.LOAD_FAILED
+    side.update_state_after_alloc(r, BLOCKS, 0)
+    [stored] = side.build_connector_meta(step(new=[("r-retry", 0, 200)])).requests
+    assert stored.load is None and (stored.save_start, stored.save_end) == (0, 192)
