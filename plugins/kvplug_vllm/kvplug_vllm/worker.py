@@ -32,7 +32,6 @@ from kvplug import (
     ChunkKey,
     ControlServer,
     EngineControl,
-    LayerwiseRetrieve,
     load_config,
     slots_from_block_ids,
 )
@@ -41,6 +40,7 @@ from kvplug_vllm.control import HybridControl, reset_tiers, start_control
 from kvplug_vllm.group_engines import GroupEngines
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
 from kvplug_vllm.kv_groups import KVGroup, primary_group
+from kvplug_vllm.layerwise_step import LayerwiseStep
 from kvplug_vllm.layout import check_chunk_size, detect_layout, fingerprint_for, head_shard
 from kvplug_vllm.load_results import LoadResults
 from kvplug_vllm.lookup import LocalWorker, register_local, unregister_local
@@ -83,10 +83,7 @@ class WorkerSide:
         self.kv_caches: list[torch.Tensor] = []
         self.layer_index: dict[str, int] = {}
         self.results = LoadResults()
-        self._retrievers: list[LayerwiseRetrieve] = []
-        self._loaded_layers = 0
-        self._storers: list[Generator[int, None, int]] = []
-        self._saved_layers = 0
+        self._layers = LayerwiseStep()
         self._stats = KVPlugConnectorStats()
         self._metric_marks: dict[str, float] = {}
         self._busy_s = 0.0
@@ -148,10 +145,7 @@ class WorkerSide:
     def begin_step(self) -> None:
         """Reset per-step state; vLLM binds new metadata before every forward."""
         self.results.failed_this_step.clear()
-        self._retrievers = []
-        self._loaded_layers = 0
-        self._storers = []
-        self._saved_layers = 0
+        self._layers = LayerwiseStep()
 
     @timed
     def start_load_kv(self) -> None:
@@ -181,7 +175,7 @@ class WorkerSide:
         try:
             retriever = fetch(self.engine, request, self.kv_caches, keys)
             if self.layerwise:
-                self._retrievers.append(retriever)
+                self._layers.add_load(request, retriever)
             else:
                 retriever.write_remaining()
                 count_load_phases(self._stats, retriever)
@@ -195,12 +189,8 @@ class WorkerSide:
     @timed
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self.layer_index.get(layer_name)
-        if index is None or not self._retrievers:
-            return
-        while self._loaded_layers <= index:
-            for retriever in self._retrievers:
-                next(retriever, None)
-            self._loaded_layers += 1
+        if index is not None and self._layers.loads:
+            self._layers.load_through(index)
 
     @timed
     def save_kv_layer(self, layer_name: str) -> None:
@@ -209,27 +199,21 @@ class WorkerSide:
         index = self.layer_index.get(layer_name)
         if index is None:
             return
-        if index == 0 and self._saved_layers == 0:
-            meta = self._metadata()
-            storers = (self._store(request, layerwise=True) for request in self._to_save(meta))
-            self._storers = [s for s in storers if s is not None]
-        while self._saved_layers <= index:
-            for storer in self._storers:
-                next(storer, None)
-            self._saved_layers += 1
+        if index == 0 and not self._layers.storing:
+            storers = (
+                (request.req_id, self._store(request, layerwise=True)) for request in self._to_save(self._metadata())
+            )
+            self._layers.stores = [(req_id, s) for req_id, s in storers if s is not None]
+            self._layers.storing = True
+        self._layers.store_through(index)
 
     @timed
     def wait_for_save(self) -> None:
         if self.engine is None:
             return
-        for retriever in self._retrievers:  # layers the forward pass did not wait for
-            retriever.write_remaining()
-        self._retrievers = []
+        self._layers.finish_loads(self.results, self.engine.layout.block_size, self._stats)
         if self.layerwise:
-            for storer in self._storers:
-                for _ in storer:
-                    pass
-            self._storers = []
+            self._layers.finish_stores(self.results.failed_this_step)
             return
         for request in self._to_save(self._metadata()):
             self._store(request, layerwise=False)

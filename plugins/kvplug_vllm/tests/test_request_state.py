@@ -162,7 +162,6 @@ def test_a_requests_kvplug_settings_are_validated_once(
     assert {m.req_id: m.overrides for m in meta.requests} == {"r-skip": {"skip_save": True}, "r-bad": {}, "r": {}}
 
 
-
 def with_embeds(request_id: str, embeds: torch.Tensor, is_token_ids: list[bool] | None) -> SimpleNamespace:
     """A prompt vLLM computes from embeddings (``prompt_embeds``): its token ids are placeholders
     where ``is_token_ids`` is False (mixed mode), or everywhere when it is None."""
