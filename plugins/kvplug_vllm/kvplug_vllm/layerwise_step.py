@@ -55,6 +55,7 @@ class LayerwiseStep:
             retriever.write_remaining()
             if retriever.num_loaded_tokens < fetched:
                 counted = request.req_id in results.failed_this_step  # its fetch fell short already
+                results.poison(request)
                 results.check_blocks(
                     request, retriever.loaded_mask, block_size, KVPlugConnectorStats() if counted else stats
                 )

@@ -63,6 +63,8 @@ class Progress:
     hit_tokens: int = 0
     vllm_cached_tokens: int = 0
     external_tokens: int = 0
+    #: Times its computed count went back (preempted, or rolled back after a failed load).
+    rollbacks: int = 0
 
     def report(self) -> dict[str, int]:
         return dict(

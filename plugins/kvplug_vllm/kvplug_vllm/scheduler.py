@@ -240,6 +240,7 @@ class SchedulerSide:
             computed = cached.num_computed_tokens[index]
             if computed < progress.num_computed:  # preempted, or rolled back after a failed load
                 progress.num_saved = rolled_back(progress.num_saved, computed, self.chunk_size)
+                progress.rollbacks += 1
             end = computed + scheduler_output.num_scheduled_tokens[req_id]
             self._add(meta, state, end, self._take_load(state), handed.get(req_id, ()))
         return meta
@@ -317,6 +318,7 @@ class SchedulerSide:
                 save_end=plan.save_end,
                 block_hashes=self.events.block_hashes(state.request, len(tokens)),
                 state_blocks=[(int(g), int(b), int(n)) for g, b, n in plan.states],
+                epoch=progress.rollbacks,
             )
         )
 

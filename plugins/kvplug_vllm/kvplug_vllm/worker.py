@@ -11,8 +11,8 @@ are written by the cache engine's store thread.
 Blocks the scheduler was promised but that did not load (missing, corrupt, tier
 down) are reported by ``get_block_ids_with_load_errors``; vLLM then recomputes
 them (``kv_load_failure_policy: recompute``) or fails the request. A request
-whose load failed stores nothing in that step: its later blocks were computed
-on top of the bad ones.
+whose load failed stores nothing until vLLM rolled it back: its later blocks were
+computed on top of the bad ones (:mod:`kvplug_vllm.load_results`).
 """
 
 from __future__ import annotations
@@ -185,6 +185,8 @@ class WorkerSide:
             loaded = torch.zeros(len(tokens), dtype=torch.bool)
         self._stats.sample("load_seconds", time.perf_counter() - started)
         self.results.check_blocks(request, loaded, self.engine.layout.block_size, self._stats)
+        if request.req_id in self.results.failed_this_step:
+            self.results.poison(request)
 
     @timed
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -221,11 +223,7 @@ class WorkerSide:
     def _to_save(self, meta: KVPlugConnectorMetadata | None) -> list[RequestMeta]:
         if meta is None or not self.can_save:
             return []
-        return [
-            r
-            for r in meta.requests
-            if (r.save_end > r.save_start or r.state_blocks) and r.req_id not in self.results.failed_this_step
-        ]
+        return [r for r in meta.requests if (r.save_end > r.save_start or r.state_blocks) and self.results.may_store(r)]
 
     def _store(self, request: RequestMeta, *, layerwise: bool) -> Generator[int, None, int] | None:
         assert self.engine is not None
@@ -257,13 +255,14 @@ class WorkerSide:
     # --- outputs ----------------------------------------------------------------------
 
     @timed
-    def get_finished(self) -> set[str] | None:
+    def get_finished(self, finished_req_ids: set[str] | None = None) -> set[str] | None:
         """Requests whose background load finished, failed or ran past its deadline this step.
 
         Finished fetches are written into the paged cache here, on vLLM's thread
         between two forward passes; the blocks of failed or late ones are reported
         as load errors in the same step, as vLLM requires.
         """
+        self.results.forget(finished_req_ids or set())
         if self.engine is None:
             return None
         meta = self._metadata()

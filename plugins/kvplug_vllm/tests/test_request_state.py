@@ -226,3 +226,16 @@ def test_a_failed_background_load_is_not_tried_again_while_vllm_cannot_admit_the
     side.update_state_after_alloc(r, BLOCKS, 0)
     [stored] = side.build_connector_meta(step(new=[("r-retry", 0, 200)])).requests
     assert stored.load is None and (stored.save_start, stored.save_end) == (0, 192)
+
+
+def test_a_request_vllm_rolled_back_is_sent_with_its_next_epoch(side: SchedulerSide) -> None:
+    """vLLM rolls a request back after a failed load (or preempts it): the worker, which stores
+    nothing of a request whose load failed until then, learns it from ``RequestMeta.epoch``."""
+    r = request("r-epoch")
+    assert side.get_num_new_matched_tokens(r, 0) == (192, False)
+    side.update_state_after_alloc(r, BLOCKS, 192)
+    [first] = side.build_connector_meta(step(new=[("r-epoch", 192, 8)])).requests
+    assert first.epoch == 0
+    # its load failed from token 64 on: vLLM computes from there, and the chunks from 64 are stored again
+    [again] = side.build_connector_meta(step(cached=[("r-epoch", 64, 136)])).requests
+    assert (again.epoch, again.save_start, again.save_end) == (1, 64, 192)
