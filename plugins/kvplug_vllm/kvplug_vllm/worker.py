@@ -277,20 +277,20 @@ class WorkerSide:
             if retriever is None:
                 reason = "deadline" if seconds >= self.background.timeout_s else "fetch_failed"
                 self._stats.add(**{LOAD_ERROR_PREFIX + reason: 1})
-            loaded = None
             if retriever is not None:
                 self._worked = True
                 try:
                     retriever.write_remaining()
                     count_load_phases(self._stats, retriever)
-                    loaded = None if isinstance(retriever, GroupsRetrieve) else retriever.loaded_mask
                 except Exception:
                     logger.exception(
                         "request %s: writing the loaded KV failed; its blocks will be recomputed", request.req_id
                     )
+                    retriever = None  # whatever its masks say: a write that raised may have stopped anywhere
             if isinstance(retriever, GroupsRetrieve) or (retriever is None and self.groups is not None):
                 self.results.check_groups(request, retriever, self._stats)
             else:
+                loaded = retriever.loaded_mask if retriever is not None else None
                 self.results.check_blocks(request, loaded, self.engine.layout.block_size, self._stats)
         return {request.req_id for request, _, _ in done} or None
 
