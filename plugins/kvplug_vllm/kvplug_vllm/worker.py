@@ -39,7 +39,7 @@ from kvplug_vllm.background import BackgroundLoads, GroupsRetrieve, fetch
 from kvplug_vllm.control import HybridControl, reset_tiers, start_control
 from kvplug_vllm.group_engines import GroupEngines
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
-from kvplug_vllm.kv_groups import KVGroup, primary_group
+from kvplug_vllm.kv_groups import KVGroup, check_block_size, primary_group
 from kvplug_vllm.layerwise_step import LayerwiseStep
 from kvplug_vllm.layout import check_chunk_size, detect_layout, fingerprint_for, head_shard
 from kvplug_vllm.load_results import LoadResults
@@ -107,6 +107,8 @@ class WorkerSide:
             primary = self.kv_groups[primary_group(self.kv_groups)]
             kv_caches = {name: kv_caches[name] for name in primary.layer_names}
         layout = detect_layout(kv_caches, self.vllm_config)
+        if self.kv_groups:
+            check_block_size(self.kv_groups[primary_group(self.kv_groups)], layout.block_size)
         config = load_config(engine_extra=self.engine_extra).config
         check_chunk_size(layout, config.chunk_size)
         ranks = dict(tp_rank=get_tensor_model_parallel_rank(), pp_rank=get_pp_group().rank_in_group)
