@@ -151,6 +151,13 @@ class SocketLookup:
                 self._socks.pop(path, None)
                 if sock is not None:
                     sock.close()
+                # A worker that says nothing for the whole timeout is not asked again: the
+                # scheduler may be waiting on its own thread, and lookup_timeout_s is the bound.
+                hung = isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError)
+                if hung:
+                    raise LookupChannelError(
+                        f"lookup via {path} failed: no answer within lookup_timeout_s ({self.timeout_s} s)"
+                    ) from exc
                 if attempt == 2:
                     raise LookupChannelError(f"lookup via {path} failed: {exc}") from exc
                 continue
