@@ -213,6 +213,28 @@ class DirectLookup:
         pass
 
 
+def open_channel(
+    engine_key: tuple[str, int, int], tp_size: int, mode: str, timeout_s: float
+) -> DirectLookup | SocketLookup:
+    """The scheduler's way to every tensor-parallel worker of its engine (``lookup_channel``):
+    direct when their engines are in this process (``auto``), else over their sockets."""
+    engine_id, dp_rank, _ = engine_key
+    keys = [(engine_id, dp_rank, rank) for rank in range(tp_size)]
+    workers = [w for w in (local_worker(key) for key in keys) if w is not None]
+    channel: DirectLookup | SocketLookup
+    if mode == "direct" or (mode == "auto" and len(workers) == len(keys)):
+        if len(workers) < len(keys):
+            raise LookupChannelError("lookup_channel: direct, but the worker's cache engine is not in this process")
+        channel = DirectLookup([w.engine for w in workers], [w.reset for w in workers], trims=[w.trim for w in workers])
+    else:
+        channel = SocketLookup([socket_path(*key) for key in keys], timeout_s)
+    where = (
+        "directly to the worker's engine" if isinstance(channel, DirectLookup) else "over the worker's lookup socket"
+    )
+    logger.info("kvplug lookups go %s", where)
+    return channel
+
+
 def inline_tiers(config: KVPlugConfig) -> frozenset[str]:
     """The tier types in ``config`` that answer lookups inline (:attr:`kvplug.StorageTier.inline_lookups`,
     or medium ``memory``): the scheduler asks them on its own thread, the others in the background."""

@@ -29,7 +29,7 @@ from typing import Any
 from kvplug import KVPlugConfig, hit_tokens
 from kvplug.errors import KVPlugError
 from kvplug_vllm.kv_events import SchedulerEvents
-from kvplug_vllm.lookup import DirectLookup, SocketLookup, inline_tiers, local_worker, socket_path
+from kvplug_vllm.lookup import DirectLookup, SocketLookup, inline_tiers, open_channel
 from kvplug_vllm.lookup_pool import LookupPool, Tiers
 from kvplug_vllm.lookup_result import LookupResult
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
@@ -210,7 +210,13 @@ class SchedulerSide:
             state = self._states.get(new.req_id)
             if state is None or state.request is None or new.prompt_token_ids is None:
                 continue
-            progress = state.progress = Progress(len(new.prompt_token_ids), [list(ids) for ids in new.block_ids])
+            previous, progress = (
+                state.progress,
+                Progress(len(new.prompt_token_ids), [list(ids) for ids in new.block_ids]),
+            )
+            if previous is not None:  # preempted, and resumed as a new request (vLLM's v2 model runner)
+                progress.rollbacks = previous.rollbacks + 1
+            state.progress = progress
             if state.load is not None and state.phase is Phase.LOADING:  # its KV arrived in the background
                 loaded = state.load
                 progress.hit_tokens, progress.external_tokens = loaded.new_hit, loaded.num_external
@@ -375,25 +381,7 @@ class SchedulerSide:
 
     def _lookup_channel(self) -> DirectLookup | SocketLookup:
         if self._channel is None:
-            engine_id, dp_rank, _ = self.engine_key
-            keys = [(engine_id, dp_rank, rank) for rank in range(self.tp_size)]
-            found = [local_worker(key) for key in keys]
-            workers = [w for w in found if w is not None]
-            mode = self.settings.lookup_channel
-            if mode == "direct" or (mode == "auto" and len(workers) == len(keys)):
-                if len(workers) < len(keys):
-                    raise KVPlugError("lookup_channel: direct, but the worker's cache engine is not in this process")
-                self._channel = DirectLookup(
-                    [w.engine for w in workers],
-                    [w.reset for w in workers],
-                    trims=[w.trim for w in workers],
-                )
-            else:
-                self._channel = SocketLookup([socket_path(*key) for key in keys], self.settings.lookup_timeout_s)
-            logger.info(
-                "kvplug lookups go %s",
-                "directly to the worker's engine"
-                if isinstance(self._channel, DirectLookup)
-                else "over the worker's lookup socket",
+            self._channel = open_channel(
+                self.engine_key, self.tp_size, self.settings.lookup_channel, self.settings.lookup_timeout_s
             )
         return self._channel

@@ -239,3 +239,15 @@ def test_a_request_vllm_rolled_back_is_sent_with_its_next_epoch(side: SchedulerS
     # its load failed from token 64 on: vLLM computes from there, and the chunks from 64 are stored again
     [again] = side.build_connector_meta(step(cached=[("r-epoch", 64, 136)])).requests
     assert (again.epoch, again.save_start, again.save_end) == (1, 64, 192)
+
+
+def test_a_request_resumed_as_a_new_one_is_sent_with_its_next_epoch(side: SchedulerSide) -> None:
+    """vLLM's v2 model runner sends a preempted request back as a new one: a rollback too."""
+    r = request("r-resumed")
+    assert side.get_num_new_matched_tokens(r, 0) == (192, False)
+    side.update_state_after_alloc(r, BLOCKS, 192)
+    [first] = side.build_connector_meta(step(new=[("r-resumed", 192, 8)])).requests
+    assert side.get_num_new_matched_tokens(r, 0) == (192, False)  # preempted: asked again
+    side.update_state_after_alloc(r, BLOCKS, 192)
+    [resumed] = side.build_connector_meta(step(new=[("r-resumed", 192, 8)])).requests
+    assert (first.epoch, resumed.epoch) == (0, 1)
