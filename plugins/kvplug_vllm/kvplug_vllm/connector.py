@@ -146,7 +146,7 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_side().wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._worker_side().get_finished()  # stores never hold blocks; background loads do
+        return None, self._worker_side().get_finished(finished_req_ids)  # stores never hold blocks; background loads do
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         # A hybrid model's load failures go by request: vLLM maps block ids to requests

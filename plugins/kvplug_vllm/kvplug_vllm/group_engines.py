@@ -16,7 +16,7 @@ import torch
 
 from kvplug import CacheEngine, HeadShard, KVPlugConfig, slots_from_block_ids
 from kvplug_vllm.background import GroupsRetrieve, fetch_groups
-from kvplug_vllm.kv_groups import KVGroup, first_real_token
+from kvplug_vllm.kv_groups import KVGroup, check_block_size, first_real_token
 from kvplug_vllm.layout import detect_layout, fingerprint_for, head_shard
 from kvplug_vllm.metadata import RequestMeta
 from kvplug_vllm.state_groups import StateBoundaries, state_layout, state_load_block_ids, state_pages, state_store_calls
@@ -51,6 +51,7 @@ class GroupEngines:
                 layout, heads = state_layout(caches, config.chunk_size), None
             else:
                 layout = detect_layout(dict(zip(group.layer_names, caches)), vllm_config)
+                check_block_size(group, layout.block_size)
                 heads = head_shard(layout, vllm_config, config.heads_per_record, tp_rank=tp_rank)
             described = group.describe(count) + (f"[{group.state_format}]" if group.state_format else "")
             fingerprint = fingerprint_for(layout, vllm_config, kv_group=described, tp_rank=tp_rank, pp_rank=pp_rank)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvplug.errors import UnsupportedModelError
+from kvplug.errors import LayoutError, UnsupportedModelError
 
 #: vLLM's null block: the id a sliding-window group's table holds for blocks out of the window.
 NULL_BLOCK_ID = 0
@@ -46,6 +46,8 @@ class KVGroup:
     #: A state group's state tensors (kind, shapes, dtypes) as they go into its key fingerprint:
     #: a state page is only meaningful to a kernel that lays it out the same way.
     state_format: str = ""
+    #: Tokens per block in vLLM's block tables (its KV cache manager); 0: not known.
+    block_size: int = 0
 
     def describe(self, count: int) -> str:
         """The group as it goes into the key fingerprint: index, count and kind."""
@@ -61,8 +63,27 @@ def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
         window = getattr(spec, "sliding_window", None)
         kind = "state" if _is_state(spec) else "sliding" if window else "full"
         state = _state_format(spec) if kind == "state" else ""
-        groups.append(KVGroup(index, tuple(group.layer_names), kind, type(spec).__name__, window, state))
+        block_size = int(getattr(spec, "block_size", 0) or 0)
+        groups.append(KVGroup(index, tuple(group.layer_names), kind, type(spec).__name__, window, state, block_size))
     return groups
+
+
+def check_block_size(group: KVGroup, cache_block_size: int) -> None:
+    """Refuse a group whose caches are laid out in other blocks than the block ids vLLM hands out.
+
+    vLLM splits each of its blocks into several of the attention kernel's when the backend
+    does not take the block size as is (``kernel_block_size``, e.g. FlashInfer and
+    ``--block-size 128``): a block id from the scheduler then names another place in the
+    cache tensor than kvplug's slots would, and loads and stores would move other KV.
+    """
+    if group.block_size and group.block_size != cache_block_size:
+        raise LayoutError(
+            f"KV cache group {group.index} ({group.spec_name}): vLLM's block tables hold blocks of "
+            f"{group.block_size} tokens, but its attention backend's cache is laid out in blocks of "
+            f"{cache_block_size} (vLLM splits each block for that backend); kvplug addresses the cache by "
+            f"vLLM's block ids and would copy the wrong slots. Start vLLM with --block-size {cache_block_size}, "
+            "or with an attention backend that takes its block size as is"
+        )
 
 
 def _state_format(spec: Any) -> str:

@@ -5,7 +5,10 @@ A model of one KV cache group reports the promised blocks that did not load
 and recomputes from there. A model of several groups reports a failed load by request
 (``failed_recving``): vLLM maps block ids to requests for one group only, and
 recomputes such a request whole. A request whose load failed stores nothing in that
-step: its later blocks were computed on top of the bad ones.
+step: its later blocks were computed on top of the bad ones. Nor in the steps vLLM
+scheduled before it saw the failure (async scheduling, pipeline parallelism run a step
+ahead): a request whose synchronous load failed stores nothing until vLLM has rolled it
+back (its ``RequestMeta.epoch`` grows) or it finished.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ class LoadResults:
         #: Requests of this step whose load failed: they store nothing in it.
         self.failed_this_step: set[str] = set()
         self._failed_requests: set[str] = set()
+        #: Requests whose synchronous load failed -> their epoch then (see the module docstring).
+        self._poisoned: dict[str, int] = {}
 
     def check_blocks(
         self, request: RequestMeta, loaded: torch.Tensor | None, block_size: int, stats: KVPlugConnectorStats
@@ -61,6 +66,28 @@ class LoadResults:
         self._failed_requests.add(request.req_id)
         stats.add(load_error_requests=1)
         logger.warning("request %s: a KV cache group did not load; vLLM recomputes the request", request.req_id)
+
+    def poison(self, request: RequestMeta) -> None:
+        """``request``'s synchronous load failed: what vLLM computes of it until it rolls it back
+        was computed on top of the blocks that did not load."""
+        self._poisoned[request.req_id] = request.epoch
+
+    def may_store(self, request: RequestMeta) -> bool:
+        """Whether ``request``'s KV of this step may be stored (not computed on a failed load)."""
+        if request.req_id in self.failed_this_step:
+            return False
+        failed_at = self._poisoned.get(request.req_id)
+        if failed_at is None:
+            return True
+        if request.epoch > failed_at:  # vLLM rolled it back since: recomputed from before the bad blocks
+            del self._poisoned[request.req_id]
+            return True
+        return False
+
+    def forget(self, req_ids: set[str]) -> None:
+        """Drop what is kept of finished requests."""
+        for req_id in req_ids:
+            self._poisoned.pop(req_id, None)
 
     def take_block_errors(self) -> set[int]:
         errors, self._block_errors = self._block_errors, set()

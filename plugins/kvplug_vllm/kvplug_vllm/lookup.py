@@ -151,6 +151,13 @@ class SocketLookup:
                 self._socks.pop(path, None)
                 if sock is not None:
                     sock.close()
+                # A worker that says nothing for the whole timeout is not asked again: the
+                # scheduler may be waiting on its own thread, and lookup_timeout_s is the bound.
+                hung = isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError)
+                if hung:
+                    raise LookupChannelError(
+                        f"lookup via {path} failed: no answer within lookup_timeout_s ({self.timeout_s} s)"
+                    ) from exc
                 if attempt == 2:
                     raise LookupChannelError(f"lookup via {path} failed: {exc}") from exc
                 continue
@@ -204,6 +211,28 @@ class DirectLookup:
 
     def close(self) -> None:
         pass
+
+
+def open_channel(
+    engine_key: tuple[str, int, int], tp_size: int, mode: str, timeout_s: float
+) -> DirectLookup | SocketLookup:
+    """The scheduler's way to every tensor-parallel worker of its engine (``lookup_channel``):
+    direct when their engines are in this process (``auto``), else over their sockets."""
+    engine_id, dp_rank, _ = engine_key
+    keys = [(engine_id, dp_rank, rank) for rank in range(tp_size)]
+    workers = [w for w in (local_worker(key) for key in keys) if w is not None]
+    channel: DirectLookup | SocketLookup
+    if mode == "direct" or (mode == "auto" and len(workers) == len(keys)):
+        if len(workers) < len(keys):
+            raise LookupChannelError("lookup_channel: direct, but the worker's cache engine is not in this process")
+        channel = DirectLookup([w.engine for w in workers], [w.reset for w in workers], trims=[w.trim for w in workers])
+    else:
+        channel = SocketLookup([socket_path(*key) for key in keys], timeout_s)
+    where = (
+        "directly to the worker's engine" if isinstance(channel, DirectLookup) else "over the worker's lookup socket"
+    )
+    logger.info("kvplug lookups go %s", where)
+    return channel
 
 
 def inline_tiers(config: KVPlugConfig) -> frozenset[str]:

@@ -53,6 +53,9 @@ class RequestMeta:
     #: Recurrent states vLLM handed over this step (``align`` mode): (KV cache group, block id,
     #: token boundary) each. The worker stores each as the state group's chunk ending there.
     state_blocks: list[tuple[int, int, int]] = field(default_factory=list)
+    #: How many times vLLM rolled the request back (preempted, or after a failed load) before this
+    #: step: a worker whose load of the request failed stores nothing of it until this grows.
+    epoch: int = 0
 
     def request_info(self) -> RequestInfo:
         return RequestInfo(

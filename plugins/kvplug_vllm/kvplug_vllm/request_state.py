@@ -5,7 +5,7 @@ A request goes through these phases (vLLM calls in brackets)::
     LOOKING_UP --> LOOKED_UP --> RUNNING                     (get_num_new_matched_tokens,
          |             |            ^                         update_state_after_alloc,
          |             v            |                         build_connector_meta)
-         |        LOAD_QUEUED --> LOADING --> LOAD_FAILED --> LOOKED_UP / RUNNING
+         |        LOAD_QUEUED --> LOADING --> LOAD_FAILED --> RUNNING
 
 - ``LOOKING_UP``: its lookup runs in the background; vLLM was told to ask again.
 - ``LOOKED_UP``: its latest lookup is answered (vLLM may ask again before it admits it; a
@@ -13,7 +13,7 @@ A request goes through these phases (vLLM calls in brackets)::
 - ``LOAD_QUEUED``: admitted with a background load, which goes into the next step's metadata.
 - ``LOADING``: that load was sent; vLLM keeps the request in ``WAITING_FOR_REMOTE_KVS``.
 - ``LOAD_FAILED``: vLLM asked about it again, so its background load failed with nothing valid
-  and vLLM computes the prompt.
+  and vLLM computes the prompt (every ask until vLLM admits it says so: no new lookup).
 - ``RUNNING``: scheduled; each step stores the chunks its KV completes (:mod:`kvplug_vllm.plan`).
 
 The request's kvplug settings (``kv_transfer_params``) are validated once, when its state is
@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from kvplug import ExtraKey, KVPlugConfig, RequestInfo
 from kvplug.errors import ConfigError
@@ -60,6 +63,8 @@ class Progress:
     hit_tokens: int = 0
     vllm_cached_tokens: int = 0
     external_tokens: int = 0
+    #: Times its computed count went back (preempted, or rolled back after a failed load).
+    rollbacks: int = 0
 
     def report(self) -> dict[str, int]:
         return dict(
@@ -108,13 +113,15 @@ class RequestState:
 
 
 def request_info(request: Any, config: KVPlugConfig, *, with_overrides: bool = True) -> RequestInfo:
-    """Isolation and extra keys of a vLLM request: cache_salt, LoRA, multimodal inputs.
+    """Isolation and extra keys of a vLLM request: cache_salt, LoRA, multimodal inputs,
+    prompt embeddings.
 
     Each multimodal item becomes an :class:`kvplug.ExtraKey` over its placeholder
     tokens, so two prompts with equal placeholder ids but different images never
-    share those chunks. Raises ``ConfigError`` for bad kvplug ``kv_transfer_params``.
+    share those chunks; prompt embeddings likewise (:func:`embeds_keys`). Raises
+    ``ConfigError`` for bad kvplug ``kv_transfer_params``.
     """
-    extra_keys = []
+    extra_keys = embeds_keys(request, config.chunk_size)
     for feature in getattr(request, "mm_features", None) or ():
         position = feature.mm_position
         value = feature.mm_hash or feature.identifier
@@ -127,6 +134,30 @@ def request_info(request: Any, config: KVPlugConfig, *, with_overrides: bool = T
         extra_keys=tuple(extra_keys),
         overrides=overrides,
     )
+
+
+def embeds_keys(request: Any, chunk_size: int) -> list[ExtraKey]:
+    """Extra keys of a prompt vLLM computes from embeddings (``prompt_embeds``), at least in part.
+
+    Its token ids are placeholders where the embeddings go (all of them, or where
+    ``prompt_is_token_ids`` is False): keyed by its ids alone, its chunks would be those of
+    any prompt of the same ids. Each chunk's span gets the SHA-256 of its embeddings and
+    of which positions take them, so prompts of equal embeddings share chunks up to the
+    first that differs, as vLLM's own prefix cache keys them by block.
+    """
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is None:
+        return []
+    mask = getattr(request, "prompt_is_token_ids", None)
+    values = embeds.detach().to("cpu").contiguous()
+    keys = []
+    for start in range(0, int(values.shape[0]), chunk_size):
+        end = min(start + chunk_size, int(values.shape[0]))
+        digest = hashlib.sha256(f"{values.dtype}/{tuple(values.shape[1:])}/".encode())
+        digest.update(b"all" if mask is None else bytes(bool(t) for t in mask[start:end]))
+        digest.update(values[start:end].view(torch.uint8).numpy().tobytes())
+        keys.append(ExtraKey(start, end, f"prompt_embeds:{digest.hexdigest()}"))
+    return keys
 
 
 def isolation(info: RequestInfo) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import Any
 from kvplug import KVPlugConfig, hit_tokens
 from kvplug.errors import KVPlugError
 from kvplug_vllm.kv_events import SchedulerEvents
-from kvplug_vllm.lookup import DirectLookup, SocketLookup, inline_tiers, local_worker, socket_path
+from kvplug_vllm.lookup import DirectLookup, SocketLookup, inline_tiers, open_channel
 from kvplug_vllm.lookup_pool import LookupPool, Tiers
 from kvplug_vllm.lookup_result import LookupResult
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
@@ -109,11 +109,13 @@ class SchedulerSide:
         tokens = request.prompt_token_ids
         if not self.can_load or tokens is None:
             return 0, False
-        if state.phase is Phase.LOADING:
+        if state.phase in (Phase.LOADING, Phase.LOAD_FAILED):
             # Its background load failed or ran past load_timeout_s and vLLM rolled it back to
-            # nothing: trying the same slow tier again could fail the same way, forever.
+            # nothing: trying the same slow tier again could fail the same way, forever. vLLM
+            # asks again each step until it has blocks for the prompt: the answer stays.
+            if state.phase is Phase.LOADING:
+                logger.info("request %s: its background load failed; vLLM computes the prompt", request.request_id)
             state.phase = Phase.LOAD_FAILED
-            logger.info("request %s: its background load failed; vLLM computes the prompt", request.request_id)
             return 0, False
         if self.settings.skip_last_n_tokens:
             tokens = tokens[: max(0, len(tokens) - self.settings.skip_last_n_tokens)]
@@ -208,7 +210,13 @@ class SchedulerSide:
             state = self._states.get(new.req_id)
             if state is None or state.request is None or new.prompt_token_ids is None:
                 continue
-            progress = state.progress = Progress(len(new.prompt_token_ids), [list(ids) for ids in new.block_ids])
+            previous, progress = (
+                state.progress,
+                Progress(len(new.prompt_token_ids), [list(ids) for ids in new.block_ids]),
+            )
+            if previous is not None:  # preempted, and resumed as a new request (vLLM's v2 model runner)
+                progress.rollbacks = previous.rollbacks + 1
+            state.progress = progress
             if state.load is not None and state.phase is Phase.LOADING:  # its KV arrived in the background
                 loaded = state.load
                 progress.hit_tokens, progress.external_tokens = loaded.new_hit, loaded.num_external
@@ -238,6 +246,7 @@ class SchedulerSide:
             computed = cached.num_computed_tokens[index]
             if computed < progress.num_computed:  # preempted, or rolled back after a failed load
                 progress.num_saved = rolled_back(progress.num_saved, computed, self.chunk_size)
+                progress.rollbacks += 1
             end = computed + scheduler_output.num_scheduled_tokens[req_id]
             self._add(meta, state, end, self._take_load(state), handed.get(req_id, ()))
         return meta
@@ -315,6 +324,7 @@ class SchedulerSide:
                 save_end=plan.save_end,
                 block_hashes=self.events.block_hashes(state.request, len(tokens)),
                 state_blocks=[(int(g), int(b), int(n)) for g, b, n in plan.states],
+                epoch=progress.rollbacks,
             )
         )
 
@@ -371,25 +381,7 @@ class SchedulerSide:
 
     def _lookup_channel(self) -> DirectLookup | SocketLookup:
         if self._channel is None:
-            engine_id, dp_rank, _ = self.engine_key
-            keys = [(engine_id, dp_rank, rank) for rank in range(self.tp_size)]
-            found = [local_worker(key) for key in keys]
-            workers = [w for w in found if w is not None]
-            mode = self.settings.lookup_channel
-            if mode == "direct" or (mode == "auto" and len(workers) == len(keys)):
-                if len(workers) < len(keys):
-                    raise KVPlugError("lookup_channel: direct, but the worker's cache engine is not in this process")
-                self._channel = DirectLookup(
-                    [w.engine for w in workers],
-                    [w.reset for w in workers],
-                    trims=[w.trim for w in workers],
-                )
-            else:
-                self._channel = SocketLookup([socket_path(*key) for key in keys], self.settings.lookup_timeout_s)
-            logger.info(
-                "kvplug lookups go %s",
-                "directly to the worker's engine"
-                if isinstance(self._channel, DirectLookup)
-                else "over the worker's lookup socket",
+            self._channel = open_channel(
+                self.engine_key, self.tp_size, self.settings.lookup_channel, self.settings.lookup_timeout_s
             )
         return self._channel

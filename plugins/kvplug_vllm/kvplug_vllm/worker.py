@@ -11,8 +11,8 @@ are written by the cache engine's store thread.
 Blocks the scheduler was promised but that did not load (missing, corrupt, tier
 down) are reported by ``get_block_ids_with_load_errors``; vLLM then recomputes
 them (``kv_load_failure_policy: recompute``) or fails the request. A request
-whose load failed stores nothing in that step: its later blocks were computed
-on top of the bad ones.
+whose load failed stores nothing until vLLM rolled it back: its later blocks were
+computed on top of the bad ones (:mod:`kvplug_vllm.load_results`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from kvplug import (
     ChunkKey,
     ControlServer,
     EngineControl,
-    LayerwiseRetrieve,
     load_config,
     slots_from_block_ids,
 )
@@ -40,7 +39,8 @@ from kvplug_vllm.background import BackgroundLoads, GroupsRetrieve, fetch
 from kvplug_vllm.control import HybridControl, reset_tiers, start_control
 from kvplug_vllm.group_engines import GroupEngines
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
-from kvplug_vllm.kv_groups import KVGroup, primary_group
+from kvplug_vllm.kv_groups import KVGroup, check_block_size, primary_group
+from kvplug_vllm.layerwise_step import LayerwiseStep
 from kvplug_vllm.layout import check_chunk_size, detect_layout, fingerprint_for, head_shard
 from kvplug_vllm.load_results import LoadResults
 from kvplug_vllm.lookup import LocalWorker, register_local, unregister_local
@@ -83,10 +83,7 @@ class WorkerSide:
         self.kv_caches: list[torch.Tensor] = []
         self.layer_index: dict[str, int] = {}
         self.results = LoadResults()
-        self._retrievers: list[LayerwiseRetrieve] = []
-        self._loaded_layers = 0
-        self._storers: list[Generator[int, None, int]] = []
-        self._saved_layers = 0
+        self._layers = LayerwiseStep()
         self._stats = KVPlugConnectorStats()
         self._metric_marks: dict[str, float] = {}
         self._busy_s = 0.0
@@ -110,6 +107,8 @@ class WorkerSide:
             primary = self.kv_groups[primary_group(self.kv_groups)]
             kv_caches = {name: kv_caches[name] for name in primary.layer_names}
         layout = detect_layout(kv_caches, self.vllm_config)
+        if self.kv_groups:
+            check_block_size(self.kv_groups[primary_group(self.kv_groups)], layout.block_size)
         config = load_config(engine_extra=self.engine_extra).config
         check_chunk_size(layout, config.chunk_size)
         ranks = dict(tp_rank=get_tensor_model_parallel_rank(), pp_rank=get_pp_group().rank_in_group)
@@ -148,10 +147,7 @@ class WorkerSide:
     def begin_step(self) -> None:
         """Reset per-step state; vLLM binds new metadata before every forward."""
         self.results.failed_this_step.clear()
-        self._retrievers = []
-        self._loaded_layers = 0
-        self._storers = []
-        self._saved_layers = 0
+        self._layers = LayerwiseStep()
 
     @timed
     def start_load_kv(self) -> None:
@@ -181,7 +177,7 @@ class WorkerSide:
         try:
             retriever = fetch(self.engine, request, self.kv_caches, keys)
             if self.layerwise:
-                self._retrievers.append(retriever)
+                self._layers.add_load(request, retriever)
             else:
                 retriever.write_remaining()
                 count_load_phases(self._stats, retriever)
@@ -191,16 +187,14 @@ class WorkerSide:
             loaded = torch.zeros(len(tokens), dtype=torch.bool)
         self._stats.sample("load_seconds", time.perf_counter() - started)
         self.results.check_blocks(request, loaded, self.engine.layout.block_size, self._stats)
+        if request.req_id in self.results.failed_this_step:
+            self.results.poison(request)
 
     @timed
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self.layer_index.get(layer_name)
-        if index is None or not self._retrievers:
-            return
-        while self._loaded_layers <= index:
-            for retriever in self._retrievers:
-                next(retriever, None)
-            self._loaded_layers += 1
+        if index is not None and self._layers.loads:
+            self._layers.load_through(index)
 
     @timed
     def save_kv_layer(self, layer_name: str) -> None:
@@ -209,27 +203,21 @@ class WorkerSide:
         index = self.layer_index.get(layer_name)
         if index is None:
             return
-        if index == 0 and self._saved_layers == 0:
-            meta = self._metadata()
-            storers = (self._store(request, layerwise=True) for request in self._to_save(meta))
-            self._storers = [s for s in storers if s is not None]
-        while self._saved_layers <= index:
-            for storer in self._storers:
-                next(storer, None)
-            self._saved_layers += 1
+        if index == 0 and not self._layers.storing:
+            storers = (
+                (request.req_id, self._store(request, layerwise=True)) for request in self._to_save(self._metadata())
+            )
+            self._layers.stores = [(req_id, s) for req_id, s in storers if s is not None]
+            self._layers.storing = True
+        self._layers.store_through(index)
 
     @timed
     def wait_for_save(self) -> None:
         if self.engine is None:
             return
-        for retriever in self._retrievers:  # layers the forward pass did not wait for
-            retriever.write_remaining()
-        self._retrievers = []
+        self._layers.finish_loads(self.results, self.engine.layout.block_size, self._stats)
         if self.layerwise:
-            for storer in self._storers:
-                for _ in storer:
-                    pass
-            self._storers = []
+            self._layers.finish_stores(self.results.failed_this_step)
             return
         for request in self._to_save(self._metadata()):
             self._store(request, layerwise=False)
@@ -237,11 +225,7 @@ class WorkerSide:
     def _to_save(self, meta: KVPlugConnectorMetadata | None) -> list[RequestMeta]:
         if meta is None or not self.can_save:
             return []
-        return [
-            r
-            for r in meta.requests
-            if (r.save_end > r.save_start or r.state_blocks) and r.req_id not in self.results.failed_this_step
-        ]
+        return [r for r in meta.requests if (r.save_end > r.save_start or r.state_blocks) and self.results.may_store(r)]
 
     def _store(self, request: RequestMeta, *, layerwise: bool) -> Generator[int, None, int] | None:
         assert self.engine is not None
@@ -273,13 +257,14 @@ class WorkerSide:
     # --- outputs ----------------------------------------------------------------------
 
     @timed
-    def get_finished(self) -> set[str] | None:
+    def get_finished(self, finished_req_ids: set[str] | None = None) -> set[str] | None:
         """Requests whose background load finished, failed or ran past its deadline this step.
 
         Finished fetches are written into the paged cache here, on vLLM's thread
         between two forward passes; the blocks of failed or late ones are reported
         as load errors in the same step, as vLLM requires.
         """
+        self.results.forget(finished_req_ids or set())
         if self.engine is None:
             return None
         meta = self._metadata()
@@ -294,20 +279,20 @@ class WorkerSide:
             if retriever is None:
                 reason = "deadline" if seconds >= self.background.timeout_s else "fetch_failed"
                 self._stats.add(**{LOAD_ERROR_PREFIX + reason: 1})
-            loaded = None
             if retriever is not None:
                 self._worked = True
                 try:
                     retriever.write_remaining()
                     count_load_phases(self._stats, retriever)
-                    loaded = None if isinstance(retriever, GroupsRetrieve) else retriever.loaded_mask
                 except Exception:
                     logger.exception(
                         "request %s: writing the loaded KV failed; its blocks will be recomputed", request.req_id
                     )
+                    retriever = None  # whatever its masks say: a write that raised may have stopped anywhere
             if isinstance(retriever, GroupsRetrieve) or (retriever is None and self.groups is not None):
                 self.results.check_groups(request, retriever, self._stats)
             else:
+                loaded = retriever.loaded_mask if retriever is not None else None
                 self.results.check_blocks(request, loaded, self.engine.layout.block_size, self._stats)
         return {request.req_id for request, _, _ in done} or None
 

@@ -250,3 +250,40 @@ def test_clients_refuse_a_link_to_a_socket(server: ControlServer) -> None:
         link.unlink()
     with pytest.raises(UnsafeSocketPathError):
         check_socket_file(Path(tempfile.gettempdir()) / "nonexistent-dir" / "x.sock")
+
+
+def test_a_worker_that_never_answers_costs_one_lookup_timeout(tmp_path: Path) -> None:
+    """The scheduler asks on its own thread unless its lookups go to the background: a worker
+    that accepted the lookup and hangs costs ``lookup_timeout_s``, once (no second try that
+    waits as long again), and the lookup is refused naming the timeout."""
+    folder = tmp_path / "hung"
+    folder.mkdir(mode=0o700)
+    path = folder / "worker.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(8)
+    accepted: list[socket.socket] = []
+    done = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not done.is_set():
+            try:
+                accepted.append(listener.accept()[0])  # held open, never answered
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    client = SocketLookup([path], timeout_s=0.5)
+    try:
+        with pytest.raises(LookupChannelError, match="no answer within lookup_timeout_s"):
+            client.locate(PROMPT, RequestInfo())
+    finally:
+        done.set()
+        thread.join(5)
+        client.close()
+        for sock in accepted:
+            sock.close()
+        listener.close()
+    assert len(accepted) == 1

@@ -14,9 +14,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from test_tier_media import (  # noqa: F401  (engine_and_control, engine, registry: fixtures)
     BLOCKS,
     PROMPT,
+    answer,
     engine,
     engine_and_control,
     registry,
@@ -25,7 +27,7 @@ from test_tier_media import (  # noqa: F401  (engine_and_control, engine, regist
 )
 
 from kvplug import CacheEngine, KVPlugConfig, RequestInfo
-from kvplug_vllm.request_state import Phase
+from kvplug_vllm.request_state import Phase, RequestState
 from kvplug_vllm.scheduler import SchedulerSide
 
 __all__ = ["engine", "registry"]  # fixtures
@@ -158,3 +160,94 @@ def test_a_requests_kvplug_settings_are_validated_once(
     ignored = [r.getMessage() for r in caplog.records if "ignoring kvplug settings" in r.getMessage()]
     assert len(ignored) == 1 and "r-bad" in ignored[0] and "chunk_size" in ignored[0]
     assert {m.req_id: m.overrides for m in meta.requests} == {"r-skip": {"skip_save": True}, "r-bad": {}, "r": {}}
+
+
+def with_embeds(request_id: str, embeds: torch.Tensor, is_token_ids: list[bool] | None) -> SimpleNamespace:
+    """A prompt vLLM computes from embeddings (``prompt_embeds``): its token ids are placeholders
+    where ``is_token_ids`` is False (mixed mode), or everywhere when it is None."""
+    r = request(request_id)
+    r.prompt_embeds, r.prompt_is_token_ids = embeds, is_token_ids
+    return r
+
+
+#: Mixed mode: embeddings at positions 0-9, 50-59, 100-109, ...; or embeddings only.
+MASKS = {"mixed-mode": [i % 50 >= 10 for i in range(len(PROMPT))], "embeds-only": None}
+
+
+@pytest.mark.parametrize("mask", MASKS.values(), ids=MASKS.keys())
+def test_a_prompt_with_embeddings_misses_kv_computed_from_its_placeholder_ids(
+    side: SchedulerSide, mask: list[bool] | None
+) -> None:
+    """The engine holds PROMPT's KV, computed from its token ids; vLLM computes a prompt of the
+    same ids from embeddings: serving that KV would be another prompt's."""
+    r = with_embeds("r-embeds", torch.randn(len(PROMPT), 8), mask)
+    assert answer(side, r, 0) == (0, False)  # asked of every tier, not only those answering inline
+    side.update_state_after_alloc(r, BLOCKS, 0)
+    [stored] = side.build_connector_meta(step(new=[("r-embeds", 0, 200)])).requests
+    assert (stored.save_start, stored.save_end) == (0, 192)  # stored under keys of its own
+    assert stored.extra_keys == [(k.start, k.end, k.value) for k in side._states["r-embeds"].info.extra_keys]
+
+
+@pytest.mark.parametrize("mask", MASKS.values(), ids=MASKS.keys())
+def test_prompts_of_equal_embeddings_share_chunks_and_other_embeddings_end_the_sharing(
+    engine: CacheEngine, mask: list[bool] | None
+) -> None:
+    embeds = torch.randn(len(PROMPT), 8)
+    changed = embeds.clone()
+    changed[70] += 1  # in the second chunk
+
+    def keys(e: torch.Tensor) -> list[str]:
+        info = RequestState.of(with_embeds("r", e, mask), engine.config).info
+        return [k.key for k in engine.chunk_keys(PROMPT, info)]
+
+    plain = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
+    same, other = keys(embeds), keys(changed)
+    assert keys(embeds.clone()) == same
+    assert not set(same) & set(plain)
+    assert other[0] == same[0] and not set(other[1:]) & set(same)
+
+
+def test_a_failed_background_load_is_not_tried_again_while_vllm_cannot_admit_the_request(
+    engine: CacheEngine, side: SchedulerSide
+) -> None:
+    """vLLM asks again, step after step, about a request it has no free blocks for: after its
+    background load failed, each ask says "compute it", never a new load of the same slow tier."""
+    keys = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
+    tier(engine, "ram").remove(keys)
+    tier(engine, "legacy").remove(keys)  # on local disk only: the load goes to the background
+    r = request("r-retry")
+    assert side.get_num_new_matched_tokens(r, 0) == (192, True)
+    side.update_state_after_alloc(r, BLOCKS, 192)
+    side.build_connector_meta(step())
+    assert phase(side, "r-retry") is Phase.LOADING
+    for _ in range(3):  # the load failed; vLLM freed its blocks and cannot allocate the prompt's yet
+        assert side.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert phase(side, "r-retry") is Phase.LOAD_FAILED
+    side.update_state_after_alloc(r, BLOCKS, 0)
+    [stored] = side.build_connector_meta(step(new=[("r-retry", 0, 200)])).requests
+    assert stored.load is None and (stored.save_start, stored.save_end) == (0, 192)
+
+
+def test_a_request_vllm_rolled_back_is_sent_with_its_next_epoch(side: SchedulerSide) -> None:
+    """vLLM rolls a request back after a failed load (or preempts it): the worker, which stores
+    nothing of a request whose load failed until then, learns it from ``RequestMeta.epoch``."""
+    r = request("r-epoch")
+    assert side.get_num_new_matched_tokens(r, 0) == (192, False)
+    side.update_state_after_alloc(r, BLOCKS, 192)
+    [first] = side.build_connector_meta(step(new=[("r-epoch", 192, 8)])).requests
+    assert first.epoch == 0
+    # its load failed from token 64 on: vLLM computes from there, and the chunks from 64 are stored again
+    [again] = side.build_connector_meta(step(cached=[("r-epoch", 64, 136)])).requests
+    assert (again.epoch, again.save_start, again.save_end) == (1, 64, 192)
+
+
+def test_a_request_resumed_as_a_new_one_is_sent_with_its_next_epoch(side: SchedulerSide) -> None:
+    """vLLM's v2 model runner sends a preempted request back as a new one: a rollback too."""
+    r = request("r-resumed")
+    assert side.get_num_new_matched_tokens(r, 0) == (192, False)
+    side.update_state_after_alloc(r, BLOCKS, 192)
+    [first] = side.build_connector_meta(step(new=[("r-resumed", 192, 8)])).requests
+    assert side.get_num_new_matched_tokens(r, 0) == (192, False)  # preempted: asked again
+    side.update_state_after_alloc(r, BLOCKS, 192)
+    [resumed] = side.build_connector_meta(step(new=[("r-resumed", 192, 8)])).requests
+    assert (first.epoch, resumed.epoch) == (0, 1)
