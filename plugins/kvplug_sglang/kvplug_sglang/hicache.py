@@ -93,14 +93,16 @@ class KVPlugStorage(HiCacheStorage):
             self.mem_pool_host = mem_pool_host
             return
         cfg = self.storage_config
-        replicated = page_format.is_mla  # MLA KV is the same on every TP rank
+        # MLA KV is the same on every TP rank of one DCP shard; with DCP each shard holds other
+        # tokens of a page under the same SGLang key, so the shard is part of kvplug's key.
+        replicated = page_format.is_mla
         fingerprint = kvplug.Fingerprint(
             model_id=self.model_id,
             kv_layout=page_format.describe() + (":split" if cfg.should_split_heads else ""),
             dtype=kvplug.dtype_name(page_format.dtype),
             block_size=page_format.page_size,
-            tp_rank=0 if replicated else cfg.tp_rank,
-            tp_size=1 if replicated else cfg.tp_size,
+            tp_rank=cfg.dcp_rank if replicated else cfg.tp_rank,
+            tp_size=cfg.dcp_size if replicated else cfg.tp_size,
             pp_rank=cfg.pp_rank,
             pp_size=cfg.pp_size,
         )
@@ -112,7 +114,7 @@ class KVPlugStorage(HiCacheStorage):
         )
         self.mem_pool_host = mem_pool_host
         self.page_format = page_format
-        self.target = target = HiCacheControl(self, self.store, page_format.page_size)
+        self.target = target = HiCacheControl(self, self.store, page_format.indices_per_page)
         self.control = start_control(target, name=self.model_id, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -156,7 +158,7 @@ class KVPlugStorage(HiCacheStorage):
     def _host_page(self, host_indices: torch.Tensor, i: int) -> torch.Tensor:
         assert self.page_format is not None
         page: torch.Tensor = self.mem_pool_host.get_data_page(
-            int(host_indices[i * self.page_format.page_size]), flat=False
+            int(host_indices[i * self.page_format.indices_per_page]), flat=False
         )
         return page
 
@@ -210,7 +212,7 @@ class KVPlugStorage(HiCacheStorage):
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        """Load pages straight into the host pool at ``host_indices`` (``page_size`` per key)."""
+        """Load pages straight into the host pool at ``host_indices`` (a logical page per key)."""
         self._check_ready()
         self._check_indices(keys, host_indices)
         assert self.page_format is not None
@@ -288,6 +290,6 @@ class KVPlugStorage(HiCacheStorage):
 
     def _check_indices(self, keys: list[str], host_indices: torch.Tensor) -> None:
         assert self.page_format is not None
-        need = len(keys) * self.page_format.page_size
+        need = len(keys) * self.page_format.indices_per_page
         if host_indices.numel() < need:
             raise ValueError(f"{len(keys)} pages need {need} host indices, got {host_indices.numel()}")
