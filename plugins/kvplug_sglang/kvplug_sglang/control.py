@@ -105,9 +105,10 @@ class HiCacheControl(ControlTarget):
         return ClearKeys(written, [], "every cache_salt", self.journal.written_to(written))
 
     def every_page_written(self) -> ClearKeys:
-        """The pages this backend wrote, to be removed from every tier (SGLang's ``clear``)."""
+        """The pages this backend wrote, each from the tiers its own writes put it in
+        (SGLang's ``clear``): a page a shared tier already held stays the other writer's."""
         written, _ = self.journal.split()
-        return ClearKeys(written, [], "every cache_salt")
+        return ClearKeys(written, [], "every cache_salt", self.journal.written_to(written))
 
     def close(self) -> None:
         self.chain.writes.remove(self.journal.on_written)

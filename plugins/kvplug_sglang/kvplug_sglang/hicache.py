@@ -269,7 +269,7 @@ class KVPlugStorage(HiCacheStorage):
     # --- lifecycle --------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Remove the pages this backend stored (in this process) from every tier."""
+        """Remove the pages this backend wrote (in this process) from the tiers it wrote them to."""
         if self.target is not None:
             self.target.remove(self.target.every_page_written)
 
