@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 from kvplug import CacheEngine, ControlIdentity, ControlServer, Fingerprint, RequestInfo, load_config
 from kvplug.cli.main import app
 from kvplug.core.control.client import ask, find_ranks
+from kvplug.core.control.message_server import ServerLimits
 from kvplug.core.control.protocol import MAX_CONTROL_MESSAGE, encode_request, exchange
 from kvplug.errors import ControlError
 from kvplug.testing import send_as_other_user
@@ -95,6 +96,7 @@ def test_an_oversize_message_closes_only_its_connection(server: ControlServer) -
         encode_request("lookup", {"cache_salt": 7}),  # a field of the wrong type
         encode_request("lookup", {"cache_salt": "s" * 5000}),  # too long
         encode_request("lookup", {"extra_keys": [[0, "x", "v"]]}),
+        encode_request("lookup", {"extra_keys": [[0, 1 << 64, "v"]]}, tokens=[1, 2]),  # past int64
         encode_request("lookup", tokens=[1, 2]) + b"\x01",  # tokens not whole int64s
         _LEN.pack(60_000) + b"[" * 60_000,  # nests past the JSON parser's depth (RecursionError)
         _LEN.pack(25) + b'{"v": 1, "op": "' + b"\xff" * 8 + b'"}',  # not UTF-8
@@ -105,6 +107,26 @@ def test_a_malformed_request_closes_its_connection(server: ControlServer, body: 
         sock.sendall(_LEN.pack(len(body)) + body)
         assert closed_without_reply(sock)
         assert exchange(bystander, encode_request("info"))["engine_id"] == "engine-a"  # other clients go on
+
+
+def test_clients_holding_the_buffer_budget_delay_others_never_refuse_them(
+    engine: CacheEngine, socket_dir: Path
+) -> None:
+    """Two connections that each send most of a largest message and stall fill the budget of
+    all connections: a third client waits until they are dropped (their read deadline), and
+    is answered; it is not closed for their bytes."""
+    limits = ServerLimits(max_message_bytes=1 << 20, max_buffered_bytes=2 << 20, read_deadline_s=1.0)
+    server = ControlServer(engine, ControlIdentity("engine-a", "tiny", "test"), limits=limits)
+    hogs = [connect(server.path) for _ in range(2)]
+    try:
+        for hog in hogs:
+            hog.sendall(_LEN.pack(1 << 20) + b"\0" * ((1 << 20) - 1))
+        assert ask(server.path, "info", timeout_s=60)["engine_id"] == "engine-a"
+        assert all(closed_without_reply(hog) for hog in hogs)
+    finally:
+        for hog in hogs:
+            hog.close()
+        server.close()
 
 
 def test_another_protocol_version_is_refused_by_name(server: ControlServer) -> None:

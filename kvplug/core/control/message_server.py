@@ -5,7 +5,8 @@ An engine adapter's worker answers on unix sockets in this user's private folder
 ``kvplug ctl`` (:mod:`kvplug.core.control.server`). Whatever connects,
 :class:`MessageServer` holds: every message's size is checked against
 ``max_message_bytes`` before a byte of its body is buffered; all connections together
-buffer at most ``max_buffered_bytes``; a message, once begun, must arrive within
+buffer at most ``max_buffered_bytes`` (a connection that would go over it is not read from
+until others' messages are answered or dropped: it waits, it is not refused); a message, once begun, must arrive within
 ``read_deadline_s``; a reply the client does not read within ``write_deadline_s``
 closes that connection (the server never blocks on a send: sockets are non-blocking
 and a connection with an unsent reply is not read from); at most ``max_connections``
@@ -70,6 +71,8 @@ class _Connection:
     out_since: float | None = None
     #: An answer thread has its message: it is not read from, nor closed for room.
     answering: bool = False
+    #: Not read from (not registered) until other connections' buffered bytes go.
+    paused: bool = False
 
 
 class MessageServer:
@@ -100,6 +103,7 @@ class MessageServer:
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._connections: dict[socket.socket, _Connection] = {}
+        self._paused: list[_Connection] = []
         self._buffered = 0
         self._stopping = False
         self._listening = True
@@ -174,6 +178,7 @@ class MessageServer:
                     except OSError as exc:
                         self._drop(conn, f"socket error: {exc}")
             self._expire(time.monotonic())
+            self._resume()
             if not self._listening and self._has_room():
                 self._listening = True
                 self._selector.register(self._listener, selectors.EVENT_READ, None)
@@ -216,10 +221,15 @@ class MessageServer:
     def _receive(self, conn: _Connection) -> None:
         header = _LEN.size
         want = header - len(conn.inbox) if conn.body_length is None else conn.body_length - len(conn.inbox)
-        want = min(want, 1 << 20)
-        if self._buffered + want > self.limits.max_buffered_bytes:
-            self._drop(conn, f"clients hold {self._buffered} buffered bytes, the limit of all connections")
+        room = self.limits.max_buffered_bytes - self._buffered
+        if room <= 0:
+            # Other connections hold the budget: this one waits (unread) until their messages
+            # are answered or dropped (their read deadline bounds the wait), never refused.
+            conn.paused = True
+            self._selector.unregister(conn.sock)
+            self._paused.append(conn)
             return
+        want = min(want, 1 << 20, room)
         try:
             data = conn.sock.recv(want)
         except (BlockingIOError, InterruptedError):
@@ -257,6 +267,16 @@ class MessageServer:
                 answerer = threading.Thread(target=self._answer_loop, name=f"{self.thread_name}-answer", daemon=True)
                 answerer.start()
                 self._answerers.append(answerer)
+
+    def _resume(self) -> None:
+        """Read again from paused connections while the budget has room."""
+        while self._paused and self._buffered < self.limits.max_buffered_bytes:
+            conn = self._paused.pop(0)
+            if self._connections.get(conn.sock) is conn:
+                conn.paused = False
+                if conn.started is not None:  # its deadline counts from now: the wait was the server's
+                    conn.started = time.monotonic()
+                self._selector.register(conn.sock, selectors.EVENT_READ, None)
 
     def _answer_safely(self, body: bytes) -> bytes | None:
         try:
@@ -323,7 +343,7 @@ class MessageServer:
     def _expire(self, now: float) -> None:
         limits = self.limits
         for conn in list(self._connections.values()):
-            if conn.answering:  # its answer takes what it takes; the client's own timeout bounds its wait
+            if conn.answering or conn.paused:  # waiting on the server, not on its client
                 continue
             if conn.started is not None and now - conn.started > limits.read_deadline_s:
                 self._drop(conn, f"a message did not arrive within {limits.read_deadline_s} s")
@@ -338,6 +358,6 @@ class MessageServer:
         if self._connections.pop(conn.sock, None) is None:
             return
         self._buffered -= len(conn.inbox)
-        if not conn.answering:  # else not registered while its answer is computed
+        if not conn.answering and not conn.paused:  # else not registered now
             self._selector.unregister(conn.sock)
         conn.sock.close()
