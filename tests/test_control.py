@@ -208,6 +208,12 @@ def test_ctl_clear_removes_one_salt_from_one_tier_and_says_so(server: ControlSer
     store(engine, OTHER, salt="tenant-b")
     result = CliRunner().invoke(app, ["ctl", "clear"])
     assert result.exit_code == 2 and "exactly one of --salt S, --no-salt, --all" in result.output
+    # --all with --lora would clear every LoRA's chunks: refused, by the CLI and by the engine.
+    result = CliRunner().invoke(app, ["ctl", "clear", "--all", "--lora", "adapter-1"])
+    assert result.exit_code == 2 and "--all clears every cache_salt and every LoRA" in result.output
+    with pytest.raises(ControlError, match="all_salts clears every salt and LoRA"):
+        ask(server.path, "clear", {"all_salts": True, "lora_id": "adapter-1"})
+    assert engine.lookup(OTHER, request=RequestInfo(cache_salt="tenant-b")) == 24  # nothing removed
     cleared = ctl("clear", "--salt", "tenant-a", "--tier", "cpu")["total"]
     assert cleared["removed"] == {"0:cpu": 5} and cleared["scope"] == "cache_salt 'tenant-a'"
     assert cleared["bytes_freed"]["0:cpu"] > 0
