@@ -256,6 +256,7 @@ def test_the_command_prints_the_chunk_map_and_json(tmp_path: Path) -> None:
     [
         ("hello world", [], "is not token ids"),
         ("[1, 2.5]", [], "must be a list of integers"),
+        ("[" * 100_000, [], "nests too deeply"),
         ("1 2 3", ["--tokenizer", "gpt2"], "needs the transformers package"),
         ("1 2 3", ["--set", "colour=blue"], "not a fingerprint field"),
         ("1 2 3", ["--set", "tp_size=two"], "tp_size must be an integer"),
