@@ -25,7 +25,7 @@ from kvplug.cli.main import app
 from kvplug.core.control.client import ask, find_ranks
 from kvplug.core.control.message_server import ServerLimits
 from kvplug.core.control.protocol import MAX_CONTROL_MESSAGE, encode_request, exchange
-from kvplug.errors import ControlError
+from kvplug.errors import ControlError, SocketInUseError
 from kvplug.testing import send_as_other_user
 
 LAYOUT = LAYOUTS["vllm_flash"]  # float16, block 4
@@ -127,6 +127,14 @@ def test_clients_holding_the_buffer_budget_delay_others_never_refuse_them(
         for hog in hogs:
             hog.close()
         server.close()
+
+
+def test_a_second_server_does_not_take_over_a_served_socket(server: ControlServer, engine: CacheEngine) -> None:
+    """Two engines with one identity (one socket path): the second is refused, naming the path;
+    the first keeps its socket and answers."""
+    with pytest.raises(SocketInUseError, match=str(server.path)):
+        ControlServer(engine, ControlIdentity("engine-a", "again", "test"))
+    assert server.path.exists() and ask(server.path, "info")["name"] == "tiny"
 
 
 def test_another_protocol_version_is_refused_by_name(server: ControlServer) -> None:

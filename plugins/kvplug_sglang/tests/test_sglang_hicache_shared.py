@@ -106,3 +106,19 @@ def test_clear_leaves_pages_another_server_wrote(tmp_path: Path) -> None:
     assert backend.store is not None and backend.store.contains_prefix([backend.storage_key(keys[2])]) == 0
     other.close()
     backend.close()
+
+
+def test_each_data_parallel_replica_answers_kvplug_ctl_on_its_own_socket(socket_dir: Path) -> None:
+    """With --dp-size, every replica's schedulers are children of one process (one engine id):
+    each replica's rank answers as its own dp rank, on its own socket."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from kvplug.core.control.client import ask
+
+    with get_parallel().override(dp_rank=1):
+        backend = make_backend(make_host("layer_first"), {"tiers": [{"type": "cpu"}]})
+    try:
+        assert backend.control is not None
+        assert ask(backend.control.path, "info")["dp_rank"] == 1
+    finally:
+        backend.close()
