@@ -122,3 +122,24 @@ def test_each_data_parallel_replica_answers_kvplug_ctl_on_its_own_socket(socket_
         assert ask(backend.control.path, "info")["dp_rank"] == 1
     finally:
         backend.close()
+
+
+def test_servers_of_other_weights_under_one_served_name_never_share_pages(tmp_path: Path) -> None:
+    """SGLang names its model by --served-model-name (two checkpoints may share one): kvplug's
+    keys name the checkpoint SGLang loaded (its model path), so neither reads the other's KV."""
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    from sglang.srt.runtime_context import get_context
+
+    kvplug = {"tiers": [{"type": "disk", "path": str(tmp_path / "disk"), "queue": {"mode": "sync"}}]}
+    host = make_host("layer_first")
+    keys = page_keys(list(range(400, 400 + 2 * PAGE)))
+    backends = []
+    for checkpoint in ("/models/llama-v1", "/models/llama-v2"):
+        with get_context().override_server_args(model_path=checkpoint, served_model_name="llama"):
+            backends.append(make_backend(host, kvplug, model="llama"))
+    old, new = backends
+    assert old.batch_set_v1(keys, random_pages(host, 2, seed=9)) == [True, True]
+    assert old.batch_exists(keys) == 2 and new.batch_exists(keys) == 0
+    assert new.target is not None and new.target.describe()["model"] == "/models/llama-v2"
+    for backend in backends:
+        backend.close()
