@@ -279,6 +279,17 @@ def test_bad_input_is_a_clear_error(tmp_path: Path, prompt: str, args: list[str]
     assert result.exit_code == 2 and message in result.stderr, result.stderr
 
 
+def test_a_fingerprint_file_nested_too_deeply_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "kvplug.yaml").write_text(f"chunk_size: 8\ntiers:\n  - {{type: disk, path: {tmp_path / 'c'}}}\n")
+    with engine(config_for([{"type": "disk", "path": str(tmp_path / "c")}])):
+        pass
+    (tmp_path / "fp.json").write_text("[" * 100_000)
+    (tmp_path / "p.txt").write_text("1 2 3")
+    args = ["explain", "-f", str(tmp_path / "kvplug.yaml"), "--fingerprint", str(tmp_path / "fp.json")]
+    result = CliRunner().invoke(app, [*args, str(tmp_path / "p.txt")])
+    assert result.exit_code == 2 and "nests too deeply" in result.stderr, result.stderr
+
+
 def test_a_disk_tier_whose_folder_is_not_a_store_is_an_error_and_nothing_is_created(tmp_path: Path) -> None:
     """explain opens its tiers read-only: a folder no engine wrote is refused, not made a store."""
     (tmp_path / "kvplug.yaml").write_text(f"chunk_size: 8\ntiers:\n  - {{type: disk, path: {tmp_path / 'c'}}}\n")
