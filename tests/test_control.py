@@ -12,6 +12,7 @@ import os
 import socket
 import struct
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,59 @@ def test_clients_holding_the_buffer_budget_delay_others_never_refuse_them(
         for hog in hogs:
             hog.close()
         server.close()
+
+
+def test_senders_that_all_wait_for_room_do_not_wedge_the_server(engine: CacheEngine, socket_dir: Path) -> None:
+    """Three clients' big requests, each begun, fill the budget of all connections and each
+    needs more room: the one holding most is closed, and the other two are answered."""
+    limits = ServerLimits(max_message_bytes=1 << 20, max_buffered_bytes=2 << 20, read_deadline_s=30.0)
+    server = ControlServer(engine, ControlIdentity("engine-a", "tiny", "test"), limits=limits)
+    num_tokens = ((1 << 20) - 200) // 8
+    body = encode_request("lookup", tokens=list(range(num_tokens)))
+    message = _LEN.pack(len(body)) + body
+    clients = [connect(server.path) for _ in range(3)]
+    try:
+        firsts = [700_000, 720_000, 680_000]  # 2.1 MB begun in all, over the 2 MiB budget
+        for client, first in zip(clients, firsts):
+            client.sendall(message[:first])
+        with ThreadPoolExecutor(3) as pool:
+            rest = [pool.submit(c.sendall, message[f:]) for c, f in zip(clients, firsts)]
+            replies = []
+            for client in clients:
+                try:
+                    replies.append(exchange_reply(client))
+                except (ConnectionError, OSError):
+                    replies.append(None)
+            for sent in rest:
+                try:
+                    sent.result(timeout=60)
+                except OSError:
+                    pass
+        assert replies[1] is None, "the client holding most bytes is closed"
+        assert [r["num_tokens"] for r in replies if r is not None] == [num_tokens] * 2
+    finally:
+        for client in clients:
+            client.close()
+        server.close()
+
+
+def exchange_reply(sock: socket.socket) -> dict[str, Any]:
+    """The reply to a request already sent on ``sock``."""
+    head = b""
+    while len(head) < 4:
+        part = sock.recv(4 - len(head))
+        if not part:
+            raise ConnectionError("closed")
+        head += part
+    (length,) = _LEN.unpack(head)
+    data = b""
+    while len(data) < length:
+        part = sock.recv(length - len(data))
+        if not part:
+            raise ConnectionError("closed")
+        data += part
+    reply: dict[str, Any] = json.loads(data)
+    return reply
 
 
 def test_a_second_server_does_not_take_over_a_served_socket(server: ControlServer, engine: CacheEngine) -> None:

@@ -6,7 +6,8 @@ An engine adapter's worker answers on unix sockets in this user's private folder
 :class:`MessageServer` holds: every message's size is checked against
 ``max_message_bytes`` before a byte of its body is buffered; all connections together
 buffer at most ``max_buffered_bytes`` (a connection that would go over it is not read from
-until others' messages are answered or dropped: it waits, it is not refused); a message, once begun, must arrive within
+until others' messages are answered or dropped: it waits; when all that hold bytes wait, the
+one holding most is closed); a message, once begun, must arrive within
 ``read_deadline_s``; a reply the client does not read within ``write_deadline_s``
 closes that connection (the server never blocks on a send: sockets are non-blocking
 and a connection with an unsent reply is not read from); at most ``max_connections``
@@ -274,7 +275,8 @@ class MessageServer:
                 self._answerers.append(answerer)
 
     def _resume(self) -> None:
-        """Read again from paused connections while the budget has room."""
+        """Read again from paused connections while the budget has room. When every connection
+        holding bytes waits for room (none can finish), the one holding most is closed."""
         while self._paused and self._buffered < self.limits.max_buffered_bytes:
             conn = self._paused.pop(0)
             if self._connections.get(conn.sock) is conn:
@@ -282,6 +284,15 @@ class MessageServer:
                 if conn.started is not None:  # its deadline counts from now: the wait was the server's
                     conn.started = time.monotonic()
                 self._selector.register(conn.sock, selectors.EVENT_READ, None)
+        if self._paused and self._buffered >= self.limits.max_buffered_bytes:
+            holders = [c for c in self._connections.values() if c.inbox]
+            if holders and all(c.paused for c in holders):
+                largest = max(holders, key=lambda c: len(c.inbox))
+                self._drop(
+                    largest,
+                    f"every connection holding bytes waits for room; closing the one holding {len(largest.inbox)}",
+                )
+                self._resume()
 
     def _answer_safely(self, body: bytes) -> bytes | None:
         try:
