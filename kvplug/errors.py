@@ -229,6 +229,10 @@ class UnsafeSocketPathError(KVPlugError):
     """A socket folder or file that another user could control (a link, foreign-owned, open to others)."""
 
 
+class SocketInUseError(KVPlugError):
+    """A socket path another running process serves on: a server does not take it over."""
+
+
 class ControlError(KVPlugError):
     """A control request to a running engine failed: no engine answers, the socket is gone
     or refused us, the reply was malformed, or the engine said no (the message says which)."""

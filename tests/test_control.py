@@ -12,6 +12,7 @@ import os
 import socket
 import struct
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,9 @@ from typer.testing import CliRunner
 from kvplug import CacheEngine, ControlIdentity, ControlServer, Fingerprint, RequestInfo, load_config
 from kvplug.cli.main import app
 from kvplug.core.control.client import ask, find_ranks
+from kvplug.core.control.message_server import ServerLimits
 from kvplug.core.control.protocol import MAX_CONTROL_MESSAGE, encode_request, exchange
-from kvplug.errors import ControlError
+from kvplug.errors import ControlError, SocketInUseError
 from kvplug.testing import send_as_other_user
 
 LAYOUT = LAYOUTS["vllm_flash"]  # float16, block 4
@@ -95,6 +97,7 @@ def test_an_oversize_message_closes_only_its_connection(server: ControlServer) -
         encode_request("lookup", {"cache_salt": 7}),  # a field of the wrong type
         encode_request("lookup", {"cache_salt": "s" * 5000}),  # too long
         encode_request("lookup", {"extra_keys": [[0, "x", "v"]]}),
+        encode_request("lookup", {"extra_keys": [[0, 1 << 64, "v"]]}, tokens=[1, 2]),  # past int64
         encode_request("lookup", tokens=[1, 2]) + b"\x01",  # tokens not whole int64s
         _LEN.pack(60_000) + b"[" * 60_000,  # nests past the JSON parser's depth (RecursionError)
         _LEN.pack(25) + b'{"v": 1, "op": "' + b"\xff" * 8 + b'"}',  # not UTF-8
@@ -105,6 +108,87 @@ def test_a_malformed_request_closes_its_connection(server: ControlServer, body: 
         sock.sendall(_LEN.pack(len(body)) + body)
         assert closed_without_reply(sock)
         assert exchange(bystander, encode_request("info"))["engine_id"] == "engine-a"  # other clients go on
+
+
+def test_clients_holding_the_buffer_budget_delay_others_never_refuse_them(
+    engine: CacheEngine, socket_dir: Path
+) -> None:
+    """Two connections that each send most of a largest message and stall fill the budget of
+    all connections: a third client waits until they are dropped (their read deadline), and
+    is answered; it is not closed for their bytes."""
+    limits = ServerLimits(max_message_bytes=1 << 20, max_buffered_bytes=2 << 20, read_deadline_s=1.0)
+    server = ControlServer(engine, ControlIdentity("engine-a", "tiny", "test"), limits=limits)
+    hogs = [connect(server.path) for _ in range(2)]
+    try:
+        for hog in hogs:
+            hog.sendall(_LEN.pack(1 << 20) + b"\0" * ((1 << 20) - 1))
+        assert ask(server.path, "info", timeout_s=60)["engine_id"] == "engine-a"
+        assert all(closed_without_reply(hog) for hog in hogs)
+    finally:
+        for hog in hogs:
+            hog.close()
+        server.close()
+
+
+def test_senders_that_all_wait_for_room_do_not_wedge_the_server(engine: CacheEngine, socket_dir: Path) -> None:
+    """Three clients' big requests, each begun, fill the budget of all connections and each
+    needs more room: the one holding most is closed, and the other two are answered."""
+    limits = ServerLimits(max_message_bytes=1 << 20, max_buffered_bytes=2 << 20, read_deadline_s=30.0)
+    server = ControlServer(engine, ControlIdentity("engine-a", "tiny", "test"), limits=limits)
+    num_tokens = ((1 << 20) - 200) // 8
+    body = encode_request("lookup", tokens=list(range(num_tokens)))
+    message = _LEN.pack(len(body)) + body
+    clients = [connect(server.path) for _ in range(3)]
+    try:
+        firsts = [700_000, 720_000, 680_000]  # 2.1 MB begun in all, over the 2 MiB budget
+        for client, first in zip(clients, firsts):
+            client.sendall(message[:first])
+        with ThreadPoolExecutor(3) as pool:
+            rest = [pool.submit(c.sendall, message[f:]) for c, f in zip(clients, firsts)]
+            replies = []
+            for client in clients:
+                try:
+                    replies.append(exchange_reply(client))
+                except (ConnectionError, OSError):
+                    replies.append(None)
+            for sent in rest:
+                try:
+                    sent.result(timeout=60)
+                except OSError:
+                    pass
+        assert replies[1] is None, "the client holding most bytes is closed"
+        assert [r["num_tokens"] for r in replies if r is not None] == [num_tokens] * 2
+    finally:
+        for client in clients:
+            client.close()
+        server.close()
+
+
+def exchange_reply(sock: socket.socket) -> dict[str, Any]:
+    """The reply to a request already sent on ``sock``."""
+    head = b""
+    while len(head) < 4:
+        part = sock.recv(4 - len(head))
+        if not part:
+            raise ConnectionError("closed")
+        head += part
+    (length,) = _LEN.unpack(head)
+    data = b""
+    while len(data) < length:
+        part = sock.recv(length - len(data))
+        if not part:
+            raise ConnectionError("closed")
+        data += part
+    reply: dict[str, Any] = json.loads(data)
+    return reply
+
+
+def test_a_second_server_does_not_take_over_a_served_socket(server: ControlServer, engine: CacheEngine) -> None:
+    """Two engines with one identity (one socket path): the second is refused, naming the path;
+    the first keeps its socket and answers."""
+    with pytest.raises(SocketInUseError, match=str(server.path)):
+        ControlServer(engine, ControlIdentity("engine-a", "again", "test"))
+    assert server.path.exists() and ask(server.path, "info")["name"] == "tiny"
 
 
 def test_another_protocol_version_is_refused_by_name(server: ControlServer) -> None:
@@ -186,6 +270,12 @@ def test_ctl_clear_removes_one_salt_from_one_tier_and_says_so(server: ControlSer
     store(engine, OTHER, salt="tenant-b")
     result = CliRunner().invoke(app, ["ctl", "clear"])
     assert result.exit_code == 2 and "exactly one of --salt S, --no-salt, --all" in result.output
+    # --all with --lora would clear every LoRA's chunks: refused, by the CLI and by the engine.
+    result = CliRunner().invoke(app, ["ctl", "clear", "--all", "--lora", "adapter-1"])
+    assert result.exit_code == 2 and "--all clears every cache_salt and every LoRA" in result.output
+    with pytest.raises(ControlError, match="all_salts clears every salt and LoRA"):
+        ask(server.path, "clear", {"all_salts": True, "lora_id": "adapter-1"})
+    assert engine.lookup(OTHER, request=RequestInfo(cache_salt="tenant-b")) == 24  # nothing removed
     cleared = ctl("clear", "--salt", "tenant-a", "--tier", "cpu")["total"]
     assert cleared["removed"] == {"0:cpu": 5} and cleared["scope"] == "cache_salt 'tenant-a'"
     assert cleared["bytes_freed"]["0:cpu"] > 0

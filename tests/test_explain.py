@@ -256,6 +256,7 @@ def test_the_command_prints_the_chunk_map_and_json(tmp_path: Path) -> None:
     [
         ("hello world", [], "is not token ids"),
         ("[1, 2.5]", [], "must be a list of integers"),
+        ("[" * 100_000, [], "nests too deeply"),
         ("1 2 3", ["--tokenizer", "gpt2"], "needs the transformers package"),
         ("1 2 3", ["--set", "colour=blue"], "not a fingerprint field"),
         ("1 2 3", ["--set", "tp_size=two"], "tp_size must be an integer"),
@@ -276,6 +277,17 @@ def test_bad_input_is_a_clear_error(tmp_path: Path, prompt: str, args: list[str]
     args = ["explain", "-f", str(tmp_path / "kvplug.yaml"), *fingerprint, *args, str(tmp_path / "p.txt")]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and message in result.stderr, result.stderr
+
+
+def test_a_fingerprint_file_nested_too_deeply_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "kvplug.yaml").write_text(f"chunk_size: 8\ntiers:\n  - {{type: disk, path: {tmp_path / 'c'}}}\n")
+    with engine(config_for([{"type": "disk", "path": str(tmp_path / "c")}])):
+        pass
+    (tmp_path / "fp.json").write_text("[" * 100_000)
+    (tmp_path / "p.txt").write_text("1 2 3")
+    args = ["explain", "-f", str(tmp_path / "kvplug.yaml"), "--fingerprint", str(tmp_path / "fp.json")]
+    result = CliRunner().invoke(app, [*args, str(tmp_path / "p.txt")])
+    assert result.exit_code == 2 and "nests too deeply" in result.stderr, result.stderr
 
 
 def test_a_disk_tier_whose_folder_is_not_a_store_is_an_error_and_nothing_is_created(tmp_path: Path) -> None:

@@ -365,6 +365,9 @@ def clear_command(
     if sum([cache_salt is not None, no_salt, all_salts]) != 1:
         print_error("say what to clear: exactly one of --salt S, --no-salt, --all")
         raise typer.Exit(2)
+    if all_salts and lora is not None:
+        print_error("--lora scopes --salt S or --no-salt; --all clears every cache_salt and every LoRA")
+        raise typer.Exit(2)
     fields: dict[str, Any] = {"all_salts": True} if all_salts else {"cache_salt": cache_salt, "lora_id": lora}
     if tier is not None:
         fields["tier"] = tier

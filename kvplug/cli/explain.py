@@ -80,6 +80,8 @@ def load_scheme_file(path: Path) -> KeyScheme | dict[str, Any]:
             body = json.loads(data)
         except ValueError:
             raise ExplainInputError(f"fingerprint file {str(path)!r} is not JSON") from None
+        except RecursionError:  # nested past the JSON parser's depth
+            raise ExplainInputError(f"fingerprint file {str(path)!r}: its JSON nests too deeply") from None
         if not isinstance(body, dict):
             raise ExplainInputError(f"fingerprint file {str(path)!r}: want a JSON object")
         if "prefix" not in body:

@@ -39,6 +39,8 @@ def read_prompt(source: str, tokenizer: str | None) -> list[int]:
             f"prompt {source!r} is not token ids (a JSON list or whitespace-separated ints); "
             "for text, pass --tokenizer NAME_OR_PATH"
         ) from None
+    except RecursionError:  # e.g. 100,000 '[': past the JSON parser's depth
+        raise ExplainInputError(f"prompt {source!r}: its JSON nests too deeply; a prompt is a flat list") from None
     if not isinstance(parsed, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in parsed):
         raise ExplainInputError(f"prompt {source!r}: a JSON prompt must be a list of integers")
     if any(t < 0 or t >= 2**63 for t in parsed):

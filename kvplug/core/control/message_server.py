@@ -5,7 +5,9 @@ An engine adapter's worker answers on unix sockets in this user's private folder
 ``kvplug ctl`` (:mod:`kvplug.core.control.server`). Whatever connects,
 :class:`MessageServer` holds: every message's size is checked against
 ``max_message_bytes`` before a byte of its body is buffered; all connections together
-buffer at most ``max_buffered_bytes``; a message, once begun, must arrive within
+buffer at most ``max_buffered_bytes`` (a connection that would go over it is not read from
+until others' messages are answered or dropped: it waits; when all that hold bytes wait, the
+one holding most is closed); a message, once begun, must arrive within
 ``read_deadline_s``; a reply the client does not read within ``write_deadline_s``
 closes that connection (the server never blocks on a send: sockets are non-blocking
 and a connection with an unsent reply is not read from); at most ``max_connections``
@@ -40,7 +42,7 @@ from queue import SimpleQueue
 from typing import ClassVar
 
 from kvplug.core.control_socket import _check_private, foreign_peer, remove_stale_sockets
-from kvplug.errors import UnsafeSocketPathError
+from kvplug.errors import SocketInUseError, UnsafeSocketPathError
 
 logger = logging.getLogger("kvplug.socket")
 
@@ -70,6 +72,8 @@ class _Connection:
     out_since: float | None = None
     #: An answer thread has its message: it is not read from, nor closed for room.
     answering: bool = False
+    #: Not read from (not registered) until other connections' buffered bytes go.
+    paused: bool = False
 
 
 class MessageServer:
@@ -87,10 +91,13 @@ class MessageServer:
         if problem:
             raise UnsafeSocketPathError(f"refusing to serve in {path.parent}: {problem}")
         remove_stale_sockets(path.parent)
+        _refuse_served(path)
+        self._inode: int | None = None  # the socket file this server made (close removes only it)
         self._remove_own_socket()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(str(path))
         os.chmod(path, 0o600, follow_symlinks=False)
+        self._inode = os.lstat(path).st_ino
         self._listener.listen(64)
         self._listener.setblocking(False)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -100,6 +107,7 @@ class MessageServer:
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._connections: dict[socket.socket, _Connection] = {}
+        self._paused: list[_Connection] = []
         self._buffered = 0
         self._stopping = False
         self._listening = True
@@ -151,6 +159,8 @@ class MessageServer:
             return
         if not stat.S_ISSOCK(info.st_mode) and not stat.S_ISLNK(info.st_mode):
             raise UnsafeSocketPathError(f"{self.path} exists and is not a socket; not removing it")
+        if self._inode is not None and info.st_ino != self._inode:
+            return  # another server's socket now (this one's was removed as stale): not ours to remove
         self.path.unlink(missing_ok=True)  # a link itself is removed, never its target
 
     # --- event loop ---------------------------------------------------------------------
@@ -174,6 +184,7 @@ class MessageServer:
                     except OSError as exc:
                         self._drop(conn, f"socket error: {exc}")
             self._expire(time.monotonic())
+            self._resume()
             if not self._listening and self._has_room():
                 self._listening = True
                 self._selector.register(self._listener, selectors.EVENT_READ, None)
@@ -216,10 +227,15 @@ class MessageServer:
     def _receive(self, conn: _Connection) -> None:
         header = _LEN.size
         want = header - len(conn.inbox) if conn.body_length is None else conn.body_length - len(conn.inbox)
-        want = min(want, 1 << 20)
-        if self._buffered + want > self.limits.max_buffered_bytes:
-            self._drop(conn, f"clients hold {self._buffered} buffered bytes, the limit of all connections")
+        room = self.limits.max_buffered_bytes - self._buffered
+        if room <= 0:
+            # Other connections hold the budget: this one waits (unread) until their messages
+            # are answered or dropped (their read deadline bounds the wait), never refused.
+            conn.paused = True
+            self._selector.unregister(conn.sock)
+            self._paused.append(conn)
             return
+        want = min(want, 1 << 20, room)
         try:
             data = conn.sock.recv(want)
         except (BlockingIOError, InterruptedError):
@@ -257,6 +273,26 @@ class MessageServer:
                 answerer = threading.Thread(target=self._answer_loop, name=f"{self.thread_name}-answer", daemon=True)
                 answerer.start()
                 self._answerers.append(answerer)
+
+    def _resume(self) -> None:
+        """Read again from paused connections while the budget has room. When every connection
+        holding bytes waits for room (none can finish), the one holding most is closed."""
+        while self._paused and self._buffered < self.limits.max_buffered_bytes:
+            conn = self._paused.pop(0)
+            if self._connections.get(conn.sock) is conn:
+                conn.paused = False
+                if conn.started is not None:  # its deadline counts from now: the wait was the server's
+                    conn.started = time.monotonic()
+                self._selector.register(conn.sock, selectors.EVENT_READ, None)
+        if self._paused and self._buffered >= self.limits.max_buffered_bytes:
+            holders = [c for c in self._connections.values() if c.inbox]
+            if holders and all(c.paused for c in holders):
+                largest = max(holders, key=lambda c: len(c.inbox))
+                self._drop(
+                    largest,
+                    f"every connection holding bytes waits for room; closing the one holding {len(largest.inbox)}",
+                )
+                self._resume()
 
     def _answer_safely(self, body: bytes) -> bytes | None:
         try:
@@ -323,7 +359,7 @@ class MessageServer:
     def _expire(self, now: float) -> None:
         limits = self.limits
         for conn in list(self._connections.values()):
-            if conn.answering:  # its answer takes what it takes; the client's own timeout bounds its wait
+            if conn.answering or conn.paused:  # waiting on the server, not on its client
                 continue
             if conn.started is not None and now - conn.started > limits.read_deadline_s:
                 self._drop(conn, f"a message did not arrive within {limits.read_deadline_s} s")
@@ -338,6 +374,26 @@ class MessageServer:
         if self._connections.pop(conn.sock, None) is None:
             return
         self._buffered -= len(conn.inbox)
-        if not conn.answering:  # else not registered while its answer is computed
+        if not conn.answering and not conn.paused:  # else not registered now
             self._selector.unregister(conn.sock)
         conn.sock.close()
+
+
+def _refuse_served(path: Path) -> None:
+    """:class:`SocketInUseError` when a process listens on the socket at ``path``: replacing
+    it would cut that process off from its clients (and its close would remove ours)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        return  # not a socket: _remove_own_socket names it
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return  # nobody listens: a stale socket, replaced
+        except OSError:
+            pass  # a full backlog or a slow server: someone listens
+    raise SocketInUseError(f"{path} is served by another running process; not taking it over")

@@ -46,6 +46,7 @@ MAX_EXTRA_KEYS = 4096
 MAX_TEXT = 1024
 
 _LEN = struct.Struct("<I")
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _LITTLE = struct.pack("=q", 1) == struct.pack("<q", 1)
 
 
@@ -153,6 +154,8 @@ def _extra_keys(raw: Any) -> tuple[ExtraKey, ...]:
     for entry in raw:
         if not (isinstance(entry, list) and len(entry) == 3 and all(type(x) is int for x in entry[:2])):
             raise ControlProtocolError("an extra key is [start, end, value] with integer start and end")
+        if not all(_INT64_MIN <= x <= _INT64_MAX for x in entry[:2]):  # chunk keys hash them as int64
+            raise ControlProtocolError(f"an extra key's start and end must be int64; got {entry[0]}, {entry[1]}"[:200])
         value = entry[2]
         if not isinstance(value, str) or len(value) > MAX_TEXT:
             raise ControlProtocolError(f"an extra key's value must be a string of at most {MAX_TEXT} characters")

@@ -205,6 +205,9 @@ class ControlServer(MessageServer):
         What this engine wrote goes from every tier; what it only loaded, only from its
         private tiers (``trusted_reads``): a tier others may share keeps their records."""
         target = self.target
+        if request.fields.get("all_salts") is True and request.fields.get("lora_id") is not None:
+            # A scope of every salt would silently drop the LoRA and clear every LoRA's chunks.
+            raise ControlProtocolError("clear: lora_id scopes a cache_salt; all_salts clears every salt and LoRA")
         tier_name = text_field(request.fields, "tier")
         labels = [label for label, _ in target.chain.stats()]
         chosen = [index for index, label in enumerate(labels) if _tier_matches(label, tier_name)]

@@ -40,9 +40,10 @@ def start_control(
 ) -> ControlServer | None:
     """This rank's control server, or ``None`` (logged) if it cannot start: SGLang still serves."""
     # The TP ranks' schedulers are children of one launcher process: its pid names the server
-    # (and the count of caches this process started, the same on every rank).
+    # (and the count of caches this process started, the same on every rank). With --dp-size
+    # every replica's schedulers are children of one process too: the replica tells them apart.
     engine_id = f"sglang-{os.getppid()}-{next(_started)}"
-    identity = ControlIdentity(engine_id, name, "sglang", tp_rank=tp_rank, tp_size=tp_size)
+    identity = ControlIdentity(engine_id, name, "sglang", tp_rank=tp_rank, tp_size=tp_size, dp_rank=replica_rank())
     try:
         server = ControlServer(target, identity)
     except Exception as exc:
@@ -50,6 +51,17 @@ def start_control(
         return None
     logger.info("kvplug ctl: %s rank tp%d answers on %s", identity.engine_id, tp_rank, server.path)
     return server
+
+
+def replica_rank() -> int:
+    """Which data-parallel replica this scheduler serves (0 without SGLang's DP controller)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        rank = get_parallel().dp_rank
+    except (RuntimeError, ValueError):  # not stated in this process: no DP controller spawned it
+        return 0
+    return int(rank) if rank is not None else 0
 
 
 class PageStorage(Protocol):
@@ -105,9 +117,10 @@ class HiCacheControl(ControlTarget):
         return ClearKeys(written, [], "every cache_salt", self.journal.written_to(written))
 
     def every_page_written(self) -> ClearKeys:
-        """The pages this backend wrote, to be removed from every tier (SGLang's ``clear``)."""
+        """The pages this backend wrote, each from the tiers its own writes put it in
+        (SGLang's ``clear``): a page a shared tier already held stays the other writer's."""
         written, _ = self.journal.split()
-        return ClearKeys(written, [], "every cache_salt")
+        return ClearKeys(written, [], "every cache_salt", self.journal.written_to(written))
 
     def close(self) -> None:
         self.chain.writes.remove(self.journal.on_written)

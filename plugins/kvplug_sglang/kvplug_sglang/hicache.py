@@ -67,7 +67,12 @@ class KVPlugStorage(HiCacheStorage):
         extra = dict(storage_config.extra_config or {})
         engine_extra = {k: v for k, v in extra.items() if k == "kvplug" or k.startswith("kvplug.")}
         self.config = kvplug.load_config(engine_extra=engine_extra).config
-        self.model_id = str(extra.get("model_id") or storage_config.model_name or "")
+        #: What ``kvplug ctl`` names this server by: SGLang's model name (the served name).
+        self.name = str(extra.get("model_id") or storage_config.model_name or "")
+        # Keys name the checkpoint SGLang loaded, not the served name: two servers that serve
+        # different weights under one --served-model-name must not read each other's pages.
+        checkpoint, self.model_revision = _checkpoint()
+        self.model_id = str(extra.get("model_id") or checkpoint or self.name)
         if not self.model_id:
             raise ValueError(
                 "KVPlugStorage needs the model's identity for its keys: SGLang passes model_name; "
@@ -93,14 +98,19 @@ class KVPlugStorage(HiCacheStorage):
             self.mem_pool_host = mem_pool_host
             return
         cfg = self.storage_config
-        replicated = page_format.is_mla  # MLA KV is the same on every TP rank
+        # MLA KV is the same on every TP rank of one DCP shard; with DCP each shard holds other
+        # tokens of a page under the same SGLang key, so the shard is part of kvplug's key.
+        replicated = page_format.is_mla
         fingerprint = kvplug.Fingerprint(
             model_id=self.model_id,
+            model_revision=self.model_revision,
+            # A host pool's own page format, which SGLang tags its model name with.
+            engine_variant=str(getattr(mem_pool_host, "storage_format_tag", None) or ""),
             kv_layout=page_format.describe() + (":split" if cfg.should_split_heads else ""),
             dtype=kvplug.dtype_name(page_format.dtype),
             block_size=page_format.page_size,
-            tp_rank=0 if replicated else cfg.tp_rank,
-            tp_size=1 if replicated else cfg.tp_size,
+            tp_rank=cfg.dcp_rank if replicated else cfg.tp_rank,
+            tp_size=cfg.dcp_size if replicated else cfg.tp_size,
             pp_rank=cfg.pp_rank,
             pp_size=cfg.pp_size,
         )
@@ -112,8 +122,8 @@ class KVPlugStorage(HiCacheStorage):
         )
         self.mem_pool_host = mem_pool_host
         self.page_format = page_format
-        self.target = target = HiCacheControl(self, self.store, page_format.page_size)
-        self.control = start_control(target, name=self.model_id, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size)
+        self.target = target = HiCacheControl(self, self.store, page_format.indices_per_page)
+        self.control = start_control(target, name=self.name, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
@@ -156,7 +166,7 @@ class KVPlugStorage(HiCacheStorage):
     def _host_page(self, host_indices: torch.Tensor, i: int) -> torch.Tensor:
         assert self.page_format is not None
         page: torch.Tensor = self.mem_pool_host.get_data_page(
-            int(host_indices[i * self.page_format.page_size]), flat=False
+            int(host_indices[i * self.page_format.indices_per_page]), flat=False
         )
         return page
 
@@ -210,7 +220,7 @@ class KVPlugStorage(HiCacheStorage):
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        """Load pages straight into the host pool at ``host_indices`` (``page_size`` per key)."""
+        """Load pages straight into the host pool at ``host_indices`` (a logical page per key)."""
         self._check_ready()
         self._check_indices(keys, host_indices)
         assert self.page_format is not None
@@ -267,7 +277,7 @@ class KVPlugStorage(HiCacheStorage):
     # --- lifecycle --------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Remove the pages this backend stored (in this process) from every tier."""
+        """Remove the pages this backend wrote (in this process) from the tiers it wrote them to."""
         if self.target is not None:
             self.target.remove(self.target.every_page_written)
 
@@ -288,6 +298,18 @@ class KVPlugStorage(HiCacheStorage):
 
     def _check_indices(self, keys: list[str], host_indices: torch.Tensor) -> None:
         assert self.page_format is not None
-        need = len(keys) * self.page_format.page_size
+        need = len(keys) * self.page_format.indices_per_page
         if host_indices.numel() < need:
             raise ValueError(f"{len(keys)} pages need {need} host indices, got {host_indices.numel()}")
+
+
+def _checkpoint() -> tuple[str, str]:
+    """The model path and revision this SGLang server loaded; empty outside a server
+    (SGLang has published no model config: a backend built by hand)."""
+    from sglang.srt.runtime_context import get_model
+
+    try:
+        model = get_model()
+    except ValueError:  # "config namespace 'model' not published"
+        return "", ""
+    return str(getattr(model, "model_path", None) or ""), str(getattr(model, "revision", None) or "")

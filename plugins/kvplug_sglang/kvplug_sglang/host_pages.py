@@ -33,6 +33,9 @@ class HostPageFormat:
     head_dim: int
     dtype: torch.dtype
     page_shape: tuple[int, ...]  # ``get_data_page(i, flat=False).shape``
+    #: Host indices SGLang hands over per page: ``page_size`` times the DCP size, whose
+    #: ranks each hold ``page_size`` of a page's tokens (SGLang's ``logical_page_size``).
+    indices_per_page: int
 
     @classmethod
     def of(cls, host: Any) -> HostPageFormat:
@@ -56,6 +59,7 @@ class HostPageFormat:
             head_dim=int(host.kv_buffer.shape[-1]),
             dtype=host.dtype,
             page_shape=page_shape,
+            indices_per_page=int(getattr(host, "logical_page_size", page_size)),
         )
 
     @property

@@ -88,6 +88,7 @@ class KVPlugRadixCache(RadixCache):
             tp_size=tp_size,
             page_size=self.page_size,
             config=config,
+            first_layer=int(getattr(kvcache, "start_layer", 0) or 0),  # a pipeline stage's layers
         )
         self.tp_size = tp_size
         self.tp_group = tp_group

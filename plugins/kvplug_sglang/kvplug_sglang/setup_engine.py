@@ -90,8 +90,10 @@ def build_cache_engine(
     page_size: int = 1,
     config: kvplug.KVPlugConfig | None = None,
     engine_extra: Mapping[str, Any] | None = None,
+    first_layer: int = 0,
 ) -> kvplug.CacheEngine:
-    """A cache engine over SGLang's per-layer ``k_pool``/``v_pool`` tensors."""
+    """A cache engine over SGLang's per-layer ``k_pool``/``v_pool`` tensors; ``first_layer``:
+    the model layer of the pool's first (a pipeline stage's pool holds a slice of them)."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
     layout = sglang_layout(k_pool, v_pool, page_size)
@@ -105,10 +107,20 @@ def build_cache_engine(
         layout,
         model_id=model_id_of(model_config),
         model_revision=str(getattr(model_config, "revision", None) or ""),
+        engine_variant=_layer_slice(model_config, layout, first_layer),
         tp_rank=tp_rank,
         tp_size=tp_size,
     )
     return kvplug.CacheEngine(config, layout, fingerprint)
+
+
+def _layer_slice(model_config: Any, layout: kvplug.KVLayout, first_layer: int) -> str:
+    """The model layers a pipeline stage's pool holds (``""`` for all of them): two stages of
+    as many layers each have one layout, and must not read each other's KV."""
+    layers = getattr(model_config, "num_hidden_layers", None)
+    if first_layer == 0 and (not isinstance(layers, int) or layers == layout.num_layers):
+        return ""
+    return f"layers:{first_layer}-{first_layer + layout.num_layers}"
 
 
 def _check_against_model(model_config: Any, layout: kvplug.KVLayout, tp_size: int) -> None:

@@ -188,3 +188,31 @@ def test_reset_removes_as_clear_does_never_another_engines_records(model_config,
     assert removed  # vLLM-style events: the removal of our stored chunks is published
     connector.close()
     other.close()
+
+
+def test_pipeline_stages_of_as_many_layers_never_share_kv(model_config, pool_factory, tmp_path: Path) -> None:
+    """Two pipeline stages' pools have one shape (half the layers each); stage 1 must not load
+    the KV stage 0 stored for the same prompt (another slice of the model's layers)."""
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    from kvplug import load_config
+    from kvplug_sglang.setup_engine import build_cache_engine
+
+    tiers = [{"type": "disk", "path": str(tmp_path / "disk")}]
+    config = load_config(
+        engine_extra={"kvplug": {"chunk_size": 8, "store": {"queue": {"mode": "sync"}}, "tiers": tiers}}
+    ).config
+    stages = []
+    for first_layer in (0, NUM_LAYERS // 2):
+        pool = pool_factory(size=64, layers=NUM_LAYERS // 2)
+        stages.append((pool, build_cache_engine(model_config=model_config, k_pool=pool.k_buffer, v_pool=pool.v_buffer, config=config, first_layer=first_layer)))  # fmt: skip
+    (pool0, stage0), (_, stage1) = stages
+    tokens, slots = list(range(16)), torch.arange(16)
+    fill_random(pool0, slots)
+    stage0.store(tokens, list(zip(pool0.k_buffer, pool0.v_buffer)), slots)
+    stage0.flush()
+    assert stage0.lookup(tokens) == 16 and stage1.lookup(tokens) == 0
+    whole = build_cache_engine(model_config=model_config, k_pool=pool0.k_buffer * 2, v_pool=pool0.v_buffer * 2, config=config)  # fmt: skip
+    assert whole.fingerprint.engine_variant == ""  # a pool of every layer keys as before
+    for _, engine in stages:
+        engine.close()
+    whole.close()

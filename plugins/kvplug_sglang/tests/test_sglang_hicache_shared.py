@@ -1,0 +1,145 @@
+"""KVPlugStorage next to other ranks and servers: DCP shards, and tiers shared with another server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from test_sglang_hicache import PAGE, make_backend, make_host, page_keys, random_pages
+
+from kvplug_sglang.hicache import KVPlugStorage
+
+
+def make_dcp_mla_host(dcp_rank: int, dcp_size: int = 2) -> Any:
+    """An MLA host pool of one decode-context-parallel rank: it holds ``PAGE`` of each
+    logical page's ``PAGE * dcp_size`` tokens, addressed by logical indices."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    device = MLATokenToKVPool(
+        size=64,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    return MLATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        PAGE * dcp_size,
+        "layer_first",
+        pin_memory=False,
+        device="cpu",
+        dcp_size=dcp_size,
+        dcp_rank=dcp_rank,
+        device_capacity_tokens=device.size * dcp_size,
+        start_layer=device.start_layer,
+        end_layer=device.end_layer,
+        target_layer_num=2,
+    )
+
+
+def test_dcp_shards_are_kept_apart(tmp_path: Path) -> None:
+    """Under DCP each shard writer stores its own tokens of a page under SGLang's same key:
+    a rank reads back its own shard, never another's, and pages are a logical page apart."""
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    tiers = [{"type": "disk", "path": str(tmp_path / "disk"), "queue": {"mode": "sync"}}]
+    hosts, backends = [], []
+    for rank in range(2):
+        host = make_dcp_mla_host(rank)
+        config = HiCacheStorageConfig(
+            tp_rank=rank,
+            tp_size=2,
+            pp_rank=0,
+            pp_size=1,
+            attn_cp_rank=0,
+            attn_cp_size=1,
+            is_mla_model=True,
+            enable_storage_metrics=False,
+            is_page_first_layout=False,
+            model_name="tiny-mla",
+            dcp_size=2,
+            dcp_rank=rank,
+            logical_page_size=2 * PAGE,
+            extra_config={"kvplug": {"tiers": tiers}},
+        )
+        backend = KVPlugStorage(config)
+        backend.register_mem_pool_host(host)
+        hosts.append(host)
+        backends.append(backend)
+    keys = ["page-a", "page-b"]
+    written = []
+    for rank, (host, backend) in enumerate(zip(hosts, backends)):
+        src = host.alloc(2 * host.logical_page_size)
+        for page, start in enumerate((0, host.logical_page_size)):
+            host.get_data_page(int(src[start]), flat=False).fill_(10 * rank + page + 1)
+        written.append([host.get_data_page(int(src[s])).clone() for s in (0, host.logical_page_size)])
+        assert backend.batch_set_v1(keys, src) == [True, True]
+    for rank, (host, backend) in enumerate(zip(hosts, backends)):
+        dst = host.alloc(2 * host.logical_page_size)
+        assert backend.batch_get_v1(keys, dst) == [True, True]
+        read = [host.get_data_page(int(dst[s])) for s in (0, host.logical_page_size)]
+        assert all(torch.equal(a, b) for a, b in zip(written[rank], read)), f"rank {rank} read another shard"
+        backend.close()
+
+
+def test_clear_leaves_pages_another_server_wrote(tmp_path: Path) -> None:
+    """SGLang's ``clear`` removes the pages this backend wrote; a page a shared tier already
+    held when it stored it is the other server's and stays."""
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    kvplug = {"tiers": [{"type": "disk", "path": str(tmp_path / "disk"), "queue": {"mode": "sync"}}]}
+    host = make_host("layer_first")
+    other, backend = make_backend(host, kvplug), make_backend(host, kvplug)
+    keys = page_keys(list(range(300, 300 + 3 * PAGE)))
+    src = random_pages(host, 3, seed=8)
+    assert other.batch_set_v1(keys[:2], src[: 2 * PAGE]) == [True, True]
+    assert backend.batch_set_v1(keys, src) == [True, True, True]  # only the third page is its own write
+    backend.clear()
+    assert other.batch_exists(keys) == 2, "the other server's pages stay"
+    assert backend.store is not None and backend.store.contains_prefix([backend.storage_key(keys[2])]) == 0
+    other.close()
+    backend.close()
+
+
+def test_each_data_parallel_replica_answers_kvplug_ctl_on_its_own_socket(socket_dir: Path) -> None:
+    """With --dp-size, every replica's schedulers are children of one process (one engine id):
+    each replica's rank answers as its own dp rank, on its own socket."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from kvplug.core.control.client import ask
+
+    with get_parallel().override(dp_rank=1):
+        backend = make_backend(make_host("layer_first"), {"tiers": [{"type": "cpu"}]})
+    try:
+        assert backend.control is not None
+        assert ask(backend.control.path, "info")["dp_rank"] == 1
+    finally:
+        backend.close()
+
+
+def test_servers_of_other_weights_under_one_served_name_never_share_pages(tmp_path: Path) -> None:
+    """SGLang names its model by --served-model-name (two checkpoints may share one): kvplug's
+    keys name the checkpoint SGLang loaded (its model path), so neither reads the other's KV."""
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    from sglang.srt.runtime_context import get_context
+
+    kvplug = {"tiers": [{"type": "disk", "path": str(tmp_path / "disk"), "queue": {"mode": "sync"}}]}
+    host = make_host("layer_first")
+    keys = page_keys(list(range(400, 400 + 2 * PAGE)))
+    backends = []
+    for checkpoint in ("/models/llama-v1", "/models/llama-v2"):
+        with get_context().override_server_args(model_path=checkpoint, served_model_name="llama"):
+            backends.append(make_backend(host, kvplug, model="llama"))
+    old, new = backends
+    assert old.batch_set_v1(keys, random_pages(host, 2, seed=9)) == [True, True]
+    assert old.batch_exists(keys) == 2 and new.batch_exists(keys) == 0
+    assert new.target is not None and new.target.describe()["model"] == "/models/llama-v2"
+    for backend in backends:
+        backend.close()
