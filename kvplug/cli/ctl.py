@@ -23,7 +23,7 @@ from kvplug.cli.console import console, format_size, print_error, print_table
 from kvplug.cli.prompt import chunk_map, read_prompt
 from kvplug.core.control.client import ControlClient, RankEndpoint, find_ranks, select_engine
 from kvplug.core.control.protocol import request_fields
-from kvplug.core.keys import RequestInfo
+from kvplug.core.keys import ExtraKey, RequestInfo
 from kvplug.errors import ControlError, ExplainInputError
 
 ctl_app = typer.Typer(
@@ -46,6 +46,7 @@ _TOKENIZER = typer.Option(
 )
 _SALT = typer.Option(None, "--cache-salt", help="The request's cache_salt.")
 _LORA = typer.Option(None, "--lora", help="The request's LoRA id.")
+_LORA_PATH = typer.Option(None, "--lora-path", help="Where the engine loaded the LoRA adapter from (vLLM keys by it).")
 
 
 def _run(action: Callable[[], T]) -> T:
@@ -67,8 +68,9 @@ def _client(engine: str | None, socket_dir: Path | None, timeout: float) -> Cont
         raise ControlError(f"{exc}; sockets that did not answer: {why}") from None
 
 
-def _request(cache_salt: str | None, lora: str | None) -> dict[str, Any]:
-    return request_fields(RequestInfo(cache_salt=cache_salt, lora_id=lora))
+def _request(cache_salt: str | None, lora: str | None, lora_path: str | None) -> dict[str, Any]:
+    extra_keys = (ExtraKey.adapter_source(lora_path),) if lora_path else ()
+    return request_fields(RequestInfo(cache_salt=cache_salt, lora_id=lora, extra_keys=extra_keys))
 
 
 def _rank_name(rank: RankEndpoint) -> str:
@@ -229,6 +231,7 @@ def _prompt_command(op: str, doc: str, total: Total, show: Show) -> None:
         tokenizer: str | None = _TOKENIZER,
         cache_salt: str | None = _SALT,
         lora: str | None = _LORA,
+        lora_path: str | None = _LORA_PATH,
         engine: str | None = _ENGINE,
         socket_dir: Path | None = _DIR,
         per_rank: bool = _PER_RANK,
@@ -237,7 +240,7 @@ def _prompt_command(op: str, doc: str, total: Total, show: Show) -> None:
     ) -> None:
         def action() -> Replies:
             tokens = read_prompt(prompt, tokenizer)
-            return _client(engine, socket_dir, timeout).ask_all(op, _request(cache_salt, lora), tokens)
+            return _client(engine, socket_dir, timeout).ask_all(op, _request(cache_salt, lora, lora_path), tokens)
 
         replies = _run(action)
         summed = total(replies)

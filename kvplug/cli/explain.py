@@ -198,6 +198,9 @@ def explain_command(
     cache_salt: str | None = typer.Option(None, "--cache-salt", help="The request's cache_salt."),
     no_salt: bool = typer.Option(False, "--no-salt", help="The request has no cache_salt."),
     lora: str | None = typer.Option(None, "--lora", help="The request's LoRA id."),
+    lora_path: str | None = typer.Option(
+        None, "--lora-path", help="Where the engine loaded the LoRA adapter from (vLLM keys by it)."
+    ),
     candidates: list[Path] = _CANDIDATES,
     tokenizer: str | None = typer.Option(
         None, "--tokenizer", help="The prompt file is text: encode it with this Hugging Face tokenizer."
@@ -210,6 +213,7 @@ def explain_command(
     the tiers hold its tokens under another fingerprint)."""
     from kvplug.core.config.loader import load_config
     from kvplug.core.control.explain import explain_prompt
+    from kvplug.core.keys import ExtraKey
 
     def action() -> None:
         config = load_config(config_file=file).config
@@ -234,7 +238,15 @@ def explain_command(
                 fields["lora_id"] = lora
             scheme = build_scheme(base, config, fields)
             others = [_as_scheme(load_scheme_file(c), config) for c in candidates]
-            found = explain_prompt(tiers, scheme, tokens, save_unfull_chunk=config.save_unfull_chunk, candidates=others)
+            extra_keys = [ExtraKey.adapter_source(lora_path)] if lora_path else []
+            found = explain_prompt(
+                tiers,
+                scheme,
+                tokens,
+                extra_keys=extra_keys,
+                save_unfull_chunk=config.save_unfull_chunk,
+                candidates=others,
+            )
         finally:
             chain.close(drain=False)
         if as_json:

@@ -216,6 +216,14 @@ class ExtraKey:
     end: int
     value: str
 
+    @classmethod
+    def adapter_source(cls, source: str) -> ExtraKey:
+        """The key of a LoRA adapter's weights, by where they were loaded from (a path or
+        URI): a :attr:`RequestInfo.lora_id` names an adapter, and an adapter re-pointed at
+        other weights under one name must not share chunks with the old ones. It covers
+        the first token only: the chained hash carries it into every later chunk."""
+        return cls(0, 1, "adapter_source:" + hashlib.sha256(source.encode()).hexdigest())
+
 
 @dataclass(frozen=True)
 class RequestInfo:

@@ -117,7 +117,7 @@ def apply_configured_pins(engine: Any, specs: Sequence[PinSpec]) -> None:
         except (OSError, ValueError) as exc:
             logger.error("pin: cannot read prefix_file %s: %s; that pin is not applied", spec.prefix_file, exc)
             continue
-        report = engine.pin(tokens, request=RequestInfo(cache_salt=spec.salt, lora_id=spec.lora_id))
+        report = engine.pin(tokens, request=spec.request())
         logger.info(
             "pin: %s%s: %d chunks pinned, %d refused, %d not stored yet",
             spec.prefix_file,

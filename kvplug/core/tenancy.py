@@ -32,7 +32,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvplug.core.config_types import parse_byte_size
-from kvplug.core.keys import StoreKey
+from kvplug.core.keys import ExtraKey, RequestInfo, StoreKey
 from kvplug.core.tenants import DEFAULT_MAX_PINS, DEFAULT_QUOTA, TenancyConfig, TenantLabels
 from kvplug.core.tenants import OTHER_TENANTS as OTHER_TENANTS  # (defined here before: still importable)
 from kvplug.core.tenants import UNSALTED as UNSALTED
@@ -191,6 +191,16 @@ class PinSpec(BaseModel):
     )
     salt: str | None = Field(default=None, description="The cache_salt of the requests the prefix serves.")
     lora_id: str | None = Field(default=None, description="The LoRA adapter of those requests, if any.")
+    lora_path: str | None = Field(
+        default=None,
+        description="Where the engine loaded that adapter from, where its adapter keys name it too "
+        "(kvplug.ExtraKey.adapter_source).",
+    )
+
+    def request(self) -> RequestInfo:
+        """The request identity the prefix is keyed under."""
+        extra_keys = (ExtraKey.adapter_source(self.lora_path),) if self.lora_path else ()
+        return RequestInfo(cache_salt=self.salt, lora_id=self.lora_id, extra_keys=extra_keys)
 
 
 def read_token_file(path: Path) -> list[int]:

@@ -113,20 +113,23 @@ class RequestState:
 
 
 def request_info(request: Any, config: KVPlugConfig, *, with_overrides: bool = True) -> RequestInfo:
-    """Isolation and extra keys of a vLLM request: cache_salt, LoRA, multimodal inputs,
-    prompt embeddings.
+    """Isolation and extra keys of a vLLM request: cache_salt, LoRA (its name, and its path
+    as an extra key), multimodal inputs, prompt embeddings.
 
     Each multimodal item becomes an :class:`kvplug.ExtraKey` over its placeholder
     tokens, so two prompts with equal placeholder ids but different images never
     share those chunks; prompt embeddings likewise (:func:`embeds_keys`). Raises
     ``ConfigError`` for bad kvplug ``kv_transfer_params``.
     """
-    extra_keys = embeds_keys(request, config.chunk_size)
+    lora = getattr(request, "lora_request", None)
+    # vLLM's own prefix cache keys an adapter by name and path: one name re-pointed at
+    # other weights computes other KV.
+    extra_keys = [ExtraKey.adapter_source(lora.lora_path)] if lora is not None and lora.lora_path else []
+    extra_keys += embeds_keys(request, config.chunk_size)
     for feature in getattr(request, "mm_features", None) or ():
         position = feature.mm_position
         value = feature.mm_hash or feature.identifier
         extra_keys.append(ExtraKey(position.offset, position.offset + position.length, f"{feature.modality}:{value}"))
-    lora = getattr(request, "lora_request", None)
     overrides = request_overrides(request.kv_transfer_params, config) if with_overrides else {}
     return RequestInfo(
         cache_salt=getattr(request, "cache_salt", None),
