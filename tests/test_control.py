@@ -21,7 +21,7 @@ import torch
 from core_helpers import LAYOUTS, random_caches
 from typer.testing import CliRunner
 
-from kvplug import CacheEngine, ControlIdentity, ControlServer, Fingerprint, RequestInfo, load_config
+from kvplug import CacheEngine, ControlIdentity, ControlServer, ExtraKey, Fingerprint, RequestInfo, load_config
 from kvplug.cli.main import app
 from kvplug.core.control.client import ask, find_ranks
 from kvplug.core.control.message_server import ServerLimits
@@ -316,6 +316,21 @@ def test_ctl_pin_and_unpin(server: ControlServer, engine: CacheEngine, tmp_path:
     assert pinned["chunks"] == 5 and pinned["bytes"] > 0 and pinned["refused"] == pinned["missing"] == 0
     assert ctl("pin", str(prompt))["total"]["missing"] == 5  # unsalted: another tenant's keys, none stored
     assert ctl("unpin", str(prompt), "--cache-salt", "t")["total"]["chunks"] == 5
+
+
+def test_ctl_keys_a_lora_prompt_by_the_adapters_source_too(
+    server: ControlServer, engine: CacheEngine, tmp_path: Path
+) -> None:
+    adapter = RequestInfo(lora_id="sql", extra_keys=(ExtraKey.adapter_source("/adapters/sql-v2"),))
+    engine.store(TOKENS, random_caches(LAYOUT, 80), torch.arange(len(TOKENS)), request=adapter)
+    engine.flush()
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(json.dumps(TOKENS))
+    assert ctl("lookup", str(prompt), "--lora", "sql", "--lora-path", "/adapters/sql-v2")["total"]["hit_tokens"] == 40
+    assert ctl("lookup", str(prompt), "--lora", "sql", "--lora-path", "/adapters/sql-v1")["total"]["hit_tokens"] == 0
+    assert ctl("lookup", str(prompt), "--lora", "sql")["total"]["hit_tokens"] == 0
+    pinned = ctl("pin", str(prompt), "--lora", "sql", "--lora-path", "/adapters/sql-v2")["total"]
+    assert pinned["chunks"] == 5 and pinned["missing"] == 0
 
 
 def test_lookup_answers_typed_locations_and_reset_needs_the_adapters_reset(

@@ -123,6 +123,22 @@ def test_extra_keys_change_the_chunks_they_overlap_and_all_after() -> None:
     assert [a.key == b.key for a, b in zip(image_a, image_b)] == [True, True, False, False, False, False, False]
 
 
+@given(st.integers(1, 69), st.integers(1, 16))
+def test_an_adapter_source_changes_every_chunk_and_its_tails_alike_for_every_prompt_length(
+    cut: int, chunk: int
+) -> None:
+    """It covers the first token only, so a prefix of the prompt keys its chunks (whole and
+    partial) exactly as the whole prompt does, and the chain carries it into all of them."""
+    builder = KeyBuilder(chunk_size=chunk)
+    v1, v2 = (ExtraKey.adapter_source("/adapters/sql-v1"),), (ExtraKey.adapter_source("/adapters/sql-v2"),)
+    whole = builder.keys(TOKENS, BASE, extra_keys=v1, include_partial=True)
+    prefix = builder.keys(TOKENS[:cut], BASE, extra_keys=v1, include_partial=True)
+    assert [k.key for k in prefix if k.num_tokens == chunk] == [k.key for k in whole[: cut // chunk]]
+    others = builder.keys(TOKENS[:cut], BASE, extra_keys=v2, include_partial=True)
+    plain = builder.keys(TOKENS[:cut], BASE, include_partial=True)
+    assert not {k.key for k in prefix} & ({k.key for k in others} | {k.key for k in plain})
+
+
 def test_partial_chunk_only_when_asked_and_tensors_equal_lists() -> None:
     builder = KeyBuilder(chunk_size=16)
     assert [k.num_tokens for k in builder.keys(TOKENS, BASE)] == [16, 16, 16, 16]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from core_helpers import LAYOUTS, random_caches
 
-from kvplug import CacheEngine, Fingerprint, PinReport, RequestInfo, load_config
+from kvplug import CacheEngine, ExtraKey, Fingerprint, PinReport, RequestInfo, load_config
 from kvplug.core.plugins import PluginRegistry
 
 LAYOUT = LAYOUTS["vllm_flash"]
@@ -51,19 +51,31 @@ def test_pin_before_and_after_the_store_and_unpin(registry: PluginRegistry) -> N
         assert engine.lookup(SYSTEM, request=salted) == 0
 
 
-def test_configured_pins_read_their_prefix_file_beside_the_config(registry: PluginRegistry, tmp_path: Path) -> None:
+ADAPTER = RequestInfo(cache_salt="tenant-a", lora_id="sql", extra_keys=(ExtraKey.adapter_source("/lora/sql-v2"),))
+
+
+@pytest.mark.parametrize(
+    ("pin", "salted"),
+    [
+        ("{salt: tenant-a, prefix_file: prompts/system.json}", RequestInfo(cache_salt="tenant-a")),
+        ("{salt: tenant-a, lora_id: sql, lora_path: /lora/sql-v2, prefix_file: prompts/system.json}", ADAPTER),
+    ],
+    ids=["salt", "salt-and-lora"],
+)
+def test_configured_pins_read_their_prefix_file_beside_the_config(
+    registry: PluginRegistry, tmp_path: Path, pin: str, salted: RequestInfo
+) -> None:
     (tmp_path / "prompts").mkdir()
     (tmp_path / "prompts" / "system.json").write_text(json.dumps(SYSTEM))
     (tmp_path / "kvplug.yaml").write_text(
         "chunk_size: 8\nstore: {queue: {mode: sync}}\n"
         "tiers: [{type: cpu, max_bytes: 64KiB, pin_max_bytes: 50%, eviction: s3fifo}]\n"
-        "pin: [{salt: tenant-a, prefix_file: prompts/system.json}]\n"
+        f"pin: [{pin}]\n"
     )
     config = load_config(config_file=tmp_path / "kvplug.yaml", env={}, registry=registry).config
     assert config.pin[0].prefix_file == tmp_path / "prompts" / "system.json"
     with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="pins"), registry=registry) as engine:
         caches = random_caches(LAYOUT, 16)
-        salted = RequestInfo(cache_salt="tenant-a")
         engine.store(SYSTEM, caches, torch.arange(32), request=salted)
         for i in range(200):
             engine.store(one_off(i), caches, torch.arange(32))

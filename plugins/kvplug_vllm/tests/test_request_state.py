@@ -207,6 +207,21 @@ def test_prompts_of_equal_embeddings_share_chunks_and_other_embeddings_end_the_s
     assert other[0] == same[0] and not set(other[1:]) & set(same)
 
 
+def test_a_lora_name_re_pointed_at_other_weights_shares_no_chunk_with_the_old_ones(engine: CacheEngine) -> None:
+    """vLLM's prefix cache keys an adapter by name and path: a name loaded from other
+    weights (a retrained adapter hot-swapped in) computes other KV."""
+
+    def keys(path: str) -> list[str]:
+        r = request("r")
+        r.lora_request = SimpleNamespace(lora_name="sql", lora_path=path, lora_int_id=1)
+        return [k.key for k in engine.chunk_keys(PROMPT, RequestState.of(r, engine.config).info)]
+
+    v1, v2 = keys("/adapters/sql-v1"), keys("/adapters/sql-v2")
+    assert keys("/adapters/sql-v1") == v1
+    assert not set(v1) & set(v2)
+    assert not set(v1) & {k.key for k in engine.chunk_keys(PROMPT, RequestInfo(lora_id="sql"))}
+
+
 def test_a_failed_background_load_is_not_tried_again_while_vllm_cannot_admit_the_request(
     engine: CacheEngine, side: SchedulerSide
 ) -> None:
