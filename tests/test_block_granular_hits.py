@@ -177,3 +177,20 @@ def test_an_inline_lookup_leaves_a_prompt_with_a_partial_chunk_to_the_full_looku
     assert engine.locate_inline([*first, 1, 2]) is None
     assert engine.lookup([*first, 1, 2]) == 16
     assert engine.locate_inline(first[:16]) == engine.locate(first[:16])  # whole chunks only: answered inline
+
+
+def test_a_packed_layouts_tail_loads_when_the_prompt_ends_inside_a_block(make_engine) -> None:
+    """The partial last chunk of a packed (whole-block) layout cannot be copied when the
+    prompt ends inside a block; the retrieve still loads the tail the lookup counted."""
+    layout = LAYOUTS["vllm_cpu"]
+    engine = make_engine(layout, chunk_size=16, block_granular_hits=True)
+    source = random_caches(layout, 16, seed=1)
+    first = list(range(1000, 1027))  # a whole chunk, then a tail cut at 24 (block 4)
+    engine.store(first, source, torch.arange(27))
+    prompt = first[:26]  # ends inside block 6: its partial chunk [16, 26) is not copyable
+    assert engine.lookup(prompt) == 24
+    target = random_caches(layout, 16, seed=2)
+    loaded = engine.retrieve(prompt, target, torch.arange(26))
+    assert loaded.tolist() == [True] * 24 + [False] * 2
+    assert all(torch.equal(s[:6].view(torch.uint8), t[:6].view(torch.uint8)) for s, t in zip(source, target))
+    assert not any(torch.equal(s[6], t[6]) for s, t in zip(source, target))

@@ -297,7 +297,8 @@ class CacheEngine(EngineStores):
             if self.layout.whole_blocks_only:  # a block is loaded whole or not at all
                 first = -(-first // self.layout.block_size) * self.layout.block_size
             every = self.chunk_keys(tokens, request) if keys is None else keys
-            keys = [k for k in every if k.end > first and self._copyable(max(k.start, first), k.end)]
+            wanted = [k for k in every if k.end > first]
+            keys = [k for k in wanted if self._copyable(max(k.start, first), k.end)]
             # Verified (a bad chunk ends the prefix and is removed); only those promoted.
             split: HeadRecords | OtherSplit = self.records
             loaded = self.chunk_store.load_prefix(
@@ -317,8 +318,9 @@ class CacheEngine(EngineStores):
                 )
             timings.fetch_s, timings.verify_s = loaded.fetch_s, loaded.verify_s
             chunks = list(zip(keys, split.joined(loaded.tensors, [k.num_tokens for k in keys])))
-            if self.config.block_granular_hits and split is self.records and keys[len(chunks) :]:
-                chunks += self._loaded_tail(tokens, every, keys[len(chunks)].index, first, request)
+            # wanted, not keys: a packed layout's partial last chunk, ending inside a block, has a tail too
+            if self.config.block_granular_hits and split is self.records and wanted[len(chunks) :]:
+                chunks += self._loaded_tail(tokens, every, wanted[len(chunks)].index, first, request)
         except Exception:
             logger.exception("retrieve: fetching chunks failed; treated as a miss")
         return LayerwiseRetrieve(self, len(tokens), first, kv_caches, slots.to(torch.long), chunks, started, timings)
