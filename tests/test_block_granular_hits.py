@@ -194,3 +194,25 @@ def test_a_packed_layouts_tail_loads_when_the_prompt_ends_inside_a_block(make_en
     assert loaded.tolist() == [True] * 24 + [False] * 2
     assert all(torch.equal(s[:6].view(torch.uint8), t[:6].view(torch.uint8)) for s, t in zip(source, target))
     assert not any(torch.equal(s[6], t[6]) for s, t in zip(source, target))
+
+
+def test_keys_from_a_lookups_hashes_take_no_shorter_tail_for_the_partial_chunk(make_engine) -> None:
+    """A lookup of a prompt past a stored tail names the tail's hash for the prompt's partial
+    chunk: that hash keys a shorter cut, and a load of it as the whole partial chunk would
+    fail its shape check and remove the tail from every tier."""
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout, chunk_size=16, block_granular_hits=True)
+    source = random_caches(layout, 64, seed=1)
+    first = list(range(1000, 1027))
+    engine.store(first, source, torch.arange(27))
+    longer = [*first, 7]  # 28 tokens: a whole chunk, a partial one of 12, whose stored tail is 8
+    found = engine.locate(longer)
+    assert [loc.tokens for loc in found] == [16, 8]
+    keys = engine.chunk_keys(longer, hashes=[loc.chunk_hash for loc in found])
+    assert keys == engine.chunk_keys(longer)
+    target = random_caches(layout, 64, seed=2)
+    loading = engine.retrieve_layerwise(longer, target, torch.arange(28), keys=keys)
+    loading.write_remaining()
+    assert loading.num_loaded_tokens == 24
+    assert all(same_kv(layout, source, target, t) for t in range(24))
+    assert engine.lookup(longer) == 24  # the tail is still stored

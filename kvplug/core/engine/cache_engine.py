@@ -151,16 +151,16 @@ class CacheEngine(EngineStores):
         include_partial: bool = True,
         hashes: Sequence[str] | None = None,
     ) -> list[ChunkKey]:
-        """The keys of the prompt's chunks under ``request``'s salt and LoRA. ``hashes``: the
-        chunks' hashes a lookup of exactly these tokens found (:attr:`ChunkLocation.chunk_hash`),
-        used instead of hashing again when there is one per chunk."""
+        """The keys of the prompt's chunks under ``request``'s salt and LoRA; ``hashes``: those a lookup of
+        these tokens found (:attr:`ChunkLocation.chunk_hash`), see :meth:`KeyBuilder.keys_from_hashes`."""
         request = request or _NO_REQUEST
         prefix = self._key_prefix(request)
-        if hashes is not None:
-            bounds = self.key_builder.chunk_bounds(len(tokens), include_partial=include_partial)
-            if len(bounds) == len(hashes) and all(map(is_chunk_hash, hashes)):
-                return [ChunkKey(i, start, end, prefix + h) for i, ((start, end), h) in enumerate(zip(bounds, hashes))]
-        return self.key_builder.keys(tokens, prefix, extra_keys=request.extra_keys, include_partial=include_partial)
+        extra, builder = request.extra_keys, self.key_builder
+        if hashes is not None and all(map(is_chunk_hash, hashes)):
+            keys = builder.keys_from_hashes(tokens, prefix, hashes, extra_keys=extra, include_partial=include_partial)
+            if keys is not None:
+                return keys
+        return builder.keys(tokens, prefix, extra_keys=extra, include_partial=include_partial)
 
     def _key_prefix(self, request: RequestInfo) -> str:
         """The key prefix of ``request``'s chunks (:meth:`Fingerprint.key_prefix` under its salt
