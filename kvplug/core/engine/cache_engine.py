@@ -318,8 +318,8 @@ class CacheEngine(EngineStores):
                 )
             timings.fetch_s, timings.verify_s = loaded.fetch_s, loaded.verify_s
             chunks = list(zip(keys, split.joined(loaded.tensors, [k.num_tokens for k in keys])))
-            # wanted, not keys: a packed layout's partial last chunk, ending inside a block, has a tail too
-            if self.config.block_granular_hits and split is self.records and wanted[len(chunks) :]:
+            # as locate (own tail records, after any split's chunks), also past a packed layout's uncopyable last chunk
+            if self.config.block_granular_hits and wanted[len(chunks) :]:
                 chunks += self._loaded_tail(tokens, every, wanted[len(chunks)].index, first, request)
         except Exception:
             logger.exception("retrieve: fetching chunks failed; treated as a miss")
