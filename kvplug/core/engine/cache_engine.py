@@ -97,9 +97,9 @@ class CacheEngine(EngineStores):
             )
         self.serializer: Serializer = self.chunk_store.serializer
         self.fingerprint = self.chunk_store.fingerprint
-        # Again with the serializer the chunk store put into the fingerprint: every record
-        # key (other head groups', other TP sizes' splits) names it, as record 0's does.
+        # Again with the chunk store's serializer in the fingerprint: every record key names it.
         self.records = HeadRecords(layout, self.fingerprint, heads, any_tp_size=self.config.tp_sharing == "any")
+        self.chunk_store.private_copies = not self.records.writer
         # The tiers' record bound (a larger file is corrupt, never read) holds every record this cache reads.
         self.chunk_store.reads_chunks_up_to(self.records.largest_chunk_read(self.config.chunk_size))
         self.chain = self.chunk_store.chain
