@@ -3,8 +3,10 @@ and queued chunk data is bounded in bytes as well as in items."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -136,3 +138,23 @@ def test_bad_bounds_are_rejected() -> None:
         BackgroundWorker("bad", lambda item: None, max_items=0)
     with pytest.raises(ValueError, match="max_bytes"):
         BackgroundWorker("bad", lambda item: None, max_items=1, max_bytes=0, size_of=len)
+
+
+def test_a_handled_item_is_not_kept_while_the_worker_waits_for_the_next() -> None:
+    """A store batch holds frames of the engine's frame pool, which come back only when the
+    last reference to them goes: an idle worker must not keep the last one it wrote."""
+
+    class Batch:
+        pass
+
+    handled = threading.Event()
+    worker: BackgroundWorker[Batch] = BackgroundWorker("test", lambda batch: handled.set(), max_items=4)
+    batch = Batch()
+    gone = weakref.ref(batch)
+    assert worker.submit(batch)
+    del batch
+    assert handled.wait(30)
+    worker.flush()
+    gc.collect()
+    assert gone() is None
+    worker.close()

@@ -9,7 +9,7 @@ from core_helpers import LAYOUTS, SGLANG_MHA, VLLM_MLA, random_caches
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvplug import CacheEngine, ChunkLocation, KVLayout, merge_locations
+from kvplug import CacheEngine, ChunkLocation, Fingerprint, KVLayout, load_config, merge_locations
 from kvplug.core.engine.head_shards import HeadShard
 from kvplug.core.engine.tails import tail_cut, tail_lengths
 from kvplug.core.keys import ExtraKey, KeyBuilder
@@ -177,3 +177,77 @@ def test_an_inline_lookup_leaves_a_prompt_with_a_partial_chunk_to_the_full_looku
     assert engine.locate_inline([*first, 1, 2]) is None
     assert engine.lookup([*first, 1, 2]) == 16
     assert engine.locate_inline(first[:16]) == engine.locate(first[:16])  # whole chunks only: answered inline
+
+
+def test_a_packed_layouts_tail_loads_when_the_prompt_ends_inside_a_block(make_engine) -> None:
+    """The partial last chunk of a packed (whole-block) layout cannot be copied when the
+    prompt ends inside a block; the retrieve still loads the tail the lookup counted."""
+    layout = LAYOUTS["vllm_cpu"]
+    engine = make_engine(layout, chunk_size=16, block_granular_hits=True)
+    source = random_caches(layout, 16, seed=1)
+    first = list(range(1000, 1027))  # a whole chunk, then a tail cut at 24 (block 4)
+    engine.store(first, source, torch.arange(27))
+    prompt = first[:26]  # ends inside block 6: its partial chunk [16, 26) is not copyable
+    assert engine.lookup(prompt) == 24
+    target = random_caches(layout, 16, seed=2)
+    loaded = engine.retrieve(prompt, target, torch.arange(26))
+    assert loaded.tolist() == [True] * 24 + [False] * 2
+    assert all(torch.equal(s[:6].view(torch.uint8), t[:6].view(torch.uint8)) for s, t in zip(source, target))
+    assert not any(torch.equal(s[6], t[6]) for s, t in zip(source, target))
+
+
+def test_keys_from_a_lookups_hashes_take_no_shorter_tail_for_the_partial_chunk(make_engine) -> None:
+    """A lookup of a prompt past a stored tail names the tail's hash for the prompt's partial
+    chunk: that hash keys a shorter cut, and a load of it as the whole partial chunk would
+    fail its shape check and remove the tail from every tier."""
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout, chunk_size=16, block_granular_hits=True)
+    source = random_caches(layout, 64, seed=1)
+    first = list(range(1000, 1027))
+    engine.store(first, source, torch.arange(27))
+    longer = [*first, 7]  # 28 tokens: a whole chunk, a partial one of 12, whose stored tail is 8
+    found = engine.locate(longer)
+    assert [loc.tokens for loc in found] == [16, 8]
+    keys = engine.chunk_keys(longer, hashes=[loc.chunk_hash for loc in found])
+    assert keys == engine.chunk_keys(longer)
+    target = random_caches(layout, 64, seed=2)
+    loading = engine.retrieve_layerwise(longer, target, torch.arange(28), keys=keys)
+    loading.write_remaining()
+    assert loading.num_loaded_tokens == 24
+    assert all(same_kv(layout, source, target, t) for t in range(24))
+    assert engine.lookup(longer) == 24  # the tail is still stored
+
+
+def test_a_tail_after_whole_chunks_of_another_tp_size_loads_as_it_was_located(registry, tmp_path) -> None:
+    """Whole chunks another TP size's writer stored, then this engine's own tail: the retrieve
+    loads what the lookup counted (it left the tail out after another split's chunks)."""
+
+    def engine(tp: int, rank: int) -> tuple[CacheEngine, KVLayout]:
+        layout = KVLayout(SGLANG_MHA, num_layers=2, block_size=1, num_kv_heads=4 // tp, head_dim=8, dtype=torch.float32)
+        extra = {"kvplug": {"chunk_size": 8, "block_granular_hits": True, "store": {"queue": {"mode": "sync"}}}}
+        extra["kvplug"]["tiers"] = [{"type": "disk", "path": str(tmp_path)}]
+        config = load_config(engine_extra=extra, env={}, registry=registry).config
+        heads = HeadShard.for_rank(total_heads=4, tp_rank=rank, tp_size=tp)
+        opened = CacheEngine(
+            config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry, heads=heads
+        )
+        return opened, layout
+
+    prompt = list(range(100, 121))  # two whole chunks of 8, then 5 tokens
+    whole = random_caches(KVLayout(SGLANG_MHA, 2, 1, 4, 8, torch.float32), 32, seed=1)
+    ranks = [engine(2, rank) for rank in (0, 1)]
+    for rank, (writer, _) in enumerate(ranks):  # TP=2 stores the whole chunks, each rank its heads
+        writer.store(
+            prompt[:16], [tuple(t[:, 2 * rank : 2 * rank + 2] for t in layer) for layer in whole], torch.arange(16)
+        )
+    reader, layout = engine(1, 0)
+    masked = torch.arange(21) >= 16  # TP=1 stores only past them: the tail [16, 21)
+    reader.store(prompt, whole, torch.arange(21), masked)
+    longer = [*prompt, 7]
+    assert reader.lookup(longer) == 21
+    target = random_caches(layout, 32, seed=2)
+    loaded = reader.retrieve(longer, target, torch.arange(22))
+    assert loaded.tolist() == [True] * 21 + [False]
+    assert all(same_kv(layout, whole, target, t) for t in range(21))
+    for opened, _ in [*ranks, (reader, layout)]:
+        opened.close()

@@ -222,6 +222,23 @@ def test_layerwise_forms_round_trip_one_layer_at_a_time(make_engine) -> None:
     assert loading.loaded_mask.all()
 
 
+def test_a_layer_write_that_raises_leaves_no_token_reported_loaded(make_engine) -> None:
+    """A write error other than a connector's (here a slot past the cache) goes to the caller;
+    a caller that goes on must not take the mask for tokens written."""
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout)
+    tokens = prompt(16)
+    engine.store(tokens, random_caches(layout, NUM_BLOCKS), torch.arange(16))
+    slots = torch.arange(16)
+    slots[9] = NUM_BLOCKS * layout.block_size + 3
+    loading = engine.retrieve_layerwise(tokens, random_caches(layout, NUM_BLOCKS, seed=1), slots)
+    assert loading.num_loaded_tokens == 16
+    with pytest.raises(IndexError):
+        next(loading)
+    assert loading.num_loaded_tokens == 0
+    assert not loading.loaded_mask.any()
+
+
 def test_cache_salt_isolates_requests(make_engine) -> None:
     layout = LAYOUTS["vllm_mla"]
     engine = make_engine(layout)

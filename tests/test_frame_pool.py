@@ -68,3 +68,29 @@ def test_the_engine_pins_its_frames_only_for_a_connector_that_wants_it(make_engi
     engine = make_engine(LAYOUTS["vllm_flash"])
     assert not engine.connector.wants_pinned_frames()  # the torch connector on host memory
     assert not engine.frame_pool.stats().pinned
+
+
+def test_frames_a_disk_store_wrote_come_back_once_written(tmp_path) -> None:
+    """Neither the engine's store queue nor the disk tier's writer keeps the last batch it
+    wrote (its frames) while it waits for the next."""
+    from core_helpers import LAYOUTS, random_caches
+
+    from kvplug import CacheEngine, Fingerprint, load_config
+    from kvplug.core.plugins import PluginRegistry
+
+    registry = PluginRegistry(plugin_filter="cpu,disk")
+    layout = LAYOUTS["vllm_flash"]
+    extra = {
+        "kvplug": {
+            "chunk_size": 8,
+            "store": {"queue": {"mode": "async"}},
+            "tiers": [{"type": "disk", "path": str(tmp_path)}],
+        }
+    }
+    config = load_config(engine_extra=extra, env={}, registry=registry).config
+    with CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry) as engine:
+        engine.store(list(range(16)), random_caches(layout, 8), torch.arange(16))
+        engine.flush()
+        gc.collect()
+        assert engine.lookup(list(range(16))) == 16
+        assert engine.frame_pool.stats().in_use == 0

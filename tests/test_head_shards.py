@@ -169,6 +169,26 @@ def test_a_latent_cache_is_one_record_written_by_rank_zero(engines: Any, tmp_pat
     assert equal(target, source)
 
 
+def test_a_replicas_loads_promote_its_unchecked_copies_into_no_shared_tier(engines: Any, tmp_path: Path) -> None:
+    """A replica seals its copies without a frame checksum (they never leave the process); a
+    shared tier whose admission admits them on a later load must not get them from its loads
+    either (``kvplug store verify`` then called them corrupt, and ``store gc`` removed them)."""
+    layout = LAYOUTS["vllm_mla"]
+    frequency = {"type": "frequency", "min_hits": 2}
+    replica = engines(
+        layout,
+        HeadShard.for_rank(total_heads=1, tp_rank=1, tp_size=2, latent=True),
+        tiers=[{"type": "cpu"}, {"type": "disk", "path": str(tmp_path / "shared"), "admission": frequency}],
+    )
+    slots = torch.arange(len(TOKENS))
+    replica.store(TOKENS, random_caches(layout, blocks(layout), seed=6), slots)
+    for _ in range(2):  # sightings enough for the shared tier's admission
+        assert bool(replica.retrieve(TOKENS, random_caches(layout, blocks(layout)), slots).all())
+    replica.flush()
+    keys = replica.record_keys(replica.chunk_keys(TOKENS))
+    assert replica.chain.tiers[1].contains(keys) == [False] * 4
+
+
 def test_replicated_kv_heads_have_one_writer_per_head() -> None:
     shards = [HeadShard.for_rank(total_heads=2, tp_rank=r, tp_size=4) for r in range(4)]
     assert [(s.first, s.writer) for s in shards] == [(0, True), (0, False), (1, True), (1, False)]

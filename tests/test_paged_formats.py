@@ -262,6 +262,23 @@ def check_against_reference(
         assert torch.equal(as_bytes(have), as_bytes(want))
 
 
+@pytest.mark.parametrize("bad", [-1, -3, NUM_BLOCKS * 4])
+def test_a_slot_outside_a_cache_no_fast_path_fits_is_refused_not_wrapped(bad: int) -> None:
+    """Such a cache is copied with Python indexing, where slot -1 is the last page's last token:
+    a store would keep another token's KV, a load would overwrite it."""
+    layout = KVLayout(VLLM_FLASH, NUM_LAYERS, 4, 2, 8, torch.float16)
+    connector = TorchConnector(EmptyConfig(), layout)
+    caches, owners = engine_caches(layout, "permuted", 0)
+    before = [owner.clone() for owner in owners]
+    slots = torch.tensor([0, 1, bad, 3])
+    chunk = torch.zeros(layout.chunk_shape(4), dtype=layout.dtype)
+    with pytest.raises(LayoutError, match=rf"slot {bad} is outside the cache: it holds {NUM_BLOCKS * 4} slots"):
+        gather_chunk(connector, caches, slots, chunk)
+    with pytest.raises(LayoutError, match=rf"slot {bad} is outside the cache"):
+        scatter_chunk(connector, caches, slots, chunk)
+    assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(owners, before))
+
+
 def vllm_cpu_01_chunk_in_block_order(layout: KVLayout, chunk: torch.Tensor) -> torch.Tensor:
     """0.1's vllm_cpu chunk (per K/V: [blocks, token, head, dim]) as 0.2 stores it: [blocks, head, token, dim]."""
     layers, num_kv, tokens, _ = chunk.shape

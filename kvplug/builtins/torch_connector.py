@@ -177,7 +177,7 @@ class TorchConnector(KVConnector):
             for index, token_rows in enumerate(route.token_rows):
                 gather_rows(token_rows.of(tensors), plan.slots, out[index], runs=plan.slot_runs)
         else:
-            page, offset = self._page_offsets(plan, tensors[0].device)
+            page, offset = self._page_offsets(plan, tensors[0].device, route)
             if route.stacked is not None:
                 out.copy_(route.stacked.of(tensors)[:, page, offset].flatten(2))  # [num_kv, n, H*D]
             else:
@@ -207,7 +207,7 @@ class TorchConnector(KVConnector):
             for index, token_rows in enumerate(route.token_rows):
                 scatter_rows(token_rows.of(tensors), slots, src[index], runs=plan.slot_runs)
         else:
-            page, offset = self._page_offsets(plan, device)
+            page, offset = self._page_offsets(plan, device, route)
             heads, dim = self.layout.num_kv_heads, self.layout.head_dim
             if route.stacked is not None:
                 route.stacked.of(tensors)[:, page, offset] = src.view(self.layout.num_kv, -1, heads, dim)
@@ -229,10 +229,20 @@ class TorchConnector(KVConnector):
         """The pages the slots fill, when they fill whole pages in order (slots are pages of one)."""
         return plan.slots if self._page_tokens == 1 else plan.blocks
 
-    def _page_offsets(self, plan: SlotPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _page_offsets(self, plan: SlotPlan, device: torch.device, route: Route) -> tuple[torch.Tensor, torch.Tensor]:
+        """The page and the token in it of each planned slot, every one inside the cache: this
+        route indexes with Python semantics, where slot -1 would be the last page's last token."""
+        if plan.slots.numel():
+            low, high = torch.stack(torch.aminmax(plan.slots)).tolist()
+            slots = min(view.size[0] for view in route.views) * self._page_tokens
+            if low < 0 or high >= slots:
+                raise LayoutError(
+                    f"slot {low if low < 0 else high} is outside the cache: it holds {slots} slots "
+                    f"({slots // self._page_tokens} pages of {self._page_tokens})"
+                )
         if self._page_tokens == 1:
-            slots = plan.slots.to(device)
-            return slots, torch.zeros_like(slots)
+            slots_on_device = plan.slots.to(device)
+            return slots_on_device, torch.zeros_like(slots_on_device)
         return plan.block_offsets[0].to(device), plan.block_offsets[1].to(device)
 
     # --- whole packed blocks (whole_blocks_only formats) ----------------------------------

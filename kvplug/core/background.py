@@ -146,6 +146,9 @@ class BackgroundWorker(Generic[T]):
                     self.failed += 1
                 logger.exception("%s: handler failed", self.name)
             finally:
+                # Not held while waiting for the next item: a store batch is frames of the
+                # engine's frame pool, which it gets back only when the last reference goes.
+                del item
                 with self._cond:
                     self._bytes -= size
                     self._unfinished -= 1

@@ -240,11 +240,12 @@ class TierChain:
             if value is not None
         ]
 
-    def promote(self, keys: Sequence[str], fetched: Sequence[Fetched]) -> None:
+    def promote(self, keys: Sequence[str], fetched: Sequence[Fetched], *, only_trusted: bool = False) -> None:
         """After a verified load: write values found in slower tiers to the faster ones
         that admit them, and values a slower tier's admission policy admits from this
         load on (declined when they were stored) to that tier (``keys`` pair with
-        ``fetched``). The load counts as a sighting of each key."""
+        ``fetched``). The load counts as a sighting of each key. ``only_trusted``: write
+        only to the ``trusted_reads`` tiers (a replica's copies, see :meth:`put`)."""
         keys = list(keys[: len(fetched)])
         if not keys:
             return
@@ -252,6 +253,8 @@ class TierChain:
         before = {id(slot): slot.admission.admit(keys) for slot in selective}
         self._seen(keys)
         for index, slot in enumerate(self._slots):
+            if only_trusted and not slot.tier.trusted_reads:
+                continue
             faster = [(key, hit.value) for key, hit in zip(keys, fetched) if hit.tier > index]
             admitted = self._admitted(slot, faster)
             if admitted:

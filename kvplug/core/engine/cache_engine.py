@@ -97,9 +97,9 @@ class CacheEngine(EngineStores):
             )
         self.serializer: Serializer = self.chunk_store.serializer
         self.fingerprint = self.chunk_store.fingerprint
-        # Again with the serializer the chunk store put into the fingerprint: every record
-        # key (other head groups', other TP sizes' splits) names it, as record 0's does.
+        # Again with the chunk store's serializer in the fingerprint: every record key names it.
         self.records = HeadRecords(layout, self.fingerprint, heads, any_tp_size=self.config.tp_sharing == "any")
+        self.chunk_store.private_copies = not self.records.writer
         # The tiers' record bound (a larger file is corrupt, never read) holds every record this cache reads.
         self.chunk_store.reads_chunks_up_to(self.records.largest_chunk_read(self.config.chunk_size))
         self.chain = self.chunk_store.chain
@@ -151,16 +151,16 @@ class CacheEngine(EngineStores):
         include_partial: bool = True,
         hashes: Sequence[str] | None = None,
     ) -> list[ChunkKey]:
-        """The keys of the prompt's chunks under ``request``'s salt and LoRA. ``hashes``: the
-        chunks' hashes a lookup of exactly these tokens found (:attr:`ChunkLocation.chunk_hash`),
-        used instead of hashing again when there is one per chunk."""
+        """The keys of the prompt's chunks under ``request``'s salt and LoRA; ``hashes``: those a lookup of
+        these tokens found (:attr:`ChunkLocation.chunk_hash`), see :meth:`KeyBuilder.keys_from_hashes`."""
         request = request or _NO_REQUEST
         prefix = self._key_prefix(request)
-        if hashes is not None:
-            bounds = self.key_builder.chunk_bounds(len(tokens), include_partial=include_partial)
-            if len(bounds) == len(hashes) and all(map(is_chunk_hash, hashes)):
-                return [ChunkKey(i, start, end, prefix + h) for i, ((start, end), h) in enumerate(zip(bounds, hashes))]
-        return self.key_builder.keys(tokens, prefix, extra_keys=request.extra_keys, include_partial=include_partial)
+        extra, builder = request.extra_keys, self.key_builder
+        if hashes is not None and all(map(is_chunk_hash, hashes)):
+            keys = builder.keys_from_hashes(tokens, prefix, hashes, extra_keys=extra, include_partial=include_partial)
+            if keys is not None:
+                return keys
+        return builder.keys(tokens, prefix, extra_keys=extra, include_partial=include_partial)
 
     def _key_prefix(self, request: RequestInfo) -> str:
         """The key prefix of ``request``'s chunks (:meth:`Fingerprint.key_prefix` under its salt
@@ -297,7 +297,8 @@ class CacheEngine(EngineStores):
             if self.layout.whole_blocks_only:  # a block is loaded whole or not at all
                 first = -(-first // self.layout.block_size) * self.layout.block_size
             every = self.chunk_keys(tokens, request) if keys is None else keys
-            keys = [k for k in every if k.end > first and self._copyable(max(k.start, first), k.end)]
+            wanted = [k for k in every if k.end > first]
+            keys = [k for k in wanted if self._copyable(max(k.start, first), k.end)]
             # Verified (a bad chunk ends the prefix and is removed); only those promoted.
             split: HeadRecords | OtherSplit = self.records
             loaded = self.chunk_store.load_prefix(
@@ -317,8 +318,9 @@ class CacheEngine(EngineStores):
                 )
             timings.fetch_s, timings.verify_s = loaded.fetch_s, loaded.verify_s
             chunks = list(zip(keys, split.joined(loaded.tensors, [k.num_tokens for k in keys])))
-            if self.config.block_granular_hits and split is self.records and keys[len(chunks) :]:
-                chunks += self._loaded_tail(tokens, every, keys[len(chunks)].index, first, request)
+            # as locate (own tail records, after any split's chunks), also past a packed layout's uncopyable last chunk
+            if self.config.block_granular_hits and wanted[len(chunks) :]:
+                chunks += self._loaded_tail(tokens, every, wanted[len(chunks)].index, first, request)
         except Exception:
             logger.exception("retrieve: fetching chunks failed; treated as a miss")
         return LayerwiseRetrieve(self, len(tokens), first, kv_caches, slots.to(torch.long), chunks, started, timings)

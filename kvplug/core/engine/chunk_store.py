@@ -83,6 +83,9 @@ class ChunkStore:
         self.serializer = serializer
         self.fingerprint = fingerprint
         self.chain = chain
+        #: A replica's store (not the writer of its records): its copies, sealed without a
+        #: frame checksum, stay in the process-private tiers, loads' promotions included.
+        self.private_copies = False
         self.metrics = metrics or chain.metrics
 
     @classmethod
@@ -184,7 +187,9 @@ class ChunkStore:
             loaded.nbytes += memoryview(hit.value).nbytes
         loaded.verify_s = time.perf_counter() - verifying
         self.metrics.loaded_bytes.inc(loaded.nbytes)
-        self.chain.promote(keys[: len(loaded.tensors)], fetched[: len(loaded.tensors)])
+        self.chain.promote(
+            keys[: len(loaded.tensors)], fetched[: len(loaded.tensors)], only_trusted=self.private_copies
+        )
         return loaded
 
     # --- store ----------------------------------------------------------------------

@@ -109,13 +109,21 @@ class LayerwiseRetrieve(Iterator[int]):
             # Some layers are written and this one maybe in part: report nothing as
             # loaded, so the engine recomputes (and overwrites) all of it.
             self._engine._count_connector_error("retrieve", exc)
-            self._plans, self._spans, self._chunks = [], [], []
-            self.loaded_mask.zero_()
-            self.num_loaded_tokens = 0
+            self._nothing_loaded()
+        except Exception:
+            # Raised to the caller (bad slots, a device error): a caller that goes on must
+            # not read the mask as written tokens either.
+            self._nothing_loaded()
+            raise
         self.timings.write_s += time.perf_counter() - started
         self._next_layer = layers.stop
         if self._next_layer == engine.layout.num_layers:
             self._finish()
+
+    def _nothing_loaded(self) -> None:
+        self._plans, self._spans, self._chunks = [], [], []
+        self.loaded_mask.zero_()
+        self.num_loaded_tokens = 0
 
     def _finish(self) -> None:
         engine = self._engine

@@ -87,8 +87,10 @@ class EngineStores:
         """Store the chunks of ``tokens`` whose KV sits at ``slots``; returns tokens queued.
 
         ``mask`` (bool per token) marks the tokens this call is for; its ``False``
-        entries must form a prefix (tokens stored earlier). The copy out of
-        ``kv_caches`` is done before returning; writing to tiers may not be.
+        entries must form a prefix (tokens stored earlier). A chunk that straddles
+        that prefix's end is gathered whole, so the slots of its masked tokens must
+        still hold their KV: a mask does not make unreadable slots safe. The copy out
+        of ``kv_caches`` is done before returning; writing to tiers may not be.
         """
         layers = self._store(tokens, kv_caches, slots, mask, request, layers_per_step=self.layout.num_layers)
         while True:
