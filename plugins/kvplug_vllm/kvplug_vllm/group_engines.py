@@ -16,7 +16,7 @@ import torch
 
 from kvplug import CacheEngine, HeadShard, KVPlugConfig, slots_from_block_ids
 from kvplug_vllm.background import GroupsRetrieve, fetch_groups
-from kvplug_vllm.kv_groups import KVGroup, check_block_size, first_real_token
+from kvplug_vllm.kv_groups import KVGroup, check_block_size, first_stored_token
 from kvplug_vllm.layout import detect_layout, fingerprint_for, head_shard
 from kvplug_vllm.metadata import RequestMeta
 from kvplug_vllm.state_groups import StateBoundaries, state_layout, state_load_block_ids, state_pages, state_store_calls
@@ -65,8 +65,9 @@ class GroupEngines:
         )
 
     def store(self, request: RequestMeta, tokens: list[int]) -> None:
-        """Store every group's chunks from its own blocks (a sliding-window group's leading
-        null blocks, out of its window, are not read; a state group: the states handed over)."""
+        """Store every group's chunks from its own blocks (a sliding-window group's chunks from
+        the first without a leading null block, out of its window; a state group: the states
+        handed over)."""
         for index, engine, caches in self.groups:
             if index in self.state_groups:
                 self._store_states(request, index, engine, caches)
@@ -75,7 +76,9 @@ class GroupEngines:
                 continue
             block_ids = request.group_block_ids[index]
             mask = torch.ones(len(tokens), dtype=torch.bool)
-            mask[: max(request.save_start, first_real_token(block_ids, engine.layout.block_size))] = False
+            mask[: first_stored_token(request.save_start, block_ids, engine.layout.block_size, engine.chunk_size)] = (
+                False
+            )
             slots = slots_from_block_ids(block_ids, engine.layout.block_size, len(tokens))
             engine.store(tokens, caches, slots, mask, request=request.request_info())
 

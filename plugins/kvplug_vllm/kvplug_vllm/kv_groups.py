@@ -149,6 +149,15 @@ def check_kv_cache_groups(vllm_config: Any, kv_cache_config: Any) -> list[KVGrou
     return kv_groups(kv_cache_config)
 
 
+def first_stored_token(save_start: int, block_ids: list[int], block_size: int, chunk_size: int) -> int:
+    """Where a store of a group's blocks starts: at ``save_start``, and past every chunk that
+    holds a token of a leading null block (a sliding window's): the engine gathers a chunk
+    that straddles its mask's start whole, so such a chunk would keep the null block's
+    bytes as those tokens' KV, for a later request whose window reaches them to load."""
+    real = first_real_token(block_ids, block_size)
+    return max(save_start, -(-real // chunk_size) * chunk_size)
+
+
 def first_real_token(block_ids: list[int], block_size: int) -> int:
     """The first token whose block is allocated: a sliding-window group's table starts with
     null blocks for the tokens out of the window (none in a full-attention group)."""
