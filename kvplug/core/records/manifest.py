@@ -12,8 +12,9 @@ one small record into every tier it opens: its *manifest*.
   that cannot list (mooncake) still answers ``contains`` for it.
 - Value: ``MANIFEST_MAGIC`` then canonical JSON (never pickle) of the fingerprint's
   fields, the chunk size and the hash, at most ``MANIFEST_MAX_BYTES``. ``cache_salt``
-  is kept only as a digest (``sha256:<16 hex>``): a reader of the store learns whether
-  two salts are equal, not the salt.
+  is kept only as an unkeyed digest (``sha256:<16 hex>``): a reader of the store learns
+  whether two salts are equal and can test a guessed salt (as against a key's fingerprint
+  digest), but does not read it.
 
 ``kvplug explain`` lists the manifests of tiers that can list (``kvplug.RecordStore``:
 disk, s3, valkey), and checks which fingerprints hold a prompt's chunks.
