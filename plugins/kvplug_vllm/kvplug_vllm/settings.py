@@ -17,6 +17,7 @@ fields: ``{"kvplug.skip_save": true}``, ``{"kvplug.save_unfull_chunk": true}``, 
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -124,7 +125,7 @@ def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettin
             rest[key] = nested
         else:
             rest[key] = value
-    old: list[ConfigProblem] = []
+    old = _unknown_names(rest)
     for name in sorted(RENAMED.keys() & mine.keys()):
         new, note = RENAMED[name]
         message = f"renamed to {PREFIX + new!r}" + (f" ({note})" if note else "")
@@ -140,6 +141,25 @@ def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettin
         ]
         raise ConfigError(problems, "kv_connector_extra_config") from None
     return settings, rest
+
+
+def _unknown_names(rest: Mapping[str, Any]) -> list[ConfigProblem]:
+    """A ``kvplug.`` key that is neither a connector setting nor a core field, named with the
+    names of both (the core's own error would list only its fields, so a misspelled connector
+    setting got a list without the setting meant)."""
+    given = [(key[len(PREFIX) :], value) for key, value in rest.items() if key.startswith(PREFIX)]
+    nested = rest.get("kvplug")
+    given += [(str(key), value) for key, value in nested.items()] if isinstance(nested, Mapping) else []
+    allowed = sorted(SETTING_NAMES | set(KVPlugConfig.model_fields))
+    problems = []
+    for name, value in given:
+        first = name.split(".")[0]
+        if first in allowed:
+            continue
+        close = difflib.get_close_matches(first, allowed, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        problems.append(ConfigProblem(PREFIX + name, value, f"unknown key; {hint}allowed: {', '.join(allowed)}"))
+    return problems
 
 
 def kvplug_params(kv_transfer_params: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -83,6 +83,27 @@ def test_bad_connector_setting_names_the_key() -> None:
 
 
 @pytest.mark.parametrize(
+    ("extra", "path", "meant"),
+    [
+        ({"kvplug.layerwse": True}, "kvplug.layerwse", "layerwise"),
+        ({"kvplug": {"lookup_timout_s": 2.0}}, "kvplug.lookup_timout_s", "lookup_timeout_s"),
+        ({"kvplug.chunk_sise": 128}, "kvplug.chunk_sise", "chunk_size"),
+        ({"kvplug.stroe.queue.mode": "sync"}, "kvplug.stroe.queue.mode", "store"),
+    ],
+)
+def test_a_misspelled_setting_is_named_with_the_connector_and_core_names(
+    extra: dict[str, object], path: str, meant: str
+) -> None:
+    """The core's own error listed only its fields, so a misspelled connector setting got a
+    list without the setting meant."""
+    with pytest.raises(ConfigError) as info:
+        split_extra_config(extra)
+    [problem] = info.value.problems
+    assert problem.path == path and f"did you mean {meant!r}?" in problem.message, str(info.value)
+    assert "layerwise" in problem.message and "chunk_size" in problem.message
+
+
+@pytest.mark.parametrize(
     ("key", "value", "bound"),
     [
         ("kvplug.lookup_timeout_s", float("inf"), "less than or equal to 3600"),
