@@ -96,7 +96,7 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
         guard = record_guard(config, tenancy, self.tenant_names, problems.logger, self.where)
         self._order = EvictionIndex(config.eviction, guard)
         self._counts = {"discovered": 0, "vanished": 0, "skipped_writes": 0}
-        self._evicted: list[StoredRecord] = []
+        self._evicted: dict[str, StoredRecord] = {}  # by digest: a record written again is no longer evicted
         self._dirty_folders: set[str] = set()
         self._folder_lock = threading.Lock()  # one folder sync at a time
         self._folders_synced_at = time.monotonic()
@@ -193,6 +193,9 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
                     skipped = self._entry_failed("publish", record.name, exc, locked=True)
                     outcomes[i] = SkippedEntryError() if skipped else exc
                 else:
+                    # Evicted earlier in this put (or by another thread's) and now written again:
+                    # the tier must not forget the record it has just stored, nor report it gone.
+                    self._evicted.pop(record.name, None)
                     self._order.add(record.name, IndexEntry(value_size, record.size))
                     if replaced:  # storing a record again is a use of it
                         self._order.touch(record.name)

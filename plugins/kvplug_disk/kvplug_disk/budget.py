@@ -21,7 +21,7 @@ class FolderBudget:
     _ledger: UsageLedger
     _order: EvictionIndex
     _problems: ProblemLog
-    _evicted: list[StoredRecord]
+    _evicted: dict[str, StoredRecord]
     _budget: int
     _folder: RecordFolder
 
@@ -42,8 +42,8 @@ class FolderBudget:
 
     def take_evicted(self) -> list[StoredRecord]:
         with self._lock:
-            evicted, self._evicted = self._evicted, []
-        return evicted
+            evicted, self._evicted = self._evicted, {}
+        return list(evicted.values())
 
     def _evict_for(self, usage: Usage, incoming: int) -> None:
         """Unlink files in eviction order until ``incoming`` bytes fit in the folder's
@@ -66,7 +66,7 @@ class FolderBudget:
         then on: out of the index and the total, so the budget is kept with the others."""
         for digest, entry in victims:
             if self._unlink_record(usage, digest, "evict"):
-                self._evicted.append(StoredRecord(digest, entry.file_size, 0.0))
+                self._evicted[digest] = StoredRecord(digest, entry.file_size, 0.0)
 
     def _unlink_record(self, usage: Usage, digest: str, op: str) -> bool:
         """Remove one record file and take its bytes off the folder's total (locks held)."""
