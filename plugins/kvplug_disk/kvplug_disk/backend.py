@@ -179,7 +179,8 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
                     outcomes[i] = RefusedRecordError()
                     continue
                 # Replaced below: it must not count against its own room, nor be evicted for it.
-                replaced = self._order.pop(record.name) is not None
+                # A pinned record is neither, and stays pinned (stored again, its pin takes the new size).
+                replaced = not self._order.is_pinned(record.name) and self._order.pop(record.name) is not None
                 value_size = record.value.nbytes
                 self._evict_for(usage, value_size)
                 growth = value_size - self._value_size_on_disk(record.name)

@@ -92,10 +92,14 @@ class FolderBudget:
 
     def _rebuild(self, usage: Usage, records: list[tuple[str, int, int]]) -> None:
         """Order every record of a folder listing as cold entries, the oldest (by mtime) the
-        first to leave; the folder's total becomes the listing's."""
+        first to leave, the records pinned before still pinned; the folder's total becomes the listing's."""
         records.sort(key=lambda record: record[2])
+        pinned = self._order.pinned()  # the pin book's are pinned again as they enter; these may not be in it
         self._order = self._order.fresh()
         for digest, file_size, _ in reversed(records):  # each cold entry goes before the others
             if not self._skipped(digest):
                 self._order.add_cold(digest, IndexEntry(value_size_of(file_size), file_size))
+        for digest in pinned:
+            if digest in self._order:
+                self._order.pin(digest)
         usage.total = self._order.value_bytes
