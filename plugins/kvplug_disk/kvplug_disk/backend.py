@@ -35,7 +35,7 @@ from kvplug import CallSizes, NameTenants, PinOutcome, RecordBackend, RecordToWr
 from kvplug_disk.budget import FolderBudget
 from kvplug_disk.config import DiskTierConfig
 from kvplug_disk.files import RecordFolder, TempFile, make_private
-from kvplug_disk.folder_scan import ForeignEntryError
+from kvplug_disk.folder_scan import ForeignEntryError, ScanResult
 from kvplug_disk.index import EvictionIndex, IndexEntry, record_guard
 from kvplug_disk.ledger import UsageLedger
 from kvplug_disk.location import mark_store, require_disk_store
@@ -105,21 +105,12 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
         if not read_only:
             mark_store(self._folder.root_fd)
         self._ledger = UsageLedger(self._folder.root_fd, read_only=read_only)
-        # Under the folder's lock: the scan and the total it gives are exact, not racing a writer.
-        with self._lock, self._ledger.locked() as usage:
-            scan = self._folder.scan(clean_temps_older_than=None if read_only else config.stale_temp_s)
-            for entry in scan.foreign:  # "<shard>/<digest>.kvr", or a shard name
-                shard, _, name = entry.partition("/")
-                problems.skip(name[:64] or shard, "foreign", f"{config.path}/{entry} is not a regular file or folder")
-            self._rebuild(usage, scan.records)
-            if not read_only:
-                self._evict_for(usage, 0)  # the budget may have shrunk since the last run
-            # The tier's start-up listing: the files still there, without listing twice.
-            self._startup_listing: list[StoredRecord] | None = [
-                StoredRecord(digest, size, mtime_ns / 1e9)
-                for digest, size, mtime_ns in scan.records
-                if digest in self._order
-            ]
+        try:
+            scan = self._start(config)
+        except BaseException:  # a tier that does not open keeps no descriptors
+            self._ledger.close()
+            self._folder.close()
+            raise
         self._startup = {
             "startup_s": round(time.perf_counter() - started, 4),
             "temps_removed": scan.temps_removed,
@@ -131,6 +122,26 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
             if config.write_threads > 1
             else None
         )
+
+    def _start(self, config: DiskTierConfig) -> ScanResult:
+        """List the folder and index its records, under the folder's lock: the scan and the
+        total it gives are exact, not racing a writer."""
+        with self._lock, self._ledger.locked() as usage:
+            scan = self._folder.scan(clean_temps_older_than=None if self.read_only else config.stale_temp_s)
+            for entry in scan.foreign:  # "<shard>/<digest>.kvr", or a shard name
+                shard, _, name = entry.partition("/")
+                what = "is not a regular file or folder" if name else "is not a folder this user may open"
+                self._problems.skip(name[:64] or shard, "foreign", f"{config.path}/{entry} {what}")
+            self._rebuild(usage, scan.records)
+            if not self.read_only:
+                self._evict_for(usage, 0)  # the budget may have shrunk since the last run
+            # The tier's start-up listing: the files still there, without listing twice.
+            self._startup_listing: list[StoredRecord] | None = [
+                StoredRecord(digest, size, mtime_ns / 1e9)
+                for digest, size, mtime_ns in scan.records
+                if digest in self._order
+            ]
+        return scan
 
     def _open_folder(self, config: DiskTierConfig) -> RecordFolder:
         """The store folder, made 0700 (its records are 0600): others on the host must not
