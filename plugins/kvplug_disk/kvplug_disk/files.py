@@ -141,7 +141,9 @@ class RecordFolder(FolderScan):
                 ) from None
             if exc.errno in (errno.EACCES, errno.EPERM):  # left alone like a link: the other shards serve
                 raise ForeignEntryError(
-                    exc.errno, f"shard folder {self.root}/{shard} may not be opened by this user (another user's?)", shard
+                    exc.errno,
+                    f"shard folder {self.root}/{shard} may not be opened by this user (another user's?)",
+                    shard,
                 ) from None
             raise
 
