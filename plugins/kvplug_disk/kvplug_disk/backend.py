@@ -89,7 +89,9 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
         self._record_bound = record_bound  # the tier's max_record_bytes, read at each read
         self._budget = int(config.max_bytes)
         self._problems = problems
-        self._lock = threading.Lock()  # taken before the ledger's lock, never inside it
+        # Taken inside the ledger's lock, never around it: a write waiting for another process's
+        # hold on the folder (a process paused mid-write) must not hold up this process's lookups.
+        self._lock = threading.Lock()
         tenancy = tenancy or Tenancy()
         #: The tenants of record names: the tier notes the keys it is asked about here.
         self.tenant_names = NameTenants(tenancy.tenants)
@@ -126,7 +128,7 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
     def _start(self, config: DiskTierConfig) -> ScanResult:
         """List the folder and index its records, under the folder's lock: the scan and the
         total it gives are exact, not racing a writer."""
-        with self._lock, self._ledger.locked() as usage:
+        with self._ledger.locked() as usage, self._lock:
             scan = self._folder.scan(clean_temps_older_than=None if self.read_only else config.stale_temp_s)
             for entry in scan.foreign:  # "<shard>/<digest>.kvr", or a shard name
                 shard, _, name = entry.partition("/")
@@ -184,7 +186,7 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
             if isinstance(temp, OSError):
                 outcomes[i] = SkippedEntryError() if self._entry_failed("write", record.name, temp) else temp
                 continue
-            with self._lock, self._ledger.locked() as usage:
+            with self._ledger.locked() as usage, self._lock:
                 if not self._order.admits(record.name, IndexEntry(record.value.nbytes, record.size), self._budget):
                     self._folder.discard_temp(temp)
                     outcomes[i] = RefusedRecordError()
@@ -263,7 +265,7 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
     def unpin(self, names: Sequence[str]) -> list[int | None]:
         """Make records evictable again: per name its value bytes, ``None`` if not pinned. They
         count against their tenant's quota again: a tenant over it gives up its own records."""
-        with self._lock, self._ledger.locked() as usage:
+        with self._ledger.locked() as usage, self._lock:
             sizes: list[int | None] = []
             for digest in names:
                 entry = self._order.get(digest)
@@ -280,7 +282,7 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
         return self._delete(names)
 
     def _delete(self, names: Sequence[str]) -> list[bool]:
-        with self._lock, self._ledger.locked() as usage:
+        with self._ledger.locked() as usage, self._lock:
             existed = []
             for digest in names:
                 self._order.pop(digest)

@@ -34,7 +34,7 @@ class FolderBudget:
     def _make_room(self, size: int, attempt: int) -> bool:
         """After a write of ``size`` bytes found the disk full (``attempt`` times before):
         evict this process's next victims, twice as many bytes each round; whether any were."""
-        with self._lock, self._ledger.locked() as usage:
+        with self._ledger.locked() as usage, self._lock:
             victims = self._order.pop_victims((size + 64 * 1024) << attempt)  # + blocks, metadata
             self._remove_victims(usage, victims)
             self._problems.counts["enospc_evictions"] += len(victims)
