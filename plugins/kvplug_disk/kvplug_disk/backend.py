@@ -181,44 +181,49 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
             else:
                 wanted.append(i)
         temps = self._write_temps([records[i] for i in wanted])
-        for i, temp in zip(wanted, temps):
-            record = records[i]
-            if isinstance(temp, OSError):
-                outcomes[i] = SkippedEntryError() if self._entry_failed("write", record.name, temp) else temp
-                continue
-            with self._ledger.locked() as usage, self._lock:
-                if not self._order.admits(record.name, IndexEntry(record.value.nbytes, record.size), self._budget):
-                    self._folder.discard_temp(temp)
-                    outcomes[i] = RefusedRecordError()
+        try:
+            for i, temp in zip(wanted, temps):
+                record = records[i]
+                if isinstance(temp, OSError):
+                    outcomes[i] = SkippedEntryError() if self._entry_failed("write", record.name, temp) else temp
                     continue
-                # Replaced below: it must not count against its own room, nor be evicted for it.
-                # A pinned record is neither, and stays pinned (stored again, its pin takes the new size).
-                replaced = not self._order.is_pinned(record.name) and self._order.pop(record.name) is not None
-                value_size = record.value.nbytes
-                self._evict_for(usage, value_size)
-                growth = value_size - self._value_size_on_disk(record.name)
-                usage.total += growth
-                usage.save()  # before the rename: a crash in between over-counts, never under-counts
-                try:
-                    self._folder.publish(temp, record.name)
-                except OSError as exc:
-                    usage.total -= growth
-                    self._folder.discard_temp(temp)
-                    skipped = self._entry_failed("publish", record.name, exc, locked=True)
-                    outcomes[i] = SkippedEntryError() if skipped else exc
-                else:
-                    # Evicted earlier in this put (or by another thread's) and now written again:
-                    # the tier must not forget the record it has just stored, nor report it gone.
-                    self._evicted.pop(record.name, None)
-                    self._order.add(record.name, IndexEntry(value_size, record.size))
-                    if replaced:  # storing a record again is a use of it
-                        self._order.touch(record.name)
-                    over_quota = self._order.take_over_quota()  # the tenant's own records
-                    if over_quota:
-                        self._remove_victims(usage, over_quota)
-                        usage.save()
-            with self._folder_lock:
-                self._dirty_folders.add(self._folder.shard_of(record.name))
+                with self._ledger.locked() as usage, self._lock:
+                    if not self._order.admits(record.name, IndexEntry(record.value.nbytes, record.size), self._budget):
+                        self._folder.discard_temp(temp)
+                        outcomes[i] = RefusedRecordError()
+                        continue
+                    # Replaced below: it must not count against its own room, nor be evicted for it.
+                    # A pinned record is neither, and stays pinned (stored again, its pin takes the new size).
+                    replaced = not self._order.is_pinned(record.name) and self._order.pop(record.name) is not None
+                    value_size = record.value.nbytes
+                    self._evict_for(usage, value_size)
+                    growth = value_size - self._value_size_on_disk(record.name)
+                    usage.total += growth
+                    usage.save()  # before the rename: a crash in between over-counts, never under-counts
+                    try:
+                        self._folder.publish(temp, record.name)
+                    except OSError as exc:
+                        usage.total -= growth
+                        self._folder.discard_temp(temp)
+                        skipped = self._entry_failed("publish", record.name, exc, locked=True)
+                        outcomes[i] = SkippedEntryError() if skipped else exc
+                    else:
+                        # Evicted earlier in this put (or by another thread's) and now written again:
+                        # the tier must not forget the record it has just stored, nor report it gone.
+                        self._evicted.pop(record.name, None)
+                        self._order.add(record.name, IndexEntry(value_size, record.size))
+                        if replaced:  # storing a record again is a use of it
+                            self._order.touch(record.name)
+                        over_quota = self._order.take_over_quota()  # the tenant's own records
+                        if over_quota:
+                            self._remove_victims(usage, over_quota)
+                            usage.save()
+                with self._folder_lock:
+                    self._dirty_folders.add(self._folder.shard_of(record.name))
+        finally:  # a call that failed half-way (the folder could not be listed) leaves no temp file open
+            for temp in temps:
+                if isinstance(temp, TempFile):
+                    self._folder.discard_temp(temp)  # (nothing for one published or discarded already)
         if time.monotonic() - self._folders_synced_at >= FOLDER_SYNC_INTERVAL_S:
             self._sync_folders()  # the rest on flush
         return outcomes

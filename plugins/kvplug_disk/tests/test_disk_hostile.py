@@ -306,6 +306,48 @@ def test_store_verify_fails_on_a_link_planted_where_a_record_should_be(tmp_path:
     assert (rows["ok"], rows["foreign"]) == ("2", "1")
 
 
+NO_DESCRIPTORS_SCENARIO = """
+import json, os, resource, sys
+from pathlib import Path
+from kvplug.testing import key_for, tier_context, value_for
+from kvplug_disk import DiskTier
+root = Path({root!r})
+def tier():
+    config = DiskTier.Config(path=root, max_bytes=10_000, fsync=False, write_threads=1, queue={{"mode": "sync"}})
+    return DiskTier(config, tier_context())
+mine = tier()  # opened while the folder is empty: to make room it must list the folder again
+other = tier()
+other.put([(key_for(f"o{{i}}"), value_for(f"o{{i}}", 1000)) for i in range(10)])  # the folder is full
+other.close()
+def fds():
+    return sorted(int(name) for name in os.listdir("/proc/self/fd"))
+highest = max(fds())
+fillers = []
+while (fd := os.open("/dev/null", os.O_RDONLY)) < highest:  # the free numbers below: the limit then counts exactly
+    fillers.append(fd)
+os.close(fd)
+before = fds()
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+# Room for the three records' temp files: listing the folder to make room finds no descriptor left.
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(before) + 4, hard))
+mine.put([(key_for(f"m{{i}}"), value_for(f"m{{i}}", 1000)) for i in range(3)])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+out = {{"fds_left": len(fds()) - len(before), "temps": len(list(root.glob("*/*.tmp"))), "dropped": mine.stats().extra["dropped_puts"]}}
+mine.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_put_that_fails_half_way_leaves_no_temp_file_or_descriptor(tmp_path: Path) -> None:
+    """The process runs out of file descriptors while a put makes room (it lists the folder):
+    the put is dropped, and the temp files already written are removed, their folders closed."""
+    code = NO_DESCRIPTORS_SCENARIO.format(root=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.splitlines()[-1])
+    assert out == {"fds_left": 0, "temps": 0, "dropped": 3}, out
+
+
 # --- a full disk ------------------------------------------------------------------
 
 
