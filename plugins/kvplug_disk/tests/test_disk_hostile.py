@@ -348,6 +348,32 @@ def test_a_put_that_fails_half_way_leaves_no_temp_file_or_descriptor(tmp_path: P
     assert out == {"fds_left": 0, "temps": 0, "dropped": 3}, out
 
 
+def test_a_fifo_planted_as_the_ledger_hangs_no_command_and_no_tier(tmp_path: Path, caplog) -> None:
+    root = tmp_path / "cache"
+    tier = make_disk_tier(root)
+    tier.put([(key_for("f"), value_for("f", 1000))])
+    tier.close()
+    ledger = root / ".kvplug-usage"
+    ledger.unlink()
+    os.mkfifo(ledger)  # opened for reading, a FIFO waits for a writer that never comes
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvplug.cli.main", "store", "stats", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("kvplug store stats hung on a FIFO in place of the ledger")
+    assert done.returncode == 0, done.stderr[-2000:]
+    with caplog.at_level(logging.WARNING):
+        tier = make_disk_tier(root, queue={"mode": "sync"})  # it failed to open: [Errno 29] Illegal seek
+    assert tier.get([key_for("f")]) != [None]
+    assert tier.stats().extra["folder_budget_shared"] == 0  # the budget counts this process's records
+    assert ".kvplug-usage in the folder is a FIFO, not a regular file" in caplog.text
+    tier.close()
+
+
 # --- a full disk ------------------------------------------------------------------
 
 
