@@ -116,13 +116,14 @@ class CPUTier(StorageTier):
             if view.nbytes > budget:
                 raise ValueTooLargeError(f"value of {view.nbytes} bytes for {key} exceeds max_bytes {budget}")
             prepared.append((key, self._own(value, view), view.nbytes))
-        evicted: list[str] = []
+        evicted: dict[str, None] = {}
         with self._lock:
             self._check_open()
             stats = self._stats
             for key, value, size in prepared:
                 if not self._policy.admits(key, size, budget):  # it would only evict others, then itself
                     continue
+                evicted.pop(key, None)  # evicted earlier in this put, held again: not reported as gone
                 old = self._entries.pop(key, None)
                 if old is not None:
                     self._account(old, -1)
@@ -139,15 +140,15 @@ class CPUTier(StorageTier):
                     self._drop_victim(*popped, evicted)
         self._emit_evicted(evicted)
 
-    def _drop_victim(self, victim: str, size: int, evicted: list[str]) -> None:
+    def _drop_victim(self, victim: str, size: int, evicted: dict[str, None]) -> None:
         del self._entries[victim]
         self._stats.bytes_used -= size
         self._stats.items -= 1
         self._stats.evictions += 1
-        evicted.append(victim)
+        evicted[victim] = None
 
     def pin(self, keys: Sequence[str]) -> list[tuple[str, int]]:
-        evicted: list[str] = []
+        evicted: dict[str, None] = {}
         with self._lock:
             self._check_open()
             outcomes: list[tuple[str, int]] = []
@@ -160,7 +161,7 @@ class CPUTier(StorageTier):
         return outcomes
 
     def unpin(self, keys: Sequence[str]) -> list[int | None]:
-        evicted: list[str] = []
+        evicted: dict[str, None] = {}
         with self._lock:
             self._check_open()
             sizes = [self._policy.unpin(key) for key in keys]
@@ -168,11 +169,11 @@ class CPUTier(StorageTier):
         self._emit_evicted(evicted)
         return sizes
 
-    def _drop_over_quota(self, evicted: list[str]) -> None:
+    def _drop_over_quota(self, evicted: dict[str, None]) -> None:
         for victim, victim_size in self._policy.take_over_quota():  # the tenant's own chunks
             self._drop_victim(victim, victim_size, evicted)
 
-    def _emit_evicted(self, evicted: list[str]) -> None:
+    def _emit_evicted(self, evicted: dict[str, None]) -> None:
         if evicted:
             self.context.emit(KVEvent("evicted", tuple(evicted), tier=self.name))
 

@@ -34,6 +34,15 @@ class TestCPUTierS3FIFOContract(StorageTierContract):
         return lambda max_bytes=None, **events: make_cpu_tier(max_bytes, "s3fifo", **events)
 
 
+def test_a_key_evicted_and_stored_again_in_one_put_is_not_reported_evicted() -> None:
+    events: list = []
+    tier = make_cpu_tier(1000, emit=events.append)
+    tier.put([("a", b"a" * 500), ("b", b"b" * 500)])
+    tier.put([("c", b"c" * 500), ("a", b"A" * 500)])  # c evicts a, then a is stored again and evicts b
+    assert tier.contains(["a", "b", "c"]) == [True, False, True]
+    assert [(e.kind, e.keys) for e in events] == [("evicted", ("b",))]
+
+
 @pytest.mark.parametrize("eviction", ["lru", "s3fifo"])
 def test_accounting_is_exact_through_overwrite_remove_and_eviction(eviction: str) -> None:
     tier = make_cpu_tier(3_000, eviction)

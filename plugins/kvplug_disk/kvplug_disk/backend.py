@@ -35,7 +35,7 @@ from kvplug import CallSizes, NameTenants, PinOutcome, RecordBackend, RecordToWr
 from kvplug_disk.budget import FolderBudget
 from kvplug_disk.config import DiskTierConfig
 from kvplug_disk.files import RecordFolder, TempFile, make_private
-from kvplug_disk.folder_scan import ForeignEntryError
+from kvplug_disk.folder_scan import ForeignEntryError, ScanResult
 from kvplug_disk.index import EvictionIndex, IndexEntry, record_guard
 from kvplug_disk.ledger import UsageLedger
 from kvplug_disk.location import mark_store, require_disk_store
@@ -89,14 +89,16 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
         self._record_bound = record_bound  # the tier's max_record_bytes, read at each read
         self._budget = int(config.max_bytes)
         self._problems = problems
-        self._lock = threading.Lock()  # taken before the ledger's lock, never inside it
+        # Taken inside the ledger's lock, never around it: a write waiting for another process's
+        # hold on the folder (a process paused mid-write) must not hold up this process's lookups.
+        self._lock = threading.Lock()
         tenancy = tenancy or Tenancy()
         #: The tenants of record names: the tier notes the keys it is asked about here.
         self.tenant_names = NameTenants(tenancy.tenants)
         guard = record_guard(config, tenancy, self.tenant_names, problems.logger, self.where)
         self._order = EvictionIndex(config.eviction, guard)
         self._counts = {"discovered": 0, "vanished": 0, "skipped_writes": 0}
-        self._evicted: list[StoredRecord] = []
+        self._evicted: dict[str, StoredRecord] = {}  # by digest: a record written again is no longer evicted
         self._dirty_folders: set[str] = set()
         self._folder_lock = threading.Lock()  # one folder sync at a time
         self._folders_synced_at = time.monotonic()
@@ -105,21 +107,12 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
         if not read_only:
             mark_store(self._folder.root_fd)
         self._ledger = UsageLedger(self._folder.root_fd, read_only=read_only)
-        # Under the folder's lock: the scan and the total it gives are exact, not racing a writer.
-        with self._lock, self._ledger.locked() as usage:
-            scan = self._folder.scan(clean_temps_older_than=None if read_only else config.stale_temp_s)
-            for entry in scan.foreign:  # "<shard>/<digest>.kvr", or a shard name
-                shard, _, name = entry.partition("/")
-                problems.skip(name[:64] or shard, "foreign", f"{config.path}/{entry} is not a regular file or folder")
-            self._rebuild(usage, scan.records)
-            if not read_only:
-                self._evict_for(usage, 0)  # the budget may have shrunk since the last run
-            # The tier's start-up listing: the files still there, without listing twice.
-            self._startup_listing: list[StoredRecord] | None = [
-                StoredRecord(digest, size, mtime_ns / 1e9)
-                for digest, size, mtime_ns in scan.records
-                if digest in self._order
-            ]
+        try:
+            scan = self._start(config)
+        except BaseException:  # a tier that does not open keeps no descriptors
+            self._ledger.close()
+            self._folder.close()
+            raise
         self._startup = {
             "startup_s": round(time.perf_counter() - started, 4),
             "temps_removed": scan.temps_removed,
@@ -131,6 +124,26 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
             if config.write_threads > 1
             else None
         )
+
+    def _start(self, config: DiskTierConfig) -> ScanResult:
+        """List the folder and index its records, under the folder's lock: the scan and the
+        total it gives are exact, not racing a writer."""
+        with self._ledger.locked() as usage, self._lock:
+            scan = self._folder.scan(clean_temps_older_than=None if self.read_only else config.stale_temp_s)
+            for entry in scan.foreign:  # "<shard>/<digest>.kvr", or a shard name
+                shard, _, name = entry.partition("/")
+                what = "is not a regular file or folder" if name else "is not a folder this user may open"
+                self._problems.skip(name[:64] or shard, "foreign", f"{config.path}/{entry} {what}")
+            self._rebuild(usage, scan.records)
+            if not self.read_only:
+                self._evict_for(usage, 0)  # the budget may have shrunk since the last run
+            # The tier's start-up listing: the files still there, without listing twice.
+            self._startup_listing: list[StoredRecord] | None = [
+                StoredRecord(digest, size, mtime_ns / 1e9)
+                for digest, size, mtime_ns in scan.records
+                if digest in self._order
+            ]
+        return scan
 
     def _open_folder(self, config: DiskTierConfig) -> RecordFolder:
         """The store folder, made 0700 (its records are 0600): others on the host must not
@@ -168,40 +181,49 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
             else:
                 wanted.append(i)
         temps = self._write_temps([records[i] for i in wanted])
-        for i, temp in zip(wanted, temps):
-            record = records[i]
-            if isinstance(temp, OSError):
-                outcomes[i] = SkippedEntryError() if self._entry_failed("write", record.name, temp) else temp
-                continue
-            with self._lock, self._ledger.locked() as usage:
-                if not self._order.admits(record.name, IndexEntry(record.value.nbytes, record.size), self._budget):
-                    self._folder.discard_temp(temp)
-                    outcomes[i] = RefusedRecordError()
+        try:
+            for i, temp in zip(wanted, temps):
+                record = records[i]
+                if isinstance(temp, OSError):
+                    outcomes[i] = SkippedEntryError() if self._entry_failed("write", record.name, temp) else temp
                     continue
-                # Replaced below: it must not count against its own room, nor be evicted for it.
-                replaced = self._order.pop(record.name) is not None
-                value_size = record.value.nbytes
-                self._evict_for(usage, value_size)
-                growth = value_size - self._value_size_on_disk(record.name)
-                usage.total += growth
-                usage.save()  # before the rename: a crash in between over-counts, never under-counts
-                try:
-                    self._folder.publish(temp, record.name)
-                except OSError as exc:
-                    usage.total -= growth
-                    self._folder.discard_temp(temp)
-                    skipped = self._entry_failed("publish", record.name, exc, locked=True)
-                    outcomes[i] = SkippedEntryError() if skipped else exc
-                else:
-                    self._order.add(record.name, IndexEntry(value_size, record.size))
-                    if replaced:  # storing a record again is a use of it
-                        self._order.touch(record.name)
-                    over_quota = self._order.take_over_quota()  # the tenant's own records
-                    if over_quota:
-                        self._remove_victims(usage, over_quota)
-                        usage.save()
-            with self._folder_lock:
-                self._dirty_folders.add(self._folder.shard_of(record.name))
+                with self._ledger.locked() as usage, self._lock:
+                    if not self._order.admits(record.name, IndexEntry(record.value.nbytes, record.size), self._budget):
+                        self._folder.discard_temp(temp)
+                        outcomes[i] = RefusedRecordError()
+                        continue
+                    # Replaced below: it must not count against its own room, nor be evicted for it.
+                    # A pinned record is neither, and stays pinned (stored again, its pin takes the new size).
+                    replaced = not self._order.is_pinned(record.name) and self._order.pop(record.name) is not None
+                    value_size = record.value.nbytes
+                    self._evict_for(usage, value_size)
+                    growth = value_size - self._value_size_on_disk(record.name)
+                    usage.total += growth
+                    usage.save()  # before the rename: a crash in between over-counts, never under-counts
+                    try:
+                        self._folder.publish(temp, record.name)
+                    except OSError as exc:
+                        usage.total -= growth
+                        self._folder.discard_temp(temp)
+                        skipped = self._entry_failed("publish", record.name, exc, locked=True)
+                        outcomes[i] = SkippedEntryError() if skipped else exc
+                    else:
+                        # Evicted earlier in this put (or by another thread's) and now written again:
+                        # the tier must not forget the record it has just stored, nor report it gone.
+                        self._evicted.pop(record.name, None)
+                        self._order.add(record.name, IndexEntry(value_size, record.size))
+                        if replaced:  # storing a record again is a use of it
+                            self._order.touch(record.name)
+                        over_quota = self._order.take_over_quota()  # the tenant's own records
+                        if over_quota:
+                            self._remove_victims(usage, over_quota)
+                            usage.save()
+                with self._folder_lock:
+                    self._dirty_folders.add(self._folder.shard_of(record.name))
+        finally:  # a call that failed half-way (the folder could not be listed) leaves no temp file open
+            for temp in temps:
+                if isinstance(temp, TempFile):
+                    self._folder.discard_temp(temp)  # (nothing for one published or discarded already)
         if time.monotonic() - self._folders_synced_at >= FOLDER_SYNC_INTERVAL_S:
             self._sync_folders()  # the rest on flush
         return outcomes
@@ -248,7 +270,7 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
     def unpin(self, names: Sequence[str]) -> list[int | None]:
         """Make records evictable again: per name its value bytes, ``None`` if not pinned. They
         count against their tenant's quota again: a tenant over it gives up its own records."""
-        with self._lock, self._ledger.locked() as usage:
+        with self._ledger.locked() as usage, self._lock:
             sizes: list[int | None] = []
             for digest in names:
                 entry = self._order.get(digest)
@@ -265,7 +287,7 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
         return self._delete(names)
 
     def _delete(self, names: Sequence[str]) -> list[bool]:
-        with self._lock, self._ledger.locked() as usage:
+        with self._ledger.locked() as usage, self._lock:
             existed = []
             for digest in names:
                 self._order.pop(digest)

@@ -21,7 +21,7 @@ class FolderBudget:
     _ledger: UsageLedger
     _order: EvictionIndex
     _problems: ProblemLog
-    _evicted: list[StoredRecord]
+    _evicted: dict[str, StoredRecord]
     _budget: int
     _folder: RecordFolder
 
@@ -34,7 +34,7 @@ class FolderBudget:
     def _make_room(self, size: int, attempt: int) -> bool:
         """After a write of ``size`` bytes found the disk full (``attempt`` times before):
         evict this process's next victims, twice as many bytes each round; whether any were."""
-        with self._lock, self._ledger.locked() as usage:
+        with self._ledger.locked() as usage, self._lock:
             victims = self._order.pop_victims((size + 64 * 1024) << attempt)  # + blocks, metadata
             self._remove_victims(usage, victims)
             self._problems.counts["enospc_evictions"] += len(victims)
@@ -42,8 +42,8 @@ class FolderBudget:
 
     def take_evicted(self) -> list[StoredRecord]:
         with self._lock:
-            evicted, self._evicted = self._evicted, []
-        return evicted
+            evicted, self._evicted = self._evicted, {}
+        return list(evicted.values())
 
     def _evict_for(self, usage: Usage, incoming: int) -> None:
         """Unlink files in eviction order until ``incoming`` bytes fit in the folder's
@@ -66,7 +66,7 @@ class FolderBudget:
         then on: out of the index and the total, so the budget is kept with the others."""
         for digest, entry in victims:
             if self._unlink_record(usage, digest, "evict"):
-                self._evicted.append(StoredRecord(digest, entry.file_size, 0.0))
+                self._evicted[digest] = StoredRecord(digest, entry.file_size, 0.0)
 
     def _unlink_record(self, usage: Usage, digest: str, op: str) -> bool:
         """Remove one record file and take its bytes off the folder's total (locks held)."""
@@ -92,10 +92,14 @@ class FolderBudget:
 
     def _rebuild(self, usage: Usage, records: list[tuple[str, int, int]]) -> None:
         """Order every record of a folder listing as cold entries, the oldest (by mtime) the
-        first to leave; the folder's total becomes the listing's."""
+        first to leave, the records pinned before still pinned; the folder's total becomes the listing's."""
         records.sort(key=lambda record: record[2])
+        pinned = self._order.pinned()  # the pin book's are pinned again as they enter; these may not be in it
         self._order = self._order.fresh()
         for digest, file_size, _ in reversed(records):  # each cold entry goes before the others
             if not self._skipped(digest):
                 self._order.add_cold(digest, IndexEntry(value_size_of(file_size), file_size))
+        for digest in pinned:
+            if digest in self._order:
+                self._order.pin(digest)
         usage.total = self._order.value_bytes

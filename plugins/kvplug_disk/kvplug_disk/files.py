@@ -139,6 +139,12 @@ class RecordFolder(FolderScan):
                 raise ForeignEntryError(
                     exc.errno, f"shard folder {self.root}/{shard} is not a folder (a link?)", shard
                 ) from None
+            if exc.errno in (errno.EACCES, errno.EPERM):  # left alone like a link: the other shards serve
+                raise ForeignEntryError(
+                    exc.errno,
+                    f"shard folder {self.root}/{shard} may not be opened by this user (another user's?)",
+                    shard,
+                ) from None
             raise
 
     # --- writing --------------------------------------------------------------------

@@ -56,34 +56,41 @@ class FolderScan:
     def scan(self, *, clean_temps_older_than: float | None = None) -> ScanResult:
         """Every record file; stale temp files are removed when a limit is given.
         Entries with a record's name that are not regular files, and shard folders that
-        are not folders, are listed in ``foreign`` instead."""
+        are not folders or that this user may not open or search, are listed in ``foreign`` instead."""
         result = ScanResult([], 0, 0)
         now = time.time()
         is_record = RECORD_NAME.fullmatch
+        unsearchable: set[str] = set()
         for shard, entry in self._shard_entries(result.foreign):
             name = entry.name
-            if is_record(name):
-                if not name.startswith(shard):
-                    continue
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:  # evicted by another process meanwhile
-                    continue
-                if S_ISREG(st.st_mode):
-                    result.records.append((name[:64], st.st_size, st.st_mtime_ns))
-                else:
-                    result.foreign.append(f"{shard}/{name}")
-            elif name.endswith(TEMP_SUFFIX) and clean_temps_older_than is not None:
-                if _temp_is_stale(entry, now, clean_temps_older_than):
+            if shard in unsearchable:
+                continue
+            try:
+                if is_record(name):
+                    if not name.startswith(shard):
+                        continue
                     try:
-                        os.unlink(f"{shard}/{name}", dir_fd=self._root_fd)
-                        result.temps_removed += 1
-                    except FileNotFoundError:
-                        pass
-                    except OSError:  # not ours to remove
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:  # evicted by another process meanwhile
+                        continue
+                    if S_ISREG(st.st_mode):
+                        result.records.append((name[:64], st.st_size, st.st_mtime_ns))
+                    else:
+                        result.foreign.append(f"{shard}/{name}")
+                elif name.endswith(TEMP_SUFFIX) and clean_temps_older_than is not None:
+                    if _temp_is_stale(entry, now, clean_temps_older_than):
+                        try:
+                            os.unlink(f"{shard}/{name}", dir_fd=self._root_fd)
+                            result.temps_removed += 1
+                        except FileNotFoundError:
+                            pass
+                        except OSError:  # not ours to remove
+                            result.temps_kept += 1
+                    else:
                         result.temps_kept += 1
-                else:
-                    result.temps_kept += 1
+            except PermissionError:  # a shard folder listed but not searchable: left alone as a whole
+                unsearchable.add(shard)
+                result.foreign.append(shard)
         return result
 
     def iter_record_paths(self) -> Iterator[tuple[str, str]]:

@@ -8,8 +8,8 @@ over file sizes (what an eviction frees). It is this process's own: rebuilt from
 folder at start, where every record enters cold, oldest mtime first to leave (writes
 and hits set mtimes), kept up to date by this process's writes and reads, corrected
 whenever the file system disagrees (a file another process wrote or evicted), and
-rebuilt when it has nothing left to evict while the folder is over budget. Not
-thread-safe: the backend holds its lock around every call.
+rebuilt when it has nothing left to evict while the folder is over budget (keeping
+its pins). Not thread-safe: the backend holds its lock around every call.
 
 The policy is guarded (:class:`kvplug.GuardedEviction`): pinned records are never
 victims, and a tenant over its quota gives up its own records
@@ -103,6 +103,13 @@ class EvictionIndex:
     def pin(self, digest: str) -> PinOutcome:
         """Take a held record out of eviction (within the guard's pin budget)."""
         return self._policy.pin(digest)
+
+    def is_pinned(self, digest: str) -> bool:
+        return self._policy.is_pinned(digest)
+
+    def pinned(self) -> list[str]:
+        """The pinned digests."""
+        return [digest for digest in self._entries if self._policy.is_pinned(digest)]
 
     def unpin(self, digest: str) -> bool:
         """Make a pinned record evictable again; whether it was pinned."""

@@ -13,16 +13,19 @@ The total is rebuilt from a scan of the folder at start and whenever a process h
 nothing left of its own to evict while the total says the folder is full: a process
 killed between its rename and its update, or ``kvplug store gc`` run beside the
 tiers, costs at most that drift until then. Where the folder cannot hold the file (a
-read-only folder) or cannot lock it, the total is this process's own. Opened
+read-only folder), cannot lock it, or holds something else under its name (a FIFO: never
+waited on), the total is this process's own. Opened
 ``read_only`` (for inspection) the file is read if it is there, never created, locked
 or written.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,16 +61,16 @@ class UsageLedger:
         self._write_failed = False
         self._fd: int | None = None
         self.read_only = read_only
+        # Non-blocking: opening a FIFO planted under the ledger's name must not wait for a writer.
+        flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         if read_only:
             try:
-                self._fd = os.open(LEDGER_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+                self._fd = _regular(os.open(LEDGER_NAME, os.O_RDONLY | flags, dir_fd=root_fd))
             except OSError:  # none (a store of another kvplug), or not a file: the total is the listing's
                 pass
             return
         try:
-            fd = os.open(
-                LEDGER_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE, dir_fd=root_fd
-            )
+            fd = _regular(os.open(LEDGER_NAME, os.O_RDWR | os.O_CREAT | flags, PRIVATE_FILE, dir_fd=root_fd))
         except OSError as exc:
             logger.warning("disk tier: no shared usage file (%s); the budget counts this process's records only", exc)
             return
@@ -129,3 +132,16 @@ class UsageLedger:
             self._write_failed = True
         else:
             self._write_failed = False
+
+
+def _regular(fd: int) -> int:
+    """``fd`` if it is a regular file; else it is closed and ``OSError`` names what is there."""
+    try:
+        kind = stat.S_IFMT(os.fstat(fd).st_mode)
+        if kind != stat.S_IFREG:
+            what = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a folder", stat.S_IFSOCK: "a socket"}.get(kind, "a device")
+            raise OSError(errno.EINVAL, f"{LEDGER_NAME} in the folder is {what}, not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -174,7 +174,7 @@ class ShmBackend(DiskBackend):
         tmpfs not full by what it says (once retried), an eviction that freed nothing (its
         pages are still mapped: the next would likely be evicted for nothing too), or one
         that did so lately with nothing freed since (:mod:`kvplug_disk.room`)."""
-        with self._lock, self._ledger.locked() as usage:
+        with self._ledger.locked() as usage, self._lock:
             room = Room.of(self._folder.root_fd)
             if room is None or self._in_vain.held_off(room):
                 return False

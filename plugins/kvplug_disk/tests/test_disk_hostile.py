@@ -178,6 +178,67 @@ def test_a_record_the_process_may_not_delete_is_skipped_logged_once_and_counted(
     assert record_path(root, locked_key).exists()
 
 
+SHARDS_SCENARIO = """
+import json, logging, os, sys
+from typer.testing import CliRunner
+from kvplug.cli.main import app
+from kvplug_disk import DiskTier, verify_folder
+from kvplug.testing import key_for, tier_context, value_for
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+root, locked, listed_only, served = {root!r}, {locked!r}, {listed_only!r}, {served!r}
+fds = len(os.listdir("/proc/self/fd"))
+tier = DiskTier(DiskTier.Config(path=root, queue={{"mode": "sync"}}), tier_context())
+out = {{"get": [v is not None for v in tier.get([locked, listed_only, served])]}}
+tier.put([(locked, value_for("again", 1000)), (key_for("new"), value_for("new", 1000))])
+out["after_put"] = tier.contains([locked, key_for("new")])
+out["foreign"] = tier.stats().extra["foreign"]
+tier.close()
+out["fds_left"] = len(os.listdir("/proc/self/fd")) - fds
+report = verify_folder(root)
+out["verify_folder"] = [report.ok, report.foreign, report.unreadable]
+result = CliRunner().invoke(app, ["store", "verify", root], env={{"COLUMNS": "200"}})
+out["cli"] = [result.exit_code, [line for line in result.output.splitlines() if "foreign" in line]]
+print(json.dumps(out))
+"""
+
+
+def test_shard_folders_this_user_may_not_open_or_search_are_left_alone_and_reported(tmp_path: Path) -> None:
+    """A shard folder of another user (say, left by a run as root) keeps no tier from opening:
+    its records are misses, the other shards serve, and ``kvplug store verify`` fails naming it."""
+    root = tmp_path / "cache"
+    keys = [key_for(f"s{i}") for i in range(40)]
+    tier = make_disk_tier(root)
+    tier.put([(key, value_for(key, 1000)) for key in keys])
+    tier.close()
+    locked, listed_only = keys[0], next(k for k in keys if digest(k)[:2] != digest(keys[0])[:2])
+    served = next(k for k in keys if digest(k)[:2] not in (digest(locked)[:2], digest(listed_only)[:2]))
+    closed, readable = record_path(root, locked).parent, record_path(root, listed_only).parent
+    closed.chmod(0o000)  # may not be opened
+    readable.chmod(0o400)  # may be listed, not searched: no file in it can be opened
+    try:
+        code = SHARDS_SCENARIO.format(root=str(root), locked=locked, listed_only=listed_only, served=served)
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=_without_root_privileges if os.geteuid() == 0 else None,
+        )
+    finally:
+        closed.chmod(0o700)
+        readable.chmod(0o700)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.splitlines()[-1])
+    assert out["get"] == [False, False, True]
+    assert out["after_put"] == [False, True]
+    assert out["foreign"] == 2 and out["fds_left"] == 0
+    assert f"{root}/{closed.name} is not a folder this user may open" in result.stderr
+    left_alone = sum(digest(k)[:2] in (closed.name, readable.name) for k in keys)
+    assert out["verify_folder"][:2] == [41 - left_alone, 2]  # the 40 and the new record
+    assert out["cli"][0] == 1 and any("2" in line for line in out["cli"][1]), out["cli"]
+    assert record_path(root, locked).exists()  # nothing in them was touched
+
+
 # --- links ---------------------------------------------------------------------------
 
 
@@ -227,6 +288,90 @@ def test_a_record_file_that_is_a_link_is_not_read_nor_removed_through(tmp_path: 
     tier.remove([key])
     tier.close()
     assert victim.read_bytes()[:4] and victim.exists()
+
+
+def test_store_verify_fails_on_a_link_planted_where_a_record_should_be(tmp_path: Path) -> None:
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    outside.mkdir()
+    keys = [key_for(f"v{i}") for i in range(3)]
+    tier = make_disk_tier(root)
+    tier.put([(key, value_for(key, 1000)) for key in keys])
+    tier.close()
+    shutil.copy(record_path(root, keys[0]), outside / "record")  # a valid record, read through no link
+    record_path(root, keys[0]).unlink()
+    record_path(root, keys[0]).symlink_to(outside / "record")
+    result = store_cli("verify", str(root))
+    assert result.exit_code == 1, result.output
+    rows = {line.split()[1]: line.split()[3] for line in result.output.splitlines() if line.count("│") == 3}
+    assert (rows["ok"], rows["foreign"]) == ("2", "1")
+
+
+NO_DESCRIPTORS_SCENARIO = """
+import json, os, resource, sys
+from pathlib import Path
+from kvplug.testing import key_for, tier_context, value_for
+from kvplug_disk import DiskTier
+root = Path({root!r})
+def tier():
+    config = DiskTier.Config(path=root, max_bytes=10_000, fsync=False, write_threads=1, queue={{"mode": "sync"}})
+    return DiskTier(config, tier_context())
+mine = tier()  # opened while the folder is empty: to make room it must list the folder again
+other = tier()
+other.put([(key_for(f"o{{i}}"), value_for(f"o{{i}}", 1000)) for i in range(10)])  # the folder is full
+other.close()
+def fds():
+    return sorted(int(name) for name in os.listdir("/proc/self/fd"))
+highest = max(fds())
+fillers = []
+while (fd := os.open("/dev/null", os.O_RDONLY)) < highest:  # the free numbers below: the limit then counts exactly
+    fillers.append(fd)
+os.close(fd)
+before = fds()
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+# Room for the three records' temp files: listing the folder to make room finds no descriptor left.
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(before) + 4, hard))
+mine.put([(key_for(f"m{{i}}"), value_for(f"m{{i}}", 1000)) for i in range(3)])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+out = {{"fds_left": len(fds()) - len(before), "temps": len(list(root.glob("*/*.tmp"))), "dropped": mine.stats().extra["dropped_puts"]}}
+mine.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_put_that_fails_half_way_leaves_no_temp_file_or_descriptor(tmp_path: Path) -> None:
+    """The process runs out of file descriptors while a put makes room (it lists the folder):
+    the put is dropped, and the temp files already written are removed, their folders closed."""
+    code = NO_DESCRIPTORS_SCENARIO.format(root=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.splitlines()[-1])
+    assert out == {"fds_left": 0, "temps": 0, "dropped": 3}, out
+
+
+def test_a_fifo_planted_as_the_ledger_hangs_no_command_and_no_tier(tmp_path: Path, caplog) -> None:
+    root = tmp_path / "cache"
+    tier = make_disk_tier(root)
+    tier.put([(key_for("f"), value_for("f", 1000))])
+    tier.close()
+    ledger = root / ".kvplug-usage"
+    ledger.unlink()
+    os.mkfifo(ledger)  # opened for reading, a FIFO waits for a writer that never comes
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvplug.cli.main", "store", "stats", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("kvplug store stats hung on a FIFO in place of the ledger")
+    assert done.returncode == 0, done.stderr[-2000:]
+    with caplog.at_level(logging.WARNING):
+        tier = make_disk_tier(root, queue={"mode": "sync"})  # it failed to open: [Errno 29] Illegal seek
+    assert tier.get([key_for("f")]) != [None]
+    assert tier.stats().extra["folder_budget_shared"] == 0  # the budget counts this process's records
+    assert ".kvplug-usage in the folder is a FIFO, not a regular file" in caplog.text
+    tier.close()
 
 
 # --- a full disk ------------------------------------------------------------------

@@ -75,6 +75,41 @@ def test_configured_pins_apply_to_records_found_at_start(tmp_path: Path) -> None
     tier.close()
 
 
+@pytest.mark.parametrize("eviction", ["lru", "s3fifo"])
+def test_a_pinned_record_stored_again_stays_pinned(tmp_path: Path, eviction: str) -> None:
+    tier, _ = make_tier(tmp_path / "disk", eviction, queue={"mode": "sync"})  # pins not in any pin book
+    system = key_of(None, "system")
+    tier.put([(system, value_for(system, VALUE))])
+    assert tier.pin([system]) == [("pinned", VALUE)]
+    tier.put([(system, value_for(system, VALUE))])  # stored again (a promotion, another engine's store)
+    assert tier.stats().extra["pinned_items"] == 1
+    for i in range(40):
+        key = key_of(None, f"one-off-{i}")
+        tier.put([(key, value_for(key, VALUE))])
+    assert tier.contains([system]) == [True]
+    tier.close()
+
+
+def test_pins_outlive_a_relisting_of_the_folder(tmp_path: Path) -> None:
+    """A tier that has nothing of its own left to evict lists the folder again (another
+    process's records fill it): the records it pinned stay pinned."""
+    tier, _ = make_tier(tmp_path / "disk", queue={"mode": "sync"})  # pins not in any pin book
+    other, _ = make_tier(tmp_path / "disk", queue={"mode": "sync"})  # another process's tier of the folder
+    system = key_of(None, "system")
+    tier.put([(system, value_for(system, VALUE))])
+    assert tier.pin([system]) == [("pinned", VALUE)]
+    for i in range(9):  # the folder is full: every record but the pinned one is the other tier's
+        key = key_of(None, f"other-{i}")
+        other.put([(key, value_for(key, VALUE))])
+    for i in range(5):  # this tier knows of nothing else to evict: it lists the folder
+        key = key_of(None, f"own-{i}")
+        tier.put([(key, value_for(key, VALUE))])
+        assert tier.contains([system]) == [True], f"the pinned record was evicted by put {i}"
+    assert tier.stats().extra["pinned_items"] == 1
+    other.close()
+    tier.close()
+
+
 class DiskPinsAndQuotas(RuleBasedStateMachine):
     """Random puts, gets, pins and unpins across tenants on a real disk tier's folder."""
 

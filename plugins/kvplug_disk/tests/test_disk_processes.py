@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 from disk_worker import KEYSPACE, folder_value_bytes, key_of, open_tier, value_of, versions_of
 
 from kvplug_disk import verify_folder
+from kvplug_disk.ledger import LEDGER_NAME
 
 WORKER = str(Path(__file__).with_name("disk_worker.py"))
 CRASH_ITERATIONS = int(os.environ.get("KVPLUG_TEST_CRASH_ITERATIONS", "50"))
@@ -162,3 +164,49 @@ def test_the_budget_holds_for_the_folder_as_a_whole_across_processes(tmp_path: P
     tier = open_tier(str(tmp_path), budget=budget)
     assert tier.stats().extra["folder_bytes"] == final
     tier.close()
+
+
+HOLD_THE_LEDGER = """
+import fcntl, os, signal, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_lookups_answer_while_another_process_holds_the_folder_lock(tmp_path: Path) -> None:
+    """Another process stopped while it holds the folder's lock (SIGSTOP, a debugger, a paused
+    container, between its eviction and its rename): this process's writes wait for it, its
+    lookups and reads do not."""
+    queued = open_tier(str(tmp_path), writer="background", budget=10**9)
+    chain = queued.chain  # type: ignore[union-attr]
+    tier = chain.tiers[0]
+    chain.put([(key_of(0), value_of(0, 0))])
+    chain.flush()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_LEDGER, str(tmp_path / LEDGER_NAME)], stdout=subprocess.PIPE, text=True
+    )
+    answers: list[object] = []
+    try:
+        assert holder.stdout.readline().strip() == "locked"  # type: ignore[union-attr]
+        chain.put([(key_of(1), value_of(1, 0))])  # the write queue's thread waits for the lock
+        deadline = time.monotonic() + 60
+        while chain.stats()[0][1].extra["writer_pending"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the writer is inside its put, waiting for the folder's lock
+
+        def look() -> None:
+            answers.append(tier.contains([key_of(0), key_of(2)]))
+            answers.append(bytes(tier.get([key_of(0)])[0]) == value_of(0, 0))
+
+        reader = threading.Thread(target=look, daemon=True)
+        reader.start()
+        reader.join(30)
+        assert answers == [[True, False], True], "a lookup waited for another process's lock on the folder"
+    finally:
+        holder.kill()
+        holder.wait()
+    chain.flush()  # the lock is free again: the write lands
+    assert tier.contains([key_of(1)]) == [True]
+    chain.close()

@@ -97,6 +97,19 @@ def test_evictions_and_removals_are_reported_as_events(tmp_path: Path) -> None:
     tier.close()
 
 
+def test_a_record_evicted_and_written_again_in_one_put_is_held_not_reported_evicted(tmp_path: Path) -> None:
+    events: list = []
+    tier = make_disk_tier(tmp_path, 2_000, emit=events.append, queue={"mode": "sync"})
+    tier.put([(key_for("a"), value_for("a", 1000)), (key_for("b"), value_for("b", 1000))])
+    # Writing c evicts a (least recently used); then a is written again, evicting b.
+    tier.put([(key_for("c"), value_for("c", 1000)), (key_for("a"), value_for("a2", 1000))])
+    assert tier.contains([key_for("a"), key_for("b"), key_for("c")]) == [True, False, True]
+    assert [(e.kind, e.keys) for e in events] == [("evicted", (key_for("b"),))]
+    stats = tier.stats()
+    assert (stats.items, stats.bytes_used, stats.evictions) == (2, 2000, 1)
+    tier.close()
+
+
 # --- restart and LRU order ---------------------------------------------------------------
 
 
