@@ -140,6 +140,17 @@ def _without_root_privileges() -> None:
 PR_CAPBSET_DROP = 24
 
 
+def run_obeying_modes(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh Python that obeys mode bits, even as root."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=_without_root_privileges if os.geteuid() == 0 else None,
+    )
+
+
 def test_a_record_the_process_may_not_delete_is_skipped_logged_once_and_counted(tmp_path: Path) -> None:
     root = tmp_path / "cache"
     keys = [key_for(f"p{i}") for i in range(8)]
@@ -156,13 +167,7 @@ def test_a_record_the_process_may_not_delete_is_skipped_logged_once_and_counted(
     shard.chmod(0o555)  # its owner may read it but neither remove nor add entries
     try:
         code = SCENARIO.format(here=str(HERE), root=str(root), locked_key=locked_key, budget=4_000)
-        result = subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            preexec_fn=_without_root_privileges if os.geteuid() == 0 else None,
-        )
+        result = run_obeying_modes(code)
     finally:
         shard.chmod(0o755)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -217,13 +222,7 @@ def test_shard_folders_this_user_may_not_open_or_search_are_left_alone_and_repor
     readable.chmod(0o400)  # may be listed, not searched: no file in it can be opened
     try:
         code = SHARDS_SCENARIO.format(root=str(root), locked=locked, listed_only=listed_only, served=served)
-        result = subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            preexec_fn=_without_root_privileges if os.geteuid() == 0 else None,
-        )
+        result = run_obeying_modes(code)
     finally:
         closed.chmod(0o700)
         readable.chmod(0o700)

@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvplug import TierChain, TierContext, key_digest
+from kvplug import StorageTier, TierChain, TierContext, key_digest
 from kvplug.core.pins import pin_keys
 from kvplug.testing import PinsAndQuotasContract, pins_context, value_for
 from kvplug.testing.pins_contract import TENANTS, key_of
@@ -45,6 +45,13 @@ class TestDiskPinsAndQuotas(PinsAndQuotasContract):
         return lambda eviction="lru", **options: make_tier(tmp_path / "disk", eviction, **options)
 
 
+def fill_with_one_offs(tier: StorageTier) -> None:
+    """Store 40 unpinned one-off records: the tier evicts all it may several times over."""
+    for i in range(40):
+        key = key_of(None, f"one-off-{i}")
+        tier.put([(key, value_for(key, VALUE))])
+
+
 def test_shm_keeps_pins_too(tmp_path: Path) -> None:
     tier, context = make_tier(tmp_path / "shm", "s3fifo", tier=ShmTier, pin_max_bytes="40%")
     system = key_of("tenant-a", "system")
@@ -52,9 +59,7 @@ def test_shm_keeps_pins_too(tmp_path: Path) -> None:
     chain = TierChain([tier])
     chain.tenancy = context.tenancy
     assert pin_keys(chain, [system]).chunks == 1
-    for i in range(40):
-        key = key_of(None, f"one-off-{i}")
-        tier.put([(key, value_for(key, VALUE))])
+    fill_with_one_offs(tier)
     assert tier.contains([system]) == [True]
     tier.close()
 
@@ -68,9 +73,7 @@ def test_configured_pins_apply_to_records_found_at_start(tmp_path: Path) -> None
     context.tenancy.pins.add([system])  # what the engine's config pins did before the tiers opened
     tier, _ = make_tier(tmp_path / "disk", context=context)
     assert tier.stats().extra["pinned_items"] == 1
-    for i in range(40):
-        key = key_of(None, f"one-off-{i}")
-        tier.put([(key, value_for(key, VALUE))])
+    fill_with_one_offs(tier)
     assert tier.contains([system]) == [True]
     tier.close()
 
@@ -83,9 +86,7 @@ def test_a_pinned_record_stored_again_stays_pinned(tmp_path: Path, eviction: str
     assert tier.pin([system]) == [("pinned", VALUE)]
     tier.put([(system, value_for(system, VALUE))])  # stored again (a promotion, another engine's store)
     assert tier.stats().extra["pinned_items"] == 1
-    for i in range(40):
-        key = key_of(None, f"one-off-{i}")
-        tier.put([(key, value_for(key, VALUE))])
+    fill_with_one_offs(tier)
     assert tier.contains([system]) == [True]
     tier.close()
 
