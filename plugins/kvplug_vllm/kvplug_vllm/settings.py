@@ -150,7 +150,7 @@ def _unknown_names(rest: Mapping[str, Any]) -> list[ConfigProblem]:
     given = [(key[len(PREFIX) :], value) for key, value in rest.items() if key.startswith(PREFIX)]
     nested = rest.get("kvplug")
     given += [(str(key), value) for key, value in nested.items()] if isinstance(nested, Mapping) else []
-    allowed = sorted(SETTING_NAMES | set(KVPlugConfig.model_fields))
+    allowed = sorted(SETTING_NAMES | set(KVPlugConfig.model_fields) | {"config"})  # config: a YAML file's path
     problems = []
     for name, value in given:
         first = name.split(".")[0]

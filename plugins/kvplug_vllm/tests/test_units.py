@@ -68,11 +68,18 @@ def test_extra_config_split_between_connector_and_core() -> None:
             "kvplug.layerwise": True,
             "kvplug.chunk_size": 128,
             "kvplug": {"skip_last_n_tokens": 3, "hash": "xxh3_128"},
+            "kvplug.config": "kvplug.yaml",
             "other": 1,
         }
     )
     assert settings.layerwise and settings.skip_last_n_tokens == 3
-    assert rest == {"kvplug.chunk_size": 128, "kvplug": {"hash": "xxh3_128"}, "other": 1}
+    assert rest == {
+        "kvplug.chunk_size": 128,
+        "kvplug": {"hash": "xxh3_128"},
+        "kvplug.config": "kvplug.yaml",
+        "other": 1,
+    }
+    rest.pop("kvplug.config")
     config = load_config(engine_extra=rest, env={}).config
     assert (config.chunk_size, config.hash) == (128, "xxh3_128")
 
