@@ -41,7 +41,9 @@ def private_socket_dir() -> Path:
     """This user's private folder for kvplug's sockets (resolved once per process; see the module doc)."""
     global _dir
     with _dir_lock:
-        if _dir is not None and os.environ.get(LOOKUP_DIR_ENV, str(_dir)) == str(_dir):
+        # Resolved again when the variable was changed or removed since: the processes this one
+        # starts read the variable, and must find the folder this process serves in.
+        if _dir is not None and os.environ.get(LOOKUP_DIR_ENV) == str(_dir):
             return _dir
         _dir = _resolve_dir()
         os.environ[LOOKUP_DIR_ENV] = str(_dir)  # the processes this one starts use the same folder

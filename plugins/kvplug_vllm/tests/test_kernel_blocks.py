@@ -22,18 +22,22 @@ import torch
 from vllm.distributed import parallel_state
 
 from kvplug.errors import LayoutError
+from kvplug.testing.control_cli import socket_dir
 from kvplug_vllm.kv_groups import kv_groups
 from kvplug_vllm.settings import ConnectorSettings
 from kvplug_vllm.worker import WorkerSide
+
+__all__ = ["socket_dir"]  # a fixture
 
 NAMES = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
 
 @pytest.fixture
-def one_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+def one_rank(monkeypatch: pytest.MonkeyPatch, socket_dir: Path) -> Iterator[None]:
+    """One rank, its control socket in a folder of its own (``socket_dir``: the variable it
+    sets is removed afterwards, so the engines later tests start do not inherit it)."""
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=0))
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # the worker's control socket
     yield
 
 
