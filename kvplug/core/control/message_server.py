@@ -28,10 +28,8 @@ newcomers wait in the kernel's backlog (a client waits out its own timeout there
 from __future__ import annotations
 
 import logging
-import os
 import selectors
 import socket
-import stat
 import struct
 import threading
 import time
@@ -41,8 +39,8 @@ from pathlib import Path
 from queue import SimpleQueue
 from typing import ClassVar
 
-from kvplug.core.control_socket import _check_private, foreign_peer, remove_stale_sockets
-from kvplug.errors import SocketInUseError, UnsafeSocketPathError
+from kvplug.core.control.socket_file import bind_private_socket, remove_socket_file
+from kvplug.core.control_socket import foreign_peer
 
 logger = logging.getLogger("kvplug.socket")
 
@@ -87,17 +85,7 @@ class MessageServer:
     def __init__(self, path: Path, limits: ServerLimits | None = None) -> None:
         self.path = path
         self.limits = limits or ServerLimits()
-        problem = _check_private(path.parent)
-        if problem:
-            raise UnsafeSocketPathError(f"refusing to serve in {path.parent}: {problem}")
-        remove_stale_sockets(path.parent)
-        _refuse_served(path)
-        self._inode: int | None = None  # the socket file this server made (close removes only it)
-        self._remove_own_socket()
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(str(path))
-        os.chmod(path, 0o600, follow_symlinks=False)
-        self._inode = os.lstat(path).st_ino
+        self._listener, self._inode = bind_private_socket(path)  # close removes only this file
         self._listener.listen(64)
         self._listener.setblocking(False)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -150,18 +138,7 @@ class MessageServer:
         self._listener.close()
         self._wake_r.close()
         self._wake_w.close()
-        self._remove_own_socket()
-
-    def _remove_own_socket(self) -> None:
-        try:
-            info = os.lstat(self.path)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(info.st_mode) and not stat.S_ISLNK(info.st_mode):
-            raise UnsafeSocketPathError(f"{self.path} exists and is not a socket; not removing it")
-        if self._inode is not None and info.st_ino != self._inode:
-            return  # another server's socket now (this one's was removed as stale): not ours to remove
-        self.path.unlink(missing_ok=True)  # a link itself is removed, never its target
+        remove_socket_file(self.path, self._inode)
 
     # --- event loop ---------------------------------------------------------------------
 
@@ -377,23 +354,3 @@ class MessageServer:
         if not conn.answering and not conn.paused:  # else not registered now
             self._selector.unregister(conn.sock)
         conn.sock.close()
-
-
-def _refuse_served(path: Path) -> None:
-    """:class:`SocketInUseError` when a process listens on the socket at ``path``: replacing
-    it would cut that process off from its clients (and its close would remove ours)."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(info.st_mode):
-        return  # not a socket: _remove_own_socket names it
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(str(path))
-        except (ConnectionRefusedError, FileNotFoundError):
-            return  # nobody listens: a stale socket, replaced
-        except OSError:
-            pass  # a full backlog or a slow server: someone listens
-    raise SocketInUseError(f"{path} is served by another running process; not taking it over")
