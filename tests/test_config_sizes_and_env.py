@@ -167,6 +167,47 @@ def test_engine_keys_pick_list_items_by_number_too(registry: PluginRegistry, one
     assert tier_options(loaded)["max_bytes"] == "5GiB"
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (
+            {"env": {"KVPLUG_CHUNK_SIZE": "abc"}},
+            "chunk_size: Value error, must be a whole number, e.g. 256, not other text; set in env KVPLUG_CHUNK_SIZE (got 'abc')",
+        ),
+        ({"env": {"KVPLUG_TIERS__0__MAX_BYTES": "-5"}}, "must not be negative; set in env KVPLUG_TIERS__0__MAX_BYTES"),
+        (
+            {"env": {"KVPLUG_TIERS": '[{"type": "cpu", "max_bytes": 0}]'}},
+            "stores nothing); set in env KVPLUG_TIERS (got 0)",
+        ),
+        ({"engine_extra": {"kvplug.tiers.0.max_bytes": "0"}}, "set in the engine's config, kvplug.tiers.0.max_bytes"),
+        (
+            {"engine_extra": {"kvplug": {"store": {"queue": {"mode": "x"}}}}},
+            "set in the engine's config, kvplug.store.queue.mode",
+        ),
+        ({"engine_extra": {"kvplug.chunk_size": "1.5"}}, "set in the engine's config, kvplug.chunk_size"),
+    ],
+)
+def test_a_bad_value_names_the_layer_that_set_it_over_a_good_file(
+    registry: PluginRegistry, one_cpu_tier_file: Path, kwargs: dict[str, Any], words: str
+) -> None:
+    one_cpu_tier_file.write_text(one_cpu_tier_file.read_text() + "chunk_size: 256\n")
+    assert words in error_text(registry, config_file=one_cpu_tier_file, **kwargs)
+
+
+def test_a_bad_value_names_no_layer_when_one_layer_set_everything(
+    registry: PluginRegistry, one_cpu_tier_file: Path
+) -> None:
+    one_cpu_tier_file.write_text("chunk_size: -1\n")
+    assert "set in" not in error_text(registry, config_file=one_cpu_tier_file)
+
+
+def test_a_bad_value_in_the_file_names_the_file(registry: PluginRegistry, one_cpu_tier_file: Path) -> None:
+    one_cpu_tier_file.write_text("tiers: [{type: cpu, max_bytes: 0}]\nchunk_size: [1]\n")
+    text = error_text(registry, config_file=one_cpu_tier_file, env={"KVPLUG_HASH": "sha256"})
+    assert f"stores nothing); set in file {one_cpu_tier_file} (got 0)" in text
+    assert f"set in file {one_cpu_tier_file} (got [1])" in text
+
+
 SEGMENTS = ["chunk_size", "store", "queue", "mode", "max_bytes", "tiers", "0", "1", "nope", "type", ""]
 VALUES = ["sync", "128", "1GiB", "x", "[]", "{}", "-1", "[{", "cpu"]
 

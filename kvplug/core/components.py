@@ -78,7 +78,7 @@ def _check_integer(value: Any) -> None:
     if isinstance(value, int) and not -MAX_INT_SETTING <= value <= MAX_INT_SETTING:
         raise ValueError(f"must be less than or equal to {MAX_INT_SETTING} in size")
     if isinstance(value, str) and not _WHOLE_NUMBER.fullmatch(value):
-        raise ValueError(f"must be a whole number, e.g. 256 (got the text {value!r})")
+        raise ValueError("must be a whole number, e.g. 256, not other text")
 
 
 def _members(annotation: Any) -> tuple[Any, ...]:

@@ -77,6 +77,23 @@ def load_config(
     for name, layer in layers:
         _merge(data, layer, sources, name)
     try:
+        config = _validated(data, registry)
+    except ConfigError as exc:
+        if type(exc) is not ConfigError:
+            raise
+        if len(set(sources.values())) < 2:  # one layer set everything: naming it adds nothing
+            raise
+        raise ConfigError([_naming_source(p, sources) for p in exc.problems], exc.source) from None
+    if request:
+        config = config.with_overrides(request)
+        for key in request:
+            sources[key] = "request"
+        layers.append(("request", dict(request)))
+    return LoadedConfig(config, sources, layers)
+
+
+def _validated(data: dict[str, Any], registry: PluginRegistry | None) -> KVPlugConfig:
+    try:
         config = KVPlugConfig.model_validate(data)
     except ValidationError as exc:
         # One pass: the component entries that are well formed are checked too, so a
@@ -84,13 +101,24 @@ def load_config(
         problems = problems_from_validation_error(exc, data, model=KVPlugConfig)
         resolve_components(_component_entries(data), registry or get_registry(), problems)
         raise ConfigError(problems) from None
-    config = config.resolve(registry)
-    if request:
-        config = config.with_overrides(request)
-        for key in request:
-            sources[key] = "request"
-        layers.append(("request", dict(request)))
-    return LoadedConfig(config, sources, layers)
+    return config.resolve(registry)
+
+
+def _naming_source(problem: ConfigProblem, sources: Mapping[str, str]) -> ConfigProblem:
+    """``problem`` with the layer that set its value (a file, a ``KVPLUG_`` variable, the
+    engine's config): a file may be right and a forgotten variable override it."""
+    parts = problem.path.replace("[", ".").replace("]", "").split(".")
+    for end in range(len(parts), 0, -1):
+        layer = sources.get(".".join(parts[:end]))
+        if layer is not None:
+            break
+    else:
+        return problem
+    if layer == "env":
+        layer = "env " + ENV_PREFIX + "__".join(parts[:end]).upper()
+    elif layer == "engine":
+        layer = "the engine's config, " + ENGINE_KEY_PREFIX + ".".join(parts[:end])
+    return ConfigProblem(problem.path, problem.value, f"{problem.message}; set in {layer}")
 
 
 def _component_entries(data: Mapping[str, Any]) -> list[tuple[str, str, str, dict[str, Any]]]:
