@@ -11,64 +11,29 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvplug.core.chain.tier_chain import TierChain
-from kvplug.core.config.model import KVPlugConfig
-from kvplug.core.connector import KVConnector, LayerCache
-from kvplug.core.engine.chunk_store import ChunkStore
+from kvplug.core.connector import LayerCache
 from kvplug.core.engine.head_shards import HeadRecords, OtherSplit
 from kvplug.core.engine.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
-from kvplug.core.engine.parallel_copies import ParallelCopies
+from kvplug.core.engine.parts import EngineParts
 from kvplug.core.engine.split_lookup import other_split_holding
-from kvplug.core.events import EventListeners
 from kvplug.core.keys import ChunkKey, RequestInfo
-from kvplug.core.layouts import KVLayout
-from kvplug.core.metrics import EngineMetrics
-from kvplug.errors import ConnectorError
 
 logger = logging.getLogger("kvplug.engine")
 
 
-class EngineRetrieves:
+class EngineRetrieves(EngineParts):
     """``retrieve``/``retrieve_layerwise`` of a :class:`~kvplug.CacheEngine`."""
 
-    config: KVPlugConfig
-    layout: KVLayout
-    connector: KVConnector
-    metrics: EngineMetrics
-    chunk_store: ChunkStore
-    chain: TierChain
-    records: HeadRecords
-    _copies: ParallelCopies
-    _events: EventListeners
-
     if TYPE_CHECKING:
-
-        def chunk_keys(
-            self,
-            tokens: Sequence[int] | torch.Tensor,
-            request: RequestInfo | None = None,
-            *,
-            include_partial: bool = True,
-        ) -> list[ChunkKey]: ...
-
-        def record_keys(self, keys: Sequence[ChunkKey], request: RequestInfo | None = None) -> list[str]: ...
 
         def _located_tail(
             self, tokens: Sequence[int] | torch.Tensor, keys: Sequence[ChunkKey], held: int, request: RequestInfo | None
         ) -> tuple[ChunkKey, str] | None: ...
-
-        def _copyable(self, start: int, end: int) -> bool: ...
-
-        def _run_copies(self, kv_caches: Sequence[LayerCache], copies: Sequence[Callable[[], None]]) -> None: ...
-
-        def _count_connector_error(self, operation: str, exc: ConnectorError) -> None: ...
-
-        def _check_open(self) -> None: ...
 
     # --- retrieve -------------------------------------------------------------------
 

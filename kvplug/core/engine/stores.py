@@ -10,24 +10,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvplug.core.background import BackgroundWorker
-from kvplug.core.chain.tier_chain import TierChain
 from kvplug.core.config.model import KVPlugConfig
-from kvplug.core.connector import KVConnector, LayerCache
-from kvplug.core.engine.chunk_store import ChunkStore
+from kvplug.core.connector import LayerCache
 from kvplug.core.engine.frame_pool import FramePool
-from kvplug.core.engine.head_shards import HeadRecords
-from kvplug.core.engine.parallel_copies import ParallelCopies
+from kvplug.core.engine.parts import EngineParts
 from kvplug.core.engine.tails import tail_cut
-from kvplug.core.events import EventListeners, KVEvent
+from kvplug.core.events import KVEvent
 from kvplug.core.keys import ChunkKey, Fingerprint, KeyBuilder, RequestInfo
-from kvplug.core.layouts import KVLayout
-from kvplug.core.metrics import EngineMetrics
 from kvplug.core.pins import pin_for_request
 from kvplug.core.records.manifest import ManifestWriter
 from kvplug.errors import ConnectorError
@@ -38,40 +33,18 @@ logger = logging.getLogger("kvplug.engine")
 StoreBatch = list[tuple[str, Any, int]]
 
 
-class EngineStores:
-    """``store``/``store_layerwise`` of a :class:`~kvplug.CacheEngine`, and the copy helpers
-    its loads share."""
+class EngineStores(EngineParts):
+    """``store``/``store_layerwise`` of a :class:`~kvplug.CacheEngine`."""
 
-    config: KVPlugConfig
-    layout: KVLayout
     fingerprint: Fingerprint
     key_builder: KeyBuilder
-    metrics: EngineMetrics
-    connector: KVConnector
-    chunk_store: ChunkStore
-    chain: TierChain
-    records: HeadRecords
     frame_pool: FramePool
-    _copies: ParallelCopies
     _manifests: ManifestWriter
     _store_worker: BackgroundWorker[StoreBatch] | None
-    _events: EventListeners
 
     if TYPE_CHECKING:
 
-        def chunk_keys(
-            self,
-            tokens: Sequence[int] | torch.Tensor,
-            request: RequestInfo | None = None,
-            *,
-            include_partial: bool = True,
-        ) -> list[ChunkKey]: ...
-
-        def record_keys(self, keys: Sequence[ChunkKey], request: RequestInfo | None = None) -> list[str]: ...
-
         def _key_prefix(self, request: RequestInfo) -> str: ...
-
-        def _check_open(self) -> None: ...
 
     # --- store ----------------------------------------------------------------------
 
@@ -245,22 +218,6 @@ class EngineStores:
         ones, queued for the ``async`` ones (:meth:`flush` waits for those too)."""
         if self._store_worker is not None:
             self._store_worker.flush()
-
-    # --- helpers the loads share ---------------------------------------------------
-
-    def _run_copies(self, kv_caches: Sequence[LayerCache], copies: Sequence[Callable[[], None]]) -> None:
-        """Run copies out of or into the cache, on the copy threads when it is in host memory."""
-        on_host = bool(kv_caches) and self.layout.layer_tensors(kv_caches[0])[0].device.type == "cpu"
-        self._copies.run(copies, parallel=on_host)
-
-    def _count_connector_error(self, operation: str, exc: ConnectorError) -> None:
-        self.metrics.load_errors.labels(type(exc).__name__).inc()
-        logger.warning("%s: connector %s failed (%s); treated as a miss", operation, self.connector.name, exc)
-
-    def _copyable(self, start: int, end: int) -> bool:
-        """Whether tokens ``[start, end)`` can be copied in this layout."""
-        size = self.layout.block_size
-        return not self.layout.whole_blocks_only or (start % size == 0 and end % size == 0)
 
     def _request_config(self, request: RequestInfo | None) -> KVPlugConfig:
         if request is None or not request.overrides:
