@@ -139,6 +139,17 @@ def request_info(request: Any, config: KVPlugConfig, *, with_overrides: bool = T
     )
 
 
+def prompt_ids(request: Any) -> list[int]:
+    """The token ids kvplug keys a request's prompt by, in lookups as in stores: vLLM's
+    ``all_token_ids`` of it.
+
+    They are its ``prompt_token_ids`` but where vLLM computes from embeddings: there they are
+    0 (``prompt_token_ids`` is None, or holds placeholder ids where ``prompt_is_token_ids``
+    is False); the embeddings key those chunks (:func:`embeds_keys`).
+    """
+    return list(request.all_token_ids[: request.num_prompt_tokens])
+
+
 def embeds_keys(request: Any, chunk_size: int) -> list[ExtraKey]:
     """Extra keys of a prompt vLLM computes from embeddings (``prompt_embeds``), at least in part.
 
