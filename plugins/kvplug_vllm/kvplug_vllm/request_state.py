@@ -124,7 +124,7 @@ def request_info(request: Any, config: KVPlugConfig, *, with_overrides: bool = T
     lora = getattr(request, "lora_request", None)
     # vLLM's own prefix cache keys an adapter by name and path: one name re-pointed at
     # other weights computes other KV.
-    extra_keys = [ExtraKey.adapter_source(lora.lora_path)] if lora is not None and lora.lora_path else []
+    extra_keys = list(ExtraKey.adapter_keys(lora.lora_path if lora is not None else None))
     extra_keys += embeds_keys(request, config.chunk_size)
     for feature in getattr(request, "mm_features", None) or ():
         position = feature.mm_position

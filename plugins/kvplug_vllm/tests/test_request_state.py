@@ -288,3 +288,31 @@ def test_a_request_resumed_as_a_new_one_is_sent_with_its_next_epoch(side: Schedu
     side.update_state_after_alloc(r, BLOCKS, 192)
     [resumed] = side.build_connector_meta(step(new=[("r-resumed", 192, 8)])).requests
     assert (first.epoch, resumed.epoch) == (0, 1)
+
+
+#: The keys of PROMPT's chunks for a request of LoRA "sql" loaded from "/adapters/sql-v1", and of
+#: one whose LoRA request names no path (as kvplug 63554c8 stored them: chunks stored before must hit).
+LORA_KEYS = {
+    "/adapters/sql-v1": [
+        "3c4c45449d2b0cb14d4ac733052f8d26ada650e447ca67a30ad94944227b9bdb",
+        "5e285659978281e056386f62938b60796ecd4c87fa15cbc385cbfe9845363efa",
+        "fcd06c1454aaf54c6590c6e18431f49816823d8410306dda010fe7c6ae824851",
+        "1f48aa60986ec4e4725184473d7735746eada95bb4b42f1ca2907c10dd5a32cb",
+    ],
+    None: [
+        "225fd5780c9ce4b7bb873aa4ede638994420a68139c5660265d5102b64e79311",
+        "149f98efd48d8fee01911cf5f97cb2b49b54ec4446fc21771a48a3c252ca1bd8",
+        "aa614398e8e73cb2994513c8707782b1bbadcda7d8b4ff1630f82447300a1ca0",
+        "ea59fb46655491f2467975a1df8796f4a17c2532bdc94c063a66ddc607e2886f",
+    ],
+}
+
+
+@pytest.mark.parametrize("path", [*LORA_KEYS, ""], ids=["with-path", "no-path", "empty-path"])
+def test_a_lora_requests_chunk_keys_are_those_stored_before(engine: CacheEngine, path: str | None) -> None:
+    r = request("r")
+    r.lora_request = SimpleNamespace(lora_name="sql", lora_path=path, lora_int_id=1)
+    info = RequestState.of(r, engine.config).info
+    keys = engine.chunk_keys(PROMPT, info)
+    digests = LORA_KEYS[path or None]  # an empty path is no path
+    assert [k.key for k in keys] == [f"v1/9a5817ca9e438f6d8e78a5717e0bc474/{digest}" for digest in digests]
