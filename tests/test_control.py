@@ -21,7 +21,16 @@ import torch
 from core_helpers import LAYOUTS, random_caches
 from typer.testing import CliRunner
 
-from kvplug import CacheEngine, ControlIdentity, ControlServer, ExtraKey, Fingerprint, RequestInfo, load_config
+from kvplug import (
+    CacheEngine,
+    ControlIdentity,
+    ControlServer,
+    EngineControl,
+    ExtraKey,
+    Fingerprint,
+    RequestInfo,
+    load_config,
+)
 from kvplug.cli.main import app
 from kvplug.core.control.client import ask, find_ranks
 from kvplug.core.control.message_server import ServerLimits
@@ -189,6 +198,22 @@ def test_a_second_server_does_not_take_over_a_served_socket(server: ControlServe
     with pytest.raises(SocketInUseError, match=str(server.path)):
         ControlServer(engine, ControlIdentity("engine-a", "again", "test"))
     assert server.path.exists() and ask(server.path, "info")["name"] == "tiny"
+
+
+def test_a_server_that_cannot_start_leaves_the_callers_target_journaling(
+    server: ControlServer, engine: CacheEngine
+) -> None:
+    """An adapter keeps its target for its own clears and resets (vLLM's prefix cache reset):
+    a second server refused on the same socket must not stop that target's journal."""
+    target = EngineControl(engine)
+    try:
+        with pytest.raises(SocketInUseError):
+            ControlServer(target, ControlIdentity("engine-a", "again", "test"))
+        store(engine, TOKENS)
+        _, done = target.remove(target.planned_clear)
+        assert sum(len(removal.removed) for removal in done) == 2 * 5  # five chunks, in both tiers
+    finally:
+        target.close()
 
 
 def test_another_protocol_version_is_refused_by_name(server: ControlServer) -> None:

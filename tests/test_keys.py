@@ -150,3 +150,18 @@ def test_partial_chunk_only_when_asked_and_tensors_equal_lists() -> None:
 def test_for_request_sets_salt_and_lora() -> None:
     fp = BASE.for_request(cache_salt="x", lora_id="y")
     assert (fp.cache_salt, fp.lora_id) == ("x", "y") and fp.hexdigest() != BASE.hexdigest()
+
+
+#: The key of TOKENS[:16]'s chunk under BASE for an adapter loaded from "/adapters/sql-v1", as
+#: kvplug stored it before :meth:`ExtraKey.adapter_keys` (chunks stored then must still hit).
+ADAPTER_CHUNK = "b26471053e0d4adf3b5869c70d11dbc13038d265f6bc31358ae3b3d645416336"
+
+
+def test_adapter_keys_are_the_adapter_source_key_or_none_without_a_source() -> None:
+    """One helper for every place that keys a LoRA request (the vLLM adapter, ``kvplug ctl``,
+    ``kvplug explain``, pins): the chunk keys it gives are those stored before it existed."""
+    path = "/adapters/sql-v1"
+    assert ExtraKey.adapter_keys(path) == (ExtraKey.adapter_source(path),)
+    assert ExtraKey.adapter_keys(None) == ExtraKey.adapter_keys("") == ()
+    [key] = KeyBuilder(chunk_size=16).keys(TOKENS[:16], BASE, extra_keys=ExtraKey.adapter_keys(path))
+    assert key.key.endswith("/" + ADAPTER_CHUNK)

@@ -69,7 +69,7 @@ def _client(engine: str | None, socket_dir: Path | None, timeout: float) -> Cont
 
 
 def _request(cache_salt: str | None, lora: str | None, lora_path: str | None) -> dict[str, Any]:
-    extra_keys = (ExtraKey.adapter_source(lora_path),) if lora_path else ()
+    extra_keys = ExtraKey.adapter_keys(lora_path)
     return request_fields(RequestInfo(cache_salt=cache_salt, lora_id=lora, extra_keys=extra_keys))
 
 

@@ -238,12 +238,11 @@ def explain_command(
                 fields["lora_id"] = lora
             scheme = build_scheme(base, config, fields)
             others = [_as_scheme(load_scheme_file(c), config) for c in candidates]
-            extra_keys = [ExtraKey.adapter_source(lora_path)] if lora_path else []
             found = explain_prompt(
                 tiers,
                 scheme,
                 tokens,
-                extra_keys=extra_keys,
+                extra_keys=ExtraKey.adapter_keys(lora_path),
                 save_unfull_chunk=config.save_unfull_chunk,
                 candidates=others,
             )

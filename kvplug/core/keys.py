@@ -224,6 +224,12 @@ class ExtraKey:
         the first token only: the chained hash carries it into every later chunk."""
         return cls(0, 1, "adapter_source:" + hashlib.sha256(source.encode()).hexdigest())
 
+    @classmethod
+    def adapter_keys(cls, source: str | None) -> tuple[ExtraKey, ...]:
+        """The extra keys of a request's LoRA adapter loaded from ``source``: its
+        :meth:`adapter_source` key, or none where no source is known (``None`` or empty)."""
+        return (cls.adapter_source(source),) if source else ()
+
 
 @dataclass(frozen=True)
 class RequestInfo:

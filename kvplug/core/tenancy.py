@@ -199,8 +199,7 @@ class PinSpec(BaseModel):
 
     def request(self) -> RequestInfo:
         """The request identity the prefix is keyed under."""
-        extra_keys = (ExtraKey.adapter_source(self.lora_path),) if self.lora_path else ()
-        return RequestInfo(cache_salt=self.salt, lora_id=self.lora_id, extra_keys=extra_keys)
+        return RequestInfo(cache_salt=self.salt, lora_id=self.lora_id, extra_keys=ExtraKey.adapter_keys(self.lora_path))
 
 
 def read_token_file(path: Path) -> list[int]:

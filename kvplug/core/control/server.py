@@ -99,6 +99,7 @@ class ControlServer(MessageServer):
     ) -> None:
         #: What the server answers about (a cache engine is served by its :class:`EngineControl`).
         self.target = target if isinstance(target, ControlTarget) else EngineControl(target)
+        made_target = self.target is not target
         self.identity = identity
         #: What a ``reset`` request runs (the adapter's cache reset: records removed); None: refused.
         self.on_reset = on_reset
@@ -119,7 +120,10 @@ class ControlServer(MessageServer):
                 path or control_socket_path(identity.engine_id, identity.dp_rank, identity.tp_rank), limits
             )
         except BaseException:
-            self.target.close()
+            # A target the caller made stays open: it still journals the engine's stores, which
+            # the caller's own clears and resets remove (a server that failed to start leaves it as it was).
+            if made_target:
+                self.target.close()
             raise
 
     def close(self) -> None:

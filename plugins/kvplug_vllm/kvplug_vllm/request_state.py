@@ -124,7 +124,7 @@ def request_info(request: Any, config: KVPlugConfig, *, with_overrides: bool = T
     lora = getattr(request, "lora_request", None)
     # vLLM's own prefix cache keys an adapter by name and path: one name re-pointed at
     # other weights computes other KV.
-    extra_keys = [ExtraKey.adapter_source(lora.lora_path)] if lora is not None and lora.lora_path else []
+    extra_keys = list(ExtraKey.adapter_keys(lora.lora_path if lora is not None else None))
     extra_keys += embeds_keys(request, config.chunk_size)
     for feature in getattr(request, "mm_features", None) or ():
         position = feature.mm_position
@@ -137,6 +137,17 @@ def request_info(request: Any, config: KVPlugConfig, *, with_overrides: bool = T
         extra_keys=tuple(extra_keys),
         overrides=overrides,
     )
+
+
+def prompt_ids(request: Any) -> list[int]:
+    """The token ids kvplug keys a request's prompt by, in lookups as in stores: vLLM's
+    ``all_token_ids`` of it.
+
+    They are its ``prompt_token_ids`` but where vLLM computes from embeddings: there they are
+    0 (``prompt_token_ids`` is None, or holds placeholder ids where ``prompt_is_token_ids``
+    is False); the embeddings key those chunks (:func:`embeds_keys`).
+    """
+    return list(request.all_token_ids[: request.num_prompt_tokens])
 
 
 def embeds_keys(request: Any, chunk_size: int) -> list[ExtraKey]:

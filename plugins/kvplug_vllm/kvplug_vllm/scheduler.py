@@ -42,7 +42,7 @@ from kvplug_vllm.plan import (
     tokens_to_load,
 )
 from kvplug_vllm.prefill_resume import load_refusal
-from kvplug_vllm.request_state import Phase, Progress, RequestState, isolation
+from kvplug_vllm.request_state import Phase, Progress, RequestState, isolation, prompt_ids
 from kvplug_vllm.settings import ConnectorSettings, wants_report
 from kvplug_vllm.stats import KVPlugConnectorStats
 
@@ -106,9 +106,9 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
         state.lookup = None
-        tokens = request.prompt_token_ids
-        if not self.can_load or tokens is None:
+        if not self.can_load:
             return 0, False
+        tokens = prompt_ids(request)
         if state.phase in (Phase.LOADING, Phase.LOAD_FAILED):
             # Its background load failed or ran past load_timeout_s and vLLM rolled it back to
             # nothing: trying the same slow tier again could fail the same way, forever. vLLM
@@ -132,11 +132,11 @@ class SchedulerSide:
         background = need > 0 and loads_in_background(
             tiers, num_computed_tokens, load=self.settings.load, num_groups=self.num_groups
         )
-        lookup = LookupResult(num_computed_tokens, hit, tiers, len(request.prompt_token_ids), background=background)
+        lookup = LookupResult(num_computed_tokens, hit, tiers, request.num_prompt_tokens, background=background)
         state.lookup, state.phase = lookup, Phase.LOOKED_UP
         logger.info(
             "request %s: %d prompt tokens, %d cached by kvplug (%s), %d in vLLM's own prefix cache, loading %d%s",
-            request.request_id, len(request.prompt_token_ids), hit, lookup.describe(), num_computed_tokens,
+            request.request_id, request.num_prompt_tokens, hit, lookup.describe(), num_computed_tokens,
             need, " in the background" if background else "",
         )  # fmt: skip
         return need, background
@@ -208,12 +208,9 @@ class SchedulerSide:
                 queued.phase = Phase.LOADING
         for new in scheduler_output.scheduled_new_reqs:
             state = self._states.get(new.req_id)
-            if state is None or state.request is None or new.prompt_token_ids is None:
+            if state is None or state.request is None:
                 continue
-            previous, progress = (
-                state.progress,
-                Progress(len(new.prompt_token_ids), [list(ids) for ids in new.block_ids]),
-            )
+            previous, progress = state.progress, Progress(new.prompt_len, [list(ids) for ids in new.block_ids])
             if previous is not None:  # preempted, and resumed as a new request (vLLM's v2 model runner)
                 progress.rollbacks = previous.rollbacks + 1
             state.progress = progress

@@ -347,8 +347,11 @@ class WorkerSide:
         """Stop the control server and close the cache engine, writing queued stores."""
         self.background.close()
         if self.control is not None:
-            self.control.close()
+            self.control.close()  # and its target
             self.control = None
+        elif self.target is not None:  # no control server started: the target is this worker's to close
+            self.target.close()
+        self.target = None
         if self._metrics_server is not None:
             stop_serving_metrics(self._metrics_server)
             self._metrics_server = None

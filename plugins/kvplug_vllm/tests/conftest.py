@@ -56,6 +56,9 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.pop("KVPLUG_CONFIG", None)
+    # Set in this process by whatever served a control socket here before (private_socket_dir
+    # exports its folder): each engine picks its own, as a fresh vLLM process does.
+    env.pop("KVPLUG_LOOKUP_DIR", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")]))
     return env
 

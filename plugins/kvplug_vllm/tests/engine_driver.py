@@ -46,6 +46,26 @@ def ctl_lookup(tokens: list[int], engine: str) -> object:
         return ctl("lookup", str(prompt), "--engine", engine)
 
 
+def prompt(p: dict, model: str) -> dict:
+    """vLLM's prompt for a step's prompt: its token ids, or (``embeds_seed``) embeddings drawn from
+    that seed, one per token, in place of every token id or (``embeds_mask``: True keeps the id)
+    of some (vLLM's mixed mode); with its ``cache_salt``."""
+    out: dict = {"prompt_token_ids": p["tokens"]}
+    if p.get("embeds_seed") is not None:
+        import torch
+
+        hidden = json.loads((Path(model) / "config.json").read_text())["hidden_size"]
+        generator = torch.Generator().manual_seed(p["embeds_seed"])
+        out["prompt_embeds"] = torch.randn(len(p["tokens"]), hidden, generator=generator) * 0.05
+        if p.get("embeds_mask") is None:
+            del out["prompt_token_ids"]
+        else:
+            out["prompt_is_token_ids"] = p["embeds_mask"]
+    if p.get("cache_salt"):
+        out["cache_salt"] = p["cache_salt"]
+    return out
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -74,6 +94,8 @@ def main() -> None:
     )
     if spec.get("mamba_cache_mode") is not None:  # a Mamba/GDN hybrid: "align" keeps states at block ends
         options["mamba_cache_mode"] = spec["mamba_cache_mode"]
+    if spec.get("prompt_embeds"):
+        options["enable_prompt_embeds"] = True
     if spec.get("max_num_batched_tokens") is not None:  # a small budget: long prompts prefill in several steps
         options["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if tp > 1:
@@ -91,10 +113,7 @@ def main() -> None:
     llm = LLM(**options)
     results = []
     for step in spec["steps"]:
-        prompts = [
-            {"prompt_token_ids": p["tokens"], **({"cache_salt": p["cache_salt"]} if p.get("cache_salt") else {})}
-            for p in step["prompts"]
-        ]
+        prompts = [prompt(p, spec["model"]) for p in step["prompts"]]
         params = [
             SamplingParams(
                 temperature=0.0,

