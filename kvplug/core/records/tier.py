@@ -17,6 +17,8 @@ A :class:`RecordTier` subclass names itself, declares its ``Config`` and opens a
   attempt, bounded retries, a circuit breaker (lookups miss and stores are dropped,
   counted and warned about once a minute, while it is open);
 - ``kvplug store`` maintenance (:class:`~kvplug.core.records.store.RecordStore`).
+
+The index and budget upkeep is :mod:`kvplug.core.records.budget`'s.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, ClassVar, TypeVar
 
 from kvplug.core.events import KVEvent
 from kvplug.core.records.backend import SIZE_UNKNOWN, RecordBackend, RecordToWrite
+from kvplug.core.records.budget import RecordBudget
 from kvplug.core.records.calls import answering_each, checked_reads, framed_batches, one_each, run_batch
 from kvplug.core.records.frame import RECORD_HEADER_SIZE, key_digest, unpack_record
 from kvplug.core.records.index import RecordIndex, Victim
@@ -50,7 +53,7 @@ A = TypeVar("A")
 _COUNTERS = ("hits", "misses", "puts", "evictions", "dropped_puts", "corrupt", "incompatible")
 
 
-class RecordTier(RecordMaintenance, StorageTier):
+class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
     """A storage tier of framed records in a store a :class:`RecordBackend` speaks.
 
     Subclasses set ``name``, ``Config`` (a :class:`RecordTierConfig` subclass) and
@@ -245,75 +248,6 @@ class RecordTier(RecordMaintenance, StorageTier):
             self.context.emit(KVEvent("removed", tuple(removed), tier=self.name))
         if failed:
             raise TierUnavailableError(f"tier {self.name}: {failed} of {len(keys)} removals from {self._where} failed")
-
-    # --- the index and the budget ---------------------------------------------------
-
-    def _pushed_out(self, pushed: list[Victim]) -> None:
-        """Entries a full index pushed out: evicted with ``max_bytes``, else forgotten (warned once)."""
-        if not pushed:
-            return
-        if self._index.evicts_when_full:
-            self._evict(pushed)
-        elif not self._warned_full and not self._backend.keeps_budget:
-            self._warned_full = True
-            self.context.logger.warning(
-                "tier %s: the index of records is full (index_max_keys=%d): the least recently used are "
-                "forgotten, not deleted, and stay in %s until something else removes them "
-                "(counted as index_dropped_full)",
-                self.name,
-                self._index.max_keys,
-                self._where,
-            )
-
-    def _evict(self, victims: list[Victim]) -> None:
-        """Delete records already removed from the index, counted and reported as evictions."""
-        if not victims:
-            return
-        self._count("evictions", len(victims))
-        # A record whose delete fails stays in the store but leaves this budget; a later
-        # listing (a restart) brings it back into the index.
-        self._delete_quietly([name for name, _ in victims], forget=False)
-        known = tuple(key for _, key in victims if key is not None)
-        if known:
-            self.context.emit(KVEvent("evicted", known, tier=self.name))
-
-    def _take_evicted(self) -> None:
-        """Count and report what a backend that keeps the budget itself removed."""
-        gone = self._backend.take_evicted()
-        if not gone:
-            return
-        self._count("evictions", len(gone))
-        known = tuple(key for key in (self._index.forget(record.digest) for record in gone) if isinstance(key, str))
-        if known:
-            self.context.emit(KVEvent("evicted", known, tier=self.name))
-
-    def _check_indexed(self) -> None:
-        """Drop the indexed records the store no longer holds, among the next of the index's round."""
-        # Bookkeeping only: never the breaker's half-open probe, never counted as short-circuited.
-        if self._calls.breaker.state != "closed":
-            return
-        due = self._index.due_checks()
-        for group, result in self._groups(self._backend.exists, list(due), self._backend.call_sizes.query):
-            if not isinstance(result, BaseException):
-                for name, exists in zip(group, result):
-                    if exists is False:  # (an exception: no answer for this name)
-                        self._index.forget_gone(name, due[name])
-
-    def _delete_quietly(self, names: list[str], *, forget: bool = True) -> None:
-        if forget:
-            for name in names:
-                self._index.forget(name)
-        if names and self._calls.allow(len(names)):
-            self._groups(self._backend.delete, names, self._backend.call_sizes.query)
-
-    async def _scan_into_index(self) -> None:
-        try:
-            found = await self._calls.policy.run(self._backend.listing, timeout_s=LISTING_TIMEOUT_S)
-        except Exception as exc:
-            self._index.abandon_scan()
-            self.context.logger.warning("tier %s: could not list %s on start: %s", self.name, self._where, exc)
-            return
-        self._index.finish_scan(found, RECORD_HEADER_SIZE)
 
     def flush(self) -> None:
         """Wait for the start-up listing to be indexed (budget applied); run the backend's ``flush``."""
