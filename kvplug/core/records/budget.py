@@ -6,7 +6,7 @@ own, and the start-up listing."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 from kvplug.core.events import KVEvent
 from kvplug.core.records.backend import RecordBackend
@@ -24,7 +24,7 @@ class RecordBudget:
     """The index and budget methods of :class:`~kvplug.core.records.tier.RecordTier`, which
     sets the attributes below."""
 
-    name: str
+    name: ClassVar[str]
     context: TierContext
     _backend: RecordBackend
     _calls: RemoteCalls
