@@ -69,6 +69,25 @@ class RecordMaintenance:
             raise TierUnavailableError(f"{self._calls.where}: removing {digest} failed: {existed}") from existed
         return existed
 
+    def delete_record_if_same(self, digest: str, seen: Buffer | None) -> bool | None:
+        """Remove one record only if the store still holds ``seen`` (the bytes
+        :meth:`read_record` returned; ``None``: it raised ``CorruptChunkError`` and would
+        still); whether it was removed, ``None`` when the backend cannot remove only those
+        bytes (:meth:`RecordBackend.delete_if_same`), so nothing was."""
+        self._check_open()
+        if not self._backend.deletes_if_same:
+            return None
+        self._index.forget(digest)
+        try:
+            (removed,) = self._calls.run(
+                lambda: _one(digest, self._backend.delete_if_same([digest], [seen]), "delete_if_same")
+            )
+        except Absent:
+            return False
+        if isinstance(removed, BaseException):  # the store failed on this record alone
+            raise TierUnavailableError(f"{self._calls.where}: removing {digest} failed: {removed}") from removed
+        return removed
+
 
 async def _one(digest: str, call: Awaitable[Sequence[T]], name: str) -> Sequence[T]:
     """The answer of a call for the record ``digest``: one entry (:func:`one_each`)."""

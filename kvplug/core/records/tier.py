@@ -5,7 +5,8 @@ A :class:`RecordTier` subclass names itself, declares its ``Config`` and opens a
 
 - values are stored as key-bound, checksummed records (:mod:`kvplug.core.records.frame`);
   every read is verified: a torn, swapped or damaged record is a miss, counted and
-  deleted; a record of another format version (a newer kvplug in a shared store) is a
+  deleted if the store still holds those bytes (else absent to this process until stored
+  again; :meth:`~kvplug.core.records.backend.RecordBackend.delete_if_same`); a record of another format version (a newer kvplug in a shared store) is a
   miss, counted and kept; an answer that does not fit the call (a count off, a record
   in another name's place) fails it, counted towards the breaker: nothing is deleted on it;
 - one bounded LRU index of record sizes (:class:`~kvplug.core.records.index.RecordIndex`),
@@ -50,6 +51,8 @@ from kvplug.errors import (
 
 T = TypeVar("T")
 A = TypeVar("A")
+#: Corrupt records left in the store that this process remembers as absent.
+MAX_SUSPECTS = 4096
 _COUNTERS = ("hits", "misses", "puts", "evictions", "dropped_puts", "corrupt", "incompatible")
 
 
@@ -82,6 +85,8 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._warned_full = False
         self._closed = False
+        #: Names of corrupt records left in the store (no delete_if_same, or it failed), oldest first.
+        self._suspects: dict[str, None] = {}
         try:  # connect now so the first lookup is fast; a store that is down is retried later
             self._calls.run(self._backend.open, timeout_s=self._backend.open_timeout_s)
         except (TierUnavailableError, Absent) as exc:
@@ -120,6 +125,8 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
                 if size is None:  # evicted or removed by another process
                     self._index.forget_gone(name, seen[len(answers)])
                 answers.append(size is not None and (size == SIZE_UNKNOWN or size >= RECORD_HEADER_SIZE))
+        if self._suspects:  # found corrupt and still there: absent, so that the engine stores them again
+            answers = [found and name not in self._suspects for name, found in zip(names, answers)]
         return answers
 
     def get(self, keys: Sequence[str]) -> list[Buffer | None]:
@@ -139,7 +146,7 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
                 result = [None] * len(group)
             stored.extend([result] * len(group) if isinstance(result, BaseException) else result)
         values: list[Buffer | None] = []
-        corrupt: list[str] = []
+        corrupt: list[tuple[str, Buffer | None]] = []  # (name, what was read: None when found bad unread)
         pushed: list[Victim] = []
         for key, name, data, entry in zip(keys, names, stored, seen):
             value = None
@@ -155,17 +162,44 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
                 except CorruptChunkError as exc:
                     self.context.logger.warning("tier %s: corrupt record for %s (%s); deleting it", self.name, key, exc)
                     self._count("corrupt")
-                    corrupt.append(name)
+                    corrupt.append((name, None if isinstance(data, BaseException) else data))
             if value is None:
                 self._count("misses")
             else:
                 self._count("hits")
+                self._unsuspect(name)
                 pushed += self._index.record(name, value.nbytes, key)
             values.append(value)
         if corrupt:
-            self._delete_quietly(corrupt)
+            self._drop_corrupt(corrupt)
         self._pushed_out(pushed)
         return values
+
+    def _drop_corrupt(self, corrupt: list[tuple[str, Buffer | None]]) -> None:
+        """Remove corrupt records only where the store still holds what was read
+        (:meth:`RecordBackend.delete_if_same`): another process may have stored a good one
+        since. One the backend could not remove so is absent to this process (its lookups
+        miss, so the engine stores it again over the bad one) until stored or read whole."""
+        for name, _ in corrupt:
+            self._index.forget(name)
+        kept = [name for name, _ in corrupt]
+        if self._backend.deletes_if_same and self._calls.allow(len(corrupt)):
+            kept = []
+            backend = self._backend
+
+            async def delete_if_same(group: Sequence[tuple[str, Buffer | None]]) -> Sequence[bool | BaseException]:
+                return await backend.delete_if_same([name for name, _ in group], [data for _, data in group])
+
+            for group, result in self._groups(delete_if_same, corrupt, backend.call_sizes.query):
+                if isinstance(result, Absent):  # gone already
+                    continue
+                answers = [result] * len(group) if isinstance(result, BaseException) else result
+                kept += [name for (name, _), answer in zip(group, answers) if isinstance(answer, BaseException)]
+        with self._lock:
+            for name in kept:
+                self._suspects[name] = None
+            while len(self._suspects) > MAX_SUSPECTS:  # the oldest go: lookups of them then ask the store
+                del self._suspects[next(iter(self._suspects))]
 
     def unpack(self, data: Buffer, key: str) -> memoryview:
         """The value of a record read for ``key``, checked (:func:`kvplug.unpack_record`);
@@ -207,6 +241,7 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
             for (key, record), outcome in zip(group, outcomes):
                 if outcome is None:
                     self._count("puts")
+                    self._unsuspect(record.name)
                     pushed += self._index.record(record.name, record.value.nbytes, key)
                 else:  # not stored: whatever was there before is stale or gone
                     self._index.forget(record.name)
@@ -322,6 +357,12 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
             return run_batch(self._backend, self._calls, operation, arguments)
         except TierClosedError:
             raise TierClosedError(f"tier {self.name!r} ({self._where}) was closed during the operation") from None
+
+    def _unsuspect(self, name: str) -> None:
+        """A record stored or read whole again: no longer taken for the corrupt one."""
+        if self._suspects:
+            with self._lock:
+                self._suspects.pop(name, None)
 
     def _count(self, name: str, amount: int = 1) -> None:
         with self._lock:

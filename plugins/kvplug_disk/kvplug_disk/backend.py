@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
-from kvplug import CallSizes, NameTenants, PinOutcome, RecordBackend, RecordToWrite, StoredRecord, Tenancy
+from kvplug import Buffer, CallSizes, NameTenants, PinOutcome, RecordBackend, RecordToWrite, StoredRecord, Tenancy
 from kvplug_disk.budget import FolderBudget
 from kvplug_disk.config import DiskTierConfig
 from kvplug_disk.files import RecordFolder, TempFile, make_private
@@ -293,6 +293,27 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
                 self._order.pop(digest)
                 existed.append(self._unlink_record(usage, digest, "remove"))
             return existed
+
+    async def delete_if_same(
+        self, names: Sequence[str], seen: Sequence[Buffer | None]
+    ) -> Sequence[bool | BaseException]:
+        """Compare and unlink under the folder's lock, which every process's publish of a
+        record takes too: a good record renamed over a bad one since it was read stays."""
+        if self.read_only:
+            return [ReadOnlyStoreError(self.where) for _ in names]
+        with self._ledger.locked() as usage, self._lock:
+            removed: list[bool | BaseException] = []
+            for digest, data in zip(names, seen):
+                try:
+                    same = not self._skipped(digest) and self._folder.holds(digest, data, self._record_bound())
+                except OSError as exc:
+                    self._entry_failed("remove", digest, exc, locked=True)
+                    removed.append(exc)
+                    continue
+                if same:
+                    self._order.pop(digest)
+                removed.append(same and self._unlink_record(usage, digest, "remove"))
+            return removed
 
     # --- lifecycle ------------------------------------------------------------------
 
