@@ -17,6 +17,7 @@ breaker judge it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ssl
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +36,25 @@ SCAN_COUNT = 1000
 SMALL_REPLY_KEYS = 1024
 #: A value that is not a string (another program's key under our prefix).
 FOREIGN = b""
+
+#: The compare-and-delete of :meth:`ValkeyBackend.delete_if_same` (a script runs atomically:
+#: no write of the key by any client comes between its check and its DEL).
+_DELETE_IF_SAME = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then return 0 end
+if ARGV[1] == 'foreign' then
+  if kind ~= 'string' or redis.call('STRLEN', KEYS[1]) == 0 then return redis.call('DEL', KEYS[1]) end
+  return 0
+end
+if kind ~= 'string' then return 0 end
+if ARGV[1] == 'longer' then
+  local bound = tonumber(ARGV[2])
+  if bound >= 0 and redis.call('STRLEN', KEYS[1]) > bound then return redis.call('DEL', KEYS[1]) end
+  return 0
+end
+if redis.sha1hex(redis.call('GET', KEYS[1])) == ARGV[2] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 Client = Any  # valkey.asyncio.Valkey | ValkeyCluster: their stubs share no protocol
 
@@ -166,6 +186,23 @@ class ValkeyBackend(RecordBackend):
 
     async def delete(self, names: Sequence[str]) -> list[bool]:
         results = await self._pipeline([("DEL", self.key(n)) for n in names])
+        return [not isinstance(r, BaseException) and int(r) > 0 for r in results]
+
+    async def delete_if_same(self, names: Sequence[str], seen: Sequence[Buffer | None]) -> list[bool]:
+        """One script per key, run atomically by the server: DEL only if the key still holds
+        the bytes read (their SHA-1, so the record is not sent back), is still not a string
+        (``FOREIGN``), or (``None``: read as over the record bound) is still longer than it."""
+        bound = self._record_bound()
+        commands: list[tuple[Any, ...]] = []
+        for name, data in zip(names, seen):
+            if data is None:
+                check: tuple[Any, ...] = ("longer", -1 if bound is None else bound)
+            elif not memoryview(data).nbytes:
+                check = ("foreign", 0)
+            else:
+                check = ("sha1", hashlib.sha1(data, usedforsecurity=False).hexdigest())
+            commands.append(("EVAL", _DELETE_IF_SAME, 1, self.key(name), *check))
+        results = await self._pipeline(commands)
         return [not isinstance(r, BaseException) and int(r) > 0 for r in results]
 
     async def listing(self) -> list[StoredRecord]:
