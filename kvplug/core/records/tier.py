@@ -160,7 +160,12 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
                 except IncompatibleChunkError:
                     self._count("incompatible")  # possibly a newer kvplug's record in a shared store: keep it
                 except CorruptChunkError as exc:
-                    self.context.logger.warning("tier %s: corrupt record for %s (%s); deleting it", self.name, key, exc)
+                    self.context.logger.warning(
+                        "tier %s: corrupt record for %s (%s); removing it unless stored again since",
+                        self.name,
+                        key,
+                        exc,
+                    )
                     self._count("corrupt")
                     corrupt.append((name, None if isinstance(data, BaseException) else data))
             if value is None:
