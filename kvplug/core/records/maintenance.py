@@ -73,8 +73,8 @@ class RecordMaintenance:
         """Remove one record only if the store still holds ``seen`` (the bytes
         :meth:`read_record` returned; ``None``: it raised ``CorruptChunkError`` and would
         still); whether it was removed, ``None`` when the backend cannot remove only those
-        bytes (:meth:`RecordBackend.delete_if_same`, or an exception in its slot: a server
-        that ignores conditional deletes), so nothing was."""
+        bytes (:meth:`RecordBackend.delete_if_same`; a backend may find that out on the
+        first try: a server that ignores conditional deletes), so nothing was."""
         self._check_open()
         if not self._backend.deletes_if_same:
             return None
@@ -85,8 +85,10 @@ class RecordMaintenance:
             )
         except Absent:
             return False
-        if isinstance(removed, BaseException):  # no answer for this record: nothing removed conditionally
-            return None
+        if isinstance(removed, BaseException):
+            if not self._backend.deletes_if_same:  # found out only now (a server that ignores conditions)
+                return None
+            raise TierUnavailableError(f"{self._calls.where}: removing {digest} failed: {removed}") from removed
         return removed
 
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
-from kvplug import Buffer, CallSizes, NameTenants, PinOutcome, RecordBackend, RecordToWrite, StoredRecord, Tenancy
+from kvplug import CallSizes, NameTenants, PinOutcome, RecordBackend, RecordToWrite, StoredRecord, Tenancy
 from kvplug_disk.budget import FolderBudget
 from kvplug_disk.config import DiskTierConfig
 from kvplug_disk.files import RecordFolder, TempFile, make_private
@@ -41,6 +41,7 @@ from kvplug_disk.ledger import UsageLedger
 from kvplug_disk.location import mark_store, require_disk_store
 from kvplug_disk.problems import ProblemLog, is_no_space, is_undeletable
 from kvplug_disk.reads import DiskReads
+from kvplug_disk.removals import DiskRemovals, ReadOnlyStoreError
 
 #: Longest a renamed record waits for its folder's fsync while puts keep coming (a busy queue).
 FOLDER_SYNC_INTERVAL_S = 1.0
@@ -65,7 +66,7 @@ class RefusedRecordError(OSError):
         super().__init__(errno.ENOSPC, "no room beside the pinned records or within the tenant's quota")
 
 
-class DiskBackend(FolderBudget, DiskReads, RecordBackend):
+class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
     """Record files in one folder shared by any number of processes (see the module docstring)."""
 
     # One put is one call: its records are renamed in order, with mtimes in that order.
@@ -281,40 +282,6 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
                 usage.save()
             return sizes
 
-    async def delete(self, names: Sequence[str]) -> Sequence[bool | BaseException]:
-        if self.read_only:
-            return [ReadOnlyStoreError(self.where) for _ in names]
-        return self._delete(names)
-
-    def _delete(self, names: Sequence[str]) -> list[bool]:
-        with self._ledger.locked() as usage, self._lock:
-            existed = []
-            for digest in names:
-                self._order.pop(digest)
-                existed.append(self._unlink_record(usage, digest, "remove"))
-            return existed
-
-    async def delete_if_same(
-        self, names: Sequence[str], seen: Sequence[Buffer | None]
-    ) -> Sequence[bool | BaseException]:
-        """Compare and unlink under the folder's lock, which every process's publish of a
-        record takes too: a good record renamed over a bad one since it was read stays."""
-        if self.read_only:
-            return [ReadOnlyStoreError(self.where) for _ in names]
-        with self._ledger.locked() as usage, self._lock:
-            removed: list[bool | BaseException] = []
-            for digest, data in zip(names, seen):
-                try:
-                    same = not self._skipped(digest) and self._folder.holds(digest, data, self._record_bound())
-                except OSError as exc:
-                    self._entry_failed("remove", digest, exc, locked=True)
-                    removed.append(exc)
-                    continue
-                if same:
-                    self._order.pop(digest)
-                removed.append(same and self._unlink_record(usage, digest, "remove"))
-            return removed
-
     # --- lifecycle ------------------------------------------------------------------
 
     async def flush(self) -> None:
@@ -383,10 +350,3 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
         if not warn:
             self._problems.error(op, digest, exc, warn=False)
         return True
-
-
-class ReadOnlyStoreError(OSError):
-    """A write or removal in a store opened for inspection (``read_only``)."""
-
-    def __init__(self, where: str) -> None:
-        super().__init__(errno.EROFS, f"{where} is open for inspection only", where)

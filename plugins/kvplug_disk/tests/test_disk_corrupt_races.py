@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from kvplug import RECORD_HEADER_SIZE, Buffer, key_digest
 from kvplug.cli.store import _check_all
 from kvplug.testing import key_for, tier_context, value_for
 from kvplug_disk import DiskTier, ShmTier
+from kvplug_disk.ledger import LEDGER_NAME
 
 KEY = key_for("raced")
 VALUE = value_for("raced", 4000)
@@ -142,3 +144,46 @@ def test_gc_keeps_a_good_record_stored_after_it_read_the_corrupt_one(kind: str, 
         assert [bytes(v) for v in reader.get([KEY]) if v is not None] == [VALUE]
     finally:
         reader.close()
+
+
+HOLD_THE_FOLDER_LOCK = """
+import fcntl, os, signal, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_read_of_a_corrupt_record_does_not_wait_for_a_paused_process_holding_the_folder(
+    kind: str, folder: Path
+) -> None:
+    """Another process stopped while it holds the folder's lock (SIGSTOP, a debugger, a paused
+    container): a read that finds a corrupt record answers (a miss) instead of waiting to remove
+    it; the record is removed by a read once the folder is free."""
+    cls = tier_class(kind)
+    tier = cls(cls.Config(path=folder, queue={"mode": "sync"}), tier_context())
+    holder = None
+    try:
+        tier.put([(KEY, VALUE)])
+        damage(folder)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLD_THE_FOLDER_LOCK, str(folder / LEDGER_NAME)], stdout=subprocess.PIPE, text=True
+        )
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        answers: list[object] = []
+        reader = threading.Thread(target=lambda: answers.append(tier.get([KEY])), daemon=True)
+        reader.start()
+        reader.join(60)
+        assert answers == [[None]], "a read waited for another process's lock on the folder"
+        assert record_file(folder).exists() and tier.contains([KEY]) == [False]
+        holder.kill()
+        holder.wait(30)
+        holder = None
+        assert tier.get([KEY]) == [None]
+        assert not record_file(folder).exists()
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait(30)
+        tier.close()

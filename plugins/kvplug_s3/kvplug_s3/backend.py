@@ -220,7 +220,8 @@ class AsyncObjectBackend(ObjectBackend):
 
     @property
     def deletes_if_same(self) -> bool:
-        return self._is_s3  # (other object stores: corrupt objects are kept)
+        # Other object stores, and a server found to ignore If-Match: corrupt objects are kept.
+        return self._is_s3 and self._conditional.honoured is not False
 
     async def delete_if_same(self, names: Sequence[str], seen: Sequence[Buffer | None]) -> list[bool | BaseException]:
         """S3: the object read again and deleted under its ETag if it is still the bad one
