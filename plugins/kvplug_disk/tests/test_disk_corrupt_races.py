@@ -15,7 +15,7 @@ import pytest
 from kvplug import RECORD_HEADER_SIZE, Buffer, key_digest
 from kvplug.cli.store import _check_all
 from kvplug.testing import key_for, tier_context, value_for
-from kvplug_disk import DiskTier, ShmTier
+from kvplug_disk import DiskTier, ShmTier, verify_folder
 from kvplug_disk.ledger import LEDGER_NAME
 
 KEY = key_for("raced")
@@ -186,4 +186,25 @@ def test_a_read_of_a_corrupt_record_does_not_wait_for_a_paused_process_holding_t
         if holder is not None:
             holder.kill()
             holder.wait(30)
+        tier.close()
+
+
+def test_verify_folder_removing_a_corrupt_record_frees_its_bytes_in_the_folder_budget(kind: str, folder: Path) -> None:
+    """``verify_folder(remove_corrupt=True)`` beside a running tier: the bytes of what it removed
+    leave the folder's shared total, so the tier's next write evicts no good record for them."""
+    cls = tier_class(kind)
+    tier = cls(cls.Config(path=folder, max_bytes=40_000, queue={"mode": "sync"}), tier_context())
+    try:
+        keys = [key_for(f"budget-{i}") for i in range(4)]
+        tier.put([(key, value_for(key, 8000)) for key in keys])
+        path = sorted(folder.glob("*/*.kvr"))[0]
+        data = bytearray(path.read_bytes())
+        data[RECORD_HEADER_SIZE + 100] ^= 1
+        path.write_bytes(bytes(data))
+        assert verify_folder(folder, remove_corrupt=True).removed == 1
+        assert tier.stats().extra["folder_bytes"] == 3 * 8000
+        tier.put([(KEY, value_for("raced", 12_000))])  # 24 000 + 12 000 fit in 40 000
+        assert tier.stats().evictions == 0
+        assert sum(tier.contains(keys)) == 3
+    finally:
         tier.close()
