@@ -211,7 +211,9 @@ def _remove(tier: StorageTier, digest: str, seen: Buffer | None) -> bool:
     delete_if_same = getattr(tier, "delete_record_if_same", None)
     removed = None if delete_if_same is None else delete_if_same(digest, seen)
     if removed is None:
-        removed = tier.delete_record(digest)  # type: ignore[attr-defined]
+        # (counted removed: some stores, S3's, cannot tell whether a DELETE found the record)
+        tier.delete_record(digest)  # type: ignore[attr-defined]
+        return True
     return bool(removed)
 
 

@@ -171,3 +171,23 @@ def test_gc_keeps_a_good_record_stored_after_it_read_the_corrupt_one(moto_s3) ->
     finally:
         tier.close()
         other.close()
+
+
+def test_gc_on_a_server_that_ignores_if_match_removes_by_name(moto_s3) -> None:
+    """There ``kvplug store gc`` cannot remove only the bad copy: it removes the corrupt object
+    by name, as documented (run it when no engine writes)."""
+    prefix = "gc-ignores-if-match"
+    client = moto_s3.client()
+    proxy = IfMatchStripper(int(moto_s3.endpoint.rsplit(":", 1)[1]))
+    writer = S3Tier(config(moto_s3.endpoint, prefix), tier_context())
+    writer.put([(KEY, VALUE)])
+    writer.close()
+    damage(client, prefix)
+    tier = S3Tier(config(proxy.endpoint, prefix), tier_context())
+    try:
+        verdicts = _check_all(tier, remove=True)
+        assert verdicts["corrupt"] == 1 and verdicts["removed"] == 1
+        assert names_under(client, prefix) == []
+    finally:
+        tier.close()
+        proxy.close()
