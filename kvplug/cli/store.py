@@ -113,7 +113,7 @@ def stats(location: str = LocationArg, options: list[str] = OptionsOpt) -> None:
 def ls(
     location: str = LocationArg,
     options: list[str] = OptionsOpt,
-    limit: int = typer.Option(50, help="Show at most this many records, newest first (0: all)."),
+    limit: int = typer.Option(50, min=0, help="Show at most this many records, newest first (0: all)."),
 ) -> None:
     """List records: key digest, size, when written (or last used, where reads move a record's time), and the KV chunk each holds."""
 
