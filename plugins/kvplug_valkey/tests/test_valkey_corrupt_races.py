@@ -116,3 +116,35 @@ def test_gc_keeps_a_good_record_stored_after_it_read_the_corrupt_one(valkey_serv
     assert client.exists(name) == 1, "gc deleted the good record stored after its read"
     reader = tiers(valkey_server.url, key_prefix=prefix)
     assert [bytes(v) for v in reader.get([KEY]) if v is not None] == [VALUE]
+
+
+def test_a_user_the_server_lets_run_no_scripts_keeps_corrupt_values_without_failing(valkey_server) -> None:
+    """An ACL user without ``@scripting``: the compare-and-delete is refused. That is no failure
+    of the server (the breaker stays closed): the value is kept, absent to the tier, until stored
+    again; ``kvplug store gc`` then removes it by name."""
+    prefix = fresh_prefix()
+    name = (prefix + key_digest(KEY).hex()).encode()
+    client = plain_client(valkey_server)
+    user = f"noscripts-{prefix.rstrip(':')}"
+    client.execute_command("ACL", "SETUSER", user, "on", ">secret", "~*", "+@all", "-@scripting")
+    config = ValkeyTier.Config(
+        url=valkey_server.url, key_prefix=prefix, username=user, password="secret", request_timeout_s=5.0
+    )
+    tier = ValkeyTier(config, tier_context())
+    try:
+        tier.put([(KEY, VALUE)])
+        damage(client, name, "flipped-bit")
+        for _ in range(3):
+            assert tier.get([KEY]) == [None]
+        stats = tier.stats()
+        assert stats.extra["corrupt"] == 3 and stats.extra["failures"] == 0
+        assert stats.extra["breaker_state"] == "closed"
+        assert client.exists(name) == 1 and tier.contains([KEY]) == [False]
+        tier.put([(KEY, VALUE)])
+        assert [bytes(v) for v in tier.get([KEY]) if v is not None] == [VALUE]
+        damage(client, name, "flipped-bit")
+        verdicts = _check_all(tier, remove=True)
+        assert verdicts["corrupt"] == 1 and verdicts["removed"] == 1 and client.exists(name) == 0
+    finally:
+        tier.close()
+        client.execute_command("ACL", "DELUSER", user)
