@@ -7,8 +7,9 @@ A :class:`RecordTier` subclass names itself, declares its ``Config`` and opens a
   every read is verified: a torn, swapped or damaged record is a miss, counted and
   deleted if the store still holds those bytes (else absent to this process until stored
   again; :meth:`~kvplug.core.records.backend.RecordBackend.delete_if_same`); a record of
-  another format version (a newer kvplug in a shared store) is a miss, counted and kept; an answer that does not fit the call (a count off, a record
-  in another name's place) fails it, counted towards the breaker: nothing is deleted on it;
+  another format version (a newer kvplug in a shared store) is a miss, counted and kept;
+  an answer that does not fit the call (a count off, a record in another name's place)
+  fails it, counted towards the breaker: nothing is deleted on it;
 - one bounded LRU index of record sizes (:class:`~kvplug.core.records.index.RecordIndex`),
   filled by a start-up listing where the backend can list, drives ``stats()`` and the
   ``max_bytes`` budget (least recently used records are deleted, reported as
