@@ -173,7 +173,9 @@ class RecordBackend(ABC):
         safe: the tier then treats the name as absent in this process (lookups miss, so the
         engine stores it again, over the bad one). Override where the store can compare
         and delete at once (a lock every writer takes, a script run atomically, a
-        conditional request)."""
+        conditional request). A ``BlockingIOError`` in a name's slot says the store is busy
+        (a lock another process holds): a read does not wait for it, ``kvplug store gc``
+        asks again."""
         return [False] * len(names)
 
     async def listing(self) -> list[StoredRecord]:

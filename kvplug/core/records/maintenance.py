@@ -18,6 +18,8 @@ from kvplug.errors import CorruptChunkError, RecordUnreadableError, TierUnavaila
 T = TypeVar("T")
 #: Listing a large store legitimately takes longer than one batch.
 LISTING_TIMEOUT_S = 300.0
+#: Times a removal is asked again while the backend answers ``BlockingIOError`` (busy).
+BUSY_TRIES = 60
 
 
 class RecordMaintenance:
@@ -79,12 +81,15 @@ class RecordMaintenance:
         if not self._backend.deletes_if_same:
             return None
         self._index.forget(digest)
-        try:
-            (removed,) = self._calls.run(
-                lambda: _one(digest, self._backend.delete_if_same([digest], [seen]), "delete_if_same")
-            )
-        except Absent:
-            return False
+        for _ in range(BUSY_TRIES):  # a store busy with another process's write: an operator's removal waits
+            try:
+                (removed,) = self._calls.run(
+                    lambda: _one(digest, self._backend.delete_if_same([digest], [seen]), "delete_if_same")
+                )
+            except Absent:
+                return False
+            if not isinstance(removed, BlockingIOError):
+                break
         if isinstance(removed, BaseException):
             if not self._backend.deletes_if_same:  # found out only now (a server that ignores conditions)
                 return None

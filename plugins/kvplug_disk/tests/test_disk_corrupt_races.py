@@ -208,3 +208,36 @@ def test_verify_folder_removing_a_corrupt_record_frees_its_bytes_in_the_folder_b
         assert sum(tier.contains(keys)) == 3
     finally:
         tier.close()
+
+
+HOLD_THE_FOLDER_LOCK_A_WHILE = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(3)
+"""
+
+
+def test_gc_waits_for_a_busy_folder_to_remove_a_corrupt_record(kind: str, folder: Path) -> None:
+    """A read gives up on a busy folder's lock after a moment (the record stays); ``kvplug store
+    gc`` waits for it instead, and removes the record."""
+    cls = tier_class(kind)
+    writer = cls(cls.Config(path=folder, queue={"mode": "sync"}), tier_context())
+    writer.put([(KEY, VALUE)])
+    writer.close()
+    damage(folder)
+    tier = cls(cls.Config(path=folder, max_bytes=1 << 40), tier_context())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_FOLDER_LOCK_A_WHILE, str(folder / LEDGER_NAME)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        verdicts = _check_all(tier, remove=True)
+    finally:
+        holder.wait(60)
+        tier.close()
+    assert verdicts["corrupt"] == 1 and verdicts["removed"] == 1
+    assert not record_file(folder).exists()
