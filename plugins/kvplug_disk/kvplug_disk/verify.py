@@ -52,7 +52,7 @@ def verify_folder(path: str | os.PathLike[str], *, remove_corrupt: bool = False)
     if not root.is_dir():
         raise FileNotFoundError(f"disk tier folder {str(root)!r} does not exist")
     folder = RecordFolder(root, fsync=False, create=False)
-    ledger = UsageLedger(folder.root_fd) if remove_corrupt else None
+    ledger: UsageLedger | None = None  # opened at the first removal: a clean folder is left as it was
     report = VerifyReport()
     try:
         report.foreign = len(folder.scan().foreign)
@@ -77,8 +77,9 @@ def verify_folder(path: str | os.PathLike[str], *, remove_corrupt: bool = False)
             elif check.status == "corrupt":
                 report.corrupt += 1
                 report.corrupt_digests.append(digest)
-                if ledger is not None:
+                if remove_corrupt:
                     try:
+                        ledger = ledger or UsageLedger(folder.root_fd)
                         report.removed += _remove_if_same(folder, ledger, digest, stat)
                     except OSError:
                         report.undeletable += 1
