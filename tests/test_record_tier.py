@@ -77,6 +77,12 @@ class DictBackend(RecordBackend):
                 self._or_failed(n, False) if n in self.failing else self.store.pop(n, None) is not None for n in names
             ]
 
+    async def delete_if_same(self, names: Sequence[str], seen: Sequence[Buffer | None]) -> list[bool]:
+        await self._enter()
+        with self.lock:
+            same = [data is not None and self.store.get(n) == bytes(data) for n, data in zip(names, seen)]
+            return [ok and self.store.pop(n, None) is not None for n, ok in zip(names, same)]
+
     async def listing(self) -> list[StoredRecord]:
         await self._enter()
         with self.lock:

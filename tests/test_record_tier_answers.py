@@ -65,6 +65,15 @@ class MisbehavingBackend(RecordBackend):
         self.deletes.extend(names)
         return [self.store.pop(n, None) is not None for n in names]
 
+    async def delete_if_same(self, names: Sequence[str], seen: Sequence[Buffer | None]) -> list[bool]:
+        removed = []
+        for name, data in zip(names, seen):
+            same = data is not None and self.store.get(name) == bytes(data)
+            if same:
+                self.deletes.append(name)
+            removed.append(same and self.store.pop(name, None) is not None)
+        return removed
+
 
 class MisbehavingTier(RecordTier):
     name = "misbehaving"

@@ -134,3 +134,12 @@ def test_unknown_store_kind_says_what_to_install(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "pip install kvplug-s3" in " ".join(result.stderr.split())
+
+
+def test_ls_refuses_a_negative_limit_naming_it(tmp_path: Path) -> None:
+    """A negative ``--limit`` is an error naming the option, not a listing cut from the oldest end."""
+    folder = tmp_path / "store"
+    fill_store(folder, prompts=1)
+    listed = kvplug("ls", str(folder), "--limit", "-1")
+    assert listed.returncode != 0
+    assert "--limit" in listed.stderr and "greater than or equal to 0" in listed.stderr

@@ -27,7 +27,7 @@ from kvplug.errors import ConfigError, ConfigProblem, CorruptChunkError, RecordU
 # The core is imported where a command uses it: every ``kvplug`` command imports this module.
 if TYPE_CHECKING:
     from kvplug.core.records.store import RecordCheck, StoredRecord
-    from kvplug.core.tier import StorageTier
+    from kvplug.core.tier import Buffer, StorageTier
 
 store_app = typer.Typer(
     help="Inspect, verify and clean a persistent store: a disk folder, an S3/fsspec URL, a valkey URL.",
@@ -113,7 +113,7 @@ def stats(location: str = LocationArg, options: list[str] = OptionsOpt) -> None:
 def ls(
     location: str = LocationArg,
     options: list[str] = OptionsOpt,
-    limit: int = typer.Option(50, help="Show at most this many records, newest first (0: all)."),
+    limit: int = typer.Option(50, min=0, help="Show at most this many records, newest first (0: all)."),
 ) -> None:
     """List records: key digest, size, when written (or last used, where reads move a record's time), and the KV chunk each holds."""
 
@@ -158,7 +158,7 @@ def gc(location: str = LocationArg, options: list[str] = OptionsOpt) -> None:
     def action() -> None:
         with open_store(location, options, read_only=False) as tier:
             verdicts = _check_all(tier, remove=True)
-        _report(verdicts, removed=verdicts["corrupt"] + verdicts["incompatible"])
+        _report(verdicts, removed=verdicts.pop("removed", 0))
 
     run_or_exit(action)
 
@@ -170,12 +170,12 @@ def _check_all(tier: StorageTier, *, remove: bool) -> Counter[str]:
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("verifying", total=len(records))
         for record in records:
-            check = _read_and_check(tier, record.digest)
+            check, data = _read_and_check_bytes(tier, record.digest)
             verdicts[check.status] += 1
             if check.status in ("corrupt", "incompatible", "unreadable"):
                 console.print(f"{check.status}: {record.digest} ({check.reason})", highlight=False, markup=False)
                 if remove and check.status != "unreadable":
-                    tier.delete_record(record.digest)  # type: ignore[attr-defined]
+                    verdicts["removed"] += _remove(tier, record.digest, data)
             progress.advance(task)
     # Entries the tier left alone, never verified: links, folders or FIFOs named like records,
     # shard folders this user may not open (logged by the tier, each naming its path).
@@ -188,15 +188,33 @@ def _read_and_check(tier: StorageTier, digest: str) -> RecordCheck:
     """The verdict on one record: :func:`check_record` of its bytes, ``corrupt`` when the
     tier found it bad unread (its size), ``unreadable`` when it is there but could not be
     read (no permission): never ``gone``, which only a record that vanished is."""
+    return _read_and_check_bytes(tier, digest)[0]
+
+
+def _read_and_check_bytes(tier: StorageTier, digest: str) -> tuple[RecordCheck, Buffer | None]:
+    """:func:`_read_and_check`, and the bytes judged (``None`` when found bad unread)."""
     from kvplug.core.records.store import RecordCheck, check_record
 
     try:
         data = tier.read_record(digest)  # type: ignore[attr-defined]
     except CorruptChunkError as exc:
-        return RecordCheck("corrupt", str(exc))
+        return RecordCheck("corrupt", str(exc)), None
     except RecordUnreadableError as exc:
-        return RecordCheck("unreadable", str(exc.__cause__ or exc))
-    return check_record(digest, data)
+        return RecordCheck("unreadable", str(exc.__cause__ or exc)), None
+    return check_record(digest, data), data
+
+
+def _remove(tier: StorageTier, digest: str, seen: Buffer | None) -> bool:
+    """Remove a bad record only if the store still holds the bytes judged: an engine may
+    have stored a good one there since. A store that cannot remove conditionally (its
+    backend has no ``delete_if_same``) removes it by name."""
+    delete_if_same = getattr(tier, "delete_record_if_same", None)
+    removed = None if delete_if_same is None else delete_if_same(digest, seen)
+    if removed is None:
+        # (counted removed: some stores, S3's, cannot tell whether a DELETE found the record)
+        tier.delete_record(digest)  # type: ignore[attr-defined]
+        return True
+    return bool(removed)
 
 
 def _report(verdicts: Counter[str], *, removed: int) -> None:

@@ -18,7 +18,9 @@ the others or counting towards the breaker. A :class:`kvplug.errors.CorruptChunk
 a slot of :meth:`~RecordBackend.read` or :meth:`~RecordBackend.peek` is an answer: the
 record is bad, found so before it was read (a file whose size its header or
 :attr:`kvplug.TierContext.max_record_bytes` rules out; :func:`kvplug.check_record_size`),
-and is counted, logged and removed like a record that fails verification.
+and is counted, logged and removed like a record that fails verification. A corrupt record
+is removed only through :meth:`~RecordBackend.delete_if_same` (never by name alone: a good
+record stored there meanwhile by another process must survive).
 """
 
 from __future__ import annotations
@@ -156,6 +158,26 @@ class RecordBackend(ABC):
     async def delete(self, names: Sequence[str]) -> Sequence[bool | BaseException]:
         """Remove the records; per name, whether there was one."""
 
+    async def delete_if_same(
+        self, names: Sequence[str], seen: Sequence[Buffer | None]
+    ) -> Sequence[bool | BaseException]:
+        """Remove each corrupt record only if the store still holds what was read of it;
+        per name, whether it was removed.
+
+        ``seen[i]`` is the bytes a read returned, or ``None`` for a record found bad
+        unread (a :class:`kvplug.errors.CorruptChunkError` in its slot: remove it only if
+        the store would still find it so). The check and the removal must be one step
+        against writes of the same name by every process that shares the store: another
+        process may have stored a good record there since it was read, and removing that
+        would be a lost hit for all of them. The default removes nothing, which is always
+        safe: the tier then treats the name as absent in this process (lookups miss, so the
+        engine stores it again, over the bad one). Override where the store can compare
+        and delete at once (a lock every writer takes, a script run atomically, a
+        conditional request). A ``BlockingIOError`` in a name's slot says the store is busy
+        (a lock another process holds): a read does not wait for it, ``kvplug store gc``
+        asks again."""
+        return [False] * len(names)
+
     async def listing(self) -> list[StoredRecord]:
         """Every record of the store (for the start-up scan and ``kvplug store``).
         Stores that cannot list leave it: the tier then indexes what it writes and reads."""
@@ -181,6 +203,11 @@ class RecordBackend(ABC):
     def describe(self) -> dict[str, int | float | str]:
         """Extra ``stats()`` entries of this store (its address, its own counters)."""
         return {}
+
+    @property
+    def deletes_if_same(self) -> bool:
+        """Whether this backend implements :meth:`delete_if_same` (else corrupt records stay)."""
+        return type(self).delete_if_same is not RecordBackend.delete_if_same
 
     @property
     def can_list(self) -> bool:

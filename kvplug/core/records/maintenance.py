@@ -18,6 +18,8 @@ from kvplug.errors import CorruptChunkError, RecordUnreadableError, TierUnavaila
 T = TypeVar("T")
 #: Listing a large store legitimately takes longer than one batch.
 LISTING_TIMEOUT_S = 300.0
+#: Times a removal is asked again while the backend answers ``BlockingIOError`` (busy).
+BUSY_TRIES = 60
 
 
 class RecordMaintenance:
@@ -68,6 +70,31 @@ class RecordMaintenance:
         if isinstance(existed, BaseException):  # the store failed on this record alone
             raise TierUnavailableError(f"{self._calls.where}: removing {digest} failed: {existed}") from existed
         return existed
+
+    def delete_record_if_same(self, digest: str, seen: Buffer | None) -> bool | None:
+        """Remove one record only if the store still holds ``seen`` (the bytes
+        :meth:`read_record` returned; ``None``: it raised ``CorruptChunkError`` and would
+        still); whether it was removed, ``None`` when the backend cannot remove only those
+        bytes (:meth:`RecordBackend.delete_if_same`; a backend may find that out on the
+        first try: a server that ignores conditional deletes), so nothing was."""
+        self._check_open()
+        if not self._backend.deletes_if_same:
+            return None
+        self._index.forget(digest)
+        for _ in range(BUSY_TRIES):  # a store busy with another process's write: an operator's removal waits
+            try:
+                (removed,) = self._calls.run(
+                    lambda: _one(digest, self._backend.delete_if_same([digest], [seen]), "delete_if_same")
+                )
+            except Absent:
+                return False
+            if not isinstance(removed, BlockingIOError):
+                break
+        if isinstance(removed, BaseException):
+            if not self._backend.deletes_if_same:  # found out only now (a server that ignores conditions)
+                return None
+            raise TierUnavailableError(f"{self._calls.where}: removing {digest} failed: {removed}") from removed
+        return removed
 
 
 async def _one(digest: str, call: Awaitable[Sequence[T]], name: str) -> Sequence[T]:

@@ -5,9 +5,11 @@ A :class:`RecordTier` subclass names itself, declares its ``Config`` and opens a
 
 - values are stored as key-bound, checksummed records (:mod:`kvplug.core.records.frame`);
   every read is verified: a torn, swapped or damaged record is a miss, counted and
-  deleted; a record of another format version (a newer kvplug in a shared store) is a
-  miss, counted and kept; an answer that does not fit the call (a count off, a record
-  in another name's place) fails it, counted towards the breaker: nothing is deleted on it;
+  deleted if the store still holds those bytes (else absent to this process until stored
+  again; :meth:`~kvplug.core.records.backend.RecordBackend.delete_if_same`); a record of
+  another format version (a newer kvplug in a shared store) is a miss, counted and kept;
+  an answer that does not fit the call (a count off, a record in another name's place)
+  fails it, counted towards the breaker: nothing is deleted on it;
 - one bounded LRU index of record sizes (:class:`~kvplug.core.records.index.RecordIndex`),
   filled by a start-up listing where the backend can list, drives ``stats()`` and the
   ``max_bytes`` budget (least recently used records are deleted, reported as
@@ -17,6 +19,8 @@ A :class:`RecordTier` subclass names itself, declares its ``Config`` and opens a
   attempt, bounded retries, a circuit breaker (lookups miss and stores are dropped,
   counted and warned about once a minute, while it is open);
 - ``kvplug store`` maintenance (:class:`~kvplug.core.records.store.RecordStore`).
+
+The index and budget upkeep is :mod:`kvplug.core.records.budget`'s.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any, ClassVar, TypeVar
 
 from kvplug.core.events import KVEvent
 from kvplug.core.records.backend import SIZE_UNKNOWN, RecordBackend, RecordToWrite
+from kvplug.core.records.budget import RecordBudget
 from kvplug.core.records.calls import answering_each, checked_reads, framed_batches, one_each, run_batch
 from kvplug.core.records.frame import RECORD_HEADER_SIZE, key_digest, unpack_record
 from kvplug.core.records.index import RecordIndex, Victim
@@ -47,10 +52,12 @@ from kvplug.errors import (
 
 T = TypeVar("T")
 A = TypeVar("A")
+#: Corrupt records left in the store that this process remembers as absent.
+MAX_SUSPECTS = 4096
 _COUNTERS = ("hits", "misses", "puts", "evictions", "dropped_puts", "corrupt", "incompatible")
 
 
-class RecordTier(RecordMaintenance, StorageTier):
+class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
     """A storage tier of framed records in a store a :class:`RecordBackend` speaks.
 
     Subclasses set ``name``, ``Config`` (a :class:`RecordTierConfig` subclass) and
@@ -79,6 +86,8 @@ class RecordTier(RecordMaintenance, StorageTier):
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._warned_full = False
         self._closed = False
+        #: Names of corrupt records left in the store (no delete_if_same, or it failed), oldest first.
+        self._suspects: dict[str, None] = {}
         try:  # connect now so the first lookup is fast; a store that is down is retried later
             self._calls.run(self._backend.open, timeout_s=self._backend.open_timeout_s)
         except (TierUnavailableError, Absent) as exc:
@@ -117,6 +126,8 @@ class RecordTier(RecordMaintenance, StorageTier):
                 if size is None:  # evicted or removed by another process
                     self._index.forget_gone(name, seen[len(answers)])
                 answers.append(size is not None and (size == SIZE_UNKNOWN or size >= RECORD_HEADER_SIZE))
+        if self._suspects:  # found corrupt and still there: absent, so that the engine stores them again
+            answers = [found and name not in self._suspects for name, found in zip(names, answers)]
         return answers
 
     def get(self, keys: Sequence[str]) -> list[Buffer | None]:
@@ -136,7 +147,7 @@ class RecordTier(RecordMaintenance, StorageTier):
                 result = [None] * len(group)
             stored.extend([result] * len(group) if isinstance(result, BaseException) else result)
         values: list[Buffer | None] = []
-        corrupt: list[str] = []
+        corrupt: list[tuple[str, Buffer | None]] = []  # (name, what was read: None when found bad unread)
         pushed: list[Victim] = []
         for key, name, data, entry in zip(keys, names, stored, seen):
             value = None
@@ -150,19 +161,51 @@ class RecordTier(RecordMaintenance, StorageTier):
                 except IncompatibleChunkError:
                     self._count("incompatible")  # possibly a newer kvplug's record in a shared store: keep it
                 except CorruptChunkError as exc:
-                    self.context.logger.warning("tier %s: corrupt record for %s (%s); deleting it", self.name, key, exc)
+                    self.context.logger.warning(
+                        "tier %s: corrupt record for %s (%s); removing it unless stored again since",
+                        self.name,
+                        key,
+                        exc,
+                    )
                     self._count("corrupt")
-                    corrupt.append(name)
+                    corrupt.append((name, None if isinstance(data, BaseException) else data))
             if value is None:
                 self._count("misses")
             else:
                 self._count("hits")
+                self._unsuspect(name)
                 pushed += self._index.record(name, value.nbytes, key)
             values.append(value)
         if corrupt:
-            self._delete_quietly(corrupt)
+            self._drop_corrupt(corrupt)
         self._pushed_out(pushed)
         return values
+
+    def _drop_corrupt(self, corrupt: list[tuple[str, Buffer | None]]) -> None:
+        """Remove corrupt records only where the store still holds what was read
+        (:meth:`RecordBackend.delete_if_same`): another process may have stored a good one
+        since. One the backend could not remove so is absent to this process (its lookups
+        miss, so the engine stores it again over the bad one) until stored or read whole."""
+        for name, _ in corrupt:
+            self._index.forget(name)
+        kept = [name for name, _ in corrupt]
+        if self._backend.deletes_if_same and self._calls.allow(len(corrupt)):
+            kept = []
+            backend = self._backend
+
+            async def delete_if_same(group: Sequence[tuple[str, Buffer | None]]) -> Sequence[bool | BaseException]:
+                return await backend.delete_if_same([name for name, _ in group], [data for _, data in group])
+
+            for group, result in self._groups(delete_if_same, corrupt, backend.call_sizes.query):
+                if isinstance(result, Absent):  # gone already
+                    continue
+                answers = [result] * len(group) if isinstance(result, BaseException) else result
+                kept += [name for (name, _), answer in zip(group, answers) if isinstance(answer, BaseException)]
+        with self._lock:
+            for name in kept:
+                self._suspects[name] = None
+            while len(self._suspects) > MAX_SUSPECTS:  # the oldest go: lookups of them then ask the store
+                del self._suspects[next(iter(self._suspects))]
 
     def unpack(self, data: Buffer, key: str) -> memoryview:
         """The value of a record read for ``key``, checked (:func:`kvplug.unpack_record`);
@@ -204,6 +247,7 @@ class RecordTier(RecordMaintenance, StorageTier):
             for (key, record), outcome in zip(group, outcomes):
                 if outcome is None:
                     self._count("puts")
+                    self._unsuspect(record.name)
                     pushed += self._index.record(record.name, record.value.nbytes, key)
                 else:  # not stored: whatever was there before is stale or gone
                     self._index.forget(record.name)
@@ -245,75 +289,6 @@ class RecordTier(RecordMaintenance, StorageTier):
             self.context.emit(KVEvent("removed", tuple(removed), tier=self.name))
         if failed:
             raise TierUnavailableError(f"tier {self.name}: {failed} of {len(keys)} removals from {self._where} failed")
-
-    # --- the index and the budget ---------------------------------------------------
-
-    def _pushed_out(self, pushed: list[Victim]) -> None:
-        """Entries a full index pushed out: evicted with ``max_bytes``, else forgotten (warned once)."""
-        if not pushed:
-            return
-        if self._index.evicts_when_full:
-            self._evict(pushed)
-        elif not self._warned_full and not self._backend.keeps_budget:
-            self._warned_full = True
-            self.context.logger.warning(
-                "tier %s: the index of records is full (index_max_keys=%d): the least recently used are "
-                "forgotten, not deleted, and stay in %s until something else removes them "
-                "(counted as index_dropped_full)",
-                self.name,
-                self._index.max_keys,
-                self._where,
-            )
-
-    def _evict(self, victims: list[Victim]) -> None:
-        """Delete records already removed from the index, counted and reported as evictions."""
-        if not victims:
-            return
-        self._count("evictions", len(victims))
-        # A record whose delete fails stays in the store but leaves this budget; a later
-        # listing (a restart) brings it back into the index.
-        self._delete_quietly([name for name, _ in victims], forget=False)
-        known = tuple(key for _, key in victims if key is not None)
-        if known:
-            self.context.emit(KVEvent("evicted", known, tier=self.name))
-
-    def _take_evicted(self) -> None:
-        """Count and report what a backend that keeps the budget itself removed."""
-        gone = self._backend.take_evicted()
-        if not gone:
-            return
-        self._count("evictions", len(gone))
-        known = tuple(key for key in (self._index.forget(record.digest) for record in gone) if isinstance(key, str))
-        if known:
-            self.context.emit(KVEvent("evicted", known, tier=self.name))
-
-    def _check_indexed(self) -> None:
-        """Drop the indexed records the store no longer holds, among the next of the index's round."""
-        # Bookkeeping only: never the breaker's half-open probe, never counted as short-circuited.
-        if self._calls.breaker.state != "closed":
-            return
-        due = self._index.due_checks()
-        for group, result in self._groups(self._backend.exists, list(due), self._backend.call_sizes.query):
-            if not isinstance(result, BaseException):
-                for name, exists in zip(group, result):
-                    if exists is False:  # (an exception: no answer for this name)
-                        self._index.forget_gone(name, due[name])
-
-    def _delete_quietly(self, names: list[str], *, forget: bool = True) -> None:
-        if forget:
-            for name in names:
-                self._index.forget(name)
-        if names and self._calls.allow(len(names)):
-            self._groups(self._backend.delete, names, self._backend.call_sizes.query)
-
-    async def _scan_into_index(self) -> None:
-        try:
-            found = await self._calls.policy.run(self._backend.listing, timeout_s=LISTING_TIMEOUT_S)
-        except Exception as exc:
-            self._index.abandon_scan()
-            self.context.logger.warning("tier %s: could not list %s on start: %s", self.name, self._where, exc)
-            return
-        self._index.finish_scan(found, RECORD_HEADER_SIZE)
 
     def flush(self) -> None:
         """Wait for the start-up listing to be indexed (budget applied); run the backend's ``flush``."""
@@ -388,6 +363,12 @@ class RecordTier(RecordMaintenance, StorageTier):
             return run_batch(self._backend, self._calls, operation, arguments)
         except TierClosedError:
             raise TierClosedError(f"tier {self.name!r} ({self._where}) was closed during the operation") from None
+
+    def _unsuspect(self, name: str) -> None:
+        """A record stored or read whole again: no longer taken for the corrupt one."""
+        if self._suspects:
+            with self._lock:
+                self._suspects.pop(name, None)
 
     def _count(self, name: str, amount: int = 1) -> None:
         with self._lock:

@@ -41,6 +41,7 @@ from kvplug_disk.ledger import UsageLedger
 from kvplug_disk.location import mark_store, require_disk_store
 from kvplug_disk.problems import ProblemLog, is_no_space, is_undeletable
 from kvplug_disk.reads import DiskReads
+from kvplug_disk.removals import DiskRemovals, ReadOnlyStoreError
 
 #: Longest a renamed record waits for its folder's fsync while puts keep coming (a busy queue).
 FOLDER_SYNC_INTERVAL_S = 1.0
@@ -65,7 +66,7 @@ class RefusedRecordError(OSError):
         super().__init__(errno.ENOSPC, "no room beside the pinned records or within the tenant's quota")
 
 
-class DiskBackend(FolderBudget, DiskReads, RecordBackend):
+class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
     """Record files in one folder shared by any number of processes (see the module docstring)."""
 
     # One put is one call: its records are renamed in order, with mtimes in that order.
@@ -281,19 +282,6 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
                 usage.save()
             return sizes
 
-    async def delete(self, names: Sequence[str]) -> Sequence[bool | BaseException]:
-        if self.read_only:
-            return [ReadOnlyStoreError(self.where) for _ in names]
-        return self._delete(names)
-
-    def _delete(self, names: Sequence[str]) -> list[bool]:
-        with self._ledger.locked() as usage, self._lock:
-            existed = []
-            for digest in names:
-                self._order.pop(digest)
-                existed.append(self._unlink_record(usage, digest, "remove"))
-            return existed
-
     # --- lifecycle ------------------------------------------------------------------
 
     async def flush(self) -> None:
@@ -362,10 +350,3 @@ class DiskBackend(FolderBudget, DiskReads, RecordBackend):
         if not warn:
             self._problems.error(op, digest, exc, warn=False)
         return True
-
-
-class ReadOnlyStoreError(OSError):
-    """A write or removal in a store opened for inspection (``read_only``)."""
-
-    def __init__(self, where: str) -> None:
-        super().__init__(errno.EROFS, f"{where} is open for inspection only", where)

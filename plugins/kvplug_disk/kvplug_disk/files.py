@@ -39,6 +39,7 @@ from pathlib import Path
 from stat import S_ISREG
 
 from kvplug import RECORD_HEADER_SIZE, Buffer, check_record_size, key_digest
+from kvplug.errors import CorruptChunkError
 from kvplug_disk.folder_scan import HOST_TAG, RECORD_SUFFIX, SHARDS, TEMP_SUFFIX, FolderScan, ForeignEntryError
 
 #: Cached KV is a user's prompts: its folders and files are this user's alone (the umask
@@ -46,6 +47,8 @@ from kvplug_disk.folder_scan import HOST_TAG, RECORD_SUFFIX, SHARDS, TEMP_SUFFIX
 PRIVATE_FOLDER = 0o700
 PRIVATE_FILE = 0o600
 _fdatasync = getattr(os, "fdatasync", os.fsync)
+#: Bytes compared per read when checking that a file still holds a record read before.
+_COMPARE_BLOCK = 1 << 20
 
 
 def make_private(root_fd: int) -> int | None:
@@ -229,6 +232,35 @@ class RecordFolder(FolderScan):
         if now is None or (now.st_ino, now.st_dev) != (stat.st_ino, stat.st_dev):
             return False
         return self.unlink(digest)
+
+    def holds(self, digest: str, seen: Buffer | None, max_bytes: int | None = None) -> bool:
+        """Whether the record file is still what was read of it: the bytes ``seen``, or
+        (``None``) a file whose size its header or ``max_bytes`` rules out. Compared a block at
+        a time: nothing of the record's size is allocated."""
+        opened = self.open_record(digest)
+        if opened is None:
+            return False
+        fd, found = opened
+        try:
+            header = os.pread(fd, RECORD_HEADER_SIZE, 0)
+            if seen is None:
+                try:
+                    check_record_size(header, found.st_size, max_bytes)
+                except CorruptChunkError:
+                    return True
+                return False
+            view = memoryview(seen).cast("B")
+            if view.nbytes != found.st_size:
+                return False
+            position = 0
+            while position < view.nbytes:
+                block = os.pread(fd, min(_COMPARE_BLOCK, view.nbytes - position), position)
+                if not block or block != view[position : position + len(block)]:
+                    return False
+                position += len(block)
+            return True
+        finally:
+            os.close(fd)
 
     # --- reading --------------------------------------------------------------------
 

@@ -27,12 +27,15 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvplug_disk.files import PRIVATE_FILE
 
 LEDGER_NAME = ".kvplug-usage"
+#: How often a bounded wait for the folder's lock tries it again.
+_LOCK_POLL_S = 0.005
 
 logger = logging.getLogger("kvplug.tier.disk")
 
@@ -90,11 +93,16 @@ class UsageLedger:
         return self._fd is not None
 
     @contextmanager
-    def locked(self) -> Iterator[Usage]:
-        """Hold the folder's lock; the yielded total is saved on exit when changed."""
-        with self._thread_lock:
+    def locked(self, *, timeout_s: float | None = None) -> Iterator[Usage]:
+        """Hold the folder's lock; the yielded total is saved on exit when changed. With
+        ``timeout_s``, raise ``BlockingIOError`` when another thread or process holds it that
+        long (a paused process may hold it for ever: a read must not wait on it)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self._thread_lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            raise BlockingIOError(errno.EWOULDBLOCK, "another thread holds the folder's lock")
+        try:
             if self._fd is not None and not self.read_only:
-                fcntl.flock(self._fd, fcntl.LOCK_EX)
+                self._flock(deadline)
             try:
                 usage = Usage(self, self._read())
                 before = usage.total if usage.known else None
@@ -104,6 +112,22 @@ class UsageLedger:
             finally:
                 if self._fd is not None and not self.read_only:
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._thread_lock.release()
+
+    def _flock(self, deadline: float | None) -> None:
+        assert self._fd is not None
+        if deadline is None:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            return
+        while True:  # flock has no timeout: try, and try again until the deadline
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise BlockingIOError(errno.EWOULDBLOCK, "another process holds the folder's lock") from None
+                time.sleep(_LOCK_POLL_S)
 
     def peek(self) -> int:
         """The total without locking (for stats)."""

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from kvplug import RECORD_HEADER_SIZE, RecordCheck, check_record
 from kvplug.errors import CorruptChunkError
-from kvplug_disk.files import RecordFolder
+from kvplug_disk.files import RecordFolder, value_size_of
 from kvplug_disk.folder_scan import ForeignEntryError
+from kvplug_disk.ledger import UsageLedger
 
 
 @dataclass
@@ -51,6 +52,7 @@ def verify_folder(path: str | os.PathLike[str], *, remove_corrupt: bool = False)
     if not root.is_dir():
         raise FileNotFoundError(f"disk tier folder {str(root)!r} does not exist")
     folder = RecordFolder(root, fsync=False, create=False)
+    ledger: UsageLedger | None = None  # opened at the first removal: a clean folder is left as it was
     report = VerifyReport()
     try:
         report.foreign = len(folder.scan().foreign)
@@ -77,15 +79,31 @@ def verify_folder(path: str | os.PathLike[str], *, remove_corrupt: bool = False)
                 report.corrupt_digests.append(digest)
                 if remove_corrupt:
                     try:
-                        report.removed += folder.unlink_if_same(digest, stat)
+                        ledger = ledger or UsageLedger(folder.root_fd)
+                        report.removed += _remove_if_same(folder, ledger, digest, stat)
                     except OSError:
                         report.undeletable += 1
             else:
                 report.ok += 1
                 report.ok_bytes += stat.st_size - RECORD_HEADER_SIZE
     finally:
+        if ledger is not None:
+            ledger.close()
         folder.close()
     return report
+
+
+def _remove_if_same(folder: RecordFolder, ledger: UsageLedger, digest: str, stat: os.stat_result) -> bool:
+    """Unlink a bad record if its name still holds the file judged, and take its bytes off the
+    folder's shared total: under the folder's lock, which every tier's publish takes, so a good
+    record renamed over it meanwhile stays, and the tiers' budget does not evict good records
+    for room already free."""
+    with ledger.locked() as usage:
+        if not folder.unlink_if_same(digest, stat):
+            return False
+        if usage.known:
+            usage.total -= value_size_of(stat.st_size)
+        return True
 
 
 def _stat_or_none(folder: RecordFolder, digest: str) -> os.stat_result | None:

@@ -37,6 +37,7 @@ from kvplug import (
     classify_failure,
 )
 from kvplug.errors import CorruptChunkError
+from kvplug_s3.conditional import ConditionalDeletes, ConditionalDeleteUnsupported
 from kvplug_s3.config import S3TierConfig
 from kvplug_s3.frames import FrameBuffers
 
@@ -126,6 +127,7 @@ class AsyncObjectBackend(ObjectBackend):
         self._is_s3 = hasattr(fs, "_s3")
         #: The tier's ``max_record_bytes``, read at each read (the engine may raise it).
         self._record_bound = record_bound
+        self._conditional = ConditionalDeletes(fs, self.root, s3_error_code)
         #: Upload buffers for reuse, or ``None`` (each frame allocated anew).
         self.frames = FrameBuffers(frame_buffer_bytes) if frame_buffer_bytes > 0 else None
 
@@ -215,6 +217,22 @@ class AsyncObjectBackend(ObjectBackend):
         # S3 answers a DELETE alike whether or not the object was there: "not there"
         # then, so only records this process indexed count as removed.
         return [not self._is_s3]
+
+    @property
+    def deletes_if_same(self) -> bool:
+        # Other object stores, and a server found to ignore If-Match: corrupt objects are kept.
+        return self._is_s3 and self._conditional.honoured is not False
+
+    async def delete_if_same(self, names: Sequence[str], seen: Sequence[Buffer | None]) -> list[bool | BaseException]:
+        """S3: the object read again and deleted under its ETag if it is still the bad one
+        (:mod:`kvplug_s3.conditional`); a server that ignores ``If-Match`` keeps it."""
+        (name,), (data,) = names, seen
+        if not self._is_s3:
+            return [False]
+        try:
+            return [await self._conditional.delete_if_same(self.path_for(name), data, self._record_bound())]
+        except ConditionalDeleteUnsupported as exc:  # no answer for this name: the tier keeps it absent
+            return [exc]
 
     async def listing(self) -> list[StoredRecord]:
         try:

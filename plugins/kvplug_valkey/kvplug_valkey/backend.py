@@ -17,6 +17,7 @@ breaker judge it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ssl
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +37,25 @@ SMALL_REPLY_KEYS = 1024
 #: A value that is not a string (another program's key under our prefix).
 FOREIGN = b""
 
+#: The compare-and-delete of :meth:`ValkeyBackend.delete_if_same` (a script runs atomically:
+#: no write of the key by any client comes between its check and its DEL).
+_DELETE_IF_SAME = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then return 0 end
+if ARGV[1] == 'foreign' then
+  if kind ~= 'string' or redis.call('STRLEN', KEYS[1]) == 0 then return redis.call('DEL', KEYS[1]) end
+  return 0
+end
+if kind ~= 'string' then return 0 end
+if ARGV[1] == 'longer' then
+  local bound = tonumber(ARGV[2])
+  if bound >= 0 and redis.call('STRLEN', KEYS[1]) > bound then return redis.call('DEL', KEYS[1]) end
+  return 0
+end
+if redis.sha1hex(redis.call('GET', KEYS[1])) == ARGV[2] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 Client = Any  # valkey.asyncio.Valkey | ValkeyCluster: their stubs share no protocol
 
 
@@ -54,11 +74,20 @@ def classify(exc: BaseException) -> FailureKind:
     return classify_failure(exc)
 
 
-def _raise_server_errors(results: Sequence[Any]) -> None:
+def _raise_server_errors(results: Sequence[Any], per_key: Callable[[BaseException], bool]) -> None:
     """Raise the first failure of the server itself found among pipeline results."""
     for result in results:
-        if isinstance(result, BaseException) and not _per_key(result):
+        if isinstance(result, BaseException) and not per_key(result):
             raise result
+
+
+def _script_refused(result: BaseException) -> bool:
+    """The server will not run the script for this client: an ACL without ``@scripting``
+    (``NOPERM``), or ``EVAL`` renamed away (unknown command)."""
+    if isinstance(result, vex.NoPermissionError):
+        return True
+    text = str(result).upper()
+    return isinstance(result, vex.ResponseError) and (text.startswith("NOPERM") or "UNKNOWN COMMAND" in text)
 
 
 def _per_key(result: BaseException) -> bool:
@@ -76,6 +105,8 @@ class ValkeyBackend(RecordBackend):
 
     def __init__(self, config: ValkeyTierConfig, record_bound: Callable[[], int | None] = lambda: None) -> None:
         self.config = config
+        #: The server refused the compare-and-delete script (see :meth:`delete_if_same`).
+        self.scripts_refused = False
         #: The tier's ``max_record_bytes``, read at each read (the engine may raise it).
         self._record_bound = record_bound
         self.address = config.address
@@ -168,6 +199,29 @@ class ValkeyBackend(RecordBackend):
         results = await self._pipeline([("DEL", self.key(n)) for n in names])
         return [not isinstance(r, BaseException) and int(r) > 0 for r in results]
 
+    async def delete_if_same(self, names: Sequence[str], seen: Sequence[Buffer | None]) -> list[bool | BaseException]:
+        """One script per key, run atomically by the server: DEL only if the key still holds
+        the bytes read (their SHA-1, so the record is not sent back), is still not a string
+        (``FOREIGN``), or (``None``: read as over the record bound) is still longer than it."""
+        bound = self._record_bound()
+        commands: list[tuple[Any, ...]] = []
+        for name, data in zip(names, seen):
+            if data is None:
+                check: tuple[Any, ...] = ("longer", -1 if bound is None else bound)
+            elif not memoryview(data).nbytes:
+                check = ("foreign", 0)
+            else:
+                check = ("sha1", hashlib.sha1(data, usedforsecurity=False).hexdigest())
+            commands.append(("EVAL", _DELETE_IF_SAME, 1, self.key(name), *check))
+        results = await self._pipeline(commands, per_key=lambda r: _per_key(r) or _script_refused(r))
+        if any(isinstance(r, BaseException) and _script_refused(r) for r in results):
+            self.scripts_refused = True  # corrupt values are kept from now on (absent to the tier)
+        return [r if isinstance(r, BaseException) else int(r) > 0 for r in results]
+
+    @property
+    def deletes_if_same(self) -> bool:
+        return not self.scripts_refused
+
     async def listing(self) -> list[StoredRecord]:
         """Every key under the prefix named by a digest (SCAN; every primary of a cluster), with its size."""
         client = await self.client()
@@ -247,7 +301,9 @@ class ValkeyBackend(RecordBackend):
             **self._common(),
         )
 
-    async def _pipeline(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    async def _pipeline(
+        self, commands: Sequence[tuple[Any, ...]], per_key: Callable[[BaseException], bool] = _per_key
+    ) -> list[Any]:
         if not commands:
             return []
         client = await self.client()
@@ -255,7 +311,7 @@ class ValkeyBackend(RecordBackend):
         for command in commands:
             pipe.execute_command(*command)
         results = await pipe.execute(raise_on_error=False)
-        _raise_server_errors(results)
+        _raise_server_errors(results, per_key)
         return list(results)
 
     async def close(self) -> None:

@@ -1,0 +1,108 @@
+"""The size index and the byte budget of a record tier (:class:`RecordBudget`, a base of
+:class:`~kvplug.core.records.tier.RecordTier`): evictions by the index's LRU, evictions a
+backend that keeps the budget reports, the round of checks on stores that evict on their
+own, and the start-up listing."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import ClassVar, TypeVar
+
+from kvplug.core.events import KVEvent
+from kvplug.core.records.backend import RecordBackend
+from kvplug.core.records.frame import RECORD_HEADER_SIZE
+from kvplug.core.records.index import RecordIndex, Victim
+from kvplug.core.records.maintenance import LISTING_TIMEOUT_S
+from kvplug.core.remote.calls import RemoteCalls
+from kvplug.core.tier import TierContext
+
+T = TypeVar("T")
+A = TypeVar("A")
+
+
+class RecordBudget:
+    """The index and budget methods of :class:`~kvplug.core.records.tier.RecordTier`, which
+    sets the attributes below."""
+
+    name: ClassVar[str]
+    context: TierContext
+    _backend: RecordBackend
+    _calls: RemoteCalls
+    _index: RecordIndex
+    _where: str
+    _warned_full: bool
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        raise NotImplementedError
+
+    def _groups(
+        self, operation: Callable[[Sequence[A]], Awaitable[Sequence[T]]], items: Sequence[A], size: int
+    ) -> list[tuple[Sequence[A], Sequence[T] | BaseException]]:
+        raise NotImplementedError
+
+    def _pushed_out(self, pushed: list[Victim]) -> None:
+        """Entries a full index pushed out: evicted with ``max_bytes``, else forgotten (warned once)."""
+        if not pushed:
+            return
+        if self._index.evicts_when_full:
+            self._evict(pushed)
+        elif not self._warned_full and not self._backend.keeps_budget:
+            self._warned_full = True
+            self.context.logger.warning(
+                "tier %s: the index of records is full (index_max_keys=%d): the least recently used are "
+                "forgotten, not deleted, and stay in %s until something else removes them "
+                "(counted as index_dropped_full)",
+                self.name,
+                self._index.max_keys,
+                self._where,
+            )
+
+    def _evict(self, victims: list[Victim]) -> None:
+        """Delete records already removed from the index, counted and reported as evictions."""
+        if not victims:
+            return
+        self._count("evictions", len(victims))
+        # A record whose delete fails stays in the store but leaves this budget; a later
+        # listing (a restart) brings it back into the index.
+        self._delete_quietly([name for name, _ in victims], forget=False)
+        known = tuple(key for _, key in victims if key is not None)
+        if known:
+            self.context.emit(KVEvent("evicted", known, tier=self.name))
+
+    def _take_evicted(self) -> None:
+        """Count and report what a backend that keeps the budget itself removed."""
+        gone = self._backend.take_evicted()
+        if not gone:
+            return
+        self._count("evictions", len(gone))
+        known = tuple(key for key in (self._index.forget(record.digest) for record in gone) if isinstance(key, str))
+        if known:
+            self.context.emit(KVEvent("evicted", known, tier=self.name))
+
+    def _check_indexed(self) -> None:
+        """Drop the indexed records the store no longer holds, among the next of the index's round."""
+        # Bookkeeping only: never the breaker's half-open probe, never counted as short-circuited.
+        if self._calls.breaker.state != "closed":
+            return
+        due = self._index.due_checks()
+        for group, result in self._groups(self._backend.exists, list(due), self._backend.call_sizes.query):
+            if not isinstance(result, BaseException):
+                for name, exists in zip(group, result):
+                    if exists is False:  # (an exception: no answer for this name)
+                        self._index.forget_gone(name, due[name])
+
+    def _delete_quietly(self, names: list[str], *, forget: bool = True) -> None:
+        if forget:
+            for name in names:
+                self._index.forget(name)
+        if names and self._calls.allow(len(names)):
+            self._groups(self._backend.delete, names, self._backend.call_sizes.query)
+
+    async def _scan_into_index(self) -> None:
+        try:
+            found = await self._calls.policy.run(self._backend.listing, timeout_s=LISTING_TIMEOUT_S)
+        except Exception as exc:
+            self._index.abandon_scan()
+            self.context.logger.warning("tier %s: could not list %s on start: %s", self.name, self._where, exc)
+            return
+        self._index.finish_scan(found, RECORD_HEADER_SIZE)

@@ -1,0 +1,97 @@
+"""Removing a corrupt S3 object only while it is still the object that was read
+(:meth:`kvplug_s3.backend.AsyncObjectBackend.delete_if_same`).
+
+S3 cannot compare content and delete in one request, but a ``DELETE`` with
+``If-Match: <ETag>`` removes the object only while its ETag is that one, and refuses
+(``412 Precondition Failed``) once another writer has replaced it. So the object is
+read again: if it still holds the bytes the tier judged (or, for one found bad unread,
+is still longer than the record bound), it is deleted under the ETag of that very read.
+
+A server that ignores ``If-Match`` on ``DELETE`` would remove whatever is there by then.
+Each backend asks its server once, with an object of its own under the tier's prefix (not
+named like a record, so never listed): a conditional delete with a wrong ETag must be
+refused. Where it is not (or the probe cannot be written: a read-only bucket), corrupt
+objects are kept, and the tier takes them for absent until they are stored again.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from kvplug import Buffer
+
+#: An ETag no object has: a server that honours ``If-Match`` refuses a delete under it.
+_NO_SUCH_ETAG = '"00000000000000000000000000000000"'
+
+
+class ConditionalDeletes:
+    """Whether one S3 server honours ``If-Match`` on ``DELETE`` (asked once), and the
+    compare-then-delete of one object."""
+
+    def __init__(self, fs: Any, root: str, error_code: Any) -> None:
+        self.fs = fs
+        self.root = root
+        self._error_code = error_code  # kvplug_s3.backend.s3_error_code (no import cycle)
+        self.honoured: bool | None = None
+
+    async def delete_if_same(self, path: str, seen: Buffer | None, bound: int | None) -> bool:
+        """Delete the object at ``path`` if it still is what was read of it; whether it was.
+        Raises :class:`ConditionalDeleteUnsupported` where the server cannot be trusted to."""
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+        except FileNotFoundError:
+            return False
+        body = response["Body"]
+        try:
+            length = response.get("ContentLength")
+            if seen is None:  # found bad unread: still longer than a record can be
+                same = bound is not None and isinstance(length, int) and length > bound
+            else:
+                view = memoryview(seen).cast("B")
+                same = length == view.nbytes and await body.read() == view
+        finally:
+            body.close()
+        etag = response.get("ETag")
+        if not same or not etag:
+            return False
+        if not await self._honoured(bucket):
+            raise ConditionalDeleteUnsupported(f"s3://{bucket} ignores If-Match on DELETE: corrupt objects are kept")
+        try:
+            await self.fs._call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=etag)
+        except FileNotFoundError:  # removed since the read
+            return False
+        except OSError as exc:
+            if self._error_code(exc) in ("PreconditionFailed", "412"):  # replaced since the read
+                return False
+            raise
+        return True
+
+    async def _honoured(self, bucket: str) -> bool:
+        if self.honoured is None:
+            self.honoured = await self._probe(bucket)
+        return self.honoured
+
+    async def _probe(self, bucket: str) -> bool:
+        _, prefix, _ = self.fs.split_path(self.root)
+        key = f"{prefix}/.kvplug-if-match-probe-{secrets.token_hex(8)}".lstrip("/")
+        try:
+            await self.fs._call_s3("put_object", Bucket=bucket, Key=key, Body=b"probe")
+        except OSError:  # not ours to write: nothing is deleted on trust
+            return False
+        try:
+            await self.fs._call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=_NO_SUCH_ETAG)
+        except OSError as exc:
+            honoured = self._error_code(exc) in ("PreconditionFailed", "412")
+        else:
+            return False  # deleted under an ETag it does not have: the header was ignored
+        try:
+            await self.fs._call_s3("delete_object", Bucket=bucket, Key=key)
+        except OSError:
+            pass  # a stray probe object is not a record: nothing lists or counts it
+        return honoured
+
+
+class ConditionalDeleteUnsupported(OSError):
+    """The server does not honour ``If-Match`` on ``DELETE``: the object is not removed."""
