@@ -28,6 +28,9 @@ layer's list or the file's: `KVPLUG_TIERS__0__MAX_BYTES=8GiB`), the engine's ext
 
 Every environment variable named `KVPLUG_*` applies or is an error that names it (an unknown
 setting, a part of a single value, an item the list does not have, JSON that does not parse).
+When the layers together set the config, an invalid value's error also names the layer that set
+it (`chunk_size: must be a whole number, e.g. 256, not other text; set in env KVPLUG_CHUNK_SIZE`),
+so a forgotten variable or engine key that overrides a correct file is found at once.
 
 Sizes take `8GiB`, `512MB`, `1.5GB` or a byte count, from 0 to 4 EiB: one rule for every size
 setting, plugins' included (`kvplug.core.config_types.parse_byte_size`); a negative size, a
