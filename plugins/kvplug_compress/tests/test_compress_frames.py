@@ -173,6 +173,19 @@ def test_lossy_large_magnitudes_use_fp32_scales() -> None:
         assert torch.allclose(loaded, tensor, rtol=0.07), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", LOSSY)
+def test_lossy_values_at_the_dtypes_largest_stay_finite(name: str, dtype: torch.dtype) -> None:
+    # The scale is rounded up: code_max times it passes fp16's 65504, which a plain cast makes inf.
+    tensor = torch.randn(1, 2, 4, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    largest = torch.finfo(dtype).max
+    tensor[0, 0, 0, 0], tensor[0, 1, 1, 7] = largest, -largest
+    tensor[0, 0, 2, :] = torch.linspace(-largest, largest, 64, dtype=torch.float64).to(dtype)
+    loaded = make(name).loads(make(name).dumps(tensor))
+    assert bool(torch.isfinite(loaded).all()), f"{name} {dtype}: a finite value decoded as inf"
+    assert_within_bound(name, tensor, loaded, 64)
+
+
 # --- the error contract ----------------------------------------------------------------------
 
 
