@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import kvplug
 from kvplug.errors import ChunkError, CorruptChunkError, IncompatibleChunkError
+from kvplug.testing import KVSlots, LossyBound, assert_kv_matches
 from kvplug_compress import FP8Serializer, Int8Serializer, LZ4Serializer, ZstdSerializer
 
 LOSSLESS = {"zstd": ZstdSerializer, "lz4": LZ4Serializer}
@@ -247,3 +248,22 @@ def test_expected_shape_and_dtype_are_checked(name: str) -> None:
         serializer.loads(frame, expected_shape=(2, 2, 8, 64))
     with pytest.raises(IncompatibleChunkError, match="dtype"):
         serializer.loads(frame, expected_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", LOSSY)
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31), magnitude=st.sampled_from([1e-6, 6e-5, 1e-3, 1.0]))
+def test_the_kv_oracle_accepts_what_a_lossy_codec_decodes(name: str, dtype: torch.dtype, seed: int, magnitude: float) -> None:
+    # Small values reach fp16's subnormals, 2**-24 apart whatever their size: the oracle's
+    # bound must allow that rounding, as the codec's documented bound does.
+    generator = torch.Generator().manual_seed(seed)
+    chunk = torch.randn(1, 2, 16, 128, generator=generator) * magnitude  # [layers, K/V, tokens, 2 heads * 64]
+    chunk[0, :, 3] *= torch.logspace(-6, 0, 128)
+    chunk = chunk.to(dtype)
+    loaded = make(name, group_size=16).loads(make(name, group_size=16).dumps(chunk))
+    as_slots = [
+        KVSlots(0, 0, 0, 1, ("K", "V"), [t.view(2, 16, 2, 64)], torch.ones(16, dtype=torch.bool))
+        for t in (loaded, chunk)
+    ]
+    assert_kv_matches(as_slots[:1], as_slots[1:], 16, bound=LossyBound(name, 16))  # type: ignore[arg-type]
