@@ -254,7 +254,9 @@ def test_expected_shape_and_dtype_are_checked(name: str) -> None:
 @pytest.mark.parametrize("name", LOSSY)
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**31), magnitude=st.sampled_from([1e-6, 6e-5, 1e-3, 1.0]))
-def test_the_kv_oracle_accepts_what_a_lossy_codec_decodes(name: str, dtype: torch.dtype, seed: int, magnitude: float) -> None:
+def test_the_kv_oracle_accepts_what_a_lossy_codec_decodes(
+    name: str, dtype: torch.dtype, seed: int, magnitude: float
+) -> None:
     # Small values reach fp16's subnormals, 2**-24 apart whatever their size: the oracle's
     # bound must allow that rounding, as the codec's documented bound does.
     generator = torch.Generator().manual_seed(seed)
