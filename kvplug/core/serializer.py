@@ -140,6 +140,7 @@ class Serializer(ABC):
         """Release what the serializer holds beyond its frames (a codec's thread pool): called
         when the engine that made it closes, so that a closed engine leaves no thread behind.
         A serializer used after it is closed may start them again. The default holds nothing."""
+        return None
 
     def dumps(self, tensor: torch.Tensor) -> Buffer:
         frame, payload = self.allocate(tuple(tensor.shape), tensor.dtype)
