@@ -419,3 +419,13 @@ def test_token_major_packed_records_hold_a_ranks_heads() -> None:
     heads = HeadShard.for_rank(total_heads=4, tp_rank=0, tp_size=1, heads_per_record=2)
     with pytest.raises(ConfigError, match="token-major"):
         HeadRecords(layout, Fingerprint.for_layout(layout, model_id="m"), heads)
+
+
+@pytest.mark.parametrize(("total", "tp_size"), [(6, 4), (3, 2), (3, 4), (2, 3), (12, 8)])
+def test_heads_that_do_not_split_evenly_over_tp_are_refused(total: int, tp_size: int) -> None:
+    """A shard of such sizes would label its records with heads the rank does not hold."""
+    for rank in range(tp_size):
+        with pytest.raises(
+            ValueError, match=f"{total} KV heads do not split evenly over tensor-parallel size {tp_size}"
+        ):
+            HeadShard.for_rank(total_heads=total, tp_rank=rank, tp_size=tp_size)

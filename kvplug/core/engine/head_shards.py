@@ -83,6 +83,12 @@ class HeadShard:
             raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
         if latent:
             return cls(0, 1, 1, writer=tp_rank == 0)
+        if total_heads <= 0 or (total_heads % tp_size and tp_size % total_heads):
+            # The engines refuse such sizes; a shard made anyway would name heads the rank does not hold.
+            raise ValueError(
+                f"{total_heads} KV heads do not split evenly over tensor-parallel size {tp_size}: "
+                "the head count must be a multiple of the TP size, or the TP size a multiple of it"
+            )
         if tp_size >= total_heads:
             replicas = tp_size // total_heads
             return cls(tp_rank // replicas, total_heads, 1, writer=tp_rank % replicas == 0)
