@@ -139,8 +139,8 @@ class HeadRecords:
         self, layout: KVLayout, fingerprint: Fingerprint, shard: HeadShard | None, *, any_tp_size: bool = True
     ) -> None:
         self.layout = layout
-        # A packed block is sliced by head only where its bytes are head-major (_grouped):
-        # records of another format are read whole, by engines holding the same heads.
+        # A packed block is cut by head only where its bytes are head-major (_grouped): the
+        # records of a token-major one are read only by engines holding the same heads.
         sliceable = heads_are_block_runs(layout)
         readable_split = shard is not None and shard.total > 1 and any_tp_size and sliceable
         if shard is None:  # one record, keyed as the adapter's fingerprint says
