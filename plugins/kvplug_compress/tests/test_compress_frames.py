@@ -286,3 +286,14 @@ def test_close_ends_the_serializers_threads(name: str) -> None:
     # Used again (a frame decoded after close), it still decodes.
     assert torch.equal(bits(serializer.loads(serializer.dumps(tensor))), bits(tensor))
     serializer.close()
+
+
+def test_a_serializer_name_longer_than_the_codec_field_is_refused() -> None:
+    """The frame header keeps 8 bytes of the name: a longer one was cut on write, so every
+    frame the serializer wrote was refused on read as another serializer's (all misses)."""
+
+    class LongName(ZstdSerializer):
+        name = "zstd_dictionary"
+
+    with pytest.raises(ValueError, match="'zstd_dictionary' must be ASCII of at most 8 characters"):
+        LongName(LongName.Config())
