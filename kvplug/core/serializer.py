@@ -136,6 +136,12 @@ class Serializer(ABC):
         frames can be larger overrides it."""
         return 2 * chunk_bytes + (1 << 20)
 
+    def close(self) -> None:
+        """Release what the serializer holds beyond its frames (a codec's thread pool): called
+        when the engine that made it closes, so that a closed engine leaves no thread behind.
+        A serializer used after it is closed may start them again. The default holds nothing."""
+        return None
+
     def dumps(self, tensor: torch.Tensor) -> Buffer:
         frame, payload = self.allocate(tuple(tensor.shape), tensor.dtype)
         payload.copy_(tensor)

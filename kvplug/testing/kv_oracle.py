@@ -99,8 +99,11 @@ class LossyBound:
             bound = per_element / 2
         else:
             bound = torch.maximum(rows.abs() * 2**-4, per_element * 2**-10)
-        eps = torch.finfo(reference.dtype).eps if reference.dtype.is_floating_point else 0.0
-        ulp = (rows.abs() + bound) * eps  # half an ulp of x' is at most eps/2 * |x'|; one eps of slack
+        info = torch.finfo(reference.dtype) if reference.dtype.is_floating_point else None
+        eps, tiny = (info.eps, info.tiny) if info is not None else (0.0, 0.0)
+        # Half an ulp of x' is at most eps/2 * |x'| (one eps of slack), but below the dtype's
+        # normal range ulps stop shrinking: fp16's subnormals are tiny * eps (2**-24) apart.
+        ulp = (rows.abs() + bound) * eps + tiny * eps
         return (bound + ulp).view_as(values)
 
 

@@ -87,6 +87,8 @@ class ChunkStore:
         #: frame checksum, stay in the process-private tiers, loads' promotions included.
         self.private_copies = False
         self.metrics = metrics or chain.metrics
+        #: Whether :meth:`close` closes the serializer too: :meth:`open` made it (parts are the caller's).
+        self.owns_serializer = False
 
     @classmethod
     def open(
@@ -126,7 +128,9 @@ class ChunkStore:
             tenancy=tenancy or Tenancy.from_config(config.tenancy, tenant_label_key()),
             max_record_bytes=record_bound(serializer, chunk_bytes),
         )
-        return cls(serializer, fingerprint, chain, metrics=metrics)
+        store = cls(serializer, fingerprint, chain, metrics=metrics)
+        store.owns_serializer = True
+        return store
 
     def reads_chunks_up_to(self, chunk_bytes: int) -> None:
         """Let the tiers read records of chunks of up to ``chunk_bytes`` (decoded): another
@@ -232,7 +236,10 @@ class ChunkStore:
         self.chain.flush()
 
     def close(self, *, drain: bool = True) -> None:
+        """Close the tiers, and the serializer when :meth:`open` made it (its threads end)."""
         self.chain.close(drain=drain)
+        if self.owns_serializer:
+            self.serializer.close()
 
 
 def record_bound(serializer: Serializer, chunk_bytes: int | None) -> int:

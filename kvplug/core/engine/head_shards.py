@@ -17,8 +17,10 @@ read it and keep a copy only in their process-private tiers (``trusted_reads``).
 
 A group's record holds the chunk tensor of a ``heads_per_record``-head cache: the
 rank's chunk ``[layers, kv, tokens, heads * head_dim]`` sliced along its heads (for
-packed, ``whole_blocks_only`` formats each block is head-major, so the slice is taken
-per block). :class:`HeadRecords` does the slicing with one strided copy per record.
+packed, ``whole_blocks_only`` formats whose blocks are head-major, like vLLM's CPU layout,
+the slice is taken per block; a packed format whose blocks are token-major cannot be cut
+by head, so its records hold a rank's heads and are read only by engines holding the same).
+:class:`HeadRecords` does the slicing with one strided copy per record.
 
 Readers of another TP size need no option (``heads_per_record: auto``, one record per
 rank, works across TP sizes): a reader looks for its own records first, and where the
@@ -81,6 +83,12 @@ class HeadShard:
             raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
         if latent:
             return cls(0, 1, 1, writer=tp_rank == 0)
+        if total_heads <= 0 or (total_heads % tp_size and tp_size % total_heads):
+            # The engines refuse such sizes; a shard made anyway would name heads the rank does not hold.
+            raise ValueError(
+                f"{total_heads} KV heads do not split evenly over tensor-parallel size {tp_size}: "
+                "the head count must be a multiple of the TP size, or the TP size a multiple of it"
+            )
         if tp_size >= total_heads:
             replicas = tp_size // total_heads
             return cls(tp_rank // replicas, total_heads, 1, writer=tp_rank % replicas == 0)
@@ -131,7 +139,10 @@ class HeadRecords:
         self, layout: KVLayout, fingerprint: Fingerprint, shard: HeadShard | None, *, any_tp_size: bool = True
     ) -> None:
         self.layout = layout
-        readable_split = shard is not None and shard.total > 1 and any_tp_size
+        # A packed block is cut by head only where its bytes are head-major (_grouped): the
+        # records of a token-major one are read only by engines holding the same heads.
+        sliceable = heads_are_block_runs(layout)
+        readable_split = shard is not None and shard.total > 1 and any_tp_size and sliceable
         if shard is None:  # one record, keyed as the adapter's fingerprint says
             shard = HeadShard(0, layout.num_kv_heads, layout.num_kv_heads)
             self.labels = [fingerprint.kv_heads]
@@ -140,6 +151,17 @@ class HeadRecords:
                 raise ValueError(
                     f"a cache of {layout.num_kv_heads} KV heads from head {shard.first} does not fit "
                     f"{shard.total} heads in records of {shard.group}"
+                )
+            if not sliceable and shard.group != layout.num_kv_heads:
+                raise ConfigError(
+                    [
+                        ConfigProblem(
+                            "heads_per_record",
+                            shard.group,
+                            f"{layout.format.name} packs each block token-major ({', '.join(layout.format.axes)}): "
+                            f"a record holds all {layout.num_kv_heads} KV heads of a rank (heads_per_record: auto)",
+                        )
+                    ]
                 )
             self.labels = [shard.label(i) for i in range(layout.num_kv_heads // shard.group)]
             # The head range replaces the rank in the key: any TP size reads these records
@@ -272,6 +294,17 @@ class HeadRecords:
             assemble(records[index * count : (index + 1) * count], chunk)
             chunks.append(chunk)
         return chunks
+
+
+def heads_are_block_runs(layout: KVLayout) -> bool:
+    """Whether chunks of ``layout``'s format can be cut by KV head: always for formats that
+    address tokens; for packed (``whole_blocks_only``) ones, whose chunks hold each block as
+    stored, only where a block's heads are runs of it ('head' the outermost axis after
+    'block' and 'kv'), which :meth:`HeadRecords._grouped` assumes. A property of the
+    format, not of this cache's head count: a one-head cache would still cut the records
+    of more heads that another TP size writes."""
+    axes = [axis for axis in layout.format.axes[1:] if axis != "kv"]
+    return not layout.whole_blocks_only or "head" not in axes or axes[0] == "head"
 
 
 def isolated_prefixes(fingerprints: Sequence[Fingerprint], request: RequestInfo | None) -> list[str] | None:

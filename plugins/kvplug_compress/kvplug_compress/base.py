@@ -8,6 +8,8 @@ from abc import abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel
+
 import kvplug
 from kvplug import LazyModule, dtype_name
 from kvplug.errors import CorruptChunkError
@@ -55,6 +57,14 @@ class CompressingSerializer(kvplug.Serializer):
 
     #: Options that do not change the stored bytes; left out of the key fingerprint.
     runtime_options: frozenset[str] = frozenset()
+
+    def __init__(self, config: BaseModel) -> None:
+        super().__init__(config)
+        if not self.name.isascii() or len(self.name) > kvpc.MAX_CODEC_NAME:
+            raise ValueError(
+                f"serializer name {self.name!r} must be ASCII of at most {kvpc.MAX_CODEC_NAME} characters: "
+                "the frame header records it in that many bytes"
+            )
 
     def fingerprint(self) -> str:
         options = {k: v for k, v in self.config.model_dump(mode="json").items() if k not in self.runtime_options}

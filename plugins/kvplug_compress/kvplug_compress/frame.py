@@ -40,6 +40,9 @@ MAGIC = b"KVPC"
 FRAME_VERSION = 1
 HEADER_SIZE = 96
 MAX_NDIM = 6
+#: Bytes of the header's codec field: a serializer's name must fit (a longer one would be cut,
+#: and no frame it wrote would read back as its own).
+MAX_CODEC_NAME = 8
 STORED = 0
 ENCODED = 1
 _CHECKSUM_OFFSET = 80

@@ -203,6 +203,13 @@ class LosslessSerializer(CompressingSerializer):
                     raise CorruptChunkError(f"{self.name} plane decompressed to {len(data)} bytes, expected {count}")
             target[:, plane].copy_(tensor_over(data, torch.uint8, (count,)))
 
+    def close(self) -> None:
+        """End the thread pool (its threads would outlive a closed engine that is still referenced)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
     def _map(self, work: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
         """``work`` over ``items``, on the pool when there is more than one item and thread."""
         threads = self.config.threads or min(8, os.cpu_count() or 1)  # type: ignore[attr-defined]

@@ -122,7 +122,11 @@ class QuantizedSerializer(CompressingSerializer):
             # Each column's scale by index, not by padding rows to whole groups: the header's
             # group (up to 2**32) would size the padding, not the payload.
             values = codes.mul_(scales[:, torch.arange(width) // group])
-        return values.to(dtype).reshape(header.shape)
+        # code_max times a scale rounded up can pass the dtype's largest finite value (fp16's
+        # 65504 decoded as 65532), which the cast would make inf; every stored value was
+        # finite and within it (else the frame is stored as is), so clamping only nears it.
+        largest = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
+        return values.clamp_(-largest, largest).to(dtype).reshape(header.shape)
 
     def quantize(self, scaled: torch.Tensor) -> torch.Tensor:
         """Codes of values already divided by their scale (so within ``[-code_max, code_max]``)."""

@@ -7,6 +7,7 @@ name and its byte-changing options, so no engine ever reads another's chunks.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -157,3 +158,19 @@ def test_bad_options_name_the_field(serializer: dict[str, Any], message: str) ->
     with pytest.raises(ConfigError, match=message):
         config = kvplug.load_config(engine_extra={"kvplug": {"serializer": serializer}}, env={}).config
         config.resolve()
+
+
+@pytest.mark.parametrize("name", ["zstd", "lz4"])
+def test_a_closed_chunk_store_leaves_no_codec_thread(tmp_path: Path, name: str) -> None:
+    """The store made the serializer, so closing it ends the codec's thread pool (a closed
+    engine kept referenced, as an adapter keeps its connector, held those threads)."""
+    settings = {"serializer": {"type": name, "segment_bytes": 4096, "threads": 3}, "tiers": [{"type": "cpu"}]}
+    config = kvplug.load_config(engine_extra={"kvplug": settings}, env={}).config
+    store = kvplug.ChunkStore.open(config, kvplug.Fingerprint.for_layout(LAYOUT, model_id="m"))
+    before = set(threading.enumerate())
+    chunk = torch.randn(LAYOUT.chunk_shape(256), generator=torch.Generator().manual_seed(4)).to(LAYOUT.dtype)
+    store.put_tensors([(store.key_prefix + "ab" * 16, chunk)])
+    started = [t for t in set(threading.enumerate()) - before if t.name.startswith(f"kvplug-{name}")]
+    assert started
+    store.close()
+    assert not [t.name for t in started if t.is_alive()]

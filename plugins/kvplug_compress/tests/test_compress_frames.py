@@ -8,6 +8,7 @@ patterns, NaNs included); lossy ones must stay within their documented bound.
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 import kvplug
 from kvplug.errors import ChunkError, CorruptChunkError, IncompatibleChunkError
+from kvplug.testing import KVSlots, LossyBound, assert_kv_matches
 from kvplug_compress import FP8Serializer, Int8Serializer, LZ4Serializer, ZstdSerializer
 
 LOSSLESS = {"zstd": ZstdSerializer, "lz4": LZ4Serializer}
@@ -173,6 +175,19 @@ def test_lossy_large_magnitudes_use_fp32_scales() -> None:
         assert torch.allclose(loaded, tensor, rtol=0.07), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", LOSSY)
+def test_lossy_values_at_the_dtypes_largest_stay_finite(name: str, dtype: torch.dtype) -> None:
+    # The scale is rounded up: code_max times it passes fp16's 65504, which a plain cast makes inf.
+    tensor = torch.randn(1, 2, 4, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    largest = torch.finfo(dtype).max
+    tensor[0, 0, 0, 0], tensor[0, 1, 1, 7] = largest, -largest
+    tensor[0, 0, 2, :] = torch.linspace(-largest, largest, 64, dtype=torch.float64).to(dtype)
+    loaded = make(name).loads(make(name).dumps(tensor))
+    assert bool(torch.isfinite(loaded).all()), f"{name} {dtype}: a finite value decoded as inf"
+    assert_within_bound(name, tensor, loaded, 64)
+
+
 # --- the error contract ----------------------------------------------------------------------
 
 
@@ -234,3 +249,51 @@ def test_expected_shape_and_dtype_are_checked(name: str) -> None:
         serializer.loads(frame, expected_shape=(2, 2, 8, 64))
     with pytest.raises(IncompatibleChunkError, match="dtype"):
         serializer.loads(frame, expected_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", LOSSY)
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31), magnitude=st.sampled_from([1e-6, 6e-5, 1e-3, 1.0]))
+def test_the_kv_oracle_accepts_what_a_lossy_codec_decodes(
+    name: str, dtype: torch.dtype, seed: int, magnitude: float
+) -> None:
+    # Small values reach fp16's subnormals, 2**-24 apart whatever their size: the oracle's
+    # bound must allow that rounding, as the codec's documented bound does.
+    generator = torch.Generator().manual_seed(seed)
+    chunk = torch.randn(1, 2, 16, 128, generator=generator) * magnitude  # [layers, K/V, tokens, 2 heads * 64]
+    chunk[0, :, 3] *= torch.logspace(-6, 0, 128)
+    chunk = chunk.to(dtype)
+    loaded = make(name, group_size=16).loads(make(name, group_size=16).dumps(chunk))
+    as_slots = [
+        KVSlots(0, 0, 0, 1, ("K", "V"), [t.view(2, 16, 2, 64)], torch.ones(16, dtype=torch.bool))
+        for t in (loaded, chunk)
+    ]
+    assert_kv_matches(as_slots[:1], as_slots[1:], 16, bound=LossyBound(name, 16))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", LOSSLESS)
+def test_close_ends_the_serializers_threads(name: str) -> None:
+    """A closed engine closes its serializer: a codec's thread pool must not outlive it."""
+    serializer = make(name)  # 4 KiB segments on 3 threads
+    tensor = random_bits((2, 2, 64, 128), torch.bfloat16, 5)
+    before = set(threading.enumerate())
+    assert torch.equal(bits(serializer.loads(serializer.dumps(tensor))), bits(tensor))
+    started = [t for t in set(threading.enumerate()) - before if t.name.startswith(f"kvplug-{name}")]
+    assert started
+    serializer.close()
+    assert not [t.name for t in started if t.is_alive()]
+    # Used again (a frame decoded after close), it still decodes.
+    assert torch.equal(bits(serializer.loads(serializer.dumps(tensor))), bits(tensor))
+    serializer.close()
+
+
+def test_a_serializer_name_longer_than_the_codec_field_is_refused() -> None:
+    """The frame header keeps 8 bytes of the name: a longer one was cut on write, so every
+    frame the serializer wrote was refused on read as another serializer's (all misses)."""
+
+    class LongName(ZstdSerializer):
+        name = "zstd_dictionary"
+
+    with pytest.raises(ValueError, match="'zstd_dictionary' must be ASCII of at most 8 characters"):
+        LongName(LongName.Config())
