@@ -271,8 +271,8 @@ class CacheEngine(EngineRetrieves, EngineStores):
         self._closed = True
         if self._store_worker is not None:
             self._store_worker.close(drain=drain and self.config.store.queue.on_close == "drain")
-        if self._owns_tiers:
-            self.chain.close(drain=drain)
+        if self._owns_tiers:  # (an engine sharing another's tiers shares its serializer too)
+            self.chunk_store.close(drain=drain)
         self._copies.close()
         self.frame_pool.close()
 

@@ -174,3 +174,18 @@ def test_a_closed_chunk_store_leaves_no_codec_thread(tmp_path: Path, name: str) 
     assert started
     store.close()
     assert not [t.name for t in started if t.is_alive()]
+
+
+@pytest.mark.parametrize("name", ["zstd", "lz4"])
+def test_a_closed_engine_leaves_no_codec_thread(tmp_path: Path, name: str) -> None:
+    """``CacheEngine.close`` closes its chunk store, and so the serializer the store made."""
+    serializer = {"type": name, "segment_bytes": 4096, "threads": 3}
+    before = set(threading.enumerate())
+    writer = engine(tmp_path, serializer, chunk_size=256)
+    tokens = list(range(256))
+    assert writer.store(tokens, caches(seed=1), kvplug.slots_from_block_ids(list(range(64)), 4, 256)) == 256
+    writer.flush()
+    started = [t for t in set(threading.enumerate()) - before if t.name.startswith(f"kvplug-{name}")]
+    assert started
+    writer.close()
+    assert not [t.name for t in started if t.is_alive()]
