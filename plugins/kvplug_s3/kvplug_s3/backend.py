@@ -9,7 +9,8 @@ object is one request, so each gets its own deadline and retries.
 Two implementations:
 
 - :class:`AsyncObjectBackend` calls an async filesystem's coroutines (s3fs's
-  ``_cat_file``, ``_pipe_file``, ``_rm_file``, ``_find``; a ranged GET for sizes)
+  ``_cat_file``, ``_pipe_file``, ``_rm_file``, ``_find``; ranged GETs for sizes and
+  records, see :mod:`kvplug_s3.reads`)
   and frames uploads into reusable buffers (:class:`~kvplug_s3.frames.FrameBuffers`).
 - :class:`ThreadedObjectBackend` runs a sync filesystem (``memory://``, ``file://``)
   on a bounded thread pool; on stores whose writes are not atomic (files) it
@@ -28,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvplug import (
+    SIZE_UNKNOWN,
     Buffer,
     CallSizes,
     FailureKind,
@@ -39,6 +41,7 @@ from kvplug import (
 from kvplug.errors import CorruptChunkError
 from kvplug_s3.config import S3TierConfig
 from kvplug_s3.frames import FrameBuffers
+from kvplug_s3.reads import cat_bounded, over_bound, s3_error_code, s3_read, s3_size
 
 T = TypeVar("T")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -50,22 +53,6 @@ ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gcs", "gs", "az", "abfs", "abfss
 _LOCATION_ERROR_CODES = frozenset({"NoSuchBucket", "AllAccessDisabled", "AccountProblem", "NotSignedUp"})
 #: Building the client is local work (no network), but slow on a busy machine.
 OPEN_TIMEOUT_S = 60.0
-
-
-def s3_error_code(exc: BaseException) -> str | None:
-    """The S3 error code (``NoSuchKey``, ``NoSuchBucket``, ...) behind an exception
-    that s3fs translated, found on the botocore error it chained; ``None`` when none."""
-    seen: BaseException | None = exc
-    for _ in range(5):  # s3fs chains one level; a little more is harmless
-        if seen is None:
-            return None
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            code = response.get("Error", {}).get("Code")
-            if code:
-                return str(code)
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 def classify_s3_failure(exc: BaseException) -> FailureKind:
@@ -141,60 +128,22 @@ class AsyncObjectBackend(ObjectBackend):
         (name,) = names
         path = self.path_for(name)
         if self._is_s3:
-            return [await self._s3_size(path)]
+            size = await s3_size(self.fs, path)
+            return [SIZE_UNKNOWN if size is None else size]
         info = await self.fs._info(path)
         if info.get("type") == "directory":
             raise FileNotFoundError(path)
-        return [int(info.get("size") or 0)]
-
-    async def _s3_size(self, path: str) -> int:
-        # One ranged GET is one round trip, hit or miss: s3fs's _info would HEAD and,
-        # on a miss, list the prefix as a possible directory (a second round trip).
-        # A GET (unlike a HEAD) also tells a missing key from a missing bucket.
-        bucket, key, _ = self.fs.split_path(path)
-        try:
-            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range="bytes=0-0")
-        except OSError as exc:
-            if s3_error_code(exc) in ("InvalidRange", "416"):  # an empty object has no byte 0
-                return 0
-            raise
-        body = response["Body"]
-        try:
-            await body.read()
-        finally:
-            body.close()
-        content_range = str(response.get("ContentRange") or "")  # "bytes 0-0/<size>"
-        total = content_range.rpartition("/")[2]
-        if total.isdigit():
-            return int(total)
-        return int(response.get("ContentLength") or 0)
+        size = info.get("size")
+        return [size if isinstance(size, int) and size >= 0 else SIZE_UNKNOWN]
 
     async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | BaseException | None]:
+        # Read at most one byte past the record bound whatever the store reports of the
+        # object's size (see kvplug_s3.reads); the size hints are not trusted for that.
         (name,) = names
         path = self.path_for(name)
         if self._is_s3:
-            return [await self._s3_read(path)]
-        data: bytes = await self.fs._cat_file(path)
-        return [data]
-
-    async def _s3_read(self, path: str) -> bytes | CorruptChunkError:
-        """One GET (s3fs would HEAD first to decide on ranged reads). An object longer
-        than the tier's ``max_record_bytes`` is corrupt before its body is read: anyone
-        who can write the bucket could otherwise make a reader allocate gigabytes."""
-        bucket, key, _ = self.fs.split_path(path)
-        response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
-        body = response["Body"]
-        try:
-            bound = self._record_bound()
-            length = response.get("ContentLength")
-            if bound is not None and isinstance(length, int) and length > bound:
-                return CorruptChunkError(
-                    f"record is {length} bytes, over the {bound} bytes a record of this store can be"
-                )
-            data: bytes = await body.read()
-            return data
-        finally:
-            body.close()
+            return [await s3_read(self.fs, path, self._record_bound())]
+        return [await cat_bounded(self.fs, path, self._record_bound())]
 
     async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
         (record,) = records
@@ -284,9 +233,7 @@ class ThreadedObjectBackend(ObjectBackend):
             # One byte past the bound tells a record too big without reading the rest of it.
             with self.fs.open(path, "rb") as file:
                 found: bytes = file.read(bound + 1)
-            if len(found) > bound:
-                return CorruptChunkError(f"record is over the {bound} bytes a record of this store can be")
-            return found
+            return over_bound(bound) if len(found) > bound else found
 
         return [await self._call(read_bounded)]
 
