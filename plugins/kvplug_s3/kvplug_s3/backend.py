@@ -15,7 +15,8 @@ Two implementations:
 - :class:`ThreadedObjectBackend` runs a sync filesystem (``memory://``, ``file://``)
   on a bounded thread pool; on stores whose writes are not atomic (files) it
   writes a temporary object and renames it into place, so a reader or a crash
-  never leaves a partial object under the final name.
+  never leaves a partial object under the final name; a listing (the start-up scan)
+  removes the temporaries of writers killed before their rename.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import re
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +55,11 @@ ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gcs", "gs", "az", "abfs", "abfss
 _LOCATION_ERROR_CODES = frozenset({"NoSuchBucket", "AllAccessDisabled", "AccountProblem", "NotSignedUp"})
 #: Building the client is local work (no network), but slow on a busy machine.
 OPEN_TIMEOUT_S = 60.0
+#: A temporary object (a write not yet renamed into place) this old is a killed writer's:
+#: writing one record takes seconds, so no live writer still owns it.
+STALE_TEMPORARY_S = 3600.0
+#: ``.<digest>.tmp-<uuid4 hex>``: see :meth:`ThreadedObjectBackend._write_sync`.
+_TEMPORARY = re.compile(r"\.[0-9a-f]{64}\.tmp-[0-9a-f]{32}")
 
 
 def classify_s3_failure(exc: BaseException) -> FailureKind:
@@ -202,10 +209,13 @@ class ThreadedObjectBackend(ObjectBackend):
         threads: int,
         atomic_put: bool,
         record_bound: Callable[[], int | None] = lambda: None,
+        read_only: bool = False,
     ) -> None:
         super().__init__(fs, root, where)
         self.atomic_put = atomic_put
         self._record_bound = record_bound
+        #: Opened for inspection: a listing removes nothing (not even stale temporaries).
+        self.read_only = read_only
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvplug-s3-io")
 
     async def _call(self, function: Callable[..., T], *args: Any) -> T:
@@ -269,11 +279,26 @@ class ThreadedObjectBackend(ObjectBackend):
         def find() -> dict[str, dict[str, Any]]:
             try:
                 found: dict[str, dict[str, Any]] = self.fs.find(self.root, detail=True)
-                return found
             except FileNotFoundError:
                 return {}
+            if not self.read_only:
+                self._remove_stale_temporaries(found)
+            return found
 
         return self._records(await self._call(find))
+
+    def _remove_stale_temporaries(self, found: dict[str, dict[str, Any]]) -> None:
+        """Remove the temporaries of writers killed before their rename: nothing else ever
+        would, and they hold space outside the budget. Only those older than
+        :data:`STALE_TEMPORARY_S` (one without a time may be a live writer's)."""
+        now = time.time()
+        for path, info in found.items():
+            modified = _modified(info)
+            if _TEMPORARY.fullmatch(path.rsplit("/", 1)[-1]) and 0 < modified < now - STALE_TEMPORARY_S:
+                try:
+                    self.fs.rm_file(path)
+                except OSError:
+                    pass  # gone already (another process's listing), or not ours to remove
 
     async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -283,9 +308,12 @@ def open_object_backend(
     config: S3TierConfig,
     loop: asyncio.AbstractEventLoop,
     record_bound: Callable[[], int | None] = lambda: None,
+    *,
+    read_only: bool = False,
 ) -> ObjectBackend:
     """The backend for ``config.url``, bound to ``loop`` when the filesystem is async;
-    ``record_bound`` gives the tier's ``max_record_bytes`` (see :meth:`AsyncObjectBackend.read`)."""
+    ``record_bound`` gives the tier's ``max_record_bytes`` (see :mod:`kvplug_s3.reads`);
+    ``read_only``: opened for inspection (nothing is removed, see :class:`ThreadedObjectBackend`)."""
     import fsspec
     from fsspec.asyn import AsyncFileSystem
 
@@ -306,7 +334,13 @@ def open_object_backend(
     fs = cls(skip_instance_cache=True, **options)
     threads = min(config.max_concurrency, 16)
     return ThreadedObjectBackend(
-        fs, root, where, threads=threads, atomic_put=protocol in ATOMIC_PUT_PROTOCOLS, record_bound=record_bound
+        fs,
+        root,
+        where,
+        threads=threads,
+        atomic_put=protocol in ATOMIC_PUT_PROTOCOLS,
+        record_bound=record_bound,
+        read_only=read_only,
     )
 
 
