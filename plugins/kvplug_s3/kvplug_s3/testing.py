@@ -47,6 +47,7 @@ __all__ = [
     "FaultProxy",
     "MotoS3",
     "SeaweedS3",
+    "boto3_client",
     "free_port",
     "listening_addresses",
     "make_s3_tier",
@@ -57,6 +58,18 @@ __all__ = [
 ACCESS_KEY = "kvplug-test-key"
 SECRET_KEY = "kvplug-test-secret"
 BUCKET = "kvplug-test"
+
+
+def boto3_client(endpoint: str, config: Config | None = None) -> Any:
+    """A boto3 S3 client of ``endpoint`` with the test identity, to look at and tamper with objects."""
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        config=config,
+    )
 
 
 def _wait_until_bindable(port: int, timeout_s: float = 15.0) -> None:
@@ -101,13 +114,7 @@ class MotoS3:
             self.server = None
 
     def client(self, endpoint: str | None = None) -> Any:
-        return boto3.client(
-            "s3",
-            endpoint_url=endpoint or self.endpoint,
-            region_name="us-east-1",
-            aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY,
-        )
+        return boto3_client(endpoint or self.endpoint)
 
 
 def s3_options(endpoint: str, prefix: str | None = None, **options: Any) -> dict[str, Any]:
@@ -298,13 +305,9 @@ class SeaweedS3:
             return ""
 
     def client(self, endpoint: str | None = None, *, timeout_s: float = 10.0) -> Any:
-        return boto3.client(
-            "s3",
-            endpoint_url=endpoint or self.endpoint,
-            region_name="us-east-1",
-            aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY,
-            config=Config(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"total_max_attempts": 1}),
+        return boto3_client(
+            endpoint or self.endpoint,
+            Config(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"total_max_attempts": 1}),
         )
 
 
