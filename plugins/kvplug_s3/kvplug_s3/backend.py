@@ -240,8 +240,9 @@ class ThreadedObjectBackend(ObjectBackend):
             return [data]
 
         def read_bounded() -> bytes | CorruptChunkError:
-            # One byte past the bound tells a record too big without reading the rest of it.
-            with self.fs.open(path, "rb") as file:
+            # One byte past the bound tells a record too big without reading the rest of it;
+            # no cache: a buffered remote file would read a block (5 MiB) ahead.
+            with self.fs.open(path, "rb", cache_type="none") as file:
                 found: bytes = file.read(bound + 1)
             return over_bound(bound) if len(found) > bound else found
 

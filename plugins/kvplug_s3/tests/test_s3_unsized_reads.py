@@ -1,8 +1,8 @@
 """A read of the s3 tier takes at most one byte past the engine's record bound whatever
 the store says of an object's size: on other async fsspec protocols (gcs, az, ...: here
 a small real async filesystem whose listings misreport or omit sizes, as gcsfs and adlfs
-cannot reach a real server here) and on an S3 gateway that answers without
-``Content-Length`` and ignores ``Range``. An oversized record is a corrupt miss, counted
+cannot reach a real server here), on sync remote protocols (fsspec's buffered files read
+ahead) and on an S3 gateway that answers without ``Content-Length`` and ignores ``Range``. An oversized record is a corrupt miss, counted
 once, never a hit."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import fsspec
 import pytest
 from aiohttp import web
 from fsspec.asyn import AsyncFileSystem
+from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from kvplug.core.records.frame import pack_record
 from kvplug.testing import key_for, tier_context, value_for
@@ -30,6 +31,7 @@ BOUND = 64 + 64 * 1024
 #: A planted object far over the bound: reading it whole would cost a reader this much.
 PLANTED = 64 * 1024**2
 PROTOCOL = "kvplugobjects"
+SYNC_PROTOCOL = "kvplugsyncobjects"
 
 
 class ObjectStoreFS(AsyncFileSystem):  # type: ignore[misc]
@@ -107,6 +109,72 @@ def test_another_async_protocol_reads_at_most_the_bound(object_store, listed_siz
         assert tier.contains([other, edge]) == [True, True]  # a listing without sizes still finds records
     finally:
         tier.close()
+
+
+class SyncObjectFile(AbstractBufferedFile):  # type: ignore[misc]
+    """A file of :class:`SyncObjectStoreFS`, read in ranges (as sftp, webdav, ... files are)."""
+
+    def _fetch_range(self, start: int, end: int) -> bytes:
+        part = SyncObjectStoreFS.objects[self.path][start:end]
+        SyncObjectStoreFS.served += len(part)
+        return part
+
+
+class SyncObjectStoreFS(AbstractFileSystem):  # type: ignore[misc]
+    """A sync remote store in memory whose files are fsspec's buffered files, with their
+    default read-ahead; ``served`` counts the bytes its range reads returned."""
+
+    protocol = (SYNC_PROTOCOL,)
+    objects: ClassVar[dict[str, bytes]] = {}
+    served: ClassVar[int] = 0
+
+    def _open(self, path: str, mode: str = "rb", block_size: Any = "default", **kwargs: Any) -> Any:
+        name = self._strip_protocol(path)
+        if "r" in mode:
+            if name not in self.objects:
+                raise FileNotFoundError(path)
+            return SyncObjectFile(self, name, mode, block_size, size=len(self.objects[name]), **kwargs)
+        raise NotImplementedError(mode)
+
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
+        self.objects[self._strip_protocol(path)] = bytes(value)
+
+    def rm_file(self, path: str) -> None:
+        if self.objects.pop(self._strip_protocol(path), None) is None:
+            raise FileNotFoundError(path)
+
+    def mv(self, path1: str, path2: str, **kwargs: Any) -> None:
+        self.objects[self._strip_protocol(path2)] = self.objects.pop(self._strip_protocol(path1))
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        name = self._strip_protocol(path)
+        if name not in self.objects:
+            raise FileNotFoundError(path)
+        return {"name": name, "size": len(self.objects[name]), "type": "file"}
+
+    def find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, **kwargs: Any) -> Any:
+        root = self._strip_protocol(path).rstrip("/") + "/"
+        return {name: self.info(name) for name in sorted(self.objects) if name.startswith(root)}
+
+
+def test_a_sync_remote_protocol_reads_at_most_the_bound() -> None:
+    """fsspec's buffered files read ahead a block (5 MiB) past what is asked: not past the bound."""
+    fsspec.register_implementation(SYNC_PROTOCOL, SyncObjectStoreFS, clobber=True)
+    SyncObjectStoreFS.objects = {}
+    tier = S3Tier(S3Tier.Config(url=f"{SYNC_PROTOCOL}://bucket/cache"), tier_context(max_record_bytes=BOUND))
+    try:
+        victim, other = key_for("planted"), key_for("kept")
+        tier.put([(victim, value_for("planted", 4096)), (other, value_for("kept", 4096))])
+        planted = object_name("bucket/cache", victim)
+        SyncObjectStoreFS.objects[planted] = pack_record(victim, b"\x07" * PLANTED)
+        SyncObjectStoreFS.served = 0
+        got = tier.get([victim, other])
+        assert got[0] is None and bytes(got[1]) == value_for("kept", 4096)
+        assert SyncObjectStoreFS.served <= 2 * (BOUND + 1), f"the reads took {SyncObjectStoreFS.served} bytes"
+        assert tier.stats().extra["corrupt"] == 1 and planted not in SyncObjectStoreFS.objects
+    finally:
+        tier.close()
+        SyncObjectStoreFS.objects = {}
 
 
 class SizelessGateway:
