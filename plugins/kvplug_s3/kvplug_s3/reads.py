@@ -42,10 +42,12 @@ def s3_error_code(exc: BaseException) -> str | None:
 
 def reported_total(response: dict[str, Any]) -> int | None:
     """An object's whole size from a GET's answer: ``Content-Range``'s total for a ranged
-    answer, else ``Content-Length``; ``None`` where the answer says neither."""
-    total = str(response.get("ContentRange") or "").rpartition("/")[2]  # "bytes 0-N/<size>"
-    if total.isdigit():
-        return int(total)
+    answer (``None`` for ``*``, a total the server does not know), else ``Content-Length``;
+    ``None`` where the answer says neither."""
+    content_range = str(response.get("ContentRange") or "")  # "bytes 0-N/<size>"
+    if content_range:
+        total = content_range.rpartition("/")[2]
+        return int(total) if total.isdigit() else None
     length = response.get("ContentLength")
     return length if isinstance(length, int) and length >= 0 else None
 
