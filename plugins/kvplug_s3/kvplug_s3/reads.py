@@ -3,9 +3,9 @@
 Whatever the store says of an object's size (a listing, a HEAD, a ``Content-Length``,
 a ``Content-Range``) may be missing or wrong: a gateway that answers chunked, ignores
 ``Range`` or misreports sizes, or another fsspec protocol that sizes objects its own
-way. So the size a store reports only lets an oversized record be refused early; the
-read itself never takes more than ``bound + 1`` bytes, and one byte past the bound
-makes the record corrupt (a miss), never a hit.
+way. So a read never takes more than ``bound + 1`` bytes, and one byte past the bound
+makes the record corrupt (a miss), never a hit: what is received decides, not what is
+reported.
 """
 
 from __future__ import annotations
@@ -91,10 +91,10 @@ async def s3_size(fs: Any, path: str) -> int | None:
 
 async def s3_read(fs: Any, path: str, bound: int | None) -> bytes | CorruptChunkError:
     """One GET of the object at ``path`` (s3fs would HEAD first to decide on ranged reads),
-    for its first ``bound + 1`` bytes. A reported size over ``bound`` makes it corrupt before
-    its body is read, and the body is read no further than ``bound + 1`` bytes whatever the
-    answer says: anyone who can write the bucket could otherwise make a reader allocate
-    gigabytes, and a record longer than any this engine stores be served."""
+    for its first ``bound + 1`` bytes, and no more of the body is read whatever the answer
+    says: anyone who can write the bucket could otherwise make a reader allocate gigabytes,
+    and a record longer than any this engine stores be served. Only the bytes received
+    decide (a size the answer reports is named in the error, never trusted)."""
     bucket, key, _ = fs.split_path(path)
     ranged = {} if bound is None else {"Range": f"bytes=0-{bound}"}
     try:
@@ -105,14 +105,11 @@ async def s3_read(fs: Any, path: str, bound: int | None) -> bytes | CorruptChunk
         raise
     body = response["Body"]
     try:
-        total = reported_total(response)
-        if bound is not None and total is not None and total > bound:
-            return over_bound(bound, total)
         data = await read_body(body, None if bound is None else bound + 1)
     finally:
         body.close()
     if bound is not None and len(data) > bound:
-        return over_bound(bound)
+        return over_bound(bound, reported_total(response))
     return data
 
 

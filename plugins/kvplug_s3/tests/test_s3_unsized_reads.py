@@ -180,12 +180,12 @@ def test_a_sync_remote_protocol_reads_at_most_the_bound() -> None:
 class SizelessGateway:
     """An S3 gateway on 127.0.0.1 in front of ``target`` that answers every request chunked
     (no ``Content-Length``, so no size) and ignores ``Range`` (always the whole object);
-    with ``unknown_total``, it serves ranges, sized, but says it does not know the object's
-    size (``Content-Range: bytes 0-0/*``). ``answered_bytes`` counts the body bytes it sent."""
+    with ``total`` (``*``: unknown, or a number), it serves ranges, sized, but says that of
+    the object's size (``Content-Range: bytes 0-0/*``). ``answered_bytes`` counts the body bytes it sent."""
 
-    def __init__(self, target: str, *, unknown_total: bool = False) -> None:
+    def __init__(self, target: str, *, total: str | None = None) -> None:
         self.target = target
-        self.unknown_total = unknown_total
+        self.total = total
         self.port = free_port()
         self.answered_bytes = 0
         self._loop = asyncio.new_event_loop()
@@ -209,21 +209,19 @@ class SizelessGateway:
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         assert self._session is not None
-        dropped = {"host", "content-length", "transfer-encoding", "expect"} | (
-            set() if self.unknown_total else {"range"}
-        )
+        dropped = {"host", "content-length", "transfer-encoding", "expect"} | (set() if self.total else {"range"})
         headers = {name: value for name, value in request.headers.items() if name.lower() not in dropped}
         async with self._session.request(
             request.method, self.target + request.path_qs, headers=headers, data=await request.read()
         ) as upstream:
             unsized = {"transfer-encoding", "connection", "content-range"} | (
-                set() if self.unknown_total else {"content-length"}
+                set() if self.total else {"content-length"}
             )
             kept = {name: value for name, value in upstream.headers.items() if name.lower() not in unsized}
-            if self.unknown_total and "Content-Range" in upstream.headers:
-                kept["Content-Range"] = upstream.headers["Content-Range"].rpartition("/")[0] + "/*"
+            if self.total and "Content-Range" in upstream.headers:
+                kept["Content-Range"] = upstream.headers["Content-Range"].rpartition("/")[0] + "/" + self.total
             response = web.StreamResponse(status=upstream.status, headers=kept)
-            if not self.unknown_total:
+            if not self.total:
                 response.enable_chunked_encoding()
             await response.prepare(request)
             try:
@@ -302,13 +300,28 @@ def test_a_lookup_through_a_gateway_without_sizes_or_ranges_reads_one_byte(
 def test_a_range_of_unknown_total_is_a_record_of_unknown_size(moto_s3: MotoS3) -> None:
     """``Content-Range: bytes 0-0/*`` (the server does not know the size): the record is
     there, of unknown size, not one byte long (a miss to every lookup)."""
-    gateway = SizelessGateway(moto_s3.endpoint, unknown_total=True)
+    gateway = SizelessGateway(moto_s3.endpoint, total="*")
     tier = S3Tier(S3Tier.Config(**s3_options(gateway.endpoint)), tier_context(max_record_bytes=BOUND))
     try:
         key = key_for("unknown total")
         tier.put([(key, value_for("unknown total", 4096))])
         assert tier.contains([key, key_for("absent")]) == [True, False]
         assert bytes(tier.get([key])[0]) == value_for("unknown total", 4096)
+    finally:
+        tier.close()
+        gateway.close()
+
+
+def test_a_size_reported_over_the_bound_does_not_make_a_whole_record_corrupt(moto_s3: MotoS3) -> None:
+    """The bytes received decide: a gateway claiming a terabyte for a record within the bound
+    gets it served, not deleted as corrupt."""
+    gateway = SizelessGateway(moto_s3.endpoint, total=str(1 << 40))
+    tier = S3Tier(S3Tier.Config(**s3_options(gateway.endpoint)), tier_context(max_record_bytes=BOUND))
+    try:
+        key = key_for("claimed big")
+        tier.put([(key, value_for("claimed big", 4096))])
+        assert bytes(tier.get([key])[0]) == value_for("claimed big", 4096)
+        assert tier.stats().extra["corrupt"] == 0
     finally:
         tier.close()
         gateway.close()
