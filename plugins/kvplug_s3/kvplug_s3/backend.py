@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from fsspec.implementations.local import LocalFileSystem
+
 from kvplug import (
     SIZE_UNKNOWN,
     Buffer,
@@ -43,7 +45,7 @@ from kvplug import (
 from kvplug.errors import CorruptChunkError
 from kvplug_s3.config import S3TierConfig
 from kvplug_s3.frames import FrameBuffers
-from kvplug_s3.reads import cat_bounded, over_bound, s3_error_code, s3_read, s3_size
+from kvplug_s3.reads import cat_bounded, over_bound, read_local_file, s3_error_code, s3_read, s3_size
 
 T = TypeVar("T")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -216,6 +218,8 @@ class ThreadedObjectBackend(ObjectBackend):
         self._record_bound = record_bound
         #: Opened for inspection: a listing removes nothing (not even stale temporaries).
         self.read_only = read_only
+        #: ``file://``: records are read as regular files only (see :func:`read_local_file`).
+        self._local = isinstance(fs, LocalFileSystem)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvplug-s3-io")
 
     async def _call(self, function: Callable[..., T], *args: Any) -> T:
@@ -235,6 +239,8 @@ class ThreadedObjectBackend(ObjectBackend):
     async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | BaseException | None]:
         path = self.path_for(names[0])
         bound = self._record_bound()
+        if self._local:
+            return [await self._call(read_local_file, path, bound)]
         if bound is None:
             data: bytes = await self._call(self.fs.cat_file, path)
             return [data]

@@ -106,3 +106,51 @@ def test_a_file_over_the_record_bound_is_a_miss_read_no_further(tmp_path) -> Non
         assert tier.stats().extra["corrupt"] == 1 and not planted.exists()
     finally:
         tier.close()
+
+
+#: A FIFO, and a link to one, planted under record names in a ``file://`` store: each read
+#: of them, then a put and get of another key; prints what came back.
+_FIFO_READER = """
+import hashlib, json, os, sys
+from kvplug.testing import key_for, tier_context, value_for
+from kvplug_s3 import S3Tier
+
+root = sys.argv[1]
+tier = S3Tier(S3Tier.Config(url="file://" + root, request_timeout_s=2.0, retries=0), tier_context(max_record_bytes=1 << 20))
+paths = {}
+for name in ("fifo", "link"):
+    digest = hashlib.sha256(key_for(name).encode()).hexdigest()
+    os.makedirs(f"{root}/{digest[:2]}", exist_ok=True)
+    paths[name] = f"{root}/{digest[:2]}/{digest}"
+os.mkfifo(paths["fifo"])
+os.mkfifo(root + "/elsewhere")
+os.symlink(root + "/elsewhere", paths["link"])
+misses = [tier.get([key_for(name)]) for name in ("fifo", "link") for _ in range(20)]
+tier.put([(key_for("good"), value_for("good", 100))])
+good = tier.get([key_for("good")])[0]
+corrupt = tier.stats().extra["corrupt"]
+tier.close()
+print(json.dumps({
+    "misses": all(got == [None] for got in misses),
+    "good": good is not None and bytes(good) == value_for("good", 100),
+    "corrupt": corrupt,
+    "left": [os.path.lexists(path) for path in paths.values()],
+    "elsewhere": os.path.exists(root + "/elsewhere"),
+}))
+"""
+
+
+def test_a_fifo_under_a_record_name_is_a_corrupt_miss_not_a_hang(tmp_path) -> None:
+    """``file://``: opening a FIFO planted under a record name (or a link to one) waited for a
+    writer for ever: each read lost a pool thread (the tier stopped once all were) and the
+    process could not exit. Only regular files are read, never through a link."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _FIFO_READER, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert found == {"misses": True, "good": True, "corrupt": 2, "left": [False, False], "elsewhere": True}
