@@ -45,7 +45,8 @@ from kvplug import (
 from kvplug.errors import CorruptChunkError
 from kvplug_s3.config import S3TierConfig
 from kvplug_s3.frames import FrameBuffers
-from kvplug_s3.reads import cat_bounded, over_bound, read_local_file, s3_error_code, s3_read, s3_size
+from kvplug_s3.local_files import read_local_file, remove_local_file, write_local_file
+from kvplug_s3.reads import cat_bounded, over_bound, s3_error_code, s3_read, s3_size
 
 T = TypeVar("T")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -60,7 +61,8 @@ OPEN_TIMEOUT_S = 60.0
 #: A temporary object (a write not yet renamed into place) this old is a killed writer's:
 #: writing one record takes seconds, so no live writer still owns it.
 STALE_TEMPORARY_S = 3600.0
-#: ``.<digest>.tmp-<uuid4 hex>``: see :meth:`ThreadedObjectBackend._write_sync`.
+#: ``.<digest>.tmp-<uuid4 hex>``: see :meth:`ThreadedObjectBackend._write_sync` and
+#: :func:`~kvplug_s3.local_files.write_local_file`.
 _TEMPORARY = re.compile(r"\.[0-9a-f]{64}\.tmp-[0-9a-f]{32}")
 
 
@@ -218,7 +220,7 @@ class ThreadedObjectBackend(ObjectBackend):
         self._record_bound = record_bound
         #: Opened for inspection: a listing removes nothing (not even stale temporaries).
         self.read_only = read_only
-        #: ``file://``: records are read as regular files only (see :func:`read_local_file`).
+        #: ``file://``: regular files in real shard folders only (:mod:`kvplug_s3.local_files`).
         self._local = isinstance(fs, LocalFileSystem)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvplug-s3-io")
 
@@ -256,11 +258,17 @@ class ThreadedObjectBackend(ObjectBackend):
 
     async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
         (record,) = records
-        await self._call(self._write_sync, self.path_for(record.name), record)
+        try:
+            await self._call(self._write_sync, self.path_for(record.name), record)
+        except NotADirectoryError as exc:  # a shard that is no folder of the store: this record's failure
+            return [exc]
         return [None]
 
     def _write_sync(self, path: str, record: RecordToWrite) -> None:
         data = record.joined()  # in the pool's thread, not on the tier's loop
+        if self._local:
+            write_local_file(path, data)
+            return
         if self.atomic_put:
             self.fs.pipe_file(path, data)
             return
@@ -279,7 +287,7 @@ class ThreadedObjectBackend(ObjectBackend):
             raise
 
     async def delete(self, names: Sequence[str]) -> list[bool]:
-        await self._call(self.fs.rm_file, self.path_for(names[0]))
+        await self._call(remove_local_file if self._local else self.fs.rm_file, self.path_for(names[0]))
         return [True]  # a missing object raised FileNotFoundError
 
     async def listing(self) -> list[StoredRecord]:
@@ -299,11 +307,12 @@ class ThreadedObjectBackend(ObjectBackend):
         would, and they hold space outside the budget. Only those older than
         :data:`STALE_TEMPORARY_S` (one without a time may be a live writer's)."""
         now = time.time()
+        remove = remove_local_file if self._local else self.fs.rm_file
         for path, info in found.items():
             modified = _modified(info)
             if _TEMPORARY.fullmatch(path.rsplit("/", 1)[-1]) and 0 < modified < now - STALE_TEMPORARY_S:
                 try:
-                    self.fs.rm_file(path)
+                    remove(path)
                 except OSError:
                     pass  # gone already (another process's listing), or not ours to remove
 

@@ -1,4 +1,4 @@
-"""Reads of the object backends that take at most one byte past the engine's record bound.
+"""Reads of the async object backend that take at most one byte past the engine's record bound.
 
 Whatever the store says of an object's size (a listing, a HEAD, a ``Content-Length``,
 a ``Content-Range``) may be missing or wrong: a gateway that answers chunked, ignores
@@ -10,9 +10,6 @@ reported.
 
 from __future__ import annotations
 
-import errno
-import os
-import stat
 from typing import Any
 
 from kvplug.errors import CorruptChunkError
@@ -125,28 +122,5 @@ async def cat_bounded(fs: Any, path: str, bound: int | None) -> bytes | CorruptC
         return whole
     data: bytes = await fs._cat_file(path, start=0, end=bound + 1)
     if len(data) > bound:
-        return over_bound(bound)
-    return data
-
-
-def read_local_file(path: str, bound: int | None) -> bytes | CorruptChunkError:
-    """The record file at ``path`` (``file://``), at most ``bound + 1`` bytes of it. Only a
-    regular file, never through a link: anyone who can write a shared folder could put a
-    FIFO under a record's name (opening it waits for a writer for ever: a pool thread lost
-    per read, and the process could not exit), or a link to a device or another file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return CorruptChunkError("a link, not a record file")
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return CorruptChunkError("not a regular file")
-        with os.fdopen(fd, "rb", closefd=False) as file:
-            data = file.read() if bound is None else file.read(bound + 1)
-    finally:
-        os.close(fd)
-    if bound is not None and len(data) > bound:
         return over_bound(bound)
     return data

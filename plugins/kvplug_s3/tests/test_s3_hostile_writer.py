@@ -154,3 +154,33 @@ def test_a_fifo_under_a_record_name_is_a_corrupt_miss_not_a_hang(tmp_path) -> No
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads(done.stdout.splitlines()[-1])
     assert found == {"misses": True, "good": True, "corrupt": 2, "left": [False, False], "elsewhere": True}
+
+
+def test_a_shard_folder_replaced_by_a_link_is_not_followed(tmp_path) -> None:
+    """``file://``: a shard folder replaced by a link made the tier write its records into (and
+    read and remove them from) the folder it points to, outside the store. Now the records of
+    that shard are not stored (each a dropped put, no failure of the store) and misses."""
+    from kvplug.core.records.frame import pack_record as record_of
+
+    store, outside = tmp_path / "store", tmp_path / "outside"
+    store.mkdir()
+    outside.mkdir()
+    tier = S3Tier(S3Tier.Config(url=f"file://{store}", breaker_failures=2), tier_context(max_record_bytes=BOUND))
+    try:
+        redirected, kept = key_for("redirected"), key_for("kept")
+        digest = hashlib.sha256(redirected.encode()).hexdigest()
+        assert digest[:2] != hashlib.sha256(kept.encode()).hexdigest()[:2]
+        (store / digest[:2]).symlink_to(outside)
+        (outside / "planted").write_bytes(record_of(redirected, value_for("planted", 100)))
+        (outside / "planted").rename(outside / digest)  # a valid record, reachable only through the link
+        assert tier.get([redirected]) == [None]
+        for _ in range(3):
+            tier.put([(redirected, value_for("redirected", 1000)), (kept, value_for("kept", 1000))])
+        assert sorted(p.name for p in outside.iterdir()) == [digest]  # nothing written there
+        got = tier.get([redirected, kept])
+        assert got[0] is None and bytes(got[1]) == value_for("kept", 1000)
+        stats = tier.stats()
+        assert stats.extra["breaker_state"] == "closed" and stats.extra["dropped_puts"] == 3
+        assert (outside / digest).exists() and (store / digest[:2]).is_symlink()
+    finally:
+        tier.close()

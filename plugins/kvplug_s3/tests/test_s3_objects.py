@@ -126,11 +126,10 @@ def test_temporary_files_of_file_urls_are_not_objects(tmp_path) -> None:
 #: A writer that dies between writing its temporary and renaming it into place.
 _KILLED_WRITER = """
 import os, signal, sys
-from fsspec.implementations.local import LocalFileSystem
 from kvplug.testing import tier_context
 from kvplug_s3 import S3Tier
 
-LocalFileSystem.mv = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+os.rename = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
 tier = S3Tier(S3Tier.Config(url="file://" + sys.argv[1]), tier_context())
 tier.put([(sys.argv[2], b"x" * 100_000)])
 """
