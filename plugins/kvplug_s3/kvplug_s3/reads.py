@@ -116,11 +116,30 @@ async def s3_read(fs: Any, path: str, bound: int | None) -> bytes | CorruptChunk
 async def cat_bounded(fs: Any, path: str, bound: int | None) -> bytes | CorruptChunkError:
     """The object at ``path`` from another async fsspec filesystem (gcsfs, adlfs, ...),
     asked for its first ``bound + 1`` bytes only (a ranged read, whatever its listing says
-    of the size); more than ``bound`` bytes back make it corrupt."""
+    of the size); more than ``bound`` bytes back make it corrupt. A range of an empty object
+    is unsatisfiable (HTTP 416, an error of the client library): that is an empty object,
+    not a failure of the store, which anyone who can write the bucket could repeat until
+    the breaker opens."""
     if bound is None:
         whole: bytes = await fs._cat_file(path)
         return whole
-    data: bytes = await fs._cat_file(path, start=0, end=bound + 1)
+    try:
+        data: bytes = await fs._cat_file(path, start=0, end=bound + 1)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        if await _is_empty(fs, path):
+            return b""  # not a record (the tier's checks say so)
+        raise exc
     if len(data) > bound:
         return over_bound(bound)
     return data
+
+
+async def _is_empty(fs: Any, path: str) -> bool:
+    """Whether the store lists the object at ``path`` as empty (``False`` when it cannot say)."""
+    try:
+        info = await fs._info(path)
+    except Exception:
+        return False
+    return bool(info.get("size") == 0)

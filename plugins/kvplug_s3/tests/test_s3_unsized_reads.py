@@ -34,6 +34,10 @@ PROTOCOL = "kvplugobjects"
 SYNC_PROTOCOL = "kvplugsyncobjects"
 
 
+class RangeNotSatisfiable(Exception):
+    """What a client library raises for an HTTP 416 (gcsfs's ``HttpError`` is no ``OSError``)."""
+
+
 class ObjectStoreFS(AsyncFileSystem):  # type: ignore[misc]
     """An async object store in memory, like gcsfs or adlfs: flat keys, whole-object puts,
     ranged reads. Its listing reports ``listed_size`` for every object where that is set
@@ -51,6 +55,9 @@ class ObjectStoreFS(AsyncFileSystem):  # type: ignore[misc]
             data = self.objects[self._strip_protocol(path)]
         except KeyError:
             raise FileNotFoundError(path) from None
+        if not data and (start is not None or end is not None):
+            # A range of an empty object is unsatisfiable (HTTP 416), as GCS and Azure answer.
+            raise RangeNotSatisfiable(f"416 Requested range not satisfiable: {path}")
         part = data[start:end]
         type(self).served += len(part)
         return part
@@ -107,6 +114,27 @@ def test_another_async_protocol_reads_at_most_the_bound(object_store, listed_siz
         assert object_store.served <= 3 * (BOUND + 1), f"the reads took {object_store.served} bytes"
         assert tier.stats().extra["corrupt"] == 1 and planted not in object_store.objects
         assert tier.contains([other, edge]) == [True, True]  # a listing without sizes still finds records
+    finally:
+        tier.close()
+
+
+def test_an_empty_object_on_another_async_protocol_is_a_corrupt_miss(object_store) -> None:
+    """A store refuses a range of an empty object: a record too short (a miss, removed), not a
+    failure of the store (which a writer of the bucket could repeat until the breaker opens)."""
+    tier = S3Tier(
+        S3Tier.Config(url=f"{PROTOCOL}://bucket/cache", breaker_failures=2, retries=0),
+        tier_context(max_record_bytes=BOUND),
+    )
+    try:
+        empty, other = key_for("empty"), key_for("kept")
+        tier.put([(other, value_for("kept", 4096))])
+        for _ in range(3):
+            object_store.objects[object_name("bucket/cache", empty)] = b""
+            assert tier.get([empty]) == [None]
+        stats = tier.stats()
+        assert (stats.extra["corrupt"], stats.extra["breaker_state"]) == (3, "closed")
+        assert object_name("bucket/cache", empty) not in object_store.objects
+        assert bytes(tier.get([other])[0]) == value_for("kept", 4096)
     finally:
         tier.close()
 
