@@ -77,8 +77,7 @@ def seaweedfs_server(written_bytes: int = 2**30) -> Iterator[str]:
     folder; yields the S3 endpoint. The same launcher as kvplug-s3's tests, with room
     for ``written_bytes``: deletes are not vacuumed, so every repeat's objects stay in
     its volumes, and a full server answers puts with InternalError."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "plugins" / "kvplug_s3" / "tests"))
-    from seaweedfs import SeaweedS3
+    from kvplug_s3.testing import SeaweedS3
 
     with tempfile.TemporaryDirectory(prefix="kvplug-bench-weed-") as data:
         volumes = 16 + math.ceil(1.5 * written_bytes / SeaweedS3.VOLUME_BYTES)  # half again: volumes fill unevenly

@@ -38,7 +38,6 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -215,9 +214,7 @@ def default_connector() -> str:
 
 
 def server_section(args: argparse.Namespace) -> dict[str, Any]:
-    # The server helpers are kvplug-sglang's test support (tests/sglang_server.py).
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "kvplug_sglang" / "tests"))
-    from sglang_server import ON_GPU, SGLangServer, kvplug_env, write_random_llama
+    from kvplug_sglang.testing import ON_GPU, SGLangServer, kvplug_env, write_random_llama
 
     size, reps = args.server_tokens, args.server_reps
     rng = random.Random(0)

@@ -102,6 +102,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "check_record_size": ("kvplug.core.records.frame", "check_record_size"),
     "check_socket_file": ("kvplug.core.control_socket", "check_socket_file"),
     "classify_failure": ("kvplug.core.remote.retry", "classify_failure"),
+    "did_you_mean": ("kvplug.core.config.problems", "did_you_mean"),
     "dtype_name": ("kvplug.core.chunk_format", "dtype_name"),
     "get_registry": ("kvplug.core.plugins", "get_registry"),
     "is_mapped_file": ("kvplug.core.tier", "is_mapped_file"),
@@ -128,6 +129,7 @@ if TYPE_CHECKING:
     from kvplug.core.components import ComponentConfig, EmptyConfig, EngineAdapter
     from kvplug.core.config.loader import load_config
     from kvplug.core.config.model import KVPlugConfig
+    from kvplug.core.config.problems import did_you_mean
     from kvplug.core.config_types import (
         BackoffSeconds,
         Bounded,
@@ -277,6 +279,7 @@ __all__ = [
     "classify_failure",
     "control_request_fields",
     "control_socket_path",
+    "did_you_mean",
     "dtype_name",
     "encode_control_request",
     "exchange_control_request",

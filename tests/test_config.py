@@ -170,6 +170,20 @@ def test_a_renamed_setting_names_its_new_name(load) -> None:
     assert load(engine_extra={"kvplug.lookup_budget_s": 0.05}).config.lookup_budget_s == 0.05
 
 
+def test_the_hint_of_an_unknown_key_is_in_the_plugin_api(load) -> None:
+    """An adapter that checks keys of its own (the vLLM connector's settings) gives the hint the
+    core's config errors give, from ``kvplug.did_you_mean``, not a difflib call of its own."""
+    import kvplug
+
+    allowed = ["chunk_size", "max_bytes", "lookup_budget_s"]
+    assert kvplug.did_you_mean("max_byte", allowed) == "did you mean 'max_bytes'? "
+    assert kvplug.did_you_mean("Chunk_Sise", allowed) == "did you mean 'chunk_size'? "
+    assert kvplug.did_you_mean("zzzz", allowed) == ""
+    assert kvplug.did_you_mean("lookup_timeout_ms", allowed).startswith("renamed to 'lookup_budget_s' (in seconds")
+    error = error_of(load, engine_extra={"kvplug.tiers": [{"type": "cpu", "max_byte": "1GiB"}]})
+    assert f"max_byte: unknown key; {kvplug.did_you_mean('max_byte', ['max_bytes'])}allowed" in str(error)
+
+
 def test_bad_env_value(load) -> None:
     error = error_of(load, env={"KVPLUG_CHUNK_SIZE": "eight"})
     assert "chunk_size:" in str(error) and "'eight'" in str(error)

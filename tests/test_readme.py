@@ -97,7 +97,7 @@ RUN_BY: dict[str, list[Evidence]] = {
             f"{SGLANG_SERVER_TEST}::test_radix_backend_hits_after_flush_and_restart",
             ('"--radix-cache-backend", "kvplug"',),
         ),
-        ("plugins/kvplug_sglang/tests/sglang_server.py", ('"sglang.launch_server"', '"--model-path"')),
+        ("plugins/kvplug_sglang/kvplug_sglang/testing.py", ('"sglang.launch_server"', '"--model-path"')),
         ("tests/test_cli.py::test_config_show_names_where_each_value_came_from", ('"KVPLUG_CONFIG"',)),
     ],
 }

@@ -56,8 +56,11 @@ def renamed_to(name: str) -> str:
 
 
 def did_you_mean(name: str, allowed: list[str]) -> str:
-    """``did you mean 'max_bytes'? `` when one of ``allowed`` is close to a misspelled ``name``
-    (or ``renamed ...;`` for a renamed setting), else ``""``."""
+    """The hint of an unknown-key error, as the config errors give it: ``did you mean
+    'max_bytes'? `` when one of ``allowed`` is close to a misspelled ``name`` (difflib's
+    ratio of at least 0.7, ignoring case), ``renamed to 'lookup_budget_s' (...); `` for a
+    core setting renamed before the first release, else ``""``. It ends with a space, to
+    go before the ``allowed: ...`` list."""
     if renamed_to(name):
         return renamed_to(name)
     close = difflib.get_close_matches(name.lower(), [a.lower() for a in allowed], n=1, cutoff=0.7)

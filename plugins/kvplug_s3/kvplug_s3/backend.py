@@ -9,12 +9,14 @@ object is one request, so each gets its own deadline and retries.
 Two implementations:
 
 - :class:`AsyncObjectBackend` calls an async filesystem's coroutines (s3fs's
-  ``_cat_file``, ``_pipe_file``, ``_rm_file``, ``_find``; a ranged GET for sizes)
+  ``_cat_file``, ``_pipe_file``, ``_rm_file``, ``_find``; ranged GETs for sizes and
+  records, see :mod:`kvplug_s3.reads`)
   and frames uploads into reusable buffers (:class:`~kvplug_s3.frames.FrameBuffers`).
 - :class:`ThreadedObjectBackend` runs a sync filesystem (``memory://``, ``file://``)
   on a bounded thread pool; on stores whose writes are not atomic (files) it
   writes a temporary object and renames it into place, so a reader or a crash
-  never leaves a partial object under the final name.
+  never leaves a partial object under the final name; a listing (the start-up scan)
+  removes the temporaries of writers killed before their rename.
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ from __future__ import annotations
 import asyncio
 import datetime
 import re
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from fsspec.implementations.local import LocalFileSystem
+
 from kvplug import (
+    SIZE_UNKNOWN,
     Buffer,
     CallSizes,
     FailureKind,
@@ -40,6 +46,8 @@ from kvplug.errors import CorruptChunkError
 from kvplug_s3.conditional import ConditionalDeletes, ConditionalDeleteUnsupported
 from kvplug_s3.config import S3TierConfig
 from kvplug_s3.frames import FrameBuffers
+from kvplug_s3.local_files import read_local_file, remove_local_file, write_local_file
+from kvplug_s3.reads import cat_bounded, over_bound, s3_error_code, s3_read, s3_size
 
 T = TypeVar("T")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -51,22 +59,12 @@ ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gcs", "gs", "az", "abfs", "abfss
 _LOCATION_ERROR_CODES = frozenset({"NoSuchBucket", "AllAccessDisabled", "AccountProblem", "NotSignedUp"})
 #: Building the client is local work (no network), but slow on a busy machine.
 OPEN_TIMEOUT_S = 60.0
-
-
-def s3_error_code(exc: BaseException) -> str | None:
-    """The S3 error code (``NoSuchKey``, ``NoSuchBucket``, ...) behind an exception
-    that s3fs translated, found on the botocore error it chained; ``None`` when none."""
-    seen: BaseException | None = exc
-    for _ in range(5):  # s3fs chains one level; a little more is harmless
-        if seen is None:
-            return None
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            code = response.get("Error", {}).get("Code")
-            if code:
-                return str(code)
-        seen = seen.__cause__ or seen.__context__
-    return None
+#: A temporary object (a write not yet renamed into place) this old is a killed writer's:
+#: writing one record takes seconds, so no live writer still owns it.
+STALE_TEMPORARY_S = 3600.0
+#: ``.<digest>.tmp-<uuid4 hex>``: see :meth:`ThreadedObjectBackend._write_sync` and
+#: :func:`~kvplug_s3.local_files.write_local_file`.
+_TEMPORARY = re.compile(r"\.[0-9a-f]{64}\.tmp-[0-9a-f]{32}")
 
 
 def classify_s3_failure(exc: BaseException) -> FailureKind:
@@ -143,60 +141,22 @@ class AsyncObjectBackend(ObjectBackend):
         (name,) = names
         path = self.path_for(name)
         if self._is_s3:
-            return [await self._s3_size(path)]
+            size = await s3_size(self.fs, path)
+            return [SIZE_UNKNOWN if size is None else size]
         info = await self.fs._info(path)
         if info.get("type") == "directory":
             raise FileNotFoundError(path)
-        return [int(info.get("size") or 0)]
-
-    async def _s3_size(self, path: str) -> int:
-        # One ranged GET is one round trip, hit or miss: s3fs's _info would HEAD and,
-        # on a miss, list the prefix as a possible directory (a second round trip).
-        # A GET (unlike a HEAD) also tells a missing key from a missing bucket.
-        bucket, key, _ = self.fs.split_path(path)
-        try:
-            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range="bytes=0-0")
-        except OSError as exc:
-            if s3_error_code(exc) in ("InvalidRange", "416"):  # an empty object has no byte 0
-                return 0
-            raise
-        body = response["Body"]
-        try:
-            await body.read()
-        finally:
-            body.close()
-        content_range = str(response.get("ContentRange") or "")  # "bytes 0-0/<size>"
-        total = content_range.rpartition("/")[2]
-        if total.isdigit():
-            return int(total)
-        return int(response.get("ContentLength") or 0)
+        size = info.get("size")
+        return [size if isinstance(size, int) and size >= 0 else SIZE_UNKNOWN]
 
     async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | BaseException | None]:
+        # Read at most one byte past the record bound whatever the store reports of the
+        # object's size (see kvplug_s3.reads); the size hints are not trusted for that.
         (name,) = names
         path = self.path_for(name)
         if self._is_s3:
-            return [await self._s3_read(path)]
-        data: bytes = await self.fs._cat_file(path)
-        return [data]
-
-    async def _s3_read(self, path: str) -> bytes | CorruptChunkError:
-        """One GET (s3fs would HEAD first to decide on ranged reads). An object longer
-        than the tier's ``max_record_bytes`` is corrupt before its body is read: anyone
-        who can write the bucket could otherwise make a reader allocate gigabytes."""
-        bucket, key, _ = self.fs.split_path(path)
-        response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
-        body = response["Body"]
-        try:
-            bound = self._record_bound()
-            length = response.get("ContentLength")
-            if bound is not None and isinstance(length, int) and length > bound:
-                return CorruptChunkError(
-                    f"record is {length} bytes, over the {bound} bytes a record of this store can be"
-                )
-            data: bytes = await body.read()
-            return data
-        finally:
-            body.close()
+            return [await s3_read(self.fs, path, self._record_bound())]
+        return [await cat_bounded(self.fs, path, self._record_bound())]
 
     async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
         (record,) = records
@@ -271,10 +231,15 @@ class ThreadedObjectBackend(ObjectBackend):
         threads: int,
         atomic_put: bool,
         record_bound: Callable[[], int | None] = lambda: None,
+        read_only: bool = False,
     ) -> None:
         super().__init__(fs, root, where)
         self.atomic_put = atomic_put
         self._record_bound = record_bound
+        #: Opened for inspection: a listing removes nothing (not even stale temporaries).
+        self.read_only = read_only
+        #: ``file://``: regular files in real shard folders only (:mod:`kvplug_s3.local_files`).
+        self._local = isinstance(fs, LocalFileSystem)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvplug-s3-io")
 
     async def _call(self, function: Callable[..., T], *args: Any) -> T:
@@ -294,27 +259,34 @@ class ThreadedObjectBackend(ObjectBackend):
     async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | BaseException | None]:
         path = self.path_for(names[0])
         bound = self._record_bound()
+        if self._local:
+            return [await self._call(read_local_file, path, bound)]
         if bound is None:
             data: bytes = await self._call(self.fs.cat_file, path)
             return [data]
 
         def read_bounded() -> bytes | CorruptChunkError:
-            # One byte past the bound tells a record too big without reading the rest of it.
-            with self.fs.open(path, "rb") as file:
+            # One byte past the bound tells a record too big without reading the rest of it;
+            # no cache: a buffered remote file would read a block (5 MiB) ahead.
+            with self.fs.open(path, "rb", cache_type="none") as file:
                 found: bytes = file.read(bound + 1)
-            if len(found) > bound:
-                return CorruptChunkError(f"record is over the {bound} bytes a record of this store can be")
-            return found
+            return over_bound(bound) if len(found) > bound else found
 
         return [await self._call(read_bounded)]
 
     async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
         (record,) = records
-        await self._call(self._write_sync, self.path_for(record.name), record)
+        try:
+            await self._call(self._write_sync, self.path_for(record.name), record)
+        except NotADirectoryError as exc:  # a shard that is no folder of the store: this record's failure
+            return [exc]
         return [None]
 
     def _write_sync(self, path: str, record: RecordToWrite) -> None:
         data = record.joined()  # in the pool's thread, not on the tier's loop
+        if self._local:
+            write_local_file(path, data)
+            return
         if self.atomic_put:
             self.fs.pipe_file(path, data)
             return
@@ -333,18 +305,34 @@ class ThreadedObjectBackend(ObjectBackend):
             raise
 
     async def delete(self, names: Sequence[str]) -> list[bool]:
-        await self._call(self.fs.rm_file, self.path_for(names[0]))
+        await self._call(remove_local_file if self._local else self.fs.rm_file, self.path_for(names[0]))
         return [True]  # a missing object raised FileNotFoundError
 
     async def listing(self) -> list[StoredRecord]:
         def find() -> dict[str, dict[str, Any]]:
             try:
                 found: dict[str, dict[str, Any]] = self.fs.find(self.root, detail=True)
-                return found
             except FileNotFoundError:
                 return {}
+            if not self.read_only:
+                self._remove_stale_temporaries(found)
+            return found
 
         return self._records(await self._call(find))
+
+    def _remove_stale_temporaries(self, found: dict[str, dict[str, Any]]) -> None:
+        """Remove the temporaries of writers killed before their rename: nothing else ever
+        would, and they hold space outside the budget. Only those older than
+        :data:`STALE_TEMPORARY_S` (one without a time may be a live writer's)."""
+        now = time.time()
+        remove = remove_local_file if self._local else self.fs.rm_file
+        for path, info in found.items():
+            modified = _modified(info)
+            if _TEMPORARY.fullmatch(path.rsplit("/", 1)[-1]) and 0 < modified < now - STALE_TEMPORARY_S:
+                try:
+                    remove(path)
+                except OSError:
+                    pass  # gone already (another process's listing), or not ours to remove
 
     async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -354,9 +342,12 @@ def open_object_backend(
     config: S3TierConfig,
     loop: asyncio.AbstractEventLoop,
     record_bound: Callable[[], int | None] = lambda: None,
+    *,
+    read_only: bool = False,
 ) -> ObjectBackend:
     """The backend for ``config.url``, bound to ``loop`` when the filesystem is async;
-    ``record_bound`` gives the tier's ``max_record_bytes`` (see :meth:`AsyncObjectBackend.read`)."""
+    ``record_bound`` gives the tier's ``max_record_bytes`` (see :mod:`kvplug_s3.reads`);
+    ``read_only``: opened for inspection (nothing is removed, see :class:`ThreadedObjectBackend`)."""
     import fsspec
     from fsspec.asyn import AsyncFileSystem
 
@@ -377,7 +368,13 @@ def open_object_backend(
     fs = cls(skip_instance_cache=True, **options)
     threads = min(config.max_concurrency, 16)
     return ThreadedObjectBackend(
-        fs, root, where, threads=threads, atomic_put=protocol in ATOMIC_PUT_PROTOCOLS, record_bound=record_bound
+        fs,
+        root,
+        where,
+        threads=threads,
+        atomic_put=protocol in ATOMIC_PUT_PROTOCOLS,
+        record_bound=record_bound,
+        read_only=read_only,
     )
 
 

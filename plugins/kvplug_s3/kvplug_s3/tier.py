@@ -39,4 +39,6 @@ class S3Tier(RecordTier):
         return s3_location_config(location, options)
 
     def open_backend(self, loop: asyncio.AbstractEventLoop) -> ObjectBackend:
-        return open_object_backend(self.config, loop, record_bound=lambda: self.context.max_record_bytes)
+        return open_object_backend(
+            self.config, loop, record_bound=lambda: self.context.max_record_bytes, read_only=self.context.read_only
+        )

@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from seaweedfs import SeaweedS3
 
-from kvplug_s3.testing import BUCKET, MotoS3
+from kvplug_s3.testing import BUCKET, MotoS3, SeaweedS3
 
 
 @pytest.fixture(scope="session")

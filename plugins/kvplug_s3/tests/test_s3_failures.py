@@ -10,11 +10,20 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from seaweedfs import SeaweedS3, listening_addresses
 
 from kvplug.testing import key_for, tier_context, value_for
 from kvplug_s3 import S3Tier
-from kvplug_s3.testing import BUCKET, FAST_FAILING, FaultProxy, MotoS3, free_port, make_s3_tier, s3_options
+from kvplug_s3.testing import (
+    BUCKET,
+    FAST_FAILING,
+    FaultProxy,
+    MotoS3,
+    SeaweedS3,
+    free_port,
+    listening_addresses,
+    make_s3_tier,
+    s3_options,
+)
 
 KEYS = [key_for(f"trip-{i}") for i in range(4)]
 VALUES = [value_for(f"trip-{i}", 30_000 + i) for i in range(4)]

@@ -17,12 +17,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch  # the engine test needs torch; the tier itself does not
-from seaweedfs import SeaweedS3
 
 from kvplug import CacheEngine, Fingerprint, KVLayout, PagedFormat, PluginRegistry, load_config
 from kvplug.testing import key_for, value_for
 from kvplug_s3 import S3Tier
-from kvplug_s3.testing import FAST_FAILING, FaultProxy, MotoS3, free_port, make_s3_tier, s3_options
+from kvplug_s3.testing import FAST_FAILING, FaultProxy, MotoS3, SeaweedS3, free_port, make_s3_tier, s3_options
 
 #: The engine format this test's caches use, as the vLLM/SGLang adapters declare it (same name: same fingerprints).
 VLLM_FLASH = PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim"))

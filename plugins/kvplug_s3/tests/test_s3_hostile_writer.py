@@ -109,3 +109,81 @@ def test_a_file_over_the_record_bound_is_a_miss_read_no_further(tmp_path) -> Non
         assert planted.exists() and tier.contains([victim]) == [False]
     finally:
         tier.close()
+
+
+#: A FIFO, and a link to one, planted under record names in a ``file://`` store: each read
+#: of them, then a put and get of another key; prints what came back.
+_FIFO_READER = """
+import hashlib, json, os, sys
+from kvplug.testing import key_for, tier_context, value_for
+from kvplug_s3 import S3Tier
+
+root = sys.argv[1]
+tier = S3Tier(S3Tier.Config(url="file://" + root, request_timeout_s=2.0, retries=0), tier_context(max_record_bytes=1 << 20))
+paths = {}
+for name in ("fifo", "link"):
+    digest = hashlib.sha256(key_for(name).encode()).hexdigest()
+    os.makedirs(f"{root}/{digest[:2]}", exist_ok=True)
+    paths[name] = f"{root}/{digest[:2]}/{digest}"
+os.mkfifo(paths["fifo"])
+os.mkfifo(root + "/elsewhere")
+os.symlink(root + "/elsewhere", paths["link"])
+misses = [tier.get([key_for(name)]) for name in ("fifo", "link") for _ in range(20)]
+tier.put([(key_for("good"), value_for("good", 100))])
+good = tier.get([key_for("good")])[0]
+corrupt = tier.stats().extra["corrupt"]
+tier.close()
+print(json.dumps({
+    "misses": all(got == [None] for got in misses),
+    "good": good is not None and bytes(good) == value_for("good", 100),
+    "corrupt": corrupt,
+    "left": [os.path.lexists(path) for path in paths.values()],
+    "elsewhere": os.path.exists(root + "/elsewhere"),
+}))
+"""
+
+
+def test_a_fifo_under_a_record_name_is_a_corrupt_miss_not_a_hang(tmp_path) -> None:
+    """``file://``: opening a FIFO planted under a record name (or a link to one) waited for a
+    writer for ever: each read lost a pool thread (the tier stopped once all were) and the
+    process could not exit. Only regular files are read, never through a link."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _FIFO_READER, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert found == {"misses": True, "good": True, "corrupt": 2, "left": [False, False], "elsewhere": True}
+
+
+def test_a_shard_folder_replaced_by_a_link_is_not_followed(tmp_path) -> None:
+    """``file://``: a shard folder replaced by a link made the tier write its records into (and
+    read and remove them from) the folder it points to, outside the store. Now the records of
+    that shard are not stored (each a dropped put, no failure of the store) and misses."""
+    from kvplug.core.records.frame import pack_record as record_of
+
+    store, outside = tmp_path / "store", tmp_path / "outside"
+    store.mkdir()
+    outside.mkdir()
+    tier = S3Tier(S3Tier.Config(url=f"file://{store}", breaker_failures=2), tier_context(max_record_bytes=BOUND))
+    try:
+        redirected, kept = key_for("redirected"), key_for("kept")
+        digest = hashlib.sha256(redirected.encode()).hexdigest()
+        assert digest[:2] != hashlib.sha256(kept.encode()).hexdigest()[:2]
+        (store / digest[:2]).symlink_to(outside)
+        (outside / "planted").write_bytes(record_of(redirected, value_for("planted", 100)))
+        (outside / "planted").rename(outside / digest)  # a valid record, reachable only through the link
+        assert tier.get([redirected]) == [None]
+        for _ in range(3):
+            tier.put([(redirected, value_for("redirected", 1000)), (kept, value_for("kept", 1000))])
+        assert sorted(p.name for p in outside.iterdir()) == [digest]  # nothing written there
+        got = tier.get([redirected, kept])
+        assert got[0] is None and bytes(got[1]) == value_for("kept", 1000)
+        stats = tier.stats()
+        assert stats.extra["breaker_state"] == "closed" and stats.extra["dropped_puts"] == 3
+        assert (outside / digest).exists() and (store / digest[:2]).is_symlink()
+    finally:
+        tier.close()

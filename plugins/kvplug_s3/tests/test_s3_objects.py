@@ -123,6 +123,51 @@ def test_temporary_files_of_file_urls_are_not_objects(tmp_path) -> None:
     tier.close()
 
 
+#: A writer that dies between writing its temporary and renaming it into place.
+_KILLED_WRITER = """
+import os, signal, sys
+from kvplug.testing import tier_context
+from kvplug_s3 import S3Tier
+
+os.rename = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+tier = S3Tier(S3Tier.Config(url="file://" + sys.argv[1]), tier_context())
+tier.put([(sys.argv[2], b"x" * 100_000)])
+"""
+
+
+def test_temporaries_of_killed_writers_are_removed_when_stale(tmp_path) -> None:
+    """``file://``: a writer killed before its rename left its temporary for ever, outside the
+    budget; a tier's start-up listing removes one an hour old, never a live writer's, and an
+    inspection (read-only) removes nothing."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from kvplug.testing import tier_context
+    from kvplug_s3 import S3Tier
+    from kvplug_s3.backend import STALE_TEMPORARY_S
+
+    killed = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(tmp_path), key_for("killed")], timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    digest = hashlib.sha256(key_for("killed").encode()).hexdigest()
+    [left] = list((tmp_path / digest[:2]).iterdir())
+    assert re.fullmatch(rf"\.{digest}\.tmp-[0-9a-f]{{32}}", left.name)
+    stale = time.time() - STALE_TEMPORARY_S - 60
+    os.utime(left, (stale, stale))
+    live = tmp_path / digest[:2] / f".{digest}.tmp-{'0' * 32}"  # a writer still at work
+    live.write_bytes(b"partial")
+
+    for context in (tier_context(read_only=True), tier_context()):
+        tier = S3Tier(S3Tier.Config(url=f"file://{tmp_path}"), context)
+        tier.flush()  # the start-up listing is done
+        assert list(tier.records()) == []
+        tier.close()
+        assert left.exists() == context.read_only
+    assert live.exists()
+
+
 def test_reused_upload_buffers_never_mix_values(moto_s3) -> None:
     """Values of one size reuse upload buffers: every object still holds its own value."""
     tier = make_s3_tier(moto_s3.endpoint, frame_buffer_bytes=64 * 1024)

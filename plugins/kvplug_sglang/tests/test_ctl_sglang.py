@@ -1,6 +1,6 @@
 """``kvplug ctl`` against a real SGLang CPU server running kvplug as its HiCache storage backend.
 
-The server is ``python -m sglang.launch_server`` (``sglang_server.py``); its scheduler's
+The server is ``python -m sglang.launch_server`` (``kvplug_sglang.testing``); its scheduler's
 ``KVPlugStorage`` serves a control socket in a private folder made for the test, and
 ``kvplug ctl`` runs as the real command line. The prompt's page keys are SGLang's own
 (``get_hash_str``), so ``lookup`` answers what SGLang's cache controller would find.
@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sglang_server import SGLangServer, hicache_args, write_random_llama
 
 from kvplug.core.control.protocol import encode_request as encode_control_request
 from kvplug.testing import run_ctl, send_as_other_user
+from kvplug_sglang.testing import SGLangServer, hicache_args, write_random_llama
 
 pytestmark = pytest.mark.timeout(900)
 PAGE = 64

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang_server import SGLangServer, hicache_args, kvplug_env, write_random_llama
+
+from kvplug_sglang.testing import SGLangServer, hicache_args, kvplug_env, write_random_llama
 
 # Each test starts two or three servers; a loaded 2-core machine takes minutes per start.
 pytestmark = pytest.mark.timeout(1800)

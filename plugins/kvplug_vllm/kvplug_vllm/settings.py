@@ -17,13 +17,12 @@ fields: ``{"kvplug.skip_save": true}``, ``{"kvplug.save_unfull_chunk": true}``, 
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
 
-from kvplug import KVPlugConfig, StorageTier, TimeoutSeconds
+from kvplug import KVPlugConfig, StorageTier, TimeoutSeconds, did_you_mean
 from kvplug.errors import ConfigError, ConfigProblem
 
 PREFIX = "kvplug."
@@ -156,8 +155,7 @@ def _unknown_names(rest: Mapping[str, Any]) -> list[ConfigProblem]:
         first = name.split(".")[0]
         if first in allowed:
             continue
-        close = difflib.get_close_matches(first, allowed, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        hint = did_you_mean(first, allowed)
         problems.append(ConfigProblem(PREFIX + name, value, f"unknown key; {hint}allowed: {', '.join(allowed)}"))
     return problems
 

@@ -1,6 +1,9 @@
-"""A real ``python -m sglang.launch_server`` process on 127.0.0.1, and a tiny random Llama to serve.
+"""kvplug-sglang's test kit: a real ``python -m sglang.launch_server`` process on 127.0.0.1,
+and a tiny random Llama to serve.
 
-Shared by the server tests (CPU and GPU) and ``benchmarks/bench_sglang.py --server``.
+Shared by the server tests (CPU and GPU) and ``benchmarks/bench_sglang.py --server``:
+shipped in the package, like ``kvplug.testing``, so benchmarks import it from an installed
+kvplug-sglang; it needs SGLang, torch and transformers, and no runtime module imports it.
 On a machine without CUDA the server runs on the test-only CPU platform
 (``SGLANG_PLATFORM=kvplug_test_cpu``, package ``tests/sglang_cpu_platform``); on a
 GPU it runs on SGLang's own CUDA platform. Prompts go in as token ids

@@ -1,0 +1,174 @@
+"""For tests of the s3 tier: a TCP proxy on 127.0.0.1 in front of a real S3 server that
+injects network faults (delays, cut connections, refused connections, HTTP 503 answers,
+a hung server). Part of kvplug-s3's test kit (:mod:`kvplug_s3.testing` re-exports it);
+no runtime module imports it."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import threading
+from typing import Any
+
+__all__ = ["FaultProxy", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+#: A request line; not anchored, since a request may follow a body in the same read.
+_REQUEST_LINE = re.compile(rb"(GET|PUT|HEAD|POST|DELETE) /\S* HTTP/1\.1\r\n")
+
+
+class FaultProxy:
+    """A TCP proxy on 127.0.0.1 to ``target_port`` whose behaviour can be switched:
+
+    - ``pass``: forward bytes both ways;
+    - ``delay``: hold every chunk ``delay_s`` seconds before forwarding it;
+    - ``cut``: reset every connection (new and open ones);
+    - ``refuse``: stop listening, so connecting fails with ECONNREFUSED;
+    - ``http503``: answer every request ``HTTP/1.1 503`` itself;
+    - ``hang``: accept connections and read requests, never answer.
+
+    ``requests`` counts the HTTP requests forwarded to the server, per method;
+    ``answered_bytes`` the bytes of the server's answers forwarded to clients;
+    ``swallowed_bytes`` the bytes ``hang`` read and never answered.
+    """
+
+    def __init__(self, target_port: int, *, delay_s: float = 5.0) -> None:
+        self.target_port = target_port
+        self.delay_s = delay_s
+        self.mode = "pass"
+        self.port = free_port()
+        self.connections = 0
+        self.forwarded_bytes = 0
+        self.answered_bytes = 0
+        self.swallowed_bytes = 0
+        self.requests: dict[str, int] = {}
+        self._open: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.base_events.Server | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
+        self._thread.start()
+        self._call(self._listen())
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def set_mode(self, mode: str) -> None:
+        assert mode in ("pass", "delay", "cut", "refuse", "http503", "hang"), mode
+        self._call(self._switch(mode))
+
+    def close(self) -> None:
+        self._call(self._switch("refuse"))
+        self._call(self._end_handlers())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+
+    async def _end_handlers(self) -> None:
+        # Handlers left pending when the loop stops would be reported as destroyed tasks;
+        # their connections were aborted, so they end at their next read.
+        handlers = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        if handlers:
+            await asyncio.wait(handlers, timeout=2)
+
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
+
+    async def _switch(self, mode: str) -> None:
+        self.mode = mode
+        if mode in ("cut", "refuse", "http503", "hang"):
+            for writer in list(self._open):  # open keep-alive connections must see the fault too
+                writer.transport.abort()
+            self._open.clear()
+        if mode == "refuse" and self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        elif mode != "refuse" and self._server is None:
+            await self._listen()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        if self.mode == "cut":
+            writer.transport.abort()
+            return
+        if self.mode == "http503":
+            await self._answer_503(reader, writer)
+            return
+        if self.mode == "hang":
+            self._open.add(writer)
+            while data := await reader.read(1 << 16):
+                self.swallowed_bytes += len(data)
+            self._open.discard(writer)
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._open.update((writer, up_writer))
+        await asyncio.gather(
+            self._pipe(reader, up_writer, count=True),
+            self._pipe(up_reader, writer, answer=True),
+            return_exceptions=True,
+        )
+        for w in (writer, up_writer):
+            self._open.discard(w)
+            w.transport.abort()
+
+    def total_requests(self) -> int:
+        return sum(self.requests.values())
+
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, count: bool = False, answer: bool = False
+    ) -> None:
+        tail = b""
+        while True:
+            data = await reader.read(1 << 16)
+            if not data:
+                break
+            if self.mode == "delay":
+                await asyncio.sleep(self.delay_s)
+            if self.mode != "pass" and self.mode != "delay":
+                break
+            if count:
+                self.forwarded_bytes += len(data)
+                # Request lines, also when one is split across two reads (bodies are
+                # test values, which never hold a request line).
+                window = tail + data
+                for match in _REQUEST_LINE.finditer(window):
+                    if match.end() > len(tail):  # lines wholly in the tail were counted last time
+                        name = match.group(1).decode()
+                        self.requests[name] = self.requests.get(name, 0) + 1
+                tail = window[-200:]
+            if answer:
+                self.answered_bytes += len(data)
+            writer.write(data)
+            await writer.drain()
+        writer.transport.abort()
+
+    @staticmethod
+    async def _answer_503(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError):
+            pass
+        body = b"<?xml version='1.0'?><Error><Code>ServiceUnavailable</Code><Message>injected</Message></Error>"
+        writer.write(
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+        )
+        try:
+            await writer.drain()
+        finally:
+            writer.close()
