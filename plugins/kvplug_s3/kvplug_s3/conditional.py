@@ -20,6 +20,7 @@ import secrets
 from typing import Any
 
 from kvplug import Buffer
+from kvplug_s3.reads import read_body
 
 #: An ETag no object has: a server that honours ``If-Match`` refuses a delete under it.
 _NO_SUCH_ETAG = '"00000000000000000000000000000000"'
@@ -44,19 +45,19 @@ class ConditionalDeletes:
         except FileNotFoundError:
             return False
         body = response["Body"]
-        try:
-            length = response.get("ContentLength")
-            if seen is None:  # found bad unread: still longer than a record can be
-                same = bound is not None and isinstance(length, int) and length > bound
+        try:  # the bytes decide, at most one past what was read or the bound: a reported size is not trusted
+            if seen is None:  # found bad unread (over the bound): still longer than a record can be
+                same = bound is not None and len(await read_body(body, bound + 1)) > bound
             else:
                 view = memoryview(seen).cast("B")
-                # (at most one byte more than was read: a size the server reports is not trusted)
-                same = length == view.nbytes and await body.read(view.nbytes + 1) == view
+                same = await read_body(body, view.nbytes + 1) == view
         finally:
             body.close()
-        etag = response.get("ETag")
-        if not same or not etag:
+        if not same:  # replaced since the read (or it was not bad for this reason)
             return False
+        etag = response.get("ETag")
+        if not etag:
+            raise ConditionalDeleteUnsupported(f"{path}: the server sent no ETag; a corrupt object is kept")
         if not await self._honoured(bucket):
             raise ConditionalDeleteUnsupported(f"s3://{bucket} ignores If-Match on DELETE: corrupt objects are kept")
         try:
