@@ -17,7 +17,7 @@ read it and keep a copy only in their process-private tiers (``trusted_reads``).
 
 A group's record holds the chunk tensor of a ``heads_per_record``-head cache: the
 rank's chunk ``[layers, kv, tokens, heads * head_dim]`` sliced along its heads (for
-packed, ``whole_blocks_only`` formats whose blocks are head-major, like vLLM's CPU layout,
+packed, ``whole_blocks_only`` formats whose blocks are head-major (the usual CPU paged layout),
 the slice is taken per block; a packed format whose blocks are token-major cannot be cut
 by head, so its records hold a rank's heads and are read only by engines holding the same).
 :class:`HeadRecords` does the slicing with one strided copy per record.
