@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from kvplug import RECORD_HEADER_SIZE, Buffer, key_digest
+from kvplug import RECORD_HEADER_SIZE, key_digest
 from kvplug.cli.store import _check_all
 from kvplug.testing import key_for, tier_context, value_for
+from kvplug.testing.corrupt_races import storing_after_gc_read, storing_before_corrupt_removal
 from kvplug_disk import DiskTier, ShmTier, verify_folder
 from kvplug_disk.ledger import LEDGER_NAME
 
@@ -71,22 +72,13 @@ def folder(kind: str, tmp_path: Path, shm_dir: Path) -> Path:
 @pytest.mark.parametrize("truncate", [False, True], ids=["flipped-bit", "truncated"])
 def test_a_good_record_stored_after_the_corrupt_read_is_not_deleted(kind: str, folder: Path, truncate: bool) -> None:
     cls = tier_class(kind)
-    stored_again = []
+    stored_again: list[bool] = []
 
-    class RacedTier(cls):  # type: ignore[valid-type,misc]
-        """Between this tier's read of the bad record and its removal, another process stores a good one."""
+    def store_again() -> None:
+        store_from_another_process(kind, folder)
+        stored_again.append(True)
 
-        def _drop_corrupt(self, corrupt: list[tuple[str, Buffer | None]]) -> None:
-            store_from_another_process(kind, folder)
-            stored_again.append(True)
-            super()._drop_corrupt(corrupt)
-
-        def _delete_quietly(self, names: list[str], *, forget: bool = True) -> None:  # the old path
-            if not stored_again:
-                store_from_another_process(kind, folder)
-                stored_again.append(True)
-            super()._delete_quietly(names, forget=forget)
-
+    RacedTier = storing_before_corrupt_removal(cls, store_again)
     tier = RacedTier(cls.Config(path=folder, queue={"mode": "sync"}), tier_context())
     try:
         tier.put([(KEY, VALUE)])
@@ -124,14 +116,7 @@ def test_gc_keeps_a_good_record_stored_after_it_read_the_corrupt_one(kind: str, 
     writer.close()
     damage(folder)
 
-    class RacedTier(cls):  # type: ignore[valid-type,misc]
-        """``kvplug store gc``'s tier: an engine stores the record again right after gc read it."""
-
-        def read_record(self, digest: str) -> Buffer | None:
-            data = super().read_record(digest)
-            store_from_another_process(kind, folder)
-            return data
-
+    RacedTier = storing_after_gc_read(cls, lambda: store_from_another_process(kind, folder))
     tier = RacedTier(cls.Config(path=folder, max_bytes=1 << 40), tier_context())
     try:
         verdicts = _check_all(tier, remove=True)

@@ -8,9 +8,9 @@ import asyncio
 import hashlib
 import threading
 
-from kvplug import Buffer
 from kvplug.cli.store import _check_all
 from kvplug.testing import key_for, tier_context, value_for
+from kvplug.testing.corrupt_races import storing_after_gc_read, storing_before_corrupt_removal
 from kvplug_s3 import S3Tier
 from kvplug_s3.testing import BUCKET, free_port, s3_options
 
@@ -84,21 +84,10 @@ def test_a_good_record_stored_after_the_corrupt_read_is_not_deleted(s3_server) -
     stored_again: list[bool] = []
 
     def store_again() -> None:
-        if not stored_again:
-            other.put([(KEY, VALUE)])
-            stored_again.append(True)
+        other.put([(KEY, VALUE)])
+        stored_again.append(True)
 
-    class RacedTier(S3Tier):
-        """Between this tier's read of the bad object and its removal, another engine stores a good one."""
-
-        def _drop_corrupt(self, corrupt: list[tuple[str, Buffer | None]]) -> None:
-            store_again()
-            super()._drop_corrupt(corrupt)
-
-        def _delete_quietly(self, names: list[str], *, forget: bool = True) -> None:  # the old path
-            store_again()
-            super()._delete_quietly(names, forget=forget)
-
+    RacedTier = storing_before_corrupt_removal(S3Tier, store_again)
     tier = RacedTier(config(s3_server.endpoint, prefix), tier_context())
     try:
         other.put([(KEY, VALUE)])
@@ -154,14 +143,7 @@ def test_gc_keeps_a_good_record_stored_after_it_read_the_corrupt_one(moto_s3) ->
     other.put([(KEY, VALUE)])
     damage(client, prefix)
 
-    class RacedTier(S3Tier):
-        """``kvplug store gc``'s tier: an engine stores the record again right after gc read it."""
-
-        def read_record(self, digest: str) -> Buffer | None:
-            data = super().read_record(digest)
-            other.put([(KEY, VALUE)])
-            return data
-
+    RacedTier = storing_after_gc_read(S3Tier, lambda: other.put([(KEY, VALUE)]))
     tier = RacedTier(config(moto_s3.endpoint, prefix), tier_context())
     try:
         verdicts = _check_all(tier, remove=True)

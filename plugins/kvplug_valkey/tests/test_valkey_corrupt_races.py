@@ -8,9 +8,10 @@ import pytest
 import valkey
 from valkey_helpers import fresh_prefix
 
-from kvplug import RECORD_HEADER_SIZE, Buffer, TierContext, key_digest
+from kvplug import RECORD_HEADER_SIZE, TierContext, key_digest
 from kvplug.cli.store import _check_all
 from kvplug.testing import key_for, tier_context, value_for
+from kvplug.testing.corrupt_races import storing_after_gc_read, storing_before_corrupt_removal
 from kvplug_valkey import ValkeyTier
 
 KEY = key_for("raced")
@@ -49,21 +50,10 @@ def test_a_good_record_stored_after_the_corrupt_read_is_not_deleted(valkey_serve
     stored_again: list[bool] = []
 
     def store_again() -> None:
-        if not stored_again:
-            other.put([(KEY, VALUE)])
-            stored_again.append(True)
+        other.put([(KEY, VALUE)])
+        stored_again.append(True)
 
-    class RacedTier(ValkeyTier):
-        """Between this tier's read of the bad value and its removal, another client stores a good one."""
-
-        def _drop_corrupt(self, corrupt: list[tuple[str, Buffer | None]]) -> None:
-            store_again()
-            super()._drop_corrupt(corrupt)
-
-        def _delete_quietly(self, names: list[str], *, forget: bool = True) -> None:  # the old path
-            store_again()
-            super()._delete_quietly(names, forget=forget)
-
+    RacedTier = storing_before_corrupt_removal(ValkeyTier, store_again)
     tier = RacedTier(config, context_for(how))
     try:
         other.put([(KEY, VALUE)])
@@ -99,14 +89,7 @@ def test_gc_keeps_a_good_record_stored_after_it_read_the_corrupt_one(valkey_serv
     other.put([(KEY, VALUE)])
     damage(client, name, "flipped-bit")
 
-    class RacedTier(ValkeyTier):
-        """``kvplug store gc``'s tier: an engine stores the record again right after gc read it."""
-
-        def read_record(self, digest: str) -> Buffer | None:
-            data = super().read_record(digest)
-            other.put([(KEY, VALUE)])
-            return data
-
+    RacedTier = storing_after_gc_read(ValkeyTier, lambda: other.put([(KEY, VALUE)]))
     tier = RacedTier(ValkeyTier.Config(url=valkey_server.url, key_prefix=prefix), other.context)
     try:
         verdicts = _check_all(tier, remove=True)
