@@ -25,9 +25,7 @@ trees stay identical.
 
 from __future__ import annotations
 
-import atexit
 import logging
-import weakref
 from array import array
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +44,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 import kvplug
+from kvplug_sglang.at_exit import close_at_exit
 from kvplug_sglang.control import start_control
 from kvplug_sglang.setup_engine import build_cache_engine, model_id_of
 
@@ -95,7 +94,7 @@ class KVPlugRadixCache(RadixCache):
         self.control = start_control(self.engine, name=model_id_of(model_config), tp_rank=tp_rank, tp_size=tp_size)
         self.loaded_tokens = 0
         self.load_failures = 0
-        _close_at_exit(self)
+        close_at_exit(self)  # kvplug's store worker is a daemon thread: queued stores would be lost
 
     # --- load -----------------------------------------------------------------------
 
@@ -217,6 +216,10 @@ class KVPlugRadixCache(RadixCache):
         super().reset()
         self._plans.clear()
 
+    def close(self) -> None:
+        """What :meth:`shutdown` does (the name :func:`close_at_exit` calls)."""
+        self.shutdown()
+
     def shutdown(self) -> None:
         """Write what is queued to the tiers and close them."""
         control = getattr(self, "control", None)
@@ -267,24 +270,3 @@ def _request_of(key: RadixKey) -> kvplug.RequestInfo | None:
     if key.cache_salt is None and key.extra_key is None:
         return None
     return kvplug.RequestInfo(cache_salt=key.cache_salt, lora_id=key.extra_key)
-
-
-_OPEN: weakref.WeakSet[KVPlugRadixCache] = weakref.WeakSet()
-_AT_EXIT: list[bool] = []
-
-
-def _close_at_exit(cache: KVPlugRadixCache) -> None:
-    # kvplug's store worker is a daemon thread: without this, stores still queued
-    # when the scheduler process exits would be lost.
-    if not _AT_EXIT:
-        atexit.register(_close_all)
-        _AT_EXIT.append(True)
-    _OPEN.add(cache)
-
-
-def _close_all() -> None:
-    for cache in list(_OPEN):
-        try:
-            cache.shutdown()
-        except Exception:
-            logger.exception("kvplug: closing the cache engine at exit failed")

@@ -1,0 +1,52 @@
+"""A scheduler-like process for the exit test: it builds ``KVPlugStorage`` as SGLang's
+HiCache controller does, backs pages up to an async disk tier whose writes are slow, and
+returns normally without closing the backend (SGLang's scheduler never does). Prints one
+JSON line: the control socket's path and the page keys."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from test_sglang_hicache import PAGE, make_backend, make_host, page_keys, random_pages
+
+import kvplug
+from kvplug import hookimpl
+from kvplug_disk import DiskTier
+
+
+class SlowDiskTier(DiskTier):
+    """A disk tier whose writes take a while: they are still queued when the process returns."""
+
+    name = "slow_disk"
+
+    def put(self, items: Sequence[tuple[str, Any]]) -> None:
+        time.sleep(0.3)
+        super().put(items)
+
+
+class SlowDiskPlugin:
+    @staticmethod
+    @hookimpl
+    def kvplug_storage_tiers() -> list[type]:
+        return [SlowDiskTier]
+
+
+def main(path: str) -> None:
+    kvplug.get_registry().register(SlowDiskPlugin, "slow-disk-test")
+    tier = {"type": "slow_disk", "path": path, "queue": {"mode": "async"}}
+    host = make_host("layer_first")
+    backend = make_backend(host, {"tiers": [tier]})
+    keys = page_keys(list(range(4 * PAGE)))
+    indices = random_pages(host, len(keys), seed=1)
+    for i, key in enumerate(keys):  # one write each: several are queued behind the slow one
+        backend.batch_set_v1([key], indices[i * PAGE : (i + 1) * PAGE])
+    assert backend.control is not None
+    print(json.dumps({"socket": str(backend.control.path), "keys": keys}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
