@@ -46,6 +46,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 import kvplug
 from kvplug_sglang.at_exit import close_at_exit
 from kvplug_sglang.control import start_control
+from kvplug_sglang.request_keys import RequestKeys, lora_refs_of
 from kvplug_sglang.setup_engine import build_cache_engine, model_id_of
 
 logger = logging.getLogger("kvplug.sglang.radix")
@@ -74,8 +75,11 @@ class KVPlugRadixCache(RadixCache):
         tp_size: int = 1,
         tp_group: dist.ProcessGroup | None = None,
         config: kvplug.KVPlugConfig | None = None,
+        tp_worker: Any = None,
     ) -> None:
         self._plans: dict[CacheRequestHandle, _LoadPlan] = {}
+        #: kvplug's request identity of a radix key (a LoRA adapter by where it was loaded from).
+        self.request_keys = RequestKeys(lora_refs_of(tp_worker))
         super().__init__(params)
         kvcache = self.token_to_kv_pool_allocator.get_kvcache()
         self.kv_caches = list(zip(kvcache.k_buffer, kvcache.v_buffer))
@@ -108,7 +112,7 @@ class KVPlugRadixCache(RadixCache):
         hit = 0
         if len(key) > device_len:
             try:
-                hit = self.engine.lookup(key.raw_token_ids(), request=_request_of(key))
+                hit = self.engine.lookup(key.raw_token_ids(), request=self.request_keys.of(key, req.lora_id))
             except Exception:
                 logger.exception("kvplug lookup failed; treating as a miss")
             hit = min(hit, len(key)) // self.page_size * self.page_size
@@ -135,7 +139,8 @@ class KVPlugRadixCache(RadixCache):
             if self.token_to_kv_pool_allocator.available_size() < need:
                 self.evict(EvictParams(num_tokens=need))
             slots = self.token_to_kv_pool_allocator.alloc(need)
-            ok = slots is not None and self._retrieve(plan, prefix, slots) == need
+            lora_id = getattr(params.req, "lora_id", None)
+            ok = slots is not None and self._retrieve(plan, prefix, slots, lora_id) == need
         if self._agree(int(ok)) == 0:
             if slots is not None:
                 self.token_to_kv_pool_allocator.free(slots)
@@ -151,13 +156,17 @@ class KVPlugRadixCache(RadixCache):
         self.loaded_tokens += need
         return need, result.last_device_node
 
-    def _retrieve(self, plan: _LoadPlan, prefix: torch.Tensor, slots: torch.Tensor) -> int:
+    def _retrieve(self, plan: _LoadPlan, prefix: torch.Tensor, slots: torch.Tensor, lora_id: str | None) -> int:
         mask = torch.ones(plan.hit_len, dtype=torch.bool)
         mask[: plan.device_len] = False
         all_slots = torch.cat([prefix.to(torch.int64).cpu(), slots.to(torch.int64).cpu()])
         try:
             loaded = self.engine.retrieve(
-                plan.key.raw_token_ids(), self.kv_caches, all_slots, mask, request=_request_of(plan.key)
+                plan.key.raw_token_ids(),
+                self.kv_caches,
+                all_slots,
+                mask,
+                request=self.request_keys.of(plan.key, lora_id),
             )
         except Exception:
             logger.exception("kvplug retrieve failed; recomputing")
@@ -172,7 +181,7 @@ class KVPlugRadixCache(RadixCache):
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         super().checkpoint(req, up_to=up_to)
         if not self.disable and req.finished() and req.last_node is not None:
-            self._store_path(req.last_node)
+            self._store_path(req.last_node, req.lora_id)
 
     def _delete_leaf(self, node: TreeNode) -> None:
         # Called by RadixCache.evict right after it returned node.value to the
@@ -181,7 +190,7 @@ class KVPlugRadixCache(RadixCache):
         self._store_path(node)
         super()._delete_leaf(node)
 
-    def _store_path(self, node: TreeNode) -> None:
+    def _store_path(self, node: TreeNode, lora_id: str | None = None) -> None:
         """Store the KV of the whole path root -> ``node`` (kvplug skips chunks it has)."""
         if getattr(node, "_kvplug_stored", False) or self.is_eagle or node is self.root_node:
             return
@@ -195,7 +204,7 @@ class KVPlugRadixCache(RadixCache):
             tokens.extend(key.raw_token_ids())
         slots = self.path_device_indices(node).to(torch.int64)
         try:
-            self.engine.store(tokens, self.kv_caches, slots, request=_request_of(node.key))
+            self.engine.store(tokens, self.kv_caches, slots, request=self.request_keys.of(node.key, lora_id))
         except Exception:
             logger.exception("kvplug store failed; the KV stays on device only")
             return
@@ -263,10 +272,6 @@ def kvplug_radix_cache_factory(ctx: Any) -> KVPlugRadixCache:
         tp_rank=ctx.tp_rank,
         tp_size=ctx.tp_size,
         tp_group=tp_group,
+        tp_worker=ctx.tp_worker,
     )
 
-
-def _request_of(key: RadixKey) -> kvplug.RequestInfo | None:
-    if key.cache_salt is None and key.extra_key is None:
-        return None
-    return kvplug.RequestInfo(cache_salt=key.cache_salt, lora_id=key.extra_key)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -125,6 +126,46 @@ def test_salt_isolates_requests(model_config, kvplug_env) -> None:
         assert lookup(tokens) == 48
         assert lookup(tokens, request=RequestInfo(cache_salt="other-tenant")) == 0
         stack.tree.shutdown()
+
+
+def _lora_worker(*refs: Any) -> Any:
+    """A scheduler's tp_worker as far as the tree reads it: its LoRA manager's ``lora_refs``
+    (``lora_id -> LoRARef``, as ``LoRAManager.load_lora_adapter`` fills it)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model_runner=SimpleNamespace(lora_manager=SimpleNamespace(lora_refs={r.lora_id: r for r in refs})))
+
+
+def test_a_lora_adapter_hits_by_its_source_across_loads_and_never_for_other_weights(
+    model_config, kvplug_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang gives an adapter loaded at runtime a fresh lora_id per load (per server): kvplug
+    keys it by name and source path, so another load of the same path (a restart, another
+    server) hits, and the name loaded from other weights, or from tensors, never does."""
+    from sglang.srt.lora.lora_registry import LoRARef
+
+    monkeypatch.setenv("KVPLUG_TIERS", json.dumps([{"type": "disk", "path": str(tmp_path / "kv")}]))
+    tokens = list(range(400, 449))
+
+    def serve(ref: Any, seed: int, **fields: Any) -> Any:
+        with published_server_args(radix_cache_backend="kvplug") as args:
+            stack = build_stack(args, model_config, tp_worker=_lora_worker(ref))
+            served = serve_request(stack, ref.lora_id, tokens, seed=seed, lora_id=ref.lora_id, **fields)
+            stack.tree.evict(EvictParams(num_tokens=10_000))
+            stack.tree.shutdown()
+            return served
+
+    first = serve(LoRARef(lora_name="sql", lora_path="/adapters/sql-v1"), seed=1)
+    assert first.promised == 0
+    again = serve(LoRARef(lora_name="sql", lora_path="/adapters/sql-v1"), seed=2)  # a new load: a new lora_id
+    assert (again.promised, again.loaded) == (48, 48), "the same adapter path missed under a new lora_id"
+    assert all(torch.equal(a[0][:48], b[0][:48]) and torch.equal(a[1][:48], b[1][:48]) for a, b in zip(first.kv, again.kv))
+    assert serve(LoRARef(lora_name="sql", lora_path="/adapters/sql-v2"), seed=3).promised == 0, "other weights hit"
+    assert serve(LoRARef(lora_name="sql", lora_path="/adapters/sql-v1"), seed=4, extra_key="t2").promised == 0
+    tensors = LoRARef(lora_name="sql", lora_path="__tensor__")
+    assert serve(tensors, seed=5).promised == 0
+    assert serve(LoRARef(lora_name="sql", lora_path="__tensor__"), seed=6).promised == 0, "tensor adapters shared"
+    assert serve(tensors, seed=7).promised == 48, "a per-load key still hits for its own load"
 
 
 def test_new_process_gets_the_hit_from_disk(model_dir: Path, tmp_path: Path) -> None:
