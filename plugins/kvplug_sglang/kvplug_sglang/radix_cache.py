@@ -274,4 +274,3 @@ def kvplug_radix_cache_factory(ctx: Any) -> KVPlugRadixCache:
         tp_group=tp_group,
         tp_worker=ctx.tp_worker,
     )
-

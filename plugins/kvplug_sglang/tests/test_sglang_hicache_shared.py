@@ -145,9 +145,7 @@ def test_servers_of_other_weights_under_one_served_name_never_share_pages(tmp_pa
         backend.close()
 
 
-def test_a_normal_exit_writes_the_queued_pages_and_removes_the_control_socket(
-    socket_dir: Path, tmp_path: Path
-) -> None:
+def test_a_normal_exit_writes_the_queued_pages_and_removes_the_control_socket(socket_dir: Path, tmp_path: Path) -> None:
     """SGLang's scheduler returns at a graceful shutdown without closing its storage backend:
     the backend closes itself at exit, so the pages queued for an async tier are written and
     the control socket file goes with the server."""

@@ -133,7 +133,9 @@ def _lora_worker(*refs: Any) -> Any:
     (``lora_id -> LoRARef``, as ``LoRAManager.load_lora_adapter`` fills it)."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(model_runner=SimpleNamespace(lora_manager=SimpleNamespace(lora_refs={r.lora_id: r for r in refs})))
+    return SimpleNamespace(
+        model_runner=SimpleNamespace(lora_manager=SimpleNamespace(lora_refs={r.lora_id: r for r in refs}))
+    )
 
 
 def test_a_lora_adapter_hits_by_its_source_across_loads_and_never_for_other_weights(
@@ -159,7 +161,9 @@ def test_a_lora_adapter_hits_by_its_source_across_loads_and_never_for_other_weig
     assert first.promised == 0
     again = serve(LoRARef(lora_name="sql", lora_path="/adapters/sql-v1"), seed=2)  # a new load: a new lora_id
     assert (again.promised, again.loaded) == (48, 48), "the same adapter path missed under a new lora_id"
-    assert all(torch.equal(a[0][:48], b[0][:48]) and torch.equal(a[1][:48], b[1][:48]) for a, b in zip(first.kv, again.kv))
+    assert all(
+        torch.equal(a[0][:48], b[0][:48]) and torch.equal(a[1][:48], b[1][:48]) for a, b in zip(first.kv, again.kv)
+    )
     assert serve(LoRARef(lora_name="sql", lora_path="/adapters/sql-v2"), seed=3).promised == 0, "other weights hit"
     assert serve(LoRARef(lora_name="sql", lora_path="/adapters/sql-v1"), seed=4, extra_key="t2").promised == 0
     tensors = LoRARef(lora_name="sql", lora_path="__tensor__")
