@@ -136,9 +136,15 @@ class KVPlugRadixCache(RadixCache):
         ok = len(prefix) == plan.device_len and params.host_hit_length == need
         slots = None
         if ok:
-            if self.token_to_kv_pool_allocator.available_size() < need:
-                self.evict(EvictParams(num_tokens=need))
-            slots = self.token_to_kv_pool_allocator.alloc(need)
+            # The prefix this load extends is not locked yet (the scheduler locks the node this
+            # returns): evicting for room could free its slots and hand them out again below.
+            self.inc_lock_ref(last_node)
+            try:
+                if self.token_to_kv_pool_allocator.available_size() < need:
+                    self.evict(EvictParams(num_tokens=need))
+                slots = self.token_to_kv_pool_allocator.alloc(need)
+            finally:
+                self.dec_lock_ref(last_node)
             lora_id = getattr(params.req, "lora_id", None)
             ok = slots is not None and self._retrieve(plan, prefix, slots, lora_id) == need
         if self._agree(int(ok)) == 0:

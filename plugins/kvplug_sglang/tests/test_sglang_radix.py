@@ -17,6 +17,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.registry import get_radix_cache_factory, registered_radix_cache_backends
 from sglang_flow import build_stack, published_server_args, serve_request
+from sglang_pools import snapshot
 
 from kvplug_sglang.radix_cache import KVPlugRadixCache
 
@@ -111,6 +112,38 @@ def test_corrupt_chunk_between_match_and_load_loads_nothing(
         assert stack.tree.load_failures == 1
         stack.tree.evict(EvictParams(num_tokens=10_000))
         assert stack.allocator.available_size() == start
+        stack.tree.shutdown()
+
+
+def test_a_load_that_must_evict_for_room_never_evicts_the_prefix_it_extends(model_config, kvplug_env) -> None:
+    """The scheduler locks a request's prefix only after init_load_back: the room the load
+    evicts for must not come from that prefix, whose slots would be handed out again and
+    written over by the load (a hit of wrong KV, slots in the tree twice)."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    tokens = list(range(100, 149))
+    with published_server_args(radix_cache_backend="kvplug") as args:
+        stack = build_stack(args, model_config, size=64)
+        stored = serve_request(stack, "a", tokens, seed=1)
+        stack.tree.evict(EvictParams(num_tokens=10_000))
+        serve_request(stack, "b", tokens[:17], seed=2)  # 16 tokens loaded from kvplug, 1 computed
+        held = stack.allocator.alloc(stack.allocator.available_size() - 20)  # running requests' slots
+        req = Req("c", "", array("q", tokens), SamplingParams(max_new_tokens=1))
+        req.output_ids = array("q")
+        req.init_next_round_input(stack.tree)
+        assert (req.prefix_len, req.host_hit_length) == (17, 31)  # 31 slots needed, 20 free
+        _, node = stack.tree.init_load_back(
+            InitLoadBackParams(best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req)
+        )
+        path = stack.tree.path_device_indices(node)
+        assert len(set(path.tolist())) == len(path), "the tree holds a slot twice"
+        for (k, v), (k0, v0) in zip(snapshot(stack.pool, path[:16]), stored.kv):
+            assert torch.equal(k, k0[:16]) and torch.equal(v, v0[:16]), "the prefix's KV was overwritten"
+        stack.allocator.free(held)
         stack.tree.shutdown()
 
 
