@@ -19,8 +19,10 @@ way) extends — plus three things:
   but not yet reused when ``_delete_leaf`` runs), so kvplug keeps the data.
 
 With tensor parallelism every rank runs this tree; hit lengths and load results
-are agreed with an all_reduce MIN over the TP group's CPU (gloo) group so the
-trees stay identical.
+are agreed with an all_reduce MIN over the CPU (gloo) group of the ranks that run
+the same batches (SGLang's ``tp_cache_group``: with attention DP, one DP rank's
+attention-TP group) so their trees stay identical. A rank's pool holds the KV heads
+of its attention-TP rank, which its keys name.
 """
 
 from __future__ import annotations
@@ -76,7 +78,12 @@ class KVPlugRadixCache(RadixCache):
         tp_group: dist.ProcessGroup | None = None,
         config: kvplug.KVPlugConfig | None = None,
         tp_worker: Any = None,
+        attn_tp: tuple[int, int] | None = None,
     ) -> None:
+        """``tp_rank``/``tp_size``: the rank's place in the TP group (its control socket);
+        ``attn_tp``: its attention-TP rank and size, whose KV heads the pool holds (default
+        ``tp_rank``, ``tp_size``); ``tp_group``: the ranks that run the same batches."""
+        heads_rank, heads_size = attn_tp if attn_tp is not None else (tp_rank, tp_size)
         self._plans: dict[CacheRequestHandle, _LoadPlan] = {}
         #: kvplug's request identity of a radix key (a LoRA adapter by where it was loaded from).
         self.request_keys = RequestKeys(lora_refs_of(tp_worker))
@@ -87,14 +94,15 @@ class KVPlugRadixCache(RadixCache):
             model_config=model_config,
             k_pool=kvcache.k_buffer,
             v_pool=kvcache.v_buffer,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+            tp_rank=heads_rank,
+            tp_size=heads_size,
             page_size=self.page_size,
             config=config,
             first_layer=int(getattr(kvcache, "start_layer", 0) or 0),  # a pipeline stage's layers
         )
-        self.tp_size = tp_size
         self.tp_group = tp_group
+        #: How many ranks agree on every hit and load (this one alone: 1).
+        self.agreeing = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.control = start_control(self.engine, name=model_id_of(model_config), tp_rank=tp_rank, tp_size=tp_size)
         self.loaded_tokens = 0
         self.load_failures = 0
@@ -246,8 +254,8 @@ class KVPlugRadixCache(RadixCache):
             engine.close()
 
     def _agree(self, local: int) -> int:
-        """The minimum of ``local`` over the TP ranks (identity without TP)."""
-        if self.tp_size == 1 or self.tp_group is None:
+        """The minimum of ``local`` over the ranks running this batch (identity alone)."""
+        if self.agreeing == 1 or self.tp_group is None:
             return local
         tensor = torch.tensor([local], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.tp_group)
@@ -271,7 +279,9 @@ def kvplug_radix_cache_factory(ctx: Any) -> KVPlugRadixCache:
     ]
     if unsupported:
         raise ValueError(f"--radix-cache-backend {BACKEND_NAME} does not support {', '.join(unsupported)}")
-    tp_group = getattr(ctx.tp_group, "cpu_group", ctx.tp_group)
+    # The ranks that run one batch: with attention DP each DP rank runs its own, and a
+    # collective over the whole TP group would pair one rank's calls with another's.
+    tp_group = ctx.params.tp_cache_group or getattr(ctx.tp_group, "cpu_group", ctx.tp_group)
     return KVPlugRadixCache(
         ctx.params,
         model_config=ctx.model_config,
@@ -279,4 +289,17 @@ def kvplug_radix_cache_factory(ctx: Any) -> KVPlugRadixCache:
         tp_size=ctx.tp_size,
         tp_group=tp_group,
         tp_worker=ctx.tp_worker,
+        attn_tp=_attention_tp(ctx),
     )
+
+
+def _attention_tp(ctx: Any) -> tuple[int, int]:
+    """This rank's attention-TP rank and size: with attention DP or CP its pool holds the
+    heads of that rank (CP peers hold the same KV: SGLang all-gathers it before writing)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        parallel = get_parallel()
+        return int(parallel.attn_tp_rank), int(parallel.attn_tp_size)
+    except (RuntimeError, ValueError):  # no parallel config published in this process
+        return int(ctx.tp_rank), int(ctx.tp_size)

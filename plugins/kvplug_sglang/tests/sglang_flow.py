@@ -60,11 +60,13 @@ def build_stack(
     page_size: int = 1,
     size: int = 256,
     tp_worker: Any = None,
+    tp_size: int = 1,
     **pool_kinds: bool,
 ) -> Stack:
     """A radix cache as SGLang's scheduler builds it; ``pool_kinds`` sets the context's model
     flags (``is_hybrid_swa``, ``is_hybrid_ssm``, ``is_dsa``); ``tp_worker``: the scheduler's
-    (the tree reads its LoRA manager's adapters)."""
+    (the tree reads its LoRA manager's adapters); ``tp_size``: the TP width the scheduler passes
+    (rank 0 of it), whatever the pool's attention-TP width."""
     pool = make_pool(size=size, page_size=page_size)
     if page_size == 1:
         allocator = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", pool, False)
@@ -82,7 +84,7 @@ def build_stack(
         disable_radix_cache=False,
         tp_worker=tp_worker,
         model_config=model_config,
-        tp_size=1,
+        tp_size=tp_size,
         tp_rank=0,
         tp_group=None,
     )

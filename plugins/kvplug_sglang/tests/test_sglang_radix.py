@@ -147,6 +147,25 @@ def test_a_load_that_must_evict_for_room_never_evicts_the_prefix_it_extends(mode
         stack.tree.shutdown()
 
 
+@pytest.mark.parametrize(
+    "parallel",
+    [{"enable_dp_attention": True, "dp_size": 2}, {"attn_cp_size": 2}],
+    ids=["dp_attention", "attention_cp"],
+)
+def test_a_pool_of_attention_tp_heads_starts_and_hits(model_config, kvplug_env, parallel: dict) -> None:
+    """With attention DP or CP, a rank's pool holds the heads of its attention-TP rank
+    (here all of them: attention TP 1 of TP 2), not of its TP rank: the backend keys and
+    checks the pool by those."""
+    with published_server_args(radix_cache_backend="kvplug", tp_size=2, **parallel) as args:
+        stack = build_stack(args, model_config, tp_size=2)
+        tokens = list(range(600, 649))
+        serve_request(stack, "a", tokens, seed=1)
+        stack.tree.evict(EvictParams(num_tokens=10_000))
+        assert serve_request(stack, "b", tokens, seed=2).loaded == 48
+        assert (stack.tree.engine.fingerprint.tp_rank, stack.tree.engine.fingerprint.tp_size) == (0, 1)
+        stack.tree.shutdown()
+
+
 def test_salt_isolates_requests(model_config, kvplug_env) -> None:
     with published_server_args(radix_cache_backend="kvplug") as args:
         stack = build_stack(args, model_config)
