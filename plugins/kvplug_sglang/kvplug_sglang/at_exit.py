@@ -1,9 +1,11 @@
 """Closing kvplug's SGLang objects when their process exits normally.
 
-SGLang never closes a radix cache or a HiCache storage backend at a graceful shutdown (its
-scheduler leaves the event loop and the process returns). kvplug's store workers, async
-tier writers and control server are daemon threads: without a close, writes still queued
-are lost and the control socket file stays behind.
+At a graceful shutdown SGLang's scheduler leaves its event loop and the process returns.
+SGLang closes a HiCache storage backend then only where its HiCache tree registered its
+own exit hook; the decode side's KV offload manager never does, and a radix cache has no
+close at all. kvplug's store workers, async tier writers and control server are daemon
+threads: without a close, writes still queued are lost and the control socket file stays
+behind. Closing twice does nothing.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """A scheduler-like process for the exit test: it builds ``KVPlugStorage`` as SGLang's
 HiCache controller does, backs pages up to an async disk tier whose writes are slow, and
-returns normally without closing the backend (SGLang's scheduler never does). Prints one
+returns normally without closing the backend (as SGLang's decode-side KV offload manager
+builds and leaves one). Prints one
 JSON line: the control socket's path and the page keys."""
 
 from __future__ import annotations

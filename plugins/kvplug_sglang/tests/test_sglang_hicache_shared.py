@@ -146,9 +146,9 @@ def test_servers_of_other_weights_under_one_served_name_never_share_pages(tmp_pa
 
 
 def test_a_normal_exit_writes_the_queued_pages_and_removes_the_control_socket(socket_dir: Path, tmp_path: Path) -> None:
-    """SGLang's scheduler returns at a graceful shutdown without closing its storage backend:
-    the backend closes itself at exit, so the pages queued for an async tier are written and
-    the control socket file goes with the server."""
+    """A storage backend whose owner never closes it (SGLang's decode-side KV offload manager;
+    only its HiCache tree closes one at exit): the backend closes itself at a normal exit,
+    so the pages queued for an async tier are written and the control socket file goes."""
     import json
     import os
     import subprocess
