@@ -120,7 +120,7 @@ class KVPlugRadixCache(RadixCache):
         hit = 0
         if len(key) > device_len:
             try:
-                hit = self.engine.lookup(key.raw_token_ids(), request=self.request_keys.of(key, req.lora_id))
+                hit = self.engine.lookup(key.raw_token_ids(), request=self.request_keys.for_request(key, req.lora_id))
             except Exception:
                 logger.exception("kvplug lookup failed; treating as a miss")
             hit = min(hit, len(key)) // self.page_size * self.page_size
@@ -180,7 +180,7 @@ class KVPlugRadixCache(RadixCache):
                 self.kv_caches,
                 all_slots,
                 mask,
-                request=self.request_keys.of(plan.key, lora_id),
+                request=self.request_keys.for_request(plan.key, lora_id),
             )
         except Exception:
             logger.exception("kvplug retrieve failed; recomputing")
@@ -195,7 +195,7 @@ class KVPlugRadixCache(RadixCache):
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         super().checkpoint(req, up_to=up_to)
         if not self.disable and req.finished() and req.last_node is not None:
-            self._store_path(req.last_node, req.lora_id)
+            self._store_path(req.last_node, req)
 
     def _delete_leaf(self, node: TreeNode) -> None:
         # Called by RadixCache.evict right after it returned node.value to the
@@ -204,7 +204,7 @@ class KVPlugRadixCache(RadixCache):
         self._store_path(node)
         super()._delete_leaf(node)
 
-    def _store_path(self, node: TreeNode, lora_id: str | None = None) -> None:
+    def _store_path(self, node: TreeNode, req: Any = None) -> None:
         """Store the KV of the whole path root -> ``node`` (kvplug skips chunks it has)."""
         if getattr(node, "_kvplug_stored", False) or self.is_eagle or node is self.root_node:
             return
@@ -218,11 +218,17 @@ class KVPlugRadixCache(RadixCache):
             tokens.extend(key.raw_token_ids())
         slots = self.path_device_indices(node).to(torch.int64)
         try:
-            self.engine.store(tokens, self.kv_caches, slots, request=self.request_keys.of(node.key, lora_id))
+            self.engine.store(tokens, self.kv_caches, slots, request=self._request_of(node.key, req))
         except Exception:
             logger.exception("kvplug store failed; the KV stays on device only")
             return
         node._kvplug_stored = True
+
+    def _request_of(self, key: RadixKey, req: Any) -> kvplug.RequestInfo | None:
+        """``key``'s identity: by its request, or (``req`` None: an evicted node) as one resolved it."""
+        if req is None:
+            return self.request_keys.for_node(key)
+        return self.request_keys.for_request(key, req.lora_id)
 
     # --- lifecycle ------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ _TENSOR_SOURCE = "__tensor__"
 
 @dataclass(frozen=True)
 class _Adapter:
+    lora_id: str
     name: str
     source: str
     rest: str  # the extra_key without the LoRA id (the caller's own part, SGLang's namespaces)
@@ -47,8 +48,11 @@ class RequestKeys:
     """:class:`kvplug.RequestInfo` of SGLang radix keys, LoRA adapters keyed by their source.
 
     A radix node carries only its key (``extra_key`` with the LoRA id in it); the request
-    that matched it names the id. What each ``extra_key`` resolved to is remembered (the
-    ``limit`` most recent), so a node stored after its adapter was unloaded keeps its keys.
+    that matched it names the id. What each ``extra_key`` resolved to for a request is
+    remembered (the ``limit`` most recent), so a node stored later (evicted, maybe after its
+    adapter was unloaded) keeps its keys. A request is keyed by its own ``lora_id`` alone: a
+    request without one whose ``extra_key`` (which clients set) spells an adapter's is never
+    keyed as that adapter.
     """
 
     def __init__(self, lora_refs: Callable[[], Mapping[str, Any]], *, limit: int = 4096) -> None:
@@ -56,12 +60,25 @@ class RequestKeys:
         self._limit = limit
         self._adapters: OrderedDict[str, _Adapter] = OrderedDict()
 
-    def of(self, key: Any, lora_id: str | None = None) -> kvplug.RequestInfo | None:
-        """The identity of radix key ``key``; ``lora_id``: the request's (``Req.lora_id``), when known."""
+    def for_request(self, key: Any, lora_id: str | None) -> kvplug.RequestInfo | None:
+        """The identity of a request's radix key ``key``; ``lora_id``: its ``Req.lora_id``."""
+        known = self._adapters.get(key.extra_key) if key.extra_key else None
+        if known is not None and known.lora_id == lora_id:
+            self._adapters.move_to_end(key.extra_key)
+        else:
+            known = self._resolve(key.extra_key, lora_id) if key.extra_key and lora_id else None
+        return self._info(key, known)
+
+    def for_node(self, key: Any) -> kvplug.RequestInfo | None:
+        """The identity of a radix node's key, as a request with that key resolved it."""
+        known = self._adapters.get(key.extra_key) if key.extra_key else None
+        return self._info(key, known)
+
+    @staticmethod
+    def _info(key: Any, adapter: _Adapter | None) -> kvplug.RequestInfo | None:
         extra_key, salt = key.extra_key, key.cache_salt
         if extra_key is None and salt is None:
             return None
-        adapter = self._adapter(extra_key, lora_id) if extra_key else None
         if adapter is None:
             return kvplug.RequestInfo(cache_salt=salt, lora_id=extra_key)
         extra = [kvplug.ExtraKey.adapter_source(adapter.source)]
@@ -69,12 +86,8 @@ class RequestKeys:
             extra.append(kvplug.ExtraKey(0, 1, "extra_key:" + hashlib.sha256(adapter.rest.encode()).hexdigest()))
         return kvplug.RequestInfo(cache_salt=salt, lora_id=adapter.name, extra_keys=tuple(extra))
 
-    def _adapter(self, extra_key: str, lora_id: str | None) -> _Adapter | None:
-        known = self._adapters.get(extra_key)
-        if known is not None:
-            self._adapters.move_to_end(extra_key)
-            return known
-        if not lora_id or lora_id not in extra_key:
+    def _resolve(self, extra_key: str, lora_id: str) -> _Adapter | None:
+        if lora_id not in extra_key:
             return None
         ref = self._lora_refs().get(lora_id)
         source = getattr(ref, "lora_path", None)
@@ -82,7 +95,7 @@ class RequestKeys:
         if not source or source == _TENSOR_SOURCE or not name:
             return None
         before, _, after = extra_key.rpartition(lora_id)
-        adapter = _Adapter(str(name), str(source), before + after)
+        adapter = _Adapter(lora_id, str(name), str(source), before + after)
         self._adapters[extra_key] = adapter
         while len(self._adapters) > self._limit:
             self._adapters.popitem(last=False)

@@ -223,6 +223,16 @@ def test_a_lora_adapter_hits_by_its_source_across_loads_and_never_for_other_weig
     assert serve(LoRARef(lora_name="sql", lora_path="__tensor__"), seed=6).promised == 0, "tensor adapters shared"
     assert serve(tensors, seed=7).promised == 48, "a per-load key still hits for its own load"
 
+    # A client sets extra_key: one that spells a loaded adapter's namespace, on a request
+    # without that adapter, is not keyed as the adapter (nor its evicted nodes).
+    ref = LoRARef(lora_name="sql", lora_path="/adapters/sql-v1")
+    with published_server_args(radix_cache_backend="kvplug") as args:
+        stack = build_stack(args, model_config, tp_worker=_lora_worker(ref))
+        serve_request(stack, "lora", tokens, seed=8, lora_id=ref.lora_id)
+        stack.tree.evict(EvictParams(num_tokens=10_000))
+        assert serve_request(stack, "spelled", tokens, seed=9, extra_key=ref.lora_id).promised == 0
+        stack.tree.shutdown()
+
 
 def test_new_process_gets_the_hit_from_disk(model_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
