@@ -26,11 +26,18 @@ _OPEN: weakref.WeakSet[Closeable] = weakref.WeakSet()
 _REGISTERED: list[bool] = []
 
 
-def close_at_exit(thing: Closeable) -> None:
-    """Call ``thing.close()`` at a normal exit of this process, unless it is gone by then."""
+def register_exit_hook() -> None:
+    """Register the exit hook now (once per process). Exit hooks run last registered first:
+    registered before SGLang builds its caches (when it loads its plugins), it runs after
+    SGLang's own, which stop SGLang's storage threads before they close a backend."""
     if not _REGISTERED:
         atexit.register(_close_all)
         _REGISTERED.append(True)
+
+
+def close_at_exit(thing: Closeable) -> None:
+    """Call ``thing.close()`` at a normal exit of this process, unless it is gone by then."""
+    register_exit_hook()
     _OPEN.add(thing)
 
 

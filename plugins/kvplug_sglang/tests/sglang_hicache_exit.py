@@ -6,10 +6,12 @@ JSON line: the control socket's path and the page keys."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from test_sglang_hicache import PAGE, make_backend, make_host, page_keys, random_pages
@@ -36,8 +38,17 @@ class SlowDiskPlugin:
         return [SlowDiskTier]
 
 
-def main(path: str) -> None:
+def main(path: str, owner: str) -> None:
+    """``owner``: ``none`` (nothing closes the backend, as SGLang's decode-side KV offload
+    manager), or ``sglang`` (an exit hook registered after SGLang loaded its plugins and
+    before the backend was built closes it, as SGLang's HiCache tree does: it must find the
+    backend still open, its own storage threads being stopped first)."""
     kvplug.get_registry().register(SlowDiskPlugin, "slow-disk-test")
+    if owner == "sglang":
+        from kvplug_sglang.plugin import register
+
+        register()  # what SGLang's load_plugins() does first in a scheduler process
+        atexit.register(lambda: _owner_closes(backend, path))
     tier = {"type": "slow_disk", "path": path, "queue": {"mode": "async"}}
     host = make_host("layer_first")
     backend = make_backend(host, {"tiers": [tier]})
@@ -49,5 +60,10 @@ def main(path: str) -> None:
     print(json.dumps({"socket": str(backend.control.path), "keys": keys}), flush=True)
 
 
+def _owner_closes(backend: Any, path: str) -> None:
+    Path(path, "owner-found").write_text("open" if backend.control is not None else "closed")
+    backend.close()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])
