@@ -239,7 +239,8 @@ class KVPlugRadixCache(RadixCache):
         self._plans.pop(handle, None)
 
     def flush_pending_backups(self) -> None:
-        self.engine.flush()
+        """Nothing to submit: a store is queued to kvplug's worker as it is made. (SGLang calls
+        this after every batch; waiting here for the tiers stalled serving on a slow one.)"""
 
     def reset(self) -> None:
         super().reset()

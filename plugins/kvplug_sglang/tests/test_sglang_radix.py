@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from sglang.srt.mem_cache.registry import get_radix_cache_factory, registered_ra
 from sglang_flow import build_stack, published_server_args, serve_request
 from sglang_pools import snapshot
 
+import kvplug
+from kvplug_cpu import CPUTier
 from kvplug_sglang.radix_cache import KVPlugRadixCache
 
 HERE = Path(__file__).parent
@@ -164,6 +167,53 @@ def test_a_pool_of_attention_tp_heads_starts_and_hits(model_config, kvplug_env, 
         assert serve_request(stack, "b", tokens, seed=2).loaded == 48
         assert (stack.tree.engine.fingerprint.tp_rank, stack.tree.engine.fingerprint.tp_size) == (0, 1)
         stack.tree.shutdown()
+
+
+_GATE = threading.Event()
+
+
+class _GatedTier(CPUTier):
+    """A cpu tier whose writes wait until the test opens the gate (a remote that does not answer)."""
+
+    name = "gated_cpu"
+
+    def put(self, items: Any) -> None:
+        _GATE.wait(timeout=300)
+        super().put(items)
+
+
+class _GatedPlugin:
+    @staticmethod
+    @kvplug.hookimpl
+    def kvplug_storage_tiers() -> list[type]:
+        return [_GatedTier]
+
+
+def test_the_scheduler_step_never_waits_for_the_tiers(
+    model_config, kvplug_env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang calls flush_pending_backups after every batch ("submit queued host backups"):
+    kvplug's store worker writes in the background, so it must not wait for a tier whose
+    write does not finish (a slow or unreachable remote)."""
+    registry = kvplug.get_registry()
+    if not registry.pm.has_plugin("gated-cpu-test"):
+        registry.register(_GatedPlugin, "gated-cpu-test")
+    _GATE.clear()
+    monkeypatch.setenv("KVPLUG_STORE__QUEUE__MODE", "async")
+    monkeypatch.setenv("KVPLUG_TIERS", json.dumps([{"type": "gated_cpu", "queue": {"mode": "async"}}]))
+    try:
+        with published_server_args(radix_cache_backend="kvplug") as args:
+            stack = build_stack(args, model_config)
+            serve_request(stack, "a", list(range(800, 849)), seed=1)  # its store waits at the gate
+            step = threading.Thread(target=stack.tree.flush_pending_backups, daemon=True)
+            step.start()
+            step.join(timeout=60)
+            blocked = step.is_alive()
+            _GATE.set()
+            assert not blocked, "the scheduler step waited for a tier write"
+            stack.tree.shutdown()  # an exit still writes what is queued
+    finally:
+        _GATE.set()
 
 
 def test_salt_isolates_requests(model_config, kvplug_env) -> None:
