@@ -184,6 +184,12 @@ class KVPlugLayerwiseConnector(KVPlugConnector):
     ``load_kv_layerwise(l)`` makes sure layers up to ``l + 1`` are written (call
     it as layer ``l`` starts computing). ``tp_group`` is the tensor-parallel
     process group (any backend; gloo works on CPU).
+
+    The loads started before a forward belong to it alone: a forward that ends before its
+    last layer (aborted) must not have its loads written into slots freed and reused since.
+    ``cancel_loads()`` drops them; without it, the next ``start_load_kv`` after a forward
+    began, or a ``load_kv_layerwise`` call that goes back to an earlier layer (a new
+    forward), drops them too.
     """
 
     def __init__(self, *args: Any, tp_group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
@@ -191,6 +197,8 @@ class KVPlugLayerwiseConnector(KVPlugConnector):
         self.tp_group = tp_group
         # [LayerwiseRetrieve, next layer it writes] of loads still in progress
         self._loads: list[list[Any]] = []
+        #: The layer of the forward in progress (its last load_kv_layerwise call), -1: none.
+        self._layer = -1
 
     @torch.no_grad()
     def global_min_tokens(
@@ -211,6 +219,8 @@ class KVPlugLayerwiseConnector(KVPlugConnector):
         slots; those tokens are reported not loaded, so the engine recomputes them.
         """
         tokens, slots, mask = self._load_args(meta)
+        if self._layer >= 0:  # a forward ran since the last start: its unfinished loads are stale
+            self.cancel_loads()
         request = _request(meta.cache_salt)
         loading = None
         local = meta.offset
@@ -235,12 +245,23 @@ class KVPlugLayerwiseConnector(KVPlugConnector):
 
     def load_kv_layerwise(self, layer_id: int) -> None:
         """Write every started load's layers up to ``layer_id + 1``."""
+        if layer_id <= self._layer:  # a new forward, and the last one never reached its end
+            self.cancel_loads()
+        self._layer = -1 if layer_id >= self.num_layers - 1 else layer_id
         last = min(layer_id + 1, self.num_layers - 1)
         for state in self._loads:
             while state[1] <= last:
                 next(state[0])
                 state[1] += 1
         self._loads = [state for state in self._loads if state[1] < self.num_layers]
+
+    def cancel_loads(self) -> None:
+        """Drop the loads of a forward that ended before its last layer: their slots may be
+        freed and given to other requests, whose KV the rest of the load would overwrite."""
+        if self._loads:
+            logger.warning("kvplug: %d layer-wise loads of an unfinished forward dropped", len(self._loads))
+        self._loads = []
+        self._layer = -1
 
     def store_kv(self, meta: StoreMetadata) -> None:
         """Store layer by layer (each layer's copy is done before the next starts)."""

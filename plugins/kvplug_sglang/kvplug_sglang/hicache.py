@@ -45,6 +45,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 import kvplug
 from kvplug import ChunkStore, ControlServer
 from kvplug.errors import LayoutError
+from kvplug_sglang.at_exit import close_at_exit
 from kvplug_sglang.control import HiCacheControl, start_control
 from kvplug_sglang.host_pages import HostPageFormat
 
@@ -86,6 +87,7 @@ class KVPlugStorage(HiCacheStorage):
         self.target: HiCacheControl | None = None
         self.control: ControlServer | None = None
         self._unsupported_pools: set[str] = set()
+        self._closed = False
 
     # --- registration -----------------------------------------------------------------
 
@@ -124,6 +126,7 @@ class KVPlugStorage(HiCacheStorage):
         self.page_format = page_format
         self.target = target = HiCacheControl(self, self.store, page_format.indices_per_page)
         self.control = start_control(target, name=self.name, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size)
+        close_at_exit(self)  # not every SGLang owner of a storage backend closes it at exit
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
@@ -286,10 +289,13 @@ class KVPlugStorage(HiCacheStorage):
             self.store.flush()
 
     def close(self) -> None:
+        """Stop the control server (its socket file removed) and close the tiers, after
+        their queued writes; a second call does nothing."""
         if self.control is not None:
             self.control.close()
             self.control = None
-        if self.store is not None:
+        if self.store is not None and not self._closed:
+            self._closed = True
             self.store.close()
 
     def _check_ready(self) -> None:

@@ -17,8 +17,10 @@ def register() -> None:
     """Register the radix-cache backend ``kvplug`` with SGLang (idempotent)."""
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
+    from kvplug_sglang.at_exit import register_exit_hook
     from kvplug_sglang.radix_cache import BACKEND_NAME, kvplug_radix_cache_factory
 
+    register_exit_hook()
     existing = get_radix_cache_factory(BACKEND_NAME)
     if existing is kvplug_radix_cache_factory:
         return

@@ -19,15 +19,15 @@ way) extends — plus three things:
   but not yet reused when ``_delete_leaf`` runs), so kvplug keeps the data.
 
 With tensor parallelism every rank runs this tree; hit lengths and load results
-are agreed with an all_reduce MIN over the TP group's CPU (gloo) group so the
-trees stay identical.
+are agreed with an all_reduce MIN over the CPU (gloo) group of the ranks that run
+the same batches (SGLang's ``tp_cache_group``: with attention DP, one DP rank's
+attention-TP group) so their trees stay identical. A rank's pool holds the KV heads
+of its attention-TP rank, which its keys name.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
-import weakref
 from array import array
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +46,9 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 import kvplug
+from kvplug_sglang.at_exit import close_at_exit
 from kvplug_sglang.control import start_control
+from kvplug_sglang.request_keys import RequestKeys, lora_refs_of
 from kvplug_sglang.setup_engine import build_cache_engine, model_id_of
 
 logger = logging.getLogger("kvplug.sglang.radix")
@@ -75,8 +77,16 @@ class KVPlugRadixCache(RadixCache):
         tp_size: int = 1,
         tp_group: dist.ProcessGroup | None = None,
         config: kvplug.KVPlugConfig | None = None,
+        tp_worker: Any = None,
+        attn_tp: tuple[int, int] | None = None,
     ) -> None:
+        """``tp_rank``/``tp_size``: the rank's place in the TP group (its control socket);
+        ``attn_tp``: its attention-TP rank and size, whose KV heads the pool holds (default
+        ``tp_rank``, ``tp_size``); ``tp_group``: the ranks that run the same batches."""
+        heads_rank, heads_size = attn_tp if attn_tp is not None else (tp_rank, tp_size)
         self._plans: dict[CacheRequestHandle, _LoadPlan] = {}
+        #: kvplug's request identity of a radix key (a LoRA adapter by where it was loaded from).
+        self.request_keys = RequestKeys(lora_refs_of(tp_worker))
         super().__init__(params)
         kvcache = self.token_to_kv_pool_allocator.get_kvcache()
         self.kv_caches = list(zip(kvcache.k_buffer, kvcache.v_buffer))
@@ -84,18 +94,19 @@ class KVPlugRadixCache(RadixCache):
             model_config=model_config,
             k_pool=kvcache.k_buffer,
             v_pool=kvcache.v_buffer,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+            tp_rank=heads_rank,
+            tp_size=heads_size,
             page_size=self.page_size,
             config=config,
             first_layer=int(getattr(kvcache, "start_layer", 0) or 0),  # a pipeline stage's layers
         )
-        self.tp_size = tp_size
         self.tp_group = tp_group
+        #: How many ranks agree on every hit and load (this one alone: 1).
+        self.agreeing = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.control = start_control(self.engine, name=model_id_of(model_config), tp_rank=tp_rank, tp_size=tp_size)
         self.loaded_tokens = 0
         self.load_failures = 0
-        _close_at_exit(self)
+        close_at_exit(self)  # kvplug's store worker is a daemon thread: queued stores would be lost
 
     # --- load -----------------------------------------------------------------------
 
@@ -109,7 +120,7 @@ class KVPlugRadixCache(RadixCache):
         hit = 0
         if len(key) > device_len:
             try:
-                hit = self.engine.lookup(key.raw_token_ids(), request=_request_of(key))
+                hit = self.engine.lookup(key.raw_token_ids(), request=self.request_keys.for_request(key, req.lora_id))
             except Exception:
                 logger.exception("kvplug lookup failed; treating as a miss")
             hit = min(hit, len(key)) // self.page_size * self.page_size
@@ -133,10 +144,17 @@ class KVPlugRadixCache(RadixCache):
         ok = len(prefix) == plan.device_len and params.host_hit_length == need
         slots = None
         if ok:
-            if self.token_to_kv_pool_allocator.available_size() < need:
-                self.evict(EvictParams(num_tokens=need))
-            slots = self.token_to_kv_pool_allocator.alloc(need)
-            ok = slots is not None and self._retrieve(plan, prefix, slots) == need
+            # The prefix this load extends is not locked yet (the scheduler locks the node this
+            # returns): evicting for room could free its slots and hand them out again below.
+            self.inc_lock_ref(last_node)
+            try:
+                if self.token_to_kv_pool_allocator.available_size() < need:
+                    self.evict(EvictParams(num_tokens=need))
+                slots = self.token_to_kv_pool_allocator.alloc(need)
+            finally:
+                self.dec_lock_ref(last_node)
+            lora_id = getattr(params.req, "lora_id", None)
+            ok = slots is not None and self._retrieve(plan, prefix, slots, lora_id) == need
         if self._agree(int(ok)) == 0:
             if slots is not None:
                 self.token_to_kv_pool_allocator.free(slots)
@@ -152,13 +170,17 @@ class KVPlugRadixCache(RadixCache):
         self.loaded_tokens += need
         return need, result.last_device_node
 
-    def _retrieve(self, plan: _LoadPlan, prefix: torch.Tensor, slots: torch.Tensor) -> int:
+    def _retrieve(self, plan: _LoadPlan, prefix: torch.Tensor, slots: torch.Tensor, lora_id: str | None) -> int:
         mask = torch.ones(plan.hit_len, dtype=torch.bool)
         mask[: plan.device_len] = False
         all_slots = torch.cat([prefix.to(torch.int64).cpu(), slots.to(torch.int64).cpu()])
         try:
             loaded = self.engine.retrieve(
-                plan.key.raw_token_ids(), self.kv_caches, all_slots, mask, request=_request_of(plan.key)
+                plan.key.raw_token_ids(),
+                self.kv_caches,
+                all_slots,
+                mask,
+                request=self.request_keys.for_request(plan.key, lora_id),
             )
         except Exception:
             logger.exception("kvplug retrieve failed; recomputing")
@@ -173,7 +195,7 @@ class KVPlugRadixCache(RadixCache):
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         super().checkpoint(req, up_to=up_to)
         if not self.disable and req.finished() and req.last_node is not None:
-            self._store_path(req.last_node)
+            self._store_path(req.last_node, req)
 
     def _delete_leaf(self, node: TreeNode) -> None:
         # Called by RadixCache.evict right after it returned node.value to the
@@ -182,7 +204,7 @@ class KVPlugRadixCache(RadixCache):
         self._store_path(node)
         super()._delete_leaf(node)
 
-    def _store_path(self, node: TreeNode) -> None:
+    def _store_path(self, node: TreeNode, req: Any = None) -> None:
         """Store the KV of the whole path root -> ``node`` (kvplug skips chunks it has)."""
         if getattr(node, "_kvplug_stored", False) or self.is_eagle or node is self.root_node:
             return
@@ -196,11 +218,17 @@ class KVPlugRadixCache(RadixCache):
             tokens.extend(key.raw_token_ids())
         slots = self.path_device_indices(node).to(torch.int64)
         try:
-            self.engine.store(tokens, self.kv_caches, slots, request=_request_of(node.key))
+            self.engine.store(tokens, self.kv_caches, slots, request=self._request_of(node.key, req))
         except Exception:
             logger.exception("kvplug store failed; the KV stays on device only")
             return
         node._kvplug_stored = True
+
+    def _request_of(self, key: RadixKey, req: Any) -> kvplug.RequestInfo | None:
+        """``key``'s identity: by its request, or (``req`` None: an evicted node) as one resolved it."""
+        if req is None:
+            return self.request_keys.for_node(key)
+        return self.request_keys.for_request(key, req.lora_id)
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -211,11 +239,16 @@ class KVPlugRadixCache(RadixCache):
         self._plans.pop(handle, None)
 
     def flush_pending_backups(self) -> None:
-        self.engine.flush()
+        """Nothing to submit: a store is queued to kvplug's worker as it is made. (SGLang calls
+        this after every batch; waiting here for the tiers stalled serving on a slow one.)"""
 
     def reset(self) -> None:
         super().reset()
         self._plans.clear()
+
+    def close(self) -> None:
+        """What :meth:`shutdown` does (the name :func:`close_at_exit` calls)."""
+        self.shutdown()
 
     def shutdown(self) -> None:
         """Write what is queued to the tiers and close them."""
@@ -228,8 +261,8 @@ class KVPlugRadixCache(RadixCache):
             engine.close()
 
     def _agree(self, local: int) -> int:
-        """The minimum of ``local`` over the TP ranks (identity without TP)."""
-        if self.tp_size == 1 or self.tp_group is None:
+        """The minimum of ``local`` over the ranks running this batch (identity alone)."""
+        if self.agreeing == 1 or self.tp_group is None:
             return local
         tensor = torch.tensor([local], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.tp_group)
@@ -253,38 +286,27 @@ def kvplug_radix_cache_factory(ctx: Any) -> KVPlugRadixCache:
     ]
     if unsupported:
         raise ValueError(f"--radix-cache-backend {BACKEND_NAME} does not support {', '.join(unsupported)}")
-    tp_group = getattr(ctx.tp_group, "cpu_group", ctx.tp_group)
+    # The ranks that run one batch: with attention DP each DP rank runs its own, and a
+    # collective over the whole TP group would pair one rank's calls with another's.
+    tp_group = ctx.params.tp_cache_group or getattr(ctx.tp_group, "cpu_group", ctx.tp_group)
     return KVPlugRadixCache(
         ctx.params,
         model_config=ctx.model_config,
         tp_rank=ctx.tp_rank,
         tp_size=ctx.tp_size,
         tp_group=tp_group,
+        tp_worker=ctx.tp_worker,
+        attn_tp=_attention_tp(ctx),
     )
 
 
-def _request_of(key: RadixKey) -> kvplug.RequestInfo | None:
-    if key.cache_salt is None and key.extra_key is None:
-        return None
-    return kvplug.RequestInfo(cache_salt=key.cache_salt, lora_id=key.extra_key)
+def _attention_tp(ctx: Any) -> tuple[int, int]:
+    """This rank's attention-TP rank and size: with attention DP or CP its pool holds the
+    heads of that rank (CP peers hold the same KV: SGLang all-gathers it before writing)."""
+    from sglang.srt.runtime_context import get_parallel
 
-
-_OPEN: weakref.WeakSet[KVPlugRadixCache] = weakref.WeakSet()
-_AT_EXIT: list[bool] = []
-
-
-def _close_at_exit(cache: KVPlugRadixCache) -> None:
-    # kvplug's store worker is a daemon thread: without this, stores still queued
-    # when the scheduler process exits would be lost.
-    if not _AT_EXIT:
-        atexit.register(_close_all)
-        _AT_EXIT.append(True)
-    _OPEN.add(cache)
-
-
-def _close_all() -> None:
-    for cache in list(_OPEN):
-        try:
-            cache.shutdown()
-        except Exception:
-            logger.exception("kvplug: closing the cache engine at exit failed")
+    try:
+        parallel = get_parallel()
+        return int(parallel.attn_tp_rank), int(parallel.attn_tp_size)
+    except (RuntimeError, ValueError):  # no parallel config published in this process
+        return int(ctx.tp_rank), int(ctx.tp_size)

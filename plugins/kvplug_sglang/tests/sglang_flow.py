@@ -54,10 +54,19 @@ class Stack:
 
 
 def build_stack(
-    server_args: Any, model_config: Any, *, page_size: int = 1, size: int = 256, **pool_kinds: bool
+    server_args: Any,
+    model_config: Any,
+    *,
+    page_size: int = 1,
+    size: int = 256,
+    tp_worker: Any = None,
+    tp_size: int = 1,
+    **pool_kinds: bool,
 ) -> Stack:
     """A radix cache as SGLang's scheduler builds it; ``pool_kinds`` sets the context's model
-    flags (``is_hybrid_swa``, ``is_hybrid_ssm``, ``is_dsa``)."""
+    flags (``is_hybrid_swa``, ``is_hybrid_ssm``, ``is_dsa``); ``tp_worker``: the scheduler's
+    (the tree reads its LoRA manager's adapters); ``tp_size``: the TP width the scheduler passes
+    (rank 0 of it), whatever the pool's attention-TP width."""
     pool = make_pool(size=size, page_size=page_size)
     if page_size == 1:
         allocator = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", pool, False)
@@ -73,9 +82,9 @@ def build_stack(
         **{"is_hybrid_swa": False, "is_hybrid_ssm": False, **pool_kinds},
         enable_hierarchical_cache=False,
         disable_radix_cache=False,
-        tp_worker=None,
+        tp_worker=tp_worker,
         model_config=model_config,
-        tp_size=1,
+        tp_size=tp_size,
         tp_rank=0,
         tp_group=None,
     )
@@ -91,9 +100,12 @@ class Served:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # KV at those slots when the request finished
 
 
-def serve_request(stack: Stack, rid: str, tokens: list[int], seed: int, *, before_load: Any = None) -> Served:
+def serve_request(
+    stack: Stack, rid: str, tokens: list[int], seed: int, *, before_load: Any = None, **req_fields: Any
+) -> Served:
+    """``req_fields``: more of the ``Req`` (``lora_id``, ``extra_key``, ``cache_salt``)."""
     tree, allocator = stack.tree, stack.allocator
-    req = Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=1))
+    req = Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=1), **req_fields)
     req.output_ids = array("q")
     req.init_next_round_input(tree)
     device_hit, promised, loaded = req.prefix_len, req.host_hit_length, 0

@@ -143,3 +143,38 @@ def test_servers_of_other_weights_under_one_served_name_never_share_pages(tmp_pa
     assert new.target is not None and new.target.describe()["model"] == "/models/llama-v2"
     for backend in backends:
         backend.close()
+
+
+@pytest.mark.parametrize("owner", ["none", "sglang"])
+def test_a_normal_exit_writes_the_queued_pages_and_removes_the_control_socket(
+    socket_dir: Path, tmp_path: Path, owner: str
+) -> None:
+    """A storage backend whose owner never closes it (SGLang's decode-side KV offload manager;
+    only its HiCache tree closes one at exit): the backend closes itself at a normal exit,
+    so the pages queued for an async tier are written and the control socket file goes.
+    Under an owner that closes it at exit, the owner's hook runs first."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    l3 = tmp_path / "l3"
+    child = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "sglang_hicache_exit.py"), str(l3), owner],
+        env={**os.environ, "KVPLUG_LOOKUP_DIR": str(socket_dir)},
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    reported = json.loads(child.stdout.strip().splitlines()[-1])
+    assert Path(reported["socket"]).parent == socket_dir
+    assert not Path(reported["socket"]).exists(), "the control socket file was left behind"
+    if owner == "sglang":
+        assert (l3 / "owner-found").read_text() == "open", "kvplug closed the backend before its owner's exit hook"
+    backend = make_backend(make_host("layer_first"), {"tiers": [{"type": "disk", "path": str(l3)}]})
+    try:
+        assert backend.batch_exists(reported["keys"]) == len(reported["keys"]), "queued pages were lost at exit"
+    finally:
+        backend.close()

@@ -6,6 +6,7 @@ import json
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from sglang_pools import clear_pool, fill_random, kvplug_extra, snapshot
@@ -36,6 +37,43 @@ def test_start_then_each_layer_restores_every_layer(model_config, pool_factory) 
         assert torch.equal(pool.get_key_buffer(layer)[dst], k) and torch.equal(pool.get_value_buffer(layer)[dst], v)
     # nothing cached beyond the offset: nothing to start
     assert connector.start_load_kv(LoadMetadata(tokens, dst[48:], 48)) == 0
+    connector.close()
+
+
+@pytest.mark.parametrize("next_forward", ["layers_only", "starts_a_load", "cancel_first"])
+def test_an_aborted_forward_never_writes_its_load_into_slots_reused_since(
+    model_config, pool_factory, next_forward: str
+) -> None:
+    """A forward aborted after layer 0 leaves its load half written; its slots are freed and
+    given to another request, which computes its own KV there. The next forward's layer
+    calls must not write the rest of the old load over it."""
+    pool = pool_factory()
+    connector = KVPlugLayerwiseConnector(model_config, 1, 0, pool.k_buffer, pool.v_buffer, engine_extra=kvplug_extra())
+    tokens, src = list(range(10, 58)), torch.arange(1, 49)
+    fill_random(pool, src, seed=3)
+    connector.store_kv(StoreMetadata(None, tokens, src, 0))
+    other_tokens = list(range(500, 548))
+    fill_random(pool, src, seed=4)
+    connector.store_kv(StoreMetadata(None, other_tokens, src, 0))
+    other_kv = snapshot(pool, src)
+    clear_pool(pool)
+    reused = torch.arange(60, 108)
+    assert connector.start_load_kv(LoadMetadata(tokens, reused, 0)) == 48
+    connector.load_kv_layerwise(0)  # layers 0 and 1 written; then the forward raises
+    fill_random(pool, reused, seed=99)  # the slots' new owner computed its KV into them
+    owner_kv = snapshot(pool, reused)
+    if next_forward == "cancel_first":
+        connector.cancel_loads()
+    elsewhere = torch.arange(120, 168)
+    if next_forward == "starts_a_load":
+        assert connector.start_load_kv(LoadMetadata(other_tokens, elsewhere, 0)) == 48
+    for layer in range(pool.layer_num):
+        connector.load_kv_layerwise(layer)
+    for layer, (k, v) in enumerate(snapshot(pool, reused)):
+        assert torch.equal(k, owner_kv[layer][0]) and torch.equal(v, owner_kv[layer][1]), f"layer {layer} overwritten"
+    if next_forward == "starts_a_load":
+        for layer, (k, v) in enumerate(snapshot(pool, elsewhere)):
+            assert torch.equal(k, other_kv[layer][0]) and torch.equal(v, other_kv[layer][1])
     connector.close()
 
 

@@ -8,15 +8,20 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.registry import get_radix_cache_factory, registered_radix_cache_backends
 from sglang_flow import build_stack, published_server_args, serve_request
+from sglang_pools import snapshot
 
+import kvplug
+from kvplug_cpu import CPUTier
 from kvplug_sglang.radix_cache import KVPlugRadixCache
 
 HERE = Path(__file__).parent
@@ -113,6 +118,104 @@ def test_corrupt_chunk_between_match_and_load_loads_nothing(
         stack.tree.shutdown()
 
 
+def test_a_load_that_must_evict_for_room_never_evicts_the_prefix_it_extends(model_config, kvplug_env) -> None:
+    """The scheduler locks a request's prefix only after init_load_back: the room the load
+    evicts for must not come from that prefix, whose slots would be handed out again and
+    written over by the load (a hit of wrong KV, slots in the tree twice)."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    tokens = list(range(100, 149))
+    with published_server_args(radix_cache_backend="kvplug") as args:
+        stack = build_stack(args, model_config, size=64)
+        stored = serve_request(stack, "a", tokens, seed=1)
+        stack.tree.evict(EvictParams(num_tokens=10_000))
+        serve_request(stack, "b", tokens[:17], seed=2)  # 16 tokens loaded from kvplug, 1 computed
+        held = stack.allocator.alloc(stack.allocator.available_size() - 20)  # running requests' slots
+        req = Req("c", "", array("q", tokens), SamplingParams(max_new_tokens=1))
+        req.output_ids = array("q")
+        req.init_next_round_input(stack.tree)
+        assert (req.prefix_len, req.host_hit_length) == (17, 31)  # 31 slots needed, 20 free
+        _, node = stack.tree.init_load_back(
+            InitLoadBackParams(best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req)
+        )
+        path = stack.tree.path_device_indices(node)
+        assert len(set(path.tolist())) == len(path), "the tree holds a slot twice"
+        for (k, v), (k0, v0) in zip(snapshot(stack.pool, path[:16]), stored.kv):
+            assert torch.equal(k, k0[:16]) and torch.equal(v, v0[:16]), "the prefix's KV was overwritten"
+        stack.allocator.free(held)
+        stack.tree.shutdown()
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [{"enable_dp_attention": True, "dp_size": 2}, {"attn_cp_size": 2}],
+    ids=["dp_attention", "attention_cp"],
+)
+def test_a_pool_of_attention_tp_heads_starts_and_hits(model_config, kvplug_env, parallel: dict) -> None:
+    """With attention DP or CP, a rank's pool holds the heads of its attention-TP rank
+    (here all of them: attention TP 1 of TP 2), not of its TP rank: the backend keys and
+    checks the pool by those."""
+    with published_server_args(radix_cache_backend="kvplug", tp_size=2, **parallel) as args:
+        stack = build_stack(args, model_config, tp_size=2)
+        tokens = list(range(600, 649))
+        serve_request(stack, "a", tokens, seed=1)
+        stack.tree.evict(EvictParams(num_tokens=10_000))
+        assert serve_request(stack, "b", tokens, seed=2).loaded == 48
+        assert (stack.tree.engine.fingerprint.tp_rank, stack.tree.engine.fingerprint.tp_size) == (0, 1)
+        stack.tree.shutdown()
+
+
+_GATE = threading.Event()
+
+
+class _GatedTier(CPUTier):
+    """A cpu tier whose writes wait until the test opens the gate (a remote that does not answer)."""
+
+    name = "gated_cpu"
+
+    def put(self, items: Any) -> None:
+        _GATE.wait(timeout=300)
+        super().put(items)
+
+
+class _GatedPlugin:
+    @staticmethod
+    @kvplug.hookimpl
+    def kvplug_storage_tiers() -> list[type]:
+        return [_GatedTier]
+
+
+def test_the_scheduler_step_never_waits_for_the_tiers(
+    model_config, kvplug_env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang calls flush_pending_backups after every batch ("submit queued host backups"):
+    kvplug's store worker writes in the background, so it must not wait for a tier whose
+    write does not finish (a slow or unreachable remote)."""
+    registry = kvplug.get_registry()
+    if not registry.pm.has_plugin("gated-cpu-test"):
+        registry.register(_GatedPlugin, "gated-cpu-test")
+    _GATE.clear()
+    monkeypatch.setenv("KVPLUG_STORE__QUEUE__MODE", "async")
+    monkeypatch.setenv("KVPLUG_TIERS", json.dumps([{"type": "gated_cpu", "queue": {"mode": "async"}}]))
+    try:
+        with published_server_args(radix_cache_backend="kvplug") as args:
+            stack = build_stack(args, model_config)
+            serve_request(stack, "a", list(range(800, 849)), seed=1)  # its store waits at the gate
+            step = threading.Thread(target=stack.tree.flush_pending_backups, daemon=True)
+            step.start()
+            step.join(timeout=60)
+            blocked = step.is_alive()
+            _GATE.set()
+            assert not blocked, "the scheduler step waited for a tier write"
+            stack.tree.shutdown()  # an exit still writes what is queued
+    finally:
+        _GATE.set()
+
+
 def test_salt_isolates_requests(model_config, kvplug_env) -> None:
     with published_server_args(radix_cache_backend="kvplug") as args:
         stack = build_stack(args, model_config)
@@ -124,6 +227,60 @@ def test_salt_isolates_requests(model_config, kvplug_env) -> None:
 
         assert lookup(tokens) == 48
         assert lookup(tokens, request=RequestInfo(cache_salt="other-tenant")) == 0
+        stack.tree.shutdown()
+
+
+def _lora_worker(*refs: Any) -> Any:
+    """A scheduler's tp_worker as far as the tree reads it: its LoRA manager's ``lora_refs``
+    (``lora_id -> LoRARef``, as ``LoRAManager.load_lora_adapter`` fills it)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        model_runner=SimpleNamespace(lora_manager=SimpleNamespace(lora_refs={r.lora_id: r for r in refs}))
+    )
+
+
+def test_a_lora_adapter_hits_by_its_source_across_loads_and_never_for_other_weights(
+    model_config, kvplug_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang gives an adapter loaded at runtime a fresh lora_id per load (per server): kvplug
+    keys it by name and source path, so another load of the same path (a restart, another
+    server) hits, and the name loaded from other weights, or from tensors, never does."""
+    from sglang.srt.lora.lora_registry import LoRARef
+
+    monkeypatch.setenv("KVPLUG_TIERS", json.dumps([{"type": "disk", "path": str(tmp_path / "kv")}]))
+    tokens = list(range(400, 449))
+
+    def serve(ref: Any, seed: int, **fields: Any) -> Any:
+        with published_server_args(radix_cache_backend="kvplug") as args:
+            stack = build_stack(args, model_config, tp_worker=_lora_worker(ref))
+            served = serve_request(stack, ref.lora_id, tokens, seed=seed, lora_id=ref.lora_id, **fields)
+            stack.tree.evict(EvictParams(num_tokens=10_000))
+            stack.tree.shutdown()
+            return served
+
+    first = serve(LoRARef(lora_name="sql", lora_path="/adapters/sql-v1"), seed=1)
+    assert first.promised == 0
+    again = serve(LoRARef(lora_name="sql", lora_path="/adapters/sql-v1"), seed=2)  # a new load: a new lora_id
+    assert (again.promised, again.loaded) == (48, 48), "the same adapter path missed under a new lora_id"
+    assert all(
+        torch.equal(a[0][:48], b[0][:48]) and torch.equal(a[1][:48], b[1][:48]) for a, b in zip(first.kv, again.kv)
+    )
+    assert serve(LoRARef(lora_name="sql", lora_path="/adapters/sql-v2"), seed=3).promised == 0, "other weights hit"
+    assert serve(LoRARef(lora_name="sql", lora_path="/adapters/sql-v1"), seed=4, extra_key="t2").promised == 0
+    tensors = LoRARef(lora_name="sql", lora_path="__tensor__")
+    assert serve(tensors, seed=5).promised == 0
+    assert serve(LoRARef(lora_name="sql", lora_path="__tensor__"), seed=6).promised == 0, "tensor adapters shared"
+    assert serve(tensors, seed=7).promised == 48, "a per-load key still hits for its own load"
+
+    # A client sets extra_key: one that spells a loaded adapter's namespace, on a request
+    # without that adapter, is not keyed as the adapter (nor its evicted nodes).
+    ref = LoRARef(lora_name="sql", lora_path="/adapters/sql-v1")
+    with published_server_args(radix_cache_backend="kvplug") as args:
+        stack = build_stack(args, model_config, tp_worker=_lora_worker(ref))
+        serve_request(stack, "lora", tokens, seed=8, lora_id=ref.lora_id)
+        stack.tree.evict(EvictParams(num_tokens=10_000))
+        assert serve_request(stack, "spelled", tokens, seed=9, extra_key=ref.lora_id).promised == 0
         stack.tree.shutdown()
 
 
