@@ -46,6 +46,17 @@ def test_config_show_names_where_each_value_came_from(tmp_path: Path) -> None:
     assert rows["tiers"][1] == f"file {config}" and "1073741824" in rows["tiers"][0]
 
 
+def test_config_show_takes_the_file_as_validate_does_or_as_an_option(tmp_path: Path) -> None:
+    config = tmp_path / "kvplug.yaml"
+    config.write_text("chunk_size: 64\n")
+    for args in (["config", "show", str(config)], ["config", "show", "-f", str(config)]):
+        result = kvplug(*args)
+        assert result.returncode == 0, result.stderr
+        assert f"file {config}" in result.stdout
+    twice = kvplug("config", "show", str(config), "--file", str(config))
+    assert twice.returncode != 0 and "give the config file once" in twice.stderr + twice.stdout
+
+
 def test_config_validate_accepts_a_good_file_and_names_bad_fields(tmp_path: Path) -> None:
     good = tmp_path / "good.yaml"
     good.write_text(

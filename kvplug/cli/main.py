@@ -63,15 +63,22 @@ def plugins() -> None:
 
 ConfigFileOpt = typer.Option(None, "--file", "-f", help="YAML config (default: $KVPLUG_CONFIG).")
 ConfigFileArg = typer.Argument(..., help="YAML config file to check.")
+ConfigFileShowArg = typer.Argument(None, help="YAML config (as --file; as validate takes it).", show_default=False)
 
 
 @config_app.command("show")
-def config_show(file: Path | None = ConfigFileOpt) -> None:
+def config_show(
+    config_file: Path | None = ConfigFileShowArg,
+    file: Path | None = ConfigFileOpt,
+) -> None:
     """The effective config, and where each value came from; credentials are masked."""
     from kvplug.core.config.loader import load_config
     from kvplug.core.records.frame import integrity_key_variable
     from kvplug.redaction import SECRET_MASK, redact
 
+    if config_file is not None and file is not None:
+        raise typer.BadParameter("give the config file once: as an argument or as --file", param_hint="CONFIG_FILE")
+    file = config_file or file
     loaded = run_or_exit(lambda: load_config(config_file=file))
     data = redact(loaded.config.effective())
     table = Table(title="effective kvplug config")
