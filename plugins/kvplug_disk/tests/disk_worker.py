@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -119,6 +120,35 @@ def fill(path: str, seed: int, count: int, size: int, budget: int) -> None:
 def folder_value_bytes(path: Path) -> int:
     """Value bytes of the record files in the folder now (each record has a 64-byte header)."""
     return sum(record.stat().st_size - 64 for record in path.glob("*/*.kvr"))
+
+
+#: Holds a folder's lock (its usage file, argv[1]); argv[2]: "stop" (SIGSTOP: paused for ever) or seconds.
+_HOLD_THE_FOLDER_LOCK = """
+import fcntl, os, signal, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+if sys.argv[2] == "stop":
+    os.kill(os.getpid(), signal.SIGSTOP)
+else:
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def holding_the_folder_lock(folder: Path, hold_s: float | None = None) -> subprocess.Popen[str]:
+    """Another process, once it holds ``folder``'s lock (the one every tier of the folder takes):
+    stopped while holding it (``hold_s`` None: a paused process, until killed), or holding it
+    ``hold_s`` seconds. The caller kills or waits for it."""
+    how = "stop" if hold_s is None else str(hold_s)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_THE_FOLDER_LOCK, str(folder / LEDGER_NAME), how], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout is not None
+    if holder.stdout.readline().strip() != "locked":
+        holder.kill()
+        holder.wait(30)
+        raise AssertionError(f"the process meant to hold {folder}'s lock exited with {holder.returncode}")
+    return holder
 
 
 def serve_forks(path: str) -> None:

@@ -11,13 +11,13 @@ import threading
 from pathlib import Path
 
 import pytest
+from disk_worker import holding_the_folder_lock
 
 from kvplug import RECORD_HEADER_SIZE, key_digest
 from kvplug.cli.store import _check_all
 from kvplug.testing import key_for, tier_context, value_for
 from kvplug.testing.corrupt_races import storing_after_gc_read, storing_before_corrupt_removal
 from kvplug_disk import DiskTier, ShmTier, verify_folder
-from kvplug_disk.ledger import LEDGER_NAME
 
 KEY = key_for("raced")
 VALUE = value_for("raced", 4000)
@@ -131,15 +131,6 @@ def test_gc_keeps_a_good_record_stored_after_it_read_the_corrupt_one(kind: str, 
         reader.close()
 
 
-HOLD_THE_FOLDER_LOCK = """
-import fcntl, os, signal, sys
-fd = os.open(sys.argv[1], os.O_RDWR)
-fcntl.flock(fd, fcntl.LOCK_EX)
-print("locked", flush=True)
-os.kill(os.getpid(), signal.SIGSTOP)
-"""
-
-
 def test_a_read_of_a_corrupt_record_does_not_wait_for_a_paused_process_holding_the_folder(
     kind: str, folder: Path
 ) -> None:
@@ -152,10 +143,7 @@ def test_a_read_of_a_corrupt_record_does_not_wait_for_a_paused_process_holding_t
     try:
         tier.put([(KEY, VALUE)])
         damage(folder)
-        holder = subprocess.Popen(
-            [sys.executable, "-c", HOLD_THE_FOLDER_LOCK, str(folder / LEDGER_NAME)], stdout=subprocess.PIPE, text=True
-        )
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        holder = holding_the_folder_lock(folder)
         answers: list[object] = []
         reader = threading.Thread(target=lambda: answers.append(tier.get([KEY])), daemon=True)
         reader.start()
@@ -195,15 +183,6 @@ def test_verify_folder_removing_a_corrupt_record_frees_its_bytes_in_the_folder_b
         tier.close()
 
 
-HOLD_THE_FOLDER_LOCK_A_WHILE = """
-import fcntl, os, sys, time
-fd = os.open(sys.argv[1], os.O_RDWR)
-fcntl.flock(fd, fcntl.LOCK_EX)
-print("locked", flush=True)
-time.sleep(3)
-"""
-
-
 def test_gc_waits_for_a_busy_folder_to_remove_a_corrupt_record(kind: str, folder: Path) -> None:
     """A read gives up on a busy folder's lock after a moment (the record stays); ``kvplug store
     gc`` waits for it instead, and removes the record."""
@@ -213,13 +192,8 @@ def test_gc_waits_for_a_busy_folder_to_remove_a_corrupt_record(kind: str, folder
     writer.close()
     damage(folder)
     tier = cls(cls.Config(path=folder, max_bytes=1 << 40), tier_context())
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_THE_FOLDER_LOCK_A_WHILE, str(folder / LEDGER_NAME)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    holder = holding_the_folder_lock(folder, hold_s=3)
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         verdicts = _check_all(tier, remove=True)
     finally:
         holder.wait(60)

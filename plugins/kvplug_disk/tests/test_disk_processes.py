@@ -12,10 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from disk_worker import KEYSPACE, folder_value_bytes, key_of, open_tier, value_of, versions_of
+from disk_worker import KEYSPACE, folder_value_bytes, holding_the_folder_lock, key_of, open_tier, value_of, versions_of
 
 from kvplug_disk import verify_folder
-from kvplug_disk.ledger import LEDGER_NAME
 
 WORKER = str(Path(__file__).with_name("disk_worker.py"))
 CRASH_ITERATIONS = int(os.environ.get("KVPLUG_TEST_CRASH_ITERATIONS", "50"))
@@ -166,15 +165,6 @@ def test_the_budget_holds_for_the_folder_as_a_whole_across_processes(tmp_path: P
     tier.close()
 
 
-HOLD_THE_LEDGER = """
-import fcntl, os, signal, sys
-fd = os.open(sys.argv[1], os.O_RDWR)
-fcntl.flock(fd, fcntl.LOCK_EX)
-print("locked", flush=True)
-os.kill(os.getpid(), signal.SIGSTOP)
-"""
-
-
 def test_lookups_answer_while_another_process_holds_the_folder_lock(tmp_path: Path) -> None:
     """Another process stopped while it holds the folder's lock (SIGSTOP, a debugger, a paused
     container, between its eviction and its rename): this process's writes wait for it, its
@@ -184,12 +174,9 @@ def test_lookups_answer_while_another_process_holds_the_folder_lock(tmp_path: Pa
     tier = chain.tiers[0]
     chain.put([(key_of(0), value_of(0, 0))])
     chain.flush()
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_THE_LEDGER, str(tmp_path / LEDGER_NAME)], stdout=subprocess.PIPE, text=True
-    )
+    holder = holding_the_folder_lock(tmp_path)
     answers: list[object] = []
     try:
-        assert holder.stdout.readline().strip() == "locked"  # type: ignore[union-attr]
         chain.put([(key_of(1), value_of(1, 0))])  # the write queue's thread waits for the lock
         deadline = time.monotonic() + 60
         while chain.stats()[0][1].extra["writer_pending"] == 0 and time.monotonic() < deadline:
