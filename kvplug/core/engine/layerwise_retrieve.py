@@ -2,24 +2,22 @@
 its paged cache layer by layer (or all at once), and where the retrieve's time went.
 
 Kept apart from :mod:`kvplug.core.engine.cache_engine`, which builds one per retrieve; what it uses
-of its engine is :class:`RetrievingEngine` (this module does not import the engine).
+of its engine is declared by :class:`~kvplug.core.engine.parts.EngineParts` (this module does not
+import the engine).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from kvplug.core.connector import KVConnector, LayerCache
-from kvplug.core.engine.parallel_copies import ParallelCopies
-from kvplug.core.events import EventListeners, KVEvent
+from kvplug.core.connector import LayerCache
+from kvplug.core.engine.parts import EngineParts
+from kvplug.core.events import KVEvent
 from kvplug.core.keys import ChunkKey
-from kvplug.core.layouts import KVLayout
-from kvplug.core.metrics import EngineMetrics
 from kvplug.errors import ConnectorError
 
 
@@ -32,20 +30,6 @@ class RetrieveTimings:
     write_s: float = 0.0
 
 
-class RetrievingEngine(Protocol):
-    """What a :class:`LayerwiseRetrieve` uses of the ``CacheEngine`` that made it."""
-
-    layout: KVLayout
-    connector: KVConnector
-    metrics: EngineMetrics
-    _copies: ParallelCopies
-    _events: EventListeners
-
-    def _run_copies(self, kv_caches: Sequence[LayerCache], copies: Sequence[Callable[[], None]]) -> None: ...
-
-    def _count_connector_error(self, operation: str, exc: ConnectorError) -> None: ...
-
-
 class LayerwiseRetrieve(Iterator[int]):
     """Chunks fetched and verified; each ``next()`` writes one layer, yielding its index.
 
@@ -56,7 +40,7 @@ class LayerwiseRetrieve(Iterator[int]):
 
     def __init__(
         self,
-        engine: RetrievingEngine,
+        engine: EngineParts,
         num_tokens: int,
         first: int,
         kv_caches: Sequence[LayerCache],
