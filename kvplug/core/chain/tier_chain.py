@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvplug.core.chain.opening import open_tiers, preflight_tiers
+from kvplug.core.chain.reads import Fetched, fetch_prefix, holders, leading
 from kvplug.core.chain.removal import RemovalPlan, RemoveKeys, TierRemoval, remove_planned
 from kvplug.core.chain.slot import TierSlot, WriteListeners
 from kvplug.core.chain.write_queue import Items, WriteQueue
@@ -34,25 +34,11 @@ from kvplug.core.events import KVEvent
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry
 from kvplug.core.policies.admission import make_admission_policy
-from kvplug.core.remote.calls import call_budget, remaining_budget_s
 from kvplug.core.tenancy import Tenancy
-from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierStats
+from kvplug.core.tier import StorageTier, TierConfig, TierStats
 
 if TYPE_CHECKING:
     from kvplug.core.tenant_metrics import TierFigures
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """A value :meth:`TierChain.fetch_prefix` found, and where."""
-
-    value: Buffer
-    #: Index of the tier that answered, fastest first.
-    tier: int
-    #: That tier has ``trusted_reads`` (the value is this process's own bytes) or
-    #: ``verified_reads`` (it checked every byte against the checksum stored with them):
-    #: the frame's own checksum need not be checked again.
-    trusted: bool
 
 
 class TierChain:
@@ -166,17 +152,8 @@ class TierChain:
     def locate(self, keys: Sequence[str]) -> list[str | None]:
         """Name of the fastest tier holding each key (None: none does), one batched
         ``contains`` per tier, within the lookup budget."""
-        where: list[str | None] = [None] * len(keys)
-        with call_budget(self.lookup_timeout_s):
-            for slot in self._slots:
-                ask = [i for i, found in enumerate(where) if found is None]
-                if not ask or self._budget_spent():
-                    break
-                answers = slot.contains([keys[i] for i in ask]) or [False] * len(ask)
-                for i, found in zip(ask, answers):
-                    if found:
-                        where[i] = slot.tier.name
-        return where
+        where = holders(self._slots, keys, self.metrics, budget_s=self.lookup_timeout_s)
+        return [None if index is None else self._slots[index].tier.name for index in where]
 
     def contains_any(
         self, keys: Sequence[str], *, sync_tiers_only: bool = False, budget_s: float | None = None
@@ -192,25 +169,8 @@ class TierChain:
         (:func:`kvplug.core.remote.calls.call_budget`), and tiers not asked before it ran out answer
         "miss".
         """
-        present = [False] * len(keys)
-        with call_budget(budget_s):
-            for slot in self._slots:
-                if sync_tiers_only and slot.queue is not None:
-                    continue
-                ask = [i for i, found in enumerate(present) if not found]
-                if not ask or self._budget_spent():
-                    break
-                answers = slot.contains([keys[i] for i in ask]) or [False] * len(ask)
-                for i, found in zip(ask, answers):
-                    present[i] = bool(found)
-        return present
-
-    def _budget_spent(self) -> bool:
-        remaining = remaining_budget_s()
-        if remaining is None or remaining > 0:
-            return False
-        self.metrics.lookup_budget_spent.inc()
-        return True
+        skip = (lambda slot: slot.queue is not None) if sync_tiers_only else None
+        return [index is not None for index in holders(self._slots, keys, self.metrics, budget_s=budget_s, skip=skip)]
 
     def fetch_prefix(self, keys: Sequence[str]) -> list[Fetched]:
         """Values of the leading keys that some tier holds, each with the tier it came
@@ -223,22 +183,7 @@ class TierChain:
         it is dropped. Nothing is promoted: the caller verifies the values and promotes
         only those that passed (:meth:`promote`), since a faster tier with
         ``trusted_reads`` must never hold bytes nobody checked."""
-        values: list[Buffer | None] = [None] * len(keys)
-        found_in: list[int] = [-1] * len(keys)
-        for index, slot in enumerate(self._slots):
-            ask = [i for i, value in enumerate(values) if value is None]
-            if not ask:
-                break
-            answers = slot.get([keys[i] for i in ask]) or [None] * len(ask)
-            for i, value in zip(ask, answers):
-                if value is not None:
-                    values[i], found_in[i] = value, index
-        limit = next((i for i, value in enumerate(values) if value is None), len(keys))
-        return [
-            Fetched(value, where, self._slots[where].tier.trusted_reads or self._slots[where].tier.verified_reads)
-            for value, where in zip(values[:limit], found_in[:limit])
-            if value is not None
-        ]
+        return fetch_prefix(self._slots, keys)
 
     def promote(self, keys: Sequence[str], fetched: Sequence[Fetched], *, only_trusted: bool = False) -> None:
         """After a verified load: write values found in slower tiers to the faster ones
@@ -390,9 +335,3 @@ class TierChain:
             if slot.queue is not None:
                 slot.queue.close(drain=drain)
             slot.close()
-
-
-def leading(where: Sequence[str | None]) -> list[str]:
-    """The tier names of :meth:`TierChain.locate`'s answer up to its first key no tier holds."""
-    limit = next((i for i, name in enumerate(where) if name is None), len(where))
-    return [name for name in where[:limit] if name is not None]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvplug.core.chain.tier_chain import TierChain, leading
+from kvplug.core.chain.reads import leading
+from kvplug.core.chain.tier_chain import TierChain
 from kvplug.core.engine.head_shards import HeadRecords, OtherSplit
 from kvplug.core.keys import RequestInfo
 
