@@ -8,9 +8,9 @@ command that needs tiers alone never imports torch.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kvplug.core.lazy_module import lazy_exports
 from kvplug.core.version import KVPLUG_VERSION
 from kvplug.hookspecs import hookimpl
 
@@ -186,14 +186,7 @@ if TYPE_CHECKING:
     from kvplug.redaction import SECRET_MASK, is_secret_name, redact, redact_text, redact_url
 
 
-def __getattr__(name: str) -> Any:
-    found = _LAZY.get(name)
-    if found is None:
-        raise AttributeError(f"module 'kvplug' has no attribute {name!r}")
-    module, attribute = found
-    value = getattr(import_module(module), attribute)
-    globals()[name] = value  # later uses skip this function
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [
@@ -289,6 +282,7 @@ __all__ = [
     "is_mapped_file",
     "is_secret_name",
     "key_digest",
+    "lazy_exports",
     "load_config",
     "merge_locations",
     "pin_keys",

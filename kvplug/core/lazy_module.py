@@ -13,6 +13,8 @@ time (and imports torch for the type checker alone)::
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable, Mapping
 from importlib import import_module
 from typing import Any
 
@@ -39,3 +41,27 @@ class LazyModule:
 
     def __repr__(self) -> str:
         return f"<module {self._name!r}, imported on first use>"
+
+
+def lazy_exports(module: str, names: Mapping[str, str | tuple[str, str]]) -> Callable[[str], Any]:
+    """A package's module ``__getattr__`` that imports each exported name's module on its
+    first use, so registering a plugin (every ``kvplug`` command imports every installed
+    plugin's package) imports none of them, nor what they import (torch)::
+
+        __getattr__ = kvplug.lazy_exports(__name__, {"MyTier": "my_plugin.tier"})
+
+    ``names`` maps an exported name to the module that defines it under the same name, or
+    to ``(module, name there)``. The value is then kept on the package: later uses do not
+    come back here. Any other name is an :class:`AttributeError` naming the package.
+    """
+
+    def __getattr__(name: str) -> Any:
+        where = names.get(name)
+        if where is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        source, attribute = where if isinstance(where, tuple) else (where, name)
+        value = getattr(import_module(source), attribute)
+        setattr(sys.modules[module], name, value)
+        return value
+
+    return __getattr__

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import kvplug
 
@@ -23,11 +22,7 @@ _LAZY = {
 __all__ = ["FP8Serializer", "Int8Serializer", "LZ4Serializer", "ZstdSerializer"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(module), name)
+__getattr__ = kvplug.lazy_exports(__name__, _LAZY)
 
 
 @kvplug.hookimpl
