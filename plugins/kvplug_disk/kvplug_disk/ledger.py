@@ -17,6 +17,13 @@ read-only folder), cannot lock it, or holds something else under its name (a FIF
 waited on), the total is this process's own. Opened
 ``read_only`` (for inspection) the file is read if it is there, never created, locked
 or written.
+
+No wait for the lock is unbounded: a process paused while it holds it (SIGSTOP, a
+debugger, a frozen container) would otherwise stop every process of the folder.
+:meth:`UsageLedger.locked` tries the lock at once, then again after a growing pause
+(0.5 ms doubling to 20 ms: TP ranks of one engine take it at every write), and raises
+:class:`FolderLockTimeoutError` at its deadline: the caller's to choose (the tier's
+``lock_wait_s`` for writes, ``open_lock_wait_s`` for the open's listing).
 """
 
 from __future__ import annotations
@@ -34,10 +41,33 @@ from contextlib import contextmanager
 from kvplug_disk.files import PRIVATE_FILE
 
 LEDGER_NAME = ".kvplug-usage"
-#: How often a bounded wait for the folder's lock tries it again.
-_LOCK_POLL_S = 0.005
+#: The first pause of a wait for the folder's lock; each next one doubles, up to ``_LOCK_POLL_MAX_S``.
+_LOCK_POLL_FIRST_S = 0.0005
+_LOCK_POLL_MAX_S = 0.02
+#: Where Linux lists the locks held on files (to name the process holding the folder's).
+PROC_LOCKS = "/proc/locks"
 
 logger = logging.getLogger("kvplug.tier.disk")
+
+
+class FolderLockTimeoutError(BlockingIOError):
+    """The folder's lock stayed held past a bounded wait (by a process paused or hung while it
+    holds it): what waited gave up, and changed nothing in the folder."""
+
+    def __init__(self, where: str, waited_s: float, then: str, holder: int | None) -> None:
+        if holder is None:
+            by = "another process or thread"
+        elif holder == os.getpid():
+            by = f"this process (pid {holder}: another of its threads or open files)"
+        else:
+            by = f"process {holder}"
+        #: The process that held the lock, where ``/proc/locks`` named it.
+        self.holder = holder
+        super().__init__(
+            errno.EWOULDBLOCK,
+            f"{where}: {by} held the folder's lock ({LEDGER_NAME}) for over {waited_s:g} s "
+            f"(paused or hung while holding it?): {then}",
+        )
 
 
 class Usage:
@@ -58,7 +88,9 @@ class Usage:
 class UsageLedger:
     """One folder's shared byte total (see the module docstring)."""
 
-    def __init__(self, root_fd: int, *, read_only: bool = False) -> None:
+    def __init__(self, root_fd: int, *, where: str, read_only: bool = False) -> None:
+        #: The folder, as errors name it.
+        self.where = where
         self._thread_lock = threading.Lock()  # flock is per open file, not per thread
         self._local = 0
         self._write_failed = False
@@ -77,9 +109,11 @@ class UsageLedger:
         except OSError as exc:
             logger.warning("disk tier: no shared usage file (%s); the budget counts this process's records only", exc)
             return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:  # can this file system lock files? (held by another process: it can)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:
+            pass
         except OSError as exc:
             os.close(fd)
             logger.warning(
@@ -93,16 +127,16 @@ class UsageLedger:
         return self._fd is not None
 
     @contextmanager
-    def locked(self, *, timeout_s: float | None = None) -> Iterator[Usage]:
-        """Hold the folder's lock; the yielded total is saved on exit when changed. With
-        ``timeout_s``, raise ``BlockingIOError`` when another thread or process holds it that
-        long (a paused process may hold it for ever: a read must not wait on it)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        if not self._thread_lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
-            raise BlockingIOError(errno.EWOULDBLOCK, "another thread holds the folder's lock")
+    def locked(self, *, timeout_s: float, then: str) -> Iterator[Usage]:
+        """Hold the folder's lock; the yielded total is saved on exit when changed. Raise
+        :class:`FolderLockTimeoutError` (saying ``then``: what comes of giving up) when another thread
+        or process holds it ``timeout_s`` seconds: a paused process may hold it for ever."""
+        started = time.monotonic()
+        if not self._thread_lock.acquire(timeout=timeout_s):
+            raise self._timed_out(timeout_s, then)
         try:
             if self._fd is not None and not self.read_only:
-                self._flock(deadline)
+                self._flock(started + timeout_s, timeout_s, then)
             try:
                 usage = Usage(self, self._read())
                 before = usage.total if usage.known else None
@@ -115,19 +149,23 @@ class UsageLedger:
         finally:
             self._thread_lock.release()
 
-    def _flock(self, deadline: float | None) -> None:
+    def _flock(self, deadline: float, timeout_s: float, then: str) -> None:
         assert self._fd is not None
-        if deadline is None:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            return
+        pause = _LOCK_POLL_FIRST_S
         while True:  # flock has no timeout: try, and try again until the deadline
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return
             except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise BlockingIOError(errno.EWOULDBLOCK, "another process holds the folder's lock") from None
-                time.sleep(_LOCK_POLL_S)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._timed_out(timeout_s, then) from None
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, _LOCK_POLL_MAX_S)
+
+    def _timed_out(self, timeout_s: float, then: str) -> FolderLockTimeoutError:
+        holder = None if self._fd is None else lock_holder(self._fd)
+        return FolderLockTimeoutError(self.where, timeout_s, then, holder)
 
     def peek(self) -> int:
         """The total without locking (for stats)."""
@@ -169,3 +207,20 @@ def _regular(fd: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def lock_holder(fd: int, locks: str = PROC_LOCKS) -> int | None:
+    """The process holding an ``flock`` on the file open as ``fd``, as ``locks`` lists it
+    (``None`` where it does not: not Linux, a holder in another PID namespace, a file system
+    whose inode it names otherwise). Read only when a wait gave up: it lists every lock of the host."""
+    try:
+        info = os.fstat(fd)
+        inode = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+        with open(locks, encoding="ascii", errors="replace") as lines:
+            for line in lines:
+                fields = line.split()  # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:2236441 0 EOF"; waiters have "->"
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == inode:
+                    return int(fields[4])
+    except (OSError, ValueError):
+        pass
+    return None
