@@ -78,11 +78,15 @@ class Usage:
         #: ``None`` when the file held no valid total: the caller rebuilds it from a scan.
         self.known = total is not None
         self.total = total or 0
+        #: What the file holds (``None``: no valid total): compared on exit, not the total at entry,
+        #: so that a change saved and then undone (a failed rename) is saved back.
+        self.saved = total
 
     def save(self) -> None:
         self.total = max(0, self.total)
         self.known = True
         self._ledger._write(self.total)
+        self.saved = self.total
 
 
 class UsageLedger:
@@ -139,9 +143,8 @@ class UsageLedger:
                 self._flock(started + timeout_s, timeout_s, then)
             try:
                 usage = Usage(self, self._read())
-                before = usage.total if usage.known else None
                 yield usage
-                if usage.total != before:
+                if usage.total != usage.saved:
                     usage.save()
             finally:
                 if self._fd is not None and not self.read_only:
