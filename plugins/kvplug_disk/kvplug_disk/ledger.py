@@ -46,6 +46,8 @@ _LOCK_POLL_FIRST_S = 0.0005
 _LOCK_POLL_MAX_S = 0.02
 #: Where Linux lists the locks held on files (to name the process holding the folder's).
 PROC_LOCKS = "/proc/locks"
+#: Longest ``close`` waits for a call holding the lock to finish (each is bounded by its own wait).
+_CLOSE_WAIT_S = 60.0
 
 logger = logging.getLogger("kvplug.tier.disk")
 
@@ -65,7 +67,7 @@ class FolderLockTimeoutError(BlockingIOError):
         self.holder = holder
         super().__init__(
             errno.EWOULDBLOCK,
-            f"{where}: {by} held the folder's lock ({LEDGER_NAME}) for over {waited_s:g} s "
+            f"{where}: {by} held the folder's lock ({LEDGER_NAME}) for over {waited_s:.1f} s "
             f"(paused or hung while holding it?): {then}",
         )
 
@@ -96,6 +98,7 @@ class UsageLedger:
         #: The folder, as errors name it.
         self.where = where
         self._thread_lock = threading.Lock()  # flock is per open file, not per thread
+        self._closing = False  # set by close(): a wait for another process's hold gives up at once
         self._local = 0
         self._write_failed = False
         self._fd: int | None = None
@@ -140,7 +143,7 @@ class UsageLedger:
             raise self._timed_out(timeout_s, then)
         try:
             if self._fd is not None and not self.read_only:
-                self._flock(started + timeout_s, timeout_s, then)
+                self._flock(started, timeout_s, then)
             try:
                 usage = Usage(self, self._read())
                 yield usage
@@ -152,32 +155,42 @@ class UsageLedger:
         finally:
             self._thread_lock.release()
 
-    def _flock(self, deadline: float, timeout_s: float, then: str) -> None:
-        assert self._fd is not None
+    def _flock(self, started: float, timeout_s: float, then: str) -> None:
+        assert self._fd is not None  # (close() waits for the thread lock this caller holds)
         pause = _LOCK_POLL_FIRST_S
         while True:  # flock has no timeout: try, and try again until the deadline
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return
             except BlockingIOError:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self._timed_out(timeout_s, then) from None
+                waited = time.monotonic() - started
+                left = timeout_s - waited
+                if left <= 0 or self._closing:
+                    raise self._timed_out(waited, then) from None
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, _LOCK_POLL_MAX_S)
 
-    def _timed_out(self, timeout_s: float, then: str) -> FolderLockTimeoutError:
+    def _timed_out(self, waited_s: float, then: str) -> FolderLockTimeoutError:
         holder = None if self._fd is None else lock_holder(self._fd)
-        return FolderLockTimeoutError(self.where, timeout_s, then, holder)
+        return FolderLockTimeoutError(self.where, waited_s, then, holder)
 
     def peek(self) -> int:
         """The total without locking (for stats)."""
         return self._read() or 0
 
     def close(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        """Close the file, once a call holding or waiting for the lock has ended (a wait for
+        another process's hold gives up at once): never under it, whose descriptor number
+        another open could take meanwhile."""
+        self._closing = True
+        held = self._thread_lock.acquire(timeout=_CLOSE_WAIT_S)
+        try:
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                os.close(fd)
+        finally:
+            if held:
+                self._thread_lock.release()
 
     def _read(self) -> int | None:
         if self._fd is None or self._write_failed:

@@ -5,7 +5,9 @@ naming the folder and that process, and a write a dropped put, counted; nothing 
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -156,3 +158,37 @@ def test_lock_holder_reads_the_flock_holder_of_that_file_from_the_locks_linux_li
         assert lock_holder(fd, str(tmp_path / "missing")) is None
     finally:
         os.close(fd)
+
+
+def test_closing_a_tier_whose_write_waits_for_the_lock_ends_the_wait(
+    kind: str, folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write waiting for a paused process's hold gives up when its tier closes: the put is a
+    dropped write, never a call that failed on a file descriptor closed under it."""
+    tier = open_tier(kind, folder, lock_wait_s=600)
+    holder = holding_the_folder_lock(folder)
+    try:
+        writing = threading.Thread(target=lambda: tier.put(STORED[:1]), daemon=True)
+        writing.start()
+        deadline = time.monotonic() + RETURNS_WITHIN_S
+        while "_flock" not in _stack_of(writing) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert in_a_thread(tier.close) is None
+        writing.join(RETURNS_WITHIN_S)
+        assert not writing.is_alive()
+        assert not [r.getMessage() for r in caplog.records if "a call on" in r.getMessage()]
+        assert tier.stats().extra["lock_timeouts"] == 1
+    finally:
+        holder.kill()
+        holder.wait(30)
+        tier.close()
+
+
+def _stack_of(thread: threading.Thread) -> str:
+    """The function names on ``thread``'s stack now."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return " ".join(names)
