@@ -69,7 +69,7 @@ class DiskTierConfig(TenancySettings, RecordTierConfig):
     stale_temp_s: Annotated[float, Bounded(0, 7 * 86400, "seconds", exclusive_minimum=True, note="a week")] = Field(
         default=600.0,
         description="A temporary file this old is a leftover of a killed writer and is removed at start "
-        "(one whose writer process on this host is gone is removed at once).",
+        "(one whose writer process on this host, in this PID namespace, is gone is removed at once).",
     )
 
     lock_wait_s: TimeoutSeconds = Field(
