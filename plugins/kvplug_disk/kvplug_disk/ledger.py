@@ -38,6 +38,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from kvplug.errors import TierUnavailableError
 from kvplug_disk.files import PRIVATE_FILE
 
 LEDGER_NAME = ".kvplug-usage"
@@ -52,9 +53,10 @@ _CLOSE_WAIT_S = 60.0
 logger = logging.getLogger("kvplug.tier.disk")
 
 
-class FolderLockTimeoutError(BlockingIOError):
+class FolderLockTimeoutError(BlockingIOError, TierUnavailableError):
     """The folder's lock stayed held past a bounded wait (by a process paused or hung while it
-    holds it): what waited gave up, and changed nothing in the folder."""
+    holds it): what waited gave up, and changed nothing in the folder. A ``TierUnavailableError``
+    too, so that ``kvplug store gc`` says it as an error, not a traceback."""
 
     def __init__(self, where: str, waited_s: float, then: str, holder: int | None) -> None:
         if holder is None:

@@ -85,7 +85,7 @@ def test_opening_a_folder_whose_lock_a_paused_process_holds_fails_naming_the_fol
         opened = in_a_thread(lambda: open_tier(kind, folder, open_lock_wait_s=1))
         if isinstance(opened, DiskTier):
             opened.close()
-        assert isinstance(opened, FolderLockTimeoutError), opened
+        assert isinstance(opened, FolderLockTimeoutError) and isinstance(opened, TierUnavailableError), opened
         message = str(opened)
         assert str(folder) in message and ".kvplug-usage" in message and "does not open" in message
         # Named where Linux's /proc/locks names it (an overlay file system may not).
