@@ -17,7 +17,7 @@ from disk_worker import holding_the_folder_lock
 
 from kvplug.errors import TierUnavailableError
 from kvplug.testing import key_for, tier_context, value_for
-from kvplug_disk import DiskTier, ShmTier
+from kvplug_disk import DiskTier, ShmTier, verify
 from kvplug_disk.ledger import FolderLockTimeoutError, lock_holder
 
 T = TypeVar("T")
@@ -192,3 +192,25 @@ def _stack_of(thread: threading.Thread) -> str:
         names.append(frame.f_code.co_name)
         frame = frame.f_back
     return " ".join(names)
+
+
+def test_verify_folder_removing_a_corrupt_record_gives_up_on_a_paused_holder(
+    kind: str, folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(verify, "VERIFY_LOCK_WAIT_S", 1.0)  # 30 s by default
+    writer = open_tier(kind, folder)
+    writer.put(STORED)
+    writer.close()
+    damaged = sorted(folder.glob("*/*.kvr"))[0]
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 1
+    damaged.write_bytes(bytes(data))
+    holder = holding_the_folder_lock(folder)
+    try:
+        answer = in_a_thread(lambda: verify.verify_folder(folder, remove_corrupt=True))
+        assert isinstance(answer, FolderLockTimeoutError), answer
+        assert str(folder) in str(answer) and damaged.exists()
+    finally:
+        holder.kill()
+        holder.wait(30)
+    assert verify.verify_folder(folder, remove_corrupt=True).removed == 1
