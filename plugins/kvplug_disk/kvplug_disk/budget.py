@@ -61,7 +61,9 @@ class FolderBudget:
         budget. Called with both locks held, so no write of the same digest, here or in
         another process, can slip in between. When this process knows of nothing more
         to evict, it lists the folder again: the rest of the total is other processes' records."""
-        rescanned = False
+        rescanned = not usage.known  # no valid total in the file (a ledger made again): list the folder
+        if rescanned:
+            self._rebuild(usage, self._folder.scan().records)
         while usage.total + incoming > self._budget:
             victims = self._order.pop_victims(1)
             if not victims:
@@ -114,3 +116,4 @@ class FolderBudget:
             if digest in self._order:
                 self._order.pin(digest)
         usage.total = self._order.value_bytes
+        usage.known = True

@@ -49,6 +49,8 @@ _LOCK_POLL_MAX_S = 0.02
 PROC_LOCKS = "/proc/locks"
 #: Longest ``close`` waits for a call holding the lock to finish (each is bounded by its own wait).
 _CLOSE_WAIT_S = 60.0
+# Non-blocking: opening a FIFO planted under the ledger's name must not wait for a writer.
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 logger = logging.getLogger("kvplug.tier.disk")
 
@@ -87,8 +89,11 @@ class Usage:
         self.saved = total
 
     def save(self) -> None:
+        """Write the total, if it is known: a change to a total the file did not hold (a
+        ledger made again) would be wrong; the next write rebuilds it from a listing."""
+        if not self.known:
+            return
         self.total = max(0, self.total)
-        self.known = True
         self._ledger._write(self.total)
         self.saved = self.total
 
@@ -104,9 +109,11 @@ class UsageLedger:
         self._local = 0
         self._write_failed = False
         self._fd: int | None = None
+        self._root_fd = root_fd
+        #: (device, inode) of the file open as ``_fd``: is it still the one at the ledger's name?
+        self._identity = (0, 0)
         self.read_only = read_only
-        # Non-blocking: opening a FIFO planted under the ledger's name must not wait for a writer.
-        flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        flags = _OPEN_FLAGS
         if read_only:
             try:
                 self._fd = _regular(os.open(LEDGER_NAME, os.O_RDONLY | flags, dir_fd=root_fd))
@@ -130,6 +137,7 @@ class UsageLedger:
             )
             return
         self._fd = fd
+        self._identity = _identity(os.fstat(fd))
 
     @property
     def shared(self) -> bool:
@@ -163,7 +171,6 @@ class UsageLedger:
         while True:  # flock has no timeout: try, and try again until the deadline
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
             except BlockingIOError:
                 waited = time.monotonic() - started
                 left = timeout_s - waited
@@ -171,6 +178,36 @@ class UsageLedger:
                     raise self._timed_out(waited, then) from None
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, _LOCK_POLL_MAX_S)
+                continue
+            if self._locked_the_named_file():
+                return
+            pause = _LOCK_POLL_FIRST_S  # the file now at the ledger's name, at once
+
+    def _locked_the_named_file(self) -> bool:
+        """With ``_fd`` locked: whether it is the file at the ledger's name. A ledger removed or
+        replaced since it was opened (a cleanup that removed it; the tier outlives its records going)
+        would be locked by this process alone, while processes started since lock the new one:
+        then ``_fd`` becomes the file there now (made if none; its total rebuilt by the next
+        write) and ``False`` says to lock that. Where it cannot be opened, ``True``: the old
+        file it is (this process's total, as where the folder holds no ledger)."""
+        assert self._fd is not None
+        try:
+            found = os.stat(LEDGER_NAME, dir_fd=self._root_fd, follow_symlinks=False)
+            if _identity(found) == self._identity:
+                return True
+        except OSError:
+            pass
+        try:
+            fd = _regular(
+                os.open(LEDGER_NAME, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, PRIVATE_FILE, dir_fd=self._root_fd)
+            )
+        except OSError:
+            return True
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd, self._identity = fd, _identity(os.fstat(fd))
+        logger.warning("disk tier: %s: its usage file was removed or replaced; using the one there now", self.where)
+        return False
 
     def _timed_out(self, waited_s: float, then: str) -> FolderLockTimeoutError:
         holder = None if self._fd is None else lock_holder(self._fd)
@@ -212,6 +249,10 @@ class UsageLedger:
             self._write_failed = True
         else:
             self._write_failed = False
+
+
+def _identity(info: os.stat_result) -> tuple[int, int]:
+    return (info.st_dev, info.st_ino)
 
 
 def _regular(fd: int) -> int:

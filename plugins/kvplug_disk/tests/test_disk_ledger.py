@@ -55,3 +55,27 @@ def test_a_write_whose_rename_fails_leaves_the_folder_total_as_it_was(kind: str,
         assert tier.stats().extra["folder_bytes"] == 5000
     finally:
         tier.close()
+
+
+def test_a_ledger_removed_under_running_tiers_is_one_ledger_again_for_every_process(kind: str, folder: Path) -> None:
+    """The usage file removed while a tier runs (a cleanup of the folder): the running tier moves to
+    the file a tier started since makes, so the two still exclude each other and keep one budget."""
+    cls = ShmTier if kind == "shm" else DiskTier
+    budget = 1_000_000
+
+    def opened() -> DiskTier:  # each its own open file of the ledger: as separate processes
+        return cls(cls.Config(path=folder, queue={"mode": "sync"}, max_bytes=budget), tier_context())
+
+    first = opened()
+    first.put([(key_for("first-0"), value_for("first-0", 100_000))])
+    (folder / LEDGER_NAME).unlink()
+    second = opened()
+    try:
+        for i in range(1, 20):
+            first.put([(key_for(f"first-{i}"), value_for(f"first-{i}", 100_000))])
+            second.put([(key_for(f"second-{i}"), value_for(f"second-{i}", 100_000))])
+        assert folder_value_bytes(folder) <= budget
+        assert ledger_total(folder) == folder_value_bytes(folder)
+    finally:
+        first.close()
+        second.close()
