@@ -12,7 +12,9 @@ not counted.
 The total is rebuilt from a scan of the folder at start and whenever a process has
 nothing left of its own to evict while the total says the folder is full: a process
 killed between its rename and its update, or ``kvplug store gc`` run beside the
-tiers, costs at most that drift until then. Where the folder cannot hold the file (a
+tiers, costs at most that drift until then; and at the next write when the file holds
+no valid total (removed and made again: a process finding the file at the name is not the
+one it locked moves to the new one). Where the folder cannot hold the file (a
 read-only folder), cannot lock it, or holds something else under its name (a FIFO: never
 waited on), the total is this process's own. Opened
 ``read_only`` (for inspection) the file is read if it is there, never created, locked
