@@ -234,7 +234,10 @@ class UsageLedger:
                 self._thread_lock.release()
 
     def _read(self) -> int | None:
-        if self._fd is None or self._write_failed:
+        """The folder's total: the file's, ``None`` when it holds none (never written: a full
+        disk refused its first 8 bytes), then rebuilt from a listing. Never this process's own
+        copy while the file is shared: another process may have written it since."""
+        if self._fd is None:
             return self._local
         data = os.pread(self._fd, 8, 0)
         return int.from_bytes(data, "little") if len(data) == 8 else None

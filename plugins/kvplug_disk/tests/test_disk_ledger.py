@@ -79,3 +79,34 @@ def test_a_ledger_removed_under_running_tiers_is_one_ledger_again_for_every_proc
     finally:
         first.close()
         second.close()
+
+
+def test_a_ledger_a_full_disk_kept_empty_is_rebuilt_not_taken_from_one_process(kind: str, small_tmpfs: Path) -> None:
+    """Two processes open a folder on a full file system: neither can write the ledger's first
+    8 bytes. Once there is room, the total they write is the folder's (a listing's), not the one
+    process's own count that left out the other's records: the folder stays within max_bytes."""
+    cls = ShmTier if kind == "shm" else DiskTier
+    folder, budget = small_tmpfs / "store", 600_000
+    filler = small_tmpfs / "filler"
+    with filler.open("wb", buffering=0) as fill, pytest.raises(OSError, match="No space"):
+        while True:
+            fill.write(b"\0" * 4096)
+
+    def opened() -> DiskTier:  # each its own open file of the ledger: as separate processes
+        options: dict[str, object] = {"path": folder, "queue": {"mode": "sync"}, "max_bytes": budget}
+        if kind == "disk":
+            options["fsync"] = False
+        return cls(cls.Config(**options), tier_context())
+
+    first, second = opened(), opened()
+    try:
+        assert (folder / LEDGER_NAME).stat().st_size == 0
+        filler.unlink()
+        for i in range(8):
+            first.put([(key_for(f"first-{i}"), value_for(f"first-{i}", 100_000))])
+            second.put([(key_for(f"second-{i}"), value_for(f"second-{i}", 100_000))])
+        assert folder_value_bytes(folder) <= budget
+        assert ledger_total(folder) == folder_value_bytes(folder)
+    finally:
+        first.close()
+        second.close()
