@@ -37,7 +37,7 @@ from kvplug_disk.config import DiskTierConfig
 from kvplug_disk.files import RecordFolder, TempFile, make_private
 from kvplug_disk.folder_scan import ForeignEntryError, ScanResult
 from kvplug_disk.index import EvictionIndex, IndexEntry, record_guard
-from kvplug_disk.ledger import UsageLedger
+from kvplug_disk.ledger import FolderLockTimeoutError, Usage, UsageLedger
 from kvplug_disk.location import mark_store, require_disk_store
 from kvplug_disk.problems import ProblemLog, is_no_space, is_undeletable
 from kvplug_disk.reads import DiskReads
@@ -89,6 +89,8 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
         self.read_only = read_only
         self._record_bound = record_bound  # the tier's max_record_bytes, read at each read
         self._budget = int(config.max_bytes)
+        #: Longest a write, removal or unpin waits for the folder's lock (``FolderLockTimeoutError``).
+        self._lock_wait_s = config.lock_wait_s
         self._problems = problems
         # Taken inside the ledger's lock, never around it: a write waiting for another process's
         # hold on the folder (a process paused mid-write) must not hold up this process's lookups.
@@ -107,7 +109,7 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
         self._folder = self._open_folder(config)
         if not read_only:
             mark_store(self._folder.root_fd)
-        self._ledger = UsageLedger(self._folder.root_fd, read_only=read_only)
+        self._ledger = UsageLedger(self._folder.root_fd, where=self.where, read_only=read_only)
         try:
             scan = self._start(config)
         except BaseException:  # a tier that does not open keeps no descriptors
@@ -128,8 +130,15 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
 
     def _start(self, config: DiskTierConfig) -> ScanResult:
         """List the folder and index its records, under the folder's lock: the scan and the
-        total it gives are exact, not racing a writer."""
-        with self._ledger.locked() as usage, self._lock:
+        total it gives are exact, not racing a writer. A lock held past ``open_lock_wait_s``
+        (a process paused holding it) fails the open: ``FolderLockTimeoutError`` names the folder."""
+        with (
+            self._ledger.locked(
+                timeout_s=config.open_lock_wait_s,
+                then="the tier does not open (it can once that process goes on or ends)",
+            ) as usage,
+            self._lock,
+        ):
             scan = self._folder.scan(clean_temps_older_than=None if self.read_only else config.stale_temp_s)
             for entry in scan.foreign:  # "<shard>/<digest>.kvr", or a shard name
                 shard, _, name = entry.partition("/")
@@ -182,45 +191,27 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
             else:
                 wanted.append(i)
         temps = self._write_temps([records[i] for i in wanted])
+        busy: FolderLockTimeoutError | None = None  # the folder's lock stayed held: the rest of the put is dropped
         try:
             for i, temp in zip(wanted, temps):
                 record = records[i]
                 if isinstance(temp, OSError):
                     outcomes[i] = SkippedEntryError() if self._entry_failed("write", record.name, temp) else temp
-                    continue
-                with self._ledger.locked() as usage, self._lock:
-                    if not self._order.admits(record.name, IndexEntry(record.value.nbytes, record.size), self._budget):
-                        self._folder.discard_temp(temp)
-                        outcomes[i] = RefusedRecordError()
-                        continue
-                    # Replaced below: it must not count against its own room, nor be evicted for it.
-                    # A pinned record is neither, and stays pinned (stored again, its pin takes the new size).
-                    replaced = not self._order.is_pinned(record.name) and self._order.pop(record.name) is not None
-                    value_size = record.value.nbytes
-                    self._evict_for(usage, value_size)
-                    growth = value_size - self._value_size_on_disk(record.name)
-                    usage.total += growth
-                    usage.save()  # before the rename: a crash in between over-counts, never under-counts
+                elif busy is not None:
+                    self._folder.discard_temp(temp)
+                    outcomes[i] = busy
+                else:
                     try:
-                        self._folder.publish(temp, record.name)
-                    except OSError as exc:
-                        usage.total -= growth
+                        locked = self._ledger.locked(timeout_s=self._lock_wait_s, then="the write is dropped")
+                        with locked as usage, self._lock:
+                            outcomes[i] = self._publish(usage, record, temp)
+                    except FolderLockTimeoutError as exc:
+                        busy = outcomes[i] = exc
                         self._folder.discard_temp(temp)
-                        skipped = self._entry_failed("publish", record.name, exc, locked=True)
-                        outcomes[i] = SkippedEntryError() if skipped else exc
-                    else:
-                        # Evicted earlier in this put (or by another thread's) and now written again:
-                        # the tier must not forget the record it has just stored, nor report it gone.
-                        self._evicted.pop(record.name, None)
-                        self._order.add(record.name, IndexEntry(value_size, record.size))
-                        if replaced:  # storing a record again is a use of it
-                            self._order.touch(record.name)
-                        over_quota = self._order.take_over_quota()  # the tenant's own records
-                        if over_quota:
-                            self._remove_victims(usage, over_quota)
-                            usage.save()
-                with self._folder_lock:
-                    self._dirty_folders.add(self._folder.shard_of(record.name))
+                        self._problems.error("write", "the folder", exc, warn=False)  # the tier warns of drops
+                    if outcomes[i] is None:
+                        with self._folder_lock:
+                            self._dirty_folders.add(self._folder.shard_of(record.name))
         finally:  # a call that failed half-way (the folder could not be listed) leaves no temp file open
             for temp in temps:
                 if isinstance(temp, TempFile):
@@ -228,6 +219,38 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
         if time.monotonic() - self._folders_synced_at >= FOLDER_SYNC_INTERVAL_S:
             self._sync_folders()  # the rest on flush
         return outcomes
+
+    def _publish(self, usage: Usage, record: RecordToWrite, temp: TempFile) -> BaseException | None:
+        """Make room for a written temp file and rename it into place (both locks held); why not, if not."""
+        if not self._order.admits(record.name, IndexEntry(record.value.nbytes, record.size), self._budget):
+            self._folder.discard_temp(temp)
+            return RefusedRecordError()
+        # Replaced below: it must not count against its own room, nor be evicted for it.
+        # A pinned record is neither, and stays pinned (stored again, its pin takes the new size).
+        replaced = not self._order.is_pinned(record.name) and self._order.pop(record.name) is not None
+        value_size = record.value.nbytes
+        self._evict_for(usage, value_size)
+        growth = value_size - self._value_size_on_disk(record.name)
+        usage.total += growth
+        usage.save()  # before the rename: a crash in between over-counts, never under-counts
+        try:
+            self._folder.publish(temp, record.name)
+        except OSError as exc:
+            usage.total -= growth
+            self._folder.discard_temp(temp)
+            skipped = self._entry_failed("publish", record.name, exc, locked=True)
+            return SkippedEntryError() if skipped else exc
+        # Evicted earlier in this put (or by another thread's) and now written again:
+        # the tier must not forget the record it has just stored, nor report it gone.
+        self._evicted.pop(record.name, None)
+        self._order.add(record.name, IndexEntry(value_size, record.size))
+        if replaced:  # storing a record again is a use of it
+            self._order.touch(record.name)
+        over_quota = self._order.take_over_quota()  # the tenant's own records
+        if over_quota:
+            self._remove_victims(usage, over_quota)
+            usage.save()
+        return None
 
     def _write_temps(self, records: list[RecordToWrite]) -> list[TempFile | OSError]:
         """The temp files of ``records`` (or why one failed), up to ``write_threads`` written
@@ -271,16 +294,25 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
     def unpin(self, names: Sequence[str]) -> list[int | None]:
         """Make records evictable again: per name its value bytes, ``None`` if not pinned. They
         count against their tenant's quota again: a tenant over it gives up its own records."""
-        with self._ledger.locked() as usage, self._lock:
+        with self._lock:
             sizes: list[int | None] = []
             for digest in names:
                 entry = self._order.get(digest)
                 sizes.append(entry.value_size if entry is not None and self._order.unpin(digest) else None)
-            over_quota = self._order.take_over_quota()
-            if over_quota:
-                self._remove_victims(usage, over_quota)
-                usage.save()
-            return sizes
+        try:
+            with (
+                self._ledger.locked(
+                    timeout_s=self._lock_wait_s, then="tenants over their quotas give up records at the next write"
+                ) as usage,
+                self._lock,
+            ):
+                over_quota = self._order.take_over_quota()
+                if over_quota:
+                    self._remove_victims(usage, over_quota)
+                    usage.save()
+        except FolderLockTimeoutError as exc:  # unpinned all the same: the next write keeps the quota
+            self._problems.error("unpin", "the folder", exc)
+        return sizes
 
     # --- lifecycle ------------------------------------------------------------------
 

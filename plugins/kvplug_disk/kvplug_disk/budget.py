@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from kvplug import StoredRecord
 from kvplug_disk.files import RecordFolder, value_size_of
 from kvplug_disk.index import EvictionIndex, IndexEntry
-from kvplug_disk.ledger import Usage, UsageLedger
+from kvplug_disk.ledger import FolderLockTimeoutError, Usage, UsageLedger
 from kvplug_disk.problems import ProblemLog
 
 
@@ -23,6 +23,7 @@ class FolderBudget:
     _problems: ProblemLog
     _evicted: dict[str, StoredRecord]
     _budget: int
+    _lock_wait_s: float
     _folder: RecordFolder
 
     if TYPE_CHECKING:
@@ -33,11 +34,21 @@ class FolderBudget:
 
     def _make_room(self, size: int, attempt: int) -> bool:
         """After a write of ``size`` bytes found the disk full (``attempt`` times before):
-        evict this process's next victims, twice as many bytes each round; whether any were."""
-        with self._ledger.locked() as usage, self._lock:
-            victims = self._order.pop_victims((size + 64 * 1024) << attempt)  # + blocks, metadata
-            self._remove_victims(usage, victims)
-            self._problems.counts["enospc_evictions"] += len(victims)
+        evict this process's next victims, twice as many bytes each round; whether any were
+        (none: the folder's lock stayed held past ``lock_wait_s``, and the write fails on the full disk)."""
+        try:
+            with (
+                self._ledger.locked(
+                    timeout_s=self._lock_wait_s, then="no room was made on the full disk: the write is dropped"
+                ) as usage,
+                self._lock,
+            ):
+                victims = self._order.pop_victims((size + 64 * 1024) << attempt)  # + blocks, metadata
+                self._remove_victims(usage, victims)
+                self._problems.counts["enospc_evictions"] += len(victims)
+        except FolderLockTimeoutError as exc:
+            self._problems.error("evict", "the folder", exc)
+            return False
         return bool(victims)
 
     def take_evicted(self) -> list[StoredRecord]:
@@ -50,7 +61,9 @@ class FolderBudget:
         budget. Called with both locks held, so no write of the same digest, here or in
         another process, can slip in between. When this process knows of nothing more
         to evict, it lists the folder again: the rest of the total is other processes' records."""
-        rescanned = False
+        rescanned = not usage.known  # no valid total in the file (a ledger made again): list the folder
+        if rescanned:
+            self._rebuild(usage, self._folder.scan().records)
         while usage.total + incoming > self._budget:
             victims = self._order.pop_victims(1)
             if not victims:
@@ -103,3 +116,4 @@ class FolderBudget:
             if digest in self._order:
                 self._order.pin(digest)
         usage.total = self._order.value_bytes
+        usage.known = True

@@ -69,7 +69,22 @@ class DiskTierConfig(TenancySettings, RecordTierConfig):
     stale_temp_s: Annotated[float, Bounded(0, 7 * 86400, "seconds", exclusive_minimum=True, note="a week")] = Field(
         default=600.0,
         description="A temporary file this old is a leftover of a killed writer and is removed at start "
-        "(one whose writer process on this host is gone is removed at once).",
+        "(one whose writer process on this host, in this PID namespace, is gone is removed at once).",
+    )
+
+    lock_wait_s: TimeoutSeconds = Field(
+        default=5.0,
+        description="Longest a write, removal or unpin waits for the folder's lock (every process of the folder "
+        "takes it around its renames and evictions, for milliseconds) while another process holds it: one "
+        "paused or hung holding it (SIGSTOP, a debugger, a frozen container). Then it gives up: the write is "
+        "dropped (counted: errors, lock_timeouts), a removal fails, and the error names the folder and, "
+        "where Linux says, the process.",
+    )
+    open_lock_wait_s: TimeoutSeconds = Field(
+        default=30.0,
+        description="Longest opening the tier waits for the folder's lock (its start-up listing runs under it; "
+        "another process's listing of a large folder holds it seconds): then the open fails with an error "
+        "that names the folder and, where Linux says, the process holding the lock.",
     )
 
     @field_validator("path")

@@ -19,9 +19,20 @@ from typing import TYPE_CHECKING
 RECORD_SUFFIX = ".kvr"
 TEMP_SUFFIX = ".tmp"
 SHARDS = tuple(f"{i:02x}" for i in range(256))
-#: Tells this host's temp files from another host's on a shared (network) folder,
-#: where a pid says nothing about whether the writer still runs.
-HOST_TAG = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace (``pid:[4026531836]``), ``""`` where that cannot be read."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+#: Tells this host's temp files from another host's on a shared (network) folder, where a
+#: pid says nothing about whether the writer still runs; and from another PID namespace's
+#: (containers with the host's name, pods on the host network), whose pids this one does not see.
+HOST_TAG = hashlib.sha256(f"{socket.gethostname()}\0{_pid_namespace()}".encode()).hexdigest()[:8]
 RECORD_NAME = re.compile(r"[0-9a-f]{64}\.kvr")
 
 

@@ -12,11 +12,20 @@ not counted.
 The total is rebuilt from a scan of the folder at start and whenever a process has
 nothing left of its own to evict while the total says the folder is full: a process
 killed between its rename and its update, or ``kvplug store gc`` run beside the
-tiers, costs at most that drift until then. Where the folder cannot hold the file (a
+tiers, costs at most that drift until then; and at the next write when the file holds
+no valid total (removed and made again: a process finding the file at the name is not the
+one it locked moves to the new one). Where the folder cannot hold the file (a
 read-only folder), cannot lock it, or holds something else under its name (a FIFO: never
 waited on), the total is this process's own. Opened
 ``read_only`` (for inspection) the file is read if it is there, never created, locked
 or written.
+
+No wait for the lock is unbounded: a process paused while it holds it (SIGSTOP, a
+debugger, a frozen container) would otherwise stop every process of the folder.
+:meth:`UsageLedger.locked` tries the lock at once, then again after a growing pause
+(0.5 ms doubling to 20 ms: TP ranks of one engine take it at every write), and raises
+:class:`FolderLockTimeoutError` at its deadline: the caller's to choose (the tier's
+``lock_wait_s`` for writes, ``open_lock_wait_s`` for the open's listing).
 """
 
 from __future__ import annotations
@@ -31,13 +40,42 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from kvplug.errors import TierUnavailableError
 from kvplug_disk.files import PRIVATE_FILE
 
 LEDGER_NAME = ".kvplug-usage"
-#: How often a bounded wait for the folder's lock tries it again.
-_LOCK_POLL_S = 0.005
+#: The first pause of a wait for the folder's lock; each next one doubles, up to ``_LOCK_POLL_MAX_S``.
+_LOCK_POLL_FIRST_S = 0.0005
+_LOCK_POLL_MAX_S = 0.02
+#: Where Linux lists the locks held on files (to name the process holding the folder's).
+PROC_LOCKS = "/proc/locks"
+#: Longest ``close`` waits for a call holding the lock to finish (each is bounded by its own wait).
+_CLOSE_WAIT_S = 60.0
+# Non-blocking: opening a FIFO planted under the ledger's name must not wait for a writer.
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 logger = logging.getLogger("kvplug.tier.disk")
+
+
+class FolderLockTimeoutError(BlockingIOError, TierUnavailableError):
+    """The folder's lock stayed held past a bounded wait (by a process paused or hung while it
+    holds it): what waited gave up, and changed nothing in the folder. A ``TierUnavailableError``
+    too, so that ``kvplug store gc`` says it as an error, not a traceback."""
+
+    def __init__(self, where: str, waited_s: float, then: str, holder: int | None) -> None:
+        if holder is None:
+            by = "another process or thread"
+        elif holder == os.getpid():
+            by = f"this process (pid {holder}: another of its threads or open files)"
+        else:
+            by = f"process {holder}"
+        #: The process that held the lock, where ``/proc/locks`` named it.
+        self.holder = holder
+        super().__init__(
+            errno.EWOULDBLOCK,
+            f"{where}: {by} held the folder's lock ({LEDGER_NAME}) for over {waited_s:.1f} s "
+            f"(paused or hung while holding it?): {then}",
+        )
 
 
 class Usage:
@@ -48,24 +86,36 @@ class Usage:
         #: ``None`` when the file held no valid total: the caller rebuilds it from a scan.
         self.known = total is not None
         self.total = total or 0
+        #: What the file holds (``None``: no valid total): compared on exit, not the total at entry,
+        #: so that a change saved and then undone (a failed rename) is saved back.
+        self.saved = total
 
     def save(self) -> None:
+        """Write the total, if it is known: a change to a total the file did not hold (a
+        ledger made again) would be wrong; the next write rebuilds it from a listing."""
+        if not self.known:
+            return
         self.total = max(0, self.total)
-        self.known = True
         self._ledger._write(self.total)
+        self.saved = self.total
 
 
 class UsageLedger:
     """One folder's shared byte total (see the module docstring)."""
 
-    def __init__(self, root_fd: int, *, read_only: bool = False) -> None:
+    def __init__(self, root_fd: int, *, where: str, read_only: bool = False) -> None:
+        #: The folder, as errors name it.
+        self.where = where
         self._thread_lock = threading.Lock()  # flock is per open file, not per thread
+        self._closing = False  # set by close(): a wait for another process's hold gives up at once
         self._local = 0
         self._write_failed = False
         self._fd: int | None = None
+        self._root_fd = root_fd
+        #: (device, inode) of the file open as ``_fd``: is it still the one at the ledger's name?
+        self._identity = (0, 0)
         self.read_only = read_only
-        # Non-blocking: opening a FIFO planted under the ledger's name must not wait for a writer.
-        flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        flags = _OPEN_FLAGS
         if read_only:
             try:
                 self._fd = _regular(os.open(LEDGER_NAME, os.O_RDONLY | flags, dir_fd=root_fd))
@@ -77,9 +127,11 @@ class UsageLedger:
         except OSError as exc:
             logger.warning("disk tier: no shared usage file (%s); the budget counts this process's records only", exc)
             return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:  # can this file system lock files? (held by another process: it can)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:
+            pass
         except OSError as exc:
             os.close(fd)
             logger.warning(
@@ -87,27 +139,27 @@ class UsageLedger:
             )
             return
         self._fd = fd
+        self._identity = _identity(os.fstat(fd))
 
     @property
     def shared(self) -> bool:
         return self._fd is not None
 
     @contextmanager
-    def locked(self, *, timeout_s: float | None = None) -> Iterator[Usage]:
-        """Hold the folder's lock; the yielded total is saved on exit when changed. With
-        ``timeout_s``, raise ``BlockingIOError`` when another thread or process holds it that
-        long (a paused process may hold it for ever: a read must not wait on it)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        if not self._thread_lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
-            raise BlockingIOError(errno.EWOULDBLOCK, "another thread holds the folder's lock")
+    def locked(self, *, timeout_s: float, then: str) -> Iterator[Usage]:
+        """Hold the folder's lock; the yielded total is saved on exit when changed. Raise
+        :class:`FolderLockTimeoutError` (saying ``then``: what comes of giving up) when another thread
+        or process holds it ``timeout_s`` seconds: a paused process may hold it for ever."""
+        started = time.monotonic()
+        if not self._thread_lock.acquire(timeout=timeout_s):
+            raise self._timed_out(timeout_s, then)
         try:
             if self._fd is not None and not self.read_only:
-                self._flock(deadline)
+                self._flock(started, timeout_s, then)
             try:
                 usage = Usage(self, self._read())
-                before = usage.total if usage.known else None
                 yield usage
-                if usage.total != before:
+                if usage.total != usage.saved:
                     usage.save()
             finally:
                 if self._fd is not None and not self.read_only:
@@ -115,31 +167,77 @@ class UsageLedger:
         finally:
             self._thread_lock.release()
 
-    def _flock(self, deadline: float | None) -> None:
-        assert self._fd is not None
-        if deadline is None:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            return
+    def _flock(self, started: float, timeout_s: float, then: str) -> None:
+        assert self._fd is not None  # (close() waits for the thread lock this caller holds)
+        pause = _LOCK_POLL_FIRST_S
         while True:  # flock has no timeout: try, and try again until the deadline
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
             except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise BlockingIOError(errno.EWOULDBLOCK, "another process holds the folder's lock") from None
-                time.sleep(_LOCK_POLL_S)
+                waited = time.monotonic() - started
+                left = timeout_s - waited
+                if left <= 0 or self._closing:
+                    raise self._timed_out(waited, then) from None
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, _LOCK_POLL_MAX_S)
+                continue
+            if self._locked_the_named_file():
+                return
+            pause = _LOCK_POLL_FIRST_S  # the file now at the ledger's name, at once
+
+    def _locked_the_named_file(self) -> bool:
+        """With ``_fd`` locked: whether it is the file at the ledger's name. A ledger removed or
+        replaced since it was opened (a cleanup that removed it; the tier outlives its records going)
+        would be locked by this process alone, while processes started since lock the new one:
+        then ``_fd`` becomes the file there now (made if none; its total rebuilt by the next
+        write) and ``False`` says to lock that. Where it cannot be opened, ``True``: the old
+        file it is (this process's total, as where the folder holds no ledger)."""
+        assert self._fd is not None
+        try:
+            found = os.stat(LEDGER_NAME, dir_fd=self._root_fd, follow_symlinks=False)
+            if _identity(found) == self._identity:
+                return True
+        except OSError:
+            pass
+        try:
+            fd = _regular(
+                os.open(LEDGER_NAME, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, PRIVATE_FILE, dir_fd=self._root_fd)
+            )
+        except OSError:
+            return True
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd, self._identity = fd, _identity(os.fstat(fd))
+        logger.warning("disk tier: %s: its usage file was removed or replaced; using the one there now", self.where)
+        return False
+
+    def _timed_out(self, waited_s: float, then: str) -> FolderLockTimeoutError:
+        holder = None if self._fd is None else lock_holder(self._fd)
+        return FolderLockTimeoutError(self.where, waited_s, then, holder)
 
     def peek(self) -> int:
         """The total without locking (for stats)."""
         return self._read() or 0
 
     def close(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        """Close the file, once a call holding or waiting for the lock has ended (a wait for
+        another process's hold gives up at once): never under it, whose descriptor number
+        another open could take meanwhile."""
+        self._closing = True
+        held = self._thread_lock.acquire(timeout=_CLOSE_WAIT_S)
+        try:
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                os.close(fd)
+        finally:
+            if held:
+                self._thread_lock.release()
 
     def _read(self) -> int | None:
-        if self._fd is None or self._write_failed:
+        """The folder's total: the file's, ``None`` when it holds none (never written: a full
+        disk refused its first 8 bytes), then rebuilt from a listing. Never this process's own
+        copy while the file is shared: another process may have written it since."""
+        if self._fd is None:
             return self._local
         data = os.pread(self._fd, 8, 0)
         return int.from_bytes(data, "little") if len(data) == 8 else None
@@ -158,6 +256,10 @@ class UsageLedger:
             self._write_failed = False
 
 
+def _identity(info: os.stat_result) -> tuple[int, int]:
+    return (info.st_dev, info.st_ino)
+
+
 def _regular(fd: int) -> int:
     """``fd`` if it is a regular file; else it is closed and ``OSError`` names what is there."""
     try:
@@ -169,3 +271,20 @@ def _regular(fd: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def lock_holder(fd: int, locks: str = PROC_LOCKS) -> int | None:
+    """The process holding an ``flock`` on the file open as ``fd``, as ``locks`` lists it
+    (``None`` where it does not: not Linux, a holder in another PID namespace, a file system
+    whose inode it names otherwise). Read only when a wait gave up: it lists every lock of the host."""
+    try:
+        info = os.fstat(fd)
+        inode = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+        with open(locks, encoding="ascii", errors="replace") as lines:
+            for line in lines:
+                fields = line.split()  # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:2236441 0 EOF"; waiters have "->"
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == inode:
+                    return int(fields[4])
+    except (OSError, ValueError):
+        pass
+    return None

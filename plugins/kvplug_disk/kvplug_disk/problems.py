@@ -46,7 +46,7 @@ class ProblemLog:
         self._count_error = count_error
         self._lock = threading.Lock()
         self._skipped: dict[str, str] = {}
-        self.counts: dict[str, int] = dict.fromkeys((*ENTRY_KINDS, "enospc", "enospc_evictions"), 0)
+        self.counts: dict[str, int] = dict.fromkeys((*ENTRY_KINDS, "enospc", "enospc_evictions", "lock_timeouts"), 0)
         self.errors = 0
         self._last_warned: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
@@ -73,6 +73,8 @@ class ProblemLog:
             self.errors += 1
             if is_no_space(exc):
                 self.counts["enospc"] += 1
+            elif isinstance(exc, BlockingIOError):  # the folder's lock stayed held past its wait
+                self.counts["lock_timeouts"] += 1
             last = self._last_warned.get(kind)
             quiet = not warn or (last is not None and now - last < WARN_INTERVAL_S)
             if not warn:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from kvplug import Buffer
 from kvplug_disk.files import RecordFolder
 from kvplug_disk.index import EvictionIndex
-from kvplug_disk.ledger import Usage, UsageLedger
+from kvplug_disk.ledger import FolderLockTimeoutError, Usage, UsageLedger
 
 #: Longest a corrupt record's removal (from a read) waits for the folder's lock, which a
 #: paused process may hold for ever.
@@ -24,6 +24,7 @@ class DiskRemovals:
     read_only: bool
     where: str
     _ledger: UsageLedger
+    _lock_wait_s: float
     _lock: threading.Lock
     _order: EvictionIndex
     _folder: RecordFolder
@@ -42,13 +43,16 @@ class DiskRemovals:
             return [ReadOnlyStoreError(self.where) for _ in names]
         return self._delete(names)
 
-    def _delete(self, names: Sequence[str]) -> list[bool]:
-        with self._ledger.locked() as usage, self._lock:
-            existed = []
-            for digest in names:
-                self._order.pop(digest)
-                existed.append(self._unlink_record(usage, digest, "remove"))
-            return existed
+    def _delete(self, names: Sequence[str]) -> Sequence[bool | BaseException]:
+        try:
+            with self._ledger.locked(timeout_s=self._lock_wait_s, then="nothing was removed") as usage, self._lock:
+                existed = []
+                for digest in names:
+                    self._order.pop(digest)
+                    existed.append(self._unlink_record(usage, digest, "remove"))
+                return existed
+        except FolderLockTimeoutError as exc:  # nothing removed: the removal fails, naming why
+            return [exc for _ in names]
 
     async def delete_if_same(
         self, names: Sequence[str], seen: Sequence[Buffer | None]
@@ -58,9 +62,14 @@ class DiskRemovals:
         if self.read_only:
             return [ReadOnlyStoreError(self.where) for _ in names]
         try:
-            with self._ledger.locked(timeout_s=REMOVAL_LOCK_WAIT_S) as usage, self._lock:
+            with (
+                self._ledger.locked(
+                    timeout_s=REMOVAL_LOCK_WAIT_S, then="the corrupt record stays (absent to this process)"
+                ) as usage,
+                self._lock,
+            ):
                 return self._delete_if_same(usage, names, seen)
-        except BlockingIOError as exc:  # no answer: the tier keeps the name absent, a later read tries again
+        except FolderLockTimeoutError as exc:  # no answer: the tier keeps the name absent, a later read tries again
             return [exc for _ in names]
 
     def _delete_if_same(

@@ -81,7 +81,7 @@ from kvplug import (
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.config import DiskTierConfig, ShmTierConfig
 from kvplug_disk.files import PRIVATE_FOLDER, RecordFolder, TempFile
-from kvplug_disk.ledger import Usage
+from kvplug_disk.ledger import FolderLockTimeoutError, Usage
 from kvplug_disk.mappings import MappedRecords
 from kvplug_disk.problems import WARN_INTERVAL_S, ProblemLog
 from kvplug_disk.room import InVain, Room
@@ -173,26 +173,40 @@ class ShmBackend(DiskBackend):
         ``False`` (the write is dropped): nothing of this process's left to evict, the
         tmpfs not full by what it says (once retried), an eviction that freed nothing (its
         pages are still mapped: the next would likely be evicted for nothing too), or one
-        that did so lately with nothing freed since (:mod:`kvplug_disk.room`)."""
-        with self._ledger.locked() as usage, self._lock:
-            room = Room.of(self._folder.root_fd)
-            if room is None or self._in_vain.held_off(room):
+        that did so lately with nothing freed since (:mod:`kvplug_disk.room`), or the folder's
+        lock held past ``lock_wait_s``."""
+        try:
+            with (
+                self._ledger.locked(
+                    timeout_s=self._lock_wait_s, then="no room was made in the full tmpfs: the write is dropped"
+                ) as usage,
+                self._lock,
+            ):
+                return self._evict_until_it_fits(usage, size, attempt)
+        except FolderLockTimeoutError as exc:
+            self._problems.error("evict", "the folder", exc)
+            return False
+
+    def _evict_until_it_fits(self, usage: Usage, size: int, attempt: int) -> bool:
+        """:meth:`_make_room`'s evictions (both locks held)."""
+        room = Room.of(self._folder.root_fd)
+        if room is None or self._in_vain.held_off(room):
+            return False
+        if room.fits(size):  # full by something statvfs does not show, or freed meanwhile
+            return attempt == 0
+        while not room.fits(size):
+            victims = self._order.pop_victims(1)
+            if not victims:
                 return False
-            if room.fits(size):  # full by something statvfs does not show, or freed meanwhile
-                return attempt == 0
-            while not room.fits(size):
-                victims = self._order.pop_victims(1)
-                if not victims:
-                    return False
-                self._remove_victims(usage, victims)
-                self._problems.counts["enospc_evictions"] += len(victims)
-                after = Room.of(self._folder.root_fd)
-                if after is None:
-                    return False
-                if not after.more_than(room):
-                    self._evicted_in_vain(after)
-                    return False
-                room = after
+            self._remove_victims(usage, victims)
+            self._problems.counts["enospc_evictions"] += len(victims)
+            after = Room.of(self._folder.root_fd)
+            if after is None:
+                return False
+            if not after.more_than(room):
+                self._evicted_in_vain(after)
+                return False
+            room = after
         return True
 
     def _write_temp(self, record: RecordToWrite, mtime_ns: int) -> TempFile:

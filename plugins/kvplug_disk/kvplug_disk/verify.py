@@ -17,7 +17,11 @@ from kvplug import RECORD_HEADER_SIZE, RecordCheck, check_record
 from kvplug.errors import CorruptChunkError
 from kvplug_disk.files import RecordFolder, value_size_of
 from kvplug_disk.folder_scan import ForeignEntryError
-from kvplug_disk.ledger import UsageLedger
+from kvplug_disk.ledger import FolderLockTimeoutError, UsageLedger
+
+#: Longest a removal of :func:`verify_folder` waits for the folder's lock, which a paused
+#: process may hold for ever: then it raises :class:`~kvplug_disk.ledger.FolderLockTimeoutError`.
+VERIFY_LOCK_WAIT_S = 30.0
 
 
 @dataclass
@@ -47,6 +51,8 @@ def verify_folder(path: str | os.PathLike[str], *, remove_corrupt: bool = False)
     corrupt record the process may not delete is counted as ``undeletable``, one it may
     not read as ``unreadable``. A file whose size its header rules out is corrupt
     unread, and a record is mapped, not copied: a sparse or huge file costs no memory.
+    A removal waits at most ``VERIFY_LOCK_WAIT_S`` for the folder's lock, then raises
+    :class:`~kvplug_disk.ledger.FolderLockTimeoutError` (a process paused holding it).
     """
     root = Path(path)
     if not root.is_dir():
@@ -79,8 +85,10 @@ def verify_folder(path: str | os.PathLike[str], *, remove_corrupt: bool = False)
                 report.corrupt_digests.append(digest)
                 if remove_corrupt:
                     try:
-                        ledger = ledger or UsageLedger(folder.root_fd)
+                        ledger = ledger or UsageLedger(folder.root_fd, where=str(root))
                         report.removed += _remove_if_same(folder, ledger, digest, stat)
+                    except FolderLockTimeoutError:
+                        raise
                     except OSError:
                         report.undeletable += 1
             else:
@@ -98,7 +106,7 @@ def _remove_if_same(folder: RecordFolder, ledger: UsageLedger, digest: str, stat
     folder's shared total: under the folder's lock, which every tier's publish takes, so a good
     record renamed over it meanwhile stays, and the tiers' budget does not evict good records
     for room already free."""
-    with ledger.locked() as usage:
+    with ledger.locked(timeout_s=VERIFY_LOCK_WAIT_S, then="the corrupt record stays") as usage:
         if not folder.unlink_if_same(digest, stat):
             return False
         if usage.known:

@@ -63,12 +63,16 @@ class Queued:
         self.chain.close()
 
 
-def open_tier(path: str, *, writer: str = "inline", budget: int | None = None, **queue: object) -> DiskTier | Queued:
+def open_tier(
+    path: str, *, writer: str = "inline", budget: int | None = None, lock_wait_s: float | None = None, **queue: object
+) -> DiskTier | Queued:
     """WRITER ``inline``: the tier itself; ``background``: through the chain's write queue."""
     options: dict[str, object] = {"path": path, "fsync": queue.pop("fsync", True)}
     options["queue"] = {"mode": "sync" if writer == "inline" else "async", **queue}
     if budget is not None:
         options["max_bytes"] = budget
+    if lock_wait_s is not None:
+        options["lock_wait_s"] = lock_wait_s
     tier = DiskTier(DiskTier.Config(**options), tier_context())
     return tier if writer == "inline" else Queued(tier)
 

@@ -167,9 +167,9 @@ def test_the_budget_holds_for_the_folder_as_a_whole_across_processes(tmp_path: P
 
 def test_lookups_answer_while_another_process_holds_the_folder_lock(tmp_path: Path) -> None:
     """Another process stopped while it holds the folder's lock (SIGSTOP, a debugger, a paused
-    container, between its eviction and its rename): this process's writes wait for it, its
-    lookups and reads do not."""
-    queued = open_tier(str(tmp_path), writer="background", budget=10**9)
+    container, between its eviction and its rename): this process's writes wait for it (up to
+    ``lock_wait_s``), its lookups and reads do not."""
+    queued = open_tier(str(tmp_path), writer="background", budget=10**9, lock_wait_s=600)
     chain = queued.chain  # type: ignore[union-attr]
     tier = chain.tiers[0]
     chain.put([(key_of(0), value_of(0, 0))])

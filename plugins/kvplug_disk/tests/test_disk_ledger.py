@@ -1,0 +1,112 @@
+"""The folder's shared byte total (``.kvplug-usage``) stays the value bytes of the records in the
+folder through writes that fail half-way (tiers disk and shm)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvplug import key_digest
+from kvplug.testing import key_for, tier_context, value_for
+from kvplug_disk import DiskTier, ShmTier
+from kvplug_disk.ledger import LEDGER_NAME
+
+
+@pytest.fixture(params=["disk", "shm"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def folder(kind: str, tmp_path: Path, shm_dir: Path) -> Path:
+    return shm_dir if kind == "shm" else tmp_path / "store"
+
+
+def open_tier(kind: str, folder: Path) -> DiskTier:
+    cls = ShmTier if kind == "shm" else DiskTier
+    return cls(cls.Config(path=folder, queue={"mode": "sync"}), tier_context())
+
+
+def folder_value_bytes(folder: Path) -> int:
+    """Value bytes of the record files in the folder (each has a 64-byte header)."""
+    return sum(path.stat().st_size - 64 for path in folder.glob("*/*.kvr") if path.is_file())
+
+
+def ledger_total(folder: Path) -> int:
+    return int.from_bytes((folder / LEDGER_NAME).read_bytes(), "little")
+
+
+def test_a_write_whose_rename_fails_leaves_the_folder_total_as_it_was(kind: str, folder: Path) -> None:
+    """The total is saved before the rename (a crash in between over-counts, never under-counts);
+    a rename that fails (a folder appeared at the record's name) takes the value off again, in
+    the file too, not only in this process's copy."""
+    tier = open_tier(kind, folder)
+    try:
+        tier.put([(key_for("kept"), value_for("kept", 5000))])
+        digest = key_digest(key_for("blocked")).hex()
+        blocker = folder / digest[:2] / f"{digest}.kvr"
+        blocker.mkdir()
+        (blocker / "inside").write_bytes(b"x")  # a folder the rename cannot replace
+        tier.put([(key_for("blocked"), value_for("blocked", 7000))])
+        assert tier.stats().extra["dropped_puts"] == 1
+        assert folder_value_bytes(folder) == 5000
+        assert ledger_total(folder) == 5000
+        assert tier.stats().extra["folder_bytes"] == 5000
+    finally:
+        tier.close()
+
+
+def test_a_ledger_removed_under_running_tiers_is_one_ledger_again_for_every_process(kind: str, folder: Path) -> None:
+    """The usage file removed while a tier runs (a cleanup of the folder): the running tier moves to
+    the file a tier started since makes, so the two still exclude each other and keep one budget."""
+    cls = ShmTier if kind == "shm" else DiskTier
+    budget = 1_000_000
+
+    def opened() -> DiskTier:  # each its own open file of the ledger: as separate processes
+        return cls(cls.Config(path=folder, queue={"mode": "sync"}, max_bytes=budget), tier_context())
+
+    first = opened()
+    first.put([(key_for("first-0"), value_for("first-0", 100_000))])
+    (folder / LEDGER_NAME).unlink()
+    second = opened()
+    try:
+        for i in range(1, 20):
+            first.put([(key_for(f"first-{i}"), value_for(f"first-{i}", 100_000))])
+            second.put([(key_for(f"second-{i}"), value_for(f"second-{i}", 100_000))])
+        assert folder_value_bytes(folder) <= budget
+        assert ledger_total(folder) == folder_value_bytes(folder)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_ledger_a_full_disk_kept_empty_is_rebuilt_not_taken_from_one_process(kind: str, small_tmpfs: Path) -> None:
+    """Two processes open a folder on a full file system: neither can write the ledger's first
+    8 bytes. Once there is room, the total they write is the folder's (a listing's), not the one
+    process's own count that left out the other's records: the folder stays within max_bytes."""
+    cls = ShmTier if kind == "shm" else DiskTier
+    folder, budget = small_tmpfs / "store", 600_000
+    filler = small_tmpfs / "filler"
+    with filler.open("wb", buffering=0) as fill, pytest.raises(OSError, match="No space"):
+        while True:
+            fill.write(b"\0" * 4096)
+
+    def opened() -> DiskTier:  # each its own open file of the ledger: as separate processes
+        options: dict[str, object] = {"path": folder, "queue": {"mode": "sync"}, "max_bytes": budget}
+        if kind == "disk":
+            options["fsync"] = False
+        return cls(cls.Config(**options), tier_context())
+
+    first, second = opened(), opened()
+    try:
+        assert (folder / LEDGER_NAME).stat().st_size == 0
+        filler.unlink()
+        for i in range(8):
+            first.put([(key_for(f"first-{i}"), value_for(f"first-{i}", 100_000))])
+            second.put([(key_for(f"second-{i}"), value_for(f"second-{i}", 100_000))])
+        assert folder_value_bytes(folder) <= budget
+        assert ledger_total(folder) == folder_value_bytes(folder)
+    finally:
+        first.close()
+        second.close()
