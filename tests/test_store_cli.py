@@ -143,3 +143,18 @@ def test_ls_refuses_a_negative_limit_naming_it(tmp_path: Path) -> None:
     listed = kvplug("ls", str(folder), "--limit", "-1")
     assert listed.returncode != 0
     assert "--limit" in listed.stderr and "greater than or equal to 0" in listed.stderr
+
+
+def test_the_store_commands_bound_records_as_the_engine_does(tmp_path: Path, monkeypatch) -> None:
+    """The bound ``kvplug store`` reads records under is the engine's for the same config."""
+    from kvplug.cli.store import record_bound
+    from kvplug.core.engine.chunk_store import record_bound as engine_bound
+    from kvplug.core.plugins import get_registry
+    from kvplug.core.serializer_factory import make_serializer
+
+    config_file = tmp_path / "kvplug.yaml"
+    config_file.write_text("max_chunk_bytes: 3MiB\nserializer: {type: lz4}\n")
+    monkeypatch.setenv("KVPLUG_CONFIG", str(config_file))
+    serializer = make_serializer(load_config().config, get_registry())
+    assert record_bound(None).read == record_bound(None).engine == engine_bound(serializer, None)
+    assert record_bound("1 MiB").read == 1 << 20 and record_bound("1 MiB").engine == engine_bound(serializer, None)

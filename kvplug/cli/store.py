@@ -7,14 +7,20 @@ no disk tier wrote is refused before anything in it is touched). ``stats``, ``ls
 ``verify`` open it read-only (``TierContext.read_only``): they create, change and delete
 nothing. ``gc`` opens it as an engine does, with an unbounded budget (nothing is
 evicted), and removes only records that fail verification or are of another format version.
+
+Records are read as an engine reads them: at most ``--max-record-bytes`` of each (by
+default the engine's bound, from the config's ``max_chunk_bytes``), so a record planted
+larger than any record can be is reported ``oversized`` unread, never held in memory.
 """
 
 from __future__ import annotations
 
 import datetime
+import re
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import typer
@@ -43,14 +49,77 @@ OptionsOpt = typer.Option(
     "-o",
     help="KEY=VALUE for the tier that opens the location (repeatable); a tier names the keys it takes.",
 )
+MaxRecordOpt = typer.Option(
+    None,
+    "--max-record-bytes",
+    help="Read no record larger than this (bytes, or a size such as 64MiB); a larger one is reported "
+    "oversized, unread. Default: the engine's bound, from the config's max_chunk_bytes ($KVPLUG_CONFIG).",
+    show_default=False,
+)
+
+
+#: A ``--max-record-bytes`` value: a whole number of bytes, or of a binary or decimal unit.
+_SIZE = re.compile(r"(\d{1,15})\s*([kmgt]i?b|b)?", re.IGNORECASE)
+_UNITS = (
+    {"b": 1}
+    | {f"{u}b": 1000 ** (n + 1) for n, u in enumerate("kmgt")}
+    | {f"{u}ib": 1 << (10 * (n + 1)) for n, u in enumerate("kmgt")}
+)
+
+
+@dataclass(frozen=True)
+class RecordBound:
+    """The most bytes a command reads of one record, and the engine's own bound: a record
+    over ``engine`` is corrupt to every engine of this config, one over a tighter ``read``
+    alone was only not read."""
+
+    read: int
+    engine: int
+
+    @property
+    def removable(self) -> bool:
+        """Whether ``gc`` may remove a record over :attr:`read`: only if no engine would read it."""
+        return self.read >= self.engine
+
+
+def record_bound(max_record_bytes: str | None) -> RecordBound:
+    """``--max-record-bytes`` (or the engine's bound when not given) and the engine's bound:
+    that of the largest chunk the config's serializer decodes (``max_chunk_bytes``), as an
+    engine bounds its tiers before it knows its model."""
+    from kvplug.core.config.loader import load_config
+    from kvplug.core.plugins import get_registry
+    from kvplug.core.records.frame import RECORD_HEADER_SIZE
+    from kvplug.core.serializer_factory import make_serializer
+
+    config = load_config().config
+    serializer = make_serializer(config, config.registry or get_registry())
+    try:
+        # (as kvplug.core.engine.chunk_store.record_bound, which imports torch)
+        engine = RECORD_HEADER_SIZE + serializer.max_frame_bytes(serializer.max_chunk_bytes)
+    finally:
+        serializer.close()
+    if max_record_bytes is None:
+        return RecordBound(engine, engine)
+    wanted = (
+        f"{max_record_bytes!r}: expected a whole number of bytes, or of a unit (67108864, 64MiB, 1GiB), of at least "
+        f"{RECORD_HEADER_SIZE + 1}, a record's header and a byte"
+    )
+    size = _SIZE.fullmatch(max_record_bytes.strip())
+    read = 0 if size is None else int(size[1]) * _UNITS[(size[2] or "B").lower()]
+    if read <= RECORD_HEADER_SIZE:
+        raise typer.BadParameter(wanted, param_hint="--max-record-bytes")
+    return RecordBound(read, engine)
 
 
 @contextmanager
-def open_store(location: str, options: list[str] | None = None, *, read_only: bool = True) -> Iterator[StorageTier]:
+def open_store(
+    location: str, options: list[str] | None = None, *, read_only: bool = True, max_record_bytes: int | None = None
+) -> Iterator[StorageTier]:
     """Open ``location`` with the first installed tier that says it opens it
     (:meth:`kvplug.StorageTier.location_config`), for inspection: nothing evicted, and
     with ``read_only`` nothing created, changed or removed. ``options``: ``KEY=VALUE`` items
-    for that tier's :meth:`~kvplug.StorageTier.location_config`."""
+    for that tier's :meth:`~kvplug.StorageTier.location_config`; ``max_record_bytes``: the
+    tier reads no more of a record (:attr:`kvplug.TierContext.max_record_bytes`)."""
     from kvplug.core.concerns import install_command, location_package
     from kvplug.core.plugins import get_registry
     from kvplug.core.records.frame import integrity_key
@@ -76,7 +145,7 @@ def open_store(location: str, options: list[str] | None = None, *, read_only: bo
         package = location_package(location)
         needs = f"no installed tier opens this location; {package} does: {install_command(package)}"
         raise ConfigError([ConfigProblem("location", location, needs)])
-    tier = cls(config, TierContext(read_only=read_only))
+    tier = cls(config, TierContext(read_only=read_only, max_record_bytes=max_record_bytes))
     if not isinstance(tier, RecordStore):
         tier.close()
         raise ConfigError([ConfigProblem("location", location, f"tier {kind!r} cannot list its records")])
@@ -114,11 +183,13 @@ def ls(
     location: str = LocationArg,
     options: list[str] = OptionsOpt,
     limit: int = typer.Option(50, min=0, help="Show at most this many records, newest first (0: all)."),
+    max_record_bytes: str | None = MaxRecordOpt,
 ) -> None:
     """List records: key digest, size, when written (or last used, where reads move a record's time), and the KV chunk each holds."""
 
     def action() -> None:
-        with open_store(location, options) as tier:
+        bound = record_bound(max_record_bytes)
+        with open_store(location, options, max_record_bytes=bound.read) as tier:
             records = sorted(tier.records(), key=lambda r: r.modified or 0, reverse=True)  # type: ignore[attr-defined]
             shown = records if limit == 0 else records[:limit]
             table = Table(
@@ -129,7 +200,7 @@ def ls(
             for column in ("key digest", "size", getattr(tier, "listed_time", "written"), "chunk"):
                 table.add_column(column)
             for record in shown:
-                check = _read_and_check(tier, record.digest)
+                check = _read_and_check(tier, record, bound)
                 table.add_row(record.digest, format_size(record.size), _when(record.modified), _describe(check))
             print_table(table)
 
@@ -137,44 +208,52 @@ def ls(
 
 
 @store_app.command("verify")
-def verify(location: str = LocationArg, options: list[str] = OptionsOpt) -> None:
-    """Read every record and check its checksums; exit 1 when any is corrupt or cannot be read, or an entry
-    named like a record (or a shard folder) is not one the store can read (foreign: a link, a folder)."""
+def verify(
+    location: str = LocationArg, options: list[str] = OptionsOpt, max_record_bytes: str | None = MaxRecordOpt
+) -> None:
+    """Read every record and check its checksums; exit 1 when any is corrupt, oversized (over
+    --max-record-bytes: not read) or cannot be read, or an entry named like a record (or a shard
+    folder) is not one the store can read (foreign: a link, a folder)."""
 
     def action() -> None:
-        with open_store(location, options) as tier:
-            verdicts = _check_all(tier, remove=False)
+        bound = record_bound(max_record_bytes)
+        with open_store(location, options, max_record_bytes=bound.read) as tier:
+            verdicts = _check_all(tier, bound, remove=False)
         _report(verdicts, removed=0)
-        if verdicts["corrupt"] or verdicts["unreadable"] or verdicts["foreign"]:
+        if verdicts["corrupt"] or verdicts["oversized"] or verdicts["unreadable"] or verdicts["foreign"]:
             raise typer.Exit(1)
 
     run_or_exit(action)
 
 
 @store_app.command("gc")
-def gc(location: str = LocationArg, options: list[str] = OptionsOpt) -> None:
-    """Verify every record and remove the corrupt and incompatible ones."""
+def gc(
+    location: str = LocationArg, options: list[str] = OptionsOpt, max_record_bytes: str | None = MaxRecordOpt
+) -> None:
+    """Verify every record and remove the corrupt and incompatible ones, and those over the
+    engine's bound (not those over a tighter --max-record-bytes alone: they are kept, unread)."""
 
     def action() -> None:
-        with open_store(location, options, read_only=False) as tier:
-            verdicts = _check_all(tier, remove=True)
+        bound = record_bound(max_record_bytes)
+        with open_store(location, options, read_only=False, max_record_bytes=bound.read) as tier:
+            verdicts = _check_all(tier, bound, remove=True)
         _report(verdicts, removed=verdicts.pop("removed", 0))
 
     run_or_exit(action)
 
 
-def _check_all(tier: StorageTier, *, remove: bool) -> Counter[str]:
+def _check_all(tier: StorageTier, bound: RecordBound, *, remove: bool) -> Counter[str]:
     records: list[StoredRecord] = list(tier.records())  # type: ignore[attr-defined]
     verdicts: Counter[str] = Counter()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("verifying", total=len(records))
         for record in records:
-            check, data = _read_and_check_bytes(tier, record.digest)
+            check, data = _read_and_check_bytes(tier, record, bound)
             verdicts[check.status] += 1
-            if check.status in ("corrupt", "incompatible", "unreadable"):
+            if check.status in ("corrupt", "incompatible", "unreadable", "oversized"):
                 console.print(f"{check.status}: {record.digest} ({check.reason})", highlight=False, markup=False)
-                if remove and check.status != "unreadable":
+                if remove and _removable(check, bound):
                     verdicts["removed"] += _remove(tier, record.digest, data)
             progress.advance(task)
     # Entries the tier left alone, never verified: links, folders or FIFOs named like records,
@@ -184,17 +263,23 @@ def _check_all(tier: StorageTier, *, remove: bool) -> Counter[str]:
     return verdicts
 
 
-def _read_and_check(tier: StorageTier, digest: str) -> RecordCheck:
-    """The verdict on one record: :func:`check_record` of its bytes, ``corrupt`` when the
-    tier found it bad unread (its size), ``unreadable`` when it is there but could not be
-    read (no permission): never ``gone``, which only a record that vanished is."""
-    return _read_and_check_bytes(tier, digest)[0]
+def _read_and_check(tier: StorageTier, record: StoredRecord, bound: RecordBound) -> RecordCheck:
+    """The verdict on one record: :func:`check_record` of its bytes, ``oversized`` when listed
+    larger than ``bound.read`` (not read), ``corrupt`` when the tier found it bad unread (its
+    size), ``unreadable`` when it is there but could not be read (no permission)."""
+    return _read_and_check_bytes(tier, record, bound)[0]
 
 
-def _read_and_check_bytes(tier: StorageTier, digest: str) -> tuple[RecordCheck, Buffer | None]:
+def _read_and_check_bytes(
+    tier: StorageTier, record: StoredRecord, bound: RecordBound
+) -> tuple[RecordCheck, Buffer | None]:
     """:func:`_read_and_check`, and the bytes judged (``None`` when found bad unread)."""
     from kvplug.core.records.store import RecordCheck, check_record
 
+    digest = record.digest
+    if record.size > bound.read:  # a listed size can be wrong: the tier reads no more than the bound either
+        over = "the engine's bound" if bound.read >= bound.engine else "--max-record-bytes"
+        return RecordCheck("oversized", f"{record.size} bytes, over {over} of {bound.read}: not read"), None
     try:
         data = tier.read_record(digest)  # type: ignore[attr-defined]
     except CorruptChunkError as exc:
@@ -202,6 +287,14 @@ def _read_and_check_bytes(tier: StorageTier, digest: str) -> tuple[RecordCheck, 
     except RecordUnreadableError as exc:
         return RecordCheck("unreadable", str(exc.__cause__ or exc)), None
     return check_record(digest, data), data
+
+
+def _removable(check: RecordCheck, bound: RecordBound) -> bool:
+    """Whether ``gc`` removes a record of this verdict: one that could not be read is not
+    judged, and one over a bound tighter than the engine's may be one an engine serves."""
+    if check.status == "oversized":
+        return bound.removable
+    return check.status in ("corrupt", "incompatible")
 
 
 def _remove(tier: StorageTier, digest: str, seen: Buffer | None) -> bool:
@@ -221,7 +314,7 @@ def _report(verdicts: Counter[str], *, removed: int) -> None:
     table = Table(title="verification")
     table.add_column("records")
     table.add_column("count", justify="right")
-    for status in ("ok", "corrupt", "unreadable", "incompatible", "unverified", "gone", "foreign"):
+    for status in ("ok", "corrupt", "oversized", "unreadable", "incompatible", "unverified", "gone", "foreign"):
         table.add_row(status, str(verdicts[status]))
     table.add_row("removed", str(removed))
     print_table(table)

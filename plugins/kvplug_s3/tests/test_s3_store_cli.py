@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 from kvplug.testing import key_for, value_for
-from kvplug_s3.testing import ACCESS_KEY, BUCKET, SECRET_KEY, make_s3_tier
+from kvplug_s3.testing import ACCESS_KEY, BUCKET, SECRET_KEY, FaultProxy, make_s3_tier
 
 
-def kvplug_store(*args: str) -> subprocess.CompletedProcess[str]:
+def kvplug_store(*args: str, **variables: str) -> subprocess.CompletedProcess[str]:
     env = dict(
         os.environ,
+        **variables,
         COLUMNS="250",
         AWS_ACCESS_KEY_ID=ACCESS_KEY,
         AWS_SECRET_ACCESS_KEY=SECRET_KEY,
@@ -51,3 +54,54 @@ def test_store_commands_on_s3(moto_s3, s3_client) -> None:
     assert kvplug_store("gc", url, "-o", f"endpoint_url={endpoint}").returncode == 0
     remaining = [o["Key"] for o in s3_client.list_objects_v2(Bucket=BUCKET, Prefix="cli/")["Contents"]]
     assert victim not in remaining and len(remaining) == 3
+
+
+def planted(s3_client, prefix: str, size: int) -> str:
+    """An object of ``size`` zero bytes where a record would be; its digest."""
+    digest = hashlib.sha256(f"planted {prefix}".encode()).hexdigest()
+    s3_client.put_object(Bucket=BUCKET, Key=f"{prefix}/{digest[:2]}/{digest}", Body=bytes(size))
+    return digest
+
+
+def test_store_commands_read_no_record_past_the_engines_bound(moto_s3, s3_client, tmp_path: Path) -> None:
+    """A planted object far larger than any record is reported oversized and never downloaded:
+    the bound is the engine's (the config's max_chunk_bytes) or --max-record-bytes."""
+    tier = make_s3_tier(moto_s3.endpoint, "bound")
+    tier.put([(key_for("k"), value_for("k", 1000))])
+    tier.flush()
+    tier.close()
+    digest = planted(s3_client, "bound", 64 << 20)
+    config = tmp_path / "kvplug.yaml"
+    config.write_text("max_chunk_bytes: 1MiB\n")  # the engine's bound: 2 x 1 MiB + 1 MiB + a header
+    proxy = FaultProxy(moto_s3.port)  # counts the bytes the server sent
+    url, option = f"s3://{BUCKET}/bound", f"endpoint_url={proxy.endpoint}"
+    try:
+        for command, extra in (("verify", ()), ("ls", ()), ("verify", ("--max-record-bytes", "8MiB"))):
+            before = proxy.answered_bytes
+            result = kvplug_store(command, url, "-o", option, *extra, KVPLUG_CONFIG=str(config))
+            assert f"oversized: {digest}" in result.stdout or f"oversized: {67108864} bytes" in result.stdout, (
+                result.stdout + result.stderr
+            )
+            assert result.returncode == (1 if command == "verify" else 0), result.stderr
+            assert proxy.answered_bytes - before < 16 << 20  # the 1 KiB record and the listing, not 64 MiB
+
+        # gc keeps a record over a bound tighter than the engine's: an engine may serve it ...
+        kept = kvplug_store("gc", url, "-o", option, "--max-record-bytes", "1KiB", KVPLUG_CONFIG=str(config))
+        assert kept.returncode == 0 and "removed      │     0" in kept.stdout, kept.stdout + kept.stderr
+        assert len(s3_client.list_objects_v2(Bucket=BUCKET, Prefix="bound/")["Contents"]) == 2
+        # ... and removes one over the engine's own, without downloading it
+        before = proxy.answered_bytes
+        removed = kvplug_store("gc", url, "-o", option, KVPLUG_CONFIG=str(config))
+        assert removed.returncode == 0 and "removed      │     1" in removed.stdout, removed.stdout + removed.stderr
+        assert proxy.answered_bytes - before < 16 << 20
+        remaining = [o["Key"] for o in s3_client.list_objects_v2(Bucket=BUCKET, Prefix="bound/")["Contents"]]
+        assert len(remaining) == 1 and digest not in remaining[0]
+    finally:
+        proxy.close()
+
+
+def test_max_record_bytes_refuses_a_bad_value_naming_it() -> None:
+    for bad in ("lots", "-1", "64", "1 PB of it"):
+        result = kvplug_store("verify", f"s3://{BUCKET}/none", "--max-record-bytes", bad)
+        assert result.returncode == 2, result.stderr
+        assert "--max-record-bytes" in result.stderr and repr(bad) in result.stderr, result.stderr
