@@ -158,3 +158,19 @@ def test_the_store_commands_bound_records_as_the_engine_does(tmp_path: Path, mon
     serializer = make_serializer(load_config().config, get_registry())
     assert record_bound(None).read == record_bound(None).engine == engine_bound(serializer, None)
     assert record_bound("1 MiB").read == 1 << 20 and record_bound("1 MiB").engine == engine_bound(serializer, None)
+
+
+def test_gc_fails_when_it_leaves_an_entry_verify_fails_on(tmp_path: Path) -> None:
+    """A link named like a record (foreign: never read, never removed) fails gc as it fails
+    verify: a script's ``kvplug store gc && ...`` must not read the store as clean."""
+    folder = tmp_path / "cache"
+    fill_store(folder, prompts=1)
+    digest = hashlib.sha256(b"planted link").hexdigest()
+    (folder / digest[:2]).mkdir(exist_ok=True)
+    (folder / digest[:2] / f"{digest}.kvr").symlink_to("/etc/passwd")
+    assert kvplug("verify", str(folder)).returncode == 1
+    cleaned = kvplug("gc", str(folder))
+    assert cleaned.returncode == 1, cleaned.stdout + cleaned.stderr
+    assert re.search(r"│ foreign\s*│\s*1 │", cleaned.stdout) and "left: 1 entries" in cleaned.stdout, cleaned.stdout
+    assert (folder / digest[:2] / f"{digest}.kvr").is_symlink()  # left alone, and the records with it
+    assert kvplug("verify", str(folder)).returncode == 1

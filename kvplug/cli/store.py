@@ -231,13 +231,18 @@ def gc(
     location: str = LocationArg, options: list[str] = OptionsOpt, max_record_bytes: str | None = MaxRecordOpt
 ) -> None:
     """Verify every record and remove the corrupt and incompatible ones, and those over the
-    engine's bound (not those over a tighter --max-record-bytes alone: they are kept, unread)."""
+    engine's bound (not those over a tighter --max-record-bytes alone: they are kept, unread);
+    exit 1 when it leaves any that verify fails on (unreadable, foreign, oversized kept)."""
 
     def action() -> None:
         bound = record_bound(max_record_bytes)
         with open_store(location, options, read_only=False, max_record_bytes=bound.read) as tier:
             verdicts = _check_all(tier, bound, remove=True)
         _report(verdicts, removed=verdicts.pop("removed", 0))
+        left = verdicts["unreadable"] + verdicts["foreign"] + (0 if bound.removable else verdicts["oversized"])
+        if left:
+            console.print(f"left: {left} entries gc cannot judge or may not remove (above)", highlight=False)
+            raise typer.Exit(1)
 
     run_or_exit(action)
 

@@ -87,7 +87,7 @@ def test_store_commands_read_no_record_past_the_engines_bound(moto_s3, s3_client
 
         # gc keeps a record over a bound tighter than the engine's: an engine may serve it ...
         kept = kvplug_store("gc", url, "-o", option, "--max-record-bytes", "1KiB", KVPLUG_CONFIG=str(config))
-        assert kept.returncode == 0 and "removed      │     0" in kept.stdout, kept.stdout + kept.stderr
+        assert kept.returncode == 1 and "removed      │     0" in kept.stdout, kept.stdout + kept.stderr
         assert len(s3_client.list_objects_v2(Bucket=BUCKET, Prefix="bound/")["Contents"]) == 2
         # ... and removes one over the engine's own, without downloading it
         before = proxy.answered_bytes
