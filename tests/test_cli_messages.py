@@ -8,6 +8,7 @@ string that held markup), ``kvplug ctl list`` an empty table, and every command 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,17 @@ def test_a_table_that_fits_is_drawn_and_one_that_does_not_is_a_long_form() -> No
         "  medium: remote tiers[0]",
         "  budget: unbounded",
     ]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
+def test_a_timeout_no_socket_can_wait_is_refused_naming_it(no_engine_env: dict[str, str], value: str) -> None:
+    """With a socket to ask, ``--timeout nan`` (or ``inf``) ended in a ValueError (OverflowError)
+    traceback from the socket's settimeout; ``-1`` waited 10 ms."""
+    path = Path(no_engine_env["KVPLUG_LOOKUP_DIR"]) / "ctl-listening.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:  # listens, never answers
+        listener.bind(str(path))
+        listener.listen()
+        result = kvplug("ctl", "stats", "--timeout", value, env=no_engine_env)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "--timeout" in result.stderr, result.stderr
+    assert repr(float(value)) in result.stderr, result.stderr

@@ -39,7 +39,18 @@ _ENGINE = typer.Option(
 _DIR = typer.Option(None, "--socket-dir", help="The private socket folder (default: as the engine finds it).")
 _JSON = typer.Option(False, "--json", help="Print one JSON object: the total and each rank's reply.")
 _PER_RANK = typer.Option(False, "--per-rank", help="Also show each rank's row.")
-_TIMEOUT = typer.Option(30.0, "--timeout", help="Seconds to wait for each rank's answer.")
+#: The longest ``--timeout``: a day (a socket's timeout must fit the platform's clock).
+_MAX_TIMEOUT_S = 86400.0
+
+
+def _timeout(value: float) -> float:
+    """``--timeout`` when it is a wait a socket can take (``nan``, ``inf`` or below 0 are not)."""
+    if not 0 < value <= _MAX_TIMEOUT_S:  # (nan compares false)
+        raise typer.BadParameter(f"{value!r}: expected seconds, more than 0 and at most {_MAX_TIMEOUT_S:g}")
+    return value
+
+
+_TIMEOUT = typer.Option(30.0, "--timeout", help="Seconds to wait for each rank's answer.", callback=_timeout)
 _PROMPT = typer.Argument(..., help="File of token ids (a JSON list or whitespace-separated ints); '-' reads stdin.")
 _TOKENIZER = typer.Option(
     None, "--tokenizer", help="The prompt file is text: encode it with this Hugging Face tokenizer."
