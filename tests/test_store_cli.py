@@ -174,3 +174,15 @@ def test_gc_fails_when_it_leaves_an_entry_verify_fails_on(tmp_path: Path) -> Non
     assert re.search(r"│ foreign\s*│\s*1 │", cleaned.stdout) and "left: 1 entries" in cleaned.stdout, cleaned.stdout
     assert (folder / digest[:2] / f"{digest}.kvr").is_symlink()  # left alone, and the records with it
     assert kvplug("verify", str(folder)).returncode == 1
+
+
+def test_a_scheme_no_installed_tier_opens_is_not_a_hint_to_install_it_again() -> None:
+    """With kvplug-s3 installed, ``mooncake://`` (a store kvplug store cannot list) or a typo
+    (``s4://``) said "kvplug-s3 does: pip install kvplug-s3"."""
+    for location in ("mooncake://host/prefix", "s4://bucket/prefix"):
+        result = kvplug("ls", location)
+        assert result.returncode == 2, result.stderr
+        message = " ".join(result.stderr.split())
+        assert "pip install" not in message, message
+        scheme = location.split("://")[0]
+        assert f"no installed tier opens {scheme}:// locations (kvplug-s3, installed," in message, message

@@ -120,7 +120,7 @@ def open_store(
     with ``read_only`` nothing created, changed or removed. ``options``: ``KEY=VALUE`` items
     for that tier's :meth:`~kvplug.StorageTier.location_config`; ``max_record_bytes``: the
     tier reads no more of a record (:attr:`kvplug.TierContext.max_record_bytes`)."""
-    from kvplug.core.concerns import install_command, location_package
+    from kvplug.core.concerns import LOCATION_TIERS, install_command, location_package
     from kvplug.core.plugins import get_registry
     from kvplug.core.records.frame import integrity_key
     from kvplug.core.records.store import RecordStore
@@ -130,7 +130,8 @@ def open_store(
     # set-but-empty variable) is an error here, never a verify that quietly passes unsigned records.
     integrity_key()
     settings = _options(options or [])
-    for kind, cls in get_registry().storage_tiers().items():
+    tiers = get_registry().storage_tiers()
+    for kind, cls in tiers.items():
         # Opening locations is an optional capability: a tier without it opens none.
         locate = getattr(cls, "location_config", None)
         if not callable(locate):
@@ -144,6 +145,12 @@ def open_store(
     else:
         package = location_package(location)
         needs = f"no installed tier opens this location; {package} does: {install_command(package)}"
+        scheme = location.split("://", 1)[0].lower() if "://" in location else ""
+        if LOCATION_TIERS.get(scheme, "s3") in tiers:  # installed, and it refused: installing it is no help
+            needs = (
+                f"no installed tier opens {scheme + '://' if scheme else 'this'} locations ({package}, installed, "
+                "does not know this scheme, or reads it only: kvplug store opens stores an engine can write)"
+            )
         raise ConfigError([ConfigProblem("location", location, needs)])
     tier = cls(config, TierContext(read_only=read_only, max_record_bytes=max_record_bytes))
     if not isinstance(tier, RecordStore):
