@@ -24,8 +24,9 @@ from kvplug.cli.prompt import chunk_map, read_prompt
 from kvplug.cli.rank_replies import Replies, print_json, rank_name, sum_numbers, sum_tiers, tier_table
 from kvplug.core.control.client import ControlClient, RankEndpoint, find_ranks, select_engine
 from kvplug.core.control.protocol import request_fields
+from kvplug.core.control_socket import private_socket_dir
 from kvplug.core.keys import ExtraKey, RequestInfo
-from kvplug.errors import ControlError, ExplainInputError
+from kvplug.errors import ControlError, ExplainInputError, UnsafeSocketPathError
 
 ctl_app = typer.Typer(
     help="Control a running engine: stats, lookup, explain, pin, clear.", no_args_is_help=True, add_completion=False
@@ -63,16 +64,23 @@ _LORA_PATH = typer.Option(None, "--lora-path", help="Where the engine loaded the
 def _run(action: Callable[[], T]) -> T:
     try:
         return action()
-    except (ControlError, ExplainInputError) as exc:
+    # (UnsafeSocketPathError: the socket folder, $KVPLUG_LOOKUP_DIR, is another user's or open to others)
+    except (ControlError, ExplainInputError, UnsafeSocketPathError) as exc:
         print_error(exc)
         raise typer.Exit(2) from None
 
 
 def _client(engine: str | None, socket_dir: Path | None, timeout: float) -> ControlClient:
-    found = find_ranks(socket_dir, timeout_s=timeout)
+    folder = socket_dir or private_socket_dir()
+    found = find_ranks(folder, timeout_s=timeout)
     try:
         return ControlClient(select_engine(found.ranks, engine), timeout_s=timeout)
     except ControlError as exc:
+        if (
+            not found.ranks and not found.unreachable
+        ):  # say where it looked: a wrong --socket-dir, another user's engine
+            missing = "" if folder.is_dir() else " (no such folder)"
+            raise ControlError(f"no engine is running: no control socket in {folder}{missing}") from None
         if not found.unreachable:
             raise
         why = "; ".join(found.unreachable.values())
