@@ -58,6 +58,8 @@ MaxRecordOpt = typer.Option(
 )
 
 
+#: No bound of the command's own: what a tier opened without ``max_record_bytes`` reads.
+_UNBOUNDED = 1 << 62
 #: A ``--max-record-bytes`` value: a whole number of bytes, or of a binary or decimal unit.
 _SIZE = re.compile(r"(\d{1,15})\s*([kmgt]i?b|b)?", re.IGNORECASE)
 _UNITS = (
@@ -254,7 +256,10 @@ def gc(
     run_or_exit(action)
 
 
-def _check_all(tier: StorageTier, bound: RecordBound, *, remove: bool) -> Counter[str]:
+def _check_all(tier: StorageTier, bound: RecordBound | None = None, *, remove: bool) -> Counter[str]:
+    """Judge every record (``remove``: and remove the bad ones); ``bound``: none is read past
+    its ``read`` (``None``: the tier's own bound alone)."""
+    bound = bound or RecordBound(_UNBOUNDED, _UNBOUNDED)
     records: list[StoredRecord] = list(tier.records())  # type: ignore[attr-defined]
     verdicts: Counter[str] = Counter()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
