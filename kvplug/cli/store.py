@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from kvplug.cli.console import console, format_size, print_table, run_or_exit
-from kvplug.errors import ConfigError, ConfigProblem, CorruptChunkError, RecordUnreadableError
+from kvplug.cli.console import console, err_console, format_size, print_table, run_or_exit
+from kvplug.errors import ConfigError, ConfigProblem, CorruptChunkError, PluginError, RecordUnreadableError
 
 # The core is imported where a command uses it: every ``kvplug`` command imports this module.
 if TYPE_CHECKING:
@@ -71,46 +72,68 @@ _UNITS = (
 
 @dataclass(frozen=True)
 class RecordBound:
-    """The most bytes a command reads of one record, and the engine's own bound: a record
-    over ``engine`` is corrupt to every engine of this config, one over a tighter ``read``
-    alone was only not read."""
+    """The most bytes a command reads of one record, and the engine's own bound (``None``:
+    its config could not be read): a record over ``engine`` is corrupt to every engine of
+    this config, one over a tighter ``read`` alone was only not read."""
 
     read: int
-    engine: int
+    engine: int | None
 
     @property
     def removable(self) -> bool:
         """Whether ``gc`` may remove a record over :attr:`read`: only if no engine would read it."""
-        return self.read >= self.engine
+        return self.engine is not None and self.read >= self.engine
 
 
 def record_bound(max_record_bytes: str | None) -> RecordBound:
     """``--max-record-bytes`` (or the engine's bound when not given) and the engine's bound:
     that of the largest chunk the config's serializer decodes (``max_chunk_bytes``), as an
     engine bounds its tiers before it knows its model."""
+    from kvplug.core.records.frame import RECORD_HEADER_SIZE
+
+    read = None
+    if max_record_bytes is not None:
+        size = _SIZE.fullmatch(max_record_bytes.strip())
+        read = 0 if size is None else int(size[1]) * _UNITS[(size[2] or "B").lower()]
+        if read <= RECORD_HEADER_SIZE:
+            raise typer.BadParameter(
+                f"{max_record_bytes!r}: expected a whole number of bytes, or of a unit (67108864, 64MiB, 1GiB), "
+                f"of at least {RECORD_HEADER_SIZE + 1}, a record's header and a byte",
+                param_hint="--max-record-bytes",
+            )
+    engine = _engine_bound()
+    if read is None:
+        read = engine or _engine_bound(default=True) or _UNBOUNDED
+        if engine is None:
+            _warn(f"records are read up to the default config's bound, {read} bytes; --max-record-bytes sets it")
+    return RecordBound(read, engine)
+
+
+def _warn(message: str) -> None:
+    err_console.print(f"[yellow]warning:[/yellow] {escape(message)}", highlight=False)
+
+
+def _engine_bound(*, default: bool = False) -> int | None:
+    """The engine's bound on records under its config (``$KVPLUG_CONFIG`` and ``KVPLUG_*``;
+    with ``default``, the default config's). ``None``, said on stderr, when that config cannot
+    be read here (it names a plugin not installed on this host): the store is still inspected,
+    and ``gc`` removes no record for its size."""
     from kvplug.core.config.loader import load_config
     from kvplug.core.plugins import get_registry
     from kvplug.core.records.frame import RECORD_HEADER_SIZE
     from kvplug.core.serializer_factory import make_serializer
 
-    config = load_config().config
-    serializer = make_serializer(config, config.registry or get_registry())
+    try:
+        config = load_config(env={}).config if default else load_config().config
+        serializer = make_serializer(config, config.registry or get_registry())
+    except (ConfigError, PluginError) as exc:
+        _warn(f"the engine's bound on records is not known: its config cannot be read here: {exc}")
+        return None
     try:
         # (as kvplug.core.engine.chunk_store.record_bound, which imports torch)
-        engine = RECORD_HEADER_SIZE + serializer.max_frame_bytes(serializer.max_chunk_bytes)
+        return RECORD_HEADER_SIZE + serializer.max_frame_bytes(serializer.max_chunk_bytes)
     finally:
         serializer.close()
-    if max_record_bytes is None:
-        return RecordBound(engine, engine)
-    wanted = (
-        f"{max_record_bytes!r}: expected a whole number of bytes, or of a unit (67108864, 64MiB, 1GiB), of at least "
-        f"{RECORD_HEADER_SIZE + 1}, a record's header and a byte"
-    )
-    size = _SIZE.fullmatch(max_record_bytes.strip())
-    read = 0 if size is None else int(size[1]) * _UNITS[(size[2] or "B").lower()]
-    if read <= RECORD_HEADER_SIZE:
-        raise typer.BadParameter(wanted, param_hint="--max-record-bytes")
-    return RecordBound(read, engine)
 
 
 @contextmanager
@@ -295,7 +318,9 @@ def _read_and_check_bytes(
 
     digest = record.digest
     if record.size > bound.read:  # a listed size can be wrong: the tier reads no more than the bound either
-        over = "the engine's bound" if bound.read >= bound.engine else "--max-record-bytes"
+        over = (
+            "the engine's bound" if bound.removable else "the bound" if bound.engine is None else "--max-record-bytes"
+        )
         return RecordCheck("oversized", f"{record.size} bytes, over {over} of {bound.read}: not read"), None
     try:
         data = tier.read_record(digest)  # type: ignore[attr-defined]
