@@ -147,7 +147,7 @@ def test_ls_refuses_a_negative_limit_naming_it(tmp_path: Path) -> None:
 
 def test_the_store_commands_bound_records_as_the_engine_does(tmp_path: Path, monkeypatch) -> None:
     """The bound ``kvplug store`` reads records under is the engine's for the same config."""
-    from kvplug.cli.store import record_bound
+    from kvplug.cli.record_bound import record_bound
     from kvplug.core.engine.chunk_store import record_bound as engine_bound
     from kvplug.core.plugins import get_registry
     from kvplug.core.serializer_factory import make_serializer
