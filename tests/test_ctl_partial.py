@@ -57,3 +57,17 @@ def test_a_pin_that_fails_on_one_rank_names_the_ranks_it_was_done_on(
     assert result.exit_code == 2, result.output
     message = " ".join(result.output.split())
     assert "rank dp0/tp1:" in message and "pin was done on the ranks that answered first: dp0/tp0" in message, message
+
+
+def test_a_clear_on_a_closed_engine_is_an_error_not_none_cleared(
+    two_ranks: tuple[CacheEngine, CacheEngine], tmp_path: Path
+) -> None:
+    """Rank tp1's engine is closed while its server answers: its tiers remove nothing (the disk
+    records stay), and clear said tp1 cleared 0 chunks, exit 0."""
+    two_ranks[1].close()
+    result = CliRunner().invoke(app, ["ctl", "clear", "--all"])
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.split())
+    assert "rank dp0/tp1:" in message and "EngineClosedError" in message, message
+    assert "clear was done on the ranks that answered first: dp0/tp0" in message, message
+    assert len(list((tmp_path / "tp1").glob("*/*.kvr"))) >= 2  # what it would have said it cleared
