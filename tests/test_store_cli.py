@@ -190,18 +190,27 @@ def test_a_scheme_no_installed_tier_opens_is_not_a_hint_to_install_it_again() ->
 
 def test_a_config_this_host_cannot_load_does_not_stop_an_inspection(tmp_path: Path) -> None:
     """$KVPLUG_CONFIG names a tier not installed here (the engine's host has it): the store is
-    still inspected, under the default bound, said on stderr; gc removes nothing for its size."""
+    still inspected, under the bound its max_chunk_bytes gives; a serializer not installed here
+    leaves the bound unknown: said on stderr, the default used, and gc removes none for its size."""
     folder = tmp_path / "cache"
     fill_store(folder, prompts=1)
     config = tmp_path / "engine.yaml"
-    config.write_text("max_chunk_bytes: 8MiB\ntiers: [{type: not-installed-here}]\n")
     env = dict(os.environ, COLUMNS="250", KVPLUG_CONFIG=str(config))
     env.pop("KVPLUG_PLUGINS", None)
-    for command in ("ls", "verify", "gc"):
-        done = subprocess.run(
+
+    def run(command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             [sys.executable, "-m", "kvplug.cli.main", "store", command, str(folder)],
             env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
+
+    config.write_text("max_chunk_bytes: 8MiB\ntiers: [{type: not-installed-here}]\n")
+    for command in ("ls", "verify", "gc"):
+        done = run(command)
+        assert done.returncode == 0 and "warning" not in done.stderr, done.stdout + done.stderr
+    config.write_text("max_chunk_bytes: 8MiB\nserializer: {type: not-installed-here}\n")
+    for command in ("ls", "verify", "gc"):
+        done = run(command)
         assert done.returncode == 0, done.stdout + done.stderr
         message = " ".join(done.stderr.split())
         assert "warning: the engine's bound on records is not known" in message and "not-installed-here" in message

@@ -57,7 +57,7 @@ def record_bound(max_record_bytes: str | None) -> RecordBound:
             )
     engine = _engine_bound()
     if read is None:
-        read = engine or _engine_bound(default=True) or UNBOUNDED
+        read = engine or _default_bound()
         if engine is None:
             _warn(f"records are read up to the default config's bound, {read} bytes; --max-record-bytes sets it")
     return RecordBound(read, engine)
@@ -67,24 +67,69 @@ def _warn(message: str) -> None:
     err_console.print(f"[yellow]warning:[/yellow] {escape(message)}", highlight=False)
 
 
-def _engine_bound(*, default: bool = False) -> int | None:
-    """The engine's bound on records under its config (``$KVPLUG_CONFIG`` and ``KVPLUG_*``;
-    with ``default``, the default config's). ``None``, said on stderr, when that config cannot
-    be read here (it names a plugin not installed on this host): the store is still inspected,
-    and ``gc`` removes no record for its size."""
+def _engine_bound() -> int | None:
+    """The engine's bound on records under its config (``$KVPLUG_CONFIG`` and ``KVPLUG_*``),
+    as the engine computes it (``kvplug.core.engine.chunk_store.record_bound``, which imports
+    torch). Where that config cannot be loaded here (it names a tier installed only where the
+    engine runs, or this host lacks the default ``cpu`` tier), from its ``max_chunk_bytes``
+    alone when its serializer frames as :class:`~kvplug.Serializer` does (every shipped one).
+    ``None``, said on stderr, when neither can tell: ``gc`` then removes no record for its size."""
     from kvplug.core.config.loader import load_config
     from kvplug.core.plugins import get_registry
     from kvplug.core.records.frame import RECORD_HEADER_SIZE
     from kvplug.core.serializer_factory import make_serializer
 
     try:
-        config = load_config(env={}).config if default else load_config().config
+        config = load_config().config
         serializer = make_serializer(config, config.registry or get_registry())
     except (ConfigError, PluginError) as exc:
-        _warn(f"the engine's bound on records is not known: its config cannot be read here: {exc}")
-        return None
+        return _bound_from_settings(exc)
     try:
-        # (as kvplug.core.engine.chunk_store.record_bound, which imports torch)
         return RECORD_HEADER_SIZE + serializer.max_frame_bytes(serializer.max_chunk_bytes)
     finally:
         serializer.close()
+
+
+def _bound_from_settings(failed: Exception) -> int | None:
+    """The engine's bound from the ``max_chunk_bytes`` and ``serializer`` settings of the
+    config file and ``KVPLUG_*`` variables alone, when the config as a whole did not load."""
+    import os
+
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    from kvplug.core.chunk_format import DEFAULT_MAX_CHUNK_BYTES
+    from kvplug.core.config.loader import env_layer, read_yaml_layer
+    from kvplug.core.plugins import get_registry
+    from kvplug.core.serializer import Serializer
+
+    settings: dict[str, object] = {}
+    try:
+        path = os.environ.get("KVPLUG_CONFIG")
+        for layer in ([read_yaml_layer(path)] if path else []) + [env_layer(os.environ)]:
+            settings.update({k: v for k, v in layer.items() if k in ("max_chunk_bytes", "serializer")})
+        largest = int(TypeAdapter(ByteSize).validate_python(settings.get("max_chunk_bytes", DEFAULT_MAX_CHUNK_BYTES)))
+    except (ConfigError, ValidationError, ValueError) as exc:
+        _warn(f"the engine's bound on records is not known: its config cannot be read here: {exc}")
+        return None
+    spec = settings.get("serializer") or {}
+    kind = spec.get("type", "raw") if isinstance(spec, dict) else str(spec)
+    framing = getattr(get_registry().serializers().get(kind), "max_frame_bytes", None)
+    if framing is not Serializer.max_frame_bytes or not 0 < largest <= 1 << 40:
+        _warn(f"the engine's bound on records is not known: its config cannot be read here: {failed}")
+        return None
+    return _frame_bound(largest)
+
+
+def _default_bound() -> int:
+    """The bound of the default config (``max_chunk_bytes`` 1 GiB)."""
+    from kvplug.core.chunk_format import DEFAULT_MAX_CHUNK_BYTES
+
+    return _frame_bound(DEFAULT_MAX_CHUNK_BYTES)
+
+
+def _frame_bound(largest_chunk: int) -> int:
+    """A record of a chunk of ``largest_chunk`` bytes framed as :class:`~kvplug.Serializer` frames."""
+    from kvplug.core.records.frame import RECORD_HEADER_SIZE
+    from kvplug.core.serializer import Serializer
+
+    return RECORD_HEADER_SIZE + Serializer.max_frame_bytes(None, largest_chunk)  # type: ignore[arg-type]
