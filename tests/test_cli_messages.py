@@ -8,6 +8,7 @@ string that held markup), ``kvplug ctl list`` an empty table, and every command 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,50 @@ def test_a_table_that_fits_is_drawn_and_one_that_does_not_is_a_long_form() -> No
         "  medium: remote tiers[0]",
         "  budget: unbounded",
     ]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
+def test_a_timeout_no_socket_can_wait_is_refused_naming_it(no_engine_env: dict[str, str], value: str) -> None:
+    """With a socket to ask, ``--timeout nan`` (or ``inf``) ended in a ValueError (OverflowError)
+    traceback from the socket's settimeout; ``-1`` waited 10 ms."""
+    path = Path(no_engine_env["KVPLUG_LOOKUP_DIR"]) / "ctl-listening.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:  # listens, never answers
+        listener.bind(str(path))
+        listener.listen()
+        result = kvplug("ctl", "stats", "--timeout", value, env=no_engine_env)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "--timeout" in result.stderr, result.stderr
+    assert repr(float(value)) in result.stderr, result.stderr
+
+
+def test_a_socket_folder_another_user_could_control_is_an_error_not_a_traceback(
+    no_engine_env: dict[str, str], tmp_path: Path
+) -> None:
+    """$KVPLUG_LOOKUP_DIR open to others, or another user's (root only), ended every ctl command
+    in an UnsafeSocketPathError traceback."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    folders = [shared]
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)  # nobody's
+        folders.append(theirs)
+    for folder in folders:
+        for command in (["ctl", "stats"], ["ctl", "list"]):
+            result = kvplug(*command, env={**no_engine_env, "KVPLUG_LOOKUP_DIR": str(folder)})
+            assert result.returncode == 2, result.stderr
+            assert result.stderr.startswith(f"error: KVPLUG_LOOKUP_DIR={folder} cannot hold kvplug sockets"), result
+            assert "Traceback" not in result.stderr
+
+
+def test_no_engine_names_the_folder_it_looked_in(no_engine_env: dict[str, str], tmp_path: Path) -> None:
+    """A wrong --socket-dir (or an engine of another user, in its own folder) said only "no engine is running"."""
+    for folder, missing in (
+        (Path(no_engine_env["KVPLUG_LOOKUP_DIR"]), ""),
+        (tmp_path / "nowhere", " (no such folder)"),
+    ):
+        result = kvplug("ctl", "stats", "--socket-dir", str(folder), env=no_engine_env)
+        assert result.returncode == 2, result.stderr
+        message = " ".join(result.stderr.split())
+        assert f"error: no engine is running: no control socket in {folder}{missing}" in message, message

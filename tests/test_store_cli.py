@@ -143,3 +143,76 @@ def test_ls_refuses_a_negative_limit_naming_it(tmp_path: Path) -> None:
     listed = kvplug("ls", str(folder), "--limit", "-1")
     assert listed.returncode != 0
     assert "--limit" in listed.stderr and "greater than or equal to 0" in listed.stderr
+
+
+def test_the_store_commands_bound_records_as_the_engine_does(tmp_path: Path, monkeypatch) -> None:
+    """The bound ``kvplug store`` reads records under is the engine's for the same config."""
+    from kvplug.cli.record_bound import record_bound
+    from kvplug.core.engine.chunk_store import record_bound as engine_bound
+    from kvplug.core.plugins import get_registry
+    from kvplug.core.serializer_factory import make_serializer
+
+    config_file = tmp_path / "kvplug.yaml"
+    config_file.write_text("max_chunk_bytes: 3MiB\nserializer: {type: lz4}\n")
+    monkeypatch.setenv("KVPLUG_CONFIG", str(config_file))
+    serializer = make_serializer(load_config().config, get_registry())
+    assert record_bound(None).read == record_bound(None).engine == engine_bound(serializer, None)
+    assert record_bound("1 MiB").read == 1 << 20 and record_bound("1 MiB").engine == engine_bound(serializer, None)
+
+
+def test_gc_fails_when_it_leaves_an_entry_verify_fails_on(tmp_path: Path) -> None:
+    """A link named like a record (foreign: never read, never removed) fails gc as it fails
+    verify: a script's ``kvplug store gc && ...`` must not read the store as clean."""
+    folder = tmp_path / "cache"
+    fill_store(folder, prompts=1)
+    digest = hashlib.sha256(b"planted link").hexdigest()
+    (folder / digest[:2]).mkdir(exist_ok=True)
+    (folder / digest[:2] / f"{digest}.kvr").symlink_to("/etc/passwd")
+    assert kvplug("verify", str(folder)).returncode == 1
+    cleaned = kvplug("gc", str(folder))
+    assert cleaned.returncode == 1, cleaned.stdout + cleaned.stderr
+    assert re.search(r"│ foreign\s*│\s*1 │", cleaned.stdout) and "left: 1 entries" in cleaned.stdout, cleaned.stdout
+    assert (folder / digest[:2] / f"{digest}.kvr").is_symlink()  # left alone, and the records with it
+    assert kvplug("verify", str(folder)).returncode == 1
+
+
+def test_a_scheme_no_installed_tier_opens_is_not_a_hint_to_install_it_again() -> None:
+    """With kvplug-s3 installed, ``mooncake://`` (a store kvplug store cannot list) or a typo
+    (``s4://``) said "kvplug-s3 does: pip install kvplug-s3"."""
+    for location in ("mooncake://host/prefix", "s4://bucket/prefix"):
+        result = kvplug("ls", location)
+        assert result.returncode == 2, result.stderr
+        message = " ".join(result.stderr.split())
+        assert "pip install" not in message, message
+        scheme = location.split("://")[0]
+        assert f"no installed tier opens {scheme}:// locations (kvplug-s3, installed," in message, message
+
+
+def test_a_config_this_host_cannot_load_does_not_stop_an_inspection(tmp_path: Path) -> None:
+    """$KVPLUG_CONFIG names a tier not installed here (the engine's host has it): the store is
+    still inspected, under the bound its max_chunk_bytes gives; a serializer not installed here
+    leaves the bound unknown: said on stderr, the default used, and gc removes none for its size."""
+    folder = tmp_path / "cache"
+    fill_store(folder, prompts=1)
+    config = tmp_path / "engine.yaml"
+    env = dict(os.environ, COLUMNS="250", KVPLUG_CONFIG=str(config))
+    env.pop("KVPLUG_PLUGINS", None)
+
+    def run(command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kvplug.cli.main", "store", command, str(folder)],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    config.write_text("max_chunk_bytes: 8MiB\ntiers: [{type: not-installed-here}]\n")
+    for command in ("ls", "verify", "gc"):
+        done = run(command)
+        assert done.returncode == 0 and "warning" not in done.stderr, done.stdout + done.stderr
+    config.write_text("max_chunk_bytes: 8MiB\nserializer: {type: not-installed-here}\n")
+    for command in ("ls", "verify", "gc"):
+        done = run(command)
+        assert done.returncode == 0, done.stdout + done.stderr
+        message = " ".join(done.stderr.split())
+        assert "warning: the engine's bound on records is not known" in message and "not-installed-here" in message
+        assert "records are read up to the default config's bound" in message
+    assert len(record_files(folder)) == 2

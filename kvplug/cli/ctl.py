@@ -11,7 +11,7 @@ the engine loads only what every rank holds). ``--per-rank`` adds each rank's ro
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,17 +21,18 @@ from rich.text import Text
 
 from kvplug.cli.console import console, format_size, print_error, print_table
 from kvplug.cli.prompt import chunk_map, read_prompt
+from kvplug.cli.rank_replies import Replies, print_json, rank_name, sum_numbers, sum_tiers, tier_table
 from kvplug.core.control.client import ControlClient, RankEndpoint, find_ranks, select_engine
 from kvplug.core.control.protocol import request_fields
+from kvplug.core.control_socket import private_socket_dir
 from kvplug.core.keys import ExtraKey, RequestInfo
-from kvplug.errors import ControlError, ExplainInputError
+from kvplug.errors import ControlError, ExplainInputError, UnsafeSocketPathError
 
 ctl_app = typer.Typer(
     help="Control a running engine: stats, lookup, explain, pin, clear.", no_args_is_help=True, add_completion=False
 )
 
 T = TypeVar("T")
-Replies = list[tuple[RankEndpoint, dict[str, Any]]]
 
 _ENGINE = typer.Option(
     None, "--engine", "-e", help="The engine's id (or a prefix of it) or name; needed when several run."
@@ -39,7 +40,18 @@ _ENGINE = typer.Option(
 _DIR = typer.Option(None, "--socket-dir", help="The private socket folder (default: as the engine finds it).")
 _JSON = typer.Option(False, "--json", help="Print one JSON object: the total and each rank's reply.")
 _PER_RANK = typer.Option(False, "--per-rank", help="Also show each rank's row.")
-_TIMEOUT = typer.Option(30.0, "--timeout", help="Seconds to wait for each rank's answer.")
+#: The longest ``--timeout``: a day (a socket's timeout must fit the platform's clock).
+_MAX_TIMEOUT_S = 86400.0
+
+
+def _timeout(value: float) -> float:
+    """``--timeout`` when it is a wait a socket can take (``nan``, ``inf`` or below 0 are not)."""
+    if not 0 < value <= _MAX_TIMEOUT_S:  # (nan compares false)
+        raise typer.BadParameter(f"{value!r}: expected seconds, more than 0 and at most {_MAX_TIMEOUT_S:g}")
+    return value
+
+
+_TIMEOUT = typer.Option(30.0, "--timeout", help="Seconds to wait for each rank's answer.", callback=_timeout)
 _PROMPT = typer.Argument(..., help="File of token ids (a JSON list or whitespace-separated ints); '-' reads stdin.")
 _TOKENIZER = typer.Option(
     None, "--tokenizer", help="The prompt file is text: encode it with this Hugging Face tokenizer."
@@ -52,16 +64,23 @@ _LORA_PATH = typer.Option(None, "--lora-path", help="Where the engine loaded the
 def _run(action: Callable[[], T]) -> T:
     try:
         return action()
-    except (ControlError, ExplainInputError) as exc:
+    # (UnsafeSocketPathError: the socket folder, $KVPLUG_LOOKUP_DIR, is another user's or open to others)
+    except (ControlError, ExplainInputError, UnsafeSocketPathError) as exc:
         print_error(exc)
         raise typer.Exit(2) from None
 
 
 def _client(engine: str | None, socket_dir: Path | None, timeout: float) -> ControlClient:
-    found = find_ranks(socket_dir, timeout_s=timeout)
+    folder = socket_dir or private_socket_dir()
+    found = find_ranks(folder, timeout_s=timeout)
     try:
         return ControlClient(select_engine(found.ranks, engine), timeout_s=timeout)
     except ControlError as exc:
+        if (
+            not found.ranks and not found.unreachable
+        ):  # say where it looked: a wrong --socket-dir, another user's engine
+            missing = "" if folder.is_dir() else " (no such folder)"
+            raise ControlError(f"no engine is running: no control socket in {folder}{missing}") from None
         if not found.unreachable:
             raise
         why = "; ".join(found.unreachable.values())
@@ -71,71 +90,6 @@ def _client(engine: str | None, socket_dir: Path | None, timeout: float) -> Cont
 def _request(cache_salt: str | None, lora: str | None, lora_path: str | None) -> dict[str, Any]:
     extra_keys = ExtraKey.adapter_keys(lora_path)
     return request_fields(RequestInfo(cache_salt=cache_salt, lora_id=lora, extra_keys=extra_keys))
-
-
-def _rank_name(rank: RankEndpoint) -> str:
-    dp, tp = rank.rank
-    return f"dp{dp}/tp{tp}"
-
-
-def _print_json(replies: Replies, total: dict[str, Any]) -> None:
-    ranks = [{"dp_rank": r.rank[0], "tp_rank": r.rank[1], **reply} for r, reply in replies]
-    engine = replies[0][0].engine_id if replies else None
-    typer.echo(json.dumps({"engine": engine, "total": total, "ranks": ranks}, indent=2))
-
-
-def _sum_numbers(dicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Numbers summed key by key; other values kept when every dict agrees, else joined."""
-    total: dict[str, Any] = {}
-    for d in dicts:
-        for key, value in d.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                total[key] = total.get(key, 0) + value
-            elif key not in total:
-                total[key] = value
-            elif total[key] != value and not isinstance(value, (dict, list)):
-                total[key] = f"{total[key]}, {value}"
-    return total
-
-
-def _sum_tiers(replies: Replies) -> list[dict[str, Any]]:
-    by_label: dict[str, list[dict[str, Any]]] = {}
-    for _, reply in replies:
-        for row in reply.get("tiers", []):
-            summed = {k: v for k, v in row.items() if k != "extra"}
-            extra = row.get("extra") or {}
-            if "pinned_bytes" in extra:  # a tier that keeps pins (GuardedEviction's figures)
-                summed["pinned_bytes"] = extra["pinned_bytes"]
-            by_label.setdefault(str(row.get("tier")), []).append(summed)
-    return [_sum_numbers(rows) for rows in by_label.values()]
-
-
-def _tier_table(title: str, rows: Sequence[dict[str, Any]], rank: str | None = None) -> Table:
-    table = Table(title=title)
-    columns = [
-        "tier",
-        "medium",
-        "used",
-        "pinned",
-        "budget",
-        "items",
-        "hits",
-        "misses",
-        "evictions",
-        "errors",
-        "breaker",
-    ]
-    for column in (["rank"] if rank else []) + columns:
-        table.add_column(column)
-    for row in rows:
-        pinned = row.get("pinned_bytes", row.get("extra", {}).get("pinned_bytes"))
-        sizes = [format_size(row.get("bytes_used")), format_size(pinned), format_size(row.get("max_bytes"))]
-        counts = [
-            str(row.get(name, "-")) for name in ("items", "hits", "misses", "evictions", "errors", "breaker_state")
-        ]
-        cells = [str(row.get("tier")), str(row.get("medium")), *sizes, *counts]
-        table.add_row(*(Text(c) for c in ([rank] if rank else []) + cells))
-    return table
 
 
 # --- commands -------------------------------------------------------------------------------
@@ -158,7 +112,7 @@ def list_command(socket_dir: Path | None = _DIR, as_json: bool = _JSON, timeout:
         table.add_column(column, overflow="fold")
     for rank in found.ranks:
         info = rank.info
-        where = f"{_rank_name(rank)} of {info.get('tp_size')}"
+        where = f"{rank_name(rank)} of {info.get('tp_size')}"
         described = [str(info.get(name)) for name in ("name", "adapter")] + [where, str(info.get("pid"))]
         cells = [rank.engine_id, *described, str(info.get("model")), str(info.get("fingerprint"))[:12]]
         cells.append(", ".join(map(str, info.get("tiers", []))))
@@ -178,10 +132,10 @@ def stats_command(
 ) -> None:
     """The engine's counters (stored, loaded, lookups, errors) and its tiers' usage, summed over ranks."""
     replies = _run(lambda: _client(engine, socket_dir, timeout).ask_all("stats"))
-    metrics = _sum_numbers([reply.get("metrics", {}) for _, reply in replies])
-    total: dict[str, Any] = {"metrics": metrics, "tiers": _sum_tiers(replies)}
+    metrics = sum_numbers([reply.get("metrics", {}) for _, reply in replies])
+    total: dict[str, Any] = {"metrics": metrics, "tiers": sum_tiers(replies)}
     if as_json:
-        _print_json(replies, total)
+        print_json(replies, total)
         return
     table = Table(title=f"engine {replies[0][0].engine_id}: {len(replies)} rank(s), counters summed")
     table.add_column("metric")
@@ -190,10 +144,10 @@ def stats_command(
         if value and "_bucket{" not in name:  # histogram buckets: in --json
             table.add_row(Text(name), f"{value:g}")
     print_table(table)
-    print_table(_tier_table("tiers (summed over ranks)", total["tiers"]))
+    print_table(tier_table("tiers (summed over ranks)", total["tiers"]))
     if per_rank:
         for rank, reply in replies:
-            print_table(_tier_table(f"tiers of {_rank_name(rank)}", reply.get("tiers", []), _rank_name(rank)))
+            print_table(tier_table(f"tiers of {rank_name(rank)}", reply.get("tiers", []), rank_name(rank)))
 
 
 @ctl_app.command("tiers")
@@ -206,14 +160,14 @@ def tiers_command(
 ) -> None:
     """Each tier's usage, budget and circuit-breaker state (a remote tier's), summed over ranks."""
     replies = _run(lambda: _client(engine, socket_dir, timeout).ask_all("tiers"))
-    total: dict[str, Any] = {"tiers": _sum_tiers(replies)}
+    total: dict[str, Any] = {"tiers": sum_tiers(replies)}
     if as_json:
-        _print_json(replies, total)
+        print_json(replies, total)
         return
-    print_table(_tier_table(f"tiers of engine {replies[0][0].engine_id} (summed over ranks)", total["tiers"]))
+    print_table(tier_table(f"tiers of engine {replies[0][0].engine_id} (summed over ranks)", total["tiers"]))
     if per_rank:
         for rank, reply in replies:
-            print_table(_tier_table(f"tiers of {_rank_name(rank)}", reply.get("tiers", []), _rank_name(rank)))
+            print_table(tier_table(f"tiers of {rank_name(rank)}", reply.get("tiers", []), rank_name(rank)))
 
 
 #: How a prompt command sums its ranks' replies (what ``--json`` prints as the total), and
@@ -245,7 +199,7 @@ def _prompt_command(op: str, doc: str, total: Total, show: Show) -> None:
         replies = _run(action)
         summed = total(replies)
         if as_json:
-            _print_json(replies, summed)
+            print_json(replies, summed)
         else:
             show(replies, summed, per_rank)
 
@@ -277,7 +231,7 @@ def _show_lookup(replies: Replies, total: dict[str, Any], per_rank: bool) -> Non
             for tier, _ in reply["chunks"]:
                 tiers[tier] = tiers.get(tier, 0) + 1
             where = ", ".join(f"{name}: {count}" for name, count in tiers.items()) or "-"
-            table.add_row(_rank_name(rank), str(reply["hit_tokens"]), Text(where))
+            table.add_row(rank_name(rank), str(reply["hit_tokens"]), Text(where))
         print_table(table)
 
 
@@ -294,9 +248,9 @@ def _explain_total(replies: Replies) -> dict[str, Any]:
 def _show_explain(replies: Replies, total: dict[str, Any], per_rank: bool) -> None:
     worst_rank, worst = _least(replies)
     for rank, reply in replies if per_rank else [(worst_rank, worst)]:
-        print_table(chunk_map(reply, f"{_rank_name(rank)}: "))
+        print_table(chunk_map(reply, f"{rank_name(rank)}: "))
     console.print(
-        f"hit: {worst['hit_tokens']} of {worst['num_tokens']} tokens ({_rank_name(worst_rank)}, the "
+        f"hit: {worst['hit_tokens']} of {worst['num_tokens']} tokens ({rank_name(worst_rank)}, the "
         f"rank holding least, of {len(replies)})",
         highlight=False,
     )
@@ -304,7 +258,7 @@ def _show_explain(replies: Replies, total: dict[str, Any], per_rank: bool) -> No
 
 
 def _pin_total(replies: Replies) -> dict[str, Any]:
-    return _sum_numbers([reply for _, reply in replies])
+    return sum_numbers([reply for _, reply in replies])
 
 
 def _show_pin(op: str) -> Show:
@@ -315,7 +269,7 @@ def _show_pin(op: str) -> Show:
         console.print(f"{op}ned over {len(replies)} rank(s): {summary}", highlight=False)
         if per_rank:
             for rank, reply in replies:
-                console.print(f"  {_rank_name(rank)}: {json.dumps(reply)}", highlight=False, markup=False)
+                console.print(f"  {rank_name(rank)}: {json.dumps(reply)}", highlight=False, markup=False)
 
     return show
 
@@ -375,13 +329,13 @@ def clear_command(
     if tier is not None:
         fields["tier"] = tier
     replies = _run(lambda: _client(engine, socket_dir, timeout).ask_all("clear", fields))
-    removed = _sum_numbers([reply["removed"] for _, reply in replies])
-    freed = _sum_numbers([reply["bytes_freed"] for _, reply in replies])
+    removed = sum_numbers([reply["removed"] for _, reply in replies])
+    freed = sum_numbers([reply["bytes_freed"] for _, reply in replies])
     scope = replies[0][1]["scope"]
     known = sum(reply["known_chunks"] for _, reply in replies)
     total = {"removed": removed, "bytes_freed": freed, "scope": scope, "known_chunks": known}
     if as_json:
-        _print_json(replies, total)
+        print_json(replies, total)
         return
     where = ", ".join(f"{label}: {count} chunks ({format_size(freed.get(label))})" for label, count in removed.items())
     console.print(
@@ -393,4 +347,4 @@ def clear_command(
     )
     if per_rank:
         for rank, reply in replies:
-            console.print(f"  {_rank_name(rank)}: {reply['removed']}", highlight=False, markup=False)
+            console.print(f"  {rank_name(rank)}: {reply['removed']}", highlight=False, markup=False)

@@ -7,6 +7,10 @@ no disk tier wrote is refused before anything in it is touched). ``stats``, ``ls
 ``verify`` open it read-only (``TierContext.read_only``): they create, change and delete
 nothing. ``gc`` opens it as an engine does, with an unbounded budget (nothing is
 evicted), and removes only records that fail verification or are of another format version.
+
+Records are read as an engine reads them: at most ``--max-record-bytes`` of each (by
+default the engine's bound, from the config's ``max_chunk_bytes``), so a record planted
+larger than any record can be is reported ``oversized`` unread, never held in memory.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvplug.cli.console import console, format_size, print_table, run_or_exit
+from kvplug.cli.record_bound import UNBOUNDED, RecordBound, record_bound
 from kvplug.errors import ConfigError, ConfigProblem, CorruptChunkError, RecordUnreadableError
 
 # The core is imported where a command uses it: every ``kvplug`` command imports this module.
@@ -43,15 +48,25 @@ OptionsOpt = typer.Option(
     "-o",
     help="KEY=VALUE for the tier that opens the location (repeatable); a tier names the keys it takes.",
 )
+MaxRecordOpt = typer.Option(
+    None,
+    "--max-record-bytes",
+    help="Read no record larger than this (bytes, or a size such as 64MiB); a larger one is reported "
+    "oversized, unread. Default: the engine's bound, from the config's max_chunk_bytes ($KVPLUG_CONFIG).",
+    show_default=False,
+)
 
 
 @contextmanager
-def open_store(location: str, options: list[str] | None = None, *, read_only: bool = True) -> Iterator[StorageTier]:
+def open_store(
+    location: str, options: list[str] | None = None, *, read_only: bool = True, max_record_bytes: int | None = None
+) -> Iterator[StorageTier]:
     """Open ``location`` with the first installed tier that says it opens it
     (:meth:`kvplug.StorageTier.location_config`), for inspection: nothing evicted, and
     with ``read_only`` nothing created, changed or removed. ``options``: ``KEY=VALUE`` items
-    for that tier's :meth:`~kvplug.StorageTier.location_config`."""
-    from kvplug.core.concerns import install_command, location_package
+    for that tier's :meth:`~kvplug.StorageTier.location_config`; ``max_record_bytes``: the
+    tier reads no more of a record (:attr:`kvplug.TierContext.max_record_bytes`)."""
+    from kvplug.core.concerns import LOCATION_TIERS, install_command, location_package
     from kvplug.core.plugins import get_registry
     from kvplug.core.records.frame import integrity_key
     from kvplug.core.records.store import RecordStore
@@ -61,7 +76,8 @@ def open_store(location: str, options: list[str] | None = None, *, read_only: bo
     # set-but-empty variable) is an error here, never a verify that quietly passes unsigned records.
     integrity_key()
     settings = _options(options or [])
-    for kind, cls in get_registry().storage_tiers().items():
+    tiers = get_registry().storage_tiers()
+    for kind, cls in tiers.items():
         # Opening locations is an optional capability: a tier without it opens none.
         locate = getattr(cls, "location_config", None)
         if not callable(locate):
@@ -75,8 +91,14 @@ def open_store(location: str, options: list[str] | None = None, *, read_only: bo
     else:
         package = location_package(location)
         needs = f"no installed tier opens this location; {package} does: {install_command(package)}"
+        scheme = location.split("://", 1)[0].lower() if "://" in location else ""
+        if LOCATION_TIERS.get(scheme, "s3") in tiers:  # installed, and it refused: installing it is no help
+            needs = (
+                f"no installed tier opens {scheme + '://' if scheme else 'this'} locations ({package}, installed, "
+                "does not know this scheme, or reads it only: kvplug store opens stores an engine can write)"
+            )
         raise ConfigError([ConfigProblem("location", location, needs)])
-    tier = cls(config, TierContext(read_only=read_only))
+    tier = cls(config, TierContext(read_only=read_only, max_record_bytes=max_record_bytes))
     if not isinstance(tier, RecordStore):
         tier.close()
         raise ConfigError([ConfigProblem("location", location, f"tier {kind!r} cannot list its records")])
@@ -114,11 +136,13 @@ def ls(
     location: str = LocationArg,
     options: list[str] = OptionsOpt,
     limit: int = typer.Option(50, min=0, help="Show at most this many records, newest first (0: all)."),
+    max_record_bytes: str | None = MaxRecordOpt,
 ) -> None:
     """List records: key digest, size, when written (or last used, where reads move a record's time), and the KV chunk each holds."""
 
     def action() -> None:
-        with open_store(location, options) as tier:
+        bound = record_bound(max_record_bytes)
+        with open_store(location, options, max_record_bytes=bound.read) as tier:
             records = sorted(tier.records(), key=lambda r: r.modified or 0, reverse=True)  # type: ignore[attr-defined]
             shown = records if limit == 0 else records[:limit]
             table = Table(
@@ -129,7 +153,7 @@ def ls(
             for column in ("key digest", "size", getattr(tier, "listed_time", "written"), "chunk"):
                 table.add_column(column)
             for record in shown:
-                check = _read_and_check(tier, record.digest)
+                check = _read_and_check(tier, record, bound)
                 table.add_row(record.digest, format_size(record.size), _when(record.modified), _describe(check))
             print_table(table)
 
@@ -137,44 +161,60 @@ def ls(
 
 
 @store_app.command("verify")
-def verify(location: str = LocationArg, options: list[str] = OptionsOpt) -> None:
-    """Read every record and check its checksums; exit 1 when any is corrupt or cannot be read, or an entry
-    named like a record (or a shard folder) is not one the store can read (foreign: a link, a folder)."""
+def verify(
+    location: str = LocationArg, options: list[str] = OptionsOpt, max_record_bytes: str | None = MaxRecordOpt
+) -> None:
+    """Read every record and check its checksums; exit 1 when any is corrupt, oversized (over
+    --max-record-bytes: not read) or cannot be read, or an entry named like a record (or a shard
+    folder) is not one the store can read (foreign: a link, a folder)."""
 
     def action() -> None:
-        with open_store(location, options) as tier:
-            verdicts = _check_all(tier, remove=False)
+        bound = record_bound(max_record_bytes)
+        with open_store(location, options, max_record_bytes=bound.read) as tier:
+            verdicts = _check_all(tier, bound, remove=False)
         _report(verdicts, removed=0)
-        if verdicts["corrupt"] or verdicts["unreadable"] or verdicts["foreign"]:
+        if verdicts["corrupt"] or verdicts["oversized"] or verdicts["unreadable"] or verdicts["foreign"]:
             raise typer.Exit(1)
 
     run_or_exit(action)
 
 
 @store_app.command("gc")
-def gc(location: str = LocationArg, options: list[str] = OptionsOpt) -> None:
-    """Verify every record and remove the corrupt and incompatible ones."""
+def gc(
+    location: str = LocationArg, options: list[str] = OptionsOpt, max_record_bytes: str | None = MaxRecordOpt
+) -> None:
+    """Verify every record and remove the corrupt and incompatible ones, and those over the
+    engine's bound (not those over a tighter --max-record-bytes alone: they are kept, unread);
+    exit 1 when it leaves any that verify fails on (unreadable, foreign, oversized kept)."""
 
     def action() -> None:
-        with open_store(location, options, read_only=False) as tier:
-            verdicts = _check_all(tier, remove=True)
+        bound = record_bound(max_record_bytes)
+        with open_store(location, options, read_only=False, max_record_bytes=bound.read) as tier:
+            verdicts = _check_all(tier, bound, remove=True)
         _report(verdicts, removed=verdicts.pop("removed", 0))
+        left = verdicts["unreadable"] + verdicts["foreign"] + (0 if bound.removable else verdicts["oversized"])
+        if left:
+            console.print(f"left: {left} entries gc cannot judge or may not remove (above)", highlight=False)
+            raise typer.Exit(1)
 
     run_or_exit(action)
 
 
-def _check_all(tier: StorageTier, *, remove: bool) -> Counter[str]:
+def _check_all(tier: StorageTier, bound: RecordBound | None = None, *, remove: bool) -> Counter[str]:
+    """Judge every record (``remove``: and remove the bad ones); ``bound``: none is read past
+    its ``read`` (``None``: the tier's own bound alone)."""
+    bound = bound or RecordBound(UNBOUNDED, UNBOUNDED)
     records: list[StoredRecord] = list(tier.records())  # type: ignore[attr-defined]
     verdicts: Counter[str] = Counter()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("verifying", total=len(records))
         for record in records:
-            check, data = _read_and_check_bytes(tier, record.digest)
+            check, data = _read_and_check_bytes(tier, record, bound)
             verdicts[check.status] += 1
-            if check.status in ("corrupt", "incompatible", "unreadable"):
+            if check.status in ("corrupt", "incompatible", "unreadable", "oversized"):
                 console.print(f"{check.status}: {record.digest} ({check.reason})", highlight=False, markup=False)
-                if remove and check.status != "unreadable":
+                if remove and _removable(check, bound):
                     verdicts["removed"] += _remove(tier, record.digest, data)
             progress.advance(task)
     # Entries the tier left alone, never verified: links, folders or FIFOs named like records,
@@ -184,17 +224,25 @@ def _check_all(tier: StorageTier, *, remove: bool) -> Counter[str]:
     return verdicts
 
 
-def _read_and_check(tier: StorageTier, digest: str) -> RecordCheck:
-    """The verdict on one record: :func:`check_record` of its bytes, ``corrupt`` when the
-    tier found it bad unread (its size), ``unreadable`` when it is there but could not be
-    read (no permission): never ``gone``, which only a record that vanished is."""
-    return _read_and_check_bytes(tier, digest)[0]
+def _read_and_check(tier: StorageTier, record: StoredRecord, bound: RecordBound) -> RecordCheck:
+    """The verdict on one record: :func:`check_record` of its bytes, ``oversized`` when listed
+    larger than ``bound.read`` (not read), ``corrupt`` when the tier found it bad unread (its
+    size), ``unreadable`` when it is there but could not be read (no permission)."""
+    return _read_and_check_bytes(tier, record, bound)[0]
 
 
-def _read_and_check_bytes(tier: StorageTier, digest: str) -> tuple[RecordCheck, Buffer | None]:
+def _read_and_check_bytes(
+    tier: StorageTier, record: StoredRecord, bound: RecordBound
+) -> tuple[RecordCheck, Buffer | None]:
     """:func:`_read_and_check`, and the bytes judged (``None`` when found bad unread)."""
     from kvplug.core.records.store import RecordCheck, check_record
 
+    digest = record.digest
+    if record.size > bound.read:  # a listed size can be wrong: the tier reads no more than the bound either
+        over = (
+            "the engine's bound" if bound.removable else "the bound" if bound.engine is None else "--max-record-bytes"
+        )
+        return RecordCheck("oversized", f"{record.size} bytes, over {over} of {bound.read}: not read"), None
     try:
         data = tier.read_record(digest)  # type: ignore[attr-defined]
     except CorruptChunkError as exc:
@@ -202,6 +250,14 @@ def _read_and_check_bytes(tier: StorageTier, digest: str) -> tuple[RecordCheck, 
     except RecordUnreadableError as exc:
         return RecordCheck("unreadable", str(exc.__cause__ or exc)), None
     return check_record(digest, data), data
+
+
+def _removable(check: RecordCheck, bound: RecordBound) -> bool:
+    """Whether ``gc`` removes a record of this verdict: one that could not be read is not
+    judged, and one over a bound tighter than the engine's may be one an engine serves."""
+    if check.status == "oversized":
+        return bound.removable
+    return check.status in ("corrupt", "incompatible")
 
 
 def _remove(tier: StorageTier, digest: str, seen: Buffer | None) -> bool:
@@ -221,7 +277,7 @@ def _report(verdicts: Counter[str], *, removed: int) -> None:
     table = Table(title="verification")
     table.add_column("records")
     table.add_column("count", justify="right")
-    for status in ("ok", "corrupt", "unreadable", "incompatible", "unverified", "gone", "foreign"):
+    for status in ("ok", "corrupt", "oversized", "unreadable", "incompatible", "unverified", "gone", "foreign"):
         table.add_row(status, str(verdicts[status]))
     table.add_row("removed", str(removed))
     print_table(table)

@@ -142,5 +142,18 @@ class ControlClient:
     def ask_all(
         self, op: str, fields: Mapping[str, Any] | None = None, tokens: Sequence[int] = ()
     ) -> list[tuple[RankEndpoint, dict[str, Any]]]:
-        """Each rank's reply, in rank order; the first rank that fails raises :class:`ControlError`."""
-        return [(rank, ask(rank.path, op, fields, tokens, timeout_s=self.timeout_s)) for rank in self.ranks]
+        """Each rank's reply, in rank order; the first rank that fails raises :class:`ControlError`,
+        which names the ranks that answered before it: a pin or clear is done on those."""
+        replies: list[tuple[RankEndpoint, dict[str, Any]]] = []
+        for rank in self.ranks:
+            try:
+                replies.append((rank, ask(rank.path, op, fields, tokens, timeout_s=self.timeout_s)))
+            except ControlError as exc:
+                if not replies:
+                    raise
+                done = ", ".join(f"dp{r.rank[0]}/tp{r.rank[1]}" for r, _ in replies)
+                failed = f"dp{rank.rank[0]}/tp{rank.rank[1]}"
+                raise ControlError(
+                    f"rank {failed}: {exc}; {op} was done on the ranks that answered first: {done}"
+                ) from None
+        return replies

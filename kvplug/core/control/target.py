@@ -299,6 +299,8 @@ class EngineControl(ControlTarget):
         return (self.engine.unpin if unpin else self.engine.pin)(tokens, request=request)
 
     def clear_keys(self, request: ControlRequest) -> ClearKeys:
+        for source in self.engines:  # a closed engine's tiers remove nothing: "cleared 0 chunks" would be said
+            source._check_open()
         scoped: RequestInfo | None = None
         scope = "every cache_salt"
         if request.fields.get("all_salts") is not True:

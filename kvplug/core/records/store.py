@@ -48,8 +48,9 @@ class RecordStore(Protocol):
 class RecordCheck:
     """The verdict on one record; ``dtype``/``shape`` when it holds a KV chunk frame."""
 
-    #: ``unreadable``: there, but this process could not read it (``kvplug store``'s verdict).
-    status: Literal["ok", "corrupt", "incompatible", "unverified", "gone", "unreadable"]
+    #: ``unreadable``: there, but this process could not read it; ``oversized``: larger than the
+    #: bound on what is read of a record, so not read (``kvplug store``'s verdicts).
+    status: Literal["ok", "corrupt", "incompatible", "unverified", "gone", "unreadable", "oversized"]
     reason: str = ""
     dtype: str | None = None
     shape: tuple[int, ...] | None = None

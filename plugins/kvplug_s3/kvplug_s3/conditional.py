@@ -20,7 +20,7 @@ import secrets
 from typing import Any
 
 from kvplug import Buffer
-from kvplug_s3.reads import read_body
+from kvplug_s3.reads import body_equals, body_length
 
 #: An ETag no object has: a server that honours ``If-Match`` refuses a delete under it.
 _NO_SUCH_ETAG = '"00000000000000000000000000000000"'
@@ -47,10 +47,9 @@ class ConditionalDeletes:
         body = response["Body"]
         try:  # the bytes decide, at most one past what was read or the bound: a reported size is not trusted
             if seen is None:  # found bad unread (over the bound): still longer than a record can be
-                same = bound is not None and len(await read_body(body, bound + 1)) > bound
+                same = bound is not None and await body_length(body, bound + 1) > bound
             else:
-                view = memoryview(seen).cast("B")
-                same = await read_body(body, view.nbytes + 1) == view
+                same = await body_equals(body, seen)
         finally:
             body.close()
         if not same:  # replaced since the read (or it was not bad for this reason)

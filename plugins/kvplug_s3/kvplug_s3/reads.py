@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvplug.core.tier import Buffer
 from kvplug.errors import CorruptChunkError
 
 #: S3 error codes of a ranged GET on an empty object (it has no byte 0).
@@ -67,6 +68,36 @@ async def read_body(body: Any, limit: int | None) -> bytes:
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
+
+
+#: What one read of a body asks for when its bytes are only counted or compared.
+_PIECE = 1 << 20
+
+
+async def body_length(body: Any, limit: int) -> int:
+    """How many bytes a GET's body holds, counting at most ``limit``: read piece by piece
+    and dropped, so telling an object over the record bound holds none of it."""
+    got = 0
+    while got < limit:
+        piece: bytes = await body.read(min(limit - got, _PIECE))
+        if not piece:
+            break
+        got += len(piece)
+    return got
+
+
+async def body_equals(body: Any, expected: Buffer) -> bool:
+    """Whether a GET's body is exactly ``expected``, compared piece by piece (reading at most
+    one byte past it), so the comparison holds no second copy of the record."""
+    view = memoryview(expected).cast("B")
+    got = 0
+    while True:
+        piece: bytes = await body.read(min(view.nbytes + 1 - got, _PIECE))
+        if not piece:
+            return got == view.nbytes
+        if got + len(piece) > view.nbytes or view[got : got + len(piece)] != piece:
+            return False
+        got += len(piece)
 
 
 async def s3_size(fs: Any, path: str) -> int | None:

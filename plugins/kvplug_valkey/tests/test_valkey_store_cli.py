@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -72,3 +73,27 @@ def test_location_config_answers_only_for_its_urls(monkeypatch) -> None:
     assert config.password is not None and config.password.get_secret_value() == "from-env-1"
     with pytest.raises(ValueError, match="endpoint_url do not apply to a valkey store"):
         ValkeyTier.location_config("redis://127.0.0.1:7001", {"endpoint_url": "http://127.0.0.1:9000"})
+
+
+def test_store_commands_read_no_value_past_the_engines_bound(valkey_server, tmp_path) -> None:
+    """A 64 MiB value planted under a record name is reported oversized, and the server sends
+    none of it (its own count of bytes sent): the bound is the engine's, from max_chunk_bytes."""
+    prefix = fresh_prefix()
+    tier = make_valkey_tier(valkey_server.url, key_prefix=prefix)
+    tier.put([(key_for("k"), value_for("k", 1000))])
+    tier.close()
+    client = valkey.Valkey(host="127.0.0.1", port=valkey_server.port)
+    digest = hashlib.sha256(b"planted").hexdigest()
+    client.set(f"{prefix}{digest}".encode(), bytes(64 << 20))
+    config = tmp_path / "kvplug.yaml"
+    config.write_text("max_chunk_bytes: 1MiB\n")  # the engine's bound: 2 x 1 MiB + 1 MiB + a header
+    location = f"{valkey_server.url}?prefix={prefix}"
+    for command in ("verify", "ls"):
+        sent = int(client.info("stats")["total_net_output_bytes"])
+        result = kvplug_store(command, location, KVPLUG_CONFIG=str(config))
+        assert "oversized: " in result.stdout and digest in result.stdout, result.stdout + result.stderr
+        assert result.returncode == (1 if command == "verify" else 0), result.stderr
+        assert int(client.info("stats")["total_net_output_bytes"]) - sent < 16 << 20
+    removed = kvplug_store("gc", location, KVPLUG_CONFIG=str(config))
+    assert removed.returncode == 0 and re.search(r"│ removed\s*│\s*1 │", removed.stdout), removed.stdout
+    assert client.exists(f"{prefix}{digest}".encode()) == 0

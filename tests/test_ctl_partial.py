@@ -1,0 +1,73 @@
+"""``kvplug ctl`` over ranks of which one fails: the ranks done before it are named."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from core_helpers import LAYOUTS, random_caches
+from typer.testing import CliRunner
+
+from kvplug import CacheEngine, ControlIdentity, ControlServer, Fingerprint, load_config
+from kvplug.cli.main import app
+
+LAYOUT = LAYOUTS["vllm_flash"]
+TOKENS = list(range(100, 116))  # two chunks of 8
+
+
+def rank_engine(folder: Path) -> CacheEngine:
+    tiers = [{"type": "cpu", "max_bytes": "64MiB"}, {"type": "disk", "path": str(folder), "max_bytes": "64MiB"}]
+    extra = {"kvplug": {"chunk_size": 8, "store": {"queue": {"mode": "sync"}}, "tiers": tiers}}
+    return CacheEngine(
+        load_config(engine_extra=extra, env={}).config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="m")
+    )
+
+
+@pytest.fixture
+def two_ranks(tmp_path: Path, socket_dir: Path) -> Iterator[tuple[CacheEngine, CacheEngine]]:
+    """Ranks tp0 and tp1 of one engine, each with its control server, the prompt stored on both."""
+    engines = (rank_engine(tmp_path / "tp0"), rank_engine(tmp_path / "tp1"))
+    servers = [
+        ControlServer(e, ControlIdentity("engine-a", "tiny", "test", tp_rank=i, tp_size=2))
+        for i, e in enumerate(engines)
+    ]
+    for engine in engines:
+        engine.store(TOKENS, random_caches(LAYOUT, 8), torch.arange(len(TOKENS)))
+        engine.flush()
+    yield engines
+    for server in servers:
+        server.close()
+    for engine in engines:
+        engine.close()
+
+
+def test_a_pin_that_fails_on_one_rank_names_the_ranks_it_was_done_on(
+    two_ranks: tuple[CacheEngine, CacheEngine], tmp_path: Path
+) -> None:
+    """Rank tp1's engine is gone (closed) while its server still answers: the pin is made on tp0
+    and fails on tp1. The error named tp1's socket alone, so the operator did not learn that
+    tp0 now holds a pin (which must be undone, or kept)."""
+    two_ranks[1].close()
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(json.dumps(TOKENS))
+    result = CliRunner().invoke(app, ["ctl", "pin", str(prompt)])
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.split())
+    assert "rank dp0/tp1:" in message and "pin was done on the ranks that answered first: dp0/tp0" in message, message
+
+
+def test_a_clear_on_a_closed_engine_is_an_error_not_none_cleared(
+    two_ranks: tuple[CacheEngine, CacheEngine], tmp_path: Path
+) -> None:
+    """Rank tp1's engine is closed while its server answers: its tiers remove nothing (the disk
+    records stay), and clear said tp1 cleared 0 chunks, exit 0."""
+    two_ranks[1].close()
+    result = CliRunner().invoke(app, ["ctl", "clear", "--all"])
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.split())
+    assert "rank dp0/tp1:" in message and "EngineClosedError" in message, message
+    assert "clear was done on the ranks that answered first: dp0/tp0" in message, message
+    assert len(list((tmp_path / "tp1").glob("*/*.kvr"))) >= 2  # what it would have said it cleared
