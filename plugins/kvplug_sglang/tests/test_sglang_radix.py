@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -362,6 +363,33 @@ def test_new_process_gets_the_hit_from_disk(model_dir: Path, tmp_path: Path) -> 
     assert (loaded["device_hit"], loaded["promised"], loaded["loaded"]) == (0, 48, 48)
     assert loaded["kv_sha256"] == stored["kv_sha256"], "KV loaded in the new process differs"
     assert loaded["available_after"] == loaded["available_before"]
+
+
+def test_a_sigterm_to_the_process_group_removes_the_control_socket(model_dir: Path, socket_dir: Path) -> None:
+    """A SIGTERM to a server's whole process group (systemd's default KillMode, a terminal)
+    reaches its schedulers, which SGLang leaves to the default action (no exit hook runs):
+    kvplug removes its control socket file first, and the process still ends by that SIGTERM."""
+    env = {**os.environ, "KVPLUG_CHUNK_SIZE": "16", "KVPLUG_TIERS": json.dumps([{"type": "cpu"}])}
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "sglang_radix_process.py"), "serve", str(model_dir)],
+        env=env,
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        socket = Path(json.loads(proc.stdout.readline())["socket"])
+        assert socket.parent == socket_dir and socket.exists()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == -signal.SIGTERM, "the process no longer ends by the SIGTERM"
+        assert not socket.exists(), "the control socket file was left behind"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _run(script: str, mode: str, model_dir: Path, env: dict[str, str]) -> dict:
