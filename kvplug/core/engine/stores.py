@@ -32,7 +32,6 @@ from kvplug.errors import ConnectorError
 logger = logging.getLogger("kvplug.engine")
 
 
-
 @dataclass
 class StoreBatch:
     """What the store worker writes for one store call."""

@@ -272,9 +272,7 @@ def test_a_full_store_queue_sheds_stores_instead_of_holding_the_scheduler(
     with _gated_stack(model_config, monkeypatch, max_items=1, on_full="block", block_timeout_s=600) as stack:
         # The first store holds the worker at the gate, the second fills the queue, the rest are shed.
         prompts = [list(range(1000 + 100 * i, 1049 + 100 * i)) for i in range(4)]
-        served = _returns_while_gated(
-            lambda: [serve_request(stack, f"r{i}", p, seed=i) for i, p in enumerate(prompts)]
-        )
+        served = _returns_while_gated(lambda: [serve_request(stack, f"r{i}", p, seed=i) for i, p in enumerate(prompts)])
         _GATE.set()
         assert served, "a store waited for room in the store queue"
         assert stack.tree.engine.metrics.value("kvplug_store_dropped_total", queue="engine") >= 1
