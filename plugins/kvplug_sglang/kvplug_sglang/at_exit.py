@@ -6,7 +6,9 @@ SGLang closes a HiCache storage backend then only where its HiCache tree registe
 own exit hook; the decode side's KV offload manager never does, and a radix cache has no
 close at all. kvplug's store workers, async tier writers and control server are daemon
 threads: without a close, writes still queued are lost and the control socket file stays
-behind. Closing twice does nothing.
+behind. Closing twice does nothing. The exit waits at most :data:`EXIT_WAIT_S` for the
+closes (a tier whose writes hang, a hung mount, would hold the process forever): then it
+logs what it leaves and the process exits, the writes still queued lost.
 
 SGLang stops a server by a SIGTERM to its launcher, which asks the schedulers to exit (the
 graceful path above). A SIGTERM to the whole process group (``killpg``: systemd's default
@@ -38,6 +40,9 @@ class Closeable(Protocol):
     def close(self) -> None: ...
 
 
+#: The longest a normal exit waits for kvplug's closes (queued writes drained into the tiers).
+EXIT_WAIT_S = 60.0
+
 _OPEN: weakref.WeakSet[Closeable] = weakref.WeakSet()
 _REGISTERED: list[bool] = []
 _SIGTERM_HANDLED: list[bool] = []
@@ -62,7 +67,20 @@ def close_at_exit(thing: Closeable) -> None:
 
 
 def _close_all() -> None:
-    for thing in list(_OPEN):
+    """Close what is open, on a daemon thread the exit waits for up to :data:`EXIT_WAIT_S`."""
+    closing = threading.Thread(target=_close_each, args=(list(_OPEN),), name="kvplug-exit", daemon=True)
+    closing.start()
+    closing.join(EXIT_WAIT_S)
+    if closing.is_alive():
+        logger.warning(
+            "kvplug: closing at exit took over %.0f s (a tier whose writes do not finish); "
+            "exiting without waiting: writes still queued are lost",
+            EXIT_WAIT_S,
+        )
+
+
+def _close_each(things: list[Closeable]) -> None:
+    for thing in things:
         try:
             thing.close()
         except Exception:

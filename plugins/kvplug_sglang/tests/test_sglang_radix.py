@@ -26,6 +26,7 @@ from sglang_pools import snapshot
 import kvplug
 from kvplug.core.records.manifest import KeyScheme
 from kvplug_cpu import CPUTier
+from kvplug_sglang import at_exit
 from kvplug_sglang.radix_cache import KVPlugRadixCache
 
 HERE = Path(__file__).parent
@@ -276,6 +277,20 @@ def test_a_full_store_queue_sheds_stores_instead_of_holding_the_scheduler(
         _GATE.set()
         assert served, "a store waited for room in the store queue"
         assert stack.tree.engine.metrics.value("kvplug_store_dropped_total", queue="engine") >= 1
+        stack.tree.shutdown()
+
+
+def test_an_exit_waits_a_bounded_time_for_a_tier_whose_writes_hang(
+    model_config, kvplug_env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At a normal exit kvplug drains its queued stores into the tiers; a tier whose write
+    never finishes (a hung mount) must not hold the scheduler process forever."""
+    monkeypatch.setattr(at_exit, "EXIT_WAIT_S", 1.0, raising=False)
+    with _gated_stack(model_config, monkeypatch) as stack:
+        serve_request(stack, "a", list(range(1700, 1749)), seed=1)  # its store waits at the gate
+        exited = _returns_while_gated(at_exit._close_all)
+        _GATE.set()
+        assert exited, "the exit hook waited for a tier write that does not finish"
         stack.tree.shutdown()
 
 
