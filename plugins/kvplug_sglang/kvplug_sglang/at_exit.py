@@ -28,6 +28,7 @@ import os
 import signal
 import threading
 import weakref
+from collections.abc import Callable
 from types import FrameType
 from typing import Any, Protocol
 
@@ -67,14 +68,22 @@ def close_at_exit(thing: Closeable) -> None:
 
 
 def _close_all() -> None:
-    """Close what is open, on a daemon thread the exit waits for up to :data:`EXIT_WAIT_S`."""
-    closing = threading.Thread(target=_close_each, args=(list(_OPEN),), name="kvplug-exit", daemon=True)
+    """Close what is open, waiting up to :data:`EXIT_WAIT_S` (:func:`within_exit_wait`)."""
+    within_exit_wait(lambda: _close_each(list(_OPEN)), "closing at exit")
+
+
+def within_exit_wait(close: Callable[[], None], what: str) -> None:
+    """Run ``close`` on a daemon thread and wait for it up to :data:`EXIT_WAIT_S`: a tier whose
+    writes never finish must not hold SGLang's scheduler (its exit, or a storage detach)
+    forever. Past that the caller goes on, and what ``close`` still waits to write is lost."""
+    closing = threading.Thread(target=close, name="kvplug-close", daemon=True)
     closing.start()
     closing.join(EXIT_WAIT_S)
     if closing.is_alive():
         logger.warning(
-            "kvplug: closing at exit took over %.0f s (a tier whose writes do not finish); "
-            "exiting without waiting: writes still queued are lost",
+            "kvplug: %s took over %.0f s (a tier whose writes do not finish); going on without "
+            "waiting: writes still queued are lost",
+            what,
             EXIT_WAIT_S,
         )
 
