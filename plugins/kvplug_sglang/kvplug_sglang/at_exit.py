@@ -108,12 +108,14 @@ def _handle_sigterm() -> None:
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    for thing in list(_OPEN):
-        server: Any = getattr(thing, "control", None)
-        try:
+    try:
+        for thing in list(_OPEN):
+            server: Any = getattr(thing, "control", None)
             if server is not None:
                 server.remove_file()
-        except (OSError, UnsafeSocketPathError):
-            pass  # the process ends either way; the next server in the folder removes a stale socket
+    except (OSError, UnsafeSocketPathError, RuntimeError):
+        # Whatever failed (RuntimeError: the set changed under us), the process must still
+        # end as SIGTERM ends it; the next server in the folder removes a stale socket.
+        pass
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)  # the default action: the process ends as a SIGTERM ends it
