@@ -69,6 +69,18 @@ def test_an_engine_writes_each_fingerprint_once_a_while_in_bounded_memory(monkey
     assert len(written) == 14
 
 
+def test_a_manifest_whose_store_was_dropped_is_due_again() -> None:
+    """An engine takes the manifest due with a store (written on its store worker): if the
+    store queue drops that store, the manifest was never written and must not wait for the
+    refresh interval to be written."""
+    writer = ManifestWriter(None, 8, "sha256")  # type: ignore[arg-type]
+    due = writer.due(BASE)
+    assert [key for key, _ in due] == [KeyScheme.of(BASE, 8, "sha256").manifest_key()]
+    assert writer.due(BASE) == []  # handed out once
+    writer.forget(due)
+    assert writer.due(BASE) == due
+
+
 def test_explain_shows_store_text_as_it_is_not_as_markup() -> None:
     """A manifest's fields come from a shared store: text like ``[/bold]`` in them must
     print as it is, neither crashing the table (MarkupError) nor styling the output."""

@@ -140,6 +140,11 @@ class MessageServer:
         self._wake_w.close()
         remove_socket_file(self.path, self._inode)
 
+    def remove_file(self) -> None:
+        """Remove the socket file only, the server left running: for a process about to be
+        ended by a signal, where nothing else would run (safe in a signal handler)."""
+        remove_socket_file(self.path, self._inode)
+
     # --- event loop ---------------------------------------------------------------------
 
     def _run(self) -> None:

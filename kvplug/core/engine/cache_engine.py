@@ -117,10 +117,10 @@ class CacheEngine(EngineRetrieves, EngineStores):
                 self._write_batch,
                 max_items=queue.max_items,
                 max_bytes=int(queue.max_bytes),
-                size_of=lambda batch: sum(memoryview(frame).nbytes for _, frame, _ in batch),
+                size_of=StoreBatch.nbytes,
                 on_full=queue.on_full,
                 block_timeout_s=queue.block_timeout_s,
-                on_drop=lambda batch: self.metrics.store_dropped.labels("engine").inc(),
+                on_drop=self._store_dropped,
             )
         self._closed = False
         apply_configured_pins(self, self.config.pin)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvplug.core.background import BackgroundWorker
+from kvplug.core.chain.write_queue import Items
 from kvplug.core.config.model import KVPlugConfig
 from kvplug.core.connector import LayerCache
 from kvplug.core.engine.frame_pool import FramePool
@@ -29,8 +31,19 @@ from kvplug.errors import ConnectorError
 
 logger = logging.getLogger("kvplug.engine")
 
-#: What the store worker writes: (key, filled but not yet sealed frame, tokens) per chunk.
-StoreBatch = list[tuple[str, Any, int]]
+
+@dataclass
+class StoreBatch:
+    """What the store worker writes for one store call."""
+
+    #: (key, filled but not yet sealed frame, tokens) per record.
+    chunks: list[tuple[str, Any, int]]
+    #: The fingerprint manifests due (:meth:`ManifestWriter.due`): written with the chunks,
+    #: never on the store call's thread, which must not wait on a tier.
+    manifests: Items = field(default_factory=list)
+
+    def nbytes(self) -> int:
+        return sum(memoryview(frame).nbytes for _, frame, _ in self.chunks)
 
 
 class EngineStores(EngineParts):
@@ -106,6 +119,7 @@ class EngineStores(EngineParts):
             pin_for_request(self, tokens, request, config)
         # Per chunk: its records (key, frame, payload), and the tensor its KV is gathered into.
         todo: list[tuple[ChunkKey, list[tuple[str, Any, torch.Tensor]], torch.Tensor]] = []
+        manifests: Items = []
         # A replica (not the writer of its heads) keeps copies only in process-private tiers.
         if not config.skip_save and (self.records.writer or any(t.trusted_reads for t in self.chain.tiers)):
             try:
@@ -129,11 +143,12 @@ class EngineStores(EngineParts):
                     todo.append((chunk, records, gathered))
                 if todo:  # the fingerprints these chunks go under, for kvplug explain
                     for fingerprint in self.records.fingerprints:
-                        self._manifests.note(fingerprint, request)
+                        manifests += self._manifests.due(fingerprint, request)
             except Exception:
                 logger.exception("store: preparing chunks failed; nothing stored")
-                todo = []
-        return self._store_layers(kv_caches, slots.to(torch.long), todo, layers_per_step)
+                self._manifests.forget(manifests)
+                todo, manifests = [], []
+        return self._store_layers(kv_caches, slots.to(torch.long), todo, manifests, layers_per_step)
 
     def _stored_keys(
         self, tokens: Sequence[int] | torch.Tensor, request: RequestInfo | None, config: KVPlugConfig
@@ -169,6 +184,7 @@ class EngineStores(EngineParts):
         kv_caches: Sequence[LayerCache],
         slots: torch.Tensor,
         todo: list[tuple[ChunkKey, list[tuple[str, Any, torch.Tensor]], torch.Tensor]],
+        manifests: Items,
         layers_per_step: int,
     ) -> Generator[int, None, int]:
         """Copy ``layers_per_step`` layers of every chunk per ``next()`` (one pass of parallel copies)."""
@@ -186,32 +202,44 @@ class EngineStores(EngineParts):
                 todo = plans = []
             yield from layers
         if not todo:
+            self._manifests.forget(manifests)
             return 0
         try:
             self.connector.synchronize()
         except ConnectorError as exc:
             self._count_connector_error("store", exc)
+            self._manifests.forget(manifests)
             return 0
         # Sealing (the checksum pass) goes with the tier write, on the store thread in
         # async mode: the caller only waits for the copy out of its cache.
-        batch: StoreBatch = []
+        batch = StoreBatch([], manifests)
         for chunk, records, gathered in todo:
             if len(records) > 1:
                 self.records.split(gathered, [payload for _, _, payload in records])
-            batch += [(key, frame, chunk.num_tokens if i == 0 else 0) for i, (key, frame, _) in enumerate(records)]
+            batch.chunks += [
+                (key, frame, chunk.num_tokens if i == 0 else 0) for i, (key, frame, _) in enumerate(records)
+            ]
         if self._store_worker is not None:
             self._store_worker.submit(batch)
         else:
             self._write_batch(batch)
         self.metrics.store_seconds.observe(time.perf_counter() - started)
-        return sum(n for _, _, n in batch)
+        return sum(n for _, _, n in batch.chunks)
 
     def _write_batch(self, batch: StoreBatch) -> None:
-        frames = [(key, frame) for key, frame, _ in batch]
+        self._manifests.write(batch.manifests)
+        frames = [(key, frame) for key, frame, _ in batch.chunks]
         nbytes = self.chunk_store.put_frames(frames, only_trusted=not self.records.writer)
-        self.metrics.stored_tokens.inc(sum(n for _, _, n in batch))
+        self.metrics.stored_tokens.inc(sum(n for _, _, n in batch.chunks))
         self.metrics.stored_bytes.inc(nbytes)
-        self._events.emit(KVEvent("stored", tuple(k for k, _, _ in batch), token_counts=tuple(n for _, _, n in batch)))
+        self._events.emit(
+            KVEvent("stored", tuple(k for k, _, _ in batch.chunks), token_counts=tuple(n for _, _, n in batch.chunks))
+        )
+
+    def _store_dropped(self, batch: StoreBatch) -> None:
+        """The store queue refused ``batch`` (full or closed): counted, its manifests due again."""
+        self.metrics.store_dropped.labels("engine").inc()
+        self._manifests.forget(batch.manifests)
 
     def flush_stores(self) -> None:
         """Wait until every store so far is handed to the tiers: written to the ``sync``

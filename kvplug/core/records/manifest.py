@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvplug.core.chain.tier_chain import TierChain
+from kvplug.core.chain.write_queue import Items
 from kvplug.core.keys import Fingerprint, KeyBuilder, KeyPrefix, RequestInfo
 from kvplug.core.tier import Buffer
 
@@ -161,7 +162,12 @@ class ManifestWriter:
 
     def note(self, fingerprint: Fingerprint, request: RequestInfo | None = None) -> None:
         """Chunks are stored under ``fingerprint`` (for ``request``: its salt and LoRA):
-        write that fingerprint's manifest when due."""
+        write that fingerprint's manifest when due, on this thread."""
+        self.write(self.due(fingerprint, request))
+
+    def due(self, fingerprint: Fingerprint, request: RequestInfo | None = None) -> Items:
+        """The manifest :meth:`note` would write now (none when not due), counted as written:
+        for a caller that hands it to :meth:`write` on another thread, or to :meth:`forget`."""
         if request is not None:
             fingerprint = fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id)
         scheme = KeyScheme.of(fingerprint, self._chunk_size, self._hash_name)
@@ -170,7 +176,7 @@ class ManifestWriter:
             now = self._clock()
             last = self._written.get(key)
             if last is not None and now - last < MANIFEST_REFRESH_S:
-                return
+                return []
             self._written[key] = now
             self._written.move_to_end(key)
             while len(self._written) > MANIFEST_MEMORY:
@@ -178,5 +184,16 @@ class ManifestWriter:
         try:
             value = encode_manifest(scheme)
         except ValueError:  # a model id of kilobytes: no manifest, explain cannot name it
-            return
-        self._chain.put([(key, value)], admission=False)
+            return []
+        return [(key, value)]
+
+    def write(self, items: Items) -> None:
+        """Write manifests from :meth:`due` into every tier, whatever its admission policy."""
+        if items:
+            self._chain.put(items, admission=False)
+
+    def forget(self, items: Items) -> None:
+        """Manifests from :meth:`due` that were never written (their store was dropped): due again."""
+        with self._lock:
+            for key, _ in items:
+                self._written.pop(key, None)

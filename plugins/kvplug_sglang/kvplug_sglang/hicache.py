@@ -45,7 +45,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 import kvplug
 from kvplug import ChunkStore, ControlServer
 from kvplug.errors import LayoutError
-from kvplug_sglang.at_exit import close_at_exit
+from kvplug_sglang.at_exit import close_at_exit, within_exit_wait
 from kvplug_sglang.control import HiCacheControl, start_control
 from kvplug_sglang.host_pages import HostPageFormat
 
@@ -290,13 +290,14 @@ class KVPlugStorage(HiCacheStorage):
 
     def close(self) -> None:
         """Stop the control server (its socket file removed) and close the tiers, after
-        their queued writes; a second call does nothing."""
+        their queued writes (waiting at most ``EXIT_WAIT_S``: SGLang closes a backend on its
+        scheduler thread); a second call does nothing."""
         if self.control is not None:
             self.control.close()
             self.control = None
         if self.store is not None and not self._closed:
             self._closed = True
-            self.store.close()
+            within_exit_wait(self.store.close, "closing the HiCache storage backend")
 
     def _check_ready(self) -> None:
         if self.store is None:

@@ -98,7 +98,7 @@ def build_cache_engine(
         raise ValueError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
     layout = sglang_layout(k_pool, v_pool, page_size)
     _check_against_model(model_config, layout, tp_size)
-    config = config if config is not None else load_kvplug_config(engine_extra)
+    config = scheduler_safe(config if config is not None else load_kvplug_config(engine_extra))
     if config.chunk_size % page_size:
         raise ValueError(
             f"kvplug chunk_size ({config.chunk_size}) must be a multiple of SGLang's page size ({page_size})"
@@ -112,6 +112,21 @@ def build_cache_engine(
         tp_size=tp_size,
     )
     return kvplug.CacheEngine(config, layout, fingerprint)
+
+
+def scheduler_safe(config: kvplug.KVPlugConfig) -> kvplug.KVPlugConfig:
+    """``config`` with a store queue that never waits for room (``on_full: drop``).
+
+    SGLang stores on its scheduler thread, between batches: a full queue that blocked
+    (the store queue's default, up to ``block_timeout_s``) would stall every request the
+    server runs while the tiers are stuck. A store the queue cannot take at once is shed
+    and counted (``kvplug_store_dropped_total{queue="engine"}``); its KV stays on device.
+    """
+    queue = config.store.queue
+    if queue.on_full == "drop":
+        return config
+    store = config.store.model_copy(update={"queue": queue.model_copy(update={"on_full": "drop"})})
+    return config.model_copy(update={"store": store})
 
 
 def _layer_slice(model_config: Any, layout: kvplug.KVLayout, first_layer: int) -> str:

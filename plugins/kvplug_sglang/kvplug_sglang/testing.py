@@ -193,7 +193,9 @@ class SGLangServer:
                 time.sleep(0.2)
 
     def stop(self) -> None:
-        """SIGTERM first (kvplug flushes queued stores at exit), SIGKILL after 30 s."""
+        """SIGTERM to the process group, SIGKILL after 30 s. The SIGTERM ends SGLang's schedulers
+        at once (kvplug removes their control sockets; stores still queued are lost): a test
+        that needs what a server stored waits for it before stopping the server."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)

@@ -328,3 +328,36 @@ def test_errors_name_the_problem() -> None:
     config.extra_config = {**config.extra_config, "kvplug": {"tiers": [{"type": "nope"}]}}
     with pytest.raises(ValueError, match="tiers\\[0\\].type"):
         StorageBackendFactory.create_backend("dynamic", config, host)
+
+
+def test_closing_the_backend_waits_a_bounded_time_for_a_tier_whose_writes_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang closes its storage backend on the scheduler thread (a storage detach, its exit
+    hook): kvplug's close drains the tiers' queued writes, and a tier whose write never
+    finishes (a hung mount) must not hold the scheduler forever."""
+    import threading
+
+    from test_sglang_radix import _GATE, _GatedPlugin
+
+    from kvplug import get_registry
+    from kvplug_sglang import at_exit
+
+    registry = get_registry()
+    if not registry.pm.has_plugin("gated-cpu-test"):
+        registry.register(_GatedPlugin, "gated-cpu-test")
+    monkeypatch.setattr(at_exit, "EXIT_WAIT_S", 1.0, raising=False)
+    _GATE.clear()
+    try:
+        host = make_host("layer_first")
+        backend = make_backend(host, {"tiers": [{"type": "gated_cpu", "queue": {"mode": "async"}}]})
+        indices = random_pages(host, 2, seed=3)
+        assert backend.batch_set_v1(page_keys(list(range(8))), indices) == [True, True]  # queued at the gate
+        closing = threading.Thread(target=backend.close, daemon=True)
+        closing.start()
+        closing.join(timeout=60)
+        closed = not closing.is_alive()
+        _GATE.set()
+        assert closed, "close waited for a tier write that does not finish"
+    finally:
+        _GATE.set()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,9 @@ from sglang_flow import build_stack, published_server_args, serve_request
 from sglang_pools import snapshot
 
 import kvplug
+from kvplug.core.records.manifest import KeyScheme
 from kvplug_cpu import CPUTier
+from kvplug_sglang import at_exit
 from kvplug_sglang.radix_cache import KVPlugRadixCache
 
 HERE = Path(__file__).parent
@@ -216,6 +221,79 @@ def test_the_scheduler_step_never_waits_for_the_tiers(
         _GATE.set()
 
 
+@contextlib.contextmanager
+def _gated_stack(model_config: Any, monkeypatch: pytest.MonkeyPatch, **queue: Any) -> Iterator[Any]:
+    """A radix cache over one sync tier whose writes wait at the (closed) gate until the
+    test opens it; ``queue``: the store queue's settings."""
+    registry = kvplug.get_registry()
+    if not registry.pm.has_plugin("gated-cpu-test"):
+        registry.register(_GatedPlugin, "gated-cpu-test")
+    _GATE.clear()
+    for name, value in {"mode": "async", **queue}.items():
+        monkeypatch.setenv(f"KVPLUG_STORE__QUEUE__{name.upper()}", str(value))
+    monkeypatch.setenv("KVPLUG_TIERS", json.dumps([{"type": "gated_cpu", "queue": {"mode": "sync"}}]))
+    try:
+        with published_server_args(radix_cache_backend="kvplug") as args:
+            yield build_stack(args, model_config)
+    finally:
+        _GATE.set()
+
+
+def _returns_while_gated(call: Any) -> bool:
+    """Whether ``call()`` returns (within a generous minute) while the gate stays closed."""
+    step = threading.Thread(target=call, daemon=True)
+    step.start()
+    step.join(timeout=60)
+    return not step.is_alive()
+
+
+def test_a_first_store_never_writes_a_tier_on_the_scheduler_thread(
+    model_config, kvplug_env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first store of a fingerprint also writes its manifest (for kvplug explain): into
+    every tier, a sync (queue-less) shared one too. A tier whose writes hang (a stuck remote
+    or filesystem) must hold kvplug's store worker only, never SGLang's scheduler."""
+    with _gated_stack(model_config, monkeypatch) as stack:
+        served = _returns_while_gated(lambda: serve_request(stack, "a", list(range(700, 749)), seed=1))
+        _GATE.set()
+        assert served, "the scheduler's store waited for a tier write"
+        engine = stack.tree.engine
+        engine.flush()  # the manifest still goes to the tier, from the store worker
+        (fingerprint,) = engine.records.fingerprints
+        assert engine.chain.contains_any([KeyScheme.of(fingerprint, 16, "sha256").manifest_key()]) == [True]
+        stack.tree.shutdown()
+
+
+def test_a_full_store_queue_sheds_stores_instead_of_holding_the_scheduler(
+    model_config, kvplug_env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``store.queue.on_full: block`` would hold SGLang's scheduler (every batch) for up to
+    block_timeout_s while the tiers are stuck: under SGLang a store the full queue cannot take
+    at once is shed and counted, and serving goes on."""
+    with _gated_stack(model_config, monkeypatch, max_items=1, on_full="block", block_timeout_s=600) as stack:
+        # The first store holds the worker at the gate, the second fills the queue, the rest are shed.
+        prompts = [list(range(1000 + 100 * i, 1049 + 100 * i)) for i in range(4)]
+        served = _returns_while_gated(lambda: [serve_request(stack, f"r{i}", p, seed=i) for i, p in enumerate(prompts)])
+        _GATE.set()
+        assert served, "a store waited for room in the store queue"
+        assert stack.tree.engine.metrics.value("kvplug_store_dropped_total", queue="engine") >= 1
+        stack.tree.shutdown()
+
+
+def test_an_exit_waits_a_bounded_time_for_a_tier_whose_writes_hang(
+    model_config, kvplug_env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At a normal exit kvplug drains its queued stores into the tiers; a tier whose write
+    never finishes (a hung mount) must not hold the scheduler process forever."""
+    monkeypatch.setattr(at_exit, "EXIT_WAIT_S", 1.0, raising=False)
+    with _gated_stack(model_config, monkeypatch) as stack:
+        serve_request(stack, "a", list(range(1700, 1749)), seed=1)  # its store waits at the gate
+        exited = _returns_while_gated(at_exit._close_all)
+        _GATE.set()
+        assert exited, "the exit hook waited for a tier write that does not finish"
+        stack.tree.shutdown()
+
+
 def test_salt_isolates_requests(model_config, kvplug_env) -> None:
     with published_server_args(radix_cache_backend="kvplug") as args:
         stack = build_stack(args, model_config)
@@ -298,6 +376,33 @@ def test_new_process_gets_the_hit_from_disk(model_dir: Path, tmp_path: Path) -> 
     assert (loaded["device_hit"], loaded["promised"], loaded["loaded"]) == (0, 48, 48)
     assert loaded["kv_sha256"] == stored["kv_sha256"], "KV loaded in the new process differs"
     assert loaded["available_after"] == loaded["available_before"]
+
+
+def test_a_sigterm_to_the_process_group_removes_the_control_socket(model_dir: Path, socket_dir: Path) -> None:
+    """A SIGTERM to a server's whole process group (systemd's default KillMode, a terminal)
+    reaches its schedulers, which SGLang leaves to the default action (no exit hook runs):
+    kvplug removes its control socket file first, and the process still ends by that SIGTERM."""
+    env = {**os.environ, "KVPLUG_CHUNK_SIZE": "16", "KVPLUG_TIERS": json.dumps([{"type": "cpu"}])}
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "sglang_radix_process.py"), "serve", str(model_dir)],
+        env=env,
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        socket = Path(json.loads(proc.stdout.readline())["socket"])
+        assert socket.parent == socket_dir and socket.exists()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == -signal.SIGTERM, "the process no longer ends by the SIGTERM"
+        assert not socket.exists(), "the control socket file was left behind"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _run(script: str, mode: str, model_dir: Path, env: dict[str, str]) -> dict:
