@@ -30,7 +30,7 @@ from kvplug.core.engine.parallel_copies import ParallelCopies, auto_copy_threads
 from kvplug.core.engine.retrieves import EngineRetrieves
 from kvplug.core.engine.split_lookup import located_prefix
 from kvplug.core.engine.stores import EngineStores, StoreBatch
-from kvplug.core.engine.tails import longest_held_tail, tail_lengths
+from kvplug.core.engine.tails import HeldTail, longest_held_tail, tail_lengths
 from kvplug.core.events import EventListener, EventListeners
 from kvplug.core.keys import ChunkKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.layouts import KVLayout
@@ -205,16 +205,16 @@ class CacheEngine(EngineRetrieves, EngineStores):
         if len(tiers) < len(keys) and self.config.block_granular_hits:
             tail = self._located_tail(tokens, keys, len(tiers), request)
             if tail is not None:
-                found.append((tail[1], tail[0]))
+                found.append((tail.tier, tail.key))
         self.count_lookup(len(tokens), found[-1][1].end if found else 0)
         media = {tier.name: tier.medium for tier in self.chain.tiers}
         return [ChunkLocation(media[name], name, key.num_tokens, chunk_hash(key.key)) for name, key in found]
 
     def _located_tail(
         self, tokens: Sequence[int] | torch.Tensor, keys: Sequence[ChunkKey], held: int, request: RequestInfo | None
-    ) -> tuple[ChunkKey, str] | None:
+    ) -> HeldTail | None:
         """The longest stored tail (:mod:`kvplug.core.engine.tails`) of chunk ``held``, the first
-        chunk of ``keys`` not held whole, and the tier it is in."""
+        chunk of ``keys`` not held whole, the tier it is in and the split of the heads holding it."""
         missing = keys[held]
         lengths = tail_lengths(missing.start, missing.num_tokens, self.layout.block_size)
         if not lengths:
