@@ -132,4 +132,3 @@ def test_a_latent_tail_is_read_by_every_rank(engines: Any) -> None:
         target = zeros_like(source)
         assert reader.retrieve(LONGER, target, torch.arange(len(LONGER))).tolist() == [True] * cut + [False] * 6
         assert bitwise_equal(blocks_of(target, 0, cut // 4), blocks_of(source, 0, cut // 4))
-
