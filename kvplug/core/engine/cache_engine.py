@@ -12,6 +12,8 @@ length, caches that do not match the layout) raise at once, before any work.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -46,6 +48,8 @@ logger = logging.getLogger("kvplug.engine")
 
 
 _NO_REQUEST = RequestInfo()
+#: Salted isolations whose record fingerprints an engine keeps computed (a few hashes each).
+_MAX_NOTED_ISOLATIONS = 4096
 
 
 class CacheEngine(EngineRetrieves, EngineStores):
@@ -98,6 +102,8 @@ class CacheEngine(EngineRetrieves, EngineStores):
         self.fingerprint = self.chunk_store.fingerprint
         # Again with the chunk store's serializer in the fingerprint: every record key names it.
         self.records = HeadRecords(layout, self.fingerprint, heads, any_tp_size=self.config.tp_sharing == "any")
+        self._record_fingerprints: OrderedDict[tuple[str, str | None], list[str]] = OrderedDict()
+        self._record_fingerprints_lock = threading.Lock()
         self.chunk_store.private_copies = not self.records.writer
         # The tiers' record bound (a larger file is corrupt, never read) holds every record this cache reads.
         self.chunk_store.reads_chunks_up_to(self.records.largest_chunk_read(self.config.chunk_size))
@@ -163,11 +169,30 @@ class CacheEngine(EngineRetrieves, EngineStores):
 
     def _key_prefix(self, request: RequestInfo) -> str:
         """The key prefix of ``request``'s chunks (:meth:`Fingerprint.key_prefix` under its salt
-        and LoRA), noting the salt's fingerprint for the tenant tiers that count keys by salt."""
+        and LoRA), noting the salt's fingerprints for the tenant tiers that count keys by salt."""
         fingerprint = self.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id)
         fingerprint_hex = fingerprint.hexdigest()
-        self.chain.tenancy.tenants.note(fingerprint_hex, request.cache_salt)
+        tenants = self.chain.tenancy.tenants
+        tenants.note(fingerprint_hex, request.cache_salt)
+        if request.cache_salt is not None:
+            for other in self._other_record_fingerprints(request.cache_salt, request.lora_id):
+                tenants.note(other, request.cache_salt)
         return f"{fingerprint.format_version}/{fingerprint_hex}/"
+
+    def _other_record_fingerprints(self, salt: str, lora_id: str | None) -> list[str]:
+        """The fingerprints (hex) of a salted request's records past record 0: its other head
+        groups' and other TP sizes' splits (whose records a load promotes). They are the tenant's
+        too: unnoted, they counted as unsalted, outside its quota."""
+        key = (salt, lora_id)
+        known = self._record_fingerprints.get(key)
+        if known is None:
+            fingerprints = [*self.records.fingerprints[1:], *(f for o in self.records.others for f in o.fingerprints)]
+            known = [f.for_request(cache_salt=salt, lora_id=lora_id).hexdigest() for f in fingerprints]
+            with self._record_fingerprints_lock:
+                self._record_fingerprints[key] = known
+                while len(self._record_fingerprints) > _MAX_NOTED_ISOLATIONS:
+                    self._record_fingerprints.popitem(last=False)
+        return known
 
     # --- pins -----------------------------------------------------------------------
 
