@@ -251,3 +251,26 @@ def test_a_tail_after_whole_chunks_of_another_tp_size_loads_as_it_was_located(re
     assert all(same_kv(layout, whole, target, t) for t in range(21))
     for opened, _ in [*ranks, (reader, layout)]:
         opened.close()
+
+
+def test_keys_from_a_lookups_hashes_take_no_tail_for_a_whole_last_chunk(make_engine) -> None:
+    """A prompt of whole chunks whose last one hit only as a stored tail: the lookup's last hash
+    keys the tail (8 tokens), not the prompt's whole last chunk (16). Keys rebuilt from those
+    hashes must not name the chunk by it: its load would fail the shape check and remove the
+    tail from every tier."""
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout, chunk_size=16, block_granular_hits=True)
+    source = random_caches(layout, 64, seed=1)
+    first = list(range(1000, 1027))
+    engine.store(first, source, torch.arange(27))
+    whole = [*first, 7, 8, 9, 10, 11]  # 32 tokens: two whole chunks, the second held as its 8-token tail
+    found = engine.locate(whole)
+    assert [loc.tokens for loc in found] == [16, 8]
+    keys = engine.chunk_keys(whole, hashes=[loc.chunk_hash for loc in found])
+    assert keys == engine.chunk_keys(whole)
+    target = random_caches(layout, 64, seed=2)
+    loading = engine.retrieve_layerwise(whole, target, torch.arange(32), keys=keys)
+    loading.write_remaining()
+    assert loading.num_loaded_tokens == 24
+    assert all(same_kv(layout, source, target, t) for t in range(24))
+    assert engine.lookup(whole) == 24  # the tail is still stored
