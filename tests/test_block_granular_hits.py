@@ -14,6 +14,7 @@ from kvplug.core.engine.head_shards import HeadShard
 from kvplug.core.engine.tails import tail_cut, tail_lengths
 from kvplug.core.keys import ExtraKey, KeyBuilder
 from kvplug.core.plugins import PluginRegistry
+from kvplug.errors import ConfigError
 
 PREFIX = "v1/" + "a" * 32 + "/"
 
@@ -274,3 +275,11 @@ def test_keys_from_a_lookups_hashes_take_no_tail_for_a_whole_last_chunk(make_eng
     assert loading.num_loaded_tokens == 24
     assert all(same_kv(layout, source, target, t) for t in range(24))
     assert engine.lookup(whole) == 24  # the tail is still stored
+
+
+def test_a_packed_layout_refuses_chunks_that_are_not_whole_blocks(make_engine) -> None:
+    """No chunk of 6 tokens of 4-token blocks can be copied whole: the engine refuses the
+    config, naming chunk_size, instead of storing nothing at every store."""
+    with pytest.raises(ConfigError, match=r"chunk_size.*multiple of the block size 4"):
+        make_engine(LAYOUTS["vllm_cpu"], chunk_size=6)
+    assert make_engine(LAYOUTS["vllm_flash"], chunk_size=6).chunk_size == 6  # token-addressed: any size

@@ -42,7 +42,7 @@ from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.records.manifest import ManifestWriter
 from kvplug.core.serializer import Serializer
 from kvplug.core.tenancy import PinReport
-from kvplug.errors import EngineClosedError
+from kvplug.errors import ConfigError, ConfigProblem, EngineClosedError
 
 logger = logging.getLogger("kvplug.engine")
 
@@ -68,6 +68,15 @@ class CacheEngine(EngineRetrieves, EngineStores):
     ) -> None:
         self.registry = registry or get_registry()
         self.config = config.resolve(self.registry)
+        if layout.whole_blocks_only and self.config.chunk_size % layout.block_size:
+            # No chunk of such a layout could be copied: every store would store nothing, silently.
+            problem = ConfigProblem(
+                "chunk_size",
+                self.config.chunk_size,
+                f"must be a multiple of the block size {layout.block_size}: "
+                f"the {layout.format.name} layout copies whole blocks only",
+            )
+            raise ConfigError([problem])
         self.layout = layout
         self.metrics = metrics or EngineMetrics()
         self.connector: KVConnector = self._make_connector()
