@@ -89,7 +89,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "StorageTier": ("kvplug.core.tier", "StorageTier"),
     "StoredRecord": ("kvplug.core.records.store", "StoredRecord"),
     "Tenancy": ("kvplug.core.tenancy", "Tenancy"),
-    "TenancySettings": ("kvplug.core.tenancy", "TenancySettings"),
+    "TenancySettings": ("kvplug.core.tenancy_settings", "TenancySettings"),
     "ThreadCount": ("kvplug.core.config_types", "ThreadCount"),
     "TierChain": ("kvplug.core.chain.tier_chain", "TierChain"),
     "TierConfig": ("kvplug.core.tier", "TierConfig"),
@@ -170,7 +170,8 @@ if TYPE_CHECKING:
     from kvplug.core.remote.calls import RecordTierConfig, RemoteTierConfig
     from kvplug.core.remote.retry import Absent, FailureKind, classify_failure
     from kvplug.core.serializer import Serializer
-    from kvplug.core.tenancy import NameTenants, PinReport, Tenancy, TenancySettings
+    from kvplug.core.tenancy import NameTenants, PinReport, Tenancy
+    from kvplug.core.tenancy_settings import TenancySettings
     from kvplug.core.tier import (
         MEDIA,
         UNBOUNDED_BYTES,

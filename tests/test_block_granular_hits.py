@@ -14,6 +14,7 @@ from kvplug.core.engine.head_shards import HeadShard
 from kvplug.core.engine.tails import tail_cut, tail_lengths
 from kvplug.core.keys import ExtraKey, KeyBuilder
 from kvplug.core.plugins import PluginRegistry
+from kvplug.errors import ConfigError
 
 PREFIX = "v1/" + "a" * 32 + "/"
 
@@ -251,3 +252,34 @@ def test_a_tail_after_whole_chunks_of_another_tp_size_loads_as_it_was_located(re
     assert all(same_kv(layout, whole, target, t) for t in range(21))
     for opened, _ in [*ranks, (reader, layout)]:
         opened.close()
+
+
+def test_keys_from_a_lookups_hashes_take_no_tail_for_a_whole_last_chunk(make_engine) -> None:
+    """A prompt of whole chunks whose last one hit only as a stored tail: the lookup's last hash
+    keys the tail (8 tokens), not the prompt's whole last chunk (16). Keys rebuilt from those
+    hashes must not name the chunk by it: its load would fail the shape check and remove the
+    tail from every tier."""
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout, chunk_size=16, block_granular_hits=True)
+    source = random_caches(layout, 64, seed=1)
+    first = list(range(1000, 1027))
+    engine.store(first, source, torch.arange(27))
+    whole = [*first, 7, 8, 9, 10, 11]  # 32 tokens: two whole chunks, the second held as its 8-token tail
+    found = engine.locate(whole)
+    assert [loc.tokens for loc in found] == [16, 8]
+    keys = engine.chunk_keys(whole, hashes=[loc.chunk_hash for loc in found])
+    assert keys == engine.chunk_keys(whole)
+    target = random_caches(layout, 64, seed=2)
+    loading = engine.retrieve_layerwise(whole, target, torch.arange(32), keys=keys)
+    loading.write_remaining()
+    assert loading.num_loaded_tokens == 24
+    assert all(same_kv(layout, source, target, t) for t in range(24))
+    assert engine.lookup(whole) == 24  # the tail is still stored
+
+
+def test_a_packed_layout_refuses_chunks_that_are_not_whole_blocks(make_engine) -> None:
+    """No chunk of 6 tokens of 4-token blocks can be copied whole: the engine refuses the
+    config, naming chunk_size, instead of storing nothing at every store."""
+    with pytest.raises(ConfigError, match=r"chunk_size.*multiple of the block size 4"):
+        make_engine(LAYOUTS["vllm_cpu"], chunk_size=6)
+    assert make_engine(LAYOUTS["vllm_flash"], chunk_size=6).chunk_size == 6  # token-addressed: any size

@@ -310,15 +310,15 @@ class KeyBuilder:
         include_partial: bool = False,
     ) -> list[ChunkKey] | None:
         """:meth:`keys` from the chained hashes (hex) a lookup found, one per chunk, without
-        hashing the whole chunks again; ``None`` when the counts differ. A partial last chunk
-        is hashed: a lookup's last hash can be a shorter cut of it (a stored tail, ``block
-        granular hits``), and that record read as this chunk would fail its shape check and
-        be removed."""
+        hashing the chunks before the last again; ``None`` when the counts differ. The last
+        chunk is hashed: a lookup's last hash can be a shorter cut of it (a stored tail,
+        ``block_granular_hits``), partial or whole, and that record read as this chunk would
+        fail its shape check and be removed."""
         bounds = self.chunk_bounds(len(tokens), include_partial=include_partial)
         if len(bounds) != len(hashes):
             return None
         keys = [ChunkKey(i, start, end, prefix + h) for i, ((start, end), h) in enumerate(zip(bounds, hashes))]
-        if keys and keys[-1].num_tokens < self.chunk_size:
+        if keys:
             after = keys[-2] if len(keys) > 1 else None
             keys[-1:] = self.tail_keys(tokens, prefix, after, [keys[-1].num_tokens], extra_keys=extra_keys)
         return keys

@@ -41,7 +41,7 @@ _PERSON = b"kvplug-tenant"
 
 class TenancyConfig(CheckedModel):
     """Engine-wide pin and tenant settings (``tenancy:``); each tier's pin budgets and quotas
-    are its own (:class:`~kvplug.core.tenancy.TenancySettings`)."""
+    are its own (:class:`~kvplug.core.tenancy_settings.TenancySettings`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -12,6 +12,8 @@ length, caches that do not match the layout) raise at once, before any work.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -30,7 +32,7 @@ from kvplug.core.engine.parallel_copies import ParallelCopies, auto_copy_threads
 from kvplug.core.engine.retrieves import EngineRetrieves
 from kvplug.core.engine.split_lookup import located_prefix
 from kvplug.core.engine.stores import EngineStores, StoreBatch
-from kvplug.core.engine.tails import longest_held_tail, tail_lengths
+from kvplug.core.engine.tails import HeldTail, longest_held_tail, tail_lengths
 from kvplug.core.events import EventListener, EventListeners
 from kvplug.core.keys import ChunkKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.layouts import KVLayout
@@ -40,12 +42,14 @@ from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.records.manifest import ManifestWriter
 from kvplug.core.serializer import Serializer
 from kvplug.core.tenancy import PinReport
-from kvplug.errors import EngineClosedError
+from kvplug.errors import ConfigError, ConfigProblem, EngineClosedError
 
 logger = logging.getLogger("kvplug.engine")
 
 
 _NO_REQUEST = RequestInfo()
+#: Salted isolations whose record fingerprints an engine keeps computed (a few hashes each).
+_MAX_NOTED_ISOLATIONS = 4096
 
 
 class CacheEngine(EngineRetrieves, EngineStores):
@@ -64,6 +68,15 @@ class CacheEngine(EngineRetrieves, EngineStores):
     ) -> None:
         self.registry = registry or get_registry()
         self.config = config.resolve(self.registry)
+        if layout.whole_blocks_only and self.config.chunk_size % layout.block_size:
+            # No chunk of such a layout could be copied: every store would store nothing, silently.
+            problem = ConfigProblem(
+                "chunk_size",
+                self.config.chunk_size,
+                f"must be a multiple of the block size {layout.block_size}: "
+                f"the {layout.format.name} layout copies whole blocks only",
+            )
+            raise ConfigError([problem])
         self.layout = layout
         self.metrics = metrics or EngineMetrics()
         self.connector: KVConnector = self._make_connector()
@@ -98,6 +111,8 @@ class CacheEngine(EngineRetrieves, EngineStores):
         self.fingerprint = self.chunk_store.fingerprint
         # Again with the chunk store's serializer in the fingerprint: every record key names it.
         self.records = HeadRecords(layout, self.fingerprint, heads, any_tp_size=self.config.tp_sharing == "any")
+        self._record_fingerprints: OrderedDict[tuple[str, str | None], list[str]] = OrderedDict()
+        self._record_fingerprints_lock = threading.Lock()
         self.chunk_store.private_copies = not self.records.writer
         # The tiers' record bound (a larger file is corrupt, never read) holds every record this cache reads.
         self.chunk_store.reads_chunks_up_to(self.records.largest_chunk_read(self.config.chunk_size))
@@ -163,11 +178,30 @@ class CacheEngine(EngineRetrieves, EngineStores):
 
     def _key_prefix(self, request: RequestInfo) -> str:
         """The key prefix of ``request``'s chunks (:meth:`Fingerprint.key_prefix` under its salt
-        and LoRA), noting the salt's fingerprint for the tenant tiers that count keys by salt."""
+        and LoRA), noting the salt's fingerprints for the tenant tiers that count keys by salt."""
         fingerprint = self.fingerprint.for_request(cache_salt=request.cache_salt, lora_id=request.lora_id)
         fingerprint_hex = fingerprint.hexdigest()
-        self.chain.tenancy.tenants.note(fingerprint_hex, request.cache_salt)
+        tenants = self.chain.tenancy.tenants
+        tenants.note(fingerprint_hex, request.cache_salt)
+        if request.cache_salt is not None:
+            for other in self._other_record_fingerprints(request.cache_salt, request.lora_id):
+                tenants.note(other, request.cache_salt)
         return f"{fingerprint.format_version}/{fingerprint_hex}/"
+
+    def _other_record_fingerprints(self, salt: str, lora_id: str | None) -> list[str]:
+        """The fingerprints (hex) of a salted request's records past record 0: its other head
+        groups' and other TP sizes' splits (whose records a load promotes). They are the tenant's
+        too: unnoted, they counted as unsalted, outside its quota."""
+        key = (salt, lora_id)
+        known = self._record_fingerprints.get(key)
+        if known is None:
+            fingerprints = [*self.records.fingerprints[1:], *(f for o in self.records.others for f in o.fingerprints)]
+            known = [f.for_request(cache_salt=salt, lora_id=lora_id).hexdigest() for f in fingerprints]
+            with self._record_fingerprints_lock:
+                self._record_fingerprints[key] = known
+                while len(self._record_fingerprints) > _MAX_NOTED_ISOLATIONS:
+                    self._record_fingerprints.popitem(last=False)
+        return known
 
     # --- pins -----------------------------------------------------------------------
 
@@ -205,16 +239,16 @@ class CacheEngine(EngineRetrieves, EngineStores):
         if len(tiers) < len(keys) and self.config.block_granular_hits:
             tail = self._located_tail(tokens, keys, len(tiers), request)
             if tail is not None:
-                found.append((tail[1], tail[0]))
+                found.append((tail.tier, tail.key))
         self.count_lookup(len(tokens), found[-1][1].end if found else 0)
         media = {tier.name: tier.medium for tier in self.chain.tiers}
         return [ChunkLocation(media[name], name, key.num_tokens, chunk_hash(key.key)) for name, key in found]
 
     def _located_tail(
         self, tokens: Sequence[int] | torch.Tensor, keys: Sequence[ChunkKey], held: int, request: RequestInfo | None
-    ) -> tuple[ChunkKey, str] | None:
+    ) -> HeldTail | None:
         """The longest stored tail (:mod:`kvplug.core.engine.tails`) of chunk ``held``, the first
-        chunk of ``keys`` not held whole, and the tier it is in."""
+        chunk of ``keys`` not held whole, the tier it is in and the split of the heads holding it."""
         missing = keys[held]
         lengths = tail_lengths(missing.start, missing.num_tokens, self.layout.block_size)
         if not lengths:

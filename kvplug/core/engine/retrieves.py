@@ -21,6 +21,7 @@ from kvplug.core.engine.head_shards import HeadRecords, OtherSplit
 from kvplug.core.engine.layerwise_retrieve import LayerwiseRetrieve, RetrieveTimings
 from kvplug.core.engine.parts import EngineParts
 from kvplug.core.engine.split_lookup import other_split_holding
+from kvplug.core.engine.tails import HeldTail
 from kvplug.core.keys import ChunkKey, RequestInfo
 
 logger = logging.getLogger("kvplug.engine")
@@ -33,7 +34,7 @@ class EngineRetrieves(EngineParts):
 
         def _located_tail(
             self, tokens: Sequence[int] | torch.Tensor, keys: Sequence[ChunkKey], held: int, request: RequestInfo | None
-        ) -> tuple[ChunkKey, str] | None: ...
+        ) -> HeldTail | None: ...
 
     # --- retrieve -------------------------------------------------------------------
 
@@ -95,7 +96,7 @@ class EngineRetrieves(EngineParts):
                 )
             timings.fetch_s, timings.verify_s = loaded.fetch_s, loaded.verify_s
             chunks = list(zip(keys, split.joined(loaded.tensors, [k.num_tokens for k in keys])))
-            # as locate (own tail records, after any split's chunks), also past a packed layout's uncopyable last chunk
+            # as locate (any split's tail, after any split's chunks), also past a packed layout's uncopyable last chunk
             if self.config.block_granular_hits and wanted[len(chunks) :]:
                 chunks += self._loaded_tail(tokens, every, wanted[len(chunks)].index, first, request)
         except Exception:
@@ -112,11 +113,10 @@ class EngineRetrieves(EngineParts):
     ) -> list[tuple[ChunkKey, torch.Tensor]]:
         """The longest stored tail of chunk ``held``, loaded: what a lookup adds to the whole chunks."""
         tail = self._located_tail(tokens, keys, held, request)
-        if tail is None or tail[0].end <= first or not self._copyable(max(tail[0].start, first), tail[0].end):
+        if tail is None or tail.key.end <= first or not self._copyable(max(tail.key.start, first), tail.key.end):
             return []
-        key = tail[0]
-        shape = self.records.record_shape(key.num_tokens)
+        key, split = tail.key, tail.split  # the records of whichever TP size's writer stored it
         loaded = self.chunk_store.load_prefix(
-            self.record_keys([key], request), [shape] * self.records.count, self.layout.dtype
+            split.record_keys([key.key], request), [split.record_shape(key.num_tokens)] * split.count, self.layout.dtype
         )
-        return list(zip([key], self.records.joined(loaded.tensors, [key.num_tokens])))
+        return list(zip([key], split.joined(loaded.tensors, [key.num_tokens])))

@@ -9,15 +9,17 @@ stops inside a chunk then asks, in one batched ``contains`` per tier, for that c
 each block end, and the longest held is the hit's last chunk. A later request that extends
 a stored prompt (the next round of a conversation) recomputes less than a block of it
 instead of up to a chunk. One tail per store, at the prompt's end: a partial chunk is stored
-again whole once a later request computes it.
+again whole once a later request computes it. A tail is stored as whole chunks are (one record
+per head group, keyed by head range), so an engine of another TP size reads it as it reads them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvplug.core.chain.tier_chain import TierChain
-from kvplug.core.engine.head_shards import HeadRecords
+from kvplug.core.engine.head_shards import HeadRecords, OtherSplit
 from kvplug.core.keys import ChunkKey, RequestInfo
 
 
@@ -35,22 +37,44 @@ def tail_cut(num_tokens: int, chunk_size: int, block_size: int) -> int:
     return cut if cut > num_tokens // chunk_size * chunk_size else 0
 
 
+@dataclass(frozen=True)
+class HeldTail:
+    """A stored tail: its key, the slowest tier holding one of its records, and the split of
+    the heads whose records hold it (the engine's own, or another TP size's writer's)."""
+
+    key: ChunkKey
+    tier: str
+    split: HeadRecords | OtherSplit
+
+
 def longest_held_tail(
     records: HeadRecords,
     chain: TierChain,
     candidates: Sequence[ChunkKey],
     request: RequestInfo | None,
     order: Sequence[str],
-) -> tuple[ChunkKey, str] | None:
-    """The longest of ``candidates`` (longest first) whose records some tier holds, with the
-    slowest tier (latest in ``order``) holding one of its records; ``None``: none is held."""
+) -> HeldTail | None:
+    """The longest of ``candidates`` (longest first) whose records some tier holds, in the
+    engine's own split of the heads or, as whole chunks are found
+    (:mod:`kvplug.core.engine.split_lookup`), in another TP size's: its own records and each
+    other split's first record of every candidate are asked for in one batched ``contains``
+    per tier, and another split's other records only where its first one is held."""
     if not candidates:
         return None
-    record_keys = records.record_keys([candidate.key for candidate in candidates], request)
-    where = chain.locate(record_keys)
-    count = records.count
+    names = [candidate.key for candidate in candidates]
+    own = records.record_keys(names, request)
+    firsts = [other.record_keys(names, request)[:: other.count] for other in records.others]
+    where = chain.locate([*own, *(key for keys in firsts for key in keys)])
+    count, at = records.count, len(own)
     for index, candidate in enumerate(candidates):
-        names = where[index * count : (index + 1) * count]
-        if all(name is not None for name in names):
-            return candidate, records.chunk_tiers([n for n in names if n is not None], order)[0]
+        held = where[index * count : (index + 1) * count]
+        if all(name is not None for name in held):
+            return HeldTail(candidate, records.chunk_tiers([n for n in held if n is not None], order)[0], records)
+        for number, other in enumerate(records.others):
+            first = where[at + number * len(names) + index]
+            if first is None:
+                continue
+            held = [first] if other.count == 1 else chain.locate(other.record_keys([candidate.key], request))
+            if all(name is not None for name in held):
+                return HeldTail(candidate, other.chunk_tiers([n for n in held if n is not None], order)[0], other)
     return None

@@ -2,19 +2,23 @@
 
 The last axis of a chunk (``[layers, K/V, tokens, heads * head_dim]``) is cut into
 groups of ``group_size`` elements; each group has its own scale ``s``, the group's
-largest magnitude over the code's largest value, stored in the frame (fp16, rounded
-up so no value clips; fp32 for a frame whose scales fall outside fp16's normal range). With
+largest magnitude ``amax`` over the code's largest value rounded up to the scale's dtype
+(so no value clips): fp16, at most ``2**-10`` of it above ``amax / code_max``; fp32 for a
+frame whose scales fall outside fp16's normal range, one fp32 step above at most (``2**-149``
+where ``amax / code_max`` is below fp32's normal range, e.g. bf16 or fp32 subnormals). With
 ``group_size`` equal to the model's head_dim that is a scale per token per head.
 
-Error bound per element ``x`` of a group with scale ``s`` (before the result is
-rounded to the chunk's dtype, which adds at most half an ulp of that dtype):
+Error bound per element ``x`` of a group with stored scale ``s``, plus ``|x| * 2**-24`` of
+float32 rounding in ``x / s`` (``2**-53`` for float64 chunks, computed in float64), before
+the result is rounded to the chunk's dtype (which adds at most half an ulp of that dtype):
 
-* ``int8``: ``|x' - x| <= s / 2``, with ``s = amax / 127`` (symmetric, round to nearest);
-* ``fp8`` (e4m3fn): ``|x' - x| <= max(|x| * 2**-4, s * 2**-10)``, with ``s = amax / 448``:
-  three mantissa bits give a relative error of at most 2**-4, down to e4m3's subnormals.
+* ``int8``: ``|x' - x| <= s / 2`` (symmetric, round to nearest);
+* ``fp8`` (e4m3fn): ``|x' - x| <= max(|x| * 2**-4, s * 2**-10)``: three mantissa bits give a
+  relative error of at most 2**-4, down to e4m3's subnormals.
 
 Chunks whose dtype is not a float of 2 bytes or more (fp8 KV caches, integer caches)
-are stored as they are, as are chunks holding inf or NaN: those stay exact.
+are stored as they are, as are chunks holding inf or NaN, and float64 chunks whose scales
+pass fp32's range: those stay exact.
 
 Payload of a ``KVPC`` frame (encoding 1): the scales, ``[rows, groups]`` in the scale
 dtype, then the codes, ``[rows, width]`` one byte each (``rows`` = elements / width).
@@ -41,9 +45,10 @@ else:  # loaded on first use: reading the Config needs no torch
 QUANTIZED_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 #: Scale dtype codes in the frame header (parameter B).
 SCALE_DTYPES: dict[int, str] = {1: "float16", 2: "float32"}
-#: fp16's largest and smallest normal values (``torch.finfo(torch.float16)``).
+#: fp16's largest and smallest normal values (``torch.finfo(torch.float16)``), fp32's largest.
 _FP16_MAX = 65504.0
 _FP16_TINY = 2.0**-14
+_FP32_MAX = 3.4028234663852886e38
 
 
 class QuantizedConfig(BaseModel):
@@ -81,16 +86,21 @@ class QuantizedSerializer(CompressingSerializer):
         width = tensor.shape[-1] if tensor.dim() else 1
         rows = tensor.numel() // width
         groups = math.ceil(width / group)
-        # One float32 copy, padded only when groups do not divide the width; the rest in place.
-        values = tensor.reshape(rows, width).to(torch.float32, copy=True)  # a copy: divided in place below
+        work = _work_dtype(tensor.dtype)
+        # One copy, padded only when groups do not divide the width; the rest in place.
+        values = tensor.reshape(rows, width).to(work, copy=True)  # a copy: divided in place below
         padded = (
             values if groups * group == width else torch.nn.functional.pad(values, (0, groups * group - width))
         ).view(rows, groups, group)
         amax = padded.abs().amax(-1)
         if not bool(torch.isfinite(amax).all()):  # an inf or NaN in a group shows in its amax
             return self.stored_frame(tensor, param_a=group)  # inf/NaN have no code: keep them exact
-        scales, scale_code = _scales(amax.div_(self.code_max))
-        divisor = scales.float().masked_fill_(scales == 0, 1.0).unsqueeze(-1)
+        # In float64: amax / code_max exactly enough that a scale rounded up is never below it.
+        chosen = _scales(amax.to(torch.float64).div_(self.code_max))
+        if chosen is None:
+            return self.stored_frame(tensor, param_a=group)
+        scales, scale_code = chosen
+        divisor = scales.to(work, copy=True).masked_fill_(scales == 0, 1.0).unsqueeze(-1)  # (scales stay 0)
         codes = self.quantize(padded.div_(divisor)).view(rows, groups * group)[:, :width]
         scale_bytes = scales.numel() * scales.element_size()
         out = self.new_frame(tensor, kvpc.ENCODED, scale_bytes + rows * width, param_a=group, param_b=scale_code)
@@ -114,8 +124,9 @@ class QuantizedSerializer(CompressingSerializer):
             raise CorruptChunkError(
                 f"payload is {payload.nbytes} bytes, {rows}x{width} codes in groups of {group} need {scale_bytes + rows * width}"
             )
-        scales = tensor_over(payload, scale_dtype, (rows, groups)).float()
-        codes = tensor_over(payload, self.code_dtype, (rows, width), scale_bytes).float()
+        work = _work_dtype(dtype)
+        scales = tensor_over(payload, scale_dtype, (rows, groups)).to(work)
+        codes = tensor_over(payload, self.code_dtype, (rows, width), scale_bytes).to(work)
         if groups * group == width:
             values = codes.view(rows, groups, group).mul_(scales.unsqueeze(-1)).view(rows, width)
         else:
@@ -125,7 +136,7 @@ class QuantizedSerializer(CompressingSerializer):
         # code_max times a scale rounded up can pass the dtype's largest finite value (fp16's
         # 65504 decoded as 65532), which the cast would make inf; every stored value was
         # finite and within it (else the frame is stored as is), so clamping only nears it.
-        largest = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
+        largest = min(torch.finfo(dtype).max, torch.finfo(work).max)
         return values.clamp_(-largest, largest).to(dtype).reshape(header.shape)
 
     def quantize(self, scaled: torch.Tensor) -> torch.Tensor:
@@ -133,21 +144,37 @@ class QuantizedSerializer(CompressingSerializer):
         raise NotImplementedError
 
 
-def _scales(exact: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Scales to store and their dtype code: fp16 rounded up (never below ``exact``), or fp32.
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a chunk of ``dtype`` is quantized in: float32, float64 for float64 chunks
+    (whose values float32 would flush or overflow)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
-    Rounding up keeps every ``|x| / scale`` within the code's range, so nothing clips.
+
+def _scales(exact: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """Scales to store and their dtype code: fp16 or fp32, each rounded up (never below
+    ``exact``, float64); ``None``: scales past fp32's range (float64 chunks only).
+
+    Rounding up keeps every ``|x| / scale`` within the code's range, so nothing clips, and the
+    error within the documented bound of the stored scale, including fp32 scales below fp32's
+    normal range, whose rounding to nearest could have lost up to 2**-150 of each.
     """
     used = exact[exact > 0]
     # Within fp16's normal range rounding up costs at most 2**-10 of the scale; subnormal
     # fp16 scales would lose more precision than that, so such frames keep fp32 scales.
     if used.numel() == 0 or (float(used.max()) <= _FP16_MAX / 2 and float(used.min()) >= _FP16_TINY):
-        half = exact.to(torch.float16)
-        bits = half.view(torch.int16)
-        # Positive fp16 values order like their bit patterns: +1 is the next larger value.
-        half = torch.where(half.float() < exact, bits + 1, bits).view(torch.float16)
-        return half, 1
-    return exact.contiguous(), 2
+        return _rounded_up(exact, torch.float16, torch.int16), 1
+    if float(used.max()) <= _FP32_MAX / 2:
+        return _rounded_up(exact, torch.float32, torch.int32), 2
+    return None
+
+
+def _rounded_up(exact: torch.Tensor, dtype: torch.dtype, bits_dtype: torch.dtype) -> torch.Tensor:
+    """``exact`` (non-negative, float64) in ``dtype``, the next value up where rounding went below it."""
+    rounded = exact.to(dtype)
+    bits = rounded.view(bits_dtype)
+    # Non-negative floats order like their bit patterns: +1 is the next larger value (0's is the
+    # smallest subnormal, for a scale that underflowed).
+    return torch.where(rounded.to(torch.float64) < exact, bits + 1, bits).view(dtype)
 
 
 class Int8Serializer(QuantizedSerializer):
