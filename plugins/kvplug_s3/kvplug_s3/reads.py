@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvplug.core.tier import Buffer
+from kvplug import Buffer
 from kvplug.errors import CorruptChunkError
 
 #: S3 error codes of a ranged GET on an empty object (it has no byte 0).
