@@ -219,7 +219,7 @@ class SchedulerSide:
                 progress.hit_tokens, progress.external_tokens = loaded.new_hit, loaded.num_external
                 progress.vllm_cached_tokens = loaded.vllm_cached
                 progress.num_saved = saved_after_background_load(
-                    loaded.num_hit, new.num_computed_tokens, self.chunk_size
+                    loaded.num_hit, loaded.num_computed + loaded.num_external, new.num_computed_tokens, self.chunk_size
                 )
             elif state.load is not None and state.phase is Phase.LOAD_FAILED:  # nothing was loaded
                 progress.hit_tokens, progress.vllm_cached_tokens = state.load.new_hit, state.load.vllm_cached

@@ -316,3 +316,27 @@ def test_a_lora_requests_chunk_keys_are_those_stored_before(engine: CacheEngine,
     keys = engine.chunk_keys(PROMPT, info)
     digests = LORA_KEYS[path or None]  # an empty path is no path
     assert [k.key for k in keys] == [f"v1/9a5817ca9e438f6d8e78a5717e0bc474/{digest}" for digest in digests]
+
+
+def test_a_full_prompt_hit_loaded_in_the_background_is_not_stored_again(
+    engine: CacheEngine, side: SchedulerSide
+) -> None:
+    """A prompt of whole chunks, all cached: vLLM gets every token but the last from the load and
+    computes that one. Its last chunk is stored already (that is where the load read it): the
+    step that computes the last token stores nothing, as after a synchronous load."""
+    keys = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
+    tier(engine, "ram").remove(keys)
+    tier(engine, "legacy").remove(keys)  # on local disk only: the load goes to the background
+    prompt = PROMPT[:192]
+    r = request("r-full")
+    r.prompt_token_ids = r.all_token_ids = prompt
+    r.num_prompt_tokens = r.num_tokens = len(prompt)
+    assert side.get_num_new_matched_tokens(r, 0) == (191, True)
+    side.update_state_after_alloc(r, BLOCKS, 191)
+    side.build_connector_meta(step())
+    assert phase(side, "r-full") is Phase.LOADING
+    # every promised token loaded: vLLM schedules the last one
+    scheduled = step(new=[("r-full", 191, 1)])
+    scheduled.scheduled_new_reqs[0].prompt_len = len(prompt)
+    meta = side.build_connector_meta(scheduled)
+    assert [(m.save_start, m.save_end) for m in meta.requests if m.req_id == "r-full"] in ([], [(0, 0)])
