@@ -31,6 +31,7 @@ from vllm.v1.request import Request
 from kvplug import CacheEngine, KVPlugConfig, RequestInfo, slots_from_block_ids
 from kvplug_vllm.request_state import Phase, RequestState, prompt_ids
 from kvplug_vllm.scheduler import SchedulerSide
+from kvplug_vllm.settings import ConnectorSettings
 
 __all__ = ["engine", "registry"]  # fixtures
 
@@ -340,3 +341,30 @@ def test_a_full_prompt_hit_loaded_in_the_background_is_not_stored_again(
     scheduled.scheduled_new_reqs[0].prompt_len = len(prompt)
     meta = side.build_connector_meta(scheduled)
     assert [(m.save_start, m.save_end) for m in meta.requests if m.req_id == "r-full"] in ([], [(0, 0)])
+
+
+def test_a_decode_chunk_ending_at_a_token_still_in_flight_is_stored_once_its_id_is_known(
+    engine: CacheEngine,
+) -> None:
+    """vLLM's async scheduling schedules a decode step before the token it computes is known:
+    that token is a placeholder, not in ``all_token_ids`` yet. The chunk it ends is keyed by
+    its id, so it goes to the worker with every id of it: in the step after, not without it."""
+    sides = scheduler(engine, settings=ConnectorSettings(lookup_channel="direct", save_decode_cache=True))
+    side = next(sides)
+    r = request("r-decode")
+    r.num_prompt_tokens = 100  # PROMPT's tokens past 100 are generated ones
+    r.all_token_ids = PROMPT[:100]
+    side.update_state_after_alloc(r, BLOCKS, 0)
+    prefill = step(new=[("r-decode", 0, 100)])
+    prefill.scheduled_new_reqs[0].prompt_len = 100
+    side.build_connector_meta(prefill)
+    sent = []
+    # the step computing position 191 (the chunk [128, 192) ends there) is scheduled while the
+    # token at 191, sampled by the step before, is in flight; the next one knows it
+    for known in (191, 192):
+        r.all_token_ids = PROMPT[:known]
+        sent += side.build_connector_meta(step(cached=[("r-decode", known, 1)])).requests
+    stores = [(m.save_start, m.save_end, len(m.token_ids)) for m in sent if m.save_end > m.save_start]
+    assert all(count >= end for _, end, count in stores), stores  # never a chunk without all its ids
+    assert any(start <= 128 and end >= 192 for start, end, _ in stores), stores
+    sides.close()
