@@ -154,7 +154,12 @@ def promised_blocks(
     return [(block, lo, hi) for block, lo, hi in spans if lo < hi]
 
 
-def saved_after_background_load(num_hit: int, num_computed: int, chunk_size: int) -> int:
+def saved_after_background_load(num_hit: int, promised_end: int, num_computed: int, chunk_size: int) -> int:
     """The stored count of a request whose background load ended with ``num_computed`` tokens
-    in vLLM's cache (all it asked for, or less where blocks failed): the whole chunks of both."""
+    in vLLM's cache: the whole hit when every promised token (up to ``promised_end``) loaded,
+    as after a synchronous load (a full-prompt hit leaves its last token to vLLM, so the last
+    chunk is not complete in vLLM's cache but is stored); else the whole chunks before the
+    first block that failed."""
+    if num_computed >= promised_end:
+        return num_hit
     return whole_chunks(min(num_hit, num_computed), chunk_size)

@@ -219,7 +219,7 @@ class SchedulerSide:
                 progress.hit_tokens, progress.external_tokens = loaded.new_hit, loaded.num_external
                 progress.vllm_cached_tokens = loaded.vllm_cached
                 progress.num_saved = saved_after_background_load(
-                    loaded.num_hit, new.num_computed_tokens, self.chunk_size
+                    loaded.num_hit, loaded.num_computed + loaded.num_external, new.num_computed_tokens, self.chunk_size
                 )
             elif state.load is not None and state.phase is Phase.LOAD_FAILED:  # nothing was loaded
                 progress.hit_tokens, progress.vllm_cached_tokens = state.load.new_hit, state.load.vllm_cached
@@ -303,7 +303,10 @@ class SchedulerSide:
             save_tail=state.config.block_granular_hits,
             save_decode_cache=self.settings.save_decode_cache,
         )
-        plan = plan_step(progress.num_saved, end, progress.prompt_len, rules, handed)
+        # Async scheduling: the token sampled last step is still in flight (not in all_token_ids),
+        # and a chunk is keyed by its ids: what it ends is stored once the id is known.
+        known = min(end, len(state.request.all_token_ids))
+        plan = plan_step(progress.num_saved, known, progress.prompt_len, rules, handed)
         progress.num_saved = plan.num_saved
         if not plan.saving and load is None and not plan.states:
             return

@@ -131,7 +131,8 @@ def main() -> None:
             outputs, captured = run_captured(llm, prompts, params, step["capture"])
             finished = []
         elif step.get("concurrent"):
-            outputs, finished, first = run_concurrently(llm, prompts, params, started)
+            signal = step.get("signal_first_token")  # [index, path]: touched when that request has its first token
+            outputs, finished, first = run_concurrently(llm, prompts, params, started, signal)
         else:
             outputs, finished = llm.generate(prompts, params, use_tqdm=False), []
         seconds = time.perf_counter() - started
@@ -157,6 +158,8 @@ def main() -> None:
             results[-1]["ctl_clear"] = ctl("clear", *step["ctl_clear"], "--engine", step["ctl_engine"])
         if step.get("reset_prefix_cache"):
             results[-1]["reset"] = llm.reset_prefix_cache(reset_connector=True)
+        if step.get("touch_after"):  # tells a test's server the next step begins
+            Path(step["touch_after"]).touch()
         if step.get("count_records"):
             from record_files import chunk_records
 
@@ -188,10 +191,11 @@ def run_captured(llm, prompts, params, path):
     return [done], files
 
 
-def run_concurrently(llm, prompts, params, started):
+def run_concurrently(llm, prompts, params, started, signal=None):
     """Submit every prompt at once, in order, and step the engine until all finish.
 
-    Returns the outputs in submission order, ``[[index, seconds], ...]`` in the order
+    ``signal``: ``[index, path]``: the file ``path`` is created as soon as request ``index``
+    has its first token (a test's server may wait for it). Returns the outputs in submission order, ``[[index, seconds], ...]`` in the order
     the requests finished and, in the same form, in the order each got its first
     token (seconds since ``started``).
     """
@@ -206,6 +210,8 @@ def run_concurrently(llm, prompts, params, started):
         for out in engine.step():
             if out.outputs and out.outputs[0].token_ids and all(ids.index(out.request_id) != i for i, _ in first):
                 first.append([ids.index(out.request_id), time.perf_counter() - started])
+                if signal is not None and first[-1][0] == signal[0]:
+                    Path(signal[1]).touch()
             if out.finished and out.request_id not in done:
                 done[out.request_id] = out
                 finished.append([ids.index(out.request_id), time.perf_counter() - started])

