@@ -81,6 +81,7 @@ def test_any_value_is_a_size_in_range_or_a_value_error(value: object) -> None:
         ("-1GiB", "must not be negative"),
         (-1, "must not be negative"),
         ("lots", "'lots' is not a byte size"),
+        ("8GiB of memory", "'8GiB of memory' is not a byte size"),
         (1.5, "not a float"),
         (True, "not a boolean"),
     ],

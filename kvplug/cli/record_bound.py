@@ -4,7 +4,6 @@ its model) or ``--max-record-bytes``. A record over it is ``oversized``, never r
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import typer
@@ -15,13 +14,6 @@ from kvplug.errors import ConfigError, PluginError
 
 #: No bound of the command's own: what a tier opened without ``max_record_bytes`` reads.
 UNBOUNDED = 1 << 62
-#: A ``--max-record-bytes`` value: a whole number of bytes, or of a binary or decimal unit.
-_SIZE = re.compile(r"(\d{1,15})\s*([kmgt]i?b|b)?", re.IGNORECASE)
-_UNITS = (
-    {"b": 1}
-    | {f"{u}b": 1000 ** (n + 1) for n, u in enumerate("kmgt")}
-    | {f"{u}ib": 1 << (10 * (n + 1)) for n, u in enumerate("kmgt")}
-)
 
 
 @dataclass(frozen=True)
@@ -43,16 +35,19 @@ def record_bound(max_record_bytes: str | None) -> RecordBound:
     """``--max-record-bytes`` (or the engine's bound when not given) and the engine's bound:
     that of the largest chunk the config's serializer decodes (``max_chunk_bytes``), as an
     engine bounds its tiers before it knows its model."""
+    from kvplug.core.config_types import parse_byte_size
     from kvplug.core.records.frame import RECORD_HEADER_SIZE
 
     read = None
     if max_record_bytes is not None:
-        size = _SIZE.fullmatch(max_record_bytes.strip())
-        read = 0 if size is None else int(size[1]) * _UNITS[(size[2] or "B").lower()]
+        try:
+            read = parse_byte_size(max_record_bytes)
+        except ValueError as exc:
+            said = str(exc) if repr(max_record_bytes) in str(exc) else f"{max_record_bytes!r} {exc}"
+            raise typer.BadParameter(said, param_hint="--max-record-bytes") from None
         if read <= RECORD_HEADER_SIZE:
             raise typer.BadParameter(
-                f"{max_record_bytes!r}: expected a whole number of bytes, or of a unit (67108864, 64MiB, 1GiB), "
-                f"of at least {RECORD_HEADER_SIZE + 1}, a record's header and a byte",
+                f"{max_record_bytes!r}: must be at least {RECORD_HEADER_SIZE + 1} bytes, a record's header and a byte",
                 param_hint="--max-record-bytes",
             )
     engine = _engine_bound()
@@ -95,10 +90,9 @@ def _bound_from_settings(failed: Exception) -> int | None:
     config file and ``KVPLUG_*`` variables alone, when the config as a whole did not load."""
     import os
 
-    from pydantic import ByteSize, TypeAdapter, ValidationError
-
     from kvplug.core.chunk_format import DEFAULT_MAX_CHUNK_BYTES
     from kvplug.core.config.loader import env_layer, read_yaml_layer
+    from kvplug.core.config_types import parse_byte_size
     from kvplug.core.plugins import get_registry
     from kvplug.core.serializer import Serializer
 
@@ -107,8 +101,8 @@ def _bound_from_settings(failed: Exception) -> int | None:
         path = os.environ.get("KVPLUG_CONFIG")
         for layer in ([read_yaml_layer(path)] if path else []) + [env_layer(os.environ)]:
             settings.update({k: v for k, v in layer.items() if k in ("max_chunk_bytes", "serializer")})
-        largest = int(TypeAdapter(ByteSize).validate_python(settings.get("max_chunk_bytes", DEFAULT_MAX_CHUNK_BYTES)))
-    except (ConfigError, ValidationError, ValueError) as exc:
+        largest = parse_byte_size(settings.get("max_chunk_bytes", DEFAULT_MAX_CHUNK_BYTES))
+    except (ConfigError, ValueError) as exc:
         _warn(f"the engine's bound on records is not known: its config cannot be read here: {exc}")
         return None
     spec = settings.get("serializer") or {}

@@ -16,6 +16,7 @@ Plugins use them through the public ``kvplug`` namespace (``kvplug.TimeoutSecond
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -101,6 +102,8 @@ FailureCount = Annotated[int, Bounded(1, MAX_FAILURES, "failures")]
 
 
 _BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
+#: The whole of a size's text: a number, then at most a unit.
+_SIZE_TEXT = re.compile(r"(\d+(\.\d*)?|\.\d+)\s*[A-Za-z]*")
 
 
 def parse_byte_size(value: Any) -> int:
@@ -120,8 +123,11 @@ def parse_byte_size(value: Any) -> int:
         raise ValueError("must not be negative")
     if isinstance(value, str):
         try:
+            # pydantic reads a leading size and ignores what follows it ("8GiB of memory")
+            if not _SIZE_TEXT.fullmatch(value.strip()):
+                raise ValueError(value)
             size = int(_BYTE_SIZE.validate_python(value.strip()))
-        except ValidationError:
+        except (ValidationError, ValueError):
             raise ValueError(
                 f"{value!r} is not a byte size: give a whole number of bytes or a number with a unit "
                 "(512MiB, 4GiB, 1TB; units B, KB/KiB, MB/MiB, GB/GiB, TB/TiB, PB/PiB, EB/EiB)"
