@@ -111,3 +111,30 @@ def test_the_per_request_pin_setting(registry: PluginRegistry, request_flag: boo
         for i in range(200):
             engine.store(one_off(i), caches, torch.arange(32))
         assert engine.lookup(SYSTEM) == (32 if request_flag else 0)
+
+
+@pytest.mark.parametrize("when", ["after_store", "before_store", "request"])
+def test_a_pin_keeps_the_prompts_block_granular_tail(registry: PluginRegistry, when: str) -> None:
+    """With ``block_granular_hits`` a store keeps the tokens past the last whole chunk as a tail
+    record: a pin of the prompt pins it with the whole chunks, and unpin releases it."""
+    tiers = [{"type": "cpu", "max_bytes": "64KiB", "pin_max_bytes": "50%", "request_pin_max_bytes": "50%"}]
+    with make(registry, tiers=tiers, block_granular_hits=True, tenancy={"request_pins": True}) as engine:
+        prompt = SYSTEM[:30]  # 3 whole chunks of 8, then 6 tokens: the tail is cut at the block end 28
+        caches = random_caches(LAYOUT, 16)
+        if when == "before_store":
+            assert engine.pin(prompt) == PinReport(chunks=0, bytes=0, refused=0, missing=4)
+        info = RequestInfo(overrides={"pin_request": True}) if when == "request" else None
+        engine.store(prompt, caches, torch.arange(30), request=info)
+        assert engine.lookup(prompt) == 28
+        if when == "after_store":
+            pinned = engine.pin(prompt)
+            assert (pinned.chunks, pinned.refused, pinned.missing) == (4, 0, 0)  # three chunks and the tail
+        for i in range(200):  # fills the tier many times over
+            engine.store(one_off(i), caches, torch.arange(32))
+        assert engine.lookup(one_off(0)) == 0
+        assert engine.lookup(prompt) == 28  # the tail still hits, not only the whole chunks (24)
+        if when != "request":
+            assert engine.unpin(prompt).chunks == 4
+            for i in range(200):
+                engine.store(one_off(1000 + i), caches, torch.arange(32))
+            assert engine.lookup(prompt) == 0

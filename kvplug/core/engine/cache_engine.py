@@ -37,7 +37,7 @@ from kvplug.core.events import EventListener, EventListeners
 from kvplug.core.keys import ChunkKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.layouts import KVLayout
 from kvplug.core.metrics import EngineMetrics
-from kvplug.core.pins import apply_configured_pins, pin_keys, unpin_keys
+from kvplug.core.pins import apply_configured_pins, pin_prompt, unpin_prompt
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.records.manifest import ManifestWriter
 from kvplug.core.serializer import Serializer
@@ -208,17 +208,19 @@ class CacheEngine(EngineRetrieves, EngineStores):
     def pin(self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None) -> PinReport:
         """Keep the prompt's chunks (as a store of it with ``request`` keys them) from eviction
         in every tier that keeps pins, within each tier's ``pin_max_bytes``: at once where
-        held, and chunks not stored yet when they are (in this process: see docs/operations.md)."""
+        held, and chunks not stored yet when they are (in this process: see docs/operations.md).
+        The chunks are those a store writes, the tail of ``block_granular_hits`` too; where this
+        engine's records of a chunk are held nowhere, another TP size's that a load reads are
+        pinned (:func:`~kvplug.core.pins.pin_prompt`)."""
         self._check_open()
-        config = self._request_config(request)
-        keys = self.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk)
-        return pin_keys(self.chain, self.record_keys(keys, request))
+        keys = self.stored_keys(tokens, request, self._request_config(request))
+        return pin_prompt(self.chain, self.records, [k.key for k in keys], request)
 
     def unpin(self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None) -> PinReport:
         """Make the prompt's chunks evictable again (the reverse of :meth:`pin`)."""
         self._check_open()
-        keys = self.chunk_keys(tokens, request, include_partial=True)
-        return unpin_keys(self.chain, self.record_keys(keys, request))
+        keys = self.stored_keys(tokens, request, self._request_config(request), include_partial=True)
+        return unpin_prompt(self.chain, self.records, [k.key for k in keys], request)
 
     # --- lookup ---------------------------------------------------------------------
 

@@ -125,7 +125,7 @@ class EngineStores(EngineParts):
             try:
                 keys = [
                     k
-                    for k in self._stored_keys(tokens, request, config)
+                    for k in self.stored_keys(tokens, request, config)
                     if k.end > first and self._copyable(k.start, k.end)
                 ]
                 record_keys, count = self.record_keys(keys, request), self.records.count
@@ -150,13 +150,19 @@ class EngineStores(EngineParts):
                 todo, manifests = [], []
         return self._store_layers(kv_caches, slots.to(torch.long), todo, manifests, layers_per_step)
 
-    def _stored_keys(
-        self, tokens: Sequence[int] | torch.Tensor, request: RequestInfo | None, config: KVPlugConfig
+    def stored_keys(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        request: RequestInfo | None,
+        config: KVPlugConfig,
+        *,
+        include_partial: bool | None = None,
     ) -> list[ChunkKey]:
-        """The chunks a store of ``tokens`` writes: the whole ones, the partial last one with
-        ``save_unfull_chunk``, and the tail cut at the last block end with ``block_granular_hits``
-        (:mod:`kvplug.core.engine.tails`)."""
-        keys = self.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk)
+        """The chunks a store of ``tokens`` writes (and a pin of them pins): the whole ones, the
+        partial last one with ``save_unfull_chunk`` (``include_partial``: whatever that says), and
+        the tail cut at the last block end with ``block_granular_hits`` (:mod:`kvplug.core.engine.tails`)."""
+        partial = config.save_unfull_chunk if include_partial is None else include_partial
+        keys = self.chunk_keys(tokens, request, include_partial=partial)
         cut = tail_cut(len(tokens), config.chunk_size, self.layout.block_size) if config.block_granular_hits else 0
         if cut and not (keys and keys[-1].end == cut):
             whole = cut // config.chunk_size  # the whole chunks before the tail: the first keys

@@ -1,0 +1,68 @@
+"""Pins across TP sizes: an engine pins the records of another TP size's writer that its loads
+read (joined from smaller records, sliced from a larger one), the block-granular tail too."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from core_helpers import LAYOUTS, random_caches
+
+from kvplug import CacheEngine, Fingerprint, HeadShard, KVLayout, load_config
+from kvplug.core.plugins import PluginRegistry
+
+FULL = replace(LAYOUTS["vllm_flash"], num_kv_heads=4)
+PROMPT = list(range(100, 130))  # three whole chunks of 8, then 6 tokens: the tail ends at the block end 28
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[Any]:
+    registry = PluginRegistry(plugin_filter="cpu,disk")
+    opened: list[CacheEngine] = []
+
+    def make(tp_rank: int, tp_size: int) -> CacheEngine:
+        heads = HeadShard.for_rank(total_heads=4, tp_rank=tp_rank, tp_size=tp_size)
+        layout = replace(FULL, num_kv_heads=4 // tp_size)
+        tiers = [{"type": "disk", "path": str(tmp_path / "kv"), "max_bytes": "64KiB", "pin_max_bytes": "50%"}]
+        extra = {"chunk_size": 8, "block_granular_hits": True, "store": {"queue": {"mode": "sync"}}, "tiers": tiers}
+        config = load_config(engine_extra={"kvplug": extra}, env={}, registry=registry).config
+        fingerprint = Fingerprint.for_layout(layout, model_id="m")
+        engine = CacheEngine(config, layout, fingerprint, registry=registry, heads=heads)
+        opened.append(engine)
+        return engine
+
+    yield make
+    for engine in opened:
+        engine.close()
+
+
+def rank_caches(layout: KVLayout, first: int, seed: int) -> list[torch.Tensor]:
+    return [c.narrow(3, first, layout.num_kv_heads).contiguous() for c in random_caches(FULL, 8, seed=seed)]
+
+
+@pytest.mark.parametrize(("writer_tp", "reader_tp"), [(2, 1), (1, 2)])
+def test_a_pin_pins_the_records_of_another_tp_size_that_a_load_reads(
+    engines: Any, writer_tp: int, reader_tp: int
+) -> None:
+    for rank in range(writer_tp):
+        writer = engines(rank, writer_tp)
+        writer.store(PROMPT, rank_caches(writer.layout, writer.records.shard.first, 1), torch.arange(len(PROMPT)))
+        writer.flush()
+    reader = engines(0, reader_tp)
+    assert reader.lookup(PROMPT) == 28
+    per_chunk = max(1, writer_tp // reader_tp)  # the writer's records a chunk of the reader is joined from
+    report = reader.pin(PROMPT)
+    assert (report.chunks, report.refused, report.missing) == (4 * per_chunk, 0, 0)  # three chunks and the tail
+    own = rank_caches(reader.layout, 0, 2)
+    for i in range(100):  # the reader's own stores fill its tier many times over
+        reader.store([50_000 + 100 * i + t for t in range(32)], own, torch.arange(32))
+    assert reader.lookup([50_000 + t for t in range(32)]) == 0
+    assert reader.lookup(PROMPT) == 28
+    assert reader.unpin(PROMPT).chunks == 4 * per_chunk
+    for i in range(100):
+        reader.store([90_000 + 100 * i + t for t in range(32)], own, torch.arange(32))
+    assert reader.lookup(PROMPT) == 0
