@@ -240,7 +240,9 @@ class PinReport:
     pin, its tenant's ``request_pin_max_bytes`` or quota) was spent, or no tier holds them
     and the pin book is full; ``missing``: chunks no tier that keeps pins holds yet (they
     are pinned when stored); ``book_full``: chunks the pin book could not remember
-    (``tenancy.max_pins``): pinned only where held now, never when stored later."""
+    (``tenancy.max_pins``): pinned only where held now, never when stored later. Each counts
+    records (a chunk is one per head group; a ``block_granular_hits`` tail is one chunk more),
+    another TP size's where ``pin`` pinned those (:func:`kvplug.core.pins.pin_prompt`)."""
 
     chunks: int = 0
     bytes: int = 0
