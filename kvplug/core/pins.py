@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvplug.core.chain.tier_chain import TierChain
-from kvplug.core.engine.head_shards import HeadRecords
 from kvplug.core.keys import RequestInfo
 from kvplug.core.tenancy import PinReport, PinSpec, read_token_file
 
@@ -37,10 +36,10 @@ def pin_keys(chain: TierChain, keys: Sequence[str], *, requested: bool = False) 
     pin the book cannot remember is applied where the chunks are held now. Either way the
     report counts them (``book_full``), ``kvplug_pin_book_full_total{origin}`` too, and the
     log says so."""
-    return _pin_keys(chain, keys, requested=requested)[0]
+    return pin_keys_held(chain, keys, requested=requested)[0]
 
 
-def _pin_keys(chain: TierChain, keys: Sequence[str], *, requested: bool) -> tuple[PinReport, set[str]]:
+def pin_keys_held(chain: TierChain, keys: Sequence[str], *, requested: bool) -> tuple[PinReport, set[str]]:
     """:func:`pin_keys`, and the keys it did not count ``missing`` (held somewhere, or refused)."""
     tenancy = chain.tenancy
     unbooked = tenancy.pins.add(keys, requested=requested)
@@ -81,10 +80,10 @@ def _pin_keys(chain: TierChain, keys: Sequence[str], *, requested: bool) -> tupl
 
 def unpin_keys(chain: TierChain, keys: Sequence[str]) -> PinReport:
     """Forget the pins of ``keys``; every tier makes them evictable again."""
-    return _unpin_keys(chain, keys)[0]
+    return unpin_keys_done(chain, keys)[0]
 
 
-def _unpin_keys(chain: TierChain, keys: Sequence[str]) -> tuple[PinReport, set[str]]:
+def unpin_keys_done(chain: TierChain, keys: Sequence[str]) -> tuple[PinReport, set[str]]:
     """:func:`unpin_keys`, and the keys some tier unpinned."""
     chain.tenancy.pins.discard(keys)
     unpinned: set[str] = set()
@@ -98,66 +97,6 @@ def _unpin_keys(chain: TierChain, keys: Sequence[str]) -> tuple[PinReport, set[s
                 unpinned.add(key)
                 nbytes += size
     return PinReport(chunks=len(unpinned), bytes=nbytes, missing=len(keys) - len(unpinned)), unpinned
-
-
-def pin_prompt(chain: TierChain, records: HeadRecords, names: Sequence[str], request: RequestInfo | None) -> PinReport:
-    """An operator's pin of the chunks ``names`` (record-0 keys: the whole chunks and the tail a
-    store writes): this engine's records of each, and, for a chunk no tier holds in them, the
-    records of another TP size's split of the heads where a tier holds all of that chunk's
-    (:class:`~kvplug.core.engine.head_shards.OtherSplit`): those a load of this engine reads.
-    This engine's records are remembered either way, so that they are pinned if it stores them.
-    The report counts records; a chunk found in another split's counts its records, not ``missing``."""
-    own = records.record_keys(names, request)
-    report, seen = _pin_keys(chain, own, requested=False)
-    count = records.count
-    rest = [i for i in range(len(names)) if not all(key in seen for key in own[i * count : (i + 1) * count])]
-    for other in records.others:
-        if not rest:
-            break
-        theirs = other.record_keys([names[i] for i in rest], request)
-        where, per = chain.locate(theirs), other.count
-        found = [j for j in range(len(rest)) if all(name is not None for name in where[j * per : (j + 1) * per])]
-        if not found:
-            continue
-        extra = pin_keys(chain, [key for j in found for key in theirs[j * per : (j + 1) * per]])
-        # their records stand for this engine's of those chunks, which are not missing then
-        unmissed = sum(1 for j in found for key in own[rest[j] * count : (rest[j] + 1) * count] if key not in seen)
-        report = _sum(report, extra, missing=report.missing - unmissed + extra.missing)
-        taken = set(found)
-        rest = [index for j, index in enumerate(rest) if j not in taken]
-    return report
-
-
-def unpin_prompt(
-    chain: TierChain, records: HeadRecords, names: Sequence[str], request: RequestInfo | None
-) -> PinReport:
-    """:func:`pin_prompt` reversed: this engine's records of chunks ``names`` and every other
-    split's; ``missing`` counts this engine's records of the chunks no split's records of which
-    were all unpinned."""
-    own = records.record_keys(names, request)
-    report, done = _unpin_keys(chain, own)
-    count = records.count
-    credited = {i for i in range(len(names)) if all(k in done for k in own[i * count : (i + 1) * count])}
-    for other in records.others:
-        theirs, per = other.record_keys(names, request), other.count
-        extra, undone = _unpin_keys(chain, theirs)
-        if not undone:
-            continue
-        whole = {i for i in range(len(names)) if all(k in undone for k in theirs[i * per : (i + 1) * per])} - credited
-        unmissed = sum(1 for i in whole for key in own[i * count : (i + 1) * count] if key not in done)
-        report = _sum(report, extra, missing=report.missing - unmissed)
-        credited |= whole
-    return report
-
-
-def _sum(first: PinReport, second: PinReport, *, missing: int) -> PinReport:
-    return PinReport(
-        chunks=first.chunks + second.chunks,
-        bytes=first.bytes + second.bytes,
-        refused=first.refused + second.refused,
-        missing=missing,
-        book_full=first.book_full + second.book_full,
-    )
 
 
 def pin_for_request(

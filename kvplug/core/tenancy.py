@@ -242,7 +242,7 @@ class PinReport:
     are pinned when stored); ``book_full``: chunks the pin book could not remember
     (``tenancy.max_pins``): pinned only where held now, never when stored later. Each counts
     records (a chunk is one per head group; a ``block_granular_hits`` tail is one chunk more),
-    another TP size's where ``pin`` pinned those (:func:`kvplug.core.pins.pin_prompt`)."""
+    another TP size's where ``pin`` pinned those (:func:`kvplug.core.engine.prompt_pins.pin_prompt`)."""
 
     chunks: int = 0
     bytes: int = 0

@@ -29,6 +29,7 @@ from kvplug.core.engine.frame_pool import FramePool
 from kvplug.core.engine.head_shards import HeadRecords, HeadShard
 from kvplug.core.engine.locations import ChunkLocation, chunk_hash, hit_tokens, is_chunk_hash, locate_inline
 from kvplug.core.engine.parallel_copies import ParallelCopies, auto_copy_threads
+from kvplug.core.engine.prompt_pins import pin_prompt, unpin_prompt
 from kvplug.core.engine.retrieves import EngineRetrieves
 from kvplug.core.engine.split_lookup import located_prefix
 from kvplug.core.engine.stores import EngineStores, StoreBatch
@@ -37,7 +38,7 @@ from kvplug.core.events import EventListener, EventListeners
 from kvplug.core.keys import ChunkKey, Fingerprint, KeyBuilder, RequestInfo
 from kvplug.core.layouts import KVLayout
 from kvplug.core.metrics import EngineMetrics
-from kvplug.core.pins import apply_configured_pins, pin_prompt, unpin_prompt
+from kvplug.core.pins import apply_configured_pins
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.records.manifest import ManifestWriter
 from kvplug.core.serializer import Serializer
@@ -211,7 +212,7 @@ class CacheEngine(EngineRetrieves, EngineStores):
         held, and chunks not stored yet when they are (in this process: see docs/operations.md).
         The chunks are those a store writes, the tail of ``block_granular_hits`` too; where this
         engine's records of a chunk are held nowhere, another TP size's that a load reads are
-        pinned (:func:`~kvplug.core.pins.pin_prompt`)."""
+        pinned (:func:`~kvplug.core.engine.prompt_pins.pin_prompt`)."""
         self._check_open()
         keys = self.stored_keys(tokens, request, self._request_config(request))
         return pin_prompt(self.chain, self.records, [k.key for k in keys], request)
