@@ -131,10 +131,12 @@ def test_a_pin_keeps_the_prompts_block_granular_tail(registry: PluginRegistry, w
             assert (pinned.chunks, pinned.refused, pinned.missing) == (4, 0, 0)  # three chunks and the tail
         for i in range(200):  # fills the tier many times over
             engine.store(one_off(i), caches, torch.arange(32))
+            engine.flush()  # a store the full queue cannot take is shed: each must land
         assert engine.lookup(one_off(0)) == 0
         assert engine.lookup(prompt) == 28  # the tail still hits, not only the whole chunks (24)
         if when != "request":
             assert engine.unpin(prompt).chunks == 4
             for i in range(200):
                 engine.store(one_off(1000 + i), caches, torch.arange(32))
+                engine.flush()
             assert engine.lookup(prompt) == 0

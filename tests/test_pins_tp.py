@@ -60,9 +60,11 @@ def test_a_pin_pins_the_records_of_another_tp_size_that_a_load_reads(
     own = rank_caches(reader.layout, 0, 2)
     for i in range(100):  # the reader's own stores fill its tier many times over
         reader.store([50_000 + 100 * i + t for t in range(32)], own, torch.arange(32))
+        reader.flush()  # a store the full queue cannot take is shed: each must land
     assert reader.lookup([50_000 + t for t in range(32)]) == 0
     assert reader.lookup(PROMPT) == 28
     assert reader.unpin(PROMPT).chunks == 4 * per_chunk
     for i in range(100):
         reader.store([90_000 + 100 * i + t for t in range(32)], own, torch.arange(32))
+        reader.flush()  # a store the full queue cannot take is shed: each must land
     assert reader.lookup(PROMPT) == 0
