@@ -119,7 +119,6 @@ class EngineStores(EngineParts):
             pin_for_request(self, tokens, request, config)
         # Per chunk: its records (key, frame, payload), and the tensor its KV is gathered into.
         todo: list[tuple[ChunkKey, list[tuple[str, Any, torch.Tensor]], torch.Tensor]] = []
-        manifests: Items = []
         # A replica (not the writer of its heads) keeps copies only in process-private tiers.
         if not config.skip_save and (self.records.writer or any(t.trusted_reads for t in self.chain.tiers)):
             try:
@@ -141,14 +140,10 @@ class EngineStores(EngineParts):
                     whole = self.layout.chunk_shape(chunk.num_tokens)
                     gathered = records[0][2] if count == 1 else torch.empty(whole, dtype=self.layout.dtype)
                     todo.append((chunk, records, gathered))
-                if todo:  # the fingerprints these chunks go under, for kvplug explain
-                    for fingerprint in self.records.fingerprints:
-                        manifests += self._manifests.due(fingerprint, request)
             except Exception:
                 logger.exception("store: preparing chunks failed; nothing stored")
-                self._manifests.forget(manifests)
-                todo, manifests = [], []
-        return self._store_layers(kv_caches, slots.to(torch.long), todo, manifests, layers_per_step)
+                todo = []
+        return self._store_layers(kv_caches, slots.to(torch.long), todo, request, layers_per_step)
 
     def _stored_keys(
         self, tokens: Sequence[int] | torch.Tensor, request: RequestInfo | None, config: KVPlugConfig
@@ -184,7 +179,7 @@ class EngineStores(EngineParts):
         kv_caches: Sequence[LayerCache],
         slots: torch.Tensor,
         todo: list[tuple[ChunkKey, list[tuple[str, Any, torch.Tensor]], torch.Tensor]],
-        manifests: Items,
+        request: RequestInfo | None,
         layers_per_step: int,
     ) -> Generator[int, None, int]:
         """Copy ``layers_per_step`` layers of every chunk per ``next()`` (one pass of parallel copies)."""
@@ -202,23 +197,26 @@ class EngineStores(EngineParts):
                 todo = plans = []
             yield from layers
         if not todo:
-            self._manifests.forget(manifests)
             return 0
         try:
             self.connector.synchronize()
         except ConnectorError as exc:
             self._count_connector_error("store", exc)
-            self._manifests.forget(manifests)
             return 0
         # Sealing (the checksum pass) goes with the tier write, on the store thread in
         # async mode: the caller only waits for the copy out of its cache.
-        batch = StoreBatch([], manifests)
+        batch = StoreBatch([])
         for chunk, records, gathered in todo:
             if len(records) > 1:
                 self.records.split(gathered, [payload for _, _, payload in records])
             batch.chunks += [
                 (key, frame, chunk.num_tokens if i == 0 else 0) for i, (key, frame, _) in enumerate(records)
             ]
+        # The manifests due are taken (counted as written) only now, as the batch that writes
+        # them is handed over: a layer-wise store abandoned before its last layer (closed,
+        # collected, or raising) never gets here, so it leaves them due for the next store.
+        for fingerprint in self.records.fingerprints:  # the fingerprints these chunks go under, for explain
+            batch.manifests += self._manifests.due(fingerprint, request)
         if self._store_worker is not None:
             self._store_worker.submit(batch)
         else:
