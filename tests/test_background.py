@@ -112,6 +112,27 @@ def test_a_blocked_submit_waits_for_room_then_gives_up_at_its_timeout() -> None:
         worker.close()
 
 
+def test_a_submit_that_must_not_wait_drops_at_once_under_on_full_block() -> None:
+    """``wait=False`` (a corrupt chunk's removal handed over by a load): a full queue drops
+    the item at once, whatever ``on_full`` and ``block_timeout_s`` say."""
+    release = threading.Event()
+    dropped: list[str] = []
+    worker: BackgroundWorker[str] = BackgroundWorker(
+        "nowait", lambda item: release.wait(300), max_items=1, block_timeout_s=300, on_drop=dropped.append
+    )
+    try:
+        assert worker.submit("being handled")
+        assert worker.submit("queued")  # the queue is full now (the first is being handled)
+        results: list[bool] = []
+        submitter = threading.Thread(target=lambda: results.append(worker.submit("shed", wait=False)))
+        submitter.start()
+        submitter.join(30)
+        assert results == [False] and dropped == ["shed"]
+    finally:
+        release.set()
+        worker.close()
+
+
 def test_close_without_drain_drops_what_is_queued_and_counts_it() -> None:
     started, release = threading.Event(), threading.Event()
     dropped: list[int] = []

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
+
+import pytest
+import torch
+from core_helpers import LAYOUTS, random_caches
 
 from kvplug import Fingerprint
 from kvplug.core.records import manifest as manifest
@@ -96,3 +101,33 @@ def test_explain_shows_store_text_as_it_is_not_as_markup() -> None:
     table.add_row(*_plain("evil[/bold] [red]forged[/red]"))
     console.print(table)
     assert "evil[/bold] [red]forged[/red]" in console.export_text()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("abandon", ["closed", "collected", "raising", "never started"])
+def test_a_layerwise_store_abandoned_before_its_last_layer_leaves_its_manifest_due(
+    make_engine, mode: str, abandon: str
+) -> None:
+    """An engine drops a layer-wise store whose forward did not finish: its manifest was never
+    written, so the next store writes it (not the next store after the refresh interval)."""
+    layout = LAYOUTS["vllm_flash"]
+    engine = make_engine(layout, **{"store.queue.mode": mode})
+    caches = random_caches(layout, 8)
+    key = KeyScheme.of(engine.fingerprint, engine.chunk_size, engine.config.hash).manifest_key()
+    storing = engine.store_layerwise(list(range(16)), caches, torch.arange(16))
+    if abandon != "never started":
+        assert next(storing) == 0
+    if abandon == "raising":
+        with pytest.raises(RuntimeError):
+            storing.throw(RuntimeError("the forward failed"))
+    elif abandon == "collected":
+        del storing
+        gc.collect()
+    else:
+        storing.close()
+    engine.flush()
+    assert engine.chain.contains_any([key]) == [False]  # the abandoned store wrote nothing
+
+    assert engine.store(list(range(100, 116)), caches, torch.arange(16)) == 16
+    engine.flush()
+    assert engine.chain.contains_any([key]) == [True]

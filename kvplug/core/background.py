@@ -64,14 +64,15 @@ class BackgroundWorker(Generic[T]):
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, item: T) -> bool:
-        """Queue an item; ``False`` if it was dropped (queue full or closed)."""
+    def submit(self, item: T, *, wait: bool = True) -> bool:
+        """Queue an item; ``False`` if it was dropped (queue full or closed). ``wait=False``:
+        never wait for room, whatever ``on_full`` (a caller that must not stall)."""
         size = self._size_of(item) if self._size_of is not None else 0
         deadline = time.monotonic() + self._block_timeout_s
         with self._cond:
             while not self._closed and not self._has_room(size):
                 left = deadline - time.monotonic()
-                if self._on_full == "drop" or left <= 0:
+                if self._on_full == "drop" or not wait or left <= 0:
                     break
                 self._cond.wait(left)
             accepted = not self._closed and self._has_room(size)

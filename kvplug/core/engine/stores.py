@@ -41,6 +41,9 @@ class StoreBatch:
     #: The fingerprint manifests due (:meth:`ManifestWriter.due`): written with the chunks,
     #: never on the store call's thread, which must not wait on a tier.
     manifests: Items = field(default_factory=list)
+    #: Keys of chunks a load found unusable, removed from every tier before anything is
+    #: written: in order with the stores, so a store made after the load is not removed.
+    discards: list[str] = field(default_factory=list)
 
     def nbytes(self) -> int:
         return sum(memoryview(frame).nbytes for _, frame, _ in self.chunks)
@@ -119,7 +122,6 @@ class EngineStores(EngineParts):
             pin_for_request(self, tokens, request, config)
         # Per chunk: its records (key, frame, payload), and the tensor its KV is gathered into.
         todo: list[tuple[ChunkKey, list[tuple[str, Any, torch.Tensor]], torch.Tensor]] = []
-        manifests: Items = []
         # A replica (not the writer of its heads) keeps copies only in process-private tiers.
         if not config.skip_save and (self.records.writer or any(t.trusted_reads for t in self.chain.tiers)):
             try:
@@ -141,14 +143,10 @@ class EngineStores(EngineParts):
                     whole = self.layout.chunk_shape(chunk.num_tokens)
                     gathered = records[0][2] if count == 1 else torch.empty(whole, dtype=self.layout.dtype)
                     todo.append((chunk, records, gathered))
-                if todo:  # the fingerprints these chunks go under, for kvplug explain
-                    for fingerprint in self.records.fingerprints:
-                        manifests += self._manifests.due(fingerprint, request)
             except Exception:
                 logger.exception("store: preparing chunks failed; nothing stored")
-                self._manifests.forget(manifests)
-                todo, manifests = [], []
-        return self._store_layers(kv_caches, slots.to(torch.long), todo, manifests, layers_per_step)
+                todo = []
+        return self._store_layers(kv_caches, slots.to(torch.long), todo, request, layers_per_step)
 
     def stored_keys(
         self,
@@ -190,7 +188,7 @@ class EngineStores(EngineParts):
         kv_caches: Sequence[LayerCache],
         slots: torch.Tensor,
         todo: list[tuple[ChunkKey, list[tuple[str, Any, torch.Tensor]], torch.Tensor]],
-        manifests: Items,
+        request: RequestInfo | None,
         layers_per_step: int,
     ) -> Generator[int, None, int]:
         """Copy ``layers_per_step`` layers of every chunk per ``next()`` (one pass of parallel copies)."""
@@ -208,23 +206,26 @@ class EngineStores(EngineParts):
                 todo = plans = []
             yield from layers
         if not todo:
-            self._manifests.forget(manifests)
             return 0
         try:
             self.connector.synchronize()
         except ConnectorError as exc:
             self._count_connector_error("store", exc)
-            self._manifests.forget(manifests)
             return 0
         # Sealing (the checksum pass) goes with the tier write, on the store thread in
         # async mode: the caller only waits for the copy out of its cache.
-        batch = StoreBatch([], manifests)
+        batch = StoreBatch([])
         for chunk, records, gathered in todo:
             if len(records) > 1:
                 self.records.split(gathered, [payload for _, _, payload in records])
             batch.chunks += [
                 (key, frame, chunk.num_tokens if i == 0 else 0) for i, (key, frame, _) in enumerate(records)
             ]
+        # The manifests due are taken (counted as written) only now, as the batch that writes
+        # them is handed over: a layer-wise store abandoned before its last layer (closed,
+        # collected, or raising) never gets here, so it leaves them due for the next store.
+        for fingerprint in self.records.fingerprints:  # the fingerprints these chunks go under, for explain
+            batch.manifests += self._manifests.due(fingerprint, request)
         if self._store_worker is not None:
             self._store_worker.submit(batch)
         else:
@@ -233,6 +234,10 @@ class EngineStores(EngineParts):
         return sum(n for _, _, n in batch.chunks)
 
     def _write_batch(self, batch: StoreBatch) -> None:
+        if batch.discards:
+            self.chain.discard(batch.discards)
+            if not batch.chunks:
+                return
         self._manifests.write(batch.manifests)
         frames = [(key, frame) for key, frame, _ in batch.chunks]
         nbytes = self.chunk_store.put_frames(frames, only_trusted=not self.records.writer)
@@ -244,8 +249,17 @@ class EngineStores(EngineParts):
 
     def _store_dropped(self, batch: StoreBatch) -> None:
         """The store queue refused ``batch`` (full or closed): counted, its manifests due again."""
-        self.metrics.store_dropped.labels("engine").inc()
+        if batch.chunks:
+            self.metrics.store_dropped.labels("engine").inc()
         self._manifests.forget(batch.manifests)
+        if batch.discards:  # shed: each load of the chunk is a miss until a later removal lands
+            logger.warning("store queue full or closed: unusable chunks %s not removed now", batch.discards)
+
+    def _discard_later(self, keys: Sequence[str]) -> None:
+        """Remove chunks a load found unusable on the store worker, never waiting for room:
+        the load reports its miss at once and must not wait for a tier's remove."""
+        if self._store_worker is not None:
+            self._store_worker.submit(StoreBatch([], discards=list(keys)), wait=False)
 
     def flush_stores(self) -> None:
         """Wait until every store so far is handed to the tiers: written to the ``sync``
