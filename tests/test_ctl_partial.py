@@ -71,3 +71,30 @@ def test_a_clear_on_a_closed_engine_is_an_error_not_none_cleared(
     assert "rank dp0/tp1:" in message and "EngineClosedError" in message, message
     assert "clear was done on the ranks that answered first: dp0/tp0" in message, message
     assert len(list((tmp_path / "tp1").glob("*/*.kvr"))) >= 2  # what it would have said it cleared
+
+
+def test_stats_and_tiers_name_a_rank_whose_engine_is_closed(
+    two_ranks: tuple[CacheEngine, CacheEngine], tmp_path: Path
+) -> None:
+    """Rank tp1's engine is closed while its server answers: it serves nothing and its figures
+    are not live. stats and tiers printed them as a serving rank's; they name it closed
+    (exit 0: tp0 still serves), and exit 1 once every rank's engine is closed."""
+    two_ranks[1].close()
+    for command in ("stats", "tiers"):
+        result = CliRunner().invoke(app, ["ctl", command, "--per-rank"], env={"COLUMNS": "250"})
+        assert result.exit_code == 0, result.output
+        message = " ".join(result.output.split())
+        assert "closed: dp0/tp1: the engine of these ranks is closed" in message, message
+        assert "tiers of dp0/tp1 (engine closed" in message and "tiers of dp0/tp0 (engine closed" not in message
+        as_json = CliRunner().invoke(app, ["ctl", command, "--json"])
+        assert as_json.exit_code == 0, as_json.output
+        body = json.loads(as_json.stdout)  # the notice goes to stderr: stdout stays one JSON object
+        assert body["total"]["closed_ranks"] == ["dp0/tp1"]
+        assert [rank["closed"] for rank in body["ranks"]] == [False, True]
+
+    two_ranks[0].close()
+    for command in ("stats", "tiers"):
+        result = CliRunner().invoke(app, ["ctl", command])
+        assert result.exit_code == 1, result.output
+        assert "closed: dp0/tp0, dp0/tp1 (every rank: the engine is closed)" in " ".join(result.output.split())
+        assert CliRunner().invoke(app, ["ctl", command, "--json"]).exit_code == 1

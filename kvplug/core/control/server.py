@@ -177,10 +177,11 @@ class ControlServer(MessageServer):
         return rows
 
     def _stats(self, request: ControlRequest) -> dict[str, Any]:
-        return {"metrics": self.target.metrics.snapshot(), "tiers": self._tier_rows()}
+        # ``closed``: a closed engine's figures, not a serving one's (its closed tiers hold nothing).
+        return {"metrics": self.target.metrics.snapshot(), "tiers": self._tier_rows(), "closed": self.target.closed}
 
     def _tiers(self, request: ControlRequest) -> dict[str, Any]:
-        return {"tiers": self._tier_rows()}
+        return {"tiers": self._tier_rows(), "closed": self.target.closed}
 
     def _lookup(self, request: ControlRequest) -> dict[str, Any]:
         found = self.target.locate(request.tokens, request.request_info())
