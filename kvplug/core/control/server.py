@@ -142,7 +142,7 @@ class ControlServer(MessageServer):
             logger.warning("control socket: a request that could not be read (%r); closing its connection", exc)
             return None
         try:
-            return encode_reply(self._ops[request.op](request))
+            return encode_reply(self._ops[request.op](request), len(request.tokens))
         except ControlProtocolError as exc:
             return error_reply(str(exc), "bad_request")
         except Exception as exc:  # the engine stays up: the operator reads why
