@@ -169,10 +169,10 @@ def encode_reply(reply: Mapping[str, Any], prompt_tokens: int = 0) -> bytes:
     body = json.dumps(reply, separators=(",", ":")).encode()
     if len(body) > MAX_CONTROL_MESSAGE:
         message = f"the reply of {len(body)} bytes is over the protocol's limit of {MAX_CONTROL_MESSAGE}"
-        if prompt_tokens:
-            # The reply lists every chunk: its size grows with the prompt's, so scale down,
-            # with a tenth to spare for what does not grow evenly (digits, fixed fields).
-            fits = prompt_tokens * MAX_CONTROL_MESSAGE // len(body) * 9 // 10
+        # The reply lists every chunk: its size grows with the prompt's, so scale down, with a
+        # tenth to spare for what does not grow evenly (digits, fixed fields). 0: no prompt.
+        fits = prompt_tokens * MAX_CONTROL_MESSAGE // len(body) * 9 // 10
+        if fits:
             message += (
                 f": it lists every chunk of the prompt's {prompt_tokens} tokens; send a shorter prompt, at most "
                 f"about {fits} tokens (its first {fits}: chunk keys chain from the start, so theirs are this prompt's)"
