@@ -147,6 +147,15 @@ class IncompatibleChunkError(ChunkError):
     """A well-formed chunk of another format version, dtype or shape."""
 
 
+class NewerFormatError(IncompatibleChunkError):
+    """A well-formed record or chunk in a format this kvplug does not know yet: a newer
+    format version, or a dtype a later kvplug added.
+
+    A miss, never misread; ``kvplug store gc`` keeps such records for the newer kvplug
+    that wrote them (a store shared during a rolling upgrade), as engines do.
+    """
+
+
 class MissingIntegrityKeyError(IncompatibleChunkError):
     """A record signed with an integrity key, read by a process that has none.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,3 +72,58 @@ def test_a_clear_on_a_closed_engine_is_an_error_not_none_cleared(
     assert "rank dp0/tp1:" in message and "EngineClosedError" in message, message
     assert "clear was done on the ranks that answered first: dp0/tp0" in message, message
     assert len(list((tmp_path / "tp1").glob("*/*.kvr"))) >= 2  # what it would have said it cleared
+
+
+def test_stats_and_tiers_name_a_rank_whose_engine_is_closed(
+    two_ranks: tuple[CacheEngine, CacheEngine], tmp_path: Path
+) -> None:
+    """Rank tp1's engine is closed while its server answers: it serves nothing and its figures
+    are not live. stats and tiers printed them as a serving rank's; they name it closed
+    (exit 0: tp0 still serves), and exit 1 once every rank's engine is closed."""
+    two_ranks[1].close()
+    for command in ("stats", "tiers"):
+        result = CliRunner().invoke(app, ["ctl", command, "--per-rank"], env={"COLUMNS": "250"})
+        assert result.exit_code == 0, result.output
+        message = " ".join(result.output.split())
+        assert "closed: dp0/tp1: the engine of these ranks is closed" in message, message
+        assert "tiers of dp0/tp1 (engine closed" in message and "tiers of dp0/tp0 (engine closed" not in message
+        as_json = CliRunner().invoke(app, ["ctl", command, "--json"])
+        assert as_json.exit_code == 0, as_json.output
+        body = json.loads(as_json.stdout)  # the notice goes to stderr: stdout stays one JSON object
+        assert body["total"]["closed_ranks"] == ["dp0/tp1"]
+        assert [rank["closed"] for rank in body["ranks"]] == [False, True]
+
+    two_ranks[0].close()
+    for command in ("stats", "tiers"):
+        result = CliRunner().invoke(app, ["ctl", command])
+        assert result.exit_code == 1, result.output
+        assert "closed: dp0/tp0, dp0/tp1 (every rank: the engine is closed)" in " ".join(result.output.split())
+        assert CliRunner().invoke(app, ["ctl", command, "--json"]).exit_code == 1
+
+
+def test_an_explain_over_the_reply_limit_says_how_many_tokens_fit(tmp_path: Path, socket_dir: Path) -> None:
+    """An explain whose reply (a row per chunk) is over the control protocol's limit failed
+    with the reply's size alone; it says to send a shorter prompt, and how many tokens fit:
+    an explain of that many answers."""
+    extra = {"kvplug": {"chunk_size": 1, "tiers": [{"type": "cpu", "max_bytes": "64MiB"}]}}
+    engine = CacheEngine(
+        load_config(engine_extra=extra, env={}).config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="m")
+    )
+    server = ControlServer(engine, ControlIdentity("engine-a", "tiny", "test"))
+    try:
+        prompt = tmp_path / "prompt.json"
+        prompt.write_text(json.dumps(list(range(120_000))))  # 120000 chunks of a token: about 19 MB of reply
+        result = CliRunner().invoke(app, ["ctl", "explain", str(prompt)])
+        assert result.exit_code == 2, result.output[-2000:]
+        message = " ".join(result.output.split())
+        found = re.search(r"send a shorter prompt, at most about (\d+) tokens", message)
+        assert found and "over the protocol's limit" in message, message
+        fits = int(found.group(1))
+        assert 0 < fits < 120_000
+        prompt.write_text(json.dumps(list(range(fits))))
+        shorter = CliRunner().invoke(app, ["ctl", "explain", str(prompt), "--json"])
+        assert shorter.exit_code == 0, shorter.output[-2000:]
+        assert json.loads(shorter.stdout)["total"]["num_tokens"] == fits
+    finally:
+        server.close()
+        engine.close()

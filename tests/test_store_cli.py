@@ -107,20 +107,38 @@ def test_stats_show_the_budget_in_words_not_the_inspection_sentinel(tmp_path: Pa
     assert _budget(3 * 1024**3) == "3.0 GiB (3221225472 bytes)" and _budget(-1).startswith("unbounded")
 
 
-def test_a_chunk_of_another_format_version_is_incompatible_and_gc_removes_it(tmp_path: Path) -> None:
+def test_gc_removes_an_older_format_version_and_keeps_a_newer_kvplugs_records(tmp_path: Path) -> None:
+    """A record of an older format version no kvplug reads any more is ``incompatible`` and gc
+    removes it; one a newer kvplug wrote (a newer chunk frame or record version, in a store shared
+    during a rolling upgrade) is ``newer``: reported, kept, and not a verify failure."""
     folder = tmp_path / "cache"
-    key = fill_store(folder, prompts=1)[0]
-    digest = hashlib.sha256(key.encode()).hexdigest()
-    path = folder / digest[:2] / f"{digest}.kvr"
-    value = bytearray(path.read_bytes()[RECORD_HEADER_SIZE:])
+    keys = fill_store(folder, prompts=2)[:3]
+    paths = []
+    for key in keys:
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        paths.append(folder / digest[:2] / f"{digest}.kvr")
+    older, newer_chunk, newer_record = paths
+
+    value = bytearray(older.read_bytes()[RECORD_HEADER_SIZE:])
+    struct.pack_into("<H", value, 4, 0)  # chunk frame version 0: older than any kvplug reads
+    older.write_bytes(pack_record(keys[0], bytes(value)))  # a valid record around it
+    value = bytearray(newer_chunk.read_bytes()[RECORD_HEADER_SIZE:])
     struct.pack_into("<H", value, 4, 9)  # chunk frame version 9: from a future kvplug
-    path.write_bytes(pack_record(key, bytes(value)))  # a valid record, as that kvplug would write it
+    newer_chunk.write_bytes(pack_record(keys[1], bytes(value)))
+    record = bytearray(newer_record.read_bytes())
+    struct.pack_into("<HH", record, 4, 9, 128)  # record version 9, with a header of its own size
+    newer_record.write_bytes(bytes(record))
 
     verify = kvplug("verify", str(folder))
-    assert verify.returncode == 0  # incompatible is not corrupt
-    assert "incompatible" in verify.stdout and "version 9" in verify.stdout
-    assert kvplug("gc", str(folder)).returncode == 0
-    assert not path.exists()
+    assert verify.returncode == 0, verify.stdout  # neither is corrupt
+    cleaned = kvplug("gc", str(folder))
+    assert cleaned.returncode == 0, cleaned.stdout
+    assert newer_chunk.exists() and newer_record.exists()  # the upgraded engines' records stay
+    assert not older.exists()
+    assert re.search(r"│ removed\s*│\s*1 │", cleaned.stdout), cleaned.stdout
+    assert "incompatible" in verify.stdout and "version 0" in verify.stdout
+    assert "chunk frame version 9 is newer" in verify.stdout and "record version 9 is newer" in verify.stdout
+    assert re.search(r"│ newer\s*│\s*2 │", verify.stdout), verify.stdout
 
 
 def test_unknown_store_kind_says_what_to_install(tmp_path: Path) -> None:

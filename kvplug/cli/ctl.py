@@ -21,7 +21,16 @@ from rich.text import Text
 
 from kvplug.cli.console import console, format_size, print_error, print_table
 from kvplug.cli.prompt import chunk_map, read_prompt
-from kvplug.cli.rank_replies import Replies, print_json, rank_name, sum_numbers, sum_tiers, tier_table
+from kvplug.cli.rank_replies import (
+    Replies,
+    closed_ranks,
+    print_json,
+    rank_name,
+    report_closed,
+    sum_numbers,
+    sum_tiers,
+    tier_table,
+)
 from kvplug.core.control.client import ControlClient, RankEndpoint, find_ranks, select_engine
 from kvplug.core.control.protocol import request_fields
 from kvplug.core.control_socket import private_socket_dir
@@ -130,24 +139,38 @@ def stats_command(
     as_json: bool = _JSON,
     timeout: float = _TIMEOUT,
 ) -> None:
-    """The engine's counters (stored, loaded, lookups, errors) and its tiers' usage, summed over ranks."""
+    """The engine's counters (stored, loaded, lookups, errors) and its tiers' usage, summed over ranks.
+    A rank whose engine is closed (its server still answering) is named; exit 1 when every rank's is."""
     replies = _run(lambda: _client(engine, socket_dir, timeout).ask_all("stats"))
     metrics = sum_numbers([reply.get("metrics", {}) for _, reply in replies])
-    total: dict[str, Any] = {"metrics": metrics, "tiers": sum_tiers(replies)}
+    closed = closed_ranks(replies)
+    total: dict[str, Any] = {"metrics": metrics, "tiers": sum_tiers(replies), "closed_ranks": closed}
     if as_json:
         print_json(replies, total)
+        report_closed(replies, closed)
         return
-    table = Table(title=f"engine {replies[0][0].engine_id}: {len(replies)} rank(s), counters summed")
+    table = Table(
+        title=f"engine {replies[0][0].engine_id}: {len(replies)} rank(s), counters summed{_closed_title(closed)}"
+    )
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name, value in sorted(metrics.items()):
         if value and "_bucket{" not in name:  # histogram buckets: in --json
             table.add_row(Text(name), f"{value:g}")
     print_table(table)
-    print_table(tier_table("tiers (summed over ranks)", total["tiers"]))
-    if per_rank:
-        for rank, reply in replies:
-            print_table(tier_table(f"tiers of {rank_name(rank)}", reply.get("tiers", []), rank_name(rank)))
+    print_table(tier_table(f"tiers (summed over ranks){_closed_title(closed)}", total["tiers"]))
+    _per_rank_tiers(replies, per_rank)
+    report_closed(replies, closed)
+
+
+def _closed_title(closed: list[str]) -> str:
+    return f" (closed: {', '.join(closed)})" if closed else ""
+
+
+def _per_rank_tiers(replies: Replies, per_rank: bool) -> None:
+    for rank, reply in replies if per_rank else []:
+        closed = " (engine closed: not live)" if reply.get("closed") is True else ""
+        print_table(tier_table(f"tiers of {rank_name(rank)}{closed}", reply.get("tiers", []), rank_name(rank)))
 
 
 @ctl_app.command("tiers")
@@ -158,16 +181,19 @@ def tiers_command(
     as_json: bool = _JSON,
     timeout: float = _TIMEOUT,
 ) -> None:
-    """Each tier's usage, budget and circuit-breaker state (a remote tier's), summed over ranks."""
+    """Each tier's usage, budget and circuit-breaker state (a remote tier's), summed over ranks.
+    A rank whose engine is closed (its server still answering) is named; exit 1 when every rank's is."""
     replies = _run(lambda: _client(engine, socket_dir, timeout).ask_all("tiers"))
-    total: dict[str, Any] = {"tiers": sum_tiers(replies)}
+    closed = closed_ranks(replies)
+    total: dict[str, Any] = {"tiers": sum_tiers(replies), "closed_ranks": closed}
     if as_json:
         print_json(replies, total)
+        report_closed(replies, closed)
         return
-    print_table(tier_table(f"tiers of engine {replies[0][0].engine_id} (summed over ranks)", total["tiers"]))
-    if per_rank:
-        for rank, reply in replies:
-            print_table(tier_table(f"tiers of {rank_name(rank)}", reply.get("tiers", []), rank_name(rank)))
+    title = f"tiers of engine {replies[0][0].engine_id} (summed over ranks){_closed_title(closed)}"
+    print_table(tier_table(title, total["tiers"]))
+    _per_rank_tiers(replies, per_rank)
+    report_closed(replies, closed)
 
 
 #: How a prompt command sums its ranks' replies (what ``--json`` prints as the total), and

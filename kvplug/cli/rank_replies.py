@@ -23,6 +23,25 @@ def rank_name(rank: RankEndpoint) -> str:
     return f"dp{dp}/tp{tp}"
 
 
+def closed_ranks(replies: Replies) -> list[str]:
+    """The ranks whose engine is closed while their control server still answers."""
+    return [rank_name(rank) for rank, reply in replies if reply.get("closed") is True]
+
+
+def report_closed(replies: Replies, closed: list[str]) -> None:
+    """Say which ranks' engines are closed (their figures are not live); exit 1 when every
+    rank's is: the engine serves from none of them."""
+    if closed:
+        every = " (every rank: the engine is closed)" if len(closed) == len(replies) else ""
+        typer.echo(
+            f"closed: {', '.join(closed)}{every}: the engine of these ranks is closed while its control server "
+            "still answers: it serves nothing, and its figures are not live (closed tiers hold and count nothing)",
+            err=True,
+        )
+    if replies and len(closed) == len(replies):
+        raise typer.Exit(1)
+
+
 def print_json(replies: Replies, total: dict[str, Any]) -> None:
     ranks = [{"dp_rank": r.rank[0], "tp_rank": r.rank[1], **reply} for r, reply in replies]
     engine = replies[0][0].engine_id if replies else None

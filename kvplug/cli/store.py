@@ -6,7 +6,8 @@ a folder (tier ``disk``), ``s3://bucket/prefix`` and other fsspec URLs (tier ``s
 no disk tier wrote is refused before anything in it is touched). ``stats``, ``ls`` and
 ``verify`` open it read-only (``TierContext.read_only``): they create, change and delete
 nothing. ``gc`` opens it as an engine does, with an unbounded budget (nothing is
-evicted), and removes only records that fail verification or are of another format version.
+evicted), and removes only records that fail verification or are of an older format version
+(one a newer kvplug wrote, in a store shared during a rolling upgrade, is ``newer``: kept).
 
 Records are read as an engine reads them: at most ``--max-record-bytes`` of each (by
 default the engine's bound, from the config's ``max_chunk_bytes``), so a record planted
@@ -183,8 +184,8 @@ def verify(
 def gc(
     location: str = LocationArg, options: list[str] = OptionsOpt, max_record_bytes: str | None = MaxRecordOpt
 ) -> None:
-    """Verify every record and remove the corrupt and incompatible ones, and those over the
-    engine's bound (not those over a tighter --max-record-bytes alone: they are kept, unread);
+    """Verify every record and remove the corrupt and incompatible ones (of an older format
+    version; a newer kvplug's are kept), and those over the engine's bound (not those over a tighter --max-record-bytes alone: they are kept, unread);
     exit 1 when it leaves any that verify fails on (unreadable, foreign, oversized kept)."""
 
     def action() -> None:
@@ -212,7 +213,7 @@ def _check_all(tier: StorageTier, bound: RecordBound | None = None, *, remove: b
         for record in records:
             check, data = _read_and_check_bytes(tier, record, bound)
             verdicts[check.status] += 1
-            if check.status in ("corrupt", "incompatible", "unreadable", "oversized"):
+            if check.status in ("corrupt", "incompatible", "newer", "unreadable", "oversized"):
                 console.print(f"{check.status}: {record.digest} ({check.reason})", highlight=False, markup=False)
                 if remove and _removable(check, bound):
                     verdicts["removed"] += _remove(tier, record.digest, data)
@@ -277,7 +278,17 @@ def _report(verdicts: Counter[str], *, removed: int) -> None:
     table = Table(title="verification")
     table.add_column("records")
     table.add_column("count", justify="right")
-    for status in ("ok", "corrupt", "oversized", "unreadable", "incompatible", "unverified", "gone", "foreign"):
+    for status in (
+        "ok",
+        "corrupt",
+        "oversized",
+        "unreadable",
+        "incompatible",
+        "newer",
+        "unverified",
+        "gone",
+        "foreign",
+    ):
         table.add_row(status, str(verdicts[status]))
     table.add_row("removed", str(removed))
     print_table(table)

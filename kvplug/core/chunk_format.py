@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvplug.errors import CorruptChunkError, IncompatibleChunkError
+from kvplug.errors import CorruptChunkError, IncompatibleChunkError, NewerFormatError
 
 
 def dtype_name(dtype: object) -> str:
@@ -133,6 +133,8 @@ def parse_header(data: bytes | bytearray | memoryview) -> ChunkHeader:
     dims, (length, _, checksum) = rest[:MAX_NDIM], rest[MAX_NDIM:]
     if magic != MAGIC:
         raise CorruptChunkError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version > FRAME_VERSION:
+        raise NewerFormatError(f"chunk frame version {version} is newer than this kvplug reads ({FRAME_VERSION})")
     if version != FRAME_VERSION or header_size != HEADER_SIZE:
         raise IncompatibleChunkError(
             f"chunk frame version {version} (header {header_size} bytes) is not version {FRAME_VERSION}"
@@ -145,7 +147,8 @@ def parse_header(data: bytes | bytearray | memoryview) -> ChunkHeader:
         raise CorruptChunkError("dtype field is not ASCII") from None
     shape = tuple(dims[:ndim])
     if dtype not in DTYPE_SIZES:
-        raise IncompatibleChunkError(f"chunk dtype {dtype!r} is not supported")
+        # Every kvplug knows the dtypes earlier ones wrote: an unknown one is a later kvplug's.
+        raise NewerFormatError(f"chunk dtype {dtype!r} is not one this kvplug knows (a later kvplug's)")
     if length != payload_length(dtype, shape):
         raise CorruptChunkError(f"payload length {length} does not match dtype {dtype} and shape {shape}")
     if view.nbytes != HEADER_SIZE + length:

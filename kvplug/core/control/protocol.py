@@ -163,11 +163,21 @@ def _extra_keys(raw: Any) -> tuple[ExtraKey, ...]:
     return tuple(keys)
 
 
-def encode_reply(reply: Mapping[str, Any]) -> bytes:
-    """A reply body; one too large for a client becomes an error reply saying so."""
+def encode_reply(reply: Mapping[str, Any], prompt_tokens: int = 0) -> bytes:
+    """A reply body; one too large for a client becomes an error reply saying so, and, for a
+    request with a prompt of ``prompt_tokens`` tokens, about how many tokens would fit."""
     body = json.dumps(reply, separators=(",", ":")).encode()
     if len(body) > MAX_CONTROL_MESSAGE:
-        return error_reply(f"the reply of {len(body)} bytes is over {MAX_CONTROL_MESSAGE}", "too_large")
+        message = f"the reply of {len(body)} bytes is over the protocol's limit of {MAX_CONTROL_MESSAGE}"
+        # The reply lists every chunk: its size grows with the prompt's, so scale down, with a
+        # tenth to spare for what does not grow evenly (digits, fixed fields). 0: no prompt.
+        fits = prompt_tokens * MAX_CONTROL_MESSAGE // len(body) * 9 // 10
+        if fits:
+            message += (
+                f": it lists every chunk of the prompt's {prompt_tokens} tokens; send a shorter prompt, at most "
+                f"about {fits} tokens (its first {fits}: chunk keys chain from the start, so theirs are this prompt's)"
+            )
+        return error_reply(message, "too_large")
     return body
 
 

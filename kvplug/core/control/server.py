@@ -142,7 +142,7 @@ class ControlServer(MessageServer):
             logger.warning("control socket: a request that could not be read (%r); closing its connection", exc)
             return None
         try:
-            return encode_reply(self._ops[request.op](request))
+            return encode_reply(self._ops[request.op](request), len(request.tokens))
         except ControlProtocolError as exc:
             return error_reply(str(exc), "bad_request")
         except Exception as exc:  # the engine stays up: the operator reads why
@@ -177,10 +177,11 @@ class ControlServer(MessageServer):
         return rows
 
     def _stats(self, request: ControlRequest) -> dict[str, Any]:
-        return {"metrics": self.target.metrics.snapshot(), "tiers": self._tier_rows()}
+        # ``closed``: a closed engine's figures, not a serving one's (its closed tiers hold nothing).
+        return {"metrics": self.target.metrics.snapshot(), "tiers": self._tier_rows(), "closed": self.target.closed}
 
     def _tiers(self, request: ControlRequest) -> dict[str, Any]:
-        return {"tiers": self._tier_rows()}
+        return {"tiers": self._tier_rows(), "closed": self.target.closed}
 
     def _lookup(self, request: ControlRequest) -> dict[str, Any]:
         found = self.target.locate(request.tokens, request.request_info())

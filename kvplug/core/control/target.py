@@ -181,6 +181,11 @@ class ControlTarget:
         """What ``kvplug ctl list`` shows besides the identity: model, fingerprint, chunk size."""
         return {}
 
+    @property
+    def closed(self) -> bool:
+        """Whether the cache is closed while its server still answers: it serves nothing, its figures are not live."""
+        return False
+
     def lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
         """Per chunk of the cached prefix: (fastest tier holding it, its tokens)."""
         raise NotImplementedError
@@ -272,6 +277,10 @@ class EngineControl(ControlTarget):
             "fingerprint": fingerprint.hexdigest(),
             "chunk_size": self.engine.chunk_size,
         }
+
+    @property
+    def closed(self) -> bool:
+        return any(source.closed for source in self.engines)
 
     def lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
         return [(location.tier, location.tokens) for location in self.locate(tokens, request)]

@@ -302,6 +302,11 @@ class CacheEngine(EngineRetrieves, EngineStores):
         self.flush_stores()
         self.chain.flush()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called: a closed engine stores, loads and counts nothing more."""
+        return self._closed
+
     def close(self, *, drain: bool = True) -> None:
         """Stop the store worker (writing what is queued when ``drain``) and close tiers."""
         if self._closed:

@@ -53,6 +53,7 @@ from kvplug.errors import (
     CorruptChunkError,
     IncompatibleChunkError,
     MissingIntegrityKeyError,
+    NewerFormatError,
 )
 
 RECORD_MAGIC = b"KVPR"
@@ -293,10 +294,15 @@ def parse_record_header(data: Buffer, key: str | None = None) -> RecordHeader:
     magic, version, header_size = _PREFIX.unpack_from(view, 0)
     if magic != RECORD_MAGIC:
         raise CorruptChunkError(f"bad record magic {bytes(magic)!r}")
-    if version not in (RECORD_VERSION, KEYED_RECORD_VERSION) or header_size != RECORD_HEADER_SIZE:
+    if version > KEYED_RECORD_VERSION:
         # Before any checksum: a newer kvplug's header need not keep version 1's checksum
         # where version 1 has it (version 2 does not), and its records, in a store shared
-        # during a rolling upgrade, must be kept, not deleted as corrupt.
+        # during a rolling upgrade, must be kept, not deleted as corrupt or incompatible.
+        raise NewerFormatError(
+            f"record version {version} is newer than this kvplug reads ({RECORD_VERSION} or {KEYED_RECORD_VERSION}): "
+            "written by a later kvplug"
+        )
+    if version not in (RECORD_VERSION, KEYED_RECORD_VERSION) or header_size != RECORD_HEADER_SIZE:
         raise IncompatibleChunkError(
             f"record version {version} (header {header_size} bytes) is not one this kvplug reads "
             f"({RECORD_VERSION} or {KEYED_RECORD_VERSION}, header {RECORD_HEADER_SIZE} bytes)"

@@ -15,7 +15,7 @@ from kvplug.core import chunk_format
 from kvplug.core.records.frame import parse_record_header, unpack_record
 from kvplug.core.records.manifest import decode_manifest
 from kvplug.core.tier import Buffer
-from kvplug.errors import CorruptChunkError, IncompatibleChunkError, MissingIntegrityKeyError
+from kvplug.errors import CorruptChunkError, IncompatibleChunkError, MissingIntegrityKeyError, NewerFormatError
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,9 @@ class RecordCheck:
     """The verdict on one record; ``dtype``/``shape`` when it holds a KV chunk frame."""
 
     #: ``unreadable``: there, but this process could not read it; ``oversized``: larger than the
-    #: bound on what is read of a record, so not read (``kvplug store``'s verdicts).
-    status: Literal["ok", "corrupt", "incompatible", "unverified", "gone", "unreadable", "oversized"]
+    #: bound on what is read of a record, so not read (``kvplug store``'s verdicts). ``newer``: of a
+    #: format a later kvplug wrote (kept); ``incompatible``: of one no kvplug reads any more.
+    status: Literal["ok", "corrupt", "incompatible", "newer", "unverified", "gone", "unreadable", "oversized"]
     reason: str = ""
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
@@ -73,6 +74,8 @@ def check_record(digest: str, data: Buffer | None) -> RecordCheck:
         chunk = chunk_format.verify_frame(value)
     except MissingIntegrityKeyError as exc:
         return RecordCheck("unverified", str(exc))
+    except NewerFormatError as exc:
+        return RecordCheck("newer", str(exc))
     except IncompatibleChunkError as exc:
         return RecordCheck("incompatible", str(exc))
     except CorruptChunkError as exc:

@@ -78,7 +78,7 @@ def verify_folder(path: str | os.PathLike[str], *, remove_corrupt: bool = False)
                 stat = None if found is None else found[1]
             if stat is None:  # vanished meanwhile
                 continue
-            if check.status == "incompatible":
+            if check.status in ("incompatible", "newer"):  # neither removed: a newer kvplug's is kept
                 report.incompatible += 1
             elif check.status == "corrupt":
                 report.corrupt += 1
