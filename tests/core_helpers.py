@@ -3,9 +3,14 @@ is not importable once several test folders run in one pytest session)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import torch
 
-from kvplug import KVLayout, PagedFormat
+from kvplug import CacheEngine, Fingerprint, HeadShard, KVLayout, PagedFormat, load_config
+from kvplug.core.plugins import PluginRegistry
 
 #: The engine formats the adapters declare (kvplug_vllm's layout.py, kvplug_sglang's
 #: setup_engine.py), copied here because the core tests run without those plugins.
@@ -54,3 +59,26 @@ def caches_equal(a: list, b: list) -> bool:
     flat_a = [t for c in a for t in (c if isinstance(c, tuple) else (c,))]
     flat_b = [t for c in b for t in (c if isinstance(c, tuple) else (c,))]
     return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(flat_a, flat_b))
+
+
+@contextmanager
+def engine_maker(registry: PluginRegistry, tiers: list[dict[str, Any]], **settings: Any) -> Iterator[Any]:
+    """``make(layout, heads)``: a CacheEngine of model ``m`` over ``tiers`` (or the ``tiers`` of
+    that call; chunks of 8 tokens, stores written on the caller's side, ``settings`` on top), as
+    each TP rank of an engine would open it; all of them closed on exit."""
+    opened: list[CacheEngine] = []
+
+    def make(layout: KVLayout, heads: HeadShard | None, *, tiers: list[dict[str, Any]] = tiers) -> CacheEngine:
+        extra = {"chunk_size": 8, "store": {"queue": {"mode": "sync"}}, "tiers": tiers, **settings}
+        config = load_config(engine_extra={"kvplug": extra}, env={}, registry=registry).config
+        engine = CacheEngine(
+            config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry, heads=heads
+        )
+        opened.append(engine)
+        return engine
+
+    try:
+        yield make
+    finally:
+        for engine in opened:
+            engine.close()

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from core_helpers import LAYOUTS, random_caches
+from core_helpers import LAYOUTS, engine_maker, random_caches
 
-from kvplug import CacheEngine, Fingerprint, HeadShard, KVLayout, load_config
+from kvplug import HeadShard, KVLayout
 from kvplug.core.plugins import PluginRegistry
 
 #: The axis of each format's per-layer tensor that holds KV heads, and the one that holds blocks.
@@ -27,21 +27,9 @@ LONGER = [*PROMPT, 7, 8, 9]  # the next round of the conversation
 @pytest.fixture
 def engines(tmp_path: Path) -> Iterator[Any]:
     registry = PluginRegistry(plugin_filter="cpu,disk")
-    opened: list[CacheEngine] = []
-
-    def make(layout: KVLayout, heads: HeadShard) -> CacheEngine:
-        tiers = [{"type": "disk", "path": str(tmp_path / "kv")}]
-        extra = {"kvplug": {"chunk_size": 8, "block_granular_hits": True, "store": {"queue": {"mode": "sync"}}}}
-        extra["kvplug"]["tiers"] = tiers
-        config = load_config(engine_extra=extra, env={}, registry=registry).config
-        fingerprint = Fingerprint.for_layout(layout, model_id="m")
-        engine = CacheEngine(config, layout, fingerprint, registry=registry, heads=heads)
-        opened.append(engine)
-        return engine
-
-    yield make
-    for engine in opened:
-        engine.close()
+    tiers = [{"type": "disk", "path": str(tmp_path / "kv")}]
+    with engine_maker(registry, tiers, block_granular_hits=True) as make:
+        yield make
 
 
 def heads_of(caches: list[Any], axis: int, first: int, count: int) -> list[Any]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from core_helpers import LAYOUTS, random_caches
+from core_helpers import LAYOUTS, engine_maker, random_caches
 
 from kvplug import CacheEngine, Fingerprint, HeadShard, KVLayout, RequestInfo, load_config
 from kvplug.core.engine.head_shards import HeadRecords
@@ -38,20 +38,8 @@ def registry() -> PluginRegistry:
 
 @pytest.fixture
 def engines(registry: PluginRegistry, tmp_path: Path) -> Iterator[Any]:
-    opened: list[CacheEngine] = []
-
-    def make(layout: KVLayout, heads: HeadShard | None, *, tiers: list[dict[str, Any]] | None = None) -> CacheEngine:
-        tiers = tiers or [{"type": "disk", "path": str(tmp_path / "kv")}]
-        extra = {"kvplug": {"chunk_size": 8, "store": {"queue": {"mode": "sync"}}, "tiers": tiers}}
-        config = load_config(engine_extra=extra, env={}, registry=registry).config
-        fingerprint = Fingerprint.for_layout(layout, model_id="m")
-        engine = CacheEngine(config, layout, fingerprint, registry=registry, heads=heads)
-        opened.append(engine)
-        return engine
-
-    yield make
-    for engine in opened:
-        engine.close()
+    with engine_maker(registry, [{"type": "disk", "path": str(tmp_path / "kv")}]) as make:
+        yield make
 
 
 def blocks(layout: KVLayout) -> int:

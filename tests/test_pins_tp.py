@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from core_helpers import LAYOUTS, random_caches
+from core_helpers import LAYOUTS, engine_maker, random_caches
 
-from kvplug import CacheEngine, Fingerprint, HeadShard, KVLayout, load_config
+from kvplug import CacheEngine, HeadShard, KVLayout
 from kvplug.core.plugins import PluginRegistry
 
 FULL = replace(LAYOUTS["vllm_flash"], num_kv_heads=4)
@@ -22,22 +22,14 @@ PROMPT = list(range(100, 130))  # three whole chunks of 8, then 6 tokens: the ta
 @pytest.fixture
 def engines(tmp_path: Path) -> Iterator[Any]:
     registry = PluginRegistry(plugin_filter="cpu,disk")
-    opened: list[CacheEngine] = []
+    tiers = [{"type": "disk", "path": str(tmp_path / "kv"), "max_bytes": "64KiB", "pin_max_bytes": "50%"}]
+    with engine_maker(registry, tiers, block_granular_hits=True) as make:
 
-    def make(tp_rank: int, tp_size: int) -> CacheEngine:
-        heads = HeadShard.for_rank(total_heads=4, tp_rank=tp_rank, tp_size=tp_size)
-        layout = replace(FULL, num_kv_heads=4 // tp_size)
-        tiers = [{"type": "disk", "path": str(tmp_path / "kv"), "max_bytes": "64KiB", "pin_max_bytes": "50%"}]
-        extra = {"chunk_size": 8, "block_granular_hits": True, "store": {"queue": {"mode": "sync"}}, "tiers": tiers}
-        config = load_config(engine_extra={"kvplug": extra}, env={}, registry=registry).config
-        fingerprint = Fingerprint.for_layout(layout, model_id="m")
-        engine = CacheEngine(config, layout, fingerprint, registry=registry, heads=heads)
-        opened.append(engine)
-        return engine
+        def rank_engine(tp_rank: int, tp_size: int) -> CacheEngine:
+            heads = HeadShard.for_rank(total_heads=4, tp_rank=tp_rank, tp_size=tp_size)
+            return make(replace(FULL, num_kv_heads=4 // tp_size), heads)
 
-    yield make
-    for engine in opened:
-        engine.close()
+        yield rank_engine
 
 
 def rank_caches(layout: KVLayout, first: int, seed: int) -> list[torch.Tensor]:
