@@ -53,3 +53,15 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         # Lazily if still busy (a test that failed holding a mapping): never left mounted.
         if subprocess.run(["umount", str(point)], capture_output=True, timeout=60).returncode != 0:
             subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=60)
+
+
+@pytest.fixture(params=["disk", "shm"])
+def kind(request: pytest.FixtureRequest) -> str:
+    """Each folder tier: ``disk``, and ``shm`` (the same records in shared memory)."""
+    return str(request.param)
+
+
+@pytest.fixture
+def folder(kind: str, tmp_path: Path, shm_dir: Path) -> Path:
+    """A fresh folder for a ``kind`` tier (a test file may name its own)."""
+    return shm_dir if kind == "shm" else tmp_path / "store"

@@ -59,11 +59,6 @@ def tier_class(kind: str) -> type[DiskTier]:
     return ShmTier if kind == "shm" else DiskTier
 
 
-@pytest.fixture(params=["disk", "shm"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 @pytest.fixture
 def folder(kind: str, tmp_path: Path, shm_dir: Path) -> Path:
     return (shm_dir if kind == "shm" else tmp_path) / "cache"

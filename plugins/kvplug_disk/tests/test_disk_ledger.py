@@ -13,16 +13,6 @@ from kvplug_disk import DiskTier, ShmTier
 from kvplug_disk.ledger import LEDGER_NAME
 
 
-@pytest.fixture(params=["disk", "shm"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def folder(kind: str, tmp_path: Path, shm_dir: Path) -> Path:
-    return shm_dir if kind == "shm" else tmp_path / "store"
-
-
 def open_tier(kind: str, folder: Path) -> DiskTier:
     cls = ShmTier if kind == "shm" else DiskTier
     return cls(cls.Config(path=folder, queue={"mode": "sync"}), tier_context())

@@ -26,16 +26,6 @@ STORED = [(key_for(f"stored-{i}"), value_for(f"stored-{i}", 3000 + i)) for i in 
 RETURNS_WITHIN_S = 60
 
 
-@pytest.fixture(params=["disk", "shm"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def folder(kind: str, tmp_path: Path, shm_dir: Path) -> Path:
-    return shm_dir if kind == "shm" else tmp_path / "store"
-
-
 def tier_class(kind: str) -> type[DiskTier]:
     return ShmTier if kind == "shm" else DiskTier
 
