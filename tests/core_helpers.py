@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,6 +29,26 @@ LAYOUTS = {
     "vllm_cpu": KVLayout(VLLM_CPU, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16),
     "sglang_mha": KVLayout(SGLANG_MHA, num_layers=2, block_size=1, num_kv_heads=2, head_dim=8, dtype=torch.float32),
 }
+
+
+#: The axis of each format's per-layer tensor that holds KV heads.
+HEAD_AXIS = {"vllm_flash": 3, "vllm_cpu": 1, "sglang_mha": 1}
+
+
+def heads_of(caches: list[Any], axis: int, first: int, count: int) -> list[Any]:
+    """A rank's caches: the heads ``[first, first + count)`` of every layer, as separate tensors."""
+
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.narrow(axis, first, count).contiguous()
+
+    return [tuple(cut(t) for t in c) if isinstance(c, tuple) else cut(c) for c in caches]
+
+
+def rank_shard(full: KVLayout, tp_rank: int, tp_size: int) -> tuple[HeadShard, KVLayout]:
+    """The heads TP rank ``tp_rank`` of ``tp_size`` holds of ``full``'s, and its caches' layout
+    (one head where the ranks outnumber the heads: replicated)."""
+    heads = HeadShard.for_rank(total_heads=full.num_kv_heads, tp_rank=tp_rank, tp_size=tp_size)
+    return heads, replace(full, num_kv_heads=max(1, full.num_kv_heads // tp_size))
 
 
 def random_caches(layout: KVLayout, num_blocks: int, *, seed: int = 0) -> list:

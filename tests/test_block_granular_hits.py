@@ -197,22 +197,29 @@ def test_a_packed_layouts_tail_loads_when_the_prompt_ends_inside_a_block(make_en
     assert not any(torch.equal(s[6], t[6]) for s, t in zip(source, target))
 
 
-def test_keys_from_a_lookups_hashes_take_no_shorter_tail_for_the_partial_chunk(make_engine) -> None:
-    """A lookup of a prompt past a stored tail names the tail's hash for the prompt's partial
-    chunk: that hash keys a shorter cut, and a load of it as the whole partial chunk would
-    fail its shape check and remove the tail from every tier."""
+@pytest.mark.parametrize(
+    "added",
+    [
+        pytest.param([7], id="partial-chunk"),  # 28 tokens: a whole chunk, a partial one of 12, its stored tail 8
+        pytest.param([7, 8, 9, 10, 11], id="whole-last-chunk"),  # 32: two whole chunks, the second held as its tail
+    ],
+)
+def test_keys_from_a_lookups_hashes_take_no_stored_tail_for_a_longer_last_chunk(make_engine, added: list[int]) -> None:
+    """A lookup of a prompt past a stored tail names the tail's hash (8 tokens) for the prompt's
+    last chunk, partial (12) or whole (16): keys rebuilt from those hashes must not name the
+    chunk by it, or its load would fail the shape check and remove the tail from every tier."""
     layout = LAYOUTS["vllm_flash"]
     engine = make_engine(layout, chunk_size=16, block_granular_hits=True)
     source = random_caches(layout, 64, seed=1)
     first = list(range(1000, 1027))
     engine.store(first, source, torch.arange(27))
-    longer = [*first, 7]  # 28 tokens: a whole chunk, a partial one of 12, whose stored tail is 8
+    longer = [*first, *added]
     found = engine.locate(longer)
     assert [loc.tokens for loc in found] == [16, 8]
     keys = engine.chunk_keys(longer, hashes=[loc.chunk_hash for loc in found])
     assert keys == engine.chunk_keys(longer)
     target = random_caches(layout, 64, seed=2)
-    loading = engine.retrieve_layerwise(longer, target, torch.arange(28), keys=keys)
+    loading = engine.retrieve_layerwise(longer, target, torch.arange(len(longer)), keys=keys)
     loading.write_remaining()
     assert loading.num_loaded_tokens == 24
     assert all(same_kv(layout, source, target, t) for t in range(24))
@@ -252,29 +259,6 @@ def test_a_tail_after_whole_chunks_of_another_tp_size_loads_as_it_was_located(re
     assert all(same_kv(layout, whole, target, t) for t in range(21))
     for opened, _ in [*ranks, (reader, layout)]:
         opened.close()
-
-
-def test_keys_from_a_lookups_hashes_take_no_tail_for_a_whole_last_chunk(make_engine) -> None:
-    """A prompt of whole chunks whose last one hit only as a stored tail: the lookup's last hash
-    keys the tail (8 tokens), not the prompt's whole last chunk (16). Keys rebuilt from those
-    hashes must not name the chunk by it: its load would fail the shape check and remove the
-    tail from every tier."""
-    layout = LAYOUTS["vllm_flash"]
-    engine = make_engine(layout, chunk_size=16, block_granular_hits=True)
-    source = random_caches(layout, 64, seed=1)
-    first = list(range(1000, 1027))
-    engine.store(first, source, torch.arange(27))
-    whole = [*first, 7, 8, 9, 10, 11]  # 32 tokens: two whole chunks, the second held as its 8-token tail
-    found = engine.locate(whole)
-    assert [loc.tokens for loc in found] == [16, 8]
-    keys = engine.chunk_keys(whole, hashes=[loc.chunk_hash for loc in found])
-    assert keys == engine.chunk_keys(whole)
-    target = random_caches(layout, 64, seed=2)
-    loading = engine.retrieve_layerwise(whole, target, torch.arange(32), keys=keys)
-    loading.write_remaining()
-    assert loading.num_loaded_tokens == 24
-    assert all(same_kv(layout, source, target, t) for t in range(24))
-    assert engine.lookup(whole) == 24  # the tail is still stored
 
 
 def test_a_packed_layout_refuses_chunks_that_are_not_whole_blocks(make_engine) -> None:

@@ -12,13 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from core_helpers import LAYOUTS, engine_maker, random_caches
+from core_helpers import HEAD_AXIS, LAYOUTS, engine_maker, heads_of, random_caches, rank_shard
 
-from kvplug import HeadShard, KVLayout
+from kvplug import HeadShard
 from kvplug.core.plugins import PluginRegistry
 
-#: The axis of each format's per-layer tensor that holds KV heads, and the one that holds blocks.
-HEAD_AXIS = {"vllm_flash": 3, "vllm_cpu": 1, "sglang_mha": 1}
+#: The axis of each format's per-layer tensor that holds blocks.
 BLOCK_AXIS = {"vllm_flash": 1, "vllm_cpu": 0, "sglang_mha": 0, "vllm_mla": 0}
 PROMPT = list(range(100, 123))  # two whole chunks of 8, then 7 tokens: the tail cut at the last block end
 LONGER = [*PROMPT, 7, 8, 9]  # the next round of the conversation
@@ -30,13 +29,6 @@ def engines(tmp_path: Path) -> Iterator[Any]:
     tiers = [{"type": "disk", "path": str(tmp_path / "kv")}]
     with engine_maker(registry, tiers, block_granular_hits=True) as make:
         yield make
-
-
-def heads_of(caches: list[Any], axis: int, first: int, count: int) -> list[Any]:
-    def cut(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.narrow(axis, first, count).contiguous()
-
-    return [tuple(cut(t) for t in c) if isinstance(c, tuple) else cut(c) for c in caches]
 
 
 def blocks_of(caches: list[Any], axis: int, count: int) -> list[Any]:
@@ -69,18 +61,14 @@ def test_a_tail_another_tp_size_stored_hits_and_loads_bit_for_bit(
     axis, block_axis = HEAD_AXIS[name], BLOCK_AXIS[name]
     source = random_caches(full, num_blocks, seed=11)
 
-    def rank_of(tp_rank: int, tp_size: int) -> tuple[HeadShard, KVLayout]:
-        heads = HeadShard.for_rank(total_heads=4, tp_rank=tp_rank, tp_size=tp_size)
-        return heads, replace(full, num_kv_heads=max(1, 4 // tp_size))
-
     for rank in range(writer_tp):
-        heads, layout = rank_of(rank, writer_tp)
+        heads, layout = rank_shard(full, rank, writer_tp)
         writer = engines(layout, heads)
         writer.store(PROMPT, heads_of(source, axis, heads.first, layout.num_kv_heads), torch.arange(len(PROMPT)))
         writer.flush()
         assert writer.lookup(LONGER) == cut  # its own tail
     for rank in range(reader_tp):
-        heads, layout = rank_of(rank, reader_tp)
+        heads, layout = rank_shard(full, rank, reader_tp)
         reader = engines(layout, heads)
         assert [loc.tokens for loc in reader.locate(LONGER)] == [8, 8, cut - 16], (rank, reader_tp)
         own = heads_of(source, axis, heads.first, layout.num_kv_heads)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from core_helpers import LAYOUTS, engine_maker, random_caches
+from core_helpers import HEAD_AXIS, LAYOUTS, engine_maker, heads_of, random_caches, rank_shard
 
 from kvplug import CacheEngine, Fingerprint, HeadShard, KVLayout, RequestInfo, load_config
 from kvplug.core.engine.head_shards import HeadRecords
@@ -27,8 +27,6 @@ from kvplug.core.plugins import PluginRegistry
 from kvplug.errors import ConfigError
 
 TOKENS = list(range(100, 132))  # 4 chunks of 8 (2 blocks of 4 each)
-#: The axis of each format's per-layer tensor that holds KV heads.
-HEAD_AXIS = {"vllm_flash": 3, "vllm_cpu": 1, "sglang_mha": 1}
 
 
 @pytest.fixture
@@ -45,15 +43,6 @@ def engines(registry: PluginRegistry, tmp_path: Path) -> Iterator[Any]:
 def blocks(layout: KVLayout) -> int:
     """Exactly the blocks of the prompt, so that a cache equal to another was loaded whole."""
     return len(TOKENS) // layout.block_size
-
-
-def heads_of(caches: list[Any], axis: int, first: int, count: int) -> list[Any]:
-    """A rank's caches: the heads ``[first, first + count)`` of every layer, as separate tensors."""
-
-    def cut(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.narrow(axis, first, count).contiguous()
-
-    return [tuple(cut(t) for t in c) if isinstance(c, tuple) else cut(c) for c in caches]
 
 
 def zeros_like(caches: list[Any]) -> list[Any]:
@@ -245,17 +234,13 @@ def test_default_records_are_read_by_every_tp_size(engines: Any, name: str, writ
     source = random_caches(full, blocks(full), seed=7)
     slots = torch.arange(len(TOKENS))
 
-    def rank_of(tp_rank: int, tp_size: int) -> tuple[HeadShard, KVLayout]:
-        heads = HeadShard.for_rank(total_heads=4, tp_rank=tp_rank, tp_size=tp_size)
-        return heads, replace(full, num_kv_heads=max(1, 4 // tp_size))
-
     for rank in range(writer_tp):
-        heads, layout = rank_of(rank, writer_tp)
+        heads, layout = rank_shard(full, rank, writer_tp)
         writer = engines(layout, heads)
         writer.store(TOKENS, heads_of(source, axis, heads.first, layout.num_kv_heads), slots)
         writer.flush()
     for rank in range(reader_tp):
-        heads, layout = rank_of(rank, reader_tp)
+        heads, layout = rank_shard(full, rank, reader_tp)
         reader = engines(layout, heads)
         assert reader.lookup(TOKENS) == len(TOKENS), (rank, reader.records.labels)
         assert [loc.tokens for loc in reader.locate(TOKENS)] == [8, 8, 8, 8]

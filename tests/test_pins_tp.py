@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from core_helpers import LAYOUTS, engine_maker, random_caches
+from core_helpers import LAYOUTS, engine_maker, random_caches, rank_shard
 
-from kvplug import CacheEngine, HeadShard, KVLayout
+from kvplug import CacheEngine, KVLayout
 from kvplug.core.plugins import PluginRegistry
 
 FULL = replace(LAYOUTS["vllm_flash"], num_kv_heads=4)
@@ -26,8 +26,8 @@ def engines(tmp_path: Path) -> Iterator[Any]:
     with engine_maker(registry, tiers, block_granular_hits=True) as make:
 
         def rank_engine(tp_rank: int, tp_size: int) -> CacheEngine:
-            heads = HeadShard.for_rank(total_heads=4, tp_rank=tp_rank, tp_size=tp_size)
-            return make(replace(FULL, num_kv_heads=4 // tp_size), heads)
+            heads, layout = rank_shard(FULL, tp_rank, tp_size)
+            return make(layout, heads)
 
         yield rank_engine
 

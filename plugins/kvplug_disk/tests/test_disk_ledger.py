@@ -61,11 +61,7 @@ def test_a_ledger_removed_under_running_tiers_is_one_ledger_again_for_every_proc
     (folder / LEDGER_NAME).unlink()
     second = opened()
     try:
-        for i in range(1, 20):
-            first.put([(key_for(f"first-{i}"), value_for(f"first-{i}", 100_000))])
-            second.put([(key_for(f"second-{i}"), value_for(f"second-{i}", 100_000))])
-        assert folder_value_bytes(folder) <= budget
-        assert ledger_total(folder) == folder_value_bytes(folder)
+        write_in_turn_within(budget, folder, first, second, range(1, 20))
     finally:
         first.close()
         second.close()
@@ -92,11 +88,17 @@ def test_a_ledger_a_full_disk_kept_empty_is_rebuilt_not_taken_from_one_process(k
     try:
         assert (folder / LEDGER_NAME).stat().st_size == 0
         filler.unlink()
-        for i in range(8):
-            first.put([(key_for(f"first-{i}"), value_for(f"first-{i}", 100_000))])
-            second.put([(key_for(f"second-{i}"), value_for(f"second-{i}", 100_000))])
-        assert folder_value_bytes(folder) <= budget
-        assert ledger_total(folder) == folder_value_bytes(folder)
+        write_in_turn_within(budget, folder, first, second, range(8))
     finally:
         first.close()
         second.close()
+
+
+def write_in_turn_within(budget: int, folder: Path, first: DiskTier, second: DiskTier, rounds: range) -> None:
+    """Two processes' tiers of one folder write a 100 kB record each, in turn, for ``rounds``:
+    the folder stays within ``budget`` and its ledger's total is what it holds."""
+    for i in rounds:
+        first.put([(key_for(f"first-{i}"), value_for(f"first-{i}", 100_000))])
+        second.put([(key_for(f"second-{i}"), value_for(f"second-{i}", 100_000))])
+    assert folder_value_bytes(folder) <= budget
+    assert ledger_total(folder) == folder_value_bytes(folder)
