@@ -64,14 +64,13 @@ def _warn(message: str) -> None:
 
 def _engine_bound() -> int | None:
     """The engine's bound on records under its config (``$KVPLUG_CONFIG`` and ``KVPLUG_*``),
-    as the engine computes it (``kvplug.core.engine.chunk_store.record_bound``, which imports
-    torch). Where that config cannot be loaded here (it names a tier installed only where the
+    as the engine computes it (:func:`kvplug.core.records.frame.record_bound`). Where that config cannot be loaded here (it names a tier installed only where the
     engine runs, or this host lacks the default ``cpu`` tier), from its ``max_chunk_bytes``
     alone when its serializer frames as :class:`~kvplug.Serializer` does (every shipped one).
     ``None``, said on stderr, when neither can tell: ``gc`` then removes no record for its size."""
     from kvplug.core.config.loader import load_config
     from kvplug.core.plugins import get_registry
-    from kvplug.core.records.frame import RECORD_HEADER_SIZE
+    from kvplug.core.records.frame import record_bound
     from kvplug.core.serializer_factory import make_serializer
 
     try:
@@ -80,7 +79,7 @@ def _engine_bound() -> int | None:
     except (ConfigError, PluginError) as exc:
         return _bound_from_settings(exc)
     try:
-        return RECORD_HEADER_SIZE + serializer.max_frame_bytes(serializer.max_chunk_bytes)
+        return record_bound(serializer, None)
     finally:
         serializer.close()
 

@@ -37,7 +37,7 @@ from kvplug.core.events import KVEvent
 from kvplug.core.keys import Fingerprint
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry, get_registry
-from kvplug.core.records.frame import RECORD_HEADER_SIZE, integrity_key
+from kvplug.core.records.frame import integrity_key, record_bound
 from kvplug.core.serializer import Serializer
 from kvplug.core.serializer_factory import make_serializer
 from kvplug.core.tenancy import Tenancy
@@ -244,13 +244,6 @@ class ChunkStore:
         self.chain.close(drain=drain)
         if self.owns_serializer:
             self.serializer.close()
-
-
-def record_bound(serializer: Serializer, chunk_bytes: int | None) -> int:
-    """The largest record (header and frame) of a chunk of ``chunk_bytes``, or of the
-    largest chunk the serializer decodes (``max_chunk_bytes``): a larger one is corrupt."""
-    largest = serializer.max_chunk_bytes if chunk_bytes is None else min(chunk_bytes, serializer.max_chunk_bytes)
-    return RECORD_HEADER_SIZE + serializer.max_frame_bytes(largest)
 
 
 def _check_max_chunk_bytes(config: KVPlugConfig, shape: tuple[int, ...], dtype: torch.dtype) -> None:

@@ -42,6 +42,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import EllipsisType
+from typing import TYPE_CHECKING
 
 import blake3
 import xxhash
@@ -55,6 +56,9 @@ from kvplug.errors import (
     MissingIntegrityKeyError,
     NewerFormatError,
 )
+
+if TYPE_CHECKING:
+    from kvplug.core.serializer import Serializer
 
 RECORD_MAGIC = b"KVPR"
 #: The version written without an integrity key (readable by every kvplug since 0.1).
@@ -377,3 +381,10 @@ def _same(expected: bytes, found: memoryview) -> bool:
     import hmac
 
     return hmac.compare_digest(expected, bytes(found))
+
+
+def record_bound(serializer: Serializer, chunk_bytes: int | None) -> int:
+    """The largest record (header and frame) of a chunk of ``chunk_bytes``, or of the
+    largest chunk the serializer decodes (``max_chunk_bytes``): a larger one is corrupt."""
+    largest = serializer.max_chunk_bytes if chunk_bytes is None else min(chunk_bytes, serializer.max_chunk_bytes)
+    return RECORD_HEADER_SIZE + serializer.max_frame_bytes(largest)
