@@ -207,6 +207,30 @@ def test_partial_chunks_evictions_and_whole_hits_are_told_apart(tmp_path: Path) 
     assert partial.hit_tokens == 8 and "partial chunk (3 of 8 tokens)" in partial.reason
 
 
+def test_explain_reads_no_record_larger_than_a_manifest(tmp_path: Path) -> None:
+    """explain reads only manifests: its tiers read no record past a manifest's size, so a
+    record that a listing showed small and that is large when read is never held whole."""
+    from kvplug.core.control.explain import list_manifests
+    from kvplug.core.records.frame import RECORD_HEADER_SIZE
+    from kvplug.core.records.manifest import MANIFEST_MAX_BYTES
+    from kvplug.errors import CorruptChunkError
+
+    config = config_for([{"type": "disk", "path": str(tmp_path)}])
+    store(config, READER, TOKENS)
+    with engine(config) as writer:
+        writer.chain.tiers[0].put([("v1/planted/00", bytes(1 << 20))])
+        ours = writer.fingerprint.hexdigest()
+    chain, tiers, _ = open_tiers(config)
+    try:
+        (label, tier), notes = tiers[0], {}
+        assert [s.fingerprint_hex for s in list_manifests(label, tier, notes)] == [ours] and not notes
+        planted = next(r for r in tier.records() if r.size > 1 << 20)
+        with pytest.raises(CorruptChunkError, match=f"over the {RECORD_HEADER_SIZE + MANIFEST_MAX_BYTES} bytes"):
+            tier.read_record(planted.digest)
+    finally:
+        chain.close()
+
+
 def kvplug(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, COLUMNS="250")
     env.pop("KVPLUG_PLUGINS", None)

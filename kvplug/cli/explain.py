@@ -45,9 +45,13 @@ def _fingerprint_fields() -> tuple[dict[str, dataclasses.Field[Any]], set[str]]:
 def open_tiers(config: KVPlugConfig) -> tuple[TierChain, list[tuple[str, Any]], list[str]]:
     """The config's tiers not in memory, opened for inspection (read-only: nothing
     created, changed, evicted or removed) and labelled by their place in the config
-    (``1:disk``), and the labels of those left out."""
+    (``1:disk``), and the labels of those left out. Each reads at most a manifest's
+    record: explain reads nothing else (chunks it only asks ``contains``), and a record
+    planted under a manifest's size in a listing must not be read whole."""
     from kvplug.core.chain.tier_chain import TierChain
     from kvplug.core.plugins import get_registry
+    from kvplug.core.records.frame import RECORD_HEADER_SIZE
+    from kvplug.core.records.manifest import MANIFEST_MAX_BYTES
     from kvplug.core.tier import UNBOUNDED_BYTES, TierConfig
 
     registry = get_registry()
@@ -63,7 +67,7 @@ def open_tiers(config: KVPlugConfig) -> tuple[TierChain, list[tuple[str, Any]], 
             options = options.model_copy(update={"max_bytes": UNBOUNDED_BYTES})
         specs.append(SimpleNamespace(type=spec.type, options=options))
         labels.append(label)
-    chain = TierChain.open(specs, registry, read_only=True)
+    chain = TierChain.open(specs, registry, read_only=True, max_record_bytes=RECORD_HEADER_SIZE + MANIFEST_MAX_BYTES)
     return chain, list(zip(labels, chain.tiers)), skipped
 
 
