@@ -297,7 +297,9 @@ class KVPlugStorage(HiCacheStorage):
             self.control = None
         if self.store is not None and not self._closed:
             self._closed = True
-            within_exit_wait(self.store.close, "closing the HiCache storage backend")
+            within_exit_wait(
+                self.store.close, "closing the HiCache storage backend", self.store.chain.discard_queued_writes
+            )
 
     def _check_ready(self) -> None:
         if self.store is None:
