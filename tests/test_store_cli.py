@@ -254,7 +254,9 @@ def test_verify_says_what_it_could_not_check_and_can_require_signatures(tmp_path
 
     def verify(*args: str, **more: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "kvplug.cli.main", "store", "verify", *args, str(folder)]
-        return subprocess.run(command, env={**env, "COLUMNS": "250", **more}, capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            command, env={**env, "COLUMNS": "250", **more}, capture_output=True, text=True, timeout=120
+        )
 
     unkeyed = verify()
     assert unkeyed.returncode == 0, unkeyed.stderr

@@ -262,7 +262,10 @@ def test_a_record_read_costs_its_size_once_not_its_pieces_joined(moto_s3) -> Non
     script = str(Path(__file__).with_name("s3_reader_memory.py"))
     bound = str(2 * size)  # as an engine's bound: well over the record
     reader = subprocess.run(
-        [sys.executable, script, json.dumps(options), key_for("big"), bound], capture_output=True, text=True, timeout=300
+        [sys.executable, script, json.dumps(options), key_for("big"), bound],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert reader.returncode == 0, reader.stderr
     peak, read = map(int, reader.stdout.split())

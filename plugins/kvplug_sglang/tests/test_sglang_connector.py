@@ -221,7 +221,12 @@ def test_pipeline_stages_of_as_many_layers_never_share_kv(model_config, pool_fac
 
 @pytest.mark.parametrize("where", ["engine", "env", "file"])
 def test_on_full_block_set_by_the_operator_is_named_in_a_warning(
-    model_config, pool_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str
+    model_config,
+    pool_factory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    where: str,
 ) -> None:
     """SGLang's store queue never blocks (its scheduler thread stores): an ``on_full: block``
     the operator set is overridden, and said so, naming the setting and where it was set;
