@@ -321,3 +321,19 @@ def test_a_disk_tier_whose_folder_is_not_a_store_is_an_error_and_nothing_is_crea
     assert result.exit_code == 2, result.stderr
     assert f"not a kvplug store: {tmp_path / 'c'} does not exist" in " ".join(result.stderr.split())
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("command", ["explain", "ctl lookup"])
+def test_a_prompt_file_that_is_not_utf8_is_a_clear_error(tmp_path: Path, command: str) -> None:
+    """A binary file (or text in another encoding) given as the prompt is an error naming
+    the file and the byte, exit 2, not a traceback; ``kvplug ctl`` reads prompts the same way."""
+    (tmp_path / "kvplug.yaml").write_text(f"chunk_size: 8\ntiers:\n  - {{type: disk, path: {tmp_path / 'c'}}}\n")
+    with engine(config_for([{"type": "disk", "path": str(tmp_path / "c")}])):
+        pass
+    (tmp_path / "p.bin").write_bytes(b"1 2 \xff\xfe 3")
+    args = {
+        "explain": ["explain", "-f", str(tmp_path / "kvplug.yaml"), "--fingerprint", "abc"],
+        "ctl lookup": ["ctl", "lookup", "--socket-dir", str(tmp_path / "sockets")],
+    }[command]
+    result = CliRunner().invoke(app, [*args, str(tmp_path / "p.bin")])
+    assert result.exit_code == 2 and "is not UTF-8 text: byte 4 is b'\\xff'" in result.stderr, result.output
