@@ -337,3 +337,22 @@ def test_a_prompt_file_that_is_not_utf8_is_a_clear_error(tmp_path: Path, command
     }[command]
     result = CliRunner().invoke(app, [*args, str(tmp_path / "p.bin")])
     assert result.exit_code == 2 and "is not UTF-8 text: byte 4 is b'\\xff'" in result.stderr, result.output
+
+
+def test_a_fingerprint_file_that_never_ends_is_refused_at_its_bound(tmp_path: Path) -> None:
+    """A ``--candidate`` file larger than any fingerprint (a wrong file, ``/dev/zero``) is read
+    only to a bound past any fingerprint, then refused naming it: never read whole."""
+    from kvplug.cli.explain import FINGERPRINT_FILE_MAX_BYTES
+
+    (tmp_path / "kvplug.yaml").write_text(f"chunk_size: 8\ntiers:\n  - {{type: disk, path: {tmp_path / 'c'}}}\n")
+    with engine(config_for([{"type": "disk", "path": str(tmp_path / "c")}])) as writer:
+        fingerprint = dataclasses.asdict(writer.fingerprint)
+    (tmp_path / "fp.json").write_text(json.dumps(fingerprint))
+    (tmp_path / "p.txt").write_text("1 2 3")
+    args = ["explain", "-f", str(tmp_path / "kvplug.yaml"), "--fingerprint", str(tmp_path / "fp.json")]
+    # (a regular file: the command before the bound would read /dev/zero until memory ran out)
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps({**fingerprint, "pad": " " * FINGERPRINT_FILE_MAX_BYTES}))
+    result = CliRunner().invoke(app, [*args, "--candidate", str(huge), str(tmp_path / "p.txt")])
+    assert result.exit_code == 2, result.output
+    assert f"{str(huge)!r} is over {FINGERPRINT_FILE_MAX_BYTES} bytes" in result.stderr, result.stderr

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from kvplug.core.control.explain import Explanation, OtherScheme
     from kvplug.core.records.manifest import KeyScheme
 
+#: The most a ``--fingerprint``/``--candidate`` file may hold: a manifest is at most 16 KiB
+#: (``MANIFEST_MAX_BYTES``), its JSON form a few times that.
+FINGERPRINT_FILE_MAX_BYTES = 1 << 20
+
 __all__ = ["chunk_map", "explain_app", "explain_command", "open_tiers", "plain", "read_prompt", "render"]
 
 
@@ -76,9 +80,15 @@ def load_scheme_file(path: Path) -> KeyScheme | dict[str, Any]:
     from kvplug.core.records.manifest import MANIFEST_MAGIC, decode_manifest
 
     try:
-        data = path.read_bytes()
+        with path.open("rb") as file:  # at most one byte past the bound: /dev/zero, a wrong huge file
+            data = file.read(FINGERPRINT_FILE_MAX_BYTES + 1)
     except OSError as exc:
         raise ExplainInputError(f"fingerprint file {str(path)!r}: cannot read it: {exc}") from None
+    if len(data) > FINGERPRINT_FILE_MAX_BYTES:
+        raise ExplainInputError(
+            f"fingerprint file {str(path)!r} is over {FINGERPRINT_FILE_MAX_BYTES} bytes: not a fingerprint "
+            "(an entry of --list-fingerprints --json, a manifest, or Fingerprint's fields)"
+        )
     if not data.startswith(MANIFEST_MAGIC):
         try:
             body = json.loads(data)
