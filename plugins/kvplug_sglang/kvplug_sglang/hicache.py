@@ -158,6 +158,8 @@ class KVPlugStorage(HiCacheStorage):
 
     def _put(self, keys: list[str], pages: list[torch.Tensor]) -> bool:
         assert self.store is not None and self.page_format is not None
+        if self._closed:
+            return False  # a closed chain writes nothing: SGLang must not count these pages as backed up
         if not self.storage_config.is_storage_writer:
             return True  # another rank writes the replicated (MLA) pages
         items = [(self.storage_key(k), self.page_format.canonical(p)) for k, p in zip(keys, pages)]

@@ -400,3 +400,18 @@ def test_a_close_that_timed_out_drops_the_queued_writes_and_ends_with_the_write_
         assert not any(t.is_alive() for t in closer), "the closing thread went on after the write in hand"
     finally:
         _GATE.set()
+
+
+def test_a_closed_backend_reports_writes_failed_and_reads_missed() -> None:
+    """After a close (a storage detach) a backup that SGLang still sends is written nowhere:
+    it is reported failed, not stored, so SGLang does not count those pages as backed up;
+    reads are misses."""
+    host = make_host("layer_first")
+    backend = make_backend(host, {"tiers": [{"type": "cpu"}]})
+    indices = random_pages(host, 2, seed=5)
+    keys = page_keys(list(range(500, 500 + 2 * PAGE)))
+    assert backend.batch_set_v1(keys, indices) == [True, True]
+    backend.close()
+    assert backend.batch_set_v1(keys, indices) == [False, False]
+    assert backend.batch_get_v1(keys, indices) == [False, False]
+    assert backend.batch_exists(keys) == 0
