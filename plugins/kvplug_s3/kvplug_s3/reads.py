@@ -17,6 +17,8 @@ from kvplug.errors import CorruptChunkError
 
 #: What one read of a body asks for at a time.
 _PIECE = 1 << 20
+#: The most a read without a record bound allocates on the word of a reported size.
+_TRUSTED_UNBOUNDED = 64 << 20
 #: S3 error codes of a ranged GET on an empty object (it has no byte 0).
 _EMPTY_RANGE_CODES = ("InvalidRange", "416")
 
@@ -60,10 +62,11 @@ async def read_body(body: Any, limit: int | None, expected: int | None = None) -
     buffer of the length the answer reports (``expected``, its ``Content-Length``), so a record
     costs its size once, not its pieces and then their join. A body longer than reported (a
     gateway that misreports) grows the buffer piece by piece, up to ``limit``; a shorter one
-    is cut to what came. The caller closes the body, which drops a connection with bytes left
-    unread."""
+    is cut to what came. Without a limit a reported size is trusted only up to
+    :data:`_TRUSTED_UNBOUNDED` (a server could claim a terabyte). The caller closes the body,
+    which drops a connection with bytes left unread."""
     ceiling = limit if limit is not None else 1 << 62
-    buffer = bytearray(max(0, min(expected or 0, ceiling)))  # a reported size, never past the limit
+    buffer = bytearray(max(0, min(expected or 0, ceiling if limit is not None else _TRUSTED_UNBOUNDED)))
     got = 0
     while got < ceiling:
         if got == len(buffer):
