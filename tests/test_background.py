@@ -179,3 +179,29 @@ def test_a_handled_item_is_not_kept_while_the_worker_waits_for_the_next() -> Non
     gc.collect()
     assert gone() is None
     worker.close()
+
+
+def test_discarding_during_a_draining_close_ends_it_after_the_item_in_hand() -> None:
+    """A close that drains behind a handler that does not return (a hung tier) can be cut
+    short: ``discard_queued`` drops what is still queued (counted), and the close ends when
+    the item in hand is handled, not after every queued one."""
+    gate, started = threading.Event(), threading.Event()
+    handled: list[int] = []
+    dropped: list[int] = []
+
+    def handle(item: int) -> None:
+        started.set()
+        gate.wait(60)
+        handled.append(item)
+
+    worker: BackgroundWorker[int] = BackgroundWorker("cut", handle, max_items=8, on_drop=dropped.append)
+    for item in range(4):
+        assert worker.submit(item)
+    assert started.wait(60)
+    closing = threading.Thread(target=worker.close, daemon=True)
+    closing.start()
+    assert worker.discard_queued() == 3
+    assert worker.pending() == 1 and dropped == [1, 2, 3]
+    gate.set()
+    closing.join(60)
+    assert not closing.is_alive() and handled == [0] and worker.dropped == 3

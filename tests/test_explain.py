@@ -207,6 +207,30 @@ def test_partial_chunks_evictions_and_whole_hits_are_told_apart(tmp_path: Path) 
     assert partial.hit_tokens == 8 and "partial chunk (3 of 8 tokens)" in partial.reason
 
 
+def test_explain_reads_no_record_larger_than_a_manifest(tmp_path: Path) -> None:
+    """explain reads only manifests: its tiers read no record past a manifest's size, so a
+    record that a listing showed small and that is large when read is never held whole."""
+    from kvplug.core.control.explain import list_manifests
+    from kvplug.core.records.frame import RECORD_HEADER_SIZE
+    from kvplug.core.records.manifest import MANIFEST_MAX_BYTES
+    from kvplug.errors import CorruptChunkError
+
+    config = config_for([{"type": "disk", "path": str(tmp_path)}])
+    store(config, READER, TOKENS)
+    with engine(config) as writer:
+        writer.chain.tiers[0].put([("v1/planted/00", bytes(1 << 20))])
+        ours = writer.fingerprint.hexdigest()
+    chain, tiers, _ = open_tiers(config)
+    try:
+        (label, tier), notes = tiers[0], {}
+        assert [s.fingerprint_hex for s in list_manifests(label, tier, notes)] == [ours] and not notes
+        planted = next(r for r in tier.records() if r.size > 1 << 20)
+        with pytest.raises(CorruptChunkError, match=f"over the {RECORD_HEADER_SIZE + MANIFEST_MAX_BYTES} bytes"):
+            tier.read_record(planted.digest)
+    finally:
+        chain.close()
+
+
 def kvplug(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, COLUMNS="250")
     env.pop("KVPLUG_PLUGINS", None)
@@ -297,3 +321,38 @@ def test_a_disk_tier_whose_folder_is_not_a_store_is_an_error_and_nothing_is_crea
     assert result.exit_code == 2, result.stderr
     assert f"not a kvplug store: {tmp_path / 'c'} does not exist" in " ".join(result.stderr.split())
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("command", ["explain", "ctl lookup"])
+def test_a_prompt_file_that_is_not_utf8_is_a_clear_error(tmp_path: Path, command: str) -> None:
+    """A binary file (or text in another encoding) given as the prompt is an error naming
+    the file and the byte, exit 2, not a traceback; ``kvplug ctl`` reads prompts the same way."""
+    (tmp_path / "kvplug.yaml").write_text(f"chunk_size: 8\ntiers:\n  - {{type: disk, path: {tmp_path / 'c'}}}\n")
+    with engine(config_for([{"type": "disk", "path": str(tmp_path / "c")}])):
+        pass
+    (tmp_path / "p.bin").write_bytes(b"1 2 \xff\xfe 3")
+    args = {
+        "explain": ["explain", "-f", str(tmp_path / "kvplug.yaml"), "--fingerprint", "abc"],
+        "ctl lookup": ["ctl", "lookup", "--socket-dir", str(tmp_path / "sockets")],
+    }[command]
+    result = CliRunner().invoke(app, [*args, str(tmp_path / "p.bin")])
+    assert result.exit_code == 2 and "is not UTF-8 text: byte 4 is b'\\xff'" in result.stderr, result.output
+
+
+def test_a_fingerprint_file_that_never_ends_is_refused_at_its_bound(tmp_path: Path) -> None:
+    """A ``--candidate`` file larger than any fingerprint (a wrong file, ``/dev/zero``) is read
+    only to a bound past any fingerprint, then refused naming it: never read whole."""
+    from kvplug.cli.explain import FINGERPRINT_FILE_MAX_BYTES
+
+    (tmp_path / "kvplug.yaml").write_text(f"chunk_size: 8\ntiers:\n  - {{type: disk, path: {tmp_path / 'c'}}}\n")
+    with engine(config_for([{"type": "disk", "path": str(tmp_path / "c")}])) as writer:
+        fingerprint = dataclasses.asdict(writer.fingerprint)
+    (tmp_path / "fp.json").write_text(json.dumps(fingerprint))
+    (tmp_path / "p.txt").write_text("1 2 3")
+    args = ["explain", "-f", str(tmp_path / "kvplug.yaml"), "--fingerprint", str(tmp_path / "fp.json")]
+    # (a regular file: the command before the bound would read /dev/zero until memory ran out)
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps({**fingerprint, "pad": " " * FINGERPRINT_FILE_MAX_BYTES}))
+    result = CliRunner().invoke(app, [*args, "--candidate", str(huge), str(tmp_path / "p.txt")])
+    assert result.exit_code == 2, result.output
+    assert f"{str(huge)!r} is over {FINGERPRINT_FILE_MAX_BYTES} bytes" in result.stderr, result.stderr

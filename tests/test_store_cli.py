@@ -234,3 +234,37 @@ def test_a_config_this_host_cannot_load_does_not_stop_an_inspection(tmp_path: Pa
         assert "warning: the engine's bound on records is not known" in message and "not-installed-here" in message
         assert "records are read up to the default config's bound" in message
     assert len(record_files(folder)) == 2
+
+
+def test_verify_says_what_it_could_not_check_and_can_require_signatures(tmp_path: Path) -> None:
+    """Without the integrity key, signed records are ``unverified``: verify exits 0 (they may be
+    fine) but says on stderr that their bytes were not checked; ``--require-signed`` refuses to
+    run without the key (a check that passed unchecked would hide a cron's missing key) and,
+    with it, passes a store of signed records."""
+    from kvplug.core.records import frame
+
+    key = "integrity-key-for-tests-0123456789"
+    folder = tmp_path / "cache"
+    frame.set_integrity_key(key.encode())
+    try:
+        fill_store(folder, prompts=1)
+    finally:
+        frame.set_integrity_key(...)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPLUG_INTEGRITY_KEY", "KVPLUG_PLUGINS"))}
+
+    def verify(*args: str, **more: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "kvplug.cli.main", "store", "verify", *args, str(folder)]
+        return subprocess.run(
+            command, env={**env, "COLUMNS": "250", **more}, capture_output=True, text=True, timeout=120
+        )
+
+    unkeyed = verify()
+    assert unkeyed.returncode == 0, unkeyed.stderr
+    assert re.search(r"│ unverified\s*│\s*3 │", unkeyed.stdout), unkeyed.stdout
+    assert "3 records are signed with an integrity key and this process has none" in unkeyed.stderr, unkeyed.stderr
+    refused = verify("--require-signed")
+    assert refused.returncode == 2 and "KVPLUG_INTEGRITY_KEY" in refused.stderr, refused.stderr
+    assert "verification" not in refused.stdout  # refused before any record is read
+    keyed = verify("--require-signed", KVPLUG_INTEGRITY_KEY=key)
+    assert keyed.returncode == 0, keyed.stdout + keyed.stderr
+    assert re.search(r"│ ok\s*│\s*3 │", keyed.stdout) and "warning" not in keyed.stderr, keyed.stdout

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from kvplug.core.control.explain import Explanation, OtherScheme
     from kvplug.core.records.manifest import KeyScheme
 
+#: The most a ``--fingerprint``/``--candidate`` file may hold: a manifest is at most 16 KiB
+#: (``MANIFEST_MAX_BYTES``), its JSON form a few times that.
+FINGERPRINT_FILE_MAX_BYTES = 1 << 20
+
 __all__ = ["chunk_map", "explain_app", "explain_command", "open_tiers", "plain", "read_prompt", "render"]
 
 
@@ -45,9 +49,13 @@ def _fingerprint_fields() -> tuple[dict[str, dataclasses.Field[Any]], set[str]]:
 def open_tiers(config: KVPlugConfig) -> tuple[TierChain, list[tuple[str, Any]], list[str]]:
     """The config's tiers not in memory, opened for inspection (read-only: nothing
     created, changed, evicted or removed) and labelled by their place in the config
-    (``1:disk``), and the labels of those left out."""
+    (``1:disk``), and the labels of those left out. Each reads at most a manifest's
+    record: explain reads nothing else (chunks it only asks ``contains``), and a record
+    planted under a manifest's size in a listing must not be read whole."""
     from kvplug.core.chain.tier_chain import TierChain
     from kvplug.core.plugins import get_registry
+    from kvplug.core.records.frame import RECORD_HEADER_SIZE
+    from kvplug.core.records.manifest import MANIFEST_MAX_BYTES
     from kvplug.core.tier import UNBOUNDED_BYTES, TierConfig
 
     registry = get_registry()
@@ -63,7 +71,7 @@ def open_tiers(config: KVPlugConfig) -> tuple[TierChain, list[tuple[str, Any]], 
             options = options.model_copy(update={"max_bytes": UNBOUNDED_BYTES})
         specs.append(SimpleNamespace(type=spec.type, options=options))
         labels.append(label)
-    chain = TierChain.open(specs, registry, read_only=True)
+    chain = TierChain.open(specs, registry, read_only=True, max_record_bytes=RECORD_HEADER_SIZE + MANIFEST_MAX_BYTES)
     return chain, list(zip(labels, chain.tiers)), skipped
 
 
@@ -72,9 +80,15 @@ def load_scheme_file(path: Path) -> KeyScheme | dict[str, Any]:
     from kvplug.core.records.manifest import MANIFEST_MAGIC, decode_manifest
 
     try:
-        data = path.read_bytes()
+        with path.open("rb") as file:  # at most one byte past the bound: /dev/zero, a wrong huge file
+            data = file.read(FINGERPRINT_FILE_MAX_BYTES + 1)
     except OSError as exc:
         raise ExplainInputError(f"fingerprint file {str(path)!r}: cannot read it: {exc}") from None
+    if len(data) > FINGERPRINT_FILE_MAX_BYTES:
+        raise ExplainInputError(
+            f"fingerprint file {str(path)!r} is over {FINGERPRINT_FILE_MAX_BYTES} bytes: not a fingerprint "
+            "(an entry of --list-fingerprints --json, a manifest, or Fingerprint's fields)"
+        )
     if not data.startswith(MANIFEST_MAGIC):
         try:
             body = json.loads(data)

@@ -23,6 +23,11 @@ def read_prompt(source: str, tokenizer: str | None) -> list[int]:
         text = sys.stdin.read() if source == "-" else Path(source).read_text()
     except OSError as exc:
         raise ExplainInputError(f"prompt {source!r}: cannot read it: {exc}") from None
+    except UnicodeDecodeError as exc:  # a binary file, or text in another encoding
+        raise ExplainInputError(
+            f"prompt {source!r} is not UTF-8 text: byte {exc.start} is {exc.object[exc.start : exc.start + 1]!r}; "
+            "give token ids (a JSON list or whitespace-separated ints) or UTF-8 text with --tokenizer"
+        ) from None
     if tokenizer is not None:
         try:
             from transformers import AutoTokenizer  # type: ignore[import-not-found,unused-ignore]

@@ -26,7 +26,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from kvplug.cli.console import console, format_size, print_table, run_or_exit
+from kvplug.cli.console import console, err_console, format_size, print_table, run_or_exit
 from kvplug.cli.record_bound import UNBOUNDED, RecordBound, record_bound
 from kvplug.errors import ConfigError, ConfigProblem, CorruptChunkError, RecordUnreadableError
 
@@ -161,19 +161,49 @@ def ls(
     run_or_exit(action)
 
 
+RequireSignedOpt = typer.Option(
+    False,
+    "--require-signed",
+    help="Every record must be signed and its signature checked: refused unless this process has the integrity "
+    "key (KVPLUG_INTEGRITY_KEY or KVPLUG_INTEGRITY_KEY_FILE), with which an unsigned record is corrupt. For a "
+    "check that must fail, not pass unchecked, where the key is missing.",
+)
+
+
 @store_app.command("verify")
 def verify(
-    location: str = LocationArg, options: list[str] = OptionsOpt, max_record_bytes: str | None = MaxRecordOpt
+    location: str = LocationArg,
+    options: list[str] = OptionsOpt,
+    max_record_bytes: str | None = MaxRecordOpt,
+    require_signed: bool = RequireSignedOpt,
 ) -> None:
     """Read every record and check its checksums; exit 1 when any is corrupt, oversized (over
     --max-record-bytes: not read) or cannot be read, or an entry named like a record (or a shard
-    folder) is not one the store can read (foreign: a link, a folder)."""
+    folder) is not one the store can read (foreign: a link, a folder). Records signed with an
+    integrity key this process lacks are ``unverified``: said on stderr, not a failure unless
+    --require-signed (which needs the key)."""
 
     def action() -> None:
+        from kvplug.core.records.frame import integrity_key
+
+        if require_signed and integrity_key() is None:
+            raise typer.BadParameter(
+                "needs this process's integrity key, to check signatures: set KVPLUG_INTEGRITY_KEY or "
+                "KVPLUG_INTEGRITY_KEY_FILE as the engines have it",
+                param_hint="--require-signed",
+            )
         bound = record_bound(max_record_bytes)
         with open_store(location, options, max_record_bytes=bound.read) as tier:
             verdicts = _check_all(tier, bound, remove=False)
         _report(verdicts, removed=0)
+        if verdicts["unverified"]:
+            # Exit 0 means every record was checked: say loudly which were not.
+            err_console.print(
+                f"[yellow]warning:[/yellow] {verdicts['unverified']} records are signed with an integrity key and "
+                "this process has none: their bytes were not checked (set KVPLUG_INTEGRITY_KEY or "
+                "KVPLUG_INTEGRITY_KEY_FILE; --require-signed makes a missing key an error)",
+                highlight=False,
+            )
         if verdicts["corrupt"] or verdicts["oversized"] or verdicts["unreadable"] or verdicts["foreign"]:
             raise typer.Exit(1)
 

@@ -125,6 +125,20 @@ class BackgroundWorker(Generic[T]):
             self._drop(item)
         self._thread.join()
 
+    def discard_queued(self) -> int:
+        """Drop (``on_drop``) what is queued and not yet being handled, also while a
+        draining ``close`` waits: that close then ends when the item in hand is handled,
+        not after everything queued. Returns how many were dropped."""
+        with self._cond:
+            discarded = [item for item, _ in self._items]
+            self._bytes -= sum(size for _, size in self._items)
+            self._unfinished -= len(self._items)
+            self._items.clear()
+            self._cond.notify_all()
+        for item in discarded:
+            self._drop(item)
+        return len(discarded)
+
     def _drop(self, item: T) -> None:
         with self._cond:
             self.dropped += 1

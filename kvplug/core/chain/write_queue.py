@@ -138,6 +138,11 @@ class WriteQueue:
         """Stop the thread: write what is queued when ``drain`` and ``on_close: drain``, else drop it."""
         self._worker.close(drain=drain and self.settings.on_close == "drain")
 
+    def discard_queued(self) -> int:
+        """Drop the batches queued and not yet being written (counted), also during a
+        draining close; returns how many."""
+        return self._worker.discard_queued()
+
     def _handle(self, writes: list[_Write]) -> None:
         with self._cond:
             self._accept(writes)  # being handled: accepted, whether or not submit has seen it yet

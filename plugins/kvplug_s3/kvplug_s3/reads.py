@@ -15,6 +15,10 @@ from typing import Any
 from kvplug import Buffer
 from kvplug.errors import CorruptChunkError
 
+#: What one read of a body asks for at a time.
+_PIECE = 1 << 20
+#: The most a read without a record bound allocates on the word of a reported size.
+_TRUSTED_UNBOUNDED = 64 << 20
 #: S3 error codes of a ranged GET on an empty object (it has no byte 0).
 _EMPTY_RANGE_CODES = ("InvalidRange", "416")
 
@@ -53,25 +57,30 @@ def reported_total(response: dict[str, Any]) -> int | None:
     return length if isinstance(length, int) and length >= 0 else None
 
 
-async def read_body(body: Any, limit: int | None) -> bytes:
-    """At most ``limit`` bytes of a GET's streamed body (all of it for ``None``); the
-    caller closes the body, which drops a connection with bytes left unread."""
-    if limit is None:
-        whole: bytes = await body.read()
-        return whole
-    chunks: list[bytes] = []
+async def read_body(body: Any, limit: int | None, expected: int | None = None) -> bytearray:
+    """At most ``limit`` bytes of a GET's streamed body (all of it for ``None``), read into one
+    buffer of the length the answer reports (``expected``, its ``Content-Length``), so a record
+    costs its size once, not its pieces and then their join. A body longer than reported (a
+    gateway that misreports) grows the buffer piece by piece, up to ``limit``; a shorter one
+    is cut to what came. Without a limit a reported size is trusted only up to
+    :data:`_TRUSTED_UNBOUNDED` (a server could claim a terabyte). The caller closes the body,
+    which drops a connection with bytes left unread."""
+    ceiling = limit if limit is not None else 1 << 62
+    buffer = bytearray(max(0, min(expected or 0, ceiling if limit is not None else _TRUSTED_UNBOUNDED)))
     got = 0
-    while got < limit:
-        chunk: bytes = await body.read(limit - got)
-        if not chunk:
+    while got < ceiling:
+        if got == len(buffer):
+            buffer.extend(bytes(min(_PIECE, ceiling - got)))
+        # One piece at a time: a body reads no more than it is asked into its own buffer
+        # first (httpx's collects that much), and a memoryview must be let go before the
+        # buffer can grow or shrink.
+        with memoryview(buffer) as whole, whole[got : min(len(buffer), got + _PIECE)] as piece:
+            count: int = await body.readinto(piece)
+        if not count:
             break
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-#: What one read of a body asks for when its bytes are only counted or compared.
-_PIECE = 1 << 20
+        got += count
+    del buffer[got:]
+    return buffer
 
 
 async def body_length(body: Any, limit: int) -> int:
@@ -120,7 +129,7 @@ async def s3_size(fs: Any, path: str) -> int | None:
     return reported_total(response)
 
 
-async def s3_read(fs: Any, path: str, bound: int | None) -> bytes | CorruptChunkError:
+async def s3_read(fs: Any, path: str, bound: int | None) -> bytes | bytearray | CorruptChunkError:
     """One GET of the object at ``path`` (s3fs would HEAD first to decide on ranged reads),
     for its first ``bound + 1`` bytes, and no more of the body is read whatever the answer
     says: anyone who can write the bucket could otherwise make a reader allocate gigabytes,
@@ -135,8 +144,9 @@ async def s3_read(fs: Any, path: str, bound: int | None) -> bytes | CorruptChunk
             return b""  # an empty object: not a record (the tier's checks say so)
         raise
     body = response["Body"]
+    length = response.get("ContentLength")
     try:
-        data = await read_body(body, None if bound is None else bound + 1)
+        data = await read_body(body, None if bound is None else bound + 1, length if isinstance(length, int) else None)
     finally:
         body.close()
     if bound is not None and len(data) > bound:

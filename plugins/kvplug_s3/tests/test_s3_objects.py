@@ -4,12 +4,16 @@ misses (counted and deleted), never wrong bytes; budget, events and scan."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from kvplug.testing import key_for, value_for
-from kvplug_s3.testing import BUCKET, make_s3_tier
+from kvplug_s3.testing import BUCKET, make_s3_tier, s3_options
 
 
 def object_key(prefix: str, key: str) -> str:
@@ -244,3 +248,26 @@ def test_a_frame_returns_to_the_pool_only_after_its_upload_finished(moto_s3) -> 
         loop.run_until_complete(backend.close())
         loop.close()
         proxy.close()
+
+
+def test_a_record_read_costs_its_size_once_not_its_pieces_joined(moto_s3) -> None:
+    """A read takes a record's body into one buffer of the size the answer reports, not as
+    pieces joined at the end (which held it twice): measured by tracemalloc in a reader
+    process (the server, in this one, keeps copies of its own)."""
+    size = 32 * 1024**2
+    options = s3_options(moto_s3.endpoint, prefix="peak")
+    writer = make_s3_tier(moto_s3.endpoint, prefix="peak")
+    writer.put([(key_for("big"), value_for("big", size))])
+    writer.close()
+    script = str(Path(__file__).with_name("s3_reader_memory.py"))
+    bound = str(2 * size)  # as an engine's bound: well over the record
+    reader = subprocess.run(
+        [sys.executable, script, json.dumps(options), key_for("big"), bound],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert reader.returncode == 0, reader.stderr
+    peak, read = map(int, reader.stdout.split())
+    assert read == size
+    assert peak < 1.5 * size, f"reading a {size}-byte record held {peak} bytes at its peak"

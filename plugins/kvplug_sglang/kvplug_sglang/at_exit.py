@@ -72,19 +72,26 @@ def _close_all() -> None:
     within_exit_wait(lambda: _close_each(list(_OPEN)), "closing at exit")
 
 
-def within_exit_wait(close: Callable[[], None], what: str) -> None:
+def within_exit_wait(close: Callable[[], None], what: str, give_up: Callable[[], int] | None = None) -> None:
     """Run ``close`` on a daemon thread and wait for it up to :data:`EXIT_WAIT_S`: a tier whose
     writes never finish must not hold SGLang's scheduler (its exit, or a storage detach)
-    forever. Past that the caller goes on, and what ``close`` still waits to write is lost."""
+    forever. Past that the caller goes on, and what ``close`` still waits to write is lost:
+    ``give_up`` drops (and counts) it then, so the closing thread, which no one can stop
+    while a tier holds it in a call, ends when that one call returns (a remote tier's
+    deadline bounds it; a hung mount does not) rather than after every queued write, and
+    the queued chunks' memory is freed now."""
     closing = threading.Thread(target=close, name="kvplug-close", daemon=True)
     closing.start()
     closing.join(EXIT_WAIT_S)
     if closing.is_alive():
+        dropped = give_up() if give_up is not None else 0
         logger.warning(
             "kvplug: %s took over %.0f s (a tier whose writes do not finish); going on without "
-            "waiting: writes still queued are lost",
+            "waiting: writes still queued are lost (%d batches dropped now; the close ends when "
+            "the tier's write in progress returns)",
             what,
             EXIT_WAIT_S,
+            dropped,
         )
 
 

@@ -158,6 +158,8 @@ class KVPlugStorage(HiCacheStorage):
 
     def _put(self, keys: list[str], pages: list[torch.Tensor]) -> bool:
         assert self.store is not None and self.page_format is not None
+        if self._closed:
+            return False  # a closed chain writes nothing: SGLang must not count these pages as backed up
         if not self.storage_config.is_storage_writer:
             return True  # another rank writes the replicated (MLA) pages
         items = [(self.storage_key(k), self.page_format.canonical(p)) for k, p in zip(keys, pages)]
@@ -297,7 +299,9 @@ class KVPlugStorage(HiCacheStorage):
             self.control = None
         if self.store is not None and not self._closed:
             self._closed = True
-            within_exit_wait(self.store.close, "closing the HiCache storage backend")
+            within_exit_wait(
+                self.store.close, "closing the HiCache storage backend", self.store.chain.discard_queued_writes
+            )
 
     def _check_ready(self) -> None:
         if self.store is None:

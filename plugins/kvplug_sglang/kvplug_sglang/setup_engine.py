@@ -8,6 +8,7 @@ whichever way kvplug was turned on: model path and revision, dtype, the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,6 +16,11 @@ import torch
 
 import kvplug
 from kvplug.errors import LayoutError
+
+logger = logging.getLogger("kvplug.sglang")
+
+#: The setting SGLang overrides (:func:`scheduler_safe`), as the loader's sources name it.
+ON_FULL = "store.queue.on_full"
 
 #: ``MHATokenToKVPool``: per layer a ``k_buffer`` and a ``v_buffer``, each
 #: [num_slots, num_kv_heads, head_dim], addressed by token slot (the page size only
@@ -77,7 +83,29 @@ def load_kvplug_config(engine_extra: Mapping[str, Any] | None = None) -> kvplug.
     generic field for it), so there it is the file and the environment, e.g.
     ``KVPLUG_CONFIG=/etc/kvplug.yaml`` or ``KVPLUG_TIERS='[{"type": "cpu"}]'``.
     """
-    return kvplug.load_config(engine_extra=engine_extra or {}).config
+    loaded = kvplug.load_config(engine_extra=engine_extra or {})
+    source = loaded.sources.get(ON_FULL)
+    if source is not None and loaded.config.store.queue.on_full == "block":
+        # The loader completes every field of the queue, so the config alone cannot tell
+        # this choice from the default: the layer that set it can.
+        logger.warning(
+            "kvplug: %s: block (set in %s) does not apply under SGLang: a store runs on SGLang's "
+            "scheduler thread, where waiting for room would stall every request; a store the full "
+            'queue cannot take is dropped and counted (kvplug_store_dropped_total{queue="engine"}), '
+            "as with on_full: drop",
+            ON_FULL,
+            _layer_name(source),
+        )
+    return loaded.config
+
+
+def _layer_name(source: str) -> str:
+    """The config layer ``source`` (the loader's name for it) as an operator finds it."""
+    if source == "env":
+        return "env KVPLUG_STORE__QUEUE__ON_FULL (or KVPLUG_STORE)"
+    if source == "engine":
+        return "the engine's extra config (kvplug.store.queue.on_full)"
+    return source  # "file <path>"
 
 
 def build_cache_engine(
@@ -93,7 +121,9 @@ def build_cache_engine(
     first_layer: int = 0,
 ) -> kvplug.CacheEngine:
     """A cache engine over SGLang's per-layer ``k_pool``/``v_pool`` tensors; ``first_layer``:
-    the model layer of the pool's first (a pipeline stage's pool holds a slice of them)."""
+    the model layer of the pool's first (a pipeline stage's pool holds a slice of them).
+    The store queue never blocks (:func:`scheduler_safe`); when kvplug's config is loaded
+    here (``config`` not given) an ``on_full: block`` set in it is named in a warning."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
     layout = sglang_layout(k_pool, v_pool, page_size)

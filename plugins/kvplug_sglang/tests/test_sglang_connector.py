@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,44 @@ def test_pipeline_stages_of_as_many_layers_never_share_kv(model_config, pool_fac
     for _, engine in stages:
         engine.close()
     whole.close()
+
+
+@pytest.mark.parametrize("where", ["engine", "env", "file"])
+def test_on_full_block_set_by_the_operator_is_named_in_a_warning(
+    model_config,
+    pool_factory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    where: str,
+) -> None:
+    """SGLang's store queue never blocks (its scheduler thread stores): an ``on_full: block``
+    the operator set is overridden, and said so, naming the setting and where it was set;
+    the default (also ``block``) and ``drop`` are not."""
+    pool = pool_factory()
+    monkeypatch.delenv("KVPLUG_CONFIG", raising=False)
+    extra = kvplug_extra()
+    if where == "engine":
+        extra["kvplug"]["store"]["queue"]["on_full"] = "block"
+        named = "the engine's extra config"
+    elif where == "env":
+        monkeypatch.setenv("KVPLUG_STORE__QUEUE__ON_FULL", "block")
+        named = "env KVPLUG_STORE__QUEUE__ON_FULL"
+    else:
+        (tmp_path / "kvplug.yaml").write_text("store: {queue: {on_full: block, block_timeout_s: 5}}\n")
+        extra["kvplug"]["config"] = str(tmp_path / "kvplug.yaml")
+        named = f"file {tmp_path / 'kvplug.yaml'}"
+    with caplog.at_level(logging.WARNING, logger="kvplug.sglang"):
+        connector = _connector(model_config, pool, extra)
+    warned = [r.getMessage() for r in caplog.records if "store.queue.on_full" in r.getMessage()]
+    assert len(warned) == 1 and "store.queue.on_full: block" in warned[0] and named in warned[0], warned
+    assert connector.engine.config.store.queue.on_full == "drop"
+    connector.close()
+    caplog.clear()
+    monkeypatch.delenv("KVPLUG_STORE__QUEUE__ON_FULL", raising=False)
+    for quiet in (kvplug_extra(), kvplug_extra(store={"queue": {"mode": "sync", "on_full": "drop"}})):
+        with caplog.at_level(logging.WARNING, logger="kvplug.sglang"):
+            connector = _connector(model_config, pool, quiet)
+        assert not [r for r in caplog.records if "on_full" in r.getMessage()]
+        assert connector.engine.config.store.queue.on_full == "drop"
+        connector.close()

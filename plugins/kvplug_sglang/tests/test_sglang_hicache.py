@@ -361,3 +361,57 @@ def test_closing_the_backend_waits_a_bounded_time_for_a_tier_whose_writes_hang(
         assert closed, "close waited for a tier write that does not finish"
     finally:
         _GATE.set()
+
+
+def test_a_close_that_timed_out_drops_the_queued_writes_and_ends_with_the_write_in_hand(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a close (a storage detach) gave up waiting on a tier whose write does not
+    finish, the closing thread, which nothing can stop inside the tier's call, must not go
+    on to write every batch still queued (each could hang as long): those are dropped,
+    counted, and the thread ends when the write in hand returns."""
+    import threading
+
+    from test_sglang_radix import _GATE, _GatedPlugin
+
+    from kvplug import get_registry
+    from kvplug_sglang import at_exit
+
+    registry = get_registry()
+    if not registry.pm.has_plugin("gated-cpu-test"):
+        registry.register(_GatedPlugin, "gated-cpu-test")
+    monkeypatch.setattr(at_exit, "EXIT_WAIT_S", 1.0, raising=False)
+    _GATE.clear()
+    try:
+        host = make_host("layer_first")
+        backend = make_backend(host, {"tiers": [{"type": "gated_cpu", "queue": {"mode": "async"}}]})
+        for batch in range(4):  # the first is held at the gate, three wait behind it
+            indices = random_pages(host, 1, seed=batch)
+            assert backend.batch_set_v1(page_keys(list(range(100 * batch, 100 * batch + PAGE))), indices) == [True]
+        store = backend.store
+        assert store is not None
+        backend.close()  # gives up after EXIT_WAIT_S, the gate still closed
+        dropped = store.metrics.value("kvplug_store_dropped_total", queue="0:gated_cpu")
+        closer = [t for t in threading.enumerate() if t.name == "kvplug-close"]
+        _GATE.set()
+        for thread in closer:
+            thread.join(timeout=60)
+        assert dropped == 3, f"{dropped} queued batches dropped when the close gave up"
+        assert not any(t.is_alive() for t in closer), "the closing thread went on after the write in hand"
+    finally:
+        _GATE.set()
+
+
+def test_a_closed_backend_reports_writes_failed_and_reads_missed() -> None:
+    """After a close (a storage detach) a backup that SGLang still sends is written nowhere:
+    it is reported failed, not stored, so SGLang does not count those pages as backed up;
+    reads are misses."""
+    host = make_host("layer_first")
+    backend = make_backend(host, {"tiers": [{"type": "cpu"}]})
+    indices = random_pages(host, 2, seed=5)
+    keys = page_keys(list(range(500, 500 + 2 * PAGE)))
+    assert backend.batch_set_v1(keys, indices) == [True, True]
+    backend.close()
+    assert backend.batch_set_v1(keys, indices) == [False, False]
+    assert backend.batch_get_v1(keys, indices) == [False, False]
+    assert backend.batch_exists(keys) == 0
