@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from kvplug.core.chain.tier_chain import TierChain
 from kvplug.core.engine.head_shards import HeadRecords
+from kvplug.core.engine.split_lookup import OtherSplitSearch, per_chunk
 from kvplug.core.keys import RequestInfo
 from kvplug.core.pins import pin_keys, pin_keys_held, unpin_keys_done
 from kvplug.core.tenancy import PinReport
@@ -21,22 +22,19 @@ def pin_prompt(chain: TierChain, records: HeadRecords, names: Sequence[str], req
     The report counts records; a chunk found in another split's counts its records, not ``missing``."""
     own = records.record_keys(names, request)
     report, seen = pin_keys_held(chain, own, requested=False)
-    count = records.count
-    rest = [i for i in range(len(names)) if not all(key in seen for key in own[i * count : (i + 1) * count])]
+    owned = per_chunk(own, records.count)
+    rest = [i for i, keys in enumerate(owned) if not all(key in seen for key in keys)]
+    if not rest or not records.others:
+        return report
+    held = OtherSplitSearch(records, chain, [names[i] for i in rest], request).holders(range(len(rest)))
     for other in records.others:
-        if not rest:
-            break
-        theirs = other.record_keys([names[i] for i in rest], request)
-        where, per = chain.locate(theirs), other.count
-        found = [j for j in range(len(rest)) if all(name is not None for name in where[j * per : (j + 1) * per])]
+        found = [j for j in sorted(held) if held[j].split is other]
         if not found:
             continue
-        extra = pin_keys(chain, [key for j in found for key in theirs[j * per : (j + 1) * per]])
+        extra = pin_keys(chain, other.record_keys([names[rest[j]] for j in found], request))
         # their records stand for this engine's of those chunks, which are not missing then
-        unmissed = sum(1 for j in found for key in own[rest[j] * count : (rest[j] + 1) * count] if key not in seen)
+        unmissed = sum(1 for j in found for key in owned[rest[j]] if key not in seen)
         report = _sum(report, extra, missing=report.missing - unmissed + extra.missing)
-        taken = set(found)
-        rest = [index for j, index in enumerate(rest) if j not in taken]
     return report
 
 
@@ -48,17 +46,17 @@ def unpin_prompt(
     were all unpinned."""
     own = records.record_keys(names, request)
     report, done = unpin_keys_done(chain, own)
-    count = records.count
-    credited = {i for i in range(len(names)) if all(k in done for k in own[i * count : (i + 1) * count])}
+    owned = per_chunk(own, records.count)
+    credited = {i for i, keys in enumerate(owned) if all(key in done for key in keys)}
     for other in records.others:
-        theirs, per = other.record_keys(names, request), other.count
+        theirs = other.record_keys(names, request)
         extra, undone = unpin_keys_done(chain, theirs)
         if not undone:
             continue
-        whole = {i for i in range(len(names)) if all(k in undone for k in theirs[i * per : (i + 1) * per])} - credited
-        unmissed = sum(1 for i in whole for key in own[i * count : (i + 1) * count] if key not in done)
+        released = {i for i, keys in enumerate(per_chunk(theirs, other.count)) if all(k in undone for k in keys)}
+        unmissed = sum(1 for i in released - credited for key in owned[i] if key not in done)
         report = _sum(report, extra, missing=report.missing - unmissed)
-        credited |= whole
+        credited |= released
     return report
 
 
