@@ -81,8 +81,9 @@ class KeyPins:
 
     def add(self, other: KeyPins) -> None:
         """Count ``other``'s keys too."""
-        for mine, theirs in ((self.done, other.done), (self.refused, other.refused), (self.held, other.held)):
-            mine |= theirs
+        self.done |= other.done
+        self.refused |= other.refused
+        self.held |= other.held
         self.unbooked |= other.unbooked
         self.bytes += other.bytes
 

@@ -239,7 +239,7 @@ class PinReport:
     many records hold it (one per head group; another TP size's where ``pin`` pinned those,
     :func:`kvplug.core.engine.prompt_pins.pin_prompt`). ``chunks``: chunks now pinned (``pin``:
     each of its records in at least one tier) or no longer pinned (``unpin``); ``tokens``: the
-    prompt's tokens those chunks cover; ``bytes``: their records' bytes, summed over the tiers;
+    prompt's tokens those chunks cover; ``bytes``: of the records pinned (unpinned), summed over the tiers;
     ``refused``: chunks not pinned where asked: a tier refused them because its ``pin_max_bytes``
     (for a request's pin, its tenant's ``request_pin_max_bytes`` or quota) was spent, or no tier
     holds them and the pin book is full; ``missing``: chunks no tier that keeps pins holds yet
