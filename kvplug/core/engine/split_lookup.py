@@ -128,7 +128,7 @@ def other_split_holding(
 ) -> OtherSplit | None:
     """The first other split of the heads whose records of the first chunk some tier holds (one
     batched ``contains`` per tier within the lookup budget: a load asks only where its own missed)."""
-    if not keys:
+    if not keys or not records.others:
         return None
     asked = [(other, other.record_keys([keys[0]], request)) for other in records.others]
     present = chain.contains_any([key for _, names in asked for key in names], budget_s=chain.lookup_timeout_s)
