@@ -1,16 +1,29 @@
-"""Layouts and cache builders shared by the core tests (imported by name: a conftest
-is not importable once several test folders run in one pytest session)."""
+"""Layouts, cache builders and an in-memory record backend shared by the core tests (imported
+by name: a conftest is not importable once several test folders run in one pytest session)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import threading
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from kvplug import CacheEngine, Fingerprint, HeadShard, KVLayout, PagedFormat, load_config
+from kvplug import (
+    Buffer,
+    CacheEngine,
+    CallSizes,
+    Fingerprint,
+    HeadShard,
+    KVLayout,
+    PagedFormat,
+    RecordBackend,
+    RecordToWrite,
+    load_config,
+)
 from kvplug.core.plugins import PluginRegistry
 
 #: The engine formats the adapters declare (kvplug_vllm's layout.py, kvplug_sglang's
@@ -103,3 +116,71 @@ def engine_maker(registry: PluginRegistry, tiers: list[dict[str, Any]], **settin
     finally:
         for engine in opened:
             engine.close()
+
+
+T = TypeVar("T")
+
+
+class DictRecordBackend(RecordBackend):
+    """Records in a dict of this process (``store``: pass one to share it between tiers), with
+    only the primitives a backend must have: no ``listing`` (the tier indexes what it writes
+    and reads, as over Mooncake) and no ``delete_if_same`` (a corrupt record stays).
+
+    Faults a real server would cause: ``down`` fails every call as a dead server's would,
+    ``failing`` names the store fails on alone (an exception in their slot). ``calls`` counts
+    calls, ``deletes`` the names ``delete`` was asked to remove."""
+
+    call_sizes = CallSizes(query=64, read=8, write=8, write_bytes=1 << 20)
+    where = "a dict"
+
+    def __init__(self, store: dict[str, bytes] | None = None) -> None:
+        self.store: dict[str, bytes] = {} if store is None else store
+        self.lock = threading.Lock()
+        self.down = False
+        self.calls = 0
+        self.failing: set[str] = set()
+        self.deletes: list[str] = []
+
+    def _or_failed(self, name: str, answer: T) -> T | BaseException:
+        return ConnectionError(f"the store failed on {name}") if name in self.failing else answer
+
+    async def _enter(self) -> None:
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("store is down")
+        await asyncio.sleep(0)
+
+    async def sizes(self, names: Sequence[str]) -> list[int | None | BaseException]:
+        await self._enter()
+        with self.lock:
+            return [self._or_failed(n, len(self.store[n]) if n in self.store else None) for n in names]
+
+    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None | BaseException]:
+        await self._enter()
+        with self.lock:
+            return [self._or_failed(n, self.store.get(n)) for n in names]
+
+    async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
+        await self._enter()
+        with self.lock:
+            for record in records:
+                self.store[record.name] = record.joined()
+        return [None] * len(records)
+
+    async def delete(self, names: Sequence[str]) -> list[bool | BaseException]:
+        await self._enter()
+        self.deletes.extend(names)
+        with self.lock:
+            return [
+                self._or_failed(n, False) if n in self.failing else self.store.pop(n, None) is not None for n in names
+            ]
+
+
+class ComparingDictBackend(DictRecordBackend):
+    """:class:`DictRecordBackend` that compares and deletes at once (``delete_if_same``)."""
+
+    async def delete_if_same(self, names: Sequence[str], seen: Sequence[Buffer | None]) -> list[bool]:
+        await self._enter()
+        with self.lock:
+            same = [data is not None and self.store.get(n) == bytes(data) for n, data in zip(names, seen)]
+            return [ok and self.store.pop(n, None) is not None for n, ok in zip(names, same)]

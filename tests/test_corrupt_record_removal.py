@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
 
-from kvplug import Buffer, CallSizes, RecordBackend, RecordTier, RecordTierConfig, RecordToWrite, TierContext
+from core_helpers import ComparingDictBackend, DictRecordBackend
+
+from kvplug import RecordBackend, RecordTier, RecordTierConfig, TierContext
 from kvplug.core.records.frame import RECORD_HEADER_SIZE, key_digest
 from kvplug.testing import key_for, value_for
 
@@ -17,64 +18,28 @@ NAME = key_digest(KEY).hex()
 VALUE = value_for("bad", 3000)
 
 
-class DictBackend(RecordBackend):
-    """Records in a dict, with only the primitives a backend must have (no delete_if_same)."""
-
-    call_sizes = CallSizes(query=64, read=8, write=8, write_bytes=1 << 20)
-    where = "a dict"
-
-    def __init__(self) -> None:
-        self.store: dict[str, bytes] = {}
-        self.deletes: list[str] = []
-
-    async def sizes(self, names: Sequence[str]) -> list[int | None]:
-        return [len(self.store[n]) if n in self.store else None for n in names]
-
-    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
-        return [self.store.get(n) for n in names]
-
-    async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
-        self.store.update((r.name, r.joined()) for r in records)
-        return [None] * len(records)
-
-    async def delete(self, names: Sequence[str]) -> list[bool]:
-        self.deletes.extend(names)
-        return [self.store.pop(n, None) is not None for n in names]
-
-
-class ComparingBackend(DictBackend):
-    """A backend that compares and deletes at once (its dict is only touched on the tier's loop)."""
-
-    async def delete_if_same(self, names: Sequence[str], seen: Sequence[Buffer | None]) -> list[bool]:
-        removed = []
-        for name, data in zip(names, seen):
-            same = data is not None and self.store.get(name) == bytes(data)
-            removed.append(same and self.store.pop(name) is not None)
-        return removed
-
-
 class DictTier(RecordTier):
     name = "dict"
     Config = RecordTierConfig
-    backend: DictBackend = DictBackend()
+    backend: DictRecordBackend = DictRecordBackend()
 
     def open_backend(self, loop: asyncio.AbstractEventLoop) -> RecordBackend:
         return self.backend
 
 
-def make_tier(backend: DictBackend) -> DictTier:
+def make_tier(backend: DictRecordBackend) -> DictTier:
     DictTier.backend = backend  # what open_backend, called by the constructor, answers
     return DictTier(RecordTierConfig.model_validate({}), TierContext(logger=logging.getLogger("test.corrupt")))
 
 
-def damage(backend: DictBackend) -> None:
+def damage(backend: DictRecordBackend) -> None:
     data = bytearray(backend.store[NAME])
     data[RECORD_HEADER_SIZE + 7] ^= 0x10
     backend.store[NAME] = bytes(data)
 
 
 def test_a_backend_without_delete_if_same_keeps_a_corrupt_record_and_the_tier_takes_it_for_absent() -> None:
-    backend = DictBackend()
+    backend = DictRecordBackend()
     tier = make_tier(backend)
     try:
         assert not backend.deletes_if_same
@@ -95,7 +60,7 @@ def test_a_backend_without_delete_if_same_keeps_a_corrupt_record_and_the_tier_ta
 
 
 def test_a_backend_with_delete_if_same_removes_the_corrupt_record_it_read_and_nothing_else() -> None:
-    backend = ComparingBackend()
+    backend = ComparingDictBackend()
     tier = make_tier(backend)
     try:
         assert backend.deletes_if_same
@@ -109,7 +74,7 @@ def test_a_backend_with_delete_if_same_removes_the_corrupt_record_it_read_and_no
 
 
 def test_the_default_delete_if_same_removes_nothing() -> None:
-    backend = DictBackend()
+    backend = DictRecordBackend()
     backend.store[NAME] = b"x" * 100
     assert asyncio.run(backend.delete_if_same([NAME], [b"x" * 100])) == [False]
     assert NAME in backend.store

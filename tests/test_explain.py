@@ -9,25 +9,22 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from core_helpers import LAYOUTS, random_caches
+from core_helpers import LAYOUTS, DictRecordBackend, random_caches
 from typer.testing import CliRunner
 
 from kvplug import (
-    Buffer,
     CacheEngine,
-    CallSizes,
     Fingerprint,
     KVLayout,
     RecordBackend,
     RecordTier,
     RecordTierConfig,
-    RecordToWrite,
     RequestInfo,
     TierContext,
     load_config,
@@ -139,35 +136,12 @@ def test_a_tier_that_cannot_list_checks_the_fingerprints_it_is_given() -> None:
         assert "TP size" in told.reason
 
 
-class UnlistedBackend(RecordBackend):
-    """Records in a dict, and no listing (the base's): a store like Mooncake's."""
-
-    call_sizes = CallSizes(query=64, read=8, write=8, write_bytes=1 << 20)
-    where = "unlisted dict"
-
-    def __init__(self) -> None:
-        self.store: dict[str, bytes] = {}
-
-    async def sizes(self, names: Sequence[str]) -> list[int | None]:
-        return [len(self.store[n]) if n in self.store else None for n in names]
-
-    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
-        return [self.store.get(n) for n in names]
-
-    async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
-        self.store.update((r.name, r.joined()) for r in records)
-        return [None] * len(records)
-
-    async def delete(self, names: Sequence[str]) -> list[bool]:
-        return [self.store.pop(n, None) is not None for n in names]
-
-
 class UnlistedTier(RecordTier):
     name = "unlisted"
     Config = RecordTierConfig
 
     def open_backend(self, loop: asyncio.AbstractEventLoop) -> RecordBackend:
-        return UnlistedBackend()
+        return DictRecordBackend()  # no listing: a store like Mooncake's
 
 
 def test_a_record_tier_that_cannot_list_is_told_and_checks_given_fingerprints() -> None:

@@ -39,13 +39,15 @@ def test_pin_before_and_after_the_store_and_unpin(registry: PluginRegistry) -> N
         # The first two chunks were pinned as they were stored; pinning the prompt pins the other two.
         pinned = engine.pin(SYSTEM, request=salted)
         size = pinned.bytes // 4  # one chunk's frame
-        assert pinned == PinReport(chunks=4, bytes=4 * size, refused=0, missing=0)
+        assert pinned == PinReport(chunks=4, bytes=4 * size, refused=0, missing=0, tokens=32)
         assert engine.chain.tiers[0].stats().extra["pinned_bytes"] == 4 * size
         for i in range(64 * 1024 // (4 * size) * 3):  # a scan that fills the tier three times over
             engine.store(one_off(i), caches, torch.arange(32))
         assert engine.lookup(SYSTEM, request=salted) == 32
         assert engine.lookup(one_off(0)) == 0
-        assert engine.unpin(SYSTEM, request=salted) == PinReport(chunks=4, bytes=4 * size, refused=0, missing=0)
+        assert engine.unpin(SYSTEM, request=salted) == PinReport(
+            chunks=4, bytes=4 * size, refused=0, missing=0, tokens=32
+        )
         for i in range(64 * 1024 // (4 * size) * 3):
             engine.store(one_off(1000 + i), caches, torch.arange(32))
         assert engine.lookup(SYSTEM, request=salted) == 0
@@ -140,3 +142,20 @@ def test_a_pin_keeps_the_prompts_block_granular_tail(registry: PluginRegistry, w
                 engine.store(one_off(1000 + i), caches, torch.arange(32))
                 engine.flush()
             assert engine.lookup(prompt) == 0
+
+
+def test_unpin_counts_only_the_chunks_a_store_writes(registry: PluginRegistry) -> None:
+    """Without ``save_unfull_chunk`` a store never writes the partial last chunk: unpin does not
+    count it missing, yet releases it where a request's own ``save_unfull_chunk`` pinned it."""
+    tiers = [{"type": "cpu", "max_bytes": "64KiB", "pin_max_bytes": "50%"}]
+    with make(registry, tiers=tiers) as engine:
+        prompt = SYSTEM[:30]  # 3 whole chunks of 8, then 6 tokens
+        engine.store(prompt, random_caches(LAYOUT, 16), torch.arange(30))
+        pinned = engine.pin(prompt)
+        assert (pinned.chunks, pinned.tokens, pinned.missing) == (3, 24, 0)
+        assert engine.unpin(prompt) == PinReport(chunks=3, bytes=pinned.bytes, missing=0, tokens=24)
+        partial = RequestInfo(overrides={"save_unfull_chunk": True})
+        engine.store(prompt, random_caches(LAYOUT, 16), torch.arange(30), request=partial)
+        assert (engine.pin(prompt, request=partial).chunks, engine.lookup(prompt, request=partial)) == (4, 30)
+        released = engine.unpin(prompt)  # the engine's own setting: the partial chunk is released too
+        assert (released.chunks, released.tokens, released.missing) == (4, 30, 0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from core_helpers import LAYOUTS, engine_maker, random_caches, rank_shard
 
-from kvplug import CacheEngine, KVLayout
+from kvplug import CacheEngine, HeadShard, KVLayout
 from kvplug.core.plugins import PluginRegistry
 
 FULL = replace(LAYOUTS["vllm_flash"], num_kv_heads=4)
@@ -46,17 +46,33 @@ def test_a_pin_pins_the_records_of_another_tp_size_that_a_load_reads(
         writer.flush()
     reader = engines(0, reader_tp)
     assert reader.lookup(PROMPT) == 28
-    per_chunk = max(1, writer_tp // reader_tp)  # the writer's records a chunk of the reader is joined from
     report = reader.pin(PROMPT)
-    assert (report.chunks, report.refused, report.missing) == (4 * per_chunk, 0, 0)  # three chunks and the tail
+    # three chunks and the tail, each once however many of the writer's records it is joined from
+    assert (report.chunks, report.tokens, report.refused, report.missing) == (4, 28, 0, 0)
     own = rank_caches(reader.layout, 0, 2)
     for i in range(100):  # the reader's own stores fill its tier many times over
         reader.store([50_000 + 100 * i + t for t in range(32)], own, torch.arange(32))
         reader.flush()  # a store the full queue cannot take is shed: each must land
     assert reader.lookup([50_000 + t for t in range(32)]) == 0
     assert reader.lookup(PROMPT) == 28
-    assert reader.unpin(PROMPT).chunks == 4 * per_chunk
+    released = reader.unpin(PROMPT)
+    assert (released.chunks, released.tokens, released.missing) == (4, 28, 0)
     for i in range(100):
         reader.store([90_000 + 100 * i + t for t in range(32)], own, torch.arange(32))
         reader.flush()  # a store the full queue cannot take is shed: each must land
     assert reader.lookup(PROMPT) == 0
+
+
+def test_a_pin_counts_chunks_not_the_records_of_their_head_groups() -> None:
+    registry = PluginRegistry(plugin_filter="cpu,disk")
+    tiers = [{"type": "cpu", "max_bytes": "64KiB", "pin_max_bytes": "50%"}]
+    with engine_maker(registry, tiers, block_granular_hits=True) as make:
+        engine = make(FULL, HeadShard.for_rank(total_heads=4, tp_rank=0, tp_size=1, heads_per_record=2))
+        assert engine.records.count == 2  # two records per chunk
+        before = engine.pin(PROMPT)
+        assert (before.chunks, before.tokens, before.missing) == (0, 0, 4)
+        engine.store(PROMPT, rank_caches(FULL, 0, 1), torch.arange(len(PROMPT)))
+        after = engine.pin(PROMPT)
+        assert (after.chunks, after.tokens, after.refused, after.missing) == (4, 28, 0, 0)
+        unpinned = engine.unpin(PROMPT)
+        assert (unpinned.chunks, unpinned.tokens, unpinned.bytes, unpinned.missing) == (4, 28, after.bytes, 0)

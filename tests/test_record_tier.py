@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TypeVar
 
 import pytest
+from core_helpers import ComparingDictBackend
 
 from kvplug import (
     RECORD_HEADER_SIZE,
@@ -19,7 +19,6 @@ from kvplug import (
     RecordBackend,
     RecordTier,
     RecordTierConfig,
-    RecordToWrite,
     StorageTier,
     StoredRecord,
     TierContext,
@@ -31,57 +30,11 @@ from kvplug.testing import StorageTierContract
 T = TypeVar("T")
 
 
-class DictBackend(RecordBackend):
-    """Records in a dict; ``down`` makes every call fail as a dead server's would."""
+class DictBackend(ComparingDictBackend):
+    """Records in a dict that it can list, in small batches."""
 
     call_sizes = CallSizes(query=7, read=3, write=2, write_bytes=1 << 20)
     where = "dict store"
-
-    def __init__(self, store: dict[str, bytes]) -> None:
-        self.store = store
-        self.lock = threading.Lock()
-        self.down = False
-        self.calls = 0
-        self.failing: set[str] = set()  # names the store fails on alone (an exception in their slot)
-
-    def _or_failed(self, name: str, answer: T) -> T | BaseException:
-        return ConnectionError(f"the store failed on {name}") if name in self.failing else answer
-
-    async def _enter(self) -> None:
-        self.calls += 1
-        if self.down:
-            raise ConnectionError("store is down")
-        await asyncio.sleep(0)
-
-    async def sizes(self, names: Sequence[str]) -> list[int | None | BaseException]:
-        await self._enter()
-        with self.lock:
-            return [self._or_failed(n, len(self.store[n]) if n in self.store else None) for n in names]
-
-    async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None | BaseException]:
-        await self._enter()
-        with self.lock:
-            return [self._or_failed(n, self.store.get(n)) for n in names]
-
-    async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
-        await self._enter()
-        with self.lock:
-            for record in records:
-                self.store[record.name] = record.joined()
-        return [None] * len(records)
-
-    async def delete(self, names: Sequence[str]) -> list[bool | BaseException]:
-        await self._enter()
-        with self.lock:
-            return [
-                self._or_failed(n, False) if n in self.failing else self.store.pop(n, None) is not None for n in names
-            ]
-
-    async def delete_if_same(self, names: Sequence[str], seen: Sequence[Buffer | None]) -> list[bool]:
-        await self._enter()
-        with self.lock:
-            same = [data is not None and self.store.get(n) == bytes(data) for n, data in zip(names, seen)]
-            return [ok and self.store.pop(n, None) is not None for n, ok in zip(names, same)]
 
     async def listing(self) -> list[StoredRecord]:
         await self._enter()

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
+from core_helpers import DictRecordBackend
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +22,6 @@ from kvplug import (
     RecordBackend,
     RecordTier,
     RecordTierConfig,
-    RecordToWrite,
     TierContext,
     key_digest,
 )
@@ -32,7 +32,7 @@ from kvplug.core.remote.calls import call_budget
 Mangle = Callable[[list[Buffer | None]], list[Buffer | None]]
 
 
-class MisbehavingBackend(RecordBackend):
+class MisbehavingBackend(DictRecordBackend):
     """Records in a dict; ``read`` answers what ``mangle`` makes of the right answer, and
     blocks the tier's loop (a blocking client call in a coroutine) while ``blocking`` is set."""
 
@@ -40,30 +40,17 @@ class MisbehavingBackend(RecordBackend):
     where = "misbehaving store"
 
     def __init__(self, store: dict[str, bytes], mangle: Mangle) -> None:
-        self.store = store
+        super().__init__(store)
         self.mangle = mangle
         self.reads = 0
-        self.deletes: list[str] = []
         self.blocking = False
         self.release = threading.Event()
-
-    async def sizes(self, names: Sequence[str]) -> list[int | None]:
-        return [len(self.store[n]) if n in self.store else None for n in names]
 
     async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None]:
         self.reads += 1
         if self.blocking:
             self.release.wait(60)  # blocks the loop: no await, no deadline can end it
         return self.mangle([self.store.get(n) for n in names])
-
-    async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
-        for record in records:
-            self.store[record.name] = record.joined()
-        return [None] * len(records)
-
-    async def delete(self, names: Sequence[str]) -> list[bool]:
-        self.deletes.extend(names)
-        return [self.store.pop(n, None) is not None for n in names]
 
     async def delete_if_same(self, names: Sequence[str], seen: Sequence[Buffer | None]) -> list[bool]:
         removed = []

@@ -234,21 +234,25 @@ class Tenancy:
 class PinReport:
     """What :meth:`kvplug.CacheEngine.pin` or ``unpin`` did to a prompt's chunks.
 
-    ``chunks``: chunks now pinned (``pin``, in at least one tier) or no longer pinned
-    (``unpin``); ``bytes``: their bytes, summed over the tiers; ``refused``: chunks not
-    pinned where asked: a tier refused them because its ``pin_max_bytes`` (for a request's
-    pin, its tenant's ``request_pin_max_bytes`` or quota) was spent, or no tier holds them
-    and the pin book is full; ``missing``: chunks no tier that keeps pins holds yet (they
-    are pinned when stored); ``book_full``: chunks the pin book could not remember
-    (``tenancy.max_pins``): pinned only where held now, never when stored later. Each counts
-    records (a chunk is one per head group; a ``block_granular_hits`` tail is one chunk more),
-    another TP size's where ``pin`` pinned those (:func:`kvplug.core.engine.prompt_pins.pin_prompt`)."""
+    Each count is of the prompt's chunks (a whole chunk, or the partial one a store writes: its
+    ``block_granular_hits`` tail, its last chunk with ``save_unfull_chunk``), each once however
+    many records hold it (one per head group; another TP size's where ``pin`` pinned those,
+    :func:`kvplug.core.engine.prompt_pins.pin_prompt`). ``chunks``: chunks now pinned (``pin``:
+    each of its records in at least one tier) or no longer pinned (``unpin``); ``tokens``: the
+    prompt's tokens those chunks cover; ``bytes``: of the records pinned (unpinned), summed over the tiers;
+    ``refused``: chunks not pinned where asked: a tier refused them because its ``pin_max_bytes``
+    (for a request's pin, its tenant's ``request_pin_max_bytes`` or quota) was spent, or no tier
+    holds them and the pin book is full; ``missing``: chunks no tier that keeps pins holds yet
+    (they are pinned when stored; ``unpin``: chunks nothing of which was pinned); ``book_full``:
+    chunks the pin book could not remember (``tenancy.max_pins``): pinned only where held now,
+    never when stored later. :func:`kvplug.pin_keys` counts each key a chunk."""
 
     chunks: int = 0
     bytes: int = 0
     refused: int = 0
     missing: int = 0
     book_full: int = 0
+    tokens: int = 0
 
 
 def anchor_pin_files(layer: dict[str, Any], folder: Path) -> dict[str, Any]:

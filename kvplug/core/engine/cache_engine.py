@@ -216,13 +216,18 @@ class CacheEngine(EngineRetrieves, EngineStores):
         pinned (:func:`~kvplug.core.engine.prompt_pins.pin_prompt`)."""
         self._check_open()
         keys = self.stored_keys(tokens, request, self._request_config(request))
-        return pin_prompt(self.chain, self.records, [k.key for k in keys], request)
+        return pin_prompt(self.chain, self.records, keys, request)
 
     def unpin(self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None) -> PinReport:
         """Make the prompt's chunks evictable again (the reverse of :meth:`pin`)."""
         self._check_open()
-        keys = self.stored_keys(tokens, request, self._request_config(request), include_partial=True)
-        return unpin_prompt(self.chain, self.records, [k.key for k in keys], request)
+        config = self._request_config(request)
+        keys = self.stored_keys(tokens, request, config)
+        # A partial last chunk that a request's own save_unfull_chunk pinned is released too, but
+        # is not missing where this config stores none.
+        stored = {key.key for key in keys}
+        partial = [] if config.save_unfull_chunk else self.stored_keys(tokens, request, config, include_partial=True)
+        return unpin_prompt(self.chain, self.records, keys, request, [k for k in partial if k.key not in stored])
 
     # --- lookup ---------------------------------------------------------------------
 

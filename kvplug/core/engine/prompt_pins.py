@@ -4,69 +4,60 @@ holds none of a chunk's, another TP size's split of the heads that a load would 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kvplug.core.chain.tier_chain import TierChain
-from kvplug.core.engine.head_shards import HeadRecords
-from kvplug.core.keys import RequestInfo
-from kvplug.core.pins import pin_keys, pin_keys_held, unpin_keys_done
+from kvplug.core.engine.head_shards import HeadRecords, OtherSplit
+from kvplug.core.engine.split_lookup import OtherSplitSearch, per_chunk
+from kvplug.core.keys import ChunkKey, RequestInfo
+from kvplug.core.pins import PinnedChunk, pin_record_keys, pinned_chunks, unpin_record_keys
 from kvplug.core.tenancy import PinReport
 
 
-def pin_prompt(chain: TierChain, records: HeadRecords, names: Sequence[str], request: RequestInfo | None) -> PinReport:
-    """An operator's pin of the chunks ``names`` (record-0 keys: the whole chunks and the tail a
-    store writes): this engine's records of each, and, for a chunk no tier holds in them, the
-    records of another TP size's split of the heads where a tier holds all of that chunk's
+def pin_prompt(
+    chain: TierChain, records: HeadRecords, keys: Sequence[ChunkKey], request: RequestInfo | None
+) -> PinReport:
+    """An operator's pin of the chunks ``keys`` (the whole chunks and the tail a store writes):
+    this engine's records of each, and, for a chunk no tier holds in them, the records of
+    another TP size's split of the heads where a tier holds all of that chunk's
     (:class:`~kvplug.core.engine.head_shards.OtherSplit`): those a load of this engine reads.
     This engine's records are remembered either way, so that they are pinned if it stores them.
-    The report counts records; a chunk found in another split's counts its records, not ``missing``."""
+    The report counts chunks, each by the records that stand for it."""
+    names = [key.key for key in keys]
     own = records.record_keys(names, request)
-    report, seen = pin_keys_held(chain, own, requested=False)
-    count = records.count
-    rest = [i for i in range(len(names)) if not all(key in seen for key in own[i * count : (i + 1) * count])]
-    for other in records.others:
-        if not rest:
-            break
-        theirs = other.record_keys([names[i] for i in rest], request)
-        where, per = chain.locate(theirs), other.count
-        found = [j for j in range(len(rest)) if all(name is not None for name in where[j * per : (j + 1) * per])]
-        if not found:
-            continue
-        extra = pin_keys(chain, [key for j in found for key in theirs[j * per : (j + 1) * per]])
-        # their records stand for this engine's of those chunks, which are not missing then
-        unmissed = sum(1 for j in found for key in own[rest[j] * count : (rest[j] + 1) * count] if key not in seen)
-        report = _sum(report, extra, missing=report.missing - unmissed + extra.missing)
-        taken = set(found)
-        rest = [index for j, index in enumerate(rest) if j not in taken]
-    return report
+    pins = pin_record_keys(chain, own, requested=False)
+    chunks = pinned_chunks(keys, own, records.count)
+    seen = pins.held | pins.refused
+    rest = [i for i, chunk in enumerate(chunks) if not all(key in seen for key in chunk.records)]
+    if rest and records.others:
+        held = OtherSplitSearch(records, chain, [names[i] for i in rest], request).holders(range(len(rest)))
+        theirs = {rest[j]: found.split.record_keys([names[rest[j]]], request) for j, found in held.items()}
+        if theirs:
+            pins.add(pin_record_keys(chain, [key for found in theirs.values() for key in found], requested=False))
+        for index, found in theirs.items():  # their records stand for this engine's of that chunk
+            chunks[index] = replace(chunks[index], records=found)
+    return pins.report(chunks)
 
 
 def unpin_prompt(
-    chain: TierChain, records: HeadRecords, names: Sequence[str], request: RequestInfo | None
+    chain: TierChain,
+    records: HeadRecords,
+    keys: Sequence[ChunkKey],
+    request: RequestInfo | None,
+    also: Sequence[ChunkKey] = (),
 ) -> PinReport:
-    """:func:`pin_prompt` reversed: this engine's records of chunks ``names`` and every other
-    split's; ``missing`` counts this engine's records of the chunks no split's records of which
-    were all unpinned."""
-    own = records.record_keys(names, request)
-    report, done = unpin_keys_done(chain, own)
-    count = records.count
-    credited = {i for i in range(len(names)) if all(k in done for k in own[i * count : (i + 1) * count])}
-    for other in records.others:
-        theirs, per = other.record_keys(names, request), other.count
-        extra, undone = unpin_keys_done(chain, theirs)
-        if not undone:
-            continue
-        whole = {i for i in range(len(names)) if all(k in undone for k in theirs[i * per : (i + 1) * per])} - credited
-        unmissed = sum(1 for i in whole for key in own[i * count : (i + 1) * count] if key not in done)
-        report = _sum(report, extra, missing=report.missing - unmissed)
-        credited |= whole
-    return report
-
-
-def _sum(first: PinReport, second: PinReport, *, missing: int) -> PinReport:
-    return PinReport(
-        chunks=first.chunks + second.chunks,
-        bytes=first.bytes + second.bytes,
-        refused=first.refused + second.refused,
-        missing=missing,
-        book_full=first.book_full + second.book_full,
-    )
+    """:func:`pin_prompt` reversed: this engine's records of chunks ``keys`` and every other
+    split's. A chunk counts unpinned where some split's records of it were, else ``missing``;
+    chunks ``also`` are unpinned too but counted only where something of them was pinned
+    (a partial last chunk that this engine's stores do not write, but a request's may have)."""
+    every = [*keys, *also]
+    names = [key.key for key in every]
+    splits: list[HeadRecords | OtherSplit] = [records, *records.others]
+    theirs = [split.record_keys(names, request) for split in splits]
+    pins = unpin_record_keys(chain, [key for found in theirs for key in found])
+    cut = [per_chunk(found, split.count) for split, found in zip(splits, theirs)]
+    chunks = [
+        PinnedChunk(key.start, key.end, [record for split in cut for record in split[index]])
+        for index, key in enumerate(every)
+    ]
+    return pins.report(chunks[: len(keys)], chunks[len(keys) :])

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from kvplug.core.chain.tier_chain import TierChain
 from kvplug.core.engine.head_shards import HeadRecords, OtherSplit
+from kvplug.core.engine.split_lookup import OtherSplitSearch, per_chunk, whole
 from kvplug.core.keys import ChunkKey, RequestInfo
 
 
@@ -55,26 +56,17 @@ def longest_held_tail(
     order: Sequence[str],
 ) -> HeldTail | None:
     """The longest of ``candidates`` (longest first) whose records some tier holds, in the
-    engine's own split of the heads or, as whole chunks are found
-    (:mod:`kvplug.core.engine.split_lookup`), in another TP size's: its own records and each
-    other split's first record of every candidate are asked for in one batched ``contains``
-    per tier, and another split's other records only where its first one is held."""
+    engine's own split of the heads or, as whole chunks are found, in another TP size's
+    (:class:`~kvplug.core.engine.split_lookup.OtherSplitSearch`: its own records and each other
+    split's first record of every candidate in one batched ``contains`` per tier, and another
+    split's other records only where its first one is held)."""
     if not candidates:
         return None
     names = [candidate.key for candidate in candidates]
-    own = records.record_keys(names, request)
-    firsts = [other.record_keys(names, request)[:: other.count] for other in records.others]
-    where = chain.locate([*own, *(key for keys in firsts for key in keys)])
-    count, at = records.count, len(own)
+    search = OtherSplitSearch(records, chain, names, request, with_keys=records.record_keys(names, request))
+    owned = per_chunk(search.located, records.count)
     for index, candidate in enumerate(candidates):
-        held = where[index * count : (index + 1) * count]
-        if all(name is not None for name in held):
-            return HeldTail(candidate, records.chunk_tiers([n for n in held if n is not None], order)[0], records)
-        for number, other in enumerate(records.others):
-            first = where[at + number * len(names) + index]
-            if first is None:
-                continue
-            held = [first] if other.count == 1 else chain.locate(other.record_keys([candidate.key], request))
-            if all(name is not None for name in held):
-                return HeldTail(candidate, other.chunk_tiers([n for n in held if n is not None], order)[0], other)
+        held = whole(records, owned[index]) or search.holders([index]).get(index)
+        if held is not None:
+            return HeldTail(candidate, held.slowest(order), held.split)
     return None

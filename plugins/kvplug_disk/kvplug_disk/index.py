@@ -83,22 +83,21 @@ class EvictionIndex:
         self._policy.accessed(digest)
 
     def pop(self, digest: str) -> IndexEntry | None:
-        entry = self._entries.pop(digest, None)
-        if entry is not None:
-            self._policy.removed(digest)
-            self.value_bytes -= entry.value_size
-            self.file_bytes -= entry.file_size
+        if digest not in self._entries:
+            return None
+        self._policy.removed(digest)
+        return self._take(digest)
+
+    def _take(self, digest: str) -> IndexEntry:
+        """Remove a held entry and its bytes (the caller tells the policy, or it chose it)."""
+        entry = self._entries.pop(digest)
+        self.value_bytes -= entry.value_size
+        self.file_bytes -= entry.file_size
         return entry
 
     def pop_victims(self, file_bytes: int) -> list[tuple[str, IndexEntry]]:
         """Remove entries in eviction order until their files add up to ``file_bytes``."""
-        victims = []
-        for digest, _ in self._policy.victims(file_bytes):
-            entry = self._entries.pop(digest)
-            self.value_bytes -= entry.value_size
-            self.file_bytes -= entry.file_size
-            victims.append((digest, entry))
-        return victims
+        return [(digest, self._take(digest)) for digest, _ in self._policy.victims(file_bytes)]
 
     def pin(self, digest: str) -> PinOutcome:
         """Take a held record out of eviction (within the guard's pin budget)."""
@@ -123,13 +122,7 @@ class EvictionIndex:
 
     def take_over_quota(self) -> list[tuple[str, IndexEntry]]:
         """Remove the records of tenants over their quotas (each its own, in its order)."""
-        victims = []
-        for digest, _ in self._policy.take_over_quota():
-            entry = self._entries.pop(digest)
-            self.value_bytes -= entry.value_size
-            self.file_bytes -= entry.file_size
-            victims.append((digest, entry))
-        return victims
+        return [(digest, self._take(digest)) for digest, _ in self._policy.take_over_quota()]
 
     def stats_extra(self) -> dict[str, int]:
         """Pins, quota evictions and per-tenant figures (:meth:`kvplug.GuardedEviction.stats_extra`)."""

@@ -104,7 +104,10 @@ class HiCacheControl(ControlTarget):
 
     def pin(self, tokens: Sequence[int], request: RequestInfo, *, unpin: bool = False) -> PinReport:
         # Page keys carry the salt (SGLang seeds its page hash with it), so a pin is per salt too.
-        return (unpin_keys if unpin else pin_keys)(self.store.chain, self.page_keys(tokens, request))
+        keys = self.page_keys(tokens, request)
+        if unpin:
+            return unpin_keys(self.store.chain, keys, tokens_per_key=self.page_size)
+        return pin_keys(self.store.chain, keys, tokens_per_key=self.page_size)
 
     def clear_keys(self, request: ControlRequest) -> ClearKeys:
         if request.fields.get("all_salts") is not True:

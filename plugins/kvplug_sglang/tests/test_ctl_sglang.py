@@ -69,6 +69,7 @@ def test_ctl_against_an_sglang_server(server: SGLangServer, socket_dir: Path, tm
 
     pinned = run_ctl(socket_dir, "pin", str(prompt))["total"]
     assert pinned["chunks"] == WHOLE_PAGES and pinned["refused"] == 0 and pinned["bytes"] > 0
+    assert pinned["tokens"] == WHOLE_PAGES * PAGE  # the prompt's tokens the pinned pages cover
     (cpu_pinned,) = run_ctl(socket_dir, "tiers")["total"]["tiers"]
     assert cpu_pinned["pinned_bytes"] == pinned["bytes"]
     assert run_ctl(socket_dir, "pin", str(prompt), "--cache-salt", "other")["total"]["missing"] == WHOLE_PAGES
