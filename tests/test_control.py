@@ -339,6 +339,9 @@ def test_ctl_pin_and_unpin(server: ControlServer, engine: CacheEngine, tmp_path:
     prompt.write_text(" ".join(map(str, TOKENS)))
     pinned = ctl("pin", str(prompt), "--cache-salt", "t")["total"]
     assert pinned["chunks"] == 5 and pinned["bytes"] > 0 and pinned["refused"] == pinned["missing"] == 0
+    assert pinned["tokens"] == 40
+    said = " ".join(CliRunner().invoke(app, ["ctl", "pin", str(prompt), "--cache-salt", "t"]).output.split())
+    assert "covering 40 prompt tokens on every rank" in said, said
     assert ctl("pin", str(prompt))["total"]["missing"] == 5  # unsalted: another tenant's keys, none stored
     assert ctl("unpin", str(prompt), "--cache-salt", "t")["total"]["chunks"] == 5
 

@@ -284,12 +284,19 @@ def _show_explain(replies: Replies, total: dict[str, Any], per_rank: bool) -> No
 
 
 def _pin_total(replies: Replies) -> dict[str, Any]:
-    return sum_numbers([reply for _, reply in replies])
+    total = sum_numbers([reply for _, reply in replies])
+    # Each rank counts the prompt's chunks and the tokens they cover: what every rank covers
+    # is the least of those, not their sum.
+    if any("tokens" in reply for _, reply in replies):
+        total["tokens"] = min(reply.get("tokens", 0) for _, reply in replies)
+    return total
 
 
 def _show_pin(op: str) -> Show:
     def show(replies: Replies, total: dict[str, Any], per_rank: bool) -> None:
         summary = ", ".join(f"{name} {total.get(name, 0)}" for name in ("chunks", "bytes", "refused", "missing"))
+        if "tokens" in total:
+            summary += f"; covering {total['tokens']} prompt tokens on every rank"
         if total.get("book_full"):  # why some were refused: the pin book (tenancy.max_pins) is full
             summary += f"; pin book full (tenancy.max_pins): {total['book_full']} not pinned when stored"
         console.print(f"{op}ned over {len(replies)} rank(s): {summary}", highlight=False)
