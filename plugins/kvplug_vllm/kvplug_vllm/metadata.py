@@ -73,3 +73,6 @@ class KVPlugConnectorMetadata(KVConnectorMetadata):
     requests: list[RequestMeta] = field(default_factory=list)
     #: The step computes nothing (every request waits, e.g. for its background load).
     idle: bool = False
+    #: Requests that finished since the last step (vLLM's ``finished_req_ids``): the worker forgets
+    #: them as the step begins, before its loads, since a new request may reuse the id in this step.
+    finished_req_ids: list[str] = field(default_factory=list)

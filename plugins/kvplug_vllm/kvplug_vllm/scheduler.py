@@ -200,8 +200,10 @@ class SchedulerSide:
         handed = dict(getattr(block_state, "boundary_state_offloads", None) or {}) if self.state_groups else {}
         if meta.idle and self._pool is not None:
             self._pool.wait_any(IDLE_WAIT_S)  # nothing runs: a busy loop would take the lookups' CPU
-        for req_id in scheduler_output.finished_req_ids:
-            self._forget(req_id)
+        # A finished request was forgotten when vLLM called request_finished, at once: by now its
+        # id may name a new request (vLLM without request id randomization), whose state this is.
+        # The workers forget theirs before this step's loads, for the same reason.
+        meta.finished_req_ids = sorted(scheduler_output.finished_req_ids)
         for queued in self._states.values():
             if queued.phase is Phase.LOAD_QUEUED:
                 meta.requests.append(self._background_load(queued))

@@ -148,6 +148,11 @@ class WorkerSide:
         """Reset per-step state; vLLM binds new metadata before every forward."""
         self.results.failed_this_step.clear()
         self._layers = LayerwiseStep()
+        meta = self._metadata()
+        if meta is not None:
+            # Before this step's loads and stores, not in get_finished after them: vLLM may
+            # already reuse a finished request's id for a new request in this step.
+            self.results.forget(set(meta.finished_req_ids))
 
     @timed
     def start_load_kv(self) -> None:
@@ -262,9 +267,9 @@ class WorkerSide:
 
         Finished fetches are written into the paged cache here, on vLLM's thread
         between two forward passes; the blocks of failed or late ones are reported
-        as load errors in the same step, as vLLM requires.
+        as load errors in the same step, as vLLM requires. ``finished_req_ids`` were
+        forgotten as the step began (:meth:`begin_step`, from the metadata).
         """
-        self.results.forget(finished_req_ids or set())
         if self.engine is None:
             return None
         meta = self._metadata()
