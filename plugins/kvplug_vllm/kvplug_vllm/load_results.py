@@ -5,7 +5,9 @@ A model of one KV cache group reports the promised blocks that did not load
 and recomputes from there. A model of several groups reports a failed load by request
 (``failed_recving``): vLLM maps block ids to requests for one group only, and
 recomputes such a request whole. A request whose load failed stores nothing in that
-step: its later blocks were computed on top of the bad ones. Nor in the steps vLLM
+step: its later blocks were computed on top of the bad ones. Nor does any other request
+of the step that holds one of those blocks (vLLM's prefix cache shares a loading
+request's blocks with a request admitted in the same step; vLLM rolls both back). Nor in the steps vLLM
 scheduled before it saw the failure (async scheduling, pipeline parallelism run a step
 ahead): a request whose synchronous load failed stores nothing until vLLM has rolled it
 back (its ``RequestMeta.epoch`` grows) or it finished.
@@ -14,6 +16,7 @@ back (its ``RequestMeta.epoch`` grows) or it finished.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch
 
@@ -31,8 +34,11 @@ class LoadResults:
 
     def __init__(self) -> None:
         self._block_errors: set[int] = set()
-        #: Requests of this step whose load failed: they store nothing in it.
+        #: Requests of this step whose load failed, or that hold a block that did not load:
+        #: they store nothing in it.
         self.failed_this_step: set[str] = set()
+        #: Blocks of this step that did not load (reported to vLLM, or still to be).
+        self.bad_blocks_this_step: set[int] = set()
         self._failed_requests: set[str] = set()
         #: Requests whose synchronous load failed -> their epoch then (see the module docstring).
         self._poisoned: dict[str, int] = {}
@@ -51,6 +57,7 @@ class LoadResults:
         bad = {request.block_ids[block] for block, lo, hi in promised if not bool(loaded[lo:hi].all())}
         if bad:
             self._block_errors |= bad
+            self.bad_blocks_this_step |= bad
             self.failed_this_step.add(request.req_id)
             stats.add(load_error_blocks=len(bad), load_error_requests=1)
             logger.warning(
@@ -71,6 +78,20 @@ class LoadResults:
         """``request``'s synchronous load failed: what vLLM computes of it until it rolls it back
         was computed on top of the blocks that did not load."""
         self._poisoned[request.req_id] = request.epoch
+
+    def begin_step(self) -> None:
+        self.failed_this_step.clear()
+        self.bad_blocks_this_step.clear()
+
+    def refuse_sharers(self, requests: Iterable[RequestMeta]) -> None:
+        """Treat the requests holding a block that did not load this step as if their own load
+        failed: vLLM computed them on top of it (and rolls them back)."""
+        for request in requests:
+            if request.req_id not in self.failed_this_step and not self.bad_blocks_this_step.isdisjoint(
+                request.block_ids
+            ):
+                self.failed_this_step.add(request.req_id)
+                self.poison(request)
 
     def may_store(self, request: RequestMeta) -> bool:
         """Whether ``request``'s KV of this step may be stored (not computed on a failed load)."""

@@ -146,7 +146,7 @@ class WorkerSide:
 
     def begin_step(self) -> None:
         """Reset per-step state; vLLM binds new metadata before every forward."""
-        self.results.failed_this_step.clear()
+        self.results.begin_step()
         self._layers = LayerwiseStep()
         meta = self._metadata()
         if meta is not None:
@@ -221,10 +221,12 @@ class WorkerSide:
         if self.engine is None:
             return
         self._layers.finish_loads(self.results, self.engine.layout.block_size, self._stats)
+        meta = self._metadata()
+        self.results.refuse_sharers(meta.requests if meta is not None else [])
         if self.layerwise:
             self._layers.finish_stores(self.results.failed_this_step)
             return
-        for request in self._to_save(self._metadata()):
+        for request in self._to_save(meta):
             self._store(request, layerwise=False)
 
     def _to_save(self, meta: KVPlugConnectorMetadata | None) -> list[RequestMeta]:

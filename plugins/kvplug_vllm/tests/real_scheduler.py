@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvplug import CacheEngine, Fingerprint, KVLayout, load_config
+from kvplug import CacheEngine, Fingerprint, KVLayout, load_config, slots_from_block_ids
 from kvplug_vllm.layout import VLLM_CPU
 from kvplug_vllm.lookup import LocalWorker, register_local, unregister_local
 
@@ -28,7 +28,7 @@ LAYOUT = KVLayout(VLLM_CPU, num_layers=2, block_size=BLOCK_SIZE, num_kv_heads=2,
 
 @contextmanager
 def real_scheduler(
-    model: str, engine_id: str, *, max_num_batched_tokens: int = 1024
+    model: str, engine_id: str, *, max_num_batched_tokens: int = 1024, num_blocks: int = NUM_BLOCKS, **settings: Any
 ) -> Iterator[tuple[Any, CacheEngine]]:
     """vLLM's ``Scheduler`` with KVPlugConnector, and the cache engine its lookups ask (cpu tier)."""
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -42,6 +42,7 @@ def real_scheduler(
 
     register()
     extra = {"kvplug.chunk_size": CHUNK_SIZE, "kvplug.lookup_channel": "direct"}
+    extra.update({f"kvplug.{name}": value for name, value in settings.items()})
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=model, dtype="bfloat16", seed=0, max_model_len=1024, skip_tokenizer_init=True),
         scheduler_config=SchedulerConfig(
@@ -60,11 +61,11 @@ def real_scheduler(
             kv_connector_extra_config=extra,
         ),
     )
-    vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
     kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
     )
     init_none_hash(sha256)
     engine_extra = {"kvplug.chunk_size": CHUNK_SIZE, "kvplug.store.queue.mode": "sync"}
@@ -93,3 +94,103 @@ def new_request(request_id: str, prompt: list[int], max_tokens: int = 4) -> Any:
 
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
     return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), None, block_hasher=hasher)
+
+
+def model_kv(token: int, position: int) -> float:
+    """The KV the stand-in model computes for ``token`` at ``position`` (every element; exact in bf16)."""
+    return float((token * 31 + position * 7) % 251)
+
+
+class EngineLoop:
+    """vLLM's scheduler and kvplug's worker side in one loop, a stand-in for the model runner.
+
+    Each step goes as vLLM's model runner drives a connector (bind, ``start_load_kv``, forward,
+    ``wait_for_save``, ``get_finished``, load errors) and back into ``update_from_output``. The
+    forward writes :func:`model_kv` of each scheduled token into its slot: loads, stores and
+    vLLM's prefix cache move real bytes between real caches and tiers, and any slot can be
+    checked against what the model computes there.
+    """
+
+    def __init__(self, scheduler: Any, engine: CacheEngine, num_blocks: int = NUM_BLOCKS) -> None:
+        from types import SimpleNamespace
+
+        from kvplug_vllm.settings import ConnectorSettings
+        from kvplug_vllm.worker import WorkerSide
+
+        self.scheduler, self.engine = scheduler, engine
+        self.caches = [torch.zeros(num_blocks, 2, BLOCK_SIZE, 128, dtype=torch.bfloat16) for _ in range(2)]
+        self.meta: Any = None
+        parent = SimpleNamespace(has_connector_metadata=lambda: True, _get_connector_metadata=lambda: self.meta)
+        roles = SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_consumer=True, is_kv_producer=True))
+        self.worker = WorkerSide(parent, roles, ConnectorSettings(load="sync"), {}, ("loop", 0, 0))
+        self.worker.engine, self.worker.kv_caches = engine, self.caches
+        self.blocks: dict[str, list[int]] = {}
+
+    def store(self, prompt: list[int]) -> None:
+        """Store ``prompt``'s KV as the model computes it (through blocks freed again after)."""
+        blocks = list(range(1, 1 + -(-len(prompt) // BLOCK_SIZE)))
+        slots = slots_from_block_ids(blocks, BLOCK_SIZE, len(prompt))
+        for position, token in enumerate(prompt):
+            self._write(int(slots[position]), model_kv(token, position))
+        self.engine.store(prompt, self.caches, slots)
+        for cache in self.caches:
+            cache.zero_()
+
+    def step(self, after_schedule: Any = None) -> tuple[Any, set[int]]:
+        """One engine step; ``after_schedule(output)`` runs between the scheduler and the worker."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        output = self.scheduler.schedule()
+        if after_schedule is not None:
+            after_schedule(output)
+        self.meta = output.kv_connector_metadata
+        self.worker.begin_step()
+        self.worker.start_load_kv()
+        self._track_blocks(output)
+        sampled = [self._forward(req_id, count) for req_id, count in output.num_scheduled_tokens.items()]
+        self.worker.wait_for_save()
+        finished = self.worker.get_finished(output.finished_req_ids)
+        errors = self.worker.get_block_ids_with_load_errors()
+        ids = list(output.num_scheduled_tokens)
+        runner = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={req_id: index for index, req_id in enumerate(ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(finished_recving=finished, invalid_block_ids=errors),
+        )
+        self.scheduler.update_from_output(output, runner)
+        return output, errors
+
+    def wrong_positions(self, prompt: list[int]) -> tuple[int, list[int]]:
+        """Load ``prompt``'s cached prefix into fresh caches: (tokens hit, positions not as computed)."""
+        fresh = [torch.zeros_like(cache) for cache in self.caches]
+        slots = slots_from_block_ids(list(range(1, 1 + -(-len(prompt) // BLOCK_SIZE))), BLOCK_SIZE, len(prompt))
+        hit = int(self.engine.retrieve(prompt, fresh, slots).sum())
+        wrong = [p for p in range(hit) if not bool((self._read(fresh, int(slots[p])) == model_kv(prompt[p], p)).all())]
+        return hit, wrong
+
+    def _track_blocks(self, output: Any) -> None:
+        for new in output.scheduled_new_reqs:
+            self.blocks[new.req_id] = list(new.block_ids[0])
+        cached = output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            added = cached.new_block_ids[index]
+            if req_id in cached.resumed_req_ids:
+                self.blocks[req_id] = list(added[0]) if added else []
+            elif added:
+                self.blocks[req_id] += list(added[0])
+
+    def _forward(self, req_id: str, count: int) -> list[int]:
+        request = self.scheduler.requests[req_id]
+        start = request.num_computed_tokens - count  # vLLM counted this step's tokens already
+        slots = slots_from_block_ids(self.blocks[req_id], BLOCK_SIZE, start + count)
+        for position in range(start, min(start + count, len(request.all_token_ids))):
+            self._write(int(slots[position]), model_kv(request.all_token_ids[position], position))
+        return [7] if request.num_computed_tokens >= request.num_tokens else []
+
+    def _write(self, slot: int, value: float) -> None:
+        for cache in self.caches:
+            cache[slot // BLOCK_SIZE, :, slot % BLOCK_SIZE, :] = value
+
+    def _read(self, caches: list[torch.Tensor], slot: int) -> torch.Tensor:
+        return torch.stack([cache[slot // BLOCK_SIZE, :, slot % BLOCK_SIZE, :] for cache in caches])
