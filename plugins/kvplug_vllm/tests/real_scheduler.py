@@ -96,9 +96,11 @@ def new_request(request_id: str, prompt: list[int], max_tokens: int = 4) -> Any:
     return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), None, block_hasher=hasher)
 
 
-def model_kv(token: int, position: int) -> float:
-    """The KV the stand-in model computes for ``token`` at ``position`` (every element; exact in bf16)."""
-    return float((token * 31 + position * 7) % 251)
+def model_kv(tokens: list[int], start: int = 0) -> torch.Tensor:
+    """The KV the stand-in model computes for ``tokens`` from position ``start`` (every element of
+    a token's slot the same; exact in bf16)."""
+    ids, positions = torch.tensor(tokens, dtype=torch.long), torch.arange(start, start + len(tokens))
+    return ((ids * 31 + positions * 7) % 251).to(torch.bfloat16)
 
 
 class EngineLoop:
@@ -125,13 +127,14 @@ class EngineLoop:
         self.worker = WorkerSide(parent, roles, ConnectorSettings(load="sync"), {}, ("loop", 0, 0))
         self.worker.engine, self.worker.kv_caches = engine, self.caches
         self.blocks: dict[str, list[int]] = {}
+        #: (request, first position) of each forward that read KV other than the model's.
+        self.misread: list[tuple[str, int]] = []
 
     def store(self, prompt: list[int]) -> None:
         """Store ``prompt``'s KV as the model computes it (through blocks freed again after)."""
         blocks = list(range(1, 1 + -(-len(prompt) // BLOCK_SIZE)))
         slots = slots_from_block_ids(blocks, BLOCK_SIZE, len(prompt))
-        for position, token in enumerate(prompt):
-            self._write(int(slots[position]), model_kv(token, position))
+        self._write(slots, model_kv(prompt))
         self.engine.store(prompt, self.caches, slots)
         for cache in self.caches:
             cache.zero_()
@@ -166,8 +169,7 @@ class EngineLoop:
         fresh = [torch.zeros_like(cache) for cache in self.caches]
         slots = slots_from_block_ids(list(range(1, 1 + -(-len(prompt) // BLOCK_SIZE))), BLOCK_SIZE, len(prompt))
         hit = int(self.engine.retrieve(prompt, fresh, slots).sum())
-        wrong = [p for p in range(hit) if not bool((self._read(fresh, int(slots[p])) == model_kv(prompt[p], p)).all())]
-        return hit, wrong
+        return hit, self._differ(fresh, slots[:hit], prompt[:hit])
 
     def _track_blocks(self, output: Any) -> None:
         for new in output.scheduled_new_reqs:
@@ -184,13 +186,23 @@ class EngineLoop:
         request = self.scheduler.requests[req_id]
         start = request.num_computed_tokens - count  # vLLM counted this step's tokens already
         slots = slots_from_block_ids(self.blocks[req_id], BLOCK_SIZE, start + count)
-        for position in range(start, min(start + count, len(request.all_token_ids))):
-            self._write(int(slots[position]), model_kv(request.all_token_ids[position], position))
+        tokens = request.all_token_ids
+        if self.worker.results.bad_blocks_this_step.isdisjoint(self.blocks[req_id]):  # else vLLM rolls it back
+            wrong = self._differ(self.caches, slots[:start], tokens[:start])  # what attention reads
+            if wrong:
+                self.misread.append((req_id, wrong[0]))
+        end = min(start + count, len(tokens))
+        self._write(slots[start:end], model_kv(tokens[start:end], start))
         return [7] if request.num_computed_tokens >= request.num_tokens else []
 
-    def _write(self, slot: int, value: float) -> None:
+    def _write(self, slots: torch.Tensor, values: torch.Tensor) -> None:
         for cache in self.caches:
-            cache[slot // BLOCK_SIZE, :, slot % BLOCK_SIZE, :] = value
+            cache[slots // BLOCK_SIZE, :, slots % BLOCK_SIZE, :] = values[:, None, None]
 
-    def _read(self, caches: list[torch.Tensor], slot: int) -> torch.Tensor:
-        return torch.stack([cache[slot // BLOCK_SIZE, :, slot % BLOCK_SIZE, :] for cache in caches])
+    def _differ(self, caches: list[torch.Tensor], slots: torch.Tensor, tokens: list[int]) -> list[int]:
+        """Positions whose slot in ``caches`` holds other KV than the model's for ``tokens``."""
+        expected = model_kv(tokens)[:, None, None]
+        bad = torch.zeros(len(tokens), dtype=torch.bool)
+        for cache in caches:
+            bad |= (cache[slots // BLOCK_SIZE, :, slots % BLOCK_SIZE, :] != expected).flatten(1).any(1)
+        return [int(p) for p in bad.nonzero().flatten()]

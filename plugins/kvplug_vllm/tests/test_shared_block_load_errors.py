@@ -47,6 +47,7 @@ def test_a_request_sharing_a_block_whose_load_failed_stores_no_chunk_spanning_it
         assert errors == set(loop.blocks["a"][6:8])  # chunk 3: A's blocks 6 and 7, block 6 shared
         while scheduler.requests:
             loop.step()
+        assert loop.misread == []  # every forward read the KV the model computes, loaded or not
         for prompt in (A, SHARER):
             hit, wrong = loop.wrong_positions(prompt)
             assert hit == 256 and wrong == []  # recomputed after vLLM's rollback, and stored right
