@@ -6,8 +6,11 @@ and recomputes from there. A model of several groups reports a failed load by re
 (``failed_recving``): vLLM maps block ids to requests for one group only, and
 recomputes such a request whole. A request whose load failed stores nothing in that
 step: its later blocks were computed on top of the bad ones. Nor does any other request
-of the step that holds one of those blocks (vLLM's prefix cache shares a loading
-request's blocks with a request admitted in the same step; vLLM rolls both back). Nor in the steps vLLM
+whose step reads one of those blocks as context (vLLM's prefix cache shares a loading
+request's blocks with a request admitted in the same step; vLLM rolls both back), in that
+step or the next, unless a request of the next step computes the block again (vLLM lets
+the first request holding a bad block recompute it for all: without async scheduling the
+next step does so; with it, the next step was scheduled before vLLM saw the failure). Nor in the steps vLLM
 scheduled before it saw the failure (async scheduling, pipeline parallelism run a step
 ahead): a request whose synchronous load failed stores nothing until vLLM has rolled it
 back (its ``RequestMeta.epoch`` grows) or it finished.
@@ -16,7 +19,7 @@ back (its ``RequestMeta.epoch`` grows) or it finished.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import torch
 
@@ -39,6 +42,8 @@ class LoadResults:
         self.failed_this_step: set[str] = set()
         #: Blocks of this step that did not load (reported to vLLM, or still to be).
         self.bad_blocks_this_step: set[int] = set()
+        #: Those of the step before.
+        self._bad_blocks_last_step: set[int] = set()
         self._failed_requests: set[str] = set()
         #: Requests whose synchronous load failed -> their epoch then (see the module docstring).
         self._poisoned: dict[str, int] = {}
@@ -81,15 +86,23 @@ class LoadResults:
 
     def begin_step(self) -> None:
         self.failed_this_step.clear()
-        self.bad_blocks_this_step.clear()
+        self._bad_blocks_last_step, self.bad_blocks_this_step = self.bad_blocks_this_step, set()
 
-    def refuse_sharers(self, requests: Iterable[RequestMeta]) -> None:
-        """Treat the requests holding a block that did not load this step as if their own load
-        failed: vLLM computed them on top of it (and rolls them back)."""
+    def refuse_sharers(self, requests: Sequence[RequestMeta], block_size: int) -> None:
+        """Treat the requests whose step read a block that did not load (this step, or the last
+        and not computed again in this one) as if their own load failed: vLLM computed them on
+        top of it, and rolls them back."""
+        if not (self.bad_blocks_this_step or self._bad_blocks_last_step):
+            return
+        computed = {
+            block
+            for r in requests
+            for block in r.block_ids[r.computes[0] // block_size : -(-r.computes[1] // block_size)]
+        }
+        bad = self.bad_blocks_this_step | (self._bad_blocks_last_step - computed)
         for request in requests:
-            if request.req_id not in self.failed_this_step and not self.bad_blocks_this_step.isdisjoint(
-                request.block_ids
-            ):
+            context = request.block_ids[: -(-request.computes[0] // block_size)]
+            if request.req_id not in self.failed_this_step and not bad.isdisjoint(context):
                 self.failed_this_step.add(request.req_id)
                 self.poison(request)
 

@@ -56,6 +56,9 @@ class RequestMeta:
     #: How many times vLLM rolled the request back (preempted, or after a failed load) before this
     #: step: a worker whose load of the request failed stores nothing of it until this grows.
     epoch: int = 0
+    #: The tokens ``[start, end)`` this step computes: the blocks before ``start`` are what its
+    #: forward reads as context (loaded ones included).
+    computes: tuple[int, int] = (0, 0)
 
     def request_info(self) -> RequestInfo:
         return RequestInfo(

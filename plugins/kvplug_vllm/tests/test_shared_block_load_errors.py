@@ -10,17 +10,26 @@ prompt that spans the block would keep, under that prompt's keys, KV that was ne
 vLLM's own scheduler with KVPlugConnector, kvplug's worker side over a real cpu tier and
 caches, and a stand-in model writing known KV into each scheduled slot (real_scheduler.py).
 A record the lookup saw leaves the tier before the worker loads it, as an eviction by
-another process sharing the tier would.
+another process sharing the tier would. The step after, with and without async scheduling
+(the sharer computing on top of the bad block, or the first request computing it again):
+the worker side fed that step's metadata, as in test_failed_load_stores.py.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
+import torch
 from conftest import tokens
 from real_scheduler import EngineLoop, new_request, real_scheduler
 
-from kvplug import RequestInfo
+from kvplug import CacheEngine, Fingerprint, KVLayout, RequestInfo, load_config, slots_from_block_ids
+from kvplug_vllm.layout import VLLM_CPU
+from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
+from kvplug_vllm.settings import ConnectorSettings
+from kvplug_vllm.worker import WorkerSide
 
 A = tokens(21, 300)  # 4 whole chunks of 64, and 44 tokens
 SHARER = A[:250] + tokens(22, 50)  # shares 250 tokens: 7 of A's blocks in vLLM's prefix cache
@@ -51,3 +60,50 @@ def test_a_request_sharing_a_block_whose_load_failed_stores_no_chunk_spanning_it
         for prompt in (A, SHARER):
             hit, wrong = loop.wrong_positions(prompt)
             assert hit == 256 and wrong == []  # recomputed after vLLM's rollback, and stored right
+
+
+LAYOUT = KVLayout(VLLM_CPU, num_layers=2, block_size=32, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+PROMPT = tokens(23, 300)
+SHARES = PROMPT[:250] + tokens(24, 50)
+BLOCKS = list(range(8, 18))  # the first request's 10 blocks; the sharer holds the first 8 of them
+
+
+@pytest.mark.parametrize("scheduling", ["async", "sync"])
+def test_the_next_step_of_a_sharer_stores_nothing_read_from_a_block_nobody_computed_again(scheduling: str) -> None:
+    """Async scheduling: step N+1 was scheduled before vLLM saw step N's load errors, so the sharer
+    (not in step N's metadata: it stored nothing there) computes on top of the bad block. Without it,
+    vLLM had the first request compute the block again in N+1, for the sharer too."""
+    config = load_config(engine_extra={"kvplug.chunk_size": 64, "kvplug.store.queue.mode": "sync"}, env={}).config
+    source = [torch.randn(32, 2, 32, 128).to(torch.bfloat16) for _ in range(2)]
+    meta = KVPlugConnectorMetadata()
+    parent = SimpleNamespace(has_connector_metadata=lambda: True, _get_connector_metadata=lambda: meta)
+    roles = SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_consumer=True, is_kv_producer=True))
+    worker = WorkerSide(parent, roles, ConnectorSettings(load="sync"), {}, ("shared-next-step", 0, 0))
+    with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="shared-next-step")) as engine:
+        worker.engine, worker.kv_caches = engine, source
+        engine.store(PROMPT[:192], source, slots_from_block_ids(BLOCKS, 32, 192))  # 3 chunks; the lookup saw 4
+        sharer = [*BLOCKS[:8], 30, 31]
+
+        def step(*requests: RequestMeta) -> set[int]:
+            meta.requests = list(requests)
+            worker.begin_step()
+            worker.start_load_kv()
+            worker.wait_for_save()
+            worker.get_finished(set())
+            return worker.get_block_ids_with_load_errors()
+
+        try:
+            load = LoadSpec(num_computed=0, num_hit=256, num_external=256)
+            # step N: the first request's chunk 3 (blocks 14, 15) does not load; the sharer computes 240..250
+            assert step(RequestMeta("a", PROMPT, BLOCKS, load=load, computes=(256, 300))) == {14, 15}
+            if scheduling == "async":  # N+1: "a" decodes, the sharer completes its chunk 3 over block 14
+                a_next = RequestMeta("a", PROMPT, BLOCKS, computes=(300, 301))
+            else:  # N+1: vLLM rolled "a" back to block 14, and it computes it again
+                a_next = RequestMeta("a", PROMPT, BLOCKS, save_start=192, save_end=256, computes=(192, 300), epoch=1)
+            s_next = RequestMeta("s", SHARES, sharer, save_start=192, save_end=256, computes=(250, 256))
+            assert step(a_next, s_next) == set()
+            keys = engine.record_keys(engine.chunk_keys(SHARES[:256], RequestInfo()))
+            assert engine.chain.contains_any(keys)[3] is (scheduling == "sync")
+        finally:
+            worker.engine = None  # closed by the with block
+            worker.background.close()
