@@ -4,16 +4,17 @@ A model of one KV cache group reports the promised blocks that did not load
 (``get_block_ids_with_load_errors``); vLLM rolls the request back to the first of them
 and recomputes from there. A model of several groups reports a failed load by request
 (``failed_recving``): vLLM maps block ids to requests for one group only, and
-recomputes such a request whole. A request whose load failed stores nothing in that
-step: its later blocks were computed on top of the bad ones. Nor does any other request
-whose step reads one of those blocks as context (vLLM's prefix cache shares a loading
-request's blocks with a request admitted in the same step; vLLM rolls both back), in that
-step or the next, unless a request of the next step computes the block again (vLLM lets
-the first request holding a bad block recompute it for all: without async scheduling the
-next step does so; with it, the next step was scheduled before vLLM saw the failure). Nor in the steps vLLM
-scheduled before it saw the failure (async scheduling, pipeline parallelism run a step
-ahead): a request whose synchronous load failed stores nothing until vLLM has rolled it
-back (its ``RequestMeta.epoch`` grows) or it finished.
+recomputes such a request whole.
+
+A request whose load failed stores nothing in that step: its later blocks were computed
+on top of the bad ones. Nor in the steps vLLM scheduled before it saw the failure (async
+scheduling, pipeline parallelism run a step ahead): a request whose synchronous load
+failed stores nothing until vLLM has rolled it back (its ``RequestMeta.epoch`` grows) or
+it finished. The same holds for every request whose step reads a bad block as context
+(``RequestMeta.computes``): vLLM's prefix cache shares a loading request's blocks with a
+request admitted in the same step, and vLLM rolls both back. In the next step such a
+block is fine only if a request of that step computes it again (vLLM has the first
+holder recompute it for all; with async scheduling, that step was scheduled before).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class LoadResults:
         self._poisoned[request.req_id] = request.epoch
 
     def begin_step(self) -> None:
+        """A new step: the last one's bad blocks are kept one step (see the module docstring)."""
         self.failed_this_step.clear()
         self._bad_blocks_last_step, self.bad_blocks_this_step = self.bad_blocks_this_step, set()
 
