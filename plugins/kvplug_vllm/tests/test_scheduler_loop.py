@@ -61,3 +61,23 @@ def test_chunked_prefill_of_a_few_tokens_a_step_loads_once_and_stores_each_chunk
         assert sent == [("a", 128, 0, 0), ("a", 0, 128, 192), ("a", 0, 192, 256), ("exact", 31, 0, 0)]
         assert loop.misread == []
         assert loop.wrong_positions(A) == (256, [])
+
+
+def test_requests_sharing_a_prefix_in_one_step_load_it_once_and_store_each_their_own_chunks(tiny_model: str) -> None:
+    with real_scheduler(tiny_model, "loop-shared") as (scheduler, engine):
+        loop = EngineLoop(scheduler, engine)
+        loop.store(A[:192])
+        prompts = {f"r{i}": A[: 150 + 40 * i] + tokens(40 + i, 30) for i in range(4)}
+        for req_id, prompt in prompts.items():
+            scheduler.add_request(new_request(req_id, prompt))
+        first, _ = loop.step()
+        loads = {r.req_id: r.load.num_external for r in first.kv_connector_metadata.requests if r.load}
+        # vLLM caches each request's blocks as it allocates them: a later request of the same step
+        # takes those as computed, and kvplug loads only what none of them holds
+        computed = {new.req_id: new.num_computed_tokens for new in first.scheduled_new_reqs}
+        assert (loads, computed) == ({"r0": 128, "r2": 32}, {"r0": 128, "r1": 128, "r2": 192, "r3": 224})
+        while scheduler.requests:
+            loop.step()
+        assert loop.misread == []
+        hits = {req_id: loop.wrong_positions(prompt) for req_id, prompt in prompts.items()}
+        assert hits == {"r0": (128, []), "r1": (192, []), "r2": (256, []), "r3": (256, [])}
