@@ -96,10 +96,10 @@ class LoadResults:
         top of it, and rolls them back."""
         if not (self.bad_blocks_this_step or self._bad_blocks_last_step):
             return
-        computed = {
+        computed = {  # blocks this step writes: what its loads promised and what it computes
             block
             for r in requests
-            for block in r.block_ids[r.computes[0] // block_size : -(-r.computes[1] // block_size)]
+            for block in r.block_ids[_first_written(r) // block_size : -(-r.computes[1] // block_size)]
         }
         bad = self.bad_blocks_this_step | (self._bad_blocks_last_step - computed)
         for request in requests:
@@ -132,3 +132,9 @@ class LoadResults:
     def take_failed_requests(self) -> set[str]:
         failed, self._failed_requests = self._failed_requests, set()
         return failed
+
+
+def _first_written(request: RequestMeta) -> int:
+    """The first token whose KV ``request``'s step writes: its synchronous load's, or its first computed."""
+    load = request.load
+    return load.num_computed if load is not None and not load.background else request.computes[0]

@@ -17,6 +17,7 @@ the worker side fed that step's metadata, as in test_failed_load_stores.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -68,42 +69,73 @@ SHARES = PROMPT[:250] + tokens(24, 50)
 BLOCKS = list(range(8, 18))  # the first request's 10 blocks; the sharer holds the first 8 of them
 
 
-@pytest.mark.parametrize("scheduling", ["async", "sync"])
-def test_the_next_step_of_a_sharer_stores_nothing_read_from_a_block_nobody_computed_again(scheduling: str) -> None:
-    """Async scheduling: step N+1 was scheduled before vLLM saw step N's load errors, so the sharer
-    (not in step N's metadata: it stored nothing there) computes on top of the bad block. Without it,
-    vLLM had the first request compute the block again in N+1, for the sharer too."""
+Step = Callable[..., set[int]]
+
+
+@pytest.fixture
+def worker_steps() -> Iterator[tuple[CacheEngine, list[torch.Tensor], Step]]:
+    """A worker side over a real CacheEngine (cpu tier) and caches, and ``step(*requests)``: one
+    step of vLLM's model runner with that metadata, returning the step's load errors."""
     config = load_config(engine_extra={"kvplug.chunk_size": 64, "kvplug.store.queue.mode": "sync"}, env={}).config
     source = [torch.randn(32, 2, 32, 128).to(torch.bfloat16) for _ in range(2)]
     meta = KVPlugConnectorMetadata()
     parent = SimpleNamespace(has_connector_metadata=lambda: True, _get_connector_metadata=lambda: meta)
     roles = SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_consumer=True, is_kv_producer=True))
     worker = WorkerSide(parent, roles, ConnectorSettings(load="sync"), {}, ("shared-next-step", 0, 0))
+
+    def step(*requests: RequestMeta) -> set[int]:
+        meta.requests = list(requests)
+        worker.begin_step()
+        worker.start_load_kv()
+        worker.wait_for_save()
+        worker.get_finished(set())
+        return worker.get_block_ids_with_load_errors()
+
     with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="shared-next-step")) as engine:
         worker.engine, worker.kv_caches = engine, source
-        engine.store(PROMPT[:192], source, slots_from_block_ids(BLOCKS, 32, 192))  # 3 chunks; the lookup saw 4
-        sharer = [*BLOCKS[:8], 30, 31]
-
-        def step(*requests: RequestMeta) -> set[int]:
-            meta.requests = list(requests)
-            worker.begin_step()
-            worker.start_load_kv()
-            worker.wait_for_save()
-            worker.get_finished(set())
-            return worker.get_block_ids_with_load_errors()
-
         try:
-            load = LoadSpec(num_computed=0, num_hit=256, num_external=256)
-            # step N: the first request's chunk 3 (blocks 14, 15) does not load; the sharer computes 240..250
-            assert step(RequestMeta("a", PROMPT, BLOCKS, load=load, computes=(256, 300))) == {14, 15}
-            if scheduling == "async":  # N+1: "a" decodes, the sharer completes its chunk 3 over block 14
-                a_next = RequestMeta("a", PROMPT, BLOCKS, computes=(300, 301))
-            else:  # N+1: vLLM rolled "a" back to block 14, and it computes it again
-                a_next = RequestMeta("a", PROMPT, BLOCKS, save_start=192, save_end=256, computes=(192, 300), epoch=1)
-            s_next = RequestMeta("s", SHARES, sharer, save_start=192, save_end=256, computes=(250, 256))
-            assert step(a_next, s_next) == set()
-            keys = engine.record_keys(engine.chunk_keys(SHARES[:256], RequestInfo()))
-            assert engine.chain.contains_any(keys)[3] is (scheduling == "sync")
+            yield engine, source, step
         finally:
             worker.engine = None  # closed by the with block
             worker.background.close()
+
+
+def stored_chunks(engine: CacheEngine, prompt: list[int]) -> list[bool]:
+    return engine.chain.contains_any(engine.record_keys(engine.chunk_keys(prompt, RequestInfo())))
+
+
+@pytest.mark.parametrize("scheduling", ["async", "sync"])
+def test_the_next_step_of_a_sharer_stores_nothing_read_from_a_block_nobody_computed_again(
+    worker_steps: tuple[CacheEngine, list[torch.Tensor], Step], scheduling: str
+) -> None:
+    """Async scheduling: step N+1 was scheduled before vLLM saw step N's load errors, so the sharer
+    (not in step N's metadata: it stored nothing there) computes on top of the bad block. Without it,
+    vLLM had the first request compute the block again in N+1, for the sharer too."""
+    engine, source, step = worker_steps
+    engine.store(PROMPT[:192], source, slots_from_block_ids(BLOCKS, 32, 192))  # 3 chunks; the lookup saw 4
+    sharer = [*BLOCKS[:8], 30, 31]
+    load = LoadSpec(num_computed=0, num_hit=256, num_external=256)
+    # step N: the first request's chunk 3 (blocks 14, 15) does not load; the sharer computes 240..250
+    assert step(RequestMeta("a", PROMPT, BLOCKS, load=load, computes=(256, 300))) == {14, 15}
+    if scheduling == "async":  # N+1: "a" decodes, the sharer completes its chunk 3 over block 14
+        a_next = RequestMeta("a", PROMPT, BLOCKS, computes=(300, 301))
+    else:  # N+1: vLLM rolled "a" back to block 14, and it computes it again
+        a_next = RequestMeta("a", PROMPT, BLOCKS, save_start=192, save_end=256, computes=(192, 300), epoch=1)
+    assert step(a_next, RequestMeta("s", SHARES, sharer, save_start=192, save_end=256, computes=(250, 256))) == set()
+    assert stored_chunks(engine, SHARES[:256])[3] is (scheduling == "sync")
+
+
+def test_blocks_that_did_not_load_given_to_a_new_request_that_loads_into_them_are_no_ones_context(
+    worker_steps: tuple[CacheEngine, list[torch.Tensor], Step],
+) -> None:
+    engine, source, step = worker_steps
+    engine.store(PROMPT[:192], source, slots_from_block_ids(BLOCKS, 32, 192))
+    other = tokens(25, 360)
+    engine.store(other[:256], source, slots_from_block_ids(list(range(20, 28)), 32, 256))
+    load = LoadSpec(num_computed=0, num_hit=256, num_external=256)
+    assert step(RequestMeta("a", PROMPT, BLOCKS, load=load, computes=(256, 300))) == {14, 15}
+    # "a" aborted: vLLM gives blocks 14 and 15 to "b", whose own load fills them in this step
+    reused = [20, 21, 22, 23, 24, 25, 14, 15, 26, 27, 28]
+    b = RequestMeta("b", other, reused, load=load, save_start=256, save_end=320, computes=(256, 330))
+    assert step(b) == set()
+    assert stored_chunks(engine, other[:320]) == [True] * 5  # its chunk 4 too
