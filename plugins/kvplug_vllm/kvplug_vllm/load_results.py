@@ -4,16 +4,23 @@ A model of one KV cache group reports the promised blocks that did not load
 (``get_block_ids_with_load_errors``); vLLM rolls the request back to the first of them
 and recomputes from there. A model of several groups reports a failed load by request
 (``failed_recving``): vLLM maps block ids to requests for one group only, and
-recomputes such a request whole. A request whose load failed stores nothing in that
-step: its later blocks were computed on top of the bad ones. Nor in the steps vLLM
-scheduled before it saw the failure (async scheduling, pipeline parallelism run a step
-ahead): a request whose synchronous load failed stores nothing until vLLM has rolled it
-back (its ``RequestMeta.epoch`` grows) or it finished.
+recomputes such a request whole.
+
+A request whose load failed stores nothing in that step: its later blocks were computed
+on top of the bad ones. Nor in the steps vLLM scheduled before it saw the failure (async
+scheduling, pipeline parallelism run a step ahead): a request whose synchronous load
+failed stores nothing until vLLM has rolled it back (its ``RequestMeta.epoch`` grows) or
+it finished. The same holds for every request whose step reads a bad block as context
+(``RequestMeta.computes``): vLLM's prefix cache shares a loading request's blocks with a
+request admitted in the same step, and vLLM rolls both back. In the next step such a
+block is fine only if a request of that step computes it again (vLLM has the first
+holder recompute it for all; with async scheduling, that step was scheduled before).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -31,8 +38,13 @@ class LoadResults:
 
     def __init__(self) -> None:
         self._block_errors: set[int] = set()
-        #: Requests of this step whose load failed: they store nothing in it.
+        #: Requests of this step whose load failed, or that hold a block that did not load:
+        #: they store nothing in it.
         self.failed_this_step: set[str] = set()
+        #: Blocks of this step that did not load (reported to vLLM, or still to be).
+        self.bad_blocks_this_step: set[int] = set()
+        #: Those of the step before.
+        self._bad_blocks_last_step: set[int] = set()
         self._failed_requests: set[str] = set()
         #: Requests whose synchronous load failed -> their epoch then (see the module docstring).
         self._poisoned: dict[str, int] = {}
@@ -51,6 +63,7 @@ class LoadResults:
         bad = {request.block_ids[block] for block, lo, hi in promised if not bool(loaded[lo:hi].all())}
         if bad:
             self._block_errors |= bad
+            self.bad_blocks_this_step |= bad
             self.failed_this_step.add(request.req_id)
             stats.add(load_error_blocks=len(bad), load_error_requests=1)
             logger.warning(
@@ -71,6 +84,29 @@ class LoadResults:
         """``request``'s synchronous load failed: what vLLM computes of it until it rolls it back
         was computed on top of the blocks that did not load."""
         self._poisoned[request.req_id] = request.epoch
+
+    def begin_step(self) -> None:
+        """A new step: the last one's bad blocks are kept one step (see the module docstring)."""
+        self.failed_this_step.clear()
+        self._bad_blocks_last_step, self.bad_blocks_this_step = self.bad_blocks_this_step, set()
+
+    def refuse_sharers(self, requests: Sequence[RequestMeta], block_size: int) -> None:
+        """Treat the requests whose step read a block that did not load (this step, or the last
+        and not computed again in this one) as if their own load failed: vLLM computed them on
+        top of it, and rolls them back."""
+        if not (self.bad_blocks_this_step or self._bad_blocks_last_step):
+            return
+        computed = {  # blocks this step writes: what its loads promised and what it computes
+            block
+            for r in requests
+            for block in r.block_ids[_first_written(r) // block_size : -(-r.computes[1] // block_size)]
+        }
+        bad = self.bad_blocks_this_step | (self._bad_blocks_last_step - computed)
+        for request in requests:
+            context = request.block_ids[: -(-request.computes[0] // block_size)]
+            if request.req_id not in self.failed_this_step and not bad.isdisjoint(context):
+                self.failed_this_step.add(request.req_id)
+                self.poison(request)
 
     def may_store(self, request: RequestMeta) -> bool:
         """Whether ``request``'s KV of this step may be stored (not computed on a failed load)."""
@@ -96,3 +132,9 @@ class LoadResults:
     def take_failed_requests(self) -> set[str]:
         failed, self._failed_requests = self._failed_requests, set()
         return failed
+
+
+def _first_written(request: RequestMeta) -> int:
+    """The first token whose KV ``request``'s step writes: its synchronous load's, or its first computed."""
+    load = request.load
+    return load.num_computed if load is not None and not load.background else request.computes[0]

@@ -56,6 +56,9 @@ class RequestMeta:
     #: How many times vLLM rolled the request back (preempted, or after a failed load) before this
     #: step: a worker whose load of the request failed stores nothing of it until this grows.
     epoch: int = 0
+    #: The tokens ``[start, end)`` this step computes: the blocks before ``start`` are what its
+    #: forward reads as context (loaded ones included).
+    computes: tuple[int, int] = (0, 0)
 
     def request_info(self) -> RequestInfo:
         return RequestInfo(
@@ -73,3 +76,6 @@ class KVPlugConnectorMetadata(KVConnectorMetadata):
     requests: list[RequestMeta] = field(default_factory=list)
     #: The step computes nothing (every request waits, e.g. for its background load).
     idle: bool = False
+    #: Requests that finished since the last step (vLLM's ``finished_req_ids``): the worker forgets
+    #: them as the step begins, before its loads, since a new request may reuse the id in this step.
+    finished_req_ids: list[str] = field(default_factory=list)

@@ -99,16 +99,15 @@ class RequestState:
         """A new request's state, its kvplug settings validated (once: here); bad ones are
         logged and ignored."""
         info = request_info(request, config, with_overrides=False)
-        overrides = kvplug_params(request.kv_transfer_params)
+        overrides: dict[str, Any] = {}
         own = config
-        if overrides:
-            try:
+        try:
+            overrides = kvplug_params(request.kv_transfer_params)
+            if overrides:
                 own = config.with_overrides(overrides, source="kv_transfer_params")
-            except ConfigError as exc:
-                logger.warning(
-                    "request %s: ignoring kvplug settings in kv_transfer_params: %s", request.request_id, exc
-                )
-                overrides = {}
+        except ConfigError as exc:  # one request's bad settings must not stop vLLM's scheduler
+            logger.warning("request %s: ignoring kvplug settings in kv_transfer_params: %s", request.request_id, exc)
+            overrides, own = {}, config
         return cls(request.request_id, dataclasses.replace(info, overrides=overrides), own)
 
 

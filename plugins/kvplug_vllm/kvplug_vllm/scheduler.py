@@ -200,8 +200,10 @@ class SchedulerSide:
         handed = dict(getattr(block_state, "boundary_state_offloads", None) or {}) if self.state_groups else {}
         if meta.idle and self._pool is not None:
             self._pool.wait_any(IDLE_WAIT_S)  # nothing runs: a busy loop would take the lookups' CPU
-        for req_id in scheduler_output.finished_req_ids:
-            self._forget(req_id)
+        # A finished request was forgotten when vLLM called request_finished, at once: by now its
+        # id may name a new request (vLLM without request id randomization), whose state this is.
+        # The workers forget theirs before this step's loads, for the same reason.
+        meta.finished_req_ids = sorted(scheduler_output.finished_req_ids)
         for queued in self._states.values():
             if queued.phase is Phase.LOAD_QUEUED:
                 meta.requests.append(self._background_load(queued))
@@ -225,7 +227,7 @@ class SchedulerSide:
                 progress.hit_tokens, progress.vllm_cached_tokens = state.load.new_hit, state.load.vllm_cached
             state.load = None
             end = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
-            self._add(meta, state, end, self._take_load(state), handed.get(new.req_id, ()))
+            self._add(meta, state, new.num_computed_tokens, end, self._take_load(state), handed.get(new.req_id, ()))
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
             state = self._states.get(req_id)
@@ -245,7 +247,7 @@ class SchedulerSide:
                 progress.num_saved = rolled_back(progress.num_saved, computed, self.chunk_size)
                 progress.rollbacks += 1
             end = computed + scheduler_output.num_scheduled_tokens[req_id]
-            self._add(meta, state, end, self._take_load(state), handed.get(req_id, ()))
+            self._add(meta, state, computed, end, self._take_load(state), handed.get(req_id, ()))
         return meta
 
     def _background_load(self, state: RequestState) -> RequestMeta:
@@ -288,11 +290,13 @@ class SchedulerSide:
         self,
         meta: KVPlugConnectorMetadata,
         state: RequestState,
+        start: int,
         end: int,
         load: LoadSpec | None,
         handed: Sequence[tuple[int, int, int]] = (),
     ) -> None:
-        """Add the request to the step's metadata if it loads or stores anything."""
+        """Add the request to the step's metadata if it loads or stores anything (the step
+        computes its tokens ``[start, end)``)."""
         progress = state.progress
         assert progress is not None
         progress.num_computed = end
@@ -325,6 +329,7 @@ class SchedulerSide:
                 block_hashes=self.events.block_hashes(state.request, len(tokens)),
                 state_blocks=[(int(g), int(b), int(n)) for g, b, n in plan.states],
                 epoch=progress.rollbacks,
+                computes=(start, end),
             )
         )
 

@@ -161,10 +161,19 @@ def _unknown_names(rest: Mapping[str, Any]) -> list[ConfigProblem]:
 
 
 def kvplug_params(kv_transfer_params: Mapping[str, Any] | None) -> dict[str, Any]:
-    """kvplug's per-request settings in a request's ``kv_transfer_params``, not validated."""
+    """kvplug's per-request settings in a request's ``kv_transfer_params``, not validated.
+
+    Raises :class:`kvplug.errors.ConfigError` if ``kv_transfer_params`` is not a mapping
+    (vLLM's offline API passes ``SamplingParams.extra_args`` on as given).
+    """
+    if kv_transfer_params is None:
+        return {}
+    if not isinstance(kv_transfer_params, Mapping):
+        kind = type(kv_transfer_params).__name__
+        raise ConfigError([ConfigProblem("kv_transfer_params", kind, "must be a mapping (a dict) or None")])
     return {
         "pin_request" if key == PIN_KEY else key[len(PREFIX) :]: value
-        for key, value in (kv_transfer_params or {}).items()
+        for key, value in kv_transfer_params.items()
         if isinstance(key, str) and key.startswith(PREFIX) and key != REPORT_KEY
     }
 
@@ -188,4 +197,4 @@ def resets(tier: StorageTier, reset_tiers: list[str] | None) -> bool:
 
 
 def wants_report(kv_transfer_params: Mapping[str, Any] | None) -> bool:
-    return bool(kv_transfer_params and kv_transfer_params.get(REPORT_KEY))
+    return isinstance(kv_transfer_params, Mapping) and bool(kv_transfer_params.get(REPORT_KEY))

@@ -146,8 +146,13 @@ class WorkerSide:
 
     def begin_step(self) -> None:
         """Reset per-step state; vLLM binds new metadata before every forward."""
-        self.results.failed_this_step.clear()
+        self.results.begin_step()
         self._layers = LayerwiseStep()
+        meta = self._metadata()
+        if meta is not None:
+            # Before this step's loads and stores, not in get_finished after them: vLLM may
+            # already reuse a finished request's id for a new request in this step.
+            self.results.forget(set(meta.finished_req_ids))
 
     @timed
     def start_load_kv(self) -> None:
@@ -216,10 +221,12 @@ class WorkerSide:
         if self.engine is None:
             return
         self._layers.finish_loads(self.results, self.engine.layout.block_size, self._stats)
+        meta = self._metadata()
+        self.results.refuse_sharers(meta.requests if meta is not None else [], self.engine.layout.block_size)
         if self.layerwise:
             self._layers.finish_stores(self.results.failed_this_step)
             return
-        for request in self._to_save(self._metadata()):
+        for request in self._to_save(meta):
             self._store(request, layerwise=False)
 
     def _to_save(self, meta: KVPlugConnectorMetadata | None) -> list[RequestMeta]:
@@ -262,9 +269,9 @@ class WorkerSide:
 
         Finished fetches are written into the paged cache here, on vLLM's thread
         between two forward passes; the blocks of failed or late ones are reported
-        as load errors in the same step, as vLLM requires.
+        as load errors in the same step, as vLLM requires. ``finished_req_ids`` were
+        forgotten as the step began (:meth:`begin_step`, from the metadata).
         """
-        self.results.forget(finished_req_ids or set())
         if self.engine is None:
             return None
         meta = self._metadata()

@@ -94,6 +94,8 @@ def main() -> None:
     )
     if spec.get("mamba_cache_mode") is not None:  # a Mamba/GDN hybrid: "align" keeps states at block ends
         options["mamba_cache_mode"] = spec["mamba_cache_mode"]
+    if spec.get("mamba_ssm_cache_dtype") is not None:  # the state's dtype decides vLLM's block size
+        options["mamba_ssm_cache_dtype"] = spec["mamba_ssm_cache_dtype"]
     if spec.get("prompt_embeds"):
         options["enable_prompt_embeds"] = True
     if spec.get("max_num_batched_tokens") is not None:  # a small budget: long prompts prefill in several steps

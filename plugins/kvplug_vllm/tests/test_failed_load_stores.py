@@ -52,12 +52,12 @@ def test_steps_scheduled_before_vllm_saw_the_failed_load_store_nothing(engine: C
     worker = WorkerSide(parent, vllm_config, ConnectorSettings(load="sync"), {}, ("failed-load", 0, 0))
     worker.engine, worker.kv_caches = engine, source
 
-    def step(request: RequestMeta) -> set[int]:
-        meta.requests = [request]
+    def step(request: RequestMeta, finished: frozenset[str] = frozenset()) -> set[int]:
+        meta.requests, meta.finished_req_ids = [request], sorted(finished)
         worker.begin_step()
         worker.start_load_kv()
         worker.wait_for_save()
-        worker.get_finished(set())
+        worker.get_finished(set(finished))
         return worker.get_block_ids_with_load_errors()
 
     try:
@@ -74,7 +74,7 @@ def test_steps_scheduled_before_vllm_saw_the_failed_load_store_nothing(engine: C
         # a request that finishes before vLLM rolled it back leaves nothing behind
         assert step(RequestMeta("s", PROMPT, BLOCKS, load=load)) == {14, 15}  # chunk 2 is back
         assert "s" in worker.results._poisoned
-        worker.get_finished({"s"})
+        step(RequestMeta("r", PROMPT, BLOCKS, epoch=1), finished=frozenset({"s"}))  # the next step names it finished
         assert worker.results._poisoned == {}
     finally:
         worker.engine = None  # the fixture closes the engine

@@ -17,7 +17,7 @@ kvplug implements ``SupportsHMA`` (kv_groups.py), so vLLM keeps its hybrid alloc
   holding that window is loaded (vLLM gives the null block for the blocks before it);
 * a Qwen3-Next style hybrid (Gated DeltaNet + full attention) in vLLM's ``align`` mode:
   engine A stores the attention chunks and the GDN state vLLM hands over at the last
-  whole block of the prompt; a new process B hits 1152 of 1200 tokens, loads the state
+  whole block of the prompt; a new process B hits 1280 of 1400 tokens, loads the state
   into the block it resumes from, and computes the same tokens as vLLM alone (a state
   not loaded, or loaded into another block, changes them). ``kvplug ctl lookup`` answers
   as the scheduler's lookups do; ``kvplug ctl clear`` removes every group's records that B
@@ -115,16 +115,24 @@ def test_all_sliding_model_with_chunked_prefill_matches_vllm_prefix_cache(run_en
     assert output(warm, 0) == output(own, 1)
 
 
-#: A GDN hybrid in vLLM's align mode: vLLM picks the block size (384 here, so that an
-#: attention page holds a GDN state page); kvplug's chunk is one block.
-GDN_CHUNK = 384
-GDN_PROMPT = tokens(13, 1200)
-#: Shares GDN_PROMPT's first two chunks, whose ends have no stored state (vLLM hands over the
-#: state at the end of each prefill step: 1152): kvplug must not claim them as a hit.
+#: A GDN hybrid in vLLM's align mode: vLLM picks the block size (640, so that an attention
+#: page holds a float32 GDN state page); kvplug's chunk is one block. The state is float32 on
+#: every CPU: vLLM sets it so itself on CPUs with AVX-512 BF16 (unless its accelerated GDN
+#: backend takes bfloat16), and keeps the model's bfloat16 elsewhere (block size 384).
+GDN_CHUNK = 640
+GDN_PROMPT = tokens(13, 1400)
+#: Shares GDN_PROMPT's first chunk, whose end has no stored state (vLLM hands over the state
+#: at the end of each prefill step: 1280): kvplug must not claim it as a hit.
 GDN_BRANCH = GDN_PROMPT[:1000] + tokens(14, 200)
-#: A prompt of its own: two whole chunks, with the state vLLM hands over at their end (768).
-GDN_OTHER = tokens(15, 800)
-GDN_OPTIONS = {"block_size": None, "prefix_caching": True, "mamba_cache_mode": "align", "max_model_len": 2048}
+#: A prompt of its own: two whole chunks, with the state vLLM hands over at their end (1280).
+GDN_OTHER = tokens(15, 1300)
+GDN_OPTIONS = {
+    "block_size": None,
+    "prefix_caching": True,
+    "mamba_cache_mode": "align",
+    "mamba_ssm_cache_dtype": "float32",
+    "max_model_len": 2048,
+}
 
 
 def test_gated_deltanet_hybrid_resumes_from_its_stored_state_in_a_new_process(run_engine: Any, tmp_path: Path) -> None:
@@ -160,7 +168,7 @@ def test_gated_deltanet_hybrid_resumes_from_its_stored_state_in_a_new_process(ru
     hit = report(warm, 0)
     # vLLM prefills the prompt up to its last whole block in one step and hands kvplug the state
     # there: the hit is every whole chunk, and vLLM resumes from the loaded state
-    whole_chunks = len(GDN_PROMPT) // GDN_CHUNK * GDN_CHUNK  # 1152
+    whole_chunks = len(GDN_PROMPT) // GDN_CHUNK * GDN_CHUNK  # 1280
     assert hit["hit_tokens"] == whole_chunks >= 0.8 * len(GDN_PROMPT)
     assert hit["totals"]["loaded_tokens"] == whole_chunks
     assert hit["totals"].get("load_error_requests", 0) == 0

@@ -168,6 +168,24 @@ def test_a_requests_kvplug_settings_are_validated_once(
     assert {m.req_id: m.overrides for m in meta.requests} == {"r-skip": {"skip_save": True}, "r-bad": {}, "r": {}}
 
 
+@pytest.mark.parametrize("params", [["kvplug.report"], "kvplug.skip_save", 1], ids=["list", "str", "int"])
+def test_kv_transfer_params_not_a_mapping_are_ignored_by_name_and_the_request_is_served(
+    side: SchedulerSide, params: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's offline API passes ``extra_args["kv_transfer_params"]`` on as given: raising in the
+    scheduler would stop the engine for every request."""
+    r = Request("r-odd", PROMPT, SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None)
+    assert r.kv_transfer_params == params
+    with caplog.at_level(logging.WARNING, logger="kvplug.vllm"):
+        assert side.get_num_new_matched_tokens(r, 0) == (192, False)
+    [warning] = [m.getMessage() for m in caplog.records if "ignoring kvplug settings" in m.getMessage()]
+    assert "r-odd" in warning and "kv_transfer_params" in warning and "must be a mapping" in warning
+    side.update_state_after_alloc(r, BLOCKS, 192)
+    [sent] = side.build_connector_meta(step(new=[("r-odd", 192, 8)])).requests
+    assert sent.load is not None and sent.overrides == {}
+    assert side.request_finished(r, []) == (False, None)
+
+
 def with_embeds(request_id: str, embeds: torch.Tensor, is_token_ids: list[bool] | None) -> Request:
     """vLLM's request of a prompt it computes from embeddings (``prompt_embeds``): PROMPT's ids
     where ``is_token_ids`` is True (mixed mode), no ids at all when it is None."""
