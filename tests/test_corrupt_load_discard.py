@@ -1,15 +1,18 @@
 """A load that finds an unusable chunk reports its miss at once: removing the chunk from the
-tiers (a remote one may hang) is the store worker's work, in order with the stores."""
+tiers (a remote one may hang) is the chain's removal thread's work, whatever the store
+queue's mode and whoever loads (``CacheEngine``, or ``ChunkStore`` directly as SGLang's
+HiCache backend does), and a store made after the load is written after the removal."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
 
+import pytest
 import torch
 from core_helpers import LAYOUTS, random_caches
 
-from kvplug import CacheEngine, Fingerprint, hookimpl, load_config
+from kvplug import CacheEngine, ChunkStore, Fingerprint, hookimpl, load_config
 from kvplug.core.plugins import PluginRegistry
 from kvplug.testing import gather_chunk
 
@@ -55,13 +58,30 @@ def _plugin(release: threading.Event, removing: threading.Event, removed: list[s
     return Plugin
 
 
-def test_a_corrupt_chunk_is_a_miss_at_once_while_a_tier_hangs_removing_it() -> None:
-    release, removing, removed = threading.Event(), threading.Event(), []
+def _registry(release: threading.Event, removing: threading.Event, removed: list[str]) -> PluginRegistry:
     registry = PluginRegistry(plugin_filter="cpu")
     registry.register(_plugin(release, removing, removed), "hung-remove-test")
+    return registry
+
+
+def _join_or_release(thread: threading.Thread, release: threading.Event) -> bool:
+    """Whether ``thread`` (a load) was still waiting after WAIT_S; it is released either way."""
+    thread.join(WAIT_S)
+    hung = thread.is_alive()
+    if hung:
+        release.set()  # the old way: the load waits for the remove; nothing waits for ever
+        thread.join(WAIT_S)
+    return hung
+
+
+@pytest.mark.parametrize("store_mode", ["async", "sync"])
+@pytest.mark.parametrize("hung_tier_mode", ["sync", "async"])
+def test_a_corrupt_chunk_is_a_miss_at_once_while_a_tier_hangs_removing_it(store_mode: str, hung_tier_mode: str) -> None:
+    release, removing, removed = threading.Event(), threading.Event(), []
+    registry = _registry(release, removing, removed)
     layout = LAYOUTS["vllm_flash"]
-    tiers = [{"type": "shared_memory"}, {"type": "hung_remove"}]
-    settings = {"chunk_size": 8, "store": {"queue": {"mode": "async"}}, "tiers": tiers}
+    tiers = [{"type": "shared_memory"}, {"type": "hung_remove", "queue": {"mode": hung_tier_mode}}]
+    settings = {"chunk_size": 8, "store": {"queue": {"mode": store_mode}}, "tiers": tiers}
     config = load_config(engine_extra={"kvplug": settings}, env={}, registry=registry).config
     engine = CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry)
     try:
@@ -82,12 +102,7 @@ def test_a_corrupt_chunk_is_a_miss_at_once_while_a_tier_hangs_removing_it() -> N
         loading = threading.Thread(target=lambda: results.append(engine.retrieve(tokens, target, torch.arange(32))))
         loading.start()
         assert removing.wait(WAIT_S)  # the removal began (and hangs in the slow tier)
-        loading.join(WAIT_S)
-        hung = loading.is_alive()
-        if hung:
-            release.set()  # the old way: the load waits for the remove; nothing waits for ever
-            loading.join(WAIT_S)
-        assert not hung, "the load waited for the tier's remove"
+        assert not _join_or_release(loading, release), "the load waited for the tier's remove"
         assert results[0].tolist() == [True] * 16 + [False] * 16
 
         # A store made after the load, while the removal still hangs, lands after it: kept.
@@ -103,3 +118,44 @@ def test_a_corrupt_chunk_is_a_miss_at_once_while_a_tier_hangs_removing_it() -> N
     finally:
         release.set()
         engine.close()
+
+
+def test_a_chunk_store_load_does_not_wait_for_a_hung_remove_and_a_later_put_survives_it() -> None:
+    """``ChunkStore`` used directly (SGLang's ``KVPlugStorage``): no store worker of its own."""
+    release, removing, removed = threading.Event(), threading.Event(), []
+    registry = _registry(release, removing, removed)
+    tiers = [{"type": "shared_memory"}, {"type": "hung_remove"}]
+    config = load_config(engine_extra={"kvplug": {"tiers": tiers}}, env={}, registry=registry).config
+    store = ChunkStore.open(
+        config, Fingerprint(model_id="m", dtype="float32", kv_layout="pages", block_size=4), registry=registry
+    )
+    try:
+        pages = [torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        keys = [store.key_prefix + f"{i:064x}" for i in range(3)]
+        store.put_tensors(list(zip(keys, pages)))
+        store.flush()
+        fast, slow = store.chain.tiers
+        damaged = bytearray(fast.get([keys[1]])[0])
+        damaged[-3] ^= 0x10
+        fast.put([(keys[1], bytes(damaged))])
+        super(type(slow), slow).remove([keys[1]])
+
+        shapes = [(2, 4, 8)] * 3
+        results: list[int] = []
+        loading = threading.Thread(
+            target=lambda: results.append(len(store.load_prefix(keys, shapes, torch.float32).tensors))
+        )
+        loading.start()
+        assert removing.wait(WAIT_S)
+        assert not _join_or_release(loading, release), "the load waited for the tier's remove"
+        assert results == [1]
+
+        store.put_tensors([(keys[1], pages[1])])  # asked for after the removal: written after it
+        release.set()
+        store.flush()
+        assert removed == [keys[1]]
+        loaded = store.load_prefix(keys, shapes, torch.float32).tensors
+        assert [t.tolist() for t in loaded] == [p.tolist() for p in pages]
+    finally:
+        release.set()
+        store.close()

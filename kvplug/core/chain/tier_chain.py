@@ -25,6 +25,7 @@ import functools
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvplug.core.chain.discards import DeferredDiscards
 from kvplug.core.chain.opening import open_tiers, preflight_tiers
 from kvplug.core.chain.reads import Fetched, fetch_prefix, holders, leading
 from kvplug.core.chain.removal import RemovalPlan, RemoveKeys, TierRemoval, remove_planned
@@ -63,6 +64,12 @@ class TierChain:
         self.metrics.tenants.sources.append(self._figures)
         #: Told which keys each write of the chain put in which tier: a clear tells its own records by it.
         self.writes = WriteListeners()
+        #: Removals of chunks a load found unusable, off the loading thread (:meth:`discard_later`).
+        self._discards = DeferredDiscards(
+            self.discard,
+            lambda items, admission, only_trusted: self._put(items, admission=admission, only_trusted=only_trusted),
+            self.metrics.store_dropped.labels("discards").inc,
+        )
         for index, tier in enumerate(tiers):
             label = f"{index}:{tier.name}"
             settings = tier.config
@@ -214,9 +221,15 @@ class TierChain:
         return all(slot.tier.trusted_reads for slot in self._slots)
 
     def discard(self, keys: Sequence[str]) -> None:
-        """Remove keys from every tier (a chunk found corrupt, ``store gc``), cancelling
-        their writes still queued."""
+        """Remove keys from every tier (``store gc``, a test), cancelling their writes
+        still queued; this thread waits for each tier's ``remove``."""
         self.remove(RemoveKeys(list(keys)))
+
+    def discard_later(self, keys: Sequence[str]) -> None:
+        """Remove keys a load found unusable from every tier on the chain's removal thread:
+        never waits. A later :meth:`put` of one of them is written after its removal
+        (:mod:`kvplug.core.chain.discards`)."""
+        self._discards.discard(keys)
 
     def remove(
         self, plan: RemovalPlan, *, tiers: Collection[int] | None = None, count: bool = False
@@ -234,6 +247,10 @@ class TierChain:
         The put counts as a sighting of each key. ``admission=False`` writes to every
         tier, uncounted: for small records every tier must hold (fingerprint manifests).
         ``only_trusted``: only to the ``trusted_reads`` (process-private) tiers."""
+        items = self._discards.hold_back(items, admission=admission, only_trusted=only_trusted)
+        self._put(items, admission=admission, only_trusted=only_trusted)
+
+    def _put(self, items: Items, *, admission: bool, only_trusted: bool) -> None:
         if not items:
             return
         if admission:
@@ -310,7 +327,8 @@ class TierChain:
     # --- lifecycle ------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Wait until every accepted write is visible in its tier."""
+        """Wait until every accepted write (and removal of an unusable chunk) is visible in its tier."""
+        self._discards.flush()
         for slot in self._slots:
             if slot.queue is not None:
                 slot.queue.flush()
@@ -331,6 +349,7 @@ class TierChain:
         queue's ``on_close: drain``) or dropped what is queued."""
         if self._figures in self.metrics.tenants.sources:
             self.metrics.tenants.sources.remove(self._figures)
+        self._discards.close(drain=drain)  # first: its held-back puts go to the write queues
         for slot in self._slots:
             if slot.queue is not None:
                 slot.queue.close(drain=drain)

@@ -1,0 +1,146 @@
+"""Removing chunks a load found unusable without the loading thread waiting for it.
+
+A load that finds a corrupt chunk reports a miss at once. Removing the chunk from the
+tiers is a tier's ``remove`` (a remote one may hang until its deadline), so it is done by
+one worker thread per chain, whatever the store queue's mode and whoever loads (a
+``CacheEngine``, or an adapter that uses :class:`~kvplug.ChunkStore` directly).
+
+Order: a put of a key whose removal is queued or in progress goes through the same
+worker, after the removal, so a removal never deletes a store asked for after it, and
+the putting thread does not wait for it either. A put that began before the removal was
+asked for may still be removed by it (a miss, never wrong data).
+
+Bounded: the worker holds at most :data:`MAX_JOBS` jobs and :data:`MAX_BYTES` of held-back
+puts; past that a removal is shed (the chunk is a miss each time it is loaded, until a
+later load's removal lands) and a held-back put is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvplug.core.background import BackgroundWorker
+from kvplug.core.chain.write_queue import Items
+
+logger = logging.getLogger("kvplug.tiers")
+
+#: Bounds of the removal worker's queue: jobs, and bytes of the puts held back in it.
+MAX_JOBS = 1024
+MAX_BYTES = 64 * 1024**2
+
+
+@dataclass
+class _Job:
+    """Keys to remove from every tier, or a put held back behind such a removal."""
+
+    removes: list[str] = field(default_factory=list)
+    puts: Items = field(default_factory=list)
+    admission: bool = True
+    only_trusted: bool = False
+
+    def nbytes(self) -> int:
+        return sum(memoryview(value).nbytes for _, value in self.puts)
+
+
+class DeferredDiscards:
+    """A chain's removals of unusable chunks, on a worker thread started at the first one.
+
+    ``remove(keys)`` removes keys from every tier (the chain's ``discard``);
+    ``put(items, admission, only_trusted)`` is the chain's put, for the puts held back;
+    ``on_put_dropped()`` counts a held-back put the full or closed queue refused.
+    """
+
+    def __init__(
+        self,
+        remove: Callable[[list[str]], None],
+        put: Callable[[Items, bool, bool], None],
+        on_put_dropped: Callable[[], None],
+    ) -> None:
+        self._remove = remove
+        self._put = put
+        self._on_put_dropped = on_put_dropped
+        # Re-entrant: a submit the worker refuses calls _dropped on this thread, lock held.
+        self._lock = threading.RLock()
+        self._removing: set[str] = set()  # keys whose removal is queued or in progress
+        self._worker: BackgroundWorker[_Job] | None = None
+        self._closed = False
+
+    def discard(self, keys: Sequence[str]) -> None:
+        """Remove ``keys`` from every tier on the worker; never waits."""
+        with self._lock:
+            new = [key for key in dict.fromkeys(keys) if key not in self._removing]
+            if not new:
+                return  # a removal of each is already on its way
+            worker = self._started()
+            if worker is None:
+                logger.warning("tier chain closed: unusable chunks %s not removed", new)
+                return
+            self._removing.update(new)
+            # Submitted under the lock: a put that sees these keys queues behind this job.
+            worker.submit(_Job(removes=new), wait=False)
+
+    def hold_back(self, items: Items, *, admission: bool, only_trusted: bool) -> Items:
+        """Queue the items whose key is being removed behind that removal; returns the
+        others, for the caller to put now."""
+        with self._lock:
+            if not self._removing:
+                return items
+            later = [item for item in items if item[0] in self._removing]
+            if not later:
+                return items
+            now = [item for item in items if item[0] not in self._removing]
+            assert self._worker is not None  # something is being removed
+            self._worker.submit(_Job(puts=later, admission=admission, only_trusted=only_trusted), wait=False)
+        return now
+
+    def flush(self) -> None:
+        """Wait until every removal and held-back put so far is done."""
+        with self._lock:
+            worker = self._worker
+        if worker is not None:
+            worker.flush()
+
+    def close(self, *, drain: bool = True) -> None:
+        """Stop the worker, after what is queued (``drain``) or dropping it; later
+        removals are not done and later held-back puts are dropped."""
+        with self._lock:
+            self._closed = True
+            worker = self._worker
+        if worker is not None:
+            worker.close(drain=drain)
+
+    def _started(self) -> BackgroundWorker[_Job] | None:
+        if self._worker is None and not self._closed:
+            self._worker = BackgroundWorker(
+                "kvplug-discards",
+                self._handle,
+                max_items=MAX_JOBS,
+                max_bytes=MAX_BYTES,
+                size_of=_Job.nbytes,
+                on_full="drop",
+                on_drop=self._dropped,
+            )
+        return None if self._closed else self._worker
+
+    def _handle(self, job: _Job) -> None:
+        try:
+            if job.removes:
+                self._remove(job.removes)
+            if job.puts:
+                self._put(job.puts, job.admission, job.only_trusted)
+        finally:
+            self._done(job)
+
+    def _dropped(self, job: _Job) -> None:
+        if job.removes:  # shed: each load of the chunk is a miss until a later removal lands
+            logger.warning("removal queue full or closed: unusable chunks %s not removed now", job.removes)
+        if job.puts:
+            self._on_put_dropped()
+        self._done(job)
+
+    def _done(self, job: _Job) -> None:
+        with self._lock:
+            self._removing.difference_update(job.removes)
