@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
 from core_helpers import LAYOUTS, random_caches
 
-from kvplug import CacheEngine, ChunkStore, Fingerprint, hookimpl, load_config
+from kvplug import Buffer, CacheEngine, ChunkStore, Fingerprint, hookimpl, load_config
 from kvplug.core.plugins import PluginRegistry
-from kvplug.testing import gather_chunk
+from kvplug.testing import gather_chunk, tier_context
 
 NUM_BLOCKS = 80
 #: How long the test waits for a load; a remove hangs until released (at most HANG_S).
@@ -49,6 +50,9 @@ def _plugin(release: threading.Event, removing: threading.Event, removed: list[s
             removed.extend(keys)
             super().remove(keys)
 
+        def remove_if_same(self, items: Sequence[tuple[str, Buffer]]) -> None:
+            self.remove([key for key, _ in items])  # by name, as a tier that cannot compare
+
     class Plugin:
         @staticmethod
         @hookimpl
@@ -58,8 +62,10 @@ def _plugin(release: threading.Event, removing: threading.Event, removed: list[s
     return Plugin
 
 
-def _registry(release: threading.Event, removing: threading.Event, removed: list[str]) -> PluginRegistry:
-    registry = PluginRegistry(plugin_filter="cpu")
+def _registry(
+    release: threading.Event, removing: threading.Event, removed: list[str], plugins: str = "cpu"
+) -> PluginRegistry:
+    registry = PluginRegistry(plugin_filter=plugins)
     registry.register(_plugin(release, removing, removed), "hung-remove-test")
     return registry
 
@@ -158,4 +164,41 @@ def test_a_chunk_store_load_does_not_wait_for_a_hung_remove_and_a_later_put_surv
         assert [t.tolist() for t in loaded] == [p.tolist() for p in pages]
     finally:
         release.set()
+        store.close()
+
+
+def test_a_good_record_another_writer_stores_before_the_removal_survives_it(tmp_path: Path) -> None:
+    """The removal carries the bytes the load read: the disk tier removes the record only
+    while its folder still holds them, so a good record stored meanwhile is kept."""
+    from kvplug_disk import DiskTier
+
+    release, removing, removed = threading.Event(), threading.Event(), []
+    registry = _registry(release, removing, removed, "cpu,disk")
+    disk = {"type": "disk", "path": str(tmp_path / "disk"), "queue": {"mode": "sync"}}
+    # The hung tier comes first: the removal waits there before it reaches the disk tier.
+    config = load_config(
+        engine_extra={"kvplug": {"tiers": [{"type": "hung_remove"}, disk]}}, env={}, registry=registry
+    ).config
+    store = ChunkStore.open(
+        config, Fingerprint(model_id="m", dtype="float32", kv_layout="pages", block_size=4), registry=registry
+    )
+    writer = DiskTier(DiskTier.Config(path=tmp_path / "disk", queue={"mode": "sync"}), tier_context())
+    try:
+        page = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+        key = store.key_prefix + "ab" * 32
+        writer.put([(key, store.serializer.dumps(page.to(torch.float16)))])  # another dtype: unusable
+        loading = threading.Thread(target=lambda: store.load_prefix([key], [(2, 4, 8)], torch.float32))
+        loading.start()
+        assert removing.wait(WAIT_S)  # the removal waits in the first tier: the disk still holds the bad record
+        writer.put([(key, store.serializer.dumps(page))])  # another engine stores the good one
+        release.set()
+        loading.join(WAIT_S)
+        store.flush()
+        assert removed == [key]
+        loaded = store.load_prefix([key], [(2, 4, 8)], torch.float32).tensors
+        assert len(loaded) == 1, "the good record stored before the removal was removed"
+        assert torch.equal(loaded[0], page)
+    finally:
+        release.set()
+        writer.close()
         store.close()

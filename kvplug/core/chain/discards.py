@@ -3,15 +3,18 @@
 A load that finds a corrupt chunk reports a miss at once. Removing the chunk from the
 tiers is a tier's ``remove`` (a remote one may hang until its deadline), so it is done by
 one worker thread per chain, whatever the store queue's mode and whoever loads (a
-``CacheEngine``, or an adapter that uses :class:`~kvplug.ChunkStore` directly).
+``CacheEngine``, or an adapter that uses :class:`~kvplug.ChunkStore` directly). The
+removal carries the bytes the load read: each tier removes the key only while it still
+holds them (:meth:`~kvplug.StorageTier.remove_if_same`), so a good record another process
+stored under that key since survives where the tier can compare and delete at once.
 
 Order: a put of a key whose removal is queued or in progress goes through the same
 worker, after the removal, so a removal never deletes a store asked for after it, and
 the putting thread does not wait for it either. A put that began before the removal was
 asked for may still be removed by it (a miss, never wrong data).
 
-Bounded: the worker holds at most :data:`MAX_JOBS` jobs and :data:`MAX_BYTES` of held-back
-puts; past that a removal is shed (the chunk is a miss each time it is loaded, until a
+Bounded: the worker holds at most :data:`MAX_JOBS` jobs and :data:`MAX_BYTES` of values
+(read, or held back); past that a removal is shed (the chunk is a miss each time it is loaded, until a
 later load's removal lands) and a held-back put is dropped and counted.
 """
 
@@ -24,38 +27,40 @@ from dataclasses import dataclass, field
 
 from kvplug.core.background import BackgroundWorker
 from kvplug.core.chain.write_queue import Items
+from kvplug.core.tier import Buffer
 
 logger = logging.getLogger("kvplug.tiers")
 
-#: Bounds of the removal worker's queue: jobs, and bytes of the puts held back in it.
+#: Bounds of the removal worker's queue: jobs, and bytes of the values in them.
 MAX_JOBS = 1024
 MAX_BYTES = 64 * 1024**2
 
 
 @dataclass
 class _Job:
-    """Keys to remove from every tier, or a put held back behind such a removal."""
+    """Values read to remove from every tier that still holds them, or a put held back
+    behind such a removal."""
 
-    removes: list[str] = field(default_factory=list)
+    removes: Items = field(default_factory=list)
     puts: Items = field(default_factory=list)
     admission: bool = True
     only_trusted: bool = False
 
     def nbytes(self) -> int:
-        return sum(memoryview(value).nbytes for _, value in self.puts)
+        return sum(memoryview(value).nbytes for _, value in [*self.removes, *self.puts])
 
 
 class DeferredDiscards:
     """A chain's removals of unusable chunks, on a worker thread started at the first one.
 
-    ``remove(keys)`` removes keys from every tier (the chain's ``discard``);
+    ``remove(items)`` removes each (key, value read) from every tier still holding that value;
     ``put(items, admission, only_trusted)`` is the chain's put, for the puts held back;
     ``on_put_dropped()`` counts a held-back put the full or closed queue refused.
     """
 
     def __init__(
         self,
-        remove: Callable[[list[str]], None],
+        remove: Callable[[Items], None],
         put: Callable[[Items, bool, bool], None],
         on_put_dropped: Callable[[], None],
     ) -> None:
@@ -68,17 +73,20 @@ class DeferredDiscards:
         self._worker: BackgroundWorker[_Job] | None = None
         self._closed = False
 
-    def discard(self, keys: Sequence[str]) -> None:
-        """Remove ``keys`` from every tier on the worker; never waits."""
+    def discard(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        """Remove each key, while a tier holds the value read, on the worker; never waits."""
         with self._lock:
-            new = [key for key in dict.fromkeys(keys) if key not in self._removing]
+            # A copy: the value may be a view of a tier's buffer, reused once released.
+            new: Items = [
+                (key, bytes(memoryview(value))) for key, value in dict(items).items() if key not in self._removing
+            ]
             if not new:
                 return  # a removal of each is already on its way
             worker = self._started()
             if worker is None:
-                logger.warning("tier chain closed: unusable chunks %s not removed", new)
+                logger.warning("tier chain closed: unusable chunks %s not removed", [key for key, _ in new])
                 return
-            self._removing.update(new)
+            self._removing.update(key for key, _ in new)
             # Submitted under the lock: a put that sees these keys queues behind this job.
             worker.submit(_Job(removes=new), wait=False)
 
@@ -136,11 +144,12 @@ class DeferredDiscards:
 
     def _dropped(self, job: _Job) -> None:
         if job.removes:  # shed: each load of the chunk is a miss until a later removal lands
-            logger.warning("removal queue full or closed: unusable chunks %s not removed now", job.removes)
+            keys = [key for key, _ in job.removes]
+            logger.warning("removal queue full or closed: unusable chunks %s not removed now", keys)
         if job.puts:
             self._on_put_dropped()
         self._done(job)
 
     def _done(self, job: _Job) -> None:
         with self._lock:
-            self._removing.difference_update(job.removes)
+            self._removing.difference_update(key for key, _ in job.removes)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from kvplug.core.chain.discards import DeferredDiscards
 from kvplug.core.chain.opening import open_tiers, preflight_tiers
 from kvplug.core.chain.reads import Fetched, fetch_prefix, holders, leading
-from kvplug.core.chain.removal import RemovalPlan, RemoveKeys, TierRemoval, remove_planned
+from kvplug.core.chain.removal import RemovalPlan, RemoveKeys, TierRemoval, remove_planned, remove_read
 from kvplug.core.chain.slot import TierSlot, WriteListeners
 from kvplug.core.chain.write_queue import Items, WriteQueue
 from kvplug.core.events import KVEvent
@@ -36,7 +36,7 @@ from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry
 from kvplug.core.policies.admission import make_admission_policy
 from kvplug.core.tenancy import Tenancy
-from kvplug.core.tier import StorageTier, TierConfig, TierStats
+from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierStats
 
 if TYPE_CHECKING:
     from kvplug.core.tenant_metrics import TierFigures
@@ -66,7 +66,7 @@ class TierChain:
         self.writes = WriteListeners()
         #: Removals of chunks a load found unusable, off the loading thread (:meth:`discard_later`).
         self._discards = DeferredDiscards(
-            self.discard,
+            functools.partial(remove_read, self._slots),
             lambda items, admission, only_trusted: self._put(items, admission=admission, only_trusted=only_trusted),
             self.metrics.store_dropped.labels("discards").inc,
         )
@@ -225,11 +225,12 @@ class TierChain:
         still queued; this thread waits for each tier's ``remove``."""
         self.remove(RemoveKeys(list(keys)))
 
-    def discard_later(self, keys: Sequence[str]) -> None:
-        """Remove keys a load found unusable from every tier on the chain's removal thread:
-        never waits. A later :meth:`put` of one of them is written after its removal
+    def discard_later(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        """Remove (key, value read) pairs a load found unusable on the chain's removal thread:
+        never waits. Each tier removes a key only while it holds that value (a tier that cannot
+        compare: by name); a later :meth:`put` of the key is written after its removal
         (:mod:`kvplug.core.chain.discards`)."""
-        self._discards.discard(keys)
+        self._discards.discard(items)
 
     def remove(
         self, plan: RemovalPlan, *, tiers: Collection[int] | None = None, count: bool = False

@@ -186,7 +186,7 @@ class ChunkStore:
             except ChunkError as exc:
                 self.metrics.load_errors.labels(type(exc).__name__).inc()
                 logger.warning("chunk %s unusable (%s); the prefix ends there and it is removed", key, exc)
-                self.chain.discard_later([key])
+                self.chain.discard_later([(key, hit.value)])  # removed where a tier still holds these bytes
                 break
             loaded.tensors.append(tensor)
             loaded.nbytes += memoryview(hit.value).nbytes

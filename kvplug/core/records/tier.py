@@ -34,7 +34,7 @@ from kvplug.core.events import KVEvent
 from kvplug.core.records.backend import SIZE_UNKNOWN, RecordBackend, RecordToWrite
 from kvplug.core.records.budget import RecordBudget
 from kvplug.core.records.calls import answering_each, checked_reads, framed_batches, one_each, run_batch
-from kvplug.core.records.frame import RECORD_HEADER_SIZE, key_digest, unpack_record
+from kvplug.core.records.frame import RECORD_HEADER_SIZE, key_digest, pack_record, unpack_record
 from kvplug.core.records.index import RecordIndex, Victim
 from kvplug.core.records.maintenance import LISTING_TIMEOUT_S, RecordMaintenance
 from kvplug.core.remote.calls import RecordTierConfig, RemoteCalls
@@ -266,6 +266,31 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
         return one_each(group, await self._backend.write([record for _, record in group]), "write")
 
     def remove(self, keys: Sequence[str]) -> None:
+        self._remove_by(keys, self._backend.delete, forget_absent=True)
+
+    def remove_if_same(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        """Remove each record only while the store holds the record of that value (framed
+        as this tier frames it; :meth:`RecordBackend.delete_if_same`): a good record another
+        process stored since survives. A backend that cannot compare removes by name."""
+        if not self._backend.deletes_if_same:
+            return self.remove([key for key, _ in items])
+        seen = {key_digest(key).hex(): pack_record(key, value) for key, value in items}
+        backend = self._backend
+
+        async def delete_if_same(names: Sequence[str]) -> Sequence[bool | BaseException]:
+            return await backend.delete_if_same(names, [seen[name] for name in names])
+
+        self._remove_by([key for key, _ in items], delete_if_same, forget_absent=False)
+
+    def _remove_by(
+        self,
+        keys: Sequence[str],
+        delete: Callable[[Sequence[str]], Awaitable[Sequence[bool | BaseException]]],
+        *,
+        forget_absent: bool,
+    ) -> None:
+        """Remove ``keys`` with ``delete`` (per name: whether it removed one); ``forget_absent``:
+        unindex a name it did not remove too (else the record it left is still indexed)."""
         self._check_open()
         if not keys:
             return
@@ -275,7 +300,7 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
             )
         key_of = {key_digest(key).hex(): key for key in keys}
         removed, failed = [], 0
-        for group, result in self._groups(self._backend.delete, list(key_of), self._backend.call_sizes.query):
+        for group, result in self._groups(delete, list(key_of), self._backend.call_sizes.query):
             if isinstance(result, BaseException) and not isinstance(result, Absent):
                 failed += len(group)
                 continue
@@ -283,7 +308,7 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
             for name, was_there in zip(group, existed):
                 if isinstance(was_there, BaseException):  # failed for this name alone: still indexed
                     failed += 1
-                elif self._index.forget(name) is not False or was_there:
+                elif (was_there or forget_absent) and (self._index.forget(name) is not False or was_there):
                     removed.append(key_of[name])
         if removed:
             self.context.emit(KVEvent("removed", tuple(removed), tier=self.name))
