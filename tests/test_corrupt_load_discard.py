@@ -202,3 +202,43 @@ def test_a_good_record_another_writer_stores_before_the_removal_survives_it(tmp_
         release.set()
         writer.close()
         store.close()
+
+
+@pytest.mark.parametrize("store_mode", ["async", "sync"])
+def test_until_its_removal_lands_a_corrupt_chunk_is_a_miss_and_a_store_of_it_is_kept(store_mode: str) -> None:
+    """The removal waits in a first tier while a slower one still holds the corrupt copy: a
+    lookup must not promise it, and a store must not take it for stored (then skip it, and
+    lose it to the removal)."""
+    release, removing, removed = threading.Event(), threading.Event(), []
+    registry = _registry(release, removing, removed)
+    layout = LAYOUTS["vllm_flash"]
+    tiers = [{"type": "hung_remove"}, {"type": "shared_memory"}]
+    settings = {"chunk_size": 8, "store": {"queue": {"mode": store_mode}}, "tiers": tiers}
+    config = load_config(engine_extra={"kvplug": settings}, env={}, registry=registry).config
+    engine = CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry)
+    try:
+        source = random_caches(layout, NUM_BLOCKS, seed=3)
+        tokens = list(range(100, 132))
+        assert engine.store(tokens, source, torch.arange(32)) == 32
+        engine.flush()
+        key = engine.chunk_keys(tokens)[2].key
+        hung, shared = engine.chain.tiers
+        super(type(hung), hung).remove([key])  # only the slower tier holds it, damaged
+        damaged = bytearray(shared.get([key])[0])
+        damaged[-3] ^= 0x10
+        shared.put([(key, bytes(damaged))])
+
+        target = random_caches(layout, NUM_BLOCKS, seed=4)
+        assert engine.retrieve(tokens, target, torch.arange(32)).tolist() == [True] * 16 + [False] * 16
+        assert removing.wait(WAIT_S)  # the removal hangs in the first tier; the second still holds the copy
+        assert engine.lookup(tokens) == 16, "a lookup promised the chunk whose removal is on its way"
+        assert engine.store(tokens, source, torch.arange(32)) == 8, "the store took the corrupt chunk for stored"
+        release.set()
+        engine.flush()
+        assert engine.lookup(tokens) == 32
+        again = random_caches(layout, NUM_BLOCKS, seed=5)
+        assert engine.retrieve(tokens, again, torch.arange(32)).all()
+        assert torch.equal(_read(engine, source).view(torch.uint8), _read(engine, again).view(torch.uint8))
+    finally:
+        release.set()
+        engine.close()

@@ -8,6 +8,9 @@ removal carries the bytes the load read: each tier removes the key only while it
 holds them (:meth:`~kvplug.StorageTier.remove_if_same`), so a good record another process
 stored under that key since survives where the tier can compare and delete at once.
 
+Until its removal is done, a key is a miss to the chain's lookups and loads (they would
+find the unusable value again), and a store does not take it for stored.
+
 Order: a put of a key whose removal is queued or in progress goes through the same
 worker, after the removal, so a removal never deletes a store asked for after it, and
 the putting thread does not wait for it either. A put that began before the removal was
@@ -89,6 +92,14 @@ class DeferredDiscards:
             self._removing.update(key for key, _ in new)
             # Submitted under the lock: a put that sees these keys queues behind this job.
             worker.submit(_Job(removes=new), wait=False)
+
+    def being_removed(self, keys: Sequence[str]) -> list[bool] | None:
+        """Whether each key's removal is queued or in progress (``None``: no key's is). Such a
+        key is a miss to lookups and loads, and a store does not take it for stored."""
+        with self._lock:
+            if not self._removing:
+                return None
+            return [key in self._removing for key in keys]
 
     def hold_back(self, items: Items, *, admission: bool, only_trusted: bool) -> Items:
         """Queue the items whose key is being removed behind that removal; returns the

@@ -159,7 +159,7 @@ class TierChain:
     def locate(self, keys: Sequence[str]) -> list[str | None]:
         """Name of the fastest tier holding each key (None: none does), one batched
         ``contains`` per tier, within the lookup budget."""
-        where = holders(self._slots, keys, self.metrics, budget_s=self.lookup_timeout_s)
+        where = self._unless_removed(keys, holders(self._slots, keys, self.metrics, budget_s=self.lookup_timeout_s))
         return [None if index is None else self._slots[index].tier.name for index in where]
 
     def contains_any(
@@ -177,7 +177,13 @@ class TierChain:
         "miss".
         """
         skip = (lambda slot: slot.queue is not None) if sync_tiers_only else None
-        return [index is not None for index in holders(self._slots, keys, self.metrics, budget_s=budget_s, skip=skip)]
+        where = holders(self._slots, keys, self.metrics, budget_s=budget_s, skip=skip)
+        return [index is not None for index in self._unless_removed(keys, where)]
+
+    def _unless_removed(self, keys: Sequence[str], where: list[int | None]) -> list[int | None]:
+        """``where`` with the keys whose removal is on its way (found unusable) held by no tier."""
+        removing = self._discards.being_removed(keys)
+        return where if removing is None else [None if gone else index for index, gone in zip(where, removing)]
 
     def fetch_prefix(self, keys: Sequence[str]) -> list[Fetched]:
         """Values of the leading keys that some tier holds, each with the tier it came
@@ -189,7 +195,11 @@ class TierChain:
         another process) ends the prefix, a clean miss: what a slower tier returned past
         it is dropped. Nothing is promoted: the caller verifies the values and promotes
         only those that passed (:meth:`promote`), since a faster tier with
-        ``trusted_reads`` must never hold bytes nobody checked."""
+        ``trusted_reads`` must never hold bytes nobody checked. A key whose removal is on
+        its way (found unusable) ends the prefix too."""
+        removing = self._discards.being_removed(keys)
+        if removing is not None and any(removing):
+            keys = keys[: removing.index(True)]
         return fetch_prefix(self._slots, keys)
 
     def promote(self, keys: Sequence[str], fetched: Sequence[Fetched], *, only_trusted: bool = False) -> None:
