@@ -11,13 +11,14 @@ that reads a journal of the chain's writes then sees the writes that landed mean
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvplug.core.chain.slot import TierSlot
 from kvplug.core.chain.write_queue import Items
 from kvplug.core.events import KVEvent
+from kvplug.core.tier import Buffer
 
 
 class RemovalPlan(Protocol):
@@ -86,21 +87,24 @@ def remove_planned(
 
 
 def remove_read(slots: Sequence[TierSlot], items: Items) -> None:
-    """Remove values a load read and found unusable: the queued writes of their keys are
-    cancelled, then each tier removes a key only while it still holds the value read
+    """Remove values a load read and found unusable: the queued writes of those values are
+    cancelled (a newer queued value of the key is still written), then each tier removes a key only while it still holds the value read
     (:meth:`~kvplug.StorageTier.remove_if_same`; a tier that cannot compare, by name)."""
-    _cancel(slots, [key for key, _ in items])
+    _cancel(slots, [key for key, _ in items], only=dict(items))
     for slot in slots:
         slot.remove_if_same(items)
 
 
-def _cancel(slots: Sequence[TierSlot], keys: list[str]) -> dict[int, list[str]]:
-    """Drop the queued writes of ``keys`` (waiting for one being written); per tier index, those dropped."""
+def _cancel(
+    slots: Sequence[TierSlot], keys: list[str], *, only: Mapping[str, Buffer] | None = None
+) -> dict[int, list[str]]:
+    """Drop the queued writes of ``keys`` (waiting for one being written; ``only``: while the
+    newest is the value given, see :meth:`WriteQueue.cancel`); per tier index, those dropped."""
     dropped: dict[int, list[str]] = {}
     for slot in slots:
         if slot.queue is None or not keys:
             continue
-        dropped[slot.index] = cancelled = slot.queue.cancel(keys)
+        dropped[slot.index] = cancelled = slot.queue.cancel(keys, only=only)
         if cancelled:  # never written: the tier cannot report their removal itself
             slot.tier.context.emit(KVEvent("removed", tuple(cancelled), tier=slot.tier.name))
     return dropped
