@@ -13,9 +13,9 @@ import pytest
 import torch
 from core_helpers import LAYOUTS, random_caches
 
-from kvplug import Buffer, CacheEngine, ChunkStore, Fingerprint, hookimpl, load_config
+from kvplug import Buffer, CacheEngine, ChunkStore, Fingerprint, TierChain, hookimpl, load_config
 from kvplug.core.plugins import PluginRegistry
-from kvplug.testing import gather_chunk, tier_context
+from kvplug.testing import gather_chunk, key_for, tier_context, value_for
 
 NUM_BLOCKS = 80
 #: How long the test waits for a load; a remove hangs until released (at most HANG_S).
@@ -242,3 +242,23 @@ def test_until_its_removal_lands_a_corrupt_chunk_is_a_miss_and_a_store_of_it_is_
     finally:
         release.set()
         engine.close()
+
+
+def test_close_lands_the_removals_on_their_way_and_a_later_one_is_refused_quietly(tmp_path: Path) -> None:
+    from kvplug_disk import DiskTier
+
+    def open_disk() -> DiskTier:
+        return DiskTier(DiskTier.Config(path=tmp_path / "disk", queue={"mode": "sync"}), tier_context())
+
+    chain = TierChain([open_disk()])
+    bad, other = key_for("found unusable"), key_for("other")
+    chain.put([(bad, value_for("bad", 3000)), (other, value_for("other", 3000))])
+    chain.discard_later([(bad, value_for("bad", 3000))])
+    chain.close()  # the removal is written before the tiers close
+    chain.discard_later([(other, value_for("other", 3000))])  # a load racing the close: nothing done, no error
+    assert not [t for t in threading.enumerate() if t.name == "kvplug-discards" and t.is_alive()]
+    reopened = open_disk()
+    try:
+        assert reopened.contains([bad, other]) == [False, True]
+    finally:
+        reopened.close()
