@@ -34,7 +34,7 @@ from kvplug.core.events import KVEvent
 from kvplug.core.records.backend import SIZE_UNKNOWN, RecordBackend, RecordToWrite
 from kvplug.core.records.budget import RecordBudget
 from kvplug.core.records.calls import answering_each, checked_reads, framed_batches, one_each, run_batch
-from kvplug.core.records.frame import RECORD_HEADER_SIZE, key_digest, pack_record, unpack_record
+from kvplug.core.records.frame import RECORD_HEADER_SIZE, key_digest, unpack_record
 from kvplug.core.records.index import RecordIndex, Victim
 from kvplug.core.records.maintenance import LISTING_TIMEOUT_S, RecordMaintenance
 from kvplug.core.remote.calls import RecordTierConfig, RemoteCalls
@@ -269,18 +269,29 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
         self._remove_by(keys, self._backend.delete, forget_absent=True)
 
     def remove_if_same(self, items: Sequence[tuple[str, Buffer]]) -> None:
-        """Remove each record only while the store holds the record of that value (framed
-        as this tier frames it; :meth:`RecordBackend.delete_if_same`): a good record another
-        process stored since survives. A backend that cannot compare removes by name."""
+        """Remove each record only while its value is the one given: read it again (a good
+        record another process stored since survives), then delete it only if the store
+        still holds those bytes (:meth:`RecordBackend.delete_if_same`). Comparing what is
+        stored now, not a record framed here, also removes a record whose header this
+        process did not check in full (shm's ``trust_host``). A backend that cannot
+        compare removes by name."""
         if not self._backend.deletes_if_same:
             return self.remove([key for key, _ in items])
-        seen = {key_digest(key).hex(): pack_record(key, value) for key, value in items}
+        seen: dict[str, tuple[str, Buffer]] = {}
+        for key, value in items:
+            name = key_digest(key).hex()
+            try:
+                data = self.read_record(name)
+            except CorruptChunkError:  # found bad unread: another record than the one the load read
+                continue
+            if data is not None and memoryview(data).cast("B")[RECORD_HEADER_SIZE:] == memoryview(value).cast("B"):
+                seen[name] = (key, data)
         backend = self._backend
 
         async def delete_if_same(names: Sequence[str]) -> Sequence[bool | BaseException]:
-            return await backend.delete_if_same(names, [seen[name] for name in names])
+            return await backend.delete_if_same(names, [seen[name][1] for name in names])
 
-        self._remove_by([key for key, _ in items], delete_if_same, forget_absent=False)
+        self._remove_by([key for key, _ in seen.values()], delete_if_same, forget_absent=False)
 
     def _remove_by(
         self,

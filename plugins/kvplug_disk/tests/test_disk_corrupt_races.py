@@ -211,3 +211,20 @@ def test_remove_if_same_keeps_a_record_another_writer_stored_since_the_read(kind
     finally:
         tier.close()
         other.close()
+
+
+def test_remove_if_same_removes_a_record_damaged_in_place_that_trust_host_served(shm_dir: Path) -> None:
+    """With ``trust_host`` the shm tier serves a value without its checksum: a byte changed in
+    place reaches the engine, whose checks find it. The removal compares what the folder holds
+    now (the record's own header, not one framed again from the value), so it goes."""
+    tier = ShmTier(ShmTier.Config(path=shm_dir, trust_host=True, queue={"mode": "sync"}), tier_context())
+    try:
+        tier.put([(KEY, VALUE)])
+        damage(shm_dir)  # a payload byte; the header keeps the old value checksum
+        (served,) = tier.get([KEY])
+        assert served is not None and bytes(served) != VALUE
+        tier.remove_if_same([(KEY, bytes(served))])
+        assert not record_file(shm_dir).exists()
+        assert tier.contains([KEY]) == [False]
+    finally:
+        tier.close()
