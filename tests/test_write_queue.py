@@ -284,3 +284,24 @@ def test_a_tier_written_from_the_callers_thread_is_settled_after_each_put() -> N
     chain.put([item("b")])
     assert settles == ["settled", "settled"] and tier.contains([item("a")[0]]) == [True]
     chain.close()
+
+
+def test_a_load_s_removal_cancels_only_the_queued_value_it_found_unusable(make_tier: MakeTier) -> None:
+    """A load removes the bytes it read: a newer value of the key queued by this process's
+    own store is still written; the very value read, queued, is not."""
+    tier = make_tier()
+    cancelled = threading.Event()
+    tier.context.emit = lambda event: cancelled.set() if event.kind == "removed" else None
+    chain, held, _ = chain_of(tier)
+    first = item("first")
+    chain.put([first])
+    assert held.entered.wait(10)  # "first" is being written; what follows waits in the queue
+    good, bad = item("stored again", 1), item("read and found unusable", 2)
+    chain.put([good, bad])
+    chain.discard_later([(good[0], b"bytes a load read from another tier"), bad])
+    assert cancelled.wait(10)  # the removal dropped queued writes (before the gate opens)
+    held.gate.set()
+    chain.flush()
+    assert [key for key, _ in held.written] == [first[0], good[0]]
+    assert held.tier.contains([good[0], bad[0]]) == [True, False]
+    chain.close()

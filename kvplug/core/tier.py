@@ -206,6 +206,15 @@ class StorageTier(ABC):
     def remove(self, keys: Sequence[str]) -> None:
         """Remove the keys; missing keys are ignored."""
 
+    def remove_if_same(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        """Remove each key only while the tier still holds the value given with it (the
+        bytes a ``get`` returned, which a load then found unusable); a key another writer
+        stored again since keeps its new value. The check and the removal should be one
+        step against that tier's writers (other processes' too). The default removes by
+        name (:meth:`remove`): a good value stored in the window is lost (a miss, never
+        wrong data). Override where the tier can compare and delete at once."""
+        self.remove([key for key, _ in items])
+
     @abstractmethod
     def stats(self) -> TierStats:
         """A snapshot of the tier's counters."""

@@ -138,6 +138,15 @@ class StorageTierContract:
         assert tier.contains([key_for("r1"), key_for("r2")]) == [False, True]
         assert tier.get([key_for("r1")]) == [None]
 
+    def test_remove_if_same_removes_the_value_read(self, tier: StorageTier) -> None:
+        """What a load does with a value it found unusable (every tier: by name at least)."""
+        tier.put([(key_for("read"), b"r" * 10), (key_for("kept"), b"k" * 10)])
+        tier.flush()
+        (read,) = tier.get([key_for("read")])
+        assert read is not None
+        tier.remove_if_same([(key_for("read"), bytes(read)), (key_for("never-stored"), b"n")])
+        assert tier.contains([key_for("read"), key_for("kept")]) == [False, True]
+
     def test_empty_value_round_trips(self, tier: StorageTier) -> None:
         tier.put([(key_for("empty"), b"")])
         tier.flush()

@@ -11,12 +11,14 @@ that reads a journal of the chain's writes then sees the writes that landed mean
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvplug.core.chain.slot import TierSlot
+from kvplug.core.chain.write_queue import Items
 from kvplug.core.events import KVEvent
+from kvplug.core.tier import Buffer
 
 
 class RemovalPlan(Protocol):
@@ -69,14 +71,7 @@ def remove_planned(
     planned key is passed to ``remove``, which ignores keys a tier lacks.
     """
     chosen = [slot for slot in slots if tiers is None or slot.index in tiers]
-    cancels = list(plan.cancels())
-    dropped: dict[int, list[str]] = {}
-    for slot in chosen:
-        if slot.queue is None or not cancels:
-            continue
-        dropped[slot.index] = cancelled = slot.queue.cancel(cancels)
-        if cancelled:  # never written: the tier cannot report their removal itself
-            slot.tier.context.emit(KVEvent("removed", tuple(cancelled), tier=slot.tier.name))
+    dropped = _cancel(chosen, list(plan.cancels()))
     done: list[TierRemoval] = []
     for slot in chosen:
         keys = plan.for_tier(slot.index, private=slot.tier.trusted_reads)
@@ -89,6 +84,30 @@ def remove_planned(
         freed = max(0, before - _bytes_used(slot)) if count and keys else 0
         done.append(TierRemoval(slot.index, slot.label, keys, dropped.get(slot.index, []), freed))
     return done
+
+
+def remove_read(slots: Sequence[TierSlot], items: Items) -> None:
+    """Remove values a load read and found unusable: the queued writes of those values are
+    cancelled (a newer queued value of the key is still written), then each tier removes a key only while it still holds the value read
+    (:meth:`~kvplug.StorageTier.remove_if_same`; a tier that cannot compare, by name)."""
+    _cancel(slots, [key for key, _ in items], only=dict(items))
+    for slot in slots:
+        slot.remove_if_same(items)
+
+
+def _cancel(
+    slots: Sequence[TierSlot], keys: list[str], *, only: Mapping[str, Buffer] | None = None
+) -> dict[int, list[str]]:
+    """Drop the queued writes of ``keys`` (waiting for one being written; ``only``: while the
+    newest is the value given, see :meth:`WriteQueue.cancel`); per tier index, those dropped."""
+    dropped: dict[int, list[str]] = {}
+    for slot in slots:
+        if slot.queue is None or not keys:
+            continue
+        dropped[slot.index] = cancelled = slot.queue.cancel(keys, only=only)
+        if cancelled:  # never written: the tier cannot report their removal itself
+            slot.tier.context.emit(KVEvent("removed", tuple(cancelled), tier=slot.tier.name))
+    return dropped
 
 
 def _bytes_used(slot: TierSlot) -> int:

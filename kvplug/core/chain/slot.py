@@ -91,6 +91,14 @@ class TierSlot:
         self.tier.remove(keys)
         return True
 
+    def remove_if_same(self, items: Items) -> bool:
+        """Remove each key while the tier holds the value given with it; ``False`` if it raised."""
+        return bool(self._guard("remove", self._remove_if_same, items))
+
+    def _remove_if_same(self, items: Items) -> bool:
+        self.tier.remove_if_same(items)
+        return True
+
     def stats(self) -> TierStats | None:
         return self._guard("stats", self.tier.stats)
 

@@ -25,9 +25,10 @@ import functools
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvplug.core.chain.discards import DeferredDiscards
 from kvplug.core.chain.opening import open_tiers, preflight_tiers
 from kvplug.core.chain.reads import Fetched, fetch_prefix, holders, leading
-from kvplug.core.chain.removal import RemovalPlan, RemoveKeys, TierRemoval, remove_planned
+from kvplug.core.chain.removal import RemovalPlan, RemoveKeys, TierRemoval, remove_planned, remove_read
 from kvplug.core.chain.slot import TierSlot, WriteListeners
 from kvplug.core.chain.write_queue import Items, WriteQueue
 from kvplug.core.events import KVEvent
@@ -35,7 +36,7 @@ from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry
 from kvplug.core.policies.admission import make_admission_policy
 from kvplug.core.tenancy import Tenancy
-from kvplug.core.tier import StorageTier, TierConfig, TierStats
+from kvplug.core.tier import Buffer, StorageTier, TierConfig, TierStats
 
 if TYPE_CHECKING:
     from kvplug.core.tenant_metrics import TierFigures
@@ -63,6 +64,12 @@ class TierChain:
         self.metrics.tenants.sources.append(self._figures)
         #: Told which keys each write of the chain put in which tier: a clear tells its own records by it.
         self.writes = WriteListeners()
+        #: Removals of chunks a load found unusable, off the loading thread (:meth:`discard_later`).
+        self._discards = DeferredDiscards(
+            functools.partial(remove_read, self._slots),
+            lambda items, admission, only_trusted: self._put(items, admission=admission, only_trusted=only_trusted),
+            self.metrics.store_dropped.labels("discards").inc,
+        )
         for index, tier in enumerate(tiers):
             label = f"{index}:{tier.name}"
             settings = tier.config
@@ -152,7 +159,7 @@ class TierChain:
     def locate(self, keys: Sequence[str]) -> list[str | None]:
         """Name of the fastest tier holding each key (None: none does), one batched
         ``contains`` per tier, within the lookup budget."""
-        where = holders(self._slots, keys, self.metrics, budget_s=self.lookup_timeout_s)
+        where = self._unless_removed(keys, holders(self._slots, keys, self.metrics, budget_s=self.lookup_timeout_s))
         return [None if index is None else self._slots[index].tier.name for index in where]
 
     def contains_any(
@@ -170,7 +177,13 @@ class TierChain:
         "miss".
         """
         skip = (lambda slot: slot.queue is not None) if sync_tiers_only else None
-        return [index is not None for index in holders(self._slots, keys, self.metrics, budget_s=budget_s, skip=skip)]
+        where = holders(self._slots, keys, self.metrics, budget_s=budget_s, skip=skip)
+        return [index is not None for index in self._unless_removed(keys, where)]
+
+    def _unless_removed(self, keys: Sequence[str], where: list[int | None]) -> list[int | None]:
+        """``where`` with the keys whose removal is on its way (found unusable) held by no tier."""
+        removing = self._discards.being_removed(keys)
+        return where if removing is None else [None if gone else index for index, gone in zip(where, removing)]
 
     def fetch_prefix(self, keys: Sequence[str]) -> list[Fetched]:
         """Values of the leading keys that some tier holds, each with the tier it came
@@ -182,7 +195,11 @@ class TierChain:
         another process) ends the prefix, a clean miss: what a slower tier returned past
         it is dropped. Nothing is promoted: the caller verifies the values and promotes
         only those that passed (:meth:`promote`), since a faster tier with
-        ``trusted_reads`` must never hold bytes nobody checked."""
+        ``trusted_reads`` must never hold bytes nobody checked. A key whose removal is on
+        its way (found unusable) ends the prefix too."""
+        removing = self._discards.being_removed(keys)
+        if removing is not None and any(removing):
+            keys = keys[: removing.index(True)]
         return fetch_prefix(self._slots, keys)
 
     def promote(self, keys: Sequence[str], fetched: Sequence[Fetched], *, only_trusted: bool = False) -> None:
@@ -214,9 +231,16 @@ class TierChain:
         return all(slot.tier.trusted_reads for slot in self._slots)
 
     def discard(self, keys: Sequence[str]) -> None:
-        """Remove keys from every tier (a chunk found corrupt, ``store gc``), cancelling
-        their writes still queued."""
+        """Remove keys from every tier (``store gc``, a test), cancelling their writes
+        still queued; this thread waits for each tier's ``remove``."""
         self.remove(RemoveKeys(list(keys)))
+
+    def discard_later(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        """Remove (key, value read) pairs a load found unusable on the chain's removal thread:
+        never waits. Each tier removes a key only while it holds that value (a tier that cannot
+        compare: by name); a later :meth:`put` of the key is written after its removal
+        (:mod:`kvplug.core.chain.discards`)."""
+        self._discards.discard(items)
 
     def remove(
         self, plan: RemovalPlan, *, tiers: Collection[int] | None = None, count: bool = False
@@ -234,6 +258,10 @@ class TierChain:
         The put counts as a sighting of each key. ``admission=False`` writes to every
         tier, uncounted: for small records every tier must hold (fingerprint manifests).
         ``only_trusted``: only to the ``trusted_reads`` (process-private) tiers."""
+        items = self._discards.hold_back(items, admission=admission, only_trusted=only_trusted)
+        self._put(items, admission=admission, only_trusted=only_trusted)
+
+    def _put(self, items: Items, *, admission: bool, only_trusted: bool) -> None:
         if not items:
             return
         if admission:
@@ -310,7 +338,8 @@ class TierChain:
     # --- lifecycle ------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Wait until every accepted write is visible in its tier."""
+        """Wait until every accepted write (and removal of an unusable chunk) is visible in its tier."""
+        self._discards.flush()
         for slot in self._slots:
             if slot.queue is not None:
                 slot.queue.flush()
@@ -338,6 +367,7 @@ class TierChain:
         queue's ``on_close: drain``) or dropped what is queued."""
         if self._figures in self.metrics.tenants.sources:
             self.metrics.tenants.sources.remove(self._figures)
+        self._discards.close(drain=drain)  # first: its held-back puts go to the write queues
         for slot in self._slots:
             if slot.queue is not None:
                 slot.queue.close(drain=drain)

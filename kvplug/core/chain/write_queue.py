@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvplug.core.background import BackgroundWorker
@@ -47,6 +47,10 @@ class _Write:
     # worker refuses this one, that one answers reads again and is still written.
     replaced: _Write | None = None
     accepted: bool = False
+
+
+def _same(value: Buffer, other: Buffer) -> bool:
+    return memoryview(value).cast("B") == memoryview(other).cast("B")
 
 
 def _writes_bytes(writes: list[_Write]) -> int:
@@ -115,12 +119,17 @@ class WriteQueue:
             found = [self._pending.get(key) for key in keys]
         return [None if write is None else memoryview(write.value).toreadonly() for write in found]
 
-    def cancel(self, keys: Sequence[str]) -> list[str]:
+    def cancel(self, keys: Sequence[str], *, only: Mapping[str, Buffer] | None = None) -> list[str]:
         """Forget queued writes of ``keys``; wait (up to ``block_timeout_s``) for a write of
-        one of them in progress to end. Returns the keys whose queued write was forgotten."""
+        one of them in progress to end. Returns the keys whose queued write was forgotten.
+        ``only``: forget a key's queued writes only while the newest is the value given (a
+        value found unusable); a newer one (this process's own store) is still written."""
         wanted = set(keys)
         deadline = time.monotonic() + self.settings.block_timeout_s
         with self._cond:
+            if only is not None:
+                queued = [(key, self._pending.get(key)) for key in wanted]
+                wanted = {key for key, write in queued if write is None or _same(write.value, only[key])}
             cancelled = [key for key in wanted if self._pending.pop(key, None) is not None]
             while self._writing & wanted:
                 left = deadline - time.monotonic()

@@ -138,7 +138,6 @@ class CacheEngine(EngineRetrieves, EngineStores):
                 block_timeout_s=queue.block_timeout_s,
                 on_drop=self._store_dropped,
             )
-            self.chunk_store.discard_unusable = self._discard_later
         self._closed = False
         apply_configured_pins(self, self.config.pin)
 

@@ -89,10 +89,6 @@ class ChunkStore:
         self.metrics = metrics or chain.metrics
         #: Whether :meth:`close` closes the serializer too: :meth:`open` made it (parts are the caller's).
         self.owns_serializer = False
-        #: How :meth:`load_prefix` removes a chunk it found unusable: :meth:`discard` on the
-        #: loading thread, unless an owner with a writer thread hands it there (a load must
-        #: not wait for a tier's remove; see ``CacheEngine``).
-        self.discard_unusable: Callable[[Sequence[str]], None] = self.discard
 
     @classmethod
     def open(
@@ -169,7 +165,8 @@ class ChunkStore:
         shape key ``i`` must decode to, ``dtype`` that of every chunk.
 
         The prefix ends at the first key no tier holds, or at the first frame that fails
-        a check (counted in ``load_errors``, removed from every tier by :attr:`discard_unusable`). Then the chunks
+        a check (counted in ``load_errors``; its removal from every tier is left to the chain's
+        removal thread, :meth:`TierChain.discard_later`: a load never waits for a tier). Then the chunks
         that passed, and only those, are promoted into the tiers faster than the one
         that served them.
         """
@@ -189,7 +186,7 @@ class ChunkStore:
             except ChunkError as exc:
                 self.metrics.load_errors.labels(type(exc).__name__).inc()
                 logger.warning("chunk %s unusable (%s); the prefix ends there and it is removed", key, exc)
-                self.discard_unusable([key])
+                self.chain.discard_later([(key, hit.value)])  # removed where a tier still holds these bytes
                 break
             loaded.tensors.append(tensor)
             loaded.nbytes += memoryview(hit.value).nbytes
@@ -232,7 +229,7 @@ class ChunkStore:
     # --- upkeep ---------------------------------------------------------------------
 
     def discard(self, keys: Sequence[str]) -> None:
-        """Remove keys from every tier."""
+        """Remove keys from every tier (this thread waits for each tier's ``remove``)."""
         self.chain.discard(keys)
 
     def flush(self) -> None:

@@ -41,9 +41,6 @@ class StoreBatch:
     #: The fingerprint manifests due (:meth:`ManifestWriter.due`): written with the chunks,
     #: never on the store call's thread, which must not wait on a tier.
     manifests: Items = field(default_factory=list)
-    #: Keys of chunks a load found unusable, removed from every tier before anything is
-    #: written: in order with the stores, so a store made after the load is not removed.
-    discards: list[str] = field(default_factory=list)
 
     def nbytes(self) -> int:
         return sum(memoryview(frame).nbytes for _, frame, _ in self.chunks)
@@ -234,10 +231,6 @@ class EngineStores(EngineParts):
         return sum(n for _, _, n in batch.chunks)
 
     def _write_batch(self, batch: StoreBatch) -> None:
-        if batch.discards:
-            self.chain.discard(batch.discards)
-            if not batch.chunks:
-                return
         self._manifests.write(batch.manifests)
         frames = [(key, frame) for key, frame, _ in batch.chunks]
         nbytes = self.chunk_store.put_frames(frames, only_trusted=not self.records.writer)
@@ -249,17 +242,8 @@ class EngineStores(EngineParts):
 
     def _store_dropped(self, batch: StoreBatch) -> None:
         """The store queue refused ``batch`` (full or closed): counted, its manifests due again."""
-        if batch.chunks:
-            self.metrics.store_dropped.labels("engine").inc()
+        self.metrics.store_dropped.labels("engine").inc()
         self._manifests.forget(batch.manifests)
-        if batch.discards:  # shed: each load of the chunk is a miss until a later removal lands
-            logger.warning("store queue full or closed: unusable chunks %s not removed now", batch.discards)
-
-    def _discard_later(self, keys: Sequence[str]) -> None:
-        """Remove chunks a load found unusable on the store worker, never waiting for room:
-        the load reports its miss at once and must not wait for a tier's remove."""
-        if self._store_worker is not None:
-            self._store_worker.submit(StoreBatch([], discards=list(keys)), wait=False)
 
     def flush_stores(self) -> None:
         """Wait until every store so far is handed to the tiers: written to the ``sync``

@@ -266,6 +266,42 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
         return one_each(group, await self._backend.write([record for _, record in group]), "write")
 
     def remove(self, keys: Sequence[str]) -> None:
+        self._remove_by(keys, self._backend.delete, forget_absent=True)
+
+    def remove_if_same(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        """Remove each record only while its value is the one given: read it again (a good
+        record another process stored since survives), then delete it only if the store
+        still holds those bytes (:meth:`RecordBackend.delete_if_same`). Comparing what is
+        stored now, not a record framed here, also removes a record whose header this
+        process did not check in full (shm's ``trust_host``). A backend that cannot
+        compare removes by name."""
+        if not self._backend.deletes_if_same:
+            return self.remove([key for key, _ in items])
+        seen: dict[str, tuple[str, Buffer]] = {}
+        for key, value in items:
+            name = key_digest(key).hex()
+            try:
+                data = self.read_record(name)
+            except CorruptChunkError:  # found bad unread: another record than the one the load read
+                continue
+            if data is not None and memoryview(data).cast("B")[RECORD_HEADER_SIZE:] == memoryview(value).cast("B"):
+                seen[name] = (key, data)
+        backend = self._backend
+
+        async def delete_if_same(names: Sequence[str]) -> Sequence[bool | BaseException]:
+            return await backend.delete_if_same(names, [seen[name][1] for name in names])
+
+        self._remove_by([key for key, _ in seen.values()], delete_if_same, forget_absent=False)
+
+    def _remove_by(
+        self,
+        keys: Sequence[str],
+        delete: Callable[[Sequence[str]], Awaitable[Sequence[bool | BaseException]]],
+        *,
+        forget_absent: bool,
+    ) -> None:
+        """Remove ``keys`` with ``delete`` (per name: whether it removed one); ``forget_absent``:
+        unindex a name it did not remove too (else the record it left is still indexed)."""
         self._check_open()
         if not keys:
             return
@@ -275,7 +311,7 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
             )
         key_of = {key_digest(key).hex(): key for key in keys}
         removed, failed = [], 0
-        for group, result in self._groups(self._backend.delete, list(key_of), self._backend.call_sizes.query):
+        for group, result in self._groups(delete, list(key_of), self._backend.call_sizes.query):
             if isinstance(result, BaseException) and not isinstance(result, Absent):
                 failed += len(group)
                 continue
@@ -283,7 +319,7 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
             for name, was_there in zip(group, existed):
                 if isinstance(was_there, BaseException):  # failed for this name alone: still indexed
                     failed += 1
-                elif self._index.forget(name) is not False or was_there:
+                elif (was_there or forget_absent) and (self._index.forget(name) is not False or was_there):
                     removed.append(key_of[name])
         if removed:
             self.context.emit(KVEvent("removed", tuple(removed), tier=self.name))

@@ -178,10 +178,21 @@ class CPUTier(StorageTier):
             self.context.emit(KVEvent("evicted", tuple(evicted), tier=self.name))
 
     def remove(self, keys: Sequence[str]) -> None:
+        self._remove_where([(key, None) for key in keys])
+
+    def remove_if_same(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        """Remove each key only while it holds that value: one put since (a promotion) stays."""
+        self._remove_where(items)
+
+    def _remove_where(self, items: Sequence[tuple[str, Buffer | None]]) -> None:
+        """Remove each key that holds the value given with it (``None``: any value)."""
         removed = []
         with self._lock:
             self._check_open()
-            for key in keys:
+            for key, seen in items:
+                held = self._entries.get(key)
+                if held is not None and seen is not None and memoryview(held).tobytes() != bytes(seen):
+                    continue  # stored again since it was read: not the value found unusable
                 value = self._entries.pop(key, None)
                 if value is not None:
                     self._account(value, -1)

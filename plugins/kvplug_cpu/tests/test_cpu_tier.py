@@ -10,6 +10,7 @@ import pytest
 
 from kvplug import MappedFile, is_mapped_file
 from kvplug.testing import StorageTierContract, key_for, tier_context, value_for
+from kvplug.testing.corrupt_races import check_remove_if_same_keeps_a_newer_value
 from kvplug_cpu import CPUTier
 
 
@@ -98,3 +99,10 @@ def test_a_view_of_a_mapped_file_is_copied_and_other_buffers_are_kept(tmp_path) 
     del mapped_view
     mapping.close()  # possible only when no view of it is left: the tier holds none
     assert tier.get([key_for("mapped")])[0] == b"r" * 4000
+
+
+def test_remove_if_same_keeps_a_value_stored_since_the_read() -> None:
+    """A load's removal of a value it found unusable keeps one put since (a promotion)."""
+    tier = make_cpu_tier()
+    check_remove_if_same_keeps_a_newer_value(tier, tier)
+    assert tier.stats().bytes_used == 0 and tier.stats().items == 0

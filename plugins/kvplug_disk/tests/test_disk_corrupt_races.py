@@ -16,7 +16,11 @@ from disk_worker import holding_the_folder_lock
 from kvplug import RECORD_HEADER_SIZE, key_digest
 from kvplug.cli.store import _check_all
 from kvplug.testing import key_for, tier_context, value_for
-from kvplug.testing.corrupt_races import storing_after_gc_read, storing_before_corrupt_removal
+from kvplug.testing.corrupt_races import (
+    check_remove_if_same_keeps_a_newer_value,
+    storing_after_gc_read,
+    storing_before_corrupt_removal,
+)
 from kvplug_disk import DiskTier, ShmTier, verify_folder
 
 KEY = key_for("raced")
@@ -195,3 +199,32 @@ def test_gc_waits_for_a_busy_folder_to_remove_a_corrupt_record(kind: str, folder
         tier.close()
     assert verdicts["corrupt"] == 1 and verdicts["removed"] == 1
     assert not record_file(folder).exists()
+
+
+def test_remove_if_same_keeps_a_record_another_writer_stored_since_the_read(kind: str, tmp_path: Path) -> None:
+    """A load's removal of a value it found unusable (the engine's checks, not the record's)."""
+    cls = tier_class(kind)
+    config = cls.Config(path=tmp_path / kind, queue={"mode": "sync"})
+    tier, other = cls(config, tier_context()), cls(config, tier_context())  # another writer of the folder
+    try:
+        check_remove_if_same_keeps_a_newer_value(tier, other)
+    finally:
+        tier.close()
+        other.close()
+
+
+def test_remove_if_same_removes_a_record_damaged_in_place_that_trust_host_served(shm_dir: Path) -> None:
+    """With ``trust_host`` the shm tier serves a value without its checksum: a byte changed in
+    place reaches the engine, whose checks find it. The removal compares what the folder holds
+    now (the record's own header, not one framed again from the value), so it goes."""
+    tier = ShmTier(ShmTier.Config(path=shm_dir, trust_host=True, queue={"mode": "sync"}), tier_context())
+    try:
+        tier.put([(KEY, VALUE)])
+        damage(shm_dir)  # a payload byte; the header keeps the old value checksum
+        (served,) = tier.get([KEY])
+        assert served is not None and bytes(served) != VALUE
+        tier.remove_if_same([(KEY, bytes(served))])
+        assert not record_file(shm_dir).exists()
+        assert tier.contains([KEY]) == [False]
+    finally:
+        tier.close()

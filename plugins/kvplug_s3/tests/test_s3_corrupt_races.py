@@ -10,7 +10,11 @@ import threading
 
 from kvplug.cli.store import _check_all
 from kvplug.testing import key_for, tier_context, value_for
-from kvplug.testing.corrupt_races import storing_after_gc_read, storing_before_corrupt_removal
+from kvplug.testing.corrupt_races import (
+    check_remove_if_same_keeps_a_newer_value,
+    storing_after_gc_read,
+    storing_before_corrupt_removal,
+)
 from kvplug_s3 import S3Tier
 from kvplug_s3.testing import BUCKET, free_port, s3_options
 
@@ -173,3 +177,16 @@ def test_gc_on_a_server_that_ignores_if_match_removes_by_name(moto_s3) -> None:
     finally:
         tier.close()
         proxy.close()
+
+
+def test_remove_if_same_keeps_a_record_another_engine_stored_since_the_read(moto_s3) -> None:
+    """A load's removal of a value it found unusable (the engine's checks, not the record's)."""
+    prefix = "remove-if-same"
+    tier = S3Tier(config(moto_s3.endpoint, prefix), tier_context())
+    other = S3Tier(config(moto_s3.endpoint, prefix), tier_context())  # another engine on the bucket
+    try:
+        check_remove_if_same_keeps_a_newer_value(tier, other)
+        assert names_under(moto_s3.client(), prefix) == []
+    finally:
+        tier.close()
+        other.close()

@@ -11,7 +11,11 @@ from valkey_helpers import fresh_prefix
 from kvplug import RECORD_HEADER_SIZE, TierContext, key_digest
 from kvplug.cli.store import _check_all
 from kvplug.testing import key_for, tier_context, value_for
-from kvplug.testing.corrupt_races import storing_after_gc_read, storing_before_corrupt_removal
+from kvplug.testing.corrupt_races import (
+    check_remove_if_same_keeps_a_newer_value,
+    storing_after_gc_read,
+    storing_before_corrupt_removal,
+)
 from kvplug_valkey import ValkeyTier
 
 KEY = key_for("raced")
@@ -131,3 +135,14 @@ def test_a_user_the_server_lets_run_no_scripts_keeps_corrupt_values_without_fail
     finally:
         tier.close()
         client.execute_command("ACL", "DELUSER", user)
+
+
+def test_remove_if_same_keeps_a_record_another_client_stored_since_the_read(valkey_server) -> None:
+    """A load's removal of a value it found unusable (the engine's checks, not the record's)."""
+    config = ValkeyTier.Config(url=valkey_server.url, key_prefix=fresh_prefix(), request_timeout_s=5.0)
+    tier, other = ValkeyTier(config, tier_context()), ValkeyTier(config, tier_context())  # two engines
+    try:
+        check_remove_if_same_keeps_a_newer_value(tier, other)
+    finally:
+        tier.close()
+        other.close()
