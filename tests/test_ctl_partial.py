@@ -135,7 +135,7 @@ def test_a_pin_over_two_ranks_counts_the_tokens_every_rank_covers_not_their_sum(
     """Chunks and bytes add up over ranks (each holds its own records); the prompt tokens the
     pinned chunks cover do not: two ranks covering the same 16 tokens cover 16, not 32."""
     prompt = tmp_path / "prompt.json"
-    prompt.write_text(json.dumps(TOKENS + [7, 8, 9]))  # three tokens past the last whole chunk
+    prompt.write_text(json.dumps([*TOKENS, 7, 8, 9]))  # three tokens past the last whole chunk
     result = CliRunner().invoke(app, ["ctl", "pin", str(prompt), "--json"])
     assert result.exit_code == 0, result.output
     total = json.loads(result.output)["total"]
