@@ -15,12 +15,19 @@ it finished. The same holds for every request whose step reads a bad block as co
 request admitted in the same step, and vLLM rolls both back. In the next step such a
 block is fine only if a request of that step computes it again (vLLM has the first
 holder recompute it for all; with async scheduling, that step was scheduled before).
+
+Tensor-parallel ranks compute every token together (their attention outputs are summed),
+so a synchronous load that failed on one rank spoils what every rank computes on top of it.
+Before a step's stores the ranks agree (:meth:`LoadResults.agree`): each learns the other
+ranks' failed requests and bad blocks, so no rank stores its head records of KV computed
+on top of a block another rank could not load.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -90,6 +97,25 @@ class LoadResults:
         self.failed_this_step.clear()
         self._bad_blocks_last_step, self.bad_blocks_this_step = self.bad_blocks_this_step, set()
 
+    def agree(self, requests: Sequence[RequestMeta], all_ranks: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Take the other tensor-parallel ranks' failed loads of this step as this rank's own.
+
+        ``all_ranks`` sums a tensor over the ranks (a collective: every rank calls this in the
+        same step, with the same ``requests``, the step's metadata). One flag per request (its
+        load failed), then one per block of the requests that loaded synchronously (it did not
+        load): the requests whose load failed on any rank store nothing and are poisoned, and
+        the sharers of any rank's bad blocks are refused by :meth:`refuse_sharers` alike."""
+        loading = [r for r in requests if r.load is not None and not r.load.background]
+        flags = [r.req_id in self.failed_this_step for r in requests]
+        flags += [block in self.bad_blocks_this_step for r in loading for block in r.block_ids]
+        summed = all_ranks(torch.tensor(flags, dtype=torch.int32)).tolist()
+        for request, count in zip(requests, summed):
+            if count and request.req_id not in self.failed_this_step:
+                self.failed_this_step.add(request.req_id)
+                self.poison(request)
+        blocks = [block for r in loading for block in r.block_ids]
+        self.bad_blocks_this_step |= {block for block, count in zip(blocks, summed[len(requests) :]) if count}
+
     def refuse_sharers(self, requests: Sequence[RequestMeta], block_size: int) -> None:
         """Treat the requests whose step read a block that did not load (this step, or the last
         and not computed again in this one) as if their own load failed: vLLM computed them on
@@ -132,6 +158,17 @@ class LoadResults:
     def take_failed_requests(self) -> set[str]:
         failed, self._failed_requests = self._failed_requests, set()
         return failed
+
+
+def sum_over(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:meth:`LoadResults.agree`'s sum over the ranks of ``group``, a ``torch.distributed``
+    process group (vLLM's tensor-parallel group's CPU one: small flags, no device copy)."""
+
+    def summed(tensor: torch.Tensor) -> torch.Tensor:
+        torch.distributed.all_reduce(tensor, group=group)
+        return tensor
+
+    return summed
 
 
 def _first_written(request: RequestMeta) -> int:

@@ -45,15 +45,20 @@ def loads_in_background(
     *,
     load: str,
     num_groups: int,
+    pipeline_stages: int = 1,
 ) -> bool:
     """Whether a load of the chunks past ``num_computed`` goes to the background.
 
     A model of several KV cache groups always loads in the background (vLLM takes a failed
-    load of several groups by request, never by block id); otherwise the ``load`` setting
-    decides, and ``auto`` loads in the background when a chunk to load is in a tier whose
-    medium is not memory.
+    load of several groups by request, never by block id), and so does a model split into
+    pipeline stages: a synchronous load that failed on one stage spoils what the later
+    stages compute on top of it in that step, and the stages run a step at different times,
+    so they cannot agree on it before storing (tensor-parallel ranks do: ``LoadResults.agree``);
+    vLLM computes a background load's request only once every stage loaded it. Otherwise the
+    ``load`` setting decides, and ``auto`` loads in the background when a chunk to load is in
+    a tier whose medium is not memory.
     """
-    if num_groups > 1:
+    if num_groups > 1 or pipeline_stages > 1:
         return True
     if load != "auto":
         return load == "async"

@@ -81,6 +81,7 @@ class SchedulerSide:
         #: stored, before the prompt's last token (which vLLM computes from the state before it).
         self.state_groups = state_groups
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         #: Tier types looked up on the scheduler thread (memory, local files); the others in the background.
         self.inline = inline_tiers(config)
         self._channel: DirectLookup | SocketLookup | None = None
@@ -130,7 +131,11 @@ class SchedulerSide:
         hit = hit_tokens(tiers)
         need = tokens_to_load(hit, num_computed_tokens, request.num_tokens)
         background = need > 0 and loads_in_background(
-            tiers, num_computed_tokens, load=self.settings.load, num_groups=self.num_groups
+            tiers,
+            num_computed_tokens,
+            load=self.settings.load,
+            num_groups=self.num_groups,
+            pipeline_stages=self.pp_size,
         )
         lookup = LookupResult(num_computed_tokens, hit, tiers, request.num_prompt_tokens, background=background)
         state.lookup, state.phase = lookup, Phase.LOOKED_UP

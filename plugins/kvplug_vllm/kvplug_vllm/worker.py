@@ -22,7 +22,7 @@ import functools
 import logging
 import time
 import weakref
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
 from kvplug_vllm.kv_groups import KVGroup, check_block_size, primary_group
 from kvplug_vllm.layerwise_step import LayerwiseStep
 from kvplug_vllm.layout import check_chunk_size, detect_layout, fingerprint_for, head_shard
-from kvplug_vllm.load_results import LoadResults
+from kvplug_vllm.load_results import LoadResults, sum_over
 from kvplug_vllm.lookup import LocalWorker, register_local, unregister_local
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, RequestMeta
 from kvplug_vllm.settings import ConnectorSettings
@@ -83,6 +83,8 @@ class WorkerSide:
         self.kv_caches: list[torch.Tensor] = []
         self.layer_index: dict[str, int] = {}
         self.results = LoadResults()
+        #: A sum over the tensor-parallel ranks (None at TP 1), for their agreement on failed loads.
+        self.all_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._layers = LayerwiseStep()
         self._stats = KVPlugConnectorStats()
         self._metric_marks: dict[str, float] = {}
@@ -101,7 +103,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         all_caches = kv_caches
-        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank, get_tp_group
 
         if len(self.kv_groups) > 1:
             primary = self.kv_groups[primary_group(self.kv_groups)]
@@ -118,6 +120,8 @@ class WorkerSide:
         self.kv_caches = list(kv_caches.values())
         self.layer_index = {name: index for index, name in enumerate(kv_caches)}
         tp_rank = get_tensor_model_parallel_rank()
+        tp_group = get_tp_group()
+        self.all_ranks = sum_over(tp_group.cpu_group) if tp_group.world_size > 1 else None
         heads = head_shard(layout, self.vllm_config, config.heads_per_record, tp_rank=tp_rank)
         self.engine = CacheEngine(config, layout, fingerprint, heads=heads)
         if count > 1:
@@ -222,6 +226,12 @@ class WorkerSide:
             return
         self._layers.finish_loads(self.results, self.engine.layout.block_size, self._stats)
         meta = self._metadata()
+        if (
+            meta is not None
+            and self.all_ranks is not None
+            and any(r.load is not None and not r.load.background for r in meta.requests)
+        ):  # the same metadata on every rank: all of them, or none, take part
+            self.results.agree(meta.requests, self.all_ranks)
         self.results.refuse_sharers(meta.requests if meta is not None else [], self.engine.layout.block_size)
         if self.layerwise:
             self._layers.finish_stores(self.results.failed_this_step)

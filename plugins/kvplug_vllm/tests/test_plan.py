@@ -144,6 +144,9 @@ def test_loads_go_to_the_background_by_the_medium_of_the_chunks_past_vllms_own()
     assert not loads_in_background(tiers, 0, load="sync", num_groups=1)
     assert loads_in_background(tiers[:2], 0, load="async", num_groups=1)
     assert loads_in_background(tiers[:2], 0, load="sync", num_groups=2)  # several groups: by request
+    # pipeline stages: a failed synchronous load on one stage would spoil what the next ones store
+    assert loads_in_background(tiers[:2], 0, load="sync", num_groups=1, pipeline_stages=2)
+    assert not loads_in_background(tiers[:2], 0, load="sync", num_groups=1, pipeline_stages=1)
 
 
 @given(st.sampled_from([1, 16, 32]), st.integers(0, 2000), st.integers(0, 2000), st.integers(0, 2000))
