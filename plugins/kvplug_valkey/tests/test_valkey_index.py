@@ -217,3 +217,39 @@ def test_scan_on_start_indexes_the_keys_already_stored_and_applies_max_bytes(val
     assert client.exists(prefix + "not-a-digest") == 1  # not a record name: never listed, never deleted
     client.delete(prefix + "not-a-digest")
     assert held_by_server(client, prefix) == (20, 20_000)  # 10 of them were deleted (a listing has no ages)
+
+
+def test_keys_found_gone_from_the_server_are_reported_removed_for_routers(lru_server) -> None:
+    # The engine announced these chunks as stored in "valkey" (BlockStored, medium=valkey);
+    # the server's LRU then dropped many of them. Once a lookup, a read or the round of
+    # checks finds one gone, a router must hear of it, or it keeps sending its prompts here.
+    prefix, events = fresh_prefix(), []
+    config = ValkeyTier.Config(url=lru_server.url, key_prefix=prefix, request_timeout_s=5.0)
+    tier = ValkeyTier(config, tier_context(emit=events.append))
+    try:
+        keys = [key_for(f"routed-{i}") for i in range(300)]
+        tier.put([(key, b"r" * VALUE_BYTES) for key in keys])
+        client = plain_client(lru_server)
+        for batch in range(40):  # ~10 MB of another program's values into a 3 MiB server
+            pipe = client.pipeline(transaction=False)
+            for i in range(250):
+                pipe.set(f"other:{batch}:{i}", b"f" * 1000)
+            pipe.execute()
+        client.config_set("maxmemory", "0")  # no more evictions after the snapshot below
+        alive = [client.exists(prefix + key_digest(key).hex()) == 1 for key in keys]
+        gone = {key for key, there in zip(keys, alive) if not there}
+        assert len(gone) > 150, f"only {len(gone)} of 300 keys were evicted: the test proves nothing"
+        assert tier.contains(keys[:100]) == alive[:100]
+        assert [v is not None for v in tier.get(keys[100:200])] == alive[100:200]
+        found = [key for event in events if event.kind == "removed" for key in event.keys]
+        assert sorted(found) == sorted(gone & set(keys[:200]))
+        # The rest are found by the round of checks that puts run (EXISTS), a few each time.
+        for i in range(60):
+            tier.put([(key_for(f"routed-more-{i}"), b"m" * VALUE_BYTES)])
+        removed = [event for event in events if event.kind == "removed"]
+        assert {event.tier for event in removed} == {"valkey"}
+        found = [key for event in removed for key in event.keys]
+        assert sorted(found) == sorted(gone), "each key found gone is reported once"
+        assert tier.stats().extra["index_found_gone"] == len(gone)
+    finally:
+        tier.close()
