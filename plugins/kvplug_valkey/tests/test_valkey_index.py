@@ -253,3 +253,24 @@ def test_keys_found_gone_from_the_server_are_reported_removed_for_routers(lru_se
         assert tier.stats().extra["index_found_gone"] == len(gone)
     finally:
         tier.close()
+
+
+def test_inspecting_records_does_not_refresh_the_servers_lru_of_them(valkey_server, tiers) -> None:
+    # `kvplug store verify` and `kvplug explain` read records with read_record (the backend's
+    # peek): inspection, not a use. A GET makes a key look freshly used to the server:
+    # verifying a shared server would reorder its whole eviction. The engine's reads (get)
+    # still count as uses, also on the connection the inspection used (one at a time here).
+    prefix = fresh_prefix()
+    tier = tiers(valkey_server.url, key_prefix=prefix, max_concurrency=1, max_connections=2)
+    keys = [key_for(f"inspected-{i}") for i in range(20)]
+    tier.put([(key, b"i" * 100) for key in keys])
+    client = plain_client(valkey_server)
+    names = [prefix + key_digest(key).hex() for key in keys]
+    time.sleep(3.0)
+    read = [tier.read_record(key_digest(key).hex()) for key in keys]
+    assert all(data is not None and len(data) == RECORD_HEADER_SIZE + 100 for data in read)
+    idle = [int(client.object("idletime", name)) for name in names]
+    assert min(idle) >= 2, f"inspected keys look freshly used to the server: idle times {idle}"
+    # No connection keeps the flag: the next reads are uses.
+    assert [bytes(v or b"") for v in tier.get(keys)] == [b"i" * 100] * 20
+    assert max(int(client.object("idletime", name)) for name in names) <= 1
