@@ -85,11 +85,21 @@ class RecordBudget:
         if self._calls.breaker.state != "closed":
             return
         due = self._index.due_checks()
+        gone: list[str | None] = []
         for group, result in self._groups(self._backend.exists, list(due), self._backend.call_sizes.query):
             if not isinstance(result, BaseException):
                 for name, exists in zip(group, result):
                     if exists is False:  # (an exception: no answer for this name)
-                        self._index.forget_gone(name, due[name])
+                        gone.append(self._index.forget_gone(name, due[name]))
+        self._report_gone(gone)
+
+    def _report_gone(self, keys: Sequence[str | None]) -> None:
+        """Report records found gone from the store (evicted by it, expired, or removed by
+        another process) as ``removed``: a router told they were stored here would otherwise
+        keep sending their prompts to this engine, whose lookups of them now miss."""
+        known = tuple(key for key in keys if key is not None)
+        if known:
+            self.context.emit(KVEvent("removed", known, tier=self.name))
 
     def _delete_quietly(self, names: list[str], *, forget: bool = True) -> None:
         if forget:

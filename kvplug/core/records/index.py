@@ -122,19 +122,22 @@ class RecordIndex:
         with self._lock:
             return [self._entries.get(digest) for digest in digests]
 
-    def forget_gone(self, digest: str, seen: Entry | None) -> None:
+    def forget_gone(self, digest: str, seen: Entry | None) -> str | None:
         """The store no longer holds ``digest``: drop it unless recorded again since ``seen`` was taken.
 
-        A write that lands between the store's answer and this call leaves its entry in place."""
+        A write that lands between the store's answer and this call leaves its entry in place.
+        Returns the key of the entry dropped, when the index knew it (``None`` otherwise)."""
         if seen is None:
-            return
+            return None
         with self._lock:
-            if self._entries.get(digest) is seen:
-                del self._entries[digest]
-                self._policy.removed(digest)
-                self._bytes -= seen[0]
-                self._note_forgotten(digest)
-                self.found_gone += 1
+            if self._entries.get(digest) is not seen:
+                return None
+            del self._entries[digest]
+            self._policy.removed(digest)
+            self._bytes -= seen[0]
+            self._note_forgotten(digest)
+            self.found_gone += 1
+            return seen[1]
 
     def forget(self, digest: str) -> str | None | bool:
         """Drop ``digest``; its key (``None`` if unknown) when it was indexed, else ``False``."""

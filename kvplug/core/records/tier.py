@@ -113,6 +113,7 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
         names = [key_digest(key).hex() for key in keys]
         seen = self._index.snapshot(names)
         answers: list[bool] = []
+        gone: list[str | None] = []
         for group, result in self._groups(self._backend.sizes, names, self._backend.call_sizes.query):
             if isinstance(result, Absent):
                 result = [None] * len(group)
@@ -124,8 +125,9 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
                     answers.append(False)
                     continue
                 if size is None:  # evicted or removed by another process
-                    self._index.forget_gone(name, seen[len(answers)])
+                    gone.append(self._index.forget_gone(name, seen[len(answers)]))
                 answers.append(size is not None and (size == SIZE_UNKNOWN or size >= RECORD_HEADER_SIZE))
+        self._report_gone(gone)
         if self._suspects:  # found corrupt and still there: absent, so that the engine stores them again
             answers = [found and name not in self._suspects for name, found in zip(names, answers)]
         return answers
@@ -149,10 +151,11 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
         values: list[Buffer | None] = []
         corrupt: list[tuple[str, Buffer | None]] = []  # (name, what was read: None when found bad unread)
         pushed: list[Victim] = []
+        gone: list[str | None] = []
         for key, name, data, entry in zip(keys, names, stored, seen):
             value = None
             if data is None:  # evicted or removed by another process
-                self._index.forget_gone(name, entry)
+                gone.append(self._index.forget_gone(name, entry))
             elif not isinstance(data, BaseException) or isinstance(data, CorruptChunkError):
                 try:  # (another exception: the store did not answer; this one: a record found bad unread)
                     if isinstance(data, CorruptChunkError):
@@ -176,6 +179,7 @@ class RecordTier(RecordBudget, RecordMaintenance, StorageTier):
                 self._unsuspect(name)
                 pushed += self._index.record(name, value.nbytes, key)
             values.append(value)
+        self._report_gone(gone)
         if corrupt:
             self._drop_corrupt(corrupt)
         self._pushed_out(pushed)

@@ -11,7 +11,9 @@ A server that ignores ``If-Match`` on ``DELETE`` would remove whatever is there 
 Each backend asks its server once, with an object of its own under the tier's prefix (not
 named like a record, so never listed): a conditional delete with a wrong ETag must be
 refused. Where it is not (or the probe cannot be written: a read-only bucket), corrupt
-objects are kept, and the tier takes them for absent until they are stored again.
+objects are kept, and the tier takes them for absent until they are stored again. A probe
+that meets a passing failure (no answer, a 5xx, ``SlowDown``) decides nothing: it fails
+that delete, and the next corrupt object asks again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,22 @@ from kvplug_s3.reads import body_equals, body_length
 
 #: An ETag no object has: a server that honours ``If-Match`` refuses a delete under it.
 _NO_SUCH_ETAG = '"00000000000000000000000000000000"'
+#: Answers that say the server is busy or failing for now, not what it does with ``If-Match``.
+_PASSING_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable"})
+
+
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status of the S3 answer behind ``exc`` (s3fs chains botocore's error), if any."""
+    seen: BaseException | None = exc
+    for _ in range(5):
+        if seen is None:
+            return None
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return status if isinstance(status, int) else None
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class ConditionalDeletes:
@@ -79,19 +97,36 @@ class ConditionalDeletes:
         key = f"{prefix}/.kvplug-if-match-probe-{secrets.token_hex(8)}".lstrip("/")
         try:
             await self.fs._call_s3("put_object", Bucket=bucket, Key=key, Body=b"probe")
-        except OSError:  # not ours to write: nothing is deleted on trust
-            return False
+        except OSError as exc:
+            if self._passing(exc):
+                raise
+            return False  # not ours to write: nothing is deleted on trust
         try:
             await self.fs._call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=_NO_SUCH_ETAG)
         except OSError as exc:
             honoured = self._error_code(exc) in ("PreconditionFailed", "412")
+            if not honoured and self._passing(exc):
+                await self._remove_probe(bucket, key)
+                raise
         else:
             return False  # deleted under an ETag it does not have: the header was ignored
+        await self._remove_probe(bucket, key)
+        return honoured
+
+    async def _remove_probe(self, bucket: str, key: str) -> None:
         try:
             await self.fs._call_s3("delete_object", Bucket=bucket, Key=key)
         except OSError:
             pass  # a stray probe object is not a record: nothing lists or counts it
-        return honoured
+
+    def _passing(self, exc: OSError) -> bool:
+        """Whether a failed probe request says nothing of the server's rules: no S3 answer
+        at all (a connection cut, a timeout), a 5xx other than 501 Not Implemented, or a
+        busy server's code. Cached as an answer, it would keep corrupt objects for good."""
+        code, status = self._error_code(exc), _http_status(exc)
+        if code is None and status is None:
+            return True
+        return code in _PASSING_CODES or (status is not None and status >= 500 and status != 501)
 
 
 class ConditionalDeleteUnsupported(OSError):

@@ -24,6 +24,10 @@ from kvplug import BackoffSeconds, FailureCount, RecordTierConfig, TimeoutSecond
 
 #: Protocols spoken by the S3 options (endpoint, region, keys).
 S3_PROTOCOLS = frozenset({"s3", "s3a"})
+#: The longest object key S3 takes, in UTF-8 bytes.
+MAX_S3_KEY_BYTES = 1024
+#: What a record adds to the prefix: ``/<shard>/<digest>`` (kvplug_s3.backend.ObjectBackend.path_for).
+RECORD_NAME_BYTES = 1 + 2 + 1 + 64
 #: fsspec protocols that cannot store anything (read-only or archive views).
 READ_ONLY_PROTOCOLS = frozenset(
     {"http", "https", "zip", "tar", "data", "github", "git", "gist", "libarchive", "reference", "generic"}
@@ -170,9 +174,17 @@ def check_url(url: str) -> None:
         hint = _install_hint(protocol)
         raise ValueError(f"protocol {protocol!r} is not installed ({hint}); installed: {', '.join(sorted(installed))}")
     if protocol in S3_PROTOCOLS:
-        bucket = location.split("/", 1)[0]
+        bucket, _, prefix = location.partition("/")
         if not bucket:
             raise ValueError("an s3 url names a bucket: s3://bucket or s3://bucket/prefix")
+        longest = MAX_S3_KEY_BYTES - RECORD_NAME_BYTES
+        if len(prefix.rstrip("/").encode()) > longest:
+            # S3 refuses every object name past its limit (KeyTooLongError): the tier would
+            # drop every store, one failure at a time, until its breaker opened.
+            raise ValueError(
+                f"the prefix of an s3 url can be at most {longest} bytes (got {len(prefix.rstrip('/').encode())}): "
+                f"object names (prefix/xx/<64-hex digest>) must fit S3's {MAX_S3_KEY_BYTES}-byte keys"
+            )
     elif protocol in ("file", "local") and not location.startswith("/"):
         raise ValueError(f"a file url needs an absolute path: file:///abs/path (got {url!r})")
     elif not location.strip("/"):

@@ -11,7 +11,9 @@ from pydantic import ValidationError
 
 from kvplug import PluginRegistry, load_config
 from kvplug.errors import ConfigError
+from kvplug.testing import tier_context
 from kvplug_s3 import S3Tier, S3TierConfig
+from kvplug_s3.testing import BUCKET, s3_options
 
 
 def error_of(**options) -> str:
@@ -55,6 +57,22 @@ def test_a_known_but_uninstalled_protocol_says_what_to_install() -> None:
 )
 def test_bad_urls_are_named(url: str, expected: str) -> None:
     assert expected in error_of(url=url)
+
+
+def test_an_s3_prefix_too_long_for_the_object_names_is_refused(moto_s3) -> None:
+    # S3 keys hold at most 1024 bytes (AWS answers KeyTooLongError; moto does not check):
+    # <prefix>/<xx>/<64-hex digest> must fit, or every store of the tier fails.
+    longest = "p" * 956  # names of exactly 1024 bytes
+    assert "at most 956 bytes (got 957)" in error_of(url=f"s3://bucket/{longest}q/")  # (a trailing / goes)
+    assert "at most 956 bytes (got 958)" in error_of(url=f"s3://bucket/{'é' * 479}")  # UTF-8 bytes count
+    tier = S3Tier(S3Tier.Config(**s3_options(moto_s3.endpoint, longest)), tier_context())
+    try:
+        tier.put([("k", b"v" * 100)])
+        (name,) = [o["Key"] for o in moto_s3.client().list_objects_v2(Bucket=BUCKET, Prefix=longest)["Contents"]]
+        assert len(name.encode()) == 1024
+        assert [bytes(v or b"") for v in tier.get(["k"])] == [b"v" * 100]
+    finally:
+        tier.close()
 
 
 def test_s3_options_on_another_protocol_are_errors() -> None:

@@ -190,3 +190,59 @@ def test_remove_if_same_keeps_a_record_another_engine_stored_since_the_read(moto
     finally:
         tier.close()
         other.close()
+
+
+class ProbeRefuser(IfMatchStripper):
+    """A TCP proxy to an S3 server that, while ``failing``, answers the ``If-Match`` probe's
+    PUT with ``503 ServiceUnavailable`` itself (a server busy for a moment) and forwards
+    everything else as it is."""
+
+    failing = True
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+
+        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter, requests: bool) -> None:
+            try:
+                while chunk := await source.read(1 << 16):
+                    if requests and self.failing and b"PUT /" in chunk and b".kvplug-if-match-probe-" in chunk:
+                        body = b"<Error><Code>ServiceUnavailable</Code><Message>busy</Message></Error>"
+                        writer.write(
+                            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
+                            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+                        )
+                        await writer.drain()
+                        break
+                    sink.write(chunk)
+                    await sink.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                sink.close()
+                if requests:
+                    writer.close()
+
+        await asyncio.gather(pump(reader, up_writer, True), pump(up_reader, writer, False))
+
+
+def test_a_server_busy_when_asked_about_if_match_is_asked_again(moto_s3) -> None:
+    # The If-Match probe met a passing failure (503): that says nothing of the server's
+    # rules, so it must not decide, for the tier's lifetime, that corrupt objects are kept.
+    prefix = "busy-probe"
+    client = moto_s3.client()
+    proxy = ProbeRefuser(int(moto_s3.endpoint.rsplit(":", 1)[1]))
+    tier = S3Tier(config(proxy.endpoint, prefix), tier_context())
+    try:
+        tier.put([(KEY, VALUE)])
+        damage(client, prefix)
+        assert tier.get([KEY]) == [None]  # the probe failed: kept this time, absent to the tier
+        assert names_under(client, prefix) == [object_name(prefix)]
+        proxy.failing = False  # the server answers again
+        tier.put([(KEY, VALUE)])
+        damage(client, prefix)
+        assert tier.get([KEY]) == [None]
+        assert tier.stats().extra["corrupt"] == 2
+        assert names_under(client, prefix) == [], "a corrupt object is kept for good after one 503"
+    finally:
+        tier.close()
+        proxy.close()

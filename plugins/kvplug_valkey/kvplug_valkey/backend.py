@@ -166,11 +166,37 @@ class ValkeyBackend(RecordBackend):
         one byte more than it: a longer value is corrupt, and the server sends no more of
         it (a writer of the server could otherwise make a reader take 512 MiB a key).
         ``GETRANGE`` answers a missing key with no bytes, as ``STRLEN`` does: not there."""
+        return await self._read(names, touch=True)
+
+    async def peek(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | BaseException | None]:
+        """:meth:`read` for inspection (``kvplug store verify``, ``kvplug explain``), which
+        leaves the keys' LRU/LFU data as it was on a standalone server: a ``GET`` makes a key
+        look freshly used, so verifying a shared server would reorder its whole eviction.
+        ``CLIENT NO-TOUCH`` (Valkey/Redis 7.2+) brackets the reads in the same pipeline, on
+        one connection; an older server refuses it and the reads touch as before. In a
+        cluster the reads touch (each node's connection would need the flag)."""
+        await self.client()  # (which sets ``cluster`` when the config leaves it to the server)
+        return await self._read(names, touch=bool(self.cluster))
+
+    async def _read(self, names: Sequence[str], *, touch: bool) -> list[Buffer | BaseException | None]:
         bound = self._record_bound()
+        reads: list[tuple[Any, ...]] = (
+            [("GET", self.key(n)) for n in names]
+            if bound is None
+            else [("GETRANGE", self.key(n), 0, bound) for n in names]
+        )
+        if touch:
+            results = await self._pipeline(reads)
+        else:
+            # A connection that fails or is cancelled mid-pipeline is closed by the client,
+            # so none goes back to the pool with the flag still on.
+            on, off = ("CLIENT", "NO-TOUCH", "ON"), ("CLIENT", "NO-TOUCH", "OFF")
+            results = (await self._pipeline([on, *reads, off], per_key=lambda _: True))[1:-1]
+            # The flag's own answers are not checked: a server before 7.2, or one that
+            # refuses CLIENT to this user, reads as before (touching).
+            _raise_server_errors(results, _per_key)
         if bound is None:
-            results = await self._pipeline([("GET", self.key(n)) for n in names])
             return [FOREIGN if isinstance(r, BaseException) else r for r in results]
-        results = await self._pipeline([("GETRANGE", self.key(n), 0, bound) for n in names])
         values: list[Buffer | BaseException | None] = []
         for result in results:
             if isinstance(result, BaseException):

@@ -217,3 +217,60 @@ def test_scan_on_start_indexes_the_keys_already_stored_and_applies_max_bytes(val
     assert client.exists(prefix + "not-a-digest") == 1  # not a record name: never listed, never deleted
     client.delete(prefix + "not-a-digest")
     assert held_by_server(client, prefix) == (20, 20_000)  # 10 of them were deleted (a listing has no ages)
+
+
+def test_keys_found_gone_from_the_server_are_reported_removed_for_routers(lru_server) -> None:
+    # The engine announced these chunks as stored in "valkey" (BlockStored, medium=valkey);
+    # the server's LRU then dropped many of them. Once a lookup, a read or the round of
+    # checks finds one gone, a router must hear of it, or it keeps sending its prompts here.
+    prefix, events = fresh_prefix(), []
+    config = ValkeyTier.Config(url=lru_server.url, key_prefix=prefix, request_timeout_s=5.0)
+    tier = ValkeyTier(config, tier_context(emit=events.append))
+    try:
+        keys = [key_for(f"routed-{i}") for i in range(300)]
+        tier.put([(key, b"r" * VALUE_BYTES) for key in keys])
+        client = plain_client(lru_server)
+        for batch in range(40):  # ~10 MB of another program's values into a 3 MiB server
+            pipe = client.pipeline(transaction=False)
+            for i in range(250):
+                pipe.set(f"other:{batch}:{i}", b"f" * 1000)
+            pipe.execute()
+        client.config_set("maxmemory", "0")  # no more evictions after the snapshot below
+        alive = [client.exists(prefix + key_digest(key).hex()) == 1 for key in keys]
+        gone = {key for key, there in zip(keys, alive) if not there}
+        assert len(gone) > 150, f"only {len(gone)} of 300 keys were evicted: the test proves nothing"
+        assert tier.contains(keys[:100]) == alive[:100]
+        assert [v is not None for v in tier.get(keys[100:200])] == alive[100:200]
+        found = [key for event in events if event.kind == "removed" for key in event.keys]
+        assert sorted(found) == sorted(gone & set(keys[:200]))
+        # The rest are found by the round of checks that puts run (EXISTS), a few each time.
+        for i in range(60):
+            tier.put([(key_for(f"routed-more-{i}"), b"m" * VALUE_BYTES)])
+        removed = [event for event in events if event.kind == "removed"]
+        assert {event.tier for event in removed} == {"valkey"}
+        found = [key for event in removed for key in event.keys]
+        assert sorted(found) == sorted(gone), "each key found gone is reported once"
+        assert tier.stats().extra["index_found_gone"] == len(gone)
+    finally:
+        tier.close()
+
+
+def test_inspecting_records_does_not_refresh_the_servers_lru_of_them(valkey_server, tiers) -> None:
+    # `kvplug store verify` and `kvplug explain` read records with read_record (the backend's
+    # peek): inspection, not a use. A GET makes a key look freshly used to the server:
+    # verifying a shared server would reorder its whole eviction. The engine's reads (get)
+    # still count as uses, also on the connection the inspection used (one at a time here).
+    prefix = fresh_prefix()
+    tier = tiers(valkey_server.url, key_prefix=prefix, max_concurrency=1, max_connections=2)
+    keys = [key_for(f"inspected-{i}") for i in range(20)]
+    tier.put([(key, b"i" * 100) for key in keys])
+    client = plain_client(valkey_server)
+    names = [prefix + key_digest(key).hex() for key in keys]
+    time.sleep(3.0)
+    read = [tier.read_record(key_digest(key).hex()) for key in keys]
+    assert all(data is not None and len(data) == RECORD_HEADER_SIZE + 100 for data in read)
+    idle = [int(client.object("idletime", name)) for name in names]
+    assert min(idle) >= 2, f"inspected keys look freshly used to the server: idle times {idle}"
+    # No connection keeps the flag: the next reads are uses.
+    assert [bytes(v or b"") for v in tier.get(keys)] == [b"i" * 100] * 20
+    assert max(int(client.object("idletime", name)) for name in names) <= 1
