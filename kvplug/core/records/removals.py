@@ -1,0 +1,132 @@
+"""Removing records from a record tier (:class:`RecordRemovals`, a base of
+:class:`~kvplug.core.records.tier.RecordTier`): by name, only while the store holds the
+value a load found unusable (``remove_if_same``), and the corrupt records a read found,
+only where the store still holds what was read."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import ClassVar, TypeVar
+
+from kvplug.core.events import KVEvent
+from kvplug.core.records.backend import RecordBackend
+from kvplug.core.records.frame import RECORD_HEADER_SIZE, key_digest
+from kvplug.core.records.index import RecordIndex
+from kvplug.core.records.maintenance import RecordMaintenance
+from kvplug.core.remote.calls import RemoteCalls
+from kvplug.core.remote.retry import Absent
+from kvplug.core.tier import Buffer, TierContext
+from kvplug.errors import CorruptChunkError, TierUnavailableError
+
+T = TypeVar("T")
+A = TypeVar("A")
+#: Corrupt records left in the store that this process remembers as absent.
+MAX_SUSPECTS = 4096
+
+
+class RecordRemovals(RecordMaintenance):
+    """The removal methods of :class:`~kvplug.core.records.tier.RecordTier`, which sets the
+    attributes below (a :class:`RecordMaintenance` for its ``read_record``)."""
+
+    name: ClassVar[str]
+    context: TierContext
+    _backend: RecordBackend
+    _calls: RemoteCalls
+    _index: RecordIndex
+    _where: str
+    _lock: threading.Lock
+    #: Names of corrupt records left in the store (no delete_if_same, or it failed), oldest first.
+    _suspects: dict[str, None]
+
+    def _groups(
+        self, operation: Callable[[Sequence[A]], Awaitable[Sequence[T]]], items: Sequence[A], size: int
+    ) -> list[tuple[Sequence[A], Sequence[T] | BaseException]]:
+        raise NotImplementedError
+
+    def remove(self, keys: Sequence[str]) -> None:
+        self._remove_by(keys, self._backend.delete, forget_absent=True)
+
+    def remove_if_same(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        """Remove each record only while its value is the one given: read it again (a good
+        record another process stored since survives), then delete it only if the store
+        still holds those bytes (:meth:`RecordBackend.delete_if_same`). Comparing what is
+        stored now, not a record framed here, also removes a record whose header this
+        process did not check in full (shm's ``trust_host``). A backend that cannot
+        compare removes by name."""
+        if not self._backend.deletes_if_same:
+            return self.remove([key for key, _ in items])
+        seen: dict[str, tuple[str, Buffer]] = {}
+        for key, value in items:
+            name = key_digest(key).hex()
+            try:
+                data = self.read_record(name)
+            except CorruptChunkError:  # found bad unread: another record than the one the load read
+                continue
+            if data is not None and memoryview(data).cast("B")[RECORD_HEADER_SIZE:] == memoryview(value).cast("B"):
+                seen[name] = (key, data)
+        backend = self._backend
+
+        async def delete_if_same(names: Sequence[str]) -> Sequence[bool | BaseException]:
+            return await backend.delete_if_same(names, [seen[name][1] for name in names])
+
+        self._remove_by([key for key, _ in seen.values()], delete_if_same, forget_absent=False)
+
+    def _remove_by(
+        self,
+        keys: Sequence[str],
+        delete: Callable[[Sequence[str]], Awaitable[Sequence[bool | BaseException]]],
+        *,
+        forget_absent: bool,
+    ) -> None:
+        """Remove ``keys`` with ``delete`` (per name: whether it removed one); ``forget_absent``:
+        unindex a name it did not remove too (else the record it left is still indexed)."""
+        self._check_open()
+        if not keys:
+            return
+        if not self._calls.allow(len(keys)):
+            raise TierUnavailableError(
+                f"tier {self.name}: {self._where} is unavailable (circuit breaker open); nothing removed"
+            )
+        key_of = {key_digest(key).hex(): key for key in keys}
+        removed, failed = [], 0
+        for group, result in self._groups(delete, list(key_of), self._backend.call_sizes.query):
+            if isinstance(result, BaseException) and not isinstance(result, Absent):
+                failed += len(group)
+                continue
+            existed = [False] * len(group) if isinstance(result, BaseException) else result
+            for name, was_there in zip(group, existed):
+                if isinstance(was_there, BaseException):  # failed for this name alone: still indexed
+                    failed += 1
+                elif (was_there or forget_absent) and (self._index.forget(name) is not False or was_there):
+                    removed.append(key_of[name])
+        if removed:
+            self.context.emit(KVEvent("removed", tuple(removed), tier=self.name))
+        if failed:
+            raise TierUnavailableError(f"tier {self.name}: {failed} of {len(keys)} removals from {self._where} failed")
+
+    def _drop_corrupt(self, corrupt: list[tuple[str, Buffer | None]]) -> None:
+        """Remove corrupt records only where the store still holds what was read
+        (:meth:`RecordBackend.delete_if_same`): another process may have stored a good one
+        since. One the backend could not remove so is absent to this process (its lookups
+        miss, so the engine stores it again over the bad one) until stored or read whole."""
+        for name, _ in corrupt:
+            self._index.forget(name)
+        kept = [name for name, _ in corrupt]
+        if self._backend.deletes_if_same and self._calls.allow(len(corrupt)):
+            kept = []
+            backend = self._backend
+
+            async def delete_if_same(group: Sequence[tuple[str, Buffer | None]]) -> Sequence[bool | BaseException]:
+                return await backend.delete_if_same([name for name, _ in group], [data for _, data in group])
+
+            for group, result in self._groups(delete_if_same, corrupt, backend.call_sizes.query):
+                if isinstance(result, Absent):  # gone already
+                    continue
+                answers = [result] * len(group) if isinstance(result, BaseException) else result
+                kept += [name for (name, _), answer in zip(group, answers) if isinstance(answer, BaseException)]
+        with self._lock:
+            for name in kept:
+                self._suspects[name] = None
+            while len(self._suspects) > MAX_SUSPECTS:  # the oldest go: lookups of them then ask the store
+                del self._suspects[next(iter(self._suspects))]
