@@ -82,6 +82,20 @@ def test_a_damaged_record_is_a_counted_miss_and_deleted() -> None:
         assert tier.stats().extra["corrupt"] == 1
 
 
+def test_a_damaged_record_a_read_removes_is_reported_removed_for_routers() -> None:
+    """The engines told routers the chunk was stored in this tier (``stored``): its removal,
+    or its being absent to this process, must be told too, as for records found gone."""
+    store: dict[str, bytes] = {}
+    with make(store) as tier:
+        events: list[tuple[str, tuple[str, ...]]] = []
+        tier.context.emit = lambda event: events.append((event.kind, event.keys))
+        tier.put([("v/f/a", b"x" * 1000), ("v/f/b", b"y" * 1000)])
+        name = key_digest("v/f/a").hex()
+        store[name] = store[name][:-1] + bytes([store[name][-1] ^ 1])
+        assert tier.get(["v/f/a", "v/f/b"]) == [None, b"y" * 1000]
+        assert ("removed", ("v/f/a",)) in events, events
+
+
 def test_a_record_under_another_key_is_never_returned() -> None:
     store: dict[str, bytes] = {}
     with make(store) as tier:

@@ -171,6 +171,7 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
                     )
                     self._count("corrupt")
                     corrupt.append((name, None if isinstance(data, BaseException) else data))
+                    gone.append(None if entry is None else key)  # removed, or absent to this process
             if value is None:
                 self._count("misses")
             else:
