@@ -14,13 +14,14 @@ it finished. The same holds for every request whose step reads a bad block as co
 (``RequestMeta.computes``): vLLM's prefix cache shares a loading request's blocks with a
 request admitted in the same step, and vLLM rolls both back. In the next step such a
 block is fine only if a request of that step computes it again (vLLM has the first
-holder recompute it for all; with async scheduling, that step was scheduled before).
+holder recompute it for all, whether or not it stores anything in that step; with async
+scheduling, that step was scheduled before).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -90,10 +91,13 @@ class LoadResults:
         self.failed_this_step.clear()
         self._bad_blocks_last_step, self.bad_blocks_this_step = self.bad_blocks_this_step, set()
 
-    def refuse_sharers(self, requests: Sequence[RequestMeta], block_size: int) -> None:
+    def refuse_sharers(
+        self, requests: Sequence[RequestMeta], block_size: int, computed_elsewhere: Iterable[int] = ()
+    ) -> None:
         """Treat the requests whose step read a block that did not load (this step, or the last
         and not computed again in this one) as if their own load failed: vLLM computed them on
-        top of it, and rolls them back."""
+        top of it, and rolls them back. ``computed_elsewhere``: the blocks this step's requests
+        that are not in ``requests`` compute."""
         if not (self.bad_blocks_this_step or self._bad_blocks_last_step):
             return
         computed = {  # blocks this step writes: what its loads promised and what it computes
@@ -101,6 +105,7 @@ class LoadResults:
             for r in requests
             for block in r.block_ids[_first_written(r) // block_size : -(-r.computes[1] // block_size)]
         }
+        computed.update(computed_elsewhere)
         bad = self.bad_blocks_this_step | (self._bad_blocks_last_step - computed)
         for request in requests:
             context = request.block_ids[: -(-request.computes[0] // block_size)]

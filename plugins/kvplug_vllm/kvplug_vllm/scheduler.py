@@ -80,6 +80,7 @@ class SchedulerSide:
         #: stored, before the prompt's last token (which vLLM computes from the state before it).
         self.state_groups = state_groups
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.block_size = int(vllm_config.cache_config.block_size)
         self.lookups = SchedulerLookups(settings, config, engine_key, self.tp_size, self._count_lookup_time)
         #: Every request kvplug was asked about, until it finishes.
         self._states: dict[str, RequestState] = {}
@@ -284,6 +285,9 @@ class SchedulerSide:
         plan = plan_step(progress.num_saved, known, progress.prompt_len, rules, handed)
         progress.num_saved = plan.num_saved
         if not plan.saving and load is None and not plan.states:
+            # Still what the step computes: it may be a block whose load failed, computed again.
+            blocks = progress.blocks[0] if progress.blocks else []
+            meta.computed_blocks += blocks[start // self.block_size : -(-end // self.block_size)]
             return
         tokens = state.request.all_token_ids[: max(plan.stored_to, load.num_hit if load else 0)]
         meta.requests.append(

@@ -208,7 +208,8 @@ class WorkerSide:
             return
         self._layers.finish_loads(self.results, self.engine.layout.block_size, self._stats)
         meta = self._metadata()
-        self.results.refuse_sharers(meta.requests if meta is not None else [], self.engine.layout.block_size)
+        requests, elsewhere = (meta.requests, meta.computed_blocks) if meta is not None else ([], [])
+        self.results.refuse_sharers(requests, self.engine.layout.block_size, elsewhere)
         if self.layerwise:
             self._layers.finish_stores(self.results.failed_this_step)
             return
