@@ -83,7 +83,8 @@ class WorkerSide:
         self.target: EngineControl | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.layer_index: dict[str, int] = {}
-        self.results = LoadResults()
+        #: Steps vLLM runs at once (async scheduling, pipeline parallelism): how long a bad block stays bad.
+        self.results = LoadResults(int(getattr(vllm_config, "max_concurrent_batches", 2)))
         self._layers = LayerwiseStep()
         self._stats = KVPlugConnectorStats()
         self._metric_marks: dict[str, float] = {}
