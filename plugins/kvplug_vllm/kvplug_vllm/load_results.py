@@ -7,14 +7,17 @@ and recomputes from there. A model of several groups reports a failed load by re
 recomputes such a request whole.
 
 A request whose load failed stores nothing in that step: its later blocks were computed
-on top of the bad ones. Nor in the steps vLLM scheduled before it saw the failure (async
-scheduling, pipeline parallelism run a step ahead): a request whose synchronous load
-failed stores nothing until vLLM has rolled it back (its ``RequestMeta.epoch`` grows) or
-it finished. The same holds for every request whose step reads a bad block as context
+on top of the bad ones. Nor in the steps vLLM scheduled before it saw the failure (vLLM's
+``max_concurrent_batches`` steps are in flight: two with async scheduling, ``pp`` with
+pipeline parallelism, ``pp + 1`` with both): a request whose synchronous load failed
+stores nothing until vLLM has rolled it back (its ``RequestMeta.epoch`` grows) or it
+finished. The same holds for every request whose step reads a bad block as context
 (``RequestMeta.computes``): vLLM's prefix cache shares a loading request's blocks with a
-request admitted in the same step, and vLLM rolls both back. In the next step such a
-block is fine only if a request of that step computes it again (vLLM has the first
-holder recompute it for all; with async scheduling, that step was scheduled before).
+request admitted in the same step, and vLLM rolls both back. In each later step in flight
+such a block stays bad until a request computes it again (vLLM has the first holder
+recompute it for all, whether or not it stores anything in that step; or the block went
+to a new request that loads or computes it). A block computed on top of a bad one is only
+read with it (a prefix), so the bad block names every reader.
 
 Tensor-parallel ranks compute every token together (their attention outputs are summed),
 so a synchronous load that failed on one rank spoils what every rank computes on top of it.
@@ -26,7 +29,8 @@ on top of a block another rank could not load.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -43,15 +47,17 @@ logger = logging.getLogger("kvplug.vllm")
 class LoadResults:
     """The loads that failed, until vLLM takes them (block ids, or requests)."""
 
-    def __init__(self) -> None:
+    def __init__(self, steps_in_flight: int = 2) -> None:
         self._block_errors: set[int] = set()
         #: Requests of this step whose load failed, or that hold a block that did not load:
         #: they store nothing in it.
         self.failed_this_step: set[str] = set()
         #: Blocks of this step that did not load (reported to vLLM, or still to be).
         self.bad_blocks_this_step: set[int] = set()
-        #: Those of the step before.
-        self._bad_blocks_last_step: set[int] = set()
+        #: Those of the steps before, newest first: the steps vLLM scheduled before it saw them
+        #: (``steps_in_flight - 1``: one with async scheduling, ``pp - 1`` or ``pp`` with pipeline
+        #: parallelism), and at least one (see the module docstring).
+        self._recent_bad_blocks: deque[set[int]] = deque(maxlen=max(1, steps_in_flight - 1))
         self._failed_requests: set[str] = set()
         #: Requests whose synchronous load failed -> their epoch then (see the module docstring).
         self._poisoned: dict[str, int] = {}
@@ -93,9 +99,11 @@ class LoadResults:
         self._poisoned[request.req_id] = request.epoch
 
     def begin_step(self) -> None:
-        """A new step: the last one's bad blocks are kept one step (see the module docstring)."""
+        """A new step: the last one's bad blocks are kept while steps scheduled before vLLM saw
+        them may still run (see the module docstring)."""
         self.failed_this_step.clear()
-        self._bad_blocks_last_step, self.bad_blocks_this_step = self.bad_blocks_this_step, set()
+        self._recent_bad_blocks.appendleft(self.bad_blocks_this_step)
+        self.bad_blocks_this_step = set()
 
     def agree(self, requests: Sequence[RequestMeta], all_ranks: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Take the other tensor-parallel ranks' failed loads of this step as this rank's own.
@@ -116,18 +124,24 @@ class LoadResults:
         blocks = [block for r in loading for block in r.block_ids]
         self.bad_blocks_this_step |= {block for block, count in zip(blocks, summed[len(requests) :]) if count}
 
-    def refuse_sharers(self, requests: Sequence[RequestMeta], block_size: int) -> None:
+    def refuse_sharers(
+        self, requests: Sequence[RequestMeta], block_size: int, computed_elsewhere: Iterable[int] = ()
+    ) -> None:
         """Treat the requests whose step read a block that did not load (this step, or the last
         and not computed again in this one) as if their own load failed: vLLM computed them on
-        top of it, and rolls them back."""
-        if not (self.bad_blocks_this_step or self._bad_blocks_last_step):
+        top of it, and rolls them back. ``computed_elsewhere``: the blocks this step's requests
+        that are not in ``requests`` compute."""
+        if not (self.bad_blocks_this_step or any(self._recent_bad_blocks)):
             return
         computed = {  # blocks this step writes: what its loads promised and what it computes
             block
             for r in requests
             for block in r.block_ids[_first_written(r) // block_size : -(-r.computes[1] // block_size)]
         }
-        bad = self.bad_blocks_this_step | (self._bad_blocks_last_step - computed)
+        computed.update(computed_elsewhere)
+        for earlier in self._recent_bad_blocks:
+            earlier -= computed  # written again: fine from this step on
+        bad = self.bad_blocks_this_step.union(*self._recent_bad_blocks)
         for request in requests:
             context = request.block_ids[: -(-request.computes[0] // block_size)]
             if request.req_id not in self.failed_this_step and not bad.isdisjoint(context):

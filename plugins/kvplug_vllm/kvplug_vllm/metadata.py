@@ -79,3 +79,7 @@ class KVPlugConnectorMetadata(KVConnectorMetadata):
     #: Requests that finished since the last step (vLLM's ``finished_req_ids``): the worker forgets
     #: them as the step begins, before its loads, since a new request may reuse the id in this step.
     finished_req_ids: list[str] = field(default_factory=list)
+    #: Blocks (of ``block_ids``' group) that scheduled requests not in ``requests`` (they load and
+    #: store nothing) write this step: a block that did not load last step and is computed again
+    #: here is fine for the requests that read it (:meth:`LoadResults.refuse_sharers`).
+    computed_blocks: list[int] = field(default_factory=list)

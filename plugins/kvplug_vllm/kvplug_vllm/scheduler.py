@@ -7,7 +7,7 @@ Semantics follow LMCache's vLLM v1 adapter:
   to sample from, so a full-prompt hit still leaves the last token to recompute.
   With ``background_lookups`` a lookup the tiers answering inline (memory, local
   files: ``StorageTier.inline_lookups``) cannot answer alone runs off the scheduler
-  thread (:mod:`kvplug_vllm.lookup_pool`): the answer is ``None`` ("ask again next
+  thread (:mod:`kvplug_vllm.scheduler_lookups`): the answer is ``None`` ("ask again next
   step") until it is done, and vLLM schedules other requests.
 - Each step a request is scheduled, the tokens whose KV will exist after the step
   are known; their whole chunks not stored yet are stored (:mod:`kvplug_vllm.plan`).
@@ -22,15 +22,13 @@ Each request has one :class:`~kvplug_vllm.request_state.RequestState`, with its 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvplug import KVPlugConfig, hit_tokens
 from kvplug.errors import KVPlugError
 from kvplug_vllm.kv_events import SchedulerEvents
-from kvplug_vllm.lookup import DirectLookup, SocketLookup, inline_tiers, open_channel
-from kvplug_vllm.lookup_pool import LookupPool, Tiers
+from kvplug_vllm.lookup_pool import LookupPool
 from kvplug_vllm.lookup_result import LookupResult
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
 from kvplug_vllm.plan import (
@@ -43,6 +41,7 @@ from kvplug_vllm.plan import (
 )
 from kvplug_vllm.prefill_resume import load_refusal
 from kvplug_vllm.request_state import Phase, Progress, RequestState, isolation, prompt_ids
+from kvplug_vllm.scheduler_lookups import SchedulerLookups
 from kvplug_vllm.settings import ConnectorSettings, wants_report
 from kvplug_vllm.stats import KVPlugConnectorStats
 
@@ -82,19 +81,18 @@ class SchedulerSide:
         self.state_groups = state_groups
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
-        #: Tier types looked up on the scheduler thread (memory, local files); the others in the background.
-        self.inline = inline_tiers(config)
-        self._channel: DirectLookup | SocketLookup | None = None
-        #: Lookups off the scheduler thread (lookup_pool.py).
-        self._pool: LookupPool | None = None
-        if settings.background_lookups and any(spec.type not in self.inline for spec in config.tiers):
-            self._pool = LookupPool(settings.max_background_lookups, settings.lookup_timeout_s)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.lookups = SchedulerLookups(settings, config, engine_key, self.tp_size, self._count_lookup_time)
         #: Every request kvplug was asked about, until it finishes.
         self._states: dict[str, RequestState] = {}
         self._stats = KVPlugConnectorStats()
         self.events = SchedulerEvents(vllm_config)
         #: Worker and scheduler counters since start, for per-request reports.
         self.totals = KVPlugConnectorStats()
+
+    @property
+    def _pool(self) -> LookupPool | None:
+        return self.lookups.pool
 
     def _state(self, request: Any) -> RequestState:
         state = self._states.get(request.request_id)
@@ -124,7 +122,7 @@ class SchedulerSide:
             # vLLM computes the last token whatever the hit, and resumes a recurrent state only
             # where one is stored: the hit must be a chunk end with a state before that token.
             tokens = tokens[:-1]
-        tiers = self._find(state, tokens)
+        tiers = self.lookups.find(state, tokens)
         if tiers is None:
             state.phase = Phase.LOOKING_UP
             return None, False  # its lookup runs in the background: vLLM asks again next step
@@ -145,32 +143,6 @@ class SchedulerSide:
             need, " in the background" if background else "",
         )  # fmt: skip
         return need, background
-
-    def _find(self, state: RequestState, tokens: list[int]) -> Tiers | None:
-        """The request's cached prefix by tier, or ``None`` while its background lookup runs."""
-        if state.answer is not None:  # not admitted when last answered: the same answer
-            return state.answer
-        req_id, info = state.req_id, state.info
-        started = time.perf_counter()
-        try:
-            channel = self._lookup_channel()
-            tiers = channel.locate(tokens, info) if self._pool is None else channel.inline_lookup(tokens, info)
-        except KVPlugError as exc:
-            logger.warning("request %s: lookup failed, treated as a miss: %s", req_id, exc)
-            tiers = []
-        if tiers is not None:
-            if self._pool is not None:  # answered inline: an earlier ask's lookup is stale
-                self._pool.discard(req_id)
-            self._count_lookup_time(time.perf_counter() - started)
-            return tiers
-        assert self._pool is not None
-        answer = self._pool.ask(req_id, lambda: channel.locate(tokens, info))
-        if answer is None:
-            return None
-        # Time is spent on every ask; what was found is counted once the request is admitted.
-        self._count_lookup_time(answer.waited_s)
-        state.answer = answer.tiers
-        return answer.tiers
 
     def _count_lookup_time(self, seconds: float) -> None:
         lookup_us = int(seconds * 1e6)
@@ -203,8 +175,8 @@ class SchedulerSide:
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         #: Recurrent states vLLM hands over this step (align mode): request -> (group, block, boundary).
         handed = dict(getattr(block_state, "boundary_state_offloads", None) or {}) if self.state_groups else {}
-        if meta.idle and self._pool is not None:
-            self._pool.wait_any(IDLE_WAIT_S)  # nothing runs: a busy loop would take the lookups' CPU
+        if meta.idle:
+            self.lookups.wait_any(IDLE_WAIT_S)  # nothing runs: a busy loop would take the lookups' CPU
         # A finished request was forgotten when vLLM called request_finished, at once: by now its
         # id may name a new request (vLLM without request id randomization), whose state this is.
         # The workers forget theirs before this step's loads, for the same reason.
@@ -318,6 +290,9 @@ class SchedulerSide:
         plan = plan_step(progress.num_saved, known, progress.prompt_len, rules, handed)
         progress.num_saved = plan.num_saved
         if not plan.saving and load is None and not plan.states:
+            # Still what the step computes: it may be a block whose load failed, computed again.
+            blocks = progress.blocks[0] if progress.blocks else []
+            meta.computed_blocks += blocks[start // self.block_size : -(-end // self.block_size)]
             return
         tokens = state.request.all_token_ids[: max(plan.stored_to, load.num_hit if load else 0)]
         meta.requests.append(
@@ -353,7 +328,7 @@ class SchedulerSide:
     def reset_cache(self) -> bool:
         """Remove this engine's chunks from the ``reset_tiers`` tiers (vLLM's reset_prefix_cache)."""
         try:
-            removed = self._lookup_channel().reset()
+            removed = self.lookups.channel().reset()
         except KVPlugError as exc:
             logger.warning("reset_cache failed: %s", exc)
             return False
@@ -378,20 +353,8 @@ class SchedulerSide:
         return False, report
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        self.lookups.close()
 
     def _forget(self, req_id: str) -> None:
         self._states.pop(req_id, None)
-        if self._pool is not None:
-            self._pool.discard(req_id)
-
-    def _lookup_channel(self) -> DirectLookup | SocketLookup:
-        if self._channel is None:
-            self._channel = open_channel(
-                self.engine_key, self.tp_size, self.settings.lookup_channel, self.settings.lookup_timeout_s
-            )
-        return self._channel
+        self.lookups.discard(req_id)

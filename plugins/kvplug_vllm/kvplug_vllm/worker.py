@@ -35,7 +35,7 @@ from kvplug import (
     load_config,
     slots_from_block_ids,
 )
-from kvplug_vllm.background import BackgroundLoads, GroupsRetrieve, fetch
+from kvplug_vllm.background import BackgroundLoads
 from kvplug_vllm.control import HybridControl, reset_tiers, start_control
 from kvplug_vllm.group_engines import GroupEngines
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
@@ -46,8 +46,9 @@ from kvplug_vllm.load_results import LoadResults, sum_over
 from kvplug_vllm.lookup import LocalWorker, register_local, unregister_local
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, RequestMeta
 from kvplug_vllm.settings import ConnectorSettings
-from kvplug_vllm.stats import LOAD_ERROR_PREFIX, KVPlugConnectorStats
-from kvplug_vllm.worker_stats import count_load_phases, pass_engine_metrics, serve_metrics, stop_serving_metrics, timed
+from kvplug_vllm.stats import KVPlugConnectorStats
+from kvplug_vllm.worker_loads import load_now, write_background_loads
+from kvplug_vllm.worker_stats import pass_engine_metrics, serve_metrics, stop_serving_metrics, timed
 
 logger = logging.getLogger("kvplug.vllm")
 
@@ -82,7 +83,8 @@ class WorkerSide:
         self.target: EngineControl | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.layer_index: dict[str, int] = {}
-        self.results = LoadResults()
+        #: Steps vLLM runs at once (async scheduling, pipeline parallelism): how long a bad block stays bad.
+        self.results = LoadResults(int(getattr(vllm_config, "max_concurrent_batches", 2)))
         #: A sum over the tensor-parallel ranks (None at TP 1), for their agreement on failed loads.
         self.all_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._layers = LayerwiseStep()
@@ -180,24 +182,9 @@ class WorkerSide:
     def _load(self, request: RequestMeta) -> None:
         assert self.engine is not None and request.load is not None
         self._worked = True
-        started = time.perf_counter()
-        tokens = request.token_ids[: request.load.num_hit]
-        keys = self._remember(request, tokens, request.load.num_computed, True)
-        try:
-            retriever = fetch(self.engine, request, self.kv_caches, keys)
-            if self.layerwise:
-                self._layers.add_load(request, retriever)
-            else:
-                retriever.write_remaining()
-                count_load_phases(self._stats, retriever)
-            loaded = retriever.loaded_mask
-        except Exception:
-            logger.exception("request %s: loading failed; its blocks will be recomputed", request.req_id)
-            loaded = torch.zeros(len(tokens), dtype=torch.bool)
-        self._stats.sample("load_seconds", time.perf_counter() - started)
-        self.results.check_blocks(request, loaded, self.engine.layout.block_size, self._stats)
-        if request.req_id in self.results.failed_this_step:
-            self.results.poison(request)
+        keys = self._remember(request, request.token_ids[: request.load.num_hit], request.load.num_computed, True)
+        layers = self._layers if self.layerwise else None
+        load_now(self.engine, request, self.kv_caches, keys, layers, self.results, self._stats)
 
     @timed
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -232,7 +219,8 @@ class WorkerSide:
             and any(r.load is not None and not r.load.background for r in meta.requests)
         ):  # the same metadata on every rank: all of them, or none, take part
             self.results.agree(meta.requests, self.all_ranks)
-        self.results.refuse_sharers(meta.requests if meta is not None else [], self.engine.layout.block_size)
+        requests, elsewhere = (meta.requests, meta.computed_blocks) if meta is not None else ([], [])
+        self.results.refuse_sharers(requests, self.engine.layout.block_size, elsewhere)
         if self.layerwise:
             self._layers.finish_stores(self.results.failed_this_step)
             return
@@ -291,26 +279,10 @@ class WorkerSide:
             # valkey read ran past its deadline that way). Waiting here releases it.
             self.background.wait(IDLE_WAIT_S)
         done = self.background.collect()
-        for request, retriever, seconds in done:
-            self._stats.sample("load_seconds", seconds)
-            if retriever is None:
-                reason = "deadline" if seconds >= self.background.timeout_s else "fetch_failed"
-                self._stats.add(**{LOAD_ERROR_PREFIX + reason: 1})
-            if retriever is not None:
-                self._worked = True
-                try:
-                    retriever.write_remaining()
-                    count_load_phases(self._stats, retriever)
-                except Exception:
-                    logger.exception(
-                        "request %s: writing the loaded KV failed; its blocks will be recomputed", request.req_id
-                    )
-                    retriever = None  # whatever its masks say: a write that raised may have stopped anywhere
-            if isinstance(retriever, GroupsRetrieve) or (retriever is None and self.groups is not None):
-                self.results.check_groups(request, retriever, self._stats)
-            else:
-                loaded = retriever.loaded_mask if retriever is not None else None
-                self.results.check_blocks(request, loaded, self.engine.layout.block_size, self._stats)
+        groups = self.groups is not None
+        timeout_s = self.background.timeout_s
+        if write_background_loads(done, self.engine, self.results, self._stats, timeout_s=timeout_s, groups=groups):
+            self._worked = True
         return {request.req_id for request, _, _ in done} or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

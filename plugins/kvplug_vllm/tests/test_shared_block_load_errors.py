@@ -73,14 +73,18 @@ Step = Callable[..., set[int]]
 
 
 @pytest.fixture
-def worker_steps() -> Iterator[tuple[CacheEngine, list[torch.Tensor], Step]]:
+def worker_steps(request: pytest.FixtureRequest) -> Iterator[tuple[CacheEngine, list[torch.Tensor], Step]]:
     """A worker side over a real CacheEngine (cpu tier) and caches, and ``step(*requests)``: one
-    step of vLLM's model runner with that metadata, returning the step's load errors."""
+    step of vLLM's model runner with that metadata, returning the step's load errors. Indirect
+    parameter: vLLM's ``max_concurrent_batches`` (default 2: async scheduling)."""
     config = load_config(engine_extra={"kvplug.chunk_size": 64, "kvplug.store.queue.mode": "sync"}, env={}).config
     source = [torch.randn(32, 2, 32, 128).to(torch.bfloat16) for _ in range(2)]
     meta = KVPlugConnectorMetadata()
     parent = SimpleNamespace(has_connector_metadata=lambda: True, _get_connector_metadata=lambda: meta)
-    roles = SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_consumer=True, is_kv_producer=True))
+    roles = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(is_kv_consumer=True, is_kv_producer=True),
+        max_concurrent_batches=getattr(request, "param", 2),
+    )
     worker = WorkerSide(parent, roles, ConnectorSettings(load="sync"), {}, ("shared-next-step", 0, 0))
 
     def step(*requests: RequestMeta) -> set[int]:
@@ -139,3 +143,26 @@ def test_blocks_that_did_not_load_given_to_a_new_request_that_loads_into_them_ar
     b = RequestMeta("b", other, reused, load=load, save_start=256, save_end=320, computes=(256, 330))
     assert step(b) == set()
     assert stored_chunks(engine, other[:320]) == [True] * 5  # its chunk 4 too
+
+
+@pytest.mark.parametrize("worker_steps", [3], indirect=True)
+def test_with_three_steps_in_flight_a_sharer_stores_nothing_read_from_a_bad_block_two_steps_later(
+    worker_steps: tuple[CacheEngine, list[torch.Tensor], Step],
+) -> None:
+    """Pipeline parallelism (``pp`` steps in flight, ``pp + 1`` with async scheduling): steps N+1
+    and N+2 were scheduled before vLLM saw step N's load errors. The sharer, in no metadata in
+    N and N+1 (it completes no chunk there), completes its chunk 3 over the bad block in N+2."""
+    engine, source, step = worker_steps
+    engine.store(PROMPT[:192], source, slots_from_block_ids(BLOCKS, 32, 192))  # 3 chunks; the lookup saw 4
+    sharer = [*BLOCKS[:8], 30, 31]
+    load = LoadSpec(num_computed=0, num_hit=256, num_external=256)
+    assert step(RequestMeta("a", PROMPT, BLOCKS, load=load, computes=(256, 300))) == {14, 15}  # N
+    assert step() == set()  # N+1: "a" decodes, the sharer computes 240..245: neither loads nor stores
+    s = RequestMeta("s", SHARES, sharer, save_start=192, save_end=256, computes=(245, 256))
+    assert step(s) == set()  # N+2
+    assert stored_chunks(engine, SHARES[:256])[3] is False
+    # N+3: vLLM rolled both back; "a" computes blocks 14 and 15 again, the sharer its chunk 3
+    a_again = RequestMeta("a", PROMPT, BLOCKS, save_start=192, save_end=256, computes=(192, 300), epoch=1)
+    s_again = RequestMeta("s", SHARES, sharer, save_start=192, save_end=256, computes=(240, 256), epoch=1)
+    assert step(a_again, s_again) == set()
+    assert stored_chunks(engine, SHARES[:256])[3] is True
