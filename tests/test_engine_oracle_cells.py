@@ -503,7 +503,7 @@ def test_every_load_is_the_computed_kv(cell: Cell) -> None:
     run_state_machine_as_test(
         machine,
         settings=settings(
-            max_examples=5,
+            max_examples=8,
             stateful_step_count=12,
             deadline=None,
             print_blob=True,
