@@ -265,21 +265,21 @@ class Fleet(RuleBasedStateMachine):
         blocks=st.integers(0, 2**32),
         tenant=st.integers(0, 2),
         skip=st.integers(0, MAX_TOKENS),
-        wait=st.booleans(),
+        wait=st.integers(0, 3),
     )
-    def store(self, which: int, prompt: int, length: int, blocks: int, tenant: int, skip: int, wait: bool) -> None:
+    def store(self, which: int, prompt: int, length: int, blocks: int, tenant: int, skip: int, wait: int) -> None:
         """Every rank of an engine stores a prompt (``skip`` tokens of it stored before: masked)."""
         group = self.groups[which % len(self.groups)]
         tokens = PROMPTS[prompt][:length]
         table = random.Random(blocks).sample(range(self.num_blocks), self.num_blocks)
-        skip = skip % (length + 1)
+        skip = skip % (length + 1) if skip < MAX_TOKENS // 4 else 0  # most stores unmasked
         mask = torch.arange(length) >= skip
         for rank in group:
             caches = empty_caches(rank.layout, self.num_blocks, scrambled=self.CELL.scrambled)
             slots = block_slots(rank.layout, table, length)
             self._write(rank, caches, tokens, slots, range(length), tenant)
             rank.engine.store(tokens, caches, slots, mask if skip else None, request=_request(tenant))
-        if wait:
+        if wait:  # 3 in 4 stores
             for rank in group:
                 rank.engine.flush()
         else:  # loads meanwhile read what is queued, or miss it: correct KV, any amount of it
@@ -336,7 +336,7 @@ class Fleet(RuleBasedStateMachine):
     )
     def retrieve_a_stored_prompt(self, which: int, pick: int, more: int, blocks: int, skip: int) -> None:
         """A prompt stored before, give or take a few tokens: the loads that hit."""
-        prompt, length, tenant = self.asked[pick % len(self.asked)]
+        prompt, length, tenant = self.asked[-1 - pick % min(3, len(self.asked))]  # one of the latest
         self._retrieve(which, prompt, min(MAX_TOKENS, max(1, length + more)), blocks, tenant, skip)
 
     def _retrieve(self, which: int, prompt: int, length: int, blocks: int, tenant: int, skip: int) -> None:
@@ -344,7 +344,7 @@ class Fleet(RuleBasedStateMachine):
         group = self.groups[which % len(self.groups)]
         tokens = PROMPTS[prompt][:length]
         table = random.Random(blocks).sample(range(self.num_blocks), self.num_blocks)
-        skip = skip % (length + 1) if skip < MAX_TOKENS // 2 else 0  # half of the loads unmasked
+        skip = skip % (length + 1) if skip < MAX_TOKENS // 4 else 0  # most loads unmasked
         request = _request(tenant)
         for number, rank in enumerate(group):
             layout = rank.layout
@@ -428,7 +428,10 @@ class Fleet(RuleBasedStateMachine):
 
     @rule(pick=st.integers(0, 10**6), offset=st.integers(0, 10**6), flip=st.integers(1, 255), cut=st.booleans())
     def corrupt_a_record(self, pick: int, offset: int, flip: int, cut: bool) -> None:
-        """Flip a byte of a stored record, or cut it short."""
+        """Flip a byte of a stored record, or cut it short (one draw in three: after that the
+        loads are checked for correct KV only, so a run should hold some without)."""
+        if pick % 3:
+            return
         files = sorted(f for folder in self.folders.values() for f in folder.rglob("*.kvr"))
         if not files:
             return
@@ -503,8 +506,8 @@ def test_every_load_is_the_computed_kv(cell: Cell) -> None:
     run_state_machine_as_test(
         machine,
         settings=settings(
-            max_examples=8,
-            stateful_step_count=12,
+            max_examples=6,
+            stateful_step_count=20,
             deadline=None,
             print_blob=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
