@@ -38,6 +38,7 @@ def one_rank(monkeypatch: pytest.MonkeyPatch, socket_dir: Path) -> Iterator[None
     sets is removed afterwards, so the engines later tests start do not inherit it)."""
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=0))
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(world_size=1, cpu_group=None))
     yield
 
 

@@ -33,6 +33,7 @@ def long_socket_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("KVPLUG_LOOKUP_DIR", str(folder))
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=0))
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(world_size=1, cpu_group=None))
     yield folder
     shutil.rmtree(root, ignore_errors=True)
 
