@@ -221,10 +221,13 @@ class CPUTier(StorageTier):
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
+            was_open, self._closed = not self._closed, True
+            gone = tuple(self._entries)
             self._entries.clear()
             self._policy.clear()
             self._stats.bytes_used = self._stats.items = 0
+        if was_open and gone:  # the process's memory lets go of them: a router told "stored" must hear it
+            self.context.emit(KVEvent("removed", gone, tier=self.name))
 
     def _account(self, value: Buffer, sign: int) -> None:
         self._stats.bytes_used += sign * memoryview(value).nbytes

@@ -68,6 +68,17 @@ def test_evictions_are_reported_as_events() -> None:
     assert events[1].keys == (key_for("e0"),)
 
 
+def test_closing_reports_what_the_tier_held_as_removed() -> None:
+    events: list = []
+    tier = make_cpu_tier(10_000, emit=events.append)
+    tier.put([("a", b"a" * 10), ("b", b"b" * 10)])
+    tier.remove(["b"])
+    tier.close()
+    tier.close()  # a second close reports nothing more
+    assert [(e.kind, e.keys, e.tier) for e in events][-2:] == [("removed", ("b",), "cpu"), ("removed", ("a",), "cpu")]
+    assert len(events) == 3
+
+
 def test_the_tier_does_not_import_torch() -> None:
     code = "import sys, kvplug_cpu; kvplug_cpu.CPUTier; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
