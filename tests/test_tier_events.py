@@ -131,8 +131,8 @@ def test_a_chunk_one_put_admits_and_pushes_out_again_is_never_announced(make_eng
 
 
 def test_events_stay_true_under_eviction_promotion_and_removal(make_engine, tmp_path) -> None:
-    """Small tiers, many prompts, loads that promote from disk to cpu, a corrupt-free
-    discard: after each step what a router believes is what the tiers hold."""
+    """Small tiers, many prompts, loads that promote from disk to cpu, a discard: after
+    each step what a router believes is what the tiers hold."""
     size = chunk_bytes(make_engine)
     engine = make_engine(
         LAYOUT,
@@ -150,7 +150,7 @@ def test_events_stay_true_under_eviction_promotion_and_removal(make_engine, tmp_
     for tokens in prompts[3:] + prompts[3:]:  # held by disk, evicted from cpu: promoted on load
         assert load(engine, tokens) == len(tokens)
         router.check_matches(every)
-    promoted = {key for k in engine.chunk_keys(prompts[3]) for key in [k.key]}
-    assert router.stored_in("cpu", list(promoted))
+    promoted = {k.key for k in engine.chunk_keys(prompts[3])}  # stored, evicted from cpu, promoted back
+    assert sum(1 for name, keys in router.told_stored if name == "cpu" and promoted & set(keys)) >= 2
     engine.chain.discard(every[-2:])
     router.check_matches(every)
