@@ -27,6 +27,20 @@ class KVEvent:
 
     ``keys`` are chunk keys; ``token_counts`` gives the tokens per key when known
     (stored/loaded events from the cache engine), else it is empty.
+
+    Kinds, and what ``tier`` (the tier's ``name``, e.g. ``cpu``) means for each:
+
+    - ``stored`` with a ``tier``: that tier now holds the keys. Emitted once the write
+      landed (an ``async`` tier: from its write queue's thread, after the write), for
+      stores, promotions (a hit in a slower tier written to a faster one) and catch-up
+      writes alike; never for a write that was dropped, declined by admission, refused
+      (over the budget, breaker open) or failed. What routers are told is stored.
+    - ``stored`` without a ``tier`` (``None``): the cache engine handed these chunks to its
+      tiers (``token_counts`` set); it says nothing of which tier holds them, or whether any does.
+    - ``evicted`` / ``removed`` (always with a ``tier``): the keys left that tier (its budget,
+      or a removal: ``discard``, a corrupt record found, ``clear``, a reset); a queued write
+      cancelled before it landed is reported ``removed`` too.
+    - ``loaded`` (no ``tier``): the engine loaded the keys into its cache.
     """
 
     kind: EventKind

@@ -164,6 +164,13 @@ class StorageTier(ABC):
     #: operator's choice: docs/security.md.) Leave it off for a tier that returns what
     #: its store returns unchecked.
     verified_reads: ClassVar[bool] = False
+    #: True for tiers that report each ``put`` themselves: a ``stored`` :class:`~kvplug.KVEvent`
+    #: (``tier`` = :attr:`name`) naming the keys the put left in the tier, emitted before the
+    #: ``evicted`` event of what that put pushed out (so a router is never told "stored" last for
+    #: a key the same put evicted), and never for a value the tier refused or failed to write.
+    #: For a tier that leaves it off (written against kvplug 0.2), the tier chain reports the
+    #: keys of each ``put`` that returned without raising.
+    reports_stored: ClassVar[bool] = False
 
     def __init__(self, config: TierConfig, context: TierContext) -> None:
         self.config: TierConfig = config

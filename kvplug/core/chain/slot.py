@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
 from kvplug.core.chain.write_queue import Items, WriteQueue
+from kvplug.core.events import KVEvent
 from kvplug.core.listeners import Listeners
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.policies.admission import AdmissionPolicy
@@ -77,7 +78,10 @@ class TierSlot:
 
     def put(self, items: Items) -> None:
         if self._guard("put", self._put, items):
-            self.writes.notify(self.index, [key for key, _ in items])
+            keys = [key for key, _ in items]
+            self.writes.notify(self.index, keys)
+            if not self.tier.reports_stored:  # a tier that reports its puts knows what it refused
+                self.tier.context.emit(KVEvent("stored", tuple(keys), tier=self.tier.name))
 
     def _put(self, items: Items) -> bool:
         self.tier.put(items)

@@ -88,8 +88,9 @@ class ChunkJournal:
         self._lock = threading.Lock()
 
     def on_event(self, event: KVEvent) -> None:
-        # An eviction from one tier leaves the others: clear asks each.
-        if event.kind == "stored":
+        # An eviction from one tier leaves the others: clear asks each. A tier's own
+        # "stored" (a promotion, a catch-up write) is not this cache's store: on_written has it.
+        if event.kind == "stored" and event.tier is None:
             self.stored(event.keys)
         elif event.kind == "loaded":
             self._note(event.keys, _LOADED)

@@ -31,6 +31,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
+from kvplug.core.events import KVEvent
 from kvplug.core.records.backend import SIZE_UNKNOWN, RecordBackend, RecordToWrite
 from kvplug.core.records.budget import RecordBudget
 from kvplug.core.records.calls import answering_each, checked_reads, framed_batches, one_each, run_batch
@@ -65,6 +66,7 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
     medium: ClassVar[Medium] = "remote"
     Config: ClassVar[type[RecordTierConfig]] = RecordTierConfig
     verified_reads = True  # get() returns only values whose record checksum (or MAC) matched
+    reports_stored = True  # put() reports only the records written (not the refused or failed ones)
 
     def __init__(self, config: RecordTierConfig, context: TierContext) -> None:
         super().__init__(config, context)
@@ -217,6 +219,7 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
         results = self._batch(self._write_group, framed_batches(keys, latest, self._backend.call_sizes, groups))
         failed = False
         pushed: list[Victim] = []
+        written: list[str] = []
         for group, result in zip(groups, results):
             if isinstance(result, Absent):  # the bucket or folder is gone: a failure for a write
                 result = TierUnavailableError(f"{self._where} does not exist")
@@ -227,10 +230,13 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
                     self._count("puts")
                     self._unsuspect(record.name)
                     pushed += self._index.record(record.name, record.value.nbytes, key)
+                    written.append(key)
                 else:  # not stored: whatever was there before is stale or gone
                     self._index.forget(record.name)
                     self._count("dropped_puts")
                     self._calls.warn_dropped(outcome)
+        if written:  # before the evictions this put causes: a router hears "stored" first
+            self.context.emit(KVEvent("stored", tuple(written), tier=self.name))
         self._pushed_out(pushed)
         if self._budget is not None:
             self._evict(self._index.evict_over(self._budget))

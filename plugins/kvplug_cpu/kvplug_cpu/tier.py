@@ -62,6 +62,7 @@ class CPUTier(StorageTier):
     Config = CPUTierConfig
     keeps_buffers = True
     trusted_reads = True  # a dict of this process's own buffers
+    reports_stored = True
 
     def __init__(self, config: CPUTierConfig, context: TierContext) -> None:
         super().__init__(config, context)
@@ -117,6 +118,7 @@ class CPUTier(StorageTier):
                 raise ValueTooLargeError(f"value of {view.nbytes} bytes for {key} exceeds max_bytes {budget}")
             prepared.append((key, self._own(value, view), view.nbytes))
         evicted: dict[str, None] = {}
+        stored: dict[str, None] = {}
         with self._lock:
             self._check_open()
             stats = self._stats
@@ -138,6 +140,11 @@ class CPUTier(StorageTier):
                     popped = self._policy.pop_victim()
                     assert popped is not None, "the policy holds every stored key not pinned"
                     self._drop_victim(*popped, evicted)
+                stored[key] = None
+            # Only what this put left here: a value it admitted, then pushed out again, was never held.
+            held = tuple(key for key in stored if key in self._entries)
+        if held:
+            self.context.emit(KVEvent("stored", held, tier=self.name))
         self._emit_evicted(evicted)
 
     def _drop_victim(self, victim: str, size: int, evicted: dict[str, None]) -> None:
@@ -214,10 +221,13 @@ class CPUTier(StorageTier):
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
+            was_open, self._closed = not self._closed, True
+            gone = tuple(self._entries)
             self._entries.clear()
             self._policy.clear()
             self._stats.bytes_used = self._stats.items = 0
+        if was_open and gone:  # the process's memory lets go of them: a router told "stored" must hear it
+            self.context.emit(KVEvent("removed", gone, tier=self.name))
 
     def _account(self, value: Buffer, sign: int) -> None:
         self._stats.bytes_used += sign * memoryview(value).nbytes

@@ -41,7 +41,8 @@ def test_a_key_evicted_and_stored_again_in_one_put_is_not_reported_evicted() -> 
     tier.put([("a", b"a" * 500), ("b", b"b" * 500)])
     tier.put([("c", b"c" * 500), ("a", b"A" * 500)])  # c evicts a, then a is stored again and evicts b
     assert tier.contains(["a", "b", "c"]) == [True, False, True]
-    assert [(e.kind, e.keys) for e in events] == [("evicted", ("b",))]
+    # What a router needs: a stored again (after c), b gone; a's eviction inside the put is not news.
+    assert [(e.kind, e.keys) for e in events] == [("stored", ("a", "b")), ("stored", ("c", "a")), ("evicted", ("b",))]
 
 
 @pytest.mark.parametrize("eviction", ["lru", "s3fifo"])
@@ -62,8 +63,20 @@ def test_evictions_are_reported_as_events() -> None:
     events = []
     tier = make_cpu_tier(2_000, emit=events.append)
     tier.put([(key_for(f"e{i}"), value_for(f"e{i}", 1000)) for i in range(3)])
-    assert [e.kind for e in events] == ["evicted"]
-    assert events[0].keys == (key_for("e0"),)
+    assert [e.kind for e in events] == ["stored", "evicted"]
+    assert events[0].keys == (key_for("e1"), key_for("e2"))  # e0 was pushed out by the same put: never held
+    assert events[1].keys == (key_for("e0"),)
+
+
+def test_closing_reports_what_the_tier_held_as_removed() -> None:
+    events: list = []
+    tier = make_cpu_tier(10_000, emit=events.append)
+    tier.put([("a", b"a" * 10), ("b", b"b" * 10)])
+    tier.remove(["b"])
+    tier.close()
+    tier.close()  # a second close reports nothing more
+    assert [(e.kind, e.keys, e.tier) for e in events][-2:] == [("removed", ("b",), "cpu"), ("removed", ("a",), "cpu")]
+    assert len(events) == 3
 
 
 def test_the_tier_does_not_import_torch() -> None:

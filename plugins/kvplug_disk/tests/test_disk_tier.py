@@ -91,6 +91,7 @@ def test_evictions_and_removals_are_reported_as_events(tmp_path: Path) -> None:
     tier.put([(key_for(f"e{i}"), value_for(f"e{i}", 1000)) for i in range(3)])
     tier.remove([key_for("e2"), key_for("never")])
     assert [(e.kind, e.keys, e.tier) for e in events] == [
+        ("stored", (key_for("e0"), key_for("e1"), key_for("e2")), "disk"),  # before what the put evicts
         ("evicted", (key_for("e0"),), "disk"),
         ("removed", (key_for("e2"),), "disk"),
     ]
@@ -104,7 +105,11 @@ def test_a_record_evicted_and_written_again_in_one_put_is_held_not_reported_evic
     # Writing c evicts a (least recently used); then a is written again, evicting b.
     tier.put([(key_for("c"), value_for("c", 1000)), (key_for("a"), value_for("a2", 1000))])
     assert tier.contains([key_for("a"), key_for("b"), key_for("c")]) == [True, False, True]
-    assert [(e.kind, e.keys) for e in events] == [("evicted", (key_for("b"),))]
+    assert [(e.kind, e.keys) for e in events] == [
+        ("stored", (key_for("a"), key_for("b"))),
+        ("stored", (key_for("c"), key_for("a"))),
+        ("evicted", (key_for("b"),)),
+    ]
     stats = tier.stats()
     assert (stats.items, stats.bytes_used, stats.evictions) == (2, 2000, 1)
     tier.close()

@@ -95,8 +95,7 @@ class KVPlugConnector:
         self.kv_caches = list(zip(k_pool, v_pool))
         self.num_layers = len(self.kv_caches)
         self.device = k_pool[0].device
-        first_tier = self.engine.config.tiers[0].type
-        self.events = KVEventBridge(first_tier, {tier.name: tier.medium for tier in self.engine.chain.tiers})
+        self.events = KVEventBridge({tier.name: tier.medium for tier in self.engine.chain.tiers})
         self.engine.add_event_listener(self.events.observe)
         #: The engine's journal of what it stored and loaded, and where its chain wrote each.
         self.journal = kvplug.EngineControl(self.engine)
@@ -113,6 +112,7 @@ class KVPlugConnector:
         the first missing or corrupt chunk: what is reported loaded is correct.
         """
         tokens, slots, mask = self._load_args(meta)
+        self._expect_events(tokens, meta.cache_salt)  # a hit in a slow tier is promoted: stored in a faster one
         loaded = self.engine.retrieve(tokens, self.kv_caches, slots, mask, request=_request(meta.cache_salt))
         return int(loaded.sum())
 

@@ -3,15 +3,19 @@
 A cache engine reports what it and its tiers did to its own listeners
 (``CacheEngine.add_event_listener``), on the thread that did it. A
 :class:`KVEventBridge`, one connector's listener, remembers the token ids of the
-chunks its connector queued, turns the matching ``stored`` events into SGLang's
-``BlockStored`` (one block per chunk, chained by ``parent_block_hash``) and
-``evicted``/``removed`` events into ``BlockRemoved``, and hands them out from
-``take()``: the shape SGLang's ``KVEventPublisher`` sends to routers.
+chunks its connector stored or loaded, and follows, per chunk, which tiers hold it:
+a tier's ``stored`` event (sent once the tier holds the chunk: an async tier's write
+landed, a promotion written; never for a write dropped, declined or refused) becomes
+SGLang's ``BlockStored`` for that tier's medium (one block per chunk, chained by
+``parent_block_hash``) when no other tier of that medium held it, and a tier's
+``evicted``/``removed`` a ``BlockRemoved`` once no tier of that medium holds it. It
+hands them out from ``take()``: the shape SGLang's ``KVEventPublisher`` sends to routers.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,32 +33,26 @@ def block_hash(chunk_key: str) -> int:
 
 
 @dataclass(frozen=True)
-class _Pending:
+class _Chunk:
     token_ids: tuple[int, ...]
     parent: int | None
     cache_salt: str | None
 
 
 class KVEventBridge:
-    """Collects SGLang KV events for the chunks one connector stored.
+    """Collects SGLang KV events for the chunks one connector stored or loaded.
 
-    Memory is bounded: at most ``max_tracked`` queued-but-unconfirmed chunks and
-    ``max_events`` untaken events are kept; older ones are dropped and counted.
+    ``media``: tier name -> kvplug medium (names not in it count as remote). Memory is
+    bounded: at most ``max_tracked`` chunks and ``max_events`` untaken events are kept;
+    older ones are dropped and counted in ``dropped``.
     """
 
     def __init__(
-        self,
-        first_tier: str,
-        media: Mapping[str, Medium] | None = None,
-        *,
-        max_tracked: int = 65536,
-        max_events: int = 65536,
+        self, media: Mapping[str, Medium] | None = None, *, max_tracked: int = 65536, max_events: int = 65536
     ) -> None:
-        #: Tier type -> medium (types not in it count as remote): events name media, not tiers.
         self._media = dict(media or {})
-        self._medium = self._storage_medium(first_tier)
-        self._pending: dict[str, _Pending] = {}
-        self._stored: dict[str, None] = {}  # insertion-ordered set of confirmed keys
+        self._chunks: OrderedDict[str, _Chunk] = OrderedDict()
+        self._held: dict[str, set[str]] = {}  # chunk key -> names of the tiers holding it
         self._events: list[Any] = []
         self._lock = threading.Lock()
         self._max_tracked = max_tracked
@@ -64,54 +62,66 @@ class KVEventBridge:
     def expect(
         self, keys: Sequence[str], bounds: Sequence[tuple[int, int]], tokens: Sequence[int], cache_salt: str | None
     ) -> None:
-        """Remember the token ids of chunks about to be stored under ``keys``."""
+        """Remember the token ids of chunks stored or loaded under ``keys``."""
         with self._lock:
             parent: int | None = None
             for key, (start, end) in zip(keys, bounds):
-                if key not in self._stored:
-                    self._pending[key] = _Pending(tuple(tokens[start:end]), parent, cache_salt)
+                self._chunks[key] = _Chunk(tuple(tokens[start:end]), parent, cache_salt)
+                self._chunks.move_to_end(key)
                 parent = block_hash(key)
-            while len(self._pending) > self._max_tracked:
-                self._pending.pop(next(iter(self._pending)))
+            while len(self._chunks) > self._max_tracked:
+                key, _ = self._chunks.popitem(last=False)
+                self._held.pop(key, None)
                 self.dropped += 1
 
     def observe(self, event: KVEvent) -> None:
         from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
 
+        if event.tier is None:  # the engine's own "stored": handed to its tiers, held by none yet
+            return
+        medium = self._storage_medium(event.tier)
         new: list[Any] = []
         with self._lock:
             if event.kind == "stored":
                 for key in event.keys:
-                    info = self._pending.pop(key, None)
+                    info = self._chunks.get(key)
                     if info is None:
                         continue
-                    self._stored[key] = None
-                    new.append(
-                        BlockStored(
-                            block_hashes=[block_hash(key)],
-                            parent_block_hash=info.parent,
-                            token_ids=list(info.token_ids),
-                            block_size=len(info.token_ids),
-                            lora_id=None,
-                            medium=self._medium,
-                            cache_salt=info.cache_salt,
+                    held = self._held.setdefault(key, set())
+                    if medium not in self._media_of(held):
+                        new.append(
+                            BlockStored(
+                                block_hashes=[block_hash(key)],
+                                parent_block_hash=info.parent,
+                                token_ids=list(info.token_ids),
+                                block_size=len(info.token_ids),
+                                lora_id=None,
+                                medium=medium,
+                                cache_salt=info.cache_salt,
+                            )
                         )
-                    )
-                while len(self._stored) > self._max_tracked:
-                    self._stored.pop(next(iter(self._stored)))
+                    held.add(event.tier)
             elif event.kind in ("evicted", "removed"):
-                gone = [key for key in event.keys if key in self._stored]
+                gone = []
+                for key in event.keys:
+                    holders = self._held.get(key)
+                    if holders is None or event.tier not in holders:
+                        continue
+                    holders.discard(event.tier)
+                    if medium not in self._media_of(holders):
+                        gone.append(key)
+                    if not holders:
+                        del self._held[key]
                 if gone:
-                    medium = self._storage_medium(event.tier or "")
                     new.append(BlockRemoved(block_hashes=[block_hash(k) for k in gone], medium=medium))
-                    if event.kind == "removed":
-                        for key in gone:
-                            self._stored.pop(key, None)
             self._events.extend(new)
             overflow = len(self._events) - self._max_events
             if overflow > 0:
                 del self._events[:overflow]
                 self.dropped += overflow
+
+    def _media_of(self, tiers: set[str]) -> set[str]:
+        return {self._storage_medium(tier) for tier in tiers}
 
     def _storage_medium(self, tier: str) -> str:
         return _STORAGE_MEDIUM[self._media.get(tier, "remote")]

@@ -133,6 +133,52 @@ def test_kv_events_in_sglang_shape(model_config, pool_factory) -> None:
     connector.close()
 
 
+def _published(events: list, kind: type, medium: str) -> list[int]:
+    return [h for e in events if isinstance(e, kind) and e.medium == medium for h in e.block_hashes]
+
+
+def test_kv_events_name_each_medium_once_it_holds_the_chunk(model_config, pool_factory, tmp_path: Path) -> None:
+    """An async disk tier that declines a chunk stored once is not announced; a load (its second
+    sighting) writes it there and announces it then."""
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    pool = pool_factory()
+    disk = {
+        "type": "disk",
+        "path": str(tmp_path / "disk"),
+        "queue": {"mode": "async"},
+        "admission": {"type": "frequency", "min_hits": 2},
+    }
+    connector = _connector(model_config, pool, kvplug_extra([{"type": "cpu", "max_bytes": 70_000}, disk]))
+    tokens = list(range(40, 72))
+    fill_random(pool, torch.arange(1, 33))
+    connector.store_kv(StoreMetadata(None, tokens, torch.arange(1, 33), 0))
+    connector.flush()
+    events = connector.get_kv_events()
+    ours = _published(events, BlockStored, "CPU_PINNED")
+    assert len(ours) == 2 and _published(events, BlockStored, "DISK") == []
+    assert connector.load_kv(LoadMetadata(tokens, torch.arange(100, 132), 0)) == 32
+    connector.flush()
+    assert _published(connector.get_kv_events(), BlockStored, "DISK") == ours  # the write landed
+    connector.close()
+
+
+def test_a_chunk_evicted_and_stored_again_is_announced_again(model_config, pool_factory) -> None:
+    pool = pool_factory()
+    connector = _connector(model_config, pool, kvplug_extra([{"type": "cpu", "max_bytes": 70_000}]))
+    tokens = list(range(40, 72))
+    fill_random(pool, torch.arange(1, 33))
+    connector.store_kv(StoreMetadata(None, tokens, torch.arange(1, 33), 0))
+    ours = _published(connector.get_kv_events(), BlockStored, "CPU_PINNED")
+    assert len(ours) == 2
+    # 8 other chunks overflow the cpu tier (room for 8): the first prompt's leave it
+    for start in range(2000, 2000 + 16 * 8, 16):
+        connector.store_kv(StoreMetadata(None, list(range(start, start + 16)), torch.arange(1, 17), 0))
+    assert set(ours) <= set(_published(connector.get_kv_events(), BlockRemoved, "CPU_PINNED"))
+    connector.store_kv(StoreMetadata(None, tokens, torch.arange(1, 33), 0))
+    assert _published(connector.get_kv_events(), BlockStored, "CPU_PINNED") == ours  # held again: said again
+    connector.close()
+
+
 def test_fingerprint_separates_tp_rank_and_page_size(model_config, pool_factory) -> None:
     pool = pool_factory(heads=1)  # the model's 2 KV heads split over 2 ranks
     a = KVPlugConnector(model_config, 2, 0, pool.k_buffer, pool.v_buffer, engine_extra=kvplug_extra())

@@ -3,11 +3,13 @@
 A router (llm-d's KV indexer, Dynamo) matches prompts to servers by vLLM's own
 block hashes. kvplug keys chunks by its own chained hashes, so the worker keeps,
 for each chunk it stored or loaded, the vLLM block hashes of the blocks it spans
-(the scheduler sends them with each request, from ``Request.block_hashes``). When
-its cache engine reports a chunk stored (``add_event_listener``), the worker publishes
-one ``BlockStored`` per tier the chunk was written to, ``medium`` = the tier type
-(``cpu``, ``disk``, ``s3``...); when a tier evicts or removes it, a ``BlockRemoved``
-with that tier as ``medium``. Events leave the worker in the step's
+(the scheduler sends them with each request, from ``Request.block_hashes``). When a
+tier of its cache engine reports a chunk stored (``add_event_listener``: a ``stored``
+event with that ``tier``, once the tier holds it: an async tier's write landed, a
+promotion written), the worker publishes a ``BlockStored`` with ``medium`` = the tier
+type (``cpu``, ``disk``, ``s3``...); a write dropped, declined or refused is never
+published. When a tier evicts or removes it, a ``BlockRemoved`` with that tier as
+``medium``. Events leave the worker in the step's
 ``KVConnectorOutput`` and vLLM's scheduler publishes them (``take_events``) on its
 ZMQ publisher together with its own prefix cache's events.
 
@@ -49,6 +51,7 @@ class ChunkIndex:
 
     def __init__(self, block_size: int, tier_names: Sequence[str]) -> None:
         self.block_size = block_size
+        #: The types of the engine's tiers: the media published (events of no tier are ignored).
         self.tier_names = list(tier_names)
         self._chunks: OrderedDict[str, _Chunk] = OrderedDict()
         self._events: list[KVCacheEvent] = []
@@ -75,6 +78,9 @@ class ChunkIndex:
                 self._chunks.popitem(last=False)
 
     def on_event(self, event: KVEvent) -> None:
+        # The engine's own "stored" (tier None) only says it handed chunks to its tiers.
+        if event.tier is None or event.tier not in self.tier_names:
+            return
         with self._lock:
             known = [
                 (key, self._chunks[key]) for key in event.keys if key in self._chunks and self._chunks[key].block_hashes
@@ -82,20 +88,19 @@ class ChunkIndex:
             if not known:
                 return
             if event.kind == "stored":
-                for tier in self.tier_names:
-                    for _, chunk in known:
-                        self._events.append(
-                            BlockStored(
-                                block_hashes=list(chunk.block_hashes),
-                                parent_block_hash=chunk.parent,
-                                token_ids=list(chunk.token_ids),
-                                block_size=self.block_size,
-                                lora_id=None,
-                                medium=tier,
-                                lora_name=chunk.lora_name,
-                            )
+                for _, chunk in known:
+                    self._events.append(
+                        BlockStored(
+                            block_hashes=list(chunk.block_hashes),
+                            parent_block_hash=chunk.parent,
+                            token_ids=list(chunk.token_ids),
+                            block_size=self.block_size,
+                            lora_id=None,
+                            medium=event.tier,
+                            lora_name=chunk.lora_name,
                         )
-            elif event.kind in ("evicted", "removed") and event.tier is not None:
+                    )
+            elif event.kind in ("evicted", "removed"):
                 hashes = [h for _, chunk in known for h in chunk.block_hashes]
                 self._events.append(BlockRemoved(block_hashes=hashes, medium=event.tier))
 

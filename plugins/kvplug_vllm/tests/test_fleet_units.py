@@ -37,13 +37,14 @@ def test_chunk_index_publishes_vllm_block_hashes_per_tier_and_evictions() -> Non
     hashes = [b"h0", b"h1", b"h2", b"h3"]
     keys = [key(0, 0, 8), key(1, 8, 16), key(2, 16, 18)]  # the last chunk ends inside a block
     index.remember(keys, tokens, hashes, lora_name=None)
-    index.on_event(KVEvent("stored", (keys[0].key, keys[1].key, keys[2].key)))
+    every = (keys[0].key, keys[1].key, keys[2].key)
+    index.on_event(KVEvent("stored", every))  # the engine's hand-over: no tier holds them yet
+    assert index.take() == []
+    index.on_event(KVEvent("stored", every, tier="cpu"))  # the cpu tier holds them; disk's write never landed
     events = index.take()
     assert [(e.medium, e.block_hashes, e.parent_block_hash) for e in events] == [
         ("cpu", [b"h0", b"h1"], None),
         ("cpu", [b"h2", b"h3"], b"h1"),
-        ("disk", [b"h0", b"h1"], None),
-        ("disk", [b"h2", b"h3"], b"h1"),
     ]
     assert all(isinstance(e, BlockStored) and e.block_size == 4 for e in events)
     assert events[1].token_ids == tokens[8:16]
@@ -57,7 +58,7 @@ def test_chunk_index_publishes_vllm_block_hashes_per_tier_and_evictions() -> Non
 def test_chunk_index_publishes_nothing_for_chunks_without_vllm_blocks() -> None:
     index = ChunkIndex(block_size=4, tier_names=["cpu"])
     index.remember([key(0, 0, 8)], list(range(8)), [], lora_name=None)  # no hashes sent
-    index.on_event(KVEvent("stored", (key(0, 0, 8).key,)))
+    index.on_event(KVEvent("stored", (key(0, 0, 8).key,), tier="cpu"))
     assert index.take() == []
 
 

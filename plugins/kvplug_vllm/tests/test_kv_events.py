@@ -3,8 +3,9 @@
 The test binds a ZMQ SUB socket on 127.0.0.1; the engine (vLLM's prefix cache on,
 kvplug with a small cpu tier) connects its publisher to it. vLLM publishes its own
 prefix cache's ``BlockStored`` events and, through the connector, kvplug's: one per
-stored chunk and tier (``medium="cpu"``), carrying vLLM's hash of each block in the
-chunk, and ``BlockRemoved`` with ``medium="cpu"`` when the tier evicts the chunk.
+stored chunk and tier that holds it (``medium="cpu"``), carrying vLLM's hash of each block in
+the chunk, and ``BlockRemoved`` with ``medium="cpu"`` when the tier evicts the chunk. A
+disk tier whose admission declines every chunk stored once is never announced.
 """
 
 from __future__ import annotations
@@ -59,11 +60,15 @@ class Subscriber:
 
 
 @pytest.fixture(scope="module")
-def events(run_engine: Any) -> Iterator[list[Any]]:
+def events(run_engine: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
     subscriber = Subscriber()
-    kv = kv_config(
-        **{"kvplug.tiers": [{"type": "cpu", "max_bytes": 5 * CHUNK_BYTES}], "kvplug.lookup_channel": "direct"}
-    )
+    declining = {
+        "type": "disk",
+        "path": str(tmp_path_factory.mktemp("disk")),
+        "admission": {"type": "frequency", "min_hits": 2},
+    }
+    tiers = [{"type": "cpu", "max_bytes": 5 * CHUNK_BYTES}, declining]
+    kv = kv_config(**{"kvplug.tiers": tiers, "kvplug.lookup_channel": "direct"})
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": subscriber.endpoint}
     steps = [{"prompts": [{"tokens": P1}], "max_tokens": 4}, {"prompts": [{"tokens": P3}], "max_tokens": 4}]
     try:
@@ -76,7 +81,7 @@ def vllm_blocks(events: list[Any]) -> dict[Any, tuple[Any, list[int]]]:
     """vLLM's own prefix-cache blocks: hash -> (parent hash, the block's token ids)."""
     blocks = {}
     for event in events:
-        if isinstance(event, BlockStored) and event.medium != "cpu":
+        if isinstance(event, BlockStored) and event.medium not in ("cpu", "disk"):
             parent = event.parent_block_hash
             for i, block_hash in enumerate(event.block_hashes):
                 blocks[block_hash] = (parent, event.token_ids[i * event.block_size : (i + 1) * event.block_size])
@@ -103,3 +108,8 @@ def test_evicted_chunks_are_removed_with_their_tier(events: list[Any]) -> None:
     # 7 chunks into a 5-chunk tier: P1's oldest chunks are evicted (LRU), whole chunks, in order
     assert removed and len(removed) % 2 == 0
     assert removed == stored_p1[: len(removed)]
+
+
+def test_a_tier_that_declined_the_chunks_is_never_announced(events: list[Any]) -> None:
+    # P1 and P3 are each stored once: the disk tier's frequency admission declines every chunk.
+    assert [e for e in events if isinstance(e, (BlockStored, BlockRemoved)) and e.medium == "disk"] == []
