@@ -146,7 +146,7 @@ def scheduler(
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(is_kv_consumer=True, is_kv_producer=True),
         cache_config=SimpleNamespace(block_size=32),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         kv_events_config=None,
     )
     side = SchedulerSide(vllm_config, settings or ConnectorSettings(lookup_channel="direct"), engine.config, key)
