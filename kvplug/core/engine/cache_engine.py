@@ -271,7 +271,6 @@ class CacheEngine(EngineRetrieves, EngineStores):
         ``inline_lookups``), or ``None`` when a slower tier could add to their answer;
         ``count=False``: not counted (the caller counts it with :meth:`count_lookup`)."""
         self._check_open()
-        config = self._request_config(request)
         keys = self.chunk_keys(tokens, request)
         found = locate_inline(
             keys,
@@ -280,8 +279,10 @@ class CacheEngine(EngineRetrieves, EngineStores):
             self.chain.tiers,
             chunk_size=self.chunk_size,
             # the partial chunk's tail may be in a slower tier, as the partial chunk itself may,
-            # stored by a request of its own save_unfull_chunk (this one's, or one before)
-            save_unfull_chunk=config.save_unfull_chunk or config.block_granular_hits or self._stored_partial_chunks,
+            # also where only a request's own save_unfull_chunk stored one
+            save_unfull_chunk=self.config.save_unfull_chunk
+            or self.config.block_granular_hits
+            or self._stored_partial_chunks,
         )
         if found is not None and count:
             self.count_lookup(len(tokens), keys[len(found) - 1].end if found else 0)
