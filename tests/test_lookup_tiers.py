@@ -6,14 +6,14 @@ import pytest
 import torch
 from core_helpers import LAYOUTS, random_caches
 
-from kvplug import ChunkLocation, merge_locations
+from kvplug import ChunkLocation, RequestInfo, merge_locations
 from kvplug.core.plugins import PluginRegistry
 
 
 @pytest.fixture
 def registry() -> PluginRegistry:
-    """Builtins with the cpu and disk tiers (both in the core test environment)."""
-    return PluginRegistry(plugin_filter="cpu,disk")
+    """Builtins with the cpu, disk and s3 tiers (all in the core test environment)."""
+    return PluginRegistry(plugin_filter="cpu,disk,s3")
 
 
 def test_locate_names_the_fastest_tier_of_each_chunk(make_engine, tmp_path) -> None:
@@ -53,6 +53,29 @@ def test_locate_says_each_chunks_medium_and_inline_lookups_stop_at_a_slower_tier
     assert engine.locate_inline(tokens, count=False) is not None
     assert engine.metrics.lookups._value.get() == lookups  # counted by the caller, if at all
     assert engine.locate_inline(list(range(900, 930))) is None  # a miss: a slower tier might hold it
+
+
+def test_an_inline_lookup_does_not_hide_a_partial_chunk_a_request_stored_in_a_slower_tier(
+    make_engine, tmp_path
+) -> None:
+    """``save_unfull_chunk`` is off for the engine but on for one request, which stores a
+    prompt's partial last chunk; the cpu tier lost that record, the s3 tier (a remote one:
+    it never answers inline) holds it. The inline answer must not stop at the whole chunks."""
+    layout = LAYOUTS["vllm_flash"]
+    tiers = [{"type": "cpu", "max_bytes": "64MiB"}, {"type": "s3", "url": f"file://{tmp_path}/objects"}]
+    engine = make_engine(layout, tiers=tiers)
+    tokens = list(range(300, 330))  # 3 whole chunks of 8 and 6 tokens
+    partial = RequestInfo(overrides={"save_unfull_chunk": True})
+    engine.store(tokens, random_caches(layout, 80), torch.arange(30), request=partial)
+    engine.flush()
+    everything = [ChunkLocation("memory", "cpu", 8)] * 3 + [ChunkLocation("memory", "cpu", 6)]
+    assert engine.locate(tokens) == everything
+    cpu, _ = engine.chain.tiers
+    cpu.remove([engine.chunk_keys(tokens)[-1].key])  # evicted from memory, still in s3
+    assert engine.locate(tokens)[-1] == ChunkLocation("remote", "s3", 6)
+    for request in (partial, None):  # the storing request's kind, and any other
+        inline = engine.locate_inline(tokens, request=request)
+        assert inline is None or inline == engine.locate(tokens), inline
 
 
 def test_merge_locations_keeps_the_prefix_all_ranks_hold_at_the_slowest_medium() -> None:

@@ -278,8 +278,11 @@ class CacheEngine(EngineRetrieves, EngineStores):
             self.records.count,
             self.chain.tiers,
             chunk_size=self.chunk_size,
-            # the partial chunk's tail may be in a slower tier, as the partial chunk itself may
-            save_unfull_chunk=self.config.save_unfull_chunk or self.config.block_granular_hits,
+            # the partial chunk's tail may be in a slower tier, as the partial chunk itself may,
+            # also where only a request's own save_unfull_chunk stored one
+            save_unfull_chunk=self.config.save_unfull_chunk
+            or self.config.block_granular_hits
+            or self._stored_partial_chunks,
         )
         if found is not None and count:
             self.count_lookup(len(tokens), keys[len(found) - 1].end if found else 0)

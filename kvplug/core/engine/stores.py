@@ -54,6 +54,9 @@ class EngineStores(EngineParts):
     frame_pool: FramePool
     _manifests: ManifestWriter
     _store_worker: BackgroundWorker[StoreBatch] | None
+    #: A store of this engine wrote (or may have written) a partial last chunk, by its request's
+    #: own ``save_unfull_chunk``: inline lookups can no longer assume none is stored.
+    _stored_partial_chunks: bool = False
 
     if TYPE_CHECKING:
 
@@ -115,6 +118,8 @@ class EngineStores(EngineParts):
         self._check_open()
         first = self.layout.check_call(len(tokens), kv_caches, slots, mask)
         config = self._request_config(request)
+        if config.save_unfull_chunk and not config.skip_save:
+            self._stored_partial_chunks = True
         if config.pin_request and not config.skip_save:  # first: a tier pins a wanted chunk as it stores it
             pin_for_request(self, tokens, request, config)
         # Per chunk: its records (key, frame, payload), and the tensor its KV is gathered into.

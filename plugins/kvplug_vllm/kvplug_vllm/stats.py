@@ -14,6 +14,8 @@ What they count (tokens are prompt tokens; vLLM's own prefix cache answers first
 - ``loaded_tokens``, ``loaded_bytes``: tokens written into vLLM's blocks, and the
   serialized bytes read for them (worker side).
 - ``stored_tokens``, ``stored_bytes``: tokens handed to the tiers, and their serialized bytes.
+  Tokens are the engine's, counted by its first rank (tensor- and pipeline-parallel rank 0);
+  bytes are summed over every rank's records.
 - ``load_error_blocks``, ``load_error_requests``: vLLM blocks promised but not loaded
   (vLLM recomputes them), and the requests they belong to.
 

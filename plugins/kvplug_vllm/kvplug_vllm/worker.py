@@ -90,6 +90,7 @@ class WorkerSide:
         self._layers = LayerwiseStep()
         self._stats = KVPlugConnectorStats()
         self._metric_marks: dict[str, float] = {}
+        self._first_rank = True  # tensor- and pipeline-parallel rank 0: counts the engine's tokens
         self._busy_s = 0.0
         self._worked = False
         self._metrics_server: Any = None
@@ -116,6 +117,7 @@ class WorkerSide:
         config = load_config(engine_extra=self.engine_extra).config
         check_chunk_size(layout, config.chunk_size)
         ranks = dict(tp_rank=get_tensor_model_parallel_rank(), pp_rank=get_pp_group().rank_in_group)
+        self._first_rank = not any(ranks.values())
         count = len(self.kv_groups)
         group = self.kv_groups[primary_group(self.kv_groups)].describe(count) if count > 1 else ""
         fingerprint = fingerprint_for(layout, self.vllm_config, kv_group=group, **ranks)
@@ -323,7 +325,7 @@ class WorkerSide:
 
     def get_kv_connector_stats(self) -> KVPlugConnectorStats | None:
         if self.engine is not None:
-            pass_engine_metrics(self._stats, self.engine, self._metric_marks)
+            pass_engine_metrics(self._stats, self.engine, self._metric_marks, first_rank=self._first_rank)
         if self._worked:  # time of steps that moved KV; idle steps' few microseconds wait for one
             self._stats.add(worker_us=int(self._busy_s * 1e6))
             self._busy_s, self._worked = 0.0, False

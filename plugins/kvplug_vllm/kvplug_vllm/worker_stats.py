@@ -26,6 +26,10 @@ _METRIC_COUNTERS = {
     "kvplug_stored_tokens_total": "stored_tokens",
     "kvplug_stored_bytes_total": "stored_bytes",
 }
+#: Counters of tokens, which every tensor- or pipeline-parallel rank counts for its own heads
+#: or layers of the same tokens: passed on by the engine's first rank only, so that vLLM's sum
+#: over the workers is the engine's tokens (bytes are each rank's own, and summed).
+_PER_ENGINE = frozenset({"loaded_tokens", "stored_tokens"})
 
 
 #: Labelled kvplug metrics passed on by label: metric -> (its label, connector stats key prefix).
@@ -62,12 +66,15 @@ def stats_name(sample: MetricSample) -> str | None:
     return None
 
 
-def pass_engine_metrics(stats: KVPlugConnectorStats, engine: CacheEngine, marks: dict[str, float]) -> None:
+def pass_engine_metrics(
+    stats: KVPlugConnectorStats, engine: CacheEngine, marks: dict[str, float], *, first_rank: bool = True
+) -> None:
     """Add what changed in ``engine``'s metrics since ``marks`` (updated) to ``stats``:
-    counters as differences, gauges as they are."""
+    counters as differences, gauges as they are; token counters only on the engine's
+    ``first_rank`` (tensor- and pipeline-parallel rank 0)."""
     for sample in engine.metrics.samples():
         name = stats_name(sample)
-        if name is None or sample.value == marks.get(name, 0.0):
+        if name is None or sample.value == marks.get(name, 0.0) or (name in _PER_ENGINE and not first_rank):
             continue
         if name.startswith(GAUGE_PREFIX):
             stats.data[name] = sample.value

@@ -62,6 +62,7 @@ def test_a_load_failing_on_one_rank_stores_nothing_on_any_rank(run_engine: Any, 
         run_engine, tmp_path, kv=kv, prompts=[PROMPT[:CHUNK_SIZE], PROMPT], params=[{}, first], **options
     )
     assert report(setup, 1)["hit_tokens"] == CHUNK_SIZE
+    assert report(setup, 1)["totals"]["stored_tokens"] == CHUNK_SIZE  # the engine's tokens, not one count per rank
     records = chunk_records(store)
     assert len(records) == 2, records  # the first chunk: one record per rank
 

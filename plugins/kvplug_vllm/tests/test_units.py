@@ -388,7 +388,9 @@ def test_worker_stats_pass_engine_metrics_on_by_name_and_label(engine: CacheEngi
     from kvplug_vllm.stats import KVPlugConnectorStats
     from kvplug_vllm.worker import WorkerSide
 
-    worker = SimpleNamespace(engine=engine, _stats=KVPlugConnectorStats(), _metric_marks={}, _worked=False, _busy_s=0.0)
+    worker = SimpleNamespace(
+        engine=engine, _stats=KVPlugConnectorStats(), _metric_marks={}, _worked=False, _busy_s=0.0, _first_rank=True
+    )
     store(engine, list(range(3, 203)))  # 3 whole chunks of 64
     engine.metrics.load_errors.labels("CorruptChunkError").inc(2)
     engine.metrics.store_dropped.labels("engine").inc()
@@ -409,3 +411,21 @@ def test_worker_stats_pass_engine_metrics_on_by_name_and_label(engine: CacheEngi
     engine.metrics.load_errors.labels("CorruptChunkError").inc()
     again = WorkerSide.get_kv_connector_stats(worker)  # type: ignore[arg-type]
     assert again is None or {k: v for k, v in again.data.items() if v} == {"load_errors.CorruptChunkError": 1}
+
+
+def test_a_worker_of_another_rank_passes_bytes_but_not_the_engines_tokens(engine: CacheEngine) -> None:
+    """Every tensor-parallel rank stores (and loads) its heads of the same tokens: vLLM sums the
+    workers' stats, so only the first rank counts tokens; each rank's bytes are its own."""
+    from kvplug_vllm.stats import KVPlugConnectorStats
+    from kvplug_vllm.worker import WorkerSide
+
+    worker = SimpleNamespace(
+        engine=engine, _stats=KVPlugConnectorStats(), _metric_marks={}, _worked=False, _busy_s=0.0, _first_rank=False
+    )
+    store(engine, list(range(3, 203)))
+    stats = WorkerSide.get_kv_connector_stats(worker)  # type: ignore[arg-type]
+    assert stats is not None
+    assert (stats.data["stored_tokens"], stats.data["stored_bytes"]) == (
+        0,
+        engine.metrics.value("kvplug_stored_bytes_total"),
+    )
