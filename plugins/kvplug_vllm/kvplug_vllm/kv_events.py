@@ -13,6 +13,14 @@ published. When a tier evicts or removes it, a ``BlockRemoved`` with that tier a
 ``KVConnectorOutput`` and vLLM's scheduler publishes them (``take_events``) on its
 ZMQ publisher together with its own prefix cache's events.
 
+Only the engine's first worker (tensor- and pipeline-parallel rank 0) publishes. vLLM
+publishes an event only if every worker that sent events in a step sent it too, and each
+rank's tier writes land when they land: an async tier's write on rank 0 in one step and on
+rank 1 in the next was published at once if rank 1 sent nothing in that step, and never if it
+sent anything else. The first rank's records stand for the engine's: every rank stores the
+same chunks (MLA's one record and replicated heads are the first rank's), and a chunk another
+rank evicted first is a miss there, not wrong KV.
+
 The index translates events; it is not a journal of what the worker stored: ``kvplug ctl
 clear`` and ``reset_cache`` read the worker's control target's journal. A worker keeps an
 index only when vLLM publishes KV events.

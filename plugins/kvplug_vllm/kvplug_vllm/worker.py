@@ -133,7 +133,10 @@ class WorkerSide:
             self.groups = GroupEngines(self.kv_groups, primary_entry, all_caches, config, self.vllm_config, **ranks)
         trim = self.groups.trim if self.groups is not None else None
         kv_events = getattr(self.vllm_config, "kv_events_config", None)
-        if kv_events is not None and kv_events.enable_kv_cache_events:
+        # The first rank alone publishes: vLLM publishes an event only when every worker that
+        # reported events in a step reported it, and the ranks' tier writes land in different
+        # steps, so events of several ranks were published early or never (see kv_events.py).
+        if kv_events is not None and kv_events.enable_kv_cache_events and self._first_rank:
             self.index = ChunkIndex(layout.block_size, [t.type for t in config.tiers])
             self.engine.add_event_listener(self.index.on_event)
         register_local(self.engine_key, LocalWorker(self.engine, self.reset_cache, trim))

@@ -61,11 +61,13 @@ def vllm_config(block_size: int) -> Any:
     )
 
 
-def register(manager_block_size: int, kernel_block_size: int) -> WorkerSide:
+def register(manager_block_size: int, kernel_block_size: int, *, kv_events: bool = False) -> WorkerSide:
     spec = SimpleNamespace(block_size=manager_block_size, num_kv_heads=2, sliding_window=None)
     groups = kv_groups(SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=NAMES)]))
     extra = {"kvplug.chunk_size": 128, "kvplug.tiers": [{"type": "cpu", "max_bytes": "16MiB"}]}
     config = vllm_config(manager_block_size)
+    if kv_events:
+        config.kv_events_config = SimpleNamespace(enable_kv_cache_events=True)
     worker = WorkerSide(None, config, ConnectorSettings(), extra, ("kernel-blocks", 0, 0), kv_groups=groups)
     blocks = 8 * manager_block_size // kernel_block_size
     caches = {name: torch.zeros(2, blocks, kernel_block_size, 2, 64, dtype=torch.bfloat16) for name in NAMES}
@@ -86,4 +88,19 @@ def test_caches_in_vllms_own_blocks_are_served() -> None:
 def test_caches_in_smaller_kernel_blocks_are_refused_naming_both_sizes() -> None:
     with pytest.raises(LayoutError, match=r"blocks of 128 tokens.*blocks of 64.*--block-size 64"):
         worker = register(128, 64)
+        worker.shutdown()
+
+
+@pytest.mark.usefixtures("one_rank")
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_only_the_first_rank_publishes_kv_events(pp_rank: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM publishes an event only when every worker reporting events in a step reported it:
+    the ranks' tier writes land in different steps, so only the first rank (tensor- and
+    pipeline-parallel rank 0) publishes. (A pipeline rank here: a tensor-parallel one would
+    need caches of its heads.)"""
+    monkeypatch.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=pp_rank))
+    worker = register(64, 64, kv_events=True)
+    try:
+        assert (worker.index is not None) == (pp_rank == 0)
+    finally:
         worker.shutdown()
