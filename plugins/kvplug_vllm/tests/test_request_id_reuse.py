@@ -16,17 +16,14 @@ test_failed_load_stores.py).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from types import SimpleNamespace
 
 import pytest
 import torch
 from real_scheduler import new_request, real_scheduler
+from worker_steps import BLOCKS, PROMPT, StepDriver, stored, sync_engine
 
-from kvplug import CacheEngine, Fingerprint, KVLayout, RequestInfo, load_config, slots_from_block_ids
-from kvplug_vllm.layout import VLLM_CPU
-from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
-from kvplug_vllm.settings import ConnectorSettings
-from kvplug_vllm.worker import WorkerSide
+from kvplug import CacheEngine, slots_from_block_ids
+from kvplug_vllm.metadata import LoadSpec, RequestMeta
 
 A = list(range(3, 203))  # 3 whole chunks of 64 and 8 tokens
 B = list(range(1003, 1203))  # another prompt of the same length, nothing shared
@@ -56,41 +53,15 @@ def test_a_reused_id_admitted_in_the_step_after_its_finish_keeps_its_load(tiny_m
         assert meta.finished_req_ids == ["x"]  # the workers forget the old "x" before this load
 
 
-LAYOUT = KVLayout(VLLM_CPU, num_layers=2, block_size=32, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
-PROMPT = list(range(3, 515))  # 8 chunks of 64
-BLOCKS = list(range(8, 24))
-
-
 @pytest.fixture
 def engine() -> Iterator[CacheEngine]:
-    config = load_config(engine_extra={"kvplug.chunk_size": 64, "kvplug.store.queue.mode": "sync"}, env={}).config
-    with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="id-reuse")) as cache:
+    with sync_engine("id-reuse") as cache:
         yield cache
 
 
-def stored(engine: CacheEngine) -> list[bool]:
-    keys = engine.record_keys(engine.chunk_keys(PROMPT, RequestInfo()))
-    return engine.chain.contains_any(keys)
-
-
 def test_workers_forget_a_finished_id_before_the_step_that_reuses_it_loads_or_stores(engine: CacheEngine) -> None:
-    source = [torch.randn(32, 2, 32, 128).to(torch.bfloat16) for _ in range(2)]
-    engine.store(PROMPT[:128], source, slots_from_block_ids(BLOCKS, 32, 128))  # 2 chunks; lookups saw 4
-    meta = KVPlugConnectorMetadata()
-    parent = SimpleNamespace(has_connector_metadata=lambda: True, _get_connector_metadata=lambda: meta)
-    vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_consumer=True, is_kv_producer=True))
-    worker = WorkerSide(parent, vllm_config, ConnectorSettings(load="sync"), {}, ("id-reuse", 0, 0))
-    worker.engine, worker.kv_caches = engine, source
-
-    def step(request: RequestMeta, finished: frozenset[str] = frozenset()) -> set[int]:
-        """One step as vLLM's model runner drives it (bind, load, forward, save, results)."""
-        meta.requests, meta.finished_req_ids = [request], sorted(finished)
-        worker.begin_step()
-        worker.start_load_kv()
-        worker.wait_for_save()
-        worker.get_finished(set(finished))
-        return worker.get_block_ids_with_load_errors()
-
+    driver = StepDriver(engine, "id-reuse")  # 2 chunks stored; lookups saw 4
+    step = driver.step
     load = LoadSpec(num_computed=0, num_hit=256, num_external=256)
     try:
         # the old "x": its load fails (chunks 2-3 are gone), and it is aborted before vLLM rolls it back
@@ -105,5 +76,4 @@ def test_workers_forget_a_finished_id_before_the_step_that_reuses_it_loads_or_st
         assert step(RequestMeta("y", PROMPT, BLOCKS, save_start=256, save_end=320)) == set()
         assert stored(engine) == [True, True, True] + [False] * 5
     finally:
-        worker.engine = None  # the fixture closes the engine
-        worker.background.close()
+        driver.close()
