@@ -180,7 +180,7 @@ def verify(
     """Read every record and check its checksums; exit 1 when any is corrupt, oversized (over
     --max-record-bytes: not read) or cannot be read, or an entry named like a record (or a shard
     folder) is not one the store can read (foreign: a link, a folder). Records signed with an
-    integrity key this process lacks are ``unverified``: said on stderr, not a failure unless
+    integrity key this process lacks are "unverified": said on stderr, not a failure unless
     --require-signed (which needs the key)."""
 
     def action() -> None:
