@@ -244,7 +244,7 @@ def test_a_key_the_store_fails_on_alone_is_no_answer_for_it(make_mooncake_tier):
     assert tier.stats().items == 3  # nothing known to be gone: still indexed
     with pytest.raises(TierUnavailableError, match="1 of 3 removals"):
         tier.remove(keys)
-    assert [(e.kind, e.keys) for e in events] == [("removed", tuple(keys[1:]))]
+    assert [(e.kind, e.keys) for e in events] == [("stored", tuple(keys)), ("removed", tuple(keys[1:]))]
     stats = tier.stats()
     assert stats.items == 1 and stats.extra["failed_removes"] == 1 and stats.extra["failed_lookups"] == 2
     assert stats.extra["breaker_state"] == "closed" and stats.extra["failures"] == 0
