@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -85,17 +86,10 @@ def _join_or_release(thread: threading.Thread, release: threading.Event) -> bool
 def test_a_corrupt_chunk_is_a_miss_at_once_while_a_tier_hangs_removing_it(store_mode: str, hung_tier_mode: str) -> None:
     release, removing, removed = threading.Event(), threading.Event(), []
     registry = _registry(release, removing, removed)
-    layout = LAYOUTS["vllm_flash"]
     tiers = [{"type": "shared_memory"}, {"type": "hung_remove", "queue": {"mode": hung_tier_mode}}]
-    settings = {"chunk_size": 8, "store": {"queue": {"mode": store_mode}}, "tiers": tiers}
-    config = load_config(engine_extra={"kvplug": settings}, env={}, registry=registry).config
-    engine = CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry)
+    engine = _engine_of(registry, tiers, store_mode)
     try:
-        source = random_caches(layout, NUM_BLOCKS, seed=3)
-        tokens = list(range(100, 132))
-        assert engine.store(tokens, source, torch.arange(32)) == 32
-        engine.flush()
-        key = engine.chunk_keys(tokens)[2].key
+        source, tokens, key = _stored_prompt(engine)
         fast = engine.chain.tiers[0]
         damaged = bytearray(fast.get([key])[0])
         damaged[-3] ^= 0x10
@@ -104,7 +98,7 @@ def test_a_corrupt_chunk_is_a_miss_at_once_while_a_tier_hangs_removing_it(store_
         super(type(slow), slow).remove([key])  # only the fast tier holds it: a load reads the corrupt copy
 
         results: list[torch.Tensor] = []
-        target = random_caches(layout, NUM_BLOCKS, seed=4)
+        target = random_caches(engine.layout, NUM_BLOCKS, seed=4)
         loading = threading.Thread(target=lambda: results.append(engine.retrieve(tokens, target, torch.arange(32))))
         loading.start()
         assert removing.wait(WAIT_S)  # the removal began (and hangs in the slow tier)
@@ -118,7 +112,7 @@ def test_a_corrupt_chunk_is_a_miss_at_once_while_a_tier_hangs_removing_it(store_
         engine.flush()
         assert removed == [key]
         assert engine.lookup(tokens) == 32
-        again = random_caches(layout, NUM_BLOCKS, seed=5)
+        again = random_caches(engine.layout, NUM_BLOCKS, seed=5)
         assert engine.retrieve(tokens, again, torch.arange(32)).all()
         assert torch.equal(_read(engine, source).view(torch.uint8), _read(engine, again).view(torch.uint8))
     finally:
@@ -211,24 +205,16 @@ def test_until_its_removal_lands_a_corrupt_chunk_is_a_miss_and_a_store_of_it_is_
     lose it to the removal)."""
     release, removing, removed = threading.Event(), threading.Event(), []
     registry = _registry(release, removing, removed)
-    layout = LAYOUTS["vllm_flash"]
-    tiers = [{"type": "hung_remove"}, {"type": "shared_memory"}]
-    settings = {"chunk_size": 8, "store": {"queue": {"mode": store_mode}}, "tiers": tiers}
-    config = load_config(engine_extra={"kvplug": settings}, env={}, registry=registry).config
-    engine = CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry)
+    engine = _engine_of(registry, [{"type": "hung_remove"}, {"type": "shared_memory"}], store_mode)
     try:
-        source = random_caches(layout, NUM_BLOCKS, seed=3)
-        tokens = list(range(100, 132))
-        assert engine.store(tokens, source, torch.arange(32)) == 32
-        engine.flush()
-        key = engine.chunk_keys(tokens)[2].key
+        source, tokens, key = _stored_prompt(engine)
         hung, shared = engine.chain.tiers
         super(type(hung), hung).remove([key])  # only the slower tier holds it, damaged
         damaged = bytearray(shared.get([key])[0])
         damaged[-3] ^= 0x10
         shared.put([(key, bytes(damaged))])
 
-        target = random_caches(layout, NUM_BLOCKS, seed=4)
+        target = random_caches(engine.layout, NUM_BLOCKS, seed=4)
         assert engine.retrieve(tokens, target, torch.arange(32)).tolist() == [True] * 16 + [False] * 16
         assert removing.wait(WAIT_S)  # the removal hangs in the first tier; the second still holds the copy
         assert engine.lookup(tokens) == 16, "a lookup promised the chunk whose removal is on its way"
@@ -236,7 +222,7 @@ def test_until_its_removal_lands_a_corrupt_chunk_is_a_miss_and_a_store_of_it_is_
         release.set()
         engine.flush()
         assert engine.lookup(tokens) == 32
-        again = random_caches(layout, NUM_BLOCKS, seed=5)
+        again = random_caches(engine.layout, NUM_BLOCKS, seed=5)
         assert engine.retrieve(tokens, again, torch.arange(32)).all()
         assert torch.equal(_read(engine, source).view(torch.uint8), _read(engine, again).view(torch.uint8))
     finally:
@@ -262,3 +248,20 @@ def test_close_lands_the_removals_on_their_way_and_a_later_one_is_refused_quietl
         assert reopened.contains([bad, other]) == [False, True]
     finally:
         reopened.close()
+
+
+def _engine_of(registry: PluginRegistry, tiers: list[dict[str, Any]], store_mode: str) -> CacheEngine:
+    """An engine of chunks of 8 (vLLM's flash layout) over ``tiers``, its store queue in ``store_mode``."""
+    layout = LAYOUTS["vllm_flash"]
+    settings = {"chunk_size": 8, "store": {"queue": {"mode": store_mode}}, "tiers": tiers}
+    config = load_config(engine_extra={"kvplug": settings}, env={}, registry=registry).config
+    return CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="m"), registry=registry)
+
+
+def _stored_prompt(engine: CacheEngine) -> tuple[Any, list[int], str]:
+    """A prompt of four chunks stored and flushed: its source caches, its tokens, its third chunk's key."""
+    source = random_caches(engine.layout, NUM_BLOCKS, seed=3)
+    tokens = list(range(100, 132))
+    assert engine.store(tokens, source, torch.arange(32)) == 32
+    engine.flush()
+    return source, tokens, engine.chunk_keys(tokens)[2].key
