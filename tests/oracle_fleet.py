@@ -33,6 +33,16 @@ PROMPTS = [
     BASE[:6] + list(range(6000, 6034)),
 ]
 MAX_TOKENS = 40
+#: What a store or a load of one of the PROMPTS draws: the engine, the prompt and its length,
+#: the block table's seed, the tenant, and the tokens already in the cache (masked).
+PROMPT_DRAWS = {
+    "which": st.integers(0, 3),
+    "prompt": st.integers(0, len(PROMPTS) - 1),
+    "length": st.integers(1, MAX_TOKENS),
+    "blocks": st.integers(0, 2**32),
+    "tenant": st.integers(0, 2),
+    "skip": st.integers(0, MAX_TOKENS),
+}
 
 
 @dataclass(frozen=True)
@@ -241,15 +251,7 @@ class Fleet(RuleBasedStateMachine):
         if all(r.chunks and not (r.refused or r.missing or r.book_full) for r in reports):
             self.pinned[index].add(asked)
 
-    @rule(
-        which=st.integers(0, 3),
-        prompt=st.integers(0, len(PROMPTS) - 1),
-        length=st.integers(1, MAX_TOKENS),
-        blocks=st.integers(0, 2**32),
-        tenant=st.integers(0, 2),
-        skip=st.integers(0, MAX_TOKENS),
-        wait=st.integers(0, 3),
-    )
+    @rule(**PROMPT_DRAWS, wait=st.integers(0, 3))
     def store(self, which: int, prompt: int, length: int, blocks: int, tenant: int, skip: int, wait: int) -> None:
         """Every rank of an engine stores a prompt (``skip`` tokens of it stored before: masked)."""
         group = self.groups[which % len(self.groups)]
@@ -298,14 +300,7 @@ class Fleet(RuleBasedStateMachine):
         for rank in group:
             rank.engine.flush()
 
-    @rule(
-        which=st.integers(0, 3),
-        prompt=st.integers(0, len(PROMPTS) - 1),
-        length=st.integers(1, MAX_TOKENS),
-        blocks=st.integers(0, 2**32),
-        tenant=st.integers(0, 2),
-        skip=st.integers(0, MAX_TOKENS),
-    )
+    @rule(**PROMPT_DRAWS)
     def retrieve(self, which: int, prompt: int, length: int, blocks: int, tenant: int, skip: int) -> None:
         self._retrieve(which, prompt, length, blocks, tenant, skip)
 
