@@ -1,25 +1,25 @@
 """The fleet state machine of test_engine_oracle_cells.py: engines of several TP sizes over
-shared tiers, each load checked against the KV oracle (tests/kv_oracle.py); a test sets its
-``CELL``, the configuration. Imported by name, as core_helpers is."""
+shared tiers, each load checked against the KV oracle (tests/kv_oracle.py) and against what
+the stores so far hold (oracle_fleet_model.py); a test sets its ``CELL``, the configuration.
+Imported by name, as core_helpers is."""
 
 from __future__ import annotations
 
 import random
 import shutil
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from core_helpers import LAYOUTS
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from kv_oracle import block_slots, empty_caches, flat, prefix_kv, token_mask, write_tokens
+from oracle_fleet_model import Cell, Rank, SharedTiers
 
 from kvplug import CacheEngine, Fingerprint, HeadShard, KVLayout, RequestInfo, load_config
 from kvplug.core.engine.locations import hit_tokens
-from kvplug.core.engine.tails import tail_cut, tail_lengths
 from kvplug.core.plugins import PluginRegistry
 
 BASE = list(range(1000, 1040))
@@ -45,46 +45,6 @@ PROMPT_DRAWS = {
 }
 
 
-@dataclass(frozen=True)
-class Cell:
-    """One configuration users run."""
-
-    format: str
-    heads: int = 2
-    tps: tuple[int, ...] = (1,)
-    heads_per_record: int | str = "auto"
-    chunk: int = 8
-    serializer: str = "raw"
-    shared: tuple[str, ...] = ("disk",)
-    save_unfull_chunk: bool = False
-    block_granular_hits: bool = False
-    queue: str = "sync"
-    shared_max_bytes: int | None = None  # a budget: evictions, so no completeness check
-    connector: str = "torch"
-    scrambled: bool = False  # caches as views of memory in another axis order
-
-    def full_layout(self) -> KVLayout:
-        return replace(LAYOUTS[self.format], num_kv_heads=1 if self.latent else self.heads)
-
-    @property
-    def latent(self) -> bool:
-        return self.format == "vllm_mla"
-
-    @property
-    def lossy(self) -> bool:
-        return self.serializer in ("int8", "fp8")
-
-    def __str__(self) -> str:
-        return "-".join(f"{k}={v}" for k, v in vars(self).items())
-
-
-@dataclass
-class Rank:
-    heads: HeadShard
-    layout: KVLayout
-    engine: CacheEngine
-
-
 class Fleet(RuleBasedStateMachine):
     """Engines of ``CELL.tps`` TP sizes over shared tiers, checked by the KV oracle."""
 
@@ -100,8 +60,8 @@ class Fleet(RuleBasedStateMachine):
         }
         self.registry = PluginRegistry(plugin_filter="cpu,disk,compress,native")
         self.groups = [self._open(tp) for tp in cell.tps]
-        #: Per record label ("0-2/4"): the token prefixes whose record of those heads a shared tier holds.
-        self.stored: dict[str, set[tuple[int, ...]]] = {}
+        #: What the shared tiers hold, by the stores so far.
+        self.shared = SharedTiers(cell, self.full)
         self.corrupted = 0
         self.unflushed = False  # a store not waited for: what loads find is not known
         self.asked: list[tuple[int, int, int]] = []  # (prompt, length, tenant) of every store
@@ -152,70 +112,6 @@ class Fleet(RuleBasedStateMachine):
     def _close(self, group: list[Rank]) -> None:
         for rank in group:
             rank.engine.close()
-
-    # --- the model of what the shared tiers hold --------------------------------------
-
-    def _labels(self, rank: Rank, group: int) -> list[str]:
-        """The record labels of ``group`` heads per record covering ``rank``'s heads."""
-        heads, held = rank.heads, rank.layout.num_kv_heads
-        if group <= held:
-            return [_label(heads.first + i * group, group, heads.total) for i in range(held // group)]
-        start = heads.first // group * group
-        return [_label(start, group, heads.total)]
-
-    def _splits(self, rank: Rank) -> list[list[str]]:
-        """The splits of the heads ``rank`` reads, in the engine's order: its own, then others."""
-        own = [self._labels(rank, rank.heads.group)]
-        records = rank.engine.records
-        return own + [self._labels(rank, other.group) for other in records.others]
-
-    def _held(self, labels: list[str], prefix: list[int], tenant: int) -> bool:
-        return all(tuple(prefix) in self.stored.get((tenant, label), ()) for label in labels)
-
-    def _expected(self, rank: Rank, tokens: list[int], tenant: int, first: int = 0) -> int:
-        """Where a load of ``tokens`` past token ``first`` must end, from what the shared tiers
-        hold (the rules of retrieves, split_lookup and tails); ``first`` or less: nothing."""
-        chunk, n = self.CELL.chunk, len(tokens)
-        every = [(start, min(start + chunk, n)) for start in range(0, n, chunk)]
-        wanted = [(start, end) for start, end in every if end > first]
-        keys = [(start, end) for start, end in wanted if self._copyable(max(start, first), end)]
-        splits = self._splits(rank)
-
-        def prefix(labels: list[str]) -> int:
-            held = 0
-            for _, end in keys:
-                if not self._held(labels, tokens[:end], tenant):
-                    break
-                held += 1
-            return held
-
-        chunks = prefix(splits[0])
-        if not chunks and keys:  # another split's, where it holds the first chunk (as split_lookup)
-            chunks = next((prefix(s) for s in splits[1:] if self._held(s, tokens[: keys[0][1]], tenant)), 0)
-        loaded = keys[chunks - 1][1] if chunks else first
-        if self.CELL.block_granular_hits and wanted[chunks:]:
-            start, end = every[wanted[chunks][0] // chunk]
-            for length in tail_lengths(start, end - start, self.full.block_size):
-                if any(self._held(s, tokens[: start + length], tenant) for s in splits):
-                    if start + length > first and self._copyable(max(start, first), start + length):
-                        loaded = start + length
-                    break
-        return loaded
-
-    def _copyable(self, start: int, end: int) -> bool:
-        size = self.full.block_size
-        return not self.full.whole_blocks_only or (start % size == 0 and end % size == 0)
-
-    def _stores(self, tokens: list[int]) -> list[int]:
-        """The ends of the chunks a store of ``tokens`` writes (engine rules: stores.stored_keys)."""
-        cell, n = self.CELL, len(tokens)
-        ends = [e for e in range(cell.chunk, n + 1, cell.chunk)]
-        if cell.save_unfull_chunk and n % cell.chunk:
-            ends.append(n)
-        cut = tail_cut(n, cell.chunk, self.full.block_size) if cell.block_granular_hits else 0
-        if cut and not (ends and ends[-1] == cut):
-            ends.append(cut)
-        return [e for e in ends if self._copyable(e - 1 - (e - 1) % cell.chunk, e)]
 
     # --- rules ----------------------------------------------------------------------
 
@@ -270,11 +166,10 @@ class Fleet(RuleBasedStateMachine):
         else:  # loads meanwhile read what is queued, or miss it: correct KV, any amount of it
             self.unflushed = True
         self.asked.append((prompt, length, tenant))
-        ends = [e for e in self._stores(tokens) if e > skip]
+        ends = [e for e in self.shared.stores(tokens) if e > skip]
         for rank in group:
             if rank.heads.writer:
-                for label in self._labels(rank, rank.heads.group):
-                    self.stored.setdefault((tenant, label), set()).update(tuple(tokens[:e]) for e in ends)
+                self.shared.add(rank, tokens, ends, tenant)
 
     @rule(
         which=st.integers(0, 3),
@@ -352,12 +247,12 @@ class Fleet(RuleBasedStateMachine):
                 and not skip
                 and (prompt, length, tenant) in self.pinned[0]
             ):
-                pinned = max(self._stores(tokens), default=0)
+                pinned = max(self.shared.stores(tokens), default=0)
                 assert end >= pinned, f"{where}: loaded {end} tokens of a prompt pinned up to {pinned}"
             if not (self.corrupted or self.unflushed) and self.CELL.shared_max_bytes is None:
-                held = self._expected(rank, tokens, tenant)
+                held = self.shared.expected(rank, tokens, tenant)
                 assert claimed == held, f"{where}: lookup said {claimed}, the stores hold {held}"
-                expected = max(first, self._expected(rank, tokens, tenant, first))
+                expected = max(first, self.shared.expected(rank, tokens, tenant, first))
                 assert end == expected, f"{where}: loaded [{start}, {end}), the stores hold up to {expected}"
 
     def _write(
@@ -429,10 +324,6 @@ class Fleet(RuleBasedStateMachine):
             self._close(group)
         for folder in self.folders.values():
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def _label(start: int, count: int, total: int) -> str:
-    return f"{start}-{start + count}/{total}"
 
 
 def _root(kind: str) -> str | None:

@@ -73,7 +73,7 @@ def config_show(
 ) -> None:
     """The effective config, and where each value came from; credentials are masked."""
     from kvplug.core.config.loader import load_config
-    from kvplug.core.records.frame import integrity_key_variable
+    from kvplug.core.records.integrity import integrity_key_variable
     from kvplug.redaction import SECRET_MASK, redact
 
     if config_file is not None and file is not None:

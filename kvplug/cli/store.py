@@ -69,7 +69,7 @@ def open_store(
     tier reads no more of a record (:attr:`kvplug.TierContext.max_record_bytes`)."""
     from kvplug.core.concerns import LOCATION_TIERS, install_command, location_package
     from kvplug.core.plugins import get_registry
-    from kvplug.core.records.frame import integrity_key
+    from kvplug.core.records.integrity import integrity_key
     from kvplug.core.records.store import RecordStore
     from kvplug.core.tier import TierContext
 
@@ -184,7 +184,7 @@ def verify(
     --require-signed (which needs the key)."""
 
     def action() -> None:
-        from kvplug.core.records.frame import integrity_key
+        from kvplug.core.records.integrity import integrity_key
 
         if require_signed and integrity_key() is None:
             raise typer.BadParameter(

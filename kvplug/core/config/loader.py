@@ -24,7 +24,7 @@ from kvplug.core.config.model import KVPlugConfig
 from kvplug.core.config.problems import did_you_mean, problems_from_validation_error
 from kvplug.core.control_socket import LOOKUP_DIR_ENV
 from kvplug.core.plugins import PluginRegistry, get_registry
-from kvplug.core.records.frame import INTEGRITY_KEY_ENV, INTEGRITY_KEY_FILE_ENV, integrity_key
+from kvplug.core.records.integrity import INTEGRITY_KEY_ENV, INTEGRITY_KEY_FILE_ENV, integrity_key
 from kvplug.core.tenancy import anchor_pin_files
 from kvplug.errors import ConfigError, ConfigProblem
 

@@ -37,7 +37,8 @@ from kvplug.core.events import KVEvent
 from kvplug.core.keys import Fingerprint
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry, get_registry
-from kvplug.core.records.frame import integrity_key, record_bound
+from kvplug.core.records.frame import record_bound
+from kvplug.core.records.integrity import integrity_key
 from kvplug.core.serializer import Serializer
 from kvplug.core.serializer_factory import make_serializer
 from kvplug.core.tenancy import Tenancy

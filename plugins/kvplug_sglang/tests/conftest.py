@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -28,3 +29,21 @@ def model_config(model_dir: Path) -> Any:
 @pytest.fixture
 def pool_factory() -> Callable[..., Any]:
     return make_pool
+
+
+@pytest.fixture(scope="module")
+def registered() -> None:
+    """Load the plugin the way SGLang does: through its entry point, twice."""
+    from sglang.srt.mem_cache.registry import registered_radix_cache_backends
+
+    (ep,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "kvplug"]
+    register = ep.load()
+    register()
+    register()  # SGLang calls plugins in every process, maybe more than once
+    assert registered_radix_cache_backends().count("kvplug") == 1
+
+
+@pytest.fixture
+def kvplug_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPLUG_CHUNK_SIZE", "16")
+    monkeypatch.setenv("KVPLUG_STORE__QUEUE__MODE", "sync")

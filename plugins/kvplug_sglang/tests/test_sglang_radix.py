@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -10,42 +9,22 @@ import re
 import signal
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-from sglang.srt.mem_cache.registry import get_radix_cache_factory, registered_radix_cache_backends
+from sglang.srt.mem_cache.registry import get_radix_cache_factory
 from sglang_flow import build_stack, published_server_args, serve_request
 from sglang_pools import snapshot
 
-import kvplug
-from kvplug.core.records.manifest import KeyScheme
 from kvplug_cpu import CPUTier
-from kvplug_sglang import at_exit
 from kvplug_sglang.radix_cache import KVPlugRadixCache
 
 HERE = Path(__file__).parent
 
-
-@pytest.fixture(scope="module", autouse=True)
-def registered() -> None:
-    """Load the plugin the way SGLang does: through its entry point, twice."""
-    (ep,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "kvplug"]
-    register = ep.load()
-    register()
-    register()  # SGLang calls plugins in every process, maybe more than once
-    assert registered_radix_cache_backends().count("kvplug") == 1
-
-
-@pytest.fixture
-def kvplug_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVPLUG_CHUNK_SIZE", "16")
-    monkeypatch.setenv("KVPLUG_STORE__QUEUE__MODE", "sync")
+pytestmark = pytest.mark.usefixtures("registered")
 
 
 def test_unknown_backend_is_refused_and_ours_is_known(model_config) -> None:
@@ -95,7 +74,6 @@ def test_evicted_prefix_comes_back_from_kvplug(model_config, kvplug_env, page_si
 def test_corrupt_chunk_between_match_and_load_loads_nothing(
     model_config, kvplug_env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvplug_cpu import CPUTier
 
     # The cpu tier's own frames are not re-verified (trusted_reads: this process's bytes);
     # as an in-memory tier another process could write, its frames are.
@@ -171,126 +149,6 @@ def test_a_pool_of_attention_tp_heads_starts_and_hits(model_config, kvplug_env, 
         stack.tree.evict(EvictParams(num_tokens=10_000))
         assert serve_request(stack, "b", tokens, seed=2).loaded == 48
         assert (stack.tree.engine.fingerprint.tp_rank, stack.tree.engine.fingerprint.tp_size) == (0, 1)
-        stack.tree.shutdown()
-
-
-_GATE = threading.Event()
-
-
-class _GatedTier(CPUTier):
-    """A cpu tier whose writes wait until the test opens the gate (a remote that does not answer)."""
-
-    name = "gated_cpu"
-
-    def put(self, items: Any) -> None:
-        _GATE.wait(timeout=300)
-        super().put(items)
-
-
-class _GatedPlugin:
-    @staticmethod
-    @kvplug.hookimpl
-    def kvplug_storage_tiers() -> list[type]:
-        return [_GatedTier]
-
-
-def test_the_scheduler_step_never_waits_for_the_tiers(
-    model_config, kvplug_env, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """SGLang calls flush_pending_backups after every batch ("submit queued host backups"):
-    kvplug's store worker writes in the background, so it must not wait for a tier whose
-    write does not finish (a slow or unreachable remote)."""
-    registry = kvplug.get_registry()
-    if not registry.pm.has_plugin("gated-cpu-test"):
-        registry.register(_GatedPlugin, "gated-cpu-test")
-    _GATE.clear()
-    monkeypatch.setenv("KVPLUG_STORE__QUEUE__MODE", "async")
-    monkeypatch.setenv("KVPLUG_TIERS", json.dumps([{"type": "gated_cpu", "queue": {"mode": "async"}}]))
-    try:
-        with published_server_args(radix_cache_backend="kvplug") as args:
-            stack = build_stack(args, model_config)
-            serve_request(stack, "a", list(range(800, 849)), seed=1)  # its store waits at the gate
-            step = threading.Thread(target=stack.tree.flush_pending_backups, daemon=True)
-            step.start()
-            step.join(timeout=60)
-            blocked = step.is_alive()
-            _GATE.set()
-            assert not blocked, "the scheduler step waited for a tier write"
-            stack.tree.shutdown()  # an exit still writes what is queued
-    finally:
-        _GATE.set()
-
-
-@contextlib.contextmanager
-def _gated_stack(model_config: Any, monkeypatch: pytest.MonkeyPatch, **queue: Any) -> Iterator[Any]:
-    """A radix cache over one sync tier whose writes wait at the (closed) gate until the
-    test opens it; ``queue``: the store queue's settings."""
-    registry = kvplug.get_registry()
-    if not registry.pm.has_plugin("gated-cpu-test"):
-        registry.register(_GatedPlugin, "gated-cpu-test")
-    _GATE.clear()
-    for name, value in {"mode": "async", **queue}.items():
-        monkeypatch.setenv(f"KVPLUG_STORE__QUEUE__{name.upper()}", str(value))
-    monkeypatch.setenv("KVPLUG_TIERS", json.dumps([{"type": "gated_cpu", "queue": {"mode": "sync"}}]))
-    try:
-        with published_server_args(radix_cache_backend="kvplug") as args:
-            yield build_stack(args, model_config)
-    finally:
-        _GATE.set()
-
-
-def _returns_while_gated(call: Any) -> bool:
-    """Whether ``call()`` returns (within a generous minute) while the gate stays closed."""
-    step = threading.Thread(target=call, daemon=True)
-    step.start()
-    step.join(timeout=60)
-    return not step.is_alive()
-
-
-def test_a_first_store_never_writes_a_tier_on_the_scheduler_thread(
-    model_config, kvplug_env, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The first store of a fingerprint also writes its manifest (for kvplug explain): into
-    every tier, a sync (queue-less) shared one too. A tier whose writes hang (a stuck remote
-    or filesystem) must hold kvplug's store worker only, never SGLang's scheduler."""
-    with _gated_stack(model_config, monkeypatch) as stack:
-        served = _returns_while_gated(lambda: serve_request(stack, "a", list(range(700, 749)), seed=1))
-        _GATE.set()
-        assert served, "the scheduler's store waited for a tier write"
-        engine = stack.tree.engine
-        engine.flush()  # the manifest still goes to the tier, from the store worker
-        (fingerprint,) = engine.records.fingerprints
-        assert engine.chain.contains_any([KeyScheme.of(fingerprint, 16, "sha256").manifest_key()]) == [True]
-        stack.tree.shutdown()
-
-
-def test_a_full_store_queue_sheds_stores_instead_of_holding_the_scheduler(
-    model_config, kvplug_env, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``store.queue.on_full: block`` would hold SGLang's scheduler (every batch) for up to
-    block_timeout_s while the tiers are stuck: under SGLang a store the full queue cannot take
-    at once is shed and counted, and serving goes on."""
-    with _gated_stack(model_config, monkeypatch, max_items=1, on_full="block", block_timeout_s=600) as stack:
-        # The first store holds the worker at the gate, the second fills the queue, the rest are shed.
-        prompts = [list(range(1000 + 100 * i, 1049 + 100 * i)) for i in range(4)]
-        served = _returns_while_gated(lambda: [serve_request(stack, f"r{i}", p, seed=i) for i, p in enumerate(prompts)])
-        _GATE.set()
-        assert served, "a store waited for room in the store queue"
-        assert stack.tree.engine.metrics.value("kvplug_store_dropped_total", queue="engine") >= 1
-        stack.tree.shutdown()
-
-
-def test_an_exit_waits_a_bounded_time_for_a_tier_whose_writes_hang(
-    model_config, kvplug_env, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """At a normal exit kvplug drains its queued stores into the tiers; a tier whose write
-    never finishes (a hung mount) must not hold the scheduler process forever."""
-    monkeypatch.setattr(at_exit, "EXIT_WAIT_S", 1.0, raising=False)
-    with _gated_stack(model_config, monkeypatch) as stack:
-        serve_request(stack, "a", list(range(1700, 1749)), seed=1)  # its store waits at the gate
-        exited = _returns_while_gated(at_exit._close_all)
-        _GATE.set()
-        assert exited, "the exit hook waited for a tier write that does not finish"
         stack.tree.shutdown()
 
 
