@@ -247,8 +247,10 @@ class TierChain:
     ) -> list[TierRemoval]:
         """Remove what ``plan`` says from the tiers at the indexes ``tiers`` (None: every
         tier): first the queued writes of its keys are cancelled (one being written lands
-        first), then each tier removes its keys; see :mod:`kvplug.core.chain.removal`.
+        first), those held back behind a removal of an unusable chunk too, then each tier
+        removes its keys; see :mod:`kvplug.core.chain.removal`.
         ``count``: remove only the keys a tier holds, and measure the bytes freed."""
+        self._discards.cancel_puts(plan.cancels())
         return remove_planned(self._slots, plan, tiers=tiers, count=count)
 
     # --- writes ---------------------------------------------------------------------

@@ -1,0 +1,86 @@
+"""The chain's removal thread (:mod:`kvplug.core.chain.discards`) against the chain's other ways
+of forgetting writes: a removal by name (``kvplug ctl clear``, an engine's cache reset) and a
+close that gives up (:meth:`TierChain.discard_queued_writes`).
+
+Real cpu tiers; the one fault a test cannot cause for real, a tier whose compare-and-delete
+hangs (a remote store until its deadline), is a gate the test opens.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from kvplug import Buffer, TierChain
+from kvplug.core.chain.removal import RemoveKeys
+from kvplug.testing import key_for, tier_context, value_for
+
+WAIT_S = 30.0
+
+
+class HungCompare:
+    """A real cpu tier whose ``remove_if_same`` waits at ``gate`` (each call notes its keys)."""
+
+    def __init__(self) -> None:
+        from kvplug_cpu import CPUTier
+
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.compared: list[str] = []
+        hung = self
+
+        class Tier(CPUTier):
+            def remove_if_same(self, items: Sequence[tuple[str, Buffer]]) -> None:
+                hung.entered.set()
+                assert hung.gate.wait(WAIT_S), "the test never opened the gate"
+                hung.compared.extend(key for key, _ in items)
+                super().remove_if_same(items)
+
+        self.tier = Tier(Tier.Config(max_bytes="16MiB"), tier_context())
+
+
+@pytest.fixture
+def hung() -> Iterator[HungCompare]:
+    hung = HungCompare()
+    yield hung
+    hung.gate.set()
+
+
+def test_a_clear_cancels_a_put_held_back_behind_a_removal(hung: HungCompare) -> None:
+    """A put asked for before a clear of its key must not land after the clear."""
+    chain = TierChain([hung.tier])
+    key, bad, good = key_for("k"), value_for("bad", 2000), value_for("good", 2000)
+    try:
+        chain.put([(key, bad)])
+        chain.discard_later([(key, bad)])  # a load found it unusable
+        assert hung.entered.wait(WAIT_S)  # the removal hangs in the tier
+        chain.put([(key, good)])  # a store of it again: held back behind the removal
+        chain.remove(RemoveKeys([key]))  # kvplug ctl clear: the key is cleared
+        hung.gate.set()
+        chain.flush()
+        assert hung.tier.contains([key]) == [False], "a put asked for before the clear landed after it"
+    finally:
+        hung.gate.set()
+        chain.close()
+
+
+def test_a_clear_leaves_the_held_back_puts_of_other_keys(hung: HungCompare) -> None:
+    chain = TierChain([hung.tier])
+    key, other, bad = key_for("k"), key_for("other"), value_for("bad", 2000)
+    try:
+        chain.put([(key, bad)])
+        chain.discard_later([(key, bad)])
+        assert hung.entered.wait(WAIT_S)
+        chain.put([(key, value_for("good", 2000)), (other, value_for("other", 2000))])
+        chain.discard_later([(other, value_for("stale", 2000))])  # queued behind: the other key is held back too
+        chain.put([(other, value_for("other", 2000))])
+        chain.remove(RemoveKeys([key]))
+        hung.gate.set()
+        chain.flush()
+        assert hung.tier.contains([key, other]) == [False, True]
+        assert hung.tier.get([other])[0] == value_for("other", 2000)
+    finally:
+        hung.gate.set()
+        chain.close()
