@@ -84,3 +84,24 @@ def test_a_clear_leaves_the_held_back_puts_of_other_keys(hung: HungCompare) -> N
     finally:
         hung.gate.set()
         chain.close()
+
+
+def test_a_close_that_gives_up_drops_the_queued_removals_too(hung: HungCompare) -> None:
+    """:meth:`TierChain.discard_queued_writes` (SGLang's close past its wait) lets a draining
+    close end once the removal in hand returns, not after every queued one."""
+    chain = TierChain([hung.tier])
+    keys = [key_for(f"k{i}") for i in range(3)]
+    for key in keys:
+        chain.put([(key, value_for(key, 2000))])
+    for key in keys:  # three loads, three removals: the first hangs, two wait behind it
+        chain.discard_later([(key, value_for(key, 2000))])
+    assert hung.entered.wait(WAIT_S)
+    closing = threading.Thread(target=chain.close)
+    closing.start()
+    try:
+        assert chain.discard_queued_writes() == 2
+    finally:
+        hung.gate.set()
+        closing.join(WAIT_S)
+    assert not closing.is_alive()
+    assert hung.compared == keys[:1], "the close still did the removals queued behind the hung one"

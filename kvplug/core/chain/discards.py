@@ -22,7 +22,8 @@ later load's removal lands) and a held-back put is dropped and counted.
 
 Forgotten like a write queue's writes: a removal by name (a clear, a cache reset) cancels
 the held-back puts of its keys (:meth:`DeferredDiscards.cancel_puts`), so a store asked for
-before it never lands after it.
+before it never lands after it; a close that gives up drops what is queued
+(:meth:`DeferredDiscards.discard_queued`).
 """
 
 from __future__ import annotations
@@ -146,6 +147,13 @@ class DeferredDiscards:
                     break
                 self._changed.wait(left)
         return cancelled
+
+    def discard_queued(self) -> int:
+        """Drop what is queued and not begun (removals shed, held-back puts counted), also
+        while a draining :meth:`close` waits; returns how many jobs."""
+        with self._lock:
+            worker = self._worker
+        return 0 if worker is None else worker.discard_queued()
 
     def flush(self) -> None:
         """Wait until every removal and held-back put so far is done."""

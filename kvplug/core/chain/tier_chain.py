@@ -359,10 +359,12 @@ class TierChain:
 
     def discard_queued_writes(self) -> int:
         """Drop (counted) the batches every tier's write queue holds and has not begun to
-        write, also while :meth:`close` drains them on another thread: a close that waits
-        on a tier whose write does not finish then ends when that write returns, not after
-        every queued one. Returns how many batches were dropped."""
-        return sum(slot.queue.discard_queued() for slot in self._slots if slot.queue is not None)
+        write, and the removals of unusable chunks (and puts held back behind them) not
+        begun, also while :meth:`close` drains them on another thread: a close that waits
+        on a tier whose write or removal does not finish then ends when that call returns,
+        not after every queued one. Returns how many batches and removals were dropped."""
+        dropped = self._discards.discard_queued()  # first: their held-back puts would go to the queues
+        return dropped + sum(slot.queue.discard_queued() for slot in self._slots if slot.queue is not None)
 
     def close(self, *, drain: bool = True) -> None:
         """Close every tier, after its write queue has written (``drain`` and the
