@@ -180,6 +180,11 @@ class TierChain:
         where = holders(self._slots, keys, self.metrics, budget_s=budget_s, skip=skip)
         return [index is not None for index in self._unless_removed(keys, where)]
 
+    def being_removed(self, keys: Sequence[str]) -> list[bool] | None:
+        """Whether each key's removal (found unusable) is on its way (``None``: no key's is):
+        such a key is a miss, also to a lookup that asks the tiers itself."""
+        return self._discards.being_removed(keys)
+
     def _unless_removed(self, keys: Sequence[str], where: list[int | None]) -> list[int | None]:
         """``where`` with the keys whose removal is on its way (found unusable) held by no tier."""
         removing = self._discards.being_removed(keys)
