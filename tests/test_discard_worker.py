@@ -29,9 +29,19 @@ class HungCompare:
         self.gate = threading.Event()
         self.entered = threading.Event()
         self.compared: list[str] = []
+        #: While set, a put waits at ``put_gate`` (``putting`` set): a write in progress.
+        self.hold_puts = False
+        self.put_gate = threading.Event()
+        self.putting = threading.Event()
         hung = self
 
         class Tier(CPUTier):
+            def put(self, items: Sequence[tuple[str, Buffer]]) -> None:
+                if hung.hold_puts:
+                    hung.putting.set()
+                    assert hung.put_gate.wait(WAIT_S), "the test never opened the put gate"
+                super().put(items)
+
             def remove_if_same(self, items: Sequence[tuple[str, Buffer]]) -> None:
                 hung.entered.set()
                 assert hung.gate.wait(WAIT_S), "the test never opened the gate"
@@ -46,6 +56,7 @@ def hung() -> Iterator[HungCompare]:
     hung = HungCompare()
     yield hung
     hung.gate.set()
+    hung.put_gate.set()
 
 
 def test_a_clear_cancels_a_put_held_back_behind_a_removal(hung: HungCompare) -> None:
@@ -63,6 +74,33 @@ def test_a_clear_cancels_a_put_held_back_behind_a_removal(hung: HungCompare) -> 
         assert hung.tier.contains([key]) == [False], "a put asked for before the clear landed after it"
     finally:
         hung.gate.set()
+        chain.close()
+
+
+def test_a_clear_waits_for_a_held_back_put_being_written(hung: HungCompare) -> None:
+    """The held-back put is already being written when the clear comes: the clear removes
+    the key after that write, not before it (the write would bring the key back)."""
+    chain = TierChain([hung.tier])
+    key, bad = key_for("k"), value_for("bad", 2000)
+    try:
+        chain.put([(key, bad)])
+        chain.discard_later([(key, bad)])
+        assert hung.entered.wait(WAIT_S)
+        hung.hold_puts = True
+        chain.put([(key, value_for("good", 2000))])  # held back behind the removal
+        hung.gate.set()  # the removal lands; the held-back put begins, and waits in the tier
+        assert hung.putting.wait(WAIT_S)
+        clearing = threading.Thread(target=chain.remove, args=(RemoveKeys([key]),))
+        clearing.start()
+        clearing.join(0.5)  # (a clear that does not wait for the write is done by now)
+        hung.put_gate.set()
+        clearing.join(WAIT_S)
+        assert not clearing.is_alive()
+        chain.flush()
+        assert hung.tier.contains([key]) == [False], "the held-back write in progress landed after the clear"
+    finally:
+        hung.gate.set()
+        hung.put_gate.set()
         chain.close()
 
 
