@@ -14,7 +14,8 @@ import pytest
 import torch
 from core_helpers import LAYOUTS, random_caches
 
-from kvplug import Buffer, CacheEngine, ChunkStore, Fingerprint, TierChain, hookimpl, load_config
+from kvplug import Buffer, CacheEngine, ChunkStore, Fingerprint, RequestInfo, TierChain, hookimpl, load_config
+from kvplug.core.control.target import EngineControl
 from kvplug.core.engine.locations import hit_tokens
 from kvplug.core.plugins import PluginRegistry
 from kvplug.testing import gather_chunk, key_for, tier_context, value_for
@@ -233,7 +234,8 @@ def test_until_its_removal_lands_a_corrupt_chunk_is_a_miss_and_a_store_of_it_is_
 
 def test_until_its_removal_lands_an_inline_lookup_does_not_promise_a_corrupt_chunk() -> None:
     """The lookup answered on the caller's thread (memory tiers: vLLM's scheduler asks it first)
-    is a lookup of the chain too: a chunk whose removal is on its way is not a hit there either."""
+    and ``kvplug ctl explain``'s chunk map ask the tiers themselves: a chunk whose removal is on
+    its way is not a hit there either."""
     release, removing, removed = threading.Event(), threading.Event(), []
     registry = _registry(release, removing, removed)
     engine = _engine_of(registry, [{"type": "hung_remove"}, {"type": "shared_memory"}], "sync")
@@ -250,6 +252,10 @@ def test_until_its_removal_lands_an_inline_lookup_does_not_promise_a_corrupt_chu
         assert removing.wait(WAIT_S)  # the removal hangs in the first tier; the second still holds the copy
         found = engine.locate_inline(tokens)
         assert found is None or hit_tokens(found) <= 16, "an inline lookup promised the chunk being removed"
+        explained = EngineControl(engine).explain(tokens, RequestInfo())  # kvplug ctl explain
+        assert explained["hit_tokens"] == 16, "ctl explain showed the chunk being removed as held"
+        assert "removal" in explained["notes"].get("chain", ""), explained["notes"]
+        assert "a load found it unusable" in explained["reason"], explained["reason"]
     finally:
         release.set()
         engine.close()
