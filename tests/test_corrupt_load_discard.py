@@ -234,8 +234,8 @@ def test_until_its_removal_lands_a_corrupt_chunk_is_a_miss_and_a_store_of_it_is_
 
 def test_until_its_removal_lands_an_inline_lookup_does_not_promise_a_corrupt_chunk() -> None:
     """The lookup answered on the caller's thread (memory tiers: vLLM's scheduler asks it first)
-    and ``kvplug ctl explain``'s chunk map ask the tiers themselves: a chunk whose removal is on
-    its way is not a hit there either."""
+    and ``kvplug ctl explain``'s chunk map ask the tiers themselves, as a pin does: a chunk whose
+    removal is on its way is not a hit there either, nor pinned."""
     release, removing, removed = threading.Event(), threading.Event(), []
     registry = _registry(release, removing, removed)
     engine = _engine_of(registry, [{"type": "hung_remove"}, {"type": "shared_memory"}], "sync")
@@ -256,6 +256,8 @@ def test_until_its_removal_lands_an_inline_lookup_does_not_promise_a_corrupt_chu
         assert explained["hit_tokens"] == 16, "ctl explain showed the chunk being removed as held"
         assert "removal" in explained["notes"].get("chain", ""), explained["notes"]
         assert "a load found it unusable" in explained["reason"], explained["reason"]
+        pinned = engine.pin(tokens)  # kvplug ctl pin: pinned when stored again, not now
+        assert (pinned.chunks, pinned.missing) == (3, 1), pinned
     finally:
         release.set()
         engine.close()
