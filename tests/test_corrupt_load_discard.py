@@ -14,7 +14,9 @@ import pytest
 import torch
 from core_helpers import LAYOUTS, random_caches
 
-from kvplug import Buffer, CacheEngine, ChunkStore, Fingerprint, TierChain, hookimpl, load_config
+from kvplug import Buffer, CacheEngine, ChunkStore, Fingerprint, RequestInfo, TierChain, hookimpl, load_config
+from kvplug.core.control.target import EngineControl
+from kvplug.core.engine.locations import hit_tokens
 from kvplug.core.plugins import PluginRegistry
 from kvplug.testing import gather_chunk, key_for, tier_context, value_for
 
@@ -225,6 +227,37 @@ def test_until_its_removal_lands_a_corrupt_chunk_is_a_miss_and_a_store_of_it_is_
         again = random_caches(engine.layout, NUM_BLOCKS, seed=5)
         assert engine.retrieve(tokens, again, torch.arange(32)).all()
         assert torch.equal(_read(engine, source).view(torch.uint8), _read(engine, again).view(torch.uint8))
+    finally:
+        release.set()
+        engine.close()
+
+
+def test_until_its_removal_lands_an_inline_lookup_does_not_promise_a_corrupt_chunk() -> None:
+    """The lookup answered on the caller's thread (memory tiers: vLLM's scheduler asks it first)
+    and ``kvplug ctl explain``'s chunk map ask the tiers themselves, as a pin does: a chunk whose
+    removal is on its way is not a hit there either, nor pinned."""
+    release, removing, removed = threading.Event(), threading.Event(), []
+    registry = _registry(release, removing, removed)
+    engine = _engine_of(registry, [{"type": "hung_remove"}, {"type": "shared_memory"}], "sync")
+    try:
+        _, tokens, key = _stored_prompt(engine)
+        hung, shared = engine.chain.tiers
+        super(type(hung), hung).remove([key])  # only the slower tier holds it, damaged
+        damaged = bytearray(shared.get([key])[0])
+        damaged[-3] ^= 0x10
+        shared.put([(key, bytes(damaged))])
+
+        target = random_caches(engine.layout, NUM_BLOCKS, seed=4)
+        assert engine.retrieve(tokens, target, torch.arange(32)).tolist() == [True] * 16 + [False] * 16
+        assert removing.wait(WAIT_S)  # the removal hangs in the first tier; the second still holds the copy
+        found = engine.locate_inline(tokens)
+        assert found is None or hit_tokens(found) <= 16, "an inline lookup promised the chunk being removed"
+        explained = EngineControl(engine).explain(tokens, RequestInfo())  # kvplug ctl explain
+        assert explained["hit_tokens"] == 16, "ctl explain showed the chunk being removed as held"
+        assert "removal" in explained["notes"].get("chain", ""), explained["notes"]
+        assert "a load found it unusable" in explained["reason"], explained["reason"]
+        pinned = engine.pin(tokens)  # kvplug ctl pin: pinned when stored again, not now
+        assert (pinned.chunks, pinned.missing) == (3, 1), pinned
     finally:
         release.set()
         engine.close()

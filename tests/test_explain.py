@@ -330,3 +330,25 @@ def test_a_fingerprint_file_that_never_ends_is_refused_at_its_bound(tmp_path: Pa
     result = CliRunner().invoke(app, [*args, "--candidate", str(huge), str(tmp_path / "p.txt")])
     assert result.exit_code == 2, result.output
     assert f"{str(huge)!r} is over {FINGERPRINT_FILE_MAX_BYTES} bytes" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("command", ["explain", "ctl lookup"])
+def test_a_prompt_file_past_any_prompt_is_refused_at_its_bound(tmp_path: Path, command: str) -> None:
+    """A prompt file larger than the token ids of any prompt (a wrong file, ``/dev/zero``) is read
+    only to a bound, then refused naming it (exit 2): never read whole."""
+    from kvplug.cli.prompt import PROMPT_MAX_BYTES
+
+    (tmp_path / "kvplug.yaml").write_text(f"chunk_size: 8\ntiers:\n  - {{type: disk, path: {tmp_path / 'c'}}}\n")
+    with engine(config_for([{"type": "disk", "path": str(tmp_path / "c")}])):
+        pass
+    # (a regular file: the command before the bound would read /dev/zero until memory ran out)
+    huge = tmp_path / "huge.txt"
+    with huge.open("wb") as file:
+        file.truncate(PROMPT_MAX_BYTES + 1)  # NUL bytes, sparse: the bound is not about the disk
+    args = {
+        "explain": ["explain", "-f", str(tmp_path / "kvplug.yaml"), "--fingerprint", "abc"],
+        "ctl lookup": ["ctl", "lookup", "--socket-dir", str(tmp_path / "sockets")],
+    }[command]
+    result = CliRunner().invoke(app, [*args, str(huge)])
+    assert result.exit_code == 2, result.output
+    assert f"{str(huge)!r} is over {PROMPT_MAX_BYTES} bytes" in " ".join(result.stderr.split()), result.stderr

@@ -268,3 +268,43 @@ def test_verify_says_what_it_could_not_check_and_can_require_signatures(tmp_path
     keyed = verify("--require-signed", KVPLUG_INTEGRITY_KEY=key)
     assert keyed.returncode == 0, keyed.stdout + keyed.stderr
     assert re.search(r"│ ok\s*│\s*3 │", keyed.stdout) and "warning" not in keyed.stderr, keyed.stdout
+
+
+def test_verify_require_signed_fails_on_records_whose_signature_it_could_not_check(tmp_path: Path) -> None:
+    """With ``--require-signed`` every record must be signed and its signature checked: a record
+    of another record version (a later kvplug's, or one no kvplug reads) carries no MAC this
+    process checks, so it fails the check (exit 1, named on stderr), though plain verify keeps
+    passing it. A newer chunk frame inside a signed record is checked: it passes."""
+    from kvplug.core.records import frame
+
+    key = "integrity-key-for-tests-0123456789"
+    folder = tmp_path / "cache"
+    frame.set_integrity_key(key.encode())
+    try:
+        keys = fill_store(folder, prompts=2)
+        digest = hashlib.sha256(keys[1].encode()).hexdigest()
+        chunk = folder / digest[:2] / f"{digest}.kvr"
+        value = bytearray(chunk.read_bytes()[RECORD_HEADER_SIZE:])
+        struct.pack_into("<H", value, 4, 9)  # chunk frame version 9 from a future kvplug, signed
+        chunk.write_bytes(pack_record(keys[1], bytes(value)))
+    finally:
+        frame.set_integrity_key(...)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPLUG_INTEGRITY_KEY", "KVPLUG_PLUGINS"))}
+    env.update(COLUMNS="250", KVPLUG_INTEGRITY_KEY=key)
+
+    def verify(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "kvplug.cli.main", "store", "verify", *args, str(folder)]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+    assert verify("--require-signed").returncode == 0, "a signed record of a newer chunk frame was checked"
+    digest = hashlib.sha256(keys[2].encode()).hexdigest()
+    record = folder / digest[:2] / f"{digest}.kvr"
+    forged = bytearray(record.read_bytes())
+    struct.pack_into("<HH", forged, 4, 9, 128)  # record version 9: no header this kvplug checks
+    record.write_bytes(bytes(forged))
+    assert verify().returncode == 0  # kept for a later kvplug, as before
+    strict = verify("--require-signed")
+    assert strict.returncode == 1, strict.stdout + strict.stderr
+    assert f"1 records' signatures could not be checked (another record version): {digest}" in " ".join(
+        strict.stderr.split()
+    )

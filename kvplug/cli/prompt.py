@@ -15,14 +15,29 @@ from rich.text import Text
 from kvplug.core.keys import StoreKey
 from kvplug.errors import ExplainInputError
 
+#: The largest prompt file read: past the token ids of any context window (ten million ids of
+#: six digits and a separator, or its text); a bigger one (``/dev/zero``, a wrong file) is refused.
+PROMPT_MAX_BYTES = 64 * 1024**2
+
 
 def read_prompt(source: str, tokenizer: str | None) -> list[int]:
-    """Token ids from a file (``-``: stdin): a JSON list or whitespace-separated ints; with
-    ``tokenizer``, text encoded by that Hugging Face tokenizer (needs ``transformers``)."""
+    """Token ids from a file (``-``: stdin) of at most :data:`PROMPT_MAX_BYTES`: a JSON list or
+    whitespace-separated ints; with ``tokenizer``, text encoded by that Hugging Face tokenizer
+    (needs ``transformers``)."""
     try:
-        text = sys.stdin.read() if source == "-" else Path(source).read_text()
+        if source == "-":
+            data = sys.stdin.buffer.read(PROMPT_MAX_BYTES + 1)
+        else:
+            with Path(source).open("rb") as file:  # at most one byte past the bound
+                data = file.read(PROMPT_MAX_BYTES + 1)
     except OSError as exc:
         raise ExplainInputError(f"prompt {source!r}: cannot read it: {exc}") from None
+    if len(data) > PROMPT_MAX_BYTES:
+        raise ExplainInputError(
+            f"prompt {source!r} is over {PROMPT_MAX_BYTES} bytes: longer than the token ids of any prompt"
+        )
+    try:
+        text = data.decode().replace("\r\n", "\n").replace("\r", "\n")  # as a text-mode read gave it
     except UnicodeDecodeError as exc:  # a binary file, or text in another encoding
         raise ExplainInputError(
             f"prompt {source!r} is not UTF-8 text: byte {exc.start} is {exc.object[exc.start : exc.start + 1]!r}; "

@@ -193,9 +193,17 @@ def verify(
                 param_hint="--require-signed",
             )
         bound = record_bound(max_record_bytes)
+        unsigned: list[str] = []
         with open_store(location, options, max_record_bytes=bound.read) as tier:
-            verdicts = _check_all(tier, bound, remove=False)
+            verdicts = _check_all(tier, bound, remove=False, unsigned=unsigned)
         _report(verdicts, removed=0)
+        if require_signed and unsigned:  # of another record version: kept, but not checked
+            err_console.print(
+                f"[red]error:[/red] --require-signed: {len(unsigned)} records' signatures could not be checked "
+                f"(another record version): {', '.join(unsigned[:20])}{', ...' if len(unsigned) > 20 else ''}",
+                highlight=False,
+            )
+            raise typer.Exit(1)
         if verdicts["unverified"]:
             # Exit 0 means every record was checked: say loudly which were not.
             err_console.print(
@@ -231,9 +239,12 @@ def gc(
     run_or_exit(action)
 
 
-def _check_all(tier: StorageTier, bound: RecordBound | None = None, *, remove: bool) -> Counter[str]:
+def _check_all(
+    tier: StorageTier, bound: RecordBound | None = None, *, remove: bool, unsigned: list[str] | None = None
+) -> Counter[str]:
     """Judge every record (``remove``: and remove the bad ones); ``bound``: none is read past
-    its ``read`` (``None``: the tier's own bound alone)."""
+    its ``read`` (``None``: the tier's own bound alone). ``unsigned`` gets the digests of the
+    records kept as ``newer`` or ``incompatible`` whose signature was not checked."""
     bound = bound or RecordBound(UNBOUNDED, UNBOUNDED)
     records: list[StoredRecord] = list(tier.records())  # type: ignore[attr-defined]
     verdicts: Counter[str] = Counter()
@@ -243,6 +254,8 @@ def _check_all(tier: StorageTier, bound: RecordBound | None = None, *, remove: b
         for record in records:
             check, data = _read_and_check_bytes(tier, record, bound)
             verdicts[check.status] += 1
+            if unsigned is not None and check.status in ("newer", "incompatible") and not check.signature_checked:
+                unsigned.append(record.digest)
             if check.status in ("corrupt", "incompatible", "newer", "unreadable", "oversized"):
                 console.print(f"{check.status}: {record.digest} ({check.reason})", highlight=False, markup=False)
                 if remove and _removable(check, bound):

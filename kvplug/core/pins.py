@@ -139,7 +139,10 @@ def pin_record_keys(chain: TierChain, keys: Sequence[str], *, requested: bool) -
             origin,
         )
     skipped = set(unbooked) if requested else set()
-    asked = [key for key in keys if key not in skipped]
+    # A chunk a load found unusable, its removal on its way, is held by no tier (a miss): pinned
+    # only when stored again (the book has it), not counted pinned now.
+    removing = chain.being_removed(keys) or [False] * len(keys)
+    asked = [key for key, gone in zip(keys, removing) if key not in skipped and not gone]
     pins = KeyPins(unpin=False, refused=set(skipped), unbooked=set(unbooked))
     for tier in chain.tiers:
         outcomes = tier.pin(asked) if asked else []

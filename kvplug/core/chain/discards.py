@@ -19,12 +19,18 @@ asked for may still be removed by it (a miss, never wrong data).
 Bounded: the worker holds at most :data:`MAX_JOBS` jobs and :data:`MAX_BYTES` of values
 (read, or held back); past that a removal is shed (the chunk is a miss each time it is loaded, until a
 later load's removal lands) and a held-back put is dropped and counted.
+
+Forgotten like a write queue's writes: a removal by name (a clear, a cache reset) cancels
+the held-back puts of its keys (:meth:`DeferredDiscards.cancel_puts`), so a store asked for
+before it never lands after it; a close that gives up drops what is queued
+(:meth:`DeferredDiscards.discard_queued`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +43,8 @@ logger = logging.getLogger("kvplug.tiers")
 #: Bounds of the removal worker's queue: jobs, and bytes of the values in them.
 MAX_JOBS = 1024
 MAX_BYTES = 64 * 1024**2
+#: Longest :meth:`DeferredDiscards.cancel_puts` waits for a held-back put being written.
+CANCEL_WAIT_S = 30.0
 
 
 @dataclass
@@ -72,7 +80,11 @@ class DeferredDiscards:
         self._on_put_dropped = on_put_dropped
         # Re-entrant: a submit the worker refuses calls _dropped on this thread, lock held.
         self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # a held-back put was written
         self._removing: set[str] = set()  # keys whose removal is queued or in progress
+        self._held: list[_Job] = []  # jobs of held-back puts, queued (not begun)
+        self._in_hand: _Job | None = None  # the job the worker is doing
+        self._putting: set[str] = set()  # keys of its held-back put
         self._worker: BackgroundWorker[_Job] | None = None
         self._closed = False
 
@@ -112,8 +124,36 @@ class DeferredDiscards:
                 return items
             now = [item for item in items if item[0] not in self._removing]
             assert self._worker is not None  # something is being removed
-            self._worker.submit(_Job(puts=later, admission=admission, only_trusted=only_trusted), wait=False)
+            job = _Job(puts=later, admission=admission, only_trusted=only_trusted)
+            self._held.append(job)  # before submit: one it refuses is taken out again (_done)
+            self._worker.submit(job, wait=False)
         return now
+
+    def cancel_puts(self, keys: Sequence[str]) -> list[str]:
+        """Forget the held-back puts of ``keys`` (a removal of them by name follows); wait (up
+        to :data:`CANCEL_WAIT_S`) for one of them being written, so the removal comes after it.
+        Returns the keys whose held-back put was forgotten."""
+        wanted = set(keys)
+        cancelled: list[str] = []
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        with self._lock:
+            for job in self._held:
+                cancelled += [key for key, _ in job.puts if key in wanted]
+                job.puts = [item for item in job.puts if item[0] not in wanted]
+            while self._putting & wanted:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.warning("a held-back put of a removed key is still being written")
+                    break
+                self._changed.wait(left)
+        return cancelled
+
+    def discard_queued(self) -> int:
+        """Drop what is queued and not begun (removals shed, held-back puts counted), also
+        while a draining :meth:`close` waits; returns how many jobs."""
+        with self._lock:
+            worker = self._worker
+        return 0 if worker is None else worker.discard_queued()
 
     def flush(self) -> None:
         """Wait until every removal and held-back put so far is done."""
@@ -145,11 +185,15 @@ class DeferredDiscards:
         return None if self._closed else self._worker
 
     def _handle(self, job: _Job) -> None:
+        with self._lock:  # begun: a cancel of its keys from now on waits for it
+            puts = job.puts
+            self._in_hand, self._putting = job, {key for key, _ in puts}
+            self._unhold(job)
         try:
             if job.removes:
                 self._remove(job.removes)
-            if job.puts:
-                self._put(job.puts, job.admission, job.only_trusted)
+            if puts:
+                self._put(puts, job.admission, job.only_trusted)
         finally:
             self._done(job)
 
@@ -164,3 +208,14 @@ class DeferredDiscards:
     def _done(self, job: _Job) -> None:
         with self._lock:
             self._removing.difference_update(key for key, _ in job.removes)
+            self._unhold(job)
+            if self._in_hand is job:  # (not one dropped from the queue meanwhile)
+                self._in_hand, self._putting = None, set()
+                self._changed.notify_all()
+
+    def _unhold(self, job: _Job) -> None:
+        """Take ``job`` out of the queued held-back puts (lock held)."""
+        for index, held in enumerate(self._held):
+            if held is job:
+                del self._held[index]
+                return

@@ -180,6 +180,11 @@ class TierChain:
         where = holders(self._slots, keys, self.metrics, budget_s=budget_s, skip=skip)
         return [index is not None for index in self._unless_removed(keys, where)]
 
+    def being_removed(self, keys: Sequence[str]) -> list[bool] | None:
+        """Whether each key's removal (found unusable) is on its way (``None``: no key's is):
+        such a key is a miss, also to a lookup that asks the tiers itself."""
+        return self._discards.being_removed(keys)
+
     def _unless_removed(self, keys: Sequence[str], where: list[int | None]) -> list[int | None]:
         """``where`` with the keys whose removal is on its way (found unusable) held by no tier."""
         removing = self._discards.being_removed(keys)
@@ -247,8 +252,10 @@ class TierChain:
     ) -> list[TierRemoval]:
         """Remove what ``plan`` says from the tiers at the indexes ``tiers`` (None: every
         tier): first the queued writes of its keys are cancelled (one being written lands
-        first), then each tier removes its keys; see :mod:`kvplug.core.chain.removal`.
+        first), those held back behind a removal of an unusable chunk too, then each tier
+        removes its keys; see :mod:`kvplug.core.chain.removal`.
         ``count``: remove only the keys a tier holds, and measure the bytes freed."""
+        self._discards.cancel_puts(plan.cancels())
         return remove_planned(self._slots, plan, tiers=tiers, count=count)
 
     # --- writes ---------------------------------------------------------------------
@@ -357,10 +364,12 @@ class TierChain:
 
     def discard_queued_writes(self) -> int:
         """Drop (counted) the batches every tier's write queue holds and has not begun to
-        write, also while :meth:`close` drains them on another thread: a close that waits
-        on a tier whose write does not finish then ends when that write returns, not after
-        every queued one. Returns how many batches were dropped."""
-        return sum(slot.queue.discard_queued() for slot in self._slots if slot.queue is not None)
+        write, and the removals of unusable chunks (and puts held back behind them) not
+        begun, also while :meth:`close` drains them on another thread: a close that waits
+        on a tier whose write or removal does not finish then ends when that call returns,
+        not after every queued one. Returns how many batches and removals were dropped."""
+        dropped = self._discards.discard_queued()  # first: their held-back puts would go to the queues
+        return dropped + sum(slot.queue.discard_queued() for slot in self._slots if slot.queue is not None)
 
     def close(self, *, drain: bool = True) -> None:
         """Close every tier, after its write queue has written (``drain`` and the

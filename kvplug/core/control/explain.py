@@ -12,7 +12,7 @@ caller, asks the tiers for the prompt's keys under that scheme. Tiers that canno
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,11 +113,19 @@ def explain_prompt(
     extra_keys: Sequence[ExtraKey] = (),
     save_unfull_chunk: bool = False,
     candidates: Iterable[KeyScheme] = (),
+    being_removed: Callable[[Sequence[str]], list[bool] | None] | None = None,
 ) -> Explanation:
-    """Explain ``tokens`` under ``scheme`` over ``tiers`` (``(label, tier)``, fastest first)."""
+    """Explain ``tokens`` under ``scheme`` over ``tiers`` (``(label, tier)``, fastest first).
+    ``being_removed``: a live engine's :meth:`TierChain.being_removed`; a chunk whose removal
+    is on its way (a load found it unusable) is held by no tier, as its lookups answer."""
     notes: dict[str, str] = {}
     keys = scheme.key_builder().keys(tokens, scheme.prefix, extra_keys=extra_keys, include_partial=True)
     held = _held(tiers, keys, notes)
+    gone = being_removed([k.key for k in keys]) if being_removed is not None and keys else None
+    if gone is not None and any(gone):
+        held = [() if removing else where for where, removing in zip(held, gone)]
+        which = ", ".join(str(k.index) for k, removing in zip(keys, gone) if removing)
+        notes["chain"] = f"chunks {which}: a load found them unusable; their removal is on its way (a miss)"
     rows = [ChunkRow(k.index, k.start, k.end, k.key, held[i]) for i, k in enumerate(keys)]
     hit = next((i for i, row in enumerate(rows) if not row.tiers), len(rows))
     own = _held(tiers, [ChunkKey(0, 0, 0, scheme.manifest_key())], notes)[0]
@@ -139,6 +147,12 @@ def explain_prompt(
         scheme, len(tokens), rows, hit, rows[hit - 1].end if hit else 0, "", others, unrelated, own, notes
     )
     explanation.reason = _reason(explanation, save_unfull_chunk)
+    if gone is not None and hit < len(gone) and gone[hit]:
+        missing = rows[hit]
+        explanation.reason = (
+            f"chunk {missing.index} (tokens {missing.start}-{missing.end}): a load found it unusable and its "
+            "removal is on its way: a miss until it is stored again"
+        )
     return explanation
 
 

@@ -302,6 +302,7 @@ class EngineControl(ControlTarget):
             tokens,
             extra_keys=request.extra_keys,
             save_unfull_chunk=engine.config.save_unfull_chunk,
+            being_removed=engine.chain.being_removed,
         )
         return found.to_json()
 

@@ -272,9 +272,12 @@ class CacheEngine(EngineRetrieves, EngineStores):
         ``count=False``: not counted (the caller counts it with :meth:`count_lookup`)."""
         self._check_open()
         keys = self.chunk_keys(tokens, request)
+        records = self.record_keys(keys, request)
+        if any(self.chain.being_removed(records) or ()):  # found unusable: the full lookup leaves them out
+            return None
         found = locate_inline(
             keys,
-            self.record_keys(keys, request),
+            records,
             self.records.count,
             self.chain.tiers,
             chunk_size=self.chunk_size,

@@ -43,7 +43,7 @@ from kvplug.core.serializer import Serializer
 from kvplug.core.serializer_factory import make_serializer
 from kvplug.core.tenancy import Tenancy
 from kvplug.core.tier import TierContext
-from kvplug.errors import ChunkError, ConfigError, ConfigProblem
+from kvplug.errors import ChunkError, ConfigError, ConfigProblem, NewerFormatError
 
 logger = logging.getLogger("kvplug.chunk_store")
 
@@ -167,7 +167,8 @@ class ChunkStore:
 
         The prefix ends at the first key no tier holds, or at the first frame that fails
         a check (counted in ``load_errors``; its removal from every tier is left to the chain's
-        removal thread, :meth:`TierChain.discard_later`: a load never waits for a tier). Then the chunks
+        removal thread, :meth:`TierChain.discard_later`: a load never waits for a tier; a frame of a
+        later kvplug, :class:`~kvplug.errors.NewerFormatError`, is kept for it). Then the chunks
         that passed, and only those, are promoted into the tiers faster than the one
         that served them.
         """
@@ -184,6 +185,10 @@ class ChunkStore:
             loads = self.serializer.loads_trusted if hit.trusted else self.serializer.loads
             try:
                 tensor = loads(hit.value, expected_shape=shape, expected_dtype=dtype)
+            except NewerFormatError as exc:  # a later kvplug's, in a store shared during an upgrade: kept for it
+                self.metrics.load_errors.labels(type(exc).__name__).inc()
+                logger.warning("chunk %s is a later kvplug's (%s); the prefix ends there", key, exc)
+                break
             except ChunkError as exc:
                 self.metrics.load_errors.labels(type(exc).__name__).inc()
                 logger.warning("chunk %s unusable (%s); the prefix ends there and it is removed", key, exc)

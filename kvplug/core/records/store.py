@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 from kvplug.core import chunk_format
-from kvplug.core.records.frame import parse_record_header, unpack_record
+from kvplug.core.records.frame import KEYED_RECORD_VERSION, parse_record_header, unpack_record
 from kvplug.core.records.manifest import decode_manifest
 from kvplug.core.tier import Buffer
 from kvplug.errors import CorruptChunkError, IncompatibleChunkError, MissingIntegrityKeyError, NewerFormatError
@@ -55,29 +55,34 @@ class RecordCheck:
     reason: str = ""
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
+    #: The record's keyed MAC was checked (an integrity key's signature; ``--require-signed``).
+    signature_checked: bool = False
 
 
 def check_record(digest: str, data: Buffer | None) -> RecordCheck:
     """Verify the record frame, that it belongs to ``digest``, and the chunk frame inside."""
     if data is None:
         return RecordCheck("gone", "vanished while checking")
+    signed = False  # a record of another version has no MAC this kvplug checks
     try:
         header = parse_record_header(data)
         if header.key_digest.hex() != digest:
             raise CorruptChunkError("record was stored under another key")
         value = unpack_record(data)
+        signed = header.version == KEYED_RECORD_VERSION
         if bytes(value[:4]) != chunk_format.MAGIC:
             manifest = decode_manifest(value)
             if manifest is not None:
-                return RecordCheck("ok", f"fingerprint manifest {manifest.fingerprint_hex} (kvplug explain)")
-            return RecordCheck("ok", "opaque value (not a KV chunk frame)")
+                reason = f"fingerprint manifest {manifest.fingerprint_hex} (kvplug explain)"
+                return RecordCheck("ok", reason, signature_checked=signed)
+            return RecordCheck("ok", "opaque value (not a KV chunk frame)", signature_checked=signed)
         chunk = chunk_format.verify_frame(value)
     except MissingIntegrityKeyError as exc:
         return RecordCheck("unverified", str(exc))
     except NewerFormatError as exc:
-        return RecordCheck("newer", str(exc))
+        return RecordCheck("newer", str(exc), signature_checked=signed)
     except IncompatibleChunkError as exc:
-        return RecordCheck("incompatible", str(exc))
+        return RecordCheck("incompatible", str(exc), signature_checked=signed)
     except CorruptChunkError as exc:
         return RecordCheck("corrupt", str(exc))
-    return RecordCheck("ok", dtype=chunk.dtype, shape=chunk.shape)
+    return RecordCheck("ok", dtype=chunk.dtype, shape=chunk.shape, signature_checked=signed)
