@@ -63,6 +63,28 @@ def test_a_pin_pins_the_records_of_another_tp_size_that_a_load_reads(
     assert reader.lookup(PROMPT) == 0
 
 
+@pytest.mark.parametrize(("writer_tp", "reader_tp"), [(2, 1), (1, 2)])
+def test_a_pin_does_not_join_another_tp_sizes_chunks_to_its_own_prefix(
+    engines: Any, writer_tp: int, reader_tp: int
+) -> None:
+    """A load reads its prefix in one split of the heads (its own where it holds the first
+    chunk), so the other size's records of a chunk after its own end are never read: not pinned,
+    not counted. The tail after the prefix may be any split's."""
+    for rank in range(writer_tp):
+        writer = engines(rank, writer_tp)
+        writer.store(PROMPT, rank_caches(writer.layout, writer.records.shard.first, 1), torch.arange(len(PROMPT)))
+        writer.flush()
+    reader = engines(0, reader_tp)
+    reader.store(PROMPT[:16], rank_caches(reader.layout, 0, 1), torch.arange(16))  # its own chunks 0 and 1
+    reader.flush()
+    assert reader.lookup(PROMPT) == 16  # own chunks 0-1; chunk 2 is only the other size's
+    report = reader.pin(PROMPT)
+    # chunks 0-1 (its own) and the tail 24-28 (the other size's) pinned; chunk 2 missing
+    assert (report.chunks, report.tokens, report.refused, report.missing) == (3, 20, 0, 1)
+    released = reader.unpin(PROMPT)
+    assert (released.chunks, released.missing) == (3, 1)
+
+
 def test_a_pin_counts_chunks_not_the_records_of_their_head_groups() -> None:
     registry = PluginRegistry(plugin_filter="cpu,disk")
     tiers = [{"type": "cpu", "max_bytes": "64KiB", "pin_max_bytes": "50%"}]

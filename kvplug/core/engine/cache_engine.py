@@ -211,11 +211,13 @@ class CacheEngine(EngineRetrieves, EngineStores):
         in every tier that keeps pins, within each tier's ``pin_max_bytes``: at once where
         held, and chunks not stored yet when they are (in this process: see docs/operations.md).
         The chunks are those a store writes, the tail of ``block_granular_hits`` too; where this
-        engine's records of a chunk are held nowhere, another TP size's that a load reads are
-        pinned (:func:`~kvplug.core.engine.prompt_pins.pin_prompt`)."""
+        engine's records of the first chunk (or of the tail) are held nowhere, another TP size's
+        that a load reads are pinned (:func:`~kvplug.core.engine.prompt_pins.pin_prompt`)."""
         self._check_open()
-        keys = self.stored_keys(tokens, request, self._request_config(request))
-        return pin_prompt(self.chain, self.records, keys, request)
+        config = self._request_config(request)
+        keys = self.stored_keys(tokens, request, config)
+        prefix = len(self.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk))
+        return pin_prompt(self.chain, self.records, keys, request, prefix=prefix)
 
     def unpin(self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None) -> PinReport:
         """Make the prompt's chunks evictable again (the reverse of :meth:`pin`)."""
