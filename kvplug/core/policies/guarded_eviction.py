@@ -280,11 +280,15 @@ class GuardedEviction(EvictionPolicy):
             self.quota_evictions += 1
         return victim
 
+    def held_of(self, tenant: str) -> int:
+        """Bytes of ``tenant``'s keys, pinned ones included."""
+        return self._held.get(tenant, 0)
+
     def operator_pinned_of(self, tenant: str) -> int:
         """Bytes of ``tenant``'s keys pinned by the operator (which no quota counts)."""
         own = self._own.get(tenant)
         unpinned = 0 if own is None else own.bytes_used
-        return self._held.get(tenant, 0) - unpinned - self._pinned.requested_of(tenant)
+        return self.held_of(tenant) - unpinned - self._pinned.requested_of(tenant)
 
     def tenant_figures(self) -> dict[str, tuple[int, int]]:
         """(bytes held, hits) by metrics label: named tenants, ``(other)``, ``(unsalted)``."""

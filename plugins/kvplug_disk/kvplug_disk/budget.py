@@ -84,11 +84,15 @@ class FolderBudget:
     def _keep_folder_quota(self, usage: Usage, tenant: str, tag: bytes) -> None:
         """Evict ``tenant``'s records (unpinned, in its own order) until its bytes in the whole
         folder (the ledger's count of its tag, every process's records) fit its quota (locks held).
-        With none of its records left to evict here, the folder is listed once (their tags say
-        whose they are): the rest are other processes' records, or a count a crash left too high."""
+        Where the records this process does not know of fill the quota by themselves (other
+        processes', or a count a crash left too high), the folder is listed first, once (their
+        tags say whose they are; the count becomes the listing's): then the tenant's oldest
+        records leave first, whoever wrote them, and this process does not evict all of its own
+        records, the one just written included, for records it cannot see or that are not there."""
         rescanned = usage.tenants is None
-        while usage.tenants is not None and self._order.over_folder_quota(tenant, usage.tenants.get(tag, 0)):
-            victim = self._order.take_victim_of(tenant)
+        while usage.tenants is not None and self._order.over_folder_quota(tenant, held := usage.tenants.get(tag, 0)):
+            unseen = not rescanned and self._order.others_fill_quota(tenant, held)
+            victim = None if unseen else self._order.take_victim_of(tenant)
             if victim is None:
                 if rescanned:
                     break

@@ -134,6 +134,12 @@ class EvictionIndex:
         quota = self._policy.quota_of(tenant)
         return quota is not None and folder_bytes - self._policy.operator_pinned_of(tenant) > quota
 
+    def others_fill_quota(self, tenant: str, folder_bytes: int) -> bool:
+        """Whether ``tenant``'s records this process does not know of (other processes', or a
+        count left too high by a crash) fill its quota in the folder by themselves."""
+        quota = self._policy.quota_of(tenant)
+        return quota is not None and folder_bytes - self._policy.held_of(tenant) >= quota
+
     def take_victim_of(self, tenant: str) -> tuple[str, IndexEntry] | None:
         """Remove ``tenant``'s next unpinned record in its own order (for its quota)."""
         victim = self._policy.take_victim_of(tenant)

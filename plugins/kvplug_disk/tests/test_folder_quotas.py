@@ -7,18 +7,23 @@ and a budget far above what the tests store, so only quotas evict.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tenant_worker import VALUE
+from tenant_worker import BUDGET, VALUE
 
 from kvplug import key_digest
 from kvplug.core.tenants import DIGEST_LABEL, FOLDER_TENANT_BYTES, TENANT_BYTES
+from kvplug.testing import pins_context, value_for
 from kvplug.testing.pins_contract import key_of
+from kvplug_disk import DiskTier, ShmTier, verify_folder
 from kvplug_disk.folder_scan import RECORD_SUFFIX
+from kvplug_disk.ledger import LEDGER_NAME
+from kvplug_disk.tenant_tags import TAG_XATTR, decode_usage, encode_usage, tenant_tag
 
 WORKER = str(Path(__file__).with_name("tenant_worker.py"))
 FILE = VALUE + 64  # a record file: its value and header; quotas count file bytes
@@ -101,10 +106,12 @@ def test_a_tenants_quota_holds_for_the_folder_not_each_process(workers: list[Wor
         assert worker.ask("put tenant-a 8") == "done"
     held = record_bytes(folder, tenant_keys("w0", "tenant-a", 8) + tenant_keys("w1", "tenant-a", 8))
     assert held <= QUOTA, f"tenant-a holds {held} bytes in the folder, its quota is {QUOTA}"
-    assert held == QUOTA  # the quota is not spent on nothing: the tenant keeps its quota's worth
-    # Each process reports the tenant's bytes in the whole folder beside those it knows of.
+    # The tenant's most recent records, whichever process wrote them: w1 listed the folder when
+    # w0's records filled the quota, and evicted those, the oldest, first.
+    assert record_bytes(folder, tenant_keys("w1", "tenant-a", 8)[4:]) == QUOTA
+    # Each process reports the tenant's bytes in the whole folder, and those it knows of.
     assert [worker.tenant_a_bytes(FOLDER_TENANT_BYTES) for worker in workers] == [held, held]
-    assert sum(worker.tenant_a_bytes() for worker in workers) == held
+    assert all(worker.tenant_a_bytes() <= QUOTA for worker in workers)
 
 
 def test_a_pinned_chunk_is_not_evicted_for_another_processes_quota(workers: list[Worker], folder: Path) -> None:
@@ -125,3 +132,99 @@ def test_a_pinned_chunk_is_not_evicted_for_another_processes_quota(workers: list
     # What a process reports is its own view: w1 counts only the tenant-a bytes it wrote.
     assert second.tenant_a_bytes() <= QUOTA
     assert int(str(first.stats()["pinned_bytes"])) == 2 * FILE
+
+
+def open_tier(kind: str, folder: Path) -> DiskTier:
+    """A tier of ``folder`` in this process, as :mod:`tenant_worker` opens it."""
+    tier_type = ShmTier if kind == "shm" else DiskTier
+    config = tier_type.Config(path=folder, fsync=False, max_bytes=BUDGET, quotas={"tenant-a": QUOTA})  # type: ignore[call-arg]
+    return tier_type(config, pins_context())
+
+
+def ledger_of(folder: Path) -> tuple[int | None, dict[bytes, int] | None]:
+    return decode_usage((folder / LEDGER_NAME).read_bytes())
+
+
+def put(tier: DiskTier, keys: list[str]) -> None:
+    for key in keys:
+        tier.put([(key, value_for(key, VALUE))])
+
+
+def test_records_and_ledgers_of_older_kvplug_stay_readable(kind: str, folder: Path) -> None:
+    """A folder an older kvplug wrote: records without a tenant tag, an 8-byte ledger. They
+    are read as before and count for no tenant of the folder; the table is rebuilt at open."""
+    tier = open_tier(kind, folder)
+    old = tenant_keys("old", "tenant-a", 3)
+    put(tier, old)
+    tier.close()
+    for path in folder.glob(f"*/*{RECORD_SUFFIX}"):
+        os.removexattr(path, TAG_XATTR)  # what an older kvplug wrote: no tag
+    ledger = folder / LEDGER_NAME
+    ledger.write_bytes(ledger.read_bytes()[:8])  # and its ledger: the total alone
+    tier = open_tier(kind, folder)
+    assert ledger_of(folder)[1] == {}  # rebuilt: those records are no tenant's in the folder
+    assert [bytes(value) for value in tier.get(old)] == [value_for(key, VALUE) for key in old]  # type: ignore[arg-type]
+    new = tenant_keys("new", "tenant-a", 4)
+    put(tier, new)
+    assert ledger_of(folder)[1] == {tenant_tag("tenant-a"): tagged_bytes(folder)}
+    assert tagged_bytes(folder) <= QUOTA
+    assert record_bytes(folder, old + new) == QUOTA  # the old ones it read count in this process, as before
+    tier.close()
+
+
+def tagged_bytes(folder: Path, tenant: str = "tenant-a") -> int:
+    """File bytes of the records carrying ``tenant``'s tag."""
+    tag = tenant_tag(tenant)
+    return sum(
+        path.stat().st_size
+        for path in folder.glob(f"*/*{RECORD_SUFFIX}")
+        if TAG_XATTR in os.listxattr(path) and os.getxattr(path, TAG_XATTR) == tag
+    )
+
+
+def test_a_count_left_too_high_by_a_crash_is_rebuilt(kind: str, folder: Path) -> None:
+    """A process killed between counting its record and renaming it into place leaves the
+    tenant's count too high (written here as such a kill leaves it). The next process to open
+    the folder lists it and counts again; so does a process with nothing of the tenant left to evict."""
+    tier = open_tier(kind, folder)
+    put(tier, tenant_keys("a", "tenant-a", 2))
+    tier.close()
+    total, tenants = ledger_of(folder)
+    assert total is not None and tenants == {tenant_tag("tenant-a"): 2 * FILE}
+    ledger = folder / LEDGER_NAME
+    ledger.write_bytes(encode_usage(total + 9 * VALUE, {tenant_tag("tenant-a"): 11 * FILE}))  # 9 records never renamed
+    tier = open_tier(kind, folder)
+    assert ledger_of(folder) == (total, {tenant_tag("tenant-a"): 2 * FILE})
+    put(tier, tenant_keys("b", "tenant-a", 2))
+    assert record_bytes(folder) == QUOTA
+    ledger.write_bytes(encode_usage(total + 9 * VALUE, {tenant_tag("tenant-a"): 13 * FILE}))  # while it runs
+    put(tier, tenant_keys("c", "tenant-a", 1))  # what it does not know fills the quota: it lists the folder
+    assert ledger_of(folder)[1] == {tenant_tag("tenant-a"): QUOTA}
+    assert record_bytes(folder, tenant_keys("c", "tenant-a", 1)) == FILE  # the record just written stays
+    assert record_bytes(folder) == QUOTA
+    tier.close()
+
+
+def test_gc_takes_a_removed_record_off_its_tenants_count(kind: str, folder: Path) -> None:
+    tier = open_tier(kind, folder)
+    keys = tenant_keys("a", "tenant-a", 3)
+    put(tier, keys)
+    tier.close()
+    path = next(folder.glob(f"*/{key_digest(keys[0]).hex()}{RECORD_SUFFIX}"))
+    with path.open("r+b") as record:  # a bit flipped in its value: corrupt
+        record.seek(100)
+        byte = record.read(1)
+        record.seek(100)
+        record.write(bytes([byte[0] ^ 1]))
+    assert verify_folder(folder, remove_corrupt=True).removed == 1
+    assert ledger_of(folder)[1] == {tenant_tag("tenant-a"): 2 * FILE}
+
+
+def test_a_torn_or_stale_tenant_table_reads_as_none() -> None:
+    tenants = {tenant_tag("tenant-a"): 5, tenant_tag("tenant-b"): 7}
+    data = encode_usage(100, tenants)
+    assert decode_usage(data) == (100, tenants)
+    assert decode_usage(data[:-1]) == (100, None)  # torn
+    assert decode_usage((101).to_bytes(8, "little") + data[8:]) == (101, None)  # an older kvplug changed the total
+    assert decode_usage(data[:8]) == (100, None)  # an older kvplug's ledger
+    assert decode_usage(b"") == (None, None)
