@@ -43,10 +43,13 @@ class Worker:
         self.expect("ready")
 
     def ask(self, command: str) -> str:
+        self.send(command)
+        return self.answer()
+
+    def send(self, command: str) -> None:
         assert self.process.stdin is not None
         self.process.stdin.write(command + "\n")
         self.process.stdin.flush()
-        return self.answer()
 
     def answer(self) -> str:
         assert self.process.stdout is not None
@@ -74,6 +77,9 @@ class Worker:
         if self.process.poll() is None:
             self.ask("close")
         self.process.wait(60)
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 @pytest.fixture
@@ -112,6 +118,32 @@ def test_a_tenants_quota_holds_for_the_folder_not_each_process(workers: list[Wor
     # Each process reports the tenant's bytes in the whole folder, and those it knows of.
     assert [worker.tenant_a_bytes(FOLDER_TENANT_BYTES) for worker in workers] == [held, held]
     assert all(worker.tenant_a_bytes() <= QUOTA for worker in workers)
+
+
+def test_writers_at_once_and_one_killed_keep_the_count_and_the_quota(kind: str, folder: Path) -> None:
+    """Three processes store tenant-a's chunks at once; one is SIGKILLed while it stores. The
+    tenant's count in the ledger is the tagged records' bytes (or, where the kill fell between
+    a count and its rename, higher), and once a new process has opened the folder it is exact
+    and within the quota."""
+    writers = [Worker(kind, folder, f"w{i}") for i in range(3)]
+    try:
+        for worker in writers:
+            worker.send("put tenant-a 30")
+        writers[2].process.kill()
+        writers[2].process.wait(60)
+        for worker in writers[:2]:
+            assert worker.answer() == "done"
+        counted = ledger_of(folder)[1] or {}
+        assert counted.get(tenant_tag("tenant-a"), 0) >= tagged_bytes(folder)
+        later = Worker(kind, folder, "later")  # its open lists the folder
+        writers.append(later)
+        assert ledger_of(folder)[1] == {tenant_tag("tenant-a"): tagged_bytes(folder)}
+        assert later.ask("put tenant-a 2") == "done"
+        assert tagged_bytes(folder) <= QUOTA
+        assert ledger_of(folder)[1] == {tenant_tag("tenant-a"): tagged_bytes(folder)}
+    finally:
+        for worker in writers:
+            worker.close()
 
 
 def test_a_pinned_chunk_is_not_evicted_for_another_processes_quota(workers: list[Worker], folder: Path) -> None:
