@@ -6,6 +6,7 @@ listing of the folder (with the records' tenant tags, :mod:`kvplug_disk.tenant_t
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,11 @@ from kvplug_disk.index import EvictionIndex, IndexEntry
 from kvplug_disk.ledger import FolderLockTimeoutError, Usage, UsageLedger
 from kvplug_disk.problems import ProblemLog
 from kvplug_disk.tenant_tags import record_tag, tenant_tag
+
+#: Least time between two listings of the folder for a tenant table that is not valid: an older
+#: kvplug writing into the folder makes it stale at each write, and a listing reads every record.
+#: Meanwhile quotas bound what this process knows of, as before.
+TENANT_RELIST_INTERVAL_S = 10.0
 
 
 class FolderBudget:
@@ -30,6 +36,8 @@ class FolderBudget:
     _folder: RecordFolder
     #: The salts this process knows (a tag in the folder is one of theirs, or no tenant it knows).
     _tenant_salts: Callable[[], Iterable[str]]
+    #: When a listing last read the records' tenant tags (``time.monotonic``).
+    _tenants_listed_at = float("-inf")
 
     if TYPE_CHECKING:
 
@@ -68,7 +76,11 @@ class FolderBudget:
         to evict, it lists the folder again: the rest of the total is other processes' records."""
         # No valid total in the file (a ledger made again), or no tenant table where quotas need
         # one (made again, torn, or its total changed by an older kvplug): list the folder.
-        rescanned = not usage.known or (usage.tenants is None and self._order.has_quotas)
+        rescanned = not usage.known or (
+            usage.tenants is None
+            and self._order.has_quotas
+            and time.monotonic() - self._tenants_listed_at >= TENANT_RELIST_INTERVAL_S
+        )
         if rescanned:
             self._rebuild(usage, self._folder.scan().records)
         while usage.total + incoming > self._budget:
@@ -143,6 +155,7 @@ class FolderBudget:
         tags = None
         if self._order.has_quotas or usage.tenants is not None:
             tags = {digest: tag for digest, _, _ in records if (tag := record_tag(self._folder, digest)) is not None}
+            self._tenants_listed_at = time.monotonic()
         pinned = self._order.pinned()  # the pin book's are pinned again as they enter; these may not be in it
         self._order = self._order.fresh()
         if tags:

@@ -17,6 +17,7 @@ not read there already.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import struct
@@ -41,6 +42,7 @@ class Records(Protocol):
     def open_record(self, digest: str) -> tuple[int, os.stat_result] | None: ...
 
 
+@functools.lru_cache(maxsize=1 << 16)  # (every write of a salted record, every listing: each known salt)
 def tenant_tag(salt: str) -> bytes:
     """The tag of tenant ``salt`` in a folder: the same in every process and kvplug version."""
     return hashlib.blake2b(salt.encode(), digest_size=TAG_SIZE, person=_PERSON).digest()

@@ -20,7 +20,7 @@ from kvplug import key_digest
 from kvplug.core.tenants import DIGEST_LABEL, FOLDER_TENANT_BYTES, TENANT_BYTES
 from kvplug.testing import pins_context, value_for
 from kvplug.testing.pins_contract import key_of
-from kvplug_disk import DiskTier, ShmTier, verify_folder
+from kvplug_disk import DiskTier, ShmTier, budget, verify_folder
 from kvplug_disk.folder_scan import RECORD_SUFFIX
 from kvplug_disk.ledger import LEDGER_NAME
 from kvplug_disk.tenant_tags import TAG_XATTR, decode_usage, encode_usage, tenant_tag
@@ -260,3 +260,27 @@ def test_a_torn_or_stale_tenant_table_reads_as_none() -> None:
     assert decode_usage((101).to_bytes(8, "little") + data[8:]) == (101, None)  # an older kvplug changed the total
     assert decode_usage(data[:8]) == (100, None)  # an older kvplug's ledger
     assert decode_usage(b"") == (None, None)
+
+
+def test_an_older_kvplug_writing_beside_makes_the_folder_listed_at_most_so_often(
+    kind: str, folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An older kvplug changes the ledger's total at each write, which makes the tenant table
+    stale: a tier with quotas lists the folder to count again, but not at each write."""
+    monkeypatch.setattr(budget, "TENANT_RELIST_INTERVAL_S", 1e9)  # (a stale table within the interval)
+    tier = open_tier(kind, folder)  # its open lists the folder
+    ledger = folder / LEDGER_NAME
+
+    def older_kvplug_writes() -> None:
+        with ledger.open("r+b") as file:  # what an older kvplug's write does to the ledger: its total alone
+            file.write((int.from_bytes(file.read(8), "little") + 1).to_bytes(8, "little"))
+
+    put(tier, tenant_keys("a", "tenant-a", 2))
+    assert ledger_of(folder)[1] == {tenant_tag("tenant-a"): 2 * FILE}
+    older_kvplug_writes()
+    put(tier, tenant_keys("b", "tenant-a", 1))
+    assert ledger_of(folder)[1] is None  # not listed again so soon: no table, quotas per process meanwhile
+    monkeypatch.setattr(budget, "TENANT_RELIST_INTERVAL_S", 0.0)
+    put(tier, tenant_keys("c", "tenant-a", 1))
+    assert ledger_of(folder)[1] == {tenant_tag("tenant-a"): 4 * FILE}
+    tier.close()
