@@ -150,7 +150,10 @@ def test_a_pinned_chunk_is_not_evicted_for_another_processes_quota(workers: list
     """Process w0 pins a chunk of tenant-a and one of tenant-b, and stores unsalted chunks;
     process w1 then stores far over tenant-a's quota: w1's quota evictions take only its own
     unpinned tenant-a chunks, never w0's pinned ones, nor another tenant's. w0's pinned tenant-a
-    chunk, which w1 does not know as pinned, counts against tenant-a's quota in the folder."""
+    chunk, which w1 does not know as pinned, counts against tenant-a's quota in the folder. (w1
+    never lists the folder here: what it does not know of, w0's pinned chunk, does not fill the
+    quota. Where chunks pinned by one engine alone do, another engine's listing may evict them:
+    docs/operations.md, Quotas.)"""
     first, second = workers
     assert first.ask("pin tenant-a system") == "pinned"
     assert first.ask("pin tenant-b system") == "pinned"
