@@ -57,6 +57,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "MessageServer": ("kvplug.core.control.message_server", "MessageServer"),
     "MetricSample": ("kvplug.core.metrics", "MetricSample"),
     "NameTenants": ("kvplug.core.tenancy", "NameTenants"),
+    "FOLDER_TENANT_BYTES": ("kvplug.core.tenants", "FOLDER_TENANT_BYTES"),
     "PagedFormat": ("kvplug.core.layouts", "PagedFormat"),
     "PinOutcome": ("kvplug.core.policies.guarded_eviction", "PinOutcome"),
     "PinReport": ("kvplug.core.tenancy", "PinReport"),
@@ -172,6 +173,7 @@ if TYPE_CHECKING:
     from kvplug.core.serializer import Serializer
     from kvplug.core.tenancy import NameTenants, PinReport, Tenancy
     from kvplug.core.tenancy_settings import TenancySettings
+    from kvplug.core.tenants import FOLDER_TENANT_BYTES
     from kvplug.core.tier import (
         MEDIA,
         UNBOUNDED_BYTES,
@@ -192,6 +194,7 @@ __getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "CHUNK_DTYPE_SIZES",
+    "FOLDER_TENANT_BYTES",
     "LOOKUP_DIR_ENV",
     "MEDIA",
     "RAW_FRAME_MAGIC",

@@ -94,3 +94,17 @@ def test_bad_tenant_names_are_refused_by_name(tenants: dict[str, str], words: li
         assert word in str(caught.value)
     for salt in tenants.values():
         assert f": '{salt}'" not in str(caught.value)  # an error never quotes a salt either
+
+
+def test_a_folder_tiers_tenant_bytes_in_the_folder_are_labelled_too(tmp_path: Path) -> None:
+    """Tier ``disk`` also reports each tenant's bytes in its folder (every process's records:
+    what its quota bounds), labelled like the rest; in one process they are its own bytes."""
+    quotas = {"acme": "30%", QUOTA_ONLY: "20%"}
+    with make(tmp_path, quotas, tenancy={"tenants": {"acme": NAMED}}) as engine:
+        text = store_and_read(engine, [NAMED, QUOTA_ONLY])
+        extra = engine.chain.stats()[1][1].extra
+    assert extra["folder_tenant_bytes:acme"] == extra["tenant_bytes:acme"] > 0
+    folder = [line for line in text.splitlines() if line.startswith("kvplug_folder_tenant_bytes{")]
+    assert any('tenant="acme"' in line and 'tier="1:disk"' in line for line in folder), folder
+    assert any('tenant="salt-' in line for line in folder), folder
+    assert not any(salt in text for salt in (NAMED, QUOTA_ONLY))

@@ -172,6 +172,11 @@ class TenantBook:
             while len(self._salts) > self.max_fingerprints:
                 self._salts.popitem(last=False)
 
+    def salts(self) -> set[str]:
+        """The salts noted (those still remembered)."""
+        with self._lock:
+            return set(self._salts.values())
+
     def tenant_of(self, key: str) -> str | None:
         """The salt of a ``<version>/<fingerprint>/<hash>`` key, ``None`` when unsalted or unknown."""
         if not isinstance(key, str):  # (a bad key: the tier's own checks say so)

@@ -2,7 +2,8 @@
 
 Tiers that keep pins and quotas count them in ``stats().extra``
 (:meth:`kvplug.GuardedEviction.stats_extra`); this collector turns those figures into
-``kvplug_tenant_bytes{tier,tenant}``, ``kvplug_tenant_hits_total{tier,tenant}``,
+``kvplug_tenant_bytes{tier,tenant}`` (what this process knows of), ``kvplug_folder_tenant_bytes{tier,tenant}``
+(a folder shared by processes: all of theirs), ``kvplug_tenant_hits_total{tier,tenant}``,
 ``kvplug_pinned_bytes{tier}``, ``kvplug_pins_refused_total{tier}``,
 ``kvplug_quota_evictions_total{tier}`` and ``kvplug_stores_refused_total{tier,reason}``.
 The tenant label set is bounded and never shows a salt: the names of ``tenancy.tenants``,
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvplug.core.tenants import STORES_REFUSED, TENANT_BYTES, TENANT_HITS
+from kvplug.core.tenants import FOLDER_TENANT_BYTES, STORES_REFUSED, TENANT_BYTES, TENANT_HITS
 
 #: (tier label, its stats' extra figures) of each tier of a chain.
 TierFigures = Callable[[], Iterable[tuple[str, Mapping[str, object]]]]
@@ -34,7 +35,14 @@ class TenantCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         held = GaugeMetricFamily(
-            "kvplug_tenant_bytes", "Bytes a tenant (cache_salt) holds in a tier", labels=["tier", "tenant"]
+            "kvplug_tenant_bytes",
+            "Bytes a tenant (cache_salt) holds in a tier, of the chunks this process knows",
+            labels=["tier", "tenant"],
+        )
+        folder_held = GaugeMetricFamily(
+            "kvplug_folder_tenant_bytes",
+            "Bytes a tenant holds in a folder tier's folder, every process's records (what its quota bounds)",
+            labels=["tier", "tenant"],
         )
         hits = CounterMetricFamily(
             "kvplug_tenant_hits", "Reads of a tenant's chunks a tier served", labels=["tier", "tenant"]
@@ -67,11 +75,13 @@ class TenantCollector(Collector):
                 for key, value in extra.items():
                     if key.startswith(TENANT_BYTES):
                         held.add_metric([tier, key[len(TENANT_BYTES) :]], _number(value))
+                    elif key.startswith(FOLDER_TENANT_BYTES):
+                        folder_held.add_metric([tier, key[len(FOLDER_TENANT_BYTES) :]], _number(value))
                     elif key.startswith(TENANT_HITS):
                         hits.add_metric([tier, key[len(TENANT_HITS) :]], _number(value))
                     elif key.startswith(STORES_REFUSED):
                         stores_refused.add_metric([tier, key[len(STORES_REFUSED) :]], _number(value))
-        yield from (held, hits, pinned, refused, evicted, stores_refused)
+        yield from (held, folder_held, hits, pinned, refused, evicted, stores_refused)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # the families are known only when collected

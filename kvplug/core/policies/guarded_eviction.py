@@ -263,14 +263,32 @@ class GuardedEviction(EvictionPolicy):
             if own is None or quota is None:
                 continue
             while own.bytes_used + self._pinned.requested_of(tenant) > quota:
-                victim = own.pop_victim()
+                victim = self.take_victim_of(tenant)
                 if victim is None:
                     break
-                self._policy.removed(victim[0])
-                self._forget(victim[0], in_policy=False, in_own=False)
-                self.quota_evictions += 1
                 victims.append(victim)
         return victims
+
+    def take_victim_of(self, tenant: str) -> tuple[str, int] | None:
+        """The next unpinned key of ``tenant`` in its own order, evicted for its quota (the
+        owner drops it): for an owner that counts the tenant beyond this policy (a shared folder)."""
+        own = self._own.get(tenant)
+        victim = None if own is None else own.pop_victim()
+        if victim is not None:
+            self._policy.removed(victim[0])
+            self._forget(victim[0], in_policy=False, in_own=False)
+            self.quota_evictions += 1
+        return victim
+
+    def held_of(self, tenant: str) -> int:
+        """Bytes of ``tenant``'s keys, pinned ones included."""
+        return self._held.get(tenant, 0)
+
+    def operator_pinned_of(self, tenant: str) -> int:
+        """Bytes of ``tenant``'s keys pinned by the operator (which no quota counts)."""
+        own = self._own.get(tenant)
+        unpinned = 0 if own is None else own.bytes_used
+        return self.held_of(tenant) - unpinned - self._pinned.requested_of(tenant)
 
     def tenant_figures(self) -> dict[str, tuple[int, int]]:
         """(bytes held, hits) by metrics label: named tenants, ``(other)``, ``(unsalted)``."""
@@ -338,6 +356,10 @@ class GuardedEviction(EvictionPolicy):
         self._pinned.set(key, tenant, size, requested)
         if requested and self._own_policy(tenant) is not None:
             self._due.add(tenant)  # type: ignore[arg-type]  # (own is only found for a tenant)
+
+    def quota_of(self, tenant: str | None) -> int | None:
+        """The quota of ``tenant`` (``None``: none, as for unsalted keys)."""
+        return self._quota_of(tenant)
 
     def _quota_of(self, tenant: str | None) -> int | None:
         if tenant is None:

@@ -31,7 +31,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
-from kvplug import CallSizes, NameTenants, PinOutcome, RecordBackend, RecordToWrite, StoredRecord, Tenancy
+from kvplug import (
+    FOLDER_TENANT_BYTES,
+    RECORD_HEADER_SIZE,
+    CallSizes,
+    NameTenants,
+    PinOutcome,
+    RecordBackend,
+    RecordToWrite,
+    StoredRecord,
+    Tenancy,
+)
 from kvplug_disk.budget import FolderBudget
 from kvplug_disk.config import DiskTierConfig
 from kvplug_disk.files import RecordFolder, TempFile, make_private
@@ -42,6 +52,7 @@ from kvplug_disk.location import mark_store, require_disk_store
 from kvplug_disk.problems import ProblemLog, is_no_space, is_undeletable
 from kvplug_disk.reads import DiskReads
 from kvplug_disk.removals import DiskRemovals, ReadOnlyStoreError
+from kvplug_disk.tenant_tags import record_tag, tenant_tag
 
 #: Longest a renamed record waits for its folder's fsync while puts keep coming (a busy queue).
 FOLDER_SYNC_INTERVAL_S = 1.0
@@ -98,6 +109,9 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
         tenancy = tenancy or Tenancy()
         #: The tenants of record names: the tier notes the keys it is asked about here.
         self.tenant_names = NameTenants(tenancy.tenants)
+        quota_salts = set(tenancy.labels.quota_salts(config.quota_bytes()[0]))
+        self._tenant_salts = lambda: tenancy.tenants.salts() | quota_salts
+        self._label = lambda salt: tenancy.labels.label(salt, quota_salts)
         guard = record_guard(config, tenancy, self.tenant_names, problems.logger, self.where)
         self._order = EvictionIndex(config.eviction, guard)
         self._counts = {"discovered": 0, "vanished": 0, "skipped_writes": 0}
@@ -230,13 +244,19 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
         replaced = not self._order.is_pinned(record.name) and self._order.pop(record.name) is not None
         value_size = record.value.nbytes
         self._evict_for(usage, value_size)
-        growth = value_size - self._value_size_on_disk(record.name)
+        old_tag = record_tag(self._folder, record.name) if usage.tenants is not None else None
+        old_size = self._value_size_on_disk(record.name)
+        growth = value_size - old_size
         usage.total += growth
+        usage.add_tenant(old_tag, -(old_size + RECORD_HEADER_SIZE))
+        usage.add_tenant(temp.tag, record.size)
         usage.save()  # before the rename: a crash in between over-counts, never under-counts
         try:
             self._folder.publish(temp, record.name)
         except OSError as exc:
             usage.total -= growth
+            usage.add_tenant(temp.tag, -record.size)
+            usage.add_tenant(old_tag, old_size + RECORD_HEADER_SIZE)
             self._folder.discard_temp(temp)
             skipped = self._entry_failed("publish", record.name, exc, locked=True)
             return SkippedEntryError() if skipped else exc
@@ -249,7 +269,9 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
         over_quota = self._order.take_over_quota()  # the tenant's own records
         if over_quota:
             self._remove_victims(usage, over_quota)
-            usage.save()
+        tenant = None if temp.tag is None else self.tenant_names.tenant_of(record.name)
+        if tenant is not None and temp.tag is not None:  # the tenant's records of every process
+            self._keep_folder_quota(usage, tenant, temp.tag)
         return None
 
     def _write_temps(self, records: list[RecordToWrite]) -> list[TempFile | OSError]:
@@ -272,7 +294,9 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
         """Write the temp file; on a full disk, make room (:meth:`_make_room`) and retry."""
         for attempt in range(NO_SPACE_ROUNDS + 1):
             try:
-                return self._folder.write_temp(record.name, record.header, record.value, mtime_ns=mtime_ns)
+                tenant = self.tenant_names.tenant_of(record.name)
+                tag = None if tenant is None else tenant_tag(tenant)
+                return self._folder.write_temp(record.name, record.header, record.value, mtime_ns=mtime_ns, tag=tag)
             except OSError as exc:
                 if not is_no_space(exc) or attempt == NO_SPACE_ROUNDS or not self._make_room(record.size, attempt):
                     raise
@@ -353,6 +377,7 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
                 "eviction": self._order.eviction,
                 "folder_bytes": self._ledger.peek(),
                 "folder_budget_shared": int(self._ledger.shared),
+                **{FOLDER_TENANT_BYTES + label: held for label, held in self._folder_tenant_bytes(self._label).items()},
                 "path": self.where,
             }
 

@@ -1,10 +1,13 @@
 """Keeping a disk tier's folder within its byte budget (:class:`FolderBudget`, a base of
 :class:`~kvplug_disk.backend.DiskBackend`): eviction in the index's order, room made when the
-disk is full, and the index rebuilt from a listing of the folder."""
+disk is full, each tenant within its quota in the whole folder, and the index rebuilt from a
+listing of the folder (with the records' tenant tags, :mod:`kvplug_disk.tenant_tags`)."""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from kvplug import StoredRecord
@@ -12,6 +15,12 @@ from kvplug_disk.files import RecordFolder, value_size_of
 from kvplug_disk.index import EvictionIndex, IndexEntry
 from kvplug_disk.ledger import FolderLockTimeoutError, Usage, UsageLedger
 from kvplug_disk.problems import ProblemLog
+from kvplug_disk.tenant_tags import record_tag, tenant_tag
+
+#: Least time between two listings of the folder for a tenant table that is not valid: an older
+#: kvplug writing into the folder makes it stale at each write, and a listing reads every record.
+#: Meanwhile quotas bound what this process knows of, as before.
+TENANT_RELIST_INTERVAL_S = 10.0
 
 
 class FolderBudget:
@@ -25,6 +34,10 @@ class FolderBudget:
     _budget: int
     _lock_wait_s: float
     _folder: RecordFolder
+    #: The salts this process knows (a tag in the folder is one of theirs, or no tenant it knows).
+    _tenant_salts: Callable[[], Iterable[str]]
+    #: When a listing last read the records' tenant tags (``time.monotonic``).
+    _tenants_listed_at = float("-inf")
 
     if TYPE_CHECKING:
 
@@ -61,7 +74,13 @@ class FolderBudget:
         budget. Called with both locks held, so no write of the same digest, here or in
         another process, can slip in between. When this process knows of nothing more
         to evict, it lists the folder again: the rest of the total is other processes' records."""
-        rescanned = not usage.known  # no valid total in the file (a ledger made again): list the folder
+        # No valid total in the file (a ledger made again), or no tenant table where quotas need
+        # one (made again, torn, or its total changed by an older kvplug): list the folder.
+        rescanned = not usage.known or (
+            usage.tenants is None
+            and self._order.has_quotas
+            and time.monotonic() - self._tenants_listed_at >= TENANT_RELIST_INTERVAL_S
+        )
         if rescanned:
             self._rebuild(usage, self._folder.scan().records)
         while usage.total + incoming > self._budget:
@@ -74,6 +93,26 @@ class FolderBudget:
                 continue
             self._remove_victims(usage, victims)
 
+    def _keep_folder_quota(self, usage: Usage, tenant: str, tag: bytes) -> None:
+        """Evict ``tenant``'s records (unpinned, in its own order) until its bytes in the whole
+        folder (the ledger's count of its tag, every process's records) fit its quota (locks held).
+        Where the records this process does not know of fill the quota by themselves (other
+        processes', or a count a crash left too high), the folder is listed first, once (their
+        tags say whose they are; the count becomes the listing's): then the tenant's oldest
+        records leave first, whoever wrote them, and this process does not evict all of its own
+        records, the one just written included, for records it cannot see or that are not there."""
+        rescanned = usage.tenants is None
+        while usage.tenants is not None and self._order.over_folder_quota(tenant, held := usage.tenants.get(tag, 0)):
+            unseen = not rescanned and self._order.others_fill_quota(tenant, held)
+            victim = None if unseen else self._order.take_victim_of(tenant)
+            if victim is None:
+                if rescanned:
+                    break
+                self._rebuild(usage, self._folder.scan().records)
+                rescanned = True
+                continue
+            self._remove_victims(usage, [victim])
+
     def _remove_victims(self, usage: Usage, victims: list[tuple[str, IndexEntry]]) -> None:
         """Unlink evicted records (locks held). One that cannot be removed is skipped from
         then on: out of the index and the total, so the budget is kept with the others."""
@@ -84,6 +123,7 @@ class FolderBudget:
     def _unlink_record(self, usage: Usage, digest: str, op: str) -> bool:
         """Remove one record file and take its bytes off the folder's total (locks held)."""
         stat = None
+        tag = record_tag(self._folder, digest) if usage.tenants else None  # (its tenant's count goes too)
         try:
             stat = self._folder.stat(digest)
             if stat is None or not self._folder.unlink(digest):
@@ -92,8 +132,10 @@ class FolderBudget:
             self._entry_failed(op, digest, exc, locked=True)
             if self._skipped(digest) and stat is not None:
                 usage.total -= value_size_of(stat.st_size)  # out of the budget: nothing can make it go
+                usage.add_tenant(tag, -stat.st_size)
             return False
         usage.total -= value_size_of(stat.st_size)
+        usage.add_tenant(tag, -stat.st_size)
         return True
 
     def _value_size_on_disk(self, digest: str) -> int:
@@ -105,15 +147,38 @@ class FolderBudget:
 
     def _rebuild(self, usage: Usage, records: list[tuple[str, int, int]]) -> None:
         """Order every record of a folder listing as cold entries, the oldest (by mtime) the
-        first to leave, the records pinned before still pinned; the folder's total becomes the listing's."""
+        first to leave, the records pinned before still pinned; the folder's total becomes the
+        listing's. Where quotas apply or the folder keeps a tenant table, each record's tag is
+        read too: the table becomes the listing's, and the tenants this process knows take their records."""
         records.sort(key=lambda record: record[2])
+        records = [record for record in records if not self._skipped(record[0])]
+        tags = None
+        if self._order.has_quotas or usage.tenants is not None:
+            tags = {digest: tag for digest, _, _ in records if (tag := record_tag(self._folder, digest)) is not None}
+            self._tenants_listed_at = time.monotonic()
         pinned = self._order.pinned()  # the pin book's are pinned again as they enter; these may not be in it
         self._order = self._order.fresh()
+        if tags:
+            salts = {tenant_tag(salt): salt for salt in self._tenant_salts()}
+            self._order.adopt_tenants({digest: salts[tag] for digest, tag in tags.items() if tag in salts})
         for digest, file_size, _ in reversed(records):  # each cold entry goes before the others
-            if not self._skipped(digest):
-                self._order.add_cold(digest, IndexEntry(value_size_of(file_size), file_size))
+            self._order.add_cold(digest, IndexEntry(value_size_of(file_size), file_size))
         for digest in pinned:
             if digest in self._order:
                 self._order.pin(digest)
         usage.total = self._order.value_bytes
         usage.known = True
+        usage.tenants = None if tags is None else {}
+        for digest, file_size, _ in records:
+            usage.add_tenant(tags.get(digest) if tags else None, file_size)
+
+    def _folder_tenant_bytes(self, label: Callable[[str], str]) -> dict[str, int]:
+        """The file bytes in the folder of each tenant this process knows, by ``label``
+        (``None`` in the table: none kept; other processes' tenants are not named)."""
+        tenants = self._ledger.peek_tenants() or {}
+        figures: dict[str, int] = {}
+        for salt in self._tenant_salts():
+            held = tenants.get(tenant_tag(salt), 0)
+            if held:
+                figures[label(salt)] = figures.get(label(salt), 0) + held
+        return figures

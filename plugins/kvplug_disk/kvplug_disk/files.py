@@ -41,6 +41,7 @@ from stat import S_ISREG
 from kvplug import RECORD_HEADER_SIZE, Buffer, check_record_size, key_digest
 from kvplug.errors import CorruptChunkError
 from kvplug_disk.folder_scan import HOST_TAG, RECORD_SUFFIX, SHARDS, TEMP_SUFFIX, FolderScan, ForeignEntryError
+from kvplug_disk.tenant_tags import tag_file
 
 #: Cached KV is a user's prompts: its folders and files are this user's alone (the umask
 #: may only take more away).
@@ -82,6 +83,8 @@ class TempFile:
     name: str
     shard: str
     dir_fd: int
+    #: Its tenant's tag (:mod:`kvplug_disk.tenant_tags`), where it was set on the file.
+    tag: bytes | None = None
 
 
 class RecordFolder(FolderScan):
@@ -152,9 +155,11 @@ class RecordFolder(FolderScan):
 
     # --- writing --------------------------------------------------------------------
 
-    def write_temp(self, digest: str, header: bytes, value: Buffer, *, mtime_ns: int | None = None) -> TempFile:
+    def write_temp(
+        self, digest: str, header: bytes, value: Buffer, *, mtime_ns: int | None = None, tag: bytes | None = None
+    ) -> TempFile:
         """Write a record (its ``header``, then ``value``) to a new temp file next to its
-        final name, stamped ``mtime_ns`` (default: now)."""
+        final name, stamped ``mtime_ns`` (default: now), tagged with its tenant's ``tag``."""
         shard = self.shard_of(digest)
         name = f"{digest}.{HOST_TAG}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
         dir_fd = self._open_shard(shard, create=True)
@@ -167,6 +172,8 @@ class RecordFolder(FolderScan):
         temp = TempFile(name, shard, dir_fd)
         try:
             _write_all(fd, [header, value])
+            if tag is not None and tag_file(fd, tag):
+                temp.tag = tag
             # Explicit ns mtime: kernel timestamps are jiffy-coarse, and the LRU order
             # rebuilt at start comes from mtimes.
             stamp = time.time_ns() if mtime_ns is None else mtime_ns

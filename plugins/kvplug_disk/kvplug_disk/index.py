@@ -120,6 +120,31 @@ class EvictionIndex:
         refusal is counted and logged."""
         return self._policy.admits(digest, entry.file_size, budget, overhead=entry.file_size - entry.value_size)
 
+    @property
+    def has_quotas(self) -> bool:
+        return bool(self._policy.quotas) or self._policy.default_quota is not None
+
+    def adopt_tenants(self, tenants: dict[str, str]) -> None:
+        """The tenants of records (by digest) learnt from the folder (before they are added)."""
+        self._policy.adopt_tenants(tenants)
+
+    def over_folder_quota(self, tenant: str, folder_bytes: int) -> bool:
+        """Whether ``tenant``, holding ``folder_bytes`` file bytes in the folder, is over its
+        quota there: its records this process pinned for the operator do not count."""
+        quota = self._policy.quota_of(tenant)
+        return quota is not None and folder_bytes - self._policy.operator_pinned_of(tenant) > quota
+
+    def others_fill_quota(self, tenant: str, folder_bytes: int) -> bool:
+        """Whether ``tenant``'s records this process does not know of (other processes', or a
+        count left too high by a crash) fill its quota in the folder by themselves."""
+        quota = self._policy.quota_of(tenant)
+        return quota is not None and folder_bytes - self._policy.held_of(tenant) >= quota
+
+    def take_victim_of(self, tenant: str) -> tuple[str, IndexEntry] | None:
+        """Remove ``tenant``'s next unpinned record in its own order (for its quota)."""
+        victim = self._policy.take_victim_of(tenant)
+        return None if victim is None else (victim[0], self._take(victim[0]))
+
     def take_over_quota(self) -> list[tuple[str, IndexEntry]]:
         """Remove the records of tenants over their quotas (each its own, in its order)."""
         return [(digest, self._take(digest)) for digest, _ in self._policy.take_over_quota()]

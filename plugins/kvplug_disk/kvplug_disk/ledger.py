@@ -42,6 +42,7 @@ from contextlib import contextmanager
 
 from kvplug.errors import TierUnavailableError
 from kvplug_disk.files import PRIVATE_FILE
+from kvplug_disk.tenant_tags import decode_usage, encode_usage
 
 LEDGER_NAME = ".kvplug-usage"
 #: The first pause of a wait for the folder's lock; each next one doubles, up to ``_LOCK_POLL_MAX_S``.
@@ -81,14 +82,32 @@ class FolderLockTimeoutError(BlockingIOError, TierUnavailableError):
 class Usage:
     """The total while the ledger is locked; ``save`` writes it before the lock is released."""
 
-    def __init__(self, ledger: UsageLedger, total: int | None) -> None:
+    def __init__(self, ledger: UsageLedger, total: int | None, tenants: dict[bytes, int] | None = None) -> None:
         self._ledger = ledger
         #: ``None`` when the file held no valid total: the caller rebuilds it from a scan.
         self.known = total is not None
         self.total = total or 0
+        #: File bytes per tenant tag (:mod:`kvplug_disk.tenant_tags`); ``None`` when the file
+        #: holds no valid table: a tier with quotas rebuilds it from a scan, the others keep none.
+        self.tenants = tenants if self.known else None
         #: What the file holds (``None``: no valid total): compared on exit, not the total at entry,
         #: so that a change saved and then undone (a failed rename) is saved back.
         self.saved = total
+        self._saved_tenants = None if self.tenants is None else dict(self.tenants)
+
+    @property
+    def changed(self) -> bool:
+        return self.total != self.saved or self.tenants != self._saved_tenants
+
+    def add_tenant(self, tag: bytes | None, size: int) -> None:
+        """Count ``size`` file bytes (negative: taken off) for tenant ``tag``, where the table is known."""
+        if tag is None or self.tenants is None:
+            return
+        held = self.tenants.get(tag, 0) + size
+        if held > 0:
+            self.tenants[tag] = held
+        else:
+            self.tenants.pop(tag, None)
 
     def save(self) -> None:
         """Write the total, if it is known: a change to a total the file did not hold (a
@@ -96,8 +115,9 @@ class Usage:
         if not self.known:
             return
         self.total = max(0, self.total)
-        self._ledger._write(self.total)
+        self._ledger._write(self.total, self.tenants)
         self.saved = self.total
+        self._saved_tenants = None if self.tenants is None else dict(self.tenants)
 
 
 class UsageLedger:
@@ -109,6 +129,7 @@ class UsageLedger:
         self._thread_lock = threading.Lock()  # flock is per open file, not per thread
         self._closing = False  # set by close(): a wait for another process's hold gives up at once
         self._local = 0
+        self._local_tenants: dict[bytes, int] | None = {}
         self._write_failed = False
         self._fd: int | None = None
         self._root_fd = root_fd
@@ -157,9 +178,9 @@ class UsageLedger:
             if self._fd is not None and not self.read_only:
                 self._flock(started, timeout_s, then)
             try:
-                usage = Usage(self, self._read())
+                usage = Usage(self, *self._read())
                 yield usage
-                if usage.total != usage.saved:
+                if usage.changed:
                     usage.save()
             finally:
                 if self._fd is not None and not self.read_only:
@@ -217,7 +238,11 @@ class UsageLedger:
 
     def peek(self) -> int:
         """The total without locking (for stats)."""
-        return self._read() or 0
+        return self._read()[0] or 0
+
+    def peek_tenants(self) -> dict[bytes, int] | None:
+        """The file bytes of each tenant tag without locking (for stats); ``None``: no valid table."""
+        return self._read()[1]
 
     def close(self) -> None:
         """Close the file, once a call holding or waiting for the lock has ended (a wait for
@@ -233,21 +258,23 @@ class UsageLedger:
             if held:
                 self._thread_lock.release()
 
-    def _read(self) -> int | None:
-        """The folder's total: the file's, ``None`` when it holds none (never written: a full
-        disk refused its first 8 bytes), then rebuilt from a listing. Never this process's own
-        copy while the file is shared: another process may have written it since."""
+    def _read(self) -> tuple[int | None, dict[bytes, int] | None]:
+        """The folder's total and tenant table: the file's, ``None`` when it holds none (never
+        written: a full disk refused its first 8 bytes), then rebuilt from a listing. Never this
+        process's own copy while the file is shared: another process may have written it since."""
         if self._fd is None:
-            return self._local
-        data = os.pread(self._fd, 8, 0)
-        return int.from_bytes(data, "little") if len(data) == 8 else None
+            return self._local, None if self._local_tenants is None else dict(self._local_tenants)
+        return decode_usage(os.pread(self._fd, max(8, os.fstat(self._fd).st_size), 0))
 
-    def _write(self, total: int) -> None:
+    def _write(self, total: int, tenants: dict[bytes, int] | None = None) -> None:
         self._local = total
+        self._local_tenants = None if tenants is None else dict(tenants)
         if self._fd is None or self.read_only:
             return
+        data = encode_usage(total, tenants)
         try:
-            os.pwrite(self._fd, total.to_bytes(8, "little"), 0)
+            os.pwrite(self._fd, data, 0)
+            os.ftruncate(self._fd, len(data))  # a table that shrank, or none now
         except OSError as exc:  # a full disk may refuse even 8 bytes for a new file
             if not self._write_failed:
                 logger.warning("disk tier: cannot update the shared usage file (%s); retrying with each write", exc)

@@ -18,6 +18,7 @@ from kvplug.errors import CorruptChunkError
 from kvplug_disk.files import RecordFolder, value_size_of
 from kvplug_disk.folder_scan import ForeignEntryError
 from kvplug_disk.ledger import FolderLockTimeoutError, UsageLedger
+from kvplug_disk.tenant_tags import record_tag
 
 #: Longest a removal of :func:`verify_folder` waits for the folder's lock, which a paused
 #: process may hold for ever: then it raises :class:`~kvplug_disk.ledger.FolderLockTimeoutError`.
@@ -107,10 +108,12 @@ def _remove_if_same(folder: RecordFolder, ledger: UsageLedger, digest: str, stat
     record renamed over it meanwhile stays, and the tiers' budget does not evict good records
     for room already free."""
     with ledger.locked(timeout_s=VERIFY_LOCK_WAIT_S, then="the corrupt record stays") as usage:
+        tag = record_tag(folder, digest) if usage.tenants else None  # its tenant's count goes too
         if not folder.unlink_if_same(digest, stat):
             return False
         if usage.known:
             usage.total -= value_size_of(stat.st_size)
+            usage.add_tenant(tag, -stat.st_size)
         return True
 
 
