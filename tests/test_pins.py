@@ -85,6 +85,26 @@ def test_configured_pins_read_their_prefix_file_beside_the_config(
         assert engine.lookup(SYSTEM) == 0  # unsalted: other keys, never pinned
 
 
+def test_a_prefix_file_past_any_prompt_is_refused_at_its_bound(
+    registry: PluginRegistry, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A configured pin's file is read only up to ``TOKEN_FILE_MAX_BYTES`` (``/dev/zero`` or a
+    wrong file named as the prefix would fill memory): the pin is skipped, the engine serves."""
+    from kvplug.core.tenancy import TOKEN_FILE_MAX_BYTES
+
+    huge = tmp_path / "huge.txt"
+    huge.write_bytes(b" " * (TOKEN_FILE_MAX_BYTES + 1))  # blank: read whole, it was an empty prefix
+    (tmp_path / "kvplug.yaml").write_text(
+        f"chunk_size: 8\ntiers: [{{type: cpu, max_bytes: 64KiB, pin_max_bytes: 50%}}]\npin: [{{prefix_file: {huge}}}]\n"
+    )
+    config = load_config(config_file=tmp_path / "kvplug.yaml", env={}, registry=registry).config
+    with caplog.at_level("ERROR", logger="kvplug"):
+        engine = CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="pins"), registry=registry)
+    with engine:
+        assert f"over {TOKEN_FILE_MAX_BYTES} bytes" in caplog.text
+        assert "that pin is not applied" in caplog.text
+
+
 def test_a_tenant_over_its_quota_evicts_its_own_chunks_through_the_engine(registry: PluginRegistry) -> None:
     tiers = [{"type": "cpu", "max_bytes": "256KiB", "quotas": {"tenant-a": "10%", "default": "20%"}}]
     with make(registry, tiers=tiers, tenancy={"tenants": {"tenant-a": "a-secret"}}) as engine:

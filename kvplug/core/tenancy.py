@@ -66,9 +66,19 @@ class PinSpec(BaseModel):
         return RequestInfo(cache_salt=self.salt, lora_id=self.lora_id, extra_keys=ExtraKey.adapter_keys(self.lora_path))
 
 
+#: The largest token file read (a configured pin's ``prefix_file``): past the token ids of any
+#: context window; a bigger one (``/dev/zero``, a wrong file) is refused before it fills memory.
+TOKEN_FILE_MAX_BYTES = 64 * 1024**2
+
+
 def read_token_file(path: Path) -> list[int]:
-    """Token ids from a file: a JSON list, or integers separated by whitespace or commas."""
-    text = path.read_text(encoding="utf-8").strip()
+    """Token ids from a file of at most :data:`TOKEN_FILE_MAX_BYTES`: a JSON list, or integers
+    separated by whitespace or commas."""
+    with path.open("rb") as file:  # at most one byte past the bound
+        data = file.read(TOKEN_FILE_MAX_BYTES + 1)
+    if len(data) > TOKEN_FILE_MAX_BYTES:
+        raise ValueError(f"{path}: over {TOKEN_FILE_MAX_BYTES} bytes, longer than the token ids of any prompt")
+    text = data.decode("utf-8").strip()
     body = text[1:-1] if text.startswith("[") and text.endswith("]") else text
     try:
         return [int(part) for part in body.replace(",", " ").split()]
