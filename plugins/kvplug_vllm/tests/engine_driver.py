@@ -30,10 +30,12 @@ from pathlib import Path
 
 
 def ctl(*args: str) -> object:
-    """``kvplug ctl ARGS --json`` against this process's engine (its worker runs here)."""
+    """``kvplug ctl ARGS --json`` against this process's engine (its workers serve in the folder this
+    process resolves: they run here, or in processes started from here)."""
+    from kvplug import private_socket_dir
     from kvplug.testing import run_ctl
 
-    return run_ctl(Path(os.environ["KVPLUG_LOOKUP_DIR"]), *args)
+    return run_ctl(private_socket_dir(), *args)
 
 
 def ctl_lookup(tokens: list[int], engine: str) -> object:
