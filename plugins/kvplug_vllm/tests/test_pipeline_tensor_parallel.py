@@ -2,7 +2,9 @@
 
 Each worker (stage, rank) stores its own record of each chunk (its heads of its stage's layers)
 and serves its own control socket; a second request of the prompt loads every worker's records,
-each the KV that worker computed. Failed loads on one stage: test_pipeline_parallel.py.
+each the KV that worker computed. The engine's first worker (stage 0, rank 0) alone publishes
+kvplug's KV events: one per chunk, not one per worker. Failed loads on one stage:
+test_pipeline_parallel.py.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 import pytest
 from conftest import CHUNK_SIZE, kv_config, output, report, tokens
 from record_files import chunk_records
+from test_kv_events import Subscriber
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from kvplug.testing import assert_kv_matches, load_slots
 
@@ -30,10 +34,22 @@ def test_a_pp2_tp2_engine_loads_each_workers_records_and_each_worker_answers_kvp
     store = tmp_path / "kv"
     kv = {**kv_config(**{"kvplug.tiers": [{"type": "disk", "path": str(store)}]}), "engine_id": ENGINE}
     steps = [{"prompts": [{"tokens": PROMPT}], "max_tokens": 4, "capture": str(tmp_path / f"kv-{i}")} for i in (0, 1)]
+    # vLLM's prefix cache (on, for its KV events) emptied after the first request: the second loads from kvplug
+    steps[0]["reset_prefix_cache"] = True
     steps[1].update(ctl_engine=ENGINE, ctl_lookups=[PROMPT])
-    run = run_engine(
-        kv=kv, steps=steps, capture=True, pipeline_parallel_size=2, tensor_parallel_size=2, max_model_len=1024
-    )
+    subscriber = Subscriber()
+    try:
+        run = run_engine(
+            kv=kv,
+            steps=steps,
+            capture=True,
+            pipeline_parallel_size=2,
+            tensor_parallel_size=2,
+            prefix_caching=True,
+            kv_events={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": subscriber.endpoint},
+        )
+    finally:
+        events = subscriber.close()
 
     assert report(run, 0)["hit_tokens"] == 0
     loaded = report(run, 1)
@@ -50,9 +66,13 @@ def test_a_pp2_tp2_engine_loads_each_workers_records_and_each_worker_answers_kvp
         reference = [s for c, _ in stage_files for s in load_slots(c)]
         assert_kv_matches([s for _, a in stage_files for s in load_slots(a)], reference, WHOLE)
     replies = run["steps"][1]["ctl_lookups"][0]["ranks"]
+    assert len(replies) == 4, replies  # every worker answers
     assert [(r["pp_rank"], r["tp_rank"], r["hit_tokens"]) for r in replies] == [
         (0, 0, WHOLE),
         (0, 1, WHOLE),
         (1, 0, WHOLE),
         (1, 1, WHOLE),
     ], replies
+    kvplug_events = [e for e in events if isinstance(e, (BlockStored, BlockRemoved)) and e.medium == "disk"]
+    assert [type(e) for e in kvplug_events] == [BlockStored] * (WHOLE // CHUNK_SIZE), kvplug_events
+    assert all(len(e.block_hashes) == CHUNK_SIZE // 32 for e in kvplug_events), kvplug_events
