@@ -19,8 +19,7 @@ Replies = list[tuple[RankEndpoint, dict[str, Any]]]
 
 
 def rank_name(rank: RankEndpoint) -> str:
-    dp, tp = rank.rank
-    return f"dp{dp}/tp{tp}"
+    return rank.name
 
 
 def closed_ranks(replies: Replies) -> list[str]:
@@ -43,7 +42,7 @@ def report_closed(replies: Replies, closed: list[str]) -> None:
 
 
 def print_json(replies: Replies, total: dict[str, Any]) -> None:
-    ranks = [{"dp_rank": r.rank[0], "tp_rank": r.rank[1], **reply} for r, reply in replies]
+    ranks = [{"dp_rank": r.rank[0], "pp_rank": r.rank[1], "tp_rank": r.rank[2], **reply} for r, reply in replies]
     engine = replies[0][0].engine_id if replies else None
     typer.echo(json.dumps({"engine": engine, "total": total, "ranks": ranks}, indent=2))
 

@@ -38,8 +38,15 @@ class RankEndpoint:
         return str(self.info.get("engine_id", ""))
 
     @property
-    def rank(self) -> tuple[int, int]:
-        return int(self.info.get("dp_rank", 0)), int(self.info.get("tp_rank", 0))
+    def rank(self) -> tuple[int, int, int]:
+        """Data-parallel rank, pipeline stage, tensor-parallel rank."""
+        return int(self.info.get("dp_rank", 0)), int(self.info.get("pp_rank", 0)), int(self.info.get("tp_rank", 0))
+
+    @property
+    def name(self) -> str:
+        """``dp0/tp1``; ``dp0/pp1/tp0`` in an engine of pipeline stages."""
+        dp, pp, tp = self.rank
+        return f"dp{dp}/pp{pp}/tp{tp}" if int(self.info.get("pp_size", 1)) > 1 else f"dp{dp}/tp{tp}"
 
 
 @dataclass
@@ -99,7 +106,7 @@ def _connect(path: Path, deadline: float, timeout_s: float) -> socket.socket:
 
 def find_ranks(folder: Path | None = None, *, timeout_s: float = 5.0) -> Found:
     """Every rank answering on a control socket in ``folder`` (default: this user's
-    private folder), ordered by engine, data-parallel and tensor-parallel rank."""
+    private folder), ordered by engine, data-parallel rank, pipeline stage and tensor-parallel rank."""
     folder = folder or private_socket_dir()
     found = Found([])
     for path in sorted(folder.glob("ctl-*.sock")):
@@ -151,8 +158,8 @@ class ControlClient:
             except ControlError as exc:
                 if not replies:
                     raise
-                done = ", ".join(f"dp{r.rank[0]}/tp{r.rank[1]}" for r, _ in replies)
-                failed = f"dp{rank.rank[0]}/tp{rank.rank[1]}"
+                done = ", ".join(r.name for r, _ in replies)
+                failed = rank.name
                 raise ControlError(
                     f"rank {failed}: {exc}; {op} was done on the ranks that answered first: {done}"
                 ) from None

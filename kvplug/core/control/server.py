@@ -1,7 +1,7 @@
 """A running engine's answers to ``kvplug ctl``: one :class:`ControlServer` per cache engine.
 
 An engine adapter starts one for each of its workers' :class:`~kvplug.CacheEngine`
-(one per tensor-parallel rank) on :func:`control_socket_path`, in this user's private
+(one per tensor-parallel rank of each pipeline stage) on :func:`control_socket_path`, in this user's private
 folder; ``kvplug ctl`` finds them there, asks every rank of an engine and sums. An
 adapter whose scheduler runs in another process asks the same socket (``lookup``, with
 typed :class:`~kvplug.ChunkLocation` answers, and ``reset``: the adapter's cache reset,
@@ -68,11 +68,21 @@ class ControlIdentity:
     tp_rank: int = 0
     tp_size: int = 1
     dp_rank: int = 0
+    #: The pipeline stage (each holds other layers, with a cache engine of its own per tensor-parallel rank).
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @property
+    def worker(self) -> int:
+        """This rank's index among the engine's ``tp_size * pp_size`` workers (its tensor-parallel
+        rank in the first stage): what its socket is named by."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
 
-def control_socket_path(engine_id: str, dp_rank: int, tp_rank: int) -> Path:
-    """The control socket of one rank of an engine: this user's private folder, a hex name."""
-    name = hashlib.sha256(f"{engine_id}\0{dp_rank}\0{tp_rank}".encode()).hexdigest()[:32]
+def control_socket_path(engine_id: str, dp_rank: int, worker: int) -> Path:
+    """The control socket of one worker of an engine (:attr:`ControlIdentity.worker`: the
+    tensor-parallel rank without pipeline stages): this user's private folder, a hex name."""
+    name = hashlib.sha256(f"{engine_id}\0{dp_rank}\0{worker}".encode()).hexdigest()[:32]
     return private_socket_dir() / f"ctl-{name}.sock"
 
 
@@ -116,9 +126,7 @@ class ControlServer(MessageServer):
         }
         self._clearing = threading.Lock()
         try:
-            super().__init__(
-                path or control_socket_path(identity.engine_id, identity.dp_rank, identity.tp_rank), limits
-            )
+            super().__init__(path or control_socket_path(identity.engine_id, identity.dp_rank, identity.worker), limits)
         except BaseException:
             # A target the caller made stays open: it still journals the engine's stores, which
             # the caller's own clears and resets remove (a server that failed to start leaves it as it was).

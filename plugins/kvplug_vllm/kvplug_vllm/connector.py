@@ -70,12 +70,13 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         settings, engine_extra = split_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self.settings = settings
         parallel = vllm_config.parallel_config
-        tp_rank = 0
+        worker = 0
         if role == KVConnectorRole.WORKER:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-            tp_rank = get_tensor_model_parallel_rank()
-        engine_key = (str(self._kv_transfer_config.engine_id), parallel.data_parallel_rank, tp_rank)
+            # each pipeline stage's workers have tensor-parallel ranks 0.. of their own (lookup.py)
+            worker = get_pp_group().rank_in_group * parallel.tensor_parallel_size + get_tensor_model_parallel_rank()
+        engine_key = (str(self._kv_transfer_config.engine_id), parallel.data_parallel_rank, worker)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._sleep = CacheSleep()

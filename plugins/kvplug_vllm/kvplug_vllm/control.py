@@ -1,6 +1,6 @@
 """``kvplug ctl`` for vLLM: each worker serves its cache engine's control socket.
 
-Every tensor-parallel rank's worker starts a :class:`kvplug.ControlServer` for its
+Every worker (each tensor-parallel rank of each pipeline stage) starts a :class:`kvplug.ControlServer` for its
 engine, under vLLM's ``kv_transfer_config.engine_id`` (shared by the ranks of one
 engine) and the served model name. The same socket answers the scheduler's lookups and
 cache resets in vLLM's multiprocess engine (:mod:`kvplug_vllm.lookup`); ``LLM`` in one
@@ -51,23 +51,27 @@ def start_control(
     """The worker's control server, or ``None`` (logged) if it cannot start: an engine
     without ``kvplug ctl`` (and, in vLLM's multiprocess engine, without kvplug hits: its
     scheduler's lookups are misses) still serves. ``on_reset``: the worker's cache reset."""
-    engine_id, dp_rank, tp_rank = engine_key
+    engine_id, dp_rank, worker = engine_key
+    parallel = vllm_config.parallel_config
     names = getattr(vllm_config.model_config, "served_model_name", None) or vllm_config.model_config.model
     name = names[0] if isinstance(names, (list, tuple)) else str(names)
     identity = ControlIdentity(
         engine_id=engine_id,
         name=name,
         adapter="vllm",
-        tp_rank=tp_rank,
-        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        tp_rank=worker % parallel.tensor_parallel_size,
+        tp_size=parallel.tensor_parallel_size,
         dp_rank=dp_rank,
+        pp_rank=worker // parallel.tensor_parallel_size,
+        pp_size=parallel.pipeline_parallel_size,
     )
     try:
         server = ControlServer(engine, identity, on_reset=on_reset)
     except Exception as exc:
         logger.warning("kvplug ctl is not available for this worker: %s", exc)
         return None
-    logger.info("kvplug ctl: engine %s (%s) rank tp%d answers on %s", engine_id, name, tp_rank, server.path)
+    rank = f"pp{identity.pp_rank}/tp{identity.tp_rank}" if identity.pp_size > 1 else f"tp{identity.tp_rank}"
+    logger.info("kvplug ctl: engine %s (%s) rank %s answers on %s", engine_id, name, rank, server.path)
     return server
 
 

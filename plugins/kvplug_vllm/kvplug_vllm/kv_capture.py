@@ -37,8 +37,9 @@ class KVCaptureExtension:
     """Mixed into vLLM's worker: the method the oracle calls on every rank."""
 
     def kvplug_capture_kv(self, path: str) -> str:
-        """Write the KV of the one running request to ``<path>.rank<r>``; return that path."""
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        """Write the KV of the one running request to ``<path>.rank<r>`` (``<path>.pp<s>.rank<r>``
+        with pipeline stages); return that path."""
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         runner: Any = self.model_runner  # type: ignore[attr-defined]
         requests = runner.requests
@@ -47,7 +48,9 @@ class KVCaptureExtension:
         (state,) = requests.values()
         rank = get_tensor_model_parallel_rank()
         slots = capture_request(runner, list(state.block_ids), rank)
-        target = f"{path}.rank{rank}"
+        # each pipeline stage holds other layers: its own file (the oracle compares stage by stage)
+        pp = get_pp_group()
+        target = f"{path}.pp{pp.rank_in_group}.rank{rank}" if pp.world_size > 1 else f"{path}.rank{rank}"
         save_slots(slots, target)
         return target
 

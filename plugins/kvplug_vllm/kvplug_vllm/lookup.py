@@ -59,7 +59,9 @@ class LocalWorker:
     trim: TrimHit | None = None
 
 
-#: (engine id, data-parallel rank, tensor-parallel rank) -> the worker in this process.
+#: (engine id, data-parallel rank, worker) -> the worker in this process. A worker is its tensor-parallel
+#: rank among the engine's ``tp_size * pp_size`` (``pp_rank * tp_size + tp_rank``, kvplug's
+#: ``ControlIdentity.worker``): each pipeline stage holds other layers, in a cache engine of its own.
 _LOCAL_WORKERS: dict[tuple[str, int, int], LocalWorker] = {}
 _LOCAL_LOCK = threading.Lock()
 
@@ -83,10 +85,10 @@ def local_worker(engine_key: tuple[str, int, int]) -> LocalWorker | None:
         return _LOCAL_WORKERS.get(engine_key)
 
 
-def socket_path(engine_id: str, dp_rank: int, tp_rank: int) -> Path:
+def socket_path(engine_id: str, dp_rank: int, worker: int) -> Path:
     """The socket one worker answers its scheduler on: its control socket."""
     try:
-        return control_socket_path(engine_id, dp_rank, tp_rank)
+        return control_socket_path(engine_id, dp_rank, worker)
     except UnsafeSocketPathError as exc:
         raise LookupChannelError(str(exc)) from None
 
@@ -214,12 +216,13 @@ class DirectLookup:
 
 
 def open_channel(
-    engine_key: tuple[str, int, int], tp_size: int, mode: str, timeout_s: float
+    engine_key: tuple[str, int, int], num_workers: int, mode: str, timeout_s: float
 ) -> DirectLookup | SocketLookup:
-    """The scheduler's way to every tensor-parallel worker of its engine (``lookup_channel``):
+    """The scheduler's way to every worker of its engine (``num_workers``: every tensor-parallel rank
+    of every pipeline stage; a chunk is a hit only if all hold it), by ``lookup_channel``:
     direct when their engines are in this process (``auto``), else over their sockets."""
     engine_id, dp_rank, _ = engine_key
-    keys = [(engine_id, dp_rank, rank) for rank in range(tp_size)]
+    keys = [(engine_id, dp_rank, worker) for worker in range(num_workers)]
     workers = [w for w in (local_worker(key) for key in keys) if w is not None]
     channel: DirectLookup | SocketLookup
     if mode == "direct" or (mode == "auto" and len(workers) == len(keys)):

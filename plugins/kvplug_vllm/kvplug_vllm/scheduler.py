@@ -82,7 +82,8 @@ class SchedulerSide:
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.lookups = SchedulerLookups(settings, config, engine_key, self.tp_size, self._count_lookup_time)
+        workers = self.tp_size * self.pp_size
+        self.lookups = SchedulerLookups(settings, config, engine_key, workers, self._count_lookup_time)
         #: Every request kvplug was asked about, until it finishes.
         self._states: dict[str, RequestState] = {}
         self._stats = KVPlugConnectorStats()

@@ -30,12 +30,13 @@ class SchedulerLookups:
         settings: ConnectorSettings,
         config: KVPlugConfig,
         engine_key: tuple[str, int, int],
-        tp_size: int,
+        workers: int,
         count_time: Callable[[float], None],
     ) -> None:
         self.settings = settings
         self.engine_key = engine_key
-        self.tp_size = tp_size
+        #: The engine's workers: every tensor-parallel rank of every pipeline stage.
+        self.workers = workers
         #: Called with the seconds each lookup took (every ask of a background one).
         self._count_time = count_time
         #: Tier types looked up on the scheduler thread (memory, local files); the others in the background.
@@ -86,7 +87,7 @@ class SchedulerLookups:
         """The channel to the worker's cache engine, opened on first use."""
         if self._channel is None:
             self._channel = open_channel(
-                self.engine_key, self.tp_size, self.settings.lookup_channel, self.settings.lookup_timeout_s
+                self.engine_key, self.workers, self.settings.lookup_channel, self.settings.lookup_timeout_s
             )
         return self._channel
 

@@ -95,7 +95,7 @@ class ConnectorSettings(BaseModel):
         ge=1,
         le=65535,
         description="Serve the worker's kvplug Prometheus metrics on 127.0.0.1 at this port "
-        "(plus the tensor-parallel rank).",
+        "(plus the worker's index: its tensor-parallel rank, plus pp_rank * tp_size with pipeline stages).",
     )
 
 

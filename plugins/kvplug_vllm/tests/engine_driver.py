@@ -30,10 +30,12 @@ from pathlib import Path
 
 
 def ctl(*args: str) -> object:
-    """``kvplug ctl ARGS --json`` against this process's engine (its worker runs here)."""
+    """``kvplug ctl ARGS --json`` against this process's engine (its workers serve in the folder this
+    process resolves: they run here, or in processes started from here)."""
+    from kvplug import private_socket_dir
     from kvplug.testing import run_ctl
 
-    return run_ctl(Path(os.environ["KVPLUG_LOOKUP_DIR"]), *args)
+    return run_ctl(private_socket_dir(), *args)
 
 
 def ctl_lookup(tokens: list[int], engine: str) -> object:
@@ -70,10 +72,12 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     tp = spec.get("tensor_parallel_size", 1)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocessing") or tp > 1 else "0"
-    if tp > 1:  # vllm-cpu binds each rank's OpenMP threads to its own cores: one core each here
+    pp = spec.get("pipeline_parallel_size", 1)
+    workers = tp * pp
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocessing") or workers > 1 else "0"
+    if workers > 1:  # vllm-cpu binds each rank's OpenMP threads to its own cores: one core each here
         cores = os.cpu_count() or 1
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(rank % cores) for rank in range(tp)))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(rank % cores) for rank in range(workers)))
     from vllm import LLM, SamplingParams
 
     if spec.get("force_loads"):  # test_mla.py: load where kvplug would refuse, to show why it refuses
@@ -100,11 +104,15 @@ def main() -> None:
         options["enable_prompt_embeds"] = True
     if spec.get("max_num_batched_tokens") is not None:  # a small budget: long prompts prefill in several steps
         options["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
-    if tp > 1:
-        options.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+    if workers > 1:
+        options.update(tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend="mp")
     elif not spec.get("multiprocessing"):
         options["distributed_executor_backend"] = "uni"
-    if spec.get("capture"):
+    if pp > 1:  # with the KV capture: pipeline_worker.py says why
+        from pipeline_worker import EXTENSION as PP_EXTENSION
+
+        options["worker_extension_cls"] = PP_EXTENSION
+    elif spec.get("capture"):
         from kvplug_vllm.kv_capture import EXTENSION
 
         options["worker_extension_cls"] = EXTENSION
@@ -113,6 +121,8 @@ def main() -> None:
     if spec.get("kv_events") is not None:
         options["kv_events_config"] = spec["kv_events"]
     llm = LLM(**options)
+    if pp > 1:
+        assert any(llm.collective_rpc("kvplug_allocate_pp_buffers")), "no stage lacked its buffer: drop the workaround"
     results = []
     for step in spec["steps"]:
         prompts = [prompt(p, spec["model"]) for p in step["prompts"]]
