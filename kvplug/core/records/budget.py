@@ -14,6 +14,7 @@ from kvplug.core.records.frame import RECORD_HEADER_SIZE
 from kvplug.core.records.index import RecordIndex, Victim
 from kvplug.core.records.maintenance import LISTING_TIMEOUT_S
 from kvplug.core.remote.calls import RemoteCalls
+from kvplug.core.remote.retry import Absent
 from kvplug.core.tier import TierContext
 
 T = TypeVar("T")
@@ -87,6 +88,8 @@ class RecordBudget:
         due = self._index.due_checks()
         gone: list[str | None] = []
         for group, result in self._groups(self._backend.exists, list(due), self._backend.call_sizes.query):
+            if isinstance(result, Absent):  # a batch of one whose record is missing (an object store's 404)
+                result = [False] * len(group)
             if not isinstance(result, BaseException):
                 for name, exists in zip(group, result):
                     if exists is False:  # (an exception: no answer for this name)
