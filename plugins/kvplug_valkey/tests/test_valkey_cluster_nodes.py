@@ -1,0 +1,66 @@
+"""A cluster node that dies: keys on the live nodes keep hitting (a breaker per node), the
+tier's health says one node is down, and the node's keys come back when it does."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import valkey
+from valkey_helpers import FAST_FAILING, fresh_prefix
+
+from kvplug.core.records.frame import key_digest
+from kvplug.testing import key_for, value_for
+from kvplug_valkey.testing import ValkeyCluster
+
+
+def _node_of(cluster: ValkeyCluster, prefix: str, keys: list[str]) -> list[int]:
+    """Which node (index into ``cluster.nodes``) holds each key's record."""
+    where: dict[bytes, int] = {}
+    for index, port in enumerate(cluster.ports):
+        with valkey.Valkey(host="127.0.0.1", port=port) as client:
+            for name in client.scan_iter(match=prefix + "*"):
+                where[name] = index
+    return [where[(prefix + key_digest(key).hex()).encode()] for key in keys]
+
+
+def test_a_dead_node_misses_its_keys_alone(tmp_path: Path, tiers) -> None:
+    with ValkeyCluster(tmp_path / "cluster") as cluster:
+        prefix = fresh_prefix()
+        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **FAST_FAILING)
+        keys = [key_for(f"node-{i}") for i in range(48)]
+        values = [value_for(key, 3000) for key in keys]
+        tier.put(list(zip(keys, values)))
+        nodes = _node_of(cluster, prefix, keys)
+        assert set(nodes) == {0, 1, 2}, nodes
+        cluster.nodes[2].kill()
+
+        alive = [node != 2 for node in nodes]
+        for _ in range(2 * FAST_FAILING["breaker_failures"]):  # past where one breaker for all opened
+            got = tier.get(keys)
+            assert [value is not None for value in got] == alive, tier.stats().extra
+            assert all(bytes(v) == want for v, want, up in zip(got, values, alive) if up and v is not None)
+            assert tier.contains(keys) == alive
+        extra = tier.stats().extra
+        assert extra["breaker_state"] == "closed", extra  # the tier as a whole still serves
+        assert extra["nodes_down"] == 1 and extra["nodes"] == 3, extra
+
+        # Writes to live nodes land; those to the dead node are dropped, counted.
+        more = [key_for(f"more-{i}") for i in range(24)]
+        dropped = tier.stats().extra["dropped_puts"]
+        tier.put([(key, value_for(key, 1000)) for key in more])
+        landed = tier.contains(more)
+        assert any(landed) and not all(landed)
+        assert tier.stats().extra["dropped_puts"] - dropped == landed.count(False)
+
+        cluster.nodes[2].start()
+        cluster.wait_ok()
+        deadline = time.monotonic() + 60
+        while True:  # the node's breaker lets a probe through after its cooldown
+            tier.put(list(zip(keys, values)))
+            if all(tier.contains(keys)):
+                break
+            assert time.monotonic() < deadline, tier.stats().extra
+            time.sleep(0.2)
+        assert [bytes(v) for v in tier.get(keys)] == values
+        assert tier.stats().extra["nodes_down"] == 0
