@@ -32,6 +32,7 @@ from kvplug import Buffer, CallSizes, FailureKind, RecordBackend, RecordToWrite,
 from kvplug.errors import CorruptChunkError
 from kvplug_valkey.config import ValkeyTierConfig
 from kvplug_valkey.nodes import ClusterNodes, NodeDownError
+from kvplug_valkey.replies import ReplyTooLongError, bound_replies, bounded_parser
 
 #: SCAN page size: keys per round trip when listing.
 SCAN_COUNT = 1000
@@ -63,10 +64,11 @@ Client = Any  # valkey.asyncio.Valkey | ValkeyCluster: their stubs share no prot
 
 
 def classify(exc: BaseException) -> FailureKind:
-    """Credentials and permissions are permanent (no retry fixes them); the rest transient."""
+    """Credentials, permissions and a reply over the record bound are permanent (no retry fixes
+    them); the rest transient."""
     if isinstance(exc, (vex.AuthenticationError, vex.AuthorizationError, vex.NoPermissionError)):
         return "permanent"
-    if isinstance(exc, vex.AuthenticationWrongNumberOfArgsError):
+    if isinstance(exc, (vex.AuthenticationWrongNumberOfArgsError, ReplyTooLongError)):
         return "permanent"
     if isinstance(exc, vex.ResponseError):
         text = str(exc).upper()
@@ -133,6 +135,7 @@ class ValkeyBackend(RecordBackend):
         self._client: Client | None = None
         self._nodes: ClusterNodes | None = None
         self._lock: asyncio.Lock | None = None
+        self._parser = bounded_parser(record_bound)
         self._ttl_ms = None if config.ttl_s is None else max(1, round(config.ttl_s * 1000))
 
     def key(self, name: str) -> bytes:
@@ -338,13 +341,15 @@ class ValkeyBackend(RecordBackend):
         else:
             where = {"host": self.address.host, "port": self.address.port}
         # valkey-py's own retries stay off (its default): kvplug's policy retries within its deadline.
-        return avalkey.Valkey(
+        client = avalkey.Valkey(
             **where, db=self.address.db, max_connections=self.config.max_connections, **self._common()
         )
+        return bound_replies(client, self._parser)
 
     def _node(self, host: str, port: int) -> Client:
         """A plain client of one cluster node (its share of each batch goes over it)."""
-        return avalkey.Valkey(host=host, port=port, max_connections=self.config.max_connections, **self._common())
+        client = avalkey.Valkey(host=host, port=port, max_connections=self.config.max_connections, **self._common())
+        return bound_replies(client, self._parser)
 
     def _cluster(self) -> Client:
         return ValkeyCluster(
