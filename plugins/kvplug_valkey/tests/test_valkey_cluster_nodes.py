@@ -64,3 +64,33 @@ def test_a_dead_node_misses_its_keys_alone(tmp_path: Path, tiers) -> None:
             time.sleep(0.2)
         assert [bytes(v) for v in tier.get(keys)] == values
         assert tier.stats().extra["nodes_down"] == 0
+
+
+def test_a_hung_node_costs_its_keys_alone_and_its_connections_are_not_reused_mid_reply(tmp_path: Path, tiers) -> None:
+    """A node that accepts and never answers (SIGSTOP): its share of each batch ends at its
+    part of the deadline, the others still answer; once it resumes, the replies it then
+    sends for the abandoned calls are never taken for a later call's."""
+    with ValkeyCluster(tmp_path / "cluster") as cluster:
+        prefix = fresh_prefix()
+        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **FAST_FAILING)
+        keys = [key_for(f"hung-{i}") for i in range(48)]
+        values = [value_for(key, 3000) for key in keys]
+        tier.put(list(zip(keys, values)))
+        nodes = _node_of(cluster, prefix, keys)
+        alive = [node != 1 for node in nodes]
+        cluster.nodes[1].pause()
+        try:
+            for _ in range(2 * FAST_FAILING["breaker_failures"]):
+                got = tier.get(keys)
+                assert [value is not None for value in got] == alive, tier.stats().extra
+            assert tier.stats().extra["nodes_down"] == 1
+        finally:
+            cluster.nodes[1].resume()
+        deadline = time.monotonic() + 60
+        while not all(tier.contains(keys)):
+            assert time.monotonic() < deadline, tier.stats().extra
+            time.sleep(0.2)
+        for _ in range(3):
+            assert [None if v is None else bytes(v) for v in tier.get(keys)] == values
+        extra = tier.stats().extra
+        assert extra["nodes_down"] == 0 and extra["corrupt"] == 0 and extra["breaker_state"] == "closed", extra
