@@ -87,7 +87,10 @@ class ClusterNodes:
         await self.cluster.initialize()
         if self._stale:
             self._stale = False
-            await self.cluster.nodes_manager.initialize()
+            try:
+                await self.cluster.nodes_manager.initialize()
+            except (vex.ValkeyError, vex.ValkeyClusterException, OSError) as exc:  # the map it had stays
+                _log.debug("valkey cluster: the slot map could not be refreshed: %s", exc)
         results: list[Any] = [None] * len(commands)
         groups: dict[str, tuple[Any, list[int]]] = {}
         for position, command in enumerate(commands):

@@ -108,3 +108,22 @@ def test_a_hung_node_costs_its_keys_alone_and_its_connections_are_not_reused_mid
             assert [None if v is None else bytes(v) for v in tier.get(keys)] == values
         extra = tier.stats().extra
         assert extra["nodes_down"] == 0 and extra["corrupt"] == 0 and extra["breaker_state"] == "closed", extra
+
+
+def test_a_cluster_with_no_node_answering_opens_the_tiers_breaker_and_recovers(tmp_path: Path, tiers) -> None:
+    """Every node killed: as for a standalone server, the tier's breaker opens (lookups then
+    cost no network call); restarted, the cluster serves again without a new tier."""
+    with ValkeyCluster(tmp_path / "cluster") as cluster:
+        tier = tiers(cluster.url, cluster=True, **FAST_FAILING)
+        keys = [key_for(f"all-{i}") for i in range(24)]
+        values = [value_for(key, 2000) for key in keys]
+        _stored(tier, keys, values)
+        cluster.kill()
+        for _ in range(2 * FAST_FAILING["breaker_failures"]):
+            assert tier.get(keys) == [None] * len(keys)
+        extra = tier.stats().extra
+        assert extra["breaker_state"] == "open" and extra["nodes_down"] == 3, extra
+        cluster.start()
+        _stored(tier, keys, values)
+        assert [bytes(v) for v in tier.get(keys)] == values
+        assert tier.stats().extra["breaker_state"] == "closed"
