@@ -114,8 +114,17 @@ class ValkeyBackend(RecordBackend):
     #: The server's ``maxmemory`` policy and TTLs remove keys without telling any client.
     evicts_on_its_own = True
 
-    def __init__(self, config: ValkeyTierConfig, record_bound: Callable[[], int | None] = lambda: None) -> None:
+    def __init__(
+        self,
+        config: ValkeyTierConfig,
+        record_bound: Callable[[], int | None] = lambda: None,
+        on_node_failure: Callable[[BaseException], None] = lambda exc: None,
+        on_node_short_circuit: Callable[[], None] = lambda: None,
+    ) -> None:
         self.config = config
+        #: Where a cluster node's failures and short-circuited calls are counted (the tier's metrics).
+        self._on_node_failure = on_node_failure
+        self._on_node_short_circuit = on_node_short_circuit
         #: The server refused the compare-and-delete script (see :meth:`delete_if_same`).
         self.scripts_refused = False
         #: The tier's ``max_record_bytes``, read at each read (the engine may raise it).
@@ -313,6 +322,8 @@ class ValkeyBackend(RecordBackend):
                     breaker_cooldown_s=self.config.breaker_cooldown_s,
                     request_timeout_s=self.config.request_timeout_s,
                     retries=self.config.retries,
+                    on_failure=self._on_node_failure,
+                    on_short_circuit=self._on_node_short_circuit,
                 )
             return self._client
 

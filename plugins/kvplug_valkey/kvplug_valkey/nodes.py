@@ -59,6 +59,8 @@ class ClusterNodes:
         breaker_cooldown_s: float,
         request_timeout_s: float,
         retries: int,
+        on_failure: Callable[[BaseException], None] = lambda exc: None,
+        on_short_circuit: Callable[[], None] = lambda: None,
     ) -> None:
         self.cluster = cluster
         self._node_client = node_client
@@ -66,6 +68,9 @@ class ClusterNodes:
         self._cooldown_s = breaker_cooldown_s
         self._node_timeout_s = request_timeout_s * NODE_DEADLINE_SHARE
         self._retries = retries
+        #: Report a node's failed call, and a call its open breaker answered, to the tier's metrics.
+        self._on_failure = on_failure
+        self._on_short_circuit = on_short_circuit
         self._breakers: dict[str, CircuitBreaker] = {}
         self._clients: dict[str, Any] = {}
         self._stale = False
@@ -142,6 +147,7 @@ class ClusterNodes:
         breaker = self._breaker(node.name)
         if not breaker.allow():
             self._failing.add(node.name)
+            self._on_short_circuit()
             raise NodeDownError(f"cluster node {node.name}: circuit breaker open")
         client = self._clients.get(node.name)
         if client is None:
@@ -165,6 +171,7 @@ class ClusterNodes:
         except Exception as exc:
             self.failures += 1
             self._failing.add(node.name)
+            self._on_failure(exc)
             if breaker.record_failure():
                 self._stale = True  # a failover may have given its slots to another node
                 _log.warning(

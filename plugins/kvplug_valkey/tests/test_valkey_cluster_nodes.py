@@ -58,6 +58,17 @@ def test_a_dead_node_misses_its_keys_alone(dead: int, tmp_path: Path, tiers) -> 
         extra = tier.stats().extra
         assert extra["breaker_state"] == "closed", extra  # the tier as a whole still serves
         assert extra["nodes_down"] == 1 and extra["nodes"] == 3, extra
+        # The engine's metrics say so too: the tier's breaker gauge closed, the node's failures
+        # and the calls its open breaker answered counted under the tier's label.
+        samples = tier.context.metrics.samples()
+        assert tier.context.metrics.value("kvplug_remote_breaker_state", tier="0:valkey") == 0
+        node_failures = [
+            s.value
+            for s in samples
+            if s.name == "kvplug_remote_failures_total" and s.labels["kind"].startswith("node_")
+        ]
+        assert sum(node_failures) >= FAST_FAILING["breaker_failures"], samples
+        assert tier.context.metrics.value("kvplug_remote_short_circuits_total", tier="0:valkey") > 0
 
         # Writes to live nodes land; those to the dead node are dropped, counted.
         more = [key_for(f"more-{i}") for i in range(24)]
