@@ -81,8 +81,10 @@ class ClusterNodes:
 
     def describe(self) -> dict[str, int | float | str]:
         """``nodes``: primaries known; ``nodes_down``: those whose breaker is not closed."""
+        # Called from stats() on another thread while the loop may add a node: copies, not views.
         primaries = {node.name for node in self.cluster.get_primaries()}
-        down = sum(1 for name, breaker in self._breakers.items() if name in primaries and breaker.state != "closed")
+        breakers = list(self._breakers.items())
+        down = sum(1 for name, breaker in breakers if name in primaries and breaker.state != "closed")
         return {"nodes": len(primaries), "nodes_down": down}
 
     async def pipeline(
