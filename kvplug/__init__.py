@@ -25,6 +25,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "CHUNK_DTYPE_SIZES": ("kvplug.core.chunk_format", "DTYPE_SIZES"),
     "CacheEngine": ("kvplug.core.engine.cache_engine", "CacheEngine"),
     "CallSizes": ("kvplug.core.records.backend", "CallSizes"),
+    "CircuitBreaker": ("kvplug.core.remote.retry", "CircuitBreaker"),
     "ChunkKey": ("kvplug.core.keys", "ChunkKey"),
     "ChunkStore": ("kvplug.core.engine.chunk_store", "ChunkStore"),
     "ClearKeys": ("kvplug.core.control.target", "ClearKeys"),
@@ -169,7 +170,7 @@ if TYPE_CHECKING:
     from kvplug.core.records.store import RecordCheck, RecordStore, StoredRecord, check_record
     from kvplug.core.records.tier import RecordTier
     from kvplug.core.remote.calls import RecordTierConfig, RemoteTierConfig
-    from kvplug.core.remote.retry import Absent, FailureKind, classify_failure
+    from kvplug.core.remote.retry import Absent, CircuitBreaker, FailureKind, classify_failure
     from kvplug.core.serializer import Serializer
     from kvplug.core.tenancy import NameTenants, PinReport, Tenancy
     from kvplug.core.tenancy_settings import TenancySettings
@@ -212,6 +213,7 @@ __all__ = [
     "ChunkLocation",
     "ChunkLocation",
     "ChunkStore",
+    "CircuitBreaker",
     "ClearKeys",
     "ComponentConfig",
     "Concurrency",

@@ -89,7 +89,8 @@ def remove_planned(
 def remove_read(slots: Sequence[TierSlot], items: Items) -> None:
     """Remove values a load read and found unusable: the queued writes of those values are
     cancelled (a newer queued value of the key is still written), then each tier removes a key only while it still holds the value read
-    (:meth:`~kvplug.StorageTier.remove_if_same`; a tier that cannot compare, by name)."""
+    (:meth:`~kvplug.StorageTier.remove_if_same`; a record tier that cannot compare and delete
+    in one step: by name, if a second read still finds the value)."""
     _cancel(slots, [key for key, _ in items], only=dict(items))
     for slot in slots:
         slot.remove_if_same(items)

@@ -11,9 +11,15 @@ from typing import ClassVar, TypeVar
 from kvplug.core.events import KVEvent
 from kvplug.core.records.backend import RecordBackend
 from kvplug.core.records.frame import RECORD_HEADER_SIZE
-from kvplug.core.records.index import RecordIndex, Victim
+from kvplug.core.records.index import (
+    RARE_LOSS_CHECKS_PER_NEW_KEY,
+    RARE_LOSS_CHECKS_PER_ROUND,
+    RecordIndex,
+    Victim,
+)
 from kvplug.core.records.maintenance import LISTING_TIMEOUT_S
 from kvplug.core.remote.calls import RemoteCalls
+from kvplug.core.remote.retry import Absent
 from kvplug.core.tier import TierContext
 
 T = TypeVar("T")
@@ -84,9 +90,14 @@ class RecordBudget:
         # Bookkeeping only: never the breaker's half-open probe, never counted as short-circuited.
         if self._calls.breaker.state != "closed":
             return
-        due = self._index.due_checks()
+        if self._backend.evicts_on_its_own:
+            due = self._index.due_checks()
+        else:  # checked for a budget kept by the index: records go only when another process deletes them
+            due = self._index.due_checks(RARE_LOSS_CHECKS_PER_NEW_KEY, RARE_LOSS_CHECKS_PER_ROUND)
         gone: list[str | None] = []
         for group, result in self._groups(self._backend.exists, list(due), self._backend.call_sizes.query):
+            if isinstance(result, Absent):  # a batch of one whose record is missing (an object store's 404)
+                result = [False] * len(group)
             if not isinstance(result, BaseException):
                 for name, exists in zip(group, result):
                     if exists is False:  # (an exception: no answer for this name)

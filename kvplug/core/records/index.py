@@ -20,7 +20,10 @@ grows with every key ever stored nor reports records long gone, it is bounded th
   round ends before the index has gained a quarter of its size in new records, so
   records a store evicted are found while they are at most about a quarter of the
   index. The round has its own order, so checking a record never changes which
-  record ``max_bytes`` evicts first.
+  record ``max_bytes`` evicts first. A store that does not evict on its own but whose
+  records other processes may delete (an object store's lifecycle rules) is checked at
+  :data:`RARE_LOSS_CHECKS_PER_NEW_KEY` when the tier keeps ``max_bytes`` by this index:
+  a full round then ends before the index has doubled, a request or so per write.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from kvplug.core.records.store import StoredRecord
 CHECKS_PER_NEW_KEY = 4
 #: Records checked per round even when nothing new was indexed (writes of known keys).
 CHECKS_PER_ROUND = 16
+#: The same two rates for a store whose records go only when another process deletes them.
+RARE_LOSS_CHECKS_PER_NEW_KEY = 1
+RARE_LOSS_CHECKS_PER_ROUND = 1
 
 #: (value bytes, key text or ``None`` when only a listing saw it). A new tuple per
 #: :meth:`RecordIndex.record`: its identity tells whether an entry seen before a store
@@ -162,10 +168,10 @@ class RecordIndex:
                 victims.append((digest, key))
         return victims
 
-    def due_checks(self) -> dict[str, Entry]:
+    def due_checks(self, per_new_key: int = CHECKS_PER_NEW_KEY, per_round: int = CHECKS_PER_ROUND) -> dict[str, Entry]:
         """The next indexed records of the round to check against the store, with their entries."""
         with self._lock:
-            count = min(len(self._entries), CHECKS_PER_NEW_KEY * self._new + CHECKS_PER_ROUND)
+            count = min(len(self._entries), per_new_key * self._new + per_round)
             self._new = 0
             due: dict[str, Entry] = {}
             # Every entry has a slot in the round, so this ends: each turn drops a dead

@@ -53,9 +53,10 @@ class RecordRemovals(RecordMaintenance):
         still holds those bytes (:meth:`RecordBackend.delete_if_same`). Comparing what is
         stored now, not a record framed here, also removes a record whose header this
         process did not check in full (shm's ``trust_host``). A backend that cannot
-        compare removes by name."""
-        if not self._backend.deletes_if_same:
-            return self.remove([key for key, _ in items])
+        compare and delete in one step (Mooncake, a valkey user without scripts) removes
+        by name the records that still held the value at that second read: a record stored
+        since the load survives, one stored between the second read and the removal (one
+        round trip) does not, a lost hit for the engines sharing it, never wrong KV."""
         seen: dict[str, tuple[str, Buffer]] = {}
         for key, value in items:
             name = key_digest(key).hex()
@@ -65,6 +66,8 @@ class RecordRemovals(RecordMaintenance):
                 continue
             if data is not None and memoryview(data).cast("B")[RECORD_HEADER_SIZE:] == memoryview(value).cast("B"):
                 seen[name] = (key, data)
+        if not self._backend.deletes_if_same:
+            return self.remove([key for key, _ in seen.values()])
         backend = self._backend
 
         async def delete_if_same(names: Sequence[str]) -> Sequence[bool | BaseException]:

@@ -238,13 +238,17 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
         if written:  # before the evictions this put causes: a router hears "stored" first
             self.context.emit(KVEvent("stored", tuple(written), tier=self.name))
         self._pushed_out(pushed)
+        # Records gone from the store behind this process's back (the server's own eviction,
+        # another engine's removal, an S3 lifecycle rule) stay indexed until checked: a budget
+        # kept by the index would evict good records to free room that is already free, so the
+        # round of checks runs before the budget is applied. After a failed batch the store is
+        # likely down or hung: a check would pay the write's worst case again before the
+        # breaker opens.
+        if (self._backend.evicts_on_its_own or self._budget is not None) and not failed:
+            self._check_indexed()
         if self._budget is not None:
             self._evict(self._index.evict_over(self._budget))
         self._take_evicted()
-        # After a failed batch the store is likely down or hung: a check would pay the
-        # write's worst case again before the breaker opens.
-        if self._backend.evicts_on_its_own and not failed:
-            self._check_indexed()
 
     async def _write_group(self, group: Sequence[tuple[str, RecordToWrite]]) -> Sequence[BaseException | None]:
         return one_each(group, await self._backend.write([record for _, record in group]), "write")

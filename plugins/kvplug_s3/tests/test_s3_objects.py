@@ -272,3 +272,27 @@ def test_a_record_read_costs_its_size_once_not_its_pieces_joined(moto_s3) -> Non
     peak, read = map(int, reader.stdout.split())
     assert read == size
     assert peak < 1.5 * size, f"reading a {size}-byte record held {peak} bytes at its peak"
+
+
+def test_objects_deleted_behind_the_tiers_back_leave_its_budget(s3_server) -> None:
+    """Another process (or a lifecycle rule) deletes objects: the budget stops counting them
+    before it evicts good records to make room that is already free."""
+    prefix = f"behind-{s3_server.__class__.__name__.lower()}"
+    events: list = []
+    tier = make_s3_tier(s3_server.endpoint, prefix=prefix, events=events, max_bytes=10 * 1064)
+    kept = [key_for(f"kept-{i}") for i in range(3)]
+    deleted = [key_for(f"deleted-{i}") for i in range(5)]
+    for key in kept + deleted:  # one at a time: the kept records are the least recently used
+        tier.put([(key, value_for(key, 1000))])
+    client = s3_server.client()
+    for key in deleted:
+        client.delete_object(Bucket=BUCKET, Key=object_key(prefix, key))
+
+    newer = [key_for(f"newer-{i}") for i in range(5)]
+    for key in newer:  # 3 + 5 records stored: within the budget of 10
+        tier.put([(key, value_for(key, 1000))])
+    assert tier.stats().evictions == 0, tier.stats()
+    assert [bytes(v) for v in tier.get(kept)] == [value_for(k, 1000) for k in kept]
+    assert (tier.stats().items, tier.stats().bytes_used) == (8, 8 * 1000)
+    assert sorted(k for e in events if e.kind == "removed" for k in e.keys) == sorted(deleted)
+    tier.close()

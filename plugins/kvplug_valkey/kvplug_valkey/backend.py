@@ -11,7 +11,9 @@ of another type (``WRONGTYPE``) reads as a foreign record (too short: corrupt, s
 tier deletes it), a store refused for memory (``OOM``) as a dropped write, counted
 here (``oom_dropped_puts``). Anything else (connection refused or reset, timeout,
 authentication, cluster down) raises, and the tier's retry policy and circuit
-breaker judge it.
+breaker judge it. In a cluster, a node that fails costs the keys on it alone
+(:mod:`kvplug_valkey.nodes`: a breaker per node): its keys' slots hold a
+:class:`~kvplug_valkey.nodes.NodeDownError`, no answer for them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from valkey.asyncio.cluster import ValkeyCluster
 from kvplug import Buffer, CallSizes, FailureKind, RecordBackend, RecordToWrite, StoredRecord, classify_failure
 from kvplug.errors import CorruptChunkError
 from kvplug_valkey.config import ValkeyTierConfig
+from kvplug_valkey.nodes import ClusterNodes, NodeDownError
+from kvplug_valkey.replies import ReplyTooLongError, bound_replies, bounded_parser
 
 #: SCAN page size: keys per round trip when listing.
 SCAN_COUNT = 1000
@@ -60,10 +64,11 @@ Client = Any  # valkey.asyncio.Valkey | ValkeyCluster: their stubs share no prot
 
 
 def classify(exc: BaseException) -> FailureKind:
-    """Credentials and permissions are permanent (no retry fixes them); the rest transient."""
+    """Credentials, permissions and a reply over the record bound are permanent (no retry fixes
+    them); the rest transient."""
     if isinstance(exc, (vex.AuthenticationError, vex.AuthorizationError, vex.NoPermissionError)):
         return "permanent"
-    if isinstance(exc, vex.AuthenticationWrongNumberOfArgsError):
+    if isinstance(exc, (vex.AuthenticationWrongNumberOfArgsError, ReplyTooLongError)):
         return "permanent"
     if isinstance(exc, vex.ResponseError):
         text = str(exc).upper()
@@ -90,6 +95,12 @@ def _script_refused(result: BaseException) -> bool:
     return isinstance(result, vex.ResponseError) and (text.startswith("NOPERM") or "UNKNOWN COMMAND" in text)
 
 
+def _unanswered(result: BaseException, per_key_answer: Any) -> Any:
+    """A cluster node's failure stays an exception (no answer for the key); a per-key
+    error (``WRONGTYPE``) is the answer the caller gives it."""
+    return result if isinstance(result, NodeDownError) else per_key_answer
+
+
 def _per_key(result: BaseException) -> bool:
     """Errors that answer for one key and say nothing about the server's health."""
     return isinstance(result, vex.OutOfMemoryError) or (
@@ -103,8 +114,17 @@ class ValkeyBackend(RecordBackend):
     #: The server's ``maxmemory`` policy and TTLs remove keys without telling any client.
     evicts_on_its_own = True
 
-    def __init__(self, config: ValkeyTierConfig, record_bound: Callable[[], int | None] = lambda: None) -> None:
+    def __init__(
+        self,
+        config: ValkeyTierConfig,
+        record_bound: Callable[[], int | None] = lambda: None,
+        on_node_failure: Callable[[BaseException], None] = lambda exc: None,
+        on_node_short_circuit: Callable[[], None] = lambda: None,
+    ) -> None:
         self.config = config
+        #: Where a cluster node's failures and short-circuited calls are counted (the tier's metrics).
+        self._on_node_failure = on_node_failure
+        self._on_node_short_circuit = on_node_short_circuit
         #: The server refused the compare-and-delete script (see :meth:`delete_if_same`).
         self.scripts_refused = False
         #: The tier's ``max_record_bytes``, read at each read (the engine may raise it).
@@ -122,7 +142,9 @@ class ValkeyBackend(RecordBackend):
         #: Stores the server refused for memory (``maxmemory`` with ``noeviction``).
         self.oom_dropped = 0
         self._client: Client | None = None
+        self._nodes: ClusterNodes | None = None
         self._lock: asyncio.Lock | None = None
+        self._parser = bounded_parser(record_bound)
         self._ttl_ms = None if config.ttl_s is None else max(1, round(config.ttl_s * 1000))
 
     def key(self, name: str) -> bytes:
@@ -133,21 +155,27 @@ class ValkeyBackend(RecordBackend):
         return classify(exc)
 
     def describe(self) -> dict[str, int | float | str]:
-        return {
+        described: dict[str, int | float | str] = {
             "url": self.where,
             "cluster": "unknown" if self.cluster is None else str(self.cluster).lower(),
             "oom_dropped_puts": self.oom_dropped,
         }
+        if self._nodes is not None:
+            described.update(self._nodes.describe())
+        return described
+
+    def errors(self) -> int:
+        return 0 if self._nodes is None else self._nodes.failures
 
     # --- batches --------------------------------------------------------------------
 
-    async def sizes(self, names: Sequence[str]) -> list[int | None]:
+    async def sizes(self, names: Sequence[str]) -> list[int | None | BaseException]:
         """STRLEN per key: 0 is a key evicted, expired or deleted (``None``); a key of
         another type answers 0 bytes (there, but no record)."""
         results = await self._pipeline([("STRLEN", self.key(n)) for n in names])
-        return [0 if isinstance(r, BaseException) else (int(r) or None) for r in results]
+        return [_unanswered(r, 0) if isinstance(r, BaseException) else (int(r) or None) for r in results]
 
-    async def exists(self, names: Sequence[str]) -> list[bool]:
+    async def exists(self, names: Sequence[str]) -> list[bool | BaseException]:
         """Whether each key exists (of any type), without touching it.
 
         ``EXISTS`` leaves a key's LRU/LFU data as it was (every Valkey; Redis before
@@ -157,7 +185,7 @@ class ValkeyBackend(RecordBackend):
         alive in a server that other clients share. (``CLIENT NO-TOUCH`` would need
         Valkey/Redis 7.2 and an error path on older servers.)"""
         results = await self._pipeline([("EXISTS", self.key(n)) for n in names])
-        return [isinstance(r, BaseException) or int(r) > 0 for r in results]
+        return [_unanswered(r, True) if isinstance(r, BaseException) else int(r) > 0 for r in results]
 
     async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | BaseException | None]:
         """Each stored value (``FOREIGN`` for a non-string key), ``None`` where missing.
@@ -196,11 +224,11 @@ class ValkeyBackend(RecordBackend):
             # refuses CLIENT to this user, reads as before (touching).
             _raise_server_errors(results, _per_key)
         if bound is None:
-            return [FOREIGN if isinstance(r, BaseException) else r for r in results]
+            return [_unanswered(r, FOREIGN) if isinstance(r, BaseException) else r for r in results]
         values: list[Buffer | BaseException | None] = []
         for result in results:
             if isinstance(result, BaseException):
-                values.append(FOREIGN)
+                values.append(_unanswered(result, FOREIGN))
             elif len(result) > bound:
                 values.append(CorruptChunkError(f"record is over the {bound} bytes a record of this store can be"))
             else:
@@ -214,16 +242,18 @@ class ValkeyBackend(RecordBackend):
         results = await self._pipeline([("SET", self.key(r.name), r.joined(), *expiry) for r in records])
         outcomes: list[BaseException | None] = []
         for result in results:
-            if isinstance(result, BaseException):  # only per-key errors reach here: OOM
+            if isinstance(result, NodeDownError):  # a cluster node that does not answer
+                outcomes.append(result)
+            elif isinstance(result, BaseException):  # the other per-key errors that reach here: OOM
                 self.oom_dropped += 1
                 outcomes.append(MemoryError("the server is out of memory (maxmemory, noeviction)"))
             else:
                 outcomes.append(None)
         return outcomes
 
-    async def delete(self, names: Sequence[str]) -> list[bool]:
+    async def delete(self, names: Sequence[str]) -> list[bool | BaseException]:
         results = await self._pipeline([("DEL", self.key(n)) for n in names])
-        return [not isinstance(r, BaseException) and int(r) > 0 for r in results]
+        return [_unanswered(r, False) if isinstance(r, BaseException) else int(r) > 0 for r in results]
 
     async def delete_if_same(self, names: Sequence[str], seen: Sequence[Buffer | None]) -> list[bool | BaseException]:
         """One script per key, run atomically by the server: DEL only if the key still holds
@@ -284,6 +314,17 @@ class ValkeyBackend(RecordBackend):
                     await probe.aclose()
                 self.cluster = bool(int(info.get("cluster_enabled", 0)))
             self._client = self._cluster() if self.cluster else self._standalone()
+            if self.cluster:
+                self._nodes = ClusterNodes(
+                    self._client,
+                    self._node,
+                    breaker_failures=self.config.breaker_failures,
+                    breaker_cooldown_s=self.config.breaker_cooldown_s,
+                    request_timeout_s=self.config.request_timeout_s,
+                    retries=self.config.retries,
+                    on_failure=self._on_node_failure,
+                    on_short_circuit=self._on_node_short_circuit,
+                )
             return self._client
 
     def _common(self) -> dict[str, Any]:
@@ -311,9 +352,15 @@ class ValkeyBackend(RecordBackend):
         else:
             where = {"host": self.address.host, "port": self.address.port}
         # valkey-py's own retries stay off (its default): kvplug's policy retries within its deadline.
-        return avalkey.Valkey(
+        client = avalkey.Valkey(
             **where, db=self.address.db, max_connections=self.config.max_connections, **self._common()
         )
+        return bound_replies(client, self._parser)
+
+    def _node(self, host: str, port: int) -> Client:
+        """A plain client of one cluster node (its share of each batch goes over it)."""
+        client = avalkey.Valkey(host=host, port=port, max_connections=self.config.max_connections, **self._common())
+        return bound_replies(client, self._parser)
 
     def _cluster(self) -> Client:
         return ValkeyCluster(
@@ -333,6 +380,8 @@ class ValkeyBackend(RecordBackend):
         if not commands:
             return []
         client = await self.client()
+        if self._nodes is not None:
+            return await self._nodes.pipeline(commands, lambda results: _raise_server_errors(results, per_key))
         pipe = client.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)
@@ -341,6 +390,9 @@ class ValkeyBackend(RecordBackend):
         return list(results)
 
     async def close(self) -> None:
+        nodes, self._nodes = self._nodes, None
+        if nodes is not None:
+            await nodes.close()
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()

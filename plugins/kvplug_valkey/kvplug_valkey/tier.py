@@ -51,7 +51,23 @@ class ValkeyTier(RecordTier):
                     pass
             except OSError as exc:
                 raise ValueError(f"tls_ca_file {ca_file} cannot be read: {exc.strerror or exc}") from None
-        return ValkeyBackend(self.config, record_bound=lambda: self.context.max_record_bytes)
+        # A cluster node's failures count in the tier's remote metrics, under the label the
+        # tier's own calls use (kvplug.RemoteCalls: "<tier index>:<name>"), kind "node_<type>".
+        metrics, label = self.context.metrics, f"{self.context.tier_index}:{self.name}"
+
+        def node_failed(exc: BaseException) -> None:
+            kind = "timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
+            metrics.remote_failures.labels(label, f"node_{kind}").inc()
+
+        def node_short_circuited() -> None:
+            metrics.remote_short_circuits.labels(label).inc()
+
+        return ValkeyBackend(
+            self.config,
+            record_bound=lambda: self.context.max_record_bytes,
+            on_node_failure=node_failed,
+            on_node_short_circuit=node_short_circuited,
+        )
 
     @classmethod
     def location_config(cls, location: str, options: Mapping[str, Any]) -> ValkeyTierConfig | None:

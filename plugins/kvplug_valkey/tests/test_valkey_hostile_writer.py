@@ -3,6 +3,10 @@ engine is a miss, and the server sends no more of it than the bound."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+
 import valkey
 from valkey_helpers import fresh_prefix
 
@@ -43,3 +47,67 @@ def test_a_value_over_the_record_bound_is_a_miss_the_server_does_not_send(valkey
     finally:
         tier.close()
         client.close()
+
+
+class HugeReplyServer:
+    """A socket server speaking just enough RESP: ``+OK`` to each command, and to a read
+    (``GET``, ``GETRANGE``) a bulk string announced at ``announced`` bytes, then filler
+    until the client hangs up or ``cap`` bytes are sent: a broken or hostile server."""
+
+    def __init__(self, announced: int, cap: int) -> None:
+        self.announced, self.cap, self.sent = announced, cap, 0
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                connection, _ = self._server.accept()
+                threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        with connection, contextlib.suppress(OSError):
+            pending = b""
+            while data := connection.recv(65536):
+                pending += data
+                while (command := _next_command(pending)) is not None:
+                    name, pending = command
+                    if name not in (b"GET", b"GETRANGE"):
+                        connection.sendall(b"+OK\r\n")
+                        continue
+                    connection.sendall(b"$%d\r\n" % self.announced)
+                    filler = b"\x07" * 1024**2
+                    while self.sent < self.cap:
+                        connection.sendall(filler)
+                        self.sent += len(filler)
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def _next_command(pending: bytes) -> tuple[bytes, bytes] | None:
+    """The first whole RESP command of ``pending`` (its name, upper case) and the rest."""
+    lines = pending.split(b"\r\n")
+    if len(lines) < 2 or not lines[0].startswith(b"*"):
+        return None
+    count = int(lines[0][1:])
+    if len(lines) < 2 + 2 * count:  # *N, then $len and the argument per argument, then the rest
+        return None
+    rest = b"\r\n".join(lines[1 + 2 * count :])
+    return lines[2].upper(), rest
+
+
+def test_a_reply_announced_over_the_record_bound_is_refused_unread() -> None:
+    server = HugeReplyServer(announced=2 * 1024**3, cap=256 * 1024**2)
+    config = ValkeyTier.Config(url=f"redis://127.0.0.1:{server.port}", cluster=False, request_timeout_s=10.0, retries=0)
+    tier = ValkeyTier(config, tier_context(max_record_bytes=BOUND))
+    try:
+        assert tier.get([key_for("announced huge")]) == [None]
+        # Refused at its announced length: the client hung up before the socket buffers filled.
+        assert server.sent < 32 * 1024**2, f"the client took {server.sent} bytes of a reply it had to refuse"
+        extra = tier.stats().extra
+        assert extra["failures"] == 1 and extra["corrupt"] == 0, extra
+    finally:
+        tier.close()
+        server.close()

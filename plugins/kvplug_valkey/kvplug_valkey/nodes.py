@@ -1,0 +1,197 @@
+"""Pipelines to a Valkey/Redis cluster, one per node, each node behind a circuit breaker of its own.
+
+A sharded cluster whose node dies still serves the keys on its other nodes. valkey-py's
+cluster pipeline fails as a whole when one node does not answer (and then drops every
+node's connections to rediscover the cluster), so one dead node would fail every batch
+and open the tier's breaker: keys on healthy nodes would miss too. Here the cluster
+client only keeps the map of slots to nodes; each node's share of a batch goes as one
+pipeline over a plain client of that node, under the node's own
+:class:`kvplug.CircuitBreaker` (the tier's ``breaker_failures`` and
+``breaker_cooldown_s``). The keys of a node that fails, whose breaker is open, or whose
+slot moved (a resharding or failover: the map is refreshed before the next batch) get a
+:class:`NodeDownError` in their slots: no answer for those keys alone, a miss, never a
+failure of the whole batch. Only when no node of the cluster is answering does the batch
+fail, for the tier's retries and breaker to judge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from valkey import exceptions as vex
+
+from kvplug import CircuitBreaker
+from kvplug.errors import TierUnavailableError
+
+_log = logging.getLogger("kvplug.tier")
+#: Replies of one command that say its slot is served elsewhere (or nowhere) now.
+_REDIRECTS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
+#: A node's share of a batch ends at this fraction of the attempt's deadline, so that the
+#: other nodes' answers still reach the tier when one node hangs.
+NODE_DEADLINE_SHARE = 0.8
+
+
+class NodeDownError(TierUnavailableError):
+    """A cluster node did not answer for this key (failed, breaker open, slot moved)."""
+
+
+def _key_of(command: tuple[Any, ...]) -> Any:
+    """The key a command acts on: ``EVAL script 1 KEY ...`` or ``COMMAND KEY ...``."""
+    return command[3] if command[0] == "EVAL" else command[1]
+
+
+def _redirected(result: Any) -> bool:
+    return isinstance(result, vex.ResponseError) and str(result).upper().startswith(_REDIRECTS)
+
+
+class ClusterNodes:
+    """Per-node pipelines and breakers over a ``ValkeyCluster`` client's slot map; see the module docstring."""
+
+    def __init__(
+        self,
+        cluster: Any,
+        node_client: Callable[[str, int], Any],
+        *,
+        breaker_failures: int,
+        breaker_cooldown_s: float,
+        request_timeout_s: float,
+        retries: int,
+        on_failure: Callable[[BaseException], None] = lambda exc: None,
+        on_short_circuit: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.cluster = cluster
+        self._node_client = node_client
+        self._failures = breaker_failures
+        self._cooldown_s = breaker_cooldown_s
+        self._node_timeout_s = request_timeout_s * NODE_DEADLINE_SHARE
+        self._retries = retries
+        #: Report a node's failed call, and a call its open breaker answered, to the tier's metrics.
+        self._on_failure = on_failure
+        self._on_short_circuit = on_short_circuit
+        self._breakers: dict[str, CircuitBreaker] = {}
+        self._clients: dict[str, Any] = {}
+        self._stale = False
+        #: Nodes whose last call failed (or was refused by their open breaker).
+        self._failing: set[str] = set()
+        #: Failed node pipelines (each also counts towards that node's breaker).
+        self.failures = 0
+
+    def describe(self) -> dict[str, int | float | str]:
+        """``nodes``: primaries known; ``nodes_down``: those whose breaker is not closed."""
+        # Called from stats() on another thread while the loop may add a node: copies, not views.
+        primaries = {node.name for node in self.cluster.get_primaries()}
+        breakers = list(self._breakers.items())
+        down = sum(1 for name, breaker in breakers if name in primaries and breaker.state != "closed")
+        return {"nodes": len(primaries), "nodes_down": down}
+
+    async def pipeline(
+        self, commands: Sequence[tuple[Any, ...]], raise_server_errors: Callable[[Sequence[Any]], None]
+    ) -> list[Any]:
+        """Each command's reply, or a :class:`NodeDownError` for those of nodes not answering."""
+        await self.cluster.initialize()
+        if self._stale:
+            self._stale = False
+            try:
+                await self.cluster.nodes_manager.initialize()
+            except (vex.ValkeyError, vex.ValkeyClusterException, OSError) as exc:  # the map it had stays
+                _log.debug("valkey cluster: the slot map could not be refreshed: %s", exc)
+        results: list[Any] = [None] * len(commands)
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for position, command in enumerate(commands):
+            try:
+                node = self.cluster.get_node_from_key(_key_of(command))
+            except vex.SlotNotCoveredError as exc:
+                self._stale = True
+                results[position] = NodeDownError(str(exc))
+                continue
+            groups.setdefault(node.name, (node, []))[1].append(position)
+        outcomes = await asyncio.gather(
+            *(
+                self._node(node, [commands[i] for i in positions], raise_server_errors)
+                for node, positions in groups.values()
+            ),
+            return_exceptions=True,
+        )
+        failed: list[BaseException] = []
+        for (name, (_, positions)), outcome in zip(groups.items(), outcomes):
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, Exception):  # cancelled: the call's deadline, not the node's
+                    raise outcome
+                failed.append(outcome)
+                down = (
+                    outcome if isinstance(outcome, NodeDownError) else NodeDownError(f"cluster node {name}: {outcome}")
+                )
+                for position in positions:
+                    results[position] = down
+                continue
+            for position, result in zip(positions, outcome):
+                results[position] = NodeDownError(f"cluster node {name}: {result}") if _redirected(result) else result
+        if failed and len(failed) == len(groups) and self._none_answering():
+            raise failed[0]  # the whole cluster: the tier's retries and breaker judge it
+        return results
+
+    def _none_answering(self) -> bool:
+        """No primary is known to answer: the last call to each one failed."""
+        return all(node.name in self._failing for node in self.cluster.get_primaries())
+
+    def _breaker(self, name: str) -> CircuitBreaker:
+        breaker = self._breakers.get(name)
+        if breaker is None:
+            breaker = self._breakers[name] = CircuitBreaker(self._failures, self._cooldown_s)
+        return breaker
+
+    async def _node(
+        self, node: Any, commands: list[tuple[Any, ...]], raise_server_errors: Callable[[Sequence[Any]], None]
+    ) -> list[Any]:
+        breaker = self._breaker(node.name)
+        if not breaker.allow():
+            self._failing.add(node.name)
+            self._on_short_circuit()
+            raise NodeDownError(f"cluster node {node.name}: circuit breaker open")
+        client = self._clients.get(node.name)
+        if client is None:
+            client = self._clients[node.name] = self._node_client(node.host, node.port)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._node_timeout_s
+        try:
+            for attempt in range(self._retries + 1):
+                pipe = client.pipeline(transaction=False)
+                for command in commands:
+                    pipe.execute_command(*command)
+                try:
+                    results = await asyncio.wait_for(pipe.execute(raise_on_error=False), deadline - loop.time())
+                    raise_server_errors([r for r in results if not _redirected(r)])
+                    break
+                except (vex.ConnectionError, vex.TimeoutError):
+                    # A blip (a connection refused or slow to open on a busy host) is retried
+                    # within the node's share of the deadline, as the tier retries a batch.
+                    if attempt == self._retries or not breaker.may_retry() or loop.time() >= deadline:
+                        raise
+        except Exception as exc:
+            self.failures += 1
+            self._failing.add(node.name)
+            self._on_failure(exc)
+            if breaker.record_failure():
+                self._stale = True  # a failover may have given its slots to another node
+                _log.warning(
+                    "valkey cluster node %s is failing (%s: %s); its keys miss for %.1f s, the other nodes serve",
+                    node.name,
+                    type(exc).__name__,
+                    exc,
+                    self._cooldown_s,
+                )
+            raise
+        self._failing.discard(node.name)
+        if any(_redirected(r) for r in results):
+            self._stale = True
+        if breaker.record_success():
+            _log.warning("valkey cluster node %s answers again; its breaker closed", node.name)
+        return list(results)
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.aclose()

@@ -1,0 +1,140 @@
+"""A cluster node that dies: keys on the live nodes keep hitting (a breaker per node), the
+tier's health says one node is down, and the node's keys come back when it does."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import valkey
+from valkey_helpers import FAST_FAILING, fresh_prefix
+
+from kvplug.core.records.frame import key_digest
+from kvplug.testing import key_for, value_for
+from kvplug_valkey.testing import ValkeyCluster
+
+
+def _stored(tier, keys: list[str], values: list[bytes]) -> None:
+    """Put until every key is stored: the first calls discover the cluster, which a busy
+    machine may not finish within FAST_FAILING's deadline."""
+    deadline = time.monotonic() + 60
+    while True:
+        tier.put(list(zip(keys, values)))
+        if all(tier.contains(keys)):
+            return
+        assert time.monotonic() < deadline, tier.stats().extra
+        time.sleep(0.2)
+
+
+def _node_of(cluster: ValkeyCluster, prefix: str, keys: list[str]) -> list[int]:
+    """Which node (index into ``cluster.nodes``) holds each key's record."""
+    where: dict[bytes, int] = {}
+    for index, port in enumerate(cluster.ports):
+        with valkey.Valkey(host="127.0.0.1", port=port) as client:
+            for name in client.scan_iter(match=prefix + "*"):
+                where[name] = index
+    return [where[(prefix + key_digest(key).hex()).encode()] for key in keys]
+
+
+@pytest.mark.parametrize("dead", [0, 2], ids=["the-url-node", "another-node"])
+def test_a_dead_node_misses_its_keys_alone(dead: int, tmp_path: Path, tiers) -> None:
+    with ValkeyCluster(tmp_path / "cluster") as cluster:
+        prefix = fresh_prefix()
+        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **FAST_FAILING)
+        keys = [key_for(f"node-{i}") for i in range(48)]
+        values = [value_for(key, 3000) for key in keys]
+        _stored(tier, keys, values)
+        nodes = _node_of(cluster, prefix, keys)
+        assert set(nodes) == {0, 1, 2}, nodes
+        cluster.nodes[dead].kill()
+
+        alive = [node != dead for node in nodes]
+        for _ in range(2 * FAST_FAILING["breaker_failures"]):  # past where one breaker for all opened
+            got = tier.get(keys)
+            assert [value is not None for value in got] == alive, tier.stats().extra
+            assert all(bytes(v) == want for v, want, up in zip(got, values, alive) if up and v is not None)
+            assert tier.contains(keys) == alive
+        extra = tier.stats().extra
+        assert extra["breaker_state"] == "closed", extra  # the tier as a whole still serves
+        assert extra["nodes_down"] == 1 and extra["nodes"] == 3, extra
+        # The engine's metrics say so too: the tier's breaker gauge closed, the node's failures
+        # and the calls its open breaker answered counted under the tier's label.
+        samples = tier.context.metrics.samples()
+        assert tier.context.metrics.value("kvplug_remote_breaker_state", tier="0:valkey") == 0
+        node_failures = [
+            s.value
+            for s in samples
+            if s.name == "kvplug_remote_failures_total" and s.labels["kind"].startswith("node_")
+        ]
+        assert sum(node_failures) >= FAST_FAILING["breaker_failures"], samples
+        assert tier.context.metrics.value("kvplug_remote_short_circuits_total", tier="0:valkey") > 0
+
+        # Writes to live nodes land; those to the dead node are dropped, counted.
+        more = [key_for(f"more-{i}") for i in range(24)]
+        dropped = tier.stats().extra["dropped_puts"]
+        tier.put([(key, value_for(key, 1000)) for key in more])
+        landed = tier.contains(more)
+        assert any(landed) and not all(landed)
+        assert tier.stats().extra["dropped_puts"] - dropped == landed.count(False)
+
+        cluster.nodes[dead].start()
+        cluster.wait_ok()
+        deadline = time.monotonic() + 60
+        while True:  # the node's breaker lets a probe through after its cooldown
+            tier.put(list(zip(keys, values)))
+            if all(tier.contains(keys)):
+                break
+            assert time.monotonic() < deadline, tier.stats().extra
+            time.sleep(0.2)
+        assert [bytes(v) for v in tier.get(keys)] == values
+        assert tier.stats().extra["nodes_down"] == 0
+
+
+def test_a_hung_node_costs_its_keys_alone_and_its_connections_are_not_reused_mid_reply(tmp_path: Path, tiers) -> None:
+    """A node that accepts and never answers (SIGSTOP): its share of each batch ends at its
+    part of the deadline, the others still answer; once it resumes, the replies it then
+    sends for the abandoned calls are never taken for a later call's."""
+    with ValkeyCluster(tmp_path / "cluster") as cluster:
+        prefix = fresh_prefix()
+        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **FAST_FAILING)
+        keys = [key_for(f"hung-{i}") for i in range(48)]
+        values = [value_for(key, 3000) for key in keys]
+        _stored(tier, keys, values)
+        nodes = _node_of(cluster, prefix, keys)
+        alive = [node != 1 for node in nodes]
+        cluster.nodes[1].pause()
+        try:
+            for _ in range(2 * FAST_FAILING["breaker_failures"]):
+                got = tier.get(keys)
+                assert [value is not None for value in got] == alive, tier.stats().extra
+            assert tier.stats().extra["nodes_down"] == 1
+        finally:
+            cluster.nodes[1].resume()
+        deadline = time.monotonic() + 60
+        while not all(tier.contains(keys)):
+            assert time.monotonic() < deadline, tier.stats().extra
+            time.sleep(0.2)
+        for _ in range(3):
+            assert [None if v is None else bytes(v) for v in tier.get(keys)] == values
+        extra = tier.stats().extra
+        assert extra["nodes_down"] == 0 and extra["corrupt"] == 0 and extra["breaker_state"] == "closed", extra
+
+
+def test_a_cluster_with_no_node_answering_opens_the_tiers_breaker_and_recovers(tmp_path: Path, tiers) -> None:
+    """Every node killed: as for a standalone server, the tier's breaker opens (lookups then
+    cost no network call); restarted, the cluster serves again without a new tier."""
+    with ValkeyCluster(tmp_path / "cluster") as cluster:
+        tier = tiers(cluster.url, cluster=True, **FAST_FAILING)
+        keys = [key_for(f"all-{i}") for i in range(24)]
+        values = [value_for(key, 2000) for key in keys]
+        _stored(tier, keys, values)
+        cluster.kill()
+        for _ in range(2 * FAST_FAILING["breaker_failures"]):
+            assert tier.get(keys) == [None] * len(keys)
+        extra = tier.stats().extra
+        assert extra["breaker_state"] == "open" and extra["nodes_down"] == 3, extra
+        cluster.start()
+        _stored(tier, keys, values)
+        assert [bytes(v) for v in tier.get(keys)] == values
+        assert tier.stats().extra["breaker_state"] == "closed"
