@@ -93,6 +93,8 @@ class RequestState:
     load: LookupResult | None = None
     #: Set once vLLM schedules the request.
     progress: Progress | None = None
+    #: The prompt length ``info`` keys (a streaming-input session's turn makes it longer).
+    keyed_tokens: int = 0
 
     @classmethod
     def of(cls, request: Any, config: KVPlugConfig) -> RequestState:
@@ -108,7 +110,21 @@ class RequestState:
         except ConfigError as exc:  # one request's bad settings must not stop vLLM's scheduler
             logger.warning("request %s: ignoring kvplug settings in kv_transfer_params: %s", request.request_id, exc)
             overrides, own = {}, config
-        return cls(request.request_id, dataclasses.replace(info, overrides=overrides), own)
+        return cls(
+            request.request_id,
+            dataclasses.replace(info, overrides=overrides),
+            own,
+            keyed_tokens=request.num_prompt_tokens,
+        )
+
+    def follow(self, request: Any) -> None:
+        """Key the request's prompt as it is now: the next turn of a streaming-input session
+        extends it under the same id, with the multimodal items of that turn, whose chunks
+        would otherwise be keyed by their placeholder ids alone (those of any image)."""
+        if request.num_prompt_tokens != self.keyed_tokens:
+            info = request_info(request, self.config, with_overrides=False)
+            self.info = dataclasses.replace(info, overrides=self.info.overrides)
+            self.keyed_tokens = request.num_prompt_tokens
 
 
 def request_info(request: Any, config: KVPlugConfig, *, with_overrides: bool = True) -> RequestInfo:

@@ -99,6 +99,7 @@ class SchedulerSide:
         state = self._states.get(request.request_id)
         if state is None:
             state = self._states[request.request_id] = RequestState.of(request, self.config)
+        state.follow(request)
         return state
 
     # --- lookups ------------------------------------------------------------------------
@@ -278,6 +279,7 @@ class SchedulerSide:
         progress = state.progress
         assert progress is not None
         progress.num_computed = end
+        state.follow(state.request)  # a session's next turn is scheduled without a new lookup
         rules = SaveRules(
             self.chunk_size,
             can_save=self.can_save and not state.config.skip_save,

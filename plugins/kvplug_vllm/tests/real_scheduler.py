@@ -96,6 +96,30 @@ def new_request(request_id: str, prompt: list[int], max_tokens: int = 4) -> Any:
     return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), None, block_hasher=hasher)
 
 
+def session_turn(prompt: list[int], *, resumable: bool = True, mm_features: list[Any] | None = None) -> Any:
+    """A turn of streaming-input session ``"s"`` (``resumable``: more turns follow), as
+    ``add_request`` gets each: vLLM appends it to the session's prompt."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+    params = SamplingParams(max_tokens=3)
+    return Request("s", prompt, params, None, block_hasher=hasher, resumable=resumable, mm_features=mm_features)
+
+
+def run_turn(loop: EngineLoop) -> None:
+    """Step until session ``"s"`` waits for its next turn."""
+    from vllm.v1.request import RequestStatus
+
+    for _ in range(50):
+        loop.step()
+        if loop.scheduler.requests["s"].status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+            return
+    raise AssertionError("the turn did not end")
+
+
 def model_kv(tokens: list[int], start: int = 0) -> torch.Tensor:
     """The KV the stand-in model computes for ``tokens`` from position ``start`` (every element of
     a token's slot the same; exact in bf16)."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from conftest import tokens
-from real_scheduler import BLOCK_SIZE, EngineLoop, new_request, real_scheduler
+from real_scheduler import BLOCK_SIZE, EngineLoop, new_request, real_scheduler, run_turn, session_turn
 
 from kvplug import RequestInfo
 
@@ -216,34 +216,17 @@ def test_a_streaming_input_session_keeps_its_state_between_turns_and_is_forgotte
     """A resumable request (streaming input) stops after each turn and waits for the next
     under the same id: vLLM keeps it, and so does kvplug, whose stores then cover the longer
     prompt. A last add_request that is not resumable ends the session (``finish_requests``)."""
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-    from vllm.v1.request import Request, RequestStatus
-
-    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
-
-    def turn(prompt: list[int], resumable: bool = True) -> Any:
-        return Request("s", prompt, SamplingParams(max_tokens=3), None, block_hasher=hasher, resumable=resumable)
-
-    def run_turn(loop: EngineLoop) -> None:
-        for _ in range(50):
-            loop.step()
-            if scheduler.requests["s"].status == RequestStatus.WAITING_FOR_STREAMING_REQ:
-                return
-        raise AssertionError("the turn did not end")
-
     with real_scheduler(tiny_model, "life-streaming") as (scheduler, engine):
         loop = EngineLoop(scheduler, engine)
-        scheduler.add_request(turn(A[:100]))
+        scheduler.add_request(session_turn(A[:100]))
         run_turn(loop)
         assert kvplug_requests(scheduler) == ["s"], "a session's state was dropped between turns"
-        scheduler.add_request(turn(B))  # the next turn: its prompt follows the first turn's tokens
+        scheduler.add_request(session_turn(B))  # the next turn: its prompt follows the first turn's tokens
         run_turn(loop)
         session = list(scheduler.requests["s"].prompt_token_ids)
         assert len(session) == 302 and kvplug_requests(scheduler) == ["s"]
         assert loop.wrong_positions(session) == (256, [])  # the longer prompt's chunks, as computed
-        scheduler.add_request(turn([], resumable=False))  # the end of the session's input
+        scheduler.add_request(session_turn([], resumable=False))  # the end of the session's input
         loop.step()
         assert_all_let_go(scheduler)
         assert loop.misread == []
