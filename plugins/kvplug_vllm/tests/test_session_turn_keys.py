@@ -3,8 +3,8 @@
 vLLM keeps a session as one request: each turn appends its tokens, and its images with
 placeholder positions moved after the session's tokens (``_update_request_as_session``), and
 is scheduled without a new lookup. kvplug keyed the request once, at its first turn: a later
-turn's image chunks were keyed by their placeholder ids alone, so two sessions of equal ids
-and different images shared (and loaded) each other's KV. These tests drive vLLM's own
+turn's image chunks were keyed by their placeholder ids alone: a request of those ids
+without the image would load them, and one with the image missed them. These tests drive vLLM's own
 scheduler (real_scheduler.py) with an encoder budget (the tiny model is text only; the
 stand-in model runner computes no encoder outputs) and ask kvplug's engine which identity
 the session's chunks were stored under: that of an ordinary request of the same prompt and
