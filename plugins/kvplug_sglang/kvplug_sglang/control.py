@@ -36,21 +36,49 @@ _started = itertools.count()
 
 
 def start_control(
-    target: kvplug.CacheEngine | ControlTarget, *, name: str, tp_rank: int, tp_size: int
+    target: kvplug.CacheEngine | ControlTarget,
+    *,
+    name: str,
+    tp_rank: int,
+    tp_size: int,
+    stage: tuple[int, int] | None = None,
 ) -> ControlServer | None:
-    """This rank's control server, or ``None`` (logged) if it cannot start: SGLang still serves."""
+    """This rank's control server, or ``None`` (logged) if it cannot start: SGLang still serves.
+    ``stage``: its pipeline stage and the number of stages (default: as SGLang published them)."""
     # The TP ranks' schedulers are children of one launcher process: its pid names the server
     # (and the count of caches this process started, the same on every rank). With --dp-size
-    # every replica's schedulers are children of one process too: the replica tells them apart.
+    # every replica's schedulers are children of one process too: the replica tells them apart;
+    # with --pp-size each stage's TP ranks count from 0 again: the stage does.
     engine_id = f"sglang-{os.getppid()}-{next(_started)}"
-    identity = ControlIdentity(engine_id, name, "sglang", tp_rank=tp_rank, tp_size=tp_size, dp_rank=replica_rank())
+    pp_rank, pp_size = pipeline_stage() if stage is None else stage
+    identity = ControlIdentity(
+        engine_id,
+        name,
+        "sglang",
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        dp_rank=replica_rank(),
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+    )
     try:
         server = ControlServer(target, identity)
     except Exception as exc:
         logger.warning("kvplug ctl is not available for this rank: %s", exc)
         return None
-    logger.info("kvplug ctl: %s rank tp%d answers on %s", identity.engine_id, tp_rank, server.path)
+    logger.info("kvplug ctl: %s rank pp%d/tp%d answers on %s", identity.engine_id, pp_rank, tp_rank, server.path)
     return server
+
+
+def pipeline_stage() -> tuple[int, int]:
+    """This scheduler's pipeline stage and the number of stages ((0, 1) where SGLang published none)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        parallel = get_parallel()
+        return int(parallel.pp_rank), int(parallel.pp_size)
+    except (RuntimeError, ValueError, TypeError):  # not stated in this process
+        return 0, 1
 
 
 def replica_rank() -> int:

@@ -125,7 +125,9 @@ class KVPlugStorage(HiCacheStorage):
         self.mem_pool_host = mem_pool_host
         self.page_format = page_format
         self.target = target = HiCacheControl(self, self.store, page_format.indices_per_page)
-        self.control = start_control(target, name=self.name, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size)
+        self.control = start_control(
+            target, name=self.name, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, stage=(cfg.pp_rank, cfg.pp_size)
+        )
         close_at_exit(self)  # not every SGLang owner of a storage backend closes it at exit
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:

@@ -46,13 +46,19 @@ def make_host(layout: str) -> MHATokenToKVPoolHost:
 
 
 def make_backend(
-    host: Any, kvplug: dict[str, Any], *, model: str = "tiny-llama", tp_rank: int = 0, v1: bool = True
+    host: Any,
+    kvplug: dict[str, Any],
+    *,
+    model: str = "tiny-llama",
+    tp_rank: int = 0,
+    v1: bool = True,
+    stage: tuple[int, int] = (0, 1),
 ) -> KVPlugStorage:
     config = HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=2,
-        pp_rank=0,
-        pp_size=1,
+        pp_rank=stage[0],
+        pp_size=stage[1],
         attn_cp_rank=0,
         attn_cp_size=1,
         is_mla_model=False,

@@ -124,6 +124,29 @@ def test_each_data_parallel_replica_answers_kvplug_ctl_on_its_own_socket(socket_
         backend.close()
 
 
+def test_each_pipeline_stage_answers_kvplug_ctl_on_its_own_socket(socket_dir: Path) -> None:
+    """With --pp-size each stage's TP ranks count from 0 again under one engine id: a stage's
+    rank answers on a socket of its own (it took stage 0's name before: ``kvplug ctl`` and
+    clears reached one stage, the others kept their records)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from kvplug.core.control.client import ask
+    from kvplug.core.control.server import control_socket_path
+
+    backend = make_backend(make_host("layer_first"), {"tiers": [{"type": "cpu"}]}, stage=(1, 2))
+    try:
+        assert backend.control is not None
+        info = ask(backend.control.path, "info")
+        assert (info["pp_rank"], info["tp_rank"]) == (1, 0)
+        assert backend.control.path == control_socket_path(info["engine_id"], 0, worker=2)  # stage 1, TP 2
+    finally:
+        backend.close()
+    from kvplug_sglang.control import pipeline_stage
+
+    with get_parallel().override(pp_rank=1, pp_size=2):  # what the radix-cache backend reads
+        assert pipeline_stage() == (1, 2)
+
+
 def test_servers_of_other_weights_under_one_served_name_never_share_pages(tmp_path: Path) -> None:
     """SGLang names its model by --served-model-name (two checkpoints may share one): kvplug's
     keys name the checkpoint SGLang loaded (its model path), so neither reads the other's KV."""
