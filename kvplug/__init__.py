@@ -57,6 +57,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "MessageServer": ("kvplug.core.control.message_server", "MessageServer"),
     "MetricSample": ("kvplug.core.metrics", "MetricSample"),
     "NameTenants": ("kvplug.core.tenancy", "NameTenants"),
+    "OrderedEvents": ("kvplug.core.events", "OrderedEvents"),
     "PagedFormat": ("kvplug.core.layouts", "PagedFormat"),
     "PinOutcome": ("kvplug.core.policies.guarded_eviction", "PinOutcome"),
     "PinReport": ("kvplug.core.tenancy", "PinReport"),
@@ -153,7 +154,7 @@ if TYPE_CHECKING:
     from kvplug.core.engine.head_shards import HeadShard
     from kvplug.core.engine.layerwise_retrieve import LayerwiseRetrieve
     from kvplug.core.engine.locations import ChunkLocation, hit_tokens, merge_locations
-    from kvplug.core.events import KVEvent
+    from kvplug.core.events import KVEvent, OrderedEvents
     from kvplug.core.keys import ChunkKey, ExtraKey, Fingerprint, KeyPrefix, RequestInfo, StoreKey
     from kvplug.core.layouts import KVLayout, PagedFormat, slots_from_block_ids
     from kvplug.core.lazy_module import LazyModule
@@ -238,6 +239,7 @@ __all__ = [
     "MessageServer",
     "MetricSample",
     "NameTenants",
+    "OrderedEvents",
     "PagedFormat",
     "PinOutcome",
     "PinReport",
