@@ -41,7 +41,7 @@ class KVEvent:
       tiers (``token_counts`` set); it says nothing of which tier holds them, or whether any does.
     - ``evicted`` / ``removed`` (always with a ``tier``): the keys left that tier (its budget,
       or a removal: ``discard``, a corrupt record found, ``clear``, a reset); a queued write
-      cancelled before it landed is reported ``removed`` too.
+      cancelled before it landed is not reported (it was never announced ``stored``).
     - ``loaded`` (no ``tier``): the engine loaded the keys into its cache.
     """
 

@@ -87,7 +87,8 @@ class CPUTier(StorageTier):
         )
         self._lock = threading.Lock()
         # Queued under self._lock, sent after it: in the order of the changes, whichever thread sends.
-        self._events = OrderedEvents(context.emit)
+        # Through the context as it is then (a test may replace its emit).
+        self._events = OrderedEvents(lambda event: self.context.emit(event))
         self._stats = TierStats()
         self._closed = False
         self._pin = _pinning_copier(config.pin_memory)
