@@ -55,7 +55,9 @@ def check_events_follow_state_changes(make_tier: MakeTier, value_bytes: int = 10
         putter.join(GATE_TIMEOUT_S)
         assert not putter.is_alive() and failures == []
         tier.flush()
-        assert heard == [("stored", (first,)), ("stored", (second,)), ("evicted", (first,))]
+        names = {first: "first", second: "second"}
+        told = [(kind, tuple(names.get(key, key) for key in keys)) for kind, keys in heard]
+        assert told == [("stored", ("first",)), ("stored", ("second",)), ("evicted", ("first",))], told
     finally:
         release.set()
         tier.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import ClassVar, TypeVar
 
-from kvplug.core.events import KVEvent
+from kvplug.core.events import KVEvent, OrderedEvents
 from kvplug.core.records.backend import RecordBackend
 from kvplug.core.records.frame import RECORD_HEADER_SIZE
 from kvplug.core.records.index import RecordIndex, Victim
@@ -31,6 +31,8 @@ class RecordBudget:
     _index: RecordIndex
     _where: str
     _warned_full: bool
+    #: The tier's events, sent in the order they were queued (see :meth:`_report`).
+    _events: OrderedEvents
 
     def _count(self, name: str, amount: int = 1) -> None:
         raise NotImplementedError
@@ -39,6 +41,11 @@ class RecordBudget:
         self, operation: Callable[[Sequence[A]], Awaitable[Sequence[T]]], items: Sequence[A], size: int
     ) -> list[tuple[Sequence[A], Sequence[T] | BaseException]]:
         raise NotImplementedError
+
+    def _report(self, event: KVEvent) -> None:
+        """Queue ``event`` after the events of the changes before it, and send what is queued."""
+        self._events.add(event)
+        self._events.deliver()
 
     def _pushed_out(self, pushed: list[Victim]) -> None:
         """Entries a full index pushed out: evicted with ``max_bytes``, else forgotten (warned once)."""
@@ -66,8 +73,8 @@ class RecordBudget:
         # listing (a restart) brings it back into the index.
         self._delete_quietly([name for name, _ in victims], forget=False)
         known = tuple(key for _, key in victims if key is not None)
-        if known:
-            self.context.emit(KVEvent("evicted", known, tier=self.name))
+        if known:  # queued after the "stored" of each: queued when it was indexed, before it could be a victim
+            self._report(KVEvent("evicted", known, tier=self.name))
 
     def _take_evicted(self) -> None:
         """Count and report what a backend that keeps the budget itself removed."""
@@ -77,7 +84,7 @@ class RecordBudget:
         self._count("evictions", len(gone))
         known = tuple(key for key in (self._index.forget(record.digest) for record in gone) if isinstance(key, str))
         if known:
-            self.context.emit(KVEvent("evicted", known, tier=self.name))
+            self._report(KVEvent("evicted", known, tier=self.name))
 
     def _check_indexed(self) -> None:
         """Drop the indexed records the store no longer holds, among the next of the index's round."""
@@ -99,7 +106,7 @@ class RecordBudget:
         keep sending their prompts to this engine, whose lookups of them now miss."""
         known = tuple(key for key in keys if key is not None)
         if known:
-            self.context.emit(KVEvent("removed", known, tier=self.name))
+            self._report(KVEvent("removed", known, tier=self.name))
 
     def _delete_quietly(self, names: list[str], *, forget: bool = True) -> None:
         if forget:
