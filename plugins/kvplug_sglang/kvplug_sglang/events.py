@@ -10,6 +10,10 @@ SGLang's ``BlockStored`` for that tier's medium (one block per chunk, chained by
 ``parent_block_hash``) when no other tier of that medium held it, and a tier's
 ``evicted``/``removed`` a ``BlockRemoved`` once no tier of that medium holds it. It
 hands them out from ``take()``: the shape SGLang's ``KVEventPublisher`` sends to routers.
+
+Only chunks its connector stored or loaded are known: a record a persistent tier held before
+the process started carries no token ids (a record header holds a digest of the chunk key),
+so it is never announced.
 """
 
 from __future__ import annotations
