@@ -48,7 +48,8 @@ class KVEventBridge:
 
     ``media``: tier name -> kvplug medium (names not in it count as remote). Memory is
     bounded: at most ``max_tracked`` chunks and ``max_events`` untaken events are kept;
-    older ones are dropped and counted in ``dropped``.
+    older ones are dropped and counted in ``dropped``. A chunk dropped while a tier holds it
+    is told removed from its media then: its later removal could not be told.
     """
 
     def __init__(
@@ -75,8 +76,11 @@ class KVEventBridge:
                 parent = block_hash(key)
             while len(self._chunks) > self._max_tracked:
                 key, _ = self._chunks.popitem(last=False)
-                self._held.pop(key, None)
+                holders = self._held.pop(key, None)
                 self.dropped += 1
+                if holders:  # its later removal could not be told: a router would believe it held for good
+                    self._forgotten(key, holders)
+            self._bound_events()
 
     def observe(self, event: KVEvent) -> None:
         from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
@@ -119,10 +123,22 @@ class KVEventBridge:
                 if gone:
                     new.append(BlockRemoved(block_hashes=[block_hash(k) for k in gone], medium=medium))
             self._events.extend(new)
-            overflow = len(self._events) - self._max_events
-            if overflow > 0:
-                del self._events[:overflow]
-                self.dropped += overflow
+            self._bound_events()
+
+    def _bound_events(self) -> None:
+        """Drop the oldest untaken events past ``max_events`` (counted). Holds ``_lock``."""
+        overflow = len(self._events) - self._max_events
+        if overflow > 0:
+            del self._events[:overflow]
+            self.dropped += overflow
+
+    def _forgotten(self, key: str, holders: set[str]) -> None:
+        """Tell routers a chunk no longer tracked is removed from every medium holding it (a
+        later store or load of it announces it again). Holds ``_lock``."""
+        from sglang.srt.disaggregation.kv_events import BlockRemoved
+
+        for medium in sorted(self._media_of(holders)):
+            self._events.append(BlockRemoved(block_hashes=[block_hash(key)], medium=medium))
 
     def _media_of(self, tiers: set[str]) -> set[str]:
         return {self._storage_medium(tier) for tier in tiers}
