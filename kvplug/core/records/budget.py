@@ -5,6 +5,7 @@ own, and the start-up listing."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import ClassVar, TypeVar
 
@@ -18,6 +19,8 @@ from kvplug.core.tier import TierContext
 
 T = TypeVar("T")
 A = TypeVar("A")
+#: Records evicted before they were indexed, remembered at most (see ``_take_evicted``).
+MAX_EVICTED_UNINDEXED = 4096
 
 
 class RecordBudget:
@@ -33,6 +36,12 @@ class RecordBudget:
     _warned_full: bool
     #: The tier's events, sent in the order they were queued (see :meth:`_report`).
     _events: OrderedEvents
+    #: Held while a put indexes what it wrote and while evictions are taken (see RecordTier).
+    _order: threading.Lock
+    #: Evictions taken so far (a count), and the records a backend that keeps the budget
+    #: evicted before this tier indexed them -> the count then (see :meth:`_take_evicted`).
+    _evictions_taken: int
+    _evicted_unindexed: dict[str, int]
 
     def _count(self, name: str, amount: int = 1) -> None:
         raise NotImplementedError
@@ -77,14 +86,35 @@ class RecordBudget:
             self._report(KVEvent("evicted", known, tier=self.name))
 
     def _take_evicted(self) -> None:
-        """Count and report what a backend that keeps the budget itself removed."""
-        gone = self._backend.take_evicted()
-        if not gone:
-            return
+        """Count and report what a backend that keeps the budget itself removed.
+
+        A record a racing put wrote and has not indexed yet may be among them: it is noted
+        (:meth:`_evicted_since`), so that put neither indexes nor announces what is gone."""
+        with self._order:
+            gone = self._backend.take_evicted()
+            if not gone:
+                return
+            self._evictions_taken += 1
+            known: list[str] = []
+            for record in gone:
+                key = self._index.forget(record.digest)
+                if key is False:
+                    self._evicted_unindexed[record.digest] = self._evictions_taken
+                elif isinstance(key, str):
+                    known.append(key)
+            while len(self._evicted_unindexed) > MAX_EVICTED_UNINDEXED:  # the oldest: records of no put
+                del self._evicted_unindexed[next(iter(self._evicted_unindexed))]
+            if known:
+                self._events.add(KVEvent("evicted", tuple(known), tier=self.name))
         self._count("evictions", len(gone))
-        known = tuple(key for key in (self._index.forget(record.digest) for record in gone) if isinstance(key, str))
-        if known:
-            self._report(KVEvent("evicted", known, tier=self.name))
+        self._events.deliver()
+
+    def _evicted_since(self, name: str, taken: int) -> bool:
+        """Whether the record ``name`` was evicted unindexed after ``taken`` evictions were
+        taken (a put's write began then): its put must not index it. Forgets the note either
+        way: the put indexes or drops the record. Holds ``_order``."""
+        at = self._evicted_unindexed.pop(name, None)
+        return at is not None and at > taken
 
     def _check_indexed(self) -> None:
         """Drop the indexed records the store no longer holds, among the next of the index's round."""

@@ -89,6 +89,8 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
         self._order = threading.Lock()
         # Through the context as it is when sent (a test may replace its emit).
         self._events = OrderedEvents(lambda event: self.context.emit(event))
+        self._evictions_taken = 0
+        self._evicted_unindexed: dict[str, int] = {}
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._warned_full = False
         self._closed = False
@@ -221,6 +223,7 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
             return
         keys = list(latest)
         groups: list[list[tuple[str, RecordToWrite]]] = []
+        taken = self._evictions_taken  # before the writes: an eviction taken later may be of them
         results = self._batch(self._write_group, framed_batches(keys, latest, self._backend.call_sizes, groups))
         failed = False
         pushed: list[Victim] = []
@@ -232,7 +235,9 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
                 outcomes = [result] * len(group) if isinstance(result, BaseException) else result
                 failed |= isinstance(result, BaseException)
                 for (key, record), outcome in zip(group, outcomes):
-                    if outcome is None:
+                    if outcome is None and self._evicted_since(record.name, taken):
+                        self._count("puts")  # evicted by a racing put once written (or just before: a miss): not held
+                    elif outcome is None:
                         self._count("puts")
                         self._unsuspect(record.name)
                         pushed += self._index.record(record.name, record.value.nbytes, key)

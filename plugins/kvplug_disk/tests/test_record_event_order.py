@@ -4,14 +4,16 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvplug import KVEvent, StorageTier
-from kvplug.testing import tier_context
-from kvplug.testing.event_order import check_events_follow_state_changes
+from kvplug.testing import key_for, tier_context, value_for
+from kvplug.testing.event_order import GATE_TIMEOUT_S, check_events_follow_state_changes
 from kvplug_disk import DiskTier, ShmTier
 
 
@@ -26,3 +28,39 @@ def test_a_racing_eviction_is_heard_after_the_stored_it_follows(
         return tier_class(config, tier_context(emit=listener))
 
     check_events_follow_state_changes(make)
+
+
+def test_a_record_evicted_before_its_put_indexed_it_is_never_announced(tmp_path: Path) -> None:
+    """The disk tier keeps its budget in its folder: a racing put may evict a record between
+    its own put's write and that put's indexing of it (held here at a gate after the write).
+    That put must not index it nor announce it ``stored``: it is gone, and its eviction was
+    reported (not at all: it was not indexed yet) before."""
+    told: list[tuple[str, tuple[str, ...]]] = []
+    tier = DiskTier(
+        DiskTier.Config(path=tmp_path / "cache", max_bytes=1500, scan_on_start=False),
+        tier_context(emit=lambda event: told.append((event.kind, event.keys))),
+    )
+    first, second = key_for("first"), key_for("second")
+    written, release = threading.Event(), threading.Event()
+    real_batch = tier._batch
+
+    def batch(operation: Any, arguments: Any) -> Any:
+        results = real_batch(operation, arguments)
+        if threading.current_thread().name == "put-first" and not written.is_set():
+            written.set()  # the first put's record is written, not yet indexed
+            release.wait(GATE_TIMEOUT_S)
+        return results
+
+    tier._batch = batch  # type: ignore[method-assign]
+    putter = threading.Thread(target=tier.put, args=([(first, value_for("first", 1000))],), name="put-first")
+    putter.start()
+    try:
+        assert written.wait(GATE_TIMEOUT_S)
+        tier.put([(second, value_for("second", 1000))])  # the folder's budget evicts the first
+    finally:
+        release.set()
+        putter.join(GATE_TIMEOUT_S)
+    assert told == [("stored", (second,))]  # (a lookup of the first would find it gone: too late)
+    assert tier.stats().items == 1
+    assert tier.contains([first, second]) == [False, True]
+    tier.close()
