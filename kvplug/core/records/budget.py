@@ -19,8 +19,8 @@ from kvplug.core.tier import TierContext
 
 T = TypeVar("T")
 A = TypeVar("A")
-#: Records evicted before they were indexed, remembered at most (see ``_take_evicted``).
-MAX_EVICTED_UNINDEXED = 4096
+#: Evicted records remembered at most, for the puts racing their eviction (see ``_take_evicted``).
+MAX_EVICTED_NOTES = 4096
 
 
 class RecordBudget:
@@ -39,9 +39,9 @@ class RecordBudget:
     #: Held while a put indexes what it wrote and while evictions are taken (see RecordTier).
     _order: threading.Lock
     #: Evictions taken so far (a count), and the records a backend that keeps the budget
-    #: evicted before this tier indexed them -> the count then (see :meth:`_take_evicted`).
+    #: evicted -> the count then, newest last, until a put of them (see :meth:`_take_evicted`).
     _evictions_taken: int
-    _evicted_unindexed: dict[str, int]
+    _evicted_at: dict[str, int]
 
     def _count(self, name: str, amount: int = 1) -> None:
         raise NotImplementedError
@@ -88,7 +88,7 @@ class RecordBudget:
     def _take_evicted(self) -> None:
         """Count and report what a backend that keeps the budget itself removed.
 
-        A record a racing put wrote and has not indexed yet may be among them: it is noted
+        A record a racing put wrote and has not indexed yet may be among them: each is noted
         (:meth:`_evicted_since`), so that put neither indexes nor announces what is gone."""
         with self._order:
             gone = self._backend.take_evicted()
@@ -97,23 +97,25 @@ class RecordBudget:
             self._evictions_taken += 1
             known: list[str] = []
             for record in gone:
+                # Noted indexed or not: a racing put may be writing it again (then it indexed
+                # the old record, whose eviction is reported here).
+                self._evicted_at.pop(record.digest, None)
+                self._evicted_at[record.digest] = self._evictions_taken
                 key = self._index.forget(record.digest)
-                if key is False:
-                    self._evicted_unindexed[record.digest] = self._evictions_taken
-                elif isinstance(key, str):
+                if isinstance(key, str):
                     known.append(key)
-            while len(self._evicted_unindexed) > MAX_EVICTED_UNINDEXED:  # the oldest: records of no put
-                del self._evicted_unindexed[next(iter(self._evicted_unindexed))]
+            while len(self._evicted_at) > MAX_EVICTED_NOTES:  # the oldest: no put was writing them
+                del self._evicted_at[next(iter(self._evicted_at))]
             if known:
                 self._events.add(KVEvent("evicted", tuple(known), tier=self.name))
         self._count("evictions", len(gone))
         self._events.deliver()
 
     def _evicted_since(self, name: str, taken: int) -> bool:
-        """Whether the record ``name`` was evicted unindexed after ``taken`` evictions were
+        """Whether the record ``name`` was evicted after ``taken`` evictions were
         taken (a put's write began then): its put must not index it. Forgets the note either
         way: the put indexes or drops the record. Holds ``_order``."""
-        at = self._evicted_unindexed.pop(name, None)
+        at = self._evicted_at.pop(name, None)
         return at is not None and at > taken
 
     def _check_indexed(self) -> None:

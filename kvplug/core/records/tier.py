@@ -90,7 +90,7 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
         # Through the context as it is when sent (a test may replace its emit).
         self._events = OrderedEvents(lambda event: self.context.emit(event))
         self._evictions_taken = 0
-        self._evicted_unindexed: dict[str, int] = {}
+        self._evicted_at: dict[str, int] = {}
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._warned_full = False
         self._closed = False
@@ -236,7 +236,9 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
                 failed |= isinstance(result, BaseException)
                 for (key, record), outcome in zip(group, outcomes):
                     if outcome is None and self._evicted_since(record.name, taken):
-                        self._count("puts")  # evicted by a racing put once written (or just before: a miss): not held
+                        # Evicted by a racing put once written: not held. (Or just before this
+                        # write landed: then held, unannounced; never announced and gone.)
+                        self._count("puts")
                     elif outcome is None:
                         self._count("puts")
                         self._unsuspect(record.name)
