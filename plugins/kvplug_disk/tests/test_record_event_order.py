@@ -30,17 +30,22 @@ def test_a_racing_eviction_is_heard_after_the_stored_it_follows(
     check_events_follow_state_changes(make)
 
 
-def test_a_record_evicted_before_its_put_indexed_it_is_never_announced(tmp_path: Path) -> None:
+@pytest.mark.parametrize("again", [False, True], ids=["new", "written-again"])
+def test_a_record_evicted_before_its_put_indexed_it_is_never_announced(tmp_path: Path, again: bool) -> None:
     """The disk tier keeps its budget in its folder: a racing put may evict a record between
     its own put's write and that put's indexing of it (held here at a gate after the write).
     That put must not index it nor announce it ``stored``: it is gone, and its eviction was
-    reported (not at all: it was not indexed yet) before."""
+    reported before (not at all when it was not indexed yet). ``written-again``: the first put
+    writes a record already held (indexed) again."""
     told: list[tuple[str, tuple[str, ...]]] = []
     tier = DiskTier(
         DiskTier.Config(path=tmp_path / "cache", max_bytes=1500, scan_on_start=False),
         tier_context(emit=lambda event: told.append((event.kind, event.keys))),
     )
     first, second = key_for("first"), key_for("second")
+    if again:
+        tier.put([(first, value_for("first", 1000))])
+        told.clear()
     written, release = threading.Event(), threading.Event()
     real_batch = tier._batch
 
@@ -60,7 +65,8 @@ def test_a_record_evicted_before_its_put_indexed_it_is_never_announced(tmp_path:
     finally:
         release.set()
         putter.join(GATE_TIMEOUT_S)
-    assert told == [("stored", (second,))]  # (a lookup of the first would find it gone: too late)
+    # (a lookup of the first would find it gone: too late)
+    assert told == [("stored", (second,))] + ([("evicted", (first,))] if again else []), told
     assert tier.stats().items == 1
     assert tier.contains([first, second]) == [False, True]
     tier.close()
