@@ -59,6 +59,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "MetricSample": ("kvplug.core.metrics", "MetricSample"),
     "NameTenants": ("kvplug.core.tenancy", "NameTenants"),
     "FOLDER_TENANT_BYTES": ("kvplug.core.tenants", "FOLDER_TENANT_BYTES"),
+    "OrderedEvents": ("kvplug.core.events", "OrderedEvents"),
     "PagedFormat": ("kvplug.core.layouts", "PagedFormat"),
     "PinOutcome": ("kvplug.core.policies.guarded_eviction", "PinOutcome"),
     "PinReport": ("kvplug.core.tenancy", "PinReport"),
@@ -155,7 +156,7 @@ if TYPE_CHECKING:
     from kvplug.core.engine.head_shards import HeadShard
     from kvplug.core.engine.layerwise_retrieve import LayerwiseRetrieve
     from kvplug.core.engine.locations import ChunkLocation, hit_tokens, merge_locations
-    from kvplug.core.events import KVEvent
+    from kvplug.core.events import KVEvent, OrderedEvents
     from kvplug.core.keys import ChunkKey, ExtraKey, Fingerprint, KeyPrefix, RequestInfo, StoreKey
     from kvplug.core.layouts import KVLayout, PagedFormat, slots_from_block_ids
     from kvplug.core.lazy_module import LazyModule
@@ -243,6 +244,7 @@ __all__ = [
     "MessageServer",
     "MetricSample",
     "NameTenants",
+    "OrderedEvents",
     "PagedFormat",
     "PinOutcome",
     "PinReport",

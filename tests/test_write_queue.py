@@ -290,8 +290,14 @@ def test_a_load_s_removal_cancels_only_the_queued_value_it_found_unusable(make_t
     """A load removes the bytes it read: a newer value of the key queued by this process's
     own store is still written; the very value read, queued, is not."""
     tier = make_tier()
-    cancelled = threading.Event()
-    tier.context.emit = lambda event: cancelled.set() if event.kind == "removed" else None
+    removing = threading.Event()  # the removal reached the tier: the queued writes were cancelled before it
+    real_remove_if_same = tier.remove_if_same
+
+    def remove_if_same(items: Any) -> None:
+        real_remove_if_same(items)
+        removing.set()
+
+    tier.remove_if_same = remove_if_same  # type: ignore[method-assign]
     chain, held, _ = chain_of(tier)
     first = item("first")
     chain.put([first])
@@ -299,9 +305,29 @@ def test_a_load_s_removal_cancels_only_the_queued_value_it_found_unusable(make_t
     good, bad = item("stored again", 1), item("read and found unusable", 2)
     chain.put([good, bad])
     chain.discard_later([(good[0], b"bytes a load read from another tier"), bad])
-    assert cancelled.wait(10)  # the removal dropped queued writes (before the gate opens)
+    assert removing.wait(10)  # the removal dropped queued writes (before the gate opens)
     held.gate.set()
     chain.flush()
     assert [key for key, _ in held.written] == [first[0], good[0]]
     assert held.tier.contains([good[0], bad[0]]) == [True, False]
+    chain.close()
+
+
+def test_a_cancelled_queued_write_is_never_reported(make_tier: MakeTier) -> None:
+    """A queued write dropped by a removal never landed, so it was never announced ``stored``:
+    a ``removed`` for it would tell routers of a chunk that was never there (and of one held
+    by another tier or an older write: the tier reports its own removal of that)."""
+    tier = make_tier()
+    events: list[tuple[str, tuple[str, ...]]] = []
+    tier.context.emit = lambda event: events.append((event.kind, event.keys))
+    chain, held, _ = chain_of(tier)
+    first, queued = item("first"), item("queued")
+    chain.put([first])
+    assert held.entered.wait(10)  # "first" is being written; "queued" waits in the queue
+    chain.put([queued])
+    chain.discard([queued[0]])
+    held.gate.set()
+    chain.flush()
+    assert held.tier.contains([first[0], queued[0]]) == [True, False]
+    assert events == [("stored", (first[0],))]
     chain.close()

@@ -9,7 +9,9 @@ so two engines in one process never see each other's events, and to the process-
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -39,7 +41,7 @@ class KVEvent:
       tiers (``token_counts`` set); it says nothing of which tier holds them, or whether any does.
     - ``evicted`` / ``removed`` (always with a ``tier``): the keys left that tier (its budget,
       or a removal: ``discard``, a corrupt record found, ``clear``, a reset); a queued write
-      cancelled before it landed is reported ``removed`` too.
+      cancelled before it landed is not reported (it was never announced ``stored``).
     - ``loaded`` (no ``tier``): the engine loaded the keys into its cache.
     """
 
@@ -56,7 +58,9 @@ EventListener = Callable[[KVEvent], None]
 
 class EventListeners(Listeners[[KVEvent]]):
     """One cache engine's event fan-out: the process-wide hook, then its own listeners
-    (called on the thread that caused the event; one that raises is logged, the others run)."""
+    (called on the thread that caused the event, or, while another thread is delivering
+    the same tier's events, on that one, after them: see :class:`OrderedEvents`; one that
+    raises is logged, the others run)."""
 
     def __init__(self, hook: EventListener) -> None:
         super().__init__(logger, "event listener")
@@ -65,3 +69,45 @@ class EventListeners(Listeners[[KVEvent]]):
     def emit(self, event: KVEvent) -> None:
         self._hook(event)
         self.call_each(event)
+
+
+class OrderedEvents:
+    """One tier's events, delivered in the order its state changed.
+
+    A tier that changes its state under a lock and reports it after letting go of the
+    lock (listeners must never run under it: one may call the tier back) would otherwise
+    let two threads deliver in the other order: a put's ``stored`` after the ``evicted``
+    a racing put caused, and a router then believes a chunk is held that is gone. So the
+    tier :meth:`add` s each event while it holds its lock (the queue's order is the order of
+    its changes) and calls :meth:`deliver` once it let go of it.
+
+    ``deliver`` sends what is queued on the calling thread; while another thread is
+    delivering, it leaves the events to that one, which sends them after its own (in
+    order) before it returns. A tier call whose events another thread is still delivering
+    (its listener is slow) therefore returns before they were delivered, never blocked.
+    """
+
+    def __init__(self, emit: Callable[[KVEvent], None]) -> None:
+        self._emit = emit
+        self._queue: deque[KVEvent] = deque()
+        self._delivering = threading.Lock()
+
+    def add(self, event: KVEvent) -> None:
+        """Queue ``event``; call it under the lock its state change was made under."""
+        self._queue.append(event)
+
+    def deliver(self) -> None:
+        """Send the queued events in order, unless another thread is sending them; never
+        call it under the tier's lock."""
+        while self._queue:
+            # Not blocking: a thread that finds another delivering leaves its events to it
+            # (also a listener that calls its tier back, on the delivering thread itself).
+            if not self._delivering.acquire(blocking=False):
+                return
+            try:
+                while self._queue:
+                    self._emit(self._queue.popleft())
+            finally:
+                # Checked again once released: an event queued by a thread that found this
+                # one still delivering is sent by the loop's next turn.
+                self._delivering.release()

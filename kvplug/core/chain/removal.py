@@ -17,7 +17,6 @@ from typing import Protocol
 
 from kvplug.core.chain.slot import TierSlot
 from kvplug.core.chain.write_queue import Items
-from kvplug.core.events import KVEvent
 from kvplug.core.tier import Buffer
 
 
@@ -105,9 +104,9 @@ def _cancel(
     for slot in slots:
         if slot.queue is None or not keys:
             continue
-        dropped[slot.index] = cancelled = slot.queue.cancel(keys, only=only)
-        if cancelled:  # never written: the tier cannot report their removal itself
-            slot.tier.context.emit(KVEvent("removed", tuple(cancelled), tier=slot.tier.name))
+        # Never reported: a write that never landed was never announced stored, and an older
+        # value the tier holds is reported by the tier's own removal of it.
+        dropped[slot.index] = slot.queue.cancel(keys, only=only)
     return dropped
 
 

@@ -5,10 +5,11 @@ own, and the start-up listing."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import ClassVar, TypeVar
 
-from kvplug.core.events import KVEvent
+from kvplug.core.events import KVEvent, OrderedEvents
 from kvplug.core.records.backend import RecordBackend
 from kvplug.core.records.frame import RECORD_HEADER_SIZE
 from kvplug.core.records.index import (
@@ -24,6 +25,8 @@ from kvplug.core.tier import TierContext
 
 T = TypeVar("T")
 A = TypeVar("A")
+#: Evicted records remembered at most, for the puts racing their eviction (see ``_take_evicted``).
+MAX_EVICTED_NOTES = 4096
 
 
 class RecordBudget:
@@ -37,6 +40,14 @@ class RecordBudget:
     _index: RecordIndex
     _where: str
     _warned_full: bool
+    #: The tier's events, sent in the order they were queued (see :meth:`_report`).
+    _events: OrderedEvents
+    #: Held while a put indexes what it wrote and while evictions are taken (see RecordTier).
+    _order: threading.Lock
+    #: Evictions taken so far (a count), and the records a backend that keeps the budget
+    #: evicted -> the count then, newest last, until a put of them (see :meth:`_take_evicted`).
+    _evictions_taken: int
+    _evicted_at: dict[str, int]
 
     def _count(self, name: str, amount: int = 1) -> None:
         raise NotImplementedError
@@ -45,6 +56,11 @@ class RecordBudget:
         self, operation: Callable[[Sequence[A]], Awaitable[Sequence[T]]], items: Sequence[A], size: int
     ) -> list[tuple[Sequence[A], Sequence[T] | BaseException]]:
         raise NotImplementedError
+
+    def _report(self, event: KVEvent) -> None:
+        """Queue ``event`` after the events of the changes before it, and send what is queued."""
+        self._events.add(event)
+        self._events.deliver()
 
     def _pushed_out(self, pushed: list[Victim]) -> None:
         """Entries a full index pushed out: evicted with ``max_bytes``, else forgotten (warned once)."""
@@ -72,18 +88,41 @@ class RecordBudget:
         # listing (a restart) brings it back into the index.
         self._delete_quietly([name for name, _ in victims], forget=False)
         known = tuple(key for _, key in victims if key is not None)
-        if known:
-            self.context.emit(KVEvent("evicted", known, tier=self.name))
+        if known:  # queued after the "stored" of each: queued when it was indexed, before it could be a victim
+            self._report(KVEvent("evicted", known, tier=self.name))
 
     def _take_evicted(self) -> None:
-        """Count and report what a backend that keeps the budget itself removed."""
-        gone = self._backend.take_evicted()
-        if not gone:
-            return
+        """Count and report what a backend that keeps the budget itself removed.
+
+        A record a racing put wrote and has not indexed yet may be among them: each is noted
+        (:meth:`_evicted_since`), so that put neither indexes nor announces what is gone."""
+        with self._order:
+            gone = self._backend.take_evicted()
+            if not gone:
+                return
+            self._evictions_taken += 1
+            known: list[str] = []
+            for record in gone:
+                # Noted indexed or not: a racing put may be writing it again (then it indexed
+                # the old record, whose eviction is reported here).
+                self._evicted_at.pop(record.digest, None)
+                self._evicted_at[record.digest] = self._evictions_taken
+                key = self._index.forget(record.digest)
+                if isinstance(key, str):
+                    known.append(key)
+            while len(self._evicted_at) > MAX_EVICTED_NOTES:  # the oldest: no put was writing them
+                del self._evicted_at[next(iter(self._evicted_at))]
+            if known:
+                self._events.add(KVEvent("evicted", tuple(known), tier=self.name))
         self._count("evictions", len(gone))
-        known = tuple(key for key in (self._index.forget(record.digest) for record in gone) if isinstance(key, str))
-        if known:
-            self.context.emit(KVEvent("evicted", known, tier=self.name))
+        self._events.deliver()
+
+    def _evicted_since(self, name: str, taken: int) -> bool:
+        """Whether the record ``name`` was evicted after ``taken`` evictions were
+        taken (a put's write began then): its put must not index it. Forgets the note either
+        way: the put indexes or drops the record. Holds ``_order``."""
+        at = self._evicted_at.pop(name, None)
+        return at is not None and at > taken
 
     def _check_indexed(self) -> None:
         """Drop the indexed records the store no longer holds, among the next of the index's round."""
@@ -110,7 +149,7 @@ class RecordBudget:
         keep sending their prompts to this engine, whose lookups of them now miss."""
         known = tuple(key for key in keys if key is not None)
         if known:
-            self.context.emit(KVEvent("removed", known, tier=self.name))
+            self._report(KVEvent("removed", known, tier=self.name))
 
     def _delete_quietly(self, names: list[str], *, forget: bool = True) -> None:
         if forget:

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import ClassVar, TypeVar
 
-from kvplug.core.events import KVEvent
+from kvplug.core.events import KVEvent, OrderedEvents
 from kvplug.core.records.backend import RecordBackend
 from kvplug.core.records.frame import RECORD_HEADER_SIZE, key_digest
 from kvplug.core.records.index import RecordIndex
@@ -36,6 +36,7 @@ class RecordRemovals(RecordMaintenance):
     _index: RecordIndex
     _where: str
     _lock: threading.Lock
+    _events: OrderedEvents
     #: Names of corrupt records left in the store (no delete_if_same, or it failed), oldest first.
     _suspects: dict[str, None]
 
@@ -104,7 +105,8 @@ class RecordRemovals(RecordMaintenance):
                 elif (was_there or forget_absent) and (self._index.forget(name) is not False or was_there):
                     removed.append(key_of[name])
         if removed:
-            self.context.emit(KVEvent("removed", tuple(removed), tier=self.name))
+            self._events.add(KVEvent("removed", tuple(removed), tier=self.name))
+            self._events.deliver()
         if failed:
             raise TierUnavailableError(f"tier {self.name}: {failed} of {len(keys)} removals from {self._where} failed")
 

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from kvplug.core.events import KVEvent
+from kvplug.core.events import KVEvent, OrderedEvents
 from kvplug.core.records.backend import SIZE_UNKNOWN, RecordBackend, RecordToWrite
 from kvplug.core.records.budget import RecordBudget
 from kvplug.core.records.calls import answering_each, checked_reads, framed_batches, one_each, run_batch
@@ -84,6 +84,13 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
             config.index_max_keys, evicts_when_full=self._budget is not None, eviction=config.eviction
         )
         self._lock = threading.Lock()
+        # Held while a put indexes what it wrote and queues its "stored", and while an eviction
+        # picks its victims: a record's "stored" is queued before any eviction of it can be.
+        self._order = threading.Lock()
+        # Through the context as it is when sent (a test may replace its emit).
+        self._events = OrderedEvents(lambda event: self.context.emit(event))
+        self._evictions_taken = 0
+        self._evicted_at: dict[str, int] = {}
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._warned_full = False
         self._closed = False
@@ -216,27 +223,34 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
             return
         keys = list(latest)
         groups: list[list[tuple[str, RecordToWrite]]] = []
+        taken = self._evictions_taken  # before the writes: an eviction taken later may be of them
         results = self._batch(self._write_group, framed_batches(keys, latest, self._backend.call_sizes, groups))
         failed = False
         pushed: list[Victim] = []
         written: list[str] = []
-        for group, result in zip(groups, results):
-            if isinstance(result, Absent):  # the bucket or folder is gone: a failure for a write
-                result = TierUnavailableError(f"{self._where} does not exist")
-            outcomes = [result] * len(group) if isinstance(result, BaseException) else result
-            failed |= isinstance(result, BaseException)
-            for (key, record), outcome in zip(group, outcomes):
-                if outcome is None:
-                    self._count("puts")
-                    self._unsuspect(record.name)
-                    pushed += self._index.record(record.name, record.value.nbytes, key)
-                    written.append(key)
-                else:  # not stored: whatever was there before is stale or gone
-                    self._index.forget(record.name)
-                    self._count("dropped_puts")
-                    self._calls.warn_dropped(outcome)
-        if written:  # before the evictions this put causes: a router hears "stored" first
-            self.context.emit(KVEvent("stored", tuple(written), tier=self.name))
+        with self._order:
+            for group, result in zip(groups, results):
+                if isinstance(result, Absent):  # the bucket or folder is gone: a failure for a write
+                    result = TierUnavailableError(f"{self._where} does not exist")
+                outcomes = [result] * len(group) if isinstance(result, BaseException) else result
+                failed |= isinstance(result, BaseException)
+                for (key, record), outcome in zip(group, outcomes):
+                    if outcome is None and self._evicted_since(record.name, taken):
+                        # Evicted by a racing put once written: not held. (Or just before this
+                        # write landed: then held, unannounced; never announced and gone.)
+                        self._count("puts")
+                    elif outcome is None:
+                        self._count("puts")
+                        self._unsuspect(record.name)
+                        pushed += self._index.record(record.name, record.value.nbytes, key)
+                        written.append(key)
+                    else:  # not stored: whatever was there before is stale or gone
+                        self._index.forget(record.name)
+                        self._count("dropped_puts")
+                        self._calls.warn_dropped(outcome)
+            if written:  # before the evictions of them, this put's or a racing one's: a router hears "stored" first
+                self._events.add(KVEvent("stored", tuple(written), tier=self.name))
+        self._events.deliver()
         self._pushed_out(pushed)
         # Records gone from the store behind this process's back (the server's own eviction,
         # another engine's removal, an S3 lifecycle rule) stay indexed until checked: a budget
@@ -246,8 +260,7 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
         # breaker opens.
         if (self._backend.evicts_on_its_own or self._budget is not None) and not failed:
             self._check_indexed()
-        if self._budget is not None:
-            self._evict(self._index.evict_over(self._budget))
+        self._evict_over_budget()
         self._take_evicted()
 
     async def _write_group(self, group: Sequence[tuple[str, RecordToWrite]]) -> Sequence[BaseException | None]:
@@ -266,8 +279,13 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
             scan.result(LISTING_TIMEOUT_S * 2)
         except Exception as exc:
             self.context.logger.debug("tier %s: start-up listing did not finish: %s", self.name, exc)
+        self._evict_over_budget()
+
+    def _evict_over_budget(self) -> None:
         if self._budget is not None:
-            self._evict(self._index.evict_over(self._budget))
+            with self._order:  # after the "stored" of every record it may pick
+                victims = self._index.evict_over(self._budget)
+            self._evict(victims)
 
     # --- counters and lifecycle -----------------------------------------------------
 

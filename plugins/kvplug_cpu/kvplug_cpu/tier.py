@@ -27,6 +27,7 @@ from kvplug import (
     EvictionName,
     GuardedEviction,
     KVEvent,
+    OrderedEvents,
     StorageTier,
     TenancySettings,
     TierConfig,
@@ -85,6 +86,9 @@ class CPUTier(StorageTier):
             labels=tenancy.labels,
         )
         self._lock = threading.Lock()
+        # Queued under self._lock, sent after it: in the order of the changes, whichever thread sends.
+        # Through the context as it is then (a test may replace its emit).
+        self._events = OrderedEvents(lambda event: self.context.emit(event))
         self._stats = TierStats()
         self._closed = False
         self._pin = _pinning_copier(config.pin_memory)
@@ -143,9 +147,10 @@ class CPUTier(StorageTier):
                 stored[key] = None
             # Only what this put left here: a value it admitted, then pushed out again, was never held.
             held = tuple(key for key in stored if key in self._entries)
-        if held:
-            self.context.emit(KVEvent("stored", held, tier=self.name))
-        self._emit_evicted(evicted)
+            if held:  # before the evictions this put caused: a router hears "stored" first
+                self._events.add(KVEvent("stored", held, tier=self.name))
+            self._add_evicted(evicted)
+        self._events.deliver()
 
     def _drop_victim(self, victim: str, size: int, evicted: dict[str, None]) -> None:
         del self._entries[victim]
@@ -164,7 +169,8 @@ class CPUTier(StorageTier):
                 value = self._entries.get(key)
                 outcomes.append((outcome, 0 if value is None else memoryview(value).nbytes))
             self._drop_over_quota(evicted)  # request pins an operator's pin made ordinary again
-        self._emit_evicted(evicted)
+            self._add_evicted(evicted)
+        self._events.deliver()
         return outcomes
 
     def unpin(self, keys: Sequence[str]) -> list[int | None]:
@@ -173,16 +179,17 @@ class CPUTier(StorageTier):
             self._check_open()
             sizes = [self._policy.unpin(key) for key in keys]
             self._drop_over_quota(evicted)  # unpinned chunks count against their tenant's quota again
-        self._emit_evicted(evicted)
+            self._add_evicted(evicted)
+        self._events.deliver()
         return sizes
 
     def _drop_over_quota(self, evicted: dict[str, None]) -> None:
         for victim, victim_size in self._policy.take_over_quota():  # the tenant's own chunks
             self._drop_victim(victim, victim_size, evicted)
 
-    def _emit_evicted(self, evicted: dict[str, None]) -> None:
+    def _add_evicted(self, evicted: dict[str, None]) -> None:
         if evicted:
-            self.context.emit(KVEvent("evicted", tuple(evicted), tier=self.name))
+            self._events.add(KVEvent("evicted", tuple(evicted), tier=self.name))
 
     def remove(self, keys: Sequence[str]) -> None:
         self._remove_where([(key, None) for key in keys])
@@ -205,8 +212,9 @@ class CPUTier(StorageTier):
                     self._account(value, -1)
                     self._policy.removed(key)
                     removed.append(key)
-        if removed:
-            self.context.emit(KVEvent("removed", tuple(removed), tier=self.name))
+            if removed:
+                self._events.add(KVEvent("removed", tuple(removed), tier=self.name))
+        self._events.deliver()
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -226,8 +234,9 @@ class CPUTier(StorageTier):
             self._entries.clear()
             self._policy.clear()
             self._stats.bytes_used = self._stats.items = 0
-        if was_open and gone:  # the process's memory lets go of them: a router told "stored" must hear it
-            self.context.emit(KVEvent("removed", gone, tier=self.name))
+            if was_open and gone:  # the process's memory lets go of them: a router told "stored" must hear it
+                self._events.add(KVEvent("removed", gone, tier=self.name))
+        self._events.deliver()
 
     def _account(self, value: Buffer, sign: int) -> None:
         self._stats.bytes_used += sign * memoryview(value).nbytes

@@ -11,6 +11,7 @@ import pytest
 from kvplug import MappedFile, is_mapped_file
 from kvplug.testing import StorageTierContract, key_for, tier_context, value_for
 from kvplug.testing.corrupt_races import check_remove_if_same_keeps_a_newer_value
+from kvplug.testing.event_order import check_events_follow_state_changes
 from kvplug_cpu import CPUTier
 
 
@@ -119,3 +120,9 @@ def test_remove_if_same_keeps_a_value_stored_since_the_read() -> None:
     tier = make_cpu_tier()
     check_remove_if_same_keeps_a_newer_value(tier, tier)
     assert tier.stats().bytes_used == 0 and tier.stats().items == 0
+
+
+def test_events_arrive_in_the_order_of_the_changes() -> None:
+    """A racing put evicts a chunk whose ``stored`` another thread is still delivering: the
+    ``evicted`` must not overtake it (it used to: each thread sent its own events)."""
+    check_events_follow_state_changes(lambda max_bytes, listener: make_cpu_tier(max_bytes, emit=listener))

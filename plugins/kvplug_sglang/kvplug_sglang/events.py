@@ -10,6 +10,10 @@ SGLang's ``BlockStored`` for that tier's medium (one block per chunk, chained by
 ``parent_block_hash``) when no other tier of that medium held it, and a tier's
 ``evicted``/``removed`` a ``BlockRemoved`` once no tier of that medium holds it. It
 hands them out from ``take()``: the shape SGLang's ``KVEventPublisher`` sends to routers.
+
+Only chunks its connector stored or loaded are known: a record a persistent tier held before
+the process started carries no token ids (a record header holds a digest of the chunk key),
+so it is never announced.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ class KVEventBridge:
 
     ``media``: tier name -> kvplug medium (names not in it count as remote). Memory is
     bounded: at most ``max_tracked`` chunks and ``max_events`` untaken events are kept;
-    older ones are dropped and counted in ``dropped``.
+    older ones are dropped and counted in ``dropped``. A chunk dropped while a tier holds it
+    is told removed from its media then: its later removal could not be told.
     """
 
     def __init__(
@@ -71,8 +76,11 @@ class KVEventBridge:
                 parent = block_hash(key)
             while len(self._chunks) > self._max_tracked:
                 key, _ = self._chunks.popitem(last=False)
-                self._held.pop(key, None)
+                holders = self._held.pop(key, None)
                 self.dropped += 1
+                if holders:  # its later removal could not be told: a router would believe it held for good
+                    self._forgotten(key, holders)
+            self._bound_events()
 
     def observe(self, event: KVEvent) -> None:
         from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
@@ -115,10 +123,22 @@ class KVEventBridge:
                 if gone:
                     new.append(BlockRemoved(block_hashes=[block_hash(k) for k in gone], medium=medium))
             self._events.extend(new)
-            overflow = len(self._events) - self._max_events
-            if overflow > 0:
-                del self._events[:overflow]
-                self.dropped += overflow
+            self._bound_events()
+
+    def _bound_events(self) -> None:
+        """Drop the oldest untaken events past ``max_events`` (counted). Holds ``_lock``."""
+        overflow = len(self._events) - self._max_events
+        if overflow > 0:
+            del self._events[:overflow]
+            self.dropped += overflow
+
+    def _forgotten(self, key: str, holders: set[str]) -> None:
+        """Tell routers a chunk no longer tracked is removed from every medium holding it (a
+        later store or load of it announces it again). Holds ``_lock``."""
+        from sglang.srt.disaggregation.kv_events import BlockRemoved
+
+        for medium in sorted(self._media_of(holders)):
+            self._events.append(BlockRemoved(block_hashes=[block_hash(key)], medium=medium))
 
     def _media_of(self, tiers: set[str]) -> set[str]:
         return {self._storage_medium(tier) for tier in tiers}

@@ -21,6 +21,10 @@ sent anything else. The first rank's records stand for the engine's: every rank 
 same chunks (MLA's one record and replicated heads are the first rank's), and a chunk another
 rank evicted first is a miss there, not wrong KV.
 
+The index remembers at most ``max_chunks`` chunks: one it forgets is published removed from
+every medium then, since its later eviction could not be (a router would believe it held for
+good); a later store or load of it announces it again.
+
 The index translates events; it is not a journal of what the worker stored: ``kvplug ctl
 clear`` and ``reset_cache`` read the worker's control target's journal. A worker keeps an
 index only when vLLM publishes KV events.
@@ -57,8 +61,9 @@ class ChunkIndex:
     everything is guarded by one lock.
     """
 
-    def __init__(self, block_size: int, tier_names: Sequence[str]) -> None:
+    def __init__(self, block_size: int, tier_names: Sequence[str], *, max_chunks: int = MAX_CHUNKS) -> None:
         self.block_size = block_size
+        self.max_chunks = max_chunks
         #: The types of the engine's tiers: the media published (events of no tier are ignored).
         self.tier_names = list(tier_names)
         self._chunks: OrderedDict[str, _Chunk] = OrderedDict()
@@ -82,8 +87,14 @@ class ChunkIndex:
                 hashes = tuple(block_hashes[first:last]) if named else ()
                 self._chunks[key.key] = _Chunk(hashes, parent, tuple(token_ids[key.start : key.end]), lora_name)
                 self._chunks.move_to_end(key.key)
-            while len(self._chunks) > MAX_CHUNKS:
-                self._chunks.popitem(last=False)
+            while len(self._chunks) > self.max_chunks:
+                _, forgotten = self._chunks.popitem(last=False)
+                if forgotten.block_hashes:
+                    # Its later eviction could no longer be published: a router would believe it
+                    # held for good. Said removed now, from every medium (a removal of what a
+                    # router never held is a no-op); a later store or load announces it again.
+                    for medium in dict.fromkeys(self.tier_names):
+                        self._events.append(BlockRemoved(block_hashes=list(forgotten.block_hashes), medium=medium))
 
     def on_event(self, event: KVEvent) -> None:
         # The engine's own "stored" (tier None) only says it handed chunks to its tiers.

@@ -31,7 +31,10 @@ _COUNTERS = {
     "loaded_bytes": ("kvplug_loaded_bytes", "Serialized bytes read from kvplug's tiers"),
     "stored_tokens": ("kvplug_stored_tokens", "Tokens of KV stored in kvplug's tiers"),
     "stored_bytes": ("kvplug_stored_bytes", "Serialized bytes written to kvplug's tiers"),
-    "load_error_blocks": ("kvplug_load_error_blocks", "vLLM blocks promised but not loaded (recomputed)"),
+    "load_error_blocks": (
+        "kvplug_load_error_blocks",
+        "vLLM blocks promised but not loaded (recomputed), each rank's own",
+    ),
 }
 #: stats sample list -> (metric name, help)
 _HISTOGRAMS = {

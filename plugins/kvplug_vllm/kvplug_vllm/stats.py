@@ -17,7 +17,11 @@ What they count (tokens are prompt tokens; vLLM's own prefix cache answers first
   Tokens are the engine's, counted by its first rank (tensor- and pipeline-parallel rank 0);
   bytes are summed over every rank's records.
 - ``load_error_blocks``, ``load_error_requests``: vLLM blocks promised but not loaded
-  (vLLM recomputes them), and the requests they belong to.
+  (vLLM recomputes them), and the requests they belong to. Each rank counts its own failed
+  loads, summed over the ranks (a block no rank could load counts once per rank): the first
+  rank alone does not know them all. The ranks agree on failed synchronous loads only so that
+  none stores KV computed on top of them (:mod:`kvplug_vllm.load_results`), within the
+  tensor-parallel group; background loads and other pipeline stages are not agreed on.
 
 The worker side reports what it loaded, stored and failed to load since the
 previous step, and ``worker_us``, the time the forward pass spent in the

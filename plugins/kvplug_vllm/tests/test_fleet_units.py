@@ -62,6 +62,24 @@ def test_chunk_index_publishes_nothing_for_chunks_without_vllm_blocks() -> None:
     assert index.take() == []
 
 
+def test_a_chunk_the_index_stops_remembering_is_published_removed() -> None:
+    """Past ``max_chunks`` the oldest chunk is forgotten: its later eviction could no longer be
+    published, so a router would believe it held for good. It is published removed from every
+    medium when forgotten (a chunk without vLLM blocks: nothing)."""
+    index = ChunkIndex(block_size=4, tier_names=["cpu", "disk", "disk"], max_chunks=2)
+    tokens = list(range(100, 116))
+    index.remember([key(0, 0, 4), key(1, 4, 8)], tokens, [b"h0", b"h1", b"h2", b"h3"], lora_name=None)
+    index.on_event(KVEvent("stored", (key(0, 0, 4).key,), tier="cpu"))
+    assert [type(e) for e in index.take()] == [BlockStored]
+    index.remember([key(2, 8, 16)], tokens, [b"h0", b"h1", b"h2", b"h3"], lora_name=None)
+    assert [(type(e), e.block_hashes, e.medium) for e in index.take()] == [
+        (BlockRemoved, [b"h0"], "cpu"),
+        (BlockRemoved, [b"h0"], "disk"),
+    ]
+    index.on_event(KVEvent("evicted", (key(0, 0, 4).key,), tier="cpu"))  # no longer remembered: nothing more
+    assert index.take() == []
+
+
 def test_events_of_several_workers_are_published_once_all_report_them() -> None:
     event = BlockRemoved(block_hashes=[b"h0"], medium="cpu")
     merged = KVPlugKVEvents(1)
