@@ -19,6 +19,7 @@ from typing import Any
 
 from valkey import exceptions as vex
 from valkey._parsers import _AsyncRESP2Parser
+from valkey.asyncio.cluster import ClusterParser
 
 #: The bound of a reply whatever the record bound (INFO's text, a page of SCAN).
 MIN_REPLY_BOUND = 1024**2
@@ -84,3 +85,14 @@ def bound_replies(client: Any, parser: type[_AsyncRESP2Parser]) -> Any:
     """Make every connection ``client`` opens from now on parse with ``parser``."""
     client.connection_pool.connection_kwargs["parser_class"] = parser
     return client
+
+
+def bound_cluster_replies(cluster: Any, parser: type[_AsyncRESP2Parser]) -> Any:
+    """Make every connection of a ``ValkeyCluster`` client (its slot map's ``CLUSTER SLOTS``,
+    a listing's ``SCAN`` of each node) parse with ``parser``, keeping the redirections
+    (``MOVED``, ``ASK``) that the cluster's own parser raises as its errors."""
+    bounded = type("BoundedClusterParser", (parser,), {"EXCEPTION_CLASSES": ClusterParser.EXCEPTION_CLASSES})
+    cluster.connection_kwargs["parser_class"] = bounded  # (the nodes it finds: made from this mapping)
+    for node in cluster.nodes_manager.startup_nodes.values():  # made already, from a copy of it
+        node.connection_kwargs["parser_class"] = bounded
+    return cluster

@@ -58,8 +58,17 @@ class HugeReplyServer:
     (``GET``, ``GETRANGE``) a bulk string announced at ``announced`` bytes, then filler
     until the client hangs up or ``cap`` bytes are sent: a broken or hostile server."""
 
-    def __init__(self, announced: int, cap: int, head: bytes | None = None, filler: bytes | None = None) -> None:
+    def __init__(
+        self,
+        announced: int,
+        cap: int,
+        head: bytes | None = None,
+        filler: bytes | None = None,
+        reads: tuple[bytes, ...] = (b"GET", b"GETRANGE"),
+    ) -> None:
         self.announced, self.cap, self.sent = announced, cap, 0
+        #: The commands answered so (upper case).
+        self.reads = reads
         #: What a read is answered (else a bulk string of ``announced`` bytes), then ``filler`` again and again.
         self.head = b"$%d\r\n" % announced if head is None else head
         self.filler = b"\x07" * 1024**2 if filler is None else filler
@@ -80,7 +89,7 @@ class HugeReplyServer:
                 pending += data
                 while (command := _next_command(pending)) is not None:
                     name, pending = command
-                    if name not in (b"GET", b"GETRANGE"):
+                    if name not in self.reads:
                         connection.sendall(b"+OK\r\n")
                         continue
                     connection.sendall(self.head)
@@ -156,4 +165,19 @@ def test_nested_arrays_are_bounded_in_elements_as_a_whole() -> None:
         with pytest.raises(ReplyTooLongError, match="elements"):
             asyncio.run(read())
     finally:
+        server.close()
+
+
+def test_a_cluster_clients_replies_are_bounded_too() -> None:
+    # The cluster client's own connections (its slot map's CLUSTER SLOTS, a listing's SCAN)
+    # read a reply the same way as the nodes' clients: bounded.
+    string = b"$%d\r\n%s\r\n" % (1024**2 - 64, b"\x07" * (1024**2 - 64))
+    server = HugeReplyServer(announced=0, cap=40 * 1024**2, head=b"*1024\r\n", filler=string, reads=(b"CLUSTER",))
+    config = ValkeyTier.Config(url=f"redis://127.0.0.1:{server.port}", cluster=True, request_timeout_s=10.0, retries=0)
+    tier = ValkeyTier(config, tier_context(max_record_bytes=BOUND))
+    try:
+        assert tier.get([key_for("cluster reply")]) == [None]
+        assert server.sent < 32 * 1024**2, f"the client took {server.sent} bytes of a reply it had to refuse"
+    finally:
+        tier.close()
         server.close()
