@@ -104,6 +104,30 @@ def test_a_clear_waits_for_a_held_back_put_being_written(hung: HungCompare) -> N
         chain.close()
 
 
+def test_a_clear_of_one_tier_leaves_a_held_back_put_to_the_others(hung: HungCompare) -> None:
+    """``kvplug ctl clear --tier 1`` clears tier 1 alone: the held-back put of a cleared key
+    does not land in tier 1 after the clear, and still reaches tier 0, which was not cleared."""
+    from kvplug_cpu import CPUTier
+
+    other = CPUTier(CPUTier.Config(max_bytes="16MiB"), tier_context())
+    chain = TierChain([hung.tier, other])
+    key, bad, good = key_for("k"), value_for("bad", 2000), value_for("good", 2000)
+    try:
+        chain.put([(key, bad)])
+        chain.discard_later([(key, bad)])
+        assert hung.entered.wait(WAIT_S)  # the removal hangs in tier 0
+        chain.put([(key, good)])  # held back behind the removal
+        chain.remove(RemoveKeys([key]), tiers={1})
+        hung.gate.set()
+        chain.flush()
+        assert other.contains([key]) == [False], "a put asked for before the clear landed in the cleared tier"
+        assert hung.tier.contains([key]) == [True], "the clear of tier 1 dropped tier 0's held-back put"
+        assert bytes(hung.tier.get([key])[0]) == good
+    finally:
+        hung.gate.set()
+        chain.close()
+
+
 def test_a_clear_leaves_the_held_back_puts_of_other_keys(hung: HungCompare) -> None:
     chain = TierChain([hung.tier])
     key, other, bad = key_for("k"), key_for("other"), value_for("bad", 2000)

@@ -21,8 +21,8 @@ Bounded: the worker holds at most :data:`MAX_JOBS` jobs and :data:`MAX_BYTES` of
 later load's removal lands) and a held-back put is dropped and counted.
 
 Forgotten like a write queue's writes: a removal by name (a clear, a cache reset) cancels
-the held-back puts of its keys (:meth:`DeferredDiscards.cancel_puts`), so a store asked for
-before it never lands after it; a close that gives up drops what is queued
+the held-back puts of its keys to the tiers it clears (:meth:`DeferredDiscards.cancel_puts`),
+so a store asked for before it never lands after it (and still reaches the tiers not cleared); a close that gives up drops what is queued
 (:meth:`DeferredDiscards.discard_queued`).
 """
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvplug.core.background import BackgroundWorker
@@ -56,6 +56,8 @@ class _Job:
     puts: Items = field(default_factory=list)
     admission: bool = True
     only_trusted: bool = False
+    #: The tiers (indexes) a clear of only some tiers took a key's put away from.
+    cleared: dict[str, frozenset[int]] = field(default_factory=dict)
 
     def nbytes(self) -> int:
         return sum(memoryview(value).nbytes for _, value in [*self.removes, *self.puts])
@@ -65,14 +67,15 @@ class DeferredDiscards:
     """A chain's removals of unusable chunks, on a worker thread started at the first one.
 
     ``remove(items)`` removes each (key, value read) from every tier still holding that value;
-    ``put(items, admission, only_trusted)`` is the chain's put, for the puts held back;
+    ``put(items, admission, only_trusted, skip)`` is the chain's put, for the puts held back
+    (``skip``: indexes of tiers it does not write to);
     ``on_put_dropped()`` counts a held-back put the full or closed queue refused.
     """
 
     def __init__(
         self,
         remove: Callable[[Items], None],
-        put: Callable[[Items, bool, bool], None],
+        put: Callable[[Items, bool, bool, frozenset[int]], None],
         on_put_dropped: Callable[[], None],
     ) -> None:
         self._remove = remove
@@ -129,17 +132,23 @@ class DeferredDiscards:
             self._worker.submit(job, wait=False)
         return now
 
-    def cancel_puts(self, keys: Sequence[str]) -> list[str]:
-        """Forget the held-back puts of ``keys`` (a removal of them by name follows); wait (up
-        to :data:`CANCEL_WAIT_S`) for one of them being written, so the removal comes after it.
-        Returns the keys whose held-back put was forgotten."""
+    def cancel_puts(self, keys: Sequence[str], tiers: Collection[int] | None = None) -> list[str]:
+        """Forget the held-back puts of ``keys`` (a removal of them by name follows) to the tiers
+        at the indexes ``tiers`` (``None``: every tier; the others are still written); wait (up to
+        :data:`CANCEL_WAIT_S`) for one of them being written, so the removal comes after it.
+        Returns the keys whose held-back put was forgotten (for those tiers)."""
         wanted = set(keys)
         cancelled: list[str] = []
         deadline = time.monotonic() + CANCEL_WAIT_S
         with self._lock:
             for job in self._held:
                 cancelled += [key for key, _ in job.puts if key in wanted]
-                job.puts = [item for item in job.puts if item[0] not in wanted]
+                if tiers is None:
+                    job.puts = [item for item in job.puts if item[0] not in wanted]
+                    continue
+                for key, _ in job.puts:
+                    if key in wanted:
+                        job.cleared[key] = job.cleared.get(key, frozenset()) | frozenset(tiers)
             while self._putting & wanted:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -192,8 +201,11 @@ class DeferredDiscards:
         try:
             if job.removes:
                 self._remove(job.removes)
-            if puts:
-                self._put(puts, job.admission, job.only_trusted)
+            by_skip: dict[frozenset[int], Items] = {}  # (one group, but where a clear of some tiers came)
+            for key, value in puts:
+                by_skip.setdefault(job.cleared.get(key, frozenset()), []).append((key, value))
+            for skip, group in by_skip.items():
+                self._put(group, job.admission, job.only_trusted, skip)
         finally:
             self._done(job)
 

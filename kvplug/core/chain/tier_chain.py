@@ -67,7 +67,9 @@ class TierChain:
         #: Removals of chunks a load found unusable, off the loading thread (:meth:`discard_later`).
         self._discards = DeferredDiscards(
             functools.partial(remove_read, self._slots),
-            lambda items, admission, only_trusted: self._put(items, admission=admission, only_trusted=only_trusted),
+            lambda items, admission, only_trusted, skip: self._put(
+                items, admission=admission, only_trusted=only_trusted, skip=skip
+            ),
             self.metrics.store_dropped.labels("discards").inc,
         )
         for index, tier in enumerate(tiers):
@@ -255,7 +257,7 @@ class TierChain:
         first), those held back behind a removal of an unusable chunk too, then each tier
         removes its keys; see :mod:`kvplug.core.chain.removal`.
         ``count``: remove only the keys a tier holds, and measure the bytes freed."""
-        self._discards.cancel_puts(plan.cancels())
+        self._discards.cancel_puts(plan.cancels(), tiers)
         return remove_planned(self._slots, plan, tiers=tiers, count=count)
 
     # --- writes ---------------------------------------------------------------------
@@ -268,13 +270,13 @@ class TierChain:
         items = self._discards.hold_back(items, admission=admission, only_trusted=only_trusted)
         self._put(items, admission=admission, only_trusted=only_trusted)
 
-    def _put(self, items: Items, *, admission: bool, only_trusted: bool) -> None:
+    def _put(self, items: Items, *, admission: bool, only_trusted: bool, skip: Collection[int] = ()) -> None:
         if not items:
             return
         if admission:
             self._seen([key for key, _ in items])
         for slot in self._slots:
-            if only_trusted and not slot.tier.trusted_reads:
+            if (only_trusted and not slot.tier.trusted_reads) or slot.index in skip:
                 continue
             self._write_missing(slot, self._admitted(slot, items) if admission else items)
 

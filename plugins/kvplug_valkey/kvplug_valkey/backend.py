@@ -32,7 +32,7 @@ from kvplug import Buffer, CallSizes, FailureKind, RecordBackend, RecordToWrite,
 from kvplug.errors import CorruptChunkError
 from kvplug_valkey.config import ValkeyTierConfig
 from kvplug_valkey.nodes import ClusterNodes, NodeDownError
-from kvplug_valkey.replies import ReplyTooLongError, bound_replies, bounded_parser
+from kvplug_valkey.replies import ReplyTooLongError, bound_cluster_replies, bound_replies, bounded_parser
 
 #: SCAN page size: keys per round trip when listing.
 SCAN_COUNT = 1000
@@ -363,7 +363,7 @@ class ValkeyBackend(RecordBackend):
         return bound_replies(client, self._parser)
 
     def _cluster(self) -> Client:
-        return ValkeyCluster(
+        cluster = ValkeyCluster(
             host=self.address.host,
             port=self.address.port,
             max_connections=self.config.max_connections,
@@ -373,6 +373,7 @@ class ValkeyBackend(RecordBackend):
             require_full_coverage=False,
             **self._common(),
         )
+        return bound_cluster_replies(cluster, self._parser)
 
     async def _pipeline(
         self, commands: Sequence[tuple[Any, ...]], per_key: Callable[[BaseException], bool] = _per_key

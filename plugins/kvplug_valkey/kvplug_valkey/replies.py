@@ -7,7 +7,9 @@ The tier knows how big a record can be (its ``max_record_bytes``; reads ask for 
 one byte more, ``GETRANGE``), so a longer announced reply is refused before any of it is
 read: :class:`ReplyTooLongError` fails the call (a miss), and the client drops the
 connection, whose stream is mid-reply. Replies of other commands (``INFO``, ``SCAN``
-pages) stay well under :data:`MIN_REPLY_BOUND`; an array is bounded in elements too.
+pages) stay well under :data:`MIN_REPLY_BOUND`. The bound is of the reply as a whole (its
+strings' bytes, its arrays' elements at every depth): an array of strings each within the
+bound, or of arrays each within it, would otherwise be as long as the server likes.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from valkey import exceptions as vex
 from valkey._parsers import _AsyncRESP2Parser
+from valkey.asyncio.cluster import ClusterParser
 
 #: The bound of a reply whatever the record bound (INFO's text, a page of SCAN).
 MIN_REPLY_BOUND = 1024**2
@@ -31,17 +34,30 @@ class ReplyTooLongError(vex.InvalidResponse):
 
 
 def bounded_parser(record_bound: Callable[[], int | None]) -> type[_AsyncRESP2Parser]:
-    """A RESP2 parser class that refuses a bulk string over ``record_bound() + 1`` bytes
-    (at least :data:`MIN_REPLY_BOUND`) and an array over :data:`MAX_ARRAY_ELEMENTS`,
-    before reading it. ``record_bound`` is read at each reply (the engine may raise it)."""
+    """A RESP2 parser class that refuses a reply whose bulk strings add up to over
+    ``record_bound() + 1`` bytes (at least :data:`MIN_REPLY_BOUND`), or whose arrays, at
+    every depth, to over :data:`MAX_ARRAY_ELEMENTS` elements, before reading past the bound.
+    ``record_bound`` is read at each reply (the engine may raise it)."""
 
     class BoundedParser(_AsyncRESP2Parser):
+        #: Bytes of strings and elements of arrays announced so far in the reply being read:
+        #: each part within its bound is not enough (an array of a thousand 1 MiB strings,
+        #: arrays of a million elements in an array of a million), the reply as a whole is bounded.
+        _reply_bytes = 0
+        _reply_elements = 0
+
+        async def read_response(self, disable_decoding: bool = False) -> Any:
+            # (A reply that a timeout cut is parsed again from its start: counted again from zero.)
+            self._reply_bytes = self._reply_elements = 0
+            return await super().read_response(disable_decoding=disable_decoding)
+
         async def _read(self, length: int) -> bytes:
             bound = record_bound()
             limit = max(MIN_REPLY_BOUND, NO_RECORD_BOUND if bound is None else bound + 1)
-            if length > limit:
+            self._reply_bytes += max(0, length)
+            if self._reply_bytes > limit:
                 raise ReplyTooLongError(
-                    f"the server announced a reply of {length} bytes, over the {limit} bytes a record "
+                    f"the server announced a reply of {self._reply_bytes} bytes, over the {limit} bytes a record "
                     "of this store can be (refused unread; the connection is dropped)"
                 )
             data: bytes = await super()._read(length)
@@ -49,10 +65,17 @@ def bounded_parser(record_bound: Callable[[], int | None]) -> type[_AsyncRESP2Pa
 
         async def _readline(self) -> bytes:
             line: bytes = await super()._readline()
-            if line[:1] == b"*" and line[1:].isdigit() and int(line[1:]) > MAX_ARRAY_ELEMENTS:
-                raise ReplyTooLongError(
-                    f"the server announced an array of {int(line[1:])} elements, over {MAX_ARRAY_ELEMENTS}"
-                )
+            if line[:1] == b"*":
+                try:  # as the parser reads it (int() also takes "+5", " 5", "5_000")
+                    count = int(line[1:])
+                except ValueError:
+                    return line  # the parser refuses it
+                self._reply_elements += max(0, count)
+                if self._reply_elements > MAX_ARRAY_ELEMENTS:
+                    raise ReplyTooLongError(
+                        f"the server announced arrays of {self._reply_elements} elements in one reply, "
+                        f"over {MAX_ARRAY_ELEMENTS}"
+                    )
             return line
 
     return BoundedParser
@@ -62,3 +85,14 @@ def bound_replies(client: Any, parser: type[_AsyncRESP2Parser]) -> Any:
     """Make every connection ``client`` opens from now on parse with ``parser``."""
     client.connection_pool.connection_kwargs["parser_class"] = parser
     return client
+
+
+def bound_cluster_replies(cluster: Any, parser: type[_AsyncRESP2Parser]) -> Any:
+    """Make every connection of a ``ValkeyCluster`` client (its slot map's ``CLUSTER SLOTS``,
+    a listing's ``SCAN`` of each node) parse with ``parser``, keeping the redirections
+    (``MOVED``, ``ASK``) that the cluster's own parser raises as its errors."""
+    bounded = type("BoundedClusterParser", (parser,), {"EXCEPTION_CLASSES": ClusterParser.EXCEPTION_CLASSES})
+    cluster.connection_kwargs["parser_class"] = bounded  # (the nodes it finds: made from this mapping)
+    for node in cluster.nodes_manager.startup_nodes.values():  # made already, from a copy of it
+        node.connection_kwargs["parser_class"] = bounded
+    return cluster
