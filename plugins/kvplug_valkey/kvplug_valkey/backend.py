@@ -271,7 +271,9 @@ class ValkeyBackend(RecordBackend):
             commands.append(("EVAL", _DELETE_IF_SAME, 1, self.key(name), *check))
         results = await self._pipeline(commands, per_key=lambda r: _per_key(r) or _script_refused(r))
         if any(isinstance(r, BaseException) and _script_refused(r) for r in results):
-            self.scripts_refused = True  # corrupt values are kept from now on (absent to the tier)
+            # From now on corrupt records are kept (absent to the tier), and the removal of an
+            # unusable chunk re-reads it, then removes by name.
+            self.scripts_refused = True
         return [r if isinstance(r, BaseException) else int(r) > 0 for r in results]
 
     @property

@@ -81,8 +81,11 @@ class ClusterNodes:
 
     def describe(self) -> dict[str, int | float | str]:
         """``nodes``: primaries known; ``nodes_down``: those whose breaker is not closed."""
-        # Called from stats() on another thread while the loop may add a node: copies, not views.
-        primaries = {node.name for node in self.cluster.get_primaries()}
+        # Called from stats() on another thread while the loop may refresh the slot map, which
+        # changes the node dict in place: one copy of it (list() of a dict holds the GIL
+        # throughout), never valkey's get_primaries(), a Python loop over the live dict.
+        nodes = list(self.cluster.nodes_manager.nodes_cache.values())
+        primaries = {node.name for node in nodes if node.server_type == "primary"}
         breakers = list(self._breakers.items())
         down = sum(1 for name, breaker in breakers if name in primaries and breaker.state != "closed")
         return {"nodes": len(primaries), "nodes_down": down}
