@@ -21,6 +21,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,14 +95,27 @@ def socket_path(engine_id: str, dp_rank: int, worker: int) -> Path:
 
 
 class SocketLookup:
-    """Asks every tensor-parallel worker of one engine over its control socket; the hit is
-    the prefix all hold (:func:`kvplug.merge_locations`)."""
+    """Asks every worker of one engine (each tensor-parallel rank of each pipeline stage) over
+    its control socket, all at once; the hit is the prefix all hold (:func:`kvplug.merge_locations`)."""
 
     def __init__(self, paths: Sequence[Path], timeout_s: float) -> None:
         self.paths = list(paths)
         self.timeout_s = timeout_s
         self._socks: dict[Path, socket.socket] = {}
         self._lock = threading.Lock()
+        # One after another, a lookup took the sum of the workers' answers (up to
+        # lookup_timeout_s each): at once, the slowest one's.
+        self._asking = ThreadPoolExecutor(len(self.paths), "kvplug-lookup") if len(self.paths) > 1 else None
+
+    def _ask_all(self, message: bytes) -> list[dict[str, Any]]:
+        """Every worker's reply to ``message``, asked in parallel (holds ``_lock``)."""
+        if self._asking is None:
+            return [self._exchange(path, message) for path in self.paths]
+        asked = [self._asking.submit(self._exchange, path, message) for path in self.paths]
+        # Every exchange ends (answered, failed or timed out) before the lock is let go: a
+        # socket still waiting for its reply must not carry the next request.
+        wait(asked)
+        return [future.result() for future in asked]
 
     def lookup(self, tokens: Sequence[int], request: RequestInfo) -> int:
         return hit_tokens(self.locate(tokens, request))
@@ -113,7 +127,7 @@ class SocketLookup:
         except ControlProtocolError as exc:
             raise LookupChannelError(f"lookup not sent: {exc}") from None
         with self._lock:
-            answers = [self._exchange(path, message) for path in self.paths]
+            answers = self._ask_all(message)
         try:
             return merge_locations([[ChunkLocation.from_json(raw) for raw in a["locations"]] for a in answers])
         except (KeyError, TypeError, ValueError) as exc:
@@ -124,6 +138,8 @@ class SocketLookup:
             for sock in self._socks.values():
                 sock.close()
             self._socks.clear()
+        if self._asking is not None:
+            self._asking.shutdown(wait=False)
 
     def inline_lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[ChunkLocation] | None:
         """``None``: a worker's answer may need a slow tier, so the scheduler never asks it
@@ -134,7 +150,7 @@ class SocketLookup:
         """Ask every worker to run its ``reset_cache``; returns the chunks removed."""
         message = encode_control_request("reset")
         with self._lock:
-            return sum(int(self._exchange(path, message).get("removed", 0)) for path in self.paths)
+            return sum(int(answer.get("removed", 0)) for answer in self._ask_all(message))
 
     def _exchange(self, path: Path, message: bytes) -> dict[str, Any]:
         for attempt in (1, 2):  # one reconnect: the worker may have restarted its server

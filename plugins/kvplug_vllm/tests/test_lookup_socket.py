@@ -287,3 +287,34 @@ def test_a_worker_that_never_answers_costs_one_lookup_timeout(tmp_path: Path) ->
             sock.close()
         listener.close()
     assert len(accepted) == 1
+
+
+def test_the_workers_are_asked_at_once(engine: CacheEngine) -> None:
+    """An engine of several workers (TP ranks, pipeline stages) is asked all at once, so a
+    lookup waits for the slowest worker, not for the sum of them (each up to
+    ``lookup_timeout_s``). Two workers that answer only once both were asked (a barrier in
+    their lookups) answer a parallel lookup and time out one asked after the other."""
+    both_asked = threading.Barrier(2, timeout=30)
+    original = engine.locate
+
+    def locate_once_both_asked(*args: object, **kwargs: object) -> object:
+        both_asked.wait()
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    engine.locate = locate_once_both_asked  # type: ignore[method-assign]
+    limits = ServerLimits(max_message_bytes=16 * 2**20, read_deadline_s=5.0, write_deadline_s=5.0)
+    name = f"both-{os.getpid()}-{id(engine):x}"
+    servers = [
+        ControlServer(
+            engine, ControlIdentity(name, "m", "vllm", tp_size=2, tp_rank=rank), socket_path(name, 0, rank), limits
+        )
+        for rank in range(2)
+    ]
+    client = SocketLookup([server.path for server in servers], timeout_s=5.0)
+    try:
+        assert client.lookup(PROMPT, RequestInfo()) == 192
+    finally:
+        both_asked.abort()  # a worker still waiting (asked alone) gives up
+        client.close()
+        for server in servers:
+            server.close()
