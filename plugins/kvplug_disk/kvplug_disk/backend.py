@@ -7,7 +7,8 @@ knows of in the order of its ``eviction`` policy (:mod:`kvplug_disk.index`), lis
 folder again when it knows of nothing more. What it unlinked goes to the tier through
 :meth:`take_evicted`.
 
-- A write is a temp file (``write_threads`` at once, so fdatasyncs overlap), renamed
+- A write is a temp file (``write_threads`` at once, so fdatasyncs overlap:
+  :mod:`kvplug_disk.temp_writes`), renamed
   over the record's name in the order given, then its folder is fsynced as a group
   with others: on the tier's ``flush``/``settle``, at least every
   ``FOLDER_SYNC_INTERVAL_S``, and on close (see :mod:`kvplug_disk.files`).
@@ -28,7 +29,6 @@ import errno
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
 from kvplug import (
@@ -49,15 +49,14 @@ from kvplug_disk.folder_scan import ForeignEntryError, ScanResult
 from kvplug_disk.index import EvictionIndex, IndexEntry, record_guard
 from kvplug_disk.ledger import FolderLockTimeoutError, Usage, UsageLedger
 from kvplug_disk.location import mark_store, require_disk_store
-from kvplug_disk.problems import ProblemLog, is_no_space, is_undeletable
+from kvplug_disk.problems import ProblemLog, is_undeletable
 from kvplug_disk.reads import DiskReads
 from kvplug_disk.removals import DiskRemovals, ReadOnlyStoreError
-from kvplug_disk.tenant_tags import record_tag, tenant_tag
+from kvplug_disk.temp_writes import TempWriter
+from kvplug_disk.tenant_tags import record_tag
 
 #: Longest a renamed record waits for its folder's fsync while puts keep coming (a busy queue).
 FOLDER_SYNC_INTERVAL_S = 1.0
-#: On a full disk, rounds of evicting this tier's next victims (each twice the last) before a write gives up.
-NO_SPACE_ROUNDS = 4
 
 
 class SkippedEntryError(OSError):
@@ -135,11 +134,8 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
             "temps_removed": scan.temps_removed,
             "temps_kept": scan.temps_kept,
         }
-        # fdatasync releases the GIL: records written on several threads overlap their waits.
-        self._io = (
-            ThreadPoolExecutor(config.write_threads, thread_name_prefix="kvplug-disk-io")
-            if config.write_threads > 1
-            else None
+        self._temps = TempWriter(
+            self._folder, self.tenant_names, self._make_room, self._temp_written, config.write_threads
         )
 
     def _start(self, config: DiskTierConfig) -> ScanResult:
@@ -204,7 +200,7 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
                 outcomes[i] = SkippedEntryError()
             else:
                 wanted.append(i)
-        temps = self._write_temps([records[i] for i in wanted])
+        temps = self._temps.write([records[i] for i in wanted])
         busy: FolderLockTimeoutError | None = None  # the folder's lock stayed held: the rest of the put is dropped
         try:
             for i, temp in zip(wanted, temps):
@@ -233,6 +229,9 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
         if time.monotonic() - self._folders_synced_at >= FOLDER_SYNC_INTERVAL_S:
             self._sync_folders()  # the rest on flush
         return outcomes
+
+    def _temp_written(self, record: RecordToWrite) -> None:
+        """A record's temp file was written (before it is published, maybe on an I/O thread)."""
 
     def _publish(self, usage: Usage, record: RecordToWrite, temp: TempFile) -> BaseException | None:
         """Make room for a written temp file and rename it into place (both locks held); why not, if not."""
@@ -273,34 +272,6 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
         if tenant is not None and temp.tag is not None:  # the tenant's records of every process
             self._keep_folder_quota(usage, tenant, temp.tag)
         return None
-
-    def _write_temps(self, records: list[RecordToWrite]) -> list[TempFile | OSError]:
-        """The temp files of ``records`` (or why one failed), up to ``write_threads`` written
-        at once. Their mtimes (the order a restart rebuilds) follow the order of
-        ``records``, whichever finishes first."""
-        start = time.time_ns()
-        stamps = range(start, start + len(records))
-        if self._io is None or len(records) < 2:
-            return [self._write_temp_or_error(record, stamp) for record, stamp in zip(records, stamps)]
-        return list(self._io.map(self._write_temp_or_error, records, stamps))
-
-    def _write_temp_or_error(self, record: RecordToWrite, mtime_ns: int) -> TempFile | OSError:
-        try:
-            return self._write_temp(record, mtime_ns)
-        except OSError as exc:
-            return exc
-
-    def _write_temp(self, record: RecordToWrite, mtime_ns: int) -> TempFile:
-        """Write the temp file; on a full disk, make room (:meth:`_make_room`) and retry."""
-        for attempt in range(NO_SPACE_ROUNDS + 1):
-            try:
-                tenant = self.tenant_names.tenant_of(record.name)
-                tag = None if tenant is None else tenant_tag(tenant)
-                return self._folder.write_temp(record.name, record.header, record.value, mtime_ns=mtime_ns, tag=tag)
-            except OSError as exc:
-                if not is_no_space(exc) or attempt == NO_SPACE_ROUNDS or not self._make_room(record.size, attempt):
-                    raise
-        raise AssertionError("unreachable")
 
     # --- pins -----------------------------------------------------------------------
 
@@ -357,8 +328,7 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
 
     def shut(self) -> None:
         """Close the files (also without the tier's loop, for a tier that failed to start)."""
-        if self._io is not None:
-            self._io.shutdown(wait=True)
+        self._temps.close()
         self._sync_folders()
         self._ledger.close()
         self._folder.close()

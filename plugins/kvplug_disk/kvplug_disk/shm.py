@@ -80,7 +80,7 @@ from kvplug import (
 )
 from kvplug_disk.backend import DiskBackend
 from kvplug_disk.config import DiskTierConfig, ShmTierConfig
-from kvplug_disk.files import PRIVATE_FOLDER, RecordFolder, TempFile
+from kvplug_disk.files import PRIVATE_FOLDER, RecordFolder
 from kvplug_disk.ledger import FolderLockTimeoutError, Usage
 from kvplug_disk.mappings import MappedRecords
 from kvplug_disk.problems import WARN_INTERVAL_S, ProblemLog
@@ -209,10 +209,8 @@ class ShmBackend(DiskBackend):
             room = after
         return True
 
-    def _write_temp(self, record: RecordToWrite, mtime_ns: int) -> TempFile:
-        temp = super()._write_temp(record, mtime_ns)
+    def _temp_written(self, record: RecordToWrite) -> None:
         self._in_vain.wrote(record.size)
-        return temp
 
     def _evicted_in_vain(self, room: Room) -> None:
         self._in_vain.freed_nothing(room)
