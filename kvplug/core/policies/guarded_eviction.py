@@ -66,7 +66,7 @@ class GuardedEviction(EvictionPolicy):
         self._requested_pin = requested_pin
         self._labels = labels or TenantLabels()
         logger = logger or logging.getLogger("kvplug.tier")
-        self._pinned = PinLedger(pin_budget, request_pin_budget, self._quota_of, logger, tier)
+        self._pinned = PinLedger(pin_budget, request_pin_budget, self.quota_of, logger, tier)
         self._store_log = ThrottledLog(logger)
         self._tier = tier
         self._sizes: dict[str, int] = {}  # unpinned keys
@@ -179,8 +179,10 @@ class GuardedEviction(EvictionPolicy):
         return self._policy.bytes_used + self._pinned.bytes
 
     def state(self) -> dict[str, int]:
+        return {**self._policy.state(), **self._pin_figures()}
+
+    def _pin_figures(self) -> dict[str, int]:
         return {
-            **self._policy.state(),
             "pinned_items": len(self._pinned),
             "pinned_bytes": self._pinned.bytes,
             "pins_refused": self.pins_refused,
@@ -244,7 +246,7 @@ class GuardedEviction(EvictionPolicy):
         if not self.quotas and self.default_quota is None:  # (the common case: no lookup of the tenant)
             return True
         tenant = tenant or self._tenant_of(key) or self._tenant.get(key)
-        quota = self._quota_of(tenant)
+        quota = self.quota_of(tenant)
         pinned = self._pinned.requested_of(tenant)
         if quota is not None and pinned + size > quota:
             return self._refuse_store(key, "quota", f"{size} bytes, its tenant's quota {quota} ({pinned} pinned)")
@@ -259,7 +261,7 @@ class GuardedEviction(EvictionPolicy):
         due, self._due = self._due, set()
         for tenant in due:
             own = self._own.get(tenant)
-            quota = self._quota_of(tenant)
+            quota = self.quota_of(tenant)
             if own is None or quota is None:
                 continue
             while own.bytes_used + self._pinned.requested_of(tenant) > quota:
@@ -303,14 +305,7 @@ class GuardedEviction(EvictionPolicy):
         """Figures for a tier's ``stats().extra``: pins, refusals, quota evictions, stores refused
         by reason (``stores_refused:<reason>``), and per tenant label ``tenant_bytes:<label>``
         and ``tenant_hits:<label>`` (metrics read these)."""
-        extra = {
-            "pinned_items": len(self._pinned),
-            "pinned_bytes": self._pinned.bytes,
-            "pins_refused": self.pins_refused,
-            "quota_evictions": self.quota_evictions,
-            "request_pinned_bytes": self._pinned.requested_total(),
-            "request_pins_demoted": self._pinned.demoted,
-        }
+        extra = {**self._pin_figures(), "request_pins_demoted": self._pinned.demoted}
         for reason, count in sorted(self.stores_refused.items()):
             extra[f"{STORES_REFUSED}{reason}"] = count
         for label, (held, hits) in sorted(self.tenant_figures().items()):
@@ -359,15 +354,12 @@ class GuardedEviction(EvictionPolicy):
 
     def quota_of(self, tenant: str | None) -> int | None:
         """The quota of ``tenant`` (``None``: none, as for unsalted keys)."""
-        return self._quota_of(tenant)
-
-    def _quota_of(self, tenant: str | None) -> int | None:
         if tenant is None:
             return None
         return self.quotas.get(tenant, self.default_quota)
 
     def _own_policy(self, tenant: str | None) -> EvictionPolicy | None:
-        if tenant is None or self._quota_of(tenant) is None:
+        if tenant is None or self.quota_of(tenant) is None:
             return None
         own = self._own.get(tenant)
         if own is None:
