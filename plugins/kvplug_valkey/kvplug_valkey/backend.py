@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import ssl
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import valkey.asyncio as avalkey
 from valkey import exceptions as vex
-from valkey.asyncio.cluster import ValkeyCluster
 
 from kvplug import Buffer, CallSizes, FailureKind, RecordBackend, RecordToWrite, StoredRecord, classify_failure
 from kvplug.errors import CorruptChunkError
+from kvplug_valkey.clients import Client, ValkeyClients
 from kvplug_valkey.config import ValkeyTierConfig
 from kvplug_valkey.nodes import ClusterNodes, NodeDownError
-from kvplug_valkey.replies import ReplyTooLongError, bound_cluster_replies, bound_replies, bounded_parser
+from kvplug_valkey.replies import ReplyTooLongError
 
 #: SCAN page size: keys per round trip when listing.
 SCAN_COUNT = 1000
@@ -59,8 +57,6 @@ end
 if redis.sha1hex(redis.call('GET', KEYS[1])) == ARGV[2] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
-
-Client = Any  # valkey.asyncio.Valkey | ValkeyCluster: their stubs share no protocol
 
 
 def classify(exc: BaseException) -> FailureKind:
@@ -144,7 +140,7 @@ class ValkeyBackend(RecordBackend):
         self._client: Client | None = None
         self._nodes: ClusterNodes | None = None
         self._lock: asyncio.Lock | None = None
-        self._parser = bounded_parser(record_bound)
+        self._clients = ValkeyClients(config, record_bound)
         self._ttl_ms = None if config.ttl_s is None else max(1, round(config.ttl_s * 1000))
 
     def key(self, name: str) -> bytes:
@@ -309,17 +305,17 @@ class ValkeyBackend(RecordBackend):
             if self._client is not None:
                 return self._client
             if self.cluster is None:
-                probe = self._standalone()
+                probe = self._clients.standalone()
                 try:
                     info = await probe.info("cluster")
                 finally:
                     await probe.aclose()
                 self.cluster = bool(int(info.get("cluster_enabled", 0)))
-            self._client = self._cluster() if self.cluster else self._standalone()
+            self._client = self._clients.cluster() if self.cluster else self._clients.standalone()
             if self.cluster:
                 self._nodes = ClusterNodes(
                     self._client,
-                    self._node,
+                    self._clients.node,
                     breaker_failures=self.config.breaker_failures,
                     breaker_cooldown_s=self.config.breaker_cooldown_s,
                     request_timeout_s=self.config.request_timeout_s,
@@ -328,54 +324,6 @@ class ValkeyBackend(RecordBackend):
                     on_short_circuit=self._on_node_short_circuit,
                 )
             return self._client
-
-    def _common(self) -> dict[str, Any]:
-        config = self.config
-        options: dict[str, Any] = {
-            "username": config.username,
-            "password": None if config.password is None else config.password.get_secret_value(),
-            "socket_timeout": config.request_timeout_s,
-            "socket_connect_timeout": config.connect_timeout_s,
-            "decode_responses": False,
-            "client_name": "kvplug",
-        }
-        if self.address.tls:
-            options["ssl"] = True
-            options["ssl_cert_reqs"] = "required"
-            options["ssl_check_hostname"] = True
-            if config.tls_ca_file is not None:
-                options["ssl_ca_certs"] = config.tls_ca_file
-            options["ssl_min_version"] = ssl.TLSVersion.TLSv1_2
-        return options
-
-    def _standalone(self) -> Client:
-        if self.address.unix_path is not None:
-            where: dict[str, Any] = {"unix_socket_path": self.address.unix_path}
-        else:
-            where = {"host": self.address.host, "port": self.address.port}
-        # valkey-py's own retries stay off (its default): kvplug's policy retries within its deadline.
-        client = avalkey.Valkey(
-            **where, db=self.address.db, max_connections=self.config.max_connections, **self._common()
-        )
-        return bound_replies(client, self._parser)
-
-    def _node(self, host: str, port: int) -> Client:
-        """A plain client of one cluster node (its share of each batch goes over it)."""
-        client = avalkey.Valkey(host=host, port=port, max_connections=self.config.max_connections, **self._common())
-        return bound_replies(client, self._parser)
-
-    def _cluster(self) -> Client:
-        cluster = ValkeyCluster(
-            host=self.address.host,
-            port=self.address.port,
-            max_connections=self.config.max_connections,
-            # Redirections after a resharding need a second try; connection errors are kvplug's to retry.
-            cluster_error_retry_attempts=2,
-            connection_error_retry_attempts=1,
-            require_full_coverage=False,
-            **self._common(),
-        )
-        return bound_cluster_replies(cluster, self._parser)
 
     async def _pipeline(
         self, commands: Sequence[tuple[Any, ...]], per_key: Callable[[BaseException], bool] = _per_key

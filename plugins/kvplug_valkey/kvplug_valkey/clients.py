@@ -1,0 +1,77 @@
+"""The valkey tier's clients, as its config makes them: a server's, a cluster's and a cluster
+node's, each with kvplug's timeouts, TLS and credentials, and replies bounded by the record
+bound (:mod:`kvplug_valkey.replies`)."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+import valkey.asyncio as avalkey
+from valkey.asyncio.cluster import ValkeyCluster
+
+from kvplug_valkey.config import ValkeyTierConfig
+from kvplug_valkey.replies import bound_cluster_replies, bound_replies, bounded_parser
+
+Client = Any  # valkey.asyncio.Valkey | ValkeyCluster: their stubs share no protocol
+
+
+class ValkeyClients:
+    """Makes the tier's clients from ``config``; ``record_bound``: the tier's ``max_record_bytes``
+    (read at each reply), which bounds what a reply may announce."""
+
+    def __init__(self, config: ValkeyTierConfig, record_bound: Callable[[], int | None]) -> None:
+        self._config = config
+        self._address = config.address
+        self._parser = bounded_parser(record_bound)
+
+    def _common(self) -> dict[str, Any]:
+        config = self._config
+        options: dict[str, Any] = {
+            "username": config.username,
+            "password": None if config.password is None else config.password.get_secret_value(),
+            "socket_timeout": config.request_timeout_s,
+            "socket_connect_timeout": config.connect_timeout_s,
+            "decode_responses": False,
+            "client_name": "kvplug",
+        }
+        if self._address.tls:
+            options["ssl"] = True
+            options["ssl_cert_reqs"] = "required"
+            options["ssl_check_hostname"] = True
+            if config.tls_ca_file is not None:
+                options["ssl_ca_certs"] = config.tls_ca_file
+            options["ssl_min_version"] = ssl.TLSVersion.TLSv1_2
+        return options
+
+    def standalone(self) -> Client:
+        """A client of the one server the URL names."""
+        if self._address.unix_path is not None:
+            where: dict[str, Any] = {"unix_socket_path": self._address.unix_path}
+        else:
+            where = {"host": self._address.host, "port": self._address.port}
+        # valkey-py's own retries stay off (its default): kvplug's policy retries within its deadline.
+        client = avalkey.Valkey(
+            **where, db=self._address.db, max_connections=self._config.max_connections, **self._common()
+        )
+        return bound_replies(client, self._parser)
+
+    def node(self, host: str, port: int) -> Client:
+        """A plain client of one cluster node (its share of each batch goes over it)."""
+        client = avalkey.Valkey(host=host, port=port, max_connections=self._config.max_connections, **self._common())
+        return bound_replies(client, self._parser)
+
+    def cluster(self) -> Client:
+        """A cluster client (its slot map; batches go over :meth:`node` clients)."""
+        cluster = ValkeyCluster(
+            host=self._address.host,
+            port=self._address.port,
+            max_connections=self._config.max_connections,
+            # Redirections after a resharding need a second try; connection errors are kvplug's to retry.
+            cluster_error_retry_attempts=2,
+            connection_error_retry_attempts=1,
+            require_full_coverage=False,
+            **self._common(),
+        )
+        return bound_cluster_replies(cluster, self._parser)
