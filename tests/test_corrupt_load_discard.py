@@ -200,6 +200,15 @@ def test_a_good_record_another_writer_stores_before_the_removal_survives_it(tmp_
         store.close()
 
 
+def _damaged_in_the_slower_tier(engine: CacheEngine, key: str) -> None:
+    """Only the second tier holds ``key``'s record, and damaged."""
+    hung, shared = engine.chain.tiers
+    super(type(hung), hung).remove([key])
+    damaged = bytearray(shared.get([key])[0])
+    damaged[-3] ^= 0x10
+    shared.put([(key, bytes(damaged))])
+
+
 @pytest.mark.parametrize("store_mode", ["async", "sync"])
 def test_until_its_removal_lands_a_corrupt_chunk_is_a_miss_and_a_store_of_it_is_kept(store_mode: str) -> None:
     """The removal waits in a first tier while a slower one still holds the corrupt copy: a
@@ -210,11 +219,7 @@ def test_until_its_removal_lands_a_corrupt_chunk_is_a_miss_and_a_store_of_it_is_
     engine = _engine_of(registry, [{"type": "hung_remove"}, {"type": "shared_memory"}], store_mode)
     try:
         source, tokens, key = _stored_prompt(engine)
-        hung, shared = engine.chain.tiers
-        super(type(hung), hung).remove([key])  # only the slower tier holds it, damaged
-        damaged = bytearray(shared.get([key])[0])
-        damaged[-3] ^= 0x10
-        shared.put([(key, bytes(damaged))])
+        _damaged_in_the_slower_tier(engine, key)
 
         target = random_caches(engine.layout, NUM_BLOCKS, seed=4)
         assert engine.retrieve(tokens, target, torch.arange(32)).tolist() == [True] * 16 + [False] * 16
@@ -241,11 +246,7 @@ def test_until_its_removal_lands_an_inline_lookup_does_not_promise_a_corrupt_chu
     engine = _engine_of(registry, [{"type": "hung_remove"}, {"type": "shared_memory"}], "sync")
     try:
         _, tokens, key = _stored_prompt(engine)
-        hung, shared = engine.chain.tiers
-        super(type(hung), hung).remove([key])  # only the slower tier holds it, damaged
-        damaged = bytearray(shared.get([key])[0])
-        damaged[-3] ^= 0x10
-        shared.put([(key, bytes(damaged))])
+        _damaged_in_the_slower_tier(engine, key)
 
         target = random_caches(engine.layout, NUM_BLOCKS, seed=4)
         assert engine.retrieve(tokens, target, torch.arange(32)).tolist() == [True] * 16 + [False] * 16
