@@ -141,14 +141,9 @@ def test_an_exit_waits_a_bounded_time_for_a_tier_whose_writes_hang(
         stack.tree.shutdown()
 
 
-def test_closing_the_backend_waits_a_bounded_time_for_a_tier_whose_writes_hang(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """SGLang closes its storage backend on the scheduler thread (a storage detach, its exit
-    hook): kvplug's close drains the tiers' queued writes, and a tier whose write never
-    finishes (a hung mount) must not hold the scheduler forever."""
-    import threading
-
+def _gate_hicache_closes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``gated_cpu`` tier registered, its writes held at the gate, and a close of the
+    HiCache backend waiting 1 s for them."""
     from kvplug import get_registry
     from kvplug_sglang import at_exit
 
@@ -157,6 +152,15 @@ def test_closing_the_backend_waits_a_bounded_time_for_a_tier_whose_writes_hang(
         registry.register(_GatedPlugin, "gated-cpu-test")
     monkeypatch.setattr(at_exit, "EXIT_WAIT_S", 1.0, raising=False)
     _GATE.clear()
+
+
+def test_closing_the_backend_waits_a_bounded_time_for_a_tier_whose_writes_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang closes its storage backend on the scheduler thread (a storage detach, its exit
+    hook): kvplug's close drains the tiers' queued writes, and a tier whose write never
+    finishes (a hung mount) must not hold the scheduler forever."""
+    _gate_hicache_closes(monkeypatch)
     try:
         host = make_host("layer_first")
         backend = make_backend(host, {"tiers": [{"type": "gated_cpu", "queue": {"mode": "async"}}]})
@@ -179,16 +183,7 @@ def test_a_close_that_timed_out_drops_the_queued_writes_and_ends_with_the_write_
     finish, the closing thread, which nothing can stop inside the tier's call, must not go
     on to write every batch still queued (each could hang as long): those are dropped,
     counted, and the thread ends when the write in hand returns."""
-    import threading
-
-    from kvplug import get_registry
-    from kvplug_sglang import at_exit
-
-    registry = get_registry()
-    if not registry.pm.has_plugin("gated-cpu-test"):
-        registry.register(_GatedPlugin, "gated-cpu-test")
-    monkeypatch.setattr(at_exit, "EXIT_WAIT_S", 1.0, raising=False)
-    _GATE.clear()
+    _gate_hicache_closes(monkeypatch)
     try:
         host = make_host("layer_first")
         backend = make_backend(host, {"tiers": [{"type": "gated_cpu", "queue": {"mode": "async"}}]})
