@@ -22,7 +22,11 @@ With tensor parallelism every rank runs this tree; hit lengths and load results
 are agreed with an all_reduce MIN over the CPU (gloo) group of the ranks that run
 the same batches (SGLang's ``tp_cache_group``: with attention DP, one DP rank's
 attention-TP group) so their trees stay identical. A rank's pool holds the KV heads
-of its attention-TP rank, which its keys name.
+of its attention-TP rank, which its keys name. With pipeline parallelism each stage
+runs its own scheduler and tree over the same requests and must compute the same
+tokens of each (a stage computing more than the one before it gets that stage's
+hidden states of fewer tokens): the MIN then runs over the stages too
+(``pp_cache_group``), so a chunk one stage lacks or cannot load is recomputed by all.
 """
 
 from __future__ import annotations
@@ -79,10 +83,12 @@ class KVPlugRadixCache(RadixCache):
         config: kvplug.KVPlugConfig | None = None,
         tp_worker: Any = None,
         attn_tp: tuple[int, int] | None = None,
+        stage_group: dist.ProcessGroup | None = None,
     ) -> None:
         """``tp_rank``/``tp_size``: the rank's place in the TP group (its control socket);
         ``attn_tp``: its attention-TP rank and size, whose KV heads the pool holds (default
-        ``tp_rank``, ``tp_size``); ``tp_group``: the ranks that run the same batches."""
+        ``tp_rank``, ``tp_size``); ``tp_group``: the ranks that run the same batches;
+        ``stage_group``: this rank's peers in the other pipeline stages."""
         heads_rank, heads_size = attn_tp if attn_tp is not None else (tp_rank, tp_size)
         self._plans: dict[CacheRequestHandle, _LoadPlan] = {}
         #: kvplug's request identity of a radix key (a LoRA adapter by where it was loaded from).
@@ -101,8 +107,8 @@ class KVPlugRadixCache(RadixCache):
             first_layer=int(getattr(kvcache, "start_layer", 0) or 0),  # a pipeline stage's layers
         )
         self.tp_group = tp_group
-        #: How many ranks agree on every hit and load (this one alone: 1).
-        self.agreeing = dist.get_world_size(tp_group) if tp_group is not None else 1
+        #: The groups that agree on every hit and load, in order: the stage's TP ranks, then the stages.
+        self.agree_groups = [g for g in (tp_group, stage_group) if g is not None and dist.get_world_size(g) > 1]
         self.control = start_control(self.engine, name=model_id_of(model_config), tp_rank=tp_rank, tp_size=tp_size)
         self.loaded_tokens = 0
         self.load_failures = 0
@@ -261,11 +267,13 @@ class KVPlugRadixCache(RadixCache):
             engine.close()
 
     def _agree(self, local: int) -> int:
-        """The minimum of ``local`` over the ranks running this batch (identity alone)."""
-        if self.agreeing == 1 or self.tp_group is None:
+        """The minimum of ``local`` over the ranks running this batch, in every pipeline stage
+        (the minimum of each stage's TP group, then of those over the stages: every rank's)."""
+        if not self.agree_groups:
             return local
         tensor = torch.tensor([local], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.tp_group)
+        for group in self.agree_groups:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
         return int(tensor.item())
 
 
@@ -297,6 +305,7 @@ def kvplug_radix_cache_factory(ctx: Any) -> KVPlugRadixCache:
         tp_group=tp_group,
         tp_worker=ctx.tp_worker,
         attn_tp=_attention_tp(ctx),
+        stage_group=ctx.params.pp_cache_group,
     )
 
 
