@@ -26,7 +26,10 @@ of its attention-TP rank, which its keys name. With pipeline parallelism each st
 runs its own scheduler and tree over the same requests and must compute the same
 tokens of each (a stage computing more than the one before it gets that stage's
 hidden states of fewer tokens): the MIN then runs over the stages too
-(``pp_cache_group``), so a chunk one stage lacks or cannot load is recomputed by all.
+(a gloo group of its own over ``pp_cache_group``'s ranks, as SGLang's cache controller
+makes for its storage hits: SGLang sends requests and hidden states between the stages on
+``pp_cache_group`` itself, and a collective among those could wait behind one of them), so a
+chunk one stage lacks or cannot load is recomputed by all.
 """
 
 from __future__ import annotations
@@ -305,8 +308,21 @@ def kvplug_radix_cache_factory(ctx: Any) -> KVPlugRadixCache:
         tp_group=tp_group,
         tp_worker=ctx.tp_worker,
         attn_tp=_attention_tp(ctx),
-        stage_group=ctx.params.pp_cache_group,
+        stage_group=_group_of_its_own(ctx.params.pp_cache_group),
     )
+
+
+def _group_of_its_own(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A new gloo group of ``group``'s ranks (``None`` for no group, or a group of one). Every
+    rank of the world builds its tree cache at start-up, and calls this with its own group."""
+    if group is None or dist.get_world_size(group) <= 1:
+        return None
+    from sglang.srt.distributed.parallel_state import create_custom_parallel_group
+
+    own: dist.ProcessGroup | None = create_custom_parallel_group(
+        list(dist.get_process_group_ranks(group)), backend="gloo"
+    )
+    return own
 
 
 def _attention_tp(ctx: Any) -> tuple[int, int]:
