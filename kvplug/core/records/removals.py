@@ -9,7 +9,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import ClassVar, TypeVar
 
-from kvplug.core.events import KVEvent, OrderedEvents
+from kvplug.core.events import KVEvent
 from kvplug.core.records.backend import RecordBackend
 from kvplug.core.records.frame import RECORD_HEADER_SIZE, key_digest
 from kvplug.core.records.index import RecordIndex
@@ -36,13 +36,15 @@ class RecordRemovals(RecordMaintenance):
     _index: RecordIndex
     _where: str
     _lock: threading.Lock
-    _events: OrderedEvents
     #: Names of corrupt records left in the store (no delete_if_same, or it failed), oldest first.
     _suspects: dict[str, None]
 
     def _groups(
         self, operation: Callable[[Sequence[A]], Awaitable[Sequence[T]]], items: Sequence[A], size: int
     ) -> list[tuple[Sequence[A], Sequence[T] | BaseException]]:
+        raise NotImplementedError
+
+    def _report(self, event: KVEvent) -> None:
         raise NotImplementedError
 
     def remove(self, keys: Sequence[str]) -> None:
@@ -105,8 +107,7 @@ class RecordRemovals(RecordMaintenance):
                 elif (was_there or forget_absent) and (self._index.forget(name) is not False or was_there):
                     removed.append(key_of[name])
         if removed:
-            self._events.add(KVEvent("removed", tuple(removed), tier=self.name))
-            self._events.deliver()
+            self._report(KVEvent("removed", tuple(removed), tier=self.name))
         if failed:
             raise TierUnavailableError(f"tier {self.name}: {failed} of {len(keys)} removals from {self._where} failed")
 
