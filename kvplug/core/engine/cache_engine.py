@@ -214,10 +214,8 @@ class CacheEngine(EngineRetrieves, EngineStores):
         engine's records of the first chunk (or of the tail) are held nowhere, another TP size's
         that a load reads are pinned (:func:`~kvplug.core.engine.prompt_pins.pin_prompt`)."""
         self._check_open()
-        config = self._request_config(request)
-        keys = self.stored_keys(tokens, request, config)
-        prefix = len(self.chunk_keys(tokens, request, include_partial=config.save_unfull_chunk))
-        return pin_prompt(self.chain, self.records, keys, request, prefix=prefix)
+        prefix, tail = self.stored_prefix_and_tail(tokens, request, self._request_config(request))
+        return pin_prompt(self.chain, self.records, prefix + tail, request, prefix=len(prefix))
 
     def unpin(self, tokens: Sequence[int] | torch.Tensor, *, request: RequestInfo | None = None) -> PinReport:
         """Make the prompt's chunks evictable again (the reverse of :meth:`pin`)."""

@@ -161,15 +161,28 @@ class EngineStores(EngineParts):
         """The chunks a store of ``tokens`` writes (and a pin of them pins): the whole ones, the
         partial last one with ``save_unfull_chunk`` (``include_partial``: whatever that says), and
         the tail cut at the last block end with ``block_granular_hits`` (:mod:`kvplug.core.engine.tails`)."""
+        prefix, tail = self.stored_prefix_and_tail(tokens, request, config, include_partial=include_partial)
+        return prefix + tail
+
+    def stored_prefix_and_tail(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        request: RequestInfo | None,
+        config: KVPlugConfig,
+        *,
+        include_partial: bool | None = None,
+    ) -> tuple[list[ChunkKey], list[ChunkKey]]:
+        """:meth:`stored_keys` in two: the prompt's chunks (a load reads them as one prefix) and
+        the block-granular tail after them (none, or one key)."""
         partial = config.save_unfull_chunk if include_partial is None else include_partial
         keys = self.chunk_keys(tokens, request, include_partial=partial)
         cut = tail_cut(len(tokens), config.chunk_size, self.layout.block_size) if config.block_granular_hits else 0
-        if cut and not (keys and keys[-1].end == cut):
-            whole = cut // config.chunk_size  # the whole chunks before the tail: the first keys
-            keys += self._tail_keys(
-                tokens, keys[whole - 1] if whole else None, [cut - whole * config.chunk_size], request
-            )
-        return keys
+        if not cut or (keys and keys[-1].end == cut):
+            return keys, []
+        whole = cut // config.chunk_size  # the whole chunks before the tail: the first keys
+        return keys, self._tail_keys(
+            tokens, keys[whole - 1] if whole else None, [cut - whole * config.chunk_size], request
+        )
 
     def _tail_keys(
         self,
