@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from valkey import exceptions as vex
+from valkey.cluster import PRIMARY
 
 from kvplug import CircuitBreaker
 from kvplug.errors import TierUnavailableError
@@ -85,7 +86,7 @@ class ClusterNodes:
         # changes the node dict in place: one copy of it (list() of a dict holds the GIL
         # throughout), never valkey's get_primaries(), a Python loop over the live dict.
         nodes = list(self.cluster.nodes_manager.nodes_cache.values())
-        primaries = {node.name for node in nodes if node.server_type == "primary"}
+        primaries = {node.name for node in nodes if node.server_type == PRIMARY}
         breakers = list(self._breakers.items())
         down = sum(1 for name, breaker in breakers if name in primaries and breaker.state != "closed")
         return {"nodes": len(primaries), "nodes_down": down}
