@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import valkey
@@ -37,15 +38,22 @@ def _node_of(cluster: ValkeyCluster, prefix: str, keys: list[str]) -> list[int]:
     return [where[(prefix + key_digest(key).hex()).encode()] for key in keys]
 
 
+def _stored_on_every_node(
+    cluster: ValkeyCluster, tiers: Any, stem: str
+) -> tuple[Any, list[str], list[bytes], list[int]]:
+    """A fast-failing cluster tier holding 48 keys named ``stem``: (tier, keys, values, the node of each)."""
+    prefix = fresh_prefix()
+    tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **FAST_FAILING)
+    keys = [key_for(f"{stem}-{i}") for i in range(48)]
+    values = [value_for(key, 3000) for key in keys]
+    _stored(tier, keys, values)
+    return tier, keys, values, _node_of(cluster, prefix, keys)
+
+
 @pytest.mark.parametrize("dead", [0, 2], ids=["the-url-node", "another-node"])
 def test_a_dead_node_misses_its_keys_alone(dead: int, tmp_path: Path, tiers) -> None:
     with ValkeyCluster(tmp_path / "cluster") as cluster:
-        prefix = fresh_prefix()
-        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **FAST_FAILING)
-        keys = [key_for(f"node-{i}") for i in range(48)]
-        values = [value_for(key, 3000) for key in keys]
-        _stored(tier, keys, values)
-        nodes = _node_of(cluster, prefix, keys)
+        tier, keys, values, nodes = _stored_on_every_node(cluster, tiers, "node")
         assert set(nodes) == {0, 1, 2}, nodes
         cluster.nodes[dead].kill()
 
@@ -96,12 +104,7 @@ def test_a_hung_node_costs_its_keys_alone_and_its_connections_are_not_reused_mid
     part of the deadline, the others still answer; once it resumes, the replies it then
     sends for the abandoned calls are never taken for a later call's."""
     with ValkeyCluster(tmp_path / "cluster") as cluster:
-        prefix = fresh_prefix()
-        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **FAST_FAILING)
-        keys = [key_for(f"hung-{i}") for i in range(48)]
-        values = [value_for(key, 3000) for key in keys]
-        _stored(tier, keys, values)
-        nodes = _node_of(cluster, prefix, keys)
+        tier, keys, values, nodes = _stored_on_every_node(cluster, tiers, "hung")
         alive = [node != 1 for node in nodes]
         cluster.nodes[1].pause()
         try:
