@@ -35,7 +35,7 @@ from bench_tiers import print_table
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kvplug_disk.shm import file_system_of, huge_pages_of
+    from kvplug_disk.mounts import file_system_of, huge_pages_of
 
     parent = Path(getattr(args, "shm_dir", None) or "/dev/shm")
     figures: dict[str, Any] = {"file_system": file_system_of(parent), "huge_pages": huge_pages_of(parent)}

@@ -20,7 +20,17 @@ from rich.table import Table
 from rich.text import Text
 
 from kvplug.cli.console import console, format_size, print_error, print_table
-from kvplug.cli.prompt import chunk_map, read_prompt
+from kvplug.cli.prompt import read_prompt
+from kvplug.cli.prompt_replies import (
+    Show,
+    Total,
+    explain_total,
+    lookup_total,
+    pin_total,
+    show_explain,
+    show_lookup,
+    show_pin,
+)
 from kvplug.cli.rank_replies import (
     Replies,
     closed_ranks,
@@ -31,7 +41,7 @@ from kvplug.cli.rank_replies import (
     sum_tiers,
     tier_table,
 )
-from kvplug.core.control.client import ControlClient, RankEndpoint, find_ranks, select_engine
+from kvplug.core.control.client import ControlClient, find_ranks, select_engine
 from kvplug.core.control.protocol import request_fields
 from kvplug.core.control_socket import private_socket_dir
 from kvplug.core.keys import ExtraKey, RequestInfo
@@ -196,12 +206,6 @@ def tiers_command(
     report_closed(replies, closed)
 
 
-#: How a prompt command sums its ranks' replies (what ``--json`` prints as the total), and
-#: how it shows them: ``show(replies, total, per_rank)``.
-Total = Callable[[Replies], dict[str, Any]]
-Show = Callable[[Replies, dict[str, Any], bool], None]
-
-
 def _prompt_command(op: str, doc: str, total: Total, show: Show) -> None:
     """Add ``kvplug ctl OP PROMPT``: ask every rank ``op`` about the prompt (a file, ``-``),
     with the options every prompt command takes."""
@@ -233,103 +237,29 @@ def _prompt_command(op: str, doc: str, total: Total, show: Show) -> None:
     ctl_app.command(op)(command)
 
 
-def _lookup_total(replies: Replies) -> dict[str, Any]:
-    return {
-        "num_tokens": replies[0][1]["num_tokens"],
-        "hit_tokens": min(int(reply["hit_tokens"]) for _, reply in replies),
-        "chunks_held": sum(len(reply["chunks"]) for _, reply in replies),
-    }
-
-
-def _show_lookup(replies: Replies, total: dict[str, Any], per_rank: bool) -> None:
-    held = "the prefix every rank holds" if total["hit_tokens"] else "no rank holds its first chunk, or not every rank"
-    console.print(
-        f"hit: {total['hit_tokens']} of {total['num_tokens']} tokens ({held}); "
-        f"{total['chunks_held']} chunks held over {len(replies)} rank(s)",
-        highlight=False,
-    )
-    if per_rank or len({reply["hit_tokens"] for _, reply in replies}) > 1:
-        table = Table(title="per rank")
-        for column in ("rank", "hit tokens", "chunks by tier"):
-            table.add_column(column)
-        for rank, reply in replies:
-            tiers: dict[str, int] = {}
-            for tier, _ in reply["chunks"]:
-                tiers[tier] = tiers.get(tier, 0) + 1
-            where = ", ".join(f"{name}: {count}" for name, count in tiers.items()) or "-"
-            table.add_row(rank_name(rank), str(reply["hit_tokens"]), Text(where))
-        print_table(table)
-
-
-def _least(replies: Replies) -> tuple[RankEndpoint, dict[str, Any]]:
-    """The rank holding least of the prompt: what the engine loads."""
-    return min(replies, key=lambda item: int(item[1]["hit_tokens"]))
-
-
-def _explain_total(replies: Replies) -> dict[str, Any]:
-    worst = _least(replies)[1]
-    return {"hit_tokens": worst["hit_tokens"], "num_tokens": worst["num_tokens"], "reason": worst["reason"]}
-
-
-def _show_explain(replies: Replies, total: dict[str, Any], per_rank: bool) -> None:
-    worst_rank, worst = _least(replies)
-    for rank, reply in replies if per_rank else [(worst_rank, worst)]:
-        print_table(chunk_map(reply, f"{rank_name(rank)}: "))
-    console.print(
-        f"hit: {worst['hit_tokens']} of {worst['num_tokens']} tokens ({rank_name(worst_rank)}, the "
-        f"rank holding least, of {len(replies)})",
-        highlight=False,
-    )
-    console.print(f"why: {worst['reason']}", highlight=False, markup=False)
-
-
-def _pin_total(replies: Replies) -> dict[str, Any]:
-    total = sum_numbers([reply for _, reply in replies])
-    # Each rank counts the prompt's chunks and the tokens they cover: what every rank covers
-    # is the least of those, not their sum.
-    if any("tokens" in reply for _, reply in replies):
-        total["tokens"] = min(reply.get("tokens", 0) for _, reply in replies)
-    return total
-
-
-def _show_pin(op: str) -> Show:
-    def show(replies: Replies, total: dict[str, Any], per_rank: bool) -> None:
-        summary = ", ".join(f"{name} {total.get(name, 0)}" for name in ("chunks", "bytes", "refused", "missing"))
-        if "tokens" in total:
-            summary += f"; covering {total['tokens']} prompt tokens on every rank"
-        if total.get("book_full"):  # why some were refused: the pin book (tenancy.max_pins) is full
-            summary += f"; pin book full (tenancy.max_pins): {total['book_full']} not pinned when stored"
-        console.print(f"{op}ned over {len(replies)} rank(s): {summary}", highlight=False)
-        if per_rank:
-            for rank, reply in replies:
-                console.print(f"  {rank_name(rank)}: {json.dumps(reply)}", highlight=False, markup=False)
-
-    return show
-
-
 _prompt_command(
     "lookup",
     "How much of a prompt the engine holds now: the hit it would load, and where each rank holds it.",
-    _lookup_total,
-    _show_lookup,
+    lookup_total,
+    show_lookup,
 )
 _prompt_command(
     "explain",
     "A prompt's chunk map over the live engine's own tiers (its memory tier too) and why it stops there.",
-    _explain_total,
-    _show_explain,
+    explain_total,
+    show_explain,
 )
 _prompt_command(
     "pin",
     "Pin a prompt's stored chunks on every rank: never evicted, within the pinned-bytes budget.",
-    _pin_total,
-    _show_pin("pin"),
+    pin_total,
+    show_pin("pin"),
 )
 _prompt_command(
     "unpin",
     "Unpin a prompt's chunks on every rank: they are evicted like any other again.",
-    _pin_total,
-    _show_pin("unpin"),
+    pin_total,
+    show_pin("unpin"),
 )
 
 

@@ -31,6 +31,7 @@ from kvplug.core.chain.reads import Fetched, fetch_prefix, holders, leading
 from kvplug.core.chain.removal import RemovalPlan, RemoveKeys, TierRemoval, remove_planned, remove_read
 from kvplug.core.chain.slot import TierSlot, WriteListeners
 from kvplug.core.chain.write_queue import Items, WriteQueue
+from kvplug.core.chain.writes import put_missing, write_promoted, write_put
 from kvplug.core.events import KVEvent
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.plugins import PluginRegistry
@@ -67,8 +68,8 @@ class TierChain:
         #: Removals of chunks a load found unusable, off the loading thread (:meth:`discard_later`).
         self._discards = DeferredDiscards(
             functools.partial(remove_read, self._slots),
-            lambda items, admission, only_trusted, skip: self._put(
-                items, admission=admission, only_trusted=only_trusted, skip=skip
+            lambda items, admission, only_trusted, skip: write_put(
+                self._slots, items, admission=admission, only_trusted=only_trusted, skip=skip
             ),
             self.metrics.store_dropped.labels("discards").inc,
         )
@@ -216,21 +217,8 @@ class TierChain:
         ``fetched``). The load counts as a sighting of each key. ``only_trusted``: write
         only to the ``trusted_reads`` tiers (a replica's copies, see :meth:`put`)."""
         keys = list(keys[: len(fetched)])
-        if not keys:
-            return
-        selective = [slot for slot in self._slots if not slot.admission.admits_everything]
-        before = {id(slot): slot.admission.admit(keys) for slot in selective}
-        self._seen(keys)
-        for index, slot in enumerate(self._slots):
-            if only_trusted and not slot.tier.trusted_reads:
-                continue
-            faster = [(key, hit.value) for key, hit in zip(keys, fetched) if hit.tier > index]
-            admitted = self._admitted(slot, faster)
-            if admitted:
-                self.metrics.promotions.labels(slot.label).inc(len(admitted))
-                self._write(slot, admitted)
-            if id(slot) in before:
-                self._catch_up(slot, keys, fetched, index, before[id(slot)])
+        if keys:
+            write_promoted(self._slots, keys, fetched, only_trusted=only_trusted)
 
     @property
     def all_trusted(self) -> bool:
@@ -268,78 +256,10 @@ class TierChain:
         tier, uncounted: for small records every tier must hold (fingerprint manifests).
         ``only_trusted``: only to the ``trusted_reads`` (process-private) tiers."""
         items = self._discards.hold_back(items, admission=admission, only_trusted=only_trusted)
-        self._put(items, admission=admission, only_trusted=only_trusted)
-
-    def _put(self, items: Items, *, admission: bool, only_trusted: bool, skip: Collection[int] = ()) -> None:
-        if not items:
-            return
-        if admission:
-            self._seen([key for key, _ in items])
-        for slot in self._slots:
-            if (only_trusted and not slot.tier.trusted_reads) or slot.index in skip:
-                continue
-            self._write_missing(slot, self._admitted(slot, items) if admission else items)
-
-    def _write_missing(self, slot: TierSlot, items: Items) -> None:
-        if not items:
-            return
-        if slot.queue is not None:  # a slow tier checks what it lacks on its queue's thread
-            slot.queue.submit(items)
-        else:
-            self._put_missing(slot, items)
-            slot.settle()
-
-    def _seen(self, keys: list[str]) -> None:
-        for slot in self._slots:
-            if not slot.admission.admits_everything:
-                slot.admission.seen(keys)
-
-    def _admitted(self, slot: TierSlot, items: Items) -> Items:
-        """The items ``slot``'s admission policy lets the chain write to it, counted."""
-        if not items:
-            return items
-        if slot.admission.admits_everything:
-            admitted = items
-        else:
-            answers = slot.admission.admit([key for key, _ in items])
-            admitted = [item for item, admit in zip(items, answers) if admit]
-        if admitted:
-            self.metrics.admission_admitted.labels(slot.label).inc(len(admitted))
-        if len(admitted) < len(items):
-            self.metrics.admission_declined.labels(slot.label).inc(len(items) - len(admitted))
-        return admitted
-
-    def _catch_up(
-        self, slot: TierSlot, keys: list[str], fetched: Sequence[Fetched], index: int, before: list[bool]
-    ) -> None:
-        """Write to ``slot`` (index ``index``) the loaded values from faster tiers that its
-        policy admits, where it lacks them: declined when stored, or admitted then but never
-        written (a write dropped from a full queue, a put that failed). Only keys this load
-        admitted (not admitted ``before`` it) count as admitted."""
-        candidates = [(key, hit.value, was) for key, hit, was in zip(keys, fetched, before) if hit.tier < index]
-        if not candidates:
-            return
-        answers = slot.admission.admit([key for key, _, _ in candidates])
-        newly = sum(admit and not was for (_, _, was), admit in zip(candidates, answers))
-        if newly:
-            self.metrics.admission_admitted.labels(slot.label).inc(newly)
-        self._write_missing(slot, [(key, value) for (key, value, _), admit in zip(candidates, answers) if admit])
-
-    def _put_missing(self, slot: TierSlot, items: Items) -> None:
-        answers = slot.stored([key for key, _ in items])
-        missing = items if answers is None else [item for item, has in zip(items, answers) if not has]
-        if missing:
-            slot.put(missing)
-
-    def _write(self, slot: TierSlot, items: Items) -> None:
-        if slot.queue is not None:
-            slot.queue.submit(items)
-        else:
-            slot.put(items)
-            slot.settle()
+        write_put(self._slots, items, admission=admission, only_trusted=only_trusted)
 
     def _put_missing_at(self, index: int, items: Items) -> None:
-        self._put_missing(self._slots[index], items)
+        put_missing(self._slots[index], items)
 
     def _settle_at(self, index: int) -> None:
         self._slots[index].settle()

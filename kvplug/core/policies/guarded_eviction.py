@@ -27,6 +27,7 @@ from typing import Literal
 
 from kvplug.core.pin_ledger import PinLedger
 from kvplug.core.policies.eviction import EvictionPolicy, make_eviction_policy
+from kvplug.core.policies.tenant_quotas import TenantQuotas
 from kvplug.core.tenants import STORES_REFUSED, TENANT_BYTES, TENANT_HITS, TenantLabels
 from kvplug.core.throttled_log import ThrottledLog
 
@@ -59,26 +60,26 @@ class GuardedEviction(EvictionPolicy):
     ) -> None:
         self.eviction = eviction
         self._policy = make_eviction_policy(eviction)
-        self.quotas = dict(quotas or {})
-        self.default_quota = default_quota
-        self._tenant_of = tenant_of
+        self._tenants = TenantQuotas(eviction, quotas, default_quota, labels or TenantLabels(), tenant_of)
         self._wants_pin = wants_pin
         self._requested_pin = requested_pin
-        self._labels = labels or TenantLabels()
         logger = logger or logging.getLogger("kvplug.tier")
         self._pinned = PinLedger(pin_budget, request_pin_budget, self.quota_of, logger, tier)
         self._store_log = ThrottledLog(logger)
         self._tier = tier
         self._sizes: dict[str, int] = {}  # unpinned keys
-        self._tenant: dict[str, str] = {}  # salted keys only (pinned or not)
-        self._own: dict[str, EvictionPolicy] = {}  # tenants with a quota: their unpinned keys
-        self._held: dict[str | None, int] = {}  # bytes per tenant, pinned included
-        self._hits: dict[str | None, int] = {}
-        self._due: set[str] = set()  # tenants that grew since take_over_quota
         #: Keys evicted because their tenant was over its quota.
         self.quota_evictions = 0
         #: Stores refused before they evicted anything, by reason (``pins``, ``quota``).
         self.stores_refused: dict[str, int] = {"pins": 0, "quota": 0}
+
+    @property
+    def quotas(self) -> dict[str, int]:
+        return self._tenants.quotas
+
+    @property
+    def default_quota(self) -> int | None:
+        return self._tenants.default_quota
 
     @property
     def pin_budget(self) -> int | None:
@@ -96,18 +97,18 @@ class GuardedEviction(EvictionPolicy):
     # --- the EvictionPolicy interface -----------------------------------------------
 
     def inserted(self, key: str, size: int, *, cold: bool = False) -> None:
-        tenant = self._tenant_of(key) or self._tenant.get(key)
+        tenant = self._tenants.tenant_of(key)
         pin_as: bool | None = None  # pin it: whether as a request's pin
         pins = self._pinned
         if key in pins:
             old_pinned, requested = pins.sizes[key], pins.is_requested(key)
-            self._add_held(tenant, size - old_pinned)
+            self._tenants.add_held(tenant, size - old_pinned)
             if pins.fits(tenant, size - old_pinned, requested):
                 self._pin(key, tenant, size, requested)  # (a request's pin that grew: its tenant's quota applies)
                 return
             # A pinned key stored again, larger, past a pin budget: an ordinary key from now on.
             pins.drop(key)
-            self._add_held(tenant, -size)
+            self._tenants.add_held(tenant, -size)
             if pins.room(key, tenant, size, requested, self.unpin):  # False: counted and logged as a refusal
                 pin_as = requested
         elif self._wants_pin(key):
@@ -116,10 +117,10 @@ class GuardedEviction(EvictionPolicy):
                 pin_as = requested
         old = self._sizes.get(key)
         if old is not None:
-            self._add_held(self._tenant.get(key), -old)
+            self._tenants.add_held(self._tenants.by_key.get(key), -old)
         if tenant is not None:
-            self._tenant[key] = tenant
-        self._add_held(tenant, size)
+            self._tenants.by_key[key] = tenant
+        self._tenants.add_held(tenant, size)
         if pin_as is not None:
             if old is not None:
                 self._unlist(key)
@@ -127,21 +128,16 @@ class GuardedEviction(EvictionPolicy):
             return
         self._sizes[key] = size
         self._policy.inserted(key, size, cold=cold)
-        own = self._own_policy(tenant)
-        if own is not None:
-            own.inserted(key, size, cold=cold)
-            self._due.add(tenant)  # type: ignore[arg-type]  # (own is only found for a tenant)
+        self._tenants.listed(tenant, key, size, cold=cold)
 
     def accessed(self, key: str) -> None:
         self._policy.accessed(key)
-        tenant = self._tenant.get(key)
+        tenant = self._tenants.by_key.get(key)
         if tenant is None and key in self._sizes:
-            tenant = self._attribute(key)
-        own = self._own.get(tenant) if tenant is not None else None
-        if own is not None:
-            own.accessed(key)
+            tenant = self._tenants.attribute(key, self._sizes[key])
+        self._tenants.accessed(tenant, key)
         if key in self._sizes or key in self._pinned:
-            self._hits[tenant] = self._hits.get(tenant, 0) + 1
+            self._tenants.hit(tenant)
 
     def removed(self, key: str) -> None:
         if key in self._pinned:
@@ -151,7 +147,7 @@ class GuardedEviction(EvictionPolicy):
             self._unlist(key)
         else:
             return
-        self._add_held(self._tenant.pop(key, None), -size)
+        self._tenants.add_held(self._tenants.by_key.pop(key, None), -size)
 
     def pop_victim(self) -> tuple[str, int] | None:
         victim = self._policy.pop_victim()
@@ -163,10 +159,7 @@ class GuardedEviction(EvictionPolicy):
         self._policy.clear()
         self._sizes.clear()
         self._pinned.clear()
-        self._tenant.clear()
-        self._own.clear()
-        self._held.clear()
-        self._due.clear()
+        self._tenants.clear()
 
     def __len__(self) -> int:
         return len(self._sizes) + len(self._pinned)
@@ -203,7 +196,7 @@ class GuardedEviction(EvictionPolicy):
         size = self._sizes.get(key)
         if size is None:
             return "missing"
-        tenant = self._tenant.get(key)
+        tenant = self._tenants.by_key.get(key)
         if not pins.room(key, tenant, size, requested, self.unpin):
             return "refused"
         self._unlist(key)
@@ -215,13 +208,10 @@ class GuardedEviction(EvictionPolicy):
         if key not in self._pinned:
             return None
         size = self._pinned.drop(key)
-        tenant = self._tenant.get(key)
+        tenant = self._tenants.by_key.get(key)
         self._sizes[key] = size
         self._policy.inserted(key, size)
-        own = self._own_policy(tenant)
-        if own is not None:
-            own.inserted(key, size)
-            self._due.add(tenant)  # type: ignore[arg-type]
+        self._tenants.listed(tenant, key, size)
         return size
 
     def admits(self, key: str, size: int, budget: int | None, *, overhead: int = 0) -> bool:
@@ -236,7 +226,7 @@ class GuardedEviction(EvictionPolicy):
             return True
         tenant: str | None = None
         if self._wants_pin(key):
-            tenant = self._tenant_of(key) or self._tenant.get(key)
+            tenant = self._tenants.tenant_of(key)
             if pins.fits(tenant, size, self._requested_pin(key)):
                 return True
         pinned = pins.bytes - overhead * len(pins)
@@ -245,7 +235,7 @@ class GuardedEviction(EvictionPolicy):
             return self._refuse_store(key, "pins", f"{size - overhead} bytes, {room} left beside the pinned chunks")
         if not self.quotas and self.default_quota is None:  # (the common case: no lookup of the tenant)
             return True
-        tenant = tenant or self._tenant_of(key) or self._tenant.get(key)
+        tenant = tenant or self._tenants.tenant_of(key)
         quota = self.quota_of(tenant)
         pinned = self._pinned.requested_of(tenant)
         if quota is not None and pinned + size > quota:
@@ -258,9 +248,8 @@ class GuardedEviction(EvictionPolicy):
     def take_over_quota(self) -> list[tuple[str, int]]:
         """Victims of the tenants now over their quotas, each from its own keys; the owner drops them."""
         victims: list[tuple[str, int]] = []
-        due, self._due = self._due, set()
-        for tenant in due:
-            own = self._own.get(tenant)
+        for tenant in self._tenants.take_due():
+            own = self._tenants.own.get(tenant)
             quota = self.quota_of(tenant)
             if own is None or quota is None:
                 continue
@@ -274,7 +263,7 @@ class GuardedEviction(EvictionPolicy):
     def take_victim_of(self, tenant: str) -> tuple[str, int] | None:
         """The next unpinned key of ``tenant`` in its own order, evicted for its quota (the
         owner drops it): for an owner that counts the tenant beyond this policy (a shared folder)."""
-        own = self._own.get(tenant)
+        own = self._tenants.own.get(tenant)
         victim = None if own is None else own.pop_victim()
         if victim is not None:
             self._policy.removed(victim[0])
@@ -284,22 +273,17 @@ class GuardedEviction(EvictionPolicy):
 
     def held_of(self, tenant: str) -> int:
         """Bytes of ``tenant``'s keys, pinned ones included."""
-        return self._held.get(tenant, 0)
+        return self._tenants.held_of(tenant)
 
     def operator_pinned_of(self, tenant: str) -> int:
         """Bytes of ``tenant``'s keys pinned by the operator (which no quota counts)."""
-        own = self._own.get(tenant)
+        own = self._tenants.own.get(tenant)
         unpinned = 0 if own is None else own.bytes_used
         return self.held_of(tenant) - unpinned - self._pinned.requested_of(tenant)
 
     def tenant_figures(self) -> dict[str, tuple[int, int]]:
         """(bytes held, hits) by metrics label: named tenants, ``(other)``, ``(unsalted)``."""
-        figures: dict[str, tuple[int, int]] = {}
-        for tenant in self._held.keys() | self._hits.keys():
-            label = self._labels.label(tenant, self.quotas)
-            held, hits = figures.get(label, (0, 0))
-            figures[label] = (held + self._held.get(tenant, 0), hits + self._hits.get(tenant, 0))
-        return figures
+        return self._tenants.figures()
 
     def stats_extra(self) -> dict[str, int]:
         """Figures for a tier's ``stats().extra``: pins, refusals, quota evictions, stores refused
@@ -315,31 +299,13 @@ class GuardedEviction(EvictionPolicy):
 
     def tenants_of(self) -> dict[str, str]:
         """The salted keys' tenants (for an owner that rebuilds its policy: :meth:`adopt_tenants`)."""
-        return dict(self._tenant)
+        return dict(self._tenants.by_key)
 
     def adopt_tenants(self, tenants: Mapping[str, str]) -> None:
         """Remember tenants learnt before a rebuild, for keys inserted from now on."""
-        known = dict(tenants)
-        resolve = self._tenant_of
-        self._tenant_of = lambda key: resolve(key) or known.get(key)
+        self._tenants.adopt(tenants)
 
     # --- helpers --------------------------------------------------------------------
-
-    def _attribute(self, key: str) -> str | None:
-        """A held key whose tenant was unknown when it entered (a record found in a shared
-        folder): its tenant, if known by now, takes it over (its quota, its figures)."""
-        tenant = self._tenant_of(key)
-        if tenant is None:
-            return None
-        size = self._sizes[key]
-        self._tenant[key] = tenant
-        self._add_held(None, -size)
-        self._add_held(tenant, size)
-        own = self._own_policy(tenant)
-        if own is not None:
-            own.inserted(key, size)
-            self._due.add(tenant)
-        return tenant
 
     def _refuse_store(self, key: str, reason: str, why: str) -> bool:
         self.stores_refused[reason] = self.stores_refused.get(reason, 0) + 1
@@ -349,47 +315,25 @@ class GuardedEviction(EvictionPolicy):
     def _pin(self, key: str, tenant: str | None, size: int, requested: bool) -> None:
         """Pin ``key`` (out of the policies already); a request's pin counts against its tenant's quota."""
         self._pinned.set(key, tenant, size, requested)
-        if requested and self._own_policy(tenant) is not None:
-            self._due.add(tenant)  # type: ignore[arg-type]  # (own is only found for a tenant)
+        if requested:
+            self._tenants.pinned_for_request(tenant)
 
     def quota_of(self, tenant: str | None) -> int | None:
         """The quota of ``tenant`` (``None``: none, as for unsalted keys)."""
-        if tenant is None:
-            return None
-        return self.quotas.get(tenant, self.default_quota)
-
-    def _own_policy(self, tenant: str | None) -> EvictionPolicy | None:
-        if tenant is None or self.quota_of(tenant) is None:
-            return None
-        own = self._own.get(tenant)
-        if own is None:
-            own = self._own[tenant] = make_eviction_policy(self.eviction)
-        return own
+        return self._tenants.quota_of(tenant)
 
     def _unlist(self, key: str) -> None:
         """Take an unpinned key out of the policies (not out of the tenant's bytes)."""
         del self._sizes[key]
         self._policy.removed(key)
-        tenant = self._tenant.get(key)
-        own = self._own.get(tenant) if tenant is not None else None
-        if own is not None:
-            own.removed(key)
+        self._tenants.unlisted(self._tenants.by_key.get(key), key)
 
     def _forget(self, key: str, *, in_policy: bool, in_own: bool = True) -> None:
         """A victim left: drop it from the accounting (and the policies named)."""
         size = self._sizes.pop(key)
         if in_policy:
             self._policy.removed(key)
-        tenant = self._tenant.pop(key, None)
-        if in_own and tenant is not None:
-            own = self._own.get(tenant)
-            if own is not None:
-                own.removed(key)
-        self._add_held(tenant, -size)
-
-    def _add_held(self, tenant: str | None, delta: int) -> None:
-        held = self._held.get(tenant, 0) + delta
-        if held:
-            self._held[tenant] = held
-        else:
-            self._held.pop(tenant, None)
+        tenant = self._tenants.by_key.pop(key, None)
+        if in_own:
+            self._tenants.unlisted(tenant, key)
+        self._tenants.add_held(tenant, -size)

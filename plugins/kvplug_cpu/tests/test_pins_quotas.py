@@ -153,7 +153,7 @@ class PinsAndQuotas(RuleBasedStateMachine):
         for tenant in TENANTS:
             requested = policy._pinned.requested_of(tenant)
             assert requested <= 2 * CHUNK, (tenant, requested)  # request_pin_max_bytes, per tenant
-            own = policy._own.get(tenant) if tenant is not None else None
+            own = policy._tenants.own.get(tenant) if tenant is not None else None
             if own is not None:
                 quota = 4 * CHUNK if tenant == "tenant-a" else 3 * CHUNK
                 assert own.bytes_used + requested <= quota, (tenant, own.bytes_used, requested)

@@ -32,7 +32,7 @@ What a first read costs beyond the checksum is the mapping: one page-table entry
 page, set up by page faults. On a tmpfs of 4 KiB pages (``/dev/shm`` on most hosts) that
 holds a record's first read in a process to a few GB/s; on a tmpfs mounted with
 ``huge=always`` (2 MiB pages) it runs at about memory speed. ``extra["huge_pages"]`` says
-which (:func:`huge_pages_of`), and the tier says so at start. Each process keeps the
+which (:func:`kvplug_disk.mounts.huge_pages_of`), and the tier says so at start. Each process keeps the
 mappings it made, up to ``keep_mapped_bytes`` (:mod:`kvplug_disk.mappings`): a record
 read again from the same file is a view of the kept mapping, read at memory speed, its
 checksum verified on the first read only.
@@ -59,11 +59,9 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import re
 import stat
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, ClassVar
 
 from kvplug import (
@@ -83,20 +81,16 @@ from kvplug_disk.config import DiskTierConfig, ShmTierConfig
 from kvplug_disk.files import PRIVATE_FOLDER, RecordFolder
 from kvplug_disk.ledger import FolderLockTimeoutError, Usage
 from kvplug_disk.mappings import MappedRecords
+from kvplug_disk.mounts import MEMORY_FILE_SYSTEMS, file_system_of, huge_pages_of
 from kvplug_disk.problems import WARN_INTERVAL_S, ProblemLog
 from kvplug_disk.room import InVain, Room
 from kvplug_disk.tier import DiskTier
 
-#: File systems that keep files in memory: a mapping of them is a mapping of RAM.
-MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})
 # No MAP_POPULATE: the checksum's first touch faults pages in 64 KiB at a time (the
 # kernel's fault-around for files), where MAP_POPULATE walks them one 4 KiB page at a
 # time: a map and a checksum of 96 MiB on a 4 KiB-page tmpfs took 0.81x as long
 # without it (median of 15 pairs, 2-core VM).
 _MAP_FLAGS = mmap.MAP_SHARED
-_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
-#: The host's switch of huge pages for tmpfs; ``force`` and ``deny`` override every mount's ``huge=``.
-SHMEM_HUGE_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 
 
 class ShmBackend(DiskBackend):
@@ -311,7 +305,7 @@ class ShmTier(DiskTier):
 
     @property
     def huge_pages(self) -> str:
-        """How the folder's tmpfs uses 2 MiB pages (:func:`huge_pages_of`)."""
+        """How the folder's tmpfs uses 2 MiB pages (:func:`kvplug_disk.mounts.huge_pages_of`)."""
         backend = self._disk
         return backend.huge_pages if isinstance(backend, ShmBackend) else "-"
 
@@ -338,47 +332,3 @@ def map_file(fd: int, size: int) -> MappedFile | None:
     if size == 0:
         return None
     return MappedFile(fd, size, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
-
-
-def file_system_of(path: Path, mounts: str = "/proc/self/mounts") -> str:
-    """The type of the file system mounted where ``path`` lives (``tmpfs``, ``ext4``),
-    ``unknown`` where that cannot be read."""
-    return mount_of(path, mounts)[0]
-
-
-def huge_pages_of(path: Path, mounts: str = "/proc/self/mounts", host: str = SHMEM_HUGE_SETTING) -> str:
-    """How tmpfs at ``path`` backs files with 2 MiB pages: its mount's ``huge=`` option
-    (``never`` when absent), unless the host forces or denies huge pages on every mount
-    (``host``); ``-`` off tmpfs. A mapping of 2 MiB pages costs a few page-table entries
-    instead of 512 per 2 MiB: what a read of this tier costs beyond its checksum."""
-    found, options = mount_of(path, mounts)
-    if found != "tmpfs":
-        return "-"
-    try:
-        with open(host, encoding="utf-8") as setting:
-            chosen = re.search(r"\[(\w+)\]", setting.read())
-    except OSError:
-        chosen = None
-    if chosen is not None and chosen.group(1) in ("force", "deny"):
-        return "always" if chosen.group(1) == "force" else "never"
-    return next((o.removeprefix("huge=") for o in options.split(",") if o.startswith("huge=")), "never")
-
-
-def mount_of(path: Path, mounts: str = "/proc/self/mounts") -> tuple[str, str]:
-    """The type and the options of the file system mounted where ``path`` lives (its
-    deepest mount point), from ``mounts``; ``("unknown", "")`` where that cannot be read."""
-    target = os.path.realpath(path)
-    found, depth = ("unknown", ""), -1
-    try:
-        with open(mounts, encoding="utf-8", errors="replace") as lines:
-            for line in lines:
-                fields = line.split()
-                if len(fields) < 4:
-                    continue
-                point = _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), fields[1])
-                inside = target == point or target.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= depth:  # a later mount over the same point hides earlier ones
-                    found, depth = (fields[2], fields[3]), len(point)
-    except OSError:
-        return ("unknown", "")
-    return found

@@ -183,7 +183,7 @@ class DiskPinsAndQuotas(RuleBasedStateMachine):
         assert not self.pinned & {k for k in self.evicted}, "a pinned record was evicted"
         assert all(self.tier.contains(sorted(self.pinned)))
         policy = self.tier._disk._order._policy  # the quotas count unpinned records and request pins
-        for tenant, own in policy._own.items():
+        for tenant, own in policy._tenants.own.items():
             requested = policy._pinned.requested_of(tenant)
             assert requested <= 2 * FILE, (tenant, requested)  # request_pin_max_bytes, per tenant
             quota = 3 * FILE if tenant == "tenant-a" else 3 * VALUE

@@ -17,7 +17,7 @@ from kvplug import is_mapped_file, key_digest
 from kvplug.testing import key_for, tier_context, value_for
 from kvplug_cpu import CPUTier
 from kvplug_disk import ShmTier, room
-from kvplug_disk.shm import huge_pages_of
+from kvplug_disk.mounts import huge_pages_of
 
 #: A record of this value fills 12 pages of 4 KiB (with its 64-byte header).
 VALUE_BYTES = 48_000

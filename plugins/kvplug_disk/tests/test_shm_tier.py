@@ -16,7 +16,7 @@ from kvplug import RECORD_HEADER_SIZE, get_registry, key_digest
 from kvplug.testing import StorageTierContract, key_for, tier_context, value_for
 from kvplug_disk import ShmTier
 from kvplug_disk.config import DEFAULT_SHM_PATH
-from kvplug_disk.shm import file_system_of, huge_pages_of
+from kvplug_disk.mounts import file_system_of, huge_pages_of
 
 
 def make_shm_tier(path: Path, max_bytes: int | None = None, **options: object) -> ShmTier:
