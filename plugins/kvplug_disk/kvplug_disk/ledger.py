@@ -9,8 +9,8 @@ to evict until its new record is renamed into place, so the budget holds for the
 folder as a whole; only writes in flight (temp files, at most one per writer) are
 not counted.
 
-The total is rebuilt from a scan of the folder at start and whenever a process has
-nothing left of its own to evict while the total says the folder is full: a process
+The total is rebuilt from a scan of the folder at start and whenever
+evicting all a process knows of would not bring the total within the budget: a process
 killed between its rename and its update, or ``kvplug store gc`` run beside the
 tiers, costs at most that drift until then; and at the next write when the file holds
 no valid total (removed and made again: a process finding the file at the name is not the
