@@ -17,7 +17,7 @@ from kvplug.core.records.maintenance import RecordMaintenance
 from kvplug.core.remote.calls import RemoteCalls
 from kvplug.core.remote.retry import Absent
 from kvplug.core.tier import Buffer, TierContext
-from kvplug.errors import CorruptChunkError, TierUnavailableError
+from kvplug.errors import CorruptChunkError, RecordUnreadableError, TierUnavailableError
 
 T = TypeVar("T")
 A = TypeVar("A")
@@ -59,13 +59,16 @@ class RecordRemovals(RecordMaintenance):
         compare and delete in one step (Mooncake, a valkey user without scripts) removes
         by name the records that still held the value at that second read: a record stored
         since the load survives, one stored between the second read and the removal (one
-        round trip) does not, a lost hit for the engines sharing it, never wrong KV."""
+        round trip) does not, a lost hit for the engines sharing it, never wrong KV. A record
+        the second read gets no answer for alone (a dead cluster node's) stays; the others go."""
         seen: dict[str, tuple[str, Buffer]] = {}
         for key, value in items:
             name = key_digest(key).hex()
             try:
                 data = self.read_record(name)
             except CorruptChunkError:  # found bad unread: another record than the one the load read
+                continue
+            except RecordUnreadableError:  # no answer for this record alone (its cluster node down): it stays
                 continue
             if data is not None and memoryview(data).cast("B")[RECORD_HEADER_SIZE:] == memoryview(value).cast("B"):
                 seen[name] = (key, data)

@@ -4,7 +4,7 @@ A :class:`kvplug.RecordBackend` that keeps the tier's ``max_bytes`` itself
 (``keeps_budget``): the folder's total lives in its ledger (:mod:`kvplug_disk.ledger`),
 and a write makes room, under the folder's lock, by unlinking the files this process
 knows of in the order of its ``eviction`` policy (:mod:`kvplug_disk.index`), listing the
-folder again when it knows of nothing more. What it unlinked goes to the tier through
+folder first when all it knows of would not be enough. What it unlinked goes to the tier through
 :meth:`take_evicted`.
 
 - A write is a temp file (``write_threads`` at once, so fdatasyncs overlap:

@@ -72,8 +72,9 @@ class FolderBudget:
     def _evict_for(self, usage: Usage, incoming: int) -> None:
         """Unlink files in eviction order until ``incoming`` bytes fit in the folder's
         budget. Called with both locks held, so no write of the same digest, here or in
-        another process, can slip in between. When this process knows of nothing more
-        to evict, it lists the folder again: the rest of the total is other processes' records."""
+        another process, can slip in between. When evicting all this process knows of
+        would not make the room, it lists the folder first: the rest of the total is other
+        processes' records, or a count left too high."""
         # No valid total in the file (a ledger made again), or no tenant table where quotas need
         # one (made again, torn, or its total changed by an older kvplug): list the folder.
         rescanned = not usage.known or (
@@ -81,6 +82,9 @@ class FolderBudget:
             and self._order.has_quotas
             and time.monotonic() - self._tenants_listed_at >= TENANT_RELIST_INTERVAL_S
         )
+        # Past what evicting every record this process knows could free (another process's
+        # records, or a count a crash or a hand left too high): list first, not after evicting all.
+        rescanned = rescanned or usage.total - self._order.value_bytes + incoming > self._budget
         if rescanned:
             self._rebuild(usage, self._folder.scan().records)
         while usage.total + incoming > self._budget:

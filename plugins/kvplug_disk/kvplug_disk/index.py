@@ -8,7 +8,7 @@ over file sizes (what an eviction frees). It is this process's own: rebuilt from
 folder at start, where every record enters cold, oldest mtime first to leave (writes
 and hits set mtimes), kept up to date by this process's writes and reads, corrected
 whenever the file system disagrees (a file another process wrote or evicted), and
-rebuilt when it has nothing left to evict while the folder is over budget (keeping
+rebuilt when evicting all of it would leave the folder over budget (keeping
 its pins). Not thread-safe: the backend holds its lock around every call.
 
 The policy is guarded (:class:`kvplug.GuardedEviction`): pinned records are never

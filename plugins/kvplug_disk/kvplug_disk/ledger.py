@@ -9,8 +9,8 @@ to evict until its new record is renamed into place, so the budget holds for the
 folder as a whole; only writes in flight (temp files, at most one per writer) are
 not counted.
 
-The total is rebuilt from a scan of the folder at start and whenever a process has
-nothing left of its own to evict while the total says the folder is full: a process
+The total is rebuilt from a scan of the folder at start and whenever
+evicting all a process knows of would not bring the total within the budget: a process
 killed between its rename and its update, or ``kvplug store gc`` run beside the
 tiers, costs at most that drift until then; and at the next write when the file holds
 no valid total (removed and made again: a process finding the file at the name is not the
@@ -42,7 +42,7 @@ from contextlib import contextmanager
 
 from kvplug.errors import TierUnavailableError
 from kvplug_disk.files import PRIVATE_FILE
-from kvplug_disk.tenant_tags import decode_usage, encode_usage
+from kvplug_disk.tenant_tags import MAX_USAGE_BYTES, decode_usage, encode_usage
 
 LEDGER_NAME = ".kvplug-usage"
 #: The first pause of a wait for the folder's lock; each next one doubles, up to ``_LOCK_POLL_MAX_S``.
@@ -264,7 +264,9 @@ class UsageLedger:
         process's own copy while the file is shared: another process may have written it since."""
         if self._fd is None:
             return self._local, None if self._local_tenants is None else dict(self._local_tenants)
-        return decode_usage(os.pread(self._fd, max(8, os.fstat(self._fd).st_size), 0))
+        size = os.fstat(self._fd).st_size
+        # Bounded: a file longer than any table (made sparse by a hand) must not be read whole.
+        return decode_usage(os.pread(self._fd, max(8, size) if size <= MAX_USAGE_BYTES else 8, 0))
 
     def _write(self, total: int, tenants: dict[bytes, int] | None = None) -> None:
         self._local = total

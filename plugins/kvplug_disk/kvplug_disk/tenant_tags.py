@@ -34,6 +34,13 @@ _TABLE_MAGIC = b"KVT1"
 _TABLE_HEAD = struct.Struct("<Q4sIQ")
 _ENTRY = struct.Struct(f"<{TAG_SIZE}sQ")
 _CHECK_SIZE = 8
+#: Most tenants a table holds. The file is read and written whole at every write, under the
+#: folder's lock, by every process: a folder of more tenants keeps no table (quotas then bound
+#: what each process knows of, the folder listed again at most every so often), and a file
+#: longer than a table of this many (a local user's, a disk's error) is read as its total alone.
+MAX_TABLE_TENANTS = 1 << 16
+#: The longest ledger file read whole: a table of :data:`MAX_TABLE_TENANTS` (1.5 MiB).
+MAX_USAGE_BYTES = _TABLE_HEAD.size + MAX_TABLE_TENANTS * _ENTRY.size + _CHECK_SIZE
 
 
 class Records(Protocol):
@@ -77,10 +84,12 @@ def record_tag(folder: Records, digest: str) -> bytes | None:
 
 
 def encode_usage(total: int, tenants: Mapping[bytes, int] | None) -> bytes:
-    """The ledger's bytes: the total, then (``tenants`` known) the tenant table."""
+    """The ledger's bytes: the total, then (``tenants`` known, at most :data:`MAX_TABLE_TENANTS`) the tenant table."""
     if tenants is None:
         return total.to_bytes(8, "little")
     kept = sorted((tag, size) for tag, size in tenants.items() if size > 0)
+    if len(kept) > MAX_TABLE_TENANTS:
+        return total.to_bytes(8, "little")
     body = _TABLE_HEAD.pack(total, _TABLE_MAGIC, len(kept), total) + b"".join(_ENTRY.pack(*entry) for entry in kept)
     return body + _check(body)
 

@@ -102,3 +102,23 @@ def write_in_turn_within(budget: int, folder: Path, first: DiskTier, second: Dis
         second.put([(key_for(f"second-{i}"), value_for(f"second-{i}", 100_000))])
     assert folder_value_bytes(folder) <= budget
     assert ledger_total(folder) == folder_value_bytes(folder)
+
+
+def test_a_total_left_too_high_is_listed_before_the_process_evicts_all_it_knows(kind: str, folder: Path) -> None:
+    """The folder's total says the budget is full beside what this process knows, but nothing else
+    is in the folder (ten writes killed between their count and their rename, or a count a local
+    user wrote): the process lists the folder, which says the records fit, before it evicts
+    anything, not after it evicted every record it knew (6834e34: 5 evictions, 1 record left)."""
+    cls = ShmTier if kind == "shm" else DiskTier
+    tier = cls(cls.Config(path=folder, queue={"mode": "sync"}, max_bytes=10_000), tier_context())
+    try:
+        kept = [key_for(f"kept-{i}") for i in range(5)]
+        for key in kept:
+            tier.put([(key, value_for(key, 1000))])
+        (folder / LEDGER_NAME).write_bytes((5000 + 10_000).to_bytes(8, "little"))
+        tier.put([(key_for("new"), value_for("new", 1000))])
+        assert tier.stats().evictions == 0
+        assert folder_value_bytes(folder) == 6000
+        assert ledger_total(folder) == 6000
+    finally:
+        tier.close()

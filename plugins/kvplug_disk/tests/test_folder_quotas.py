@@ -23,7 +23,14 @@ from kvplug.testing.pins_contract import key_of
 from kvplug_disk import DiskTier, ShmTier, budget, verify_folder
 from kvplug_disk.folder_scan import RECORD_SUFFIX
 from kvplug_disk.ledger import LEDGER_NAME
-from kvplug_disk.tenant_tags import TAG_XATTR, decode_usage, encode_usage, tenant_tag
+from kvplug_disk.tenant_tags import (
+    MAX_TABLE_TENANTS,
+    TAG_SIZE,
+    TAG_XATTR,
+    decode_usage,
+    encode_usage,
+    tenant_tag,
+)
 
 WORKER = str(Path(__file__).with_name("tenant_worker.py"))
 FILE = VALUE + 64  # a record file: its value and header; quotas count file bytes
@@ -255,10 +262,41 @@ def test_gc_takes_a_removed_record_off_its_tenants_count(kind: str, folder: Path
     assert ledger_of(folder)[1] == {tenant_tag("tenant-a"): 2 * FILE}
 
 
+def peak_memory(process: subprocess.Popen[str]) -> int:
+    """The most memory ``process`` has held so far (its ``VmHWM``), in bytes."""
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:"))
+
+
+def test_a_ledger_file_longer_than_any_table_is_not_read_whole(kind: str, folder: Path) -> None:
+    """The ledger made 512 MiB long (sparse: a local user's truncate, a disk's error) is read as its
+    total alone, and written back as a table again: a tier opening the folder or writing into it does
+    not read it whole (6834e34: the worker's peak memory was over 512 MiB; at 1 TiB its open failed
+    with MemoryError)."""
+    tier = open_tier(kind, folder)
+    put(tier, tenant_keys("a", "tenant-a", 2))
+    tier.close()
+    total = ledger_of(folder)[0]
+    with (folder / LEDGER_NAME).open("r+b") as ledger:
+        ledger.truncate(512 * 1024**2)
+    worker = Worker(kind, folder, "w0")
+    try:
+        assert worker.ask("put tenant-a 1") == "done"
+        assert peak_memory(worker.process) < 256 * 1024**2
+        assert ledger_of(folder) == (total + VALUE, {tenant_tag("tenant-a"): tagged_bytes(folder)})
+        assert tagged_bytes(folder) == 3 * FILE
+    finally:
+        worker.close()
+
+
 def test_a_torn_or_stale_tenant_table_reads_as_none() -> None:
     tenants = {tenant_tag("tenant-a"): 5, tenant_tag("tenant-b"): 7}
     data = encode_usage(100, tenants)
     assert decode_usage(data) == (100, tenants)
+    many = {i.to_bytes(TAG_SIZE, "little"): 1 for i in range(MAX_TABLE_TENANTS + 1)}
+    assert decode_usage(encode_usage(100, many)) == (100, None)  # past the bound: no table, the total kept
+    del many[bytes(TAG_SIZE)]
+    assert decode_usage(encode_usage(100, many)) == (100, many)
     assert decode_usage(data[:-1]) == (100, None)  # torn
     assert decode_usage((101).to_bytes(8, "little") + data[8:]) == (101, None)  # an older kvplug changed the total
     assert decode_usage(data[:8]) == (100, None)  # an older kvplug's ledger

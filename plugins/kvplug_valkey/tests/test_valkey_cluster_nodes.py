@@ -141,3 +141,19 @@ def test_a_cluster_with_no_node_answering_opens_the_tiers_breaker_and_recovers(t
         _stored(tier, keys, values)
         assert [bytes(v) for v in tier.get(keys)] == values
         assert tier.stats().extra["breaker_state"] == "closed"
+
+
+def test_a_removal_of_values_read_skips_a_dead_nodes_keys_alone(tmp_path: Path, tiers) -> None:
+    """remove_if_same (a load's removal of values it found unusable) of keys on a dead node and
+    on live ones: the live nodes' keys are removed, whatever comes of the dead node's (no
+    answer for them) (6834e34: the dead node's first key raised RecordUnreadableError, and
+    nothing was removed)."""
+    with ValkeyCluster(tmp_path / "cluster") as cluster:
+        tier, keys, values, nodes = _stored_on_every_node(cluster, tiers, "unusable")
+        cluster.nodes[0].kill()
+        # The dead node's keys first: each is read again before its removal.
+        order = sorted(range(len(keys)), key=lambda i: nodes[i] != 0)
+        tier.remove_if_same([(keys[i], values[i]) for i in order])
+        live = [key for key, node in zip(keys, nodes) if node != 0]
+        assert len(live) < len(keys)
+        assert tier.contains(live) == [False] * len(live)
