@@ -105,6 +105,26 @@ def test_a_prefix_file_past_any_prompt_is_refused_at_its_bound(
         assert "that pin is not applied" in caplog.text
 
 
+@pytest.mark.parametrize("ids", ["1 2 99999999999999999999", "[5, -1, 7]"], ids=["past-int64", "negative"])
+def test_a_prefix_file_of_token_ids_out_of_range_is_skipped_and_the_engine_serves(
+    registry: PluginRegistry, tmp_path: Path, caplog: pytest.LogCaptureFixture, ids: str
+) -> None:
+    """Chunk keys hash token ids as int64: a configured pin's file with an id past it raised
+    OverflowError out of CacheEngine() (the engine did not start). It is skipped, naming the id."""
+    (tmp_path / "ids.txt").write_text(ids)
+    (tmp_path / "kvplug.yaml").write_text(
+        "chunk_size: 8\nstore: {queue: {mode: sync}}\n"
+        "tiers: [{type: cpu, max_bytes: 64KiB, pin_max_bytes: 50%}]\npin: [{prefix_file: ids.txt}]\n"
+    )
+    config = load_config(config_file=tmp_path / "kvplug.yaml", env={}, registry=registry).config
+    with caplog.at_level("ERROR", logger="kvplug"):
+        engine = CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="pins"), registry=registry)
+    with engine:
+        assert "is not between 0 and 2**63 - 1" in caplog.text and "that pin is not applied" in caplog.text
+        engine.store(SYSTEM, random_caches(LAYOUT, 16), torch.arange(32))
+        assert engine.lookup(SYSTEM) == 32  # it serves
+
+
 def test_a_tenant_over_its_quota_evicts_its_own_chunks_through_the_engine(registry: PluginRegistry) -> None:
     tiers = [{"type": "cpu", "max_bytes": "256KiB", "quotas": {"tenant-a": "10%", "default": "20%"}}]
     with make(registry, tiers=tiers, tenancy={"tenants": {"tenant-a": "a-secret"}}) as engine:

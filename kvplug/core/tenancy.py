@@ -81,9 +81,15 @@ def read_token_file(path: Path) -> list[int]:
     text = data.decode("utf-8").strip()
     body = text[1:-1] if text.startswith("[") and text.endswith("]") else text
     try:
-        return [int(part) for part in body.replace(",", " ").split()]
+        tokens = [int(part) for part in body.replace(",", " ").split()]
     except ValueError:
         raise ValueError(f"{path}: not a list of token ids (a JSON list or whitespace-separated integers)") from None
+    # Chunk keys hash token ids as int64: a larger one raised OverflowError out of the engine's
+    # start (a configured pin stopped it serving); the bounds are kvplug explain's and ctl's.
+    bad = next((t for t in tokens if not 0 <= t < 2**63), None)
+    if bad is not None:
+        raise ValueError(f"{path}: token id {str(bad)[:40]} is not between 0 and 2**63 - 1")
+    return tokens
 
 
 def record_name(key: str) -> str:
