@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -74,8 +76,13 @@ TOKEN_FILE_MAX_BYTES = 64 * 1024**2
 def read_token_file(path: Path) -> list[int]:
     """Token ids from a file of at most :data:`TOKEN_FILE_MAX_BYTES`: a JSON list, or integers
     separated by whitespace or commas."""
-    with path.open("rb") as file:  # at most one byte past the bound
-        data = file.read(TOKEN_FILE_MAX_BYTES + 1)
+    # Opened without waiting for a writer: a FIFO (or a device) named as the prefix is refused, where
+    # a blocking open of a FIFO held the engine's start until some process wrote to it.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        data = file.read(TOKEN_FILE_MAX_BYTES + 1)  # at most one byte past the bound
     if len(data) > TOKEN_FILE_MAX_BYTES:
         raise ValueError(f"{path}: over {TOKEN_FILE_MAX_BYTES} bytes, longer than the token ids of any prompt")
     text = data.decode("utf-8").strip()
