@@ -318,3 +318,50 @@ def test_the_workers_are_asked_at_once(engine: CacheEngine) -> None:
         client.close()
         for server in servers:
             server.close()
+
+
+def test_a_late_answer_is_never_read_as_the_next_lookups(tmp_path: Path) -> None:
+    """A worker that answers after ``lookup_timeout_s`` answers on a connection the scheduler
+    closed when it gave up: its reply (here 192 tokens held) is never taken as the answer to
+    the next lookup, which goes on a new connection and gets that lookup's own (none held)."""
+    folder = tmp_path / "late"
+    folder.mkdir(mode=0o700)
+    path = folder / "worker.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(8)
+    gave_up = threading.Event()
+    held = [["memory", "cpu", 64, f"{i:032x}"] for i in range(3)]
+
+    def reply(sock: socket.socket, locations: list[list[object]]) -> None:
+        (length,) = LEN.unpack(sock.recv(4, socket.MSG_WAITALL))
+        sock.recv(length, socket.MSG_WAITALL)  # the request
+        body = json.dumps({"locations": locations}).encode()
+        try:
+            sock.sendall(LEN.pack(len(body)) + body)
+        except OSError:
+            pass  # the scheduler closed it: what a late reply meets
+
+    def worker() -> None:
+        listener.settimeout(30)
+        first = listener.accept()[0]
+        gave_up.wait(30)
+        reply(first, held)  # late: after the scheduler's timeout
+        second = listener.accept()[0]
+        reply(second, [])
+        for sock in (first, second):
+            sock.close()
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    client = SocketLookup([path], timeout_s=0.5)
+    try:
+        with pytest.raises(LookupChannelError, match="no answer within lookup_timeout_s"):
+            client.locate(PROMPT, RequestInfo())
+        gave_up.set()
+        assert client.lookup(PROMPT, RequestInfo()) == 0, "the late answer was read as the next lookup's"
+    finally:
+        gave_up.set()
+        client.close()
+        thread.join(30)
+        listener.close()
