@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -103,6 +105,54 @@ def test_a_prefix_file_past_any_prompt_is_refused_at_its_bound(
     with engine:
         assert f"over {TOKEN_FILE_MAX_BYTES} bytes" in caplog.text
         assert "that pin is not applied" in caplog.text
+
+
+@pytest.mark.parametrize("ids", ["1 2 99999999999999999999", "[5, -1, 7]"], ids=["past-int64", "negative"])
+def test_a_prefix_file_of_token_ids_out_of_range_is_skipped_and_the_engine_serves(
+    registry: PluginRegistry, tmp_path: Path, caplog: pytest.LogCaptureFixture, ids: str
+) -> None:
+    """Chunk keys hash token ids as int64: a configured pin's file with an id past it raised
+    OverflowError out of CacheEngine() (the engine did not start). It is skipped, naming the id."""
+    (tmp_path / "ids.txt").write_text(ids)
+    (tmp_path / "kvplug.yaml").write_text(
+        "chunk_size: 8\nstore: {queue: {mode: sync}}\n"
+        "tiers: [{type: cpu, max_bytes: 64KiB, pin_max_bytes: 50%}]\npin: [{prefix_file: ids.txt}]\n"
+    )
+    config = load_config(config_file=tmp_path / "kvplug.yaml", env={}, registry=registry).config
+    with caplog.at_level("ERROR", logger="kvplug"):
+        engine = CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="pins"), registry=registry)
+    with engine:
+        assert "is not between 0 and 2**63 - 1" in caplog.text and "that pin is not applied" in caplog.text
+        engine.store(SYSTEM, random_caches(LAYOUT, 16), torch.arange(32))
+        assert engine.lookup(SYSTEM) == 32  # it serves
+
+
+def test_a_prefix_file_that_is_a_fifo_is_refused_without_waiting_for_a_writer(
+    registry: PluginRegistry, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A configured pin's ``prefix_file`` that is a FIFO was opened for reading, which waits for
+    a writer: CacheEngine() never returned (the engine did not start). It is refused at once."""
+    fifo = tmp_path / "prefix.fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "kvplug.yaml").write_text(
+        "chunk_size: 8\ntiers: [{type: cpu, max_bytes: 64KiB, pin_max_bytes: 50%}]\npin: [{prefix_file: prefix.fifo}]\n"
+    )
+    config = load_config(config_file=tmp_path / "kvplug.yaml", env={}, registry=registry).config
+    made: list[CacheEngine] = []
+
+    def start() -> None:
+        made.append(CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="pins"), registry=registry))
+
+    with caplog.at_level("ERROR", logger="kvplug"):
+        starting = threading.Thread(target=start, daemon=True)
+        starting.start()
+        starting.join(60)  # a hang guard, not a speed bound: it returns at once or never
+        if starting.is_alive():  # a writer lets the blocked open return (it reads an empty prefix)
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            starting.join(60)
+    for engine in made:
+        engine.close()
+    assert made and "not a regular file" in caplog.text, "CacheEngine() waited for a writer on the FIFO"
 
 
 def test_a_tenant_over_its_quota_evicts_its_own_chunks_through_the_engine(registry: PluginRegistry) -> None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -74,16 +76,27 @@ TOKEN_FILE_MAX_BYTES = 64 * 1024**2
 def read_token_file(path: Path) -> list[int]:
     """Token ids from a file of at most :data:`TOKEN_FILE_MAX_BYTES`: a JSON list, or integers
     separated by whitespace or commas."""
-    with path.open("rb") as file:  # at most one byte past the bound
-        data = file.read(TOKEN_FILE_MAX_BYTES + 1)
+    # Opened without waiting for a writer: a FIFO (or a device) named as the prefix is refused, where
+    # a blocking open of a FIFO held the engine's start until some process wrote to it.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        data = file.read(TOKEN_FILE_MAX_BYTES + 1)  # at most one byte past the bound
     if len(data) > TOKEN_FILE_MAX_BYTES:
         raise ValueError(f"{path}: over {TOKEN_FILE_MAX_BYTES} bytes, longer than the token ids of any prompt")
     text = data.decode("utf-8").strip()
     body = text[1:-1] if text.startswith("[") and text.endswith("]") else text
     try:
-        return [int(part) for part in body.replace(",", " ").split()]
+        tokens = [int(part) for part in body.replace(",", " ").split()]
     except ValueError:
         raise ValueError(f"{path}: not a list of token ids (a JSON list or whitespace-separated integers)") from None
+    # Chunk keys hash token ids as int64: a larger one raised OverflowError out of the engine's
+    # start (a configured pin stopped it serving); the bounds are kvplug explain's and ctl's.
+    bad = next((t for t in tokens if not 0 <= t < 2**63), None)
+    if bad is not None:
+        raise ValueError(f"{path}: token id {str(bad)[:40]} is not between 0 and 2**63 - 1")
+    return tokens
 
 
 def record_name(key: str) -> str:

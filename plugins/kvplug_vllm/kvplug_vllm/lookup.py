@@ -103,12 +103,15 @@ class SocketLookup:
         self.timeout_s = timeout_s
         self._socks: dict[Path, socket.socket] = {}
         self._lock = threading.Lock()
+        self._closed = False
         # One after another, a lookup took the sum of the workers' answers (up to
         # lookup_timeout_s each): at once, the slowest one's.
         self._asking = ThreadPoolExecutor(len(self.paths), "kvplug-lookup") if len(self.paths) > 1 else None
 
     def _ask_all(self, message: bytes) -> list[dict[str, Any]]:
         """Every worker's reply to ``message``, asked in parallel (holds ``_lock``)."""
+        if self._closed:  # a background lookup that waited for the lock: no new connection, no thread
+            raise LookupChannelError("the lookup channel is closed")
         if self._asking is None:
             return [self._exchange(path, message) for path in self.paths]
         asked = [self._asking.submit(self._exchange, path, message) for path in self.paths]
@@ -135,6 +138,7 @@ class SocketLookup:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for sock in self._socks.values():
                 sock.close()
             self._socks.clear()

@@ -96,7 +96,9 @@ def new_request(request_id: str, prompt: list[int], max_tokens: int = 4) -> Any:
     return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), None, block_hasher=hasher)
 
 
-def session_turn(prompt: list[int], *, resumable: bool = True, mm_features: list[Any] | None = None) -> Any:
+def session_turn(
+    prompt: list[int], *, resumable: bool = True, mm_features: list[Any] | None = None, max_tokens: int = 3
+) -> Any:
     """A turn of streaming-input session ``"s"`` (``resumable``: more turns follow), as
     ``add_request`` gets each: vLLM appends it to the session's prompt."""
     from vllm import SamplingParams
@@ -105,7 +107,7 @@ def session_turn(prompt: list[int], *, resumable: bool = True, mm_features: list
     from vllm.v1.request import Request
 
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
-    params = SamplingParams(max_tokens=3)
+    params = SamplingParams(max_tokens=max_tokens)
     return Request("s", prompt, params, None, block_hasher=hasher, resumable=resumable, mm_features=mm_features)
 
 

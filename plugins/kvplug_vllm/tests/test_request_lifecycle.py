@@ -230,3 +230,33 @@ def test_a_streaming_input_session_keeps_its_state_between_turns_and_is_forgotte
         loop.step()
         assert_all_let_go(scheduler)
         assert loop.misread == []
+
+
+def test_a_session_preempted_in_a_later_turn_loads_its_earlier_chunks_back_as_computed(tiny_model: str) -> None:
+    """A streaming-input session preempted during its second turn (another request's blocks
+    grew) comes back as a new lookup of the whole session's prompt, keyed as it is now
+    (``RequestState.follow``), and loads the chunks both turns stored in the background
+    (``load: async``): every slot the session reads holds what the model computed there."""
+    from vllm.v1.request import RequestStatus
+
+    # 17 usable blocks: "a" takes 7 growing to 16, the session 4, then 7 growing to 10
+    with real_scheduler(tiny_model, "life-session-preempted", num_blocks=18, load="async") as (scheduler, engine):
+        loop = EngineLoop(scheduler, engine, num_blocks=18)
+        scheduler.add_request(new_request("a", C[:200], max_tokens=300))
+        loop.step()
+        scheduler.add_request(session_turn(A[:100]))
+        run_turn(loop)
+        scheduler.add_request(session_turn(B[:100], max_tokens=100))
+        preempted: list[str] = []
+        for _ in range(600):
+            output, _ = loop.step()
+            preempted += sorted(output.preempted_req_ids)
+            if scheduler.requests["s"].status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+                break
+        assert "s" in preempted, "the session was not preempted in its second turn"
+        assert scheduler.requests["s"].status == RequestStatus.WAITING_FOR_STREAMING_REQ
+        session = list(scheduler.requests["s"].prompt_token_ids)
+        assert loop.wrong_positions(session) == (192, []), "the session's chunks are not the KV computed"
+        assert loop.misread == [], "a forward read KV other than the model's"
+        # the resumed lookup's hit past vLLM's own prefix cache (its first block), loaded by kvplug
+        assert scheduler.connector._scheduler_side().totals.reduce()["hit_tokens"] == 192 - BLOCK_SIZE
