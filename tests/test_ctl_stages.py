@@ -50,3 +50,32 @@ def test_each_pipeline_stage_answers_kvplug_ctl(socket_dir: Path, tmp_path: Path
             server.close()
         for engine in engines:
             engine.close()
+
+
+def test_a_stage_without_a_control_socket_is_named_and_the_lookup_misses(socket_dir: Path, tmp_path: Path) -> None:
+    """Stage 1 of a two-stage engine has no control socket (stopped, or still starting): the
+    engine's own lookups ask every worker and miss, while ``kvplug ctl`` answered from stage 0
+    alone, "hit: 16 ... the prefix every rank holds ... over 1 rank(s)", and pinned or cleared
+    one stage without a word."""
+    engine = stage_engine(0)
+    server = ControlServer(engine, ControlIdentity("engine-pp", "tiny", "test", pp_rank=0, pp_size=2))
+    try:
+        engine.store(TOKENS, random_caches(LAYOUT, 8), torch.arange(len(TOKENS)))
+        engine.flush()
+        prompt = tmp_path / "prompt.json"
+        prompt.write_text(json.dumps(TOKENS))
+        lookup = CliRunner().invoke(app, ["ctl", "lookup", str(prompt), "--json"])
+        assert lookup.exit_code == 0, lookup.output
+        total = json.loads(lookup.stdout)["total"]
+        assert (total["hit_tokens"], total["missing_ranks"]) == (0, ["dp0/pp1/tp0"]), total
+        assert "missing: dp0/pp1/tp0" in " ".join(lookup.stderr.split()), lookup.stderr
+        for command in (["pin", str(prompt)], ["unpin", str(prompt)], ["clear", "--all"]):
+            result = CliRunner().invoke(app, ["ctl", *command])
+            message = " ".join(result.output.split())
+            assert result.exit_code == 2, (command, result.output)
+            assert "missing: dp0/pp1/tp0" in message and "done on the other ranks only" in message, message
+        listed = CliRunner().invoke(app, ["ctl", "list"], env={"COLUMNS": "250"})
+        assert "dp0/pp0/tp0 of 2 x 1" in listed.output, listed.output
+    finally:
+        server.close()
+        engine.close()

@@ -37,9 +37,11 @@ from kvplug.cli.rank_replies import (
     print_json,
     rank_name,
     report_closed,
+    report_missing,
     sum_numbers,
     sum_tiers,
     tier_table,
+    with_missing,
 )
 from kvplug.core.control.client import ControlClient, find_ranks, select_engine
 from kvplug.core.control.protocol import request_fields
@@ -131,7 +133,10 @@ def list_command(socket_dir: Path | None = _DIR, as_json: bool = _JSON, timeout:
         table.add_column(column, overflow="fold")
     for rank in found.ranks:
         info = rank.info
-        where = f"{rank_name(rank)} of {info.get('tp_size')}"
+        stages = int(info.get("pp_size", 1))
+        where = f"{rank_name(rank)} of " + (
+            f"{stages} x {info.get('tp_size')}" if stages > 1 else f"{info.get('tp_size')}"
+        )
         described = [str(info.get(name)) for name in ("name", "adapter")] + [where, str(info.get("pid"))]
         cells = [rank.engine_id, *described, str(info.get("model")), str(info.get("fingerprint"))[:12]]
         cells.append(", ".join(map(str, info.get("tiers", []))))
@@ -151,12 +156,14 @@ def stats_command(
 ) -> None:
     """The engine's counters (stored, loaded, lookups, errors) and its tiers' usage, summed over ranks.
     A rank whose engine is closed (its server still answering) is named; exit 1 when every rank's is."""
-    replies = _run(lambda: _client(engine, socket_dir, timeout).ask_all("stats"))
+    client = _run(lambda: _client(engine, socket_dir, timeout))
+    replies = _run(lambda: client.ask_all("stats"))
     metrics = sum_numbers([reply.get("metrics", {}) for _, reply in replies])
     closed = closed_ranks(replies)
-    total: dict[str, Any] = {"metrics": metrics, "tiers": sum_tiers(replies), "closed_ranks": closed}
+    total = with_missing({"metrics": metrics, "tiers": sum_tiers(replies), "closed_ranks": closed}, client.missing)
     if as_json:
         print_json(replies, total)
+        report_missing(client.missing, "figures")
         report_closed(replies, closed)
         return
     table = Table(
@@ -170,6 +177,7 @@ def stats_command(
     print_table(table)
     print_table(tier_table(f"tiers (summed over ranks){_closed_title(closed)}", total["tiers"]))
     _per_rank_tiers(replies, per_rank)
+    report_missing(client.missing, "figures")
     report_closed(replies, closed)
 
 
@@ -193,16 +201,19 @@ def tiers_command(
 ) -> None:
     """Each tier's usage, budget and circuit-breaker state (a remote tier's), summed over ranks.
     A rank whose engine is closed (its server still answering) is named; exit 1 when every rank's is."""
-    replies = _run(lambda: _client(engine, socket_dir, timeout).ask_all("tiers"))
+    client = _run(lambda: _client(engine, socket_dir, timeout))
+    replies = _run(lambda: client.ask_all("tiers"))
     closed = closed_ranks(replies)
-    total: dict[str, Any] = {"tiers": sum_tiers(replies), "closed_ranks": closed}
+    total = with_missing({"tiers": sum_tiers(replies), "closed_ranks": closed}, client.missing)
     if as_json:
         print_json(replies, total)
+        report_missing(client.missing, "figures")
         report_closed(replies, closed)
         return
     title = f"tiers of engine {replies[0][0].engine_id} (summed over ranks){_closed_title(closed)}"
     print_table(tier_table(title, total["tiers"]))
     _per_rank_tiers(replies, per_rank)
+    report_missing(client.missing, "figures")
     report_closed(replies, closed)
 
 
@@ -222,16 +233,18 @@ def _prompt_command(op: str, doc: str, total: Total, show: Show) -> None:
         as_json: bool = _JSON,
         timeout: float = _TIMEOUT,
     ) -> None:
-        def action() -> Replies:
+        def action() -> tuple[Replies, list[str]]:
             tokens = read_prompt(prompt, tokenizer)
-            return _client(engine, socket_dir, timeout).ask_all(op, _request(cache_salt, lora, lora_path), tokens)
+            client = _client(engine, socket_dir, timeout)
+            return client.ask_all(op, _request(cache_salt, lora, lora_path), tokens), client.missing
 
-        replies = _run(action)
-        summed = total(replies)
+        replies, missing = _run(action)
+        summed = with_missing(total(replies), missing)
         if as_json:
             print_json(replies, summed)
         else:
             show(replies, summed, per_rank)
+        report_missing(missing, op, changes=op in ("pin", "unpin"))
 
     command.__doc__ = doc
     ctl_app.command(op)(command)
@@ -291,14 +304,18 @@ def clear_command(
     fields: dict[str, Any] = {"all_salts": True} if all_salts else {"cache_salt": cache_salt, "lora_id": lora}
     if tier is not None:
         fields["tier"] = tier
-    replies = _run(lambda: _client(engine, socket_dir, timeout).ask_all("clear", fields))
+    client = _run(lambda: _client(engine, socket_dir, timeout))
+    replies = _run(lambda: client.ask_all("clear", fields))
     removed = sum_numbers([reply["removed"] for _, reply in replies])
     freed = sum_numbers([reply["bytes_freed"] for _, reply in replies])
     scope = replies[0][1]["scope"]
     known = sum(reply["known_chunks"] for _, reply in replies)
-    total = {"removed": removed, "bytes_freed": freed, "scope": scope, "known_chunks": known}
+    total = with_missing(
+        {"removed": removed, "bytes_freed": freed, "scope": scope, "known_chunks": known}, client.missing
+    )
     if as_json:
         print_json(replies, total)
+        report_missing(client.missing, "clear", changes=True)
         return
     where = ", ".join(f"{label}: {count} chunks ({format_size(freed.get(label))})" for label, count in removed.items())
     console.print(
@@ -311,3 +328,4 @@ def clear_command(
     if per_rank:
         for rank, reply in replies:
             console.print(f"  {rank_name(rank)}: {reply['removed']}", highlight=False, markup=False)
+    report_missing(client.missing, "clear", changes=True)

@@ -41,6 +41,32 @@ def report_closed(replies: Replies, closed: list[str]) -> None:
         raise typer.Exit(1)
 
 
+def with_missing(total: dict[str, Any], missing: list[str]) -> dict[str, Any]:
+    """``total`` with the engine's ranks no request reached (``missing_ranks``, always listed).
+    A lookup's hit is then 0: the engine's own lookup asks every rank and misses without one."""
+    total = {**total, "missing_ranks": missing}
+    if missing and "hit_tokens" in total:
+        total["hit_tokens"] = 0
+        if "reason" in total:
+            total["reason"] = f"ranks {', '.join(missing)} did not answer: the engine's lookup misses without them"
+    return total
+
+
+def report_missing(missing: list[str], what: str, *, changes: bool = False) -> None:
+    """Say which of the engine's ranks no request reached (no control socket answered for
+    them); exit 2 when the command ``changes`` the engine: it was done on the others only."""
+    if not missing:
+        return
+    effect = f"{what} was done on the other ranks only" if changes else f"the {what} shown leave them out"
+    typer.echo(
+        f"missing: {', '.join(missing)}: the engine has these ranks, but no control socket of theirs answered "
+        f"(stopped, or still starting); {effect}",
+        err=True,
+    )
+    if changes:
+        raise typer.Exit(2)
+
+
 def print_json(replies: Replies, total: dict[str, Any]) -> None:
     ranks = [{"dp_rank": r.rank[0], "pp_rank": r.rank[1], "tp_rank": r.rank[2], **reply} for r, reply in replies]
     engine = replies[0][0].engine_id if replies else None

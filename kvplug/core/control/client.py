@@ -45,8 +45,25 @@ class RankEndpoint:
     @property
     def name(self) -> str:
         """``dp0/tp1``; ``dp0/pp1/tp0`` in an engine of pipeline stages."""
-        dp, pp, tp = self.rank
-        return f"dp{dp}/pp{pp}/tp{tp}" if int(self.info.get("pp_size", 1)) > 1 else f"dp{dp}/tp{tp}"
+        return _rank_name(*self.rank, pipeline=int(self.info.get("pp_size", 1)) > 1)
+
+
+def _rank_name(dp: int, pp: int, tp: int, *, pipeline: bool) -> str:
+    return f"dp{dp}/pp{pp}/tp{tp}" if pipeline else f"dp{dp}/tp{tp}"
+
+
+def missing_ranks(ranks: Sequence[RankEndpoint]) -> list[str]:
+    """The names of the ranks that one engine's ``ranks`` say it has (``pp_size`` stages of
+    ``tp_size`` ranks in each data-parallel rank seen) but that are not among them: ranks whose
+    control socket is gone or did not answer. The engine's own lookups ask every rank and miss
+    while one is missing; what ``kvplug ctl`` does reaches only the ranks it finds."""
+    tp_size = max((int(r.info.get("tp_size", 1)) for r in ranks), default=1)
+    pp_size = max((int(r.info.get("pp_size", 1)) for r in ranks), default=1)
+    present = {r.rank for r in ranks}
+    expected = [
+        (dp, pp, tp) for dp in sorted({r.rank[0] for r in ranks}) for pp in range(pp_size) for tp in range(tp_size)
+    ]
+    return [_rank_name(*rank, pipeline=pp_size > 1) for rank in expected if rank not in present]
 
 
 @dataclass
@@ -145,6 +162,8 @@ class ControlClient:
     def __init__(self, ranks: Sequence[RankEndpoint], timeout_s: float = 30.0) -> None:
         self.ranks = list(ranks)
         self.timeout_s = timeout_s
+        #: The engine's ranks not among ``ranks`` (:func:`missing_ranks`): requests do not reach them.
+        self.missing = missing_ranks(self.ranks)
 
     def ask_all(
         self, op: str, fields: Mapping[str, Any] | None = None, tokens: Sequence[int] = ()
