@@ -75,6 +75,7 @@ class ClusterNodes:
         self._breakers: dict[str, CircuitBreaker] = {}
         self._clients: dict[str, Any] = {}
         self._stale = False
+        self._refreshing = asyncio.Lock()
         #: Nodes whose last call failed (or was refused by their open breaker).
         self._failing: set[str] = set()
         #: Failed node pipelines (each also counts towards that node's breaker).
@@ -96,12 +97,13 @@ class ClusterNodes:
     ) -> list[Any]:
         """Each command's reply, or a :class:`NodeDownError` for those of nodes not answering."""
         await self.cluster.initialize()
-        if self._stale:
-            self._stale = False
-            try:
-                await self.cluster.nodes_manager.initialize()
-            except (vex.ValkeyError, vex.ValkeyClusterException, OSError) as exc:  # the map it had stays
-                _log.debug("valkey cluster: the slot map could not be refreshed: %s", exc)
+        if self._stale or self._refreshing.locked():
+            # A batch that comes while another reads the map waits for the new map: the old
+            # one would send it where the redirections came from.
+            async with self._refreshing:
+                if self._stale:
+                    self._stale = False
+                    await self._refresh()
         results: list[Any] = [None] * len(commands)
         groups: dict[str, tuple[Any, list[int]]] = {}
         for position, command in enumerate(commands):
@@ -136,6 +138,22 @@ class ClusterNodes:
         if failed and len(failed) == len(groups) and self._none_answering():
             raise failed[0]  # the whole cluster: the tier's retries and breaker judge it
         return results
+
+    async def _refresh(self) -> None:
+        """Read the slot map again; close the clients, and forget the breakers, of nodes no longer in it
+        (removed from the cluster: their sockets would stay open, their breakers kept, for good)."""
+        try:
+            await self.cluster.nodes_manager.initialize()
+        except (vex.ValkeyError, vex.ValkeyClusterException, OSError) as exc:  # the map it had stays
+            _log.debug("valkey cluster: the slot map could not be refreshed: %s", exc)
+            return
+        known = set(self.cluster.nodes_manager.nodes_cache)
+        for name in [name for name in self._breakers if name not in known]:
+            del self._breakers[name]
+            self._failing.discard(name)
+        departed = [self._clients.pop(name) for name in list(self._clients) if name not in known]
+        for client in departed:  # (a call still on one fails: a miss for its keys, as for a node gone)
+            await client.aclose()
 
     def _none_answering(self) -> bool:
         """No primary is known to answer: the last call to each one failed."""
