@@ -11,11 +11,16 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import torch
+import valkey
 import valkey_reshard as reshard
+from valkey.crc import key_slot
 from valkey_helpers import FAST_FAILING, fresh_prefix
 
+from kvplug import CacheEngine, Fingerprint, PluginRegistry, load_config
 from kvplug.core.records.frame import key_digest
-from kvplug.testing import key_for, value_for
+from kvplug.testing import TierRoundTripContract, key_for, value_for
+from kvplug.testing.engine_round_trip import LAYOUT, NUM_BLOCKS, caches
 from kvplug_valkey.testing import ValkeyCluster, ValkeyServer
 
 #: Slots of node 0 that get two records each (one is moved half-way, the other stays).
@@ -54,6 +59,16 @@ def _node_failures(tier: Any) -> float:
     )
 
 
+def _map_reads(cluster: ValkeyCluster) -> int:
+    """``CLUSTER SLOTS`` calls the cluster's nodes have served (the tier reading the slot map)."""
+    calls = 0
+    for node in cluster.nodes:
+        for line in node.cli("info", "commandstats").splitlines():
+            if line.startswith("cmdstat_cluster|slots:"):
+                calls += int(line.split("calls=")[1].split(",")[0])
+    return calls
+
+
 def test_slots_moved_half_way_and_to_the_end_keep_every_record(tmp_path: Path, tiers) -> None:
     with ValkeyCluster(tmp_path / "cluster") as cluster:
         source, target = cluster.nodes[0], cluster.nodes[1]
@@ -66,15 +81,16 @@ def test_slots_moved_half_way_and_to_the_end_keep_every_record(tmp_path: Path, t
         assert all(tier.contains(keys)), tier.stats().extra
 
         # Half-way: the first key of each slot on the target, the second still on the source
-        # (which answers ASK for the first: a miss, not an error).
+        # (which answers ASK for the first, sent again to the target).
         for slot, (moved, _) in pairs.items():
             reshard.begin(source, target, slot)
             reshard.migrate(source, target, [prefix + key_digest(moved).hex()])
+        map_reads = _map_reads(cluster)
         for _ in range(2 * FAST_FAILING["breaker_failures"]):  # past where a breaker counting redirections opens
-            hits = _read(tier, keys, values)
-            assert all(hit for hit, key in zip(hits, keys) if key not in {moved for moved, _ in pairs.values()})
-            tier.contains(keys)
-        # New records of the slots being moved: stored, or dropped and counted, never an error.
+            assert all(_read(tier, keys, values)), tier.stats().extra
+            assert all(tier.contains(keys))
+        assert _map_reads(cluster) == map_reads  # ASK says the map is right: not read again at each batch
+        # New records of the slots being moved: the source answers ASK, they land on the target.
         late = [key for (key,) in _paired_keys(prefix, set(pairs), "late", count=3, each=1).values()]
         tier.put([(key, value_for(key, 1000)) for key in late])
         extra = tier.stats().extra
@@ -84,14 +100,12 @@ def test_slots_moved_half_way_and_to_the_end_keep_every_record(tmp_path: Path, t
         for slot in pairs:
             reshard.migrate(source, target, reshard.keys_in(source, slot))
             reshard.finish(cluster.nodes, source, target, slot)
-        for _ in range(2):  # the first read may be told MOVED, and reads the map again
-            hits = _read(tier, keys, values)
-        assert all(hits), tier.stats().extra
+        assert all(_read(tier, keys, values)), tier.stats().extra  # told MOVED: sent to the target at once
+        assert all(_read(tier, keys, values)), tier.stats().extra  # the map read again
+        assert all(tier.contains(late)) and tier.stats().extra["dropped_puts"] == 0
         extra = tier.stats().extra
         assert extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
         assert _node_failures(tier) == 0
-        landed = tier.contains(late)
-        assert tier.stats().extra["dropped_puts"] == landed.count(False), tier.stats().extra
 
 
 def _sockets_to(port: int) -> int:
@@ -146,3 +160,74 @@ def test_a_node_added_then_removed_serves_its_slots_and_leaves_no_client(tmp_pat
         new.stop()
         assert all(_read(tier, keys, values))
         assert _node_failures(tier) == 0  # nothing went to the stopped node
+
+
+def _engine(entry: dict[str, Any]) -> CacheEngine:
+    """A CacheEngine with tiers [cpu, valkey] (as kvplug.testing's round-trip contract makes them)."""
+    registry = PluginRegistry(plugin_filter="cpu,valkey")
+    extra = {
+        "kvplug.chunk_size": 8,
+        "kvplug.store.queue.mode": "sync",
+        "kvplug.lookup_budget_s": 30.0,
+        "kvplug.tiers": [{"type": "cpu", "max_bytes": "64MiB"}, entry],
+    }
+    config = load_config(engine_extra=extra, env={}, registry=registry).config
+    return CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="reshard"), registry=registry)
+
+
+def _valkey_extra(engine: CacheEngine) -> dict[str, Any]:
+    return next(stats.extra for label, stats in engine.chain.stats() if label.endswith(":valkey"))
+
+
+def _loaded(entry: dict[str, Any], prompts: list[list[int]], where: list[torch.Tensor], source: list) -> list[int]:
+    """Tokens of each prompt a fresh engine (empty cpu tier) loads; each load the KV stored, bit for bit."""
+    loaded = []
+    with _engine(entry) as reader:
+        for tokens, slots in zip(prompts, where):
+            reader.lookup(tokens)
+            target, into = caches(2), torch.randperm(NUM_BLOCKS * LAYOUT.block_size)[: len(tokens)]
+            mask = reader.retrieve(tokens, target, into)
+            count = int(mask.sum())
+            assert bool(mask[:count].all())  # a prefix
+            if count:
+                got = TierRoundTripContract.gathered(reader, target, into[:count])
+                assert torch.equal(TierRoundTripContract.gathered(reader, source, slots[:count]), got)
+            loaded.append(count)
+        extra = _valkey_extra(reader)
+        assert extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
+    return loaded
+
+
+def test_an_engine_stores_and_loads_while_its_records_slots_move(tmp_path: Path) -> None:
+    """Slots holding an engine's records moved from node 0 to node 1: begun on all of them,
+    half of them with their keys moved (ASK), then finished (MOVED)."""
+    with ValkeyCluster(tmp_path / "cluster") as cluster:
+        source, target = cluster.nodes[0], cluster.nodes[1]
+        prefix = fresh_prefix()
+        entry = {"type": "valkey", "url": cluster.url, "cluster": True, "key_prefix": prefix, "request_timeout_s": 5.0}
+        kv = caches(1)
+        prompts = [list(range(1000 * p, 1000 * p + 40)) for p in range(1, 9)]
+        where = [torch.randperm(NUM_BLOCKS * LAYOUT.block_size)[:40] for _ in prompts]
+        with _engine(entry) as writer:
+            for tokens, slots in zip(prompts[:4], where):
+                assert writer.store(tokens, kv, slots) == 40
+            writer.flush()
+            assert _loaded(entry, prompts[:4], where, kv) == [40] * 4
+            with valkey.Valkey(host="127.0.0.1", port=source.port) as client:
+                held = sorted({key_slot(name) for name in client.scan_iter(match=prefix + "*")})
+            assert held
+            for index, slot in enumerate(held):
+                reshard.begin(source, target, slot)
+                if index % 2:
+                    reshard.migrate(source, target, reshard.keys_in(source, slot))
+            assert _loaded(entry, prompts[:4], where, kv) == [40] * 4
+            for tokens, slots in zip(prompts[4:], where[4:]):  # stored half-way
+                assert writer.store(tokens, kv, slots) == 40
+            writer.flush()
+            for slot in held:
+                reshard.migrate(source, target, reshard.keys_in(source, slot))
+                reshard.finish(cluster.nodes, source, target, slot)
+            extra = _valkey_extra(writer)
+            assert extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
+        assert _loaded(entry, prompts, where, kv) == [40] * 8
+        assert _valkey_extra(writer)["dropped_puts"] == 0
