@@ -103,6 +103,11 @@ def test_slots_moved_half_way_and_to_the_end_keep_every_record(tmp_path: Path, t
         assert all(_read(tier, keys, values)), tier.stats().extra  # told MOVED: sent to the target at once
         assert all(_read(tier, keys, values)), tier.stats().extra  # the map read again
         assert all(tier.contains(late)) and tier.stats().extra["dropped_puts"] == 0
+        # The tier's index: every record once, none taken for gone or corrupt while it moved.
+        stats = tier.stats()
+        assert stats.items == len(keys) + len(late), stats
+        assert stats.bytes_used == 3000 * len(keys) + 1000 * len(late), stats
+        assert stats.extra["index_found_gone"] == 0 and stats.extra["corrupt"] == 0, stats.extra
         extra = tier.stats().extra
         assert extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
         assert _node_failures(tier) == 0
