@@ -7,10 +7,13 @@ and open the tier's breaker: keys on healthy nodes would miss too. Here the clus
 client only keeps the map of slots to nodes; each node's share of a batch goes as one
 pipeline over a plain client of that node, under the node's own
 :class:`kvplug.CircuitBreaker` (the tier's ``breaker_failures`` and
-``breaker_cooldown_s``). The keys of a node that fails, whose breaker is open, or whose
-slot moved (a resharding or failover: the map is refreshed before the next batch) get a
+``breaker_cooldown_s``). The keys of a node that fails, or whose breaker is open, get a
 :class:`NodeDownError` in their slots: no answer for those keys alone, a miss, never a
-failure of the whole batch. Only when no node of the cluster is answering does the batch
+failure of the whole batch. A resharding moves slots between nodes: a key whose node
+answers ``MOVED`` (its slot moved) or ``ASK`` (its slot half-way, the key moved already)
+is sent once more in the same batch to the node named, if the map knows it (else a
+miss), and after ``MOVED`` the map is read again before the next batch; the clients and
+breakers of nodes that left the map are dropped then. Only when no node of the cluster is answering does the batch
 fail, for the tier's retries and breaker to judge.
 """
 
@@ -44,6 +47,13 @@ def _key_of(command: tuple[Any, ...]) -> Any:
     return command[3] if command[0] == "EVAL" else command[1]
 
 
+def _commands(commands: Sequence[tuple[Any, ...]], positions: list[int], asking: bool) -> list[tuple[Any, ...]]:
+    """The commands at ``positions``; with ``asking``, each after ``ASKING`` (which lets the next
+    command of the connection into a slot being imported)."""
+    chosen = [commands[i] for i in positions]
+    return [part for command in chosen for part in (("ASKING",), command)] if asking else chosen
+
+
 def _redirected(result: Any) -> bool:
     return isinstance(result, vex.ResponseError) and str(result).upper().startswith(_REDIRECTS)
 
@@ -75,6 +85,7 @@ class ClusterNodes:
         self._breakers: dict[str, CircuitBreaker] = {}
         self._clients: dict[str, Any] = {}
         self._stale = False
+        self._refreshing = asyncio.Lock()
         #: Nodes whose last call failed (or was refused by their open breaker).
         self._failing: set[str] = set()
         #: Failed node pipelines (each also counts towards that node's breaker).
@@ -96,12 +107,15 @@ class ClusterNodes:
     ) -> list[Any]:
         """Each command's reply, or a :class:`NodeDownError` for those of nodes not answering."""
         await self.cluster.initialize()
-        if self._stale:
-            self._stale = False
-            try:
-                await self.cluster.nodes_manager.initialize()
-            except (vex.ValkeyError, vex.ValkeyClusterException, OSError) as exc:  # the map it had stays
-                _log.debug("valkey cluster: the slot map could not be refreshed: %s", exc)
+        if self._stale or self._refreshing.locked():
+            # A batch that comes while another reads the map waits for the new map: the old
+            # one would send it where the redirections came from.
+            async with self._refreshing:
+                if self._stale:
+                    self._stale = False
+                    await self._refresh()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._node_timeout_s  # (the redirected keys' second round too)
         results: list[Any] = [None] * len(commands)
         groups: dict[str, tuple[Any, list[int]]] = {}
         for position, command in enumerate(commands):
@@ -112,30 +126,86 @@ class ClusterNodes:
                 results[position] = NodeDownError(str(exc))
                 continue
             groups.setdefault(node.name, (node, []))[1].append(position)
+        sends = [(node, positions, False) for node, positions in groups.values()]
+        failed = await self._send(sends, commands, results, raise_server_errors, deadline)
+        if failed and len(failed) == len(groups) and self._none_answering():
+            raise failed[0]  # the whole cluster: the tier's retries and breaker judge it
+        # Slots being moved (a resharding): a key whose slot has moved (MOVED) or whose slot is
+        # half-way and the key already moved (ASK) is sent once more, to the node the reply
+        # names (after ASKING for ASK), when the map knows that node: a hit, not a miss.
+        redirected: dict[tuple[str, bool], tuple[Any, list[int]]] = {}
+        for position, result in enumerate(results):
+            where = self._redirection(result)
+            if where is not None:
+                redirected.setdefault((where[0].name, where[1]), (where[0], []))[1].append(position)
+        sends = [(node, positions, asking) for (_, asking), (node, positions) in redirected.items()]
+        await self._send(sends, commands, results, raise_server_errors, deadline)
+        return [NodeDownError(f"slot moved: {r}") if _redirected(r) else r for r in results]
+
+    async def _send(
+        self,
+        sends: list[tuple[Any, list[int], bool]],
+        commands: Sequence[tuple[Any, ...]],
+        results: list[Any],
+        raise_server_errors: Callable[[Sequence[Any]], None],
+        deadline: float,
+    ) -> list[BaseException]:
+        """Send each ``(node, positions, asking)`` its commands at once (``asking``: each after
+        ``ASKING``), their replies (a :class:`NodeDownError` where the node failed) into ``results``;
+        the nodes' failures."""
         outcomes = await asyncio.gather(
             *(
-                self._node(node, [commands[i] for i in positions], raise_server_errors)
-                for node, positions in groups.values()
+                self._node(node, _commands(commands, positions, asking), raise_server_errors, deadline)
+                for node, positions, asking in sends
             ),
             return_exceptions=True,
         )
         failed: list[BaseException] = []
-        for (name, (_, positions)), outcome in zip(groups.items(), outcomes):
+        for (node, positions, asking), outcome in zip(sends, outcomes):
             if isinstance(outcome, BaseException):
                 if not isinstance(outcome, Exception):  # cancelled: the call's deadline, not the node's
                     raise outcome
                 failed.append(outcome)
                 down = (
-                    outcome if isinstance(outcome, NodeDownError) else NodeDownError(f"cluster node {name}: {outcome}")
+                    outcome
+                    if isinstance(outcome, NodeDownError)
+                    else NodeDownError(f"cluster node {node.name}: {outcome}")
                 )
                 for position in positions:
                     results[position] = down
                 continue
-            for position, result in zip(positions, outcome):
-                results[position] = NodeDownError(f"cluster node {name}: {result}") if _redirected(result) else result
-        if failed and len(failed) == len(groups) and self._none_answering():
-            raise failed[0]  # the whole cluster: the tier's retries and breaker judge it
-        return results
+            for position, result in zip(positions, outcome[1::2] if asking else outcome):
+                results[position] = result
+        return failed
+
+    def _redirection(self, result: Any) -> tuple[Any, bool] | None:
+        """The node a ``MOVED``/``ASK`` reply names, and whether it was ``ASK``; ``None`` for
+        another reply, or a node not in the map (a node added is known once the map is read
+        again: no record goes to an address that only a reply named)."""
+        if not isinstance(result, vex.ResponseError):
+            return None
+        kind, _, rest = str(result).partition(" ")
+        if kind not in ("MOVED", "ASK"):
+            return None
+        host, _, port = rest.partition(" ")[2].rpartition(":")
+        node = self.cluster.nodes_manager.nodes_cache.get(f"{host}:{port}")
+        return None if node is None else (node, kind == "ASK")
+
+    async def _refresh(self) -> None:
+        """Read the slot map again; close the clients, and forget the breakers, of nodes no longer in it
+        (removed from the cluster: their sockets would stay open, their breakers kept, for good)."""
+        try:
+            await self.cluster.nodes_manager.initialize()
+        except (vex.ValkeyError, vex.ValkeyClusterException, OSError) as exc:  # the map it had stays
+            _log.debug("valkey cluster: the slot map could not be refreshed: %s", exc)
+            return
+        known = set(self.cluster.nodes_manager.nodes_cache)
+        for name in [name for name in self._breakers if name not in known]:
+            del self._breakers[name]
+            self._failing.discard(name)
+        departed = [self._clients.pop(name) for name in list(self._clients) if name not in known]
+        for client in departed:  # (a call still on one fails: a miss for its keys, as for a node gone)
+            await client.aclose()
 
     def _none_answering(self) -> bool:
         """No primary is known to answer: the last call to each one failed."""
@@ -148,7 +218,11 @@ class ClusterNodes:
         return breaker
 
     async def _node(
-        self, node: Any, commands: list[tuple[Any, ...]], raise_server_errors: Callable[[Sequence[Any]], None]
+        self,
+        node: Any,
+        commands: list[tuple[Any, ...]],
+        raise_server_errors: Callable[[Sequence[Any]], None],
+        deadline: float,
     ) -> list[Any]:
         breaker = self._breaker(node.name)
         if not breaker.allow():
@@ -159,7 +233,6 @@ class ClusterNodes:
         if client is None:
             client = self._clients[node.name] = self._node_client(node.host, node.port)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._node_timeout_s
         try:
             for attempt in range(self._retries + 1):
                 pipe = client.pipeline(transaction=False)
@@ -189,8 +262,8 @@ class ClusterNodes:
                 )
             raise
         self._failing.discard(node.name)
-        if any(_redirected(r) for r in results):
-            self._stale = True
+        if any(_redirected(r) and not str(r).startswith("ASK ") for r in results):
+            self._stale = True  # (ASK: a slot half-way moved, the map is still right)
         if breaker.record_success():
             _log.warning("valkey cluster node %s answers again; its breaker closed", node.name)
         return list(results)

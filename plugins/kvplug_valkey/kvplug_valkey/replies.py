@@ -19,12 +19,15 @@ from typing import Any
 
 from valkey import exceptions as vex
 from valkey._parsers import _AsyncRESP2Parser
+from valkey._parsers.socket import SERVER_CLOSED_CONNECTION_ERROR
 from valkey.asyncio.cluster import ClusterParser
 
 #: The bound of a reply whatever the record bound (INFO's text, a page of SCAN).
 MIN_REPLY_BOUND = 1024**2
 #: Valkey's own largest string (``proto-max-bulk-len``'s default), for when no record bound is known.
 NO_RECORD_BOUND = 512 * 1024**2
+#: Bulk strings from this size on (records) are read by :meth:`BoundedParser._read_large`.
+LARGE_STRING = 64 * 1024
 #: Most elements of one array reply (a SCAN page holds about ``SCAN_COUNT`` keys).
 MAX_ARRAY_ELEMENTS = 1024**2
 
@@ -60,8 +63,27 @@ def bounded_parser(record_bound: Callable[[], int | None]) -> type[_AsyncRESP2Pa
                     f"the server announced a reply of {self._reply_bytes} bytes, over the {limit} bytes a record "
                     "of this store can be (refused unread; the connection is dropped)"
                 )
-            data: bytes = await super()._read(length)
-            return data
+            if length < LARGE_STRING or len(self._buffer) > self._pos:  # (buffered: a reply parsed again)
+                data: bytes = await super()._read(length)
+                return data
+            return await self._read_large(length)  # type: ignore[return-value]  # (a Buffer, as the tier takes)
+
+        async def _read_large(self, length: int) -> memoryview:
+            """A record's bytes, copied as they arrive into one buffer of their size. asyncio's
+            ``readexactly``, which the parser uses, first gathers them all in the stream's own
+            buffer (growing and moving it, pausing and resuming the socket at each read past the
+            stream's limit), then copies them out, and the parser copies them once more."""
+            whole = memoryview(bytearray(length + 2))
+            got = 0
+            while got < length + 2:
+                chunk = await self._stream.read(length + 2 - got)
+                if not chunk:
+                    raise vex.ConnectionError(SERVER_CLOSED_CONNECTION_ERROR)
+                self._chunks.append(chunk)  # as the parser keeps what it read: a reply cut is parsed again
+                whole[got : got + len(chunk)] = chunk
+                got += len(chunk)
+            self._pos += length + 2
+            return whole[:-2]
 
         async def _readline(self) -> bytes:
             line: bytes = await super()._readline()

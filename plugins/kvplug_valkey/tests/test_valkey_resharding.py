@@ -1,0 +1,238 @@
+"""A cluster resharded under the tier: slots holding its records moved to another node, to
+the end (``MOVED``) and half-way (a slot's keys on both nodes: ``ASK``); a node added and
+one removed. Every read is the stored record or a miss, never an error; no node's breaker
+opens for a redirection; every record is found again once the slots have moved; the
+client of a node that left the cluster is closed and its breaker forgotten."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import valkey
+import valkey_reshard as reshard
+from valkey.crc import key_slot
+from valkey_helpers import FAST_FAILING, fresh_prefix
+
+from kvplug import CacheEngine, Fingerprint, PluginRegistry, load_config
+from kvplug.core.records.frame import key_digest
+from kvplug.testing import TierRoundTripContract, key_for, value_for
+from kvplug.testing.engine_round_trip import LAYOUT, NUM_BLOCKS, caches
+from kvplug_valkey.testing import ValkeyCluster, ValkeyServer
+
+#: Slots of node 0 that get two records each (one is moved half-way, the other stays).
+SLOTS = 12
+
+
+def _paired_keys(prefix: str, slots: set[int], stem: str, count: int = SLOTS, each: int = 2) -> dict[int, list[str]]:
+    """``count`` slots among ``slots``, each with ``each`` record keys."""
+    by_slot: dict[int, list[str]] = defaultdict(list)
+    pairs: dict[int, list[str]] = {}
+    index = 0
+    while len(pairs) < count:
+        key = key_for(f"{stem}-{index}")
+        index += 1
+        slot = reshard.slot_of(prefix, key)
+        if slot in slots and slot not in pairs:
+            by_slot[slot].append(key)
+            if len(by_slot[slot]) == each:
+                pairs[slot] = by_slot[slot]
+    return pairs
+
+
+def _read(tier: Any, keys: list[str], values: dict[str, bytes]) -> list[bool]:
+    """Read ``keys``: each the stored value or a miss (an error would raise here); which hit."""
+    got = tier.get(keys)
+    for key, value in zip(keys, got):
+        assert value is None or bytes(value) == values[key], key
+    return [value is not None for value in got]
+
+
+def _node_failures(tier: Any) -> float:
+    return sum(
+        s.value
+        for s in tier.context.metrics.samples()
+        if s.name == "kvplug_remote_failures_total" and s.labels["kind"].startswith("node_")
+    )
+
+
+def _map_reads(cluster: ValkeyCluster) -> int:
+    """``CLUSTER SLOTS`` calls the cluster's nodes have served (the tier reading the slot map)."""
+    calls = 0
+    for node in cluster.nodes:
+        for line in node.cli("info", "commandstats").splitlines():
+            if line.startswith("cmdstat_cluster|slots:"):
+                calls += int(line.split("calls=")[1].split(",")[0])
+    return calls
+
+
+def test_slots_moved_half_way_and_to_the_end_keep_every_record(tmp_path: Path, tiers) -> None:
+    with ValkeyCluster(tmp_path / "cluster") as cluster:
+        source, target = cluster.nodes[0], cluster.nodes[1]
+        prefix = fresh_prefix()
+        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **FAST_FAILING)
+        pairs = _paired_keys(prefix, reshard.owned_slots(source), "moved")
+        keys = [key for pair in pairs.values() for key in pair]
+        values = {key: value_for(key, 3000) for key in keys}
+        tier.put([(key, values[key]) for key in keys])
+        assert all(tier.contains(keys)), tier.stats().extra
+
+        # Half-way: the first key of each slot on the target, the second still on the source
+        # (which answers ASK for the first, sent again to the target).
+        for slot, (moved, _) in pairs.items():
+            reshard.begin(source, target, slot)
+            reshard.migrate(source, target, [prefix + key_digest(moved).hex()])
+        map_reads = _map_reads(cluster)
+        for _ in range(2 * FAST_FAILING["breaker_failures"]):  # past where a breaker counting redirections opens
+            assert all(_read(tier, keys, values)), tier.stats().extra
+            assert all(tier.contains(keys))
+        assert _map_reads(cluster) == map_reads  # ASK says the map is right: not read again at each batch
+        # New records of the slots being moved: the source answers ASK, they land on the target.
+        late = [key for (key,) in _paired_keys(prefix, set(pairs), "late", count=3, each=1).values()]
+        tier.put([(key, value_for(key, 1000)) for key in late])
+        extra = tier.stats().extra
+        assert extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
+        assert _node_failures(tier) == 0
+
+        for slot in pairs:
+            reshard.migrate(source, target, reshard.keys_in(source, slot))
+            reshard.finish(cluster.nodes, source, target, slot)
+        assert all(_read(tier, keys, values)), tier.stats().extra  # told MOVED: sent to the target at once
+        assert all(_read(tier, keys, values)), tier.stats().extra  # the map read again
+        assert all(tier.contains(late)) and tier.stats().extra["dropped_puts"] == 0
+        # The tier's index: every record once, none taken for gone or corrupt while it moved.
+        stats = tier.stats()
+        assert stats.items == len(keys) + len(late), stats
+        assert stats.bytes_used == 3000 * len(keys) + 1000 * len(late), stats
+        assert stats.extra["index_found_gone"] == 0 and stats.extra["corrupt"] == 0, stats.extra
+        extra = tier.stats().extra
+        assert extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
+        assert _node_failures(tier) == 0
+
+
+def _sockets_to(port: int) -> int:
+    """This process's open TCP sockets whose peer is 127.0.0.1:``port`` (Linux /proc)."""
+    ours = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue  # closed since listed
+        if link.startswith("socket:["):
+            ours.add(link[len("socket:[") : -1])
+    count = 0
+    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[2].split(":")[1], 16) == port and fields[9] in ours:
+            count += 1
+    return count
+
+
+def test_a_node_added_then_removed_serves_its_slots_and_leaves_no_client(tmp_path: Path, tiers) -> None:
+    with ValkeyCluster(tmp_path / "cluster") as cluster, ValkeyServer(tmp_path / "new", cluster_port=True) as new:
+        prefix = fresh_prefix()
+        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **FAST_FAILING)
+        keys = [key_for(f"churn-{i}") for i in range(48)]
+        values = {key: value_for(key, 3000) for key in keys}
+        tier.put([(key, values[key]) for key in keys])
+        assert all(tier.contains(keys)), tier.stats().extra
+
+        reshard.meet(cluster.nodes, new)
+        first = cluster.nodes[0]
+        moving = sorted({reshard.slot_of(prefix, key) for key in keys} & reshard.owned_slots(first))
+        assert moving
+        reshard.move_slots([*cluster.nodes, new], first, new, moving)
+        for _ in range(3):
+            hits = _read(tier, keys, values)
+        assert all(hits), tier.stats().extra
+        assert tier.stats().extra["nodes"] == 4
+        assert _sockets_to(new.port) > 0  # the tier read the moved records from the new node
+
+        reshard.move_slots([*cluster.nodes, new], new, first, moving)
+        reshard.forget(cluster.nodes, new)
+        for _ in range(2):  # the first read may be told MOVED by the node that left, and reads the map again
+            hits = _read(tier, keys, values)
+        assert all(hits), tier.stats().extra
+        extra = tier.stats().extra
+        assert extra["nodes"] == 3 and extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
+        # The departed node's client is closed, its breaker forgotten (while its process still runs).
+        assert _sockets_to(new.port) == 0
+        assert f"127.0.0.1:{new.port}" not in tier._backend._nodes._breakers  # (no public view of them)
+
+        new.stop()
+        assert all(_read(tier, keys, values))
+        assert _node_failures(tier) == 0  # nothing went to the stopped node
+
+
+def _engine(entry: dict[str, Any]) -> CacheEngine:
+    """A CacheEngine with tiers [cpu, valkey] (as kvplug.testing's round-trip contract makes them)."""
+    registry = PluginRegistry(plugin_filter="cpu,valkey")
+    extra = {
+        "kvplug.chunk_size": 8,
+        "kvplug.store.queue.mode": "sync",
+        "kvplug.lookup_budget_s": 30.0,
+        "kvplug.tiers": [{"type": "cpu", "max_bytes": "64MiB"}, entry],
+    }
+    config = load_config(engine_extra=extra, env={}, registry=registry).config
+    return CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="reshard"), registry=registry)
+
+
+def _valkey_extra(engine: CacheEngine) -> dict[str, Any]:
+    return next(stats.extra for label, stats in engine.chain.stats() if label.endswith(":valkey"))
+
+
+def _loaded(entry: dict[str, Any], prompts: list[list[int]], where: list[torch.Tensor], source: list) -> list[int]:
+    """Tokens of each prompt a fresh engine (empty cpu tier) loads; each load the KV stored, bit for bit."""
+    loaded = []
+    with _engine(entry) as reader:
+        for tokens, slots in zip(prompts, where):
+            reader.lookup(tokens)
+            target, into = caches(2), torch.randperm(NUM_BLOCKS * LAYOUT.block_size)[: len(tokens)]
+            mask = reader.retrieve(tokens, target, into)
+            count = int(mask.sum())
+            assert bool(mask[:count].all())  # a prefix
+            if count:
+                got = TierRoundTripContract.gathered(reader, target, into[:count])
+                assert torch.equal(TierRoundTripContract.gathered(reader, source, slots[:count]), got)
+            loaded.append(count)
+        extra = _valkey_extra(reader)
+        assert extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
+    return loaded
+
+
+def test_an_engine_stores_and_loads_while_its_records_slots_move(tmp_path: Path) -> None:
+    """Slots holding an engine's records moved from node 0 to node 1: begun on all of them,
+    half of them with their keys moved (ASK), then finished (MOVED)."""
+    with ValkeyCluster(tmp_path / "cluster") as cluster:
+        source, target = cluster.nodes[0], cluster.nodes[1]
+        prefix = fresh_prefix()
+        entry = {"type": "valkey", "url": cluster.url, "cluster": True, "key_prefix": prefix, "request_timeout_s": 5.0}
+        kv = caches(1)
+        prompts = [list(range(1000 * p, 1000 * p + 40)) for p in range(1, 9)]
+        where = [torch.randperm(NUM_BLOCKS * LAYOUT.block_size)[:40] for _ in prompts]
+        with _engine(entry) as writer:
+            for tokens, slots in zip(prompts[:4], where):
+                assert writer.store(tokens, kv, slots) == 40
+            writer.flush()
+            assert _loaded(entry, prompts[:4], where, kv) == [40] * 4
+            with valkey.Valkey(host="127.0.0.1", port=source.port) as client:
+                held = sorted({key_slot(name) for name in client.scan_iter(match=prefix + "*")})
+            assert held
+            for index, slot in enumerate(held):
+                reshard.begin(source, target, slot)
+                if index % 2:
+                    reshard.migrate(source, target, reshard.keys_in(source, slot))
+            assert _loaded(entry, prompts[:4], where, kv) == [40] * 4
+            for tokens, slots in zip(prompts[4:], where[4:]):  # stored half-way
+                assert writer.store(tokens, kv, slots) == 40
+            writer.flush()
+            for slot in held:
+                reshard.migrate(source, target, reshard.keys_in(source, slot))
+                reshard.finish(cluster.nodes, source, target, slot)
+            extra = _valkey_extra(writer)
+            assert extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
+        assert _loaded(entry, prompts, where, kv) == [40] * 8
+        assert _valkey_extra(writer)["dropped_puts"] == 0
