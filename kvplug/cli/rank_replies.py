@@ -42,10 +42,12 @@ def report_closed(replies: Replies, closed: list[str]) -> None:
 
 
 def with_missing(total: dict[str, Any], missing: list[str]) -> dict[str, Any]:
-    """``total`` with the engine's ranks no request reached (``missing_ranks``, always listed).
-    A lookup's hit is then 0: the engine's own lookup asks every rank and misses without one."""
+    """``total`` with the engine's ranks no request reached (``missing_ranks``, when there are
+    any). A lookup's hit is then 0: the engine's own lookup asks every rank and misses without one."""
+    if not missing:
+        return total
     total = {**total, "missing_ranks": missing}
-    if missing and "hit_tokens" in total:
+    if "hit_tokens" in total:
         total["hit_tokens"] = 0
         if "reason" in total:
             total["reason"] = f"ranks {', '.join(missing)} did not answer: the engine's lookup misses without them"
