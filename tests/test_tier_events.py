@@ -122,6 +122,23 @@ def test_a_refused_write_is_never_announced(make_engine, tmp_path) -> None:
     router.check_matches(keys)
 
 
+def test_two_tiers_of_one_type_are_told_apart_by_their_position(make_engine, tmp_path) -> None:
+    """An event names its tier's type (``tier``: the medium routers are told) and the chain
+    adds the tier's position (``tier_index``): of two disk folders, the small one's evictions
+    are its own, so a listener that follows holders does not take them for the other's. The
+    cpu tier builds its events itself (``tier=self.name``) and is stamped all the same."""
+    size = chunk_bytes(make_engine)
+    small = {"type": "disk", "path": str(tmp_path / "small"), "max_bytes": size * 3}
+    engine = make_engine(LAYOUT, tiers=[{"type": "cpu"}, small, {"type": "disk", "path": str(tmp_path / "big")}])
+    heard: list[tuple[str, tuple[str | None, int | None]]] = []
+    engine.add_event_listener(lambda event: heard.append((event.kind, event.tier_id)))
+    for first in (100, 2000, 4000):
+        store(engine, prompt(first, 2))
+    engine.flush()
+    assert {tier for kind, tier in heard if kind == "stored"} == {(None, None), ("cpu", 0), ("disk", 1), ("disk", 2)}
+    assert {tier for kind, tier in heard if kind != "stored"} == {("disk", 1)}  # only the small one evicted
+
+
 def test_a_chunk_one_put_admits_and_pushes_out_again_is_never_announced(make_engine) -> None:
     size = chunk_bytes(make_engine)
     engine = make_engine(LAYOUT, tiers=[{"type": "cpu", "max_bytes": size * 3 // 2}])

@@ -43,6 +43,14 @@ class KVEvent:
       or a removal: ``discard``, a corrupt record found, ``clear``, a reset); a queued write
       cancelled before it landed is not reported (it was never announced ``stored``).
     - ``loaded`` (no ``tier``): the engine loaded the keys into its cache.
+
+    ``tier_index``: the position in its engine's chain (``tiers:``, 0 the fastest) of the tier
+    that sent the event, set by the chain on every event its tiers send (a tier builds its
+    events with ``tier=self.name`` and leaves it ``None``). ``tier`` is the tier's type and
+    says the medium routers are told; two tiers of one type (two ``disk`` folders) differ
+    only in ``tier_index``, so a listener that follows which tiers hold a chunk keys them by
+    :attr:`tier_id`: one tier's eviction is not the chunk leaving its medium while the
+    other still holds it.
     """
 
     kind: EventKind
@@ -50,6 +58,12 @@ class KVEvent:
     tier: str | None = None
     token_counts: tuple[int, ...] = ()
     timestamp: float = field(default_factory=time.time)
+    tier_index: int | None = None
+
+    @property
+    def tier_id(self) -> tuple[str | None, int | None]:
+        """Which tier sent the event, unique in its chain: ``(tier, tier_index)``."""
+        return self.tier, self.tier_index
 
 
 #: Something that wants to hear of events.

@@ -102,7 +102,8 @@ class TierContext:
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("kvplug.tier"))
     #: The engine's metrics; remote tiers report breaker state and failures there.
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
-    #: Report events (``evicted``, ``removed``) to ``kvplug_on_event`` observers.
+    #: Report events (``stored``, ``evicted``, ``removed``) to the engine's listeners and
+    #: ``kvplug_on_event`` observers; a chain's tier gets one that sets ``KVEvent.tier_index``.
     emit: Callable[[KVEvent], None] = lambda event: None
     #: The engine's wanted pins and the tenants (cache_salts) of key fingerprints, shared by its tiers.
     tenancy: Tenancy = field(default_factory=Tenancy)

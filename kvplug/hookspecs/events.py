@@ -12,7 +12,9 @@ def kvplug_on_event(event: object) -> None:
     A ``stored`` event with a ``tier`` means that tier holds the keys now (sent once an
     async tier's write landed; never for a write dropped, declined, refused or failed); one
     with ``tier=None`` is the engine handing the chunks to its tiers. ``evicted`` and
-    ``removed`` name the tier the keys left. See :class:`kvplug.KVEvent`.
+    ``removed`` name the tier the keys left. ``tier`` is the tier's type; ``tier_index``, its
+    position in its engine's chain, tells two tiers of one type (two ``disk`` folders) apart.
+    See :class:`kvplug.KVEvent`.
 
     Process-wide: an observer sees the events of every cache engine in the
     process (for metrics or audit across engines). Called synchronously on the

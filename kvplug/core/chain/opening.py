@@ -1,10 +1,12 @@
 """Opening the configured tiers of a :class:`~kvplug.TierChain` (``config.tiers``, resolved):
-each gets its :class:`~kvplug.TierContext`; one that fails closes the ones already open."""
+each gets its :class:`~kvplug.TierContext` (whose ``emit`` stamps the tier's position on its
+events); one that fails closes the ones already open."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvplug.core.events import KVEvent
@@ -34,7 +36,7 @@ def open_tiers(
                 tier_index=index,
                 fingerprint=fingerprint,
                 logger=logging.getLogger(f"kvplug.tier.{spec.type}"),
-                emit=emit or registry.emit,
+                emit=_stamped(emit or registry.emit, index),
                 metrics=metrics,
                 tenancy=tenancy,
                 read_only=read_only,
@@ -53,6 +55,16 @@ def open_tiers(
             tier.close()
         raise
     return tiers
+
+
+def _stamped(emit: Callable[[KVEvent], None], index: int) -> Callable[[KVEvent], None]:
+    """``emit`` for the tier at ``index``: its events carry that position (``KVEvent.tier_index``),
+    which tells two tiers of one type apart, without the tier having to know it."""
+
+    def stamped(event: KVEvent) -> None:
+        emit(event if event.tier is None else replace(event, tier_index=index))
+
+    return stamped
 
 
 def preflight_tiers(specs: Sequence[Any], registry: PluginRegistry) -> None:

@@ -8,8 +8,10 @@ a tier's ``stored`` event (sent once the tier holds the chunk: an async tier's w
 landed, a promotion written; never for a write dropped, declined or refused) becomes
 SGLang's ``BlockStored`` for that tier's medium (one block per chunk, chained by
 ``parent_block_hash``) when no other tier of that medium held it, and a tier's
-``evicted``/``removed`` a ``BlockRemoved`` once no tier of that medium holds it. It
-hands them out from ``take()``: the shape SGLang's ``KVEventPublisher`` sends to routers.
+``evicted``/``removed`` a ``BlockRemoved`` once no tier of that medium holds it (tiers
+told apart by ``KVEvent.tier_id``: two tiers of one type, two ``disk`` folders, are two
+holders). It hands them out from ``take()``: the shape SGLang's ``KVEventPublisher`` sends
+to routers.
 
 Only chunks its connector stored or loaded are known: a record a persistent tier held before
 the process started carries no token ids (a record header holds a digest of the chunk key),
@@ -25,6 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvplug import KVEvent, Medium, StoreKey
+
+#: A tier, unique in its chain (``KVEvent.tier_id``): its type and position.
+_TierId = tuple[str | None, int | None]
 
 #: kvplug tier medium (``StorageTier.medium``) -> SGLang ``StorageMedium`` value.
 _STORAGE_MEDIUM: dict[Medium, str] = {"memory": "CPU_PINNED", "disk": "DISK", "remote": "EXTERNAL"}
@@ -57,7 +62,7 @@ class KVEventBridge:
     ) -> None:
         self._media = dict(media or {})
         self._chunks: OrderedDict[str, _Chunk] = OrderedDict()
-        self._held: dict[str, set[str]] = {}  # chunk key -> names of the tiers holding it
+        self._held: dict[str, set[_TierId]] = {}  # chunk key -> the tiers holding it
         self._events: list[Any] = []
         self._lock = threading.Lock()
         self._max_tracked = max_tracked
@@ -108,14 +113,14 @@ class KVEventBridge:
                                 cache_salt=info.cache_salt,
                             )
                         )
-                    held.add(event.tier)
+                    held.add(event.tier_id)
             elif event.kind in ("evicted", "removed"):
                 gone = []
                 for key in event.keys:
                     holders = self._held.get(key)
-                    if holders is None or event.tier not in holders:
+                    if holders is None or event.tier_id not in holders:
                         continue
-                    holders.discard(event.tier)
+                    holders.discard(event.tier_id)
                     if medium not in self._media_of(holders):
                         gone.append(key)
                     if not holders:
@@ -132,7 +137,7 @@ class KVEventBridge:
             del self._events[:overflow]
             self.dropped += overflow
 
-    def _forgotten(self, key: str, holders: set[str]) -> None:
+    def _forgotten(self, key: str, holders: set[_TierId]) -> None:
         """Tell routers a chunk no longer tracked is removed from every medium holding it (a
         later store or load of it announces it again). Holds ``_lock``."""
         from sglang.srt.disaggregation.kv_events import BlockRemoved
@@ -140,8 +145,8 @@ class KVEventBridge:
         for medium in sorted(self._media_of(holders)):
             self._events.append(BlockRemoved(block_hashes=[block_hash(key)], medium=medium))
 
-    def _media_of(self, tiers: set[str]) -> set[str]:
-        return {self._storage_medium(tier) for tier in tiers}
+    def _media_of(self, tiers: set[_TierId]) -> set[str]:
+        return {self._storage_medium(tier) for tier, _ in tiers if tier is not None}
 
     def _storage_medium(self, tier: str) -> str:
         return _STORAGE_MEDIUM[self._media.get(tier, "remote")]

@@ -1,10 +1,14 @@
-"""The KV event bridge alone (no engine): what routers are told of chunks it stops tracking."""
+"""The KV event bridge without SGLang's engine: what routers are told of chunks it stops
+tracking, and of chunks held by two tiers of one type (a real kvplug cache engine's)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
 from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
 
-from kvplug import KVEvent
+from kvplug import CacheEngine, Fingerprint, KVEvent, KVLayout, PagedFormat, load_config
 from kvplug.testing import key_for
 from kvplug_sglang.events import KVEventBridge, block_hash
 
@@ -27,3 +31,39 @@ def test_a_held_chunk_the_bridge_stops_tracking_is_told_removed() -> None:
     bridge.observe(KVEvent("evicted", (keys[0],), tier="cpu"))  # no longer tracked: nothing more
     bridge.expect(keys[:1], [(0, 4)], list(range(4)), None)  # tracked again: the second (held by cpu) is forgotten
     assert [(type(e), e.medium) for e in bridge.take()] == [(BlockRemoved, "CPU_PINNED")]
+
+
+def test_a_chunk_one_of_two_disk_tiers_evicts_is_not_told_removed_while_the_other_holds_it(tmp_path: Path) -> None:
+    """Two tiers of one type (two disk folders) are one medium, ``DISK``. The first (small)
+    evicting a chunk the second still holds must not tell routers it is gone (they would stop
+    sending its prefix here while the second tier still serves it); the second removing it does."""
+    layout = KVLayout(PagedFormat("paged_test", ("kv", "block", "token", "head", "dim")), 3, 8, 2, 4, torch.bfloat16)
+    small = {"type": "disk", "path": str(tmp_path / "small"), "max_bytes": 4000}  # two 16-token chunks
+    kv = {
+        "chunk_size": 16,
+        "store": {"queue": {"mode": "sync"}},
+        "tiers": [small, {"type": "disk", "path": str(tmp_path / "big")}],
+    }
+    config = load_config(engine_extra={"kvplug": kv}, env={}).config
+    caches = [torch.randn(2, 16, 8, 2, 4).to(torch.bfloat16) for _ in range(3)]
+    with CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="two-disks")) as engine:
+        bridge = KVEventBridge({tier.name: tier.medium for tier in engine.chain.tiers})
+        engine.add_event_listener(bridge.observe)
+        first, second = list(range(32)), list(range(1000, 1032))
+        for tokens in (first, second):
+            keys = engine.chunk_keys(tokens)
+            bridge.expect([k.key for k in keys], [(k.start, k.end) for k in keys], tokens, None)
+            engine.store(tokens, caches, torch.arange(32))
+            engine.flush()
+        first_keys = [k.key for k in engine.chunk_keys(first)]
+        small_tier, big_tier = engine.chain.tiers
+        assert small_tier.contains(first_keys) == [False, False]  # the small one evicted them
+        assert big_tier.contains(first_keys) == [True, True]
+        events = bridge.take()
+        big_tier.remove(first_keys)  # now no disk tier holds them: told removed
+        gone = bridge.take()
+    assert [e for e in events if isinstance(e, BlockRemoved)] == []
+    assert [(type(e), e.medium) for e in events] == [(BlockStored, "DISK")] * 4
+    assert [(type(e), e.medium, sorted(e.block_hashes)) for e in gone] == [
+        (BlockRemoved, "DISK", sorted(block_hash(k) for k in first_keys))
+    ]

@@ -9,7 +9,8 @@ event with that ``tier``, once the tier holds it: an async tier's write landed, 
 promotion written), the worker publishes a ``BlockStored`` with ``medium`` = the tier
 type (``cpu``, ``disk``, ``s3``...); a write dropped, declined or refused is never
 published. When a tier evicts or removes it, a ``BlockRemoved`` with that tier as
-``medium``. Events leave the worker in the step's
+``medium``, unless another tier of that type (a second ``disk`` folder: events tell tiers
+apart by ``KVEvent.tier_id``) still holds it. Events leave the worker in the step's
 ``KVConnectorOutput`` and vLLM's scheduler publishes them (``take_events``) on its
 ZMQ publisher together with its own prefix cache's events.
 
@@ -67,6 +68,8 @@ class ChunkIndex:
         #: The types of the engine's tiers: the media published (events of no tier are ignored).
         self.tier_names = list(tier_names)
         self._chunks: OrderedDict[str, _Chunk] = OrderedDict()
+        #: Chunk key -> the tiers (``KVEvent.tier_id``) that said they hold it, of remembered chunks.
+        self._held: dict[str, set[tuple[str | None, int | None]]] = {}
         self._events: list[KVCacheEvent] = []
         self._lock = threading.Lock()
 
@@ -88,7 +91,8 @@ class ChunkIndex:
                 self._chunks[key.key] = _Chunk(hashes, parent, tuple(token_ids[key.start : key.end]), lora_name)
                 self._chunks.move_to_end(key.key)
             while len(self._chunks) > self.max_chunks:
-                _, forgotten = self._chunks.popitem(last=False)
+                old_key, forgotten = self._chunks.popitem(last=False)
+                self._held.pop(old_key, None)
                 if forgotten.block_hashes:
                     # Its later eviction could no longer be published: a router would believe it
                     # held for good. Said removed now, from every medium (a removal of what a
@@ -107,7 +111,8 @@ class ChunkIndex:
             if not known:
                 return
             if event.kind == "stored":
-                for _, chunk in known:
+                for key, chunk in known:
+                    self._held.setdefault(key, set()).add(event.tier_id)
                     self._events.append(
                         BlockStored(
                             block_hashes=list(chunk.block_hashes),
@@ -120,8 +125,21 @@ class ChunkIndex:
                         )
                     )
             elif event.kind in ("evicted", "removed"):
-                hashes = [h for _, chunk in known for h in chunk.block_hashes]
-                self._events.append(BlockRemoved(block_hashes=hashes, medium=event.tier))
+                hashes: list[Any] = []
+                for key, chunk in known:
+                    if self._left_medium(key, event):
+                        hashes += chunk.block_hashes
+                if hashes:
+                    self._events.append(BlockRemoved(block_hashes=hashes, medium=event.tier))
+
+    def _left_medium(self, key: str, event: KVEvent) -> bool:
+        """Forget that ``event``'s tier holds ``key``; whether no other tier of its type does
+        (a chunk one disk folder evicted and another holds is still on disk). Holds ``_lock``."""
+        holders = self._held.get(key, set())
+        holders.discard(event.tier_id)
+        if not holders:
+            self._held.pop(key, None)
+        return all(tier != event.tier for tier, _ in holders)
 
     def take(self) -> list[KVCacheEvent]:
         with self._lock:

@@ -1,15 +1,28 @@
-"""Units of the fleet features that need no engine: location merging, the chunk index's
-vLLM events, and how connector stats merge (counters, gauges, latency samples)."""
+"""Units of the fleet features that need no vLLM engine: location merging, the chunk index's
+vLLM events (also from a real kvplug cache engine's tiers), and how connector stats merge
+(counters, gauges, latency samples)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-from kvplug import ChunkKey, ChunkLocation, KVEvent, merge_locations
+from kvplug import (
+    CacheEngine,
+    ChunkKey,
+    ChunkLocation,
+    Fingerprint,
+    KVEvent,
+    KVLayout,
+    PagedFormat,
+    load_config,
+    merge_locations,
+)
 from kvplug_vllm.background import BackgroundLoads, _Pending
 from kvplug_vllm.kv_events import ChunkIndex, KVPlugKVEvents
 from kvplug_vllm.stats import KVPlugConnectorStats
@@ -78,6 +91,45 @@ def test_a_chunk_the_index_stops_remembering_is_published_removed() -> None:
     ]
     index.on_event(KVEvent("evicted", (key(0, 0, 4).key,), tier="cpu"))  # no longer remembered: nothing more
     assert index.take() == []
+
+
+def test_a_chunk_one_of_two_disk_tiers_evicts_is_not_published_removed_while_the_other_holds_it(
+    tmp_path: Path,
+) -> None:
+    """Two tiers of one type (two disk folders) publish as one medium, ``disk``. The first
+    (small) evicting a chunk the second still holds must not publish it removed: a router
+    would stop sending its prefix here while the second tier still serves it."""
+    layout = KVLayout(PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim")), 3, 8, 2, 4, torch.bfloat16)
+    small = {"type": "disk", "path": str(tmp_path / "small"), "max_bytes": 4000}  # two 16-token chunks
+    kv = {
+        "chunk_size": 16,
+        "store": {"queue": {"mode": "sync"}},
+        "tiers": [small, {"type": "disk", "path": str(tmp_path / "big")}],
+    }
+    config = load_config(engine_extra={"kvplug": kv}, env={}).config
+    caches = [torch.randn(2, 16, 8, 2, 4).to(torch.bfloat16) for _ in range(3)]
+    with CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="two-disks")) as engine:
+        index = ChunkIndex(layout.block_size, [t.type for t in config.tiers])
+        engine.add_event_listener(index.on_event)
+        first, second = list(range(32)), list(range(1000, 1032))
+        for tokens in (first, second):
+            keys = engine.chunk_keys(tokens)
+            index.remember(keys, tokens, [f"{tokens[0]}/{i}".encode() for i in range(4)], lora_name=None)
+            engine.store(tokens, caches, torch.arange(32))
+            engine.flush()
+        first_keys = [k.key for k in engine.chunk_keys(first)]
+        small_tier, big_tier = engine.chain.tiers
+        assert small_tier.contains(first_keys) == [False, False]  # the small one evicted them
+        assert big_tier.contains(first_keys) == [True, True]
+        events = index.take()
+        big_tier.remove(first_keys)  # now no disk tier holds them: published removed
+        gone = index.take()
+    assert [e for e in events if isinstance(e, BlockRemoved)] == []
+    assert {h for e in events if isinstance(e, BlockStored) for h in e.block_hashes} == {
+        f"{t}/{i}".encode() for t in (0, 1000) for i in range(4)
+    }
+    assert [(type(e), e.medium) for e in gone] == [(BlockRemoved, "disk")]
+    assert sorted(h for e in gone for h in e.block_hashes) == [f"0/{i}".encode() for i in range(4)]
 
 
 def test_events_of_several_workers_are_published_once_all_report_them() -> None:
