@@ -202,6 +202,12 @@ def main(argv: list[str] | None = None) -> None:
             parent = args.shm_dir if kind == "shm" else args.dir
             with tempfile.TemporaryDirectory(prefix="kvplug-bench-open-", dir=parent) as scratch:
                 for count in counts:
+                    need = count * (4096 + args.value) * 2  # a block (a page on tmpfs) a record, and slack
+                    free = shutil.disk_usage(scratch).free
+                    if free < need:
+                        print(f"\ntier {kind}: {count} records skipped: {scratch} has {free >> 20} MiB free")
+                        figures.setdefault(kind, {})[str(count)] = {"skipped": f"{free} bytes free"}
+                        continue
                     measured = figures.setdefault(kind, {})[str(count)] = measure(kind, Path(scratch), count, args)
                     rows = [
                         (what, f"{s:.3f}", f"{s / count * 1e6:.1f}", f"{measured[what]['vs_bare']:.2f}x")
