@@ -149,12 +149,12 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
             ) as usage,
             self._lock,
         ):
-            scan = self._folder.scan(clean_temps_older_than=None if self.read_only else config.stale_temp_s)
+            scan = self._list(usage, clean_temps_older_than=None if self.read_only else config.stale_temp_s)
             for entry in scan.foreign:  # "<shard>/<digest>.kvr", or a shard name
                 shard, _, name = entry.partition("/")
                 what = "is not a regular file or folder" if name else "is not a folder this user may open"
                 self._problems.skip(name[:64] or shard, "foreign", f"{config.path}/{entry} {what}")
-            self._rebuild(usage, scan.records)
+            self._rebuild(usage, scan)
             if not self.read_only:
                 self._evict_for(usage, 0)  # the budget may have shrunk since the last run
             # The tier's start-up listing: the files still there, without listing twice.

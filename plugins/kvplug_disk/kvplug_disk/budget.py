@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvplug import StoredRecord
 from kvplug_disk.files import RecordFolder, value_size_of
+from kvplug_disk.folder_scan import ScanResult
 from kvplug_disk.index import EvictionIndex, IndexEntry
 from kvplug_disk.ledger import FolderLockTimeoutError, Usage, UsageLedger
 from kvplug_disk.problems import ProblemLog
@@ -86,13 +87,13 @@ class FolderBudget:
         # records, or a count a crash or a hand left too high): list first, not after evicting all.
         rescanned = rescanned or usage.total - self._order.value_bytes + incoming > self._budget
         if rescanned:
-            self._rebuild(usage, self._folder.scan().records)
+            self._rebuild(usage, self._list(usage))
         while usage.total + incoming > self._budget:
             victims = self._order.pop_victims(1)
             if not victims:
                 if rescanned:
                     break
-                self._rebuild(usage, self._folder.scan().records)
+                self._rebuild(usage, self._list(usage))
                 rescanned = True
                 continue
             self._remove_victims(usage, victims)
@@ -112,7 +113,7 @@ class FolderBudget:
             if victim is None:
                 if rescanned:
                     break
-                self._rebuild(usage, self._folder.scan().records)
+                self._rebuild(usage, self._list(usage))
                 rescanned = True
                 continue
             self._remove_victims(usage, [victim])
@@ -149,16 +150,24 @@ class FolderBudget:
             return 0
         return 0 if stat is None else value_size_of(stat.st_size)
 
-    def _rebuild(self, usage: Usage, records: list[tuple[str, int, int]]) -> None:
-        """Order every record of a folder listing as cold entries, the oldest (by mtime) the
-        first to leave, the records pinned before still pinned; the folder's total becomes the
-        listing's. Where quotas apply or the folder keeps a tenant table, each record's tag is
-        read too: the table becomes the listing's, and the tenants this process knows take their records."""
+    def _list(self, usage: Usage, clean_temps_older_than: float | None = None) -> ScanResult:
+        """A listing of the folder for :meth:`_rebuild` (locks held): with the records' tenant tags
+        where quotas apply or the folder keeps a tenant table (read as the listing goes)."""
+        tags = self._order.has_quotas or usage.tenants is not None
+        return self._folder.scan(clean_temps_older_than=clean_temps_older_than, tags=tags)
+
+    def _rebuild(self, usage: Usage, scan: ScanResult) -> None:
+        """Order every record of a folder listing (:meth:`_list`) as cold entries, the oldest (by
+        mtime) the first to leave, the records pinned before still pinned; the folder's total
+        becomes the listing's. A listing with the records' tags (quotas apply or the folder keeps
+        a tenant table): the table becomes the listing's, and the tenants this process knows take their records."""
+        records = scan.records
         records.sort(key=lambda record: record[2])
         records = [record for record in records if not self._skipped(record[0])]
         tags = None
-        if self._order.has_quotas or usage.tenants is not None:
-            tags = {digest: tag for digest, _, _ in records if (tag := record_tag(self._folder, digest)) is not None}
+        if scan.tags is not None:
+            found = scan.tags
+            tags = {digest: tag for digest, _, _ in records if (tag := found.get(digest)) is not None}
             self._tenants_listed_at = time.monotonic()
         pinned = self._order.pinned()  # the pin book's are pinned again as they enter; these may not be in it
         self._order = self._order.fresh()

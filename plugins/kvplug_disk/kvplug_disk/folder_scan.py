@@ -16,6 +16,8 @@ from pathlib import Path
 from stat import S_ISREG
 from typing import TYPE_CHECKING
 
+from kvplug_disk.tenant_tags import read_tag
+
 RECORD_SUFFIX = ".kvr"
 TEMP_SUFFIX = ".tmp"
 SHARDS = tuple(f"{i:02x}" for i in range(256))
@@ -52,6 +54,8 @@ class ScanResult:
     temps_kept: int
     #: ``<shard>/<name>`` of entries that are not regular files, and shard names that are not folders.
     foreign: list[str] = field(default_factory=list)
+    #: The tenant tags of the records that carry one, by digest; ``None``: not read (``scan(tags=False)``).
+    tags: dict[str, bytes] | None = None
 
 
 class FolderScan:
@@ -64,15 +68,18 @@ class FolderScan:
 
         def _open_shard(self, shard: str, *, create: bool = False) -> int: ...
 
-    def scan(self, *, clean_temps_older_than: float | None = None) -> ScanResult:
-        """Every record file; stale temp files are removed when a limit is given.
+    def scan(self, *, clean_temps_older_than: float | None = None, tags: bool = False) -> ScanResult:
+        """Every record file; stale temp files are removed when a limit is given; with ``tags``,
+        each record's tenant tag too (:func:`~kvplug_disk.tenant_tags.read_tag`: read through the
+        shard folder's descriptor the listing holds, not by walking the record's path again).
         Entries with a record's name that are not regular files, and shard folders that
         are not folders or that this user may not open or search, are listed in ``foreign`` instead."""
-        result = ScanResult([], 0, 0)
+        result = ScanResult([], 0, 0, tags={} if tags else None)
+        found_tags = result.tags
         now = time.time()
         is_record = RECORD_NAME.fullmatch
         unsearchable: set[str] = set()
-        for shard, entry in self._shard_entries(result.foreign):
+        for shard, dir_fd, entry in self._shard_entries(result.foreign):
             name = entry.name
             if shard in unsearchable:
                 continue
@@ -86,6 +93,8 @@ class FolderScan:
                         continue
                     if S_ISREG(st.st_mode):
                         result.records.append((name[:64], st.st_size, st.st_mtime_ns))
+                        if found_tags is not None and (tag := read_tag(dir_fd, name)) is not None:
+                            found_tags[name[:64]] = tag
                     else:
                         result.foreign.append(f"{shard}/{name}")
                 elif name.endswith(TEMP_SUFFIX) and clean_temps_older_than is not None:
@@ -107,13 +116,13 @@ class FolderScan:
     def iter_record_paths(self) -> Iterator[tuple[str, str]]:
         """``(digest, path)`` of every regular record file, without stat calls where
         the folder tells the type."""
-        for shard, entry in self._shard_entries([]):
+        for shard, _, entry in self._shard_entries([]):
             if RECORD_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
                 yield entry.name[:64], f"{self.root}/{shard}/{entry.name}"
 
-    def _shard_entries(self, foreign: list[str]) -> Iterator[tuple[str, os.DirEntry[str]]]:
-        """``(shard, entry)`` for everything in the shard folders that exist; shard
-        names that are not real folders go to ``foreign``."""
+    def _shard_entries(self, foreign: list[str]) -> Iterator[tuple[str, int, os.DirEntry[str]]]:
+        """``(shard, its folder's descriptor, entry)`` for everything in the shard folders that
+        exist; shard names that are not real folders go to ``foreign``."""
         for shard in SHARDS:
             try:
                 dir_fd = self._open_shard(shard)
@@ -125,7 +134,7 @@ class FolderScan:
             try:
                 with os.scandir(dir_fd) as entries:
                     for entry in entries:
-                        yield shard, entry
+                        yield shard, dir_fd, entry
             finally:
                 os.close(dir_fd)
 

@@ -127,6 +127,11 @@ class UsageLedger:
         #: The folder, as errors name it.
         self.where = where
         self._thread_lock = threading.Lock()  # flock is per open file, not per thread
+        # Held around every read, write and close of the file ``_fd`` names: stats read it without
+        # the thread lock (never waiting on another process's hold), and must not read through a
+        # number that close() (or a move to a replaced ledger) freed meanwhile, which the next
+        # open anywhere in the process takes. Taken inside the thread lock, never around it.
+        self._fd_lock = threading.Lock()
         self._closing = False  # set by close(): a wait for another process's hold gives up at once
         self._local = 0
         self._local_tenants: dict[bytes, int] | None = {}
@@ -227,8 +232,9 @@ class UsageLedger:
         except OSError:
             return True
         fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
-        self._fd, self._identity = fd, _identity(os.fstat(fd))
+        with self._fd_lock:
+            os.close(self._fd)
+            self._fd, self._identity = fd, _identity(os.fstat(fd))
         logger.warning("disk tier: %s: its usage file was removed or replaced; using the one there now", self.where)
         return False
 
@@ -251,9 +257,10 @@ class UsageLedger:
         self._closing = True
         held = self._thread_lock.acquire(timeout=_CLOSE_WAIT_S)
         try:
-            fd, self._fd = self._fd, None
-            if fd is not None:
-                os.close(fd)
+            with self._fd_lock:
+                fd, self._fd = self._fd, None
+                if fd is not None:
+                    os.close(fd)
         finally:
             if held:
                 self._thread_lock.release()
@@ -262,11 +269,14 @@ class UsageLedger:
         """The folder's total and tenant table: the file's, ``None`` when it holds none (never
         written: a full disk refused its first 8 bytes), then rebuilt from a listing. Never this
         process's own copy while the file is shared: another process may have written it since."""
-        if self._fd is None:
-            return self._local, None if self._local_tenants is None else dict(self._local_tenants)
-        size = os.fstat(self._fd).st_size
-        # Bounded: a file longer than any table (made sparse by a hand) must not be read whole.
-        return decode_usage(os.pread(self._fd, max(8, size) if size <= MAX_USAGE_BYTES else 8, 0))
+        with self._fd_lock:  # the descriptor read once, and not closed under the reads
+            fd = self._fd
+            if fd is None:
+                return self._local, None if self._local_tenants is None else dict(self._local_tenants)
+            size = os.fstat(fd).st_size
+            # Bounded: a file longer than any table (made sparse by a hand) must not be read whole.
+            data = os.pread(fd, max(8, size) if size <= MAX_USAGE_BYTES else 8, 0)
+        return decode_usage(data)
 
     def _write(self, total: int, tenants: dict[bytes, int] | None = None) -> None:
         self._local = total
@@ -275,8 +285,11 @@ class UsageLedger:
             return
         data = encode_usage(total, tenants)
         try:
-            os.pwrite(self._fd, data, 0)
-            os.ftruncate(self._fd, len(data))  # a table that shrank, or none now
+            with self._fd_lock:
+                if self._fd is None:  # closed by a close() that gave up waiting for this call
+                    return
+                os.pwrite(self._fd, data, 0)
+                os.ftruncate(self._fd, len(data))  # a table that shrank, or none now
         except OSError as exc:  # a full disk may refuse even 8 bytes for a new file
             if not self._write_failed:
                 logger.warning("disk tier: cannot update the shared usage file (%s); retrying with each write", exc)

@@ -22,6 +22,7 @@ import hashlib
 import os
 import struct
 from collections.abc import Mapping
+from stat import S_ISREG
 from typing import Protocol
 
 TAG_XATTR = "user.kvplug.tenant"
@@ -75,11 +76,34 @@ def record_tag(folder: Records, digest: str) -> bytes | None:
         return None
     fd, _ = opened
     try:
+        return _tag_of(fd)
+    finally:
+        os.close(fd)
+
+
+def read_tag(dir_fd: int, name: str) -> bytes | None:
+    """The tenant tag of the record file ``name`` in the shard folder open as ``dir_fd`` (a
+    listing's: it opens nothing but the file), ``None`` when it has none or is not a regular
+    file (opened without following a link, non-blocking: a FIFO planted there cannot hang it)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        regular = S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        regular = False
+    try:
+        return _tag_of(fd) if regular else None
+    finally:
+        os.close(fd)
+
+
+def _tag_of(fd: int) -> bytes | None:
+    try:
         tag = os.getxattr(fd, TAG_XATTR)
     except OSError:  # no attribute, or none on this file system
         return None
-    finally:
-        os.close(fd)
     return tag if len(tag) == TAG_SIZE else None
 
 

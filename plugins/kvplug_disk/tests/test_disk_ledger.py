@@ -3,6 +3,8 @@ folder through writes that fail half-way (tiers disk and shm)."""
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,8 @@ import pytest
 from kvplug import key_digest
 from kvplug.testing import key_for, tier_context, value_for
 from kvplug_disk import DiskTier, ShmTier
-from kvplug_disk.ledger import LEDGER_NAME
+from kvplug_disk.files import RecordFolder
+from kvplug_disk.ledger import LEDGER_NAME, UsageLedger
 
 
 def open_tier(kind: str, folder: Path) -> DiskTier:
@@ -122,3 +125,55 @@ def test_a_total_left_too_high_is_listed_before_the_process_evicts_all_it_knows(
         assert ledger_total(folder) == 6000
     finally:
         tier.close()
+
+
+def test_stats_racing_close_never_read_the_file_that_took_the_ledgers_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stats read the ledger without the folder's lock. A close() while one reads (held here at a
+    gate in its read) must not free the descriptor under it: the next open in the process takes the
+    number, and the read then returns that file's bytes as the folder's total (a591188: 999, the
+    other file's, for the ledger's 4096)."""
+    folder = RecordFolder(tmp_path / "cache", fsync=False)
+    (folder.root / LEDGER_NAME).write_bytes((4096).to_bytes(8, "little"))  # the folder's total
+    ledger = UsageLedger(folder.root_fd, where=str(folder.root))
+    other = tmp_path / "other"
+    other.write_bytes((999).to_bytes(8, "little"))
+    real_pread = os.pread
+    closers: list[threading.Thread] = []
+    reused: list[int] = []
+
+    def close_and_reuse(fd: int) -> None:
+        ledger.close()
+        taken = os.open(other, os.O_RDONLY)  # the next open in the process, at the freed number
+        if taken != fd:
+            os.dup2(taken, fd)
+            os.close(taken)
+        reused.append(fd)
+
+    def pread(fd: int, size: int, offset: int) -> bytes:
+        if threading.current_thread().name == "stats" and not closers:
+            closers.append(threading.Thread(target=close_and_reuse, args=(fd,)))
+            closers[0].start()
+            # Fixed: close() waits for this read, and the join gives up; a591188: closed meanwhile.
+            closers[0].join(1.0)
+        return real_pread(fd, size, offset)
+
+    read: list[int | BaseException] = []
+
+    def stats() -> None:
+        try:
+            read.append(ledger.peek())
+        except BaseException as exc:  # (said by the assertion below)
+            read.append(exc)
+
+    monkeypatch.setattr(os, "pread", pread)
+    reader = threading.Thread(target=stats, name="stats")
+    reader.start()
+    reader.join(30.0)
+    closers[0].join(30.0)
+    monkeypatch.undo()
+    for fd in reused:
+        os.close(fd)
+    folder.close()
+    assert read == [4096], read

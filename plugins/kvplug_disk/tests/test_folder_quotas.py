@@ -214,6 +214,34 @@ def test_records_and_ledgers_of_older_kvplug_stay_readable(kind: str, folder: Pa
     tier.close()
 
 
+def test_a_listing_counts_the_tags_of_record_files_alone(kind: str, folder: Path, tmp_path: Path) -> None:
+    """The table rebuilt at open (each record's tag read as the folder is listed) counts regular
+    record files only: a tag of the wrong length is no tag, a link named like a record is not
+    followed to the tagged file it names, and a folder named like one, tagged, is no record."""
+    tier = open_tier(kind, folder)
+    keys = tenant_keys("a", "tenant-a", 3)
+    put(tier, keys)
+    tier.close()
+    tag = tenant_tag("tenant-a")
+    paths = [folder / key_digest(key).hex()[:2] / f"{key_digest(key).hex()}{RECORD_SUFFIX}" for key in keys]
+    os.setxattr(paths[0], TAG_XATTR, tag + b"x")
+    outside = tmp_path / "outside"
+    outside.write_bytes(paths[1].read_bytes())
+    os.setxattr(outside, TAG_XATTR, tag)
+    paths[1].unlink()
+    paths[1].symlink_to(outside)
+    digest = key_digest(key_of("tenant-a", "a folder")).hex()
+    planted = folder / digest[:2] / f"{digest}{RECORD_SUFFIX}"
+    planted.mkdir()
+    os.setxattr(planted, TAG_XATTR, tag)
+    tier = open_tier(kind, folder)
+    try:
+        assert ledger_of(folder)[1] == {tag: FILE}  # the third record's alone
+        assert tier.stats().items == 2  # the first (a record without a tag) and the third
+    finally:
+        tier.close()
+
+
 def tagged_bytes(folder: Path, tenant: str = "tenant-a") -> int:
     """File bytes of the records carrying ``tenant``'s tag."""
     tag = tenant_tag(tenant)
