@@ -75,7 +75,7 @@ def test_four_processes_share_one_budget_through_sigkills_and_restarts(shm_dir: 
     try:
         pids = [start() for _ in range(PROCESSES)]
         deadline = time.monotonic() + RUN_SECONDS
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or len(samples) < 5:  # a loaded machine: fewer rounds in the time
             time.sleep(rng.uniform(0.05, 0.2))
             samples.append(locked_folder_bytes(shm_dir))
             victim = rng.randrange(PROCESSES)
