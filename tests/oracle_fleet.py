@@ -167,6 +167,22 @@ class Fleet(RuleBasedStateMachine):
         self.store(which, prompt, length, blocks, tenant, 0, 0)
         self._retrieve(which, prompt, length, blocks, tenant, skip)
 
+    @precondition(lambda self: self.CELL.quotas is not None)
+    @rule(
+        which=st.integers(0, 3),
+        prompt=st.integers(0, len(PROMPTS) - 1),
+        length=st.integers(8, 24),
+        other=st.integers(0, len(PROMPTS) - 1),
+        blocks=st.integers(0, 2**32),
+        tenant=st.sampled_from([0, 2]),
+    )
+    def overflow_a_quota(self, which: int, prompt: int, length: int, other: int, blocks: int, tenant: int) -> None:
+        """Another tenant's prompt stored, then tenant 1 past its quota (a whole prompt is more
+        than its quota), then that prompt loaded: whole, while its tenant is within its quota."""
+        self.store(which, prompt, length, blocks, tenant, 0, 1)
+        self.store(which, other, MAX_TOKENS, blocks, 1, 0, 1)
+        self._retrieve(which, prompt, length, blocks, tenant, 0)
+
     @rule(
         which=st.integers(0, 3),
         prompt=st.integers(0, len(PROMPTS) - 1),

@@ -10,12 +10,14 @@ store half way; every rank of an engine loads a prompt through a random block ta
 fresh cache that holds the tokens the engine computed itself (masked). Per rank and load:
 the tokens marked loaded are the run from the first unmasked one (a packed layout: block);
 each holds exactly the KV its tenant computed (lossy serializers: within their bound); no
-other element is written; an inline lookup agrees with the lookup; and, while no record was
+other element is written; an inline lookup agrees with the lookup (when no store can land
+between them); and, while no record was
 corrupted and the shared tiers keep everything of the loading tenant, the lookup and the load
 are exactly what the stores so far hold for that rank's heads (whole chunks, partial chunks,
 block-granular tails, in its own split of the heads or another TP size's). The tiers keep
 everything of a tenant while all records stored so far fit in their budget and the tenant's
-fit in its quota: a tenant over its quota evicts its own records, never another's. Stores not
+fit in its quota: a tenant over its quota evicts its own records, never another's (quota cells
+also push tenant 1 past its quota between another tenant's store and load). Stores not
 waited for are exact too, for the engine that made them, where its store queue is sync: the
 tiers' write queues answer for what they have not written yet. A prompt pinned whole in the
 one process of a budgeted tier loads whole.
@@ -68,8 +70,8 @@ def test_every_load_is_the_computed_kv(cell: Cell) -> None:
     run_state_machine_as_test(
         machine,
         settings=settings(
-            # quotas: over one tenant's quota and within another's takes longer runs
-            max_examples=12 if cell.quotas else 6,
+            # quotas: longer runs, for stores past one tenant's quota and within another's
+            max_examples=8 if cell.quotas else 6,
             stateful_step_count=30 if cell.quotas else 20,
             deadline=None,
             print_blob=True,
