@@ -16,7 +16,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from kv_oracle import block_slots, empty_caches, flat, prefix_kv, token_mask, write_tokens
-from oracle_fleet_model import Cell, Rank, SharedTiers
+from oracle_fleet_model import Cell, Rank, SharedTiers, engine_config
 
 from kvplug import CacheEngine, Fingerprint, HeadShard, KVLayout, RequestInfo, load_config
 from kvplug.core.engine.locations import hit_tokens
@@ -63,7 +63,7 @@ class Fleet(RuleBasedStateMachine):
         #: What the shared tiers hold, by the stores so far.
         self.shared = SharedTiers(cell, self.full)
         self.corrupted = 0
-        self.unflushed = False  # a store not waited for: what loads find is not known
+        self.unflushed: set[int] = set()  # engines with stores not waited for (queued)
         self.asked: list[tuple[int, int, int]] = []  # (prompt, length, tenant) of every store
         #: Per engine, the prompts each of its ranks pinned whole (none refused or missing).
         self.pinned: list[set[tuple[int, int, int]]] = [set() for _ in cell.tps]
@@ -86,27 +86,14 @@ class Fleet(RuleBasedStateMachine):
         return ranks
 
     def _engine(self, layout: KVLayout, heads: HeadShard) -> CacheEngine:
-        cell = self.CELL
-        record = cell.chunk * layout.bytes_per_token() + 4096
-        tiers: list[dict[str, Any]] = [{"type": "cpu", "max_bytes": 3 * record, "pin_max_bytes": "90%"}]
-        for kind in cell.shared:
-            tier: dict[str, Any] = {"type": kind, "path": str(self.folders[kind])}
-            if cell.shared_max_bytes is not None:
-                tier["max_bytes"] = cell.shared_max_bytes
-                tier["pin_max_bytes"] = "50%"
-            tiers.append(tier)
-        extra = {
-            "chunk_size": cell.chunk,
-            "save_unfull_chunk": cell.save_unfull_chunk,
-            "block_granular_hits": cell.block_granular_hits,
-            "serializer": {"type": cell.serializer},
-            "connector": {"type": cell.connector},
-            "store": {"queue": {"mode": cell.queue}},
-            "tiers": tiers,
-        }
-        config = load_config(engine_extra={"kvplug": extra}, env={}, registry=self.registry).config
+        extra = {"kvplug": engine_config(self.CELL, layout, self.folders)}
+        config = load_config(engine_extra=extra, env={}, registry=self.registry)
         return CacheEngine(
-            config, layout, Fingerprint.for_layout(layout, model_id="oracle"), registry=self.registry, heads=heads
+            config.config,
+            layout,
+            Fingerprint.for_layout(layout, model_id="oracle"),
+            registry=self.registry,
+            heads=heads,
         )
 
     def _close(self, group: list[Rank]) -> None:
@@ -122,6 +109,7 @@ class Fleet(RuleBasedStateMachine):
         self._close(self.groups[index])
         self.groups[index] = self._open(self.CELL.tps[index])
         self.pinned[index].clear()  # pins live in the process that made them
+        self.unflushed.discard(index)  # (a close writes what is queued)
 
     @rule()
     def flush(self) -> None:
@@ -129,7 +117,7 @@ class Fleet(RuleBasedStateMachine):
         for group in self.groups:
             for rank in group:
                 rank.engine.flush()
-        self.unflushed = False
+        self.unflushed.clear()
 
     @precondition(lambda self: bool(self.asked))
     @rule(which=st.integers(0, 3), pick=st.integers(0, 10**6), unpin=st.booleans())
@@ -150,7 +138,8 @@ class Fleet(RuleBasedStateMachine):
     @rule(**PROMPT_DRAWS, wait=st.integers(0, 3))
     def store(self, which: int, prompt: int, length: int, blocks: int, tenant: int, skip: int, wait: int) -> None:
         """Every rank of an engine stores a prompt (``skip`` tokens of it stored before: masked)."""
-        group = self.groups[which % len(self.groups)]
+        index = which % len(self.groups)
+        group = self.groups[index]
         tokens = PROMPTS[prompt][:length]
         table = random.Random(blocks).sample(range(self.num_blocks), self.num_blocks)
         skip = skip % (length + 1) if skip < MAX_TOKENS // 4 else 0  # most stores unmasked
@@ -163,13 +152,36 @@ class Fleet(RuleBasedStateMachine):
         if wait:  # 3 in 4 stores
             for rank in group:
                 rank.engine.flush()
-        else:  # loads meanwhile read what is queued, or miss it: correct KV, any amount of it
-            self.unflushed = True
+        elif "async" in (self.CELL.queue, self.CELL.tier_queue):  # (sync queues: written on return)
+            self.unflushed.add(index)
         self.asked.append((prompt, length, tenant))
         ends = [e for e in self.shared.stores(tokens) if e > skip]
         for rank in group:
             if rank.heads.writer:
                 self.shared.add(rank, tokens, ends, tenant)
+
+    @rule(**PROMPT_DRAWS)
+    def store_and_load_at_once(self, which: int, prompt: int, length: int, blocks: int, tenant: int, skip: int) -> None:
+        """A store not waited for, loaded at once by its engine: from the tiers' write queues
+        (readable at once) while they write it."""
+        self.store(which, prompt, length, blocks, tenant, 0, 0)
+        self._retrieve(which, prompt, length, blocks, tenant, skip)
+
+    @precondition(lambda self: self.CELL.quotas is not None)
+    @rule(
+        which=st.integers(0, 3),
+        prompt=st.integers(0, len(PROMPTS) - 1),
+        length=st.integers(8, 24),
+        other=st.integers(0, len(PROMPTS) - 1),
+        blocks=st.integers(0, 2**32),
+        tenant=st.sampled_from([0, 2]),
+    )
+    def overflow_a_quota(self, which: int, prompt: int, length: int, other: int, blocks: int, tenant: int) -> None:
+        """Another tenant's prompt stored, then tenant 1 past its quota (a whole prompt is more
+        than its quota), then that prompt loaded: whole, while its tenant is within its quota."""
+        self.store(which, prompt, length, blocks, tenant, 0, 1)
+        self.store(which, other, MAX_TOKENS, blocks, 1, 0, 1)
+        self._retrieve(which, prompt, length, blocks, tenant, 0)
 
     @rule(
         which=st.integers(0, 3),
@@ -194,6 +206,8 @@ class Fleet(RuleBasedStateMachine):
             steps.close()
         for rank in group:
             rank.engine.flush()
+            if rank.heads.writer:  # (no record: its manifest, at most, counts against the budget)
+                self.shared.add(rank, tokens, [], 0)
 
     @rule(**PROMPT_DRAWS)
     def retrieve(self, which: int, prompt: int, length: int, blocks: int, tenant: int, skip: int) -> None:
@@ -214,7 +228,8 @@ class Fleet(RuleBasedStateMachine):
 
     def _retrieve(self, which: int, prompt: int, length: int, blocks: int, tenant: int, skip: int) -> None:
         """Every rank of an engine loads a prompt whose first ``skip`` tokens it holds (masked)."""
-        group = self.groups[which % len(self.groups)]
+        index = which % len(self.groups)
+        group = self.groups[index]
         tokens = PROMPTS[prompt][:length]
         table = random.Random(blocks).sample(range(self.num_blocks), self.num_blocks)
         skip = skip % (length + 1) if skip < MAX_TOKENS // 4 else 0  # most loads unmasked
@@ -224,7 +239,8 @@ class Fleet(RuleBasedStateMachine):
             slots = block_slots(layout, table, length)
             # Only with no store or removal in flight can nothing land between the lookup and the
             # load: a queued store, or a removal that finds another engine's good bytes and keeps them.
-            settled = not self.unflushed and not self._removals_in_flight()
+            sees_all = self._sees_every_store(index)
+            settled = sees_all and not self._removals_in_flight()
             claimed = rank.engine.lookup(tokens, request=request)
             inline = rank.engine.locate_inline(tokens, request=request, count=False)
             caches = empty_caches(layout, self.num_blocks, scrambled=self.CELL.scrambled)
@@ -237,7 +253,7 @@ class Fleet(RuleBasedStateMachine):
                 f"rank {number} of TP {len(group)}, {length} tokens of prompt {prompt}, tenant {tenant}, skip {skip}"
             )
             assert bool(loaded[start:end].all()), f"{where}: not the run from {first} loaded: {loaded.int().tolist()}"
-            if inline is not None:  # the scheduler's answer from memory tiers alone is the lookup's
+            if inline is not None and settled:  # the scheduler's answer from memory tiers alone is the lookup's
                 assert hit_tokens(inline) == claimed, f"{where}: inline lookup {hit_tokens(inline)}, lookup {claimed}"
             if settled and not skip:
                 assert end <= claimed, f"{where}: loaded {end} tokens, lookup said {claimed}"
@@ -246,17 +262,27 @@ class Fleet(RuleBasedStateMachine):
             one_process = self.CELL.tps == (1,)
             if (
                 one_process
-                and not (self.corrupted or self.unflushed)
+                and not self.corrupted
+                and sees_all
                 and not skip
                 and (prompt, length, tenant) in self.pinned[0]
             ):
                 pinned = max(self.shared.stores(tokens), default=0)
                 assert end >= pinned, f"{where}: loaded {end} tokens of a prompt pinned up to {pinned}"
-            if not (self.corrupted or self.unflushed) and self.CELL.shared_max_bytes is None:
+            if not self.corrupted and sees_all and self.shared.keeps_all(tenant):
                 held = self.shared.expected(rank, tokens, tenant)
                 assert claimed == held, f"{where}: lookup said {claimed}, the stores hold {held}"
                 expected = max(first, self.shared.expected(rank, tokens, tenant, first))
                 assert end == expected, f"{where}: loaded [{start}, {end}), the stores hold up to {expected}"
+
+    def _sees_every_store(self, index: int) -> bool:
+        """Whether engine ``index``'s loads see every store so far: none is queued, or (a sync
+        store queue) only its own are, in its tiers' write queues, whose values are readable at
+        once, and each of its ranks reads the records it writes (no replicated heads)."""
+        if not self.unflushed:
+            return True
+        own = self.unflushed == {index} and all(rank.heads.writer for rank in self.groups[index])
+        return own and self.CELL.queue == "sync"
 
     def _removals_in_flight(self) -> bool:
         """Whether any engine's removal of a chunk a load found unusable is still on its way."""
@@ -315,15 +341,18 @@ class Fleet(RuleBasedStateMachine):
         files = sorted(f for folder in self.folders.values() for f in folder.rglob("*.kvr"))
         if not files:
             return
-        path = files[pick % len(files)]
-        data = bytearray(path.read_bytes())
-        if not data:
+        try:  # in place: a record a queued store evicts meanwhile is gone, not made again
+            with files[pick % len(files)].open("r+b") as file:
+                data = file.read()
+                if not data:
+                    return
+                if cut:
+                    file.truncate(offset % len(data))
+                else:
+                    file.seek(offset % len(data))
+                    file.write(bytes([data[offset % len(data)] ^ flip]))
+        except FileNotFoundError:
             return
-        if cut:
-            data = data[: offset % len(data)]
-        else:
-            data[offset % len(data)] ^= flip
-        path.write_bytes(bytes(data))
         self.corrupted += 1
 
     def teardown(self) -> None:

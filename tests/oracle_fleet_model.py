@@ -1,10 +1,14 @@
-"""The model of the fleet in oracle_fleet.py: its configuration (``Cell``), a rank, and
-what the shared tiers hold after the stores so far, with the engine's rules of what a store
-writes and where a lookup and a load must end. Imported by name, as core_helpers is."""
+"""The model of the fleet in oracle_fleet.py: its configuration (``Cell``) and the kvplug
+config it gives each rank, a rank, and what the shared tiers hold after the stores so far
+(which records, how many bytes, whether a budget or a quota can have evicted any), with the
+engine's rules of what a store writes and where a lookup and a load must end. Imported by
+name, as core_helpers is."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 from core_helpers import LAYOUTS
 
@@ -26,7 +30,11 @@ class Cell:
     save_unfull_chunk: bool = False
     block_granular_hits: bool = False
     queue: str = "sync"
-    shared_max_bytes: int | None = None  # a budget: evictions, so no completeness check
+    shared_max_bytes: int | None = None  # a budget: complete only while all stored fits in it
+    #: Quotas on the shared tiers: (tenant 1's, by its name; the default: tenant 2's).
+    quotas: tuple[str, str] | None = None
+    tier_queue: str = "async"  # the shared tiers' own write queue (the disk tier's default: async)
+    cpu_max_bytes: int | None = None  # each rank's cpu tier (None: room for a few chunks)
     connector: str = "torch"
     scrambled: bool = False  # caches as views of memory in another axis order
 
@@ -41,8 +49,49 @@ class Cell:
     def lossy(self) -> bool:
         return self.serializer in ("int8", "fp8")
 
+    def quota_bytes(self, tenant: int) -> int | None:
+        """Tenant ``tenant``'s quota on the shared tiers (``None``: none; unsalted tenant 0 has none)."""
+        if self.quotas is None or not tenant:
+            return None
+        quota = self.quotas[tenant - 1]
+        if quota.endswith("%"):
+            assert self.shared_max_bytes is not None, "a quota in percent needs shared_max_bytes"
+            return int(self.shared_max_bytes * float(quota[:-1]) / 100)
+        return int(quota)
+
     def __str__(self) -> str:
         return "-".join(f"{k}={v}" for k, v in vars(self).items())
+
+
+#: The names of the salted tenants (tenant 1's salt is "tenant-1"): quotas name tenant 1 by its name.
+TENANTS = {"alpha": "tenant-1", "beta": "tenant-2"}
+
+
+def engine_config(cell: Cell, layout: KVLayout, folders: dict[str, Path]) -> dict[str, Any]:
+    """The kvplug config of one rank of ``cell``: a small cpu tier of its own over the shared folders."""
+    cpu = cell.cpu_max_bytes or 3 * (cell.chunk * layout.bytes_per_token() + 4096)
+    tiers: list[dict[str, Any]] = [{"type": "cpu", "max_bytes": cpu, "pin_max_bytes": "90%"}]
+    for kind in cell.shared:
+        # on_full block: a write queue that drops a batch loses records the model counts as stored.
+        tier: dict[str, Any] = {"type": kind, "path": str(folders[kind]), "queue": {"mode": cell.tier_queue}}
+        if cell.tier_queue == "async":
+            tier["queue"]["on_full"] = "block"
+        if cell.shared_max_bytes is not None:
+            tier["max_bytes"] = cell.shared_max_bytes
+            tier["pin_max_bytes"] = "50%"
+        if cell.quotas is not None:
+            tier["quotas"] = {"alpha": cell.quotas[0], "default": cell.quotas[1]}
+        tiers.append(tier)
+    return {
+        "chunk_size": cell.chunk,
+        "save_unfull_chunk": cell.save_unfull_chunk,
+        "block_granular_hits": cell.block_granular_hits,
+        "serializer": {"type": cell.serializer},
+        "connector": {"type": cell.connector},
+        "store": {"queue": {"mode": cell.queue}},
+        "tenancy": {"tenants": TENANTS},
+        "tiers": tiers,
+    }
 
 
 @dataclass
@@ -79,6 +128,33 @@ class SharedTiers:
         own = [self.labels(rank, rank.heads.group)]
         records = rank.engine.records
         return own + [self.labels(rank, other.group) for other in records.others]
+
+    def bytes_stored(self, tenant: int | None = None) -> int | None:
+        """The bytes of the record files of every record stored so far (of ``tenant``; ``None``:
+        of all), evicted or not: the most a tier can have held. ``None`` where a record's size is
+        not known beforehand (a compressing serializer)."""
+        if self.cell.serializer != "raw":
+            return None
+        per_token = self.full.bytes_per_token() // (1 if self.cell.latent else self.cell.heads)
+        total = 0
+        for (owner, label), prefixes in self.stored.items():
+            if tenant is None or owner == tenant:
+                heads = int(label.split("/")[0].split("-")[1]) - int(label.split("-")[0])
+                tokens = sum(len(p) - (len(p) - 1) // self.cell.chunk * self.cell.chunk for p in prefixes)
+                total += MANIFEST_BYTES + len(prefixes) * RECORD_OVERHEAD + tokens * heads * per_token
+        return total
+
+    def keeps_all(self, tenant: int) -> bool:
+        """Whether the shared tiers still hold every record ``tenant`` stored: none was ever
+        evicted, as nothing stored so far (of any tenant) exceeds the tiers' budget and nothing
+        of ``tenant``'s exceeds its quota (a tenant over its quota evicts its own records only)."""
+        budget = self.cell.shared_max_bytes
+        if budget is None:
+            return True
+        total, own, quota = self.bytes_stored(), self.bytes_stored(tenant), self.cell.quota_bytes(tenant)
+        if total is None or own is None or total > budget:
+            return False
+        return quota is None or own <= quota
 
     def holds(self, labels: list[str], prefix: list[int], tenant: int) -> bool:
         return all(tuple(prefix) in self.stored.get((tenant, label), ()) for label in labels)
@@ -127,6 +203,12 @@ class SharedTiers:
         if cut and not (ends and ends[-1] == cut):
             ends.append(cut)
         return [e for e in ends if self.copyable(e - 1 - (e - 1) % cell.chunk, e)]
+
+
+#: A record file's bytes beside its values: the disk tier's record header and the raw serializer's frame.
+RECORD_OVERHEAD = 64 + 96
+#: The most a record's manifest takes (one per writer of a tenant's records, ~470 bytes).
+MANIFEST_BYTES = 512
 
 
 def _label(start: int, count: int, total: int) -> str:

@@ -10,11 +10,17 @@ store half way; every rank of an engine loads a prompt through a random block ta
 fresh cache that holds the tokens the engine computed itself (masked). Per rank and load:
 the tokens marked loaded are the run from the first unmasked one (a packed layout: block);
 each holds exactly the KV its tenant computed (lossy serializers: within their bound); no
-other element is written; an inline lookup agrees with the lookup; and, while no record was
-corrupted and the shared tiers keep everything, the lookup and the load are exactly what the
-stores so far hold for that rank's heads (whole chunks, partial chunks, block-granular tails,
-in its own split of the heads or another TP size's). A prompt pinned whole in the one process
-of a budgeted tier loads whole.
+other element is written; an inline lookup agrees with the lookup (when no store can land
+between them); and, while no record was
+corrupted and the shared tiers keep everything of the loading tenant, the lookup and the load
+are exactly what the stores so far hold for that rank's heads (whole chunks, partial chunks,
+block-granular tails, in its own split of the heads or another TP size's). The tiers keep
+everything of a tenant while all records stored so far fit in their budget and the tenant's
+fit in its quota: a tenant over its quota evicts its own records, never another's (quota cells
+also push tenant 1 past its quota between another tenant's store and load). Stores not
+waited for are exact too, for the engine that made them, where its store queue is sync: the
+tiers' write queues answer for what they have not written yet. A prompt pinned whole in the
+one process of a budgeted tier loads whole.
 """
 
 from __future__ import annotations
@@ -46,6 +52,15 @@ CELLS = [
     # shared tiers with small budgets: evictions (no completeness check), and pins in one process
     Cell("vllm_flash", heads=2, tps=(1, 2), shared_max_bytes=16384, block_granular_hits=True),
     Cell("sglang_mha", heads=2, tps=(1,), shared_max_bytes=12288, save_unfull_chunk=True, queue="async"),
+    # per-tenant quotas (tenant 1's by name: about a chunk; tenant 2's the default) on budgets most
+    # runs stay within: a tenant within its quota keeps every record, whoever else is over theirs
+    Cell("sglang_mha", heads=2, tps=(1,), shared_max_bytes=49152, quotas=("3000", "25%"), save_unfull_chunk=True),
+    Cell("vllm_flash", heads=2, tps=(1, 2), shared=("shm",), shared_max_bytes=40960, quotas=("3500", "20%")),
+    # a cpu tier smaller than a prompt: loads at once after a store read the disk tier's write queue
+    Cell("sglang_mha", heads=2, tps=(1, 2), cpu_max_bytes=4096, save_unfull_chunk=True),
+    # sync tier write queues; MLA over disk; SGLang at TP 4 (replicated heads), chunks of 5
+    Cell("vllm_mla", tps=(1, 2), chunk=6, block_granular_hits=True, tier_queue="sync"),
+    Cell("sglang_mha", heads=2, tps=(4, 1), chunk=5, save_unfull_chunk=True, block_granular_hits=True),
 ]
 
 
@@ -55,8 +70,9 @@ def test_every_load_is_the_computed_kv(cell: Cell) -> None:
     run_state_machine_as_test(
         machine,
         settings=settings(
-            max_examples=6,
-            stateful_step_count=20,
+            # quotas: longer runs, for stores past one tenant's quota and within another's
+            max_examples=8 if cell.quotas else 6,
+            stateful_step_count=30 if cell.quotas else 20,
             deadline=None,
             print_blob=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
