@@ -127,7 +127,7 @@ class ClusterNodes:
                 continue
             groups.setdefault(node.name, (node, []))[1].append(position)
         sends = [(node, positions, False) for node, positions in groups.values()]
-        failed = await self._send(sends, commands, results, raise_server_errors, deadline)
+        failed = await self._send(sends, commands, results, raise_server_errors, deadline, redirected=False)
         if failed and len(failed) == len(groups) and self._none_answering():
             raise failed[0]  # the whole cluster: the tier's retries and breaker judge it
         # Slots being moved (a resharding): a key whose slot has moved (MOVED) or whose slot is
@@ -139,7 +139,7 @@ class ClusterNodes:
             if where is not None:
                 redirected.setdefault((where[0].name, where[1]), (where[0], []))[1].append(position)
         sends = [(node, positions, asking) for (_, asking), (node, positions) in redirected.items()]
-        await self._send(sends, commands, results, raise_server_errors, deadline)
+        await self._send(sends, commands, results, raise_server_errors, deadline, redirected=True)
         return [NodeDownError(f"slot moved: {r}") if _redirected(r) else r for r in results]
 
     async def _send(
@@ -149,13 +149,15 @@ class ClusterNodes:
         results: list[Any],
         raise_server_errors: Callable[[Sequence[Any]], None],
         deadline: float,
+        *,
+        redirected: bool,
     ) -> list[BaseException]:
         """Send each ``(node, positions, asking)`` its commands at once (``asking``: each after
         ``ASKING``), their replies (a :class:`NodeDownError` where the node failed) into ``results``;
-        the nodes' failures."""
+        the nodes' failures. ``redirected``: the keys a redirection named these nodes for."""
         outcomes = await asyncio.gather(
             *(
-                self._node(node, _commands(commands, positions, asking), raise_server_errors, deadline)
+                self._node(node, _commands(commands, positions, asking), raise_server_errors, deadline, redirected)
                 for node, positions, asking in sends
             ),
             return_exceptions=True,
@@ -223,6 +225,7 @@ class ClusterNodes:
         commands: list[tuple[Any, ...]],
         raise_server_errors: Callable[[Sequence[Any]], None],
         deadline: float,
+        redirected: bool = False,
     ) -> list[Any]:
         breaker = self._breaker(node.name)
         if not breaker.allow():
@@ -248,6 +251,11 @@ class ClusterNodes:
                     if attempt == self._retries or not breaker.may_retry() or loop.time() >= deadline:
                         raise
         except Exception as exc:
+            if redirected and isinstance(exc, (TimeoutError, vex.TimeoutError)):
+                # Redirected keys get what the first round left of the deadline, nothing where
+                # another node hung for all of it: a miss for them, not this node failing (its
+                # breaker opened by a hung peer: every key of its own missed).
+                raise NodeDownError(f"cluster node {node.name}: no time left for keys redirected to it") from exc
             self.failures += 1
             self._failing.add(node.name)
             self._on_failure(exc)
