@@ -36,6 +36,9 @@ _REDIRECTS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
 #: A node's share of a batch ends at this fraction of the attempt's deadline, so that the
 #: other nodes' answers still reach the tier when one node hangs.
 NODE_DEADLINE_SHARE = 0.8
+#: A reading of the slot map ends at this fraction of the nodes' deadline (the old map stays),
+#: so that the batch that reads it still gets the nodes' answers when a node it asks hangs.
+MAP_DEADLINE_SHARE = 0.5
 
 
 class NodeDownError(TierUnavailableError):
@@ -107,15 +110,16 @@ class ClusterNodes:
     ) -> list[Any]:
         """Each command's reply, or a :class:`NodeDownError` for those of nodes not answering."""
         await self.cluster.initialize()
+        loop = asyncio.get_running_loop()
+        # (The map's reading, the nodes' calls and the redirected keys' second round, all within it.)
+        deadline = loop.time() + self._node_timeout_s
         if self._stale or self._refreshing.locked():
             # A batch that comes while another reads the map waits for the new map: the old
             # one would send it where the redirections came from.
             async with self._refreshing:
                 if self._stale:
                     self._stale = False
-                    await self._refresh()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._node_timeout_s  # (the redirected keys' second round too)
+                    await self._refresh(loop.time() + self._node_timeout_s * MAP_DEADLINE_SHARE)
         results: list[Any] = [None] * len(commands)
         groups: dict[str, tuple[Any, list[int]]] = {}
         for position, command in enumerate(commands):
@@ -193,13 +197,17 @@ class ClusterNodes:
         node = self.cluster.nodes_manager.nodes_cache.get(f"{host}:{port}")
         return None if node is None else (node, kind == "ASK")
 
-    async def _refresh(self) -> None:
-        """Read the slot map again; close the clients, and forget the breakers, of nodes no longer in it
-        (removed from the cluster: their sockets would stay open, their breakers kept, for good)."""
+    async def _refresh(self, until: float) -> None:
+        """Read the slot map again, by ``until`` (a loop time); close the clients, and forget the
+        breakers, of nodes no longer in it (removed from the cluster: their sockets would stay
+        open, their breakers kept, for good). valkey-py asks the nodes one after another, the
+        URL's first, each up to the socket timeout (the whole request's): a hung one would hold
+        the batch, and every batch waiting for the map, past their deadlines."""
         try:
-            await self.cluster.nodes_manager.initialize()
-        except (vex.ValkeyError, vex.ValkeyClusterException, OSError) as exc:  # the map it had stays
-            _log.debug("valkey cluster: the slot map could not be refreshed: %s", exc)
+            await asyncio.wait_for(self.cluster.nodes_manager.initialize(), until - asyncio.get_running_loop().time())
+        except (vex.ValkeyError, vex.ValkeyClusterException, OSError, asyncio.TimeoutError) as exc:
+            # The map it had stays (asyncio.TimeoutError: no node answered in time).
+            _log.debug("valkey cluster: the slot map could not be refreshed: %r", exc)
             return
         known = set(self.cluster.nodes_manager.nodes_cache)
         for name in [name for name in self._breakers if name not in known]:
@@ -251,7 +259,7 @@ class ClusterNodes:
                     if attempt == self._retries or not breaker.may_retry() or loop.time() >= deadline:
                         raise
         except Exception as exc:
-            if redirected and isinstance(exc, (TimeoutError, vex.TimeoutError)):
+            if redirected and isinstance(exc, (asyncio.TimeoutError, vex.TimeoutError)):
                 # Redirected keys get what the first round left of the deadline, nothing where
                 # another node hung for all of it: a miss for them, not this node failing (its
                 # breaker opened by a hung peer: every key of its own missed).
