@@ -31,14 +31,15 @@ from sglang_pools import fill_random, make_pool, snapshot  # noqa: E402
 
 
 @contextlib.contextmanager
-def published_server_args(**fields: Any) -> Iterator[Any]:
-    """Publish ServerArgs in SGLang's runtime context (what a scheduler process does)."""
+def published_server_args(*, world_rank: int = 0, dp_rank: int | None = None, **fields: Any) -> Iterator[Any]:
+    """Publish ServerArgs in SGLang's runtime context (what a scheduler process does; its
+    ``world_rank`` and ``dp_rank`` as the launcher gives them)."""
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
     server_args = ServerArgs(model_path="dummy", device="cpu", **fields)
     reset_context()
-    publish(server_args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=world_rank, dp_rank=dp_rank))
     try:
         yield server_args
     finally:
@@ -61,12 +62,13 @@ def build_stack(
     size: int = 256,
     tp_worker: Any = None,
     tp_size: int = 1,
+    tp_rank: int = 0,
     **pool_kinds: bool,
 ) -> Stack:
     """A radix cache as SGLang's scheduler builds it; ``pool_kinds`` sets the context's model
     flags (``is_hybrid_swa``, ``is_hybrid_ssm``, ``is_dsa``); ``tp_worker``: the scheduler's
     (the tree reads its LoRA manager's adapters); ``tp_size``: the TP width the scheduler passes
-    (rank 0 of it), whatever the pool's attention-TP width."""
+    (``tp_rank`` of it), whatever the pool's attention-TP width."""
     pool = make_pool(size=size, page_size=page_size)
     if page_size == 1:
         allocator = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", pool, False)
@@ -85,7 +87,7 @@ def build_stack(
         tp_worker=tp_worker,
         model_config=model_config,
         tp_size=tp_size,
-        tp_rank=0,
+        tp_rank=tp_rank,
         tp_group=None,
     )
     return Stack(pool, allocator, req_pool, create_tree_cache(ctx))

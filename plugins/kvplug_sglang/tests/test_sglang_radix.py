@@ -6,9 +6,11 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +152,34 @@ def test_a_pool_of_attention_tp_heads_starts_and_hits(model_config, kvplug_env, 
         assert serve_request(stack, "b", tokens, seed=2).loaded == 48
         assert (stack.tree.engine.fingerprint.tp_rank, stack.tree.engine.fingerprint.tp_size) == (0, 1)
         stack.tree.shutdown()
+
+
+def test_attention_dp_ranks_tell_ctl_their_place_in_their_group(
+    model_config, kvplug_env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With attention DP, SGLang numbers the TP ranks across the engine (0 and 1 of 2) and gives
+    each group a dp_rank of its own (0 and 1): a rank says it is rank 0 of the 1 in its group,
+    else ``kvplug ctl`` would expect TP ranks 0 and 1 in each dp rank and name two that do not
+    exist as missing (a lookup then 0, pin and clear exit 2, on a whole engine)."""
+    from kvplug.core.control.client import RankEndpoint, ask, missing_ranks
+
+    folder = Path(tempfile.mkdtemp(prefix="kvdp-"))  # short: a socket path is ~100 bytes at most
+    monkeypatch.setenv("KVPLUG_LOOKUP_DIR", str(folder))
+    ranks = []
+    try:
+        for rank in (0, 1):
+            parallel = {"tp_size": 2, "enable_dp_attention": True, "dp_size": 2}
+            with published_server_args(world_rank=rank, dp_rank=rank, radix_cache_backend="kvplug", **parallel) as args:
+                stack = build_stack(args, model_config, tp_size=2, tp_rank=rank)
+                try:
+                    path = stack.tree.control.path
+                    ranks.append(RankEndpoint(path, ask(path, "info")))
+                finally:
+                    stack.tree.shutdown()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    assert [(r.name, r.info["tp_size"]) for r in ranks] == [("dp0/tp0", 1), ("dp1/tp0", 1)]
+    assert missing_ranks(ranks) == []
 
 
 def test_salt_isolates_requests(model_config, kvplug_env) -> None:

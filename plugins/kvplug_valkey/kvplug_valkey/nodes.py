@@ -36,6 +36,9 @@ _REDIRECTS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
 #: A node's share of a batch ends at this fraction of the attempt's deadline, so that the
 #: other nodes' answers still reach the tier when one node hangs.
 NODE_DEADLINE_SHARE = 0.8
+#: A reading of the slot map ends at this fraction of the nodes' deadline (the old map stays),
+#: so that the batch that reads it still gets the nodes' answers when a node it asks hangs.
+MAP_DEADLINE_SHARE = 0.5
 
 
 class NodeDownError(TierUnavailableError):
@@ -107,15 +110,16 @@ class ClusterNodes:
     ) -> list[Any]:
         """Each command's reply, or a :class:`NodeDownError` for those of nodes not answering."""
         await self.cluster.initialize()
+        loop = asyncio.get_running_loop()
+        # (The map's reading, the nodes' calls and the redirected keys' second round, all within it.)
+        deadline = loop.time() + self._node_timeout_s
         if self._stale or self._refreshing.locked():
             # A batch that comes while another reads the map waits for the new map: the old
             # one would send it where the redirections came from.
             async with self._refreshing:
                 if self._stale:
                     self._stale = False
-                    await self._refresh()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._node_timeout_s  # (the redirected keys' second round too)
+                    await self._refresh(loop.time() + self._node_timeout_s * MAP_DEADLINE_SHARE)
         results: list[Any] = [None] * len(commands)
         groups: dict[str, tuple[Any, list[int]]] = {}
         for position, command in enumerate(commands):
@@ -127,7 +131,7 @@ class ClusterNodes:
                 continue
             groups.setdefault(node.name, (node, []))[1].append(position)
         sends = [(node, positions, False) for node, positions in groups.values()]
-        failed = await self._send(sends, commands, results, raise_server_errors, deadline)
+        failed = await self._send(sends, commands, results, raise_server_errors, deadline, redirected=False)
         if failed and len(failed) == len(groups) and self._none_answering():
             raise failed[0]  # the whole cluster: the tier's retries and breaker judge it
         # Slots being moved (a resharding): a key whose slot has moved (MOVED) or whose slot is
@@ -139,7 +143,7 @@ class ClusterNodes:
             if where is not None:
                 redirected.setdefault((where[0].name, where[1]), (where[0], []))[1].append(position)
         sends = [(node, positions, asking) for (_, asking), (node, positions) in redirected.items()]
-        await self._send(sends, commands, results, raise_server_errors, deadline)
+        await self._send(sends, commands, results, raise_server_errors, deadline, redirected=True)
         return [NodeDownError(f"slot moved: {r}") if _redirected(r) else r for r in results]
 
     async def _send(
@@ -149,13 +153,15 @@ class ClusterNodes:
         results: list[Any],
         raise_server_errors: Callable[[Sequence[Any]], None],
         deadline: float,
+        *,
+        redirected: bool,
     ) -> list[BaseException]:
         """Send each ``(node, positions, asking)`` its commands at once (``asking``: each after
         ``ASKING``), their replies (a :class:`NodeDownError` where the node failed) into ``results``;
-        the nodes' failures."""
+        the nodes' failures. ``redirected``: the keys a redirection named these nodes for."""
         outcomes = await asyncio.gather(
             *(
-                self._node(node, _commands(commands, positions, asking), raise_server_errors, deadline)
+                self._node(node, _commands(commands, positions, asking), raise_server_errors, deadline, redirected)
                 for node, positions, asking in sends
             ),
             return_exceptions=True,
@@ -191,13 +197,17 @@ class ClusterNodes:
         node = self.cluster.nodes_manager.nodes_cache.get(f"{host}:{port}")
         return None if node is None else (node, kind == "ASK")
 
-    async def _refresh(self) -> None:
-        """Read the slot map again; close the clients, and forget the breakers, of nodes no longer in it
-        (removed from the cluster: their sockets would stay open, their breakers kept, for good)."""
+    async def _refresh(self, until: float) -> None:
+        """Read the slot map again, by ``until`` (a loop time); close the clients, and forget the
+        breakers, of nodes no longer in it (removed from the cluster: their sockets would stay
+        open, their breakers kept, for good). valkey-py asks the nodes one after another, the
+        URL's first, each up to the socket timeout (the whole request's): a hung one would hold
+        the batch, and every batch waiting for the map, past their deadlines."""
         try:
-            await self.cluster.nodes_manager.initialize()
-        except (vex.ValkeyError, vex.ValkeyClusterException, OSError) as exc:  # the map it had stays
-            _log.debug("valkey cluster: the slot map could not be refreshed: %s", exc)
+            await asyncio.wait_for(self.cluster.nodes_manager.initialize(), until - asyncio.get_running_loop().time())
+        except (vex.ValkeyError, vex.ValkeyClusterException, OSError, asyncio.TimeoutError) as exc:
+            # The map it had stays (asyncio.TimeoutError: no node answered in time).
+            _log.debug("valkey cluster: the slot map could not be refreshed: %r", exc)
             return
         known = set(self.cluster.nodes_manager.nodes_cache)
         for name in [name for name in self._breakers if name not in known]:
@@ -223,6 +233,7 @@ class ClusterNodes:
         commands: list[tuple[Any, ...]],
         raise_server_errors: Callable[[Sequence[Any]], None],
         deadline: float,
+        redirected: bool = False,
     ) -> list[Any]:
         breaker = self._breaker(node.name)
         if not breaker.allow():
@@ -248,6 +259,11 @@ class ClusterNodes:
                     if attempt == self._retries or not breaker.may_retry() or loop.time() >= deadline:
                         raise
         except Exception as exc:
+            if redirected and isinstance(exc, (asyncio.TimeoutError, vex.TimeoutError)):
+                # Redirected keys get what the first round left of the deadline, nothing where
+                # another node hung for all of it: a miss for them, not this node failing (its
+                # breaker opened by a hung peer: every key of its own missed).
+                raise NodeDownError(f"cluster node {node.name}: no time left for keys redirected to it") from exc
             self.failures += 1
             self._failing.add(node.name)
             self._on_failure(exc)

@@ -28,6 +28,8 @@ MIN_REPLY_BOUND = 1024**2
 NO_RECORD_BOUND = 512 * 1024**2
 #: Bulk strings from this size on (records) are read by :meth:`BoundedParser._read_large`.
 LARGE_STRING = 64 * 1024
+#: The most :meth:`BoundedParser._read_large` allocates for a string before its bytes arrive.
+FIRST_BUFFER = 4 * 1024**2
 #: Most elements of one array reply (a SCAN page holds about ``SCAN_COUNT`` keys).
 MAX_ARRAY_ELEMENTS = 1024**2
 
@@ -69,21 +71,28 @@ def bounded_parser(record_bound: Callable[[], int | None]) -> type[_AsyncRESP2Pa
             return await self._read_large(length)  # type: ignore[return-value]  # (a Buffer, as the tier takes)
 
         async def _read_large(self, length: int) -> memoryview:
-            """A record's bytes, copied as they arrive into one buffer of their size. asyncio's
+            """A record's bytes, copied as they arrive into one buffer. asyncio's
             ``readexactly``, which the parser uses, first gathers them all in the stream's own
             buffer (growing and moving it, pausing and resuming the socket at each read past the
-            stream's limit), then copies them out, and the parser copies them once more."""
-            whole = memoryview(bytearray(length + 2))
+            stream's limit), then copies them out, and the parser copies them once more. The
+            buffer is of the announced length only up to :data:`FIRST_BUFFER`, then doubles as
+            the bytes arrive: a server announcing 512 MiB and sending nothing would otherwise
+            have the reader hold as much (on each of its connections) until the deadline."""
+            want = length + 2
+            whole = bytearray(min(want, FIRST_BUFFER))
             got = 0
-            while got < length + 2:
-                chunk = await self._stream.read(length + 2 - got)
+            while got < want:
+                chunk = await self._stream.read(want - got)
                 if not chunk:
                     raise vex.ConnectionError(SERVER_CLOSED_CONNECTION_ERROR)
                 self._chunks.append(chunk)  # as the parser keeps what it read: a reply cut is parsed again
-                whole[got : got + len(chunk)] = chunk
-                got += len(chunk)
-            self._pos += length + 2
-            return whole[:-2]
+                end = got + len(chunk)
+                if end > len(whole):
+                    whole.extend(bytes(min(want, max(end, 2 * len(whole))) - len(whole)))
+                whole[got:end] = chunk
+                got = end
+            self._pos += want
+            return memoryview(whole)[:-2]
 
         async def _readline(self) -> bytes:
             line: bytes = await super()._readline()

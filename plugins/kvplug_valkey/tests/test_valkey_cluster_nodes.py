@@ -124,6 +124,24 @@ def test_a_hung_node_costs_its_keys_alone_and_its_connections_are_not_reused_mid
         assert extra["nodes_down"] == 0 and extra["corrupt"] == 0 and extra["breaker_state"] == "closed", extra
 
 
+def test_a_hung_url_node_costs_its_keys_alone_also_in_the_batch_that_reads_the_map(tmp_path: Path, tiers) -> None:
+    """Once a node's breaker opens the slot map is read again, from the URL's node first: hung,
+    it never answers. The reading has a share of the batch's deadline, the nodes the rest: the
+    batch that reads the map still gets the live nodes' keys (it waited for the hung node's
+    answer until the deadline, and every batch that came meanwhile waited for it too)."""
+    with ValkeyCluster(tmp_path / "cluster") as cluster:
+        tier, keys, _, nodes = _stored_on_every_node(cluster, tiers, "hung-url")
+        alive = [node != 0 for node in nodes]
+        cluster.nodes[0].pause()
+        try:
+            for _ in range(2 * FAST_FAILING["breaker_failures"]):
+                got = tier.get(keys)
+                assert [value is not None for value in got] == alive, tier.stats().extra
+            assert tier.stats().extra["nodes_down"] == 1
+        finally:
+            cluster.nodes[0].resume()
+
+
 def test_a_cluster_with_no_node_answering_opens_the_tiers_breaker_and_recovers(tmp_path: Path, tiers) -> None:
     """Every node killed: as for a standalone server, the tier's breaker opens (lookups then
     cost no network call); restarted, the cluster serves again without a new tier."""

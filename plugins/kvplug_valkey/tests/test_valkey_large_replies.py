@@ -8,6 +8,7 @@ import contextlib
 import os
 import socket
 import threading
+import tracemalloc
 
 import pytest
 from valkey_helpers import fresh_prefix
@@ -66,5 +67,48 @@ def test_a_server_that_stops_mid_record_is_a_miss() -> None:
         extra = tier.stats().extra
         assert extra["failures"] == 1 and extra["corrupt"] == 0, extra
     finally:
+        tier.close()
+        server.close()
+
+
+class _AnnouncingServer:
+    """Answers every command with the header of a ``length``-byte bulk string and 1 MiB of it,
+    then sends nothing more until the client hangs up."""
+
+    def __init__(self, length: int) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._length = length
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                connection, _ = self._server.accept()
+                with connection, contextlib.suppress(OSError):
+                    connection.recv(65536)
+                    connection.sendall(b"$%d\r\n" % self._length + b"\x07" * 1024**2)
+                    while connection.recv(65536):  # until the client gives up and closes
+                        pass
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def test_a_long_announced_string_takes_memory_as_its_bytes_arrive_not_at_once() -> None:
+    """A server (hostile, or broken) announces a 256 MiB string within the bound (no record
+    bound: Valkey's own 512 MiB), sends 1 MiB, then nothing: the reader holds what arrived, not
+    a buffer of the announced size (one such reply a connection would take GiBs unsent)."""
+    announced = 256 * 1024**2
+    server = _AnnouncingServer(announced)
+    config = ValkeyTier.Config(url=f"redis://127.0.0.1:{server.port}", cluster=False, request_timeout_s=1.0, retries=0)
+    tier = ValkeyTier(config, tier_context())
+    tracemalloc.start()
+    try:
+        assert tier.get([key_for("announced")]) == [None]  # the call's deadline: a miss
+        _, peak = tracemalloc.get_traced_memory()
+        assert peak < announced // 8, f"{peak} bytes held at the peak for 1 MiB received"
+    finally:
+        tracemalloc.stop()
         tier.close()
         server.close()

@@ -113,6 +113,42 @@ def test_slots_moved_half_way_and_to_the_end_keep_every_record(tmp_path: Path, t
         assert _node_failures(tier) == 0
 
 
+def test_a_hung_node_does_not_open_the_breaker_of_the_node_a_redirection_names(tmp_path: Path, tiers) -> None:
+    """While a node hangs, the first round of a batch lasts until the nodes' deadline: the keys
+    told ASK (their slot half-way moved) then have no time left for the node the reply names.
+    They miss; that node is not counted failing (its breaker opened: all its own keys missed)."""
+    with ValkeyCluster(tmp_path / "cluster") as cluster:
+        source, hung, target = cluster.nodes
+        prefix = fresh_prefix()
+        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **FAST_FAILING)
+        pairs = _paired_keys(prefix, reshard.owned_slots(source), "asked", count=3)
+        on_hung = [
+            k for pair in _paired_keys(prefix, reshard.owned_slots(hung), "hung", count=2).values() for k in pair
+        ]
+        on_target = [
+            k for pair in _paired_keys(prefix, reshard.owned_slots(target), "target", count=3).values() for k in pair
+        ]
+        asked = [moved for moved, _ in pairs.values()]
+        keys = [*asked, *on_hung, *on_target]
+        values = {key: value_for(key, 3000) for key in keys}
+        tier.put([(key, values[key]) for key in keys])
+        assert all(tier.contains(keys)), tier.stats().extra
+        for slot, (moved, _) in pairs.items():
+            reshard.begin(source, target, slot)
+            reshard.migrate(source, target, [prefix + key_digest(moved).hex()])
+
+        hung.pause()
+        try:
+            # Batches of the keys told ASK and the hung node's: the target answers none in the first round.
+            for _ in range(2 * FAST_FAILING["breaker_failures"]):
+                _read(tier, [*asked, *on_hung], values)
+            assert all(_read(tier, on_target, values)), tier.stats().extra  # its breaker closed
+            extra = tier.stats().extra
+            assert extra["nodes_down"] == 1, extra  # the hung node alone
+        finally:
+            hung.resume()
+
+
 def _sockets_to(port: int) -> int:
     """This process's open TCP sockets whose peer is 127.0.0.1:``port`` (Linux /proc)."""
     ours = set()
