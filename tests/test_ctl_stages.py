@@ -69,6 +69,10 @@ def test_a_stage_without_a_control_socket_is_named_and_the_lookup_misses(socket_
         total = json.loads(lookup.stdout)["total"]
         assert (total["hit_tokens"], total["missing_ranks"]) == (0, ["dp0/pp1/tp0"]), total
         assert "missing: dp0/pp1/tp0" in " ".join(lookup.stderr.split()), lookup.stderr
+        explained = CliRunner().invoke(app, ["ctl", "explain", str(prompt)], env={"COLUMNS": "250"})
+        assert "hit: 0 of 16 tokens" in explained.stdout and "dp0/pp1/tp0 did not answer" in explained.stdout, (
+            explained.output
+        )
         for command in (["pin", str(prompt)], ["unpin", str(prompt)], ["clear", "--all"]):
             result = CliRunner().invoke(app, ["ctl", *command])
             message = " ".join(result.output.split())

@@ -63,12 +63,13 @@ def show_explain(replies: Replies, total: dict[str, Any], per_rank: bool) -> Non
     worst_rank, worst = _least(replies)
     for rank, reply in replies if per_rank else [(worst_rank, worst)]:
         print_table(chunk_map(reply, f"{rank_name(rank)}: "))
+    # (the total, not the rank's own figures: with a rank missing, the engine misses)
     console.print(
-        f"hit: {worst['hit_tokens']} of {worst['num_tokens']} tokens ({rank_name(worst_rank)}, the "
+        f"hit: {total['hit_tokens']} of {worst['num_tokens']} tokens ({rank_name(worst_rank)}, the "
         f"rank holding least, of {len(replies)})",
         highlight=False,
     )
-    console.print(f"why: {worst['reason']}", highlight=False, markup=False)
+    console.print(f"why: {total['reason']}", highlight=False, markup=False)
 
 
 def pin_total(replies: Replies) -> dict[str, Any]:
