@@ -11,7 +11,6 @@ import json
 import os
 import socket
 import stat
-import struct
 import tempfile
 import threading
 import time
@@ -20,40 +19,26 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+from lookup_engines import LEN, PROMPT, engine_holding_prompt
 
 from kvplug import (
     LOOKUP_DIR_ENV,
     CacheEngine,
     ControlIdentity,
     ControlServer,
-    Fingerprint,
-    KVLayout,
     RequestInfo,
     ServerLimits,
     check_socket_file,
-    load_config,
     private_socket_dir,
-    slots_from_block_ids,
 )
 from kvplug.core.control.protocol import encode_request
 from kvplug.errors import UnsafeSocketPathError
-from kvplug_vllm.layout import VLLM_CPU
 from kvplug_vllm.lookup import LookupChannelError, SocketLookup, socket_path
-
-LAYOUT = KVLayout(VLLM_CPU, num_layers=2, block_size=32, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
-PROMPT = list(range(3, 203))
-LEN = struct.Struct("<I")
 
 
 @pytest.fixture
 def engine() -> Iterator[CacheEngine]:
-    config = load_config(
-        engine_extra={"kvplug": {"chunk_size": 64, "store": {"queue": {"mode": "sync"}}}}, env={}
-    ).config
-    with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="m")) as engine:
-        caches = [torch.randn(16, 2, 32, 128).to(torch.bfloat16) for _ in range(2)]
-        engine.store(PROMPT, caches, slots_from_block_ids(list(range(1, 16)), 32, len(PROMPT)))
+    with engine_holding_prompt() as engine:
         yield engine
 
 
