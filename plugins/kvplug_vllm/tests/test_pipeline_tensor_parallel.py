@@ -32,7 +32,10 @@ def test_a_pp2_tp2_engine_loads_each_workers_records_and_each_worker_answers_kvp
     run_engine: Any, tmp_path: Path
 ) -> None:
     store = tmp_path / "kv"
-    kv = {**kv_config(**{"kvplug.tiers": [{"type": "disk", "path": str(store)}]}), "engine_id": ENGINE}
+    # Written on the saving step (sync queues): an async write landing after the engine's last step
+    # would never have its "stored" published (events leave with a step's output).
+    disk = {"type": "disk", "path": str(store), "queue": {"mode": "sync"}}
+    kv = {**kv_config(**{"kvplug.tiers": [disk], "kvplug.store.queue.mode": "sync"}), "engine_id": ENGINE}
     steps = [{"prompts": [{"tokens": PROMPT}], "max_tokens": 4, "capture": str(tmp_path / f"kv-{i}")} for i in (0, 1)]
     # vLLM's prefix cache (on, for its KV events) emptied after the first request: the second loads from kvplug
     steps[0]["reset_prefix_cache"] = True
