@@ -38,12 +38,15 @@ def test_large_records_round_trip_exactly(bound: int | None, valkey_server) -> N
         tier.close()
 
 
-class _CutServer:
-    """Answers every command with a 4 MiB bulk string of which it sends 1 MiB, then hangs up."""
+class _PartialServer:
+    """Answers every command with the header of a ``length``-byte bulk string and 1 MiB of it,
+    then hangs up (``hang_up``) or sends nothing more until the client does."""
 
-    def __init__(self) -> None:
+    def __init__(self, length: int, *, hang_up: bool) -> None:
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
+        self._length = length
+        self._hang_up = hang_up
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -52,14 +55,16 @@ class _CutServer:
                 connection, _ = self._server.accept()
                 with connection, contextlib.suppress(OSError):
                     connection.recv(65536)
-                    connection.sendall(b"$%d\r\n" % (4 * 1024**2) + b"\x07" * 1024**2)
+                    connection.sendall(b"$%d\r\n" % self._length + b"\x07" * 1024**2)
+                    while not self._hang_up and connection.recv(65536):  # until the client gives up
+                        pass
 
     def close(self) -> None:
         self._server.close()
 
 
 def test_a_server_that_stops_mid_record_is_a_miss() -> None:
-    server = _CutServer()
+    server = _PartialServer(4 * 1024**2, hang_up=True)
     config = ValkeyTier.Config(url=f"redis://127.0.0.1:{server.port}", cluster=False, request_timeout_s=10.0, retries=0)
     tier = ValkeyTier(config, tier_context())
     try:
@@ -71,36 +76,12 @@ def test_a_server_that_stops_mid_record_is_a_miss() -> None:
         server.close()
 
 
-class _AnnouncingServer:
-    """Answers every command with the header of a ``length``-byte bulk string and 1 MiB of it,
-    then sends nothing more until the client hangs up."""
-
-    def __init__(self, length: int) -> None:
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.port = self._server.getsockname()[1]
-        self._length = length
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                connection, _ = self._server.accept()
-                with connection, contextlib.suppress(OSError):
-                    connection.recv(65536)
-                    connection.sendall(b"$%d\r\n" % self._length + b"\x07" * 1024**2)
-                    while connection.recv(65536):  # until the client gives up and closes
-                        pass
-
-    def close(self) -> None:
-        self._server.close()
-
-
 def test_a_long_announced_string_takes_memory_as_its_bytes_arrive_not_at_once() -> None:
     """A server (hostile, or broken) announces a 256 MiB string within the bound (no record
     bound: Valkey's own 512 MiB), sends 1 MiB, then nothing: the reader holds what arrived, not
     a buffer of the announced size (one such reply a connection would take GiBs unsent)."""
     announced = 256 * 1024**2
-    server = _AnnouncingServer(announced)
+    server = _PartialServer(announced, hang_up=False)
     config = ValkeyTier.Config(url=f"redis://127.0.0.1:{server.port}", cluster=False, request_timeout_s=1.0, retries=0)
     tier = ValkeyTier(config, tier_context())
     tracemalloc.start()
