@@ -50,6 +50,22 @@ def _stored_on_every_node(
     return tier, keys, values, _node_of(cluster, prefix, keys)
 
 
+def _each_batch_misses_only_its_keys_while_hung(
+    cluster: ValkeyCluster, hung: int, tier, keys: list[str], nodes: list[int]
+) -> None:
+    """Node ``hung`` paused (SIGSTOP) for as many batches as open its breaker: each batch
+    misses that node's keys alone, and the node is counted down; then it is resumed."""
+    alive = [node != hung for node in nodes]
+    cluster.nodes[hung].pause()
+    try:
+        for _ in range(2 * FAST_FAILING["breaker_failures"]):
+            got = tier.get(keys)
+            assert [value is not None for value in got] == alive, tier.stats().extra
+        assert tier.stats().extra["nodes_down"] == 1
+    finally:
+        cluster.nodes[hung].resume()
+
+
 @pytest.mark.parametrize("dead", [0, 2], ids=["the-url-node", "another-node"])
 def test_a_dead_node_misses_its_keys_alone(dead: int, tmp_path: Path, tiers) -> None:
     with ValkeyCluster(tmp_path / "cluster") as cluster:
@@ -105,15 +121,7 @@ def test_a_hung_node_costs_its_keys_alone_and_its_connections_are_not_reused_mid
     sends for the abandoned calls are never taken for a later call's."""
     with ValkeyCluster(tmp_path / "cluster") as cluster:
         tier, keys, values, nodes = _stored_on_every_node(cluster, tiers, "hung")
-        alive = [node != 1 for node in nodes]
-        cluster.nodes[1].pause()
-        try:
-            for _ in range(2 * FAST_FAILING["breaker_failures"]):
-                got = tier.get(keys)
-                assert [value is not None for value in got] == alive, tier.stats().extra
-            assert tier.stats().extra["nodes_down"] == 1
-        finally:
-            cluster.nodes[1].resume()
+        _each_batch_misses_only_its_keys_while_hung(cluster, 1, tier, keys, nodes)
         deadline = time.monotonic() + 60
         while not all(tier.contains(keys)):
             assert time.monotonic() < deadline, tier.stats().extra
@@ -131,15 +139,7 @@ def test_a_hung_url_node_costs_its_keys_alone_also_in_the_batch_that_reads_the_m
     answer until the deadline, and every batch that came meanwhile waited for it too)."""
     with ValkeyCluster(tmp_path / "cluster") as cluster:
         tier, keys, _, nodes = _stored_on_every_node(cluster, tiers, "hung-url")
-        alive = [node != 0 for node in nodes]
-        cluster.nodes[0].pause()
-        try:
-            for _ in range(2 * FAST_FAILING["breaker_failures"]):
-                got = tier.get(keys)
-                assert [value is not None for value in got] == alive, tier.stats().extra
-            assert tier.stats().extra["nodes_down"] == 1
-        finally:
-            cluster.nodes[0].resume()
+        _each_batch_misses_only_its_keys_while_hung(cluster, 0, tier, keys, nodes)
 
 
 def test_a_cluster_with_no_node_answering_opens_the_tiers_breaker_and_recovers(tmp_path: Path, tiers) -> None:
