@@ -17,7 +17,7 @@ import valkey_reshard as reshard
 from valkey.crc import key_slot
 from valkey_helpers import FAST_FAILING, fresh_prefix
 
-from kvplug import CacheEngine, Fingerprint, PluginRegistry, load_config
+from kvplug import CacheEngine
 from kvplug.core.records.frame import key_digest
 from kvplug.testing import TierRoundTripContract, key_for, value_for
 from kvplug.testing.engine_round_trip import LAYOUT, NUM_BLOCKS, caches
@@ -203,17 +203,13 @@ def test_a_node_added_then_removed_serves_its_slots_and_leaves_no_client(tmp_pat
         assert _node_failures(tier) == 0  # nothing went to the stopped node
 
 
-def _engine(entry: dict[str, Any]) -> CacheEngine:
-    """A CacheEngine with tiers [cpu, valkey] (as kvplug.testing's round-trip contract makes them)."""
-    registry = PluginRegistry(plugin_filter="cpu,valkey")
-    extra = {
-        "kvplug.chunk_size": 8,
-        "kvplug.store.queue.mode": "sync",
-        "kvplug.lookup_budget_s": 30.0,
-        "kvplug.tiers": [{"type": "cpu", "max_bytes": "64MiB"}, entry],
-    }
-    config = load_config(engine_extra=extra, env={}, registry=registry).config
-    return CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="reshard"), registry=registry)
+class _RoundTrip(TierRoundTripContract):
+    """The round-trip contract's engines (tiers ``[cpu, valkey]``), for the tests here."""
+
+    plugins = "cpu,valkey"
+
+
+_engine = _RoundTrip().engine
 
 
 def _valkey_extra(engine: CacheEngine) -> dict[str, Any]:
