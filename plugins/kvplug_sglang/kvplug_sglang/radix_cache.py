@@ -22,14 +22,15 @@ With tensor parallelism every rank runs this tree; hit lengths and load results
 are agreed with an all_reduce MIN over the CPU (gloo) group of the ranks that run
 the same batches (SGLang's ``tp_cache_group``: with attention DP, one DP rank's
 attention-TP group) so their trees stay identical. A rank's pool holds the KV heads
-of its attention-TP rank, which its keys name. With pipeline parallelism each stage
-runs its own scheduler and tree over the same requests and must compute the same
-tokens of each (a stage computing more than the one before it gets that stage's
-hidden states of fewer tokens): the MIN then runs over the stages too
-(a gloo group of its own over ``pp_cache_group``'s ranks, as SGLang's cache controller
-makes for its storage hits: SGLang sends requests and hidden states between the stages on
-``pp_cache_group`` itself, and a collective among those could wait behind one of them), so a
-chunk one stage lacks or cannot load is recomputed by all.
+of its attention-TP rank, which its keys name.
+
+Pipeline parallelism (``--pp-size`` > 1) is refused: each stage would have to agree on every
+hit with the others inside ``match_prefix``, on its scheduler thread, and a later stage can be
+waiting there for outputs the first stage sends only after scheduling its next batch (caught in
+a stack: stage 0 in this all_reduce, stage 1 in ``_pp_recv_dict_from_prev_stage``), so the server
+stops answering. Pipeline stages are served by the HiCache storage backend
+(``kvplug_sglang.hicache.KVPlugStorage``), whose hits SGLang's cache controller agrees off the
+scheduler thread.
 """
 
 from __future__ import annotations
@@ -86,12 +87,10 @@ class KVPlugRadixCache(RadixCache):
         config: kvplug.KVPlugConfig | None = None,
         tp_worker: Any = None,
         attn_tp: tuple[int, int] | None = None,
-        stage_group: dist.ProcessGroup | None = None,
     ) -> None:
         """``tp_rank``/``tp_size``: the rank's place in the TP group (its control socket);
         ``attn_tp``: its attention-TP rank and size, whose KV heads the pool holds (default
-        ``tp_rank``, ``tp_size``); ``tp_group``: the ranks that run the same batches;
-        ``stage_group``: this rank's peers in the other pipeline stages."""
+        ``tp_rank``, ``tp_size``); ``tp_group``: the ranks that run the same batches."""
         heads_rank, heads_size = attn_tp if attn_tp is not None else (tp_rank, tp_size)
         self._plans: dict[CacheRequestHandle, _LoadPlan] = {}
         #: kvplug's request identity of a radix key (a LoRA adapter by where it was loaded from).
@@ -109,9 +108,8 @@ class KVPlugRadixCache(RadixCache):
             config=config,
             first_layer=int(getattr(kvcache, "start_layer", 0) or 0),  # a pipeline stage's layers
         )
-        self.tp_group = tp_group
-        #: The groups that agree on every hit and load, in order: the stage's TP ranks, then the stages.
-        self.agree_groups = [g for g in (tp_group, stage_group) if g is not None and dist.get_world_size(g) > 1]
+        #: The ranks that agree on every hit and load (None: this rank alone).
+        self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         control_rank, control_size = _rank_in_group(tp_rank, tp_size)
         self.control = start_control(
             self.engine, name=model_id_of(model_config), tp_rank=control_rank, tp_size=control_size
@@ -273,13 +271,11 @@ class KVPlugRadixCache(RadixCache):
             engine.close()
 
     def _agree(self, local: int) -> int:
-        """The minimum of ``local`` over the ranks running this batch, in every pipeline stage
-        (the minimum of each stage's TP group, then of those over the stages: every rank's)."""
-        if not self.agree_groups:
+        """The minimum of ``local`` over the ranks running this batch."""
+        if self.tp_group is None:
             return local
         tensor = torch.tensor([local], dtype=torch.int64)
-        for group in self.agree_groups:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.tp_group)
         return int(tensor.item())
 
 
@@ -291,6 +287,11 @@ def kvplug_radix_cache_factory(ctx: Any) -> KVPlugRadixCache:
             ("hybrid SWA models", ctx.is_hybrid_swa),
             ("hybrid SSM (mamba) models", ctx.is_hybrid_ssm),
             ("DSA models", getattr(ctx, "is_dsa", False)),
+            (
+                "pipeline parallelism (--pp-size > 1; use the HiCache storage backend "
+                "kvplug_sglang.hicache.KVPlugStorage)",
+                int(getattr(ctx.server_args, "pp_size", 1) or 1) > 1,
+            ),
             (
                 "--enable-hierarchical-cache (use the HiCache storage backend kvplug_sglang.hicache.KVPlugStorage)",
                 ctx.enable_hierarchical_cache,
@@ -311,21 +312,7 @@ def kvplug_radix_cache_factory(ctx: Any) -> KVPlugRadixCache:
         tp_group=tp_group,
         tp_worker=ctx.tp_worker,
         attn_tp=_attention_tp(ctx),
-        stage_group=_group_of_its_own(ctx.params.pp_cache_group),
     )
-
-
-def _group_of_its_own(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """A new gloo group of ``group``'s ranks (``None`` for no group, or a group of one). Every
-    rank of the world builds its tree cache at start-up, and calls this with its own group."""
-    if group is None or dist.get_world_size(group) <= 1:
-        return None
-    from sglang.srt.distributed.parallel_state import create_custom_parallel_group
-
-    own: dist.ProcessGroup | None = create_custom_parallel_group(
-        list(dist.get_process_group_ranks(group)), backend="gloo"
-    )
-    return own
 
 
 def _rank_in_group(tp_rank: int, tp_size: int) -> tuple[int, int]:

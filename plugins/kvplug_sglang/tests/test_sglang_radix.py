@@ -50,6 +50,17 @@ def test_hybrid_and_dsa_pools_are_refused_naming_the_kind(model_config, kvplug_e
         build_stack(args, model_config, **{kind: True})
 
 
+def test_pipeline_stages_are_refused_naming_the_backend_that_serves_them(model_config, kvplug_env) -> None:
+    # (why: test_sglang_pipeline.py; the same refusal on a real server)
+    with (
+        published_server_args(radix_cache_backend="kvplug", pp_size=2) as args,
+        pytest.raises(
+            ValueError, match=r"does not support pipeline parallelism .*kvplug_sglang\.hicache\.KVPlugStorage"
+        ),
+    ):
+        build_stack(args, model_config)
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_evicted_prefix_comes_back_from_kvplug(model_config, kvplug_env, page_size: int) -> None:
     with published_server_args(radix_cache_backend="kvplug") as args:
