@@ -144,6 +144,12 @@ class TierChain:
         """Each tier's :class:`~kvplug.TierConfig` settings."""
         return [slot.settings for slot in self._slots]
 
+    @property
+    def labels(self) -> list[str]:
+        """Each tier's label, ``<index>:<type>``: unique in the chain (two ``disk`` folders are two
+        tiers), as its per-tier metrics and stats name it."""
+        return [slot.label for slot in self._slots]
+
     # --- reads ----------------------------------------------------------------------
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
@@ -162,8 +168,14 @@ class TierChain:
     def locate(self, keys: Sequence[str]) -> list[str | None]:
         """Name of the fastest tier holding each key (None: none does), one batched
         ``contains`` per tier, within the lookup budget."""
-        where = self._unless_removed(keys, holders(self._slots, keys, self.metrics, budget_s=self.lookup_timeout_s))
-        return [None if index is None else self._slots[index].tier.name for index in where]
+        return [None if index is None else self._slots[index].tier.name for index in self._holders(keys)]
+
+    def locate_labels(self, keys: Sequence[str]) -> list[str | None]:
+        """:meth:`locate` naming each tier by its :attr:`labels` entry, which tells two tiers of one type apart."""
+        return [None if index is None else self._slots[index].label for index in self._holders(keys)]
+
+    def _holders(self, keys: Sequence[str]) -> list[int | None]:
+        return self._unless_removed(keys, holders(self._slots, keys, self.metrics, budget_s=self.lookup_timeout_s))
 
     def contains_any(
         self, keys: Sequence[str], *, sync_tiers_only: bool = False, budget_s: float | None = None

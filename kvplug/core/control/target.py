@@ -192,12 +192,17 @@ class ControlTarget:
         raise NotImplementedError
 
     def locate(self, tokens: Sequence[int], request: RequestInfo) -> list[ChunkLocation]:
-        """:meth:`lookup` with each chunk's medium (that of the first of the chain's tiers of its
-        name): what a ``lookup`` request is answered with."""
-        media: dict[str, Medium] = {}
-        for tier in self.chain.tiers:
-            media.setdefault(tier.name, tier.medium)
-        return [ChunkLocation(media.get(name, "remote"), name, n) for name, n in self.lookup(tokens, request)]
+        """:meth:`lookup` with each chunk's medium and tier index (those of the first of the chain's
+        tiers of its name): what a ``lookup`` request is answered with."""
+        first: dict[str, tuple[Medium, int]] = {}
+        for index, tier in enumerate(self.chain.tiers):
+            first.setdefault(tier.name, (tier.medium, index))
+        return [
+            ChunkLocation(first[name][0], name, n, tier_index=first[name][1])
+            if name in first
+            else ChunkLocation("remote", name, n)
+            for name, n in self.lookup(tokens, request)
+        ]
 
     def explain(self, tokens: Sequence[int], request: RequestInfo) -> dict[str, Any]:
         """A chunk map of the prompt over this cache's tiers (:meth:`Explanation.to_json`)."""

@@ -249,8 +249,13 @@ class CacheEngine(EngineRetrieves, EngineStores):
             if tail is not None:
                 found.append((tail.tier, tail.key))
         self.count_lookup(len(tokens), found[-1][1].end if found else 0)
-        media = {tier.name: tier.medium for tier in self.chain.tiers}
-        return [ChunkLocation(media[name], name, key.num_tokens, chunk_hash(key.key)) for name, key in found]
+        # The chain's tiers by label (``<index>:<type>``), so two tiers of one type stay apart.
+        position = {label: index for index, label in enumerate(self.chain.labels)}
+        chain = self.chain.tiers
+        return [
+            ChunkLocation(chain[at].medium, chain[at].name, key.num_tokens, chunk_hash(key.key), at)
+            for at, key in ((position[label], key) for label, key in found)
+        ]
 
     def _located_tail(
         self, tokens: Sequence[int] | torch.Tensor, keys: Sequence[ChunkKey], held: int, request: RequestInfo | None
@@ -297,7 +302,7 @@ class CacheEngine(EngineRetrieves, EngineStores):
         return self.records.record_keys([k.key for k in keys], request)
 
     def _tier_order(self) -> list[str]:
-        return [tier.name for tier in self.chain.tiers]
+        return self.chain.labels
 
     def count_lookup(self, asked: int, hit: int) -> None:
         """Count one lookup of ``asked`` tokens that found ``hit``."""

@@ -24,7 +24,7 @@ class ChunkLocation:
 
     #: The medium of that tier (:attr:`kvplug.StorageTier.medium`).
     medium: Medium
-    #: That tier's name (its ``type`` in the config): what per-tier counters are named by.
+    #: That tier's name (its ``type`` in the config).
     tier: str
     #: The chunk's token count (the last chunk of a prompt may be partial).
     tokens: int
@@ -33,21 +33,33 @@ class ChunkLocation:
     #: (``CacheEngine.chunk_keys(..., hashes=)``) instead of hashing the prompt again. "": unknown.
     #: Not compared: two locations are equal when they say the same place.
     chunk_hash: str = field(default="", compare=False)
+    #: That tier's position in its chain (0 the fastest; None: unknown), which tells two tiers
+    #: of one type apart (two ``disk`` folders). Not compared, so that a location equals one
+    #: of the same medium, tier type and tokens, as before it was kept.
+    tier_index: int | None = field(default=None, compare=False)
+
+    @property
+    def tier_label(self) -> str:
+        """``<index>:<type>``, as the chain's per-tier metrics name the tier (``TierChain.labels``);
+        the type alone when the index is unknown."""
+        return self.tier if self.tier_index is None else f"{self.tier_index}:{self.tier}"
 
     def to_json(self) -> list[Any]:
-        return [self.medium, self.tier, self.tokens, self.chunk_hash]
+        return [self.medium, self.tier, self.tokens, self.chunk_hash, self.tier_index]
 
     @classmethod
     def from_json(cls, raw: Any) -> ChunkLocation:
         """The inverse of :meth:`to_json`; ``ValueError`` names what is wrong with ``raw``."""
-        if not (isinstance(raw, list) and len(raw) == 4):
-            raise ValueError("a chunk location is [medium, tier, tokens, chunk hash]")
-        medium, tier, tokens, chunk_hash = raw
+        if not (isinstance(raw, list) and len(raw) == 5):
+            raise ValueError("a chunk location is [medium, tier, tokens, chunk hash, tier index]")
+        medium, tier, tokens, chunk_hash, tier_index = raw
         if medium not in MEDIA or not isinstance(tier, str) or type(tokens) is not int or tokens < 0:
             raise ValueError(f"a chunk location of medium one of {MEDIA}, a tier name and a token count: {raw!r}")
         if not is_chunk_hash(chunk_hash) and chunk_hash != "":
             raise ValueError(f"a chunk hash is hex digits: {str(chunk_hash)[:80]!r}")
-        return cls(medium, tier, tokens, chunk_hash)
+        if tier_index is not None and (type(tier_index) is not int or tier_index < 0):
+            raise ValueError(f"a chunk location's tier index is a position in its chain or null: {tier_index!r}")
+        return cls(medium, tier, tokens, chunk_hash, tier_index)
 
 
 def is_chunk_hash(value: Any) -> bool:
@@ -83,7 +95,9 @@ def merge_locations(answers: Sequence[Sequence[ChunkLocation]]) -> list[ChunkLoc
         if any(answer[index].tokens != first.tokens for answer in answers):
             break
         chunk = sorted((answer[index] for answer in answers), key=lambda loc: (-MEDIA.index(loc.medium), loc.tier))
-        merged.append(ChunkLocation(chunk[0].medium, chunk[0].tier, first.tokens, first.chunk_hash))
+        merged.append(
+            ChunkLocation(chunk[0].medium, chunk[0].tier, first.tokens, first.chunk_hash, chunk[0].tier_index)
+        )
     return merged
 
 
@@ -96,7 +110,7 @@ def locate_inline(
     chunk_size: int,
     save_unfull_chunk: bool,
 ) -> list[ChunkLocation] | None:
-    """The locations of the chunks ``keys`` when the ``tiers`` that answer inline
+    """The locations of the chunks ``keys`` when those of the chain's ``tiers`` (in order) that answer inline
     (:func:`answers_inline`) give them alone, without asking a slower tier; ``None`` when
     a slower tier could add to them. ``records``: ``per_chunk`` record keys per chunk, chunk
     by chunk (one per head group: a chunk is held when every record of it is).
@@ -104,8 +118,8 @@ def locate_inline(
     They answer alone when they hold every whole chunk of the prompt, and the last,
     partial chunk too unless the config never stores one (``save_unfull_chunk``).
     """
-    where: list[StorageTier | None] = [None] * len(keys)
-    for tier in tiers:
+    where: list[int | None] = [None] * len(keys)  # per chunk, the position of the tier holding it
+    for index, tier in enumerate(tiers):
         if not answers_inline(tier):
             continue
         ask = [i for i, found in enumerate(where) if found is None]
@@ -117,13 +131,13 @@ def locate_inline(
             return None
         for n, i in enumerate(ask):
             if all(found[n * per_chunk : (n + 1) * per_chunk]):
-                where[i] = tier
+                where[i] = index
     held = next((i for i, found in enumerate(where) if found is None), len(keys))
     partial_left = held == len(keys) - 1 and keys[-1].num_tokens < chunk_size
     if held < len(keys) and not (partial_left and not save_unfull_chunk):
         return None
     return [
-        ChunkLocation(tier.medium, tier.name, key.num_tokens, chunk_hash(key.key))
-        for tier, key in zip(where[:held], keys)
-        if tier is not None
+        ChunkLocation(tiers[index].medium, tiers[index].name, key.num_tokens, chunk_hash(key.key), index)
+        for index, key in zip(where[:held], keys)
+        if index is not None
     ]

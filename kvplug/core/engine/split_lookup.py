@@ -33,7 +33,7 @@ class HeldRecords:
     """A chunk's records, every one held by some tier, in one split of the heads."""
 
     split: HeadRecords | OtherSplit
-    #: Per record of the chunk, the fastest tier holding it.
+    #: Per record of the chunk, the fastest tier holding it (its label, ``TierChain.labels``).
     tiers: list[str]
 
     def slowest(self, order: Sequence[str]) -> str:
@@ -70,8 +70,8 @@ class OtherSplitSearch:
         self.chain, self.names, self.request = chain, names, request
         self.others = records.others
         firsts = [other.record_keys(names[:probed], request)[:: other.count] for other in self.others]
-        where = chain.locate([*with_keys, *(key for keys in firsts for key in keys)])
-        #: Per key of ``with_keys``, the fastest tier holding it (None: none does).
+        where = chain.locate_labels([*with_keys, *(key for keys in firsts for key in keys)])
+        #: Per key of ``with_keys``, the label of the fastest tier holding it (None: none does).
         self.located = where[: len(with_keys)]
         self._firsts: list[Sequence[str | None]] = []
         at = len(with_keys)
@@ -96,7 +96,9 @@ class OtherSplitSearch:
             if other.count == 1:
                 where: Sequence[str | None] = [firsts[index] for index in asked]
             else:
-                where = self.chain.locate(other.record_keys([self.names[index] for index in asked], self.request))
+                where = self.chain.locate_labels(
+                    other.record_keys([self.names[index] for index in asked], self.request)
+                )
             for index, tiers in zip(asked, per_chunk(where, other.count)):
                 held = whole(other, tiers)
                 if held is not None:
@@ -108,16 +110,16 @@ class OtherSplitSearch:
 def located_prefix(
     records: HeadRecords, chain: TierChain, keys: Sequence[str], request: RequestInfo | None, order: Sequence[str]
 ) -> list[str]:
-    """Per chunk of the cached prefix of chunk ``keys``, the slowest tier (latest in ``order``)
-    holding its records, whichever split of the heads wrote them: this engine's own where it
-    holds the first chunk, else the first other split whose records hold it."""
+    """Per chunk of the cached prefix of chunk ``keys``, the slowest tier (latest in ``order``,
+    the chain's tier labels) holding its records, whichever split of the heads wrote them: this
+    engine's own where it holds the first chunk, else the first other split whose records hold it."""
     own = records.record_keys(keys, request)
     search = OtherSplitSearch(records, chain, keys, request, probed=1, with_keys=own)
     tiers = records.chunk_tiers(leading(search.located), order)
     if tiers or not keys:
         return tiers
     for other in search.first_held(0):
-        tiers = other.chunk_tiers(chain.locate_prefix(other.record_keys(keys, request)), order)
+        tiers = other.chunk_tiers(leading(chain.locate_labels(other.record_keys(keys, request))), order)
         if tiers:
             return tiers
     return []

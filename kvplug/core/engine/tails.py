@@ -40,8 +40,9 @@ def tail_cut(num_tokens: int, chunk_size: int, block_size: int) -> int:
 
 @dataclass(frozen=True)
 class HeldTail:
-    """A stored tail: its key, the slowest tier holding one of its records, and the split of
-    the heads whose records hold it (the engine's own, or another TP size's writer's)."""
+    """A stored tail: its key, the slowest tier holding one of its records (its label,
+    ``TierChain.labels``), and the split of the heads whose records hold it (the engine's
+    own, or another TP size's writer's)."""
 
     key: ChunkKey
     tier: str

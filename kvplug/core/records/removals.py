@@ -11,13 +11,13 @@ from typing import ClassVar, TypeVar
 
 from kvplug.core.events import KVEvent
 from kvplug.core.records.backend import RecordBackend
-from kvplug.core.records.frame import RECORD_HEADER_SIZE, key_digest
+from kvplug.core.records.frame import RECORD_HEADER_SIZE, key_digest, parse_record_header
 from kvplug.core.records.index import RecordIndex
 from kvplug.core.records.maintenance import RecordMaintenance
 from kvplug.core.remote.calls import RemoteCalls
 from kvplug.core.remote.retry import Absent
 from kvplug.core.tier import Buffer, TierContext
-from kvplug.errors import CorruptChunkError, RecordUnreadableError, TierUnavailableError
+from kvplug.errors import ChunkError, CorruptChunkError, RecordUnreadableError, TierUnavailableError
 
 T = TypeVar("T")
 A = TypeVar("A")
@@ -55,7 +55,10 @@ class RecordRemovals(RecordMaintenance):
         record another process stored since survives), then delete it only if the store
         still holds those bytes (:meth:`RecordBackend.delete_if_same`). Comparing what is
         stored now, not a record framed here, also removes a record whose header this
-        process did not check in full (shm's ``trust_host``). A backend that cannot
+        process did not check in full (shm's ``trust_host``). The record read again must also
+        be one this process reads as that key's (:func:`is_record_of`): one it cannot read, a
+        keyed record read without the integrity key or a later kvplug's, is kept for the
+        processes that can, whatever value it holds, as a read keeps it. A backend that cannot
         compare and delete in one step (Mooncake, a valkey user without scripts) removes
         by name the records that still held the value at that second read: a record stored
         since the load survives, one stored between the second read and the removal (one
@@ -70,7 +73,9 @@ class RecordRemovals(RecordMaintenance):
                 continue
             except RecordUnreadableError:  # no answer for this record alone (its cluster node down): it stays
                 continue
-            if data is not None and memoryview(data).cast("B")[RECORD_HEADER_SIZE:] == memoryview(value).cast("B"):
+            if data is None or not is_record_of(data, key):  # not the record the load read
+                continue
+            if memoryview(data).cast("B")[RECORD_HEADER_SIZE:] == memoryview(value).cast("B"):
                 seen[name] = (key, data)
         if not self._backend.deletes_if_same:
             return self.remove([key for key, _ in seen.values()])
@@ -139,3 +144,15 @@ class RecordRemovals(RecordMaintenance):
                 self._suspects[name] = None
             while len(self._suspects) > MAX_SUSPECTS:  # the oldest go: lookups of them then ask the store
                 del self._suspects[next(iter(self._suspects))]
+
+
+def is_record_of(data: Buffer, key: str) -> bool:
+    """Whether ``data`` is a whole record that this process reads as ``key``'s: its header's
+    magic, version (a keyed one only with this process's integrity key, none of a later
+    kvplug), checksum, key and length. Not its value's checksum or MAC: a value ``trust_host``
+    served unchecked, damaged in place, is still that record's."""
+    try:
+        header = parse_record_header(data, key)
+    except ChunkError:
+        return False
+    return memoryview(data).nbytes == header.record_length

@@ -22,6 +22,11 @@ from kvplug_disk.tenant_tags import record_tag, tenant_tag
 #: kvplug writing into the folder makes it stale at each write, and a listing reads every record.
 #: Meanwhile quotas bound what this process knows of, as before.
 TENANT_RELIST_INTERVAL_S = 10.0
+#: ... and at least this many times the last listing's own wall time: a listing holds the folder's
+#: lock (2-3 s at 100k records), so listing again takes at most 1/(1 + 20), under 5%, of its time.
+TENANT_RELIST_COST_FACTOR = 20.0
+#: The monotonic clock those intervals are measured by (a module attribute: a test drives it).
+clock: Callable[[], float] = time.monotonic
 
 
 class FolderBudget:
@@ -37,8 +42,9 @@ class FolderBudget:
     _folder: RecordFolder
     #: The salts this process knows (a tag in the folder is one of theirs, or no tenant it knows).
     _tenant_salts: Callable[[], Iterable[str]]
-    #: When a listing last read the records' tenant tags (``time.monotonic``).
+    #: When a listing last read the records' tenant tags (:data:`clock`), and how long it took.
     _tenants_listed_at = float("-inf")
+    _tenants_listing_s = 0.0
 
     if TYPE_CHECKING:
 
@@ -78,11 +84,7 @@ class FolderBudget:
         processes' records, or a count left too high."""
         # No valid total in the file (a ledger made again), or no tenant table where quotas need
         # one (made again, torn, or its total changed by an older kvplug): list the folder.
-        rescanned = not usage.known or (
-            usage.tenants is None
-            and self._order.has_quotas
-            and time.monotonic() - self._tenants_listed_at >= TENANT_RELIST_INTERVAL_S
-        )
+        rescanned = not usage.known or (usage.tenants is None and self._order.has_quotas and self._tenants_relist_due())
         # Past what evicting every record this process knows could free (another process's
         # records, or a count a crash or a hand left too high): list first, not after evicting all.
         rescanned = rescanned or usage.total - self._order.value_bytes + incoming > self._budget
@@ -97,6 +99,12 @@ class FolderBudget:
                 rescanned = True
                 continue
             self._remove_victims(usage, victims)
+
+    def _tenants_relist_due(self) -> bool:
+        """Whether a stale tenant table may be listed again: :data:`TENANT_RELIST_INTERVAL_S` and
+        :data:`TENANT_RELIST_COST_FACTOR` times the last listing's time have passed since it."""
+        interval = max(TENANT_RELIST_INTERVAL_S, TENANT_RELIST_COST_FACTOR * self._tenants_listing_s)
+        return clock() - self._tenants_listed_at >= interval
 
     def _keep_folder_quota(self, usage: Usage, tenant: str, tag: bytes) -> None:
         """Evict ``tenant``'s records (unpinned, in its own order) until its bytes in the whole
@@ -154,7 +162,12 @@ class FolderBudget:
         """A listing of the folder for :meth:`_rebuild` (locks held): with the records' tenant tags
         where quotas apply or the folder keeps a tenant table (read as the listing goes)."""
         tags = self._order.has_quotas or usage.tenants is not None
-        return self._folder.scan(clean_temps_older_than=clean_temps_older_than, tags=tags)
+        started = clock()
+        scan = self._folder.scan(clean_temps_older_than=clean_temps_older_than, tags=tags)
+        if scan.tags is not None:
+            self._tenants_listed_at = clock()
+            self._tenants_listing_s = self._tenants_listed_at - started
+        return scan
 
     def _rebuild(self, usage: Usage, scan: ScanResult) -> None:
         """Order every record of a folder listing (:meth:`_list`) as cold entries, the oldest (by
@@ -168,7 +181,6 @@ class FolderBudget:
         if scan.tags is not None:
             found = scan.tags
             tags = {digest: tag for digest, _, _ in records if (tag := found.get(digest)) is not None}
-            self._tenants_listed_at = time.monotonic()
         pinned = self._order.pinned()  # the pin book's are pinned again as they enter; these may not be in it
         self._order = self._order.fresh()
         if tags:

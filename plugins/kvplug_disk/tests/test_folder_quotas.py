@@ -336,7 +336,8 @@ def test_an_older_kvplug_writing_beside_makes_the_folder_listed_at_most_so_often
 ) -> None:
     """An older kvplug changes the ledger's total at each write, which makes the tenant table
     stale: a tier with quotas lists the folder to count again, but not at each write."""
-    monkeypatch.setattr(budget, "TENANT_RELIST_INTERVAL_S", 1e9)  # (a stale table within the interval)
+    now = [0.0]
+    monkeypatch.setattr(budget, "clock", lambda: now[0])  # (time stands still: a stale table within the interval)
     tier = open_tier(kind, folder)  # its open lists the folder
     ledger = folder / LEDGER_NAME
 
@@ -349,7 +350,7 @@ def test_an_older_kvplug_writing_beside_makes_the_folder_listed_at_most_so_often
     older_kvplug_writes()
     put(tier, tenant_keys("b", "tenant-a", 1))
     assert ledger_of(folder)[1] is None  # not listed again so soon: no table, quotas per process meanwhile
-    monkeypatch.setattr(budget, "TENANT_RELIST_INTERVAL_S", 0.0)
+    now[0] += budget.TENANT_RELIST_INTERVAL_S
     put(tier, tenant_keys("c", "tenant-a", 1))
     assert ledger_of(folder)[1] == {tenant_tag("tenant-a"): 4 * FILE}
     tier.close()

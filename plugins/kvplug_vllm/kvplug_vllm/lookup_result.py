@@ -51,7 +51,8 @@ class LookupResult:
             lookups=1, lookup_tokens=self.prompt_tokens, hit_tokens=self.new_hit, vllm_cached_tokens=self.vllm_cached
         )
         end = 0
-        for name, count in ((location.tier, location.tokens) for location in self.tiers):
+        # By tier label (``<index>:<type>``), as the other per-tier metrics: two ``disk`` folders stay apart.
+        for name, count in ((location.tier_label, location.tokens) for location in self.tiers):
             # Only the part of each chunk past vLLM's own prefix cache is kvplug's hit.
             beyond = min(count, max(0, end + count - self.num_computed))
             end += count

@@ -10,7 +10,9 @@ What they count (tokens are prompt tokens; vLLM's own prefix cache answers first
   full-prompt hit vLLM recomputes the last token, but kvplug writes its block anyway.
 - ``vllm_cached_tokens``: tokens kvplug holds that vLLM's own prefix cache had already;
   kvplug loads none of them. ``hit_tokens + vllm_cached_tokens`` is all kvplug held.
-- ``hit_tokens_tier.<tier type>``: ``hit_tokens`` split by the fastest tier holding them.
+- ``hit_tokens_tier.<index>:<tier type>``: ``hit_tokens`` split by the fastest tier holding
+  them, named by its position in the chain and its type (``0:cpu``, ``1:disk``), as the other
+  per-tier figures are.
 - ``loaded_tokens``, ``loaded_bytes``: tokens written into vLLM's blocks, and the
   serialized bytes read for them (worker side).
 - ``stored_tokens``, ``stored_bytes``: tokens handed to the tiers, and their serialized bytes.
@@ -59,7 +61,7 @@ COUNTERS = (
 )
 
 
-#: ``hit_tokens_tier.<tier type>``: ``hit_tokens`` whose chunk was found first in that tier.
+#: ``hit_tokens_tier.<index>:<tier type>``: ``hit_tokens`` whose chunk was found first in that tier.
 TIER_HIT_PREFIX = "hit_tokens_tier."
 #: ``load_errors.<reason>``: chunks that failed to load (corrupt, ...) or loads given up (deadline).
 LOAD_ERROR_PREFIX = "load_errors."

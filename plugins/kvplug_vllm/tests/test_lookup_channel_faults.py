@@ -42,7 +42,7 @@ def test_a_late_answer_is_never_read_as_the_next_lookups(tmp_path: Path) -> None
     listener.bind(str(path))
     listener.listen(8)
     gave_up = threading.Event()
-    held = [["memory", "cpu", 64, f"{i:032x}"] for i in range(3)]
+    held = [["memory", "cpu", 64, f"{i:032x}", 0] for i in range(3)]
 
     def reply(sock: socket.socket, locations: list[list[object]]) -> None:
         (length,) = LEN.unpack(sock.recv(4, socket.MSG_WAITALL))

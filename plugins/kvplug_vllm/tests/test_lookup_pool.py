@@ -192,7 +192,7 @@ def test_a_prefix_on_local_disk_is_answered_at_once(engine: CacheEngine, side: S
     assert side.get_num_new_matched_tokens(request("r-disk"), 0) == (192, True)  # a disk load: background
     assert side._pool is not None and len(side._pool) == 0
     side.update_state_after_alloc(request("r-disk"), BLOCKS, 192)
-    assert hit_figures(side.get_kv_connector_stats())["hit_tokens_tier.disk"] == 192
+    assert hit_figures(side.get_kv_connector_stats())["hit_tokens_tier.2:disk"] == 192
 
 
 def test_a_lookup_needing_a_slower_tier_answers_later_and_counts_once(engine: CacheEngine, side: SchedulerSide) -> None:
@@ -208,7 +208,7 @@ def test_a_lookup_needing_a_slower_tier_answers_later_and_counts_once(engine: Ca
     assert side.get_num_new_matched_tokens(request("r-slow"), 0) == (192, True)
     side.update_state_after_alloc(request("r-slow"), BLOCKS, 192)
     figures = hit_figures(side.get_kv_connector_stats())
-    assert figures["lookups"] == 1 and figures["hit_tokens_tier.legacy"] == 192
+    assert figures["lookups"] == 1 and figures["hit_tokens_tier.1:legacy"] == 192
 
 
 def test_a_request_finished_before_its_lookup_is_done_leaves_nothing(engine: CacheEngine, side: SchedulerSide) -> None:

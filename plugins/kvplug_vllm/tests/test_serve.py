@@ -165,7 +165,7 @@ def test_openai_server_second_completion_hits(server: str, metrics_port: int, ba
     after = wait_for(server, "kvplug_loaded_tokens_total", 256)
     assert total(after, "kvplug_lookups_total") == 2
     assert total(after, "kvplug_hit_tokens_total") == 256
-    assert total(after, "kvplug_hit_tokens_by_tier_total", tier="cpu") == 256
+    assert total(after, "kvplug_hit_tokens_by_tier_total", tier="0:cpu") == 256
     assert total(after, "kvplug_loaded_tokens_total") == 256
     assert total(after, "kvplug_stored_bytes_total") == metrics["kvplug_stored_bytes_total"] > 0
     assert total(after, "kvplug_loaded_bytes_total") > 0

@@ -203,8 +203,8 @@ def test_a_request_vllm_asks_about_again_is_counted_once_when_admitted(side: Sch
     assert not any(hit_figures(waiting).values())  # nothing found is counted before admission
     side.update_state_after_alloc(request("r-wait"), BLOCKS, 192)
     expected = {"lookups": 1, "lookup_tokens": 200, "hit_tokens": 192, "vllm_cached_tokens": 0}
-    assert hit_figures(side.get_kv_connector_stats()) == {**expected, "hit_tokens_tier.ram": 192}
-    assert hit_figures(side.totals) == {**expected, "hit_tokens_tier.ram": 192}
+    assert hit_figures(side.get_kv_connector_stats()) == {**expected, "hit_tokens_tier.0:ram": 192}
+    assert hit_figures(side.totals) == {**expected, "hit_tokens_tier.0:ram": 192}
 
 
 def test_a_hit_partly_in_vllms_prefix_cache_counts_only_the_rest_by_tier(
@@ -222,8 +222,8 @@ def test_a_hit_partly_in_vllms_prefix_cache_counts_only_the_rest_by_tier(
         "lookup_tokens": 200,
         "hit_tokens": 96,
         "vllm_cached_tokens": 96,
-        "hit_tokens_tier.ram": 32,
-        "hit_tokens_tier.legacy": 64,
+        "hit_tokens_tier.0:ram": 32,
+        "hit_tokens_tier.1:legacy": 64,
     }
 
 
@@ -244,7 +244,7 @@ def test_a_prefix_in_a_third_party_memory_tier_loads_before_the_step(engine: Cac
     assert side.get_num_new_matched_tokens(request("r1"), 0) == (192, False)  # False: not in the background
     side.update_state_after_alloc(request("r1"), BLOCKS, 192)
     stats = side.get_kv_connector_stats()
-    assert stats is not None and stats.data["hit_tokens_tier.ram"] == 192
+    assert stats is not None and stats.data["hit_tokens_tier.0:ram"] == 192
 
 
 @pytest.mark.parametrize("gone", [["ram"], ["ram", "legacy"]], ids=["legacy-tier", "disk-tier"])
