@@ -46,7 +46,7 @@ import kvplug
 from kvplug import ChunkStore, ControlServer
 from kvplug.errors import LayoutError
 from kvplug_sglang.at_exit import close_at_exit, within_exit_wait
-from kvplug_sglang.control import HiCacheControl, start_control
+from kvplug_sglang.control import HiCacheControl, rank_in_replica, start_control
 from kvplug_sglang.host_pages import HostPageFormat
 
 logger = logging.getLogger("kvplug.sglang.hicache")
@@ -125,8 +125,11 @@ class KVPlugStorage(HiCacheStorage):
         self.mem_pool_host = mem_pool_host
         self.page_format = page_format
         self.target = target = HiCacheControl(self, self.store, page_format.indices_per_page)
+        # Under attention DP SGLang hands over the attention-TP rank, which attention-CP peers
+        # share: the socket is named by the rank's place in its whole group.
+        tp_rank, tp_size = rank_in_replica(cfg.tp_rank, cfg.tp_size)
         self.control = start_control(
-            target, name=self.name, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, stage=(cfg.pp_rank, cfg.pp_size)
+            target, name=self.name, tp_rank=tp_rank, tp_size=tp_size, stage=(cfg.pp_rank, cfg.pp_size)
         )
         close_at_exit(self)  # not every SGLang owner of a storage backend closes it at exit
 
