@@ -108,7 +108,7 @@ class KVPlugStorage(HiCacheStorage):
             model_revision=self.model_revision,
             # A host pool's own page format, which SGLang tags its model name with.
             engine_variant=str(getattr(mem_pool_host, "storage_format_tag", None) or ""),
-            kv_layout=page_format.describe() + (":split" if cfg.should_split_heads else ""),
+            kv_layout=page_format.describe() + (":split" if cfg.should_split_heads else "") + _cp_shard(cfg),
             dtype=kvplug.dtype_name(page_format.dtype),
             block_size=page_format.page_size,
             tp_rank=cfg.dcp_rank if replicated else cfg.tp_rank,
@@ -317,6 +317,14 @@ class KVPlugStorage(HiCacheStorage):
         need = len(keys) * self.page_format.indices_per_page
         if host_indices.numel() < need:
             raise ValueError(f"{len(keys)} pages need {need} host indices, got {host_indices.numel()}")
+
+
+def _cp_shard(cfg: HiCacheStorageConfig) -> str:
+    """The attention-CP shard a rank's pages are, for its keys (``""`` without CP). Under
+    attention DP SGLang hands every CP peer the same ``tp_rank`` (its attention-TP rank), and
+    CP ranks may hold different slices of a page (NSA context parallel): SGLang's own file
+    backend keys each CP rank apart too. A peer that reads another's slice would load wrong KV."""
+    return f":cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}" if cfg.attn_cp_size > 1 else ""
 
 
 def _checkpoint() -> tuple[str, str]:

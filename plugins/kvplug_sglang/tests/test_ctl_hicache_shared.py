@@ -9,15 +9,12 @@ control server) share a real disk folder; the clear is a real control request on
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
-from sglang_flow import published_server_args
 from test_sglang_hicache import PAGE, make_backend, make_host, page_keys, random_pages
+from test_sglang_hicache_shared import attention_dp_cp_backends
 
 from kvplug.core.control.client import RankEndpoint, ask, missing_ranks
-from kvplug_sglang.hicache import KVPlugStorage
 
 
 def test_clear_all_leaves_the_pages_another_server_wrote_to_a_shared_disk_tier(
@@ -51,47 +48,12 @@ def test_clear_all_leaves_the_pages_another_server_wrote_to_a_shared_disk_tier(
         b.close()
 
 
-def _attention_dp_cp_backends(host: Any, kvplug: dict[str, Any]) -> list[KVPlugStorage]:
-    """The HiCache backends of the four ranks of ``--tp 4 --attention-data-parallel-size 2
-    --attention-context-parallel-size 2``, each under the ranks SGLang's launcher gives that
-    scheduler (its real runtime context), with the storage config SGLang's cache controller
-    builds from them (``HiCacheController._generate_storage_config``; the attention-CP group,
-    a torch.distributed group, is the one thing stood in for: its rank and size as published)."""
-    from sglang.srt.layers.dp_attention import compute_dp_attention_world_info, initialize_dp_attention_flags
-    from sglang.srt.managers.cache_controller import HiCacheController
-    from sglang.srt.runtime_context import get_parallel
-
-    backends = []
-    for tp_rank in range(4):
-        _, _, attn_dp_rank, _ = compute_dp_attention_world_info(tp_rank, 4, 2, 2)  # the launcher's dp_rank
-        with published_server_args(
-            world_rank=tp_rank, dp_rank=attn_dp_rank, tp_size=4, attn_dp_size=2, attn_cp_size=2
-        ) as args:
-            initialize_dp_attention_flags(args)
-            cp = (get_parallel().attn_cp_rank, get_parallel().attn_cp_size)
-            controller = SimpleNamespace(
-                mem_pool_device=None,
-                mem_pool_host=host,
-                storage_host_pool=host,
-                enable_storage_metrics=False,
-                page_size=PAGE,
-                get_attn_cp_rank_and_size=lambda cp=cp: cp,
-            )
-            config = HiCacheController._generate_storage_config(
-                controller, "tiny-llama", {"backend_name": "kvplug", "kvplug": kvplug}
-            )
-            backend = KVPlugStorage(config)
-            backend.register_mem_pool_host(host)
-            backends.append(backend)
-    return backends
-
-
 def test_attention_cp_peers_under_attention_dp_answer_on_sockets_of_their_own(socket_dir: Path) -> None:
     """SGLang hands a HiCache backend the attention-TP rank under attention DP: both
     attention-CP peers of a DP group get tp_rank 0. Each rank says its place in its group
     (``dp0/tp0``, ``dp0/tp1``, ...), so their control sockets differ and ``kvplug ctl`` finds
     every rank, none missing."""
-    backends = _attention_dp_cp_backends(make_host("layer_first"), {"tiers": [{"type": "cpu"}]})
+    backends = attention_dp_cp_backends(make_host("layer_first"), {"tiers": [{"type": "cpu"}]})
     try:
         ranks = [RankEndpoint(b.control.path, ask(b.control.path, "info")) for b in backends if b.control is not None]
         # What a rank's socket is named by (each rank is a process of its own, one engine id).
