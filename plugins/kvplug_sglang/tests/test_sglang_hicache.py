@@ -28,7 +28,8 @@ PAGE = 4
 LAYOUTS = ["layer_first", "page_first"]
 
 
-def make_host(layout: str) -> MHATokenToKVPoolHost:
+def make_host(layout: str, first_layer: int = 0) -> MHATokenToKVPoolHost:
+    """A host pool of the model's layers ``first_layer`` on (a pipeline stage's slice of them)."""
     device = make_pool(size=64, page_size=PAGE)
     info = device.get_device_pool_infos()[0].buffer_info
     return MHATokenToKVPoolHost(
@@ -40,8 +41,8 @@ def make_host(layout: str) -> MHATokenToKVPoolHost:
         pin_memory=False,
         device="cpu",
         device_capacity_tokens=device.size,
-        start_layer=device.start_layer,
-        end_layer=device.end_layer,
+        start_layer=device.start_layer + first_layer,
+        end_layer=device.end_layer + first_layer,
     )
 
 

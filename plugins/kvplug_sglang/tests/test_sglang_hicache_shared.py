@@ -231,6 +231,24 @@ def test_servers_of_other_weights_under_one_served_name_never_share_pages(tmp_pa
         backend.close()
 
 
+def test_a_stage_never_reads_pages_of_other_layers(tmp_path: Path) -> None:
+    """Two servers' second pipeline stages hold as many layers each, but other ones (another
+    SGLANG_PP_LAYER_PARTITION: layers 2-5 and 3-6 of a 3-stage split): neither reads the
+    other's pages, though SGLang names the pages of one prompt alike."""
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    kvplug = {"tiers": [{"type": "disk", "path": str(tmp_path / "disk"), "queue": {"mode": "sync"}}]}
+    keys = page_keys(list(range(600, 600 + 2 * PAGE)))
+    first_host, other_host = make_host("layer_first", first_layer=2), make_host("layer_first", first_layer=3)
+    first, other = make_backend(first_host, kvplug, stage=(1, 3)), make_backend(other_host, kvplug, stage=(1, 3))
+    try:
+        assert first.batch_set_v1(keys, random_pages(first_host, 2, seed=10)) == [True, True]
+        assert first.batch_exists(keys) == 2
+        assert other.batch_exists(keys) == 0, "a stage read the pages of other layers"
+    finally:
+        first.close()
+        other.close()
+
+
 @pytest.mark.parametrize("owner", ["none", "sglang"])
 def test_a_normal_exit_writes_the_queued_pages_and_removes_the_control_socket(
     socket_dir: Path, tmp_path: Path, owner: str
