@@ -54,7 +54,9 @@ def make_backend(
     tp_rank: int = 0,
     v1: bool = True,
     stage: tuple[int, int] = (0, 1),
+    extra: dict[str, Any] | None = None,
 ) -> KVPlugStorage:
+    """A backend as SGLang's StorageBackendFactory builds it; ``extra``: more of the extra config."""
     config = HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=2,
@@ -72,6 +74,7 @@ def make_backend(
             "class_name": "KVPlugStorage",
             "interface_v1": int(v1),
             "kvplug": kvplug,
+            **(extra or {}),
         },
     )
     backend = StorageBackendFactory.create_backend("dynamic", config, host)
@@ -332,6 +335,9 @@ def test_errors_name_the_problem() -> None:
     backend = StorageBackendFactory.create_backend("dynamic", config, host)
     with pytest.raises(RuntimeError, match="register_mem_pool_host"):
         backend.exists("k")
-    config.extra_config = {**config.extra_config, "kvplug": {"tiers": [{"type": "nope"}]}}
+    config.extra_config = {**config.extra_config, "read_timeout_s": "soon"}
+    with pytest.raises(ValueError, match="read_timeout_s must be a number of seconds > 0, got 'soon'"):
+        StorageBackendFactory.create_backend("dynamic", config, host)
+    config.extra_config = {**config.extra_config, "read_timeout_s": 5, "kvplug": {"tiers": [{"type": "nope"}]}}
     with pytest.raises(ValueError, match="tiers\\[0\\].type"):
         StorageBackendFactory.create_backend("dynamic", config, host)
