@@ -115,7 +115,7 @@ class KVPlugStorage(HiCacheStorage):
             model_id=self.model_id,
             model_revision=self.model_revision,
             # A host pool's own page format, which SGLang tags its model name with.
-            engine_variant=str(getattr(mem_pool_host, "storage_format_tag", None) or ""),
+            engine_variant=str(getattr(mem_pool_host, "storage_format_tag", None) or "") + _kv_cache_variant(),
             kv_layout=page_format.describe() + (":split" if cfg.should_split_heads else "") + _cp_shard(cfg),
             dtype=kvplug.dtype_name(page_format.dtype),
             block_size=page_format.page_size,
@@ -350,6 +350,23 @@ def _cp_shard(cfg: HiCacheStorageConfig) -> str:
     CP ranks may hold different slices of a page (NSA context parallel): SGLang's own file
     backend keys each CP rank apart too. A peer that reads another's slice would load wrong KV."""
     return f":cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}" if cfg.attn_cp_size > 1 else ""
+
+
+def _kv_cache_variant() -> str:
+    """The KV cache dtype this SGLang server was told and the KV scales file, where set. SGLang
+    keeps an fp8 KV cache in uint8 pages (e4m3 and e5m2 alike), so the pages' dtype does not
+    tell them apart; the scales (``--quantization-param-path``) change the bytes too."""
+    from sglang.srt.runtime_context import get_model
+
+    try:
+        model = get_model()
+    except ValueError:  # "config namespace 'model' not published": a backend built by hand
+        return ""
+    kv_cache_dtype = str(getattr(model, "kv_cache_dtype", None) or "auto")
+    scales = str(getattr(model, "quantization_param_path", None) or "")
+    return ("" if kv_cache_dtype == "auto" else f";kv_cache_dtype={kv_cache_dtype}") + (
+        f";kv_scales={scales}" if scales else ""
+    )
 
 
 def _checkpoint() -> tuple[str, str]:

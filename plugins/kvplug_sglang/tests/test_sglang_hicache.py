@@ -28,9 +28,10 @@ PAGE = 4
 LAYOUTS = ["layer_first", "page_first"]
 
 
-def make_host(layout: str, first_layer: int = 0) -> MHATokenToKVPoolHost:
-    """A host pool of the model's layers ``first_layer`` on (a pipeline stage's slice of them)."""
-    device = make_pool(size=64, page_size=PAGE)
+def make_host(layout: str, first_layer: int = 0, dtype: torch.dtype = torch.bfloat16) -> MHATokenToKVPoolHost:
+    """A host pool of the model's layers ``first_layer`` on (a pipeline stage's slice of them),
+    of a device pool of KV ``dtype``."""
+    device = make_pool(size=64, page_size=PAGE, dtype=dtype)
     info = device.get_device_pool_infos()[0].buffer_info
     return MHATokenToKVPoolHost(
         info,

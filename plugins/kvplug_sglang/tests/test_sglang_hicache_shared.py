@@ -231,6 +231,37 @@ def test_servers_of_other_weights_under_one_served_name_never_share_pages(tmp_pa
         backend.close()
 
 
+def test_servers_of_other_fp8_kv_caches_never_share_pages(tmp_path: Path) -> None:
+    """SGLang keeps an fp8 KV cache in uint8 pages, e4m3 or e5m2 alike: the pages' dtype does not
+    tell them apart, the server's --kv-cache-dtype does, and its --quantization-param-path (the
+    KV scales the bytes were scaled by)."""
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    from sglang.srt.runtime_context import get_context
+
+    kvplug = {"tiers": [{"type": "disk", "path": str(tmp_path / "disk"), "queue": {"mode": "sync"}}]}
+    host = make_host("layer_first", dtype=torch.float8_e4m3fn)
+    assert host.dtype == torch.uint8
+    keys = page_keys(list(range(650, 650 + 2 * PAGE)))
+    backends = []
+    for kv_cache_dtype, scales in (
+        ("fp8_e4m3", None),
+        ("fp8_e5m2", None),
+        ("fp8_e4m3", "/models/llama/kv_scales.json"),
+    ):
+        with get_context().override_server_args(
+            model_path="/models/llama", kv_cache_dtype=kv_cache_dtype, quantization_param_path=scales
+        ):
+            backends.append(make_backend(host, kvplug, model="llama"))
+    try:
+        writer, *others = backends
+        assert writer.batch_set_v1(keys, random_pages(host, 2, seed=11)) == [True, True]
+        assert writer.batch_exists(keys) == 2
+        assert [other.batch_exists(keys) for other in others] == [0, 0], "a server read another fp8 cache's pages"
+    finally:
+        for backend in backends:
+            backend.close()
+
+
 def test_a_stage_never_reads_pages_of_other_layers(tmp_path: Path) -> None:
     """Two servers' second pipeline stages hold as many layers each, but other ones (another
     SGLANG_PP_LAYER_PARTITION: layers 2-5 and 3-6 of a 3-stage split): neither reads the
