@@ -92,6 +92,31 @@ def replica_rank() -> int:
     return int(rank) if rank is not None else 0
 
 
+def rank_in_replica(tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """This scheduler's TP rank and the TP width of its data-parallel rank, as its control
+    socket says them (``kvplug ctl`` counts TP ranks from 0 in each dp rank); ``tp_rank``,
+    ``tp_size``: what to say where SGLang published no parallel config (a backend built by hand).
+
+    With attention DP the launcher numbers the TP ranks across the engine and gives each
+    attention-DP group its own dp_rank; a group holds ``attn_cp_size * attn_tp_size`` ranks
+    (``tp_rank = (attn_dp_rank * attn_cp_size + attn_cp_rank) * attn_tp_size + attn_tp_rank``).
+    The attention-TP rank alone (what SGLang hands a HiCache backend) is the same on a group's
+    attention-CP peers: their control sockets would have one name, and one replace the other."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        parallel = get_parallel()
+        rank, size, groups = int(parallel.tp_rank), int(parallel.tp_size), int(parallel.attn_dp_size)
+    except (RuntimeError, ValueError, TypeError):  # not stated in this process
+        return tp_rank, tp_size
+    group = size // groups if groups > 1 and size % groups == 0 else size
+    # Only where the launcher gave the group as the dp_rank: else two groups' ranks would say
+    # the same place; the engine-wide numbering is unique then.
+    if group < size and replica_rank() == rank // group:
+        return rank % group, group
+    return rank, size
+
+
 class PageStorage(Protocol):
     """What :class:`HiCacheControl` needs of the HiCache backend (``KVPlugStorage``)."""
 

@@ -9,7 +9,8 @@ Turn it on with::
 
 kvplug's config is the ``kvplug`` mapping (or ``kvplug.``-prefixed keys, or
 ``"kvplug.config": "<yaml file>"``) of that JSON, over ``KVPLUG_CONFIG`` and
-``KVPLUG_*``. Only the tiers and the serializer matter here: SGLang cuts pages
+``KVPLUG_*``; ``"read_timeout_s"`` there bounds each lookup and load (default 10 s: past
+it, a miss). Only the tiers and the serializer matter here: SGLang cuts pages
 and names them itself (``page_i = sha256(page_{i-1} || tokens_i)``, seeded with
 the request's ``extra_key``/``cache_salt``).
 
@@ -46,13 +47,17 @@ import kvplug
 from kvplug import ChunkStore, ControlServer
 from kvplug.errors import LayoutError
 from kvplug_sglang.at_exit import close_at_exit, within_exit_wait
-from kvplug_sglang.control import HiCacheControl, start_control
+from kvplug_sglang.bounded_reads import BoundedReads
+from kvplug_sglang.control import HiCacheControl, rank_in_replica, start_control
 from kvplug_sglang.host_pages import HostPageFormat
 
 logger = logging.getLogger("kvplug.sglang.hicache")
 
 #: extra_config keys that belong to SGLang's dynamic-backend loader, not to kvplug.
 _LOADER_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"}
+#: The longest a lookup or load waits for the tiers (``"read_timeout_s"`` in the extra config);
+#: past it the pages are a miss (see :mod:`kvplug_sglang.bounded_reads`).
+READ_TIMEOUT_S = 10.0
 
 
 class KVPlugStorage(HiCacheStorage):
@@ -79,6 +84,7 @@ class KVPlugStorage(HiCacheStorage):
                 "KVPlugStorage needs the model's identity for its keys: SGLang passes model_name; "
                 'or set "model_id" in --hicache-storage-backend-extra-config'
             )
+        self.read_timeout_s = _read_timeout(extra)
         self.registry = kvplug.get_registry()
         self.mem_pool_host: Any = None
         self.page_format: HostPageFormat | None = None
@@ -88,6 +94,8 @@ class KVPlugStorage(HiCacheStorage):
         self.control: ControlServer | None = None
         self._unsupported_pools: set[str] = set()
         self._closed = False
+        #: Lookups and loads, each waited for at most ``read_timeout_s``.
+        self.reads = BoundedReads(self.read_timeout_s)
 
     # --- registration -----------------------------------------------------------------
 
@@ -107,8 +115,8 @@ class KVPlugStorage(HiCacheStorage):
             model_id=self.model_id,
             model_revision=self.model_revision,
             # A host pool's own page format, which SGLang tags its model name with.
-            engine_variant=str(getattr(mem_pool_host, "storage_format_tag", None) or ""),
-            kv_layout=page_format.describe() + (":split" if cfg.should_split_heads else ""),
+            engine_variant=str(getattr(mem_pool_host, "storage_format_tag", None) or "") + _kv_cache_variant(),
+            kv_layout=page_format.describe() + (":split" if cfg.should_split_heads else "") + _cp_shard(cfg),
             dtype=kvplug.dtype_name(page_format.dtype),
             block_size=page_format.page_size,
             tp_rank=cfg.dcp_rank if replicated else cfg.tp_rank,
@@ -125,8 +133,11 @@ class KVPlugStorage(HiCacheStorage):
         self.mem_pool_host = mem_pool_host
         self.page_format = page_format
         self.target = target = HiCacheControl(self, self.store, page_format.indices_per_page)
+        # Under attention DP SGLang hands over the attention-TP rank, which attention-CP peers
+        # share: the socket is named by the rank's place in its whole group.
+        tp_rank, tp_size = rank_in_replica(cfg.tp_rank, cfg.tp_size)
         self.control = start_control(
-            target, name=self.name, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, stage=(cfg.pp_rank, cfg.pp_size)
+            target, name=self.name, tp_rank=tp_rank, tp_size=tp_size, stage=(cfg.pp_rank, cfg.pp_size)
         )
         close_at_exit(self)  # not every SGLang owner of a storage backend closes it at exit
 
@@ -152,10 +163,15 @@ class KVPlugStorage(HiCacheStorage):
         The store verifies every page before any is promoted into a faster tier; a page
         that fails ends the prefix and is removed from every tier."""
         assert self.store is not None and self.page_format is not None
+        store, dtype = self.store, self.page_format.dtype
         found: list[torch.Tensor | None] = [None] * len(keys)
         shapes = [self.page_format.canonical_shape] * len(keys)
-        loaded = self.store.load_prefix([self.storage_key(k) for k in keys], shapes, self.page_format.dtype)
-        found[: len(loaded.tensors)] = loaded.tensors
+        stored = [self.storage_key(k) for k in keys]
+        loaded = self.reads.run(lambda: store.load_prefix(stored, shapes, dtype).tensors, None, "load")
+        if loaded is None:  # given up: every page a miss, counted as vLLM's loads past their deadline are
+            store.metrics.load_errors.labels("deadline").inc(len(keys))
+            return found
+        found[: len(loaded)] = loaded
         return found
 
     def _put(self, keys: list[str], pages: list[torch.Tensor]) -> bool:
@@ -219,8 +235,10 @@ class KVPlugStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading pages are stored (stops at the first missing one)."""
         self._check_ready()
-        assert self.store is not None
-        return self.store.contains_prefix([self.storage_key(k) for k in keys])
+        store = self.store
+        assert store is not None
+        stored = [self.storage_key(k) for k in keys]
+        return self.reads.run(lambda: store.contains_prefix(stored), 0, "lookup")
 
     # --- zero-copy v1 (host indices) --------------------------------------------------
 
@@ -314,6 +332,41 @@ class KVPlugStorage(HiCacheStorage):
         need = len(keys) * self.page_format.indices_per_page
         if host_indices.numel() < need:
             raise ValueError(f"{len(keys)} pages need {need} host indices, got {host_indices.numel()}")
+
+
+def _read_timeout(extra: dict[str, Any]) -> float:
+    """``"read_timeout_s"`` of the extra config (:data:`READ_TIMEOUT_S` if absent)."""
+    value = extra.get("read_timeout_s", READ_TIMEOUT_S)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"--hicache-storage-backend-extra-config: read_timeout_s must be a number of seconds > 0, got {value!r}"
+        )
+    return float(value)
+
+
+def _cp_shard(cfg: HiCacheStorageConfig) -> str:
+    """The attention-CP shard a rank's pages are, for its keys (``""`` without CP). Under
+    attention DP SGLang hands every CP peer the same ``tp_rank`` (its attention-TP rank), and
+    CP ranks may hold different slices of a page (NSA context parallel): SGLang's own file
+    backend keys each CP rank apart too. A peer that reads another's slice would load wrong KV."""
+    return f":cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}" if cfg.attn_cp_size > 1 else ""
+
+
+def _kv_cache_variant() -> str:
+    """The KV cache dtype this SGLang server was told and the KV scales file, where set. SGLang
+    keeps an fp8 KV cache in uint8 pages (e4m3 and e5m2 alike), so the pages' dtype does not
+    tell them apart; the scales (``--quantization-param-path``) change the bytes too."""
+    from sglang.srt.runtime_context import get_model
+
+    try:
+        model = get_model()
+    except ValueError:  # "config namespace 'model' not published": a backend built by hand
+        return ""
+    kv_cache_dtype = str(getattr(model, "kv_cache_dtype", None) or "auto")
+    scales = str(getattr(model, "quantization_param_path", None) or "")
+    return ("" if kv_cache_dtype == "auto" else f";kv_cache_dtype={kv_cache_dtype}") + (
+        f";kv_scales={scales}" if scales else ""
+    )
 
 
 def _checkpoint() -> tuple[str, str]:

@@ -36,6 +36,8 @@ class HostPageFormat:
     #: Host indices SGLang hands over per page: ``page_size`` times the DCP size, whose
     #: ranks each hold ``page_size`` of a page's tokens (SGLang's ``logical_page_size``).
     indices_per_page: int
+    #: The model layer of the pool's first (a pipeline stage's pool holds a slice of them).
+    first_layer: int = 0
 
     @classmethod
     def of(cls, host: Any) -> HostPageFormat:
@@ -60,6 +62,7 @@ class HostPageFormat:
             dtype=host.dtype,
             page_shape=page_shape,
             indices_per_page=int(getattr(host, "logical_page_size", page_size)),
+            first_layer=int(getattr(host, "start_layer", 0) or 0),
         )
 
     @property
@@ -68,9 +71,12 @@ class HostPageFormat:
         return (num_kv, self.num_layers, self.page_size, self.num_heads, self.head_dim)
 
     def describe(self) -> str:
-        """Layout text for the fingerprint (the canonical page, not the host layout)."""
+        """Layout text for the fingerprint (the canonical page, not the host layout). Two
+        pipeline stages of as many layers each (of two layer partitions) hold other layers:
+        a pool that starts past layer 0 names its first."""
         kind = "mla" if self.is_mla else "mha"
-        return f"sglang_hicache_{kind}:L{self.num_layers}:P{self.page_size}:H{self.num_heads}:D{self.head_dim}"
+        layers = f"L{self.num_layers}" + (f"@{self.first_layer}" if self.first_layer else "")
+        return f"sglang_hicache_{kind}:{layers}:P{self.page_size}:H{self.num_heads}:D{self.head_dim}"
 
     def canonical(self, page: torch.Tensor) -> torch.Tensor:
         """A view of ``page`` (shaped like the host's pages, or flat) in canonical order."""

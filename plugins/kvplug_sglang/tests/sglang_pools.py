@@ -34,12 +34,16 @@ def write_model_dir(path: Path, *, num_layers: int = NUM_LAYERS, num_kv_heads: i
 
 
 def make_pool(
-    size: int = 512, page_size: int = 1, layers: int = NUM_LAYERS, heads: int = NUM_HEADS
+    size: int = 512,
+    page_size: int = 1,
+    layers: int = NUM_LAYERS,
+    heads: int = NUM_HEADS,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> MHATokenToKVPool:
     return MHATokenToKVPool(
         size=size,
         page_size=page_size,
-        dtype=torch.bfloat16,
+        dtype=dtype,
         head_num=heads,
         head_dim=HEAD_DIM,
         layer_num=layers,

@@ -28,8 +28,10 @@ PAGE = 4
 LAYOUTS = ["layer_first", "page_first"]
 
 
-def make_host(layout: str) -> MHATokenToKVPoolHost:
-    device = make_pool(size=64, page_size=PAGE)
+def make_host(layout: str, first_layer: int = 0, dtype: torch.dtype = torch.bfloat16) -> MHATokenToKVPoolHost:
+    """A host pool of the model's layers ``first_layer`` on (a pipeline stage's slice of them),
+    of a device pool of KV ``dtype``."""
+    device = make_pool(size=64, page_size=PAGE, dtype=dtype)
     info = device.get_device_pool_infos()[0].buffer_info
     return MHATokenToKVPoolHost(
         info,
@@ -40,8 +42,8 @@ def make_host(layout: str) -> MHATokenToKVPoolHost:
         pin_memory=False,
         device="cpu",
         device_capacity_tokens=device.size,
-        start_layer=device.start_layer,
-        end_layer=device.end_layer,
+        start_layer=device.start_layer + first_layer,
+        end_layer=device.end_layer + first_layer,
     )
 
 
@@ -53,7 +55,9 @@ def make_backend(
     tp_rank: int = 0,
     v1: bool = True,
     stage: tuple[int, int] = (0, 1),
+    extra: dict[str, Any] | None = None,
 ) -> KVPlugStorage:
+    """A backend as SGLang's StorageBackendFactory builds it; ``extra``: more of the extra config."""
     config = HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=2,
@@ -71,6 +75,7 @@ def make_backend(
             "class_name": "KVPlugStorage",
             "interface_v1": int(v1),
             "kvplug": kvplug,
+            **(extra or {}),
         },
     )
     backend = StorageBackendFactory.create_backend("dynamic", config, host)
@@ -331,6 +336,9 @@ def test_errors_name_the_problem() -> None:
     backend = StorageBackendFactory.create_backend("dynamic", config, host)
     with pytest.raises(RuntimeError, match="register_mem_pool_host"):
         backend.exists("k")
-    config.extra_config = {**config.extra_config, "kvplug": {"tiers": [{"type": "nope"}]}}
+    config.extra_config = {**config.extra_config, "read_timeout_s": "soon"}
+    with pytest.raises(ValueError, match="read_timeout_s must be a number of seconds > 0, got 'soon'"):
+        StorageBackendFactory.create_backend("dynamic", config, host)
+    config.extra_config = {**config.extra_config, "read_timeout_s": 5, "kvplug": {"tiers": [{"type": "nope"}]}}
     with pytest.raises(ValueError, match="tiers\\[0\\].type"):
         StorageBackendFactory.create_backend("dynamic", config, host)

@@ -1,13 +1,15 @@
-"""KVPlugStorage next to other ranks and servers: DCP shards, and tiers shared with another server."""
+"""KVPlugStorage next to other ranks and servers: DCP and attention-CP shards, and tiers shared with another server."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang_flow import published_server_args
 from test_sglang_hicache import PAGE, make_backend, make_host, page_keys, random_pages
 
 from kvplug_sglang.hicache import KVPlugStorage
@@ -90,6 +92,67 @@ def test_dcp_shards_are_kept_apart(tmp_path: Path) -> None:
         backend.close()
 
 
+def attention_dp_cp_backends(host: Any, kvplug: dict[str, Any]) -> list[KVPlugStorage]:
+    """The HiCache backends of the four ranks of ``--tp 4 --attention-data-parallel-size 2
+    --attention-context-parallel-size 2``, each under the ranks SGLang's launcher gives that
+    scheduler (its real runtime context), with the storage config SGLang's cache controller
+    builds from them (``HiCacheController._generate_storage_config``; the attention-CP group,
+    a torch.distributed group, is the one thing stood in for: its rank and size as published)."""
+    from sglang.srt.layers.dp_attention import compute_dp_attention_world_info, initialize_dp_attention_flags
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.runtime_context import get_parallel
+
+    backends = []
+    for tp_rank in range(4):
+        _, _, attn_dp_rank, _ = compute_dp_attention_world_info(tp_rank, 4, 2, 2)  # the launcher's dp_rank
+        with published_server_args(
+            world_rank=tp_rank, dp_rank=attn_dp_rank, tp_size=4, attn_dp_size=2, attn_cp_size=2
+        ) as args:
+            initialize_dp_attention_flags(args)
+            cp = (get_parallel().attn_cp_rank, get_parallel().attn_cp_size)
+            controller = SimpleNamespace(
+                mem_pool_device=None,
+                mem_pool_host=host,
+                storage_host_pool=host,
+                enable_storage_metrics=False,
+                page_size=PAGE,
+                get_attn_cp_rank_and_size=lambda cp=cp: cp,
+            )
+            config = HiCacheController._generate_storage_config(
+                controller, "tiny-llama", {"backend_name": "kvplug", "kvplug": kvplug}
+            )
+            backend = KVPlugStorage(config)
+            backend.register_mem_pool_host(host)
+            backends.append(backend)
+    return backends
+
+
+def test_attention_cp_peers_never_read_each_others_pages(tmp_path: Path) -> None:
+    """Under attention DP SGLang hands both attention-CP peers of a group tp_rank 0, and CP
+    ranks may hold different slices of a page (NSA context parallel) under SGLang's same page
+    key: each peer reads back its own page, never its peer's; the same CP rank of another DP
+    group (the same heads and slice) shares it."""
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    host = make_host("layer_first")
+    tiers = [{"type": "disk", "path": str(tmp_path / "disk"), "queue": {"mode": "sync"}}]
+    backends = attention_dp_cp_backends(host, {"tiers": tiers})  # dp0/cp0, dp0/cp1, dp1/cp0, dp1/cp1
+    keys = page_keys(list(range(500, 500 + PAGE)))
+    try:
+        written = []
+        for fill, backend in ((1.0, backends[0]), (2.0, backends[1])):
+            src = host.alloc(PAGE)
+            host.get_data_page(int(src[0]), flat=False).fill_(fill)
+            written.append(host.get_data_page(int(src[0])).clone())
+            assert backend.batch_set_v1(keys, src) == [True]
+        for reader, expected in zip(backends, written + written):
+            dst = host.alloc(PAGE)
+            assert reader.batch_get_v1(keys, dst) == [True]
+            assert torch.equal(host.get_data_page(int(dst[0])), expected), "a CP peer read another slice"
+    finally:
+        for backend in backends:
+            backend.close()
+
+
 def test_clear_leaves_pages_another_server_wrote(tmp_path: Path) -> None:
     """SGLang's ``clear`` removes the pages this backend wrote; a page a shared tier already
     held when it stored it is the other server's and stays."""
@@ -166,6 +229,55 @@ def test_servers_of_other_weights_under_one_served_name_never_share_pages(tmp_pa
     assert new.target is not None and new.target.describe()["model"] == "/models/llama-v2"
     for backend in backends:
         backend.close()
+
+
+def test_servers_of_other_fp8_kv_caches_never_share_pages(tmp_path: Path) -> None:
+    """SGLang keeps an fp8 KV cache in uint8 pages, e4m3 or e5m2 alike: the pages' dtype does not
+    tell them apart, the server's --kv-cache-dtype does, and its --quantization-param-path (the
+    KV scales the bytes were scaled by)."""
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    from sglang.srt.runtime_context import get_context
+
+    kvplug = {"tiers": [{"type": "disk", "path": str(tmp_path / "disk"), "queue": {"mode": "sync"}}]}
+    host = make_host("layer_first", dtype=torch.float8_e4m3fn)
+    assert host.dtype == torch.uint8
+    keys = page_keys(list(range(650, 650 + 2 * PAGE)))
+    backends = []
+    for kv_cache_dtype, scales in (
+        ("fp8_e4m3", None),
+        ("fp8_e5m2", None),
+        ("fp8_e4m3", "/models/llama/kv_scales.json"),
+    ):
+        with get_context().override_server_args(
+            model_path="/models/llama", kv_cache_dtype=kv_cache_dtype, quantization_param_path=scales
+        ):
+            backends.append(make_backend(host, kvplug, model="llama"))
+    try:
+        writer, *others = backends
+        assert writer.batch_set_v1(keys, random_pages(host, 2, seed=11)) == [True, True]
+        assert writer.batch_exists(keys) == 2
+        assert [other.batch_exists(keys) for other in others] == [0, 0], "a server read another fp8 cache's pages"
+    finally:
+        for backend in backends:
+            backend.close()
+
+
+def test_a_stage_never_reads_pages_of_other_layers(tmp_path: Path) -> None:
+    """Two servers' second pipeline stages hold as many layers each, but other ones (another
+    SGLANG_PP_LAYER_PARTITION: layers 2-5 and 3-6 of a 3-stage split): neither reads the
+    other's pages, though SGLang names the pages of one prompt alike."""
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    kvplug = {"tiers": [{"type": "disk", "path": str(tmp_path / "disk"), "queue": {"mode": "sync"}}]}
+    keys = page_keys(list(range(600, 600 + 2 * PAGE)))
+    first_host, other_host = make_host("layer_first", first_layer=2), make_host("layer_first", first_layer=3)
+    first, other = make_backend(first_host, kvplug, stage=(1, 3)), make_backend(other_host, kvplug, stage=(1, 3))
+    try:
+        assert first.batch_set_v1(keys, random_pages(first_host, 2, seed=10)) == [True, True]
+        assert first.batch_exists(keys) == 2
+        assert other.batch_exists(keys) == 0, "a stage read the pages of other layers"
+    finally:
+        first.close()
+        other.close()
 
 
 @pytest.mark.parametrize("owner", ["none", "sglang"])

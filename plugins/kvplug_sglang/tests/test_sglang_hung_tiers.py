@@ -1,5 +1,6 @@
 """A tier whose writes hang (a stuck remote or mount) never holds SGLang's scheduler: the
-radix-cache backend's steps, stores and exit, and the HiCache backend's close."""
+radix-cache backend's steps, stores and exit, and the HiCache backend's close; a tier whose
+reads hang never holds SGLang's HiCache prefetch threads."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from sglang_flow import build_stack, published_server_args, serve_request
 from test_sglang_hicache import PAGE, make_backend, make_host, page_keys, random_pages
 
@@ -34,11 +36,28 @@ class _GatedTier(CPUTier):
         super().put(items)
 
 
+_READ_GATE = threading.Event()
+
+
+class _ReadGatedTier(CPUTier):
+    """A cpu tier whose reads wait while the test holds the gate shut (a hung mount)."""
+
+    name = "read_gated_cpu"
+
+    def contains(self, keys: Any) -> list[bool]:
+        _READ_GATE.wait(timeout=300)
+        return super().contains(keys)
+
+    def get(self, keys: Any) -> Any:
+        _READ_GATE.wait(timeout=300)
+        return super().get(keys)
+
+
 class _GatedPlugin:
     @staticmethod
     @kvplug.hookimpl
     def kvplug_storage_tiers() -> list[type]:
-        return [_GatedTier]
+        return [_GatedTier, _ReadGatedTier]
 
 
 def test_the_scheduler_step_never_waits_for_the_tiers(
@@ -217,3 +236,45 @@ def test_a_closed_backend_reports_writes_failed_and_reads_missed() -> None:
     assert backend.batch_set_v1(keys, indices) == [False, False]
     assert backend.batch_get_v1(keys, indices) == [False, False]
     assert backend.batch_exists(keys) == 0
+
+
+def test_lookups_and_loads_from_a_tier_whose_reads_hang_are_misses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's prefetch threads wait on batch_exists and batch_get_v1 (a prefetch's host memory
+    is released, and the next one starts, when they return): with a tier stuck in its reads
+    they return misses, and the late read never writes the host pages SGLang may have reused.
+    Once the tier answers again, pages load."""
+    _gate_hicache_closes(monkeypatch)
+    _READ_GATE.set()
+    host = make_host("layer_first")
+    backend = make_backend(host, {"tiers": [{"type": "read_gated_cpu"}]}, extra={"read_timeout_s": 0.5})
+    keys = page_keys(list(range(700, 700 + 2 * PAGE)))
+    src = random_pages(host, 2, seed=12)
+    assert backend.batch_set_v1(keys, src) == [True, True]
+    dst = host.alloc(2 * PAGE)
+    before = [host.get_data_page(int(dst[i])).clone() for i in (0, PAGE)]
+    answers: dict[str, Any] = {}
+    _READ_GATE.clear()
+    try:
+        reading = threading.Thread(
+            target=lambda: answers.update(get=backend.batch_get_v1(keys, dst), exists=backend.batch_exists(keys)),
+            daemon=True,
+        )
+        reading.start()
+        reading.join(timeout=60)
+        returned = not reading.is_alive()
+    finally:
+        _READ_GATE.set()
+    late = [t for t in threading.enumerate() if t.name == "kvplug-hicache-read"]
+    for thread in late:  # the reads given up end once the tier answers
+        thread.join(timeout=60)
+    try:
+        assert returned, "a HiCache read waited for a tier that does not answer"
+        assert answers == {"get": [False, False], "exists": 0}
+        assert all(torch.equal(a, host.get_data_page(int(dst[i]))) for a, i in zip(before, (0, PAGE))), (
+            "a late read wrote the host pages"
+        )
+        assert backend.batch_exists(keys) == 2 and backend.batch_get_v1(keys, dst) == [True, True]
+        assert backend.store is not None
+        assert backend.store.metrics.value("kvplug_load_errors_total", reason="deadline") == 2  # the pages given up
+    finally:
+        backend.close()
