@@ -55,7 +55,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 import kvplug
 from kvplug_sglang.at_exit import close_at_exit
-from kvplug_sglang.control import replica_rank, start_control
+from kvplug_sglang.control import rank_in_replica, start_control
 from kvplug_sglang.request_keys import RequestKeys, lora_refs_of
 from kvplug_sglang.setup_engine import build_cache_engine, model_id_of
 
@@ -110,7 +110,7 @@ class KVPlugRadixCache(RadixCache):
         )
         #: The ranks that agree on every hit and load (None: this rank alone).
         self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
-        control_rank, control_size = _rank_in_group(tp_rank, tp_size)
+        control_rank, control_size = rank_in_replica(tp_rank, tp_size)
         self.control = start_control(
             self.engine, name=model_id_of(model_config), tp_rank=control_rank, tp_size=control_size
         )
@@ -313,23 +313,6 @@ def kvplug_radix_cache_factory(ctx: Any) -> KVPlugRadixCache:
         tp_worker=ctx.tp_worker,
         attn_tp=_attention_tp(ctx),
     )
-
-
-def _rank_in_group(tp_rank: int, tp_size: int) -> tuple[int, int]:
-    """This rank's TP rank and size within its data-parallel rank, as its control socket says
-    them. With attention DP, SGLang numbers the TP ranks across the engine and gives each
-    attention-DP group a dp_rank of its own: said as they are, ``kvplug ctl`` (which counts TP
-    ranks from 0 in each dp rank) would name ranks that do not exist as missing."""
-    from sglang.srt.runtime_context import get_parallel
-
-    try:
-        groups = int(get_parallel().attn_dp_size)
-    except (RuntimeError, ValueError):  # no parallel config published in this process
-        return tp_rank, tp_size
-    size = tp_size // groups if groups > 1 and tp_size % groups == 0 else tp_size
-    # (Only where the launcher gave the group as the dp_rank: else the ranks of two groups
-    # would say the same place, and their control sockets the same name.)
-    return (tp_rank % size, size) if size < tp_size and replica_rank() == tp_rank // size else (tp_rank, tp_size)
 
 
 def _attention_tp(ctx: Any) -> tuple[int, int]:
