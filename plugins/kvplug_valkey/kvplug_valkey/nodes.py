@@ -13,7 +13,8 @@ failure of the whole batch. A resharding moves slots between nodes: a key whose 
 answers ``MOVED`` (its slot moved) or ``ASK`` (its slot half-way, the key moved already)
 is sent once more in the same batch to the node named, if the map knows it (else a
 miss), and after ``MOVED`` the map is read again before the next batch; the clients and
-breakers of nodes that left the map are dropped then. Only when no node of the cluster is answering does the batch
+breakers of nodes that left the map are dropped then (a call still on its way to one
+of them is not retried: its client stays closed). Only when no node of the cluster is answering does the batch
 fail, for the tier's retries and breaker to judge.
 """
 
@@ -221,6 +222,17 @@ class ClusterNodes:
         """No primary is known to answer: the last call to each one failed."""
         return all(node.name in self._failing for node in self.cluster.get_primaries())
 
+    def _client(self, node: Any) -> Any:
+        """``node``'s client, made on first use; refused (:class:`NodeDownError`) once the map no
+        longer has the node: a reading closed its client then, and a retry still on its way
+        would open a connection again, that nothing would ever close."""
+        if node.name not in self.cluster.nodes_manager.nodes_cache:
+            raise NodeDownError(f"cluster node {node.name}: no longer in the cluster's map")
+        client = self._clients.get(node.name)
+        if client is None:
+            client = self._clients[node.name] = self._node_client(node.host, node.port)
+        return client
+
     def _breaker(self, name: str) -> CircuitBreaker:
         breaker = self._breakers.get(name)
         if breaker is None:
@@ -235,18 +247,16 @@ class ClusterNodes:
         deadline: float,
         redirected: bool = False,
     ) -> list[Any]:
+        self._client(node)  # (a node the map dropped meanwhile: refused before a breaker is made for it)
         breaker = self._breaker(node.name)
         if not breaker.allow():
             self._failing.add(node.name)
             self._on_short_circuit()
             raise NodeDownError(f"cluster node {node.name}: circuit breaker open")
-        client = self._clients.get(node.name)
-        if client is None:
-            client = self._clients[node.name] = self._node_client(node.host, node.port)
         loop = asyncio.get_running_loop()
         try:
             for attempt in range(self._retries + 1):
-                pipe = client.pipeline(transaction=False)
+                pipe = self._client(node).pipeline(transaction=False)
                 for command in commands:
                     pipe.execute_command(*command)
                 try:
@@ -258,6 +268,8 @@ class ClusterNodes:
                     # within the node's share of the deadline, as the tier retries a batch.
                     if attempt == self._retries or not breaker.may_retry() or loop.time() >= deadline:
                         raise
+        except NodeDownError:
+            raise  # the node left the map during the call: a miss, not the node failing
         except Exception as exc:
             if redirected and isinstance(exc, (asyncio.TimeoutError, vex.TimeoutError)):
                 # Redirected keys get what the first round left of the deadline, nothing where

@@ -1,0 +1,97 @@
+"""The edges of the tier's slot map on a real cluster resharded under it: the client of a
+node the map dropped while a call to it was still on its way."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import valkey_reshard as reshard
+from valkey_helpers import FAST_FAILING, fresh_prefix, sockets_to
+
+from kvplug.testing import key_for, value_for
+from kvplug_valkey.testing import ValkeyCluster, ValkeyServer
+
+
+def _key_in(prefix: str, slots: set[int], stem: str, count: int = 1) -> list[str]:
+    """``count`` record keys, each of its own slot among ``slots``."""
+    keys: list[str] = []
+    taken: set[int] = set()
+    index = 0
+    while len(keys) < count:
+        key = key_for(f"{stem}-{index}")
+        index += 1
+        slot = reshard.slot_of(prefix, key)
+        if slot in slots and slot not in taken:
+            taken.add(slot)
+            keys.append(key)
+    return keys
+
+
+def _hits(tier: Any, keys: list[str], values: dict[str, bytes]) -> list[bool]:
+    """Read ``keys``: each the stored value or a miss (an error would raise here); which hit."""
+    got = tier.get(keys)
+    for key, value in zip(keys, got):
+        assert value is None or bytes(value) == values[key], key
+    return [value is not None for value in got]
+
+
+def _requests_waiting_at(port: int) -> int:
+    """Bytes sent to the server listening on ``port`` that it has not read (Linux /proc):
+    a call on its way to a paused server."""
+    waiting = 0
+    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port:
+            waiting += int(fields[4].split(":")[1], 16)
+    return waiting
+
+
+def _until(predicate: Any, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_retry_on_its_way_does_not_reopen_the_client_of_a_node_that_left(
+    valkey_cluster: ValkeyCluster, tmp_path: Path, tiers
+) -> None:
+    """A call to a node is on its way (the node paused) when another batch reads the map and the
+    node is no longer in it: that batch closes the node's client under the call, whose retry
+    must not open a connection again (the client is no longer the tier's: never closed)."""
+    cluster = valkey_cluster
+    with ValkeyServer(tmp_path / "gone", cluster_port=True) as gone:
+        first, second, third = cluster.nodes
+        prefix = fresh_prefix()
+        # (A deadline that the other batches never reach while the call waits on the paused node.)
+        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **{**FAST_FAILING, "request_timeout_s": 10.0})
+        (away,) = _key_in(prefix, reshard.owned_slots(first), "away")  # its slot goes to `gone` and back
+        (moved,) = _key_in(prefix, reshard.owned_slots(second), "moved")  # its slot goes to the third node
+        values = {key: value_for(key, 1000) for key in (away, moved)}
+        tier.put(list(values.items()))
+        reshard.meet(cluster.nodes, gone)
+        everyone = [*cluster.nodes, gone]
+        reshard.move_slots(everyone, first, gone, [reshard.slot_of(prefix, away)])
+        _until(lambda: all(_hits(tier, [away], values)), "the record moved to the new node is read")
+        assert sockets_to(gone.port) > 0
+        reshard.move_slots(everyone, gone, first, [reshard.slot_of(prefix, away)])
+        reshard.forget(cluster.nodes, gone)
+        reshard.move_slots(cluster.nodes, second, third, [reshard.slot_of(prefix, moved)])
+
+        with ThreadPoolExecutor(1) as pool:
+            gone.pause()
+            try:
+                # The tier's map still sends `away` to `gone`, which holds the call unanswered.
+                on_its_way = pool.submit(_hits, tier, [away], values)
+                _until(lambda: _requests_waiting_at(gone.port) > 0, "the call reached the paused node")
+                assert _hits(tier, [moved], values) == [True]  # told MOVED: the map is read again next
+                assert _hits(tier, [moved], values) == [True]  # the map read: `gone` left it, its client closed
+            finally:
+                gone.resume()
+            on_its_way.result()  # a miss or the record (an error would raise here)
+        # No connection to the node that left: its client was closed, and none was opened again.
+        assert sockets_to(gone.port) == 0
+        assert f"127.0.0.1:{gone.port}" not in tier._backend._nodes._breakers  # (no public view of them)
