@@ -12,7 +12,9 @@ pipeline over a plain client of that node, under the node's own
 failure of the whole batch. A resharding moves slots between nodes: a key whose node
 answers ``MOVED`` (its slot moved) or ``ASK`` (its slot half-way, the key moved already)
 is sent once more in the same batch to the node named, if the map knows it (else a
-miss), and after ``MOVED`` the map is read again before the next batch; the clients and
+miss), and after ``MOVED`` the map is read again before the next batch (from the nodes in
+turn, each within its share of the deadline: one hung node, the URL's, does not keep it from
+being read); the clients and
 breakers of nodes that left the map are dropped then (a call still on its way to one
 of them is not retried: its client stays closed). Only when no node of the cluster is answering does the batch
 fail, for the tier's retries and breaker to judge.
@@ -90,6 +92,8 @@ class ClusterNodes:
         self._clients: dict[str, Any] = {}
         self._stale = False
         self._refreshing = asyncio.Lock()
+        #: The node whose map the last reading took: the first one asked next time.
+        self._last_good: str | None = None
         #: Nodes whose last call failed (or was refused by their open breaker).
         self._failing: set[str] = set()
         #: Failed node pipelines (each also counts towards that node's breaker).
@@ -119,8 +123,7 @@ class ClusterNodes:
             # one would send it where the redirections came from.
             async with self._refreshing:
                 if self._stale:
-                    self._stale = False
-                    await self._refresh(loop.time() + self._node_timeout_s * MAP_DEADLINE_SHARE)
+                    await self._read_map(deadline)
         results: list[Any] = [None] * len(commands)
         groups: dict[str, tuple[Any, list[int]]] = {}
         for position, command in enumerate(commands):
@@ -198,18 +201,42 @@ class ClusterNodes:
         node = self.cluster.nodes_manager.nodes_cache.get(f"{host}:{port}")
         return None if node is None else (node, kind == "ASK")
 
-    async def _refresh(self, until: float) -> None:
-        """Read the slot map again, by ``until`` (a loop time); close the clients, and forget the
-        breakers, of nodes no longer in it (removed from the cluster: their sockets would stay
-        open, their breakers kept, for good). valkey-py asks the nodes one after another, the
-        URL's first, each up to the socket timeout (the whole request's): a hung one would hold
-        the batch, and every batch waiting for the map, past their deadlines."""
-        try:
-            await asyncio.wait_for(self.cluster.nodes_manager.initialize(), until - asyncio.get_running_loop().time())
-        except (vex.ValkeyError, vex.ValkeyClusterException, OSError, asyncio.TimeoutError) as exc:
-            # The map it had stays (asyncio.TimeoutError: no node answered in time).
-            _log.debug("valkey cluster: the slot map could not be refreshed: %r", exc)
+    async def _read_map(self, deadline: float) -> None:
+        """Read the slot map again, within :data:`MAP_DEADLINE_SHARE` of what is left until
+        ``deadline`` (a loop time), the rest being the nodes' (the old map stays if no node
+        answers in time). valkey-py asks the nodes one after another, the URL's first, each up
+        to the socket timeout: a hung URL node would hold every reading past its deadline,
+        for good. Here the nodes are asked in turn, the one that answered last first, each
+        within an equal part of what is left."""
+        self._stale = False
+        loop = asyncio.get_running_loop()
+        until = loop.time() + (deadline - loop.time()) * MAP_DEADLINE_SHARE
+        candidates = list(self.cluster.nodes_manager.startup_nodes.values())  # (valkey-py keeps the map's nodes there)
+        candidates.sort(key=lambda node: node.name != self._last_good)
+        for turn, node in enumerate(candidates):
+            try:
+                share = (until - loop.time()) / (len(candidates) - turn)
+                await asyncio.wait_for(self._read_from(node), share)
+            except (vex.ValkeyError, vex.ValkeyClusterException, OSError, asyncio.TimeoutError) as exc:
+                _log.debug("valkey cluster: no slot map from %s: %r", node.name, exc)
+                continue
+            self._last_good = node.name
+            await self._forget_departed()
             return
+
+    async def _read_from(self, node: Any) -> None:
+        """The map as ``node`` sees it (valkey-py's reading, asking ``node`` alone)."""
+        manager = self.cluster.nodes_manager
+        every, manager.startup_nodes = manager.startup_nodes, {node.name: node}
+        try:
+            await manager.initialize()  # (which sets startup_nodes to the map's nodes)
+        except BaseException:  # (cancelled at the end of its share too)
+            manager.startup_nodes = every
+            raise
+
+    async def _forget_departed(self) -> None:
+        """Close the clients, and forget the breakers, of nodes no longer in the map (removed
+        from the cluster: their sockets would stay open, their breakers kept, for good)."""
         known = set(self.cluster.nodes_manager.nodes_cache)
         for name in [name for name in self._breakers if name not in known]:
             del self._breakers[name]

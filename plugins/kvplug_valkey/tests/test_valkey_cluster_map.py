@@ -1,5 +1,6 @@
-"""The edges of the tier's slot map on a real cluster resharded under it: the client of a
-node the map dropped while a call to it was still on its way."""
+"""The edges of the tier's slot map on a real cluster resharded under it: a map read while
+the URL's node hangs, and the client of a node the map dropped while a call to it was still
+on its way."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import valkey_reshard as reshard
 from valkey_helpers import FAST_FAILING, fresh_prefix, sockets_to
 
 from kvplug.testing import key_for, value_for
+from kvplug_valkey.fault_proxy import FaultProxy
 from kvplug_valkey.testing import ValkeyCluster, ValkeyServer
 
 
@@ -54,6 +56,41 @@ def _until(predicate: Any, what: str, timeout_s: float = 60.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, what
         time.sleep(0.01)
+
+
+def _announce(node: ValkeyServer, port: int, nodes: list[ValkeyServer]) -> None:
+    """Make the cluster name ``node`` at ``port`` (a proxy in front of it) in its map."""
+    node.cli("config", "set", "cluster-announce-bus-port", str(node.port + 10000))
+    node.cli("config", "set", "cluster-announce-port", str(port))
+    for other in nodes:
+        _until(lambda o=other: f":{port}@" in o.cli("cluster", "nodes"), f"{other.port} names {node.port} at {port}")
+
+
+def test_the_map_is_read_past_a_hung_url_node(tmp_path: Path, tiers) -> None:
+    """The URL's node hung (a proxy in front of it that never answers, the cluster itself
+    healthy): slots move to a node that just joined, which only a new reading of the map
+    makes known. The other nodes are asked for it, each within its share of the deadline."""
+    with ValkeyCluster(tmp_path / "cluster") as cluster, ValkeyServer(tmp_path / "new", cluster_port=True) as new:
+        first, second, _ = cluster.nodes
+        proxy = FaultProxy(first.port)
+        try:
+            _announce(first, proxy.port, cluster.nodes)
+            prefix = fresh_prefix()
+            tier = tiers(cluster.url, key_prefix=prefix, cluster=True, request_timeout_s=3.0)
+            keys = _key_in(prefix, reshard.owned_slots(second), "far", count=3)
+            values = {key: value_for(key, 2000) for key in keys}
+            tier.put(list(values.items()))
+            assert all(tier.contains(keys)), tier.stats().extra
+            proxy.set_mode("hang")
+            reshard.meet(cluster.nodes, new)
+            reshard.move_slots([*cluster.nodes, new], second, new, [reshard.slot_of(prefix, key) for key in keys])
+            for _ in range(3):  # (a busy machine may not answer within one batch's share)
+                hits = _hits(tier, keys, values)
+                if all(hits):
+                    break
+            assert all(hits), tier.stats().extra
+        finally:
+            proxy.close()
 
 
 def test_a_retry_on_its_way_does_not_reopen_the_client_of_a_node_that_left(
