@@ -1,6 +1,6 @@
-"""The edges of the tier's slot map on a real cluster resharded under it: a map read while
-the URL's node hangs, and the client of a node the map dropped while a call to it was still
-on its way."""
+"""The edges of the tier's slot map on a real cluster resharded under it: a redirection to a
+node the map does not know yet, a map read while the URL's node hangs, and the client of a
+node the map dropped while a call to it was still on its way."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import valkey_reshard as reshard
 from valkey_helpers import FAST_FAILING, fresh_prefix, sockets_to
 
+from kvplug.core.records.frame import key_digest
 from kvplug.testing import key_for, value_for
 from kvplug_valkey.fault_proxy import FaultProxy
 from kvplug_valkey.testing import ValkeyCluster, ValkeyServer
@@ -30,6 +31,30 @@ def _key_in(prefix: str, slots: set[int], stem: str, count: int = 1) -> list[str
             taken.add(slot)
             keys.append(key)
     return keys
+
+
+def _same_slot(prefix: str, slots: set[int], stem: str) -> list[str]:
+    """Two record keys of one slot among ``slots``."""
+    seen: dict[int, str] = {}
+    index = 0
+    while True:
+        key = key_for(f"{stem}-{index}")
+        index += 1
+        slot = reshard.slot_of(prefix, key)
+        if slot in slots:
+            if slot in seen:
+                return [seen[slot], key]
+            seen[slot] = key
+
+
+def _map_reads(nodes: list[ValkeyServer]) -> int:
+    """``CLUSTER SLOTS`` calls ``nodes`` have served (a reading of the slot map: valkey-py's)."""
+    calls = 0
+    for node in nodes:
+        for line in node.cli("info", "commandstats").splitlines():
+            if line.startswith("cmdstat_cluster|slots:"):
+                calls += int(line.split("calls=")[1].split(",")[0])
+    return calls
 
 
 def _hits(tier: Any, keys: list[str], values: dict[str, bytes]) -> list[bool]:
@@ -56,6 +81,46 @@ def _until(predicate: Any, what: str, timeout_s: float = 60.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, what
         time.sleep(0.01)
+
+
+def test_a_key_told_ask_for_a_node_that_just_joined_is_read_there_in_the_same_batch(
+    valkey_cluster: ValkeyCluster, tmp_path: Path, tiers
+) -> None:
+    """The first slot moving to a node that just joined, half-way: a key moved already is told
+    ASK for a node that serves no slot, which the map (``CLUSTER SLOTS``) does not list. The
+    batch reads the map once (``CLUSTER SHARDS`` lists every node) and reads the key there;
+    the next batches need no reading; moved to the end (``MOVED``), the key is read there too."""
+    cluster = valkey_cluster
+    with ValkeyServer(tmp_path / "new", cluster_port=True) as new:
+        first, everyone = cluster.nodes[0], [*cluster.nodes, new]
+        prefix = fresh_prefix()
+        tier = tiers(cluster.url, key_prefix=prefix, cluster=True)
+        moved, _ = keys = _same_slot(prefix, reshard.owned_slots(first), "joined")
+        values = {key: value_for(key, 2000) for key in keys}
+        tier.put(list(values.items()))
+        assert tier.contains(keys) == [True, True]
+        reshard.meet(cluster.nodes, new)
+        slot = reshard.slot_of(prefix, moved)
+        try:
+            reshard.begin(first, new, slot)
+            reshard.migrate(first, new, [prefix + key_digest(moved).hex()])
+            before = _map_reads(everyone)
+            assert _hits(tier, keys, values) == [True, True], tier.stats().extra
+            reads = _map_reads(everyone)
+            assert reads > before  # that batch read the map
+            assert _hits(tier, keys, values) == [True, True]
+            assert _map_reads(everyone) == reads  # the node known: no reading more
+            reshard.migrate(first, new, reshard.keys_in(first, slot))
+            reshard.finish(everyone, first, new, slot)
+            assert _hits(tier, keys, values) == [True, True], tier.stats().extra
+        finally:  # the session's cluster as it was, from wherever the test stopped
+            if slot not in reshard.owned_slots(new):
+                reshard.migrate(first, new, reshard.keys_in(first, slot))
+                reshard.finish(everyone, first, new, slot)
+            reshard.move_slots(everyone, new, first, [slot])
+            reshard.forget(cluster.nodes, new)
+        extra = tier.stats().extra
+        assert extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
 
 
 def _announce(node: ValkeyServer, port: int, nodes: list[ValkeyServer]) -> None:
