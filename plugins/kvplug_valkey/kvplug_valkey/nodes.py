@@ -11,14 +11,11 @@ pipeline over a plain client of that node, under the node's own
 :class:`NodeDownError` in their slots: no answer for those keys alone, a miss, never a
 failure of the whole batch. A resharding moves slots between nodes: a key whose node
 answers ``MOVED`` (its slot moved) or ``ASK`` (its slot half-way, the key moved already)
-is sent once more in the same batch to the node named, if the map knows it: a node it does not
-know (one that just joined) makes the batch read the map once, and a node still unknown is a
-miss (no record goes to an address that the cluster's map does not name). After ``MOVED`` the
-map is read again before the next batch; the clients and breakers of nodes that left the map
-are dropped then, and a call still on its way to one of them is not retried. The map is read
-from the nodes in turn, each within its share of the deadline, so that one hung node (the
-URL's) does not keep it from being read. Only when no node of the cluster is answering does
-the batch fail, for the tier's retries and breaker to judge.
+is sent once more in the same batch to the node named; a node the map lacks (one that just
+joined) makes the batch read the map once, and one still unknown is a miss. After ``MOVED`` the
+map is read before the next batch (from the nodes in turn: a hung one does not stop it); the
+clients and breakers of nodes that left it are dropped then, and a call on its way to one is
+not retried. Only when no node answers does the batch fail, for the tier's retries and breaker.
 """
 
 from __future__ import annotations
@@ -185,12 +182,10 @@ class ClusterNodes:
         failed = await self._send(sends, commands, results, raise_server_errors, deadline, redirected=False)
         if failed and len(failed) == len(groups) and self._none_answering():
             raise failed[0]  # the whole cluster: the tier's retries and breaker judge it
-        # Slots being moved (a resharding): a key whose slot has moved (MOVED) or whose slot is
-        # half-way and the key already moved (ASK) is sent once more, to the node the reply
-        # names (after ASKING for ASK): a hit, not a miss. A node the map does not know (one
-        # that just joined) makes the batch read the map once, unless it or another batch
-        # read it since this one began; a node still unknown then is a miss: no record goes
-        # to an address that only a reply named, not the cluster's map.
+        # Slots being moved: a key told MOVED (its slot moved) or ASK (its slot half-way, the key
+        # moved) is sent once more, to the node named (after ASKING for ASK). A node the map lacks
+        # (one that just joined) makes the batch read the map, unless a reading began since the
+        # batch did; a node still unknown is a miss: nothing goes where only a reply points.
         targets = [_redirect_target(result) for result in results]
         if any(t is not None and self._known(t[0]) is None for t in targets):
             async with self._refreshing:
@@ -277,11 +272,10 @@ class ClusterNodes:
         """With ``members`` the nodes ``CLUSTER SHARDS`` lists, then the map as ``node`` sees it
         (valkey-py's reading, asking ``node`` alone; it then closes ``node``'s object, replaced by
         a new one: hence this order)."""
-        found: dict[str, _Member] = {}
         try:
             found = _members(await node.execute_command("CLUSTER SHARDS"), self._tls) if members else {}
         except (vex.ResponseError, TypeError, ValueError, AttributeError):
-            pass  # (no such command before Valkey/Redis 7, or a reply not as documented)
+            found = {}  # (no such command before Valkey/Redis 7, or a reply not as documented)
         manager = self.cluster.nodes_manager
         every, manager.startup_nodes = manager.startup_nodes, {node.name: node}
         try:
