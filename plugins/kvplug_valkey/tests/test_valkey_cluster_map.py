@@ -142,18 +142,27 @@ def test_the_map_is_read_past_a_hung_url_node(tmp_path: Path, tiers) -> None:
             _announce(first, proxy.port, cluster.nodes)
             prefix = fresh_prefix()
             tier = tiers(cluster.url, key_prefix=prefix, cluster=True, request_timeout_s=3.0)
-            keys = _key_in(prefix, reshard.owned_slots(second), "far", count=3)
-            values = {key: value_for(key, 2000) for key in keys}
+            *keys, later = _key_in(prefix, reshard.owned_slots(second), "far", count=4)
+            values = {key: value_for(key, 2000) for key in [*keys, later]}
             tier.put(list(values.items()))
-            assert all(tier.contains(keys)), tier.stats().extra
+            assert all(tier.contains([*keys, later])), tier.stats().extra
             proxy.set_mode("hang")
             reshard.meet(cluster.nodes, new)
-            reshard.move_slots([*cluster.nodes, new], second, new, [reshard.slot_of(prefix, key) for key in keys])
+            everyone = [*cluster.nodes, new]
+            reshard.move_slots(everyone, second, new, [reshard.slot_of(prefix, key) for key in keys])
             for _ in range(3):  # (a busy machine may not answer within one batch's share)
                 hits = _hits(tier, keys, values)
                 if all(hits):
                     break
             assert all(hits), tier.stats().extra
+            # The node that answered last is asked first: the next reading never waits on the hung one.
+            asked = proxy.traffic()[0]
+            reads = _map_reads(everyone[1:])
+            reshard.move_slots(everyone, second, new, [reshard.slot_of(prefix, later)])
+            assert _hits(tier, [later], values) == [True]  # told MOVED: the map is read again next
+            assert _hits(tier, [later], values) == [True]
+            assert _map_reads(everyone[1:]) > reads
+            assert proxy.traffic()[0] == asked  # no connection to the hung node
         finally:
             proxy.close()
 
