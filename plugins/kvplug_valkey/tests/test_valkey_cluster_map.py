@@ -1,9 +1,12 @@
 """The edges of the tier's slot map on a real cluster resharded under it: a redirection to a
-node the map does not know yet, a map read while the URL's node hangs, and the client of a
-node the map dropped while a call to it was still on its way."""
+node the map does not know yet (or to an address no map names), a map read while the URL's
+node hangs, and the client of a node the map dropped while a call to it was still on its way."""
 
 from __future__ import annotations
 
+import contextlib
+import socketserver
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -165,6 +168,54 @@ def test_the_map_is_read_past_a_hung_url_node(tmp_path: Path, tiers) -> None:
             assert proxy.traffic()[0] == asked  # no connection to the hung node
         finally:
             proxy.close()
+
+
+class _Redirecting(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while line := self.rfile.readline():  # a RESP array of bulk strings a command
+                args = [self.rfile.read(int(self.rfile.readline()[1:]) + 2)[:-2] for _ in range(int(line[1:]))]
+                ok = args[0].upper() in (b"CLIENT", b"ASKING")  # (the connection's set-up)
+                self.wfile.write(b"+OK\r\n" if ok else b"-MOVED 0 %s\r\n" % self.server.elsewhere)  # type: ignore[attr-defined]
+
+
+class _Redirector(socketserver.ThreadingTCPServer):
+    """A cluster node replaced by a hostile (or broken) server: every command of a key is told
+    MOVED to ``elsewhere``, an address that no reading of the cluster's map names."""
+
+    daemon_threads = True
+
+    def __init__(self, elsewhere: str) -> None:
+        super().__init__(("127.0.0.1", 0), _Redirecting)
+        self.elsewhere = elsewhere.encode()
+        self.port = int(self.server_address[1])
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+def test_a_redirection_to_an_address_no_map_names_is_a_miss_and_never_dialled(tmp_path: Path, tiers) -> None:
+    """Keys told MOVED to an address that neither ``CLUSTER SLOTS`` nor ``CLUSTER SHARDS`` names:
+    each batch reads the map once, the keys miss, and nothing connects to that address."""
+    with ValkeyCluster(tmp_path / "cluster") as cluster:
+        _, second, third = cluster.nodes
+        elsewhere = FaultProxy(second.port)  # (counts the connections it gets)
+        redirector = _Redirector(f"127.0.0.1:{elsewhere.port}")
+        try:
+            _announce(third, redirector.port, cluster.nodes)  # the map names the redirector for it
+            prefix = fresh_prefix()
+            tier = tiers(cluster.url, key_prefix=prefix, cluster=True)
+            (lured,) = _key_in(prefix, reshard.owned_slots(third), "lured")
+            (kept,) = _key_in(prefix, reshard.owned_slots(second), "kept")
+            values = {key: value_for(key, 1000) for key in (lured, kept)}
+            tier.put(list(values.items()))
+            for _ in range(2):
+                reads = _map_reads(cluster.nodes)
+                assert _hits(tier, [lured, kept], values) == [False, True], tier.stats().extra
+                assert elsewhere.traffic() == (0, 0)  # never dialled
+                assert _map_reads(cluster.nodes) == reads + 1  # one reading a batch
+        finally:
+            redirector.shutdown()
+            redirector.server_close()
+            elsewhere.close()
 
 
 def test_a_retry_on_its_way_does_not_reopen_the_client_of_a_node_that_left(
