@@ -261,7 +261,8 @@ class ClusterNodes:
             try:
                 share = (until - loop.time()) / (len(candidates) - turn)
                 self._members = await asyncio.wait_for(self._read_from(node, members), share)
-            except (vex.ValkeyError, vex.ValkeyClusterException, OSError, asyncio.TimeoutError) as exc:
+            except (vex.ValkeyError, vex.ValkeyClusterException, OSError, asyncio.TimeoutError, IndexError) as exc:
+                # (IndexError: valkey-py's reading of a node that answers an empty map, a node reset.)
                 _log.debug("valkey cluster: no slot map from %s: %r", node.name, exc)
                 continue
             self._last_good = node.name
