@@ -320,6 +320,7 @@ class ValkeyBackend(RecordBackend):
                     breaker_cooldown_s=self.config.breaker_cooldown_s,
                     request_timeout_s=self.config.request_timeout_s,
                     retries=self.config.retries,
+                    tls=self.config.address.tls,
                     on_failure=self._on_node_failure,
                     on_short_circuit=self._on_node_short_circuit,
                 )

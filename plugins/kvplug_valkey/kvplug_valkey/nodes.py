@@ -11,10 +11,11 @@ pipeline over a plain client of that node, under the node's own
 :class:`NodeDownError` in their slots: no answer for those keys alone, a miss, never a
 failure of the whole batch. A resharding moves slots between nodes: a key whose node
 answers ``MOVED`` (its slot moved) or ``ASK`` (its slot half-way, the key moved already)
-is sent once more in the same batch to the node named, if the map knows it (else a
-miss), and after ``MOVED`` the map is read again before the next batch; the clients and
-breakers of nodes that left the map are dropped then. Only when no node of the cluster is answering does the batch
-fail, for the tier's retries and breaker to judge.
+is sent once more in the same batch to the node named; a node the map lacks (one that just
+joined) makes the batch read the map once, and one still unknown is a miss. After ``MOVED`` the
+map is read before the next batch (from the nodes in turn: a hung one does not stop it); the
+clients and breakers of nodes that left it are dropped then, and a call on its way to one is
+not retried. Only when no node answers does the batch fail, for the tier's retries and breaker.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from valkey import exceptions as vex
 from valkey.cluster import PRIMARY
@@ -61,6 +62,44 @@ def _redirected(result: Any) -> bool:
     return isinstance(result, vex.ResponseError) and str(result).upper().startswith(_REDIRECTS)
 
 
+def _redirect_target(result: Any) -> tuple[str, bool] | None:
+    """The address (``host:port``) a ``MOVED``/``ASK`` reply names, and whether it was ``ASK``."""
+    if not isinstance(result, vex.ResponseError):
+        return None
+    kind, _, rest = str(result).partition(" ")
+    return (rest.partition(" ")[2], kind == "ASK") if kind in ("MOVED", "ASK") else None
+
+
+class _Member(NamedTuple):
+    """A node as ``CLUSTER SHARDS`` lists it (also one serving no slot, unlike ``CLUSTER SLOTS``)."""
+
+    name: str
+    host: str
+    port: int
+
+
+def _fields(entry: Any) -> dict[str, Any]:
+    """A ``CLUSTER SHARDS`` map (RESP2: an array of names and values) by field name."""
+    pairs = entry.items() if isinstance(entry, dict) else zip(entry[::2], entry[1::2])
+    return {k.decode() if isinstance(k, bytes) else str(k): v for k, v in pairs}
+
+
+def _members(shards: Any, tls: bool) -> dict[str, _Member]:
+    """Every node of a ``CLUSTER SHARDS`` reply, by the address redirections name it by (its
+    endpoint, as ``CLUSTER SLOTS``, ``MOVED`` and ``ASK`` give it, and its TLS port over TLS)."""
+    members: dict[str, _Member] = {}
+    for shard in shards:
+        for entry in _fields(shard).get("nodes") or []:
+            node = _fields(entry)
+            host = node.get("endpoint") or b""
+            host = host.decode() if isinstance(host, bytes) else str(host)
+            port = (node.get("tls-port") if tls else None) or node.get("port")
+            if host and host != "?" and port:  # ("?": a node that has no endpoint to announce)
+                member = _Member(f"{host}:{int(port)}", host, int(port))
+                members[member.name] = member
+    return members
+
+
 class ClusterNodes:
     """Per-node pipelines and breakers over a ``ValkeyCluster`` client's slot map; see the module docstring."""
 
@@ -73,6 +112,7 @@ class ClusterNodes:
         breaker_cooldown_s: float,
         request_timeout_s: float,
         retries: int,
+        tls: bool = False,
         on_failure: Callable[[BaseException], None] = lambda exc: None,
         on_short_circuit: Callable[[], None] = lambda: None,
     ) -> None:
@@ -82,6 +122,7 @@ class ClusterNodes:
         self._cooldown_s = breaker_cooldown_s
         self._node_timeout_s = request_timeout_s * NODE_DEADLINE_SHARE
         self._retries = retries
+        self._tls = tls
         #: Report a node's failed call, and a call its open breaker answered, to the tier's metrics.
         self._on_failure = on_failure
         self._on_short_circuit = on_short_circuit
@@ -89,6 +130,13 @@ class ClusterNodes:
         self._clients: dict[str, Any] = {}
         self._stale = False
         self._refreshing = asyncio.Lock()
+        #: Readings of the map begun (a batch reads it at most once, and not after another batch did).
+        self._readings = 0
+        #: The node whose map the last reading took: the first one asked next time.
+        self._last_good: str | None = None
+        #: Every node of the last reading's ``CLUSTER SHARDS`` (a reading for a node the map lacks:
+        #: one serving no slot, which ``CLUSTER SLOTS``, the map's nodes, leaves out), else none.
+        self._members: dict[str, _Member] = {}
         #: Nodes whose last call failed (or was refused by their open breaker).
         self._failing: set[str] = set()
         #: Failed node pipelines (each also counts towards that node's breaker).
@@ -113,13 +161,13 @@ class ClusterNodes:
         loop = asyncio.get_running_loop()
         # (The map's reading, the nodes' calls and the redirected keys' second round, all within it.)
         deadline = loop.time() + self._node_timeout_s
+        readings = self._readings
         if self._stale or self._refreshing.locked():
             # A batch that comes while another reads the map waits for the new map: the old
             # one would send it where the redirections came from.
             async with self._refreshing:
                 if self._stale:
-                    self._stale = False
-                    await self._refresh(loop.time() + self._node_timeout_s * MAP_DEADLINE_SHARE)
+                    await self._read_map(deadline)
         results: list[Any] = [None] * len(commands)
         groups: dict[str, tuple[Any, list[int]]] = {}
         for position, command in enumerate(commands):
@@ -134,14 +182,20 @@ class ClusterNodes:
         failed = await self._send(sends, commands, results, raise_server_errors, deadline, redirected=False)
         if failed and len(failed) == len(groups) and self._none_answering():
             raise failed[0]  # the whole cluster: the tier's retries and breaker judge it
-        # Slots being moved (a resharding): a key whose slot has moved (MOVED) or whose slot is
-        # half-way and the key already moved (ASK) is sent once more, to the node the reply
-        # names (after ASKING for ASK), when the map knows that node: a hit, not a miss.
+        # Slots being moved: a key told MOVED (its slot moved) or ASK (its slot half-way, the key
+        # moved) is sent once more, to the node named (after ASKING for ASK). A node the map lacks
+        # (one that just joined) makes the batch read the map, unless a reading began since the
+        # batch did; a node still unknown is a miss: nothing goes where only a reply points.
+        targets = [_redirect_target(result) for result in results]
+        if any(t is not None and self._known(t[0]) is None for t in targets):
+            async with self._refreshing:
+                if self._readings == readings:
+                    await self._read_map(deadline, members=True)
         redirected: dict[tuple[str, bool], tuple[Any, list[int]]] = {}
-        for position, result in enumerate(results):
-            where = self._redirection(result)
-            if where is not None:
-                redirected.setdefault((where[0].name, where[1]), (where[0], []))[1].append(position)
+        for position, target in enumerate(targets):
+            node = None if target is None else self._known(target[0])
+            if target is not None and node is not None:
+                redirected.setdefault((node.name, target[1]), (node, []))[1].append(position)
         sends = [(node, positions, asking) for (_, asking), (node, positions) in redirected.items()]
         await self._send(sends, commands, results, raise_server_errors, deadline, redirected=True)
         return [NodeDownError(f"slot moved: {r}") if _redirected(r) else r for r in results]
@@ -184,42 +238,78 @@ class ClusterNodes:
                 results[position] = result
         return failed
 
-    def _redirection(self, result: Any) -> tuple[Any, bool] | None:
-        """The node a ``MOVED``/``ASK`` reply names, and whether it was ``ASK``; ``None`` for
-        another reply, or a node not in the map (a node added is known once the map is read
-        again: no record goes to an address that only a reply named)."""
-        if not isinstance(result, vex.ResponseError):
-            return None
-        kind, _, rest = str(result).partition(" ")
-        if kind not in ("MOVED", "ASK"):
-            return None
-        host, _, port = rest.partition(" ")[2].rpartition(":")
-        node = self.cluster.nodes_manager.nodes_cache.get(f"{host}:{port}")
-        return None if node is None else (node, kind == "ASK")
+    def _known(self, address: str) -> Any:
+        """The node at ``address`` if the last reading of the map named it (``CLUSTER SLOTS``,
+        else ``CLUSTER SHARDS``), else ``None``."""
+        return self.cluster.nodes_manager.nodes_cache.get(address) or self._members.get(address)
 
-    async def _refresh(self, until: float) -> None:
-        """Read the slot map again, by ``until`` (a loop time); close the clients, and forget the
-        breakers, of nodes no longer in it (removed from the cluster: their sockets would stay
-        open, their breakers kept, for good). valkey-py asks the nodes one after another, the
-        URL's first, each up to the socket timeout (the whole request's): a hung one would hold
-        the batch, and every batch waiting for the map, past their deadlines."""
-        try:
-            await asyncio.wait_for(self.cluster.nodes_manager.initialize(), until - asyncio.get_running_loop().time())
-        except (vex.ValkeyError, vex.ValkeyClusterException, OSError, asyncio.TimeoutError) as exc:
-            # The map it had stays (asyncio.TimeoutError: no node answered in time).
-            _log.debug("valkey cluster: the slot map could not be refreshed: %r", exc)
+    async def _read_map(self, deadline: float, *, members: bool = False) -> None:
+        """Read the slot map again, within :data:`MAP_DEADLINE_SHARE` of what is left until
+        ``deadline`` (a loop time), the rest being the nodes' (the old map stays if no node
+        answers in time). valkey-py asks the nodes one after another, the URL's first, each up
+        to the socket timeout: a hung URL node would hold every reading past its deadline,
+        for good. Here the nodes are asked in turn, the one that answered last first, each
+        within an equal part of what is left. ``members``: also ask for every node
+        (``CLUSTER SHARDS``, a round trip more), for a redirection to a node the map lacks."""
+        self._stale = False
+        self._readings += 1
+        loop = asyncio.get_running_loop()
+        until = loop.time() + (deadline - loop.time()) * MAP_DEADLINE_SHARE
+        candidates = list(self.cluster.nodes_manager.startup_nodes.values())  # (valkey-py keeps the map's nodes there)
+        candidates.sort(key=lambda node: node.name != self._last_good)
+        for turn, node in enumerate(candidates):
+            try:
+                share = (until - loop.time()) / (len(candidates) - turn)
+                self._members = await asyncio.wait_for(self._read_from(node, members), share)
+            except (vex.ValkeyError, vex.ValkeyClusterException, OSError, asyncio.TimeoutError, IndexError) as exc:
+                # (IndexError: valkey-py's reading of a node that answers an empty map, a node reset.)
+                _log.debug("valkey cluster: no slot map from %s: %r", node.name, exc)
+                continue
+            self._last_good = node.name
+            await self._forget_departed()
             return
-        known = set(self.cluster.nodes_manager.nodes_cache)
-        for name in [name for name in self._breakers if name not in known]:
+
+    async def _read_from(self, node: Any, members: bool) -> dict[str, _Member]:
+        """With ``members`` the nodes ``CLUSTER SHARDS`` lists, then the map as ``node`` sees it
+        (valkey-py's reading, asking ``node`` alone; it then closes ``node``'s object, replaced by
+        a new one: hence this order)."""
+        try:
+            found = _members(await node.execute_command("CLUSTER SHARDS"), self._tls) if members else {}
+        except (vex.ResponseError, TypeError, ValueError, AttributeError):
+            found = {}  # (no such command before Valkey/Redis 7, or a reply not as documented)
+        manager = self.cluster.nodes_manager
+        every, manager.startup_nodes = manager.startup_nodes, {node.name: node}
+        try:
+            await manager.initialize()  # (which sets startup_nodes to the map's nodes)
+        except BaseException:  # (cancelled at the end of its share too)
+            manager.startup_nodes = every
+            raise
+        return found
+
+    async def _forget_departed(self) -> None:
+        """Close the clients, and forget the breakers, of nodes no longer in the map (removed
+        from the cluster: their sockets would stay open, their breakers kept, for good)."""
+        for name in [name for name in self._breakers if self._known(name) is None]:
             del self._breakers[name]
             self._failing.discard(name)
-        departed = [self._clients.pop(name) for name in list(self._clients) if name not in known]
+        departed = [self._clients.pop(name) for name in list(self._clients) if self._known(name) is None]
         for client in departed:  # (a call still on one fails: a miss for its keys, as for a node gone)
             await client.aclose()
 
     def _none_answering(self) -> bool:
         """No primary is known to answer: the last call to each one failed."""
         return all(node.name in self._failing for node in self.cluster.get_primaries())
+
+    def _client(self, node: Any) -> Any:
+        """``node``'s client, made on first use; refused (:class:`NodeDownError`) once the map no
+        longer has the node: a reading closed its client then, and a retry still on its way
+        would open a connection again, that nothing would ever close."""
+        if self._known(node.name) is None:
+            raise NodeDownError(f"cluster node {node.name}: no longer in the cluster's map")
+        client = self._clients.get(node.name)
+        if client is None:
+            client = self._clients[node.name] = self._node_client(node.host, node.port)
+        return client
 
     def _breaker(self, name: str) -> CircuitBreaker:
         breaker = self._breakers.get(name)
@@ -235,18 +325,16 @@ class ClusterNodes:
         deadline: float,
         redirected: bool = False,
     ) -> list[Any]:
+        self._client(node)  # (a node the map dropped meanwhile: refused before a breaker is made for it)
         breaker = self._breaker(node.name)
         if not breaker.allow():
             self._failing.add(node.name)
             self._on_short_circuit()
             raise NodeDownError(f"cluster node {node.name}: circuit breaker open")
-        client = self._clients.get(node.name)
-        if client is None:
-            client = self._clients[node.name] = self._node_client(node.host, node.port)
         loop = asyncio.get_running_loop()
         try:
             for attempt in range(self._retries + 1):
-                pipe = client.pipeline(transaction=False)
+                pipe = self._client(node).pipeline(transaction=False)
                 for command in commands:
                     pipe.execute_command(*command)
                 try:
@@ -258,6 +346,8 @@ class ClusterNodes:
                     # within the node's share of the deadline, as the tier retries a batch.
                     if attempt == self._retries or not breaker.may_retry() or loop.time() >= deadline:
                         raise
+        except NodeDownError:
+            raise  # the node left the map during the call: a miss, not the node failing
         except Exception as exc:
             if redirected and isinstance(exc, (asyncio.TimeoutError, vex.TimeoutError)):
                 # Redirected keys get what the first round left of the deadline, nothing where

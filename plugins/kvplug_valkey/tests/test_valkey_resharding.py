@@ -6,7 +6,6 @@ client of a node that left the cluster is closed and its breaker forgotten."""
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import torch
 import valkey
 import valkey_reshard as reshard
 from valkey.crc import key_slot
-from valkey_helpers import FAST_FAILING, fresh_prefix
+from valkey_helpers import FAST_FAILING, fresh_prefix, sockets_to
 
 from kvplug import CacheEngine
 from kvplug.core.records.frame import key_digest
@@ -149,24 +148,6 @@ def test_a_hung_node_does_not_open_the_breaker_of_the_node_a_redirection_names(t
             hung.resume()
 
 
-def _sockets_to(port: int) -> int:
-    """This process's open TCP sockets whose peer is 127.0.0.1:``port`` (Linux /proc)."""
-    ours = set()
-    for fd in Path("/proc/self/fd").iterdir():
-        try:
-            link = os.readlink(fd)
-        except OSError:
-            continue  # closed since listed
-        if link.startswith("socket:["):
-            ours.add(link[len("socket:[") : -1])
-    count = 0
-    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if int(fields[2].split(":")[1], 16) == port and fields[9] in ours:
-            count += 1
-    return count
-
-
 def test_a_node_added_then_removed_serves_its_slots_and_leaves_no_client(tmp_path: Path, tiers) -> None:
     with ValkeyCluster(tmp_path / "cluster") as cluster, ValkeyServer(tmp_path / "new", cluster_port=True) as new:
         prefix = fresh_prefix()
@@ -185,7 +166,7 @@ def test_a_node_added_then_removed_serves_its_slots_and_leaves_no_client(tmp_pat
             hits = _read(tier, keys, values)
         assert all(hits), tier.stats().extra
         assert tier.stats().extra["nodes"] == 4
-        assert _sockets_to(new.port) > 0  # the tier read the moved records from the new node
+        assert sockets_to(new.port) > 0  # the tier read the moved records from the new node
 
         reshard.move_slots([*cluster.nodes, new], new, first, moving)
         reshard.forget(cluster.nodes, new)
@@ -195,7 +176,7 @@ def test_a_node_added_then_removed_serves_its_slots_and_leaves_no_client(tmp_pat
         extra = tier.stats().extra
         assert extra["nodes"] == 3 and extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
         # The departed node's client is closed, its breaker forgotten (while its process still runs).
-        assert _sockets_to(new.port) == 0
+        assert sockets_to(new.port) == 0
         assert f"127.0.0.1:{new.port}" not in tier._backend._nodes._breakers  # (no public view of them)
 
         new.stop()

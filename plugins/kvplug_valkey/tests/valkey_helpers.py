@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import uuid
+from pathlib import Path
 from typing import Any
 
 from kvplug.testing import tier_context
@@ -31,3 +33,21 @@ def make_valkey_tier(url: str, **options: Any) -> ValkeyTier:
     # tests pass FAST_FAILING, which sets its own deadlines.
     options.setdefault("request_timeout_s", 5.0)
     return ValkeyTier(ValkeyTier.Config(url=url, **options), tier_context())
+
+
+def sockets_to(port: int) -> int:
+    """This process's open TCP sockets whose peer is 127.0.0.1:``port`` (Linux /proc)."""
+    ours = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue  # closed since listed
+        if link.startswith("socket:["):
+            ours.add(link[len("socket:[") : -1])
+    count = 0
+    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[2].split(":")[1], 16) == port and fields[9] in ours:
+            count += 1
+    return count

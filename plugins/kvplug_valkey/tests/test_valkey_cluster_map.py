@@ -1,0 +1,259 @@
+"""The edges of the tier's slot map on a real cluster resharded under it: a redirection to a
+node the map does not know yet (or to an address no map names), a map read while the URL's
+node hangs, and the client of a node the map dropped while a call to it was still on its way."""
+
+from __future__ import annotations
+
+import contextlib
+import socketserver
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import valkey_reshard as reshard
+from valkey_helpers import FAST_FAILING, fresh_prefix, sockets_to
+
+from kvplug.core.records.frame import key_digest
+from kvplug.testing import key_for, value_for
+from kvplug_valkey.fault_proxy import FaultProxy
+from kvplug_valkey.testing import ValkeyCluster, ValkeyServer
+
+
+def _key_in(prefix: str, slots: set[int], stem: str, count: int = 1) -> list[str]:
+    """``count`` record keys, each of its own slot among ``slots``."""
+    keys: list[str] = []
+    taken: set[int] = set()
+    index = 0
+    while len(keys) < count:
+        key = key_for(f"{stem}-{index}")
+        index += 1
+        slot = reshard.slot_of(prefix, key)
+        if slot in slots and slot not in taken:
+            taken.add(slot)
+            keys.append(key)
+    return keys
+
+
+def _same_slot(prefix: str, slots: set[int], stem: str) -> list[str]:
+    """Two record keys of one slot among ``slots``."""
+    seen: dict[int, str] = {}
+    index = 0
+    while True:
+        key = key_for(f"{stem}-{index}")
+        index += 1
+        slot = reshard.slot_of(prefix, key)
+        if slot in slots:
+            if slot in seen:
+                return [seen[slot], key]
+            seen[slot] = key
+
+
+def _map_reads(nodes: list[ValkeyServer]) -> int:
+    """``CLUSTER SLOTS`` calls ``nodes`` have served (a reading of the slot map: valkey-py's)."""
+    calls = 0
+    for node in nodes:
+        for line in node.cli("info", "commandstats").splitlines():
+            if line.startswith("cmdstat_cluster|slots:"):
+                calls += int(line.split("calls=")[1].split(",")[0])
+    return calls
+
+
+def _hits(tier: Any, keys: list[str], values: dict[str, bytes]) -> list[bool]:
+    """Read ``keys``: each the stored value or a miss (an error would raise here); which hit."""
+    got = tier.get(keys)
+    for key, value in zip(keys, got):
+        assert value is None or bytes(value) == values[key], key
+    return [value is not None for value in got]
+
+
+def _requests_waiting_at(port: int) -> int:
+    """Bytes sent to the server listening on ``port`` that it has not read (Linux /proc):
+    a call on its way to a paused server."""
+    waiting = 0
+    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port:
+            waiting += int(fields[4].split(":")[1], 16)
+    return waiting
+
+
+def _until(predicate: Any, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_key_told_ask_for_a_node_that_just_joined_is_read_there_in_the_same_batch(
+    valkey_cluster: ValkeyCluster, tmp_path: Path, tiers
+) -> None:
+    """The first slot moving to a node that just joined, half-way: a key moved already is told
+    ASK for a node that serves no slot, which the map (``CLUSTER SLOTS``) does not list. The
+    batch reads the map once (``CLUSTER SHARDS`` lists every node) and reads the key there;
+    the next batches need no reading; moved to the end (``MOVED``), the key is read there too."""
+    cluster = valkey_cluster
+    with ValkeyServer(tmp_path / "new", cluster_port=True) as new:
+        first, everyone = cluster.nodes[0], [*cluster.nodes, new]
+        prefix = fresh_prefix()
+        tier = tiers(cluster.url, key_prefix=prefix, cluster=True)
+        moved, _ = keys = _same_slot(prefix, reshard.owned_slots(first), "joined")
+        values = {key: value_for(key, 2000) for key in keys}
+        tier.put(list(values.items()))
+        assert tier.contains(keys) == [True, True]
+        reshard.meet(cluster.nodes, new)
+        slot = reshard.slot_of(prefix, moved)
+        try:
+            reshard.begin(first, new, slot)
+            reshard.migrate(first, new, [prefix + key_digest(moved).hex()])
+            before = _map_reads(everyone)
+            assert _hits(tier, keys, values) == [True, True], tier.stats().extra
+            reads = _map_reads(everyone)
+            assert reads > before  # that batch read the map
+            assert _hits(tier, keys, values) == [True, True]
+            assert _map_reads(everyone) == reads  # the node known: no reading more
+            reshard.migrate(first, new, reshard.keys_in(first, slot))
+            reshard.finish(everyone, first, new, slot)
+            assert _hits(tier, keys, values) == [True, True], tier.stats().extra
+        finally:  # the session's cluster as it was, from wherever the test stopped
+            if slot not in reshard.owned_slots(new):
+                reshard.migrate(first, new, reshard.keys_in(first, slot))
+                reshard.finish(everyone, first, new, slot)
+            reshard.move_slots(everyone, new, first, [slot])
+            reshard.forget(cluster.nodes, new)
+        extra = tier.stats().extra
+        assert extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
+
+
+def _announce(node: ValkeyServer, port: int, nodes: list[ValkeyServer]) -> None:
+    """Make the cluster name ``node`` at ``port`` (a proxy in front of it) in its map."""
+    node.cli("config", "set", "cluster-announce-bus-port", str(node.port + 10000))
+    node.cli("config", "set", "cluster-announce-port", str(port))
+    for other in nodes:
+        _until(lambda o=other: f":{port}@" in o.cli("cluster", "nodes"), f"{other.port} names {node.port} at {port}")
+
+
+def test_the_map_is_read_past_a_hung_url_node(tmp_path: Path, tiers) -> None:
+    """The URL's node hung (a proxy in front of it that never answers, the cluster itself
+    healthy): slots move to a node that just joined, which only a new reading of the map
+    makes known. The other nodes are asked for it, each within its share of the deadline."""
+    with ValkeyCluster(tmp_path / "cluster") as cluster, ValkeyServer(tmp_path / "new", cluster_port=True) as new:
+        first, second, _ = cluster.nodes
+        proxy = FaultProxy(first.port)
+        try:
+            _announce(first, proxy.port, cluster.nodes)
+            prefix = fresh_prefix()
+            tier = tiers(cluster.url, key_prefix=prefix, cluster=True, request_timeout_s=3.0)
+            *keys, later = _key_in(prefix, reshard.owned_slots(second), "far", count=4)
+            values = {key: value_for(key, 2000) for key in [*keys, later]}
+            tier.put(list(values.items()))
+            assert all(tier.contains([*keys, later])), tier.stats().extra
+            proxy.set_mode("hang")
+            reshard.meet(cluster.nodes, new)
+            everyone = [*cluster.nodes, new]
+            reshard.move_slots(everyone, second, new, [reshard.slot_of(prefix, key) for key in keys])
+            for _ in range(3):  # (a busy machine may not answer within one batch's share)
+                hits = _hits(tier, keys, values)
+                if all(hits):
+                    break
+            assert all(hits), tier.stats().extra
+            # The node that answered last is asked first: the next reading never waits on the hung one.
+            asked = proxy.traffic()[0]
+            reads = _map_reads(everyone[1:])
+            reshard.move_slots(everyone, second, new, [reshard.slot_of(prefix, later)])
+            assert _hits(tier, [later], values) == [True]  # told MOVED: the map is read again next
+            assert _hits(tier, [later], values) == [True]
+            assert _map_reads(everyone[1:]) > reads
+            assert proxy.traffic()[0] == asked  # no connection to the hung node
+        finally:
+            proxy.close()
+
+
+class _Redirecting(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while line := self.rfile.readline():  # a RESP array of bulk strings a command
+                args = [self.rfile.read(int(self.rfile.readline()[1:]) + 2)[:-2] for _ in range(int(line[1:]))]
+                ok = args[0].upper() in (b"CLIENT", b"ASKING")  # (the connection's set-up)
+                self.wfile.write(b"+OK\r\n" if ok else b"-MOVED 0 %s\r\n" % self.server.elsewhere)  # type: ignore[attr-defined]
+
+
+class _Redirector(socketserver.ThreadingTCPServer):
+    """A cluster node replaced by a hostile (or broken) server: every command of a key is told
+    MOVED to ``elsewhere``, an address that no reading of the cluster's map names."""
+
+    daemon_threads = True
+
+    def __init__(self, elsewhere: str) -> None:
+        super().__init__(("127.0.0.1", 0), _Redirecting)
+        self.elsewhere = elsewhere.encode()
+        self.port = int(self.server_address[1])
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+def test_a_redirection_to_an_address_no_map_names_is_a_miss_and_never_dialled(tmp_path: Path, tiers) -> None:
+    """Keys told MOVED to an address that neither ``CLUSTER SLOTS`` nor ``CLUSTER SHARDS`` names:
+    each batch reads the map once, the keys miss, and nothing connects to that address."""
+    with ValkeyCluster(tmp_path / "cluster") as cluster:
+        _, second, third = cluster.nodes
+        elsewhere = FaultProxy(second.port)  # (counts the connections it gets)
+        redirector = _Redirector(f"127.0.0.1:{elsewhere.port}")
+        try:
+            _announce(third, redirector.port, cluster.nodes)  # the map names the redirector for it
+            prefix = fresh_prefix()
+            tier = tiers(cluster.url, key_prefix=prefix, cluster=True)
+            (lured,) = _key_in(prefix, reshard.owned_slots(third), "lured")
+            (kept,) = _key_in(prefix, reshard.owned_slots(second), "kept")
+            values = {key: value_for(key, 1000) for key in (lured, kept)}
+            tier.put(list(values.items()))
+            for _ in range(2):
+                reads = _map_reads(cluster.nodes)
+                assert _hits(tier, [lured, kept], values) == [False, True], tier.stats().extra
+                assert elsewhere.traffic() == (0, 0)  # never dialled
+                assert _map_reads(cluster.nodes) == reads + 1  # one reading a batch
+        finally:
+            redirector.shutdown()
+            redirector.server_close()
+            elsewhere.close()
+
+
+def test_a_retry_on_its_way_does_not_reopen_the_client_of_a_node_that_left(
+    valkey_cluster: ValkeyCluster, tmp_path: Path, tiers
+) -> None:
+    """A call to a node is on its way (the node paused) when another batch reads the map and the
+    node is no longer in it: that batch closes the node's client under the call, whose retry
+    must not open a connection again (the client is no longer the tier's: never closed)."""
+    cluster = valkey_cluster
+    with ValkeyServer(tmp_path / "gone", cluster_port=True) as gone:
+        first, second, third = cluster.nodes
+        prefix = fresh_prefix()
+        # (A deadline that the other batches never reach while the call waits on the paused node.)
+        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **{**FAST_FAILING, "request_timeout_s": 10.0})
+        (away,) = _key_in(prefix, reshard.owned_slots(first), "away")  # its slot goes to `gone` and back
+        (moved,) = _key_in(prefix, reshard.owned_slots(second), "moved")  # its slot goes to the third node
+        values = {key: value_for(key, 1000) for key in (away, moved)}
+        tier.put(list(values.items()))
+        reshard.meet(cluster.nodes, gone)
+        everyone = [*cluster.nodes, gone]
+        reshard.move_slots(everyone, first, gone, [reshard.slot_of(prefix, away)])
+        _until(lambda: all(_hits(tier, [away], values)), "the record moved to the new node is read")
+        assert sockets_to(gone.port) > 0
+        reshard.move_slots(everyone, gone, first, [reshard.slot_of(prefix, away)])
+        reshard.forget(cluster.nodes, gone)
+        reshard.move_slots(cluster.nodes, second, third, [reshard.slot_of(prefix, moved)])
+
+        with ThreadPoolExecutor(1) as pool:
+            gone.pause()
+            try:
+                # The tier's map still sends `away` to `gone`, which holds the call unanswered.
+                on_its_way = pool.submit(_hits, tier, [away], values)
+                _until(lambda: _requests_waiting_at(gone.port) > 0, "the call reached the paused node")
+                assert _hits(tier, [moved], values) == [True]  # told MOVED: the map is read again next
+                assert _hits(tier, [moved], values) == [True]  # the map read: `gone` left it, its client closed
+            finally:
+                gone.resume()
+            on_its_way.result()  # a miss or the record (an error would raise here)
+        # No connection to the node that left: its client was closed, and none was opened again.
+        assert sockets_to(gone.port) == 0
+        assert f"127.0.0.1:{gone.port}" not in tier._backend._nodes._breakers  # (no public view of them)
