@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import valkey_reshard as reshard
-from valkey_helpers import FAST_FAILING, fresh_prefix, sockets_to
+from valkey_helpers import FAST_FAILING, fresh_prefix, read_hits, sockets_to
 
 from kvplug.core.records.frame import key_digest
 from kvplug.testing import key_for, value_for
@@ -60,14 +60,6 @@ def _map_reads(nodes: list[ValkeyServer]) -> int:
     return calls
 
 
-def _hits(tier: Any, keys: list[str], values: dict[str, bytes]) -> list[bool]:
-    """Read ``keys``: each the stored value or a miss (an error would raise here); which hit."""
-    got = tier.get(keys)
-    for key, value in zip(keys, got):
-        assert value is None or bytes(value) == values[key], key
-    return [value is not None for value in got]
-
-
 def _requests_waiting_at(port: int) -> int:
     """Bytes sent to the server listening on ``port`` that it has not read (Linux /proc):
     a call on its way to a paused server."""
@@ -108,14 +100,14 @@ def test_a_key_told_ask_for_a_node_that_just_joined_is_read_there_in_the_same_ba
             reshard.begin(first, new, slot)
             reshard.migrate(first, new, [prefix + key_digest(moved).hex()])
             before = _map_reads(everyone)
-            assert _hits(tier, keys, values) == [True, True], tier.stats().extra
+            assert read_hits(tier, keys, values) == [True, True], tier.stats().extra
             reads = _map_reads(everyone)
             assert reads > before  # that batch read the map
-            assert _hits(tier, keys, values) == [True, True]
+            assert read_hits(tier, keys, values) == [True, True]
             assert _map_reads(everyone) == reads  # the node known: no reading more
             reshard.migrate(first, new, reshard.keys_in(first, slot))
             reshard.finish(everyone, first, new, slot)
-            assert _hits(tier, keys, values) == [True, True], tier.stats().extra
+            assert read_hits(tier, keys, values) == [True, True], tier.stats().extra
         finally:  # the session's cluster as it was, from wherever the test stopped
             if slot not in reshard.owned_slots(new):
                 reshard.migrate(first, new, reshard.keys_in(first, slot))
@@ -154,7 +146,7 @@ def test_the_map_is_read_past_a_hung_url_node(tmp_path: Path, tiers) -> None:
             everyone = [*cluster.nodes, new]
             reshard.move_slots(everyone, second, new, [reshard.slot_of(prefix, key) for key in keys])
             for _ in range(3):  # (a busy machine may not answer within one batch's share)
-                hits = _hits(tier, keys, values)
+                hits = read_hits(tier, keys, values)
                 if all(hits):
                     break
             assert all(hits), tier.stats().extra
@@ -162,8 +154,8 @@ def test_the_map_is_read_past_a_hung_url_node(tmp_path: Path, tiers) -> None:
             asked = proxy.traffic()[0]
             reads = _map_reads(everyone[1:])
             reshard.move_slots(everyone, second, new, [reshard.slot_of(prefix, later)])
-            assert _hits(tier, [later], values) == [True]  # told MOVED: the map is read again next
-            assert _hits(tier, [later], values) == [True]
+            assert read_hits(tier, [later], values) == [True]  # told MOVED: the map is read again next
+            assert read_hits(tier, [later], values) == [True]
             assert _map_reads(everyone[1:]) > reads
             assert proxy.traffic()[0] == asked  # no connection to the hung node
         finally:
@@ -209,7 +201,7 @@ def test_a_redirection_to_an_address_no_map_names_is_a_miss_and_never_dialled(tm
             tier.put(list(values.items()))
             for _ in range(2):
                 reads = _map_reads(cluster.nodes)
-                assert _hits(tier, [lured, kept], values) == [False, True], tier.stats().extra
+                assert read_hits(tier, [lured, kept], values) == [False, True], tier.stats().extra
                 assert elsewhere.traffic() == (0, 0)  # never dialled
                 assert _map_reads(cluster.nodes) == reads + 1  # one reading a batch
         finally:
@@ -237,7 +229,7 @@ def test_a_retry_on_its_way_does_not_reopen_the_client_of_a_node_that_left(
         reshard.meet(cluster.nodes, gone)
         everyone = [*cluster.nodes, gone]
         reshard.move_slots(everyone, first, gone, [reshard.slot_of(prefix, away)])
-        _until(lambda: all(_hits(tier, [away], values)), "the record moved to the new node is read")
+        _until(lambda: all(read_hits(tier, [away], values)), "the record moved to the new node is read")
         assert sockets_to(gone.port) > 0
         reshard.move_slots(everyone, gone, first, [reshard.slot_of(prefix, away)])
         reshard.forget(cluster.nodes, gone)
@@ -247,10 +239,10 @@ def test_a_retry_on_its_way_does_not_reopen_the_client_of_a_node_that_left(
             gone.pause()
             try:
                 # The tier's map still sends `away` to `gone`, which holds the call unanswered.
-                on_its_way = pool.submit(_hits, tier, [away], values)
+                on_its_way = pool.submit(read_hits, tier, [away], values)
                 _until(lambda: _requests_waiting_at(gone.port) > 0, "the call reached the paused node")
-                assert _hits(tier, [moved], values) == [True]  # told MOVED: the map is read again next
-                assert _hits(tier, [moved], values) == [True]  # the map read: `gone` left it, its client closed
+                assert read_hits(tier, [moved], values) == [True]  # told MOVED: the map is read again next
+                assert read_hits(tier, [moved], values) == [True]  # the map read: `gone` left it, its client closed
             finally:
                 gone.resume()
             on_its_way.result()  # a miss or the record (an error would raise here)

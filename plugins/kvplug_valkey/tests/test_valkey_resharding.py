@@ -14,7 +14,7 @@ import torch
 import valkey
 import valkey_reshard as reshard
 from valkey.crc import key_slot
-from valkey_helpers import FAST_FAILING, fresh_prefix, sockets_to
+from valkey_helpers import FAST_FAILING, fresh_prefix, read_hits, sockets_to
 
 from kvplug import CacheEngine
 from kvplug.core.records.frame import key_digest
@@ -40,14 +40,6 @@ def _paired_keys(prefix: str, slots: set[int], stem: str, count: int = SLOTS, ea
             if len(by_slot[slot]) == each:
                 pairs[slot] = by_slot[slot]
     return pairs
-
-
-def _read(tier: Any, keys: list[str], values: dict[str, bytes]) -> list[bool]:
-    """Read ``keys``: each the stored value or a miss (an error would raise here); which hit."""
-    got = tier.get(keys)
-    for key, value in zip(keys, got):
-        assert value is None or bytes(value) == values[key], key
-    return [value is not None for value in got]
 
 
 def _node_failures(tier: Any) -> float:
@@ -86,7 +78,7 @@ def test_slots_moved_half_way_and_to_the_end_keep_every_record(tmp_path: Path, t
             reshard.migrate(source, target, [prefix + key_digest(moved).hex()])
         map_reads = _map_reads(cluster)
         for _ in range(2 * FAST_FAILING["breaker_failures"]):  # past where a breaker counting redirections opens
-            assert all(_read(tier, keys, values)), tier.stats().extra
+            assert all(read_hits(tier, keys, values)), tier.stats().extra
             assert all(tier.contains(keys))
         assert _map_reads(cluster) == map_reads  # ASK says the map is right: not read again at each batch
         # New records of the slots being moved: the source answers ASK, they land on the target.
@@ -99,8 +91,8 @@ def test_slots_moved_half_way_and_to_the_end_keep_every_record(tmp_path: Path, t
         for slot in pairs:
             reshard.migrate(source, target, reshard.keys_in(source, slot))
             reshard.finish(cluster.nodes, source, target, slot)
-        assert all(_read(tier, keys, values)), tier.stats().extra  # told MOVED: sent to the target at once
-        assert all(_read(tier, keys, values)), tier.stats().extra  # the map read again
+        assert all(read_hits(tier, keys, values)), tier.stats().extra  # told MOVED: sent to the target at once
+        assert all(read_hits(tier, keys, values)), tier.stats().extra  # the map read again
         assert all(tier.contains(late)) and tier.stats().extra["dropped_puts"] == 0
         # The tier's index: every record once, none taken for gone or corrupt while it moved.
         stats = tier.stats()
@@ -140,8 +132,8 @@ def test_a_hung_node_does_not_open_the_breaker_of_the_node_a_redirection_names(t
         try:
             # Batches of the keys told ASK and the hung node's: the target answers none in the first round.
             for _ in range(2 * FAST_FAILING["breaker_failures"]):
-                _read(tier, [*asked, *on_hung], values)
-            assert all(_read(tier, on_target, values)), tier.stats().extra  # its breaker closed
+                read_hits(tier, [*asked, *on_hung], values)
+            assert all(read_hits(tier, on_target, values)), tier.stats().extra  # its breaker closed
             extra = tier.stats().extra
             assert extra["nodes_down"] == 1, extra  # the hung node alone
         finally:
@@ -163,7 +155,7 @@ def test_a_node_added_then_removed_serves_its_slots_and_leaves_no_client(tmp_pat
         assert moving
         reshard.move_slots([*cluster.nodes, new], first, new, moving)
         for _ in range(3):
-            hits = _read(tier, keys, values)
+            hits = read_hits(tier, keys, values)
         assert all(hits), tier.stats().extra
         assert tier.stats().extra["nodes"] == 4
         assert sockets_to(new.port) > 0  # the tier read the moved records from the new node
@@ -171,7 +163,7 @@ def test_a_node_added_then_removed_serves_its_slots_and_leaves_no_client(tmp_pat
         reshard.move_slots([*cluster.nodes, new], new, first, moving)
         reshard.forget(cluster.nodes, new)
         for _ in range(2):  # the first read may be told MOVED by the node that left, and reads the map again
-            hits = _read(tier, keys, values)
+            hits = read_hits(tier, keys, values)
         assert all(hits), tier.stats().extra
         extra = tier.stats().extra
         assert extra["nodes"] == 3 and extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
@@ -180,7 +172,7 @@ def test_a_node_added_then_removed_serves_its_slots_and_leaves_no_client(tmp_pat
         assert f"127.0.0.1:{new.port}" not in tier._backend._nodes._breakers  # (no public view of them)
 
         new.stop()
-        assert all(_read(tier, keys, values))
+        assert all(read_hits(tier, keys, values))
         assert _node_failures(tier) == 0  # nothing went to the stopped node
 
 

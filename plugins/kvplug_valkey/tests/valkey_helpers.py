@@ -51,3 +51,11 @@ def sockets_to(port: int) -> int:
         if int(fields[2].split(":")[1], 16) == port and fields[9] in ours:
             count += 1
     return count
+
+
+def read_hits(tier: Any, keys: list[str], values: dict[str, bytes]) -> list[bool]:
+    """Read ``keys``: each the stored value or a miss (an error would raise here); which hit."""
+    got = tier.get(keys)
+    for key, value in zip(keys, got):
+        assert value is None or bytes(value) == values[key], key
+    return [value is not None for value in got]
