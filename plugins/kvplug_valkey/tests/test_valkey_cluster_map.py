@@ -16,38 +16,20 @@ import valkey_reshard as reshard
 from valkey_helpers import FAST_FAILING, fresh_prefix, read_hits, sockets_to
 
 from kvplug.core.records.frame import key_digest
-from kvplug.testing import key_for, value_for
+from kvplug.testing import value_for
 from kvplug_valkey.fault_proxy import FaultProxy
 from kvplug_valkey.testing import ValkeyCluster, ValkeyServer
 
 
 def _key_in(prefix: str, slots: set[int], stem: str, count: int = 1) -> list[str]:
     """``count`` record keys, each of its own slot among ``slots``."""
-    keys: list[str] = []
-    taken: set[int] = set()
-    index = 0
-    while len(keys) < count:
-        key = key_for(f"{stem}-{index}")
-        index += 1
-        slot = reshard.slot_of(prefix, key)
-        if slot in slots and slot not in taken:
-            taken.add(slot)
-            keys.append(key)
-    return keys
+    return [key for (key,) in reshard.keys_by_slot(prefix, slots, stem, count, 1).values()]
 
 
 def _same_slot(prefix: str, slots: set[int], stem: str) -> list[str]:
     """Two record keys of one slot among ``slots``."""
-    seen: dict[int, str] = {}
-    index = 0
-    while True:
-        key = key_for(f"{stem}-{index}")
-        index += 1
-        slot = reshard.slot_of(prefix, key)
-        if slot in slots:
-            if slot in seen:
-                return [seen[slot], key]
-            seen[slot] = key
+    (pair,) = reshard.keys_by_slot(prefix, slots, stem, 1, 2).values()
+    return pair
 
 
 def _map_reads(nodes: list[ValkeyServer]) -> int:

@@ -6,7 +6,6 @@ client of a node that left the cluster is closed and its breaker forgotten."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -24,22 +23,6 @@ from kvplug_valkey.testing import ValkeyCluster, ValkeyServer
 
 #: Slots of node 0 that get two records each (one is moved half-way, the other stays).
 SLOTS = 12
-
-
-def _paired_keys(prefix: str, slots: set[int], stem: str, count: int = SLOTS, each: int = 2) -> dict[int, list[str]]:
-    """``count`` slots among ``slots``, each with ``each`` record keys."""
-    by_slot: dict[int, list[str]] = defaultdict(list)
-    pairs: dict[int, list[str]] = {}
-    index = 0
-    while len(pairs) < count:
-        key = key_for(f"{stem}-{index}")
-        index += 1
-        slot = reshard.slot_of(prefix, key)
-        if slot in slots and slot not in pairs:
-            by_slot[slot].append(key)
-            if len(by_slot[slot]) == each:
-                pairs[slot] = by_slot[slot]
-    return pairs
 
 
 def _node_failures(tier: Any) -> float:
@@ -65,7 +48,7 @@ def test_slots_moved_half_way_and_to_the_end_keep_every_record(tmp_path: Path, t
         source, target = cluster.nodes[0], cluster.nodes[1]
         prefix = fresh_prefix()
         tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **FAST_FAILING)
-        pairs = _paired_keys(prefix, reshard.owned_slots(source), "moved")
+        pairs = reshard.keys_by_slot(prefix, reshard.owned_slots(source), "moved", SLOTS, 2)
         keys = [key for pair in pairs.values() for key in pair]
         values = {key: value_for(key, 3000) for key in keys}
         tier.put([(key, values[key]) for key in keys])
@@ -82,7 +65,7 @@ def test_slots_moved_half_way_and_to_the_end_keep_every_record(tmp_path: Path, t
             assert all(tier.contains(keys))
         assert _map_reads(cluster) == map_reads  # ASK says the map is right: not read again at each batch
         # New records of the slots being moved: the source answers ASK, they land on the target.
-        late = [key for (key,) in _paired_keys(prefix, set(pairs), "late", count=3, each=1).values()]
+        late = [key for (key,) in reshard.keys_by_slot(prefix, set(pairs), "late", 3, 1).values()]
         tier.put([(key, value_for(key, 1000)) for key in late])
         extra = tier.stats().extra
         assert extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
@@ -112,12 +95,14 @@ def test_a_hung_node_does_not_open_the_breaker_of_the_node_a_redirection_names(t
         source, hung, target = cluster.nodes
         prefix = fresh_prefix()
         tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **FAST_FAILING)
-        pairs = _paired_keys(prefix, reshard.owned_slots(source), "asked", count=3)
+        pairs = reshard.keys_by_slot(prefix, reshard.owned_slots(source), "asked", 3, 2)
         on_hung = [
-            k for pair in _paired_keys(prefix, reshard.owned_slots(hung), "hung", count=2).values() for k in pair
+            k for pair in reshard.keys_by_slot(prefix, reshard.owned_slots(hung), "hung", 2, 2).values() for k in pair
         ]
         on_target = [
-            k for pair in _paired_keys(prefix, reshard.owned_slots(target), "target", count=3).values() for k in pair
+            k
+            for pair in reshard.keys_by_slot(prefix, reshard.owned_slots(target), "target", 3, 2).values()
+            for k in pair
         ]
         asked = [moved for moved, _ in pairs.values()]
         keys = [*asked, *on_hung, *on_target]

@@ -6,18 +6,37 @@ half-way): a slot's keys moved between nodes (``CLUSTER SETSLOT ... IMPORTING/MI
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 
 import valkey
 from valkey.crc import key_slot
 
 from kvplug.core.records.frame import key_digest
+from kvplug.testing import key_for
 from kvplug_valkey.testing import HOST, ValkeyServer
 
 
 def slot_of(prefix: str, key: str) -> int:
     """The cluster slot of a tier record's server key (``prefix`` and the key's digest)."""
     return key_slot((prefix + key_digest(key).hex()).encode())
+
+
+def keys_by_slot(prefix: str, slots: set[int], stem: str, count: int, each: int) -> dict[int, list[str]]:
+    """``count`` slots among ``slots``, each with ``each`` record keys (``<stem>-<n>``), in the
+    order the slots got their last key."""
+    found: dict[int, list[str]] = defaultdict(list)
+    chosen: dict[int, list[str]] = {}
+    index = 0
+    while len(chosen) < count:
+        key = key_for(f"{stem}-{index}")
+        index += 1
+        slot = slot_of(prefix, key)
+        if slot in slots and slot not in chosen:
+            found[slot].append(key)
+            if len(found[slot]) == each:
+                chosen[slot] = found[slot]
+    return chosen
 
 
 def _client(node: ValkeyServer) -> valkey.Valkey:
