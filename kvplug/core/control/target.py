@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvplug.core.chain.reads import leading
 from kvplug.core.chain.removal import TierRemoval
 from kvplug.core.chain.tier_chain import TierChain
 from kvplug.core.control.explain import explain_prompt
@@ -192,8 +193,10 @@ class ControlTarget:
         raise NotImplementedError
 
     def locate(self, tokens: Sequence[int], request: RequestInfo) -> list[ChunkLocation]:
-        """:meth:`lookup` with each chunk's medium and tier index (those of the first of the chain's
-        tiers of its name): what a ``lookup`` request is answered with."""
+        """:meth:`lookup` with each chunk's medium and tier index: what a ``lookup`` request is
+        answered with. :meth:`lookup` names tiers by type only, so this guesses the first of the
+        chain's tiers of that type; a target that knows its chunks' keys overrides it with
+        :meth:`locate_keys`, which tells two tiers of one type (two ``disk`` folders) apart."""
         first: dict[str, tuple[Medium, int]] = {}
         for index, tier in enumerate(self.chain.tiers):
             first.setdefault(tier.name, (tier.medium, index))
@@ -202,6 +205,18 @@ class ControlTarget:
             if name in first
             else ChunkLocation("remote", name, n)
             for name, n in self.lookup(tokens, request)
+        ]
+
+    def locate_keys(self, keys: Sequence[str], tokens_per_key: int) -> list[ChunkLocation]:
+        """Where the chain holds each of the leading ``keys`` (the fastest tier, by its index in
+        the chain), up to the first key no tier holds; each key holds ``tokens_per_key`` tokens."""
+        if not keys:
+            return []
+        position = {label: index for index, label in enumerate(self.chain.labels)}
+        tiers = self.chain.tiers
+        return [
+            ChunkLocation(tiers[at].medium, tiers[at].name, tokens_per_key, tier_index=at)
+            for at in (position[label] for label in leading(self.chain.locate_labels(keys)))
         ]
 
     def explain(self, tokens: Sequence[int], request: RequestInfo) -> dict[str, Any]:

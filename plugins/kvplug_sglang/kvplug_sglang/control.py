@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import kvplug
 from kvplug import (
+    ChunkLocation,
     ChunkStore,
     ClearKeys,
     ControlIdentity,
@@ -153,7 +154,10 @@ class HiCacheControl(ControlTarget):
         return [self.storage.storage_key(h) for h in hashes]
 
     def lookup(self, tokens: Sequence[int], request: RequestInfo) -> list[tuple[str, int]]:
-        return [(tier, self.page_size) for tier in self.store.locate_prefix(self.page_keys(tokens, request))]
+        return [(location.tier, location.tokens) for location in self.locate(tokens, request)]
+
+    def locate(self, tokens: Sequence[int], request: RequestInfo) -> list[ChunkLocation]:
+        return self.locate_keys(self.page_keys(tokens, request), self.page_size)
 
     def pin(self, tokens: Sequence[int], request: RequestInfo, *, unpin: bool = False) -> PinReport:
         # Page keys carry the salt (SGLang seeds its page hash with it), so a pin is per salt too.

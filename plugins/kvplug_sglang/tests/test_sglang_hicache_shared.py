@@ -171,6 +171,32 @@ def test_clear_leaves_pages_another_server_wrote(tmp_path: Path) -> None:
     backend.close()
 
 
+def test_kvplug_ctl_lookup_names_the_tier_holding_each_page_of_two_of_one_type(
+    tmp_path: Path, socket_dir: Path
+) -> None:
+    """Of two disk folders, a page only the second holds is located there (``1:disk``), as the
+    per-tier metrics name it: not in the first tier of its type."""
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    from kvplug.core.control.client import ask
+
+    folders = [{"type": "disk", "path": str(tmp_path / name), "queue": {"mode": "sync"}} for name in ("a", "b")]
+    host = make_host("layer_first")
+    second_only, backend = make_backend(host, {"tiers": folders[1:]}), make_backend(host, {"tiers": folders})
+    tokens = list(range(500, 500 + 3 * PAGE))
+    keys = page_keys(tokens)
+    src = random_pages(host, 3, seed=9)
+    try:
+        assert backend.batch_set_v1(keys[:1], src[:PAGE]) == [True]  # both folders
+        assert second_only.batch_set_v1(keys[1:], src[PAGE:]) == [True, True]
+        assert backend.control is not None
+        reply = ask(backend.control.path, "lookup", tokens=tokens)
+        assert [row[4] for row in reply["locations"]] == [0, 1, 1]
+        assert [row[1:3] for row in reply["locations"]] == [["disk", PAGE]] * 3
+    finally:
+        second_only.close()
+        backend.close()
+
+
 def test_each_data_parallel_replica_answers_kvplug_ctl_on_its_own_socket(socket_dir: Path) -> None:
     """With --dp-size, every replica's schedulers are children of one process (one engine id):
     each replica's rank answers as its own dp rank, on its own socket."""
