@@ -279,6 +279,15 @@ class KVPlugRadixCache(RadixCache):
         return int(tensor.item())
 
 
+#: Where the radix-cache backend cannot serve, what to start instead (kvplug-sglang's README, way 2).
+_USE_HICACHE = (
+    "use the HiCache storage backend kvplug_sglang.hicache.KVPlugStorage instead of --radix-cache-backend: "
+    "--enable-hierarchical-cache --hicache-storage-backend dynamic --hicache-storage-backend-extra-config "
+    '\'{"backend_name": "kvplug", "module_path": "kvplug_sglang.hicache", "class_name": "KVPlugStorage", '
+    "\"interface_v1\": 1}' (kvplug's config still from KVPLUG_CONFIG; kvplug-sglang's README, way 2)"
+)
+
+
 def kvplug_radix_cache_factory(ctx: Any) -> KVPlugRadixCache:
     """``RadixCacheFactory`` for SGLang's registry (``TreeCacheBuildContext`` in, cache out)."""
     unsupported = [
@@ -288,14 +297,10 @@ def kvplug_radix_cache_factory(ctx: Any) -> KVPlugRadixCache:
             ("hybrid SSM (mamba) models", ctx.is_hybrid_ssm),
             ("DSA models", getattr(ctx, "is_dsa", False)),
             (
-                "pipeline parallelism (--pp-size > 1; use the HiCache storage backend "
-                "kvplug_sglang.hicache.KVPlugStorage)",
+                f"pipeline parallelism (--pp-size > 1; {_USE_HICACHE})",
                 int(getattr(ctx.server_args, "pp_size", 1) or 1) > 1,
             ),
-            (
-                "--enable-hierarchical-cache (use the HiCache storage backend kvplug_sglang.hicache.KVPlugStorage)",
-                ctx.enable_hierarchical_cache,
-            ),
+            (f"--enable-hierarchical-cache ({_USE_HICACHE})", ctx.enable_hierarchical_cache),
         )
         if on
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from sglang_flow import build_stack, published_server_args, serve_request
 from sglang_pools import snapshot
 
 from kvplug_cpu import CPUTier
+from kvplug_sglang.hicache import KVPlugStorage
 from kvplug_sglang.radix_cache import KVPlugRadixCache
 
 HERE = Path(__file__).parent
@@ -56,9 +58,14 @@ def test_pipeline_stages_are_refused_naming_the_backend_that_serves_them(model_c
         published_server_args(radix_cache_backend="kvplug", pp_size=2) as args,
         pytest.raises(
             ValueError, match=r"does not support pipeline parallelism .*kvplug_sglang\.hicache\.KVPlugStorage"
-        ),
+        ) as refused,
     ):
         build_stack(args, model_config)
+    # The flags it names start the backend that serves stages: SGLang's dynamic backend loads that class.
+    extra = json.loads(re.search(r"--hicache-storage-backend-extra-config '([^']+)'", str(refused.value))[1])
+    assert "--enable-hierarchical-cache --hicache-storage-backend dynamic" in str(refused.value)
+    loaded = getattr(importlib.import_module(extra["module_path"]), extra["class_name"])
+    assert (loaded, extra["backend_name"], extra["interface_v1"]) == (KVPlugStorage, "kvplug", 1)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
