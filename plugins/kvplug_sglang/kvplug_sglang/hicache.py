@@ -31,6 +31,7 @@ indexer, ...) are refused at registration and report no hits.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -337,9 +338,11 @@ class KVPlugStorage(HiCacheStorage):
 def _read_timeout(extra: dict[str, Any]) -> float:
     """``"read_timeout_s"`` of the extra config (:data:`READ_TIMEOUT_S` if absent)."""
     value = extra.get("read_timeout_s", READ_TIMEOUT_S)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    # Past threading.TIMEOUT_MAX a wait raises OverflowError (inf too): every read would fail.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= threading.TIMEOUT_MAX:
         raise ValueError(
-            f"--hicache-storage-backend-extra-config: read_timeout_s must be a number of seconds > 0, got {value!r}"
+            "--hicache-storage-backend-extra-config: read_timeout_s must be a number of seconds > 0"
+            f" and at most {threading.TIMEOUT_MAX:g}, got {value!r}"
         )
     return float(value)
 
