@@ -275,8 +275,9 @@ def test_a_kv_scales_file_is_named_by_its_content(tmp_path: Path) -> None:
     scales, copy = tmp_path / "kv_scales.json", tmp_path / "copy" / "kv_scales.json"
     copy.parent.mkdir()
 
-    def backend_with(path: Path, content: str) -> KVPlugStorage:
-        path.write_text(content)
+    def backend_with(path: Path, content: str | None) -> KVPlugStorage:
+        if content is not None:
+            path.write_text(content)
         with get_context().override_server_args(
             model_path="/models/llama", kv_cache_dtype="fp8_e4m3", quantization_param_path=str(path)
         ):
@@ -285,12 +286,16 @@ def test_a_kv_scales_file_is_named_by_its_content(tmp_path: Path) -> None:
     writer = backend_with(scales, '{"kv_cache": {"scaling_factor": {"0": {"0": 0.5}}}}')
     rewritten = backend_with(scales, '{"kv_cache": {"scaling_factor": {"0": {"0": 2.0}}}}')
     copied = backend_with(copy, '{"kv_cache": {"scaling_factor": {"0": {"0": 0.5}}}}')
+    # A file gone when the backend reads it: whether SGLang scaled by it or by its defaults is unknown.
+    gone = [backend_with(tmp_path / "gone.json", None) for _ in range(2)]
     try:
         assert writer.batch_set_v1(keys, random_pages(host, 2, seed=13)) == [True, True]
         assert rewritten.batch_exists(keys) == 0, "a server read pages scaled by another file at its path"
         assert copied.batch_exists(keys) == 2, "one scales file at another path is the same scales"
+        assert gone[0].batch_set_v1(keys, random_pages(host, 2, seed=14)) == [True, True]
+        assert gone[1].batch_exists(keys) == 0, "servers whose scales file could not be read shared pages"
     finally:
-        for backend in (writer, rewritten, copied):
+        for backend in (writer, rewritten, copied, *gone):
             backend.close()
 
 
