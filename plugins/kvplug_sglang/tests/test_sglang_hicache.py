@@ -337,7 +337,7 @@ def test_errors_name_the_problem() -> None:
     with pytest.raises(RuntimeError, match="register_mem_pool_host"):
         backend.exists("k")
     config.extra_config = {**config.extra_config, "read_timeout_s": "soon"}
-    with pytest.raises(ValueError, match="read_timeout_s must be a number of seconds > 0 and at most .*, got 'soon'"):
+    with pytest.raises(ValueError, match="read_timeout_s must be a number of seconds > 0.*, got 'soon'"):
         StorageBackendFactory.create_backend("dynamic", config, host)
     # Past threading.TIMEOUT_MAX (about 292 years) a wait raises OverflowError: every read would.
     for too_long in (1e10, float("inf")):
