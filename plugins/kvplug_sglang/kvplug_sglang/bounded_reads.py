@@ -51,7 +51,11 @@ class BoundedReads:
                 self._room.release()
                 done.set()
 
-        threading.Thread(target=work, name="kvplug-hicache-read", daemon=True).start()
+        try:
+            threading.Thread(target=work, name="kvplug-hicache-read", daemon=True).start()
+        except RuntimeError as exc:  # no thread to be had (a pids limit): the read never runs
+            self._room.release()  # (else its room were lost for good: every read a miss)
+            return self._give_up(miss, what, f"no thread could be started for it ({exc})")
         if not done.wait(self.timeout_s):
             return self._give_up(miss, what, f"the tiers did not answer within {self.timeout_s:g} s")
         if "error" in outcome:

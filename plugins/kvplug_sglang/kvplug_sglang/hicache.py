@@ -30,7 +30,11 @@ indexer, ...) are refused at registration and report no hits.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import threading
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -337,9 +341,11 @@ class KVPlugStorage(HiCacheStorage):
 def _read_timeout(extra: dict[str, Any]) -> float:
     """``"read_timeout_s"`` of the extra config (:data:`READ_TIMEOUT_S` if absent)."""
     value = extra.get("read_timeout_s", READ_TIMEOUT_S)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    # Past threading.TIMEOUT_MAX a wait raises OverflowError (inf too): every read would fail.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= threading.TIMEOUT_MAX:
         raise ValueError(
-            f"--hicache-storage-backend-extra-config: read_timeout_s must be a number of seconds > 0, got {value!r}"
+            "--hicache-storage-backend-extra-config: read_timeout_s must be a number of seconds > 0"
+            f" and at most {threading.TIMEOUT_MAX:g}, got {value!r}"
         )
     return float(value)
 
@@ -353,9 +359,9 @@ def _cp_shard(cfg: HiCacheStorageConfig) -> str:
 
 
 def _kv_cache_variant() -> str:
-    """The KV cache dtype this SGLang server was told and the KV scales file, where set. SGLang
-    keeps an fp8 KV cache in uint8 pages (e4m3 and e5m2 alike), so the pages' dtype does not
-    tell them apart; the scales (``--quantization-param-path``) change the bytes too."""
+    """The KV cache dtype this SGLang server was told and the KV scales it loaded, where set.
+    SGLang keeps an fp8 KV cache in uint8 pages (e4m3 and e5m2 alike), so the pages' dtype does
+    not tell them apart; the scales (``--quantization-param-path``) change the bytes too."""
     from sglang.srt.runtime_context import get_model
 
     try:
@@ -365,8 +371,24 @@ def _kv_cache_variant() -> str:
     kv_cache_dtype = str(getattr(model, "kv_cache_dtype", None) or "auto")
     scales = str(getattr(model, "quantization_param_path", None) or "")
     return ("" if kv_cache_dtype == "auto" else f";kv_cache_dtype={kv_cache_dtype}") + (
-        f";kv_scales={scales}" if scales else ""
+        f";kv_scales={_scales_digest(scales)}" if scales else ""
     )
+
+
+def _scales_digest(path: str) -> str:
+    """The digest of the KV scales file at ``path``: SGLang scales by what the file says when it
+    loads, not by its name (one path may hold other scales on another machine or after a rewrite;
+    one file may be copied to two paths). A file that cannot be read is this process's alone:
+    SGLang fell back to its default scales then, or read it before it went; which, nothing says."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as exc:
+        logger.warning(
+            "KVPlugStorage: the KV scales file %r cannot be read (%s); no other server will read this one's pages",
+            path,
+            exc,
+        )
+        return f"unreadable-{os.urandom(16).hex()}"
 
 
 def _checkpoint() -> tuple[str, str]:

@@ -337,8 +337,13 @@ def test_errors_name_the_problem() -> None:
     with pytest.raises(RuntimeError, match="register_mem_pool_host"):
         backend.exists("k")
     config.extra_config = {**config.extra_config, "read_timeout_s": "soon"}
-    with pytest.raises(ValueError, match="read_timeout_s must be a number of seconds > 0, got 'soon'"):
+    with pytest.raises(ValueError, match="read_timeout_s must be a number of seconds > 0.*, got 'soon'"):
         StorageBackendFactory.create_backend("dynamic", config, host)
+    # Past threading.TIMEOUT_MAX (about 292 years) a wait raises OverflowError: every read would.
+    for too_long in (1e10, float("inf")):
+        config.extra_config = {**config.extra_config, "read_timeout_s": too_long}
+        with pytest.raises(ValueError, match=f"read_timeout_s must be .* at most .*, got {too_long!r}"):
+            StorageBackendFactory.create_backend("dynamic", config, host)
     config.extra_config = {**config.extra_config, "read_timeout_s": 5, "kvplug": {"tiers": [{"type": "nope"}]}}
     with pytest.raises(ValueError, match="tiers\\[0\\].type"):
         StorageBackendFactory.create_backend("dynamic", config, host)

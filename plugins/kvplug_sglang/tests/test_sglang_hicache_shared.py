@@ -288,6 +288,43 @@ def test_servers_of_other_fp8_kv_caches_never_share_pages(tmp_path: Path) -> Non
             backend.close()
 
 
+def test_a_kv_scales_file_is_named_by_its_content(tmp_path: Path) -> None:
+    """SGLang scales an fp8_e4m3 KV cache by what the --quantization-param-path file says when
+    it loads: servers whose files at one path differ (another machine, the file rewritten between
+    starts) never read each other's pages; one file copied to another path is the same scales."""
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    from sglang.srt.runtime_context import get_context
+
+    kvplug = {"tiers": [{"type": "disk", "path": str(tmp_path / "disk"), "queue": {"mode": "sync"}}]}
+    host = make_host("layer_first", dtype=torch.float8_e4m3fn)
+    keys = page_keys(list(range(670, 670 + 2 * PAGE)))
+    scales, copy = tmp_path / "kv_scales.json", tmp_path / "copy" / "kv_scales.json"
+    copy.parent.mkdir()
+
+    def backend_with(path: Path, content: str | None) -> KVPlugStorage:
+        if content is not None:
+            path.write_text(content)
+        with get_context().override_server_args(
+            model_path="/models/llama", kv_cache_dtype="fp8_e4m3", quantization_param_path=str(path)
+        ):
+            return make_backend(host, kvplug, model="llama")
+
+    writer = backend_with(scales, '{"kv_cache": {"scaling_factor": {"0": {"0": 0.5}}}}')
+    rewritten = backend_with(scales, '{"kv_cache": {"scaling_factor": {"0": {"0": 2.0}}}}')
+    copied = backend_with(copy, '{"kv_cache": {"scaling_factor": {"0": {"0": 0.5}}}}')
+    # A file gone when the backend reads it: whether SGLang scaled by it or by its defaults is unknown.
+    gone = [backend_with(tmp_path / "gone.json", None) for _ in range(2)]
+    try:
+        assert writer.batch_set_v1(keys, random_pages(host, 2, seed=13)) == [True, True]
+        assert rewritten.batch_exists(keys) == 0, "a server read pages scaled by another file at its path"
+        assert copied.batch_exists(keys) == 2, "one scales file at another path is the same scales"
+        assert gone[0].batch_set_v1(keys, random_pages(host, 2, seed=14)) == [True, True]
+        assert gone[1].batch_exists(keys) == 0, "servers whose scales file could not be read shared pages"
+    finally:
+        for backend in (writer, rewritten, copied, *gone):
+            backend.close()
+
+
 def test_a_stage_never_reads_pages_of_other_layers(tmp_path: Path) -> None:
     """Two servers' second pipeline stages hold as many layers each, but other ones (another
     SGLANG_PP_LAYER_PARTITION: layers 2-5 and 3-6 of a 3-stage split): neither reads the

@@ -278,3 +278,32 @@ def test_lookups_and_loads_from_a_tier_whose_reads_hang_are_misses(monkeypatch: 
         assert backend.store.metrics.value("kvplug_load_errors_total", reason="deadline") == 2  # the pages given up
     finally:
         backend.close()
+
+
+def test_a_read_that_gets_no_thread_is_a_miss_and_frees_its_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read runs on a thread of its own; where none can be started (a container's pids limit
+    reached: a fault a test cannot cause for real without starving itself, so Thread.start is
+    made to fail) the read is a miss, and its room is free again: once threads can be had,
+    pages load (not every read a miss, as if earlier reads were stuck in a tier)."""
+    from kvplug_sglang import bounded_reads
+
+    starts_failing = [bounded_reads.MAX_READS_IN_FLIGHT]
+
+    class _NoThread(threading.Thread):
+        def start(self) -> None:
+            if self.name == "kvplug-hicache-read" and starts_failing[0] > 0:
+                starts_failing[0] -= 1
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    host = make_host("layer_first")
+    backend = make_backend(host, {"tiers": [{"type": "cpu"}]})
+    keys = page_keys(list(range(900, 900 + 2 * PAGE)))
+    assert backend.batch_set_v1(keys, random_pages(host, 2, seed=14)) == [True, True]
+    monkeypatch.setattr(bounded_reads.threading, "Thread", _NoThread)
+    try:
+        assert [backend.batch_exists(keys) for _ in range(bounded_reads.MAX_READS_IN_FLIGHT)] == [0, 0, 0, 0]
+        assert backend.batch_exists(keys) == 2, "reads that got no thread kept their room"
+        assert backend.batch_get_v1(keys, host.alloc(2 * PAGE)) == [True, True]
+    finally:
+        backend.close()
