@@ -30,11 +30,8 @@ indexer, ...) are refused at registration and report no hits.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,6 +51,7 @@ from kvplug_sglang.at_exit import close_at_exit, within_exit_wait
 from kvplug_sglang.bounded_reads import BoundedReads
 from kvplug_sglang.control import HiCacheControl, rank_in_replica, start_control
 from kvplug_sglang.host_pages import HostPageFormat
+from kvplug_sglang.page_identity import cp_shard, kv_cache_variant, loaded_checkpoint
 
 logger = logging.getLogger("kvplug.sglang.hicache")
 
@@ -81,7 +79,7 @@ class KVPlugStorage(HiCacheStorage):
         self.name = str(extra.get("model_id") or storage_config.model_name or "")
         # Keys name the checkpoint SGLang loaded, not the served name: two servers that serve
         # different weights under one --served-model-name must not read each other's pages.
-        checkpoint, self.model_revision = _checkpoint()
+        checkpoint, self.model_revision = loaded_checkpoint()
         self.model_id = str(extra.get("model_id") or checkpoint or self.name)
         if not self.model_id:
             raise ValueError(
@@ -119,8 +117,8 @@ class KVPlugStorage(HiCacheStorage):
             model_id=self.model_id,
             model_revision=self.model_revision,
             # A host pool's own page format, which SGLang tags its model name with.
-            engine_variant=str(getattr(mem_pool_host, "storage_format_tag", None) or "") + _kv_cache_variant(),
-            kv_layout=page_format.describe() + (":split" if cfg.should_split_heads else "") + _cp_shard(cfg),
+            engine_variant=str(getattr(mem_pool_host, "storage_format_tag", None) or "") + kv_cache_variant(),
+            kv_layout=page_format.describe() + (":split" if cfg.should_split_heads else "") + cp_shard(cfg),
             dtype=kvplug.dtype_name(page_format.dtype),
             block_size=page_format.page_size,
             tp_rank=cfg.dcp_rank if replicated else cfg.tp_rank,
@@ -348,56 +346,3 @@ def _read_timeout(extra: dict[str, Any]) -> float:
             f" and at most {threading.TIMEOUT_MAX:g}, got {value!r}"
         )
     return float(value)
-
-
-def _cp_shard(cfg: HiCacheStorageConfig) -> str:
-    """The attention-CP shard a rank's pages are, for its keys (``""`` without CP). Under
-    attention DP SGLang hands every CP peer the same ``tp_rank`` (its attention-TP rank), and
-    CP ranks may hold different slices of a page (NSA context parallel): SGLang's own file
-    backend keys each CP rank apart too. A peer that reads another's slice would load wrong KV."""
-    return f":cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}" if cfg.attn_cp_size > 1 else ""
-
-
-def _kv_cache_variant() -> str:
-    """The KV cache dtype this SGLang server was told and the KV scales it loaded, where set.
-    SGLang keeps an fp8 KV cache in uint8 pages (e4m3 and e5m2 alike), so the pages' dtype does
-    not tell them apart; the scales (``--quantization-param-path``) change the bytes too."""
-    from sglang.srt.runtime_context import get_model
-
-    try:
-        model = get_model()
-    except ValueError:  # "config namespace 'model' not published": a backend built by hand
-        return ""
-    kv_cache_dtype = str(getattr(model, "kv_cache_dtype", None) or "auto")
-    scales = str(getattr(model, "quantization_param_path", None) or "")
-    return ("" if kv_cache_dtype == "auto" else f";kv_cache_dtype={kv_cache_dtype}") + (
-        f";kv_scales={_scales_digest(scales)}" if scales else ""
-    )
-
-
-def _scales_digest(path: str) -> str:
-    """The digest of the KV scales file at ``path``: SGLang scales by what the file says when it
-    loads, not by its name (one path may hold other scales on another machine or after a rewrite;
-    one file may be copied to two paths). A file that cannot be read is this process's alone:
-    SGLang fell back to its default scales then, or read it before it went; which, nothing says."""
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError as exc:
-        logger.warning(
-            "KVPlugStorage: the KV scales file %r cannot be read (%s); no other server will read this one's pages",
-            path,
-            exc,
-        )
-        return f"unreadable-{os.urandom(16).hex()}"
-
-
-def _checkpoint() -> tuple[str, str]:
-    """The model path and revision this SGLang server loaded; empty outside a server
-    (SGLang has published no model config: a backend built by hand)."""
-    from sglang.srt.runtime_context import get_model
-
-    try:
-        model = get_model()
-    except ValueError:  # "config namespace 'model' not published"
-        return "", ""
-    return str(getattr(model, "model_path", None) or ""), str(getattr(model, "revision", None) or "")

@@ -1,0 +1,70 @@
+"""What a HiCache page's key names besides SGLang's own page hash: the checkpoint the server
+loaded, its KV cache variant (an fp8 format and its scales) and its attention-CP shard.
+
+Each tells apart pages whose bytes differ where SGLang's hash and the host pool's shape
+agree; a page read under another's key would be loaded as this server's KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+logger = logging.getLogger("kvplug.sglang.hicache")
+
+
+def cp_shard(cfg: HiCacheStorageConfig) -> str:
+    """The attention-CP shard a rank's pages are, for its keys (``""`` without CP). Under
+    attention DP SGLang hands every CP peer the same ``tp_rank`` (its attention-TP rank), and
+    CP ranks may hold different slices of a page (NSA context parallel): SGLang's own file
+    backend keys each CP rank apart too. A peer that reads another's slice would load wrong KV."""
+    return f":cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}" if cfg.attn_cp_size > 1 else ""
+
+
+def kv_cache_variant() -> str:
+    """The KV cache dtype this SGLang server was told and the KV scales it loaded, where set.
+    SGLang keeps an fp8 KV cache in uint8 pages (e4m3 and e5m2 alike), so the pages' dtype does
+    not tell them apart; the scales (``--quantization-param-path``) change the bytes too."""
+    from sglang.srt.runtime_context import get_model
+
+    try:
+        model = get_model()
+    except ValueError:  # "config namespace 'model' not published": a backend built by hand
+        return ""
+    kv_cache_dtype = str(getattr(model, "kv_cache_dtype", None) or "auto")
+    scales = str(getattr(model, "quantization_param_path", None) or "")
+    return ("" if kv_cache_dtype == "auto" else f";kv_cache_dtype={kv_cache_dtype}") + (
+        f";kv_scales={_scales_digest(scales)}" if scales else ""
+    )
+
+
+def _scales_digest(path: str) -> str:
+    """The digest of the KV scales file at ``path``: SGLang scales by what the file says when it
+    loads, not by its name (one path may hold other scales on another machine or after a rewrite;
+    one file may be copied to two paths). A file that cannot be read is this process's alone:
+    SGLang fell back to its default scales then, or read it before it went; which, nothing says."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as exc:
+        logger.warning(
+            "KVPlugStorage: the KV scales file %r cannot be read (%s); no other server will read this one's pages",
+            path,
+            exc,
+        )
+        return f"unreadable-{os.urandom(16).hex()}"
+
+
+def loaded_checkpoint() -> tuple[str, str]:
+    """The model path and revision this SGLang server loaded; empty outside a server
+    (SGLang has published no model config: a backend built by hand)."""
+    from sglang.srt.runtime_context import get_model
+
+    try:
+        model = get_model()
+    except ValueError:  # "config namespace 'model' not published"
+        return "", ""
+    return str(getattr(model, "model_path", None) or ""), str(getattr(model, "revision", None) or "")
