@@ -15,6 +15,7 @@ from kvplug_disk.files import RecordFolder, value_size_of
 from kvplug_disk.folder_scan import ScanResult
 from kvplug_disk.index import EvictionIndex, IndexEntry
 from kvplug_disk.ledger import FolderLockTimeoutError, Usage, UsageLedger
+from kvplug_disk.pin_marks import PinMarks
 from kvplug_disk.problems import ProblemLog
 from kvplug_disk.tenant_tags import record_tag, tenant_tag
 
@@ -40,6 +41,7 @@ class FolderBudget:
     _budget: int
     _lock_wait_s: float
     _folder: RecordFolder
+    _marks: PinMarks
     #: The salts this process knows (a tag in the folder is one of theirs, or no tenant it knows).
     _tenant_salts: Callable[[], Iterable[str]]
     #: When a listing last read the records' tenant tags (:data:`clock`), and how long it took.
@@ -51,6 +53,8 @@ class FolderBudget:
         def _skipped(self, digest: str) -> bool: ...
 
         def _entry_failed(self, op: str, digest: str, exc: OSError, *, locked: bool = False) -> bool: ...
+
+        def _mark_new_pins(self, names: Iterable[str]) -> None: ...
 
     def _make_room(self, size: int, attempt: int) -> bool:
         """After a write of ``size`` bytes found the disk full (``attempt`` times before):
@@ -126,12 +130,19 @@ class FolderBudget:
                 continue
             self._remove_victims(usage, [victim])
 
-    def _remove_victims(self, usage: Usage, victims: list[tuple[str, IndexEntry]]) -> None:
+    def _remove_victims(self, usage: Usage, victims: list[tuple[str, IndexEntry]]) -> int:
         """Unlink evicted records (locks held). One that cannot be removed is skipped from
-        then on: out of the index and the total, so the budget is kept with the others."""
+        then on: out of the index and the total, so the budget is kept with the others. One
+        another live process marked pinned stays, out of this process's order until a listing
+        finds it again (:mod:`kvplug_disk.pin_marks`). How many were not kept so."""
+        removed = 0
         for digest, entry in victims:
+            if self._marks.held_elsewhere(digest):  # another live process pinned it: it stays
+                continue
+            removed += 1
             if self._unlink_record(usage, digest, "evict"):
                 self._evicted[digest] = StoredRecord(digest, entry.file_size, 0.0)
+        return removed
 
     def _unlink_record(self, usage: Usage, digest: str, op: str) -> bool:
         """Remove one record file and take its bytes off the folder's total (locks held)."""
@@ -191,6 +202,7 @@ class FolderBudget:
         for digest in pinned:
             if digest in self._order:
                 self._order.pin(digest)
+        self._mark_new_pins(self._order.pinned())  # (the pin book's, found by this listing)
         usage.total = self._order.value_bytes
         usage.known = True
         usage.tenants = None if tags is None else {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvplug import Buffer, StoredRecord
 from kvplug.errors import CorruptChunkError
@@ -38,6 +38,9 @@ class DiskReads:
         raise NotImplementedError
 
     def _entry_failed(self, op: str, digest: str, exc: OSError, *, locked: bool = False) -> bool:
+        raise NotImplementedError
+
+    def _mark_new_pins(self, names: Iterable[str]) -> None:
         raise NotImplementedError
 
     async def sizes(self, names: Sequence[str]) -> list[int | None]:
@@ -127,3 +130,4 @@ class DiskReads:
             if entry is None:
                 self._counts["discovered"] += 1
             self._order.add(digest, IndexEntry(value_size_of(stat.st_size), stat.st_size))
+            self._mark_new_pins([digest])  # (one the engine's pin book wants: pinned as it entered)
