@@ -44,7 +44,7 @@ from kvplug import (
 from kvplug_disk.budget import FolderBudget
 from kvplug_disk.config import DiskTierConfig
 from kvplug_disk.files import RecordFolder, TempFile, make_private
-from kvplug_disk.folder_pins import FolderPins
+from kvplug_disk.folder_pins import FolderPins, KeptForOthers
 from kvplug_disk.folder_scan import ForeignEntryError, ScanResult
 from kvplug_disk.index import EvictionIndex, IndexEntry, record_guard
 from kvplug_disk.ledger import FolderLockTimeoutError, Usage, UsageLedger
@@ -114,7 +114,17 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
         self._label = lambda salt: tenancy.labels.label(salt, quota_salts)
         guard = record_guard(config, tenancy, self.tenant_names, problems.logger, self.where)
         self._order = EvictionIndex(config.eviction, guard)
-        self._counts = {"discovered": 0, "vanished": 0, "skipped_writes": 0, "stores_refused_no_room": 0}
+        self._counts = dict.fromkeys(
+            (
+                "discovered",
+                "vanished",
+                "skipped_writes",
+                "folder_listings",
+                "kept_pinned_elsewhere",
+                "stores_refused_no_room",
+            ),
+            0,
+        )
         self._evicted: dict[str, StoredRecord] = {}  # by digest: a record written again is no longer evicted
         self._dirty_folders: set[str] = set()
         self._folder_lock = threading.Lock()  # one folder sync at a time
@@ -122,6 +132,7 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
         started = time.perf_counter()
         self._folder = self._open_folder(config)
         self._marks = PinMarks(self._folder.root_fd, self._folder, read_only=read_only)
+        self._kept = KeptForOthers()  # records left for other processes' pins
         if not read_only:
             mark_store(self._folder.root_fd)
         self._ledger = UsageLedger(self._folder.root_fd, where=self.where, read_only=read_only)
@@ -269,6 +280,7 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
         # Evicted earlier in this put (or by another thread's) and now written again:
         # the tier must not forget the record it has just stored, nor report it gone.
         self._evicted.pop(record.name, None)
+        self._kept.drop(record.name)
         self._order.add(record.name, IndexEntry(value_size, record.size))
         if replaced:  # storing a record again is a use of it
             self._order.touch(record.name)

@@ -95,3 +95,47 @@ class FolderPins:
         for digest in names:
             if digest not in self._marks.marked and self._order.is_pinned(digest):
                 self._marks.mark(digest)
+
+
+class KeptForOthers:
+    """The records this process's evictions left in place for other processes' pins: out of its
+    eviction order, yet in the folder's total (and their tenants' counts), so it must not list
+    the folder to look for those bytes, nor count them against a tenant's quota here (another
+    process's pins count where they were made, as this process's own do). Not thread-safe:
+    the backend's lock is held. A listing forgets them: they enter the order again, and are
+    asked about again when they are next chosen to leave."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, tuple[IndexEntry, bytes | None]] = {}
+        #: Value bytes of the records (the budget counts value bytes).
+        self.value_bytes = 0
+
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._records
+
+    def __bool__(self) -> bool:
+        return bool(self._records)
+
+    def keep(self, digest: str, entry: IndexEntry, tag: bytes | None) -> None:
+        self.drop(digest)
+        self._records[digest] = (entry, tag)
+        self.value_bytes += entry.value_size
+
+    def drop(self, digest: str) -> IndexEntry | None:
+        """Forget ``digest`` (back in the order, or gone); its entry, if it was kept."""
+        kept = self._records.pop(digest, None)
+        if kept is None:
+            return None
+        self.value_bytes -= kept[0].value_size
+        return kept[0]
+
+    def file_bytes_of(self, tag: bytes) -> int:
+        """File bytes kept of the tenant tagged ``tag`` (quotas count file bytes)."""
+        return sum(entry.file_size for entry, kept_tag in self._records.values() if kept_tag == tag)
+
+    def digests(self) -> list[str]:
+        return list(self._records)
+
+    def clear(self) -> None:
+        self._records.clear()
+        self.value_bytes = 0

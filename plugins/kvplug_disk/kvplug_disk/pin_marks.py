@@ -67,7 +67,7 @@ class PinMarks:
         self._lock = threading.Lock()
         #: The records this owner marked (and has not unmarked since).
         self.marked: set[str] = set()
-        self.counts = {"pin_marks_failed": 0, "kept_pinned_elsewhere": 0, "dead_pin_marks_removed": 0}
+        self.counts = {"pin_marks_failed": 0, "dead_pin_marks_removed": 0}
 
     # --- this owner's marks -----------------------------------------------------------
 
@@ -116,12 +116,9 @@ class PinMarks:
         if opened is None:
             return False
         try:
-            held = any(owner != self.owner for owner in self._live_owners(opened))
+            return any(owner != self.owner for owner in self._live_owners(opened))
         finally:
             os.close(opened)
-        if held:
-            self._count("kept_pinned_elsewhere")
-        return held
 
     def carry_over(self, digest: str, temp_name: str, temp_dir_fd: int) -> None:
         """Copy the live marks of other owners from the record ``digest`` to the temp file about

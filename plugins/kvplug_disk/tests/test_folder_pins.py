@@ -128,7 +128,26 @@ def test_a_folder_full_of_other_engines_pins_refuses_a_store(started: list[Worke
     assert other.ask("put none 2") == "done"
     assert all(path_of(folder, key).exists() for key in pinned), "another engine evicted the records w0 pinned"
     assert len(records(folder)) == 6
-    assert int(str(other.stats()["stores_refused_no_room"])) == 2
+    stats = other.stats()
+    assert int(str(stats["stores_refused_no_room"])) == 2
+    # w1 listed the folder when it opened it, and not again for each store: what it could not
+    # evict is known to it as pinned elsewhere, not as records it has yet to find.
+    assert int(str(stats["folder_listings"])) == 1
+
+
+def test_other_engines_pins_count_against_no_quota_here(started: list[Worker], kind: str, folder: Path) -> None:
+    """w0 pins five of tenant-a's records, more than its quota (an operator's pins count against
+    no quota). w1, opened after, stores three of tenant-a's: w0's pins stay, and they do not
+    count against tenant-a's quota in w1 (as they do not in w0), so w1 keeps its own three."""
+    owner = start(started, kind, folder, "w0", budget=1 << 30)
+    pinned = [key_of("tenant-a", f"system-{i}") for i in range(5)]
+    for i in range(5):
+        assert owner.ask(f"pin tenant-a system-{i}") == "pinned"
+    other = start(started, kind, folder, "w1", budget=1 << 30)
+    assert other.ask("put tenant-a 3") == "done"
+    assert all(path_of(folder, key).exists() for key in pinned), "another engine evicted the records w0 pinned"
+    assert all(path_of(folder, key_of("tenant-a", f"w1-{i}")).exists() for i in range(3))
+    assert int(str(other.stats()["folder_listings"])) == 1
 
 
 @pytest.mark.parametrize("how", ["unpin", "close", "kill"])
