@@ -37,6 +37,8 @@ import secrets
 import threading
 from typing import Protocol
 
+from kvplug_disk.folder_scan import RECORD_SUFFIX
+
 #: A pin mark's attribute: this prefix and its owner's id.
 MARK_PREFIX = "user.kvplug.pin."
 #: The folder (in the store's root) of the owners' lock files.
@@ -112,6 +114,8 @@ class PinMarks:
     def held_elsewhere(self, digest: str) -> bool:
         """Whether a live owner other than this one marked the record ``digest`` pinned (the
         folder's lock held: call before evicting it). Dead owners' marks are removed."""
+        if not self._has_marks(digest):  # (the common case: one call, no descriptor)
+            return False
         opened = self._open(digest)
         if opened is None:
             return False
@@ -123,6 +127,8 @@ class PinMarks:
     def carry_over(self, digest: str, temp_name: str, temp_dir_fd: int) -> None:
         """Copy the live marks of other owners from the record ``digest`` to the temp file about
         to be renamed over it (the folder's lock held)."""
+        if not self._has_marks(digest):
+            return
         opened = self._open(digest)
         if opened is None:
             return
@@ -196,6 +202,21 @@ class PinMarks:
         finally:
             os.close(folder)
         return fd
+
+    def _has_marks(self, digest: str) -> bool:
+        """Whether the record file ``digest`` carries any pin mark: a cheaper look than
+        :meth:`_open`'s (which checks the shard folder and the file's type) for the common
+        case of a record no one pinned."""
+        try:
+            fd = os.open(f"{digest[:2]}/{digest}{RECORD_SUFFIX}", _OPEN_FLAGS, dir_fd=self._root_fd)
+        except OSError:  # no such file (or a link at its name: not a record)
+            return False
+        try:
+            return any(name.startswith(MARK_PREFIX) for name in os.listxattr(fd))
+        except OSError:  # no attributes here
+            return False
+        finally:
+            os.close(fd)
 
     def _open(self, digest: str) -> int | None:
         try:
