@@ -169,6 +169,7 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
                 self._problems.skip(name[:64] or shard, "foreign", f"{config.path}/{entry} {what}")
             self._rebuild(usage, scan)
             if not self.read_only:
+                self._marks.sweep()  # lock files of engines that are gone
                 self._evict_for(usage, 0)  # the budget may have shrunk since the last run
             # The tier's start-up listing: the files still there, without listing twice.
             self._startup_listing: list[StoredRecord] | None = [

@@ -151,6 +151,23 @@ class PinMarks:
         finally:
             os.close(temp)
 
+    def sweep(self) -> int:
+        """Remove the lock files of owners that are gone (at a tier's open): those whose marks no
+        eviction came across, because their records were removed or are never evicted. How many."""
+        try:
+            folder = os.open(
+                OWNERS_FOLDER, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd
+            )
+        except OSError:  # none yet (no pin was ever marked here)
+            return 0
+        try:
+            owners = [name for name in os.listdir(folder) if _OWNER.fullmatch(name)]
+        except OSError:
+            owners = []
+        finally:
+            os.close(folder)
+        return sum(not self._alive(owner) for owner in owners)
+
     def close(self) -> None:
         """Give up this owner's marks: its lock file goes (the marks left on records are dead)."""
         with self._lock:

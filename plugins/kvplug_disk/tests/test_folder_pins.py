@@ -176,6 +176,22 @@ def test_a_pin_ends_with_its_engines_unpin_or_the_engine(
         assert list((folder / OWNERS_FOLDER).iterdir()) == [], "a dead owner's lock file stayed"
 
 
+def test_an_engine_opening_the_folder_removes_the_lock_files_of_engines_gone(
+    started: list[Worker], kind: str, folder: Path
+) -> None:
+    """w0 pins a record and is killed; the record is then removed (``kvplug store``, a corrupt
+    read): no eviction will come across w0's mark. The next engine to open the folder removes
+    w0's lock file all the same (d346f21: it stayed, ``assert [...] == []``)."""
+    owner = start(started, kind, folder, "w0")
+    assert owner.ask("pin tenant-b system") == "pinned"
+    owner.process.kill()
+    owner.process.wait(60)
+    path_of(folder, PINNED).unlink()
+    assert len(list((folder / OWNERS_FOLDER).iterdir())) == 1
+    start(started, kind, folder, "w1")
+    assert list((folder / OWNERS_FOLDER).iterdir()) == []
+
+
 def test_a_dead_engines_marks_do_not_pile_up(started: list[Worker], kind: str, folder: Path) -> None:
     """Each engine is a new owner: one that pins a record a killed engine had pinned removes
     the dead mark (each file system has room for a few attributes only)."""
