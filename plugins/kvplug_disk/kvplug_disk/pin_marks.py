@@ -13,9 +13,11 @@ owner other than itself (:meth:`PinMarks.held_elsewhere`).
   tier. The owner holds an exclusive ``flock`` on ``.kvplug-pins/<owner>`` in the folder for as
   long as the tier is open, and the kernel drops it when the process ends, however it ends
   (SIGKILL too). A mark whose owner file is gone or not locked is dead: ignored, removed from
-  the record where seen, and the owner file with it. So a pin never outlives every process that
-  wanted it. The owner file is locked before it gets its name (a temp name, renamed), so no
-  process ever sees the file of a live owner unlocked.
+  the record where seen, and the owner file with it (and at each writable open of the folder,
+  :meth:`PinMarks.sweep`, the files of every owner gone). So a pin never outlives every process
+  that wanted it. The owner file is locked before it gets its name (a temp name, renamed), so no
+  process ever sees the file of a live owner unlocked. A child forked by the owner's process
+  shares the lock: its pins hold while either lives.
 - **Stored again.** A record stored again is a new file renamed over the old one: the write
   copies the old file's live marks onto the new one first, under the folder's lock that every
   eviction takes too (:meth:`PinMarks.carry_over`), so another engine's store of a pinned chunk
