@@ -72,6 +72,9 @@ def test_a_record_one_engine_pinned_stays_when_another_fills_the_folder(
     assert len(records(folder)) * VALUE <= BUDGET, "the folder went over its budget"
     assert int(str(other.stats()["kept_pinned_elsewhere"])) >= 1
     assert int(str(owner.stats()["pinned_bytes"])) == FILE
+    # Private like the rest of the folder: the owners' lock files tell others nothing either.
+    assert (folder / OWNERS_FOLDER).stat().st_mode & 0o777 == 0o700
+    assert [path.stat().st_mode & 0o777 for path in (folder / OWNERS_FOLDER).iterdir()] == [0o600]
 
 
 def test_a_record_one_engine_pinned_stays_when_another_stores_it_again(
