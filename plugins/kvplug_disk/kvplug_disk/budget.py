@@ -193,6 +193,7 @@ class FolderBudget:
             return False
         usage.total -= value_size_of(stat.st_size)
         usage.add_tenant(tag, -stat.st_size)
+        self._marks.forget(digest)  # (stored again, it is marked again if still pinned)
         return True
 
     def _value_size_on_disk(self, digest: str) -> int:

@@ -85,15 +85,17 @@ class FolderPins:
         """Mark ``names`` where this process pinned them; unmark what it no longer pins."""
         with self._lock:
             stale = self._marks.marked - set(self._order.pinned())
-            new = [digest for digest in names if digest not in self._marks.marked and self._order.is_pinned(digest)]
+            new = [digest for digest in names if self._order.is_pinned(digest)]
         self._marks.unmark(stale)
         for digest in new:
             self._marks.mark(digest)
 
     def _mark_new_pins(self, names: Iterable[str]) -> None:
-        """Mark the records of ``names`` that this process pins and has not marked yet (its lock held)."""
+        """Mark the records of ``names`` that this process pins (its lock held). Marked again even
+        where this process marked them before: the file may be a new one without its mark (the
+        record was removed by another process, then stored again)."""
         for digest in names:
-            if digest not in self._marks.marked and self._order.is_pinned(digest):
+            if self._order.is_pinned(digest):
                 self._marks.mark(digest)
 
 

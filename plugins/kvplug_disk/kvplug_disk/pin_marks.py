@@ -91,9 +91,15 @@ class PinMarks:
             return False
         finally:
             os.close(opened)
-        with self._lock:
-            self.marked.add(digest)
+        if linked:
+            with self._lock:
+                self.marked.add(digest)
         return linked
+
+    def forget(self, digest: str) -> None:
+        """The record ``digest`` left the folder, and this owner's mark with it."""
+        with self._lock:
+            self.marked.discard(digest)
 
     def unmark(self, digests: set[str] | list[str]) -> None:
         """Remove this owner's marks from the records ``digests`` (those it marked)."""
@@ -127,15 +133,15 @@ class PinMarks:
             os.close(opened)
 
     def carry_over(self, digest: str, temp_name: str, temp_dir_fd: int) -> None:
-        """Copy the live marks of other owners from the record ``digest`` to the temp file about
-        to be renamed over it (the folder's lock held)."""
+        """Copy the live marks, this owner's too, from the record ``digest`` to the temp file
+        about to be renamed over it (the folder's lock held)."""
         if not self._has_marks(digest):
             return
         opened = self._open(digest)
         if opened is None:
             return
         try:
-            owners = [owner for owner in self._live_owners(opened) if owner != self.owner]
+            owners = self._live_owners(opened)
         finally:
             os.close(opened)
         if not owners:
