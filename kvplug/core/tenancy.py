@@ -7,6 +7,8 @@
   :meth:`kvplug.StorageTier.pin` pins chunks it holds already. Each tier's pinned bytes
   have their own budget (:class:`~kvplug.core.tenancy_settings.TenancySettings` ``pin_max_bytes``); a pin over it
   is refused, counted and logged, and the chunk stays an ordinary, evictable one.
+  A tier whose store other processes share may keep a pin for all of them: a mark on the
+  record itself that every process's evictions honour while the pinning process lives.
   Requests pin only where the operator lets them (:class:`~kvplug.core.tenants.TenancyConfig`
   ``request_pins``), each tenant within ``request_pin_max_bytes`` and its quota.
 - **Tenants.** A tenant is a ``cache_salt``. Keys are ``<version>/<fingerprint>/<hash>``

@@ -36,7 +36,6 @@ from kvplug import (
     RECORD_HEADER_SIZE,
     CallSizes,
     NameTenants,
-    PinOutcome,
     RecordBackend,
     RecordToWrite,
     StoredRecord,
@@ -45,10 +44,12 @@ from kvplug import (
 from kvplug_disk.budget import FolderBudget
 from kvplug_disk.config import DiskTierConfig
 from kvplug_disk.files import RecordFolder, TempFile, make_private
+from kvplug_disk.folder_pins import FolderPins, KeptForOthers
 from kvplug_disk.folder_scan import ForeignEntryError, ScanResult
 from kvplug_disk.index import EvictionIndex, IndexEntry, record_guard
 from kvplug_disk.ledger import FolderLockTimeoutError, Usage, UsageLedger
 from kvplug_disk.location import mark_store, require_disk_store
+from kvplug_disk.pin_marks import PinMarks
 from kvplug_disk.problems import ProblemLog, is_undeletable
 from kvplug_disk.reads import DiskReads
 from kvplug_disk.removals import DiskRemovals, ReadOnlyStoreError
@@ -76,7 +77,7 @@ class RefusedRecordError(OSError):
         super().__init__(errno.ENOSPC, "no room beside the pinned records or within the tenant's quota")
 
 
-class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
+class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBackend):
     """Record files in one folder shared by any number of processes (see the module docstring)."""
 
     # One put is one call: its records are renamed in order, with mtimes in that order.
@@ -113,13 +114,25 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
         self._label = lambda salt: tenancy.labels.label(salt, quota_salts)
         guard = record_guard(config, tenancy, self.tenant_names, problems.logger, self.where)
         self._order = EvictionIndex(config.eviction, guard)
-        self._counts = {"discovered": 0, "vanished": 0, "skipped_writes": 0}
+        self._counts = dict.fromkeys(
+            (
+                "discovered",
+                "vanished",
+                "skipped_writes",
+                "folder_listings",
+                "kept_pinned_elsewhere",
+                "stores_refused_no_room",
+            ),
+            0,
+        )
         self._evicted: dict[str, StoredRecord] = {}  # by digest: a record written again is no longer evicted
         self._dirty_folders: set[str] = set()
         self._folder_lock = threading.Lock()  # one folder sync at a time
         self._folders_synced_at = time.monotonic()
         started = time.perf_counter()
         self._folder = self._open_folder(config)
+        self._marks = PinMarks(self._folder.root_fd, self._folder, read_only=read_only)
+        self._kept = KeptForOthers()  # records left for other processes' pins
         if not read_only:
             mark_store(self._folder.root_fd)
         self._ledger = UsageLedger(self._folder.root_fd, where=self.where, read_only=read_only)
@@ -156,6 +169,7 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
                 self._problems.skip(name[:64] or shard, "foreign", f"{config.path}/{entry} {what}")
             self._rebuild(usage, scan)
             if not self.read_only:
+                self._marks.sweep()  # lock files of engines that are gone
                 self._evict_for(usage, 0)  # the budget may have shrunk since the last run
             # The tier's start-up listing: the files still there, without listing twice.
             self._startup_listing: list[StoredRecord] | None = [
@@ -246,6 +260,11 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
         old_tag = record_tag(self._folder, record.name) if usage.tenants is not None else None
         old_size = self._value_size_on_disk(record.name)
         growth = value_size - old_size
+        if usage.total + growth > self._budget:  # what is left is pinned by other processes (pin marks)
+            self._counts["stores_refused_no_room"] += 1
+            self._folder.discard_temp(temp)
+            return RefusedRecordError()
+        self._marks.carry_over(record.name, temp.name, temp.dir_fd)  # other engines' pins of the old file
         usage.total += growth
         usage.add_tenant(old_tag, -(old_size + RECORD_HEADER_SIZE))
         usage.add_tenant(temp.tag, record.size)
@@ -262,9 +281,11 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
         # Evicted earlier in this put (or by another thread's) and now written again:
         # the tier must not forget the record it has just stored, nor report it gone.
         self._evicted.pop(record.name, None)
+        self._kept.drop(record.name)
         self._order.add(record.name, IndexEntry(value_size, record.size))
         if replaced:  # storing a record again is a use of it
             self._order.touch(record.name)
+        self._mark_new_pins([record.name])
         over_quota = self._order.take_over_quota()  # the tenant's own records
         if over_quota:
             self._remove_victims(usage, over_quota)
@@ -272,42 +293,6 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
         if tenant is not None and temp.tag is not None:  # the tenant's records of every process
             self._keep_folder_quota(usage, tenant, temp.tag)
         return None
-
-    # --- pins -----------------------------------------------------------------------
-
-    def pin(self, names: Sequence[str]) -> list[tuple[PinOutcome, int]]:
-        """Take records out of eviction (each asked of the file system first, so a record
-        another process wrote is pinned too): per name, what happened and its value bytes."""
-        self._sizes(names)
-        outcomes: list[tuple[PinOutcome, int]] = []
-        with self._lock:
-            for digest in names:
-                entry = self._order.get(digest)
-                outcomes.append((self._order.pin(digest), 0 if entry is None else entry.value_size))
-        return outcomes
-
-    def unpin(self, names: Sequence[str]) -> list[int | None]:
-        """Make records evictable again: per name its value bytes, ``None`` if not pinned. They
-        count against their tenant's quota again: a tenant over it gives up its own records."""
-        with self._lock:
-            sizes: list[int | None] = []
-            for digest in names:
-                entry = self._order.get(digest)
-                sizes.append(entry.value_size if entry is not None and self._order.unpin(digest) else None)
-        try:
-            with (
-                self._ledger.locked(
-                    timeout_s=self._lock_wait_s, then="tenants over their quotas give up records at the next write"
-                ) as usage,
-                self._lock,
-            ):
-                over_quota = self._order.take_over_quota()
-                if over_quota:
-                    self._remove_victims(usage, over_quota)
-                    usage.save()
-        except FolderLockTimeoutError as exc:  # unpinned all the same: the next write keeps the quota
-            self._problems.error("unpin", "the folder", exc)
-        return sizes
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -330,6 +315,7 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
         """Close the files (also without the tier's loop, for a tier that failed to start)."""
         self._temps.close()
         self._sync_folders()
+        self._marks.close()
         self._ledger.close()
         self._folder.close()
 
@@ -341,6 +327,7 @@ class DiskBackend(DiskRemovals, FolderBudget, DiskReads, RecordBackend):
             return {
                 **self._counts,
                 **self._problems.counts,
+                **self._marks.counts,
                 **self._startup,
                 "file_bytes": self._order.file_bytes,
                 **self._order.stats_extra(),

@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 
 from kvplug import StoredRecord
 from kvplug_disk.files import RecordFolder, value_size_of
+from kvplug_disk.folder_pins import KeptForOthers
 from kvplug_disk.folder_scan import ScanResult
 from kvplug_disk.index import EvictionIndex, IndexEntry
 from kvplug_disk.ledger import FolderLockTimeoutError, Usage, UsageLedger
+from kvplug_disk.pin_marks import PinMarks
 from kvplug_disk.problems import ProblemLog
 from kvplug_disk.tenant_tags import record_tag, tenant_tag
 
@@ -40,6 +42,9 @@ class FolderBudget:
     _budget: int
     _lock_wait_s: float
     _folder: RecordFolder
+    _marks: PinMarks
+    _kept: KeptForOthers
+    _counts: dict[str, int]
     #: The salts this process knows (a tag in the folder is one of theirs, or no tenant it knows).
     _tenant_salts: Callable[[], Iterable[str]]
     #: When a listing last read the records' tenant tags (:data:`clock`), and how long it took.
@@ -51,6 +56,8 @@ class FolderBudget:
         def _skipped(self, digest: str) -> bool: ...
 
         def _entry_failed(self, op: str, digest: str, exc: OSError, *, locked: bool = False) -> bool: ...
+
+        def _mark_new_pins(self, names: Iterable[str]) -> None: ...
 
     def _make_room(self, size: int, attempt: int) -> bool:
         """After a write of ``size`` bytes found the disk full (``attempt`` times before):
@@ -87,18 +94,39 @@ class FolderBudget:
         rescanned = not usage.known or (usage.tenants is None and self._order.has_quotas and self._tenants_relist_due())
         # Past what evicting every record this process knows could free (another process's
         # records, or a count a crash or a hand left too high): list first, not after evicting all.
-        rescanned = rescanned or usage.total - self._order.value_bytes + incoming > self._budget
+        rescanned = rescanned or usage.total - self._known_bytes() + incoming > self._budget
         if rescanned:
             self._rebuild(usage, self._list(usage))
         while usage.total + incoming > self._budget:
             victims = self._order.pop_victims(1)
             if not victims:
-                if rescanned:
+                if self._release_kept():  # pins of other processes that ended since: evictable
+                    continue
+                # Nothing this process does not know of: the rest is pinned (here or by others).
+                if rescanned or usage.total <= self._known_bytes():
                     break
                 self._rebuild(usage, self._list(usage))
                 rescanned = True
                 continue
             self._remove_victims(usage, victims)
+
+    def _known_bytes(self) -> int:
+        """Value bytes of the folder's total that this process knows of: its order's, and the
+        records it left for other processes' pins."""
+        return self._order.value_bytes + self._kept.value_bytes
+
+    def _release_kept(self) -> bool:
+        """Ask again about the records left for other processes' pins: those no longer pinned
+        anywhere go back into the order, the first to leave; whether any did (locks held)."""
+        released = False
+        for digest in self._kept.digests():
+            if self._marks.held_elsewhere(digest):
+                continue
+            entry = self._kept.drop(digest)
+            if entry is not None and digest not in self._order and self._value_size_on_disk(digest):
+                self._order.add_cold(digest, entry)
+                released = True
+        return released
 
     def _tenants_relist_due(self) -> bool:
         """Whether a stale tenant table may be listed again: :data:`TENANT_RELIST_INTERVAL_S` and
@@ -115,7 +143,7 @@ class FolderBudget:
         records leave first, whoever wrote them, and this process does not evict all of its own
         records, the one just written included, for records it cannot see or that are not there."""
         rescanned = usage.tenants is None
-        while usage.tenants is not None and self._order.over_folder_quota(tenant, held := usage.tenants.get(tag, 0)):
+        while usage.tenants is not None and self._order.over_folder_quota(tenant, held := self._quota_held(usage, tag)):
             unseen = not rescanned and self._order.others_fill_quota(tenant, held)
             victim = None if unseen else self._order.take_victim_of(tenant)
             if victim is None:
@@ -126,16 +154,32 @@ class FolderBudget:
                 continue
             self._remove_victims(usage, [victim])
 
-    def _remove_victims(self, usage: Usage, victims: list[tuple[str, IndexEntry]]) -> None:
+    def _quota_held(self, usage: Usage, tag: bytes) -> int:
+        """File bytes of the tenant tagged ``tag`` in the folder that count against its quota
+        here: all but those left for other processes' pins (which count where they were made)."""
+        held = 0 if usage.tenants is None else usage.tenants.get(tag, 0)
+        return held - (self._kept.file_bytes_of(tag) if self._kept else 0)
+
+    def _remove_victims(self, usage: Usage, victims: list[tuple[str, IndexEntry]]) -> int:
         """Unlink evicted records (locks held). One that cannot be removed is skipped from
-        then on: out of the index and the total, so the budget is kept with the others."""
+        then on: out of the index and the total, so the budget is kept with the others. One
+        another live process marked pinned stays, out of this process's order until a listing
+        finds it again (:mod:`kvplug_disk.pin_marks`). How many were not kept so."""
+        removed = 0
         for digest, entry in victims:
+            if self._marks.held_elsewhere(digest):  # another live process pinned it: it stays
+                self._kept.keep(digest, entry, record_tag(self._folder, digest) if usage.tenants is not None else None)
+                self._counts["kept_pinned_elsewhere"] += 1
+                continue
+            removed += 1
             if self._unlink_record(usage, digest, "evict"):
                 self._evicted[digest] = StoredRecord(digest, entry.file_size, 0.0)
+        return removed
 
     def _unlink_record(self, usage: Usage, digest: str, op: str) -> bool:
         """Remove one record file and take its bytes off the folder's total (locks held)."""
         stat = None
+        self._kept.drop(digest)
         tag = record_tag(self._folder, digest) if usage.tenants else None  # (its tenant's count goes too)
         try:
             stat = self._folder.stat(digest)
@@ -149,6 +193,7 @@ class FolderBudget:
             return False
         usage.total -= value_size_of(stat.st_size)
         usage.add_tenant(tag, -stat.st_size)
+        self._marks.forget(digest)  # (stored again, it is marked again if still pinned)
         return True
 
     def _value_size_on_disk(self, digest: str) -> int:
@@ -164,6 +209,7 @@ class FolderBudget:
         tags = self._order.has_quotas or usage.tenants is not None
         started = clock()
         scan = self._folder.scan(clean_temps_older_than=clean_temps_older_than, tags=tags)
+        self._counts["folder_listings"] += 1
         if scan.tags is not None:
             self._tenants_listed_at = clock()
             self._tenants_listing_s = self._tenants_listed_at - started
@@ -183,6 +229,7 @@ class FolderBudget:
             tags = {digest: tag for digest, _, _ in records if (tag := found.get(digest)) is not None}
         pinned = self._order.pinned()  # the pin book's are pinned again as they enter; these may not be in it
         self._order = self._order.fresh()
+        self._kept.clear()  # in the order again: asked about again when chosen to leave
         if tags:
             salts = {tenant_tag(salt): salt for salt in self._tenant_salts()}
             self._order.adopt_tenants({digest: salts[tag] for digest, tag in tags.items() if tag in salts})
@@ -191,6 +238,7 @@ class FolderBudget:
         for digest in pinned:
             if digest in self._order:
                 self._order.pin(digest)
+        self._mark_new_pins(self._order.pinned())  # (the pin book's, found by this listing)
         usage.total = self._order.value_bytes
         usage.known = True
         usage.tenants = None if tags is None else {}

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvplug import Buffer, StoredRecord
 from kvplug.errors import CorruptChunkError
 from kvplug_disk.files import RecordFolder, value_size_of
+from kvplug_disk.folder_pins import KeptForOthers
 from kvplug_disk.folder_scan import ForeignEntryError
 from kvplug_disk.index import EvictionIndex, IndexEntry
 
@@ -27,6 +28,7 @@ class DiskReads:
     _folder: RecordFolder
     _lock: threading.Lock
     _order: EvictionIndex
+    _kept: KeptForOthers
     _counts: dict[str, int]
     _startup_listing: list[StoredRecord] | None
     #: Opened for inspection: reads set no mtimes.
@@ -38,6 +40,9 @@ class DiskReads:
         raise NotImplementedError
 
     def _entry_failed(self, op: str, digest: str, exc: OSError, *, locked: bool = False) -> bool:
+        raise NotImplementedError
+
+    def _mark_new_pins(self, names: Iterable[str]) -> None:
         raise NotImplementedError
 
     async def sizes(self, names: Sequence[str]) -> list[int | None]:
@@ -126,4 +131,6 @@ class DiskReads:
         elif entry is None or entry.file_size != stat.st_size:
             if entry is None:
                 self._counts["discovered"] += 1
+            self._kept.drop(digest)  # (one left for another process's pin: in the order again)
             self._order.add(digest, IndexEntry(value_size_of(stat.st_size), stat.st_size))
+            self._mark_new_pins([digest])  # (one the engine's pin book wants: pinned as it entered)

@@ -192,7 +192,8 @@ class ShmBackend(DiskBackend):
             victims = self._order.pop_victims(1)
             if not victims:
                 return False
-            self._remove_victims(usage, victims)
+            if not self._remove_victims(usage, victims):  # pinned by another process: kept
+                continue
             self._problems.counts["enospc_evictions"] += len(victims)
             after = Room.of(self._folder.root_fd)
             if after is None:

@@ -6,18 +6,16 @@ and a budget far above what the tests store, so only quotas evict.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tenant_worker import BUDGET, VALUE
+from tenant_worker import BUDGET, VALUE, Worker
 
 from kvplug import key_digest
-from kvplug.core.tenants import DIGEST_LABEL, FOLDER_TENANT_BYTES, TENANT_BYTES
+from kvplug.core.tenants import FOLDER_TENANT_BYTES
 from kvplug.testing import pins_context, value_for
 from kvplug.testing.pins_contract import key_of
 from kvplug_disk import DiskTier, ShmTier, budget, verify_folder
@@ -32,68 +30,15 @@ from kvplug_disk.tenant_tags import (
     tenant_tag,
 )
 
-WORKER = str(Path(__file__).with_name("tenant_worker.py"))
 FILE = VALUE + 64  # a record file: its value and header; quotas count file bytes
 QUOTA = 4 * FILE
-
-
-class Worker:
-    """One :mod:`tenant_worker` process; each command waits for its answer (no timing)."""
-
-    def __init__(self, kind: str, folder: Path, name: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, WORKER, kind, str(folder), name, str(QUOTA)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.expect("ready")
-
-    def ask(self, command: str) -> str:
-        self.send(command)
-        return self.answer()
-
-    def send(self, command: str) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(command + "\n")
-        self.process.stdin.flush()
-
-    def answer(self) -> str:
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline().strip()
-        if not line:  # not an AssertionError: the xfail below must not hide a worker that died
-            raise RuntimeError(f"worker exited with {self.process.wait(60)} without answering")
-        return line
-
-    def expect(self, answer: str) -> None:
-        got = self.answer()
-        if got != answer:
-            raise RuntimeError(f"worker answered {got!r}, not {answer!r}")
-
-    def stats(self) -> dict[str, object]:
-        line = self.ask("stats")
-        return dict(json.loads(line.removeprefix("stats ")))
-
-    def tenant_a_bytes(self, figure: str = TENANT_BYTES) -> int:
-        """The tenant-a bytes this process reports as ``figure`` (labelled by a digest: the only
-        salt with a quota)."""
-        figures = [value for key, value in self.stats().items() if key.startswith(f"{figure}{DIGEST_LABEL}")]
-        return sum(int(str(value)) for value in figures)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.ask("close")
-        self.process.wait(60)
-        for pipe in (self.process.stdin, self.process.stdout):
-            if pipe is not None:
-                pipe.close()
 
 
 @pytest.fixture
 def workers(kind: str, folder: Path) -> Iterator[list[Worker]]:
     started: list[Worker] = []
     try:
-        started.extend(Worker(kind, folder, name) for name in ("w0", "w1"))
+        started.extend(Worker(kind, folder, name, QUOTA) for name in ("w0", "w1"))
         yield started
     finally:
         for worker in started:
@@ -132,7 +77,7 @@ def test_writers_at_once_and_one_killed_keep_the_count_and_the_quota(kind: str, 
     tenant's count in the ledger is the tagged records' bytes (or, where the kill fell between
     a count and its rename, higher), and once a new process has opened the folder it is exact
     and within the quota."""
-    writers = [Worker(kind, folder, f"w{i}") for i in range(3)]
+    writers = [Worker(kind, folder, f"w{i}", QUOTA) for i in range(3)]
     try:
         for worker in writers:
             worker.send("put tenant-a 30")
@@ -142,7 +87,7 @@ def test_writers_at_once_and_one_killed_keep_the_count_and_the_quota(kind: str, 
             assert worker.answer() == "done"
         counted = ledger_of(folder)[1] or {}
         assert counted.get(tenant_tag("tenant-a"), 0) >= tagged_bytes(folder)
-        later = Worker(kind, folder, "later")  # its open lists the folder
+        later = Worker(kind, folder, "later", QUOTA)  # its open lists the folder
         writers.append(later)
         assert ledger_of(folder)[1] == {tenant_tag("tenant-a"): tagged_bytes(folder)}
         assert later.ask("put tenant-a 2") == "done"
@@ -159,8 +104,7 @@ def test_a_pinned_chunk_is_not_evicted_for_another_processes_quota(workers: list
     unpinned tenant-a chunks, never w0's pinned ones, nor another tenant's. w0's pinned tenant-a
     chunk, which w1 does not know as pinned, counts against tenant-a's quota in the folder. (w1
     never lists the folder here: what it does not know of, w0's pinned chunk, does not fill the
-    quota. Where chunks pinned by one engine alone do, another engine's listing may evict them:
-    docs/operations.md, Quotas.)"""
+    quota. Where w1 lists the folder, the pin mark keeps w0's pinned chunk: test_folder_pins.py.)"""
     first, second = workers
     assert first.ask("pin tenant-a system") == "pinned"
     assert first.ask("pin tenant-b system") == "pinned"
@@ -307,7 +251,7 @@ def test_a_ledger_file_longer_than_any_table_is_not_read_whole(kind: str, folder
     total = ledger_of(folder)[0]
     with (folder / LEDGER_NAME).open("r+b") as ledger:
         ledger.truncate(512 * 1024**2)
-    worker = Worker(kind, folder, "w0")
+    worker = Worker(kind, folder, "w0", QUOTA)
     try:
         assert worker.ask("put tenant-a 1") == "done"
         assert peak_memory(worker.process) < 256 * 1024**2

@@ -1,0 +1,143 @@
+"""The pins of tier ``disk``'s backend (:class:`~kvplug_disk.backend.DiskBackend`): records taken
+out of this process's eviction order, and marked pinned in the folder so that no other process
+sharing it evicts them either (:mod:`kvplug_disk.pin_marks`)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from kvplug import PinOutcome, StoredRecord
+from kvplug_disk.index import EvictionIndex, IndexEntry
+from kvplug_disk.ledger import FolderLockTimeoutError, Usage, UsageLedger
+from kvplug_disk.pin_marks import PinMarks
+from kvplug_disk.problems import ProblemLog
+
+
+class FolderPins:
+    """The pin methods of :class:`~kvplug_disk.backend.DiskBackend`, which sets the attributes below.
+
+    Whatever pins a record in this process's order marks it (:meth:`_mark_new_pins`): a pin, a
+    store or a lookup of a record the engine's pin book wants, a listing that finds one. A pin
+    this process gave up (an unpin; a request's pin an operator's pin turned back into an
+    ordinary chunk, or a pinned record stored again past the pin budget, both unmarked at the
+    next pin or unpin) loses its mark."""
+
+    _lock: threading.Lock
+    _ledger: UsageLedger
+    _lock_wait_s: float
+    _order: EvictionIndex
+    _problems: ProblemLog
+    _marks: PinMarks
+
+    if TYPE_CHECKING:
+
+        def _sizes(self, names: Sequence[str]) -> list[int | None]: ...
+
+        def _remove_victims(self, usage: Usage, victims: list[tuple[str, IndexEntry]]) -> int: ...
+
+        def take_evicted(self) -> list[StoredRecord]: ...
+
+    def pin(self, names: Sequence[str]) -> list[tuple[PinOutcome, int]]:
+        """Take records out of eviction (each asked of the file system first, so a record
+        another process wrote is pinned too): per name, what happened and its value bytes.
+        Each is marked under the folder's lock, which every eviction takes: a record another
+        process is evicting is either gone first or kept."""
+        self._sizes(names)
+        outcomes: list[tuple[PinOutcome, int]] = []
+        with self._lock:
+            for digest in names:
+                entry = self._order.get(digest)
+                outcomes.append((self._order.pin(digest), 0 if entry is None else entry.value_size))
+        try:
+            with self._ledger.locked(timeout_s=self._lock_wait_s, then="pinned in this process only for now"):
+                self._sync_marks(names)
+        except FolderLockTimeoutError as exc:  # marked at the next pin, store or listing that finds them
+            self._problems.error("pin", "the folder", exc)
+        return outcomes
+
+    def unpin(self, names: Sequence[str]) -> list[int | None]:
+        """Make records evictable again: per name its value bytes, ``None`` if not pinned. They
+        count against their tenant's quota again: a tenant over it gives up its own records."""
+        with self._lock:
+            sizes: list[int | None] = []
+            for digest in names:
+                entry = self._order.get(digest)
+                sizes.append(entry.value_size if entry is not None and self._order.unpin(digest) else None)
+        self._sync_marks(())
+        try:
+            with (
+                self._ledger.locked(
+                    timeout_s=self._lock_wait_s, then="tenants over their quotas give up records at the next write"
+                ) as usage,
+                self._lock,
+            ):
+                over_quota = self._order.take_over_quota()
+                if over_quota:
+                    self._remove_victims(usage, over_quota)
+                    usage.save()
+        except FolderLockTimeoutError as exc:  # unpinned all the same: the next write keeps the quota
+            self._problems.error("unpin", "the folder", exc)
+        return sizes
+
+    def _sync_marks(self, names: Iterable[str]) -> None:
+        """Mark ``names`` where this process pinned them; unmark what it no longer pins."""
+        with self._lock:
+            stale = self._marks.marked - set(self._order.pinned())
+            new = [digest for digest in names if self._order.is_pinned(digest)]
+        self._marks.unmark(stale)
+        for digest in new:
+            self._marks.mark(digest)
+
+    def _mark_new_pins(self, names: Iterable[str]) -> None:
+        """Mark the records of ``names`` that this process pins (its lock held). Marked again even
+        where this process marked them before: the file may be a new one without its mark (the
+        record was removed by another process, then stored again)."""
+        for digest in names:
+            if self._order.is_pinned(digest):
+                self._marks.mark(digest)
+
+
+class KeptForOthers:
+    """The records this process's evictions left in place for other processes' pins: out of its
+    eviction order, yet in the folder's total (and their tenants' counts), so it must not list
+    the folder to look for those bytes, nor count them against a tenant's quota here (another
+    process's pins count where they were made, as this process's own do). Not thread-safe:
+    the backend's lock is held. A listing forgets them: they enter the order again, and are
+    asked about again when they are next chosen to leave."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, tuple[IndexEntry, bytes | None]] = {}
+        #: Value bytes of the records (the budget counts value bytes).
+        self.value_bytes = 0
+
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._records
+
+    def __bool__(self) -> bool:
+        return bool(self._records)
+
+    def keep(self, digest: str, entry: IndexEntry, tag: bytes | None) -> None:
+        self.drop(digest)
+        self._records[digest] = (entry, tag)
+        self.value_bytes += entry.value_size
+
+    def drop(self, digest: str) -> IndexEntry | None:
+        """Forget ``digest`` (back in the order, or gone); its entry, if it was kept."""
+        kept = self._records.pop(digest, None)
+        if kept is None:
+            return None
+        self.value_bytes -= kept[0].value_size
+        return kept[0]
+
+    def file_bytes_of(self, tag: bytes) -> int:
+        """File bytes kept of the tenant tagged ``tag`` (quotas count file bytes)."""
+        return sum(entry.file_size for entry, kept_tag in self._records.values() if kept_tag == tag)
+
+    def digests(self) -> list[str]:
+        return list(self._records)
+
+    def clear(self) -> None:
+        self._records.clear()
+        self.value_bytes = 0

@@ -1,0 +1,302 @@
+"""Pins that hold for every process sharing a folder: a mark on the pinned record file itself.
+
+A pin lives in the engine that asked for it (:class:`kvplug.PinBook`), but a folder's budget and
+quotas are kept by every process that shares it, each evicting the records its own order knows
+of, and a listing (at open, or when what a process knows of cannot make room) makes it know
+every record in the folder. So a record that a process pins carries a **pin mark**: an
+extended attribute ``user.kvplug.pin.<owner>`` that the process sets when it pins the record
+(or stores one its pin book wants pinned) and removes when it unpins it. Any process about to
+evict a record reads its marks first and leaves it in place while one of them names a live
+owner other than itself (:meth:`PinMarks.held_elsewhere`).
+
+- **Owners, and pins of a process that died.** ``<owner>`` is a random 128-bit id, one per open
+  tier. The owner holds an exclusive ``flock`` on ``.kvplug-pins/<owner>`` in the folder for as
+  long as the tier is open, and the kernel drops it when the process ends, however it ends
+  (SIGKILL too). A mark whose owner file is gone or not locked is dead: ignored, removed from
+  the record where seen, and the owner file with it (and at each writable open of the folder,
+  :meth:`PinMarks.sweep`, the files of every owner gone). So a pin never outlives every process
+  that wanted it. The owner file is locked before it gets its name (a temp name, renamed), so no
+  process ever sees the file of a live owner unlocked. A child forked by the owner's process
+  shares the lock: its pins hold while either lives.
+- **Stored again.** A record stored again is a new file renamed over the old one: the write
+  copies the old file's live marks onto the new one first, under the folder's lock that every
+  eviction takes too (:meth:`PinMarks.carry_over`), so another engine's store of a pinned chunk
+  does not drop its pin.
+- **Without user extended attributes** (tmpfs before Linux 6.6, some network file systems) no
+  mark can be set (``pin_marks_failed``): pins are then per process, as before, each engine
+  never evicting what it pinned, another one possibly.
+
+Marks are sets of attributes, one per owner, not one list: owners add and remove their own
+without reading and rewriting anyone else's.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import secrets
+import threading
+from typing import Protocol
+
+from kvplug_disk.folder_scan import RECORD_SUFFIX
+
+#: A pin mark's attribute: this prefix and its owner's id.
+MARK_PREFIX = "user.kvplug.pin."
+#: The folder (in the store's root) of the owners' lock files.
+OWNERS_FOLDER = ".kvplug-pins"
+_OWNER = re.compile(r"[0-9a-f]{32}")
+_MARK_VALUE = b"1"
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class Records(Protocol):
+    """What :class:`PinMarks` needs of a :class:`~kvplug_disk.files.RecordFolder`."""
+
+    def open_record(self, digest: str) -> tuple[int, os.stat_result] | None: ...
+
+
+class PinMarks:
+    """The pin marks of one open tier (its owner id) in the folder open as ``root_fd``
+    (see the module docstring). Thread-safe; every call is best effort: a file operation
+    that fails is counted, never raised."""
+
+    def __init__(self, root_fd: int, records: Records, *, read_only: bool = False) -> None:
+        self._root_fd = root_fd
+        self._records = records
+        self._read_only = read_only
+        self.owner = secrets.token_hex(16)
+        self._attr = MARK_PREFIX + self.owner
+        self._owner_fd: int | None = None
+        self._lock = threading.Lock()
+        #: The records this owner marked (and has not unmarked since).
+        self.marked: set[str] = set()
+        self.counts = {"pin_marks_failed": 0, "dead_pin_marks_removed": 0}
+
+    # --- this owner's marks -----------------------------------------------------------
+
+    def mark(self, digest: str) -> bool:
+        """Mark the record ``digest`` pinned by this owner; whether it is (and still in the folder)."""
+        if not self._claim():
+            return False
+        opened = self._open(digest)
+        if opened is None:
+            return False
+        try:
+            self._live_owners(opened)  # drops dead marks: each restart is a new owner, they must not pile up
+            os.setxattr(opened, self._attr, _MARK_VALUE)
+            linked = os.fstat(opened).st_nlink > 0  # not unlinked before the mark was set
+        except OSError:  # no user attributes here, or no room for one more
+            self._count("pin_marks_failed")
+            return False
+        finally:
+            os.close(opened)
+        if linked:
+            with self._lock:
+                self.marked.add(digest)
+        return linked
+
+    def forget(self, digest: str) -> None:
+        """The record ``digest`` left the folder, and this owner's mark with it."""
+        with self._lock:
+            self.marked.discard(digest)
+
+    def unmark(self, digests: set[str] | list[str]) -> None:
+        """Remove this owner's marks from the records ``digests`` (those it marked)."""
+        with self._lock:
+            mine = [digest for digest in digests if digest in self.marked]
+            self.marked.difference_update(mine)
+        for digest in mine:
+            opened = self._open(digest)
+            if opened is None:
+                continue
+            try:
+                os.removexattr(opened, self._attr)
+            except OSError:  # gone already (the file was stored again without it)
+                pass
+            finally:
+                os.close(opened)
+
+    # --- everyone's marks ---------------------------------------------------------------
+
+    def held_elsewhere(self, digest: str) -> bool:
+        """Whether a live owner other than this one marked the record ``digest`` pinned (the
+        folder's lock held: call before evicting it). Dead owners' marks are removed."""
+        if not self._has_marks(digest):  # (the common case: one call, no descriptor)
+            return False
+        opened = self._open(digest)
+        if opened is None:
+            return False
+        try:
+            return any(owner != self.owner for owner in self._live_owners(opened))
+        finally:
+            os.close(opened)
+
+    def carry_over(self, digest: str, temp_name: str, temp_dir_fd: int) -> None:
+        """Copy the live marks, this owner's too, from the record ``digest`` to the temp file
+        about to be renamed over it (the folder's lock held)."""
+        if not self._has_marks(digest):
+            return
+        opened = self._open(digest)
+        if opened is None:
+            return
+        try:
+            owners = self._live_owners(opened)
+        finally:
+            os.close(opened)
+        if not owners:
+            return
+        try:
+            temp = os.open(temp_name, _OPEN_FLAGS, dir_fd=temp_dir_fd)
+        except OSError:
+            self._count("pin_marks_failed")
+            return
+        try:
+            for owner in owners:
+                os.setxattr(temp, MARK_PREFIX + owner, _MARK_VALUE)
+        except OSError:
+            self._count("pin_marks_failed")
+        finally:
+            os.close(temp)
+
+    def sweep(self) -> int:
+        """Remove the lock files of owners that are gone (at a tier's open): those whose marks no
+        eviction came across, because their records were removed or are never evicted. How many."""
+        try:
+            folder = os.open(
+                OWNERS_FOLDER, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd
+            )
+        except OSError:  # none yet (no pin was ever marked here)
+            return 0
+        try:
+            owners = [name for name in os.listdir(folder) if _OWNER.fullmatch(name)]
+        except OSError:
+            owners = []
+        finally:
+            os.close(folder)
+        return sum(not self._alive(owner) for owner in owners)
+
+    def close(self) -> None:
+        """Give up this owner's marks: its lock file goes (the marks left on records are dead)."""
+        with self._lock:
+            fd, self._owner_fd = self._owner_fd, None
+            self.marked.clear()
+        if fd is None:
+            return
+        try:
+            os.unlink(f"{OWNERS_FOLDER}/{self.owner}", dir_fd=self._root_fd)
+        except OSError:
+            pass
+        os.close(fd)
+
+    # --- helpers ----------------------------------------------------------------------
+
+    def _claim(self) -> bool:
+        """Hold this owner's lock file (made once); whether it is held (never for inspection)."""
+        with self._lock:
+            if self._owner_fd is not None:
+                return True
+            if self._read_only:
+                return False
+            try:
+                self._owner_fd = self._make_owner_file()
+            except OSError:
+                self.counts["pin_marks_failed"] += 1
+                return False
+            return True
+
+    def _make_owner_file(self) -> int:
+        try:
+            os.mkdir(OWNERS_FOLDER, 0o700, dir_fd=self._root_fd)
+        except FileExistsError:
+            pass
+        folder = os.open(
+            OWNERS_FOLDER, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd
+        )
+        try:
+            temp = f"{self.owner}.tmp"
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(temp, flags, 0o600, dir_fd=folder)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: no one else holds it
+                os.rename(temp, self.owner, src_dir_fd=folder, dst_dir_fd=folder)
+            except BaseException:
+                os.close(fd)
+                os.unlink(temp, dir_fd=folder)
+                raise
+        finally:
+            os.close(folder)
+        return fd
+
+    def _has_marks(self, digest: str) -> bool:
+        """Whether the record file ``digest`` carries any pin mark: a cheaper look than
+        :meth:`_open`'s (which checks the shard folder and the file's type) for the common
+        case of a record no one pinned."""
+        try:
+            fd = os.open(f"{digest[:2]}/{digest}{RECORD_SUFFIX}", _OPEN_FLAGS, dir_fd=self._root_fd)
+        except OSError:  # no such file (or a link at its name: not a record)
+            return False
+        try:
+            return any(name.startswith(MARK_PREFIX) for name in os.listxattr(fd))
+        except OSError:  # no attributes here
+            return False
+        finally:
+            os.close(fd)
+
+    def _open(self, digest: str) -> int | None:
+        try:
+            opened = self._records.open_record(digest)
+        except OSError:  # not a regular file: the tier's own checks say so
+            return None
+        if opened is None:
+            return None
+        return opened[0]
+
+    def _live_owners(self, fd: int) -> list[str]:
+        """The owners of the live marks on the open record ``fd``; dead marks are removed."""
+        try:
+            names = [name for name in os.listxattr(fd) if name.startswith(MARK_PREFIX)]
+        except OSError:
+            return []
+        live = []
+        for name in names:
+            owner = name[len(MARK_PREFIX) :]
+            if owner == self.owner or (_OWNER.fullmatch(owner) and self._alive(owner)):
+                live.append(owner)
+            else:
+                self._remove_mark(fd, name)
+        return live
+
+    def _alive(self, owner: str) -> bool:
+        """Whether ``owner`` holds its lock file. One that does not is dead for good (ids are
+        never reused): its file is removed."""
+        path = f"{OWNERS_FOLDER}/{owner}"
+        try:
+            fd = os.open(path, _OPEN_FLAGS, dir_fd=self._root_fd)
+        except FileNotFoundError:
+            return False
+        except OSError:  # cannot tell (not ours to open): keep its marks
+            return True
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:  # held by its owner (EWOULDBLOCK), or cannot tell: keep its marks
+                return True
+            try:
+                os.unlink(path, dir_fd=self._root_fd)
+            except OSError:
+                pass
+            return False
+        finally:
+            os.close(fd)
+
+    def _remove_mark(self, fd: int, name: str) -> None:
+        try:
+            os.removexattr(fd, name)
+        except OSError:
+            return
+        self._count("dead_pin_marks_removed")
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.counts[what] += 1
