@@ -13,8 +13,6 @@ and long runs of consecutive slots or blocks are copied as slices
 
 from __future__ import annotations
 
-import math
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,8 +20,9 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 
 from kvplug.builtins.chunk_checks import check_chunk_layer, check_chunks
-from kvplug.builtins.copy_routes import Route, dense, find_route
-from kvplug.builtins.index_runs import IndexRuns, SpanRuns, gather_runs, scatter_runs
+from kvplug.builtins.copy_routes import Route, find_route
+from kvplug.builtins.index_runs import IndexRuns, SpanRuns
+from kvplug.builtins.packed_blocks import PackedBlockCopies
 from kvplug.builtins.row_copies import gather_rows, scatter_rows
 from kvplug.core.connector import KVConnector, LayerCache
 from kvplug.core.layouts import KVLayout
@@ -91,12 +90,9 @@ class TorchConnector(KVConnector):
 
     def __init__(self, config: BaseModel, layout: KVLayout) -> None:
         super().__init__(config, layout)
-        self._scratch = threading.local()
         self._routes: dict[tuple[object, ...], Route] = {}
-        self._whole_blocks_only = layout.whole_blocks_only
         self._page_tokens = layout.page_tokens
-        # Asked on every copy of a packed block: once here, not per chunk and layer.
-        self._packed_split = layout.packed_block_split() if layout.whole_blocks_only else None
+        self._packed = PackedBlockCopies(layout) if layout.whole_blocks_only else None
         self._kv_width = (layout.num_kv, layout.token_width)  # of a chunk layer, checked on every copy
 
     def plan(self, slots: torch.Tensor) -> SlotPlan:
@@ -160,8 +156,8 @@ class TorchConnector(KVConnector):
     def gather_layer(self, layer_cache: LayerCache, plan: SlotPlan, out: torch.Tensor) -> None:
         tensors = self.layout.layer_tensors(layer_cache)
         check_chunk_layer(self._kv_width, tensors, plan.slots.numel(), out)
-        if self._whole_blocks_only:
-            self._gather_blocks(tensors, plan, out)
+        if self._packed is not None:
+            self._packed.gather(tensors, self._whole_blocks(plan), plan.page_runs, out)
             return
         route = self._route(tensors)
         pages = self._pages(plan)
@@ -187,8 +183,8 @@ class TorchConnector(KVConnector):
     def scatter_layer(self, layer_cache: LayerCache, plan: SlotPlan, src: torch.Tensor) -> None:
         tensors = self.layout.layer_tensors(layer_cache)
         check_chunk_layer(self._kv_width, tensors, plan.slots.numel(), src)
-        if self._whole_blocks_only:
-            self._scatter_blocks(tensors, plan, src)
+        if self._packed is not None:
+            self._packed.scatter(tensors, self._whole_blocks(plan), plan.page_runs, src)
             return
         route = self._route(tensors)
         device = tensors[0].device
@@ -245,42 +241,8 @@ class TorchConnector(KVConnector):
             return slots_on_device, torch.zeros_like(slots_on_device)
         return plan.block_offsets[0].to(device), plan.block_offsets[1].to(device)
 
-    # --- whole packed blocks (whole_blocks_only formats) ----------------------------------
-    # The chunk holds blocks as the engine stores them, split by K/V index only
-    # (KVLayout.packed_block_split), so every copy moves runs of whole heads.
-
-    def _gather_blocks(self, tensors: tuple[torch.Tensor, ...], plan: SlotPlan, out: torch.Tensor) -> None:
-        blocks = self._whole_blocks(plan)
-        parts = self._chunk_parts(out, blocks.numel())
-        runs = plan.page_runs
-        if runs is not None and runs.worth_slicing and out.device == tensors[0].device:
-            for tensor, part in zip(tensors, parts):
-                gather_runs(self._packed_blocks(tensor), runs, part, dim=1)
-            return
-        # Pick whole blocks with one word copy into reused scratch, then split K and V
-        # from there: a block at a time, indexing runs far below copy_'s speed.
-        staging = self._staging(tensors, blocks.numel())
-        for tensor, rows, staged, part in zip(tensors, staging.rows, staging.parts, parts):
-            gather_rows(self._block_rows(tensor), blocks, rows)
-            part.copy_(staged)
-
-    def _scatter_blocks(self, tensors: tuple[torch.Tensor, ...], plan: SlotPlan, src: torch.Tensor) -> None:
-        device = tensors[0].device
-        blocks = self._whole_blocks(plan)
-        parts = self._chunk_parts(src.to(device, non_blocking=True), blocks.numel(), read_only=True)
-        runs = plan.page_runs
-        block_bytes = math.prod(tensors[0].shape[1:]) * tensors[0].element_size()
-        if runs is not None and runs.worth_slicing_writes(block_bytes):
-            for tensor, part in zip(tensors, parts):
-                scatter_runs(self._packed_blocks(tensor), runs, part, dim=1)
-            return
-        blocks = blocks.to(device)
-        staging = self._staging(tensors, blocks.numel())  # blocks as the cache stores them
-        for tensor, rows, staged, part in zip(tensors, staging.rows, staging.parts, parts):
-            staged.copy_(part)
-            scatter_rows(self._block_rows(tensor), blocks, rows)
-
     def _whole_blocks(self, plan: SlotPlan) -> torch.Tensor:
+        """The blocks a packed layout's copy moves: only slots that fill whole blocks in order have them."""
         pages = self._pages(plan)
         if pages is None:
             raise LayoutError(
@@ -289,71 +251,3 @@ class TorchConnector(KVConnector):
                 f"{plan.slots.numel()} slots that do not fill whole blocks in order"
             )
         return pages
-
-    def _chunk_parts(self, chunk_layer: torch.Tensor, num_blocks: int, read_only: bool = False) -> list[torch.Tensor]:
-        """A chunk layer ``[num_kv, tokens, token_width]`` as ``[kv, blocks, outer, inner]``, one per layer tensor.
-
-        Views of the chunk's memory; a chunk only read may be copied into that shape.
-        """
-        outer, kv, inner = self._split()
-        shape = (self.layout.num_kv, num_blocks, outer, inner)
-        blocks = chunk_layer.reshape(shape) if read_only else chunk_layer.view(shape)
-        return [blocks[i * kv : (i + 1) * kv] for i in range(self.layout.format.tensors)]
-
-    def _packed_blocks(self, rows: torch.Tensor) -> torch.Tensor:
-        """A layer tensor (or staged rows of one) as ``[kv, blocks, outer, inner]``: views of its memory."""
-        outer, kv, inner = self._split()
-        block_rows = self._block_rows(rows)
-        return block_rows.view(block_rows.shape[0], outer, kv, inner).permute(2, 0, 1, 3)
-
-    def _split(self) -> tuple[int, int, int]:
-        if self._packed_split is None:
-            raise LayoutError(f"layout {self.layout.format.name} is not a packed (whole_blocks_only) format")
-        return self._packed_split
-
-    def _block_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` as ``[num_blocks, elements per block]`` rows: each block is one run of memory."""
-        if tensor.is_contiguous():
-            return tensor.view(tensor.shape[0], -1)
-        if not dense(tensor.shape[1:], tensor.stride()[1:]):
-            raise LayoutError(
-                f"layout {self.layout.format.name}: a block of the cache tensor {tuple(tensor.shape)} with strides "
-                f"{tensor.stride()} is not one run of memory; whole-block copies need dense blocks"
-            )
-        return tensor.as_strided((tensor.shape[0], math.prod(tensor.shape[1:])), (tensor.stride(0), 1))
-
-    def _staging(self, tensors: tuple[torch.Tensor, ...], num_blocks: int) -> _Staging:
-        """This thread's staging for ``num_blocks`` whole blocks of each layer tensor.
-
-        The scratch memory is reused across calls (a fresh megabyte per layer would be
-        fresh pages, and faulting them in costs more than the copy), and so are its
-        views, one set per block count.
-        """
-        first = tensors[0]
-        key = (num_blocks, first.shape[1:], first.dtype, first.device, len(tensors))
-        local = self._scratch
-        staging: _Staging | None = getattr(local, "views", {}).get(key)
-        if staging is not None:
-            return staging
-        needed = num_blocks * math.prod(first.shape[1:])
-        scratch = getattr(local, "tensor", None)
-        if (
-            scratch is None
-            or scratch.numel() < needed * len(tensors)
-            or scratch.dtype != first.dtype
-            or scratch.device != first.device
-        ):
-            scratch = local.tensor = torch.empty(needed * len(tensors), dtype=first.dtype, device=first.device)
-            local.views = {}  # views of the old scratch must not outlive it
-        rows = [scratch[i * needed : (i + 1) * needed].view(num_blocks, -1) for i in range(len(tensors))]
-        staging = _Staging(rows, [self._packed_blocks(row) for row in rows])
-        local.views[key] = staging
-        return staging
-
-
-@dataclass(frozen=True)
-class _Staging:
-    """Scratch for whole blocks: rows as picked from the cache, and their K/V split."""
-
-    rows: list[torch.Tensor]  # [num_blocks, block elements] per layer tensor
-    parts: list[torch.Tensor]  # the same memory as [kv, num_blocks, outer, inner] (packed_block_split)

@@ -57,6 +57,12 @@ MaxRecordOpt = typer.Option(
     show_default=False,
 )
 
+#: Every verdict, in the order of the report; those that fail ``verify``; those not listed one by one
+#: (``unverified`` is summed up on stderr, ``gone`` was removed by someone else while checked).
+_VERDICTS = ("ok", "corrupt", "oversized", "unreadable", "incompatible", "newer", "unverified", "gone", "foreign")
+_FAILS_VERIFY = ("corrupt", "oversized", "unreadable", "foreign")
+_UNREMARKABLE = ("ok", "unverified", "gone")
+
 
 @contextmanager
 def open_store(
@@ -154,7 +160,7 @@ def ls(
             for column in ("key digest", "size", getattr(tier, "listed_time", "written"), "chunk"):
                 table.add_column(column)
             for record in shown:
-                check = _read_and_check(tier, record, bound)
+                check, _ = _read_and_check(tier, record, bound)
                 table.add_row(record.digest, format_size(record.size), _when(record.modified), _describe(check))
             print_table(table)
 
@@ -212,7 +218,7 @@ def verify(
                 "KVPLUG_INTEGRITY_KEY_FILE; --require-signed makes a missing key an error)",
                 highlight=False,
             )
-        if verdicts["corrupt"] or verdicts["oversized"] or verdicts["unreadable"] or verdicts["foreign"]:
+        if any(verdicts[status] for status in _FAILS_VERIFY):
             raise typer.Exit(1)
 
     run_or_exit(action)
@@ -252,11 +258,11 @@ def _check_all(
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("verifying", total=len(records))
         for record in records:
-            check, data = _read_and_check_bytes(tier, record, bound)
+            check, data = _read_and_check(tier, record, bound)
             verdicts[check.status] += 1
             if unsigned is not None and check.status in ("newer", "incompatible") and not check.signature_checked:
                 unsigned.append(record.digest)
-            if check.status in ("corrupt", "incompatible", "newer", "unreadable", "oversized"):
+            if check.status not in _UNREMARKABLE:
                 console.print(f"{check.status}: {record.digest} ({check.reason})", highlight=False, markup=False)
                 if remove and _removable(check, bound):
                     verdicts["removed"] += _remove(tier, record.digest, data)
@@ -268,17 +274,11 @@ def _check_all(
     return verdicts
 
 
-def _read_and_check(tier: StorageTier, record: StoredRecord, bound: RecordBound) -> RecordCheck:
-    """The verdict on one record: :func:`check_record` of its bytes, ``oversized`` when listed
-    larger than ``bound.read`` (not read), ``corrupt`` when the tier found it bad unread (its
-    size), ``unreadable`` when it is there but could not be read (no permission)."""
-    return _read_and_check_bytes(tier, record, bound)[0]
-
-
-def _read_and_check_bytes(
-    tier: StorageTier, record: StoredRecord, bound: RecordBound
-) -> tuple[RecordCheck, Buffer | None]:
-    """:func:`_read_and_check`, and the bytes judged (``None`` when found bad unread)."""
+def _read_and_check(tier: StorageTier, record: StoredRecord, bound: RecordBound) -> tuple[RecordCheck, Buffer | None]:
+    """The verdict on one record and the bytes judged (``None`` when found bad unread):
+    :func:`check_record` of its bytes, ``oversized`` when listed larger than ``bound.read``
+    (not read), ``corrupt`` when the tier found it bad unread (its size), ``unreadable`` when
+    it is there but could not be read (no permission)."""
     from kvplug.core.records.store import RecordCheck, check_record
 
     digest = record.digest
@@ -321,17 +321,7 @@ def _report(verdicts: Counter[str], *, removed: int) -> None:
     table = Table(title="verification")
     table.add_column("records")
     table.add_column("count", justify="right")
-    for status in (
-        "ok",
-        "corrupt",
-        "oversized",
-        "unreadable",
-        "incompatible",
-        "newer",
-        "unverified",
-        "gone",
-        "foreign",
-    ):
+    for status in _VERDICTS:
         table.add_row(status, str(verdicts[status]))
     table.add_row("removed", str(removed))
     print_table(table)

@@ -87,6 +87,7 @@ class Fingerprint:
         )
 
     def for_request(self, *, cache_salt: str | None = None, lora_id: str | None = None) -> Fingerprint:
+        """This fingerprint for one request's tenant (``cache_salt``) and LoRA adapter."""
         return replace(self, cache_salt=cache_salt, lora_id=lora_id)
 
     def hexdigest(self) -> str:
@@ -130,14 +131,12 @@ class KeyPrefix:
     fingerprint: str
 
     def __post_init__(self) -> None:
-        if _VERSION.fullmatch(self.version) is None or _FINGERPRINT.fullmatch(self.fingerprint) is None:
-            self._refuse()
-
-    def _refuse(self) -> None:
-        text = f"{self.version}/{self.fingerprint}/"
         if _VERSION.fullmatch(self.version) is None:
-            raise KeyFormatError(f"store key {text!r}: its format version {self.version!r} is not v<number>")
-        _check_hex(self.fingerprint, "fingerprint", range(FINGERPRINT_HEX_CHARS, FINGERPRINT_HEX_CHARS + 1), text)
+            raise KeyFormatError(f"store key {str(self)!r}: its format version {self.version!r} is not v<number>")
+        if _FINGERPRINT.fullmatch(self.fingerprint) is None:
+            _check_hex(
+                self.fingerprint, "fingerprint", range(FINGERPRINT_HEX_CHARS, FINGERPRINT_HEX_CHARS + 1), str(self)
+            )
 
     @classmethod
     def parse(cls, text: str) -> KeyPrefix:

@@ -88,7 +88,7 @@ class PagedFormat:
             raise LayoutError(f"{where}: a latent cache is one tensor per layer")
         if not self.latent and self.tensors == 1 and "kv" not in axes:
             raise LayoutError(f"{where}: K and V in one tensor need a 'kv' axis (or tensors=2, or latent=True)")
-        if self.whole_blocks_only and ("block" not in axes or axes[0] != "block"):
+        if self.whole_blocks_only and axes[0] != "block":  # axes hold 'dim' at least: checked above
             raise LayoutError(
                 f"{where}: whole_blocks_only copies each block as one run: 'block' must be the first axis"
             )
@@ -199,7 +199,7 @@ class KVLayout:
 
     def layer_tensors(self, layer_cache: object) -> tuple[torch.Tensor, ...]:
         """The tensor(s) of one layer's cache: ``format.tensors`` of them."""
-        if isinstance(layer_cache, torch.Tensor) and self.format.tensors == 1:
+        if isinstance(layer_cache, torch.Tensor) and self.format.tensors == 1:  # every copy asks: the short way
             return (layer_cache,)
         tensors = tuple(layer_cache) if isinstance(layer_cache, (tuple, list)) else (layer_cache,)
         if len(tensors) != self.format.tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
@@ -305,11 +305,8 @@ class KVLayout:
 
 
 def _dense_strides(sizes: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(sizes):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
+    """The strides of a contiguous tensor of ``sizes``."""
+    return tuple(math.prod(sizes[i + 1 :]) for i in range(len(sizes)))
 
 
 def _what(cache: object) -> str:

@@ -124,10 +124,14 @@ class PluginRegistry:
         return True
 
     def _reject(self, info: PluginInfo, reason: str) -> None:
-        error = PluginRejectedError(info.name, info.distribution, reason)
+        self._fail(info, PluginRejectedError(info.name, info.distribution, reason))
+
+    def _fail(self, info: PluginInfo, error: PluginLoadError | PluginRejectedError) -> None:
+        """Record why a plugin is not used: logged, in ``load_errors`` and on its ``kvplug plugins`` row."""
         logger.error("%s", error)
         self.load_errors.append(error)
         info.error = str(error)
+        self._infos[info.name] = info
 
     def _register_builtins(self) -> None:
         for name, target in BUILTIN_PLUGINS.items():
@@ -144,24 +148,17 @@ class PluginRegistry:
                 continue
             if self.pm.has_plugin(entry_point.name) or self.pm.is_blocked(entry_point.name):
                 continue
-            distribution, version = _distribution_of(entry_point)
+            info = PluginInfo(entry_point.name, *_distribution_of(entry_point), builtin=False)
             incompatible = _api_mismatch(getattr(entry_point, "dist", None))
             if incompatible:
-                info = PluginInfo(entry_point.name, distribution, version, builtin=False)
-                self._infos[entry_point.name] = info
                 self._reject(info, incompatible)
                 continue
             try:
                 plugin = entry_point.load()
             except Exception as exc:  # a broken plugin must not take kvplug down
-                error = PluginLoadError(entry_point.name, distribution, exc)
-                logger.error("%s", error)
-                self.load_errors.append(error)
-                self._infos[entry_point.name] = PluginInfo(
-                    entry_point.name, distribution, version, builtin=False, error=str(error)
-                )
+                self._fail(info, PluginLoadError(info.name, info.distribution, exc))
                 continue
-            self._add(plugin, entry_point.name, PluginInfo(entry_point.name, distribution, version, builtin=False))
+            self._add(plugin, info.name, info)
 
     def _call(self, hook_name: str, plugin_name: str, **kwargs: Any) -> Any:
         """Call one plugin's implementation of a hook, through pluggy (so its tracing
@@ -304,15 +301,15 @@ def _component_problem(concern: str, hook_name: str, component: object) -> str |
     word = CONCERNS_BY_KEY[concern].label
     if not hasattr(component, "Config"):
         return f"its {word} {name!r} has no Config model"
-    medium = getattr(component, "medium", "remote")
-    if concern == "storage_tier" and medium not in MEDIA:
-        return f"its {word} {name!r} declares medium {medium!r}; a tier's medium is one of {', '.join(MEDIA)}"
-    config = component.Config
-    if concern == "storage_tier" and not (isinstance(config, type) and issubclass(config, TierConfig)):
-        return (
-            f"its {word} {name!r} has a Config ({getattr(config, '__qualname__', config)}) that does not subclass "
-            "kvplug.TierConfig, which holds the settings every tier has (max_bytes, queue, admission)"
-        )
+    if concern == "storage_tier":
+        medium, config = getattr(component, "medium", "remote"), component.Config
+        if medium not in MEDIA:
+            return f"its {word} {name!r} declares medium {medium!r}; a tier's medium is one of {', '.join(MEDIA)}"
+        if not (isinstance(config, type) and issubclass(config, TierConfig)):
+            return (
+                f"its {word} {name!r} has a Config ({getattr(config, '__qualname__', config)}) that does not "
+                "subclass kvplug.TierConfig, which holds the settings every tier has (max_bytes, queue, admission)"
+            )
     base = _missing_base(concern, component)
     if base is not None:
         return (

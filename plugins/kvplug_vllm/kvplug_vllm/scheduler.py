@@ -187,26 +187,14 @@ class SchedulerSide:
             if queued.phase is Phase.LOAD_QUEUED:
                 meta.requests.append(self._background_load(queued))
                 queued.phase = Phase.LOADING
+        scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._states.get(new.req_id)
             if state is None or state.request is None:
                 continue
-            previous, progress = state.progress, Progress(new.prompt_len, [list(ids) for ids in new.block_ids])
-            if previous is not None:  # preempted, and resumed as a new request (vLLM's v2 model runner)
-                progress.rollbacks = previous.rollbacks + 1
-            state.progress = progress
-            if state.load is not None and state.phase is Phase.LOADING:  # its KV arrived in the background
-                loaded = state.load
-                progress.hit_tokens, progress.external_tokens = loaded.new_hit, loaded.num_external
-                progress.vllm_cached_tokens = loaded.vllm_cached
-                progress.num_saved = saved_after_background_load(
-                    loaded.num_hit, loaded.num_computed + loaded.num_external, new.num_computed_tokens, self.chunk_size
-                )
-            elif state.load is not None and state.phase is Phase.LOAD_FAILED:  # nothing was loaded
-                progress.hit_tokens, progress.vllm_cached_tokens = state.load.new_hit, state.load.vllm_cached
-            state.load = None
-            end = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
-            self._add(meta, state, new.num_computed_tokens, end, self._take_load(state), handed.get(new.req_id, ()))
+            self._start_progress(state, new)
+            start = new.num_computed_tokens
+            self._add(meta, state, start, start + scheduled[new.req_id], handed.get(new.req_id, ()))
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
             state = self._states.get(req_id)
@@ -225,9 +213,24 @@ class SchedulerSide:
             if computed < progress.num_computed:  # preempted, or rolled back after a failed load
                 progress.num_saved = rolled_back(progress.num_saved, computed, self.chunk_size)
                 progress.rollbacks += 1
-            end = computed + scheduler_output.num_scheduled_tokens[req_id]
-            self._add(meta, state, computed, end, self._take_load(state), handed.get(req_id, ()))
+            self._add(meta, state, computed, computed + scheduled[req_id], handed.get(req_id, ()))
         return meta
+
+    def _start_progress(self, state: RequestState, new: Any) -> None:
+        """A newly scheduled request's progress, from its blocks and its background load."""
+        previous, progress = state.progress, Progress(new.prompt_len, [list(ids) for ids in new.block_ids])
+        if previous is not None:  # preempted, and resumed as a new request (vLLM's v2 model runner)
+            progress.rollbacks = previous.rollbacks + 1
+        state.progress = progress
+        loaded, state.load = state.load, None
+        if loaded is not None and state.phase is Phase.LOADING:  # its KV arrived in the background
+            progress.hit_tokens, progress.external_tokens = loaded.new_hit, loaded.num_external
+            progress.vllm_cached_tokens = loaded.vllm_cached
+            progress.num_saved = saved_after_background_load(
+                loaded.num_hit, loaded.num_computed + loaded.num_external, new.num_computed_tokens, self.chunk_size
+            )
+        elif loaded is not None and state.phase is Phase.LOAD_FAILED:  # nothing was loaded
+            progress.hit_tokens, progress.vllm_cached_tokens = loaded.new_hit, loaded.vllm_cached
 
     def _background_load(self, state: RequestState) -> RequestMeta:
         """The metadata of a background load allocated last step."""
@@ -271,11 +274,11 @@ class SchedulerSide:
         state: RequestState,
         start: int,
         end: int,
-        load: LoadSpec | None,
         handed: Sequence[tuple[int, int, int]] = (),
     ) -> None:
-        """Add the request to the step's metadata if it loads or stores anything (the step
-        computes its tokens ``[start, end)``)."""
+        """Add the request to the step's metadata if it loads (:meth:`_take_load`) or stores
+        anything (the step computes its tokens ``[start, end)``)."""
+        load = self._take_load(state)
         progress = state.progress
         assert progress is not None
         progress.num_computed = end

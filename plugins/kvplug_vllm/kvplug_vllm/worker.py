@@ -105,32 +105,31 @@ class WorkerSide:
     # --- setup ------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        all_caches = kv_caches
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank, get_tp_group
 
-        if len(self.kv_groups) > 1:
-            primary = self.kv_groups[primary_group(self.kv_groups)]
-            kv_caches = {name: kv_caches[name] for name in primary.layer_names}
-        layout = detect_layout(kv_caches, self.vllm_config)
+        # A hybrid model's primary group is this worker's own engine (its chunks answer
+        # lookups); GroupEngines serves the others from the full ``kv_caches``.
+        several = len(self.kv_groups) > 1
+        primary = primary_group(self.kv_groups)
+        caches = {name: kv_caches[name] for name in self.kv_groups[primary].layer_names} if several else kv_caches
+        layout = detect_layout(caches, self.vllm_config)
         if self.kv_groups:
-            check_block_size(self.kv_groups[primary_group(self.kv_groups)], layout.block_size)
+            check_block_size(self.kv_groups[primary], layout.block_size)
         config = load_config(engine_extra=self.engine_extra).config
         check_chunk_size(layout, config.chunk_size)
         ranks = dict(tp_rank=get_tensor_model_parallel_rank(), pp_rank=get_pp_group().rank_in_group)
         self._first_rank = not any(ranks.values())
-        count = len(self.kv_groups)
-        group = self.kv_groups[primary_group(self.kv_groups)].describe(count) if count > 1 else ""
+        group = self.kv_groups[primary].describe(len(self.kv_groups)) if several else ""
         fingerprint = fingerprint_for(layout, self.vllm_config, kv_group=group, **ranks)
-        self.kv_caches = list(kv_caches.values())
-        self.layer_index = {name: index for index, name in enumerate(kv_caches)}
-        tp_rank = get_tensor_model_parallel_rank()
+        self.kv_caches = list(caches.values())
+        self.layer_index = {name: index for index, name in enumerate(caches)}
         tp_group = get_tp_group()
         self.all_ranks = sum_over(tp_group.cpu_group) if tp_group.world_size > 1 else None
-        heads = head_shard(layout, self.vllm_config, config.heads_per_record, tp_rank=tp_rank)
+        heads = head_shard(layout, self.vllm_config, config.heads_per_record, tp_rank=ranks["tp_rank"])
         self.engine = CacheEngine(config, layout, fingerprint, heads=heads)
-        if count > 1:
-            primary_entry = (primary_group(self.kv_groups), self.engine, self.kv_caches)
-            self.groups = GroupEngines(self.kv_groups, primary_entry, all_caches, config, self.vllm_config, **ranks)
+        if several:
+            primary_entry = (primary, self.engine, self.kv_caches)
+            self.groups = GroupEngines(self.kv_groups, primary_entry, kv_caches, config, self.vllm_config, **ranks)
         trim = self.groups.trim if self.groups is not None else None
         kv_events = getattr(self.vllm_config, "kv_events_config", None)
         # The first rank alone publishes: vLLM publishes an event only when every worker that
@@ -174,9 +173,7 @@ class WorkerSide:
             if request.load is None:
                 continue
             if request.load.background:
-                keys = self._remember(
-                    request, request.token_ids[: request.load.num_hit], request.load.num_computed, True
-                )
+                keys = self._hit_keys(request)
                 if self.groups is not None:
                     self.background.start_fetch(request, functools.partial(self.groups.fetch, request))
                 else:
@@ -187,9 +184,13 @@ class WorkerSide:
     def _load(self, request: RequestMeta) -> None:
         assert self.engine is not None and request.load is not None
         self._worked = True
-        keys = self._remember(request, request.token_ids[: request.load.num_hit], request.load.num_computed, True)
         layers = self._layers if self.layerwise else None
-        load_now(self.engine, request, self.kv_caches, keys, layers, self.results, self._stats)
+        load_now(self.engine, request, self.kv_caches, self._hit_keys(request), layers, self.results, self._stats)
+
+    def _hit_keys(self, request: RequestMeta) -> list[ChunkKey] | None:
+        """The keys of the chunks ``request`` loads (:meth:`_remember` of its hit)."""
+        assert request.load is not None
+        return self._remember(request, request.token_ids[: request.load.num_hit], request.load.num_computed, True)
 
     @timed
     def wait_for_layer_load(self, layer_name: str) -> None:
