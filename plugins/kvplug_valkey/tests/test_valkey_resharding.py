@@ -23,8 +23,8 @@ from kvplug_valkey.testing import ValkeyCluster, ValkeyServer
 
 #: Slots of node 0 that get two records each (one is moved half-way, the other stays).
 SLOTS = 12
-#: FAST_FAILING's breaker (one that counted redirections as failures would open within the
-#: test), with deadlines a loaded 2-core machine meets: no node here is slow or down, and a
+#: FAST_FAILING's breaker (one that counted redirections as failures would open within a
+#: test), with deadlines a loaded 2-core machine meets: where no node is slow or hung, a
 #: timeout would be a miss (or a dropped put) that the test takes for a record lost.
 QUICK_BREAKER = {**FAST_FAILING, "connect_timeout_s": 5.0, "request_timeout_s": 5.0}
 
@@ -132,7 +132,7 @@ def test_a_hung_node_does_not_open_the_breaker_of_the_node_a_redirection_names(t
 def test_a_node_added_then_removed_serves_its_slots_and_leaves_no_client(tmp_path: Path, tiers) -> None:
     with ValkeyCluster(tmp_path / "cluster") as cluster, ValkeyServer(tmp_path / "new", cluster_port=True) as new:
         prefix = fresh_prefix()
-        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **FAST_FAILING)
+        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **QUICK_BREAKER)
         keys = [key_for(f"churn-{i}") for i in range(48)]
         values = {key: value_for(key, 3000) for key in keys}
         tier.put([(key, values[key]) for key in keys])
