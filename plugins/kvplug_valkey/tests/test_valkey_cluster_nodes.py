@@ -12,6 +12,7 @@ import valkey
 from valkey_helpers import FAST_FAILING, fresh_prefix
 
 from kvplug.core.records.frame import key_digest
+from kvplug.errors import TierUnavailableError
 from kvplug.testing import key_for, value_for
 from kvplug_valkey.testing import ValkeyCluster
 
@@ -144,7 +145,9 @@ def test_a_hung_url_node_costs_its_keys_alone_also_in_the_batch_that_reads_the_m
 
 def test_a_cluster_with_no_node_answering_opens_the_tiers_breaker_and_recovers(tmp_path: Path, tiers) -> None:
     """Every node killed: as for a standalone server, the tier's breaker opens (lookups then
-    cost no network call); restarted, the cluster serves again without a new tier."""
+    cost no network call); restarted, the cluster serves again without a new tier. Also after
+    a listing ran into every node down (valkey-py dropped each node whose SCAN failed from
+    those it reads the slot map from: none left, the tier never served again)."""
     with ValkeyCluster(tmp_path / "cluster") as cluster:
         tier = tiers(cluster.url, cluster=True, **FAST_FAILING)
         keys = [key_for(f"all-{i}") for i in range(24)]
@@ -159,6 +162,13 @@ def test_a_cluster_with_no_node_answering_opens_the_tiers_breaker_and_recovers(t
         _stored(tier, keys, values)
         assert [bytes(v) for v in tier.get(keys)] == values
         assert tier.stats().extra["breaker_state"] == "closed"
+
+        cluster.kill()
+        with pytest.raises(TierUnavailableError):
+            list(tier.records())
+        cluster.start()
+        _stored(tier, keys, values)
+        assert [bytes(v) for v in tier.get(keys)] == values
 
 
 def test_a_removal_of_values_read_skips_a_dead_nodes_keys_alone(tmp_path: Path, tiers) -> None:
