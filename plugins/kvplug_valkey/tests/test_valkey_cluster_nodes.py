@@ -95,6 +95,15 @@ def test_a_dead_node_misses_its_keys_alone(dead: int, tmp_path: Path, tiers) -> 
         assert sum(node_failures) >= FAST_FAILING["breaker_failures"], samples
         assert tier.context.metrics.value("kvplug_remote_short_circuits_total", tier="0:valkey") > 0
 
+        # A listing fails on the dead node (valkey-py's client then reads its map again, and
+        # read COMMAND from the first primary, node 0, failing while it was down): the live
+        # nodes' keys still hit, as they do for a tier made while the node is dead.
+        with pytest.raises(TierUnavailableError):
+            list(tier.records())
+        assert [value is not None for value in tier.get(keys)] == alive, tier.stats().extra
+        late = tiers(cluster.nodes[1].url, key_prefix=tier.config.key_prefix, cluster=True)
+        assert [value is not None for value in late.get(keys)] == alive, late.stats().extra
+
         # Writes to live nodes land; those to the dead node are dropped, counted.
         more = [key_for(f"more-{i}") for i in range(24)]
         dropped = tier.stats().extra["dropped_puts"]
