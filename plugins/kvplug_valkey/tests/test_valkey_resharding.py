@@ -13,7 +13,7 @@ import torch
 import valkey
 import valkey_reshard as reshard
 from valkey.crc import key_slot
-from valkey_helpers import FAST_FAILING, fresh_prefix, read_hits, sockets_to
+from valkey_helpers import FAST_FAILING, QUICK_BREAKER, fresh_prefix, read_hits, sockets_to
 
 from kvplug import CacheEngine
 from kvplug.core.records.frame import key_digest
@@ -23,10 +23,6 @@ from kvplug_valkey.testing import ValkeyCluster, ValkeyServer
 
 #: Slots of node 0 that get two records each (one is moved half-way, the other stays).
 SLOTS = 12
-#: FAST_FAILING's breaker (one that counted redirections as failures would open within a
-#: test), with deadlines a loaded 2-core machine meets: where no node is slow or hung, a
-#: timeout would be a miss (or a dropped put) that the test takes for a record lost.
-QUICK_BREAKER = {**FAST_FAILING, "connect_timeout_s": 5.0, "request_timeout_s": 5.0}
 
 
 def _node_failures(tier: Any) -> float:
