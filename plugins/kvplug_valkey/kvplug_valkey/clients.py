@@ -9,12 +9,25 @@ from collections.abc import Callable
 from typing import Any
 
 import valkey.asyncio as avalkey
+from valkey._parsers import AsyncCommandsParser
 from valkey.asyncio.cluster import ValkeyCluster
 
 from kvplug_valkey.config import ValkeyTierConfig
 from kvplug_valkey.replies import bound_cluster_replies, bound_replies, bounded_parser
 
 Client = Any  # valkey.asyncio.Valkey | ValkeyCluster: their stubs share no protocol
+
+
+class _NoCommandTable(AsyncCommandsParser):
+    """valkey-py's table of where each command has its keys, which its cluster client reads
+    (``COMMAND``) from the map's first primary at every reading of its map, and which fails
+    the reading when that node does not answer: with that one node down or hung, a client
+    made then (or read again after a listing's ``SCAN`` failed) would never serve any node.
+    The tier routes its keys itself (:mod:`kvplug_valkey.nodes`) and sends this client only
+    ``SCAN``, which goes to every primary without the table: it is never read."""
+
+    async def initialize(self, node: Any = None) -> None:
+        self.node = node
 
 
 class ValkeyClients:
@@ -74,4 +87,5 @@ class ValkeyClients:
             require_full_coverage=False,
             **self._common(),
         )
+        cluster.commands_parser = _NoCommandTable()
         return bound_cluster_replies(cluster, self._parser)

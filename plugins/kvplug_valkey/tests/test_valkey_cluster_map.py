@@ -1,6 +1,7 @@
 """The edges of the tier's slot map on a real cluster resharded under it: a redirection to a
 node the map does not know yet (or to an address no map names), a map read while the URL's
-node hangs, and the client of a node the map dropped while a call to it was still on its way."""
+node hangs or after it was reset (an empty map), and the client of a node the map dropped
+while a call to it was still on its way."""
 
 from __future__ import annotations
 
@@ -231,3 +232,48 @@ def test_a_retry_on_its_way_does_not_reopen_the_client_of_a_node_that_left(
         # No connection to the node that left: its client was closed, and none was opened again.
         assert sockets_to(gone.port) == 0
         assert f"127.0.0.1:{gone.port}" not in tier._backend._nodes._breakers  # (no public view of them)
+
+
+def test_a_reset_node_asked_first_for_the_map_does_not_stop_the_reading(
+    valkey_cluster: ValkeyCluster, tmp_path: Path, tiers
+) -> None:
+    """A node of the tier's map that gave its slots away, was emptied and reset (``CLUSTER
+    RESET``: its ``CLUSTER SLOTS`` is empty, and valkey-py's reading of it ends in an
+    ``IndexError``) is the first one the next reading asks (the URL's node, the first of the
+    map's nodes). The map is read from the next node, and the batches read their records again."""
+    cluster = valkey_cluster
+    with ValkeyServer(tmp_path / "reset", cluster_port=True) as reset:
+        first, second, third = cluster.nodes
+        everyone = [*cluster.nodes, reset]
+        prefix = fresh_prefix()
+        keys = _key_in(prefix, reshard.owned_slots(second), "kept", count=3)
+        moved, lent = reshard.slot_of(prefix, keys[0]), min(reshard.owned_slots(first))
+        values = {key: value_for(key, 1000) for key in keys}
+        reshard.meet(cluster.nodes, reset)
+        joined = True
+        try:
+            reshard.move_slots(everyone, first, reset, [lent])  # (a node serving no slot is not in the map)
+            tier = tiers(reset.url, key_prefix=prefix, cluster=True)
+            tier.put(list(values.items()))
+            assert all(tier.contains(keys)), tier.stats().extra
+            assert tier.stats().extra["nodes"] == 4
+            reshard.move_slots(everyone, reset, first, [lent])
+            reshard.forget(cluster.nodes, reset)
+            joined = False
+            reset.cli("flushall")
+            reset.cli("cluster", "reset")
+            assert reset.cli("cluster", "slots").strip() == ""
+            asked = _map_reads([reset])
+            reshard.move_slots(cluster.nodes, second, third, [moved])
+            for _ in range(3):  # told MOVED (sent on at once), then the map read, then the new map
+                assert all(read_hits(tier, keys, values)), tier.stats().extra
+            assert _map_reads([reset]) > asked  # the reset node was asked (first), and gave no map
+            extra = tier.stats().extra
+            assert extra["nodes"] == 3 and extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
+        finally:  # the session's cluster as it was, from wherever the test stopped
+            if joined:
+                if lent in reshard.owned_slots(reset):
+                    reshard.move_slots(everyone, reset, first, [lent])
+                reshard.forget(cluster.nodes, reset)
+            if moved in reshard.owned_slots(third):
+                reshard.move_slots(cluster.nodes, third, second, [moved])

@@ -13,7 +13,7 @@ import torch
 import valkey
 import valkey_reshard as reshard
 from valkey.crc import key_slot
-from valkey_helpers import FAST_FAILING, fresh_prefix, read_hits, sockets_to
+from valkey_helpers import FAST_FAILING, QUICK_BREAKER, fresh_prefix, read_hits, sockets_to
 
 from kvplug import CacheEngine
 from kvplug.core.records.frame import key_digest
@@ -47,7 +47,7 @@ def test_slots_moved_half_way_and_to_the_end_keep_every_record(tmp_path: Path, t
     with ValkeyCluster(tmp_path / "cluster") as cluster:
         source, target = cluster.nodes[0], cluster.nodes[1]
         prefix = fresh_prefix()
-        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **FAST_FAILING)
+        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **QUICK_BREAKER)
         pairs = reshard.keys_by_slot(prefix, reshard.owned_slots(source), "moved", SLOTS, 2)
         keys = [key for pair in pairs.values() for key in pair]
         values = {key: value_for(key, 3000) for key in keys}
@@ -60,7 +60,7 @@ def test_slots_moved_half_way_and_to_the_end_keep_every_record(tmp_path: Path, t
             reshard.begin(source, target, slot)
             reshard.migrate(source, target, [prefix + key_digest(moved).hex()])
         map_reads = _map_reads(cluster)
-        for _ in range(2 * FAST_FAILING["breaker_failures"]):  # past where a breaker counting redirections opens
+        for _ in range(2 * QUICK_BREAKER["breaker_failures"]):  # past where a breaker counting redirections opens
             assert all(read_hits(tier, keys, values)), tier.stats().extra
             assert all(tier.contains(keys))
         assert _map_reads(cluster) == map_reads  # ASK says the map is right: not read again at each batch
@@ -128,7 +128,7 @@ def test_a_hung_node_does_not_open_the_breaker_of_the_node_a_redirection_names(t
 def test_a_node_added_then_removed_serves_its_slots_and_leaves_no_client(tmp_path: Path, tiers) -> None:
     with ValkeyCluster(tmp_path / "cluster") as cluster, ValkeyServer(tmp_path / "new", cluster_port=True) as new:
         prefix = fresh_prefix()
-        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **FAST_FAILING)
+        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **QUICK_BREAKER)
         keys = [key_for(f"churn-{i}") for i in range(48)]
         values = {key: value_for(key, 3000) for key in keys}
         tier.put([(key, values[key]) for key in keys])
