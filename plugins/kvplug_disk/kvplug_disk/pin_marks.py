@@ -32,6 +32,7 @@ without reading and rewriting anyone else's.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -163,18 +164,16 @@ class PinMarks:
         """Remove the lock files of owners that are gone (at a tier's open): those whose marks no
         eviction came across, because their records were removed or are never evicted. How many."""
         try:
-            folder = os.open(
-                OWNERS_FOLDER, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd
-            )
+            folder = self._open_owners_folder()
         except OSError:  # none yet (no pin was ever marked here)
             return 0
         try:
             owners = [name for name in os.listdir(folder) if _OWNER.fullmatch(name)]
+            return sum(not self._alive_in(folder, owner) for owner in owners)
         except OSError:
-            owners = []
+            return 0
         finally:
             os.close(folder)
-        return sum(not self._alive(owner) for owner in owners)
 
     def close(self) -> None:
         """Give up this owner's marks: its lock file goes (the marks left on records are dead)."""
@@ -184,7 +183,11 @@ class PinMarks:
         if fd is None:
             return
         try:
-            os.unlink(f"{OWNERS_FOLDER}/{self.owner}", dir_fd=self._root_fd)
+            folder = self._open_owners_folder()
+            try:
+                os.unlink(self.owner, dir_fd=folder)
+            finally:
+                os.close(folder)
         except OSError:
             pass
         os.close(fd)
@@ -210,9 +213,7 @@ class PinMarks:
             os.mkdir(OWNERS_FOLDER, 0o700, dir_fd=self._root_fd)
         except FileExistsError:
             pass
-        folder = os.open(
-            OWNERS_FOLDER, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd
-        )
+        folder = self._open_owners_folder()
         try:
             temp = f"{self.owner}.tmp"
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -267,15 +268,34 @@ class PinMarks:
                 self._remove_mark(fd, name)
         return live
 
+    def _open_owners_folder(self) -> int:
+        """The owners' folder, never through a link: one that is not a folder of the store's
+        own (a link placed there) must not make this tier open or remove files elsewhere."""
+        return os.open(OWNERS_FOLDER, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd)
+
     def _alive(self, owner: str) -> bool:
-        """Whether ``owner`` holds its lock file. One that does not is dead for good (ids are
-        never reused): its file is removed."""
-        path = f"{OWNERS_FOLDER}/{owner}"
+        """Whether ``owner`` holds its lock file (see :meth:`_alive_in`)."""
         try:
-            fd = os.open(path, _OPEN_FLAGS, dir_fd=self._root_fd)
+            folder = self._open_owners_folder()
+        except (FileNotFoundError, NotADirectoryError):  # no owners' folder: no owner holds a lock
+            return False
+        except OSError as exc:
+            # A link in its place (ELOOP): owners make their files only in a real folder, so
+            # none holds a lock through it. Anything else: cannot tell, keep its marks.
+            return exc.errno != errno.ELOOP
+        try:
+            return self._alive_in(folder, owner)
+        finally:
+            os.close(folder)
+
+    def _alive_in(self, folder: int, owner: str) -> bool:
+        """Whether ``owner`` holds its lock file in the owners' folder open as ``folder``. One
+        that does not is dead for good (ids are never reused): its file is removed."""
+        try:
+            fd = os.open(owner, _OPEN_FLAGS, dir_fd=folder)
         except FileNotFoundError:
             return False
-        except OSError:  # cannot tell (not ours to open): keep its marks
+        except OSError:  # cannot tell (not ours to open, a link): keep its marks
             return True
         try:
             try:
@@ -283,7 +303,7 @@ class PinMarks:
             except OSError:  # held by its owner (EWOULDBLOCK), or cannot tell: keep its marks
                 return True
             try:
-                os.unlink(path, dir_fd=self._root_fd)
+                os.unlink(owner, dir_fd=folder)
             except OSError:
                 pass
             return False

@@ -243,3 +243,32 @@ def test_without_user_attributes_a_pin_holds_in_its_own_process(
         assert tier.stats().extra["pin_marks_failed"] >= 1
     finally:
         tier.close()
+
+
+def test_a_linked_owners_folder_never_makes_the_tier_remove_files_outside_its_folder(
+    kind: str, folder: Path, tmp_path: Path
+) -> None:
+    """A hostile folder: ``.kvplug-pins`` is a link to another folder, which holds a file named
+    like an owner, and a record carries a mark naming that owner. Evicting the record checks the
+    owner: the tier must neither follow the link nor remove the file it leads to (4089e48: it
+    did, ``AssertionError: the tier removed a file outside its folder``)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    owner = "ab" * 16
+    (elsewhere / owner).write_text("not kvplug's")
+    folder.mkdir(mode=0o700, exist_ok=True)
+    (folder / OWNERS_FOLDER).symlink_to(elsewhere)
+    tier_type = ShmTier if kind == "shm" else DiskTier
+    config = tier_type.Config(path=folder, fsync=False, max_bytes=BUDGET, queue={"mode": "sync"})  # type: ignore[call-arg]
+    tier = tier_type(config, pins_context())
+    try:
+        tier.put([(PINNED, value_for(PINNED, VALUE))])
+        os.setxattr(path_of(folder, PINNED), MARK_PREFIX + owner, b"1")
+        for i in range(12):
+            key = key_of(None, f"fill-{i}")
+            tier.put([(key, value_for(key, VALUE))])
+        tier.flush()
+        assert (elsewhere / owner).exists(), "the tier removed a file outside its folder"
+        assert (folder / OWNERS_FOLDER).is_symlink()
+    finally:
+        tier.close()
