@@ -295,20 +295,29 @@ class PinMarks:
             fd = os.open(owner, _OPEN_FLAGS, dir_fd=folder)
         except FileNotFoundError:
             return False
-        except OSError:  # cannot tell (not ours to open, a link): keep its marks
-            return True
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:  # cannot tell (not ours to open): keep its marks
+                return True
+            # A link: owners make regular files, so no owner holds it; its marks would keep
+            # their records for good. The link goes (not what it leads to).
+            self._unlink_quietly(owner, folder)
+            return False
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except OSError:  # held by its owner (EWOULDBLOCK), or cannot tell: keep its marks
                 return True
-            try:
-                os.unlink(owner, dir_fd=folder)
-            except OSError:
-                pass
+            self._unlink_quietly(owner, folder)
             return False
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _unlink_quietly(name: str, folder: int) -> None:
+        try:
+            os.unlink(name, dir_fd=folder)
+        except OSError:  # gone already, or a folder: the sweep meets it again, harmless
+            pass
 
     def _remove_mark(self, fd: int, name: str) -> None:
         try:

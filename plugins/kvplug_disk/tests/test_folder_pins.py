@@ -272,3 +272,50 @@ def test_a_linked_owners_folder_never_makes_the_tier_remove_files_outside_its_fo
         assert (folder / OWNERS_FOLDER).is_symlink()
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("entry", ["link", "fifo", "folder", "many", "not-hex"])
+def test_hostile_owner_entries_neither_hang_nor_keep_a_record_forever(
+    kind: str, folder: Path, tmp_path: Path, entry: str
+) -> None:
+    """A hostile folder: a record carries marks whose owners' lock files are a link (to a file
+    outside the store), a FIFO or a folder, hundreds of marks of owners that never were, or a
+    mark naming no owner at all. None is a live owner's lock (owners make regular files, locked
+    before they get their names): the tier evicts the record for its budget, removes the marks,
+    never hangs and never touches what a link leads to. 4089e48: a link kept the record in place
+    for good (``AssertionError: a mark no live owner holds kept the record``)."""
+    outside = tmp_path / "outside"
+    outside.write_text("not kvplug's")
+    owners = folder / OWNERS_FOLDER
+    owners.mkdir(mode=0o700, parents=True)
+    names = ["cd" * 16]
+    if entry == "link":
+        (owners / names[0]).symlink_to(outside)
+    elif entry == "fifo":
+        os.mkfifo(owners / names[0], 0o600)
+    elif entry == "folder":
+        (owners / names[0]).mkdir()
+    elif entry == "many":
+        names = [f"{i:032x}" for i in range(300)]
+    else:
+        names = ["../../outside"]
+    tier_type = ShmTier if kind == "shm" else DiskTier
+    config = tier_type.Config(path=folder, fsync=False, max_bytes=BUDGET, queue={"mode": "sync"})  # type: ignore[call-arg]
+    tier = tier_type(config, pins_context())
+    try:
+        tier.put([(PINNED, value_for(PINNED, VALUE))])
+        for name in names:
+            try:
+                os.setxattr(path_of(folder, PINNED), MARK_PREFIX + name, b"1")
+            except OSError as exc:  # the file system's room for attributes is full: enough
+                assert exc.errno in (errno.ENOSPC, errno.E2BIG), exc
+                break
+        for i in range(12):
+            key = key_of(None, f"fill-{i}")
+            tier.put([(key, value_for(key, VALUE))])
+        tier.flush()
+        assert not path_of(folder, PINNED).exists(), "a mark no live owner holds kept the record"
+        assert len(records(folder)) * VALUE <= BUDGET
+        assert outside.read_text() == "not kvplug's"
+    finally:
+        tier.close()
