@@ -65,19 +65,22 @@ class FolderPins:
             for digest in names:
                 entry = self._order.get(digest)
                 sizes.append(entry.value_size if entry is not None and self._order.unpin(digest) else None)
-        self._sync_marks(())
         try:
-            with (
-                self._ledger.locked(
-                    timeout_s=self._lock_wait_s, then="tenants over their quotas give up records at the next write"
-                ) as usage,
-                self._lock,
-            ):
-                over_quota = self._order.take_over_quota()
-                if over_quota:
-                    self._remove_victims(usage, over_quota)
-                    usage.save()
+            with self._ledger.locked(
+                timeout_s=self._lock_wait_s, then="tenants over their quotas give up records at the next write"
+            ) as usage:
+                # Under the folder's lock, as another engine's store copies the old file's marks
+                # onto the new one it renames over it: a mark removed between the two would be
+                # copied, and hold the record for every other engine while this one lives.
+                self._sync_marks(())
+                with self._lock:
+                    over_quota = self._order.take_over_quota()
+                    if over_quota:
+                        self._remove_victims(usage, over_quota)
+                        usage.save()
         except FolderLockTimeoutError as exc:  # unpinned all the same: the next write keeps the quota
+            # (a store of the record racing this may copy the mark first: it dies with this engine)
+            self._sync_marks(())
             self._problems.error("unpin", "the folder", exc)
         return sizes
 

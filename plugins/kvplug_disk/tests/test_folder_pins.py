@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -319,3 +320,46 @@ def test_hostile_owner_entries_neither_hang_nor_keep_a_record_forever(
         assert outside.read_text() == "not kvplug's"
     finally:
         tier.close()
+
+
+def test_an_unpin_while_another_engine_stores_the_record_again_leaves_no_mark(
+    kind: str, folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Engine A pins a record; engine B stores it again, and A unpins it between B copying the old
+    file's marks onto its new file and renaming it into place (a gate on B's copy: two tiers in
+    one process are two owners, their flocks as apart as two processes'). A's unpin must not
+    leave A's mark on the new file, which would keep the record from every other engine for as
+    long as A lives (4089e48: A removed its mark from the old file outside the folder's lock,
+    ``AssertionError: A's unpin left its mark on the record B stored again``)."""
+    tier_type = ShmTier if kind == "shm" else DiskTier
+    config = tier_type.Config(path=folder, fsync=False, max_bytes=1 << 30, queue={"mode": "sync"})  # type: ignore[call-arg]
+    first = tier_type(config, pins_context())
+    second = tier_type(config, pins_context())
+    armed = threading.Event()
+    unpinned: list[object] = []
+    original = pin_marks.PinMarks.carry_over
+
+    def gated(self: pin_marks.PinMarks, digest: str, temp_name: str, temp_dir_fd: int) -> None:
+        original(self, digest, temp_name, temp_dir_fd)
+        if armed.is_set():
+            armed.clear()
+            unpin = threading.Thread(target=lambda: unpinned.append(first.unpin([PINNED])))
+            unpin.start()
+            unpin.join(1.0)  # (with the folder's lock held here, a correct unpin waits for it)
+            gated.threads.append(unpin)  # type: ignore[attr-defined]
+
+    gated.threads = []  # type: ignore[attr-defined]
+    monkeypatch.setattr(pin_marks.PinMarks, "carry_over", gated)
+    try:
+        first.put([(PINNED, value_for(PINNED, VALUE))])
+        assert first.pin([PINNED])[0][0] == "pinned"
+        assert len(marks_on(path_of(folder, PINNED))) == 1
+        armed.set()
+        second.put([(PINNED, value_for(PINNED, VALUE))])
+        for thread in gated.threads:  # type: ignore[attr-defined]
+            thread.join(60)
+        assert unpinned == [[VALUE]]
+        assert marks_on(path_of(folder, PINNED)) == [], "A's unpin left its mark on the record B stored again"
+    finally:
+        first.close()
+        second.close()
