@@ -93,6 +93,26 @@ class FolderPins:
         for digest in new:
             self._marks.mark(digest)
 
+    def _mark_entered(self, names: list[str]) -> None:
+        """Mark the records of ``names`` that a lookup or read found and this process pins (they
+        entered its order pinned: the engine's pin book wants them). Under the folder's lock,
+        as every mark: an eviction, or another engine's store of the record copying the old
+        file's marks onto the new one it renames over it, could otherwise come in between and
+        drop the mark while this process takes it as set. Rare (a pinned record first found),
+        so a lookup takes the lock only then."""
+        with self._lock:
+            pinned = [digest for digest in names if self._order.is_pinned(digest)]
+        if not pinned or self._marks.read_only:
+            return
+        try:
+            with (
+                self._ledger.locked(timeout_s=self._lock_wait_s, then="marked at the next pin, store or listing"),
+                self._lock,
+            ):
+                self._mark_new_pins(pinned)
+        except FolderLockTimeoutError as exc:
+            self._problems.error("pin", "the folder", exc)
+
     def _mark_new_pins(self, names: Iterable[str]) -> None:
         """Mark the records of ``names`` that this process pins (its lock held). Marked again even
         where this process marked them before: the file may be a new one without its mark (the

@@ -65,7 +65,7 @@ class PinMarks:
     def __init__(self, root_fd: int, records: Records, *, read_only: bool = False) -> None:
         self._root_fd = root_fd
         self._records = records
-        self._read_only = read_only
+        self.read_only = read_only
         self.owner = secrets.token_hex(16)
         self._attr = MARK_PREFIX + self.owner
         self._owner_fd: int | None = None
@@ -199,7 +199,7 @@ class PinMarks:
         with self._lock:
             if self._owner_fd is not None:
                 return True
-            if self._read_only:
+            if self.read_only:
                 return False
             try:
                 self._owner_fd = self._make_owner_file()

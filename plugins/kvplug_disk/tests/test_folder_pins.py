@@ -363,3 +363,46 @@ def test_an_unpin_while_another_engine_stores_the_record_again_leaves_no_mark(
     finally:
         first.close()
         second.close()
+
+
+def test_a_record_a_lookup_finds_pinned_keeps_its_mark_when_another_engine_stores_it_again(
+    kind: str, folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Engine A's pin book wants a record that engine B stored; B stores it again, and A's lookup
+    first finds the record (pinning it as it enters A's order, and marking it) between B copying
+    the old file's marks onto its new file and renaming it into place (a gate on B's copy). The
+    new file must carry A's mark, or every other engine may evict what A takes as pinned
+    (4089e48: A marked the old file outside the folder's lock, ``AssertionError: the record A
+    pinned lost its mark``)."""
+    tier_type = ShmTier if kind == "shm" else DiskTier
+    config = tier_type.Config(path=folder, fsync=False, max_bytes=1 << 30, queue={"mode": "sync"})  # type: ignore[call-arg]
+    context = pins_context()
+    first = tier_type(config, context)
+    second = tier_type(config, pins_context())
+    armed = threading.Event()
+    found: list[object] = []
+    threads: list[threading.Thread] = []
+    original = pin_marks.PinMarks.carry_over
+
+    def gated(self: pin_marks.PinMarks, digest: str, temp_name: str, temp_dir_fd: int) -> None:
+        original(self, digest, temp_name, temp_dir_fd)
+        if armed.is_set():
+            armed.clear()
+            threads.append(lookup := threading.Thread(target=lambda: found.append(first.contains([PINNED]))))
+            lookup.start()
+            lookup.join(1.0)  # (with the folder's lock held here, a correct mark waits for it)
+
+    monkeypatch.setattr(pin_marks.PinMarks, "carry_over", gated)
+    try:
+        second.put([(PINNED, value_for(PINNED, VALUE))])
+        context.tenancy.pins.add([PINNED])
+        armed.set()
+        second.put([(PINNED, value_for(PINNED, VALUE))])
+        for thread in threads:
+            thread.join(60)
+        assert found == [[True]]
+        assert first.stats().extra["pinned_bytes"] == FILE
+        assert len(marks_on(path_of(folder, PINNED))) == 1, "the record A pinned lost its mark"
+    finally:
+        first.close()
+        second.close()
