@@ -17,7 +17,8 @@ owner other than itself (:meth:`PinMarks.held_elsewhere`).
   :meth:`PinMarks.sweep`, the files of every owner gone). So a pin never outlives every process
   that wanted it. The owner file is locked before it gets its name (a temp name, renamed), so no
   process ever sees the file of a live owner unlocked. A child forked by the owner's process
-  shares the lock: its pins hold while either lives.
+  shares the lock: its pins hold while either lives (until the owner closes the tier: :meth:`PinMarks.close`
+  removes the lock file).
 - **Stored again.** A record stored again is a new file renamed over the old one: the write
   copies the old file's live marks onto the new one first, under the folder's lock that every
   eviction takes too (:meth:`PinMarks.carry_over`), so another engine's store of a pinned chunk
