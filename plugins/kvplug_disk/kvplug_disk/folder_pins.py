@@ -132,6 +132,8 @@ class KeptForOthers:
 
     def __init__(self) -> None:
         self._records: dict[str, tuple[IndexEntry, bytes | None]] = {}
+        #: The owners whose marks kept each record (:meth:`owners`).
+        self._owners: dict[str, list[str]] = {}
         #: Value bytes of the records (the budget counts value bytes).
         self.value_bytes = 0
 
@@ -141,18 +143,34 @@ class KeptForOthers:
     def __bool__(self) -> bool:
         return bool(self._records)
 
-    def keep(self, digest: str, entry: IndexEntry, tag: bytes | None) -> None:
+    def keep(self, digest: str, entry: IndexEntry, tag: bytes | None, owners: list[str]) -> None:
+        """Remember ``digest``, left in place for the marks of the live ``owners``."""
         self.drop(digest)
         self._records[digest] = (entry, tag)
+        self._owners[digest] = owners
         self.value_bytes += entry.value_size
 
     def drop(self, digest: str) -> IndexEntry | None:
         """Forget ``digest`` (back in the order, or gone); its entry, if it was kept."""
         kept = self._records.pop(digest, None)
+        self._owners.pop(digest, None)
         if kept is None:
             return None
         self.value_bytes -= kept[0].value_size
         return kept[0]
+
+    def hold(self, digest: str, owners: list[str]) -> None:
+        """The live ``owners`` keep the kept record ``digest`` now."""
+        if digest in self._owners:
+            self._owners[digest] = owners
+
+    def owners(self) -> set[str]:
+        """The owners whose marks kept records here: few (one per other engine pinning)."""
+        return {owner for owners in self._owners.values() for owner in owners}
+
+    def kept_only_by(self, dead: set[str]) -> list[str]:
+        """The records whose every keeping owner is in ``dead``."""
+        return [digest for digest, owners in self._owners.items() if dead.issuperset(owners)]
 
     def file_bytes_of(self, tag: bytes) -> int:
         """File bytes kept of the tenant tagged ``tag`` (quotas count file bytes)."""
@@ -163,4 +181,5 @@ class KeptForOthers:
 
     def clear(self) -> None:
         self._records.clear()
+        self._owners.clear()
         self.value_bytes = 0

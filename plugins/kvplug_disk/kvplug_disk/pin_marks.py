@@ -121,18 +121,23 @@ class PinMarks:
 
     # --- everyone's marks ---------------------------------------------------------------
 
-    def held_elsewhere(self, digest: str) -> bool:
-        """Whether a live owner other than this one marked the record ``digest`` pinned (the
+    def held_elsewhere(self, digest: str) -> list[str]:
+        """The live owners other than this one that marked the record ``digest`` pinned (the
         folder's lock held: call before evicting it). Dead owners' marks are removed."""
         if not self._has_marks(digest):  # (the common case: one call, no descriptor)
-            return False
+            return []
         opened = self._open(digest)
         if opened is None:
-            return False
+            return []
         try:
-            return any(owner != self.owner for owner in self._live_owners(opened))
+            return [owner for owner in self._live_owners(opened) if owner != self.owner]
         finally:
             os.close(opened)
+
+    def alive(self, owner: str) -> bool:
+        """Whether the owner ``owner`` (of a mark :meth:`held_elsewhere` named) still lives;
+        one that does not is dead for good, its lock file removed."""
+        return self._alive(owner)
 
     def carry_over(self, digest: str, temp_name: str, temp_dir_fd: int) -> None:
         """Copy the live marks, this owner's too, from the record ``digest`` to the temp file

@@ -406,3 +406,23 @@ def test_a_record_a_lookup_finds_pinned_keeps_its_mark_when_another_engine_store
     finally:
         first.close()
         second.close()
+
+
+def test_a_killed_engines_pins_stop_holding_for_an_engine_that_left_them_in_place(
+    started: list[Worker], kind: str, folder: Path
+) -> None:
+    """w1 leaves w0's pinned record in place while w0 lives; then w0 is killed. The record is
+    w1's oldest, pinned by no one: w1's next evictions take it first, not its own newer
+    records for as long as it runs (4089e48: w1 asked about it again only with nothing else
+    to evict, ``AssertionError: a killed engine's pin still held its record``)."""
+    owner = start(started, kind, folder, "w0")
+    assert owner.ask("pin tenant-b system") == "pinned"
+    other = start(started, kind, folder, "w1")
+    assert other.ask("put none 12") == "done"
+    assert path_of(folder, PINNED).exists()
+    owner.process.kill()
+    owner.process.wait(60)
+    assert other.ask("put none 1") == "done"
+    assert not path_of(folder, PINNED).exists(), "a killed engine's pin still held its record"
+    assert len(records(folder)) * VALUE <= BUDGET
+    assert list((folder / OWNERS_FOLDER).iterdir()) == [], "a dead owner's lock file stayed"
