@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import re
 import secrets
@@ -63,8 +64,19 @@ class PinMarks:
     (see the module docstring). Thread-safe; every call is best effort: a file operation
     that fails is counted, never raised."""
 
-    def __init__(self, root_fd: int, records: Records, *, read_only: bool = False) -> None:
+    def __init__(
+        self,
+        root_fd: int,
+        records: Records,
+        *,
+        read_only: bool = False,
+        logger: logging.Logger | None = None,
+        where: str = "the folder",
+    ) -> None:
         self._root_fd = root_fd
+        self._logger = logger or logging.getLogger(__name__)
+        self._where = where
+        self._warned = False
         self._records = records
         self.read_only = read_only
         self.owner = secrets.token_hex(16)
@@ -88,8 +100,8 @@ class PinMarks:
             self._live_owners(opened)  # drops dead marks: each restart is a new owner, they must not pile up
             os.setxattr(opened, self._attr, _MARK_VALUE)
             linked = os.fstat(opened).st_nlink > 0  # not unlinked before the mark was set
-        except OSError:  # no user attributes here, or no room for one more
-            self._count("pin_marks_failed")
+        except OSError as exc:  # no user attributes here, or no room for one more
+            self._failed(f"cannot set the pin mark {self._attr} on a record", exc)
             return False
         finally:
             os.close(opened)
@@ -155,14 +167,14 @@ class PinMarks:
             return
         try:
             temp = os.open(temp_name, _OPEN_FLAGS, dir_fd=temp_dir_fd)
-        except OSError:
-            self._count("pin_marks_failed")
+        except OSError as exc:
+            self._failed("cannot copy the pin marks onto a record stored again", exc)
             return
         try:
             for owner in owners:
                 os.setxattr(temp, MARK_PREFIX + owner, _MARK_VALUE)
-        except OSError:
-            self._count("pin_marks_failed")
+        except OSError as exc:
+            self._failed("cannot copy the pin marks onto a record stored again", exc)
         finally:
             os.close(temp)
 
@@ -209,10 +221,12 @@ class PinMarks:
                 return False
             try:
                 self._owner_fd = self._make_owner_file()
-            except OSError:
-                self.counts["pin_marks_failed"] += 1
-                return False
-            return True
+            except OSError as exc:
+                failed = exc
+            else:
+                return True
+        self._failed(f"cannot make the pin lock file {OWNERS_FOLDER}/{self.owner}", failed)
+        return False
 
     def _make_owner_file(self) -> int:
         try:
@@ -324,6 +338,20 @@ class PinMarks:
             os.unlink(name, dir_fd=folder)
         except OSError:  # gone already, or a folder: the sweep meets it again, harmless
             pass
+
+    def _failed(self, what: str, exc: OSError) -> None:
+        """Count a mark that could not be set; say why the first time (the count alone does
+        not tell an operator whether the file system or the folder is at fault)."""
+        with self._lock:
+            self.counts["pin_marks_failed"] += 1
+            first, self._warned = not self._warned, True
+        if first:
+            self._logger.warning(
+                "disk tier: %s in %s: %s; pins hold in this process only (pin_marks_failed counts them)",
+                what,
+                self._where,
+                exc,
+            )
 
     def _remove_mark(self, fd: int, name: str) -> None:
         try:

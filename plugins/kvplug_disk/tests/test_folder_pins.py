@@ -426,3 +426,39 @@ def test_a_killed_engines_pins_stop_holding_for_an_engine_that_left_them_in_plac
     assert not path_of(folder, PINNED).exists(), "a killed engine's pin still held its record"
     assert len(records(folder)) * VALUE <= BUDGET
     assert list((folder / OWNERS_FOLDER).iterdir()) == [], "a dead owner's lock file stayed"
+
+
+@pytest.mark.parametrize("entry", ["file", "no-attributes"])
+def test_a_pin_that_cannot_be_marked_says_why(
+    kind: str, folder: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, entry: str
+) -> None:
+    """A pin whose mark cannot be set holds in its own process only: the operator is told once,
+    with the reason and the place, not just a count (4089e48: nothing was logged,
+    ``AssertionError: no warning says why the pin holds in this process only``). ``file``: a
+    ``.kvplug-pins`` that is a file; ``no-attributes``: a file system without user extended
+    attributes (a mock: this host's file systems have them)."""
+    if entry == "file":
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (folder / OWNERS_FOLDER).write_text("")
+    else:
+
+        def refuse(*args: object) -> None:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+        monkeypatch.setattr(pin_marks.os, "setxattr", refuse)
+    tier_type = ShmTier if kind == "shm" else DiskTier
+    config = tier_type.Config(path=folder, fsync=False, max_bytes=1 << 30, queue={"mode": "sync"})  # type: ignore[call-arg]
+    tier = tier_type(config, pins_context())
+    try:
+        with caplog.at_level("WARNING"):
+            for name in ("a", "b"):
+                key = key_of("tenant-b", name)
+                tier.put([(key, value_for(key, VALUE))])
+                assert tier.pin([key])[0][0] == "pinned"
+        warnings = [r.getMessage() for r in caplog.records if "this process only" in r.getMessage()]
+        assert warnings, "no warning says why the pin holds in this process only"
+        assert len(warnings) == 1, warnings
+        reason = "Not a directory" if entry == "file" else "Operation not supported"
+        assert reason in warnings[0] and str(folder) in warnings[0], warnings[0]
+    finally:
+        tier.close()
