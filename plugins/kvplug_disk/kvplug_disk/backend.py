@@ -131,7 +131,9 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
         self._folders_synced_at = time.monotonic()
         started = time.perf_counter()
         self._folder = self._open_folder(config)
-        self._marks = PinMarks(self._folder.root_fd, self._folder, read_only=read_only)
+        self._marks = PinMarks(
+            self._folder.root_fd, self._folder, read_only=read_only, logger=problems.logger, where=self.where
+        )
         self._kept = KeptForOthers()  # records left for other processes' pins
         if not read_only:
             mark_store(self._folder.root_fd)

@@ -97,6 +97,13 @@ class FolderBudget:
         rescanned = rescanned or usage.total - self._known_bytes() + incoming > self._budget
         if rescanned:
             self._rebuild(usage, self._list(usage))
+        elif self._kept and usage.total + incoming > self._budget:
+            # Before its own records: those left for engines that have ended since (a check
+            # per such engine, not per record), else they would stay for as long as this
+            # process has anything else to evict.
+            dead = {owner for owner in self._kept.owners() if not self._marks.alive(owner)}
+            if dead:
+                self._release_kept(self._kept.kept_only_by(dead))
         while usage.total + incoming > self._budget:
             victims = self._order.pop_victims(1)
             if not victims:
@@ -115,12 +122,15 @@ class FolderBudget:
         records it left for other processes' pins."""
         return self._order.value_bytes + self._kept.value_bytes
 
-    def _release_kept(self) -> bool:
-        """Ask again about the records left for other processes' pins: those no longer pinned
-        anywhere go back into the order, the first to leave; whether any did (locks held)."""
+    def _release_kept(self, digests: list[str] | None = None) -> bool:
+        """Ask again about the records left for other processes' pins (``digests``, or all):
+        those no longer pinned anywhere go back into the order, the first to leave; whether
+        any did (locks held)."""
         released = False
-        for digest in self._kept.digests():
-            if self._marks.held_elsewhere(digest):
+        for digest in self._kept.digests() if digests is None else digests:
+            owners = self._marks.held_elsewhere(digest)
+            if owners:
+                self._kept.hold(digest, owners)  # (by the owners still alive)
                 continue
             entry = self._kept.drop(digest)
             if entry is not None and digest not in self._order and self._value_size_on_disk(digest):
@@ -167,8 +177,11 @@ class FolderBudget:
         finds it again (:mod:`kvplug_disk.pin_marks`). How many were not kept so."""
         removed = 0
         for digest, entry in victims:
-            if self._marks.held_elsewhere(digest):  # another live process pinned it: it stays
-                self._kept.keep(digest, entry, record_tag(self._folder, digest) if usage.tenants is not None else None)
+            owners = self._marks.held_elsewhere(digest)
+            if owners:  # another live process pinned it: it stays
+                self._kept.keep(
+                    digest, entry, record_tag(self._folder, digest) if usage.tenants is not None else None, owners
+                )
                 self._counts["kept_pinned_elsewhere"] += 1
                 continue
             removed += 1

@@ -65,19 +65,22 @@ class FolderPins:
             for digest in names:
                 entry = self._order.get(digest)
                 sizes.append(entry.value_size if entry is not None and self._order.unpin(digest) else None)
-        self._sync_marks(())
         try:
-            with (
-                self._ledger.locked(
-                    timeout_s=self._lock_wait_s, then="tenants over their quotas give up records at the next write"
-                ) as usage,
-                self._lock,
-            ):
-                over_quota = self._order.take_over_quota()
-                if over_quota:
-                    self._remove_victims(usage, over_quota)
-                    usage.save()
+            with self._ledger.locked(
+                timeout_s=self._lock_wait_s, then="tenants over their quotas give up records at the next write"
+            ) as usage:
+                # Under the folder's lock, as another engine's store copies the old file's marks
+                # onto the new one it renames over it: a mark removed between the two would be
+                # copied, and hold the record for every other engine while this one lives.
+                self._sync_marks(())
+                with self._lock:
+                    over_quota = self._order.take_over_quota()
+                    if over_quota:
+                        self._remove_victims(usage, over_quota)
+                        usage.save()
         except FolderLockTimeoutError as exc:  # unpinned all the same: the next write keeps the quota
+            # (a store of the record racing this may copy the mark first: it dies with this engine)
+            self._sync_marks(())
             self._problems.error("unpin", "the folder", exc)
         return sizes
 
@@ -89,6 +92,26 @@ class FolderPins:
         self._marks.unmark(stale)
         for digest in new:
             self._marks.mark(digest)
+
+    def _mark_entered(self, names: list[str]) -> None:
+        """Mark the records of ``names`` that a lookup or read found and this process pins (they
+        entered its order pinned: the engine's pin book wants them). Under the folder's lock,
+        as every mark: an eviction, or another engine's store of the record copying the old
+        file's marks onto the new one it renames over it, could otherwise come in between and
+        drop the mark while this process takes it as set. Rare (a pinned record first found),
+        so a lookup takes the lock only then."""
+        with self._lock:
+            pinned = [digest for digest in names if self._order.is_pinned(digest)]
+        if not pinned or self._marks.read_only:
+            return
+        try:
+            with (
+                self._ledger.locked(timeout_s=self._lock_wait_s, then="marked at the next pin, store or listing"),
+                self._lock,
+            ):
+                self._mark_new_pins(pinned)
+        except FolderLockTimeoutError as exc:
+            self._problems.error("pin", "the folder", exc)
 
     def _mark_new_pins(self, names: Iterable[str]) -> None:
         """Mark the records of ``names`` that this process pins (its lock held). Marked again even
@@ -109,6 +132,8 @@ class KeptForOthers:
 
     def __init__(self) -> None:
         self._records: dict[str, tuple[IndexEntry, bytes | None]] = {}
+        #: The owners whose marks kept each record (:meth:`owners`).
+        self._owners: dict[str, list[str]] = {}
         #: Value bytes of the records (the budget counts value bytes).
         self.value_bytes = 0
 
@@ -118,18 +143,34 @@ class KeptForOthers:
     def __bool__(self) -> bool:
         return bool(self._records)
 
-    def keep(self, digest: str, entry: IndexEntry, tag: bytes | None) -> None:
+    def keep(self, digest: str, entry: IndexEntry, tag: bytes | None, owners: list[str]) -> None:
+        """Remember ``digest``, left in place for the marks of the live ``owners``."""
         self.drop(digest)
         self._records[digest] = (entry, tag)
+        self._owners[digest] = owners
         self.value_bytes += entry.value_size
 
     def drop(self, digest: str) -> IndexEntry | None:
         """Forget ``digest`` (back in the order, or gone); its entry, if it was kept."""
         kept = self._records.pop(digest, None)
+        self._owners.pop(digest, None)
         if kept is None:
             return None
         self.value_bytes -= kept[0].value_size
         return kept[0]
+
+    def hold(self, digest: str, owners: list[str]) -> None:
+        """The live ``owners`` keep the kept record ``digest`` now."""
+        if digest in self._owners:
+            self._owners[digest] = owners
+
+    def owners(self) -> set[str]:
+        """The owners whose marks kept records here: few (one per other engine pinning)."""
+        return {owner for owners in self._owners.values() for owner in owners}
+
+    def kept_only_by(self, dead: set[str]) -> list[str]:
+        """The records whose every keeping owner is in ``dead``."""
+        return [digest for digest, owners in self._owners.items() if dead.issuperset(owners)]
 
     def file_bytes_of(self, tag: bytes) -> int:
         """File bytes kept of the tenant tagged ``tag`` (quotas count file bytes)."""
@@ -140,4 +181,5 @@ class KeptForOthers:
 
     def clear(self) -> None:
         self._records.clear()
+        self._owners.clear()
         self.value_bytes = 0

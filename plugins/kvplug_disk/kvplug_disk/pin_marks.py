@@ -17,7 +17,8 @@ owner other than itself (:meth:`PinMarks.held_elsewhere`).
   :meth:`PinMarks.sweep`, the files of every owner gone). So a pin never outlives every process
   that wanted it. The owner file is locked before it gets its name (a temp name, renamed), so no
   process ever sees the file of a live owner unlocked. A child forked by the owner's process
-  shares the lock: its pins hold while either lives.
+  shares the lock: its pins hold while either lives (until the owner closes the tier: :meth:`PinMarks.close`
+  removes the lock file).
 - **Stored again.** A record stored again is a new file renamed over the old one: the write
   copies the old file's live marks onto the new one first, under the folder's lock that every
   eviction takes too (:meth:`PinMarks.carry_over`), so another engine's store of a pinned chunk
@@ -32,7 +33,9 @@ without reading and rewriting anyone else's.
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
 import re
 import secrets
@@ -61,10 +64,21 @@ class PinMarks:
     (see the module docstring). Thread-safe; every call is best effort: a file operation
     that fails is counted, never raised."""
 
-    def __init__(self, root_fd: int, records: Records, *, read_only: bool = False) -> None:
+    def __init__(
+        self,
+        root_fd: int,
+        records: Records,
+        *,
+        read_only: bool = False,
+        logger: logging.Logger | None = None,
+        where: str = "the folder",
+    ) -> None:
         self._root_fd = root_fd
+        self._logger = logger or logging.getLogger(__name__)
+        self._where = where
+        self._warned = False
         self._records = records
-        self._read_only = read_only
+        self.read_only = read_only
         self.owner = secrets.token_hex(16)
         self._attr = MARK_PREFIX + self.owner
         self._owner_fd: int | None = None
@@ -86,8 +100,8 @@ class PinMarks:
             self._live_owners(opened)  # drops dead marks: each restart is a new owner, they must not pile up
             os.setxattr(opened, self._attr, _MARK_VALUE)
             linked = os.fstat(opened).st_nlink > 0  # not unlinked before the mark was set
-        except OSError:  # no user attributes here, or no room for one more
-            self._count("pin_marks_failed")
+        except OSError as exc:  # no user attributes here, or no room for one more
+            self._failed(f"cannot set the pin mark {self._attr} on a record", exc)
             return False
         finally:
             os.close(opened)
@@ -119,18 +133,23 @@ class PinMarks:
 
     # --- everyone's marks ---------------------------------------------------------------
 
-    def held_elsewhere(self, digest: str) -> bool:
-        """Whether a live owner other than this one marked the record ``digest`` pinned (the
+    def held_elsewhere(self, digest: str) -> list[str]:
+        """The live owners other than this one that marked the record ``digest`` pinned (the
         folder's lock held: call before evicting it). Dead owners' marks are removed."""
         if not self._has_marks(digest):  # (the common case: one call, no descriptor)
-            return False
+            return []
         opened = self._open(digest)
         if opened is None:
-            return False
+            return []
         try:
-            return any(owner != self.owner for owner in self._live_owners(opened))
+            return [owner for owner in self._live_owners(opened) if owner != self.owner]
         finally:
             os.close(opened)
+
+    def alive(self, owner: str) -> bool:
+        """Whether the owner ``owner`` (of a mark :meth:`held_elsewhere` named) still lives;
+        one that does not is dead for good, its lock file removed."""
+        return self._alive(owner)
 
     def carry_over(self, digest: str, temp_name: str, temp_dir_fd: int) -> None:
         """Copy the live marks, this owner's too, from the record ``digest`` to the temp file
@@ -148,14 +167,14 @@ class PinMarks:
             return
         try:
             temp = os.open(temp_name, _OPEN_FLAGS, dir_fd=temp_dir_fd)
-        except OSError:
-            self._count("pin_marks_failed")
+        except OSError as exc:
+            self._failed("cannot copy the pin marks onto a record stored again", exc)
             return
         try:
             for owner in owners:
                 os.setxattr(temp, MARK_PREFIX + owner, _MARK_VALUE)
-        except OSError:
-            self._count("pin_marks_failed")
+        except OSError as exc:
+            self._failed("cannot copy the pin marks onto a record stored again", exc)
         finally:
             os.close(temp)
 
@@ -163,18 +182,16 @@ class PinMarks:
         """Remove the lock files of owners that are gone (at a tier's open): those whose marks no
         eviction came across, because their records were removed or are never evicted. How many."""
         try:
-            folder = os.open(
-                OWNERS_FOLDER, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd
-            )
+            folder = self._open_owners_folder()
         except OSError:  # none yet (no pin was ever marked here)
             return 0
         try:
             owners = [name for name in os.listdir(folder) if _OWNER.fullmatch(name)]
+            return sum(not self._alive_in(folder, owner) for owner in owners)
         except OSError:
-            owners = []
+            return 0
         finally:
             os.close(folder)
-        return sum(not self._alive(owner) for owner in owners)
 
     def close(self) -> None:
         """Give up this owner's marks: its lock file goes (the marks left on records are dead)."""
@@ -184,7 +201,11 @@ class PinMarks:
         if fd is None:
             return
         try:
-            os.unlink(f"{OWNERS_FOLDER}/{self.owner}", dir_fd=self._root_fd)
+            folder = self._open_owners_folder()
+            try:
+                os.unlink(self.owner, dir_fd=folder)
+            finally:
+                os.close(folder)
         except OSError:
             pass
         os.close(fd)
@@ -196,23 +217,23 @@ class PinMarks:
         with self._lock:
             if self._owner_fd is not None:
                 return True
-            if self._read_only:
+            if self.read_only:
                 return False
             try:
                 self._owner_fd = self._make_owner_file()
-            except OSError:
-                self.counts["pin_marks_failed"] += 1
-                return False
-            return True
+            except OSError as exc:
+                failed = exc
+            else:
+                return True
+        self._failed(f"cannot make the pin lock file {OWNERS_FOLDER}/{self.owner}", failed)
+        return False
 
     def _make_owner_file(self) -> int:
         try:
             os.mkdir(OWNERS_FOLDER, 0o700, dir_fd=self._root_fd)
         except FileExistsError:
             pass
-        folder = os.open(
-            OWNERS_FOLDER, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd
-        )
+        folder = self._open_owners_folder()
         try:
             temp = f"{self.owner}.tmp"
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -267,28 +288,70 @@ class PinMarks:
                 self._remove_mark(fd, name)
         return live
 
+    def _open_owners_folder(self) -> int:
+        """The owners' folder, never through a link: one that is not a folder of the store's
+        own (a link placed there) must not make this tier open or remove files elsewhere."""
+        return os.open(OWNERS_FOLDER, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd)
+
     def _alive(self, owner: str) -> bool:
-        """Whether ``owner`` holds its lock file. One that does not is dead for good (ids are
-        never reused): its file is removed."""
-        path = f"{OWNERS_FOLDER}/{owner}"
+        """Whether ``owner`` holds its lock file (see :meth:`_alive_in`)."""
         try:
-            fd = os.open(path, _OPEN_FLAGS, dir_fd=self._root_fd)
+            folder = self._open_owners_folder()
+        except (FileNotFoundError, NotADirectoryError):  # no owners' folder: no owner holds a lock
+            return False
+        except OSError as exc:
+            # A link in its place (ELOOP): owners make their files only in a real folder, so
+            # none holds a lock through it. Anything else: cannot tell, keep its marks.
+            return exc.errno != errno.ELOOP
+        try:
+            return self._alive_in(folder, owner)
+        finally:
+            os.close(folder)
+
+    def _alive_in(self, folder: int, owner: str) -> bool:
+        """Whether ``owner`` holds its lock file in the owners' folder open as ``folder``. One
+        that does not is dead for good (ids are never reused): its file is removed."""
+        try:
+            fd = os.open(owner, _OPEN_FLAGS, dir_fd=folder)
         except FileNotFoundError:
             return False
-        except OSError:  # cannot tell (not ours to open): keep its marks
-            return True
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:  # cannot tell (not ours to open): keep its marks
+                return True
+            # A link: owners make regular files, so no owner holds it; its marks would keep
+            # their records for good. The link goes (not what it leads to).
+            self._unlink_quietly(owner, folder)
+            return False
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except OSError:  # held by its owner (EWOULDBLOCK), or cannot tell: keep its marks
                 return True
-            try:
-                os.unlink(path, dir_fd=self._root_fd)
-            except OSError:
-                pass
+            self._unlink_quietly(owner, folder)
             return False
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _unlink_quietly(name: str, folder: int) -> None:
+        try:
+            os.unlink(name, dir_fd=folder)
+        except OSError:  # gone already, or a folder: the sweep meets it again, harmless
+            pass
+
+    def _failed(self, what: str, exc: OSError) -> None:
+        """Count a mark that could not be set; say why the first time (the count alone does
+        not tell an operator whether the file system or the folder is at fault)."""
+        with self._lock:
+            self.counts["pin_marks_failed"] += 1
+            first, self._warned = not self._warned, True
+        if first:
+            self._logger.warning(
+                "disk tier: %s in %s: %s; pins hold in this process only (pin_marks_failed counts them)",
+                what,
+                self._where,
+                exc,
+            )
 
     def _remove_mark(self, fd: int, name: str) -> None:
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 from kvplug import Buffer, StoredRecord
 from kvplug.errors import CorruptChunkError
@@ -42,7 +42,7 @@ class DiskReads:
     def _entry_failed(self, op: str, digest: str, exc: OSError, *, locked: bool = False) -> bool:
         raise NotImplementedError
 
-    def _mark_new_pins(self, names: Iterable[str]) -> None:
+    def _mark_entered(self, names: list[str]) -> None:
         raise NotImplementedError
 
     async def sizes(self, names: Sequence[str]) -> list[int | None]:
@@ -50,6 +50,7 @@ class DiskReads:
 
     def _sizes(self, names: Sequence[str]) -> list[int | None]:
         found: list[int | None] = []
+        entered: list[str] = []
         for digest in names:
             stat = None
             if not self._skipped(digest):
@@ -58,8 +59,10 @@ class DiskReads:
                 except OSError as exc:
                     self._entry_failed("stat", digest, exc)
             with self._lock:
-                self._reconcile(digest, stat)
+                if self._reconcile(digest, stat):
+                    entered.append(digest)
             found.append(None if stat is None else stat.st_size)
+        self._mark_entered(entered)
         return found
 
     async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | None | BaseException]:
@@ -84,10 +87,13 @@ class DiskReads:
             self._entry_failed("read", digest, exc)
             return None
         with self._lock:
-            self._reconcile(digest, None if found is None else found[1])
-            if found is None:
-                return None
-            self._order.touch(digest)
+            entered = self._reconcile(digest, None if found is None else found[1])
+            if found is not None:
+                self._order.touch(digest)
+        if entered:
+            self._mark_entered([digest])
+        if found is None:
+            return None
         if not self.read_only:
             self._folder.touch(digest)  # the mtime is the order a restart rebuilds
         return found[0]
@@ -121,8 +127,10 @@ class DiskReads:
         records = self._folder.scan().records
         return [StoredRecord(d, size, mtime_ns / 1e9) for d, size, mtime_ns in records if not self._skipped(d)]
 
-    def _reconcile(self, digest: str, stat: os.stat_result | None) -> None:
-        """Make the eviction order agree with what the file system just said (lock held)."""
+    def _reconcile(self, digest: str, stat: os.stat_result | None) -> bool:
+        """Make the eviction order agree with what the file system just said (lock held);
+        whether the record entered it (or entered it again, another file): a record the
+        engine's pin book wants is pinned as it enters, and is to be marked."""
         entry = self._order.get(digest)
         if stat is None:
             if entry is not None:
@@ -133,4 +141,5 @@ class DiskReads:
                 self._counts["discovered"] += 1
             self._kept.drop(digest)  # (one left for another process's pin: in the order again)
             self._order.add(digest, IndexEntry(value_size_of(stat.st_size), stat.st_size))
-            self._mark_new_pins([digest])  # (one the engine's pin book wants: pinned as it entered)
+            return True
+        return False
