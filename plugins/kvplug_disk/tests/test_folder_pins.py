@@ -92,25 +92,20 @@ def test_a_record_one_engine_pinned_stays_when_another_stores_it_again(
     assert len(marks_on(path_of(folder, PINNED))) == 1
 
 
-def test_a_record_its_own_engine_stores_again_stays_marked(started: list[Worker], kind: str, folder: Path) -> None:
-    """w0 pins a record and stores it again (a new file renamed over the marked one): the new
-    file carries w0's mark too (d346f21: ``another engine evicted the record w0 pinned``)."""
-    owner = start(started, kind, folder, "w0")
-    assert owner.ask("pin tenant-b system") == "pinned"
-    assert owner.ask("store tenant-b system") == "stored"
-    other = start(started, kind, folder, "w1")
-    assert other.ask("put none 12") == "done"
-    assert path_of(folder, PINNED).exists(), "another engine evicted the record w0 pinned"
-    assert len(marks_on(path_of(folder, PINNED))) == 1
-
-
-def test_a_record_pinned_before_it_was_stored_is_marked_when_stored(
-    started: list[Worker], kind: str, folder: Path
+@pytest.mark.parametrize(
+    ("first", "answer"),
+    [("pin", "pinned"), ("want", "wanted")],
+    ids=["pinned-then-stored-again", "wanted-then-stored"],
+)
+def test_a_record_its_own_engine_stores_is_marked(
+    started: list[Worker], kind: str, folder: Path, first: str, answer: str
 ) -> None:
-    """w0 pins a chunk no tier holds yet (its pin book remembers it), then stores it: the store
-    marks it. a49b889: ``another engine evicted the record w0 pinned``."""
+    """w0 stores a record it pinned (a new file renamed over the marked one: d346f21 left the new
+    file without w0's mark), or one it pinned before any tier held it (its pin book remembers it:
+    the store marks it; a49b889 never did): either way another engine leaves it, with w0's mark.
+    Both fail with ``another engine evicted the record w0 pinned``."""
     owner = start(started, kind, folder, "w0")
-    assert owner.ask("want tenant-b system") == "wanted"
+    assert owner.ask(f"{first} tenant-b system") == answer
     assert owner.ask("store tenant-b system") == "stored"
     other = start(started, kind, folder, "w1")
     assert other.ask("put none 12") == "done"
