@@ -59,6 +59,8 @@ class FolderBudget:
 
         def _mark_new_pins(self, names: Iterable[str]) -> None: ...
 
+        def _unmark_if_due(self) -> None: ...
+
     def _make_room(self, size: int, attempt: int) -> bool:
         """After a write of ``size`` bytes found the disk full (``attempt`` times before):
         evict this process's next victims, twice as many bytes each round; whether any were
@@ -252,6 +254,7 @@ class FolderBudget:
             if digest in self._order:
                 self._order.pin(digest)
         self._mark_new_pins(self._order.pinned())  # (the pin book's, found by this listing)
+        self._unmark_if_due()
         usage.total = self._order.value_bytes
         usage.known = True
         usage.tenants = None if tags is None else {}

@@ -1,0 +1,61 @@
+"""The edges of folder pins (:mod:`kvplug_disk.pin_marks`): an unpin that cannot take the folder's
+lock, an owner's lock file left half made by a crash, and records kept for other engines that a
+third process removed. The helpers and workers are :mod:`test_folder_pins`'s."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from tenant_worker import VALUE
+from test_folder_pins import PINNED, marks_on, path_of
+
+from kvplug.testing import pins_context, value_for
+from kvplug.testing.pins_contract import key_of
+from kvplug_disk import DiskTier, ShmTier, pin_marks
+
+
+def tier_of(kind: str, folder: Path, **options: object) -> DiskTier:
+    tier_type = ShmTier if kind == "shm" else DiskTier
+    config = tier_type.Config(path=folder, fsync=False, max_bytes=1 << 30, queue={"mode": "sync"}, **options)  # type: ignore[call-arg]
+    return tier_type(config, pins_context())
+
+
+def test_an_unpin_that_cannot_take_the_folders_lock_leaves_no_mark_for_good(
+    kind: str, folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Engine A pins a record; engine B stores it again and, having copied the old file's marks
+    onto its new file, holds the folder's lock past A's ``lock_wait_s`` while A unpins it (a gate
+    on B's copy). A's unpin gives up on the lock; its mark must go all the same, under the lock,
+    by A's next store, not stay on B's file while A lives (d519811: A removed it from the old file
+    without the lock, and forgot it: ``AssertionError: A's mark stayed on the record it unpinned``)."""
+    first = tier_of(kind, folder, lock_wait_s=0.05)
+    second = tier_of(kind, folder)
+    armed = threading.Event()
+    unpinned: list[object] = []
+    original = pin_marks.PinMarks.carry_over
+
+    def gated(self: pin_marks.PinMarks, digest: str, temp_name: str, temp_dir_fd: int) -> None:
+        original(self, digest, temp_name, temp_dir_fd)
+        if armed.is_set():
+            armed.clear()
+            # B holds the folder's lock here until A's unpin has given up waiting for it.
+            unpin = threading.Thread(target=lambda: unpinned.append(first.unpin([PINNED])))
+            unpin.start()
+            unpin.join(60)
+
+    monkeypatch.setattr(pin_marks.PinMarks, "carry_over", gated)
+    try:
+        first.put([(PINNED, value_for(PINNED, VALUE))])
+        assert first.pin([PINNED])[0][0] == "pinned"
+        armed.set()
+        second.put([(PINNED, value_for(PINNED, VALUE))])
+        assert unpinned == [[VALUE]]
+        assert first.stats().extra["pinned_bytes"] == 0
+        other = key_of("tenant-b", "other")
+        first.put([(other, value_for(other, VALUE))])  # A's next store holds the folder's lock
+        assert marks_on(path_of(folder, PINNED)) == [], "A's mark stayed on the record it unpinned"
+    finally:
+        first.close()
+        second.close()
