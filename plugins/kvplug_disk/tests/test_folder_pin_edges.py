@@ -4,6 +4,7 @@ third process removed. The helpers and workers are :mod:`test_folder_pins`'s."""
 
 from __future__ import annotations
 
+import fcntl
 import threading
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from test_folder_pins import PINNED, marks_on, path_of
 from kvplug.testing import pins_context, value_for
 from kvplug.testing.pins_contract import key_of
 from kvplug_disk import DiskTier, ShmTier, pin_marks
+from kvplug_disk.pin_marks import OWNERS_FOLDER
 
 
 def tier_of(kind: str, folder: Path, **options: object) -> DiskTier:
@@ -59,3 +61,27 @@ def test_an_unpin_that_cannot_take_the_folders_lock_leaves_no_mark_for_good(
     finally:
         first.close()
         second.close()
+
+
+def test_an_owners_lock_file_a_crash_left_half_made_is_swept(kind: str, folder: Path) -> None:
+    """An engine killed between making its lock file (``<owner>.tmp``) and renaming it left it
+    behind, unlocked: the next engine to open the folder removes it (d519811 kept it for good,
+    ``AssertionError: a crashed owner's temp lock file stayed``). One a live owner holds (being
+    made) stays."""
+    owners = folder / OWNERS_FOLDER
+    owners.mkdir(mode=0o700, parents=True)
+    left = owners / f"{'ab' * 16}.tmp"
+    left.touch(mode=0o600)
+    held = owners / f"{'cd' * 16}.tmp"
+    held.touch(mode=0o600)
+    with held.open("rb") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        tier = tier_of(kind, folder)
+        try:
+            assert not left.exists(), "a crashed owner's temp lock file stayed"
+            assert held.exists(), "the temp lock file of an owner being made was removed"
+            tier.put([(PINNED, value_for(PINNED, VALUE))])
+            assert tier.pin([PINNED])[0][0] == "pinned"
+            assert len(marks_on(path_of(folder, PINNED))) == 1
+        finally:
+            tier.close()
