@@ -193,6 +193,10 @@ class KeptForOthers:
         """File bytes kept of the tenant tagged ``tag`` (quotas count file bytes)."""
         return sum(entry.file_size for entry, kept_tag in self._records.values() if kept_tag == tag)
 
+    def digests_of(self, tag: bytes) -> list[str]:
+        """The records kept of the tenant tagged ``tag``."""
+        return [digest for digest, (_, kept_tag) in self._records.items() if kept_tag == tag]
+
     def digests(self) -> list[str]:
         return list(self._records)
 

@@ -9,9 +9,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from tenant_worker import VALUE
-from test_folder_pins import PINNED, marks_on, path_of
+from tenant_worker import VALUE, Worker
+from test_folder_pins import FILE, PINNED, QUOTA, marks_on, path_of, records, start
 
+from kvplug.core.tenants import FOLDER_TENANT_BYTES
 from kvplug.testing import pins_context, value_for
 from kvplug.testing.pins_contract import key_of
 from kvplug_disk import DiskTier, ShmTier, pin_marks
@@ -85,3 +86,29 @@ def test_an_owners_lock_file_a_crash_left_half_made_is_swept(kind: str, folder: 
             assert len(marks_on(path_of(folder, PINNED))) == 1
         finally:
             tier.close()
+
+
+def test_a_record_kept_for_another_engine_that_a_third_removed_stops_counting_off_the_quota(
+    started: list[Worker], kind: str, folder: Path
+) -> None:
+    """w1 leaves w0's pinned tenant-a record in place for its quota evictions (it counts against
+    the quota in w0, not in w1); then a third engine removes that record (``kvplug ctl clear``, a
+    corrupt read), and w2 stores a tenant-a record w1 does not know of. While w0 lives, w1 must not
+    go on taking the removed record's bytes off tenant-a's count in the folder: it would leave w2's
+    record in place, tenant-a a record over its quota for as long as w1 stores and w0 runs
+    (d519811: ``AssertionError: tenant-a holds more than its quota in the folder``)."""
+    owner = start(started, kind, folder, "w0", budget=1 << 30)
+    assert owner.ask("pin tenant-a system") == "pinned"
+    other = start(started, kind, folder, "w1", budget=1 << 30)
+    assert other.ask("put tenant-a 8") == "done"
+    assert path_of(folder, key_of("tenant-a", "system")).exists()
+    third = tier_of(kind, folder)
+    try:
+        third.remove([key_of("tenant-a", "system")])
+    finally:
+        third.close()
+    late = start(started, kind, folder, "w2", budget=1 << 30)  # a record of tenant-a w1 does not know
+    assert late.ask("put tenant-a 1") == "done"
+    assert other.ask("put tenant-a 3") == "done"
+    assert len(records(folder)) * FILE <= QUOTA, "tenant-a holds more than its quota in the folder"
+    assert other.tenant_a_bytes(FOLDER_TENANT_BYTES) <= QUOTA
