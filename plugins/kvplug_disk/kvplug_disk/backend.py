@@ -288,6 +288,7 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
         if replaced:  # storing a record again is a use of it
             self._order.touch(record.name)
         self._mark_new_pins([record.name])
+        self._unmark_if_due()
         over_quota = self._order.take_over_quota()  # the tenant's own records
         if over_quota:
             self._remove_victims(usage, over_quota)

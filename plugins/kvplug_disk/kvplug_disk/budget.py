@@ -59,6 +59,8 @@ class FolderBudget:
 
         def _mark_new_pins(self, names: Iterable[str]) -> None: ...
 
+        def _unmark_if_due(self) -> None: ...
+
     def _make_room(self, size: int, attempt: int) -> bool:
         """After a write of ``size`` bytes found the disk full (``attempt`` times before):
         evict this process's next victims, twice as many bytes each round; whether any were
@@ -153,6 +155,7 @@ class FolderBudget:
         records leave first, whoever wrote them, and this process does not evict all of its own
         records, the one just written included, for records it cannot see or that are not there."""
         rescanned = usage.tenants is None
+        self._forget_kept_gone(usage, tenant, tag)
         while usage.tenants is not None and self._order.over_folder_quota(tenant, held := self._quota_held(usage, tag)):
             unseen = not rescanned and self._order.others_fill_quota(tenant, held)
             victim = None if unseen else self._order.take_victim_of(tenant)
@@ -163,6 +166,19 @@ class FolderBudget:
                 rescanned = True
                 continue
             self._remove_victims(usage, [victim])
+
+    def _forget_kept_gone(self, usage: Usage, tenant: str, tag: bytes) -> None:
+        """Forget ``tenant``'s records left for other processes' pins that a third process removed
+        since (locks held), where the tenant's count with them is over its quota: gone, they no
+        longer count in the folder, and taking their bytes off it would leave the tenant over its
+        quota for as long as the pinning engine lives. (One stat per such record: few, and only
+        while other engines' pins of the tenant stand beside a full quota.)"""
+        if not self._kept or usage.tenants is None:
+            return
+        if self._order.over_folder_quota(tenant, usage.tenants.get(tag, 0)):
+            for digest in self._kept.digests_of(tag):
+                if not self._value_size_on_disk(digest):
+                    self._kept.drop(digest)
 
     def _quota_held(self, usage: Usage, tag: bytes) -> int:
         """File bytes of the tenant tagged ``tag`` in the folder that count against its quota
@@ -252,6 +268,7 @@ class FolderBudget:
             if digest in self._order:
                 self._order.pin(digest)
         self._mark_new_pins(self._order.pinned())  # (the pin book's, found by this listing)
+        self._unmark_if_due()
         usage.total = self._order.value_bytes
         usage.known = True
         usage.tenants = None if tags is None else {}

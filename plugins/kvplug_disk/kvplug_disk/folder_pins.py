@@ -22,7 +22,8 @@ class FolderPins:
     store or a lookup of a record the engine's pin book wants, a listing that finds one. A pin
     this process gave up (an unpin; a request's pin an operator's pin turned back into an
     ordinary chunk, or a pinned record stored again past the pin budget, both unmarked at the
-    next pin or unpin) loses its mark."""
+    next pin or unpin) loses its mark, under the folder's lock only (an unpin that could not take
+    it leaves the mark to the next pin, unpin, store or listing)."""
 
     _lock: threading.Lock
     _ledger: UsageLedger
@@ -30,6 +31,9 @@ class FolderPins:
     _order: EvictionIndex
     _problems: ProblemLog
     _marks: PinMarks
+    #: An unpin (or pin) gave up waiting for the folder's lock: marks of records this process no
+    #: longer pins wait for the next time it holds it (never removed without it, see unpin).
+    _unmark_due = False
 
     if TYPE_CHECKING:
 
@@ -54,6 +58,8 @@ class FolderPins:
             with self._ledger.locked(timeout_s=self._lock_wait_s, then="pinned in this process only for now"):
                 self._sync_marks(names)
         except FolderLockTimeoutError as exc:  # marked at the next pin, store or listing that finds them
+            with self._lock:
+                self._unmark_due = True  # (and the marks of records unpinned since: see unpin)
             self._problems.error("pin", "the folder", exc)
         return outcomes
 
@@ -79,19 +85,30 @@ class FolderPins:
                         self._remove_victims(usage, over_quota)
                         usage.save()
         except FolderLockTimeoutError as exc:  # unpinned all the same: the next write keeps the quota
-            # (a store of the record racing this may copy the mark first: it dies with this engine)
-            self._sync_marks(())
+            # The marks stay until the lock is held (the next pin, unpin, store or listing): one
+            # removed without it may be copied first onto the file a store renames over the record.
+            with self._lock:
+                self._unmark_due = True
             self._problems.error("unpin", "the folder", exc)
         return sizes
 
     def _sync_marks(self, names: Iterable[str]) -> None:
-        """Mark ``names`` where this process pinned them; unmark what it no longer pins."""
+        """Mark ``names`` where this process pinned them; unmark what it no longer pins (the
+        folder's lock held)."""
         with self._lock:
             stale = self._marks.marked - set(self._order.pinned())
             new = [digest for digest in names if self._order.is_pinned(digest)]
+            self._unmark_due = False
         self._marks.unmark(stale)
         for digest in new:
             self._marks.mark(digest)
+
+    def _unmark_if_due(self) -> None:
+        """Remove the marks an unpin (or pin) could not remove for want of the folder's lock
+        (both locks held: a store or a listing)."""
+        if self._unmark_due:
+            self._unmark_due = False
+            self._marks.unmark(self._marks.marked - set(self._order.pinned()))
 
     def _mark_entered(self, names: list[str]) -> None:
         """Mark the records of ``names`` that a lookup or read found and this process pins (they
@@ -175,6 +192,10 @@ class KeptForOthers:
     def file_bytes_of(self, tag: bytes) -> int:
         """File bytes kept of the tenant tagged ``tag`` (quotas count file bytes)."""
         return sum(entry.file_size for entry, kept_tag in self._records.values() if kept_tag == tag)
+
+    def digests_of(self, tag: bytes) -> list[str]:
+        """The records kept of the tenant tagged ``tag``."""
+        return [digest for digest, (_, kept_tag) in self._records.items() if kept_tag == tag]
 
     def digests(self) -> list[str]:
         return list(self._records)

@@ -16,7 +16,9 @@ owner other than itself (:meth:`PinMarks.held_elsewhere`).
   the record where seen, and the owner file with it (and at each writable open of the folder,
   :meth:`PinMarks.sweep`, the files of every owner gone). So a pin never outlives every process
   that wanted it. The owner file is locked before it gets its name (a temp name, renamed), so no
-  process ever sees the file of a live owner unlocked. A child forked by the owner's process
+  process ever sees the file of a live owner unlocked. A temp one that a crash left (``<owner>.tmp``,
+  unlocked) is swept too: owners make theirs, and sweeps run, under the folder's lock, so a sweep
+  never meets one being made. A child forked by the owner's process
   shares the lock: its pins hold while either lives (until the owner closes the tier: :meth:`PinMarks.close`
   removes the lock file).
 - **Stored again.** A record stored again is a new file renamed over the old one: the write
@@ -49,6 +51,8 @@ MARK_PREFIX = "user.kvplug.pin."
 #: The folder (in the store's root) of the owners' lock files.
 OWNERS_FOLDER = ".kvplug-pins"
 _OWNER = re.compile(r"[0-9a-f]{32}")
+#: An owner's lock file being made (:meth:`PinMarks._make_owner_file`), or left by a crash.
+_OWNER_TEMP = re.compile(r"[0-9a-f]{32}\.tmp")
 _MARK_VALUE = b"1"
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -180,14 +184,19 @@ class PinMarks:
 
     def sweep(self) -> int:
         """Remove the lock files of owners that are gone (at a tier's open): those whose marks no
-        eviction came across, because their records were removed or are never evicted. How many."""
+        eviction came across, because their records were removed or are never evicted, and the
+        temp ones of owners that crashed making theirs. How many."""
         try:
             folder = self._open_owners_folder()
         except OSError:  # none yet (no pin was ever marked here)
             return 0
         try:
-            owners = [name for name in os.listdir(folder) if _OWNER.fullmatch(name)]
-            return sum(not self._alive_in(folder, owner) for owner in owners)
+            names = os.listdir(folder)
+            owners = [name for name in names if _OWNER.fullmatch(name)]
+            temps = [name for name in names if _OWNER_TEMP.fullmatch(name)]
+            return sum(not self._alive_in(folder, owner) for owner in owners) + sum(
+                self._sweep_temp(folder, temp) for temp in temps
+            )
         except OSError:
             return 0
         finally:
@@ -332,12 +341,29 @@ class PinMarks:
         finally:
             os.close(fd)
 
+    def _sweep_temp(self, folder: int, temp: str) -> bool:
+        """Remove the temp lock file ``temp`` if no owner holds it (a crash left it between its
+        making and its rename: both run under the folder's lock, as this does); whether it was."""
+        try:
+            fd = os.open(temp, _OPEN_FLAGS, dir_fd=folder)
+        except OSError:  # gone (renamed), or not a file an owner made: left alone
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its owner holds it: being made
+            return False
+        else:
+            return self._unlink_quietly(temp, folder)
+        finally:
+            os.close(fd)
+
     @staticmethod
-    def _unlink_quietly(name: str, folder: int) -> None:
+    def _unlink_quietly(name: str, folder: int) -> bool:
         try:
             os.unlink(name, dir_fd=folder)
         except OSError:  # gone already, or a folder: the sweep meets it again, harmless
-            pass
+            return False
+        return True
 
     def _failed(self, what: str, exc: OSError) -> None:
         """Count a mark that could not be set; say why the first time (the count alone does

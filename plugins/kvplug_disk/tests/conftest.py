@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tenant_worker import Worker
 
 SHM_ROOT = Path("/dev/shm")
 
@@ -65,3 +66,12 @@ def kind(request: pytest.FixtureRequest) -> str:
 def folder(kind: str, tmp_path: Path, shm_dir: Path) -> Path:
     """A fresh folder for a ``kind`` tier (a test file may name its own)."""
     return shm_dir if kind == "shm" else tmp_path / "store"
+
+
+@pytest.fixture
+def started(kind: str, folder: Path) -> Iterator[list[Worker]]:
+    """The :mod:`tenant_worker` processes a test starts, closed after it."""
+    workers: list[Worker] = []
+    yield workers
+    for worker in workers:
+        worker.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,15 +42,6 @@ def records(folder: Path) -> list[Path]:
 
 def marks_on(path: Path) -> list[str]:
     return [name for name in os.listxattr(path) if name.startswith(MARK_PREFIX)]
-
-
-@pytest.fixture
-def started(kind: str, folder: Path) -> Iterator[list[Worker]]:
-    """The workers a test starts (``start``), closed after it."""
-    workers: list[Worker] = []
-    yield workers
-    for worker in workers:
-        worker.close()
 
 
 def start(started: list[Worker], kind: str, folder: Path, name: str, budget: int = BUDGET) -> Worker:
