@@ -23,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from valkey import exceptions as vex
 from valkey.cluster import PRIMARY
 
 from kvplug import CircuitBreaker
 from kvplug.errors import TierUnavailableError
+from kvplug_valkey import shards
 
 _log = logging.getLogger("kvplug.tier")
 #: Replies of one command that say its slot is served elsewhere (or nowhere) now.
@@ -70,36 +71,6 @@ def _redirect_target(result: Any) -> tuple[str, bool] | None:
     return (rest.partition(" ")[2], kind == "ASK") if kind in ("MOVED", "ASK") else None
 
 
-class _Member(NamedTuple):
-    """A node as ``CLUSTER SHARDS`` lists it (also one serving no slot, unlike ``CLUSTER SLOTS``)."""
-
-    name: str
-    host: str
-    port: int
-
-
-def _fields(entry: Any) -> dict[str, Any]:
-    """A ``CLUSTER SHARDS`` map (RESP2: an array of names and values) by field name."""
-    pairs = entry.items() if isinstance(entry, dict) else zip(entry[::2], entry[1::2])
-    return {k.decode() if isinstance(k, bytes) else str(k): v for k, v in pairs}
-
-
-def _members(shards: Any, tls: bool) -> dict[str, _Member]:
-    """Every node of a ``CLUSTER SHARDS`` reply, by the address redirections name it by (its
-    endpoint, as ``CLUSTER SLOTS``, ``MOVED`` and ``ASK`` give it, and its TLS port over TLS)."""
-    members: dict[str, _Member] = {}
-    for shard in shards:
-        for entry in _fields(shard).get("nodes") or []:
-            node = _fields(entry)
-            host = node.get("endpoint") or b""
-            host = host.decode() if isinstance(host, bytes) else str(host)
-            port = (node.get("tls-port") if tls else None) or node.get("port")
-            if host and host != "?" and port:  # ("?": a node that has no endpoint to announce)
-                member = _Member(f"{host}:{int(port)}", host, int(port))
-                members[member.name] = member
-    return members
-
-
 class ClusterNodes:
     """Per-node pipelines and breakers over a ``ValkeyCluster`` client's slot map; see the module docstring."""
 
@@ -136,7 +107,7 @@ class ClusterNodes:
         self._last_good: str | None = None
         #: Every node of the last reading's ``CLUSTER SHARDS`` (a reading for a node the map lacks:
         #: one serving no slot, which ``CLUSTER SLOTS``, the map's nodes, leaves out), else none.
-        self._members: dict[str, _Member] = {}
+        self._members: dict[str, shards.Member] = {}
         #: Nodes whose last call failed (or was refused by their open breaker).
         self._failing: set[str] = set()
         #: Failed node pipelines (each also counts towards that node's breaker).
@@ -269,12 +240,12 @@ class ClusterNodes:
             await self._forget_departed()
             return
 
-    async def _read_from(self, node: Any, members: bool) -> dict[str, _Member]:
+    async def _read_from(self, node: Any, members: bool) -> dict[str, shards.Member]:
         """With ``members`` the nodes ``CLUSTER SHARDS`` lists, then the map as ``node`` sees it
         (valkey-py's reading, asking ``node`` alone; it then closes ``node``'s object, replaced by
         a new one: hence this order)."""
         try:
-            found = _members(await node.execute_command("CLUSTER SHARDS"), self._tls) if members else {}
+            found = shards.members(await node.execute_command("CLUSTER SHARDS"), self._tls) if members else {}
         except (vex.ResponseError, TypeError, ValueError, AttributeError):
             found = {}  # (no such command before Valkey/Redis 7, or a reply not as documented)
         manager = self.cluster.nodes_manager
