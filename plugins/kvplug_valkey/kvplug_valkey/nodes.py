@@ -249,11 +249,14 @@ class ClusterNodes:
         except (vex.ResponseError, TypeError, ValueError, AttributeError):
             found = {}  # (no such command before Valkey/Redis 7, or a reply not as documented)
         manager = self.cluster.nodes_manager
-        every, manager.startup_nodes = manager.startup_nodes, {node.name: node}
+        old = (manager.startup_nodes, dict(manager.nodes_cache), manager.slots_cache, manager.default_node)
+        manager.startup_nodes = {node.name: node}
         try:
             await manager.initialize()  # (which sets startup_nodes to the map's nodes)
         except BaseException:  # (cancelled at the end of its share too)
-            manager.startup_nodes = every
+            # The old map stays: valkey-py replaces it before it fails on an empty one (a node
+            # reset). (It disconnected the old nodes: they connect again when next asked.)
+            manager.startup_nodes, manager.nodes_cache, manager.slots_cache, manager.default_node = old
             raise
         return found
 

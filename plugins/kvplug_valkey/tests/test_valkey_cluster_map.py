@@ -277,3 +277,55 @@ def test_a_reset_node_asked_first_for_the_map_does_not_stop_the_reading(
                 reshard.forget(cluster.nodes, reset)
             if moved in reshard.owned_slots(third):
                 reshard.move_slots(cluster.nodes, third, second, [moved])
+
+
+def test_a_reading_that_met_a_reset_node_and_no_other_answer_keeps_the_old_map(
+    valkey_cluster: ValkeyCluster, tmp_path: Path, tiers
+) -> None:
+    """The reset node (an empty map) is asked first and no other node answers within its share
+    (all paused): valkey-py had replaced the map by the empty one before failing on it, and the
+    tier had no map (no node, to its stats, until a batch read the map again). The old map stays: once the nodes answer, the next batch reads its
+    records, and the map is read again from the old map's nodes (which valkey-py disconnected)."""
+    cluster = valkey_cluster
+    with ValkeyServer(tmp_path / "reset", cluster_port=True) as reset:
+        first, second, third = cluster.nodes
+        everyone = [*cluster.nodes, reset]
+        prefix = fresh_prefix()
+        keys = _key_in(prefix, reshard.owned_slots(second), "old-map", count=3)
+        moved, lent = reshard.slot_of(prefix, keys[0]), min(reshard.owned_slots(first))
+        values = {key: value_for(key, 1000) for key in keys}
+        reshard.meet(cluster.nodes, reset)
+        joined = True
+        try:
+            reshard.move_slots(everyone, first, reset, [lent])
+            tier = tiers(reset.url, key_prefix=prefix, cluster=True, request_timeout_s=2.0)
+            tier.put(list(values.items()))
+            assert all(tier.contains(keys)), tier.stats().extra
+            reshard.move_slots(everyone, reset, first, [lent])
+            reshard.forget(cluster.nodes, reset)
+            joined = False
+            reset.cli("flushall")
+            reset.cli("cluster", "reset")
+            reshard.move_slots(cluster.nodes, second, third, [moved])
+            assert all(read_hits(tier, keys, values))  # told MOVED (sent on): the map is read next
+            for node in cluster.nodes:
+                node.pause()
+            try:
+                read_hits(tier, keys, values)  # the reading: the reset node first, then none answers
+            finally:
+                for node in cluster.nodes:
+                    node.resume()
+            assert tier.stats().extra["nodes"] == 4  # the old map (the reset node's slot in it)
+            asked = _map_reads(cluster.nodes)
+            assert all(read_hits(tier, keys, values)), tier.stats().extra  # the old map (then MOVED)
+            assert all(read_hits(tier, keys, values)), tier.stats().extra  # the map read again
+            assert _map_reads(cluster.nodes) > asked
+            extra = tier.stats().extra
+            assert extra["nodes"] == 3 and extra["breaker_state"] == "closed", extra
+        finally:  # the session's cluster as it was, from wherever the test stopped
+            if joined:
+                if lent in reshard.owned_slots(reset):
+                    reshard.move_slots(everyone, reset, first, [lent])
+                reshard.forget(cluster.nodes, reset)
+            if moved in reshard.owned_slots(third):
+                reshard.move_slots(cluster.nodes, third, second, [moved])
