@@ -4,8 +4,9 @@ A sharded cluster whose node dies still serves the keys on its other nodes. valk
 cluster pipeline fails as a whole when one node does not answer (and then drops every
 node's connections to rediscover the cluster), so one dead node would fail every batch
 and open the tier's breaker: keys on healthy nodes would miss too. Here the cluster
-client only keeps the map of slots to nodes; each node's share of a batch goes as one
-pipeline over a plain client of that node, under the node's own
+client only keeps the map of slots to nodes (read here alone: valkey-py's own reading has
+no deadline) and sends nothing: a listing scans each node over a plain client of that
+node, and each node's share of a batch goes as one pipeline over it, under the node's own
 :class:`kvplug.CircuitBreaker` (the tier's ``breaker_failures`` and
 ``breaker_cooldown_s``). The keys of a node that fails, or whose breaker is open, get a
 :class:`NodeDownError` in their slots: no answer for those keys alone, a miss, never a
@@ -99,7 +100,9 @@ class ClusterNodes:
         self._on_short_circuit = on_short_circuit
         self._breakers: dict[str, CircuitBreaker] = {}
         self._clients: dict[str, Any] = {}
-        self._stale = False
+        #: The map is to be read before the next batch (the first batch reads it: the tier's
+        #: reading is the only one, under its deadline; valkey-py's has none).
+        self._stale = True
         self._refreshing = asyncio.Lock()
         #: Readings of the map begun (a batch reads it at most once, and not after another batch did).
         self._readings = 0
@@ -128,17 +131,11 @@ class ClusterNodes:
         self, commands: Sequence[tuple[Any, ...]], raise_server_errors: Callable[[Sequence[Any]], None]
     ) -> list[Any]:
         """Each command's reply, or a :class:`NodeDownError` for those of nodes not answering."""
-        await self.cluster.initialize()
         loop = asyncio.get_running_loop()
         # (The map's reading, the nodes' calls and the redirected keys' second round, all within it.)
         deadline = loop.time() + self._node_timeout_s
         readings = self._readings
-        if self._stale or self._refreshing.locked():
-            # A batch that comes while another reads the map waits for the new map: the old
-            # one would send it where the redirections came from.
-            async with self._refreshing:
-                if self._stale:
-                    await self._read_map(deadline)
+        await self._current_map(deadline)
         results: list[Any] = [None] * len(commands)
         groups: dict[str, tuple[Any, list[int]]] = {}
         for position, command in enumerate(commands):
@@ -170,6 +167,29 @@ class ClusterNodes:
         sends = [(node, positions, asking) for (_, asking), (node, positions) in redirected.items()]
         await self._send(sends, commands, results, raise_server_errors, deadline, redirected=True)
         return [NodeDownError(f"slot moved: {r}") if _redirected(r) else r for r in results]
+
+    async def keys(self, match: bytes, count: int) -> list[bytes]:
+        """The keys matching ``match`` on every primary of the map (``SCAN`` over each node's own
+        client: valkey-py's cluster client drops a node that fails from those it reads the map
+        from, then reads it by itself, with no deadline). A node that fails fails the listing."""
+        await self._current_map(asyncio.get_running_loop().time() + self._node_timeout_s)
+        found: dict[bytes, None] = {}
+        for node in self.cluster.get_primaries():
+            async for key in self._client(node).scan_iter(match=match, count=count):
+                found[key] = None  # (a key whose slot moved during the listing is met twice)
+        return list(found)
+
+    async def _current_map(self, deadline: float) -> None:
+        """Read the map if it is stale; raise when no node ever gave one (none answers)."""
+        if self._stale or self._refreshing.locked():
+            # A batch that comes while another reads the map waits for the new map: the old
+            # one would send it where the redirections came from.
+            async with self._refreshing:
+                if self._stale:
+                    await self._read_map(deadline)
+        if not self.cluster.nodes_manager.slots_cache:
+            self._stale = True
+            raise NodeDownError("no cluster node gave the map of slots")
 
     async def _send(
         self,
@@ -352,3 +372,6 @@ class ClusterNodes:
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             await client.aclose()
+        # (The map's nodes: valkey-py's aclose() closes them only after its own reading.)
+        await self.cluster.nodes_manager.aclose()
+        await self.cluster.nodes_manager.aclose("startup_nodes")

@@ -279,6 +279,35 @@ def test_a_reset_node_asked_first_for_the_map_does_not_stop_the_reading(
                 reshard.move_slots(cluster.nodes, third, second, [moved])
 
 
+def test_a_failed_listing_leaves_no_reading_of_the_map_without_a_deadline(valkey_cluster: ValkeyCluster, tiers) -> None:
+    """A listing whose ``SCAN`` of a node fails (the node hung) made valkey-py's cluster client
+    read its map again at the next batch, by itself, with no deadline, from the URL's node
+    first: hung too, every batch waited on it until its deadline, and the keys of the node that
+    answers missed. The tier's own reading is the only one (a share of the deadline per node)."""
+    cluster = valkey_cluster
+    first, second, third = cluster.nodes
+    prefix = fresh_prefix()
+    tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **{**FAST_FAILING, "request_timeout_s": 2.0})
+    # (Two keys on each node: the second node alone answers.)
+    keys = {node.port: _key_in(prefix, reshard.owned_slots(node), str(node.port), count=2) for node in cluster.nodes}
+    values = {key: value_for(key, 1000) for node_keys in keys.values() for key in node_keys}
+    tier.put(list(values.items()))
+    assert all(tier.contains(list(values))), tier.stats().extra
+    answering = [key in keys[second.port] for key in values]
+    third.pause()
+    try:
+        with contextlib.suppress(Exception):
+            list(tier.records())  # (its SCAN of the third node fails)
+        first.pause()
+        try:
+            for _ in range(2):
+                assert read_hits(tier, list(values), values) == answering, tier.stats().extra
+        finally:
+            first.resume()
+    finally:
+        third.resume()
+
+
 def test_a_reading_that_met_a_reset_node_and_no_other_answer_keeps_the_old_map(
     valkey_cluster: ValkeyCluster, tmp_path: Path, tiers
 ) -> None:
