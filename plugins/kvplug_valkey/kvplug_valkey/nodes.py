@@ -343,6 +343,8 @@ class ClusterNodes:
         except NodeDownError:
             raise  # the node left the map during the call: a miss, not the node failing
         except Exception as exc:
+            if self._known(node.name) is None:  # (it left during the call, its client closed under it)
+                raise NodeDownError(f"cluster node {node.name}: left the cluster's map") from exc
             if redirected and isinstance(exc, (asyncio.TimeoutError, vex.TimeoutError)):
                 # Redirected keys get what the first round left of the deadline, nothing where
                 # another node hung for all of it: a miss for them, not this node failing (its

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pytest
 import valkey_reshard as reshard
 from valkey_helpers import FAST_FAILING, fresh_prefix, read_hits, sockets_to
 
@@ -193,18 +194,21 @@ def test_a_redirection_to_an_address_no_map_names_is_a_miss_and_never_dialled(tm
             elsewhere.close()
 
 
+@pytest.mark.parametrize("retries", [1, 0], ids=["retried", "not-retried"])
 def test_a_retry_on_its_way_does_not_reopen_the_client_of_a_node_that_left(
-    valkey_cluster: ValkeyCluster, tmp_path: Path, tiers
+    retries: int, valkey_cluster: ValkeyCluster, tmp_path: Path, tiers
 ) -> None:
     """A call to a node is on its way (the node paused) when another batch reads the map and the
     node is no longer in it: that batch closes the node's client under the call, whose retry
-    must not open a connection again (the client is no longer the tier's: never closed)."""
+    must not open a connection again (the client is no longer the tier's: never closed). Not
+    retried, its failure is not the node's: the node is not kept among those failing."""
     cluster = valkey_cluster
     with ValkeyServer(tmp_path / "gone", cluster_port=True) as gone:
         first, second, third = cluster.nodes
         prefix = fresh_prefix()
         # (A deadline that the other batches never reach while the call waits on the paused node.)
-        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **{**FAST_FAILING, "request_timeout_s": 10.0})
+        options = {**FAST_FAILING, "request_timeout_s": 10.0, "retries": retries}
+        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **options)
         (away,) = _key_in(prefix, reshard.owned_slots(first), "away")  # its slot goes to `gone` and back
         (moved,) = _key_in(prefix, reshard.owned_slots(second), "moved")  # its slot goes to the third node
         values = {key: value_for(key, 1000) for key in (away, moved)}
@@ -231,7 +235,8 @@ def test_a_retry_on_its_way_does_not_reopen_the_client_of_a_node_that_left(
             on_its_way.result()  # a miss or the record (an error would raise here)
         # No connection to the node that left: its client was closed, and none was opened again.
         assert sockets_to(gone.port) == 0
-        assert f"127.0.0.1:{gone.port}" not in tier._backend._nodes._breakers  # (no public view of them)
+        nodes = tier._backend._nodes  # (no public view of them)
+        assert f"127.0.0.1:{gone.port}" not in nodes._breakers and f"127.0.0.1:{gone.port}" not in nodes._failing
 
 
 def test_a_reset_node_asked_first_for_the_map_does_not_stop_the_reading(
