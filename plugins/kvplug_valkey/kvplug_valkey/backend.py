@@ -279,19 +279,16 @@ class ValkeyBackend(RecordBackend):
     async def listing(self) -> list[StoredRecord]:
         """Every key under the prefix named by a digest (SCAN; every primary of a cluster), with its size."""
         client = await self.client()
+        match = self.prefix + b"*"
+        if self._nodes is not None:
+            listed = await self._nodes.keys(match, SCAN_COUNT)
+        else:
+            listed = [key async for key in client.scan_iter(match=match, count=SCAN_COUNT)]
         keys: list[bytes] = []
-        # valkey-py drops a cluster node whose SCAN fails from the nodes it reads the slot map
-        # from; every node failing at once (a cluster restart) would leave none, and its client
-        # would never read the map again, the cluster back or not: they are put back then.
-        readers = dict(client.nodes_manager.startup_nodes) if self._nodes is not None else {}
-        try:
-            async for key in client.scan_iter(match=self.prefix + b"*", count=SCAN_COUNT):
-                digest = key[len(self.prefix) :]
-                if len(digest) == 64 and all(c in b"0123456789abcdef" for c in digest):
-                    keys.append(key)
-        finally:
-            if readers and not client.nodes_manager.startup_nodes:
-                client.nodes_manager.startup_nodes.update(readers)
+        for key in listed:
+            digest = key[len(self.prefix) :]
+            if len(digest) == 64 and all(c in b"0123456789abcdef" for c in digest):
+                keys.append(key)
         found: list[StoredRecord] = []
         for start in range(0, len(keys), SCAN_COUNT):
             page = keys[start : start + SCAN_COUNT]

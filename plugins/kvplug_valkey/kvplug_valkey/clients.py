@@ -9,25 +9,12 @@ from collections.abc import Callable
 from typing import Any
 
 import valkey.asyncio as avalkey
-from valkey._parsers import AsyncCommandsParser
 from valkey.asyncio.cluster import ValkeyCluster
 
 from kvplug_valkey.config import ValkeyTierConfig
 from kvplug_valkey.replies import bound_cluster_replies, bound_replies, bounded_parser
 
 Client = Any  # valkey.asyncio.Valkey | ValkeyCluster: their stubs share no protocol
-
-
-class _NoCommandTable(AsyncCommandsParser):
-    """valkey-py's table of where each command has its keys, which its cluster client reads
-    (``COMMAND``) from the map's first primary at every reading of its map, and which fails
-    the reading when that node does not answer: with that one node down or hung, a client
-    made then (or read again after a listing's ``SCAN`` failed) would never serve any node.
-    The tier routes its keys itself (:mod:`kvplug_valkey.nodes`) and sends this client only
-    ``SCAN``, which goes to every primary without the table: it is never read."""
-
-    async def initialize(self, node: Any = None) -> None:
-        self.node = node
 
 
 class ValkeyClients:
@@ -76,16 +63,14 @@ class ValkeyClients:
         return bound_replies(client, self._parser)
 
     def cluster(self) -> Client:
-        """A cluster client (its slot map; batches go over :meth:`node` clients)."""
+        """A cluster client, of which the tier uses only the slot map (:mod:`kvplug_valkey.nodes`
+        reads it, each node within a deadline; batches and listings go over :meth:`node` clients):
+        it never sends a command itself, nor reads its map, nor ``COMMAND`` from a node."""
         cluster = ValkeyCluster(
             host=self._address.host,
             port=self._address.port,
             max_connections=self._config.max_connections,
-            # Redirections after a resharding need a second try; connection errors are kvplug's to retry.
-            cluster_error_retry_attempts=2,
-            connection_error_retry_attempts=1,
             require_full_coverage=False,
             **self._common(),
         )
-        cluster.commands_parser = _NoCommandTable()
         return bound_cluster_replies(cluster, self._parser)

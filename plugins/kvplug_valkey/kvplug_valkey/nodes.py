@@ -4,8 +4,9 @@ A sharded cluster whose node dies still serves the keys on its other nodes. valk
 cluster pipeline fails as a whole when one node does not answer (and then drops every
 node's connections to rediscover the cluster), so one dead node would fail every batch
 and open the tier's breaker: keys on healthy nodes would miss too. Here the cluster
-client only keeps the map of slots to nodes; each node's share of a batch goes as one
-pipeline over a plain client of that node, under the node's own
+client only keeps the map of slots to nodes (read here alone: valkey-py's own reading has
+no deadline) and sends nothing: a listing scans each node over a plain client of that
+node, and each node's share of a batch goes as one pipeline over it, under the node's own
 :class:`kvplug.CircuitBreaker` (the tier's ``breaker_failures`` and
 ``breaker_cooldown_s``). The keys of a node that fails, or whose breaker is open, get a
 :class:`NodeDownError` in their slots: no answer for those keys alone, a miss, never a
@@ -23,13 +24,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from valkey import exceptions as vex
 from valkey.cluster import PRIMARY
 
 from kvplug import CircuitBreaker
 from kvplug.errors import TierUnavailableError
+from kvplug_valkey import shards
 
 _log = logging.getLogger("kvplug.tier")
 #: Replies of one command that say its slot is served elsewhere (or nowhere) now.
@@ -70,36 +72,6 @@ def _redirect_target(result: Any) -> tuple[str, bool] | None:
     return (rest.partition(" ")[2], kind == "ASK") if kind in ("MOVED", "ASK") else None
 
 
-class _Member(NamedTuple):
-    """A node as ``CLUSTER SHARDS`` lists it (also one serving no slot, unlike ``CLUSTER SLOTS``)."""
-
-    name: str
-    host: str
-    port: int
-
-
-def _fields(entry: Any) -> dict[str, Any]:
-    """A ``CLUSTER SHARDS`` map (RESP2: an array of names and values) by field name."""
-    pairs = entry.items() if isinstance(entry, dict) else zip(entry[::2], entry[1::2])
-    return {k.decode() if isinstance(k, bytes) else str(k): v for k, v in pairs}
-
-
-def _members(shards: Any, tls: bool) -> dict[str, _Member]:
-    """Every node of a ``CLUSTER SHARDS`` reply, by the address redirections name it by (its
-    endpoint, as ``CLUSTER SLOTS``, ``MOVED`` and ``ASK`` give it, and its TLS port over TLS)."""
-    members: dict[str, _Member] = {}
-    for shard in shards:
-        for entry in _fields(shard).get("nodes") or []:
-            node = _fields(entry)
-            host = node.get("endpoint") or b""
-            host = host.decode() if isinstance(host, bytes) else str(host)
-            port = (node.get("tls-port") if tls else None) or node.get("port")
-            if host and host != "?" and port:  # ("?": a node that has no endpoint to announce)
-                member = _Member(f"{host}:{int(port)}", host, int(port))
-                members[member.name] = member
-    return members
-
-
 class ClusterNodes:
     """Per-node pipelines and breakers over a ``ValkeyCluster`` client's slot map; see the module docstring."""
 
@@ -128,7 +100,9 @@ class ClusterNodes:
         self._on_short_circuit = on_short_circuit
         self._breakers: dict[str, CircuitBreaker] = {}
         self._clients: dict[str, Any] = {}
-        self._stale = False
+        #: The map is to be read before the next batch (the first batch reads it: the tier's
+        #: reading is the only one, under its deadline; valkey-py's has none).
+        self._stale = True
         self._refreshing = asyncio.Lock()
         #: Readings of the map begun (a batch reads it at most once, and not after another batch did).
         self._readings = 0
@@ -136,7 +110,7 @@ class ClusterNodes:
         self._last_good: str | None = None
         #: Every node of the last reading's ``CLUSTER SHARDS`` (a reading for a node the map lacks:
         #: one serving no slot, which ``CLUSTER SLOTS``, the map's nodes, leaves out), else none.
-        self._members: dict[str, _Member] = {}
+        self._members: dict[str, shards.Member] = {}
         #: Nodes whose last call failed (or was refused by their open breaker).
         self._failing: set[str] = set()
         #: Failed node pipelines (each also counts towards that node's breaker).
@@ -157,17 +131,11 @@ class ClusterNodes:
         self, commands: Sequence[tuple[Any, ...]], raise_server_errors: Callable[[Sequence[Any]], None]
     ) -> list[Any]:
         """Each command's reply, or a :class:`NodeDownError` for those of nodes not answering."""
-        await self.cluster.initialize()
         loop = asyncio.get_running_loop()
         # (The map's reading, the nodes' calls and the redirected keys' second round, all within it.)
         deadline = loop.time() + self._node_timeout_s
         readings = self._readings
-        if self._stale or self._refreshing.locked():
-            # A batch that comes while another reads the map waits for the new map: the old
-            # one would send it where the redirections came from.
-            async with self._refreshing:
-                if self._stale:
-                    await self._read_map(deadline)
+        await self._current_map(deadline)
         results: list[Any] = [None] * len(commands)
         groups: dict[str, tuple[Any, list[int]]] = {}
         for position, command in enumerate(commands):
@@ -199,6 +167,29 @@ class ClusterNodes:
         sends = [(node, positions, asking) for (_, asking), (node, positions) in redirected.items()]
         await self._send(sends, commands, results, raise_server_errors, deadline, redirected=True)
         return [NodeDownError(f"slot moved: {r}") if _redirected(r) else r for r in results]
+
+    async def keys(self, match: bytes, count: int) -> list[bytes]:
+        """The keys matching ``match`` on every primary of the map (``SCAN`` over each node's own
+        client: valkey-py's cluster client drops a node that fails from those it reads the map
+        from, then reads it by itself, with no deadline). A node that fails fails the listing."""
+        await self._current_map(asyncio.get_running_loop().time() + self._node_timeout_s)
+        found: dict[bytes, None] = {}
+        for node in self.cluster.get_primaries():
+            async for key in self._client(node).scan_iter(match=match, count=count):
+                found[key] = None  # (a key whose slot moved during the listing is met twice)
+        return list(found)
+
+    async def _current_map(self, deadline: float) -> None:
+        """Read the map if it is stale; raise when no node ever gave one (none answers)."""
+        if self._stale or self._refreshing.locked():
+            # A batch that comes while another reads the map waits for the new map: the old
+            # one would send it where the redirections came from.
+            async with self._refreshing:
+                if self._stale:
+                    await self._read_map(deadline)
+        if not self.cluster.nodes_manager.slots_cache:
+            self._stale = True
+            raise NodeDownError("no cluster node gave the map of slots")
 
     async def _send(
         self,
@@ -269,20 +260,23 @@ class ClusterNodes:
             await self._forget_departed()
             return
 
-    async def _read_from(self, node: Any, members: bool) -> dict[str, _Member]:
+    async def _read_from(self, node: Any, members: bool) -> dict[str, shards.Member]:
         """With ``members`` the nodes ``CLUSTER SHARDS`` lists, then the map as ``node`` sees it
         (valkey-py's reading, asking ``node`` alone; it then closes ``node``'s object, replaced by
         a new one: hence this order)."""
         try:
-            found = _members(await node.execute_command("CLUSTER SHARDS"), self._tls) if members else {}
+            found = shards.members(await node.execute_command("CLUSTER SHARDS"), self._tls) if members else {}
         except (vex.ResponseError, TypeError, ValueError, AttributeError):
             found = {}  # (no such command before Valkey/Redis 7, or a reply not as documented)
         manager = self.cluster.nodes_manager
-        every, manager.startup_nodes = manager.startup_nodes, {node.name: node}
+        old = (manager.startup_nodes, dict(manager.nodes_cache), manager.slots_cache, manager.default_node)
+        manager.startup_nodes = {node.name: node}
         try:
             await manager.initialize()  # (which sets startup_nodes to the map's nodes)
         except BaseException:  # (cancelled at the end of its share too)
-            manager.startup_nodes = every
+            # The old map stays: valkey-py replaces it before it fails on an empty one (a node
+            # reset). (It disconnected the old nodes: they connect again when next asked.)
+            manager.startup_nodes, manager.nodes_cache, manager.slots_cache, manager.default_node = old
             raise
         return found
 
@@ -349,6 +343,8 @@ class ClusterNodes:
         except NodeDownError:
             raise  # the node left the map during the call: a miss, not the node failing
         except Exception as exc:
+            if self._known(node.name) is None:  # (it left during the call, its client closed under it)
+                raise NodeDownError(f"cluster node {node.name}: left the cluster's map") from exc
             if redirected and isinstance(exc, (asyncio.TimeoutError, vex.TimeoutError)):
                 # Redirected keys get what the first round left of the deadline, nothing where
                 # another node hung for all of it: a miss for them, not this node failing (its
@@ -378,3 +374,6 @@ class ClusterNodes:
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             await client.aclose()
+        # (The map's nodes: valkey-py's aclose() closes them only after its own reading.)
+        await self.cluster.nodes_manager.aclose()
+        await self.cluster.nodes_manager.aclose("startup_nodes")

@@ -119,8 +119,8 @@ def bound_replies(client: Any, parser: type[_AsyncRESP2Parser]) -> Any:
 
 
 def bound_cluster_replies(cluster: Any, parser: type[_AsyncRESP2Parser]) -> Any:
-    """Make every connection of a ``ValkeyCluster`` client (its slot map's ``CLUSTER SLOTS``,
-    a listing's ``SCAN`` of each node) parse with ``parser``, keeping the redirections
+    """Make every connection of a ``ValkeyCluster`` client (its slot map's ``CLUSTER SLOTS``
+    and ``CLUSTER SHARDS``) parse with ``parser``, keeping the redirections
     (``MOVED``, ``ASK``) that the cluster's own parser raises as its errors."""
     bounded = type("BoundedClusterParser", (parser,), {"EXCEPTION_CLASSES": ClusterParser.EXCEPTION_CLASSES})
     cluster.connection_kwargs["parser_class"] = bounded  # (the nodes it finds: made from this mapping)

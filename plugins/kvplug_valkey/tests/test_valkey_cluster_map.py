@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pytest
 import valkey_reshard as reshard
 from valkey_helpers import FAST_FAILING, fresh_prefix, read_hits, sockets_to
 
@@ -193,18 +194,21 @@ def test_a_redirection_to_an_address_no_map_names_is_a_miss_and_never_dialled(tm
             elsewhere.close()
 
 
+@pytest.mark.parametrize("retries", [1, 0], ids=["retried", "not-retried"])
 def test_a_retry_on_its_way_does_not_reopen_the_client_of_a_node_that_left(
-    valkey_cluster: ValkeyCluster, tmp_path: Path, tiers
+    retries: int, valkey_cluster: ValkeyCluster, tmp_path: Path, tiers
 ) -> None:
     """A call to a node is on its way (the node paused) when another batch reads the map and the
     node is no longer in it: that batch closes the node's client under the call, whose retry
-    must not open a connection again (the client is no longer the tier's: never closed)."""
+    must not open a connection again (the client is no longer the tier's: never closed). Not
+    retried, its failure is not the node's: the node is not kept among those failing."""
     cluster = valkey_cluster
     with ValkeyServer(tmp_path / "gone", cluster_port=True) as gone:
         first, second, third = cluster.nodes
         prefix = fresh_prefix()
         # (A deadline that the other batches never reach while the call waits on the paused node.)
-        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **{**FAST_FAILING, "request_timeout_s": 10.0})
+        options = {**FAST_FAILING, "request_timeout_s": 10.0, "retries": retries}
+        tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **options)
         (away,) = _key_in(prefix, reshard.owned_slots(first), "away")  # its slot goes to `gone` and back
         (moved,) = _key_in(prefix, reshard.owned_slots(second), "moved")  # its slot goes to the third node
         values = {key: value_for(key, 1000) for key in (away, moved)}
@@ -231,7 +235,8 @@ def test_a_retry_on_its_way_does_not_reopen_the_client_of_a_node_that_left(
             on_its_way.result()  # a miss or the record (an error would raise here)
         # No connection to the node that left: its client was closed, and none was opened again.
         assert sockets_to(gone.port) == 0
-        assert f"127.0.0.1:{gone.port}" not in tier._backend._nodes._breakers  # (no public view of them)
+        nodes = tier._backend._nodes  # (no public view of them)
+        assert f"127.0.0.1:{gone.port}" not in nodes._breakers and f"127.0.0.1:{gone.port}" not in nodes._failing
 
 
 def test_a_reset_node_asked_first_for_the_map_does_not_stop_the_reading(
@@ -270,6 +275,87 @@ def test_a_reset_node_asked_first_for_the_map_does_not_stop_the_reading(
             assert _map_reads([reset]) > asked  # the reset node was asked (first), and gave no map
             extra = tier.stats().extra
             assert extra["nodes"] == 3 and extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
+        finally:  # the session's cluster as it was, from wherever the test stopped
+            if joined:
+                if lent in reshard.owned_slots(reset):
+                    reshard.move_slots(everyone, reset, first, [lent])
+                reshard.forget(cluster.nodes, reset)
+            if moved in reshard.owned_slots(third):
+                reshard.move_slots(cluster.nodes, third, second, [moved])
+
+
+def test_a_failed_listing_leaves_no_reading_of_the_map_without_a_deadline(valkey_cluster: ValkeyCluster, tiers) -> None:
+    """A listing whose ``SCAN`` of a node fails (the node hung) made valkey-py's cluster client
+    read its map again at the next batch, by itself, with no deadline, from the URL's node
+    first: hung too, every batch waited on it until its deadline, and the keys of the node that
+    answers missed. The tier's own reading is the only one (a share of the deadline per node)."""
+    cluster = valkey_cluster
+    first, second, third = cluster.nodes
+    prefix = fresh_prefix()
+    tier = tiers(cluster.url, key_prefix=prefix, cluster=True, **{**FAST_FAILING, "request_timeout_s": 2.0})
+    # (Two keys on each node: the second node alone answers.)
+    keys = {node.port: _key_in(prefix, reshard.owned_slots(node), str(node.port), count=2) for node in cluster.nodes}
+    values = {key: value_for(key, 1000) for node_keys in keys.values() for key in node_keys}
+    tier.put(list(values.items()))
+    assert all(tier.contains(list(values))), tier.stats().extra
+    answering = [key in keys[second.port] for key in values]
+    third.pause()
+    try:
+        with contextlib.suppress(Exception):
+            list(tier.records())  # (its SCAN of the third node fails)
+        first.pause()
+        try:
+            for _ in range(2):
+                assert read_hits(tier, list(values), values) == answering, tier.stats().extra
+        finally:
+            first.resume()
+    finally:
+        third.resume()
+
+
+def test_a_reading_that_met_a_reset_node_and_no_other_answer_keeps_the_old_map(
+    valkey_cluster: ValkeyCluster, tmp_path: Path, tiers
+) -> None:
+    """The reset node (an empty map) is asked first and no other node answers within its share
+    (all paused): valkey-py had replaced the map by the empty one before failing on it, and the
+    tier had no map (no node, to its stats, until a batch read the map again). The old map stays: once the nodes answer, the next batch reads its
+    records, and the map is read again from the old map's nodes (which valkey-py disconnected)."""
+    cluster = valkey_cluster
+    with ValkeyServer(tmp_path / "reset", cluster_port=True) as reset:
+        first, second, third = cluster.nodes
+        everyone = [*cluster.nodes, reset]
+        prefix = fresh_prefix()
+        keys = _key_in(prefix, reshard.owned_slots(second), "old-map", count=3)
+        moved, lent = reshard.slot_of(prefix, keys[0]), min(reshard.owned_slots(first))
+        values = {key: value_for(key, 1000) for key in keys}
+        reshard.meet(cluster.nodes, reset)
+        joined = True
+        try:
+            reshard.move_slots(everyone, first, reset, [lent])
+            tier = tiers(reset.url, key_prefix=prefix, cluster=True, request_timeout_s=2.0)
+            tier.put(list(values.items()))
+            assert all(tier.contains(keys)), tier.stats().extra
+            reshard.move_slots(everyone, reset, first, [lent])
+            reshard.forget(cluster.nodes, reset)
+            joined = False
+            reset.cli("flushall")
+            reset.cli("cluster", "reset")
+            reshard.move_slots(cluster.nodes, second, third, [moved])
+            assert all(read_hits(tier, keys, values))  # told MOVED (sent on): the map is read next
+            for node in cluster.nodes:
+                node.pause()
+            try:
+                read_hits(tier, keys, values)  # the reading: the reset node first, then none answers
+            finally:
+                for node in cluster.nodes:
+                    node.resume()
+            assert tier.stats().extra["nodes"] == 4  # the old map (the reset node's slot in it)
+            asked = _map_reads(cluster.nodes)
+            assert all(read_hits(tier, keys, values)), tier.stats().extra  # the old map (then MOVED)
+            assert all(read_hits(tier, keys, values)), tier.stats().extra  # the map read again
+            assert _map_reads(cluster.nodes) > asked
+            extra = tier.stats().extra
+            assert extra["nodes"] == 3 and extra["breaker_state"] == "closed", extra
         finally:  # the session's cluster as it was, from wherever the test stopped
             if joined:
                 if lent in reshard.owned_slots(reset):

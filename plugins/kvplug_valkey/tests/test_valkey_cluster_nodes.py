@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import valkey
+import valkey_reshard as reshard
 from valkey_helpers import FAST_FAILING, QUICK_BREAKER, fresh_prefix
 
 from kvplug.core.records.frame import key_digest
@@ -205,3 +206,36 @@ def test_a_removal_of_values_read_skips_a_dead_nodes_keys_alone(tmp_path: Path, 
         live = [key for key, node in zip(keys, nodes) if node != 0]
         assert len(live) < len(keys)
         assert tier.contains(live) == [False] * len(live)
+
+
+def test_every_operation_of_a_tier_made_while_the_first_primary_is_down(valkey_cluster: ValkeyCluster, tiers) -> None:
+    """The cluster client made while the first primary (slot 0's, which valkey-py's own client
+    reads ``COMMAND`` from, to route commands) is down: every operation the tier performs serves
+    the other nodes' keys (put, contains, get, verify's read, the compare-and-delete, removal);
+    the listing fails while a node is down, and lists every record once it is back."""
+    cluster = valkey_cluster
+    first, second, third = cluster.nodes
+    assert 0 in reshard.owned_slots(first)
+    prefix = fresh_prefix()
+    (down,) = [key for (key,) in reshard.keys_by_slot(prefix, reshard.owned_slots(first), "down", 1, 1).values()]
+    others = reshard.owned_slots(second) | reshard.owned_slots(third)
+    live = [key for (key,) in reshard.keys_by_slot(prefix, others, "live", 4, 1).values()]
+    first.kill()
+    try:
+        tier = tiers(second.url, key_prefix=prefix, cluster=True, **QUICK_BREAKER)
+        tier.put([(key, value_for(key, 1000)) for key in [*live, down]])
+        assert tier.contains([*live, down]) == [True] * 4 + [False], tier.stats().extra
+        got = tier.get([*live, down])
+        assert [None if v is None else bytes(v) for v in got] == [value_for(key, 1000) for key in live] + [None]
+        digests = [key_digest(key).hex() for key in live]
+        seen = tier.read_record(digests[0])
+        assert seen is not None and tier.delete_record_if_same(digests[0], seen) is True
+        assert tier.delete_record(digests[1]) is True
+        assert tier.contains(live) == [False, False, True, True]
+        with pytest.raises(TierUnavailableError):
+            list(tier.records())
+    finally:
+        first.start()
+        cluster.wait_ok()
+    assert sorted(record.digest for record in tier.records()) == sorted(digests[2:])
+    assert tier.stats().extra["breaker_state"] == "closed"
