@@ -5,24 +5,16 @@ third process removed. The helpers and workers are :mod:`test_folder_pins`'s."""
 from __future__ import annotations
 
 import fcntl
-import threading
 from pathlib import Path
 
 import pytest
 from tenant_worker import VALUE, Worker
-from test_folder_pins import FILE, PINNED, QUOTA, marks_on, path_of, records, start
+from test_folder_pins import FILE, PINNED, QUOTA, during_carry_over, marks_on, path_of, records, start, tier_of
 
 from kvplug.core.tenants import FOLDER_TENANT_BYTES
-from kvplug.testing import pins_context, value_for
+from kvplug.testing import value_for
 from kvplug.testing.pins_contract import key_of
-from kvplug_disk import DiskTier, ShmTier, pin_marks
 from kvplug_disk.pin_marks import OWNERS_FOLDER
-
-
-def tier_of(kind: str, folder: Path, **options: object) -> DiskTier:
-    tier_type = ShmTier if kind == "shm" else DiskTier
-    config = tier_type.Config(path=folder, fsync=False, max_bytes=1 << 30, queue={"mode": "sync"}, **options)  # type: ignore[call-arg]
-    return tier_type(config, pins_context())
 
 
 def test_an_unpin_that_cannot_take_the_folders_lock_leaves_no_mark_for_good(
@@ -35,20 +27,8 @@ def test_an_unpin_that_cannot_take_the_folders_lock_leaves_no_mark_for_good(
     without the lock, and forgot it: ``AssertionError: A's mark stayed on the record it unpinned``)."""
     first = tier_of(kind, folder, lock_wait_s=0.05)
     second = tier_of(kind, folder)
-    armed = threading.Event()
-    unpinned: list[object] = []
-    original = pin_marks.PinMarks.carry_over
-
-    def gated(self: pin_marks.PinMarks, digest: str, temp_name: str, temp_dir_fd: int) -> None:
-        original(self, digest, temp_name, temp_dir_fd)
-        if armed.is_set():
-            armed.clear()
-            # B holds the folder's lock here until A's unpin has given up waiting for it.
-            unpin = threading.Thread(target=lambda: unpinned.append(first.unpin([PINNED])))
-            unpin.start()
-            unpin.join(60)
-
-    monkeypatch.setattr(pin_marks.PinMarks, "carry_over", gated)
+    # (B holds the folder's lock in the gate until A's unpin has given up waiting for it.)
+    armed, unpinned, _ = during_carry_over(monkeypatch, lambda: first.unpin([PINNED]), wait_s=60)
     try:
         first.put([(PINNED, value_for(PINNED, VALUE))])
         assert first.pin([PINNED])[0][0] == "pinned"

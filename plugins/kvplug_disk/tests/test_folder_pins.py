@@ -12,12 +12,13 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from tenant_worker import VALUE, Worker
 
-from kvplug import key_digest
+from kvplug import TierContext, key_digest
 from kvplug.testing import pins_context, value_for
 from kvplug.testing.pins_contract import key_of
 from kvplug_disk import DiskTier, ShmTier, pin_marks
@@ -38,6 +39,39 @@ def path_of(folder: Path, key: str) -> Path:
 
 def records(folder: Path) -> list[Path]:
     return list(folder.glob(f"*/*{RECORD_SUFFIX}"))
+
+
+def tier_of(kind: str, folder: Path, context: TierContext | None = None, **options: object) -> DiskTier:
+    """A ``kind`` tier of ``folder`` in this process (1 GiB unless ``max_bytes`` says otherwise):
+    two of them are two owners, their flocks as apart as two processes'."""
+    tier_type = ShmTier if kind == "shm" else DiskTier
+    settings = {"max_bytes": 1 << 30, **options}
+    config = tier_type.Config(path=folder, fsync=False, queue={"mode": "sync"}, **settings)  # type: ignore[arg-type]
+    return tier_type(config, context or pins_context())
+
+
+def during_carry_over(
+    monkeypatch: pytest.MonkeyPatch, call: Callable[[], object], *, wait_s: float
+) -> tuple[threading.Event, list[object], list[threading.Thread]]:
+    """Gate the next store once the returned event is set: between copying the old file's marks
+    onto its new file and renaming it into place, with the folder's lock held, ``call`` runs on a
+    thread of its own, waited for at most ``wait_s`` (a correct call that needs the lock waits for
+    it). Returns the event, ``call``'s results and its threads (to join)."""
+    armed = threading.Event()
+    results: list[object] = []
+    threads: list[threading.Thread] = []
+    original = pin_marks.PinMarks.carry_over
+
+    def gated(self: pin_marks.PinMarks, digest: str, temp_name: str, temp_dir_fd: int) -> None:
+        original(self, digest, temp_name, temp_dir_fd)
+        if armed.is_set():
+            armed.clear()
+            threads.append(thread := threading.Thread(target=lambda: results.append(call())))
+            thread.start()
+            thread.join(wait_s)
+
+    monkeypatch.setattr(pin_marks.PinMarks, "carry_over", gated)
+    return armed, results, threads
 
 
 def marks_on(path: Path) -> list[str]:
@@ -215,9 +249,7 @@ def test_without_user_attributes_a_pin_holds_in_its_own_process(
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 
     monkeypatch.setattr(pin_marks.os, "setxattr", refuse)
-    tier_type = ShmTier if kind == "shm" else DiskTier
-    config = tier_type.Config(path=folder, fsync=False, max_bytes=BUDGET, queue={"mode": "sync"})  # type: ignore[call-arg]
-    tier = tier_type(config, pins_context())
+    tier = tier_of(kind, folder, max_bytes=BUDGET)
     try:
         tier.put([(PINNED, value_for(PINNED, VALUE))])
         assert tier.pin([PINNED])[0][0] == "pinned"
@@ -244,9 +276,7 @@ def test_a_linked_owners_folder_never_makes_the_tier_remove_files_outside_its_fo
     (elsewhere / owner).write_text("not kvplug's")
     folder.mkdir(mode=0o700, exist_ok=True)
     (folder / OWNERS_FOLDER).symlink_to(elsewhere)
-    tier_type = ShmTier if kind == "shm" else DiskTier
-    config = tier_type.Config(path=folder, fsync=False, max_bytes=BUDGET, queue={"mode": "sync"})  # type: ignore[call-arg]
-    tier = tier_type(config, pins_context())
+    tier = tier_of(kind, folder, max_bytes=BUDGET)
     try:
         tier.put([(PINNED, value_for(PINNED, VALUE))])
         os.setxattr(path_of(folder, PINNED), MARK_PREFIX + owner, b"1")
@@ -285,9 +315,7 @@ def test_hostile_owner_entries_neither_hang_nor_keep_a_record_forever(
         names = [f"{i:032x}" for i in range(300)]
     else:
         names = ["../../outside"]
-    tier_type = ShmTier if kind == "shm" else DiskTier
-    config = tier_type.Config(path=folder, fsync=False, max_bytes=BUDGET, queue={"mode": "sync"})  # type: ignore[call-arg]
-    tier = tier_type(config, pins_context())
+    tier = tier_of(kind, folder, max_bytes=BUDGET)
     try:
         tier.put([(PINNED, value_for(PINNED, VALUE))])
         for name in names:
@@ -316,32 +344,15 @@ def test_an_unpin_while_another_engine_stores_the_record_again_leaves_no_mark(
     leave A's mark on the new file, which would keep the record from every other engine for as
     long as A lives (4089e48: A removed its mark from the old file outside the folder's lock,
     ``AssertionError: A's unpin left its mark on the record B stored again``)."""
-    tier_type = ShmTier if kind == "shm" else DiskTier
-    config = tier_type.Config(path=folder, fsync=False, max_bytes=1 << 30, queue={"mode": "sync"})  # type: ignore[call-arg]
-    first = tier_type(config, pins_context())
-    second = tier_type(config, pins_context())
-    armed = threading.Event()
-    unpinned: list[object] = []
-    original = pin_marks.PinMarks.carry_over
-
-    def gated(self: pin_marks.PinMarks, digest: str, temp_name: str, temp_dir_fd: int) -> None:
-        original(self, digest, temp_name, temp_dir_fd)
-        if armed.is_set():
-            armed.clear()
-            unpin = threading.Thread(target=lambda: unpinned.append(first.unpin([PINNED])))
-            unpin.start()
-            unpin.join(1.0)  # (with the folder's lock held here, a correct unpin waits for it)
-            gated.threads.append(unpin)  # type: ignore[attr-defined]
-
-    gated.threads = []  # type: ignore[attr-defined]
-    monkeypatch.setattr(pin_marks.PinMarks, "carry_over", gated)
+    first, second = tier_of(kind, folder), tier_of(kind, folder)
+    armed, unpinned, threads = during_carry_over(monkeypatch, lambda: first.unpin([PINNED]), wait_s=1.0)
     try:
         first.put([(PINNED, value_for(PINNED, VALUE))])
         assert first.pin([PINNED])[0][0] == "pinned"
         assert len(marks_on(path_of(folder, PINNED))) == 1
         armed.set()
         second.put([(PINNED, value_for(PINNED, VALUE))])
-        for thread in gated.threads:  # type: ignore[attr-defined]
+        for thread in threads:
             thread.join(60)
         assert unpinned == [[VALUE]]
         assert marks_on(path_of(folder, PINNED)) == [], "A's unpin left its mark on the record B stored again"
@@ -359,25 +370,9 @@ def test_a_record_a_lookup_finds_pinned_keeps_its_mark_when_another_engine_store
     new file must carry A's mark, or every other engine may evict what A takes as pinned
     (4089e48: A marked the old file outside the folder's lock, ``AssertionError: the record A
     pinned lost its mark``)."""
-    tier_type = ShmTier if kind == "shm" else DiskTier
-    config = tier_type.Config(path=folder, fsync=False, max_bytes=1 << 30, queue={"mode": "sync"})  # type: ignore[call-arg]
     context = pins_context()
-    first = tier_type(config, context)
-    second = tier_type(config, pins_context())
-    armed = threading.Event()
-    found: list[object] = []
-    threads: list[threading.Thread] = []
-    original = pin_marks.PinMarks.carry_over
-
-    def gated(self: pin_marks.PinMarks, digest: str, temp_name: str, temp_dir_fd: int) -> None:
-        original(self, digest, temp_name, temp_dir_fd)
-        if armed.is_set():
-            armed.clear()
-            threads.append(lookup := threading.Thread(target=lambda: found.append(first.contains([PINNED]))))
-            lookup.start()
-            lookup.join(1.0)  # (with the folder's lock held here, a correct mark waits for it)
-
-    monkeypatch.setattr(pin_marks.PinMarks, "carry_over", gated)
+    first, second = tier_of(kind, folder, context), tier_of(kind, folder)
+    armed, found, threads = during_carry_over(monkeypatch, lambda: first.contains([PINNED]), wait_s=1.0)
     try:
         second.put([(PINNED, value_for(PINNED, VALUE))])
         context.tenancy.pins.add([PINNED])
@@ -431,9 +426,7 @@ def test_a_pin_that_cannot_be_marked_says_why(
             raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 
         monkeypatch.setattr(pin_marks.os, "setxattr", refuse)
-    tier_type = ShmTier if kind == "shm" else DiskTier
-    config = tier_type.Config(path=folder, fsync=False, max_bytes=1 << 30, queue={"mode": "sync"})  # type: ignore[call-arg]
-    tier = tier_type(config, pins_context())
+    tier = tier_of(kind, folder)
     try:
         with caplog.at_level("WARNING"):
             for name in ("a", "b"):
