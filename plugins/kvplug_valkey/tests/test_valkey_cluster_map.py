@@ -9,6 +9,7 @@ import contextlib
 import socketserver
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -239,26 +240,28 @@ def test_a_retry_on_its_way_does_not_reopen_the_client_of_a_node_that_left(
         assert f"127.0.0.1:{gone.port}" not in nodes._breakers and f"127.0.0.1:{gone.port}" not in nodes._failing
 
 
-def test_a_reset_node_asked_first_for_the_map_does_not_stop_the_reading(
-    valkey_cluster: ValkeyCluster, tmp_path: Path, tiers
-) -> None:
-    """A node of the tier's map that gave its slots away, was emptied and reset (``CLUSTER
-    RESET``: its ``CLUSTER SLOTS`` is empty, and valkey-py's reading of it ends in an
-    ``IndexError``) is the first one the next reading asks (the URL's node, the first of the
-    map's nodes). The map is read from the next node, and the batches read their records again."""
-    cluster = valkey_cluster
+@contextlib.contextmanager
+def _reset_node_first(
+    cluster: ValkeyCluster, tmp_path: Path, tiers: Any, label: str, **options: Any
+) -> Iterator[tuple[ValkeyServer, Any, list[str], dict[str, bytes], int]]:
+    """A tier (``options``) whose URL, so the first node its readings ask, is a node that served
+    a slot, gave it back, was forgotten, emptied and reset (``CLUSTER RESET``: its ``CLUSTER
+    SLOTS`` is empty, and valkey-py's reading of it ends in an ``IndexError``). The tier stored
+    three keys of the second node, all in the slot ``moved``, which the test may move to the
+    third. Yields ``(reset node, tier, keys, values, moved)``; the session's cluster is put back
+    as it was afterwards, from wherever the test stopped."""
     with ValkeyServer(tmp_path / "reset", cluster_port=True) as reset:
         first, second, third = cluster.nodes
         everyone = [*cluster.nodes, reset]
         prefix = fresh_prefix()
-        keys = _key_in(prefix, reshard.owned_slots(second), "kept", count=3)
+        keys = _key_in(prefix, reshard.owned_slots(second), label, count=3)
         moved, lent = reshard.slot_of(prefix, keys[0]), min(reshard.owned_slots(first))
         values = {key: value_for(key, 1000) for key in keys}
         reshard.meet(cluster.nodes, reset)
         joined = True
         try:
             reshard.move_slots(everyone, first, reset, [lent])  # (a node serving no slot is not in the map)
-            tier = tiers(reset.url, key_prefix=prefix, cluster=True)
+            tier = tiers(reset.url, key_prefix=prefix, cluster=True, **options)
             tier.put(list(values.items()))
             assert all(tier.contains(keys)), tier.stats().extra
             assert tier.stats().extra["nodes"] == 4
@@ -268,20 +271,32 @@ def test_a_reset_node_asked_first_for_the_map_does_not_stop_the_reading(
             reset.cli("flushall")
             reset.cli("cluster", "reset")
             assert reset.cli("cluster", "slots").strip() == ""
-            asked = _map_reads([reset])
-            reshard.move_slots(cluster.nodes, second, third, [moved])
-            for _ in range(3):  # told MOVED (sent on at once), then the map read, then the new map
-                assert all(read_hits(tier, keys, values)), tier.stats().extra
-            assert _map_reads([reset]) > asked  # the reset node was asked (first), and gave no map
-            extra = tier.stats().extra
-            assert extra["nodes"] == 3 and extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
-        finally:  # the session's cluster as it was, from wherever the test stopped
+            yield reset, tier, keys, values, moved
+        finally:
             if joined:
                 if lent in reshard.owned_slots(reset):
                     reshard.move_slots(everyone, reset, first, [lent])
                 reshard.forget(cluster.nodes, reset)
             if moved in reshard.owned_slots(third):
                 reshard.move_slots(cluster.nodes, third, second, [moved])
+
+
+def test_a_reset_node_asked_first_for_the_map_does_not_stop_the_reading(
+    valkey_cluster: ValkeyCluster, tmp_path: Path, tiers
+) -> None:
+    """A node of the tier's map that gave its slots away, was emptied and reset is the first one
+    the next reading asks (the URL's node, the first of the map's nodes). The map is read from
+    the next node, and the batches read their records again."""
+    cluster = valkey_cluster
+    _, second, third = cluster.nodes
+    with _reset_node_first(cluster, tmp_path, tiers, "kept") as (reset, tier, keys, values, moved):
+        asked = _map_reads([reset])
+        reshard.move_slots(cluster.nodes, second, third, [moved])
+        for _ in range(3):  # told MOVED (sent on at once), then the map read, then the new map
+            assert all(read_hits(tier, keys, values)), tier.stats().extra
+        assert _map_reads([reset]) > asked  # the reset node was asked (first), and gave no map
+        extra = tier.stats().extra
+        assert extra["nodes"] == 3 and extra["nodes_down"] == 0 and extra["breaker_state"] == "closed", extra
 
 
 def test_a_failed_listing_leaves_no_reading_of_the_map_without_a_deadline(valkey_cluster: ValkeyCluster, tiers) -> None:
@@ -321,45 +336,27 @@ def test_a_reading_that_met_a_reset_node_and_no_other_answer_keeps_the_old_map(
     tier had no map (no node, to its stats, until a batch read the map again). The old map stays: once the nodes answer, the next batch reads its
     records, and the map is read again from the old map's nodes (which valkey-py disconnected)."""
     cluster = valkey_cluster
-    with ValkeyServer(tmp_path / "reset", cluster_port=True) as reset:
-        first, second, third = cluster.nodes
-        everyone = [*cluster.nodes, reset]
-        prefix = fresh_prefix()
-        keys = _key_in(prefix, reshard.owned_slots(second), "old-map", count=3)
-        moved, lent = reshard.slot_of(prefix, keys[0]), min(reshard.owned_slots(first))
-        values = {key: value_for(key, 1000) for key in keys}
-        reshard.meet(cluster.nodes, reset)
-        joined = True
+    _, second, third = cluster.nodes
+    with _reset_node_first(cluster, tmp_path, tiers, "old-map", request_timeout_s=2.0) as (
+        _,
+        tier,
+        keys,
+        values,
+        moved,
+    ):
+        reshard.move_slots(cluster.nodes, second, third, [moved])
+        assert all(read_hits(tier, keys, values))  # told MOVED (sent on): the map is read next
+        for node in cluster.nodes:
+            node.pause()
         try:
-            reshard.move_slots(everyone, first, reset, [lent])
-            tier = tiers(reset.url, key_prefix=prefix, cluster=True, request_timeout_s=2.0)
-            tier.put(list(values.items()))
-            assert all(tier.contains(keys)), tier.stats().extra
-            reshard.move_slots(everyone, reset, first, [lent])
-            reshard.forget(cluster.nodes, reset)
-            joined = False
-            reset.cli("flushall")
-            reset.cli("cluster", "reset")
-            reshard.move_slots(cluster.nodes, second, third, [moved])
-            assert all(read_hits(tier, keys, values))  # told MOVED (sent on): the map is read next
+            read_hits(tier, keys, values)  # the reading: the reset node first, then none answers
+        finally:
             for node in cluster.nodes:
-                node.pause()
-            try:
-                read_hits(tier, keys, values)  # the reading: the reset node first, then none answers
-            finally:
-                for node in cluster.nodes:
-                    node.resume()
-            assert tier.stats().extra["nodes"] == 4  # the old map (the reset node's slot in it)
-            asked = _map_reads(cluster.nodes)
-            assert all(read_hits(tier, keys, values)), tier.stats().extra  # the old map (then MOVED)
-            assert all(read_hits(tier, keys, values)), tier.stats().extra  # the map read again
-            assert _map_reads(cluster.nodes) > asked
-            extra = tier.stats().extra
-            assert extra["nodes"] == 3 and extra["breaker_state"] == "closed", extra
-        finally:  # the session's cluster as it was, from wherever the test stopped
-            if joined:
-                if lent in reshard.owned_slots(reset):
-                    reshard.move_slots(everyone, reset, first, [lent])
-                reshard.forget(cluster.nodes, reset)
-            if moved in reshard.owned_slots(third):
-                reshard.move_slots(cluster.nodes, third, second, [moved])
+                node.resume()
+        assert tier.stats().extra["nodes"] == 4  # the old map (the reset node's slot in it)
+        asked = _map_reads(cluster.nodes)
+        assert all(read_hits(tier, keys, values)), tier.stats().extra  # the old map (then MOVED)
+        assert all(read_hits(tier, keys, values)), tier.stats().extra  # the map read again
+        assert _map_reads(cluster.nodes) > asked
+        extra = tier.stats().extra
+        assert extra["nodes"] == 3 and extra["breaker_state"] == "closed", extra
