@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvplug.core.chain.slot import TierSlot
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.remote.calls import call_budget, remaining_budget_s
 from kvplug.core.tier import Buffer
+
+_Where = TypeVar("_Where", str, int)
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,8 @@ def fetch_prefix(slots: Sequence[TierSlot], keys: Sequence[str]) -> list[Fetched
     ]
 
 
-def leading(where: Sequence[str | None]) -> list[str]:
-    """The tier names of :meth:`TierChain.locate`'s answer up to its first key no tier holds."""
-    limit = next((i for i, name in enumerate(where) if name is None), len(where))
-    return [name for name in where[:limit] if name is not None]
+def leading(where: Sequence[_Where | None]) -> list[_Where]:
+    """The tiers (names, labels or indices) of :meth:`TierChain.locate`'s answer, or of its
+    kin, up to its first key no tier holds."""
+    limit = next((i for i, tier in enumerate(where) if tier is None), len(where))
+    return [tier for tier in where[:limit] if tier is not None]

@@ -174,6 +174,10 @@ class TierChain:
         """:meth:`locate` naming each tier by its :attr:`labels` entry, which tells two tiers of one type apart."""
         return [None if index is None else self._slots[index].label for index in self._holders(keys)]
 
+    def locate_indices(self, keys: Sequence[str]) -> list[int | None]:
+        """:meth:`locate` giving each tier's index in the chain (which tells two tiers of one type apart)."""
+        return self._holders(keys)
+
     def _holders(self, keys: Sequence[str]) -> list[int | None]:
         return self._unless_removed(keys, holders(self._slots, keys, self.metrics, budget_s=self.lookup_timeout_s))
 

@@ -212,11 +212,10 @@ class ControlTarget:
         the chain), up to the first key no tier holds; each key holds ``tokens_per_key`` tokens."""
         if not keys:
             return []
-        position = {label: index for index, label in enumerate(self.chain.labels)}
         tiers = self.chain.tiers
         return [
             ChunkLocation(tiers[at].medium, tiers[at].name, tokens_per_key, tier_index=at)
-            for at in (position[label] for label in leading(self.chain.locate_labels(keys)))
+            for at in leading(self.chain.locate_indices(keys))
         ]
 
     def explain(self, tokens: Sequence[int], request: RequestInfo) -> dict[str, Any]:
