@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
@@ -29,11 +30,8 @@ def kv_cache_variant() -> str:
     """The KV cache dtype this SGLang server was told and the KV scales it loaded, where set.
     SGLang keeps an fp8 KV cache in uint8 pages (e4m3 and e5m2 alike), so the pages' dtype does
     not tell them apart; the scales (``--quantization-param-path``) change the bytes too."""
-    from sglang.srt.runtime_context import get_model
-
-    try:
-        model = get_model()
-    except ValueError:  # "config namespace 'model' not published": a backend built by hand
+    model = _published_model()
+    if model is None:
         return ""
     kv_cache_dtype = str(getattr(model, "kv_cache_dtype", None) or "auto")
     scales = str(getattr(model, "quantization_param_path", None) or "")
@@ -61,10 +59,17 @@ def _scales_digest(path: str) -> str:
 def loaded_checkpoint() -> tuple[str, str]:
     """The model path and revision this SGLang server loaded; empty outside a server
     (SGLang has published no model config: a backend built by hand)."""
+    model = _published_model()
+    if model is None:
+        return "", ""
+    return str(getattr(model, "model_path", None) or ""), str(getattr(model, "revision", None) or "")
+
+
+def _published_model() -> Any:
+    """The model config this SGLang server published; ``None`` outside a server (a backend built by hand)."""
     from sglang.srt.runtime_context import get_model
 
     try:
-        model = get_model()
+        return get_model()
     except ValueError:  # "config namespace 'model' not published"
-        return "", ""
-    return str(getattr(model, "model_path", None) or ""), str(getattr(model, "revision", None) or "")
+        return None
