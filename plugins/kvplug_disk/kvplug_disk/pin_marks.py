@@ -35,6 +35,7 @@ without reading and rewriting anyone else's.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -129,9 +130,8 @@ class PinMarks:
             if opened is None:
                 continue
             try:
-                os.removexattr(opened, self._attr)
-            except OSError:  # gone already (the file was stored again without it)
-                pass
+                with contextlib.suppress(OSError):  # gone already (the file was stored again without it)
+                    os.removexattr(opened, self._attr)
             finally:
                 os.close(opened)
 
@@ -140,47 +140,39 @@ class PinMarks:
     def held_elsewhere(self, digest: str) -> list[str]:
         """The live owners other than this one that marked the record ``digest`` pinned (the
         folder's lock held: call before evicting it). Dead owners' marks are removed."""
-        if not self._has_marks(digest):  # (the common case: one call, no descriptor)
-            return []
-        opened = self._open(digest)
-        if opened is None:
-            return []
-        try:
-            return [owner for owner in self._live_owners(opened) if owner != self.owner]
-        finally:
-            os.close(opened)
+        return [owner for owner in self._marked_by(digest) if owner != self.owner]
 
     def alive(self, owner: str) -> bool:
-        """Whether the owner ``owner`` (of a mark :meth:`held_elsewhere` named) still lives;
-        one that does not is dead for good, its lock file removed."""
-        return self._alive(owner)
+        """Whether the owner ``owner`` (of a mark :meth:`held_elsewhere` named) still holds its
+        lock file; one that does not is dead for good, its lock file removed (:meth:`_alive_in`)."""
+        try:
+            folder = self._open_owners_folder()
+        except (FileNotFoundError, NotADirectoryError):  # no owners' folder: no owner holds a lock
+            return False
+        except OSError as exc:
+            # A link in its place (ELOOP): owners make their files only in a real folder, so
+            # none holds a lock through it. Anything else: cannot tell, keep its marks.
+            return exc.errno != errno.ELOOP
+        try:
+            return self._alive_in(folder, owner)
+        finally:
+            os.close(folder)
 
     def carry_over(self, digest: str, temp_name: str, temp_dir_fd: int) -> None:
         """Copy the live marks, this owner's too, from the record ``digest`` to the temp file
         about to be renamed over it (the folder's lock held)."""
-        if not self._has_marks(digest):
-            return
-        opened = self._open(digest)
-        if opened is None:
-            return
-        try:
-            owners = self._live_owners(opened)
-        finally:
-            os.close(opened)
+        owners = self._marked_by(digest)
         if not owners:
             return
         try:
             temp = os.open(temp_name, _OPEN_FLAGS, dir_fd=temp_dir_fd)
+            try:
+                for owner in owners:
+                    os.setxattr(temp, MARK_PREFIX + owner, _MARK_VALUE)
+            finally:
+                os.close(temp)
         except OSError as exc:
             self._failed("cannot copy the pin marks onto a record stored again", exc)
-            return
-        try:
-            for owner in owners:
-                os.setxattr(temp, MARK_PREFIX + owner, _MARK_VALUE)
-        except OSError as exc:
-            self._failed("cannot copy the pin marks onto a record stored again", exc)
-        finally:
-            os.close(temp)
 
     def sweep(self) -> int:
         """Remove the lock files of owners that are gone (at a tier's open): those whose marks no
@@ -230,18 +222,15 @@ class PinMarks:
                 return False
             try:
                 self._owner_fd = self._make_owner_file()
+                return True
             except OSError as exc:
                 failed = exc
-            else:
-                return True
         self._failed(f"cannot make the pin lock file {OWNERS_FOLDER}/{self.owner}", failed)
         return False
 
     def _make_owner_file(self) -> int:
-        try:
+        with contextlib.suppress(FileExistsError):
             os.mkdir(OWNERS_FOLDER, 0o700, dir_fd=self._root_fd)
-        except FileExistsError:
-            pass
         folder = self._open_owners_folder()
         try:
             temp = f"{self.owner}.tmp"
@@ -257,6 +246,18 @@ class PinMarks:
         finally:
             os.close(folder)
         return fd
+
+    def _marked_by(self, digest: str) -> list[str]:
+        """The live owners (this one too) that marked the record ``digest``; dead marks are removed."""
+        if not self._has_marks(digest):  # (the common case: one call, no descriptor)
+            return []
+        opened = self._open(digest)
+        if opened is None:
+            return []
+        try:
+            return self._live_owners(opened)
+        finally:
+            os.close(opened)
 
     def _has_marks(self, digest: str) -> bool:
         """Whether the record file ``digest`` carries any pin mark: a cheaper look than
@@ -278,9 +279,7 @@ class PinMarks:
             opened = self._records.open_record(digest)
         except OSError:  # not a regular file: the tier's own checks say so
             return None
-        if opened is None:
-            return None
-        return opened[0]
+        return None if opened is None else opened[0]
 
     def _live_owners(self, fd: int) -> list[str]:
         """The owners of the live marks on the open record ``fd``; dead marks are removed."""
@@ -291,7 +290,7 @@ class PinMarks:
         live = []
         for name in names:
             owner = name[len(MARK_PREFIX) :]
-            if owner == self.owner or (_OWNER.fullmatch(owner) and self._alive(owner)):
+            if owner == self.owner or (_OWNER.fullmatch(owner) and self.alive(owner)):
                 live.append(owner)
             else:
                 self._remove_mark(fd, name)
@@ -301,21 +300,6 @@ class PinMarks:
         """The owners' folder, never through a link: one that is not a folder of the store's
         own (a link placed there) must not make this tier open or remove files elsewhere."""
         return os.open(OWNERS_FOLDER, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd)
-
-    def _alive(self, owner: str) -> bool:
-        """Whether ``owner`` holds its lock file (see :meth:`_alive_in`)."""
-        try:
-            folder = self._open_owners_folder()
-        except (FileNotFoundError, NotADirectoryError):  # no owners' folder: no owner holds a lock
-            return False
-        except OSError as exc:
-            # A link in its place (ELOOP): owners make their files only in a real folder, so
-            # none holds a lock through it. Anything else: cannot tell, keep its marks.
-            return exc.errno != errno.ELOOP
-        try:
-            return self._alive_in(folder, owner)
-        finally:
-            os.close(folder)
 
     def _alive_in(self, folder: int, owner: str) -> bool:
         """Whether ``owner`` holds its lock file in the owners' folder open as ``folder``. One
@@ -384,8 +368,5 @@ class PinMarks:
             os.removexattr(fd, name)
         except OSError:
             return
-        self._count("dead_pin_marks_removed")
-
-    def _count(self, what: str) -> None:
         with self._lock:
-            self.counts[what] += 1
+            self.counts["dead_pin_marks_removed"] += 1
