@@ -235,19 +235,18 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
                 outcomes = [result] * len(group) if isinstance(result, BaseException) else result
                 failed |= isinstance(result, BaseException)
                 for (key, record), outcome in zip(group, outcomes):
-                    if outcome is None and self._evicted_since(record.name, taken):
-                        # Evicted by a racing put once written: not held. (Or just before this
-                        # write landed: then held, unannounced; never announced and gone.)
-                        self._count("puts")
-                    elif outcome is None:
-                        self._count("puts")
-                        self._unsuspect(record.name)
-                        pushed += self._index.record(record.name, record.value.nbytes, key)
-                        written.append(key)
-                    else:  # not stored: whatever was there before is stale or gone
+                    if outcome is not None:  # not stored: whatever was there before is stale or gone
                         self._index.forget(record.name)
                         self._count("dropped_puts")
                         self._calls.warn_dropped(outcome)
+                        continue
+                    self._count("puts")
+                    # Evicted by a racing put once written: not held, so not indexed. (Or just before
+                    # this write landed: then held, unannounced; never announced and gone.)
+                    if not self._evicted_since(record.name, taken):
+                        self._unsuspect(record.name)
+                        pushed += self._index.record(record.name, record.value.nbytes, key)
+                        written.append(key)
             if written:  # before the evictions of them, this put's or a racing one's: a router hears "stored" first
                 self._events.add(KVEvent("stored", tuple(written), tier=self.name))
         self._events.deliver()

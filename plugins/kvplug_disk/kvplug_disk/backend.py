@@ -251,17 +251,17 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
 
     def _publish(self, usage: Usage, record: RecordToWrite, temp: TempFile) -> BaseException | None:
         """Make room for a written temp file and rename it into place (both locks held); why not, if not."""
-        if not self._order.admits(record.name, IndexEntry(record.value.nbytes, record.size), self._budget):
+        entry = IndexEntry(record.value.nbytes, record.size)
+        if not self._order.admits(record.name, entry, self._budget):
             self._folder.discard_temp(temp)
             return RefusedRecordError()
         # Replaced below: it must not count against its own room, nor be evicted for it.
         # A pinned record is neither, and stays pinned (stored again, its pin takes the new size).
         replaced = not self._order.is_pinned(record.name) and self._order.pop(record.name) is not None
-        value_size = record.value.nbytes
-        self._evict_for(usage, value_size)
+        self._evict_for(usage, entry.value_size)
         old_tag = record_tag(self._folder, record.name) if usage.tenants is not None else None
         old_size = self._value_size_on_disk(record.name)
-        growth = value_size - old_size
+        growth = entry.value_size - old_size
         if usage.total + growth > self._budget:  # what is left is pinned by other processes (pin marks)
             self._counts["stores_refused_no_room"] += 1
             self._folder.discard_temp(temp)
@@ -284,7 +284,7 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
         # the tier must not forget the record it has just stored, nor report it gone.
         self._evicted.pop(record.name, None)
         self._kept.drop(record.name)
-        self._order.add(record.name, IndexEntry(value_size, record.size))
+        self._order.add(record.name, entry)
         if replaced:  # storing a record again is a use of it
             self._order.touch(record.name)
         self._mark_new_pins([record.name])
@@ -292,9 +292,8 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
         over_quota = self._order.take_over_quota()  # the tenant's own records
         if over_quota:
             self._remove_victims(usage, over_quota)
-        tenant = None if temp.tag is None else self.tenant_names.tenant_of(record.name)
-        if tenant is not None and temp.tag is not None:  # the tenant's records of every process
-            self._keep_folder_quota(usage, tenant, temp.tag)
+        if temp.tag is not None and (tenant := self.tenant_names.tenant_of(record.name)) is not None:
+            self._keep_folder_quota(usage, tenant, temp.tag)  # the tenant's records of every process
         return None
 
     # --- lifecycle ------------------------------------------------------------------

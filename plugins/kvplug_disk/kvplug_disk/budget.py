@@ -208,22 +208,24 @@ class FolderBudget:
     def _unlink_record(self, usage: Usage, digest: str, op: str) -> bool:
         """Remove one record file and take its bytes off the folder's total (locks held)."""
         stat = None
+        removed = False
         self._kept.drop(digest)
         tag = record_tag(self._folder, digest) if usage.tenants else None  # (its tenant's count goes too)
         try:
             stat = self._folder.stat(digest)
             if stat is None or not self._folder.unlink(digest):
                 return False
+            removed = True
         except OSError as exc:
             self._entry_failed(op, digest, exc, locked=True)
-            if self._skipped(digest) and stat is not None:
-                usage.total -= value_size_of(stat.st_size)  # out of the budget: nothing can make it go
-                usage.add_tenant(tag, -stat.st_size)
-            return False
+            if stat is None or not self._skipped(digest):
+                return False
+            # Skipped from now on: out of the budget too, since nothing can make it go.
         usage.total -= value_size_of(stat.st_size)
         usage.add_tenant(tag, -stat.st_size)
-        self._marks.forget(digest)  # (stored again, it is marked again if still pinned)
-        return True
+        if removed:
+            self._marks.forget(digest)  # (stored again, it is marked again if still pinned)
+        return removed
 
     def _value_size_on_disk(self, digest: str) -> int:
         try:

@@ -26,6 +26,7 @@ an entry that is not what it should be (a link, a folder named like a record) ra
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -106,10 +107,8 @@ class RecordFolder(FolderScan):
         self._root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         if create:
             for shard in SHARDS:
-                try:
+                with contextlib.suppress(FileExistsError):  # a link or file there is refused when used, not replaced
                     os.mkdir(shard, PRIVATE_FOLDER, dir_fd=self._root_fd)
-                except FileExistsError:  # a link or file there is refused when used, not replaced
-                    pass
             self.sync_dirs([])
 
     @property
@@ -135,12 +134,10 @@ class RecordFolder(FolderScan):
         except FileNotFoundError:
             if not create:
                 raise
-            try:  # someone removed the shard folder: make it again
+            with contextlib.suppress(FileExistsError):  # someone removed the shard folder: make it again
                 os.mkdir(shard, PRIVATE_FOLDER, dir_fd=self._root_fd)
-            except FileExistsError:
-                pass
             return self._open_shard(shard)
-        except (NotADirectoryError, OSError) as exc:
+        except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise ForeignEntryError(
                     exc.errno, f"shard folder {self.root}/{shard} is not a folder (a link?)", shard
@@ -198,9 +195,8 @@ class RecordFolder(FolderScan):
         if temp.dir_fd < 0:
             return
         try:
-            os.unlink(temp.name, dir_fd=temp.dir_fd)
-        except OSError:  # gone already; or not ours to remove: start-up cleans stale temps
-            pass
+            with contextlib.suppress(OSError):  # gone already; or not ours to remove: start-up cleans stale temps
+                os.unlink(temp.name, dir_fd=temp.dir_fd)
         finally:
             os.close(temp.dir_fd)
             temp.dir_fd = -1
@@ -322,13 +318,10 @@ class RecordFolder(FolderScan):
         finally:
             os.close(dir_fd)
         try:
-            stat = os.fstat(fd)
-            if not S_ISREG(stat.st_mode):
-                raise ForeignEntryError(errno.EISDIR, f"{self.path_of(digest)} is not a regular file", digest)
+            return fd, self._regular(digest, os.fstat(fd))
         except BaseException:
             os.close(fd)
             raise
-        return fd, stat
 
     def stat(self, digest: str) -> os.stat_result | None:
         """The record file's stat (never through a link), ``None`` if absent; raises
@@ -343,9 +336,13 @@ class RecordFolder(FolderScan):
             return None
         finally:
             os.close(dir_fd)
-        if not S_ISREG(stat.st_mode):
+        return self._regular(digest, stat)
+
+    def _regular(self, digest: str, found: os.stat_result) -> os.stat_result:
+        """``found``, the stat of the record file ``digest``, if it is a regular file."""
+        if not S_ISREG(found.st_mode):
             raise ForeignEntryError(errno.EISDIR, f"{self.path_of(digest)} is not a regular file", digest)
-        return stat
+        return found
 
     def touch(self, digest: str) -> None:
         """Mark a record as just used, so the LRU order survives a restart."""
@@ -355,9 +352,8 @@ class RecordFolder(FolderScan):
         except OSError:
             return
         try:
-            os.utime(f"{digest}{RECORD_SUFFIX}", ns=(now, now), dir_fd=dir_fd, follow_symlinks=False)
-        except OSError:  # evicted or read-only: the order is a hint, not data
-            pass
+            with contextlib.suppress(OSError):  # evicted or read-only: the order is a hint, not data
+                os.utime(f"{digest}{RECORD_SUFFIX}", ns=(now, now), dir_fd=dir_fd, follow_symlinks=False)
         finally:
             os.close(dir_fd)
 

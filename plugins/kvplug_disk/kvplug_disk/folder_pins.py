@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvplug import PinOutcome, StoredRecord
@@ -148,14 +149,9 @@ class KeptForOthers:
     asked about again when they are next chosen to leave."""
 
     def __init__(self) -> None:
-        self._records: dict[str, tuple[IndexEntry, bytes | None]] = {}
-        #: The owners whose marks kept each record (:meth:`owners`).
-        self._owners: dict[str, list[str]] = {}
+        self._records: dict[str, _Kept] = {}
         #: Value bytes of the records (the budget counts value bytes).
         self.value_bytes = 0
-
-    def __contains__(self, digest: str) -> bool:
-        return digest in self._records
 
     def __bool__(self) -> bool:
         return bool(self._records)
@@ -163,44 +159,52 @@ class KeptForOthers:
     def keep(self, digest: str, entry: IndexEntry, tag: bytes | None, owners: list[str]) -> None:
         """Remember ``digest``, left in place for the marks of the live ``owners``."""
         self.drop(digest)
-        self._records[digest] = (entry, tag)
-        self._owners[digest] = owners
+        self._records[digest] = _Kept(entry, tag, owners)
         self.value_bytes += entry.value_size
 
     def drop(self, digest: str) -> IndexEntry | None:
         """Forget ``digest`` (back in the order, or gone); its entry, if it was kept."""
         kept = self._records.pop(digest, None)
-        self._owners.pop(digest, None)
         if kept is None:
             return None
-        self.value_bytes -= kept[0].value_size
-        return kept[0]
+        self.value_bytes -= kept.entry.value_size
+        return kept.entry
 
     def hold(self, digest: str, owners: list[str]) -> None:
         """The live ``owners`` keep the kept record ``digest`` now."""
-        if digest in self._owners:
-            self._owners[digest] = owners
+        kept = self._records.get(digest)
+        if kept is not None:
+            kept.owners = owners
 
     def owners(self) -> set[str]:
         """The owners whose marks kept records here: few (one per other engine pinning)."""
-        return {owner for owners in self._owners.values() for owner in owners}
+        return {owner for kept in self._records.values() for owner in kept.owners}
 
     def kept_only_by(self, dead: set[str]) -> list[str]:
         """The records whose every keeping owner is in ``dead``."""
-        return [digest for digest, owners in self._owners.items() if dead.issuperset(owners)]
+        return [digest for digest, kept in self._records.items() if dead.issuperset(kept.owners)]
 
     def file_bytes_of(self, tag: bytes) -> int:
         """File bytes kept of the tenant tagged ``tag`` (quotas count file bytes)."""
-        return sum(entry.file_size for entry, kept_tag in self._records.values() if kept_tag == tag)
+        return sum(kept.entry.file_size for kept in self._records.values() if kept.tag == tag)
 
     def digests_of(self, tag: bytes) -> list[str]:
         """The records kept of the tenant tagged ``tag``."""
-        return [digest for digest, (_, kept_tag) in self._records.items() if kept_tag == tag]
+        return [digest for digest, kept in self._records.items() if kept.tag == tag]
 
     def digests(self) -> list[str]:
         return list(self._records)
 
     def clear(self) -> None:
         self._records.clear()
-        self._owners.clear()
         self.value_bytes = 0
+
+
+@dataclass
+class _Kept:
+    """A record :class:`KeptForOthers` holds: its entry, its tenant's tag, and the owners whose
+    marks kept it."""
+
+    entry: IndexEntry
+    tag: bytes | None
+    owners: list[str]

@@ -30,6 +30,7 @@ debugger, a frozen container) would otherwise stop every process of the folder.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -93,7 +94,7 @@ class Usage:
         #: What the file holds (``None``: no valid total): compared on exit, not the total at entry,
         #: so that a change saved and then undone (a failed rename) is saved back.
         self.saved = total
-        self._saved_tenants = None if self.tenants is None else dict(self.tenants)
+        self._saved_tenants = _copied(self.tenants)
 
     @property
     def changed(self) -> bool:
@@ -117,7 +118,7 @@ class Usage:
         self.total = max(0, self.total)
         self._ledger._write(self.total, self.tenants)
         self.saved = self.total
-        self._saved_tenants = None if self.tenants is None else dict(self.tenants)
+        self._saved_tenants = _copied(self.tenants)
 
 
 class UsageLedger:
@@ -141,23 +142,19 @@ class UsageLedger:
         #: (device, inode) of the file open as ``_fd``: is it still the one at the ledger's name?
         self._identity = (0, 0)
         self.read_only = read_only
-        flags = _OPEN_FLAGS
         if read_only:
-            try:
-                self._fd = _regular(os.open(LEDGER_NAME, os.O_RDONLY | flags, dir_fd=root_fd))
-            except OSError:  # none (a store of another kvplug), or not a file: the total is the listing's
-                pass
+            with contextlib.suppress(OSError):  # none (a store of another kvplug), or not a file: the listing's total
+                self._fd = _regular(os.open(LEDGER_NAME, os.O_RDONLY | _OPEN_FLAGS, dir_fd=root_fd))
             return
         try:
-            fd = _regular(os.open(LEDGER_NAME, os.O_RDWR | os.O_CREAT | flags, PRIVATE_FILE, dir_fd=root_fd))
+            fd = self._open_shared()
         except OSError as exc:
             logger.warning("disk tier: no shared usage file (%s); the budget counts this process's records only", exc)
             return
         try:  # can this file system lock files? (held by another process: it can)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        except BlockingIOError:
-            pass
+            with contextlib.suppress(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
         except OSError as exc:
             os.close(fd)
             logger.warning(
@@ -166,6 +163,10 @@ class UsageLedger:
             return
         self._fd = fd
         self._identity = _identity(os.fstat(fd))
+
+    def _open_shared(self) -> int:
+        """The file at the ledger's name, opened to read and write (made if none)."""
+        return _regular(os.open(LEDGER_NAME, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, PRIVATE_FILE, dir_fd=self._root_fd))
 
     @property
     def shared(self) -> bool:
@@ -219,16 +220,11 @@ class UsageLedger:
         write) and ``False`` says to lock that. Where it cannot be opened, ``True``: the old
         file it is (this process's total, as where the folder holds no ledger)."""
         assert self._fd is not None
-        try:
-            found = os.stat(LEDGER_NAME, dir_fd=self._root_fd, follow_symlinks=False)
-            if _identity(found) == self._identity:
+        with contextlib.suppress(OSError):
+            if _identity(os.stat(LEDGER_NAME, dir_fd=self._root_fd, follow_symlinks=False)) == self._identity:
                 return True
-        except OSError:
-            pass
         try:
-            fd = _regular(
-                os.open(LEDGER_NAME, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, PRIVATE_FILE, dir_fd=self._root_fd)
-            )
+            fd = self._open_shared()
         except OSError:
             return True
         fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -272,7 +268,7 @@ class UsageLedger:
         with self._fd_lock:  # the descriptor read once, and not closed under the reads
             fd = self._fd
             if fd is None:
-                return self._local, None if self._local_tenants is None else dict(self._local_tenants)
+                return self._local, _copied(self._local_tenants)
             size = os.fstat(fd).st_size
             # Bounded: a file longer than any table (made sparse by a hand) must not be read whole.
             data = os.pread(fd, max(8, size) if size <= MAX_USAGE_BYTES else 8, 0)
@@ -280,7 +276,7 @@ class UsageLedger:
 
     def _write(self, total: int, tenants: dict[bytes, int] | None = None) -> None:
         self._local = total
-        self._local_tenants = None if tenants is None else dict(tenants)
+        self._local_tenants = _copied(tenants)
         if self._fd is None or self.read_only:
             return
         data = encode_usage(total, tenants)
@@ -296,6 +292,10 @@ class UsageLedger:
             self._write_failed = True
         else:
             self._write_failed = False
+
+
+def _copied(tenants: dict[bytes, int] | None) -> dict[bytes, int] | None:
+    return None if tenants is None else dict(tenants)
 
 
 def _identity(info: os.stat_result) -> tuple[int, int]:

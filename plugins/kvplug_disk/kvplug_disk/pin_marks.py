@@ -9,7 +9,7 @@ extended attribute ``user.kvplug.pin.<owner>`` that the process sets when it pin
 evict a record reads its marks first and leaves it in place while one of them names a live
 owner other than itself (:meth:`PinMarks.held_elsewhere`).
 
-- **Owners, and pins of a process that died.** ``<owner>`` is a random 128-bit id, one per open
+- **Owners, and pins of a process that died** (their lock files: :mod:`kvplug_disk.pin_owners`). ``<owner>`` is a random 128-bit id, one per open
   tier. The owner holds an exclusive ``flock`` on ``.kvplug-pins/<owner>`` in the folder for as
   long as the tier is open, and the kernel drops it when the process ends, however it ends
   (SIGKILL too). A mark whose owner file is gone or not locked is dead: ignored, removed from
@@ -35,26 +35,27 @@ without reading and rewriting anyone else's.
 
 from __future__ import annotations
 
-import errno
-import fcntl
+import contextlib
 import logging
 import os
-import re
 import secrets
 import threading
 from typing import Protocol
 
 from kvplug_disk.folder_scan import RECORD_SUFFIX
+from kvplug_disk.pin_owners import (
+    OPEN_FLAGS,
+    OWNERS_FOLDER,
+    is_owner_id,
+    make_owner_file,
+    owner_alive,
+    remove_owner_file,
+    sweep_owners,
+)
 
 #: A pin mark's attribute: this prefix and its owner's id.
 MARK_PREFIX = "user.kvplug.pin."
-#: The folder (in the store's root) of the owners' lock files.
-OWNERS_FOLDER = ".kvplug-pins"
-_OWNER = re.compile(r"[0-9a-f]{32}")
-#: An owner's lock file being made (:meth:`PinMarks._make_owner_file`), or left by a crash.
-_OWNER_TEMP = re.compile(r"[0-9a-f]{32}\.tmp")
 _MARK_VALUE = b"1"
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class Records(Protocol):
@@ -129,9 +130,8 @@ class PinMarks:
             if opened is None:
                 continue
             try:
-                os.removexattr(opened, self._attr)
-            except OSError:  # gone already (the file was stored again without it)
-                pass
+                with contextlib.suppress(OSError):  # gone already (the file was stored again without it)
+                    os.removexattr(opened, self._attr)
             finally:
                 os.close(opened)
 
@@ -140,67 +140,33 @@ class PinMarks:
     def held_elsewhere(self, digest: str) -> list[str]:
         """The live owners other than this one that marked the record ``digest`` pinned (the
         folder's lock held: call before evicting it). Dead owners' marks are removed."""
-        if not self._has_marks(digest):  # (the common case: one call, no descriptor)
-            return []
-        opened = self._open(digest)
-        if opened is None:
-            return []
-        try:
-            return [owner for owner in self._live_owners(opened) if owner != self.owner]
-        finally:
-            os.close(opened)
+        return [owner for owner in self._marked_by(digest) if owner != self.owner]
 
     def alive(self, owner: str) -> bool:
-        """Whether the owner ``owner`` (of a mark :meth:`held_elsewhere` named) still lives;
-        one that does not is dead for good, its lock file removed."""
-        return self._alive(owner)
+        """Whether the owner ``owner`` (of a mark :meth:`held_elsewhere` named) still holds its
+        lock file; one that does not is dead for good, its lock file removed."""
+        return owner_alive(self._root_fd, owner)
 
     def carry_over(self, digest: str, temp_name: str, temp_dir_fd: int) -> None:
         """Copy the live marks, this owner's too, from the record ``digest`` to the temp file
         about to be renamed over it (the folder's lock held)."""
-        if not self._has_marks(digest):
-            return
-        opened = self._open(digest)
-        if opened is None:
-            return
-        try:
-            owners = self._live_owners(opened)
-        finally:
-            os.close(opened)
+        owners = self._marked_by(digest)
         if not owners:
             return
         try:
-            temp = os.open(temp_name, _OPEN_FLAGS, dir_fd=temp_dir_fd)
+            temp = os.open(temp_name, OPEN_FLAGS, dir_fd=temp_dir_fd)
+            try:
+                for owner in owners:
+                    os.setxattr(temp, MARK_PREFIX + owner, _MARK_VALUE)
+            finally:
+                os.close(temp)
         except OSError as exc:
             self._failed("cannot copy the pin marks onto a record stored again", exc)
-            return
-        try:
-            for owner in owners:
-                os.setxattr(temp, MARK_PREFIX + owner, _MARK_VALUE)
-        except OSError as exc:
-            self._failed("cannot copy the pin marks onto a record stored again", exc)
-        finally:
-            os.close(temp)
 
     def sweep(self) -> int:
-        """Remove the lock files of owners that are gone (at a tier's open): those whose marks no
-        eviction came across, because their records were removed or are never evicted, and the
-        temp ones of owners that crashed making theirs. How many."""
-        try:
-            folder = self._open_owners_folder()
-        except OSError:  # none yet (no pin was ever marked here)
-            return 0
-        try:
-            names = os.listdir(folder)
-            owners = [name for name in names if _OWNER.fullmatch(name)]
-            temps = [name for name in names if _OWNER_TEMP.fullmatch(name)]
-            return sum(not self._alive_in(folder, owner) for owner in owners) + sum(
-                self._sweep_temp(folder, temp) for temp in temps
-            )
-        except OSError:
-            return 0
-        finally:
-            os.close(folder)
+        """Remove the lock files of owners that are gone (at a tier's open, the folder's lock
+        held): :func:`~kvplug_disk.pin_owners.sweep_owners`. How many."""
+        return sweep_owners(self._root_fd)
 
     def close(self) -> None:
         """Give up this owner's marks: its lock file goes (the marks left on records are dead)."""
@@ -209,14 +175,7 @@ class PinMarks:
             self.marked.clear()
         if fd is None:
             return
-        try:
-            folder = self._open_owners_folder()
-            try:
-                os.unlink(self.owner, dir_fd=folder)
-            finally:
-                os.close(folder)
-        except OSError:
-            pass
+        remove_owner_file(self._root_fd, self.owner)
         os.close(fd)
 
     # --- helpers ----------------------------------------------------------------------
@@ -229,41 +188,31 @@ class PinMarks:
             if self.read_only:
                 return False
             try:
-                self._owner_fd = self._make_owner_file()
+                self._owner_fd = make_owner_file(self._root_fd, self.owner)
+                return True
             except OSError as exc:
                 failed = exc
-            else:
-                return True
         self._failed(f"cannot make the pin lock file {OWNERS_FOLDER}/{self.owner}", failed)
         return False
 
-    def _make_owner_file(self) -> int:
+    def _marked_by(self, digest: str) -> list[str]:
+        """The live owners (this one too) that marked the record ``digest``; dead marks are removed."""
+        if not self._has_marks(digest):  # (the common case: one call, no descriptor)
+            return []
+        opened = self._open(digest)
+        if opened is None:
+            return []
         try:
-            os.mkdir(OWNERS_FOLDER, 0o700, dir_fd=self._root_fd)
-        except FileExistsError:
-            pass
-        folder = self._open_owners_folder()
-        try:
-            temp = f"{self.owner}.tmp"
-            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(temp, flags, 0o600, dir_fd=folder)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: no one else holds it
-                os.rename(temp, self.owner, src_dir_fd=folder, dst_dir_fd=folder)
-            except BaseException:
-                os.close(fd)
-                os.unlink(temp, dir_fd=folder)
-                raise
+            return self._live_owners(opened)
         finally:
-            os.close(folder)
-        return fd
+            os.close(opened)
 
     def _has_marks(self, digest: str) -> bool:
         """Whether the record file ``digest`` carries any pin mark: a cheaper look than
         :meth:`_open`'s (which checks the shard folder and the file's type) for the common
         case of a record no one pinned."""
         try:
-            fd = os.open(f"{digest[:2]}/{digest}{RECORD_SUFFIX}", _OPEN_FLAGS, dir_fd=self._root_fd)
+            fd = os.open(f"{digest[:2]}/{digest}{RECORD_SUFFIX}", OPEN_FLAGS, dir_fd=self._root_fd)
         except OSError:  # no such file (or a link at its name: not a record)
             return False
         try:
@@ -278,9 +227,7 @@ class PinMarks:
             opened = self._records.open_record(digest)
         except OSError:  # not a regular file: the tier's own checks say so
             return None
-        if opened is None:
-            return None
-        return opened[0]
+        return None if opened is None else opened[0]
 
     def _live_owners(self, fd: int) -> list[str]:
         """The owners of the live marks on the open record ``fd``; dead marks are removed."""
@@ -291,79 +238,11 @@ class PinMarks:
         live = []
         for name in names:
             owner = name[len(MARK_PREFIX) :]
-            if owner == self.owner or (_OWNER.fullmatch(owner) and self._alive(owner)):
+            if owner == self.owner or (is_owner_id(owner) and self.alive(owner)):
                 live.append(owner)
             else:
                 self._remove_mark(fd, name)
         return live
-
-    def _open_owners_folder(self) -> int:
-        """The owners' folder, never through a link: one that is not a folder of the store's
-        own (a link placed there) must not make this tier open or remove files elsewhere."""
-        return os.open(OWNERS_FOLDER, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd)
-
-    def _alive(self, owner: str) -> bool:
-        """Whether ``owner`` holds its lock file (see :meth:`_alive_in`)."""
-        try:
-            folder = self._open_owners_folder()
-        except (FileNotFoundError, NotADirectoryError):  # no owners' folder: no owner holds a lock
-            return False
-        except OSError as exc:
-            # A link in its place (ELOOP): owners make their files only in a real folder, so
-            # none holds a lock through it. Anything else: cannot tell, keep its marks.
-            return exc.errno != errno.ELOOP
-        try:
-            return self._alive_in(folder, owner)
-        finally:
-            os.close(folder)
-
-    def _alive_in(self, folder: int, owner: str) -> bool:
-        """Whether ``owner`` holds its lock file in the owners' folder open as ``folder``. One
-        that does not is dead for good (ids are never reused): its file is removed."""
-        try:
-            fd = os.open(owner, _OPEN_FLAGS, dir_fd=folder)
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            if exc.errno != errno.ELOOP:  # cannot tell (not ours to open): keep its marks
-                return True
-            # A link: owners make regular files, so no owner holds it; its marks would keep
-            # their records for good. The link goes (not what it leads to).
-            self._unlink_quietly(owner, folder)
-            return False
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except OSError:  # held by its owner (EWOULDBLOCK), or cannot tell: keep its marks
-                return True
-            self._unlink_quietly(owner, folder)
-            return False
-        finally:
-            os.close(fd)
-
-    def _sweep_temp(self, folder: int, temp: str) -> bool:
-        """Remove the temp lock file ``temp`` if no owner holds it (a crash left it between its
-        making and its rename: both run under the folder's lock, as this does); whether it was."""
-        try:
-            fd = os.open(temp, _OPEN_FLAGS, dir_fd=folder)
-        except OSError:  # gone (renamed), or not a file an owner made: left alone
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # its owner holds it: being made
-            return False
-        else:
-            return self._unlink_quietly(temp, folder)
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def _unlink_quietly(name: str, folder: int) -> bool:
-        try:
-            os.unlink(name, dir_fd=folder)
-        except OSError:  # gone already, or a folder: the sweep meets it again, harmless
-            return False
-        return True
 
     def _failed(self, what: str, exc: OSError) -> None:
         """Count a mark that could not be set; say why the first time (the count alone does
@@ -384,8 +263,5 @@ class PinMarks:
             os.removexattr(fd, name)
         except OSError:
             return
-        self._count("dead_pin_marks_removed")
-
-    def _count(self, what: str) -> None:
         with self._lock:
-            self.counts[what] += 1
+            self.counts["dead_pin_marks_removed"] += 1
