@@ -33,6 +33,7 @@ from kvplug_vllm.lookup_result import LookupResult
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
 from kvplug_vllm.plan import (
     SaveRules,
+    background_hit,
     loads_in_background,
     plan_step,
     rolled_back,
@@ -137,6 +138,11 @@ class SchedulerSide:
             num_groups=self.num_groups,
             pipeline_stages=self.pp_size,
         )
+        if background:
+            tiers = background_hit(tiers, num_computed_tokens, request.num_tokens, self.block_size)
+            hit = hit_tokens(tiers)
+            need = tokens_to_load(hit, num_computed_tokens, request.num_tokens)
+            background = need > 0
         lookup = LookupResult(num_computed_tokens, hit, tiers, request.num_prompt_tokens, background=background)
         state.lookup, state.phase = lookup, Phase.LOOKED_UP
         logger.info(
