@@ -102,15 +102,18 @@ def real_scheduler(
             unregister_local((engine_id, 0, 0))
 
 
-def new_request(request_id: str, prompt: list[int], max_tokens: int = 4) -> Any:
-    """A vLLM ``Request`` as its engine core makes one (block hashes for its prefix cache)."""
+def new_request(request_id: str, prompt: list[int], max_tokens: int = 4, *, report: bool = False) -> Any:
+    """A vLLM ``Request`` as its engine core makes one (block hashes for its prefix cache);
+    ``report``: it asks for kvplug's report (:attr:`EngineLoop.reports`)."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
 
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
-    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), None, block_hasher=hasher)
+    extra = {"kv_transfer_params": {"kvplug.report": True}} if report else None
+    params = SamplingParams(max_tokens=max_tokens, extra_args=extra)
+    return Request(request_id, prompt, params, None, block_hasher=hasher)
 
 
 def session_turn(
@@ -170,6 +173,8 @@ class EngineLoop:
         self.worker = WorkerSide(parent, roles, ConnectorSettings(load="sync"), {}, ("loop", 0, 0))
         self.worker.engine, self.worker.kv_caches = engine, self.caches
         self.blocks: dict[str, list[int]] = {}
+        #: What vLLM returned as each finished request's kv_transfer_params (kvplug's report).
+        self.reports: dict[str, Any] = {}
         #: (request, first position) of each forward that read KV other than the model's.
         self.misread: list[tuple[str, int]] = []
 
@@ -204,7 +209,11 @@ class EngineLoop:
             sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(finished_recving=finished, invalid_block_ids=errors),
         )
-        self.scheduler.update_from_output(output, runner)
+        outputs = self.scheduler.update_from_output(output, runner)
+        for engine_outputs in outputs.values():
+            for done in engine_outputs.outputs:
+                if done.kv_transfer_params is not None:
+                    self.reports[done.request_id] = done.kv_transfer_params
         return output, errors
 
     def wrong_positions(self, prompt: list[int]) -> tuple[int, list[int]]:
