@@ -39,6 +39,23 @@ def tokens_to_load(num_hit: int, num_computed: int, num_tokens: int) -> int:
     return max(need, 0)
 
 
+def background_hit(
+    tiers: Sequence[ChunkLocation], num_computed: int, num_tokens: int, block_size: int
+) -> list[ChunkLocation]:
+    """The chunks of ``tiers`` a background load can write into the blocks vLLM allocates for it.
+
+    vLLM allocates a background load's blocks for the promised tokens only
+    (:func:`tokens_to_load`): a hit of the whole prompt promises all but its last token, and
+    when that token begins a block of its own, the block is not there to write the chunk
+    holding it into. That chunk is left out of the hit: vLLM computes its tokens.
+    """
+    hit = sum(location.tokens for location in tiers)
+    promised_end = num_computed + tokens_to_load(hit, num_computed, num_tokens)
+    if tiers and hit == num_tokens and -(-hit // block_size) > -(-promised_end // block_size):
+        return list(tiers[:-1])
+    return list(tiers)
+
+
 def loads_in_background(
     tiers: Sequence[ChunkLocation],
     num_computed: int,

@@ -33,6 +33,7 @@ from kvplug_vllm.lookup_result import LookupResult
 from kvplug_vllm.metadata import KVPlugConnectorMetadata, LoadSpec, RequestMeta
 from kvplug_vllm.plan import (
     SaveRules,
+    background_hit,
     loads_in_background,
     plan_step,
     rolled_back,
@@ -137,6 +138,11 @@ class SchedulerSide:
             num_groups=self.num_groups,
             pipeline_stages=self.pp_size,
         )
+        if background:
+            tiers = background_hit(tiers, num_computed_tokens, request.num_tokens, self.block_size)
+            hit = hit_tokens(tiers)
+            need = tokens_to_load(hit, num_computed_tokens, request.num_tokens)
+            background = need > 0
         lookup = LookupResult(num_computed_tokens, hit, tiers, request.num_prompt_tokens, background=background)
         state.lookup, state.phase = lookup, Phase.LOOKED_UP
         logger.info(
@@ -213,6 +219,7 @@ class SchedulerSide:
             if computed < progress.num_computed:  # preempted, or rolled back after a failed load
                 progress.num_saved = rolled_back(progress.num_saved, computed, self.chunk_size)
                 progress.rollbacks += 1
+            self._take_background_load(state, computed)  # one vLLM preempted resumes as a cached request
             self._add(meta, state, computed, computed + scheduled[req_id], handed.get(req_id, ()))
         return meta
 
@@ -222,15 +229,20 @@ class SchedulerSide:
         if previous is not None:  # preempted, and resumed as a new request (vLLM's v2 model runner)
             progress.rollbacks = previous.rollbacks + 1
         state.progress = progress
-        loaded, state.load = state.load, None
-        if loaded is not None and state.phase is Phase.LOADING:  # its KV arrived in the background
-            progress.hit_tokens, progress.external_tokens = loaded.new_hit, loaded.num_external
-            progress.vllm_cached_tokens = loaded.vllm_cached
-            progress.num_saved = saved_after_background_load(
-                loaded.num_hit, loaded.num_computed + loaded.num_external, new.num_computed_tokens, self.chunk_size
-            )
-        elif loaded is not None and state.phase is Phase.LOAD_FAILED:  # nothing was loaded
-            progress.hit_tokens, progress.vllm_cached_tokens = loaded.new_hit, loaded.vllm_cached
+        self._take_background_load(state, new.num_computed_tokens)
+
+    def _take_background_load(self, state: RequestState, num_computed: int) -> None:
+        """What the request's background load brought (or failed to bring), in its progress, as
+        vLLM schedules it with ``num_computed`` tokens: counted as a synchronous load's would be."""
+        loaded, state.load, progress = state.load, None, state.progress
+        if loaded is None or progress is None:
+            return
+        progress.hit_tokens, progress.vllm_cached_tokens = loaded.new_hit, loaded.vllm_cached
+        if state.phase is Phase.LOADING:  # its KV arrived (else: LOAD_FAILED, nothing was loaded)
+            progress.external_tokens += loaded.num_external
+            promised_end = loaded.num_computed + loaded.num_external
+            saved = saved_after_background_load(loaded.num_hit, promised_end, num_computed, self.chunk_size)
+            progress.num_saved = max(progress.num_saved, saved)
 
     def _background_load(self, state: RequestState) -> RequestMeta:
         """The metadata of a background load allocated last step."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvplug import CacheEngine, Fingerprint, KVLayout, load_config, slots_from_block_ids
+from kvplug import CacheEngine, Fingerprint, KVLayout, PagedFormat, load_config, slots_from_block_ids
 from kvplug_vllm.layout import VLLM_CPU
 from kvplug_vllm.lookup import LocalWorker, register_local, unregister_local
 
@@ -24,13 +24,29 @@ BLOCK_SIZE = 32
 CHUNK_SIZE = 64
 NUM_BLOCKS = 64
 LAYOUT = KVLayout(VLLM_CPU, num_layers=2, block_size=BLOCK_SIZE, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+#: The same cache shape, [num_blocks, 2, block_size, 128], read as K and V of one 128-wide head a
+#: token, copied token by token: a chunk may end inside a block (VLLM_CPU copies whole blocks only).
+TOKEN_LAYOUT = KVLayout(
+    PagedFormat("loop_tokens", ("block", "kv", "token", "dim")), 2, BLOCK_SIZE, 1, 128, torch.bfloat16
+)
 
 
 @contextmanager
 def real_scheduler(
-    model: str, engine_id: str, *, max_num_batched_tokens: int = 1024, num_blocks: int = NUM_BLOCKS, **settings: Any
+    model: str,
+    engine_id: str,
+    *,
+    max_num_batched_tokens: int = 1024,
+    num_blocks: int = NUM_BLOCKS,
+    layout: KVLayout = LAYOUT,
+    engine_settings: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> Iterator[tuple[Any, CacheEngine]]:
-    """vLLM's ``Scheduler`` with KVPlugConnector, and the cache engine its lookups ask (cpu tier)."""
+    """vLLM's ``Scheduler`` with KVPlugConnector, and the cache engine its lookups ask (cpu tier).
+
+    ``layout``: the engine's, of :class:`EngineLoop`'s cache shape (:data:`TOKEN_LAYOUT` copies
+    single tokens, where :data:`LAYOUT` copies whole blocks only); ``engine_settings``: more of the
+    cache engine's own kvplug config (``settings`` go to the connector)."""
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
@@ -69,8 +85,9 @@ def real_scheduler(
     )
     init_none_hash(sha256)
     engine_extra = {"kvplug.chunk_size": CHUNK_SIZE, "kvplug.store.queue.mode": "sync"}
+    engine_extra.update({f"kvplug.{name}": value for name, value in (engine_settings or {}).items()})
     config = load_config(engine_extra=engine_extra, env={}).config
-    with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="real-scheduler")) as engine:
+    with CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="real-scheduler")) as engine:
         register_local((engine_id, 0, 0), LocalWorker(engine, lambda: 0))
         scheduler = Scheduler(
             vllm_config=vllm_config,
@@ -85,15 +102,18 @@ def real_scheduler(
             unregister_local((engine_id, 0, 0))
 
 
-def new_request(request_id: str, prompt: list[int], max_tokens: int = 4) -> Any:
-    """A vLLM ``Request`` as its engine core makes one (block hashes for its prefix cache)."""
+def new_request(request_id: str, prompt: list[int], max_tokens: int = 4, *, report: bool = False) -> Any:
+    """A vLLM ``Request`` as its engine core makes one (block hashes for its prefix cache);
+    ``report``: it asks for kvplug's report (:attr:`EngineLoop.reports`)."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
 
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
-    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), None, block_hasher=hasher)
+    extra = {"kv_transfer_params": {"kvplug.report": True}} if report else None
+    params = SamplingParams(max_tokens=max_tokens, extra_args=extra)
+    return Request(request_id, prompt, params, None, block_hasher=hasher)
 
 
 def session_turn(
@@ -153,6 +173,8 @@ class EngineLoop:
         self.worker = WorkerSide(parent, roles, ConnectorSettings(load="sync"), {}, ("loop", 0, 0))
         self.worker.engine, self.worker.kv_caches = engine, self.caches
         self.blocks: dict[str, list[int]] = {}
+        #: What vLLM returned as each finished request's kv_transfer_params (kvplug's report).
+        self.reports: dict[str, Any] = {}
         #: (request, first position) of each forward that read KV other than the model's.
         self.misread: list[tuple[str, int]] = []
 
@@ -187,7 +209,11 @@ class EngineLoop:
             sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(finished_recving=finished, invalid_block_ids=errors),
         )
-        self.scheduler.update_from_output(output, runner)
+        outputs = self.scheduler.update_from_output(output, runner)
+        for engine_outputs in outputs.values():
+            for done in engine_outputs.outputs:
+                if done.kv_transfer_params is not None:
+                    self.reports[done.request_id] = done.kv_transfer_params
         return output, errors
 
     def wrong_positions(self, prompt: list[int]) -> tuple[int, list[int]]:

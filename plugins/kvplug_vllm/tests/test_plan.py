@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from kvplug import ChunkLocation
 from kvplug_vllm.plan import (
     SaveRules,
+    background_hit,
     loads_in_background,
     plan_step,
     promised_blocks,
@@ -159,3 +160,26 @@ def test_the_promised_blocks_cover_the_loaded_tokens_from_the_first_real_block(
     covered = [token for _, lo, hi in blocks for token in range(lo, hi)]
     assert covered == list(range(start, end))
     assert all(block * block_size <= lo < hi <= (block + 1) * block_size for block, lo, hi in blocks)
+
+
+@given(
+    st.sampled_from([1, 16, 32, 64]),
+    st.sampled_from([16, 17, 48, 64, 100, 256]),
+    st.integers(1, 600),
+    st.integers(0, 600),
+)
+def test_a_background_hit_fits_the_blocks_vllm_allocates_for_its_promise(
+    block: int, chunk: int, prompt: int, computed: int
+) -> None:
+    # The hit's chunks, the last one partial (save_unfull_chunk); vLLM's own prefix cache is whole blocks.
+    sizes = [chunk] * (prompt // chunk) + ([prompt % chunk] if prompt % chunk else [])
+    tiers = [ChunkLocation("disk", "disk", size) for size in sizes]
+    computed = min(computed, prompt - 1) // block * block
+    kept = background_hit(tiers, computed, prompt, block)
+    hit = sum(location.tokens for location in kept)
+    promised_end = computed + tokens_to_load(hit, computed, prompt)
+    assert kept == tiers[: len(kept)]
+    if hit > computed:  # the load writes its hit's tokens into the blocks of its promise
+        assert -(-hit // block) <= -(-promised_end // block)
+    # A chunk is left out only where the whole prompt's hit needs a block vLLM does not allocate.
+    assert len(kept) == len(tiers) - ((prompt - 1) % block == 0)
