@@ -171,12 +171,22 @@ class ClusterNodes:
     async def keys(self, match: bytes, count: int) -> list[bytes]:
         """The keys matching ``match`` on every primary of the map (``SCAN`` over each node's own
         client: valkey-py's cluster client drops a node that fails from those it reads the map
-        from, then reads it by itself, with no deadline). A node that fails fails the listing."""
+        from, then reads it by itself, with no deadline). A node that fails fails the listing,
+        at once where its breaker is open (a hung node would hold it for its timeout)."""
         await self._current_map(asyncio.get_running_loop().time() + self._node_timeout_s)
         found: dict[bytes, None] = {}
         for node in self.cluster.get_primaries():
-            async for key in self._client(node).scan_iter(match=match, count=count):
-                found[key] = None  # (a key whose slot moved during the listing is met twice)
+            client, breaker = self._client(node), self._breaker(node.name)
+            if not breaker.allow():
+                self._on_short_circuit()
+                raise NodeDownError(f"cluster node {node.name}: circuit breaker open, the listing cannot scan it")
+            try:  # (the scan is the probe of a half-open breaker: its outcome is recorded)
+                async for key in client.scan_iter(match=match, count=count):
+                    found[key] = None  # (a key whose slot moved during the listing is met twice)
+            except Exception:
+                self._stale = breaker.record_failure() or self._stale
+                raise
+            breaker.record_success()
         return list(found)
 
     async def _current_map(self, deadline: float) -> None:

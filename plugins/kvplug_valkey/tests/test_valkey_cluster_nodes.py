@@ -62,10 +62,10 @@ def _stored_on_every_node(
 
 
 def _each_batch_misses_only_its_keys_while_hung(
-    cluster: ValkeyCluster, hung: int, tier, keys: list[str], nodes: list[int]
+    cluster: ValkeyCluster, hung: int, tier, keys: list[str], nodes: list[int], then: Any = lambda: None
 ) -> None:
     """Node ``hung`` paused (SIGSTOP) for as many batches as open its breaker: each batch
-    misses that node's keys alone, and the node is counted down; then it is resumed."""
+    misses that node's keys alone, and the node is counted down; ``then()``; then it is resumed."""
     alive = [node != hung for node in nodes]
     cluster.nodes[hung].pause()
     try:
@@ -73,6 +73,7 @@ def _each_batch_misses_only_its_keys_while_hung(
             got = tier.get(keys)
             assert [value is not None for value in got] == alive, tier.stats().extra
         assert tier.stats().extra["nodes_down"] == 1
+        then()
     finally:
         cluster.nodes[hung].resume()
 
@@ -140,10 +141,19 @@ def test_a_dead_node_misses_its_keys_alone(dead: int, tmp_path: Path, tiers) -> 
 def test_a_hung_node_costs_its_keys_alone_and_its_connections_are_not_reused_mid_reply(tmp_path: Path, tiers) -> None:
     """A node that accepts and never answers (SIGSTOP): its share of each batch ends at its
     part of the deadline, the others still answer; once it resumes, the replies it then
-    sends for the abandoned calls are never taken for a later call's."""
+    sends for the abandoned calls are never taken for a later call's. A listing while the
+    node's breaker is open fails at once, saying so, not after waiting on the hung node
+    (0c22cde: it scanned it, and failed on its timeout)."""
+
+    def list_while_open() -> None:
+        short_circuits = tier.context.metrics.value("kvplug_remote_short_circuits_total", tier="0:valkey")
+        with pytest.raises(TierUnavailableError, match="circuit breaker open"):
+            list(tier.records())
+        assert tier.context.metrics.value("kvplug_remote_short_circuits_total", tier="0:valkey") > short_circuits
+
     with ValkeyCluster(tmp_path / "cluster") as cluster:
         tier, keys, values, nodes = _stored_on_every_node(cluster, tiers, "hung")
-        _each_batch_misses_only_its_keys_while_hung(cluster, 1, tier, keys, nodes)
+        _each_batch_misses_only_its_keys_while_hung(cluster, 1, tier, keys, nodes, then=list_while_open)
         deadline = time.monotonic() + 60
         while not all(tier.contains(keys)):
             assert time.monotonic() < deadline, tier.stats().extra
@@ -152,6 +162,7 @@ def test_a_hung_node_costs_its_keys_alone_and_its_connections_are_not_reused_mid
             assert [None if v is None else bytes(v) for v in tier.get(keys)] == values
         extra = tier.stats().extra
         assert extra["nodes_down"] == 0 and extra["corrupt"] == 0 and extra["breaker_state"] == "closed", extra
+        assert len(list(tier.records())) == len(keys)
 
 
 def test_a_hung_url_node_costs_its_keys_alone_also_in_the_batch_that_reads_the_map(tmp_path: Path, tiers) -> None:
