@@ -42,6 +42,8 @@ NODE_DEADLINE_SHARE = 0.8
 #: A reading of the slot map ends at this fraction of the nodes' deadline (the old map stays),
 #: so that the batch that reads it still gets the nodes' answers when a node it asks hangs.
 MAP_DEADLINE_SHARE = 0.5
+#: Refusals of the credentials, which no retry fixes (the tier's classify makes them permanent).
+_CREDENTIALS = (vex.AuthenticationError, vex.AuthorizationError, vex.NoPermissionError)
 
 
 class NodeDownError(TierUnavailableError):
@@ -111,6 +113,8 @@ class ClusterNodes:
         #: Every node of the last reading's ``CLUSTER SHARDS`` (a reading for a node the map lacks:
         #: one serving no slot, which ``CLUSTER SLOTS``, the map's nodes, leaves out), else none.
         self._members: dict[str, shards.Member] = {}
+        #: Why the last node asked for the map gave none (said when no node ever gave one).
+        self._map_error: BaseException | None = None
         #: Nodes whose last call failed (or was refused by their open breaker).
         self._failing: set[str] = set()
         #: Failed node pipelines (each also counts towards that node's breaker).
@@ -199,7 +203,10 @@ class ClusterNodes:
                     await self._read_map(deadline)
         if not self.cluster.nodes_manager.slots_cache:
             self._stale = True
-            raise NodeDownError("no cluster node gave the map of slots")
+            error = self._map_error
+            if isinstance(error, _CREDENTIALS):  # (a wrong password: said as such, and never retried)
+                raise error.with_traceback(None)
+            raise NodeDownError(f"no cluster node gave the map of slots (the last: {error!r})") from error
 
     async def _send(
         self,
@@ -265,6 +272,9 @@ class ClusterNodes:
             except (vex.ValkeyError, vex.ValkeyClusterException, OSError, asyncio.TimeoutError, IndexError) as exc:
                 # (IndexError: valkey-py's reading of a node that answers an empty map, a node reset.)
                 _log.debug("valkey cluster: no slot map from %s: %r", node.name, exc)
+                # (valkey-py says why a node gave none in the cause of its own exception.)
+                cause = exc.__cause__ if isinstance(exc, vex.ValkeyClusterException) else None
+                self._map_error = cause or exc
                 continue
             self._last_good = node.name
             await self._forget_departed()
