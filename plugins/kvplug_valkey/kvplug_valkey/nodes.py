@@ -41,6 +41,7 @@ _REDIRECTS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
 NODE_DEADLINE_SHARE = 0.8
 #: A reading of the slot map ends at this fraction of the nodes' deadline (the old map stays),
 #: so that the batch that reads it still gets the nodes' answers when a node it asks hangs.
+#: With no map yet, the batch has nothing to send without one: the reading gets all of it.
 MAP_DEADLINE_SHARE = 0.5
 #: Refusals of the credentials, which no retry fixes (the tier's classify makes them permanent).
 _CREDENTIALS = (vex.AuthenticationError, vex.AuthorizationError, vex.NoPermissionError)
@@ -262,7 +263,8 @@ class ClusterNodes:
         self._stale = False
         self._readings += 1
         loop = asyncio.get_running_loop()
-        until = loop.time() + (deadline - loop.time()) * MAP_DEADLINE_SHARE
+        share = MAP_DEADLINE_SHARE if self.cluster.nodes_manager.slots_cache else 1.0
+        until = loop.time() + (deadline - loop.time()) * share
         candidates = list(self.cluster.nodes_manager.startup_nodes.values())  # (valkey-py keeps the map's nodes there)
         candidates.sort(key=lambda node: node.name != self._last_good)
         for turn, node in enumerate(candidates):

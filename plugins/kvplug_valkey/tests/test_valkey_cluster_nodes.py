@@ -15,6 +15,7 @@ from valkey_helpers import FAST_FAILING, QUICK_BREAKER, fresh_prefix
 from kvplug.core.records.frame import key_digest
 from kvplug.errors import TierUnavailableError
 from kvplug.testing import key_for, value_for
+from kvplug_valkey.fault_proxy import FaultProxy
 from kvplug_valkey.testing import ValkeyCluster
 
 
@@ -173,6 +174,25 @@ def test_a_hung_url_node_costs_its_keys_alone_also_in_the_batch_that_reads_the_m
     with ValkeyCluster(tmp_path / "cluster") as cluster:
         tier, keys, _, nodes = _stored_on_every_node(cluster, tiers, "hung-url")
         _each_batch_misses_only_its_keys_while_hung(cluster, 0, tier, keys, nodes)
+
+
+def test_the_first_reading_of_the_map_may_take_the_whole_node_deadline(valkey_cluster: ValkeyCluster, tiers) -> None:
+    """The URL node behind a slow link (each chunk held 0.35 s: the first reading, a connection
+    and three round trips, takes about 2.1 s of the nodes' 3.2 s): the first batch gets the map
+    and hits. With no map yet there is no batch to keep time for (0c22cde: the reading was cut
+    at half the nodes' deadline, 1.6 s; every attempt connected again and was cut again: the
+    tier never served)."""
+    prefix = fresh_prefix()
+    keys = [key_for(f"slow-url-{i}") for i in range(12)]
+    values = [value_for(key, 500) for key in keys]
+    tiers(valkey_cluster.url, key_prefix=prefix, cluster=True).put(list(zip(keys, values)))
+    proxy = FaultProxy(valkey_cluster.nodes[0].port, delay_s=0.35)
+    try:
+        proxy.set_mode("delay")
+        slow = tiers(proxy.url, key_prefix=prefix, cluster=True, request_timeout_s=4.0, connect_timeout_s=4.0)
+        assert [None if v is None else bytes(v) for v in slow.get(keys)] == values, slow.stats().extra
+    finally:
+        proxy.close()
 
 
 def test_a_cluster_with_no_node_answering_opens_the_tiers_breaker_and_recovers(tmp_path: Path, tiers) -> None:
