@@ -75,6 +75,20 @@ def _redirect_target(result: Any) -> tuple[str, bool] | None:
     return (rest.partition(" ")[2], kind == "ASK") if kind in ("MOVED", "ASK") else None
 
 
+class _Reader:
+    """The one node valkey-py asks in a reading of the map (:meth:`ClusterNodes._read_from`),
+    over the tier's client of that node: a reading sends one command on a connection open
+    already. (valkey-py's own node objects, new at each reading, connected afresh each time:
+    a TLS handshake and four round trips more, within the reading's share of a deadline.)"""
+
+    def __init__(self, node: Any, client: Any) -> None:
+        self.host, self.port, self.name = node.host, node.port, node.name
+        self.execute_command = client.execute_command
+
+    async def disconnect(self) -> None:
+        """Nothing: the client is the tier's, closed with it or once its node leaves the map."""
+
+
 class ClusterNodes:
     """Per-node pipelines and breakers over a ``ValkeyCluster`` client's slot map; see the module docstring."""
 
@@ -284,15 +298,17 @@ class ClusterNodes:
 
     async def _read_from(self, node: Any, members: bool) -> dict[str, shards.Member]:
         """With ``members`` the nodes ``CLUSTER SHARDS`` lists, then the map as ``node`` sees it
-        (valkey-py's reading, asking ``node`` alone; it then closes ``node``'s object, replaced by
-        a new one: hence this order)."""
+        (valkey-py's reading, asking ``node`` alone), both over the tier's client of ``node``."""
+        client = self._clients.get(node.name)
+        if client is None:  # (also the URL's node before the first map: closed after it if not in it)
+            client = self._clients[node.name] = self._node_client(node.host, node.port)
         try:
-            found = shards.members(await node.execute_command("CLUSTER SHARDS"), self._tls) if members else {}
+            found = shards.members(await client.execute_command("CLUSTER SHARDS"), self._tls) if members else {}
         except (vex.ResponseError, TypeError, ValueError, AttributeError):
             found = {}  # (no such command before Valkey/Redis 7, or a reply not as documented)
         manager = self.cluster.nodes_manager
         old = (manager.startup_nodes, dict(manager.nodes_cache), manager.slots_cache, manager.default_node)
-        manager.startup_nodes = {node.name: node}
+        manager.startup_nodes = {node.name: _Reader(node, client)}
         try:
             await manager.initialize()  # (which sets startup_nodes to the map's nodes)
         except BaseException:  # (cancelled at the end of its share too)
