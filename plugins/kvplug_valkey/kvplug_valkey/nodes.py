@@ -202,10 +202,11 @@ class ClusterNodes:
             try:  # (the scan is the probe of a half-open breaker: its outcome is recorded)
                 async for key in client.scan_iter(match=match, count=count):
                     found[key] = None  # (a key whose slot moved during the listing is met twice)
-            except Exception:
-                self._stale = breaker.record_failure() or self._stale
+            except Exception as exc:
+                if self._known(node.name) is not None:  # (else it left the map meanwhile, not failing)
+                    self._failed(node.name, breaker, exc)
                 raise
-            breaker.record_success()
+            self._answered(node.name, breaker)
         return list(found)
 
     async def _current_map(self, deadline: float) -> None:
@@ -388,25 +389,32 @@ class ClusterNodes:
                 # another node hung for all of it: a miss for them, not this node failing (its
                 # breaker opened by a hung peer: every key of its own missed).
                 raise NodeDownError(f"cluster node {node.name}: no time left for keys redirected to it") from exc
-            self.failures += 1
-            self._failing.add(node.name)
-            self._on_failure(exc)
-            if breaker.record_failure():
-                self._stale = True  # a failover may have given its slots to another node
-                _log.warning(
-                    "valkey cluster node %s is failing (%s: %s); its keys miss for %.1f s, the other nodes serve",
-                    node.name,
-                    type(exc).__name__,
-                    exc,
-                    self._cooldown_s,
-                )
+            self._failed(node.name, breaker, exc)
             raise
-        self._failing.discard(node.name)
         if any(_redirected(r) and not str(r).startswith("ASK ") for r in results):
             self._stale = True  # (ASK: a slot half-way moved, the map is still right)
-        if breaker.record_success():
-            _log.warning("valkey cluster node %s answers again; its breaker closed", node.name)
+        self._answered(node.name, breaker)
         return list(results)
+
+    def _failed(self, name: str, breaker: CircuitBreaker, exc: BaseException) -> None:
+        """Count a failed call of node ``name`` (the metrics, its breaker)."""
+        self.failures += 1
+        self._failing.add(name)
+        self._on_failure(exc)
+        if breaker.record_failure():
+            self._stale = True  # a failover may have given its slots to another node
+            _log.warning(
+                "valkey cluster node %s is failing (%s: %s); its keys miss for %.1f s, the other nodes serve",
+                name,
+                type(exc).__name__,
+                exc,
+                self._cooldown_s,
+            )
+
+    def _answered(self, name: str, breaker: CircuitBreaker) -> None:
+        self._failing.discard(name)
+        if breaker.record_success():
+            _log.warning("valkey cluster node %s answers again; its breaker closed", name)
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}

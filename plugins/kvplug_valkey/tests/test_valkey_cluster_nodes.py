@@ -50,6 +50,17 @@ def _node_of(cluster: ValkeyCluster, prefix: str, keys: list[str]) -> list[int]:
     return [where[(prefix + key_digest(key).hex()).encode()] for key in keys]
 
 
+def _node_calls_failed(tier: Any) -> float:
+    """Calls of cluster nodes that failed, or that a node's open breaker answered (the tier's metrics)."""
+    metrics = tier.context.metrics
+    failed = sum(
+        s.value
+        for s in metrics.samples()
+        if s.name == "kvplug_remote_failures_total" and s.labels["kind"].startswith("node_")
+    )
+    return failed + metrics.value("kvplug_remote_short_circuits_total", tier="0:valkey")
+
+
 def _stored_on_every_node(
     cluster: ValkeyCluster, tiers: Any, stem: str, options: dict[str, Any] = FAST_FAILING
 ) -> tuple[Any, list[str], list[bytes], list[int]]:
@@ -263,8 +274,10 @@ def test_every_operation_of_a_tier_made_while_the_first_primary_is_down(valkey_c
         assert seen is not None and tier.delete_record_if_same(digests[0], seen) is True
         assert tier.delete_record(digests[1]) is True
         assert tier.contains(live) == [False, False, True, True]
+        counted = _node_calls_failed(tier)
         with pytest.raises(TierUnavailableError):
             list(tier.records())
+        assert _node_calls_failed(tier) > counted  # (the listing's call of the down node: as a batch's)
     finally:
         first.start()
         cluster.wait_ok()
