@@ -190,11 +190,17 @@ class ClusterNodes:
     async def keys(self, match: bytes, count: int) -> list[bytes]:
         """The keys matching ``match`` on every primary of the map (``SCAN`` over each node's own
         client: valkey-py's cluster client drops a node that fails from those it reads the map
-        from, then reads it by itself, with no deadline). A node that fails fails the listing,
-        at once where its breaker is open (a hung node would hold it for its timeout)."""
-        await self._current_map(asyncio.get_running_loop().time() + self._node_timeout_s)
+        from, then reads it by itself, with no deadline), and on every online primary ``CLUSTER
+        SHARDS`` names that the map lacks (one that joined holds the keys of the slot it
+        imports, moved already). A node that fails fails the listing, at once where its breaker
+        is open (a hung node would hold it for its timeout)."""
+        deadline = asyncio.get_running_loop().time() + self._node_timeout_s
+        await self._current_map(deadline)
+        async with self._refreshing:
+            await self._read_map(deadline, members=True)
+        joined = [m for m in self._members.values() if m.primary and self._known(m.name) is m]
         found: dict[bytes, None] = {}
-        for node in self.cluster.get_primaries():
+        for node in [*self.cluster.get_primaries(), *joined]:
             client, breaker = self._client(node), self._breaker(node.name)
             if not breaker.allow():
                 self._on_short_circuit()
