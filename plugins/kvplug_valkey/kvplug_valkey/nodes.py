@@ -41,7 +41,10 @@ _REDIRECTS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
 NODE_DEADLINE_SHARE = 0.8
 #: A reading of the slot map ends at this fraction of the nodes' deadline (the old map stays),
 #: so that the batch that reads it still gets the nodes' answers when a node it asks hangs.
+#: With no map yet, the batch has nothing to send without one: the reading gets all of it.
 MAP_DEADLINE_SHARE = 0.5
+#: Refusals of the credentials, which no retry fixes (the tier's classify makes them permanent).
+_CREDENTIALS = (vex.AuthenticationError, vex.AuthorizationError, vex.NoPermissionError)
 
 
 class NodeDownError(TierUnavailableError):
@@ -70,6 +73,20 @@ def _redirect_target(result: Any) -> tuple[str, bool] | None:
         return None
     kind, _, rest = str(result).partition(" ")
     return (rest.partition(" ")[2], kind == "ASK") if kind in ("MOVED", "ASK") else None
+
+
+class _Reader:
+    """The one node valkey-py asks in a reading of the map (:meth:`ClusterNodes._read_from`),
+    over the tier's client of that node: a reading sends one command on a connection open
+    already. (valkey-py's own node objects, new at each reading, connected afresh each time:
+    a TLS handshake and four round trips more, within the reading's share of a deadline.)"""
+
+    def __init__(self, node: Any, client: Any) -> None:
+        self.host, self.port, self.name = node.host, node.port, node.name
+        self.execute_command = client.execute_command
+
+    async def disconnect(self) -> None:
+        """Nothing: the client is the tier's, closed with it or once its node leaves the map."""
 
 
 class ClusterNodes:
@@ -111,6 +128,8 @@ class ClusterNodes:
         #: Every node of the last reading's ``CLUSTER SHARDS`` (a reading for a node the map lacks:
         #: one serving no slot, which ``CLUSTER SLOTS``, the map's nodes, leaves out), else none.
         self._members: dict[str, shards.Member] = {}
+        #: Why the last node asked for the map gave none (said when no node ever gave one).
+        self._map_error: BaseException | None = None
         #: Nodes whose last call failed (or was refused by their open breaker).
         self._failing: set[str] = set()
         #: Failed node pipelines (each also counts towards that node's breaker).
@@ -171,12 +190,29 @@ class ClusterNodes:
     async def keys(self, match: bytes, count: int) -> list[bytes]:
         """The keys matching ``match`` on every primary of the map (``SCAN`` over each node's own
         client: valkey-py's cluster client drops a node that fails from those it reads the map
-        from, then reads it by itself, with no deadline). A node that fails fails the listing."""
-        await self._current_map(asyncio.get_running_loop().time() + self._node_timeout_s)
+        from, then reads it by itself, with no deadline), and on every online primary ``CLUSTER
+        SHARDS`` names that the map lacks (one that joined holds the keys of the slot it
+        imports, moved already). A node that fails fails the listing, at once where its breaker
+        is open (a hung node would hold it for its timeout)."""
+        deadline = asyncio.get_running_loop().time() + self._node_timeout_s
+        await self._current_map(deadline)
+        async with self._refreshing:
+            await self._read_map(deadline, members=True)
+        joined = [m for m in self._members.values() if m.primary and self._known(m.name) is m]
         found: dict[bytes, None] = {}
-        for node in self.cluster.get_primaries():
-            async for key in self._client(node).scan_iter(match=match, count=count):
-                found[key] = None  # (a key whose slot moved during the listing is met twice)
+        for node in [*self.cluster.get_primaries(), *joined]:
+            client, breaker = self._client(node), self._breaker(node.name)
+            if not breaker.allow():
+                self._on_short_circuit()
+                raise NodeDownError(f"cluster node {node.name}: circuit breaker open, the listing cannot scan it")
+            try:  # (the scan is the probe of a half-open breaker: its outcome is recorded)
+                async for key in client.scan_iter(match=match, count=count):
+                    found[key] = None  # (a key whose slot moved during the listing is met twice)
+            except Exception as exc:
+                if self._known(node.name) is not None:  # (else it left the map meanwhile, not failing)
+                    self._failed(node.name, breaker, exc)
+                raise
+            self._answered(node.name, breaker)
         return list(found)
 
     async def _current_map(self, deadline: float) -> None:
@@ -189,7 +225,10 @@ class ClusterNodes:
                     await self._read_map(deadline)
         if not self.cluster.nodes_manager.slots_cache:
             self._stale = True
-            raise NodeDownError("no cluster node gave the map of slots")
+            error = self._map_error
+            if isinstance(error, _CREDENTIALS):  # (a wrong password: said as such, and never retried)
+                raise error.with_traceback(None)
+            raise NodeDownError(f"no cluster node gave the map of slots (the last: {error!r})") from error
 
     async def _send(
         self,
@@ -245,7 +284,8 @@ class ClusterNodes:
         self._stale = False
         self._readings += 1
         loop = asyncio.get_running_loop()
-        until = loop.time() + (deadline - loop.time()) * MAP_DEADLINE_SHARE
+        share = MAP_DEADLINE_SHARE if self.cluster.nodes_manager.slots_cache else 1.0
+        until = loop.time() + (deadline - loop.time()) * share
         candidates = list(self.cluster.nodes_manager.startup_nodes.values())  # (valkey-py keeps the map's nodes there)
         candidates.sort(key=lambda node: node.name != self._last_good)
         for turn, node in enumerate(candidates):
@@ -255,6 +295,9 @@ class ClusterNodes:
             except (vex.ValkeyError, vex.ValkeyClusterException, OSError, asyncio.TimeoutError, IndexError) as exc:
                 # (IndexError: valkey-py's reading of a node that answers an empty map, a node reset.)
                 _log.debug("valkey cluster: no slot map from %s: %r", node.name, exc)
+                # (valkey-py says why a node gave none in the cause of its own exception.)
+                cause = exc.__cause__ if isinstance(exc, vex.ValkeyClusterException) else None
+                self._map_error = cause or exc
                 continue
             self._last_good = node.name
             await self._forget_departed()
@@ -262,15 +305,17 @@ class ClusterNodes:
 
     async def _read_from(self, node: Any, members: bool) -> dict[str, shards.Member]:
         """With ``members`` the nodes ``CLUSTER SHARDS`` lists, then the map as ``node`` sees it
-        (valkey-py's reading, asking ``node`` alone; it then closes ``node``'s object, replaced by
-        a new one: hence this order)."""
+        (valkey-py's reading, asking ``node`` alone), both over the tier's client of ``node``."""
+        client = self._clients.get(node.name)
+        if client is None:  # (also the URL's node before the first map: closed after it if not in it)
+            client = self._clients[node.name] = self._node_client(node.host, node.port)
         try:
-            found = shards.members(await node.execute_command("CLUSTER SHARDS"), self._tls) if members else {}
+            found = shards.members(await client.execute_command("CLUSTER SHARDS"), self._tls) if members else {}
         except (vex.ResponseError, TypeError, ValueError, AttributeError):
             found = {}  # (no such command before Valkey/Redis 7, or a reply not as documented)
         manager = self.cluster.nodes_manager
         old = (manager.startup_nodes, dict(manager.nodes_cache), manager.slots_cache, manager.default_node)
-        manager.startup_nodes = {node.name: node}
+        manager.startup_nodes = {node.name: _Reader(node, client)}
         try:
             await manager.initialize()  # (which sets startup_nodes to the map's nodes)
         except BaseException:  # (cancelled at the end of its share too)
@@ -350,25 +395,32 @@ class ClusterNodes:
                 # another node hung for all of it: a miss for them, not this node failing (its
                 # breaker opened by a hung peer: every key of its own missed).
                 raise NodeDownError(f"cluster node {node.name}: no time left for keys redirected to it") from exc
-            self.failures += 1
-            self._failing.add(node.name)
-            self._on_failure(exc)
-            if breaker.record_failure():
-                self._stale = True  # a failover may have given its slots to another node
-                _log.warning(
-                    "valkey cluster node %s is failing (%s: %s); its keys miss for %.1f s, the other nodes serve",
-                    node.name,
-                    type(exc).__name__,
-                    exc,
-                    self._cooldown_s,
-                )
+            self._failed(node.name, breaker, exc)
             raise
-        self._failing.discard(node.name)
         if any(_redirected(r) and not str(r).startswith("ASK ") for r in results):
             self._stale = True  # (ASK: a slot half-way moved, the map is still right)
-        if breaker.record_success():
-            _log.warning("valkey cluster node %s answers again; its breaker closed", node.name)
+        self._answered(node.name, breaker)
         return list(results)
+
+    def _failed(self, name: str, breaker: CircuitBreaker, exc: BaseException) -> None:
+        """Count a failed call of node ``name`` (the metrics, its breaker)."""
+        self.failures += 1
+        self._failing.add(name)
+        self._on_failure(exc)
+        if breaker.record_failure():
+            self._stale = True  # a failover may have given its slots to another node
+            _log.warning(
+                "valkey cluster node %s is failing (%s: %s); its keys miss for %.1f s, the other nodes serve",
+                name,
+                type(exc).__name__,
+                exc,
+                self._cooldown_s,
+            )
+
+    def _answered(self, name: str, breaker: CircuitBreaker) -> None:
+        self._failing.discard(name)
+        if breaker.record_success():
+            _log.warning("valkey cluster node %s answers again; its breaker closed", name)
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}

@@ -12,12 +12,19 @@ class Member(NamedTuple):
     name: str
     host: str
     port: int
+    #: A primary that is online: it may hold keys ``CLUSTER SLOTS`` does not lead to (a node that
+    #: joined and imports its first slot), which a listing scans.
+    primary: bool = False
 
 
 def _fields(entry: Any) -> dict[str, Any]:
     """A ``CLUSTER SHARDS`` map (RESP2: an array of names and values) by field name."""
     pairs = entry.items() if isinstance(entry, dict) else zip(entry[::2], entry[1::2])
     return {k.decode() if isinstance(k, bytes) else str(k): v for k, v in pairs}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else "" if value is None else str(value)
 
 
 def members(shards: Any, tls: bool) -> dict[str, Member]:
@@ -27,10 +34,12 @@ def members(shards: Any, tls: bool) -> dict[str, Member]:
     for shard in shards:
         for entry in _fields(shard).get("nodes") or []:
             node = _fields(entry)
-            host = node.get("endpoint") or b""
-            host = host.decode() if isinstance(host, bytes) else str(host)
+            host = _text(node.get("endpoint"))
             port = (node.get("tls-port") if tls else None) or node.get("port")
             if host and host != "?" and port:  # ("?": a node that has no endpoint to announce)
-                member = Member(f"{host}:{int(port)}", host, int(port))
+                role, health = (_text(node.get(field)) for field in ("role", "health"))
+                member = Member(
+                    f"{host}:{int(port)}", host, int(port), role in ("master", "primary") and health == "online"
+                )
                 found[member.name] = member
     return found

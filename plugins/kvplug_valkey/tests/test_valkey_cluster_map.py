@@ -69,7 +69,8 @@ def test_a_key_told_ask_for_a_node_that_just_joined_is_read_there_in_the_same_ba
     """The first slot moving to a node that just joined, half-way: a key moved already is told
     ASK for a node that serves no slot, which the map (``CLUSTER SLOTS``) does not list. The
     batch reads the map once (``CLUSTER SHARDS`` lists every node) and reads the key there;
-    the next batches need no reading; moved to the end (``MOVED``), the key is read there too."""
+    the next batches need no reading, and a listing lists the key there too; moved to the end
+    (``MOVED``), the key is read there too."""
     cluster = valkey_cluster
     with ValkeyServer(tmp_path / "new", cluster_port=True) as new:
         first, everyone = cluster.nodes[0], [*cluster.nodes, new]
@@ -90,6 +91,8 @@ def test_a_key_told_ask_for_a_node_that_just_joined_is_read_there_in_the_same_ba
             assert reads > before  # that batch read the map
             assert read_hits(tier, keys, values) == [True, True]
             assert _map_reads(everyone) == reads  # the node known: no reading more
+            # (0c22cde listed the map's nodes alone: the moved record was not listed)
+            assert sorted(r.digest for r in tier.records()) == sorted(key_digest(key).hex() for key in keys)
             reshard.migrate(first, new, reshard.keys_in(first, slot))
             reshard.finish(everyone, first, new, slot)
             assert read_hits(tier, keys, values) == [True, True], tier.stats().extra

@@ -15,6 +15,7 @@ from valkey_helpers import FAST_FAILING, QUICK_BREAKER, fresh_prefix
 from kvplug.core.records.frame import key_digest
 from kvplug.errors import TierUnavailableError
 from kvplug.testing import key_for, value_for
+from kvplug_valkey.fault_proxy import FaultProxy
 from kvplug_valkey.testing import ValkeyCluster
 
 
@@ -49,6 +50,17 @@ def _node_of(cluster: ValkeyCluster, prefix: str, keys: list[str]) -> list[int]:
     return [where[(prefix + key_digest(key).hex()).encode()] for key in keys]
 
 
+def _node_calls_failed(tier: Any) -> float:
+    """Calls of cluster nodes that failed, or that a node's open breaker answered (the tier's metrics)."""
+    metrics = tier.context.metrics
+    failed = sum(
+        s.value
+        for s in metrics.samples()
+        if s.name == "kvplug_remote_failures_total" and s.labels["kind"].startswith("node_")
+    )
+    return failed + metrics.value("kvplug_remote_short_circuits_total", tier="0:valkey")
+
+
 def _stored_on_every_node(
     cluster: ValkeyCluster, tiers: Any, stem: str, options: dict[str, Any] = FAST_FAILING
 ) -> tuple[Any, list[str], list[bytes], list[int]]:
@@ -62,10 +74,10 @@ def _stored_on_every_node(
 
 
 def _each_batch_misses_only_its_keys_while_hung(
-    cluster: ValkeyCluster, hung: int, tier, keys: list[str], nodes: list[int]
+    cluster: ValkeyCluster, hung: int, tier, keys: list[str], nodes: list[int], then: Any = lambda: None
 ) -> None:
     """Node ``hung`` paused (SIGSTOP) for as many batches as open its breaker: each batch
-    misses that node's keys alone, and the node is counted down; then it is resumed."""
+    misses that node's keys alone, and the node is counted down; ``then()``; then it is resumed."""
     alive = [node != hung for node in nodes]
     cluster.nodes[hung].pause()
     try:
@@ -73,6 +85,7 @@ def _each_batch_misses_only_its_keys_while_hung(
             got = tier.get(keys)
             assert [value is not None for value in got] == alive, tier.stats().extra
         assert tier.stats().extra["nodes_down"] == 1
+        then()
     finally:
         cluster.nodes[hung].resume()
 
@@ -140,10 +153,19 @@ def test_a_dead_node_misses_its_keys_alone(dead: int, tmp_path: Path, tiers) -> 
 def test_a_hung_node_costs_its_keys_alone_and_its_connections_are_not_reused_mid_reply(tmp_path: Path, tiers) -> None:
     """A node that accepts and never answers (SIGSTOP): its share of each batch ends at its
     part of the deadline, the others still answer; once it resumes, the replies it then
-    sends for the abandoned calls are never taken for a later call's."""
+    sends for the abandoned calls are never taken for a later call's. A listing while the
+    node's breaker is open fails at once, saying so, not after waiting on the hung node
+    (0c22cde: it scanned it, and failed on its timeout)."""
+
+    def list_while_open() -> None:
+        short_circuits = tier.context.metrics.value("kvplug_remote_short_circuits_total", tier="0:valkey")
+        with pytest.raises(TierUnavailableError, match="circuit breaker open"):
+            list(tier.records())
+        assert tier.context.metrics.value("kvplug_remote_short_circuits_total", tier="0:valkey") > short_circuits
+
     with ValkeyCluster(tmp_path / "cluster") as cluster:
         tier, keys, values, nodes = _stored_on_every_node(cluster, tiers, "hung")
-        _each_batch_misses_only_its_keys_while_hung(cluster, 1, tier, keys, nodes)
+        _each_batch_misses_only_its_keys_while_hung(cluster, 1, tier, keys, nodes, then=list_while_open)
         deadline = time.monotonic() + 60
         while not all(tier.contains(keys)):
             assert time.monotonic() < deadline, tier.stats().extra
@@ -152,6 +174,7 @@ def test_a_hung_node_costs_its_keys_alone_and_its_connections_are_not_reused_mid
             assert [None if v is None else bytes(v) for v in tier.get(keys)] == values
         extra = tier.stats().extra
         assert extra["nodes_down"] == 0 and extra["corrupt"] == 0 and extra["breaker_state"] == "closed", extra
+        assert len(list(tier.records())) == len(keys)
 
 
 def test_a_hung_url_node_costs_its_keys_alone_also_in_the_batch_that_reads_the_map(tmp_path: Path, tiers) -> None:
@@ -162,6 +185,25 @@ def test_a_hung_url_node_costs_its_keys_alone_also_in_the_batch_that_reads_the_m
     with ValkeyCluster(tmp_path / "cluster") as cluster:
         tier, keys, _, nodes = _stored_on_every_node(cluster, tiers, "hung-url")
         _each_batch_misses_only_its_keys_while_hung(cluster, 0, tier, keys, nodes)
+
+
+def test_the_first_reading_of_the_map_may_take_the_whole_node_deadline(valkey_cluster: ValkeyCluster, tiers) -> None:
+    """The URL node behind a slow link (each chunk held 0.35 s: the first reading, a connection
+    and three round trips, takes about 2.1 s of the nodes' 3.2 s): the first batch gets the map
+    and hits. With no map yet there is no batch to keep time for (0c22cde: the reading was cut
+    at half the nodes' deadline, 1.6 s; every attempt connected again and was cut again: the
+    tier never served)."""
+    prefix = fresh_prefix()
+    keys = [key_for(f"slow-url-{i}") for i in range(12)]
+    values = [value_for(key, 500) for key in keys]
+    tiers(valkey_cluster.url, key_prefix=prefix, cluster=True).put(list(zip(keys, values)))
+    proxy = FaultProxy(valkey_cluster.nodes[0].port, delay_s=0.35)
+    try:
+        proxy.set_mode("delay")
+        slow = tiers(proxy.url, key_prefix=prefix, cluster=True, request_timeout_s=4.0, connect_timeout_s=4.0)
+        assert [None if v is None else bytes(v) for v in slow.get(keys)] == values, slow.stats().extra
+    finally:
+        proxy.close()
 
 
 def test_a_cluster_with_no_node_answering_opens_the_tiers_breaker_and_recovers(tmp_path: Path, tiers) -> None:
@@ -232,8 +274,10 @@ def test_every_operation_of_a_tier_made_while_the_first_primary_is_down(valkey_c
         assert seen is not None and tier.delete_record_if_same(digests[0], seen) is True
         assert tier.delete_record(digests[1]) is True
         assert tier.contains(live) == [False, False, True, True]
+        counted = _node_calls_failed(tier)
         with pytest.raises(TierUnavailableError):
             list(tier.records())
+        assert _node_calls_failed(tier) > counted  # (the listing's call of the down node: as a batch's)
     finally:
         first.start()
         cluster.wait_ok()

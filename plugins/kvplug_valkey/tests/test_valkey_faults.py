@@ -5,6 +5,7 @@ by itself when the fault goes away."""
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -16,7 +17,7 @@ from valkey_helpers import FAST_FAILING
 from kvplug.testing import key_for, value_for
 from kvplug_valkey import ValkeyTier
 from kvplug_valkey.fault_proxy import FaultProxy, SilentListener
-from kvplug_valkey.testing import ValkeyServer, free_port
+from kvplug_valkey.testing import ValkeyCluster, ValkeyServer, free_port
 
 #: "Answers instead of hanging": well above the worst case of FAST_FAILING
 #: (2 attempts x 0.3 s + backoff), generous for a loaded 2-core CI machine.
@@ -168,6 +169,24 @@ def test_wrong_password_opens_the_breaker_without_retries(tmp_path: Path, tiers)
         assert as_bytes(right.get(KEYS)) == VALUES
     finally:
         server.kill()
+
+
+def test_wrong_password_of_a_cluster_says_so_without_retries(tmp_path: Path, tiers, caplog) -> None:
+    """A cluster URL with a wrong (or no) password fails as a server's does: the refusal of the
+    credentials named, never retried (0c22cde: "no cluster node gave the map of slots", transient,
+    retried); the right one serves every node."""
+    with ValkeyCluster(tmp_path / "auth", password="right-secret-3") as cluster:
+        caplog.set_level(logging.WARNING, logger="kvplug.tier")
+        for password in ("wrong-secret-4", None):
+            wrong = tiers(cluster.url, cluster=True, password=password, **FAST_FAILING)
+            for _ in range(FAST_FAILING["breaker_failures"]):  # (the tier's breaker opens, saying why)
+                assert wrong.get(KEYS) == [None] * len(KEYS)
+            assert wrong.stats().extra["retries"] == 0, wrong.stats().extra
+            assert "AuthenticationError" in caplog.text and "no cluster node gave" not in caplog.text
+            caplog.clear()
+        right = tiers(cluster.url, cluster=True, password="right-secret-3", **FAST_FAILING)
+        right.put(list(zip(KEYS, VALUES)))
+        assert as_bytes(right.get(KEYS)) == VALUES
 
 
 def test_full_server_drops_stores_counted_and_keeps_serving(tmp_path: Path, tiers) -> None:

@@ -33,14 +33,18 @@ def _node_failures(tier: Any) -> float:
     )
 
 
-def _map_reads(cluster: ValkeyCluster) -> int:
-    """``CLUSTER SLOTS`` calls the cluster's nodes have served (the tier reading the slot map)."""
+def _calls(cluster: ValkeyCluster, command: str) -> int:
+    """Calls of ``command`` (``cluster|slots``: the tier reading the slot map) the cluster's nodes have served."""
     calls = 0
     for node in cluster.nodes:
         for line in node.cli("info", "commandstats").splitlines():
-            if line.startswith("cmdstat_cluster|slots:"):
+            if line.startswith(f"cmdstat_{command}:"):
                 calls += int(line.split("calls=")[1].split(",")[0])
     return calls
+
+
+def _map_reads(cluster: ValkeyCluster) -> int:
+    return _calls(cluster, "cluster|slots")
 
 
 def test_slots_moved_half_way_and_to_the_end_keep_every_record(tmp_path: Path, tiers) -> None:
@@ -123,6 +127,33 @@ def test_a_hung_node_does_not_open_the_breaker_of_the_node_a_redirection_names(t
             assert extra["nodes_down"] == 1, extra  # the hung node alone
         finally:
             hung.resume()
+
+
+def test_readings_of_the_map_open_no_connection(valkey_cluster: ValkeyCluster, tiers) -> None:
+    """Slots moved to another node one after another: a reading of the map each time, over the
+    tier's client of the node asked, connected already (0c22cde: over valkey-py's node objects,
+    new at each reading, each connecting afresh, a TLS handshake and four round trips within the
+    reading's share of a deadline). Each connection of the tier names itself (``CLIENT
+    SETNAME``): none is named during the moves."""
+    cluster = valkey_cluster
+    _, second, third = cluster.nodes
+    prefix = fresh_prefix()
+    by_slot = reshard.keys_by_slot(prefix, reshard.owned_slots(second), "reading", 5, 1)
+    values = {key: value_for(key, 500) for (key,) in by_slot.values()}
+    keys = list(values)
+    tier = tiers(cluster.url, key_prefix=prefix, cluster=True)
+    tier.put(list(values.items()))
+    try:
+        for move, slot in enumerate(by_slot):
+            if move == 1:  # (the first: the tier connects to the node the slots go to)
+                connected, reads = _calls(cluster, "client|setname"), _map_reads(cluster)
+            reshard.move_slots(cluster.nodes, second, third, [slot])
+            for _ in range(2):  # told MOVED (sent on at once), then the map read
+                assert all(read_hits(tier, keys, values)), tier.stats().extra
+        assert _map_reads(cluster) - reads >= 4  # (one a move)
+        assert _calls(cluster, "client|setname") == connected
+    finally:
+        reshard.move_slots(cluster.nodes, third, second, [s for s in by_slot if s in reshard.owned_slots(third)])
 
 
 def test_a_node_added_then_removed_serves_its_slots_and_leaves_no_client(tmp_path: Path, tiers) -> None:
