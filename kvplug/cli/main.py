@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -33,6 +36,19 @@ app = typer.Typer(
     add_completion=False,
 )
 config_app = typer.Typer(help="Show and check kvplug configs.", no_args_is_help=True)
+
+
+@app.callback()
+def _show_plugin_trace() -> None:
+    # KVPLUG_TRACE_PLUGINS=1 writes pluggy's trace at INFO to the "kvplug.trace" logger. An
+    # engine's logging shows it; a command line sets up none, and Python's last-resort handler
+    # shows warnings only: `KVPLUG_TRACE_PLUGINS=1 kvplug plugins` printed no trace at all.
+    if os.environ.get("KVPLUG_TRACE_PLUGINS", "") not in ("", "0"):
+        trace = logging.getLogger("kvplug.trace")
+        trace.setLevel(logging.INFO)
+        trace.addHandler(logging.StreamHandler(sys.stderr))
+
+
 app.add_typer(config_app, name="config")
 
 
