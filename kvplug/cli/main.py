@@ -105,7 +105,11 @@ def config_show(
         # A value's source is its own, else that of the section that set it whole.
         parts = path.split(".")
         sources = (loaded.sources.get(".".join(parts[:n])) for n in range(len(parts), 0, -1))
-        table.add_row(path, _show(value), next((s for s in sources if s is not None), "default"))
+        source = next((s for s in sources if s is not None), "default")
+        # A value shown whole (tiers) may have parts a later layer set (KVPLUG_TIERS__0__MAX_BYTES):
+        # name those, or the row says the file set a value the environment changed.
+        changed = [f"{key}: {src}" for key, src in sorted(loaded.sources.items()) if key.startswith(path + ".")]
+        table.add_row(path, _show(value), "; ".join([source, *(c for c in changed if not c.endswith(": " + source))]))
     # The integrity key is not a config setting (never in a file), but it decides how records are framed.
     # load_config refused an unusable key setting (set but empty, both set) already.
     key_from = run_or_exit(integrity_key_variable)
