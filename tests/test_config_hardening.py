@@ -283,3 +283,12 @@ def test_a_key_given_twice_is_refused_naming_it(
     path.write_text(text)
     _, message = problem_paths(full_registry, config_file=path)
     assert f"key {key!r} is given twice" in message and f"line {line}," in message
+
+
+def test_a_key_given_twice_in_an_env_json_value_is_refused(full_registry: PluginRegistry) -> None:
+    """``KVPLUG_TIERS='[{"type": "cpu", "max_bytes": "1GiB", "max_bytes": "2GiB"}]'``: ``json``
+    kept the last key silently, as PyYAML did in a file."""
+    env = {"KVPLUG_TIERS": '[{"type": "cpu", "max_bytes": "1GiB", "max_bytes": "2GiB"}]'}
+    paths, message = problem_paths(full_registry, env=env)
+    assert paths == ["env KVPLUG_TIERS"], message
+    assert "key 'max_bytes' is given twice" in message

@@ -259,11 +259,22 @@ def _env_value(text: str, setting: str) -> Any:
     if not text.lstrip().startswith(("[", "{")):
         return text
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_no_repeated_keys)
     except json.JSONDecodeError as exc:
         raise ValueError(
             f"{setting}: a value starting with [ or {{ is JSON, and this is not valid JSON: {exc}"
         ) from None
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict, refusing a key given twice (``json`` keeps the last silently,
+    as PyYAML does: see :class:`_NoAliasLoader`)."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"key {key!r} is given twice in one JSON object")
+        result[key] = value
+    return result
 
 
 def _set_path(target: Any, path: list[str | int], value: Any) -> None:
