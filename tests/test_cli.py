@@ -46,6 +46,18 @@ def test_config_show_names_where_each_value_came_from(tmp_path: Path) -> None:
     assert rows["tiers"][1] == f"file {config}" and "1073741824" in rows["tiers"][0]
 
 
+def test_config_show_names_the_layer_that_changed_part_of_a_tier(tmp_path: Path) -> None:
+    """The tiers row said only "file ..." when KVPLUG_TIERS__0__MAX_BYTES had changed the file's
+    max_bytes: the value shown came from the environment, the source said the file."""
+    config = tmp_path / "kvplug.yaml"
+    config.write_text("tiers: [{type: cpu, max_bytes: 1GiB}]\n")
+    env = {"KVPLUG_CONFIG": str(config), "KVPLUG_TIERS__0__MAX_BYTES": "2GiB"}
+    result = kvplug("config", "show", env=env)
+    assert result.returncode == 0, result.stderr
+    row = next(line for line in result.stdout.splitlines() if line.startswith("│ tiers "))
+    assert "2147483648" in row and f"file {config}; tiers.0.max_bytes: env" in row, row
+
+
 def test_config_show_takes_the_file_as_validate_does_or_as_an_option(tmp_path: Path) -> None:
     config = tmp_path / "kvplug.yaml"
     config.write_text("chunk_size: 64\n")

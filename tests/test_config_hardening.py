@@ -263,3 +263,32 @@ def test_a_yaml_alias_bomb_is_refused_before_it_expands(full_registry: PluginReg
     assert path.stat().st_size < 600
     _, text = problem_paths(full_registry, config_file=path)
     assert "aliases (*a0) are not allowed" in text
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "line"),
+    [
+        ("serializer: {type: raw}\nchunk_size: 64\nserializer: {type: raw}\n", "serializer", 3),
+        ("tiers:\n  - {type: cpu, max_bytes: 1GiB, max_bytes: 2GiB}\n", "max_bytes", 2),
+    ],
+    ids=["top-level", "in-a-tier"],
+)
+def test_a_key_given_twice_is_refused_naming_it(
+    full_registry: PluginRegistry, tmp_path: Path, text: str, key: str, line: int
+) -> None:
+    """PyYAML keeps the last of two equal keys silently: docs/compression.md's example listed
+    ``serializer: {type: zstd}`` then ``serializer: {type: int8}`` as alternatives, and a copy of
+    it validated and ran the lossy int8 unnoticed. A repeated key is a YAML error naming it."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    _, message = problem_paths(full_registry, config_file=path)
+    assert f"key {key!r} is given twice" in message and f"line {line}," in message
+
+
+def test_a_key_given_twice_in_an_env_json_value_is_refused(full_registry: PluginRegistry) -> None:
+    """``KVPLUG_TIERS='[{"type": "cpu", "max_bytes": "1GiB", "max_bytes": "2GiB"}]'``: ``json``
+    kept the last key silently, as PyYAML did in a file."""
+    env = {"KVPLUG_TIERS": '[{"type": "cpu", "max_bytes": "1GiB", "max_bytes": "2GiB"}]'}
+    paths, message = problem_paths(full_registry, env=env)
+    assert paths == ["env KVPLUG_TIERS"], message
+    assert "key 'max_bytes' is given twice" in message

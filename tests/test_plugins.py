@@ -162,6 +162,19 @@ def test_trace_logs_hook_calls(tmp_path: Path) -> None:
     assert "kvplug_storage_tiers [hook]" in result.stderr and "CPUTier" in result.stderr
 
 
+def test_trace_shows_on_the_command_line() -> None:
+    """docs/install.md: `KVPLUG_TRACE_PLUGINS=1` logs every hook call. `kvplug plugins` sets up
+    no logging, and the trace (INFO) fell to Python's last-resort handler, which shows warnings
+    only: the command printed no trace."""
+    env = dict(os.environ, KVPLUG_TRACE_PLUGINS="1", KVPLUG_PLUGINS="cpu")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvplug", "plugins"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "kvplug_storage_tiers [hook]" in result.stderr and "CPUTier" in result.stderr, result.stderr
+    assert "kvplug_storage_tiers" not in result.stdout  # the table stays clean for a script
+
+
 def test_events_reach_observers_and_their_errors_are_contained() -> None:
     seen = []
 

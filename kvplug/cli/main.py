@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -33,6 +36,19 @@ app = typer.Typer(
     add_completion=False,
 )
 config_app = typer.Typer(help="Show and check kvplug configs.", no_args_is_help=True)
+
+
+@app.callback()
+def _show_plugin_trace() -> None:
+    # KVPLUG_TRACE_PLUGINS=1 writes pluggy's trace at INFO to the "kvplug.trace" logger. An
+    # engine's logging shows it; a command line sets up none, and Python's last-resort handler
+    # shows warnings only: `KVPLUG_TRACE_PLUGINS=1 kvplug plugins` printed no trace at all.
+    if os.environ.get("KVPLUG_TRACE_PLUGINS", "") not in ("", "0"):
+        trace = logging.getLogger("kvplug.trace")
+        trace.setLevel(logging.INFO)
+        trace.addHandler(logging.StreamHandler(sys.stderr))
+
+
 app.add_typer(config_app, name="config")
 
 
@@ -89,7 +105,11 @@ def config_show(
         # A value's source is its own, else that of the section that set it whole.
         parts = path.split(".")
         sources = (loaded.sources.get(".".join(parts[:n])) for n in range(len(parts), 0, -1))
-        table.add_row(path, _show(value), next((s for s in sources if s is not None), "default"))
+        source = next((s for s in sources if s is not None), "default")
+        # A value shown whole (tiers) may have parts a later layer set (KVPLUG_TIERS__0__MAX_BYTES):
+        # name those, or the row says the file set a value the environment changed.
+        changed = [f"{key}: {src}" for key, src in sorted(loaded.sources.items()) if key.startswith(path + ".")]
+        table.add_row(path, _show(value), "; ".join([source, *(c for c in changed if not c.endswith(": " + source))]))
     # The integrity key is not a config setting (never in a file), but it decides how records are framed.
     # load_config refused an unusable key setting (set but empty, both set) already.
     key_from = run_or_exit(integrity_key_variable)

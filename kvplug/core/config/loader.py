@@ -142,7 +142,21 @@ def _component_entries(data: Mapping[str, Any]) -> list[tuple[str, str, str, dic
 class _NoAliasLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` without aliases: a few hundred bytes of nested aliases (a "billion
     laughs" file) expand to millions of nodes when the config is merged and validated. A
-    kvplug config has no use for them; an alias is a YAML error that names it."""
+    kvplug config has no use for them; an alias is a YAML error that names it. A key given
+    twice in one mapping is an error too: PyYAML keeps the last silently, so a file that
+    lists alternatives (``serializer: {type: zstd}`` then ``serializer: {type: int8}``)
+    would run the one below unnoticed."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark, f"key {key!r} is given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.events.AliasEvent):
@@ -245,11 +259,22 @@ def _env_value(text: str, setting: str) -> Any:
     if not text.lstrip().startswith(("[", "{")):
         return text
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_no_repeated_keys)
     except json.JSONDecodeError as exc:
         raise ValueError(
             f"{setting}: a value starting with [ or {{ is JSON, and this is not valid JSON: {exc}"
         ) from None
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict, refusing a key given twice (``json`` keeps the last silently,
+    as PyYAML does: see :class:`_NoAliasLoader`)."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"key {key!r} is given twice in one JSON object")
+        result[key] = value
+    return result
 
 
 def _set_path(target: Any, path: list[str | int], value: Any) -> None:

@@ -66,11 +66,12 @@ def check_kv_transfer_config(kv_transfer_config: Any) -> None:
     :meth:`~kvplug.StorageTier.preflight` fails; returns quietly for a config that does
     not use kvplug.
     """
-    from kvplug_vllm.settings import split_extra_config
+    from kvplug_vllm.settings import check_reset_tiers, split_extra_config
 
     for extra in kvplug_extra_configs(kv_transfer_config):
-        _, engine_extra = split_extra_config(extra)
+        settings, engine_extra = split_extra_config(extra)
         config = load_config(engine_extra=engine_extra).config
+        check_reset_tiers(settings, config)
         # What each tier can tell without opening itself (a disk folder under a file).
         TierChain.preflight(config.tiers, config.registry or get_registry())
 

@@ -142,6 +142,18 @@ def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettin
     return settings, rest
 
 
+def check_reset_tiers(settings: ConnectorSettings, config: KVPlugConfig) -> None:
+    """Refuse a ``kvplug.reset_tiers`` entry that is no tier type of ``config``: a misspelled
+    type (``disc``) left that tier out of every reset, with nothing said."""
+    types = [tier.type for tier in config.tiers]
+    unknown = [name for name in settings.reset_tiers or [] if name not in types]
+    if unknown:
+        message = f"{', '.join(map(repr, unknown))} is no tier type of this config (its tiers: {', '.join(types)})"
+        raise ConfigError(
+            [ConfigProblem(PREFIX + "reset_tiers", settings.reset_tiers, message)], "kv_connector_extra_config"
+        )
+
+
 def _unknown_names(rest: Mapping[str, Any]) -> list[ConfigProblem]:
     """A ``kvplug.`` key that is neither a connector setting nor a core field, named with the
     names of both (the core's own error would list only its fields, so a misspelled connector

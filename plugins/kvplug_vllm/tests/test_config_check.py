@@ -57,6 +57,19 @@ def test_a_bad_kvplug_config_raises_from_the_wrapped_method(tiny_model: str) -> 
         build(tiny_model, bad)
 
 
+def test_a_reset_tier_type_the_config_lacks_is_refused(tiny_model: str) -> None:
+    """`kvplug.reset_tiers: ["cpu", "disc"]` (a typo for disk) was accepted, and vLLM's
+    reset_prefix_cache then left the disk tier's chunks in place with nothing said."""
+    extra = {"kvplug.tiers": [{"type": "cpu"}], "kvplug.reset_tiers": ["cpu", "disc"]}
+    bad = {"kv_connector": "KVPlugConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    with pytest.raises(
+        ConfigError, match=r"kvplug\.reset_tiers: 'disc' is no tier type of this config \(its tiers: cpu\)"
+    ):
+        build(tiny_model, bad)
+    extra["kvplug.reset_tiers"] = ["cpu"]
+    assert build(tiny_model, bad).kv_transfer_config.kv_connector == "KVPlugConnector"
+
+
 RESHAPED = SimpleNamespace(
     kv_transfer_config=SimpleNamespace(kv_connector="MultiConnector", kv_connector_extra_config=["x"])
 )
