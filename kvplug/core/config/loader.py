@@ -7,40 +7,32 @@ a nested ``kvplug`` mapping) < per-request overrides.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from kvplug.core.concerns import CONFIG_CONCERNS
 from kvplug.core.config.entries import component_slots, resolve_components
+from kvplug.core.config.layers import (
+    ENGINE_KEY_PREFIX,
+    ENV_PREFIX,
+    adapter_environment,
+    deep_copy,
+    engine_config_layer,
+    env_layer,
+    items_phrase,
+    read_yaml_layer,
+)
 from kvplug.core.config.model import KVPlugConfig
-from kvplug.core.config.problems import did_you_mean, problems_from_validation_error
-from kvplug.core.control_socket import LOOKUP_DIR_ENV
+from kvplug.core.config.problems import problems_from_validation_error
 from kvplug.core.plugins import PluginRegistry, get_registry
-from kvplug.core.records.integrity import INTEGRITY_KEY_ENV, INTEGRITY_KEY_FILE_ENV, integrity_key
+from kvplug.core.records.integrity import integrity_key
 from kvplug.core.tenancy import anchor_pin_files
 from kvplug.errors import ConfigError, ConfigProblem
-
-ENV_PREFIX = "KVPLUG_"
-#: ``KVPLUG_*`` variables that are not config fields.
-RESERVED_ENV = {
-    "KVPLUG_CONFIG",
-    "KVPLUG_PLUGINS",
-    "KVPLUG_TRACE_PLUGINS",
-    "KVPLUG_LOG_LEVEL",
-    INTEGRITY_KEY_ENV,
-    INTEGRITY_KEY_FILE_ENV,
-    LOOKUP_DIR_ENV,  # the private socket folder (kvplug ctl, lookups)
-}
-RESERVED_ENV_PREFIXES = ("KVPLUG_TEST_", "KVPLUG_BENCH_")
-ENGINE_KEY_PREFIX = "kvplug."
 
 
 @dataclass
@@ -139,215 +131,6 @@ def _component_entries(data: Mapping[str, Any]) -> list[tuple[str, str, str, dic
     return entries
 
 
-class _NoAliasLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` without aliases: a few hundred bytes of nested aliases (a "billion
-    laughs" file) expand to millions of nodes when the config is merged and validated. A
-    kvplug config has no use for them; an alias is a YAML error that names it. A key given
-    twice in one mapping is an error too: PyYAML keeps the last silently, so a file that
-    lists alternatives (``serializer: {type: zstd}`` then ``serializer: {type: int8}``)
-    would run the one below unnoticed."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if isinstance(key, str) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    "while reading a mapping", node.start_mark, f"key {key!r} is given twice", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.events.AliasEvent):
-            event = self.peek_event()  # type: ignore[no-untyped-call]
-            raise yaml.composer.ComposerError(
-                None, None, f"aliases (*{event.anchor}) are not allowed in a kvplug config", event.start_mark
-            )
-        return super().compose_node(parent, index)
-
-
-def read_yaml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
-    source = str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError([ConfigProblem("", source, f"cannot read config file: {exc.strerror}")], source) from None
-    except ValueError as exc:  # a NUL in the path
-        raise ConfigError([ConfigProblem("", source, f"cannot read config file: {exc}")], source) from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        message = f"not valid UTF-8: byte {exc.start} (line {line}) is {raw[exc.start : exc.start + 1]!r}; save the file as UTF-8"
-        raise ConfigError([ConfigProblem("", source, message)], source) from None
-    try:
-        data = yaml.load(text, Loader=_NoAliasLoader)  # a SafeLoader that also refuses aliases
-    except yaml.YAMLError as exc:
-        raise ConfigError([ConfigProblem("", source, f"not valid YAML: {exc}")], source) from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError([ConfigProblem("", data, "the top level must be a mapping")], source)
-    return data
-
-
-def adapter_environment(registry: PluginRegistry) -> frozenset[str]:
-    """The ``KVPLUG_*`` variables installed engine adapters set for their engines (not settings)."""
-    return frozenset(name.upper() for adapter in registry.engine_adapters().values() for name in adapter.environment)
-
-
-def env_layer(env: Mapping[str, str], reserved: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """``KVPLUG_CHUNK_SIZE=128``, ``KVPLUG_STORE__QUEUE__MODE=sync``, ``KVPLUG_TIERS='[...]'``,
-    ``KVPLUG_TIERS__0__MAX_BYTES=8GiB`` (item 0 of the tiers list, from this layer or the file's).
-
-    ``__`` separates keys, a number picks a list item; a value that starts with ``[`` or ``{``
-    is JSON. Every ``KVPLUG_*`` variable applies or is an error naming it: an unknown
-    setting, a part of a single value, an item a list does not have, JSON that does not
-    parse. Unknown keys inside a section are the model's errors (``store.nope: unknown
-    key``). ``reserved``: more names that are not settings (see :func:`adapter_environment`)."""
-    fields = {name.upper(): name for name in KVPlugConfig.model_fields}
-    problems: list[ConfigProblem] = []
-    layer: dict[str, Any] = {}
-    settings = [
-        name
-        for name in env
-        if name.upper().startswith(ENV_PREFIX)
-        and name.upper() not in RESERVED_ENV
-        and name.upper() not in reserved
-        and not name.upper().startswith(RESERVED_ENV_PREFIXES)
-    ]
-    # Whole values before their parts: KVPLUG_TIERS sets the list that KVPLUG_TIERS__0__X changes.
-    for name in sorted(settings, key=lambda n: (n.count("__"), n)):
-        path = name.upper()[len(ENV_PREFIX) :].lower().split("__")
-        problem = _env_name_problem(path, fields)
-        if problem is None:
-            try:
-                _set_path(
-                    layer,
-                    [int(part) if part.isdigit() else part for part in path],
-                    _env_value(env[name], ".".join(path)),
-                )
-            except ValueError as exc:
-                problem = str(exc)
-        if problem is not None:
-            problems.append(ConfigProblem(f"env {name}", env[name], problem))
-    if problems:
-        raise ConfigError(problems, "environment")
-    return layer
-
-
-def _env_name_problem(path: list[str], fields: Mapping[str, str]) -> str | None:
-    if path[0].upper() not in fields:
-        allowed = sorted(ENV_PREFIX + f for f in fields)
-        return f"unknown setting; {did_you_mean(ENV_PREFIX + path[0].upper(), allowed)}allowed: {', '.join(allowed)}"
-    if "" in path:
-        return "an empty key between two '__'"
-    if len(path) > 1 and _is_single_value(fields[path[0].upper()]):
-        return f"{fields[path[0].upper()]} is a single value: it has no part {path[1]!r}"
-    return None
-
-
-def _is_single_value(field_name: str) -> bool:
-    """Whether a top-level setting is a number, text or flag (no keys or items below it)."""
-    annotation = KVPlugConfig.model_fields[field_name].annotation
-    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
-    return all(member in (int, float, str, bool, type(None)) or get_origin(member) is Literal for member in members)
-
-
-def _env_value(text: str, setting: str) -> Any:
-    if not text.lstrip().startswith(("[", "{")):
-        return text
-    try:
-        return json.loads(text, object_pairs_hook=_no_repeated_keys)
-    except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"{setting}: a value starting with [ or {{ is JSON, and this is not valid JSON: {exc}"
-        ) from None
-
-
-def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object as a dict, refusing a key given twice (``json`` keeps the last silently,
-    as PyYAML does: see :class:`_NoAliasLoader`)."""
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"key {key!r} is given twice in one JSON object")
-        result[key] = value
-    return result
-
-
-def _set_path(target: Any, path: list[str | int], value: Any) -> None:
-    """Set ``value`` at ``path`` under ``target``, making mappings on the way; an int part picks a
-    list item, or keys a mapping merged into a lower layer's list (:func:`_merge`)."""
-    *parents, leaf = path
-    for depth, part in enumerate(parents):
-        child = _child(target, part, path[: depth + 1])
-        if child is None:
-            child = {}
-            target[part] = child
-        target = child
-    if isinstance(target, list):
-        _child(target, leaf, path)
-    elif not isinstance(target, dict):
-        raise ValueError(f"{_dotted(path[:-1])} is a single value: it has no part {leaf!r}")
-    target[leaf] = value
-
-
-def _child(target: Any, part: str | int, path: list[str | int]) -> Any:
-    if isinstance(target, list):
-        if not isinstance(part, int) or part >= len(target):
-            raise ValueError(f"{_dotted(path[:-1])} is {_items(len(target))}: it has no item {part!r}")
-        return target[part]
-    if not isinstance(target, dict):
-        raise ValueError(f"{_dotted(path[:-1])} is a single value: it has no part {part!r}")
-    return target.get(part)
-
-
-def _dotted(path: list[str | int]) -> str:
-    return ".".join(str(part) for part in path)
-
-
-def engine_config_layer(extra: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
-    """kvplug's part of an engine's extra config, and the config file it names.
-
-    Accepts ``{"kvplug": {...}}`` and ``{"kvplug.chunk_size": 128,
-    "kvplug.store.queue.mode": "sync", "kvplug.config": "kvplug.yaml"}``; other keys
-    belong to other connectors and are ignored.
-    """
-    layer: dict[str, Any] = {}
-    nested = extra.get("kvplug")
-    if nested is not None:
-        if not isinstance(nested, Mapping):
-            raise ConfigError([ConfigProblem("kvplug", nested, "must be a mapping")], "engine extra config")
-        layer = _deep_copy(nested)
-    problems: list[ConfigProblem] = []
-    for key, value in extra.items():
-        if key.startswith(ENGINE_KEY_PREFIX):
-            path = key[len(ENGINE_KEY_PREFIX) :].split(".")
-            try:
-                _set_path(layer, [int(part) if part.isdigit() else part for part in path], value)
-            except ValueError as exc:
-                problems.append(ConfigProblem(key, value, str(exc)))
-    if problems:
-        raise ConfigError(problems, "engine extra config")
-    config_file = layer.pop("config", None)
-    if config_file is not None and not isinstance(config_file, (str, os.PathLike)):
-        kind = "a mapping" if isinstance(config_file, Mapping) else f"a {type(config_file).__name__}"
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    "kvplug.config",
-                    config_file,
-                    f"must be the path of a YAML file, not {kind}; give settings as a nested 'kvplug' mapping "
-                    "or as kvplug.<setting> keys",
-                )
-            ],
-            "engine extra config",
-        )
-    return layer, None if config_file is None else os.fspath(config_file)
-
-
 def _merge(
     into: dict[str, Any], layer: Mapping[str, Any], sources: dict[str, str], name: str, prefix: str = ""
 ) -> None:
@@ -362,7 +145,7 @@ def _merge(
                 into[key] = {}
             _merge(into[key], value, sources, name, path + ".")
         else:
-            into[key] = _deep_copy(value)
+            into[key] = deep_copy(value)
             sources[path] = name
 
 
@@ -375,7 +158,9 @@ def _merge_items(
         where = f"{path}.{index}"
         if not isinstance(target, list) or index >= len(target):
             have = (
-                _items(len(target)) if isinstance(target, list) else "not a list an earlier layer (a config file) gave"
+                items_phrase(len(target))
+                if isinstance(target, list)
+                else "not a list an earlier layer (a config file) gave"
             )
             problem = f"sets item {index} of {path}, which is {have}: give the whole list instead"
             names = _leaf_paths(value, where)
@@ -386,23 +171,11 @@ def _merge_items(
         if isinstance(value, Mapping) and isinstance(target[index], dict):
             _merge(target[index], value, sources, name, where + ".")
         else:
-            target[index] = _deep_copy(value)
+            target[index] = deep_copy(value)
             sources[where] = name
-
-
-def _items(count: int) -> str:
-    return f"a list of {count} item{'' if count == 1 else 's'}"
 
 
 def _leaf_paths(value: Any, path: str) -> list[str]:
     if isinstance(value, Mapping) and value:
         return [leaf for key, child in value.items() for leaf in _leaf_paths(child, f"{path}.{key}")]
     return [path]
-
-
-def _deep_copy(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _deep_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_deep_copy(v) for v in value]
-    return value
