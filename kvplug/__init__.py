@@ -58,6 +58,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "MessageServer": ("kvplug.core.control.message_server", "MessageServer"),
     "MetricSample": ("kvplug.core.metrics", "MetricSample"),
     "NameTenants": ("kvplug.core.tenancy", "NameTenants"),
+    "FOLDER_PINNED_BYTES": ("kvplug.core.tenants", "FOLDER_PINNED_BYTES"),
     "FOLDER_TENANT_BYTES": ("kvplug.core.tenants", "FOLDER_TENANT_BYTES"),
     "OrderedEvents": ("kvplug.core.events", "OrderedEvents"),
     "PagedFormat": ("kvplug.core.layouts", "PagedFormat"),
@@ -178,7 +179,7 @@ if TYPE_CHECKING:
     from kvplug.core.serializer import Serializer
     from kvplug.core.tenancy import NameTenants, PinReport, Tenancy
     from kvplug.core.tenancy_settings import TenancySettings, parse_share
-    from kvplug.core.tenants import FOLDER_TENANT_BYTES
+    from kvplug.core.tenants import FOLDER_PINNED_BYTES, FOLDER_TENANT_BYTES
     from kvplug.core.tier import (
         MEDIA,
         UNBOUNDED_BYTES,
@@ -199,6 +200,7 @@ __getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "CHUNK_DTYPE_SIZES",
+    "FOLDER_PINNED_BYTES",
     "FOLDER_TENANT_BYTES",
     "LOOKUP_DIR_ENV",
     "MEDIA",

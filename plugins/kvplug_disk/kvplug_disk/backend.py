@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from kvplug import (
+    FOLDER_PINNED_BYTES,
     FOLDER_TENANT_BYTES,
     RECORD_HEADER_SIZE,
     CallSizes,
@@ -333,7 +334,7 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
         with self._lock:
             return {
                 # Every live process's pinned bytes in the folder, this one's as it holds them now.
-                "folder_pinned_bytes": folder.pinned_bytes + self._order.pinned_bytes,
+                FOLDER_PINNED_BYTES: folder.pinned_bytes + self._order.pinned_bytes,
                 "folder_pinning_processes": folder.pinning + int(self._order.pinned_bytes > 0),
                 "folder_pins_unknown_processes": folder.unknown,
                 **self._counts,
