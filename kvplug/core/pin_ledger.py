@@ -3,9 +3,9 @@
 :class:`PinLedger` is the pin half of :class:`kvplug.GuardedEviction`: which keys are
 pinned, their bytes within the tier's ``pin_budget``, and which of them a request pinned,
 each tenant's request pins within its ``request_pin_budget`` and quota, and, for a store
-several processes share (a disk folder), everyone's pins within its ``shared_budget``
-(:class:`SharedPins`). It decides and counts; the guard moves keys in and out of its eviction policies. Not thread-safe, like
-the guard.
+several processes share (a disk folder), every process's pins within one budget
+(:class:`SharedPins`). It decides and counts; the guard moves keys in and out of its
+eviction policies. Not thread-safe, like the guard.
 """
 
 from __future__ import annotations
