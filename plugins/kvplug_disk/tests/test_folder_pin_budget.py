@@ -8,8 +8,10 @@ helpers are :mod:`test_folder_pins`'s; each worker is a process of its own, kill
 from __future__ import annotations
 
 import fcntl
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tenant_worker import VALUE, Worker
@@ -19,7 +21,7 @@ from typer.testing import CliRunner
 from kvplug.cli.main import app
 from kvplug.testing import value_for
 from kvplug.testing.pins_contract import key_of
-from kvplug_disk import DiskTier
+from kvplug_disk import DiskTier, ledger, pin_marks
 from kvplug_disk.pin_marks import OWNERS_FOLDER
 
 #: Five records: each engine may pin one (pin_max_bytes 25%: 1250 bytes, a record file is 1064),
@@ -165,3 +167,54 @@ def test_a_torn_or_foreign_figure_reads_as_unknown_never_as_bytes(folder: Path, 
         extra = tier.stats().extra
     assert extra.get("folder_pins_unknown_processes") == 1
     assert extra.get("folder_pinned_bytes") == FILE
+
+
+def test_engines_pinning_at_once_stay_within_the_folders_pins(
+    kind: str, folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three owners of a folder whose pins may take two records (90% of three): C pins one;
+    then A and B pin one each at once. A holds the folder's lock, its pin decided and its mark
+    being set (a gate), while B asks for the lock: B must decide after A's figure is written,
+    and be refused. 5fdb4ad decided B's pin before taking the lock, with no folder bound
+    (``AssertionError: assert 'pinned' == 'refused'``)."""
+    opened = [tier_of(kind, folder, max_bytes=3 * VALUE, pin_max_bytes="50%", lock_wait_s=60) for _ in range(3)]
+    first, second, third = opened
+    keys = [key_of("tenant-b", f"system-{i}") for i in range(3)]
+    try:
+        for tier, key in zip(opened, keys):
+            tier.put([(key, value_for(key, VALUE))])
+        assert third.pin([keys[2]])[0][0] == "pinned"
+        first_marks = first._backend._marks  # type: ignore[attr-defined]
+        second_ledger = second._backend._ledger  # type: ignore[attr-defined]
+        in_gate, asking, release = threading.Event(), threading.Event(), threading.Event()
+        mark, locked = pin_marks.PinMarks.mark, ledger.UsageLedger.locked
+
+        def gated_mark(self: pin_marks.PinMarks, digest: str) -> bool:
+            if self is first_marks:
+                in_gate.set()
+                release.wait(60)
+            return mark(self, digest)
+
+        def signalled_locked(self: ledger.UsageLedger, **options: Any) -> Any:
+            if self is second_ledger:
+                asking.set()
+            return locked(self, **options)
+
+        monkeypatch.setattr(pin_marks.PinMarks, "mark", gated_mark)
+        monkeypatch.setattr(ledger.UsageLedger, "locked", signalled_locked)
+        outcomes: dict[str, object] = {}
+        pinning = [
+            threading.Thread(target=lambda: outcomes.update(first=first.pin([keys[0]])[0][0])),
+            threading.Thread(target=lambda: outcomes.update(second=second.pin([keys[1]])[0][0])),
+        ]
+        pinning[0].start()
+        assert in_gate.wait(60)
+        pinning[1].start()
+        assert asking.wait(60)
+        release.set()
+        for thread in pinning:
+            thread.join(60)
+        assert outcomes == {"first": "pinned", "second": "refused"}
+    finally:
+        for tier in opened:
+            tier.close()
