@@ -95,7 +95,7 @@ class PinMarks:
         self.owner = secrets.token_hex(16)
         self._attr = MARK_PREFIX + self.owner
         self._owner_fd: int | None = None
-        self._published = 0  # the pinned bytes in the lock file (made with 0)
+        self._published: int | None = 0  # the pinned bytes in the lock file (made with 0; None: unsure)
         self._lock = threading.Lock()
         #: The records this owner marked (and has not unmarked since).
         self.marked: set[str] = set()
@@ -157,7 +157,8 @@ class PinMarks:
                 return
             try:
                 write_pinned(self._owner_fd, pinned)
-            except OSError:  # (a full disk: the last figure stands, the next change tries again)
+            except OSError:  # (a full disk: the last figure stands, the next call tries again)
+                self._published = None
                 return
             self._published = pinned
 

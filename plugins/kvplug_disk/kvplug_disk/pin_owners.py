@@ -73,7 +73,11 @@ def make_owner_file(root_fd: int, owner: str) -> int:
         fd = os.open(temp, flags, 0o600, dir_fd=folder)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: no one else holds it
-            write_pinned(fd, 0)  # never seen without a figure (an empty file is a round-27 engine's)
+            # Seen with a figure from the start (an empty file reads as a round-27 engine's: its
+            # pins unknown). Best effort: a full disk that has room for no block still gets the
+            # lock file (its rewrites then try again), as before figures.
+            with contextlib.suppress(OSError):
+                write_pinned(fd, 0)
             os.rename(temp, owner, src_dir_fd=folder, dst_dir_fd=folder)
         except BaseException:
             os.close(fd)
