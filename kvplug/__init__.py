@@ -58,10 +58,12 @@ _LAZY: dict[str, tuple[str, str]] = {
     "MessageServer": ("kvplug.core.control.message_server", "MessageServer"),
     "MetricSample": ("kvplug.core.metrics", "MetricSample"),
     "NameTenants": ("kvplug.core.tenancy", "NameTenants"),
+    "FOLDER_PINNED_BYTES": ("kvplug.core.tenants", "FOLDER_PINNED_BYTES"),
     "FOLDER_TENANT_BYTES": ("kvplug.core.tenants", "FOLDER_TENANT_BYTES"),
     "OrderedEvents": ("kvplug.core.events", "OrderedEvents"),
     "PagedFormat": ("kvplug.core.layouts", "PagedFormat"),
     "PinOutcome": ("kvplug.core.policies.guarded_eviction", "PinOutcome"),
+    "SharedPins": ("kvplug.core.pin_ledger", "SharedPins"),
     "PinReport": ("kvplug.core.tenancy", "PinReport"),
     "PluginRegistry": ("kvplug.core.plugins", "PluginRegistry"),
     "QueueItems": ("kvplug.core.config_types", "QueueItems"),
@@ -112,6 +114,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "is_secret_name": ("kvplug.redaction", "is_secret_name"),
     "key_digest": ("kvplug.core.records.frame", "key_digest"),
     "load_config": ("kvplug.core.config.loader", "load_config"),
+    "parse_share": ("kvplug.core.tenancy_settings", "parse_share"),
     "pin_keys": ("kvplug.core.pins", "pin_keys"),
     "private_socket_dir": ("kvplug.core.control_socket", "private_socket_dir"),
     "redact": ("kvplug.redaction", "redact"),
@@ -161,6 +164,7 @@ if TYPE_CHECKING:
     from kvplug.core.layouts import KVLayout, PagedFormat, slots_from_block_ids
     from kvplug.core.lazy_module import LazyModule
     from kvplug.core.metrics import MetricSample
+    from kvplug.core.pin_ledger import SharedPins
     from kvplug.core.pins import pin_keys, unpin_keys
     from kvplug.core.plugins import PluginRegistry, get_registry
     from kvplug.core.policies.eviction import EvictionName
@@ -174,8 +178,8 @@ if TYPE_CHECKING:
     from kvplug.core.remote.retry import Absent, CircuitBreaker, FailureKind, classify_failure
     from kvplug.core.serializer import Serializer
     from kvplug.core.tenancy import NameTenants, PinReport, Tenancy
-    from kvplug.core.tenancy_settings import TenancySettings
-    from kvplug.core.tenants import FOLDER_TENANT_BYTES
+    from kvplug.core.tenancy_settings import TenancySettings, parse_share
+    from kvplug.core.tenants import FOLDER_PINNED_BYTES, FOLDER_TENANT_BYTES
     from kvplug.core.tier import (
         MEDIA,
         UNBOUNDED_BYTES,
@@ -196,6 +200,7 @@ __getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "CHUNK_DTYPE_SIZES",
+    "FOLDER_PINNED_BYTES",
     "FOLDER_TENANT_BYTES",
     "LOOKUP_DIR_ENV",
     "MEDIA",
@@ -261,6 +266,7 @@ __all__ = [
     "RequestInfo",
     "Serializer",
     "ServerLimits",
+    "SharedPins",
     "StorageTier",
     "StoreKey",
     "StoredRecord",
@@ -293,6 +299,7 @@ __all__ = [
     "lazy_exports",
     "load_config",
     "merge_locations",
+    "parse_share",
     "pin_keys",
     "private_socket_dir",
     "redact",

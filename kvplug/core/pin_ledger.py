@@ -2,9 +2,10 @@
 
 :class:`PinLedger` is the pin half of :class:`kvplug.GuardedEviction`: which keys are
 pinned, their bytes within the tier's ``pin_budget``, and which of them a request pinned,
-each tenant's request pins within its ``request_pin_budget`` and quota. It decides and
-counts; the guard moves keys in and out of its eviction policies. Not thread-safe, like
-the guard.
+each tenant's request pins within its ``request_pin_budget`` and quota, and, for a store
+several processes share (a disk folder), every process's pins within one budget
+(:class:`SharedPins`). It decides and counts; the guard moves keys in and out of its
+eviction policies. Not thread-safe, like the guard.
 """
 
 from __future__ import annotations
@@ -12,8 +13,20 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvplug.core.throttled_log import ThrottledLog
+
+
+@dataclass(frozen=True)
+class SharedPins:
+    """A bound on the pins of every process sharing one store (the disk tier's folder): this
+    process's pinned bytes plus ``others()`` (what the other processes say they pin, read
+    afresh at each pin decision) stay within ``budget``, named ``name`` in a refusal."""
+
+    budget: int
+    others: Callable[[], int]
+    name: str
 
 
 class PinLedger:
@@ -26,8 +39,10 @@ class PinLedger:
         quota_of: Callable[[str | None], int | None],
         logger: logging.Logger,
         tier: str,
+        shared: SharedPins | None = None,
     ) -> None:
         self.pin_budget = pin_budget
+        self.shared = shared
         self.request_pin_budget = request_pin_budget
         self._quota_of = quota_of
         self._log = ThrottledLog(logger)
@@ -67,6 +82,8 @@ class PinLedger:
         """Whether ``grow`` more pinned bytes (of a request's pin: ``requested``) fit the budgets."""
         if self.pin_budget is not None and self.bytes + grow > self.pin_budget:
             return False
+        if grow > 0 and self.shared is not None and self._shared_spare(self.shared) < grow:
+            return False
         limit = self.request_limit(tenant) if requested else None
         return limit is None or self.requested_of(tenant) + grow <= limit
 
@@ -84,9 +101,21 @@ class PinLedger:
                 while self.bytes + size > self.pin_budget and self._requested:
                     demote(next(iter(self._requested)))
                     self.demoted += 1
-        if self.pin_budget is None or self.bytes + size <= self.pin_budget:
+        if self.pin_budget is not None and self.bytes + size > self.pin_budget:
+            return self._refuse(key, size, f"{self.bytes} pinned bytes would pass pin_max_bytes {self.pin_budget}")
+        if self.shared is None:
             return True
-        return self._refuse(key, size, f"{self.bytes} pinned bytes would pass pin_max_bytes {self.pin_budget}")
+        # Everyone's pins: an operator's pin does not displace request pins for them (other
+        # processes' pins may leave no room however many this one gives up).
+        spare = self._shared_spare(self.shared)
+        if size <= spare:
+            return True
+        held = self.shared.budget - spare
+        return self._refuse(key, size, f"{held} bytes pinned by every process would pass {self.shared.name}")
+
+    def _shared_spare(self, shared: SharedPins) -> int:
+        """Bytes more that the processes sharing the store may pin between them."""
+        return shared.budget - self.bytes - shared.others()
 
     def set(self, key: str, tenant: str | None, size: int, requested: bool) -> None:
         """Pin ``key`` at ``size`` bytes, or change a pinned key's size (same ``requested``)."""

@@ -62,10 +62,10 @@ class TenancySettings(BaseModel):
         description="Budget of pinned chunks in this tier (chunks no eviction policy evicts: config pin:, "
         "kvplug ctl pin / CacheEngine.pin, request pins where tenancy.request_pins allows them): bytes (1GiB) "
         f"or a percentage of max_bytes (25%), at most {MAX_PIN_PERCENT}% of max_bytes, so that unpinned chunks "
-        "keep room. A pin over it is refused and counted (stats pins_refused). Per process: N engines (or "
-        "ranks) sharing a disk or shm folder may together pin N times it of the folder; each reports its own "
-        "pinned bytes (kvplug ctl stats, kvplug_pinned_bytes) (docs/operations.md). Not to be confused with "
-        "pin_memory (page-locked host memory).",
+        "keep room. A pin over it is refused and counted (stats pins_refused). Per process: the engines (and "
+        "ranks) sharing a disk or shm folder pin within that tier's folder_pin_max_bytes together, and its stats "
+        "show the folder's pinned bytes summed over them (folder_pinned_bytes) (docs/operations.md). Not to be "
+        "confused with pin_memory (page-locked host memory).",
     )
     request_pin_max_bytes: Annotated[int, Field(ge=0, le=MAX_SHARE_BYTES)] | str = Field(
         default="5%",

@@ -4,7 +4,8 @@ Tiers that keep pins and quotas count them in ``stats().extra``
 (:meth:`kvplug.GuardedEviction.stats_extra`); this collector turns those figures into
 ``kvplug_tenant_bytes{tier,tenant}`` (what this process knows of), ``kvplug_folder_tenant_bytes{tier,tenant}``
 (a folder shared by processes: all of theirs), ``kvplug_tenant_hits_total{tier,tenant}``,
-``kvplug_pinned_bytes{tier}``, ``kvplug_pins_refused_total{tier}``,
+``kvplug_pinned_bytes{tier}``, ``kvplug_folder_pinned_bytes{tier}`` (a folder shared by processes: all of
+theirs), ``kvplug_pins_refused_total{tier}``,
 ``kvplug_quota_evictions_total{tier}`` and ``kvplug_stores_refused_total{tier,reason}``.
 The tenant label set is bounded and never shows a salt: the names of ``tenancy.tenants``,
 a keyed digest for an unnamed salt a tier's ``quotas`` names, ``(other)`` for every other
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvplug.core.tenants import FOLDER_TENANT_BYTES, STORES_REFUSED, TENANT_BYTES, TENANT_HITS
+from kvplug.core.tenants import FOLDER_PINNED_BYTES, FOLDER_TENANT_BYTES, STORES_REFUSED, TENANT_BYTES, TENANT_HITS
 
 #: (tier label, its stats' extra figures) of each tier of a chain.
 TierFigures = Callable[[], Iterable[tuple[str, Mapping[str, object]]]]
@@ -48,8 +49,15 @@ class TenantCollector(Collector):
             "kvplug_tenant_hits", "Reads of a tenant's chunks a tier served", labels=["tier", "tenant"]
         )
         pinned = GaugeMetricFamily("kvplug_pinned_bytes", "Bytes of pinned chunks in a tier", labels=["tier"])
+        folder_pinned = GaugeMetricFamily(
+            "kvplug_folder_pinned_bytes",
+            "Bytes of pinned records in a folder tier's folder, summed over every live process sharing it",
+            labels=["tier"],
+        )
         refused = CounterMetricFamily(
-            "kvplug_pins_refused", "Pins a tier refused: its pin_max_bytes was spent", labels=["tier"]
+            "kvplug_pins_refused",
+            "Pins a tier refused: its pin_max_bytes (or its folder's budget of every process's pins) was spent",
+            labels=["tier"],
         )
         evicted = CounterMetricFamily(
             "kvplug_quota_evictions", "Chunks a tier evicted because their tenant was over its quota", labels=["tier"]
@@ -70,6 +78,8 @@ class TenantCollector(Collector):
                 if "pinned_bytes" not in extra:
                     continue  # a tier that keeps no pins or quotas
                 pinned.add_metric([tier], _number(extra["pinned_bytes"]))
+                if FOLDER_PINNED_BYTES in extra:
+                    folder_pinned.add_metric([tier], _number(extra[FOLDER_PINNED_BYTES]))
                 refused.add_metric([tier], _number(extra.get("pins_refused", 0)))
                 evicted.add_metric([tier], _number(extra.get("quota_evictions", 0)))
                 for key, value in extra.items():
@@ -81,7 +91,7 @@ class TenantCollector(Collector):
                         hits.add_metric([tier, key[len(TENANT_HITS) :]], _number(value))
                     elif key.startswith(STORES_REFUSED):
                         stores_refused.add_metric([tier, key[len(STORES_REFUSED) :]], _number(value))
-        yield from (held, folder_held, hits, pinned, refused, evicted, stores_refused)
+        yield from (held, folder_held, hits, pinned, folder_pinned, refused, evicted, stores_refused)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # the families are known only when collected

@@ -33,6 +33,9 @@ TENANT_HITS = "tenant_hits:"
 #: ``stats().extra`` key prefix of a tenant's bytes in a folder that several processes share
 #: (tiers ``disk`` and ``shm``: every process's records, where ``tenant_bytes:`` is this process's).
 FOLDER_TENANT_BYTES = "folder_tenant_bytes:"
+#: The ``stats().extra`` figure of a store several processes share (a disk folder): the bytes
+#: every live process pins in it, summed (``kvplug_folder_pinned_bytes``).
+FOLDER_PINNED_BYTES = "folder_pinned_bytes"
 #: ``stats().extra`` key prefix of the stores a tier refused, by reason (``pins``, ``quota``).
 STORES_REFUSED = "stores_refused:"
 #: Chunk keys the pin book remembers by default (about 450 bytes each: ~28 MiB).

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Literal
 
-from kvplug.core.pin_ledger import PinLedger
+from kvplug.core.pin_ledger import PinLedger, SharedPins
 from kvplug.core.policies.eviction import EvictionPolicy, make_eviction_policy
 from kvplug.core.policies.tenant_quotas import TenantQuotas
 from kvplug.core.tenants import STORES_REFUSED, TENANT_BYTES, TENANT_HITS, TenantLabels
@@ -57,6 +57,7 @@ class GuardedEviction(EvictionPolicy):
         request_pin_budget: int | None = None,
         requested_pin: Callable[[str], bool] = _NOTHING,
         labels: TenantLabels | None = None,
+        shared_pins: SharedPins | None = None,
     ) -> None:
         self.eviction = eviction
         self._policy = make_eviction_policy(eviction)
@@ -64,7 +65,7 @@ class GuardedEviction(EvictionPolicy):
         self._wants_pin = wants_pin
         self._requested_pin = requested_pin
         logger = logger or logging.getLogger("kvplug.tier")
-        self._pinned = PinLedger(pin_budget, request_pin_budget, self.quota_of, logger, tier)
+        self._pinned = PinLedger(pin_budget, request_pin_budget, self.quota_of, logger, tier, shared_pins)
         self._store_log = ThrottledLog(logger)
         self._tier = tier
         self._sizes: dict[str, int] = {}  # unpinned keys

@@ -32,12 +32,14 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from kvplug import (
+    FOLDER_PINNED_BYTES,
     FOLDER_TENANT_BYTES,
     RECORD_HEADER_SIZE,
     CallSizes,
     NameTenants,
     RecordBackend,
     RecordToWrite,
+    SharedPins,
     StoredRecord,
     Tenancy,
 )
@@ -112,7 +114,10 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
         quota_salts = set(tenancy.labels.quota_salts(config.quota_bytes()[0]))
         self._tenant_salts = lambda: tenancy.tenants.salts() | quota_salts
         self._label = lambda salt: tenancy.labels.label(salt, quota_salts)
-        guard = record_guard(config, tenancy, self.tenant_names, problems.logger, self.where)
+        # Every process's pins of the folder within folder_pin_max_bytes: the others' figures read
+        # from their lock files (pin_owners.py) at each pin decision; self._marks is made below.
+        shared = SharedPins(config.folder_pin_budget(), self._others_pinned, "folder_pin_max_bytes")
+        guard = record_guard(config, tenancy, self.tenant_names, problems.logger, self.where, shared)
         self._order = EvictionIndex(config.eviction, guard)
         self._counts = dict.fromkeys(
             (
@@ -325,8 +330,13 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
         return self._problems.errors
 
     def describe(self) -> dict[str, int | float | str]:
+        folder = self._marks.figures(others_only=True)  # (read before the lock: file I/O)
         with self._lock:
             return {
+                # Every live process's pinned bytes in the folder, this one's as it holds them now.
+                FOLDER_PINNED_BYTES: folder.pinned_bytes + self._order.pinned_bytes,
+                "folder_pinning_processes": folder.pinning + int(self._order.pinned_bytes > 0),
+                "folder_pins_unknown_processes": folder.unknown,
                 **self._counts,
                 **self._problems.counts,
                 **self._marks.counts,

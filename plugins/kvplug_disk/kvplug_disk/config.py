@@ -11,9 +11,9 @@ fsyncs the folders renamed into since the last one as a group.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ByteSize, Field, field_validator
+from pydantic import ByteSize, Field, field_validator, model_validator
 
 from kvplug import (
     Bounded,
@@ -23,7 +23,12 @@ from kvplug import (
     TenancySettings,
     ThreadCount,
     TimeoutSeconds,
+    parse_share,
 )
+
+#: The largest share of ``max_bytes`` every process's pins together may take, in percent: the
+#: rest is for records that can be evicted, or a folder full of pins would refuse every store.
+MAX_FOLDER_PIN_PERCENT = 90
 
 
 class DiskTierConfig(TenancySettings, RecordTierConfig):
@@ -72,6 +77,15 @@ class DiskTierConfig(TenancySettings, RecordTierConfig):
         "(one whose writer process on this host, in this PID namespace, is gone is removed at once).",
     )
 
+    folder_pin_max_bytes: Annotated[int, Field(ge=0, le=2**50)] | str = Field(
+        default=f"{MAX_FOLDER_PIN_PERCENT}%",
+        description="Budget of the pinned records of every process sharing the folder together (pin_max_bytes "
+        "bounds each process's own): bytes or a percentage of max_bytes, at most "
+        f"{MAX_FOLDER_PIN_PERCENT}% of it, so that a folder full of pins never refuses every store. A pin "
+        "past it is refused and counted as one past pin_max_bytes is (stats pins_refused). Each process "
+        "counts the others' pinned bytes as they last wrote them (a record two processes pin counts twice; "
+        "a round-27 engine's count as nothing: stats folder_pins_unknown_processes) (docs/operations.md).",
+    )
     lock_wait_s: TimeoutSeconds = Field(
         default=5.0,
         description="Longest a write, removal or unpin waits for the folder's lock (every process of the folder "
@@ -91,6 +105,29 @@ class DiskTierConfig(TenancySettings, RecordTierConfig):
     @classmethod
     def _absolute_path(cls, path: Path) -> Path:
         return path.expanduser().absolute()
+
+    @field_validator("folder_pin_max_bytes", mode="before")
+    @classmethod
+    def _folder_pin_share(cls, value: Any) -> int | str:
+        share = parse_share("folder_pin_max_bytes", value)
+        if isinstance(share, str) and float(share[:-1]) > MAX_FOLDER_PIN_PERCENT:
+            raise ValueError(f"folder_pin_max_bytes: {value!r} is more than {MAX_FOLDER_PIN_PERCENT}% of max_bytes")
+        return share
+
+    @model_validator(mode="after")
+    def _folder_pins_within_budget(self) -> DiskTierConfig:
+        share = self.folder_pin_max_bytes
+        if isinstance(share, int) and share * 100 > int(self.max_bytes) * MAX_FOLDER_PIN_PERCENT:
+            raise ValueError(
+                f"folder_pin_max_bytes: {share} bytes is more than {MAX_FOLDER_PIN_PERCENT}% of max_bytes "
+                f"{int(self.max_bytes)}: records that can be evicted need the rest"
+            )
+        return self
+
+    def folder_pin_budget(self) -> int:
+        """Pinned bytes every process sharing the folder may hold together."""
+        share = self.folder_pin_max_bytes
+        return share if isinstance(share, int) else int(int(self.max_bytes) * float(share[:-1]) / 100)
 
 
 #: Where tier ``shm`` keeps its records unless told otherwise: tmpfs on every Linux host.

@@ -35,6 +35,8 @@ class FolderPins:
     #: An unpin (or pin) gave up waiting for the folder's lock: marks of records this process no
     #: longer pins wait for the next time it holds it (never removed without it, see unpin).
     _unmark_due = False
+    #: The other processes' pinned bytes, read once for a whole pin call (:meth:`_others_pinned`).
+    _others_read: int | None = None
 
     if TYPE_CHECKING:
 
@@ -47,22 +49,49 @@ class FolderPins:
     def pin(self, names: Sequence[str]) -> list[tuple[PinOutcome, int]]:
         """Take records out of eviction (each asked of the file system first, so a record
         another process wrote is pinned too): per name, what happened and its value bytes.
-        Each is marked under the folder's lock, which every eviction takes: a record another
-        process is evicting is either gone first or kept."""
+        Each is pinned and marked under the folder's lock, which every eviction takes (a record
+        another process is evicting is either gone first or kept) and every process's pin
+        takes too: the folder's pins stay within ``folder_pin_max_bytes`` however many pin at
+        once (this process's pinned bytes are written for the others before the lock goes)."""
         self._sizes(names)
-        outcomes: list[tuple[PinOutcome, int]] = []
-        with self._lock:
-            for digest in names:
-                entry = self._order.get(digest)
-                outcomes.append((self._order.pin(digest), 0 if entry is None else entry.value_size))
         try:
             with self._ledger.locked(timeout_s=self._lock_wait_s, then="pinned in this process only for now"):
+                outcomes = self._pin_in_order(names)
                 self._sync_marks(names)
+                self._publish_pins()
         except FolderLockTimeoutError as exc:  # marked at the next pin, store or listing that finds them
+            outcomes = self._pin_in_order(names)  # (within the other processes' pins as last written)
             with self._lock:
                 self._unmark_due = True  # (and the marks of records unpinned since: see unpin)
             self._problems.error("pin", "the folder", exc)
         return outcomes
+
+    def _pin_in_order(self, names: Sequence[str]) -> list[tuple[PinOutcome, int]]:
+        """Pin ``names`` in this process's order, the other processes' pinned bytes read once."""
+        others = self._marks.figures(others_only=True).pinned_bytes
+        outcomes: list[tuple[PinOutcome, int]] = []
+        with self._lock:
+            self._others_read = others
+            try:
+                for digest in names:
+                    entry = self._order.get(digest)
+                    outcomes.append((self._order.pin(digest), 0 if entry is None else entry.value_size))
+            finally:
+                self._others_read = None
+        return outcomes
+
+    def _others_pinned(self) -> int:
+        """The bytes the folder's other live owners pin (:class:`kvplug.SharedPins`' ``others``;
+        the backend's lock held): read from their lock files, or once for a whole pin call."""
+        if self._others_read is not None:
+            return self._others_read
+        return self._marks.figures(others_only=True).pinned_bytes
+
+    def _publish_pins(self) -> None:
+        """Write this process's pinned bytes for the folder's other processes (the folder's lock held)."""
+        with self._lock:
+            pinned = self._order.pinned_bytes
+        self._marks.publish(pinned)
 
     def unpin(self, names: Sequence[str]) -> list[int | None]:
         """Make records evictable again: per name its value bytes, ``None`` if not pinned. They
@@ -85,6 +114,7 @@ class FolderPins:
                     if over_quota:
                         self._remove_victims(usage, over_quota)
                         usage.save()
+                self._publish_pins()
         except FolderLockTimeoutError as exc:  # unpinned all the same: the next write keeps the quota
             # The marks stay until the lock is held (the next pin, unpin, store or listing): one
             # removed without it may be copied first onto the file a store renames over the record.
@@ -132,12 +162,14 @@ class FolderPins:
             self._problems.error("pin", "the folder", exc)
 
     def _mark_new_pins(self, names: Iterable[str]) -> None:
-        """Mark the records of ``names`` that this process pins (its lock held). Marked again even
-        where this process marked them before: the file may be a new one without its mark (the
-        record was removed by another process, then stored again)."""
+        """Mark the records of ``names`` that this process pins (both locks held), and write its
+        pinned bytes if they changed. Marked again even where this process marked them before:
+        the file may be a new one without its mark (the record was removed by another process,
+        then stored again)."""
         for digest in names:
             if self._order.is_pinned(digest):
                 self._marks.mark(digest)
+        self._marks.publish(self._order.pinned_bytes)
 
 
 class KeptForOthers:

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvplug import EvictionName, GuardedEviction, NameTenants, PinOutcome, Tenancy, TenancySettings
+from kvplug import EvictionName, GuardedEviction, NameTenants, PinOutcome, SharedPins, Tenancy, TenancySettings
 
 
 @dataclass(slots=True)
@@ -106,6 +106,11 @@ class EvictionIndex:
     def is_pinned(self, digest: str) -> bool:
         return self._policy.is_pinned(digest)
 
+    @property
+    def pinned_bytes(self) -> int:
+        """File bytes of the pinned records (what the guard's pin budgets count)."""
+        return self._policy.pinned_bytes
+
     def pinned(self) -> list[str]:
         """The pinned digests."""
         return [digest for digest in self._entries if self._policy.is_pinned(digest)]
@@ -164,10 +169,16 @@ class EvictionIndex:
 
 
 def record_guard(
-    settings: TenancySettings, tenancy: Tenancy, names: NameTenants, logger: logging.Logger, where: str
+    settings: TenancySettings,
+    tenancy: Tenancy,
+    names: NameTenants,
+    logger: logging.Logger,
+    where: str,
+    shared_pins: SharedPins | None = None,
 ) -> Callable[[EvictionName], GuardedEviction]:
     """The guard of a record folder's index: ``settings``' pin budgets and quotas (over file
-    sizes), the engine's wanted pins by record name, tenants by record name."""
+    sizes), the engine's wanted pins by record name, tenants by record name, and the bound of
+    every process's pins in the folder (``shared_pins``)."""
     pins, labels = tenancy.pins, tenancy.labels
     quotas, default_quota = settings.quota_bytes()
 
@@ -184,6 +195,7 @@ def record_guard(
             request_pin_budget=settings.request_pin_budget(),
             requested_pin=pins.requested_name,
             labels=labels,
+            shared_pins=shared_pins,
         )
 
     return guard

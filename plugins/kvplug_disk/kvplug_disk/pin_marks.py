@@ -29,6 +29,11 @@ owner other than itself (:meth:`PinMarks.held_elsewhere`).
   mark can be set (``pin_marks_failed``): pins are then per process, as before, each engine
   never evicting what it pinned, another one possibly.
 
+- **How much is pinned.** The owner writes its pinned bytes into its lock file whenever they
+  change (:meth:`PinMarks.publish`), so the folder's pins are summed over its live owners
+  without reading any record's marks (:meth:`PinMarks.figures`; the sum counts a record two
+  owners pin twice), and bounded as a whole (the tier's ``folder_pin_max_bytes``).
+
 Marks are sets of attributes, one per owner, not one list: owners add and remove their own
 without reading and rewriting anyone else's.
 """
@@ -46,11 +51,14 @@ from kvplug_disk.folder_scan import RECORD_SUFFIX
 from kvplug_disk.pin_owners import (
     OPEN_FLAGS,
     OWNERS_FOLDER,
+    PinFigures,
+    folder_pin_figures,
     is_owner_id,
     make_owner_file,
     owner_alive,
     remove_owner_file,
     sweep_owners,
+    write_pinned,
 )
 
 #: A pin mark's attribute: this prefix and its owner's id.
@@ -87,6 +95,7 @@ class PinMarks:
         self.owner = secrets.token_hex(16)
         self._attr = MARK_PREFIX + self.owner
         self._owner_fd: int | None = None
+        self._published: int | None = 0  # the pinned bytes in the lock file (made with 0; None: unsure)
         self._lock = threading.Lock()
         #: The records this owner marked (and has not unmarked since).
         self.marked: set[str] = set()
@@ -135,6 +144,29 @@ class PinMarks:
             finally:
                 os.close(opened)
 
+    def publish(self, pinned: int) -> None:
+        """Write this owner's ``pinned`` bytes into its lock file, where other owners and
+        ``kvplug store stats`` sum them (made when first needed: none for nothing pinned)."""
+        with self._lock:
+            if pinned == self._published or (self._owner_fd is None and not pinned):
+                return
+        if not self._claim():
+            return
+        with self._lock:
+            if self._owner_fd is None:  # closed meanwhile
+                return
+            try:
+                write_pinned(self._owner_fd, pinned)
+            except OSError:  # (a full disk: the last figure stands, the next call tries again)
+                self._published = None
+                return
+            self._published = pinned
+
+    def figures(self, *, others_only: bool = False) -> PinFigures:
+        """The folder's pins, summed over its live owners (this one by its last :meth:`publish`;
+        ``others_only``: without it)."""
+        return folder_pin_figures(self._root_fd, skip=self.owner if others_only else None)
+
     # --- everyone's marks ---------------------------------------------------------------
 
     def held_elsewhere(self, digest: str) -> list[str]:
@@ -173,6 +205,7 @@ class PinMarks:
         with self._lock:
             fd, self._owner_fd = self._owner_fd, None
             self.marked.clear()
+            self._published = 0
         if fd is None:
             return
         remove_owner_file(self._root_fd, self.owner)

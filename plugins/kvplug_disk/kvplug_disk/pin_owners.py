@@ -6,6 +6,14 @@ it ends. An owner whose file is gone or not locked is dead for good (ids are nev
 file is removed where seen. These functions hold no state: :class:`~kvplug_disk.pin_marks.PinMarks`
 keeps its owner's id and lock file, and says under which locks each runs.
 
+**Figures.** An owner's lock file holds one line, its pinned bytes (:func:`write_pinned`,
+rewritten in place by its owner, which holds the file's lock), so anyone may sum a folder's pins
+over its live owners (:func:`folder_pin_figures`) without a look at any record. The line is of
+fixed width, so a rewrite covers the last one whole, and carries a CRC-32 of its number, so a
+reader that meets a rewrite half-done reads again. A round-27 engine's lock file is empty: its
+pins are unknown (counted apart, as nothing), and it reads nothing of a file that has a line
+(its sweep and liveness checks only lock the file).
+
 Nothing here is followed through a link: the owners' folder and the files in it are opened with
 ``O_NOFOLLOW``, so a link planted there never makes a tier open or remove files elsewhere.
 """
@@ -17,6 +25,8 @@ import errno
 import fcntl
 import os
 import re
+import zlib
+from dataclasses import dataclass
 
 #: The folder (in the store's root) of the owners' lock files.
 OWNERS_FOLDER = ".kvplug-pins"
@@ -25,6 +35,24 @@ _OWNER = re.compile(r"[0-9a-f]{32}")
 _OWNER_TEMP = re.compile(r"[0-9a-f]{32}\.tmp")
 #: Non-blocking: opening a FIFO planted under a file's name must not wait for a writer.
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: An owner's figure: its pinned bytes, and the CRC-32 of those 20 digits.
+_FIGURE = re.compile(rb"pinned (\d{20}) ([0-9a-f]{8})\n")
+_FIGURE_SIZE = 37
+#: Reads of a figure that a rewrite tore before it counts as unknown.
+_FIGURE_READS = 3
+
+
+@dataclass(frozen=True)
+class PinFigures:
+    """A folder's pins summed over its live owners (:func:`folder_pin_figures`)."""
+
+    #: Pinned bytes (record file bytes) that live owners say they hold; a record two owners
+    #: pin counts twice.
+    pinned_bytes: int = 0
+    #: Live owners that pin some bytes.
+    pinning: int = 0
+    #: Live owners whose pins are unknown: a round-27 engine's empty file, or one unreadable.
+    unknown: int = 0
 
 
 def is_owner_id(name: str) -> bool:
@@ -45,6 +73,11 @@ def make_owner_file(root_fd: int, owner: str) -> int:
         fd = os.open(temp, flags, 0o600, dir_fd=folder)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: no one else holds it
+            # Seen with a figure from the start (an empty file reads as a round-27 engine's: its
+            # pins unknown). Best effort: a full disk that has room for no block still gets the
+            # lock file (its rewrites then try again), as before figures.
+            with contextlib.suppress(OSError):
+                write_pinned(fd, 0)
             os.rename(temp, owner, src_dir_fd=folder, dst_dir_fd=folder)
         except BaseException:
             os.close(fd)
@@ -53,6 +86,39 @@ def make_owner_file(root_fd: int, owner: str) -> int:
     finally:
         os.close(folder)
     return fd
+
+
+def write_pinned(fd: int, pinned: int) -> None:
+    """Write an owner's pinned bytes into its lock file, open as ``fd`` (the owner's)."""
+    digits = b"%020d" % pinned
+    os.pwrite(fd, b"pinned %s %08x\n" % (digits, zlib.crc32(digits)), 0)
+
+
+def folder_pin_figures(root_fd: int, skip: str | None = None) -> PinFigures:
+    """The pins of the folder's live owners but ``skip``, summed from their lock files. Changes
+    nothing (a dead owner's file is left to a sweep): ``kvplug store stats`` reads it too."""
+    try:
+        folder = _open_owners_folder(root_fd)
+    except OSError:  # none yet (no pin was ever marked here), or not a folder of the store's own
+        return PinFigures()
+    pinned = pinning = unknown = 0
+    try:
+        for name in os.listdir(folder):
+            if name == skip or not _OWNER.fullmatch(name):
+                continue
+            alive, figure = _figure_in(folder, name)
+            if not alive:
+                continue
+            if figure is None:
+                unknown += 1
+            elif figure:
+                pinned += figure
+                pinning += 1
+    except OSError:  # the folder could not be listed: what was read so far
+        pass
+    finally:
+        os.close(folder)
+    return PinFigures(pinned, pinning, unknown)
 
 
 def remove_owner_file(root_fd: int, owner: str) -> None:
@@ -127,6 +193,35 @@ def _alive_in(folder: int, owner: str) -> bool:
             return True
         _unlink_quietly(owner, folder)
         return False
+    finally:
+        os.close(fd)
+
+
+def _figure_in(folder: int, owner: str) -> tuple[bool, int | None]:
+    """Whether ``owner`` is alive, and its pinned bytes (``None``: unknown)."""
+    try:
+        fd = os.open(owner, OPEN_FLAGS, dir_fd=folder)
+    except OSError as exc:  # gone or a link: no live owner; not ours to open: cannot tell
+        return exc.errno not in (errno.ENOENT, errno.ELOOP), None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # held by its owner
+            pass
+        except OSError:
+            return True, None
+        else:
+            return False, None  # dead (unlocked as it closes)
+        for _ in range(_FIGURE_READS):
+            line = os.pread(fd, _FIGURE_SIZE, 0)
+            found = _FIGURE.fullmatch(line)
+            if found is not None and b"%08x" % zlib.crc32(found.group(1)) == found.group(2):
+                return True, int(found.group(1))
+            if not line:  # a round-27 engine's (or an unknown owner's): nothing to wait for
+                break
+        return True, None
+    except OSError:
+        return True, None
     finally:
         os.close(fd)
 

@@ -12,6 +12,7 @@ from kvplug import Buffer
 from kvplug_disk.files import RecordFolder
 from kvplug_disk.index import EvictionIndex
 from kvplug_disk.ledger import FolderLockTimeoutError, Usage, UsageLedger
+from kvplug_disk.pin_marks import PinMarks
 
 #: Longest a corrupt record's removal (from a read) waits for the folder's lock, which a
 #: paused process may hold for ever.
@@ -28,6 +29,7 @@ class DiskRemovals:
     _lock: threading.Lock
     _order: EvictionIndex
     _folder: RecordFolder
+    _marks: PinMarks
     _record_bound: Callable[[], int | None]
 
     if TYPE_CHECKING:  # (the backend's and FolderBudget's: stubs here would come first in its bases)
@@ -50,6 +52,7 @@ class DiskRemovals:
                 for digest in names:
                     self._order.pop(digest)
                     existed.append(self._unlink_record(usage, digest, "remove"))
+                self._marks.publish(self._order.pinned_bytes)  # (pinned records removed: fewer pinned bytes)
                 return existed
         except FolderLockTimeoutError as exc:  # nothing removed: the removal fails, naming why
             return [exc for _ in names]
