@@ -34,7 +34,11 @@ MAX_FOLDER_PIN_PERCENT = 90
 class DiskTierConfig(TenancySettings, RecordTierConfig):
     """Options of tier ``disk``; ``path`` is required."""
 
-    path: Path = Field(description="Folder of the cache, created if missing. Several processes may share it.")
+    path: Path = Field(
+        description="Folder of the cache, created if missing. Several processes may share it. A relative path "
+        "is taken from the working directory of the process that reads the config (the engine's), not from the "
+        "config file's folder: give an absolute path where they differ."
+    )
     max_bytes: ByteSize = Field(
         default=ByteSize(16 * 1024**3),
         description="Byte budget of stored values (each file also holds a 64-byte record header).",
