@@ -10,24 +10,23 @@ Mooncake's client calls are blocking C++ calls. They run in a small thread pool,
 awaited on the tier's loop, so every call keeps its deadline, retries and circuit
 breaker: a hung master costs one deadline, after which lookups miss and stores are
 dropped at no cost until a probe finds the store back. A call abandoned at its
-deadline keeps its buffer range until the client returns.
+deadline keeps its buffer range until the client returns. The client is set up (within
+the tier's deadline) and closed by :mod:`kvplug_mooncake.client`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 from kvplug import SIZE_UNKNOWN, Buffer, CallSizes, RecordBackend, RecordTier, RecordToWrite
 from kvplug.errors import CorruptChunkError, TierClosedError
 from kvplug_mooncake.buffers import TransferBuffers
+from kvplug_mooncake.client import MooncakeCallError, close_client, connect, library_timeouts
 from kvplug_mooncake.config import MooncakeTierConfig
 
 T = TypeVar("T")
@@ -43,46 +42,6 @@ GONE_CODES = frozenset({0, OBJECT_NOT_FOUND})
 UNAVAILABLE_CODES = frozenset({-1, -101, -103, -703, -800, -900, -1010, -1011})
 #: A batch is one client call whatever its size (the client pipelines it itself).
 ONE_CALL = 1 << 30
-
-
-def _library_timeouts(config: MooncakeTierConfig) -> None:
-    """Bound the client library's own RPC timeouts and setup retries by this tier's
-    deadline (its defaults are 30 s and many retries, with the GIL held in setup).
-    Process-wide, read when the first client starts; values already set win."""
-    timeout_ms = max(int(config.request_timeout_s * 1000), 100)
-    os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(timeout_ms))
-    os.environ.setdefault("MC_RPC_CONNECT_TIMEOUT_MS", str(min(timeout_ms, 1000)))
-    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
-
-
-def _endpoints(config: MooncakeTierConfig) -> list[tuple[str, int]]:
-    """The TCP endpoints setup needs: the master, and an HTTP or etcd metadata server."""
-    host, _, port = config.master.rpartition(":")
-    found = [(host.strip("[]"), int(port))]
-    if config.metadata_server != "P2PHANDSHAKE":
-        parts = urlsplit(
-            config.metadata_server if "://" in config.metadata_server else f"etcd://{config.metadata_server}"
-        )
-        if parts.hostname:
-            found.append((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)))
-    return found
-
-
-def _probe(host: str, port: int, timeout_s: float) -> None:
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            pass
-    except OSError as exc:
-        raise MooncakeCallError(f"connecting to {host}:{port} ({exc})", -900) from None
-
-
-class MooncakeCallError(Exception):
-    """A client call failed as a whole (the store did not answer), or one record was
-    refused (``code`` says why: -200, the store is full); transient."""
-
-    def __init__(self, what: str, code: int) -> None:
-        super().__init__(f"{what} failed with mooncake code {code}")
-        self.code = code
 
 
 def _failed_key(what: str, name: str, code: int) -> MooncakeCallError:
@@ -107,8 +66,7 @@ class MooncakeBackend(RecordBackend):
         self._record_bound = record_bound
         self.where = f"mooncake master {config.master}"
         self.open_timeout_s = config.setup_timeout_s
-        _library_timeouts(config)
-        self._endpoints = _endpoints(config)
+        library_timeouts(config)
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvplug-mooncake")
         self._setup_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -125,30 +83,9 @@ class MooncakeBackend(RecordBackend):
     def _connected(self) -> tuple[Any, TransferBuffers]:
         """The set-up client and its buffers (in a pool thread); sets one up when there is none."""
         with self._setup_lock:
-            if self._store is not None and self._buffers is not None:
-                return self._store, self._buffers
-            config = self.config
-            # setup() holds the GIL while it retries: it would freeze every thread of the
-            # engine past any deadline. A store that refuses connections fails here instead.
-            for host, port in self._endpoints:
-                _probe(host, port, min(config.request_timeout_s, 1.0))
-            from mooncake.store import MooncakeDistributedStore  # the C++ extension loads on first use
-
-            store = MooncakeDistributedStore()
-            code = store.setup(
-                config.local_hostname,
-                config.metadata_server,
-                int(config.global_segment_size),
-                int(config.local_buffer_size),
-                config.protocol,
-                config.rdma_devices,
-                config.master,
-            )
-            if code != 0:
-                raise MooncakeCallError(f"setup with {self.where}", code)
-            buffers = TransferBuffers(int(config.transfer_buffer_size), store.register_buffer, store.unregister_buffer)
-            self._store, self._buffers = store, buffers
-            return store, buffers
+            if self._store is None or self._buffers is None:
+                self._store, self._buffers = connect(self.config, self.where)
+            return self._store, self._buffers
 
     async def _blocking(self, function: Callable[[], T]) -> T:
         if self._closed:
@@ -243,11 +180,7 @@ class MooncakeBackend(RecordBackend):
         positions: list[int],
         results: list[Buffer | int | BaseException],
     ) -> None:
-        offsets, slots, total = [], [], 0
-        for size in sizes:
-            offsets.append(total)
-            slots.append(-(-max(size, 1) // 64) * 64)
-            total += slots[-1]
+        offsets, slots, total = _slots(sizes)
         with buffers.lease(total) as lease:
             codes = [int(code) for code in store.batch_get_into(names, [lease.address + o for o in offsets], sizes)]
             # Zero copy: the values stay where they landed until the caller drops them.
@@ -265,17 +198,14 @@ class MooncakeBackend(RecordBackend):
 
         def write() -> list[int]:
             store, buffers = self._connected()
-            offsets, total = [], 0
-            for record in records:
-                offsets.append(total)
-                total += -(-record.size // 64) * 64
+            sizes = [record.size for record in records]
+            offsets, _, total = _slots(sizes)
             # Header and value framed straight into registered memory: the value's one copy.
             with buffers.lease(total) as lease:
                 for record, offset in zip(records, offsets):
                     start = offset + len(record.header)
                     lease.view[offset:start] = record.header
                     lease.view[start : start + record.value.nbytes] = record.value
-                sizes = [record.size for record in records]
                 codes = [int(c) for c in store.batch_upsert_from(names, [lease.address + o for o in offsets], sizes)]
             _raise_if_unavailable("batch_upsert_from", codes)
             return codes
@@ -356,7 +286,7 @@ class MooncakeBackend(RecordBackend):
                 store, self._store = self._store, None
                 buffers, self._buffers = self._buffers, None
             if store is not None:
-                _close_client(store, buffers)
+                close_client(store, buffers)
 
         # The client's close talks to the master; a hung master must not hang close
         # (nor, at exit, the interpreter: a daemon thread, not an executor's).
@@ -367,13 +297,15 @@ class MooncakeBackend(RecordBackend):
             await asyncio.sleep(0.005)
 
 
-def _close_client(store: Any, buffers: TransferBuffers | None) -> None:
-    try:
-        if buffers is not None:
-            buffers.close()
-        store.close()
-    except Exception:
-        pass
+def _slots(sizes: Sequence[int]) -> tuple[list[int], list[int], int]:
+    """Offsets and sizes of one buffer range per object, each a whole number of 64-byte lines
+    (one byte at least), and their total."""
+    offsets, slots, total = [], [], 0
+    for size in sizes:
+        offsets.append(total)
+        slots.append(-(-max(size, 1) // 64) * 64)
+        total += slots[-1]
+    return offsets, slots, total
 
 
 class MooncakeTier(RecordTier):

@@ -84,10 +84,12 @@ class ObjectBackend(RecordBackend):
     call_sizes = CallSizes(query=1, read=1, write=1)
     open_timeout_s = OPEN_TIMEOUT_S
 
-    def __init__(self, fs: Any, root: str, where: str) -> None:
+    def __init__(self, fs: Any, root: str, where: str, record_bound: Callable[[], int | None]) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
         self.where = where
+        #: The tier's ``max_record_bytes``, read at each read (the engine may raise it).
+        self._record_bound = record_bound
 
     def path_for(self, digest: str) -> str:
         return f"{self.root}/{digest[:2]}/{digest}"
@@ -121,10 +123,8 @@ class AsyncObjectBackend(ObjectBackend):
         frame_buffer_bytes: int,
         record_bound: Callable[[], int | None] = lambda: None,
     ) -> None:
-        super().__init__(fs, root, where)
+        super().__init__(fs, root, where, record_bound)
         self._is_s3 = hasattr(fs, "_s3")
-        #: The tier's ``max_record_bytes``, read at each read (the engine may raise it).
-        self._record_bound = record_bound
         self._conditional = ConditionalDeletes(fs, self.root, s3_error_code)
         #: Upload buffers for reuse, or ``None`` (each frame allocated anew).
         self.frames = FrameBuffers(frame_buffer_bytes) if frame_buffer_bytes > 0 else None
@@ -233,13 +233,13 @@ class ThreadedObjectBackend(ObjectBackend):
         record_bound: Callable[[], int | None] = lambda: None,
         read_only: bool = False,
     ) -> None:
-        super().__init__(fs, root, where)
+        super().__init__(fs, root, where, record_bound)
         self.atomic_put = atomic_put
-        self._record_bound = record_bound
         #: Opened for inspection: a listing removes nothing (not even stale temporaries).
         self.read_only = read_only
         #: ``file://``: regular files in real shard folders only (:mod:`kvplug_s3.local_files`).
         self._local = isinstance(fs, LocalFileSystem)
+        self._remove: Callable[[str], None] = remove_local_file if self._local else fs.rm_file
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvplug-s3-io")
 
     async def _call(self, function: Callable[..., T], *args: Any) -> T:
@@ -305,7 +305,7 @@ class ThreadedObjectBackend(ObjectBackend):
             raise
 
     async def delete(self, names: Sequence[str]) -> list[bool]:
-        await self._call(remove_local_file if self._local else self.fs.rm_file, self.path_for(names[0]))
+        await self._call(self._remove, self.path_for(names[0]))
         return [True]  # a missing object raised FileNotFoundError
 
     async def listing(self) -> list[StoredRecord]:
@@ -325,12 +325,11 @@ class ThreadedObjectBackend(ObjectBackend):
         would, and they hold space outside the budget. Only those older than
         :data:`STALE_TEMPORARY_S` (one without a time may be a live writer's)."""
         now = time.time()
-        remove = remove_local_file if self._local else self.fs.rm_file
         for path, info in found.items():
             modified = _modified(info)
             if _TEMPORARY.fullmatch(path.rsplit("/", 1)[-1]) and 0 < modified < now - STALE_TEMPORARY_S:
                 try:
-                    remove(path)
+                    self._remove(path)
                 except OSError:
                     pass  # gone already (another process's listing), or not ours to remove
 
