@@ -30,11 +30,10 @@ from valkey import exceptions as vex
 
 from kvplug import CircuitBreaker
 from kvplug.errors import TierUnavailableError
+from kvplug_valkey import redirects
 from kvplug_valkey.slot_map import SlotMap
 
 _log = logging.getLogger("kvplug.tier")
-#: Replies of one command that say its slot is served elsewhere (or nowhere) now.
-_REDIRECTS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
 #: A node's share of a batch ends at this fraction of the attempt's deadline, so that the
 #: other nodes' answers still reach the tier when one node hangs.
 NODE_DEADLINE_SHARE = 0.8
@@ -56,18 +55,6 @@ def _commands(commands: Sequence[tuple[Any, ...]], positions: list[int], asking:
     command of the connection into a slot being imported)."""
     chosen = [commands[i] for i in positions]
     return [part for command in chosen for part in (("ASKING",), command)] if asking else chosen
-
-
-def _redirected(result: Any) -> bool:
-    return isinstance(result, vex.ResponseError) and str(result).upper().startswith(_REDIRECTS)
-
-
-def _redirect_target(result: Any) -> tuple[str, bool] | None:
-    """The address (``host:port``) a ``MOVED``/``ASK`` reply names, and whether it was ``ASK``."""
-    if not isinstance(result, vex.ResponseError):
-        return None
-    kind, _, rest = str(result).partition(" ")
-    return (rest.partition(" ")[2], kind == "ASK") if kind in ("MOVED", "ASK") else None
 
 
 class ClusterNodes:
@@ -137,7 +124,7 @@ class ClusterNodes:
         # moved) is sent once more, to the node named (after ASKING for ASK). A node the map lacks
         # (one that just joined) makes the batch read the map, unless a reading began since the
         # batch did; a node still unknown is a miss: nothing goes where only a reply points.
-        targets = [_redirect_target(result) for result in results]
+        targets = [redirects.target(result) for result in results]
         if any(t is not None and self._map.known(t[0]) is None for t in targets):
             await self._map.read_members(deadline, unless_since=readings)
         redirected: dict[tuple[str, bool], tuple[Any, list[int]]] = {}
@@ -147,7 +134,7 @@ class ClusterNodes:
                 redirected.setdefault((node.name, target[1]), (node, []))[1].append(position)
         sends = [(node, positions, asking) for (_, asking), (node, positions) in redirected.items()]
         await self._send(sends, commands, results, raise_server_errors, deadline, redirected=True)
-        return [NodeDownError(f"slot moved: {r}") if _redirected(r) else r for r in results]
+        return [NodeDownError(f"slot moved: {r}") if redirects.redirected(r) else r for r in results]
 
     async def keys(self, match: bytes, count: int) -> list[bytes]:
         """The keys matching ``match`` on every primary of the map (``SCAN`` over each node's own
@@ -264,7 +251,7 @@ class ClusterNodes:
         commands: list[tuple[Any, ...]],
         raise_server_errors: Callable[[Sequence[Any]], None],
         deadline: float,
-        redirected: bool = False,
+        redirected: bool,
     ) -> list[Any]:
         self._client(node)  # (a node the map dropped meanwhile: refused before a breaker is made for it)
         breaker = self._breaker(node.name)
@@ -280,7 +267,7 @@ class ClusterNodes:
                     pipe.execute_command(*command)
                 try:
                     results = await asyncio.wait_for(pipe.execute(raise_on_error=False), deadline - loop.time())
-                    raise_server_errors([r for r in results if not _redirected(r)])
+                    raise_server_errors([r for r in results if not redirects.redirected(r)])
                     break
                 except (vex.ConnectionError, vex.TimeoutError):
                     # A blip (a connection refused or slow to open on a busy host) is retried
@@ -299,8 +286,8 @@ class ClusterNodes:
                 raise NodeDownError(f"cluster node {node.name}: no time left for keys redirected to it") from exc
             self._failed(node.name, breaker, exc)
             raise
-        if any(_redirected(r) and not str(r).startswith("ASK ") for r in results):
-            self._map.stale = True  # (ASK: a slot half-way moved, the map is still right)
+        if any(redirects.map_outdated(r) for r in results):
+            self._map.stale = True
         self._answered(node.name, breaker)
         return list(results)
 
