@@ -63,7 +63,7 @@ class ValkeyClients:
         return bound_replies(client, self._parser)
 
     def cluster(self) -> Client:
-        """A cluster client, of which the tier uses only the slot map (:mod:`kvplug_valkey.nodes`
+        """A cluster client, of which the tier uses only the slot map (:mod:`kvplug_valkey.slot_map`
         reads it, each node within a deadline; batches and listings go over :meth:`node` clients):
         it never sends a command itself, nor reads its map, nor ``COMMAND`` from a node."""
         cluster = ValkeyCluster(

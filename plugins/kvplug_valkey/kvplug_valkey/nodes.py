@@ -4,8 +4,8 @@ A sharded cluster whose node dies still serves the keys on its other nodes. valk
 cluster pipeline fails as a whole when one node does not answer (and then drops every
 node's connections to rediscover the cluster), so one dead node would fail every batch
 and open the tier's breaker: keys on healthy nodes would miss too. Here the cluster
-client only keeps the map of slots to nodes (read here alone: valkey-py's own reading has
-no deadline) and sends nothing: a listing scans each node over a plain client of that
+client only keeps the map of slots to nodes (:mod:`kvplug_valkey.slot_map` reads it, within
+the batch's deadline) and sends nothing: a listing scans each node over a plain client of that
 node, and each node's share of a batch goes as one pipeline over it, under the node's own
 :class:`kvplug.CircuitBreaker` (the tier's ``breaker_failures`` and
 ``breaker_cooldown_s``). The keys of a node that fails, or whose breaker is open, get a
@@ -27,22 +27,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from valkey import exceptions as vex
-from valkey.cluster import PRIMARY
 
 from kvplug import CircuitBreaker
 from kvplug.errors import TierUnavailableError
-from kvplug_valkey import shards
+from kvplug_valkey import redirects
+from kvplug_valkey.slot_map import SlotMap
 
 _log = logging.getLogger("kvplug.tier")
-#: Replies of one command that say its slot is served elsewhere (or nowhere) now.
-_REDIRECTS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
 #: A node's share of a batch ends at this fraction of the attempt's deadline, so that the
 #: other nodes' answers still reach the tier when one node hangs.
 NODE_DEADLINE_SHARE = 0.8
-#: A reading of the slot map ends at this fraction of the nodes' deadline (the old map stays),
-#: so that the batch that reads it still gets the nodes' answers when a node it asks hangs.
-#: With no map yet, the batch has nothing to send without one: the reading gets all of it.
-MAP_DEADLINE_SHARE = 0.5
 #: Refusals of the credentials, which no retry fixes (the tier's classify makes them permanent).
 _CREDENTIALS = (vex.AuthenticationError, vex.AuthorizationError, vex.NoPermissionError)
 
@@ -63,32 +57,6 @@ def _commands(commands: Sequence[tuple[Any, ...]], positions: list[int], asking:
     return [part for command in chosen for part in (("ASKING",), command)] if asking else chosen
 
 
-def _redirected(result: Any) -> bool:
-    return isinstance(result, vex.ResponseError) and str(result).upper().startswith(_REDIRECTS)
-
-
-def _redirect_target(result: Any) -> tuple[str, bool] | None:
-    """The address (``host:port``) a ``MOVED``/``ASK`` reply names, and whether it was ``ASK``."""
-    if not isinstance(result, vex.ResponseError):
-        return None
-    kind, _, rest = str(result).partition(" ")
-    return (rest.partition(" ")[2], kind == "ASK") if kind in ("MOVED", "ASK") else None
-
-
-class _Reader:
-    """The one node valkey-py asks in a reading of the map (:meth:`ClusterNodes._read_from`),
-    over the tier's client of that node: a reading sends one command on a connection open
-    already. (valkey-py's own node objects, new at each reading, connected afresh each time:
-    a TLS handshake and four round trips more, within the reading's share of a deadline.)"""
-
-    def __init__(self, node: Any, client: Any) -> None:
-        self.host, self.port, self.name = node.host, node.port, node.name
-        self.execute_command = client.execute_command
-
-    async def disconnect(self) -> None:
-        """Nothing: the client is the tier's, closed with it or once its node leaves the map."""
-
-
 class ClusterNodes:
     """Per-node pipelines and breakers over a ``ValkeyCluster`` client's slot map; see the module docstring."""
 
@@ -105,31 +73,17 @@ class ClusterNodes:
         on_failure: Callable[[BaseException], None] = lambda exc: None,
         on_short_circuit: Callable[[], None] = lambda: None,
     ) -> None:
-        self.cluster = cluster
         self._node_client = node_client
         self._failures = breaker_failures
         self._cooldown_s = breaker_cooldown_s
         self._node_timeout_s = request_timeout_s * NODE_DEADLINE_SHARE
         self._retries = retries
-        self._tls = tls
         #: Report a node's failed call, and a call its open breaker answered, to the tier's metrics.
         self._on_failure = on_failure
         self._on_short_circuit = on_short_circuit
         self._breakers: dict[str, CircuitBreaker] = {}
         self._clients: dict[str, Any] = {}
-        #: The map is to be read before the next batch (the first batch reads it: the tier's
-        #: reading is the only one, under its deadline; valkey-py's has none).
-        self._stale = True
-        self._refreshing = asyncio.Lock()
-        #: Readings of the map begun (a batch reads it at most once, and not after another batch did).
-        self._readings = 0
-        #: The node whose map the last reading took: the first one asked next time.
-        self._last_good: str | None = None
-        #: Every node of the last reading's ``CLUSTER SHARDS`` (a reading for a node the map lacks:
-        #: one serving no slot, which ``CLUSTER SLOTS``, the map's nodes, leaves out), else none.
-        self._members: dict[str, shards.Member] = {}
-        #: Why the last node asked for the map gave none (said when no node ever gave one).
-        self._map_error: BaseException | None = None
+        self._map = SlotMap(cluster, self._client_of, self._forget_departed, tls=tls)
         #: Nodes whose last call failed (or was refused by their open breaker).
         self._failing: set[str] = set()
         #: Failed node pipelines (each also counts towards that node's breaker).
@@ -137,11 +91,8 @@ class ClusterNodes:
 
     def describe(self) -> dict[str, int | float | str]:
         """``nodes``: primaries known; ``nodes_down``: those whose breaker is not closed."""
-        # Called from stats() on another thread while the loop may refresh the slot map, which
-        # changes the node dict in place: one copy of it (list() of a dict holds the GIL
-        # throughout), never valkey's get_primaries(), a Python loop over the live dict.
-        nodes = list(self.cluster.nodes_manager.nodes_cache.values())
-        primaries = {node.name for node in nodes if node.server_type == PRIMARY}
+        # (Called from stats() on another thread: the map's primaries() is safe there.)
+        primaries = {node.name for node in self._map.primaries()}
         breakers = list(self._breakers.items())
         down = sum(1 for name, breaker in breakers if name in primaries and breaker.state != "closed")
         return {"nodes": len(primaries), "nodes_down": down}
@@ -153,15 +104,15 @@ class ClusterNodes:
         loop = asyncio.get_running_loop()
         # (The map's reading, the nodes' calls and the redirected keys' second round, all within it.)
         deadline = loop.time() + self._node_timeout_s
-        readings = self._readings
+        readings = self._map.readings
         await self._current_map(deadline)
         results: list[Any] = [None] * len(commands)
         groups: dict[str, tuple[Any, list[int]]] = {}
         for position, command in enumerate(commands):
             try:
-                node = self.cluster.get_node_from_key(_key_of(command))
+                node = self._map.node_of(_key_of(command))
             except vex.SlotNotCoveredError as exc:
-                self._stale = True
+                self._map.stale = True
                 results[position] = NodeDownError(str(exc))
                 continue
             groups.setdefault(node.name, (node, []))[1].append(position)
@@ -173,19 +124,17 @@ class ClusterNodes:
         # moved) is sent once more, to the node named (after ASKING for ASK). A node the map lacks
         # (one that just joined) makes the batch read the map, unless a reading began since the
         # batch did; a node still unknown is a miss: nothing goes where only a reply points.
-        targets = [_redirect_target(result) for result in results]
-        if any(t is not None and self._known(t[0]) is None for t in targets):
-            async with self._refreshing:
-                if self._readings == readings:
-                    await self._read_map(deadline, members=True)
+        targets = [redirects.target(result) for result in results]
+        if any(t is not None and self._map.known(t[0]) is None for t in targets):
+            await self._map.read_members(deadline, unless_since=readings)
         redirected: dict[tuple[str, bool], tuple[Any, list[int]]] = {}
         for position, target in enumerate(targets):
-            node = None if target is None else self._known(target[0])
+            node = None if target is None else self._map.known(target[0])
             if target is not None and node is not None:
                 redirected.setdefault((node.name, target[1]), (node, []))[1].append(position)
         sends = [(node, positions, asking) for (_, asking), (node, positions) in redirected.items()]
         await self._send(sends, commands, results, raise_server_errors, deadline, redirected=True)
-        return [NodeDownError(f"slot moved: {r}") if _redirected(r) else r for r in results]
+        return [NodeDownError(f"slot moved: {r}") if redirects.redirected(r) else r for r in results]
 
     async def keys(self, match: bytes, count: int) -> list[bytes]:
         """The keys matching ``match`` on every primary of the map (``SCAN`` over each node's own
@@ -196,11 +145,9 @@ class ClusterNodes:
         is open (a hung node would hold it for its timeout)."""
         deadline = asyncio.get_running_loop().time() + self._node_timeout_s
         await self._current_map(deadline)
-        async with self._refreshing:
-            await self._read_map(deadline, members=True)
-        joined = [m for m in self._members.values() if m.primary and self._known(m.name) is m]
+        await self._map.read_members(deadline)
         found: dict[bytes, None] = {}
-        for node in [*self.cluster.get_primaries(), *joined]:
+        for node in [*self._map.primaries(), *self._map.joined()]:
             client, breaker = self._client(node), self._breaker(node.name)
             if not breaker.allow():
                 self._on_short_circuit()
@@ -209,7 +156,7 @@ class ClusterNodes:
                 async for key in client.scan_iter(match=match, count=count):
                     found[key] = None  # (a key whose slot moved during the listing is met twice)
             except Exception as exc:
-                if self._known(node.name) is not None:  # (else it left the map meanwhile, not failing)
+                if self._map.known(node.name) is not None:  # (else it left the map meanwhile, not failing)
                     self._failed(node.name, breaker, exc)
                 raise
             self._answered(node.name, breaker)
@@ -217,18 +164,12 @@ class ClusterNodes:
 
     async def _current_map(self, deadline: float) -> None:
         """Read the map if it is stale; raise when no node ever gave one (none answers)."""
-        if self._stale or self._refreshing.locked():
-            # A batch that comes while another reads the map waits for the new map: the old
-            # one would send it where the redirections came from.
-            async with self._refreshing:
-                if self._stale:
-                    await self._read_map(deadline)
-        if not self.cluster.nodes_manager.slots_cache:
-            self._stale = True
-            error = self._map_error
-            if isinstance(error, _CREDENTIALS):  # (a wrong password: said as such, and never retried)
-                raise error.with_traceback(None)
-            raise NodeDownError(f"no cluster node gave the map of slots (the last: {error!r})") from error
+        if await self._map.current(deadline):
+            return
+        error = self._map.error
+        if isinstance(error, _CREDENTIALS):  # (a wrong password: said as such, and never retried)
+            raise error.with_traceback(None)
+        raise NodeDownError(f"no cluster node gave the map of slots (the last: {error!r})") from error
 
     async def _send(
         self,
@@ -268,83 +209,31 @@ class ClusterNodes:
                 results[position] = result
         return failed
 
-    def _known(self, address: str) -> Any:
-        """The node at ``address`` if the last reading of the map named it (``CLUSTER SLOTS``,
-        else ``CLUSTER SHARDS``), else ``None``."""
-        return self.cluster.nodes_manager.nodes_cache.get(address) or self._members.get(address)
-
-    async def _read_map(self, deadline: float, *, members: bool = False) -> None:
-        """Read the slot map again, within :data:`MAP_DEADLINE_SHARE` of what is left until
-        ``deadline`` (a loop time), the rest being the nodes' (the old map stays if no node
-        answers in time). valkey-py asks the nodes one after another, the URL's first, each up
-        to the socket timeout: a hung URL node would hold every reading past its deadline,
-        for good. Here the nodes are asked in turn, the one that answered last first, each
-        within an equal part of what is left. ``members``: also ask for every node
-        (``CLUSTER SHARDS``, a round trip more), for a redirection to a node the map lacks."""
-        self._stale = False
-        self._readings += 1
-        loop = asyncio.get_running_loop()
-        share = MAP_DEADLINE_SHARE if self.cluster.nodes_manager.slots_cache else 1.0
-        until = loop.time() + (deadline - loop.time()) * share
-        candidates = list(self.cluster.nodes_manager.startup_nodes.values())  # (valkey-py keeps the map's nodes there)
-        candidates.sort(key=lambda node: node.name != self._last_good)
-        for turn, node in enumerate(candidates):
-            try:
-                share = (until - loop.time()) / (len(candidates) - turn)
-                self._members = await asyncio.wait_for(self._read_from(node, members), share)
-            except (vex.ValkeyError, vex.ValkeyClusterException, OSError, asyncio.TimeoutError, IndexError) as exc:
-                # (IndexError: valkey-py's reading of a node that answers an empty map, a node reset.)
-                _log.debug("valkey cluster: no slot map from %s: %r", node.name, exc)
-                # (valkey-py says why a node gave none in the cause of its own exception.)
-                cause = exc.__cause__ if isinstance(exc, vex.ValkeyClusterException) else None
-                self._map_error = cause or exc
-                continue
-            self._last_good = node.name
-            await self._forget_departed()
-            return
-
-    async def _read_from(self, node: Any, members: bool) -> dict[str, shards.Member]:
-        """With ``members`` the nodes ``CLUSTER SHARDS`` lists, then the map as ``node`` sees it
-        (valkey-py's reading, asking ``node`` alone), both over the tier's client of ``node``."""
-        client = self._clients.get(node.name)
-        if client is None:  # (also the URL's node before the first map: closed after it if not in it)
-            client = self._clients[node.name] = self._node_client(node.host, node.port)
-        try:
-            found = shards.members(await client.execute_command("CLUSTER SHARDS"), self._tls) if members else {}
-        except (vex.ResponseError, TypeError, ValueError, AttributeError):
-            found = {}  # (no such command before Valkey/Redis 7, or a reply not as documented)
-        manager = self.cluster.nodes_manager
-        old = (manager.startup_nodes, dict(manager.nodes_cache), manager.slots_cache, manager.default_node)
-        manager.startup_nodes = {node.name: _Reader(node, client)}
-        try:
-            await manager.initialize()  # (which sets startup_nodes to the map's nodes)
-        except BaseException:  # (cancelled at the end of its share too)
-            # The old map stays: valkey-py replaces it before it fails on an empty one (a node
-            # reset). (It disconnected the old nodes: they connect again when next asked.)
-            manager.startup_nodes, manager.nodes_cache, manager.slots_cache, manager.default_node = old
-            raise
-        return found
-
     async def _forget_departed(self) -> None:
         """Close the clients, and forget the breakers, of nodes no longer in the map (removed
         from the cluster: their sockets would stay open, their breakers kept, for good)."""
-        for name in [name for name in self._breakers if self._known(name) is None]:
+        for name in [name for name in self._breakers if self._map.known(name) is None]:
             del self._breakers[name]
             self._failing.discard(name)
-        departed = [self._clients.pop(name) for name in list(self._clients) if self._known(name) is None]
+        departed = [self._clients.pop(name) for name in list(self._clients) if self._map.known(name) is None]
         for client in departed:  # (a call still on one fails: a miss for its keys, as for a node gone)
             await client.aclose()
 
     def _none_answering(self) -> bool:
         """No primary is known to answer: the last call to each one failed."""
-        return all(node.name in self._failing for node in self.cluster.get_primaries())
+        return all(node.name in self._failing for node in self._map.primaries())
 
     def _client(self, node: Any) -> Any:
         """``node``'s client, made on first use; refused (:class:`NodeDownError`) once the map no
         longer has the node: a reading closed its client then, and a retry still on its way
         would open a connection again, that nothing would ever close."""
-        if self._known(node.name) is None:
+        if self._map.known(node.name) is None:
             raise NodeDownError(f"cluster node {node.name}: no longer in the cluster's map")
+        return self._client_of(node)
+
+    def _client_of(self, node: Any) -> Any:
+        """``node``'s client, made on first use (also the URL's node, for the first reading of the
+        map: closed after it if the map lacks it)."""
         client = self._clients.get(node.name)
         if client is None:
             client = self._clients[node.name] = self._node_client(node.host, node.port)
@@ -362,7 +251,7 @@ class ClusterNodes:
         commands: list[tuple[Any, ...]],
         raise_server_errors: Callable[[Sequence[Any]], None],
         deadline: float,
-        redirected: bool = False,
+        redirected: bool,
     ) -> list[Any]:
         self._client(node)  # (a node the map dropped meanwhile: refused before a breaker is made for it)
         breaker = self._breaker(node.name)
@@ -378,7 +267,7 @@ class ClusterNodes:
                     pipe.execute_command(*command)
                 try:
                     results = await asyncio.wait_for(pipe.execute(raise_on_error=False), deadline - loop.time())
-                    raise_server_errors([r for r in results if not _redirected(r)])
+                    raise_server_errors([r for r in results if not redirects.redirected(r)])
                     break
                 except (vex.ConnectionError, vex.TimeoutError):
                     # A blip (a connection refused or slow to open on a busy host) is retried
@@ -388,7 +277,7 @@ class ClusterNodes:
         except NodeDownError:
             raise  # the node left the map during the call: a miss, not the node failing
         except Exception as exc:
-            if self._known(node.name) is None:  # (it left during the call, its client closed under it)
+            if self._map.known(node.name) is None:  # (it left during the call, its client closed under it)
                 raise NodeDownError(f"cluster node {node.name}: left the cluster's map") from exc
             if redirected and isinstance(exc, (asyncio.TimeoutError, vex.TimeoutError)):
                 # Redirected keys get what the first round left of the deadline, nothing where
@@ -397,8 +286,8 @@ class ClusterNodes:
                 raise NodeDownError(f"cluster node {node.name}: no time left for keys redirected to it") from exc
             self._failed(node.name, breaker, exc)
             raise
-        if any(_redirected(r) and not str(r).startswith("ASK ") for r in results):
-            self._stale = True  # (ASK: a slot half-way moved, the map is still right)
+        if any(redirects.map_outdated(r) for r in results):
+            self._map.stale = True
         self._answered(node.name, breaker)
         return list(results)
 
@@ -408,7 +297,7 @@ class ClusterNodes:
         self._failing.add(name)
         self._on_failure(exc)
         if breaker.record_failure():
-            self._stale = True  # a failover may have given its slots to another node
+            self._map.stale = True  # a failover may have given its slots to another node
             _log.warning(
                 "valkey cluster node %s is failing (%s: %s); its keys miss for %.1f s, the other nodes serve",
                 name,
@@ -426,6 +315,4 @@ class ClusterNodes:
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             await client.aclose()
-        # (The map's nodes: valkey-py's aclose() closes them only after its own reading.)
-        await self.cluster.nodes_manager.aclose()
-        await self.cluster.nodes_manager.aclose("startup_nodes")
+        await self._map.close()
