@@ -35,6 +35,14 @@ def valkey_binary(name: str = "valkey-server") -> str:
     return found
 
 
+#: Starts of a server whose port another process took before it bound, each on a new port.
+_BIND_ATTEMPTS = 5
+
+
+class _PortTaken(RuntimeError):
+    """The server could not bind the port :func:`free_port` gave: another process took it."""
+
+
 def free_port(*, cluster: bool = False) -> int:
     """A TCP port free on 127.0.0.1 now; with ``cluster`` its bus port (+10000) is free too."""
     for _ in range(200):
@@ -91,6 +99,9 @@ class ValkeyServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.cluster = cluster_port
         self.port = port if port is not None else free_port(cluster=cluster_port)
+        #: A port of our choosing that no one was given yet may change if another process takes it
+        #: between :func:`free_port` and the server's bind (this machine runs other tests).
+        self._port_chosen_here = port is None
         self.password = password
         self.maxmemory = maxmemory
         self.maxmemory_policy = maxmemory_policy
@@ -167,7 +178,16 @@ class ValkeyServer:
         return args + self.extra_args
 
     def start(self, timeout_s: float = 15.0) -> ValkeyServer:
-        """Start the server and wait until it answers ``PING``."""
+        """Start the server and wait until it answers ``PING``. At its first start, a port
+        :func:`free_port` chose that another process took meanwhile is chosen again."""
+        for _ in range(_BIND_ATTEMPTS):
+            try:
+                return self._start_once(timeout_s)
+            except _PortTaken:
+                self.port = free_port(cluster=self.cluster)
+        return self._start_once(timeout_s)
+
+    def _start_once(self, timeout_s: float) -> ValkeyServer:
         if self.running:
             return self
         self.process = subprocess.Popen(
@@ -177,11 +197,16 @@ class ValkeyServer:
         deadline = time.monotonic() + timeout_s
         while _ping(self.port) is None:
             if self.process.poll() is not None:
-                raise RuntimeError(f"valkey-server on port {self.port} exited at start: {self._failure_text()}")
+                failure = self._failure_text()
+                if self._port_chosen_here and "Address already in use" in failure:
+                    self._reap()
+                    raise _PortTaken(failure)
+                raise RuntimeError(f"valkey-server on port {self.port} exited at start: {failure}")
             if time.monotonic() > deadline:
                 self.kill()
                 raise TimeoutError(f"valkey-server on port {self.port} did not answer within {timeout_s} s")
             time.sleep(0.02)
+        self._port_chosen_here = False  # (its URL may be in use now: restarts keep the port)
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
