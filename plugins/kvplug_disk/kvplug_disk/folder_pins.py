@@ -90,8 +90,15 @@ class FolderPins:
     def _publish_pins(self) -> None:
         """Write this process's pinned bytes for the folder's other processes (the folder's lock held)."""
         with self._lock:
-            pinned = self._order.pinned_bytes
-        self._marks.publish(pinned)
+            self._publish_fewer()
+
+    def _publish_fewer(self) -> None:
+        """Write this process's pinned bytes (the backend's lock held), after records left its
+        order pinned (found corrupt, or gone): a figure that stayed higher would refuse the other
+        engines' pins while this one lives. Needs no folder lock when they fall (a figure lower
+        than the last one passes no bound); read and written in one hold of the backend's lock,
+        so a figure read before a fall is never written after it."""
+        self._marks.publish(self._order.pinned_bytes)
 
     def unpin(self, names: Sequence[str]) -> list[int | None]:
         """Make records evictable again: per name its value bytes, ``None`` if not pinned. They
