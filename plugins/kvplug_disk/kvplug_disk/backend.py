@@ -371,7 +371,7 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
             return False
         with contextlib.nullcontext() if locked else self._lock:
             self._order.pop(digest)
-            self._publish_fewer()  # (it may have been pinned)
+            self._write_figure()  # (it may have been pinned)
         if not warn:
             self._problems.error(op, digest, exc, warn=False)
         return True

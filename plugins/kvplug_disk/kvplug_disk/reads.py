@@ -45,7 +45,7 @@ class DiskReads:
     def _mark_entered(self, names: list[str]) -> None:
         raise NotImplementedError
 
-    def _publish_fewer(self) -> None:
+    def _write_figure(self) -> None:
         raise NotImplementedError
 
     async def sizes(self, names: Sequence[str]) -> list[int | None]:
@@ -139,7 +139,7 @@ class DiskReads:
             if entry is not None:
                 self._order.pop(digest)
                 self._counts["vanished"] += 1
-                self._publish_fewer()  # (it may have been pinned)
+                self._write_figure()  # (it may have been pinned)
         elif entry is None or entry.file_size != stat.st_size:
             if entry is None:
                 self._counts["discovered"] += 1

@@ -40,7 +40,7 @@ class DiskRemovals:
 
         def _unlink_record(self, usage: Usage, digest: str, op: str) -> bool: ...
 
-        def _publish_fewer(self) -> None: ...
+        def _write_figure(self) -> None: ...
 
     async def delete(self, names: Sequence[str]) -> Sequence[bool | BaseException]:
         if self.read_only:
@@ -92,7 +92,7 @@ class DiskRemovals:
             if same:
                 self._order.pop(digest)
             removed.append(same and self._unlink_record(usage, digest, "remove"))
-        self._publish_fewer()  # (pinned records removed: fewer pinned bytes)
+        self._write_figure()  # (pinned records removed: fewer pinned bytes)
         return removed
 
 
