@@ -25,6 +25,7 @@ folder first when all it knows of would not be enough. What it unlinked goes to 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import threading
 import time
@@ -368,11 +369,9 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
         else:
             self._problems.error(op, digest, exc, warn=warn)
             return False
-        if locked:
+        with contextlib.nullcontext() if locked else self._lock:
             self._order.pop(digest)
-        else:
-            with self._lock:
-                self._order.pop(digest)
+            self._write_figure()  # (it may have been pinned)
         if not warn:
             self._problems.error(op, digest, exc, warn=False)
         return True

@@ -63,6 +63,7 @@ class FolderPins:
             outcomes = self._pin_in_order(names)  # (within the other processes' pins as last written)
             with self._lock:
                 self._unmark_due = True  # (and the marks of records unpinned since: see unpin)
+                self._write_figure()  # (see there: the others must count it)
             self._problems.error("pin", "the folder", exc)
         return outcomes
 
@@ -89,9 +90,19 @@ class FolderPins:
 
     def _publish_pins(self) -> None:
         """Write this process's pinned bytes for the folder's other processes (the folder's lock held)."""
-        with self._lock:
-            pinned = self._order.pinned_bytes
-        self._marks.publish(pinned)
+        with self._lock:  # (read and written in one hold: see _write_figure)
+            self._marks.publish(self._order.pinned_bytes)
+
+    def _write_figure(self) -> None:
+        """Write this process's pinned bytes (the backend's lock held; read from the order in the
+        same hold, so a figure read before a change is never written after it). Also without the
+        folder's lock: after pinned records left the order (found corrupt, gone, skipped), whose
+        bytes would otherwise refuse the other engines' pins while this one lives (a figure that
+        falls passes no bound); and after a pin or unpin that could not take the lock, whose
+        bytes the others must count at once (a pin's were decided without them already). Never
+        makes the lock file, which is made under the folder's lock only: the first pin of an
+        owner that cannot take it is counted once it can."""
+        self._marks.publish(self._order.pinned_bytes, make=False)
 
     def unpin(self, names: Sequence[str]) -> list[int | None]:
         """Make records evictable again: per name its value bytes, ``None`` if not pinned. They
@@ -120,6 +131,7 @@ class FolderPins:
             # removed without it may be copied first onto the file a store renames over the record.
             with self._lock:
                 self._unmark_due = True
+                self._write_figure()  # (no folder lock needed: see there)
             self._problems.error("unpin", "the folder", exc)
         return sizes
 

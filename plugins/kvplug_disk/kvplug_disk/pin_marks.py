@@ -144,11 +144,12 @@ class PinMarks:
             finally:
                 os.close(opened)
 
-    def publish(self, pinned: int) -> None:
+    def publish(self, pinned: int, *, make: bool = True) -> None:
         """Write this owner's ``pinned`` bytes into its lock file, where other owners and
-        ``kvplug store stats`` sum them (made when first needed: none for nothing pinned)."""
+        ``kvplug store stats`` sum them (made when first needed, unless not ``make``: none for
+        nothing pinned)."""
         with self._lock:
-            if pinned == self._published or (self._owner_fd is None and not pinned):
+            if pinned == self._published or (self._owner_fd is None and not (pinned and make)):
                 return
         if not self._claim():
             return

@@ -40,6 +40,8 @@ class DiskRemovals:
 
         def _unlink_record(self, usage: Usage, digest: str, op: str) -> bool: ...
 
+        def _write_figure(self) -> None: ...
+
     async def delete(self, names: Sequence[str]) -> Sequence[bool | BaseException]:
         if self.read_only:
             return [ReadOnlyStoreError(self.where) for _ in names]
@@ -90,6 +92,7 @@ class DiskRemovals:
             if same:
                 self._order.pop(digest)
             removed.append(same and self._unlink_record(usage, digest, "remove"))
+        self._write_figure()  # (pinned records removed: fewer pinned bytes)
         return removed
 
 
