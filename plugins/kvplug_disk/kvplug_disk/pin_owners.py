@@ -38,6 +38,9 @@ OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 #: An owner's figure: its pinned bytes, and the CRC-32 of those 20 digits.
 _FIGURE = re.compile(rb"pinned (\d{20}) ([0-9a-f]{8})\n")
 _FIGURE_SIZE = 37
+#: The largest figure believed (a PiB, past any folder a tier may be given): a file whose
+#: checksum matches a larger one was not written by an engine, and would refuse every pin.
+_FIGURE_MAX = 1 << 50
 #: Reads of a figure that a rewrite tore before it counts as unknown.
 _FIGURE_READS = 3
 
@@ -216,7 +219,8 @@ def _figure_in(folder: int, owner: str) -> tuple[bool, int | None]:
             line = os.pread(fd, _FIGURE_SIZE, 0)
             found = _FIGURE.fullmatch(line)
             if found is not None and b"%08x" % zlib.crc32(found.group(1)) == found.group(2):
-                return True, int(found.group(1))
+                figure = int(found.group(1))
+                return True, figure if figure <= _FIGURE_MAX else None
             if not line:  # a round-27 engine's (or an unknown owner's): nothing to wait for
                 break
         return True, None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -156,13 +157,23 @@ def test_a_round_27_engines_lock_file_counts_its_pins_as_unknown(folder: Path, t
             raise AssertionError("a live engine's lock file was not locked")
 
 
-def test_a_torn_or_foreign_figure_reads_as_unknown_never_as_bytes(folder: Path, tier: DiskTier) -> None:
-    """A figure whose checksum does not match (a rewrite torn, or bytes someone else wrote) is
-    unknown, not a number of pinned bytes. 5fdb4ad had no figures (``assert None == 1``)."""
-    torn = folder / OWNERS_FOLDER / ("cd" * 16)
-    torn.write_bytes(b"pinned 00000000000099999999 00000000\n")
-    torn.chmod(0o600)
-    with torn.open("rb") as holder:
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"pinned 00000000000099999999 00000000\n",  # its checksum does not match
+        b"pinned 99999999999999999999 %08x\n" % zlib.crc32(b"99999999999999999999"),  # matches, past any folder
+    ],
+    ids=["torn", "enormous"],
+)
+def test_a_torn_or_foreign_figure_reads_as_unknown_never_as_bytes(folder: Path, tier: DiskTier, line: bytes) -> None:
+    """A figure whose checksum does not match (a rewrite torn, or bytes someone else wrote), or
+    one no folder could hold, is unknown, not a number of pinned bytes (the enormous one would
+    refuse every engine's pins). 5fdb4ad had no figures (``assert None == 1``); cb74975 counted
+    the enormous one as bytes (``assert 0 == 1`` unknown)."""
+    foreign = folder / OWNERS_FOLDER / ("cd" * 16)
+    foreign.write_bytes(line)
+    foreign.chmod(0o600)
+    with foreign.open("rb") as holder:
         fcntl.flock(holder, fcntl.LOCK_EX)
         extra = tier.stats().extra
     assert extra.get("folder_pins_unknown_processes") == 1
