@@ -70,6 +70,10 @@ def classify(exc: BaseException) -> FailureKind:
         text = str(exc).upper()
         if text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
             return "permanent"
+        # The url's database does not exist there (past the server's ``databases``), or the
+        # server is a cluster node, which has database 0 only: no retry makes SELECT succeed.
+        if text.startswith(("DB INDEX IS OUT OF RANGE", "SELECT IS NOT ALLOWED IN CLUSTER MODE")):
+            return "permanent"
     if isinstance(exc, vex.ValkeyError):
         return "transient"
     return classify_failure(exc)
@@ -102,6 +106,11 @@ def _per_key(result: BaseException) -> bool:
     return isinstance(result, vex.OutOfMemoryError) or (
         isinstance(result, vex.ResponseError) and str(result).upper().startswith("WRONGTYPE")
     )
+
+
+class NotStandaloneError(ValueError):
+    """``cluster: false`` names a cluster node, which redirects (``MOVED``) every key it
+    does not own: a misconfiguration no retry fixes (permanent, as a ``ValueError``)."""
 
 
 class ValkeyBackend(RecordBackend):
@@ -343,7 +352,15 @@ class ValkeyBackend(RecordBackend):
         for command in commands:
             pipe.execute_command(*command)
         results = await pipe.execute(raise_on_error=False)
-        _raise_server_errors(results, per_key)
+        try:
+            _raise_server_errors(results, per_key)
+        except vex.ResponseError as exc:
+            if str(exc).upper().startswith(("MOVED ", "ASK ")):
+                raise NotStandaloneError(
+                    f"{self.where} is a cluster node ({exc}) but the tier's cluster option is false: "
+                    "set cluster: true, or leave it unset to ask the server"
+                ) from exc
+            raise
         return list(results)
 
     async def close(self) -> None:
