@@ -5,6 +5,9 @@ dropped, nothing hangs) and is named in the tier's warning."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 from valkey_helpers import FAST_FAILING
@@ -40,11 +43,11 @@ def test_a_database_other_than_0_of_a_cluster_is_permanent(valkey_cluster: Valke
 
 
 def test_cluster_false_on_a_cluster_node_says_so_without_retries(valkey_cluster: ValkeyCluster, tiers, caplog) -> None:
-    """A standalone client of a cluster node gets MOVED for the keys of other nodes' slots
-    (9729927: a transient ResponseError, retried); the prefixes spread the keys over every
-    node, so some are another node's whichever node the url names."""
+    """9729927: a standalone client of a cluster node, whose keys on other nodes answered
+    MOVED (a transient ResponseError, retried). The prefixes spread the keys over the nodes:
+    some are on a node other than the url's."""
     caplog.set_level(logging.WARNING, logger="kvplug.tier")
-    for prefix in ("a:", "b:", "c:", "d:", "e:", "f:"):
+    for prefix in ("a:", "b:", "c:", "d:", "e:", "f:", "g:", "h:"):
         tier = tiers(valkey_cluster.url, cluster=False, key_prefix=prefix, **FAST_FAILING)
         for _ in range(FAST_FAILING["breaker_failures"]):
             tier.get(KEYS)
@@ -53,4 +56,36 @@ def test_cluster_false_on_a_cluster_node_says_so_without_retries(valkey_cluster:
     else:
         pytest.fail("no prefix put its keys on another node")
     assert tier.stats().extra["retries"] == 0, tier.stats().extra
-    assert "is a cluster node" in caplog.text and "set cluster: true" in caplog.text, caplog.text
+    assert "is a cluster node (MOVED" in caplog.text and "set cluster: true" in caplog.text, caplog.text
+
+
+def test_cluster_true_on_a_standalone_server_says_so_without_retries(
+    valkey_server: ValkeyServer, tiers, caplog
+) -> None:
+    """9729927: "no cluster node gave the map of slots", transient, retried."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    tier = tiers(valkey_server.url, cluster=True, **FAST_FAILING)
+    assert_permanent(tier, caplog, "Cluster mode is not enabled on this node")
+
+
+def store_stats(url: str, *options: str, **variables: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, KVPLUG_PLUGINS="valkey", **variables)
+    command = [sys.executable, "-m", "kvplug.cli.main", "store", "stats", url]
+    for option in options:
+        command += ["-o", option]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_store_stats_refuses_cluster_false_on_a_cluster_node(valkey_cluster: ValkeyCluster) -> None:
+    """9729927: exit 0 with the records of the url's node alone, as if they were all (its SCAN
+    lists its own keys; no MOVED says otherwise)."""
+    stats = store_stats(valkey_cluster.url, "cluster=false")
+    assert stats.returncode != 0 and "is a cluster node" in stats.stderr, (stats.returncode, stats.stdout, stats.stderr)
+
+
+def test_a_user_without_info_lists_a_server_as_its_config_says(tmp_path) -> None:
+    """An ACL that refuses INFO leaves no way to check cluster: false: it is taken at its word."""
+    with ValkeyServer(tmp_path / "acl") as server:
+        server.cli("ACL", "SETUSER", "no-info", "on", ">no-info-secret", "~*", "+@all", "-info")
+        stats = store_stats(server.url, "cluster=false", "username=no-info", REDISCLI_AUTH="no-info-secret")
+        assert stats.returncode == 0, stats.stderr
