@@ -48,6 +48,7 @@ from kvplug_s3.config import S3TierConfig
 from kvplug_s3.frames import FrameBuffers
 from kvplug_s3.local_files import read_local_file, remove_local_file, write_local_file
 from kvplug_s3.reads import cat_bounded, over_bound, s3_error_code, s3_read, s3_size
+from kvplug_s3.write_refusals import WriteRefusals
 
 T = TypeVar("T")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -120,9 +121,11 @@ class AsyncObjectBackend(ObjectBackend):
         *,
         frame_buffer_bytes: int,
         record_bound: Callable[[], int | None] = lambda: None,
+        refusal_cooldown_s: float = 10.0,
     ) -> None:
         super().__init__(fs, root, where)
         self._is_s3 = hasattr(fs, "_s3")
+        self.refusals = WriteRefusals(refusal_cooldown_s)
         #: The tier's ``max_record_bytes``, read at each read (the engine may raise it).
         self._record_bound = record_bound
         self._conditional = ConditionalDeletes(fs, self.root, s3_error_code)
@@ -159,6 +162,17 @@ class AsyncObjectBackend(ObjectBackend):
         return [await cat_bounded(self.fs, path, self._record_bound())]
 
     async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
+        refused = self.refusals.current()
+        if refused is not None:
+            return [refused]
+        try:
+            return await self._write(records)
+        except PermissionError as exc:  # (a wrong key or signature is not AccessDenied: the tier's failure)
+            if s3_error_code(exc) != "AccessDenied":
+                raise
+            return [self.refusals.refused(self.where, f"AccessDenied: {exc}")]
+
+    async def _write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
         (record,) = records
         path = self.path_for(record.name)
         if self.frames is None:
@@ -363,7 +377,12 @@ def open_object_backend(
         if hasattr(fs, "retries"):
             fs.retries = 1  # s3fs's own retry loop would multiply the tier's bounded retries
         return AsyncObjectBackend(
-            fs, root, where, frame_buffer_bytes=int(config.frame_buffer_bytes), record_bound=record_bound
+            fs,
+            root,
+            where,
+            frame_buffer_bytes=int(config.frame_buffer_bytes),
+            record_bound=record_bound,
+            refusal_cooldown_s=config.breaker_cooldown_s,
         )
     fs = cls(skip_instance_cache=True, **options)
     threads = min(config.max_concurrency, 16)
