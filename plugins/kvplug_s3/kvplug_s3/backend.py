@@ -40,6 +40,7 @@ from kvplug import (
     RecordBackend,
     RecordToWrite,
     StoredRecord,
+    WriteRefusals,
     classify_failure,
 )
 from kvplug.errors import CorruptChunkError
@@ -48,7 +49,6 @@ from kvplug_s3.config import S3TierConfig
 from kvplug_s3.frames import FrameBuffers
 from kvplug_s3.local_files import read_local_file, remove_local_file, write_local_file
 from kvplug_s3.reads import cat_bounded, over_bound, s3_error_code, s3_read, s3_size
-from kvplug_s3.write_refusals import WriteRefusals
 
 T = TypeVar("T")
 _DIGEST = re.compile(r"[0-9a-f]{64}")

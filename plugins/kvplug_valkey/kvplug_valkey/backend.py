@@ -28,7 +28,16 @@ from typing import Any
 
 from valkey import exceptions as vex
 
-from kvplug import Buffer, CallSizes, FailureKind, RecordBackend, RecordToWrite, StoredRecord, classify_failure
+from kvplug import (
+    Buffer,
+    CallSizes,
+    FailureKind,
+    RecordBackend,
+    RecordToWrite,
+    StoredRecord,
+    WriteRefusals,
+    classify_failure,
+)
 from kvplug.errors import CorruptChunkError
 from kvplug_valkey.clients import Client, ValkeyClients, WrongModeError
 from kvplug_valkey.config import ValkeyTierConfig
@@ -132,6 +141,8 @@ class ValkeyBackend(RecordBackend):
         self._on_node_short_circuit = on_node_short_circuit
         #: The server said it is no cluster node (see :meth:`_check_standalone`).
         self._standalone_checked = False
+        #: SETs the ACL refuses, while reads go on (a read-only user).
+        self.refusals = WriteRefusals(config.breaker_cooldown_s)
         #: The server refused the compare-and-delete script (see :meth:`delete_if_same`).
         self.scripts_refused = False
         #: The tier's ``max_record_bytes``, read at each read (the engine may raise it).
@@ -246,7 +257,14 @@ class ValkeyBackend(RecordBackend):
         """SET each record (one buffer per SET: the value copied once, behind its header);
         an OOM refusal drops that record alone, counted."""
         expiry: tuple[Any, ...] = () if self._ttl_ms is None else ("PX", self._ttl_ms)
-        results = await self._pipeline([("SET", self.key(r.name), r.joined(), *expiry) for r in records])
+        refused = self.refusals.current()
+        if refused is not None:
+            return [refused] * len(records)
+        await self.client()  # (its INFO refused is no refusal of writes)
+        try:
+            results = await self._pipeline([("SET", self.key(r.name), r.joined(), *expiry) for r in records])
+        except vex.NoPermissionError as exc:  # an ACL that allows reads: they go on (see WriteRefusals)
+            return [self.refusals.refused(self.where, f"NOPERM: {exc}")] * len(records)
         outcomes: list[BaseException | None] = []
         for result in results:
             if isinstance(result, NodeDownError):  # a cluster node that does not answer

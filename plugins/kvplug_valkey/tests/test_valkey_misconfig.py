@@ -12,7 +12,7 @@ import sys
 import pytest
 from valkey_helpers import FAST_FAILING
 
-from kvplug.testing import key_for
+from kvplug.testing import key_for, value_for
 from kvplug_valkey.testing import ValkeyCluster, ValkeyServer
 
 KEYS = [key_for(f"misconf-{i}") for i in range(3)]
@@ -89,3 +89,43 @@ def test_a_user_without_info_lists_a_server_as_its_config_says(tmp_path) -> None
         server.cli("ACL", "SETUSER", "no-info", "on", ">no-info-secret", "~*", "+@all", "-info")
         stats = store_stats(server.url, "cluster=false", "username=no-info", REDISCLI_AUTH="no-info-secret")
         assert stats.returncode == 0, stats.stderr
+
+
+def sets_refused(server: ValkeyServer) -> int:
+    """How many SETs the server refused for want of permission (``INFO commandstats``)."""
+    for line in server.cli("INFO", "commandstats").splitlines():
+        if line.startswith("cmdstat_set:"):
+            fields = dict(part.split("=") for part in line.split(":", 1)[1].split(","))
+            return int(fields.get("rejected_calls", 0))
+    return 0
+
+
+def test_a_user_who_may_not_write_keeps_reading(tmp_path, tiers, caplog) -> None:
+    """An ACL that allows reads, not SET: stores are dropped and counted, one SET is sent per
+    cool-down, and the records the server holds still hit (9729927: NOPERM on the SETs opened
+    the tier's breaker, and every lookup missed)."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    values = [value_for(key, 1000) for key in KEYS]
+    with ValkeyServer(tmp_path / "acl") as server:
+        server.cli(
+            "ACL",
+            "SETUSER",
+            "reader",
+            "on",
+            ">reader-secret",
+            "~*",
+            "+@read",
+            "+@connection",
+            "+client|setname",
+            "+info",
+        )
+        tiers(server.url, key_prefix="ro:").put(list(zip(KEYS, values)))
+        reader = tiers(server.url, key_prefix="ro:", username="reader", password="reader-secret", **FAST_FAILING)
+        puts = 2 * FAST_FAILING["breaker_failures"]
+        for i in range(puts):
+            reader.put([(key_for(f"refused-{i}"), values[0])])
+        assert [None if v is None else bytes(v) for v in reader.get(KEYS)] == values, reader.stats().extra
+        extra = reader.stats().extra
+        assert extra["breaker_state"] == "closed" and extra["dropped_puts"] == puts, extra
+        assert sets_refused(server) == 1  # then refused without a request until the cool-down
+        assert "refuses writes (NOPERM" in caplog.text, caplog.text

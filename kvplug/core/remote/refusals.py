@@ -1,7 +1,7 @@
 """Writes a store refuses for want of permission, while it still serves reads.
 
-A credential or bucket policy that allows reading but not writing (``AccessDenied`` on a
-PUT) is a misconfiguration of writes alone: failing the batch would open the tier's circuit
+A credential, ACL or bucket policy that allows reading but not writing (S3's ``AccessDenied``
+on a PUT, Valkey's ``NOPERM`` on a SET) is a misconfiguration of writes alone: failing the batch would open the tier's circuit
 breaker, and every lookup would then miss records the store holds. So a refused write is that
 record's failure (dropped and counted, warned about at the tier's rate), and the next writes are
 refused here without a request until a cool-down has passed; then one is tried again (the
