@@ -103,6 +103,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "TimeoutSeconds": ("kvplug.core.config_types", "TimeoutSeconds"),
     "TorchConnector": ("kvplug.builtins.torch_connector", "TorchConnector"),
     "UNBOUNDED_BYTES": ("kvplug.core.tier", "UNBOUNDED_BYTES"),
+    "WriteRefusals": ("kvplug.core.remote.refusals", "WriteRefusals"),
     "check_record": ("kvplug.core.records.store", "check_record"),
     "check_record_size": ("kvplug.core.records.frame", "check_record_size"),
     "check_socket_file": ("kvplug.core.control_socket", "check_socket_file"),
@@ -175,6 +176,7 @@ if TYPE_CHECKING:
     from kvplug.core.records.store import RecordCheck, RecordStore, StoredRecord, check_record
     from kvplug.core.records.tier import RecordTier
     from kvplug.core.remote.calls import RecordTierConfig, RemoteTierConfig
+    from kvplug.core.remote.refusals import WriteRefusals
     from kvplug.core.remote.retry import Absent, CircuitBreaker, FailureKind, classify_failure
     from kvplug.core.serializer import Serializer
     from kvplug.core.tenancy import NameTenants, PinReport, Tenancy
@@ -279,6 +281,7 @@ __all__ = [
     "TierStats",
     "TimeoutSeconds",
     "TorchConnector",
+    "WriteRefusals",
     "__version__",
     "check_record",
     "check_record_size",

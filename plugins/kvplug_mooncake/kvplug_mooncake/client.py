@@ -36,33 +36,34 @@ def library_timeouts(config: MooncakeTierConfig) -> None:
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
 
 
-def endpoints(config: MooncakeTierConfig) -> list[tuple[str, int]]:
-    """The TCP endpoints setup needs: the master, and an HTTP or etcd metadata server."""
+def endpoints(config: MooncakeTierConfig) -> list[tuple[str, str, int]]:
+    """The TCP endpoints setup needs, each with its option: the master, and an HTTP or etcd
+    metadata server (named in the error: the master's address alone would blame the master)."""
     host, _, port = config.master.rpartition(":")
-    found = [(host.strip("[]"), int(port))]
+    found = [("master", host.strip("[]"), int(port))]
     if config.metadata_server != "P2PHANDSHAKE":
         parts = urlsplit(
             config.metadata_server if "://" in config.metadata_server else f"etcd://{config.metadata_server}"
         )
         if parts.hostname:
-            found.append((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)))
+            found.append(("metadata_server", parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)))
     return found
 
 
-def _probe(host: str, port: int, timeout_s: float) -> None:
+def _probe(option: str, host: str, port: int, timeout_s: float) -> None:
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
             pass
     except OSError as exc:
-        raise MooncakeCallError(f"connecting to {host}:{port} ({exc})", -900) from None
+        raise MooncakeCallError(f"connecting to the {option} {host}:{port} ({exc})", -900) from None
 
 
 def connect(config: MooncakeTierConfig, where: str) -> tuple[Any, TransferBuffers]:
     """A set-up client and its registered transfer buffers (blocking: call it in a pool thread)."""
     # setup() holds the GIL while it retries: it would freeze every thread of the
     # engine past any deadline. A store that refuses connections fails here instead.
-    for host, port in endpoints(config):
-        _probe(host, port, min(config.request_timeout_s, 1.0))
+    for option, host, port in endpoints(config):
+        _probe(option, host, port, min(config.request_timeout_s, 1.0))
     from mooncake.store import MooncakeDistributedStore  # the C++ extension loads on first use
 
     store = MooncakeDistributedStore()
@@ -76,7 +77,7 @@ def connect(config: MooncakeTierConfig, where: str) -> tuple[Any, TransferBuffer
         config.master,
     )
     if code != 0:
-        raise MooncakeCallError(f"setup with {where}", code)
+        raise MooncakeCallError(f"setup with {where} (metadata_server {config.metadata_server})", code)
     return store, TransferBuffers(int(config.transfer_buffer_size), store.register_buffer, store.unregister_buffer)
 
 

@@ -4,6 +4,7 @@ deadlines, an open breaker costs < 1 ms per lookup, and the tier recovers by its
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -134,6 +135,20 @@ def test_nothing_listening_opens_the_breaker_and_construction_does_not_hang(make
         _assert_short_circuit_costs_under_1ms(tier, keys)
     finally:
         tier.close()
+
+
+def test_a_wrong_metadata_server_is_named_not_the_master(make_mooncake_tier, mooncake_cluster, caplog):
+    """The master answers, the metadata server's address has nothing listening: the warning
+    names the option at fault (9729927: "connecting to 127.0.0.1:PORT", after "mooncake master
+    HOST:PORT is failing", which read as the master's fault)."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    port = free_port()
+    tier = make_mooncake_tier(**FAST, metadata_server=f"http://127.0.0.1:{port}/metadata")
+    keys = [key_for("no-metadata")]
+    for _ in range(FAST["breaker_failures"]):
+        assert tier.contains(keys) == [False]
+    assert tier.stats().extra["breaker_state"] == "open"
+    assert f"connecting to the metadata_server 127.0.0.1:{port}" in caplog.text, caplog.text
 
 
 def test_full_store_drops_puts_and_counts_them(tmp_path, make_mooncake_tier):

@@ -40,6 +40,7 @@ from kvplug import (
     RecordBackend,
     RecordToWrite,
     StoredRecord,
+    WriteRefusals,
     classify_failure,
 )
 from kvplug.errors import CorruptChunkError
@@ -122,9 +123,11 @@ class AsyncObjectBackend(ObjectBackend):
         *,
         frame_buffer_bytes: int,
         record_bound: Callable[[], int | None] = lambda: None,
+        refusal_cooldown_s: float = 10.0,
     ) -> None:
         super().__init__(fs, root, where, record_bound)
         self._is_s3 = hasattr(fs, "_s3")
+        self.refusals = WriteRefusals(refusal_cooldown_s)
         self._conditional = ConditionalDeletes(fs, self.root, s3_error_code)
         #: Upload buffers for reuse, or ``None`` (each frame allocated anew).
         self.frames = FrameBuffers(frame_buffer_bytes) if frame_buffer_bytes > 0 else None
@@ -159,6 +162,17 @@ class AsyncObjectBackend(ObjectBackend):
         return [await cat_bounded(self.fs, path, self._record_bound())]
 
     async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
+        refused = self.refusals.current()
+        if refused is not None:
+            return [refused]
+        try:
+            return await self._write(records)
+        except PermissionError as exc:  # (a wrong key or signature is not AccessDenied: the tier's failure)
+            if s3_error_code(exc) != "AccessDenied":
+                raise
+            return [self.refusals.refused(self.where, f"AccessDenied: {exc}")]
+
+    async def _write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
         (record,) = records
         path = self.path_for(record.name)
         if self.frames is None:
@@ -362,7 +376,12 @@ def open_object_backend(
         if hasattr(fs, "retries"):
             fs.retries = 1  # s3fs's own retry loop would multiply the tier's bounded retries
         return AsyncObjectBackend(
-            fs, root, where, frame_buffer_bytes=int(config.frame_buffer_bytes), record_bound=record_bound
+            fs,
+            root,
+            where,
+            frame_buffer_bytes=int(config.frame_buffer_bytes),
+            record_bound=record_bound,
+            refusal_cooldown_s=config.breaker_cooldown_s,
         )
     fs = cls(skip_instance_cache=True, **options)
     threads = min(config.max_concurrency, 16)

@@ -3,7 +3,9 @@
 The URL is checked when the config is validated, without importing the
 filesystem package (``importlib.util.find_spec`` only), so that a typo or a
 missing ``gcsfs`` is reported with the config's other problems, naming the
-protocols fsspec knows and which of them are installed.
+protocols fsspec knows and which of them are installed. fsspec's own
+implementations (sftp, smb, git, ...) are importable modules whatever their
+dependencies: the chosen one is imported (a small module of fsspec) to tell.
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ def check_url(url: str) -> None:
     if protocol not in installed:
         hint = _install_hint(protocol)
         raise ValueError(f"protocol {protocol!r} is not installed ({hint}); installed: {', '.join(sorted(installed))}")
+    _check_fsspec_dependencies(protocol)
     if protocol in S3_PROTOCOLS:
         bucket, _, prefix = location.partition("/")
         if not bucket:
@@ -206,6 +209,20 @@ def fsspec_protocols() -> tuple[set[str], set[str]]:
         except (ImportError, ValueError):
             continue
     return known, installed
+
+
+def _check_fsspec_dependencies(protocol: str) -> None:
+    """Raise ``ValueError`` when ``protocol`` is one of fsspec's own implementations whose
+    dependency is missing (``sftp`` without paramiko): ``find_spec`` found fsspec, and the
+    tier would fail only when it opens, after the engine started."""
+    from fsspec.registry import get_filesystem_class, known_implementations
+
+    if not known_implementations.get(protocol, {}).get("class", "").startswith("fsspec."):
+        return  # another package's: find_spec of it told already, without importing it
+    try:
+        get_filesystem_class(protocol)
+    except ImportError as exc:
+        raise ValueError(f"protocol {protocol!r} is not installed ({exc})") from None
 
 
 def _install_hint(protocol: str) -> str:

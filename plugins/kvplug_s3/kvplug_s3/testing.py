@@ -43,6 +43,8 @@ __all__ = [
     "ACCESS_KEY",
     "BUCKET",
     "FAST_FAILING",
+    "READ_ONLY_ACCESS_KEY",
+    "READ_ONLY_SECRET_KEY",
     "SECRET_KEY",
     "FaultProxy",
     "MotoS3",
@@ -58,6 +60,9 @@ __all__ = [
 ACCESS_KEY = "kvplug-test-key"
 SECRET_KEY = "kvplug-test-secret"
 BUCKET = "kvplug-test"
+#: SeaweedFS's second identity: it may read and list, not write (a read-only credential).
+READ_ONLY_ACCESS_KEY = "kvplug-reader-key"
+READ_ONLY_SECRET_KEY = "kvplug-reader-secret"
 
 
 def boto3_client(endpoint: str, config: Config | None = None) -> Any:
@@ -206,7 +211,12 @@ class SeaweedS3:
             "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }
-        self._identities.write_text(json.dumps({"identities": [identity]}))
+        reader = {
+            "name": "kvplug-reader",
+            "credentials": [{"accessKey": READ_ONLY_ACCESS_KEY, "secretKey": READ_ONLY_SECRET_KEY}],
+            "actions": ["Read", "List"],
+        }
+        self._identities.write_text(json.dumps({"identities": [identity, reader]}))
 
     @property
     def port(self) -> int:

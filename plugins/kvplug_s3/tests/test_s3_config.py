@@ -151,3 +151,18 @@ def test_the_tier_does_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_protocol_of_fsspec_itself_without_its_dependency_is_not_installed() -> None:
+    """sftp, smb, git, ... are modules of fsspec, found whatever their dependency (9729927:
+    the config was valid and the tier failed when it opened, after the engine started)."""
+    from fsspec.registry import known_implementations
+
+    def missing(spec: dict) -> bool:
+        return spec["class"].startswith("fsspec.") and "err" in spec and importlib.util.find_spec(spec["dep"]) is None
+
+    dependencies = {"sftp": "paramiko", "smb": "smbprotocol", "git": "pygit2"}
+    specs = {p: {**known_implementations[p], "dep": d} for p, d in dependencies.items()}
+    protocol, spec = next((p, s) for p, s in specs.items() if missing(s))
+    message = error_of(url=f"{protocol}://host/prefix")
+    assert f"protocol {protocol!r} is not installed" in message and spec["err"] in message

@@ -6,6 +6,7 @@ which lookups make no request at all."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import uuid
 from collections.abc import Iterator
 
@@ -16,6 +17,8 @@ from kvplug_s3 import S3Tier
 from kvplug_s3.testing import (
     BUCKET,
     FAST_FAILING,
+    READ_ONLY_ACCESS_KEY,
+    READ_ONLY_SECRET_KEY,
     FaultProxy,
     MotoS3,
     SeaweedS3,
@@ -110,6 +113,39 @@ def test_wrong_credentials_open_the_breaker(seaweed_s3: SeaweedS3) -> None:
         assert_fails_then_costs_nothing(tier, proxy)
     finally:
         tier.close()
+        proxy.close()
+
+
+def test_a_credential_that_may_not_write_keeps_serving_reads(seaweed_s3: SeaweedS3, caplog) -> None:
+    """Read and list allowed, write denied (AccessDenied on each PUT): stores are dropped and
+    counted, one refused PUT per cool-down, and the records the store holds still hit
+    (9729927: the refusals opened the tier's breaker, and every lookup missed)."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    writer = make_s3_tier(seaweed_s3.endpoint, prefix)
+    writer.put(list(zip(KEYS, VALUES)))
+    writer.flush()
+    writer.close()
+    proxy = FaultProxy(seaweed_s3.port)
+    reader = make_s3_tier(
+        proxy.endpoint,
+        prefix,
+        access_key_id=READ_ONLY_ACCESS_KEY,
+        secret_access_key=READ_ONLY_SECRET_KEY,
+        **FAST_FAILING,
+        breaker_cooldown_s=60.0,
+    )
+    try:
+        reader.flush()
+        puts = 2 * FAST_FAILING["breaker_failures"]
+        made = [requests_made(proxy, reader.put, [(key_for(f"refused-{i}"), VALUES[0])])[1] for i in range(puts)]
+        assert [None if v is None else bytes(v) for v in reader.get(KEYS)] == VALUES, reader.stats().extra
+        extra = reader.stats().extra
+        assert extra["breaker_state"] == "closed" and extra["dropped_puts"] == puts, extra
+        assert made == [{"PUT": 1}] + [{}] * (puts - 1)  # then refused without a request until the cool-down
+        assert "refuses writes" in caplog.text and "AccessDenied" in caplog.text, caplog.text
+    finally:
+        reader.close()
         proxy.close()
 
 

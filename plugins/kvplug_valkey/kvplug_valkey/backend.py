@@ -4,7 +4,10 @@ Every primitive runs on the tier's event loop (:class:`kvplug.RecordTier`) and s
 one pipeline: N keys cost one round trip (in cluster mode, one per node holding
 some of them; valkey-py groups the commands by slot owner). The client is made on
 first use, on that loop, with one connection pool; when ``cluster`` is unset the
-first call asks the server (``INFO cluster``) which client it needs.
+first call asks the server (``INFO cluster``) which client it needs. ``cluster: false``
+on a cluster node is refused (:class:`~kvplug_valkey.clients.WrongModeError`) at the
+first ``MOVED`` and before the first listing, and ``cluster: true`` on a standalone
+server is permanent in :func:`classify`.
 
 Per-key answers that are not failures of the server come back as values: a key
 of another type (``WRONGTYPE``) reads as a foreign record (too short: corrupt, so the
@@ -25,9 +28,18 @@ from typing import Any
 
 from valkey import exceptions as vex
 
-from kvplug import Buffer, CallSizes, FailureKind, RecordBackend, RecordToWrite, StoredRecord, classify_failure
+from kvplug import (
+    Buffer,
+    CallSizes,
+    FailureKind,
+    RecordBackend,
+    RecordToWrite,
+    StoredRecord,
+    WriteRefusals,
+    classify_failure,
+)
 from kvplug.errors import CorruptChunkError
-from kvplug_valkey.clients import Client, ValkeyClients
+from kvplug_valkey.clients import Client, ValkeyClients, WrongModeError
 from kvplug_valkey.config import ValkeyTierConfig
 from kvplug_valkey.nodes import ClusterNodes, NodeDownError
 from kvplug_valkey.replies import ReplyTooLongError
@@ -70,6 +82,12 @@ def classify(exc: BaseException) -> FailureKind:
         text = str(exc).upper()
         if text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
             return "permanent"
+        # The url's database does not exist there (past the server's ``databases``), or the
+        # server is a cluster node, which has database 0 only: no retry makes SELECT succeed.
+        if text.startswith(("DB INDEX IS OUT OF RANGE", "SELECT IS NOT ALLOWED IN CLUSTER MODE")):
+            return "permanent"
+    if isinstance(exc, NodeDownError) and "Cluster mode is not enabled" in str(exc.__cause__):
+        return "permanent"  # cluster: true on a standalone server, which gives no map of slots
     if isinstance(exc, vex.ValkeyError):
         return "transient"
     return classify_failure(exc)
@@ -121,6 +139,10 @@ class ValkeyBackend(RecordBackend):
         #: Where a cluster node's failures and short-circuited calls are counted (the tier's metrics).
         self._on_node_failure = on_node_failure
         self._on_node_short_circuit = on_node_short_circuit
+        #: The server said it is no cluster node (see :meth:`_check_standalone`).
+        self._standalone_checked = False
+        #: SETs the ACL refuses, while reads go on (a read-only user).
+        self.refusals = WriteRefusals(config.breaker_cooldown_s)
         #: The server refused the compare-and-delete script (see :meth:`delete_if_same`).
         self.scripts_refused = False
         #: The tier's ``max_record_bytes``, read at each read (the engine may raise it).
@@ -235,7 +257,14 @@ class ValkeyBackend(RecordBackend):
         """SET each record (one buffer per SET: the value copied once, behind its header);
         an OOM refusal drops that record alone, counted."""
         expiry: tuple[Any, ...] = () if self._ttl_ms is None else ("PX", self._ttl_ms)
-        results = await self._pipeline([("SET", self.key(r.name), r.joined(), *expiry) for r in records])
+        refused = self.refusals.current()
+        if refused is not None:
+            return [refused] * len(records)
+        await self.client()  # (its INFO refused is no refusal of writes)
+        try:
+            results = await self._pipeline([("SET", self.key(r.name), r.joined(), *expiry) for r in records])
+        except vex.NoPermissionError as exc:  # an ACL that allows reads: they go on (see WriteRefusals)
+            return [self.refusals.refused(self.where, f"NOPERM: {exc}")] * len(records)
         outcomes: list[BaseException | None] = []
         for result in results:
             if isinstance(result, NodeDownError):  # a cluster node that does not answer
@@ -283,6 +312,7 @@ class ValkeyBackend(RecordBackend):
         if self._nodes is not None:
             listed = await self._nodes.keys(match, SCAN_COUNT)
         else:
+            await self._check_standalone()
             listed = [key async for key in client.scan_iter(match=match, count=SCAN_COUNT)]
         keys: list[bytes] = []
         for key in listed:
@@ -298,6 +328,18 @@ class ValkeyBackend(RecordBackend):
                     found.append(StoredRecord(key[len(self.prefix) :].decode(), int(size), None))
         return found
 
+    async def _check_standalone(self) -> None:
+        """Before the first SCAN of ``cluster: false``: a cluster node's SCAN lists its own keys
+        alone, which every command that lists would take for all (no ``MOVED`` says otherwise)."""
+        if self._standalone_checked:
+            return
+        if await self._clients.cluster_enabled(trust_config=True):
+            raise WrongModeError(
+                f"cluster: false, but {self.where} is a cluster node (INFO cluster): "
+                "set cluster: true, or leave it unset to ask the server"
+            )
+        self._standalone_checked = True
+
     # --- client ---------------------------------------------------------------------
 
     async def client(self) -> Client:
@@ -310,12 +352,7 @@ class ValkeyBackend(RecordBackend):
             if self._client is not None:
                 return self._client
             if self.cluster is None:
-                probe = self._clients.standalone()
-                try:
-                    info = await probe.info("cluster")
-                finally:
-                    await probe.aclose()
-                self.cluster = bool(int(info.get("cluster_enabled", 0)))
+                self.cluster = bool(await self._clients.cluster_enabled(trust_config=False))
             self._client = self._clients.cluster() if self.cluster else self._clients.standalone()
             if self.cluster:
                 self._nodes = ClusterNodes(
@@ -343,7 +380,15 @@ class ValkeyBackend(RecordBackend):
         for command in commands:
             pipe.execute_command(*command)
         results = await pipe.execute(raise_on_error=False)
-        _raise_server_errors(results, per_key)
+        try:
+            _raise_server_errors(results, per_key)
+        except vex.ResponseError as exc:
+            if str(exc).upper().startswith(("MOVED ", "ASK ")):
+                raise WrongModeError(
+                    f"cluster: false, but {self.where} is a cluster node ({exc}): "
+                    "set cluster: true, or leave it unset to ask the server"
+                ) from exc
+            raise
         return list(results)
 
     async def close(self) -> None:

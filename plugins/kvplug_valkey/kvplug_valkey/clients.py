@@ -9,12 +9,19 @@ from collections.abc import Callable
 from typing import Any
 
 import valkey.asyncio as avalkey
+from valkey import exceptions as vex
 from valkey.asyncio.cluster import ValkeyCluster
 
 from kvplug_valkey.config import ValkeyTierConfig
 from kvplug_valkey.replies import bound_cluster_replies, bound_replies, bounded_parser
 
 Client = Any  # valkey.asyncio.Valkey | ValkeyCluster: their stubs share no protocol
+
+
+class WrongModeError(ValueError):
+    """The ``cluster`` option says the server is what it is not (a cluster node redirects
+    with ``MOVED`` every key it does not own; a standalone server gives no map of slots):
+    a misconfiguration no retry fixes (permanent, as a ``ValueError``)."""
 
 
 class ValkeyClients:
@@ -74,3 +81,18 @@ class ValkeyClients:
             **self._common(),
         )
         return bound_cluster_replies(cluster, self._parser)
+
+    async def cluster_enabled(self, *, trust_config: bool) -> bool | None:
+        """Whether the server says it is a cluster node (``INFO cluster``), over a client of its
+        own. ``None`` when the config names the mode (``trust_config``) and the user may not run
+        ``INFO`` (an ACL): the config is taken at its word."""
+        probe = self.standalone()
+        try:
+            info = await probe.info("cluster")
+        except vex.NoPermissionError:
+            if not trust_config:
+                raise
+            return None
+        finally:
+            await probe.aclose()
+        return bool(int(info.get("cluster_enabled", 0)))

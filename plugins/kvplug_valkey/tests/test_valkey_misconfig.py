@@ -1,0 +1,131 @@
+"""A valkey tier configured wrongly, as an operator meets it: each mistake that no retry
+can fix fails once per call without retries, opens the breaker (lookups miss, stores are
+dropped, nothing hangs) and is named in the tier's warning."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+from valkey_helpers import FAST_FAILING
+
+from kvplug.testing import key_for, value_for
+from kvplug_valkey.testing import ValkeyCluster, ValkeyServer
+
+KEYS = [key_for(f"misconf-{i}") for i in range(3)]
+
+
+def assert_permanent(tier, caplog: pytest.LogCaptureFixture, named: str) -> None:
+    """Misses until the breaker opens, never a retry, the cause in the warning."""
+    for _ in range(FAST_FAILING["breaker_failures"]):
+        assert tier.get(KEYS) == [None] * len(KEYS)
+    extra = tier.stats().extra
+    assert extra["breaker_state"] == "open", extra
+    assert extra["retries"] == 0, extra
+    assert named in caplog.text, caplog.text
+
+
+def test_a_database_past_the_servers_count_is_permanent(valkey_server: ValkeyServer, tiers, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    url = valkey_server.url.rsplit("/", 1)[0] + "/99"  # the server has 16 databases
+    assert_permanent(tiers(url, **FAST_FAILING), caplog, "DB index is out of range")
+
+
+def test_a_database_other_than_0_of_a_cluster_is_permanent(valkey_cluster: ValkeyCluster, tiers, caplog) -> None:
+    """cluster unset: the tier asks the node, whose SELECT 1 is refused (cluster: true with
+    a database is refused by the config already)."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    url = valkey_cluster.url.rsplit("/", 1)[0] + "/1"
+    assert_permanent(tiers(url, **FAST_FAILING), caplog, "SELECT is not allowed in cluster mode")
+
+
+def test_cluster_false_on_a_cluster_node_says_so_without_retries(valkey_cluster: ValkeyCluster, tiers, caplog) -> None:
+    """9729927: a standalone client of a cluster node, whose keys on other nodes answered
+    MOVED (a transient ResponseError, retried). The prefixes spread the keys over the nodes:
+    some are on a node other than the url's."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    for prefix in ("a:", "b:", "c:", "d:", "e:", "f:", "g:", "h:"):
+        tier = tiers(valkey_cluster.url, cluster=False, key_prefix=prefix, **FAST_FAILING)
+        for _ in range(FAST_FAILING["breaker_failures"]):
+            tier.get(KEYS)
+        if tier.stats().extra["breaker_state"] == "open":
+            break
+    else:
+        pytest.fail("no prefix put its keys on another node")
+    assert tier.stats().extra["retries"] == 0, tier.stats().extra
+    assert "is a cluster node (MOVED" in caplog.text and "set cluster: true" in caplog.text, caplog.text
+
+
+def test_cluster_true_on_a_standalone_server_says_so_without_retries(
+    valkey_server: ValkeyServer, tiers, caplog
+) -> None:
+    """9729927: "no cluster node gave the map of slots", transient, retried."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    tier = tiers(valkey_server.url, cluster=True, **FAST_FAILING)
+    assert_permanent(tier, caplog, "Cluster mode is not enabled on this node")
+
+
+def store_stats(url: str, *options: str, **variables: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, KVPLUG_PLUGINS="valkey", **variables)
+    command = [sys.executable, "-m", "kvplug.cli.main", "store", "stats", url]
+    for option in options:
+        command += ["-o", option]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_store_stats_refuses_cluster_false_on_a_cluster_node(valkey_cluster: ValkeyCluster) -> None:
+    """9729927: exit 0 with the records of the url's node alone, as if they were all (its SCAN
+    lists its own keys; no MOVED says otherwise)."""
+    stats = store_stats(valkey_cluster.url, "cluster=false")
+    assert stats.returncode != 0 and "is a cluster node" in stats.stderr, (stats.returncode, stats.stdout, stats.stderr)
+
+
+def test_a_user_without_info_lists_a_server_as_its_config_says(tmp_path) -> None:
+    """An ACL that refuses INFO leaves no way to check cluster: false: it is taken at its word."""
+    with ValkeyServer(tmp_path / "acl") as server:
+        server.cli("ACL", "SETUSER", "no-info", "on", ">no-info-secret", "~*", "+@all", "-info")
+        stats = store_stats(server.url, "cluster=false", "username=no-info", REDISCLI_AUTH="no-info-secret")
+        assert stats.returncode == 0, stats.stderr
+
+
+def sets_refused(server: ValkeyServer) -> int:
+    """How many SETs the server refused for want of permission (``INFO commandstats``)."""
+    for line in server.cli("INFO", "commandstats").splitlines():
+        if line.startswith("cmdstat_set:"):
+            fields = dict(part.split("=") for part in line.split(":", 1)[1].split(","))
+            return int(fields.get("rejected_calls", 0))
+    return 0
+
+
+def test_a_user_who_may_not_write_keeps_reading(tmp_path, tiers, caplog) -> None:
+    """An ACL that allows reads, not SET: stores are dropped and counted, one SET is sent per
+    cool-down, and the records the server holds still hit (9729927: NOPERM on the SETs opened
+    the tier's breaker, and every lookup missed)."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    values = [value_for(key, 1000) for key in KEYS]
+    with ValkeyServer(tmp_path / "acl") as server:
+        server.cli(
+            "ACL",
+            "SETUSER",
+            "reader",
+            "on",
+            ">reader-secret",
+            "~*",
+            "+@read",
+            "+@connection",
+            "+client|setname",
+            "+info",
+        )
+        tiers(server.url, key_prefix="ro:").put(list(zip(KEYS, values)))
+        reader = tiers(server.url, key_prefix="ro:", username="reader", password="reader-secret", **FAST_FAILING)
+        puts = 2 * FAST_FAILING["breaker_failures"]
+        for i in range(puts):
+            reader.put([(key_for(f"refused-{i}"), values[0])])
+        assert [None if v is None else bytes(v) for v in reader.get(KEYS)] == values, reader.stats().extra
+        extra = reader.stats().extra
+        assert extra["breaker_state"] == "closed" and extra["dropped_puts"] == puts, extra
+        assert sets_refused(server) == 1  # then refused without a request until the cool-down
+        assert "refuses writes (NOPERM" in caplog.text, caplog.text
