@@ -41,6 +41,12 @@ NODE_DEADLINE_SHARE = 0.8
 _CREDENTIALS = (vex.AuthenticationError, vex.AuthorizationError, vex.NoPermissionError)
 
 
+def _standalone(error: BaseException | None) -> bool:
+    """Whether the node asked for the map is no cluster node (``cluster: true`` given for a
+    standalone server)."""
+    return error is not None and "Cluster mode is not enabled" in str(error)
+
+
 class NodeDownError(TierUnavailableError):
     """A cluster node did not answer for this key (failed, breaker open, slot moved)."""
 
@@ -169,7 +175,8 @@ class ClusterNodes:
         error = self._map.error
         if isinstance(error, _CREDENTIALS):  # (a wrong password: said as such, and never retried)
             raise error.with_traceback(None)
-        raise NodeDownError(f"no cluster node gave the map of slots (the last: {error!r})") from error
+        hint = "; it is a standalone server: set cluster: false, or leave it unset" if _standalone(error) else ""
+        raise NodeDownError(f"no cluster node gave the map of slots (the last: {error!r}){hint}") from error
 
     async def _send(
         self,

@@ -62,10 +62,12 @@ def test_cluster_false_on_a_cluster_node_says_so_without_retries(valkey_cluster:
 def test_cluster_true_on_a_standalone_server_says_so_without_retries(
     valkey_server: ValkeyServer, tiers, caplog
 ) -> None:
-    """9729927: "no cluster node gave the map of slots", transient, retried."""
+    """9729927: "no cluster node gave the map of slots", transient, retried; 1ab131a: permanent,
+    but not saying what to set."""
     caplog.set_level(logging.WARNING, logger="kvplug.tier")
     tier = tiers(valkey_server.url, cluster=True, **FAST_FAILING)
     assert_permanent(tier, caplog, "Cluster mode is not enabled on this node")
+    assert "set cluster: false, or leave it unset" in caplog.text, caplog.text
 
 
 def store_stats(url: str, *options: str, **variables: str) -> subprocess.CompletedProcess[str]:
