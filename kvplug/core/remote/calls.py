@@ -53,6 +53,8 @@ _STATE_VALUES: dict[BreakerState, float] = {"closed": 0.0, "half_open": 1.0, "op
 
 #: A store that is down fails every put; a tier says so once in this many seconds, not per put.
 DROP_WARNING_INTERVAL_S = 60.0
+#: A breaker that opens again for the cause it last opened for is said once per this many seconds.
+REOPENING_WARNING_S = 600.0
 #: How long past its deadline a call may take before the caller stops waiting for a stuck loop.
 _BACKSTOP_GRACE_S = LOOP_STALL_GRACE_S
 
@@ -225,8 +227,13 @@ class RemoteCalls:
             on_close=self._closed_again,
         )
         self._semaphore = asyncio.Semaphore(config.max_concurrency)
-        self._drop_warning_lock = threading.Lock()
+        self._warning_lock = threading.Lock()
         self._last_drop_warning: float | None = None
+        #: The cause the breaker last opened for (logged) and how often it opened for it again
+        #: since: a wrong credential opens it after every cool-down for as long as it runs.
+        self._opening: tuple[str, str] | None = None
+        self._opening_logged = 0.0
+        self._reopenings = 0
 
     # --- calls ----------------------------------------------------------------------
 
@@ -284,7 +291,7 @@ class RemoteCalls:
         """Log that stores to the store fail and are dropped: once per
         ``DROP_WARNING_INTERVAL_S``, not once per store (the tier counts each drop)."""
         now = time.monotonic()
-        with self._drop_warning_lock:
+        with self._warning_lock:
             if self._last_drop_warning is not None and now - self._last_drop_warning < DROP_WARNING_INTERVAL_S:
                 return
             self._last_drop_warning = now
@@ -351,14 +358,26 @@ class RemoteCalls:
         self._failures.labels(self.label, kind).inc()
 
     def _opened(self, cause: BaseException) -> None:
+        """Say why the breaker opened; the same cause again before the store answered is said
+        once per :data:`REOPENING_WARNING_S`, with how often it was (else one line per cool-down)."""
+        now = time.monotonic()
+        opening = (type(cause).__name__, str(cause))
+        with self._warning_lock:
+            if opening == self._opening and now - self._opening_logged < REOPENING_WARNING_S:
+                self._reopenings += 1
+                return
+            again, self._reopenings = self._reopenings, 0
+            self._opening, self._opening_logged = opening, now
         self.context.logger.warning(
-            "tier %s: %s is failing (%s: %s); circuit breaker open for %.1f s: lookups miss, stores are dropped",
+            "tier %s: %s is failing (%s: %s); circuit breaker open for %.1f s: lookups miss, stores are dropped%s",
             self.tier,
             self.where,
-            type(cause).__name__,
-            cause,
+            *opening,
             self.config.breaker_cooldown_s,
+            f" (it opened {again} time(s) more for this since the last line)" if again else "",
         )
 
     def _closed_again(self) -> None:
+        with self._warning_lock:
+            self._opening, self._reopenings = None, 0
         self.context.logger.warning("tier %s: %s answers again; circuit breaker closed", self.tier, self.where)

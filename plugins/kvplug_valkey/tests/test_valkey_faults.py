@@ -171,6 +171,38 @@ def test_wrong_password_opens_the_breaker_without_retries(tmp_path: Path, tiers)
         server.kill()
 
 
+def test_a_breaker_opening_again_for_the_same_cause_is_said_once_not_per_cool_down(
+    tmp_path: Path, tiers, caplog
+) -> None:
+    """A wrong password opens the breaker again after every cool-down for as long as the engine
+    runs: said once, and again once the store answered in between (1ab131a: one warning per
+    opening, every cool-down, forever: ``assert 4 == 1``)."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    quick = {**FAST_FAILING, "breaker_cooldown_s": 0.2}
+    with ValkeyServer(tmp_path / "auth", password="right-secret-5") as server:
+        wrong = tiers(server.url, password="wrong-secret-6", **quick)
+        for _ in range(FAST_FAILING["breaker_failures"]):
+            assert wrong.get(KEYS) == [None] * len(KEYS)
+        opened = wrong._calls.breaker.opens
+        while wrong._calls.breaker.opens < opened + 3:  # (each half-open probe fails: opened again)
+            time.sleep(quick["breaker_cooldown_s"])
+            assert wrong.get(KEYS) == [None] * len(KEYS)
+        failing = [r.getMessage() for r in caplog.records if "is failing" in r.getMessage()]
+        assert len(failing) == 1 and "AuthenticationError" in failing[0], failing
+    caplog.clear()
+    with ValkeyServer(tmp_path / "down") as server:  # a store that answers in between: said again
+        tier = tiers(server.url, **quick)
+        for _ in range(2):
+            server.kill()
+            for _ in range(FAST_FAILING["breaker_failures"]):
+                tier.get(KEYS)
+            server.start()
+            time.sleep(quick["breaker_cooldown_s"])
+            assert tier.get(KEYS) == [None] * len(KEYS)
+        assert sum("is failing" in r.getMessage() for r in caplog.records) == 2, caplog.text
+        assert sum("answers again" in r.getMessage() for r in caplog.records) == 2, caplog.text
+
+
 def test_wrong_password_of_a_cluster_says_so_without_retries(tmp_path: Path, tiers, caplog) -> None:
     """A cluster URL with a wrong (or no) password fails as a server's does: the refusal of the
     credentials named, never retried (0c22cde: "no cluster node gave the map of slots", transient,
