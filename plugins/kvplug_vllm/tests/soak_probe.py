@@ -103,7 +103,8 @@ def soak(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
     scheduler = engine.engine_core.engine_core.scheduler
     disk = Path(spec["disk"]) if spec.get("disk") else None
     shared = [rng.randrange(3, 1000) for _ in range(128)]
-    counts = {"requests": 0, "aborted": 0, "preempted_seen": 0, "hit_tokens": 0, "finished": 0}
+    counts = {"requests": 0, "aborted": 0, "preempted_seen": 0, "hit_tokens": 0, "finished": 0, "pooled_seen": 0}
+    pool = scheduler.connector._scheduler_side().lookups.pool
     rounds: list[dict[str, Any]] = []
     previous: list[list[int]] = []
     serial = 0
@@ -145,6 +146,7 @@ def soak(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
                     kv = out.kv_transfer_params or {}
                     counts["hit_tokens"] += int(kv.get("kvplug", {}).get("hit_tokens", 0))
             counts["preempted_seen"] += sum(1 for r in scheduler.waiting if r.status == RequestStatus.PREEMPTED)
+            counts["pooled_seen"] += len(pool) if pool is not None else 0  # requests whose lookup runs there
             steps += 1
         # Every store landed in (or was refused by) every tier; then one more request, whose step
         # tells the workers of the last round's ends and hands the writes' KV events to vLLM.

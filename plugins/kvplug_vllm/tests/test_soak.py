@@ -7,8 +7,10 @@ auto`` so disk hits load in the background) serves rounds of tiny requests of mi
 settings, disk records corrupted for real so some loads fail). After every round each
 per-request structure of the connector's scheduler side (request states, background lookups,
 pending KV events, stats samples) and worker side (background loads, failed-load books,
-layer-wise step, stats samples, KV events), and vLLM's own request books, are empty; threads
-and file descriptors stay at their level after the first (warm-up) rounds.
+layer-wise step, stats samples, KV events, the KV-events chunk index beyond what the tiers
+hold), and vLLM's own request books, are empty; threads and file descriptors stay at their
+level after the first (warm-up) rounds. A second engine adds a valkey tier behind the others:
+lookups the local tiers cannot answer alone run in the background lookup pool.
 """
 
 from __future__ import annotations
@@ -18,19 +20,18 @@ from typing import Any
 
 from conftest import kv_config
 
+from kvplug_valkey.testing import ValkeyServer
 from kvplug_vllm.background import FETCH_THREADS
 
 ROUNDS = 16
 #: Rounds before threads and fds are at their level.
 WARM_UP = 2
 #: Thread pools that start their threads as work comes, up to a bound: name -> bound.
-POOLS = {"kvplug-load": FETCH_THREADS}
+POOLS = {"kvplug-load": FETCH_THREADS, "kvplug-lookup": 8}
 
 
-def test_a_long_run_keeps_nothing_per_request(run_engine: Any, tmp_path: Path) -> None:
-    disk = tmp_path / "disk"
-    tiers = [{"type": "cpu", "max_bytes": "1MiB"}, {"type": "disk", "path": str(disk), "max_bytes": "3MiB"}]
-    kv = kv_config(**{"kvplug.tiers": tiers, "kvplug.load": "auto", "kvplug.store.queue.mode": "sync"})
+def soak(run_engine: Any, disk: Path, tiers: list[dict[str, Any]], **settings: Any) -> dict[str, Any]:
+    kv = kv_config(**{"kvplug.tiers": tiers, "kvplug.load": "auto", "kvplug.store.queue.mode": "sync", **settings})
     result = run_engine(
         kv=kv,
         steps=[{"soak": {"rounds": ROUNDS, "disk": str(disk), "seed": 3}}],
@@ -39,22 +40,23 @@ def test_a_long_run_keeps_nothing_per_request(run_engine: Any, tmp_path: Path) -
         max_model_len=512,
         kv_events={"enable_kv_cache_events": True, "publisher": "null"},
     )
-    soak = result["steps"][0]["soak"]
-    counts = soak["counts"]
-    log = result["log"]
+    done: dict[str, Any] = result["steps"][0]["soak"]
+    counts = done["counts"]
     # the run went down the paths it is meant to: else a structure may be empty for want of use
     assert counts["requests"] >= (ROUNDS - 1) * 16 and counts["aborted"] >= 3 * ROUNDS, counts
     assert counts["preempted_seen"] > 0 and counts["hit_tokens"] > 0, counts
-    assert "in the background" in log and "did not load" in log
-    for number, done in enumerate(soak["rounds"]):
-        kept = {name: size for name, size in done["sizes"].items() if size}
+    assert "in the background" in result["log"], "no background load"
+    for number, round_ in enumerate(done["rounds"]):
+        kept = {name: size for name, size in round_["sizes"].items() if size}
         assert not kept, f"round {number}: state left after every request ended: {kept}"
-    warm = steady(soak["rounds"][WARM_UP - 1]["level"])
-    for number, done in enumerate(soak["rounds"][WARM_UP:], start=WARM_UP):
-        level = steady(done["level"])
+    warm = steady(done["rounds"][WARM_UP - 1]["level"])
+    for number, round_ in enumerate(done["rounds"][WARM_UP:], start=WARM_UP):
+        level = steady(round_["level"])
         assert level == warm, f"round {number}: threads or fds grew from {warm}: {level}"
-        pooled = done["level"]["python_threads"]
+        pooled = round_["level"]["python_threads"]
         assert all(pooled.get(name, 0) <= bound for name, bound in POOLS.items()), pooled
+    done["log"] = result["log"]
+    return done
 
 
 def steady(level: dict[str, Any]) -> tuple[dict[str, int], int, int]:
@@ -62,3 +64,24 @@ def steady(level: dict[str, Any]) -> tuple[dict[str, int], int, int]:
     threads = {name: count for name, count in level["python_threads"].items() if name not in POOLS}
     pooled = sum(level["python_threads"].get(name, 0) for name in POOLS)
     return threads, level["tasks"] - pooled, level["fds"]
+
+
+def local_tiers(disk: Path) -> list[dict[str, Any]]:
+    return [{"type": "cpu", "max_bytes": "1MiB"}, {"type": "disk", "path": str(disk), "max_bytes": "3MiB"}]
+
+
+def test_a_long_run_keeps_nothing_per_request(run_engine: Any, tmp_path: Path) -> None:
+    done = soak(run_engine, tmp_path / "disk", local_tiers(tmp_path / "disk"))
+    assert "did not load" in done["log"], "no load failed: the corrupted records were not read"
+
+
+def test_a_long_run_with_background_lookups_keeps_nothing_per_request(run_engine: Any, tmp_path: Path) -> None:
+    with ValkeyServer(tmp_path / "valkey") as server:
+        valkey = {"type": "valkey", "url": f"redis://127.0.0.1:{server.port}", "key_prefix": "soak:"}
+        done = soak(
+            run_engine,
+            tmp_path / "disk",
+            [*local_tiers(tmp_path / "disk"), valkey],
+            **{"kvplug.background_lookups": True, "kvplug.max_background_lookups": POOLS["kvplug-lookup"]},
+        )
+    assert done["counts"]["pooled_seen"] > 0, done["counts"]
