@@ -117,9 +117,10 @@ class ChunkIndex:
 
     def _hold(self, key: str, chunk: _Chunk) -> None:
         """A tier holds ``key``: it is remembered among the held chunks. Holds ``_lock``."""
+        if key in self._chunks:  # already held: it keeps its place (the last remember's)
+            return
         self._waiting.pop(key, None)
         self._chunks[key] = chunk
-        self._chunks.move_to_end(key)
         while len(self._chunks) > self.max_chunks:
             old_key, forgotten = self._chunks.popitem(last=False)
             self._held.pop(old_key, None)

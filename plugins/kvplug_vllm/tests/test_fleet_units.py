@@ -101,11 +101,11 @@ def test_the_index_remembers_what_the_tiers_hold_not_every_chunk_ever_stored() -
     """A chunk that left every tier, a write that never landed (declined, dropped) and a chunk
     without vLLM blocks are not remembered for good: the index of an engine that runs for weeks
     stays the size of what its tiers hold (test_soak.py sees it on a real engine)."""
-    index = ChunkIndex(block_size=4, tier_names=["cpu", "disk"], max_waiting=2)
+    index = ChunkIndex(block_size=4, tier_names=["cpu", "disk"])
     tokens = list(range(100, 124))
     hashes = [f"h{i}".encode() for i in range(6)]
     index.remember([key(0, 0, 4), key(1, 4, 8), key(2, 8, 10)], tokens, hashes, lora_name=None)
-    assert (list(index._chunks), list(index._waiting)) == ([], [key(0, 0, 4).key, key(1, 4, 8).key])
+    assert list(index._chunks) == []  # no tier holds them yet; the partial chunk: never published
     index.on_event(KVEvent("stored", (key(0, 0, 4).key,), tier="cpu"))
     index.on_event(KVEvent("stored", (key(0, 0, 4).key,), tier="disk"))
     index.on_event(KVEvent("evicted", (key(0, 0, 4).key,), tier="cpu"))
@@ -116,10 +116,11 @@ def test_the_index_remembers_what_the_tiers_hold_not_every_chunk_ever_stored() -
     # a write that lands after the chunk left every tier is still published
     index.on_event(KVEvent("stored", (key(0, 0, 4).key,), tier="disk"))
     assert [(type(e), e.medium) for e in index.take()] == [(BlockStored, "disk")]
-    # chunks whose writes never land: the oldest are forgotten past max_waiting
-    index.remember([key(3, 12, 16), key(4, 16, 20), key(5, 20, 24)], tokens, hashes, lora_name=None)
-    assert list(index._waiting) == [key(4, 16, 20).key, key(5, 20, 24).key]
     assert list(index._chunks) == [key(0, 0, 4).key]
+    # chunks whose writes never land: the oldest are forgotten past max_waiting
+    bounded = ChunkIndex(block_size=4, tier_names=["cpu"], max_waiting=2)
+    bounded.remember([key(3, 12, 16), key(4, 16, 20), key(5, 20, 24)], tokens, hashes, lora_name=None)
+    assert list(bounded._waiting) == [key(4, 16, 20).key, key(5, 20, 24).key] and list(bounded._chunks) == []
 
 
 def test_a_chunk_one_of_two_disk_tiers_evicts_is_not_published_removed_while_the_other_holds_it(
