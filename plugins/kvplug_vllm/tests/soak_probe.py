@@ -59,14 +59,8 @@ def kvplug_sizes(llm: Any) -> dict[str, int]:
     return sizes
 
 
-def _index_size() -> int:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    index = get_kv_transfer_group()._worker_side().index
-    return len(index._chunks) if index is not None else 0
-
-
 def _unheld(worker: Any) -> int:
+    """Chunks the worker's KV-events index remembers as held that no tier holds."""
     if worker.index is None:
         return 0
     keys = list(worker.index._chunks)
@@ -156,8 +150,7 @@ def soak(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
             SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False),
             use_tqdm=False,
         )
-        sizes = kvplug_sizes(llm)
-        rounds.append({"sizes": sizes, "level": process_level(), "index": _index_size()})
+        rounds.append({"sizes": kvplug_sizes(llm), "level": process_level()})
         llm.reset_prefix_cache(reset_connector=True)  # kvplug's memory tier too: hits load from disk
         if disk is not None and index % 2 == 1:
             _corrupt(disk, rng)
