@@ -5,12 +5,14 @@ Rounds of tiny requests of mixed shapes go through ``LLMEngine`` step by step: a
 shared by every round (kvplug hits), a repeat of the last round's prompts (whole-prompt
 hits), fresh prompts (misses), per-request kvplug settings (valid and invalid), aborts
 (waiting, in their first steps, decoding). Between rounds vLLM's prefix cache and kvplug's
-memory tier are reset, so some hits load from disk, in the background, and some disk records
-are corrupted for real, so some of those loads fail. A small KV cache preempts requests.
+memory tier are reset, so some hits load from disk, in the background, and after every other
+round the disk records are corrupted for real, so some of those loads fail. A small KV cache
+preempts requests.
 
 After each round (every request ended, its stores landed, and one more tiny request so that
-the workers hear of the last ones' end), :func:`kvplug_sizes` reads every structure kvplug keeps per request
-on the scheduler and worker sides, and the process's threads and file descriptors. The
+the workers hear of the last ones' end), :func:`kvplug_sizes` reads every structure kvplug
+keeps per request on the scheduler and worker sides, and the process's threads and file
+descriptors. The
 engine runs in this process (``uni`` executor, no engine core process): both connector
 roles are objects here.
 """
@@ -74,15 +76,35 @@ def _samples(stats: Any) -> int:
     return sum(len(value) for value in stats.data.values() if isinstance(value, list))
 
 
-def process_level() -> dict[str, Any]:
+def process_level(pooled_port: int | None = None) -> dict[str, Any]:
     """The process's Python threads (by name, a pool's numbers left out), all its threads
-    (OpenMP's too) and open file descriptors."""
+    (OpenMP's too) and open file descriptors; ``pooled_port``: those connected to that port
+    (a client's connection pool, which opens connections as calls need them) counted apart."""
     names = sorted(thread.name.rstrip("0123456789_") for thread in threading.enumerate())
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the descriptor listdir itself used
+            continue
+    pooled = _sockets_to(pooled_port) if pooled_port is not None else set()
+    connected = sum(1 for target in targets if target in pooled)
     return {
         "python_threads": {name: names.count(name) for name in names},
         "tasks": len(os.listdir("/proc/self/task")),
-        "fds": len(os.listdir("/proc/self/fd")),
+        "fds": len(targets) - connected,
+        "pooled_connections": connected,
     }
+
+
+def _sockets_to(port: int) -> set[str]:
+    """``socket:[inode]`` of this process's TCP sockets connected to ``port`` on 127.0.0.1."""
+    found = set()
+    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[2].split(":")[1], 16) == port:
+            found.add(f"socket:[{fields[9]}]")
+    return found
 
 
 def soak(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
@@ -150,17 +172,19 @@ def soak(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
             SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False),
             use_tqdm=False,
         )
-        rounds.append({"sizes": kvplug_sizes(llm), "level": process_level()})
+        rounds.append({"sizes": kvplug_sizes(llm), "level": process_level(spec.get("pooled_port"))})
         llm.reset_prefix_cache(reset_connector=True)  # kvplug's memory tier too: hits load from disk
         if disk is not None and index % 2 == 1:
-            _corrupt(disk, rng)
+            _corrupt(disk)
     return {"rounds": rounds, "counts": counts}
 
 
-def _corrupt(folder: Path, rng: random.Random) -> None:
-    """Overwrite the middle of a few chunk records: their loads fail their checksum."""
-    records = sorted(folder.rglob("*.kvr"))
-    for path in rng.sample(records, min(3, len(records))):
+def _corrupt(folder: Path) -> None:
+    """Overwrite the middle of every chunk record: their loads fail their checksum (which
+    records a round's async writes left is timing; that some load fails must not be)."""
+    from record_files import chunk_records
+
+    for path in chunk_records(folder):
         data = bytearray(path.read_bytes())
         middle = len(data) // 2
         data[middle : middle + 64] = bytes(64)

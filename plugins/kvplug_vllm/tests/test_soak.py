@@ -27,14 +27,20 @@ ROUNDS = 16
 #: Rounds before threads and fds are at their level.
 WARM_UP = 2
 #: Thread pools that start their threads as work comes, up to a bound: name -> bound.
-POOLS = {"kvplug-load": FETCH_THREADS, "kvplug-lookup": 8}
+POOLS = {"kvplug-load": FETCH_THREADS, "kvplug-lookup": 8, "kvplug-disk-io": 4}
+#: The valkey client's connections at most (its pool opens them as calls need them).
+MAX_CONNECTIONS = 8
 
 
-def soak(run_engine: Any, disk: Path, tiers: list[dict[str, Any]], **settings: Any) -> dict[str, Any]:
+def soak(
+    run_engine: Any, disk: Path, tiers: list[dict[str, Any]], pooled_port: int | None = None, **settings: Any
+) -> dict[str, Any]:
+    """``pooled_port``: a server whose client opens connections as calls need them, up to
+    :data:`MAX_CONNECTIONS`: counted apart from the fds that must stay at their level."""
     kv = kv_config(**{"kvplug.tiers": tiers, "kvplug.load": "auto", "kvplug.store.queue.mode": "sync", **settings})
     result = run_engine(
         kv=kv,
-        steps=[{"soak": {"rounds": ROUNDS, "disk": str(disk), "seed": 3}}],
+        steps=[{"soak": {"rounds": ROUNDS, "disk": str(disk), "seed": 3, "pooled_port": pooled_port}}],
         prefix_caching=True,
         num_blocks=24,
         max_model_len=512,
@@ -55,6 +61,7 @@ def soak(run_engine: Any, disk: Path, tiers: list[dict[str, Any]], **settings: A
         assert level == warm, f"round {number}: threads or fds grew from {warm}: {level}"
         pooled = round_["level"]["python_threads"]
         assert all(pooled.get(name, 0) <= bound for name, bound in POOLS.items()), pooled
+        assert round_["level"]["pooled_connections"] <= MAX_CONNECTIONS, round_["level"]
     done["log"] = result["log"]
     return done
 
@@ -67,7 +74,10 @@ def steady(level: dict[str, Any]) -> tuple[dict[str, int], int, int]:
 
 
 def local_tiers(disk: Path) -> list[dict[str, Any]]:
-    return [{"type": "cpu", "max_bytes": "1MiB"}, {"type": "disk", "path": str(disk), "max_bytes": "3MiB"}]
+    return [
+        {"type": "cpu", "max_bytes": "1MiB"},
+        {"type": "disk", "path": str(disk), "max_bytes": "3MiB", "write_threads": POOLS["kvplug-disk-io"]},
+    ]
 
 
 def test_a_long_run_keeps_nothing_per_request(run_engine: Any, tmp_path: Path) -> None:
@@ -77,11 +87,18 @@ def test_a_long_run_keeps_nothing_per_request(run_engine: Any, tmp_path: Path) -
 
 def test_a_long_run_with_background_lookups_keeps_nothing_per_request(run_engine: Any, tmp_path: Path) -> None:
     with ValkeyServer(tmp_path / "valkey") as server:
-        valkey = {"type": "valkey", "url": f"redis://127.0.0.1:{server.port}", "key_prefix": "soak:"}
+        valkey = {
+            "type": "valkey",
+            "url": f"redis://127.0.0.1:{server.port}",
+            "key_prefix": "soak:",
+            "max_connections": MAX_CONNECTIONS,
+            "max_concurrency": 2,
+        }
         done = soak(
             run_engine,
             tmp_path / "disk",
             [*local_tiers(tmp_path / "disk"), valkey],
+            server.port,
             **{"kvplug.background_lookups": True, "kvplug.max_background_lookups": POOLS["kvplug-lookup"]},
         )
     assert done["counts"]["pooled_seen"] > 0, done["counts"]
