@@ -15,7 +15,9 @@ to routers.
 
 Only chunks its connector stored or loaded are known: a record a persistent tier held before
 the process started carries no token ids (a record header holds a digest of the chunk key),
-so it is never announced.
+so it is never announced. Of those it keeps the chunks some tier holds, and a bounded few no
+tier holds (a write not landed yet, declined or dropped, or a chunk that left every tier):
+not every chunk it ever stored or loaded.
 """
 
 from __future__ import annotations
@@ -52,16 +54,25 @@ class KVEventBridge:
     """Collects SGLang KV events for the chunks one connector stored or loaded.
 
     ``media``: tier name -> kvplug medium (names not in it count as remote). Memory is
-    bounded: at most ``max_tracked`` chunks and ``max_events`` untaken events are kept;
-    older ones are dropped and counted in ``dropped``. A chunk dropped while a tier holds it
-    is told removed from its media then: its later removal could not be told.
+    bounded: at most ``max_tracked`` chunks some tier holds and ``max_events`` untaken events
+    are kept; older ones are dropped and counted in ``dropped``. A chunk dropped while a tier
+    holds it is told removed from its media then: its later removal could not be told. At most
+    ``max_waiting`` chunks no tier holds wait for a tier's ``stored``, the oldest forgotten
+    first (nothing was told of them).
     """
 
     def __init__(
-        self, media: Mapping[str, Medium] | None = None, *, max_tracked: int = 65536, max_events: int = 65536
+        self,
+        media: Mapping[str, Medium] | None = None,
+        *,
+        max_tracked: int = 65536,
+        max_events: int = 65536,
+        max_waiting: int = 16384,
     ) -> None:
         self._media = dict(media or {})
-        self._chunks: OrderedDict[str, _Chunk] = OrderedDict()
+        self._chunks: OrderedDict[str, _Chunk] = OrderedDict()  # chunks some tier holds, oldest first
+        self._waiting: OrderedDict[str, _Chunk] = OrderedDict()  # chunks no tier holds, oldest first
+        self._max_waiting = max_waiting
         self._held: dict[str, set[_TierId]] = {}  # chunk key -> the tiers holding it
         self._events: list[Any] = []
         self._lock = threading.Lock()
@@ -76,16 +87,35 @@ class KVEventBridge:
         with self._lock:
             parent: int | None = None
             for key, (start, end) in zip(keys, bounds):
-                self._chunks[key] = _Chunk(tuple(tokens[start:end]), parent, cache_salt)
-                self._chunks.move_to_end(key)
+                chunk = _Chunk(tuple(tokens[start:end]), parent, cache_salt)
+                if key in self._chunks:
+                    self._chunks[key] = chunk
+                    self._chunks.move_to_end(key)
+                else:
+                    self._wait(key, chunk)
                 parent = block_hash(key)
-            while len(self._chunks) > self._max_tracked:
-                key, _ = self._chunks.popitem(last=False)
-                holders = self._held.pop(key, None)
-                self.dropped += 1
-                if holders:  # its later removal could not be told: a router would believe it held for good
-                    self._forgotten(key, holders)
-            self._bound_events()
+
+    def _hold(self, key: str, chunk: _Chunk) -> None:
+        """A tier holds ``key``: tracked among the held chunks, the oldest of which are
+        forgotten past ``max_tracked``. Holds ``_lock``."""
+        if key in self._chunks:  # already held: it keeps its place (the last expect's)
+            return
+        self._waiting.pop(key, None)
+        self._chunks[key] = chunk
+        while len(self._chunks) > self._max_tracked:
+            old, _ = self._chunks.popitem(last=False)
+            holders = self._held.pop(old, None)
+            self.dropped += 1
+            if holders:  # its later removal could not be told: a router would believe it held for good
+                self._forgotten(old, holders)
+
+    def _wait(self, key: str, chunk: _Chunk) -> None:
+        """No tier holds ``key``: it waits for a write to land, the oldest of the waiting
+        forgotten past ``max_waiting`` (nothing was told of them). Holds ``_lock``."""
+        self._waiting[key] = chunk
+        self._waiting.move_to_end(key)
+        while len(self._waiting) > self._max_waiting:
+            self._waiting.popitem(last=False)
 
     def observe(self, event: KVEvent) -> None:
         from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
@@ -97,9 +127,10 @@ class KVEventBridge:
         with self._lock:
             if event.kind == "stored":
                 for key in event.keys:
-                    info = self._chunks.get(key)
+                    info = self._chunks.get(key) or self._waiting.get(key)
                     if info is None:
                         continue
+                    self._hold(key, info)
                     held = self._held.setdefault(key, set())
                     if medium not in self._media_of(held):
                         new.append(
@@ -123,8 +154,9 @@ class KVEventBridge:
                     holders.discard(event.tier_id)
                     if medium not in self._media_of(holders):
                         gone.append(key)
-                    if not holders:
+                    if not holders:  # it left every tier: it waits, as a write may land again
                         del self._held[key]
+                        self._wait(key, self._chunks.pop(key))
                 if gone:
                     new.append(BlockRemoved(block_hashes=[block_hash(k) for k in gone], medium=medium))
             self._events.extend(new)

@@ -14,23 +14,50 @@ from kvplug_sglang.events import KVEventBridge, block_hash
 
 
 def test_a_held_chunk_the_bridge_stops_tracking_is_told_removed() -> None:
-    """Past ``max_tracked`` the oldest chunk is forgotten: its later eviction could no longer be
-    published, so a router would believe it held for good. It is told removed when forgotten."""
+    """Past ``max_tracked`` held chunks the oldest is forgotten: its later eviction could no longer
+    be published, so a router would believe it held for good. It is told removed when forgotten."""
     bridge = KVEventBridge({"cpu": "memory", "disk": "disk"}, max_tracked=2)
     keys = [key_for(f"chunk{i}") for i in range(3)]
     bridge.expect(keys[:2], [(0, 4), (4, 8)], list(range(8)), None)
     bridge.observe(KVEvent("stored", tuple(keys[:2]), tier="cpu"))
     bridge.observe(KVEvent("stored", (keys[0],), tier="disk"))
     assert [type(e) for e in bridge.take()] == [BlockStored, BlockStored, BlockStored]
-    bridge.expect(keys[2:], [(8, 12)], list(range(12)), None)  # the third: the first is forgotten
+    bridge.expect(keys[2:], [(8, 12)], list(range(12)), None)
+    assert bridge.take() == []  # no tier holds the third yet: the two held are all tracked
+    bridge.observe(KVEvent("stored", (keys[2],), tier="cpu"))  # the third held: the first is forgotten
     told = bridge.take()
     assert [(type(e), e.block_hashes, e.medium) for e in told] == [
         (BlockRemoved, [block_hash(keys[0])], "CPU_PINNED"),
         (BlockRemoved, [block_hash(keys[0])], "DISK"),
+        (BlockStored, [block_hash(keys[2])], "CPU_PINNED"),
     ]
     bridge.observe(KVEvent("evicted", (keys[0],), tier="cpu"))  # no longer tracked: nothing more
-    bridge.expect(keys[:1], [(0, 4)], list(range(4)), None)  # tracked again: the second (held by cpu) is forgotten
-    assert [(type(e), e.medium) for e in bridge.take()] == [(BlockRemoved, "CPU_PINNED")]
+    bridge.expect(keys[:1], [(0, 4)], list(range(4)), None)  # tracked again, held again: the second is forgotten
+    bridge.observe(KVEvent("stored", (keys[0],), tier="cpu"))
+    assert [(type(e), e.block_hashes, e.medium) for e in bridge.take()] == [
+        (BlockRemoved, [block_hash(keys[1])], "CPU_PINNED"),
+        (BlockStored, [block_hash(keys[0])], "CPU_PINNED"),
+    ]
+
+
+def test_the_bridge_tracks_what_the_tiers_hold_not_every_chunk_ever_stored() -> None:
+    """A chunk that left every tier, and writes that never landed (declined, dropped), are not
+    tracked for good: a server that runs for weeks keeps the chunks its tiers hold, and a few."""
+    bridge = KVEventBridge({"cpu": "memory", "disk": "disk"})
+    keys = [key_for(f"chunk{i}") for i in range(5)]
+    bridge.expect(keys[:2], [(0, 4), (4, 8)], list(range(8)), None)
+    bridge.observe(KVEvent("stored", (keys[0],), tier="cpu"))
+    bridge.observe(KVEvent("stored", (keys[0],), tier="disk"))
+    bridge.observe(KVEvent("evicted", (keys[0],), tier="cpu"))
+    assert list(bridge._chunks) == [keys[0]]  # disk still holds it
+    bridge.observe(KVEvent("evicted", (keys[0],), tier="disk"))
+    assert list(bridge._chunks) == [] and bridge._held == {}
+    bridge.take()
+    bridge.observe(KVEvent("stored", (keys[0],), tier="disk"))  # a write landing later is still told
+    assert [(type(e), e.medium) for e in bridge.take()] == [(BlockStored, "DISK")]
+    bounded = KVEventBridge({"cpu": "memory"}, max_waiting=2)
+    bounded.expect(keys[2:], [(8, 12), (12, 16), (16, 20)], list(range(20)), None)  # never stored
+    assert list(bounded._waiting) == keys[3:] and list(bounded._chunks) == []
 
 
 def test_a_chunk_one_of_two_disk_tiers_evicts_is_not_told_removed_while_the_other_holds_it(tmp_path: Path) -> None:

@@ -22,9 +22,13 @@ sent anything else. The first rank's records stand for the engine's: every rank 
 same chunks (MLA's one record and replicated heads are the first rank's), and a chunk another
 rank evicted first is a miss there, not wrong KV.
 
-The index remembers at most ``max_chunks`` chunks: one it forgets is published removed from
-every medium then, since its later eviction could not be (a router would believe it held for
-good); a later store or load of it announces it again.
+The index remembers the chunks some tier holds, at most ``max_chunks`` of them: one it forgets
+is published removed from every medium then, since its later eviction could not be (a router
+would believe it held for good); a later store or load of it announces it again. A chunk no
+tier holds (its writes not landed yet, declined or dropped, or it left every tier) waits for a
+``stored`` event among at most ``max_waiting`` others, the oldest forgotten first: no router was
+told it is held. A chunk without vLLM blocks is never published, so never remembered. So the
+index holds what the tiers hold, not every chunk the engine ever stored or loaded.
 
 The index translates events; it is not a journal of what the worker stored: ``kvplug ctl
 clear`` and ``reset_cache`` read the worker's control target's journal. A worker keeps an
@@ -43,8 +47,11 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, 
 
 from kvplug import ChunkKey, KVEvent
 
-#: Chunks remembered at most (oldest forgotten first): bounds the index's memory.
+#: Chunks some tier holds remembered at most (oldest forgotten first): bounds the index's memory.
 MAX_CHUNKS = 1 << 20
+#: Chunks no tier holds remembered at most (oldest forgotten first): writes in flight, and any
+#: that never land (declined, dropped), whose chunks would otherwise be remembered forever.
+MAX_WAITING = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -62,12 +69,23 @@ class ChunkIndex:
     everything is guarded by one lock.
     """
 
-    def __init__(self, block_size: int, tier_names: Sequence[str], *, max_chunks: int = MAX_CHUNKS) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        tier_names: Sequence[str],
+        *,
+        max_chunks: int = MAX_CHUNKS,
+        max_waiting: int = MAX_WAITING,
+    ) -> None:
         self.block_size = block_size
         self.max_chunks = max_chunks
+        self.max_waiting = max_waiting
         #: The types of the engine's tiers: the media published (events of no tier are ignored).
         self.tier_names = list(tier_names)
+        #: Chunks some tier said it holds (``_held``), oldest first.
         self._chunks: OrderedDict[str, _Chunk] = OrderedDict()
+        #: Chunks remembered that no tier holds, oldest first (see the module docstring).
+        self._waiting: OrderedDict[str, _Chunk] = OrderedDict()
         #: Chunk key -> the tiers (``KVEvent.tier_id``) that said they hold it, of remembered chunks.
         self._held: dict[str, set[tuple[str | None, int | None]]] = {}
         self._events: list[KVCacheEvent] = []
@@ -79,39 +97,58 @@ class ChunkIndex:
         """Record the vLLM blocks of each chunk; ``block_hashes[i]`` is block ``i``'s, as vLLM publishes it.
 
         Chunks that end inside a block, or past the blocks vLLM hashed, have no
-        vLLM identity and are not published (vLLM hashes full blocks only).
+        vLLM identity and are not published (vLLM hashes full blocks only): not remembered.
         """
         size = self.block_size
         with self._lock:
             for key in keys:
                 first, last = key.start // size, key.end // size
-                named = not (key.start % size or key.end % size or last > len(block_hashes) or last == first)
-                parent = block_hashes[first - 1] if named and first else None
-                hashes = tuple(block_hashes[first:last]) if named else ()
-                self._chunks[key.key] = _Chunk(hashes, parent, tuple(token_ids[key.start : key.end]), lora_name)
-                self._chunks.move_to_end(key.key)
-            while len(self._chunks) > self.max_chunks:
-                old_key, forgotten = self._chunks.popitem(last=False)
-                self._held.pop(old_key, None)
-                if forgotten.block_hashes:
-                    # Its later eviction could no longer be published: a router would believe it
-                    # held for good. Said removed now, from every medium (a removal of what a
-                    # router never held is a no-op); a later store or load announces it again.
-                    for medium in dict.fromkeys(self.tier_names):
-                        self._events.append(BlockRemoved(block_hashes=list(forgotten.block_hashes), medium=medium))
+                if key.start % size or key.end % size or last > len(block_hashes) or last == first:
+                    continue
+                parent = block_hashes[first - 1] if first else None
+                chunk = _Chunk(
+                    tuple(block_hashes[first:last]), parent, tuple(token_ids[key.start : key.end]), lora_name
+                )
+                if key.key in self._chunks:
+                    self._chunks[key.key] = chunk
+                    self._chunks.move_to_end(key.key)
+                else:
+                    self._wait(key.key, chunk)
+
+    def _hold(self, key: str, chunk: _Chunk) -> None:
+        """A tier holds ``key``: it is remembered among the held chunks. Holds ``_lock``."""
+        if key in self._chunks:  # already held: it keeps its place (the last remember's)
+            return
+        self._waiting.pop(key, None)
+        self._chunks[key] = chunk
+        while len(self._chunks) > self.max_chunks:
+            old_key, forgotten = self._chunks.popitem(last=False)
+            self._held.pop(old_key, None)
+            # Its later eviction could no longer be published: a router would believe it held
+            # for good. Said removed now, from every medium (a removal of what a router never
+            # held is a no-op); a later store or load announces it again.
+            for medium in dict.fromkeys(self.tier_names):
+                self._events.append(BlockRemoved(block_hashes=list(forgotten.block_hashes), medium=medium))
+
+    def _wait(self, key: str, chunk: _Chunk) -> None:
+        """No tier holds ``key``: it is remembered among the chunks waiting for a write to land,
+        the oldest of which are forgotten (no router was told they are held). Holds ``_lock``."""
+        self._waiting[key] = chunk
+        self._waiting.move_to_end(key)
+        while len(self._waiting) > self.max_waiting:
+            self._waiting.popitem(last=False)
 
     def on_event(self, event: KVEvent) -> None:
         # The engine's own "stored" (tier None) only says it handed chunks to its tiers.
         if event.tier is None or event.tier not in self.tier_names:
             return
         with self._lock:
-            known = [
-                (key, self._chunks[key]) for key in event.keys if key in self._chunks and self._chunks[key].block_hashes
-            ]
-            if not known:
-                return
             if event.kind == "stored":
-                for key, chunk in known:
+                for key in event.keys:
+                    chunk = self._chunks.get(key) or self._waiting.get(key)
+                    if chunk is None:
+                        continue
+                    self._hold(key, chunk)
                     self._held.setdefault(key, set()).add(event.tier_id)
                     self._events.append(
                         BlockStored(
@@ -126,8 +163,9 @@ class ChunkIndex:
                     )
             elif event.kind in ("evicted", "removed"):
                 hashes: list[Any] = []
-                for key, chunk in known:
-                    if self._left_medium(key, event):
+                for key in event.keys:
+                    chunk = self._chunks.get(key)
+                    if chunk is not None and self._left_medium(key, event):
                         hashes += chunk.block_hashes
                 if hashes:
                     self._events.append(BlockRemoved(block_hashes=hashes, medium=event.tier))
@@ -137,8 +175,9 @@ class ChunkIndex:
         (a chunk one disk folder evicted and another holds is still on disk). Holds ``_lock``."""
         holders = self._held.get(key, set())
         holders.discard(event.tier_id)
-        if not holders:
+        if not holders:  # no tier holds it: it waits among the chunks a later write may land for
             self._held.pop(key, None)
+            self._wait(key, self._chunks.pop(key))
         return all(tier != event.tier for tier, _ in holders)
 
     def take(self) -> list[KVCacheEvent]:

@@ -125,6 +125,11 @@ def main() -> None:
         assert any(llm.collective_rpc("kvplug_allocate_pp_buffers")), "no stage lacked its buffer: drop the workaround"
     results = []
     for step in spec["steps"]:
+        if step.get("soak"):  # test_soak.py: rounds of mixed requests, kvplug's per-request state after each
+            from soak_probe import soak
+
+            results.append({"soak": soak(llm, step["soak"])})
+            continue
         prompts = [prompt(p, spec["model"]) for p in step["prompts"]]
         params = [
             SamplingParams(

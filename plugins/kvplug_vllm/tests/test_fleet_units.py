@@ -76,21 +76,51 @@ def test_chunk_index_publishes_nothing_for_chunks_without_vllm_blocks() -> None:
 
 
 def test_a_chunk_the_index_stops_remembering_is_published_removed() -> None:
-    """Past ``max_chunks`` the oldest chunk is forgotten: its later eviction could no longer be
-    published, so a router would believe it held for good. It is published removed from every
-    medium when forgotten (a chunk without vLLM blocks: nothing)."""
+    """Past ``max_chunks`` held chunks the oldest is forgotten: its later eviction could no longer
+    be published, so a router would believe it held for good. It is published removed from every
+    medium when forgotten."""
     index = ChunkIndex(block_size=4, tier_names=["cpu", "disk", "disk"], max_chunks=2)
     tokens = list(range(100, 116))
-    index.remember([key(0, 0, 4), key(1, 4, 8)], tokens, [b"h0", b"h1", b"h2", b"h3"], lora_name=None)
-    index.on_event(KVEvent("stored", (key(0, 0, 4).key,), tier="cpu"))
-    assert [type(e) for e in index.take()] == [BlockStored]
-    index.remember([key(2, 8, 16)], tokens, [b"h0", b"h1", b"h2", b"h3"], lora_name=None)
+    hashes = [b"h0", b"h1", b"h2", b"h3"]
+    index.remember([key(0, 0, 4), key(1, 4, 8)], tokens, hashes, lora_name=None)
+    index.on_event(KVEvent("stored", (key(0, 0, 4).key, key(1, 4, 8).key), tier="cpu"))
+    assert [type(e) for e in index.take()] == [BlockStored, BlockStored]
+    index.remember([key(2, 8, 16)], tokens, hashes, lora_name=None)
+    assert index.take() == []  # no tier holds it yet: the two held are all remembered
+    index.on_event(KVEvent("stored", (key(2, 8, 16).key,), tier="cpu"))
     assert [(type(e), e.block_hashes, e.medium) for e in index.take()] == [
         (BlockRemoved, [b"h0"], "cpu"),
         (BlockRemoved, [b"h0"], "disk"),
+        (BlockStored, [b"h2", b"h3"], "cpu"),
     ]
     index.on_event(KVEvent("evicted", (key(0, 0, 4).key,), tier="cpu"))  # no longer remembered: nothing more
     assert index.take() == []
+
+
+def test_the_index_remembers_what_the_tiers_hold_not_every_chunk_ever_stored() -> None:
+    """A chunk that left every tier, a write that never landed (declined, dropped) and a chunk
+    without vLLM blocks are not remembered for good: the index of an engine that runs for weeks
+    stays the size of what its tiers hold (test_soak.py sees it on a real engine)."""
+    index = ChunkIndex(block_size=4, tier_names=["cpu", "disk"])
+    tokens = list(range(100, 124))
+    hashes = [f"h{i}".encode() for i in range(6)]
+    index.remember([key(0, 0, 4), key(1, 4, 8), key(2, 8, 10)], tokens, hashes, lora_name=None)
+    assert list(index._chunks) == []  # no tier holds them yet; the partial chunk: never published
+    index.on_event(KVEvent("stored", (key(0, 0, 4).key,), tier="cpu"))
+    index.on_event(KVEvent("stored", (key(0, 0, 4).key,), tier="disk"))
+    index.on_event(KVEvent("evicted", (key(0, 0, 4).key,), tier="cpu"))
+    assert list(index._chunks) == [key(0, 0, 4).key]  # disk still holds it
+    index.on_event(KVEvent("evicted", (key(0, 0, 4).key,), tier="disk"))
+    assert list(index._chunks) == [] and index._held == {}
+    index.take()
+    # a write that lands after the chunk left every tier is still published
+    index.on_event(KVEvent("stored", (key(0, 0, 4).key,), tier="disk"))
+    assert [(type(e), e.medium) for e in index.take()] == [(BlockStored, "disk")]
+    assert list(index._chunks) == [key(0, 0, 4).key]
+    # chunks whose writes never land: the oldest are forgotten past max_waiting
+    bounded = ChunkIndex(block_size=4, tier_names=["cpu"], max_waiting=2)
+    bounded.remember([key(3, 12, 16), key(4, 16, 20), key(5, 20, 24)], tokens, hashes, lora_name=None)
+    assert list(bounded._waiting) == [key(4, 16, 20).key, key(5, 20, 24).key] and list(bounded._chunks) == []
 
 
 def test_a_chunk_one_of_two_disk_tiers_evicts_is_not_published_removed_while_the_other_holds_it(
