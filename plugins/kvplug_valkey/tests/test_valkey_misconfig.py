@@ -131,3 +131,47 @@ def test_a_user_who_may_not_write_keeps_reading(tmp_path, tiers, caplog) -> None
         assert extra["breaker_state"] == "closed" and extra["dropped_puts"] == puts, extra
         assert sets_refused(server) == 1  # then refused without a request until the cool-down
         assert "refuses writes (NOPERM" in caplog.text, caplog.text
+
+
+def test_an_acl_that_refuses_some_keys_keeps_storing_the_others(tmp_path, tiers) -> None:
+    """A NOPERM on one key pattern (``%W~ro:*[0-7]``) is that record's refusal, not the
+    credential's: the keys the ACL allows are still stored, each refused one dropped (eab791a:
+    the first refused SET refused every write, allowed or not, for a whole cool-down)."""
+    values = [value_for(key_for("some"), 1000)]
+    with ValkeyServer(tmp_path / "acl") as server:
+        server.cli("ACL", "SETUSER", "half", "on", ">half-secret", "%R~*", "%W~ro:*[0-7]", "+@all")
+        writer = tiers(server.url, key_prefix="ro:", username="half", password="half-secret", **FAST_FAILING)
+        puts = 4 * FAST_FAILING["breaker_failures"]
+        for i in range(puts):
+            writer.put([(key_for(f"some-{i}"), values[0])])
+        stored = len(server.cli("KEYS", "ro:*").split())
+        extra = writer.stats().extra
+        assert extra["breaker_state"] == "closed", extra
+        assert 0 < stored < puts, stored  # (the pattern allows about half of the names)
+        assert stored + extra["dropped_puts"] == puts, (stored, extra)
+
+
+def test_a_cluster_user_who_may_not_write_keeps_reading(valkey_cluster: ValkeyCluster, tiers, caplog) -> None:
+    """Every node's ACL refuses SET to the user: its NOPERM is the write's refusal, as on one
+    server, and no node's breaker opens (eab791a: each node's NOPERM counted as that node
+    failing; once its breaker opened, every key on it missed)."""
+    caplog.set_level(logging.WARNING, logger="kvplug")
+    for node in valkey_cluster.nodes:
+        node.cli("ACL", "SETUSER", "cluster-reader", "on", ">cluster-reader-secret", "~*", "+@all", "-@write")
+    keys = [key_for(f"cluster-ro-{i}") for i in range(12)]
+    values = [value_for(key, 1000) for key in keys]
+    tiers(valkey_cluster.url, key_prefix="cro:").put(list(zip(keys, values)))
+    reader = tiers(
+        valkey_cluster.url,
+        key_prefix="cro:",
+        username="cluster-reader",
+        password="cluster-reader-secret",
+        **{**FAST_FAILING, "breaker_cooldown_s": 60.0},  # (no probe SET within the test)
+    )
+    puts = 4 * FAST_FAILING["breaker_failures"]
+    for i in range(puts):
+        reader.put([(key_for(f"cluster-refused-{i}"), values[0])])
+        assert reader.get(keys[i % len(keys) : i % len(keys) + 1]) != [None], (i, reader.stats().extra)
+    assert [None if v is None else bytes(v) for v in reader.get(keys)] == values, reader.stats().extra
+    assert reader.stats().extra["dropped_puts"] == puts, reader.stats().extra
+    assert "is failing" not in caplog.text and "refuses writes (NOPERM" in caplog.text, caplog.text
