@@ -11,9 +11,14 @@ is refused key by key: each of its SETs is sent, and refused, without a cool-dow
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import valkey.exceptions as vex
+
+#: A key's refusal (Valkey, then Redis 6), matched as a phrase: a user's name has no spaces,
+#: so ``User keyholder has no permissions to run ...`` is no key's refusal.
+_KEY_REFUSED = re.compile(r"permissions to access (a key|one of the keys)", re.IGNORECASE)
 
 
 def refused_write(result: object) -> Literal["user", "key"] | None:
@@ -24,4 +29,4 @@ def refused_write(result: object) -> Literal["user", "key"] | None:
         isinstance(result, vex.ResponseError) and text.upper().startswith("NOPERM")
     ):
         return None
-    return "key" if " KEY" in text.upper() else "user"
+    return "key" if _KEY_REFUSED.search(text) else "user"

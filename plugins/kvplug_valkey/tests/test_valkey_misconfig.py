@@ -154,18 +154,19 @@ def test_an_acl_that_refuses_some_keys_keeps_storing_the_others(tmp_path, tiers)
 def test_a_cluster_user_who_may_not_write_keeps_reading(valkey_cluster: ValkeyCluster, tiers, caplog) -> None:
     """Every node's ACL refuses SET to the user: its NOPERM is the write's refusal, as on one
     server, and no node's breaker opens (eab791a: each node's NOPERM counted as that node
-    failing; once its breaker opened, every key on it missed)."""
+    failing; once its breaker opened, every key on it missed). The user's name has "key" in
+    it: its refusal of the command is still no key's refusal."""
     caplog.set_level(logging.WARNING, logger="kvplug")
     for node in valkey_cluster.nodes:
-        node.cli("ACL", "SETUSER", "cluster-reader", "on", ">cluster-reader-secret", "~*", "+@all", "-@write")
+        node.cli("ACL", "SETUSER", "keyreader", "on", ">keyreader-secret", "~*", "+@all", "-@write")
     keys = [key_for(f"cluster-ro-{i}") for i in range(12)]
     values = [value_for(key, 1000) for key in keys]
     tiers(valkey_cluster.url, key_prefix="cro:").put(list(zip(keys, values)))
     reader = tiers(
         valkey_cluster.url,
         key_prefix="cro:",
-        username="cluster-reader",
-        password="cluster-reader-secret",
+        username="keyreader",
+        password="keyreader-secret",
         **{**FAST_FAILING, "breaker_cooldown_s": 60.0},  # (no probe SET within the test)
     )
     puts = 4 * FAST_FAILING["breaker_failures"]
