@@ -280,6 +280,8 @@ class ValkeyBackend(RecordBackend):
                 outcomes.append(MemoryError("the server is out of memory (maxmemory, noeviction)"))
             else:
                 outcomes.append(None)
+        if any(outcome is None for outcome in outcomes):
+            self.refusals.accepted()
         return outcomes
 
     async def delete(self, names: Sequence[str]) -> list[bool | BaseException]:

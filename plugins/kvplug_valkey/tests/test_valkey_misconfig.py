@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from valkey_helpers import FAST_FAILING
@@ -176,3 +177,38 @@ def test_a_cluster_user_who_may_not_write_keeps_reading(valkey_cluster: ValkeyCl
     assert [None if v is None else bytes(v) for v in reader.get(keys)] == values, reader.stats().extra
     assert reader.stats().extra["dropped_puts"] == puts, reader.stats().extra
     assert "is failing" not in caplog.text and "refuses writes (NOPERM" in caplog.text, caplog.text
+
+
+def test_writes_resume_when_the_acl_grants_them_live_and_stop_when_it_revokes(tmp_path, tiers) -> None:
+    """``ACL SETUSER`` on a running server: the refused user's writes resume by themselves (the
+    cool-down's one write goes through, then all do), and stop again, reads going on, when
+    the permission is taken back."""
+    with ValkeyServer(tmp_path / "acl") as server:
+        server.cli("ACL", "SETUSER", "rotated", "on", ">rotated-secret", "~*", "+@all", "-@write")
+        tier = tiers(
+            server.url,
+            key_prefix="live:",
+            username="rotated",
+            password="rotated-secret",
+            **{**FAST_FAILING, "breaker_cooldown_s": 0.2},
+        )
+        value = value_for(key_for("live"), 1000)
+        tier.put([(key_for("refused"), value)])
+        assert server.cli("DBSIZE").strip() == "0"
+        server.cli("ACL", "SETUSER", "rotated", "+@write")
+        for attempt in range(200):  # (until the cool-down has passed: a bound, not a timing)
+            tier.put([(key_for(f"granted-{attempt}"), value)])
+            if server.cli("DBSIZE").strip() != "0":
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail("no write went through after the ACL granted SET")
+        batch = [(key_for(f"after-{i}"), value) for i in range(4)]
+        tier.put(batch)  # all at once, without waiting for another cool-down
+        assert all(v is not None for v in tier.get([k for k, _ in batch])), tier.stats().extra
+        server.cli("ACL", "SETUSER", "rotated", "-@write")
+        dropped = tier.stats().extra["dropped_puts"]
+        tier.put([(key_for("revoked"), value)])
+        extra = tier.stats().extra
+        assert extra["dropped_puts"] == dropped + 1 and extra["breaker_state"] == "closed", extra
+        assert all(v is not None for v in tier.get([k for k, _ in batch])), extra
