@@ -26,6 +26,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import math
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
@@ -53,8 +54,17 @@ _STATE_VALUES: dict[BreakerState, float] = {"closed": 0.0, "half_open": 1.0, "op
 
 #: A store that is down fails every put; a tier says so once in this many seconds, not per put.
 DROP_WARNING_INTERVAL_S = 60.0
-#: A breaker that opens again for the cause it last opened for is said once per this many seconds.
+#: A breaker that opens again for a cause already said (its shape) is said once per this many seconds.
 REOPENING_WARNING_S = 600.0
+#: What varies between openings for one cause: numbers, hex ids (a node's port, a request id).
+_VARYING = re.compile(r"\b[0-9a-fA-F]*[0-9][0-9a-fA-F]*\b")
+
+
+def _cause_shape(text: str) -> str:
+    """``text`` without what varies between openings for one cause (``:data:`_VARYING```)."""
+    return _VARYING.sub("#", text)
+
+
 #: How long past its deadline a call may take before the caller stops waiting for a stuck loop.
 _BACKSTOP_GRACE_S = LOOP_STALL_GRACE_S
 
@@ -229,10 +239,10 @@ class RemoteCalls:
         self._semaphore = asyncio.Semaphore(config.max_concurrency)
         self._warning_lock = threading.Lock()
         self._last_drop_warning: float | None = None
-        #: The cause the breaker last opened for (logged) and how often it opened for it again
-        #: since: a wrong credential opens it after every cool-down for as long as it runs.
-        self._opening: tuple[str, str] | None = None
-        self._opening_logged = 0.0
+        #: When each cause the breaker opened for (its shape: see :func:`_cause_shape`) was
+        #: last said, and how often it opened unsaid since: a wrong credential, or a cluster
+        #: down (each time for another node), opens it after every cool-down while it runs.
+        self._causes_said: dict[tuple[str, str], float] = {}
         self._reopenings = 0
 
     # --- calls ----------------------------------------------------------------------
@@ -358,26 +368,30 @@ class RemoteCalls:
         self._failures.labels(self.label, kind).inc()
 
     def _opened(self, cause: BaseException) -> None:
-        """Say why the breaker opened; the same cause again before the store answered is said
-        once per :data:`REOPENING_WARNING_S`, with how often it was (else one line per cool-down)."""
+        """Say why the breaker opened; a cause said before (the same type and text but for its
+        numbers: each opening of a cluster down may name another node's port), until the store
+        answers, is said once per :data:`REOPENING_WARNING_S`, with how often it opened since."""
         now = time.monotonic()
-        opening = (type(cause).__name__, str(cause))
+        shape = (type(cause).__name__, _cause_shape(str(cause)))
         with self._warning_lock:
-            if opening == self._opening and now - self._opening_logged < REOPENING_WARNING_S:
+            if now - self._causes_said.get(shape, -math.inf) < REOPENING_WARNING_S:
                 self._reopenings += 1
                 return
             again, self._reopenings = self._reopenings, 0
-            self._opening, self._opening_logged = opening, now
+            if len(self._causes_said) >= 64:  # (bounded: causes differing in more than numbers)
+                self._causes_said.clear()
+            self._causes_said[shape] = now
         self.context.logger.warning(
             "tier %s: %s is failing (%s: %s); circuit breaker open for %.1f s: lookups miss, stores are dropped%s",
             self.tier,
             self.where,
-            *opening,
+            type(cause).__name__,
+            cause,
             self.config.breaker_cooldown_s,
-            f" (it opened {again} time(s) more for this since the last line)" if again else "",
+            f" (it opened {again} time(s) more, for causes said before, since the last line)" if again else "",
         )
 
     def _closed_again(self) -> None:
         with self._warning_lock:
-            self._opening, self._reopenings = None, 0
+            self._causes_said, self._reopenings = {}, 0
         self.context.logger.warning("tier %s: %s answers again; circuit breaker closed", self.tier, self.where)

@@ -26,9 +26,25 @@ class WriteRefusals:
         self._until = 0.0
 
     def current(self) -> PermissionError | None:
-        """The refusal to give a write now without sending it, or ``None`` (send it)."""
+        """The refusal to give a write now without sending it, or ``None`` (send it).
+
+        Once the cool-down has passed, one caller gets ``None`` (its write is the one tried
+        again) and the cool-down starts over for the others: the writes due at that moment
+        (a batch the tier sends at once) are not all sent to be refused. That write's
+        success (:meth:`accepted`) lets every write through at once."""
         with self._lock:
-            return self._refusal if self._refusal is not None and self._clock() < self._until else None
+            if self._refusal is None:
+                return None
+            now = self._clock()
+            if now < self._until:
+                return self._refusal
+            self._until = now + self.cooldown_s
+            return None
+
+    def accepted(self) -> None:
+        """The store took a write: it refuses none now (the permission was granted)."""
+        with self._lock:
+            self._refusal = None
 
     def refused(self, where: str, cause: str) -> PermissionError:
         """Note that the store refused a write (``cause``); the error each write gets meanwhile."""

@@ -166,11 +166,13 @@ class AsyncObjectBackend(ObjectBackend):
         if refused is not None:
             return [refused]
         try:
-            return await self._write(records)
+            outcomes = await self._write(records)
         except PermissionError as exc:  # (a wrong key or signature is not AccessDenied: the tier's failure)
             if s3_error_code(exc) != "AccessDenied":
                 raise
             return [self.refusals.refused(self.where, f"AccessDenied: {exc}")]
+        self.refusals.accepted()
+        return outcomes
 
     async def _write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
         (record,) = records

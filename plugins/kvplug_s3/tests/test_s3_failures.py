@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -113,6 +114,32 @@ def test_wrong_credentials_open_the_breaker(seaweed_s3: SeaweedS3) -> None:
         assert_fails_then_costs_nothing(tier, proxy)
     finally:
         tier.close()
+        proxy.close()
+
+
+def test_a_refusing_store_gets_one_put_per_cool_down_however_many_are_due(seaweed_s3: SeaweedS3) -> None:
+    """Puts stored at once when the cool-down has passed: one is sent (it may be refused
+    again), the others refused without a request (eab791a: every put then in flight was sent,
+    ``assert made == {"PUT": 1}`` saw one PUT per record of the batch)."""
+    proxy = FaultProxy(seaweed_s3.port)
+    cooldown_s = 0.3
+    reader = make_s3_tier(
+        proxy.endpoint,
+        f"t-{uuid.uuid4().hex[:12]}",
+        access_key_id=READ_ONLY_ACCESS_KEY,
+        secret_access_key=READ_ONLY_SECRET_KEY,
+        **{**FAST_FAILING, "breaker_cooldown_s": cooldown_s},
+    )
+    try:
+        reader.flush()
+        assert requests_made(proxy, reader.put, [(key_for("first-refused"), VALUES[0])])[1] == {"PUT": 1}
+        time.sleep(2 * cooldown_s)  # (past the cool-down: the next put is the one sent)
+        batch = [(key_for(f"due-{i}"), VALUES[0]) for i in range(8)]
+        made = requests_made(proxy, reader.put, batch)[1]
+        assert made == {"PUT": 1}, made
+        assert reader.stats().extra["breaker_state"] == "closed", reader.stats().extra
+    finally:
+        reader.close()
         proxy.close()
 
 

@@ -43,6 +43,7 @@ from kvplug_valkey.clients import Client, ValkeyClients, WrongModeError
 from kvplug_valkey.config import ValkeyTierConfig
 from kvplug_valkey.nodes import ClusterNodes, NodeDownError
 from kvplug_valkey.replies import ReplyTooLongError
+from kvplug_valkey.write_refusals import refused_write
 
 #: SCAN page size: keys per round trip when listing.
 SCAN_COUNT = 1000
@@ -261,19 +262,26 @@ class ValkeyBackend(RecordBackend):
         if refused is not None:
             return [refused] * len(records)
         await self.client()  # (its INFO refused is no refusal of writes)
-        try:
-            results = await self._pipeline([("SET", self.key(r.name), r.joined(), *expiry) for r in records])
-        except vex.NoPermissionError as exc:  # an ACL that allows reads: they go on (see WriteRefusals)
-            return [self.refusals.refused(self.where, f"NOPERM: {exc}")] * len(records)
+        sets = [("SET", self.key(r.name), r.joined(), *expiry) for r in records]
+        # NOPERM is each SET's own answer (a cluster node that gives it still answers: its
+        # breaker stays closed, its keys keep hitting); see kvplug_valkey.write_refusals.
+        results = await self._pipeline(sets, per_key=lambda r: _per_key(r) or refused_write(r) is not None)
         outcomes: list[BaseException | None] = []
         for result in results:
-            if isinstance(result, NodeDownError):  # a cluster node that does not answer
+            refusal = refused_write(result)
+            if refusal == "user":  # an ACL that allows reads: they go on (see WriteRefusals)
+                outcomes.append(self.refusals.refused(self.where, f"NOPERM: {result}"))
+            elif refusal == "key":
+                outcomes.append(PermissionError(f"{self.where} refuses this key to the user (NOPERM: {result})"))
+            elif isinstance(result, NodeDownError):  # a cluster node that does not answer
                 outcomes.append(result)
             elif isinstance(result, BaseException):  # the other per-key errors that reach here: OOM
                 self.oom_dropped += 1
                 outcomes.append(MemoryError("the server is out of memory (maxmemory, noeviction)"))
             else:
                 outcomes.append(None)
+        if any(outcome is None for outcome in outcomes):
+            self.refusals.accepted()
         return outcomes
 
     async def delete(self, names: Sequence[str]) -> list[bool | BaseException]:

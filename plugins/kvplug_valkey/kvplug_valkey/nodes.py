@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +35,9 @@ from kvplug_valkey import redirects
 from kvplug_valkey.slot_map import SlotMap
 
 _log = logging.getLogger("kvplug.tier")
+#: A node whose breaker opens again for the cause last said (a node down for good: after every
+#: cool-down, its probe failing) is said once per this many seconds, as the tier's own breaker.
+NODE_REOPENING_WARNING_S = 600.0
 #: A node's share of a batch ends at this fraction of the attempt's deadline, so that the
 #: other nodes' answers still reach the tier when one node hangs.
 NODE_DEADLINE_SHARE = 0.8
@@ -92,6 +96,8 @@ class ClusterNodes:
         self._map = SlotMap(cluster, self._client_of, self._forget_departed, tls=tls)
         #: Nodes whose last call failed (or was refused by their open breaker).
         self._failing: set[str] = set()
+        #: Per node, the cause its breaker last opened for as said, and when (until it answers).
+        self._said: dict[str, tuple[str, float]] = {}
         #: Failed node pipelines (each also counts towards that node's breaker).
         self.failures = 0
 
@@ -222,6 +228,7 @@ class ClusterNodes:
         for name in [name for name in self._breakers if self._map.known(name) is None]:
             del self._breakers[name]
             self._failing.discard(name)
+            self._said.pop(name, None)
         departed = [self._clients.pop(name) for name in list(self._clients) if self._map.known(name) is None]
         for client in departed:  # (a call still on one fails: a miss for its keys, as for a node gone)
             await client.aclose()
@@ -305,6 +312,11 @@ class ClusterNodes:
         self._on_failure(exc)
         if breaker.record_failure():
             self._map.stale = True  # a failover may have given its slots to another node
+            cause, now = f"{type(exc).__name__}: {exc}", time.monotonic()
+            said = self._said.get(name)
+            if said is not None and said[0] == cause and now - said[1] < NODE_REOPENING_WARNING_S:
+                return
+            self._said[name] = (cause, now)
             _log.warning(
                 "valkey cluster node %s is failing (%s: %s); its keys miss for %.1f s, the other nodes serve",
                 name,
@@ -316,6 +328,7 @@ class ClusterNodes:
     def _answered(self, name: str, breaker: CircuitBreaker) -> None:
         self._failing.discard(name)
         if breaker.record_success():
+            self._said.pop(name, None)
             _log.warning("valkey cluster node %s answers again; its breaker closed", name)
 
     async def close(self) -> None:

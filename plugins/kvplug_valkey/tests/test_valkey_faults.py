@@ -203,6 +203,46 @@ def test_a_breaker_opening_again_for_the_same_cause_is_said_once_not_per_cool_do
         assert sum("answers again" in r.getMessage() for r in caplog.records) == 2, caplog.text
 
 
+def test_a_cause_naming_another_node_each_opening_is_still_said_once(tmp_path: Path, tiers, caplog) -> None:
+    """A whole cluster down opens the breaker again after every cool-down, each time for the
+    first node of that batch ("Error 111 connecting to 127.0.0.1:<port>"): one cause, said once
+    (eab791a compared the text, port and all: ``assert len(failing) == 1`` saw a line per port)."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    with ValkeyCluster(tmp_path / "down") as cluster:
+        tier = tiers(cluster.url, cluster=True, **{**FAST_FAILING, "breaker_cooldown_s": 0.2})
+        assert tier.get(KEYS) == [None] * len(KEYS)  # (the map read while the nodes answer)
+        cluster.kill()
+        batch = 0
+        while tier._calls.breaker.opens < 6:  # (the keys of each batch on another node first)
+            batch += 1
+            assert tier.get([key_for(f"down-{batch}")]) == [None]
+            time.sleep(0.05)
+    failing = [r.getMessage() for r in caplog.records if "circuit breaker open for" in r.getMessage()]
+    assert len(failing) == 1 and "ConnectionError" in failing[0], failing
+
+
+def test_a_cluster_node_down_for_long_is_said_once_not_per_cool_down(tmp_path: Path, tiers, caplog) -> None:
+    """One node killed: its breaker opens again after every cool-down (its probe fails) while
+    the others serve; said once (eab791a: a line per cool-down, for as long as it is down:
+    ``assert len(said) == 1``)."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    keys = [key_for(f"node-down-{i}") for i in range(12)]  # (on every node)
+    with ValkeyCluster(tmp_path / "one-down") as cluster:
+        tier = tiers(cluster.url, cluster=True, **{**FAST_FAILING, "breaker_cooldown_s": 0.2})
+        tier.get(keys)
+        down = cluster.nodes[1]
+        down.kill()
+        breaker = None
+        while breaker is None or breaker.opens < 4:  # (each half-open probe fails: opened again)
+            tier.get(keys)
+            time.sleep(0.05)
+            breaker = tier._backend._nodes._breakers.get(f"127.0.0.1:{down.port}")
+    said = [
+        r.getMessage() for r in caplog.records if f"cluster node 127.0.0.1:{down.port} is failing" in r.getMessage()
+    ]
+    assert len(said) == 1, said
+
+
 def test_wrong_password_of_a_cluster_says_so_without_retries(tmp_path: Path, tiers, caplog) -> None:
     """A cluster URL with a wrong (or no) password fails as a server's does: the refusal of the
     credentials named, never retried (0c22cde: "no cluster node gave the map of slots", transient,

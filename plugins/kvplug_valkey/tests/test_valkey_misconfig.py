@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from valkey_helpers import FAST_FAILING
@@ -131,3 +132,83 @@ def test_a_user_who_may_not_write_keeps_reading(tmp_path, tiers, caplog) -> None
         assert extra["breaker_state"] == "closed" and extra["dropped_puts"] == puts, extra
         assert sets_refused(server) == 1  # then refused without a request until the cool-down
         assert "refuses writes (NOPERM" in caplog.text, caplog.text
+
+
+def test_an_acl_that_refuses_some_keys_keeps_storing_the_others(tmp_path, tiers) -> None:
+    """A NOPERM on one key pattern (``%W~ro:*[0-7]``) is that record's refusal, not the
+    credential's: the keys the ACL allows are still stored, each refused one dropped (eab791a:
+    the first refused SET refused every write, allowed or not, for a whole cool-down)."""
+    values = [value_for(key_for("some"), 1000)]
+    with ValkeyServer(tmp_path / "acl") as server:
+        server.cli("ACL", "SETUSER", "half", "on", ">half-secret", "%R~*", "%W~ro:*[0-7]", "+@all")
+        writer = tiers(server.url, key_prefix="ro:", username="half", password="half-secret", **FAST_FAILING)
+        puts = 4 * FAST_FAILING["breaker_failures"]
+        for i in range(puts):
+            writer.put([(key_for(f"some-{i}"), values[0])])
+        stored = len(server.cli("KEYS", "ro:*").split())
+        extra = writer.stats().extra
+        assert extra["breaker_state"] == "closed", extra
+        assert 0 < stored < puts, stored  # (the pattern allows about half of the names)
+        assert stored + extra["dropped_puts"] == puts, (stored, extra)
+
+
+def test_a_cluster_user_who_may_not_write_keeps_reading(valkey_cluster: ValkeyCluster, tiers, caplog) -> None:
+    """Every node's ACL refuses SET to the user: its NOPERM is the write's refusal, as on one
+    server, and no node's breaker opens (eab791a: each node's NOPERM counted as that node
+    failing; once its breaker opened, every key on it missed). The user's name has "key" in
+    it: its refusal of the command is still no key's refusal."""
+    caplog.set_level(logging.WARNING, logger="kvplug")
+    for node in valkey_cluster.nodes:
+        node.cli("ACL", "SETUSER", "keyreader", "on", ">keyreader-secret", "~*", "+@all", "-@write")
+    keys = [key_for(f"cluster-ro-{i}") for i in range(12)]
+    values = [value_for(key, 1000) for key in keys]
+    tiers(valkey_cluster.url, key_prefix="cro:").put(list(zip(keys, values)))
+    reader = tiers(
+        valkey_cluster.url,
+        key_prefix="cro:",
+        username="keyreader",
+        password="keyreader-secret",
+        **{**FAST_FAILING, "breaker_cooldown_s": 60.0},  # (no probe SET within the test)
+    )
+    puts = 4 * FAST_FAILING["breaker_failures"]
+    for i in range(puts):
+        reader.put([(key_for(f"cluster-refused-{i}"), values[0])])
+        assert reader.get(keys[i % len(keys) : i % len(keys) + 1]) != [None], (i, reader.stats().extra)
+    assert [None if v is None else bytes(v) for v in reader.get(keys)] == values, reader.stats().extra
+    assert reader.stats().extra["dropped_puts"] == puts, reader.stats().extra
+    assert "is failing" not in caplog.text and "refuses writes (NOPERM" in caplog.text, caplog.text
+
+
+def test_writes_resume_when_the_acl_grants_them_live_and_stop_when_it_revokes(tmp_path, tiers) -> None:
+    """``ACL SETUSER`` on a running server: the refused user's writes resume by themselves (the
+    cool-down's one write goes through, then all do), and stop again, reads going on, when
+    the permission is taken back."""
+    with ValkeyServer(tmp_path / "acl") as server:
+        server.cli("ACL", "SETUSER", "rotated", "on", ">rotated-secret", "~*", "+@all", "-@write")
+        tier = tiers(
+            server.url,
+            key_prefix="live:",
+            username="rotated",
+            password="rotated-secret",
+            **{**FAST_FAILING, "breaker_cooldown_s": 0.2},
+        )
+        value = value_for(key_for("live"), 1000)
+        tier.put([(key_for("refused"), value)])
+        assert server.cli("DBSIZE").strip() == "0"
+        server.cli("ACL", "SETUSER", "rotated", "+@write")
+        for attempt in range(200):  # (until the cool-down has passed: a bound, not a timing)
+            tier.put([(key_for(f"granted-{attempt}"), value)])
+            if server.cli("DBSIZE").strip() != "0":
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail("no write went through after the ACL granted SET")
+        batch = [(key_for(f"after-{i}"), value) for i in range(4)]
+        tier.put(batch)  # all at once, without waiting for another cool-down
+        assert all(v is not None for v in tier.get([k for k, _ in batch])), tier.stats().extra
+        server.cli("ACL", "SETUSER", "rotated", "-@write")
+        dropped = tier.stats().extra["dropped_puts"]
+        tier.put([(key_for("revoked"), value)])
+        extra = tier.stats().extra
+        assert extra["dropped_puts"] == dropped + 1 and extra["breaker_state"] == "closed", extra
+        assert all(v is not None for v in tier.get([k for k, _ in batch])), extra
