@@ -247,10 +247,7 @@ class ValkeyBackend(RecordBackend):
         if self._standalone_checked:
             return
         if await self._clients.cluster_enabled(trust_config=True):
-            raise WrongModeError(
-                f"cluster: false, but {self.where} is a cluster node (INFO cluster): "
-                "set cluster: true, or leave it unset to ask the server"
-            )
+            raise WrongModeError.not_standalone(self.where, "INFO cluster")
         self._standalone_checked = True
 
     # --- client ---------------------------------------------------------------------
@@ -297,10 +294,7 @@ class ValkeyBackend(RecordBackend):
             raise_server_errors(results, per_key)
         except vex.ResponseError as exc:
             if str(exc).upper().startswith(("MOVED ", "ASK ")):
-                raise WrongModeError(
-                    f"cluster: false, but {self.where} is a cluster node ({exc}): "
-                    "set cluster: true, or leave it unset to ask the server"
-                ) from exc
+                raise WrongModeError.not_standalone(self.where, str(exc)) from exc
             raise
         return list(results)
 
