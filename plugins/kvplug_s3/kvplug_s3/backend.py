@@ -47,7 +47,7 @@ class AsyncObjectBackend(ObjectBackend):
         super().__init__(fs, root, where, record_bound)
         self._is_s3 = hasattr(fs, "_s3")
         self.refusals = WriteRefusals(refusal_cooldown_s)
-        self._conditional = ConditionalDeletes(fs, self.root, s3_error_code)
+        self._conditional = ConditionalDeletes(fs, self.root)
         #: Upload buffers for reuse, or ``None`` (each frame allocated anew).
         self.frames = FrameBuffers(frame_buffer_bytes) if frame_buffer_bytes > 0 else None
 
