@@ -22,7 +22,7 @@ import secrets
 from typing import Any
 
 from kvplug import Buffer
-from kvplug_s3.reads import body_equals, body_length
+from kvplug_s3.reads import body_equals, body_length, s3_error_code
 
 #: An ETag no object has: a server that honours ``If-Match`` refuses a delete under it.
 _NO_SUCH_ETAG = '"00000000000000000000000000000000"'
@@ -48,10 +48,9 @@ class ConditionalDeletes:
     """Whether one S3 server honours ``If-Match`` on ``DELETE`` (asked once), and the
     compare-then-delete of one object."""
 
-    def __init__(self, fs: Any, root: str, error_code: Any) -> None:
+    def __init__(self, fs: Any, root: str) -> None:
         self.fs = fs
         self.root = root
-        self._error_code = error_code  # kvplug_s3.backend.s3_error_code (no import cycle)
         self.honoured: bool | None = None
 
     async def delete_if_same(self, path: str, seen: Buffer | None, bound: int | None) -> bool:
@@ -82,7 +81,7 @@ class ConditionalDeletes:
         except FileNotFoundError:  # removed since the read
             return False
         except OSError as exc:
-            if self._error_code(exc) in ("PreconditionFailed", "412"):  # replaced since the read
+            if s3_error_code(exc) in ("PreconditionFailed", "412"):  # replaced since the read
                 return False
             raise
         return True
@@ -104,7 +103,7 @@ class ConditionalDeletes:
         try:
             await self.fs._call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=_NO_SUCH_ETAG)
         except OSError as exc:
-            honoured = self._error_code(exc) in ("PreconditionFailed", "412")
+            honoured = s3_error_code(exc) in ("PreconditionFailed", "412")
             if not honoured and self._passing(exc):
                 await self._remove_probe(bucket, key)
                 raise
@@ -123,7 +122,7 @@ class ConditionalDeletes:
         """Whether a failed probe request says nothing of the server's rules: no S3 answer
         at all (a connection cut, a timeout), a 5xx other than 501 Not Implemented, or a
         busy server's code. Cached as an answer, it would keep corrupt objects for good."""
-        code, status = self._error_code(exc), _http_status(exc)
+        code, status = s3_error_code(exc), _http_status(exc)
         if code is None and status is None:
             return True
         return code in _PASSING_CODES or (status is not None and status >= 500 and status != 501)

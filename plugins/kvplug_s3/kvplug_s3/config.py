@@ -28,7 +28,7 @@ from kvplug import BackoffSeconds, FailureCount, RecordTierConfig, TimeoutSecond
 S3_PROTOCOLS = frozenset({"s3", "s3a"})
 #: The longest object key S3 takes, in UTF-8 bytes.
 MAX_S3_KEY_BYTES = 1024
-#: What a record adds to the prefix: ``/<shard>/<digest>`` (kvplug_s3.backend.ObjectBackend.path_for).
+#: What a record adds to the prefix: ``/<shard>/<digest>`` (kvplug_s3.objects.ObjectBackend.path_for).
 RECORD_NAME_BYTES = 1 + 2 + 1 + 64
 #: fsspec protocols that cannot store anything (read-only or archive views).
 READ_ONLY_PROTOCOLS = frozenset(

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvplug import RecordTier
-from kvplug_s3.backend import ObjectBackend, open_object_backend
+from kvplug_s3.backend import open_object_backend
 from kvplug_s3.config import S3TierConfig
 from kvplug_s3.location import s3_location_config
+from kvplug_s3.objects import ObjectBackend
 
 
 class S3Tier(RecordTier):

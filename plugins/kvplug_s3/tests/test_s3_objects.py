@@ -152,7 +152,7 @@ def test_temporaries_of_killed_writers_are_removed_when_stale(tmp_path) -> None:
 
     from kvplug.testing import tier_context
     from kvplug_s3 import S3Tier
-    from kvplug_s3.backend import STALE_TEMPORARY_S
+    from kvplug_s3.threaded import STALE_TEMPORARY_S
 
     killed = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(tmp_path), key_for("killed")], timeout=120)
     assert killed.returncode == -signal.SIGKILL

@@ -7,7 +7,7 @@ first use, on that loop, with one connection pool; when ``cluster`` is unset the
 first call asks the server (``INFO cluster``) which client it needs. ``cluster: false``
 on a cluster node is refused (:class:`~kvplug_valkey.clients.WrongModeError`) at the
 first ``MOVED`` and before the first listing, and ``cluster: true`` on a standalone
-server is permanent in :func:`classify`.
+server is permanent in :func:`~kvplug_valkey.failures.classify`.
 
 Per-key answers that are not failures of the server come back as values: a key
 of another type (``WRONGTYPE``) reads as a foreign record (too short: corrupt, so the
@@ -22,27 +22,18 @@ breaker judge it. In a cluster, a node that fails costs the keys on it alone
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from valkey import exceptions as vex
 
-from kvplug import (
-    Buffer,
-    CallSizes,
-    FailureKind,
-    RecordBackend,
-    RecordToWrite,
-    StoredRecord,
-    WriteRefusals,
-    classify_failure,
-)
+from kvplug import Buffer, CallSizes, FailureKind, RecordBackend, RecordToWrite, StoredRecord, WriteRefusals
 from kvplug.errors import CorruptChunkError
+from kvplug_valkey import delete_script
 from kvplug_valkey.clients import Client, ValkeyClients, WrongModeError
 from kvplug_valkey.config import ValkeyTierConfig
+from kvplug_valkey.failures import classify, per_key, raise_server_errors, unanswered
 from kvplug_valkey.nodes import ClusterNodes, NodeDownError
-from kvplug_valkey.replies import ReplyTooLongError
 from kvplug_valkey.write_refusals import refused_write
 
 #: SCAN page size: keys per round trip when listing.
@@ -51,76 +42,6 @@ SCAN_COUNT = 1000
 SMALL_REPLY_KEYS = 1024
 #: A value that is not a string (another program's key under our prefix).
 FOREIGN = b""
-
-#: The compare-and-delete of :meth:`ValkeyBackend.delete_if_same` (a script runs atomically:
-#: no write of the key by any client comes between its check and its DEL).
-_DELETE_IF_SAME = """
-local kind = redis.call('TYPE', KEYS[1])['ok']
-if kind == 'none' then return 0 end
-if ARGV[1] == 'foreign' then
-  if kind ~= 'string' or redis.call('STRLEN', KEYS[1]) == 0 then return redis.call('DEL', KEYS[1]) end
-  return 0
-end
-if kind ~= 'string' then return 0 end
-if ARGV[1] == 'longer' then
-  local bound = tonumber(ARGV[2])
-  if bound >= 0 and redis.call('STRLEN', KEYS[1]) > bound then return redis.call('DEL', KEYS[1]) end
-  return 0
-end
-if redis.sha1hex(redis.call('GET', KEYS[1])) == ARGV[2] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-
-def classify(exc: BaseException) -> FailureKind:
-    """Credentials, permissions and a reply over the record bound are permanent (no retry fixes
-    them); the rest transient."""
-    if isinstance(exc, (vex.AuthenticationError, vex.AuthorizationError, vex.NoPermissionError)):
-        return "permanent"
-    if isinstance(exc, (vex.AuthenticationWrongNumberOfArgsError, ReplyTooLongError)):
-        return "permanent"
-    if isinstance(exc, vex.ResponseError):
-        text = str(exc).upper()
-        if text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
-            return "permanent"
-        # The url's database does not exist there (past the server's ``databases``), or the
-        # server is a cluster node, which has database 0 only: no retry makes SELECT succeed.
-        if text.startswith(("DB INDEX IS OUT OF RANGE", "SELECT IS NOT ALLOWED IN CLUSTER MODE")):
-            return "permanent"
-    if isinstance(exc, NodeDownError) and "Cluster mode is not enabled" in str(exc.__cause__):
-        return "permanent"  # cluster: true on a standalone server, which gives no map of slots
-    if isinstance(exc, vex.ValkeyError):
-        return "transient"
-    return classify_failure(exc)
-
-
-def _raise_server_errors(results: Sequence[Any], per_key: Callable[[BaseException], bool]) -> None:
-    """Raise the first failure of the server itself found among pipeline results."""
-    for result in results:
-        if isinstance(result, BaseException) and not per_key(result):
-            raise result
-
-
-def _script_refused(result: BaseException) -> bool:
-    """The server will not run the script for this client: an ACL without ``@scripting``
-    (``NOPERM``), or ``EVAL`` renamed away (unknown command)."""
-    if isinstance(result, vex.NoPermissionError):
-        return True
-    text = str(result).upper()
-    return isinstance(result, vex.ResponseError) and (text.startswith("NOPERM") or "UNKNOWN COMMAND" in text)
-
-
-def _unanswered(result: BaseException, per_key_answer: Any) -> Any:
-    """A cluster node's failure stays an exception (no answer for the key); a per-key
-    error (``WRONGTYPE``) is the answer the caller gives it."""
-    return result if isinstance(result, NodeDownError) else per_key_answer
-
-
-def _per_key(result: BaseException) -> bool:
-    """Errors that answer for one key and say nothing about the server's health."""
-    return isinstance(result, vex.OutOfMemoryError) or (
-        isinstance(result, vex.ResponseError) and str(result).upper().startswith("WRONGTYPE")
-    )
 
 
 class ValkeyBackend(RecordBackend):
@@ -192,7 +113,7 @@ class ValkeyBackend(RecordBackend):
         """STRLEN per key: 0 is a key evicted, expired or deleted (``None``); a key of
         another type answers 0 bytes (there, but no record)."""
         results = await self._pipeline([("STRLEN", self.key(n)) for n in names])
-        return [_unanswered(r, 0) if isinstance(r, BaseException) else (int(r) or None) for r in results]
+        return [unanswered(r, 0) if isinstance(r, BaseException) else (int(r) or None) for r in results]
 
     async def exists(self, names: Sequence[str]) -> list[bool | BaseException]:
         """Whether each key exists (of any type), without touching it.
@@ -204,7 +125,7 @@ class ValkeyBackend(RecordBackend):
         alive in a server that other clients share. (``CLIENT NO-TOUCH`` would need
         Valkey/Redis 7.2 and an error path on older servers.)"""
         results = await self._pipeline([("EXISTS", self.key(n)) for n in names])
-        return [_unanswered(r, True) if isinstance(r, BaseException) else int(r) > 0 for r in results]
+        return [unanswered(r, True) if isinstance(r, BaseException) else int(r) > 0 for r in results]
 
     async def read(self, names: Sequence[str], sizes: Sequence[int | None]) -> list[Buffer | BaseException | None]:
         """Each stored value (``FOREIGN`` for a non-string key), ``None`` where missing.
@@ -241,13 +162,13 @@ class ValkeyBackend(RecordBackend):
             results = (await self._pipeline([on, *reads, off], per_key=lambda _: True))[1:-1]
             # The flag's own answers are not checked: a server before 7.2, or one that
             # refuses CLIENT to this user, reads as before (touching).
-            _raise_server_errors(results, _per_key)
+            raise_server_errors(results, per_key)
         if bound is None:
-            return [_unanswered(r, FOREIGN) if isinstance(r, BaseException) else r for r in results]
+            return [unanswered(r, FOREIGN) if isinstance(r, BaseException) else r for r in results]
         values: list[Buffer | BaseException | None] = []
         for result in results:
             if isinstance(result, BaseException):
-                values.append(_unanswered(result, FOREIGN))
+                values.append(unanswered(result, FOREIGN))
             elif len(result) > bound:
                 values.append(CorruptChunkError(f"record is over the {bound} bytes a record of this store can be"))
             else:
@@ -265,7 +186,7 @@ class ValkeyBackend(RecordBackend):
         sets = [("SET", self.key(r.name), r.joined(), *expiry) for r in records]
         # NOPERM is each SET's own answer (a cluster node that gives it still answers: its
         # breaker stays closed, its keys keep hitting); see kvplug_valkey.write_refusals.
-        results = await self._pipeline(sets, per_key=lambda r: _per_key(r) or refused_write(r) is not None)
+        results = await self._pipeline(sets, per_key=lambda r: per_key(r) or refused_write(r) is not None)
         outcomes: list[BaseException | None] = []
         for result in results:
             refusal = refused_write(result)
@@ -286,24 +207,16 @@ class ValkeyBackend(RecordBackend):
 
     async def delete(self, names: Sequence[str]) -> list[bool | BaseException]:
         results = await self._pipeline([("DEL", self.key(n)) for n in names])
-        return [_unanswered(r, False) if isinstance(r, BaseException) else int(r) > 0 for r in results]
+        return [unanswered(r, False) if isinstance(r, BaseException) else int(r) > 0 for r in results]
 
     async def delete_if_same(self, names: Sequence[str], seen: Sequence[Buffer | None]) -> list[bool | BaseException]:
         """One script per key, run atomically by the server: DEL only if the key still holds
         the bytes read (their SHA-1, so the record is not sent back), is still not a string
         (``FOREIGN``), or (``None``: read as over the record bound) is still longer than it."""
         bound = self._record_bound()
-        commands: list[tuple[Any, ...]] = []
-        for name, data in zip(names, seen):
-            if data is None:
-                check: tuple[Any, ...] = ("longer", -1 if bound is None else bound)
-            elif not memoryview(data).nbytes:
-                check = ("foreign", 0)
-            else:
-                check = ("sha1", hashlib.sha1(data, usedforsecurity=False).hexdigest())
-            commands.append(("EVAL", _DELETE_IF_SAME, 1, self.key(name), *check))
-        results = await self._pipeline(commands, per_key=lambda r: _per_key(r) or _script_refused(r))
-        if any(isinstance(r, BaseException) and _script_refused(r) for r in results):
+        commands = [delete_script.delete_if_same(self.key(n), data, bound) for n, data in zip(names, seen)]
+        results = await self._pipeline(commands, per_key=lambda r: per_key(r) or delete_script.script_refused(r))
+        if any(isinstance(r, BaseException) and delete_script.script_refused(r) for r in results):
             # From now on corrupt records are kept (absent to the tier), and the removal of an
             # unusable chunk re-reads it, then removes by name.
             self.scripts_refused = True
@@ -342,10 +255,7 @@ class ValkeyBackend(RecordBackend):
         if self._standalone_checked:
             return
         if await self._clients.cluster_enabled(trust_config=True):
-            raise WrongModeError(
-                f"cluster: false, but {self.where} is a cluster node (INFO cluster): "
-                "set cluster: true, or leave it unset to ask the server"
-            )
+            raise WrongModeError.not_standalone(self.where, "INFO cluster")
         self._standalone_checked = True
 
     # --- client ---------------------------------------------------------------------
@@ -377,25 +287,22 @@ class ValkeyBackend(RecordBackend):
             return self._client
 
     async def _pipeline(
-        self, commands: Sequence[tuple[Any, ...]], per_key: Callable[[BaseException], bool] = _per_key
+        self, commands: Sequence[tuple[Any, ...]], per_key: Callable[[BaseException], bool] = per_key
     ) -> list[Any]:
         if not commands:
             return []
         client = await self.client()
         if self._nodes is not None:
-            return await self._nodes.pipeline(commands, lambda results: _raise_server_errors(results, per_key))
+            return await self._nodes.pipeline(commands, lambda results: raise_server_errors(results, per_key))
         pipe = client.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)
         results = await pipe.execute(raise_on_error=False)
         try:
-            _raise_server_errors(results, per_key)
+            raise_server_errors(results, per_key)
         except vex.ResponseError as exc:
             if str(exc).upper().startswith(("MOVED ", "ASK ")):
-                raise WrongModeError(
-                    f"cluster: false, but {self.where} is a cluster node ({exc}): "
-                    "set cluster: true, or leave it unset to ask the server"
-                ) from exc
+                raise WrongModeError.not_standalone(self.where, str(exc)) from exc
             raise
         return list(results)
 

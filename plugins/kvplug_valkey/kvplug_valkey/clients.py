@@ -23,6 +23,14 @@ class WrongModeError(ValueError):
     with ``MOVED`` every key it does not own; a standalone server gives no map of slots):
     a misconfiguration no retry fixes (permanent, as a ``ValueError``)."""
 
+    @classmethod
+    def not_standalone(cls, where: str, evidence: str) -> WrongModeError:
+        """``cluster: false`` for a server that ``evidence`` shows is a cluster node."""
+        return cls(
+            f"cluster: false, but {where} is a cluster node ({evidence}): "
+            "set cluster: true, or leave it unset to ask the server"
+        )
+
 
 class ValkeyClients:
     """Makes the tier's clients from ``config``; ``record_bound``: the tier's ``max_record_bytes``
