@@ -104,6 +104,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "TorchConnector": ("kvplug.builtins.torch_connector", "TorchConnector"),
     "UNBOUNDED_BYTES": ("kvplug.core.tier", "UNBOUNDED_BYTES"),
     "WriteRefusals": ("kvplug.core.remote.refusals", "WriteRefusals"),
+    "OpeningWarnings": ("kvplug.core.remote.opening_warnings", "OpeningWarnings"),
     "check_record": ("kvplug.core.records.store", "check_record"),
     "check_record_size": ("kvplug.core.records.frame", "check_record_size"),
     "check_socket_file": ("kvplug.core.control_socket", "check_socket_file"),
@@ -176,6 +177,7 @@ if TYPE_CHECKING:
     from kvplug.core.records.store import RecordCheck, RecordStore, StoredRecord, check_record
     from kvplug.core.records.tier import RecordTier
     from kvplug.core.remote.calls import RecordTierConfig, RemoteTierConfig
+    from kvplug.core.remote.opening_warnings import OpeningWarnings
     from kvplug.core.remote.refusals import WriteRefusals
     from kvplug.core.remote.retry import Absent, CircuitBreaker, FailureKind, classify_failure
     from kvplug.core.serializer import Serializer
@@ -251,6 +253,7 @@ __all__ = [
     "MessageServer",
     "MetricSample",
     "NameTenants",
+    "OpeningWarnings",
     "OrderedEvents",
     "PagedFormat",
     "PinOutcome",

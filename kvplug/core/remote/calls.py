@@ -26,7 +26,6 @@ import concurrent.futures
 import contextlib
 import contextvars
 import math
-import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
@@ -37,6 +36,7 @@ from pydantic import Field, PositiveInt
 from kvplug.core.config_types import BackoffSeconds, Concurrency, FailureCount, TimeoutSeconds
 from kvplug.core.policies.eviction import EvictionName
 from kvplug.core.queue_settings import QueueSettings
+from kvplug.core.remote.opening_warnings import OpeningWarnings
 from kvplug.core.remote.retry import (
     LOOP_STALL_GRACE_S,
     BreakerState,
@@ -54,17 +54,6 @@ _STATE_VALUES: dict[BreakerState, float] = {"closed": 0.0, "half_open": 1.0, "op
 
 #: A store that is down fails every put; a tier says so once in this many seconds, not per put.
 DROP_WARNING_INTERVAL_S = 60.0
-#: A breaker that opens again for a cause already said (its shape) is said once per this many seconds.
-REOPENING_WARNING_S = 600.0
-#: What varies between openings for one cause: numbers, hex ids (a node's port, a request id).
-_VARYING = re.compile(r"\b[0-9a-fA-F]*[0-9][0-9a-fA-F]*\b")
-
-
-def _cause_shape(text: str) -> str:
-    """``text`` without what varies between openings for one cause (``:data:`_VARYING```)."""
-    return _VARYING.sub("#", text)
-
-
 #: How long past its deadline a call may take before the caller stops waiting for a stuck loop.
 _BACKSTOP_GRACE_S = LOOP_STALL_GRACE_S
 
@@ -237,13 +226,9 @@ class RemoteCalls:
             on_close=self._closed_again,
         )
         self._semaphore = asyncio.Semaphore(config.max_concurrency)
-        self._warning_lock = threading.Lock()
+        self._drop_warning_lock = threading.Lock()
         self._last_drop_warning: float | None = None
-        #: When each cause the breaker opened for (its shape: see :func:`_cause_shape`) was
-        #: last said, and how often it opened unsaid since: a wrong credential, or a cluster
-        #: down (each time for another node), opens it after every cool-down while it runs.
-        self._causes_said: dict[tuple[str, str], float] = {}
-        self._reopenings = 0
+        self._openings = OpeningWarnings()
 
     # --- calls ----------------------------------------------------------------------
 
@@ -301,7 +286,7 @@ class RemoteCalls:
         """Log that stores to the store fail and are dropped: once per
         ``DROP_WARNING_INTERVAL_S``, not once per store (the tier counts each drop)."""
         now = time.monotonic()
-        with self._warning_lock:
+        with self._drop_warning_lock:
             if self._last_drop_warning is not None and now - self._last_drop_warning < DROP_WARNING_INTERVAL_S:
                 return
             self._last_drop_warning = now
@@ -368,19 +353,9 @@ class RemoteCalls:
         self._failures.labels(self.label, kind).inc()
 
     def _opened(self, cause: BaseException) -> None:
-        """Say why the breaker opened; a cause said before (the same type and text but for its
-        numbers: each opening of a cluster down may name another node's port), until the store
-        answers, is said once per :data:`REOPENING_WARNING_S`, with how often it opened since."""
-        now = time.monotonic()
-        shape = (type(cause).__name__, _cause_shape(str(cause)))
-        with self._warning_lock:
-            if now - self._causes_said.get(shape, -math.inf) < REOPENING_WARNING_S:
-                self._reopenings += 1
-                return
-            again, self._reopenings = self._reopenings, 0
-            if len(self._causes_said) >= 64:  # (bounded: causes differing in more than numbers)
-                self._causes_said.clear()
-            self._causes_said[shape] = now
+        again = self._openings.due(cause)  # (a cause said lately is not said at every cool-down)
+        if again is None:
+            return
         self.context.logger.warning(
             "tier %s: %s is failing (%s: %s); circuit breaker open for %.1f s: lookups miss, stores are dropped%s",
             self.tier,
@@ -392,6 +367,5 @@ class RemoteCalls:
         )
 
     def _closed_again(self) -> None:
-        with self._warning_lock:
-            self._causes_said, self._reopenings = {}, 0
+        self._openings.forget()
         self.context.logger.warning("tier %s: %s answers again; circuit breaker closed", self.tier, self.where)

@@ -23,21 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from valkey import exceptions as vex
 
-from kvplug import CircuitBreaker
+from kvplug import CircuitBreaker, OpeningWarnings
 from kvplug.errors import TierUnavailableError
 from kvplug_valkey import redirects
 from kvplug_valkey.slot_map import SlotMap
 
 _log = logging.getLogger("kvplug.tier")
-#: A node whose breaker opens again for the cause last said (a node down for good: after every
-#: cool-down, its probe failing) is said once per this many seconds, as the tier's own breaker.
-NODE_REOPENING_WARNING_S = 600.0
 #: A node's share of a batch ends at this fraction of the attempt's deadline, so that the
 #: other nodes' answers still reach the tier when one node hangs.
 NODE_DEADLINE_SHARE = 0.8
@@ -96,8 +92,9 @@ class ClusterNodes:
         self._map = SlotMap(cluster, self._client_of, self._forget_departed, tls=tls)
         #: Nodes whose last call failed (or was refused by their open breaker).
         self._failing: set[str] = set()
-        #: Per node, the cause its breaker last opened for as said, and when (until it answers).
-        self._said: dict[str, tuple[str, float]] = {}
+        #: Per node, the openings of its breaker said lately (a node down for good opens it
+        #: after every cool-down, its probe failing: said once per 10 minutes, as the tier's).
+        self._said: dict[str, OpeningWarnings] = {}
         #: Failed node pipelines (each also counts towards that node's breaker).
         self.failures = 0
 
@@ -312,17 +309,16 @@ class ClusterNodes:
         self._on_failure(exc)
         if breaker.record_failure():
             self._map.stale = True  # a failover may have given its slots to another node
-            cause, now = f"{type(exc).__name__}: {exc}", time.monotonic()
-            said = self._said.get(name)
-            if said is not None and said[0] == cause and now - said[1] < NODE_REOPENING_WARNING_S:
+            again = self._said.setdefault(name, OpeningWarnings()).due(exc)
+            if again is None:
                 return
-            self._said[name] = (cause, now)
             _log.warning(
-                "valkey cluster node %s is failing (%s: %s); its keys miss for %.1f s, the other nodes serve",
+                "valkey cluster node %s is failing (%s: %s); its keys miss for %.1f s, the other nodes serve%s",
                 name,
                 type(exc).__name__,
                 exc,
                 self._cooldown_s,
+                f" (it opened {again} time(s) more since the last line)" if again else "",
             )
 
     def _answered(self, name: str, breaker: CircuitBreaker) -> None:
