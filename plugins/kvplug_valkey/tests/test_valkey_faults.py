@@ -6,6 +6,7 @@ by itself when the fault goes away."""
 from __future__ import annotations
 
 import logging
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -206,7 +207,7 @@ def test_a_breaker_opening_again_for_the_same_cause_is_said_once_not_per_cool_do
 def test_a_cause_naming_another_node_each_opening_is_still_said_once(tmp_path: Path, tiers, caplog) -> None:
     """A whole cluster down opens the breaker again after every cool-down, each time for the
     first node of that batch ("Error 111 connecting to 127.0.0.1:<port>"): one cause, said once
-    (eab791a compared the text, port and all: ``assert len(failing) == 1`` saw a line per port)."""
+    (eab791a compared the text, port and all: a line per port, the same cause but for its numbers)."""
     caplog.set_level(logging.WARNING, logger="kvplug.tier")
     with ValkeyCluster(tmp_path / "down") as cluster:
         tier = tiers(cluster.url, cluster=True, **{**FAST_FAILING, "breaker_cooldown_s": 0.2})
@@ -218,7 +219,10 @@ def test_a_cause_naming_another_node_each_opening_is_still_said_once(tmp_path: P
             assert tier.get([key_for(f"down-{batch}")]) == [None]
             time.sleep(0.05)
     failing = [r.getMessage() for r in caplog.records if "circuit breaker open for" in r.getMessage()]
-    assert len(failing) == 1 and "ConnectionError" in failing[0], failing
+    # Each cause once: a batch may also meet a node whose own breaker is open (NodeDownError),
+    # another cause, said once too, in either order.
+    shapes = [re.sub(r"\d+", "#", line) for line in failing]
+    assert len(set(shapes)) == len(shapes) and any("ConnectionError" in line for line in failing), failing
 
 
 def test_a_cluster_node_down_for_long_is_said_once_not_per_cool_down(tmp_path: Path, tiers, caplog) -> None:
