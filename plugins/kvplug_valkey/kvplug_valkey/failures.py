@@ -10,14 +10,14 @@ from typing import Any
 from valkey import exceptions as vex
 
 from kvplug import FailureKind, classify_failure
-from kvplug_valkey.nodes import NodeDownError
+from kvplug_valkey.nodes import CREDENTIAL_ERRORS, NodeDownError, is_standalone_server
 from kvplug_valkey.replies import ReplyTooLongError
 
 
 def classify(exc: BaseException) -> FailureKind:
     """Credentials, permissions and a reply over the record bound are permanent (no retry fixes
     them); the rest transient."""
-    if isinstance(exc, (vex.AuthenticationError, vex.AuthorizationError, vex.NoPermissionError)):
+    if isinstance(exc, CREDENTIAL_ERRORS):
         return "permanent"
     if isinstance(exc, (vex.AuthenticationWrongNumberOfArgsError, ReplyTooLongError)):
         return "permanent"
@@ -29,7 +29,7 @@ def classify(exc: BaseException) -> FailureKind:
         # server is a cluster node, which has database 0 only: no retry makes SELECT succeed.
         if text.startswith(("DB INDEX IS OUT OF RANGE", "SELECT IS NOT ALLOWED IN CLUSTER MODE")):
             return "permanent"
-    if isinstance(exc, NodeDownError) and "Cluster mode is not enabled" in str(exc.__cause__):
+    if isinstance(exc, NodeDownError) and is_standalone_server(exc.__cause__):
         return "permanent"  # cluster: true on a standalone server, which gives no map of slots
     if isinstance(exc, vex.ValkeyError):
         return "transient"

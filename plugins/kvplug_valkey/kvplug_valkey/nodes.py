@@ -37,13 +37,14 @@ _log = logging.getLogger("kvplug.tier")
 #: A node's share of a batch ends at this fraction of the attempt's deadline, so that the
 #: other nodes' answers still reach the tier when one node hangs.
 NODE_DEADLINE_SHARE = 0.8
-#: Refusals of the credentials, which no retry fixes (the tier's classify makes them permanent).
-_CREDENTIALS = (vex.AuthenticationError, vex.AuthorizationError, vex.NoPermissionError)
+#: Refusals of the credentials, which no retry fixes (:func:`kvplug_valkey.failures.classify`
+#: makes them permanent).
+CREDENTIAL_ERRORS = (vex.AuthenticationError, vex.AuthorizationError, vex.NoPermissionError)
 
 
-def _standalone(error: BaseException | None) -> bool:
-    """Whether the node asked for the map is no cluster node (``cluster: true`` given for a
-    standalone server)."""
+def is_standalone_server(error: BaseException | None) -> bool:
+    """Whether ``error``, a node's answer to a reading of the map, says it is no cluster node
+    (``cluster: true`` given for a standalone server: permanent, see ``failures.classify``)."""
     return error is not None and "Cluster mode is not enabled" in str(error)
 
 
@@ -176,9 +177,11 @@ class ClusterNodes:
         if await self._map.current(deadline):
             return
         error = self._map.error
-        if isinstance(error, _CREDENTIALS):  # (a wrong password: said as such, and never retried)
+        if isinstance(error, CREDENTIAL_ERRORS):  # (a wrong password: said as such, and never retried)
             raise error.with_traceback(None)
-        hint = "; it is a standalone server: set cluster: false, or leave it unset" if _standalone(error) else ""
+        hint = (
+            "; it is a standalone server: set cluster: false, or leave it unset" if is_standalone_server(error) else ""
+        )
         raise NodeDownError(f"no cluster node gave the map of slots (the last: {error!r}){hint}") from error
 
     async def _send(
