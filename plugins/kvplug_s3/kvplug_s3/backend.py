@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvplug import SIZE_UNKNOWN, Buffer, RecordToWrite, StoredRecord, WriteRefusals
+from kvplug import SIZE_UNKNOWN, Buffer, RecordToWrite, StoredRecord
 from kvplug_s3.conditional import ConditionalDeletes, ConditionalDeleteUnsupported
 from kvplug_s3.config import S3TierConfig
 from kvplug_s3.frames import FrameBuffers
@@ -44,9 +44,8 @@ class AsyncObjectBackend(ObjectBackend):
         record_bound: Callable[[], int | None] = lambda: None,
         refusal_cooldown_s: float = 10.0,
     ) -> None:
-        super().__init__(fs, root, where, record_bound)
+        super().__init__(fs, root, where, record_bound, refusal_cooldown_s)
         self._is_s3 = hasattr(fs, "_s3")
-        self.refusals = WriteRefusals(refusal_cooldown_s)
         self._conditional = ConditionalDeletes(fs, self.root)
         #: Upload buffers for reuse, or ``None`` (each frame allocated anew).
         self.frames = FrameBuffers(frame_buffer_bytes) if frame_buffer_bytes > 0 else None
@@ -80,18 +79,11 @@ class AsyncObjectBackend(ObjectBackend):
             return [await s3_read(self.fs, path, self._record_bound())]
         return [await cat_bounded(self.fs, path, self._record_bound())]
 
-    async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
-        refused = self.refusals.current()
-        if refused is not None:
-            return [refused]
-        try:
-            outcomes = await self._write(records)
-        except PermissionError as exc:  # (a wrong key or signature is not AccessDenied: the tier's failure)
-            if s3_error_code(exc) != "AccessDenied":
-                raise
-            return [self.refusals.refused(self.where, f"AccessDenied: {exc}")]
-        self.refusals.accepted()
-        return outcomes
+    def write_refusal(self, exc: OSError) -> str | None:
+        # A wrong key or signature is not AccessDenied: the tier's failure.
+        if isinstance(exc, PermissionError) and s3_error_code(exc) == "AccessDenied":
+            return f"AccessDenied: {exc}"
+        return None
 
     async def _write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
         (record,) = records
@@ -193,4 +185,5 @@ def open_object_backend(
         atomic_put=protocol in ATOMIC_PUT_PROTOCOLS,
         record_bound=record_bound,
         read_only=read_only,
+        refusal_cooldown_s=config.breaker_cooldown_s,
     )

@@ -5,11 +5,15 @@ which lookups make no request at all."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -174,6 +178,54 @@ def test_a_credential_that_may_not_write_keeps_serving_reads(seaweed_s3: Seaweed
     finally:
         reader.close()
         proxy.close()
+
+
+@contextlib.contextmanager
+def unwritable(folders: list[Path]) -> Iterator[None]:
+    """``folders`` refuse new files: by their mode, or for root (whom no mode stops) by the
+    immutable flag (EPERM)."""
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i", *map(str, folders)], check=True)
+    else:
+        for folder in folders:
+            folder.chmod(0o555)
+    try:
+        yield
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", *map(str, folders)], check=True)
+        else:
+            for folder in folders:
+                folder.chmod(0o755)
+
+
+def test_a_folder_that_may_not_be_written_keeps_serving_reads(tmp_path: Path, caplog) -> None:
+    """``file://`` (the threaded driver) on a folder this process may not write: stores are
+    dropped and counted, writes wait a cool-down, and the records there still hit
+    (ee9bb23: PermissionError was the tier's failure, its breaker opened, and every lookup
+    missed)."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    store = tmp_path / "store"
+    writer = S3Tier(S3Tier.Config(url=f"file://{store}"), tier_context())
+    writer.put(list(zip(KEYS, VALUES)))
+    writer.close()
+    options = {"retries": 0, "breaker_failures": 3, "breaker_cooldown_s": 60.0}
+    reader = S3Tier(S3Tier.Config(url=f"file://{store}", **options), tier_context())
+    try:
+        reader.flush()
+        puts = 2 * options["breaker_failures"]
+        with unwritable([store, *store.iterdir()]):
+            for i in range(puts):
+                reader.put([(key_for(f"refused-{i}"), VALUES[0])])
+            assert [None if v is None else bytes(v) for v in reader.get(KEYS)] == VALUES, reader.stats().extra
+        # Writable again, but within the cool-down: refused without an attempt.
+        reader.put([(key_for("in-cool-down"), VALUES[0])])
+        extra = reader.stats().extra
+        assert extra["breaker_state"] == "closed" and extra["dropped_puts"] == puts + 1, extra
+        assert reader.get([key_for("in-cool-down")]) == [None]
+        assert "refuses writes" in caplog.text and "PermissionError" in caplog.text, caplog.text
+    finally:
+        reader.close()
 
 
 def test_refused_connections_open_the_breaker() -> None:
