@@ -23,7 +23,7 @@ from kvplug_s3.conditional import ConditionalDeletes, ConditionalDeleteUnsupport
 from kvplug_s3.config import S3TierConfig
 from kvplug_s3.frames import FrameBuffers
 from kvplug_s3.objects import LOCATION_ERROR_CODES, ObjectBackend
-from kvplug_s3.reads import cat_bounded, s3_error_code, s3_read, s3_size
+from kvplug_s3.reads import cat_bounded, s3_error_code, s3_http_status, s3_read, s3_size
 from kvplug_s3.threaded import ThreadedObjectBackend
 
 #: Stores where writing one object is atomic by themselves (a PUT replaces the
@@ -80,9 +80,15 @@ class AsyncObjectBackend(ObjectBackend):
         return [await cat_bounded(self.fs, path, self._record_bound())]
 
     def write_refusal(self, exc: OSError) -> str | None:
-        # A wrong key or signature is not AccessDenied: the tier's failure.
-        if isinstance(exc, PermissionError) and s3_error_code(exc) == "AccessDenied":
+        # A wrong key or signature is no refusal of writes (InvalidAccessKeyId,
+        # SignatureDoesNotMatch: the tier's failure); a 403 without any S3 error code is a
+        # proxy's or gateway's answer to the PUT, and a store that refuses reads alike
+        # opens the breaker on its reads.
+        code = s3_error_code(exc)
+        if code == "AccessDenied":
             return f"AccessDenied: {exc}"
+        if code is None and s3_http_status(exc) == 403:
+            return "HTTP 403 Forbidden without an S3 error: a proxy or gateway in front of the store?"
         return None
 
     async def _write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:

@@ -180,6 +180,35 @@ def test_a_credential_that_may_not_write_keeps_serving_reads(seaweed_s3: Seaweed
         proxy.close()
 
 
+def test_a_proxy_that_forbids_puts_keeps_reads_hitting(s3_server: MotoS3 | SeaweedS3, caplog) -> None:
+    """A proxy or gateway in front of the store answers each PUT a plain ``403 Forbidden``
+    (no S3 error code): stores are dropped and counted, one PUT is sent per cool-down, and
+    the records the store holds still hit (ee9bb23: the 403s opened the tier's breaker, and
+    every lookup missed for a cool-down)."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    writer = make_s3_tier(s3_server.endpoint, prefix)
+    writer.put(list(zip(KEYS, VALUES)))
+    writer.flush()
+    writer.close()
+    proxy = FaultProxy(s3_server.port)
+    reader = make_s3_tier(proxy.endpoint, prefix, **FAST_FAILING, breaker_cooldown_s=60.0)
+    try:
+        reader.flush()
+        proxy.set_mode("forbid_puts")
+        puts = 2 * FAST_FAILING["breaker_failures"]
+        for i in range(puts):
+            reader.put([(key_for(f"forbidden-{i}"), VALUES[0])])
+        assert [None if v is None else bytes(v) for v in reader.get(KEYS)] == VALUES, reader.stats().extra
+        extra = reader.stats().extra
+        assert extra["breaker_state"] == "closed" and extra["dropped_puts"] == puts, extra
+        assert proxy.forbidden == 1  # then refused without a request until the cool-down
+        assert "refuses writes" in caplog.text and "403" in caplog.text, caplog.text
+    finally:
+        reader.close()
+        proxy.close()
+
+
 @contextlib.contextmanager
 def unwritable(folders: list[Path]) -> Iterator[None]:
     """``folders`` refuse new files: by their mode, or for root (whom no mode stops) by the
