@@ -34,6 +34,7 @@ from kvplug_valkey.clients import Client, ValkeyClients, WrongModeError
 from kvplug_valkey.config import ValkeyTierConfig
 from kvplug_valkey.failures import classify, per_key, raise_server_errors, unanswered
 from kvplug_valkey.nodes import ClusterNodes, NodeDownError
+from kvplug_valkey.plain_server import raise_if_plain
 from kvplug_valkey.write_refusals import refused_write
 
 #: SCAN page size: keys per round trip when listing.
@@ -270,7 +271,11 @@ class ValkeyBackend(RecordBackend):
             if self._client is not None:
                 return self._client
             if self.cluster is None:
-                self.cluster = bool(await self._clients.cluster_enabled(trust_config=False))
+                try:
+                    self.cluster = bool(await self._clients.cluster_enabled(trust_config=False))
+                except (vex.TimeoutError, vex.ConnectionError) as exc:
+                    await self._tls_hint(exc)
+                    raise
             self._client = self._clients.cluster() if self.cluster else self._clients.standalone()
             if self.cluster:
                 self._nodes = ClusterNodes(
@@ -297,7 +302,11 @@ class ValkeyBackend(RecordBackend):
         pipe = client.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)
-        results = await pipe.execute(raise_on_error=False)
+        try:
+            results = await pipe.execute(raise_on_error=False)
+        except (vex.TimeoutError, vex.ConnectionError) as exc:
+            await self._tls_hint(exc)
+            raise
         try:
             raise_server_errors(results, per_key)
         except vex.ResponseError as exc:
@@ -305,6 +314,14 @@ class ValkeyBackend(RecordBackend):
                 raise WrongModeError.not_standalone(self.where, str(exc)) from exc
             raise
         return list(results)
+
+    async def _tls_hint(self, failure: BaseException) -> None:
+        """A TLS url whose server answers without TLS fails every connection as a timeout
+        (or a handshake error): say so, permanently (:mod:`kvplug_valkey.plain_server`)."""
+        if self.address.tls:
+            await raise_if_plain(
+                self.where, self.address.host, self.address.port, self.config.connect_timeout_s, failure
+            )
 
     async def close(self) -> None:
         nodes, self._nodes = self._nodes, None

@@ -71,6 +71,20 @@ def test_cluster_true_on_a_standalone_server_says_so_without_retries(
     assert "set cluster: false, or leave it unset" in caplog.text, caplog.text
 
 
+@pytest.mark.parametrize("cluster", [None, False])
+def test_a_tls_url_for_a_plain_server_says_so_without_retries(
+    cluster: bool | None, valkey_server: ValkeyServer, tiers, caplog
+) -> None:
+    """rediss:// for a server without TLS: its handshake gets no answer (ee9bb23: "Timeout
+    connecting to server", transient, retried at every cool-down for ever, nothing said of
+    TLS). cluster unset asks the server first (INFO); false goes straight to the reads."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    url = "rediss://" + valkey_server.url.split("://", 1)[1]
+    tier = tiers(url, cluster=cluster, **FAST_FAILING)
+    assert_permanent(tier, caplog, "answers without TLS ('+PONG' to a plain PING)")
+    assert "use redis:// or valkey://" in caplog.text, caplog.text
+
+
 def store_stats(url: str, *options: str, **variables: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, KVPLUG_PLUGINS="valkey", **variables)
     command = [sys.executable, "-m", "kvplug.cli.main", "store", "stats", url]
