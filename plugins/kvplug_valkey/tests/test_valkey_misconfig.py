@@ -164,6 +164,39 @@ def test_an_acl_that_refuses_some_keys_keeps_storing_the_others(tmp_path, tiers)
         assert extra["breaker_state"] == "closed", extra
         assert 0 < stored < puts, stored  # (the pattern allows about half of the names)
         assert stored + extra["dropped_puts"] == puts, (stored, extra)
+        assert sets_refused(server) == 1  # then each key is asked about without its value
+
+
+def net_input_bytes(server: ValkeyServer) -> int:
+    """The bytes the server has received from all its clients (``INFO stats``)."""
+    for line in server.cli("INFO", "stats").splitlines():
+        if line.startswith("total_net_input_bytes:"):
+            return int(line.split(":", 1)[1])
+    raise AssertionError("INFO stats has no total_net_input_bytes")
+
+
+def test_a_user_with_no_write_pattern_keeps_reading_without_sending_values(tmp_path, tiers) -> None:
+    """``%R~*`` and every command: each SET is refused as a key's (no pattern to write any),
+    not as the command's. The values of the stores after the first are not sent, and the
+    records the server holds still hit (ee9bb23: every SET was sent, value and all, and
+    refused)."""
+    value_bytes = 200_000
+    values = [value_for(key, value_bytes) for key in KEYS]
+    with ValkeyServer(tmp_path / "acl") as server:
+        server.cli("ACL", "SETUSER", "nowrite", "on", ">nowrite-secret", "%R~*", "+@all")
+        tiers(server.url, key_prefix="nw:").put(list(zip(KEYS, values)))
+        reader = tiers(server.url, key_prefix="nw:", username="nowrite", password="nowrite-secret", **FAST_FAILING)
+        reader.put([(key_for("refused-first"), values[0])])
+        received = net_input_bytes(server)
+        puts = 2 * FAST_FAILING["breaker_failures"]
+        for i in range(puts):
+            reader.put([(key_for(f"refused-{i}"), values[0])])
+        sent = net_input_bytes(server) - received
+        assert sent < value_bytes, sent  # (ee9bb23: puts * value_bytes)
+        assert sets_refused(server) == 1, sets_refused(server)
+        assert [None if v is None else bytes(v) for v in reader.get(KEYS)] == values, reader.stats().extra
+        extra = reader.stats().extra
+        assert extra["breaker_state"] == "closed" and extra["dropped_puts"] == puts + 1, extra
 
 
 def test_a_cluster_user_who_may_not_write_keeps_reading(valkey_cluster: ValkeyCluster, tiers, caplog) -> None:
