@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from valkey_helpers import FAST_FAILING
+from valkey_helpers import FAST_FAILING, QUICK_BREAKER
 
 from kvplug.testing import key_for, value_for
 from kvplug_valkey.testing import ValkeyCluster, ValkeyServer
@@ -224,6 +224,23 @@ def test_a_cluster_user_who_may_not_write_keeps_reading(valkey_cluster: ValkeyCl
     assert [None if v is None else bytes(v) for v in reader.get(keys)] == values, reader.stats().extra
     assert reader.stats().extra["dropped_puts"] == puts, reader.stats().extra
     assert "is failing" not in caplog.text and "refuses writes (NOPERM" in caplog.text, caplog.text
+
+
+def test_a_cluster_acl_that_refuses_some_keys_is_asked_without_values(valkey_cluster: ValkeyCluster, tiers) -> None:
+    """The partial pattern on every node of a cluster: the asking goes to each key's node, the
+    allowed keys are stored, and one refused SET in all (ee9bb23: each refused key's SET)."""
+    for node in valkey_cluster.nodes:
+        node.cli("ACL", "SETUSER", "chalf", "on", ">chalf-secret", "%R~*", "%W~cp:*[0-7]", "+@all")
+    before = sum(sets_refused(node) for node in valkey_cluster.nodes)
+    writer = tiers(valkey_cluster.url, key_prefix="cp:", username="chalf", password="chalf-secret", **QUICK_BREAKER)
+    puts = 4 * QUICK_BREAKER["breaker_failures"]
+    for i in range(puts):
+        writer.put([(key_for(f"cluster-some-{i}"), value_for(key_for("cs"), 1000))])
+    stored = sum(len(node.cli("KEYS", "cp:*").split()) for node in valkey_cluster.nodes)
+    extra = writer.stats().extra
+    assert extra["breaker_state"] == "closed" and 0 < stored < puts, (stored, extra)
+    assert stored + extra["dropped_puts"] == puts, (stored, extra)
+    assert sum(sets_refused(node) for node in valkey_cluster.nodes) - before == 1
 
 
 def test_writes_resume_when_the_acl_grants_them_live_and_stop_when_it_revokes(tmp_path, tiers) -> None:
