@@ -323,7 +323,12 @@ class ValkeyBackend(RecordBackend):
             return []
         client = await self.client()
         if self._nodes is not None:
-            return await self._nodes.pipeline(commands, lambda results: raise_server_errors(results, per_key))
+            try:
+                return await self._nodes.pipeline(commands, lambda results: raise_server_errors(results, per_key))
+            except NodeDownError as exc:  # (raised, not an answer: no node gave the map of slots)
+                if isinstance(exc.__cause__, (vex.TimeoutError, vex.ConnectionError)):
+                    await self._tls_hint(exc)
+                raise
         pipe = client.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)

@@ -71,15 +71,17 @@ def test_cluster_true_on_a_standalone_server_says_so_without_retries(
     assert "set cluster: false, or leave it unset" in caplog.text, caplog.text
 
 
-@pytest.mark.parametrize("cluster", [None, False])
+@pytest.mark.parametrize("cluster", [None, False, True])
 def test_a_tls_url_for_a_plain_server_says_so_without_retries(
-    cluster: bool | None, valkey_server: ValkeyServer, tiers, caplog
+    cluster: bool | None, valkey_server: ValkeyServer, valkey_cluster: ValkeyCluster, tiers, caplog
 ) -> None:
     """rediss:// for a server without TLS: its handshake gets no answer (ee9bb23: "Timeout
     connecting to server", transient, retried at every cool-down for ever, nothing said of
-    TLS). cluster unset asks the server first (INFO); false goes straight to the reads."""
+    TLS). cluster unset asks the server first (INFO); false goes straight to the reads;
+    true reads the map of slots from the cluster's nodes."""
     caplog.set_level(logging.WARNING, logger="kvplug.tier")
-    url = "rediss://" + valkey_server.url.split("://", 1)[1]
+    plain = valkey_cluster.url if cluster else valkey_server.url
+    url = "rediss://" + plain.split("://", 1)[1]
     tier = tiers(url, cluster=cluster, **FAST_FAILING)
     assert_permanent(tier, caplog, "answers without TLS ('+PONG' to a plain PING)")
     assert "use redis:// or valkey://" in caplog.text, caplog.text
