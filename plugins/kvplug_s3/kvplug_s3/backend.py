@@ -18,12 +18,12 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvplug import SIZE_UNKNOWN, Buffer, RecordToWrite, StoredRecord, WriteRefusals
+from kvplug import SIZE_UNKNOWN, Buffer, RecordToWrite, StoredRecord
 from kvplug_s3.conditional import ConditionalDeletes, ConditionalDeleteUnsupported
 from kvplug_s3.config import S3TierConfig
 from kvplug_s3.frames import FrameBuffers
 from kvplug_s3.objects import LOCATION_ERROR_CODES, ObjectBackend
-from kvplug_s3.reads import cat_bounded, s3_error_code, s3_read, s3_size
+from kvplug_s3.reads import cat_bounded, s3_error_code, s3_http_status, s3_read, s3_size
 from kvplug_s3.threaded import ThreadedObjectBackend
 
 #: Stores where writing one object is atomic by themselves (a PUT replaces the
@@ -44,9 +44,8 @@ class AsyncObjectBackend(ObjectBackend):
         record_bound: Callable[[], int | None] = lambda: None,
         refusal_cooldown_s: float = 10.0,
     ) -> None:
-        super().__init__(fs, root, where, record_bound)
+        super().__init__(fs, root, where, record_bound, refusal_cooldown_s)
         self._is_s3 = hasattr(fs, "_s3")
-        self.refusals = WriteRefusals(refusal_cooldown_s)
         self._conditional = ConditionalDeletes(fs, self.root)
         #: Upload buffers for reuse, or ``None`` (each frame allocated anew).
         self.frames = FrameBuffers(frame_buffer_bytes) if frame_buffer_bytes > 0 else None
@@ -80,18 +79,17 @@ class AsyncObjectBackend(ObjectBackend):
             return [await s3_read(self.fs, path, self._record_bound())]
         return [await cat_bounded(self.fs, path, self._record_bound())]
 
-    async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
-        refused = self.refusals.current()
-        if refused is not None:
-            return [refused]
-        try:
-            outcomes = await self._write(records)
-        except PermissionError as exc:  # (a wrong key or signature is not AccessDenied: the tier's failure)
-            if s3_error_code(exc) != "AccessDenied":
-                raise
-            return [self.refusals.refused(self.where, f"AccessDenied: {exc}")]
-        self.refusals.accepted()
-        return outcomes
+    def write_refusal(self, exc: OSError) -> str | None:
+        # A wrong key or signature is no refusal of writes (InvalidAccessKeyId,
+        # SignatureDoesNotMatch: the tier's failure); a 403 without any S3 error code is a
+        # proxy's or gateway's answer to the PUT, and a store that refuses reads alike
+        # opens the breaker on its reads.
+        code = s3_error_code(exc)
+        if code == "AccessDenied":
+            return f"AccessDenied: {exc}"
+        if code is None and s3_http_status(exc) == 403:
+            return "HTTP 403 Forbidden without an S3 error: a proxy or gateway in front of the store?"
+        return None
 
     async def _write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
         (record,) = records
@@ -193,4 +191,5 @@ def open_object_backend(
         atomic_put=protocol in ATOMIC_PUT_PROTOCOLS,
         record_bound=record_bound,
         read_only=read_only,
+        refusal_cooldown_s=config.breaker_cooldown_s,
     )

@@ -30,6 +30,9 @@ S3_PROTOCOLS = frozenset({"s3", "s3a"})
 MAX_S3_KEY_BYTES = 1024
 #: What a record adds to the prefix: ``/<shard>/<digest>`` (kvplug_s3.objects.ObjectBackend.path_for).
 RECORD_NAME_BYTES = 1 + 2 + 1 + 64
+#: fsspec's own implementations whose module imports its dependency only when a filesystem
+#: is made (``get_filesystem_class`` succeeds without it): the dependency, found by name.
+LAZY_DEPENDENCIES = {"fsspec.implementations.arrow.HadoopFileSystem": "pyarrow"}
 #: fsspec protocols that cannot store anything (read-only or archive views).
 READ_ONLY_PROTOCOLS = frozenset(
     {"http", "https", "zip", "tar", "data", "github", "git", "gist", "libarchive", "reference", "generic"}
@@ -217,12 +220,17 @@ def _check_fsspec_dependencies(protocol: str) -> None:
     tier would fail only when it opens, after the engine started."""
     from fsspec.registry import get_filesystem_class, known_implementations
 
-    if not known_implementations.get(protocol, {}).get("class", "").startswith("fsspec."):
+    spec = known_implementations.get(protocol, {})
+    if not spec.get("class", "").startswith("fsspec."):
         return  # another package's: find_spec of it told already, without importing it
     try:
         get_filesystem_class(protocol)
     except ImportError as exc:
         raise ValueError(f"protocol {protocol!r} is not installed ({exc})") from None
+    dependency = LAZY_DEPENDENCIES.get(spec["class"])
+    if dependency is not None and importlib.util.find_spec(dependency) is None:
+        hint = spec.get("err") or f"needs {dependency}"
+        raise ValueError(f"protocol {protocol!r} is not installed ({hint}: {dependency} is missing)")
 
 
 def _install_hint(protocol: str) -> str:

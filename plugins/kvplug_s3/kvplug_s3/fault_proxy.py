@@ -33,9 +33,12 @@ class FaultProxy:
     - ``cut``: reset every connection (new and open ones);
     - ``refuse``: stop listening, so connecting fails with ECONNREFUSED;
     - ``http503``: answer every request ``HTTP/1.1 503`` itself;
+    - ``forbid_puts``: answer a PUT ``HTTP/1.1 403 Forbidden`` itself, with no S3 error in
+      its body (what a proxy or gateway in front of the store says); forward the rest;
     - ``hang``: accept connections and read requests, never answer.
 
     ``requests`` counts the HTTP requests forwarded to the server, per method;
+    ``forbidden`` the PUTs ``forbid_puts`` answered;
     ``answered_bytes`` the bytes of the server's answers forwarded to clients;
     ``swallowed_bytes`` the bytes ``hang`` read and never answered.
     """
@@ -50,6 +53,7 @@ class FaultProxy:
         self.answered_bytes = 0
         self.swallowed_bytes = 0
         self.requests: dict[str, int] = {}
+        self.forbidden = 0
         self._open: set[asyncio.StreamWriter] = set()
         self._server: asyncio.base_events.Server | None = None
         self._loop = asyncio.new_event_loop()
@@ -62,7 +66,7 @@ class FaultProxy:
         return f"http://127.0.0.1:{self.port}"
 
     def set_mode(self, mode: str) -> None:
-        assert mode in ("pass", "delay", "cut", "refuse", "http503", "hang"), mode
+        assert mode in ("pass", "delay", "cut", "refuse", "http503", "forbid_puts", "hang"), mode
         self._call(self._switch(mode))
 
     def close(self) -> None:
@@ -86,7 +90,7 @@ class FaultProxy:
 
     async def _switch(self, mode: str) -> None:
         self.mode = mode
-        if mode in ("cut", "refuse", "http503", "hang"):
+        if mode in ("cut", "refuse", "http503", "forbid_puts", "hang"):
             for writer in list(self._open):  # open keep-alive connections must see the fault too
                 writer.transport.abort()
             self._open.clear()
@@ -111,12 +115,22 @@ class FaultProxy:
                 self.swallowed_bytes += len(data)
             self._open.discard(writer)
             return
+        head = b""
+        if self.mode == "forbid_puts":
+            head = await self._request_head(reader)
+            if head.startswith(b"PUT "):
+                self.forbidden += 1
+                await self._answer_403(reader, writer, head)
+                return
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         except OSError:
             writer.transport.abort()
             return
         self._open.update((writer, up_writer))
+        if head:
+            self._count_requests(head)
+            up_writer.write(head)
         await asyncio.gather(
             self._pipe(reader, up_writer, count=True),
             self._pipe(up_reader, writer, answer=True),
@@ -139,23 +153,58 @@ class FaultProxy:
                 break
             if self.mode == "delay":
                 await asyncio.sleep(self.delay_s)
-            if self.mode != "pass" and self.mode != "delay":
+            if self.mode not in ("pass", "delay", "forbid_puts"):
                 break
             if count:
                 self.forwarded_bytes += len(data)
                 # Request lines, also when one is split across two reads (bodies are
                 # test values, which never hold a request line).
                 window = tail + data
-                for match in _REQUEST_LINE.finditer(window):
-                    if match.end() > len(tail):  # lines wholly in the tail were counted last time
-                        name = match.group(1).decode()
-                        self.requests[name] = self.requests.get(name, 0) + 1
+                self._count_requests(window, after=len(tail))
                 tail = window[-200:]
             if answer:
                 self.answered_bytes += len(data)
             writer.write(data)
             await writer.drain()
         writer.transport.abort()
+
+    def _count_requests(self, window: bytes, after: int = 0) -> None:
+        for match in _REQUEST_LINE.finditer(window):
+            if match.end() > after:  # lines wholly before ``after`` were counted already
+                name = match.group(1).decode()
+                self.requests[name] = self.requests.get(name, 0) + 1
+
+    @staticmethod
+    async def _request_head(reader: asyncio.StreamReader) -> bytes:
+        """The request line and headers of a connection's first request, with
+        ``Connection: close`` added, so that each request comes on a connection of its
+        own and ``forbid_puts`` sees every one."""
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError):
+            return b""
+        kept = [line for line in head[:-4].split(b"\r\n") if not line.lower().startswith(b"connection:")]
+        return b"\r\n".join([*kept, b"Connection: close"]) + b"\r\n\r\n"
+
+    @staticmethod
+    async def _answer_403(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes) -> None:
+        # Read the body first (unless the client waits for a 100-continue): a client still
+        # sending it would see the connection reset rather than the answer.
+        length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+        if length and not re.search(rb"(?im)^expect:\s*100-continue", head):
+            try:
+                await asyncio.wait_for(reader.readexactly(int(length.group(1))), 5)
+            except (asyncio.IncompleteReadError, asyncio.TimeoutError):
+                pass
+        body = b"<html><body><h1>403 Forbidden</h1>Request forbidden by administrative rules.</body></html>"
+        writer.write(
+            b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/html\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+        )
+        try:
+            await writer.drain()
+        finally:
+            writer.close()
 
     @staticmethod
     async def _answer_503(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import datetime
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvplug import CallSizes, FailureKind, RecordBackend, StoredRecord, classify_failure
+from kvplug import CallSizes, FailureKind, RecordBackend, RecordToWrite, StoredRecord, WriteRefusals, classify_failure
 from kvplug_s3.reads import s3_error_code
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -37,24 +37,57 @@ def classify_s3_failure(exc: BaseException) -> FailureKind:
 
 class ObjectBackend(RecordBackend):
     """Records as whole objects under ``root``; a missing object raises
-    ``FileNotFoundError`` (a miss, see :meth:`classify`)."""
+    ``FileNotFoundError`` (a miss, see :meth:`classify`). A write the store refuses for want
+    of permission (:meth:`write_refusal`) is that record's failure, and the next writes wait
+    a cool-down (:class:`kvplug.WriteRefusals`): the store still serves reads."""
 
     # One object per request: per-object deadlines and retries.
     call_sizes = CallSizes(query=1, read=1, write=1)
     open_timeout_s = OPEN_TIMEOUT_S
 
-    def __init__(self, fs: Any, root: str, where: str, record_bound: Callable[[], int | None]) -> None:
+    def __init__(
+        self,
+        fs: Any,
+        root: str,
+        where: str,
+        record_bound: Callable[[], int | None],
+        refusal_cooldown_s: float = 10.0,
+    ) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
         self.where = where
         #: The tier's ``max_record_bytes``, read at each read (the engine may raise it).
         self._record_bound = record_bound
+        self.refusals = WriteRefusals(refusal_cooldown_s)
 
     def path_for(self, digest: str) -> str:
         return f"{self.root}/{digest[:2]}/{digest}"
 
     def classify(self, exc: BaseException) -> FailureKind:
         return classify_s3_failure(exc)
+
+    async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
+        refused = self.refusals.current()
+        if refused is not None:
+            return [refused]
+        try:
+            outcomes = await self._write(records)
+        except OSError as exc:
+            cause = self.write_refusal(exc)
+            if cause is None:
+                raise
+            return [self.refusals.refused(self.where, cause)]
+        self.refusals.accepted()
+        return outcomes
+
+    async def _write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
+        """Write the one record of ``records`` (see :meth:`write`)."""
+        raise NotImplementedError
+
+    def write_refusal(self, exc: OSError) -> str | None:
+        """What says that the store refused a write for want of permission (the cause to
+        give), or ``None``: ``exc`` is the tier's failure."""
+        return None
 
     def describe(self) -> dict[str, int | float | str]:
         return {"url": self.where}

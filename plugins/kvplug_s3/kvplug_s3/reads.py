@@ -32,15 +32,27 @@ def over_bound(bound: int, size: int | None = None) -> CorruptChunkError:
 def s3_error_code(exc: BaseException) -> str | None:
     """The S3 error code (``NoSuchKey``, ``NoSuchBucket``, ...) behind an exception
     that s3fs translated, found on the botocore error it chained; ``None`` when none."""
+    response = _error_response(exc)
+    code = response.get("Error", {}).get("Code") if response else None
+    return str(code) if code else None
+
+
+def s3_http_status(exc: BaseException) -> int | None:
+    """The HTTP status of the answer behind an exception that s3fs translated; ``None`` when none."""
+    response = _error_response(exc)
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if response else None
+    return status if isinstance(status, int) else None
+
+
+def _error_response(exc: BaseException) -> dict[str, Any] | None:
+    """The parsed answer of the botocore error that ``exc`` chains (s3fs chains one level)."""
     seen: BaseException | None = exc
-    for _ in range(5):  # s3fs chains one level; a little more is harmless
+    for _ in range(5):  # a little more than one level is harmless
         if seen is None:
             return None
         response = getattr(seen, "response", None)
         if isinstance(response, dict):
-            code = response.get("Error", {}).get("Code")
-            if code:
-                return str(code)
+            return response
         seen = seen.__cause__ or seen.__context__
     return None
 

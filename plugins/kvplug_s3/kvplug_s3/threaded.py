@@ -7,6 +7,7 @@ killed before their rename."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import re
 import time
 import uuid
@@ -47,8 +48,9 @@ class ThreadedObjectBackend(ObjectBackend):
         atomic_put: bool,
         record_bound: Callable[[], int | None] = lambda: None,
         read_only: bool = False,
+        refusal_cooldown_s: float = 10.0,
     ) -> None:
-        super().__init__(fs, root, where, record_bound)
+        super().__init__(fs, root, where, record_bound, refusal_cooldown_s)
         self.atomic_put = atomic_put
         #: Opened for inspection: a listing removes nothing (not even stale temporaries).
         self.read_only = read_only
@@ -89,13 +91,20 @@ class ThreadedObjectBackend(ObjectBackend):
 
         return [await self._call(read_bounded)]
 
-    async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
+    async def _write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
         (record,) = records
         try:
             await self._call(self._write_sync, self.path_for(record.name), record)
         except NotADirectoryError as exc:  # a shard that is no folder of the store: this record's failure
             return [exc]
         return [None]
+
+    def write_refusal(self, exc: OSError) -> str | None:
+        # A folder this process may not write (its mode, an immutable flag) or a read-only
+        # mount: the records there still read. Any other OSError is the tier's failure.
+        if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def _write_sync(self, path: str, record: RecordToWrite) -> None:
         data = record.joined()  # in the pool's thread, not on the tier's loop

@@ -166,3 +166,12 @@ def test_a_protocol_of_fsspec_itself_without_its_dependency_is_not_installed() -
     protocol, spec = next((p, s) for p, s in specs.items() if missing(s))
     message = error_of(url=f"{protocol}://host/prefix")
     assert f"protocol {protocol!r} is not installed" in message and spec["err"] in message
+
+
+@pytest.mark.parametrize("protocol", ["hdfs", "arrow_hdfs"])
+def test_hdfs_without_pyarrow_is_not_installed(protocol: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsspec's HDFS module imports pyarrow only when the filesystem is made (ee9bb23: the
+    config was valid, and the tier failed when it opened, after the engine started)."""
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # not importable, where a venv has it too
+    message = error_of(url=f"{protocol}://namenode:8020/kvplug")
+    assert f"protocol {protocol!r} is not installed" in message and "pyarrow" in message, message

@@ -5,11 +5,15 @@ which lookups make no request at all."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -174,6 +178,83 @@ def test_a_credential_that_may_not_write_keeps_serving_reads(seaweed_s3: Seaweed
     finally:
         reader.close()
         proxy.close()
+
+
+def test_a_proxy_that_forbids_puts_keeps_reads_hitting(s3_server: MotoS3 | SeaweedS3, caplog) -> None:
+    """A proxy or gateway in front of the store answers each PUT a plain ``403 Forbidden``
+    (no S3 error code): stores are dropped and counted, one PUT is sent per cool-down, and
+    the records the store holds still hit (ee9bb23: the 403s opened the tier's breaker, and
+    every lookup missed for a cool-down)."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    writer = make_s3_tier(s3_server.endpoint, prefix)
+    writer.put(list(zip(KEYS, VALUES)))
+    writer.flush()
+    writer.close()
+    proxy = FaultProxy(s3_server.port)
+    reader = make_s3_tier(proxy.endpoint, prefix, **FAST_FAILING, breaker_cooldown_s=60.0)
+    try:
+        reader.flush()
+        proxy.set_mode("forbid_puts")
+        puts = 2 * FAST_FAILING["breaker_failures"]
+        for i in range(puts):
+            reader.put([(key_for(f"forbidden-{i}"), VALUES[0])])
+        assert [None if v is None else bytes(v) for v in reader.get(KEYS)] == VALUES, reader.stats().extra
+        extra = reader.stats().extra
+        assert extra["breaker_state"] == "closed" and extra["dropped_puts"] == puts, extra
+        assert proxy.forbidden == 1  # then refused without a request until the cool-down
+        assert "refuses writes" in caplog.text and "403" in caplog.text, caplog.text
+    finally:
+        reader.close()
+        proxy.close()
+
+
+@contextlib.contextmanager
+def unwritable(folders: list[Path]) -> Iterator[None]:
+    """``folders`` refuse new files: by their mode, or for root (whom no mode stops) by the
+    immutable flag (EPERM)."""
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i", *map(str, folders)], check=True)
+    else:
+        for folder in folders:
+            folder.chmod(0o555)
+    try:
+        yield
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", *map(str, folders)], check=True)
+        else:
+            for folder in folders:
+                folder.chmod(0o755)
+
+
+def test_a_folder_that_may_not_be_written_keeps_serving_reads(tmp_path: Path, caplog) -> None:
+    """``file://`` (the threaded driver) on a folder this process may not write: stores are
+    dropped and counted, writes wait a cool-down, and the records there still hit
+    (ee9bb23: PermissionError was the tier's failure, its breaker opened, and every lookup
+    missed)."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    store = tmp_path / "store"
+    writer = S3Tier(S3Tier.Config(url=f"file://{store}"), tier_context())
+    writer.put(list(zip(KEYS, VALUES)))
+    writer.close()
+    options = {"retries": 0, "breaker_failures": 3, "breaker_cooldown_s": 60.0}
+    reader = S3Tier(S3Tier.Config(url=f"file://{store}", **options), tier_context())
+    try:
+        reader.flush()
+        puts = 2 * options["breaker_failures"]
+        with unwritable([store, *store.iterdir()]):
+            for i in range(puts):
+                reader.put([(key_for(f"refused-{i}"), VALUES[0])])
+            assert [None if v is None else bytes(v) for v in reader.get(KEYS)] == VALUES, reader.stats().extra
+        # Writable again, but within the cool-down: refused without an attempt.
+        reader.put([(key_for("in-cool-down"), VALUES[0])])
+        extra = reader.stats().extra
+        assert extra["breaker_state"] == "closed" and extra["dropped_puts"] == puts + 1, extra
+        assert reader.get([key_for("in-cool-down")]) == [None]
+        assert "refuses writes" in caplog.text and "PermissionError" in caplog.text, caplog.text
+    finally:
+        reader.close()
 
 
 def test_refused_connections_open_the_breaker() -> None:

@@ -34,7 +34,8 @@ from kvplug_valkey.clients import Client, ValkeyClients, WrongModeError
 from kvplug_valkey.config import ValkeyTierConfig
 from kvplug_valkey.failures import classify, per_key, raise_server_errors, unanswered
 from kvplug_valkey.nodes import ClusterNodes, NodeDownError
-from kvplug_valkey.write_refusals import refused_write
+from kvplug_valkey.plain_server import raise_if_plain
+from kvplug_valkey.write_refusals import refused_write, write_probe
 
 #: SCAN page size: keys per round trip when listing.
 SCAN_COUNT = 1000
@@ -65,6 +66,9 @@ class ValkeyBackend(RecordBackend):
         self._standalone_checked = False
         #: SETs the ACL refuses, while reads go on (a read-only user).
         self.refusals = WriteRefusals(config.breaker_cooldown_s)
+        #: The ACL refused a key: each key is asked about before its value is sent
+        #: (:func:`~kvplug_valkey.write_refusals.write_probe`).
+        self.probe_keys = False
         #: The server refused the compare-and-delete script (see :meth:`delete_if_same`).
         self.scripts_refused = False
         #: The tier's ``max_record_bytes``, read at each read (the engine may raise it).
@@ -177,33 +181,55 @@ class ValkeyBackend(RecordBackend):
 
     async def write(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
         """SET each record (one buffer per SET: the value copied once, behind its header);
-        an OOM refusal drops that record alone, counted."""
+        an OOM refusal drops that record alone, counted. Once the ACL refused a key, the
+        keys it refuses are told without their values (:meth:`_keys_refused`)."""
         expiry: tuple[Any, ...] = () if self._ttl_ms is None else ("PX", self._ttl_ms)
         refused = self.refusals.current()
         if refused is not None:
             return [refused] * len(records)
         await self.client()  # (its INFO refused is no refusal of writes)
-        sets = [("SET", self.key(r.name), r.joined(), *expiry) for r in records]
+        outcomes: list[BaseException | None] = [None] * len(records)
+        if self.probe_keys:
+            outcomes = await self._keys_refused(records)
+        sending = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        sets = [("SET", self.key(records[i].name), records[i].joined(), *expiry) for i in sending]
         # NOPERM is each SET's own answer (a cluster node that gives it still answers: its
         # breaker stays closed, its keys keep hitting); see kvplug_valkey.write_refusals.
         results = await self._pipeline(sets, per_key=lambda r: per_key(r) or refused_write(r) is not None)
-        outcomes: list[BaseException | None] = []
-        for result in results:
-            refusal = refused_write(result)
-            if refusal == "user":  # an ACL that allows reads: they go on (see WriteRefusals)
-                outcomes.append(self.refusals.refused(self.where, f"NOPERM: {result}"))
-            elif refusal == "key":
-                outcomes.append(PermissionError(f"{self.where} refuses this key to the user (NOPERM: {result})"))
-            elif isinstance(result, NodeDownError):  # a cluster node that does not answer
-                outcomes.append(result)
-            elif isinstance(result, BaseException):  # the other per-key errors that reach here: OOM
-                self.oom_dropped += 1
-                outcomes.append(MemoryError("the server is out of memory (maxmemory, noeviction)"))
-            else:
-                outcomes.append(None)
-        if any(outcome is None for outcome in outcomes):
+        for i, result in zip(sending, results):
+            outcomes[i] = self._set_outcome(result)
+        if any(outcomes[i] is None for i in sending):
             self.refusals.accepted()
         return outcomes
+
+    def _set_outcome(self, result: Any) -> BaseException | None:
+        refusal = refused_write(result)
+        if refusal == "user":  # an ACL that allows reads: they go on (see WriteRefusals)
+            return self.refusals.refused(self.where, f"NOPERM: {result}")
+        if refusal == "key":
+            self.probe_keys = True
+            return PermissionError(f"{self.where} refuses this key to the user (NOPERM: {result})")
+        if isinstance(result, NodeDownError):  # a cluster node that does not answer
+            return result
+        if isinstance(result, BaseException):  # the other per-key errors that reach here: OOM
+            self.oom_dropped += 1
+            return MemoryError("the server is out of memory (maxmemory, noeviction)")
+        return None
+
+    async def _keys_refused(self, records: Sequence[RecordToWrite]) -> list[BaseException | None]:
+        """The ACL's refusal of each record's key, asked without its value; ``None``: send it."""
+        probes = [write_probe(self.key(r.name)) for r in records]
+        results = await self._pipeline(probes, per_key=lambda r: per_key(r) or refused_write(r) is not None)
+        if any(refused_write(r) == "user" for r in results):
+            # The user may not run the probe itself (SET but no SETRANGE): values are sent.
+            self.probe_keys = False
+            return [None] * len(records)
+        return [
+            PermissionError(f"{self.where} refuses this key to the user (NOPERM: {r})")
+            if refused_write(r) == "key"
+            else None
+            for r in results
+        ]
 
     async def delete(self, names: Sequence[str]) -> list[bool | BaseException]:
         results = await self._pipeline([("DEL", self.key(n)) for n in names])
@@ -270,7 +296,11 @@ class ValkeyBackend(RecordBackend):
             if self._client is not None:
                 return self._client
             if self.cluster is None:
-                self.cluster = bool(await self._clients.cluster_enabled(trust_config=False))
+                try:
+                    self.cluster = bool(await self._clients.cluster_enabled(trust_config=False))
+                except (vex.TimeoutError, vex.ConnectionError) as exc:
+                    await self._tls_hint(exc)
+                    raise
             self._client = self._clients.cluster() if self.cluster else self._clients.standalone()
             if self.cluster:
                 self._nodes = ClusterNodes(
@@ -293,11 +323,20 @@ class ValkeyBackend(RecordBackend):
             return []
         client = await self.client()
         if self._nodes is not None:
-            return await self._nodes.pipeline(commands, lambda results: raise_server_errors(results, per_key))
+            try:
+                return await self._nodes.pipeline(commands, lambda results: raise_server_errors(results, per_key))
+            except NodeDownError as exc:  # (raised, not an answer: no node gave the map of slots)
+                if isinstance(exc.__cause__, (vex.TimeoutError, vex.ConnectionError)):
+                    await self._tls_hint(exc)
+                raise
         pipe = client.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)
-        results = await pipe.execute(raise_on_error=False)
+        try:
+            results = await pipe.execute(raise_on_error=False)
+        except (vex.TimeoutError, vex.ConnectionError) as exc:
+            await self._tls_hint(exc)
+            raise
         try:
             raise_server_errors(results, per_key)
         except vex.ResponseError as exc:
@@ -305,6 +344,14 @@ class ValkeyBackend(RecordBackend):
                 raise WrongModeError.not_standalone(self.where, str(exc)) from exc
             raise
         return list(results)
+
+    async def _tls_hint(self, failure: BaseException) -> None:
+        """A TLS url whose server answers without TLS fails every connection as a timeout
+        (or a handshake error): say so, permanently (:mod:`kvplug_valkey.plain_server`)."""
+        if self.address.tls:
+            await raise_if_plain(
+                self.where, self.address.host, self.address.port, self.config.connect_timeout_s, failure
+            )
 
     async def close(self) -> None:
         nodes, self._nodes = self._nodes, None

@@ -5,8 +5,13 @@ An ACL refuses a ``SET`` for one of two reasons, which its text tells apart: the
 store's writes wait a cool-down, see :class:`kvplug.WriteRefusals`), or the key (``No
 permissions to access a key``; Redis 6: ``... access one of the keys used as
 arguments``): a pattern such as ``%W~kvplug:a*`` allows other keys, which go on being
-written, so that record alone is refused. A user with no write pattern at all (``%R~*``)
-is refused key by key: each of its SETs is sent, and refused, without a cool-down.
+written, so that record alone is refused.
+
+Nothing a user without admin rights may ask tells a user with no write pattern at all
+(``%R~*``) from one whose pattern allows some keys. So once a key was refused, the backend
+asks before each SET whether the ACL lets the user write that key, without its value:
+``SETRANGE key 0 ""`` needs the same write permission on the key (and read, which the tier
+needs anyway) and changes nothing (an empty range on a missing key creates none).
 """
 
 from __future__ import annotations
@@ -30,3 +35,8 @@ def refused_write(result: object) -> Literal["user", "key"] | None:
     ):
         return None
     return "key" if _KEY_REFUSED.search(text) else "user"
+
+
+def write_probe(key: bytes) -> tuple[bytes | str | int, ...]:
+    """A command the ACL checks as a write of ``key``, which changes nothing (see the module)."""
+    return ("SETRANGE", key, 0, b"")

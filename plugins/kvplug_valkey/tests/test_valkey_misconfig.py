@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from valkey_helpers import FAST_FAILING
+from valkey_helpers import FAST_FAILING, QUICK_BREAKER
 
 from kvplug.testing import key_for, value_for
 from kvplug_valkey.testing import ValkeyCluster, ValkeyServer
@@ -69,6 +69,22 @@ def test_cluster_true_on_a_standalone_server_says_so_without_retries(
     tier = tiers(valkey_server.url, cluster=True, **FAST_FAILING)
     assert_permanent(tier, caplog, "Cluster mode is not enabled on this node")
     assert "set cluster: false, or leave it unset" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("cluster", [None, False, True])
+def test_a_tls_url_for_a_plain_server_says_so_without_retries(
+    cluster: bool | None, valkey_server: ValkeyServer, valkey_cluster: ValkeyCluster, tiers, caplog
+) -> None:
+    """rediss:// for a server without TLS: its handshake gets no answer (ee9bb23: "Timeout
+    connecting to server", transient, retried at every cool-down for ever, nothing said of
+    TLS). cluster unset asks the server first (INFO); false goes straight to the reads;
+    true reads the map of slots from the cluster's nodes."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    plain = valkey_cluster.url if cluster else valkey_server.url
+    url = "rediss://" + plain.split("://", 1)[1]
+    tier = tiers(url, cluster=cluster, **FAST_FAILING)
+    assert_permanent(tier, caplog, "answers without TLS ('+PONG' to a plain PING)")
+    assert "use redis:// or valkey://" in caplog.text, caplog.text
 
 
 def store_stats(url: str, *options: str, **variables: str) -> subprocess.CompletedProcess[str]:
@@ -150,6 +166,39 @@ def test_an_acl_that_refuses_some_keys_keeps_storing_the_others(tmp_path, tiers)
         assert extra["breaker_state"] == "closed", extra
         assert 0 < stored < puts, stored  # (the pattern allows about half of the names)
         assert stored + extra["dropped_puts"] == puts, (stored, extra)
+        assert sets_refused(server) == 1  # then each key is asked about without its value
+
+
+def net_input_bytes(server: ValkeyServer) -> int:
+    """The bytes the server has received from all its clients (``INFO stats``)."""
+    for line in server.cli("INFO", "stats").splitlines():
+        if line.startswith("total_net_input_bytes:"):
+            return int(line.split(":", 1)[1])
+    raise AssertionError("INFO stats has no total_net_input_bytes")
+
+
+def test_a_user_with_no_write_pattern_keeps_reading_without_sending_values(tmp_path, tiers) -> None:
+    """``%R~*`` and every command: each SET is refused as a key's (no pattern to write any),
+    not as the command's. The values of the stores after the first are not sent, and the
+    records the server holds still hit (ee9bb23: every SET was sent, value and all, and
+    refused)."""
+    value_bytes = 200_000
+    values = [value_for(key, value_bytes) for key in KEYS]
+    with ValkeyServer(tmp_path / "acl") as server:
+        server.cli("ACL", "SETUSER", "nowrite", "on", ">nowrite-secret", "%R~*", "+@all")
+        tiers(server.url, key_prefix="nw:").put(list(zip(KEYS, values)))
+        reader = tiers(server.url, key_prefix="nw:", username="nowrite", password="nowrite-secret", **FAST_FAILING)
+        reader.put([(key_for("refused-first"), values[0])])
+        received = net_input_bytes(server)
+        puts = 2 * FAST_FAILING["breaker_failures"]
+        for i in range(puts):
+            reader.put([(key_for(f"refused-{i}"), values[0])])
+        sent = net_input_bytes(server) - received
+        assert sent < value_bytes, sent  # (ee9bb23: puts * value_bytes)
+        assert sets_refused(server) == 1, sets_refused(server)
+        assert [None if v is None else bytes(v) for v in reader.get(KEYS)] == values, reader.stats().extra
+        extra = reader.stats().extra
+        assert extra["breaker_state"] == "closed" and extra["dropped_puts"] == puts + 1, extra
 
 
 def test_a_cluster_user_who_may_not_write_keeps_reading(valkey_cluster: ValkeyCluster, tiers, caplog) -> None:
@@ -177,6 +226,23 @@ def test_a_cluster_user_who_may_not_write_keeps_reading(valkey_cluster: ValkeyCl
     assert [None if v is None else bytes(v) for v in reader.get(keys)] == values, reader.stats().extra
     assert reader.stats().extra["dropped_puts"] == puts, reader.stats().extra
     assert "is failing" not in caplog.text and "refuses writes (NOPERM" in caplog.text, caplog.text
+
+
+def test_a_cluster_acl_that_refuses_some_keys_is_asked_without_values(valkey_cluster: ValkeyCluster, tiers) -> None:
+    """The partial pattern on every node of a cluster: the asking goes to each key's node, the
+    allowed keys are stored, and one refused SET in all (ee9bb23: each refused key's SET)."""
+    for node in valkey_cluster.nodes:
+        node.cli("ACL", "SETUSER", "chalf", "on", ">chalf-secret", "%R~*", "%W~cp:*[0-7]", "+@all")
+    before = sum(sets_refused(node) for node in valkey_cluster.nodes)
+    writer = tiers(valkey_cluster.url, key_prefix="cp:", username="chalf", password="chalf-secret", **QUICK_BREAKER)
+    puts = 4 * QUICK_BREAKER["breaker_failures"]
+    for i in range(puts):
+        writer.put([(key_for(f"cluster-some-{i}"), value_for(key_for("cs"), 1000))])
+    stored = sum(len(node.cli("KEYS", "cp:*").split()) for node in valkey_cluster.nodes)
+    extra = writer.stats().extra
+    assert extra["breaker_state"] == "closed" and 0 < stored < puts, (stored, extra)
+    assert stored + extra["dropped_puts"] == puts, (stored, extra)
+    assert sum(sets_refused(node) for node in valkey_cluster.nodes) - before == 1
 
 
 def test_writes_resume_when_the_acl_grants_them_live_and_stop_when_it_revokes(tmp_path, tiers) -> None:
