@@ -131,11 +131,13 @@ def test_radix_backend_keeps_nothing_per_request(
                         "level": process_level(),
                     }
                 )
+            evictions = [stats.evictions for _, stats in tree.engine.chain.stats()]
         finally:
             tree.shutdown()
     # the run went down the paths it is meant to: else a structure may be empty for want of use
     assert counts["aborted"] >= 3 * ROUNDS and counts["retracted"] >= ROUNDS and counts["loaded"] > 0, counts
     assert tree.load_failures > 0, "no load failed: the corrupted records were not read"
+    assert all(evictions), f"a tier never evicted: {evictions}"
     for number, round_ in enumerate(rounds):
         kept = {name: size for name, size in round_["sizes"].items() if size}
         assert not kept, f"round {number}: state left after every request ended: {kept}"
@@ -155,6 +157,7 @@ def test_hicache_backend_keeps_nothing_per_page(tmp_path: Path) -> None:
     rng = random.Random(29)
     prefixes = [[rng.randrange(100, 1000) for _ in range(12)] for _ in range(3)]
     counts = dict.fromkeys(("stored", "loaded", "missed"), 0)
+    evictions = [0, 0]  # of each tier, over every backend attached
     rounds: list[dict[str, Any]] = []
     backend = make_backend(host, kvplug)
     try:
@@ -180,6 +183,8 @@ def test_hicache_backend_keeps_nothing_per_page(tmp_path: Path) -> None:
             if number % 2:
                 backend.clear()  # SGLang's flush of its storage
             if number % 3 == 2:  # detach and attach again (SGLang's /hicache/storage-backend)
+                for index, (_, stats) in enumerate(backend.store.chain.stats()):
+                    evictions[index] += stats.evictions
                 backend.close()
                 backend = make_backend(host, kvplug)
             assert backend.store is not None
@@ -194,9 +199,13 @@ def test_hicache_backend_keeps_nothing_per_page(tmp_path: Path) -> None:
                     "level": process_level(),
                 }
             )
+        assert backend.store is not None
+        for index, (_, stats) in enumerate(backend.store.chain.stats()):
+            evictions[index] += stats.evictions
     finally:
         backend.close()
     assert counts["stored"] and counts["loaded"] and counts["missed"], counts
+    assert all(evictions), f"a tier never evicted: {evictions}"
     for number, round_ in enumerate(rounds):
         kept = {name: size for name, size in round_["sizes"].items() if size}
         assert not kept, f"round {number}: state left after every read ended: {kept}"
