@@ -26,6 +26,9 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang_flow import Stack
 from sglang_pools import fill_random
 
+#: Thread pools that start their threads as work comes, up to a bound: name -> bound.
+POOLS = {"kvplug-disk-io": 2}
+
 #: Where ``drive`` stops a request: ``None`` runs it to its end.
 ABORTS = ("queued", "loaded", "running")
 #: ``drive(..., abort=RETRACTED)``: the request is preempted after its prefill (SGLang's
