@@ -68,8 +68,7 @@ def test_other_failures_do_not_read_as_a_taken_port() -> None:
 
 
 def test_a_held_port_cannot_be_bound_and_free_ports_are_distinct() -> None:
-    with held_port() as port, socket.socket() as other:
-        with pytest.raises(OSError):
-            other.bind(("127.0.0.1", port))
+    with held_port() as port, socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))
     ports = free_ports(8)
     assert len(set(ports)) == 8
