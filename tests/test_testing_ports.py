@@ -3,11 +3,20 @@ ports chosen anew, a bounded number of times; servers' words for it are recognis
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
 
-from kvplug.testing import PortTaken, free_ports, held_port, says_address_in_use, start_on_free_ports
+from kvplug.testing import (
+    PortTaken,
+    free_ports,
+    held_port,
+    listening_addresses,
+    ports_in_use,
+    says_address_in_use,
+    start_on_free_ports,
+)
 
 
 def test_a_start_that_lost_its_port_is_tried_again_on_new_ports() -> None:
@@ -72,3 +81,11 @@ def test_a_held_port_cannot_be_bound_and_free_ports_are_distinct() -> None:
         other.bind(("127.0.0.1", port))
     ports = free_ports(8)
     assert len(set(ports)) == 8
+
+
+def test_ports_in_use_are_those_another_socket_holds() -> None:
+    [free] = free_ports(1)
+    with held_port() as held:
+        assert ports_in_use([held, free]) == [held]
+        assert ("127.0.0.1", held) in listening_addresses(os.getpid())
+    assert ("127.0.0.1", held) not in listening_addresses(os.getpid())

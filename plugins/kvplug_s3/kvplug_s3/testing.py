@@ -35,7 +35,15 @@ import boto3
 from botocore.config import Config
 from moto.server import ThreadedMotoServer
 
-from kvplug.testing import PortTaken, free_port, free_ports, says_address_in_use, start_on_free_ports, tier_context
+from kvplug.testing import (
+    PortTaken,
+    free_port,
+    free_ports,
+    listening_addresses,
+    says_address_in_use,
+    start_on_free_ports,
+    tier_context,
+)
 from kvplug_s3 import S3Tier
 from kvplug_s3.fault_proxy import FaultProxy
 
@@ -340,33 +348,3 @@ class SeaweedS3:
             endpoint or self.endpoint,
             Config(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"total_max_attempts": 1}),
         )
-
-
-def listening_addresses(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket process ``pid`` listens on, from /proc."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = []
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                continue
-            address_hex, port_hex = local.split(":")
-            raw = bytes.fromhex(address_hex)
-            # /proc prints each 32-bit word in host (little-endian) order.
-            ordered = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            family = socket.AF_INET if width == 4 else socket.AF_INET6
-            found.append((socket.inet_ntop(family, ordered), int(port_hex, 16)))
-    return found
