@@ -74,6 +74,9 @@ def test_servers_words_for_a_taken_port(text: str) -> None:
 
 def test_other_failures_do_not_read_as_a_taken_port() -> None:
     assert not says_address_in_use("RuntimeError: CUDA out of memory")
+    assert not says_address_in_use(
+        "ERROR:    [Errno 13] error while attempting to bind on address ('127.0.0.1', 80): permission denied"
+    )
 
 
 def test_a_held_port_cannot_be_bound_and_free_ports_are_distinct() -> None:

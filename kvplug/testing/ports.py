@@ -35,9 +35,10 @@ LOOPBACK = "127.0.0.1"
 #: Starts of a server whose port another process took before it bound, each on ports chosen anew.
 BIND_ATTEMPTS = 5
 
-#: How servers say it: Python's and Go's (``bind: address already in use``), uvicorn's
-#: (``error while attempting to bind on address``), C and C++ servers' ``EADDRINUSE``.
-_ADDRESS_IN_USE = re.compile(r"address already in use|errno 98\b|eaddrinuse|error while attempting to bind", re.I)
+#: How servers say it: Python's (uvicorn's too) and Go's (``bind: address already in use``), C and
+#: C++ servers' ``EADDRINUSE``. (Not any failed bind: uvicorn's "error while attempting to bind"
+#: also reports, say, a permission refused, which a new port would not cure.)
+_ADDRESS_IN_USE = re.compile(r"address already in use|errno 98\b|eaddrinuse", re.I)
 
 T = TypeVar("T")
 
