@@ -27,7 +27,7 @@ VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
 @contextmanager
 def vllm_serve(
     model: str,
-    args: Sequence[str],
+    args: Sequence[str] | Callable[[], Sequence[str]],
     *,
     log_path: Path,
     env: dict[str, str],
@@ -36,12 +36,15 @@ def vllm_serve(
     choose_port: Callable[[], int] = free_port,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """``vllm serve MODEL --host 127.0.0.1 --port P *args``, healthy: yields its URL and process, and
-    SIGKILLs its whole process group at the end. The log (``log_path``) is of the last start."""
+    SIGKILLs its whole process group at the end. The log (``log_path``) is of the last start.
+    ``args`` may be a function, called at each start: one that chooses other ports of its own (a
+    worker's metrics port) chooses them anew when a start lost one."""
     started: list[subprocess.Popen[bytes]] = []
     port = [choose_port()]
 
     def start() -> tuple[str, subprocess.Popen[bytes]]:
-        command = [sys.executable, str(VLLM_CLI), "serve", model, "--host", "127.0.0.1", "--port", str(port[0]), *args]
+        rest = args() if callable(args) else args
+        command = [sys.executable, str(VLLM_CLI), "serve", model, "--host", "127.0.0.1", "--port", str(port[0]), *rest]
         with log_path.open("w") as log:
             proc = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=cwd

@@ -24,7 +24,7 @@ import pytest
 from conftest import BLOCK_SIZE, P1, child_env
 from serve_process import vllm_serve
 
-from kvplug.testing import free_port
+from kvplug.testing import free_port, held_port
 
 START_TIMEOUT_S = 300
 README = Path(__file__).resolve().parents[3] / "README.md"
@@ -46,33 +46,48 @@ def readme_kv_transfer_config() -> dict[str, Any]:
 
 
 @pytest.fixture
-def metrics_port() -> int:
-    return free_port()
-
-
-@pytest.fixture
-def server(tiny_model: str, tmp_path: Path, metrics_port: int) -> Iterator[str]:
+def served(tiny_model: str, tmp_path: Path) -> Iterator[tuple[str, int]]:
+    """The server's URL and its worker's kvplug metrics port."""
     kv = readme_kv_transfer_config()
     # the YAML file the recipe names, relative to the server's working folder (tmp_path)
     (tmp_path / kv["kv_connector_extra_config"]["kvplug.config"]).write_text(
         "chunk_size: 64\ntiers:\n  - {type: cpu, max_bytes: 256MiB}\n"
     )
-    kv["kv_connector_extra_config"]["kvplug.metrics_port"] = metrics_port
-    args = [
-        "--served-model-name", "tiny",
-        "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--block-size", str(BLOCK_SIZE),
-        "--max-model-len", "1024", "--num-gpu-blocks-override", "96", "--no-enable-prefix-caching",
-        "--kv-transfer-config", json.dumps(kv),
-    ]  # fmt: skip
+    metrics_ports: list[int] = []
+
+    def args() -> list[str]:
+        # The worker binds kvplug's metrics port: a start that lost it to another process is started
+        # again (serve_process) on a metrics port chosen anew too. Also the test of that (no start of
+        # its own: CI time): the first metrics port is a held one (the race cannot be caused on demand).
+        metrics_ports.append(free_port() if metrics_ports else held)
+        kv["kv_connector_extra_config"]["kvplug.metrics_port"] = metrics_ports[-1]
+        return [
+            "--served-model-name", "tiny",
+            "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--block-size", str(BLOCK_SIZE),
+            "--max-model-len", "1024", "--num-gpu-blocks-override", "96", "--no-enable-prefix-caching",
+            "--kv-transfer-config", json.dumps(kv),
+        ]  # fmt: skip
+
     env = {**child_env(), "VLLM_SERVER_DEV_MODE": "1"}  # for /reset_prefix_cache
     log_path = tmp_path / "serve.log"
     serving = vllm_serve(tiny_model, args, log_path=log_path, env=env, cwd=tmp_path, start_timeout_s=START_TIMEOUT_S)
-    with serving as (url, proc):
-        yield url
+    with held_port() as held, serving as (url, proc):
+        assert len(metrics_ports) == 2, metrics_ports
+        yield url, metrics_ports[-1]
     with pytest.raises(ProcessLookupError):  # nothing of the server's group survives
         for _ in range(50):
             os.killpg(proc.pid, 0)
             time.sleep(0.1)
+
+
+@pytest.fixture
+def server(served: tuple[str, int]) -> str:
+    return served[0]
+
+
+@pytest.fixture
+def metrics_port(served: tuple[str, int]) -> int:
+    return served[1]
 
 
 def scrape(port: int) -> dict[str, float]:
