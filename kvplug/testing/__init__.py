@@ -11,6 +11,16 @@ from kvplug.testing.control_cli import run_ctl
 from kvplug.testing.decode_bounds import DecodeCost, assert_bounded, cap_memory, measure_decode, run_fresh
 from kvplug.testing.other_user import send_as_other_user
 from kvplug.testing.pins_contract import PinsAndQuotasContract, pins_context
+from kvplug.testing.ports import (
+    PortTaken,
+    free_port,
+    free_ports,
+    held_port,
+    listening_addresses,
+    ports_in_use,
+    says_address_in_use,
+    start_on_free_ports,
+)
 from kvplug.testing.storage_contract import StorageTierContract, key_for, tier_context, value_for
 
 if TYPE_CHECKING:
@@ -33,8 +43,11 @@ _KV_ORACLE = {
     "LossyBound",
     "assert_kv_matches",
     "compare_kv",
+    "free_port",
+    "free_ports",
     "load_slots",
     "save_slots",
+    "says_address_in_use",
 }
 
 
@@ -57,22 +70,30 @@ __all__ = [
     "KVSlots",
     "LossyBound",
     "PinsAndQuotasContract",
+    "PortTaken",
     "StorageTierContract",
     "TierRoundTripContract",
     "assert_bounded",
     "assert_kv_matches",
     "cap_memory",
     "compare_kv",
+    "free_port",
+    "free_ports",
     "gather_chunk",
+    "held_port",
     "key_for",
+    "listening_addresses",
     "load_slots",
     "measure_decode",
     "pins_context",
+    "ports_in_use",
     "run_ctl",
     "run_fresh",
     "save_slots",
+    "says_address_in_use",
     "scatter_chunk",
     "send_as_other_user",
+    "start_on_free_ports",
     "tier_context",
     "value_for",
 ]

@@ -32,6 +32,18 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvplug.testing import PortTaken, free_port, free_ports, listening_addresses, ports_in_use, start_on_free_ports
+
+__all__ = [
+    "LOOPBACK",
+    "NETNS_HINT",
+    "LoopbackOnlyError",
+    "MooncakeCluster",
+    "free_port",
+    "mooncake_env",
+    "require_loopback_only_network",
+]
+
 LOOPBACK = "127.0.0.1"
 NETNS_HINT = "unshare --net <command>"
 
@@ -73,12 +85,6 @@ def _bring_loopback_up() -> None:
                 raise LoopbackOnlyError(f"cannot bring loopback up ({exc}); run `ip link set lo up` first") from None
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
-
-
 def _binary(name: str) -> str:
     import mooncake
 
@@ -115,10 +121,10 @@ class MooncakeCluster:
         self.workdir = Path(workdir)
         self.segment_size = segment_size
         self.lease_ttl_ms = lease_ttl_ms
-        self.rpc_port = free_port()
-        self.metadata_port = free_port()
-        self.metrics_port = free_port()
-        self.client_port = free_port()
+        self.rpc_port, self.metadata_port, self.metrics_port, self.client_port = free_ports(4)
+        #: Ports of our choosing that no one was given yet are chosen again if another process takes
+        #: one between choosing and binding it (this machine runs other tests); restarts keep them.
+        self._ports_chosen_here = True
         self.master: subprocess.Popen[bytes] | None = None
         self.storage: subprocess.Popen[bytes] | None = None
         self._logs: list[Any] = []
@@ -144,9 +150,20 @@ class MooncakeCluster:
         require_loopback_only_network()
         os.environ["MC_TCP_BIND_ADDRESS"] = LOOPBACK  # the kvplug process's own client
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self._ports_chosen_here:
+            start_on_free_ports(self._start_both, self._choose_ports_again)
+            self._ports_chosen_here = False
+        else:
+            self._start_both()
+        return self
+
+    def _start_both(self) -> None:
         self.start_master()
         self.start_storage()
-        return self
+
+    def _choose_ports_again(self) -> None:
+        self.kill()
+        self.rpc_port, self.metadata_port, self.metrics_port, self.client_port = free_ports(4)
 
     def start_master(self) -> None:
         command = [
@@ -257,15 +274,22 @@ class MooncakeCluster:
         )
 
     def _wait_for_port(self, port: int, process: subprocess.Popen[bytes], what: str, timeout_s: float = 20.0) -> None:
+        # Until ``process`` itself listens on ``port``: a connection could reach another process's socket.
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise RuntimeError(f"{what} exited with {process.returncode}; see {self.workdir}")
+                failure = f"{what} exited with {process.returncode}; see {self.workdir}"
+                # mooncake's binaries do not all say a port in use (the HTTP metadata server does not)
+                ports = (self.rpc_port, self.metadata_port, self.metrics_port, self.client_port)
+                if self._ports_chosen_here and ports_in_use(ports):
+                    raise PortTaken(f"{failure}: ports in use {ports_in_use(ports)}")
+                raise RuntimeError(failure)
             try:
-                with socket.create_connection((LOOPBACK, port), timeout=0.5):
+                if port in {bound for _, bound in listening_addresses(process.pid)}:
                     return
-            except OSError:
-                time.sleep(0.05)
+            except OSError:  # (it exited meanwhile: asked again)
+                pass
+            time.sleep(0.05)
         raise TimeoutError(f"{what} did not listen on {LOOPBACK}:{port} within {timeout_s} s")
 
 

@@ -7,19 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import threading
 from typing import Any
 
+from kvplug.testing import free_port
+
 __all__ = ["FaultProxy", "free_port"]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
 
 #: A request line; not anchored, since a request may follow a body in the same read.
 _REQUEST_LINE = re.compile(rb"(GET|PUT|HEAD|POST|DELETE) /\S* HTTP/1\.1\r\n")
@@ -47,7 +40,9 @@ class FaultProxy:
         self.target_port = target_port
         self.delay_s = delay_s
         self.mode = "pass"
-        self.port = free_port()
+        #: 0 until the first listen binds a port the OS picks (a port probed free and let go could
+        #: be taken before the bind); later listens (after ``refuse``) keep it: clients know it.
+        self.port = 0
         self.connections = 0
         self.forwarded_bytes = 0
         self.answered_bytes = 0
@@ -87,6 +82,7 @@ class FaultProxy:
 
     async def _listen(self) -> None:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
+        self.port = int(self._server.sockets[0].getsockname()[1])
 
     async def _switch(self, mode: str) -> None:
         self.mode = mode

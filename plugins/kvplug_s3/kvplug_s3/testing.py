@@ -35,9 +35,17 @@ import boto3
 from botocore.config import Config
 from moto.server import ThreadedMotoServer
 
-from kvplug.testing import tier_context
+from kvplug.testing import (
+    PortTaken,
+    free_port,
+    free_ports,
+    listening_addresses,
+    says_address_in_use,
+    start_on_free_ports,
+    tier_context,
+)
 from kvplug_s3 import S3Tier
-from kvplug_s3.fault_proxy import FaultProxy, free_port
+from kvplug_s3.fault_proxy import FaultProxy
 
 __all__ = [
     "ACCESS_KEY",
@@ -96,7 +104,9 @@ class MotoS3:
     moto keeps its state in process, so buckets and objects survive a restart."""
 
     def __init__(self) -> None:
-        self.port = free_port()
+        #: 0 until the first start binds a port the OS picks (a port probed free and let go
+        #: could be taken before the bind); restarts keep it: clients know it.
+        self.port = 0
         self.server: ThreadedMotoServer | None = None
 
     @property
@@ -104,9 +114,11 @@ class MotoS3:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        _wait_until_bindable(self.port)  # ThreadedMotoServer.start() would wait forever on a busy port
+        if self.port:
+            _wait_until_bindable(self.port)  # ThreadedMotoServer.start() would wait forever on a busy port
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self.server.start()
+        self.port = self.server.get_host_and_port()[1]
 
     def stop(self) -> None:
         """Stop serving and close the listening socket (ThreadedMotoServer.stop()
@@ -177,18 +189,6 @@ def weed_binary() -> str:
     return found
 
 
-def _free_ports(count: int) -> list[int]:
-    # Held open together so the same port is not handed out twice.
-    probes = [socket.socket() for _ in range(count)]
-    try:
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [probe.getsockname()[1] for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
-
-
 class SeaweedS3:
     """``weed server -s3`` with data under ``data_dir``; stoppable and restartable on the
     same ports and data (objects survive a restart)."""
@@ -201,9 +201,13 @@ class SeaweedS3:
         #: Volumes of 64 MB the server may create: its capacity (deleted objects keep
         #: their space until a vacuum), 1 GB by default; benchmarks ask for more.
         self.volume_max = volume_max
-        self.ports = dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES))))
+        self.ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES))))
+        #: Ports of our choosing that no one was given yet are chosen again if another process
+        #: takes one before the server binds it; once it started, restarts keep them.
+        self._ports_chosen_here = True
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir / "weed.log"
+        self._log_start = 0
         (data_dir / "data").mkdir(parents=True, exist_ok=True)
         self._identities = data_dir / "s3-identities.json"
         identity = {
@@ -250,6 +254,19 @@ class SeaweedS3:
         ]
 
     def start(self) -> None:
+        """Start the server and wait until it stores and serves an object. At its first start,
+        ports another process took between choosing and binding them are chosen again."""
+        if not self._ports_chosen_here:
+            self._start_once()
+            return
+        start_on_free_ports(self._start_once, self._choose_ports_again)
+        self._ports_chosen_here = False
+
+    def _choose_ports_again(self) -> None:
+        self.close()
+        self.ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES))))
+
+    def _start_once(self) -> None:
         # The master's raft state would make a restarted master wait ~15 s for an
         # election; a single master rebuilds its topology from the volume server's
         # heartbeat, while objects live in the volume and filer data, which are kept.
@@ -259,6 +276,7 @@ class SeaweedS3:
         for raft_state in master_dir.glob("m[0-9]*"):
             shutil.rmtree(raft_state, ignore_errors=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child writes it while it runs
+        self._log_start = log.tell()  # (earlier runs' lines are not this start's)
         try:
             self.process = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
@@ -275,7 +293,10 @@ class SeaweedS3:
         last: Exception | None = None
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"weed server exited with {self.process.returncode}: {self.log_tail()}")
+                failure = f"weed server exited with {self.process.returncode}: {self.log_tail()}"
+                if self._ports_chosen_here and says_address_in_use(self._this_start_log()):
+                    raise PortTaken(failure)
+                raise RuntimeError(failure)
             try:
                 existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
                 if BUCKET not in existing:
@@ -308,6 +329,14 @@ class SeaweedS3:
             for leftover in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
                 leftover.unlink(missing_ok=True)
 
+    def _this_start_log(self) -> str:
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_start)
+                return log.read().decode(errors="replace")
+        except OSError:
+            return ""
+
     def log_tail(self, size: int = 2000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-size:]
@@ -319,33 +348,3 @@ class SeaweedS3:
             endpoint or self.endpoint,
             Config(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"total_max_attempts": 1}),
         )
-
-
-def listening_addresses(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket process ``pid`` listens on, from /proc."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = []
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                continue
-            address_hex, port_hex = local.split(":")
-            raw = bytes.fromhex(address_hex)
-            # /proc prints each 32-bit word in host (little-endian) order.
-            ordered = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            family = socket.AF_INET if width == 4 else socket.AF_INET6
-            found.append((socket.inet_ntop(family, ordered), int(port_hex, 16)))
-    return found

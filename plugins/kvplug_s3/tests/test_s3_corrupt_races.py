@@ -16,7 +16,7 @@ from kvplug.testing.corrupt_races import (
     storing_before_corrupt_removal,
 )
 from kvplug_s3 import S3Tier
-from kvplug_s3.testing import BUCKET, free_port, s3_options
+from kvplug_s3.testing import BUCKET, s3_options
 
 KEY = key_for("raced")
 VALUE = value_for("raced", 4000)
@@ -48,13 +48,14 @@ class IfMatchStripper:
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
-        self.port = free_port()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self._server = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._handle, "127.0.0.1", self.port), self._loop
+            asyncio.start_server(self._handle, "127.0.0.1", 0),
+            self._loop,  # port 0: a probed one could be taken
         ).result(10)
+        self.port = int(self._server.sockets[0].getsockname()[1])
 
     @property
     def endpoint(self) -> str:

@@ -21,7 +21,7 @@ from aiohttp import web
 from kvplug.core.records.frame import pack_record
 from kvplug.testing import key_for, tier_context, value_for
 from kvplug_s3 import S3Tier
-from kvplug_s3.testing import BUCKET, MotoS3, free_port, s3_options
+from kvplug_s3.testing import BUCKET, MotoS3, s3_options
 
 #: The largest record the reading engine can store or read (its ``max_record_bytes``).
 BOUND = 64 + 64 * 1024
@@ -43,7 +43,7 @@ class SizelessGateway:
     def __init__(self, target: str, *, total: str | None = None) -> None:
         self.target = target
         self.total = total
-        self.port = free_port()
+        self.port = 0  # until _start: the site binds a port the OS picks (a probed one could be taken)
         self.answered_bytes = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sizeless-gateway", daemon=True)
@@ -62,7 +62,9 @@ class SizelessGateway:
         app.router.add_route("*", "/{tail:.*}", self._forward)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         assert self._session is not None

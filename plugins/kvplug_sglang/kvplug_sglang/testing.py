@@ -12,6 +12,7 @@ GPU it runs on SGLang's own CUDA platform. Prompts go in as token ids
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvplug.testing import PortTaken, says_address_in_use, start_on_free_ports
 
 ON_GPU = torch.cuda.is_available()
 CPU_PLATFORM = "kvplug_test_cpu"  # entry point name of tests/sglang_cpu_platform
@@ -42,7 +45,8 @@ SERVER_PORTS = range(20000, 32000)
 
 
 def free_port() -> int:
-    """A port free on 127.0.0.1 now, outside the ephemeral range."""
+    """A port free on 127.0.0.1 now, outside the ephemeral range (free now only: see
+    :meth:`SGLangServer.wait_healthy`)."""
     for _ in range(100):
         port = random.randrange(SERVER_PORTS.start, SERVER_PORTS.stop)
         with socket.socket() as probe:
@@ -101,31 +105,42 @@ class SGLangServer:
         startup_timeout: float = 600,
         max_total_tokens: int = 8192,
     ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
+        self._model, self._extra_args, self._env = model, list(extra_args), env
+        self._max_total_tokens = max_total_tokens
+        self._startup_timeout = startup_timeout
+        self.port = free_port()
+        #: Another process can take the port between free_port and the HTTP server's bind (this
+        #: machine runs other tests): until the server answered once, it starts again on another.
+        self._port_chosen_here = True
+        self._spawn()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _spawn(self) -> None:
         args = [
             sys.executable,
             "-m",
             "sglang.launch_server",
             "--model-path",
-            model,
+            self._model,
             "--port",
             str(self.port),
             "--host",
             "127.0.0.1",
             "--skip-tokenizer-init",
-            *self.device_args(max_total_tokens),
-            *extra_args,
+            *self.device_args(self._max_total_tokens),
+            *self._extra_args,
         ]
-        full_env = {**os.environ, **env}
+        full_env = {**os.environ, **self._env}
         if not ON_GPU:
             full_env["SGLANG_PLATFORM"] = CPU_PLATFORM
-        self._log = log.open("w")
+        self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(
             args, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        self._startup_timeout = startup_timeout
 
     @staticmethod
     def device_args(max_total_tokens: int) -> list[str]:
@@ -144,13 +159,32 @@ class SGLangServer:
         ]
 
     def wait_healthy(self) -> SGLangServer:
+        """Until the server answers ``/health``; a port of the kit's choosing that another process
+        took before the server bound it is chosen again (the server started again on it)."""
+        if not self._port_chosen_here:
+            return self._wait_healthy_once()
+        healthy = start_on_free_ports(self._wait_healthy_once, self._start_on_another_port)
+        self._port_chosen_here = False  # (its URL may be in use now)
+        return healthy
+
+    def _start_on_another_port(self) -> None:
+        with contextlib.suppress(ProcessLookupError):  # the whole group: its leader may have exited first
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=60)
+        self._log.close()
+        self.port = free_port()
+        self._spawn()
+
+    def _wait_healthy_once(self) -> SGLangServer:
         deadline = time.monotonic() + self._startup_timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if "error while attempting to bind on address" in self.log_path.read_text(errors="replace"):
-                # SGLang's HTTP server failed to bind but its process stays up: fail now, not at the deadline
-                raise RuntimeError(f"server could not bind port {self.port}:\n{self.log_tail()}")
+            exited = self.proc.poll() is not None
+            # SGLang's HTTP server may fail to bind and its process stay up: fail now, not at the deadline
+            if exited or "error while attempting to bind on address" in self.log_path.read_text(errors="replace"):
+                failure = f"server on port {self.port} {'exited' if exited else 'could not bind'}:\n{self.log_tail()}"
+                if self._port_chosen_here and says_address_in_use(self.log_path.read_text(errors="replace")):
+                    raise PortTaken(failure)
+                raise RuntimeError(failure)
             try:
                 urllib.request.urlopen(self.url + "/health", timeout=2)
                 return self

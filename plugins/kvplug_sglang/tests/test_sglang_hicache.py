@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,22 +109,16 @@ def pages_of(host: MHATokenToKVPoolHost, indices: torch.Tensor) -> list[torch.Te
 # --- tiers ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
     pytest.importorskip("kvplug_s3", reason="kvplug-s3 is not installed")
     import boto3
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # Port 0: the server binds a port the OS picks (one probed free and let go could be taken first).
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
-    endpoint = f"http://127.0.0.1:{port}"
+    endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
     boto3.client(
         "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test"
     ).create_bucket(Bucket="kvplug-test")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 from sglang_pools import clear_pool, fill_random, kvplug_extra, snapshot
 
+from kvplug.testing import PortTaken, free_port, held_port, says_address_in_use, start_on_free_ports
 from kvplug_sglang.connector import KVPlugLayerwiseConnector, LoadMetadata, StoreMetadata
 
 
@@ -77,16 +77,23 @@ def test_an_aborted_forward_never_writes_its_load_into_slots_reused_since(
     connector.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_two_tp_ranks_load_the_minimum(tmp_path: Path) -> None:
     from sglang_layerwise_worker import run_rank
 
-    mp.spawn(run_rank, args=(_free_port(), str(tmp_path), [3, 1]), nprocs=2, join=True)
+    def spawn(port: int) -> None:
+        try:
+            mp.spawn(run_rank, args=(port, str(tmp_path), [3, 1]), nprocs=2, join=True)
+        except mp.ProcessRaisedException as exc:  # rank 0's store could not bind: another process took the port
+            if says_address_in_use(str(exc)):
+                raise PortTaken(str(exc)) from exc
+            raise
+
+    # Also the test of a port taken between its choosing and rank 0's bind (no run of its own: the
+    # ranks fail at their first step): the first port chosen is held (the race cannot be caused on demand).
+    with held_port() as held:
+        ports = [held]
+        start_on_free_ports(lambda: spawn(ports[-1]), lambda: ports.append(free_port()))
+    assert len(ports) == 2
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["loaded"] for r in results] == [16, 16], results
     assert all(r["exact"] for r in results), results

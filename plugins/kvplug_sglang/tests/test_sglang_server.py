@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+import kvplug_sglang.testing as sglang_kit
+from kvplug.testing import held_port
 from kvplug_sglang.testing import SGLangServer, hicache_args, kvplug_env, write_random_llama
 
 # Each test starts two or three servers; a loaded 2-core machine takes minutes per start.
@@ -50,8 +52,19 @@ def serve(model_path: str, tmp_path: Path) -> Iterator[Start]:
 
 @pytest.fixture(scope="module")
 def reference(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
-    """SGLang on its own: the prompt cold, then again from SGLang's radix cache (and after a flush)."""
-    server = SGLangServer(model_path, [], {}, tmp_path_factory.mktemp("reference") / "server.log").wait_healthy()
+    """SGLang on its own: the prompt cold, then again from SGLang's radix cache (and after a flush).
+
+    Its start is also the kit's test of a port another process takes between the kit's choosing it
+    and the server's bind (no start of its own: CI time): the first port the kit chooses is held
+    (the race cannot be caused on demand), and the server starts again on another."""
+    real_free_port = sglang_kit.free_port
+    with held_port() as held, pytest.MonkeyPatch.context() as patch:
+        choices = iter([held])
+        patch.setattr(sglang_kit, "free_port", lambda: next(choices, None) or real_free_port())
+        server = SGLangServer(model_path, [], {}, tmp_path_factory.mktemp("reference") / "server.log")
+        assert server.port == held
+        server.wait_healthy()
+    assert server.port != held
     try:
         cold, _, _ = server.generate(PROMPT)
         warm, _, meta = server.generate(PROMPT)

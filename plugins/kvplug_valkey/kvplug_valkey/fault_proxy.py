@@ -15,8 +15,6 @@ import asyncio
 import threading
 from typing import Any
 
-from kvplug_valkey.testing import free_port
-
 MODES = ("pass", "delay", "hang", "refuse")
 
 
@@ -25,7 +23,9 @@ class FaultProxy:
         self.target_port = target_port
         self.delay_s = delay_s
         self.mode = "pass"
-        self.port = free_port()
+        #: 0 until the first listen binds a port the OS picks (a port probed free and let go could
+        #: be taken before the bind); later listens (after ``refuse``) keep it: clients know it.
+        self.port = 0
         self.connections = 0
         self.received_bytes = 0
         self._open: set[asyncio.StreamWriter] = set()
@@ -64,6 +64,7 @@ class FaultProxy:
 
     async def _listen(self) -> None:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
+        self.port = int(self._server.sockets[0].getsockname()[1])
 
     async def _switch(self, mode: str) -> None:
         self.mode = mode

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import kvplug_valkey.fault_proxy as proxy_kit
+from kvplug_valkey.fault_proxy import FaultProxy
 from kvplug_valkey.testing import HOST, ValkeyServer
 from kvplug_valkey.testing import server as server_kit
 
@@ -49,4 +51,24 @@ def test_a_port_the_caller_gave_is_kept_and_its_failure_named(tmp_path: Path, ta
             server.start()
         assert server.port == taken_port
     finally:
+        server.kill()
+
+
+def test_the_fault_proxy_binds_a_port_of_its_own(
+    tmp_path: Path, taken_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The race cannot be caused on demand: a probe hands out the port another process took
+    # (``raising=False``: the proxy binds port 0 itself and has no probe to patch).
+    monkeypatch.setattr(proxy_kit, "free_port", lambda **kw: taken_port, raising=False)
+    server = ValkeyServer(tmp_path).start()
+    proxy = FaultProxy(server.port)
+    try:
+        assert proxy.port not in (0, taken_port)
+        proxy.set_mode("refuse")
+        proxy.set_mode("pass")  # listening again: on the port clients know
+        with socket.create_connection((HOST, proxy.port), timeout=5) as conn:
+            conn.sendall(b"PING\r\n")
+            assert conn.recv(64) == b"+PONG\r\n"
+    finally:
+        proxy.close()
         server.kill()

@@ -10,11 +10,7 @@ user cannot talk to the workers' sockets.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -24,22 +20,15 @@ from pathlib import Path
 
 import pytest
 from conftest import BLOCK_SIZE, P1, child_env
+from serve_process import vllm_serve
 
 from kvplug.core.control.protocol import CONTROL_PROTOCOL_VERSION
 from kvplug.core.control.protocol import encode_request as encode_control_request
-from kvplug.testing import run_ctl, send_as_other_user
+from kvplug.testing import free_port, held_port, run_ctl, send_as_other_user
 
 START_TIMEOUT_S = 300
 pytestmark = pytest.mark.timeout(900)
 STORED_PER_RANK = 256  # P1: 4 whole chunks of 64 (the partial one is not stored)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture
@@ -54,36 +43,26 @@ def server(tiny_model: str, tmp_path: Path, socket_dir: Path) -> Iterator[str]:
     config = tmp_path / "kvplug.yaml"
     config.write_text("chunk_size: 64\ntiers:\n  - {type: cpu, max_bytes: 64MiB}\n")
     kv = {"kv_connector": "KVPlugConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"kvplug.config": str(config)}}  # fmt: skip
-    port = free_port()
     args = [
-        sys.executable, str(Path(__file__).with_name("vllm_cli.py")), "serve", tiny_model,
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+        "--served-model-name", "tiny",
         "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--block-size", str(BLOCK_SIZE),
         "--max-model-len", "512", "--num-gpu-blocks-override", "64", "--no-enable-prefix-caching",
         "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
         "--kv-transfer-config", json.dumps(kv),
     ]  # fmt: skip
     env = {**child_env(), "VLLM_CPU_OMP_THREADS_BIND": "0|1", "KVPLUG_LOOKUP_DIR": str(socket_dir)}
-    log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=tmp_path)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"vllm serve did not start:\n{(tmp_path / 'serve.log').read_text()[-6000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        log.close()
+    # Also the test of a port another process takes between its choosing and vllm serve's bind (no
+    # start of its own: CI time; vLLM binds before it builds the engine, so the first try costs an
+    # import): the first port chosen is held (the race cannot be caused on demand).
+    with held_port() as held:
+        choices = iter([held])
+        serving = vllm_serve(
+            tiny_model, args, log_path=tmp_path / "serve.log", env=env, cwd=tmp_path,
+            start_timeout_s=START_TIMEOUT_S, choose_port=lambda: next(choices, None) or free_port(),
+        )  # fmt: skip
+        with serving as (url, _):
+            assert f":{held}" not in url
+            yield url
 
 
 def test_ctl_against_vllm_serve_with_two_tensor_parallel_ranks(server: str, socket_dir: Path, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import venv
 from pathlib import Path
 
 import pytest
+from serve_process import run_serve_script
 
 ROOT = Path(__file__).parents[3]
 PACKAGES = [".", "plugins/kvplug_cpu", "plugins/kvplug_disk", "plugins/kvplug_vllm"]
@@ -56,22 +57,15 @@ def test_the_readme_line_installs_a_vllm_that_serves_a_hit_after_restart(tmp_pat
     )  # fmt: skip
     assert installed.returncode == 0, (installed.stdout + installed.stderr)[-4000:]
 
-    served = subprocess.run(
-        ["bash", str(ROOT / "examples" / "serve_cpu.sh")],
-        env={**environ, "PYTHON": str(bin_dir / "python"), "WORK": str(tmp_path / "work"),
-             "PORT": str(_free_port()), "METRICS_PORT": str(_free_port())},
-        capture_output=True, text=True, timeout=1200, check=False, start_new_session=True,
-    )  # fmt: skip
+    def serve(ports: dict[str, str], work: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", str(ROOT / "examples" / "serve_cpu.sh")],
+            env={**environ, "PYTHON": str(bin_dir / "python"), "WORK": str(work), **ports},
+            capture_output=True, text=True, timeout=1200, check=False, start_new_session=True,
+        )  # fmt: skip
+
+    served, _ = run_serve_script(serve, tmp_path)  # (on ports chosen anew if one was taken meanwhile)
     out = served.stdout + served.stderr
     assert served.returncode == 0, out[-4000:]
     match = re.search(r"after the restart kvplug loaded (\d+) tokens; outputs identical: True \((\d+) distinct", out)
     assert match and int(match[1]) > 0 and int(match[2]) >= 4, out[-3000:]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port

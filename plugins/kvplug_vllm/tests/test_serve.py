@@ -13,10 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -26,17 +22,14 @@ from typing import Any
 
 import pytest
 from conftest import BLOCK_SIZE, P1, child_env
+from serve_process import vllm_serve
+
+from kvplug.testing import free_port, held_port
 
 START_TIMEOUT_S = 300
 README = Path(__file__).resolve().parents[3] / "README.md"
 # a server start plus the session's baseline engine: more than the suite's 300 s on a loaded machine
 pytestmark = pytest.mark.timeout(900)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -53,57 +46,48 @@ def readme_kv_transfer_config() -> dict[str, Any]:
 
 
 @pytest.fixture
-def metrics_port() -> int:
-    return free_port()
-
-
-@pytest.fixture
-def server(tiny_model: str, tmp_path: Path, metrics_port: int) -> Iterator[str]:
+def served(tiny_model: str, tmp_path: Path) -> Iterator[tuple[str, int]]:
+    """The server's URL and its worker's kvplug metrics port."""
     kv = readme_kv_transfer_config()
     # the YAML file the recipe names, relative to the server's working folder (tmp_path)
     (tmp_path / kv["kv_connector_extra_config"]["kvplug.config"]).write_text(
         "chunk_size: 64\ntiers:\n  - {type: cpu, max_bytes: 256MiB}\n"
     )
-    kv["kv_connector_extra_config"]["kvplug.metrics_port"] = metrics_port
-    port = free_port()
-    args = [
-        sys.executable, str(Path(__file__).with_name("vllm_cli.py")), "serve", tiny_model,
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-        "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--block-size", str(BLOCK_SIZE),
-        "--max-model-len", "1024", "--num-gpu-blocks-override", "96", "--no-enable-prefix-caching",
-        "--kv-transfer-config", json.dumps(kv),
-    ]  # fmt: skip
-    log = (tmp_path / "serve.log").open("w")
+    metrics_ports: list[int] = []
+
+    def args() -> list[str]:
+        # The worker binds kvplug's metrics port: a start that lost it to another process is started
+        # again (serve_process) on a metrics port chosen anew too. Also the test of that (no start of
+        # its own: CI time): the first metrics port is a held one (the race cannot be caused on demand).
+        metrics_ports.append(free_port() if metrics_ports else held)
+        kv["kv_connector_extra_config"]["kvplug.metrics_port"] = metrics_ports[-1]
+        return [
+            "--served-model-name", "tiny",
+            "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--block-size", str(BLOCK_SIZE),
+            "--max-model-len", "1024", "--num-gpu-blocks-override", "96", "--no-enable-prefix-caching",
+            "--kv-transfer-config", json.dumps(kv),
+        ]  # fmt: skip
+
     env = {**child_env(), "VLLM_SERVER_DEV_MODE": "1"}  # for /reset_prefix_cache
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=tmp_path)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(
-                    f"vllm serve exited with {proc.returncode}:\n{(tmp_path / 'serve.log').read_text()[-6000:]}"
-                )
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"vllm serve not healthy after {START_TIMEOUT_S}s:\n{(tmp_path / 'serve.log').read_text()[-6000:]}"
-                )
-            time.sleep(1)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        log.close()
-        with pytest.raises(ProcessLookupError):  # nothing of the server's group survives
-            for _ in range(50):
-                os.killpg(proc.pid, 0)
-                time.sleep(0.1)
+    log_path = tmp_path / "serve.log"
+    serving = vllm_serve(tiny_model, args, log_path=log_path, env=env, cwd=tmp_path, start_timeout_s=START_TIMEOUT_S)
+    with held_port() as held, serving as (url, proc):
+        assert len(metrics_ports) == 2, metrics_ports
+        yield url, metrics_ports[-1]
+    with pytest.raises(ProcessLookupError):  # nothing of the server's group survives
+        for _ in range(50):
+            os.killpg(proc.pid, 0)
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def server(served: tuple[str, int]) -> str:
+    return served[0]
+
+
+@pytest.fixture
+def metrics_port(served: tuple[str, int]) -> int:
+    return served[1]
 
 
 def scrape(port: int) -> dict[str, float]:

