@@ -49,15 +49,15 @@ def test_the_bridge_tracks_what_the_tiers_hold_not_every_chunk_ever_stored() -> 
     bridge.observe(KVEvent("stored", (keys[0],), tier="cpu"))
     bridge.observe(KVEvent("stored", (keys[0],), tier="disk"))
     bridge.observe(KVEvent("evicted", (keys[0],), tier="cpu"))
-    assert list(bridge._chunks) == [keys[0]]  # disk still holds it
+    assert bridge.chunks.held_keys() == [keys[0]]  # disk still holds it
     bridge.observe(KVEvent("evicted", (keys[0],), tier="disk"))
-    assert list(bridge._chunks) == [] and bridge._held == {}
+    assert bridge.chunks.held_keys() == [] and bridge.chunks.holders(keys[0]) == set()
     bridge.take()
     bridge.observe(KVEvent("stored", (keys[0],), tier="disk"))  # a write landing later is still told
     assert [(type(e), e.medium) for e in bridge.take()] == [(BlockStored, "DISK")]
     bounded = KVEventBridge({"cpu": "memory"}, max_waiting=2)
     bounded.expect(keys[2:], [(8, 12), (12, 16), (16, 20)], list(range(20)), None)  # never stored
-    assert list(bounded._waiting) == keys[3:] and list(bounded._chunks) == []
+    assert bounded.chunks.waiting_keys() == keys[3:] and bounded.chunks.held_keys() == []
 
 
 def test_a_chunk_one_of_two_disk_tiers_evicts_is_not_told_removed_while_the_other_holds_it(tmp_path: Path) -> None:

@@ -105,22 +105,24 @@ def test_the_index_remembers_what_the_tiers_hold_not_every_chunk_ever_stored() -
     tokens = list(range(100, 124))
     hashes = [f"h{i}".encode() for i in range(6)]
     index.remember([key(0, 0, 4), key(1, 4, 8), key(2, 8, 10)], tokens, hashes, lora_name=None)
-    assert list(index._chunks) == []  # no tier holds them yet; the partial chunk: never published
+    assert index.chunks.held_keys() == []  # no tier holds them yet; the partial chunk: never published
     index.on_event(KVEvent("stored", (key(0, 0, 4).key,), tier="cpu"))
     index.on_event(KVEvent("stored", (key(0, 0, 4).key,), tier="disk"))
     index.on_event(KVEvent("evicted", (key(0, 0, 4).key,), tier="cpu"))
-    assert list(index._chunks) == [key(0, 0, 4).key]  # disk still holds it
+    assert index.chunks.held_keys() == [key(0, 0, 4).key]  # disk still holds it
     index.on_event(KVEvent("evicted", (key(0, 0, 4).key,), tier="disk"))
-    assert list(index._chunks) == [] and index._held == {}
+    assert index.chunks.held_keys() == [] and index.chunks.holders(key(0, 0, 4).key) == set()
     index.take()
     # a write that lands after the chunk left every tier is still published
     index.on_event(KVEvent("stored", (key(0, 0, 4).key,), tier="disk"))
     assert [(type(e), e.medium) for e in index.take()] == [(BlockStored, "disk")]
-    assert list(index._chunks) == [key(0, 0, 4).key]
+    assert index.chunks.held_keys() == [key(0, 0, 4).key]
     # chunks whose writes never land: the oldest are forgotten past max_waiting
     bounded = ChunkIndex(block_size=4, tier_names=["cpu"], max_waiting=2)
     bounded.remember([key(3, 12, 16), key(4, 16, 20), key(5, 20, 24)], tokens, hashes, lora_name=None)
-    assert list(bounded._waiting) == [key(4, 16, 20).key, key(5, 20, 24).key] and list(bounded._chunks) == []
+    assert (
+        bounded.chunks.waiting_keys() == [key(4, 16, 20).key, key(5, 20, 24).key] and bounded.chunks.held_keys() == []
+    )
 
 
 def test_a_chunk_one_of_two_disk_tiers_evicts_is_not_published_removed_while_the_other_holds_it(
