@@ -6,6 +6,12 @@ from __future__ import annotations
 import pytest
 
 from kvplug import HeldChange, HeldChunks, KVEvent
+from kvplug.core.plugins import PluginRegistry
+
+
+@pytest.fixture
+def registry() -> PluginRegistry:
+    return PluginRegistry(plugin_filter="disk")
 
 
 def media(tier: str) -> str:
@@ -49,3 +55,34 @@ def test_a_held_chunk_forgotten_past_max_held_names_the_media_that_held_it_befor
 def test_bounds_must_be_usable() -> None:
     with pytest.raises(ValueError, match="max_held >= 1"):
         HeldChunks(media, max_held=0)
+
+
+def test_writes_in_flight_are_those_that_may_still_land(make_engine, tmp_path) -> None:
+    """CacheEngine.writes_in_flight: a write queued for the store thread or an async tier (here
+    held by a listener that is stuck) may still land; once it landed, or for a key never stored,
+    none is."""
+    import threading
+
+    import torch
+    from core_helpers import LAYOUTS, random_caches
+
+    layout = LAYOUTS["vllm_flash"]
+    disk = {"type": "disk", "path": str(tmp_path / "d"), "queue": {"mode": "async"}}
+    engine = make_engine(layout, tiers=[disk], **{"store.queue.mode": "async"})
+    gate, stuck = threading.Event(), threading.Event()
+
+    def listener(event: KVEvent) -> None:
+        if event.tier == "disk" and not gate.is_set():
+            stuck.set()
+            gate.wait()
+
+    engine.add_event_listener(listener)
+    first, late = list(range(8)), list(range(100, 108))
+    engine.store(first, random_caches(layout, 80, seed=1), torch.arange(8))
+    stuck.wait()  # the disk tier's write thread is held
+    engine.store(late, random_caches(layout, 80, seed=2), torch.arange(8))
+    keys = [engine.chunk_keys(first)[0].key, engine.chunk_keys(late)[0].key, "1/" + "ab" * 16 + "/" + "0" * 64]
+    assert engine.writes_in_flight(keys) == [True, True, False]
+    gate.set()
+    engine.flush()
+    assert engine.writes_in_flight(keys) == [False, False, False]

@@ -16,14 +16,20 @@ eviction could no longer be told and a router would believe it held for good. At
 that left every tier) wait for a tier's ``stored``, the oldest forgotten first: nothing was
 told of them. A ``stored`` of a chunk no longer (or never) expected names nothing routers can
 use (a router needs the chunk's tokens, which a tier's record does not carry), so it is
-counted in ``unknown_stored`` and not announced.
+counted in ``unknown_stored`` and not announced: a router would miss that hit for as long as
+the tier holds it. So, given ``in_flight`` (:meth:`CacheEngine.writes_in_flight
+<kvplug.CacheEngine.writes_in_flight>`), the chunks forgotten past ``max_waiting`` are the
+oldest whose write can no longer land (dropped, declined, refused, failed, or none was made);
+one whose write is still queued is kept until it lands or is given up, so the chunks waiting
+are at most ``max_waiting`` plus the writes in flight, which the write queues bound.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Generic, Literal, TypeVar
 
 from kvplug.core.events import KVEvent
@@ -38,6 +44,8 @@ TierId = tuple[str | None, int | None]
 MAX_HELD = 1 << 20
 #: Chunks no tier holds remembered at most by default (oldest forgotten first).
 MAX_WAITING = 1 << 14
+#: Waiting chunks asked about at once, oldest first, when some are to be forgotten.
+_SCAN = 64
 
 
 @dataclass(frozen=True)
@@ -69,11 +77,17 @@ class HeldChunks(Generic[ChunkT]):
     """
 
     def __init__(
-        self, medium_of: Callable[[str], str], *, max_held: int = MAX_HELD, max_waiting: int = MAX_WAITING
+        self,
+        medium_of: Callable[[str], str],
+        *,
+        max_held: int = MAX_HELD,
+        max_waiting: int = MAX_WAITING,
+        in_flight: Callable[[Sequence[str]], list[bool]] | None = None,
     ) -> None:
         if max_held < 1 or max_waiting < 0:
             raise ValueError(f"HeldChunks needs max_held >= 1 and max_waiting >= 0, got {max_held}, {max_waiting}")
         self._medium_of = medium_of
+        self._in_flight = in_flight
         self.max_held = max_held
         self.max_waiting = max_waiting
         self._held: OrderedDict[str, ChunkT] = OrderedDict()  # oldest first
@@ -148,11 +162,24 @@ class HeldChunks(Generic[ChunkT]):
         return forgotten
 
     def _wait(self, key: str, chunk: ChunkT) -> None:
-        """No tier holds ``key``: it waits, the oldest waiting forgotten past ``max_waiting``."""
+        """No tier holds ``key``: it waits, the oldest waiting whose write cannot land any more
+        forgotten past ``max_waiting``."""
         self._waiting[key] = chunk
         self._waiting.move_to_end(key)
-        while len(self._waiting) > self.max_waiting:
-            self._waiting.popitem(last=False)
+        excess = len(self._waiting) - self.max_waiting
+        if excess <= 0:
+            return
+        if self._in_flight is None:
+            for _ in range(excess):
+                self._waiting.popitem(last=False)
+            return
+        oldest = [old for old in islice(self._waiting, excess + _SCAN + 1) if old != key]  # its write comes next
+        for old, landing in zip(oldest, self._in_flight(oldest)):
+            if landing:  # its write may still land: kept, behind the others
+                self._waiting.move_to_end(old)
+            elif excess > 0:
+                del self._waiting[old]
+                excess -= 1
 
     def _media(self, tiers: Iterable[TierId]) -> set[str]:
         return {self._medium_of(tier) for tier, _ in tiers if tier is not None}

@@ -23,7 +23,7 @@ not every chunk it ever stored or loaded.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,10 +65,12 @@ class KVEventBridge:
         max_tracked: int = 65536,
         max_events: int = 65536,
         max_waiting: int = 16384,
+        in_flight: Callable[[Sequence[str]], list[bool]] | None = None,
     ) -> None:
+        """``in_flight``: the cache engine's ``writes_in_flight`` (see :class:`~kvplug.HeldChunks`)."""
         self._media = dict(media or {})
         self.chunks: HeldChunks[_Chunk] = HeldChunks(
-            self._storage_medium, max_held=max_tracked, max_waiting=max_waiting
+            self._storage_medium, max_held=max_tracked, max_waiting=max_waiting, in_flight=in_flight
         )
         self._events: list[Any] = []
         self._lock = threading.Lock()

@@ -94,3 +94,45 @@ def test_a_chunk_one_of_two_disk_tiers_evicts_is_not_told_removed_while_the_othe
     assert [(type(e), e.medium, sorted(e.block_hashes)) for e in gone] == [
         (BlockRemoved, "DISK", sorted(block_hash(k) for k in first_keys))
     ]
+
+
+def test_a_write_landing_late_is_told_though_more_chunks_than_max_waiting_came_after_it(tmp_path: Path) -> None:
+    """An async tier's write lands after more chunks than ``max_waiting`` that no tier holds
+    (writes dropped or declined) were expected: on ee9bb23 the oldest waiting chunk, the one
+    whose write was still queued, was forgotten, and its ``stored`` then named nothing, so
+    routers never learnt the tier holds it (a missed hit for as long as it does). The chunks
+    forgotten are those whose writes can no longer land."""
+    import threading
+
+    layout = KVLayout(PagedFormat("paged_test", ("kv", "block", "token", "head", "dim")), 3, 8, 2, 4, torch.bfloat16)
+    kv = {
+        "chunk_size": 16,
+        "store": {"queue": {"mode": "sync"}},
+        "tiers": [{"type": "disk", "path": str(tmp_path / "d"), "queue": {"mode": "async"}}],
+    }
+    config = load_config(engine_extra={"kvplug": kv}, env={}).config
+    caches = [torch.randn(2, 16, 8, 2, 4).to(torch.bfloat16) for _ in range(3)]
+    with CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="late-write")) as engine:
+        bridge = KVEventBridge({"disk": "disk"}, max_waiting=2, in_flight=engine.writes_in_flight)
+        gate, stuck = threading.Event(), threading.Event()
+
+        def listener(event: KVEvent) -> None:
+            if event.tier == "disk" and not gate.is_set():  # the disk tier's write thread waits here
+                stuck.set()
+                gate.wait()
+            bridge.observe(event)
+
+        engine.add_event_listener(listener)
+        engine.store(list(range(16)), caches, torch.arange(16))  # its "stored" holds the write thread
+        stuck.wait()
+        late = list(range(100, 116))
+        late_key = engine.chunk_keys(late)[0]
+        bridge.expect([late_key.key], [(0, 16)], late, None)
+        engine.store(late, caches, torch.arange(16))  # queued behind the stuck write
+        never = [key_for(f"dropped{i}") for i in range(2)]  # writes that never land
+        bridge.expect(never, [(0, 16), (16, 32)], list(range(32)), None)
+        gate.set()
+        engine.flush()
+    told = [(type(e), e.medium) for e in bridge.take() if block_hash(late_key.key) in e.block_hashes]
+    assert told == [(BlockStored, "DISK")]  # ee9bb23: [] (forgotten before its write landed)
+    assert bridge.chunks.waiting_keys() == [never[1]]

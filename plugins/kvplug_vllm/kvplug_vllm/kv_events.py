@@ -39,7 +39,7 @@ index only when vLLM publishes KV events.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,15 +74,19 @@ class ChunkIndex:
         self,
         block_size: int,
         tier_names: Sequence[str],
+        in_flight: Callable[[Sequence[str]], list[bool]] | None = None,
         *,
         max_chunks: int = MAX_CHUNKS,
         max_waiting: int = MAX_WAITING,
     ) -> None:
+        """``in_flight``: the cache engine's ``writes_in_flight`` (see :class:`~kvplug.HeldChunks`)."""
         self.block_size = block_size
         #: The types of the engine's tiers: the media published (events of no tier are ignored).
         self.tier_names = list(tier_names)
         #: The medium of a tier is its type.
-        self.chunks: HeldChunks[_Chunk] = HeldChunks(str, max_held=max_chunks, max_waiting=max_waiting)
+        self.chunks: HeldChunks[_Chunk] = HeldChunks(
+            str, max_held=max_chunks, max_waiting=max_waiting, in_flight=in_flight
+        )
         self._events: list[KVCacheEvent] = []
         self._lock = threading.Lock()
 
