@@ -15,7 +15,8 @@ to routers.
 
 Only chunks its connector stored or loaded are known: a record a persistent tier held before
 the process started carries no token ids (a record header holds a digest of the chunk key),
-so it is never announced. Of those it keeps the chunks some tier holds, and a bounded few no
+so it is not announced at start, and a load of it is announced for the faster tiers it is
+promoted to, not for the tier that served it (that tier wrote nothing). Of those it keeps the chunks some tier holds, and a bounded few no
 tier holds (a write not landed yet, declined or dropped, or a chunk that left every tier):
 not every chunk it ever stored or loaded.
 """

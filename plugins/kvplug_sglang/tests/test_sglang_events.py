@@ -136,3 +136,29 @@ def test_a_write_landing_late_is_told_though_more_chunks_than_max_waiting_came_a
     told = [(type(e), e.medium) for e in bridge.take() if block_hash(late_key.key) in e.block_hashes]
     assert told == [(BlockStored, "DISK")]  # ee9bb23: [] (forgotten before its write landed)
     assert bridge.chunks.waiting_keys() == [never[1]]
+
+
+def test_a_record_found_at_restart_is_announced_only_where_a_load_promotes_it(tmp_path: Path) -> None:
+    """A disk tier's records from before the process started carry no tokens (a record names its
+    chunk by a digest), so nothing announces them at start. Loaded after the restart, the chunk is
+    announced for the faster tier the load promotes it to; the disk tier, which wrote nothing,
+    says nothing of it (docs/fleet.md)."""
+    layout = KVLayout(PagedFormat("paged_test", ("kv", "block", "token", "head", "dim")), 3, 8, 2, 4, torch.bfloat16)
+    disk = {"type": "disk", "path": str(tmp_path / "d")}
+    caches = [torch.randn(2, 16, 8, 2, 4).to(torch.bfloat16) for _ in range(3)]
+    tokens = list(range(16))
+    fingerprint = Fingerprint.for_layout(layout, model_id="restart")
+    first = {"chunk_size": 16, "store": {"queue": {"mode": "sync"}}, "tiers": [disk]}
+    with CacheEngine(load_config(engine_extra={"kvplug": first}, env={}).config, layout, fingerprint) as engine:
+        engine.store(tokens, caches, torch.arange(16))
+    again = {**first, "tiers": [{"type": "cpu"}, disk]}
+    with CacheEngine(load_config(engine_extra={"kvplug": again}, env={}).config, layout, fingerprint) as engine:
+        bridge = KVEventBridge({tier.name: tier.medium for tier in engine.chain.tiers})
+        engine.add_event_listener(bridge.observe)
+        assert bridge.take() == []  # the record found at start: nothing to name it by
+        (key,) = [k.key for k in engine.chunk_keys(tokens)]
+        bridge.expect([key], [(0, 16)], tokens, None)
+        assert int(engine.retrieve(tokens, caches, torch.arange(16)).sum()) == 16
+        engine.flush()
+        told = bridge.take()
+    assert [(type(e), e.medium, e.block_hashes) for e in told] == [(BlockStored, "CPU_PINNED", [block_hash(key)])]

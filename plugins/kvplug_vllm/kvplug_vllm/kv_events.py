@@ -31,6 +31,11 @@ tier holds (its writes not landed yet, declined or dropped, or it left every tie
 told it is held. A chunk without vLLM blocks is never published, so never remembered. So the
 index holds what the tiers hold, not every chunk the engine ever stored or loaded.
 
+Records a persistent tier held before the worker started are never announced as such: a record
+names its chunk by a digest, not by tokens or vLLM block hashes. Loaded, such a chunk is
+announced for the faster tiers the load promotes it to (their ``stored``), not for the tier
+that served it, which wrote nothing (docs/fleet.md).
+
 The index translates events; it is not a journal of what the worker stored: ``kvplug ctl
 clear`` and ``reset_cache`` read the worker's control target's journal. A worker keeps an
 index only when vLLM publishes KV events.
