@@ -162,3 +162,71 @@ def test_a_record_found_at_restart_is_announced_only_where_a_load_promotes_it(tm
         engine.flush()
         told = bridge.take()
     assert [(type(e), e.medium, e.block_hashes) for e in told] == [(BlockStored, "CPU_PINNED", [block_hash(key)])]
+
+
+def test_what_routers_are_told_is_what_the_tiers_hold_through_evictions_corruption_and_clear(tmp_path: Path) -> None:
+    """A hostile read of the bridge's events on a real engine (a small cpu tier that evicts, an
+    async disk tier, async stores): replayed as a router would, they never remove a block first
+    (or twice) and, after each phase (stores, a load that promotes, corrupt disk records found by
+    loads, ``kvplug ctl clear --all``), name exactly what some tier of each medium holds."""
+    from kvplug import EngineControl
+
+    layout = KVLayout(PagedFormat("paged_test", ("kv", "block", "token", "head", "dim")), 3, 8, 2, 4, torch.bfloat16)
+    kv = {
+        "chunk_size": 16,
+        "store": {"queue": {"mode": "async"}},
+        "tiers": [
+            {"type": "cpu", "max_bytes": 4000},  # two chunks
+            {"type": "disk", "path": str(tmp_path / "d"), "queue": {"mode": "async"}},
+        ],
+    }
+    config = load_config(engine_extra={"kvplug": kv}, env={}).config
+    caches = [torch.randn(2, 16, 8, 2, 4).to(torch.bfloat16) for _ in range(3)]
+    prompts = [list(range(1000 * p, 1000 * p + 32)) for p in range(5)]
+    medium = {"cpu": "CPU_PINNED", "disk": "DISK"}
+    view: dict[str, set[int]] = {"CPU_PINNED": set(), "DISK": set()}
+    wrong: list[tuple[str, int]] = []  # (medium, block) removed while not announced there
+    with CacheEngine(config, layout, Fingerprint.for_layout(layout, model_id="hostile")) as engine:
+        control = EngineControl(engine)
+        bridge = KVEventBridge({tier.name: tier.medium for tier in engine.chain.tiers})
+        engine.add_event_listener(bridge.observe)
+        keys = [k.key for tokens in prompts for k in engine.chunk_keys(tokens)]
+
+        def check(phase: str) -> None:
+            engine.flush()
+            for event in bridge.take():
+                for h in event.block_hashes:
+                    if isinstance(event, BlockStored):
+                        view[event.medium].add(h)
+                    elif h in view[event.medium]:
+                        view[event.medium].discard(h)
+                    else:
+                        wrong.append((event.medium, h))
+            assert wrong == [], phase
+            truth: dict[str, set[int]] = {"CPU_PINNED": set(), "DISK": set()}
+            for tier in engine.chain.tiers:
+                held = tier.contains(keys)
+                truth[medium[tier.name]] |= {block_hash(k) for k, has in zip(keys, held) if has}
+            assert view == truth, phase
+
+        for tokens in prompts:
+            chunks = engine.chunk_keys(tokens)
+            bridge.expect([k.key for k in chunks], [(k.start, k.end) for k in chunks], tokens, None)
+            engine.store(tokens, caches, torch.arange(32))
+        check("stores")
+        assert view["DISK"] and view["CPU_PINNED"]
+        chunks = engine.chunk_keys(prompts[0])
+        bridge.expect([k.key for k in chunks], [(k.start, k.end) for k in chunks], prompts[0], None)
+        assert int(engine.retrieve(prompts[0], caches, torch.arange(32)).sum()) == 32
+        check("a load promoting to cpu")
+        for record in (tmp_path / "d").rglob("*"):
+            if record.is_file() and record.stat().st_size > 1000:
+                data = bytearray(record.read_bytes())
+                data[-100] ^= 0xFF
+                record.write_bytes(bytes(data))
+        for tokens in prompts[1:3]:  # only on the disk tier now: corrupt, misses, removed
+            assert int(engine.retrieve(tokens, caches, torch.arange(32)).sum()) == 0
+        check("corrupt records found")
+        control.remove(control.planned_clear)
+        check("ctl clear --all")
+        assert view == {"CPU_PINNED": set(), "DISK": set()}
