@@ -56,7 +56,7 @@ class KVEventBridge:
     untaken events are kept; older ones are dropped and counted in ``dropped``. A chunk dropped
     while a tier holds it is told removed from its media then: its later removal could not be
     told. At most ``max_waiting`` chunks no tier holds wait for a tier's ``stored``, the oldest
-    forgotten first (nothing was told of them).
+    whose write can no longer land (``in_flight``) forgotten first (nothing was told of them).
     """
 
     def __init__(

@@ -27,8 +27,9 @@ the chunks some tier holds, at most ``max_chunks`` of them: one it forgets
 is published removed from every medium then, since its later eviction could not be (a router
 would believe it held for good); a later store or load of it announces it again. A chunk no
 tier holds (its writes not landed yet, declined or dropped, or it left every tier) waits for a
-``stored`` event among at most ``max_waiting`` others, the oldest forgotten first: no router was
-told it is held. A chunk without vLLM blocks is never published, so never remembered. So the
+``stored`` event among at most ``max_waiting`` others, the oldest whose write can no longer land
+forgotten first (the engine's ``writes_in_flight``: a write still queued lands announced): no
+router was told it is held. A chunk without vLLM blocks is never published, so never remembered. So the
 index holds what the tiers hold, not every chunk the engine ever stored or loaded.
 
 Records a persistent tier held before the worker started are never announced as such: a record
