@@ -1,6 +1,6 @@
 """Which chunks some tier holds, per medium: what an engine adapter tells cache-aware routers.
 
-A router (llm-d, Dynamo, SGLang's) learns what a server holds from ``BlockStored`` /
+A cache-aware router learns what a server holds from ``BlockStored`` /
 ``BlockRemoved`` events, each naming a medium. kvplug's tiers report what they did
 (:class:`~kvplug.KVEvent`): a tier's ``stored`` once it holds a chunk, its ``evicted`` /
 ``removed`` once the chunk left it. :class:`HeldChunks` follows, for the chunks an adapter
