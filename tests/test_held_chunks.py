@@ -86,3 +86,15 @@ def test_writes_in_flight_are_those_that_may_still_land(make_engine, tmp_path) -
     gate.set()
     engine.flush()
     assert engine.writes_in_flight(keys) == [False, False, False]
+
+
+def test_waiting_chunks_whose_writes_may_land_are_kept_past_the_bound_until_they_cannot() -> None:
+    landing = {"a", "b"}
+    held: HeldChunks[str] = HeldChunks(media, max_waiting=2, in_flight=lambda keys: [k in landing for k in keys])
+    for key in "abcde":
+        held.expect(key, key.upper())
+    # c and d forgotten (their writes cannot land), a and b kept past the bound: theirs may
+    assert sorted(held.waiting_keys()) == ["a", "b", "e"]
+    landing.clear()  # a's and b's writes were dropped after all: the next chunk pushes them out
+    held.expect("f", "F")
+    assert len(held.waiting_keys()) == 2 and "f" in held.waiting_keys()

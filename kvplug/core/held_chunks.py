@@ -44,7 +44,7 @@ TierId = tuple[str | None, int | None]
 MAX_HELD = 1 << 20
 #: Chunks no tier holds remembered at most by default (oldest forgotten first).
 MAX_WAITING = 1 << 14
-#: Waiting chunks asked about at once, oldest first, when some are to be forgotten.
+#: Waiting chunks asked about at most at once, oldest first, when some are to be forgotten.
 _SCAN = 64
 
 
@@ -173,7 +173,9 @@ class HeldChunks(Generic[ChunkT]):
             for _ in range(excess):
                 self._waiting.popitem(last=False)
             return
-        oldest = [old for old in islice(self._waiting, excess + _SCAN + 1) if old != key]  # its write comes next
+        # At most _SCAN asked per call (the ones still landing go behind the others, so the next
+        # call asks others): a deep write queue costs no call more than that.
+        oldest = [old for old in islice(self._waiting, _SCAN + 1) if old != key][:_SCAN]  # its write comes next
         for old, landing in zip(oldest, self._in_flight(oldest)):
             if landing:  # its write may still land: kept, behind the others
                 self._waiting.move_to_end(old)
