@@ -45,6 +45,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Fingerprint": ("kvplug.core.keys", "Fingerprint"),
     "GuardedEviction": ("kvplug.core.policies.guarded_eviction", "GuardedEviction"),
     "HeadShard": ("kvplug.core.engine.head_shards", "HeadShard"),
+    "HeldChange": ("kvplug.core.held_chunks", "HeldChange"),
+    "HeldChunks": ("kvplug.core.held_chunks", "HeldChunks"),
     "KVConnector": ("kvplug.core.connector", "KVConnector"),
     "KVEvent": ("kvplug.core.events", "KVEvent"),
     "KVLayout": ("kvplug.core.layouts", "KVLayout"),
@@ -162,6 +164,7 @@ if TYPE_CHECKING:
     from kvplug.core.engine.layerwise_retrieve import LayerwiseRetrieve
     from kvplug.core.engine.locations import ChunkLocation, hit_tokens, merge_locations
     from kvplug.core.events import KVEvent, OrderedEvents
+    from kvplug.core.held_chunks import HeldChange, HeldChunks
     from kvplug.core.keys import ChunkKey, ExtraKey, Fingerprint, KeyPrefix, RequestInfo, StoreKey
     from kvplug.core.layouts import KVLayout, PagedFormat, slots_from_block_ids
     from kvplug.core.lazy_module import LazyModule
@@ -241,6 +244,8 @@ __all__ = [
     "Fingerprint",
     "GuardedEviction",
     "HeadShard",
+    "HeldChange",
+    "HeldChunks",
     "KVConnector",
     "KVEvent",
     "KVLayout",

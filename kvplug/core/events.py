@@ -85,6 +85,14 @@ class EventListeners(Listeners[[KVEvent]]):
         self.call_each(event)
 
 
+#: Events a tier queues at most while another thread delivers its events, before a thread that
+#: queues more waits for them to drain (:class:`OrderedEvents`).
+MAX_QUEUED_EVENTS = 4096
+#: How long a thread waits at most for a tier's queued events to drain: a listener stuck for
+#: good must not hang every tier call (its events are left to the thread delivering them).
+_DRAIN_WAIT_S = 30.0
+
+
 class OrderedEvents:
     """One tier's events, delivered in the order its state changed.
 
@@ -98,17 +106,35 @@ class OrderedEvents:
     ``deliver`` sends what is queued on the calling thread; while another thread is
     delivering, it leaves the events to that one, which sends them after its own (in
     order) before it returns. A tier call whose events another thread is still delivering
-    (its listener is slow) therefore returns before they were delivered, never blocked.
+    (its listener is slow) therefore returns before they were delivered, never blocked,
+    while fewer than ``max_queued`` are queued: past that it waits (not under the tier's
+    lock, counted in ``waits``) until the queue drained below it, as it would have paid
+    the listener's time delivering its own events, so a slow listener never lets the queue
+    grow without bound. The delivering thread itself (a listener that calls its tier back)
+    never waits; no thread waits for good on a listener stuck for good.
     """
 
-    def __init__(self, emit: Callable[[KVEvent], None]) -> None:
+    def __init__(self, emit: Callable[[KVEvent], None], *, max_queued: int = MAX_QUEUED_EVENTS) -> None:
+        if max_queued < 1:
+            raise ValueError(f"OrderedEvents needs max_queued >= 1, got {max_queued}")
         self._emit = emit
+        self.max_queued = max_queued
         self._queue: deque[KVEvent] = deque()
         self._delivering = threading.Lock()
+        #: The thread delivering (under ``_drained``'s lock), and the threads waiting for the queue to drain.
+        self._deliverer: int | None = None
+        self._drained = threading.Condition(threading.Lock())
+        self._waiting = 0
+        #: Times a thread waited for the queue to drain below ``max_queued``.
+        self.waits = 0
 
     def add(self, event: KVEvent) -> None:
         """Queue ``event``; call it under the lock its state change was made under."""
         self._queue.append(event)
+
+    def queued(self) -> int:
+        """Events queued, not yet delivered."""
+        return len(self._queue)
 
     def deliver(self) -> None:
         """Send the queued events in order, unless another thread is sending them; never
@@ -117,11 +143,37 @@ class OrderedEvents:
             # Not blocking: a thread that finds another delivering leaves its events to it
             # (also a listener that calls its tier back, on the delivering thread itself).
             if not self._delivering.acquire(blocking=False):
-                return
+                if not self._wait_for_room():
+                    return
+                continue
+            with self._drained:
+                self._deliverer = threading.get_ident()
             try:
                 while self._queue:
                     self._emit(self._queue.popleft())
+                    if self._waiting:
+                        with self._drained:
+                            self._drained.notify_all()
             finally:
+                with self._drained:
+                    self._deliverer = None
+                    self._drained.notify_all()
                 # Checked again once released: an event queued by a thread that found this
                 # one still delivering is sent by the loop's next turn.
                 self._delivering.release()
+
+    def _wait_for_room(self) -> bool:
+        """Another thread delivers: wait while the queue is past ``max_queued`` (unless this is
+        that thread); whether to try delivering again (it stopped delivering meanwhile)."""
+        with self._drained:
+            if self._deliverer == threading.get_ident() or len(self._queue) <= self.max_queued:
+                return False
+            self.waits += 1
+            self._waiting += 1
+            try:
+                self._drained.wait_for(
+                    lambda: len(self._queue) <= self.max_queued or self._deliverer is None, timeout=_DRAIN_WAIT_S
+                )
+            finally:
+                self._waiting -= 1
+            return self._deliverer is None

@@ -132,6 +132,12 @@ class DeferredDiscards:
             self._worker.submit(job, wait=False)
         return now
 
+    def holds_back(self, keys: Sequence[str]) -> list[bool]:
+        """Whether a put of each key is held back behind a removal, or being written."""
+        with self._lock:
+            held = {key for job in self._held for key, _ in job.puts} | self._putting
+        return [key in held for key in keys]
+
     def cancel_puts(self, keys: Sequence[str], tiers: Collection[int] | None = None) -> list[str]:
         """Forget the held-back puts of ``keys`` (a removal of them by name follows) to the tiers
         at the indexes ``tiers`` (``None``: every tier; the others are still written); wait (up to

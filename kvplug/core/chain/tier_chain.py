@@ -274,6 +274,15 @@ class TierChain:
         items = self._discards.hold_back(items, admission=admission, only_trusted=only_trusted)
         write_put(self._slots, items, admission=admission, only_trusted=only_trusted)
 
+    def writes_pending(self, keys: Sequence[str]) -> list[bool]:
+        """Whether a write of each key may still land in some tier: queued for an ``async``
+        tier or being written, or held back behind a removal of it."""
+        pending = self._discards.holds_back(keys)
+        for slot in self._slots:
+            if slot.queue is not None:
+                pending = [a or b for a, b in zip(pending, slot.queue.holds(keys))]
+        return pending
+
     def _put_missing_at(self, index: int, items: Items) -> None:
         put_missing(self._slots[index], items)
 

@@ -113,6 +113,11 @@ class WriteQueue:
                 self._accept(writes)
         return accepted
 
+    def holds(self, keys: Sequence[str]) -> list[bool]:
+        """Whether a write of each key is queued or being written (it may still land)."""
+        with self._cond:
+            return [key in self._pending for key in keys]
+
     def values(self, keys: Sequence[str]) -> list[Buffer | None]:
         """The pending value of each key (read-only), ``None`` where none is pending."""
         with self._cond:

@@ -32,7 +32,7 @@ from kvplug.core.engine.parallel_copies import ParallelCopies, auto_copy_threads
 from kvplug.core.engine.prompt_pins import pin_prompt, unpin_prompt
 from kvplug.core.engine.retrieves import EngineRetrieves
 from kvplug.core.engine.split_lookup import located_prefix
-from kvplug.core.engine.stores import EngineStores, StoreBatch
+from kvplug.core.engine.stores import EngineStores, QueuedKeys, StoreBatch
 from kvplug.core.engine.tails import HeldTail, longest_held_tail, tail_lengths
 from kvplug.core.events import EventListener, EventListeners
 from kvplug.core.keys import ChunkKey, Fingerprint, KeyBuilder, RequestInfo
@@ -126,6 +126,7 @@ class CacheEngine(EngineRetrieves, EngineStores):
             self._frame_pool_bytes(self.chain), pin=pin_frames, prefault=self.config.store.prefault_frames
         )
         self._store_worker: BackgroundWorker[StoreBatch] | None = None
+        self._queued_keys = QueuedKeys()
         queue = self.config.store.queue
         if queue.mode == "async":
             self._store_worker = BackgroundWorker(

@@ -9,6 +9,7 @@ of ``CacheEngine`` and reads the engine's parts (layout, chain, records, connect
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,33 @@ class StoreBatch:
         return sum(memoryview(frame).nbytes for _, frame, _ in self.chunks)
 
 
+class QueuedKeys:
+    """The keys of store batches queued for the store thread, not handed to the tiers yet
+    (counted: two batches may hold one key)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._counts[key] = self._counts.get(key, 0) + 1
+
+    def done(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                left = self._counts.get(key, 0) - 1
+                if left > 0:
+                    self._counts[key] = left
+                else:
+                    self._counts.pop(key, None)
+
+    def holds(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            return [key in self._counts for key in keys]
+
+
 class EngineStores(EngineParts):
     """``store``/``store_layerwise`` of a :class:`~kvplug.CacheEngine`."""
 
@@ -54,6 +82,7 @@ class EngineStores(EngineParts):
     frame_pool: FramePool
     _manifests: ManifestWriter
     _store_worker: BackgroundWorker[StoreBatch] | None
+    _queued_keys: QueuedKeys
     #: A store of this engine wrote (or may have written) a partial last chunk, by its request's
     #: own ``save_unfull_chunk``: inline lookups can no longer assume none is stored.
     _stored_partial_chunks: bool = False
@@ -242,6 +271,7 @@ class EngineStores(EngineParts):
         for fingerprint in self.records.fingerprints:  # the fingerprints these chunks go under, for explain
             batch.manifests += self._manifests.due(fingerprint, request)
         if self._store_worker is not None:
+            self._queued_keys.add([key for key, _, _ in batch.chunks])  # before: the thread may take it at once
             self._store_worker.submit(batch)
         else:
             self._write_batch(batch)
@@ -249,9 +279,13 @@ class EngineStores(EngineParts):
         return sum(n for _, _, n in batch.chunks)
 
     def _write_batch(self, batch: StoreBatch) -> None:
-        self._manifests.write(batch.manifests)
         frames = [(key, frame) for key, frame, _ in batch.chunks]
-        nbytes = self.chunk_store.put_frames(frames, only_trusted=not self.records.writer)
+        try:
+            self._manifests.write(batch.manifests)
+            nbytes = self.chunk_store.put_frames(frames, only_trusted=not self.records.writer)
+        finally:  # handed to the tiers (their queues hold what may still land): no longer queued here
+            if self._store_worker is not None:
+                self._queued_keys.done([key for key, _ in frames])
         self.metrics.stored_tokens.inc(sum(n for _, _, n in batch.chunks))
         self.metrics.stored_bytes.inc(nbytes)
         self._events.emit(
@@ -262,6 +296,15 @@ class EngineStores(EngineParts):
         """The store queue refused ``batch`` (full or closed): counted, its manifests due again."""
         self.metrics.store_dropped.labels("engine").inc()
         self._manifests.forget(batch.manifests)
+        self._queued_keys.done([key for key, _, _ in batch.chunks])
+
+    def writes_in_flight(self, keys: Sequence[str]) -> list[bool]:
+        """Whether a write of each (record) key may still land in a tier, and be announced
+        ``stored`` then: queued for the store thread, for an ``async`` tier, being written, or
+        held back behind a removal. ``False`` once it landed, or was dropped, declined,
+        refused or failed: then no ``stored`` of it can come (until it is stored again)."""
+        queued = self._queued_keys.holds(keys)
+        return [a or b for a, b in zip(queued, self.chain.writes_pending(keys))]
 
     def flush_stores(self) -> None:
         """Wait until every store so far is handed to the tiers: written to the ``sync``

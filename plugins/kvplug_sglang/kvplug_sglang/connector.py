@@ -95,7 +95,9 @@ class KVPlugConnector:
         self.kv_caches = list(zip(k_pool, v_pool))
         self.num_layers = len(self.kv_caches)
         self.device = k_pool[0].device
-        self.events = KVEventBridge({tier.name: tier.medium for tier in self.engine.chain.tiers})
+        self.events = KVEventBridge(
+            {tier.name: tier.medium for tier in self.engine.chain.tiers}, in_flight=self.engine.writes_in_flight
+        )
         self.engine.add_event_listener(self.events.observe)
         #: The engine's journal of what it stored and loaded, and where its chain wrote each.
         self.journal = kvplug.EngineControl(self.engine)

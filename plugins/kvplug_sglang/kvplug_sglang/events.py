@@ -15,7 +15,8 @@ to routers.
 
 Only chunks its connector stored or loaded are known: a record a persistent tier held before
 the process started carries no token ids (a record header holds a digest of the chunk key),
-so it is never announced. Of those it keeps the chunks some tier holds, and a bounded few no
+so it is not announced at start, and a load of it is announced for the faster tiers it is
+promoted to, not for the tier that served it (that tier wrote nothing). Of those it keeps the chunks some tier holds, and a bounded few no
 tier holds (a write not landed yet, declined or dropped, or a chunk that left every tier):
 not every chunk it ever stored or loaded.
 """
@@ -23,15 +24,11 @@ not every chunk it ever stored or loaded.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvplug import KVEvent, Medium, StoreKey
-
-#: A tier, unique in its chain (``KVEvent.tier_id``): its type and position.
-_TierId = tuple[str | None, int | None]
+from kvplug import HeldChunks, KVEvent, Medium, StoreKey
 
 #: kvplug tier medium (``StorageTier.medium``) -> SGLang ``StorageMedium`` value.
 _STORAGE_MEDIUM: dict[Medium, str] = {"memory": "CPU_PINNED", "disk": "DISK", "remote": "EXTERNAL"}
@@ -53,12 +50,13 @@ class _Chunk:
 class KVEventBridge:
     """Collects SGLang KV events for the chunks one connector stored or loaded.
 
-    ``media``: tier name -> kvplug medium (names not in it count as remote). Memory is
-    bounded: at most ``max_tracked`` chunks some tier holds and ``max_events`` untaken events
-    are kept; older ones are dropped and counted in ``dropped``. A chunk dropped while a tier
-    holds it is told removed from its media then: its later removal could not be told. At most
-    ``max_waiting`` chunks no tier holds wait for a tier's ``stored``, the oldest forgotten
-    first (nothing was told of them).
+    ``media``: tier name -> kvplug medium (names not in it count as remote). Which tiers hold
+    which chunk is kvplug's :class:`~kvplug.HeldChunks` (media: SGLang's storage media).
+    Memory is bounded: at most ``max_tracked`` chunks some tier holds and ``max_events``
+    untaken events are kept; older ones are dropped and counted in ``dropped``. A chunk dropped
+    while a tier holds it is told removed from its media then: its later removal could not be
+    told. At most ``max_waiting`` chunks no tier holds wait for a tier's ``stored``, the oldest
+    whose write can no longer land (``in_flight``) forgotten first (nothing was told of them).
     """
 
     def __init__(
@@ -68,15 +66,15 @@ class KVEventBridge:
         max_tracked: int = 65536,
         max_events: int = 65536,
         max_waiting: int = 16384,
+        in_flight: Callable[[Sequence[str]], list[bool]] | None = None,
     ) -> None:
+        """``in_flight``: the cache engine's ``writes_in_flight`` (see :class:`~kvplug.HeldChunks`)."""
         self._media = dict(media or {})
-        self._chunks: OrderedDict[str, _Chunk] = OrderedDict()  # chunks some tier holds, oldest first
-        self._waiting: OrderedDict[str, _Chunk] = OrderedDict()  # chunks no tier holds, oldest first
-        self._max_waiting = max_waiting
-        self._held: dict[str, set[_TierId]] = {}  # chunk key -> the tiers holding it
+        self.chunks: HeldChunks[_Chunk] = HeldChunks(
+            self._storage_medium, max_held=max_tracked, max_waiting=max_waiting, in_flight=in_flight
+        )
         self._events: list[Any] = []
         self._lock = threading.Lock()
-        self._max_tracked = max_tracked
         self._max_events = max_events
         self.dropped = 0
 
@@ -87,79 +85,37 @@ class KVEventBridge:
         with self._lock:
             parent: int | None = None
             for key, (start, end) in zip(keys, bounds):
-                chunk = _Chunk(tuple(tokens[start:end]), parent, cache_salt)
-                if key in self._chunks:
-                    self._chunks[key] = chunk
-                    self._chunks.move_to_end(key)
-                else:
-                    self._wait(key, chunk)
+                self.chunks.expect(key, _Chunk(tuple(tokens[start:end]), parent, cache_salt))
                 parent = block_hash(key)
-
-    def _hold(self, key: str, chunk: _Chunk) -> None:
-        """A tier holds ``key``: tracked among the held chunks, the oldest of which are
-        forgotten past ``max_tracked``. Holds ``_lock``."""
-        if key in self._chunks:  # already held: it keeps its place (the last expect's)
-            return
-        self._waiting.pop(key, None)
-        self._chunks[key] = chunk
-        while len(self._chunks) > self._max_tracked:
-            old, _ = self._chunks.popitem(last=False)
-            holders = self._held.pop(old, None)
-            self.dropped += 1
-            if holders:  # its later removal could not be told: a router would believe it held for good
-                self._forgotten(old, holders)
-
-    def _wait(self, key: str, chunk: _Chunk) -> None:
-        """No tier holds ``key``: it waits for a write to land, the oldest of the waiting
-        forgotten past ``max_waiting`` (nothing was told of them). Holds ``_lock``."""
-        self._waiting[key] = chunk
-        self._waiting.move_to_end(key)
-        while len(self._waiting) > self._max_waiting:
-            self._waiting.popitem(last=False)
 
     def observe(self, event: KVEvent) -> None:
         from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
 
-        if event.tier is None:  # the engine's own "stored": handed to its tiers, held by none yet
-            return
-        medium = self._storage_medium(event.tier)
-        new: list[Any] = []
         with self._lock:
-            if event.kind == "stored":
-                for key in event.keys:
-                    info = self._chunks.get(key) or self._waiting.get(key)
-                    if info is None:
-                        continue
-                    self._hold(key, info)
-                    held = self._held.setdefault(key, set())
-                    if medium not in self._media_of(held):
-                        new.append(
+            gone: list[int] = []
+            for change in self.chunks.observe(event):
+                info = change.chunk
+                if change.kind == "forgotten":  # its later removal could not be told
+                    self.dropped += 1
+                    for medium in change.media:
+                        self._events.append(BlockRemoved(block_hashes=[block_hash(change.key)], medium=medium))
+                elif change.kind == "stored":
+                    if change.first:  # each medium is told once
+                        self._events.append(
                             BlockStored(
-                                block_hashes=[block_hash(key)],
+                                block_hashes=[block_hash(change.key)],
                                 parent_block_hash=info.parent,
                                 token_ids=list(info.token_ids),
                                 block_size=len(info.token_ids),
                                 lora_id=None,
-                                medium=medium,
+                                medium=change.medium,
                                 cache_salt=info.cache_salt,
                             )
                         )
-                    held.add(event.tier_id)
-            elif event.kind in ("evicted", "removed"):
-                gone = []
-                for key in event.keys:
-                    holders = self._held.get(key)
-                    if holders is None or event.tier_id not in holders:
-                        continue
-                    holders.discard(event.tier_id)
-                    if medium not in self._media_of(holders):
-                        gone.append(key)
-                    if not holders:  # it left every tier: it waits, as a write may land again
-                        del self._held[key]
-                        self._wait(key, self._chunks.pop(key))
-                if gone:
-                    new.append(BlockRemoved(block_hashes=[block_hash(k) for k in gone], medium=medium))
-            self._events.extend(new)
+                else:  # one event's removals from one medium: one BlockRemoved
+                    gone.append(block_hash(change.key))
+            if gone:
+                self._events.append(BlockRemoved(block_hashes=gone, medium=self._storage_medium(event.tier or "")))
             self._bound_events()
 
     def _bound_events(self) -> None:
@@ -168,17 +124,6 @@ class KVEventBridge:
         if overflow > 0:
             del self._events[:overflow]
             self.dropped += overflow
-
-    def _forgotten(self, key: str, holders: set[_TierId]) -> None:
-        """Tell routers a chunk no longer tracked is removed from every medium holding it (a
-        later store or load of it announces it again). Holds ``_lock``."""
-        from sglang.srt.disaggregation.kv_events import BlockRemoved
-
-        for medium in sorted(self._media_of(holders)):
-            self._events.append(BlockRemoved(block_hashes=[block_hash(key)], medium=medium))
-
-    def _media_of(self, tiers: set[_TierId]) -> set[str]:
-        return {self._storage_medium(tier) for tier, _ in tiers if tier is not None}
 
     def _storage_medium(self, tier: str) -> str:
         return _STORAGE_MEDIUM[self._media.get(tier, "remote")]

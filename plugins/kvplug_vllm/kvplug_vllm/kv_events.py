@@ -22,13 +22,20 @@ sent anything else. The first rank's records stand for the engine's: every rank 
 same chunks (MLA's one record and replicated heads are the first rank's), and a chunk another
 rank evicted first is a miss there, not wrong KV.
 
-The index remembers the chunks some tier holds, at most ``max_chunks`` of them: one it forgets
+The index (kvplug's :class:`~kvplug.HeldChunks`, the one SGLang's adapter keeps too) remembers
+the chunks some tier holds, at most ``max_chunks`` of them: one it forgets
 is published removed from every medium then, since its later eviction could not be (a router
 would believe it held for good); a later store or load of it announces it again. A chunk no
 tier holds (its writes not landed yet, declined or dropped, or it left every tier) waits for a
-``stored`` event among at most ``max_waiting`` others, the oldest forgotten first: no router was
-told it is held. A chunk without vLLM blocks is never published, so never remembered. So the
+``stored`` event among at most ``max_waiting`` others, the oldest whose write can no longer land
+forgotten first (the engine's ``writes_in_flight``: a write still queued lands announced): no
+router was told it is held. A chunk without vLLM blocks is never published, so never remembered. So the
 index holds what the tiers hold, not every chunk the engine ever stored or loaded.
+
+Records a persistent tier held before the worker started are never announced as such: a record
+names its chunk by a digest, not by tokens or vLLM block hashes. Loaded, such a chunk is
+announced for the faster tiers the load promotes it to (their ``stored``), not for the tier
+that served it, which wrote nothing (docs/fleet.md).
 
 The index translates events; it is not a journal of what the worker stored: ``kvplug ctl
 clear`` and ``reset_cache`` read the worker's control target's journal. A worker keeps an
@@ -38,14 +45,13 @@ index only when vLLM publishes KV events.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents, KVEventAggregator
 
-from kvplug import ChunkKey, KVEvent
+from kvplug import ChunkKey, HeldChunks, KVEvent
 
 #: Chunks some tier holds remembered at most (oldest forgotten first): bounds the index's memory.
 MAX_CHUNKS = 1 << 20
@@ -65,29 +71,28 @@ class _Chunk:
 class ChunkIndex:
     """Chunk key -> the vLLM blocks it holds, and the vLLM events not yet handed to vLLM.
 
-    ``on_event`` is called from kvplug's threads (store worker, tier writers);
-    everything is guarded by one lock.
+    Which tiers hold which chunk is kvplug's :class:`~kvplug.HeldChunks` (media: the tier
+    types); this class names chunks by vLLM's blocks. ``on_event`` is called from kvplug's
+    threads (store worker, tier writers); everything is guarded by one lock.
     """
 
     def __init__(
         self,
         block_size: int,
         tier_names: Sequence[str],
+        in_flight: Callable[[Sequence[str]], list[bool]] | None = None,
         *,
         max_chunks: int = MAX_CHUNKS,
         max_waiting: int = MAX_WAITING,
     ) -> None:
+        """``in_flight``: the cache engine's ``writes_in_flight`` (see :class:`~kvplug.HeldChunks`)."""
         self.block_size = block_size
-        self.max_chunks = max_chunks
-        self.max_waiting = max_waiting
         #: The types of the engine's tiers: the media published (events of no tier are ignored).
         self.tier_names = list(tier_names)
-        #: Chunks some tier said it holds (``_held``), oldest first.
-        self._chunks: OrderedDict[str, _Chunk] = OrderedDict()
-        #: Chunks remembered that no tier holds, oldest first (see the module docstring).
-        self._waiting: OrderedDict[str, _Chunk] = OrderedDict()
-        #: Chunk key -> the tiers (``KVEvent.tier_id``) that said they hold it, of remembered chunks.
-        self._held: dict[str, set[tuple[str | None, int | None]]] = {}
+        #: The medium of a tier is its type.
+        self.chunks: HeldChunks[_Chunk] = HeldChunks(
+            str, max_held=max_chunks, max_waiting=max_waiting, in_flight=in_flight
+        )
         self._events: list[KVCacheEvent] = []
         self._lock = threading.Lock()
 
@@ -109,47 +114,23 @@ class ChunkIndex:
                 chunk = _Chunk(
                     tuple(block_hashes[first:last]), parent, tuple(token_ids[key.start : key.end]), lora_name
                 )
-                if key.key in self._chunks:
-                    self._chunks[key.key] = chunk
-                    self._chunks.move_to_end(key.key)
-                else:
-                    self._wait(key.key, chunk)
-
-    def _hold(self, key: str, chunk: _Chunk) -> None:
-        """A tier holds ``key``: it is remembered among the held chunks. Holds ``_lock``."""
-        if key in self._chunks:  # already held: it keeps its place (the last remember's)
-            return
-        self._waiting.pop(key, None)
-        self._chunks[key] = chunk
-        while len(self._chunks) > self.max_chunks:
-            old_key, forgotten = self._chunks.popitem(last=False)
-            self._held.pop(old_key, None)
-            # Its later eviction could no longer be published: a router would believe it held
-            # for good. Said removed now, from every medium (a removal of what a router never
-            # held is a no-op); a later store or load announces it again.
-            for medium in dict.fromkeys(self.tier_names):
-                self._events.append(BlockRemoved(block_hashes=list(forgotten.block_hashes), medium=medium))
-
-    def _wait(self, key: str, chunk: _Chunk) -> None:
-        """No tier holds ``key``: it is remembered among the chunks waiting for a write to land,
-        the oldest of which are forgotten (no router was told they are held). Holds ``_lock``."""
-        self._waiting[key] = chunk
-        self._waiting.move_to_end(key)
-        while len(self._waiting) > self.max_waiting:
-            self._waiting.popitem(last=False)
+                self.chunks.expect(key.key, chunk)
 
     def on_event(self, event: KVEvent) -> None:
         # The engine's own "stored" (tier None) only says it handed chunks to its tiers.
         if event.tier is None or event.tier not in self.tier_names:
             return
         with self._lock:
-            if event.kind == "stored":
-                for key in event.keys:
-                    chunk = self._chunks.get(key) or self._waiting.get(key)
-                    if chunk is None:
-                        continue
-                    self._hold(key, chunk)
-                    self._held.setdefault(key, set()).add(event.tier_id)
+            removed: list[Any] = []
+            for change in self.chunks.observe(event):
+                chunk = change.chunk
+                if change.kind == "forgotten":
+                    # Its later eviction could no longer be published: a router would believe it
+                    # held for good. Said removed now, from every medium (a removal of what a
+                    # router never held is a no-op); a later store or load announces it again.
+                    for medium in dict.fromkeys(self.tier_names):
+                        self._events.append(BlockRemoved(block_hashes=list(chunk.block_hashes), medium=medium))
+                elif change.kind == "stored":
                     self._events.append(
                         BlockStored(
                             block_hashes=list(chunk.block_hashes),
@@ -157,28 +138,14 @@ class ChunkIndex:
                             token_ids=list(chunk.token_ids),
                             block_size=self.block_size,
                             lora_id=None,
-                            medium=event.tier,
+                            medium=change.medium,
                             lora_name=chunk.lora_name,
                         )
                     )
-            elif event.kind in ("evicted", "removed"):
-                hashes: list[Any] = []
-                for key in event.keys:
-                    chunk = self._chunks.get(key)
-                    if chunk is not None and self._left_medium(key, event):
-                        hashes += chunk.block_hashes
-                if hashes:
-                    self._events.append(BlockRemoved(block_hashes=hashes, medium=event.tier))
-
-    def _left_medium(self, key: str, event: KVEvent) -> bool:
-        """Forget that ``event``'s tier holds ``key``; whether no other tier of its type does
-        (a chunk one disk folder evicted and another holds is still on disk). Holds ``_lock``."""
-        holders = self._held.get(key, set())
-        holders.discard(event.tier_id)
-        if not holders:  # no tier holds it: it waits among the chunks a later write may land for
-            self._held.pop(key, None)
-            self._wait(key, self._chunks.pop(key))
-        return all(tier != event.tier for tier, _ in holders)
+                else:  # one event's removals from one medium: one BlockRemoved
+                    removed += chunk.block_hashes
+            if removed:
+                self._events.append(BlockRemoved(block_hashes=removed, medium=event.tier))
 
     def take(self) -> list[KVCacheEvent]:
         with self._lock:

@@ -136,7 +136,7 @@ class WorkerSide:
         # reported events in a step reported it, and the ranks' tier writes land in different
         # steps, so events of several ranks were published early or never (see kv_events.py).
         if kv_events is not None and kv_events.enable_kv_cache_events and self._first_rank:
-            self.index = ChunkIndex(layout.block_size, [t.type for t in config.tiers])
+            self.index = ChunkIndex(layout.block_size, [t.type for t in config.tiers], self.engine.writes_in_flight)
             self.engine.add_event_listener(self.index.on_event)
         register_local(self.engine_key, LocalWorker(self.engine, self.reset_cache, trim))
         #: What this worker stored and loaded, and where its writes went: kvplug ctl's target and the reset's plan.

@@ -52,7 +52,7 @@ def kvplug_sizes(llm: Any) -> dict[str, int]:
         "worker._stats samples": _samples(worker._stats),
         "worker.index._events": len(worker.index._events) if worker.index is not None else 0,
         # the KV-events index names vLLM blocks of the chunks the tiers hold: not of every chunk ever stored
-        "worker.index._chunks of chunks no tier holds": _unheld(worker),
+        "worker.index.chunks of chunks no tier holds": _unheld(worker),
         # vLLM's own books: kvplug's reports of finished loads must let it free every request
         "vllm.scheduler.requests": len(scheduler.requests),
         "vllm.scheduler.finished_recving_kv_req_ids": len(scheduler.finished_recving_kv_req_ids),
@@ -65,7 +65,7 @@ def _unheld(worker: Any) -> int:
     """Chunks the worker's KV-events index remembers as held that no tier holds."""
     if worker.index is None:
         return 0
-    keys = list(worker.index._chunks)
+    keys = worker.index.chunks.held_keys()
     held = [False] * len(keys)
     for tier in worker.engine.chain.tiers:
         held = [a or b for a, b in zip(held, tier.contains(keys))]

@@ -105,22 +105,24 @@ def test_the_index_remembers_what_the_tiers_hold_not_every_chunk_ever_stored() -
     tokens = list(range(100, 124))
     hashes = [f"h{i}".encode() for i in range(6)]
     index.remember([key(0, 0, 4), key(1, 4, 8), key(2, 8, 10)], tokens, hashes, lora_name=None)
-    assert list(index._chunks) == []  # no tier holds them yet; the partial chunk: never published
+    assert index.chunks.held_keys() == []  # no tier holds them yet; the partial chunk: never published
     index.on_event(KVEvent("stored", (key(0, 0, 4).key,), tier="cpu"))
     index.on_event(KVEvent("stored", (key(0, 0, 4).key,), tier="disk"))
     index.on_event(KVEvent("evicted", (key(0, 0, 4).key,), tier="cpu"))
-    assert list(index._chunks) == [key(0, 0, 4).key]  # disk still holds it
+    assert index.chunks.held_keys() == [key(0, 0, 4).key]  # disk still holds it
     index.on_event(KVEvent("evicted", (key(0, 0, 4).key,), tier="disk"))
-    assert list(index._chunks) == [] and index._held == {}
+    assert index.chunks.held_keys() == [] and index.chunks.holders(key(0, 0, 4).key) == set()
     index.take()
     # a write that lands after the chunk left every tier is still published
     index.on_event(KVEvent("stored", (key(0, 0, 4).key,), tier="disk"))
     assert [(type(e), e.medium) for e in index.take()] == [(BlockStored, "disk")]
-    assert list(index._chunks) == [key(0, 0, 4).key]
+    assert index.chunks.held_keys() == [key(0, 0, 4).key]
     # chunks whose writes never land: the oldest are forgotten past max_waiting
     bounded = ChunkIndex(block_size=4, tier_names=["cpu"], max_waiting=2)
     bounded.remember([key(3, 12, 16), key(4, 16, 20), key(5, 20, 24)], tokens, hashes, lora_name=None)
-    assert list(bounded._waiting) == [key(4, 16, 20).key, key(5, 20, 24).key] and list(bounded._chunks) == []
+    assert (
+        bounded.chunks.waiting_keys() == [key(4, 16, 20).key, key(5, 20, 24).key] and bounded.chunks.held_keys() == []
+    )
 
 
 def test_a_chunk_one_of_two_disk_tiers_evicts_is_not_published_removed_while_the_other_holds_it(
@@ -209,3 +211,35 @@ def test_an_idle_step_waits_for_a_background_load_instead_of_spinning() -> None:
         started = time.monotonic()
         loads.wait(5.0)  # returns as soon as the load is over
         assert time.monotonic() - started < 1.0
+
+
+def test_a_tier_that_never_announced_a_chunk_does_not_publish_it_removed(tmp_path: Path) -> None:
+    """A disk record from before a restart, loaded (and so promoted to the cpu tier: published
+    there), then evicted from disk: on ee9bb23 the index published a BlockRemoved with medium
+    ``disk`` for a chunk it never published stored on disk. Only a tier that said it holds a
+    chunk takes it back (kvplug.HeldChunks)."""
+    layout = KVLayout(PagedFormat("vllm_flash", ("kv", "block", "token", "head", "dim")), 3, 8, 2, 4, torch.bfloat16)
+    disk = {"type": "disk", "path": str(tmp_path / "d"), "max_bytes": 4000}  # two 16-token chunks
+    fingerprint = Fingerprint.for_layout(layout, model_id="restart")
+    caches = [torch.randn(2, 16, 8, 2, 4).to(torch.bfloat16) for _ in range(3)]
+    old = list(range(16))
+    kv = {"chunk_size": 16, "store": {"queue": {"mode": "sync"}}, "tiers": [disk]}
+    with CacheEngine(load_config(engine_extra={"kvplug": kv}, env={}).config, layout, fingerprint) as engine:
+        engine.store(old, caches, torch.arange(16))  # before the restart
+    kv["tiers"] = [{"type": "cpu"}, disk]
+    config = load_config(engine_extra={"kvplug": kv}, env={}).config
+    with CacheEngine(config, layout, fingerprint) as engine:
+        index = ChunkIndex(layout.block_size, [t.type for t in config.tiers], engine.writes_in_flight)
+        engine.add_event_listener(index.on_event)
+        old_hashes = [b"old/0", b"old/1"]
+        index.remember(engine.chunk_keys(old), old, old_hashes, lora_name=None)
+        assert int(engine.retrieve(old, caches, torch.arange(16)).sum()) == 16  # promoted to cpu
+        for first in (1000, 2000):  # two new chunks: the disk tier evicts the old one
+            tokens = list(range(first, first + 16))
+            index.remember(engine.chunk_keys(tokens), tokens, [f"{first}/{i}".encode() for i in range(2)], None)
+            engine.store(tokens, caches, torch.arange(16))
+            engine.flush()
+        assert engine.chain.tiers[1].contains([engine.chunk_keys(old)[0].key]) == [False]
+        events = index.take()
+    about_old = [(type(e), e.medium) for e in events if set(e.block_hashes) & set(old_hashes)]
+    assert about_old == [(BlockStored, "cpu")]  # ee9bb23: also (BlockRemoved, "disk")
