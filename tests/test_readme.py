@@ -68,7 +68,7 @@ RUN_BY: dict[str, list[Evidence]] = {
     'vllm serve MODEL --kv-transfer-config \'{"kv_connector":"KVPlugConnector","kv_role":"kv_both",'
     '"kv_load_failure_policy":"recompute", "kv_connector_extra_config":{"kvplug.config":"kvplug.yaml"}}\'': [
         (f"{SERVE_TEST}::test_openai_server_second_completion_hits", ()),
-        (f"{SERVE_TEST}::server", ("readme_kv_transfer_config()", '"serve"')),
+        (f"{SERVE_TEST}::served", ("readme_kv_transfer_config()", "vllm_serve(")),
         (f"{SERVE_TEST}::readme_kv_transfer_config", ("vllm serve MODEL --kv-transfer-config",)),
     ],
     # the vllm session runs this line, read from README.md, into a fresh venv of built wheels, then serve_cpu.sh
