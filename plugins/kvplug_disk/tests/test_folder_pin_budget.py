@@ -2,7 +2,7 @@
 ``kvplug store stats``) and bounded as a whole (``folder_pin_max_bytes``, 90% of ``max_bytes`` by
 default): each engine writes its pinned bytes into its lock file in ``.kvplug-pins``
 (:mod:`kvplug_disk.pin_owners`), and the others sum those of the live ones. The workers and
-helpers are :mod:`test_folder_pins`'s; each worker is a process of its own, killed for real.
+helpers are in :mod:`pinned_folders`; each worker is a process of its own, killed for real.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pinned_folders import FILE, kill, path_of, records, start, tier_of
 from tenant_worker import VALUE, Worker
-from test_folder_pins import FILE, kill, path_of, records, start, tier_of
 from typer.testing import CliRunner
 
 from kvplug.cli.main import app
