@@ -1,9 +1,10 @@
 """An engine's figure in its lock file (its pinned bytes, :mod:`kvplug_disk.pin_owners`) follows
 what it pins however its pins change: a pinned record found corrupt and removed, or removed by
 another engine, takes its bytes off the figure the other engines sum, so the folder's pins are
-not refused for good; a pin or unpin made while another process holds the folder's lock is in
-the figure at once. The helpers are in :mod:`pinned_folders`; two tiers of one folder in this
-process are two owners, their lock files as apart as two processes'."""
+not refused for good; a pin or unpin made, or a record the pin book wants found, while another
+process holds the folder's lock is in the figure at once. The helpers are in
+:mod:`pinned_folders`; two tiers of one folder in this process are two owners, their lock files
+as apart as two processes'."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from kvplug_disk import DiskTier
 
 PINNED = key_of("tenant-b", "system")
 OTHER = key_of("tenant-b", "other")
+FOUND = key_of("tenant-b", "found")
 
 
 @dataclass
@@ -109,4 +111,26 @@ def test_a_pin_made_without_the_folders_lock_is_in_the_figure_at_once(engines: E
     with second._backend._ledger.locked(timeout_s=60, then="-"):  # type: ignore[attr-defined]
         assert first.pin([PINNED])[0][0] == "pinned"
     assert second.stats().extra["folder_pinned_bytes"] == FILE
+    assert second.pin([OTHER])[0][0] == "refused"
+
+
+def test_a_wanted_record_a_lookup_finds_without_the_folders_lock_is_in_the_figure_at_once(
+    engines: Engines,
+) -> None:
+    """Engine A's pin book wants a record engine B stored; A's lookup finds it (pinning it as it
+    enters A's order) while B holds the folder's lock past A's lock_wait_s, so A cannot mark it
+    yet. The pin holds in A, and its bytes must be in A's figure at once, as a pin's are, or B's
+    pins are decided without them (room for one record here). A has pinned before (its lock file
+    is there). ee9bb23 wrote the figure only with the mark, under the folder's lock: nothing until
+    A's next pin, unpin or store (``AssertionError: A's figure misses the record its lookup
+    pinned; assert 0 == 1064``)."""
+    first, second = engines.first, engines.second
+    assert first.pin([PINNED])[0][0] == "pinned"
+    assert first.unpin([PINNED]) == [VALUE]
+    second.put([(FOUND, value_for(FOUND, VALUE))])
+    engines.context.tenancy.pins.add([FOUND])
+    with second._backend._ledger.locked(timeout_s=60, then="-"):  # type: ignore[attr-defined]
+        assert first.contains([FOUND]) == [True]
+    assert first.stats().extra["pinned_bytes"] == FILE
+    assert second.stats().extra["folder_pinned_bytes"] == FILE, "A's figure misses the record its lookup pinned"
     assert second.pin([OTHER])[0][0] == "refused"
