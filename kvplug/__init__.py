@@ -107,6 +107,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "UNBOUNDED_BYTES": ("kvplug.core.tier", "UNBOUNDED_BYTES"),
     "WriteRefusals": ("kvplug.core.remote.refusals", "WriteRefusals"),
     "OpeningWarnings": ("kvplug.core.remote.opening_warnings", "OpeningWarnings"),
+    "bound_share": ("kvplug.core.tenancy_settings", "bound_share"),
     "check_record": ("kvplug.core.records.store", "check_record"),
     "check_record_size": ("kvplug.core.records.frame", "check_record_size"),
     "check_socket_file": ("kvplug.core.control_socket", "check_socket_file"),
@@ -185,7 +186,7 @@ if TYPE_CHECKING:
     from kvplug.core.remote.retry import Absent, CircuitBreaker, FailureKind, classify_failure
     from kvplug.core.serializer import Serializer
     from kvplug.core.tenancy import NameTenants, PinReport, Tenancy
-    from kvplug.core.tenancy_settings import TenancySettings, parse_share
+    from kvplug.core.tenancy_settings import TenancySettings, bound_share, parse_share
     from kvplug.core.tenants import FOLDER_PINNED_BYTES, FOLDER_TENANT_BYTES
     from kvplug.core.tier import (
         MEDIA,
@@ -291,6 +292,7 @@ __all__ = [
     "TorchConnector",
     "WriteRefusals",
     "__version__",
+    "bound_share",
     "check_record",
     "check_record_size",
     "check_socket_file",

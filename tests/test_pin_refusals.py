@@ -69,6 +69,14 @@ def test_a_pin_budget_of_90_percent_is_accepted(tmp_path: Path, kind: str) -> No
         make(tmp_path, [tier(kind, tmp_path, max_bytes=1_000_000, pin_max_bytes=value)]).close()
 
 
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_a_pin_budget_of_0_or_0_percent_is_accepted(tmp_path: Path, kind: str) -> None:
+    """0% is 0 (no pins), as for every share: ee9bb23 took 0 and refused 0% (``ConfigError:
+    pin_max_bytes: '0%' must be a percentage greater than 0 and at most 100``)."""
+    for value in ("0%", 0):
+        make(tmp_path, [tier(kind, tmp_path, max_bytes=1_000_000, pin_max_bytes=value)]).close()
+
+
 def chunk_bytes(tmp_path: Path, kind: str) -> int:
     """What one chunk counts against a tier's budgets (the disk tier: its record file)."""
     with make(tmp_path / "probe", [tier(kind, tmp_path / "probe", max_bytes="1MiB")]) as engine:

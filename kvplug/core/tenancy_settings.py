@@ -24,13 +24,13 @@ MAX_PIN_PERCENT = 90
 def parse_share(where: str, value: object) -> int | str:
     """A byte count (``4GiB``, ``1000``) or a percentage of the tier's budget (``"20%"``),
     normalised to an ``int`` or a ``"<number>%"`` string; ``ValueError`` names ``where``,
-    the value and the bound."""
+    the value and the bound. ``0%`` is ``0``: none (no pins, a tenant that stores nothing)."""
     if isinstance(value, str):
         match = _PERCENT.match(value)
         if match is not None:
             percent = float(match.group(1))
-            if not 0 < percent <= 100:
-                raise ValueError(f"{where}: {value!r} must be a percentage greater than 0 and at most 100")
+            if percent > 100:
+                raise ValueError(f"{where}: {value!r} must be a percentage of at most 100")
             return f"{match.group(1)}%"
     if isinstance(value, bool):
         raise ValueError(f"{where}: {value!r} is not a byte size (4GiB) or a percentage (20%)")
@@ -41,6 +41,21 @@ def parse_share(where: str, value: object) -> int | str:
     if not 0 <= size <= MAX_SHARE_BYTES:
         raise ValueError(f"{where}: {value!r} must be from 0 bytes to 1 PiB")
     return size
+
+
+def bound_share(where: str, share: int | str, budget: int | None, *, at_most_percent: float, rest: str) -> None:
+    """Refuse a share (:func:`parse_share`'s) of more than ``at_most_percent`` of the tier's
+    ``budget`` (its ``max_bytes``; ``None``: only a percentage is checked): ``ValueError`` names
+    ``where``, the share, the bound and what the rest of ``max_bytes`` is for (``rest``)."""
+    if isinstance(share, str):
+        over, said = float(share[:-1]) > at_most_percent, repr(share)
+    else:
+        over = budget is not None and share * 100 > budget * at_most_percent
+        said = f"{share} bytes of max_bytes {budget}"
+    if over:
+        raise ValueError(
+            f"{where}: {said} is too much: at most {at_most_percent:g}% of max_bytes, the rest is for {rest}"
+        )
 
 
 def share_bytes(share: int | str, budget: int | None) -> int | None:
@@ -86,8 +101,7 @@ class TenancySettings(BaseModel):
     @classmethod
     def _pin_share(cls, value: Any) -> int | str:
         share = parse_share("pin_max_bytes", value)
-        if isinstance(share, str) and float(share[:-1]) > MAX_PIN_PERCENT:
-            raise ValueError(f"pin_max_bytes: {value!r} leaves too little room for unpinned chunks: {_PIN_RULE}")
+        bound_share("pin_max_bytes", share, None, at_most_percent=MAX_PIN_PERCENT, rest=_UNPINNED)
         return share
 
     @field_validator("request_pin_max_bytes", mode="before")
@@ -115,12 +129,7 @@ class TenancySettings(BaseModel):
         for where, share in shares.items():
             if isinstance(share, int) and share > int(budget):
                 raise ValueError(f"{where}: {share} bytes is more than the tier's max_bytes ({int(budget)})")
-        pins = self.pin_max_bytes
-        if isinstance(pins, int) and pins * 100 > int(budget) * MAX_PIN_PERCENT:
-            raise ValueError(
-                f"pin_max_bytes: {pins} bytes of max_bytes {int(budget)} leaves too little room for unpinned "
-                f"chunks: {_PIN_RULE}"
-            )
+        bound_share("pin_max_bytes", self.pin_max_bytes, int(budget), at_most_percent=MAX_PIN_PERCENT, rest=_UNPINNED)
         return self
 
     def pin_budget(self) -> int | None:
@@ -147,7 +156,8 @@ class TenancySettings(BaseModel):
         return named, default
 
 
-_PIN_RULE = f"at most {MAX_PIN_PERCENT}% of max_bytes (the rest is for chunks that can be evicted)"
+#: What the rest of ``max_bytes`` beside ``pin_max_bytes`` is for (said when it is too much).
+_UNPINNED = "chunks that can be evicted"
 
 
 def _budget(settings: BaseModel) -> int | None:

@@ -119,7 +119,7 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
         # from their lock files (pin_owners.py) at each pin decision; self._marks is made below.
         shared = SharedPins(config.folder_pin_budget(), self._others_pinned, "folder_pin_max_bytes")
         guard = record_guard(config, tenancy, self.tenant_names, problems.logger, self.where, shared)
-        self._order = EvictionIndex(config.eviction, guard)
+        self._order = EvictionIndex(config.eviction, guard, self._pinned_changed)
         self._counts = dict.fromkeys(
             (
                 "discovered",
@@ -144,6 +144,7 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
         if not read_only:
             mark_store(self._folder.root_fd)
         self._ledger = UsageLedger(self._folder.root_fd, where=self.where, read_only=read_only)
+        self._ledger.before_release = self._write_figure  # (the pin figure: FolderPins._pinned_changed)
         try:
             scan = self._start(config)
         except BaseException:  # a tier that does not open keeps no descriptors
@@ -370,8 +371,7 @@ class DiskBackend(FolderPins, DiskRemovals, FolderBudget, DiskReads, RecordBacke
             self._problems.error(op, digest, exc, warn=warn)
             return False
         with contextlib.nullcontext() if locked else self._lock:
-            self._order.pop(digest)
-            self._write_figure()  # (it may have been pinned)
+            self._order.pop(digest)  # (if it was pinned, the order tells: FolderPins._pinned_changed)
         if not warn:
             self._problems.error(op, digest, exc, warn=False)
         return True

@@ -23,12 +23,15 @@ from kvplug import (
     TenancySettings,
     ThreadCount,
     TimeoutSeconds,
+    bound_share,
     parse_share,
 )
 
 #: The largest share of ``max_bytes`` every process's pins together may take, in percent: the
 #: rest is for records that can be evicted, or a folder full of pins would refuse every store.
 MAX_FOLDER_PIN_PERCENT = 90
+#: What the rest of ``max_bytes`` beside ``folder_pin_max_bytes`` is for (said when it is too much).
+_UNPINNED = "records that can be evicted"
 
 
 class DiskTierConfig(TenancySettings, RecordTierConfig):
@@ -85,7 +88,8 @@ class DiskTierConfig(TenancySettings, RecordTierConfig):
         default=f"{MAX_FOLDER_PIN_PERCENT}%",
         description="Budget of the pinned records of every process sharing the folder together (pin_max_bytes "
         "bounds each process's own): bytes or a percentage of max_bytes, at most "
-        f"{MAX_FOLDER_PIN_PERCENT}% of it, so that a folder full of pins never refuses every store. A pin "
+        f"{MAX_FOLDER_PIN_PERCENT}% of it, so that a folder full of pins never refuses every store (0 or 0%: "
+        "no pins in the folder). A pin "
         "past it is refused and counted as one past pin_max_bytes is (stats pins_refused). Each process "
         "counts the others' pinned bytes as they last wrote them (a record two processes pin counts twice; "
         "a round-27 engine's count as nothing: stats folder_pins_unknown_processes) (docs/operations.md).",
@@ -114,18 +118,13 @@ class DiskTierConfig(TenancySettings, RecordTierConfig):
     @classmethod
     def _folder_pin_share(cls, value: Any) -> int | str:
         share = parse_share("folder_pin_max_bytes", value)
-        if isinstance(share, str) and float(share[:-1]) > MAX_FOLDER_PIN_PERCENT:
-            raise ValueError(f"folder_pin_max_bytes: {value!r} is more than {MAX_FOLDER_PIN_PERCENT}% of max_bytes")
+        bound_share("folder_pin_max_bytes", share, None, at_most_percent=MAX_FOLDER_PIN_PERCENT, rest=_UNPINNED)
         return share
 
     @model_validator(mode="after")
     def _folder_pins_within_budget(self) -> DiskTierConfig:
-        share = self.folder_pin_max_bytes
-        if isinstance(share, int) and share * 100 > int(self.max_bytes) * MAX_FOLDER_PIN_PERCENT:
-            raise ValueError(
-                f"folder_pin_max_bytes: {share} bytes is more than {MAX_FOLDER_PIN_PERCENT}% of max_bytes "
-                f"{int(self.max_bytes)}: records that can be evicted need the rest"
-            )
+        share, budget = self.folder_pin_max_bytes, int(self.max_bytes)
+        bound_share("folder_pin_max_bytes", share, budget, at_most_percent=MAX_FOLDER_PIN_PERCENT, rest=_UNPINNED)
         return self
 
     def folder_pin_budget(self) -> int:

@@ -52,18 +52,17 @@ class FolderPins:
         Each is pinned and marked under the folder's lock, which every eviction takes (a record
         another process is evicting is either gone first or kept) and every process's pin
         takes too: the folder's pins stay within ``folder_pin_max_bytes`` however many pin at
-        once (this process's pinned bytes are written for the others before the lock goes)."""
+        once (this process's pinned bytes are written for the others before the lock goes:
+        :meth:`_pinned_changed`)."""
         self._sizes(names)
         try:
             with self._ledger.locked(timeout_s=self._lock_wait_s, then="pinned in this process only for now"):
                 outcomes = self._pin_in_order(names)
                 self._sync_marks(names)
-                self._publish_pins()
         except FolderLockTimeoutError as exc:  # marked at the next pin, store or listing that finds them
             outcomes = self._pin_in_order(names)  # (within the other processes' pins as last written)
             with self._lock:
                 self._unmark_due = True  # (and the marks of records unpinned since: see unpin)
-                self._write_figure()  # (see there: the others must count it)
             self._problems.error("pin", "the folder", exc)
         return outcomes
 
@@ -88,21 +87,26 @@ class FolderPins:
             return self._others_read
         return self._marks.figures(others_only=True).pinned_bytes
 
-    def _publish_pins(self) -> None:
-        """Write this process's pinned bytes for the folder's other processes (the folder's lock held)."""
-        with self._lock:  # (read and written in one hold: see _write_figure)
-            self._marks.publish(self._order.pinned_bytes)
+    def _pinned_changed(self, pinned: int) -> None:
+        """The eviction order's pinned bytes changed to ``pinned`` (its ``on_pinned``; the
+        backend's lock held, so a figure read before a change is never written after it): the
+        one place this process's figure is written from, whatever pinned, unpinned or dropped a
+        pinned record. Under the folder's lock, once, as it is released (:meth:`_write_figure`).
+        Without it, at once: after pinned records left the order (found corrupt, gone, skipped),
+        whose bytes would otherwise refuse the other engines' pins while this one lives (a
+        figure that falls passes no bound); after a pin or unpin that could not take the lock,
+        whose bytes the others must count at once (a pin's were decided without them already);
+        after a lookup found a record the pin book wants. But never the lock file made, which is
+        made under the folder's lock only: the first pin of an owner that cannot take it is
+        counted at its next hold (:meth:`_write_figure` again)."""
+        if not self._ledger.held_here():
+            self._marks.publish(pinned, make=False)
 
     def _write_figure(self) -> None:
-        """Write this process's pinned bytes (the backend's lock held; read from the order in the
-        same hold, so a figure read before a change is never written after it). Also without the
-        folder's lock: after pinned records left the order (found corrupt, gone, skipped), whose
-        bytes would otherwise refuse the other engines' pins while this one lives (a figure that
-        falls passes no bound); and after a pin or unpin that could not take the lock, whose
-        bytes the others must count at once (a pin's were decided without them already). Never
-        makes the lock file, which is made under the folder's lock only: the first pin of an
-        owner that cannot take it is counted once it can."""
-        self._marks.publish(self._order.pinned_bytes, make=False)
+        """Write this process's pinned bytes as the folder's lock is released (the ledger's
+        ``before_release``; the backend's lock not held): a no-op when the file holds them."""
+        with self._lock:
+            self._marks.publish(self._order.pinned_bytes)
 
     def unpin(self, names: Sequence[str]) -> list[int | None]:
         """Make records evictable again: per name its value bytes, ``None`` if not pinned. They
@@ -125,13 +129,11 @@ class FolderPins:
                     if over_quota:
                         self._remove_victims(usage, over_quota)
                         usage.save()
-                self._publish_pins()
         except FolderLockTimeoutError as exc:  # unpinned all the same: the next write keeps the quota
             # The marks stay until the lock is held (the next pin, unpin, store or listing): one
             # removed without it may be copied first onto the file a store renames over the record.
             with self._lock:
                 self._unmark_due = True
-                self._write_figure()  # (no folder lock needed: see there)
             self._problems.error("unpin", "the folder", exc)
         return sizes
 
@@ -174,14 +176,12 @@ class FolderPins:
             self._problems.error("pin", "the folder", exc)
 
     def _mark_new_pins(self, names: Iterable[str]) -> None:
-        """Mark the records of ``names`` that this process pins (both locks held), and write its
-        pinned bytes if they changed. Marked again even where this process marked them before:
-        the file may be a new one without its mark (the record was removed by another process,
-        then stored again)."""
+        """Mark the records of ``names`` that this process pins (both locks held). Marked again
+        even where this process marked them before: the file may be a new one without its mark
+        (the record was removed by another process, then stored again)."""
         for digest in names:
             if self._order.is_pinned(digest):
                 self._marks.mark(digest)
-        self._marks.publish(self._order.pinned_bytes)
 
 
 class KeptForOthers:

@@ -11,6 +11,11 @@ whenever the file system disagrees (a file another process wrote or evicted), an
 rebuilt when evicting all of it would leave the folder over budget (keeping
 its pins). Not thread-safe: the backend holds its lock around every call.
 
+It holds this process's pinned records, so it is what says when their bytes change
+(``on_pinned``, after any call that changed them): the one place the folder's pin figure
+is written from (:mod:`kvplug_disk.pin_marks`), whichever path pinned, unpinned or dropped a
+pinned record.
+
 The policy is guarded (:class:`kvplug.GuardedEviction`): pinned records are never
 victims, and a tenant over its quota gives up its own records
 (:meth:`EvictionIndex.take_over_quota`). Both count file sizes. A rebuild keeps the
@@ -38,7 +43,10 @@ class EvictionIndex:
     """Record digests in the order of an eviction policy, with exact byte totals."""
 
     def __init__(
-        self, eviction: EvictionName = "lru", guard: Callable[[EvictionName], GuardedEviction] = GuardedEviction
+        self,
+        eviction: EvictionName = "lru",
+        guard: Callable[[EvictionName], GuardedEviction] = GuardedEviction,
+        on_pinned: Callable[[int], None] | None = None,
     ) -> None:
         self.eviction: EvictionName = eviction
         self._guard = guard
@@ -47,11 +55,16 @@ class EvictionIndex:
         self._policy = guard(eviction)
         self.value_bytes = 0
         self.file_bytes = 0
+        #: Told the pinned bytes after each call that changed them (the backend's lock held).
+        self._on_pinned = on_pinned
+        self._told = 0  # the pinned bytes last told
 
     def fresh(self) -> EvictionIndex:
-        """An empty index of the same policy and guard, knowing the tenants this one learnt."""
-        index = EvictionIndex(self.eviction, self._guard)
+        """An empty index of the same policy and guard, knowing the tenants this one learnt
+        (and telling the same ``on_pinned``: its first change is told against this one's bytes)."""
+        index = EvictionIndex(self.eviction, self._guard, self._on_pinned)
         index._policy.adopt_tenants(self._policy.tenants_of())
+        index._told = self._told
         return index
 
     def __len__(self) -> int:
@@ -70,13 +83,15 @@ class EvictionIndex:
             self.value_bytes -= old.value_size
             self.file_bytes -= old.file_size
         self._store(digest, entry)
-        self._policy.inserted(digest, entry.file_size)
+        self._policy.inserted(digest, entry.file_size)  # (a record the pin book wants enters pinned)
+        self._tell()
 
     def add_cold(self, digest: str, entry: IndexEntry) -> None:
         """Insert an entry known to be absent, found by a listing rather than stored: it
         goes before every entry held (start-up: add the newest first)."""
         self._store(digest, entry)
         self._policy.inserted(digest, entry.file_size, cold=True)
+        self._tell()
 
     def touch(self, digest: str) -> None:
         """A hit on ``digest`` (ignored when not held)."""
@@ -86,7 +101,9 @@ class EvictionIndex:
         if digest not in self._entries:
             return None
         self._policy.removed(digest)
-        return self._take(digest)
+        entry = self._take(digest)
+        self._tell()  # (a pinned record gone)
+        return entry
 
     def _take(self, digest: str) -> IndexEntry:
         """Remove a held entry and its bytes (the caller tells the policy, or it chose it)."""
@@ -97,11 +114,15 @@ class EvictionIndex:
 
     def pop_victims(self, file_bytes: int) -> list[tuple[str, IndexEntry]]:
         """Remove entries in eviction order until their files add up to ``file_bytes``."""
-        return [(digest, self._take(digest)) for digest, _ in self._policy.victims(file_bytes)]
+        victims = [(digest, self._take(digest)) for digest, _ in self._policy.victims(file_bytes)]
+        self._tell()  # (never pinned ones: told all the same, a comparison)
+        return victims
 
     def pin(self, digest: str) -> PinOutcome:
         """Take a held record out of eviction (within the guard's pin budget)."""
-        return self._policy.pin(digest)
+        outcome = self._policy.pin(digest)
+        self._tell()
+        return outcome
 
     def is_pinned(self, digest: str) -> bool:
         return self._policy.is_pinned(digest)
@@ -117,7 +138,9 @@ class EvictionIndex:
 
     def unpin(self, digest: str) -> bool:
         """Make a pinned record evictable again; whether it was pinned."""
-        return self._policy.unpin(digest) is not None
+        unpinned = self._policy.unpin(digest) is not None
+        self._tell()
+        return unpinned
 
     def admits(self, digest: str, entry: IndexEntry, budget: int) -> bool:
         """Whether a record can be kept beside the pinned ones (``budget``: value bytes) and
@@ -148,11 +171,15 @@ class EvictionIndex:
     def take_victim_of(self, tenant: str) -> tuple[str, IndexEntry] | None:
         """Remove ``tenant``'s next unpinned record in its own order (for its quota)."""
         victim = self._policy.take_victim_of(tenant)
-        return None if victim is None else (victim[0], self._take(victim[0]))
+        taken = None if victim is None else (victim[0], self._take(victim[0]))
+        self._tell()
+        return taken
 
     def take_over_quota(self) -> list[tuple[str, IndexEntry]]:
         """Remove the records of tenants over their quotas (each its own, in its order)."""
-        return [(digest, self._take(digest)) for digest, _ in self._policy.take_over_quota()]
+        taken = [(digest, self._take(digest)) for digest, _ in self._policy.take_over_quota()]
+        self._tell()
+        return taken
 
     def stats_extra(self) -> dict[str, int]:
         """Pins, quota evictions and per-tenant figures (:meth:`kvplug.GuardedEviction.stats_extra`)."""
@@ -161,6 +188,15 @@ class EvictionIndex:
     def items(self) -> Iterator[tuple[str, IndexEntry]]:
         """Every entry (a copy, in no particular order)."""
         return iter(list(self._entries.items()))
+
+    def _tell(self) -> None:
+        """Tell ``on_pinned`` the pinned bytes, if they changed since it was last told (called by
+        every method that changes the policy's keys or pins)."""
+        pinned = self._policy.pinned_bytes
+        if pinned != self._told:
+            self._told = pinned
+            if self._on_pinned is not None:
+                self._on_pinned(pinned)
 
     def _store(self, digest: str, entry: IndexEntry) -> None:
         self._entries[digest] = entry

@@ -38,7 +38,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kvplug.errors import TierUnavailableError
@@ -142,6 +142,11 @@ class UsageLedger:
         #: (device, inode) of the file open as ``_fd``: is it still the one at the ledger's name?
         self._identity = (0, 0)
         self.read_only = read_only
+        #: The thread inside :meth:`locked` (``None``: none), for :meth:`held_here`.
+        self._holder: int | None = None
+        #: Called inside :meth:`locked` as it ends, before the lock goes (what must be written
+        #: under the folder's lock, and was put off until then: the backend's pin figure).
+        self.before_release: Callable[[], None] | None = None
         if read_only:
             with contextlib.suppress(OSError):  # none (a store of another kvplug), or not a file: the listing's total
                 self._fd = _regular(os.open(LEDGER_NAME, os.O_RDONLY | _OPEN_FLAGS, dir_fd=root_fd))
@@ -183,16 +188,27 @@ class UsageLedger:
         try:
             if self._fd is not None and not self.read_only:
                 self._flock(started, timeout_s, then)
+            self._holder = threading.get_ident()
             try:
                 usage = Usage(self, *self._read())
                 yield usage
                 if usage.changed:
                     usage.save()
             finally:
-                if self._fd is not None and not self.read_only:
-                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+                try:
+                    if self.before_release is not None:
+                        self.before_release()
+                finally:
+                    self._holder = None
+                    if self._fd is not None and not self.read_only:
+                        fcntl.flock(self._fd, fcntl.LOCK_UN)
         finally:
             self._thread_lock.release()
+
+    def held_here(self) -> bool:
+        """Whether the calling thread is inside :meth:`locked` (holds the folder's lock, where
+        the folder can be locked at all)."""
+        return self._holder == threading.get_ident()
 
     def _flock(self, started: float, timeout_s: float, then: str) -> None:
         assert self._fd is not None  # (close() waits for the thread lock this caller holds)

@@ -45,9 +45,6 @@ class DiskReads:
     def _mark_entered(self, names: list[str]) -> None:
         raise NotImplementedError
 
-    def _write_figure(self) -> None:
-        raise NotImplementedError
-
     async def sizes(self, names: Sequence[str]) -> list[int | None]:
         return self._sizes(names)
 
@@ -139,7 +136,6 @@ class DiskReads:
             if entry is not None:
                 self._order.pop(digest)
                 self._counts["vanished"] += 1
-                self._write_figure()  # (it may have been pinned)
         elif entry is None or entry.file_size != stat.st_size:
             if entry is None:
                 self._counts["discovered"] += 1

@@ -40,8 +40,6 @@ class DiskRemovals:
 
         def _unlink_record(self, usage: Usage, digest: str, op: str) -> bool: ...
 
-        def _write_figure(self) -> None: ...
-
     async def delete(self, names: Sequence[str]) -> Sequence[bool | BaseException]:
         if self.read_only:
             return [ReadOnlyStoreError(self.where) for _ in names]
@@ -54,7 +52,6 @@ class DiskRemovals:
                 for digest in names:
                     self._order.pop(digest)
                     existed.append(self._unlink_record(usage, digest, "remove"))
-                self._marks.publish(self._order.pinned_bytes)  # (pinned records removed: fewer pinned bytes)
                 return existed
         except FolderLockTimeoutError as exc:  # nothing removed: the removal fails, naming why
             return [exc for _ in names]
@@ -92,7 +89,6 @@ class DiskRemovals:
             if same:
                 self._order.pop(digest)
             removed.append(same and self._unlink_record(usage, digest, "remove"))
-        self._write_figure()  # (pinned records removed: fewer pinned bytes)
         return removed
 
 

@@ -2,7 +2,7 @@
 ``kvplug store stats``) and bounded as a whole (``folder_pin_max_bytes``, 90% of ``max_bytes`` by
 default): each engine writes its pinned bytes into its lock file in ``.kvplug-pins``
 (:mod:`kvplug_disk.pin_owners`), and the others sum those of the live ones. The workers and
-helpers are :mod:`test_folder_pins`'s; each worker is a process of its own, killed for real.
+helpers are in :mod:`pinned_folders`; each worker is a process of its own, killed for real.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pinned_folders import FILE, kill, path_of, records, start, tier_of
 from tenant_worker import VALUE, Worker
-from test_folder_pins import FILE, kill, path_of, records, start, tier_of
 from typer.testing import CliRunner
 
 from kvplug.cli.main import app
@@ -229,3 +229,30 @@ def test_engines_pinning_at_once_stay_within_the_folders_pins(
     finally:
         for tier in opened:
             tier.close()
+
+
+@pytest.mark.parametrize("share", [0, "0%"])
+def test_a_folder_pin_budget_of_0_or_0_percent_refuses_every_pin(kind: str, folder: Path, share: object) -> None:
+    """``folder_pin_max_bytes`` 0 and 0% say the same: no engine pins in the folder. ee9bb23 took 0
+    and refused 0% (``ValidationError: folder_pin_max_bytes: '0%' must be a percentage greater
+    than 0 and at most 100``)."""
+    opened = tier_of(kind, folder, folder_pin_max_bytes=share)
+    try:
+        key = key_of("tenant-b", "system")
+        opened.put([(key, value_for(key, VALUE))])
+        assert opened.pin([key])[0][0] == "refused"
+    finally:
+        opened.close()
+
+
+@pytest.mark.parametrize("share", ["95%", 950_000])
+def test_a_folder_pin_budget_past_90_percent_is_refused_saying_why(kind: str, folder: Path, share: object) -> None:
+    """Past 90% of ``max_bytes``, in bytes or as a percentage: refused in the words ``pin_max_bytes``
+    is (one check in core, :func:`kvplug.bound_share`), naming the value, the bound and what the rest
+    is for."""
+    with pytest.raises(ValueError) as caught:
+        tier_of(kind, folder, max_bytes=1_000_000, folder_pin_max_bytes=share)
+    text = str(caught.value)
+    said = "'95%'" if share == "95%" else "950000 bytes of max_bytes 1000000"
+    assert f"folder_pin_max_bytes: {said} is too much: at most 90% of max_bytes" in text, text
+    assert "the rest is for records that can be evicted" in text, text

@@ -1,6 +1,6 @@
 """The edges of folder pins (:mod:`kvplug_disk.pin_marks`): an unpin that cannot take the folder's
 lock, an owner's lock file left half made by a crash, and records kept for other engines that a
-third process removed. The helpers and workers are :mod:`test_folder_pins`'s."""
+third process removed. The helpers and workers are in :mod:`pinned_folders`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import fcntl
 from pathlib import Path
 
 import pytest
+from pinned_folders import FILE, PINNED, QUOTA, during_carry_over, marks_on, path_of, records, start, tier_of
 from tenant_worker import VALUE, Worker
-from test_folder_pins import FILE, PINNED, QUOTA, during_carry_over, marks_on, path_of, records, start, tier_of
 
 from kvplug.core.tenants import FOLDER_TENANT_BYTES
 from kvplug.testing import value_for
