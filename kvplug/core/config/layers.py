@@ -34,6 +34,13 @@ RESERVED_ENV = {
 }
 RESERVED_ENV_PREFIXES = ("KVPLUG_TEST_", "KVPLUG_BENCH_")
 ENGINE_KEY_PREFIX = "kvplug."
+#: The largest config file read. A config is a few kilobytes; a path that names a model's
+#: weights or a device (``/dev/zero``) by mistake is refused, not read whole into memory.
+MAX_CONFIG_FILE_BYTES = 1 << 20
+#: The deepest nesting of mappings and lists a config file or a ``KVPLUG_*`` JSON value may
+#: have (a kvplug config has about five levels): deeper, PyYAML's and json's recursive readers
+#: would end in a ``RecursionError`` rather than an error naming the file or variable.
+MAX_NESTING = 64
 
 
 class _NoAliasLoader(yaml.SafeLoader):
@@ -42,12 +49,29 @@ class _NoAliasLoader(yaml.SafeLoader):
     kvplug config has no use for them; an alias is a YAML error that names it. A key given
     twice in one mapping is an error too: PyYAML keeps the last silently, so a file that
     lists alternatives (``serializer: {type: zstd}`` then ``serializer: {type: int8}``)
-    would run the one below unnoticed."""
+    would run the one below unnoticed. Merge keys (``<<``) only make sense with aliases, and
+    nesting past :data:`MAX_NESTING` is refused at its line."""
+
+    _depth = 0
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping",
+                    node.start_mark,
+                    "merge keys (<<) are not allowed in a kvplug config",
+                    key_node.start_mark,
+                )
             key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (list, dict)):  # (``? [a, b]``: PyYAML's own check comes after ours)
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping",
+                    node.start_mark,
+                    f"a key must be text, not a {'list' if isinstance(key, list) else 'mapping'}",
+                    key_node.start_mark,
+                )
             if isinstance(key, str) and key in seen:
                 raise yaml.constructor.ConstructorError(
                     "while reading a mapping", node.start_mark, f"key {key!r} is given twice", key_node.start_mark
@@ -61,17 +85,33 @@ class _NoAliasLoader(yaml.SafeLoader):
             raise yaml.composer.ComposerError(
                 None, None, f"aliases (*{event.anchor}) are not allowed in a kvplug config", event.start_mark
             )
-        return super().compose_node(parent, index)
+        if self._depth >= MAX_NESTING:
+            event = self.peek_event()  # type: ignore[no-untyped-call]
+            raise yaml.composer.ComposerError(
+                None, None, f"nested more than {MAX_NESTING} levels deep", event.start_mark
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def read_yaml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
     source = str(path)
     try:
-        raw = Path(path).read_bytes()
+        with Path(path).open("rb") as file:
+            raw = file.read(MAX_CONFIG_FILE_BYTES + 1)
     except OSError as exc:
         raise ConfigError([ConfigProblem("", source, f"cannot read config file: {exc.strerror}")], source) from None
     except ValueError as exc:  # a NUL in the path
         raise ConfigError([ConfigProblem("", source, f"cannot read config file: {exc}")], source) from None
+    if len(raw) > MAX_CONFIG_FILE_BYTES:
+        message = (
+            f"the file is over {MAX_CONFIG_FILE_BYTES} bytes (1 MiB), and a kvplug config is a few kilobytes: "
+            "is this the config file?"
+        )
+        raise ConfigError([ConfigProblem("", source, message)], source)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -156,11 +196,25 @@ def _env_value(text: str, setting: str) -> Any:
     if not text.lstrip().startswith(("[", "{")):
         return text
     try:
-        return json.loads(text, object_pairs_hook=_no_repeated_keys)
+        value = json.loads(text, object_pairs_hook=_no_repeated_keys)
     except json.JSONDecodeError as exc:
         raise ValueError(
             f"{setting}: a value starting with [ or {{ is JSON, and this is not valid JSON: {exc}"
         ) from None
+    except RecursionError:  # (json's decoder recurses per level)
+        raise ValueError(f"{setting}: the JSON is nested more than {MAX_NESTING} levels deep") from None
+    if _depth(value) > MAX_NESTING:
+        raise ValueError(f"{setting}: the JSON is nested more than {MAX_NESTING} levels deep")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How many lists and mappings deep ``value`` is (0: a number or text)."""
+    depth, level = 0, [value]
+    while containers := [item for item in level if isinstance(item, (dict, list))]:
+        depth += 1
+        level = [child for item in containers for child in (item.values() if isinstance(item, dict) else item)]
+    return depth
 
 
 def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,76 @@
+"""Config layers given what no one writes on purpose: every one is a :class:`ConfigError`
+naming the file (and its line) or the variable, never a traceback, a hang or a silent choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvplug import load_config
+from kvplug.core.config.layers import MAX_CONFIG_FILE_BYTES, MAX_NESTING
+from kvplug.core.plugins import PluginRegistry
+from kvplug.errors import ConfigError
+
+
+@pytest.fixture
+def registry() -> PluginRegistry:
+    return PluginRegistry(plugin_filter="cpu,disk")
+
+
+def refused(registry: PluginRegistry, **kwargs: object) -> str:
+    kwargs.setdefault("env", {})
+    with pytest.raises(ConfigError) as info:
+        load_config(registry=registry, **kwargs)  # type: ignore[arg-type]
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        # PyYAML builds a list key before it checks keys are hashable: a TypeError escaped.
+        ("chunk_size: 64\n? [a, b]\n: 1\n", "a key must be text, not a list"),
+        ("? {a: 1}\n: 1\n", "a key must be text, not a mapping"),
+        # A merge key without an alias: "could not determine a constructor for the tag".
+        ("<<: {chunk_size: 128}\n", "merge keys (<<) are not allowed in a kvplug config"),
+    ],
+)
+def test_keys_that_are_no_text_are_refused_at_their_line(
+    registry: PluginRegistry, tmp_path: Path, text: str, words: str
+) -> None:
+    path = tmp_path / "kvplug.yaml"
+    path.write_text(text)
+    message = refused(registry, config_file=path)
+    assert f"in {path}" in message
+    assert words in message
+    assert "line " in message
+
+
+def test_a_file_nested_past_the_bound_is_refused_not_a_recursion_error(
+    registry: PluginRegistry, tmp_path: Path
+) -> None:
+    path = tmp_path / "kvplug.yaml"
+    path.write_text("tiers: " + "[" * 5000 + "]" * 5000 + "\n")
+    message = refused(registry, config_file=path)
+    assert f"nested more than {MAX_NESTING} levels deep" in message
+    assert "line 1" in message
+
+
+@pytest.mark.parametrize("depth", [MAX_NESTING + 1, 5000])
+def test_an_env_json_value_nested_past_the_bound_names_the_variable(registry: PluginRegistry, depth: int) -> None:
+    message = refused(registry, env={"KVPLUG_TIERS": "[" * depth + "]" * depth})
+    assert "env KVPLUG_TIERS" in message
+    assert f"nested more than {MAX_NESTING} levels deep" in message
+
+
+def test_a_file_past_the_size_bound_is_refused_before_it_is_parsed(registry: PluginRegistry, tmp_path: Path) -> None:
+    path = tmp_path / "weights.safetensors"
+    # Valid YAML (one comment line): only its size is wrong.
+    path.write_text("#" * MAX_CONFIG_FILE_BYTES + "\nchunk_size: 64\n")
+    message = refused(registry, config_file=path)
+    assert f"in {path}" in message
+    assert "over 1048576 bytes" in message
+    # At the bound it is read.
+    path.write_text("chunk_size: 64\n#" + "#" * (MAX_CONFIG_FILE_BYTES - 17) + "\n")
+    assert path.stat().st_size == MAX_CONFIG_FILE_BYTES
+    assert load_config(registry=registry, config_file=path, env={}).config.chunk_size == 64
