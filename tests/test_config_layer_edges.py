@@ -74,3 +74,48 @@ def test_a_file_past_the_size_bound_is_refused_before_it_is_parsed(registry: Plu
     path.write_text("chunk_size: 64\n#" + "#" * (MAX_CONFIG_FILE_BYTES - 17) + "\n")
     assert path.stat().st_size == MAX_CONFIG_FILE_BYTES
     assert load_config(registry=registry, config_file=path, env={}).config.chunk_size == 64
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        # Names are read in any case: the one sorted last won, unnoticed.
+        (
+            {"KVPLUG_CHUNK_SIZE": "64", "kvplug_chunk_size": "128"},
+            "env kvplug_chunk_size: sets the same setting as KVPLUG_CHUNK_SIZE: give it once",
+        ),
+        # 0 and 00 are item 0 alike.
+        (
+            {
+                "KVPLUG_TIERS": '[{"type": "cpu"}]',
+                "KVPLUG_TIERS__0__MAX_BYTES": "1GiB",
+                "KVPLUG_TIERS__00__MAX_BYTES": "2GiB",
+            },
+            "env KVPLUG_TIERS__0__MAX_BYTES: sets the same setting as KVPLUG_TIERS__00__MAX_BYTES: give it once",
+        ),
+    ],
+)
+def test_two_variables_for_one_setting_are_refused_naming_both(
+    registry: PluginRegistry, env: dict[str, str], words: str
+) -> None:
+    assert words in refused(registry, env=env)
+
+
+def test_two_engine_keys_for_one_setting_are_refused_naming_both(registry: PluginRegistry) -> None:
+    extra = {"kvplug.tiers": [{"type": "cpu"}], "kvplug.tiers.0.max_bytes": "1GiB", "kvplug.tiers.00.max_bytes": "2GiB"}
+    message = refused(registry, engine_extra=extra)
+    assert "kvplug.tiers.00.max_bytes: sets the same setting as kvplug.tiers.0.max_bytes: give it once" in message
+
+
+def test_an_engine_section_given_whole_after_one_of_its_parts_keeps_the_part(registry: PluginRegistry) -> None:
+    # The engine's order of keys: the section came after the part and replaced it, mode and all.
+    extra = {"kvplug.store.queue.mode": "sync", "kvplug.store": {"queue": {"max_items": 8}}}
+    loaded = load_config(registry=registry, engine_extra=extra, env={})
+    assert (loaded.config.store.queue.mode, loaded.config.store.queue.max_items) == ("sync", 8)
+    assert loaded.sources["store.queue.mode"] == "engine"
+
+
+def test_engine_keys_that_are_not_text_belong_to_others(registry: PluginRegistry) -> None:
+    # `key.startswith` on an int key: AttributeError out of the engine adapter.
+    loaded = load_config(registry=registry, engine_extra={1: "theirs", "kvplug.chunk_size": 64}, env={})
+    assert loaded.config.chunk_size == 64

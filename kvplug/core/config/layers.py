@@ -155,16 +155,13 @@ def env_layer(env: Mapping[str, str], reserved: frozenset[str] = frozenset()) ->
         and not name.upper().startswith(RESERVED_ENV_PREFIXES)
     ]
     # Whole values before their parts: KVPLUG_TIERS sets the list that KVPLUG_TIERS__0__X changes.
+    seen: dict[tuple[str | int, ...], str] = {}
     for name in sorted(settings, key=lambda n: (n.count("__"), n)):
         path = name.upper()[len(ENV_PREFIX) :].lower().split("__")
-        problem = _env_name_problem(path, fields)
+        problem = _env_name_problem(path, fields) or _given_twice(seen, _key_path(path), name)
         if problem is None:
             try:
-                _set_path(
-                    layer,
-                    [int(part) if part.isdigit() else part for part in path],
-                    _env_value(env[name], ".".join(path)),
-                )
+                _set_path(layer, _key_path(path), _env_value(env[name], ".".join(path)))
             except ValueError as exc:
                 problem = str(exc)
         if problem is not None:
@@ -228,6 +225,22 @@ def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
+def _key_path(parts: list[str]) -> list[str | int]:
+    """A setting's path from a name's parts: ASCII digits pick a list item (``0`` and ``00`` alike)."""
+    return [int(part) if part.isascii() and part.isdigit() else part for part in parts]
+
+
+def _given_twice(seen: dict[tuple[str | int, ...], str], path: list[str | int], name: str) -> str | None:
+    """The error if another name of one layer (in ``seen``) set ``path`` (``KVPLUG_CHUNK_SIZE`` and
+    ``kvplug_chunk_size``, ``tiers.0`` and ``tiers.00``): one of them would win unnoticed."""
+    other = seen.setdefault(tuple(path), name)
+    return None if other == name else f"sets the same setting as {other}: give it once"
+
+
+def _dots(key: str) -> tuple[int, str]:
+    return key.count("."), key
+
+
 def _set_path(target: Any, path: list[str | int], value: Any) -> None:
     """Set ``value`` at ``path`` under ``target``, making mappings on the way; an int part picks a
     list item, or keys a mapping merged into a lower layer's list (:func:`_merge`)."""
@@ -273,13 +286,21 @@ def engine_config_layer(extra: Mapping[str, Any]) -> tuple[dict[str, Any], str |
             raise ConfigError([ConfigProblem("kvplug", nested, "must be a mapping")], "engine extra config")
         layer = deep_copy(nested)
     problems: list[ConfigProblem] = []
-    for key, value in extra.items():
-        if key.startswith(ENGINE_KEY_PREFIX):
-            path = key[len(ENGINE_KEY_PREFIX) :].split(".")
+    seen: dict[tuple[str | int, ...], str] = {}
+    # Keys of other connectors may be anything; ours are text. Whole values before their parts
+    # (as in the environment): in the engine's order, "kvplug.store" after "kvplug.store.queue.mode"
+    # replaced the section and lost the mode.
+    ours = sorted((key for key in extra if isinstance(key, str) and key.startswith(ENGINE_KEY_PREFIX)), key=_dots)
+    for key in ours:
+        path = _key_path(key[len(ENGINE_KEY_PREFIX) :].split("."))
+        problem = _given_twice(seen, path, key)
+        if problem is None:
             try:
-                _set_path(layer, [int(part) if part.isdigit() else part for part in path], value)
+                _set_path(layer, path, extra[key])
             except ValueError as exc:
-                problems.append(ConfigProblem(key, value, str(exc)))
+                problem = str(exc)
+        if problem is not None:
+            problems.append(ConfigProblem(key, extra[key], problem))
     if problems:
         raise ConfigError(problems, "engine extra config")
     config_file = layer.pop("config", None)
