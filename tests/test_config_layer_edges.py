@@ -119,3 +119,28 @@ def test_engine_keys_that_are_not_text_belong_to_others(registry: PluginRegistry
     # `key.startswith` on an int key: AttributeError out of the engine adapter.
     loaded = load_config(registry=registry, engine_extra={1: "theirs", "kvplug.chunk_size": 64}, env={})
     assert loaded.config.chunk_size == 64
+
+
+BAD_FILE = "chunk_size: 64\ntiers:\n  - type: cpu\n  - type: cpu\n    max_bytes: -3\n    nope: 1\nstore:\n  queue:\n    mode: bogus\n"
+
+
+def test_a_file_that_set_everything_is_named_with_each_problems_line(registry: PluginRegistry, tmp_path: Path) -> None:
+    path = tmp_path / "kvplug.yaml"
+    path.write_text(BAD_FILE)
+    message = refused(registry, config_file=path)
+    # It said "invalid kvplug config:" and each problem with no word of the file or its line.
+    assert f"invalid kvplug config in {path}:" in message
+    assert "tiers[1].max_bytes: Value error, must not be negative; line 5 (got -3)" in message
+    assert "tiers[1].nope: unknown key;" in message and "; line 6 (got 1)" in message
+    assert "store.queue.mode: Input should be 'sync' or 'async'; line 9 (got 'bogus')" in message
+
+
+def test_a_problem_set_in_the_file_under_other_layers_names_the_files_line(
+    registry: PluginRegistry, tmp_path: Path
+) -> None:
+    path = tmp_path / "kvplug.yaml"
+    path.write_text(BAD_FILE)
+    message = refused(registry, config_file=path, env={"KVPLUG_CHUNK_SIZE": "0"})
+    assert "chunk_size: Input should be greater than 0; set in env KVPLUG_CHUNK_SIZE (got '0')" in message
+    assert f"must not be negative; set in file {path}, line 5 (got -3)" in message
+    assert f"set in file {path}, line 9 (got 'bogus')" in message

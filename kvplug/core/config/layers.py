@@ -98,6 +98,13 @@ class _NoAliasLoader(yaml.SafeLoader):
 
 
 def read_yaml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The settings of a YAML config file (see :func:`read_yaml_layer_lines`)."""
+    return read_yaml_layer_lines(path)[0]
+
+
+def read_yaml_layer_lines(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, int]]:
+    """The settings of a YAML config file, and the line of each key and list item in it, by
+    dotted path (``store.queue.mode``, ``tiers.0.max_bytes``), for errors to name."""
     source = str(path)
     try:
         with Path(path).open("rb") as file:
@@ -118,15 +125,33 @@ def read_yaml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
         line = raw.count(b"\n", 0, exc.start) + 1
         message = f"not valid UTF-8: byte {exc.start} (line {line}) is {raw[exc.start : exc.start + 1]!r}; save the file as UTF-8"
         raise ConfigError([ConfigProblem("", source, message)], source) from None
+    loader = _NoAliasLoader(text)  # a SafeLoader that also refuses aliases
     try:
-        data = yaml.load(text, Loader=_NoAliasLoader)  # a SafeLoader that also refuses aliases
+        node = loader.get_single_node()
+        data = None if node is None else loader.construct_document(node)
     except yaml.YAMLError as exc:
         raise ConfigError([ConfigProblem("", source, f"not valid YAML: {exc}")], source) from None
-    if data is None:
-        return {}
+    finally:
+        loader.dispose()
+    if node is None or data is None:
+        return {}, {}
     if not isinstance(data, dict):
         raise ConfigError([ConfigProblem("", data, "the top level must be a mapping")], source)
-    return data
+    lines: dict[str, int] = {}
+    _note_lines(node, "", lines)
+    return data, lines
+
+
+def _note_lines(node: yaml.Node, prefix: str, lines: dict[str, int]) -> None:
+    """Note in ``lines`` the line of each key and item under ``node`` (at most MAX_NESTING deep)."""
+    children: list[tuple[str, yaml.Node, yaml.Node]] = []  # (path, where it is written, value)
+    if isinstance(node, yaml.MappingNode):
+        children = [(f"{prefix}{k.value}", k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode)]
+    elif isinstance(node, yaml.SequenceNode):
+        children = [(f"{prefix}{index}", item, item) for index, item in enumerate(node.value)]
+    for path, written, value in children:
+        lines[path] = written.start_mark.line + 1
+        _note_lines(value, path + ".", lines)
 
 
 def adapter_environment(registry: PluginRegistry) -> frozenset[str]:

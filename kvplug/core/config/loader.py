@@ -25,7 +25,7 @@ from kvplug.core.config.layers import (
     engine_config_layer,
     env_layer,
     items_phrase,
-    read_yaml_layer,
+    read_yaml_layer_lines,
 )
 from kvplug.core.config.model import KVPlugConfig
 from kvplug.core.config.problems import problems_from_validation_error
@@ -60,8 +60,10 @@ def load_config(
     engine_layer, engine_file = engine_config_layer(engine_extra or {})
     layers: list[tuple[str, dict[str, Any]]] = []
     path = engine_file or config_file or env.get("KVPLUG_CONFIG")
+    lines: dict[str, int] = {}
     if path:
-        layers.append((f"file {path}", anchor_pin_files(read_yaml_layer(path), Path(path).parent)))
+        file_layer, lines = read_yaml_layer_lines(path)
+        layers.append((f"file {path}", anchor_pin_files(file_layer, Path(path).parent)))
     layers.append(("env", env_layer(env, reserved=adapter_environment(registry or get_registry()))))
     layers.append(("engine", engine_layer))
     data: dict[str, Any] = {}
@@ -73,9 +75,14 @@ def load_config(
     except ConfigError as exc:
         if type(exc) is not ConfigError:
             raise
-        if len(set(sources.values())) < 2:  # one layer set everything: naming it adds nothing
+        named = set(sources.values())
+        if named == {f"file {path}"}:
+            # The file set everything: the error names it, and each problem its line
+            # (`kvplug config validate` said "store.queue.mode: ..." with no word of where).
+            raise ConfigError([_naming_line(p, lines) for p in exc.problems], str(path)) from None
+        if len(named) < 2:  # one layer set everything: naming it adds nothing
             raise
-        raise ConfigError([_naming_source(p, sources) for p in exc.problems], exc.source) from None
+        raise ConfigError([_naming_source(p, sources, lines) for p in exc.problems], exc.source) from None
     if request:
         config = config.with_overrides(request)
         for key in request:
@@ -96,9 +103,9 @@ def _validated(data: dict[str, Any], registry: PluginRegistry | None) -> KVPlugC
     return config.resolve(registry)
 
 
-def _naming_source(problem: ConfigProblem, sources: Mapping[str, str]) -> ConfigProblem:
-    """``problem`` with the layer that set its value (a file, a ``KVPLUG_`` variable, the
-    engine's config): a file may be right and a forgotten variable override it."""
+def _naming_source(problem: ConfigProblem, sources: Mapping[str, str], lines: Mapping[str, int]) -> ConfigProblem:
+    """``problem`` with the layer that set its value (a file and its line, a ``KVPLUG_``
+    variable, the engine's config): a file may be right and a forgotten variable override it."""
     parts = problem.path.replace("[", ".").replace("]", "").split(".")
     for end in range(len(parts), 0, -1):
         layer = sources.get(".".join(parts[:end]))
@@ -110,7 +117,20 @@ def _naming_source(problem: ConfigProblem, sources: Mapping[str, str]) -> Config
         layer = "env " + ENV_PREFIX + "__".join(parts[:end]).upper()
     elif layer == "engine":
         layer = "the engine's config, " + ENGINE_KEY_PREFIX + ".".join(parts[:end])
+    elif _line(problem, lines) is not None:
+        layer += f", line {_line(problem, lines)}"
     return ConfigProblem(problem.path, problem.value, f"{problem.message}; set in {layer}")
+
+
+def _naming_line(problem: ConfigProblem, lines: Mapping[str, int]) -> ConfigProblem:
+    line = _line(problem, lines)
+    return problem if line is None else ConfigProblem(problem.path, problem.value, f"{problem.message}; line {line}")
+
+
+def _line(problem: ConfigProblem, lines: Mapping[str, int]) -> int | None:
+    """The config file's line of the deepest key of ``problem``'s path that the file has."""
+    parts = problem.path.replace("[", ".").replace("]", "").split(".")
+    return next((lines[key] for n in range(len(parts), 0, -1) if (key := ".".join(parts[:n])) in lines), None)
 
 
 def _component_entries(data: Mapping[str, Any]) -> list[tuple[str, str, str, dict[str, Any]]]:
