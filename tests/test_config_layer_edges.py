@@ -144,3 +144,25 @@ def test_a_problem_set_in_the_file_under_other_layers_names_the_files_line(
     assert "chunk_size: Input should be greater than 0; set in env KVPLUG_CHUNK_SIZE (got '0')" in message
     assert f"must not be negative; set in file {path}, line 5 (got -3)" in message
     assert f"set in file {path}, line 9 (got 'bogus')" in message
+
+
+@pytest.mark.parametrize(
+    ("env", "extra"),
+    [({"KVPLUG_SERIALIZER__THREADS": "2"}, {}), ({}, {"kvplug.serializer.threads": 2})],
+)
+def test_a_later_layers_options_alone_apply_to_the_component_an_earlier_layer_chose(
+    tmp_path: Path, env: dict[str, str], extra: dict[str, object]
+) -> None:
+    path = tmp_path / "kvplug.yaml"
+    path.write_text("serializer: {type: zstd, segment_bytes: 65536}\n")
+    registry = PluginRegistry(plugin_filter="cpu,compress")
+    # The options replaced the file's spec whole: "serializer.type: Field required".
+    loaded = load_config(registry=registry, config_file=path, env=env, engine_extra=extra)
+    assert loaded.config.serializer.type == "zstd"
+    options = loaded.config.serializer.raw_options
+    assert {key: int(value) for key, value in options.items()} == {"segment_bytes": 65536, "threads": 2}
+    assert loaded.sources["serializer"] == f"file {path}"
+    assert loaded.sources["serializer.threads"] == ("env" if env else "engine")
+    # A type given replaces the spec whole: the file's options were for the file's type.
+    loaded = load_config(registry=registry, config_file=path, env={"KVPLUG_SERIALIZER": '{"type": "lz4"}'})
+    assert (loaded.config.serializer.type, loaded.config.serializer.raw_options) == ("lz4", {})

@@ -156,11 +156,14 @@ def _merge(
 ) -> None:
     for key, value in layer.items():
         path = f"{prefix}{key}"
-        # Sections merge key by key; a component spec ({type: ...}) is replaced whole,
-        # since options of one type mean nothing to another.
+        # Sections merge key by key; a component spec naming a type ({type: ...}) is replaced
+        # whole, since options of one type mean nothing to another. Options alone
+        # (KVPLUG_SERIALIZER__LEVEL=5) are for the type an earlier layer chose: replacing its
+        # spec with them lost the type ("serializer.type: Field required").
+        whole = prefix == "" and key in ("serializer", "connector") and isinstance(value, Mapping) and "type" in value
         if isinstance(value, Mapping) and value and all(isinstance(index, int) for index in value):
             _merge_items(into, key, value, sources, name, path)
-        elif isinstance(value, Mapping) and not (prefix == "" and key in ("serializer", "connector")):
+        elif isinstance(value, Mapping) and not whole:
             if not isinstance(into.get(key), dict):
                 into[key] = {}
             _merge(into[key], value, sources, name, path + ".")
