@@ -166,3 +166,20 @@ def test_a_later_layers_options_alone_apply_to_the_component_an_earlier_layer_ch
     # A type given replaces the spec whole: the file's options were for the file's type.
     loaded = load_config(registry=registry, config_file=path, env={"KVPLUG_SERIALIZER": '{"type": "lz4"}'})
     assert (loaded.config.serializer.type, loaded.config.serializer.raw_options) == ("lz4", {})
+
+
+@pytest.mark.parametrize("text", ["chunk_size: 64\n1: a\n", "chunk_size: 64\n~: a\n", "chunk_size: 64\ntrue: a\n"])
+def test_a_key_that_is_no_text_is_named_with_its_line(registry: PluginRegistry, tmp_path: Path, text: str) -> None:
+    # 1, ~ and true are YAML's int, null and bool: "Keys should be strings", at no line.
+    path = tmp_path / "kvplug.yaml"
+    path.write_text(text)
+    message = refused(registry, config_file=path)
+    assert "Keys should be strings; line 2" in message
+
+
+def test_keys_that_are_equal_once_read_are_a_key_given_twice(registry: PluginRegistry, tmp_path: Path) -> None:
+    # 1 and true are one key of a dict: the first went unnoticed, and the lines of the keys after it were off.
+    path = tmp_path / "kvplug.yaml"
+    path.write_text("1: a\ntrue: b\nchunk_size: 0\n")
+    message = refused(registry, config_file=path)
+    assert "key True is given twice" in message and "line 2" in message

@@ -72,7 +72,7 @@ class _NoAliasLoader(yaml.SafeLoader):
                     f"a key must be text, not a {'list' if isinstance(key, list) else 'mapping'}",
                     key_node.start_mark,
                 )
-            if isinstance(key, str) and key in seen:
+            if key in seen:  # (1, 1.0 and true too: one key of a dict)
                 raise yaml.constructor.ConstructorError(
                     "while reading a mapping", node.start_mark, f"key {key!r} is given twice", key_node.start_mark
                 )
@@ -138,20 +138,23 @@ def read_yaml_layer_lines(path: str | os.PathLike[str]) -> tuple[dict[str, Any],
     if not isinstance(data, dict):
         raise ConfigError([ConfigProblem("", data, "the top level must be a mapping")], source)
     lines: dict[str, int] = {}
-    _note_lines(node, "", lines)
+    _note_lines(node, data, "", lines)
     return data, lines
 
 
-def _note_lines(node: yaml.Node, prefix: str, lines: dict[str, int]) -> None:
-    """Note in ``lines`` the line of each key and item under ``node`` (at most MAX_NESTING deep)."""
-    children: list[tuple[str, yaml.Node, yaml.Node]] = []  # (path, where it is written, value)
-    if isinstance(node, yaml.MappingNode):
-        children = [(f"{prefix}{k.value}", k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode)]
-    elif isinstance(node, yaml.SequenceNode):
-        children = [(f"{prefix}{index}", item, item) for index, item in enumerate(node.value)]
-    for path, written, value in children:
+def _note_lines(node: yaml.Node, data: Any, prefix: str, lines: dict[str, int]) -> None:
+    """Note in ``lines`` the line of each key and item under ``node`` (``data``, as read), by the
+    path an error gives it: a key as read (``1``, ``None``, a bool as pydantic names it, ``1``)."""
+    children: list[tuple[str, yaml.Node, yaml.Node, Any]] = []  # (path, where it is written, value node, value)
+    if isinstance(node, yaml.MappingNode) and isinstance(data, dict):
+        # (the mapping's keys in the file's order: a key given twice was refused)
+        keys = [int(key) if isinstance(key, bool) else key for key in data]
+        children = [(f"{prefix}{key}", k, v, data[raw]) for (k, v), key, raw in zip(node.value, keys, data)]
+    elif isinstance(node, yaml.SequenceNode) and isinstance(data, list):
+        children = [(f"{prefix}{index}", item, item, data[index]) for index, item in enumerate(node.value)]
+    for path, written, value_node, value in children:
         lines[path] = written.start_mark.line + 1
-        _note_lines(value, path + ".", lines)
+        _note_lines(value_node, value, path + ".", lines)
 
 
 def adapter_environment(registry: PluginRegistry) -> frozenset[str]:

@@ -128,8 +128,9 @@ def _naming_line(problem: ConfigProblem, lines: Mapping[str, int]) -> ConfigProb
 
 
 def _line(problem: ConfigProblem, lines: Mapping[str, int]) -> int | None:
-    """The config file's line of the deepest key of ``problem``'s path that the file has."""
-    parts = problem.path.replace("[", ".").replace("]", "").split(".")
+    """The config file's line of the deepest key of ``problem``'s path that the file has
+    (``[1]``: a key that is no text, ``1:``, at the top level)."""
+    parts = problem.path.replace("[", ".").replace("]", "").removeprefix(".").split(".")
     return next((lines[key] for n in range(len(parts), 0, -1) if (key := ".".join(parts[:n])) in lines), None)
 
 
