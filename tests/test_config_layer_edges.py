@@ -183,3 +183,13 @@ def test_keys_that_are_equal_once_read_are_a_key_given_twice(registry: PluginReg
     path.write_text("1: a\ntrue: b\nchunk_size: 0\n")
     message = refused(registry, config_file=path)
     assert "key True is given twice" in message and "line 2" in message
+
+
+@pytest.mark.parametrize(
+    "name", ["KVPLUG_MAX_CHUNK_BYTES__LIMIT", "KVPLUG_COPY_THREADS__0", "KVPLUG_HEADS_PER_RECORD__AUTO"]
+)
+def test_a_part_of_a_bounded_number_is_refused_naming_the_variable(registry: PluginRegistry, name: str) -> None:
+    # A bounded int (Annotated) or a ByteSize was taken for a section: the part went on to
+    # validation as {'limit': '8'}, named by no variable.
+    message = refused(registry, env={name: "8"})
+    assert f"env {name}: " in message and "is a single value: it has no part" in message

@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 
@@ -214,7 +214,14 @@ def _is_single_value(field_name: str) -> bool:
     """Whether a top-level setting is a number, text or flag (no keys or items below it)."""
     annotation = KVPlugConfig.model_fields[field_name].annotation
     members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
-    return all(member in (int, float, str, bool, type(None)) or get_origin(member) is Literal for member in members)
+    # (a bounded int is Annotated; ByteSize an int: max_chunk_bytes, copy_threads took parts)
+    members = tuple(get_args(m)[0] if get_origin(m) is Annotated else m for m in members)
+    return all(
+        member is type(None)
+        or get_origin(member) is Literal
+        or (isinstance(member, type) and issubclass(member, (int, float, str)))
+        for member in members
+    )
 
 
 def _env_value(text: str, setting: str) -> Any:
