@@ -193,3 +193,18 @@ def test_a_part_of_a_bounded_number_is_refused_naming_the_variable(registry: Plu
     # validation as {'limit': '8'}, named by no variable.
     message = refused(registry, env={name: "8"})
     assert f"env {name}: " in message and "is a single value: it has no part" in message
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("KVPLUG_TIERS", "tiers is a list: give it as JSON (KVPLUG_TIERS='[{...}]')"),
+        ("KVPLUG_SERIALIZER", "serializer is a section: give it as JSON (KVPLUG_SERIALIZER='{...}')"),
+    ],
+)
+def test_plain_text_for_a_list_or_section_names_the_variable_and_json(
+    registry: PluginRegistry, name: str, words: str
+) -> None:
+    # It was pydantic's "tiers: Input should be a valid list (got 'cpu')", naming no variable.
+    message = refused(registry, env={name: "cpu"})
+    assert f"env {name}: {words}" in message

@@ -189,7 +189,10 @@ def env_layer(env: Mapping[str, str], reserved: frozenset[str] = frozenset()) ->
         problem = _env_name_problem(path, fields) or _given_twice(seen, _key_path(path), name)
         if problem is None:
             try:
-                _set_path(layer, _key_path(path), _env_value(env[name], ".".join(path)))
+                value = _env_value(env[name], ".".join(path))
+                if len(path) == 1 and isinstance(value, str) and not _is_single_value(fields[path[0].upper()]):
+                    raise ValueError(_needs_json(fields[path[0].upper()]))
+                _set_path(layer, _key_path(path), value)
             except ValueError as exc:
                 problem = str(exc)
         if problem is not None:
@@ -208,6 +211,17 @@ def _env_name_problem(path: list[str], fields: Mapping[str, str]) -> str | None:
     if len(path) > 1 and _is_single_value(fields[path[0].upper()]):
         return f"{fields[path[0].upper()]} is a single value: it has no part {path[1]!r}"
     return None
+
+
+def _needs_json(field_name: str) -> str:
+    """Why plain text cannot set a list or a section (``KVPLUG_TIERS=cpu``): pydantic's "Input
+    should be a valid list" named neither the variable nor the way to write one."""
+    many = get_origin(KVPlugConfig.model_fields[field_name].annotation) is list
+    variable = ENV_PREFIX + field_name.upper()
+    return (
+        f"{field_name} is {'a list' if many else 'a section'}: give it as JSON "
+        f"({variable}='{'[{...}]' if many else '{...}'}') or set its parts ({variable}__{'0__' if many else ''}<key>)"
+    )
 
 
 def _is_single_value(field_name: str) -> bool:
