@@ -208,3 +208,20 @@ def test_plain_text_for_a_list_or_section_names_the_variable_and_json(
     # It was pydantic's "tiers: Input should be a valid list (got 'cpu')", naming no variable.
     message = refused(registry, env={name: "cpu"})
     assert f"env {name}: {words}" in message
+
+
+def test_a_value_replaced_whole_is_credited_to_the_layer_that_replaced_it(
+    registry: PluginRegistry, tmp_path: Path
+) -> None:
+    path = tmp_path / "kvplug.yaml"
+    path.write_text("tiers: [{type: cpu}]\n")
+    env = {"KVPLUG_TIERS__0__MAX_BYTES": "1GiB"}
+    engine = {"kvplug.tiers": [{"type": "cpu", "max_bytes": "2GiB"}]}
+    loaded = load_config(registry=registry, config_file=path, env=env, engine_extra=engine)
+    assert loaded.config.tiers[0].options.max_bytes == 2 << 30
+    # The engine's list replaced the environment's part with the file's list: `config show` said
+    # "tiers: engine; tiers.0.max_bytes: env", and an error blamed the variable.
+    assert {key: source for key, source in loaded.sources.items() if key.startswith("tiers")} == {"tiers": "engine"}
+    engine = {"kvplug.tiers": [{"type": "cpu", "max_bytes": 0}]}
+    message = refused(registry, config_file=path, env=env, engine_extra=engine)
+    assert "must be greater than 0" in message and "KVPLUG_TIERS__0__MAX_BYTES" not in message

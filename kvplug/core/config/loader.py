@@ -170,7 +170,7 @@ def _merge(
             _merge(into[key], value, sources, name, path + ".")
         else:
             into[key] = deep_copy(value)
-            sources[path] = name
+            _credit(sources, path, name)
 
 
 def _merge_items(
@@ -196,7 +196,15 @@ def _merge_items(
             _merge(target[index], value, sources, name, where + ".")
         else:
             target[index] = deep_copy(value)
-            sources[where] = name
+            _credit(sources, where, name)
+
+
+def _credit(sources: dict[str, str], path: str, name: str) -> None:
+    """Layer ``name`` set the value at ``path`` whole: the parts an earlier layer set below it
+    are gone with it (``config show`` and errors credited them to that layer still)."""
+    for stale in [key for key in sources if key.startswith(path + ".")]:
+        del sources[stale]
+    sources[path] = name
 
 
 def _leaf_paths(value: Any, path: str) -> list[str]:
