@@ -31,6 +31,7 @@ def refused(registry: PluginRegistry, **kwargs: object) -> str:
         # PyYAML builds a list key before it checks keys are hashable: a TypeError escaped.
         ("chunk_size: 64\n? [a, b]\n: 1\n", "a key must be text, not a list"),
         ("? {a: 1}\n: 1\n", "a key must be text, not a mapping"),
+        ("? !!set {a}\n: 1\n", "a key must be text, not a set"),
         # A merge key without an alias: "could not determine a constructor for the tag".
         ("<<: {chunk_size: 128}\n", "merge keys (<<) are not allowed in a kvplug config"),
     ],

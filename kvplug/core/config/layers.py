@@ -65,12 +65,10 @@ class _NoAliasLoader(yaml.SafeLoader):
                     key_node.start_mark,
                 )
             key = self.construct_object(key_node, deep=True)
-            if isinstance(key, (list, dict)):  # (``? [a, b]``: PyYAML's own check comes after ours)
+            if isinstance(key, (list, dict, set)):  # (``? [a, b]``: PyYAML's own check comes after ours)
+                kind = {"dict": "mapping"}.get(type(key).__name__, type(key).__name__)
                 raise yaml.constructor.ConstructorError(
-                    "while reading a mapping",
-                    node.start_mark,
-                    f"a key must be text, not a {'list' if isinstance(key, list) else 'mapping'}",
-                    key_node.start_mark,
+                    "while reading a mapping", node.start_mark, f"a key must be text, not a {kind}", key_node.start_mark
                 )
             if key in seen:  # (1, 1.0 and true too: one key of a dict)
                 raise yaml.constructor.ConstructorError(
@@ -144,7 +142,7 @@ def read_yaml_layer_lines(path: str | os.PathLike[str]) -> tuple[dict[str, Any],
 
 def _note_lines(node: yaml.Node, data: Any, prefix: str, lines: dict[str, int]) -> None:
     """Note in ``lines`` the line of each key and item under ``node`` (``data``, as read), by the
-    path an error gives it: a key as read (``1``, ``None``, a bool as pydantic names it, ``1``)."""
+    path an error gives it: each key as read (``None``, ``1``; ``true`` as pydantic names it, ``1``)."""
     children: list[tuple[str, yaml.Node, yaml.Node, Any]] = []  # (path, where it is written, value node, value)
     if isinstance(node, yaml.MappingNode) and isinstance(data, dict):
         # (the mapping's keys in the file's order: a key given twice was refused)
