@@ -226,3 +226,21 @@ def test_a_value_replaced_whole_is_credited_to_the_layer_that_replaced_it(
     engine = {"kvplug.tiers": [{"type": "cpu", "max_bytes": 0}]}
     message = refused(registry, config_file=path, env=env, engine_extra=engine)
     assert "must be greater than 0" in message and "KVPLUG_TIERS__0__MAX_BYTES" not in message
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"kvplug_chunk_size": "-1"}, "set in env kvplug_chunk_size (got"),
+        ({"KVPLUG_TIERS__00__MAX_BYTES": "0"}, "set in env KVPLUG_TIERS__00__MAX_BYTES (got"),
+        ({"KVPLUG_STORE": '{"queue": {"mode": "bogus"}}'}, "set in env KVPLUG_STORE (got"),
+    ],
+)
+def test_an_error_names_the_variable_as_it_was_set(
+    registry: PluginRegistry, tmp_path: Path, env: dict[str, str], named: str
+) -> None:
+    # It named the variable a path spells (KVPLUG_CHUNK_SIZE, KVPLUG_TIERS__0__MAX_BYTES,
+    # KVPLUG_STORE__QUEUE__MODE): not one the user set, so grepping the environment found nothing.
+    path = tmp_path / "kvplug.yaml"
+    path.write_text("tiers: [{type: cpu}]\n")
+    assert named in refused(registry, config_file=path, env=env)

@@ -160,7 +160,9 @@ def adapter_environment(registry: PluginRegistry) -> frozenset[str]:
     return frozenset(name.upper() for adapter in registry.engine_adapters().values() for name in adapter.environment)
 
 
-def env_layer(env: Mapping[str, str], reserved: frozenset[str] = frozenset()) -> dict[str, Any]:
+def env_layer(
+    env: Mapping[str, str], reserved: frozenset[str] = frozenset(), names: dict[str, str] | None = None
+) -> dict[str, Any]:
     """``KVPLUG_CHUNK_SIZE=128``, ``KVPLUG_STORE__QUEUE__MODE=sync``, ``KVPLUG_TIERS='[...]'``,
     ``KVPLUG_TIERS__0__MAX_BYTES=8GiB`` (item 0 of the tiers list, from this layer or the file's).
 
@@ -168,7 +170,8 @@ def env_layer(env: Mapping[str, str], reserved: frozenset[str] = frozenset()) ->
     is JSON. Every ``KVPLUG_*`` variable applies or is an error naming it: an unknown
     setting, a part of a single value, an item a list does not have, JSON that does not
     parse. Unknown keys inside a section are the model's errors (``store.nope: unknown
-    key``). ``reserved``: more names that are not settings (see :func:`adapter_environment`)."""
+    key``). ``reserved``: more names that are not settings (see :func:`adapter_environment`);
+    ``names``, if given, gets the variable that set each dotted path (``tiers.0.max_bytes``)."""
     fields = {name.upper(): name for name in KVPlugConfig.model_fields}
     problems: list[ConfigProblem] = []
     layer: dict[str, Any] = {}
@@ -197,6 +200,8 @@ def env_layer(env: Mapping[str, str], reserved: frozenset[str] = frozenset()) ->
             problems.append(ConfigProblem(f"env {name}", env[name], problem))
     if problems:
         raise ConfigError(problems, "environment")
+    if names is not None:  # the variable that set each dotted path, as the user spelled it
+        names.update((".".join(map(str, path)), name) for path, name in seen.items())
     return layer
 
 

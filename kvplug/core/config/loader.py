@@ -64,7 +64,8 @@ def load_config(
     if path:
         file_layer, lines = read_yaml_layer_lines(path)
         layers.append((f"file {path}", anchor_pin_files(file_layer, Path(path).parent)))
-    layers.append(("env", env_layer(env, reserved=adapter_environment(registry or get_registry()))))
+    names: dict[str, str] = {}  # (for errors: the variable as set, kvplug_chunk_size or KVPLUG_TIERS__00__X)
+    layers.append(("env", env_layer(env, reserved=adapter_environment(registry or get_registry()), names=names)))
     layers.append(("engine", engine_layer))
     data: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -82,7 +83,7 @@ def load_config(
             raise ConfigError([_naming_line(p, lines) for p in exc.problems], str(path)) from None
         if len(named) < 2:  # one layer set everything: naming it adds nothing
             raise
-        raise ConfigError([_naming_source(p, sources, lines) for p in exc.problems], exc.source) from None
+        raise ConfigError([_naming_source(p, sources, lines, names) for p in exc.problems], exc.source) from None
     if request:
         config = config.with_overrides(request)
         for key in request:
@@ -103,7 +104,9 @@ def _validated(data: dict[str, Any], registry: PluginRegistry | None) -> KVPlugC
     return config.resolve(registry)
 
 
-def _naming_source(problem: ConfigProblem, sources: Mapping[str, str], lines: Mapping[str, int]) -> ConfigProblem:
+def _naming_source(
+    problem: ConfigProblem, sources: Mapping[str, str], lines: Mapping[str, int], names: Mapping[str, str]
+) -> ConfigProblem:
     """``problem`` with the layer that set its value (a file and its line, a ``KVPLUG_``
     variable, the engine's config): a file may be right and a forgotten variable override it."""
     parts = problem.path.replace("[", ".").replace("]", "").split(".")
@@ -113,8 +116,9 @@ def _naming_source(problem: ConfigProblem, sources: Mapping[str, str], lines: Ma
             break
     else:
         return problem
-    if layer == "env":
-        layer = "env " + ENV_PREFIX + "__".join(parts[:end]).upper()
+    if layer == "env":  # the variable that set it: the deepest one above it (KVPLUG_STORE='{...}')
+        given = (names.get(".".join(parts[:n])) for n in range(end, 0, -1))
+        layer = "env " + next((name for name in given if name), ENV_PREFIX + "__".join(parts[:end]).upper())
     elif layer == "engine":
         layer = "the engine's config, " + ENGINE_KEY_PREFIX + ".".join(parts[:end])
     elif _line(problem, lines) is not None:
