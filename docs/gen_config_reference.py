@@ -30,7 +30,17 @@ Every environment variable named `KVPLUG_*` applies or is an error that names it
 setting, a part of a single value, an item the list does not have, JSON that does not parse).
 When the layers together set the config, an invalid value's error also names the layer that set
 it (`chunk_size: must be a whole number, e.g. 256, not other text; set in env KVPLUG_CHUNK_SIZE`),
-so a forgotten variable or engine key that overrides a correct file is found at once.
+so a forgotten variable or engine key that overrides a correct file is found at once; a value
+from the config file also names its line (`set in file kvplug.yaml, line 9`, or `; line 9` when
+the file set everything).
+
+Within one layer a setting is given once: two variables for it (`KVPLUG_CHUNK_SIZE` and
+`kvplug_chunk_size`, `KVPLUG_TIERS__0__…` and `KVPLUG_TIERS__00__…`) or two engine keys are an
+error naming both. A whole value applies before its parts (`kvplug.store`, then
+`kvplug.store.queue.mode`). A component's options alone (`KVPLUG_SERIALIZER__THREADS=2`) apply to
+the type an earlier layer chose; a layer that names a `type` replaces the component whole. A
+config file is UTF-8 YAML of at most 1 MiB, nested at most 64 levels, each key once, without
+aliases or merge keys (`<<`).
 
 Sizes take `8GiB`, `512MB`, `1.5GB` or a byte count, from 0 to 4 EiB: one rule for every size
 setting, plugins' included (`kvplug.core.config_types.parse_byte_size`); a negative size, a

@@ -82,7 +82,8 @@ def test_config_validate_accepts_a_good_file_and_names_bad_fields(tmp_path: Path
     result = kvplug("config", "validate", str(bad))
     message = " ".join(result.stderr.split())
     assert result.returncode == 2
-    assert "chunk_size: Input should be greater than 0 (got -1)" in message
+    assert f"invalid kvplug config in {bad}:" in message
+    assert "chunk_size: Input should be greater than 0; line 1 (got -1)" in message
     assert "store.queue.on_full:" in message and "'explode'" in message
 
 

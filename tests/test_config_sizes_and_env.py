@@ -205,8 +205,8 @@ def test_a_bad_value_names_no_layer_when_one_layer_set_everything(
 def test_a_bad_value_in_the_file_names_the_file(registry: PluginRegistry, one_cpu_tier_file: Path) -> None:
     one_cpu_tier_file.write_text("tiers: [{type: cpu, max_bytes: 0}]\nchunk_size: [1]\n")
     text = error_text(registry, config_file=one_cpu_tier_file, env={"KVPLUG_HASH": "sha256"})
-    assert f"stores nothing); set in file {one_cpu_tier_file} (got 0)" in text
-    assert f"set in file {one_cpu_tier_file} (got [1])" in text
+    assert f"stores nothing); set in file {one_cpu_tier_file}, line 1 (got 0)" in text
+    assert f"set in file {one_cpu_tier_file}, line 2 (got [1])" in text
 
 
 SEGMENTS = ["chunk_size", "store", "queue", "mode", "max_bytes", "tiers", "0", "1", "nope", "type", ""]

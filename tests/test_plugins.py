@@ -11,7 +11,7 @@ import pytest
 
 from kvplug import hookimpl
 from kvplug.core.plugins import PluginRegistry
-from kvplug.errors import DuplicateComponentError
+from kvplug.errors import ConfigError, DuplicateComponentError
 from kvplug_cpu import CPUTier
 
 
@@ -218,3 +218,20 @@ def test_a_hook_that_raises_is_reported_by_name_and_the_others_load(tmp_path: Pa
     assert "plugin 'raises' (distribution kvplug-raises) is not used" in output
     assert "kvplug_storage_tiers() raised RuntimeError: disk on fire" in output
     assert "storage_tier: cpu" in result.stdout
+
+
+@pytest.mark.parametrize("value", ["false", "off", "No"])
+def test_trace_off_in_words_traces_nothing(value: str) -> None:
+    """Anything but "" or "0" turned the trace on: KVPLUG_TRACE_PLUGINS=false logged every hook call."""
+    env = dict(os.environ, KVPLUG_TRACE_PLUGINS=value, KVPLUG_PLUGINS="cpu")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvplug", "plugins"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "[hook]" not in result.stderr, result.stderr
+
+
+def test_trace_value_that_is_no_flag_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPLUG_TRACE_PLUGINS", "verbose")
+    with pytest.raises(ConfigError, match=r"env KVPLUG_TRACE_PLUGINS: must be 1, true, yes or on .*\(got 'verbose'\)"):
+        PluginRegistry(load_entry_points=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,7 +42,9 @@ def _show_plugin_trace() -> None:
     # KVPLUG_TRACE_PLUGINS=1 writes pluggy's trace at INFO to the "kvplug.trace" logger. An
     # engine's logging shows it; a command line sets up none, and Python's last-resort handler
     # shows warnings only: `KVPLUG_TRACE_PLUGINS=1 kvplug plugins` printed no trace at all.
-    if os.environ.get("KVPLUG_TRACE_PLUGINS", "") not in ("", "0"):
+    from kvplug.core.plugins import trace_plugins  # (its commands load plugins anyway)
+
+    if run_or_exit(trace_plugins):
         trace = logging.getLogger("kvplug.trace")
         trace.setLevel(logging.INFO)
         trace.addHandler(logging.StreamHandler(sys.stderr))

@@ -32,7 +32,7 @@ from kvplug.core.concerns import CONCERNS, CONCERNS_BY_KEY
 from kvplug.core.events import KVEvent
 from kvplug.core.tier import MEDIA, StorageTier, TierConfig
 from kvplug.core.version import KVPLUG_VERSION
-from kvplug.errors import DuplicateComponentError, PluginLoadError, PluginRejectedError
+from kvplug.errors import ConfigError, ConfigProblem, DuplicateComponentError, PluginLoadError, PluginRejectedError
 from kvplug.hookspecs import PROJECT_NAME, SPEC_MODULES
 
 if TYPE_CHECKING:
@@ -75,6 +75,31 @@ BUILTIN_PLUGINS = {
 }
 
 
+#: The values of a flag variable (``KVPLUG_TRACE_PLUGINS``), in any case.
+_FLAGS = {
+    "": False,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+}
+
+
+def trace_plugins() -> bool:
+    """Whether ``KVPLUG_TRACE_PLUGINS`` asks for pluggy's trace of every hook call. A value that
+    is no flag is a :class:`ConfigError` naming it: anything but ``0`` traced, ``false`` too."""
+    value = os.environ.get("KVPLUG_TRACE_PLUGINS", "")
+    flag = _FLAGS.get(value.strip().lower())
+    if flag is None:
+        message = "must be 1, true, yes or on (log every hook call), or 0, false, no, off or empty"
+        raise ConfigError([ConfigProblem("env KVPLUG_TRACE_PLUGINS", value, message)], "environment")
+    return flag
+
+
 class PluginRegistry:
     """The plugin manager of one process (see :func:`get_registry`)."""
 
@@ -84,7 +109,7 @@ class PluginRegistry:
             self.pm.add_hookspecs(module)
         self._infos: dict[str, PluginInfo] = {}
         self.load_errors: list[PluginLoadError | PluginRejectedError] = []
-        if os.environ.get("KVPLUG_TRACE_PLUGINS", "") not in ("", "0"):
+        if trace_plugins():
             # pluggy's own hook-call monitoring: every call, its arguments and its result.
             self.pm.trace.root.setwriter(logging.getLogger("kvplug.trace").info)
             self.pm.enable_tracing()

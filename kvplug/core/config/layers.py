@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 
@@ -34,6 +34,13 @@ RESERVED_ENV = {
 }
 RESERVED_ENV_PREFIXES = ("KVPLUG_TEST_", "KVPLUG_BENCH_")
 ENGINE_KEY_PREFIX = "kvplug."
+#: The largest config file read. A config is a few kilobytes; a path that names a model's
+#: weights or a device (``/dev/zero``) by mistake is refused, not read whole into memory.
+MAX_CONFIG_FILE_BYTES = 1 << 20
+#: The deepest nesting of mappings and lists a config file or a ``KVPLUG_*`` JSON value may
+#: have (a kvplug config has about five levels): deeper, PyYAML's and json's recursive readers
+#: would end in a ``RecursionError`` rather than an error naming the file or variable.
+MAX_NESTING = 64
 
 
 class _NoAliasLoader(yaml.SafeLoader):
@@ -42,13 +49,28 @@ class _NoAliasLoader(yaml.SafeLoader):
     kvplug config has no use for them; an alias is a YAML error that names it. A key given
     twice in one mapping is an error too: PyYAML keeps the last silently, so a file that
     lists alternatives (``serializer: {type: zstd}`` then ``serializer: {type: int8}``)
-    would run the one below unnoticed."""
+    would run the one below unnoticed. Merge keys (``<<``) only make sense with aliases, and
+    nesting past :data:`MAX_NESTING` is refused at its line."""
+
+    _depth = 0
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping",
+                    node.start_mark,
+                    "merge keys (<<) are not allowed in a kvplug config",
+                    key_node.start_mark,
+                )
             key = self.construct_object(key_node, deep=True)
-            if isinstance(key, str) and key in seen:
+            if isinstance(key, (list, dict, set)):  # (``? [a, b]``: PyYAML's own check comes after ours)
+                kind = {"dict": "mapping"}.get(type(key).__name__, type(key).__name__)
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark, f"a key must be text, not a {kind}", key_node.start_mark
+                )
+            if key in seen:  # (1, 1.0 and true too: one key of a dict)
                 raise yaml.constructor.ConstructorError(
                     "while reading a mapping", node.start_mark, f"key {key!r} is given twice", key_node.start_mark
                 )
@@ -61,32 +83,76 @@ class _NoAliasLoader(yaml.SafeLoader):
             raise yaml.composer.ComposerError(
                 None, None, f"aliases (*{event.anchor}) are not allowed in a kvplug config", event.start_mark
             )
-        return super().compose_node(parent, index)
+        if self._depth >= MAX_NESTING:
+            event = self.peek_event()  # type: ignore[no-untyped-call]
+            raise yaml.composer.ComposerError(
+                None, None, f"nested more than {MAX_NESTING} levels deep", event.start_mark
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def read_yaml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The settings of a YAML config file (see :func:`read_yaml_layer_lines`)."""
+    return read_yaml_layer_lines(path)[0]
+
+
+def read_yaml_layer_lines(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, int]]:
+    """The settings of a YAML config file, and the line of each key and list item in it, by
+    dotted path (``store.queue.mode``, ``tiers.0.max_bytes``), for errors to name."""
     source = str(path)
     try:
-        raw = Path(path).read_bytes()
+        with Path(path).open("rb") as file:
+            raw = file.read(MAX_CONFIG_FILE_BYTES + 1)
     except OSError as exc:
         raise ConfigError([ConfigProblem("", source, f"cannot read config file: {exc.strerror}")], source) from None
     except ValueError as exc:  # a NUL in the path
         raise ConfigError([ConfigProblem("", source, f"cannot read config file: {exc}")], source) from None
+    if len(raw) > MAX_CONFIG_FILE_BYTES:
+        message = (
+            f"the file is over {MAX_CONFIG_FILE_BYTES} bytes (1 MiB), and a kvplug config is a few kilobytes: "
+            "is this the config file?"
+        )
+        raise ConfigError([ConfigProblem("", source, message)], source)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         message = f"not valid UTF-8: byte {exc.start} (line {line}) is {raw[exc.start : exc.start + 1]!r}; save the file as UTF-8"
         raise ConfigError([ConfigProblem("", source, message)], source) from None
+    loader = _NoAliasLoader(text)  # a SafeLoader that also refuses aliases
     try:
-        data = yaml.load(text, Loader=_NoAliasLoader)  # a SafeLoader that also refuses aliases
+        node = loader.get_single_node()
+        data = None if node is None else loader.construct_document(node)
     except yaml.YAMLError as exc:
         raise ConfigError([ConfigProblem("", source, f"not valid YAML: {exc}")], source) from None
-    if data is None:
-        return {}
+    finally:
+        loader.dispose()
+    if node is None or data is None:
+        return {}, {}
     if not isinstance(data, dict):
         raise ConfigError([ConfigProblem("", data, "the top level must be a mapping")], source)
-    return data
+    lines: dict[str, int] = {}
+    _note_lines(node, data, "", lines)
+    return data, lines
+
+
+def _note_lines(node: yaml.Node, data: Any, prefix: str, lines: dict[str, int]) -> None:
+    """Note in ``lines`` the line of each key and item under ``node`` (``data``, as read), by the
+    path an error gives it: each key as read (``None``, ``1``; ``true`` as pydantic names it, ``1``)."""
+    children: list[tuple[str, yaml.Node, yaml.Node, Any]] = []  # (path, where it is written, value node, value)
+    if isinstance(node, yaml.MappingNode) and isinstance(data, dict):
+        # (the mapping's keys in the file's order: a key given twice was refused)
+        keys = [int(key) if isinstance(key, bool) else key for key in data]
+        children = [(f"{prefix}{key}", k, v, data[raw]) for (k, v), key, raw in zip(node.value, keys, data)]
+    elif isinstance(node, yaml.SequenceNode) and isinstance(data, list):
+        children = [(f"{prefix}{index}", item, item, data[index]) for index, item in enumerate(node.value)]
+    for path, written, value_node, value in children:
+        lines[path] = written.start_mark.line + 1
+        _note_lines(value_node, value, path + ".", lines)
 
 
 def adapter_environment(registry: PluginRegistry) -> frozenset[str]:
@@ -94,7 +160,9 @@ def adapter_environment(registry: PluginRegistry) -> frozenset[str]:
     return frozenset(name.upper() for adapter in registry.engine_adapters().values() for name in adapter.environment)
 
 
-def env_layer(env: Mapping[str, str], reserved: frozenset[str] = frozenset()) -> dict[str, Any]:
+def env_layer(
+    env: Mapping[str, str], reserved: frozenset[str] = frozenset(), names: dict[str, str] | None = None
+) -> dict[str, Any]:
     """``KVPLUG_CHUNK_SIZE=128``, ``KVPLUG_STORE__QUEUE__MODE=sync``, ``KVPLUG_TIERS='[...]'``,
     ``KVPLUG_TIERS__0__MAX_BYTES=8GiB`` (item 0 of the tiers list, from this layer or the file's).
 
@@ -102,7 +170,8 @@ def env_layer(env: Mapping[str, str], reserved: frozenset[str] = frozenset()) ->
     is JSON. Every ``KVPLUG_*`` variable applies or is an error naming it: an unknown
     setting, a part of a single value, an item a list does not have, JSON that does not
     parse. Unknown keys inside a section are the model's errors (``store.nope: unknown
-    key``). ``reserved``: more names that are not settings (see :func:`adapter_environment`)."""
+    key``). ``reserved``: more names that are not settings (see :func:`adapter_environment`);
+    ``names``, if given, gets the variable that set each dotted path (``tiers.0.max_bytes``)."""
     fields = {name.upper(): name for name in KVPlugConfig.model_fields}
     problems: list[ConfigProblem] = []
     layer: dict[str, Any] = {}
@@ -115,22 +184,24 @@ def env_layer(env: Mapping[str, str], reserved: frozenset[str] = frozenset()) ->
         and not name.upper().startswith(RESERVED_ENV_PREFIXES)
     ]
     # Whole values before their parts: KVPLUG_TIERS sets the list that KVPLUG_TIERS__0__X changes.
+    seen: dict[tuple[str | int, ...], str] = {}
     for name in sorted(settings, key=lambda n: (n.count("__"), n)):
         path = name.upper()[len(ENV_PREFIX) :].lower().split("__")
-        problem = _env_name_problem(path, fields)
+        problem = _env_name_problem(path, fields) or _given_twice(seen, _key_path(path), name)
         if problem is None:
             try:
-                _set_path(
-                    layer,
-                    [int(part) if part.isdigit() else part for part in path],
-                    _env_value(env[name], ".".join(path)),
-                )
+                value = _env_value(env[name], ".".join(path))
+                if len(path) == 1 and isinstance(value, str) and not _is_single_value(fields[path[0].upper()]):
+                    raise ValueError(_needs_json(fields[path[0].upper()]))
+                _set_path(layer, _key_path(path), value)
             except ValueError as exc:
                 problem = str(exc)
         if problem is not None:
             problems.append(ConfigProblem(f"env {name}", env[name], problem))
     if problems:
         raise ConfigError(problems, "environment")
+    if names is not None:  # the variable that set each dotted path, as the user spelled it
+        names.update((".".join(map(str, path)), name) for path, name in seen.items())
     return layer
 
 
@@ -145,22 +216,54 @@ def _env_name_problem(path: list[str], fields: Mapping[str, str]) -> str | None:
     return None
 
 
+def _needs_json(field_name: str) -> str:
+    """Why plain text cannot set a list or a section (``KVPLUG_TIERS=cpu``): pydantic's "Input
+    should be a valid list" named neither the variable nor the way to write one."""
+    many = get_origin(KVPlugConfig.model_fields[field_name].annotation) is list
+    variable = ENV_PREFIX + field_name.upper()
+    return (
+        f"{field_name} is {'a list' if many else 'a section'}: give it as JSON "
+        f"({variable}='{'[{...}]' if many else '{...}'}') or set its parts ({variable}__{'0__' if many else ''}<key>)"
+    )
+
+
 def _is_single_value(field_name: str) -> bool:
     """Whether a top-level setting is a number, text or flag (no keys or items below it)."""
     annotation = KVPlugConfig.model_fields[field_name].annotation
     members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
-    return all(member in (int, float, str, bool, type(None)) or get_origin(member) is Literal for member in members)
+    # (a bounded int is Annotated; ByteSize an int: max_chunk_bytes, copy_threads took parts)
+    members = tuple(get_args(m)[0] if get_origin(m) is Annotated else m for m in members)
+    return all(
+        member is type(None)
+        or get_origin(member) is Literal
+        or (isinstance(member, type) and issubclass(member, (int, float, str)))
+        for member in members
+    )
 
 
 def _env_value(text: str, setting: str) -> Any:
     if not text.lstrip().startswith(("[", "{")):
         return text
     try:
-        return json.loads(text, object_pairs_hook=_no_repeated_keys)
+        value = json.loads(text, object_pairs_hook=_no_repeated_keys)
     except json.JSONDecodeError as exc:
         raise ValueError(
             f"{setting}: a value starting with [ or {{ is JSON, and this is not valid JSON: {exc}"
         ) from None
+    except RecursionError:  # (json's decoder recurses per level)
+        raise ValueError(f"{setting}: the JSON is nested more than {MAX_NESTING} levels deep") from None
+    if _depth(value) > MAX_NESTING:
+        raise ValueError(f"{setting}: the JSON is nested more than {MAX_NESTING} levels deep")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How many lists and mappings deep ``value`` is (0: a number or text)."""
+    depth, level = 0, [value]
+    while containers := [item for item in level if isinstance(item, (dict, list))]:
+        depth += 1
+        level = [child for item in containers for child in (item.values() if isinstance(item, dict) else item)]
+    return depth
 
 
 def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -172,6 +275,22 @@ def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"key {key!r} is given twice in one JSON object")
         result[key] = value
     return result
+
+
+def _key_path(parts: list[str]) -> list[str | int]:
+    """A setting's path from a name's parts: ASCII digits pick a list item (``0`` and ``00`` alike)."""
+    return [int(part) if part.isascii() and part.isdigit() else part for part in parts]
+
+
+def _given_twice(seen: dict[tuple[str | int, ...], str], path: list[str | int], name: str) -> str | None:
+    """The error if another name of one layer (in ``seen``) set ``path`` (``KVPLUG_CHUNK_SIZE`` and
+    ``kvplug_chunk_size``, ``tiers.0`` and ``tiers.00``): one of them would win unnoticed."""
+    other = seen.setdefault(tuple(path), name)
+    return None if other == name else f"sets the same setting as {other}: give it once"
+
+
+def _dots(key: str) -> tuple[int, str]:
+    return key.count("."), key
 
 
 def _set_path(target: Any, path: list[str | int], value: Any) -> None:
@@ -219,13 +338,21 @@ def engine_config_layer(extra: Mapping[str, Any]) -> tuple[dict[str, Any], str |
             raise ConfigError([ConfigProblem("kvplug", nested, "must be a mapping")], "engine extra config")
         layer = deep_copy(nested)
     problems: list[ConfigProblem] = []
-    for key, value in extra.items():
-        if key.startswith(ENGINE_KEY_PREFIX):
-            path = key[len(ENGINE_KEY_PREFIX) :].split(".")
+    seen: dict[tuple[str | int, ...], str] = {}
+    # Keys of other connectors may be anything; ours are text. Whole values before their parts
+    # (as in the environment): in the engine's order, "kvplug.store" after "kvplug.store.queue.mode"
+    # replaced the section and lost the mode.
+    ours = sorted((key for key in extra if isinstance(key, str) and key.startswith(ENGINE_KEY_PREFIX)), key=_dots)
+    for key in ours:
+        path = _key_path(key[len(ENGINE_KEY_PREFIX) :].split("."))
+        problem = _given_twice(seen, path, key)
+        if problem is None:
             try:
-                _set_path(layer, [int(part) if part.isdigit() else part for part in path], value)
+                _set_path(layer, path, extra[key])
             except ValueError as exc:
-                problems.append(ConfigProblem(key, value, str(exc)))
+                problem = str(exc)
+        if problem is not None:
+            problems.append(ConfigProblem(key, extra[key], problem))
     if problems:
         raise ConfigError(problems, "engine extra config")
     config_file = layer.pop("config", None)

@@ -25,7 +25,7 @@ from kvplug.core.config.layers import (
     engine_config_layer,
     env_layer,
     items_phrase,
-    read_yaml_layer,
+    read_yaml_layer_lines,
 )
 from kvplug.core.config.model import KVPlugConfig
 from kvplug.core.config.problems import problems_from_validation_error
@@ -60,9 +60,12 @@ def load_config(
     engine_layer, engine_file = engine_config_layer(engine_extra or {})
     layers: list[tuple[str, dict[str, Any]]] = []
     path = engine_file or config_file or env.get("KVPLUG_CONFIG")
+    lines: dict[str, int] = {}
     if path:
-        layers.append((f"file {path}", anchor_pin_files(read_yaml_layer(path), Path(path).parent)))
-    layers.append(("env", env_layer(env, reserved=adapter_environment(registry or get_registry()))))
+        file_layer, lines = read_yaml_layer_lines(path)
+        layers.append((f"file {path}", anchor_pin_files(file_layer, Path(path).parent)))
+    names: dict[str, str] = {}  # (for errors: the variable as set, kvplug_chunk_size or KVPLUG_TIERS__00__X)
+    layers.append(("env", env_layer(env, reserved=adapter_environment(registry or get_registry()), names=names)))
     layers.append(("engine", engine_layer))
     data: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -73,9 +76,14 @@ def load_config(
     except ConfigError as exc:
         if type(exc) is not ConfigError:
             raise
-        if len(set(sources.values())) < 2:  # one layer set everything: naming it adds nothing
+        named = set(sources.values())
+        if named == {f"file {path}"}:
+            # The file set everything: the error names it, and each problem its line
+            # (`kvplug config validate` said "store.queue.mode: ..." with no word of where).
+            raise ConfigError([_naming_line(p, lines) for p in exc.problems], str(path)) from None
+        if len(named) < 2:  # one layer set everything: naming it adds nothing
             raise
-        raise ConfigError([_naming_source(p, sources) for p in exc.problems], exc.source) from None
+        raise ConfigError([_naming_source(p, sources, lines, names) for p in exc.problems], exc.source) from None
     if request:
         config = config.with_overrides(request)
         for key in request:
@@ -96,9 +104,11 @@ def _validated(data: dict[str, Any], registry: PluginRegistry | None) -> KVPlugC
     return config.resolve(registry)
 
 
-def _naming_source(problem: ConfigProblem, sources: Mapping[str, str]) -> ConfigProblem:
-    """``problem`` with the layer that set its value (a file, a ``KVPLUG_`` variable, the
-    engine's config): a file may be right and a forgotten variable override it."""
+def _naming_source(
+    problem: ConfigProblem, sources: Mapping[str, str], lines: Mapping[str, int], names: Mapping[str, str]
+) -> ConfigProblem:
+    """``problem`` with the layer that set its value (a file and its line, a ``KVPLUG_``
+    variable, the engine's config): a file may be right and a forgotten variable override it."""
     parts = problem.path.replace("[", ".").replace("]", "").split(".")
     for end in range(len(parts), 0, -1):
         layer = sources.get(".".join(parts[:end]))
@@ -106,11 +116,26 @@ def _naming_source(problem: ConfigProblem, sources: Mapping[str, str]) -> Config
             break
     else:
         return problem
-    if layer == "env":
-        layer = "env " + ENV_PREFIX + "__".join(parts[:end]).upper()
+    if layer == "env":  # the variable that set it: the deepest one above it (KVPLUG_STORE='{...}')
+        given = (names.get(".".join(parts[:n])) for n in range(end, 0, -1))
+        layer = "env " + next((name for name in given if name), ENV_PREFIX + "__".join(parts[:end]).upper())
     elif layer == "engine":
         layer = "the engine's config, " + ENGINE_KEY_PREFIX + ".".join(parts[:end])
+    elif _line(problem, lines) is not None:
+        layer += f", line {_line(problem, lines)}"
     return ConfigProblem(problem.path, problem.value, f"{problem.message}; set in {layer}")
+
+
+def _naming_line(problem: ConfigProblem, lines: Mapping[str, int]) -> ConfigProblem:
+    line = _line(problem, lines)
+    return problem if line is None else ConfigProblem(problem.path, problem.value, f"{problem.message}; line {line}")
+
+
+def _line(problem: ConfigProblem, lines: Mapping[str, int]) -> int | None:
+    """The config file's line of the deepest key of ``problem``'s path that the file has
+    (``[1]``: a key that is no text, ``1:``, at the top level)."""
+    parts = problem.path.replace("[", ".").replace("]", "").removeprefix(".").split(".")
+    return next((lines[key] for n in range(len(parts), 0, -1) if (key := ".".join(parts[:n])) in lines), None)
 
 
 def _component_entries(data: Mapping[str, Any]) -> list[tuple[str, str, str, dict[str, Any]]]:
@@ -136,17 +161,20 @@ def _merge(
 ) -> None:
     for key, value in layer.items():
         path = f"{prefix}{key}"
-        # Sections merge key by key; a component spec ({type: ...}) is replaced whole,
-        # since options of one type mean nothing to another.
+        # Sections merge key by key; a component spec naming a type ({type: ...}) is replaced
+        # whole, since options of one type mean nothing to another. Options alone
+        # (KVPLUG_SERIALIZER__LEVEL=5) are for the type an earlier layer chose: replacing its
+        # spec with them lost the type ("serializer.type: Field required").
+        whole = prefix == "" and key in ("serializer", "connector") and isinstance(value, Mapping) and "type" in value
         if isinstance(value, Mapping) and value and all(isinstance(index, int) for index in value):
             _merge_items(into, key, value, sources, name, path)
-        elif isinstance(value, Mapping) and not (prefix == "" and key in ("serializer", "connector")):
+        elif isinstance(value, Mapping) and not whole:
             if not isinstance(into.get(key), dict):
                 into[key] = {}
             _merge(into[key], value, sources, name, path + ".")
         else:
             into[key] = deep_copy(value)
-            sources[path] = name
+            _credit(sources, path, name)
 
 
 def _merge_items(
@@ -172,7 +200,15 @@ def _merge_items(
             _merge(target[index], value, sources, name, where + ".")
         else:
             target[index] = deep_copy(value)
-            sources[where] = name
+            _credit(sources, where, name)
+
+
+def _credit(sources: dict[str, str], path: str, name: str) -> None:
+    """Layer ``name`` set the value at ``path`` whole: the parts an earlier layer set below it
+    are gone with it (``config show`` and errors credited them to that layer still)."""
+    for stale in [key for key in sources if key.startswith(path + ".")]:
+        del sources[stale]
+    sources[path] = name
 
 
 def _leaf_paths(value: Any, path: str) -> list[str]:

@@ -15,8 +15,17 @@ import time
 
 #: A breaker that opens again for a cause already said (its shape) is said once per this many seconds.
 REOPENING_WARNING_S = 600.0
-#: What varies between openings for one cause: numbers, hex ids (a node's port, a request id).
-_VARYING = re.compile(r"\b[0-9a-fA-F]*[0-9][0-9a-fA-F]*\b")
+#: What varies between openings for one cause: an address (``valkey-1:6380``, ``10.0.0.7``,
+#: ``[::1]:7001``), a fraction (a duration), a number or hex id of 4 digits or more (a port, a
+#: request id, a size). Not a number of up to 3 digits: a status code or an errno names the
+#: cause (an HTTP 403 and a 503 from one address are two causes; masked, the 403 went unsaid).
+_VARYING = re.compile(
+    r"\[[0-9a-fA-F:.]*\](?::\d+)?"
+    r"|[\w.-]*\w(?::\d+)+\b"
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}\b"
+    r"|\b\d+\.\d+\b"
+    r"|\b(?=[0-9a-fA-F]*[0-9])[0-9a-fA-F]{4,}\b"
+)
 #: Causes remembered at most (causes that differ in more than numbers; then all are forgotten).
 _MAX_CAUSES = 64
 

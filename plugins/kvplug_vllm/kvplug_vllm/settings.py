@@ -112,18 +112,22 @@ assert not _clash, f"connector settings shadow core config fields: {_clash}"
 
 def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dict[str, Any]]:
     """``(connector settings, the rest for kvplug.load_config)`` from vLLM's extra config."""
-    rest: dict[str, Any] = {}
+    rest: dict[Any, Any] = {}
     mine: dict[str, Any] = {}
+    dotted: dict[str, Any] = {}  # (applied after the nested mapping, whatever the order of keys)
     for key, value in (extra or {}).items():
-        if key.startswith(PREFIX) and key[len(PREFIX) :] in SETTING_NAMES | set(RENAMED):
-            mine[key[len(PREFIX) :]] = value
+        if isinstance(key, str) and key.startswith(PREFIX) and key[len(PREFIX) :] in SETTING_NAMES | set(RENAMED):
+            dotted[key[len(PREFIX) :]] = value
         elif key == "kvplug" and isinstance(value, Mapping):
             nested = dict(value)
             for name in (SETTING_NAMES | set(RENAMED)) & set(nested):
                 mine[name] = nested.pop(name)
             rest[key] = nested
         else:
-            rest[key] = value
+            rest[key] = value  # (another connector's key may be anything)
+    # A kvplug.<setting> key wins over the nested mapping's, as it does for the core's settings;
+    # which one won depended on the order of the engine's keys.
+    mine.update(dotted)
     old = _unknown_names(rest)
     for name in sorted(RENAMED.keys() & mine.keys()):
         new, note = RENAMED[name]
@@ -154,11 +158,13 @@ def check_reset_tiers(settings: ConnectorSettings, config: KVPlugConfig) -> None
         )
 
 
-def _unknown_names(rest: Mapping[str, Any]) -> list[ConfigProblem]:
+def _unknown_names(rest: Mapping[Any, Any]) -> list[ConfigProblem]:
     """A ``kvplug.`` key that is neither a connector setting nor a core field, named with the
     names of both (the core's own error would list only its fields, so a misspelled connector
     setting got a list without the setting meant)."""
-    given = [(key[len(PREFIX) :], value) for key, value in rest.items() if key.startswith(PREFIX)]
+    given = [
+        (key[len(PREFIX) :], value) for key, value in rest.items() if isinstance(key, str) and key.startswith(PREFIX)
+    ]
     nested = rest.get("kvplug")
     given += [(str(key), value) for key, value in nested.items()] if isinstance(nested, Mapping) else []
     allowed = sorted(SETTING_NAMES | set(KVPlugConfig.model_fields) | {"config"})  # config: a YAML file's path

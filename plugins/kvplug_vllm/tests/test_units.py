@@ -238,3 +238,20 @@ def test_vllm_cpu_mla_latent_rows_round_trip_bit_exactly(connector: str) -> None
         untouched = torch.ones(dst_rows.shape[0], dtype=torch.bool)
         untouched[dst_slots[:64]] = False
         assert not dst_rows[untouched].any(), "a row outside the loaded slots was written"
+
+
+def test_a_connector_setting_given_both_ways_takes_the_dotted_key_in_any_order() -> None:
+    """The nested mapping's value won when it came after the dotted key: the order of the
+    engine's keys chose; as for the core's settings, kvplug.<setting> wins."""
+    for extra in (
+        {"kvplug.load": "sync", "kvplug": {"load": "async"}},
+        {"kvplug": {"load": "async"}, "kvplug.load": "sync"},
+    ):
+        settings, _ = split_extra_config(extra)
+        assert settings.load == "sync", extra
+
+
+def test_extra_config_keys_that_are_not_text_belong_to_other_connectors() -> None:
+    # `key.startswith` on an int key: AttributeError from vLLM's create_engine_config.
+    settings, rest = split_extra_config({7: "theirs", "kvplug.load": "sync"})
+    assert settings.load == "sync" and rest == {7: "theirs"}
