@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvplug import load_config
-from kvplug.core.config.layers import MAX_CONFIG_FILE_BYTES, MAX_NESTING
+from kvplug.core.config.yaml_layer import MAX_CONFIG_FILE_BYTES, MAX_NESTING
 from kvplug.core.plugins import PluginRegistry
 from kvplug.errors import ConfigError
 

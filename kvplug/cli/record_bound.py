@@ -90,7 +90,8 @@ def _bound_from_settings(failed: Exception) -> int | None:
     import os
 
     from kvplug.core.chunk_format import DEFAULT_MAX_CHUNK_BYTES
-    from kvplug.core.config.layers import env_layer, read_yaml_layer
+    from kvplug.core.config.layers import env_layer
+    from kvplug.core.config.yaml_layer import read_yaml_layer
     from kvplug.core.config_types import parse_byte_size
     from kvplug.core.plugins import get_registry
     from kvplug.core.serializer import Serializer

@@ -25,10 +25,10 @@ from kvplug.core.config.layers import (
     engine_config_layer,
     env_layer,
     items_phrase,
-    read_yaml_layer_lines,
 )
 from kvplug.core.config.model import KVPlugConfig
 from kvplug.core.config.problems import problems_from_validation_error
+from kvplug.core.config.yaml_layer import read_yaml_layer_lines
 from kvplug.core.plugins import PluginRegistry, get_registry
 from kvplug.core.records.integrity import integrity_key
 from kvplug.core.tenancy import anchor_pin_files
