@@ -238,3 +238,32 @@ def test_vllm_cpu_mla_latent_rows_round_trip_bit_exactly(connector: str) -> None
         untouched = torch.ones(dst_rows.shape[0], dtype=torch.bool)
         untouched[dst_slots[:64]] = False
         assert not dst_rows[untouched].any(), "a row outside the loaded slots was written"
+
+
+# --- what a checkpoint's keys name --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "changed", [{"quantization": "fp8"}, {"hf_overrides": {"rope_theta": 1000.0}}], ids=["quantized", "overridden"]
+)
+def test_a_checkpoint_run_quantized_or_overridden_is_keyed_apart(tiny_model: str, changed: dict[str, Any]) -> None:
+    # One model id and revision computes other KV with its weights quantized or its config
+    # overridden (rope_theta rotates every key otherwise): on a shared tier a server run so
+    # must miss the chunks of one run without, not load them as its own.
+    from vllm.config import ModelConfig
+
+    from kvplug_vllm.layout import VLLM_FLASH, fingerprint_for
+
+    layout = KVLayout(VLLM_FLASH, num_layers=2, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
+
+    def key_prefix(**fields: Any) -> str:
+        engine = SimpleNamespace(
+            model_config=ModelConfig(model=tiny_model, dtype="bfloat16", **fields),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+            cache_config=SimpleNamespace(cache_dtype="auto"),
+        )
+        return fingerprint_for(layout, engine, tp_rank=0, pp_rank=0).key_prefix()
+
+    plain = key_prefix()
+    assert key_prefix(**changed) != plain, f"{changed} keyed like the plain checkpoint"
+    assert key_prefix(**changed) == key_prefix(**changed) and key_prefix() == plain  # and stable
