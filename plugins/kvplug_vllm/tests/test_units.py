@@ -267,3 +267,25 @@ def test_a_checkpoint_run_quantized_or_overridden_is_keyed_apart(tiny_model: str
     plain = key_prefix()
     assert key_prefix(**changed) != plain, f"{changed} keyed like the plain checkpoint"
     assert key_prefix(**changed) == key_prefix(**changed) and key_prefix() == plain  # and stable
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [{"tensor_parallel_size": 2, "decode_context_parallel_size": 2}, {"prefill_context_parallel_size": 2}],
+    ids=["dcp", "pcp"],
+)
+def test_context_parallelism_is_refused_naming_it(parallel: dict[str, int]) -> None:
+    # A decode-context-parallel rank's block holds every dcp-th token of a scheduler's block:
+    # stored and loaded as whole blocks of its own tokens, it would serve other tokens' KV.
+    from vllm.config import ParallelConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvplug_vllm.kv_groups import check_kv_cache_groups
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)
+    model = SimpleNamespace(model_config=SimpleNamespace(model="org/llm"), parallel_config=ParallelConfig())
+    assert len(check_kv_cache_groups(model, kv_cache_config(full))) == 1  # no context parallelism: served
+    model.parallel_config = ParallelConfig(**parallel)
+    named = next(f"{name}=2" for name in parallel if "context" in name)
+    with pytest.raises(kvplug.errors.UnsupportedModelError, match=rf"'org/llm' with {named}: context parallelism"):
+        check_kv_cache_groups(model, kv_cache_config(full))
