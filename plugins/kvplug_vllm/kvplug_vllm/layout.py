@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
-from kvplug import Fingerprint, HeadShard, KVLayout, PagedFormat
+from kvplug import Fingerprint, HeadShard, KVLayout, PagedFormat, dtype_name
 from kvplug.errors import ConfigError, ConfigProblem, LayoutError
 
 logger = logging.getLogger("kvplug.vllm")
@@ -145,6 +145,11 @@ def fingerprint_for(
     parallel_config = vllm_config.parallel_config  # type: ignore[attr-defined]
     cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")  # type: ignore[attr-defined]
     variant = [f"kv_cache_dtype={cache_dtype}", *weights_variant(model_config)]
+    if cache_dtype != "auto":
+        # A cache of another dtype than the model's (fp8) holds KV the model computed in its
+        # own dtype and then cast: fp16 and bf16 models write other fp8 bytes. With "auto" the
+        # cache's dtype, already in the key, is the model's.
+        variant.append(f"model_dtype={dtype_name(model_config.dtype)}")
     if layout.format == VLLM_CPU:
         variant.append(f"cpu_attn={cpu_attention_isa(layout, vllm_config)}")
     elif layout.format == VLLM_CPU_MLA:
