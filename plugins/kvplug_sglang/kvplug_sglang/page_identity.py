@@ -33,13 +33,16 @@ def cp_shard(cfg: HiCacheStorageConfig) -> str:
 def kv_cache_variant() -> str:
     """The KV cache dtype this SGLang server was told and the KV scales it loaded, where set.
     SGLang keeps an fp8 KV cache in uint8 pages (e4m3 and e5m2 alike), so the pages' dtype does
-    not tell them apart; the scales (``--quantization-param-path``) change the bytes too."""
+    not tell them apart; the scales (``--quantization-param-path``) change the bytes too, and so
+    does the model's ``--dtype`` (the KV it computes in it is cast: float16 and bfloat16 give
+    other fp8 bytes; with an ``auto`` cache the pages' dtype is the model's)."""
     model = _published_model()
     if model is None:
         return ""
     kv_cache_dtype = str(getattr(model, "kv_cache_dtype", None) or "auto")
+    model_dtype = str(getattr(model, "dtype", None) or "auto")
     scales = str(getattr(model, "quantization_param_path", None) or "")
-    return ("" if kv_cache_dtype == "auto" else f";kv_cache_dtype={kv_cache_dtype}") + (
+    return ("" if kv_cache_dtype == "auto" else f";kv_cache_dtype={kv_cache_dtype};model_dtype={model_dtype}") + (
         f";kv_scales={_scales_digest(scales)}" if scales else ""
     )
 

@@ -312,10 +312,12 @@ def test_on_full_block_set_by_the_operator_is_named_in_a_warning(
         # SGLang keeps an fp8 KV cache in uint8 pools, e4m3 and e5m2 alike: the pool's dtype
         # does not tell them apart, the server's --kv-cache-dtype and its scales file do.
         (torch.float8_e4m3fn, {"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": "fp8_e5m2"}),
+        # the KV a float16 model computes is cast to other fp8 bytes than a bfloat16 one's
+        (torch.float8_e4m3fn, {"kv_cache_dtype": "fp8_e4m3", "dtype": "float16"}, {"kv_cache_dtype": "fp8_e4m3"}),
         (torch.bfloat16, {}, {"quantization": "fp8"}),  # other weights, other KV
         (torch.bfloat16, {}, {"json_model_override_args": '{"rope_theta": 1000.0}'}),  # other rotated keys
     ],
-    ids=["fp8-format", "quantized", "overridden"],
+    ids=["fp8-format", "fp8-model-dtype", "quantized", "overridden"],
 )
 def test_servers_that_compute_other_kv_never_share_chunks(
     model_config, pool_factory, tmp_path: Path, pool_dtype: torch.dtype, theirs: dict, ours: dict
