@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from conftest import kv_config, output, report, step
 
-# three real engines in one test: more than the suite's default 300 s on a loaded machine
+# four real engines in one test: more than the suite's default 300 s on a loaded machine
 pytestmark = pytest.mark.timeout(900)
 
 OVERRIDES = {"rope_parameters": {"rope_type": "default", "rope_theta": 2.0}}
@@ -25,3 +25,6 @@ def test_a_run_with_config_overrides_misses_the_plain_runs_chunks(run_engine: An
     assert report(overridden, 0)["hit_tokens"] == 0, "the overridden run loaded the plain run's KV as its own"
     reference = run_engine(kv=None, steps=[step("P1")], hf_overrides=OVERRIDES)
     assert output(overridden, 0) == output(reference, 0)
+    again = run_engine(kv=kv, steps=[step("P1")], hf_overrides=OVERRIDES)  # another process, overridden alike
+    assert report(again, 0)["hit_tokens"] == 256, "runs of one override do not share their chunks"
+    assert output(again, 0) == output(reference, 0)
