@@ -159,13 +159,22 @@ def fingerprint_for(
     return Fingerprint.for_layout(
         layout,
         model_id=str(model_config.model),
-        model_revision=str(model_config.revision or ""),
+        model_revision=loaded_revision(model_config),
         engine_variant="+".join(variant),
         tp_rank=tp_rank,
         tp_size=parallel_config.tensor_parallel_size,
         pp_rank=pp_rank,
         pp_size=parallel_config.pipeline_parallel_size,
     )
+
+
+def loaded_revision(model_config: object) -> str:
+    """The commit of the checkpoint vLLM loaded: a hub revision (``main`` too, when none was
+    asked for) resolved to its commit hash, as vLLM resolved it (huggingface_hub's
+    ``ResolvedRevision``, whose text is the name asked for: two servers started before and
+    after a push to ``main`` loaded other weights); else the revision as given, or ``""``."""
+    revision = getattr(model_config, "revision", None)
+    return str(getattr(revision, "resolved", None) or revision or "")
 
 
 def weights_variant(model_config: object) -> list[str]:
