@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -124,7 +124,41 @@ SAME_TP_SIZE = "tp_sharing=same"
 _MAX_ISOLATIONS = 4096
 
 
-class HeadRecords:
+class RecordSplit:
+    """A split of the heads as an engine reads it (its own, or another TP size's writer's):
+    ``count`` records per chunk, each of ``record_layout``, assembled into a chunk of the
+    engine's ``chunk_layout``."""
+
+    count: int
+    record_layout: KVLayout
+    chunk_layout: KVLayout
+
+    def record_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
+        return self.record_layout.chunk_shape(num_tokens)
+
+    def chunk_tiers(self, located: Sequence[str], tier_order: Sequence[str]) -> list[str]:
+        """Per chunk, the slowest (latest in ``tier_order``) of the tiers that hold its records,
+        from one tier name per leading record."""
+        return slowest_per_chunk(located, self.count, tier_order)
+
+    def joined(self, records: Sequence[torch.Tensor], token_counts: Sequence[int]) -> list[torch.Tensor]:
+        """Chunk tensors of the leading whole chunks of ``records`` (``count`` per chunk, chunk
+        ``i`` of ``token_counts[i]`` tokens), each assembled from its records (a record of
+        every head the engine holds is its chunk as it is)."""
+        if self.record_layout == self.chunk_layout:
+            return list(records)
+        chunks = []
+        for index in range(len(records) // self.count):
+            chunk = torch.empty(self.chunk_layout.chunk_shape(token_counts[index]), dtype=self.chunk_layout.dtype)
+            self._assemble(records[index * self.count : (index + 1) * self.count], chunk)
+            chunks.append(chunk)
+        return chunks
+
+    def _assemble(self, records: Sequence[torch.Tensor], chunk: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class HeadRecords(RecordSplit):
     """The records of an engine's chunks: one per head group of its :class:`HeadShard`.
 
     ``any_tp_size`` False (``tp_sharing: same``): the records are keyed by the writer's TP
@@ -138,7 +172,7 @@ class HeadRecords:
     def __init__(
         self, layout: KVLayout, fingerprint: Fingerprint, shard: HeadShard | None, *, any_tp_size: bool = True
     ) -> None:
-        self.layout = layout
+        self.layout = self.chunk_layout = layout
         # A packed block is cut by head only where its bytes are head-major (_grouped): the
         # records of a token-major one are read only by engines holding the same heads.
         sliceable = heads_are_block_runs(layout)
@@ -239,9 +273,6 @@ class HeadRecords:
             found.update(dict.fromkeys([key] if prefixes is None else [prefix + key[cut:] for prefix in prefixes]))
         return list(found)
 
-    def record_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
-        return self.record_layout.chunk_shape(num_tokens)
-
     def _grouped(self, tensor: torch.Tensor, heads: int) -> torch.Tensor:
         """``tensor`` (a chunk or record, contiguous) as ``[layers, kv, pages, heads, run]``: a
         head's run is its ``head_dim`` elements of a token, or of a packed format its whole
@@ -267,33 +298,8 @@ class HeadRecords:
         for index, record in enumerate(records):
             target[:, :, :, index * group : (index + 1) * group].copy_(self._grouped(record, group))
 
-    def chunk_tiers(self, located: Sequence[str], tier_order: Sequence[str]) -> list[str]:
-        """Per chunk, the slowest (latest in ``tier_order``) of the tiers that hold its records,
-        from one tier name per leading record."""
-        return slowest_per_chunk(located, self.count, tier_order)
-
-    def joined(self, records: Sequence[torch.Tensor], token_counts: Sequence[int]) -> list[torch.Tensor]:
-        """Chunk tensors of the leading whole chunks of ``records`` (``count`` per chunk, chunk
-        ``i`` of ``token_counts[i]`` tokens), each joined from its records."""
-        if self.count == 1:
-            return list(records)
-        return self.assembled(records, token_counts, self.count, self.join)
-
-    def assembled(
-        self,
-        records: Sequence[torch.Tensor],
-        token_counts: Sequence[int],
-        count: int,
-        assemble: Callable[[Sequence[torch.Tensor], torch.Tensor], None],
-    ) -> list[torch.Tensor]:
-        """A chunk tensor per ``count`` leading records (chunk ``i`` of ``token_counts[i]``
-        tokens), each written by ``assemble(its records, chunk)``."""
-        chunks = []
-        for index in range(len(records) // count):
-            chunk = torch.empty(self.layout.chunk_shape(token_counts[index]), dtype=self.layout.dtype)
-            assemble(records[index * count : (index + 1) * count], chunk)
-            chunks.append(chunk)
-        return chunks
+    def _assemble(self, records: Sequence[torch.Tensor], chunk: torch.Tensor) -> None:
+        self.join(records, chunk)
 
 
 def heads_are_block_runs(layout: KVLayout) -> bool:
@@ -331,7 +337,7 @@ def _other_group_sizes(total: int, held: int, own: int) -> list[int]:
     return [g for g in joins + slices if g != own]
 
 
-class OtherSplit:
+class OtherSplit(RecordSplit):
     """Records another writer's split of the heads wrote, as read by a cache of ``parent``'s heads.
 
     ``group`` heads per record: fewer than the cache holds, ``count`` records joined per
@@ -350,6 +356,7 @@ class OtherSplit:
             self.offset = shard.first - starts[0]
         self.count = len(starts)
         self.record_layout = replace(parent.layout, num_kv_heads=group)
+        self.chunk_layout = parent.layout
         base = replace(fingerprint, tp_rank=0, tp_size=1)
         self.fingerprints = [
             replace(base, kv_heads=head_range(start, group, shard.total), kv_layout=self.record_layout.describe())
@@ -363,23 +370,10 @@ class OtherSplit:
         cut = len(self.parent.prefixes[0])
         return [prefix + key[cut:] for key in keys for prefix in prefixes]
 
-    def record_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
-        return self.record_layout.chunk_shape(num_tokens)
-
-    def chunk_tiers(self, located: Sequence[str], tier_order: Sequence[str]) -> list[str]:
-        return slowest_per_chunk(located, self.count, tier_order)
-
-    def joined(self, records: Sequence[torch.Tensor], token_counts: Sequence[int]) -> list[torch.Tensor]:
-        """The engine's chunk tensors of the leading whole chunks of ``records``."""
-        return self.parent.assembled(records, token_counts, self.count, self._assemble)
-
     def _assemble(self, records: Sequence[torch.Tensor], chunk: torch.Tensor) -> None:
-        parent = self.parent
-        if self.group <= parent.layout.num_kv_heads:
+        parent, held = self.parent, self.parent.layout.num_kv_heads
+        if self.group <= held:
             parent.join(records, chunk, self.group)
-            return
-        (record,) = records
-        held = parent.layout.num_kv_heads
-        parent._grouped(chunk, held).copy_(
-            parent._grouped(record, self.group)[:, :, :, self.offset : self.offset + held]
-        )
+        else:  # one record of more heads: this cache's heads are a run of them
+            source = parent._grouped(records[0], self.group)[:, :, :, self.offset : self.offset + held]
+            parent._grouped(chunk, held).copy_(source)

@@ -51,7 +51,7 @@ from kvplug_sglang.at_exit import close_at_exit, within_exit_wait
 from kvplug_sglang.bounded_reads import BoundedReads
 from kvplug_sglang.control import HiCacheControl, rank_in_replica, start_control
 from kvplug_sglang.host_pages import HostPageFormat
-from kvplug_sglang.page_identity import cp_shard, kv_cache_variant, loaded_checkpoint
+from kvplug_sglang.page_identity import cp_shard, kv_cache_variant, loaded_checkpoint, weights_variant
 
 logger = logging.getLogger("kvplug.sglang.hicache")
 
@@ -117,7 +117,9 @@ class KVPlugStorage(HiCacheStorage):
             model_id=self.model_id,
             model_revision=self.model_revision,
             # A host pool's own page format, which SGLang tags its model name with.
-            engine_variant=str(getattr(mem_pool_host, "storage_format_tag", None) or "") + kv_cache_variant(),
+            engine_variant=str(getattr(mem_pool_host, "storage_format_tag", None) or "")
+            + kv_cache_variant()
+            + weights_variant(),
             kv_layout=page_format.describe() + (":split" if cfg.should_split_heads else "") + cp_shard(cfg),
             dtype=kvplug.dtype_name(page_format.dtype),
             block_size=page_format.page_size,

@@ -1,5 +1,7 @@
 """What a HiCache page's key names besides SGLang's own page hash: the checkpoint the server
-loaded, its KV cache variant (an fp8 format and its scales) and its attention-CP shard.
+loaded, its KV cache variant (an fp8 format and its scales), the weights it runs the checkpoint
+with (quantized, config overridden) and its attention-CP shard. The radix-cache backend's
+chunk keys name the KV cache variant and the weights too (:mod:`kvplug_sglang.setup_engine`).
 
 Each tells apart pages whose bytes differ where SGLang's hash and the host pool's shape
 agree; a page read under another's key would be loaded as this server's KV.
@@ -8,12 +10,14 @@ agree; a page read under another's key would be loaded as this server's KV.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+if TYPE_CHECKING:  # a type only: the radix-cache backend imports this module too
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
 logger = logging.getLogger("kvplug.sglang.hicache")
 
@@ -29,14 +33,37 @@ def cp_shard(cfg: HiCacheStorageConfig) -> str:
 def kv_cache_variant() -> str:
     """The KV cache dtype this SGLang server was told and the KV scales it loaded, where set.
     SGLang keeps an fp8 KV cache in uint8 pages (e4m3 and e5m2 alike), so the pages' dtype does
-    not tell them apart; the scales (``--quantization-param-path``) change the bytes too."""
+    not tell them apart; the scales (``--quantization-param-path``) change the bytes too, and so
+    does the model's ``--dtype`` (the KV it computes in it is cast: float16 and bfloat16 give
+    other fp8 bytes; with an ``auto`` cache the pages' dtype is the model's)."""
     model = _published_model()
     if model is None:
         return ""
     kv_cache_dtype = str(getattr(model, "kv_cache_dtype", None) or "auto")
+    model_dtype = str(getattr(model, "dtype", None) or "auto")
     scales = str(getattr(model, "quantization_param_path", None) or "")
-    return ("" if kv_cache_dtype == "auto" else f";kv_cache_dtype={kv_cache_dtype}") + (
+    return ("" if kv_cache_dtype == "auto" else f";kv_cache_dtype={kv_cache_dtype};model_dtype={model_dtype}") + (
         f";kv_scales={_scales_digest(scales)}" if scales else ""
+    )
+
+
+def weights_variant() -> str:
+    """How this SGLang server runs its checkpoint where that changes the KV it computes: weights
+    quantized by a method (``--quantization fp8``) and the model config overridden
+    (``--json-model-override-args``, e.g. ``rope_theta``: other rotated keys). Either changes
+    every page's bytes under one model path and revision; ``""`` for neither."""
+    model = _published_model()
+    if model is None:
+        return ""
+    quantization = str(getattr(model, "quantization", None) or "")
+    overrides = str(getattr(model, "json_model_override_args", None) or "{}")
+    try:
+        parsed: Any = json.loads(overrides)
+    except ValueError:  # SGLang refuses it when it starts: keyed by the text as given
+        parsed = overrides
+    canonical = json.dumps(parsed, sort_keys=True, separators=(",", ":"))
+    return (f";quantization={quantization}" if quantization else "") + (
+        f";overrides={hashlib.sha256(canonical.encode()).hexdigest()[:16]}" if parsed != {} else ""
     )
 
 

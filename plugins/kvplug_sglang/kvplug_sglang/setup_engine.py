@@ -3,7 +3,9 @@
 Everything SGLang-facing in this package (connector, radix-cache backend) goes
 through :func:`build_cache_engine`, so chunk keys carry the same fingerprint
 whichever way kvplug was turned on: model path and revision, dtype, the
-``sglang_mha`` layout with its page size, and the tensor-parallel rank and size.
+``sglang_mha`` layout with its page size, the tensor-parallel rank and size, and what
+the server that published its settings runs differently (an fp8 KV cache's format and
+scales, quantized weights, an overridden model config).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 import kvplug
 from kvplug.errors import LayoutError
+from kvplug_sglang.page_identity import kv_cache_variant, weights_variant
 
 logger = logging.getLogger("kvplug.sglang")
 
@@ -137,7 +140,9 @@ def build_cache_engine(
         layout,
         model_id=model_id_of(model_config),
         model_revision=str(getattr(model_config, "revision", None) or ""),
-        engine_variant=_layer_slice(model_config, layout, first_layer),
+        # SGLang keeps an fp8 KV cache in uint8 pools (e4m3 and e5m2 alike, scaled by a file):
+        # the pool's dtype does not tell them apart, the server's settings do; so do its weights.
+        engine_variant=_layer_slice(model_config, layout, first_layer) + kv_cache_variant() + weights_variant(),
         tp_rank=tp_rank,
         tp_size=tp_size,
     )

@@ -304,3 +304,47 @@ def test_on_full_block_set_by_the_operator_is_named_in_a_warning(
         assert not [r for r in caplog.records if "on_full" in r.getMessage()]
         assert connector.engine.config.store.queue.on_full == "drop"
         connector.close()
+
+
+@pytest.mark.parametrize(
+    ("pool_dtype", "theirs", "ours"),
+    [
+        # SGLang keeps an fp8 KV cache in uint8 pools, e4m3 and e5m2 alike: the pool's dtype
+        # does not tell them apart, the server's --kv-cache-dtype and its scales file do.
+        (torch.float8_e4m3fn, {"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": "fp8_e5m2"}),
+        # the KV a float16 model computes is cast to other fp8 bytes than a bfloat16 one's
+        (torch.float8_e4m3fn, {"kv_cache_dtype": "fp8_e4m3", "dtype": "float16"}, {"kv_cache_dtype": "fp8_e4m3"}),
+        (torch.bfloat16, {}, {"quantization": "fp8"}),  # other weights, other KV
+        (torch.bfloat16, {}, {"json_model_override_args": '{"rope_theta": 1000.0}'}),  # other rotated keys
+    ],
+    ids=["fp8-format", "fp8-model-dtype", "quantized", "overridden"],
+)
+def test_servers_that_compute_other_kv_never_share_chunks(
+    model_config, pool_factory, tmp_path: Path, pool_dtype: torch.dtype, theirs: dict, ours: dict
+) -> None:
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    from sglang.srt.runtime_context import get_context
+
+    from kvplug import CacheEngine, load_config
+    from kvplug_sglang.setup_engine import build_cache_engine
+
+    tiers = [{"type": "disk", "path": str(tmp_path / "disk")}]
+    config = load_config(
+        engine_extra={"kvplug": {"chunk_size": 8, "store": {"queue": {"mode": "sync"}}, "tiers": tiers}}
+    ).config
+    pool = pool_factory(size=64, dtype=pool_dtype)
+    tokens, slots = list(range(16)), torch.arange(16)
+
+    def engine_of(server_args: dict) -> CacheEngine:
+        with get_context().override_server_args(model_path=str(model_config.model_path), **server_args):
+            return build_cache_engine(model_config=model_config, k_pool=pool.k_buffer, v_pool=pool.v_buffer, config=config)  # fmt: skip
+
+    writer, same, other = engine_of(theirs), engine_of(theirs), engine_of(ours)
+    try:
+        writer.store(tokens, list(zip(pool.k_buffer, pool.v_buffer)), slots)
+        writer.flush()
+        assert same.lookup(tokens) == 16  # a server run alike shares them
+        assert other.lookup(tokens) == 0, f"a server run with {ours} would load the KV of one run with {theirs}"
+    finally:
+        for engine in (writer, same, other):
+            engine.close()

@@ -376,3 +376,35 @@ def test_a_normal_exit_writes_the_queued_pages_and_removes_the_control_socket(
         assert backend.batch_exists(reported["keys"]) == len(reported["keys"]), "queued pages were lost at exit"
     finally:
         backend.close()
+
+
+def test_servers_of_other_weights_never_share_pages(tmp_path: Path) -> None:
+    """One checkpoint run with its weights quantized (--quantization) or its config overridden
+    (--json-model-override-args, e.g. rope_theta: other rotated keys) computes other KV: its
+    pages are another server's misses; a server run alike reads them."""
+    pytest.importorskip("kvplug_disk", reason="kvplug-disk is not installed")
+    from sglang.srt.runtime_context import get_context
+
+    kvplug = {"tiers": [{"type": "disk", "path": str(tmp_path / "disk"), "queue": {"mode": "sync"}}]}
+    host = make_host("layer_first")
+    keys = page_keys(list(range(690, 690 + 2 * PAGE)))
+    backends = []
+    for server_args in (
+        {},
+        {},
+        {"quantization": "fp8"},
+        {"json_model_override_args": '{"rope_theta": 1000.0}'},
+        {"json_model_override_args": '{"rope_theta": 2000.0}'},
+    ):
+        with get_context().override_server_args(model_path="/models/llama", **server_args):
+            backends.append(make_backend(host, kvplug, model="llama"))
+    try:
+        writer, alike, *others = backends
+        assert writer.batch_set_v1(keys, random_pages(host, 2, seed=17)) == [True, True]
+        assert alike.batch_exists(keys) == 2
+        assert [other.batch_exists(keys) for other in others] == [0, 0, 0], "a server read another's weights' pages"
+        assert others[1].batch_set_v1(keys, random_pages(host, 2, seed=18)) == [True, True]
+        assert others[2].batch_exists(keys) == 0, "servers of other config overrides shared pages"
+    finally:
+        for backend in backends:
+            backend.close()

@@ -19,7 +19,7 @@ writing into the same tiers, and stores and loads each group with its own block 
   writes that one state into the block vLLM reads it from.
 - Anything else (Mamba state in another cache mode, chunked local attention, ...) is
   refused at start-up by :func:`check_kv_cache_groups` with a message naming the model,
-  the group kind and the reason.
+  the group kind and the reason; so is context parallelism (:func:`check_context_parallel`).
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ def check_kv_cache_groups(vllm_config: Any, kv_cache_config: Any) -> list[KVGrou
     """
     raw = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     model = getattr(vllm_config.model_config, "model", "?")
+    check_context_parallel(vllm_config, model)
     for index, group in enumerate(raw):
         reason = _refusal(group.kv_cache_spec, len(raw) > 1)
         if reason is not None:
@@ -147,6 +148,25 @@ def check_kv_cache_groups(vllm_config: Any, kv_cache_config: Any) -> list[KVGrou
                 f"a {type(group.kv_cache_spec).__name__} group: {reason}. Run this model without --kv-transfer-config KVPlugConnector."
             )
     return kv_groups(kv_cache_config)
+
+
+def check_context_parallel(vllm_config: Any, model: str) -> None:
+    """Refuse context parallelism: it splits each request's tokens over ranks (a scheduler's
+    block spans one block of each decode-context-parallel rank, holding every ``dcp``-th token),
+    while kvplug stores and loads a rank's blocks as holding every token of its heads; it would
+    key and load another rank's tokens (an MLA latent written by rank 0 alone) as this one's."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    sizes = {
+        name: int(getattr(parallel, name, 1) or 1)
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size")
+    }
+    split = ", ".join(f"{name}={size}" for name, size in sizes.items() if size > 1)
+    if split:
+        raise UnsupportedModelError(
+            f"KVPlugConnector cannot serve model {model!r} with {split}: context parallelism splits each "
+            "request's tokens over ranks, and kvplug keys and loads a rank's cache blocks as holding every token "
+            "of its heads. Run without context parallelism, or without --kv-transfer-config KVPlugConnector."
+        )
 
 
 def first_stored_token(save_start: int, block_ids: list[int], block_size: int, chunk_size: int) -> int:

@@ -16,12 +16,14 @@ fingerprint: a cache written on an AMX box is a miss, not garbage, on an AVX-512
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Mapping
 
 import torch
 
-from kvplug import Fingerprint, HeadShard, KVLayout, PagedFormat
+from kvplug import Fingerprint, HeadShard, KVLayout, PagedFormat, dtype_name
 from kvplug.errors import ConfigError, ConfigProblem, LayoutError
 
 logger = logging.getLogger("kvplug.vllm")
@@ -142,7 +144,12 @@ def fingerprint_for(
     model_config = vllm_config.model_config  # type: ignore[attr-defined]
     parallel_config = vllm_config.parallel_config  # type: ignore[attr-defined]
     cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")  # type: ignore[attr-defined]
-    variant = [f"kv_cache_dtype={cache_dtype}"]
+    variant = [f"kv_cache_dtype={cache_dtype}", *weights_variant(model_config)]
+    if cache_dtype != "auto":
+        # A cache of another dtype than the model's (fp8) holds KV the model computed in its
+        # own dtype and then cast: fp16 and bf16 models write other fp8 bytes. With "auto" the
+        # cache's dtype, already in the key, is the model's.
+        variant.append(f"model_dtype={dtype_name(model_config.dtype)}")
     if layout.format == VLLM_CPU:
         variant.append(f"cpu_attn={cpu_attention_isa(layout, vllm_config)}")
     elif layout.format == VLLM_CPU_MLA:
@@ -152,13 +159,42 @@ def fingerprint_for(
     return Fingerprint.for_layout(
         layout,
         model_id=str(model_config.model),
-        model_revision=str(model_config.revision or ""),
+        model_revision=loaded_revision(model_config),
         engine_variant="+".join(variant),
         tp_rank=tp_rank,
         tp_size=parallel_config.tensor_parallel_size,
         pp_rank=pp_rank,
         pp_size=parallel_config.pipeline_parallel_size,
     )
+
+
+def loaded_revision(model_config: object) -> str:
+    """The commit of the checkpoint vLLM loaded: a hub revision (``main`` too, when none was
+    asked for) resolved to its commit hash, as vLLM resolved it (huggingface_hub's
+    ``ResolvedRevision``, whose text is the name asked for: two servers started before and
+    after a push to ``main`` loaded other weights); else the revision as given, or ``""``."""
+    revision = getattr(model_config, "revision", None)
+    return str(getattr(revision, "resolved", None) or revision or "")
+
+
+def weights_variant(model_config: object) -> list[str]:
+    """What makes one checkpoint (model id and revision) compute other KV in this engine: its
+    weights quantized by a method (``--quantization fp8``: other weights, other K and V) and
+    its config overridden (``--hf-overrides``, e.g. ``rope_theta``: other rotated keys). Empty
+    for neither, so the keys of a plain checkpoint stay as they were."""
+    parts = []
+    quantization = getattr(model_config, "quantization", None)
+    if quantization:
+        parts.append(f"quantization={quantization}")
+    if getattr(model_config, "hf_overrides", None):
+        # The config as overridden (a dict or a function may override it), less what names
+        # this machine's copy (its path) or the library that wrote it.
+        config = json.loads(model_config.hf_config.to_json_string(use_diff=False))  # type: ignore[attr-defined]
+        for local in ("_name_or_path", "transformers_version"):
+            config.pop(local, None)
+        canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
+        parts.append(f"hf_config={hashlib.sha256(canonical.encode()).hexdigest()[:16]}")
+    return parts
 
 
 def head_shard(layout: KVLayout, vllm_config: object, heads_per_record: int | str, *, tp_rank: int) -> HeadShard:

@@ -100,6 +100,8 @@ def main() -> None:
         options["mamba_cache_mode"] = spec["mamba_cache_mode"]
     if spec.get("mamba_ssm_cache_dtype") is not None:  # the state's dtype decides vLLM's block size
         options["mamba_ssm_cache_dtype"] = spec["mamba_ssm_cache_dtype"]
+    if spec.get("hf_overrides") is not None:  # the checkpoint's config overridden (test_checkpoint_keys.py)
+        options["hf_overrides"] = spec["hf_overrides"]
     if spec.get("prompt_embeds"):
         options["enable_prompt_embeds"] = True
     if spec.get("max_num_batched_tokens") is not None:  # a small budget: long prompts prefill in several steps

@@ -255,3 +255,68 @@ def test_extra_config_keys_that_are_not_text_belong_to_other_connectors() -> Non
     # `key.startswith` on an int key: AttributeError from vLLM's create_engine_config.
     settings, rest = split_extra_config({7: "theirs", "kvplug.load": "sync"})
     assert settings.load == "sync" and rest == {7: "theirs"}
+
+
+# --- what a checkpoint's keys name --------------------------------------------------------
+
+
+def checkpoint_fingerprint(model: str, cache_dtype: str = "auto", **fields: Any) -> Fingerprint:
+    """The fingerprint of a flash-layout cache of vLLM's real ModelConfig of ``model`` run with ``fields``."""
+    from vllm.config import ModelConfig
+
+    from kvplug_vllm.layout import VLLM_FLASH, fingerprint_for
+
+    dtype = torch.uint8 if cache_dtype.startswith("fp8") else torch.bfloat16
+    layout = KVLayout(VLLM_FLASH, num_layers=2, block_size=16, num_kv_heads=4, head_dim=64, dtype=dtype)
+    engine = SimpleNamespace(
+        model_config=ModelConfig(model=model, **{"dtype": "bfloat16", **fields}),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+    )
+    return fingerprint_for(layout, engine, tp_rank=0, pp_rank=0)
+
+
+@pytest.mark.parametrize(
+    "changed", [{"quantization": "fp8"}, {"hf_overrides": {"rope_theta": 1000.0}}], ids=["quantized", "overridden"]
+)
+def test_a_checkpoint_run_quantized_or_overridden_is_keyed_apart(tiny_model: str, changed: dict[str, Any]) -> None:
+    # One model id and revision computes other KV with its weights quantized or its config
+    # overridden (rope_theta rotates every key otherwise): on a shared tier a server run so
+    # must miss the chunks of one run without, not load them as its own.
+    def key_prefix(**fields: Any) -> str:
+        return checkpoint_fingerprint(tiny_model, **fields).key_prefix()
+
+    plain = key_prefix()
+    assert key_prefix(**changed) != plain, f"{changed} keyed like the plain checkpoint"
+    assert key_prefix(**changed) == key_prefix(**changed) and key_prefix() == plain  # and stable
+
+
+def test_an_fp8_cache_of_a_model_of_another_dtype_is_keyed_apart(tiny_model: str) -> None:
+    # An fp8 cache holds the KV the model computed in its own dtype, cast: a float16 and a
+    # bfloat16 run of one checkpoint write other bytes into caches of one dtype (uint8).
+    fp16, bf16 = (checkpoint_fingerprint(tiny_model, "fp8", dtype=d) for d in ("float16", "bfloat16"))
+    assert fp16.key_prefix() != bf16.key_prefix(), "fp8 caches of float16 and bfloat16 runs keyed alike"
+    # with an "auto" cache the cache's dtype (in the key already) is the model's: keys as before
+    assert checkpoint_fingerprint(tiny_model).engine_variant == "kv_cache_dtype=auto"
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [{"tensor_parallel_size": 2, "decode_context_parallel_size": 2}, {"prefill_context_parallel_size": 2}],
+    ids=["dcp", "pcp"],
+)
+def test_context_parallelism_is_refused_naming_it(parallel: dict[str, int]) -> None:
+    # A decode-context-parallel rank's block holds every dcp-th token of a scheduler's block:
+    # stored and loaded as whole blocks of its own tokens, it would serve other tokens' KV.
+    from vllm.config import ParallelConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvplug_vllm.kv_groups import check_kv_cache_groups
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)
+    model = SimpleNamespace(model_config=SimpleNamespace(model="org/llm"), parallel_config=ParallelConfig())
+    assert len(check_kv_cache_groups(model, kv_cache_config(full))) == 1  # no context parallelism: served
+    model.parallel_config = ParallelConfig(**parallel)
+    named = next(f"{name}=2" for name in parallel if "context" in name)
+    with pytest.raises(kvplug.errors.UnsupportedModelError, match=rf"'org/llm' with {named}: context parallelism"):
+        check_kv_cache_groups(model, kv_cache_config(full))
