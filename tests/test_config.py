@@ -206,6 +206,13 @@ def test_invalid_yaml(load, tmp_path: Path) -> None:
     assert "not valid YAML" in str(error_of(load, config_file=write(tmp_path, "chunk_size: [\n")))
 
 
+def test_invalid_yaml_is_placed_in_the_file_by_name(load, tmp_path: Path) -> None:
+    # PyYAML's marks named the text read, '"<unicode string>", line 3, column 5', not the file.
+    message = str(error_of(load, config_file=write(tmp_path, "chunk_size: 256\ntiers:\n  - {type: cpu\n")))
+    assert f'in "{tmp_path / "kvplug.yaml"}", line 3, column 5' in message
+    assert "<unicode string>" not in message
+
+
 def test_missing_file(load, tmp_path: Path) -> None:
     assert "cannot read config file" in str(error_of(load, config_file=tmp_path / "absent.yaml"))
 
