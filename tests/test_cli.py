@@ -116,3 +116,15 @@ def test_demo_says_when_the_tiers_kept_nothing_rather_than_that_the_kv_differs()
     assert "differs" not in result.stderr
     assert "0 of 1024 tokens were loaded back: the tiers did not keep the prompt" in result.stderr
     assert result.returncode == 1
+
+
+def test_every_command_of_a_group_is_summed_up_in_one_line() -> None:
+    # A summary is a docstring's first paragraph, printed with its own line breaks: `kvplug store
+    # --help` gave verify and gc five ragged lines each, `kvplug ctl --help` stats, tiers and clear
+    # two to four (a row that goes on under the command's name).
+    for group in ([], ["config"], ["store"], ["ctl"]):
+        result = kvplug(*group, "--help")
+        assert result.returncode == 0, result.stderr
+        commands = result.stdout.split("Commands", 1)[1]
+        continued = [line.strip("│ ") for line in commands.splitlines()[1:] if line.startswith("│  ")]
+        assert not continued, (group, continued)
