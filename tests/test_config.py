@@ -189,6 +189,17 @@ def test_bad_env_value(load) -> None:
     assert "chunk_size:" in str(error) and "'eight'" in str(error)
 
 
+def test_a_bad_value_from_the_environment_alone_names_its_variable(load) -> None:
+    # No file: the variable was named only beside another layer, so a KVPLUG_* left set in a
+    # shell gave "chunk_size: ... (got 'eight')" and no word of where the value came from.
+    message = str(error_of(load, env={"kvplug_chunk_size": "eight", "KVPLUG_STORE": '{"queue": {"mode": "x"}}'}))
+    assert (
+        "chunk_size: Value error, must be a whole number, e.g. 256, not other text; set in env kvplug_chunk_size"
+        in message
+    )
+    assert "store.queue.mode: Input should be 'sync' or 'async'; set in env KVPLUG_STORE (got 'x')" in message
+
+
 def test_bad_env_json(load) -> None:
     assert "tiers" in str(error_of(load, env={"KVPLUG_TIERS": "[{not json"}))
 
