@@ -28,11 +28,11 @@ layer's list or the file's: `KVPLUG_TIERS__0__MAX_BYTES=8GiB`), the engine's ext
 
 Every environment variable named `KVPLUG_*` applies or is an error that names it (an unknown
 setting, a part of a single value, an item the list does not have, JSON that does not parse).
-When the layers together set the config, an invalid value's error also names the layer that set
-it (`chunk_size: must be a whole number, e.g. 256, not other text; set in env KVPLUG_CHUNK_SIZE`),
-so a forgotten variable or engine key that overrides a correct file is found at once; a value
-from the config file also names its line (`set in file kvplug.yaml, line 9`, or `; line 9` when
-the file set everything).
+An invalid value's error also names the layer that set it (`chunk_size: must be a whole number,
+e.g. 256, not other text; set in env KVPLUG_CHUNK_SIZE`), so a forgotten variable or engine key,
+alone or overriding a correct file, is found at once; a value from the config file also names its
+line (`set in file kvplug.yaml, line 9`, or `; line 9` when the file set everything). The engine's
+config alone is not named: it is the one the engine was given.
 
 Within one layer a setting is given once: two variables for it (`KVPLUG_CHUNK_SIZE` and
 `kvplug_chunk_size`, `KVPLUG_TIERS__0__…` and `KVPLUG_TIERS__00__…`) or two engine keys are an

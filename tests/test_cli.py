@@ -98,3 +98,33 @@ def test_demo_runs_the_synthetic_job_and_checks_every_byte() -> None:
     # the tier's records: 4 chunks and the fingerprint's manifest (it said "5 chunks" after storing 4)
     assert "tier 0:cpu │ 5 records (4 chunks + manifest) │" in out
     assert "GB/s" in out
+
+
+def test_demo_says_when_the_tiers_kept_nothing_rather_than_that_the_kv_differs() -> None:
+    # A tier smaller than one chunk (8 MiB here) keeps none: nothing is loaded back, a miss. The demo said
+    # "KV loaded back differs from what was stored", as if a load had written wrong KV.
+    result = kvplug(
+        "demo",
+        "--tokens",
+        "1024",
+        "--engine",
+        "synthetic",
+        env={"KVPLUG_TIERS": '[{"type": "cpu", "max_bytes": "1MiB"}]'},
+    )
+    out = " ".join(result.stdout.split())
+    assert "KV identical after reload │ nothing was loaded" in out
+    assert "differs" not in result.stderr
+    assert "0 of 1024 tokens were loaded back: the tiers did not keep the prompt" in result.stderr
+    assert result.returncode == 1
+
+
+def test_every_command_of_a_group_is_summed_up_in_one_line() -> None:
+    # A summary is a docstring's first paragraph, printed with its own line breaks: `kvplug store
+    # --help` gave verify and gc five ragged lines each, `kvplug ctl --help` stats, tiers and clear
+    # two to four (a row that goes on under the command's name).
+    for group in ([], ["config"], ["store"], ["ctl"]):
+        result = kvplug(*group, "--help")
+        assert result.returncode == 0, result.stderr
+        commands = result.stdout.split("Commands", 1)[1]
+        continued = [line.strip("│ ") for line in commands.splitlines()[1:] if line.startswith("│  ")]
+        assert not continued, (group, continued)

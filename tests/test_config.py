@@ -189,6 +189,17 @@ def test_bad_env_value(load) -> None:
     assert "chunk_size:" in str(error) and "'eight'" in str(error)
 
 
+def test_a_bad_value_from_the_environment_alone_names_its_variable(load) -> None:
+    # No file: the variable was named only beside another layer, so a KVPLUG_* left set in a
+    # shell gave "chunk_size: ... (got 'eight')" and no word of where the value came from.
+    message = str(error_of(load, env={"kvplug_chunk_size": "eight", "KVPLUG_STORE": '{"queue": {"mode": "x"}}'}))
+    assert (
+        "chunk_size: Value error, must be a whole number, e.g. 256, not other text; set in env kvplug_chunk_size"
+        in message
+    )
+    assert "store.queue.mode: Input should be 'sync' or 'async'; set in env KVPLUG_STORE (got 'x')" in message
+
+
 def test_bad_env_json(load) -> None:
     assert "tiers" in str(error_of(load, env={"KVPLUG_TIERS": "[{not json"}))
 
@@ -204,6 +215,13 @@ def test_yaml_that_is_not_a_mapping(load, tmp_path: Path) -> None:
 
 def test_invalid_yaml(load, tmp_path: Path) -> None:
     assert "not valid YAML" in str(error_of(load, config_file=write(tmp_path, "chunk_size: [\n")))
+
+
+def test_invalid_yaml_is_placed_in_the_file_by_name(load, tmp_path: Path) -> None:
+    # PyYAML's marks named the text read, '"<unicode string>", line 3, column 5', not the file.
+    message = str(error_of(load, config_file=write(tmp_path, "chunk_size: 256\ntiers:\n  - {type: cpu\n")))
+    assert f'in "{tmp_path / "kvplug.yaml"}", line 3, column 5' in message
+    assert "<unicode string>" not in message
 
 
 def test_missing_file(load, tmp_path: Path) -> None:

@@ -155,6 +155,7 @@ def stats_command(
     timeout: float = _TIMEOUT,
 ) -> None:
     """The engine's counters (stored, loaded, lookups, errors) and its tiers' usage, summed over ranks.
+
     A rank whose engine is closed (its server still answering) is named; exit 1 when every rank's is."""
     client = _run(lambda: _client(engine, socket_dir, timeout))
     replies = _run(lambda: client.ask_all("stats"))
@@ -200,6 +201,7 @@ def tiers_command(
     timeout: float = _TIMEOUT,
 ) -> None:
     """Each tier's usage, budget and circuit-breaker state (a remote tier's), summed over ranks.
+
     A rank whose engine is closed (its server still answering) is named; exit 1 when every rank's is."""
     client = _run(lambda: _client(engine, socket_dir, timeout))
     replies = _run(lambda: client.ask_all("tiers"))
@@ -291,10 +293,11 @@ def clear_command(
     as_json: bool = _JSON,
     timeout: float = _TIMEOUT,
 ) -> None:
-    """Remove the chunks this engine stored since it started, of one cache_salt (--salt S,
-    --no-salt) or of all (--all), from every tier or one (--tier); chunks it only loaded go
-    from its private tiers (cpu) alone. Records other engines wrote to a tier they may share
-    are left alone (``kvplug store`` handles stores offline)."""
+    """Remove the chunks this engine stored since it started, of one cache_salt or of all.
+
+    Of one cache_salt (--salt S, --no-salt) or of all (--all), from every tier or one (--tier);
+    chunks it only loaded go from its private tiers (cpu) alone. Records other engines wrote to a
+    tier they may share are left alone (``kvplug store`` handles stores offline)."""
     if sum([cache_salt is not None, no_salt, all_salts]) != 1:
         print_error("say what to clear: exactly one of --salt S, --no-salt, --all")
         raise typer.Exit(2)

@@ -183,11 +183,12 @@ def verify(
     max_record_bytes: str | None = MaxRecordOpt,
     require_signed: bool = RequireSignedOpt,
 ) -> None:
-    """Read every record and check its checksums; exit 1 when any is corrupt, oversized (over
-    --max-record-bytes: not read) or cannot be read, or an entry named like a record (or a shard
-    folder) is not one the store can read (foreign: a link, a folder). Records signed with an
-    integrity key this process lacks are "unverified": said on stderr, not a failure unless
-    --require-signed (which needs the key)."""
+    """Read every record and check its checksums; exit 1 when any fails.
+
+    A failure: a record corrupt, oversized (over --max-record-bytes: not read) or that cannot be
+    read, or an entry named like a record (or a shard folder) that is not one the store can read
+    (foreign: a link, a folder). Records signed with an integrity key this process lacks are
+    "unverified": said on stderr, not a failure unless --require-signed (which needs the key)."""
 
     def action() -> None:
         from kvplug.core.records.integrity import integrity_key
@@ -228,9 +229,12 @@ def verify(
 def gc(
     location: str = LocationArg, options: list[str] = OptionsOpt, max_record_bytes: str | None = MaxRecordOpt
 ) -> None:
-    """Verify every record and remove the corrupt and incompatible ones (of an older format
-    version; a newer kvplug's are kept), and those over the engine's bound (not those over a tighter --max-record-bytes alone: they are kept, unread);
-    exit 1 when it leaves any that verify fails on (unreadable, foreign, oversized kept)."""
+    """Verify every record and remove the corrupt and incompatible ones.
+
+    Incompatible: of an older format version (a newer kvplug's are kept). Records over the
+    engine's bound are removed too, not those over a tighter --max-record-bytes alone (they are
+    kept, unread). Exit 1 when it leaves any that verify fails on (unreadable, foreign,
+    oversized kept)."""
 
     def action() -> None:
         bound = record_bound(max_record_bytes)

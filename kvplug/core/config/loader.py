@@ -81,8 +81,10 @@ def load_config(
             # The file set everything: the error names it, and each problem its line
             # (`kvplug config validate` said "store.queue.mode: ..." with no word of where).
             raise ConfigError([_naming_line(p, lines) for p in exc.problems], str(path)) from None
-        if len(named) < 2:  # one layer set everything: naming it adds nothing
+        if named <= {"engine"}:  # the engine's config alone (the defaults are valid): it is the one given
             raise
+        # The environment alone is named too: a variable left set in a shell (KVPLUG_CHUNK_SIZE=abc,
+        # no file) is no more in sight than one beside a file.
         raise ConfigError([_naming_source(p, sources, lines, names) for p in exc.problems], exc.source) from None
     if request:
         config = config.with_overrides(request)

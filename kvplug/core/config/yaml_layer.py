@@ -102,6 +102,7 @@ def read_yaml_layer_lines(path: str | os.PathLike[str]) -> tuple[dict[str, Any],
         message = f"not valid UTF-8: byte {exc.start} (line {line}) is {raw[exc.start : exc.start + 1]!r}; save the file as UTF-8"
         raise ConfigError([ConfigProblem("", source, message)], source) from None
     loader = _NoAliasLoader(text)  # a SafeLoader that also refuses aliases
+    loader.name = source  # its marks name the file, not "<unicode string>" (a str is read, for the checks above)
     try:
         node = loader.get_single_node()
         data = None if node is None else loader.construct_document(node)

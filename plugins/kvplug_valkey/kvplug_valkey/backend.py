@@ -298,6 +298,8 @@ class ValkeyBackend(RecordBackend):
             if self.cluster is None:
                 try:
                     self.cluster = bool(await self._clients.cluster_enabled(trust_config=False))
+                except vex.NoPermissionError as exc:  # (said as valkey's bare NOPERM, naming no option)
+                    raise WrongModeError.cannot_ask(self.where, exc) from None
                 except (vex.TimeoutError, vex.ConnectionError) as exc:
                     await self._tls_hint(exc)
                     raise

@@ -31,6 +31,15 @@ class WrongModeError(ValueError):
             "set cluster: true, or leave it unset to ask the server"
         )
 
+    @classmethod
+    def cannot_ask(cls, where: str, refusal: Exception) -> WrongModeError:
+        """``cluster`` unset, and the user may not run ``INFO`` (``refusal``), which tells a
+        cluster node from a standalone server (a read-only ACL user often may not)."""
+        return cls(
+            f"cluster is unset, and {where} refuses the INFO that tells a cluster from a standalone server "
+            f"({refusal}): set cluster: false (a standalone server) or true (a cluster), or allow the user +info"
+        )
+
 
 class ValkeyClients:
     """Makes the tier's clients from ``config``; ``record_bound``: the tier's ``max_record_bytes``

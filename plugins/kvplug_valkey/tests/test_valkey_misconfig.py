@@ -110,6 +110,20 @@ def test_a_user_without_info_lists_a_server_as_its_config_says(tmp_path) -> None
         assert stats.returncode == 0, stats.stderr
 
 
+def test_a_user_without_info_and_cluster_unset_is_told_to_set_cluster(tmp_path, tiers, caplog) -> None:
+    """A read-only ACL user (``+@read``) may not run INFO, which cluster unset asks: the tier
+    said valkey's "NoPermissionError: User ro has no permissions to run the 'info' command",
+    naming no option; ``kvplug store stats`` too."""
+    caplog.set_level(logging.WARNING, logger="kvplug.tier")
+    with ValkeyServer(tmp_path / "acl") as server:
+        server.cli("ACL", "SETUSER", "ro", "on", ">ro-secret", "~*", "+@read", "+@connection")
+        tier = tiers(server.url, username="ro", password="ro-secret", **FAST_FAILING)
+        assert_permanent(tier, caplog, "refuses the INFO that tells a cluster from a standalone server")
+        assert "set cluster: false (a standalone server) or true (a cluster), or allow the user +info" in caplog.text
+        stats = store_stats(server.url, "username=ro", REDISCLI_AUTH="ro-secret")
+        assert stats.returncode != 0 and "set cluster: false" in stats.stderr, (stats.returncode, stats.stderr)
+
+
 def sets_refused(server: ValkeyServer) -> int:
     """How many SETs the server refused for want of permission (``INFO commandstats``)."""
     for line in server.cli("INFO", "commandstats").splitlines():
