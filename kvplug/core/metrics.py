@@ -83,6 +83,12 @@ class EngineMetrics:
             "kvplug_remote_failures", "Failed attempts of remote store operations", ["tier", "kind"], registry=r
         )
         self.remote_retries = Counter("kvplug_remote_retries", "Retried remote store operations", ["tier"], registry=r)
+        self.remote_refused_writes = Counter(
+            "kvplug_remote_refused_writes",
+            "Records a remote store refused to write for want of permission (dropped; its reads go on)",
+            ["tier"],
+            registry=r,
+        )
         self.remote_short_circuits = Counter(
             "kvplug_remote_short_circuits", "Remote calls answered without the store (breaker open, budget spent)",
             ["tier"], registry=r,

@@ -238,7 +238,7 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
                     if outcome is not None:  # not stored: whatever was there before is stale or gone
                         self._index.forget(record.name)
                         self._count("dropped_puts")
-                        self._calls.warn_dropped(outcome)
+                        self._calls.dropped(outcome)
                         continue
                     self._count("puts")
                     # Evicted by a racing put once written: not held, so not indexed. (Or just before
@@ -300,6 +300,7 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
             "breaker_state": self._calls.breaker.state,
             "breaker_opens": self._calls.breaker.opens,
             "dropped_puts": counters["dropped_puts"],
+            "refused_puts": self._calls.refused_writes,  # of the dropped: refused for want of permission
             "short_circuited": self._calls.short_circuited,
             "failures": self._calls.failed,
             "retries": self._calls.retried,

@@ -212,6 +212,9 @@ class RemoteCalls:
         self._failures = metrics.remote_failures
         self._short_circuits = metrics.remote_short_circuits.labels(self.label)
         self._retries = metrics.remote_retries.labels(self.label)
+        self._refused_writes = metrics.remote_refused_writes.labels(self.label)
+        #: Records the store refused to write for want of permission (:class:`WriteRefusals`).
+        self.refused_writes = 0
         metrics.remote_breaker_state.labels(self.label).set_function(lambda: _STATE_VALUES[self.breaker.state])
         self.policy = RetryPolicy(
             self.breaker,
@@ -282,9 +285,15 @@ class RemoteCalls:
             results.append(outcome)
         return results
 
-    def warn_dropped(self, cause: BaseException) -> None:
-        """Log that stores to the store fail and are dropped: once per
-        ``DROP_WARNING_INTERVAL_S``, not once per store (the tier counts each drop)."""
+    def dropped(self, cause: BaseException) -> None:
+        """A record's write failed (``cause``) and is dropped: a refusal for want of permission
+        (a ``PermissionError``, see :class:`~kvplug.WriteRefusals`) is counted apart, and the
+        drops are logged once per ``DROP_WARNING_INTERVAL_S``, not once per store (the tier
+        counts each drop)."""
+        if isinstance(cause, PermissionError):
+            self._refused_writes.inc()
+            with self._drop_warning_lock:
+                self.refused_writes += 1
         now = time.monotonic()
         with self._drop_warning_lock:
             if self._last_drop_warning is not None and now - self._last_drop_warning < DROP_WARNING_INTERVAL_S:

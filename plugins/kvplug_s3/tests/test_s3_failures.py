@@ -175,6 +175,10 @@ def test_a_credential_that_may_not_write_keeps_serving_reads(seaweed_s3: Seaweed
         assert extra["breaker_state"] == "closed" and extra["dropped_puts"] == puts, extra
         assert made == [{"PUT": 1}] + [{}] * (puts - 1)  # then refused without a request until the cool-down
         assert "refuses writes" in caplog.text and "AccessDenied" in caplog.text, caplog.text
+        # told apart from failures, in stats and in the metric an operator alerts on
+        assert extra["refused_puts"] == puts, extra
+        metrics = reader.context.metrics
+        assert metrics.value("kvplug_remote_refused_writes_total", tier=f"{reader.context.tier_index}:s3") == puts
     finally:
         reader.close()
         proxy.close()

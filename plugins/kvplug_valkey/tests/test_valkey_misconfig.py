@@ -162,6 +162,7 @@ def test_a_user_who_may_not_write_keeps_reading(tmp_path, tiers, caplog) -> None
         assert extra["breaker_state"] == "closed" and extra["dropped_puts"] == puts, extra
         assert sets_refused(server) == 1  # then refused without a request until the cool-down
         assert "refuses writes (NOPERM" in caplog.text, caplog.text
+        assert extra["refused_puts"] == puts, extra
 
 
 def test_an_acl_that_refuses_some_keys_keeps_storing_the_others(tmp_path, tiers) -> None:
@@ -180,6 +181,7 @@ def test_an_acl_that_refuses_some_keys_keeps_storing_the_others(tmp_path, tiers)
         assert extra["breaker_state"] == "closed", extra
         assert 0 < stored < puts, stored  # (the pattern allows about half of the names)
         assert stored + extra["dropped_puts"] == puts, (stored, extra)
+        assert extra["refused_puts"] == extra["dropped_puts"], extra  # each dropped one was refused
         assert sets_refused(server) == 1  # then each key is asked about without its value
 
 
