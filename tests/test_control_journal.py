@@ -1,0 +1,128 @@
+"""The control journal keeps only keys some tier may still hold, plus a bounded few waiting.
+
+Before, it kept every key ever stored, loaded or written (up to 2**20, ~330 MB a process)
+whatever the tiers still held; a soak held 197 keys while the tiers held 38.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from core_helpers import LAYOUTS, random_caches
+
+from kvplug import CacheEngine, EngineControl, Fingerprint, KVEvent, RequestInfo, load_config
+from kvplug.core.control.journal import ChunkJournal
+
+LAYOUT = LAYOUTS["vllm_flash"]  # float16, block 4: a chunk of 8 tokens is 1.5 KiB
+CHUNK = 8
+
+
+def none_landing(keys: object) -> list[bool]:
+    """No write is in flight (the key just noted is kept all the same: its write comes next)."""
+    return [False] * len(keys)  # type: ignore[arg-type]
+
+
+def tier_stored(keys: list[str], index: int) -> KVEvent:
+    return KVEvent("stored", tuple(keys), tier="cpu", tier_index=index)
+
+
+def evicted(keys: list[str], index: int) -> KVEvent:
+    return KVEvent("evicted", tuple(keys), tier="cpu", tier_index=index)
+
+
+def test_a_sync_tiers_events_before_the_engines_own_are_kept_and_classified() -> None:
+    """A sync tier's ``stored`` and the chain's write notice come before the engine's ``stored``;
+    a promotion's write before its ``loaded``: the keys are listed as stored, and as loaded."""
+    journal = ChunkJournal(max_waiting=0)
+    journal.on_event(tier_stored(["a"], 0))
+    journal.on_written(0, ["a"])
+    journal.on_event(KVEvent("stored", ("a",)))
+    journal.on_event(tier_stored(["b"], 0))  # a promotion of b, then its load
+    journal.on_written(0, ["b"])
+    journal.on_event(KVEvent("loaded", ("b",)))
+    assert journal.split() == (["a"], ["b"])
+    assert journal.written_now(["a", "b"]) == {0: ["a", "b"]}
+
+
+def test_keys_no_tier_holds_are_forgotten_past_max_waiting_oldest_landed_first() -> None:
+    landing = {"q"}
+    journal = ChunkJournal(max_waiting=2, in_flight=lambda keys: [key in landing for key in keys])
+    journal.stored(["q"])  # its write is still queued: kept past max_waiting
+    for key in ["a", "b", "c"]:
+        journal.on_event(tier_stored([key], 1))
+        journal.stored([key])
+    journal.on_event(evicted(["a", "b", "c"], 1))  # they left the only tier holding them
+    assert journal.keys() == ["q", "c"]
+    assert journal.waiting_count() == 2 and journal.held_count() == 0
+    assert journal.forgotten == 0  # no tier holds what was dropped: clear loses nothing
+    journal.on_event(tier_stored(["q"], 1))  # landed
+    assert journal.held_count() == 1 and journal.waiting_count() == 1
+
+
+def test_a_key_held_by_two_tiers_waits_only_once_both_evicted_it() -> None:
+    journal = ChunkJournal(max_waiting=0, in_flight=none_landing)
+    journal.stored(["a"])
+    journal.on_event(tier_stored(["a"], 0))
+    journal.on_event(tier_stored(["a"], 1))
+    journal.on_event(evicted(["a"], 0))
+    assert journal.keys() == ["a"]
+    journal.on_event(evicted(["a"], 1))
+    assert journal.keys() == [] and len(journal) == 0
+
+
+def test_held_keys_past_max_held_are_forgotten_and_counted() -> None:
+    """A tier whose evictions nobody reports keeps its keys held: ``max_held`` bounds them."""
+    journal = ChunkJournal(max_held=2)
+    for key in ["a", "b", "c"]:
+        journal.stored([key])
+        journal.on_event(tier_stored([key], 0))
+    assert journal.keys() == ["b", "c"] and journal.forgotten == 1
+
+
+def test_a_journal_that_hears_no_tier_events_keeps_every_key_up_to_max_held() -> None:
+    journal = ChunkJournal(max_held=2, max_waiting=0, hears_tiers=False)
+    for key in ["a", "b", "c"]:
+        journal.stored([key])
+    assert journal.keys() == ["b", "c"] and journal.forgotten == 1
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[CacheEngine]:
+    # Both tiers evict: about 5 chunks in memory, 10 on disk.
+    tiers = [{"type": "cpu", "max_bytes": "8KiB"}, {"type": "disk", "path": str(tmp_path / "disk"), "max_bytes": "16KiB"}]  # fmt: skip
+    extra = {"kvplug": {"chunk_size": CHUNK, "store": {"queue": {"mode": "sync"}}, "tiers": tiers}}
+    config = load_config(engine_extra=extra, env={}).config
+    with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="m")) as cache:
+        yield cache
+
+
+def held_by_tiers(engine: CacheEngine, keys: list[str]) -> set[str]:
+    held: set[str] = set()
+    for tier in engine.chain.tiers:
+        held.update(key for key, there in zip(keys, tier.contains(keys)) if there)
+    return held
+
+
+def test_with_evicting_tiers_the_journal_keeps_what_they_hold_and_a_few_waiting(engine: CacheEngine) -> None:
+    control = EngineControl(engine)
+    control.journal.max_waiting = 4
+    caches = random_caches(LAYOUT, 80)
+    try:
+        for prompt in range(40):
+            tokens = list(range(1000 * prompt, 1000 * prompt + 2 * CHUNK))  # two chunks each
+            engine.store(tokens, caches, torch.arange(len(tokens)), request=RequestInfo())
+            engine.flush()
+        stored, _ = control.journal.split()
+        held = held_by_tiers(engine, stored)
+        # 202f2d0: all 80 chunks stored stayed in the journal, whatever the tiers held.
+        assert len(stored) <= len(held) + 4, (len(stored), len(held))
+        assert len(stored) < 40
+        # The newest prompt is held and named: clear still removes every chunk the tiers hold.
+        keys, _ = control.remove(control.planned_clear)
+        assert set(keys.written) >= held and held
+        assert not held_by_tiers(engine, stored)
+    finally:
+        control.close()
