@@ -13,7 +13,7 @@ import pytest
 import torch
 from core_helpers import LAYOUTS, random_caches
 
-from kvplug import CacheEngine, EngineControl, Fingerprint, KVEvent, RequestInfo, load_config
+from kvplug import CacheEngine, EngineControl, Fingerprint, HeadShard, KVEvent, RequestInfo, load_config
 from kvplug.core.control.journal import ChunkJournal
 
 LAYOUT = LAYOUTS["vllm_flash"]  # float16, block 4: a chunk of 8 tokens is 1.5 KiB
@@ -126,3 +126,33 @@ def test_with_evicting_tiers_the_journal_keeps_what_they_hold_and_a_few_waiting(
         assert not held_by_tiers(engine, stored)
     finally:
         control.close()
+
+
+def test_a_salted_clear_removes_a_chunks_other_records_once_record_0_was_forgotten(tmp_path: Path) -> None:
+    """A chunk is one record per head group. Once no tier holds record 0, the journal may forget
+    it while another record is still held: a clear of the chunk's salt still removes that one."""
+    tiers = [{"type": "disk", "path": str(tmp_path / "disk"), "max_bytes": "1MiB"}]
+    extra = {"kvplug": {"chunk_size": CHUNK, "store": {"queue": {"mode": "sync"}}, "tiers": tiers}}
+    config = load_config(engine_extra=extra, env={}).config
+    heads = HeadShard(0, LAYOUT.num_kv_heads, 1)  # two records per chunk
+    with CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="m"), heads=heads) as engine:
+        control = EngineControl(engine)
+        control.journal.max_waiting = 0
+        try:
+            salted = RequestInfo(cache_salt="tenant")
+            tokens = list(range(2 * CHUNK))
+            engine.store(tokens, random_caches(LAYOUT, 80), torch.arange(len(tokens)), request=salted)
+            engine.flush()
+            stored, _ = control.journal.split()
+            first, second = engine.records.record_prefixes(salted)
+            record_0 = [key for key in stored if key.startswith(first)]
+            others = [key for key in stored if key.startswith(second)]
+            assert len(record_0) == len(others) == 2
+            disk = engine.chain.tiers[0]
+            disk.remove(record_0)  # record 0 left its only tier: forgotten (nothing waits)
+            assert not set(record_0) & set(control.journal.keys())
+            keys, _ = control.remove(lambda: control.planned_clear(salted))
+            assert set(others) <= set(keys.written)
+            assert not any(disk.contains(others))
+        finally:
+            control.close()

@@ -13,7 +13,8 @@ naming why, which the operator reads.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvplug.core.chain.reads import leading
@@ -23,6 +24,7 @@ from kvplug.core.control.explain import explain_prompt
 from kvplug.core.control.journal import ChunkJournal
 from kvplug.core.control.protocol import ControlRequest, text_field
 from kvplug.core.engine.locations import ChunkLocation
+from kvplug.core.events import KVEvent
 from kvplug.core.keys import RequestInfo
 from kvplug.core.metrics import EngineMetrics
 from kvplug.core.records.manifest import KeyScheme
@@ -189,8 +191,18 @@ class EngineControl(ControlTarget):
         for source in self.engines:
             if source.chain is not self.chain:
                 raise ValueError("an engine's companions must store into its own tiers (shares_tiers_with)")
-            source.add_event_listener(self.journal.on_event)
+        # One listener per engine: a load names its chunks by record 0's key.
+        self._listeners = [(source, partial(self._on_event, source)) for source in self.engines]
+        for source, listener in self._listeners:
+            source.add_event_listener(listener)
         self.chain.writes.add(self.journal.on_written)
+
+    def _on_event(self, source: CacheEngine, event: KVEvent) -> None:
+        if event.kind == "loaded" and source.records.count > 1:
+            # Every record of a loaded chunk counts as loaded (their promotions' writes name them all),
+            # so a clear of the private tiers names them even once record 0 is forgotten.
+            event = replace(event, keys=tuple(source.records.all_records(event.keys)), token_counts=())
+        self.journal.on_event(event)
 
     def _writes_in_flight(self, keys: Sequence[str]) -> list[bool]:
         """Whether a write of each key, by any of the engines, may still land in a tier."""
@@ -258,15 +270,14 @@ class EngineControl(ControlTarget):
         loaded: list[str] = []
         for source in self.engines:
             if scoped is None:
-                prefix = f"{source.fingerprint.format_version}/"
-            else:
-                prefix = source.fingerprint.for_request(
-                    cache_salt=scoped.cache_salt, lora_id=scoped.lora_id
-                ).key_prefix()
-            wrote, read = self.journal.split(prefix)
-            # Every head group's record (a salted prefix matches record 0's key alone).
-            stored += source.records.all_records(wrote)
-            loaded += source.records.all_records(read)
+                prefixes = [f"{source.fingerprint.format_version}/"]
+            else:  # every record's: the journal forgets a record no tier holds while another may be held
+                prefixes = source.records.record_prefixes(scoped)
+            for prefix in prefixes:
+                wrote, read = self.journal.split(prefix)
+                # Every head group's record (what record 0's key names; other records' keys stay alone).
+                stored += source.records.all_records(wrote)
+                loaded += source.records.all_records(read)
         stored = list(dict.fromkeys(stored))  # once each: every salt's prefix is every engine's
         loaded = list(dict.fromkeys(loaded))
         return ClearKeys(stored, loaded, scope, self.journal.written_to(stored))
@@ -281,5 +292,5 @@ class EngineControl(ControlTarget):
 
     def close(self) -> None:
         self.chain.writes.remove(self.journal.on_written)
-        for source in self.engines:
-            source.remove_event_listener(self.journal.on_event)
+        for source, listener in self._listeners:
+            source.remove_event_listener(listener)
