@@ -156,3 +156,44 @@ def test_a_salted_clear_removes_a_chunks_other_records_once_record_0_was_forgott
             assert not any(disk.contains(others))
         finally:
             control.close()
+
+
+def test_a_salted_clear_removes_the_promoted_records_of_a_chunk_only_loaded(tmp_path: Path) -> None:
+    """A load names its chunks by record 0's key while its promotions write every record: each
+    counts as loaded, so a clear of the private tiers removes them also once record 0 is forgotten."""
+    disk = {"type": "disk", "path": str(tmp_path / "disk"), "max_bytes": "1MiB"}
+    heads = HeadShard(0, LAYOUT.num_kv_heads, 1)  # two records per chunk
+    salted = RequestInfo(cache_salt="tenant")
+    tokens = list(range(2 * CHUNK))
+
+    def open_engine(tiers: list[dict[str, str]]) -> CacheEngine:
+        extra = {"kvplug": {"chunk_size": CHUNK, "store": {"queue": {"mode": "sync"}}, "tiers": tiers}}
+        config = load_config(engine_extra=extra, env={}).config
+        return CacheEngine(config, LAYOUT, Fingerprint.for_layout(LAYOUT, model_id="m"), heads=heads)
+
+    with open_engine([disk]) as writer:
+        writer.store(tokens, random_caches(LAYOUT, 80), torch.arange(len(tokens)), request=salted)
+        writer.flush()
+    with open_engine([{"type": "cpu", "max_bytes": "1MiB"}, disk]) as reader:
+        control = EngineControl(reader)
+        control.journal.max_waiting = 0
+        try:
+            loaded = reader.retrieve(
+                tokens, random_caches(LAYOUT, 80, seed=1), torch.arange(len(tokens)), request=salted
+            )
+            assert int(loaded.sum()) == len(tokens)
+            reader.flush()
+            first, second = reader.records.record_prefixes(salted)
+            _, only_loaded = control.journal.split()
+            record_0 = [key for key in only_loaded if key.startswith(first)]
+            others = [key for key in only_loaded if key.startswith(second)]
+            assert len(record_0) == len(others) == 2  # 202f2d0 (and without noting every record): others == []
+            cpu = reader.chain.tiers[0]
+            assert all(cpu.contains(others))
+            cpu.remove(record_0)  # record 0 left the private tier; the journal never saw the disk hold it
+            assert not set(record_0) & set(control.journal.keys())
+            keys, _ = control.remove(lambda: control.planned_clear(salted))
+            assert set(others) <= set(keys.loaded)
+            assert not any(cpu.contains(others))
+        finally:
+            control.close()
