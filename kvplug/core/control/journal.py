@@ -130,14 +130,18 @@ class ChunkJournal:
         excess = len(self._keys) - len(self._waiting) - self.max_held
         if excess <= 0:
             return
-        for key in list(self._keys):  # the waiting ones first in line are at most max_waiting + in flight
+        # Not a copy of every key: the waiting ones met before the oldest held are at most
+        # max_waiting plus the writes in flight.
+        oldest: list[str] = []
+        for key in self._keys:
             if key not in self._waiting:
-                del self._keys[key]
-                self._holders.pop(key, None)
-                self.forgotten += 1
-                excess -= 1
-                if not excess:
-                    return
+                oldest.append(key)
+                if len(oldest) == excess:
+                    break
+        for key in oldest:
+            del self._keys[key]
+            self._holders.pop(key, None)
+        self.forgotten += len(oldest)
 
     def __len__(self) -> int:
         """Keys remembered: held by some tier, or waiting."""
