@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from kvplug.core.events import KVEvent
 
@@ -166,22 +166,36 @@ class HeldChunks(Generic[ChunkT]):
         forgotten past ``max_waiting``."""
         self._waiting[key] = chunk
         self._waiting.move_to_end(key)
-        excess = len(self._waiting) - self.max_waiting
-        if excess <= 0:
-            return
-        if self._in_flight is None:
-            for _ in range(excess):
-                self._waiting.popitem(last=False)
-            return
-        # At most _SCAN asked per call (the ones still landing go behind the others, so the next
-        # call asks others): a deep write queue costs no call more than that.
-        oldest = [old for old in islice(self._waiting, _SCAN + 1) if old != key][:_SCAN]  # its write comes next
-        for old, landing in zip(oldest, self._in_flight(oldest)):
-            if landing:  # its write may still land: kept, behind the others
-                self._waiting.move_to_end(old)
-            elif excess > 0:
-                del self._waiting[old]
-                excess -= 1
+        forget_landed(self._waiting, self.max_waiting, self._in_flight, newest=key)
 
     def _media(self, tiers: Iterable[TierId]) -> set[str]:
         return {self._medium_of(tier) for tier, _ in tiers if tier is not None}
+
+
+def forget_landed(
+    waiting: OrderedDict[str, Any],
+    max_waiting: int,
+    in_flight: Callable[[Sequence[str]], list[bool]] | None,
+    *,
+    newest: str | None = None,
+) -> list[str]:
+    """Trim ``waiting`` (keys no tier holds, oldest first) toward ``max_waiting``: forget the
+    oldest whose write can no longer land (``in_flight`` says which may; ``None``: none may),
+    and return them. One whose write may still land is kept, moved behind the others, so the
+    keys left are at most ``max_waiting`` plus the writes in flight. At most ``_SCAN`` keys are
+    asked about per call (a deep write queue costs no call more than that); ``newest`` (the key
+    just added: its write comes next) is not asked about."""
+    excess = len(waiting) - max_waiting
+    if excess <= 0:
+        return []
+    if in_flight is None:
+        return [waiting.popitem(last=False)[0] for _ in range(excess)]
+    forgotten: list[str] = []
+    oldest = [old for old in islice(waiting, _SCAN + 1) if old != newest][:_SCAN]
+    for old, landing in zip(oldest, in_flight(oldest)):
+        if landing:  # its write may still land: kept, behind the others
+            waiting.move_to_end(old)
+        elif len(forgotten) < excess:
+            del waiting[old]
+            forgotten.append(old)
+    return forgotten

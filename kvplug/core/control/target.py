@@ -12,16 +12,16 @@ naming why, which the operator reads.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvplug.core.chain.reads import leading
 from kvplug.core.chain.removal import TierRemoval
 from kvplug.core.chain.tier_chain import TierChain
 from kvplug.core.control.explain import explain_prompt
+from kvplug.core.control.journal import ChunkJournal
 from kvplug.core.control.protocol import ControlRequest, text_field
 from kvplug.core.engine.locations import ChunkLocation
 from kvplug.core.events import KVEvent
@@ -34,9 +34,6 @@ from kvplug.errors import ControlProtocolError
 if TYPE_CHECKING:
     from kvplug.core.engine.cache_engine import CacheEngine
     from kvplug.core.tenancy import PinReport
-
-#: Chunks a journal remembers at most (oldest forgotten first): bounds its memory.
-MAX_JOURNAL_CHUNKS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -72,112 +69,18 @@ class ClearKeys:
         return list(self.written_to.get(index, ()))
 
 
-_STORED = 1
-_LOADED = 2
-_TIER_BITS = 2  # bit _TIER_BITS + i: this cache's chain wrote the key to tier i
-
-
-class ChunkJournal:
-    """The keys a cache stored or loaded (from its events), newest last, and for each the
-    tiers its own writes put it in (:meth:`on_written`, from its chain); bounded."""
-
-    def __init__(self, max_chunks: int = MAX_JOURNAL_CHUNKS) -> None:
-        self.max_chunks = max_chunks
-        #: Keys dropped because the journal was full: ``clear`` cannot name them.
-        self.forgotten = 0
-        self._keys: OrderedDict[str, int] = OrderedDict()  # key -> _STORED | _LOADED | tier bits
-        self._lock = threading.Lock()
-
-    def on_event(self, event: KVEvent) -> None:
-        # An eviction from one tier leaves the others: clear asks each. A tier's own
-        # "stored" (a promotion, a catch-up write) is not this cache's store: on_written has it.
-        if event.kind == "stored" and event.tier is None:
-            self.stored(event.keys)
-        elif event.kind == "loaded":
-            self._note(event.keys, _LOADED)
-
-    def on_written(self, tier: int, keys: Sequence[str]) -> None:
-        """The chain wrote ``keys`` to its tier at index ``tier`` (a :class:`~kvplug.core.chain.slot.WriteListeners` listener)."""
-        self._note(keys, 1 << (_TIER_BITS + tier))
-
-    def _note(self, keys: Sequence[str], bits: int) -> None:
-        with self._lock:
-            for key in keys:
-                self._keys[key] = self._keys.get(key, 0) | bits
-                self._keys.move_to_end(key)
-            while len(self._keys) > self.max_chunks:
-                self._keys.popitem(last=False)
-                self.forgotten += 1
-
-    def keys(self, prefix: str = "") -> list[str]:
-        """Every key stored or loaded that starts with ``prefix``."""
-        stored, loaded = self.split(prefix)
-        return stored + loaded
-
-    def split(self, prefix: str = "") -> tuple[list[str], list[str]]:
-        """The keys starting with ``prefix`` that this cache stored, and those it only loaded."""
-        stored: list[str] = []
-        loaded: list[str] = []
-        with self._lock:
-            for key, bits in self._keys.items():
-                if key.startswith(prefix) and bits & (_STORED | _LOADED):
-                    (stored if bits & _STORED else loaded).append(key)
-        return stored, loaded
-
-    def stored(self, keys: Sequence[str]) -> None:
-        """Note ``keys`` as stored by this cache (what its ``stored`` events say)."""
-        self._note(keys, _STORED)
-
-    def written_to(self, keys: Sequence[str]) -> Mapping[int, Sequence[str]]:
-        """Per tier index, which of ``keys`` this cache's chain wrote there, read when asked:
-        a removal asks after cancelling queued writes, so a write that landed meanwhile counts."""
-        return _WrittenTo(self, list(keys))
-
-    def written_now(self, keys: Sequence[str]) -> dict[int, list[str]]:
-        """Per tier index, which of ``keys`` this cache's chain has written there so far."""
-        found: dict[int, list[str]] = {}
-        with self._lock:
-            for key in keys:
-                tiers, index = self._keys.get(key, 0) >> _TIER_BITS, 0
-                while tiers:
-                    if tiers & 1:
-                        found.setdefault(index, []).append(key)
-                    tiers, index = tiers >> 1, index + 1
-        return found
-
-    def forget(self, keys: Sequence[str]) -> None:
-        with self._lock:
-            for key in keys:
-                self._keys.pop(key, None)
-
-
-class _WrittenTo(Mapping[int, Sequence[str]]):
-    """:meth:`ChunkJournal.written_to`: a view of the journal, not a copy."""
-
-    def __init__(self, journal: ChunkJournal, keys: list[str]) -> None:
-        self._journal = journal
-        self._keys = keys
-
-    def __getitem__(self, index: int) -> Sequence[str]:
-        return self._journal.written_now(self._keys)[index]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._journal.written_now(self._keys))
-
-    def __len__(self) -> int:
-        return len(self._journal.written_now(self._keys))
-
-
 class ControlTarget:
     """One cache as ``kvplug ctl`` sees it; subclasses fill in what their keys need."""
 
     chain: TierChain
     metrics: EngineMetrics
 
-    def __init__(self, chain: TierChain, metrics: EngineMetrics) -> None:
+    def __init__(self, chain: TierChain, metrics: EngineMetrics, *, hears_tiers: bool = False) -> None:
+        """``hears_tiers``: the subclass feeds its tiers' events to ``journal.on_event``, so the
+        journal keeps only keys some tier may hold (:class:`~kvplug.core.control.journal.ChunkJournal`)."""
         self.chain = chain
         self.metrics = metrics
-        self.journal = ChunkJournal()
+        self.journal = ChunkJournal(in_flight=chain.writes_pending, hears_tiers=hears_tiers)
 
     def describe(self) -> dict[str, Any]:
         """What ``kvplug ctl list`` shows besides the identity: model, fingerprint, chunk size."""
@@ -280,15 +183,33 @@ class EngineControl(ControlTarget):
     removes their records with the engine's."""
 
     def __init__(self, engine: CacheEngine, companions: Sequence[CacheEngine] = ()) -> None:
-        super().__init__(engine.chain, engine.metrics)
+        super().__init__(engine.chain, engine.metrics, hears_tiers=True)
         self.engine = engine
         #: The engines whose stores and loads the journal notes: this one and its companions.
         self.engines = [engine, *companions]
+        self.journal.in_flight = self._writes_in_flight
         for source in self.engines:
             if source.chain is not self.chain:
                 raise ValueError("an engine's companions must store into its own tiers (shares_tiers_with)")
-            source.add_event_listener(self.journal.on_event)
+        # One listener per engine: a load names its chunks by record 0's key.
+        self._listeners = [(source, partial(self._on_event, source)) for source in self.engines]
+        for source, listener in self._listeners:
+            source.add_event_listener(listener)
         self.chain.writes.add(self.journal.on_written)
+
+    def _on_event(self, source: CacheEngine, event: KVEvent) -> None:
+        if event.kind == "loaded" and source.records.count > 1:
+            # Every record of a loaded chunk counts as loaded (their promotions' writes name them all),
+            # so a clear of the private tiers names them even once record 0 is forgotten.
+            event = replace(event, keys=tuple(source.records.all_records(event.keys)), token_counts=())
+        self.journal.on_event(event)
+
+    def _writes_in_flight(self, keys: Sequence[str]) -> list[bool]:
+        """Whether a write of each key, by any of the engines, may still land in a tier."""
+        found = [False] * len(keys)
+        for source in self.engines:
+            found = [a or b for a, b in zip(found, source.writes_in_flight(keys))]
+        return found
 
     def describe(self) -> dict[str, Any]:
         fingerprint = self.engine.fingerprint
@@ -349,15 +270,14 @@ class EngineControl(ControlTarget):
         loaded: list[str] = []
         for source in self.engines:
             if scoped is None:
-                prefix = f"{source.fingerprint.format_version}/"
-            else:
-                prefix = source.fingerprint.for_request(
-                    cache_salt=scoped.cache_salt, lora_id=scoped.lora_id
-                ).key_prefix()
-            wrote, read = self.journal.split(prefix)
-            # Every head group's record (a salted prefix matches record 0's key alone).
-            stored += source.records.all_records(wrote)
-            loaded += source.records.all_records(read)
+                prefixes = [f"{source.fingerprint.format_version}/"]
+            else:  # every record's: the journal forgets a record no tier holds while another may be held
+                prefixes = source.records.record_prefixes(scoped)
+            for prefix in prefixes:
+                wrote, read = self.journal.split(prefix)
+                # Every head group's record (what record 0's key names; other records' keys stay alone).
+                stored += source.records.all_records(wrote)
+                loaded += source.records.all_records(read)
         stored = list(dict.fromkeys(stored))  # once each: every salt's prefix is every engine's
         loaded = list(dict.fromkeys(loaded))
         return ClearKeys(stored, loaded, scope, self.journal.written_to(stored))
@@ -372,5 +292,5 @@ class EngineControl(ControlTarget):
 
     def close(self) -> None:
         self.chain.writes.remove(self.journal.on_written)
-        for source in self.engines:
-            source.remove_event_listener(self.journal.on_event)
+        for source, listener in self._listeners:
+            source.remove_event_listener(listener)

@@ -258,6 +258,10 @@ class HeadRecords(RecordSplit):
         cut = len(prefixes[0])
         return [prefix + key[cut:] for key in keys for prefix in prefixes]
 
+    def record_prefixes(self, request: RequestInfo | None = None) -> list[str]:
+        """The key prefix of each record, under ``request``'s cache_salt/LoRA (``None``: none)."""
+        return isolated_prefixes(self.fingerprints, request) or list(self.prefixes)
+
     def all_records(self, keys: Sequence[str]) -> list[str]:
         """Every record key of the chunks named by their record-0 ``keys`` (as events and
         the chunk journal name them); a key of a salt or LoRA not seen lately stays alone."""

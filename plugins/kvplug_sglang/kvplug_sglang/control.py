@@ -128,7 +128,8 @@ class HiCacheControl(ControlTarget):
     """The control target of the HiCache backend, ``KVPlugStorage`` (pages, not chunks)."""
 
     def __init__(self, storage: PageStorage, store: ChunkStore, page_size: int) -> None:
-        super().__init__(store.chain, store.metrics)
+        # The backend hands its tiers' events to the journal (``ChunkStore.open(emit=)``).
+        super().__init__(store.chain, store.metrics, hears_tiers=True)
         self.storage = storage
         self.store = store
         self.page_size = page_size

@@ -133,6 +133,7 @@ class KVPlugStorage(HiCacheStorage):
             fingerprint,
             registry=self.registry,
             largest_chunk=(page_format.canonical_shape, page_format.dtype),
+            emit=self._on_event,
         )
         self.mem_pool_host = mem_pool_host
         self.page_format = page_format
@@ -144,6 +145,13 @@ class KVPlugStorage(HiCacheStorage):
             target, name=self.name, tp_rank=tp_rank, tp_size=tp_size, stage=(cfg.pp_rank, cfg.pp_size)
         )
         close_at_exit(self)  # not every SGLang owner of a storage backend closes it at exit
+
+    def _on_event(self, event: kvplug.KVEvent) -> None:
+        """The tiers' events: to the ``kvplug_on_event`` observers, and to the journal, which keeps
+        only the pages some tier may still hold."""
+        self.registry.emit(event)
+        if self.target is not None:
+            self.target.journal.on_event(event)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)

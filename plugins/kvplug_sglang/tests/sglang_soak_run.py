@@ -25,6 +25,8 @@ from kvplug_sglang.bounded_reads import MAX_READS_IN_FLIGHT
 from kvplug_sglang.plugin import register
 
 ROUNDS = 8
+#: Keys no tier holds a control journal keeps at most in a soak (its default is 16384, past any soak).
+JOURNAL_WAITING = 8
 POOL = 192  # device KV slots: a few prompts' worth, so SGLang evicts into kvplug
 
 
@@ -37,6 +39,11 @@ def corrupt(folder: Path) -> int:
         data[middle : middle + 64] = bytes(64)
         path.write_bytes(bytes(data))
     return len(records)
+
+
+def journal_level(journal: Any, chain: Any) -> dict[str, int]:
+    """The keys a control journal remembers, and the records its tiers hold (over all tiers)."""
+    return {"journal": len(journal._keys), "tiers_hold": sum(stats.items for _, stats in chain.stats())}
 
 
 def soak_radix(folder: Path, page_size: int) -> dict[str, Any]:
@@ -54,6 +61,9 @@ def soak_radix(folder: Path, page_size: int) -> dict[str, Any]:
     with published_server_args(radix_cache_backend="kvplug") as args:
         stack = build_stack(args, ModelConfig(str(write_model_dir(folder / "model"))), page_size=page_size, size=POOL)
         tree, allocator = stack.tree, stack.allocator
+        assert tree.control is not None
+        journal = tree.control.target.journal
+        journal.max_waiting = JOURNAL_WAITING
         try:
             for number in range(ROUNDS):
                 for i in range(16):
@@ -89,7 +99,8 @@ def soak_radix(folder: Path, page_size: int) -> dict[str, Any]:
                     "discards._removing": len(tree.engine.chain._discards._removing),
                 }
                 keys = len(tree.request_keys._adapters)
-                rounds.append({"sizes": sizes, "keys_of_adapters": keys, "level": process_level()})
+                level = journal_level(journal, tree.engine.chain)
+                rounds.append({"sizes": sizes, "keys_of_adapters": keys, "level": process_level(), **level})
             evictions = [stats.evictions for _, stats in tree.engine.chain.stats()]
         finally:
             tree.shutdown()
@@ -117,6 +128,8 @@ def soak_hicache(folder: Path) -> dict[str, Any]:
     evictions = [0, 0]  # of each tier, over every backend attached
     rounds: list[dict[str, Any]] = []
     backend = make_backend(host, kvplug)
+    assert backend.target is not None
+    backend.target.journal.max_waiting = JOURNAL_WAITING
 
     def count_evictions() -> None:
         assert backend.store is not None
@@ -149,14 +162,17 @@ def soak_hicache(folder: Path) -> dict[str, Any]:
                 count_evictions()
                 backend.close()
                 backend = make_backend(host, kvplug)
-            assert backend.store is not None
+                assert backend.target is not None
+                backend.target.journal.max_waiting = JOURNAL_WAITING
+            assert backend.store is not None and backend.target is not None
             sizes = {
                 "reads in flight": MAX_READS_IN_FLIGHT - backend.reads._room._value,
                 "reads given up": backend.reads.given_up,
                 "host slots held": free_at_start - host.available_size(),
                 "discards._removing": len(backend.store.chain._discards._removing),
             }
-            rounds.append({"sizes": sizes, "level": process_level()})
+            level = journal_level(backend.target.journal, backend.store.chain)
+            rounds.append({"sizes": sizes, "level": process_level(), **level})
         count_evictions()
     finally:
         backend.close()

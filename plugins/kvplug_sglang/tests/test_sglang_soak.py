@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_soak import POOLS
-from sglang_soak_run import ROUNDS
+from sglang_soak_run import JOURNAL_WAITING, ROUNDS
 
 HERE = Path(__file__).parent
 #: Rounds before threads and fds are at their level.
@@ -62,6 +62,18 @@ def assert_nothing_kept(rounds: list[dict[str, Any]], name: str = "") -> None:
         assert all(pooled.get(name, 0) <= bound for name, bound in POOLS.items()), pooled
 
 
+def assert_journal_bounded(rounds: list[dict[str, Any]], name: str = "") -> None:
+    """The control journal keeps the keys some tier holds and at most ``JOURNAL_WAITING`` others
+    (stores are sync: no write is in flight at a round's end). 202f2d0 kept every key it saw."""
+    for number, round_ in enumerate(rounds):
+        assert round_["journal"] <= round_["tiers_hold"] + JOURNAL_WAITING, (
+            name,
+            number,
+            round_["journal"],
+            round_["tiers_hold"],
+        )
+
+
 def steady(level: dict[str, Any]) -> tuple[dict[str, int], int, int]:
     """A round's threads by name and other threads (OpenMP's...) but the pools', and fds."""
     threads = {name: count for name, count in level["python_threads"].items() if name not in POOLS}
@@ -80,6 +92,7 @@ def test_radix_backend_keeps_nothing_per_request(tmp_path: Path) -> None:
         assert all(done["evictions"]), f"{name}: a tier never evicted: {done['evictions']}"
         assert_nothing_kept(done["rounds"], name)
         assert all(round_["keys_of_adapters"] <= done["keys_limit"] for round_ in done["rounds"])
+        assert_journal_bounded(done["rounds"], name)
 
 
 def test_hicache_backend_keeps_nothing_per_page(tmp_path: Path) -> None:
@@ -88,3 +101,4 @@ def test_hicache_backend_keeps_nothing_per_page(tmp_path: Path) -> None:
     assert counts["stored"] and counts["loaded"] and counts["missed"], counts
     assert all(done["evictions"]), f"a tier never evicted: {done['evictions']}"
     assert_nothing_kept(done["rounds"], "hicache")
+    assert_journal_bounded(done["rounds"], "hicache")
