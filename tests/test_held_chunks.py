@@ -11,7 +11,7 @@ from kvplug.core.plugins import PluginRegistry
 
 @pytest.fixture
 def registry() -> PluginRegistry:
-    return PluginRegistry(plugin_filter="disk")
+    return PluginRegistry(plugin_filter="cpu,disk")
 
 
 def media(tier: str) -> str:
@@ -98,3 +98,60 @@ def test_waiting_chunks_whose_writes_may_land_are_kept_past_the_bound_until_they
     landing.clear()  # a's and b's writes were dropped after all: the next chunk pushes them out
     held.expect("f", "F")
     assert len(held.waiting_keys()) == 2 and "f" in held.waiting_keys()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_a_write_landed_while_another_thread_delivers_its_tiers_events_is_announced(
+    make_engine, tmp_path, tier: str
+) -> None:
+    """A write lands in a tier (cpu; disk, a RecordTier) while another thread delivers its events (its
+    listener is slow: a gate): the put returns, its ``stored`` queued behind the other thread's
+    (OrderedEvents). Until that ``stored`` is delivered its write may still be announced: on
+    5b43c13 ``writes_in_flight`` said no, so chunks expected after it pushed it out of the
+    waiting chunks and its ``stored``, delivered later, was never announced."""
+    import threading
+
+    import torch
+    from core_helpers import LAYOUTS, random_caches
+
+    layout = LAYOUTS["vllm_flash"]
+    spec = (
+        {"type": "cpu"} if tier == "cpu" else {"type": "disk", "path": str(tmp_path / "d"), "queue": {"mode": "sync"}}
+    )
+    engine = make_engine(layout, tiers=[spec])
+    held: HeldChunks[str] = HeldChunks(media, max_waiting=1, in_flight=engine.writes_in_flight)
+    lock = threading.Lock()  # the adapter's lock: HeldChunks is not thread-safe
+    changes: list[HeldChange[str]] = []
+    gate, stuck = threading.Event(), threading.Event()
+
+    def slow(event: KVEvent) -> None:
+        if event.tier == tier and not gate.is_set():
+            stuck.set()
+            gate.wait(timeout=60)
+
+    def observe(event: KVEvent) -> None:
+        with lock:
+            changes.extend(held.observe(event))
+
+    engine.add_event_listener(slow)
+    engine.add_event_listener(observe)
+    first, late = list(range(8)), list(range(100, 108))
+    delivering = threading.Thread(target=engine.store, args=(first, random_caches(layout, 80, seed=1), torch.arange(8)))
+    delivering.start()
+    try:
+        assert stuck.wait(timeout=60)  # that thread delivers the tier's events, held in the slow listener
+        late_key = engine.chunk_keys(late)[0].key
+        with lock:
+            held.expect(late_key, "late")
+        engine.store(late, random_caches(layout, 80, seed=2), torch.arange(8))  # landed; its "stored" queued
+        assert engine.writes_in_flight([late_key]) == [True]  # 5b43c13: [False], the event not delivered
+        with lock:
+            for other in ("other1", "other2", "other3"):  # writes that cannot land: pushed out first
+                held.expect(other, other)
+    finally:  # the delivering thread is let go whatever failed above
+        gate.set()
+    delivering.join(timeout=60)
+    assert not delivering.is_alive()
+    engine.flush()
+    assert engine.writes_in_flight([late_key]) == [False]  # delivered now
+    assert [c.key for c in changes if c.kind == "stored"] == [late_key]

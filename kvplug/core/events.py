@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -127,10 +127,22 @@ class OrderedEvents:
         self._waiting = 0
         #: Times a thread waited for the queue to drain below ``max_queued``.
         self.waits = 0
+        #: Keys of the ``stored`` events queued or being sent (counted: two events may name one key).
+        self._unsent_stored: dict[str, int] = {}
+        self._unsent_lock = threading.Lock()
 
     def add(self, event: KVEvent) -> None:
         """Queue ``event``; call it under the lock its state change was made under."""
+        if event.kind == "stored":
+            self._count_stored(event.keys, 1)
         self._queue.append(event)
+
+    def stored_unsent(self, keys: Sequence[str]) -> list[bool]:
+        """Whether a ``stored`` of each key is queued or being sent: the tier holds it, and its
+        listeners may not have heard it yet (another thread delivers; see the class docstring).
+        A write that landed is still on its way to them until then (``writes_in_flight``)."""
+        with self._unsent_lock:
+            return [key in self._unsent_stored for key in keys]
 
     def queued(self) -> int:
         """Events queued, not yet delivered."""
@@ -150,7 +162,12 @@ class OrderedEvents:
                 self._deliverer = threading.get_ident()
             try:
                 while self._queue:
-                    self._emit(self._queue.popleft())
+                    event = self._queue.popleft()
+                    try:
+                        self._emit(event)
+                    finally:  # heard (or its listeners failed): not on its way any more
+                        if event.kind == "stored":
+                            self._count_stored(event.keys, -1)
                     if self._waiting:
                         with self._drained:
                             self._drained.notify_all()
@@ -161,6 +178,15 @@ class OrderedEvents:
                 # Checked again once released: an event queued by a thread that found this
                 # one still delivering is sent by the loop's next turn.
                 self._delivering.release()
+
+    def _count_stored(self, keys: Sequence[str], step: int) -> None:
+        with self._unsent_lock:
+            for key in keys:
+                left = self._unsent_stored.get(key, 0) + step
+                if left > 0:
+                    self._unsent_stored[key] = left
+                else:
+                    self._unsent_stored.pop(key, None)
 
     def _wait_for_room(self) -> bool:
         """Another thread delivers: wait while the queue is past ``max_queued`` (unless this is

@@ -237,6 +237,14 @@ class StorageTier(ABC):
         of doing it in every put (the disk tier fsyncs the folders it renamed into here).
         Must not wait long: the queue's thread runs it. The default does nothing."""
 
+    def stored_unsent(self, keys: Sequence[str]) -> list[bool]:
+        """Whether a ``stored`` event of each key is still on its way to the listeners: its put
+        landed, the event is queued behind another thread's delivery (:class:`~kvplug.OrderedEvents`
+        ``.stored_unsent``, which a tier that queues its events returns). Until it is sent the
+        write counts as in flight (:meth:`CacheEngine.writes_in_flight
+        <kvplug.CacheEngine.writes_in_flight>`). The default: none (events sent by the putting thread)."""
+        return [False] * len(keys)
+
     def pin(self, keys: Sequence[str]) -> list[tuple[str, int]] | None:
         """Take stored keys out of eviction, within the tier's pin budget: per key, what
         happened (``pinned``, ``already``, ``refused``, ``missing``) and its bytes. ``None``:

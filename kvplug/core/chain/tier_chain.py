@@ -275,12 +275,15 @@ class TierChain:
         write_put(self._slots, items, admission=admission, only_trusted=only_trusted)
 
     def writes_pending(self, keys: Sequence[str]) -> list[bool]:
-        """Whether a write of each key may still land in some tier: queued for an ``async``
-        tier or being written, or held back behind a removal of it."""
+        """Whether a write of each key may still land in some tier, or be announced: queued for
+        an ``async`` tier or being written, held back behind a removal of it, or landed with its
+        ``stored`` not sent to the listeners yet (:meth:`StorageTier.stored_unsent`)."""
         pending = self._discards.holds_back(keys)
         for slot in self._slots:
             if slot.queue is not None:
                 pending = [a or b for a, b in zip(pending, slot.queue.holds(keys))]
+            # After the queue: a write it hands to the tier is held there before it leaves the queue.
+            pending = [a or b for a, b in zip(pending, slot.tier.stored_unsent(keys))]
         return pending
 
     def _put_missing_at(self, index: int, items: Items) -> None:

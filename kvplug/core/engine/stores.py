@@ -300,9 +300,11 @@ class EngineStores(EngineParts):
 
     def writes_in_flight(self, keys: Sequence[str]) -> list[bool]:
         """Whether a write of each (record) key may still land in a tier, and be announced
-        ``stored`` then: queued for the store thread, for an ``async`` tier, being written, or
-        held back behind a removal. ``False`` once it landed, or was dropped, declined,
-        refused or failed: then no ``stored`` of it can come (until it is stored again)."""
+        ``stored`` then: queued for the store thread, for an ``async`` tier, being written, held
+        back behind a removal, or landed with its ``stored`` still queued for the listeners
+        (another thread delivers the tier's events). ``False`` once that ``stored`` was sent, or
+        the write was dropped, declined, refused or failed: then no ``stored`` of it can come
+        (until it is stored again)."""
         queued = self._queued_keys.holds(keys)
         return [a or b for a, b in zip(queued, self.chain.writes_pending(keys))]
 

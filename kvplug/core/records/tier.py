@@ -265,6 +265,9 @@ class RecordTier(RecordBudget, RecordRemovals, StorageTier):
     async def _write_group(self, group: Sequence[tuple[str, RecordToWrite]]) -> Sequence[BaseException | None]:
         return one_each(group, await self._backend.write([record for _, record in group]), "write")
 
+    def stored_unsent(self, keys: Sequence[str]) -> list[bool]:
+        return self._events.stored_unsent(keys)
+
     def flush(self) -> None:
         """Wait for the start-up listing to be indexed (budget applied); run the backend's ``flush``."""
         self._check_open()

@@ -152,6 +152,9 @@ class CPUTier(StorageTier):
             self._add_evicted(evicted)
         self._events.deliver()
 
+    def stored_unsent(self, keys: Sequence[str]) -> list[bool]:
+        return self._events.stored_unsent(keys)
+
     def _drop_victim(self, victim: str, size: int, evicted: dict[str, None]) -> None:
         del self._entries[victim]
         self._stats.bytes_used -= size
