@@ -193,14 +193,7 @@ class FaultProxy:
             except (asyncio.IncompleteReadError, asyncio.TimeoutError):
                 pass
         body = b"<html><body><h1>403 Forbidden</h1>Request forbidden by administrative rules.</body></html>"
-        writer.write(
-            b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/html\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
-        )
-        try:
-            await writer.drain()
-        finally:
-            writer.close()
+        await _answer_and_close(writer, b"403 Forbidden", b"text/html", body)
 
     @staticmethod
     async def _answer_503(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -209,11 +202,16 @@ class FaultProxy:
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError):
             pass
         body = b"<?xml version='1.0'?><Error><Code>ServiceUnavailable</Code><Message>injected</Message></Error>"
-        writer.write(
-            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
-        )
-        try:
-            await writer.drain()
-        finally:
-            writer.close()
+        await _answer_and_close(writer, b"503 Service Unavailable", b"application/xml", body)
+
+
+async def _answer_and_close(writer: asyncio.StreamWriter, status: bytes, content_type: bytes, body: bytes) -> None:
+    """Send one HTTP answer and close the connection (``Connection: close``)."""
+    writer.write(
+        b"HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+        % (status, content_type, len(body), body)
+    )
+    try:
+        await writer.drain()
+    finally:
+        writer.close()
