@@ -23,7 +23,7 @@ os.environ.update(HF_HOME=sys.argv[1], HF_HUB_OFFLINE="1")  # read when huggingf
 from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.model_loader import weight_utils
+from sglang.srt.model_loader import loader
 from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
 from sglang.srt.server_args import ServerArgs
 from sglang_pools import make_pool
@@ -31,7 +31,8 @@ from kvplug_sglang.page_identity import loaded_checkpoint
 from kvplug_sglang.setup_engine import build_cache_engine
 
 def keys(revision=None):
-    weight_utils.download_weights_from_hf("org/tiny", None, ["*.json"], revision)  # the loader's call
+    # What DefaultModelLoader._prepare_weights calls (its own binding of the function).
+    loader.download_weights_from_hf("org/tiny", None, ["*.json"], revision, ignore_patterns=None)
     pool = make_pool(size=64)
     model_config = ModelConfig("org/tiny", revision=revision)
     engine = build_cache_engine(model_config=model_config, k_pool=pool.k_buffer, v_pool=pool.v_buffer)
