@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,12 +85,48 @@ def _scales_digest(path: str) -> str:
 
 
 def loaded_checkpoint() -> tuple[str, str]:
-    """The model path and revision this SGLang server loaded; empty outside a server
-    (SGLang has published no model config: a backend built by hand)."""
+    """The model path and revision this SGLang server loaded (:func:`loaded_revision`); empty
+    outside a server (SGLang has published no model config: a backend built by hand)."""
     model = _published_model()
     if model is None:
         return "", ""
-    return str(getattr(model, "model_path", None) or ""), str(getattr(model, "revision", None) or "")
+    path = str(getattr(model, "model_path", None) or "")
+    return path, loaded_revision(path, getattr(model, "revision", None))
+
+
+#: ``(model path, revision asked for) -> commit`` of each hub checkpoint this process downloaded
+#: or found in the HF cache (:func:`record_download`).
+_LOADED_COMMITS: dict[tuple[str, str], str] = {}
+#: A hub cache's snapshot folder, ``.../snapshots/<commit>``.
+_SNAPSHOT = re.compile(r"(?:^|[/\\])snapshots[/\\]([0-9a-f]{40})[/\\]?$")
+
+
+def record_download(
+    folder: Any,
+    model_name_or_path: Any,
+    cache_dir: Any = None,
+    allow_patterns: Any = None,
+    revision: Any = None,
+    *_: Any,
+    **__: Any,
+) -> None:
+    """After SGLang's ``download_weights_from_hf`` (an ``AFTER`` hook: :mod:`kvplug_sglang.plugin`):
+    remember the commit of the snapshot folder it returned, the one this process loads weights
+    from. SGLang keeps that folder nowhere else, and its model config names the revision as asked
+    for (``None``: ``main``); reading the HF cache's ``refs/`` later would race a download of a
+    newer commit that landed since. Never raises: it runs inside SGLang's model loading."""
+    match = _SNAPSHOT.search(str(folder))
+    if match is not None:
+        _LOADED_COMMITS[(str(model_name_or_path), str(revision or ""))] = match[1]
+
+
+def loaded_revision(model_path: str, revision: Any) -> str:
+    """The commit this process loaded ``model_path`` at, as asked for by ``revision`` (``main``
+    when none was); else the revision as given (a local directory, or weights SGLang did not
+    load through its hub download). Two servers started before and after a push to ``main``
+    loaded other weights: keyed by the name alone they shared pages and chunks."""
+    asked = str(revision or "")
+    return _LOADED_COMMITS.get((model_path, asked), asked)
 
 
 def _published_model() -> Any:

@@ -21,6 +21,7 @@ def register() -> None:
     from kvplug_sglang.radix_cache import BACKEND_NAME, kvplug_radix_cache_factory
 
     register_exit_hook()
+    _record_downloads()
     existing = get_radix_cache_factory(BACKEND_NAME)
     if existing is kvplug_radix_cache_factory:
         return
@@ -31,3 +32,23 @@ def register() -> None:
         )
         return
     register_radix_cache_backend(BACKEND_NAME, kvplug_radix_cache_factory)
+
+
+#: The function SGLang's model loader fetches a hub checkpoint with (its return: the snapshot folder).
+DOWNLOAD = "sglang.srt.model_loader.weight_utils.download_weights_from_hf"
+_recording = False
+
+
+def _record_downloads() -> None:
+    """Have SGLang tell kvplug the snapshot (commit) each hub checkpoint loads from: keys name
+    the commit, not ``main`` (:func:`kvplug_sglang.page_identity.record_download`). SGLang
+    applies registered hooks after its plugins ran, before it loads a model."""
+    global _recording
+    if _recording:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from kvplug_sglang.page_identity import record_download
+
+    HookRegistry.register(DOWNLOAD, record_download, HookType.AFTER)
+    _recording = True

@@ -24,6 +24,13 @@ the same batches (SGLang's ``tp_cache_group``: with attention DP, one DP rank's
 attention-TP group) so their trees stay identical. A rank's pool holds the KV heads
 of its attention-TP rank, which its keys name.
 
+Attention context parallelism (``--attn-cp-size``) is served: SGLang's dense-MHA CP gathers every
+peer's K and V before it writes the pool (``materialize_full_kv``), so CP peers hold the same KV of
+the same heads, and they run the same batches (their hits are agreed in ``tp_cache_group``). Decode
+context parallelism (``--dcp-size`` > 1) is refused: each DCP rank keeps only every ``dcp_size``-th
+token (the tree's page size is widened by ``dcp_size``, its indices are not the pool's slots), so
+a chunk gathered at the tree's indices is not the KV the engine computed.
+
 Pipeline parallelism (``--pp-size`` > 1) is refused: each stage would have to agree on every
 hit with the others inside ``match_prefix``, on its scheduler thread, and a later stage can be
 waiting there for outputs the first stage sends only after scheduling its next batch (caught in
@@ -301,6 +308,11 @@ def kvplug_radix_cache_factory(ctx: Any) -> KVPlugRadixCache:
                 int(getattr(ctx.server_args, "pp_size", 1) or 1) > 1,
             ),
             (f"--enable-hierarchical-cache ({_USE_HICACHE})", ctx.enable_hierarchical_cache),
+            (
+                "decode context parallelism (--dcp-size > 1: a rank's pool holds only its share of each "
+                "page's tokens, at slots that are not the tree's, so a chunk stored from it is not the KV)",
+                int(getattr(ctx.server_args, "dcp_size", 1) or 1) > 1,
+            ),
         )
         if on
     ]

@@ -18,7 +18,7 @@ import torch
 
 import kvplug
 from kvplug.errors import LayoutError
-from kvplug_sglang.page_identity import kv_cache_variant, weights_variant
+from kvplug_sglang.page_identity import kv_cache_variant, loaded_revision, weights_variant
 
 logger = logging.getLogger("kvplug.sglang")
 
@@ -139,7 +139,7 @@ def build_cache_engine(
     fingerprint = kvplug.Fingerprint.for_layout(
         layout,
         model_id=model_id_of(model_config),
-        model_revision=str(getattr(model_config, "revision", None) or ""),
+        model_revision=loaded_revision(model_id_of(model_config), getattr(model_config, "revision", None)),
         # SGLang keeps an fp8 KV cache in uint8 pools (e4m3 and e5m2 alike, scaled by a file):
         # the pool's dtype does not tell them apart, the server's settings do; so do its weights.
         engine_variant=_layer_slice(model_config, layout, first_layer) + kv_cache_variant() + weights_variant(),

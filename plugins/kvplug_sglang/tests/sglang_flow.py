@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
-from sglang_pools import fill_random, make_pool, snapshot  # noqa: E402
+from sglang_pools import NUM_HEADS, fill_random, make_pool, snapshot  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -63,13 +63,14 @@ def build_stack(
     tp_worker: Any = None,
     tp_size: int = 1,
     tp_rank: int = 0,
+    heads: int = NUM_HEADS,
     **pool_kinds: bool,
 ) -> Stack:
     """A radix cache as SGLang's scheduler builds it; ``pool_kinds`` sets the context's model
     flags (``is_hybrid_swa``, ``is_hybrid_ssm``, ``is_dsa``); ``tp_worker``: the scheduler's
     (the tree reads its LoRA manager's adapters); ``tp_size``: the TP width the scheduler passes
-    (``tp_rank`` of it), whatever the pool's attention-TP width."""
-    pool = make_pool(size=size, page_size=page_size)
+    (``tp_rank`` of it), whatever the pool's attention-TP width; ``heads``: the pool's KV heads."""
+    pool = make_pool(size=size, page_size=page_size, heads=heads)
     if page_size == 1:
         allocator = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", pool, False)
     else:

@@ -20,7 +20,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.registry import get_radix_cache_factory
 from sglang_flow import build_stack, published_server_args, serve_request
-from sglang_pools import snapshot
+from sglang_pools import snapshot, write_model_dir
 
 from kvplug_cpu import CPUTier
 from kvplug_sglang.hicache import KVPlugStorage
@@ -151,6 +151,20 @@ def test_a_load_that_must_evict_for_room_never_evicts_the_prefix_it_extends(mode
             assert torch.equal(k, k0[:16]) and torch.equal(v, v0[:16]), "the prefix's KV was overwritten"
         stack.allocator.free(held)
         stack.tree.shutdown()
+
+
+def test_decode_context_parallelism_is_refused(kvplug_env, tmp_path: Path) -> None:
+    """Under --dcp-size each rank's pool holds only every dcp_size-th token of a page, at physical
+    slots the tree's (widened) indices do not name: a chunk stored from it would not be the KV.
+    A model of one KV head (replicated on every rank, so the pool's heads agree with the model's)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    mqa = ModelConfig(str(write_model_dir(tmp_path / "mqa", num_kv_heads=1)))
+    with (
+        published_server_args(radix_cache_backend="kvplug", tp_size=2, dcp_size=2) as args,
+        pytest.raises(ValueError, match=r"does not support decode context parallelism \(--dcp-size > 1"),
+    ):
+        build_stack(args, mqa, tp_size=2, heads=1).tree.shutdown()
 
 
 @pytest.mark.parametrize(
