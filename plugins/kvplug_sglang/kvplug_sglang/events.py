@@ -136,8 +136,8 @@ class KVEventBridge:
         """Drop the oldest untaken ``BlockStored`` events past ``max_events`` (counted), and the
         removals of the blocks they told, queued or to come (:meth:`_removed`): never a removal
         of a block a router may have heard stored (it would believe the block held for good).
-        Those removals are kept past the bound: at most one per block told stored, a number
-        ``max_tracked`` bounds. Holds ``_lock``."""
+        Those removals are kept past the bound: at most one per block told stored and medium
+        (``max_tracked`` per medium). Holds ``_lock``."""
         from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
 
         overflow = len(self._events) - self._max_events
