@@ -84,3 +84,47 @@ def test_the_delivering_thread_never_waits_on_itself() -> None:
 def test_the_bound_must_be_usable() -> None:
     with pytest.raises(ValueError, match="max_queued >= 1"):
         OrderedEvents(lambda e: None, max_queued=0)
+
+
+def test_a_listener_stuck_for_good_costs_one_timed_out_wait_not_one_per_call(monkeypatch) -> None:
+    """With the delivering thread stuck in a listener, every call that found more than
+    ``max_queued`` events queued waited the whole drain wait (on a179627: 30 s each, a draining
+    close of B batches B x 30 s). After one timed-out wait, no call waits again until the
+    delivering thread sent an event: then one may wait again."""
+    import kvplug.core.events as events_module
+
+    monkeypatch.setattr(events_module, "_DRAIN_WAIT_S", 0.05)  # each wait times out (the listener is gated)
+    gates = {"first": threading.Event(), "k4": threading.Event()}
+    stuck = {key: threading.Event() for key in gates}
+    sent: list[str] = []
+
+    def listener(event: KVEvent) -> None:
+        key = event.keys[0]
+        if key in gates:
+            stuck[key].set()
+            assert gates[key].wait(60), "the test's gate was never opened"
+        sent.append(key)
+
+    events = OrderedEvents(listener, max_queued=1)
+    events.add(KVEvent("stored", ("first",), tier="cpu"))
+    deliverer = threading.Thread(target=events.deliver)
+    deliverer.start()
+    try:
+        assert stuck["first"].wait(60)
+        for i in range(5):  # past the bound from the second on: one wait times out, the rest do not wait
+            events.add(KVEvent("stored", (f"k{i}",), tier="cpu"))
+            events.deliver()
+        assert events.waits == 1  # a179627: 4, each past the bound waited it out
+        assert events.waits_skipped == 3
+        gates["first"].set()  # the deliverer moves on, then sticks on k4
+        assert stuck["k4"].wait(60)
+        for i in range(5, 9):
+            events.add(KVEvent("stored", (f"k{i}",), tier="cpu"))
+            events.deliver()
+        assert (events.waits, events.waits_skipped) == (2, 5)  # it made progress: one wait more
+    finally:
+        for gate in gates.values():
+            gate.set()
+        deliverer.join(60)
+    assert not deliverer.is_alive()
+    assert sent == ["first"] + [f"k{i}" for i in range(9)]

@@ -111,7 +111,9 @@ class OrderedEvents:
     lock, counted in ``waits``) until the queue drained below it, as it would have paid
     the listener's time delivering its own events, so a slow listener never lets the queue
     grow without bound. The delivering thread itself (a listener that calls its tier back)
-    never waits; no thread waits for good on a listener stuck for good.
+    never waits; no thread waits for good on a listener stuck for good, and once a wait timed
+    out no thread waits again until the delivering thread sent an event since (counted in
+    ``waits_skipped``): a listener stuck for good costs one wait, not one per tier call.
     """
 
     def __init__(self, emit: Callable[[KVEvent], None], *, max_queued: int = MAX_QUEUED_EVENTS) -> None:
@@ -127,6 +129,12 @@ class OrderedEvents:
         self._waiting = 0
         #: Times a thread waited for the queue to drain below ``max_queued``.
         self.waits = 0
+        #: Times a thread did not wait, past ``max_queued``, since nothing was sent after a wait timed out.
+        self.waits_skipped = 0
+        #: Events sent (or whose listeners failed) so far: the delivering thread's progress.
+        self._sent = 0
+        #: ``_sent`` when a wait last timed out: until it moves, the deliverer is taken for stuck.
+        self._stalled_at: int | None = None
         #: Keys of the ``stored`` events queued or being sent (counted: two events may name one key).
         self._unsent_stored: dict[str, int] = {}
         self._unsent_lock = threading.Lock()
@@ -166,6 +174,7 @@ class OrderedEvents:
                     try:
                         self._emit(event)
                     finally:  # heard (or its listeners failed): not on its way any more
+                        self._sent += 1  # only the delivering thread writes it
                         if event.kind == "stored":
                             self._count_stored(event.keys, -1)
                     if self._waiting:
@@ -194,12 +203,17 @@ class OrderedEvents:
         with self._drained:
             if self._deliverer == threading.get_ident() or len(self._queue) <= self.max_queued:
                 return False
+            if self._stalled_at == self._sent:  # a wait timed out and nothing was sent since
+                self.waits_skipped += 1
+                return False
             self.waits += 1
             self._waiting += 1
             try:
-                self._drained.wait_for(
+                drained = self._drained.wait_for(
                     lambda: len(self._queue) <= self.max_queued or self._deliverer is None, timeout=_DRAIN_WAIT_S
                 )
             finally:
                 self._waiting -= 1
+            if not drained:
+                self._stalled_at = self._sent
             return self._deliverer is None

@@ -15,6 +15,7 @@ from kvplug.core.records.frame import RECORD_HEADER_SIZE
 from kvplug.core.records.index import (
     RARE_LOSS_CHECKS_PER_NEW_KEY,
     RARE_LOSS_CHECKS_PER_ROUND,
+    Entry,
     RecordIndex,
     Victim,
 )
@@ -80,16 +81,51 @@ class RecordBudget:
             )
 
     def _evict(self, victims: list[Victim]) -> None:
-        """Delete records already removed from the index, counted and reported as evictions."""
+        """Delete records already removed from the index, counted and reported as evictions.
+
+        A put of a victim may index it again (and queue its ``stored``) between the pick and
+        the end of the delete, which runs under no lock: its write landed before the delete
+        (deleted: gone) or after it (held). Only the store can tell, so it is asked after the
+        delete (:meth:`_recheck_raced`); an ``evicted`` queued after that put's ``stored``
+        for a record it holds would leave routers told it is gone for as long as it is held."""
         if not victims:
             return
         self._count("evictions", len(victims))
+        names = [name for name, _ in victims]
         # A record whose delete fails stays in the store but leaves this budget; a later
         # listing (a restart) brings it back into the index.
-        self._delete_quietly([name for name, _ in victims], forget=False)
-        known = tuple(key for _, key in victims if key is not None)
-        if known:  # queued after the "stored" of each: queued when it was indexed, before it could be a victim
-            self._report(KVEvent("evicted", known, tier=self.name))
+        self._delete_quietly(names, forget=False)
+        with self._order:  # a put indexes and queues its "stored" under it: its order with this "evicted"
+            again = self._index.snapshot(names)
+            known = tuple(key for (_, key), entry in zip(victims, again) if entry is None and key is not None)
+            if known:  # queued after the "stored" of each: queued when it was indexed, before it could be a victim
+                self._events.add(KVEvent("evicted", known, tier=self.name))
+        self._events.deliver()
+        raced = [(name, entry) for name, entry in zip(names, again) if entry is not None]
+        if raced:
+            self._recheck_raced(raced)
+
+    def _recheck_raced(self, raced: list[tuple[str, Entry]]) -> None:
+        """Victims a put indexed again during their eviction: reported evicted if the store no
+        longer holds them (the delete came after that put's write), unless indexed again since.
+        Without an answer they stay indexed: a lookup that misses reports them removed then."""
+        if not self._calls.allow(len(raced)):
+            return
+        entries = dict(raced)
+        gone: list[str] = []
+        for group, result in self._groups(self._backend.exists, list(entries), self._backend.call_sizes.query):
+            if isinstance(result, Absent):
+                result = [False] * len(group)
+            if not isinstance(result, BaseException):
+                gone += [name for name, exists in zip(group, result) if exists is False]
+        if not gone:
+            return
+        with self._order:
+            keys = [self._index.forget_gone(name, entries[name]) for name in gone]
+            known = tuple(key for key in keys if key is not None)
+            if known:
+                self._events.add(KVEvent("evicted", known, tier=self.name))
+        self._events.deliver()
 
     def _take_evicted(self) -> None:
         """Count and report what a backend that keeps the budget itself removed.

@@ -53,7 +53,8 @@ class KVEventBridge:
     ``media``: tier name -> kvplug medium (names not in it count as remote). Which tiers hold
     which chunk is kvplug's :class:`~kvplug.HeldChunks` (media: SGLang's storage media).
     Memory is bounded: at most ``max_tracked`` chunks some tier holds and ``max_events``
-    untaken events are kept; older ones are dropped and counted in ``dropped``. A chunk dropped
+    untaken events (and the removals of blocks told stored, at most one each) are kept: past it the oldest ``BlockStored`` are dropped, with their later
+    ``BlockRemoved`` (never a removal of a block told stored), counted in ``dropped``. A chunk dropped
     while a tier holds it is told removed from its media then: its later removal could not be
     told. At most ``max_waiting`` chunks no tier holds wait for a tier's ``stored``, the oldest
     whose write can no longer land (``in_flight``) forgotten first (nothing was told of them).
@@ -77,6 +78,8 @@ class KVEventBridge:
         self._lock = threading.Lock()
         self._max_events = max_events
         self.dropped = 0
+        #: (block, medium) of the untaken ``BlockStored`` dropped, until their removal is (see _bound_events).
+        self._untold: dict[tuple[int, str | None], bool] = {}
 
     def expect(
         self, keys: Sequence[str], bounds: Sequence[tuple[int, int]], tokens: Sequence[int], cache_salt: str | None
@@ -89,7 +92,7 @@ class KVEventBridge:
                 parent = block_hash(key)
 
     def observe(self, event: KVEvent) -> None:
-        from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
+        from sglang.srt.disaggregation.kv_events import BlockStored
 
         with self._lock:
             gone: list[int] = []
@@ -98,7 +101,7 @@ class KVEventBridge:
                 if change.kind == "forgotten":  # its later removal could not be told
                     self.dropped += 1
                     for medium in change.media:
-                        self._events.append(BlockRemoved(block_hashes=[block_hash(change.key)], medium=medium))
+                        self._removed([block_hash(change.key)], medium)
                 elif change.kind == "stored":
                     if change.first:  # each medium is told once
                         self._events.append(
@@ -115,15 +118,43 @@ class KVEventBridge:
                 else:  # one event's removals from one medium: one BlockRemoved
                     gone.append(block_hash(change.key))
             if gone:
-                self._events.append(BlockRemoved(block_hashes=gone, medium=self._storage_medium(event.tier or "")))
+                self._removed(gone, self._storage_medium(event.tier or ""))
             self._bound_events()
 
+    def _removed(self, blocks: Sequence[int], medium: str | None) -> None:
+        """Queue a ``BlockRemoved`` of ``blocks`` from ``medium``, less those whose ``BlockStored``
+        was dropped untaken (no router heard them stored). Holds ``_lock``."""
+        from sglang.srt.disaggregation.kv_events import BlockRemoved
+
+        told = [block for block in blocks if not self._untold.pop((block, medium), False)]
+        if not told:
+            self.dropped += 1
+        else:
+            self._events.append(BlockRemoved(block_hashes=told, medium=medium))
+
     def _bound_events(self) -> None:
-        """Drop the oldest untaken events past ``max_events`` (counted). Holds ``_lock``."""
+        """Drop the oldest untaken ``BlockStored`` events past ``max_events`` (counted), and the
+        removals of the blocks they told, queued or to come (:meth:`_removed`): never a removal
+        of a block a router may have heard stored (it would believe the block held for good).
+        Those removals are kept past the bound: at most one per block told stored and medium
+        (``max_tracked`` per medium). Holds ``_lock``."""
+        from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
+
         overflow = len(self._events) - self._max_events
-        if overflow > 0:
-            del self._events[:overflow]
-            self.dropped += overflow
+        if overflow <= 0:
+            return
+        queued, self._events = self._events, []
+        for event in queued:
+            if overflow > 0 and isinstance(event, BlockStored):
+                overflow -= 1
+                self.dropped += 1
+                self._untold.update({(block, event.medium): True for block in event.block_hashes})
+            elif isinstance(event, BlockRemoved) and self._untold:
+                self._removed(event.block_hashes, event.medium)
+            else:
+                self._events.append(event)
+        while len(self._untold) > self._max_events:  # the oldest: their removals are sent (a no-op)
+            del self._untold[next(iter(self._untold))]
 
     def _storage_medium(self, tier: str) -> str:
         return _STORAGE_MEDIUM[self._media.get(tier, "remote")]
@@ -132,4 +163,5 @@ class KVEventBridge:
         """Events since the last call, oldest first."""
         with self._lock:
             events, self._events = self._events, []
+            self._untold.clear()  # a removal taken later of a block never told stored is a no-op
         return events

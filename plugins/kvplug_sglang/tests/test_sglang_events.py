@@ -230,3 +230,23 @@ def test_what_routers_are_told_is_what_the_tiers_hold_through_evictions_corrupti
         control.remove(control.planned_clear)
         check("ctl clear --all")
         assert view == {"CPU_PINNED": set(), "DISK": set()}
+
+
+def test_events_dropped_past_max_events_never_include_a_removal_of_a_block_told_stored() -> None:
+    """Past ``max_events`` untaken events the oldest were dropped, whatever they were (on a179627):
+    a ``BlockRemoved`` of a block whose ``BlockStored`` a router already took left it believing
+    the block held for good. Stored events go first, and with them their blocks' removals."""
+    bridge = KVEventBridge({"cpu": "memory"}, max_events=2)
+    keys = [key_for(f"bound{i}") for i in range(4)]
+    bridge.expect(keys, [(0, 4), (4, 8), (8, 12), (12, 16)], list(range(16)), None)
+    bridge.observe(KVEvent("stored", (keys[0],), tier="cpu"))
+    assert [type(e) for e in bridge.take()] == [BlockStored]  # a router heard the first held
+    bridge.observe(KVEvent("evicted", (keys[0],), tier="cpu"))
+    bridge.observe(KVEvent("stored", (keys[1],), tier="cpu"))
+    bridge.observe(KVEvent("stored", (keys[2],), tier="cpu"))  # one too many: a stored goes, not the removal
+    bridge.observe(KVEvent("evicted", (keys[1], keys[2]), tier="cpu"))  # untold blocks: not told removed
+    bridge.observe(KVEvent("stored", (keys[3],), tier="cpu"))
+    told = [(type(e), e.block_hashes) for e in bridge.take()]
+    assert (BlockRemoved, [block_hash(keys[0])]) in told, told
+    assert told == [(BlockRemoved, [block_hash(keys[0])]), (BlockStored, [block_hash(keys[3])])]
+    assert bridge.dropped == 3  # the second's and third's stored, and the removal of the third (queued)
