@@ -8,7 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 from sglang_pools import write_model_dir
+from test_sglang_hicache import PAGE, make_backend, make_host, page_keys, random_pages
+
+from kvplug_sglang import page_identity
 
 HERE = Path(__file__).parent
 
@@ -100,3 +105,20 @@ def test_weights_updated_from_tensors_never_load_the_old_weights_kv(tmp_path: Pa
     before, after, again, generation = _run(model, "tensor")
     assert (before, after, again) == (48, 0, 48), "after update_weights_from_tensor the old weights' KV was a hit"
     assert _run(model, "tensor")[3] != generation, "weights sent as tensors are named by nothing: this process's own"
+
+
+def test_hicache_pages_of_weights_updated_in_place_are_misses(monkeypatch: pytest.MonkeyPatch) -> None:
+    # HiCache names a page by SGLang's hash of its tokens; SGLang's flush after an update
+    # leaves the storage backend's pages, so keyed alike they were the new weights' hits.
+    monkeypatch.setattr(page_identity, "_weights_generation", "")
+    host = make_host("page_first")
+    backend = make_backend(host, {"tiers": [{"type": "cpu"}]})
+    keys = page_keys(list(range(60, 60 + 2 * PAGE)))
+    backend.batch_set_v1(keys, random_pages(host, 2, seed=4))
+    assert backend.batch_exists(keys) == 2
+    # What SGLang's scheduler calls first on update_weights_from_disk (the hook kvplug registers).
+    page_identity.note_weight_update(None, UpdateWeightFromDiskReqInput(model_path="/ckpt/step-1"))
+    assert backend.batch_exists(keys) == 0, "HiCache served the old weights' pages after an in-place update"
+    backend.batch_set_v1(keys, random_pages(host, 2, seed=5))
+    assert backend.batch_exists(keys) == 2
+    backend.close()
