@@ -17,6 +17,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import kvplug
+
 if TYPE_CHECKING:  # a type only: the radix-cache backend imports this module too
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
@@ -138,6 +140,13 @@ def weights_generation() -> str:
     """The weights this process serves, as far as in-place updates changed them since it
     started: ``""`` for the weights it loaded at start (keyed by model path and revision)."""
     return _weights_generation
+
+
+def weights_keys() -> tuple[kvplug.ExtraKey, ...]:
+    """The extra key of a request's chunks that names :func:`weights_generation` (none before an
+    in-place update). It covers the first token: the chained hash carries it into every chunk."""
+    generation = _weights_generation
+    return (kvplug.ExtraKey(0, 1, "weights:" + generation),) if generation else ()
 
 
 def note_weight_update(manager: Any, recv_req: Any, *_: Any, **__: Any) -> None:

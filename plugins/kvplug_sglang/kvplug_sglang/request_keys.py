@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kvplug
-from kvplug_sglang.page_identity import weights_generation
+from kvplug_sglang.page_identity import weights_keys
 
 #: What ``LoRARef.lora_path`` holds for an adapter SGLang loaded from tensors: not a source.
 _TENSOR_SOURCE = "__tensor__"
@@ -78,9 +78,7 @@ class RequestKeys:
     @staticmethod
     def _info(key: Any, adapter: _Adapter | None) -> kvplug.RequestInfo | None:
         extra_key, salt = key.extra_key, key.cache_salt
-        # Weights updated in place since the server started: its chunks are keyed by them too.
-        generation = weights_generation()
-        weights = (kvplug.ExtraKey(0, 1, "weights:" + generation),) if generation else ()
+        weights = weights_keys()  # weights updated in place since the server started
         if extra_key is None and salt is None and not weights:
             return None
         if adapter is None:

@@ -7,13 +7,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
-from sglang_pools import write_model_dir
+from sglang_pools import fill_random, kvplug_extra, write_model_dir
 from test_sglang_hicache import PAGE, make_backend, make_host, page_keys, random_pages
 
 from kvplug_sglang import page_identity
+from kvplug_sglang.connector import KVPlugConnector, StoreMetadata
 
 HERE = Path(__file__).parent
 
@@ -35,6 +38,7 @@ from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWei
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang_flow import build_stack, published_server_args, serve_request
 from kvplug_sglang import page_identity
+from kvplug_sglang.connector import KVPlugConnector, StoreMetadata
 
 def flush(empty_cache=False):
     stack.tree.reset()  # what Scheduler.flush_cache does when idle
@@ -122,3 +126,21 @@ def test_hicache_pages_of_weights_updated_in_place_are_misses(monkeypatch: pytes
     backend.batch_set_v1(keys, random_pages(host, 2, seed=5))
     assert backend.batch_exists(keys) == 2
     backend.close()
+
+
+def test_connector_chunks_of_weights_updated_in_place_are_misses(
+    model_config: Any, pool_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(page_identity, "_weights_generation", "")
+    pool = pool_factory()
+    connector = KVPlugConnector(model_config, 1, 0, pool.k_buffer, pool.v_buffer, engine_extra=kvplug_extra())
+    tokens = list(range(300, 364))
+    src = torch.arange(1, 65)
+    fill_random(pool, src)
+    connector.store_kv(StoreMetadata(last_node=None, token_ids=tokens, kv_indices=src, offset=0))
+    assert connector.lookup(tokens) == 64
+    page_identity.note_weight_update(None, UpdateWeightFromDiskReqInput(model_path="/ckpt/step-1"))
+    assert connector.lookup(tokens) == 0, "the connector found the old weights' chunks after an in-place update"
+    connector.store_kv(StoreMetadata(last_node=None, token_ids=tokens, kv_indices=src, offset=0))
+    assert connector.lookup(tokens) == 64
+    connector.close()
