@@ -27,6 +27,7 @@ import torch.distributed as dist
 import kvplug
 from kvplug.errors import LayoutError
 from kvplug_sglang.events import KVEventBridge
+from kvplug_sglang.page_identity import weights_keys
 from kvplug_sglang.setup_engine import build_cache_engine
 
 logger = logging.getLogger("kvplug.sglang")
@@ -279,7 +280,8 @@ class KVPlugLayerwiseConnector(KVPlugConnector):
 
 
 def _request(cache_salt: str | None) -> kvplug.RequestInfo | None:
-    return kvplug.RequestInfo(cache_salt=cache_salt) if cache_salt else None
+    weights = weights_keys()  # weights SGLang updated in place: the old weights' chunks are misses
+    return kvplug.RequestInfo(cache_salt=cache_salt, extra_keys=weights) if cache_salt or weights else None
 
 
 def _token_list(token_ids: Any) -> list[int]:

@@ -51,7 +51,13 @@ from kvplug_sglang.at_exit import close_at_exit, within_exit_wait
 from kvplug_sglang.bounded_reads import BoundedReads
 from kvplug_sglang.control import HiCacheControl, rank_in_replica, start_control
 from kvplug_sglang.host_pages import HostPageFormat
-from kvplug_sglang.page_identity import cp_shard, kv_cache_variant, loaded_checkpoint, weights_variant
+from kvplug_sglang.page_identity import (
+    cp_shard,
+    kv_cache_variant,
+    loaded_checkpoint,
+    weights_generation,
+    weights_variant,
+)
 
 logger = logging.getLogger("kvplug.sglang.hicache")
 
@@ -167,7 +173,10 @@ class KVPlugStorage(HiCacheStorage):
         """kvplug's key of an SGLang page key: hex only, whatever SGLang sent."""
         self._check_ready()
         assert self.store is not None
-        return self.store.key_prefix + kvplug.key_digest(key).hex()
+        # Weights SGLang updated in place since it started (:func:`note_weight_update`) key
+        # their pages apart: SGLang's page hash names tokens only, and its flush leaves L3 alone.
+        generation = weights_generation()
+        return self.store.key_prefix + kvplug.key_digest(f"{generation}:{key}" if generation else key).hex()
 
     def _fetch(self, keys: list[str]) -> list[torch.Tensor | None]:
         """Verified canonical pages of the leading keys some tier holds; ``None`` after a miss.

@@ -17,6 +17,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import kvplug
+
 if TYPE_CHECKING:  # a type only: the radix-cache backend imports this module too
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
@@ -127,6 +129,52 @@ def loaded_revision(model_path: str, revision: Any) -> str:
     loaded other weights: keyed by the name alone they shared pages and chunks."""
     asked = str(revision or "")
     return _LOADED_COMMITS.get((model_path, asked), asked)
+
+
+#: This process's weights generation: ``""`` until SGLang updates its weights in place, then a
+#: new hex digest per update (:func:`note_weight_update`).
+_weights_generation = ""
+
+
+def weights_generation() -> str:
+    """The weights this process serves, as far as in-place updates changed them since it
+    started: ``""`` for the weights it loaded at start (keyed by model path and revision)."""
+    return _weights_generation
+
+
+def weights_keys() -> tuple[kvplug.ExtraKey, ...]:
+    """The extra key of a request's chunks that names :func:`weights_generation` (none before an
+    in-place update). It covers the first token: the chained hash carries it into every chunk."""
+    generation = _weights_generation
+    return (kvplug.ExtraKey(0, 1, "weights:" + generation),) if generation else ()
+
+
+def note_weight_update(manager: Any, recv_req: Any, *_: Any, **__: Any) -> None:
+    """Before SGLang's scheduler updates its weights in place (a ``BEFORE`` hook on each of
+    ``update_weights_from_{disk,tensor,distributed,ipc}``: :mod:`kvplug_sglang.plugin`): a new
+    generation, so chunks of the old weights are misses, never served for the new ones.
+
+    Bumped before the update, whether it succeeds or not: a failed one may have loaded part of
+    the weights, and a needless bump costs only misses. A checkpoint from disk is named by its
+    path, load format and weight version, chained to the generation before it: every TP rank
+    (and every server updated from the same paths in the same order) computes the same key,
+    and a path rewritten between two updates is a new link. Weights sent as tensors (through
+    memory, NCCL or IPC) are named by nothing kvplug can check (a ``weight_version`` is the
+    caller's step number, which another job reuses for other weights): a random generation,
+    this process's own. Never raises: it runs inside SGLang's request handling."""
+    global _weights_generation
+    try:
+        source = getattr(recv_req, "model_path", None)
+        if isinstance(source, str) and source:
+            link = ["disk", source, str(getattr(recv_req, "load_format", None) or "")]
+            link.append(str(getattr(recv_req, "weight_version", None) or ""))
+        else:
+            link = ["unnamed", os.urandom(16).hex()]
+        chained = json.dumps([_weights_generation, *link], separators=(",", ":"))
+        _weights_generation = hashlib.sha256(chained.encode()).hexdigest()[:32]
+    except Exception:  # never fail SGLang's update; without a name the old chunks must still go
+        _weights_generation = os.urandom(16).hex()
+        logger.exception("kvplug: a weight update was not named; this process's chunks from now on are its own")
 
 
 def _published_model() -> Any:

@@ -22,6 +22,7 @@ def register() -> None:
 
     register_exit_hook()
     _record_downloads()
+    _hear_weight_updates()
     existing = get_radix_cache_factory(BACKEND_NAME)
     if existing is kvplug_radix_cache_factory:
         return
@@ -52,3 +53,27 @@ def _record_downloads() -> None:
 
     HookRegistry.register(DOWNLOAD, record_download, HookType.AFTER)
     _recording = True
+
+
+#: The scheduler's in-place weight updates (its HTTP endpoints and ``Engine`` methods end there).
+WEIGHT_UPDATES = tuple(
+    f"sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_{kind}"
+    for kind in ("disk", "tensor", "distributed", "ipc")
+)
+_hearing = False
+
+
+def _hear_weight_updates() -> None:
+    """Have SGLang tell kvplug before each in-place weight update: keys then name the new
+    weights (:func:`kvplug_sglang.page_identity.note_weight_update`). SGLang flushes its own
+    prefix cache after one; kvplug's tiers keep the old weights' KV under the old keys."""
+    global _hearing
+    if _hearing:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from kvplug_sglang.page_identity import note_weight_update
+
+    for target in WEIGHT_UPDATES:
+        HookRegistry.register(target, note_weight_update, HookType.BEFORE)
+    _hearing = True

@@ -63,6 +63,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 import kvplug
 from kvplug_sglang.at_exit import close_at_exit
 from kvplug_sglang.control import rank_in_replica, start_control
+from kvplug_sglang.page_identity import weights_generation
 from kvplug_sglang.request_keys import RequestKeys, lora_refs_of
 from kvplug_sglang.setup_engine import build_cache_engine, model_id_of
 
@@ -123,6 +124,8 @@ class KVPlugRadixCache(RadixCache):
         )
         self.loaded_tokens = 0
         self.load_failures = 0
+        #: The weights generation the tree's KV was computed with (SGLang flushes it after an update).
+        self.weights = weights_generation()
         close_at_exit(self)  # kvplug's store worker is a daemon thread: queued stores would be lost
 
     # --- load -----------------------------------------------------------------------
@@ -225,6 +228,11 @@ class KVPlugRadixCache(RadixCache):
         """Store the KV of the whole path root -> ``node`` (kvplug skips chunks it has)."""
         if getattr(node, "_kvplug_stored", False) or self.is_eagle or node is self.root_node:
             return
+        if self.weights != weights_generation():
+            # The weights were updated in place and SGLang has not flushed the tree since (a
+            # flush refused while requests ran): its KV is the old weights', which must not be
+            # stored under the new weights' keys. Stores resume with the flush (reset).
+            return
         keys: list[RadixKey] = []
         walk = node
         while walk is not self.root_node and walk is not None:
@@ -262,6 +270,7 @@ class KVPlugRadixCache(RadixCache):
     def reset(self) -> None:
         super().reset()
         self._plans.clear()
+        self.weights = weights_generation()
 
     def close(self) -> None:
         """What :meth:`shutdown` does (the name :func:`close_at_exit` calls)."""

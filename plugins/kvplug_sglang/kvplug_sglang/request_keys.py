@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kvplug
+from kvplug_sglang.page_identity import weights_keys
 
 #: What ``LoRARef.lora_path`` holds for an adapter SGLang loaded from tensors: not a source.
 _TENSOR_SOURCE = "__tensor__"
@@ -77,11 +78,12 @@ class RequestKeys:
     @staticmethod
     def _info(key: Any, adapter: _Adapter | None) -> kvplug.RequestInfo | None:
         extra_key, salt = key.extra_key, key.cache_salt
-        if extra_key is None and salt is None:
+        weights = weights_keys()  # weights updated in place since the server started
+        if extra_key is None and salt is None and not weights:
             return None
         if adapter is None:
-            return kvplug.RequestInfo(cache_salt=salt, lora_id=extra_key)
-        extra = [kvplug.ExtraKey.adapter_source(adapter.source)]
+            return kvplug.RequestInfo(cache_salt=salt, lora_id=extra_key, extra_keys=weights)
+        extra = [*weights, kvplug.ExtraKey.adapter_source(adapter.source)]
         if adapter.rest:
             extra.append(kvplug.ExtraKey(0, 1, "extra_key:" + hashlib.sha256(adapter.rest.encode()).hexdigest()))
         return kvplug.RequestInfo(cache_salt=salt, lora_id=adapter.name, extra_keys=tuple(extra))
