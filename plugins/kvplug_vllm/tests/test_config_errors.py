@@ -38,12 +38,14 @@ def kv(extra: dict[str, Any]) -> dict[str, Any]:
     return {"kv_connector": "KVPlugConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
-def assert_one_clear_error(output: str) -> None:
-    """One traceback, ending with the config error; no engine was started."""
+def assert_one_clear_error(output: str, source: Path | None = None) -> None:
+    """One traceback, ending with the config error (naming the config file ``source`` it is
+    in, if any); no engine was started."""
     assert output.count("Traceback (most recent call last)") == 1, output[-6000:]
     assert output.count("tiers[1].type") == 1, output[-6000:]
     last = output.rstrip().splitlines()[-2:]
-    assert last[0] == ERROR_LINES[0] and last[1].startswith(ERROR_LINES[1]), output[-3000:]
+    first = ERROR_LINES[0] if source is None else ERROR_LINES[0].replace("config:", f"config in {source}:")
+    assert last[0] == first and last[1].startswith(ERROR_LINES[1]), output[-3000:]
     started = [line for line in output.splitlines() if any(mark in line for mark in ENGINE_LINES)]
     assert not started, "\n".join(started)
 
@@ -81,7 +83,7 @@ def test_openai_server_with_an_unknown_tier_type_fails_before_the_model_loads(ti
     ]  # fmt: skip
     done = run_process(args, cwd=tmp_path)
     assert done.returncode == 1
-    assert_one_clear_error(done.stdout + done.stderr)
+    assert_one_clear_error(done.stdout + done.stderr, source=config)
 
 
 def test_the_check_finds_kvplug_however_it_is_named() -> None:
