@@ -34,6 +34,7 @@ from kvplug_vllm.scheduler import SchedulerSide
 from kvplug_vllm.settings import split_extra_config
 from kvplug_vllm.sleep import CacheSleep
 from kvplug_vllm.stats import KVPlugConnectorStats
+from kvplug_vllm.weights import watch_reloads
 from kvplug_vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker_side().register_kv_caches(kv_caches)
+        watch_reloads(self._worker_side())  # vLLM reloading the weights in place says nothing to a connector
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

@@ -86,7 +86,7 @@ class AsleepConnector(KVConnector):
     def scatter_copies(self, *args: Any, **kwargs: Any) -> list[Callable[[], None]]:
         raise self._refusal("load")
 
-    def _refusal(self, what: str) -> CachesAsleepError:
+    def _refusal(self, what: str) -> ConnectorError:
         return CachesAsleepError(
             f"{what} refused: vLLM unregistered its KV caches for sleep mode and has not restored them "
             "(restore_kv_caches after wake-up)"
@@ -105,7 +105,7 @@ class CacheSleep:
             return
         # Background fetches in flight read tiers only; their writes into the caches go
         # through the engine's connector, which refuses them from here on (a miss).
-        for engine in _engines(worker):
+        for engine in worker_engines(worker):
             awake = engine.connector
             try:
                 awake.synchronize()  # copies issued before the sleep finish while their memory is mapped
@@ -123,8 +123,9 @@ class CacheSleep:
             self._replace(worker, kv_caches)
         if not self.asleep:
             return
-        for engine in _engines(worker):
-            if isinstance(engine.connector, AsleepConnector):
+        for engine in worker_engines(worker):
+            # exactly the sleep's stand-in: one a weight reload put there (kvplug_vllm.weights) stays
+            if type(engine.connector) is AsleepConnector:
                 engine.connector = engine.connector.awake
         self.asleep = False
         logger.info("KV caches restored after sleep mode")
@@ -151,7 +152,7 @@ class CacheSleep:
             # in place: loads fetched before the sleep hold this very list
             worker.kv_caches[index] = kv_caches[name]
         if changed:
-            for engine in _engines(worker):
+            for engine in worker_engines(worker):
                 connector = (
                     engine.connector.awake if isinstance(engine.connector, AsleepConnector) else engine.connector
                 )
@@ -159,7 +160,8 @@ class CacheSleep:
                     connector.release_caches()
 
 
-def _engines(worker: SleepingWorker) -> list[CacheEngine]:
+def worker_engines(worker: SleepingWorker) -> list[CacheEngine]:
+    """Every cache engine of ``worker``: its own and those of a hybrid model's other KV cache groups."""
     if worker.engine is None:
         return []
     engines = [worker.engine]

@@ -177,6 +177,8 @@ def main() -> None:
             results[-1]["ctl_clear"] = ctl("clear", *step["ctl_clear"], "--engine", step["ctl_engine"])
         if step.get("reset_prefix_cache"):
             results[-1]["reset"] = llm.reset_prefix_cache(reset_connector=True)
+        if step.get("reload_weights"):  # in place, from the model's own path (test_weights_reload.py)
+            llm.collective_rpc("reload_weights")
         if step.get("touch_after"):  # tells a test's server the next step begins
             Path(step["touch_after"]).touch()
         if step.get("count_records"):

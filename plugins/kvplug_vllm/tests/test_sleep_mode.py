@@ -3,7 +3,8 @@
 No engine: the worker is the part of ``WorkerSide`` the hooks read (its cache engine, its
 caches by layer name); the connector methods are ``KVPlugConnector``'s own. While the caches
 are unregistered no copy touches them (a load is a miss, a store is dropped); after a
-restore with new tensors, loads land in those and stores read them.
+restore with new tensors, loads land in those and stores read them. A weight reload
+(:mod:`kvplug_vllm.weights`) refuses the same way, for good: a wake-up does not undo it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvplug.core.plugins import PluginRegistry
 from kvplug_vllm.connector import KVPlugConnector
 from kvplug_vllm.layout import VLLM_FLASH
 from kvplug_vllm.sleep import AsleepConnector, CacheRemapError, CacheSleep
+from kvplug_vllm.weights import WeightsReloadedConnector, weights_reloaded
 
 LAYOUT = KVLayout(VLLM_FLASH, num_layers=2, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
 NAMES = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -127,3 +129,22 @@ def test_the_scheduler_side_ignores_the_hooks_and_sleep_mode_is_declared() -> No
     KVPlugConnector.restore_kv_caches(scheduler_side)  # type: ignore[arg-type]
     assert not scheduler_side._sleep.asleep
     assert KVPlugConnector.supports_sleep_mode(SimpleNamespace(kv_connector_extra_config={}))
+
+
+def test_a_weight_reload_while_asleep_keeps_refusing_after_the_wake_up(engine: CacheEngine) -> None:
+    source = caches(seed=1)
+    assert engine.store(TOKENS, source, SLOTS) == len(TOKENS)
+    connector = connector_of(engine, caches())
+    worker = connector._worker
+    worker.can_save = True
+    KVPlugConnector.unregister_kv_caches(connector)
+    weights_reloaded(worker)  # RL's order: sleep, new weights in place, wake up
+    KVPlugConnector.restore_kv_caches(connector)
+    assert isinstance(engine.connector, WeightsReloadedConnector) and not worker.can_save
+    # the old weights' KV: a load writes nothing (vLLM recomputes), a store is dropped
+    assert not engine.retrieve(TOKENS, worker.kv_caches, SLOTS).any()
+    assert all(not tensor.any() for tensor in worker.kv_caches)
+    assert engine.store(list(range(900, 964)), source, SLOTS[:64]) == 0
+    KVPlugConnector.unregister_kv_caches(connector)  # a later sleep and wake-up: still refused
+    KVPlugConnector.restore_kv_caches(connector)
+    assert isinstance(engine.connector, WeightsReloadedConnector)
