@@ -122,3 +122,12 @@ def test_a_just_written_adapter_is_hashed_again_rather_than_trusted_by_its_stat(
     first = digests.digest(str(adapter))
     assert digests.digest(str(adapter)) == first
     assert digests.files_read == 2
+
+
+def test_a_file_whose_name_is_not_utf8_is_hashed_by_its_bytes(tmp_path: Path) -> None:
+    """A name the filesystem holds as arbitrary bytes comes back surrogate-escaped: hashing it
+    must not raise on the engine's scheduler."""
+    adapter = write_adapter(tmp_path / "sql", b"weights")
+    os.close(os.open(os.path.join(os.fsencode(adapter), b"notes-\xff.txt"), os.O_CREAT | os.O_WRONLY, 0o644))
+    age(adapter)
+    assert ExtraKey.adapter_source(str(adapter)).value.startswith("adapter_content:")

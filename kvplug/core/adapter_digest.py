@@ -104,7 +104,7 @@ class AdapterDigests:
         try:
             for name, size, *_ in signature if len(signature) == 1 else signature[1:]:
                 # Names and sizes are framed, so no two sets of files hash alike.
-                encoded = name.encode()
+                encoded = os.fsencode(name)  # undecodable names come back surrogate-escaped
                 h.update(len(encoded).to_bytes(8, "little") + encoded + size.to_bytes(8, "little"))
                 read = 0
                 with open(os.path.join(path, name) if name else path, "rb") as f:
