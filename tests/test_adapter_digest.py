@@ -131,3 +131,18 @@ def test_a_file_whose_name_is_not_utf8_is_hashed_by_its_bytes(tmp_path: Path) ->
     os.close(os.open(os.path.join(os.fsencode(adapter), b"notes-\xff.txt"), os.O_CREAT | os.O_WRONLY, 0o644))
     age(adapter)
     assert ExtraKey.adapter_source(str(adapter)).value.startswith("adapter_content:")
+
+
+def test_pins_and_ctl_key_a_readable_adapter_by_its_content_as_the_engine_does(tmp_path: Path) -> None:
+    """A pin's ``lora_path`` and ``kvplug ctl --lora-path`` read the same files the engine keys
+    (there or in a copy at any path): their keys are the engine's."""
+    from kvplug.cli.ctl import _request
+    from kvplug.core.tenancy import PinSpec
+
+    adapter = write_adapter(tmp_path / "sql", b"weights")
+    copy = shutil.copytree(adapter, tmp_path / "ctl-host" / "sql")
+    engine_key = ExtraKey.adapter_source(str(adapter))
+    assert engine_key.value.startswith("adapter_content:")
+    pin = PinSpec(prefix_file=tmp_path / "prefix.json", lora_id="sql", lora_path=str(adapter))
+    assert pin.request().extra_keys == (engine_key,)
+    assert _request(None, "sql", str(copy)) == _request(None, "sql", str(adapter))
