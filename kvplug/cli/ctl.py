@@ -79,7 +79,11 @@ _TOKENIZER = typer.Option(
 )
 _SALT = typer.Option(None, "--cache-salt", help="The request's cache_salt.")
 _LORA = typer.Option(None, "--lora", help="The request's LoRA id.")
-_LORA_PATH = typer.Option(None, "--lora-path", help="Where the engine loaded the LoRA adapter from (vLLM keys by it).")
+_LORA_PATH = typer.Option(
+    None,
+    "--lora-path",
+    help="Where the engine loaded the LoRA adapter from: keyed by its files' content where readable here, else by the path.",
+)
 
 
 def _run(action: Callable[[], T]) -> T:

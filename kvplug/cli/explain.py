@@ -213,7 +213,9 @@ def explain_command(
     no_salt: bool = typer.Option(False, "--no-salt", help="The request has no cache_salt."),
     lora: str | None = typer.Option(None, "--lora", help="The request's LoRA id."),
     lora_path: str | None = typer.Option(
-        None, "--lora-path", help="Where the engine loaded the LoRA adapter from (vLLM keys by it)."
+        None,
+        "--lora-path",
+        help="Where the engine loaded the LoRA adapter from: keyed by its files' content where readable here, else by the path.",
     ),
     candidates: list[Path] = _CANDIDATES,
     tokenizer: str | None = typer.Option(

@@ -22,6 +22,7 @@ from typing import Any, Literal, Protocol
 import blake3
 import xxhash
 
+from kvplug.core.adapter_digest import ADAPTER_DIGESTS
 from kvplug.core.chunk_format import dtype_name
 from kvplug.errors import KeyFormatError
 
@@ -217,10 +218,16 @@ class ExtraKey:
 
     @classmethod
     def adapter_source(cls, source: str) -> ExtraKey:
-        """The key of a LoRA adapter's weights, by where they were loaded from (a path or
-        URI): a :attr:`RequestInfo.lora_id` names an adapter, and an adapter re-pointed at
-        other weights under one name must not share chunks with the old ones. It covers
-        the first token only: the chained hash carries it into every later chunk."""
+        """The key of a LoRA adapter's weights, by where they were loaded from: an adapter
+        re-pointed at other weights under one name (:attr:`RequestInfo.lora_id`) must not
+        share chunks with the old ones. A local file or folder kvplug can read is keyed by
+        its files' names and bytes (:mod:`kvplug.core.adapter_digest`): rewritten at its path
+        it is another key, copied elsewhere the same; anything else (a hub id, a URI, an
+        unreadable path) by the source string. It covers the first token only: the chained
+        hash carries it into every later chunk."""
+        content = ADAPTER_DIGESTS.digest(source)
+        if content is not None:
+            return cls(0, 1, "adapter_content:" + content)
         return cls(0, 1, "adapter_source:" + hashlib.sha256(source.encode()).hexdigest())
 
     @classmethod

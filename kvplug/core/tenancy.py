@@ -61,8 +61,8 @@ class PinSpec(BaseModel):
     lora_id: str | None = Field(default=None, description="The LoRA adapter of those requests, if any.")
     lora_path: str | None = Field(
         default=None,
-        description="Where the engine loaded that adapter from, where its adapter keys name it too "
-        "(kvplug.ExtraKey.adapter_source).",
+        description="Where the engine loaded that adapter from: keyed by its files' content where "
+        "kvplug can read them, else by the path, as the engine keys it (kvplug.ExtraKey.adapter_source).",
     )
 
     def request(self) -> RequestInfo:

@@ -5,10 +5,11 @@ SGLang names a LoRA adapter in its radix keys by ``lora_id`` (appended to the re
 ``extra_key``): a fresh id each time an adapter is loaded at runtime, so keyed by it a chunk
 would miss after a restart and on every other server of a fleet. kvplug keys it as vLLM's
 adapter does: the adapter's name, and its source path (``LoRARef.lora_path``, as loaded)
-through :meth:`kvplug.ExtraKey.adapter_source`. The same path hits everywhere; a name
-re-pointed at other weights never does. An adapter whose path cannot be known (loaded from
-tensors, or no longer loaded when first seen) keeps SGLang's per-load key: a miss elsewhere,
-never a key shared with other weights.
+through :meth:`kvplug.ExtraKey.adapter_source` (its files' content where kvplug can read
+them, taken when a load's id is first seen). The same files hit everywhere; a name re-pointed
+at other weights, or files rewritten and reloaded at the same path, never do. An adapter
+whose path cannot be known (loaded from tensors, or no longer loaded when first seen) keeps
+SGLang's per-load key: a miss elsewhere, never a key shared with other weights.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class _Adapter:
     name: str
     source: str
     rest: str  # the extra_key without the LoRA id (the caller's own part, SGLang's namespaces)
+    # Taken when the load's id is first seen, just after SGLang read the files: files
+    # rewritten later are not this load's weights until a reload (a new lora_id).
+    key: kvplug.ExtraKey
 
 
 def lora_refs_of(tp_worker: Any) -> Callable[[], Mapping[str, Any]]:
@@ -83,7 +87,7 @@ class RequestKeys:
             return None
         if adapter is None:
             return kvplug.RequestInfo(cache_salt=salt, lora_id=extra_key, extra_keys=weights)
-        extra = [*weights, kvplug.ExtraKey.adapter_source(adapter.source)]
+        extra = [*weights, adapter.key]
         if adapter.rest:
             extra.append(kvplug.ExtraKey(0, 1, "extra_key:" + hashlib.sha256(adapter.rest.encode()).hexdigest()))
         return kvplug.RequestInfo(cache_salt=salt, lora_id=adapter.name, extra_keys=tuple(extra))
@@ -97,7 +101,7 @@ class RequestKeys:
         if not source or source == _TENSOR_SOURCE or not name:
             return None
         before, _, after = extra_key.rpartition(lora_id)
-        adapter = _Adapter(lora_id, str(name), str(source), before + after)
+        adapter = _Adapter(lora_id, str(name), str(source), before + after, kvplug.ExtraKey.adapter_source(str(source)))
         self._adapters[extra_key] = adapter
         while len(self._adapters) > self._limit:
             self._adapters.popitem(last=False)
