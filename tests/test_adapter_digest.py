@@ -146,3 +146,25 @@ def test_pins_and_ctl_key_a_readable_adapter_by_its_content_as_the_engine_does(t
     pin = PinSpec(prefix_file=tmp_path / "prefix.json", lora_id="sql", lora_path=str(adapter))
     assert pin.request().extra_keys == (engine_key,)
     assert _request(None, "sql", str(copy)) == _request(None, "sql", str(adapter))
+
+
+def test_an_adapter_read_while_it_is_rewritten_gets_a_key_of_its_own_never_the_path_key(tmp_path: Path) -> None:
+    """Files that change while kvplug reads them are of neither version, and the engine may have
+    loaded either: the path key (which a request during the next rewrite would get too) would let
+    two rewrites' requests read each other's KV. Each such read gets a key no other has."""
+    from kvplug.core.adapter_digest import AdapterDigests
+
+    adapter = write_adapter(tmp_path / "sql", b"A" * 64)
+    weights = adapter / "adapter_model.safetensors"
+
+    class RewrittenWhileRead(AdapterDigests):
+        def _hash(self, path, signature):  # type: ignore[no-untyped-def]
+            weights.write_bytes(b"B" * 65)  # a real write, between the stat and the read
+            return super()._hash(path, signature)
+
+    digests = RewrittenWhileRead()
+    first, second = digests.digest(str(adapter)), digests.digest(str(adapter))
+    assert first is not None and second is not None, "a rewrite in progress fell back to the path key"
+    assert first != second, "two reads of files being rewritten shared a key"
+    settled = AdapterDigests().digest(str(adapter))
+    assert settled not in (first, second)

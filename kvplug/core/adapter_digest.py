@@ -18,6 +18,7 @@ import os
 import stat
 import threading
 import time
+import uuid
 from collections import OrderedDict
 
 import blake3
@@ -26,6 +27,8 @@ import blake3
 #: filesystem timestamps (up to 2 s on some) cannot tell a later write in the same tick.
 RACY_NS = 2_000_000_000
 _READ_SIZE = 1 << 20
+#: What :meth:`AdapterDigests._hash` returns for files that changed while it read them.
+CHANGED = "changed while read"
 
 # Each file: (name, size, mtime_ns, ctime_ns, inode). The folder's own entry comes first
 # (name ""): adding, removing or renaming a file changes it.
@@ -75,7 +78,8 @@ class AdapterDigests:
 
     def digest(self, path: str) -> str | None:
         """The hex content digest of the local adapter at ``path``; ``None`` where it is not
-        one kvplug can read (a hub id, a URI, a missing or unreadable path)."""
+        one kvplug can read (a hub id, a URI, a missing or unreadable path); a key of this
+        call alone (``unsettled-...``) where its files changed while they were read."""
         if "://" in path:
             return None  # s3://, gs://, ...: the engine fetches it, kvplug cannot read it
         before = _signature(path)
@@ -88,9 +92,14 @@ class AdapterDigests:
                 return kept[1]
         started = time.time_ns()
         digest = self._hash(path, before)
-        # A file changed while it was read: its bytes may be of neither version.
-        if digest is None or _signature(path) != before:
+        if digest is None:
             return None
+        if digest is CHANGED or _signature(path) != before:
+            # Read while being written: its bytes may be of neither version, and the engine may
+            # have loaded either. A key of this call alone, never the path key: KV computed now
+            # (stored under it) is never read back, where two rewrites' requests under the path
+            # key would read each other's.
+            return "unsettled-" + uuid.uuid4().hex
         if all(started - mtime >= RACY_NS for _, _, mtime, _, _ in before[1:] or before):
             with self._lock:
                 self._kept[path] = (before, digest)
@@ -100,6 +109,8 @@ class AdapterDigests:
         return digest
 
     def _hash(self, path: str, signature: _Signature) -> str | None:
+        """The digest of the files ``signature`` names; :data:`CHANGED` if one changed size
+        while read; ``None`` if one could not be read."""
         h = blake3.blake3()
         try:
             for name, size, *_ in signature if len(signature) == 1 else signature[1:]:
@@ -113,7 +124,7 @@ class AdapterDigests:
                         h.update(block)
                         read += len(block)
                 if read != size:
-                    return None  # rewritten while read
+                    return CHANGED  # rewritten while read
         except OSError:
             return None
         return h.hexdigest()
