@@ -100,6 +100,16 @@ def test_demo_runs_the_synthetic_job_and_checks_every_byte() -> None:
     assert "GB/s" in out
 
 
+def test_demo_of_a_prompt_that_ends_in_a_partial_chunk_loads_its_whole_chunks_and_passes() -> None:
+    # The last 232 tokens are no whole chunk of 256 and are not stored (save_unfull_chunk off): the
+    # demo said "768 of 1000 tokens were loaded back: the tiers did not keep the prompt" and failed.
+    result = kvplug("demo", "--tokens", "1000", "--engine", "synthetic")
+    assert result.returncode == 0, result.stderr
+    out = " ".join(result.stdout.split())
+    assert "retrieved into other blocks │ 768 tokens" in out
+    assert "tier 0:cpu │ 4 records (3 chunks + manifest) │" in out
+
+
 def test_demo_says_when_the_tiers_kept_nothing_rather_than_that_the_kv_differs() -> None:
     # A tier smaller than one chunk (8 MiB here) keeps none: nothing is loaded back, a miss. The demo said
     # "KV loaded back differs from what was stored", as if a load had written wrong KV.
