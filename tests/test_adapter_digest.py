@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,15 +82,44 @@ def test_a_source_kvplug_cannot_read_keeps_its_path_key(source: str) -> None:
     assert ExtraKey.adapter_source(source) == path_key(source)
 
 
+def key_as_nobody(source: str) -> str:
+    """The adapter's extra key as a process of the unprivileged user ``nobody`` computes it (a
+    fork of this one: no interpreter or venv it may not open)."""
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # (the child: never back into pytest)
+        try:
+            os.close(read)
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(write, ExtraKey.adapter_source(source).value.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        value = answer.read()
+    os.waitpid(child, 0)
+    return value
+
+
 def test_an_unreadable_adapter_keeps_its_path_key(tmp_path: Path) -> None:
-    adapter = write_adapter(tmp_path / "sql", b"weights")
-    (adapter / "adapter_model.safetensors").chmod(0)
+    # A file this process may not read (mode 0; as root, CI's user, the key is computed by a
+    # process of the user ``nobody``, for whom the folders are open and the file is not).
+    shared = Path(tempfile.mkdtemp(prefix="kvplug-adapter-"))
     try:
-        if os.access(adapter / "adapter_model.safetensors", os.R_OK):
-            pytest.skip("running as root: every file is readable")
-        assert ExtraKey.adapter_source(str(adapter)) == path_key(str(adapter))
+        shared.chmod(0o755)
+        adapter = write_adapter(shared / "sql", b"weights")
+        adapter.chmod(0o755)
+        (adapter / "adapter_config.json").chmod(0o644)
+        (adapter / "adapter_model.safetensors").chmod(0)
+        source = str(adapter)
+        key = key_as_nobody(source) if os.geteuid() == 0 else ExtraKey.adapter_source(source).value
+        assert key == path_key(source).value
+        (adapter / "adapter_model.safetensors").chmod(0o644)  # and readable, its content's key
+        readable = key_as_nobody(source) if os.geteuid() == 0 else ExtraKey.adapter_source(source).value
+        assert readable.startswith("adapter_content:"), readable
     finally:
-        (adapter / "adapter_model.safetensors").chmod(0o644)
+        shutil.rmtree(shared)
     empty = tmp_path / "empty"
     empty.mkdir()
     assert ExtraKey.adapter_source(str(empty)) == path_key(str(empty))
