@@ -43,11 +43,8 @@ _KV_ORACLE = {
     "LossyBound",
     "assert_kv_matches",
     "compare_kv",
-    "free_port",
-    "free_ports",
     "load_slots",
     "save_slots",
-    "says_address_in_use",
 }
 
 
