@@ -7,27 +7,13 @@ import hashlib
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from kvplug import ExtraKey
-
-
-def write_adapter(folder: Path, weights: bytes, *, rank: int = 8) -> Path:
-    """A PEFT-style adapter folder, aged past the racy window so its digest may be kept."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "adapter_config.json").write_text(f'{{"r": {rank}, "lora_alpha": 16}}')
-    (folder / "adapter_model.safetensors").write_bytes(weights)
-    age(folder)
-    return folder
-
-
-def age(folder: Path) -> None:
-    past = time.time_ns() - 60 * 10**9  # well past kvplug.core.adapter_digest.RACY_NS
-    for file in folder.iterdir():
-        os.utime(file, ns=(past, past))
+from kvplug.testing import write_lora_adapter
+from kvplug.testing.adapters import date_back
 
 
 def path_key(source: str) -> ExtraKey:
@@ -35,18 +21,18 @@ def path_key(source: str) -> ExtraKey:
 
 
 def test_an_adapter_rewritten_at_its_path_is_another_key(tmp_path: Path) -> None:
-    adapter = write_adapter(tmp_path / "sql", b"weights of step 1")
+    adapter = write_lora_adapter(tmp_path / "sql", b"weights of step 1")
     before = ExtraKey.adapter_source(str(adapter))
     assert before != path_key(str(adapter)), "a readable adapter is keyed by its path"
     assert ExtraKey.adapter_source(str(adapter)) == before
 
-    write_adapter(adapter, b"weights of step 2")  # same size, same names, same path
+    write_lora_adapter(adapter, b"weights of step 2")  # same size, same names, same path
     assert ExtraKey.adapter_source(str(adapter)) != before, "the rewritten adapter got the old adapter's key"
 
 
 def test_a_rewrite_that_keeps_size_and_restores_mtime_is_still_seen(tmp_path: Path) -> None:
     """In-place writes keep the inode; a copy tool may restore the mtime: ctime still moves."""
-    adapter = write_adapter(tmp_path / "sql", b"A" * 64)
+    adapter = write_lora_adapter(tmp_path / "sql", b"A" * 64)
     before = ExtraKey.adapter_source(str(adapter))
     weights = adapter / "adapter_model.safetensors"
     st = weights.stat()
@@ -57,9 +43,9 @@ def test_a_rewrite_that_keeps_size_and_restores_mtime_is_still_seen(tmp_path: Pa
 
 
 def test_a_file_added_or_a_config_changed_is_another_key(tmp_path: Path) -> None:
-    adapter = write_adapter(tmp_path / "sql", b"weights")
+    adapter = write_lora_adapter(tmp_path / "sql", b"weights")
     before = ExtraKey.adapter_source(str(adapter))
-    write_adapter(adapter, b"weights", rank=16)
+    write_lora_adapter(adapter, b"weights", rank=16)
     after_config = ExtraKey.adapter_source(str(adapter))
     assert after_config != before
     (adapter / "new_embeddings.safetensors").write_bytes(b"embeddings")
@@ -68,7 +54,7 @@ def test_a_file_added_or_a_config_changed_is_another_key(tmp_path: Path) -> None
 
 def test_the_same_files_at_any_path_are_the_same_key(tmp_path: Path) -> None:
     """Two servers with identical adapter files in other folders share their chunks."""
-    one = write_adapter(tmp_path / "server-1" / "sql", b"weights")
+    one = write_lora_adapter(tmp_path / "server-1" / "sql", b"weights")
     other = shutil.copytree(one, tmp_path / "server-2" / "adapters" / "sql-copy")
     assert ExtraKey.adapter_source(str(one)) == ExtraKey.adapter_source(str(other))
     single = tmp_path / "adapter.safetensors"
@@ -108,7 +94,7 @@ def test_an_unreadable_adapter_keeps_its_path_key(tmp_path: Path) -> None:
     shared = Path(tempfile.mkdtemp(prefix="kvplug-adapter-"))
     try:
         shared.chmod(0o755)
-        adapter = write_adapter(shared / "sql", b"weights")
+        adapter = write_lora_adapter(shared / "sql", b"weights")
         adapter.chmod(0o755)
         (adapter / "adapter_config.json").chmod(0o644)
         (adapter / "adapter_model.safetensors").chmod(0)
@@ -129,13 +115,13 @@ def test_a_kept_digest_is_not_read_again_until_a_file_changes(tmp_path: Path) ->
     from kvplug.core.adapter_digest import AdapterDigests
 
     digests = AdapterDigests()
-    adapter = write_adapter(tmp_path / "sql", b"weights")
+    adapter = write_lora_adapter(tmp_path / "sql", b"weights")
     first = digests.digest(str(adapter))
     assert digests.files_read == 2
     for _ in range(5):
         assert digests.digest(str(adapter)) == first
     assert digests.files_read == 2, "a request re-read an adapter whose files did not change"
-    write_adapter(adapter, b"retrained")
+    write_lora_adapter(adapter, b"retrained")
     assert digests.digest(str(adapter)) not in (None, first)
     assert digests.files_read == 4
 
@@ -157,9 +143,9 @@ def test_a_just_written_adapter_is_hashed_again_rather_than_trusted_by_its_stat(
 def test_a_file_whose_name_is_not_utf8_is_hashed_by_its_bytes(tmp_path: Path) -> None:
     """A name the filesystem holds as arbitrary bytes comes back surrogate-escaped: hashing it
     must not raise on the engine's scheduler."""
-    adapter = write_adapter(tmp_path / "sql", b"weights")
+    adapter = write_lora_adapter(tmp_path / "sql", b"weights")
     os.close(os.open(os.path.join(os.fsencode(adapter), b"notes-\xff.txt"), os.O_CREAT | os.O_WRONLY, 0o644))
-    age(adapter)
+    date_back(adapter)
     assert ExtraKey.adapter_source(str(adapter)).value.startswith("adapter_content:")
 
 
@@ -169,7 +155,7 @@ def test_pins_and_ctl_key_a_readable_adapter_by_its_content_as_the_engine_does(t
     from kvplug.cli.ctl import _request
     from kvplug.core.tenancy import PinSpec
 
-    adapter = write_adapter(tmp_path / "sql", b"weights")
+    adapter = write_lora_adapter(tmp_path / "sql", b"weights")
     copy = shutil.copytree(adapter, tmp_path / "ctl-host" / "sql")
     engine_key = ExtraKey.adapter_source(str(adapter))
     assert engine_key.value.startswith("adapter_content:")
@@ -184,7 +170,7 @@ def test_an_adapter_read_while_it_is_rewritten_gets_a_key_of_its_own_never_the_p
     two rewrites' requests read each other's KV. Each such read gets a key no other has."""
     from kvplug.core.adapter_digest import AdapterDigests
 
-    adapter = write_adapter(tmp_path / "sql", b"A" * 64)
+    adapter = write_lora_adapter(tmp_path / "sql", b"A" * 64)
     weights = adapter / "adapter_model.safetensors"
 
     class RewrittenWhileRead(AdapterDigests):

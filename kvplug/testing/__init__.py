@@ -6,6 +6,7 @@ and a storage tier's tests (which import this package) must run without it.
 
 from typing import TYPE_CHECKING, Any
 
+from kvplug.testing.adapters import write_lora_adapter
 from kvplug.testing.connector_copies import gather_chunk, scatter_chunk
 from kvplug.testing.control_cli import run_ctl
 from kvplug.testing.decode_bounds import DecodeCost, assert_bounded, cap_memory, measure_decode, run_fresh
@@ -93,4 +94,5 @@ __all__ = [
     "start_on_free_ports",
     "tier_context",
     "value_for",
+    "write_lora_adapter",
 ]

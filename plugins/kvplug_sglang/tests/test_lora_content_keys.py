@@ -4,9 +4,7 @@ adapter at the same path and calls ``load_lora_adapter`` again (a new ``LoRARef`
 
 from __future__ import annotations
 
-import os
 import shutil
-import time
 from array import array
 from pathlib import Path
 
@@ -14,18 +12,8 @@ from sglang.srt.lora.lora_registry import LoRARef
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 import kvplug
+from kvplug.testing import write_lora_adapter
 from kvplug_sglang.request_keys import RequestKeys
-
-
-def write_adapter(folder: Path, weights: bytes) -> Path:
-    """A PEFT adapter folder as SGLang loads it (config and weights), written a minute ago."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}')
-    (folder / "adapter_model.safetensors").write_bytes(weights)
-    past = time.time_ns() - 60 * 10**9
-    for file in folder.iterdir():
-        os.utime(file, ns=(past, past))
-    return folder
 
 
 def identity(ref: LoRARef, keys: RequestKeys | None = None) -> kvplug.RequestInfo:
@@ -37,13 +25,13 @@ def identity(ref: LoRARef, keys: RequestKeys | None = None) -> kvplug.RequestInf
 
 
 def test_an_adapter_rewritten_at_its_path_and_reloaded_is_keyed_apart_from_the_old_one(tmp_path: Path) -> None:
-    adapter = write_adapter(tmp_path / "sql", b"weights of step 1")
+    adapter = write_lora_adapter(tmp_path / "sql", b"weights of step 1")
     loaded = LoRARef(lora_name="sql", lora_path=str(adapter))
     server = RequestKeys(lambda: {loaded.lora_id: loaded})
     before = identity(loaded, server)
     assert identity(LoRARef(lora_name="sql", lora_path=str(adapter))).extra_keys == before.extra_keys
 
-    write_adapter(adapter, b"weights of step 2")  # the trainer's next checkpoint, same path
+    write_lora_adapter(adapter, b"weights of step 2")  # the trainer's next checkpoint, same path
     after = identity(LoRARef(lora_name="sql", lora_path=str(adapter)))  # load_lora_adapter again
     assert after.extra_keys != before.extra_keys, "the rewritten adapter was keyed as the old one: its KV would hit"
     # Until it is reloaded, the old load still runs the old weights: its requests keep its key.
@@ -51,7 +39,7 @@ def test_an_adapter_rewritten_at_its_path_and_reloaded_is_keyed_apart_from_the_o
 
 
 def test_the_same_adapter_files_at_another_path_are_keyed_alike(tmp_path: Path) -> None:
-    adapter = write_adapter(tmp_path / "server-1" / "sql", b"weights")
+    adapter = write_lora_adapter(tmp_path / "server-1" / "sql", b"weights")
     copy = shutil.copytree(adapter, tmp_path / "server-2" / "sql-v7")
     one = identity(LoRARef(lora_name="sql", lora_path=str(adapter)))
     assert identity(LoRARef(lora_name="sql", lora_path=str(copy))).extra_keys == one.extra_keys

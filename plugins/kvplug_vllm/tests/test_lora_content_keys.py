@@ -4,9 +4,7 @@ never loads the old adapter's chunks, and servers with the same files at other p
 
 from __future__ import annotations
 
-import os
 import shutil
-import time
 from pathlib import Path
 
 from test_tier_media import (  # noqa: F401  (engine_and_control, engine, registry: fixtures)
@@ -20,20 +18,10 @@ from vllm.lora.request import LoRARequest
 from vllm.v1.request import Request
 
 from kvplug import CacheEngine
+from kvplug.testing import write_lora_adapter
 from kvplug_vllm.request_state import request_info
 
 __all__ = ["engine", "registry"]  # fixtures
-
-
-def write_adapter(folder: Path, weights: bytes) -> Path:
-    """A PEFT adapter folder as vLLM loads it (config and weights), written a minute ago."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}')
-    (folder / "adapter_model.safetensors").write_bytes(weights)
-    past = time.time_ns() - 60 * 10**9
-    for file in folder.iterdir():
-        os.utime(file, ns=(past, past))
-    return folder
 
 
 def keys(engine: CacheEngine, lora: LoRARequest) -> list[str]:
@@ -44,16 +32,16 @@ def keys(engine: CacheEngine, lora: LoRARequest) -> list[str]:
 def test_an_adapter_rewritten_at_its_path_and_reloaded_shares_no_chunk_with_the_old_one(
     engine: CacheEngine, tmp_path: Path
 ) -> None:
-    adapter = write_adapter(tmp_path / "sql", b"weights of step 1")
+    adapter = write_lora_adapter(tmp_path / "sql", b"weights of step 1")
     before = keys(engine, LoRARequest("sql", 1, str(adapter)))
     assert keys(engine, LoRARequest("sql", 1, str(adapter))) == before
 
-    write_adapter(adapter, b"weights of step 2")  # the trainer's next checkpoint, same path
+    write_lora_adapter(adapter, b"weights of step 2")  # the trainer's next checkpoint, same path
     after = keys(engine, LoRARequest("sql", 2, str(adapter), load_inplace=True))
     assert not set(before) & set(after), "the rewritten adapter was keyed as the old one: its KV would hit"
 
 
 def test_the_same_adapter_files_at_another_path_share_chunks(engine: CacheEngine, tmp_path: Path) -> None:
-    adapter = write_adapter(tmp_path / "server-1" / "sql", b"weights")
+    adapter = write_lora_adapter(tmp_path / "server-1" / "sql", b"weights")
     copy = shutil.copytree(adapter, tmp_path / "server-2" / "sql-v7")
     assert keys(engine, LoRARequest("sql", 1, str(adapter))) == keys(engine, LoRARequest("sql", 3, str(copy)))
